@@ -1,0 +1,6 @@
+"""Capture a model as an fx graph and cut it into blocks (see DESIGN.md)."""
+
+from .analysis import BlockGraph, TensorSpec, analyse
+from .trace import CapturedModel, capture
+
+__all__ = ["CapturedModel", "capture", "BlockGraph", "TensorSpec", "analyse"]

@@ -1,0 +1,272 @@
+"""Analyse a captured graph into the *block graph* the planner works on.
+
+Every node of the captured graph falls in one class
+(``node.meta["zorse"]["kind"]``):
+
+- ``input``: a model input (placeholder). Every rank loads the global batch
+  itself, so inputs are available in every stage (labels never travel).
+- ``param``: a ``get_attr`` of a trainable parameter. Owned by the stages that
+  read it (a tied embedding is owned by the first and the last stage).
+- ``const``: a ``get_attr`` of a buffer or constant tensor.
+- ``free``: a computation that reads no trainable parameter, only inputs,
+  constants and shapes (position ids, rotary cos/sin, masks, shifted labels).
+- ``act``: everything that depends on a trainable parameter: the activations.
+
+[Note: rematerialise free values per stage]
+Only ``act`` nodes are assigned to stages. A ``free`` node is copied into every
+stage that needs it and recomputed there, because sending rotary tables or
+masks between stages would cost link bandwidth for values that are cheap to
+recompute from the inputs every stage already has.
+
+[Note: legal cut points]
+A cut between act node ``i-1`` and ``i`` sends every act value defined before
+the cut and used after it. A cut is *legal* if every crossing value is a tensor
+with the batch in dim 0 (so it can be re-partitioned by sample range, see
+``runtime``). Candidate cuts are the legal cuts whose bytes per sample are
+minimal (the residual stream between transformer sub-layers); of a run of
+consecutive candidates (a chain of elementwise ops) the last is kept. The
+segments between kept cuts are the *blocks*.
+
+Legend: ``K`` = act nodes, ``B`` = blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from ..errors import ModelCaptureError
+from .trace import META_KEY, CapturedModel, _fetch_attr
+
+__all__ = ["TensorSpec", "BlockGraph", "analyse"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TensorSpec:
+    """A batch-major tensor: full shape is ``(n, *shape_per_sample)``."""
+
+    name: str
+    shape_per_sample: tuple[int, ...]
+    dtype: str  # e.g. "float32", as in ``torch.float32``
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    @property
+    def bytes_per_sample(self) -> int:
+        numel = 1
+        for d in self.shape_per_sample:
+            numel *= d
+        return numel * torch.empty((), dtype=self.torch_dtype).element_size()
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "shape_per_sample": list(self.shape_per_sample), "dtype": self.dtype}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TensorSpec":
+        return cls(name=d["name"], shape_per_sample=tuple(d["shape_per_sample"]), dtype=d["dtype"])
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BlockGraph:
+    """The captured graph cut into blocks at legal cut points."""
+
+    captured: CapturedModel
+    #: Act node names in execution order, ``(K,)``.
+    act_order: tuple[str, ...]
+    #: Per block ``(start, end)`` into ``act_order``, ``(B,)``.
+    blocks: tuple[tuple[int, int], ...]
+    #: Per cut position ``c`` in ``0..B`` (before block ``c``): crossing tensors.
+    cut_tensors: tuple[tuple[TensorSpec, ...], ...]
+    #: Per block: canonical names of the parameters/constants its nodes read.
+    block_attrs: tuple[tuple[str, ...], ...]
+    #: Per act node name: output tensor spec (per sample), where batch-major.
+    specs: dict[str, TensorSpec]
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def graph(self) -> fx.Graph:
+        return self.captured.graph_module.graph
+
+    def block_nodes(self, b: int) -> tuple[str, ...]:
+        start, end = self.blocks[b]
+        return self.act_order[start:end]
+
+    def stage_nodes(self, start_block: int, end_block: int) -> tuple[str, ...]:
+        return self.act_order[self.blocks[start_block][0] : self.blocks[end_block - 1][1]]
+
+    def describe_block(self, b: int) -> str:
+        """Short human label from the module path of the block's first param."""
+        attrs = [a for a in self.block_attrs[b] if a in self.captured.trainable()]
+        if not attrs:
+            return f"block {b}"
+        first, last = attrs[0], attrs[-1]
+        prefix = first.rsplit(".", 1)[0]
+        return prefix if first == last else f"{prefix} .. {last.rsplit('.', 1)[0]}"
+
+
+class _Recorder(fx.Interpreter):
+    def __init__(self, gm: fx.GraphModule):
+        super().__init__(gm)
+        self.values: dict[str, object] = {}
+
+    def run_node(self, n: fx.Node):
+        out = super().run_node(n)
+        self.values[n.name] = out
+        return out
+
+
+def _propagate(gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...], batch: int) -> dict[str, object]:
+    """Run the graph on fake tensors with batch ``batch``; return every node's value."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        fake = tuple(mode.from_tensor(t[:1].expand(batch, *t.shape[1:]).contiguous()) for t in inputs)
+        rec = _Recorder(gm)
+        rec.run(*fake)
+    return rec.values
+
+
+def _classify(gm: fx.GraphModule) -> dict[str, str]:
+    kind: dict[str, str] = {}
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            kind[node.name] = "input"
+        elif node.op == "get_attr":
+            value = _fetch_attr(gm, node.target)
+            trainable = isinstance(value, torch.nn.Parameter) and value.requires_grad
+            kind[node.name] = "param" if trainable else "const"
+        elif node.op == "output":
+            kind[node.name] = "output"
+        else:
+            # A shape query of an input is free; of an activation it stays
+            # with the activation (its value would otherwise have to travel).
+            deps = [kind[a.name] for a in node.all_input_nodes]
+            if any(k in ("param", "act") for k in deps):
+                kind[node.name] = "act"
+            else:
+                kind[node.name] = "free"
+        node.meta.setdefault(META_KEY, {})["kind"] = kind[node.name]
+    return kind
+
+
+def _spec(name: str, v1, v2) -> TensorSpec | None:
+    """Per-sample spec if the value is a tensor with batch in dim 0, else None."""
+    if not isinstance(v1, torch.Tensor) or not isinstance(v2, torch.Tensor):
+        return None
+    if v1.dim() == 0 or v1.shape[0] != 1 or v2.shape[0] != 2 or tuple(v1.shape[1:]) != tuple(v2.shape[1:]):
+        return None
+    return TensorSpec(name=name, shape_per_sample=tuple(int(d) for d in v1.shape[1:]), dtype=str(v1.dtype).removeprefix("torch."))
+
+
+def analyse(captured: CapturedModel, *, max_blocks: int = 64) -> BlockGraph:
+    """Cut ``captured`` into blocks at legal, minimal-bytes cut points.
+
+    Args:
+        captured: from :func:`zorse_fx.capture.capture`.
+        max_blocks: upper bound on blocks; when more candidate cuts exist,
+            every k-th is kept (coarser blocks, faster planning).
+
+    Raises:
+        ModelCaptureError: the graph has no trainable parameter, or no legal
+            cut (then it can only run as one stage, which is still allowed).
+    """
+    gm = captured.graph_module
+    kind = _classify(gm)
+    # Note: per-sample shapes come from two fake runs (batch 1 and 2); a dim
+    # that changes between them is the batch dim, which must be dim 0.
+    v1 = _propagate(gm, captured.example_inputs, 1)
+    v2 = _propagate(gm, captured.example_inputs, 2)
+    for node in gm.graph.nodes:
+        node.meta[META_KEY]["val_batch1"] = v1.get(node.name)
+
+    act_order = tuple(n.name for n in gm.graph.nodes if kind[n.name] == "act")
+    if not act_order:
+        raise ModelCaptureError("the captured graph reads no trainable parameter; nothing to train")
+    pos = {name: i for i, name in enumerate(act_order)}
+    specs = {name: s for name in act_order if (s := _spec(name, v1[name], v2[name])) is not None}
+
+    # Last act position that reads each act value (K means: the output reads it).
+    nodes = {n.name: n for n in gm.graph.nodes}
+    last_use = {}
+    for name in act_order:
+        uses = []
+        for user in nodes[name].users:
+            if user.op == "output":
+                uses.append(len(act_order))
+            elif kind[user.name] == "act":
+                uses.append(pos[user.name])
+            else:  # a free node cannot read an act value by definition
+                raise AssertionError(f"free node {user.name} reads act node {name}")
+        last_use[name] = max(uses) if uses else pos[name]
+
+    # Sweep cut positions 1..K-1: crossing = defined before p and used at/after p.
+    crossing_at: list[tuple[str, ...]] = [()]
+    live: set[str] = set()
+    for p in range(1, len(act_order)):
+        prev = act_order[p - 1]
+        if last_use[prev] >= p:
+            live.add(prev)
+        live = {n for n in live if last_use[n] >= p}
+        crossing_at.append(tuple(sorted(live, key=pos.__getitem__)))
+
+    def cut_bytes(p: int) -> int | None:
+        total = 0
+        for name in crossing_at[p]:
+            if name not in specs:
+                return None  # crossing value is not batch-major: illegal cut
+            total += specs[name].bytes_per_sample
+        return total
+
+    legal = {p: b for p in range(1, len(act_order)) if (b := cut_bytes(p)) is not None and b > 0}
+    if legal:
+        best = min(legal.values())
+        cands = sorted(p for p, b in legal.items() if b <= best)
+        kept = [p for i, p in enumerate(cands) if i + 1 == len(cands) or cands[i + 1] != p + 1]
+    else:
+        kept = []
+    if len(kept) + 1 > max_blocks:
+        step = -(-len(kept) // (max_blocks - 1))
+        kept = kept[step - 1 :: step]
+    bounds = [0, *kept, len(act_order)]
+    blocks = tuple((bounds[i], bounds[i + 1]) for i in range(len(bounds) - 1))
+    cut_tensors = tuple(
+        () if c in (0, len(blocks)) else tuple(specs[n] for n in crossing_at[bounds[c]])
+        for c in range(len(blocks) + 1)
+    )
+
+    block_attrs = []
+    for start, end in blocks:
+        seen: dict[str, None] = {}
+        for name in act_order[start:end]:
+            for arg in _attr_deps(nodes[name], kind):
+                seen.setdefault(captured.tied.get(arg.target, arg.target), None)
+        block_attrs.append(tuple(seen))
+    return BlockGraph(
+        captured=captured,
+        act_order=act_order,
+        blocks=blocks,
+        cut_tensors=cut_tensors,
+        block_attrs=tuple(block_attrs),
+        specs=specs,
+    )
+
+
+def _attr_deps(node: fx.Node, kind: dict[str, str]):
+    """get_attr nodes read by ``node`` directly or through its free inputs."""
+    stack, seen = list(node.all_input_nodes), set()
+    while stack:
+        n = stack.pop()
+        if n.name in seen:
+            continue
+        seen.add(n.name)
+        if n.op == "get_attr":
+            yield n
+        elif kind[n.name] == "free":
+            stack.extend(n.all_input_nodes)

@@ -1,0 +1,240 @@
+"""Capture: ``nn.Module`` -> ``torch.fx.GraphModule`` with shapes on ``node.meta``.
+
+Two routes (see ``../shared/DESIGN.md``):
+
+- ``"fx"``: ``torch.fx.symbolic_trace`` for plain PyTorch modules (nanoGPT-style
+  code). Tensor sizes stay symbolic (``x.size()`` is traced), so one graph
+  serves every micro-batch size.
+- ``"export"``: ``torch.export.export(strict=False)`` with a dynamic batch
+  dimension, then ``run_decompositions({})`` so higher-order ops (autocast /
+  grad-mode regions in Hugging Face rotary embeddings) are inlined and the
+  graph is flat ATen. This is the route for Hugging Face models, which
+  ``symbolic_trace`` rejects.
+
+The captured model's ``forward(*inputs)`` must return the scalar training loss
+(the mean over the samples it was given). Every input is a tensor whose dim 0
+is the batch dimension. Wrap a Hugging Face causal LM with
+:class:`zorse_fx.models.hf.CausalLMWithLoss` (``zorse.compile`` does this).
+
+Legend: ``N`` = samples (batch), ``T`` = sequence length.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from ..errors import ModelCaptureError
+
+__all__ = ["CapturedModel", "capture"]
+
+log = logging.getLogger(__name__)
+
+#: ``node.meta`` key under which capture stores per-sample tensor facts.
+META_KEY = "zorse"
+
+# Ops that only check metadata; they carry no value and would pin a tensor to a
+# stage for no reason, so capture drops them.
+_ASSERT_OPS = {
+    torch.ops.aten._assert_tensor_metadata.default,
+    torch.ops.aten._assert_scalar.default,
+}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CapturedModel:
+    """A captured training graph: ``forward(*inputs) -> scalar loss``.
+
+    ``graph_module`` holds every parameter and buffer under its ``get_attr``
+    target. ``tied`` maps each ``get_attr`` target to its canonical name: two
+    targets that are the same ``nn.Parameter`` (tied input/output embeddings)
+    share one canonical name, so the runtime can keep them equal across
+    stages.
+    """
+
+    graph_module: fx.GraphModule
+    #: Names of the model inputs, in call order (placeholders).
+    input_names: tuple[str, ...]
+    #: ``get_attr`` target -> canonical target (first name of its tie group).
+    tied: dict[str, str]
+    #: "fx" or "export".
+    method: str
+    #: Example inputs used for capture (batch ``N``), kept for shape analysis.
+    example_inputs: tuple[torch.Tensor, ...]
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """Every parameter/buffer/constant the graph reads, by canonical name."""
+        out: dict[str, torch.Tensor] = {}
+        for node in self.graph_module.graph.find_nodes(op="get_attr"):
+            canon = self.tied.get(node.target, node.target)
+            if canon not in out:
+                out[canon] = _fetch_attr(self.graph_module, node.target).detach()
+        return out
+
+    def trainable(self) -> set[str]:
+        """Canonical names of the trainable parameters."""
+        names = set()
+        for node in self.graph_module.graph.find_nodes(op="get_attr"):
+            value = _fetch_attr(self.graph_module, node.target)
+            if isinstance(value, torch.nn.Parameter) and value.requires_grad:
+                names.add(self.tied.get(node.target, node.target))
+        return names
+
+
+def _fetch_attr(module: torch.nn.Module, target: str):
+    obj = module
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _input_names(model: torch.nn.Module, n: int) -> tuple[str, ...]:
+    params = [
+        p.name
+        for p in inspect.signature(model.forward).parameters.values()
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+    if len(params) < n:
+        raise ModelCaptureError(
+            f"{type(model).__name__}.forward takes {len(params)} positional inputs "
+            f"but {n} example inputs were given"
+        )
+    return tuple(params[:n])
+
+
+def _tie_map(gm: fx.GraphModule) -> dict[str, str]:
+    """get_attr target -> canonical target, grouping targets that are one tensor."""
+    first_by_id: dict[int, str] = {}
+    tied: dict[str, str] = {}
+    for node in gm.graph.find_nodes(op="get_attr"):
+        value = _fetch_attr(gm, node.target)
+        if not isinstance(value, torch.Tensor):
+            continue
+        canon = first_by_id.setdefault(id(value), node.target)
+        tied[node.target] = canon
+    return tied
+
+
+class _FlatTracer(fx.Tracer):
+    """Traces *through* every submodule (``nn.Linear`` becomes ``F.linear`` on a
+    ``get_attr`` weight), so every parameter is a ``get_attr`` node that codegen
+    can assign to a stage."""
+
+    def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
+        return False
+
+
+def _capture_fx(model: torch.nn.Module) -> fx.GraphModule:
+    graph = _FlatTracer().trace(model)
+    return fx.GraphModule(model, graph, type(model).__name__)
+
+
+def _capture_export(model: torch.nn.Module, example_inputs, names) -> fx.GraphModule:
+    batch = torch.export.Dim("batch", min=1, max=1 << 20)
+    dynamic = {name: {0: batch} for name in names}
+    try:
+        ep = torch.export.export(model, tuple(example_inputs), dynamic_shapes=dynamic, strict=False)
+        ep = ep.run_decompositions({})
+    except Exception as exc:  # torch.export raises many types; re-raise as a user error
+        raise ModelCaptureError(
+            f"torch.export could not capture {type(model).__name__} with a dynamic batch "
+            f"dimension: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}. "
+            "Make sure forward(*inputs) returns the scalar loss, every input has the batch in "
+            "dim 0, and no Python control flow depends on the batch size."
+        ) from exc
+    gm = ep.module()
+    # ``ep.module()`` flattens inputs through a pytree codegen; the stage
+    # modules get a plain graph, so drop it here.
+    gm.graph._codegen = fx.graph.CodeGen()
+    gm.recompile()
+    return gm
+
+
+def _normalise(gm: fx.GraphModule) -> None:
+    """Drop metadata asserts; make a 1-tuple output a plain value."""
+    out = next(iter(gm.graph.find_nodes(op="output")))
+    if isinstance(out.args[0], (tuple, list)) and len(out.args[0]) == 1:
+        out.args = (out.args[0][0],)
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target in _ASSERT_OPS and not node.users:
+            gm.graph.erase_node(node)
+    gm.graph.lint()
+    gm.recompile()
+
+
+def capture(
+    model: torch.nn.Module,
+    example_inputs: tuple[torch.Tensor, ...],
+    *,
+    method: str = "auto",
+) -> CapturedModel:
+    """Capture ``model`` as an fx graph of one training forward (inputs -> loss).
+
+    Args:
+        model: returns a scalar loss from ``forward(*example_inputs)``.
+        example_inputs: tensors with the batch in dim 0 (``(N, T)`` token ids,
+            labels, ...); ``N >= 2`` so the batch dimension is not specialised.
+        method: "fx", "export" or "auto" (fx first, export if fx tracing fails;
+            Hugging Face ``PreTrainedModel`` submodules go straight to export).
+
+    Raises:
+        ModelCaptureError: the model cannot be captured, does not return a
+            scalar, or an input has no batch dimension.
+    """
+    if not isinstance(example_inputs, tuple) or not example_inputs:
+        raise ModelCaptureError("example_inputs must be a non-empty tuple of tensors")
+    for i, t in enumerate(example_inputs):
+        if not isinstance(t, torch.Tensor) or t.dim() == 0:
+            raise ModelCaptureError(
+                f"example_inputs[{i}] must be a tensor with the batch in dim 0, got "
+                f"{type(t).__name__}{'' if not isinstance(t, torch.Tensor) else ' of shape ' + str(tuple(t.shape))}"
+            )
+        if t.shape[0] < 2:
+            raise ModelCaptureError(
+                f"example_inputs[{i}] has batch size {t.shape[0]}; use at least 2 so the batch "
+                "dimension stays symbolic"
+            )
+    names = _input_names(model, len(example_inputs))
+    if method == "auto":
+        method = "export" if _is_hf(model) else "fx"
+        if method == "fx":
+            try:
+                gm = _capture_fx(model)
+            except Exception as exc:  # symbolic_trace raises TraceError, TypeError, ...
+                log.info("symbolic_trace failed (%s); falling back to torch.export", exc)
+                method = "export"
+    if method == "fx":
+        gm = _capture_fx(model) if "gm" not in locals() else gm
+    elif method == "export":
+        gm = _capture_export(model, example_inputs, names)
+    else:
+        raise ModelCaptureError(f"unknown capture method {method!r}; use 'fx', 'export' or 'auto'")
+    _normalise(gm)
+    with torch.no_grad():
+        loss = gm(*example_inputs)
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        got = type(loss).__name__ if not isinstance(loss, torch.Tensor) else f"shape {tuple(loss.shape)}"
+        raise ModelCaptureError(
+            f"{type(model).__name__}.forward must return the scalar training loss, got {got}. "
+            "Wrap the model so forward(*inputs) returns loss (e.g. zorse_fx.models.hf.CausalLMWithLoss)."
+        )
+    placeholders = [n.target for n in gm.graph.find_nodes(op="placeholder")]
+    return CapturedModel(
+        graph_module=gm,
+        input_names=tuple(placeholders),
+        tied=_tie_map(gm),
+        method=method,
+        example_inputs=tuple(example_inputs),
+    )
+
+
+def _is_hf(model: torch.nn.Module) -> bool:
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        return False
+    return any(isinstance(m, PreTrainedModel) for m in model.modules())

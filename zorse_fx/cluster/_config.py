@@ -1,0 +1,393 @@
+"""Validation of a cluster description (YAML text or dict) into ``Cluster`` fields,
+and the inverse (``Cluster`` -> dict). The format is documented in
+``zorse_fx.cluster.cluster``; every error names source, field path, value, fix.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+from typing import Any, Callable
+
+import yaml
+
+from zorse_fx.cluster.cluster import GPU, Cluster, Link, LinkOverride
+from zorse_fx.cluster.specs import GPU_TYPES_HELP, GPUSpec, lookup_builtin, normalize_gpu_name, unknown_gpu_message
+from zorse_fx.errors import ClusterConfigError
+
+__all__ = ["load_yaml", "parse", "unparse"]
+
+_GiB = 2**30
+_MISSING = object()
+
+# Unit keys -> conversion to SI (bytes/s, seconds). Preferred spelling first (used by unparse).
+_BANDWIDTH_KEYS: dict[str, Callable[[float], float]] = {
+    "bandwidth_GBps": lambda v: v * 1e9,
+    "bandwidth_Gbps": lambda v: v * 1e9 / 8,
+    "bandwidth_bytes_per_s": float,
+}
+_LATENCY_KEYS: dict[str, Callable[[float], float]] = {
+    "latency_us": lambda v: v / 1e6,
+    "latency_ms": lambda v: v / 1e3,
+    "latency_s": float,
+}
+_LINK_KEYS = (*_BANDWIDTH_KEYS, *_LATENCY_KEYS)
+# gpu_types entry keys -> conversion to GPUSpec units.
+_GPU_TYPE_NUMBERS: dict[str, Callable[[float], float]] = {
+    "memory_GiB": lambda v: v * _GiB,
+    "mem_bw_GBps": lambda v: v * 1e9,
+    "fp32_tflops": lambda v: v * 1e12,
+    "fp16_tensor_tflops": lambda v: v * 1e12,
+}
+_GPU_TYPE_KEYS = (*_GPU_TYPE_NUMBERS, "bf16_supported", "source")
+_LINK_EXAMPLE = "e.g. {bandwidth_GBps: 12.5, latency_us: 10}"
+_MAX_GPUS_PER_GROUP = 4096  # far above any real node; stops a typo (count: 8000000) from hanging
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that rejects a key given twice in one mapping (a silent
+    overwrite under plain ``yaml.safe_load``)."""
+
+    def construct_mapping(self, node, deep=False):  # type: ignore[override]
+        seen: set = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # `<<: *anchor` merges are allowed to be overridden
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                duplicate = key in seen
+            except TypeError:
+                continue  # an unhashable key: SafeLoader reports it itself
+            if duplicate:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} (the first value would be silently dropped)",
+                    key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def load_yaml(text: str, source: str) -> Any:
+    """Parse YAML text safely (plain data only); syntax errors name file and line."""
+    try:
+        return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - SafeLoader subclass
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark is not None else "unknown line"
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise ClusterConfigError(f"{source}: YAML syntax error at {where}: {problem}; fix the YAML there") from None
+
+
+class _Ctx:
+    """Error factory bound to one source (file path or ``<dict>``)."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+
+    def error(self, path: str, problem: str, value: Any = _MISSING, fix: str = "") -> ClusterConfigError:
+        got = "" if value is _MISSING else f" (got {value!r})"
+        return ClusterConfigError(f"{self.source}: {path}: {problem}{got}" + (f"; {fix}" if fix else ""))
+
+    def mapping(self, path: str, value: Any, allowed: tuple[str, ...], required: tuple[str, ...] = ()) -> dict:
+        if not isinstance(value, dict):
+            raise self.error(path or "<top level>", "must be a mapping", value,
+                             f"allowed keys: {', '.join(allowed)}")
+        for key in value:
+            if key not in allowed:
+                close = difflib.get_close_matches(str(key), allowed, n=1)
+                hint = f"did you mean {close[0]!r}? " if close else ""
+                raise self.error(_join(path, str(key)), f"unknown key {key!r}",
+                                 fix=f"{hint}allowed keys: {', '.join(allowed)}")
+        for key in required:
+            if key not in value:
+                raise self.error(_join(path, key), "missing", fix=f"add '{key}:' to {path or 'the top level'}")
+        return value
+
+    def number(self, path: str, value: Any, *, allow_zero: bool = False, fix: str = "") -> float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        if not ok or value < 0 or (value == 0 and not allow_zero):
+            need = "a number >= 0" if allow_zero else "a positive number"
+            raise self.error(path, f"must be {need}", value, fix)
+        return value
+
+    def count(self, path: str, value: Any) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= _MAX_GPUS_PER_GROUP:
+            raise self.error(path, f"must be a positive integer (at most {_MAX_GPUS_PER_GROUP})", value,
+                             "set it to the number of GPUs of this type in the node")
+        return value
+
+    def name(self, path: str, value: Any) -> str:
+        if not isinstance(value, str) or not value.strip():
+            raise self.error(path, "must be a non-empty string", value)
+        return value
+
+    def list(self, path: str, value: Any, what: str) -> list:
+        if not isinstance(value, list) or not value:
+            raise self.error(path, f"must be a non-empty list of {what}", value)
+        return value
+
+    def link(self, path: str, data: Any, kind: str, extra: tuple[str, ...] = ()) -> Link:
+        self.mapping(path, data, (*extra, *_LINK_KEYS))
+        values = []
+        for keys in (_BANDWIDTH_KEYS, _LATENCY_KEYS):
+            given = [k for k in keys if k in data]
+            latency = keys is _LATENCY_KEYS
+            what = "latency" if latency else "bandwidth"
+            if len(given) != 1:
+                problem = f"no {what}" if not given else f"{what} given twice ({' and '.join(given)})"
+                raise self.error(path, problem, fix=f"give exactly one of {', '.join(keys)}, {_LINK_EXAMPLE}")
+            key = given[0]
+            number = self.number(_join(path, key), data[key], allow_zero=latency,
+                                 fix="e.g. latency_us: 10 (0 is allowed)" if latency else _LINK_EXAMPLE)
+            values.append(keys[key](number))
+        return Link(kind=kind, bandwidth_bytes_per_s=values[0], latency_s=values[1])
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def parse(data: Any, source: str, *, default_name: str) -> dict[str, Any]:
+    """Validate ``data`` and return the keyword arguments of ``Cluster``."""
+    ctx = _Ctx(source)
+    if data is None:
+        raise ctx.error("<top level>", "empty cluster description", fix="give at least a 'nodes:' list")
+    ctx.mapping("", data, ("name", "datacenters", "nodes", "links", "gpu_types"), required=("nodes",))
+    name = ctx.name("name", data.get("name", default_name))
+    custom = _parse_gpu_types(ctx, data.get("gpu_types", {}))
+    datacenters = _parse_datacenters(ctx, data)
+
+    gpus: list[GPU] = []
+    nodes: list[str] = []
+    node_links: list[Link | None] = []
+    for i, node in enumerate(ctx.list("nodes", data["nodes"], "nodes")):
+        path = f"nodes[{i}]"
+        ctx.mapping(path, node, ("name", "datacenter", "gpus", "intra_node"), required=("name", "gpus"))
+        node_name = ctx.name(f"{path}.name", node["name"])
+        if node_name in nodes:
+            raise ctx.error(f"{path}.name", "duplicate node name", node_name,
+                            f"already used by nodes[{nodes.index(node_name)}]; node names must be unique")
+        dc = _node_datacenter(ctx, path, node, datacenters)
+        for j, group in enumerate(ctx.list(f"{path}.gpus", node["gpus"], "{type, count} groups")):
+            spec, count, memory = _parse_gpu_group(ctx, f"{path}.gpus[{j}]", group, custom)
+            local = sum(g.node == node_name for g in gpus)
+            gpus += [GPU(index=len(gpus) + k, node=node_name, datacenter=dc, local_index=local + k,
+                         type=spec.type, spec=spec, memory_bytes=memory) for k in range(count)]
+        nodes.append(node_name)
+        intra = node.get("intra_node")
+        node_links.append(None if intra is None else ctx.link(f"{path}.intra_node", intra, "intra_node"))
+
+    links = ctx.mapping("links", data.get("links", {}), ("intra_node", "inter_node", "cross_datacenter", "overrides"))
+    defaults = {k: ctx.link(f"links.{k}", links[k], k)
+                for k in ("intra_node", "inter_node", "cross_datacenter") if k in links}
+    node_dc = {g.node: g.datacenter for g in gpus}
+    overrides = _parse_overrides(ctx, links.get("overrides", []), node_dc)
+    _check_required_links(ctx, nodes, node_dc, node_links, gpus, defaults, overrides)
+    return dict(name=name, gpus=tuple(gpus), nodes=tuple(nodes), source=source, datacenters=datacenters,
+                intra_node_link=defaults.get("intra_node"), inter_node_link=defaults.get("inter_node"),
+                cross_datacenter_link=defaults.get("cross_datacenter"), node_intra_node_links=tuple(node_links),
+                link_overrides=overrides, custom_gpu_types=tuple(custom.values()))
+
+
+def _parse_datacenters(ctx: _Ctx, data: dict) -> tuple[str, ...]:
+    if "datacenters" not in data:
+        return ("dc0",)
+    names: list[str] = []
+    for i, dc in enumerate(ctx.list("datacenters", data["datacenters"], "{name: ...} mappings")):
+        name = ctx.name(f"datacenters[{i}].name", ctx.mapping(f"datacenters[{i}]", dc, ("name",), ("name",))["name"])
+        if name in names:
+            raise ctx.error(f"datacenters[{i}].name", "duplicate datacenter name", name, "names must be unique")
+        names.append(name)
+    return tuple(names)
+
+
+def _node_datacenter(ctx: _Ctx, path: str, node: dict, datacenters: tuple[str, ...]) -> str:
+    if "datacenter" in node:
+        dc = node["datacenter"]
+        if dc not in datacenters:
+            raise ctx.error(f"{path}.datacenter", "datacenter not declared", dc,
+                            f"declared: {', '.join(datacenters)}; add '- name: {dc}' to 'datacenters:'")
+        return dc
+    if len(datacenters) == 1:
+        return datacenters[0]
+    raise ctx.error(f"{path}.datacenter", "missing", fix=f"the cluster has {len(datacenters)} datacenters "
+                    f"({', '.join(datacenters)}); name the one holding this node")
+
+
+def _parse_gpu_group(ctx: _Ctx, path: str, group: Any, custom: dict[str, GPUSpec]) -> tuple[GPUSpec, int, int]:
+    """One ``{type, count, memory_GiB?}`` entry -> (spec, count, usable memory bytes)."""
+    ctx.mapping(path, group, ("type", "count", "memory_GiB"), required=("type", "count"))
+    spec = _resolve_type(ctx, f"{path}.type", group["type"], custom)
+    count = ctx.count(f"{path}.count", group["count"])
+    if "memory_GiB" not in group:
+        return spec, count, spec.memory_bytes
+    gib = ctx.number(f"{path}.memory_GiB", group["memory_GiB"], fix="usable memory per GPU in GiB")
+    memory = round(gib * _GiB)
+    if not 1 <= memory <= spec.memory_bytes:
+        raise ctx.error(f"{path}.memory_GiB", f"must be in (0, {spec.memory_bytes / _GiB:g}] GiB for {spec.type}",
+                        gib, "the override is usable memory, at most the datasheet capacity")
+    return spec, count, memory
+
+
+def _parse_overrides(ctx: _Ctx, entries: Any, node_dc: dict[str, str]) -> tuple[LinkOverride, ...]:
+    if not isinstance(entries, list):
+        raise ctx.error("links.overrides", "must be a list", entries, "e.g. - {between: [a, b], ...}")
+    overrides: list[LinkOverride] = []
+    for i, entry in enumerate(entries):
+        path = f"links.overrides[{i}]"
+        ctx.mapping(path, entry, ("between", *_LINK_KEYS), required=("between",))
+        pair = entry["between"]
+        if not (isinstance(pair, list) and len(pair) == 2 and pair[0] != pair[1]):
+            raise ctx.error(f"{path}.between", "must list two different node names", pair,
+                            "e.g. between: [node0, node1]")
+        for k, name in enumerate(pair):
+            if not isinstance(name, str) or name not in node_dc:
+                raise ctx.error(f"{path}.between[{k}]", "no such node", name, f"nodes: {', '.join(node_dc)}")
+        if any(set(prev.between) == set(pair) for prev in overrides):
+            raise ctx.error(f"{path}.between", "this node pair is already overridden", pair, "give each pair once")
+        kind = "inter_node" if node_dc[pair[0]] == node_dc[pair[1]] else "cross_datacenter"
+        link = ctx.link(path, entry, kind, extra=("between",))
+        overrides.append(LinkOverride(between=(pair[0], pair[1]), link=link))
+    return tuple(overrides)
+
+
+def _check_required_links(ctx: _Ctx, nodes, node_dc, node_links, gpus, defaults, overrides) -> None:
+    if "intra_node" not in defaults:
+        for i, node in enumerate(nodes):
+            n = sum(g.node == node for g in gpus)
+            if n > 1 and node_links[i] is None:
+                raise ctx.error("links.intra_node",
+                                f"missing, and node {node!r} has {n} GPUs without its own intra_node",
+                                fix=f"add links.intra_node: {_LINK_EXAMPLE} (or intra_node: to nodes[{i}])")
+    covered = {frozenset(o.between) for o in overrides}
+    for kind, same_dc in (("inter_node", True), ("cross_datacenter", False)):
+        if kind in defaults:
+            continue
+        for i, a in enumerate(nodes):
+            for b in nodes[i + 1:]:
+                if (node_dc[a] == node_dc[b]) == same_dc and frozenset((a, b)) not in covered:
+                    where = (f"datacenter {node_dc[a]!r}" if same_dc
+                             else f"datacenters {node_dc[a]!r} and {node_dc[b]!r}")
+                    raise ctx.error(f"links.{kind}", f"missing, and nodes {a!r} and {b!r} ({where}) have no override",
+                                    fix=f"add links.{kind}: {_LINK_EXAMPLE}")
+
+
+def _parse_gpu_types(ctx: _Ctx, section: Any) -> dict[str, GPUSpec]:
+    """``gpu_types:`` -> ``{normalized name: GPUSpec}`` of user-declared types."""
+    if not isinstance(section, dict):
+        raise ctx.error("gpu_types", "must be a mapping of type name -> specs", section, GPU_TYPES_HELP)
+    custom: dict[str, GPUSpec] = {}
+    for type_name, entry in section.items():
+        path = f"gpu_types.{type_name}"
+        type_name = ctx.name(path, type_name)
+        if lookup_builtin(type_name) is not None:
+            raise ctx.error(path, f"{type_name!r} is already the built-in type {lookup_builtin(type_name).type}",
+                            fix="choose another name (or use a per-group memory_GiB override)")
+        if normalize_gpu_name(type_name) in custom:
+            raise ctx.error(path, "declared twice (names match case-insensitively)", type_name)
+        ctx.mapping(path, entry, _GPU_TYPE_KEYS, required=_GPU_TYPE_KEYS)
+        nums = {k: conv(ctx.number(f"{path}.{k}", entry[k])) for k, conv in _GPU_TYPE_NUMBERS.items()}
+        if not isinstance(entry["bf16_supported"], bool):
+            raise ctx.error(f"{path}.bf16_supported", "must be true or false", entry["bf16_supported"])
+        custom[normalize_gpu_name(type_name)] = GPUSpec(
+            type=type_name, memory_bytes=round(nums["memory_GiB"]), mem_bw_bytes_per_s=nums["mem_bw_GBps"],
+            fp32_flops_per_s=nums["fp32_tflops"], fp16_flops_per_s=nums["fp16_tensor_tflops"],
+            bf16_supported=entry["bf16_supported"], source=ctx.name(f"{path}.source", entry["source"]))
+    return custom
+
+
+def _resolve_type(ctx: _Ctx, path: str, name: Any, custom: dict[str, GPUSpec]) -> GPUSpec:
+    if isinstance(name, int) and not isinstance(name, bool):
+        name = str(name)  # YAML reads `type: 4090` as an int
+    name = ctx.name(path, name)
+    spec = custom.get(normalize_gpu_name(name)) or lookup_builtin(name)
+    if spec is None:
+        extra = tuple(s.type for s in custom.values())
+        raise ClusterConfigError(f"{ctx.source}: {path}: {unknown_gpu_message(name, extra)}")
+    return spec
+
+
+# -- Cluster -> dict ------------------------------------------------------
+def _unscale(x: float, to_si: Callable[[float], float], guess: float) -> float | None:
+    """A number ``u`` near ``guess`` with ``to_si(u) == x`` exactly, or ``None``."""
+    for step in range(9):  # guess, then neighbours 1..8 ulps away on each side
+        for cand in (guess,) if step == 0 else (_nudge(guess, step), _nudge(guess, -step)):
+            if to_si(cand) == x:
+                return int(cand) if float(cand).is_integer() and abs(cand) < 2**53 else cand
+    return None
+
+
+def _nudge(x: float, steps: int) -> float:
+    for _ in range(abs(steps)):
+        x = math.nextafter(x, math.inf if steps > 0 else -math.inf)
+    return x
+
+
+def _unit_value(x: float, keys: dict[str, Callable[[float], float]], guesses: dict[str, float]) -> dict[str, float]:
+    """``{key: value}`` in the first unit of ``keys`` that reproduces ``x`` exactly."""
+    for key, guess in guesses.items():
+        u = _unscale(x, keys[key], guess)
+        if u is not None:
+            return {key: u}
+    raise AssertionError(f"cannot write {x!r} exactly in {list(keys)}")  # the SI key always matches
+
+
+def _memory_gib(nbytes: int) -> float:
+    """The shortest decimal GiB figure that ``parse`` turns back into ``nbytes``."""
+    for digits in range(13):
+        gib = round(nbytes / _GiB, digits)
+        if round(gib * _GiB) == nbytes:
+            return int(gib) if float(gib).is_integer() else gib
+    return nbytes / _GiB  # exact: power-of-two scale
+
+
+def _link_dict(link: Link) -> dict[str, float]:
+    bw, lat = link.bandwidth_bytes_per_s, link.latency_s
+    return {**_unit_value(bw, _BANDWIDTH_KEYS, {"bandwidth_GBps": bw / 1e9, "bandwidth_bytes_per_s": bw}),
+            **_unit_value(lat, _LATENCY_KEYS, {"latency_us": lat * 1e6, "latency_ms": lat * 1e3, "latency_s": lat})}
+
+
+def unparse(cluster: Cluster) -> dict[str, Any]:
+    """``Cluster`` -> plain dict in the file format; ``parse`` of it gives an equal cluster."""
+    nodes = []
+    for i, node in enumerate(cluster.nodes):
+        gpus = [g for g in cluster.gpus if g.node == node]
+        groups = []
+        for g in gpus:
+            if groups and groups[-1]["type"] == g.type and groups[-1]["_mem"] == g.memory_bytes:
+                groups[-1]["count"] += 1
+            else:
+                groups.append({"type": g.type, "count": 1, "_mem": g.memory_bytes, "_spec": g.spec.memory_bytes})
+        for grp in groups:
+            mem, spec_mem = grp.pop("_mem"), grp.pop("_spec")
+            if mem != spec_mem:
+                grp["memory_GiB"] = _memory_gib(mem)
+        entry: dict[str, Any] = {"name": node, "datacenter": gpus[0].datacenter, "gpus": groups}
+        if cluster.node_intra_node_links[i] is not None:
+            entry["intra_node"] = _link_dict(cluster.node_intra_node_links[i])
+        nodes.append(entry)
+    links: dict[str, Any] = {}
+    for kind in ("intra_node", "inter_node", "cross_datacenter"):
+        link = getattr(cluster, f"{kind}_link")
+        if link is not None:
+            links[kind] = _link_dict(link)
+    if cluster.link_overrides:
+        links["overrides"] = [{"between": list(o.between), **_link_dict(o.link)} for o in cluster.link_overrides]
+    out: dict[str, Any] = {"name": cluster.name, "datacenters": [{"name": d} for d in cluster.datacenters],
+                           "nodes": nodes, "links": links}
+    if cluster.custom_gpu_types:
+        out["gpu_types"] = {s.type: _gpu_type_dict(s) for s in cluster.custom_gpu_types}
+    return out
+
+
+def _gpu_type_dict(spec: GPUSpec) -> dict[str, Any]:
+    si = {"memory_GiB": spec.memory_bytes, "mem_bw_GBps": spec.mem_bw_bytes_per_s,
+          "fp32_tflops": spec.fp32_flops_per_s, "fp16_tensor_tflops": spec.fp16_flops_per_s}
+    scale = {"memory_GiB": _GiB, "mem_bw_GBps": 1e9, "fp32_tflops": 1e12, "fp16_tensor_tflops": 1e12}
+    out: dict[str, Any] = {}
+    for key, x in si.items():
+        if key == "memory_GiB":
+            out[key] = _memory_gib(x)
+            continue
+        u = _unscale(x, _GPU_TYPE_NUMBERS[key], x / scale[key])
+        out[key] = u if u is not None else x / scale[key]  # only a hand-built GPUSpec can miss by an ulp
+    return {**out, "bf16_supported": spec.bf16_supported, "source": spec.source}

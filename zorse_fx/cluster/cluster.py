@@ -1,0 +1,297 @@
+"""A heterogeneous GPU cluster: which GPUs exist, where, and how they are linked.
+
+A cluster is written as YAML (or the same structure as a dict)::
+
+    name: hetero-demo              # optional; default: the file name
+    datacenters:                   # optional; default one datacenter "dc0"
+      - name: us-east
+      - name: eu-west
+    nodes:                         # required, in order: GPU indices follow it
+      - name: node0
+        datacenter: us-east        # optional when only one datacenter
+        gpus:
+          - {type: A100-40GB, count: 2}
+          - {type: T4, count: 1, memory_GiB: 15}  # optional usable-memory override
+        intra_node: {bandwidth_GBps: 300, latency_us: 5}  # optional, this node only
+      - name: node1
+        datacenter: eu-west
+        gpus: [{type: T4, count: 4}]
+    links:
+      intra_node:       {bandwidth_GBps: 16, latency_us: 10}   # GPUs of one node
+      inter_node:       {bandwidth_GBps: 3.125, latency_us: 20} # nodes of one datacenter
+      cross_datacenter: {bandwidth_Gbps: 1.0, latency_ms: 50}   # nodes of two datacenters
+      overrides:                   # one node pair, instead of the defaults above
+        - {between: [node0, node1], bandwidth_GBps: 12.5, latency_us: 8}
+    gpu_types:                     # optional: GPU types the built-in table lacks
+      MyGPU: {memory_GiB: 32, mem_bw_GBps: 900, fp32_tflops: 15,
+              fp16_tensor_tflops: 120, bf16_supported: false, source: "<URL>"}
+
+Units: a link gives exactly one of ``bandwidth_GBps`` (1e9 bytes/s),
+``bandwidth_Gbps`` (1e9 bits/s, i.e. /8) or ``bandwidth_bytes_per_s``, and
+exactly one of ``latency_us``, ``latency_ms`` or ``latency_s``. Bandwidths are
+per direction. ``memory_GiB`` is 2**30 bytes. GPU types are the keys (or
+aliases) of ``gpu_specs.csv`` (see ``zorse_fx.cluster.specs``).
+
+Required links: ``intra_node`` when some node has more than one GPU and no
+``intra_node`` of its own; ``inter_node`` when two nodes of one datacenter
+have no override; ``cross_datacenter`` likewise for nodes of two datacenters.
+
+Every mistake raises ``ClusterConfigError`` naming the file (or ``<dict>``),
+the field path (``nodes[1].gpus[0].count``), the bad value and a fix.
+Communication time over a link is the alpha-beta model
+``latency_s + nbytes / bandwidth_bytes_per_s``.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+from dataclasses import dataclass, field
+
+from zorse_fx.cluster.specs import GPUSpec
+from zorse_fx.errors import ClusterConfigError
+from zorse_fx.solve.records import DeviceGraph
+
+__all__ = ["Cluster", "GPU", "Link", "LinkOverride", "LINK_KINDS", "SAME_GPU_BANDWIDTH_BYTES_PER_S"]
+
+#: Link kinds, fastest first.
+LINK_KINDS = ("same_gpu", "intra_node", "inter_node", "cross_datacenter")
+#: Stand-in bandwidth of a GPU "talking to itself" (device-graph diagonal):
+#: large and finite so integer-scaled solvers stay well defined.
+SAME_GPU_BANDWIDTH_BYTES_PER_S = 1e15
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Link:
+    """One direction of the connection between two GPUs (alpha-beta model)."""
+
+    #: ``"same_gpu"``, ``"intra_node"``, ``"inter_node"`` or ``"cross_datacenter"``.
+    kind: str
+    #: Sustained bandwidth per direction, bytes/s.
+    bandwidth_bytes_per_s: float
+    #: Start-up latency of one message, seconds.
+    latency_s: float
+
+    def __post_init__(self) -> None:
+        if self.kind not in LINK_KINDS:
+            raise ClusterConfigError(f"Link.kind must be one of {LINK_KINDS}, got {self.kind!r}")
+        if not (self.bandwidth_bytes_per_s > 0 and math.isfinite(self.bandwidth_bytes_per_s)):
+            raise ClusterConfigError(f"Link.bandwidth_bytes_per_s must be > 0, got {self.bandwidth_bytes_per_s!r}")
+        if not (self.latency_s >= 0 and math.isfinite(self.latency_s)):
+            raise ClusterConfigError(f"Link.latency_s must be >= 0, got {self.latency_s!r}")
+
+    def time_s(self, nbytes: int) -> float:
+        """Seconds to send one message of ``nbytes``: ``latency_s + nbytes / bandwidth``."""
+        if nbytes < 0:
+            raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+        return self.latency_s + nbytes / self.bandwidth_bytes_per_s
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LinkOverride:
+    """A link between two named nodes that replaces the default for that pair."""
+
+    #: The two node names (distinct, order irrelevant).
+    between: tuple[str, str]
+    link: Link
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GPU:
+    """One GPU of a cluster."""
+
+    #: Global index 0..G-1 in file order (nodes in order, GPUs in order within a node).
+    index: int
+    #: Name of the node holding the GPU.
+    node: str
+    #: Name of the node's datacenter.
+    datacenter: str
+    #: Index of the GPU within its node (0-based).
+    local_index: int
+    #: Canonical GPU type key (``"A100-40GB"``).
+    type: str
+    #: Datasheet numbers of the type.
+    spec: GPUSpec
+    #: Usable memory in bytes: the cluster file's ``memory_GiB`` override, else ``spec.memory_bytes``.
+    memory_bytes: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Cluster:
+    """A validated cluster: GPUs in file order plus the links between them.
+
+    Build with ``Cluster.from_yaml(path)`` or ``Cluster.from_dict(data)``;
+    ``to_dict()`` gives back a dict that ``from_dict`` turns into an equal
+    ``Cluster`` (``source`` is not compared).
+    """
+
+    name: str
+    #: ``(G,)`` every GPU, ``gpus[i].index == i``.
+    gpus: tuple[GPU, ...]
+    #: Node names in file order.
+    nodes: tuple[str, ...]
+    #: Where the cluster came from: file path or ``"<dict>"``.
+    source: str = field(default="<dict>", compare=False)
+    #: Datacenter names in declaration order.
+    datacenters: tuple[str, ...] = ("dc0",)
+    #: Default links (``links:`` section); ``None`` where the file gives none.
+    intra_node_link: Link | None = None
+    inter_node_link: Link | None = None
+    cross_datacenter_link: Link | None = None
+    #: Per node (aligned with ``nodes``): its own ``intra_node`` link, or ``None``.
+    node_intra_node_links: tuple[Link | None, ...] = ()
+    link_overrides: tuple[LinkOverride, ...] = ()
+    #: GPU types declared in the file's ``gpu_types:`` section.
+    custom_gpu_types: tuple[GPUSpec, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.node_intra_node_links:
+            object.__setattr__(self, "node_intra_node_links", (None,) * len(self.nodes))
+        if len(self.node_intra_node_links) != len(self.nodes):
+            raise ClusterConfigError(
+                f"Cluster {self.name!r}: node_intra_node_links has {len(self.node_intra_node_links)} "
+                f"entries for {len(self.nodes)} nodes"
+            )
+        if len(set(self.nodes)) != len(self.nodes):
+            raise ClusterConfigError(f"Cluster {self.name!r}: duplicate node names in {self.nodes}")
+        for i, gpu in enumerate(self.gpus):
+            if gpu.index != i or gpu.node not in self.nodes or gpu.datacenter not in self.datacenters:
+                raise ClusterConfigError(f"Cluster {self.name!r}: inconsistent GPU record {gpu!r} at position {i}")
+
+    # -- construction ---------------------------------------------------
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike[str]) -> Cluster:
+        """Read and validate a cluster YAML file (format: module docstring)."""
+        from zorse_fx.cluster import _config  # imports this module's records: load lazily, no cycle
+
+        source = os.fspath(path)
+        try:
+            with open(source, encoding="utf-8") as f:
+                text = f.read()
+        except FileNotFoundError:
+            raise ClusterConfigError(
+                f"{source}: cluster file not found (cwd {os.getcwd()}); "
+                f"check the path, examples live in examples/clusters/"
+            ) from None
+        except OSError as exc:
+            raise ClusterConfigError(f"{source}: cannot read cluster file: {exc.strerror}") from None
+        except UnicodeDecodeError as exc:
+            raise ClusterConfigError(f"{source}: not a UTF-8 text file ({exc.reason} at byte {exc.start})") from None
+        data = _config.load_yaml(text, source)
+        default_name = os.path.splitext(os.path.basename(source))[0]
+        return cls(**_config.parse(data, source, default_name=default_name))
+
+    @classmethod
+    def from_dict(cls, data: dict, *, source: str = "<dict>") -> Cluster:
+        """Validate a cluster given as a dict (same structure as the YAML file)."""
+        from zorse_fx.cluster import _config
+
+        return cls(**_config.parse(data, source, default_name="cluster"))
+
+    def to_dict(self) -> dict:
+        """Plain-data form (YAML/JSON-safe) that ``from_dict`` reads back into an equal cluster."""
+        from zorse_fx.cluster import _config
+
+        return _config.unparse(self)
+
+    # -- queries --------------------------------------------------------
+    def __len__(self) -> int:
+        """Number of GPUs."""
+        return len(self.gpus)
+
+    def gpu_types(self) -> tuple[str, ...]:
+        """Distinct GPU types, in order of first appearance."""
+        return tuple(dict.fromkeys(g.type for g in self.gpus))
+
+    def node_datacenter(self, node: str) -> str:
+        """Datacenter of node ``node``."""
+        return next(g.datacenter for g in self.gpus if g.node == node)
+
+    def link(self, g: int, h: int) -> Link:
+        """The link GPU ``g`` uses to send to GPU ``h`` (symmetric)."""
+        for i in (g, h):
+            if not 0 <= i < len(self.gpus):
+                raise IndexError(f"GPU index {i} out of range for {len(self.gpus)} GPUs")
+        a, b = self.gpus[g], self.gpus[h]
+        if g == h:
+            return Link(kind="same_gpu", bandwidth_bytes_per_s=SAME_GPU_BANDWIDTH_BYTES_PER_S, latency_s=0.0)
+        if a.node == b.node:
+            link = self.node_intra_node_links[self.nodes.index(a.node)] or self.intra_node_link
+        else:
+            pair = {a.node, b.node}
+            link = next((o.link for o in self.link_overrides if set(o.between) == pair), None)
+            if link is None:
+                link = self.inter_node_link if a.datacenter == b.datacenter else self.cross_datacenter_link
+        if link is None:
+            raise ClusterConfigError(f"{self.source}: no link between GPU {g} ({a.node}) and GPU {h} ({b.node})")
+        return link
+
+    def device_graph(self) -> DeviceGraph:
+        """The cluster as the planners see it (diagonal: 1e15 bytes/s, 0 s)."""
+        n = len(self.gpus)
+        links = [[self.link(g, h) for h in range(n)] for g in range(n)]
+        return DeviceGraph(
+            gpu_types=tuple(g.type for g in self.gpus),
+            memory_bytes=tuple(g.memory_bytes for g in self.gpus),
+            mem_bw_bytes_per_s=tuple(g.spec.mem_bw_bytes_per_s for g in self.gpus),
+            link_bw_bytes_per_s=tuple(tuple(l.bandwidth_bytes_per_s for l in row) for row in links),
+            link_latency_s=tuple(tuple(l.latency_s for l in row) for row in links),
+            node_names=tuple(g.node for g in self.gpus),
+        )
+
+    def summary_table(self) -> str:
+        """A readable text table: per node its GPUs, memory, peak FLOP/s and links."""
+        from rich.console import Console
+        from rich.markup import escape
+        from rich.table import Table
+
+        nodes = Table(title=escape(f"cluster {self.name!r}: {len(self)} GPUs, {len(self.nodes)} nodes, "
+                                   f"{len(self.datacenters)} datacenter(s)  [{self.source}]"))
+        for col in ("node", "datacenter", "GPUs", "memory GiB", "peak fp16 TFLOP/s", "intra-node link"):
+            nodes.add_column(col, justify="right" if col[0] in "mp" else "left")
+        for i, node in enumerate(self.nodes):
+            gpus = [g for g in self.gpus if g.node == node]
+            groups = _groups(gpus)
+            intra = self.node_intra_node_links[i] or self.intra_node_link
+            nodes.add_row(
+                escape(node), escape(gpus[0].datacenter),
+                escape(", ".join(f"{t} x{len(gs)}" for t, _, gs in groups)),
+                f"{sum(g.memory_bytes for g in gpus) / 2**30:g}",
+                f"{sum(g.spec.fp16_flops_per_s for g in gpus) / 1e12:g}",
+                _fmt_link(intra) if len(gpus) > 1 else "-",
+            )
+        nodes.add_row("total", "", f"{len(self)} GPUs", f"{sum(g.memory_bytes for g in self.gpus) / 2**30:g}",
+                      f"{sum(g.spec.fp16_flops_per_s for g in self.gpus) / 1e12:g}", "", style="bold")
+        links = Table(title="links (per direction)")
+        for col in ("kind", "between", "bandwidth, latency"):
+            links.add_column(col)
+        for kind, link in (("intra_node", self.intra_node_link), ("inter_node", self.inter_node_link),
+                           ("cross_datacenter", self.cross_datacenter_link)):
+            if link is not None:
+                links.add_row(kind, "default", _fmt_link(link))
+        for o in self.link_overrides:
+            links.add_row(o.link.kind, escape(" <-> ".join(o.between)), _fmt_link(o.link))
+        buf = io.StringIO()
+        console = Console(file=buf, width=120, color_system=None, force_terminal=False, highlight=False)
+        console.print(nodes)
+        console.print(links)
+        return buf.getvalue()
+
+
+def _groups(gpus: list[GPU]) -> list[tuple[str, int, list[GPU]]]:
+    """Consecutive runs of GPUs with equal (type, memory_bytes)."""
+    runs: list[tuple[str, int, list[GPU]]] = []
+    for g in gpus:
+        if runs and runs[-1][0] == g.type and runs[-1][1] == g.memory_bytes:
+            runs[-1][2].append(g)
+        else:
+            runs.append((g.type, g.memory_bytes, [g]))
+    return runs
+
+
+def _fmt_link(link: Link | None) -> str:
+    if link is None:
+        return "-"
+    lat = f"{link.latency_s * 1e3:g} ms" if link.latency_s >= 1e-3 else f"{link.latency_s * 1e6:g} us"
+    return f"{link.bandwidth_bytes_per_s / 1e9:g} GB/s, {lat}"

@@ -1,0 +1,244 @@
+"""Split a block graph into per-stage programs and emit them as Python source.
+
+A stage program is an fx graph ``forward(*model_inputs_it_reads, *received)
+-> tuple(sent)`` (the last stage returns the loss). It holds:
+
+- the ``act`` nodes of its block range, in the captured order;
+- a copy of every ``free`` node they need (see [Note: rematerialise free
+  values per stage] in ``capture/analysis.py``);
+- a ``get_attr`` per parameter/constant, renamed to a flat identifier
+  (``model.layers.0.mlp.up_proj.weight`` -> ``model_layers_0_mlp_up_proj_weight``).
+
+``emit_source`` turns a program into a self-contained module file with one
+``nn.Module`` class, readable by people and importable by the runtime, which
+needs nothing else (no tracing, no OR-Tools, no model class) besides the
+weights.
+"""
+
+from __future__ import annotations
+
+import builtins
+import importlib
+import importlib.util
+import inspect
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.fx as fx
+
+from ..capture.analysis import BlockGraph, TensorSpec
+from ..capture.trace import META_KEY, _fetch_attr
+
+__all__ = ["StageProgram", "split_stages", "emit_source", "load_stage_class", "flat_name"]
+
+
+def flat_name(target: str) -> str:
+    """``a.b.0.c`` -> ``a_b_0_c`` (a valid Python identifier)."""
+    name = re.sub(r"[^0-9a-zA-Z_]", "_", target)
+    return name if name[:1].isalpha() or name[:1] == "_" else f"p_{name}"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StageProgram:
+    """One stage's computation, ready to emit or to run."""
+
+    index: int
+    num_stages: int
+    #: (start_block, end_block) of the captured block graph, end exclusive.
+    blocks: tuple[int, int]
+    graph: fx.Graph
+    #: Model inputs the stage reads (every rank loads them itself).
+    input_names: tuple[str, ...]
+    #: Tensors received from the previous stage, in placeholder order.
+    recv: tuple[TensorSpec, ...]
+    #: Tensors sent to the next stage, in output order (empty: last stage).
+    send: tuple[TensorSpec, ...]
+    #: flat attribute name -> canonical name, trainable parameters.
+    params: dict[str, str]
+    #: flat attribute name -> canonical name, buffers / constants.
+    consts: dict[str, str]
+    #: flat attribute name -> (shape, dtype) of every attribute.
+    attr_meta: dict[str, tuple[tuple[int, ...], str]]
+
+    @property
+    def is_last(self) -> bool:
+        return self.index == self.num_stages - 1
+
+    def build(self, state: dict[str, torch.Tensor]) -> fx.GraphModule:
+        """An executable module with parameters copied from ``state`` (canonical names)."""
+        root = torch.nn.Module()
+        for flat, canon in self.params.items():
+            root.register_parameter(flat, torch.nn.Parameter(state[canon].detach().clone()))
+        for flat, canon in self.consts.items():
+            root.register_buffer(flat, state[canon].detach().clone())
+        return fx.GraphModule(root, self.graph, f"Stage{self.index}")
+
+
+def split_stages(bg: BlockGraph, stage_blocks: tuple[tuple[int, int], ...]) -> tuple[StageProgram, ...]:
+    """Cut ``bg`` into one program per stage.
+
+    Args:
+        stage_blocks: per stage ``(start, end)`` block range, contiguous and
+            covering ``0..bg.num_blocks``.
+
+    Raises:
+        ValueError: the ranges are not contiguous or do not cover the model.
+    """
+    expect = 0
+    for s, (start, end) in enumerate(stage_blocks):
+        if start != expect or end <= start:
+            raise ValueError(f"stage {s} covers blocks [{start}, {end}); expected to start at {expect} and be non-empty")
+        expect = end
+    if expect != bg.num_blocks:
+        raise ValueError(f"stages cover blocks [0, {expect}) but the model has {bg.num_blocks} blocks")
+    return tuple(_build_stage(bg, s, len(stage_blocks), blk) for s, blk in enumerate(stage_blocks))
+
+
+def _build_stage(bg: BlockGraph, s: int, num_stages: int, blocks: tuple[int, int]) -> StageProgram:
+    gm = bg.captured.graph_module
+    tied = bg.captured.tied
+    nodes = {n.name: n for n in gm.graph.nodes}
+    act = set(bg.stage_nodes(*blocks))
+    recv = bg.cut_tensors[blocks[0]]
+    send = bg.cut_tensors[blocks[1]]
+    recv_names = {t.name for t in recv}
+
+    # Everything the stage's act nodes read, through free nodes (transitively).
+    needed: set[str] = set()
+    stack = [a for name in act for a in nodes[name].all_input_nodes]
+    out_node = next(iter(gm.graph.find_nodes(op="output")))
+    is_last = s == num_stages - 1
+    while stack:
+        n = stack.pop()
+        if n.name in needed or n.name in act or n.name in recv_names:
+            continue
+        kind = n.meta[META_KEY]["kind"]
+        if kind == "act":
+            raise AssertionError(f"stage {s} reads act node {n.name} that is neither local nor received")
+        needed.add(n.name)
+        stack.extend(n.all_input_nodes)
+
+    g = fx.Graph()
+    env: dict[str, fx.Node] = {}
+    input_names = tuple(n.name for n in gm.graph.find_nodes(op="placeholder") if n.name in needed)
+    for name in input_names:
+        env[name] = g.placeholder(name)
+        env[name].meta = dict(nodes[name].meta)
+    for t in recv:
+        env[t.name] = g.placeholder(t.name)
+        env[t.name].meta = dict(nodes[t.name].meta)
+    params: dict[str, str] = {}
+    consts: dict[str, str] = {}
+    attr_meta: dict[str, tuple[tuple[int, ...], str]] = {}
+    for n in gm.graph.nodes:
+        if n.name in needed and n.op == "get_attr":
+            canon = tied.get(n.target, n.target)
+            flat = flat_name(canon)
+            value = _fetch_attr(gm, n.target)
+            trainable = isinstance(value, torch.nn.Parameter) and value.requires_grad
+            (params if trainable else consts)[flat] = canon
+            attr_meta[flat] = (tuple(value.shape), str(value.dtype).removeprefix("torch."))
+            env[n.name] = g.get_attr(flat)
+        elif (n.name in needed and n.op not in ("placeholder", "get_attr")) or n.name in act:
+            env[n.name] = g.node_copy(n, lambda a: env[a.name])
+            if n.kwargs.get("device") is not None:
+                # Factory ops (arange, ...) follow the runtime's default device
+                # (``with torch.device(...)``) instead of the capture device.
+                env[n.name].kwargs = {**n.kwargs, "device": None}
+    if is_last:
+        g.output(env[out_node.args[0].name])
+    else:
+        g.output(tuple(env[t.name] for t in send))
+    g.lint()
+    return StageProgram(
+        index=s,
+        num_stages=num_stages,
+        blocks=blocks,
+        graph=g,
+        input_names=input_names,
+        recv=recv,
+        send=send,
+        params=params,
+        consts=consts,
+        attr_meta=attr_meta,
+    )
+
+
+# -- source emission ---------------------------------------------------------
+
+
+def _import_line(name: str, obj) -> str | None:
+    """An import statement binding ``name`` to ``obj``, or None if builtin."""
+    custom = fx.graph._custom_builtins.get(name)
+    if custom is not None and custom.obj is obj:
+        return custom.import_str
+    if getattr(builtins, name, None) is obj:
+        return None
+    if inspect.ismodule(obj):
+        return f"import {obj.__name__}" if obj.__name__ == name else f"import {obj.__name__} as {name}"
+    module, qual = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
+    if module and qual and "." not in qual:
+        try:
+            if getattr(importlib.import_module(module), qual) is obj:
+                return f"from {module} import {qual}" + ("" if qual == name else f" as {name}")
+        except (ImportError, AttributeError):
+            pass
+    raise ValueError(f"codegen cannot emit an import for global {name!r} = {obj!r}")
+
+
+def emit_source(program: StageProgram, *, header: str = "") -> str:
+    """Readable, importable Python source of ``program`` (class ``Stage{i}``)."""
+    code = program.graph.python_code(root_module="self")
+    imports = {"import torch"}
+    for name, obj in code.globals.items():
+        line = _import_line(name, obj)
+        if line:
+            imports.add(line)
+    p = program
+    lines = [
+        f'"""Stage {p.index} of {p.num_stages}: blocks [{p.blocks[0]}, {p.blocks[1]}) of the captured model.',
+        "",
+        "Generated by zorse_fx codegen; executed as-is by the zorse_fx runtime.",
+        f"Reads model inputs: {', '.join(p.input_names) or '-'}",
+        "Receives (per sample): " + (", ".join(f"{t.name} {list(t.shape_per_sample)} {t.dtype}" for t in p.recv) or "-"),
+        "Sends (per sample): " + (", ".join(f"{t.name} {list(t.shape_per_sample)} {t.dtype}" for t in p.send) or "- (returns the loss)"),
+    ]
+    if header:
+        lines += ["", *header.splitlines()]
+    lines += ['"""', "", *sorted(imports), "", "", f"class Stage{p.index}(torch.nn.Module):"]
+    lines.append("    #: flat attribute -> name in the original model (state dict key)")
+    lines.append("    PARAMETERS = {")
+    lines += [f"        {k!r}: {v!r}," for k, v in p.params.items()]
+    lines.append("    }")
+    lines.append("    CONSTANTS = {")
+    lines += [f"        {k!r}: {v!r}," for k, v in p.consts.items()]
+    lines.append("    }")
+    lines.append(f"    INPUTS = {list(p.input_names)!r}")
+    lines.append(f"    RECV = {[t.to_dict() for t in p.recv]!r}")
+    lines.append(f"    SEND = {[t.to_dict() for t in p.send]!r}")
+    lines += ["", "    def __init__(self):", "        super().__init__()"]
+    for flat, (shape, dtype) in p.attr_meta.items():
+        empty = f"torch.empty({shape!r}, dtype=torch.{dtype})"
+        if flat in p.params:
+            lines.append(f"        self.{flat} = torch.nn.Parameter({empty})")
+        else:
+            lines.append(f"        self.register_buffer({flat!r}, {empty})")
+    body = code.src.strip("\n")
+    lines += [""] + ["    " + ln if ln.strip() else "" for ln in body.splitlines()]
+    return "\n".join(lines) + "\n"
+
+
+def load_stage_class(path: str | Path, index: int) -> type[torch.nn.Module]:
+    """Import ``Stage{index}`` from a generated file (no package needed)."""
+    path = Path(path)
+    mod_name = f"zorse_stage_{abs(hash(str(path.resolve())))}_{index}"
+    spec = importlib.util.spec_from_file_location(mod_name, path)
+    if spec is None or spec.loader is None:
+        raise FileNotFoundError(f"cannot import stage source {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[mod_name] = module
+    spec.loader.exec_module(module)
+    return getattr(module, f"Stage{index}")

@@ -1,0 +1,163 @@
+"""Roofline cost of the block graph per GPU type: FLOPs and bytes per fx node.
+
+Per node (from the fake-tensor values at batch 1, i.e. per sample):
+
+- matmul-class (``linear``, ``mm``, ``bmm``, ``addmm``, ``matmul``):
+  ``2 * numel(out) * K`` FLOPs (one multiply-add = 2 FLOPs);
+- ``scaled_dot_product_attention`` with q ``(N, H, T, D)``, k ``(N, H, S, D)``:
+  ``4 * N * H * T * S * D`` FLOPs (``QK^T`` and ``PV``), as in FlashAttention
+  (Dao et al. 2022) FLOP accounting;
+- views (``view``, ``transpose``, ``expand``, ...): free;
+- everything else: ``numel(out)`` FLOPs and the bytes it reads and writes.
+
+Time of a node on a GPU: ``max(flops / (peak * MATMUL_EFFICIENCY),
+bytes / (mem_bw * MEMORY_EFFICIENCY))``. Forward+backward = 3x forward (the
+backward of a matmul is two matmuls of the same size: Narayanan et al.,
+SC'21, "Efficient large-scale language model training on GPU clusters", eq. 3).
+The efficiencies are assumptions until a measured profile replaces them
+(issue 3, ``zorse bench kernels``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from ..capture.analysis import BlockGraph
+from ..capture.trace import META_KEY, _fetch_attr
+from ..cluster import GPUSpec
+from ..solve.records import BlockCosts
+
+__all__ = ["NodeCost", "node_costs", "block_costs", "MATMUL_EFFICIENCY", "MEMORY_EFFICIENCY", "FWD_BWD_FACTOR"]
+
+#: Fraction of datasheet peak FLOP/s a large matmul reaches (assumption; typical
+#: for cuBLAS GEMMs of transformer sizes, replaced by measured profiles).
+MATMUL_EFFICIENCY = 0.6
+#: Fraction of datasheet memory bandwidth an elementwise kernel reaches (assumption).
+MEMORY_EFFICIENCY = 0.7
+#: forward + backward time = FWD_BWD_FACTOR x forward time.
+FWD_BWD_FACTOR = 3.0
+
+_aten = torch.ops.aten
+_MATMUL = {
+    _aten.linear.default, _aten.mm.default, _aten.bmm.default, _aten.addmm.default,
+    _aten.matmul.default, torch._C._nn.linear, torch.matmul, torch.mm, torch.bmm,
+    torch.nn.functional.linear,
+}
+_SDPA = {_aten.scaled_dot_product_attention.default, torch.nn.functional.scaled_dot_product_attention}
+_VIEWS = {
+    _aten.view.default, _aten._unsafe_view.default, _aten.reshape.default, _aten.transpose.int,
+    _aten.expand.default, _aten.slice.Tensor, _aten.unsqueeze.default, _aten.squeeze.dim,
+    _aten.alias.default, _aten.permute.default, _aten.t.default, _aten.split.Tensor,
+    _aten.sym_size.int, _aten.select.int,
+}
+_VIEW_METHODS = {"view", "reshape", "transpose", "permute", "expand", "unsqueeze", "squeeze", "split", "size", "contiguous"}
+
+
+@dataclass(frozen=True, slots=True)
+class NodeCost:
+    """Forward cost of one node for one sample."""
+
+    flops: float
+    bytes: float
+    is_matmul: bool
+
+
+def _tensors(x):
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, (tuple, list)):
+        for y in x:
+            yield from _tensors(y)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _node_cost(node: fx.Node, gm: fx.GraphModule) -> NodeCost:
+    out = node.meta[META_KEY].get("val_batch1")
+    target = node.target
+    if node.op == "call_method":
+        if target in _VIEW_METHODS:
+            return NodeCost(0.0, 0.0, False)
+    elif target in _VIEWS or target is getattr or str(getattr(target, "__name__", "")) == "getitem":
+        return NodeCost(0.0, 0.0, False)
+
+    def val(a):
+        if a.op == "get_attr":
+            return _fetch_attr(gm, a.target)
+        return a.meta[META_KEY].get("val_batch1")
+
+    ins = [t for a in node.all_input_nodes for t in _tensors(val(a))]
+    outs = list(_tensors(out))
+    moved = float(sum(_nbytes(t) for t in ins) + sum(_nbytes(t) for t in outs))
+    if target in _MATMUL and ins and outs:
+        k = ins[0].shape[-1]
+        return NodeCost(2.0 * outs[0].numel() * k, moved, True)
+    if target in _SDPA and len(ins) >= 3:
+        q, k = ins[0], ins[1]
+        n, h, t, d = q.shape[0], q.shape[1], q.shape[-2], q.shape[-1]
+        return NodeCost(4.0 * n * h * t * k.shape[-2] * d, moved, True)
+    if target in (_aten.embedding.default, torch.nn.functional.embedding):
+        return NodeCost(0.0, float(sum(_nbytes(t) for t in outs)) * 2, False)
+    return NodeCost(float(sum(t.numel() for t in outs)), moved, False)
+
+
+def node_costs(bg: BlockGraph) -> dict[str, NodeCost]:
+    """Per act node: forward FLOPs and bytes for one sample."""
+    gm = bg.captured.graph_module
+    nodes = {n.name: n for n in gm.graph.nodes}
+    return {name: _node_cost(nodes[name], gm) for name in bg.act_order}
+
+
+def node_time_s(cost: NodeCost, spec: GPUSpec, dtype: torch.dtype) -> float:
+    """Roofline forward time of one node on one GPU, seconds."""
+    peak = spec.peak_flops_per_s(dtype) if cost.is_matmul else spec.fp32_flops_per_s
+    return max(cost.flops / (peak * MATMUL_EFFICIENCY), cost.bytes / (spec.mem_bw_bytes_per_s * MEMORY_EFFICIENCY))
+
+
+def block_costs(
+    bg: BlockGraph,
+    specs: dict[str, GPUSpec],
+    *,
+    compute_dtype: torch.dtype = torch.float32,
+    state_bytes_per_param: int = 16,
+) -> BlockCosts:
+    """Per-block, per-sample costs of ``bg`` on each GPU type in ``specs``.
+
+    Args:
+        specs: ``{gpu_type: GPUSpec}`` of the cluster's GPU types.
+        compute_dtype: dtype of the matmuls (selects the datasheet peak).
+        state_bytes_per_param: weights + grads + AdamW moments (fp32: 16 B).
+    """
+    costs = node_costs(bg)
+    gm = bg.captured.graph_module
+    trainable = bg.captured.trainable()
+    state = bg.captured.state()
+    times: dict[str, list[float]] = {t: [] for t in specs}
+    params, acts = [], []
+    for b in range(bg.num_blocks):
+        names = bg.block_nodes(b)
+        for gpu_type, spec in specs.items():
+            fwd = sum(node_time_s(costs[n], spec, compute_dtype) for n in names)
+            times[gpu_type].append(FWD_BWD_FACTOR * fwd)
+        params.append(sum(state[a].numel() for a in bg.block_attrs[b] if a in trainable))
+        # Saved activations: outputs of the non-view nodes of the block.
+        acts.append(int(sum(costs[n].bytes > 0 and _out_bytes(gm, n) for n in names)))
+    cut = tuple(sum(t.bytes_per_sample for t in ts) for ts in bg.cut_tensors)
+    return BlockCosts(
+        fwd_bwd_s_per_sample={k: tuple(v) for k, v in times.items()},
+        param_count=tuple(params),
+        act_bytes_per_sample=tuple(acts),
+        cut_bytes_per_sample=cut,
+        state_bytes_per_param=state_bytes_per_param,
+        grad_bytes_per_param=4,
+    )
+
+
+def _out_bytes(gm: fx.GraphModule, name: str) -> int:
+    node = next(n for n in gm.graph.nodes if n.name == name)
+    return sum(_nbytes(t) for t in _tensors(node.meta[META_KEY].get("val_batch1")))

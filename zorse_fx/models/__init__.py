@@ -1,0 +1,1 @@
+"""Models zorse_fx ships for tests, examples and the demo."""

@@ -1,0 +1,360 @@
+"""The Plan IR: what every planner returns and the only thing a rank reads.
+
+A plan says, for one model on one cluster: the pipeline stages (block range,
+parameters, tensors received and sent per sample), the GPUs of each stage's
+data-parallel group with the samples each takes from every micro-batch, the
+micro-batch size and count, the schedule, and the planner's prediction.
+
+On disk (``Plan.export(dir)``)::
+
+    dir/plan.json        this record (format version PLAN_FORMAT_VERSION)
+    dir/stage_<i>.py     readable source of stage i (from codegen), executed
+                         as-is by the runtime
+
+Ranks are numbered stage by stage: stage 0's GPUs get ranks 0..k0-1, and so
+on, so ``world_size`` = number of GPUs the plan uses.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .capture.analysis import TensorSpec
+from .errors import PlanFileError
+
+__all__ = ["PLAN_FORMAT_VERSION", "GPUShare", "StagePlan", "SolverReport", "Plan", "RankRole"]
+
+#: Bumped on any incompatible change of plan.json.
+PLAN_FORMAT_VERSION = 1
+GIB = 1024**3
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GPUShare:
+    """One GPU of a stage's data-parallel group."""
+
+    rank: int
+    #: Index of the GPU in the cluster file (nodes in order, GPUs in order).
+    gpu: int
+    node: str
+    gpu_type: str
+    #: Samples this GPU takes from every micro-batch (>= 1).
+    samples_per_microbatch: int
+    predicted_memory_bytes: int = 0
+    memory_capacity_bytes: int = 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StagePlan:
+    index: int
+    #: Block range [start, end) of the captured model.
+    blocks: tuple[int, int]
+    #: Human label of the first and last block (module paths).
+    label: str
+    gpus: tuple[GPUShare, ...]
+    input_names: tuple[str, ...]
+    recv: tuple[TensorSpec, ...]
+    send: tuple[TensorSpec, ...]
+    #: flat attribute name -> canonical parameter name (trainable).
+    params: dict[str, str]
+    #: flat attribute name -> canonical buffer/constant name.
+    consts: dict[str, str]
+    num_parameters: int
+    #: File name of the stage source, beside plan.json.
+    source_file: str
+    #: Predicted compute time of one micro-batch (slowest GPU), seconds.
+    predicted_time_s: float = 0.0
+    predicted_allreduce_s: float = 0.0
+
+    @property
+    def microbatch_size(self) -> int:
+        return sum(g.samples_per_microbatch for g in self.gpus)
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        return tuple(g.rank for g in self.gpus)
+
+    def sample_ranges(self) -> tuple[tuple[int, int], ...]:
+        """Per GPU, its rows ``[start, end)`` within every micro-batch."""
+        out, start = [], 0
+        for g in self.gpus:
+            out.append((start, start + g.samples_per_microbatch))
+            start += g.samples_per_microbatch
+        return tuple(out)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SolverReport:
+    planner: str
+    status: str
+    objective_s: float
+    best_bound_s: float
+    optimality_gap: float
+    wall_s: float
+    time_limit_s: float = 0.0
+    candidates: tuple[dict, ...] = ()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankRole:
+    """What one rank does: its stage and its rows of every micro-batch."""
+
+    rank: int
+    stage: int
+    position: int  # index of the GPU within the stage's DP group
+    row_start: int
+    row_end: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Plan:
+    cluster_name: str
+    model_name: str
+    #: Model inputs, all ``(N, seq_len)`` int64 token tensors for LMs.
+    input_names: tuple[str, ...]
+    seq_len: int
+    #: How the data loader builds inputs: "same" (HF: labels = input_ids, the
+    #: model shifts) or "shifted" (targets = input_ids shifted by one).
+    label_mode: str
+    global_batch_size: int
+    microbatch_size: int
+    num_microbatches: int
+    schedule: str
+    stages: tuple[StagePlan, ...]
+    predicted_step_time_s: float
+    solver: SolverReport
+    compute_dtype: str = "float32"
+    version: int = PLAN_FORMAT_VERSION
+    #: Stage sources (not in plan.json; written as stage_<i>.py beside it).
+    sources: tuple[str, ...] = field(default=(), compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.microbatch_size * self.num_microbatches != self.global_batch_size:
+            raise PlanFileError(
+                f"plan: microbatch_size {self.microbatch_size} x num_microbatches "
+                f"{self.num_microbatches} != global_batch_size {self.global_batch_size}"
+            )
+        for s in self.stages:
+            if s.microbatch_size != self.microbatch_size:
+                raise PlanFileError(
+                    f"plan: stage {s.index} GPUs take {[g.samples_per_microbatch for g in s.gpus]} "
+                    f"samples (sum {s.microbatch_size}) but microbatch_size is {self.microbatch_size}"
+                )
+        ranks = [g.rank for s in self.stages for g in s.gpus]
+        if ranks != list(range(len(ranks))):
+            raise PlanFileError(f"plan: ranks must be 0..{len(ranks) - 1} in stage order, got {ranks}")
+
+    # -- queries -------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return sum(len(s.gpus) for s in self.stages)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch_size * self.seq_len
+
+    def role(self, rank: int) -> RankRole:
+        for s in self.stages:
+            for pos, (g, (a, b)) in enumerate(zip(s.gpus, s.sample_ranges())):
+                if g.rank == rank:
+                    return RankRole(rank=rank, stage=s.index, position=pos, row_start=a, row_end=b)
+        raise ValueError(f"rank {rank} is not in this plan (world size {self.world_size})")
+
+    def shared_params(self) -> dict[str, tuple[int, ...]]:
+        """Canonical parameter name -> stages holding it, for params held by >1 stage (tied)."""
+        holders: dict[str, list[int]] = {}
+        for s in self.stages:
+            for canon in s.params.values():
+                holders.setdefault(canon, []).append(s.index)
+        return {k: tuple(v) for k, v in holders.items() if len(v) > 1}
+
+    # -- serialisation -------------------------------------------------------
+    def to_dict(self) -> dict:
+        return {
+            "format": "zorse_fx.plan",
+            "version": self.version,
+            "cluster_name": self.cluster_name,
+            "model_name": self.model_name,
+            "input_names": list(self.input_names),
+            "seq_len": self.seq_len,
+            "label_mode": self.label_mode,
+            "global_batch_size": self.global_batch_size,
+            "microbatch_size": self.microbatch_size,
+            "num_microbatches": self.num_microbatches,
+            "schedule": self.schedule,
+            "compute_dtype": self.compute_dtype,
+            "predicted_step_time_s": self.predicted_step_time_s,
+            "solver": {
+                "planner": self.solver.planner,
+                "status": self.solver.status,
+                "objective_s": self.solver.objective_s,
+                "best_bound_s": self.solver.best_bound_s,
+                "optimality_gap": self.solver.optimality_gap,
+                "wall_s": self.solver.wall_s,
+                "time_limit_s": self.solver.time_limit_s,
+                "candidates": list(self.solver.candidates),
+            },
+            "stages": [
+                {
+                    "index": s.index,
+                    "blocks": list(s.blocks),
+                    "label": s.label,
+                    "gpus": [
+                        {
+                            "rank": g.rank,
+                            "gpu": g.gpu,
+                            "node": g.node,
+                            "gpu_type": g.gpu_type,
+                            "samples_per_microbatch": g.samples_per_microbatch,
+                            "predicted_memory_bytes": g.predicted_memory_bytes,
+                            "memory_capacity_bytes": g.memory_capacity_bytes,
+                        }
+                        for g in s.gpus
+                    ],
+                    "input_names": list(s.input_names),
+                    "recv": [t.to_dict() for t in s.recv],
+                    "send": [t.to_dict() for t in s.send],
+                    "params": dict(s.params),
+                    "consts": dict(s.consts),
+                    "num_parameters": s.num_parameters,
+                    "source_file": s.source_file,
+                    "predicted_time_s": s.predicted_time_s,
+                    "predicted_allreduce_s": s.predicted_allreduce_s,
+                }
+                for s in self.stages
+            ],
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict, *, source: str = "<dict>", sources: tuple[str, ...] = ()) -> "Plan":
+        if d.get("format") != "zorse_fx.plan":
+            raise PlanFileError(f"{source}: not a zorse_fx plan (field 'format' is {d.get('format')!r}, expected 'zorse_fx.plan')")
+        if d.get("version") != PLAN_FORMAT_VERSION:
+            raise PlanFileError(
+                f"{source}: plan format version {d.get('version')!r} is not supported by this zorse_fx "
+                f"(reads version {PLAN_FORMAT_VERSION}); re-export the plan with `zorse plan`"
+            )
+        try:
+            stages = tuple(
+                StagePlan(
+                    index=s["index"],
+                    blocks=tuple(s["blocks"]),
+                    label=s["label"],
+                    gpus=tuple(GPUShare(**g) for g in s["gpus"]),
+                    input_names=tuple(s["input_names"]),
+                    recv=tuple(TensorSpec.from_dict(t) for t in s["recv"]),
+                    send=tuple(TensorSpec.from_dict(t) for t in s["send"]),
+                    params=dict(s["params"]),
+                    consts=dict(s["consts"]),
+                    num_parameters=s["num_parameters"],
+                    source_file=s["source_file"],
+                    predicted_time_s=s["predicted_time_s"],
+                    predicted_allreduce_s=s["predicted_allreduce_s"],
+                )
+                for s in d["stages"]
+            )
+            sv = d["solver"]
+            return cls(
+                version=d["version"],
+                cluster_name=d["cluster_name"],
+                model_name=d["model_name"],
+                input_names=tuple(d["input_names"]),
+                seq_len=d["seq_len"],
+                label_mode=d["label_mode"],
+                global_batch_size=d["global_batch_size"],
+                microbatch_size=d["microbatch_size"],
+                num_microbatches=d["num_microbatches"],
+                schedule=d["schedule"],
+                compute_dtype=d["compute_dtype"],
+                predicted_step_time_s=d["predicted_step_time_s"],
+                solver=SolverReport(**{**sv, "candidates": tuple(sv.get("candidates", ()))}),
+                stages=stages,
+                sources=sources,
+            )
+        except KeyError as exc:
+            raise PlanFileError(f"{source}: missing field {exc.args[0]!r}; re-export the plan with `zorse plan`") from exc
+        except TypeError as exc:
+            raise PlanFileError(f"{source}: malformed plan: {exc}") from exc
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    def export(self, directory: str | Path) -> Path:
+        """Write ``plan.json`` and ``stage_<i>.py`` into ``directory``; returns plan.json's path."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        if len(self.sources) != self.num_stages:
+            raise PlanFileError("this plan has no stage sources to export (it was loaded without them)")
+        for s, src in zip(self.stages, self.sources):
+            (directory / s.source_file).write_text(src)
+        path = directory / "plan.json"
+        path.write_text(self.to_json() + "\n")
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Plan":
+        """Load ``plan.json`` (or a directory holding it) and the stage sources beside it."""
+        path = Path(path)
+        if path.is_dir():
+            path = path / "plan.json"
+        if not path.exists():
+            raise PlanFileError(f"{path}: no such plan file; create one with `zorse plan`")
+        try:
+            d = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise PlanFileError(f"{path}: invalid JSON at line {exc.lineno}: {exc.msg}") from exc
+        sources = []
+        for s in d.get("stages", []):
+            src = path.parent / s.get("source_file", "")
+            if not src.is_file():
+                raise PlanFileError(f"{path}: stage {s.get('index')} source {src} is missing; re-export the plan")
+            sources.append(src.read_text())
+        return cls.from_dict(d, source=str(path), sources=tuple(sources))
+
+    # -- readable form -------------------------------------------------------
+    def table(self) -> str:
+        """The plan as a text table (one row per GPU)."""
+        from rich.console import Console
+        from rich.table import Table
+
+        t = Table(title=f"zorse_fx plan: {self.model_name} on {self.cluster_name}", show_lines=False)
+        for col in ("stage", "blocks", "layers", "params", "rank", "GPU", "node", "samples/µbatch", "memory (GiB)", "µbatch time"):
+            t.add_column(col, justify="right" if col not in ("layers", "GPU", "node") else "left")
+        for s in self.stages:
+            for i, g in enumerate(s.gpus):
+                first = i == 0
+                t.add_row(
+                    str(s.index) if first else "",
+                    f"[{s.blocks[0]}, {s.blocks[1]})" if first else "",
+                    s.label if first else "",
+                    f"{s.num_parameters / 1e6:.1f}M" if first else "",
+                    str(g.rank),
+                    g.gpu_type,
+                    g.node,
+                    f"{g.samples_per_microbatch}/{s.microbatch_size}",
+                    f"{g.predicted_memory_bytes / GIB:.2f} / {g.memory_capacity_bytes / GIB:.1f}",
+                    f"{s.predicted_time_s * 1e3:.1f} ms" if first else "",
+                )
+            t.add_section()
+        buf = io.StringIO()
+        Console(file=buf, width=150, record=False).print(t)
+        sv = self.solver
+        summary = (
+            f"global batch {self.global_batch_size} = {self.num_microbatches} micro-batches x "
+            f"{self.microbatch_size} samples (seq {self.seq_len}), schedule {self.schedule}, "
+            f"{self.num_stages} stages on {self.world_size} GPUs\n"
+            f"predicted step time {self.predicted_step_time_s:.3f} s "
+            f"({self.tokens_per_step / self.predicted_step_time_s:,.0f} tokens/s); "
+            f"planner {sv.planner}: {sv.status}, gap {sv.optimality_gap:.2%}, {sv.wall_s:.2f} s"
+        )
+        return buf.getvalue() + summary
+
+    def __str__(self) -> str:
+        return self.table()

@@ -1,0 +1,215 @@
+"""The pass pipeline in one readable function: capture -> analyse -> cost ->
+solve -> codegen -> Plan.
+
+Order (fixed): the graph is cut into blocks first (legal cuts only), the cost
+model prices blocks per GPU type, the planner chooses stages/GPUs/shares and
+micro-batches, codegen splits the graph at the chosen block boundaries, and
+the result is recorded as a ``Plan`` with the stage sources.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .capture import BlockGraph, CapturedModel, analyse
+from .cluster import Cluster
+from .codegen import emit_source, split_stages
+from .cost.roofline import block_costs
+from .plan import GPUShare, Plan, SolverReport, StagePlan
+from .solve import solve_brute_force, solve_cpsat
+from .solve.records import SolverOptions, SolverResult
+
+__all__ = ["PlanOptions", "plan_captured", "plan_fixed", "build_plan"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PlanOptions:
+    """What the user asks of the planner."""
+
+    #: Samples per optimizer step, over all micro-batches and GPUs.
+    global_batch_size: int
+    #: Largest number of pipeline stages considered.
+    max_stages: int = 4
+    #: "1f1b" or "gpipe".
+    schedule: str = "1f1b"
+    #: Micro-batch counts to consider (None: divisors of the global batch).
+    num_microbatches: tuple[int, ...] | None = None
+    max_microbatches: int = 16
+    #: Fraction of each GPU's memory a plan may fill.
+    memory_fraction: float = 0.9
+    #: CP-SAT time limit per (stages, micro-batches) candidate, seconds.
+    time_limit_s: float = 10.0
+    #: "cpsat" or "brute_force" (tiny instances only).
+    planner: str = "cpsat"
+    #: dtype of the matmuls on the real cluster (selects datasheet peaks);
+    #: None = the dtype of the model's parameters.
+    compute_dtype: torch.dtype | None = None
+    #: Upper bound on blocks the graph is cut into.
+    max_blocks: int = 64
+    allow_idle_gpus: bool = True
+
+
+def plan_captured(
+    captured: CapturedModel,
+    cluster: Cluster,
+    options: PlanOptions,
+    *,
+    model_name: str,
+    label_mode: str,
+    progress=None,
+) -> tuple[Plan, BlockGraph]:
+    """Plan ``captured`` for ``cluster``. Returns the plan (with stage sources)
+    and the block graph it was made from.
+
+    Raises:
+        InfeasiblePlanError: no plan fits (the message names the constraint).
+    """
+    say = progress or (lambda msg: log.info(msg))
+    t0 = time.perf_counter()
+    bg = analyse(captured, max_blocks=options.max_blocks)
+    say(f"analysed graph: {len(bg.act_order)} activation nodes, {bg.num_blocks} blocks at legal cut points")
+    params = [p for p in captured.graph_module.parameters()]
+    dtype = options.compute_dtype or (params[0].dtype if params else torch.float32)
+    specs = {g.type: g.spec for g in cluster.gpus}
+    costs = block_costs(bg, specs, compute_dtype=dtype)
+    say(f"cost model: roofline on {', '.join(specs)} ({str(dtype).removeprefix('torch.')} matmuls)")
+    sopts = SolverOptions(
+        global_batch_size=options.global_batch_size,
+        max_stages=options.max_stages,
+        num_microbatches=options.num_microbatches,
+        max_microbatches=options.max_microbatches,
+        schedule=options.schedule,
+        memory_fraction=options.memory_fraction,
+        time_limit_s=options.time_limit_s,
+        allow_idle_gpus=options.allow_idle_gpus,
+    )
+    solve = {"cpsat": solve_cpsat, "brute_force": solve_brute_force}.get(options.planner)
+    if solve is None:
+        raise ValueError(f"unknown planner {options.planner!r}; use 'cpsat' or 'brute_force'")
+    result = solve(costs, cluster.device_graph(), sopts)
+    say(f"solved: {result.num_stages} stages, {result.num_microbatches} micro-batches, "
+        f"status {result.status}, gap {result.optimality_gap:.2%}, {result.wall_s:.2f} s")
+    plan = build_plan(bg, cluster, result, options, model_name=model_name, label_mode=label_mode,
+                      compute_dtype=dtype, planner=options.planner)
+    say(f"codegen: {plan.num_stages} stage modules ({time.perf_counter() - t0:.1f} s total)")
+    return plan, bg
+
+
+def build_plan(
+    bg: BlockGraph,
+    cluster: Cluster,
+    result: SolverResult,
+    options: PlanOptions,
+    *,
+    model_name: str,
+    label_mode: str,
+    compute_dtype: torch.dtype,
+    planner: str,
+) -> Plan:
+    """Turn a planner decision into a ``Plan`` with generated stage sources."""
+    programs = split_stages(bg, result.stage_blocks)
+    state = bg.captured.state()
+    stages, sources, rank = [], [], 0
+    for s, prog in enumerate(programs):
+        gpus = []
+        for i, (g, n) in enumerate(zip(result.stage_gpus[s], result.samples_per_microbatch[s])):
+            mem = result.predicted_memory_bytes[s][i] if result.predicted_memory_bytes else 0
+            gpu = cluster.gpus[g]
+            gpus.append(GPUShare(
+                rank=rank, gpu=g, node=gpu.node, gpu_type=gpu.type, samples_per_microbatch=n,
+                predicted_memory_bytes=int(mem), memory_capacity_bytes=int(gpu.memory_bytes),
+            ))
+            rank += 1
+        first, last = prog.blocks[0], prog.blocks[1] - 1
+        label = bg.describe_block(first) if first == last else f"{bg.describe_block(first)} → {bg.describe_block(last)}"
+        stages.append(StagePlan(
+            index=s,
+            blocks=prog.blocks,
+            label=label,
+            gpus=tuple(gpus),
+            input_names=prog.input_names,
+            recv=prog.recv,
+            send=prog.send,
+            params=dict(prog.params),
+            consts=dict(prog.consts),
+            num_parameters=sum(state[c].numel() for c in prog.params.values()),
+            source_file=f"stage_{s}.py",
+            predicted_time_s=result.predicted_stage_time_s[s] if result.predicted_stage_time_s else 0.0,
+            predicted_allreduce_s=result.predicted_allreduce_s[s] if result.predicted_allreduce_s else 0.0,
+        ))
+        gpu_list = ", ".join(f"{gs.gpu_type}@{gs.node} x{gs.samples_per_microbatch}" for gs in gpus)
+        sources.append(emit_source(prog, header=f"Plan: {model_name} on {cluster.name}; GPUs: {gpu_list}"))
+    seq_len = int(bg.captured.example_inputs[0].shape[1]) if bg.captured.example_inputs[0].dim() > 1 else 1
+    return Plan(
+        cluster_name=cluster.name,
+        model_name=model_name,
+        input_names=bg.captured.input_names,
+        seq_len=seq_len,
+        label_mode=label_mode,
+        global_batch_size=options.global_batch_size,
+        microbatch_size=result.microbatch_size,
+        num_microbatches=result.num_microbatches,
+        schedule=result.schedule,
+        stages=tuple(stages),
+        predicted_step_time_s=result.predicted_step_time_s,
+        compute_dtype=str(compute_dtype).removeprefix("torch."),
+        solver=SolverReport(
+            planner=planner,
+            status=result.status,
+            objective_s=result.objective,
+            best_bound_s=result.best_bound,
+            optimality_gap=result.optimality_gap,
+            wall_s=result.wall_s,
+            time_limit_s=options.time_limit_s,
+            candidates=tuple(result.candidates),
+        ),
+        sources=tuple(sources),
+    )
+
+
+def plan_fixed(
+    captured: CapturedModel,
+    cluster: Cluster,
+    options: PlanOptions,
+    *,
+    stage_blocks: tuple[tuple[int, int], ...],
+    stage_gpus: tuple[tuple[int, ...], ...],
+    samples_per_microbatch: tuple[tuple[int, ...], ...],
+    num_microbatches: int,
+    model_name: str = "model",
+    label_mode: str = "shifted",
+) -> tuple[Plan, BlockGraph]:
+    """A plan for a decision made by hand (what-if studies, tests), priced by
+    the same cost model and objective as the solver's plans.
+
+    Raises:
+        ValueError: the decision is malformed (see ``zorse_fx.solve.evaluate``).
+    """
+    from .solve import evaluate
+
+    bg = analyse(captured, max_blocks=options.max_blocks)
+    params = list(captured.graph_module.parameters())
+    dtype = options.compute_dtype or (params[0].dtype if params else torch.float32)
+    costs = block_costs(bg, {g.type: g.spec for g in cluster.gpus}, compute_dtype=dtype)
+    sopts = SolverOptions(global_batch_size=options.global_batch_size, max_stages=max(options.max_stages, len(stage_blocks)),
+                          schedule=options.schedule, memory_fraction=options.memory_fraction,
+                          allow_idle_gpus=True)
+    ev = evaluate(costs, cluster.device_graph(), sopts, stage_blocks=stage_blocks, stage_gpus=stage_gpus,
+                  samples_per_microbatch=samples_per_microbatch, num_microbatches=num_microbatches)
+    result = SolverResult(
+        stage_blocks=tuple(stage_blocks), stage_gpus=tuple(stage_gpus),
+        samples_per_microbatch=tuple(samples_per_microbatch), num_microbatches=num_microbatches,
+        microbatch_size=options.global_batch_size // num_microbatches, schedule=options.schedule,
+        predicted_step_time_s=ev.step_time_s, predicted_stage_time_s=ev.stage_time_s,
+        predicted_allreduce_s=ev.allreduce_s, predicted_memory_bytes=ev.memory_bytes,
+        status="FIXED", objective=ev.step_time_s, best_bound=ev.step_time_s,
+    )
+    plan = build_plan(bg, cluster, result, options, model_name=model_name, label_mode=label_mode,
+                      compute_dtype=dtype, planner="fixed")
+    return plan, bg

@@ -1,0 +1,108 @@
+"""Exhaustive oracle for tiny instances (tests compare CP-SAT against it).
+
+Enumerates every S, M, assignment of GPUs to stages / idle, cut composition
+and sample split, and scores each with objective.py's integer model. The
+sample split of stage s changes only its compute term and its memory, and the
+step time grows with every t_s, so for each (assignment, cuts) the splits of
+the stages are enumerated per stage and the fastest memory-feasible one is
+kept (an exact reduction of the full product).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from functools import lru_cache
+
+from ..errors import InfeasiblePlanError
+from .objective import (UNIT_S, build_tables, evaluate, evaluate_units, explain_infeasible,
+                        inflight, max_stage_count, microbatch_candidates)
+from .records import BlockCosts, DeviceGraph, SolverOptions, SolverResult
+
+__all__ = ["solve_brute_force", "MAX_GPUS", "MAX_BLOCKS", "MAX_MICROBATCH_SIZE"]
+
+MAX_GPUS = 4
+MAX_BLOCKS = 6
+MAX_MICROBATCH_SIZE = 6
+
+
+def _compositions(total: int, parts: int):
+    """Every tuple of ``parts`` positive ints summing to ``total``."""
+    for bars in itertools.combinations(range(1, total), parts - 1):
+        edges = (0, *bars, total)
+        yield tuple(edges[i + 1] - edges[i] for i in range(parts))
+
+
+def solve_brute_force(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions) -> SolverResult:
+    """Exact optimum of the model by enumeration (G <= 4, B <= 6, b <= 6).
+
+    Same decision and tie-break as ``solve_cpsat`` (fewer stages, then fewer
+    micro-batches); status "BRUTE_FORCE", gap 0, times in seconds. Raises
+    ValueError for larger instances and InfeasiblePlanError when nothing fits.
+    """
+    t0 = time.perf_counter()
+    ms = microbatch_candidates(options)
+    n_g, nb = devices.num_gpus, costs.num_blocks
+    big_b = options.global_batch_size // ms[0]
+    if n_g > MAX_GPUS or nb > MAX_BLOCKS or big_b > MAX_MICROBATCH_SIZE:
+        raise ValueError(
+            f"brute force is limited to G <= {MAX_GPUS} GPUs, B <= {MAX_BLOCKS} blocks and micro-batch "
+            f"size b <= {MAX_MICROBATCH_SIZE}; got G={n_g}, B={nb}, b up to {big_b}")
+    k_max = max_stage_count(costs, devices, options)
+    best, cands = None, []
+    for n_s in range(1, k_max + 1):
+        for m in ms:
+            t1 = time.perf_counter()
+            tab = build_tables(costs, devices, options, m)
+            b = tab.microbatch_size
+
+            @lru_cache(maxsize=None)
+            def best_split(gpus: tuple[int, ...], i: int, j: int, s: int):
+                """Fastest memory-feasible samples of stage s (GPUs, blocks [i, j)), or None."""
+                state = tab.state_prefix[j] - tab.state_prefix[i]
+                act = (tab.act_prefix[j] - tab.act_prefix[i]) * inflight(tab.schedule, n_s, s, m)
+                work = [tab.work_prefix[tab.gpu_types[g]][j] - tab.work_prefix[tab.gpu_types[g]][i]
+                        for g in gpus]
+                found = None
+                for ns in _compositions(b, len(gpus)):
+                    if all(state + act * n <= tab.cap_bytes[g] for g, n in zip(gpus, ns)):
+                        c = max(n * w for n, w in zip(ns, work))
+                        if found is None or c < found[0]:
+                            found = (c, ns)
+                return None if found is None else found[1]
+
+            cand_best = None
+            choices = range(-1 if options.allow_idle_gpus else 0, n_s)  # -1 = idle
+            for assign in itertools.product(choices, repeat=n_g):
+                stage_gpus = tuple(tuple(g for g in range(n_g) if assign[g] == s) for s in range(n_s))
+                if any(not 1 <= len(gs) <= b for gs in stage_gpus):
+                    continue
+                for inner in itertools.combinations(range(1, nb), n_s - 1):
+                    edges = (0, *inner, nb)
+                    blocks = tuple((edges[s], edges[s + 1]) for s in range(n_s))
+                    samples = tuple(best_split(gs, i, j, s) for s, (gs, (i, j)) in enumerate(zip(stage_gpus, blocks)))
+                    if any(ns is None for ns in samples):
+                        continue
+                    step = evaluate_units(tab, blocks, stage_gpus, samples).step
+                    if cand_best is None or step < cand_best[0]:
+                        cand_best = (step, blocks, stage_gpus, samples)
+            cands.append({"num_stages": n_s, "num_microbatches": m,
+                          "status": "INFEASIBLE" if cand_best is None else "BRUTE_FORCE",
+                          "step_time_s": None if cand_best is None else cand_best[0] * UNIT_S,
+                          "wall_s": time.perf_counter() - t1})
+            if cand_best is not None and (best is None or cand_best[0] < best[0][0]):
+                best = (cand_best, m)
+    if best is None:
+        raise InfeasiblePlanError(explain_infeasible(costs, devices, options, cands))
+    (step, blocks, gpus, samples), m = best
+    ev = evaluate(costs, devices, options, stage_blocks=blocks, stage_gpus=gpus,
+                  samples_per_microbatch=samples, num_microbatches=m)
+    if ev.objective_units != step or not ev.feasible:
+        raise AssertionError(f"brute force step {step} != evaluate() {ev.objective_units} ({ev.violations})")
+    return SolverResult(
+        stage_blocks=blocks, stage_gpus=gpus, samples_per_microbatch=samples, num_microbatches=m,
+        microbatch_size=options.global_batch_size // m, schedule=options.schedule,
+        predicted_step_time_s=ev.step_time_s, predicted_stage_time_s=ev.stage_time_s,
+        predicted_allreduce_s=ev.allreduce_s, predicted_memory_bytes=ev.memory_bytes,
+        status="BRUTE_FORCE", objective=ev.step_time_s, best_bound=ev.step_time_s, optimality_gap=0.0,
+        wall_s=time.perf_counter() - t0, candidates=tuple(cands))

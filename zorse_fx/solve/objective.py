@@ -1,0 +1,418 @@
+"""The planners' cost model, as a pure-Python evaluator (the single source of truth).
+
+NOTE "step-time model" -- cpsat.py labels its constraints with the tags below.
+==========================================================================
+Given S stages and M micro-batches, micro-batch size b = global_batch_size / M.
+
+Decisions: the GPUs of each stage (each GPU in at most one stage; idle allowed
+iff ``allow_idle_gpus``; every stage >= 1 GPU)                       [C-assign]
+contiguous non-empty block ranges [c_s, c_{s+1}), c_0 = 0, c_S = B   [C-cuts]
+integer samples n_g >= 1 per GPU of stage s, sum_{g in s} n_g = b   [C-samples]
+
+P_s = params of the blocks of s, A_s = their activation bytes per sample,
+W_{s,tau} = their fwd+bwd time per sample on GPU type tau.
+  compute_g   = n_g * W_{s,type(g)}                                   [C-compute]
+  boundary_s  = 2 * (xfer_s + lat_s) for s < S-1, boundary_{S-1} = 0  [C-boundary]
+                xfer_s = cut_bytes[c_{s+1}] * b / bw_min(s, s+1),
+                lat_s  = lat_max(s, s+1) over GPU pairs (g in s, h in s+1)
+                (forward activations + backward gradients, all b samples on
+                the slowest link, conservatively)
+  t_s         = max_{g in s} compute_g + boundary_s                   [C-stage]
+  allreduce_s = 0 if |s| = 1, else 2 * grad_bytes * P_s / bw_min(within s)
+                + 2 * (|s| - 1) * lat_max(within s)  (ring, (k-1)/k <= 1)  [C-allreduce]
+  optim_s     = max_{g in s} 2 * state_bytes * P_s / mem_bw_g  (AdamW reads and
+                writes its state once)                                 [C-optim]
+  step        = sum_s t_s + (M - 1) * max_s t_s + max_s (allreduce_s + optim_s)
+                (1F1B / GPipe fill + steady state; gradient sync after drain)
+                                                                       [C-objective]
+  memory_g    = state_bytes * P_s + A_s * n_g * inflight_s
+                <= floor(memory_fraction * memory_bytes_g),
+                inflight_s = min(S - s, M) for "1f1b", M for "gpipe"   [C-memory]
+Objective: minimise step. The planners loop over (S, M), one model per pair,
+and keep the best (ties: fewer stages, then fewer micro-batches).
+
+Integer arithmetic (shared by the evaluator, CP-SAT and brute force):
+the time unit is 1 ns (``UNITS_PER_S``). Every coefficient is rounded ONCE, to
+the nearest ns, in ``build_tables``:
+  * per-block, per-GPU-type time of one sample        -> prefix sums per type;
+  * per-block all-reduce time 2*grad*param/bw per distinct link bandwidth and
+    per-block optimizer time 2*state*param/mem_bw per distinct memory bandwidth
+    -> prefix sums (so allreduce/optim of a stage = sum of its rounded blocks);
+  * per-cut transfer time cut_bytes[c]*b/bw per distinct link bandwidth;
+  * link latencies; usable memory = floor(memory_fraction * memory_bytes).
+bw_min / lat_max become "max over present GPU pairs of the pair's rounded
+time", which equals the formula because rounding is monotone. Every quantity
+is then exact integer arithmetic, so the evaluator and the CP-SAT model agree
+to the nanosecond.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import InfeasiblePlanError
+from .records import BlockCosts, DeviceGraph, SolverOptions
+
+__all__ = [
+    "UNITS_PER_S", "UNIT_S", "GIB", "to_units", "microbatch_candidates",
+    "max_stage_count", "inflight", "IntTables", "build_tables", "Evaluation",
+    "evaluate", "evaluate_units", "explain_infeasible",
+]
+
+#: Integer time units per second: 1 unit = 1 ns.
+UNITS_PER_S = 1_000_000_000
+#: Seconds per integer time unit.
+UNIT_S = 1.0 / UNITS_PER_S
+GIB = float(1 << 30)
+SCHEDULES = ("1f1b", "gpipe")
+
+
+def to_units(seconds: float) -> int:
+    """Round a duration in seconds to the nearest integer time unit (ns)."""
+    return int(round(seconds * UNITS_PER_S))
+
+
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / GIB:.1f}"
+
+
+def microbatch_candidates(options: SolverOptions) -> tuple[int, ...]:
+    """Micro-batch counts M to try (ascending): ``options.num_microbatches`` or
+    every divisor of ``global_batch_size`` up to ``max_microbatches``; only
+    those dividing the global batch. Raises InfeasiblePlanError if none."""
+    gbs = options.global_batch_size
+    if gbs < 1:
+        raise ValueError(f"global_batch_size must be >= 1, got {gbs}")
+    if options.num_microbatches is not None:
+        asked = sorted(set(options.num_microbatches))
+        ms = tuple(m for m in asked if m >= 1 and gbs % m == 0)
+        if not ms:
+            raise InfeasiblePlanError(
+                f"global_batch_size={gbs} cannot be divided into micro-batches: none of "
+                f"num_microbatches={tuple(asked)} divides it; pick a global batch size "
+                f"that one of them divides, or other micro-batch counts")
+        return ms
+    ms = tuple(m for m in range(1, min(gbs, options.max_microbatches) + 1) if gbs % m == 0)
+    if not ms:
+        raise InfeasiblePlanError(
+            f"global_batch_size={gbs} cannot be divided into micro-batches: "
+            f"max_microbatches={options.max_microbatches} leaves no divisor; set it >= 1")
+    return ms
+
+
+def max_stage_count(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions) -> int:
+    """Largest useful S: min(max_stages, blocks, GPUs)."""
+    if options.max_stages < 1:
+        raise ValueError(f"max_stages must be >= 1, got {options.max_stages}")
+    return min(options.max_stages, costs.num_blocks, devices.num_gpus)
+
+
+def inflight(schedule: str, num_stages: int, stage: int, num_microbatches: int) -> int:
+    """Micro-batches whose activations stage ``stage`` (0-based) holds at peak."""
+    if schedule == "1f1b":
+        return min(num_stages - stage, num_microbatches)
+    if schedule == "gpipe":
+        return num_microbatches
+    raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+
+
+def _prefix(values) -> tuple[int, ...]:
+    out = [0]
+    for v in values:
+        out.append(out[-1] + v)
+    return tuple(out)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class IntTables:
+    """Integer coefficients of the model for one micro-batch count M.
+
+    Times in units (ns), sizes in bytes. Prefix arrays have B+1 entries:
+    the value of blocks [i, j) is ``prefix[j] - prefix[i]``."""
+
+    num_blocks: int
+    num_gpus: int
+    num_microbatches: int
+    microbatch_size: int
+    schedule: str
+    gpu_types: tuple[str, ...]
+    #: {gpu_type: prefix of per-sample fwd+bwd units}.
+    work_prefix: dict[str, tuple[int, ...]]
+    #: prefix of state bytes (state_bytes_per_param * params) and of activation bytes/sample.
+    state_prefix: tuple[int, ...]
+    act_prefix: tuple[int, ...]
+    #: (G, G) index into ``bw_values`` (ascending distinct link bandwidths, B/s); -1 on the diagonal.
+    pair_bw_class: tuple[tuple[int, ...], ...]
+    bw_values: tuple[float, ...]
+    #: (G, G) link latency units (max of both directions).
+    pair_lat: tuple[tuple[int, ...], ...]
+    #: [bw class][cut c] units of cut_bytes[c] * b / bw (one direction).
+    xfer: tuple[tuple[int, ...], ...]
+    #: [bw class] prefix of per-block all-reduce units 2 * grad_bytes * params / bw.
+    ar_prefix: tuple[tuple[int, ...], ...]
+    #: (G,) index into ``mem_bw_values``; [class] prefix of 2 * state bytes / mem_bw units.
+    gpu_mbw_class: tuple[int, ...]
+    mem_bw_values: tuple[float, ...]
+    opt_prefix: tuple[tuple[int, ...], ...]
+    #: (G,) usable bytes floor(memory_fraction * memory_bytes).
+    cap_bytes: tuple[int, ...]
+
+
+def build_tables(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions,
+                 num_microbatches: int) -> IntTables:
+    """Round every coefficient of the model once (see the module note)."""
+    gbs, m = options.global_batch_size, num_microbatches
+    if m < 1 or gbs % m:
+        raise ValueError(f"num_microbatches={m} does not divide global_batch_size={gbs}")
+    if options.schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {options.schedule!r}")
+    b, n_g = gbs // m, devices.num_gpus
+    missing = sorted(set(devices.gpu_types) - set(costs.fwd_bwd_s_per_sample))
+    if missing:
+        raise ValueError(f"BlockCosts.fwd_bwd_s_per_sample has no times for GPU type(s) {missing}")
+    for g in range(n_g):
+        if devices.mem_bw_bytes_per_s[g] <= 0:
+            raise ValueError(f"GPU {g}: mem_bw_bytes_per_s must be > 0, got {devices.mem_bw_bytes_per_s[g]}")
+    bw = [[0.0] * n_g for _ in range(n_g)]
+    lat = [[0] * n_g for _ in range(n_g)]
+    for g in range(n_g):
+        for h in range(n_g):
+            if g != h:
+                bw[g][h] = min(devices.link_bw_bytes_per_s[g][h], devices.link_bw_bytes_per_s[h][g])
+                if bw[g][h] <= 0:
+                    raise ValueError(f"link bandwidth between GPU {g} and {h} must be > 0, got {bw[g][h]}")
+                lat[g][h] = to_units(max(devices.link_latency_s[g][h], devices.link_latency_s[h][g]))
+    bw_values = tuple(sorted({bw[g][h] for g in range(n_g) for h in range(n_g) if g != h}))
+    bw_index = {v: k for k, v in enumerate(bw_values)}
+    pair_bw_class = tuple(tuple(bw_index[bw[g][h]] if g != h else -1 for h in range(n_g))
+                          for g in range(n_g))
+    mem_bw_values = tuple(sorted(set(devices.mem_bw_bytes_per_s)))
+    st, gr = costs.state_bytes_per_param, costs.grad_bytes_per_param
+    return IntTables(
+        num_blocks=costs.num_blocks, num_gpus=n_g, num_microbatches=m, microbatch_size=b,
+        schedule=options.schedule, gpu_types=tuple(devices.gpu_types),
+        work_prefix={t: _prefix(to_units(x) for x in costs.fwd_bwd_s_per_sample[t])
+                     for t in sorted(set(devices.gpu_types))},
+        state_prefix=_prefix(st * p for p in costs.param_count),
+        act_prefix=_prefix(costs.act_bytes_per_sample),
+        pair_bw_class=pair_bw_class, bw_values=bw_values,
+        pair_lat=tuple(tuple(r) for r in lat),
+        xfer=tuple(tuple(to_units(cb * b / v) for cb in costs.cut_bytes_per_sample) for v in bw_values),
+        ar_prefix=tuple(_prefix(to_units(2 * gr * p / v) for p in costs.param_count) for v in bw_values),
+        gpu_mbw_class=tuple(mem_bw_values.index(v) for v in devices.mem_bw_bytes_per_s),
+        mem_bw_values=mem_bw_values,
+        opt_prefix=tuple(_prefix(to_units(2 * st * p / v) for p in costs.param_count)
+                         for v in mem_bw_values),
+        cap_bytes=tuple(int(options.memory_fraction * mb) for mb in devices.memory_bytes),
+    )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StageUnits:
+    """Integer terms of one decision (units = ns, memory in bytes), per stage."""
+
+    compute: tuple[int, ...]
+    boundary: tuple[int, ...]
+    stage: tuple[int, ...]
+    allreduce: tuple[int, ...]
+    optim: tuple[int, ...]
+    memory: tuple[tuple[int, ...], ...]
+    step: int
+
+
+def evaluate_units(tab: IntTables, stage_blocks, stage_gpus, samples) -> StageUnits:
+    """The model's integer terms for an already-validated decision."""
+    n_s, m = len(stage_blocks), tab.num_microbatches
+    comp, bnd, ar, opt, mem = [], [], [], [], []
+    for s, ((i, j), gpus, ns) in enumerate(zip(stage_blocks, stage_gpus, samples)):
+        comp.append(max(n * (tab.work_prefix[tab.gpu_types[g]][j] - tab.work_prefix[tab.gpu_types[g]][i])
+                        for g, n in zip(gpus, ns)))
+        if s < n_s - 1:
+            nxt = stage_gpus[s + 1]
+            xfer = max(tab.xfer[tab.pair_bw_class[g][h]][j] for g in gpus for h in nxt)
+            lat = max(tab.pair_lat[g][h] for g in gpus for h in nxt)
+            bnd.append(2 * (xfer + lat))
+        else:
+            bnd.append(0)
+        pairs = [(g, h) for a, g in enumerate(gpus) for h in gpus[a + 1:]]
+        if pairs:
+            arb = max(tab.ar_prefix[k][j] - tab.ar_prefix[k][i]
+                      for k in {tab.pair_bw_class[g][h] for g, h in pairs})
+            ar.append(arb + 2 * (len(gpus) - 1) * max(tab.pair_lat[g][h] for g, h in pairs))
+        else:
+            ar.append(0)
+        opt.append(max(tab.opt_prefix[tab.gpu_mbw_class[g]][j] - tab.opt_prefix[tab.gpu_mbw_class[g]][i]
+                       for g in gpus))
+        fl = inflight(tab.schedule, n_s, s, m)
+        state, act = tab.state_prefix[j] - tab.state_prefix[i], tab.act_prefix[j] - tab.act_prefix[i]
+        mem.append(tuple(state + act * n * fl for n in ns))
+    stage = tuple(c + x for c, x in zip(comp, bnd))
+    step = sum(stage) + (m - 1) * max(stage) + max(a + o for a, o in zip(ar, opt))
+    return StageUnits(compute=tuple(comp), boundary=tuple(bnd), stage=stage, allreduce=tuple(ar),
+                      optim=tuple(opt), memory=tuple(mem), step=step)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Evaluation:
+    """A decision scored by the model. Times in seconds (= integer units x 1 ns)."""
+
+    step_time_s: float
+    #: Per stage: t_s = compute + boundary; slowest GPU's compute; boundary comm.
+    stage_time_s: tuple[float, ...]
+    compute_s: tuple[float, ...]
+    boundary_s: tuple[float, ...]
+    allreduce_s: tuple[float, ...]
+    optim_s: tuple[float, ...]
+    #: Per stage, per GPU (aligned with stage_gpus): predicted peak bytes.
+    memory_bytes: tuple[tuple[int, ...], ...]
+    feasible: bool
+    violations: tuple[str, ...]
+    #: The integer objective (ns) that CP-SAT minimises.
+    objective_units: int
+
+
+def _validate(costs, devices, options, stage_blocks, stage_gpus, samples, m) -> int:
+    """Check the decision's shape; return the micro-batch size b. Raises ValueError."""
+    nb, n_g, gbs = costs.num_blocks, devices.num_gpus, options.global_batch_size
+    if not isinstance(m, int) or m < 1 or gbs % m:
+        raise ValueError(f"num_microbatches={m!r} must be a positive divisor of global_batch_size={gbs}")
+    b = gbs // m
+    if not stage_blocks:
+        raise ValueError("stage_blocks is empty: a plan needs at least one stage")
+    if len(stage_gpus) != len(stage_blocks) or len(samples) != len(stage_blocks):
+        raise ValueError(f"stage_blocks has {len(stage_blocks)} stages, stage_gpus {len(stage_gpus)}, "
+                         f"samples_per_microbatch {len(samples)}: they must be equal")
+    end = 0
+    for s, (i, j) in enumerate(stage_blocks):
+        if i != end or j <= i:
+            raise ValueError(f"stage {s} blocks ({i}, {j}): expected a non-empty range starting "
+                             f"at block {end} (stages must be contiguous and in order)")
+        end = j
+    if end != nb:
+        raise ValueError(f"last stage ends at block {end}, the model has {nb} blocks")
+    seen: dict[int, int] = {}
+    for s, (gpus, ns) in enumerate(zip(stage_gpus, samples)):
+        if not gpus:
+            raise ValueError(f"stage {s} has no GPU")
+        if len(ns) != len(gpus):
+            raise ValueError(f"stage {s}: {len(gpus)} GPUs but {len(ns)} sample counts")
+        for g, n in zip(gpus, ns):
+            if not isinstance(g, int) or not 0 <= g < n_g:
+                raise ValueError(f"stage {s}: GPU index {g!r} outside 0..{n_g - 1}")
+            if g in seen:
+                where = f"twice in stage {s}" if seen[g] == s else f"in stage {seen[g]} and stage {s}"
+                raise ValueError(f"GPU {g} is {where}: each GPU serves at most one stage")
+            seen[g] = s
+            if not isinstance(n, int) or n < 1:
+                raise ValueError(f"stage {s} GPU {g}: samples per micro-batch must be an int >= 1, got {n!r}")
+        if sum(ns) != b:
+            raise ValueError(f"stage {s}: samples {tuple(ns)} sum to {sum(ns)}, the micro-batch has "
+                             f"{b} samples ({gbs} / {m} micro-batches)")
+    return b
+
+
+def evaluate(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions, *,
+             stage_blocks, stage_gpus, samples_per_microbatch, num_microbatches: int) -> Evaluation:
+    """Score a decision with the model of the module note.
+
+    Raises ValueError for a malformed decision (non-contiguous blocks, a GPU in
+    two stages, samples not summing to the micro-batch size); constraint
+    breaches (memory, idle GPUs, too many stages) are listed in ``violations``.
+    """
+    _validate(costs, devices, options, stage_blocks, stage_gpus, samples_per_microbatch, num_microbatches)
+    tab = build_tables(costs, devices, options, num_microbatches)
+    u = evaluate_units(tab, stage_blocks, stage_gpus, samples_per_microbatch)
+    bad = []
+    if len(stage_blocks) > options.max_stages:
+        bad.append(f"{len(stage_blocks)} stages > max_stages={options.max_stages}")
+    allowed = (options.num_microbatches if options.num_microbatches is not None
+               else range(1, options.max_microbatches + 1))
+    if num_microbatches not in allowed:
+        bad.append(f"num_microbatches={num_microbatches} is not among the allowed micro-batch counts")
+    idle = sorted(set(range(devices.num_gpus)) - {g for gs in stage_gpus for g in gs})
+    if idle and not options.allow_idle_gpus:
+        bad.append(f"GPUs {idle} are idle but allow_idle_gpus=False")
+    for s, gpus in enumerate(stage_gpus):
+        for g, need in zip(gpus, u.memory[s]):
+            if need > tab.cap_bytes[g]:
+                bad.append(f"stage {s} GPU {g} ({devices.gpu_types[g]}) needs {_gib(need)} GiB > "
+                           f"{_gib(tab.cap_bytes[g])} GiB usable ({options.memory_fraction:g} × "
+                           f"{_gib(devices.memory_bytes[g])} GiB)")
+
+    def sec(v):
+        return tuple(x * UNIT_S for x in v)
+
+    return Evaluation(step_time_s=u.step * UNIT_S, stage_time_s=sec(u.stage), compute_s=sec(u.compute),
+                      boundary_s=sec(u.boundary), allreduce_s=sec(u.allreduce), optim_s=sec(u.optim),
+                      memory_bytes=u.memory, feasible=not bad, violations=tuple(bad),
+                      objective_units=u.step)
+
+
+def _min_max_split(needs: list[int], k_max: int) -> tuple[int, list[tuple[int, int]]]:
+    """Split ``needs`` into <= k_max contiguous parts minimising the largest part sum.
+    Returns (largest part sum, the parts as (start, end))."""
+    nb = len(needs)
+    pre = _prefix(needs)
+    inf = float("inf")
+    # best[k][j]: min over splits of blocks [0, j) into k parts of the largest part.
+    best = [[inf] * (nb + 1) for _ in range(k_max + 1)]
+    arg = [[0] * (nb + 1) for _ in range(k_max + 1)]
+    best[0][0] = 0
+    for k in range(1, k_max + 1):
+        for j in range(1, nb + 1):
+            for i in range(k - 1, j):
+                v = max(best[k - 1][i], pre[j] - pre[i])
+                if v < best[k][j]:
+                    best[k][j], arg[k][j] = v, i
+    k = min(range(1, k_max + 1), key=lambda q: (best[q][nb], q))
+    parts, j = [], nb
+    for q in range(k, 0, -1):
+        parts.append((arg[q][j], j))
+        j = arg[q][j]
+    return int(best[k][nb]), parts[::-1]
+
+
+def explain_infeasible(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions,
+                       candidates=()) -> str:
+    """Why no (S, M) admits a plan, naming the binding constraint with numbers."""
+    gbs, n_g = options.global_batch_size, devices.num_gpus
+    ms = microbatch_candidates(options)  # raises for an indivisible batch
+    k_max = max_stage_count(costs, devices, options)
+    unknown = [(c["num_stages"], c["num_microbatches"]) for c in candidates if c.get("status") == "UNKNOWN"]
+    note = (f"; (S, M) = {unknown} hit time_limit_s={options.time_limit_s:g} without a solution: "
+            f"raise time_limit_s" if unknown else "")
+    if not options.allow_idle_gpus and n_g > k_max * (gbs // ms[0]):
+        return (f"allow_idle_gpus=False: each of the {n_g} GPUs must take >= 1 sample of every "
+                f"micro-batch, but at most {k_max} stages x {gbs // ms[0]} samples = "
+                f"{k_max * (gbs // ms[0])} GPUs can be busy; allow idle GPUs or raise "
+                f"global_batch_size / max_stages{note}")
+    caps = [int(options.memory_fraction * mb) for mb in devices.memory_bytes]
+    big = max(range(n_g), key=lambda g: caps[g])
+    big_txt = (f"the largest GPU ({devices.gpu_types[big]}) has {_gib(caps[big])} GiB usable "
+               f"({options.memory_fraction:g} × {_gib(devices.memory_bytes[big])} GiB)")
+    st = costs.state_bytes_per_param
+    needs = [st * p + a for p, a in zip(costs.param_count, costs.act_bytes_per_sample)]
+    n_par = sum(costs.param_count)
+    head = (f"the model's training state needs {_gib(st * n_par)} GiB "
+            f"({st} B/param × {n_par:.3g} params)")
+    fix = "add GPUs with more memory, raise max_stages, or lower global_batch_size / use more micro-batches"
+    blk = max(range(len(needs)), key=lambda i: needs[i])
+    if needs[blk] > caps[big]:
+        return (f"{head}; block {blk} alone needs {_gib(needs[blk])} GiB "
+                f"({_gib(st * costs.param_count[blk])} GiB state of {costs.param_count[blk]:.3g} params "
+                f"+ {_gib(costs.act_bytes_per_sample[blk])} GiB activations of one sample) but {big_txt}; "
+                f"a block cannot be split across stages: add GPUs with more memory{note}")
+    worst, parts = _min_max_split(needs, k_max)
+    s = max(range(len(parts)), key=lambda q: sum(needs[parts[q][0]:parts[q][1]]))
+    i, j = parts[s]
+    detail = (f"{_gib(worst)} GiB on stage {s} (blocks {i}-{j - 1}: "
+              f"{_gib(st * sum(costs.param_count[i:j]))} GiB state + "
+              f"{_gib(sum(costs.act_bytes_per_sample[i:j]))} GiB activations of one sample)")
+    if worst > caps[big]:
+        return f"{head}; with at most {k_max} stages the best split still needs {detail} but {big_txt}; {fix}{note}"
+    tried = [(c["num_stages"], c["num_microbatches"]) for c in candidates]
+    return (f"{head}; no (stages, micro-batches) candidate {tried} fits in memory: the best split into "
+            f"<= {k_max} stages needs {detail} and {big_txt}, but every stage needs its own GPUs "
+            f"and holds activations of b = {gbs // ms[-1]}..{gbs // ms[0]} samples x up to "
+            f"{ms[-1] if options.schedule == 'gpipe' else min(k_max, ms[-1])} micro-batches in flight; "
+            f"usable GiB per GPU: {[float(_gib(c)) for c in caps]}; {fix}{note}")

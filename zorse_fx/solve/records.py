@@ -1,0 +1,167 @@
+"""Records passed into and out of the planners (CP-SAT solver, brute force).
+
+Everything here is plain data: the planners never see fx graphs or
+``Cluster`` objects, only per-block costs and a device graph, so they can be
+tested on small hand-made instances.
+
+Legend: ``B`` = number of blocks (contiguous pieces of the model graph between
+legal cut points), ``G`` = number of GPUs in the cluster.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["BlockCosts", "DeviceGraph", "SolverOptions", "SolverResult"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BlockCosts:
+    """Per-block costs of one training step of the model, per sample.
+
+    Block ``b`` is the ``b``-th contiguous piece of the graph; a pipeline stage
+    is a contiguous range of blocks ``[start, end)``.
+    """
+
+    #: ``{gpu_type: (B,)}`` forward+backward time of one sample through block
+    #: ``b`` on one GPU of that type, in seconds (cost model: roofline or
+    #: measured profile).
+    fwd_bwd_s_per_sample: dict[str, tuple[float, ...]]
+    #: ``(B,)`` trainable parameters first used in block ``b``.
+    param_count: tuple[int, ...]
+    #: ``(B,)`` activation bytes one sample keeps alive for the backward pass.
+    act_bytes_per_sample: tuple[int, ...]
+    #: ``(B+1,)`` bytes per sample crossing a cut placed *before* block ``c``
+    #: (entries 0 and B are 0: nothing crosses the ends of the model).
+    cut_bytes_per_sample: tuple[int, ...]
+    #: Bytes of training state per parameter: weights + grads + AdamW moments.
+    #: fp32 training: 4 + 4 + 8 = 16 B (mixed precision AdamW is also ~16 B).
+    state_bytes_per_param: int = 16
+    #: Bytes of each gradient element in the DP all-reduce (fp32: 4).
+    grad_bytes_per_param: int = 4
+
+    def __post_init__(self) -> None:
+        nb = len(self.param_count)
+        if nb == 0:
+            raise ValueError("BlockCosts needs at least one block")
+        if len(self.act_bytes_per_sample) != nb:
+            raise ValueError(
+                f"act_bytes_per_sample has {len(self.act_bytes_per_sample)} entries, "
+                f"param_count has {nb}"
+            )
+        if len(self.cut_bytes_per_sample) != nb + 1:
+            raise ValueError(
+                f"cut_bytes_per_sample needs {nb + 1} entries (one per cut position), "
+                f"got {len(self.cut_bytes_per_sample)}"
+            )
+        for gpu_type, times in self.fwd_bwd_s_per_sample.items():
+            if len(times) != nb:
+                raise ValueError(
+                    f"fwd_bwd_s_per_sample[{gpu_type!r}] has {len(times)} entries, "
+                    f"expected {nb} (one per block)"
+                )
+            if any(t < 0 for t in times):
+                raise ValueError(f"negative block time for {gpu_type!r}: {times}")
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.param_count)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DeviceGraph:
+    """The GPUs of a cluster as the planners see them.
+
+    GPU ``g`` is index ``g`` of every per-GPU tuple; links are symmetric.
+    """
+
+    #: ``(G,)`` GPU type names, keys of ``BlockCosts.fwd_bwd_s_per_sample``.
+    gpu_types: tuple[str, ...]
+    #: ``(G,)`` usable memory per GPU in bytes.
+    memory_bytes: tuple[int, ...]
+    #: ``(G,)`` memory bandwidth per GPU in bytes/s (optimizer-step time).
+    mem_bw_bytes_per_s: tuple[float, ...]
+    #: ``(G, G)`` link bandwidth between GPU g and h, bytes/s (diagonal unused).
+    link_bw_bytes_per_s: tuple[tuple[float, ...], ...]
+    #: ``(G, G)`` link latency between GPU g and h, seconds (diagonal unused).
+    link_latency_s: tuple[tuple[float, ...], ...]
+    #: ``(G,)`` node name of each GPU (for tables and symmetry breaking).
+    node_names: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        g = len(self.gpu_types)
+        for name in ("memory_bytes", "mem_bw_bytes_per_s", "link_bw_bytes_per_s", "link_latency_s"):
+            if len(getattr(self, name)) != g:
+                raise ValueError(f"DeviceGraph.{name} has {len(getattr(self, name))} rows, expected {g}")
+        for name in ("link_bw_bytes_per_s", "link_latency_s"):
+            for row in getattr(self, name):
+                if len(row) != g:
+                    raise ValueError(f"DeviceGraph.{name} must be {g}x{g}")
+        if self.node_names and len(self.node_names) != g:
+            raise ValueError(f"DeviceGraph.node_names has {len(self.node_names)} entries, expected {g}")
+
+    @property
+    def num_gpus(self) -> int:
+        return len(self.gpu_types)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SolverOptions:
+    """Knobs of the planners (CP-SAT and brute force share them)."""
+
+    #: Samples per global batch (all micro-batches of all stages together).
+    global_batch_size: int
+    #: Largest number of pipeline stages to consider.
+    max_stages: int = 4
+    #: Candidate micro-batch counts; ``None`` = every divisor of the global
+    #: batch size up to ``max_microbatches``.
+    num_microbatches: tuple[int, ...] | None = None
+    max_microbatches: int = 16
+    #: "1f1b" or "gpipe": decides activations in flight per stage.
+    schedule: str = "1f1b"
+    #: Fraction of each GPU's memory the plan may use (rest: allocator, CUDA
+    #: context, fragmentation).
+    memory_fraction: float = 0.9
+    #: Wall-clock limit of each CP-SAT solve, seconds.
+    time_limit_s: float = 10.0
+    #: CP-SAT worker threads.
+    num_workers: int = 2
+    #: Allow GPUs to stay unused when that is faster.
+    allow_idle_gpus: bool = True
+    #: Random seed for CP-SAT (reproducible plans).
+    seed: int = 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SolverResult:
+    """The planner's decision, before it is turned into a ``Plan``."""
+
+    #: Per stage ``(start_block, end_block)``, end exclusive, contiguous, in order.
+    stage_blocks: tuple[tuple[int, int], ...]
+    #: Per stage, the GPU indices (into ``DeviceGraph``) that form its DP group.
+    stage_gpus: tuple[tuple[int, ...], ...]
+    #: Per stage, samples each of its GPUs takes from every micro-batch
+    #: (aligned with ``stage_gpus``; each row sums to ``microbatch_size``).
+    samples_per_microbatch: tuple[tuple[int, ...], ...]
+    num_microbatches: int
+    microbatch_size: int
+    schedule: str
+    #: Predicted step time by the planner's objective, seconds.
+    predicted_step_time_s: float
+    #: Breakdown (seconds): per stage compute, comm, all-reduce, optimizer.
+    predicted_stage_time_s: tuple[float, ...] = ()
+    predicted_allreduce_s: tuple[float, ...] = ()
+    #: ``(G_used,)``-aligned with stage_gpus: predicted peak memory bytes.
+    predicted_memory_bytes: tuple[tuple[int, ...], ...] = ()
+    #: "OPTIMAL", "FEASIBLE", "BRUTE_FORCE", ... and the gap (0 = proven optimal).
+    status: str = "UNKNOWN"
+    objective: float = 0.0
+    best_bound: float = 0.0
+    optimality_gap: float = 0.0
+    wall_s: float = 0.0
+    #: Every (num_stages, num_microbatches) candidate tried and its result.
+    candidates: tuple[dict, ...] = field(default_factory=tuple)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stage_blocks)

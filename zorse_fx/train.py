@@ -1,0 +1,127 @@
+"""``python -m zorse_fx.train``: run an exported plan, one process per GPU.
+
+Launch with torchrun (one node or many; torch.distributed is the engine, NCCL
+on GPUs, Gloo on CPU)::
+
+    torchrun --nproc-per-node 4 -m zorse_fx.train runs/x/plan \\
+        --weights runs/x/plan/weights.pt --tokens runs/x/tokens.pt --steps 10 --out runs/x
+
+``zorse train`` wraps exactly this command. Each rank reads only plan.json,
+its stage source, the weights and the token file; it never imports OR-Tools.
+Rank 0 writes ``<out>/metrics.jsonl``: one JSON object per step with
+``step``, ``loss``, ``step_time_s``, ``tokens_per_s``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from .data import global_batch
+from .errors import RuntimeExecutionError
+from .plan import Plan
+from .runtime.worker import OptimizerConfig, StageWorker
+
+__all__ = ["main", "parse_args"]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m zorse_fx.train", description=__doc__.split("\n")[0])
+    p.add_argument("plan", help="plan directory (plan.json + stage_<i>.py) or plan.json")
+    p.add_argument("--weights", help="weights file (torch.save of {name: tensor}); default: <plan>/weights.pt")
+    p.add_argument("--tokens", required=True, help="1-D int64 token tensor file (torch.save)")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--out", default="runs/train", help="run directory (metrics.jsonl)")
+    p.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto")
+    p.add_argument("--dump-grads", type=int, default=0, metavar="STEP",
+                   help="after this step, each rank saves its reduced gradients to <out>/grads/ (testing)")
+    p.add_argument("--dump-params", action="store_true", help="save each rank's parameters at the end to <out>/params/")
+    return p.parse_args(argv)
+
+
+def _log(rank: int, msg: str) -> None:
+    if rank == 0:
+        print(msg, flush=True)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(1)  # one thread per rank: ranks share the host's cores
+    backend = args.backend
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, timeout=timedelta(minutes=10))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    plan_path = Path(args.plan)
+    plan_dir = plan_path if plan_path.is_dir() else plan_path.parent
+    plan = Plan.load(plan_path)
+    if world != plan.world_size:
+        raise RuntimeExecutionError(
+            f"the plan needs {plan.world_size} processes (one per GPU) but torchrun started {world}; "
+            f"use --nproc-per-node {plan.world_size} on one node (or that many in total)"
+        )
+    if backend == "nccl":
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+    else:
+        device = torch.device("cpu")
+    weights_path = Path(args.weights) if args.weights else plan_dir / "weights.pt"
+    if not weights_path.exists():
+        raise RuntimeExecutionError(f"weights file {weights_path} not found; pass --weights or export with `zorse plan`")
+    weights = torch.load(weights_path, mmap=True, weights_only=True)
+    tokens = torch.load(args.tokens, weights_only=True)
+    worker = StageWorker(
+        plan, plan_dir, weights, rank=rank, device=device,
+        optimizer=OptimizerConfig(lr=args.lr, weight_decay=args.weight_decay),
+    )
+    del weights
+    out = Path(args.out)
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        metrics = open(out / "metrics.jsonl", "w")
+    _log(rank, f"[zorse] {world} ranks ({backend}), {plan.num_stages} stages, "
+               f"{plan.num_microbatches} micro-batches of {plan.microbatch_size}, {args.steps} steps")
+    dist.barrier()
+    for step in range(1, args.steps + 1):
+        batch = global_batch(
+            tokens, step - 1, global_batch_size=plan.global_batch_size, seq_len=plan.seq_len,
+            input_names=plan.input_names, label_mode=plan.label_mode,
+        )
+        t0 = time.perf_counter()
+        contribution = worker.train_step(batch)
+        loss = torch.tensor([contribution], dtype=torch.float64)
+        dist.all_reduce(loss)  # sum of share-weighted contributions = global mean loss
+        step_time = time.perf_counter() - t0
+        if step == args.dump_grads:
+            d = out / "grads"
+            d.mkdir(parents=True, exist_ok=True)
+            torch.save(worker.gradients(), d / f"rank{rank}.pt")
+        if rank == 0:
+            rec = {"step": step, "loss": float(loss), "step_time_s": step_time,
+                   "tokens_per_s": plan.tokens_per_step / step_time}
+            metrics.write(json.dumps(rec) + "\n")
+            metrics.flush()
+            print(f"[zorse] step {step:>3}/{args.steps}  loss {float(loss):.4f}  "
+                  f"{step_time:.2f} s  {rec['tokens_per_s']:,.0f} tokens/s", flush=True)
+    if args.dump_params:
+        d = out / "params"
+        d.mkdir(parents=True, exist_ok=True)
+        torch.save(worker.parameters_by_name(), d / f"rank{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
