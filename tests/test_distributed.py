@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import CLUSTERS, first_batch, reference_step, run_distributed
-from zorse_fx.capture import capture
+from zorse_fx.capture import analyse, capture
 from zorse_fx.cluster import Cluster
 from zorse_fx.models.gpt import GPT, GPTConfig
 from zorse_fx.planner import PlanOptions, plan_fixed
@@ -54,7 +54,7 @@ def test_gpt_distributed_equals_single_process(case, lee_bytes, tmp_path):
     stage_gpus, samples, m, gb = CASES[case]
     captured = _gpt_captured()
     cluster = Cluster.from_yaml(CLUSTERS / "small_hetero.yaml")
-    nb = __import__("zorse_fx.capture", fromlist=["analyse"]).analyse(captured).num_blocks
+    nb = analyse(captured).num_blocks
     ns = len(stage_gpus)
     cuts = [round(i * nb / ns) for i in range(ns + 1)]
     plan, _ = plan_fixed(
@@ -63,4 +63,27 @@ def test_gpt_distributed_equals_single_process(case, lee_bytes, tmp_path):
         stage_gpus=stage_gpus, samples_per_microbatch=samples, num_microbatches=m,
     )
     assert plan.num_stages == ns
+    _check(plan, captured, lee_bytes, tmp_path)
+
+
+def test_hf_llama_tied_embeddings_distributed(lee_bytes, tmp_path):
+    """HF Llama (torch.export route), tied input/output embedding held by the
+    first and the last stage: 1 GPU, then 2 GPUs with unequal shares."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from zorse_fx.models.hf import CausalLMWithLoss
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+                      tie_word_embeddings=True, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    ids = torch.randint(0, 256, (4, SEQ))
+    captured = capture(CausalLMWithLoss(LlamaForCausalLM(cfg)), (ids, ids))
+    cluster = Cluster.from_yaml(CLUSTERS / "small_hetero.yaml")
+    plan, _ = plan_fixed(
+        captured, cluster, PlanOptions(global_batch_size=6),
+        stage_blocks=((0, 2), (2, analyse(captured).num_blocks)),
+        stage_gpus=((0,), (2, 3)), samples_per_microbatch=((3,), (1, 2)), num_microbatches=2, label_mode="same",
+    )
+    assert plan.shared_params() == {"model.model.embed_tokens.weight": (0, 1)}
     _check(plan, captured, lee_bytes, tmp_path)

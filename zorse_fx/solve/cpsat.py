@@ -35,44 +35,70 @@ def _interchangeable(devices: DeviceGraph, tab: IntTables, g: int, h: int) -> bo
                for k in range(devices.num_gpus) if k not in (g, h))
 
 
+def _blocks(prefix) -> list[int]:
+    """Per-block values of a prefix-summed table."""
+    return [prefix[i + 1] - prefix[i] for i in range(len(prefix) - 1)]
+
+
 class _Model:
-    """CP-SAT model of one (S, M) candidate. Times in ns units, memory in bytes."""
+    """CP-SAT model of one (S, M) candidate. Times in ns units, memory in bytes.
+
+    Encoding: block membership is linear. ge[s][k] <=> c_s <= k (monotone in k),
+    so "block k is in stage s" is in_s[s][k] = ge[s][k] - ge[s+1][k] and every
+    per-stage sum (work, params, activations, all-reduce, optimizer) is a
+    weighted sum of in_s. z[g][k] = samples GPU g pushes through block k
+    (n_g if k is in g's stage, else 0), so compute_g = sum_k w[k] z[g][k] and
+    activations A_s n_g = sum_k act[k] z[g][k] are linear too; this gives the LP
+    relaxation the throughput bound that product constraints do not.
+    """
 
     def __init__(self, tab: IntTables, devices: DeviceGraph, options: SolverOptions, num_stages: int):
         self.tab, self.S = tab, num_stages
         self.m = m = cp_model.CpModel()
         n_s, n_g, nb, b = num_stages, tab.num_gpus, tab.num_blocks, tab.microbatch_size
-        gpus, stages = range(n_g), range(n_s)
+        gpus, stages, blocks = range(n_g), range(n_s), range(nb)
+        wsum = cp_model.LinearExpr.WeightedSum
 
         # [C-assign] x[g][s]: GPU g works in stage s; each GPU in <= 1 stage (== 1 without idling).
         self.x = x = [[m.NewBoolVar(f"x_{g}_{s}") for s in stages] for g in gpus]
         for g in gpus:
             (m.AddExactlyOne if not options.allow_idle_gpus else m.AddAtMostOne)(x[g])
-        size = []
+        size = [sum(x[g][s] for g in gpus) for s in stages]
         for s in stages:
-            m.Add(sum(x[g][s] for g in gpus) >= 1)
-            m.Add(sum(x[g][s] for g in gpus) <= b)  # every GPU takes >= 1 of the b samples
-            size.append(sum(x[g][s] for g in gpus))
+            m.Add(size[s] >= 1)
+            m.Add(size[s] <= b)  # every GPU of the stage takes >= 1 of the b samples
 
         # [C-cuts] c_0 = 0 < c_1 < ... < c_S = B; stage s runs blocks [c_s, c_{s+1}).
-        self.cut = cut = ([m.NewConstant(0)] + [m.NewIntVar(s, nb - n_s + s, f"c_{s}") for s in range(1, n_s)]
-                          + [m.NewConstant(nb)])
+        self.cut = cut = [m.NewIntVar(min(s, nb), max(nb - n_s + s, 0), f"c_{s}") for s in range(n_s + 1)]
+        m.Add(cut[0] == 0)
+        m.Add(cut[n_s] == nb)
+        ge = [[m.NewBoolVar(f"ge_{s}_{k}") for k in blocks] for s in range(n_s + 1)]
+        for s in range(n_s + 1):
+            for k in blocks:
+                m.Add(cut[s] <= k).OnlyEnforceIf(ge[s][k])
+                m.Add(cut[s] >= k + 1).OnlyEnforceIf(ge[s][k].Not())
+                if k + 1 < nb:
+                    m.AddImplication(ge[s][k], ge[s][k + 1])
+            m.Add(cut[s] == nb - sum(ge[s]))
         for s in stages:
             m.Add(cut[s + 1] >= cut[s] + 1)
+        in_s = [[m.NewBoolVar(f"in_{s}_{k}") for k in blocks] for s in stages]
+        for s in stages:
+            for k in blocks:
+                m.Add(in_s[s][k] == ge[s][k] - ge[s + 1][k])
+        for k in blocks:
+            m.AddExactlyOne(in_s[s][k] for s in stages)
 
-        def ranged(prefix, name, s):
-            """Sum over the blocks of stage s of a prefix-summed table (AddElement on the cuts)."""
-            ends = []
-            for c in (cut[s], cut[s + 1]):
-                v = m.NewIntVar(0, prefix[-1], f"{name}_e")
-                m.AddElement(c, list(prefix), v)
-                ends.append(v)
-            d = m.NewIntVar(0, prefix[-1], f"{name}_{s}")
-            m.Add(d == ends[1] - ends[0])
-            return d
+        def stage_sum(prefix, s):
+            """Linear expression: sum of a prefix-summed table over the blocks of stage s."""
+            return wsum(in_s[s], _blocks(prefix))
+
+        def at_cut(table, s):
+            """Linear expression: table[c_s] for an interior cut 1 <= s < S."""
+            return sum(table[c] * (ge[s][c] - ge[s][c - 1]) for c in range(1, nb))
 
         def gated(flag, value, hi, name):
-            """flag ? value : 0."""
+            """An IntVar equal to flag ? value : 0."""
             z = m.NewIntVar(0, hi, name)
             m.Add(z == value).OnlyEnforceIf(flag)
             m.Add(z == 0).OnlyEnforceIf(flag.Not())
@@ -92,78 +118,74 @@ class _Model:
             m.AddBoolOr([a.Not(), c.Not(), y])
             return y
 
-        # [C-samples] n[g][s] in [1, b] iff x[g][s], else 0; sum over the stage = b.
-        self.n = n = [[m.NewIntVar(0, b, f"n_{g}_{s}") for s in stages] for g in gpus]
-        for g in gpus:
-            for s in stages:
-                m.Add(n[g][s] >= 1).OnlyEnforceIf(x[g][s])
-                m.Add(n[g][s] == 0).OnlyEnforceIf(x[g][s].Not())
-        for s in stages:
-            m.Add(sum(n[g][s] for g in gpus) == b)
-
-        # [C-compute] compute[g][s] = n[g][s] * W[s][type(g)]; comp_s = max over the stage.
-        types = sorted(set(tab.gpu_types))
-        comp = []
-        for s in stages:
-            work = {t: ranged(tab.work_prefix[t], f"W_{t}", s) for t in types}
-            prods = []
-            for g in gpus:
-                hi = b * tab.work_prefix[tab.gpu_types[g]][-1]
-                p = m.NewIntVar(0, hi, f"comp_{g}_{s}")
-                m.AddMultiplicationEquality(p, [n[g][s], work[tab.gpu_types[g]]])
-                prods.append(p)
-            cs = m.NewIntVar(0, b * max(tab.work_prefix[t][-1] for t in types), f"comp_{s}")
-            m.AddMaxEquality(cs, prods)
-            comp.append(cs)
-
-        def pair_max(pairs, s_end, xfer_tables, name):
-            """(max over present pairs of xfer_tables[bw class][c], max latency), c = s_end.
-            ``pairs``: {(g, h): presence bool}. Classes group pairs by bandwidth / latency."""
+        def pair_max(pairs, value_of_class, hi_of_class, name):
+            """(max over present pairs of value_of_class(bw class), max pair latency).
+            ``pairs``: {(g, h): presence bool}; pairs are grouped by bandwidth / latency."""
             by_bw, by_lat = defaultdict(list), defaultdict(list)
             for (g, h), y in pairs.items():
                 by_bw[tab.pair_bw_class[g][h]].append(y)
                 by_lat[tab.pair_lat[g][h]].append(y)
-            terms = []
-            for k, ys in by_bw.items():
-                table = xfer_tables[k]
-                hi = max(table)
-                v = m.NewIntVar(0, hi, f"{name}_bw{k}")
-                s_end(table, v)
-                terms.append(gated(any_of(ys, f"{name}_p{k}"), v, hi, f"{name}_z{k}"))
-            # (no IntVar.Proto(): it corrupts memory in ortools 9.15, google/or-tools#5134)
-            xm = m.NewIntVar(0, max(max(xfer_tables[k]) for k in by_bw), f"{name}_x")
+            terms = [gated(any_of(ys, f"{name}_p{k}"), value_of_class(k), hi_of_class(k), f"{name}_z{k}")
+                     for k, ys in by_bw.items()]
+            xm = m.NewIntVar(0, max(hi_of_class(k) for k in by_bw), f"{name}_x")
             m.AddMaxEquality(xm, terms)
             lm = m.NewIntVar(0, max(by_lat), f"{name}_l")
             m.AddMaxEquality(lm, [lat * any_of(ys, f"{name}_q{lat}") for lat, ys in by_lat.items()])
             return xm, lm
 
-        # [C-boundary] boundary_s = 2 * (xfer + lat) over pairs (g in s, h in s+1); [C-stage] t_s.
+        # [C-samples] n[g][s] in [1, b] iff x[g][s], else 0; sum over the stage = b.
+        # z[g][k] = n[g][s] for the stage s holding block k (so 0 off g's stage).
+        self.n = n = [[m.NewIntVar(0, b, f"n_{g}_{s}") for s in stages] for g in gpus]
+        z = [[m.NewIntVar(0, b, f"z_{g}_{k}") for k in blocks] for g in gpus]
+        for g in gpus:
+            for s in stages:
+                m.Add(n[g][s] >= 1).OnlyEnforceIf(x[g][s])
+                m.Add(n[g][s] == 0).OnlyEnforceIf(x[g][s].Not())
+                for k in blocks:
+                    m.Add(z[g][k] == n[g][s]).OnlyEnforceIf(in_s[s][k])
+        for s in stages:
+            m.Add(sum(n[g][s] for g in gpus) == b)
+        for k in blocks:
+            m.Add(sum(z[g][k] for g in gpus) == b)  # redundant: every block sees the b samples
+
+        # [C-compute] compute_g = n_g * W_{s,type(g)} = sum_k w[type(g)][k] * z[g][k].
+        tmax = m.NewIntVar(0, 10**15, "tmax")
+        work_hi = b * max(p[-1] for p in tab.work_prefix.values())
+        comp = []
+        for g in gpus:
+            cg = m.NewIntVar(0, work_hi, f"comp_{g}")
+            m.Add(cg == wsum(z[g], _blocks(tab.work_prefix[tab.gpu_types[g]])))
+            m.Add(tmax >= cg)  # redundant (throughput bound for the LP)
+            comp.append(cg)
         t = []
         for s in stages:
+            cs = m.NewIntVar(0, work_hi, f"comp_{s}")
+            m.AddMaxEquality(cs, [gated(x[g][s], comp[g], work_hi, f"cgs_{g}_{s}") for g in gpus])
+            # [C-boundary] boundary_s = 2 * (xfer + lat) over pairs (g in s, h in s+1).
             if s < n_s - 1:
                 pairs = {(g, h): both(x[g][s], x[h][s + 1], f"y_{g}_{h}_{s}")
                          for g in gpus for h in gpus if g != h}
-                xm, lm = pair_max(pairs, lambda table, v, s=s: m.AddElement(cut[s + 1], list(table), v),
-                                  tab.xfer, f"bd{s}")
+                xm, lm = pair_max(pairs, lambda k, s=s: at_cut(tab.xfer[k], s + 1),
+                                  lambda k: max(tab.xfer[k]), f"bd{s}")
                 bnd = 2 * xm + 2 * lm
             else:
                 bnd = 0
+            # [C-stage] t_s = max compute + boundary.
             ts = m.NewIntVar(0, 10**15, f"t_{s}")
-            m.Add(ts == comp[s] + bnd)
+            m.Add(ts == cs + bnd)
             t.append(ts)
 
         # [C-allreduce] ring over the stage's pairs; [C-optim] slowest memory bandwidth of the stage.
         sync = []
+        lat_hi = max(max(r) for r in tab.pair_lat)
         for s in stages:
-            pairs = {(g, h): both(x[g][s], x[h][s], f"w_{g}_{h}_{s}")
-                     for g in gpus for h in gpus if g < h}
+            pairs = {(g, h): both(x[g][s], x[h][s], f"w_{g}_{h}_{s}") for g in gpus for h in gpus if g < h}
             if pairs:
-                def ar_sum(table, v, s=s):
-                    m.Add(v == ranged(table, "ar", s))
-                arb, lw = pair_max(pairs, ar_sum, tab.ar_prefix, f"ar{s}")
+                arb, lw = pair_max(pairs, lambda k, s=s: stage_sum(tab.ar_prefix[k], s),
+                                   lambda k: tab.ar_prefix[k][-1], f"ar{s}")
                 sz1 = m.NewIntVar(0, n_g - 1, f"size1_{s}")
                 m.Add(sz1 == size[s] - 1)
-                lat_term = m.NewIntVar(0, (n_g - 1) * max(max(r) for r in tab.pair_lat), f"arlat_{s}")
+                lat_term = m.NewIntVar(0, (n_g - 1) * lat_hi, f"arlat_{s}")
                 m.AddMultiplicationEquality(lat_term, [sz1, lw])
                 ar = arb + 2 * lat_term
             else:
@@ -171,21 +193,19 @@ class _Model:
             opt_terms = []
             for k in sorted(set(tab.gpu_mbw_class)):
                 members = [x[g][s] for g in gpus if tab.gpu_mbw_class[g] == k]
-                ok = ranged(tab.opt_prefix[k], f"opt{k}", s)
-                opt_terms.append(gated(any_of(members, f"u_{k}_{s}"), ok, tab.opt_prefix[k][-1], f"oz_{k}_{s}"))
+                opt_terms.append(gated(any_of(members, f"u_{k}_{s}"), stage_sum(tab.opt_prefix[k], s),
+                                       tab.opt_prefix[k][-1], f"oz_{k}_{s}"))
             opt = m.NewIntVar(0, max(p[-1] for p in tab.opt_prefix), f"opt_{s}")
             m.AddMaxEquality(opt, opt_terms)
             sync.append(ar + opt)
 
-        # [C-memory] state_s + act_s * n_g * inflight_s <= usable bytes of g, for g in s.
+        # [C-memory] state_s + inflight_s * A_s * n_g <= usable bytes of g, for g in s.
+        act = [wsum(z[g], _blocks(tab.act_prefix)) for g in gpus]
         for s in stages:
-            state = ranged(tab.state_prefix, "state", s)
-            act = ranged(tab.act_prefix, "act", s)
+            state = stage_sum(tab.state_prefix, s)
             fl = inflight(tab.schedule, n_s, s, tab.num_microbatches)
             for g in gpus:
-                a = m.NewIntVar(0, b * tab.act_prefix[-1], f"act_{g}_{s}")
-                m.AddMultiplicationEquality(a, [n[g][s], act])
-                m.Add(state + fl * a <= tab.cap_bytes[g]).OnlyEnforceIf(x[g][s])
+                m.Add(state + fl * act[g] <= tab.cap_bytes[g]).OnlyEnforceIf(x[g][s])
 
         # [C-symmetry] interchangeable GPUs g < h: (stage, -samples) of g <= that of h
         # (idle counts as stage S, after every real stage).
@@ -198,12 +218,10 @@ class _Model:
                 m.Add(key(g) <= key(h))
 
         # [C-objective] step = sum t_s + (M-1) max t_s + max (allreduce_s + optim_s).
-        tmax = m.NewIntVar(0, 10**15, "tmax")
         m.AddMaxEquality(tmax, t)
         smax = m.NewIntVar(0, 10**15, "syncmax")
         m.AddMaxEquality(smax, sync)
-        self.obj = sum(t) + (tab.num_microbatches - 1) * tmax + smax
-        m.Minimize(self.obj)
+        m.Minimize(sum(t) + (tab.num_microbatches - 1) * tmax + smax)
 
     def decision(self, solver: cp_model.CpSolver):
         """(stage_blocks, stage_gpus, samples) of the solver's current solution."""

@@ -1,0 +1,132 @@
+"""The ``zorse`` command line.
+
+    zorse plan  --model smollm2-135m --cluster examples/clusters/demo.yaml \\
+                --global-batch-size 8 --seq-len 64 -o runs/x/plan
+    zorse train runs/x/plan --corpus lee --tokenizer smollm2-135m --steps 10 --out runs/x
+    zorse show  runs/x/plan          # print a plan's table and schedule grid
+
+``zorse train`` starts one local process per planned GPU with torchrun; on a
+real multi-node cluster run the printed ``torchrun ... -m zorse_fx.train``
+command on every node instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+__all__ = ["main"]
+
+
+def _load_model(name: str):
+    """(model, tokenizer-or-"bytes") for a model name or ``module:factory``."""
+    if name == "smollm2-135m":
+        from .models.hf import load_smollm2_135m
+
+        return load_smollm2_135m()
+    if name.startswith("gpt"):
+        from .models.gpt import GPT, GPTConfig
+
+        torch.manual_seed(0)
+        return GPT(GPTConfig(n_layer=4, n_embd=128, n_head=4, block_size=256)), "bytes"
+    if ":" in name:
+        import importlib
+
+        mod, fn = name.split(":", 1)
+        out = getattr(importlib.import_module(mod), fn)()
+        return out if isinstance(out, tuple) else (out, "bytes")
+    raise SystemExit(f"zorse: unknown model {name!r}; use smollm2-135m, gpt, or module:factory")
+
+
+def _tokenizer(name: str):
+    if name == "bytes":
+        return "bytes"
+    if name == "smollm2-135m":
+        from transformers import AutoTokenizer
+
+        from .models.hf import smollm2_gguf_path
+
+        path = smollm2_gguf_path()
+        return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    raise SystemExit(f"zorse: unknown tokenizer {name!r}; use bytes or smollm2-135m")
+
+
+def cmd_plan(args) -> int:
+    import zorse_fx as zorse
+
+    model, _ = _load_model(args.model)
+    ids = torch.randint(0, 200, (2, args.seq_len))
+    compiled = zorse.compile(
+        model, cluster=args.cluster, example_inputs=(ids, ids), global_batch_size=args.global_batch_size,
+        max_stages=args.max_stages, schedule=args.schedule, time_limit_s=args.time_limit, verbose=True,
+        model_name=args.model,
+    )
+    print(compiled.plan.table())
+    path = compiled.plan.export(args.output)
+    weights = compiled.save_weights(args.output)
+    print(f"[zorse] wrote {path}, {len(compiled.plan.stages)} stage sources and {weights}")
+    return 0
+
+
+def cmd_train(args) -> int:
+    from .data import read_corpus, tokenize
+    from .plan import Plan
+    from .runtime.launch import launch, torchrun_command
+
+    plan = Plan.load(args.plan)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tokens = tokenize(read_corpus(args.corpus), _tokenizer(args.tokenizer))
+    torch.save(tokens, out / "tokens.pt")
+    train_args = ["--tokens", str(out / "tokens.pt"), "--steps", str(args.steps), "--lr", str(args.lr),
+                  "--out", str(out)]
+    nproc = args.nproc or plan.world_size
+    print("[zorse] " + " ".join(torchrun_command(args.plan, nproc, train_args)))
+    launch(args.plan, nproc, train_args)
+    return 0
+
+
+def cmd_show(args) -> int:
+    from .plan import Plan
+    from .runtime.schedule import format_grid, make_schedule
+
+    plan = Plan.load(args.plan)
+    print(plan.table())
+    print(format_grid(make_schedule(plan.schedule, plan.num_stages, plan.num_microbatches)))
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="zorse", description="Heterogeneous-cluster training planner and runtime.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    pp = sub.add_parser("plan", help="model + cluster -> exported plan (plan.json, stage_<i>.py, weights.pt)")
+    pp.add_argument("--model", required=True, help="smollm2-135m | gpt | module:factory")
+    pp.add_argument("--cluster", required=True, help="cluster YAML file")
+    pp.add_argument("--global-batch-size", type=int, required=True)
+    pp.add_argument("--seq-len", type=int, default=64)
+    pp.add_argument("--max-stages", type=int, default=4)
+    pp.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b")
+    pp.add_argument("--time-limit", type=float, default=10.0, help="CP-SAT seconds per candidate")
+    pp.add_argument("-o", "--output", required=True, help="plan directory to write")
+    pp.set_defaults(fn=cmd_plan)
+    pt = sub.add_parser("train", help="run an exported plan with torchrun (one process per GPU)")
+    pt.add_argument("plan")
+    pt.add_argument("--corpus", default="lee", help="'lee' (gensim news corpus) or a text file")
+    pt.add_argument("--tokenizer", default="bytes", help="bytes | smollm2-135m")
+    pt.add_argument("--steps", type=int, default=10)
+    pt.add_argument("--lr", type=float, default=1e-4)
+    pt.add_argument("--nproc", type=int, default=0, help="processes (default: the plan's GPU count)")
+    pt.add_argument("--out", default="runs/train")
+    pt.set_defaults(fn=cmd_train)
+    ps = sub.add_parser("show", help="print a plan's table and schedule")
+    ps.add_argument("plan")
+    ps.set_defaults(fn=cmd_show)
+    args = p.parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
