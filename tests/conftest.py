@@ -37,7 +37,7 @@ def reference_step(captured, batch: dict[str, torch.Tensor]):
     for canon in captured.trainable():
         grads[canon] = _fetch_attr(gm, canon).grad.detach().clone()
     gm.zero_grad(set_to_none=True)
-    return float(loss), grads
+    return float(loss.detach()), grads
 
 
 def run_distributed(compiled_or_plan, weights, tokens, tmp_path: Path, *, steps: int = 1, extra=()):

@@ -51,7 +51,7 @@ class PlanOptions:
     #: None = the dtype of the model's parameters.
     compute_dtype: torch.dtype | None = None
     #: Upper bound on blocks the graph is cut into.
-    max_blocks: int = 64
+    max_blocks: int = 32
     allow_idle_gpus: bool = True
 
 
@@ -126,8 +126,7 @@ def build_plan(
                 predicted_memory_bytes=int(mem), memory_capacity_bytes=int(gpu.memory_bytes),
             ))
             rank += 1
-        first, last = prog.blocks[0], prog.blocks[1] - 1
-        label = bg.describe_block(first) if first == last else f"{bg.describe_block(first)} → {bg.describe_block(last)}"
+        label = bg.describe_blocks(*prog.blocks)
         stages.append(StagePlan(
             index=s,
             blocks=prog.blocks,

@@ -102,14 +102,33 @@ class BlockGraph:
     def stage_nodes(self, start_block: int, end_block: int) -> tuple[str, ...]:
         return self.act_order[self.blocks[start_block][0] : self.blocks[end_block - 1][1]]
 
-    def describe_block(self, b: int) -> str:
-        """Short human label from the module path of the block's first param."""
-        attrs = [a for a in self.block_attrs[b] if a in self.captured.trainable()]
-        if not attrs:
-            return f"block {b}"
-        first, last = attrs[0], attrs[-1]
-        prefix = first.rsplit(".", 1)[0]
-        return prefix if first == last else f"{prefix} .. {last.rsplit('.', 1)[0]}"
+    def describe_blocks(self, start: int, end: int) -> str:
+        """Short label of blocks [start, end): modules in order, numbered layers
+        as ``L0–L7`` (``layers.3.mlp`` -> ``L3``), e.g. ``embed_tokens, L0–L7``."""
+        trainable = self.captured.trainable()
+        parts: list[str] = []
+        for b in range(start, end):
+            for attr in self.block_attrs[b]:
+                if attr not in trainable:
+                    continue
+                path = attr.rsplit(".", 1)[0].split(".")
+                while path and path[0] == "model":
+                    path = path[1:]
+                idx = next((i for i, p in enumerate(path) if p.isdigit()), None)
+                name = f"L{path[idx]}" if idx is not None else (path[-1] if path else attr)
+                if not parts or parts[-1] != name:
+                    parts.append(name)
+        out: list[str] = []
+        i = 0
+        while i < len(parts):  # merge runs of consecutive layers L3, L4, L5 -> L3–L5
+            j = i
+            while (j + 1 < len(parts) and parts[j].startswith("L") and parts[j + 1].startswith("L")
+                   and parts[j][1:].isdigit() and parts[j + 1][1:].isdigit()
+                   and int(parts[j + 1][1:]) == int(parts[j][1:]) + 1):
+                j += 1
+            out.append(parts[i] if j == i else f"{parts[i]}–{parts[j]}")
+            i = j + 1
+        return ", ".join(dict.fromkeys(out)) or f"blocks {start}-{end - 1}"
 
 
 class _Recorder(fx.Interpreter):

@@ -14,8 +14,11 @@ Time of a node on a GPU: ``max(flops / (peak * MATMUL_EFFICIENCY),
 bytes / (mem_bw * MEMORY_EFFICIENCY))``. Forward+backward = 3x forward (the
 backward of a matmul is two matmuls of the same size: Narayanan et al.,
 SC'21, "Efficient large-scale language model training on GPU clusters", eq. 3).
-The efficiencies are assumptions until a measured profile replaces them
-(issue 3, ``zorse bench kernels``).
+Every non-view node also costs a fixed ``3 * KERNEL_OVERHEAD_S`` per
+micro-batch (one forward and about two backward kernels), whatever its sample
+count: this is what makes tiny micro-batches slow on a real GPU. The
+efficiencies and the overhead are assumptions until a measured profile
+replaces them (issue 3, ``zorse bench kernels``).
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ from ..capture.trace import META_KEY, _fetch_attr
 from ..cluster import GPUSpec
 from ..solve.records import BlockCosts
 
-__all__ = ["NodeCost", "node_costs", "block_costs", "MATMUL_EFFICIENCY", "MEMORY_EFFICIENCY", "FWD_BWD_FACTOR"]
+__all__ = ["NodeCost", "node_costs", "block_costs", "MATMUL_EFFICIENCY", "MEMORY_EFFICIENCY", "FWD_BWD_FACTOR",
+           "KERNEL_OVERHEAD_S"]
 
 #: Fraction of datasheet peak FLOP/s a large matmul reaches (assumption; typical
 #: for cuBLAS GEMMs of transformer sizes, replaced by measured profiles).
@@ -39,6 +43,11 @@ MATMUL_EFFICIENCY = 0.6
 MEMORY_EFFICIENCY = 0.7
 #: forward + backward time = FWD_BWD_FACTOR x forward time.
 FWD_BWD_FACTOR = 3.0
+#: Fixed time per kernel (launch + tail), seconds, paid once per micro-batch per
+#: non-view node in forward and twice in backward. "A few microseconds" per
+#: launch: NVIDIA developer blog, "Getting Started with CUDA Graphs" (2019).
+#: An assumption until measured profiles replace it (issue 3).
+KERNEL_OVERHEAD_S = 5e-6
 
 _aten = torch.ops.aten
 _MATMUL = {
@@ -134,22 +143,25 @@ def block_costs(
         state_bytes_per_param: weights + grads + AdamW moments (fp32: 16 B).
     """
     costs = node_costs(bg)
-    gm = bg.captured.graph_module
+    nodes = {n.name: n for n in bg.graph.nodes}
     trainable = bg.captured.trainable()
     state = bg.captured.state()
     times: dict[str, list[float]] = {t: [] for t in specs}
-    params, acts = [], []
+    params, acts, fixed = [], [], []
     for b in range(bg.num_blocks):
         names = bg.block_nodes(b)
         for gpu_type, spec in specs.items():
             fwd = sum(node_time_s(costs[n], spec, compute_dtype) for n in names)
             times[gpu_type].append(FWD_BWD_FACTOR * fwd)
+        kernels = sum(1 for n in names if costs[n].bytes > 0)
+        fixed.append(FWD_BWD_FACTOR * KERNEL_OVERHEAD_S * kernels)
         params.append(sum(state[a].numel() for a in bg.block_attrs[b] if a in trainable))
         # Saved activations: outputs of the non-view nodes of the block.
-        acts.append(int(sum(costs[n].bytes > 0 and _out_bytes(gm, n) for n in names)))
+        acts.append(int(sum(_out_bytes(nodes[n]) for n in names if costs[n].bytes > 0)))
     cut = tuple(sum(t.bytes_per_sample for t in ts) for ts in bg.cut_tensors)
     return BlockCosts(
         fwd_bwd_s_per_sample={k: tuple(v) for k, v in times.items()},
+        fwd_bwd_s_fixed={k: tuple(fixed) for k in specs},
         param_count=tuple(params),
         act_bytes_per_sample=tuple(acts),
         cut_bytes_per_sample=cut,
@@ -158,6 +170,5 @@ def block_costs(
     )
 
 
-def _out_bytes(gm: fx.GraphModule, name: str) -> int:
-    node = next(n for n in gm.graph.nodes if n.name == name)
+def _out_bytes(node: fx.Node) -> int:
     return sum(_nbytes(t) for t in _tensors(node.meta[META_KEY].get("val_batch1")))

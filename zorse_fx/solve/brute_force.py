@@ -1,22 +1,18 @@
 """Exhaustive oracle for tiny instances (tests compare CP-SAT against it).
 
 Enumerates every S, M, assignment of GPUs to stages / idle, cut composition
-and sample split, and scores each with objective.py's integer model. The
-sample split of stage s changes only its compute term and its memory, and the
-step time grows with every t_s, so for each (assignment, cuts) the splits of
-the stages are enumerated per stage and the fastest memory-feasible one is
-kept (an exact reduction of the full product).
+and sample split (the full product, no pruning), checks memory and scores each
+decision with objective.py's integer model (``evaluate_units``).
 """
 
 from __future__ import annotations
 
 import itertools
 import time
-from functools import lru_cache
 
 from ..errors import InfeasiblePlanError
 from .objective import (UNIT_S, build_tables, evaluate, evaluate_units, explain_infeasible,
-                        inflight, max_stage_count, microbatch_candidates)
+                        max_stage_count, microbatch_candidates)
 from .records import BlockCosts, DeviceGraph, SolverOptions, SolverResult
 
 __all__ = ["solve_brute_force", "MAX_GPUS", "MAX_BLOCKS", "MAX_MICROBATCH_SIZE"]
@@ -56,21 +52,6 @@ def solve_brute_force(costs: BlockCosts, devices: DeviceGraph, options: SolverOp
             tab = build_tables(costs, devices, options, m)
             b = tab.microbatch_size
 
-            @lru_cache(maxsize=None)
-            def best_split(gpus: tuple[int, ...], i: int, j: int, s: int):
-                """Fastest memory-feasible samples of stage s (GPUs, blocks [i, j)), or None."""
-                state = tab.state_prefix[j] - tab.state_prefix[i]
-                act = (tab.act_prefix[j] - tab.act_prefix[i]) * inflight(tab.schedule, n_s, s, m)
-                work = [tab.work_prefix[tab.gpu_types[g]][j] - tab.work_prefix[tab.gpu_types[g]][i]
-                        for g in gpus]
-                found = None
-                for ns in _compositions(b, len(gpus)):
-                    if all(state + act * n <= tab.cap_bytes[g] for g, n in zip(gpus, ns)):
-                        c = max(n * w for n, w in zip(ns, work))
-                        if found is None or c < found[0]:
-                            found = (c, ns)
-                return None if found is None else found[1]
-
             cand_best = None
             choices = range(-1 if options.allow_idle_gpus else 0, n_s)  # -1 = idle
             for assign in itertools.product(choices, repeat=n_g):
@@ -80,12 +61,14 @@ def solve_brute_force(costs: BlockCosts, devices: DeviceGraph, options: SolverOp
                 for inner in itertools.combinations(range(1, nb), n_s - 1):
                     edges = (0, *inner, nb)
                     blocks = tuple((edges[s], edges[s + 1]) for s in range(n_s))
-                    samples = tuple(best_split(gs, i, j, s) for s, (gs, (i, j)) in enumerate(zip(stage_gpus, blocks)))
-                    if any(ns is None for ns in samples):
-                        continue
-                    step = evaluate_units(tab, blocks, stage_gpus, samples).step
-                    if cand_best is None or step < cand_best[0]:
-                        cand_best = (step, blocks, stage_gpus, samples)
+                    splits = [list(_compositions(b, len(gs))) for gs in stage_gpus]
+                    for samples in itertools.product(*splits):
+                        u = evaluate_units(tab, blocks, stage_gpus, samples)
+                        if any(need > tab.cap_bytes[g] for gs, needs in zip(stage_gpus, u.memory)
+                               for g, need in zip(gs, needs)):
+                            continue
+                        if cand_best is None or u.step < cand_best[0]:
+                            cand_best = (u.step, blocks, stage_gpus, samples)
             cands.append({"num_stages": n_s, "num_microbatches": m,
                           "status": "INFEASIBLE" if cand_best is None else "BRUTE_FORCE",
                           "step_time_s": None if cand_best is None else cand_best[0] * UNIT_S,

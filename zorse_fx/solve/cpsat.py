@@ -4,13 +4,15 @@ One CP-SAT model per (S stages, M micro-batches); the best feasible plan over
 all pairs wins (ties: fewer stages, then fewer micro-batches). The model is
 the "step-time model" note of objective.py, in the same integer units (1 ns,
 bytes); constraints carry the same tags ([C-assign], [C-memory], ...). Every
-derived quantity is defined by an equality (max / element / product), so the
-objective value of *any* solution CP-SAT returns equals ``evaluate()`` of the
-decision, which ``solve_cpsat`` checks.
+derived quantity is defined by an equality (linear sums, max, flag ? value : 0,
+one small product for the all-reduce latency), never by a one-sided bound, so
+the objective value of *any* solution CP-SAT returns, optimal or not, equals
+``evaluate()`` of the decision; ``solve_cpsat`` checks that on every answer.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections import defaultdict
 
@@ -145,16 +147,28 @@ class _Model:
                     m.Add(z[g][k] == n[g][s]).OnlyEnforceIf(in_s[s][k])
         for s in stages:
             m.Add(sum(n[g][s] for g in gpus) == b)
+        # u[g][k] = 1 iff GPU g runs block k (z > 0): pays the block's fixed cost.
+        u = [[m.NewBoolVar(f"u_{g}_{k}") for k in blocks] for g in gpus]
+        for g in gpus:
+            for k in blocks:
+                m.Add(z[g][k] >= 1).OnlyEnforceIf(u[g][k])
+                m.Add(z[g][k] == 0).OnlyEnforceIf(u[g][k].Not())
         for k in blocks:
             m.Add(sum(z[g][k] for g in gpus) == b)  # redundant: every block sees the b samples
 
-        # [C-compute] compute_g = n_g * W_{s,type(g)} = sum_k w[type(g)][k] * z[g][k].
-        tmax = m.NewIntVar(0, 10**15, "tmax")
-        work_hi = b * max(p[-1] for p in tab.work_prefix.values())
+        # [C-compute] compute_g = n_g * W_{s,type(g)} + F_{s,type(g)}
+        #             = sum_k w[type(g)][k] * z[g][k] + sum_k f[type(g)][k] * u[g][k].
+        lat_hi = max(max(r) for r in tab.pair_lat)
+        work_hi = b * max(p[-1] for p in tab.work_prefix.values()) + max(p[-1] for p in tab.fixed_prefix.values())
+        t_hi = work_hi + 2 * (max((max(r) for r in tab.xfer), default=0) + lat_hi)
+        sync_hi = (max((p[-1] for p in tab.ar_prefix), default=0) + 2 * (n_g - 1) * lat_hi
+                   + max(p[-1] for p in tab.opt_prefix))
+        tmax = m.NewIntVar(0, t_hi, "tmax")
         comp = []
         for g in gpus:
             cg = m.NewIntVar(0, work_hi, f"comp_{g}")
-            m.Add(cg == wsum(z[g], _blocks(tab.work_prefix[tab.gpu_types[g]])))
+            m.Add(cg == wsum(z[g], _blocks(tab.work_prefix[tab.gpu_types[g]]))
+                  + wsum(u[g], _blocks(tab.fixed_prefix[tab.gpu_types[g]])))
             m.Add(tmax >= cg)  # redundant (throughput bound for the LP)
             comp.append(cg)
         t = []
@@ -171,13 +185,12 @@ class _Model:
             else:
                 bnd = 0
             # [C-stage] t_s = max compute + boundary.
-            ts = m.NewIntVar(0, 10**15, f"t_{s}")
+            ts = m.NewIntVar(0, t_hi, f"t_{s}")
             m.Add(ts == cs + bnd)
             t.append(ts)
 
         # [C-allreduce] ring over the stage's pairs; [C-optim] slowest memory bandwidth of the stage.
         sync = []
-        lat_hi = max(max(r) for r in tab.pair_lat)
         for s in stages:
             pairs = {(g, h): both(x[g][s], x[h][s], f"w_{g}_{h}_{s}") for g in gpus for h in gpus if g < h}
             if pairs:
@@ -219,7 +232,7 @@ class _Model:
 
         # [C-objective] step = sum t_s + (M-1) max t_s + max (allreduce_s + optim_s).
         m.AddMaxEquality(tmax, t)
-        smax = m.NewIntVar(0, 10**15, "syncmax")
+        smax = m.NewIntVar(0, sync_hi, "syncmax")
         m.AddMaxEquality(smax, sync)
         m.Minimize(sum(t) + (tab.num_microbatches - 1) * tmax + smax)
 
@@ -272,9 +285,13 @@ def solve_cpsat(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions)
                 all_optimal &= code == cp_model.OPTIMAL
                 if best is None or obj < best[0]:
                     best = (obj, bound, status, m, dec, ev)
-            elif code != cp_model.INFEASIBLE:
+            elif code == cp_model.MODEL_INVALID:
+                raise AssertionError(f"invalid CP-SAT model for S={n_s}, M={m}: {model.m.Validate()}")
+            elif code != cp_model.INFEASIBLE:  # UNKNOWN: time limit without a solution
                 all_optimal = False
-                bounds.append(max(0, int(solver.BestObjectiveBound())))
+                lb = solver.BestObjectiveBound()
+                bounds.append(max(0, int(lb)) if math.isfinite(lb) else 0)
+                rec["best_bound_s"] = bounds[-1] * UNIT_S
             rec["wall_s"] = time.perf_counter() - t1
             cands.append(rec)
     if best is None:

@@ -11,7 +11,8 @@ integer samples n_g >= 1 per GPU of stage s, sum_{g in s} n_g = b   [C-samples]
 
 P_s = params of the blocks of s, A_s = their activation bytes per sample,
 W_{s,tau} = their fwd+bwd time per sample on GPU type tau.
-  compute_g   = n_g * W_{s,type(g)}                                   [C-compute]
+  compute_g   = n_g * W_{s,type(g)} + F_{s,type(g)}                   [C-compute]
+                (F = fixed time per micro-batch: kernel launches)
   boundary_s  = 2 * (xfer_s + lat_s) for s < S-1, boundary_{S-1} = 0  [C-boundary]
                 xfer_s = cut_bytes[c_{s+1}] * b / bw_min(s, s+1),
                 lat_s  = lat_max(s, s+1) over GPU pairs (g in s, h in s+1)
@@ -138,6 +139,8 @@ class IntTables:
     gpu_types: tuple[str, ...]
     #: {gpu_type: prefix of per-sample fwd+bwd units}.
     work_prefix: dict[str, tuple[int, ...]]
+    #: {gpu_type: prefix of fixed per-micro-batch fwd+bwd units}.
+    fixed_prefix: dict[str, tuple[int, ...]]
     #: prefix of state bytes (state_bytes_per_param * params) and of activation bytes/sample.
     state_prefix: tuple[int, ...]
     act_prefix: tuple[int, ...]
@@ -193,6 +196,8 @@ def build_tables(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions
         schedule=options.schedule, gpu_types=tuple(devices.gpu_types),
         work_prefix={t: _prefix(to_units(x) for x in costs.fwd_bwd_s_per_sample[t])
                      for t in sorted(set(devices.gpu_types))},
+        fixed_prefix={t: _prefix(to_units(x) for x in costs.fwd_bwd_s_fixed.get(t, (0.0,) * costs.num_blocks))
+                      for t in sorted(set(devices.gpu_types))},
         state_prefix=_prefix(st * p for p in costs.param_count),
         act_prefix=_prefix(costs.act_bytes_per_sample),
         pair_bw_class=pair_bw_class, bw_values=bw_values,
@@ -226,6 +231,7 @@ def evaluate_units(tab: IntTables, stage_blocks, stage_gpus, samples) -> StageUn
     comp, bnd, ar, opt, mem = [], [], [], [], []
     for s, ((i, j), gpus, ns) in enumerate(zip(stage_blocks, stage_gpus, samples)):
         comp.append(max(n * (tab.work_prefix[tab.gpu_types[g]][j] - tab.work_prefix[tab.gpu_types[g]][i])
+                        + tab.fixed_prefix[tab.gpu_types[g]][j] - tab.fixed_prefix[tab.gpu_types[g]][i]
                         for g, n in zip(gpus, ns)))
         if s < n_s - 1:
             nxt = stage_gpus[s + 1]
@@ -378,12 +384,15 @@ def explain_infeasible(costs: BlockCosts, devices: DeviceGraph, options: SolverO
     gbs, n_g = options.global_batch_size, devices.num_gpus
     ms = microbatch_candidates(options)  # raises for an indivisible batch
     k_max = max_stage_count(costs, devices, options)
+    k_txt = f"{k_max} stage{'s' if k_max > 1 else ''}"
+    if k_max < options.max_stages:
+        k_txt += f" (max_stages={options.max_stages}, {n_g} GPUs, {costs.num_blocks} blocks)"
     unknown = [(c["num_stages"], c["num_microbatches"]) for c in candidates if c.get("status") == "UNKNOWN"]
     note = (f"; (S, M) = {unknown} hit time_limit_s={options.time_limit_s:g} without a solution: "
             f"raise time_limit_s" if unknown else "")
     if not options.allow_idle_gpus and n_g > k_max * (gbs // ms[0]):
         return (f"allow_idle_gpus=False: each of the {n_g} GPUs must take >= 1 sample of every "
-                f"micro-batch, but at most {k_max} stages x {gbs // ms[0]} samples = "
+                f"micro-batch, but at most {k_txt} x {gbs // ms[0]} samples = "
                 f"{k_max * (gbs // ms[0])} GPUs can be busy; allow idle GPUs or raise "
                 f"global_batch_size / max_stages{note}")
     caps = [int(options.memory_fraction * mb) for mb in devices.memory_bytes]
@@ -409,10 +418,10 @@ def explain_infeasible(costs: BlockCosts, devices: DeviceGraph, options: SolverO
               f"{_gib(st * sum(costs.param_count[i:j]))} GiB state + "
               f"{_gib(sum(costs.act_bytes_per_sample[i:j]))} GiB activations of one sample)")
     if worst > caps[big]:
-        return f"{head}; with at most {k_max} stages the best split still needs {detail} but {big_txt}; {fix}{note}"
+        return f"{head}; with at most {k_txt} the best split still needs {detail} but {big_txt}; {fix}{note}"
     tried = [(c["num_stages"], c["num_microbatches"]) for c in candidates]
     return (f"{head}; no (stages, micro-batches) candidate {tried} fits in memory: the best split into "
-            f"<= {k_max} stages needs {detail} and {big_txt}, but every stage needs its own GPUs "
+            f"at most {k_txt} needs {detail} and {big_txt}, but every stage needs its own GPUs "
             f"and holds activations of b = {gbs // ms[-1]}..{gbs // ms[0]} samples x up to "
             f"{ms[-1] if options.schedule == 'gpipe' else min(k_max, ms[-1])} micro-batches in flight; "
             f"usable GiB per GPU: {[float(_gib(c)) for c in caps]}; {fix}{note}")

@@ -27,6 +27,10 @@ class BlockCosts:
     #: ``b`` on one GPU of that type, in seconds (cost model: roofline or
     #: measured profile).
     fwd_bwd_s_per_sample: dict[str, tuple[float, ...]]
+    #: ``{gpu_type: (B,)}`` forward+backward time of block ``b`` per
+    #: micro-batch that does not grow with its samples (kernel launches), in
+    #: seconds. Missing types count as zero.
+    fwd_bwd_s_fixed: dict[str, tuple[float, ...]] = field(default_factory=dict)
     #: ``(B,)`` trainable parameters first used in block ``b``.
     param_count: tuple[int, ...]
     #: ``(B,)`` activation bytes one sample keeps alive for the backward pass.
@@ -62,6 +66,11 @@ class BlockCosts:
                 )
             if any(t < 0 for t in times):
                 raise ValueError(f"negative block time for {gpu_type!r}: {times}")
+        for gpu_type, times in self.fwd_bwd_s_fixed.items():
+            if len(times) != nb or any(t < 0 for t in times):
+                raise ValueError(
+                    f"fwd_bwd_s_fixed[{gpu_type!r}] must have {nb} non-negative entries, got {times}"
+                )
 
     @property
     def num_blocks(self) -> int:

@@ -1,0 +1,250 @@
+"""Tests of the planners: CP-SAT vs brute force, hand-checked plans, infeasibility."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import time
+
+import pytest
+
+from zorse_fx.errors import InfeasiblePlanError
+from zorse_fx.solve import (BlockCosts, DeviceGraph, SolverOptions, evaluate, solve_brute_force,
+                            solve_cpsat)
+from zorse_fx.solve.objective import UNITS_PER_S
+
+GIB = 1 << 30
+
+
+def _devices(types, nodes, memory, mem_bw, *, intra=(100e9, 5e-6), inter=(10e9, 2e-5), odd_links=None):
+    """GPUs with NVLink-like links inside a node and slower links across nodes.
+    ``odd_links``: {(g, h): (bw, latency)} overrides for single pairs (symmetric)."""
+    g = len(types)
+    link = {(a, b): (intra if nodes[a] == nodes[b] else inter) for a in range(g) for b in range(g)}
+    for (a, b), v in (odd_links or {}).items():
+        link[a, b] = link[b, a] = v
+    bw = tuple(tuple(0.0 if a == b else link[a, b][0] for b in range(g)) for a in range(g))
+    lat = tuple(tuple(0.0 if a == b else link[a, b][1] for b in range(g)) for a in range(g))
+    return DeviceGraph(gpu_types=tuple(types), memory_bytes=tuple(memory), mem_bw_bytes_per_s=tuple(mem_bw),
+                       link_bw_bytes_per_s=bw, link_latency_s=lat, node_names=tuple(nodes))
+
+
+def _random_instance(seed):
+    rng = random.Random(seed)
+    n_g, nb = rng.randint(2, 4), rng.randint(2, 6)
+    slow = rng.choice([1.5, 2.0, 3.0, 4.0])
+    base = [rng.uniform(4e-3, 20e-3) for _ in range(nb)]
+    costs = BlockCosts(
+        fwd_bwd_s_per_sample={"A": tuple(base), "B": tuple(t * slow * rng.uniform(0.8, 1.2) for t in base)},
+        param_count=tuple(rng.randint(20, 200) * 1_000_000 for _ in range(nb)),
+        act_bytes_per_sample=tuple(rng.randint(20, 600) * 1_000_000 for _ in range(nb)),
+        cut_bytes_per_sample=(0, *(rng.randint(1, 200) * 1_000_000 for _ in range(nb - 1)), 0),
+        # Half the seeds have a fixed per-micro-batch cost (kernel launches).
+        fwd_bwd_s_fixed=({"A": tuple(rng.uniform(0, 5e-3) for _ in range(nb)),
+                          "B": tuple(rng.uniform(0, 8e-3) for _ in range(nb))} if seed % 2 else {}),
+    )
+    types = [rng.choice("AB") for _ in range(n_g)]
+    nodes = [rng.choice(["n0", "n1"]) for _ in range(n_g)]
+    memory = [rng.choice([4, 6, 8, 12, 16]) * GIB for _ in range(n_g)]
+    mem_bw = [rng.choice([900e9, 1.2e12]) if t == "A" else 300e9 for t in types]
+    odd = {(a, b): (rng.choice([2e9, 25e9, 50e9]), rng.choice([1e-6, 5e-5]))
+           for a in range(n_g) for b in range(a + 1, n_g) if rng.random() < 0.2}
+    options = SolverOptions(global_batch_size=rng.randint(2, 6), max_stages=rng.randint(1, 3),
+                            schedule=rng.choice(["1f1b", "gpipe"]), time_limit_s=20.0,
+                            num_workers=2, seed=seed, allow_idle_gpus=rng.random() < 0.8)
+    return costs, _devices(types, nodes, memory, mem_bw, odd_links=odd), options
+
+
+def _eval(costs, devices, options, res):
+    return evaluate(costs, devices, options, stage_blocks=res.stage_blocks, stage_gpus=res.stage_gpus,
+                    samples_per_microbatch=res.samples_per_microbatch, num_microbatches=res.num_microbatches)
+
+
+SEEDS = range(40)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_cpsat_matches_brute_force(seed):
+    costs, devices, options = _random_instance(seed)
+    try:
+        ref = solve_brute_force(costs, devices, options)
+    except InfeasiblePlanError as exc:
+        with pytest.raises(InfeasiblePlanError) as got:
+            solve_cpsat(costs, devices, options)
+        assert str(got.value) == str(exc)
+        return
+    res = solve_cpsat(costs, devices, options)
+    assert res.status == "OPTIMAL"
+    ev_ref, ev = _eval(costs, devices, options, ref), _eval(costs, devices, options, res)
+    assert ev.feasible and ev_ref.feasible
+    assert ev.objective_units == ev_ref.objective_units
+    assert round(res.objective * UNITS_PER_S) == ev.objective_units
+    assert (res.num_stages, res.num_microbatches) == (ref.num_stages, ref.num_microbatches)
+    # every (S, M) candidate: same feasibility and the same optimum.
+    for a, b in zip(res.candidates, ref.candidates):
+        assert (a["num_stages"], a["num_microbatches"]) == (b["num_stages"], b["num_microbatches"])
+        assert (a["step_time_s"] is None) == (b["step_time_s"] is None)
+        if a["step_time_s"] is not None:
+            assert round(a["step_time_s"] * UNITS_PER_S) == round(b["step_time_s"] * UNITS_PER_S)
+
+
+def test_random_family_is_diverse():
+    """The random family exercises what it should: memory binds (the optimum
+    with unlimited memory is faster, or only it is feasible), pipelines,
+    heterogeneous data-parallel groups with unequal shares, idle GPUs."""
+    def best(costs, devices, options):
+        try:
+            return solve_brute_force(costs, devices, options)
+        except InfeasiblePlanError:
+            return None
+
+    binding = pipelines = dp = unequal = 0
+    for seed in SEEDS:
+        costs, devices, options = _random_instance(seed)
+        res = best(costs, devices, options)
+        roomy = best(costs, dataclasses.replace(devices, memory_bytes=(1 << 45,) * devices.num_gpus), options)
+        binding += res is None or res.objective != roomy.objective
+        if res is not None:
+            pipelines += res.num_stages > 1
+            dp += any(len(gs) > 1 for gs in res.stage_gpus)
+            unequal += any(len(set(ns)) > 1 for ns in res.samples_per_microbatch)
+    assert binding >= 8 and pipelines >= 8 and dp >= 5 and unequal >= 1
+
+
+def _fast_slow():
+    """GPU 0 is 3x faster than GPU 1 (same node); one block of 1e6 parameters."""
+    costs = BlockCosts(fwd_bwd_s_per_sample={"fast": (1e-3,), "slow": (3e-3,)}, param_count=(1_000_000,),
+                       act_bytes_per_sample=(1_000_000,), cut_bytes_per_sample=(0, 0))
+    devices = DeviceGraph(gpu_types=("fast", "slow"), memory_bytes=(16 * GIB, 16 * GIB),
+                          mem_bw_bytes_per_s=(1e12, 5e11), link_bw_bytes_per_s=((0, 1e10), (1e10, 0)),
+                          link_latency_s=((0, 1e-5), (1e-5, 0)), node_names=("n0", "n0"))
+    return costs, devices
+
+
+def test_hand_checked_unequal_shares():
+    costs, devices = _fast_slow()
+    options = SolverOptions(global_batch_size=4, max_stages=2)
+    compute = 3 * 1e-3  # fast: 3 samples x 1 ms = slow: 1 sample x 3 ms
+    allreduce = 2 * 4 * 1e6 / 1e10 + 2 * (2 - 1) * 1e-5  # ring: 2 x grad bytes / bw + 2 (k-1) latency
+    optim = 2 * 16 * 1e6 / 5e11  # the slower memory bandwidth of the two GPUs
+    expected = compute + allreduce + optim  # M = 1, one stage: no pipeline terms
+    assert expected < 4 * 1e-3 + 2 * 16 * 1e6 / 1e12  # beats the fast GPU alone (4 ms + its optimizer)
+    for solve in (solve_cpsat, solve_brute_force):
+        res = solve(costs, devices, options)
+        assert res.stage_gpus == ((0, 1),) and res.samples_per_microbatch == ((3, 1),)
+        assert res.num_microbatches == 1 and res.stage_blocks == ((0, 1),)
+        assert res.predicted_step_time_s == pytest.approx(expected, abs=1e-9)
+        assert res.predicted_allreduce_s == pytest.approx((allreduce,), abs=1e-9)
+    ev = evaluate(costs, devices, options, stage_blocks=((0, 1),), stage_gpus=((0, 1),),
+                  samples_per_microbatch=((3, 1),), num_microbatches=1)
+    assert ev.objective_units == 3_884_000 and ev.compute_s == pytest.approx((3e-3,))
+    assert ev.optim_s == pytest.approx((optim,)) and ev.boundary_s == (0.0,)
+
+
+def test_two_stages_with_heterogeneous_dp_group():
+    """The model does not fit one GPU: the optimum pipelines two stages, and the
+    first stage is a data-parallel pair of a fast and a slow GPU (split 3:1)."""
+    p = 600_000_000  # 9.6e9 B of state per block: one block per 16 GiB GPU (14.4 GiB usable)
+    costs = BlockCosts(fwd_bwd_s_per_sample={"A": (4e-3, 2e-3), "B": (12e-3, 6e-3)}, param_count=(p, p),
+                       act_bytes_per_sample=(10_000_000, 10_000_000), cut_bytes_per_sample=(0, 1_000_000, 0))
+    devices = _devices(["A", "B", "A"], ["n0"] * 3, [16 * GIB] * 3, [1e12] * 3, intra=(1e12, 1e-6))
+    options = SolverOptions(global_batch_size=16, num_microbatches=(4,), max_stages=3)
+    res = solve_cpsat(costs, devices, options)
+    ref = solve_brute_force(costs, devices, options)
+    assert res.num_stages == 2 and res.stage_blocks == ((0, 1), (1, 2))
+    assert res.stage_gpus == ((0, 1), (2,)) and res.samples_per_microbatch == ((3, 1), (4,))
+    # by hand, b = 4 samples: stage 0 = max(3 x 4 ms, 1 x 12 ms) + 2 x (4 MB / 1 TB/s + 1 us)
+    t0 = 12e-3 + 2 * (4e6 / 1e12 + 1e-6)
+    t1 = 4 * 2e-3
+    ar0 = 2 * 4 * p / 1e12 + 2 * 1e-6  # the two-GPU stage's ring all-reduce
+    opt = 2 * 16 * p / 1e12  # same for both stages
+    expected = t0 + t1 + 3 * max(t0, t1) + ar0 + opt
+    assert res.predicted_step_time_s == pytest.approx(expected, abs=1e-8)
+    assert round(ref.objective * UNITS_PER_S) == round(res.objective * UNITS_PER_S)
+
+
+def test_infeasible_memory_best_split():
+    p = 600_000_000  # 8.9 GiB of state per block, 4 blocks = 35.8 GiB
+    costs = BlockCosts(fwd_bwd_s_per_sample={"T4": (1e-3,) * 4}, param_count=(p,) * 4,
+                       act_bytes_per_sample=(0,) * 4, cut_bytes_per_sample=(0,) * 5)
+    devices = _devices(["T4", "T4"], ["n0", "n0"], [16 * GIB] * 2, [3e11] * 2)
+    options = SolverOptions(global_batch_size=4, max_stages=4)
+    for solve in (solve_cpsat, solve_brute_force):
+        pattern = r"training state needs 35\.8 GiB \(16 B/param × 2\.4e\+09"
+        with pytest.raises(InfeasiblePlanError, match=pattern) as e:
+            solve(costs, devices, options)
+        msg = str(e.value)
+        assert ("with at most 2 stages (max_stages=4, 2 GPUs, 4 blocks) the best split still needs "
+                "17.9 GiB on stage 0") in msg
+        assert "largest GPU (T4) has 14.4 GiB usable (0.9 × 16.0 GiB)" in msg
+        assert "raise max_stages" in msg
+
+
+def test_infeasible_single_block():
+    costs = BlockCosts(fwd_bwd_s_per_sample={"T4": (1e-3, 1e-3)}, param_count=(1_000_000_000, 10),
+                       act_bytes_per_sample=(0, 0), cut_bytes_per_sample=(0, 0, 0))
+    devices = _devices(["T4"] * 3, ["n0"] * 3, [16 * GIB] * 3, [3e11] * 3)
+    with pytest.raises(InfeasiblePlanError, match=r"block 0 alone needs 14\.9 GiB .* 14\.4 GiB usable"):
+        solve_cpsat(costs, devices, SolverOptions(global_batch_size=2))
+
+
+def test_indivisible_batch():
+    costs, devices = _fast_slow()
+    options = SolverOptions(global_batch_size=7, num_microbatches=(2, 4))
+    for solve in (solve_cpsat, solve_brute_force):
+        with pytest.raises(InfeasiblePlanError, match=r"global_batch_size=7 cannot be divided.*\(2, 4\)"):
+            solve(costs, devices, options)
+
+
+def test_evaluate_memory_violation_and_shape_errors():
+    costs, devices = _fast_slow()
+    devices = dataclasses.replace(devices, memory_bytes=(16 * GIB, 1 * GIB))
+    costs = BlockCosts(fwd_bwd_s_per_sample=costs.fwd_bwd_s_per_sample, param_count=(100_000_000,),
+                       act_bytes_per_sample=(1 << 28,), cut_bytes_per_sample=(0, 0))
+    options = SolverOptions(global_batch_size=4)
+    ev = evaluate(costs, devices, options, stage_blocks=((0, 1),), stage_gpus=((0, 1),),
+                  samples_per_microbatch=((3, 1),), num_microbatches=1)
+    # GPU 1: 1.6e9 B state + 0.25 GiB activations = 1.7 GiB > 0.9 GiB usable
+    assert not ev.feasible
+    assert ev.violations == ("stage 0 GPU 1 (slow) needs 1.7 GiB > 0.9 GiB usable (0.9 × 1.0 GiB)",)
+    assert ev.memory_bytes == ((1_600_000_000 + 3 * (1 << 28), 1_600_000_000 + (1 << 28)),)
+    kw = dict(stage_gpus=((0, 1),), num_microbatches=1)
+    with pytest.raises(ValueError, match=r"sum to 3"):
+        evaluate(costs, devices, options, stage_blocks=((0, 1),), samples_per_microbatch=((2, 1),), **kw)
+    with pytest.raises(ValueError, match=r"stage 0 blocks \(0, 0\)"):
+        evaluate(costs, devices, options, stage_blocks=((0, 0),), samples_per_microbatch=((3, 1),), **kw)
+    with pytest.raises(ValueError, match=r"GPU 1 is twice in stage 0"):
+        evaluate(costs, devices, options, stage_blocks=((0, 1),), stage_gpus=((1, 1),),
+                 samples_per_microbatch=((2, 2),), num_microbatches=1)
+
+
+def test_brute_force_refuses_large_instances():
+    costs, devices = _fast_slow()
+    with pytest.raises(ValueError, match=r"b <= 6"):
+        solve_brute_force(costs, devices, SolverOptions(global_batch_size=64, num_microbatches=(4,)))
+
+
+def test_sixteen_gpus_forty_blocks():
+    rng = random.Random(7)
+    speed = {"A100": 1.0, "V100": 2.2, "T4": 5.0, "L4": 3.0}
+    mem = {"A100": 80, "V100": 32, "T4": 16, "L4": 24}
+    mbw = {"A100": 2.0e12, "V100": 0.9e12, "T4": 0.32e12, "L4": 0.3e12}
+    types = [t for t in speed for _ in range(4)]
+    nodes = [f"node{g // 4}" for g in range(16)]
+    nb = 40
+    base = [rng.uniform(2e-4, 6e-4) for _ in range(nb)]
+    costs = BlockCosts(
+        fwd_bwd_s_per_sample={t: tuple(x * s for x in base) for t, s in speed.items()},
+        param_count=tuple(rng.randint(20, 60) * 1_000_000 for _ in range(nb)),
+        act_bytes_per_sample=tuple(rng.randint(20, 60) * 1_000_000 for _ in range(nb)),
+        cut_bytes_per_sample=(0, *([8_000_000] * (nb - 1)), 0))
+    devices = _devices(types, nodes, [mem[t] * GIB for t in types], [mbw[t] for t in types])
+    options = SolverOptions(global_batch_size=64, num_microbatches=(8,), max_stages=4, time_limit_s=3.0)
+    t0 = time.perf_counter()
+    res = solve_cpsat(costs, devices, options)
+    assert time.perf_counter() - t0 < 20
+    assert res.status in ("OPTIMAL", "FEASIBLE")
+    ev = _eval(costs, devices, options, res)
+    assert ev.feasible and res.predicted_step_time_s == ev.step_time_s
+    assert all(sum(ns) == 8 for ns in res.samples_per_microbatch)
+    assert len(res.candidates) == 4
