@@ -35,6 +35,8 @@ def main() -> int:
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--lr", type=float, default=2e-4)
+    ap.add_argument("--train-sequences", type=int, default=48,
+                    help="fine-tune on the first N sequences of the corpus (epochs of N / global batch steps)")
     ap.add_argument("--out", default=str(ROOT / "runs" / "demo"))
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -44,15 +46,19 @@ def main() -> int:
     from zorse_fx.data import global_batch, read_corpus, tokenize
     from zorse_fx.models.hf import load_smollm2_135m
     from zorse_fx.runtime.launch import launch
+    from zorse_fx.runtime.schedule import format_grid, make_schedule
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     print("[demo] loading SmolLM2-135M (GGUF, de-quantised to fp32) and the Lee news corpus ...", flush=True)
     model, tokenizer = load_smollm2_135m()
-    tokens = tokenize(read_corpus("lee"), tokenizer)
+    corpus = tokenize(read_corpus("lee"), tokenizer)
+    tokens = corpus[: args.train_sequences * (args.seq_len + 1)]
     torch.save(tokens, out / "tokens.pt")
-    print(f"[demo] {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, "
-          f"corpus: {tokens.numel():,} tokens", flush=True)
+    steps_per_epoch = max(1, args.train_sequences // args.global_batch_size)
+    print(f"[demo] {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters; corpus "
+          f"{corpus.numel():,} tokens, training on its first {args.train_sequences} sequences of "
+          f"{args.seq_len} tokens ({steps_per_epoch} steps per epoch)", flush=True)
 
     cluster = zorse.Cluster.from_yaml(args.cluster)
     print(cluster.summary_table(), flush=True)
@@ -68,6 +74,7 @@ def main() -> int:
     print(f"[demo] {plan.num_stages} pipeline stages; stages with unequal sample shares: {unequal or 'none'}")
     print(f"[demo] predicted step time on {cluster.name}: {plan.predicted_step_time_s * 1e3:.1f} ms "
           f"({plan.tokens_per_step / plan.predicted_step_time_s:,.0f} tokens/s)", flush=True)
+    print(format_grid(make_schedule(plan.schedule, plan.num_stages, plan.num_microbatches)))
     plan_dir = out / "plan"
     plan.export(plan_dir)
     compiled.save_weights(plan_dir)
@@ -103,7 +110,7 @@ def _plot(rows, path: Path) -> None:
     ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], marker="o")
     ax.set_xlabel("step")
     ax.set_ylabel("training loss (mean CE)")
-    ax.set_title("SmolLM2-135M on the Lee corpus, zorse_fx plan")
+    ax.set_title("SmolLM2-135M fine-tuned on Lee news text (zorse_fx plan)")
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -72,23 +72,10 @@ def plan_captured(
     """
     say = progress or (lambda msg: log.info(msg))
     t0 = time.perf_counter()
-    bg = analyse(captured, max_blocks=options.max_blocks)
+    bg, costs, dtype = _analyse_and_price(captured, cluster, options)
     say(f"analysed graph: {len(bg.act_order)} activation nodes, {bg.num_blocks} blocks at legal cut points")
-    params = [p for p in captured.graph_module.parameters()]
-    dtype = options.compute_dtype or (params[0].dtype if params else torch.float32)
-    specs = {g.type: g.spec for g in cluster.gpus}
-    costs = block_costs(bg, specs, compute_dtype=dtype)
-    say(f"cost model: roofline on {', '.join(specs)} ({str(dtype).removeprefix('torch.')} matmuls)")
-    sopts = SolverOptions(
-        global_batch_size=options.global_batch_size,
-        max_stages=options.max_stages,
-        num_microbatches=options.num_microbatches,
-        max_microbatches=options.max_microbatches,
-        schedule=options.schedule,
-        memory_fraction=options.memory_fraction,
-        time_limit_s=options.time_limit_s,
-        allow_idle_gpus=options.allow_idle_gpus,
-    )
+    say(f"cost model: roofline on {', '.join(cluster.gpu_types())} ({str(dtype).removeprefix('torch.')} matmuls)")
+    sopts = _solver_options(options)
     solve = {"cpsat": solve_cpsat, "brute_force": solve_brute_force}.get(options.planner)
     if solve is None:
         raise ValueError(f"unknown planner {options.planner!r}; use 'cpsat' or 'brute_force'")
@@ -99,6 +86,29 @@ def plan_captured(
                       compute_dtype=dtype, planner=options.planner)
     say(f"codegen: {plan.num_stages} stage modules ({time.perf_counter() - t0:.1f} s total)")
     return plan, bg
+
+
+def _analyse_and_price(captured: CapturedModel, cluster: Cluster, options: PlanOptions):
+    """(block graph, per-block costs on the cluster's GPU types, matmul dtype)."""
+    bg = analyse(captured, max_blocks=options.max_blocks)
+    params = list(captured.graph_module.parameters())
+    dtype = options.compute_dtype or (params[0].dtype if params else torch.float32)
+    costs = block_costs(bg, {g.type: g.spec for g in cluster.gpus}, compute_dtype=dtype)
+    return bg, costs, dtype
+
+
+def _solver_options(options: PlanOptions, **overrides) -> SolverOptions:
+    fields = dict(
+        global_batch_size=options.global_batch_size,
+        max_stages=options.max_stages,
+        num_microbatches=options.num_microbatches,
+        max_microbatches=options.max_microbatches,
+        schedule=options.schedule,
+        memory_fraction=options.memory_fraction,
+        time_limit_s=options.time_limit_s,
+        allow_idle_gpus=options.allow_idle_gpus,
+    )
+    return SolverOptions(**{**fields, **overrides})
 
 
 def build_plan(
@@ -192,13 +202,10 @@ def plan_fixed(
     """
     from .solve import evaluate
 
-    bg = analyse(captured, max_blocks=options.max_blocks)
-    params = list(captured.graph_module.parameters())
-    dtype = options.compute_dtype or (params[0].dtype if params else torch.float32)
-    costs = block_costs(bg, {g.type: g.spec for g in cluster.gpus}, compute_dtype=dtype)
-    sopts = SolverOptions(global_batch_size=options.global_batch_size, max_stages=max(options.max_stages, len(stage_blocks)),
-                          schedule=options.schedule, memory_fraction=options.memory_fraction,
-                          allow_idle_gpus=True)
+    bg, costs, dtype = _analyse_and_price(captured, cluster, options)
+    sopts = _solver_options(options, max_stages=max(options.max_stages, len(stage_blocks)),
+                            num_microbatches=None, max_microbatches=options.global_batch_size,
+                            allow_idle_gpus=True)
     ev = evaluate(costs, cluster.device_graph(), sopts, stage_blocks=stage_blocks, stage_gpus=stage_gpus,
                   samples_per_microbatch=samples_per_microbatch, num_microbatches=num_microbatches)
     result = SolverResult(

@@ -1,0 +1,101 @@
+"""Public surface: zorse.compile (instance, decorator, HF model), errors users
+see, and the `zorse` command line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import zorse_fx as zorse
+from conftest import CLUSTERS
+from zorse_fx.cli import main as zorse_main
+from zorse_fx.models.gpt import GPT, GPTConfig
+
+T = 16
+
+
+def test_compile_hf_llama_plan_and_pipeline_forward(lee_bytes):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=T,
+                      bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    hf = LlamaForCausalLM(cfg)
+    ids = lee_bytes[: 2 * T].view(2, T)
+    model = zorse.compile(hf, cluster=CLUSTERS / "small_hetero.yaml", example_inputs=(ids,),
+                          global_batch_size=8, time_limit_s=2.0)
+    plan = model.plan
+    assert plan.input_names == ("input_ids", "labels") and plan.label_mode == "same"
+    assert plan.microbatch_size * plan.num_microbatches == 8
+    assert plan.solver.status == "OPTIMAL"
+    for s in plan.stages:
+        assert sum(g.samples_per_microbatch for g in s.gpus) == plan.microbatch_size
+    ref = hf(input_ids=ids, labels=ids, use_cache=False).loss
+    torch.testing.assert_close(model.pipeline_forward(ids, ids), ref, rtol=0, atol=1e-6)
+
+
+def test_decorator_on_module_class():
+    ids = torch.randint(0, 256, (2, T))
+
+    @zorse.compile(cluster=CLUSTERS / "small_hetero.yaml", example_inputs=(ids, ids), global_batch_size=4,
+                   time_limit_s=2.0)
+    class TinyGPT(GPT):
+        """A user's model class."""
+
+    model = TinyGPT(GPTConfig(n_layer=2, n_embd=32, block_size=T))
+    assert isinstance(model, zorse.CompiledModel)
+    assert model.plan.world_size >= 1
+    assert TinyGPT.__doc__ == "A user's model class."
+    torch.testing.assert_close(model.pipeline_forward(ids, ids), model(ids, ids))
+
+
+def test_infeasible_plan_names_the_binding_constraint(tmp_path):
+    """A model whose training state cannot fit on the cluster's GPUs."""
+    cluster = tmp_path / "tiny.yaml"
+    cluster.write_text(
+        "name: tiny\n"
+        "gpu_types:\n"
+        "  Tiny1G: {memory_GiB: 0.0005, mem_bw_GBps: 100, fp32_tflops: 1, fp16_tensor_tflops: 2,"
+        " bf16_supported: false, source: 'test: a made-up GPU'}\n"
+        "nodes:\n  - name: n0\n    gpus: [{type: Tiny1G, count: 2}]\n"
+        "links:\n  intra_node: {bandwidth_GBps: 10, latency_us: 5}\n"
+    )
+    ids = torch.randint(0, 256, (2, T))
+    with pytest.raises(zorse.InfeasiblePlanError, match=r"GiB.*Tiny1G") as e:
+        zorse.compile(GPT(GPTConfig(n_layer=2, n_embd=64, block_size=T)), cluster=cluster,
+                      example_inputs=(ids, ids), global_batch_size=4, max_stages=2, time_limit_s=2.0)
+    assert "16 B/param" in str(e.value)
+
+
+def test_bad_cluster_path_is_reported(tmp_path):
+    ids = torch.randint(0, 256, (2, T))
+    with pytest.raises(zorse.ClusterConfigError, match="nope.yaml"):
+        zorse.compile(GPT(GPTConfig(n_layer=1, n_embd=32, block_size=T)), cluster=tmp_path / "nope.yaml",
+                      example_inputs=(ids, ids), global_batch_size=4)
+
+
+def test_cli_plan_and_show(tmp_path, capsys):
+    out = tmp_path / "plan"
+    assert zorse_main(["plan", "--model", "gpt", "--cluster", str(CLUSTERS / "small_hetero.yaml"),
+                       "--global-batch-size", "8", "--seq-len", "32", "--time-limit", "2", "-o", str(out)]) == 0
+    d = json.loads((out / "plan.json").read_text())
+    assert d["format"] == "zorse_fx.plan" and d["version"] == 1
+    assert (out / "weights.pt").exists() and (out / "stage_0.py").exists()
+    assert zorse_main(["show", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "predicted step time" in text and "stage |" in text
+
+
+def test_cli_train_runs_plan_on_real_text(tmp_path):
+    """`zorse train` tokenises the Lee corpus and runs the plan under torchrun."""
+    out = tmp_path / "plan"
+    assert zorse_main(["plan", "--model", "gpt", "--cluster", str(CLUSTERS / "small_hetero.yaml"),
+                       "--global-batch-size", "4", "--seq-len", "32", "--time-limit", "2", "-o", str(out)]) == 0
+    assert zorse_main(["train", str(out), "--corpus", "lee", "--tokenizer", "bytes", "--steps", "2",
+                       "--out", str(tmp_path / "run")]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["loss"] > 0 and r["step_time_s"] > 0 for r in rows)
