@@ -91,3 +91,12 @@ def test_deadlocking_schedule_is_marked():
         validate(bad)
     assert ">B0<" in str(e.value)
     assert "stage |" in format_grid(bad)
+
+
+def test_rank_entry_point_does_not_import_ortools():
+    """A rank reads plan.json and stage sources only; OR-Tools stays on the planning side."""
+    import subprocess
+    import sys
+
+    code = "import sys, zorse_fx.train; assert 'ortools' not in sys.modules, 'ortools imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)

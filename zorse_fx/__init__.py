@@ -4,7 +4,6 @@ Public surface: :func:`compile`, :class:`Cluster`, :class:`Plan`, and the
 errors in :mod:`zorse_fx.errors`.
 """
 
-from .api import CompiledModel, compile
 from .cluster import Cluster
 from .errors import (
     ClusterConfigError,
@@ -17,6 +16,16 @@ from .errors import (
 from .plan import Plan
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # The planner (OR-Tools) loads on first use of ``compile``: ranks started
+    # by ``python -m zorse_fx.train`` import this package but never OR-Tools.
+    if name in ("compile", "CompiledModel"):
+        from . import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'zorse_fx' has no attribute {name!r}")
 
 __all__ = [
     "compile",

@@ -1,8 +1,10 @@
 """Planners: the step-time model (objective.py), CP-SAT (cpsat.py) and an
-exhaustive oracle for tiny instances (brute_force.py)."""
+exhaustive oracle for tiny instances (brute_force.py).
 
-from .brute_force import solve_brute_force
-from .cpsat import solve_cpsat
+``solve_cpsat`` / ``solve_brute_force`` load on first use, so code that only
+needs the records (the cluster, the runtime) never imports OR-Tools.
+"""
+
 from .objective import Evaluation, evaluate
 from .records import BlockCosts, DeviceGraph, SolverOptions, SolverResult
 
@@ -10,3 +12,15 @@ __all__ = [
     "BlockCosts", "DeviceGraph", "SolverOptions", "SolverResult",
     "Evaluation", "evaluate", "solve_brute_force", "solve_cpsat",
 ]
+
+
+def __getattr__(name: str):
+    if name == "solve_cpsat":
+        from .cpsat import solve_cpsat
+
+        return solve_cpsat
+    if name == "solve_brute_force":
+        from .brute_force import solve_brute_force
+
+        return solve_brute_force
+    raise AttributeError(f"module 'zorse_fx.solve' has no attribute {name!r}")
