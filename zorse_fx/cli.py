@@ -4,6 +4,8 @@
                 --global-batch-size 8 --seq-len 64 -o runs/x/plan
     zorse train runs/x/plan --corpus lee --tokenizer smollm2-135m --steps 10 --out runs/x
     zorse show  runs/x/plan          # print a plan's table and schedule grid
+    zorse bench kernels --model smollm2-135m -o profiles/<type>.json   # kernel profile
+    zorse bench comm --out profiles/comm.json                          # link alpha-beta fits
 
 ``zorse train`` starts one local process per planned GPU with torchrun; on a
 real multi-node cluster run the printed ``torchrun ... -m zorse_fx.train``
@@ -22,23 +24,12 @@ __all__ = ["main"]
 
 
 def _load_model(name: str):
-    """(model, tokenizer-or-"bytes") for a model name or ``module:factory``."""
-    if name == "smollm2-135m":
-        from .models.hf import load_smollm2_135m
+    from .models.registry import load_model
 
-        return load_smollm2_135m()
-    if name.startswith("gpt"):
-        from .models.gpt import GPT, GPTConfig
-
-        torch.manual_seed(0)
-        return GPT(GPTConfig(n_layer=4, n_embd=128, n_head=4, block_size=256)), "bytes"
-    if ":" in name:
-        import importlib
-
-        mod, fn = name.split(":", 1)
-        out = getattr(importlib.import_module(mod), fn)()
-        return out if isinstance(out, tuple) else (out, "bytes")
-    raise SystemExit(f"zorse: unknown model {name!r}; use smollm2-135m, gpt, or module:factory")
+    try:
+        return load_model(name)
+    except ValueError as exc:
+        raise SystemExit(f"zorse: {exc}") from exc
 
 
 def _tokenizer(name: str):
@@ -99,6 +90,24 @@ def cmd_show(args) -> int:
     return 0
 
 
+def cmd_bench(args) -> int:
+    if args.what == "kernels":
+        from .profiling.kernels_main import main as kernels_main
+
+        return kernels_main(args.rest)
+    from .profiling.comm_launch import run_comm_bench
+
+    nproc = args.nproc or 2
+    rest = list(args.rest)
+    out = "profiles/comm.json"
+    if "--out" in rest:
+        i = rest.index("--out")
+        out = rest[i + 1]
+        del rest[i : i + 2]
+    run_comm_bench(nproc, out, rest)
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="zorse", description="Heterogeneous-cluster training planner and runtime.")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -124,6 +133,12 @@ def main(argv=None) -> int:
     ps = sub.add_parser("show", help="print a plan's table and schedule")
     ps.add_argument("plan")
     ps.set_defaults(fn=cmd_show)
+    pb = sub.add_parser("bench", help="measure this machine: `kernels` (kernel profile) or `comm` (links)",
+                        description="zorse bench kernels --help / zorse bench comm --help for their options")
+    pb.add_argument("what", choices=("kernels", "comm"))
+    pb.add_argument("--nproc", type=int, default=0, help="comm: local ranks to start (default 2)")
+    pb.add_argument("rest", nargs=argparse.REMAINDER, help="options of the sweep")
+    pb.set_defaults(fn=cmd_bench)
     args = p.parse_args(argv)
     return args.fn(args)
 

@@ -53,6 +53,12 @@ class PlanOptions:
     #: Upper bound on blocks the graph is cut into.
     max_blocks: int = 32
     allow_idle_gpus: bool = True
+    #: Kernel profiles (files or directories) to price nodes with; None = the
+    #: profiles shipped in ``zorse_fx/profiles``; () = roofline only.
+    profiles: tuple[str, ...] | None = None
+    #: Two micro-batch sizes the measured cost model is evaluated at (per-sample
+    #: slope + fixed part); None = (1, max(2, global_batch_size // 4)).
+    profile_batches: tuple[int, int] | None = None
 
 
 def plan_captured(
@@ -72,14 +78,13 @@ def plan_captured(
     """
     say = progress or (lambda msg: log.info(msg))
     t0 = time.perf_counter()
-    bg, costs, dtype = _analyse_and_price(captured, cluster, options)
+    bg, costs, dtype = _analyse_and_price(captured, cluster, options, say)
     say(f"analysed graph: {len(bg.act_order)} activation nodes, {bg.num_blocks} blocks at legal cut points")
-    say(f"cost model: roofline on {', '.join(cluster.gpu_types())} ({str(dtype).removeprefix('torch.')} matmuls)")
     sopts = _solver_options(options)
     solve = {"cpsat": solve_cpsat, "brute_force": solve_brute_force}.get(options.planner)
     if solve is None:
         raise ValueError(f"unknown planner {options.planner!r}; use 'cpsat' or 'brute_force'")
-    result = solve(costs, cluster.device_graph(), sopts)
+    result = solve(costs, _device_graph(cluster, options), sopts)
     say(f"solved: {result.num_stages} stages, {result.num_microbatches} micro-batches, "
         f"status {result.status}, gap {result.optimality_gap:.2%}, {result.wall_s:.2f} s")
     plan = build_plan(bg, cluster, result, options, model_name=model_name, label_mode=label_mode,
@@ -88,13 +93,55 @@ def plan_captured(
     return plan, bg
 
 
-def _analyse_and_price(captured: CapturedModel, cluster: Cluster, options: PlanOptions):
-    """(block graph, per-block costs on the cluster's GPU types, matmul dtype)."""
+def _analyse_and_price(captured: CapturedModel, cluster: Cluster, options: PlanOptions, say=None):
+    """(block graph, per-block costs on the cluster's GPU types, matmul dtype).
+
+    Types with a measured kernel profile are priced from it; the others by the
+    roofline with efficiencies learned from the measured GPU profiles
+    (``cost/measured.py``). Without any profile for the cluster's types, the
+    plain roofline (``cost/roofline.py``)."""
+    from .cost.measured import ProfileSet, measured_block_costs
+
     bg = analyse(captured, max_blocks=options.max_blocks)
     params = list(captured.graph_module.parameters())
     dtype = options.compute_dtype or (params[0].dtype if params else torch.float32)
-    costs = block_costs(bg, {g.type: g.spec for g in cluster.gpus}, compute_dtype=dtype)
+    specs = {g.type: g.spec for g in cluster.gpus}
+    costs = block_costs(bg, specs, compute_dtype=dtype)
+    profiles = ProfileSet.load(options.profiles) if options.profiles != () else ProfileSet([])
+    if not any(t in profiles for t in specs):
+        if say:
+            say(f"cost model: roofline on {', '.join(specs)} ({str(dtype).removeprefix('torch.')} matmuls; "
+                "no measured profile for these types)")
+        return bg, costs, dtype
+    measured = [profiles.by_type[t].batch_sizes for t in specs if t in profiles and profiles.by_type[t].batch_sizes]
+    batches = options.profile_batches or (
+        (min(measured[0]), max(measured[0])) if measured and len(set(measured[0])) > 1
+        else (1, max(2, options.global_batch_size // 4)))
+    costs, sources = measured_block_costs(bg, specs, profiles, batches=batches, base=costs, compute_dtype=dtype)
+    if say:
+        for t, count in sources.items():
+            total = sum(count.values()) or 1
+            say(f"cost model for {t}: " + ", ".join(f"{k} {100 * v / total:.0f}%" for k, v in sorted(count.items()))
+                + f" of node times (micro-batches {batches[0]} and {batches[1]})")
     return bg, costs, dtype
+
+
+def _device_graph(cluster: Cluster, options: PlanOptions):
+    """The cluster's device graph; where a GPU type's profile measured the
+    optimizer step, its optimizer time comes from that measurement (expressed
+    as the memory bandwidth the solver's [C-optim] term divides by)."""
+    import dataclasses
+
+    from .cost.measured import ProfileSet
+
+    dg = cluster.device_graph()
+    profiles = ProfileSet.load(options.profiles) if options.profiles != () else ProfileSet([])
+    bw = list(dg.mem_bw_bytes_per_s)
+    for g, t in enumerate(dg.gpu_types):
+        prof = profiles.by_type.get(t)
+        if prof is not None and prof.optimizer_ns_per_param > 0:
+            bw[g] = 2 * 16 / (prof.optimizer_ns_per_param * 1e-9)  # [C-optim]: 2 * 16 B/param / bw
+    return dataclasses.replace(dg, mem_bw_bytes_per_s=tuple(bw))
 
 
 def _solver_options(options: PlanOptions, **overrides) -> SolverOptions:
@@ -206,7 +253,7 @@ def plan_fixed(
     sopts = _solver_options(options, max_stages=max(options.max_stages, len(stage_blocks)),
                             num_microbatches=None, max_microbatches=options.global_batch_size,
                             allow_idle_gpus=True)
-    ev = evaluate(costs, cluster.device_graph(), sopts, stage_blocks=stage_blocks, stage_gpus=stage_gpus,
+    ev = evaluate(costs, _device_graph(cluster, options), sopts, stage_blocks=stage_blocks, stage_gpus=stage_gpus,
                   samples_per_microbatch=samples_per_microbatch, num_microbatches=num_microbatches)
     result = SolverResult(
         stage_blocks=tuple(stage_blocks), stage_gpus=tuple(stage_gpus),

@@ -9,7 +9,9 @@ on GPUs, Gloo on CPU)::
 ``zorse train`` wraps exactly this command. Each rank reads only plan.json,
 its stage source, the weights and the token file; it never imports OR-Tools.
 Rank 0 writes ``<out>/metrics.jsonl``: one JSON object per step with
-``step``, ``loss``, ``step_time_s``, ``tokens_per_s``.
+``step``, ``loss``, ``step_time_s``, ``tokens_per_s`` and ``ranks``: per rank
+the seconds spent in the pipeline schedule, the gradient all-reduce and the
+optimizer step.
 """
 
 from __future__ import annotations
@@ -107,9 +109,11 @@ def main(argv=None) -> int:
             d = out / "grads"
             d.mkdir(parents=True, exist_ok=True)
             torch.save(worker.gradients(), d / f"rank{rank}.pt")
+        parts: list = [None] * world
+        dist.all_gather_object(parts, {"rank": rank, **worker.last_breakdown})
         if rank == 0:
             rec = {"step": step, "loss": float(loss), "step_time_s": step_time,
-                   "tokens_per_s": plan.tokens_per_step / step_time}
+                   "tokens_per_s": plan.tokens_per_step / step_time, "ranks": parts}
             metrics.write(json.dumps(rec) + "\n")
             metrics.flush()
             print(f"[zorse] step {step:>3}/{args.steps}  loss {float(loss):.4f}  "

@@ -32,6 +32,7 @@ from ..capture.analysis import BlockGraph
 from ..capture.trace import META_KEY, _fetch_attr
 from ..cluster import GPUSpec
 from ..solve.records import BlockCosts
+from .opclass import flops_bytes, op_class, tensors_in
 
 __all__ = ["NodeCost", "node_costs", "block_costs", "MATMUL_EFFICIENCY", "MEMORY_EFFICIENCY", "FWD_BWD_FACTOR",
            "KERNEL_OVERHEAD_S"]
@@ -49,22 +50,6 @@ FWD_BWD_FACTOR = 3.0
 #: An assumption until measured profiles replace it (issue 3).
 KERNEL_OVERHEAD_S = 5e-6
 
-_aten = torch.ops.aten
-_MATMUL = {
-    _aten.linear.default, _aten.mm.default, _aten.bmm.default, _aten.addmm.default,
-    _aten.matmul.default, torch._C._nn.linear, torch.matmul, torch.mm, torch.bmm,
-    torch.nn.functional.linear,
-}
-_SDPA = {_aten.scaled_dot_product_attention.default, torch.nn.functional.scaled_dot_product_attention}
-_VIEWS = {
-    _aten.view.default, _aten._unsafe_view.default, _aten.reshape.default, _aten.transpose.int,
-    _aten.expand.default, _aten.slice.Tensor, _aten.unsqueeze.default, _aten.squeeze.dim,
-    _aten.alias.default, _aten.permute.default, _aten.t.default, _aten.split.Tensor,
-    _aten.sym_size.int, _aten.select.int,
-}
-_VIEW_METHODS = {"view", "reshape", "transpose", "permute", "expand", "unsqueeze", "squeeze", "split", "size", "contiguous"}
-
-
 @dataclass(frozen=True, slots=True)
 class NodeCost:
     """Forward cost of one node for one sample."""
@@ -74,45 +59,18 @@ class NodeCost:
     is_matmul: bool
 
 
-def _tensors(x):
-    if isinstance(x, torch.Tensor):
-        yield x
-    elif isinstance(x, (tuple, list)):
-        for y in x:
-            yield from _tensors(y)
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
 def _node_cost(node: fx.Node, gm: fx.GraphModule) -> NodeCost:
-    out = node.meta[META_KEY].get("val_batch1")
-    target = node.target
-    if node.op == "call_method":
-        if target in _VIEW_METHODS:
-            return NodeCost(0.0, 0.0, False)
-    elif target in _VIEWS or target is getattr or str(getattr(target, "__name__", "")) == "getitem":
+    cls = op_class(node)
+    if cls is None:
         return NodeCost(0.0, 0.0, False)
 
     def val(a):
-        if a.op == "get_attr":
-            return _fetch_attr(gm, a.target)
-        return a.meta[META_KEY].get("val_batch1")
+        return _fetch_attr(gm, a.target) if a.op == "get_attr" else a.meta[META_KEY].get("val_batch1")
 
-    ins = [t for a in node.all_input_nodes for t in _tensors(val(a))]
-    outs = list(_tensors(out))
-    moved = float(sum(_nbytes(t) for t in ins) + sum(_nbytes(t) for t in outs))
-    if target in _MATMUL and ins and outs:
-        k = ins[0].shape[-1]
-        return NodeCost(2.0 * outs[0].numel() * k, moved, True)
-    if target in _SDPA and len(ins) >= 3:
-        q, k = ins[0], ins[1]
-        n, h, t, d = q.shape[0], q.shape[1], q.shape[-2], q.shape[-1]
-        return NodeCost(4.0 * n * h * t * k.shape[-2] * d, moved, True)
-    if target in (_aten.embedding.default, torch.nn.functional.embedding):
-        return NodeCost(0.0, float(sum(_nbytes(t) for t in outs)) * 2, False)
-    return NodeCost(float(sum(t.numel() for t in outs)), moved, False)
+    ins = [t for a in node.all_input_nodes for t in tensors_in(val(a))]
+    outs = list(tensors_in(node.meta[META_KEY].get("val_batch1")))
+    flops, nbytes = flops_bytes(cls, ins, outs)
+    return NodeCost(flops, nbytes, cls in ("matmul", "attention"))
 
 
 def node_costs(bg: BlockGraph) -> dict[str, NodeCost]:
@@ -171,4 +129,4 @@ def block_costs(
 
 
 def _out_bytes(node: fx.Node) -> int:
-    return sum(_nbytes(t) for t in _tensors(node.meta[META_KEY].get("val_batch1")))
+    return sum(t.numel() * t.element_size() for t in tensors_in(node.meta[META_KEY].get("val_batch1")))

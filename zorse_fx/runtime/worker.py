@@ -25,6 +25,7 @@ union of their holders, which also sums the two stages' contributions.
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -152,6 +153,7 @@ class StageWorker:
         weight = (role.row_end - role.row_start) / plan.global_batch_size
         stash: dict[int, tuple[list[torch.Tensor], object]] = {}
         loss_sum = 0.0
+        t_start = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
         for action in self.schedule:
             m = action.microbatch
@@ -194,11 +196,18 @@ class StageWorker:
                     for r in self.in_routes:
                         a, b = r.start - role.row_start, r.end - role.row_start
                         self._send(pack(gin, a, b), self._rank_of(self.prev, r.src_pos), tag=m)
+        t_pipeline = time.perf_counter()
         self._reduce_gradients()
+        t_reduce = time.perf_counter()
         self.optimizer.step()
         for work, _ in self._pending:
             work.wait()
         self._pending.clear()
+        t_end = time.perf_counter()
+        #: Seconds of the last step: pipeline (compute + waits for messages),
+        #: gradient all-reduce, optimizer step.
+        self.last_breakdown = {"pipeline_s": t_pipeline - t_start, "allreduce_s": t_reduce - t_pipeline,
+                               "optimizer_s": t_end - t_reduce}
         return loss_sum
 
     def _reduce_gradients(self) -> None:

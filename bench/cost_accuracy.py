@@ -1,0 +1,195 @@
+"""Cost-model accuracy on this machine: predicted vs measured, per stage and per step.
+
+    .venv/bin/python bench/cost_accuracy.py [--profile zorse_fx/profiles/cpu-x86_64-1thread.json]
+
+For SmolLM2-135M and GPT-2 (124M config), planned for ``bench/clusters/cpu_local.yaml``
+(two single-thread CPU ranks, the device type the shipped CPU profile
+describes):
+
+- ``fwd_bwd_ms``: each stage's forward + backward of one micro-batch share,
+  predicted by the measured cost model (``cost/measured.py``) vs measured by
+  running the generated stage module alone (1 thread, median of repeats);
+- ``step_ms``: the plan's predicted step time vs the median step time of the
+  real 2-process Gloo run (``python -m zorse_fx.train``);
+- ``peak_memory_bytes``: predicted per-GPU memory (training state + saved
+  activations x micro-batches in flight) vs measured: exact state bytes plus
+  the bytes autograd saves for backward, counted with saved-tensor hooks (a
+  CPU has no allocator peak counter).
+
+Writes ``bench/results/cost_accuracy.json`` and prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def _median_ms(fn, repeats: int) -> float:
+    fn()
+    out = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        out.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(out)
+
+
+def _stage_inputs(stage, plan, tokens, n):
+    from zorse_fx.data import global_batch
+
+    batch = global_batch(tokens, 0, global_batch_size=max(n, plan.global_batch_size), seq_len=plan.seq_len,
+                         input_names=plan.input_names, label_mode=plan.label_mode)
+    ins = [batch[name][:n] for name in stage.input_names]
+    gen = torch.Generator().manual_seed(0)
+    recv = [torch.randn((n, *t.shape_per_sample), generator=gen).to(t.torch_dtype).requires_grad_(True)
+            for t in stage.recv]
+    return ins, recv
+
+
+def measure_stage(plan, plan_dir, weights, s, n, tokens, repeats):
+    """(fwd+bwd ms, saved-activation bytes) of stage ``s`` on ``n`` samples."""
+    from zorse_fx.codegen.split import load_stage_class
+
+    stage = plan.stages[s]
+    cls = load_stage_class(Path(plan_dir) / stage.source_file, s)
+    mod = cls()
+    with torch.no_grad():
+        for flat, canon in {**cls.PARAMETERS, **cls.CONSTANTS}.items():
+            getattr(mod, flat).copy_(weights[canon])
+    ins, recv = _stage_inputs(stage, plan, tokens, n)
+
+    def step():
+        out = mod(*ins, *recv)
+        if stage.send:
+            outs = list(out)
+            torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+        else:
+            out.backward()
+
+    ms = _median_ms(step, repeats)
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = mod(*ins, *recv)
+    del out
+    return ms, sum(saved.values())
+
+
+def run(model_name: str, args, rows: list[dict]) -> None:
+    """The solver's plan and a balanced 2-stage pipeline plan of ``model_name``."""
+    import zorse_fx as zorse
+    from zorse_fx.data import read_corpus, tokenize
+    from zorse_fx.models.registry import load_model
+    from zorse_fx.planner import PlanOptions, _analyse_and_price, plan_fixed
+
+    model, tokenizer = load_model(model_name)
+    tokens = tokenize(read_corpus("lee"), tokenizer)
+    ids = tokens[: 2 * args.seq_len].view(2, args.seq_len)
+    compiled = zorse.compile(model, cluster=args.cluster, example_inputs=(ids,),
+                             global_batch_size=args.global_batch_size, model_name=model_name, max_stages=2,
+                             allow_idle_gpus=False, profiles=(args.profile,), time_limit_s=5.0,
+                             num_microbatches=(args.microbatches,), verbose=True)
+    captured, cluster = compiled.captured, zorse_cluster(args.cluster)
+    opts = PlanOptions(global_batch_size=args.global_batch_size, profiles=(args.profile,))
+    _, costs, _ = _analyse_and_price(captured, cluster, opts)
+    plans = [("solver", compiled.plan)]
+    # Balanced 2-stage pipeline, one rank per stage: cut where the slower half is fastest.
+    t = costs.fwd_bwd_s_per_sample[cluster.gpus[0].type]
+    cut = min(range(1, len(t)), key=lambda c: max(sum(t[:c]), sum(t[c:])))
+    b = args.global_batch_size // args.microbatches
+    pipe, _ = plan_fixed(captured, cluster, opts, stage_blocks=((0, cut), (cut, len(t))), stage_gpus=((0,), (1,)),
+                         samples_per_microbatch=((b,), (b,)), num_microbatches=args.microbatches,
+                         model_name=model_name, label_mode=compiled.plan.label_mode)
+    plans.append(("pipeline", pipe))
+    for label, plan in plans:
+        print(plan.table())
+        _evaluate(model_name, label, plan, captured, costs, tokens, args, rows)
+
+
+def _evaluate(model_name, label, plan, captured, costs, tokens, args, rows) -> None:
+    from zorse_fx.runtime.launch import launch
+    from zorse_fx.runtime.schedule import inflight, make_schedule
+
+    with tempfile.TemporaryDirectory() as tmp:
+        plan_dir = Path(tmp) / "plan"
+        plan.export(plan_dir)
+        weights = captured.state()
+        torch.save(weights, plan_dir / "weights.pt")
+        torch.set_num_threads(1)
+        sched = make_schedule(plan.schedule, plan.num_stages, plan.num_microbatches)
+        for s, stage in enumerate(plan.stages):
+            g = stage.gpus[0]
+            n = g.samples_per_microbatch
+            a, b = stage.blocks
+            pred = n * sum(costs.fwd_bwd_s_per_sample[g.gpu_type][a:b]) + sum(costs.fwd_bwd_s_fixed[g.gpu_type][a:b])
+            ms, act_bytes = measure_stage(plan, plan_dir, weights, s, n, tokens, args.repeats)
+            common = {"model": model_name, "plan": label, "stage": s, "device_type": g.gpu_type, "samples": n}
+            rows.append({**common, "quantity": "fwd_bwd_ms", "predicted": pred * 1e3, "measured": ms})
+            rows.append({**common, "quantity": "peak_memory_bytes", "predicted": g.predicted_memory_bytes,
+                         "measured": 16 * stage.num_parameters + act_bytes * inflight(sched[s])})
+        torch.save(tokens, Path(tmp) / "tokens.pt")
+        launch(plan_dir, plan.world_size, ["--tokens", str(Path(tmp) / "tokens.pt"), "--steps", str(args.steps),
+                                           "--out", str(Path(tmp) / "run")], capture=True)
+        metrics = [json.loads(x) for x in (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()]
+        steady = metrics[1:]
+        rows.append({"model": model_name, "plan": label, "stage": "all", "device_type": plan.stages[0].gpus[0].gpu_type,
+                     "samples": plan.global_batch_size, "quantity": "step_ms",
+                     "predicted": plan.predicted_step_time_s * 1e3,
+                     "measured": statistics.median(m["step_time_s"] for m in steady) * 1e3,
+                     "measured_breakdown_s": {k: statistics.median(max(r[k] for r in m["ranks"]) for m in steady)
+                                              for k in ("pipeline_s", "allreduce_s", "optimizer_s")}})
+
+
+def zorse_cluster(path):
+    from zorse_fx.cluster import Cluster
+
+    return Cluster.from_yaml(path)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="smollm2-135m,gpt2-124m")
+    ap.add_argument("--cluster", default=str(ROOT / "bench" / "clusters" / "cpu_local.yaml"))
+    ap.add_argument("--profile", default=str(ROOT / "zorse_fx" / "profiles" / "cpu-x86_64-1thread.json"))
+    ap.add_argument("--seq-len", type=int, default=64)
+    ap.add_argument("--global-batch-size", type=int, default=8)
+    ap.add_argument("--microbatches", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "cost_accuracy.json"))
+    args = ap.parse_args()
+    rows: list[dict] = []
+    for name in args.models.split(","):
+        run(name, args, rows)
+    for r in rows:
+        r["error"] = r["predicted"] / r["measured"] - 1 if r["measured"] else None
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(rows, indent=1) + "\n")
+    print("| model | plan | stage | device | samples | quantity | predicted | measured | error |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        fmt = (lambda v: f"{v / 2**20:.1f} MiB") if r["quantity"] == "peak_memory_bytes" else (lambda v: f"{v:.1f} ms")
+        print(f"| {r['model']} | {r['plan']} | {r['stage']} | {r['device_type']} | {r['samples']} | {r['quantity']} | "
+              f"{fmt(r['predicted'])} | {fmt(r['measured'])} | {r['error']:+.1%} |")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

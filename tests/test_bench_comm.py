@@ -1,0 +1,155 @@
+"""`zorse bench comm`: the alpha-beta fit, the profile file, and one real 2-rank Gloo run."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from zorse_fx.profiling.comm import CommProfile, CommProfileError, LinkFit, classify_pair, fit_alpha_beta
+from zorse_fx.profiling.comm_launch import run_comm_bench
+from zorse_fx.profiling.comm_main import parse_sizes
+
+SIZES = [2**k for k in range(10, 25)]  # 1 KiB .. 16 MiB
+
+
+@pytest.mark.parametrize("alpha,bw", [(25e-6, 12.5e9), (50e-3, 125e6), (0.0, 3.0e9), (2e-6, 300e9)])
+def test_fit_recovers_exact_linear_data(alpha, bw):
+    a, b, r2 = fit_alpha_beta([(s, alpha + s / bw) for s in SIZES])
+    assert a == pytest.approx(alpha, rel=1e-9, abs=1e-15)
+    assert b == pytest.approx(bw, rel=1e-9)
+    assert r2 == pytest.approx(1.0, abs=1e-12)
+
+
+def test_fit_with_noise_is_close():
+    rng = np.random.default_rng(0)
+    alpha, bw = 30e-6, 10e9
+    samples = [(s, (alpha + s / bw) * (1 + 0.03 * rng.standard_normal())) for s in SIZES for _ in range(3)]
+    a, b, r2 = fit_alpha_beta(samples)
+    assert a == pytest.approx(alpha, rel=0.05)
+    assert b == pytest.approx(bw, rel=0.05)
+    assert 0.95 < r2 <= 1.0
+
+
+def test_fit_negative_intercept_is_clipped_to_zero():
+    # Small messages faster than the line through the large ones: alpha clipped, beta refitted through 0.
+    # Times grow faster than linearly: the unconstrained intercept is negative.
+    samples = [(1024, 1e-7), (2048, 2.2e-7), (4096, 4.6e-7)]
+    a, b, r2 = fit_alpha_beta(samples)
+    assert a == 0.0
+    w = np.array([1 / t for _, t in samples])
+    x, y = np.array([s for s, _ in samples], float), np.array([t for _, t in samples])
+    assert b == pytest.approx(1 / (np.sum(w * w * x * y) / np.sum(w * w * x * x)), rel=1e-12)
+    assert 0.9 < r2 <= 1.0
+
+
+@pytest.mark.parametrize("samples,match", [
+    ([], "at least 2"),
+    ([(1024, 1e-5)], "at least 2"),
+    ([(1024, 1e-5), (1024, 2e-5)], "2 distinct message sizes"),
+    ([(0, 1e-5), (1024, 2e-5)], "positive integer number of bytes, got 0"),
+    ([(-8, 1e-5), (1024, 2e-5)], "got -8"),
+    ([(1024, 0.0), (2048, 2e-5)], "seconds > 0, got 0.0"),
+    ([(1024, float("nan")), (2048, 2e-5)], "got nan"),
+    ([(1024, 2e-5), (2**20, 1e-5)], "do not grow with message size"),
+])
+def test_fit_rejects_bad_samples(samples, match):
+    with pytest.raises(ValueError, match=match):
+        fit_alpha_beta(samples)
+
+
+def _profile() -> CommProfile:
+    p2p = LinkFit(link_class="intra_node", op="p2p", alpha_s=40e-6, bandwidth_bytes_per_s=4.5e9, r2=0.99,
+                  samples=((1024, 4.1e-5), (2**20, 2.7e-4)))
+    ar = LinkFit(link_class="inter_node", op="allreduce", alpha_s=3e-4, bandwidth_bytes_per_s=2e9, r2=0.95,
+                 samples=((1024, 3e-4), (2**20, 8e-4)), ranks=4)
+    return CommProfile(harness_version="1", backend="gloo", world_size=4, hosts=("a", "a", "b", "b"),
+                       datacenters=("", "", "", ""), device="cpu", torch_version="2.13.0",
+                       measured_at="2026-01-01T00:00:00Z", fits=(p2p, ar))
+
+
+def test_profile_round_trip_and_link_yaml(tmp_path):
+    prof = _profile()
+    path = prof.save(tmp_path / "sub" / "comm.json")
+    assert CommProfile.load(path) == prof
+    d = json.loads(path.read_text())
+    assert (d["format"], d["version"]) == ("zorse_fx.comm_profile", 1)
+    assert d["fits"][1]["bus_bandwidth_bytes_per_s"] == pytest.approx(2e9 * 2 * 3 / 4)  # nccl-tests busbw
+    assert prof.fits[0].bus_bandwidth_bytes_per_s == 4.5e9
+    assert prof.link_yaml("intra_node") == {"bandwidth_GBps": 4.5, "latency_us": 40.0}
+    with pytest.raises(ValueError, match="no p2p measurement for link class 'inter_node'"):
+        prof.link_yaml("inter_node")
+
+
+def test_link_yaml_is_accepted_by_the_cluster_parser():
+    from zorse_fx.cluster import Cluster
+
+    cluster = Cluster.from_dict({"name": "t", "nodes": [{"name": "n0", "gpus": [{"type": "T4", "count": 2}]}],
+                                 "links": {"intra_node": _profile().link_yaml("intra_node")}})
+    assert cluster.intra_node_link.bandwidth_bytes_per_s == pytest.approx(4.5e9)
+    assert cluster.intra_node_link.latency_s == pytest.approx(40e-6)
+
+
+@pytest.mark.parametrize("mutate,match", [
+    (lambda d: d.update(format="zorse_fx.plan"), r"field 'format' is 'zorse_fx.plan'"),
+    (lambda d: d.update(version=7), r"field 'version' is 7"),
+    (lambda d: d.pop("backend"), r"field 'backend' is missing"),
+    (lambda d: d.update(hosts=["a"]), r"field 'hosts' is \['a'\], expected a list of 4 host names"),
+    (lambda d: d["fits"][0].update(alpha_s=-1.0), r"field 'fits\[0\].alpha_s' is -1.0"),
+    (lambda d: d["fits"][1].update(op="broadcast"), r"field 'fits\[1\].op' is 'broadcast'"),
+    (lambda d: d["fits"][0].update(bandwidth_bytes_per_s=0), r"'fits\[0\].bandwidth_bytes_per_s' is 0"),
+    (lambda d: d["fits"][0].update(samples=[[1024]]), r"'fits\[0\].samples' is \[\[1024\]\]"),
+    (lambda d: d["fits"][0].update(link_class="rack"), r"'fits\[0\].link_class' is 'rack'"),
+])
+def test_bad_profile_files_name_file_field_and_value(tmp_path, mutate, match):
+    d = _profile().to_dict()
+    mutate(d)
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(d))
+    with pytest.raises(CommProfileError, match=match) as e:
+        CommProfile.load(path)
+    assert str(path) in str(e.value) and isinstance(e.value, ValueError)
+
+
+def test_not_json_names_the_file(tmp_path):
+    path = tmp_path / "x.json"
+    path.write_text("{nope")
+    with pytest.raises(ValueError, match="x.json: not valid JSON"):
+        CommProfile.load(path)
+
+
+def test_classify_pair_and_parse_sizes():
+    assert classify_pair("h0", "h0") == "intra_node"
+    assert classify_pair("h0", "h1") == "inter_node"
+    assert classify_pair("h0", "h1", "eu", "eu") == "inter_node"
+    assert classify_pair("h0", "h1", "eu", "us") == "cross_datacenter"
+    assert classify_pair("h0", "h1", "eu", "") == "inter_node"  # unknown datacenter: not assumed remote
+    assert parse_sizes(["1K:8K", "1M,64"]) == [64, 1024, 2048, 4096, 8192, 2**20]
+    with pytest.raises(ValueError, match="multiples of 4"):
+        parse_sizes(["1K", "6"])
+    with pytest.raises(ValueError, match="not a size"):
+        parse_sizes(["1K", "3X"])
+    with pytest.raises(ValueError, match="at least 2 distinct"):
+        parse_sizes(["4K", "4096"])
+
+
+def test_launcher_needs_two_ranks(tmp_path):
+    with pytest.raises(ValueError, match="at least 2 ranks"):
+        run_comm_bench(1, tmp_path / "c.json", [])
+
+
+def test_real_two_rank_gloo_run(tmp_path):
+    out = tmp_path / "comm.json"
+    proc = run_comm_bench(2, out, ["--iters", "5", "--sizes", "4K", "64K", "1M", "--plot", str(tmp_path / "c.png")])
+    assert "intra_node" in proc.stdout and "latency_us" in proc.stdout
+    prof = CommProfile.load(out)
+    assert prof.world_size == 2 and prof.backend == "gloo" and len(prof.hosts) == 2
+    assert {(f.link_class, f.op) for f in prof.fits} == {("intra_node", "p2p"), ("intra_node", "allreduce")}
+    for f in prof.fits:
+        assert f.bandwidth_bytes_per_s > 0 and f.alpha_s >= 0
+        assert [s for s, _ in f.samples] == [4096, 65536, 2**20]
+        assert all(t > 0 for _, t in f.samples)
+    assert (tmp_path / "c.png").stat().st_size > 0
+    yaml = prof.link_yaml("intra_node")
+    assert yaml["bandwidth_GBps"] > 0 and yaml["latency_us"] >= 0

@@ -1,0 +1,154 @@
+"""Kernel profiles and the measured cost model: file format, lookup order
+(exact -> interpolated -> roofline with learned efficiency), block costs from
+two micro-batch sizes, and the `zorse bench kernels` harness on a real model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import CLUSTERS
+from zorse_fx.capture import analyse, capture
+from zorse_fx.cluster import gpu_spec
+from zorse_fx.cost.measured import ProfileSet, _interpolate, measured_block_costs, node_time
+from zorse_fx.cost.roofline import block_costs
+from zorse_fx.models.gpt import GPT, GPTConfig
+from zorse_fx.profiling.profile import DeviceInfo, KernelProfile, KernelTiming
+from zorse_fx.profiling.replay import NodeCall, model_calls
+
+T = 16
+
+
+def _timing(key, cls, fwd, bwd, flops=0.0, nbytes=0.0, impl="torch", dtype="float32"):
+    return KernelTiming(key=key, op_class=cls, impl=impl, dtype=dtype, shape={}, fwd_ms=fwd, bwd_ms=bwd,
+                        flops=flops, bytes=nbytes)
+
+
+def _profile(device_type="T4", backend="cuda", entries=(), calibration=1.0):
+    return KernelProfile(device=DeviceInfo(device_type=device_type, name="test", backend=backend, torch_version="x"),
+                         measured_at="2026-11-22T00:00:00Z", overhead_ms=0.005, entries=tuple(entries),
+                         calibration=calibration)
+
+
+def _call(key="k", cls="matmul", flops=1e9, nbytes=1e6):
+    return NodeCall(key=key, op_class=cls, target=None, args=(), kwargs={}, flops=flops, bytes=nbytes)
+
+
+def test_profile_round_trip_and_bad_files(tmp_path):
+    p = _profile(entries=[_timing("a", "matmul", 1.0, 2.0, 1e9, 1e6)], calibration=1.07)
+    path = p.save(tmp_path / "p.json")
+    q = KernelProfile.load(path)
+    assert q == p and q.calibration == 1.07 and q.lookup("a").bwd_ms == 2.0
+    d = json.loads(path.read_text())
+    d["entries"][0]["fwd_ms"] = -1
+    path.write_text(json.dumps(d))
+    with pytest.raises(ValueError, match=r"entries\[0\]\.fwd_ms must be a positive number, got -1"):
+        KernelProfile.load(path)
+    d["format"] = "other"
+    path.write_text(json.dumps(d))
+    with pytest.raises(ValueError, match="not a kernel profile"):
+        KernelProfile.load(path)
+    with pytest.raises(ValueError, match="no such profile; create one with `zorse bench kernels"):
+        KernelProfile.load(tmp_path / "missing.json")
+
+
+def test_lookup_order_exact_then_interpolated_then_roofline():
+    t4 = gpu_spec("T4")
+    prof = _profile(entries=[_timing("exact", "matmul", 2.0, 4.0, 1e9),
+                             _timing("m1", "matmul", 1.0, 2.0, 1e8), _timing("m2", "matmul", 10.0, 20.0, 1e10)],
+                    calibration=1.5)
+    ps = ProfileSet([prof])
+    specs = {"T4": t4}
+    hit = node_time(_call("exact"), "T4", ps, t4, specs, torch.float32)
+    assert (hit.source, hit.fwd_ms, hit.bwd_ms) == ("exact", 3.0, 6.0)  # x calibration 1.5
+    # Points (1e8, 1), (1e9, 2), (1e10, 10) ms: log-log midpoint of the last two, x calibration.
+    mid = node_time(_call("new", flops=10 ** 9.5), "T4", ps, t4, specs, torch.float32)
+    assert mid.source == "interpolated" and mid.fwd_ms == pytest.approx(1.5 * 20 ** 0.5)
+    assert mid.bwd_ms == pytest.approx(2 * mid.fwd_ms)
+    # A type without a profile: roofline, efficiency learned from the T4 profile (achieved / peak).
+    v100 = gpu_spec("V100-16GB")
+    roof = node_time(_call("new", flops=1e9), "V100-16GB", ps, v100, {**specs, "V100-16GB": v100}, torch.float32)
+    eff = ps.learned_efficiency("matmul", specs)
+    assert roof.source == "roofline" and eff[1] == "learned"
+    assert roof.fwd_ms == pytest.approx((1e9 / (v100.fp32_flops_per_s * eff[0]) + 5e-6) * 1e3)
+    with pytest.raises(ValueError, match="has no measured profile and no datasheet entry"):
+        node_time(_call("new"), "Mystery", ps, None, specs, torch.float32)
+
+
+def test_interpolation_extrapolates_proportionally_and_floors():
+    pts = [(10.0, 1.0), (1000.0, 10.0)]
+    assert _interpolate(pts, 1.0) == 1.0
+    assert _interpolate(pts, 2000.0) == pytest.approx(20.0)
+    assert _interpolate(pts, 100.0) == pytest.approx(10 ** 0.5)
+
+
+def test_measured_block_costs_from_replayed_model():
+    """Profile the model's own nodes (real timings, 1 repeat) and price its blocks."""
+    from zorse_fx.profiling.replay import time_call
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, 256, (2, T))
+    captured = capture(GPT(GPTConfig(n_layer=2, n_embd=32, block_size=T)), (ids, ids))
+    bg = analyse(captured)
+    entries = {}
+    for n in (1, 4):
+        for call in model_calls(captured, n).values():
+            if call.key not in entries:
+                fwd, bwd = time_call(call, torch.device("cpu"), repeats=1)
+                entries[call.key] = _timing(call.key, call.op_class, max(fwd, 1e-6), bwd, call.flops, call.bytes)
+    ps = ProfileSet([_profile("cpu-test", "cpu", entries.values())])
+    base = block_costs(bg, {"T4": gpu_spec("T4")})
+    costs, sources = measured_block_costs(bg, {"cpu-test": None, "T4": gpu_spec("T4")}, ps, batches=(1, 4), base=base)
+    assert set(sources["cpu-test"]) == {"exact"}
+    assert set(sources["T4"]) == {"roofline"}
+    assert all(t >= 0 for t in costs.fwd_bwd_s_per_sample["cpu-test"])
+    assert sum(costs.fwd_bwd_s_per_sample["cpu-test"]) + sum(costs.fwd_bwd_s_fixed["cpu-test"]) > 0
+    assert costs.param_count == base.param_count
+
+
+def test_bench_kernels_harness_writes_profile(tmp_path, capsys):
+    from zorse_fx.cli import main
+
+    out = tmp_path / "cpu.json"
+    assert main(["bench", "kernels", "--model", "gpt", "--seq-len", "16", "--batch-sizes", "1,2", "--repeats", "1",
+                 "--no-standard", "--device-type", "cpu-test", "-o", str(out), "--plot", str(tmp_path / "p.png")]) == 0
+    prof = KernelProfile.load(out)
+    assert prof.device.device_type == "cpu-test" and prof.device.backend == "cpu"
+    assert {e.op_class for e in prof.entries} >= {"matmul", "attention", "norm", "embedding", "cross_entropy"}
+    assert prof.calibration > 0.5
+    assert (tmp_path / "p.png").stat().st_size > 1000
+    assert "kernel profile: cpu-test" in capsys.readouterr().out
+
+
+def test_planner_uses_profile_for_profiled_types(tmp_path):
+    """A cluster of a profiled device type is priced from the profile."""
+    import zorse_fx as zorse
+
+    cluster = tmp_path / "c.yaml"
+    cluster.write_text(
+        "name: c\n"
+        "gpu_types:\n"
+        "  cpu-test: {memory_GiB: 4, mem_bw_GBps: 10, fp32_tflops: 0.1, fp16_tensor_tflops: 0.1,"
+        " bf16_supported: true, source: 'test'}\n"
+        "nodes:\n  - name: n0\n    gpus: [{type: cpu-test, count: 2}]\n"
+        "links:\n  intra_node: {bandwidth_GBps: 3, latency_us: 50}\n"
+    )
+    ids = torch.randint(0, 256, (2, T))
+    prof = _profile("cpu-test", "cpu", [_timing(f"x{i}", c, 0.01, 0.02, 1e6, 1e5) for i, c in
+                                        enumerate(("matmul", "attention", "norm", "elementwise", "embedding",
+                                                   "cross_entropy", "copy"))])
+    path = prof.save(tmp_path / "cpu-test.json")
+    model = zorse.compile(GPT(GPTConfig(n_layer=2, n_embd=32, block_size=T)), cluster=cluster,
+                          example_inputs=(ids, ids), global_batch_size=4, profiles=(str(path),), time_limit_s=2.0)
+    assert model.plan.predicted_step_time_s > 0
+
+
+def test_matmul_flops_use_the_contracted_dim():
+    from zorse_fx.cost.opclass import flops_bytes
+
+    bias, a, b, out = torch.empty(3072), torch.empty(256, 768), torch.empty(768, 3072), torch.empty(256, 3072)
+    assert flops_bytes("matmul", [bias, a, b], [out])[0] == 2 * 256 * 3072 * 768  # addmm(bias, a, b)
+    x, w = torch.empty(4, 64, 576), torch.empty(1536, 576)
+    assert flops_bytes("matmul", [x, w], [torch.empty(4, 64, 1536)])[0] == 2 * 4 * 64 * 1536 * 576  # linear

@@ -1,0 +1,201 @@
+"""Cost model from measured kernel profiles, with a calibrated roofline fallback.
+
+Time of one node on a device type, in order of preference:
+
+1. ``exact``: the type's profile has the node's signature (measured by
+   ``zorse bench kernels --model ...`` on this model's own shapes);
+   profiled times (1 and 2) are multiplied by the profile's ``calibration``;
+2. ``interpolated``: the profile has other shapes of the node's class; the
+   time is interpolated piecewise-linearly in log(size) -> log(time), size =
+   FLOPs (matmul, attention) or bytes (others); beyond the largest measured
+   size time grows in proportion to size, below the smallest it stays at the
+   smallest measured time (dispatch/launch floor);
+3. ``roofline``: the type has no profile (or none for the class):
+   datasheet roofline (``roofline.py``) with the efficiency of the class
+   learned from every measured *GPU* profile (median achieved / peak); if no
+   GPU profile is loaded, the assumed ``MATMUL_EFFICIENCY``/``MEMORY_EFFICIENCY``.
+
+A device type with neither a profile nor a datasheet row is an error (never
+treated as a known one). Stage costs for the planner come from two micro-batch
+sizes ``n1 < n2``: per-sample slope ``(T(n2) - T(n1)) / (n2 - n1)`` and fixed
+part ``T(n1) - n1 * slope`` (clamped at 0).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import statistics
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..capture.analysis import BlockGraph
+from ..cluster import GPUSpec
+from ..profiling.profile import KernelProfile
+from ..profiling.replay import NodeCall, model_calls
+from ..solve.records import BlockCosts
+from .opclass import size_metric
+from .roofline import FWD_BWD_FACTOR, KERNEL_OVERHEAD_S, MATMUL_EFFICIENCY, MEMORY_EFFICIENCY
+
+__all__ = ["ProfileSet", "NodeTime", "node_time", "measured_block_costs", "SHIPPED_PROFILES"]
+
+#: Profiles shipped with zorse_fx (measured by the project; see bench/README.md).
+SHIPPED_PROFILES = Path(__file__).resolve().parents[1] / "profiles"
+_COMPUTE_CLASSES = ("matmul", "attention")
+
+
+@dataclass(frozen=True, slots=True)
+class NodeTime:
+    fwd_ms: float
+    bwd_ms: float
+    source: str  # "exact" | "interpolated" | "roofline"
+
+
+class ProfileSet:
+    """Kernel profiles by device type, plus efficiencies learned from GPU profiles."""
+
+    def __init__(self, profiles: list[KernelProfile]):
+        self.by_type: dict[str, KernelProfile] = {}
+        for p in profiles:
+            if p.device.device_type in self.by_type:
+                raise ValueError(f"two profiles for device type {p.device.device_type!r}; pass one")
+            self.by_type[p.device.device_type] = p
+
+    @classmethod
+    def load(cls, paths=None) -> "ProfileSet":
+        """Profiles from ``paths`` (files or directories); default: the shipped ones."""
+        files: list[Path] = []
+        for p in [SHIPPED_PROFILES] if paths is None else [Path(x) for x in paths]:
+            files += sorted(p.glob("*.json")) if p.is_dir() else [p]
+        return cls([KernelProfile.load(f) for f in files])
+
+    def __contains__(self, device_type: str) -> bool:
+        return device_type in self.by_type
+
+    def learned_efficiency(self, op_cls: str, specs: dict[str, GPUSpec]) -> tuple[float, str]:
+        """(efficiency, source) of ``op_cls`` against datasheet peaks, over GPU profiles."""
+        ratios = []
+        for t, prof in self.by_type.items():
+            if prof.device.backend != "cuda" or t not in specs:
+                continue
+            spec = specs[t]
+            for e in prof.of_class(op_cls, "torch"):
+                if op_cls in _COMPUTE_CLASSES:
+                    ratios.append(e.flops / (e.fwd_ms * 1e-3) / spec.peak_flops_per_s(e.dtype))
+                elif e.bytes > 0:
+                    ratios.append(e.bytes / (e.fwd_ms * 1e-3) / spec.mem_bw_bytes_per_s)
+        if ratios:
+            return min(1.0, statistics.median(ratios)), "learned"
+        return (MATMUL_EFFICIENCY if op_cls in _COMPUTE_CLASSES else MEMORY_EFFICIENCY), "assumed"
+
+
+def _interpolate(points: list[tuple[float, float]], x: float) -> float:
+    """Piecewise-linear in log-log; proportional above, floor below."""
+    xs = [p[0] for p in points]
+    if x <= xs[0]:
+        return points[0][1]
+    if x >= xs[-1]:
+        return points[-1][1] * x / xs[-1]
+    i = bisect.bisect_left(xs, x)
+    (x0, y0), (x1, y1) = points[i - 1], points[i]
+    w = (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0))
+    return math.exp(math.log(y0) + w * (math.log(y1) - math.log(y0)))
+
+
+def node_time(call: NodeCall, device_type: str, profiles: ProfileSet, spec: GPUSpec | None,
+              specs: dict[str, GPUSpec], dtype: torch.dtype) -> NodeTime:
+    """Forward and backward ms of ``call`` on ``device_type`` (see the module note).
+
+    Raises:
+        ValueError: ``device_type`` has neither a profile nor a datasheet spec.
+    """
+    prof = profiles.by_type.get(device_type)
+    if prof is not None:
+        c = prof.calibration
+        hit = prof.lookup(call.key, "torch")
+        if hit is not None:
+            return NodeTime(hit.fwd_ms * c, (hit.bwd_ms or 0.0) * c, "exact")
+        same = [e for e in prof.of_class(call.op_class, "torch") if e.fwd_ms > 0]
+        if same:
+            x = max(size_metric(call.op_class, call.flops, call.bytes), 1.0)
+            fwd_pts = sorted({(max(size_metric(e.op_class, e.flops, e.bytes), 1.0), e.fwd_ms) for e in same})
+            bwd_src = [e for e in same if e.bwd_ms]
+            fwd = _interpolate(fwd_pts, x)
+            if bwd_src:
+                ratio = statistics.median(e.bwd_ms / e.fwd_ms for e in bwd_src)
+                return NodeTime(fwd * c, fwd * ratio * c, "interpolated")
+            return NodeTime(fwd * c, 0.0, "interpolated")
+    if spec is None:
+        raise ValueError(
+            f"device type {device_type!r} has no measured profile and no datasheet entry; "
+            f"run `zorse bench kernels -o profiles/{device_type}.json` on it or add it to the cluster's gpu_types"
+        )
+    eff, _ = profiles.learned_efficiency(call.op_class, specs)
+    if call.op_class in _COMPUTE_CLASSES:
+        t = call.flops / (spec.peak_flops_per_s(dtype) * eff)
+    else:
+        t = call.bytes / (spec.mem_bw_bytes_per_s * eff)
+    fwd = t + KERNEL_OVERHEAD_S
+    return NodeTime(fwd * 1e3, fwd * (FWD_BWD_FACTOR - 1) * 1e3, "roofline")
+
+
+def measured_block_costs(
+    bg: BlockGraph,
+    specs: dict[str, GPUSpec | None],
+    profiles: ProfileSet,
+    *,
+    batches: tuple[int, int],
+    base: BlockCosts,
+    compute_dtype: torch.dtype = torch.float32,
+) -> tuple[BlockCosts, dict[str, Counter]]:
+    """Per-block per-sample and fixed times from profiles, at micro-batches ``batches``.
+
+    ``base`` (the roofline ``BlockCosts``) supplies parameters, activation and
+    cut bytes, which do not depend on the timing source. Returns the costs and,
+    per device type, how many node times came from each source.
+    """
+    n1, n2 = batches
+    if not 1 <= n1 < n2:
+        raise ValueError(f"batches must satisfy 1 <= n1 < n2, got {batches}")
+    calls = {n: model_calls(bg.captured, n) for n in (n1, n2)}
+    known = {t: s for t, s in specs.items() if s is not None}
+    per_sample: dict[str, tuple[float, ...]] = {}
+    fixed: dict[str, tuple[float, ...]] = {}
+    sources: dict[str, Counter] = {}
+    for dev_type, spec in specs.items():
+        cache: dict[str, NodeTime] = {}
+        count: Counter = Counter()
+        slopes, fixeds = [], []
+        for b in range(bg.num_blocks):
+            totals = []
+            for n in (n1, n2):
+                total = 0.0
+                for name in bg.block_nodes(b):
+                    call = calls[n].get(name)
+                    if call is None:
+                        continue
+                    if call.key not in cache:
+                        cache[call.key] = node_time(call, dev_type, profiles, spec, known, compute_dtype)
+                    nt = cache[call.key]
+                    count[nt.source] += 1
+                    total += (nt.fwd_ms + nt.bwd_ms) * 1e-3
+                totals.append(total)
+            slope = max(0.0, (totals[1] - totals[0]) / (n2 - n1))
+            slopes.append(slope)
+            fixeds.append(max(0.0, totals[0] - n1 * slope))
+        per_sample[dev_type] = tuple(slopes)
+        fixed[dev_type] = tuple(fixeds)
+        sources[dev_type] = count
+    costs = BlockCosts(
+        fwd_bwd_s_per_sample=per_sample,
+        fwd_bwd_s_fixed=fixed,
+        param_count=base.param_count,
+        act_bytes_per_sample=base.act_bytes_per_sample,
+        cut_bytes_per_sample=base.cut_bytes_per_sample,
+        state_bytes_per_param=base.state_bytes_per_param,
+        grad_bytes_per_param=base.grad_bytes_per_param,
+    )
+    return costs, sources

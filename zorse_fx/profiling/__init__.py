@@ -1,0 +1,1 @@
+"""Measurement harnesses: kernel timings per device type and link alpha-beta fits."""
