@@ -99,3 +99,15 @@ def test_cli_train_runs_plan_on_real_text(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
     assert all(r["loss"] > 0 and r["step_time_s"] > 0 for r in rows)
+
+
+def test_cli_simulate_writes_trace_and_gantt(tmp_path, capsys):
+    out = tmp_path / "plan"
+    cluster = str(CLUSTERS / "small_hetero.yaml")
+    assert zorse_main(["plan", "--model", "gpt", "--cluster", cluster, "--global-batch-size", "8",
+                       "--seq-len", "32", "--time-limit", "2", "-o", str(out)]) == 0
+    assert zorse_main(["simulate", str(out), "--model", "gpt", "--cluster", cluster, "--out", str(tmp_path / "sim")]) == 0
+    trace = json.loads((tmp_path / "sim" / "trace.json").read_text())
+    assert any(e.get("ph") == "X" and e.get("name", "").startswith("F") for e in trace["traceEvents"])
+    assert (tmp_path / "sim" / "gantt.png").stat().st_size > 1000
+    assert "simulated step" in capsys.readouterr().out

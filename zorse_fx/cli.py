@@ -4,6 +4,7 @@
                 --global-batch-size 8 --seq-len 64 -o runs/x/plan
     zorse train runs/x/plan --corpus lee --tokenizer smollm2-135m --steps 10 --out runs/x
     zorse show  runs/x/plan          # print a plan's table and schedule grid
+    zorse simulate runs/x/plan --model ... --cluster ...  # timeline: Perfetto JSON + Gantt PNG
     zorse bench kernels --model smollm2-135m -o profiles/<type>.json   # kernel profile
     zorse bench comm --out profiles/comm.json                          # link alpha-beta fits
 
@@ -90,6 +91,45 @@ def cmd_show(args) -> int:
     return 0
 
 
+def cmd_simulate(args) -> int:
+    """Simulate an exported plan's step: summary, Perfetto trace and Gantt PNG."""
+    from .api import _is_hf_causal_lm
+    from .capture import capture
+    from .cluster import Cluster
+    from .models.hf import CausalLMWithLoss
+    from .plan import Plan
+    from .planner import PlanOptions, _analyse_and_price, _device_graph, _solver_options
+    from .sim import gantt_png, simulate, to_perfetto
+
+    plan = Plan.load(args.plan)
+    cluster = Cluster.from_yaml(args.cluster)
+    model, _ = _load_model(args.model)
+    if _is_hf_causal_lm(model):
+        model = CausalLMWithLoss(model)
+    ids = torch.randint(0, 200, (2, plan.seq_len))
+    options = PlanOptions(global_batch_size=plan.global_batch_size, schedule=plan.schedule,
+                          max_stages=plan.num_stages)
+    _, costs, _ = _analyse_and_price(capture(model, (ids, ids)), cluster, options)
+    decision = dict(stage_blocks=tuple(s.blocks for s in plan.stages),
+                    stage_gpus=tuple(tuple(g.gpu for g in s.gpus) for s in plan.stages),
+                    samples_per_microbatch=tuple(tuple(g.samples_per_microbatch for g in s.gpus) for s in plan.stages),
+                    num_microbatches=plan.num_microbatches)
+    result = simulate(costs, _device_graph(cluster, options), _solver_options(options), **decision)
+    labels = [f"{g.type}@{g.node}" for g in cluster.gpus]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    to_perfetto(result, out / "trace.json", gpu_labels=labels)
+    gantt_png(result, out / "gantt.png", gpu_labels=labels)
+    print(f"[zorse] simulated step {result.step_time_s * 1e3:.1f} ms (plan predicted "
+          f"{plan.predicted_step_time_s * 1e3:.1f} ms), bubble {result.bubble_fraction:.0%}")
+    for s in plan.stages:
+        for g in s.gpus:
+            print(f"  stage {s.index} rank {g.rank} {g.gpu_type:>10}: busy {result.busy_fraction[g.gpu]:.0%}, "
+                  f"peak memory {result.peak_memory_bytes[g.gpu] / 2**30:.2f} GiB")
+    print(f"[zorse] wrote {out / 'trace.json'} (open in ui.perfetto.dev) and {out / 'gantt.png'}")
+    return 0
+
+
 def cmd_bench(args) -> int:
     if args.what == "kernels":
         from .profiling.kernels_main import main as kernels_main
@@ -133,6 +173,12 @@ def main(argv=None) -> int:
     ps = sub.add_parser("show", help="print a plan's table and schedule")
     ps.add_argument("plan")
     ps.set_defaults(fn=cmd_show)
+    pm = sub.add_parser("simulate", help="event-driven simulation of a plan's step: trace + Gantt chart")
+    pm.add_argument("plan")
+    pm.add_argument("--model", required=True, help="the model the plan was made for (as in `zorse plan`)")
+    pm.add_argument("--cluster", required=True)
+    pm.add_argument("--out", default="runs/simulate")
+    pm.set_defaults(fn=cmd_simulate)
     pb = sub.add_parser("bench", help="measure this machine: `kernels` (kernel profile) or `comm` (links)",
                         description="zorse bench kernels --help / zorse bench comm --help for their options")
     pb.add_argument("what", choices=("kernels", "comm"))

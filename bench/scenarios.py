@@ -1,0 +1,201 @@
+"""The public scenario benchmark: zorse_fx vs published ways of using a heterogeneous cluster.
+
+    .venv/bin/python bench/scenarios.py [--only metis,amp] [--time-limit 5]
+
+Each scenario (``../shared/DESIGN.md``) is a model traced on the meta device in
+fp16 (no weights allocated), a cluster file in ``examples/clusters/``, a global
+batch and a sequence length. Every planner (zorse_fx's CP-SAT and each
+baseline in ``zorse_fx/baselines``) is scored by the same cost model (datasheet
+roofline; no GPU kernel profile is shipped yet) and, where available, the
+event-driven simulator (``zorse_fx/sim``). Reported per planner: tokens/s,
+MFU (model FLOPs / sum of the GPUs' fp16 peaks), the ratio to the scenario's
+upper bound (sum over GPUs of each GPU's standalone throughput: the whole
+model on that GPU alone, no communication, unlimited memory), peak memory vs
+capacity, feasibility and planner wall time.
+
+Writes ``bench/results/scenarios.json`` and ``bench/results/scenarios.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+CLUSTERS = ROOT / "examples" / "clusters"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Scenario:
+    name: str
+    model: str
+    cluster: str
+    global_batch_size: int
+    seq_len: int
+    note: str
+
+
+SCENARIOS = (
+    Scenario(name="metis", model="gpt3-1.5b", cluster="metis.yaml", global_batch_size=128, seq_len=1024,
+             note="Metis (ATC'24): GPT-3 1.5B-class, 4 x A100 + 4 x T4, batch 128"),
+    Scenario(name="amp", model="gpt2-medium", cluster="amp.yaml", global_batch_size=32, seq_len=1024,
+             note="AMP (NeurIPS'22): GPT-2 medium, 12 x V100 + 4 x T4, batch 32"),
+    Scenario(name="zorse_a", model="llama2-7b", cluster="zorse_a.yaml", global_batch_size=256, seq_len=4096,
+             note="Zorse A: Llama-2 7B, 4 x H100 + 16 x A100, seq 4096, ~1M tokens/batch"),
+    Scenario(name="flashflex", model="llama2-7b", cluster="flashflex.yaml", global_batch_size=256, seq_len=2048,
+             note="FlashFlex/HexiScale: Llama-2 7B on 8 x 3090 + 24 x 4090 (3080 Ti left out); batch assumed"),
+    Scenario(name="zorse_b", model="llama2-13b", cluster="zorse_b.yaml", global_batch_size=1024, seq_len=1024,
+             note="Zorse B: Llama-2 13B, 8 x A100 + 16 x A10G + 16 x V100 + 24 x T4, seq 1024, ~1M tokens"),
+    Scenario(name="zorse_c", model="llama2-7b", cluster="zorse_c_two_regions.yaml", global_batch_size=2048,
+             seq_len=512, note="Zorse C: two regions (16 A10G + 48 T4 | 16 V100 + 48 T4), seq 512, ~1M tokens"),
+    Scenario(name="sailor", model="opt-350m", cluster="sailor.yaml", global_batch_size=1024, seq_len=2048,
+             note="Sailor (SOSP'25): OPT-350M, 32 x A100-40GB + 96 x V100-16GB, batch 1024"),
+)
+
+
+def build_model(name: str) -> torch.nn.Module:
+    """The scenario's model on the meta device in fp16 (transformers configs)."""
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM
+
+    from zorse_fx.models.hf import CausalLMWithLoss
+
+    llama = {"llama2-7b": (4096, 11008, 32, 32), "llama2-13b": (5120, 13824, 40, 40), "llama-65b": (8192, 22016, 80, 64)}
+    with torch.device("meta"):
+        if name in llama:
+            h, f, n, heads = llama[name]
+            m = LlamaForCausalLM(LlamaConfig(vocab_size=32000, hidden_size=h, intermediate_size=f, num_hidden_layers=n,
+                                             num_attention_heads=heads, num_key_value_heads=heads,
+                                             max_position_embeddings=4096))
+        elif name == "gpt3-1.5b":  # Metis' GPT-3 1.5B-class: 10 layers, hidden 4096
+            m = GPT2LMHeadModel(GPT2Config(n_layer=10, n_embd=4096, n_head=32, n_positions=1024,
+                                           resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+        elif name == "gpt2-medium":
+            m = GPT2LMHeadModel(GPT2Config(n_layer=24, n_embd=1024, n_head=16, n_positions=1024,
+                                           resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+        elif name == "opt-350m":
+            m = OPTForCausalLM(OPTConfig(dropout=0.0, attention_dropout=0.0))
+        else:
+            raise ValueError(f"unknown scenario model {name!r}")
+    return CausalLMWithLoss(m.to(torch.float16))
+
+
+def price(sc: Scenario, cluster):
+    """(block costs on the cluster's GPU types, model FLOPs per sample fwd+bwd)."""
+    import dataclasses
+
+    from zorse_fx.capture import analyse, capture
+    from zorse_fx.cost.roofline import block_costs, node_costs
+
+    ids = torch.zeros((2, sc.seq_len), dtype=torch.long, device="meta")
+    captured = capture(build_model(sc.model), (ids, ids), method="export")
+    bg = analyse(captured, max_blocks=32)
+    costs = block_costs(bg, {g.type: g.spec for g in cluster.gpus}, compute_dtype=torch.float16)
+    costs = dataclasses.replace(costs, grad_bytes_per_param=2)  # fp16 gradients in the all-reduce
+    flops = 3 * sum(c.flops for c in node_costs(bg).values())  # fwd + bwd (2x fwd)
+    return costs, flops
+
+
+def upper_bound_tokens_per_s(costs, cluster, seq_len: int) -> float:
+    """Sum over GPUs of seq_len / (per-sample fwd+bwd time of the whole model on that GPU)."""
+    return sum(seq_len / sum(costs.fwd_bwd_s_per_sample[g.type]) for g in cluster.gpus)
+
+
+def run_scenario(sc: Scenario, args) -> list[dict]:
+    from zorse_fx.baselines import BASELINES
+    from zorse_fx.cluster import Cluster
+    from zorse_fx.errors import InfeasiblePlanError
+    from zorse_fx.solve import evaluate, solve_cpsat
+    from zorse_fx.solve.records import SolverOptions
+
+    cluster = Cluster.from_yaml(CLUSTERS / sc.cluster)
+    t0 = time.perf_counter()
+    costs, flops_per_sample = price(sc, cluster)
+    print(f"[{sc.name}] priced {sc.model} on {len(cluster)} GPUs in {time.perf_counter() - t0:.0f} s", flush=True)
+    devices = cluster.device_graph()
+    opts = SolverOptions(global_batch_size=sc.global_batch_size, max_stages=args.max_stages,
+                         time_limit_s=args.time_limit, max_microbatches=args.max_microbatches)
+    ub = upper_bound_tokens_per_s(costs, cluster, sc.seq_len)
+    peak = sum(g.spec.peak_flops_per_s("float16") for g in cluster.gpus)
+    planners = {"zorse_fx": solve_cpsat, **BASELINES}
+    rows = []
+    for name, fn in planners.items():
+        t0 = time.perf_counter()
+        try:
+            res = fn(costs, devices, opts)
+        except (InfeasiblePlanError, ValueError) as exc:
+            rows.append({"scenario": sc.name, "planner": name, "feasible": False, "tokens_per_s": 0.0,
+                         "upper_bound_tokens_per_s": ub, "planner_wall_s": time.perf_counter() - t0,
+                         "error": str(exc).splitlines()[0][:300]})
+            print(f"[{sc.name}] {name}: no plan ({type(exc).__name__})", flush=True)
+            continue
+        wall = time.perf_counter() - t0
+        ev = evaluate(costs, devices, opts, stage_blocks=res.stage_blocks, stage_gpus=res.stage_gpus,
+                      samples_per_microbatch=res.samples_per_microbatch, num_microbatches=res.num_microbatches)
+        step = ev.step_time_s
+        sim_step = _simulate(costs, devices, opts, res)
+        tokens = sc.global_batch_size * sc.seq_len / step
+        mem = [(m, devices.memory_bytes[g]) for gs, ms in zip(res.stage_gpus, ev.memory_bytes) for g, m in zip(gs, ms)]
+        rows.append({
+            "scenario": sc.name, "planner": name, "feasible": ev.feasible, "tokens_per_s": tokens,
+            "upper_bound_tokens_per_s": ub, "fraction_of_upper_bound": tokens / ub,
+            "mfu": flops_per_sample * sc.global_batch_size / step / peak,
+            "step_time_s": step, "simulated_step_time_s": sim_step,
+            "planner_wall_s": wall, "status": res.status, "optimality_gap": res.optimality_gap,
+            "num_stages": res.num_stages, "num_microbatches": res.num_microbatches,
+            "gpus_used": sum(len(g) for g in res.stage_gpus),
+            "max_memory_fraction": max(m / c for m, c in mem), "violations": list(ev.violations)[:3],
+        })
+        print(f"[{sc.name}] {name}: {tokens:,.0f} tokens/s ({tokens / ub:.0%} of bound), feasible {ev.feasible}, "
+              f"{res.num_stages} stages, {wall:.1f} s", flush=True)
+    return rows
+
+
+def _simulate(costs, devices, opts, res) -> float | None:
+    try:
+        from zorse_fx.sim import simulate
+    except ImportError:
+        return None
+    return simulate(costs, devices, opts, stage_blocks=res.stage_blocks, stage_gpus=res.stage_gpus,
+                    samples_per_microbatch=res.samples_per_microbatch,
+                    num_microbatches=res.num_microbatches).step_time_s
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", default="", help="comma-separated scenario names")
+    ap.add_argument("--time-limit", type=float, default=5.0, help="CP-SAT seconds per (stages, micro-batches) candidate")
+    ap.add_argument("--max-stages", type=int, default=4)
+    ap.add_argument("--max-microbatches", type=int, default=16)
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    args = ap.parse_args()
+    only = set(filter(None, args.only.split(",")))
+    rows = []
+    for sc in SCENARIOS:
+        if not only or sc.name in only:
+            rows += run_scenario(sc, args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "scenarios.json").write_text(json.dumps(rows, indent=1) + "\n")
+    lines = ["| scenario | planner | feasible | tokens/s | of bound | MFU | stages | GPUs | max mem | planner s | status |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['scenario']} | {r['planner']} | no plan | - | - | - | - | - | - | {r['planner_wall_s']:.1f} | {r['error'][:60]} |")
+            continue
+        lines.append(f"| {r['scenario']} | {r['planner']} | {'yes' if r['feasible'] else 'NO'} | {r['tokens_per_s']:,.0f} | "
+                     f"{r['fraction_of_upper_bound']:.0%} | {r['mfu']:.1%} | {r['num_stages']} | {r['gpus_used']} | "
+                     f"{r['max_memory_fraction']:.0%} | {r['planner_wall_s']:.1f} | {r['status']} |")
+    (out / "scenarios.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

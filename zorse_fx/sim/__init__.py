@@ -1,0 +1,7 @@
+"""Event-driven simulation of a plan's training step (engine.py) and its
+visualisation as a Perfetto / Chrome trace or a PNG Gantt chart (trace.py)."""
+
+from .engine import SimEvent, SimResult, link_resource, simulate
+from .trace import gantt_png, to_perfetto
+
+__all__ = ["SimEvent", "SimResult", "simulate", "link_resource", "to_perfetto", "gantt_png"]

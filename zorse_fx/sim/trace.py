@@ -1,0 +1,139 @@
+"""Views of a simulated step: a Perfetto / Chrome trace and a PNG Gantt chart.
+
+Trace format: the Chrome "Trace Event Format" (JSON object with a
+``traceEvents`` list; complete events ``"ph": "X"`` with ``ts`` and ``dur`` in
+microseconds; ``"ph": "M"`` metadata events name processes and threads), which
+ui.perfetto.dev and chrome://tracing both load. One process per node, one
+thread per GPU for its compute (F, B, all-reduce, optimizer) and one thread per
+GPU for the messages it sends. Complete events on one thread must nest, and a
+GPU's sends can overlap (a forward feeds several receivers at once), so
+overlapping sends go to extra lanes ("GPU g sends #2", ...) of the same GPU.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .engine import SimEvent, SimResult
+
+__all__ = ["to_perfetto", "gantt_png", "COLORS"]
+
+#: Colours of the chart (and the trace's ``cname``-free legend) per event kind.
+COLORS = {"F": "#4C78A8", "B": "#F58518", "allreduce": "#E45756", "optim": "#54A24B", "send": "#9D9D9D"}
+_LEGEND = {"F": "forward", "B": "backward", "allreduce": "all-reduce", "optim": "optimizer", "send": "send"}
+_COMPUTE = ("F", "B", "allreduce", "optim")
+
+
+def _labels(result: SimResult, gpu_labels) -> dict[int, str]:
+    gpus = sorted({e.gpu for e in result.events})
+    if gpu_labels is not None:
+        return {g: str(gpu_labels[g]) for g in gpus}
+    kind = result.gpu_types
+    return {g: f"GPU {g}" + (f" ({kind[g]})" if g < len(kind) else "") for g in gpus}
+
+
+def _name(e: SimEvent) -> str:
+    if e.kind in ("F", "B"):
+        return f"{e.kind}{e.microbatch}"
+    if e.kind == "send":
+        return f"send mb{e.microbatch} -> GPU {e.peer}"
+    return _LEGEND[e.kind]
+
+
+def _lanes(events: list[SimEvent]) -> list[int]:
+    """Greedy interval partitioning: lane per event so that lanes never overlap."""
+    ends: list[float] = []
+    out = []
+    for e in events:
+        for k, end in enumerate(ends):
+            if end <= e.start_s:
+                ends[k] = e.end_s
+                out.append(k)
+                break
+        else:
+            ends.append(e.end_s)
+            out.append(len(ends) - 1)
+    return out
+
+
+def to_perfetto(result: SimResult, path, *, gpu_labels=None) -> Path:
+    """Write the step as Chrome trace event JSON to ``path`` (returned as a Path).
+
+    ``gpu_labels``: optional names indexed by GPU (default "GPU g (type)")."""
+    labels = _labels(result, gpu_labels)
+    nodes = result.gpu_nodes or tuple(f"gpu{g}" for g in range(max(labels, default=-1) + 1))
+    pid_of: dict[str, int] = {}
+    for g in labels:
+        pid_of.setdefault(nodes[g], len(pid_of) + 1)
+    meta = [{"name": "process_name", "ph": "M", "pid": pid, "tid": 0, "args": {"name": f"node {node}"}}
+            for node, pid in pid_of.items()]
+    trace = []
+
+    def thread(g: int, tid: int, name: str) -> None:
+        meta.append({"name": "thread_name", "ph": "M", "pid": pid_of[nodes[g]], "tid": tid, "args": {"name": name}})
+        meta.append({"name": "thread_sort_index", "ph": "M", "pid": pid_of[nodes[g]], "tid": tid,
+                     "args": {"sort_index": tid}})
+
+    def slice_(e: SimEvent, tid: int) -> dict:
+        args = {"stage": e.stage, "microbatch": e.microbatch, "start_s": e.start_s, "end_s": e.end_s}
+        if e.kind == "send":
+            args.update(peer=e.peer, bytes=e.nbytes)
+        elif e.kind in ("allreduce", "optim"):
+            args.update(bytes=e.nbytes)
+        return {"name": _name(e), "cat": e.kind, "ph": "X", "ts": e.start_s * 1e6,
+                "dur": max(e.end_s - e.start_s, 0.0) * 1e6, "pid": pid_of[nodes[e.gpu]], "tid": tid, "args": args}
+
+    for g, label in labels.items():
+        base = 100 * (g + 1)
+        thread(g, base, f"{label} compute")
+        trace += [slice_(e, base) for e in result.events if e.gpu == g and e.kind in _COMPUTE]
+        sends = [e for e in result.events if e.gpu == g and e.kind == "send"]
+        lanes = _lanes(sends)
+        for k in sorted(set(lanes)):
+            thread(g, base + 1 + k, f"{label} sends" + (f" #{k + 1}" if k else ""))
+        trace += [slice_(e, base + 1 + k) for e, k in zip(sends, lanes)]
+    doc = {"traceEvents": meta + trace, "displayTimeUnit": "ms",
+           "otherData": {"step_time_s": result.step_time_s, "bubble_fraction": result.bubble_fraction}}
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc))
+    return path
+
+
+def gantt_png(result: SimResult, path, *, gpu_labels=None, dpi: int = 120) -> Path:
+    """Draw a Gantt chart (one row per used GPU, time in ms) to a PNG at ``path``.
+
+    Uses matplotlib's Agg canvas directly (no global backend switch). Compute
+    bars fill a row; sends are thin grey bars along its bottom edge."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+
+    labels = _labels(result, gpu_labels)
+    rows = {g: k for k, g in enumerate(sorted(labels))}
+    step_ms = max(result.step_time_s * 1e3, 1e-12)
+    fig = Figure(figsize=(12, 1.2 + 0.45 * max(len(rows), 1)))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    for e in result.events:
+        y, x0, w = rows[e.gpu], e.start_s * 1e3, (e.end_s - e.start_s) * 1e3
+        if e.kind == "send":
+            ax.barh(y + 0.33, w, left=x0, height=0.1, color=COLORS["send"], alpha=0.6, linewidth=0)
+            continue
+        ax.barh(y, w, left=x0, height=0.6, color=COLORS[e.kind], edgecolor="white", linewidth=0.5)
+        if e.kind in ("F", "B") and w >= 0.02 * step_ms:
+            ax.text(x0 + w / 2, y, str(e.microbatch), ha="center", va="center", fontsize=7, color="white")
+    ax.set_yticks(range(len(rows)), [labels[g] for g in rows])
+    ax.set_ylim(len(rows) - 0.5, -0.5)
+    ax.set_xlim(0, step_ms * 1.01)
+    ax.set_xlabel("time (ms)")
+    ax.set_title(f"simulated step {step_ms:.2f} ms, bubble {result.bubble_fraction:.1%}")
+    ax.legend(handles=[Patch(color=c, label=_LEGEND[k]) for k, c in COLORS.items()],
+              loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=8, frameon=False)
+    ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi, bbox_inches="tight")
+    return path
