@@ -9,6 +9,8 @@ import random
 
 import pytest
 
+from zorse_fx.solve.objective import MEMORY_UNIT_BYTES
+
 from zorse_fx.errors import InfeasiblePlanError
 from zorse_fx.sim import gantt_png, simulate, to_perfetto
 from zorse_fx.solve import BlockCosts, DeviceGraph, SolverOptions, evaluate, solve_cpsat
@@ -218,8 +220,12 @@ def test_agreement_with_objective():
         rows.append((seed, res.num_stages, res.num_microbatches, sim.step_time_s / ev.step_time_s - 1,
                      sim0.step_time_s / ev0.step_time_s - 1, sim.step_time_s / ev0.step_time_s - 1))
         # Activation peaks: the simulator's tracked in-flight count equals the model's.
-        for gpus, mem in zip(res.stage_gpus, ev.memory_bytes):
-            assert [sim.peak_memory_bytes[g] for g in gpus] == list(mem)
+        # The objective counts memory in KiB rounded up per block (objective.py note), so it
+        # may exceed the simulator's exact bytes by < 1 KiB per block, for state and per sample.
+        for gpus, mem, ns in zip(res.stage_gpus, ev.memory_bytes, res.samples_per_microbatch):
+            for g, m_obj, n in zip(gpus, mem, ns):
+                slack = MEMORY_UNIT_BYTES * costs.num_blocks * (1 + n * res.num_microbatches)
+                assert 0 <= m_obj - sim.peak_memory_bytes[g] < slack
         assert sim.step_time_s <= ev.step_time_s * (1 + TOL), rows[-1]
         assert abs(rows[-1][4]) <= TOL, rows[-1]
         assert sim.step_time_s >= ev0.step_time_s * (1 - TOL), rows[-1]

@@ -248,3 +248,25 @@ def test_sixteen_gpus_forty_blocks():
     assert ev.feasible and res.predicted_step_time_s == ev.step_time_s
     assert all(sum(ns) == 8 for ns in res.samples_per_microbatch)
     assert len(res.candidates) == 4
+
+
+def test_large_memory_coefficients_do_not_break_presolve():
+    """Regression: GPT-3 1.5B-class block costs (Metis scenario, traced on meta, fp16)
+    on 4 x A100 + 4 x T4. With memory in bytes (coefficients ~4e10) OR-Tools' presolve
+    called the 2-stage model INFEASIBLE although the homogeneous A100-only plan fits;
+    memory is now counted in KiB. CP-SAT must find a plan at least as fast."""
+    import json
+    from pathlib import Path
+
+    from zorse_fx.baselines import BASELINES
+    from zorse_fx.cluster import Cluster
+
+    raw = json.loads((Path(__file__).parent / "data" / "metis_gpt3_1.5b_costs.json").read_text())
+    costs = BlockCosts(**{k: ({t: tuple(v) for t, v in val.items()} if isinstance(val, dict) else
+                              tuple(val) if isinstance(val, list) else val) for k, val in raw.items()})
+    devices = Cluster.from_yaml(Path(__file__).parents[1] / "examples" / "clusters" / "metis.yaml").device_graph()
+    options = SolverOptions(global_batch_size=128, max_stages=2, num_microbatches=(16,), time_limit_s=10)
+    base = BASELINES["homogeneous_best"](costs, devices, options)
+    res = solve_cpsat(costs, devices, options)
+    assert res.status == "OPTIMAL"
+    assert res.predicted_step_time_s <= base.predicted_step_time_s + 1e-9

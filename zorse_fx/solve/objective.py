@@ -41,6 +41,11 @@ the nearest ns, in ``build_tables``:
     -> prefix sums (so allreduce/optim of a stage = sum of its rounded blocks);
   * per-cut transfer time cut_bytes[c]*b/bw per distinct link bandwidth;
   * link latencies; usable memory = floor(memory_fraction * memory_bytes).
+Memory is counted in KiB (``MEMORY_UNIT_BYTES``): per-block state and
+activation bytes rounded UP, usable memory rounded DOWN (conservative by at
+most 1 KiB per block). With byte-sized coefficients (~4e10) OR-Tools 9.15's
+presolve declared a feasible model INFEASIBLE (seen on the Metis scenario:
+presolve off or KiB units give the optimum), so the tables stay small.
 bw_min / lat_max become "max over present GPU pairs of the pair's rounded
 time", which equals the formula because rounding is monotone. Every quantity
 is then exact integer arithmetic, so the evaluator and the CP-SAT model agree
@@ -64,6 +69,12 @@ __all__ = [
 UNITS_PER_S = 1_000_000_000
 #: Seconds per integer time unit.
 UNIT_S = 1.0 / UNITS_PER_S
+#: Bytes per integer memory unit of the tables (KiB; see the module note).
+MEMORY_UNIT_BYTES = 1024
+
+
+def _kib_up(nbytes: float) -> int:
+    return -(-int(nbytes) // MEMORY_UNIT_BYTES)
 GIB = float(1 << 30)
 SCHEDULES = ("1f1b", "gpipe")
 
@@ -141,7 +152,8 @@ class IntTables:
     work_prefix: dict[str, tuple[int, ...]]
     #: {gpu_type: prefix of fixed per-micro-batch fwd+bwd units}.
     fixed_prefix: dict[str, tuple[int, ...]]
-    #: prefix of state bytes (state_bytes_per_param * params) and of activation bytes/sample.
+    #: prefix of state (state_bytes_per_param * params) and of activations per sample,
+    #: in MEMORY_UNIT_BYTES units.
     state_prefix: tuple[int, ...]
     act_prefix: tuple[int, ...]
     #: (G, G) index into ``bw_values`` (ascending distinct link bandwidths, B/s); -1 on the diagonal.
@@ -157,7 +169,7 @@ class IntTables:
     gpu_mbw_class: tuple[int, ...]
     mem_bw_values: tuple[float, ...]
     opt_prefix: tuple[tuple[int, ...], ...]
-    #: (G,) usable bytes floor(memory_fraction * memory_bytes).
+    #: (G,) usable memory floor(memory_fraction * memory_bytes), in MEMORY_UNIT_BYTES units.
     cap_bytes: tuple[int, ...]
 
 
@@ -198,8 +210,8 @@ def build_tables(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions
                      for t in sorted(set(devices.gpu_types))},
         fixed_prefix={t: _prefix(to_units(x) for x in costs.fwd_bwd_s_fixed.get(t, (0.0,) * costs.num_blocks))
                       for t in sorted(set(devices.gpu_types))},
-        state_prefix=_prefix(st * p for p in costs.param_count),
-        act_prefix=_prefix(costs.act_bytes_per_sample),
+        state_prefix=_prefix(_kib_up(st * p) for p in costs.param_count),
+        act_prefix=_prefix(_kib_up(a) for a in costs.act_bytes_per_sample),
         pair_bw_class=pair_bw_class, bw_values=bw_values,
         pair_lat=tuple(tuple(r) for r in lat),
         xfer=tuple(tuple(to_units(cb * b / v) for cb in costs.cut_bytes_per_sample) for v in bw_values),
@@ -208,7 +220,7 @@ def build_tables(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions
         mem_bw_values=mem_bw_values,
         opt_prefix=tuple(_prefix(to_units(2 * st * p / v) for p in costs.param_count)
                          for v in mem_bw_values),
-        cap_bytes=tuple(int(options.memory_fraction * mb) for mb in devices.memory_bytes),
+        cap_bytes=tuple(int(options.memory_fraction * mb) // MEMORY_UNIT_BYTES for mb in devices.memory_bytes),
     )
 
 
@@ -341,8 +353,8 @@ def evaluate(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions, *,
     for s, gpus in enumerate(stage_gpus):
         for g, need in zip(gpus, u.memory[s]):
             if need > tab.cap_bytes[g]:
-                bad.append(f"stage {s} GPU {g} ({devices.gpu_types[g]}) needs {_gib(need)} GiB > "
-                           f"{_gib(tab.cap_bytes[g])} GiB usable ({options.memory_fraction:g} × "
+                bad.append(f"stage {s} GPU {g} ({devices.gpu_types[g]}) needs {_gib(need * MEMORY_UNIT_BYTES)} GiB > "
+                           f"{_gib(tab.cap_bytes[g] * MEMORY_UNIT_BYTES)} GiB usable ({options.memory_fraction:g} × "
                            f"{_gib(devices.memory_bytes[g])} GiB)")
 
     def sec(v):
@@ -350,7 +362,8 @@ def evaluate(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions, *,
 
     return Evaluation(step_time_s=u.step * UNIT_S, stage_time_s=sec(u.stage), compute_s=sec(u.compute),
                       boundary_s=sec(u.boundary), allreduce_s=sec(u.allreduce), optim_s=sec(u.optim),
-                      memory_bytes=u.memory, feasible=not bad, violations=tuple(bad),
+                      memory_bytes=tuple(tuple(v * MEMORY_UNIT_BYTES for v in row) for row in u.memory),
+                      feasible=not bad, violations=tuple(bad),
                       objective_units=u.step)
 
 
