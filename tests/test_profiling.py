@@ -9,7 +9,6 @@ import json
 import pytest
 import torch
 
-from conftest import CLUSTERS
 from zorse_fx.capture import analyse, capture
 from zorse_fx.cluster import gpu_spec
 from zorse_fx.cost.measured import ProfileSet, _interpolate, measured_block_costs, node_time

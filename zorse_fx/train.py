@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from datetime import timedelta
@@ -30,6 +29,7 @@ import torch.distributed as dist
 from .data import global_batch
 from .errors import RuntimeExecutionError
 from .plan import Plan
+from .runtime.launch import rank_device
 from .runtime.worker import OptimizerConfig, StageWorker
 
 __all__ = ["main", "parse_args"]
@@ -72,12 +72,7 @@ def main(argv=None) -> int:
             f"the plan needs {plan.world_size} processes (one per GPU) but torchrun started {world}; "
             f"use --nproc-per-node {plan.world_size} on one node (or that many in total)"
         )
-    if backend == "nccl":
-        local = int(os.environ.get("LOCAL_RANK", 0))
-        torch.cuda.set_device(local)
-        device = torch.device("cuda", local)
-    else:
-        device = torch.device("cpu")
+    device = rank_device(backend)
     weights_path = Path(args.weights) if args.weights else plan_dir / "weights.pt"
     if not weights_path.exists():
         raise RuntimeExecutionError(f"weights file {weights_path} not found; pass --weights or export with `zorse plan`")

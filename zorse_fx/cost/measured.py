@@ -24,6 +24,7 @@ part ``T(n1) - n1 * slope`` (clamped at 0).
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import math
 import statistics
 from collections import Counter
@@ -189,13 +190,4 @@ def measured_block_costs(
         per_sample[dev_type] = tuple(slopes)
         fixed[dev_type] = tuple(fixeds)
         sources[dev_type] = count
-    costs = BlockCosts(
-        fwd_bwd_s_per_sample=per_sample,
-        fwd_bwd_s_fixed=fixed,
-        param_count=base.param_count,
-        act_bytes_per_sample=base.act_bytes_per_sample,
-        cut_bytes_per_sample=base.cut_bytes_per_sample,
-        state_bytes_per_param=base.state_bytes_per_param,
-        grad_bytes_per_param=base.grad_bytes_per_param,
-    )
-    return costs, sources
+    return dataclasses.replace(base, fwd_bwd_s_per_sample=per_sample, fwd_bwd_s_fixed=fixed), sources

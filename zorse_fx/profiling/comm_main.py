@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from zorse_fx.profiling.comm import CommProfile, measure
+from zorse_fx.runtime.launch import rank_device
 
 __all__ = ["parse_sizes", "default_sizes", "main"]
 
@@ -144,12 +145,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(1)  # one thread per rank: ranks share the host's cores
     backend = args.backend if args.backend != "auto" else ("nccl" if torch.cuda.is_available() else "gloo")
-    if backend == "nccl":
-        local = int(os.environ.get("LOCAL_RANK", 0))
-        torch.cuda.set_device(local)
-        device = torch.device("cuda", local)
-    else:
-        device = torch.device("cpu")
+    device = rank_device(backend)
     sizes = args.sizes or default_sizes(device.type == "cuda")
     iters = args.iters or 20
     dist.init_process_group(backend, timeout=timedelta(minutes=5),

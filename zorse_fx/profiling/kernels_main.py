@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from .profile import HARNESS_VERSION, DeviceInfo, KernelProfile, KernelTiming
+from .profile import DeviceInfo, KernelProfile, KernelTiming
 
 __all__ = ["main", "measure_model", "measure_standard", "device_info"]
 

@@ -7,7 +7,18 @@ import subprocess
 import sys
 from pathlib import Path
 
-__all__ = ["torchrun_command", "launch"]
+import torch
+
+__all__ = ["torchrun_command", "launch", "rank_device"]
+
+
+def rank_device(backend: str) -> torch.device:
+    """This rank's device: ``cuda:LOCAL_RANK`` (selected) for NCCL, else the CPU."""
+    if backend == "nccl":
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local)
+        return torch.device("cuda", local)
+    return torch.device("cpu")
 
 
 def torchrun_command(plan_dir: str | Path, nprocs: int, train_args: list[str]) -> list[str]:
