@@ -123,7 +123,10 @@ def run_scenario(sc: Scenario, args) -> list[dict]:
                          time_limit_s=args.time_limit, max_microbatches=args.max_microbatches)
     ub = upper_bound_tokens_per_s(costs, cluster, sc.seq_len)
     peak = sum(g.spec.peak_flops_per_s("float16") for g in cluster.gpus)
-    planners = {"zorse_fx": solve_cpsat, **BASELINES}
+    from zorse_fx.solve import solve_grouped
+
+    # zorse_fx's planner="auto": per-GPU CP-SAT up to 16 GPUs, class-level CP-SAT beyond.
+    planners = {"zorse_fx": solve_cpsat if len(cluster) <= 16 else solve_grouped, **BASELINES}
     rows = []
     for name, fn in planners.items():
         t0 = time.perf_counter()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import random
-import time
 
 import pytest
 
@@ -240,9 +239,7 @@ def test_sixteen_gpus_forty_blocks():
         cut_bytes_per_sample=(0, *([8_000_000] * (nb - 1)), 0))
     devices = _devices(types, nodes, [mem[t] * GIB for t in types], [mbw[t] for t in types])
     options = SolverOptions(global_batch_size=64, num_microbatches=(8,), max_stages=4, time_limit_s=3.0)
-    t0 = time.perf_counter()
-    res = solve_cpsat(costs, devices, options)
-    assert time.perf_counter() - t0 < 20
+    res = solve_cpsat(costs, devices, options)  # wall time: bench/planner_scaling.py
     assert res.status in ("OPTIMAL", "FEASIBLE")
     ev = _eval(costs, devices, options, res)
     assert ev.feasible and res.predicted_step_time_s == ev.step_time_s

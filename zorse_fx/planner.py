@@ -45,8 +45,9 @@ class PlanOptions:
     memory_fraction: float = 0.9
     #: CP-SAT time limit per (stages, micro-batches) candidate, seconds.
     time_limit_s: float = 10.0
-    #: "cpsat" or "brute_force" (tiny instances only).
-    planner: str = "cpsat"
+    #: "auto" (per-GPU CP-SAT up to 16 GPUs, class-level CP-SAT beyond),
+    #: "cpsat", "grouped" or "brute_force" (tiny instances only).
+    planner: str = "auto"
     #: dtype of the matmuls on the real cluster (selects datasheet peaks);
     #: None = the dtype of the model's parameters.
     compute_dtype: torch.dtype | None = None
@@ -81,14 +82,19 @@ def plan_captured(
     bg, costs, dtype = _analyse_and_price(captured, cluster, options, say)
     say(f"analysed graph: {len(bg.act_order)} activation nodes, {bg.num_blocks} blocks at legal cut points")
     sopts = _solver_options(options)
-    solve = {"cpsat": solve_cpsat, "brute_force": solve_brute_force}.get(options.planner)
+    from .solve.grouped import solve_grouped
+
+    planner = options.planner
+    if planner == "auto":
+        planner = "cpsat" if len(cluster) <= 16 else "grouped"
+    solve = {"cpsat": solve_cpsat, "grouped": solve_grouped, "brute_force": solve_brute_force}.get(planner)
     if solve is None:
-        raise ValueError(f"unknown planner {options.planner!r}; use 'cpsat' or 'brute_force'")
+        raise ValueError(f"unknown planner {options.planner!r}; use 'auto', 'cpsat', 'grouped' or 'brute_force'")
     result = solve(costs, _device_graph(cluster, options), sopts)
     say(f"solved: {result.num_stages} stages, {result.num_microbatches} micro-batches, "
         f"status {result.status}, gap {result.optimality_gap:.2%}, {result.wall_s:.2f} s")
     plan = build_plan(bg, cluster, result, options, model_name=model_name, label_mode=label_mode,
-                      compute_dtype=dtype, planner=options.planner)
+                      compute_dtype=dtype, planner=planner)
     say(f"codegen: {plan.num_stages} stage modules ({time.perf_counter() - t0:.1f} s total)")
     return plan, bg
 

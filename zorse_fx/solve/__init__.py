@@ -1,7 +1,8 @@
 """Planners: the step-time model (objective.py), CP-SAT (cpsat.py) and an
 exhaustive oracle for tiny instances (brute_force.py).
 
-``solve_cpsat`` / ``solve_brute_force`` load on first use, so code that only
+``solve_cpsat`` / ``solve_grouped`` (class-level CP-SAT for large clusters) /
+``solve_brute_force`` load on first use, so code that only
 needs the records (the cluster, the runtime) never imports OR-Tools.
 """
 
@@ -10,7 +11,7 @@ from .records import BlockCosts, DeviceGraph, SolverOptions, SolverResult
 
 __all__ = [
     "BlockCosts", "DeviceGraph", "SolverOptions", "SolverResult",
-    "Evaluation", "evaluate", "solve_brute_force", "solve_cpsat",
+    "Evaluation", "evaluate", "solve_brute_force", "solve_cpsat", "solve_grouped",
 ]
 
 
@@ -19,6 +20,10 @@ def __getattr__(name: str):
         from .cpsat import solve_cpsat
 
         return solve_cpsat
+    if name == "solve_grouped":
+        from .grouped import solve_grouped
+
+        return solve_grouped
     if name == "solve_brute_force":
         from .brute_force import solve_brute_force
 

@@ -234,7 +234,8 @@ class _Model:
         m.AddMaxEquality(tmax, t)
         smax = m.NewIntVar(0, sync_hi, "syncmax")
         m.AddMaxEquality(smax, sync)
-        m.Minimize(sum(t) + (tab.num_microbatches - 1) * tmax + smax)
+        self.objective = sum(t) + (tab.num_microbatches - 1) * tmax + smax
+        m.Minimize(self.objective)
 
     def decision(self, solver: cp_model.CpSolver):
         """(stage_blocks, stage_gpus, samples) of the solver's current solution."""
@@ -272,8 +273,10 @@ def solve_cpsat(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions)
             rec = {"num_stages": n_s, "num_microbatches": m, "status": status, "step_time_s": None,
                    "best_bound_s": None, "wall_s": 0.0}
             if code in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-                obj = int(round(solver.ObjectiveValue()))
-                bound = int(round(solver.BestObjectiveBound()))
+                # The objective of the returned solution (OR-Tools 9.15's ObjectiveValue()
+                # can differ by a few ms from it on time-limited FEASIBLE answers).
+                obj = int(solver.Value(model.objective))
+                bound = min(obj, int(round(solver.BestObjectiveBound())))
                 dec = model.decision(solver)
                 ev = evaluate(costs, devices, options, stage_blocks=dec[0], stage_gpus=dec[1],
                               samples_per_microbatch=dec[2], num_microbatches=m)

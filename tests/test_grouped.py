@@ -1,0 +1,202 @@
+"""Tests of the grouped (GPU-class) CP-SAT planner against the per-GPU one."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+
+from zorse_fx.errors import InfeasiblePlanError
+from zorse_fx.solve import BlockCosts, DeviceGraph, SolverOptions, evaluate, solve_cpsat
+from zorse_fx.solve.grouped import gpu_classes, solve_grouped
+from zorse_fx.solve.objective import UNITS_PER_S, build_tables
+
+GIB = 1 << 30
+
+
+def _devices(types, nodes, memory, mem_bw, *, intra=(100e9, 5e-6), inter=(10e9, 2e-5), odd_links=None):
+    g = len(types)
+    link = {(a, b): (intra if nodes[a] == nodes[b] else inter) for a in range(g) for b in range(g)}
+    for (a, b), v in (odd_links or {}).items():
+        link[a, b] = link[b, a] = v
+    bw = tuple(tuple(0.0 if a == b else link[a, b][0] for b in range(g)) for a in range(g))
+    lat = tuple(tuple(0.0 if a == b else link[a, b][1] for b in range(g)) for a in range(g))
+    return DeviceGraph(gpu_types=tuple(types), memory_bytes=tuple(memory), mem_bw_bytes_per_s=tuple(mem_bw),
+                       link_bw_bytes_per_s=bw, link_latency_s=lat, node_names=tuple(nodes))
+
+
+def _costs(rng, nb, types, *, fixed=False):
+    base = [rng.uniform(4e-3, 20e-3) for _ in range(nb)]
+    slow = {t: rng.choice([1.0, 1.5, 2.0, 3.0]) for t in types}
+    return BlockCosts(
+        fwd_bwd_s_per_sample={t: tuple(x * slow[t] * rng.uniform(0.8, 1.2) for x in base) for t in types},
+        param_count=tuple(rng.randint(20, 200) * 1_000_000 for _ in range(nb)),
+        act_bytes_per_sample=tuple(rng.randint(20, 600) * 1_000_000 for _ in range(nb)),
+        cut_bytes_per_sample=(0, *(rng.randint(1, 200) * 1_000_000 for _ in range(nb - 1)), 0),
+        fwd_bwd_s_fixed=({t: tuple(rng.uniform(0, 5e-3) for _ in range(nb)) for t in types} if fixed else {}),
+    )
+
+
+def _singleton_instance(seed):
+    """Every GPU on its own node (or a distinct type / memory): all classes have size 1."""
+    rng = random.Random(seed)
+    n_g, nb = rng.randint(2, 4), rng.randint(2, 6)
+    costs = _costs(rng, nb, "AB", fixed=seed % 2 == 1)
+    types = [rng.choice("AB") for _ in range(n_g)]
+    nodes = [f"n{g}" if rng.random() < 0.5 else "n0" for g in range(n_g)]
+    memory = [(4 + 2 * g) * GIB for g in range(n_g)]  # distinct: no two GPUs interchangeable
+    mem_bw = [rng.choice([900e9, 1.2e12]) if t == "A" else 300e9 for t in types]
+    odd = {(a, b): (rng.choice([2e9, 25e9, 50e9]), rng.choice([1e-6, 5e-5]))
+           for a in range(n_g) for b in range(a + 1, n_g) if rng.random() < 0.2}
+    options = SolverOptions(global_batch_size=rng.randint(2, 6), max_stages=rng.randint(1, 3),
+                            schedule=rng.choice(["1f1b", "gpipe"]), time_limit_s=20.0,
+                            num_workers=2, seed=seed, allow_idle_gpus=rng.random() < 0.8)
+    return costs, _devices(types, nodes, memory, mem_bw, odd_links=odd), options
+
+
+def _eval(costs, devices, options, res):
+    return evaluate(costs, devices, options, stage_blocks=res.stage_blocks, stage_gpus=res.stage_gpus,
+                    samples_per_microbatch=res.samples_per_microbatch, num_microbatches=res.num_microbatches)
+
+
+def _check_candidates(res):
+    for c in res.candidates:
+        assert c["status"] in ("OPTIMAL", "INFEASIBLE"), c
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_singleton_classes_match_cpsat(seed):
+    costs, devices, options = _singleton_instance(seed)
+    tab = build_tables(costs, devices, options, 1)
+    assert all(len(c) == 1 for c in gpu_classes(devices, tab))
+    try:
+        ref = solve_cpsat(costs, devices, options)
+    except InfeasiblePlanError as exc:
+        with pytest.raises(InfeasiblePlanError) as got:
+            solve_grouped(costs, devices, options)
+        assert str(got.value) == str(exc)
+        return
+    res = solve_grouped(costs, devices, options)
+    assert ref.status == "OPTIMAL" and res.status == "OPTIMAL"
+    ev = _eval(costs, devices, options, res)
+    assert ev.feasible
+    assert ev.objective_units == round(res.objective * UNITS_PER_S) == round(ref.objective * UNITS_PER_S)
+    for a, b in zip(res.candidates, ref.candidates):
+        assert (a["step_time_s"] is None) == (b["step_time_s"] is None)
+        if a["step_time_s"] is not None:
+            assert round(a["step_time_s"] * UNITS_PER_S) == round(b["step_time_s"] * UNITS_PER_S)
+
+
+def test_classes_two_nodes_of_four():
+    """2 nodes x 4 identical GPUs -> 2 classes; a node with 2 x A + 2 x B -> split by type."""
+    devices = _devices(["A"] * 4 + ["A", "A", "B", "B"], ["n0"] * 4 + ["n1"] * 4, [16 * GIB] * 8,
+                       [1e12] * 6 + [3e11] * 2)
+    costs = _costs(random.Random(0), 3, "AB")
+    tab = build_tables(costs, devices, SolverOptions(global_batch_size=8), 1)
+    assert gpu_classes(devices, tab) == [[0, 1, 2, 3], [4, 5], [6, 7]]
+    # one odd link inside node 0 splits that node.
+    odd = _devices(["A"] * 4, ["n0"] * 4, [16 * GIB] * 4, [1e12] * 4, odd_links={(0, 1): (5e9, 1e-5)})
+    tab = build_tables(costs, odd, SolverOptions(global_batch_size=8), 1)
+    classes = gpu_classes(odd, tab)
+    assert sorted(g for c in classes for g in c) == [0, 1, 2, 3]
+    for c in classes:  # uniform links inside every class
+        vals = {(tab.pair_bw_class[g][h], tab.pair_lat[g][h]) for g in c for h in c if g != h}
+        assert len(vals) <= 1
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_grouped_is_restriction(seed):
+    """Classes of size > 1: grouped optimum >= per-GPU optimum, and evaluate() agrees."""
+    rng = random.Random(100 + seed)
+    nb = rng.randint(2, 5)
+    types = ["A"] * 4 + [rng.choice("AB")] * 4 if seed % 2 else ["A", "A", "B", "B", "A", "A", "B", "B"]
+    nodes = ["n0"] * 4 + ["n1"] * 4
+    devices = _devices(types, nodes, [rng.choice([8, 16]) * GIB if t == "B" else 16 * GIB for t in types],
+                       [1e12 if t == "A" else 3e11 for t in types])
+    costs = _costs(rng, nb, "AB", fixed=seed % 2 == 0)
+    options = SolverOptions(global_batch_size=rng.choice([4, 6, 8]), max_stages=2, num_microbatches=(1, 2),
+                            time_limit_s=20.0, seed=seed)
+    ref = solve_cpsat(costs, devices, options)
+    res = solve_grouped(costs, devices, options)
+    assert res.status == "OPTIMAL"
+    ev = _eval(costs, devices, options, res)
+    assert ev.feasible and ev.objective_units == round(res.objective * UNITS_PER_S)
+    assert round(res.objective * UNITS_PER_S) >= round(ref.objective * UNITS_PER_S) or ref.status != "OPTIMAL"
+    if ref.status == "OPTIMAL":
+        assert res.objective >= ref.objective - 1e-12
+
+
+def _big_instance(n_nodes, per_node, nb, seed=0):
+    """n_nodes nodes of per_node GPUs of one type each, 4 types round-robin."""
+    rng = random.Random(seed)
+    spec = {"H100": (80, 3.35e12, 1.0), "A100": (40, 1.6e12, 1.6), "V100": (32, 9e11, 2.8), "T4": (16, 3e11, 6.0)}
+    names = list(spec)
+    types, nodes = [], []
+    for i in range(n_nodes):
+        t = names[i % len(names)]
+        types += [t] * per_node
+        nodes += [f"node{i}"] * per_node
+    base = [rng.uniform(0.5e-3, 2e-3) for _ in range(nb)]
+    costs = BlockCosts(
+        fwd_bwd_s_per_sample={t: tuple(x * spec[t][2] for x in base) for t in names},
+        param_count=tuple(rng.randint(50, 150) * 1_000_000 for _ in range(nb)),
+        act_bytes_per_sample=tuple(rng.randint(20, 100) * 1_000_000 for _ in range(nb)),
+        cut_bytes_per_sample=(0, *(rng.randint(5, 20) * 1_000_000 for _ in range(nb - 1)), 0),
+    )
+    devices = _devices(types, nodes, [spec[t][0] * GIB for t in types], [spec[t][1] for t in types],
+                       intra=(300e9, 3e-6), inter=(25e9, 1e-5))
+    return costs, devices
+
+
+def test_sixty_four_gpus_four_types():
+    costs, devices = _big_instance(8, 8, 40)
+    options = SolverOptions(global_batch_size=256, max_stages=4, num_microbatches=(4, 8),
+                            time_limit_s=1.1, num_workers=2, seed=0)
+    t0 = time.perf_counter()
+    res = solve_grouped(costs, devices, options)
+    wall = time.perf_counter() - t0
+    ev = _eval(costs, devices, options, res)
+    print(f"64 GPUs: wall {wall:.2f} s, status {res.status}, step {res.objective:.4f} s, "
+          f"gap {res.optimality_gap:.3%}, S={res.num_stages}, M={res.num_microbatches}, "
+          f"GPUs used {sum(map(len, res.stage_gpus))}")
+    assert ev.feasible and ev.objective_units == round(res.objective * UNITS_PER_S)
+    # Planner wall time is measured in bench/planner_scaling.py, not asserted here.
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_node_aggregation_is_restriction(seed):
+    """3 identical nodes x 2 GPUs + 1 other node: aggregated (whole nodes) >= classes >= per-GPU
+    optimum; solve_grouped asserts evaluate() == objective on every answer."""
+    rng = random.Random(200 + seed)
+    types = ["A"] * 6 + ["B"] * 2
+    nodes = ["n0", "n0", "n1", "n1", "n2", "n2", "n3", "n3"]
+    devices = _devices(types, nodes, [16 * GIB] * 6 + [8 * GIB] * 2, [1e12] * 6 + [3e11] * 2)
+    costs = _costs(rng, rng.randint(2, 5), "AB", fixed=seed % 2 == 0)
+    options = SolverOptions(global_batch_size=rng.choice([4, 8, 12]), max_stages=3, num_microbatches=(1, 2),
+                            time_limit_s=20.0, seed=seed)
+    agg = solve_grouped(costs, devices, options, aggregate_nodes=True)
+    assert {c["num_groups"] for c in agg.candidates} == {2}
+    cls = solve_grouped(costs, devices, options, aggregate_nodes=False)
+    assert {c["num_groups"] for c in cls.candidates} == {4}
+    assert agg.status == cls.status == "OPTIMAL"
+    for res in (agg, cls):
+        ev = _eval(costs, devices, options, res)
+        assert ev.feasible and ev.objective_units == round(res.objective * UNITS_PER_S)
+    assert round(agg.objective * UNITS_PER_S) >= round(cls.objective * UNITS_PER_S)
+    # stages take whole nodes when aggregated.
+    for gs in agg.stage_gpus:
+        a_nodes = {nodes[g] for g in gs}
+        assert sum(1 for g in range(8) if nodes[g] in a_nodes) == len(gs)
+
+
+def test_identical_nodes_are_aggregated_at_scale():
+    """32 nodes x 8 GPUs (4 types): identical nodes become 4 groups; the answer is exact.
+    (1024 GPUs and the wall times: bench/planner_scaling.py.)"""
+    costs, devices = _big_instance(32, 8, 24)
+    options = SolverOptions(global_batch_size=256, max_stages=3, num_microbatches=(8,),
+                            time_limit_s=2.0, num_workers=2, seed=0)
+    res = solve_grouped(costs, devices, options)
+    assert {c["num_groups"] for c in res.candidates} == {4}
+    ev = _eval(costs, devices, options, res)
+    assert ev.feasible and ev.objective_units == round(res.objective * UNITS_PER_S)
