@@ -240,6 +240,19 @@ class CommProfile:
         return cls.from_dict(data, source=str(path))
 
 
+
+def fit_or_bound(samples: list[tuple[int, float]]) -> tuple[float, float, float]:
+    """``fit_alpha_beta``, or, where noise swamps the size dependence (latency-bound
+    sizes, a busy host), a bounded estimate flagged by ``r2 = 0``: alpha = the fastest
+    time (s), bandwidth = the largest message / its time (bytes/s). A measurement run
+    then reports a weak fit instead of failing."""
+    try:
+        return fit_alpha_beta(samples)
+    except ValueError:
+        alpha = min(t for _, t in samples)
+        size, t = max(samples)
+        return alpha, size / t, 0.0
+
 def classify_pair(host_a: str, host_b: str, dc_a: str = "", dc_b: str = "") -> str:
     """Link class of two ranks from their host names and (optional, may be '') datacenter names."""
     if dc_a and dc_b and dc_a != dc_b:
@@ -339,7 +352,7 @@ def measure(sizes: Sequence[int], *, iters: int, warmup: int = 3, datacenter: st
         for op in OPS:
             pts = sorted(merged.get((cls, op), ()))
             if pts:
-                alpha, bw, r2 = fit_alpha_beta(pts)
+                alpha, bw, r2 = fit_or_bound(pts)
                 fits.append(LinkFit(link_class=cls, op=op, alpha_s=alpha, bandwidth_bytes_per_s=bw, r2=r2,
                                     samples=tuple(pts), ranks=world if op == "allreduce" else 2))
     return CommProfile(

@@ -48,6 +48,9 @@ def run_comm_bench(nproc: int, out: str | Path, extra_args: list[str] = (), *, t
         return subprocess.run(cmd, env=env, check=True, timeout=timeout_s, text=True, capture_output=capture)
     except subprocess.CalledProcessError as e:
         if capture:  # put the ranks' own error into the message; it is otherwise hidden in e.stderr
-            tail = "\n".join(((e.stdout or "") + (e.stderr or "")).strip().splitlines()[-25:])
+            lines = ((e.stdout or "") + (e.stderr or "")).strip().splitlines()
+            # The ranks' own exceptions ("[rank0]: ValueError: ...") come before torchrun's summary.
+            causes = [ln for ln in lines if ln.startswith("[rank") and ("Error" in ln or "Exception" in ln)]
+            tail = "\n".join(causes[:6] + lines[-15:])
             raise RuntimeExecutionError(f"zorse bench comm failed (exit {e.returncode}): {' '.join(cmd)}\n{tail}") from e
         raise

@@ -21,6 +21,11 @@ from ortools.sat.python import cp_model
 from ..errors import InfeasiblePlanError
 from .objective import (UNIT_S, IntTables, build_tables, evaluate, explain_infeasible,
                         inflight, max_stage_count, microbatch_candidates)
+from ._encoding import StageCuts
+from ._encoding import any_of as _any_of
+from ._encoding import blocks_of as _blocks
+from ._encoding import both as _both
+from ._encoding import gated as _gated
 from .records import BlockCosts, DeviceGraph, SolverOptions, SolverResult
 
 __all__ = ["solve_cpsat"]
@@ -35,11 +40,6 @@ def _interchangeable(devices: DeviceGraph, tab: IntTables, g: int, h: int) -> bo
         return False
     return all(tab.pair_bw_class[g][k] == tab.pair_bw_class[h][k] and tab.pair_lat[g][k] == tab.pair_lat[h][k]
                for k in range(devices.num_gpus) if k not in (g, h))
-
-
-def _blocks(prefix) -> list[int]:
-    """Per-block values of a prefix-summed table."""
-    return [prefix[i + 1] - prefix[i] for i in range(len(prefix) - 1)]
 
 
 class _Model:
@@ -70,55 +70,19 @@ class _Model:
             m.Add(size[s] >= 1)
             m.Add(size[s] <= b)  # every GPU of the stage takes >= 1 of the b samples
 
-        # [C-cuts] c_0 = 0 < c_1 < ... < c_S = B; stage s runs blocks [c_s, c_{s+1}).
-        self.cut = cut = [m.NewIntVar(min(s, nb), max(nb - n_s + s, 0), f"c_{s}") for s in range(n_s + 1)]
-        m.Add(cut[0] == 0)
-        m.Add(cut[n_s] == nb)
-        ge = [[m.NewBoolVar(f"ge_{s}_{k}") for k in blocks] for s in range(n_s + 1)]
-        for s in range(n_s + 1):
-            for k in blocks:
-                m.Add(cut[s] <= k).OnlyEnforceIf(ge[s][k])
-                m.Add(cut[s] >= k + 1).OnlyEnforceIf(ge[s][k].Not())
-                if k + 1 < nb:
-                    m.AddImplication(ge[s][k], ge[s][k + 1])
-            m.Add(cut[s] == nb - sum(ge[s]))
-        for s in stages:
-            m.Add(cut[s + 1] >= cut[s] + 1)
-        in_s = [[m.NewBoolVar(f"in_{s}_{k}") for k in blocks] for s in stages]
-        for s in stages:
-            for k in blocks:
-                m.Add(in_s[s][k] == ge[s][k] - ge[s + 1][k])
-        for k in blocks:
-            m.AddExactlyOne(in_s[s][k] for s in stages)
-
-        def stage_sum(prefix, s):
-            """Linear expression: sum of a prefix-summed table over the blocks of stage s."""
-            return wsum(in_s[s], _blocks(prefix))
-
-        def at_cut(table, s):
-            """Linear expression: table[c_s] for an interior cut 1 <= s < S."""
-            return sum(table[c] * (ge[s][c] - ge[s][c - 1]) for c in range(1, nb))
+        # [C-cuts] contiguous stage ranges (encoding in _encoding.py).
+        cuts = StageCuts(m, nb, n_s)
+        self.cut, in_s = cuts.cut, cuts.in_s
+        stage_sum, at_cut = cuts.stage_sum, cuts.at_cut
 
         def gated(flag, value, hi, name):
-            """An IntVar equal to flag ? value : 0."""
-            z = m.NewIntVar(0, hi, name)
-            m.Add(z == value).OnlyEnforceIf(flag)
-            m.Add(z == 0).OnlyEnforceIf(flag.Not())
-            return z
+            return _gated(m, flag, value, hi, name)
 
         def any_of(lits, name):
-            """A boolean equal to OR(lits)."""
-            p = m.NewBoolVar(name)
-            m.AddMaxEquality(p, lits)
-            return p
+            return _any_of(m, lits, name)
 
         def both(a, c, name):
-            """A boolean equal to a AND c."""
-            y = m.NewBoolVar(name)
-            m.AddImplication(y, a)
-            m.AddImplication(y, c)
-            m.AddBoolOr([a.Not(), c.Not(), y])
-            return y
+            return _both(m, a, c, name)
 
         def pair_max(pairs, value_of_class, hi_of_class, name):
             """(max over present pairs of value_of_class(bw class), max pair latency).

@@ -69,13 +69,14 @@ from ortools.sat.python import cp_model
 from ..errors import InfeasiblePlanError
 from .objective import (UNIT_S, IntTables, build_tables, evaluate, explain_infeasible,
                         inflight, max_stage_count, microbatch_candidates)
+from ._encoding import StageCuts
+from ._encoding import any_of as _any_of
+from ._encoding import blocks_of as _blocks
+from ._encoding import both as _both
+from ._encoding import gated as _gated
 from .records import BlockCosts, DeviceGraph, SolverOptions, SolverResult
 
 __all__ = ["gpu_classes", "solve_grouped"]
-
-
-def _blocks(prefix) -> list[int]:
-    return [prefix[i + 1] - prefix[i] for i in range(len(prefix) - 1)]
 
 
 def gpu_classes(devices: DeviceGraph, tab: IntTables) -> list[list[int]]:
@@ -215,50 +216,19 @@ class _GroupedModel:
             m.AddBoolOr([p[c][s] for c in cls])
             m.Add(size[s] <= b)
 
-        # [C-cuts] as in cpsat.py.
-        self.cut = cut = [m.NewIntVar(min(s, nb), max(nb - n_s + s, 0), f"c_{s}") for s in range(n_s + 1)]
-        m.Add(cut[0] == 0)
-        m.Add(cut[n_s] == nb)
-        ge = [[m.NewBoolVar(f"ge_{s}_{q}") for q in blocks] for s in range(n_s + 1)]
-        for s in range(n_s + 1):
-            for q in blocks:
-                m.Add(cut[s] <= q).OnlyEnforceIf(ge[s][q])
-                m.Add(cut[s] >= q + 1).OnlyEnforceIf(ge[s][q].Not())
-                if q + 1 < nb:
-                    m.AddImplication(ge[s][q], ge[s][q + 1])
-            m.Add(cut[s] == nb - sum(ge[s]))
-        for s in stages:
-            m.Add(cut[s + 1] >= cut[s] + 1)
-        in_s = [[m.NewBoolVar(f"in_{s}_{q}") for q in blocks] for s in stages]
-        for s in stages:
-            for q in blocks:
-                m.Add(in_s[s][q] == ge[s][q] - ge[s + 1][q])
-        for q in blocks:
-            m.AddExactlyOne(in_s[s][q] for s in stages)
-
-        def stage_sum(prefix, s):
-            return wsum(in_s[s], _blocks(prefix))
-
-        def at_cut(table, s):
-            return sum(table[c] * (ge[s][c] - ge[s][c - 1]) for c in range(1, nb))
+        # [C-cuts] as in cpsat.py (encoding in _encoding.py).
+        cuts = StageCuts(m, nb, n_s)
+        self.cut, in_s = cuts.cut, cuts.in_s
+        stage_sum, at_cut = cuts.stage_sum, cuts.at_cut
 
         def gated(flag, value, hi, name):
-            z = m.NewIntVar(0, hi, name)
-            m.Add(z == value).OnlyEnforceIf(flag)
-            m.Add(z == 0).OnlyEnforceIf(flag.Not())
-            return z
+            return _gated(m, flag, value, hi, name)
 
         def any_of(lits, name):
-            q = m.NewBoolVar(name)
-            m.AddMaxEquality(q, lits)
-            return q
+            return _any_of(m, lits, name)
 
         def both(a, c, name):
-            y = m.NewBoolVar(name)
-            m.AddImplication(y, a)
-            m.AddImplication(y, c)
-            m.AddBoolOr([a.Not(), c.Not(), y])
-            return y
+            return _both(m, a, c, name)
 
         def pair_max(pairs, value_of_class, hi_of_class, name):
             """pairs: [((g, h) a GPU pair with the link, presence literal)];

@@ -1,0 +1,79 @@
+"""CP-SAT building blocks shared by the per-GPU (cpsat.py) and class-level
+(grouped.py) models.
+
+[C-cuts] c_0 = 0 < c_1 < ... < c_S = B; stage s runs blocks [c_s, c_{s+1}).
+Block membership is linear: ge[s][k] <=> c_s <= k (monotone in k), so "block
+k is in stage s" is in_s[s][k] = ge[s][k] - ge[s+1][k], and any per-stage sum
+of a per-block table is a weighted sum of in_s.
+"""
+
+from __future__ import annotations
+
+from ortools.sat.python import cp_model
+
+__all__ = ["StageCuts", "blocks_of", "gated", "any_of", "both"]
+
+
+def blocks_of(prefix) -> list[int]:
+    """Per-block values of a prefix-summed table."""
+    return [prefix[i + 1] - prefix[i] for i in range(len(prefix) - 1)]
+
+
+class StageCuts:
+    """Cut variables ``cut``, booleans ``ge`` and ``in_s`` of S stages over B blocks."""
+
+    def __init__(self, m: cp_model.CpModel, num_blocks: int, num_stages: int):
+        nb, n_s = num_blocks, num_stages
+        self.nb = nb
+        self.cut = cut = [m.NewIntVar(min(s, nb), max(nb - n_s + s, 0), f"c_{s}") for s in range(n_s + 1)]
+        m.Add(cut[0] == 0)
+        m.Add(cut[n_s] == nb)
+        self.ge = ge = [[m.NewBoolVar(f"ge_{s}_{k}") for k in range(nb)] for s in range(n_s + 1)]
+        for s in range(n_s + 1):
+            for k in range(nb):
+                m.Add(cut[s] <= k).OnlyEnforceIf(ge[s][k])
+                m.Add(cut[s] >= k + 1).OnlyEnforceIf(ge[s][k].Not())
+                if k + 1 < nb:
+                    m.AddImplication(ge[s][k], ge[s][k + 1])
+            m.Add(cut[s] == nb - sum(ge[s]))
+        for s in range(n_s):
+            m.Add(cut[s + 1] >= cut[s] + 1)
+        self.in_s = in_s = [[m.NewBoolVar(f"in_{s}_{k}") for k in range(nb)] for s in range(n_s)]
+        for s in range(n_s):
+            for k in range(nb):
+                m.Add(in_s[s][k] == ge[s][k] - ge[s + 1][k])
+        for k in range(nb):
+            m.AddExactlyOne(in_s[s][k] for s in range(n_s))
+
+    def stage_sum(self, prefix, s):
+        """Linear expression: sum of a prefix-summed table over the blocks of stage s."""
+        return cp_model.LinearExpr.WeightedSum(self.in_s[s], blocks_of(prefix))
+
+    def at_cut(self, table, s):
+        """Linear expression: table[c_s] for an interior cut 1 <= s < S."""
+        ge = self.ge
+        return sum(table[c] * (ge[s][c] - ge[s][c - 1]) for c in range(1, self.nb))
+
+
+def gated(m: cp_model.CpModel, flag, value, hi: int, name: str):
+    """An IntVar equal to flag ? value : 0."""
+    z = m.NewIntVar(0, hi, name)
+    m.Add(z == value).OnlyEnforceIf(flag)
+    m.Add(z == 0).OnlyEnforceIf(flag.Not())
+    return z
+
+
+def any_of(m: cp_model.CpModel, lits, name: str):
+    """A boolean equal to OR(lits)."""
+    p = m.NewBoolVar(name)
+    m.AddMaxEquality(p, lits)
+    return p
+
+
+def both(m: cp_model.CpModel, a, c, name: str):
+    """A boolean equal to a AND c."""
+    y = m.NewBoolVar(name)
+    m.AddImplication(y, a)
+    m.AddImplication(y, c)
+    m.AddBoolOr([a.Not(), c.Not(), y])
+    return y
