@@ -5,7 +5,8 @@
 Synthetic clusters of 8-GPU nodes with four GPU types round-robin (H100-, A100-,
 V100-, T4-like speeds and memories, 300 GB/s inside a node, 25 GB/s between),
 ``B`` blocks (= 2 per transformer layer); zorse_fx's ``planner="auto"`` choice:
-per-GPU CP-SAT up to 16 GPUs, class-level CP-SAT (``solve_grouped``) beyond.
+per-GPU CP-SAT up to 16 GPUs, class-level CP-SAT (``solve_grouped``) beyond,
+then the portfolio check against the baselines (``solve/portfolio.py``).
 Writes ``bench/results/scaling.json`` (num_gpus, num_layers, planner_wall_s,
 optimality_gap, ...) and prints a markdown table.
 """
@@ -53,6 +54,7 @@ def instance(num_gpus: int, num_blocks: int, seed: int = 0):
 
 def main() -> int:
     from zorse_fx.solve import solve_cpsat, solve_grouped
+    from zorse_fx.solve.portfolio import solve_portfolio
     from zorse_fx.solve.records import SolverOptions
 
     rows = []
@@ -63,7 +65,7 @@ def main() -> int:
                                 time_limit_s=2.0, num_workers=2, seed=0)
         solve = solve_cpsat if num_gpus <= 16 else solve_grouped
         t0 = time.perf_counter()
-        res = solve(costs, devices, options)
+        res = solve_portfolio(costs, devices, options, solve)
         wall = time.perf_counter() - t0
         rows.append({"num_gpus": num_gpus, "num_layers": layers, "num_blocks": costs.num_blocks,
                      "planner": solve.__name__, "planner_wall_s": wall, "optimality_gap": res.optimality_gap,

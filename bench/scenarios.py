@@ -126,7 +126,12 @@ def run_scenario(sc: Scenario, args) -> list[dict]:
     from zorse_fx.solve import solve_grouped
 
     # zorse_fx's planner="auto": per-GPU CP-SAT up to 16 GPUs, class-level CP-SAT beyond.
-    planners = {"zorse_fx": solve_cpsat if len(cluster) <= 16 else solve_grouped, **BASELINES}
+    from functools import partial
+
+    from zorse_fx.solve.portfolio import solve_portfolio
+
+    cpsat = solve_cpsat if len(cluster) <= 16 else solve_grouped
+    planners = {"zorse_fx": partial(solve_portfolio, solver=cpsat), **BASELINES}
     rows = []
     for name, fn in planners.items():
         t0 = time.perf_counter()

@@ -285,3 +285,28 @@ def test_cpsat_never_worse_than_baselines(seed):
         assert _units(best.objective) <= _units(res.objective), (name, res)
         compared += 1
     assert compared >= 3
+
+
+def test_portfolio_never_worse_than_a_baseline_and_keeps_proven_optima():
+    """A CP-SAT run stopped early at a poor incumbent is replaced by a better feasible
+    baseline; a proven CP-SAT optimum is returned as is."""
+    import dataclasses
+
+    from zorse_fx.solve.portfolio import solve_portfolio
+
+    costs, devices = _eight(seed=3)
+    options = SolverOptions(global_batch_size=8, max_stages=3, time_limit_s=10.0)
+
+    def stopped_early(c, d, o):  # a feasible but poor incumbent, not proven optimal
+        worst = max((fn(c, d, o) for fn in BASELINES.values()),
+                    key=lambda r: (_eval(c, d, o, r).feasible, r.predicted_step_time_s))
+        return dataclasses.replace(worst, status="FEASIBLE", best_bound=0.0)
+
+    res = solve_portfolio(costs, devices, options, stopped_early)
+    feasible = [r for r in (fn(costs, devices, options) for fn in BASELINES.values())
+                if _eval(costs, devices, options, r).feasible]
+    assert feasible and res.predicted_step_time_s == min(r.predicted_step_time_s for r in feasible)
+    assert res.status.startswith("BASELINE:")
+    # A proven optimum of the same objective is returned as is (no baseline can beat it).
+    proven = dataclasses.replace(res, status="OPTIMAL")
+    assert solve_portfolio(costs, devices, options, lambda c, d, o: proven) is proven

@@ -90,7 +90,10 @@ def plan_captured(
     solve = {"cpsat": solve_cpsat, "grouped": solve_grouped, "brute_force": solve_brute_force}.get(planner)
     if solve is None:
         raise ValueError(f"unknown planner {options.planner!r}; use 'auto', 'cpsat', 'grouped' or 'brute_force'")
-    result = solve(costs, _device_graph(cluster, options), sopts)
+    from .solve.portfolio import solve_portfolio
+
+    devices = _device_graph(cluster, options)
+    result = solve(costs, devices, sopts) if planner == "brute_force" else solve_portfolio(costs, devices, sopts, solve)
     say(f"solved: {result.num_stages} stages, {result.num_microbatches} micro-batches, "
         f"status {result.status}, gap {result.optimality_gap:.2%}, {result.wall_s:.2f} s")
     plan = build_plan(bg, cluster, result, options, model_name=model_name, label_mode=label_mode,

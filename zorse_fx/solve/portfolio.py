@@ -1,0 +1,58 @@
+"""Portfolio: the CP-SAT planner, checked against every baseline heuristic.
+
+CP-SAT under a time limit can stop at a poor incumbent on large clusters
+(``bench/README.md``, planner scaling). The baselines (``zorse_fx/baselines``)
+are fast and score decisions with the same objective, so the planner runs
+them too and keeps the best *feasible* decision. The result says which one won
+(``status`` "OPTIMAL"/"FEASIBLE" from CP-SAT, or "BASELINE:<name>" when a
+baseline beat an unproven CP-SAT incumbent); the optimality gap keeps CP-SAT's
+bound, so it is reported against the returned plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from ..errors import InfeasiblePlanError
+from .records import BlockCosts, DeviceGraph, SolverOptions, SolverResult
+
+__all__ = ["solve_portfolio"]
+
+
+def solve_portfolio(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions, solver) -> SolverResult:
+    """Best feasible of ``solver(costs, devices, options)`` and every baseline.
+
+    Raises:
+        InfeasiblePlanError: neither CP-SAT nor any baseline has a feasible plan
+            (CP-SAT's message, which names the binding constraint).
+    """
+    from ..baselines import BASELINES
+    from .objective import evaluate
+
+    t0 = time.perf_counter()
+    try:
+        best = solver(costs, devices, options)
+        error = None
+    except InfeasiblePlanError as exc:
+        best, error = None, exc
+    if best is not None and best.status == "OPTIMAL":
+        return best  # nothing can beat a proven optimum of the same objective
+    tried = []
+    for name, fn in BASELINES.items():
+        try:
+            res = fn(costs, devices, options)
+        except (InfeasiblePlanError, ValueError):
+            continue
+        ev = evaluate(costs, devices, options, stage_blocks=res.stage_blocks, stage_gpus=res.stage_gpus,
+                      samples_per_microbatch=res.samples_per_microbatch, num_microbatches=res.num_microbatches)
+        tried.append({"baseline": name, "step_time_s": ev.step_time_s, "feasible": ev.feasible})
+        if ev.feasible and (best is None or ev.step_time_s < best.predicted_step_time_s):
+            bound = best.best_bound if best is not None else 0.0
+            best = dataclasses.replace(
+                res, status=f"BASELINE:{name}", best_bound=bound,
+                optimality_gap=(ev.step_time_s - bound) / ev.step_time_s if ev.step_time_s > 0 else 0.0)
+    if best is None:
+        raise error
+    return dataclasses.replace(best, wall_s=time.perf_counter() - t0,
+                               candidates=tuple(best.candidates) + tuple({"portfolio": t} for t in tried))
