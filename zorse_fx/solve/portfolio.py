@@ -17,7 +17,13 @@ import time
 from ..errors import InfeasiblePlanError
 from .records import BlockCosts, DeviceGraph, SolverOptions, SolverResult
 
-__all__ = ["solve_portfolio"]
+__all__ = ["solve_portfolio", "LARGE_CLUSTER_GPUS", "CHEAP_BASELINES"]
+
+#: Above this many GPUs only the baselines whose cost is linear in the GPU count
+#: run: the graph-partitioning ones (Stoer-Wagner min-cut, spectral) and the
+#: Metis enumeration took minutes on 512 GPUs.
+LARGE_CLUSTER_GPUS = 64
+CHEAP_BASELINES = ("homogeneous_all", "homogeneous_best", "cephalo")
 
 
 def solve_portfolio(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions, solver) -> SolverResult:
@@ -39,7 +45,9 @@ def solve_portfolio(costs: BlockCosts, devices: DeviceGraph, options: SolverOpti
     if best is not None and best.status == "OPTIMAL":
         return best  # nothing can beat a proven optimum of the same objective
     tried = []
-    for name, fn in BASELINES.items():
+    names = BASELINES if devices.num_gpus <= LARGE_CLUSTER_GPUS else CHEAP_BASELINES
+    for name in names:
+        fn = BASELINES[name]
         try:
             res = fn(costs, devices, options)
         except (InfeasiblePlanError, ValueError):
