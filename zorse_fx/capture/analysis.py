@@ -61,7 +61,7 @@ class TensorSpec:
         numel = 1
         for d in self.shape_per_sample:
             numel *= d
-        return numel * torch.empty((), dtype=self.torch_dtype).element_size()
+        return numel * self.torch_dtype.itemsize
 
     def to_dict(self) -> dict:
         return {"name": self.name, "shape_per_sample": list(self.shape_per_sample), "dtype": self.dtype}

@@ -58,22 +58,19 @@ Redundant constraints: tmax >= every class compute and a throughput bound
 
 from __future__ import annotations
 
-import math
-import time
 from collections import defaultdict
 from dataclasses import dataclass
 
 import numpy as np
 from ortools.sat.python import cp_model
 
-from ..errors import InfeasiblePlanError
-from .objective import (UNIT_S, IntTables, build_tables, evaluate, explain_infeasible,
-                        inflight, max_stage_count, microbatch_candidates)
+from .objective import IntTables, build_tables, inflight, max_stage_count, microbatch_candidates
 from ._encoding import StageCuts
 from ._encoding import any_of as _any_of
 from ._encoding import blocks_of as _blocks
 from ._encoding import both as _both
 from ._encoding import gated as _gated
+from ._search import CandidateSearch
 from .records import BlockCosts, DeviceGraph, SolverOptions, SolverResult
 
 __all__ = ["gpu_classes", "solve_grouped"]
@@ -422,14 +419,10 @@ def solve_grouped(costs: BlockCosts, devices: DeviceGraph, options: SolverOption
     stages take whole nodes (a further restriction; None = only when there are
     more than AGGREGATE_ABOVE classes). Each candidate gets
     ``options.time_limit_s``. Raises InfeasiblePlanError if nothing fits."""
-    t0 = time.perf_counter()
-    ms = microbatch_candidates(options)
-    k_max = max_stage_count(costs, devices, options)
-    cands, best, bounds, all_optimal = [], None, [], True
+    search = CandidateSearch(costs, devices, options, label="grouped")
     groups, tabs = None, {}
-    for n_s in range(1, k_max + 1):
-        for m in ms:
-            t1 = time.perf_counter()
+    for n_s in range(1, max_stage_count(costs, devices, options) + 1):
+        for m in microbatch_candidates(options):
             if m not in tabs:
                 tabs[m] = build_tables(costs, devices, options, m)
             tab = tabs[m]
@@ -437,50 +430,5 @@ def solve_grouped(costs: BlockCosts, devices: DeviceGraph, options: SolverOption
                 groups = _groups(devices, tab, False)
                 if aggregate_nodes or (aggregate_nodes is None and len(groups) > AGGREGATE_ABOVE):
                     groups = _groups(devices, tab, True)
-            model = _GroupedModel(tab, devices, options, groups, n_s)
-            solver = cp_model.CpSolver()
-            solver.parameters.max_time_in_seconds = options.time_limit_s
-            solver.parameters.num_workers = options.num_workers
-            solver.parameters.random_seed = options.seed
-            code = solver.Solve(model.m)
-            status = solver.StatusName(code)
-            rec = {"num_stages": n_s, "num_microbatches": m, "status": status, "step_time_s": None,
-                   "best_bound_s": None, "wall_s": 0.0, "num_groups": len(groups)}
-            if code in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-                # The objective at the returned solution's values. (Seen with OR-Tools
-                # 9.15 at FEASIBLE: ObjectiveValue() a few ms above it, for a solution
-                # whose every term matched evaluate(); so the values are the truth.)
-                obj = solver.Value(model.objective)
-                bound = min(obj, int(round(solver.BestObjectiveBound())))
-                dec = model.decision(solver)
-                ev = evaluate(costs, devices, options, stage_blocks=dec[0], stage_gpus=dec[1],
-                              samples_per_microbatch=dec[2], num_microbatches=m)
-                if ev.objective_units != obj or not ev.feasible:
-                    raise AssertionError(f"grouped objective {obj} != evaluate() {ev.objective_units} "
-                                         f"(violations {ev.violations}) for S={n_s}, M={m}: {dec}")
-                rec.update(step_time_s=obj * UNIT_S, best_bound_s=bound * UNIT_S)
-                bounds.append(bound)
-                all_optimal &= code == cp_model.OPTIMAL
-                if best is None or obj < best[0]:
-                    best = (obj, bound, status, m, dec, ev)
-            elif code == cp_model.MODEL_INVALID:
-                raise AssertionError(f"invalid CP-SAT model for S={n_s}, M={m}: {model.m.Validate()}")
-            elif code != cp_model.INFEASIBLE:
-                all_optimal = False
-                lb = solver.BestObjectiveBound()
-                bounds.append(max(0, int(lb)) if math.isfinite(lb) else 0)
-                rec["best_bound_s"] = bounds[-1] * UNIT_S
-            rec["wall_s"] = time.perf_counter() - t1
-            cands.append(rec)
-    if best is None:
-        raise InfeasiblePlanError(explain_infeasible(costs, devices, options, cands))
-    obj, _, _, m, (blocks, gpus, samples), ev = best
-    bound = min(bounds)
-    return SolverResult(
-        stage_blocks=blocks, stage_gpus=gpus, samples_per_microbatch=samples, num_microbatches=m,
-        microbatch_size=options.global_batch_size // m, schedule=options.schedule,
-        predicted_step_time_s=ev.step_time_s, predicted_stage_time_s=ev.stage_time_s,
-        predicted_allreduce_s=ev.allreduce_s, predicted_memory_bytes=ev.memory_bytes,
-        status="OPTIMAL" if all_optimal else "FEASIBLE", objective=obj * UNIT_S, best_bound=bound * UNIT_S,
-        optimality_gap=(obj - bound) / obj if obj > 0 else 0.0, wall_s=time.perf_counter() - t0,
-        candidates=tuple(cands))
+            search.solve(_GroupedModel(tab, devices, options, groups, n_s), n_s, m, num_groups=len(groups))
+    return search.result()

@@ -1,0 +1,86 @@
+"""The (stages, micro-batches) candidate loop shared by the CP-SAT planners.
+
+Each candidate is one CP-SAT model (any object with ``.m``, ``.objective`` and
+``.decision(solver)``). Every answer is re-checked with ``evaluate``: the
+model's objective at the returned solution must equal the evaluator's integer
+objective (ns). ``status`` is "OPTIMAL" only when every candidate was solved to
+optimality or proven infeasible; ``best_bound`` is the smallest bound over all
+candidates, so the reported gap covers the whole search.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+from ortools.sat.python import cp_model
+
+from ..errors import InfeasiblePlanError
+from .objective import UNIT_S, evaluate, explain_infeasible
+from .records import BlockCosts, DeviceGraph, SolverOptions, SolverResult
+
+__all__ = ["CandidateSearch"]
+
+
+class CandidateSearch:
+    """Solve candidates one by one; ``result()`` returns the best as a SolverResult."""
+
+    def __init__(self, costs: BlockCosts, devices: DeviceGraph, options: SolverOptions, *, label: str):
+        self.costs, self.devices, self.options, self.label = costs, devices, options, label
+        self.t0 = time.perf_counter()
+        self.cands: list[dict] = []
+        self.bounds: list[int] = []
+        self.best = None  # (objective units, microbatches, decision, Evaluation)
+        self.all_optimal = True
+
+    def solve(self, model, num_stages: int, num_microbatches: int, **record) -> None:
+        """Solve one candidate model and record it (``record``: extra fields for its entry)."""
+        t1 = time.perf_counter()
+        opts, m = self.options, num_microbatches
+        solver = cp_model.CpSolver()
+        solver.parameters.max_time_in_seconds = opts.time_limit_s
+        solver.parameters.num_workers = opts.num_workers
+        solver.parameters.random_seed = opts.seed
+        code = solver.Solve(model.m)
+        rec = {"num_stages": num_stages, "num_microbatches": m, "status": solver.StatusName(code),
+               "step_time_s": None, "best_bound_s": None, "wall_s": 0.0, **record}
+        if code in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+            # The objective at the returned solution (OR-Tools 9.15's ObjectiveValue() can
+            # differ from it by a few ms on time-limited FEASIBLE answers).
+            obj = int(solver.Value(model.objective))
+            bound = min(obj, int(round(solver.BestObjectiveBound())))
+            dec = model.decision(solver)
+            ev = evaluate(self.costs, self.devices, opts, stage_blocks=dec[0], stage_gpus=dec[1],
+                          samples_per_microbatch=dec[2], num_microbatches=m)
+            if ev.objective_units != obj or not ev.feasible:
+                raise AssertionError(f"{self.label} objective {obj} != evaluate() {ev.objective_units} "
+                                     f"(violations {ev.violations}) for S={num_stages}, M={m}: {dec}")
+            rec.update(step_time_s=obj * UNIT_S, best_bound_s=bound * UNIT_S)
+            self.bounds.append(bound)
+            self.all_optimal &= code == cp_model.OPTIMAL
+            if self.best is None or obj < self.best[0]:
+                self.best = (obj, m, dec, ev)
+        elif code == cp_model.MODEL_INVALID:
+            raise AssertionError(f"invalid CP-SAT model for S={num_stages}, M={m}: {model.m.Validate()}")
+        elif code != cp_model.INFEASIBLE:  # UNKNOWN: time limit without a solution
+            self.all_optimal = False
+            lb = solver.BestObjectiveBound()
+            self.bounds.append(max(0, int(lb)) if math.isfinite(lb) else 0)
+            rec["best_bound_s"] = self.bounds[-1] * UNIT_S
+        rec["wall_s"] = time.perf_counter() - t1
+        self.cands.append(rec)
+
+    def result(self) -> SolverResult:
+        """The best candidate; raises InfeasiblePlanError naming the binding constraint."""
+        if self.best is None:
+            raise InfeasiblePlanError(explain_infeasible(self.costs, self.devices, self.options, self.cands))
+        obj, m, (blocks, gpus, samples), ev = self.best
+        bound = min(self.bounds)
+        return SolverResult(
+            stage_blocks=blocks, stage_gpus=gpus, samples_per_microbatch=samples, num_microbatches=m,
+            microbatch_size=self.options.global_batch_size // m, schedule=self.options.schedule,
+            predicted_step_time_s=ev.step_time_s, predicted_stage_time_s=ev.stage_time_s,
+            predicted_allreduce_s=ev.allreduce_s, predicted_memory_bytes=ev.memory_bytes,
+            status="OPTIMAL" if self.all_optimal else "FEASIBLE", objective=obj * UNIT_S,
+            best_bound=bound * UNIT_S, optimality_gap=(obj - bound) / obj if obj > 0 else 0.0,
+            wall_s=time.perf_counter() - self.t0, candidates=tuple(self.cands))
