@@ -88,8 +88,6 @@ def build_model(name: str) -> torch.nn.Module:
 
 def price(sc: Scenario, cluster):
     """(block costs on the cluster's GPU types, model FLOPs per sample fwd+bwd)."""
-    import dataclasses
-
     from zorse_fx.capture import analyse, capture
     from zorse_fx.cost.roofline import block_costs, node_costs
 
@@ -97,7 +95,9 @@ def price(sc: Scenario, cluster):
     captured = capture(build_model(sc.model), (ids, ids), method="export")
     bg = analyse(captured, max_blocks=32)
     costs = block_costs(bg, {g.type: g.spec for g in cluster.gpus}, compute_dtype=torch.float16)
-    costs = dataclasses.replace(costs, grad_bytes_per_param=2)  # fp16 gradients in the all-reduce
+    # fp16 weights: block_costs counts mixed precision (2 B weights + 2 B grads + 12 B
+    # fp32 master weights and moments, the 12 B shardable under ZeRO-1).
+    assert costs.grad_bytes_per_param == 2 and costs.shardable_bytes_per_param == 12
     flops = 3 * sum(c.flops for c in node_costs(bg).values())  # fwd + bwd (2x fwd)
     return costs, flops
 
@@ -111,7 +111,8 @@ def run_scenario(sc: Scenario, args) -> list[dict]:
     from zorse_fx.baselines import BASELINES
     from zorse_fx.cluster import Cluster
     from zorse_fx.errors import InfeasiblePlanError
-    from zorse_fx.solve import evaluate, solve_cpsat
+    from zorse_fx.solve import solve_cpsat
+    from zorse_fx.solve.objective import evaluate_result
     from zorse_fx.solve.records import SolverOptions
 
     cluster = Cluster.from_yaml(CLUSTERS / sc.cluster)
@@ -120,7 +121,8 @@ def run_scenario(sc: Scenario, args) -> list[dict]:
     print(f"[{sc.name}] priced {sc.model} on {len(cluster)} GPUs in {time.perf_counter() - t0:.0f} s", flush=True)
     devices = cluster.device_graph()
     opts = SolverOptions(global_batch_size=sc.global_batch_size, max_stages=args.max_stages,
-                         time_limit_s=args.time_limit, max_microbatches=args.max_microbatches)
+                         time_limit_s=args.time_limit, max_microbatches=args.max_microbatches,
+                         sharding=args.sharding, recompute=args.recompute)
     ub = upper_bound_tokens_per_s(costs, cluster, sc.seq_len)
     peak = sum(g.spec.peak_flops_per_s("float16") for g in cluster.gpus)
     from zorse_fx.solve import solve_grouped
@@ -144,8 +146,7 @@ def run_scenario(sc: Scenario, args) -> list[dict]:
             print(f"[{sc.name}] {name}: no plan ({type(exc).__name__})", flush=True)
             continue
         wall = time.perf_counter() - t0
-        ev = evaluate(costs, devices, opts, stage_blocks=res.stage_blocks, stage_gpus=res.stage_gpus,
-                      samples_per_microbatch=res.samples_per_microbatch, num_microbatches=res.num_microbatches)
+        ev = evaluate_result(costs, devices, opts, res)
         step = ev.step_time_s
         sim_step = _simulate(costs, devices, opts, res)
         tokens = sc.global_batch_size * sc.seq_len / step
@@ -159,6 +160,7 @@ def run_scenario(sc: Scenario, args) -> list[dict]:
             "num_stages": res.num_stages, "num_microbatches": res.num_microbatches,
             "gpus_used": sum(len(g) for g in res.stage_gpus),
             "max_memory_fraction": max(m / c for m, c in mem), "violations": list(ev.violations)[:3],
+            "sharded_stages": sum(ev.stage_sharded), "recompute_stages": sum(ev.stage_recompute),
         })
         print(f"[{sc.name}] {name}: {tokens:,.0f} tokens/s ({tokens / ub:.0%} of bound), feasible {ev.feasible}, "
               f"{res.num_stages} stages, {wall:.1f} s", flush=True)
@@ -170,9 +172,13 @@ def _simulate(costs, devices, opts, res) -> float | None:
         from zorse_fx.sim import simulate
     except ImportError:
         return None
+    mib = 1 << 20
     return simulate(costs, devices, opts, stage_blocks=res.stage_blocks, stage_gpus=res.stage_gpus,
                     samples_per_microbatch=res.samples_per_microbatch,
-                    num_microbatches=res.num_microbatches).step_time_s
+                    num_microbatches=res.num_microbatches, stage_sharded=res.stage_sharded or None,
+                    state_shard_mib=tuple(tuple(b // mib for b in row) if sh else ()
+                                          for sh, row in zip(res.stage_sharded, res.state_shard_bytes)) or None,
+                    stage_recompute=res.stage_recompute or None).step_time_s
 
 
 def main() -> int:
@@ -181,6 +187,10 @@ def main() -> int:
     ap.add_argument("--time-limit", type=float, default=5.0, help="CP-SAT seconds per (stages, micro-batches) candidate")
     ap.add_argument("--max-stages", type=int, default=4)
     ap.add_argument("--max-microbatches", type=int, default=16)
+    ap.add_argument("--sharding", default="auto", choices=("never", "auto", "always"),
+                    help="ZeRO-1 optimizer-state sharding, for every planner alike")
+    ap.add_argument("--recompute", default="auto", choices=("never", "auto", "always"),
+                    help="stage recomputation, for every planner alike")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     args = ap.parse_args()
     only = set(filter(None, args.only.split(",")))
@@ -191,14 +201,17 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "scenarios.json").write_text(json.dumps(rows, indent=1) + "\n")
-    lines = ["| scenario | planner | feasible | tokens/s | of bound | MFU | stages | GPUs | max mem | planner s | status |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| scenario | planner | feasible | tokens/s | of bound | MFU | stages | GPUs | sharded / recompute stages "
+             "| max mem | planner s | status |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['scenario']} | {r['planner']} | no plan | - | - | - | - | - | - | {r['planner_wall_s']:.1f} | {r['error'][:60]} |")
+            lines.append(f"| {r['scenario']} | {r['planner']} | no plan | - | - | - | - | - | - | - | "
+                         f"{r['planner_wall_s']:.1f} | {r['error'][:60]} |")
             continue
         lines.append(f"| {r['scenario']} | {r['planner']} | {'yes' if r['feasible'] else 'NO'} | {r['tokens_per_s']:,.0f} | "
                      f"{r['fraction_of_upper_bound']:.0%} | {r['mfu']:.1%} | {r['num_stages']} | {r['gpus_used']} | "
+                     f"{r['sharded_stages']} / {r['recompute_stages']} | "
                      f"{r['max_memory_fraction']:.0%} | {r['planner_wall_s']:.1f} | {r['status']} |")
     (out / "scenarios.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

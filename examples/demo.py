@@ -106,17 +106,14 @@ def _simulated_timeline(compiled, cluster, out: Path) -> None:
     """The plan's step on the real cluster, event-simulated: Gantt PNG + Perfetto trace."""
     from zorse_fx.planner import PlanOptions, _analyse_and_price, _device_graph, _solver_options
     from zorse_fx.sim import gantt_png, simulate, to_perfetto
+    from zorse_fx.sim.engine import plan_decision
 
     plan = compiled.plan
     options = PlanOptions(global_batch_size=plan.global_batch_size, schedule=plan.schedule,
                           max_stages=plan.num_stages)
     _, costs, _ = _analyse_and_price(compiled.captured, cluster, options)
     result = simulate(costs, _device_graph(cluster, options), _solver_options(options),
-                      stage_blocks=tuple(s.blocks for s in plan.stages),
-                      stage_gpus=tuple(tuple(g.gpu for g in s.gpus) for s in plan.stages),
-                      samples_per_microbatch=tuple(tuple(g.samples_per_microbatch for g in s.gpus)
-                                                   for s in plan.stages),
-                      num_microbatches=plan.num_microbatches)
+                      **plan_decision(plan, costs))  # decision + memory policy (sharding, recompute)
     labels = [f"{g.type}@{g.node}" for g in cluster.gpus]
     gantt_png(result, out / "timeline.png", gpu_labels=labels)
     to_perfetto(result, out / "trace.json", gpu_labels=labels)

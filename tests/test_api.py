@@ -82,7 +82,7 @@ def test_cli_plan_and_show(tmp_path, capsys):
     assert zorse_main(["plan", "--model", "gpt", "--cluster", str(CLUSTERS / "small_hetero.yaml"),
                        "--global-batch-size", "8", "--seq-len", "32", "--time-limit", "2", "-o", str(out)]) == 0
     d = json.loads((out / "plan.json").read_text())
-    assert d["format"] == "zorse_fx.plan" and d["version"] == 1
+    assert d["format"] == "zorse_fx.plan" and d["version"] == zorse.plan.PLAN_FORMAT_VERSION
     assert (out / "weights.pt").exists() and (out / "stage_0.py").exists()
     assert zorse_main(["show", str(out)]) == 0
     text = capsys.readouterr().out

@@ -8,14 +8,17 @@ import random
 import pytest
 
 from zorse_fx.baselines import BASELINES, cephalo, flashflex, homogeneous_all, homogeneous_best, metis, zorse_paper
-from zorse_fx.baselines._common import gpu_speeds, largest_remainder, min_max_partition, proportional_cuts
-from zorse_fx.baselines.flashflex import spectral_stages
+from zorse_fx.baselines._common import (Selector, gpu_speeds, largest_remainder, memory_groups, memory_variants,
+                                        min_max_partition, proportional_cuts, stage_fits)
+from zorse_fx.baselines.cephalo import free_memory_shards
+from zorse_fx.baselines.flashflex import spectral_stages, stage_capacities
 from zorse_fx.baselines.homogeneous import uniform_blocks
 from zorse_fx.baselines.metis import MAX_CANDIDATES, stage_groupings
 from zorse_fx.baselines.zorse_paper import min_k_cut_groups
 from zorse_fx.errors import InfeasiblePlanError
 from zorse_fx.solve import BlockCosts, DeviceGraph, SolverOptions, evaluate, solve_cpsat
-from zorse_fx.solve.objective import UNITS_PER_S
+from zorse_fx.solve.objective import (MIB_UNITS, UNITS_PER_S, build_tables, evaluate_result, evaluate_units,
+                                     fill_policy)
 
 GIB = 1 << 30
 INTRA, INTER = (100e9, 5e-6), (10e9, 2e-5)  # (bytes/s, s): NVLink-like in a node, slower across
@@ -57,8 +60,40 @@ def _eight(seed=0):
 
 
 def _eval(costs, devices, options, res):
-    return evaluate(costs, devices, options, stage_blocks=res.stage_blocks, stage_gpus=res.stage_gpus,
-                    samples_per_microbatch=res.samples_per_microbatch, num_microbatches=res.num_microbatches)
+    """The result's decision re-scored, with the memory policy it carries."""
+    return evaluate_result(costs, devices, options, res)
+
+
+def _tight():
+    """8 GPUs (4 x A with 24 GiB on n0, 4 x B with 20 GiB on n1), a 2.25e9-param
+    model in 3 equal blocks: 36 GB of state (16 B/param). With max_stages=2 a
+    stage holds >= 2 blocks (24 GB > 21.6 GiB usable on an A) unless pipelined
+    2 + 1, whose larger stage still needs 24 GB: nothing fits replicated. ZeRO-1
+    leaves 8 B/param replicated: 18 GB fits on every GPU, the other 18 GB
+    spread over the group's leftover memory."""
+    nb = 3
+    costs = BlockCosts(fwd_bwd_s_per_sample={"A": (20e-3,) * nb, "B": (30e-3,) * nb},
+                       param_count=(750_000_000,) * nb, act_bytes_per_sample=(50_000_000,) * nb,
+                       cut_bytes_per_sample=(0, 8_000_000, 8_000_000, 0))
+    types = "AAAABBBB"
+    devices = _devices(types, ["n0"] * 4 + ["n1"] * 4, [24 * GIB if t == "A" else 20 * GIB for t in types],
+                       [9e11 if t == "A" else 6e11 for t in types])
+    return costs, devices
+
+
+def _tight_options(mode="never", **kw):
+    return SolverOptions(global_batch_size=16, max_stages=2, sharding=mode, recompute=mode, **kw)
+
+
+def _activation_tight():
+    """The hand cluster with 1 GB of activations per block per sample and GPipe
+    (all M = 4 micro-batches in flight): any stage of >= 4 blocks needs >= 16 GB
+    of activations > 14.4 GiB usable; recomputing keeps one micro-batch's."""
+    costs, devices = _hand()
+    nb = costs.num_blocks
+    costs = BlockCosts(fwd_bwd_s_per_sample=costs.fwd_bwd_s_per_sample, param_count=costs.param_count,
+                       act_bytes_per_sample=(1_000_000_000,) * nb, cut_bytes_per_sample=costs.cut_bytes_per_sample)
+    return costs, devices
 
 
 def _units(seconds):
@@ -69,6 +104,11 @@ INSTANCES = [
     (_hand, SolverOptions(global_batch_size=8, max_stages=2)),
     (lambda: _eight(0), SolverOptions(global_batch_size=16, max_stages=4, schedule="gpipe")),
     (lambda: _eight(1), SolverOptions(global_batch_size=32, max_stages=3, num_microbatches=(2, 4, 8))),
+    # memory techniques allowed: the policy must travel with the result.
+    (lambda: _eight(0), SolverOptions(global_batch_size=16, max_stages=4, schedule="gpipe", sharding="auto",
+                                      recompute="auto")),
+    (_tight, _tight_options("auto")),
+    (_tight, _tight_options("always")),
 ]
 
 
@@ -89,6 +129,20 @@ def test_well_formed(name, case):
     assert res.optimality_gap == 1.0 and res.best_bound == 0.0  # a baseline proves no bound
     chosen = [c for c in res.candidates if c["chosen"]]
     assert len(chosen) == 1 and chosen[0]["violations"] == list(ev.violations)
+    # the memory policy: one entry per stage / GPU, recorded in the chosen candidate too.
+    assert len(res.stage_sharded) == len(res.stage_recompute) == res.num_stages
+    assert [len(row) for row in res.state_shard_bytes] == [len(gs) for gs in res.stage_gpus]
+    assert (res.stage_sharded, res.state_shard_bytes, res.stage_recompute) == (
+        ev.stage_sharded, ev.state_shard_bytes, ev.stage_recompute)
+    assert chosen[0]["stage_sharded"] == list(res.stage_sharded)
+    assert chosen[0]["state_shard_bytes"] == [list(row) for row in res.state_shard_bytes]
+    assert chosen[0]["stage_recompute"] == list(res.stage_recompute)
+    if options.sharding == "never":
+        assert not any(res.stage_sharded) and not any(map(any, res.state_shard_bytes))
+    if options.sharding == "always":
+        assert all(sh == (len(gs) >= 2) for sh, gs in zip(res.stage_sharded, res.stage_gpus))
+    if options.recompute != "auto":
+        assert all(rc == (options.recompute == "always") for rc in res.stage_recompute)
     assert (chosen[0]["num_stages"], chosen[0]["num_microbatches"]) == (res.num_stages, res.num_microbatches)
     # the chosen candidate is the best feasible one (or the fastest if none is feasible).
     pool = [c for c in res.candidates if c["feasible"]] or list(res.candidates)
@@ -310,3 +364,237 @@ def test_portfolio_never_worse_than_a_baseline_and_keeps_proven_optima():
     # A proven optimum of the same objective is returned as is (no baseline can beat it).
     proven = dataclasses.replace(res, status="OPTIMAL")
     assert solve_portfolio(costs, devices, options, lambda c, d, o: proven) is proven
+
+
+# --- memory techniques: ZeRO-1 sharding and stage recomputation ([C-shard], [C-recompute]) ---
+
+
+def test_sharding_makes_memory_tight_instance_feasible():
+    """Nothing fits with the state replicated; with the techniques allowed the
+    baselines shard (Megatron's distributed optimizer, Cephalo's sharded DP)
+    and fit, and the policy they return re-evaluates to the same numbers."""
+    costs, devices = _tight()
+    never = _tight_options("never")
+    for name, fn in BASELINES.items():
+        res = fn(costs, devices, never)
+        assert res.status == "BASELINE_INFEASIBLE", name
+        assert not any(res.stage_sharded) and not any(res.stage_recompute)
+        assert not _eval(costs, devices, never, res).feasible
+    auto = _tight_options("auto")
+    feasible = set()
+    for name, fn in BASELINES.items():
+        res = fn(costs, devices, auto)
+        ev = _eval(costs, devices, auto, res)
+        assert ev.objective_units == _units(res.objective) and ev.step_time_s == res.predicted_step_time_s
+        assert ev.feasible == (res.status == "BASELINE") and ev.memory_bytes == res.predicted_memory_bytes
+        if ev.feasible:
+            feasible.add(name)
+            assert any(res.stage_sharded), name  # nothing fits without sharding
+            for sh, gs, row, mem in zip(res.stage_sharded, res.stage_gpus, res.state_shard_bytes, ev.memory_bytes):
+                assert all(z % (MIB_UNITS * 1024) == 0 for z in row)  # whole MiB
+                assert sh or not any(row)
+                assert all(m <= int(0.9 * devices.memory_bytes[g]) for g, m in zip(gs, mem))
+    assert {"homogeneous_all", "cephalo"} <= feasible, feasible
+    # sharding alone suffices here; recomputation alone does not (the state is the problem).
+    assert homogeneous_all(costs, devices, SolverOptions(global_batch_size=16, max_stages=2,
+                                                         sharding="auto")).status == "BASELINE"
+    assert homogeneous_all(costs, devices, SolverOptions(global_batch_size=16, max_stages=2,
+                                                         recompute="always")).status == "BASELINE_INFEASIBLE"
+
+
+def test_cephalo_shards_state_by_free_memory():
+    """Cephalo's own policy: one sharded stage, shards proportional to each GPU's
+    memory left after the replicated state and its activations (not the
+    least-optimizer-time split of balance_shards)."""
+    costs, devices = _tight()
+    options = _tight_options("auto")
+    res = cephalo(costs, devices, options)
+    assert res.status == "BASELINE" and res.stage_sharded == (True,) and res.stage_gpus == (tuple(range(8)),)
+    tab = build_tables(costs, devices, options, res.num_microbatches)
+    nb, (ns,), (gs,) = costs.num_blocks, res.samples_per_microbatch, res.stage_gpus
+    repl = tab.state_prefix[nb] - tab.shard_prefix[nb]
+    assert options.schedule == "1f1b"  # one stage: one micro-batch's activations in flight, recomputing or not
+    free = [tab.cap_bytes[g] - repl - n * tab.act_prefix[nb] for g, n in zip(gs, ns)]
+    z = [b // (MIB_UNITS * 1024) for b in res.state_shard_bytes[0]]
+    assert MIB_UNITS * sum(z) >= tab.shard_prefix[nb] > MIB_UNITS * (sum(z) - 1)  # covers it, no spare MiB
+    assert all(zg * MIB_UNITS <= f for zg, f in zip(z, free))
+    for a in range(8):
+        for b in range(8):
+            if free[a] > free[b]:
+                assert z[a] >= z[b], (free, z)
+    free_mib = [f // MIB_UNITS for f in free]
+    assert all(abs(zg - sum(z) * f / sum(free_mib)) < 1 for zg, f in zip(z, free_mib))
+    assert min(z) < max(z) and free_mib[0] > free_mib[-1]  # the 24 GiB A GPUs hold more than the B
+    balanced = fill_policy(tab, res.stage_blocks, res.stage_gpus, res.samples_per_microbatch, (True,),
+                           res.stage_recompute)
+    assert balanced.shard_mib[0] != tuple(z)  # not balance_shards' split
+    assert free_memory_shards(5 * MIB_UNITS, [3 * MIB_UNITS, MIB_UNITS, 6 * MIB_UNITS]) == (2, 0, 3)
+    assert free_memory_shards(0, [MIB_UNITS, MIB_UNITS]) == (0, 0)
+    # with sharding "never" Cephalo replicates (the old model), whatever recompute allows.
+    plain = cephalo(costs, devices, SolverOptions(global_batch_size=16, max_stages=2, recompute="auto"))
+    assert plain.stage_sharded == (False,) and plain.status == "BASELINE_INFEASIBLE"
+
+
+def test_recompute_makes_activation_tight_instance_feasible():
+    costs, devices = _activation_tight()
+    base = dict(global_batch_size=16, max_stages=2, num_microbatches=(4,), schedule="gpipe")
+    for name, fn in BASELINES.items():
+        assert fn(costs, devices, SolverOptions(**base)).status == "BASELINE_INFEASIBLE", name
+    options = SolverOptions(**base, recompute="auto")
+    for name in ("homogeneous_all", "cephalo"):
+        res = BASELINES[name](costs, devices, options)
+        ev = _eval(costs, devices, options, res)
+        assert res.status == "BASELINE" and ev.feasible and ev.objective_units == _units(res.objective), name
+        assert all(res.stage_recompute) and not any(res.stage_sharded)
+        # the recomputed forward costs a third of fwd+bwd on top.
+        plain = evaluate(costs, devices, options, stage_blocks=res.stage_blocks, stage_gpus=res.stage_gpus,
+                         samples_per_microbatch=res.samples_per_microbatch, num_microbatches=res.num_microbatches)
+        assert not plain.feasible and plain.step_time_s < res.predicted_step_time_s
+
+
+def test_selector_keeps_the_best_memory_variant():
+    """Selector.add scores plain / sharded / recompute / both and keeps the best
+    by (infeasible?, step); an explicit policy is scored as given."""
+    costs, devices = _tight()
+    options = _tight_options("auto")
+    blocks, gpus, samples, m = ((0, 2), (2, 3)), ((0, 1, 2, 3), (4, 5, 6, 7)), ((2, 2, 2, 2),) * 2, 2
+    assert memory_variants(options) == ((False, False), (True, False), (False, True), (True, True))
+    assert memory_variants(SolverOptions(global_batch_size=1)) == ((False, False),)
+    assert memory_variants(SolverOptions(global_batch_size=1, sharding="always", recompute="auto")) == (
+        (True, False), (True, True))
+    scored = []
+    for sh, rc in memory_variants(options):
+        ev = evaluate(costs, devices, options, stage_blocks=blocks, stage_gpus=gpus, samples_per_microbatch=samples,
+                      num_microbatches=m, stage_sharded=(sh, sh), stage_recompute=(rc, rc))
+        scored.append((not ev.feasible, ev.objective_units, sh, rc))
+    best = min(scored)
+    assert not best[0] and best[2]  # feasible only sharded
+    sel = Selector("t", costs, devices, options)
+    assert sel.add(blocks, gpus, samples, m) == best[1]
+    res = sel.result()
+    assert res.stage_sharded == (best[2],) * 2 and res.stage_recompute == (best[3],) * 2
+    assert res.status == "BASELINE" and _units(res.objective) == best[1]
+    # an explicit plain policy is kept as given (and reported infeasible).
+    sel = Selector("t", costs, devices, options)
+    tab = sel.tables(m)
+    sel.add(blocks, gpus, samples, m, policy=fill_policy(tab, blocks, gpus, samples, (False, False), (False, False)))
+    res = sel.result()
+    assert res.status == "BASELINE_INFEASIBLE" and res.stage_sharded == (False, False)
+    # a policy the options forbid is infeasible, however fast (as evaluate says).
+    sel = Selector("t", costs, devices, _tight_options("never"))
+    sel.add(blocks, gpus, samples, m, policy=fill_policy(tab, blocks, gpus, samples, (True, True), (False, False)))
+    res = sel.result()
+    assert res.status == "BASELINE_INFEASIBLE" and res.stage_sharded == (True, True)
+    (chosen,) = res.candidates
+    assert chosen["violations"] == [f"stage {s} is sharded but sharding='never'" for s in (0, 1)]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_stage_fits_matches_the_model(seed):
+    """The memory check Metis' layer balancer uses is exactly [C-memory] + [C-shard]
+    with the shards fill_policy picks."""
+    rng = random.Random(seed)
+    costs, devices, _ = _random(seed)
+    outcomes = set()
+    for _ in range(60):
+        m = rng.choice([1, 2])
+        options = SolverOptions(global_batch_size=8, max_stages=3, schedule=rng.choice(["1f1b", "gpipe"]),
+                                sharding="auto", recompute="auto", memory_fraction=rng.uniform(0.05, 0.9))
+        tab = build_tables(costs, devices, options, m)
+        n_s = rng.choice([1, 2])
+        cut = rng.randint(1, costs.num_blocks - 1)
+        blocks = ((0, costs.num_blocks),) if n_s == 1 else ((0, cut), (cut, costs.num_blocks))
+        perm = rng.sample(range(4), 4)
+        gpus = (tuple(perm),) if n_s == 1 else (tuple(perm[:2]), tuple(perm[2:]))
+        samples = tuple(largest_remainder(8 // m, [rng.random() + 0.1 for _ in gs]) for gs in gpus)
+        sh, rc = rng.random() < 0.5, rng.random() < 0.5
+        pol = fill_policy(tab, blocks, gpus, samples, (sh,) * n_s, (rc,) * n_s)
+        u = evaluate_units(tab, blocks, gpus, samples, pol)
+        fits = all(stage_fits(tab, s, n_s, i, j, memory_groups(tab, gs, ns), sh, rc)
+                   for s, ((i, j), gs, ns) in enumerate(zip(blocks, gpus, samples)))
+        assert fits == u.fits(tab, gpus), (blocks, gpus, samples, sh, rc)
+        outcomes.add((fits, sh))
+    assert len(outcomes) >= 3, outcomes  # both outcomes met, sharded and not
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_metis_layers_fit_the_memory_variant(seed):
+    """Metis' layer balancer respects memory under each variant the options
+    allow: when some split of the blocks fits (sharded / recomputing), its
+    split fits too."""
+    from zorse_fx.baselines.metis import _layers
+
+    rng = random.Random(seed)
+    costs, devices, _ = _random(seed)
+    nb, met = costs.num_blocks, 0
+    for _ in range(30):
+        options = SolverOptions(global_batch_size=8, max_stages=2, num_microbatches=(2,),
+                                schedule=rng.choice(["1f1b", "gpipe"]), sharding="auto", recompute="auto",
+                                memory_fraction=rng.uniform(0.1, 0.9))
+        tab = build_tables(costs, devices, options, 2)
+        perm = rng.sample(range(4), 4)
+        stages = (tuple(sorted(perm[:2])), tuple(sorted(perm[2:])))
+        samples = tuple(largest_remainder(4, [rng.random() + 0.1 for _ in gs]) for gs in stages)
+        groups = [memory_groups(tab, gs, ns) for gs, ns in zip(stages, samples)]
+        for sh, rc in memory_variants(options):
+            def ok(blocks):
+                return all(stage_fits(tab, s, 2, i, j, groups[s], sh, rc) for s, (i, j) in enumerate(blocks))
+            some = any(ok(((0, c), (c, nb))) for c in range(1, nb))
+            got = _layers(tab, stages, samples, nb, sh, rc)
+            assert ok(got) == some, (sh, rc, got)
+            met += some and not any(all(stage_fits(tab, s, 2, i, j, groups[s], False, False)
+                                        for s, (i, j) in enumerate(((0, c), (c, nb)))) for c in range(1, nb))
+    assert met > 0  # some variants fit only thanks to sharding / recomputation
+
+
+def test_flashflex_sharded_capacities():
+    costs, devices = _tight()
+    options = _tight_options("auto")
+    stages = [(0, 1, 2, 3), (4,), (5, 6, 7)]
+    plain = stage_capacities(costs, devices, options, stages, False)
+    sharded = stage_capacities(costs, devices, options, stages, True)
+    assert plain == [int(0.9 * 24 * GIB), int(0.9 * 20 * GIB), int(0.9 * 20 * GIB)]
+    assert sharded[0] > plain[0] and sharded[1] == plain[1] and sharded[2] > plain[2]
+    # model memory a stage can hold: R + A (18.15 GB) on every GPU, Q (18 GB) over the group.
+    r_a, q, c = 8 * 2.25e9 + 150e6, 8 * 2.25e9, int(0.9 * 24 * GIB)
+    assert sharded[0] == pytest.approx(min(c * (r_a + q) / r_a, 4 * c * (r_a + q) / (4 * r_a + q)))
+    assert sharded[0] > r_a + q > plain[0]  # the whole model fits 4 x 24 GiB sharded, not replicated
+
+
+@pytest.mark.parametrize("seed", (1, 9, 10))
+def test_cpsat_never_worse_than_baselines_with_memory_techniques(seed):
+    """With sharding / recompute "auto", CP-SAT searches per-stage policies and
+    any shards, a superset of the baselines' uniform ones."""
+    import dataclasses
+
+    costs, devices, options = _random(seed)
+    options = dataclasses.replace(options, sharding="auto", recompute="auto")
+    best = solve_cpsat(costs, devices, options)
+    assert best.status == "OPTIMAL", best.candidates
+    for name, fn in BASELINES.items():
+        res = fn(costs, devices, options)
+        ev = _eval(costs, devices, options, res)
+        assert ev.objective_units == _units(res.objective) and ev.feasible == (res.status == "BASELINE")
+        if ev.feasible:
+            assert _units(best.objective) <= _units(res.objective), (name, res)
+
+
+def test_portfolio_takes_a_sharded_baseline():
+    """When CP-SAT finds nothing, the portfolio returns the best feasible
+    baseline with its memory policy (it re-scores with evaluate_result)."""
+    from zorse_fx.solve.portfolio import solve_portfolio
+
+    costs, devices = _tight()
+    options = _tight_options("auto")
+
+    def nothing(c, d, o):
+        raise InfeasiblePlanError("stub")
+
+    res = solve_portfolio(costs, devices, options, nothing)
+    ev = _eval(costs, devices, options, res)
+    assert res.status.startswith("BASELINE:") and ev.feasible and any(res.stage_sharded)
+    assert ev.step_time_s == res.predicted_step_time_s
+    feasible = [r for r in (fn(costs, devices, options) for fn in BASELINES.values()) if r.status == "BASELINE"]
+    assert res.predicted_step_time_s == min(r.predicted_step_time_s for r in feasible)
+    with pytest.raises(InfeasiblePlanError, match="stub"):
+        solve_portfolio(costs, devices, _tight_options("never"), nothing)

@@ -200,3 +200,85 @@ def test_identical_nodes_are_aggregated_at_scale():
     assert {c["num_groups"] for c in res.candidates} == {4}
     ev = _eval(costs, devices, options, res)
     assert ev.feasible and ev.objective_units == round(res.objective * UNITS_PER_S)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_singleton_classes_match_cpsat_with_memory_policy(seed):
+    """Per-stage ZeRO-1 sharding and recomputation: the grouped model equals the
+    per-GPU one when every class has one GPU, and evaluate() agrees with both."""
+    import dataclasses
+
+    from zorse_fx.solve.objective import evaluate_result
+
+    costs, devices, options = _singleton_instance(seed)
+    options = dataclasses.replace(options, sharding=("auto", "always")[seed % 2],
+                                  recompute=("auto", "always", "never", "auto")[seed % 4])
+    try:
+        ref = solve_cpsat(costs, devices, options)
+    except InfeasiblePlanError as exc:
+        with pytest.raises(InfeasiblePlanError) as got:
+            solve_grouped(costs, devices, options)
+        assert str(got.value) == str(exc)
+        return
+    res = solve_grouped(costs, devices, options)
+    assert ref.status == "OPTIMAL" and res.status == "OPTIMAL"
+    ev = evaluate_result(costs, devices, options, res)
+    assert ev.feasible, ev.violations
+    assert ev.objective_units == round(res.objective * UNITS_PER_S) == round(ref.objective * UNITS_PER_S)
+
+
+def test_grouped_shards_across_a_class():
+    """Two nodes of 4 identical 16 GiB GPUs: the state of 3e9 params (44.7 GiB) only fits
+    sharded; the class-level shard zc is per GPU and the shards cover the state."""
+    import dataclasses
+
+    from zorse_fx.solve.objective import evaluate_result
+
+    devices = _devices(["A"] * 8, ["n0"] * 4 + ["n1"] * 4, [16 * GIB] * 8, [1e12] * 8)
+    costs = BlockCosts(fwd_bwd_s_per_sample={"A": (0.01,) * 4}, param_count=(750_000_000,) * 4,
+                       act_bytes_per_sample=(32 << 20,) * 4, cut_bytes_per_sample=(0, 4 << 20, 4 << 20, 4 << 20, 0))
+    opts = SolverOptions(global_batch_size=8, max_stages=2, num_microbatches=(1, 2), time_limit_s=20.0)
+    with pytest.raises(InfeasiblePlanError, match="sharding='auto'"):
+        solve_grouped(costs, devices, opts)
+    res = solve_grouped(costs, devices, dataclasses.replace(opts, sharding="auto"))
+    assert all(res.stage_sharded)
+    for s, ((i, j), row) in enumerate(zip(res.stage_blocks, res.state_shard_bytes)):
+        assert sum(row) >= 8 * sum(costs.param_count[i:j])
+    assert evaluate_result(costs, devices, dataclasses.replace(opts, sharding="auto"), res).feasible
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_hint_encodes_the_hinted_decision(grouped):
+    """[Note: warm start]: with CP-SAT told to fix every hinted variable, the model's
+    answer is the hinted plan itself (sharded, with its shards), scored as evaluate() does."""
+    import dataclasses
+
+    from ortools.sat.python import cp_model
+
+    from zorse_fx.baselines import BASELINES
+    from zorse_fx.solve.cpsat import _Model
+    from zorse_fx.solve.grouped import _groups, _GroupedModel
+    from zorse_fx.solve.objective import evaluate_result
+
+    devices = _devices(["A"] * 4 + ["B"] * 4, ["n0"] * 4 + ["n1"] * 4, [16 * GIB] * 8, [1e12] * 4 + [3e11] * 4)
+    costs = BlockCosts(fwd_bwd_s_per_sample={"A": (0.01,) * 4, "B": (0.03,) * 4}, param_count=(400_000_000,) * 4,
+                       act_bytes_per_sample=(32 << 20,) * 4, cut_bytes_per_sample=(0, 4 << 20, 4 << 20, 4 << 20, 0))
+    opts = SolverOptions(global_batch_size=16, max_stages=2, num_microbatches=(2,), sharding="always",
+                         recompute="auto", time_limit_s=20.0)
+    base = BASELINES["homogeneous_all"](costs, devices, opts)
+    ev = evaluate_result(costs, devices, opts, base)
+    assert ev.feasible and any(base.stage_sharded)
+    tab = build_tables(costs, devices, opts, base.num_microbatches)
+    if grouped:
+        model = _GroupedModel(tab, devices, opts, _groups(devices, tab, False), base.num_stages)
+    else:
+        model = _Model(tab, devices, opts, base.num_stages)
+    model.hint(base)
+    solver = cp_model.CpSolver()
+    solver.parameters.fix_variables_to_their_hinted_value = True
+    solver.parameters.num_workers = 1
+    assert solver.Solve(model.m) in (cp_model.OPTIMAL, cp_model.FEASIBLE)
+    blocks, gpus, samples, pol = model.decision(solver)
+    assert (blocks, gpus, samples) == (base.stage_blocks, base.stage_gpus, base.samples_per_microbatch)
+    assert pol.sharded == base.stage_sharded and pol.recompute == base.stage_recompute
+    assert solver.Value(model.objective) == ev.objective_units

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from fractions import Fraction
 
 import pytest
 import torch
@@ -12,7 +14,7 @@ from zorse_fx.capture import analyse, capture
 from zorse_fx.cluster import Cluster
 from zorse_fx.errors import PlanFileError
 from zorse_fx.models.gpt import GPT, GPTConfig
-from zorse_fx.plan import Plan
+from zorse_fx.plan import PLAN_FORMAT_VERSION, Plan
 from zorse_fx.planner import PlanOptions, plan_fixed
 from zorse_fx.runtime.schedule import Action, format_grid, inflight, make_schedule, validate
 
@@ -35,9 +37,114 @@ def test_json_round_trip(plan, tmp_path):
     assert loaded == plan
     assert loaded.sources == plan.sources
     d = json.loads(path.read_text())
-    assert d["version"] == 1
+    assert d["version"] == PLAN_FORMAT_VERSION == 2
     assert [[g["samples_per_microbatch"] for g in s["gpus"]] for s in d["stages"]] == [[3, 1], [4]]
     assert (tmp_path / "p" / "stage_0.py").read_text().startswith('"""Stage 0 of 2')
+
+
+def _memory_options(plan, *, sharded=(), recompute=(), shard_bytes=None):
+    """``plan`` with stages ``sharded`` / ``recompute`` turned on and, per stage
+    index, the GPUs' ``state_shard_bytes``."""
+    stages = []
+    for s in plan.stages:
+        gpus = s.gpus
+        if shard_bytes and s.index in shard_bytes:
+            gpus = tuple(dataclasses.replace(g, state_shard_bytes=b) for g, b in zip(gpus, shard_bytes[s.index], strict=True))
+        stages.append(dataclasses.replace(s, gpus=gpus, sharded=s.index in sharded, recompute=s.index in recompute))
+    return dataclasses.replace(plan, stages=tuple(stages))
+
+
+def test_memory_options_round_trip(plan, tmp_path):
+    """sharded / recompute / state_shard_bytes survive export + load and show in the table."""
+    assert [(s.sharded, s.recompute) for s in plan.stages] == [(False, False)] * 2  # defaults
+    p2 = _memory_options(plan, sharded={0}, recompute={1}, shard_bytes={0: (3 * 2**30, 2**30)})
+    loaded = Plan.load(p2.export(tmp_path / "p"))
+    assert loaded == p2 != plan
+    assert [(s.sharded, s.recompute) for s in loaded.stages] == [(True, False), (False, True)]
+    assert [g.state_shard_bytes for g in loaded.stages[0].gpus] == [3 * 2**30, 2**30]
+    d = json.loads((tmp_path / "p" / "plan.json").read_text())
+    assert d["stages"][1]["recompute"] is True and d["stages"][0]["gpus"][1]["state_shard_bytes"] == 2**30
+    text = p2.table()
+    for needle in ("optimizer state", "sharded 3.00 GiB (75%)", "sharded 1.00 GiB (25%)", "replicated",
+                   "1 (recompute)"):
+        assert needle in text, needle
+    assert max(len(line) for line in text.splitlines()) <= 150
+
+
+def test_version_1_plan_reads_with_defaults(plan, tmp_path):
+    path = plan.export(tmp_path / "p")
+    d = json.loads(path.read_text())
+    d["version"] = 1
+    for s in d["stages"]:
+        del s["sharded"], s["recompute"]
+        for g in s["gpus"]:
+            del g["state_shard_bytes"]
+    path.write_text(json.dumps(d))
+    loaded = Plan.load(path)
+    assert loaded == plan  # new fields at their defaults; read into the current version
+    assert loaded.version == PLAN_FORMAT_VERSION
+    assert all(not s.sharded and not s.recompute and all(g.state_shard_bytes == 0 for g in s.gpus)
+               for s in loaded.stages)
+
+
+def test_invalid_memory_options_are_named(plan, tmp_path):
+    path = _memory_options(plan, sharded={0}).export(tmp_path / "p")
+    d = json.loads(path.read_text())
+    d["stages"][0]["gpus"][1]["state_shard_bytes"] = -5
+    path.write_text(json.dumps(d))
+    with pytest.raises(PlanFileError, match=r"stage 0 \(sharded\) GPU rank 1 has state_shard_bytes -5; it must be "
+                                            r"an integer >= 0") as e:
+        Plan.load(path)
+    assert "0 on every GPU of the stage splits it equally" in str(e.value)
+    d["stages"][0]["gpus"][1]["state_shard_bytes"] = 0
+    d["stages"][1]["recompute"] = "yes"
+    path.write_text(json.dumps(d))
+    with pytest.raises(PlanFileError, match=r"stage 1 field 'recompute' is 'yes'; it must be true or false"):
+        Plan.load(path)
+
+
+def _largest_remainder(n, weights):
+    """Reference: quotas as exact fractions, floors, then +1 by largest remainder (ties: lower index)."""
+    if sum(weights) == 0:
+        weights = [1] * len(weights)
+    quotas = [Fraction(n * w, sum(weights)) for w in weights]
+    sizes = [int(q) for q in quotas]
+    for j in sorted(range(len(weights)), key=lambda j: (-(quotas[j] - sizes[j]), j))[: n - sum(sizes)]:
+        sizes[j] += 1
+    return sizes
+
+
+@pytest.mark.parametrize(("n", "weights", "expected"), [
+    (10, (3, 1), ((0, 8), (8, 10))),            # 7.5 / 2.5: the tie goes to the first GPU
+    (10, (1, 1, 1), ((0, 4), (4, 7), (7, 10))),  # equal weights
+    (7, (0, 2, 1), ((0, 0), (0, 5), (5, 7))),    # 0 / 4.67 / 2.33: a zero share gets nothing
+    (5, (0, 0), ((0, 3), (3, 5))),               # all zero: equal split
+    (0, (3, 1), ((0, 0), (0, 0))),
+    (9, (4,), ((0, 9),)),
+])
+def test_shard_ranges_examples(plan, n, weights, expected):
+    stage = dataclasses.replace(plan.stages[0], gpus=tuple(
+        dataclasses.replace(plan.stages[0].gpus[0], rank=j, state_shard_bytes=w) for j, w in enumerate(weights)))
+    assert stage.shard_ranges(n) == expected
+
+
+def test_shard_ranges_largest_remainder_rule(plan):
+    import random
+
+    rng = random.Random(0)
+    g0 = plan.stages[0].gpus[0]
+    for _ in range(300):
+        k = rng.randint(1, 6)
+        weights = [rng.choice((0, 0, 1, 3, 7, rng.randint(1, 10**10))) for _ in range(k)]
+        n = rng.randint(0, 10**6)
+        stage = dataclasses.replace(plan.stages[0], gpus=tuple(
+            dataclasses.replace(g0, rank=j, state_shard_bytes=w) for j, w in enumerate(weights)))
+        ranges = stage.shard_ranges(n)
+        assert ranges[0][0] == 0 and ranges[-1][1] == n
+        assert all(a <= b for a, b in ranges) and all(ranges[j][1] == ranges[j + 1][0] for j in range(k - 1))
+        assert [b - a for a, b in ranges] == _largest_remainder(n, weights), (n, weights)
+        if any(weights):
+            assert all(b == a for (a, b), w in zip(ranges, weights) if w == 0)
 
 
 def test_roles_and_ranges(plan):

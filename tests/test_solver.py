@@ -10,7 +10,7 @@ import pytest
 from zorse_fx.errors import InfeasiblePlanError
 from zorse_fx.solve import (BlockCosts, DeviceGraph, SolverOptions, evaluate, solve_brute_force,
                             solve_cpsat)
-from zorse_fx.solve.objective import UNITS_PER_S
+from zorse_fx.solve.objective import UNITS_PER_S, evaluate_result
 
 GIB = 1 << 30
 
@@ -267,3 +267,116 @@ def test_large_memory_coefficients_do_not_break_presolve():
     res = solve_cpsat(costs, devices, options)
     assert res.status == "OPTIMAL"
     assert res.predicted_step_time_s <= base.predicted_step_time_s + 1e-9
+
+
+# -- memory policy: ZeRO-1 sharding and stage recomputation ------------------
+
+MODES = ("never", "auto", "always")
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_cpsat_matches_brute_force_with_memory_policy(seed):
+    """With sharding / recompute decided per stage, CP-SAT's optimum equals the oracle's."""
+    costs, devices, options = _random_instance(seed)
+    options = dataclasses.replace(options, sharding=("auto", "always")[seed % 2],
+                                  recompute=("auto", "always", "auto", "never")[seed % 4])
+    try:
+        ref = solve_brute_force(costs, devices, options)
+    except InfeasiblePlanError as exc:
+        with pytest.raises(InfeasiblePlanError) as got:
+            solve_cpsat(costs, devices, options)
+        assert str(got.value) == str(exc)
+        return
+    res = solve_cpsat(costs, devices, options)
+    assert res.status == "OPTIMAL"
+    ev = evaluate_result(costs, devices, options, res)
+    assert ev.feasible, ev.violations
+    assert ev.objective_units == round(res.objective * UNITS_PER_S) == round(ref.objective * UNITS_PER_S)
+    assert evaluate_result(costs, devices, options, ref).objective_units == ev.objective_units
+
+
+def _two_gpu_state_bound():
+    """One 4-block model on two GPUs (24 and 10 GiB): 16 B/param of 1.0e9 params =
+    14.9 GiB of state does not fit the 10 GiB GPU replicated."""
+    costs = BlockCosts(fwd_bwd_s_per_sample={"A": (0.01,) * 4}, param_count=(250_000_000,) * 4,
+                       act_bytes_per_sample=(64 << 20,) * 4, cut_bytes_per_sample=(0, 8 << 20, 8 << 20, 8 << 20, 0))
+    devices = _devices(["A", "A"], ["n0", "n0"], [24 * GIB, 10 * GIB], [1e12, 1e12])
+    return costs, devices
+
+
+def test_sharding_makes_a_plan_feasible_with_unequal_shards():
+    costs, devices = _two_gpu_state_bound()
+    base = SolverOptions(global_batch_size=4, max_stages=1, num_microbatches=(1,), allow_idle_gpus=False)
+    with pytest.raises(InfeasiblePlanError, match="sharding"):
+        solve_cpsat(costs, devices, base)
+    res = solve_cpsat(costs, devices, dataclasses.replace(base, sharding="auto"))
+    assert res.stage_sharded == (True,)
+    big, small = res.state_shard_bytes[0]
+    # 8 B/param of moments = 7.45 GiB sharded; the 10 GiB GPU (9 GiB usable) keeps 7.45 GiB
+    # of weights + grads replicated and 0.5 GiB of activations, so it can hold < 1.1 GiB of
+    # moments: the split is unequal (equal memory bandwidth would otherwise balance it 1:1).
+    assert big + small >= 8 * sum(costs.param_count)
+    assert 0 < small < 1.1 * GIB and big > 5 * small
+    ev = evaluate_result(costs, devices, dataclasses.replace(base, sharding="auto"), res)
+    assert ev.feasible
+    # [C-memory] by hand for the big GPU: replicated 8 B/param + its shard + activations of 4 samples.
+    kib = 1024
+    repl = sum(-(-16 * p // kib) - (-(-8 * p // kib)) for p in costs.param_count) * kib
+    act = sum(-(-a // kib) for a in costs.act_bytes_per_sample) * kib
+    assert ev.memory_bytes[0][0] == repl + big + res.samples_per_microbatch[0][0] * act
+    # [C-allreduce]: a sharded stage moves (2 * 4 + 4) B/param over its link, plus 3 latencies.
+    p_tot = sum(costs.param_count)
+    assert ev.allreduce_s[0] == pytest.approx(12 * p_tot / 100e9 + 3 * 5e-6, rel=1e-6)
+    # sharding "never" reports the memory breach instead.
+    bad = evaluate(costs, devices, base, stage_blocks=((0, 4),), stage_gpus=((0, 1),),
+                   samples_per_microbatch=((2, 2),), num_microbatches=1)
+    assert not bad.feasible and any("GPU 1" in v for v in bad.violations)
+
+
+def test_evaluate_rejects_malformed_memory_policy():
+    costs, devices = _two_gpu_state_bound()
+    opts = SolverOptions(global_batch_size=4, sharding="auto")
+    dec = dict(stage_blocks=((0, 2), (2, 4)), stage_gpus=((0,), (1,)), samples_per_microbatch=((4,), (4,)),
+               num_microbatches=1)
+    with pytest.raises(ValueError, match="stage 0 is sharded but has 1 GPU"):
+        evaluate(costs, devices, opts, **dec, stage_sharded=(True, False))
+    with pytest.raises(ValueError, match="stage_recompute has 1 entries"):
+        evaluate(costs, devices, opts, **dec, stage_recompute=(True,))
+    one = dict(stage_blocks=((0, 4),), stage_gpus=((0, 1),), samples_per_microbatch=((2, 2),), num_microbatches=1)
+    with pytest.raises(ValueError, match="one int >= 0 per GPU"):
+        evaluate(costs, devices, opts, **one, stage_sharded=(True,), state_shard_mib=((5,),))
+    ev = evaluate(costs, devices, opts, **one, stage_sharded=(True,), state_shard_mib=((1, 1),))
+    assert not ev.feasible and any("optimizer state" in v for v in ev.violations)
+    never = evaluate(costs, devices, SolverOptions(global_batch_size=4), **one, stage_sharded=(True,))
+    assert any("sharding='never'" in v for v in never.violations)
+    with pytest.raises(ValueError, match="SolverOptions.recompute='sometimes'"):
+        SolverOptions(global_batch_size=4, recompute="sometimes")
+
+
+def test_recompute_adds_a_third_and_keeps_only_stage_inputs():
+    """[C-compute] / [C-memory] of a recomputing stage, checked by hand."""
+    costs = BlockCosts(fwd_bwd_s_per_sample={"A": (0.03, 0.06)}, param_count=(1000, 1000),
+                       act_bytes_per_sample=(400 << 20, 400 << 20), cut_bytes_per_sample=(0, 10 << 20, 0))
+    devices = _devices(["A", "A"], ["n0", "n1"], [80 * GIB] * 2, [1e12] * 2)
+    opts = SolverOptions(global_batch_size=8, recompute="auto", max_stages=2)
+    dec = dict(stage_blocks=((0, 1), (1, 2)), stage_gpus=((0,), (1,)), samples_per_microbatch=((2,), (2,)),
+               num_microbatches=4)
+    plain = evaluate(costs, devices, opts, **dec)
+    rc = evaluate(costs, devices, opts, **dec, stage_recompute=(False, True))
+    assert rc.compute_s[0] == plain.compute_s[0]
+    assert rc.compute_s[1] == pytest.approx(plain.compute_s[1] * 4 / 3, rel=1e-6)
+    # stage 1 of 2 under 1F1B holds 1 micro-batch in flight: inputs of 1 + activations of 1.
+    state = -(-16 * 1000 // 1024) * 1024
+    assert rc.memory_bytes[1][0] == state + 2 * ((10 << 20) + (400 << 20))
+    assert plain.memory_bytes[0][0] - state == 2 * 2 * (400 << 20)  # 2 in flight on stage 0
+
+
+def test_balance_shards_minimises_the_slowest_optimizer():
+    from zorse_fx.solve.objective import balance_shards
+
+    # 10 MiB over GPUs with rates 1 and 3 (ns/MiB) and room 100 / 100: 7.5 : 2.5 -> (8, 2)? max(8, 6) = 8
+    assert balance_shards(10 * 1024, [100, 100], [1, 3]) == (8, 2)
+    assert balance_shards(10 * 1024, [3, 100], [1, 3]) == (3, 7)  # memory binds on GPU 0
+    assert balance_shards(10 * 1024, [3, 3], [1, 1]) is None
+    assert balance_shards(0, [3, 3], [1, 1]) == (0, 0)
+    assert balance_shards(1, [3, 3], [1, 1]) in ((1, 0), (0, 1))

@@ -100,6 +100,7 @@ def cmd_simulate(args) -> int:
     from .plan import Plan
     from .planner import PlanOptions, _analyse_and_price, _device_graph, _solver_options
     from .sim import gantt_png, simulate, to_perfetto
+    from .sim.engine import plan_decision
 
     plan = Plan.load(args.plan)
     cluster = Cluster.from_yaml(args.cluster)
@@ -110,10 +111,7 @@ def cmd_simulate(args) -> int:
     options = PlanOptions(global_batch_size=plan.global_batch_size, schedule=plan.schedule,
                           max_stages=plan.num_stages)
     _, costs, _ = _analyse_and_price(capture(model, (ids, ids)), cluster, options)
-    decision = dict(stage_blocks=tuple(s.blocks for s in plan.stages),
-                    stage_gpus=tuple(tuple(g.gpu for g in s.gpus) for s in plan.stages),
-                    samples_per_microbatch=tuple(tuple(g.samples_per_microbatch for g in s.gpus) for s in plan.stages),
-                    num_microbatches=plan.num_microbatches)
+    decision = plan_decision(plan, costs)  # the plan's memory policy (ZeRO-1 shards, recomputation) too
     result = simulate(costs, _device_graph(cluster, options), _solver_options(options), **decision)
     labels = [f"{g.type}@{g.node}" for g in cluster.gpus]
     out = Path(args.out)
@@ -122,10 +120,12 @@ def cmd_simulate(args) -> int:
     gantt_png(result, out / "gantt.png", gpu_labels=labels)
     print(f"[zorse] simulated step {result.step_time_s * 1e3:.1f} ms (plan predicted "
           f"{plan.predicted_step_time_s * 1e3:.1f} ms), bubble {result.bubble_fraction:.0%}")
-    for s in plan.stages:
-        for g in s.gpus:
-            print(f"  stage {s.index} rank {g.rank} {g.gpu_type:>10}: busy {result.busy_fraction[g.gpu]:.0%}, "
-                  f"peak memory {result.peak_memory_bytes[g.gpu] / 2**30:.2f} GiB")
+    for s, shards in zip(plan.stages, result.state_shard_bytes):
+        policy = " (recompute)" if result.stage_recompute[s.index] else ""
+        for g, shard in zip(s.gpus, shards):
+            zero = f", ZeRO-1 shard {shard / 2**30:.2f} GiB" if result.stage_sharded[s.index] else ""
+            print(f"  stage {s.index}{policy} rank {g.rank} {g.gpu_type:>10}: busy {result.busy_fraction[g.gpu]:.0%}, "
+                  f"peak memory {result.peak_memory_bytes[g.gpu] / 2**30:.2f} GiB{zero}")
     print(f"[zorse] wrote {out / 'trace.json'} (open in ui.perfetto.dev) and {out / 'gantt.png'}")
     return 0
 

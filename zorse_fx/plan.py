@@ -13,6 +13,20 @@ On disk (``Plan.export(dir)``)::
 
 Ranks are numbered stage by stage: stage 0's GPUs get ranks 0..k0-1, and so
 on, so ``world_size`` = number of GPUs the plan uses.
+
+Two memory-saving choices per stage (format version 2; a version-1 file reads
+with both off):
+
+- ``StagePlan.sharded``: ZeRO-1. The AdamW state of the stage (the two
+  moments) is split across the stage's data-parallel group instead of
+  replicated; GPU ``j`` holds the contiguous range ``shard_ranges(n)[j]`` of
+  the stage's flattened trainable elements, sized in proportion to its
+  ``GPUShare.state_shard_bytes`` (the state share is chosen apart from the
+  compute share, as in Cephalo). See [Note: ZeRO-1 with unequal shards] in
+  ``runtime/worker.py``.
+- ``StagePlan.recompute``: the stage keeps only its inputs per in-flight
+  micro-batch and re-runs its forward before the backward. See
+  [Note: stage recomputation] in ``runtime/worker.py``.
 """
 
 from __future__ import annotations
@@ -28,7 +42,9 @@ from .errors import PlanFileError
 __all__ = ["PLAN_FORMAT_VERSION", "GPUShare", "StagePlan", "SolverReport", "Plan", "RankRole"]
 
 #: Bumped on any incompatible change of plan.json.
-PLAN_FORMAT_VERSION = 1
+PLAN_FORMAT_VERSION = 2
+#: Older versions ``from_dict`` still reads (fields added since take their defaults).
+_READABLE_VERSIONS = (1, 2)
 GIB = 1024**3
 
 
@@ -45,6 +61,10 @@ class GPUShare:
     samples_per_microbatch: int
     predicted_memory_bytes: int = 0
     memory_capacity_bytes: int = 0
+    #: Bytes of the stage's shardable optimizer state this GPU holds when the
+    #: stage is ``sharded`` (ZeRO-1); the runtime splits the stage's elements
+    #: in proportion to these (all 0: equally). Ignored when not sharded.
+    state_shard_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -68,6 +88,10 @@ class StagePlan:
     #: Predicted compute time of one micro-batch (slowest GPU), seconds.
     predicted_time_s: float = 0.0
     predicted_allreduce_s: float = 0.0
+    #: ZeRO-1: AdamW state sharded over the stage's GPUs (see ``shard_ranges``).
+    sharded: bool = False
+    #: Activation recomputation: keep only stage inputs, re-run forward in backward.
+    recompute: bool = False
 
     @property
     def microbatch_size(self) -> int:
@@ -83,6 +107,35 @@ class StagePlan:
         for g in self.gpus:
             out.append((start, start + g.samples_per_microbatch))
             start += g.samples_per_microbatch
+        return tuple(out)
+
+    def shard_ranges(self, num_elements: int) -> tuple[tuple[int, int], ...]:
+        """Per GPU (stage order), its range ``[start, end)`` of the stage's
+        ``num_elements`` flattened trainable elements under ZeRO-1.
+
+        Sizes are proportional to ``state_shard_bytes`` with largest-remainder
+        rounding (ties to the earlier GPU); all zero means an equal split. A
+        GPU with ``state_shard_bytes == 0`` gets an empty range (unless all are
+        0). The ranges are contiguous, in GPU order, and cover every element.
+        """
+        if num_elements < 0:
+            raise ValueError(f"num_elements must be >= 0, got {num_elements}")
+        weights = [g.state_shard_bytes for g in self.gpus]
+        if any(w < 0 for w in weights):
+            raise ValueError(f"stage {self.index}: state_shard_bytes must be >= 0, got {weights}")
+        if sum(weights) == 0:
+            weights = [1] * len(weights)
+        total = sum(weights)
+        sizes = [num_elements * w // total for w in weights]
+        remainders = [num_elements * w % total for w in weights]
+        # Exact integer largest remainder: the leftover count is below the
+        # number of non-zero remainders, so a zero-weight GPU never gets one.
+        for j in sorted(range(len(weights)), key=lambda j: (-remainders[j], j))[: num_elements - sum(sizes)]:
+            sizes[j] += 1
+        out, start = [], 0
+        for n in sizes:
+            out.append((start, start + n))
+            start += n
         return tuple(out)
 
 
@@ -146,6 +199,19 @@ class Plan:
         ranks = [g.rank for s in self.stages for g in s.gpus]
         if ranks != list(range(len(ranks))):
             raise PlanFileError(f"plan: ranks must be 0..{len(ranks) - 1} in stage order, got {ranks}")
+        for s in self.stages:
+            for name in ("sharded", "recompute"):
+                if not isinstance(getattr(s, name), bool):
+                    raise PlanFileError(
+                        f"plan: stage {s.index} field {name!r} is {getattr(s, name)!r}; it must be true or false"
+                    )
+            for g in s.gpus:
+                if not isinstance(g.state_shard_bytes, int) or g.state_shard_bytes < 0:
+                    raise PlanFileError(
+                        f"plan: stage {s.index}{' (sharded)' if s.sharded else ''} GPU rank {g.rank} has "
+                        f"state_shard_bytes {g.state_shard_bytes!r}; it must be an integer >= 0 (bytes of the "
+                        "stage's optimizer state this GPU holds; 0 on every GPU of the stage splits it equally)"
+                    )
 
     # -- queries -------------------------------------------------------------
     @property
@@ -215,6 +281,7 @@ class Plan:
                             "samples_per_microbatch": g.samples_per_microbatch,
                             "predicted_memory_bytes": g.predicted_memory_bytes,
                             "memory_capacity_bytes": g.memory_capacity_bytes,
+                            "state_shard_bytes": g.state_shard_bytes,
                         }
                         for g in s.gpus
                     ],
@@ -227,6 +294,8 @@ class Plan:
                     "source_file": s.source_file,
                     "predicted_time_s": s.predicted_time_s,
                     "predicted_allreduce_s": s.predicted_allreduce_s,
+                    "sharded": s.sharded,
+                    "recompute": s.recompute,
                 }
                 for s in self.stages
             ],
@@ -236,10 +305,10 @@ class Plan:
     def from_dict(cls, d: dict, *, source: str = "<dict>", sources: tuple[str, ...] = ()) -> "Plan":
         if d.get("format") != "zorse_fx.plan":
             raise PlanFileError(f"{source}: not a zorse_fx plan (field 'format' is {d.get('format')!r}, expected 'zorse_fx.plan')")
-        if d.get("version") != PLAN_FORMAT_VERSION:
+        if d.get("version") not in _READABLE_VERSIONS:
             raise PlanFileError(
                 f"{source}: plan format version {d.get('version')!r} is not supported by this zorse_fx "
-                f"(reads version {PLAN_FORMAT_VERSION}); re-export the plan with `zorse plan`"
+                f"(reads versions {', '.join(map(str, _READABLE_VERSIONS))}); re-export the plan with `zorse plan`"
             )
         try:
             stages = tuple(
@@ -257,12 +326,16 @@ class Plan:
                     source_file=s["source_file"],
                     predicted_time_s=s["predicted_time_s"],
                     predicted_allreduce_s=s["predicted_allreduce_s"],
+                    # Version 1 has neither field: both off.
+                    sharded=s.get("sharded", False),
+                    recompute=s.get("recompute", False),
                 )
                 for s in d["stages"]
             )
             sv = d["solver"]
             return cls(
-                version=d["version"],
+                # An older file is read into (and re-exported as) the current format.
+                version=PLAN_FORMAT_VERSION,
                 cluster_name=d["cluster_name"],
                 model_name=d["model_name"],
                 input_names=tuple(d["input_names"]),
@@ -320,26 +393,40 @@ class Plan:
 
     # -- readable form -------------------------------------------------------
     def table(self) -> str:
-        """The plan as a text table (one row per GPU)."""
+        """The plan as a text table (one row per GPU), at most 150 columns.
+
+        "optimizer state" is ``replicated`` or, for a ZeRO-1 stage, this GPU's
+        ``state_shard_bytes`` and its share of the stage's elements; a stage
+        that recomputes its activations reads ``<i> (recompute)``.
+        """
         from rich.console import Console
         from rich.table import Table
 
         t = Table(title=f"zorse_fx plan: {self.model_name} on {self.cluster_name}", show_lines=False)
-        for col in ("stage", "blocks", "layers", "params", "rank", "GPU", "node", "samples/µbatch", "memory (GiB)", "µbatch time"):
-            t.add_column(col, justify="right" if col not in ("layers", "GPU", "node") else "left")
+        cols = ("stage", "blocks: layers", "params", "rank", "GPU @ node", "samples", "memory GiB",
+                "optimizer state", "µbatch")
+        for col in cols:
+            t.add_column(col, justify="left" if col in ("blocks: layers", "GPU @ node", "optimizer state") else "right")
         for s in self.stages:
+            shards = s.shard_ranges(s.num_parameters) if s.sharded else ()
             for i, g in enumerate(s.gpus):
                 first = i == 0
+                if s.sharded:
+                    a, b = shards[i]
+                    pct = f"{(b - a) / s.num_parameters:.0%}" if s.num_parameters else "-"
+                    state = (f"sharded {g.state_shard_bytes / GIB:.2f} GiB ({pct})" if g.state_shard_bytes
+                             else f"sharded ({pct})")
+                else:
+                    state = "replicated"
                 t.add_row(
-                    str(s.index) if first else "",
-                    f"[{s.blocks[0]}, {s.blocks[1]})" if first else "",
-                    s.label if first else "",
+                    (f"{s.index} (recompute)" if s.recompute else str(s.index)) if first else "",
+                    f"[{s.blocks[0]}, {s.blocks[1]}): {s.label}" if first else "",
                     f"{s.num_parameters / 1e6:.1f}M" if first else "",
                     str(g.rank),
-                    g.gpu_type,
-                    g.node,
+                    f"{g.gpu_type} @ {g.node}",
                     f"{g.samples_per_microbatch}/{s.microbatch_size}",
                     f"{g.predicted_memory_bytes / GIB:.2f} / {g.memory_capacity_bytes / GIB:.1f}",
+                    state,
                     f"{s.predicted_time_s * 1e3:.1f} ms" if first else "",
                 )
             t.add_section()

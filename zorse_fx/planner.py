@@ -60,6 +60,13 @@ class PlanOptions:
     #: Two micro-batch sizes the measured cost model is evaluated at (per-sample
     #: slope + fixed part); None = (1, max(2, global_batch_size // 4)).
     profile_batches: tuple[int, int] | None = None
+    #: ZeRO-1 sharding of each stage's optimizer state across its GPUs, in
+    #: shares the planner picks per GPU: "auto" (per stage, where it pays),
+    #: "never" or "always".
+    sharding: str = "auto"
+    #: Stage-level activation recomputation: "auto" (per stage, where memory
+    #: needs it), "never" or "always".
+    recompute: str = "auto"
 
 
 def plan_captured(
@@ -163,6 +170,8 @@ def _solver_options(options: PlanOptions, **overrides) -> SolverOptions:
         memory_fraction=options.memory_fraction,
         time_limit_s=options.time_limit_s,
         allow_idle_gpus=options.allow_idle_gpus,
+        sharding=options.sharding,
+        recompute=options.recompute,
     )
     return SolverOptions(**{**fields, **overrides})
 
@@ -184,12 +193,14 @@ def build_plan(
     stages, sources, rank = [], [], 0
     for s, prog in enumerate(programs):
         gpus = []
+        sharded = bool(result.stage_sharded and result.stage_sharded[s])
         for i, (g, n) in enumerate(zip(result.stage_gpus[s], result.samples_per_microbatch[s])):
             mem = result.predicted_memory_bytes[s][i] if result.predicted_memory_bytes else 0
             gpu = cluster.gpus[g]
             gpus.append(GPUShare(
                 rank=rank, gpu=g, node=gpu.node, gpu_type=gpu.type, samples_per_microbatch=n,
                 predicted_memory_bytes=int(mem), memory_capacity_bytes=int(gpu.memory_bytes),
+                state_shard_bytes=int(result.state_shard_bytes[s][i]) if sharded else 0,
             ))
             rank += 1
         label = bg.describe_blocks(*prog.blocks)
@@ -207,6 +218,8 @@ def build_plan(
             source_file=f"stage_{s}.py",
             predicted_time_s=result.predicted_stage_time_s[s] if result.predicted_stage_time_s else 0.0,
             predicted_allreduce_s=result.predicted_allreduce_s[s] if result.predicted_allreduce_s else 0.0,
+            sharded=sharded,
+            recompute=bool(result.stage_recompute and result.stage_recompute[s]),
         ))
         gpu_list = ", ".join(f"{gs.gpu_type}@{gs.node} x{gs.samples_per_microbatch}" for gs in gpus)
         sources.append(emit_source(prog, header=f"Plan: {model_name} on {cluster.name}; GPUs: {gpu_list}"))
@@ -249,9 +262,14 @@ def plan_fixed(
     num_microbatches: int,
     model_name: str = "model",
     label_mode: str = "shifted",
+    stage_sharded: tuple[bool, ...] | None = None,
+    state_shard_mib: tuple[tuple[int, ...], ...] | None = None,
+    stage_recompute: tuple[bool, ...] | None = None,
 ) -> tuple[Plan, BlockGraph]:
     """A plan for a decision made by hand (what-if studies, tests), priced by
-    the same cost model and objective as the solver's plans.
+    the same cost model and objective as the solver's plans. ``stage_sharded``
+    / ``state_shard_mib`` / ``stage_recompute``: the memory policy, as in
+    ``zorse_fx.solve.evaluate`` (None: nothing sharded or recomputed).
 
     Raises:
         ValueError: the decision is malformed (see ``zorse_fx.solve.evaluate``).
@@ -261,15 +279,17 @@ def plan_fixed(
     bg, costs, dtype = _analyse_and_price(captured, cluster, options)
     sopts = _solver_options(options, max_stages=max(options.max_stages, len(stage_blocks)),
                             num_microbatches=None, max_microbatches=options.global_batch_size,
-                            allow_idle_gpus=True)
+                            allow_idle_gpus=True, sharding="auto", recompute="auto")
     ev = evaluate(costs, _device_graph(cluster, options), sopts, stage_blocks=stage_blocks, stage_gpus=stage_gpus,
-                  samples_per_microbatch=samples_per_microbatch, num_microbatches=num_microbatches)
+                  samples_per_microbatch=samples_per_microbatch, num_microbatches=num_microbatches,
+                  stage_sharded=stage_sharded, state_shard_mib=state_shard_mib, stage_recompute=stage_recompute)
     result = SolverResult(
         stage_blocks=tuple(stage_blocks), stage_gpus=tuple(stage_gpus),
         samples_per_microbatch=tuple(samples_per_microbatch), num_microbatches=num_microbatches,
         microbatch_size=options.global_batch_size // num_microbatches, schedule=options.schedule,
         predicted_step_time_s=ev.step_time_s, predicted_stage_time_s=ev.stage_time_s,
         predicted_allreduce_s=ev.allreduce_s, predicted_memory_bytes=ev.memory_bytes,
+        stage_sharded=ev.stage_sharded, state_shard_bytes=ev.state_shard_bytes, stage_recompute=ev.stage_recompute,
         status="FIXED", objective=ev.step_time_s, best_bound=ev.step_time_s,
     )
     plan = build_plan(bg, cluster, result, options, model_name=model_name, label_mode=label_mode,

@@ -10,8 +10,9 @@ on GPUs, Gloo on CPU)::
 its stage source, the weights and the token file; it never imports OR-Tools.
 Rank 0 writes ``<out>/metrics.jsonl``: one JSON object per step with
 ``step``, ``loss``, ``step_time_s``, ``tokens_per_s`` and ``ranks``: per rank
-the seconds spent in the pipeline schedule, the gradient all-reduce and the
-optimizer step.
+the seconds spent in the pipeline schedule (``pipeline_s``), the gradient
+all-reduce (``allreduce_s``), the optimizer step (``optimizer_s``) and the
+parameter all-gather of a ZeRO-1 stage (``allgather_s``, 0 elsewhere).
 """
 
 from __future__ import annotations
@@ -47,7 +48,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto")
     p.add_argument("--dump-grads", type=int, default=0, metavar="STEP",
                    help="after this step, each rank saves its reduced gradients to <out>/grads/ (testing)")
-    p.add_argument("--dump-params", action="store_true", help="save each rank's parameters at the end to <out>/params/")
+    p.add_argument("--dump-params", action="store_true",
+                   help="save each rank's parameters at the end to <out>/params/rank<r>.pt, and the elements "
+                        "and bytes of its optimizer state to <out>/params/rank<r>.json (testing)")
     return p.parse_args(argv)
 
 
@@ -117,6 +120,7 @@ def main(argv=None) -> int:
         d = out / "params"
         d.mkdir(parents=True, exist_ok=True)
         torch.save(worker.parameters_by_name(), d / f"rank{rank}.pt")
+        (d / f"rank{rank}.json").write_text(json.dumps(worker.optimizer_state_summary()) + "\n")
     dist.barrier()
     dist.destroy_process_group()
     return 0

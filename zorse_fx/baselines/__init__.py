@@ -7,7 +7,11 @@ count) scored by ``zorse_fx.solve.evaluate``, the same step-time and memory
 model the CP-SAT planner minimises; ``status`` is "BASELINE", or
 "BASELINE_INFEASIBLE" when even the method's best candidate breaks memory (its
 ``candidates`` entry with ``"chosen": True`` lists the violations). See
-``_common`` [Note: how a baseline picks among its candidates].
+``_common`` [Note: how a baseline picks among its candidates]. Each gets the
+memory techniques ``SolverOptions.sharding`` / ``recompute`` allow (ZeRO-1
+optimizer-state sharding, stage recomputation), uniformly over its stages;
+the SolverResult carries the policy (``stage_sharded``, ``state_shard_bytes``,
+``stage_recompute``); see [Note: memory techniques of the baselines].
 
 ==================  =========================================================
 ``homogeneous_all``   Megatron-LM / torchtitan uniform PP x DP on all GPUs

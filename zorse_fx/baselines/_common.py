@@ -15,6 +15,24 @@ candidate is returned anyway with status "BASELINE_INFEASIBLE" and its
 violations in the ``candidates`` entry marked ``"chosen": True``, so a
 benchmark can report the method as infeasible instead of dropping it.
 
+[Note: memory techniques of the baselines]
+The published systems train with memory techniques the shared model knows:
+Megatron-LM's distributed optimizer is ZeRO-1 and it recomputes activations
+("full" recomputation); Cephalo, Zorse and FlashFlex shard training state
+across a data-parallel group (FSDP / ZeRO); Metis' and FlashFlex's planners
+check memory. So every baseline gets what ``SolverOptions.sharding`` /
+``recompute`` allow ([C-shard], [C-recompute] in ``objective``): for each
+decision ``Selector.add`` tries the uniform variants the options allow --
+plain, every multi-GPU stage sharded, every stage recomputing, both
+(``memory_variants``) -- and keeps the best by (infeasible?, step). Per-stage
+mixes are the CP-SAT planner's search, not a baseline's. A sharded stage's
+shards are ``objective.balance_shards``' split unless the method passes its
+own ``MemoryPolicy`` (Cephalo: shards by free memory). With both options
+"never" (the default) every baseline is scored exactly as before the
+techniques existed. Methods whose own heuristics read memory (Cephalo's batch
+caps, Metis' layer balancer, FlashFlex's memory-proportional layers) use
+``stage_fits`` / the replicated part of the state under the variant at hand.
+
 Legend: ``B`` blocks, ``G`` GPUs, ``S`` stages, ``M`` micro-batches, ``b`` =
 samples per micro-batch. Times in seconds unless a name says ``units`` (1 ns).
 """
@@ -22,13 +40,55 @@ samples per micro-batch. Times in seconds unless a name says ``units`` (1 ns).
 from __future__ import annotations
 
 import time
+from collections import Counter
 
 from ..errors import InfeasiblePlanError
-from ..solve.objective import UNIT_S, build_tables, evaluate, evaluate_units
+from ..solve.objective import (MIB_UNITS, UNIT_S, MemoryPolicy, build_tables, evaluate, evaluate_units,
+                               fill_policy, inflight, mode_violations)
 from ..solve.records import BlockCosts, DeviceGraph, SolverOptions, SolverResult
 
 __all__ = ["Selector", "gpu_speeds", "largest_remainder", "proportional_cuts", "reference_block_work",
-           "bandwidth", "min_max_partition"]
+           "bandwidth", "min_max_partition", "memory_variants", "stage_act_kib", "memory_groups", "stage_fits"]
+
+_MODE_FLAGS = {"never": (False,), "auto": (False, True), "always": (True,)}
+
+
+def memory_variants(options: SolverOptions) -> tuple[tuple[bool, bool], ...]:
+    """The uniform (sharded, recompute) variants ``options`` allow, in the
+    order plain, sharded, recompute, both (see [Note: memory techniques of the
+    baselines]); "sharded" applies to the stages with >= 2 GPUs only."""
+    sh, rc = _MODE_FLAGS[options.sharding], _MODE_FLAGS[options.recompute]
+    return tuple((a, b) for b in rc for a in sh)
+
+
+def stage_act_kib(tab, s: int, n_s: int, i: int, j: int, n: int, recompute: bool) -> int:
+    """Activation KiB of a GPU with ``n`` samples on stage ``s`` of ``n_s``
+    (blocks [i, j)), as [C-memory]: in-flight micro-batches x n x A_s, or with
+    recomputation n x (in-flight x X_s + A_s) (X_0 = 0)."""
+    fl = inflight(tab.schedule, n_s, s, tab.num_microbatches)
+    a = tab.act_prefix[j] - tab.act_prefix[i]
+    return n * (fl * (tab.cut_kib[i] if s > 0 else 0) + a) if recompute else fl * n * a
+
+
+def memory_groups(tab, gpus, samples) -> tuple[tuple[tuple[int, int], int], ...]:
+    """A stage's GPUs as distinct ((samples, usable KiB), count) pairs, the
+    input of ``stage_fits`` (GPUs alike in both behave alike in memory)."""
+    return tuple(sorted(Counter((n, tab.cap_bytes[g]) for g, n in zip(gpus, samples)).items()))
+
+
+def stage_fits(tab, s: int, n_s: int, i: int, j: int, groups, sharded: bool, recompute: bool) -> bool:
+    """Whether stage ``s`` of ``n_s`` (blocks [i, j), GPUs as ``memory_groups``)
+    fits memory under the variant. Unsharded (or one GPU), every GPU holds
+    the whole state plus its activations; sharded, every GPU holds the
+    replicated part plus its activations and the memory left over, in whole
+    MiB, holds the shardable part -- exactly when ``objective.fill_policy``
+    finds shards satisfying [C-memory] and [C-shard]."""
+    state = tab.state_prefix[j] - tab.state_prefix[i]
+    if not sharded or sum(c for _, c in groups) < 2:
+        return all(state + stage_act_kib(tab, s, n_s, i, j, n, recompute) <= cap for (n, cap), _ in groups)
+    shard = tab.shard_prefix[j] - tab.shard_prefix[i]
+    free = [(cap - (state - shard) - stage_act_kib(tab, s, n_s, i, j, n, recompute), c) for (n, cap), c in groups]
+    return min(f for f, _ in free) >= 0 and MIB_UNITS * sum(c * (f // MIB_UNITS) for f, c in free) >= shard
 
 
 def gpu_speeds(costs: BlockCosts, devices: DeviceGraph) -> tuple[float, ...]:
@@ -134,8 +194,8 @@ class Selector:
         self.name, self.costs, self.devices, self.options = name, costs, devices, options
         self.t0 = time.perf_counter()
         self._tables: dict[int, object] = {}
-        #: {(S, M): (rank key, decision)}; rank key = (infeasible?, step units).
-        self._best: dict[tuple[int, int], tuple[tuple[int, int], tuple]] = {}
+        #: {(S, M): (rank key, decision, MemoryPolicy)}; rank key = (infeasible?, step units).
+        self._best: dict[tuple[int, int], tuple[tuple[int, int], tuple, MemoryPolicy]] = {}
 
     def tables(self, m: int):
         """Integer tables of the model for M micro-batches (cached)."""
@@ -143,18 +203,35 @@ class Selector:
             self._tables[m] = build_tables(self.costs, self.devices, self.options, m)
         return self._tables[m]
 
-    def add(self, stage_blocks, stage_gpus, samples, m: int) -> int:
-        """Score one decision; returns its step time in units (1 ns)."""
+    def add(self, stage_blocks, stage_gpus, samples, m: int, policy: MemoryPolicy | None = None) -> int:
+        """Score one decision; returns its step time in units (1 ns).
+
+        ``policy`` None: every variant of ``memory_variants(options)`` is
+        scored (shards by ``balance_shards``) and the best by (infeasible?,
+        step) is kept, plain first on ties; else the method's own policy."""
         tab = self.tables(m)
         dec = (tuple(map(tuple, stage_blocks)), tuple(map(tuple, stage_gpus)), tuple(map(tuple, samples)), m)
-        u = evaluate_units(tab, dec[0], dec[1], dec[2])
-        ok = all(need <= tab.cap_bytes[g] for gs, needs in zip(dec[1], u.memory) for g, need in zip(gs, needs))
-        ok &= len(dec[0]) <= self.options.max_stages
-        ok &= self.options.allow_idle_gpus or sum(map(len, dec[1])) == self.devices.num_gpus
-        key, s_m = (0 if ok else 1, u.step), (len(dec[0]), m)
+        blocks, gpus, ns = dec[:3]
+        if policy is None:
+            flags = dict.fromkeys((tuple(sh and len(gs) >= 2 for gs in gpus), (rc,) * len(blocks))
+                                  for sh, rc in memory_variants(self.options))
+            policies = [fill_policy(tab, blocks, gpus, ns, sh, rc) for sh, rc in flags]
+        else:
+            policies = [policy]
+        ok_shape = len(blocks) <= self.options.max_stages
+        ok_shape &= self.options.allow_idle_gpus or sum(map(len, gpus)) == self.devices.num_gpus
+        best = None
+        for pol in policies:
+            u = evaluate_units(tab, blocks, gpus, ns, pol)
+            ok = ok_shape and u.fits(tab, gpus) and not mode_violations(self.options, gpus, pol)
+            key = (0 if ok else 1, u.step)
+            if best is None or key < best[0]:
+                best = (key, pol)
+        key, pol = best
+        s_m = (len(blocks), m)
         if s_m not in self._best or key < self._best[s_m][0]:
-            self._best[s_m] = (key, dec)
-        return u.step
+            self._best[s_m] = (key, dec, pol)
+        return key[1]
 
     def result(self, why_none: str = "") -> SolverResult:
         """The chosen decision as a SolverResult (status BASELINE / BASELINE_INFEASIBLE).
@@ -165,14 +242,18 @@ class Selector:
         s_m = min(self._best, key=lambda k: (self._best[k][0], k))
         cands = []
         for k in sorted(self._best):
-            (bad, step), (blocks, gpus, samples, m) = self._best[k]
+            (bad, step), (blocks, gpus, samples, m), pol = self._best[k]
             ev = evaluate(self.costs, self.devices, self.options, stage_blocks=blocks, stage_gpus=gpus,
-                          samples_per_microbatch=samples, num_microbatches=m)
+                          samples_per_microbatch=samples, num_microbatches=m, stage_sharded=pol.sharded,
+                          state_shard_mib=pol.shard_mib, stage_recompute=pol.recompute)
             assert ev.objective_units == step and ev.feasible == (not bad), (ev, step, bad)
             cands.append({"num_stages": k[0], "num_microbatches": k[1], "method": self.name,
                           "status": "BASELINE" if ev.feasible else "BASELINE_INFEASIBLE",
                           "step_time_s": step * UNIT_S, "feasible": ev.feasible,
-                          "violations": list(ev.violations), "chosen": k == s_m})
+                          "violations": list(ev.violations), "chosen": k == s_m,
+                          "stage_sharded": list(ev.stage_sharded),
+                          "state_shard_bytes": [list(row) for row in ev.state_shard_bytes],
+                          "stage_recompute": list(ev.stage_recompute)})
             if k == s_m:
                 chosen = (blocks, gpus, samples, m, ev)
         blocks, gpus, samples, m, ev = chosen
@@ -182,6 +263,8 @@ class Selector:
             microbatch_size=self.options.global_batch_size // m, schedule=self.options.schedule,
             predicted_step_time_s=ev.step_time_s, predicted_stage_time_s=ev.stage_time_s,
             predicted_allreduce_s=ev.allreduce_s, predicted_memory_bytes=ev.memory_bytes,
+            stage_sharded=ev.stage_sharded, state_shard_bytes=ev.state_shard_bytes,
+            stage_recompute=ev.stage_recompute,
             status="BASELINE" if ev.feasible else "BASELINE_INFEASIBLE", objective=obj * UNIT_S,
             # No lower bound is known: bound 0, gap (obj - 0) / obj = 1.
             best_bound=0.0, optimality_gap=1.0 if obj > 0 else 0.0,

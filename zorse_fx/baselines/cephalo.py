@@ -20,26 +20,39 @@ What is implemented:
     A GPU whose memory cannot take another sample is skipped (the paper's
     memory constraint); if the GPUs together cannot hold ``b`` samples, the
     split ignores memory and the candidate is reported infeasible;
+  * memory, as the options allow (``_common`` [Note: memory techniques of
+    the baselines]). Cephalo is sharded DP only, so with ``sharding`` "auto"
+    or "always" (and >= 2 GPUs) the stage is always ZeRO-1 sharded, with an
+    explicit policy instead of ``balance_shards``: a GPU's sample cap counts
+    only the replicated part of the state, and the shardable part is split
+    in whole MiB in proportion to each GPU's memory left after its
+    replicated state and activations (largest remainder; so the shards are
+    ordered like the free memory and never exceed it when the state fits).
+    Each recomputation setting the options allow is tried (the GPU's
+    per-sample time then includes the recomputed forward), the faster kept;
   * the micro-batch count with the best shared-objective step time wins.
 
-Simplification that matters: the shared memory model of
-``zorse_fx.solve.objective`` REPLICATES the training state (16 B/param) on
-every GPU of a data-parallel group, whereas Cephalo shards it by memory
-capacity and offloads activations. This baseline is judged by the shared
-replicated-state model, so for models whose state exceeds one GPU it is
-reported BASELINE_INFEASIBLE: an honest outcome of the comparison (the
-decision Cephalo makes is kept; only its memory cost is modelled without
-sharding). Its communication is likewise the shared model's ring all-reduce,
-not FSDP's all-gather + reduce-scatter per layer.
+Simplifications that matter: Cephalo shards ALL training state with FSDP
+(ZeRO-3: weights, gradients and optimizer state) and offloads activations
+with layer-major gradient accumulation; the shared model has ZeRO-1 only
+([C-shard] in ``zorse_fx.solve.objective``), so here the weights and
+gradients stay replicated on every GPU and only the optimizer state is
+sharded. With ``sharding="never"`` (the default) even that is replicated
+(16 B/param on every GPU). Models whose replicated part exceeds one GPU are
+therefore reported BASELINE_INFEASIBLE: an honest outcome of the comparison
+(the decision Cephalo makes is kept; only its memory cost is modelled with
+less sharding than FSDP). Its communication is likewise the shared model's
+ring all-reduce (+ the weight all-gather when sharded), not FSDP's
+all-gather + reduce-scatter per layer.
 """
 
 from __future__ import annotations
 
-from ..solve.objective import inflight, microbatch_candidates
+from ..solve.objective import MIB_UNITS, MemoryPolicy, microbatch_candidates
 from ..solve.records import BlockCosts, DeviceGraph, SolverOptions, SolverResult
-from ._common import Selector
+from ._common import Selector, largest_remainder, memory_variants, stage_act_kib
 
-__all__ = ["cephalo", "min_max_samples"]
+__all__ = ["cephalo", "min_max_samples", "free_memory_shards"]
 
 
 def min_max_samples(b: int, per_sample, fixed, cap=None) -> tuple[int, ...] | None:
@@ -58,22 +71,41 @@ def min_max_samples(b: int, per_sample, fixed, cap=None) -> tuple[int, ...] | No
     return tuple(n)
 
 
+def free_memory_shards(need_kib: int, free_kib) -> tuple[int, ...]:
+    """Whole-MiB shards summing to ``ceil(need_kib / MiB)``, proportional to
+    each GPU's free memory in whole MiB (largest remainder, even split if none
+    is free): Cephalo assigns training state by free memory. A shard never
+    exceeds its GPU's free MiB when the free MiB together cover the need."""
+    need = -(-need_kib // MIB_UNITS)
+    return largest_remainder(need, [max(f, 0) // MIB_UNITS for f in free_kib], minimum=0)
+
+
 def cephalo(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions) -> SolverResult:
     """Cephalo-style heterogeneous DP on all GPUs, one stage (see module note)."""
     sel = Selector("cephalo", costs, devices, options)
     n_g, nb = devices.num_gpus, costs.num_blocks
     gpus = tuple(range(n_g))
+    shard = options.sharding != "never" and n_g >= 2
     for m in microbatch_candidates(options):
         b = options.global_batch_size // m
         if b < n_g:
             continue
         tab = sel.tables(m)
-        per = [tab.work_prefix[t][nb] for t in devices.gpu_types]
-        fixed = [tab.fixed_prefix[t][nb] for t in devices.gpu_types]
-        state, act = tab.state_prefix[nb], tab.act_prefix[nb] * inflight(options.schedule, 1, 0, m)
-        cap = [(c - state) // act if act > 0 else (b if c >= state else 0) for c in tab.cap_bytes]
-        n = min_max_samples(b, per, fixed, cap) or min_max_samples(b, per, fixed)
-        sel.add(((0, nb),), (gpus,), (n,), m)
+        state, q = tab.state_prefix[nb], tab.shard_prefix[nb]
+        held = state - q if shard else state  # the state every GPU holds in full
+        for rc in dict.fromkeys(rc for _, rc in memory_variants(options)):
+            per = [tab.work_prefix[t][nb] + (tab.rc_work_prefix[t][nb] if rc else 0) for t in devices.gpu_types]
+            fixed = [tab.fixed_prefix[t][nb] + (tab.rc_fixed_prefix[t][nb] if rc else 0)
+                     for t in devices.gpu_types]
+            act = stage_act_kib(tab, 0, 1, 0, nb, 1, rc)  # per sample
+            cap = [(c - held) // act if act > 0 else (b if c >= held else 0) for c in tab.cap_bytes]
+            n = min_max_samples(b, per, fixed, cap) or min_max_samples(b, per, fixed)
+            if shard:
+                free = [c - held - stage_act_kib(tab, 0, 1, 0, nb, k, rc) for c, k in zip(tab.cap_bytes, n)]
+                pol = MemoryPolicy((True,), (free_memory_shards(q, free),), (rc,))
+            else:
+                pol = MemoryPolicy((False,), ((),), (rc,))
+            sel.add(((0, nb),), (gpus,), (n,), m, policy=pol)
     return sel.result(f"every micro-batch size global_batch_size / M "
                       f"(M in {microbatch_candidates(options)}) is below the {n_g} GPUs, "
                       f"and pure DP gives every GPU >= 1 sample")

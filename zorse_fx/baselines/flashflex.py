@@ -22,8 +22,13 @@ What is implemented:
     stages follow the spectral order (left part first);
   * layers: contiguous block ranges proportional to each stage's MEMORY. A
     block weighs its training state plus one sample's activations (bytes);
-    a stage's capacity is its smallest GPU's usable memory, since the shared
-    model replicates a stage's state on each of its GPUs;
+    a stage's capacity is its smallest GPU's usable memory when the stage
+    replicates its state on each of its GPUs; when the options allow ZeRO-1
+    sharding, also the split for sharded capacities (the replicated part of
+    the state and the activations on every GPU, the shardable part spread
+    over the group's memory: ``stage_capacities``). The Selector scores
+    each split under every memory variant the options allow (plain, sharded,
+    recompute, both; ``_common`` [Note: memory techniques of the baselines]);
   * samples per GPU in a stage: proportional to speed, integers >= 1 by the
     largest-remainder method; a micro-batch smaller than a stage is skipped;
   * the best (k, M) by the shared objective among memory-feasible ones.
@@ -40,9 +45,9 @@ import numpy as np
 
 from ..solve.objective import max_stage_count, microbatch_candidates
 from ..solve.records import BlockCosts, DeviceGraph, SolverOptions, SolverResult
-from ._common import Selector, bandwidth, gpu_speeds, largest_remainder, proportional_cuts
+from ._common import Selector, bandwidth, gpu_speeds, largest_remainder, memory_variants, proportional_cuts
 
-__all__ = ["flashflex", "spectral_stages", "BALANCE_TOLERANCE"]
+__all__ = ["flashflex", "spectral_stages", "stage_capacities", "BALANCE_TOLERANCE"]
 
 #: Allowed deviation of a bisection's compute from its target, as a fraction of the part's total.
 BALANCE_TOLERANCE = 0.1
@@ -90,22 +95,47 @@ def spectral_stages(devices: DeviceGraph, speed, k: int, gpus=None) -> list[tupl
     return spectral_stages(devices, speed, k1, order[:i]) + spectral_stages(devices, speed, k - k1, order[i:])
 
 
+def stage_capacities(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions, stages,
+                     sharded: bool) -> list[float]:
+    """Per stage, the bytes of model memory (``block_mem``: training state
+    plus one sample's activations) it can hold. Unsharded, every GPU holds its
+    blocks' whole state: the smallest GPU's usable memory ``c_min``. Sharded
+    (ZeRO-1, a stage of k >= 2 GPUs), only the replicated part R of the state
+    and the activations A sit on every GPU while the shardable part Q spreads
+    over the group (model totals R, Q, A): min(c_min (R + Q + A) / (R + A),
+    sum_g c_g (R + Q + A) / (k (R + A) + Q))."""
+    cap = [int(options.memory_fraction * mb) for mb in devices.memory_bytes]
+    n_par = sum(costs.param_count)
+    q = costs.shardable_bytes_per_param * n_par
+    ra = (costs.state_bytes_per_param * n_par - q) + sum(costs.act_bytes_per_sample)
+    out = []
+    for gs in stages:
+        c_min = min(cap[g] for g in gs)
+        if sharded and len(gs) >= 2 and ra > 0:
+            out.append(min(c_min * (ra + q) / ra, sum(cap[g] for g in gs) * (ra + q) / (len(gs) * ra + q)))
+        else:
+            out.append(c_min)
+    return out
+
+
 def flashflex(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions) -> SolverResult:
     """FlashFlex/HexiScale-style plan on the shared cost model (see module note)."""
     sel = Selector("flashflex", costs, devices, options)
     speed = gpu_speeds(costs, devices)
     block_mem = [costs.state_bytes_per_param * p + a
                  for p, a in zip(costs.param_count, costs.act_bytes_per_sample)]
-    cap = [int(options.memory_fraction * mb) for mb in devices.memory_bytes]
+    shard_modes = sorted({sh for sh, _ in memory_variants(options)})
     for k in range(1, max_stage_count(costs, devices, options) + 1):
         stages = spectral_stages(devices, speed, k)
-        blocks = proportional_cuts(block_mem, [min(cap[g] for g in gs) for gs in stages])
+        splits = dict.fromkeys(proportional_cuts(block_mem, stage_capacities(costs, devices, options, stages, sh))
+                               for sh in shard_modes)
         for m in microbatch_candidates(options):
             b = options.global_batch_size // m
             if b < max(map(len, stages)):
                 continue
             samples = [largest_remainder(b, [speed[g] for g in gs]) for gs in stages]
-            sel.add(blocks, stages, samples, m)
+            for blocks in splits:
+                sel.add(blocks, stages, samples, m)
     return sel.result(f"the micro-batch (global_batch_size={options.global_batch_size} / M, "
                       f"M in {microbatch_candidates(options)}) is smaller than every stage grouping "
                       f"needs ({devices.num_gpus} GPUs)")

@@ -21,9 +21,16 @@ What is implemented (``homogeneous_all``):
 fastest type (smallest total per-sample block time), the others idle: what a
 user does who keeps only their best GPUs.
 
+Memory: Megatron's distributed optimizer is ZeRO-1 and its activation
+recomputation ("full", per layer) is stage-wide here; so, as the options
+allow, every decision is also scored with every multi-GPU stage sharded
+and/or every stage recomputing, the best kept (``_common`` [Note: memory
+techniques of the baselines]).
+
 Simplifications: no tensor parallelism, no interleaved virtual stages; the
 schedule (1F1B / GPipe) and memory model are the shared ones of
-``zorse_fx.solve.objective`` (state replicated in a DP group, no sharding).
+``zorse_fx.solve.objective`` (with sharding "never", the default, the state
+is replicated in a DP group).
 """
 
 from __future__ import annotations

@@ -30,7 +30,13 @@ What is implemented:
     largest stage compute time ``max_g n_g W_{s,type(g)} + F`` (ns units),
     restricted to ranges that fit every GPU's memory under the schedule's
     in-flight micro-batches; if no split fits, the unrestricted one (reported
-    infeasible);
+    infeasible). With ZeRO-1 sharding and/or recomputation allowed by the
+    options, the DP runs once per memory variant (plain, sharded, recompute,
+    both; see ``_common`` [Note: memory techniques of the baselines]) with
+    that variant's memory check (sharded: the replicated part of the state
+    plus activations on every GPU, the shardable part spread over the
+    stage's leftover memory) and, when recomputing, its extra forward time;
+    each distinct split is scored under every variant;
   * every micro-batch count ``M``; the best candidate by the shared objective
     among memory-feasible ones.
 
@@ -44,9 +50,10 @@ from __future__ import annotations
 import itertools
 from math import comb
 
-from ..solve.objective import inflight, max_stage_count, microbatch_candidates
+from ..solve.objective import max_stage_count, microbatch_candidates
 from ..solve.records import BlockCosts, DeviceGraph, SolverOptions, SolverResult
-from ._common import Selector, gpu_speeds, largest_remainder, min_max_partition
+from ._common import (Selector, gpu_speeds, largest_remainder, memory_groups, memory_variants, min_max_partition,
+                      stage_fits)
 
 __all__ = ["metis", "stage_groupings", "MAX_CANDIDATES"]
 
@@ -110,25 +117,31 @@ def stage_groupings(costs: BlockCosts, devices: DeviceGraph, k_max: int):
     return seen[:MAX_CANDIDATES]
 
 
-def _layers(tab, stages, samples, options: SolverOptions, nb: int):
-    """Block ranges minimising the slowest stage's compute, memory-feasible if possible."""
-    n_s, m = len(stages), tab.num_microbatches
-    # Per stage: {type: largest samples of a GPU of that type} and (samples, usable bytes) pairs.
+def _layers(tab, stages, samples, nb: int, sharded: bool, recompute: bool):
+    """Block ranges minimising the slowest stage's compute (recomputation
+    included when the variant recomputes), memory-feasible under the memory
+    variant if possible."""
+    n_s = len(stages)
+    # Per stage: {type: largest samples of a GPU of that type} and its GPUs' memory groups.
     worst = [{} for _ in stages]
-    mem = [sorted({(n, tab.cap_bytes[g]) for g, n in zip(gs, ns)}) for gs, ns in zip(stages, samples)]
+    mem = [memory_groups(tab, gs, ns) for gs, ns in zip(stages, samples)]
     for s, (gs, ns) in enumerate(zip(stages, samples)):
         for g, n in zip(gs, ns):
             t = tab.gpu_types[g]
             worst[s][t] = max(worst[s].get(t, 0), n)
 
+    def busy(t, n, i, j):
+        out = n * (tab.work_prefix[t][j] - tab.work_prefix[t][i]) + tab.fixed_prefix[t][j] - tab.fixed_prefix[t][i]
+        if recompute:
+            out += (n * (tab.rc_work_prefix[t][j] - tab.rc_work_prefix[t][i])
+                    + tab.rc_fixed_prefix[t][j] - tab.rc_fixed_prefix[t][i])
+        return out
+
     def cost(s, i, j):
-        return max(n * (tab.work_prefix[t][j] - tab.work_prefix[t][i])
-                   + tab.fixed_prefix[t][j] - tab.fixed_prefix[t][i] for t, n in worst[s].items())
+        return max(busy(t, n, i, j) for t, n in worst[s].items())
 
     def fits(s, i, j):
-        state, act = tab.state_prefix[j] - tab.state_prefix[i], tab.act_prefix[j] - tab.act_prefix[i]
-        fl = inflight(options.schedule, n_s, s, m)
-        return all(state + act * n * fl <= cap for n, cap in mem[s])
+        return stage_fits(tab, s, n_s, i, j, mem[s], sharded, recompute)
 
     return min_max_partition(nb, n_s, cost, fits) or min_max_partition(nb, n_s, cost)
 
@@ -145,6 +158,13 @@ def metis(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions) -> So
             if b < max(map(len, stages)):
                 continue
             samples = [largest_remainder(b, [speed[g] for g in gs]) for gs in stages]
-            sel.add(_layers(tab, stages, samples, options, costs.num_blocks), stages, samples, m)
+            # One layer split per memory variant the options allow (sharding only
+            # matters with a multi-GPU stage); the Selector scores each split
+            # under every variant.
+            variants = {(sh and max(map(len, stages)) >= 2, rc) for sh, rc in memory_variants(options)}
+            splits = dict.fromkeys(_layers(tab, stages, samples, costs.num_blocks, sh, rc)
+                                   for sh, rc in sorted(variants))
+            for blocks in splits:
+                sel.add(blocks, stages, samples, m)
     return sel.result(f"every micro-batch size global_batch_size / M (M in {microbatch_candidates(options)}) "
                       f"is smaller than the GPU count of every stage grouping")

@@ -28,11 +28,15 @@ What is implemented:
     a group is skipped;
   * the best (k, M) by the shared objective among memory-feasible ones.
 
+  * memory: as the options allow, each decision is also scored with every
+    multi-GPU group ZeRO-1 sharded and/or every stage recomputing, the best
+    kept (``_common`` [Note: memory techniques of the baselines]).
+
 Simplifications: one stage per group (no interleaved / round-robin stages);
-state replicated in a group as the shared memory model says (no ZeRO
-sharding, no activation offload), so memory may bind earlier than in the
-paper; the split is per sample of each micro-batch rather than whole
-micro-batches per GPU.
+the shared memory model shards only the optimizer state (ZeRO-1, where
+Zorse uses ZeRO/FSDP) and has no activation offload, so memory may bind
+earlier than in the paper; the split is per sample of each micro-batch
+rather than whole micro-batches per GPU.
 """
 
 from __future__ import annotations

@@ -117,6 +117,10 @@ def block_costs(
         # Saved activations: outputs of the non-view nodes of the block.
         acts.append(int(sum(_out_bytes(nodes[n]) for n in names if costs[n].bytes > 0)))
     cut = tuple(sum(t.bytes_per_sample for t in ts) for ts in bg.cut_tensors)
+    # Mixed precision (16-bit weights): 2 B weights + 2 B grads + 12 B fp32 master
+    # weights and moments, of which the 12 B shard under ZeRO-1 (ZeRO paper, sec. 3.1);
+    # fp32: 4 + 4 + 8 B moments (shardable).
+    half = any(state[a].element_size() == 2 for a in trainable if a in state)
     return BlockCosts(
         fwd_bwd_s_per_sample={k: tuple(v) for k, v in times.items()},
         fwd_bwd_s_fixed={k: tuple(fixed) for k in specs},
@@ -124,7 +128,9 @@ def block_costs(
         act_bytes_per_sample=tuple(acts),
         cut_bytes_per_sample=cut,
         state_bytes_per_param=state_bytes_per_param,
-        grad_bytes_per_param=4,
+        grad_bytes_per_param=2 if half else 4,
+        param_bytes_per_param=2 if half else 4,
+        shardable_bytes_per_param=min(12 if half else 8, state_bytes_per_param),
     )
 
 

@@ -6,9 +6,14 @@ A step (``StageWorker.train_step``):
    forward reads the model inputs for this GPU's rows, receives activations
    from the previous stage (see [Note: why activations are re-partitioned by
    sample range] in ``comm.py``), and sends its outputs on; each backward
-   receives output gradients and returns input gradients the same way;
+   receives output gradients and returns input gradients the same way (a
+   ``recompute`` stage re-runs its forward first, see [Note: stage
+   recomputation]);
 2. reduce gradients (see [Note: share-weighted gradients]);
-3. AdamW step.
+3. AdamW step: on every parameter, or, for a ``sharded`` stage with more than
+   one GPU, on this rank's range of the stage's parameters only;
+4. ``sharded`` stage: all-gather the updated parameters inside the stage's
+   data-parallel group (see [Note: ZeRO-1 with unequal shards]).
 
 [Note: share-weighted gradients]
 The last stage computes, for GPU ``g`` and micro-batch ``m``, the mean loss
@@ -21,10 +26,51 @@ computes it, however unequal the shares are. (This is exact when every sample
 has the same number of loss tokens, as with fixed-length LM sequences.)
 Parameters held by several stages (tied embeddings) are reduced over the
 union of their holders, which also sums the two stages' contributions.
+
+[Note: ZeRO-1 with unequal shards]
+A ``sharded`` stage (``StagePlan.sharded``) with ``k > 1`` GPUs keeps its
+trainable parameters in one flat buffer (each parameter is a view of it, in
+``StagePlan.params`` order), so GPU ``j`` owns the contiguous element range
+``StagePlan.shard_ranges(n)[j]``, sized in proportion to its
+``state_shard_bytes`` (unequal on purpose: a GPU with more free memory holds
+more state). What is stored per rank: the full parameters and full gradients
+(ZeRO stage 1 shards only the optimizer state) and the AdamW moments
+``exp_avg``/``exp_avg_sq`` of the owned elements only: ``2 x owned x 4``
+bytes in fp32 instead of ``2 x n x 4``. The optimizer is handed one leaf view
+per (parameter, owned range) overlap, ``p.detach().view(-1)[a:b]``; before
+the step each view's ``.grad`` is set to the matching slice of ``p.grad``, so
+the step writes straight into the parameter storage and nothing is copied.
+What moves: the gradient all-reduce stays as it is (every rank needs the full
+reduced gradient of its range, and tied parameters are reduced over the
+union of their holders); after the step each owner broadcasts its range of
+the flat buffer over a process group of the stage's ranks (one
+``dist.broadcast`` per non-empty range, issued asynchronously then waited;
+unequal ranges need no padding), which is an all-gather. Per parameter
+element that is 2 x grad bytes (all-reduce) + 1 x param bytes (all-gather)
+on the slowest link of the stage, what the planner's cost model charges.
+Every update is element-wise (AdamW), so a sharded step equals the
+replicated one. A tied parameter held by several stages is updated and
+re-gathered by each holder stage on its own copy; the copies start equal
+and receive the same reduced gradient, so they stay equal.
+
+[Note: stage recomputation]
+A ``recompute`` stage (``StagePlan.recompute``, GPipe's re-materialisation)
+runs each forward action under ``torch.no_grad()``: outputs are still sent on
+and the last stage still records its loss, but no autograd graph is kept.
+What is stored per in-flight micro-batch: the stage inputs only (this GPU's
+rows of the model inputs, and the received tensors, detached) plus the RNG
+state at the start of the forward (CPU, and the device's on CUDA). The
+backward action restores that RNG state inside ``torch.random.fork_rng`` (as
+``torch.utils.checkpoint`` does, so dropout masks match and the global RNG
+stream is left as if no recompute had happened), re-runs the forward with
+grad enabled on the stashed inputs (received floats ``requires_grad_``), and
+back-propagates exactly as a stage without recomputation. Nothing extra
+moves between ranks; the cost is one more forward per micro-batch.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -35,6 +81,7 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ..codegen.split import load_stage_class
+from ..errors import RuntimeExecutionError
 from ..plan import Plan
 from .comm import pack, routes, unpack
 from .schedule import make_schedule
@@ -95,14 +142,10 @@ class StageWorker:
             [r for r in routes(self.stage.sample_ranges(), self.next.sample_ranges()) if r.src_pos == self.role.position]
             if self.next else []
         )
+        #: ZeRO-1 on this rank (see [Note: ZeRO-1 with unequal shards]).
+        self.zero1 = self.stage.sharded and len(self.stage.gpus) > 1
         self._build_groups()
-        self.optimizer = torch.optim.AdamW(
-            list(self.module.parameters()),
-            lr=optimizer.lr,
-            betas=optimizer.betas,
-            eps=optimizer.eps,
-            weight_decay=optimizer.weight_decay,
-        )
+        self._build_optimizer(optimizer)
         self._pending: list = []  # (work, buffer) of in-flight sends
 
     # -- process groups -----------------------------------------------------
@@ -112,8 +155,11 @@ class StageWorker:
         for s in self.plan.stages:
             for canon in s.params.values():
                 holders[canon].update(s.ranks)
-        keys = sorted({tuple(sorted(r)) for r in holders.values() if len(r) > 1})
-        groups = {k: dist.new_group(list(k)) for k in keys}
+        keys = {tuple(sorted(r)) for r in holders.values() if len(r) > 1}
+        # All-gather groups of the sharded stages (often equal to a reduction group: shared).
+        keys |= {tuple(sorted(s.ranks)) for s in self.plan.stages if s.sharded and len(s.gpus) > 1}
+        groups = {k: dist.new_group(list(k)) for k in sorted(keys)}
+        self.shard_group = groups[tuple(sorted(self.stage.ranks))] if self.zero1 else None
         # Buckets: params of this rank grouped by their reduction group.
         by_group: dict[tuple[int, ...], list[torch.nn.Parameter]] = defaultdict(list)
         for flat, canon in self.stage.params.items():
@@ -121,6 +167,90 @@ class StageWorker:
             if len(key) > 1:
                 by_group[key].append(getattr(self.module, flat))
         self.reductions = [(groups[k], ps) for k, ps in sorted(by_group.items())]
+
+    # -- optimizer ----------------------------------------------------------
+    def _build_optimizer(self, cfg: OptimizerConfig) -> None:
+        """AdamW over every parameter, or over this rank's shard (ZeRO-1)."""
+        kw = dict(lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+        params = [getattr(self.module, flat) for flat in self.stage.params]
+        #: Trainable elements of the stage, and this rank's range of them.
+        self.stage_elements = sum(p.numel() for p in params)
+        self.owned = (0, self.stage_elements)
+        #: ZeRO-1: (parameter, start, end, view) per overlap of a parameter with the owned range.
+        self._pieces: list[tuple[torch.nn.Parameter, int, int, torch.Tensor]] = []
+        if not self.zero1:
+            self.optimizer = torch.optim.AdamW(list(self.module.parameters()), **kw)
+            return
+        dtypes = {p.dtype for p in params}
+        if len(dtypes) != 1:
+            raise RuntimeExecutionError(
+                f"stage {self.stage.index} is sharded (ZeRO-1) but its parameters have several dtypes "
+                f"{sorted(map(str, dtypes))}; one flat buffer needs one dtype: turn off 'sharded' for this stage"
+            )
+        # Parameters become views of one flat buffer (stage order), so a range is one slice.
+        self.flat = torch.empty(self.stage_elements, dtype=dtypes.pop(), device=self.device)
+        self.shard_ranges = self.stage.shard_ranges(self.stage_elements)
+        self.owned = a, b = self.shard_ranges[self.role.position]
+        offset = 0
+        with torch.no_grad():
+            for p in params:
+                n = p.numel()
+                self.flat[offset : offset + n].copy_(p.detach().reshape(-1))
+                p.data = self.flat[offset : offset + n].view_as(p)
+                lo, hi = max(a, offset), min(b, offset + n)
+                if lo < hi:
+                    self._pieces.append((p, lo - offset, hi - offset, p.detach().view(-1)[lo - offset : hi - offset]))
+                offset += n
+        # A GPU may own no element (state_shard_bytes 0): it steps nothing and only receives.
+        self.optimizer = torch.optim.AdamW([v for *_, v in self._pieces], **kw) if self._pieces else None
+
+    def _optimizer_step(self) -> None:
+        if self.optimizer is None:
+            return
+        for p, lo, hi, view in self._pieces:
+            view.grad = p.grad.reshape(-1)[lo:hi]
+        self.optimizer.step()
+        for *_, view in self._pieces:
+            view.grad = None  # do not keep last step's gradients alive
+
+    def _allgather_parameters(self) -> None:
+        """ZeRO-1: each owner broadcasts its updated range over the stage's group."""
+        works = [
+            dist.broadcast(self.flat[a:b], src=self.stage.gpus[j].rank, group=self.shard_group, async_op=True)
+            for j, (a, b) in enumerate(self.shard_ranges)
+            if b > a
+        ]
+        for w in works:
+            w.wait()
+
+    def optimizer_state_summary(self) -> dict:
+        """Elements owned and bytes of AdamW state held (moments; the scalar
+        ``step`` counters are not counted), after at least one step."""
+        state_bytes = 0
+        if self.optimizer is not None:
+            for st in self.optimizer.state.values():
+                for key, t in st.items():
+                    if key != "step" and torch.is_tensor(t):
+                        state_bytes += t.numel() * t.element_size()
+        a, b = self.owned
+        return {"rank": self.rank, "stage": self.stage.index, "sharded": self.zero1,
+                "stage_elements": self.stage_elements, "owned_range": [a, b], "owned_elements": b - a,
+                "optimizer_state_bytes": state_bytes}
+
+    # -- recomputation -------------------------------------------------------
+    def _rng_state(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        cuda = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
+        return torch.get_rng_state(), cuda
+
+    @contextlib.contextmanager
+    def _replayed_rng(self, state: tuple[torch.Tensor, torch.Tensor | None]):
+        """Run the block with the RNG as it was at the first forward; restore after."""
+        cpu, cuda = state
+        with torch.random.fork_rng(devices=[self.device] if cuda is not None else []):
+            torch.set_rng_state(cpu)
+            if cuda is not None:
+                torch.cuda.set_rng_state(cuda, self.device)
+            yield
 
     # -- point to point -----------------------------------------------------
     def _rank_of(self, stage, pos: int) -> int:
@@ -151,10 +281,14 @@ class StageWorker:
         plan, role = self.plan, self.role
         mb = plan.microbatch_size
         weight = (role.row_end - role.row_start) / plan.global_batch_size
-        stash: dict[int, tuple[list[torch.Tensor], object]] = {}
+        last = self.next is None
+        recompute = self.stage.recompute
+        # Per in-flight micro-batch: (received, outputs), or with recomputation
+        # (inputs, received, rng state) (see [Note: stage recomputation]).
+        stash: dict[int, tuple] = {}
         loss_sum = 0.0
         t_start = time.perf_counter()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.module.zero_grad(set_to_none=True)
         for action in self.schedule:
             m = action.microbatch
             if action.kind == "F":
@@ -163,23 +297,38 @@ class StageWorker:
                 received: list[torch.Tensor] = []
                 if self.prev is not None:
                     received = self._recv_rows(self.stage.recv, self.in_routes, self.prev, "src_pos", tag=m)
-                    for t in received:
-                        if t.is_floating_point():
-                            t.requires_grad_(True)
-                with torch.device(self.device):
-                    out = self.module(*inputs, *received)
-                if self.next is None:
-                    stash[m] = (received, out)
+                    if not recompute:
+                        for t in received:
+                            if t.is_floating_point():
+                                t.requires_grad_(True)
+                if recompute:
+                    rng = self._rng_state()
+                    with torch.no_grad(), torch.device(self.device):
+                        out = self.module(*inputs, *received)
+                    stash[m] = (inputs, received, rng)
+                else:
+                    with torch.device(self.device):
+                        out = self.module(*inputs, *received)
+                    stash[m] = (received, out if last else list(out))
+                if last:
                     loss_sum += float(out.detach()) * weight
                 else:
                     outs = list(out)
                     for r in self.out_routes:
                         a, b = r.start - role.row_start, r.end - role.row_start
                         self._send(pack([o.detach() for o in outs], a, b), self._rank_of(self.next, r.dst_pos), tag=m)
-                    stash[m] = (received, outs)
             else:
-                received, out = stash.pop(m)
-                if self.next is None:
+                if recompute:
+                    inputs, received, rng = stash.pop(m)
+                    for t in received:
+                        if t.is_floating_point():
+                            t.requires_grad_(True)
+                    with self._replayed_rng(rng), torch.enable_grad(), torch.device(self.device):
+                        out = self.module(*inputs, *received)
+                    out = out if last else list(out)
+                else:
+                    received, out = stash.pop(m)
+                if last:
                     (out * weight).backward()
                 else:
                     grads = self._recv_rows(self.stage.send, self.out_routes, self.next, "dst_pos", tag=m)
@@ -199,15 +348,24 @@ class StageWorker:
         t_pipeline = time.perf_counter()
         self._reduce_gradients()
         t_reduce = time.perf_counter()
-        self.optimizer.step()
+        if self.zero1:
+            self._optimizer_step()
+        else:
+            self.optimizer.step()
+        t_step = time.perf_counter()
+        if self.zero1:
+            self._allgather_parameters()
+        t_gather = time.perf_counter()
         for work, _ in self._pending:
             work.wait()
         self._pending.clear()
         t_end = time.perf_counter()
         #: Seconds of the last step: pipeline (compute + waits for messages),
-        #: gradient all-reduce, optimizer step.
+        #: gradient all-reduce, optimizer step (+ waits for the last sends),
+        #: parameter all-gather (ZeRO-1 stages; 0 otherwise).
         self.last_breakdown = {"pipeline_s": t_pipeline - t_start, "allreduce_s": t_reduce - t_pipeline,
-                               "optimizer_s": t_end - t_reduce}
+                               "optimizer_s": (t_step - t_reduce) + (t_end - t_gather),
+                               "allgather_s": t_gather - t_step}
         return loss_sum
 
     def _reduce_gradients(self) -> None:

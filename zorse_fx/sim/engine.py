@@ -33,17 +33,55 @@ pair for GPUs on different nodes (one NIC / network path per node pair), the
 unordered GPU pair inside a node (NVLink / PCIe peer link); both directions
 share it. With no ``node_names`` every GPU is its own node.
 
+Memory policy (objective.py [C-shard], [C-recompute]; same arguments and
+defaults as ``solve.evaluate``: ``objective._policy`` validates them and fills
+the shards of a sharded stage with ``balance_shards`` when
+``state_shard_mib`` is None, so both models score the same shards).
+  * Recomputation (``stage_recompute[s]``): every backward of the stage first
+    re-runs the forward, so a B task takes ``(2/3 + RECOMPUTE_FRACTION) *
+    (n_g * W + F)``; its SimEvent has ``recompute_s`` = the re-run part
+    (``RECOMPUTE_FRACTION * (n_g * W + F)``, 0 for other tasks).
+  * ZeRO-1 sharding (``stage_sharded[s]``): GPU g of the stage holds ``z_g``
+    whole MiB (``state_shard_mib[s]``) of the stage's shardable optimizer
+    state Q_s = ``shardable_bytes_per_param * P_s``; see "Gradient sync".
+
 Gradient sync. When every GPU of a stage with > 1 GPU has finished its last
 backward, the stage's ring all-reduce runs for objective.py's [C-allreduce]:
 ``2 * grad_bytes * P_s / bw_min + 2 * (k - 1) * lat_max`` over the stage's GPU
 pairs (it does not contend with boundary messages, which have all been sent
 by then except possibly the last gradients towards stage s-1). Then each GPU
-runs its optimizer step, ``2 * state_bytes * P_s / mem_bw_g`` ([C-optim]).
-The step ends when the last optimizer step ends.
+runs its optimizer step ([C-optim]): ``2 * state_bytes * P_s / mem_bw_g``, or
+on a sharded stage only its shard's parameters, ``2 * state_bytes *
+(z_g MiB / shardable_bytes_per_param) / mem_bw_g``. A sharded stage then
+all-gathers its updated weights ("allgather" events, per GPU of the stage):
+``param_bytes * P_s / bw_min + (k - 1) * lat_max``, starting when the stage's
+last optimizer step ends -- so all-reduce + slowest optimizer + all-gather
+equals the objective's ``allreduce_s + optim_s`` of a sharded stage. The step
+ends when the last optimizer step / all-gather ends. Times are not rounded:
+where both models coincide (one stage, or GPipe with equal stages and free
+links) they agree to the objective's ns rounding (<= 0.5 ns per block, and
+per MiB of shard for a sharded optimizer step).
 
-Memory. Peak per GPU = ``state_bytes * P_s`` + activation bytes per sample of
-the stage x n_g x (largest number of micro-batches whose forward has ended and
-whose backward has not, tracked through the simulation).
+Memory. Counted in the objective's memory units (``MEMORY_UNIT_BYTES`` = 1
+KiB; per-block state, shardable state, activation and cut bytes rounded UP,
+``build_tables``) and reported in bytes (units x 1024), so a peak can be
+compared with ``Evaluation.memory_bytes`` exactly. Peak per GPU = state +
+the largest activation footprint tracked through the simulation:
+  state       = state_bytes * P_s, or on a sharded stage the replicated rest
+                (state - Q_s) + z_g MiB;
+  activations = n_g * A_s * (micro-batches whose forward has ended and whose
+                backward has not), or on a recomputing stage
+                n_g * X_s * (that count) + n_g * A_s while a backward runs
+                (X_s = cut bytes per sample into the stage, 0 for stage 0;
+                the re-run forward's full activations live until its
+                backward ends; the recomputing micro-batch stays counted in
+                the first term too).
+For 1F1B / GPipe the tracked count peaks at the objective's inflight_s
+(min(S - s, M) / M), and a recomputing stage's first backward starts with
+that many inputs held, so the peaks EQUAL ``evaluate``'s [C-memory].
+Transient memory (a forward's working set, the gradient buffers of the
+all-reduce, the all-gather's receive buffer) is not modelled, as in the
+objective.
 """
 
 from __future__ import annotations
@@ -54,12 +92,13 @@ from dataclasses import dataclass
 
 from ..runtime.comm import routes
 from ..runtime.schedule import make_schedule
-from ..solve.objective import _validate
+from ..solve.objective import (MEMORY_UNIT_BYTES, MIB_UNITS, RECOMPUTE_FRACTION, _policy, _validate,
+                               build_tables)
 from ..solve.records import BlockCosts, DeviceGraph, SolverOptions
 
-__all__ = ["SimEvent", "SimResult", "simulate", "link_resource"]
+__all__ = ["SimEvent", "SimResult", "simulate", "link_resource", "plan_decision"]
 
-KINDS = ("F", "B", "send", "allreduce", "optim")
+KINDS = ("F", "B", "send", "allreduce", "optim", "allgather")
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +110,11 @@ class SimEvent:
     finished its task, ``end_s`` = arrival, ``nbytes`` bytes; forward
     activations go to stage+1, gradients to stage-1), "allreduce" (per GPU of
     the stage, ``nbytes`` = gradient bytes), "optim" (``nbytes`` = state bytes
-    read and written). ``microbatch`` is -1 for "allreduce" and "optim".
+    read and written; on a sharded stage those of the GPU's shard),
+    "allgather" (per GPU of a sharded stage, ``nbytes`` = weight bytes of the
+    stage). ``microbatch`` is -1 for "allreduce", "optim" and "allgather".
+    ``recompute_s``: for a "B" task of a recomputing stage, the seconds spent
+    re-running the forward at its start (0 otherwise).
     Times in seconds from the start of the step."""
 
     kind: str
@@ -82,6 +125,7 @@ class SimEvent:
     end_s: float
     peer: int | None = None
     nbytes: int = 0
+    recompute_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,7 +135,8 @@ class SimResult:
     step_time_s: float
     #: F+B compute seconds / step time (0 for idle GPUs).
     busy_fraction: tuple[float, ...]
-    #: Peak bytes (training state + activations in flight); 0 for idle GPUs.
+    #: Peak bytes (training state + activations in flight, counted in the
+    #: objective's KiB units: see the module note); 0 for idle GPUs.
     peak_memory_bytes: tuple[int, ...]
     events: tuple[SimEvent, ...]
     #: 1 - mean busy_fraction over the GPUs the plan uses.
@@ -99,6 +144,12 @@ class SimResult:
     #: Node name and GPU type per GPU (for traces and charts).
     gpu_nodes: tuple[str, ...] = ()
     gpu_types: tuple[str, ...] = ()
+    #: The memory policy simulated (as ``Evaluation``): per stage sharded /
+    #: recompute, and each GPU's shard in bytes (aligned with stage_gpus; 0
+    #: when not sharded).
+    stage_sharded: tuple[bool, ...] = ()
+    state_shard_bytes: tuple[tuple[int, ...], ...] = ()
+    stage_recompute: tuple[bool, ...] = ()
 
 
 def link_resource(devices: DeviceGraph, g: int, h: int) -> tuple:
@@ -126,24 +177,66 @@ def _ranges(ns) -> tuple[tuple[int, int], ...]:
     return tuple(out)
 
 
+def plan_decision(plan, costs: BlockCosts | None = None) -> dict:
+    """``simulate``'s decision and memory-policy keyword arguments for a ``plan.Plan``.
+
+    Reads ``StagePlan.sharded`` / ``StagePlan.recompute`` and
+    ``GPUShare.state_shard_bytes`` where the Plan has them (older plans: no
+    policy); a GPU's shard in MiB is ``state_shard_bytes // 2**20``. A sharded
+    stage whose shards are all 0 (the runtime then splits its state equally)
+    gets equal whole-MiB shards covering its shardable state, computed from
+    ``costs`` (ValueError without them)."""
+    mib = MIB_UNITS * MEMORY_UNIT_BYTES
+    sharded = tuple(bool(getattr(st, "sharded", False)) for st in plan.stages)
+    shards = []
+    for st, sh in zip(plan.stages, sharded):
+        row = tuple(int(getattr(g, "state_shard_bytes", 0)) // mib for g in st.gpus) if sh else ()
+        if sh and not any(row):
+            if costs is None:
+                raise ValueError(f"plan stage {st.index} is sharded without state_shard_bytes: pass the "
+                                 f"BlockCosts to split its optimizer state equally")
+            i, j = st.blocks
+            q_kib = sum(-(-costs.shardable_bytes_per_param * p // MEMORY_UNIT_BYTES) for p in costs.param_count[i:j])
+            need = -(-q_kib // MIB_UNITS)
+            row = (-(-need // len(st.gpus)),) * len(st.gpus)
+        shards.append(row)
+    return dict(stage_blocks=tuple(tuple(st.blocks) for st in plan.stages),
+                stage_gpus=tuple(tuple(g.gpu for g in st.gpus) for st in plan.stages),
+                samples_per_microbatch=tuple(tuple(g.samples_per_microbatch for g in st.gpus) for st in plan.stages),
+                num_microbatches=plan.num_microbatches, stage_sharded=sharded,
+                state_shard_mib=tuple(shards) if any(sharded) else None,
+                stage_recompute=tuple(bool(getattr(st, "recompute", False)) for st in plan.stages))
+
+
 def simulate(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions, *, stage_blocks, stage_gpus,
-             samples_per_microbatch, num_microbatches: int) -> SimResult:
+             samples_per_microbatch, num_microbatches: int, stage_sharded=None, state_shard_mib=None,
+             stage_recompute=None) -> SimResult:
     """Simulate one training step of the decision (see the module note).
 
-    Raises ValueError for a malformed decision (as ``solve.evaluate``) and
-    RuntimeError if the schedule deadlocks (it cannot for 1F1B / GPipe)."""
+    ``stage_sharded`` / ``stage_recompute`` / ``state_shard_mib``: the memory
+    policy, as in ``solve.evaluate`` (None = not sharded / not recomputing /
+    the shards ``balance_shards`` picks).
+
+    Raises ValueError for a malformed decision or policy (as ``solve.evaluate``)
+    and RuntimeError if the schedule deadlocks (it cannot for 1F1B / GPipe)."""
     _validate(costs, devices, options, stage_blocks, stage_gpus, samples_per_microbatch, num_microbatches)
+    tab = build_tables(costs, devices, options, num_microbatches)
+    pol = _policy(tab, options, stage_blocks, stage_gpus, samples_per_microbatch, stage_sharded,
+                  state_shard_mib, stage_recompute)
     n_s, m_count = len(stage_blocks), num_microbatches
     sched = make_schedule(options.schedule, n_s, m_count)
     st_b, gr_b = costs.state_bytes_per_param, costs.grad_bytes_per_param
-    stage_of, share, dur = {}, {}, {}
+    sh_b, pa_b = costs.shardable_bytes_per_param, costs.param_bytes_per_param
+    mib = MIB_UNITS * MEMORY_UNIT_BYTES
+    stage_of, share, dur, rc_dur = {}, {}, {}, {}
     for s, ((i, j), gpus, ns) in enumerate(zip(stage_blocks, stage_gpus, samples_per_microbatch)):
         for g, n in zip(gpus, ns):
             t = devices.gpu_types[g]
             w = sum(costs.fwd_bwd_s_per_sample[t][i:j])
             f = sum(costs.fwd_bwd_s_fixed.get(t, (0.0,) * costs.num_blocks)[i:j])
             stage_of[g], share[g] = s, n
-            dur[g] = ((n * w + f) / 3.0, 2.0 * (n * w + f) / 3.0)
+            rc_dur[g] = RECOMPUTE_FRACTION * (n * w + f) if pol.recompute[s] else 0.0
+            dur[g] = ((n * w + f) / 3.0, 2.0 * (n * w + f) / 3.0 + rc_dur[g])
     # Routes across the cut after stage s: out_routes[g] = [(dst, bytes)], in_count[g].
     out_fwd: dict[int, list[tuple[int, int]]] = defaultdict(list)
     out_bwd: dict[int, list[tuple[int, int]]] = defaultdict(list)
@@ -165,7 +258,17 @@ def simulate(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions, *,
     got_fwd: dict[tuple[int, int], int] = defaultdict(int)
     got_bwd: dict[tuple[int, int], int] = defaultdict(int)
     live = {g: 0 for g in used}
-    peak_live = {g: 0 for g in used}
+    # Activation footprint in memory units: per micro-batch held (A_s, or X_s
+    # when recomputing) and, when recomputing, the re-run forward's A_s.
+    held, rerun, peak_act = {}, {}, {g: 0 for g in used}
+    for g in used:
+        s = stage_of[g]
+        i, j = stage_blocks[s]
+        a_kib = tab.act_prefix[j] - tab.act_prefix[i]
+        if pol.recompute[s]:
+            held[g], rerun[g] = share[g] * (tab.cut_kib[i] if s > 0 else 0), share[g] * a_kib
+        else:
+            held[g], rerun[g] = share[g] * a_kib, 0
     busy = {g: 0.0 for g in used}
     last_b = {}
     events: list[SimEvent] = []
@@ -195,6 +298,8 @@ def simulate(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions, *,
             if g not in running and pc[g] < len(sched[stage_of[g]]) and ready(g):
                 a = sched[stage_of[g]][pc[g]]
                 running[g] = (t, t + dur[g][a.kind == "B"], a.kind, a.microbatch)
+                if a.kind == "B":  # the recomputed micro-batch is still held, plus its full activations
+                    peak_act[g] = max(peak_act[g], live[g] * held[g] + rerun[g])
         finish = {id(x): t + x.left / x.rate for x in active}
         cands = [e for _, e, _, _ in running.values()] + [x.ready for x in waiting] + list(finish.values())
         if not cands:
@@ -211,11 +316,11 @@ def simulate(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions, *,
             del running[g]
             pc[g] += 1
             s = stage_of[g]
-            events.append(SimEvent(kind, g, s, m, start, t))
+            events.append(SimEvent(kind, g, s, m, start, t, recompute_s=rc_dur[g] if kind == "B" else 0.0))
             busy[g] += t - start
             if kind == "F":
                 live[g] += 1
-                peak_live[g] = max(peak_live[g], live[g])
+                peak_act[g] = max(peak_act[g], live[g] * held[g])
                 for h, nb in out_fwd[g]:
                     post(g, h, s, m, True, nb)
             else:
@@ -243,10 +348,14 @@ def simulate(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions, *,
                            f"{[str(sched[stage_of[g]][pc[g]]) for g in stuck]}")
 
     step = 0.0
+    shard_bytes = []
     for s, ((i, j), gpus) in enumerate(zip(stage_blocks, stage_gpus)):
         params = sum(costs.param_count[i:j])
+        sharded = pol.sharded[s]
+        shard_bytes.append(tuple(z * mib for z in pol.shard_mib[s]) if sharded else (0,) * len(gpus))
         t_ar = max(last_b[g] for g in gpus)
         pairs = [(g, h) for a, g in enumerate(gpus) for h in gpus[a + 1:]]
+        bw_min = lat_max = 0.0
         if pairs:
             bw_min = min(min(devices.link_bw_bytes_per_s[g][h], devices.link_bw_bytes_per_s[h][g])
                          for g, h in pairs)
@@ -254,22 +363,34 @@ def simulate(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions, *,
             t_end = t_ar + 2 * gr_b * params / bw_min + 2 * (len(gpus) - 1) * lat_max
             events += [SimEvent("allreduce", g, s, -1, t_ar, t_end, None, gr_b * params) for g in gpus]
             t_ar = t_end
-        for g in gpus:
+        t_opt = 0.0
+        for k, g in enumerate(gpus):
             t0 = t_ar if pairs else last_b[g]
-            t1 = t0 + 2 * st_b * params / devices.mem_bw_bytes_per_s[g]
-            events.append(SimEvent("optim", g, s, -1, t0, t1, None, 2 * st_b * params))
-            step = max(step, t1)
+            # A shard of z MiB holds z MiB / shardable_bytes_per_param parameters ([C-optim]).
+            moved = (2 * st_b * shard_bytes[s][k] / sh_b if sh_b else 0.0) if sharded else 2 * st_b * params
+            t1 = t0 + moved / devices.mem_bw_bytes_per_s[g]
+            events.append(SimEvent("optim", g, s, -1, t0, t1, None, int(round(moved))))
+            t_opt = max(t_opt, t1)
+        if sharded:  # all-gather the updated weights once the last shard is updated
+            t1 = t_opt + pa_b * params / bw_min + (len(gpus) - 1) * lat_max
+            events += [SimEvent("allgather", g, s, -1, t_opt, t1, None, pa_b * params) for g in gpus]
+            t_opt = t1
+        step = max(step, t_opt)
 
     n_g = devices.num_gpus
     busy_frac = tuple(busy.get(g, 0.0) / step if step > 0 else 0.0 for g in range(n_g))
     peak = [0] * n_g
     for g in used:
-        i, j = stage_blocks[stage_of[g]]
-        peak[g] = (st_b * sum(costs.param_count[i:j])
-                   + sum(costs.act_bytes_per_sample[i:j]) * share[g] * peak_live[g])
+        s = stage_of[g]
+        i, j = stage_blocks[s]
+        state = tab.state_prefix[j] - tab.state_prefix[i]
+        if pol.sharded[s]:
+            state += MIB_UNITS * pol.shard_mib[s][stage_gpus[s].index(g)] - (tab.shard_prefix[j] - tab.shard_prefix[i])
+        peak[g] = MEMORY_UNIT_BYTES * (state + peak_act[g])
     bubble = 1.0 - sum(busy_frac[g] for g in used) / len(used)
     events.sort(key=lambda e: (e.start_s, e.gpu, KINDS.index(e.kind), e.end_s))
     return SimResult(step_time_s=step, busy_fraction=busy_frac, peak_memory_bytes=tuple(peak),
                      events=tuple(events), bubble_fraction=bubble,
                      gpu_nodes=tuple(devices.node_names or (f"gpu{g}" for g in range(n_g))),
-                     gpu_types=tuple(devices.gpu_types))
+                     gpu_types=tuple(devices.gpu_types), stage_sharded=pol.sharded,
+                     state_shard_bytes=tuple(shard_bytes), stage_recompute=pol.recompute)

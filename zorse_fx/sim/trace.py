@@ -4,10 +4,16 @@ Trace format: the Chrome "Trace Event Format" (JSON object with a
 ``traceEvents`` list; complete events ``"ph": "X"`` with ``ts`` and ``dur`` in
 microseconds; ``"ph": "M"`` metadata events name processes and threads), which
 ui.perfetto.dev and chrome://tracing both load. One process per node, one
-thread per GPU for its compute (F, B, all-reduce, optimizer) and one thread per
-GPU for the messages it sends. Complete events on one thread must nest, and a
-GPU's sends can overlap (a forward feeds several receivers at once), so
-overlapping sends go to extra lanes ("GPU g sends #2", ...) of the same GPU.
+thread per GPU for its compute (F, B, all-reduce, optimizer, all-gather of a
+ZeRO-1 sharded stage) and one thread per GPU for the messages it sends.
+Complete events on one thread must nest, and a GPU's sends can overlap (a
+forward feeds several receivers at once), so overlapping sends go to extra
+lanes ("GPU g sends #2", ...) of the same GPU.
+
+A backward of a recomputing stage is named ``B<m> (recompute)`` with
+``args.recompute_s``, and carries a nested child slice ``re-run F<m>`` (cat
+"recompute") over its first ``recompute_s`` seconds; the Gantt chart draws
+that part hatched in its own colour. All-gathers have their own colour too.
 """
 
 from __future__ import annotations
@@ -20,9 +26,11 @@ from .engine import SimEvent, SimResult
 __all__ = ["to_perfetto", "gantt_png", "COLORS"]
 
 #: Colours of the chart (and the trace's ``cname``-free legend) per event kind.
-COLORS = {"F": "#4C78A8", "B": "#F58518", "allreduce": "#E45756", "optim": "#54A24B", "send": "#9D9D9D"}
-_LEGEND = {"F": "forward", "B": "backward", "allreduce": "all-reduce", "optim": "optimizer", "send": "send"}
-_COMPUTE = ("F", "B", "allreduce", "optim")
+COLORS = {"F": "#4C78A8", "B": "#F58518", "recompute": "#FFBF79", "allreduce": "#E45756", "optim": "#54A24B",
+          "allgather": "#B279A2", "send": "#9D9D9D"}
+_LEGEND = {"F": "forward", "B": "backward", "recompute": "backward: forward re-run", "allreduce": "all-reduce",
+           "optim": "optimizer", "allgather": "all-gather (ZeRO-1)", "send": "send"}
+_COMPUTE = ("F", "B", "allreduce", "optim", "allgather")
 
 
 def _labels(result: SimResult, gpu_labels) -> dict[int, str]:
@@ -35,7 +43,7 @@ def _labels(result: SimResult, gpu_labels) -> dict[int, str]:
 
 def _name(e: SimEvent) -> str:
     if e.kind in ("F", "B"):
-        return f"{e.kind}{e.microbatch}"
+        return f"{e.kind}{e.microbatch}" + (" (recompute)" if e.recompute_s > 0 else "")
     if e.kind == "send":
         return f"send mb{e.microbatch} -> GPU {e.peer}"
     return _LEGEND[e.kind]
@@ -79,15 +87,24 @@ def to_perfetto(result: SimResult, path, *, gpu_labels=None) -> Path:
         args = {"stage": e.stage, "microbatch": e.microbatch, "start_s": e.start_s, "end_s": e.end_s}
         if e.kind == "send":
             args.update(peer=e.peer, bytes=e.nbytes)
-        elif e.kind in ("allreduce", "optim"):
+        elif e.kind in ("allreduce", "optim", "allgather"):
             args.update(bytes=e.nbytes)
+        elif e.recompute_s > 0:
+            args.update(recompute=True, recompute_s=e.recompute_s)
         return {"name": _name(e), "cat": e.kind, "ph": "X", "ts": e.start_s * 1e6,
                 "dur": max(e.end_s - e.start_s, 0.0) * 1e6, "pid": pid_of[nodes[e.gpu]], "tid": tid, "args": args}
 
     for g, label in labels.items():
         base = 100 * (g + 1)
         thread(g, base, f"{label} compute")
-        trace += [slice_(e, base) for e in result.events if e.gpu == g and e.kind in _COMPUTE]
+        for e in result.events:
+            if e.gpu == g and e.kind in _COMPUTE:
+                trace.append(slice_(e, base))
+                if e.recompute_s > 0:  # nested child: the re-run forward at the start of the backward
+                    parent = trace[-1]
+                    trace.append({**parent, "name": f"re-run F{e.microbatch}", "cat": "recompute",
+                                  "dur": min(e.recompute_s * 1e6, parent["dur"]),
+                                  "args": {**parent["args"], "recompute_s": e.recompute_s}})
         sends = [e for e in result.events if e.gpu == g and e.kind == "send"]
         lanes = _lanes(sends)
         for k in sorted(set(lanes)):
@@ -105,7 +122,8 @@ def gantt_png(result: SimResult, path, *, gpu_labels=None, dpi: int = 120) -> Pa
     """Draw a Gantt chart (one row per used GPU, time in ms) to a PNG at ``path``.
 
     Uses matplotlib's Agg canvas directly (no global backend switch). Compute
-    bars fill a row; sends are thin grey bars along its bottom edge."""
+    bars fill a row (the forward re-run of a recomputing backward hatched in
+    its own colour); sends are thin grey bars along its bottom edge."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch
@@ -122,6 +140,9 @@ def gantt_png(result: SimResult, path, *, gpu_labels=None, dpi: int = 120) -> Pa
             ax.barh(y + 0.33, w, left=x0, height=0.1, color=COLORS["send"], alpha=0.6, linewidth=0)
             continue
         ax.barh(y, w, left=x0, height=0.6, color=COLORS[e.kind], edgecolor="white", linewidth=0.5)
+        if e.recompute_s > 0:
+            ax.barh(y, min(e.recompute_s * 1e3, w), left=x0, height=0.6, color=COLORS["recompute"],
+                    edgecolor="white", hatch="///", linewidth=0.5)
         if e.kind in ("F", "B") and w >= 0.02 * step_ms:
             ax.text(x0 + w / 2, y, str(e.microbatch), ha="center", va="center", fontsize=7, color="white")
     ax.set_yticks(range(len(rows)), [labels[g] for g in rows])
@@ -129,7 +150,11 @@ def gantt_png(result: SimResult, path, *, gpu_labels=None, dpi: int = 120) -> Pa
     ax.set_xlim(0, step_ms * 1.01)
     ax.set_xlabel("time (ms)")
     ax.set_title(f"simulated step {step_ms:.2f} ms, bubble {result.bubble_fraction:.1%}")
-    ax.legend(handles=[Patch(color=c, label=_LEGEND[k]) for k, c in COLORS.items()],
+    shown = {e.kind for e in result.events} | {"F", "B", "send"}
+    if any(e.recompute_s > 0 for e in result.events):
+        shown.add("recompute")
+    ax.legend(handles=[Patch(facecolor=c, edgecolor="white", hatch="///" if k == "recompute" else None,
+                             label=_LEGEND[k]) for k, c in COLORS.items() if k in shown],
               loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=8, frameon=False)
     ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()

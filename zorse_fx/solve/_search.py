@@ -50,8 +50,10 @@ class CandidateSearch:
             obj = int(solver.Value(model.objective))
             bound = min(obj, int(round(solver.BestObjectiveBound())))
             dec = model.decision(solver)
+            pol = dec[3]
             ev = evaluate(self.costs, self.devices, opts, stage_blocks=dec[0], stage_gpus=dec[1],
-                          samples_per_microbatch=dec[2], num_microbatches=m)
+                          samples_per_microbatch=dec[2], num_microbatches=m, stage_sharded=pol.sharded,
+                          state_shard_mib=pol.shard_mib, stage_recompute=pol.recompute)
             if ev.objective_units != obj or not ev.feasible:
                 raise AssertionError(f"{self.label} objective {obj} != evaluate() {ev.objective_units} "
                                      f"(violations {ev.violations}) for S={num_stages}, M={m}: {dec}")
@@ -74,13 +76,15 @@ class CandidateSearch:
         """The best candidate; raises InfeasiblePlanError naming the binding constraint."""
         if self.best is None:
             raise InfeasiblePlanError(explain_infeasible(self.costs, self.devices, self.options, self.cands))
-        obj, m, (blocks, gpus, samples), ev = self.best
+        obj, m, (blocks, gpus, samples, _), ev = self.best
         bound = min(self.bounds)
         return SolverResult(
             stage_blocks=blocks, stage_gpus=gpus, samples_per_microbatch=samples, num_microbatches=m,
             microbatch_size=self.options.global_batch_size // m, schedule=self.options.schedule,
             predicted_step_time_s=ev.step_time_s, predicted_stage_time_s=ev.stage_time_s,
             predicted_allreduce_s=ev.allreduce_s, predicted_memory_bytes=ev.memory_bytes,
+            stage_sharded=ev.stage_sharded, state_shard_bytes=ev.state_shard_bytes,
+            stage_recompute=ev.stage_recompute,
             status="OPTIMAL" if self.all_optimal else "FEASIBLE", objective=obj * UNIT_S,
             best_bound=bound * UNIT_S, optimality_gap=(obj - bound) / obj if obj > 0 else 0.0,
             wall_s=time.perf_counter() - self.t0, candidates=tuple(self.cands))

@@ -1,8 +1,10 @@
 """Exhaustive oracle for tiny instances (tests compare CP-SAT against it).
 
-Enumerates every S, M, assignment of GPUs to stages / idle, cut composition
-and sample split (the full product, no pruning), checks memory and scores each
-decision with objective.py's integer model (``evaluate_units``).
+Enumerates every S, M, assignment of GPUs to stages / idle, cut composition,
+sample split and per-stage memory policy (sharded / recompute, as the options
+allow; a sharded stage's shards are ``balance_shards``' split, the least
+optimizer time that fits), the full product with no pruning, checks memory
+and scores each decision with objective.py's integer model (``evaluate_units``).
 """
 
 from __future__ import annotations
@@ -11,8 +13,8 @@ import itertools
 import time
 
 from ..errors import InfeasiblePlanError
-from .objective import (UNIT_S, build_tables, evaluate, evaluate_units, explain_infeasible,
-                        max_stage_count, microbatch_candidates)
+from .objective import (UNIT_S, build_tables, evaluate, evaluate_units, explain_infeasible, fill_policy,
+                        max_stage_count, microbatch_candidates, mode_violations)
 from .records import BlockCosts, DeviceGraph, SolverOptions, SolverResult
 
 __all__ = ["solve_brute_force", "MAX_GPUS", "MAX_BLOCKS", "MAX_MICROBATCH_SIZE"]
@@ -62,13 +64,20 @@ def solve_brute_force(costs: BlockCosts, devices: DeviceGraph, options: SolverOp
                     edges = (0, *inner, nb)
                     blocks = tuple((edges[s], edges[s + 1]) for s in range(n_s))
                     splits = [list(_compositions(b, len(gs))) for gs in stage_gpus]
+                    flags = [(False, True) if options.sharding != "never" and len(gs) >= 2 else (False,)
+                             for gs in stage_gpus]
+                    rcs = {"never": (False,), "auto": (False, True), "always": (True,)}[options.recompute]
                     for samples in itertools.product(*splits):
-                        u = evaluate_units(tab, blocks, stage_gpus, samples)
-                        if any(need > tab.cap_bytes[g] for gs, needs in zip(stage_gpus, u.memory)
-                               for g, need in zip(gs, needs)):
-                            continue
-                        if cand_best is None or u.step < cand_best[0]:
-                            cand_best = (u.step, blocks, stage_gpus, samples)
+                        for sharded in itertools.product(*flags):
+                            for recompute in itertools.product(rcs, repeat=n_s):
+                                pol = fill_policy(tab, blocks, stage_gpus, samples, sharded, recompute)
+                                if mode_violations(options, stage_gpus, pol):
+                                    continue
+                                u = evaluate_units(tab, blocks, stage_gpus, samples, pol)
+                                if not u.fits(tab, stage_gpus):
+                                    continue
+                                if cand_best is None or u.step < cand_best[0]:
+                                    cand_best = (u.step, blocks, stage_gpus, samples, pol)
             cands.append({"num_stages": n_s, "num_microbatches": m,
                           "status": "INFEASIBLE" if cand_best is None else "BRUTE_FORCE",
                           "step_time_s": None if cand_best is None else cand_best[0] * UNIT_S,
@@ -77,9 +86,10 @@ def solve_brute_force(costs: BlockCosts, devices: DeviceGraph, options: SolverOp
                 best = (cand_best, m)
     if best is None:
         raise InfeasiblePlanError(explain_infeasible(costs, devices, options, cands))
-    (step, blocks, gpus, samples), m = best
+    (step, blocks, gpus, samples, pol), m = best
     ev = evaluate(costs, devices, options, stage_blocks=blocks, stage_gpus=gpus,
-                  samples_per_microbatch=samples, num_microbatches=m)
+                  samples_per_microbatch=samples, num_microbatches=m, stage_sharded=pol.sharded,
+                  state_shard_mib=pol.shard_mib, stage_recompute=pol.recompute)
     if ev.objective_units != step or not ev.feasible:
         raise AssertionError(f"brute force step {step} != evaluate() {ev.objective_units} ({ev.violations})")
     return SolverResult(
@@ -87,5 +97,6 @@ def solve_brute_force(costs: BlockCosts, devices: DeviceGraph, options: SolverOp
         microbatch_size=options.global_batch_size // m, schedule=options.schedule,
         predicted_step_time_s=ev.step_time_s, predicted_stage_time_s=ev.stage_time_s,
         predicted_allreduce_s=ev.allreduce_s, predicted_memory_bytes=ev.memory_bytes,
+        stage_sharded=ev.stage_sharded, state_shard_bytes=ev.state_shard_bytes, stage_recompute=ev.stage_recompute,
         status="BRUTE_FORCE", objective=ev.step_time_s, best_bound=ev.step_time_s, optimality_gap=0.0,
         wall_s=time.perf_counter() - t0, candidates=tuple(cands))

@@ -8,6 +8,14 @@ derived quantity is defined by an equality (linear sums, max, flag ? value : 0,
 one small product for the all-reduce latency), never by a one-sided bound, so
 the objective value of *any* solution CP-SAT returns, optimal or not, equals
 ``evaluate()`` of the decision; ``solve_cpsat`` checks that on every answer.
+
+[Note: warm start]
+``hints`` (SolverResults, in practice the baselines' feasible plans, best
+first; ``solve/portfolio.py``) seed the candidate with the same (S, M):
+``_Model.hint`` gives CP-SAT the cuts, GPU assignment, samples, shards and
+memory policy via ``AddHint``. A hint only guides the search (CP-SAT repairs
+an infeasible one), so it cannot change the optimum, only how soon a good
+incumbent appears under the time limit.
 """
 
 from __future__ import annotations
@@ -16,7 +24,8 @@ from collections import defaultdict
 
 from ortools.sat.python import cp_model
 
-from .objective import IntTables, build_tables, inflight, max_stage_count, microbatch_candidates
+from .objective import (MIB_UNITS, IntTables, MemoryPolicy, build_tables, inflight, max_stage_count,
+                        microbatch_candidates)
 from ._encoding import StageCuts
 from ._encoding import any_of as _any_of
 from ._encoding import blocks_of as _blocks
@@ -75,6 +84,9 @@ class _Model:
         def gated(flag, value, hi, name):
             return _gated(m, flag, value, hi, name)
 
+        # [C-shard] / [C-recompute] per-stage memory policy (absent when the mode is "never").
+        self.sh, self.rc = sh, rc = _policy_vars(m, tab, size, n_s)
+
         def any_of(lits, name):
             return _any_of(m, lits, name)
 
@@ -122,14 +134,23 @@ class _Model:
         lat_hi = max(max(r) for r in tab.pair_lat)
         work_hi = b * max(p[-1] for p in tab.work_prefix.values()) + max(p[-1] for p in tab.fixed_prefix.values())
         t_hi = work_hi + 2 * (max((max(r) for r in tab.xfer), default=0) + lat_hi)
-        sync_hi = (max((p[-1] for p in tab.ar_prefix), default=0) + 2 * (n_g - 1) * lat_hi
-                   + max(p[-1] for p in tab.opt_prefix))
+        if rc:
+            work_hi += b * max(p[-1] for p in tab.rc_work_prefix.values()) + \
+                max(p[-1] for p in tab.rc_fixed_prefix.values())
+            t_hi = work_hi + 2 * (max((max(r) for r in tab.xfer), default=0) + lat_hi)
         tmax = m.NewIntVar(0, t_hi, "tmax")
         comp = []
         for g in gpus:
             cg = m.NewIntVar(0, work_hi, f"comp_{g}")
+            extra = 0
+            if rc:  # [C-compute] the recomputed forward, on GPUs of recomputing stages
+                ty = tab.gpu_types[g]
+                on = m.NewBoolVar(f"rcg_{g}")
+                m.Add(on == sum(both(x[g][s], rc[s], f"xrc_{g}_{s}") for s in stages))
+                extra = gated(on, wsum(z[g], _blocks(tab.rc_work_prefix[ty]))
+                              + wsum(u[g], _blocks(tab.rc_fixed_prefix[ty])), work_hi, f"rcw_{g}")
             m.Add(cg == wsum(z[g], _blocks(tab.work_prefix[tab.gpu_types[g]]))
-                  + wsum(u[g], _blocks(tab.fixed_prefix[tab.gpu_types[g]])))
+                  + wsum(u[g], _blocks(tab.fixed_prefix[tab.gpu_types[g]])) + extra)
             m.Add(tmax >= cg)  # redundant (throughput bound for the LP)
             comp.append(cg)
         t = []
@@ -151,6 +172,20 @@ class _Model:
             t.append(ts)
 
         # [C-allreduce] ring over the stage's pairs; [C-optim] slowest memory bandwidth of the stage.
+        # zsh[g][s]: MiB of stage s's shardable state on GPU g (0 unless g in s and s sharded).
+        self.zsh = zsh = None
+        if sh:
+            zsh = [[m.NewIntVar(0, tab.cap_bytes[g] // MIB_UNITS, f"zsh_{g}_{s}") for s in stages] for g in gpus]
+            for s in stages:
+                for g in gpus:
+                    m.Add(zsh[g][s] == 0).OnlyEnforceIf(both(x[g][s], sh[s], f"xsh_{g}_{s}").Not())
+                m.Add(MIB_UNITS * sum(zsh[g][s] for g in gpus) >= stage_sum(tab.shard_prefix, s)).OnlyEnforceIf(sh[s])
+            self.zsh = zsh
+        opt_hi = max(max(p[-1] for p in tab.opt_prefix),
+                     max((tab.cap_bytes[g] // MIB_UNITS * tab.opt_per_mib[tab.gpu_mbw_class[g]] for g in gpus),
+                         default=0) if sh else 0)
+        ar_hi = max((p[-1] for p in (tab.arsh_prefix if sh else tab.ar_prefix)), default=0)
+        sync_hi = ar_hi + 3 * (n_g - 1) * lat_hi + opt_hi
         sync = []
         for s in stages:
             pairs = {(g, h): both(x[g][s], x[h][s], f"w_{g}_{h}_{s}") for g in gpus for h in gpus if g < h}
@@ -161,25 +196,48 @@ class _Model:
                 m.Add(sz1 == size[s] - 1)
                 lat_term = m.NewIntVar(0, (n_g - 1) * lat_hi, f"arlat_{s}")
                 m.AddMultiplicationEquality(lat_term, [sz1, lw])
-                ar = arb + 2 * lat_term
+                if sh:  # a sharded stage also all-gathers its weights: (2 grad + param) bytes
+                    arb_sh, _ = pair_max(pairs, lambda k, s=s: stage_sum(tab.arsh_prefix[k], s),
+                                         lambda k: tab.arsh_prefix[k][-1], f"as{s}")
+                    hi = max(p[-1] for p in tab.arsh_prefix)
+                    ar = (gated(sh[s].Not(), arb, hi, f"arp_{s}") + gated(sh[s], arb_sh, hi, f"ars_{s}")
+                          + 2 * lat_term + gated(sh[s], lat_term, (n_g - 1) * lat_hi, f"arl_{s}"))
+                else:
+                    ar = arb + 2 * lat_term
             else:
                 ar = 0
             opt_terms = []
             for k in sorted(set(tab.gpu_mbw_class)):
-                members = [x[g][s] for g in gpus if tab.gpu_mbw_class[g] == k]
-                opt_terms.append(gated(any_of(members, f"u_{k}_{s}"), stage_sum(tab.opt_prefix[k], s),
-                                       tab.opt_prefix[k][-1], f"oz_{k}_{s}"))
-            opt = m.NewIntVar(0, max(p[-1] for p in tab.opt_prefix), f"opt_{s}")
+                members = any_of([x[g][s] for g in gpus if tab.gpu_mbw_class[g] == k], f"u_{k}_{s}")
+                flag = both(members, sh[s].Not(), f"un_{k}_{s}") if sh else members
+                opt_terms.append(gated(flag, stage_sum(tab.opt_prefix[k], s), tab.opt_prefix[k][-1], f"oz_{k}_{s}"))
+            if sh:
+                opt_terms += [tab.opt_per_mib[tab.gpu_mbw_class[g]] * zsh[g][s] for g in gpus]
+            opt = m.NewIntVar(0, opt_hi, f"opt_{s}")
             m.AddMaxEquality(opt, opt_terms)
             sync.append(ar + opt)
 
-        # [C-memory] state_s + inflight_s * A_s * n_g <= usable bytes of g, for g in s.
+        # [C-memory] state + activations <= usable KiB of g, for g in s, per policy combination.
         act = [wsum(z[g], _blocks(tab.act_prefix)) for g in gpus]
         for s in stages:
             state = stage_sum(tab.state_prefix, s)
             fl = inflight(tab.schedule, n_s, s, tab.num_microbatches)
+            xin = _stage_input_kib(m, tab, cuts, s) if rc else None
             for g in gpus:
-                m.Add(state + fl * act[g] <= tab.cap_bytes[g]).OnlyEnforceIf(x[g][s])
+                states = [(state, [])]
+                if sh:
+                    states = [(state, [sh[s].Not()]),
+                              (state - stage_sum(tab.shard_prefix, s) + MIB_UNITS * zsh[g][s], [sh[s]])]
+                acts = [(fl * act[g], [])]
+                if rc:
+                    cin = 0
+                    if xin is not None:
+                        cin = m.NewIntVar(0, b * tab.cut_kib_max, f"cin_{g}_{s}")
+                        m.AddMultiplicationEquality(cin, [n[g][s], xin])
+                    acts = [(fl * act[g], [rc[s].Not()]), (fl * cin + act[g], [rc[s]])]
+                for st_expr, l1 in states:
+                    for act_expr, l2 in acts:
+                        m.Add(st_expr + act_expr <= tab.cap_bytes[g]).OnlyEnforceIf([x[g][s], *l1, *l2])
 
         # [C-symmetry] interchangeable GPUs g < h: (stage, -samples) of g <= that of h
         # (idle counts as stage S, after every real stage).
@@ -198,27 +256,92 @@ class _Model:
         self.objective = sum(t) + (tab.num_microbatches - 1) * tmax + smax
         m.Minimize(self.objective)
 
+    def hint(self, result: SolverResult) -> None:
+        """Warm start: hint the decision of ``result`` (same S and M), e.g. a baseline's plan."""
+        m, mib = self.m, MIB_UNITS * 1024
+        for s, (i, _) in enumerate(result.stage_blocks):
+            m.AddHint(self.cut[s], i)
+        where = {g: (s, n) for s, (gs, ns) in enumerate(zip(result.stage_gpus, result.samples_per_microbatch))
+                 for g, n in zip(gs, ns)}
+        for g in range(self.tab.num_gpus):
+            for s in range(self.S):
+                on = where.get(g, (None, 0))[0] == s
+                m.AddHint(self.x[g][s], on)
+                m.AddHint(self.n[g][s], where[g][1] if on else 0)
+        for s in range(self.S):
+            sharded = bool(result.stage_sharded and result.stage_sharded[s])
+            if self.sh:
+                m.AddHint(self.sh[s], sharded)
+                for g in range(self.tab.num_gpus):
+                    pos = result.stage_gpus[s].index(g) if g in result.stage_gpus[s] else None
+                    m.AddHint(self.zsh[g][s], result.state_shard_bytes[s][pos] // mib
+                              if sharded and pos is not None else 0)
+            if self.rc:
+                m.AddHint(self.rc[s], bool(result.stage_recompute and result.stage_recompute[s]))
+
     def decision(self, solver: cp_model.CpSolver):
-        """(stage_blocks, stage_gpus, samples) of the solver's current solution."""
+        """(stage_blocks, stage_gpus, samples, MemoryPolicy) of the solver's current solution."""
         cuts = [solver.Value(c) for c in self.cut]
         blocks = tuple((cuts[s], cuts[s + 1]) for s in range(self.S))
         gpus = tuple(tuple(g for g in range(self.tab.num_gpus) if solver.BooleanValue(self.x[g][s]))
                      for s in range(self.S))
         samples = tuple(tuple(solver.Value(self.n[g][s]) for g in gs) for s, gs in enumerate(gpus))
-        return blocks, gpus, samples
+        sharded = tuple(bool(self.sh and solver.BooleanValue(self.sh[s])) for s in range(self.S))
+        shards = tuple(tuple(solver.Value(self.zsh[g][s]) for g in gs) if sharded[s] else ()
+                       for s, gs in enumerate(gpus))
+        recompute = tuple(bool(self.rc and solver.BooleanValue(self.rc[s])) for s in range(self.S))
+        return blocks, gpus, samples, MemoryPolicy(sharded, shards, recompute)
 
 
-def solve_cpsat(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions) -> SolverResult:
+def _policy_vars(m: cp_model.CpModel, tab: IntTables, size, n_s: int):
+    """Per-stage booleans sh[s] ([C-shard]: only with >= 2 GPUs) and rc[s]
+    ([C-recompute]); None for a mode "never", fixed for "always"."""
+    sh = rc = None
+    if tab.sharding != "never":
+        sh = [m.NewBoolVar(f"sh_{s}") for s in range(n_s)]
+        for s in range(n_s):
+            m.Add(size[s] >= 2).OnlyEnforceIf(sh[s])
+            if tab.sharding == "always":
+                m.Add(size[s] <= 1).OnlyEnforceIf(sh[s].Not())
+    if tab.recompute != "never":
+        rc = [m.NewBoolVar(f"rc_{s}") for s in range(n_s)]
+        if tab.recompute == "always":
+            for v in rc:
+                m.Add(v == 1)
+    return sh, rc
+
+
+def _stage_input_kib(m: cp_model.CpModel, tab: IntTables, cuts: StageCuts, s: int):
+    """IntVar = X_s, the cut KiB per sample entering stage s (None for s = 0: nothing)."""
+    if s == 0:
+        return None
+    v = m.NewIntVar(0, tab.cut_kib_max, f"xin_{s}")
+    m.Add(v == cuts.at_cut(tab.cut_kib, s))
+    return v
+
+
+def matching_hint(hints, num_stages: int, num_microbatches: int):
+    """The first of ``hints`` (SolverResults) with this S and M, or None."""
+    return next((h for h in hints if h.num_stages == num_stages and h.num_microbatches == num_microbatches), None)
+
+
+def solve_cpsat(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions, *, hints=()) -> SolverResult:
     """Plan with CP-SAT: minimise the predicted step time (seconds) over (S, M).
 
     ``objective`` / ``best_bound`` are in seconds. ``status`` is "OPTIMAL" only
     when every candidate was solved to optimality (or proven infeasible) and
     ``best_bound`` is the smallest bound over all candidates, so the gap
-    covers the whole (S, M) search. Raises InfeasiblePlanError if nothing fits.
+    covers the whole (S, M) search. ``hints``: decisions (SolverResults, e.g.
+    the baselines') to warm-start the candidate with the same S and M.
+    Raises InfeasiblePlanError if nothing fits.
     """
     search = CandidateSearch(costs, devices, options, label="CP-SAT")
     for n_s in range(1, max_stage_count(costs, devices, options) + 1):
         for m in microbatch_candidates(options):
             tab = build_tables(costs, devices, options, m)
-            search.solve(_Model(tab, devices, options, n_s), n_s, m)
+            model = _Model(tab, devices, options, n_s)
+            h = matching_hint(hints, n_s, m)
+            if h is not None:
+                model.hint(h)
+            search.solve(model, n_s, m, **({"hint": h.status} if h is not None else {}))
     return search.result()

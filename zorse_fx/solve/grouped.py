@@ -29,7 +29,10 @@ and the terms of objective.py's note over classes instead of GPUs:
   allreduce_s = max over present pairs inside s (c < d: both present; (c, c):
                 k[c][s] >= 2) + 2 * (sum_c k[c][s] - 1) * max latency [C-allreduce]
   optim_s     = max over memory-bandwidth classes present           [C-optim]
-  memory_c    = state_s + inflight_s * A_s * n[c][s] <= cap_c (KiB)  [C-memory]
+  memory_c    = as objective.py's [C-memory] with n = n[c][s] and the
+                shard zc[c][s] (MiB per GPU of c in a sharded stage s);
+                coverage: sum_c unit * k[c][s] * zc[c][s] MiB >= Q_s    [C-shard]
+  (recomputation adds the recomputed forward to compute_cs)         [C-recompute]
   step        = sum_s t_s + (M - 1) max_s t_s + max_s (allreduce_s + optim_s)
                                                                     [C-objective]
 
@@ -64,7 +67,9 @@ from dataclasses import dataclass
 import numpy as np
 from ortools.sat.python import cp_model
 
-from .objective import IntTables, build_tables, inflight, max_stage_count, microbatch_candidates
+from .cpsat import _policy_vars, _stage_input_kib, matching_hint
+from .objective import (MIB_UNITS, IntTables, MemoryPolicy, build_tables, inflight, max_stage_count,
+                        microbatch_candidates)
 from ._encoding import StageCuts
 from ._encoding import any_of as _any_of
 from ._encoding import blocks_of as _blocks
@@ -221,6 +226,9 @@ class _GroupedModel:
         def gated(flag, value, hi, name):
             return _gated(m, flag, value, hi, name)
 
+        # [C-shard] / [C-recompute] per-stage policy (as cpsat.py).
+        self.sh, self.rc = sh, rc = _policy_vars(m, tab, size, n_s)
+
         def any_of(lits, name):
             return _any_of(m, lits, name)
 
@@ -272,16 +280,22 @@ class _GroupedModel:
             max(p_[-1] for p_ in tab.fixed_prefix.values())
         t_hi = work_hi + 2 * (max((max(r) for r in tab.xfer), default=0) + lat_hi)
         gpu_hi = min(tab.num_gpus, b * n_s)
-        sync_hi = (max((p_[-1] for p_ in tab.ar_prefix), default=0) + 2 * max(gpu_hi - 1, 0) * lat_hi
-                   + max(p_[-1] for p_ in tab.opt_prefix))
+        if rc:
+            work_hi += b * max(p_[-1] for p_ in tab.rc_work_prefix.values()) + \
+                max(p_[-1] for p_ in tab.rc_fixed_prefix.values())
+            t_hi = work_hi + 2 * (max((max(r) for r in tab.xfer), default=0) + lat_hi)
         tmax = m.NewIntVar(0, t_hi, "tmax")
         # compute[c][s] = n W + F of a GPU of c in stage s (0 when c is absent from s).
         comp = [[None] * n_s for _ in cls]
         for c in cls:
             for s in stages:
                 cc = m.NewIntVar(0, work_hi, f"comp_{c}_{s}")
+                extra = 0
+                if rc:  # [C-compute] the recomputed forward
+                    extra = gated(rc[s], wsum(z[c][s], _blocks(tab.rc_work_prefix[ctype[c]]))
+                                  + wsum(u[c][s], _blocks(tab.rc_fixed_prefix[ctype[c]])), work_hi, f"rcw_{c}_{s}")
                 m.Add(cc == wsum(z[c][s], _blocks(tab.work_prefix[ctype[c]]))
-                      + wsum(u[c][s], _blocks(tab.fixed_prefix[ctype[c]])))
+                      + wsum(u[c][s], _blocks(tab.fixed_prefix[ctype[c]])) + extra)
                 m.Add(tmax >= cc)  # redundant
                 comp[c][s] = cc
         # Redundant throughput bound (valid for every decision): with w_ref[q] the
@@ -314,6 +328,28 @@ class _GroupedModel:
             m.Add(ts == cs + bnd)  # [C-stage]
             t.append(ts)
 
+        # [C-shard] zc[c][s]: MiB per GPU of c in sharded stage s (0 otherwise).
+        self.zc = zc = None
+        if sh:
+            zc = [[m.NewIntVar(0, tab.cap_bytes[rep[c]] // MIB_UNITS, f"zc_{c}_{s}") for s in stages] for c in cls]
+            for s in stages:
+                held = []
+                for c in cls:
+                    m.Add(zc[c][s] == 0).OnlyEnforceIf(both(p[c][s], sh[s], f"psh_{c}_{s}").Not())
+                    if count[c] == 1:
+                        held.append(unit[c] * zc[c][s])
+                    else:
+                        kz = m.NewIntVar(0, count[c] * (tab.cap_bytes[rep[c]] // MIB_UNITS), f"kz_{c}_{s}")
+                        m.AddMultiplicationEquality(kz, [k[c][s], zc[c][s]])
+                        held.append(unit[c] * kz)
+                m.Add(MIB_UNITS * sum(held) >= stage_sum(tab.shard_prefix, s)).OnlyEnforceIf(sh[s])
+            self.zc = zc
+        opt_hi = max(max(p_[-1] for p_ in tab.opt_prefix),
+                     max((tab.cap_bytes[r] // MIB_UNITS * tab.opt_per_mib[tab.gpu_mbw_class[r]] for r in rep),
+                         default=0) if sh else 0)
+        ar_hi = max((p_[-1] for p_ in (tab.arsh_prefix if sh else tab.ar_prefix)), default=0)
+        sync_hi = ar_hi + 3 * max(gpu_hi - 1, 0) * lat_hi + opt_hi
+
         # [C-allreduce] / [C-optim]
         sync = []
         for s in stages:
@@ -335,26 +371,52 @@ class _GroupedModel:
                 m.Add(sz1 == size[s] - 1)
                 lat_term = m.NewIntVar(0, gpu_hi * lat_hi, f"arlat_{s}")
                 m.AddMultiplicationEquality(lat_term, [sz1, lw])
-                ar = arb + 2 * lat_term
+                if sh:  # a sharded stage also all-gathers its weights
+                    arb_sh, _ = pair_max(pairs, lambda q, s=s: stage_sum(tab.arsh_prefix[q], s),
+                                         lambda q: tab.arsh_prefix[q][-1], f"as{s}")
+                    hi = max(p_[-1] for p_ in tab.arsh_prefix)
+                    ar = (gated(sh[s].Not(), arb, hi, f"arp_{s}") + gated(sh[s], arb_sh, hi, f"ars_{s}")
+                          + 2 * lat_term + gated(sh[s], lat_term, gpu_hi * lat_hi, f"arl_{s}"))
+                else:
+                    ar = arb + 2 * lat_term
             else:
                 ar = 0
             opt_terms = []
             for q in sorted(set(tab.gpu_mbw_class)):
                 members = [p[c][s] for c in cls if tab.gpu_mbw_class[rep[c]] == q]
                 if members:
-                    opt_terms.append(gated(any_of(members, f"o_{q}_{s}"), stage_sum(tab.opt_prefix[q], s),
+                    flag = any_of(members, f"o_{q}_{s}")
+                    if sh:
+                        flag = both(flag, sh[s].Not(), f"on_{q}_{s}")
+                    opt_terms.append(gated(flag, stage_sum(tab.opt_prefix[q], s),
                                            tab.opt_prefix[q][-1], f"oz_{q}_{s}"))
-            opt = m.NewIntVar(0, max(p_[-1] for p_ in tab.opt_prefix), f"opt_{s}")
+            if sh:
+                opt_terms += [tab.opt_per_mib[tab.gpu_mbw_class[rep[c]]] * zc[c][s] for c in cls]
+            opt = m.NewIntVar(0, opt_hi, f"opt_{s}")
             m.AddMaxEquality(opt, opt_terms)
             sync.append(ar + opt)
 
-        # [C-memory] (KiB)
+        # [C-memory] (KiB), per policy combination
         for s in stages:
             state = stage_sum(tab.state_prefix, s)
             fl = inflight(tab.schedule, n_s, s, tab.num_microbatches)
+            xin = _stage_input_kib(m, tab, cuts, s) if rc else None
             for c in cls:
                 act = wsum(z[c][s], _blocks(tab.act_prefix))
-                m.Add(state + fl * act <= tab.cap_bytes[rep[c]]).OnlyEnforceIf(p[c][s])
+                states = [(state, [])]
+                if sh:
+                    states = [(state, [sh[s].Not()]),
+                              (state - stage_sum(tab.shard_prefix, s) + MIB_UNITS * zc[c][s], [sh[s]])]
+                acts = [(fl * act, [])]
+                if rc:
+                    cin = 0
+                    if xin is not None:
+                        cin = m.NewIntVar(0, b * tab.cut_kib_max, f"cin_{c}_{s}")
+                        m.AddMultiplicationEquality(cin, [n[c][s], xin])
+                    acts = [(fl * act, [rc[s].Not()]), (fl * cin + act, [rc[s]])]
+                for st_expr, l1 in states:
+                    for act_expr, l2 in acts:
+                        m.Add(st_expr + act_expr <= tab.cap_bytes[rep[c]]).OnlyEnforceIf([p[c][s], *l1, *l2])
 
         # [C-symmetry] interchangeable groups c < d (same type, memory, memory
         # bandwidth, shape, inside links; same links to each other group): the
@@ -384,23 +446,54 @@ class _GroupedModel:
         self.objective = sum(t) + (tab.num_microbatches - 1) * tmax + smax
         m.Minimize(self.objective)
 
+    def hint(self, result: SolverResult) -> None:
+        """Warm start from a per-GPU decision (same S and M): cuts, policy, and per
+        group the units in each stage and the samples / shard of its first GPU
+        there (a hint, so a decision the classes cannot express exactly is
+        repaired by CP-SAT)."""
+        m, mib = self.m, MIB_UNITS * 1024
+        for s, (i, _) in enumerate(result.stage_blocks):
+            m.AddHint(self.cut[s], i)
+        where = {}
+        for s, (gs, ns) in enumerate(zip(result.stage_gpus, result.samples_per_microbatch)):
+            sharded = bool(result.stage_sharded and result.stage_sharded[s])
+            for pos, (g, n) in enumerate(zip(gs, ns)):
+                where[g] = (s, n, result.state_shard_bytes[s][pos] // mib if sharded else 0)
+        for c, grp in enumerate(self.groups):
+            for s in range(self.S):
+                mine = [where[g] for g in grp.members if where.get(g, (None,))[0] == s]
+                m.AddHint(self.k[c][s], len(mine) // grp.unit)
+                m.AddHint(self.p[c][s], bool(mine))
+                m.AddHint(self.n[c][s], mine[0][1] if mine else 0)
+                if self.zc is not None:
+                    m.AddHint(self.zc[c][s], max((z for _, _, z in mine), default=0))
+        for s in range(self.S):
+            if self.sh:
+                m.AddHint(self.sh[s], bool(result.stage_sharded and result.stage_sharded[s]))
+            if self.rc:
+                m.AddHint(self.rc[s], bool(result.stage_recompute and result.stage_recompute[s]))
+
     def decision(self, solver: cp_model.CpSolver):
-        """Expand the class decision to GPUs: (stage_blocks, stage_gpus, samples)."""
+        """Expand the class decision to GPUs: (stage_blocks, stage_gpus, samples, MemoryPolicy)."""
         cuts = [solver.Value(c) for c in self.cut]
         blocks = tuple((cuts[s], cuts[s + 1]) for s in range(self.S))
+        sharded = tuple(bool(self.sh and solver.BooleanValue(self.sh[s])) for s in range(self.S))
+        recompute = tuple(bool(self.rc and solver.BooleanValue(self.rc[s])) for s in range(self.S))
         per_stage = [[] for _ in range(self.S)]
         for c, grp in enumerate(self.groups):
             members, pos = grp.members, 0
             for s in range(self.S):
                 kk, nn = grp.unit * solver.Value(self.k[c][s]), solver.Value(self.n[c][s])
-                per_stage[s].extend((g, nn) for g in members[pos:pos + kk])
+                zz = solver.Value(self.zc[c][s]) if sharded[s] else 0
+                per_stage[s].extend((g, nn, zz) for g in members[pos:pos + kk])
                 pos += kk
-        gpus, samples = [], []
-        for row in per_stage:
+        gpus, samples, shards = [], [], []
+        for s, row in enumerate(per_stage):
             row.sort()
-            gpus.append(tuple(g for g, _ in row))
-            samples.append(tuple(nn for _, nn in row))
-        return blocks, tuple(gpus), tuple(samples)
+            gpus.append(tuple(g for g, _, _ in row))
+            samples.append(tuple(nn for _, nn, _ in row))
+            shards.append(tuple(zz for _, _, zz in row) if sharded[s] else ())
+        return blocks, tuple(gpus), tuple(samples), MemoryPolicy(sharded, tuple(shards), recompute)
 
 
 #: With ``aggregate_nodes=None``, identical nodes are merged when there are more classes than this.
@@ -408,7 +501,7 @@ AGGREGATE_ABOVE = 16
 
 
 def solve_grouped(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions, *,
-                  aggregate_nodes: bool | None = None) -> SolverResult:
+                  aggregate_nodes: bool | None = None, hints=()) -> SolverResult:
     """Plan with the grouped CP-SAT model: minimise the predicted step time over (S, M).
 
     Same contract as ``solve_cpsat`` (``objective`` / ``best_bound`` in seconds,
@@ -418,7 +511,8 @@ def solve_grouped(costs: BlockCosts, devices: DeviceGraph, options: SolverOption
     ``aggregate_nodes``: merge classes of identical nodes into one group whose
     stages take whole nodes (a further restriction; None = only when there are
     more than AGGREGATE_ABOVE classes). Each candidate gets
-    ``options.time_limit_s``. Raises InfeasiblePlanError if nothing fits."""
+    ``options.time_limit_s``. ``hints``: decisions to warm-start the candidate
+    with the same S and M (``solve_cpsat``). Raises InfeasiblePlanError if nothing fits."""
     search = CandidateSearch(costs, devices, options, label="grouped")
     groups, tabs = None, {}
     for n_s in range(1, max_stage_count(costs, devices, options) + 1):
@@ -430,5 +524,9 @@ def solve_grouped(costs: BlockCosts, devices: DeviceGraph, options: SolverOption
                 groups = _groups(devices, tab, False)
                 if aggregate_nodes or (aggregate_nodes is None and len(groups) > AGGREGATE_ABOVE):
                     groups = _groups(devices, tab, True)
-            search.solve(_GroupedModel(tab, devices, options, groups, n_s), n_s, m, num_groups=len(groups))
+            model = _GroupedModel(tab, devices, options, groups, n_s)
+            h = matching_hint(hints, n_s, m)
+            if h is not None:
+                model.hint(h)
+            search.solve(model, n_s, m, num_groups=len(groups), **({"hint": h.status} if h is not None else {}))
     return search.result()

@@ -9,26 +9,45 @@ iff ``allow_idle_gpus``; every stage >= 1 GPU)                       [C-assign]
 contiguous non-empty block ranges [c_s, c_{s+1}), c_0 = 0, c_S = B   [C-cuts]
 integer samples n_g >= 1 per GPU of stage s, sum_{g in s} n_g = b   [C-samples]
 
+Memory policy per stage (decisions too; ``SolverOptions.sharding`` /
+``recompute`` = "never" fixes them to False, "always" to True, "auto" leaves
+them to the planner):
+  sh_s  ZeRO-1: the stage's shardable optimizer state is split across its GPUs,
+        GPU g holding z_g MiB (integers, any split covering it; only for
+        stages with >= 2 GPUs)                                        [C-shard]
+  rc_s  stage-level recomputation: keep only the stage's inputs per in-flight
+        micro-batch, re-run the forward before each backward          [C-recompute]
+
 P_s = params of the blocks of s, A_s = their activation bytes per sample,
-W_{s,tau} = their fwd+bwd time per sample on GPU type tau.
+W_{s,tau} = their fwd+bwd time per sample on GPU type tau, Q_s = their
+shardable state bytes (shardable_bytes_per_param * P_s), R_s = the rest
+(weights + gradients), X_s = cut bytes per sample into stage s (0 for s = 0).
   compute_g   = n_g * W_{s,type(g)} + F_{s,type(g)}                   [C-compute]
-                (F = fixed time per micro-batch: kernel launches)
+                + rc_s * (n_g * W_{s,type(g)} + F_{s,type(g)}) / 3
+                (F = fixed time per micro-batch: kernel launches; the
+                recomputed forward is 1/3 of fwd+bwd, RECOMPUTE_FRACTION)
   boundary_s  = 2 * (xfer_s + lat_s) for s < S-1, boundary_{S-1} = 0  [C-boundary]
                 xfer_s = cut_bytes[c_{s+1}] * b / bw_min(s, s+1),
                 lat_s  = lat_max(s, s+1) over GPU pairs (g in s, h in s+1)
                 (forward activations + backward gradients, all b samples on
                 the slowest link, conservatively)
   t_s         = max_{g in s} compute_g + boundary_s                   [C-stage]
-  allreduce_s = 0 if |s| = 1, else 2 * grad_bytes * P_s / bw_min(within s)
-                + 2 * (|s| - 1) * lat_max(within s)  (ring, (k-1)/k <= 1)  [C-allreduce]
-  optim_s     = max_{g in s} 2 * state_bytes * P_s / mem_bw_g  (AdamW reads and
-                writes its state once)                                 [C-optim]
+  allreduce_s = 0 if |s| = 1, else (2 * grad_bytes + sh_s * param_bytes) * P_s
+                / bw_min(within s) + (2 + sh_s) * (|s| - 1) * lat_max(within s)
+                (ring all-reduce of the gradients, (k-1)/k <= 1; a sharded
+                stage then all-gathers the updated weights)          [C-allreduce]
+  optim_s     = max_{g in s} of 2 * state_bytes * P_s / mem_bw_g  (AdamW reads
+                and writes its state once), or for a sharded stage
+                2 * state_bytes * (z_g MiB / shardable_bytes) / mem_bw_g
+                (each GPU updates the parameters of its shard)        [C-optim]
   step        = sum_s t_s + (M - 1) * max_s t_s + max_s (allreduce_s + optim_s)
                 (1F1B / GPipe fill + steady state; gradient sync after drain)
                                                                        [C-objective]
-  memory_g    = state_bytes * P_s + A_s * n_g * inflight_s
+  memory_g    = R_s + (sh_s ? z_g MiB : Q_s)
+                + (rc_s ? n_g * (inflight_s * X_s + A_s) : inflight_s * n_g * A_s)
                 <= floor(memory_fraction * memory_bytes_g),
                 inflight_s = min(S - s, M) for "1f1b", M for "gpipe"   [C-memory]
+  coverage    sh_s => sum_{g in s} z_g MiB >= Q_s                     [C-shard]
 Objective: minimise step. The planners loop over (S, M), one model per pair,
 and keep the best (ties: fewer stages, then fewer micro-batches).
 
@@ -46,6 +65,11 @@ activation bytes rounded UP, usable memory rounded DOWN (conservative by at
 most 1 KiB per block). With byte-sized coefficients (~4e10) OR-Tools 9.15's
 presolve declared a feasible model INFEASIBLE (seen on the Metis scenario:
 presolve off or KiB units give the optimum), so the tables stay small.
+  * shardable state Q per block in KiB rounded up; R = (state rounded up) - Q;
+    cut bytes X in KiB rounded up; a shard z_g in whole MiB (MIB_UNITS
+    memory units) and its optimizer time z_g * to_units(2 * state * MiB /
+    (shardable * mem_bw)) per distinct memory bandwidth;
+  * recomputation time: per-block to_units(RECOMPUTE_FRACTION * time), prefix sums.
 bw_min / lat_max become "max over present GPU pairs of the pair's rounded
 time", which equals the formula because rounding is monotone. Every quantity
 is then exact integer arithmetic, so the evaluator and the CP-SAT model agree
@@ -62,7 +86,8 @@ from .records import BlockCosts, DeviceGraph, SolverOptions
 __all__ = [
     "UNITS_PER_S", "UNIT_S", "GIB", "to_units", "microbatch_candidates",
     "max_stage_count", "inflight", "IntTables", "build_tables", "Evaluation",
-    "evaluate", "evaluate_units", "explain_infeasible",
+    "evaluate", "evaluate_units", "explain_infeasible", "balance_shards", "MIB_UNITS", "evaluate_result",
+    "RECOMPUTE_FRACTION", "MemoryPolicy",
 ]
 
 #: Integer time units per second: 1 unit = 1 ns.
@@ -71,6 +96,12 @@ UNITS_PER_S = 1_000_000_000
 UNIT_S = 1.0 / UNITS_PER_S
 #: Bytes per integer memory unit of the tables (KiB; see the module note).
 MEMORY_UNIT_BYTES = 1024
+#: Memory units per MiB: optimizer-state shards are decided in whole MiB.
+MIB_UNITS = 1024
+#: Share of a block's fwd+bwd time that is the forward (re-run when a stage
+#: recomputes): the backward computes the input and the weight gradient, two
+#: matmuls per forward matmul (Narayanan et al., SC'21); the simulator uses it too.
+RECOMPUTE_FRACTION = 1.0 / 3.0
 
 
 def _kib_up(nbytes: float) -> int:
@@ -171,6 +202,24 @@ class IntTables:
     opt_prefix: tuple[tuple[int, ...], ...]
     #: (G,) usable memory floor(memory_fraction * memory_bytes), in MEMORY_UNIT_BYTES units.
     cap_bytes: tuple[int, ...]
+    #: prefix of the shardable state Q (KiB, rounded up per block); the
+    #: replicated rest of a stage is state_prefix - shard_prefix.
+    shard_prefix: tuple[int, ...]
+    #: (B+1,) cut bytes per sample before block c (KiB, rounded up).
+    cut_kib: tuple[int, ...]
+    #: {gpu_type: prefix of recomputed-forward units per sample / per micro-batch}.
+    rc_work_prefix: dict[str, tuple[int, ...]]
+    rc_fixed_prefix: dict[str, tuple[int, ...]]
+    #: [bw class] prefix of a sharded stage's sync units (2 grad + param) * params / bw.
+    arsh_prefix: tuple[tuple[int, ...], ...]
+    #: [memory-bandwidth class] optimizer units per MiB of shard.
+    opt_per_mib: tuple[int, ...]
+    sharding: str = "never"
+    recompute: str = "never"
+
+    @property
+    def cut_kib_max(self) -> int:
+        return max(self.cut_kib)
 
 
 def build_tables(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions,
@@ -203,6 +252,8 @@ def build_tables(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions
                           for g in range(n_g))
     mem_bw_values = tuple(sorted(set(devices.mem_bw_bytes_per_s)))
     st, gr = costs.state_bytes_per_param, costs.grad_bytes_per_param
+    sh, pb = costs.shardable_bytes_per_param, costs.param_bytes_per_param
+    types = sorted(set(devices.gpu_types))
     return IntTables(
         num_blocks=costs.num_blocks, num_gpus=n_g, num_microbatches=m, microbatch_size=b,
         schedule=options.schedule, gpu_types=tuple(devices.gpu_types),
@@ -221,12 +272,37 @@ def build_tables(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions
         opt_prefix=tuple(_prefix(to_units(2 * st * p / v) for p in costs.param_count)
                          for v in mem_bw_values),
         cap_bytes=tuple(int(options.memory_fraction * mb) // MEMORY_UNIT_BYTES for mb in devices.memory_bytes),
+        shard_prefix=_prefix(_kib_up(sh * p) for p in costs.param_count),
+        cut_kib=tuple(_kib_up(c) for c in costs.cut_bytes_per_sample),
+        rc_work_prefix={t: _prefix(to_units(RECOMPUTE_FRACTION * x) for x in costs.fwd_bwd_s_per_sample[t])
+                        for t in types},
+        rc_fixed_prefix={t: _prefix(to_units(RECOMPUTE_FRACTION * x)
+                                    for x in costs.fwd_bwd_s_fixed.get(t, (0.0,) * costs.num_blocks))
+                         for t in types},
+        arsh_prefix=tuple(_prefix(to_units((2 * gr + pb) * p / v) for p in costs.param_count) for v in bw_values),
+        opt_per_mib=tuple(to_units(2 * st * MIB_UNITS * MEMORY_UNIT_BYTES / (sh * v)) if sh else 0
+                          for v in mem_bw_values),
+        sharding=options.sharding, recompute=options.recompute,
     )
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryPolicy:
+    """Per stage: ZeRO-1 sharded?, the shard of each GPU in MiB (aligned with
+    the stage's GPUs; () when not sharded), recomputation? ([C-shard], [C-recompute])."""
+
+    sharded: tuple[bool, ...]
+    shard_mib: tuple[tuple[int, ...], ...]
+    recompute: tuple[bool, ...]
+
+    @classmethod
+    def plain(cls, num_stages: int) -> "MemoryPolicy":
+        return cls((False,) * num_stages, ((),) * num_stages, (False,) * num_stages)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StageUnits:
-    """Integer terms of one decision (units = ns, memory in bytes), per stage."""
+    """Integer terms of one decision (units = ns, memory in KiB units), per stage."""
 
     compute: tuple[int, ...]
     boundary: tuple[int, ...]
@@ -235,16 +311,95 @@ class StageUnits:
     optim: tuple[int, ...]
     memory: tuple[tuple[int, ...], ...]
     step: int
+    #: Per stage: KiB of the shardable state no shard covers (0 = [C-shard] holds).
+    uncovered: tuple[int, ...] = ()
+
+    def fits(self, tab: "IntTables", stage_gpus) -> bool:
+        """[C-memory] and [C-shard] hold."""
+        return not any(self.uncovered) and all(
+            need <= tab.cap_bytes[g] for gs, needs in zip(stage_gpus, self.memory) for g, need in zip(gs, needs))
 
 
-def evaluate_units(tab: IntTables, stage_blocks, stage_gpus, samples) -> StageUnits:
-    """The model's integer terms for an already-validated decision."""
-    n_s, m = len(stage_blocks), tab.num_microbatches
-    comp, bnd, ar, opt, mem = [], [], [], [], []
+def _act_units(tab: IntTables, s: int, n_s: int, i: int, n: int, a: int, rc: bool) -> int:
+    """Activation KiB of a GPU with n samples on stage s (blocks from i, A_s = a)."""
+    fl = inflight(tab.schedule, n_s, s, tab.num_microbatches)
+    return n * (fl * (tab.cut_kib[i] if s > 0 else 0) + a) if rc else fl * n * a
+
+
+def balance_shards(need_kib: int, free_mib, rate) -> tuple[int, ...] | None:
+    """Whole-MiB shards ``z_g <= free_mib[g]`` with ``MIB_UNITS * sum z >= need_kib``
+    minimising ``max_g z_g * rate[g]`` (the stage's sharded optimizer time;
+    ``rate`` = units per MiB). Binary search on that maximum, then surplus
+    MiB are taken back from the slowest shards. None if the free memory
+    cannot hold the state."""
+    need = -(-need_kib // MIB_UNITS)
+    free = [max(0, int(f)) for f in free_mib]
+    if sum(free) < need:
+        return None
+
+    def take(limit):
+        return [min(f, limit // r) if r > 0 else f for f, r in zip(free, rate)]
+
+    lo, hi = 0, max((f * r for f, r in zip(free, rate)), default=0)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if sum(take(mid)) >= need:
+            hi = mid
+        else:
+            lo = mid + 1
+    z = take(lo)
+    surplus = sum(z) - need
+    for g in sorted(range(len(z)), key=lambda g: (-z[g] * rate[g], g)):
+        if surplus <= 0:
+            break
+        d = min(surplus, z[g])
+        z[g] -= d
+        surplus -= d
+    return tuple(z)
+
+
+def fill_policy(tab: IntTables, stage_blocks, stage_gpus, samples, sharded, recompute) -> MemoryPolicy:
+    """A MemoryPolicy for the given per-stage flags with each sharded stage's
+    shards chosen by ``balance_shards`` on the memory left after the replicated
+    state and the activations (when even that cannot hold the state, shards
+    proportional to the free memory: ``evaluate`` then reports the breach)."""
+    n_s = len(stage_blocks)
+    shards = []
     for s, ((i, j), gpus, ns) in enumerate(zip(stage_blocks, stage_gpus, samples)):
-        comp.append(max(n * (tab.work_prefix[tab.gpu_types[g]][j] - tab.work_prefix[tab.gpu_types[g]][i])
-                        + tab.fixed_prefix[tab.gpu_types[g]][j] - tab.fixed_prefix[tab.gpu_types[g]][i]
-                        for g, n in zip(gpus, ns)))
+        if not sharded[s]:
+            shards.append(())
+            continue
+        repl = (tab.state_prefix[j] - tab.state_prefix[i]) - (tab.shard_prefix[j] - tab.shard_prefix[i])
+        a = tab.act_prefix[j] - tab.act_prefix[i]
+        free = [(tab.cap_bytes[g] - repl - _act_units(tab, s, n_s, i, n, a, recompute[s])) // MIB_UNITS
+                for g, n in zip(gpus, ns)]
+        need = tab.shard_prefix[j] - tab.shard_prefix[i]
+        z = balance_shards(need, free, [tab.opt_per_mib[tab.gpu_mbw_class[g]] for g in gpus])
+        if z is None:
+            need_mib, fr = -(-need // MIB_UNITS), [max(f, 0) for f in free]
+            tot = sum(fr) or len(fr)
+            z = [-(-need_mib * (f if sum(fr) else 1) // tot) for f in fr]
+        shards.append(tuple(z))
+    return MemoryPolicy(tuple(bool(x) for x in sharded), tuple(shards), tuple(bool(x) for x in recompute))
+
+
+def evaluate_units(tab: IntTables, stage_blocks, stage_gpus, samples, policy: MemoryPolicy | None = None) -> StageUnits:
+    """The model's integer terms for an already-validated decision (memory in KiB units)."""
+    n_s, m = len(stage_blocks), tab.num_microbatches
+    pol = policy or MemoryPolicy.plain(n_s)
+    comp, bnd, ar, opt, mem, unc = [], [], [], [], [], []
+    for s, ((i, j), gpus, ns) in enumerate(zip(stage_blocks, stage_gpus, samples)):
+        sh, rc = pol.sharded[s], pol.recompute[s]
+
+        def work(g, n):
+            t = tab.gpu_types[g]
+            w = n * (tab.work_prefix[t][j] - tab.work_prefix[t][i]) + tab.fixed_prefix[t][j] - tab.fixed_prefix[t][i]
+            if rc:
+                w += n * (tab.rc_work_prefix[t][j] - tab.rc_work_prefix[t][i]) \
+                    + tab.rc_fixed_prefix[t][j] - tab.rc_fixed_prefix[t][i]
+            return w
+
+        comp.append(max(work(g, n) for g, n in zip(gpus, ns)))
         if s < n_s - 1:
             nxt = stage_gpus[s + 1]
             xfer = max(tab.xfer[tab.pair_bw_class[g][h]][j] for g in gpus for h in nxt)
@@ -254,20 +409,29 @@ def evaluate_units(tab: IntTables, stage_blocks, stage_gpus, samples) -> StageUn
             bnd.append(0)
         pairs = [(g, h) for a, g in enumerate(gpus) for h in gpus[a + 1:]]
         if pairs:
-            arb = max(tab.ar_prefix[k][j] - tab.ar_prefix[k][i]
-                      for k in {tab.pair_bw_class[g][h] for g, h in pairs})
-            ar.append(arb + 2 * (len(gpus) - 1) * max(tab.pair_lat[g][h] for g, h in pairs))
+            pre = tab.arsh_prefix if sh else tab.ar_prefix
+            arb = max(pre[k][j] - pre[k][i] for k in {tab.pair_bw_class[g][h] for g, h in pairs})
+            ar.append(arb + (2 + sh) * (len(gpus) - 1) * max(tab.pair_lat[g][h] for g, h in pairs))
         else:
             ar.append(0)
-        opt.append(max(tab.opt_prefix[tab.gpu_mbw_class[g]][j] - tab.opt_prefix[tab.gpu_mbw_class[g]][i]
-                       for g in gpus))
-        fl = inflight(tab.schedule, n_s, s, m)
-        state, act = tab.state_prefix[j] - tab.state_prefix[i], tab.act_prefix[j] - tab.act_prefix[i]
-        mem.append(tuple(state + act * n * fl for n in ns))
+        state = tab.state_prefix[j] - tab.state_prefix[i]
+        shard = tab.shard_prefix[j] - tab.shard_prefix[i]
+        a = tab.act_prefix[j] - tab.act_prefix[i]
+        if sh:
+            z = pol.shard_mib[s]
+            opt.append(max(zg * tab.opt_per_mib[tab.gpu_mbw_class[g]] for g, zg in zip(gpus, z)))
+            mem.append(tuple(state - shard + MIB_UNITS * zg + _act_units(tab, s, n_s, i, n, a, rc)
+                             for n, zg in zip(ns, z)))
+            unc.append(max(0, shard - MIB_UNITS * sum(z)))
+        else:
+            opt.append(max(tab.opt_prefix[tab.gpu_mbw_class[g]][j] - tab.opt_prefix[tab.gpu_mbw_class[g]][i]
+                           for g in gpus))
+            mem.append(tuple(state + _act_units(tab, s, n_s, i, n, a, rc) for n in ns))
+            unc.append(0)
     stage = tuple(c + x for c, x in zip(comp, bnd))
     step = sum(stage) + (m - 1) * max(stage) + max(a + o for a, o in zip(ar, opt))
     return StageUnits(compute=tuple(comp), boundary=tuple(bnd), stage=stage, allreduce=tuple(ar),
-                      optim=tuple(opt), memory=tuple(mem), step=step)
+                      optim=tuple(opt), memory=tuple(mem), step=step, uncovered=tuple(unc))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -287,6 +451,11 @@ class Evaluation:
     violations: tuple[str, ...]
     #: The integer objective (ns) that CP-SAT minimises.
     objective_units: int
+    #: The memory policy scored: per stage sharded / recompute, and each GPU's
+    #: shard of the optimizer state in bytes (0 when not sharded).
+    stage_sharded: tuple[bool, ...] = ()
+    state_shard_bytes: tuple[tuple[int, ...], ...] = ()
+    stage_recompute: tuple[bool, ...] = ()
 
 
 def _validate(costs, devices, options, stage_blocks, stage_gpus, samples, m) -> int:
@@ -329,17 +498,72 @@ def _validate(costs, devices, options, stage_blocks, stage_gpus, samples, m) -> 
     return b
 
 
+def _policy(tab, options, stage_blocks, stage_gpus, samples, sharded, shard_mib, recompute) -> MemoryPolicy:
+    """Validate the memory-policy arguments of ``evaluate`` and fill the defaults."""
+    n_s = len(stage_blocks)
+    sharded = tuple(bool(x) for x in sharded) if sharded is not None else (False,) * n_s
+    recompute = tuple(bool(x) for x in recompute) if recompute is not None else (False,) * n_s
+    for name, v in (("stage_sharded", sharded), ("stage_recompute", recompute)):
+        if len(v) != n_s:
+            raise ValueError(f"{name} has {len(v)} entries, the decision has {n_s} stages")
+    for s, (flag, gpus) in enumerate(zip(sharded, stage_gpus)):
+        if flag and len(gpus) < 2:
+            raise ValueError(f"stage {s} is sharded but has {len(gpus)} GPU: ZeRO-1 needs >= 2 GPUs "
+                             f"in the stage's data-parallel group")
+    pol = fill_policy(tab, stage_blocks, stage_gpus, samples, sharded, recompute)
+    if shard_mib is not None:
+        if len(shard_mib) != n_s:
+            raise ValueError(f"state_shard_mib has {len(shard_mib)} rows, the decision has {n_s} stages")
+        rows = []
+        for s, (flag, gpus, row) in enumerate(zip(sharded, stage_gpus, shard_mib)):
+            row = tuple(row or ())
+            if not flag:
+                if any(row):
+                    raise ValueError(f"stage {s} is not sharded but state_shard_mib gives it shards {row}")
+                rows.append(())
+                continue
+            if len(row) != len(gpus) or any(not isinstance(z, int) or z < 0 for z in row):
+                raise ValueError(f"stage {s}: state_shard_mib {row} must give one int >= 0 per GPU "
+                                 f"({len(gpus)} GPUs)")
+            rows.append(row)
+        pol = MemoryPolicy(pol.sharded, tuple(rows), pol.recompute)
+    return pol
+
+
+def mode_violations(options: SolverOptions, stage_gpus, pol: MemoryPolicy) -> list[str]:
+    """Breaches of ``options.sharding`` / ``options.recompute`` by a policy."""
+    bad = []
+    for s, gpus in enumerate(stage_gpus):
+        if pol.sharded[s] and options.sharding == "never":
+            bad.append(f"stage {s} is sharded but sharding='never'")
+        if not pol.sharded[s] and len(gpus) >= 2 and options.sharding == "always":
+            bad.append(f"stage {s} ({len(gpus)} GPUs) is not sharded but sharding='always'")
+        if pol.recompute[s] != (options.recompute == "always") and options.recompute != "auto":
+            bad.append(f"stage {s} recompute={pol.recompute[s]} but recompute={options.recompute!r}")
+    return bad
+
+
 def evaluate(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions, *,
-             stage_blocks, stage_gpus, samples_per_microbatch, num_microbatches: int) -> Evaluation:
+             stage_blocks, stage_gpus, samples_per_microbatch, num_microbatches: int,
+             stage_sharded=None, state_shard_mib=None, stage_recompute=None) -> Evaluation:
     """Score a decision with the model of the module note.
 
+    ``stage_sharded`` / ``stage_recompute``: per-stage flags (None = all
+    False). ``state_shard_mib``: per sharded stage, each GPU's shard in whole
+    MiB (None = the split ``balance_shards`` picks; rows of unsharded stages
+    are () or zeros).
+
     Raises ValueError for a malformed decision (non-contiguous blocks, a GPU in
-    two stages, samples not summing to the micro-batch size); constraint
-    breaches (memory, idle GPUs, too many stages) are listed in ``violations``.
+    two stages, samples not summing to the micro-batch size, a sharded stage
+    with one GPU, shards of the wrong shape); constraint breaches (memory,
+    uncovered optimizer state, idle GPUs, too many stages, a sharding /
+    recompute mode not allowed by ``options``) are listed in ``violations``.
     """
     _validate(costs, devices, options, stage_blocks, stage_gpus, samples_per_microbatch, num_microbatches)
     tab = build_tables(costs, devices, options, num_microbatches)
-    u = evaluate_units(tab, stage_blocks, stage_gpus, samples_per_microbatch)
+    pol = _policy(tab, options, stage_blocks, stage_gpus, samples_per_microbatch, stage_sharded,
+                  state_shard_mib, stage_recompute)
+    u = evaluate_units(tab, stage_blocks, stage_gpus, samples_per_microbatch, pol)
     bad = []
     if len(stage_blocks) > options.max_stages:
         bad.append(f"{len(stage_blocks)} stages > max_stages={options.max_stages}")
@@ -350,7 +574,12 @@ def evaluate(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions, *,
     idle = sorted(set(range(devices.num_gpus)) - {g for gs in stage_gpus for g in gs})
     if idle and not options.allow_idle_gpus:
         bad.append(f"GPUs {idle} are idle but allow_idle_gpus=False")
+    bad += mode_violations(options, stage_gpus, pol)
     for s, gpus in enumerate(stage_gpus):
+        if u.uncovered[s]:
+            bad.append(f"stage {s}: the shards hold {_gib(MIB_UNITS * MEMORY_UNIT_BYTES * sum(pol.shard_mib[s]))} "
+                       f"GiB of {_gib((tab.shard_prefix[stage_blocks[s][1]] - tab.shard_prefix[stage_blocks[s][0]]) * MEMORY_UNIT_BYTES)} "
+                       f"GiB optimizer state")
         for g, need in zip(gpus, u.memory[s]):
             if need > tab.cap_bytes[g]:
                 bad.append(f"stage {s} GPU {g} ({devices.gpu_types[g]}) needs {_gib(need * MEMORY_UNIT_BYTES)} GiB > "
@@ -360,11 +589,28 @@ def evaluate(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions, *,
     def sec(v):
         return tuple(x * UNIT_S for x in v)
 
+    mib = MIB_UNITS * MEMORY_UNIT_BYTES
     return Evaluation(step_time_s=u.step * UNIT_S, stage_time_s=sec(u.stage), compute_s=sec(u.compute),
                       boundary_s=sec(u.boundary), allreduce_s=sec(u.allreduce), optim_s=sec(u.optim),
                       memory_bytes=tuple(tuple(v * MEMORY_UNIT_BYTES for v in row) for row in u.memory),
                       feasible=not bad, violations=tuple(bad),
-                      objective_units=u.step)
+                      objective_units=u.step, stage_sharded=pol.sharded,
+                      state_shard_bytes=tuple(tuple(z * mib for z in row) if row else (0,) * len(gs)
+                                              for row, gs in zip(pol.shard_mib, stage_gpus)),
+                      stage_recompute=pol.recompute)
+
+
+def evaluate_result(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions, result) -> Evaluation:
+    """``evaluate`` of a SolverResult's decision, memory policy included."""
+    mib = MIB_UNITS * MEMORY_UNIT_BYTES
+    n_s = len(result.stage_blocks)
+    sharded = tuple(result.stage_sharded) or (False,) * n_s
+    return evaluate(costs, devices, options, stage_blocks=result.stage_blocks, stage_gpus=result.stage_gpus,
+                    samples_per_microbatch=result.samples_per_microbatch,
+                    num_microbatches=result.num_microbatches, stage_sharded=sharded,
+                    state_shard_mib=tuple(tuple(b // mib for b in row) if sh else ()
+                                          for sh, row in zip(sharded, result.state_shard_bytes or ((),) * n_s)),
+                    stage_recompute=tuple(result.stage_recompute) or None)
 
 
 def _min_max_split(needs: list[int], k_max: int) -> tuple[int, list[tuple[int, int]]]:
@@ -413,11 +659,19 @@ def explain_infeasible(costs: BlockCosts, devices: DeviceGraph, options: SolverO
     big_txt = (f"the largest GPU ({devices.gpu_types[big]}) has {_gib(caps[big])} GiB usable "
                f"({options.memory_fraction:g} × {_gib(devices.memory_bytes[big])} GiB)")
     st = costs.state_bytes_per_param
-    needs = [st * p + a for p, a in zip(costs.param_count, costs.act_bytes_per_sample)]
     n_par = sum(costs.param_count)
     head = (f"the model's training state needs {_gib(st * n_par)} GiB "
             f"({st} B/param × {n_par:.3g} params)")
+    if options.sharding != "never" and costs.shardable_bytes_per_param:
+        # Lower bound: the shardable part can be spread over other GPUs of the stage.
+        st = st - costs.shardable_bytes_per_param
+        head += f", {_gib(st * n_par)} GiB of it replicated per stage under ZeRO-1 sharding"
+    needs = [st * p + a for p, a in zip(costs.param_count, costs.act_bytes_per_sample)]
     fix = "add GPUs with more memory, raise max_stages, or lower global_batch_size / use more micro-batches"
+    more = [f"{name}='auto'" for name, v in (("sharding", options.sharding), ("recompute", options.recompute))
+            if v == "never"]
+    if more:
+        fix += f", or allow {' and '.join(more)} (ZeRO-1 optimizer-state sharding / stage recomputation)"
     blk = max(range(len(needs)), key=lambda i: needs[i])
     if needs[blk] > caps[big]:
         return (f"{head}; block {blk} alone needs {_gib(needs[blk])} GiB "

@@ -3,7 +3,9 @@
 CP-SAT under a time limit can stop at a poor incumbent on large clusters
 (``bench/README.md``, planner scaling). The baselines (``zorse_fx/baselines``)
 are fast and score decisions with the same objective, so the planner runs
-them too and keeps the best *feasible* decision. The result says which one won
+them first, hands their feasible plans to CP-SAT as hints (``AddHint``: the
+candidate with the same stages and micro-batches starts from the plan) and
+keeps the best *feasible* decision. The result says which one won
 (``status`` "OPTIMAL"/"FEASIBLE" from CP-SAT, or "BASELINE:<name>" when a
 baseline beat an unproven CP-SAT incumbent); the optimality gap keeps CP-SAT's
 bound, so it is reported against the returned plan.
@@ -12,6 +14,7 @@ bound, so it is reported against the returned plan.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import time
 
 from ..errors import InfeasiblePlanError
@@ -34,32 +37,37 @@ def solve_portfolio(costs: BlockCosts, devices: DeviceGraph, options: SolverOpti
             (CP-SAT's message, which names the binding constraint).
     """
     from ..baselines import BASELINES
-    from .objective import evaluate
+    from .objective import evaluate_result
 
     t0 = time.perf_counter()
+    # The baselines first: their feasible plans warm-start the CP-SAT candidates
+    # with the same (stages, micro-batches) ([Note: warm start] in cpsat.py).
+    tried, found = [], []
+    names = BASELINES if devices.num_gpus <= LARGE_CLUSTER_GPUS else CHEAP_BASELINES
+    for name in names:
+        try:
+            res = BASELINES[name](costs, devices, options)
+        except (InfeasiblePlanError, ValueError):
+            continue
+        ev = evaluate_result(costs, devices, options, res)
+        tried.append({"baseline": name, "step_time_s": ev.step_time_s, "feasible": ev.feasible})
+        if ev.feasible:
+            found.append((ev.step_time_s, name, res))
+    found.sort(key=lambda f: f[0])
+    kw = {"hints": tuple(r for _, _, r in found)} if "hints" in inspect.signature(solver).parameters else {}
     try:
-        best = solver(costs, devices, options)
+        best = solver(costs, devices, options, **kw)
         error = None
     except InfeasiblePlanError as exc:
         best, error = None, exc
     if best is not None and best.status == "OPTIMAL":
         return best  # nothing can beat a proven optimum of the same objective
-    tried = []
-    names = BASELINES if devices.num_gpus <= LARGE_CLUSTER_GPUS else CHEAP_BASELINES
-    for name in names:
-        fn = BASELINES[name]
-        try:
-            res = fn(costs, devices, options)
-        except (InfeasiblePlanError, ValueError):
-            continue
-        ev = evaluate(costs, devices, options, stage_blocks=res.stage_blocks, stage_gpus=res.stage_gpus,
-                      samples_per_microbatch=res.samples_per_microbatch, num_microbatches=res.num_microbatches)
-        tried.append({"baseline": name, "step_time_s": ev.step_time_s, "feasible": ev.feasible})
-        if ev.feasible and (best is None or ev.step_time_s < best.predicted_step_time_s):
-            bound = best.best_bound if best is not None else 0.0
-            best = dataclasses.replace(
-                res, status=f"BASELINE:{name}", best_bound=bound,
-                optimality_gap=(ev.step_time_s - bound) / ev.step_time_s if ev.step_time_s > 0 else 0.0)
+    if found and (best is None or found[0][0] < best.predicted_step_time_s):
+        step, name, res = found[0]
+        bound = best.best_bound if best is not None else 0.0
+        best = dataclasses.replace(
+            res, status=f"BASELINE:{name}", best_bound=bound,
+            optimality_gap=(step - bound) / step if step > 0 else 0.0)
     if best is None:
         raise error
     return dataclasses.replace(best, wall_s=time.perf_counter() - t0,

@@ -12,7 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["BlockCosts", "DeviceGraph", "SolverOptions", "SolverResult"]
+__all__ = ["BlockCosts", "DeviceGraph", "SolverOptions", "SolverResult", "MEMORY_MODES"]
+
+#: Values of ``SolverOptions.sharding`` / ``SolverOptions.recompute``.
+MEMORY_MODES = ("never", "auto", "always")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -43,11 +46,24 @@ class BlockCosts:
     state_bytes_per_param: int = 16
     #: Bytes of each gradient element in the DP all-reduce (fp32: 4).
     grad_bytes_per_param: int = 4
+    #: The part of ``state_bytes_per_param`` that ZeRO-1 shards across a
+    #: stage's data-parallel group: AdamW's two fp32 moments (8 B) in fp32
+    #: training; moments + fp32 master weights (12 B) in mixed precision
+    #: (Rajbhandari et al., "ZeRO", SC'20, sec. 3.1). Weights and gradients
+    #: stay replicated.
+    shardable_bytes_per_param: int = 8
+    #: Bytes of each weight in the all-gather after a sharded optimizer step
+    #: (fp32: 4; fp16/bf16 working weights: 2).
+    param_bytes_per_param: int = 4
 
     def __post_init__(self) -> None:
         nb = len(self.param_count)
         if nb == 0:
             raise ValueError("BlockCosts needs at least one block")
+        if not 0 <= self.shardable_bytes_per_param <= self.state_bytes_per_param:
+            raise ValueError(
+                f"shardable_bytes_per_param={self.shardable_bytes_per_param} must be between 0 and "
+                f"state_bytes_per_param={self.state_bytes_per_param}")
         if len(self.act_bytes_per_sample) != nb:
             raise ValueError(
                 f"act_bytes_per_sample has {len(self.act_bytes_per_sample)} entries, "
@@ -139,6 +155,20 @@ class SolverOptions:
     allow_idle_gpus: bool = True
     #: Random seed for CP-SAT (reproducible plans).
     seed: int = 0
+    #: ZeRO-1 optimizer-state sharding per stage: "never", "auto" (the planner
+    #: decides per stage; it costs an all-gather of the weights after the
+    #: optimizer step and saves memory and optimizer time) or "always" (every
+    #: stage with >= 2 GPUs is sharded).
+    sharding: str = "never"
+    #: Stage-level activation recomputation: "never", "auto" (per stage) or
+    #: "always" (every stage).
+    recompute: str = "never"
+
+    def __post_init__(self) -> None:
+        for name in ("sharding", "recompute"):
+            v = getattr(self, name)
+            if v not in MEMORY_MODES:
+                raise ValueError(f"SolverOptions.{name}={v!r}: use one of {MEMORY_MODES}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -162,6 +192,12 @@ class SolverResult:
     predicted_allreduce_s: tuple[float, ...] = ()
     #: ``(G_used,)``-aligned with stage_gpus: predicted peak memory bytes.
     predicted_memory_bytes: tuple[tuple[int, ...], ...] = ()
+    #: Per stage: ZeRO-1 sharded optimizer state; per stage per GPU (aligned
+    #: with stage_gpus): bytes of the stage's shardable state it holds (0 when
+    #: the stage is not sharded); per stage: activation recomputation.
+    stage_sharded: tuple[bool, ...] = ()
+    state_shard_bytes: tuple[tuple[int, ...], ...] = ()
+    stage_recompute: tuple[bool, ...] = ()
     #: "OPTIMAL", "FEASIBLE", "BRUTE_FORCE", ... and the gap (0 = proven optimal).
     status: str = "UNKNOWN"
     objective: float = 0.0
