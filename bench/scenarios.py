@@ -186,7 +186,7 @@ def main() -> int:
     ap.add_argument("--only", default="", help="comma-separated scenario names")
     ap.add_argument("--time-limit", type=float, default=5.0, help="CP-SAT seconds per (stages, micro-batches) candidate")
     ap.add_argument("--max-stages", type=int, default=4)
-    ap.add_argument("--max-microbatches", type=int, default=16)
+    ap.add_argument("--max-microbatches", type=int, default=64)
     ap.add_argument("--sharding", default="auto", choices=("never", "auto", "always"),
                     help="ZeRO-1 optimizer-state sharding, for every planner alike")
     ap.add_argument("--recompute", default="auto", choices=("never", "auto", "always"),
