@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -55,3 +56,17 @@ def run_distributed(compiled_or_plan, weights, tokens, tmp_path: Path, *, steps:
     rows = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     grads = {r: torch.load(tmp_path / "run" / "grads" / f"rank{r}.pt") for r in range(plan.world_size)}
     return rows, grads
+
+
+def with_memory_policy(plan, *, sharded=(), recompute=(), shard_bytes=None):
+    """``plan`` with stages ``sharded`` / ``recompute`` (stage indices) turned on
+    and, per stage index, the GPUs' ``state_shard_bytes`` set by hand (tests
+    choose shares the planner would not, e.g. a GPU owning nothing)."""
+    stages = []
+    for s in plan.stages:
+        gpus = s.gpus
+        if shard_bytes and s.index in shard_bytes:
+            gpus = tuple(dataclasses.replace(g, state_shard_bytes=b)
+                         for g, b in zip(gpus, shard_bytes[s.index], strict=True))
+        stages.append(dataclasses.replace(s, gpus=gpus, sharded=s.index in sharded, recompute=s.index in recompute))
+    return dataclasses.replace(plan, stages=tuple(stages))

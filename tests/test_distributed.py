@@ -25,7 +25,7 @@ import json
 import pytest
 import torch
 
-from conftest import CLUSTERS, first_batch, reference_step, run_distributed
+from conftest import CLUSTERS, first_batch, reference_step, run_distributed, with_memory_policy
 from zorse_fx.data import global_batch
 from zorse_fx.capture import analyse, capture
 from zorse_fx.cluster import Cluster
@@ -81,9 +81,8 @@ def test_gpt_distributed_equals_single_process(case, lee_bytes, tmp_path):
     _check(plan, captured, lee_bytes, tmp_path)
 
 
-def test_hf_llama_tied_embeddings_distributed(lee_bytes, tmp_path):
-    """HF Llama (torch.export route), tied input/output embedding held by the
-    first and the last stage: 1 GPU, then 2 GPUs with unequal shares."""
+def _tiny_llama_tied():
+    """A 2-layer HF Llama with tied input/output embeddings, captured with torch.export."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from zorse_fx.models.hf import CausalLMWithLoss
@@ -93,7 +92,13 @@ def test_hf_llama_tied_embeddings_distributed(lee_bytes, tmp_path):
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
                       tie_word_embeddings=True, bos_token_id=0, eos_token_id=0, pad_token_id=0)
     ids = torch.randint(0, 256, (4, SEQ))
-    captured = capture(CausalLMWithLoss(LlamaForCausalLM(cfg)), (ids, ids))
+    return capture(CausalLMWithLoss(LlamaForCausalLM(cfg)), (ids, ids))
+
+
+def test_hf_llama_tied_embeddings_distributed(lee_bytes, tmp_path):
+    """HF Llama (torch.export route), tied input/output embedding held by the
+    first and the last stage: 1 GPU, then 2 GPUs with unequal shares."""
+    captured = _tiny_llama_tied()
     cluster = Cluster.from_yaml(CLUSTERS / "small_hetero.yaml")
     plan, _ = plan_fixed(
         captured, cluster, PlanOptions(global_batch_size=6),
@@ -107,18 +112,6 @@ def test_hf_llama_tied_embeddings_distributed(lee_bytes, tmp_path):
 # -- memory-saving plans: ZeRO-1 (unequal shards) and stage recomputation ----
 
 LR, WEIGHT_DECAY = 1e-3, 0.1
-
-
-def _memory_options(plan, *, sharded=(), recompute=(), shard_bytes=None):
-    """``plan`` with stages ``sharded`` / ``recompute`` turned on and, per stage
-    index, the GPUs' ``state_shard_bytes`` (what the planner will fill in)."""
-    stages = []
-    for s in plan.stages:
-        gpus = s.gpus
-        if shard_bytes and s.index in shard_bytes:
-            gpus = tuple(dataclasses.replace(g, state_shard_bytes=b) for g, b in zip(gpus, shard_bytes[s.index], strict=True))
-        stages.append(dataclasses.replace(s, gpus=gpus, sharded=s.index in sharded, recompute=s.index in recompute))
-    return dataclasses.replace(plan, stages=tuple(stages))
 
 
 def _reference_training(captured, tokens, plan, steps):
@@ -206,7 +199,7 @@ def test_zero1_unequal_shards_and_recompute_equal_single_process(lee_bytes, tmp_
         stage_blocks=((0, nb // 2), (nb // 2, nb)),
         stage_gpus=((0,), (2, 3)), samples_per_microbatch=((3,), (1, 2)), num_microbatches=2,
     )
-    plan = _memory_options(plan, sharded={1}, recompute={0}, shard_bytes={1: (3 * 2**20, 2**20)})
+    plan = with_memory_policy(plan, sharded={1}, recompute={0}, shard_bytes={1: (3 * 2**20, 2**20)})
     assert plan.shared_params() == {"wte.weight": (0, 1)}
     summaries = _train_and_compare(plan, captured, lee_bytes, tmp_path, steps=3)
     _check_state_sizes(plan, summaries)
@@ -219,23 +212,14 @@ def test_hf_llama_tied_embeddings_zero1_recompute(lee_bytes, tmp_path):
     """HF Llama, tied embedding held by both stages, both stages sharded:
     stage 0 over 2 GPUs with one owning no state (state_shard_bytes 0), the
     last stage 1:2 and recomputing (the loss stage). 2 AdamW steps."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from zorse_fx.models.hf import CausalLMWithLoss
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
-                      tie_word_embeddings=True, bos_token_id=0, eos_token_id=0, pad_token_id=0)
-    ids = torch.randint(0, 256, (4, SEQ))
-    captured = capture(CausalLMWithLoss(LlamaForCausalLM(cfg)), (ids, ids))
+    captured = _tiny_llama_tied()
     cluster = Cluster.from_yaml(CLUSTERS / "small_hetero.yaml")
     plan, _ = plan_fixed(
         captured, cluster, PlanOptions(global_batch_size=6),
         stage_blocks=((0, 2), (2, analyse(captured).num_blocks)),
         stage_gpus=((0, 1), (2, 3)), samples_per_microbatch=((2, 1), (1, 2)), num_microbatches=2, label_mode="same",
     )
-    plan = _memory_options(plan, sharded={0, 1}, recompute={1}, shard_bytes={0: (5, 0), 1: (2**20, 2 * 2**20)})
+    plan = with_memory_policy(plan, sharded={0, 1}, recompute={1}, shard_bytes={0: (5, 0), 1: (2**20, 2 * 2**20)})
     assert plan.shared_params() == {"model.model.embed_tokens.weight": (0, 1)}
     summaries = _train_and_compare(plan, captured, lee_bytes, tmp_path, steps=2)
     _check_state_sizes(plan, summaries)

@@ -9,7 +9,7 @@ from fractions import Fraction
 import pytest
 import torch
 
-from conftest import CLUSTERS
+from conftest import CLUSTERS, with_memory_policy
 from zorse_fx.capture import analyse, capture
 from zorse_fx.cluster import Cluster
 from zorse_fx.errors import PlanFileError
@@ -42,22 +42,10 @@ def test_json_round_trip(plan, tmp_path):
     assert (tmp_path / "p" / "stage_0.py").read_text().startswith('"""Stage 0 of 2')
 
 
-def _memory_options(plan, *, sharded=(), recompute=(), shard_bytes=None):
-    """``plan`` with stages ``sharded`` / ``recompute`` turned on and, per stage
-    index, the GPUs' ``state_shard_bytes``."""
-    stages = []
-    for s in plan.stages:
-        gpus = s.gpus
-        if shard_bytes and s.index in shard_bytes:
-            gpus = tuple(dataclasses.replace(g, state_shard_bytes=b) for g, b in zip(gpus, shard_bytes[s.index], strict=True))
-        stages.append(dataclasses.replace(s, gpus=gpus, sharded=s.index in sharded, recompute=s.index in recompute))
-    return dataclasses.replace(plan, stages=tuple(stages))
-
-
 def test_memory_options_round_trip(plan, tmp_path):
     """sharded / recompute / state_shard_bytes survive export + load and show in the table."""
     assert [(s.sharded, s.recompute) for s in plan.stages] == [(False, False)] * 2  # defaults
-    p2 = _memory_options(plan, sharded={0}, recompute={1}, shard_bytes={0: (3 * 2**30, 2**30)})
+    p2 = with_memory_policy(plan, sharded={0}, recompute={1}, shard_bytes={0: (3 * 2**30, 2**30)})
     loaded = Plan.load(p2.export(tmp_path / "p"))
     assert loaded == p2 != plan
     assert [(s.sharded, s.recompute) for s in loaded.stages] == [(True, False), (False, True)]
@@ -88,7 +76,7 @@ def test_version_1_plan_reads_with_defaults(plan, tmp_path):
 
 
 def test_invalid_memory_options_are_named(plan, tmp_path):
-    path = _memory_options(plan, sharded={0}).export(tmp_path / "p")
+    path = with_memory_policy(plan, sharded={0}).export(tmp_path / "p")
     d = json.loads(path.read_text())
     d["stages"][0]["gpus"][1]["state_shard_bytes"] = -5
     path.write_text(json.dumps(d))
