@@ -223,21 +223,11 @@ class _Model:
             state = stage_sum(tab.state_prefix, s)
             fl = inflight(tab.schedule, n_s, s, tab.num_microbatches)
             xin = _stage_input_kib(m, tab, cuts, s) if rc else None
+            shard = stage_sum(tab.shard_prefix, s) if sh else 0
             for g in gpus:
-                states = [(state, [])]
-                if sh:
-                    states = [(state, [sh[s].Not()]),
-                              (state - stage_sum(tab.shard_prefix, s) + MIB_UNITS * zsh[g][s], [sh[s]])]
-                acts = [(fl * act[g], [])]
-                if rc:
-                    cin = 0
-                    if xin is not None:
-                        cin = m.NewIntVar(0, b * tab.cut_kib_max, f"cin_{g}_{s}")
-                        m.AddMultiplicationEquality(cin, [n[g][s], xin])
-                    acts = [(fl * act[g], [rc[s].Not()]), (fl * cin + act[g], [rc[s]])]
-                for st_expr, l1 in states:
-                    for act_expr, l2 in acts:
-                        m.Add(st_expr + act_expr <= tab.cap_bytes[g]).OnlyEnforceIf([x[g][s], *l1, *l2])
+                _memory_limit(m, tab, x[g][s], cap=tab.cap_bytes[g], state=state, shard=shard,
+                              z_mib=zsh[g][s] if sh else 0, act=act[g], fl=fl, n=n[g][s], xin=xin,
+                              sh=sh[s] if sh else None, rc=rc[s] if rc else None, name=f"{g}_{s}")
 
         # [C-symmetry] interchangeable GPUs g < h: (stage, -samples) of g <= that of h
         # (idle counts as stage S, after every real stage).
@@ -309,6 +299,27 @@ def _policy_vars(m: cp_model.CpModel, tab: IntTables, size, n_s: int):
             for v in rc:
                 m.Add(v == 1)
     return sh, rc
+
+
+def _memory_limit(m: cp_model.CpModel, tab: IntTables, present, *, cap, state, shard, z_mib, act, fl, n, xin,
+                  sh, rc, name: str) -> None:
+    """[C-memory] of one GPU (or class member) on one stage, for each memory-policy
+    combination: (sh ? state - shard + z MiB : state) + (rc ? fl * n * X_s + act :
+    fl * act) <= cap (KiB), enforced when ``present``. ``sh`` / ``rc``: the
+    stage's policy literals, None when the mode is "never"; ``xin``: X_s (None
+    for stage 0); ``act`` = n * A_s."""
+    states = [(state, [])] if sh is None else \
+        [(state, [sh.Not()]), (state - shard + MIB_UNITS * z_mib, [sh])]
+    acts = [(fl * act, [])]
+    if rc is not None:
+        cin = 0
+        if xin is not None:
+            cin = m.NewIntVar(0, tab.microbatch_size * tab.cut_kib_max, f"cin_{name}")
+            m.AddMultiplicationEquality(cin, [n, xin])
+        acts = [(fl * act, [rc.Not()]), (fl * cin + act, [rc])]
+    for st_expr, l1 in states:
+        for act_expr, l2 in acts:
+            m.Add(st_expr + act_expr <= cap).OnlyEnforceIf([present, *l1, *l2])
 
 
 def _stage_input_kib(m: cp_model.CpModel, tab: IntTables, cuts: StageCuts, s: int):

@@ -67,7 +67,7 @@ from dataclasses import dataclass
 import numpy as np
 from ortools.sat.python import cp_model
 
-from .cpsat import _policy_vars, _stage_input_kib, matching_hint
+from .cpsat import _memory_limit, _policy_vars, _stage_input_kib, matching_hint
 from .objective import (MIB_UNITS, IntTables, MemoryPolicy, build_tables, inflight, max_stage_count,
                         microbatch_candidates)
 from ._encoding import StageCuts
@@ -401,22 +401,12 @@ class _GroupedModel:
             state = stage_sum(tab.state_prefix, s)
             fl = inflight(tab.schedule, n_s, s, tab.num_microbatches)
             xin = _stage_input_kib(m, tab, cuts, s) if rc else None
+            shard = stage_sum(tab.shard_prefix, s) if sh else 0
             for c in cls:
                 act = wsum(z[c][s], _blocks(tab.act_prefix))
-                states = [(state, [])]
-                if sh:
-                    states = [(state, [sh[s].Not()]),
-                              (state - stage_sum(tab.shard_prefix, s) + MIB_UNITS * zc[c][s], [sh[s]])]
-                acts = [(fl * act, [])]
-                if rc:
-                    cin = 0
-                    if xin is not None:
-                        cin = m.NewIntVar(0, b * tab.cut_kib_max, f"cin_{c}_{s}")
-                        m.AddMultiplicationEquality(cin, [n[c][s], xin])
-                    acts = [(fl * act, [rc[s].Not()]), (fl * cin + act, [rc[s]])]
-                for st_expr, l1 in states:
-                    for act_expr, l2 in acts:
-                        m.Add(st_expr + act_expr <= tab.cap_bytes[rep[c]]).OnlyEnforceIf([p[c][s], *l1, *l2])
+                _memory_limit(m, tab, p[c][s], cap=tab.cap_bytes[rep[c]], state=state, shard=shard,
+                              z_mib=zc[c][s] if sh else 0, act=act, fl=fl, n=n[c][s], xin=xin,
+                              sh=sh[s] if sh else None, rc=rc[s] if rc else None, name=f"{c}_{s}")
 
         # [C-symmetry] interchangeable groups c < d (same type, memory, memory
         # bandwidth, shape, inside links; same links to each other group): the
