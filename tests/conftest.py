@@ -1,18 +1,23 @@
-"""Shared fixtures: small real models, real text, and a torchrun launcher."""
+"""Shared fixtures: small real models, real text, a torchrun launcher, and the
+random planning instances of the planner / simulator tests."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import random
 from pathlib import Path
 
 import pytest
 import torch
 
 from zorse_fx.data import global_batch, read_corpus, tokenize
+from zorse_fx.errors import InfeasiblePlanError
+from zorse_fx.solve import BlockCosts, DeviceGraph, SolverOptions
 
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTERS = ROOT / "examples" / "clusters"
+GIB = 1 << 30
 
 
 @pytest.fixture(scope="session")
@@ -70,3 +75,86 @@ def with_memory_policy(plan, *, sharded=(), recompute=(), shard_bytes=None):
                          for g, b in zip(gpus, shard_bytes[s.index], strict=True))
         stages.append(dataclasses.replace(s, gpus=gpus, sharded=s.index in sharded, recompute=s.index in recompute))
     return dataclasses.replace(plan, stages=tuple(stages))
+
+
+# -- random planning instances (tests/test_solver.py, test_grouped.py, test_sim.py) --
+
+def make_devices(types, nodes, memory, mem_bw, *, intra=(100e9, 5e-6), inter=(10e9, 2e-5), odd_links=None):
+    """GPUs with NVLink-like links inside a node and slower links across nodes.
+    ``odd_links``: {(g, h): (bw, latency)} overrides for single pairs (symmetric)."""
+    g = len(types)
+    link = {(a, b): (intra if nodes[a] == nodes[b] else inter) for a in range(g) for b in range(g)}
+    for (a, b), v in (odd_links or {}).items():
+        link[a, b] = link[b, a] = v
+    bw = tuple(tuple(0.0 if a == b else link[a, b][0] for b in range(g)) for a in range(g))
+    lat = tuple(tuple(0.0 if a == b else link[a, b][1] for b in range(g)) for a in range(g))
+    return DeviceGraph(gpu_types=tuple(types), memory_bytes=tuple(memory), mem_bw_bytes_per_s=tuple(mem_bw),
+                       link_bw_bytes_per_s=bw, link_latency_s=lat, node_names=tuple(nodes))
+
+
+def random_costs(rng, nb, types, *, fixed=False):
+    """Block costs of ``nb`` blocks for GPU ``types``, each type 1-3x slower than a
+    common base; ``fixed``: with a fixed per-micro-batch cost (kernel launches)."""
+    base = [rng.uniform(4e-3, 20e-3) for _ in range(nb)]
+    slow = {t: rng.choice([1.0, 1.5, 2.0, 3.0]) for t in types}
+    return BlockCosts(
+        fwd_bwd_s_per_sample={t: tuple(x * slow[t] * rng.uniform(0.8, 1.2) for x in base) for t in types},
+        param_count=tuple(rng.randint(20, 200) * 1_000_000 for _ in range(nb)),
+        act_bytes_per_sample=tuple(rng.randint(20, 600) * 1_000_000 for _ in range(nb)),
+        cut_bytes_per_sample=(0, *(rng.randint(1, 200) * 1_000_000 for _ in range(nb - 1)), 0),
+        fwd_bwd_s_fixed=({t: tuple(rng.uniform(0, 5e-3) for _ in range(nb)) for t in types} if fixed else {}),
+    )
+
+
+def random_instance(seed, *, singleton_classes=False, time_limit_s=20.0):
+    """(costs, devices, options) of a small random planning problem: 2-4 GPUs of
+    types A / B, 2-6 blocks; the same seed gives the same instance.
+
+    Default: the family of tests/test_solver.py and test_sim.py (the latter with
+    ``time_limit_s=5.0``): type B 1.5-4x slower than A, GPUs on nodes n0 / n1
+    with 4-16 GiB, a fixed per-micro-batch cost on odd seeds.
+    ``singleton_classes``: the family of tests/test_grouped.py: ``random_costs``,
+    every GPU on its own node or on n0, and distinct memory sizes, so no two
+    GPUs are interchangeable (every GPU class has one GPU)."""
+    rng = random.Random(seed)
+    n_g, nb = rng.randint(2, 4), rng.randint(2, 6)
+    if singleton_classes:
+        costs = random_costs(rng, nb, "AB", fixed=seed % 2 == 1)
+    else:
+        slow = rng.choice([1.5, 2.0, 3.0, 4.0])
+        base = [rng.uniform(4e-3, 20e-3) for _ in range(nb)]
+        costs = BlockCosts(
+            fwd_bwd_s_per_sample={"A": tuple(base), "B": tuple(t * slow * rng.uniform(0.8, 1.2) for t in base)},
+            param_count=tuple(rng.randint(20, 200) * 1_000_000 for _ in range(nb)),
+            act_bytes_per_sample=tuple(rng.randint(20, 600) * 1_000_000 for _ in range(nb)),
+            cut_bytes_per_sample=(0, *(rng.randint(1, 200) * 1_000_000 for _ in range(nb - 1)), 0),
+            # Half the seeds have a fixed per-micro-batch cost (kernel launches).
+            fwd_bwd_s_fixed=({"A": tuple(rng.uniform(0, 5e-3) for _ in range(nb)),
+                              "B": tuple(rng.uniform(0, 8e-3) for _ in range(nb))} if seed % 2 else {}),
+        )
+    types = [rng.choice("AB") for _ in range(n_g)]
+    if singleton_classes:
+        nodes = [f"n{g}" if rng.random() < 0.5 else "n0" for g in range(n_g)]
+        memory = [(4 + 2 * g) * GIB for g in range(n_g)]  # distinct: no two GPUs interchangeable
+    else:
+        nodes = [rng.choice(["n0", "n1"]) for _ in range(n_g)]
+        memory = [rng.choice([4, 6, 8, 12, 16]) * GIB for _ in range(n_g)]
+    mem_bw = [rng.choice([900e9, 1.2e12]) if t == "A" else 300e9 for t in types]
+    odd = {(a, b): (rng.choice([2e9, 25e9, 50e9]), rng.choice([1e-6, 5e-5]))
+           for a in range(n_g) for b in range(a + 1, n_g) if rng.random() < 0.2}
+    options = SolverOptions(global_batch_size=rng.randint(2, 6), max_stages=rng.randint(1, 3),
+                            schedule=rng.choice(["1f1b", "gpipe"]), time_limit_s=time_limit_s,
+                            num_workers=2, seed=seed, allow_idle_gpus=rng.random() < 0.8)
+    return costs, make_devices(types, nodes, memory, mem_bw, odd_links=odd), options
+
+
+def reference_or_same_error(reference, solve, costs, devices, options):
+    """``reference(costs, devices, options)``; where that raises InfeasiblePlanError,
+    assert that ``solve`` raises one with the same message and return None."""
+    try:
+        return reference(costs, devices, options)
+    except InfeasiblePlanError as exc:
+        with pytest.raises(InfeasiblePlanError) as got:
+            solve(costs, devices, options)
+        assert str(got.value) == str(exc)
+        return None

@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import random
 
 import pytest
 
@@ -16,48 +15,11 @@ from zorse_fx.errors import InfeasiblePlanError
 from zorse_fx.sim import gantt_png, simulate, to_perfetto
 from zorse_fx.solve import BlockCosts, DeviceGraph, SolverOptions, evaluate, solve_cpsat
 
+from conftest import make_devices, random_instance
+
 GIB = 1 << 30
 KIB = MEMORY_UNIT_BYTES
 MIB = 1 << 20
-
-
-def _devices(types, nodes, memory, mem_bw, *, intra=(100e9, 5e-6), inter=(10e9, 2e-5), odd_links=None):
-    """GPUs with NVLink-like links inside a node and slower links across nodes
-    (copied from tests/test_solver.py). ``odd_links``: {(g, h): (bw, latency)}."""
-    g = len(types)
-    link = {(a, b): (intra if nodes[a] == nodes[b] else inter) for a in range(g) for b in range(g)}
-    for (a, b), v in (odd_links or {}).items():
-        link[a, b] = link[b, a] = v
-    bw = tuple(tuple(0.0 if a == b else link[a, b][0] for b in range(g)) for a in range(g))
-    lat = tuple(tuple(0.0 if a == b else link[a, b][1] for b in range(g)) for a in range(g))
-    return DeviceGraph(gpu_types=tuple(types), memory_bytes=tuple(memory), mem_bw_bytes_per_s=tuple(mem_bw),
-                       link_bw_bytes_per_s=bw, link_latency_s=lat, node_names=tuple(nodes))
-
-
-def _random_instance(seed):
-    """The random family of tests/test_solver.py (copied verbatim, shorter time limit)."""
-    rng = random.Random(seed)
-    n_g, nb = rng.randint(2, 4), rng.randint(2, 6)
-    slow = rng.choice([1.5, 2.0, 3.0, 4.0])
-    base = [rng.uniform(4e-3, 20e-3) for _ in range(nb)]
-    costs = BlockCosts(
-        fwd_bwd_s_per_sample={"A": tuple(base), "B": tuple(t * slow * rng.uniform(0.8, 1.2) for t in base)},
-        param_count=tuple(rng.randint(20, 200) * 1_000_000 for _ in range(nb)),
-        act_bytes_per_sample=tuple(rng.randint(20, 600) * 1_000_000 for _ in range(nb)),
-        cut_bytes_per_sample=(0, *(rng.randint(1, 200) * 1_000_000 for _ in range(nb - 1)), 0),
-        fwd_bwd_s_fixed=({"A": tuple(rng.uniform(0, 5e-3) for _ in range(nb)),
-                          "B": tuple(rng.uniform(0, 8e-3) for _ in range(nb))} if seed % 2 else {}),
-    )
-    types = [rng.choice("AB") for _ in range(n_g)]
-    nodes = [rng.choice(["n0", "n1"]) for _ in range(n_g)]
-    memory = [rng.choice([4, 6, 8, 12, 16]) * GIB for _ in range(n_g)]
-    mem_bw = [rng.choice([900e9, 1.2e12]) if t == "A" else 300e9 for t in types]
-    odd = {(a, b): (rng.choice([2e9, 25e9, 50e9]), rng.choice([1e-6, 5e-5]))
-           for a in range(n_g) for b in range(a + 1, n_g) if rng.random() < 0.2}
-    options = SolverOptions(global_batch_size=rng.randint(2, 6), max_stages=rng.randint(1, 3),
-                            schedule=rng.choice(["1f1b", "gpipe"]), time_limit_s=5.0,
-                            num_workers=2, seed=seed, allow_idle_gpus=rng.random() < 0.8)
-    return costs, _devices(types, nodes, memory, mem_bw, odd_links=odd), options
 
 
 def _decision(res):
@@ -91,7 +53,7 @@ def test_single_gpu(schedule):
     costs = BlockCosts(fwd_bwd_s_per_sample={"A": (2e-3, 1e-3)}, fwd_bwd_s_fixed={"A": (5e-4, 5e-4)},
                        param_count=(10_000_000, 5_000_000), act_bytes_per_sample=(1000, 500),
                        cut_bytes_per_sample=(0, 7, 0))
-    devices = _devices(["A"], ["n0"], [16 * GIB], [1e12])
+    devices = make_devices(["A"], ["n0"], [16 * GIB], [1e12])
     options = SolverOptions(global_batch_size=12, schedule=schedule)
     sim = simulate(costs, devices, options, stage_blocks=((0, 2),), stage_gpus=((0,),),
                    samples_per_microbatch=((4,),), num_microbatches=3)
@@ -116,8 +78,8 @@ def test_pipeline_with_free_links_takes_m_plus_s_minus_1_stage_times(schedule, n
     t, m = 6e-3, 4  # every stage: 1 sample x 6 ms per micro-batch
     costs = BlockCosts(fwd_bwd_s_per_sample={"A": (t,) * num_stages}, param_count=(0,) * num_stages,
                        act_bytes_per_sample=(100,) * num_stages, cut_bytes_per_sample=(0,) * (num_stages + 1))
-    devices = dataclasses.replace(_devices(["A"] * num_stages, ["n0"] * num_stages, [GIB] * num_stages,
-                                           [1e12] * num_stages),
+    devices = dataclasses.replace(make_devices(["A"] * num_stages, ["n0"] * num_stages, [GIB] * num_stages,
+                                                [1e12] * num_stages),
                                   link_latency_s=((0.0,) * num_stages,) * num_stages)
     options = SolverOptions(global_batch_size=m, schedule=schedule)
     kw = dict(stage_blocks=tuple((s, s + 1) for s in range(num_stages)),
@@ -164,7 +126,7 @@ def test_messages_share_link_bandwidth(nodes, shared):
     bw, lat, cut = 10e9, 2e-5, 100_000_000
     costs = BlockCosts(fwd_bwd_s_per_sample={"A": (1e-3, 1e-3)}, param_count=(0, 0),
                        act_bytes_per_sample=(0, 0), cut_bytes_per_sample=(0, cut, 0))
-    devices = _devices(["A"] * 3, nodes, [GIB] * 3, [1e12] * 3, intra=(bw, lat), inter=(bw, lat))
+    devices = make_devices(["A"] * 3, nodes, [GIB] * 3, [1e12] * 3, intra=(bw, lat), inter=(bw, lat))
     sim = simulate(costs, devices, SolverOptions(global_batch_size=2), stage_blocks=((0, 1), (1, 2)),
                    stage_gpus=((0,), (1, 2)), samples_per_microbatch=((2,), (1, 1)), num_microbatches=1)
     fwd = [e for e in sim.events if e.kind == "send" and e.gpu == 0]
@@ -183,7 +145,7 @@ def test_unequal_shares_route_rows():
     """Stage 0 shares (3, 1), stage 1 shares (2, 2): rows [0,2) 0->2, [2,3) 0->3, [3,4) 1->3."""
     costs = BlockCosts(fwd_bwd_s_per_sample={"A": (1e-3, 1e-3)}, param_count=(10, 10),
                        act_bytes_per_sample=(0, 0), cut_bytes_per_sample=(0, 1000, 0))
-    devices = _devices(["A"] * 4, ["n0"] * 4, [GIB] * 4, [1e12] * 4)
+    devices = make_devices(["A"] * 4, ["n0"] * 4, [GIB] * 4, [1e12] * 4)
     sim = simulate(costs, devices, SolverOptions(global_batch_size=8), stage_blocks=((0, 1), (1, 2)),
                    stage_gpus=((0, 1), (2, 3)), samples_per_microbatch=((3, 1), (2, 2)), num_microbatches=2)
     sends = {(e.gpu, e.peer, e.microbatch): e.nbytes for e in sim.events if e.kind == "send"}
@@ -226,7 +188,7 @@ def test_agreement_with_objective():
     |deviation| <= 8.6%."""
     rows = []
     for seed in AGREEMENT_SEEDS:
-        costs, devices, options = _random_instance(seed)
+        costs, devices, options = random_instance(seed, time_limit_s=5.0)
         try:
             res = solve_cpsat(costs, devices, options)
         except InfeasiblePlanError:
@@ -254,7 +216,7 @@ def test_perfetto_trace_and_gantt_png(tmp_path):
     costs = BlockCosts(fwd_bwd_s_per_sample={"A": (2e-3, 1e-3, 1e-3), "B": (4e-3, 2e-3, 2e-3)},
                        param_count=(10_000_000,) * 3, act_bytes_per_sample=(1000,) * 3,
                        cut_bytes_per_sample=(0, 5_000_000, 5_000_000, 0))
-    devices = _devices(["A", "B", "A", "A"], ["n0", "n0", "n1", "n1"], [GIB] * 4, [1e12, 5e11, 1e12, 1e12])
+    devices = make_devices(["A", "B", "A", "A"], ["n0", "n0", "n1", "n1"], [GIB] * 4, [1e12, 5e11, 1e12, 1e12])
     sim = simulate(costs, devices, SolverOptions(global_batch_size=12), stage_blocks=((0, 1), (1, 2), (2, 3)),
                    stage_gpus=((0, 1), (2,), (3,)), samples_per_microbatch=((2, 1), (3,), (3,)),
                    num_microbatches=4)
@@ -296,7 +258,7 @@ def test_agreement_with_objective_under_memory_policy():
     compute-only |deviation| <= 10.3% (seed 20)."""
     rows, n_sh, n_rc = [], 0, 0
     for seed in POLICY_SEEDS:
-        costs, devices, options = _random_instance(seed)
+        costs, devices, options = random_instance(seed, time_limit_s=5.0)
         devices = dataclasses.replace(devices, memory_bytes=tuple(m // 2 for m in devices.memory_bytes))
         options = dataclasses.replace(options, sharding="auto", recompute="auto")
         try:
@@ -332,7 +294,7 @@ def _sharded_instance():
     """One stage on three GPUs (one fast-memory, two slow), 4 Mi params: Q = 8 B/param = 32 MiB."""
     costs = BlockCosts(fwd_bwd_s_per_sample={"A": (3e-3,)}, param_count=(4 * MIB,),
                        act_bytes_per_sample=(10 * KIB,), cut_bytes_per_sample=(0, 0))
-    devices = _devices(["A"] * 3, ["n0"] * 3, [GIB] * 3, [1e12, 5e11, 5e11], intra=(50e9, 1e-5))
+    devices = make_devices(["A"] * 3, ["n0"] * 3, [GIB] * 3, [1e12, 5e11, 5e11], intra=(50e9, 1e-5))
     kw = dict(stage_blocks=((0, 1),), stage_gpus=((0, 1, 2),), samples_per_microbatch=((2, 1, 1),),
               num_microbatches=1)
     return costs, devices, SolverOptions(global_batch_size=4, sharding="auto"), kw
@@ -394,7 +356,7 @@ def test_recompute_backward_and_memory(schedule):
     act, cut = 100 * KIB, 3 * KIB  # per sample
     costs = BlockCosts(fwd_bwd_s_per_sample={"A": (t / n,) * 3}, param_count=(64,) * 3,
                        act_bytes_per_sample=(act,) * 3, cut_bytes_per_sample=(0, cut, cut, 0))
-    devices = dataclasses.replace(_devices(["A"] * 3, ["n0"] * 3, [GIB] * 3, [1e12] * 3),
+    devices = dataclasses.replace(make_devices(["A"] * 3, ["n0"] * 3, [GIB] * 3, [1e12] * 3),
                                   link_latency_s=((0.0,) * 3,) * 3)
     devices = dataclasses.replace(devices, link_bw_bytes_per_s=tuple(tuple(0.0 if a == b else math.inf
                                                                             for b in range(3)) for a in range(3)))

@@ -9,9 +9,15 @@ of a per-block table is a weighted sum of in_s.
 
 from __future__ import annotations
 
+from collections import defaultdict
+from typing import TYPE_CHECKING
+
 from ortools.sat.python import cp_model
 
-__all__ = ["StageCuts", "blocks_of", "gated", "any_of", "both"]
+if TYPE_CHECKING:
+    from .objective import IntTables
+
+__all__ = ["StageCuts", "blocks_of", "gated", "any_of", "both", "pair_max"]
 
 
 def blocks_of(prefix) -> list[int]:
@@ -77,3 +83,23 @@ def both(m: cp_model.CpModel, a, c, name: str):
     m.AddImplication(y, c)
     m.AddBoolOr([a.Not(), c.Not(), y])
     return y
+
+
+def pair_max(m: cp_model.CpModel, tab: IntTables, pairs, value_of_class, hi_of_class, name: str):
+    """(max over present pairs of value_of_class(bw class), max latency over present pairs).
+
+    ``pairs``: iterable of ((g, h) a GPU pair with the link, presence literal),
+    iterated once; the link of (g, h) is read from ``tab.pair_bw_class`` /
+    ``tab.pair_lat``. Pairs are grouped by bandwidth class / latency (one OR
+    literal per group); ``hi_of_class(k)`` bounds ``value_of_class(k)``."""
+    by_bw, by_lat = defaultdict(list), defaultdict(list)
+    for (g, h), y in pairs:
+        by_bw[tab.pair_bw_class[g][h]].append(y)
+        by_lat[tab.pair_lat[g][h]].append(y)
+    terms = [gated(m, any_of(m, ys, f"{name}_p{k}"), value_of_class(k), hi_of_class(k), f"{name}_z{k}")
+             for k, ys in by_bw.items()]
+    xm = m.NewIntVar(0, max(hi_of_class(k) for k in by_bw), f"{name}_x")
+    m.AddMaxEquality(xm, terms)
+    lm = m.NewIntVar(0, max(by_lat), f"{name}_l")
+    m.AddMaxEquality(lm, [lat * any_of(m, ys, f"{name}_q{lat}") for lat, ys in by_lat.items()])
+    return xm, lm

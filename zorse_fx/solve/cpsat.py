@@ -20,8 +20,6 @@ incumbent appears under the time limit.
 
 from __future__ import annotations
 
-from collections import defaultdict
-
 from ortools.sat.python import cp_model
 
 from .objective import (MIB_UNITS, IntTables, MemoryPolicy, build_tables, inflight, max_stage_count,
@@ -31,6 +29,7 @@ from ._encoding import any_of as _any_of
 from ._encoding import blocks_of as _blocks
 from ._encoding import both as _both
 from ._encoding import gated as _gated
+from ._encoding import pair_max
 from ._search import CandidateSearch
 from .records import BlockCosts, DeviceGraph, SolverOptions, SolverResult
 
@@ -93,21 +92,6 @@ class _Model:
         def both(a, c, name):
             return _both(m, a, c, name)
 
-        def pair_max(pairs, value_of_class, hi_of_class, name):
-            """(max over present pairs of value_of_class(bw class), max pair latency).
-            ``pairs``: {(g, h): presence bool}; pairs are grouped by bandwidth / latency."""
-            by_bw, by_lat = defaultdict(list), defaultdict(list)
-            for (g, h), y in pairs.items():
-                by_bw[tab.pair_bw_class[g][h]].append(y)
-                by_lat[tab.pair_lat[g][h]].append(y)
-            terms = [gated(any_of(ys, f"{name}_p{k}"), value_of_class(k), hi_of_class(k), f"{name}_z{k}")
-                     for k, ys in by_bw.items()]
-            xm = m.NewIntVar(0, max(hi_of_class(k) for k in by_bw), f"{name}_x")
-            m.AddMaxEquality(xm, terms)
-            lm = m.NewIntVar(0, max(by_lat), f"{name}_l")
-            m.AddMaxEquality(lm, [lat * any_of(ys, f"{name}_q{lat}") for lat, ys in by_lat.items()])
-            return xm, lm
-
         # [C-samples] n[g][s] in [1, b] iff x[g][s], else 0; sum over the stage = b.
         # z[g][k] = n[g][s] for the stage s holding block k (so 0 off g's stage).
         self.n = n = [[m.NewIntVar(0, b, f"n_{g}_{s}") for s in stages] for g in gpus]
@@ -161,7 +145,7 @@ class _Model:
             if s < n_s - 1:
                 pairs = {(g, h): both(x[g][s], x[h][s + 1], f"y_{g}_{h}_{s}")
                          for g in gpus for h in gpus if g != h}
-                xm, lm = pair_max(pairs, lambda k, s=s: at_cut(tab.xfer[k], s + 1),
+                xm, lm = pair_max(m, tab, pairs.items(), lambda k, s=s: at_cut(tab.xfer[k], s + 1),
                                   lambda k: max(tab.xfer[k]), f"bd{s}")
                 bnd = 2 * xm + 2 * lm
             else:
@@ -190,14 +174,14 @@ class _Model:
         for s in stages:
             pairs = {(g, h): both(x[g][s], x[h][s], f"w_{g}_{h}_{s}") for g in gpus for h in gpus if g < h}
             if pairs:
-                arb, lw = pair_max(pairs, lambda k, s=s: stage_sum(tab.ar_prefix[k], s),
+                arb, lw = pair_max(m, tab, pairs.items(), lambda k, s=s: stage_sum(tab.ar_prefix[k], s),
                                    lambda k: tab.ar_prefix[k][-1], f"ar{s}")
                 sz1 = m.NewIntVar(0, n_g - 1, f"size1_{s}")
                 m.Add(sz1 == size[s] - 1)
                 lat_term = m.NewIntVar(0, (n_g - 1) * lat_hi, f"arlat_{s}")
                 m.AddMultiplicationEquality(lat_term, [sz1, lw])
                 if sh:  # a sharded stage also all-gathers its weights: (2 grad + param) bytes
-                    arb_sh, _ = pair_max(pairs, lambda k, s=s: stage_sum(tab.arsh_prefix[k], s),
+                    arb_sh, _ = pair_max(m, tab, pairs.items(), lambda k, s=s: stage_sum(tab.arsh_prefix[k], s),
                                          lambda k: tab.arsh_prefix[k][-1], f"as{s}")
                     hi = max(p[-1] for p in tab.arsh_prefix)
                     ar = (gated(sh[s].Not(), arb, hi, f"arp_{s}") + gated(sh[s], arb_sh, hi, f"ars_{s}")

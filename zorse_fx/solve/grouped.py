@@ -75,6 +75,7 @@ from ._encoding import any_of as _any_of
 from ._encoding import blocks_of as _blocks
 from ._encoding import both as _both
 from ._encoding import gated as _gated
+from ._encoding import pair_max
 from ._search import CandidateSearch
 from .records import BlockCosts, DeviceGraph, SolverOptions, SolverResult
 
@@ -235,21 +236,6 @@ class _GroupedModel:
         def both(a, c, name):
             return _both(m, a, c, name)
 
-        def pair_max(pairs, value_of_class, hi_of_class, name):
-            """pairs: [((g, h) a GPU pair with the link, presence literal)];
-            grouped by bandwidth class / latency."""
-            by_bw, by_lat = defaultdict(list), defaultdict(list)
-            for (g, h), y in pairs:
-                by_bw[tab.pair_bw_class[g][h]].append(y)
-                by_lat[tab.pair_lat[g][h]].append(y)
-            terms = [gated(any_of(ys, f"{name}_p{q}"), value_of_class(q), hi_of_class(q), f"{name}_z{q}")
-                     for q, ys in by_bw.items()]
-            xm = m.NewIntVar(0, max(hi_of_class(q) for q in by_bw), f"{name}_x")
-            m.AddMaxEquality(xm, terms)
-            lm = m.NewIntVar(0, max(by_lat), f"{name}_l")
-            m.AddMaxEquality(lm, [lt * any_of(ys, f"{name}_q{lt}") for lt, ys in by_lat.items()])
-            return xm, lm
-
         # [C-samples] n[c][s] in [1, b] iff present; sum_c unit * k * n = b.
         self.n = n = [[m.NewIntVar(0, b, f"n_{c}_{s}") for s in stages] for c in cls]
         # z[c][s][q] = n[c][s] if block q is in stage s, else 0 (a class may serve
@@ -319,7 +305,7 @@ class _GroupedModel:
                 pairs = [((rep[c], rep[d]) if c != d else groups[c].link_out,
                           both(p[c][s], p[d][s + 1], f"y_{c}_{d}_{s}"))
                          for c in cls for d in cls if c != d or count[c] > 1]
-                xm, lm = pair_max(pairs, lambda q, s=s: at_cut(tab.xfer[q], s + 1),
+                xm, lm = pair_max(m, tab, pairs, lambda q, s=s: at_cut(tab.xfer[q], s + 1),
                                   lambda q: max(tab.xfer[q]), f"bd{s}")
                 bnd = 2 * xm + 2 * lm
             else:
@@ -365,14 +351,14 @@ class _GroupedModel:
                 for d in range(c + 1, n_c):
                     pairs.append(((rep[c], rep[d]), both(p[c][s], p[d][s], f"w_{c}_{d}_{s}")))
             if pairs and gpu_hi > 1:
-                arb, lw = pair_max(pairs, lambda q, s=s: stage_sum(tab.ar_prefix[q], s),
+                arb, lw = pair_max(m, tab, pairs, lambda q, s=s: stage_sum(tab.ar_prefix[q], s),
                                    lambda q: tab.ar_prefix[q][-1], f"ar{s}")
                 sz1 = m.NewIntVar(0, gpu_hi, f"size1_{s}")
                 m.Add(sz1 == size[s] - 1)
                 lat_term = m.NewIntVar(0, gpu_hi * lat_hi, f"arlat_{s}")
                 m.AddMultiplicationEquality(lat_term, [sz1, lw])
                 if sh:  # a sharded stage also all-gathers its weights
-                    arb_sh, _ = pair_max(pairs, lambda q, s=s: stage_sum(tab.arsh_prefix[q], s),
+                    arb_sh, _ = pair_max(m, tab, pairs, lambda q, s=s: stage_sum(tab.arsh_prefix[q], s),
                                          lambda q: tab.arsh_prefix[q][-1], f"as{s}")
                     hi = max(p_[-1] for p_ in tab.arsh_prefix)
                     ar = (gated(sh[s].Not(), arb, hi, f"arp_{s}") + gated(sh[s], arb_sh, hi, f"ars_{s}")
