@@ -10,11 +10,23 @@ describes):
   predicted by the measured cost model (``cost/measured.py``) vs measured by
   running the generated stage module alone (1 thread, median of repeats);
 - ``step_ms``: the plan's predicted step time vs the median step time of the
-  real 2-process Gloo run (``python -m zorse_fx.train``);
+  real 2-process Gloo run (``python -m zorse_fx.train``); the row also
+  carries the step's components, ``predicted_breakdown_s`` (the simulator,
+  ``sim/engine.py``, on the plan and its memory policy) and
+  ``measured_breakdown_s`` (the runtime's ``last_breakdown``), each the max
+  over ranks of ``pipeline_s`` / ``allreduce_s`` / ``optimizer_s`` /
+  ``allgather_s``;
+- ``allgather_ms`` (plans with a ZeRO-1 stage of >= 2 GPUs only): the weight
+  all-gather after the optimizer step, predicted (objective.py
+  [C-allreduce]'s ``param_bytes * P_s / bw_min + (k - 1) * lat_max``, the
+  simulator's "allgather" events) vs measured (``allgather_s``: the owners'
+  broadcasts in ``runtime/worker.py``); ``--sharding always`` makes the
+  solver shard its data-parallel stage so that this row appears;
 - ``peak_memory_bytes``: predicted per-GPU memory (training state + saved
-  activations x micro-batches in flight) vs measured: exact state bytes plus
-  the bytes autograd saves for backward, counted with saved-tensor hooks (a
-  CPU has no allocator peak counter).
+  activations x micro-batches in flight) vs measured: exact state bytes
+  (fp32 weights, gradients and AdamW moments; on a ZeRO-1 stage the moments
+  of the GPU's shard only) plus the bytes autograd saves for backward,
+  counted with saved-tensor hooks (a CPU has no allocator peak counter).
 
 Writes ``bench/results/cost_accuracy.json`` and prints a markdown table.
 """
@@ -27,6 +39,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -100,10 +113,12 @@ def run(model_name: str, args, rows: list[dict]) -> None:
     model, tokenizer = load_model(model_name)
     tokens = tokenize(read_corpus("lee"), tokenizer)
     ids = tokens[: 2 * args.seq_len].view(2, args.seq_len)
-    compiled = zorse.compile(model, cluster=args.cluster, example_inputs=(ids,),
+    # (inputs, targets): what a plain model (``gpt``) takes; a Hugging Face model gets labels = inputs
+    # either way (``api._compile_instance``).
+    compiled = zorse.compile(model, cluster=args.cluster, example_inputs=(ids, ids),
                              global_batch_size=args.global_batch_size, model_name=model_name, max_stages=2,
                              allow_idle_gpus=False, profiles=(args.profile,), time_limit_s=5.0,
-                             num_microbatches=(args.microbatches,), verbose=True)
+                             num_microbatches=(args.microbatches,), sharding=args.sharding, verbose=True)
     captured, cluster = compiled.captured, zorse_cluster(args.cluster)
     opts = PlanOptions(global_batch_size=args.global_batch_size, profiles=(args.profile,))
     _, costs, _ = _analyse_and_price(captured, cluster, opts)
@@ -119,6 +134,35 @@ def run(model_name: str, args, rows: list[dict]) -> None:
     for label, plan in plans:
         print(plan.table())
         _evaluate(model_name, label, plan, captured, costs, tokens, args, rows)
+
+
+#: The step's components, as the runtime reports them per rank (``StageWorker.last_breakdown``).
+COMPONENTS = ("pipeline_s", "allreduce_s", "optimizer_s", "allgather_s")
+
+
+def predicted_breakdown(plan, costs, args) -> tuple[float, dict[str, float]]:
+    """(simulated step seconds, per component the max over GPUs of its
+    predicted seconds) for ``plan`` with its memory policy: ``pipeline_s`` =
+    end of the GPU's last forward/backward, the others = the duration of its
+    "allreduce" / "optim" / "allgather" events (``sim/engine.py``; the
+    all-gather of a ZeRO-1 stage is objective.py [C-allreduce]'s
+    ``sh_s * param_bytes * P_s / bw_min + (k - 1) * lat_max``)."""
+    from zorse_fx.planner import PlanOptions, _device_graph, _solver_options
+    from zorse_fx.sim import simulate
+    from zorse_fx.sim.engine import plan_decision
+
+    opts = PlanOptions(global_batch_size=plan.global_batch_size, schedule=plan.schedule,
+                       max_stages=plan.num_stages, profiles=(args.profile,))
+    sim = simulate(costs, _device_graph(zorse_cluster(args.cluster), opts), _solver_options(opts),
+                   **plan_decision(plan, costs))
+    per_gpu: dict[int, dict[str, float]] = defaultdict(lambda: dict.fromkeys(COMPONENTS, 0.0))
+    key = {"allreduce": "allreduce_s", "optim": "optimizer_s", "allgather": "allgather_s"}
+    for e in sim.events:
+        if e.kind in ("F", "B"):
+            per_gpu[e.gpu]["pipeline_s"] = max(per_gpu[e.gpu]["pipeline_s"], e.end_s)
+        elif e.kind in key:
+            per_gpu[e.gpu][key[e.kind]] += e.end_s - e.start_s
+    return sim.step_time_s, {k: max(d[k] for d in per_gpu.values()) for k in COMPONENTS}
 
 
 def _evaluate(model_name, label, plan, captured, costs, tokens, args, rows) -> None:
@@ -140,19 +184,34 @@ def _evaluate(model_name, label, plan, captured, costs, tokens, args, rows) -> N
             ms, act_bytes = measure_stage(plan, plan_dir, weights, s, n, tokens, args.repeats)
             common = {"model": model_name, "plan": label, "stage": s, "device_type": g.gpu_type, "samples": n}
             rows.append({**common, "quantity": "fwd_bwd_ms", "predicted": pred * 1e3, "measured": ms})
+            # fp32 weights + gradients (8 B/param) and AdamW moments (8 B/param), on a ZeRO-1 stage
+            # for the elements of this GPU's shard only (runtime/worker.py).
+            n_par = stage.num_parameters
+            lo, hi = stage.shard_ranges(n_par)[0] if _zero1(stage) else (0, n_par)
             rows.append({**common, "quantity": "peak_memory_bytes", "predicted": g.predicted_memory_bytes,
-                         "measured": 16 * stage.num_parameters + act_bytes * inflight(sched[s])})
+                         "measured": 8 * n_par + 8 * (hi - lo) + act_bytes * inflight(sched[s])})
         torch.save(tokens, Path(tmp) / "tokens.pt")
         launch(plan_dir, plan.world_size, ["--tokens", str(Path(tmp) / "tokens.pt"), "--steps", str(args.steps),
                                            "--out", str(Path(tmp) / "run")], capture=True)
         metrics = [json.loads(x) for x in (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()]
         steady = metrics[1:]
-        rows.append({"model": model_name, "plan": label, "stage": "all", "device_type": plan.stages[0].gpus[0].gpu_type,
-                     "samples": plan.global_batch_size, "quantity": "step_ms",
+        measured = {k: statistics.median(max(r[k] for r in m["ranks"]) for m in steady) for k in COMPONENTS}
+        sim_step, predicted = predicted_breakdown(plan, costs, args)
+        common = {"model": model_name, "plan": label, "stage": "all", "device_type": plan.stages[0].gpus[0].gpu_type,
+                  "samples": plan.global_batch_size}
+        rows.append({**common, "quantity": "step_ms",
                      "predicted": plan.predicted_step_time_s * 1e3,
                      "measured": statistics.median(m["step_time_s"] for m in steady) * 1e3,
-                     "measured_breakdown_s": {k: statistics.median(max(r[k] for r in m["ranks"]) for m in steady)
-                                              for k in ("pipeline_s", "allreduce_s", "optimizer_s")}})
+                     "simulated_step_s": sim_step, "predicted_breakdown_s": predicted,
+                     "measured_breakdown_s": measured})
+        if any(_zero1(st) for st in plan.stages):
+            rows.append({**common, "quantity": "allgather_ms", "predicted": predicted["allgather_s"] * 1e3,
+                         "measured": measured["allgather_s"] * 1e3})
+
+
+def _zero1(stage) -> bool:
+    """The runtime shards this stage's optimizer state (ZeRO-1) and all-gathers its weights."""
+    return stage.sharded and len(stage.gpus) > 1
 
 
 def zorse_cluster(path):
@@ -171,6 +230,9 @@ def main() -> int:
     ap.add_argument("--microbatches", type=int, default=2)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--sharding", choices=("auto", "never", "always"), default="auto",
+                    help="the solver's ZeRO-1 policy (PlanOptions.sharding); 'always' shards its multi-GPU "
+                         "stage, so the allgather_ms row compares the weight all-gather")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "cost_accuracy.json"))
     args = ap.parse_args()
     rows: list[dict] = []
@@ -185,8 +247,9 @@ def main() -> int:
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         fmt = (lambda v: f"{v / 2**20:.1f} MiB") if r["quantity"] == "peak_memory_bytes" else (lambda v: f"{v:.1f} ms")
+        err = "-" if r["error"] is None else f"{r['error']:+.1%}"
         print(f"| {r['model']} | {r['plan']} | {r['stage']} | {r['device_type']} | {r['samples']} | {r['quantity']} | "
-              f"{fmt(r['predicted'])} | {fmt(r['measured'])} | {r['error']:+.1%} |")
+              f"{fmt(r['predicted'])} | {fmt(r['measured'])} | {err} |")
     print(f"wrote {out}")
     return 0
 

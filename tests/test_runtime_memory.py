@@ -4,18 +4,20 @@ dropout masks of the first forward replayed in the recompute.
 
 ZeRO-1 needs a data-parallel group, so it is tested with torchrun in
 ``test_distributed.py`` (parameters, losses, gradients and optimizer-state
-sizes).
+sizes), and here for a stage whose parameters have two dtypes (fp32 and
+bf16: one flat buffer and one owned range per dtype), also with torchrun.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import CLUSTERS, first_batch
+from conftest import CLUSTERS, first_batch, run_distributed, with_memory_policy
 from zorse_fx.capture import analyse, capture
 from zorse_fx.cluster import Cluster
 from zorse_fx.models.gpt import GPT, GPTConfig
@@ -80,3 +82,176 @@ def test_recompute_replays_dropout_masks(dropout_plan, lee_bytes, tmp_path):
         torch.testing.assert_close(grads_r[name], g, rtol=1e-5, atol=1e-7 * g.abs().max().item(), msg=name)
     # The recompute ran under fork_rng: the global RNG stream is where it would be without it.
     assert torch.equal(rng_after_r, rng_after)
+
+
+# -- ZeRO-1 over a stage with fp32 and bf16 parameters ------------------------
+
+class MixedDtypeGPT(GPT):
+    """GPT with a bf16 adapter Linear after the blocks (the rest fp32): a
+    stage with two parameter dtypes."""
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.adapter = torch.nn.Linear(cfg.n_embd, cfg.n_embd).to(torch.bfloat16)
+
+    def forward(self, idx, targets):
+        B, T = idx.size()
+        pos = torch.arange(0, T, dtype=torch.long, device=idx.device)
+        x = self.wte(idx) + self.wpe(pos)
+        for block in self.h:
+            x = block(x)
+        x = x + self.adapter(x.to(torch.bfloat16)).float()
+        logits = self.lm_head(self.ln_f(x))
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
+#: lr 1e-2 (10x test_distributed's): 3 steps move a bf16 weight of |p| ~0.15 by
+#: ~0.03, i.e. ~30 bf16 ulps, so a lost or stale update is far above rounding.
+MIXED_LR, MIXED_WD, MIXED_STEPS = 1e-2, 0.1, 3
+#: Per-GPU state_shard_bytes of the 3-GPU stage: shares 1/2, 1/3, 1/6.
+MIXED_SHARD_BYTES = (3 * 2**20, 2 * 2**20, 2**20)
+
+
+def _reference_adamw(captured, tokens, plan, steps):
+    """Single-process AdamW on the whole global batch (OptimizerConfig betas,
+    eps). Returns per-step losses, step-1 gradients and the final parameters,
+    by canonical name."""
+    from zorse_fx.capture.trace import _fetch_attr
+    from zorse_fx.data import global_batch
+    from zorse_fx.runtime.worker import OptimizerConfig
+
+    gm = captured.graph_module
+    params = {c: _fetch_attr(gm, c) for c in sorted(captured.trainable())}
+    cfg = OptimizerConfig()
+    opt = torch.optim.AdamW(list(params.values()), lr=MIXED_LR, betas=cfg.betas, eps=cfg.eps,
+                            weight_decay=MIXED_WD)
+    losses, grads1 = [], None
+    for step in range(steps):
+        batch = global_batch(tokens, step, global_batch_size=plan.global_batch_size, seq_len=plan.seq_len,
+                             input_names=plan.input_names, label_mode=plan.label_mode)
+        opt.zero_grad(set_to_none=True)
+        loss = gm(*[batch[n] for n in captured.input_names])
+        loss.backward()
+        losses.append(float(loss.detach()))
+        if step == 0:
+            grads1 = {c: p.grad.detach().clone() for c, p in params.items()}
+        opt.step()
+    return losses, grads1, {c: p.detach().clone() for c, p in params.items()}
+
+
+@pytest.fixture
+def mixed_dtype_plan():
+    """One stage (fp32 GPT + bf16 adapter) data-parallel over 3 GPUs with
+    samples 2:1:1 per micro-batch; not sharded (the policy is set per test).
+    Function scope: the single-process reference trains the captured model."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, 256, (2, T))
+    captured = capture(MixedDtypeGPT(GPTConfig(n_layer=2, n_embd=32, block_size=T)), (ids, ids))
+    nb = analyse(captured).num_blocks
+    plan, _ = plan_fixed(captured, Cluster.from_yaml(CLUSTERS / "small_hetero.yaml"), PlanOptions(global_batch_size=8),
+                         stage_blocks=((0, nb),), stage_gpus=((0, 1, 2),), samples_per_microbatch=((2, 1, 1),),
+                         num_microbatches=2)
+    return plan, captured
+
+
+def _run(plan, captured, tokens, tmp_path):
+    rows, grads = run_distributed(plan, captured.state(), tokens, tmp_path, steps=MIXED_STEPS,
+                                  extra=("--dump-params", "--lr", str(MIXED_LR), "--weight-decay", str(MIXED_WD)))
+    out = tmp_path / "run" / "params"
+    params = {r: torch.load(out / f"rank{r}.pt") for r in range(plan.world_size)}
+    summaries = {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(plan.world_size)}
+    return [r["loss"] for r in rows], grads, params, summaries
+
+
+def test_zero1_mixed_dtypes_equal_replicated_and_single_process(mixed_dtype_plan, lee_bytes, tmp_path):
+    """ZeRO-1 over a stage with fp32 and bf16 parameters (3 Gloo ranks,
+    unequal state shares 3:2:1): one flat buffer and one owned range per dtype
+    (see [Note: ZeRO-1 with unequal shards] in runtime/worker.py).
+
+    Two comparisons, 3 AdamW steps:
+
+    1. With the same plan not sharded (replicated AdamW on every rank): every
+       parameter on every rank is bit-identical (``torch.equal``), losses
+       too. The gradients are the same all-reduced tensors and AdamW is
+       element-wise, so sharding may change nothing (AdamW on slices at any
+       offset gives the same bits as on whole tensors, fp32 and bf16,
+       checked); a skipped, doubled or misplaced range of either dtype
+       leaves elements a whole update (~lr = 1e-2) away.
+    2. With single-process AdamW on the whole batch: losses to ``rel=2e-5``
+       (measured <= 5e-6); step-1 gradients, fp32 ones at test_distributed's
+       ``atol = 1e-6 + 1e-4 * max|g_ref|``, bf16 ones at ``2**-6 * max|g_ref|``
+       (4 bf16 ulps of the largest; the distributed gradient is a sum of 6
+       bf16-rounded partial gradients, measured 2**-8); final parameters per
+       tensor in mean: ``mean|p - p_ref| <= 0.05 * lr`` (measured <= 0.009
+       lr), plus at most 1% of each tensor's elements more than ``0.1 * lr``
+       off (measured <= 0.3%). Element-wise tolerances cannot be used here:
+       an element whose reduced bf16 gradient cancels to ~0 (measured: 0 vs
+       -2.5e-7) gets a whole AdamW step (lr) in one run and none in the other,
+       and the bf16 forward then spreads that into the fp32 parameters. A
+       lost update of one GPU's range (>= 1/6 of each buffer) moves the mean
+       of the tensors it covers by ~lr x its share.
+    """
+    plan, captured = mixed_dtype_plan
+    assert {str(t.dtype) for t in captured.state().values()} >= {"torch.float32", "torch.bfloat16"}
+    sharded = with_memory_policy(plan, sharded={0}, shard_bytes={0: MIXED_SHARD_BYTES})
+    replicated = with_memory_policy(plan, shard_bytes={0: MIXED_SHARD_BYTES})
+    initial = {k: v.clone() for k, v in captured.state().items()}
+    losses, grads, params, summaries = _run(sharded, captured, lee_bytes, tmp_path / "sharded")
+    losses_r, _, params_r, summaries_r = _run(replicated, captured, lee_bytes, tmp_path / "replicated")
+    ref_losses, ref_grads, ref_params = _reference_adamw(captured, lee_bytes, plan, MIXED_STEPS)
+
+    # 1. Sharded == replicated, bit for bit, on every rank.
+    assert losses == losses_r
+    for rank in range(plan.world_size):
+        assert set(params[rank]) == set(ref_params)
+        for name, value in params[rank].items():
+            assert value.dtype == ref_params[name].dtype
+            assert torch.equal(value, params_r[rank][name]), (
+                f"rank {rank} {name} ({value.dtype}): sharded differs from replicated by "
+                f"{(value.float() - params_r[rank][name].float()).abs().max().item():.3g}")
+
+    # 2. Equal to single-process AdamW training at the stated tolerances.
+    assert losses == pytest.approx(ref_losses, rel=2e-5)
+    for rank, g in grads.items():
+        assert set(g) == set(ref_grads)
+        for name, value in g.items():
+            ref = ref_grads[name]
+            scale = ref.abs().max().item()
+            tol = 2**-6 * scale if ref.dtype == torch.bfloat16 else 1e-6 + 1e-4 * scale
+            torch.testing.assert_close(value, ref, atol=tol, rtol=0, msg=lambda m: f"rank {rank} grad {name}: {m}")
+    for name, ref in ref_params.items():
+        move = (ref.float() - initial[name].float()).abs()
+        assert move.mean() > 0.5 * MIXED_LR, f"{name} barely moved: the test would not see a lost update"
+        diff = (params[0][name].float() - ref.float()).abs()
+        assert diff.mean() <= 0.05 * MIXED_LR, f"{name} ({ref.dtype}): mean |p - p_ref| = {diff.mean():.3g}"
+        assert (diff > 0.1 * MIXED_LR).float().mean() <= 0.01, f"{name} ({ref.dtype}): {diff.max():.3g}"
+
+    # State: per dtype, rank j owns shard_ranges(n_d)[j] and holds AdamW
+    # moments (2 x itemsize bytes per element) for it only; so each rank's
+    # share of the state bytes is its plan share, up to one element per dtype.
+    stage = sharded.stages[0]
+    weights = [g.state_shard_bytes for g in stage.gpus]
+    itemsize = {"float32": 4, "bfloat16": 2}
+    n_by_dtype = {}
+    for t in (p for canon, p in initial.items() if canon in stage.params.values()):
+        key = str(t.dtype).removeprefix("torch.")
+        n_by_dtype[key] = n_by_dtype.get(key, 0) + t.numel()
+    assert sorted(n_by_dtype) == ["bfloat16", "float32"]
+    total_state = sum(2 * itemsize[d] * n for d, n in n_by_dtype.items())
+    for pos, g in enumerate(stage.gpus):
+        got = summaries[g.rank]
+        assert got["sharded"] is True and got["stage_elements"] == stage.num_parameters
+        assert got["owned_range"] is None  # two buffers: one range per dtype
+        assert [b["dtype"] for b in got["buffers"]] == ["bfloat16", "float32"]  # dtype-name order
+        for buf in got["buffers"]:
+            n = n_by_dtype[buf["dtype"]]
+            a, b = stage.shard_ranges(n)[pos]
+            assert buf["elements"] == n and buf["owned_range"] == [a, b] and buf["owned_elements"] == b - a > 0
+            assert buf["optimizer_state_bytes"] == 2 * itemsize[buf["dtype"]] * (b - a), f"rank {g.rank}: {buf}"
+        assert got["owned_elements"] == sum(b["owned_elements"] for b in got["buffers"])
+        assert got["optimizer_state_bytes"] == sum(b["optimizer_state_bytes"] for b in got["buffers"])
+        share = weights[pos] / sum(weights)
+        assert abs(got["optimizer_state_bytes"] - share * total_state) <= 2 * sum(itemsize.values())
+        # Replicated: every rank holds the whole state.
+        assert summaries_r[g.rank]["optimizer_state_bytes"] == total_state
+        assert summaries_r[g.rank]["owned_range"] == [0, stage.num_parameters]

@@ -11,7 +11,8 @@ A step (``StageWorker.train_step``):
    recomputation]);
 2. reduce gradients (see [Note: share-weighted gradients]);
 3. AdamW step: on every parameter, or, for a ``sharded`` stage with more than
-   one GPU, on this rank's range of the stage's parameters only;
+   one GPU, on this rank's range of the stage's parameters only (one range
+   per parameter dtype);
 4. ``sharded`` stage: all-gather the updated parameters inside the stage's
    data-parallel group (see [Note: ZeRO-1 with unequal shards]).
 
@@ -29,9 +30,9 @@ union of their holders, which also sums the two stages' contributions.
 
 [Note: ZeRO-1 with unequal shards]
 A ``sharded`` stage (``StagePlan.sharded``) with ``k > 1`` GPUs keeps its
-trainable parameters in one flat buffer (each parameter is a view of it, in
-``StagePlan.params`` order), so GPU ``j`` owns the contiguous element range
-``StagePlan.shard_ranges(n)[j]``, sized in proportion to its
+trainable parameters in one flat buffer per dtype (each parameter is a view
+of the buffer of its dtype, in ``StagePlan.params`` order), so GPU ``j`` owns
+one contiguous element range per buffer, sized in proportion to its
 ``state_shard_bytes`` (unequal on purpose: a GPU with more free memory holds
 more state). What is stored per rank: the full parameters and full gradients
 (ZeRO stage 1 shards only the optimizer state) and the AdamW moments
@@ -43,7 +44,7 @@ the step writes straight into the parameter storage and nothing is copied.
 What moves: the gradient all-reduce stays as it is (every rank needs the full
 reduced gradient of its range, and tied parameters are reduced over the
 union of their holders); after the step each owner broadcasts its range of
-the flat buffer over a process group of the stage's ranks (one
+each flat buffer over a process group of the stage's ranks (one
 ``dist.broadcast`` per non-empty range, issued asynchronously then waited;
 unequal ranges need no padding), which is an all-gather. Per parameter
 element that is 2 x grad bytes (all-reduce) + 1 x param bytes (all-gather)
@@ -52,6 +53,25 @@ Every update is element-wise (AdamW), so a sharded step equals the
 replicated one. A tied parameter held by several stages is updated and
 re-gathered by each holder stage on its own copy; the copies start equal
 and receive the same reduced gradient, so they stay equal.
+
+Mixed dtypes (e.g. fp32 parameters and a bf16 layer): one flat buffer per
+dtype, buffers in the order of the dtype names (``str(dtype)``, e.g.
+``torch.bfloat16`` before ``torch.float32``; the same on every rank). The
+rule: each buffer of ``n_d`` elements is split by the plan's weights on its
+own, GPU ``j`` owning ``StagePlan.shard_ranges(n_d)[j]``. So every GPU holds
+the plan's fraction ``w_j / sum(w)`` (``w`` = ``state_shard_bytes``) of every
+dtype's elements, hence of every dtype's AdamW state bytes (AdamW keeps its
+moments in the parameter's dtype: ``2 x itemsize`` bytes per element) and of
+the stage's total state bytes, up to one element per dtype from the
+largest-remainder rounding; a GPU with weight 0 owns nothing in any buffer.
+(One split of the concatenated buffers by bytes would give the same total
+share but could hand a GPU a whole dtype and another none of it; a split per
+buffer also keeps each buffer's all-gather balanced as the plan's shares
+are.) A single-dtype stage is the special case of one buffer, the range
+``StagePlan.shard_ranges(n)[j]`` of the stage's ``n`` elements.
+``StageWorker.optimizer_state_summary`` reports the rule per buffer. The
+gradient all-reduce buckets per dtype too (as DDP does), so a bf16 gradient
+is reduced in bf16, not promoted to fp32.
 
 [Note: stage recomputation]
 A ``recompute`` stage (``StagePlan.recompute``, GPipe's re-materialisation)
@@ -81,7 +101,6 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ..codegen.split import load_stage_class
-from ..errors import RuntimeExecutionError
 from ..plan import Plan
 from .comm import pack, routes, unpack
 from .schedule import make_schedule
@@ -90,6 +109,18 @@ __all__ = ["StageWorker", "OptimizerConfig"]
 
 #: Gradient all-reduce bucket size (bytes), as DDP's default 25 MiB.
 BUCKET_BYTES = 25 * 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _FlatBuffer:
+    """ZeRO-1: the stage's parameters of one dtype as one flat buffer."""
+
+    dtype: torch.dtype
+    flat: torch.Tensor
+    #: Per GPU of the stage (stage order): its range ``[a, b)`` of ``flat``.
+    ranges: tuple[tuple[int, int], ...]
+    #: This rank's range.
+    owned: tuple[int, int]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -170,37 +201,45 @@ class StageWorker:
 
     # -- optimizer ----------------------------------------------------------
     def _build_optimizer(self, cfg: OptimizerConfig) -> None:
-        """AdamW over every parameter, or over this rank's shard (ZeRO-1)."""
+        """AdamW over every parameter, or over this rank's shard (ZeRO-1).
+
+        ZeRO-1: one flat buffer per parameter dtype (dtype names in sorted
+        order), each split by ``StagePlan.shard_ranges(n_d)`` on its own, so
+        this rank owns the plan's share of every dtype's elements and state
+        (see [Note: ZeRO-1 with unequal shards])."""
         kw = dict(lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
         params = [getattr(self.module, flat) for flat in self.stage.params]
-        #: Trainable elements of the stage, and this rank's range of them.
+        #: Trainable elements of the stage.
         self.stage_elements = sum(p.numel() for p in params)
-        self.owned = (0, self.stage_elements)
-        #: ZeRO-1: (parameter, start, end, view) per overlap of a parameter with the owned range.
+        #: The stage's parameter dtypes, in buffer order (sorted by name).
+        self.dtypes = sorted({p.dtype for p in params}, key=str)
+        #: ZeRO-1: per dtype (buffer order), its flat buffer, the shard ranges of
+        #: every GPU of the stage and this rank's range. Empty when not sharded.
+        self.buffers: list[_FlatBuffer] = []
+        #: ZeRO-1: (parameter, start, end, view) per overlap of a parameter with an owned range.
         self._pieces: list[tuple[torch.nn.Parameter, int, int, torch.Tensor]] = []
         if not self.zero1:
             self.optimizer = torch.optim.AdamW(list(self.module.parameters()), **kw)
             return
-        dtypes = {p.dtype for p in params}
-        if len(dtypes) != 1:
-            raise RuntimeExecutionError(
-                f"stage {self.stage.index} is sharded (ZeRO-1) but its parameters have several dtypes "
-                f"{sorted(map(str, dtypes))}; one flat buffer needs one dtype: turn off 'sharded' for this stage"
-            )
-        # Parameters become views of one flat buffer (stage order), so a range is one slice.
-        self.flat = torch.empty(self.stage_elements, dtype=dtypes.pop(), device=self.device)
-        self.shard_ranges = self.stage.shard_ranges(self.stage_elements)
-        self.owned = a, b = self.shard_ranges[self.role.position]
-        offset = 0
+        pos = self.role.position
         with torch.no_grad():
-            for p in params:
-                n = p.numel()
-                self.flat[offset : offset + n].copy_(p.detach().reshape(-1))
-                p.data = self.flat[offset : offset + n].view_as(p)
-                lo, hi = max(a, offset), min(b, offset + n)
-                if lo < hi:
-                    self._pieces.append((p, lo - offset, hi - offset, p.detach().view(-1)[lo - offset : hi - offset]))
-                offset += n
+            for dtype in self.dtypes:
+                members = [p for p in params if p.dtype == dtype]
+                n = sum(p.numel() for p in members)
+                # Parameters become views of one flat buffer (stage order), so a range is one slice.
+                flat = torch.empty(n, dtype=dtype, device=self.device)
+                ranges = self.stage.shard_ranges(n)
+                a, b = ranges[pos]
+                offset = 0
+                for p in members:
+                    k = p.numel()
+                    flat[offset : offset + k].copy_(p.detach().reshape(-1))
+                    p.data = flat[offset : offset + k].view_as(p)
+                    lo, hi = max(a, offset), min(b, offset + k)
+                    if lo < hi:
+                        self._pieces.append((p, lo - offset, hi - offset, p.detach().view(-1)[lo - offset : hi - offset]))
+                    offset += k
+                self.buffers.append(_FlatBuffer(dtype=dtype, flat=flat, ranges=ranges, owned=(a, b)))
         # A GPU may own no element (state_shard_bytes 0): it steps nothing and only receives.
         self.optimizer = torch.optim.AdamW([v for *_, v in self._pieces], **kw) if self._pieces else None
 
@@ -214,10 +253,11 @@ class StageWorker:
             view.grad = None  # do not keep last step's gradients alive
 
     def _allgather_parameters(self) -> None:
-        """ZeRO-1: each owner broadcasts its updated range over the stage's group."""
+        """ZeRO-1: each owner broadcasts its updated range of every buffer over the stage's group."""
         works = [
-            dist.broadcast(self.flat[a:b], src=self.stage.gpus[j].rank, group=self.shard_group, async_op=True)
-            for j, (a, b) in enumerate(self.shard_ranges)
+            dist.broadcast(buf.flat[a:b], src=self.stage.gpus[j].rank, group=self.shard_group, async_op=True)
+            for buf in self.buffers
+            for j, (a, b) in enumerate(buf.ranges)
             if b > a
         ]
         for w in works:
@@ -225,17 +265,40 @@ class StageWorker:
 
     def optimizer_state_summary(self) -> dict:
         """Elements owned and bytes of AdamW state held (moments; the scalar
-        ``step`` counters are not counted), after at least one step."""
-        state_bytes = 0
+        ``step`` counters are not counted), after at least one step.
+
+        ``owned_elements`` / ``optimizer_state_bytes``: totals over dtypes.
+        ``owned_range``: this rank's range of the stage's elements when the
+        stage has one buffer (one dtype, or not sharded: all of them); None
+        for a sharded stage with several dtypes, whose ranges are per dtype.
+        ``buffers``: per dtype (buffer order), ``elements`` (n_d), this rank's
+        ``owned_range`` = ``StagePlan.shard_ranges(n_d)[position]`` (all
+        ``[0, n_d]`` when not sharded), ``owned_elements`` and the
+        ``optimizer_state_bytes`` of that dtype's parameters (``2 x owned x
+        itemsize`` for AdamW)."""
+        by_dtype: dict[torch.dtype, int] = defaultdict(int)
         if self.optimizer is not None:
-            for st in self.optimizer.state.values():
+            for param, st in self.optimizer.state.items():
                 for key, t in st.items():
                     if key != "step" and torch.is_tensor(t):
-                        state_bytes += t.numel() * t.element_size()
-        a, b = self.owned
+                        by_dtype[param.dtype] += t.numel() * t.element_size()
+        params = [getattr(self.module, flat) for flat in self.stage.params]
+        buffers = []
+        for dtype in self.dtypes:
+            n = sum(p.numel() for p in params if p.dtype == dtype)
+            a, b = next((buf.owned for buf in self.buffers if buf.dtype == dtype), (0, n))
+            buffers.append({"dtype": str(dtype).removeprefix("torch."), "elements": n, "owned_range": [a, b],
+                            "owned_elements": b - a, "optimizer_state_bytes": by_dtype.get(dtype, 0)})
+        owned = sum(d["owned_elements"] for d in buffers)
+        if not self.zero1:
+            owned_range = [0, self.stage_elements]
+        elif len(buffers) == 1:
+            owned_range = buffers[0]["owned_range"]
+        else:
+            owned_range = None
         return {"rank": self.rank, "stage": self.stage.index, "sharded": self.zero1,
-                "stage_elements": self.stage_elements, "owned_range": [a, b], "owned_elements": b - a,
-                "optimizer_state_bytes": state_bytes}
+                "stage_elements": self.stage_elements, "owned_range": owned_range, "owned_elements": owned,
+                "optimizer_state_bytes": sum(by_dtype.values()), "buffers": buffers}
 
     # -- recomputation -------------------------------------------------------
     def _rng_state(self) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -369,23 +432,27 @@ class StageWorker:
         return loss_sum
 
     def _reduce_gradients(self) -> None:
-        """Bucketed all-reduce (SUM) of the share-weighted gradients."""
+        """Bucketed all-reduce (SUM) of the share-weighted gradients, one
+        dtype at a time (dtype names in sorted order) so a bucket never mixes
+        dtypes (flattening would promote bf16 gradients to fp32)."""
         for group, params in self.reductions:
             for p in params:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-            bucket: list[torch.Tensor] = []
-            size = 0
-            for p in params + [None]:
-                if p is not None:
-                    bucket.append(p.grad)
-                    size += p.grad.numel() * p.grad.element_size()
-                if bucket and (p is None or size >= BUCKET_BYTES):
-                    flat = _flatten_dense_tensors(bucket)
-                    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-                    for g, synced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
-                        g.copy_(synced)
-                    bucket, size = [], 0
+            for dtype in sorted({p.dtype for p in params}, key=str):
+                bucket: list[torch.Tensor] = []
+                size = 0
+                same = [p for p in params if p.dtype == dtype]
+                for p in same + [None]:
+                    if p is not None:
+                        bucket.append(p.grad)
+                        size += p.grad.numel() * p.grad.element_size()
+                    if bucket and (p is None or size >= BUCKET_BYTES):
+                        flat = _flatten_dense_tensors(bucket)
+                        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+                        for g, synced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+                            g.copy_(synced)
+                        bucket, size = [], 0
 
     def gradients(self) -> dict[str, torch.Tensor]:
         """Current gradients by canonical parameter name (after reduction)."""
