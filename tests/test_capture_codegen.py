@@ -112,6 +112,55 @@ def test_free_values_are_recomputed_not_sent(captured):
     assert progs[1].input_names  # stage 1 reads the model inputs itself (labels, positions)
 
 
+@pytest.mark.parametrize("labels_kind", ["other_tokens", "padded"])
+@pytest.mark.parametrize("model_name", ["hf_gpt2", "hf_llama"])
+def test_one_tensor_for_ids_and_labels_keeps_two_inputs(model_name, labels_kind, lee_bytes):
+    """``capture(m, (ids, ids))`` with ONE tensor object for both inputs (the
+    call pattern of zorse.compile, the CLI and the benchmarks): torch.export
+    merges aliased inputs, so without a clone the graph embedded ``labels``.
+    Run with labels that differ from the ids, the captured graph and the stages
+    split from it must give the eager model's loss."""
+    make, method = MODELS[model_name]
+    model = make()
+    ids = lee_bytes[: 4 * T].view(4, T)
+    captured = capture(model, (ids, ids), method=method)
+    assert captured.input_names == ("input_ids", "labels")
+
+    x = lee_bytes[4 * T : 7 * T].view(3, T)  # batch 3 != capture batch 4
+    g = torch.Generator().manual_seed(0)
+    if labels_kind == "other_tokens":  # e.g. a different target: random byte tokens
+        labels = torch.randint(0, 256, x.shape, generator=g)
+    else:  # prompt masked out, as in instruction tuning
+        labels = x.clone()
+        labels[:, : T // 2] = -100
+    assert not torch.equal(labels, x)
+    with torch.no_grad():
+        ref = model(x, labels)
+        got = captured.graph_module(x, labels)
+        bg = analyse(captured)
+        progs = split_stages(bg, ((0, 2), (2, bg.num_blocks)))
+        state = captured.state()
+        chained = _chain([(p, p.build(state)) for p in progs], captured.input_names, (x, labels))
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
+    torch.testing.assert_close(chained, ref, rtol=0, atol=1e-5)
+    # The example inputs kept for shape analysis are two tensors, not one.
+    a, b = captured.example_inputs
+    assert a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
+    torch.testing.assert_close(a, ids, rtol=0, atol=0)
+    torch.testing.assert_close(b, ids, rtol=0, atol=0)
+
+
+def test_capture_clones_inputs_sharing_storage():
+    """A shifted target that is a view of the same token rows is cloned too."""
+    rows = torch.arange(4 * (T + 1)).view(4, T + 1) % 256
+    ids, targets = rows[:, :T], rows[:, 1:]
+    captured = capture(_gpt(), (ids, targets))
+    a, b = captured.example_inputs
+    assert a is ids and b is not targets
+    assert b.untyped_storage().data_ptr() != rows.untyped_storage().data_ptr()
+    torch.testing.assert_close(b, targets, rtol=0, atol=0)
+
+
 def test_capture_rejects_non_scalar_output():
     class Logits(torch.nn.Module):
         def __init__(self):

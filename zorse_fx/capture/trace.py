@@ -128,6 +128,29 @@ class _FlatTracer(fx.Tracer):
         return False
 
 
+def _unaliased(example_inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """``example_inputs`` with every input that is, or shares storage with, an
+    earlier input replaced by a clone.
+
+    ``torch.export`` deduplicates aliased inputs: for ``capture(m, (ids, ids))``
+    one placeholder stands for both, and the graph reads ``labels`` where the
+    model reads ``input_ids`` (wrong loss as soon as the labels differ from
+    the ids). A clone gives each model input its own placeholder.
+    """
+    seen: set[tuple[str, int]] = set()
+    out = []
+    for t in example_inputs:
+        storage = t.untyped_storage()
+        key = (str(t.device), storage.data_ptr())
+        if storage.nbytes() and key in seen:
+            t = t.clone()
+            storage = t.untyped_storage()
+            key = (str(t.device), storage.data_ptr())
+        seen.add(key)
+        out.append(t)
+    return tuple(out)
+
+
 def _capture_fx(model: torch.nn.Module) -> fx.GraphModule:
     graph = _FlatTracer().trace(model)
     return fx.GraphModule(model, graph, type(model).__name__)
@@ -178,6 +201,9 @@ def capture(
         model: returns a scalar loss from ``forward(*example_inputs)``.
         example_inputs: tensors with the batch in dim 0 (``(N, T)`` token ids,
             labels, ...); ``N >= 2`` so the batch dimension is not specialised.
+            One tensor may be passed for several inputs (``(ids, ids)``): an
+            input sharing storage with an earlier one is cloned first, so each
+            input keeps its own placeholder (``torch.export`` would merge them).
         method: "fx", "export" or "auto" (fx first, export if fx tracing fails;
             Hugging Face ``PreTrainedModel`` submodules go straight to export).
 
@@ -199,6 +225,7 @@ def capture(
                 "dimension stays symbolic"
             )
     names = _input_names(model, len(example_inputs))
+    example_inputs = _unaliased(example_inputs)
     if method == "auto":
         method = "export" if _is_hf(model) else "fx"
         if method == "fx":
