@@ -30,6 +30,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 CLUSTERS = ROOT / "examples" / "clusters"
+#: Blocks per model (``capture.analyse``): a transformer layer has two minimal cuts (after
+#: the attention and after the MLP residual add), so up to 48 blocks keeps every other
+#: cut -- whole layers -- for models of up to 47 layers (32 gave 1.5-layer blocks).
+MAX_BLOCKS = int(__import__("os").environ.get("ZORSE_BENCH_MAX_BLOCKS", "48"))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -40,6 +44,8 @@ class Scenario:
     global_batch_size: int
     seq_len: int
     note: str
+    #: Largest pipeline depth searched (``--max-stages`` overrides): 13B on 16 GB GPUs needs more than 4.
+    max_stages: int = 4
 
 
 SCENARIOS = (
@@ -52,7 +58,8 @@ SCENARIOS = (
     Scenario(name="flashflex", model="llama2-7b", cluster="flashflex.yaml", global_batch_size=256, seq_len=2048,
              note="FlashFlex/HexiScale: Llama-2 7B on 8 x 3090 + 24 x 4090 (3080 Ti left out); batch assumed"),
     Scenario(name="zorse_b", model="llama2-13b", cluster="zorse_b.yaml", global_batch_size=1024, seq_len=1024,
-             note="Zorse B: Llama-2 13B, 8 x A100 + 16 x A10G + 16 x V100 + 24 x T4, seq 1024, ~1M tokens"),
+             note="Zorse B: Llama-2 13B, 8 x A100 + 16 x A10G + 16 x V100 + 24 x T4, seq 1024, ~1M tokens",
+             max_stages=8),
     Scenario(name="zorse_c", model="llama2-7b", cluster="zorse_c_two_regions.yaml", global_batch_size=2048,
              seq_len=512, note="Zorse C: two regions (16 A10G + 48 T4 | 16 V100 + 48 T4), seq 512, ~1M tokens"),
     Scenario(name="sailor", model="opt-350m", cluster="sailor.yaml", global_batch_size=1024, seq_len=2048,
@@ -93,7 +100,7 @@ def price(sc: Scenario, cluster):
 
     ids = torch.zeros((2, sc.seq_len), dtype=torch.long, device="meta")
     captured = capture(build_model(sc.model), (ids, ids), method="export")
-    bg = analyse(captured, max_blocks=32)
+    bg = analyse(captured, max_blocks=MAX_BLOCKS)
     costs = block_costs(bg, {g.type: g.spec for g in cluster.gpus}, compute_dtype=torch.float16)
     # fp16 weights: block_costs counts mixed precision (2 B weights + 2 B grads + 12 B
     # fp32 master weights and moments, the 12 B shardable under ZeRO-1).
@@ -120,7 +127,7 @@ def run_scenario(sc: Scenario, args) -> list[dict]:
     costs, flops_per_sample = price(sc, cluster)
     print(f"[{sc.name}] priced {sc.model} on {len(cluster)} GPUs in {time.perf_counter() - t0:.0f} s", flush=True)
     devices = cluster.device_graph()
-    opts = SolverOptions(global_batch_size=sc.global_batch_size, max_stages=args.max_stages,
+    opts = SolverOptions(global_batch_size=sc.global_batch_size, max_stages=args.max_stages or sc.max_stages,
                          time_limit_s=args.time_limit, max_microbatches=args.max_microbatches,
                          sharding=args.sharding, recompute=args.recompute)
     ub = upper_bound_tokens_per_s(costs, cluster, sc.seq_len)
@@ -185,7 +192,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", default="", help="comma-separated scenario names")
     ap.add_argument("--time-limit", type=float, default=5.0, help="CP-SAT seconds per (stages, micro-batches) candidate")
-    ap.add_argument("--max-stages", type=int, default=4)
+    ap.add_argument("--max-stages", type=int, default=0,
+                    help="largest pipeline depth for every scenario (default: the scenario's own, 4 or 8)")
     ap.add_argument("--max-microbatches", type=int, default=64)
     ap.add_argument("--sharding", default="auto", choices=("never", "auto", "always"),
                     help="ZeRO-1 optimizer-state sharding, for every planner alike")

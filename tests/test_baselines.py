@@ -581,7 +581,8 @@ def test_cpsat_never_worse_than_baselines_with_memory_techniques(seed):
 
 def test_portfolio_takes_a_sharded_baseline():
     """When CP-SAT finds nothing, the portfolio returns the best feasible
-    baseline with its memory policy (it re-scores with evaluate_result)."""
+    heuristic plan (baselines and the stage DP) with its memory policy (it
+    re-scores with evaluate_result)."""
     from zorse_fx.solve.portfolio import solve_portfolio
 
     costs, devices = _tight()
@@ -590,11 +591,15 @@ def test_portfolio_takes_a_sharded_baseline():
     def nothing(c, d, o):
         raise InfeasiblePlanError("stub")
 
+    from zorse_fx.solve.stage_dp import solve_stage_dp
+
     res = solve_portfolio(costs, devices, options, nothing)
     ev = _eval(costs, devices, options, res)
-    assert res.status.startswith("BASELINE:") and ev.feasible and any(res.stage_sharded)
+    assert (res.status.startswith("BASELINE:") or res.status == "STAGE_DP") and ev.feasible
+    assert any(res.stage_sharded)
     assert ev.step_time_s == res.predicted_step_time_s
     feasible = [r for r in (fn(costs, devices, options) for fn in BASELINES.values()) if r.status == "BASELINE"]
+    feasible.append(solve_stage_dp(costs, devices, options))  # the portfolio's own heuristic
     assert res.predicted_step_time_s == min(r.predicted_step_time_s for r in feasible)
     with pytest.raises(InfeasiblePlanError, match="stub"):
         solve_portfolio(costs, devices, _tight_options("never"), nothing)

@@ -257,6 +257,23 @@ class Selector:
             if k == s_m:
                 chosen = (blocks, gpus, samples, m, ev)
         blocks, gpus, samples, m, ev = chosen
+        return self._record(blocks, gpus, samples, m, ev, tuple(cands))
+
+    def feasible_per_candidate(self) -> tuple[SolverResult, ...]:
+        """The best feasible decision of every (S, M) scored, fastest first
+        (status BASELINE; ``candidates`` empty): warm starts for CP-SAT."""
+        out = []
+        for k in sorted(self._best, key=lambda k: (self._best[k][0], k)):
+            (bad, _), (blocks, gpus, samples, m), pol = self._best[k]
+            if bad:
+                continue
+            ev = evaluate(self.costs, self.devices, self.options, stage_blocks=blocks, stage_gpus=gpus,
+                          samples_per_microbatch=samples, num_microbatches=m, stage_sharded=pol.sharded,
+                          state_shard_mib=pol.shard_mib, stage_recompute=pol.recompute)
+            out.append(self._record(blocks, gpus, samples, m, ev, ()))
+        return tuple(out)
+
+    def _record(self, blocks, gpus, samples, m, ev, cands) -> SolverResult:
         obj = ev.objective_units
         return SolverResult(
             stage_blocks=blocks, stage_gpus=gpus, samples_per_microbatch=samples, num_microbatches=m,
@@ -268,4 +285,4 @@ class Selector:
             status="BASELINE" if ev.feasible else "BASELINE_INFEASIBLE", objective=obj * UNIT_S,
             # No lower bound is known: bound 0, gap (obj - 0) / obj = 1.
             best_bound=0.0, optimality_gap=1.0 if obj > 0 else 0.0,
-            wall_s=time.perf_counter() - self.t0, candidates=tuple(cands))
+            wall_s=time.perf_counter() - self.t0, candidates=cands)

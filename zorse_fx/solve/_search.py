@@ -6,6 +6,21 @@ model's objective at the returned solution must equal the evaluator's integer
 objective (ns). ``status`` is "OPTIMAL" only when every candidate was solved to
 optimality or proven infeasible; ``best_bound`` is the smallest bound over all
 candidates, so the reported gap covers the whole search.
+
+[Note: presolve bug]
+OR-Tools 9.15.6755 (the newest release on PyPI) has a presolve bug that
+declares some feasible models INFEASIBLE (google/or-tools#5274: "INFEASIBLE
+with presolve enabled but OPTIMAL with presolve disabled", fixed after the
+release). It hit us on Zorse B: the class-level model of (7 stages, 64
+micro-batches) was "INFEASIBLE" in 0.2 s although the stage DP's plan for it
+satisfies every constraint (checked by solving with that plan fixed through
+assumptions). Of the presolve switches, only the inclusion step matters:
+``presolve_inclusion_work_limit = 0`` gives the right answer (FEASIBLE, as with
+presolve off) and left the verdicts on the other models we tried unchanged,
+so every candidate is solved with it. As a second guard, a candidate whose
+warm start (``hint``) is a feasible plan can never be infeasible: if CP-SAT
+still says so, it is solved again with presolve off and the event is recorded
+(``"presolve_retry": True`` in its entry).
 """
 
 from __future__ import annotations
@@ -22,6 +37,41 @@ from .records import BlockCosts, DeviceGraph, SolverOptions, SolverResult
 __all__ = ["CandidateSearch"]
 
 
+def complete_hint(m: cp_model.CpModel, solver: cp_model.CpSolver) -> bool:
+    """Extend ``m``'s partial solution hint to every variable, in place.
+
+    The models hint only the decisions (cuts, GPUs per stage, samples, shards,
+    policy); every other variable follows from them by equalities. CP-SAT
+    treats an incomplete hint as a search preference and can spend the whole
+    time limit without reaching it (Zorse B, 7 stages: UNKNOWN after 3 s
+    with the stage DP's plan hinted). So the hinted variables are fixed on a
+    copy, the copy is solved for a feasible point (propagation does nearly
+    all of it), and its values become a complete hint, which CP-SAT checks
+    and keeps as its first incumbent. Returns False (hint left as it was)
+    when the copy finds nothing, e.g. a hint the model cannot express."""
+    proto = m.Proto()
+    hinted = list(zip(proto.solution_hint.vars, proto.solution_hint.values))
+    if not hinted:
+        return False
+    fixed = m.Clone()
+    fixed.ClearHints()
+    fixed.ClearObjective()
+    for v, val in hinted:
+        fixed.Add(fixed.GetIntVarFromProtoIndex(v) == val)
+    solver.parameters.max_time_in_seconds = min(solver.parameters.max_time_in_seconds, HINT_COMPLETION_S)
+    if solver.Solve(fixed) not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return False
+    m.ClearHints()
+    for v in range(len(proto.variables)):
+        var = m.GetIntVarFromProtoIndex(v)
+        m.AddHint(var, solver.Value(fixed.GetIntVarFromProtoIndex(v)))
+    return True
+
+
+#: Seconds at most to complete a hint (``complete_hint``).
+HINT_COMPLETION_S = 2.0
+
+
 class CandidateSearch:
     """Solve candidates one by one; ``result()`` returns the best as a SolverResult."""
 
@@ -33,17 +83,32 @@ class CandidateSearch:
         self.best = None  # (objective units, microbatches, decision, Evaluation)
         self.all_optimal = True
 
-    def solve(self, model, num_stages: int, num_microbatches: int, **record) -> None:
-        """Solve one candidate model and record it (``record``: extra fields for its entry)."""
-        t1 = time.perf_counter()
-        opts, m = self.options, num_microbatches
+    def _solver(self) -> cp_model.CpSolver:
+        opts = self.options
         solver = cp_model.CpSolver()
         solver.parameters.max_time_in_seconds = opts.time_limit_s
         solver.parameters.num_workers = opts.num_workers
         solver.parameters.random_seed = opts.seed
+        solver.parameters.presolve_inclusion_work_limit = 0  # [Note: presolve bug]
+        return solver
+
+    def solve(self, model, num_stages: int, num_microbatches: int, **record) -> None:
+        """Solve one candidate model and record it (``record``: extra fields for its entry)."""
+        t1 = time.perf_counter()
+        opts, m = self.options, num_microbatches
+        if record.get("hint"):
+            record["hint_completed"] = complete_hint(model.m, self._solver())
+        solver = self._solver()
         code = solver.Solve(model.m)
+        retried = False
+        if code == cp_model.INFEASIBLE and record.get("hint"):  # [Note: presolve bug]
+            solver = self._solver()
+            solver.parameters.cp_model_presolve = False
+            code, retried = solver.Solve(model.m), True
         rec = {"num_stages": num_stages, "num_microbatches": m, "status": solver.StatusName(code),
                "step_time_s": None, "best_bound_s": None, "wall_s": 0.0, **record}
+        if retried:
+            rec["presolve_retry"] = True
         if code in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             # The objective at the returned solution (OR-Tools 9.15's ObjectiveValue() can
             # differ from it by a few ms on time-limited FEASIBLE answers).

@@ -2,13 +2,16 @@
 
 CP-SAT under a time limit can stop at a poor incumbent on large clusters
 (``bench/README.md``, planner scaling). The baselines (``zorse_fx/baselines``)
-are fast and score decisions with the same objective, so the planner runs
-them first, hands their feasible plans to CP-SAT as hints (``AddHint``: the
-candidate with the same stages and micro-batches starts from the plan) and
-keeps the best *feasible* decision. The result says which one won
-(``status`` "OPTIMAL"/"FEASIBLE" from CP-SAT, or "BASELINE:<name>" when a
-baseline beat an unproven CP-SAT incumbent); the optimality gap keeps CP-SAT's
-bound, so it is reported against the returned plan.
+are fast and score decisions with the same objective, and so is zorse_fx's
+own memory-first stage DP (``stage_dp.py``, which finds plans where memory is
+too tight for both the baselines' recipes and an objective-driven CP-SAT
+search). The planner runs them first, hands their feasible plans to CP-SAT as
+hints (``AddHint``: the candidate with the same stages and micro-batches
+starts from the plan) and keeps the best *feasible* decision. The result says
+which one won (``status`` "OPTIMAL"/"FEASIBLE" from CP-SAT, "STAGE_DP" when
+the stage DP's plan beat an unproven CP-SAT incumbent, or "BASELINE:<name>"
+for a baseline); the optimality gap keeps CP-SAT's bound, so it is reported
+against the returned plan.
 """
 
 from __future__ import annotations
@@ -40,23 +43,35 @@ def solve_portfolio(costs: BlockCosts, devices: DeviceGraph, options: SolverOpti
     """
     from ..baselines import BASELINES
     from .objective import evaluate_result
+    from .stage_dp import stage_dp_search
 
     t0 = time.perf_counter()
-    # The baselines first: their feasible plans warm-start the CP-SAT candidates
+    # The heuristics first: their feasible plans warm-start the CP-SAT candidates
     # with the same (stages, micro-batches) ([Note: warm start] in cpsat.py).
-    tried, found = [], []
+    tried, found, dp_hints = [], [], ()
+
+    def stage_dp(c, d, o):
+        nonlocal dp_hints
+        res, dp_hints = stage_dp_search(c, d, o)
+        return res
+
     names = BASELINES if devices.num_gpus <= LARGE_CLUSTER_GPUS else CHEAP_BASELINES
-    for name in names:
+    sources = {"stage_dp": stage_dp, **{name: BASELINES[name] for name in names}}
+    for name, fn in sources.items():
         try:
-            res = BASELINES[name](costs, devices, options)
+            res = fn(costs, devices, options)
         except (InfeasiblePlanError, ValueError):
             continue
         ev = evaluate_result(costs, devices, options, res)
-        tried.append({"baseline": name, "step_time_s": ev.step_time_s, "feasible": ev.feasible})
+        tried.append({"source": name, "step_time_s": ev.step_time_s, "feasible": ev.feasible})
         if ev.feasible:
             found.append((ev.step_time_s, name, res))
     found.sort(key=lambda f: f[0])
-    kw = {"hints": tuple(r for _, _, r in found)} if "hints" in inspect.signature(solver).parameters else {}
+    # Every (S, M) the stage DP reached gets its plan as a hint; the first hint of an
+    # (S, M) is used, so the list is sorted by step time.
+    hints = sorted([(r.predicted_step_time_s, k, r) for k, (_, _, r) in enumerate(found)]
+                   + [(r.predicted_step_time_s, len(found) + k, r) for k, r in enumerate(dp_hints)])
+    kw = {"hints": tuple(r for _, _, r in hints)} if "hints" in inspect.signature(solver).parameters else {}
     try:
         best = solver(costs, devices, options, **kw)
         error = None
@@ -67,9 +82,12 @@ def solve_portfolio(costs: BlockCosts, devices: DeviceGraph, options: SolverOpti
     if found and (best is None or found[0][0] < best.predicted_step_time_s):
         step, name, res = found[0]
         bound = best.best_bound if best is not None else 0.0
+        # Keep CP-SAT's per-candidate records (statuses, bounds) after the heuristic's.
+        searched = tuple(best.candidates) if best is not None else ()
         best = dataclasses.replace(
-            res, status=f"BASELINE:{name}", best_bound=bound,
-            optimality_gap=(step - bound) / step if step > 0 else 0.0)
+            res, status="STAGE_DP" if name == "stage_dp" else f"BASELINE:{name}", best_bound=bound,
+            optimality_gap=(step - bound) / step if step > 0 else 0.0,
+            candidates=tuple(res.candidates) + searched)
     if best is None:
         raise error
     return dataclasses.replace(best, wall_s=time.perf_counter() - t0,

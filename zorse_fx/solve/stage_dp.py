@@ -1,0 +1,319 @@
+"""Memory-first stage dynamic program: a fast feasible plan for the portfolio.
+
+[Note: stage DP]
+CP-SAT can stop at its time limit without any incumbent when memory is tight
+(Zorse B: Llama-2 13B on 64 GPUs, half of them 16 GB; ``bench/README.md``),
+and the baselines' fixed recipes (one stage; layers by speed) overflow the
+small GPUs. This module searches the space of Alpa's and Metis' stage DPs --
+contiguous stages over an *ordered* list of GPU units -- with heterogeneous,
+memory-checked stages, and returns the best plan it finds in well under a
+second per (order, M) on 64 GPUs:
+
+  units    u_0 ... u_{U-1}: the GPUs of one type on one node, in one of
+           ``ORDERS`` (cluster-file order keeps regions and racks together;
+           memory-richest first puts the big GPUs on the early stages, which
+           hold the most in-flight micro-batches under 1F1B; fastest first;
+           fastest last: the last stage holds one micro-batch in flight, so
+           fast GPUs there take many blocks without recomputation -- Zorse A's
+           H100s: 87% of the bound last vs 79% first, bench/README.md).
+           Above ``MAX_UNITS`` units, neighbouring units of one type and
+           memory merge pairwise.
+  stage    units [u0, u1) x blocks [i, j). Its b = global batch / M samples
+           per micro-batch are split over its GPUs by whole-model speed
+           (largest remainder, >= 1 each, so a stage has at most b GPUs).
+  variant  a memory policy of the ones ``options`` allow (plain, ZeRO-1
+           sharded, recomputing, both: ``baselines._common.memory_variants``),
+           kept iff [C-memory] / [C-shard] hold (``stage_fits``, exact).
+  cost     c = (M + S - 1) * (compute + boundary) + allreduce + optim of the
+           cheapest fitting variant, with the boundary on the link to the next
+           unit: a per-stage proxy of [C-objective] (step = sum_s t_s +
+           (M - 1) max_s t_s + max_s sync_s <= max_s c_s + (S - 1) max_s t_s).
+  DP       best[s][u][j] = min over (u0, i) of max(best[s-1][u0][i], c(s; u0..u; i..j)),
+           one DP per total S (in-flight micro-batches of stage s are
+           min(S - s, M)), vectorised over the block indices with numpy.
+
+Every (order, S, M) answer is then scored exactly by the shared objective
+(``objective.evaluate``, via the baselines' ``Selector``, with the DP's
+per-stage policy and with each uniform policy) and the best feasible one is
+returned with status "STAGE_DP". The portfolio (``portfolio.py``) hands it to
+CP-SAT as a hint like the baselines' plans, and returns it when CP-SAT finds
+nothing better.
+
+Legend: ``U`` units, ``B`` blocks, ``S`` stages, ``M`` micro-batches, ``b``
+samples per micro-batch; times in integer units (1 ns), memory in KiB units.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+
+import numpy as np
+
+from .objective import MIB_UNITS, fill_policy, inflight, max_stage_count, microbatch_candidates
+from .records import BlockCosts, DeviceGraph, SolverOptions, SolverResult
+
+__all__ = ["solve_stage_dp", "stage_dp_search", "ORDERS", "MAX_UNITS"]
+
+#: Unit orders tried (see the module note).
+ORDERS = ("file", "memory", "speed", "speed_last")
+#: Above this many units neighbouring alike units merge (the DP is O(S^2 U^2) numpy steps).
+MAX_UNITS = 32
+_INF = np.iinfo(np.int64).max // 4
+
+
+def _units(devices: DeviceGraph, tab, speeds, order: str) -> list[tuple[int, ...]]:
+    """GPU units (one type on one node) in ``order``; alike neighbours merged above MAX_UNITS."""
+    nodes = devices.node_names or tuple(str(g) for g in range(devices.num_gpus))
+    by_key: dict[tuple[str, str], list[int]] = {}
+    for g in range(devices.num_gpus):
+        by_key.setdefault((nodes[g], devices.gpu_types[g]), []).append(g)
+    units = [tuple(v) for v in by_key.values()]  # file order of first appearance
+    if order == "memory":
+        units.sort(key=lambda u: (-tab.cap_bytes[u[0]], -speeds[u[0]], u[0]))
+    elif order == "speed":
+        units.sort(key=lambda u: (-speeds[u[0]], -tab.cap_bytes[u[0]], u[0]))
+    elif order == "speed_last":
+        units.sort(key=lambda u: (speeds[u[0]], tab.cap_bytes[u[0]], u[0]))
+    while len(units) > MAX_UNITS:
+        merged, k = [], 0
+        while k < len(units):
+            a = units[k]
+            if k + 1 < len(units) and _alike(devices, tab, a[0], units[k + 1][0]):
+                merged.append(a + units[k + 1])
+                k += 2
+            else:
+                merged.append(a)
+                k += 1
+        if len(merged) == len(units):
+            break  # nothing alike to merge: keep the units
+        units = merged
+    return units
+
+
+def _alike(devices: DeviceGraph, tab, g: int, h: int) -> bool:
+    return devices.gpu_types[g] == devices.gpu_types[h] and tab.cap_bytes[g] == tab.cap_bytes[h]
+
+
+class _Stages:
+    """Per-(u0, u1) stage terms of one unit order and one M, as (B+1, B+1) matrices over (i, j)."""
+
+    def __init__(self, tab, units, speeds, variants, num_microbatches: int):
+        from ..baselines._common import largest_remainder
+
+        self.tab, self.units, self.variants, self.m = tab, units, variants, num_microbatches
+        self.nb = nb = tab.num_blocks
+        b = tab.microbatch_size
+        ii, jj = np.meshgrid(np.arange(nb + 1), np.arange(nb + 1), indexing="ij")
+        self.valid = ii < jj
+        self.ii, self.jj = ii, jj
+
+        def pre(p):
+            a = np.asarray(p, dtype=np.int64)
+            return a[None, :] - a[:, None]  # [i, j] = p[j] - p[i]
+
+        self.state = pre(tab.state_prefix)
+        self.shard = pre(tab.shard_prefix)
+        self.act = pre(tab.act_prefix)
+        self.cut_in = np.asarray(tab.cut_kib, dtype=np.int64)[:, None]  # X of a stage starting at i
+        self.work = {t: pre(p) for t, p in tab.work_prefix.items()}
+        self.fixed = {t: pre(p) for t, p in tab.fixed_prefix.items()}
+        self.rc_work = {t: pre(p) for t, p in tab.rc_work_prefix.items()}
+        self.rc_fixed = {t: pre(p) for t, p in tab.rc_fixed_prefix.items()}
+        self.ar = [pre(p) for p in tab.ar_prefix]
+        self.arsh = [pre(p) for p in tab.arsh_prefix]
+        self.opt = [pre(p) for p in tab.opt_prefix]
+        self.terms: dict[tuple[int, int], dict | None] = {}
+        self.b, self._split = b, largest_remainder
+        self.speeds = speeds
+
+    def group(self, u0: int, u1: int):
+        """GPUs, samples and the time / memory terms of units [u0, u1); None if > b GPUs."""
+        key = (u0, u1)
+        if key in self.terms:
+            return self.terms[key]
+        tab = self.tab
+        gpus = tuple(g for u in self.units[u0:u1] for g in u)
+        if len(gpus) > self.b:
+            self.terms[key] = None
+            return None
+        ns = self._split(self.b, [self.speeds[g] for g in gpus])
+        kinds = Counter((tab.gpu_types[g], n) for g, n in zip(gpus, ns))
+        comp = np.max([n * self.work[t] + self.fixed[t] for t, n in kinds], axis=0)
+        comp_rc = np.max([n * (self.work[t] + self.rc_work[t]) + self.fixed[t] + self.rc_fixed[t]
+                          for t, n in kinds], axis=0)
+        k = len(gpus)
+        if k > 1:
+            pairs = [(g, h) for a, g in enumerate(gpus) for h in gpus[a + 1:]]
+            kin = min(tab.pair_bw_class[g][h] for g, h in pairs)
+            lat = max(tab.pair_lat[g][h] for g, h in pairs)
+            ar = self.ar[kin] + 2 * (k - 1) * lat
+            arsh = self.arsh[kin] + 3 * (k - 1) * lat
+        else:
+            ar = arsh = np.zeros_like(self.state)
+        mbw = sorted({tab.gpu_mbw_class[g] for g in gpus})
+        opt = np.max([self.opt[q] for q in mbw], axis=0)
+        per_gpu_mib = -(-self.shard // (MIB_UNITS * k))
+        opt_sh = max(tab.opt_per_mib[q] for q in mbw) * per_gpu_mib
+        # Boundary to the next unit (the first GPU group of the next stage): cut at j.
+        bnd = np.zeros(self.nb + 1, dtype=np.int64)
+        if u1 < len(self.units):
+            nxt = self.units[u1]
+            kq = min(tab.pair_bw_class[g][h] for g in gpus for h in nxt)
+            lq = max(tab.pair_lat[g][h] for g in gpus for h in nxt)
+            bnd = 2 * (np.asarray(tab.xfer[kq], dtype=np.int64) + lq)
+        mem = tuple(sorted(Counter((n, tab.cap_bytes[g]) for g, n in zip(gpus, ns)).items()))
+        out = {"gpus": gpus, "samples": ns, "comp": comp, "comp_rc": comp_rc, "ar": ar, "arsh": arsh,
+               "opt": opt, "opt_sh": opt_sh, "bnd": bnd[None, :], "mem": mem, "k": k, "cost": {}}
+        self.terms[key] = out
+        return out
+
+    def cost(self, u0: int, u1: int, s: int, n_s: int):
+        """(cost matrix with _INF where nothing fits, variant index matrix) of stage s of n_s."""
+        g = self.group(u0, u1)
+        if g is None:
+            return None
+        fl = inflight(self.tab.schedule, n_s, s, self.m)
+        ck = (fl, s > 0, n_s)
+        if ck in g["cost"]:
+            return g["cost"][ck]
+        best = np.full_like(self.state, _INF)
+        arg = np.full(self.state.shape, -1, dtype=np.int64)
+        mult = self.m + n_s - 1
+        for v, (sh, rc) in enumerate(self.variants):
+            sh = sh and g["k"] >= 2
+            fits = self._fits(g["mem"], fl, s > 0, sh, rc)
+            t = (g["comp_rc"] if rc else g["comp"]) + g["bnd"]
+            c = mult * t + (g["arsh"] + g["opt_sh"] if sh else g["ar"] + g["opt"])
+            c = np.where(fits & self.valid, c, _INF)
+            better = c < best
+            best = np.where(better, c, best)
+            arg = np.where(better, v, arg)
+        g["cost"][ck] = (best, arg)
+        return best, arg
+
+    def _fits(self, mem, fl: int, not_first: bool, sharded: bool, recompute: bool):
+        """[C-memory] / [C-shard] for every (i, j) at once (as baselines._common.stage_fits)."""
+        def act(n):
+            if recompute:
+                return n * (fl * (self.cut_in if not_first else 0) + self.act)
+            return fl * n * self.act
+
+        if not sharded:
+            ok = np.ones_like(self.valid)
+            for (n, cap), _ in mem:
+                ok &= self.state + act(n) <= cap
+            return ok
+        ok = np.ones_like(self.valid)
+        held = np.zeros_like(self.state)
+        for (n, cap), c in mem:
+            free = cap - (self.state - self.shard) - act(n)
+            ok &= free >= 0
+            held += c * (np.maximum(free, 0) // MIB_UNITS)
+        return ok & (MIB_UNITS * held >= self.shard)
+
+
+def _dp(st: _Stages, n_s: int):
+    """Best split into n_s stages over all units and blocks: list of (u0, u1, i, j, variant) or None."""
+    n_u, nb = len(st.units), st.nb
+    best = np.full((n_u + 1, nb + 1), _INF, dtype=np.int64)
+    best[0, 0] = 0
+    back = []
+    for s in range(n_s):
+        nxt = np.full_like(best, _INF)
+        arg = {}
+        for u0 in range(n_u):
+            row = best[u0]
+            if (row >= _INF).all():
+                continue
+            for u1 in range(u0 + 1, n_u + 1):
+                if (s == n_s - 1) != (u1 == n_u):
+                    continue  # the last stage takes the remaining units, earlier ones leave some
+                cv = st.cost(u0, u1, s, n_s)
+                if cv is None:
+                    break  # more units only add GPUs: > b
+                c, var = cv
+                cand = np.maximum(row[:, None], c)
+                i_best = cand.argmin(axis=0)
+                v = cand[i_best, np.arange(nb + 1)]
+                upd = v < nxt[u1]
+                if upd.any():
+                    nxt[u1] = np.where(upd, v, nxt[u1])
+                    for j in np.nonzero(upd)[0]:
+                        arg[(u1, int(j))] = (u0, int(i_best[j]), int(var[i_best[j], j]))
+        back.append(arg)
+        best = nxt
+    if best[n_u, nb] >= _INF:
+        return None
+    out, u, j = [], n_u, nb
+    for s in range(n_s - 1, -1, -1):
+        u0, i, v = back[s][(u, j)]
+        out.append((u0, u, i, j, v))
+        u, j = u0, i
+    return out[::-1]
+
+
+def solve_stage_dp(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions) -> SolverResult:
+    """The best plan of the memory-first stage DP (see [Note: stage DP]); the
+    first half of ``stage_dp_search``.
+
+    Same interface as the planners (``solve_cpsat``, ``baselines``): the
+    decision is scored by ``objective.evaluate``; status "STAGE_DP". The DP's
+    memory check is exact, so every split it returns fits; its proxy cost
+    (max stage cost) can still pick a split whose uniform-policy variant is
+    faster, which ``Selector`` also scores. No lower bound is known:
+    ``best_bound`` 0.
+
+    Raises:
+        InfeasiblePlanError: no split fits memory with <= b GPUs per stage
+            for any (S, M); the message names the options that would help.
+    """
+    return stage_dp_search(costs, devices, options)[0]
+
+
+def stage_dp_search(costs: BlockCosts, devices: DeviceGraph,
+                    options: SolverOptions) -> tuple[SolverResult, tuple[SolverResult, ...]]:
+    """(the best plan as ``solve_stage_dp``, the best feasible plan of every
+    (S, M) the DP reached, fastest first): the second are CP-SAT warm starts
+    for every candidate (``portfolio.py``). Raises as ``solve_stage_dp``."""
+    from ..baselines._common import Selector, gpu_speeds, memory_variants
+
+    sel = Selector("stage_dp", costs, devices, options)
+    speeds = gpu_speeds(costs, devices)
+    variants = memory_variants(options)
+    s_max = max_stage_count(costs, devices, options)
+    for m in microbatch_candidates(options):
+        tab = sel.tables(m)
+        seen = set()
+        for order in ORDERS:
+            units = _units(devices, tab, speeds, order)
+            if tuple(units) in seen:
+                continue
+            seen.add(tuple(units))
+            st = _Stages(tab, units, speeds, variants, m)
+            for n_s in range(1, min(s_max, len(units)) + 1):
+                split = _dp(st, n_s)
+                if split is None:
+                    continue
+                blocks, gpus, samples, sharded, recompute = [], [], [], [], []
+                for u0, u1, i, j, v in split:
+                    g = st.group(u0, u1)
+                    order_g = sorted(range(len(g["gpus"])), key=lambda a: g["gpus"][a])
+                    blocks.append((i, j))
+                    gpus.append(tuple(g["gpus"][a] for a in order_g))
+                    samples.append(tuple(g["samples"][a] for a in order_g))
+                    sh, rc = variants[v]
+                    sharded.append(sh and len(g["gpus"]) >= 2)
+                    recompute.append(rc)
+                pol = fill_policy(tab, blocks, gpus, samples, sharded, recompute)
+                sel.add(blocks, gpus, samples, m, pol)
+                sel.add(blocks, gpus, samples, m)  # and each uniform policy
+    res = sel.result(
+        f"no split of the GPU units (a node's GPUs of one type) into <= {s_max} stages fits memory with "
+        f"<= b GPUs per stage for any micro-batch count; allow ZeRO-1 sharding / recomputation "
+        f"(now {options.sharding!r} / {options.recompute!r}), more stages (max_stages) or more "
+        f"micro-batches (max_microbatches)")
+    ok = res.status == "BASELINE"
+    cands = tuple({**c, "status": "STAGE_DP" if c["feasible"] else "STAGE_DP_INFEASIBLE"} for c in res.candidates)
+    hints = tuple(dataclasses.replace(h, status="STAGE_DP") for h in sel.feasible_per_candidate())
+    return dataclasses.replace(res, status="STAGE_DP" if ok else "STAGE_DP_INFEASIBLE", candidates=cands), hints
