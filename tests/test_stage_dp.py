@@ -87,8 +87,9 @@ def test_vectorised_memory_check_equals_stage_fits(seed):
 
 @pytest.mark.parametrize("seed", range(4))
 def test_dp_finds_the_min_max_of_its_search_space(seed):
-    """Enumerate every contiguous split of units and blocks into S stages and
-    take the min over splits of the max stage cost: the DP's split has that value."""
+    """Enumerate every contiguous split of units (all of them, or with idle GPUs
+    allowed any prefix) and blocks into S stages and take the min over splits
+    of the max stage cost: the DP's split has that value."""
     costs, devices, options = _instance(seed, gpus_per_node=1, nodes=5, nb=6)
     tab = build_tables(costs, devices, options, 2)  # b = 4 samples: stages of <= 4 GPUs
     speeds = gpu_speeds(costs, devices)
@@ -97,26 +98,27 @@ def test_dp_finds_the_min_max_of_its_search_space(seed):
     n_u, nb = len(units), tab.num_blocks
     inf = np.iinfo(np.int64).max // 4
     found = 0
-    for n_s in (1, 2, 3):
+    for n_s, idle in itertools.product((1, 2, 3), (False, True)):
         best = inf
-        for ucuts in itertools.combinations(range(1, n_u), n_s - 1):
-            ue = (0, *ucuts, n_u)
-            for bcuts in itertools.combinations(range(1, nb), n_s - 1):
-                be = (0, *bcuts, nb)
-                worst = 0
-                for s in range(n_s):
-                    cv = st.cost(ue[s], ue[s + 1], s, n_s)
-                    worst = max(worst, inf if cv is None else int(cv[0][be[s], be[s + 1]]))
-                best = min(best, worst)
-        split = _dp(st, n_s)
+        for end in range(1, n_u + 1) if idle else (n_u,):
+            for ucuts in itertools.combinations(range(1, end), n_s - 1):
+                ue = (0, *ucuts, end)
+                for bcuts in itertools.combinations(range(1, nb), n_s - 1):
+                    be = (0, *bcuts, nb)
+                    worst = 0
+                    for s in range(n_s):
+                        cv = st.cost(ue[s], ue[s + 1], s, n_s)
+                        worst = max(worst, inf if cv is None else int(cv[0][be[s], be[s + 1]]))
+                    best = min(best, worst)
+        split = _dp(st, n_s, idle)
         if best >= inf:
             assert split is None
             continue
         found += 1
-        assert [u0 for u0, *_ in split][0] == 0 and split[-1][1] == n_u and split[-1][3] == nb
+        assert split[0][0] == 0 and split[-1][3] == nb and (idle or split[-1][1] == n_u)
         got = max(int(st.cost(u0, u1, s, n_s)[0][i, j]) for s, (u0, u1, i, j, _) in enumerate(split))
         assert got == best, (n_s, split)
-    assert found >= 2
+    assert found >= 3
 
 
 @pytest.mark.parametrize("seed", range(6))

@@ -31,6 +31,9 @@ second per (order, M) on 64 GPUs:
   DP       best[s][u][j] = min over (u0, i) of max(best[s-1][u0][i], c(s; u0..u; i..j)),
            one DP per total S (in-flight micro-batches of stage s are
            min(S - s, M)), vectorised over the block indices with numpy.
+           With ``allow_idle_gpus`` the stages may cover a prefix of the
+           order (the units after it idle: the slowest ones in "speed"
+           order), e.g. when S stages of <= b GPUs cannot hold every GPU.
 
 Every (order, S, M) answer is then scored exactly by the shared objective
 (``objective.evaluate``, via the baselines' ``Selector``, with the DP's
@@ -213,8 +216,9 @@ class _Stages:
         return ok & (MIB_UNITS * held >= self.shard)
 
 
-def _dp(st: _Stages, n_s: int):
-    """Best split into n_s stages over all units and blocks: list of (u0, u1, i, j, variant) or None."""
+def _dp(st: _Stages, n_s: int, idle: bool = False):
+    """Best split into n_s stages over all blocks and all units (``idle``: over a
+    prefix of the units, the rest idle): list of (u0, u1, i, j, variant) or None."""
     n_u, nb = len(st.units), st.nb
     best = np.full((n_u + 1, nb + 1), _INF, dtype=np.int64)
     best[0, 0] = 0
@@ -227,7 +231,7 @@ def _dp(st: _Stages, n_s: int):
             if (row >= _INF).all():
                 continue
             for u1 in range(u0 + 1, n_u + 1):
-                if (s == n_s - 1) != (u1 == n_u):
+                if not idle and (s == n_s - 1) != (u1 == n_u):
                     continue  # the last stage takes the remaining units, earlier ones leave some
                 cv = st.cost(u0, u1, s, n_s)
                 if cv is None:
@@ -243,9 +247,10 @@ def _dp(st: _Stages, n_s: int):
                         arg[(u1, int(j))] = (u0, int(i_best[j]), int(var[i_best[j], j]))
         back.append(arg)
         best = nxt
-    if best[n_u, nb] >= _INF:
+    u_end = int(best[:, nb].argmin()) if idle else n_u  # ties: the fewest units
+    if best[u_end, nb] >= _INF:
         return None
-    out, u, j = [], n_u, nb
+    out, u, j = [], u_end, nb
     for s in range(n_s - 1, -1, -1):
         u0, i, v = back[s][(u, j)]
         out.append((u0, u, i, j, v))
@@ -292,7 +297,7 @@ def stage_dp_search(costs: BlockCosts, devices: DeviceGraph,
             seen.add(tuple(units))
             st = _Stages(tab, units, speeds, variants, m)
             for n_s in range(1, min(s_max, len(units)) + 1):
-                split = _dp(st, n_s)
+                split = _dp(st, n_s, options.allow_idle_gpus)
                 if split is None:
                     continue
                 blocks, gpus, samples, sharded, recompute = [], [], [], [], []
