@@ -158,3 +158,29 @@ def reference_or_same_error(reference, solve, costs, devices, options):
             solve(costs, devices, options)
         assert str(got.value) == str(exc)
         return None
+
+
+def reference_adamw(captured, tokens, plan, steps, *, lr, weight_decay):
+    """Single-process AdamW on the whole global batch, as train.py configures it
+    (betas, eps: OptimizerConfig defaults; ``lr``, ``weight_decay`` as given).
+    Returns per-step losses, step-1 gradients and the final parameters, by
+    canonical name: the reference the distributed runs must equal."""
+    from zorse_fx.capture.trace import _fetch_attr
+    from zorse_fx.runtime.worker import OptimizerConfig
+
+    gm = captured.graph_module
+    params = {c: _fetch_attr(gm, c) for c in sorted(captured.trainable())}
+    cfg = OptimizerConfig()
+    opt = torch.optim.AdamW(list(params.values()), lr=lr, betas=cfg.betas, eps=cfg.eps, weight_decay=weight_decay)
+    losses, grads1 = [], None
+    for step in range(steps):
+        batch = global_batch(tokens, step, global_batch_size=plan.global_batch_size, seq_len=plan.seq_len,
+                             input_names=plan.input_names, label_mode=plan.label_mode)
+        opt.zero_grad(set_to_none=True)
+        loss = gm(*[batch[n] for n in captured.input_names])
+        loss.backward()
+        losses.append(float(loss.detach()))
+        if step == 0:
+            grads1 = {c: p.grad.detach().clone() for c, p in params.items()}
+        opt.step()
+    return losses, grads1, {c: p.detach().clone() for c, p in params.items()}

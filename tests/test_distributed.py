@@ -19,14 +19,12 @@ step by step (losses), at step 1 (gradients) and at the end (parameters).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import pytest
 import torch
 
-from conftest import CLUSTERS, first_batch, reference_step, run_distributed, with_memory_policy
-from zorse_fx.data import global_batch
+from conftest import CLUSTERS, first_batch, reference_adamw, reference_step, run_distributed, with_memory_policy
 from zorse_fx.capture import analyse, capture
 from zorse_fx.cluster import Cluster
 from zorse_fx.models.gpt import GPT, GPTConfig
@@ -114,31 +112,6 @@ def test_hf_llama_tied_embeddings_distributed(lee_bytes, tmp_path):
 LR, WEIGHT_DECAY = 1e-3, 0.1
 
 
-def _reference_training(captured, tokens, plan, steps):
-    """Single-process AdamW on the whole global batch, as train.py configures it
-    (betas, eps: OptimizerConfig defaults). Returns per-step losses, step-1
-    gradients and the final parameters, by canonical name."""
-    from zorse_fx.capture.trace import _fetch_attr
-    from zorse_fx.runtime.worker import OptimizerConfig
-
-    gm = captured.graph_module
-    params = {c: _fetch_attr(gm, c) for c in sorted(captured.trainable())}
-    cfg = OptimizerConfig()
-    opt = torch.optim.AdamW(list(params.values()), lr=LR, betas=cfg.betas, eps=cfg.eps, weight_decay=WEIGHT_DECAY)
-    losses, grads1 = [], None
-    for step in range(steps):
-        batch = global_batch(tokens, step, global_batch_size=plan.global_batch_size, seq_len=plan.seq_len,
-                             input_names=plan.input_names, label_mode=plan.label_mode)
-        opt.zero_grad(set_to_none=True)
-        loss = gm(*[batch[n] for n in captured.input_names])
-        loss.backward()
-        losses.append(float(loss.detach()))
-        if step == 0:
-            grads1 = {c: p.grad.detach().clone() for c, p in params.items()}
-        opt.step()
-    return losses, grads1, {c: p.detach().clone() for c, p in params.items()}
-
-
 def _train_and_compare(plan, captured, tokens, tmp_path, steps):
     """Run ``plan`` for ``steps``; check losses, step-1 gradients, final
     parameters against single-process training, and that holders of a tied
@@ -146,7 +119,8 @@ def _train_and_compare(plan, captured, tokens, tmp_path, steps):
     initial = {k: v.clone() for k, v in captured.state().items()}
     rows, grads = run_distributed(plan, captured.state(), tokens, tmp_path, steps=steps,
                                   extra=("--dump-params", "--lr", str(LR), "--weight-decay", str(WEIGHT_DECAY)))
-    ref_losses, ref_grads, ref_params = _reference_training(captured, tokens, plan, steps)
+    ref_losses, ref_grads, ref_params = reference_adamw(captured, tokens, plan, steps, lr=LR,
+                                                          weight_decay=WEIGHT_DECAY)
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     assert [r["loss"] for r in rows] == pytest.approx(ref_losses, rel=1e-5)
     assert all("allgather_s" in part for r in rows for part in r["ranks"])

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import CLUSTERS, first_batch, run_distributed, with_memory_policy
+from conftest import CLUSTERS, first_batch, reference_adamw, run_distributed, with_memory_policy
 from zorse_fx.capture import analyse, capture
 from zorse_fx.cluster import Cluster
 from zorse_fx.models.gpt import GPT, GPTConfig
@@ -112,33 +112,6 @@ MIXED_LR, MIXED_WD, MIXED_STEPS = 1e-2, 0.1, 3
 MIXED_SHARD_BYTES = (3 * 2**20, 2 * 2**20, 2**20)
 
 
-def _reference_adamw(captured, tokens, plan, steps):
-    """Single-process AdamW on the whole global batch (OptimizerConfig betas,
-    eps). Returns per-step losses, step-1 gradients and the final parameters,
-    by canonical name."""
-    from zorse_fx.capture.trace import _fetch_attr
-    from zorse_fx.data import global_batch
-    from zorse_fx.runtime.worker import OptimizerConfig
-
-    gm = captured.graph_module
-    params = {c: _fetch_attr(gm, c) for c in sorted(captured.trainable())}
-    cfg = OptimizerConfig()
-    opt = torch.optim.AdamW(list(params.values()), lr=MIXED_LR, betas=cfg.betas, eps=cfg.eps,
-                            weight_decay=MIXED_WD)
-    losses, grads1 = [], None
-    for step in range(steps):
-        batch = global_batch(tokens, step, global_batch_size=plan.global_batch_size, seq_len=plan.seq_len,
-                             input_names=plan.input_names, label_mode=plan.label_mode)
-        opt.zero_grad(set_to_none=True)
-        loss = gm(*[batch[n] for n in captured.input_names])
-        loss.backward()
-        losses.append(float(loss.detach()))
-        if step == 0:
-            grads1 = {c: p.grad.detach().clone() for c, p in params.items()}
-        opt.step()
-    return losses, grads1, {c: p.detach().clone() for c, p in params.items()}
-
-
 @pytest.fixture
 def mixed_dtype_plan():
     """One stage (fp32 GPT + bf16 adapter) data-parallel over 3 GPUs with
@@ -198,7 +171,8 @@ def test_zero1_mixed_dtypes_equal_replicated_and_single_process(mixed_dtype_plan
     initial = {k: v.clone() for k, v in captured.state().items()}
     losses, grads, params, summaries = _run(sharded, captured, lee_bytes, tmp_path / "sharded")
     losses_r, _, params_r, summaries_r = _run(replicated, captured, lee_bytes, tmp_path / "replicated")
-    ref_losses, ref_grads, ref_params = _reference_adamw(captured, lee_bytes, plan, MIXED_STEPS)
+    ref_losses, ref_grads, ref_params = reference_adamw(captured, lee_bytes, plan, MIXED_STEPS, lr=MIXED_LR,
+                                                          weight_decay=MIXED_WD)
 
     # 1. Sharded == replicated, bit for bit, on every rank.
     assert losses == losses_r

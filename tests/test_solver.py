@@ -335,3 +335,25 @@ def test_balance_shards_minimises_the_slowest_optimizer():
     assert balance_shards(10 * 1024, [3, 3], [1, 1]) is None
     assert balance_shards(0, [3, 3], [1, 1]) == (0, 0)
     assert balance_shards(1, [3, 3], [1, 1]) in ((1, 0), (0, 1))
+
+
+def test_throughput_lower_bound_holds_for_every_decision():
+    """``throughput_lower_bound`` (the bound a candidate reports when CP-SAT's is
+    weaker) is positive and below the brute-force optimum of its M (brute force
+    restricted to that M, so below every decision with that M), over 12 seeds."""
+    from zorse_fx.solve.objective import build_tables, microbatch_candidates, throughput_lower_bound
+
+    checked = 0
+    for seed in range(12):
+        costs, devices, options = random_instance(seed)
+        options = dataclasses.replace(options, sharding="auto", recompute="auto")
+        for m in microbatch_candidates(options):
+            only_m = dataclasses.replace(options, num_microbatches=(m,))
+            try:
+                opt = solve_brute_force(costs, devices, only_m)
+            except InfeasiblePlanError:
+                continue
+            bound = throughput_lower_bound(build_tables(costs, devices, only_m, m))
+            assert 0 < bound <= round(opt.objective * UNITS_PER_S), (seed, m, bound, opt.objective)
+            checked += 1
+    assert checked >= 15

@@ -12,24 +12,14 @@ import random
 import numpy as np
 import pytest
 
+from conftest import make_devices as _devices
 from zorse_fx.baselines._common import gpu_speeds, memory_groups, memory_variants, stage_fits
 from zorse_fx.errors import InfeasiblePlanError
-from zorse_fx.solve import BlockCosts, DeviceGraph, SolverOptions, solve_cpsat
+from zorse_fx.solve import BlockCosts, SolverOptions, solve_cpsat
 from zorse_fx.solve.objective import build_tables, evaluate_result, inflight
 from zorse_fx.solve.stage_dp import MAX_UNITS, _dp, _Stages, _units, solve_stage_dp, stage_dp_search
 
 GIB = 1 << 30
-INTRA, INTER = (100e9, 5e-6), (10e9, 2e-5)
-
-
-def _devices(types, nodes, memory, mem_bw):
-    g = len(types)
-    link = [[INTRA if nodes[a] == nodes[b] else INTER for b in range(g)] for a in range(g)]
-    return DeviceGraph(
-        gpu_types=tuple(types), memory_bytes=tuple(memory), mem_bw_bytes_per_s=tuple(mem_bw),
-        link_bw_bytes_per_s=tuple(tuple(0.0 if a == b else link[a][b][0] for b in range(g)) for a in range(g)),
-        link_latency_s=tuple(tuple(0.0 if a == b else link[a][b][1] for b in range(g)) for a in range(g)),
-        node_names=tuple(nodes))
 
 
 def _instance(seed, *, gpus_per_node=2, nodes=3, nb=7):

@@ -5,7 +5,10 @@ Each candidate is one CP-SAT model (any object with ``.m``, ``.objective`` and
 model's objective at the returned solution must equal the evaluator's integer
 objective (ns). ``status`` is "OPTIMAL" only when every candidate was solved to
 optimality or proven infeasible; ``best_bound`` is the smallest bound over all
-candidates, so the reported gap covers the whole search.
+candidates, so the reported gap covers the whole search. A candidate's bound
+is the larger of CP-SAT's and ``objective.throughput_lower_bound`` (valid for
+every decision with its M; before it, a time-limited UNKNOWN candidate
+reported 0 and pinned every gap at 100%).
 
 [Note: presolve bug]
 OR-Tools 9.15.6755 (the newest release on PyPI) has a presolve bug that
@@ -31,7 +34,7 @@ import time
 from ortools.sat.python import cp_model
 
 from ..errors import InfeasiblePlanError
-from .objective import UNIT_S, evaluate, explain_infeasible
+from .objective import UNIT_S, evaluate, explain_infeasible, throughput_lower_bound
 from .records import BlockCosts, DeviceGraph, SolverOptions, SolverResult
 
 __all__ = ["CandidateSearch"]
@@ -82,6 +85,15 @@ class CandidateSearch:
         self.bounds: list[int] = []
         self.best = None  # (objective units, microbatches, decision, Evaluation)
         self.all_optimal = True
+        self._tlb: dict[int, int] = {}
+
+    def _throughput_bound(self, model, m: int) -> int:
+        """``objective.throughput_lower_bound`` of the candidate's tables (valid for
+        every decision with M micro-batches): the bound a candidate reports when
+        CP-SAT's own is weaker, e.g. 0 after a time-limited UNKNOWN."""
+        if m not in self._tlb:
+            self._tlb[m] = throughput_lower_bound(model.tab)
+        return self._tlb[m]
 
     def _solver(self) -> cp_model.CpSolver:
         opts = self.options
@@ -113,7 +125,11 @@ class CandidateSearch:
             # The objective at the returned solution (OR-Tools 9.15's ObjectiveValue() can
             # differ from it by a few ms on time-limited FEASIBLE answers).
             obj = int(solver.Value(model.objective))
-            bound = min(obj, int(round(solver.BestObjectiveBound())))
+            tlb = self._throughput_bound(model, m)
+            if tlb > obj:
+                raise AssertionError(f"{self.label}: throughput lower bound {tlb} > objective {obj} "
+                                     f"for S={num_stages}, M={m}")
+            bound = min(obj, max(int(round(solver.BestObjectiveBound())), tlb))
             dec = model.decision(solver)
             pol = dec[3]
             ev = evaluate(self.costs, self.devices, opts, stage_blocks=dec[0], stage_gpus=dec[1],
@@ -132,7 +148,7 @@ class CandidateSearch:
         elif code != cp_model.INFEASIBLE:  # UNKNOWN: time limit without a solution
             self.all_optimal = False
             lb = solver.BestObjectiveBound()
-            self.bounds.append(max(0, int(lb)) if math.isfinite(lb) else 0)
+            self.bounds.append(max(int(lb) if math.isfinite(lb) else 0, self._throughput_bound(model, m)))
             rec["best_bound_s"] = self.bounds[-1] * UNIT_S
         rec["wall_s"] = time.perf_counter() - t1
         self.cands.append(rec)

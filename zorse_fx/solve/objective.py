@@ -87,7 +87,7 @@ __all__ = [
     "UNITS_PER_S", "UNIT_S", "GIB", "to_units", "microbatch_candidates",
     "max_stage_count", "inflight", "IntTables", "build_tables", "Evaluation",
     "evaluate", "evaluate_units", "explain_infeasible", "balance_shards", "MIB_UNITS", "evaluate_result",
-    "RECOMPUTE_FRACTION", "MemoryPolicy",
+    "RECOMPUTE_FRACTION", "MemoryPolicy", "throughput_lower_bound",
 ]
 
 #: Integer time units per second: 1 unit = 1 ns.
@@ -635,6 +635,37 @@ def _min_max_split(needs: list[int], k_max: int) -> tuple[int, list[tuple[int, i
         parts.append((arg[q][j], j))
         j = arg[q][j]
     return int(best[k][nb]), parts[::-1]
+
+
+def throughput_lower_bound(tab: IntTables) -> int:
+    """A lower bound (units) on the step time of EVERY decision with
+    ``tab.num_microbatches`` micro-batches: M * ceil(b * W / R).
+
+    W = sum over blocks q of w_ref[q], the fastest type's per-sample time of q;
+    R = sum over GPUs g of r_g = max_q w_ref[q] / w_type(g)[q] (<= 1, the GPU's
+    speed relative to the reference, taken at its best block). Proof: a GPU g
+    of stage s with n_g samples has compute_g >= n_g W_ref(s) / r_g and
+    compute_g <= tmax, so b W_ref(s) = sum_{g in s} n_g W_ref(s) <= tmax R_s;
+    summed over the stages, b W <= tmax R (each GPU in one stage, idle ones
+    add nothing); and [C-objective] step >= sum_s t_s + (M - 1) tmax >= M tmax.
+    It is the scenario benchmark's "upper bound" throughput turned into time
+    (no communication, no bubble, perfect balance) and the same redundant
+    constraint the class-level CP-SAT model carries, so it holds for the
+    per-GPU, class-level and brute-force searches alike. Exact rational
+    arithmetic; 0 when no block has work."""
+    from fractions import Fraction
+
+    types = sorted(set(tab.gpu_types))
+    work = {t: [tab.work_prefix[t][q + 1] - tab.work_prefix[t][q] for q in range(tab.num_blocks)] for t in types}
+    w_ref = [min(work[t][q] for t in types) for q in range(tab.num_blocks)]
+    total = sum(w_ref)
+    if total <= 0:
+        return 0
+    r = {t: max((Fraction(w_ref[q], work[t][q]) for q in range(tab.num_blocks) if work[t][q] > 0),
+                default=Fraction(1)) for t in types}
+    speed = sum(r[t] for t in tab.gpu_types)
+    per_mb = Fraction(tab.microbatch_size * total) / speed
+    return tab.num_microbatches * -(-per_mb.numerator // per_mb.denominator)
 
 
 def explain_infeasible(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions,
