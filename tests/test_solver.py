@@ -341,7 +341,8 @@ def test_throughput_lower_bound_holds_for_every_decision():
     """``throughput_lower_bound`` (the bound a candidate reports when CP-SAT's is
     weaker) is positive and below the brute-force optimum of its M (brute force
     restricted to that M, so below every decision with that M), over 12 seeds."""
-    from zorse_fx.solve.objective import build_tables, microbatch_candidates, throughput_lower_bound
+    from zorse_fx.solve.bounds import throughput_lower_bound
+    from zorse_fx.solve.objective import build_tables, microbatch_candidates
 
     checked = 0
     for seed in range(12):

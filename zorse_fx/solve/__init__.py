@@ -1,5 +1,8 @@
-"""Planners: the step-time model (objective.py), CP-SAT (cpsat.py) and an
-exhaustive oracle for tiny instances (brute_force.py).
+"""Planners: the step-time model (objective.py), CP-SAT (cpsat.py; the
+class-level grouped.py for large clusters), the memory-first stage DP
+(stage_dp.py), the portfolio that runs the heuristics first and warm-starts
+CP-SAT with them (portfolio.py), lower bounds and infeasibility explanations
+(bounds.py) and an exhaustive oracle for tiny instances (brute_force.py).
 
 ``solve_cpsat`` / ``solve_grouped`` (class-level CP-SAT for large clusters) /
 ``solve_brute_force`` load on first use, so code that only

@@ -6,7 +6,7 @@ model's objective at the returned solution must equal the evaluator's integer
 objective (ns). ``status`` is "OPTIMAL" only when every candidate was solved to
 optimality or proven infeasible; ``best_bound`` is the smallest bound over all
 candidates, so the reported gap covers the whole search. A candidate's bound
-is the larger of CP-SAT's and ``objective.throughput_lower_bound`` (valid for
+is the larger of CP-SAT's and ``bounds.throughput_lower_bound`` (valid for
 every decision with its M; before it, a time-limited UNKNOWN candidate
 reported 0 and pinned every gap at 100%).
 
@@ -34,7 +34,8 @@ import time
 from ortools.sat.python import cp_model
 
 from ..errors import InfeasiblePlanError
-from .objective import UNIT_S, evaluate, explain_infeasible, throughput_lower_bound
+from .bounds import explain_infeasible, throughput_lower_bound
+from .objective import UNIT_S, evaluate
 from .records import BlockCosts, DeviceGraph, SolverOptions, SolverResult
 
 __all__ = ["CandidateSearch"]
@@ -88,7 +89,7 @@ class CandidateSearch:
         self._tlb: dict[int, int] = {}
 
     def _throughput_bound(self, model, m: int) -> int:
-        """``objective.throughput_lower_bound`` of the candidate's tables (valid for
+        """``bounds.throughput_lower_bound`` of the candidate's tables (valid for
         every decision with M micro-batches): the bound a candidate reports when
         CP-SAT's own is weaker, e.g. 0 after a time-limited UNKNOWN."""
         if m not in self._tlb:

@@ -13,8 +13,9 @@ import itertools
 import time
 
 from ..errors import InfeasiblePlanError
-from .objective import (UNIT_S, build_tables, evaluate, evaluate_units, explain_infeasible, fill_policy,
-                        max_stage_count, microbatch_candidates, mode_violations)
+from .bounds import explain_infeasible
+from .objective import (UNIT_S, build_tables, evaluate, evaluate_units, fill_policy, max_stage_count,
+                        microbatch_candidates, mode_violations)
 from .records import BlockCosts, DeviceGraph, SolverOptions, SolverResult
 
 __all__ = ["solve_brute_force", "MAX_GPUS", "MAX_BLOCKS", "MAX_MICROBATCH_SIZE"]

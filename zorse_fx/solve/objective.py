@@ -86,8 +86,8 @@ from .records import BlockCosts, DeviceGraph, SolverOptions
 __all__ = [
     "UNITS_PER_S", "UNIT_S", "GIB", "to_units", "microbatch_candidates",
     "max_stage_count", "inflight", "IntTables", "build_tables", "Evaluation",
-    "evaluate", "evaluate_units", "explain_infeasible", "balance_shards", "MIB_UNITS", "evaluate_result",
-    "RECOMPUTE_FRACTION", "MemoryPolicy", "throughput_lower_bound",
+    "evaluate", "evaluate_units", "balance_shards", "MIB_UNITS", "evaluate_result",
+    "RECOMPUTE_FRACTION", "MemoryPolicy",
 ]
 
 #: Integer time units per second: 1 unit = 1 ns.
@@ -611,115 +611,3 @@ def evaluate_result(costs: BlockCosts, devices: DeviceGraph, options: SolverOpti
                     state_shard_mib=tuple(tuple(b // mib for b in row) if sh else ()
                                           for sh, row in zip(sharded, result.state_shard_bytes or ((),) * n_s)),
                     stage_recompute=tuple(result.stage_recompute) or None)
-
-
-def _min_max_split(needs: list[int], k_max: int) -> tuple[int, list[tuple[int, int]]]:
-    """Split ``needs`` into <= k_max contiguous parts minimising the largest part sum.
-    Returns (largest part sum, the parts as (start, end))."""
-    nb = len(needs)
-    pre = _prefix(needs)
-    inf = float("inf")
-    # best[k][j]: min over splits of blocks [0, j) into k parts of the largest part.
-    best = [[inf] * (nb + 1) for _ in range(k_max + 1)]
-    arg = [[0] * (nb + 1) for _ in range(k_max + 1)]
-    best[0][0] = 0
-    for k in range(1, k_max + 1):
-        for j in range(1, nb + 1):
-            for i in range(k - 1, j):
-                v = max(best[k - 1][i], pre[j] - pre[i])
-                if v < best[k][j]:
-                    best[k][j], arg[k][j] = v, i
-    k = min(range(1, k_max + 1), key=lambda q: (best[q][nb], q))
-    parts, j = [], nb
-    for q in range(k, 0, -1):
-        parts.append((arg[q][j], j))
-        j = arg[q][j]
-    return int(best[k][nb]), parts[::-1]
-
-
-def throughput_lower_bound(tab: IntTables) -> int:
-    """A lower bound (units) on the step time of EVERY decision with
-    ``tab.num_microbatches`` micro-batches: M * ceil(b * W / R).
-
-    W = sum over blocks q of w_ref[q], the fastest type's per-sample time of q;
-    R = sum over GPUs g of r_g = max_q w_ref[q] / w_type(g)[q] (<= 1, the GPU's
-    speed relative to the reference, taken at its best block). Proof: a GPU g
-    of stage s with n_g samples has compute_g >= n_g W_ref(s) / r_g and
-    compute_g <= tmax, so b W_ref(s) = sum_{g in s} n_g W_ref(s) <= tmax R_s;
-    summed over the stages, b W <= tmax R (each GPU in one stage, idle ones
-    add nothing); and [C-objective] step >= sum_s t_s + (M - 1) tmax >= M tmax.
-    It is the scenario benchmark's "upper bound" throughput turned into time
-    (no communication, no bubble, perfect balance) and the same redundant
-    constraint the class-level CP-SAT model carries, so it holds for the
-    per-GPU, class-level and brute-force searches alike. Exact rational
-    arithmetic; 0 when no block has work."""
-    from fractions import Fraction
-
-    types = sorted(set(tab.gpu_types))
-    work = {t: [tab.work_prefix[t][q + 1] - tab.work_prefix[t][q] for q in range(tab.num_blocks)] for t in types}
-    w_ref = [min(work[t][q] for t in types) for q in range(tab.num_blocks)]
-    total = sum(w_ref)
-    if total <= 0:
-        return 0
-    r = {t: max((Fraction(w_ref[q], work[t][q]) for q in range(tab.num_blocks) if work[t][q] > 0),
-                default=Fraction(1)) for t in types}
-    speed = sum(r[t] for t in tab.gpu_types)
-    per_mb = Fraction(tab.microbatch_size * total) / speed
-    return tab.num_microbatches * -(-per_mb.numerator // per_mb.denominator)
-
-
-def explain_infeasible(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions,
-                       candidates=()) -> str:
-    """Why no (S, M) admits a plan, naming the binding constraint with numbers."""
-    gbs, n_g = options.global_batch_size, devices.num_gpus
-    ms = microbatch_candidates(options)  # raises for an indivisible batch
-    k_max = max_stage_count(costs, devices, options)
-    k_txt = f"{k_max} stage{'s' if k_max > 1 else ''}"
-    if k_max < options.max_stages:
-        k_txt += f" (max_stages={options.max_stages}, {n_g} GPUs, {costs.num_blocks} blocks)"
-    unknown = [(c["num_stages"], c["num_microbatches"]) for c in candidates if c.get("status") == "UNKNOWN"]
-    note = (f"; (S, M) = {unknown} hit time_limit_s={options.time_limit_s:g} without a solution: "
-            f"raise time_limit_s" if unknown else "")
-    if not options.allow_idle_gpus and n_g > k_max * (gbs // ms[0]):
-        return (f"allow_idle_gpus=False: each of the {n_g} GPUs must take >= 1 sample of every "
-                f"micro-batch, but at most {k_txt} x {gbs // ms[0]} samples = "
-                f"{k_max * (gbs // ms[0])} GPUs can be busy; allow idle GPUs or raise "
-                f"global_batch_size / max_stages{note}")
-    caps = [int(options.memory_fraction * mb) for mb in devices.memory_bytes]
-    big = max(range(n_g), key=lambda g: caps[g])
-    big_txt = (f"the largest GPU ({devices.gpu_types[big]}) has {_gib(caps[big])} GiB usable "
-               f"({options.memory_fraction:g} × {_gib(devices.memory_bytes[big])} GiB)")
-    st = costs.state_bytes_per_param
-    n_par = sum(costs.param_count)
-    head = (f"the model's training state needs {_gib(st * n_par)} GiB "
-            f"({st} B/param × {n_par:.3g} params)")
-    if options.sharding != "never" and costs.shardable_bytes_per_param:
-        # Lower bound: the shardable part can be spread over other GPUs of the stage.
-        st = st - costs.shardable_bytes_per_param
-        head += f", {_gib(st * n_par)} GiB of it replicated per stage under ZeRO-1 sharding"
-    needs = [st * p + a for p, a in zip(costs.param_count, costs.act_bytes_per_sample)]
-    fix = "add GPUs with more memory, raise max_stages, or lower global_batch_size / use more micro-batches"
-    more = [f"{name}='auto'" for name, v in (("sharding", options.sharding), ("recompute", options.recompute))
-            if v == "never"]
-    if more:
-        fix += f", or allow {' and '.join(more)} (ZeRO-1 optimizer-state sharding / stage recomputation)"
-    blk = max(range(len(needs)), key=lambda i: needs[i])
-    if needs[blk] > caps[big]:
-        return (f"{head}; block {blk} alone needs {_gib(needs[blk])} GiB "
-                f"({_gib(st * costs.param_count[blk])} GiB state of {costs.param_count[blk]:.3g} params "
-                f"+ {_gib(costs.act_bytes_per_sample[blk])} GiB activations of one sample) but {big_txt}; "
-                f"a block cannot be split across stages: add GPUs with more memory{note}")
-    worst, parts = _min_max_split(needs, k_max)
-    s = max(range(len(parts)), key=lambda q: sum(needs[parts[q][0]:parts[q][1]]))
-    i, j = parts[s]
-    detail = (f"{_gib(worst)} GiB on stage {s} (blocks {i}-{j - 1}: "
-              f"{_gib(st * sum(costs.param_count[i:j]))} GiB state + "
-              f"{_gib(sum(costs.act_bytes_per_sample[i:j]))} GiB activations of one sample)")
-    if worst > caps[big]:
-        return f"{head}; with at most {k_txt} the best split still needs {detail} but {big_txt}; {fix}{note}"
-    tried = [(c["num_stages"], c["num_microbatches"]) for c in candidates]
-    return (f"{head}; no (stages, micro-batches) candidate {tried} fits in memory: the best split into "
-            f"at most {k_txt} needs {detail} and {big_txt}, but every stage needs its own GPUs "
-            f"and holds activations of b = {gbs // ms[-1]}..{gbs // ms[0]} samples x up to "
-            f"{ms[-1] if options.schedule == 'gpipe' else min(k_max, ms[-1])} micro-batches in flight; "
-            f"usable GiB per GPU: {[float(_gib(c)) for c in caps]}; {fix}{note}")
