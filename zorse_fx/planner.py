@@ -283,15 +283,9 @@ def plan_fixed(
     ev = evaluate(costs, _device_graph(cluster, options), sopts, stage_blocks=stage_blocks, stage_gpus=stage_gpus,
                   samples_per_microbatch=samples_per_microbatch, num_microbatches=num_microbatches,
                   stage_sharded=stage_sharded, state_shard_mib=state_shard_mib, stage_recompute=stage_recompute)
-    result = SolverResult(
-        stage_blocks=tuple(stage_blocks), stage_gpus=tuple(stage_gpus),
-        samples_per_microbatch=tuple(samples_per_microbatch), num_microbatches=num_microbatches,
-        microbatch_size=options.global_batch_size // num_microbatches, schedule=options.schedule,
-        predicted_step_time_s=ev.step_time_s, predicted_stage_time_s=ev.stage_time_s,
-        predicted_allreduce_s=ev.allreduce_s, predicted_memory_bytes=ev.memory_bytes,
-        stage_sharded=ev.stage_sharded, state_shard_bytes=ev.state_shard_bytes, stage_recompute=ev.stage_recompute,
-        status="FIXED", objective=ev.step_time_s, best_bound=ev.step_time_s,
-    )
+    result = SolverResult.from_evaluation(
+        ev, stage_blocks=stage_blocks, stage_gpus=stage_gpus, samples_per_microbatch=samples_per_microbatch,
+        num_microbatches=num_microbatches, options=sopts, status="FIXED", best_bound=ev.step_time_s)
     plan = build_plan(bg, cluster, result, options, model_name=model_name, label_mode=label_mode,
                       compute_dtype=dtype, planner="fixed")
     return plan, bg

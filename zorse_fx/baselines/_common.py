@@ -274,15 +274,8 @@ class Selector:
         return tuple(out)
 
     def _record(self, blocks, gpus, samples, m, ev, cands) -> SolverResult:
-        obj = ev.objective_units
-        return SolverResult(
-            stage_blocks=blocks, stage_gpus=gpus, samples_per_microbatch=samples, num_microbatches=m,
-            microbatch_size=self.options.global_batch_size // m, schedule=self.options.schedule,
-            predicted_step_time_s=ev.step_time_s, predicted_stage_time_s=ev.stage_time_s,
-            predicted_allreduce_s=ev.allreduce_s, predicted_memory_bytes=ev.memory_bytes,
-            stage_sharded=ev.stage_sharded, state_shard_bytes=ev.state_shard_bytes,
-            stage_recompute=ev.stage_recompute,
-            status="BASELINE" if ev.feasible else "BASELINE_INFEASIBLE", objective=obj * UNIT_S,
-            # No lower bound is known: bound 0, gap (obj - 0) / obj = 1.
-            best_bound=0.0, optimality_gap=1.0 if obj > 0 else 0.0,
+        # No lower bound is known: bound 0, gap (obj - 0) / obj = 1.
+        return SolverResult.from_evaluation(
+            ev, stage_blocks=blocks, stage_gpus=gpus, samples_per_microbatch=samples, num_microbatches=m,
+            options=self.options, status="BASELINE" if ev.feasible else "BASELINE_INFEASIBLE", best_bound=0.0,
             wall_s=time.perf_counter() - self.t0, candidates=cands)

@@ -159,14 +159,8 @@ class CandidateSearch:
         if self.best is None:
             raise InfeasiblePlanError(explain_infeasible(self.costs, self.devices, self.options, self.cands))
         obj, m, (blocks, gpus, samples, _), ev = self.best
-        bound = min(self.bounds)
-        return SolverResult(
-            stage_blocks=blocks, stage_gpus=gpus, samples_per_microbatch=samples, num_microbatches=m,
-            microbatch_size=self.options.global_batch_size // m, schedule=self.options.schedule,
-            predicted_step_time_s=ev.step_time_s, predicted_stage_time_s=ev.stage_time_s,
-            predicted_allreduce_s=ev.allreduce_s, predicted_memory_bytes=ev.memory_bytes,
-            stage_sharded=ev.stage_sharded, state_shard_bytes=ev.state_shard_bytes,
-            stage_recompute=ev.stage_recompute,
-            status="OPTIMAL" if self.all_optimal else "FEASIBLE", objective=obj * UNIT_S,
-            best_bound=bound * UNIT_S, optimality_gap=(obj - bound) / obj if obj > 0 else 0.0,
-            wall_s=time.perf_counter() - self.t0, candidates=tuple(self.cands))
+        assert ev.objective_units == obj
+        return SolverResult.from_evaluation(
+            ev, stage_blocks=blocks, stage_gpus=gpus, samples_per_microbatch=samples, num_microbatches=m,
+            options=self.options, status="OPTIMAL" if self.all_optimal else "FEASIBLE",
+            best_bound=min(self.bounds) * UNIT_S, wall_s=time.perf_counter() - self.t0, candidates=tuple(self.cands))

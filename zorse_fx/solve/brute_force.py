@@ -93,11 +93,7 @@ def solve_brute_force(costs: BlockCosts, devices: DeviceGraph, options: SolverOp
                   state_shard_mib=pol.shard_mib, stage_recompute=pol.recompute)
     if ev.objective_units != step or not ev.feasible:
         raise AssertionError(f"brute force step {step} != evaluate() {ev.objective_units} ({ev.violations})")
-    return SolverResult(
-        stage_blocks=blocks, stage_gpus=gpus, samples_per_microbatch=samples, num_microbatches=m,
-        microbatch_size=options.global_batch_size // m, schedule=options.schedule,
-        predicted_step_time_s=ev.step_time_s, predicted_stage_time_s=ev.stage_time_s,
-        predicted_allreduce_s=ev.allreduce_s, predicted_memory_bytes=ev.memory_bytes,
-        stage_sharded=ev.stage_sharded, state_shard_bytes=ev.state_shard_bytes, stage_recompute=ev.stage_recompute,
-        status="BRUTE_FORCE", objective=ev.step_time_s, best_bound=ev.step_time_s, optimality_gap=0.0,
-        wall_s=time.perf_counter() - t0, candidates=tuple(cands))
+    return SolverResult.from_evaluation(
+        ev, stage_blocks=blocks, stage_gpus=gpus, samples_per_microbatch=samples, num_microbatches=m,
+        options=options, status="BRUTE_FORCE", best_bound=ev.step_time_s, wall_s=time.perf_counter() - t0,
+        candidates=tuple(cands))

@@ -207,6 +207,25 @@ class SolverResult:
     #: Every (num_stages, num_microbatches) candidate tried and its result.
     candidates: tuple[dict, ...] = field(default_factory=tuple)
 
+    @classmethod
+    def from_evaluation(cls, ev, *, stage_blocks, stage_gpus, samples_per_microbatch, num_microbatches: int,
+                        options: "SolverOptions", status: str, best_bound: float, wall_s: float = 0.0,
+                        candidates: tuple[dict, ...] = ()) -> "SolverResult":
+        """The record of a decision scored by ``objective.evaluate`` (``ev``, an
+        ``Evaluation``): predictions and memory policy from ``ev``, objective =
+        its step time (s), gap = (objective - best_bound) / objective (0 when
+        the objective is 0). Used by every planner, so the fields stay in step."""
+        obj = ev.step_time_s
+        return cls(
+            stage_blocks=tuple(stage_blocks), stage_gpus=tuple(stage_gpus),
+            samples_per_microbatch=tuple(samples_per_microbatch), num_microbatches=num_microbatches,
+            microbatch_size=options.global_batch_size // num_microbatches, schedule=options.schedule,
+            predicted_step_time_s=ev.step_time_s, predicted_stage_time_s=ev.stage_time_s,
+            predicted_allreduce_s=ev.allreduce_s, predicted_memory_bytes=ev.memory_bytes,
+            stage_sharded=ev.stage_sharded, state_shard_bytes=ev.state_shard_bytes,
+            stage_recompute=ev.stage_recompute, status=status, objective=obj, best_bound=best_bound,
+            optimality_gap=(obj - best_bound) / obj if obj > 0 else 0.0, wall_s=wall_s, candidates=candidates)
+
     @property
     def num_stages(self) -> int:
         return len(self.stage_blocks)
