@@ -89,6 +89,24 @@ def test_cli_plan_and_show(tmp_path, capsys):
     assert "predicted step time" in text and "stage |" in text
 
 
+def test_stage_dp_planner_alone_and_in_the_portfolio(tmp_path):
+    """planner="stage_dp" returns the DP's plan without CP-SAT (status STAGE_DP);
+    the default planner, which is warm-started by it, is never slower. The CLI
+    passes --planner through."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, 256, (2, T))
+    kw = dict(cluster=CLUSTERS / "small_hetero.yaml", example_inputs=(ids, ids), global_batch_size=8,
+              time_limit_s=2.0)
+    fast = zorse.compile(GPT(GPTConfig(n_layer=2, n_embd=64, block_size=T)), planner="stage_dp", **kw).plan
+    best = zorse.compile(GPT(GPTConfig(n_layer=2, n_embd=64, block_size=T)), **kw).plan
+    assert fast.solver.status == "STAGE_DP" and fast.solver.planner == "stage_dp"
+    assert best.predicted_step_time_s <= fast.predicted_step_time_s
+    out = tmp_path / "plan"
+    assert zorse_main(["plan", "--model", "gpt", "--cluster", str(CLUSTERS / "small_hetero.yaml"),
+                       "--global-batch-size", "8", "--seq-len", "32", "--planner", "stage_dp", "-o", str(out)]) == 0
+    assert json.loads((out / "plan.json").read_text())["solver"]["status"] == "STAGE_DP"
+
+
 def test_cli_train_runs_plan_on_real_text(tmp_path):
     """`zorse train` tokenises the Lee corpus and runs the plan under torchrun."""
     out = tmp_path / "plan"

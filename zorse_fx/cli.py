@@ -53,7 +53,8 @@ def cmd_plan(args) -> int:
     ids = torch.randint(0, 200, (2, args.seq_len))
     compiled = zorse.compile(
         model, cluster=args.cluster, example_inputs=(ids, ids), global_batch_size=args.global_batch_size,
-        max_stages=args.max_stages, schedule=args.schedule, time_limit_s=args.time_limit, verbose=True,
+        max_stages=args.max_stages, schedule=args.schedule, time_limit_s=args.time_limit, planner=args.planner,
+        verbose=True,
         model_name=args.model,
     )
     print(compiled.plan.table())
@@ -159,6 +160,8 @@ def main(argv=None) -> int:
     pp.add_argument("--max-stages", type=int, default=4)
     pp.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b")
     pp.add_argument("--time-limit", type=float, default=10.0, help="CP-SAT seconds per candidate")
+    pp.add_argument("--planner", default="auto", choices=("auto", "cpsat", "grouped", "stage_dp", "brute_force"),
+                    help="auto: CP-SAT checked against the stage DP and the baselines; stage_dp: the DP alone (fast)")
     pp.add_argument("-o", "--output", required=True, help="plan directory to write")
     pp.set_defaults(fn=cmd_plan)
     pt = sub.add_parser("train", help="run an exported plan with torchrun (one process per GPU)")

@@ -46,7 +46,9 @@ class PlanOptions:
     #: CP-SAT time limit per (stages, micro-batches) candidate, seconds.
     time_limit_s: float = 10.0
     #: "auto" (per-GPU CP-SAT up to 16 GPUs, class-level CP-SAT beyond),
-    #: "cpsat", "grouped" or "brute_force" (tiny instances only).
+    #: "cpsat", "grouped" (each checked against the heuristics, which also
+    #: warm-start it), "stage_dp" (only the memory-first stage DP: seconds at
+    #: 1024 GPUs, no CP-SAT, no optimality gap) or "brute_force" (tiny instances only).
     planner: str = "auto"
     #: dtype of the matmuls on the real cluster (selects datasheet peaks);
     #: None = the dtype of the model's parameters.
@@ -90,17 +92,28 @@ def plan_captured(
     say(f"analysed graph: {len(bg.act_order)} activation nodes, {bg.num_blocks} blocks at legal cut points")
     sopts = _solver_options(options)
     from .solve.grouped import solve_grouped
+    from .solve.stage_dp import solve_stage_dp
 
     planner = options.planner
     if planner == "auto":
         planner = "cpsat" if len(cluster) <= 16 else "grouped"
-    solve = {"cpsat": solve_cpsat, "grouped": solve_grouped, "brute_force": solve_brute_force}.get(planner)
+    solve = {"cpsat": solve_cpsat, "grouped": solve_grouped, "brute_force": solve_brute_force,
+             "stage_dp": solve_stage_dp}.get(planner)
     if solve is None:
-        raise ValueError(f"unknown planner {options.planner!r}; use 'auto', 'cpsat', 'grouped' or 'brute_force'")
+        raise ValueError(f"unknown planner {options.planner!r}; use 'auto', 'cpsat', 'grouped', 'stage_dp' "
+                         f"or 'brute_force'")
     from .solve.portfolio import solve_portfolio
 
     devices = _device_graph(cluster, options)
-    result = solve(costs, devices, sopts) if planner == "brute_force" else solve_portfolio(costs, devices, sopts, solve)
+    if planner in ("brute_force", "stage_dp"):  # on their own, without the portfolio
+        result = solve(costs, devices, sopts)
+    else:
+        result = solve_portfolio(costs, devices, sopts, solve)
+    if result.status == "STAGE_DP_INFEASIBLE":
+        from .errors import InfeasiblePlanError
+
+        raise InfeasiblePlanError(f"planner 'stage_dp': its best plan does not fit: "
+                                  f"{next(c['violations'] for c in result.candidates if c.get('chosen'))}")
     say(f"solved: {result.num_stages} stages, {result.num_microbatches} micro-batches, "
         f"status {result.status}, gap {result.optimality_gap:.2%}, {result.wall_s:.2f} s")
     plan = build_plan(bg, cluster, result, options, model_name=model_name, label_mode=label_mode,
