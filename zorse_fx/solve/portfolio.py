@@ -81,7 +81,7 @@ def solve_portfolio(costs: BlockCosts, devices: DeviceGraph, options: SolverOpti
         return best  # nothing can beat a proven optimum of the same objective
     if found and (best is None or found[0][0] < best.predicted_step_time_s):
         step, name, res = found[0]
-        bound = best.best_bound if best is not None else 0.0
+        bound = best.best_bound if best is not None else _throughput_bound_s(costs, devices, options)
         # Keep CP-SAT's per-candidate records (statuses, bounds) after the heuristic's.
         searched = tuple(best.candidates) if best is not None else ()
         best = dataclasses.replace(
@@ -92,3 +92,13 @@ def solve_portfolio(costs: BlockCosts, devices: DeviceGraph, options: SolverOpti
         raise error
     return dataclasses.replace(best, wall_s=time.perf_counter() - t0,
                                candidates=tuple(best.candidates) + tuple({"portfolio": t} for t in tried))
+
+
+def _throughput_bound_s(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions) -> float:
+    """A lower bound (s) on every decision's step time when CP-SAT returned none:
+    the smallest ``bounds.throughput_lower_bound`` over the micro-batch counts."""
+    from .bounds import throughput_lower_bound
+    from .objective import UNIT_S, build_tables, microbatch_candidates
+
+    return min(throughput_lower_bound(build_tables(costs, devices, options, m))
+               for m in microbatch_candidates(options)) * UNIT_S
