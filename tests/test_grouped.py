@@ -205,8 +205,6 @@ def test_grouped_shards_across_a_class():
 def test_hint_encodes_the_hinted_decision(grouped):
     """[Note: warm start]: with CP-SAT told to fix every hinted variable, the model's
     answer is the hinted plan itself (sharded, with its shards), scored as evaluate() does."""
-    import dataclasses
-
     from ortools.sat.python import cp_model
 
     from zorse_fx.baselines import BASELINES

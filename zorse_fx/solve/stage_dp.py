@@ -102,14 +102,11 @@ class _Stages:
     """Per-(u0, u1) stage terms of one unit order and one M, as (B+1, B+1) matrices over (i, j)."""
 
     def __init__(self, tab, units, speeds, variants, num_microbatches: int):
-        from ..baselines._common import largest_remainder
-
         self.tab, self.units, self.variants, self.m = tab, units, variants, num_microbatches
         self.nb = nb = tab.num_blocks
         b = tab.microbatch_size
         ii, jj = np.meshgrid(np.arange(nb + 1), np.arange(nb + 1), indexing="ij")
         self.valid = ii < jj
-        self.ii, self.jj = ii, jj
 
         def pre(p):
             a = np.asarray(p, dtype=np.int64)
@@ -127,20 +124,21 @@ class _Stages:
         self.arsh = [pre(p) for p in tab.arsh_prefix]
         self.opt = [pre(p) for p in tab.opt_prefix]
         self.terms: dict[tuple[int, int], dict | None] = {}
-        self.b, self._split = b, largest_remainder
-        self.speeds = speeds
+        self.b, self.speeds = b, speeds
 
     def group(self, u0: int, u1: int):
         """GPUs, samples and the time / memory terms of units [u0, u1); None if > b GPUs."""
         key = (u0, u1)
         if key in self.terms:
             return self.terms[key]
+        from ..baselines._common import largest_remainder, memory_groups
+
         tab = self.tab
         gpus = tuple(g for u in self.units[u0:u1] for g in u)
         if len(gpus) > self.b:
             self.terms[key] = None
             return None
-        ns = self._split(self.b, [self.speeds[g] for g in gpus])
+        ns = largest_remainder(self.b, [self.speeds[g] for g in gpus])
         kinds = Counter((tab.gpu_types[g], n) for g, n in zip(gpus, ns))
         comp = np.max([n * self.work[t] + self.fixed[t] for t, n in kinds], axis=0)
         comp_rc = np.max([n * (self.work[t] + self.rc_work[t]) + self.fixed[t] + self.rc_fixed[t]
@@ -165,7 +163,7 @@ class _Stages:
             kq = min(tab.pair_bw_class[g][h] for g in gpus for h in nxt)
             lq = max(tab.pair_lat[g][h] for g in gpus for h in nxt)
             bnd = 2 * (np.asarray(tab.xfer[kq], dtype=np.int64) + lq)
-        mem = tuple(sorted(Counter((n, tab.cap_bytes[g]) for g, n in zip(gpus, ns)).items()))
+        mem = memory_groups(tab, gpus, ns)
         out = {"gpus": gpus, "samples": ns, "comp": comp, "comp_rc": comp_rc, "ar": ar, "arsh": arsh,
                "opt": opt, "opt_sh": opt_sh, "bnd": bnd[None, :], "mem": mem, "k": k, "cost": {}}
         self.terms[key] = out
