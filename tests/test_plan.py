@@ -37,7 +37,7 @@ def test_json_round_trip(plan, tmp_path):
     assert loaded == plan
     assert loaded.sources == plan.sources
     d = json.loads(path.read_text())
-    assert d["version"] == PLAN_FORMAT_VERSION == 2
+    assert d["version"] == PLAN_FORMAT_VERSION == 3
     assert [[g["samples_per_microbatch"] for g in s["gpus"]] for s in d["stages"]] == [[3, 1], [4]]
     assert (tmp_path / "p" / "stage_0.py").read_text().startswith('"""Stage 0 of 2')
 

@@ -14,6 +14,13 @@ On disk (``Plan.export(dir)``)::
 Ranks are numbered stage by stage: stage 0's GPUs get ranks 0..k0-1, and so
 on, so ``world_size`` = number of GPUs the plan uses.
 
+Interleaving (format version 3; older files read with ``interleave = 1``):
+with ``Plan.interleave = v > 1`` the ``S`` stages run on ``P = S / v`` GPU
+groups, stage ``s`` on the GPUs of stage ``s % P`` (same GPUs, ranks and
+sample shares, listed again), as chunk ``s // P`` of its group, under
+interleaved 1F1B (``runtime.schedule.interleaved_1f1b``). Ranks are numbered
+over the first ``P`` stages; a rank hosts ``v`` stages (``Plan.stages_of``).
+
 Two memory-saving choices per stage (format version 2; a version-1 file reads
 with both off):
 
@@ -42,9 +49,9 @@ from .errors import PlanFileError
 __all__ = ["PLAN_FORMAT_VERSION", "GPUShare", "StagePlan", "SolverReport", "Plan", "RankRole"]
 
 #: Bumped on any incompatible change of plan.json.
-PLAN_FORMAT_VERSION = 2
+PLAN_FORMAT_VERSION = 3
 #: Older versions ``from_dict`` still reads (fields added since take their defaults).
-_READABLE_VERSIONS = (1, 2)
+_READABLE_VERSIONS = (1, 2, 3)
 GIB = 1024**3
 
 
@@ -153,13 +160,16 @@ class SolverReport:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RankRole:
-    """What one rank does: its stage and its rows of every micro-batch."""
+    """What one rank does: its stage(s) and its rows of every micro-batch."""
 
     rank: int
+    #: Its first stage (= its GPU group's index).
     stage: int
     position: int  # index of the GPU within the stage's DP group
     row_start: int
     row_end: int
+    #: Every stage the rank runs, in order (``(stage,)`` without interleaving).
+    stages: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -180,6 +190,8 @@ class Plan:
     predicted_step_time_s: float
     solver: SolverReport
     compute_dtype: str = "float32"
+    #: Interleave degree v: stages per GPU group (see the module docstring).
+    interleave: int = 1
     version: int = PLAN_FORMAT_VERSION
     #: Stage sources (not in plan.json; written as stage_<i>.py beside it).
     sources: tuple[str, ...] = field(default=(), compare=False, repr=False)
@@ -196,9 +208,28 @@ class Plan:
                     f"plan: stage {s.index} GPUs take {[g.samples_per_microbatch for g in s.gpus]} "
                     f"samples (sum {s.microbatch_size}) but microbatch_size is {self.microbatch_size}"
                 )
-        ranks = [g.rank for s in self.stages for g in s.gpus]
+        v = self.interleave
+        if not isinstance(v, int) or v < 1 or len(self.stages) % v:
+            raise PlanFileError(f"plan: interleave {v!r} must be an integer >= 1 dividing the stage count "
+                                f"{len(self.stages)} (stages per GPU group)")
+        if v > 1 and self.schedule != "1f1b":
+            raise PlanFileError(f"plan: interleave {v} needs schedule '1f1b' (interleaved 1F1B), not "
+                                f"{self.schedule!r}; set interleave to 1 or the schedule to '1f1b'")
+        groups = len(self.stages) // v
+        if v > 1 and self.num_microbatches % groups:
+            raise PlanFileError(f"plan: interleave {v} on {groups} GPU groups needs num_microbatches to be a "
+                                f"multiple of {groups}, got {self.num_microbatches}")
+        ranks = [g.rank for s in self.stages[:groups] for g in s.gpus]
         if ranks != list(range(len(ranks))):
             raise PlanFileError(f"plan: ranks must be 0..{len(ranks) - 1} in stage order, got {ranks}")
+        for s in self.stages[groups:]:
+            home = self.stages[s.index % groups]
+            key = [(g.rank, g.gpu, g.samples_per_microbatch) for g in s.gpus]
+            if key != [(g.rank, g.gpu, g.samples_per_microbatch) for g in home.gpus]:
+                raise PlanFileError(
+                    f"plan: with interleave {v}, stage {s.index} must run on the GPUs of stage {home.index} "
+                    f"(GPU group {home.index}): (rank, gpu, samples) {key} != "
+                    f"{[(g.rank, g.gpu, g.samples_per_microbatch) for g in home.gpus]}")
         for s in self.stages:
             for name in ("sharded", "recompute"):
                 if not isinstance(getattr(s, name), bool):
@@ -216,21 +247,32 @@ class Plan:
     # -- queries -------------------------------------------------------------
     @property
     def world_size(self) -> int:
-        return sum(len(s.gpus) for s in self.stages)
+        return sum(len(s.gpus) for s in self.stages[: self.num_groups])
 
     @property
     def num_stages(self) -> int:
         return len(self.stages)
 
     @property
+    def num_groups(self) -> int:
+        """GPU groups P = stages / interleave (= stages without interleaving)."""
+        return len(self.stages) // self.interleave
+
+    def stages_of(self, rank: int) -> tuple[int, ...]:
+        """The stages rank ``rank`` runs, in order (one without interleaving)."""
+        first = self.role(rank).stage
+        return tuple(range(first, self.num_stages, self.num_groups))
+
+    @property
     def tokens_per_step(self) -> int:
         return self.global_batch_size * self.seq_len
 
     def role(self, rank: int) -> RankRole:
-        for s in self.stages:
+        for s in self.stages[: self.num_groups]:
             for pos, (g, (a, b)) in enumerate(zip(s.gpus, s.sample_ranges())):
                 if g.rank == rank:
-                    return RankRole(rank=rank, stage=s.index, position=pos, row_start=a, row_end=b)
+                    return RankRole(rank=rank, stage=s.index, position=pos, row_start=a, row_end=b,
+                                    stages=tuple(range(s.index, self.num_stages, self.num_groups)))
         raise ValueError(f"rank {rank} is not in this plan (world size {self.world_size})")
 
     def shared_params(self) -> dict[str, tuple[int, ...]]:
@@ -255,6 +297,7 @@ class Plan:
             "microbatch_size": self.microbatch_size,
             "num_microbatches": self.num_microbatches,
             "schedule": self.schedule,
+            "interleave": self.interleave,
             "compute_dtype": self.compute_dtype,
             "predicted_step_time_s": self.predicted_step_time_s,
             "solver": {
@@ -345,6 +388,7 @@ class Plan:
                 microbatch_size=d["microbatch_size"],
                 num_microbatches=d["num_microbatches"],
                 schedule=d["schedule"],
+                interleave=d.get("interleave", 1),
                 compute_dtype=d["compute_dtype"],
                 predicted_step_time_s=d["predicted_step_time_s"],
                 solver=SolverReport(**{**sv, "candidates": tuple(sv.get("candidates", ()))}),
@@ -435,8 +479,10 @@ class Plan:
         sv = self.solver
         summary = (
             f"global batch {self.global_batch_size} = {self.num_microbatches} micro-batches x "
-            f"{self.microbatch_size} samples (seq {self.seq_len}), schedule {self.schedule}, "
-            f"{self.num_stages} stages on {self.world_size} GPUs\n"
+            f"{self.microbatch_size} samples (seq {self.seq_len}), schedule {self.schedule}"
+            + (f" interleaved x{self.interleave} ({self.num_groups} GPU groups, stage s on group s mod "
+               f"{self.num_groups})" if self.interleave > 1 else "")
+            + f", {self.num_stages} stages on {self.world_size} GPUs\n"
             f"predicted step time {self.predicted_step_time_s:.3f} s "
             f"({self.tokens_per_step / self.predicted_step_time_s:,.0f} tokens/s); "
             f"planner {sv.planner}: {sv.status}, gap {sv.optimality_gap:.2%}, {sv.wall_s:.2f} s"

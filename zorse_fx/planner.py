@@ -204,9 +204,12 @@ def build_plan(
     programs = split_stages(bg, result.stage_blocks)
     state = bg.captured.state()
     stages, sources, rank = [], [], 0
+    groups = result.num_stages // result.interleave
     for s, prog in enumerate(programs):
         gpus = []
         sharded = bool(result.stage_sharded and result.stage_sharded[s])
+        if s >= groups:  # interleaved: the GPUs (and ranks) of its group, stage s mod P
+            rank = stages[s % groups].gpus[0].rank
         for i, (g, n) in enumerate(zip(result.stage_gpus[s], result.samples_per_microbatch[s])):
             mem = result.predicted_memory_bytes[s][i] if result.predicted_memory_bytes else 0
             gpu = cluster.gpus[g]
@@ -247,6 +250,7 @@ def build_plan(
         microbatch_size=result.microbatch_size,
         num_microbatches=result.num_microbatches,
         schedule=result.schedule,
+        interleave=result.interleave,
         stages=tuple(stages),
         predicted_step_time_s=result.predicted_step_time_s,
         compute_dtype=str(compute_dtype).removeprefix("torch."),
@@ -278,11 +282,14 @@ def plan_fixed(
     stage_sharded: tuple[bool, ...] | None = None,
     state_shard_mib: tuple[tuple[int, ...], ...] | None = None,
     stage_recompute: tuple[bool, ...] | None = None,
+    interleave: int = 1,
 ) -> tuple[Plan, BlockGraph]:
     """A plan for a decision made by hand (what-if studies, tests), priced by
     the same cost model and objective as the solver's plans. ``stage_sharded``
     / ``state_shard_mib`` / ``stage_recompute``: the memory policy, as in
     ``zorse_fx.solve.evaluate`` (None: nothing sharded or recomputed).
+    ``interleave`` = v > 1: stage s runs on the GPUs of stage s mod (S / v),
+    which ``stage_gpus`` lists again (interleaved 1F1B).
 
     Raises:
         ValueError: the decision is malformed (see ``zorse_fx.solve.evaluate``).
@@ -290,12 +297,13 @@ def plan_fixed(
     from .solve import evaluate
 
     bg, costs, dtype = _analyse_and_price(captured, cluster, options)
-    sopts = _solver_options(options, max_stages=max(options.max_stages, len(stage_blocks)),
+    sopts = _solver_options(options, max_stages=max(options.max_stages, len(stage_blocks)), max_interleave=interleave,
                             num_microbatches=None, max_microbatches=options.global_batch_size,
                             allow_idle_gpus=True, sharding="auto", recompute="auto")
     ev = evaluate(costs, _device_graph(cluster, options), sopts, stage_blocks=stage_blocks, stage_gpus=stage_gpus,
                   samples_per_microbatch=samples_per_microbatch, num_microbatches=num_microbatches,
-                  stage_sharded=stage_sharded, state_shard_mib=state_shard_mib, stage_recompute=stage_recompute)
+                  stage_sharded=stage_sharded, state_shard_mib=state_shard_mib, stage_recompute=stage_recompute,
+                  interleave=interleave)
     result = SolverResult.from_evaluation(
         ev, stage_blocks=stage_blocks, stage_gpus=stage_gpus, samples_per_microbatch=samples_per_microbatch,
         num_microbatches=num_microbatches, options=sopts, status="FIXED", best_bound=ev.step_time_s)

@@ -1,30 +1,53 @@
-"""Pipeline schedules as data: per stage, the ordered list of actions.
+"""Pipeline schedules as data: per GPU group, the ordered list of actions.
 
-``F3`` = forward of micro-batch 3, ``B2`` = backward of micro-batch 2. Every
-GPU of a stage's data-parallel group runs the stage's list on its own rows of
-each micro-batch.
+``F3`` = forward of micro-batch 3, ``B2`` = backward of micro-batch 2; with
+interleaving, ``F3.1`` = forward of micro-batch 3 through the group's model
+chunk 1. Every GPU of a group's data-parallel group runs the group's list on
+its own rows of each micro-batch.
+
+A plan has ``S = P * v`` stages on ``P`` GPU groups, ``v`` = the interleave
+degree (``Plan.interleave``): stage ``s`` runs on group ``s % P`` as its
+chunk ``s // P`` (Megatron-LM's round-robin "virtual stages"). With ``v = 1``
+group ``p`` is stage ``p`` and every action is chunk 0.
 
 - GPipe (Huang et al., NeurIPS'19): all forwards, then all backwards; M
   micro-batches' activations in flight.
 - 1F1B (PipeDream-Flush, Narayanan et al., SC'21): stage ``s`` of ``S`` runs
   ``min(S - s - 1, M)`` warm-up forwards, then alternates one forward and one
   backward, then drains; at most ``S - s`` micro-batches in flight.
+- Interleaved 1F1B (Narayanan et al., SC'21, section 2.2.2; the order of
+  Megatron-LM's ``forward_backward_pipelining_with_interleaving``): the
+  group's ``M * v`` (micro-batch, chunk) forwards run in rounds of ``P``
+  micro-batches per chunk -- chunk 0 of micro-batches 0..P-1, chunk 1 of the
+  same, ..., then the next P micro-batches -- and the backwards in the same
+  order with the chunks reversed. Group ``p`` runs ``2 (P - p - 1) + (v - 1) P``
+  warm-up forwards (all ``M v`` when ``M == P``), then one forward / one
+  backward, then drains. The bubble shrinks from ``(P - 1)`` stage times to
+  ``(P - 1) / v`` of them, at ``v`` times more boundary messages. Needs
+  ``M % P == 0``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
-__all__ = ["Action", "one_f_one_b", "gpipe", "make_schedule", "validate", "format_grid", "inflight"]
+__all__ = ["Action", "one_f_one_b", "gpipe", "interleaved_1f1b", "make_schedule", "validate", "format_grid",
+           "inflight", "live_profile", "SCHEDULES"]
+
+#: Schedule names a plan may carry.
+SCHEDULES = ("1f1b", "gpipe")
 
 
 @dataclass(frozen=True, slots=True)
 class Action:
     kind: str  # "F" or "B"
     microbatch: int
+    #: Model chunk of the group (interleaving): the action runs stage ``group + chunk * P``.
+    chunk: int = 0
 
     def __str__(self) -> str:
-        return f"{self.kind}{self.microbatch}"
+        return f"{self.kind}{self.microbatch}" + (f".{self.chunk}" if self.chunk else "")
 
 
 def one_f_one_b(stage: int, num_stages: int, num_microbatches: int) -> tuple[Action, ...]:
@@ -44,18 +67,58 @@ def gpipe(stage: int, num_stages: int, num_microbatches: int) -> tuple[Action, .
     )
 
 
-_SCHEDULES = {"1f1b": one_f_one_b, "gpipe": gpipe}
+def interleaved_1f1b(group: int, num_groups: int, num_chunks: int, num_microbatches: int) -> tuple[Action, ...]:
+    """Group ``group``'s interleaved 1F1B actions (see the module docstring).
+
+    Raises:
+        ValueError: if ``num_microbatches`` is not a multiple of ``num_groups``.
+    """
+    p, v, m = num_groups, num_chunks, num_microbatches
+    if m % p:
+        raise ValueError(f"interleaved 1F1B needs the micro-batch count to be a multiple of the number of "
+                         f"GPU groups: {m} micro-batches, {p} groups; pick num_microbatches in "
+                         f"{{{', '.join(str(p * k) for k in range(1, 5))}, ...}} or interleave 1")
+    total = m * v
+
+    def unit(k: int, forward: bool) -> Action:
+        chunk = (k % (p * v)) // p
+        return Action("F" if forward else "B", (k // (p * v)) * p + k % p, chunk if forward else v - 1 - chunk)
+
+    warmup = total if m == p else min(2 * (p - group - 1) + (v - 1) * p, total)
+    acts = [unit(k, True) for k in range(warmup)]
+    for k in range(total - warmup):
+        acts += [unit(k + warmup, True), unit(k, False)]
+    acts += [unit(k, False) for k in range(total - warmup, total)]
+    return tuple(acts)
 
 
-def make_schedule(name: str, num_stages: int, num_microbatches: int) -> tuple[tuple[Action, ...], ...]:
-    """Per stage action lists for schedule ``name`` ("1f1b" or "gpipe")."""
-    if name not in _SCHEDULES:
-        raise ValueError(f"unknown schedule {name!r}; choose one of {sorted(_SCHEDULES)}")
-    return tuple(_SCHEDULES[name](s, num_stages, num_microbatches) for s in range(num_stages))
+def make_schedule(name: str, num_stages: int, num_microbatches: int, interleave: int = 1
+                  ) -> tuple[tuple[Action, ...], ...]:
+    """Per GPU group action lists for schedule ``name`` ("1f1b" or "gpipe").
+
+    ``interleave`` = v model chunks per group: ``num_stages / v`` groups, each
+    running interleaved 1F1B (only with "1f1b"). With v = 1 there is one
+    group per stage.
+
+    Raises:
+        ValueError: unknown schedule, ``num_stages`` not a multiple of v,
+            interleaving with "gpipe", or M not a multiple of the group count.
+    """
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown schedule {name!r}; choose one of {sorted(SCHEDULES)}")
+    if interleave < 1 or num_stages % interleave:
+        raise ValueError(f"interleave={interleave} must be >= 1 and divide the stage count {num_stages}")
+    if interleave == 1:
+        fn = one_f_one_b if name == "1f1b" else gpipe
+        return tuple(fn(s, num_stages, num_microbatches) for s in range(num_stages))
+    if name != "1f1b":
+        raise ValueError(f"interleave={interleave} needs schedule '1f1b' (interleaved 1F1B); got {name!r}")
+    groups = num_stages // interleave
+    return tuple(interleaved_1f1b(p, groups, interleave, num_microbatches) for p in range(groups))
 
 
 def inflight(schedule: tuple[Action, ...]) -> int:
-    """Largest number of micro-batches whose activations a stage holds at once."""
+    """Largest number of (micro-batch, chunk) activations a group holds at once."""
     live = peak = 0
     for a in schedule:
         live += 1 if a.kind == "F" else -1
@@ -63,41 +126,75 @@ def inflight(schedule: tuple[Action, ...]) -> int:
     return peak
 
 
+@lru_cache(maxsize=4096)
+def live_profile(name: str, num_stages: int, num_microbatches: int, interleave: int, group: int
+                 ) -> tuple[tuple[tuple[int, ...], int], ...]:
+    """The distinct moments at which group ``group`` may reach its memory peak.
+
+    Returns ``(live, chunk)`` pairs: ``live[c]`` = micro-batches whose chunk-c
+    forward has ended and whose backward has not, either right after a
+    forward (``chunk = -1``) or as the backward of ``chunk`` starts (when a
+    recomputing stage re-materialises that chunk's activations). Any peak of
+    ``sum_c live[c] * held_c (+ rerun_chunk)`` is at one of these moments, so
+    the objective and the simulator take the same maximum over them."""
+    sched = make_schedule(name, num_stages, num_microbatches, interleave)[group]
+    live = [0] * interleave
+    seen: dict[tuple[tuple[int, ...], int], None] = {}
+    for a in sched:
+        if a.kind == "F":
+            live[a.chunk] += 1
+            seen[tuple(live), -1] = None
+        else:
+            seen[tuple(live), a.chunk] = None
+            live[a.chunk] -= 1
+    return tuple(seen)
+
+
 def format_grid(schedules, *, mark: tuple[int, int] | None = None) -> str:
-    """Stage-by-step grid; ``mark=(stage, step)`` is shown as ``>F3<``."""
+    """Group-by-step grid (one row per stage when not interleaved); ``mark=(row, step)`` is shown as ``>F3<``."""
     width = max(len(s) for s in schedules)
-    lines = ["stage | " + " ".join(f"{i:>5}" for i in range(width))]
+    cell = max([5] + [len(str(a)) + 2 for s in schedules for a in s])
+    lines = ["stage | " + " ".join(f"{i:>{cell}}" for i in range(width))]
     for s, acts in enumerate(schedules):
         cells = []
         for i in range(width):
             text = str(acts[i]) if i < len(acts) else ""
-            cells.append(f"{('>' + text + '<') if mark == (s, i) else text:>5}")
+            cells.append(f"{('>' + text + '<') if mark == (s, i) else text:>{cell}}")
         lines.append(f"{s:>5} | " + " ".join(cells))
     return "\n".join(lines)
 
 
-def validate(schedules) -> None:
+def validate(schedules, interleave: int = 1) -> None:
     """Check that every micro-batch is run F then B once per stage and that the
     schedules can execute without deadlock under blocking point-to-point
-    messages (F s needs F s-1; B s needs B s+1 and F s).
+    messages (F s needs F s-1; B s needs B s+1 and F s). ``schedules`` has
+    one list per GPU group; action ``a`` of group ``p`` runs stage
+    ``p + a.chunk * P``.
 
     Raises:
         ValueError: with the grid and the first action that can never run marked.
     """
-    num_stages = len(schedules)
-    for s, acts in enumerate(schedules):
-        fs = [a.microbatch for a in acts if a.kind == "F"]
-        bs = [a.microbatch for a in acts if a.kind == "B"]
-        if sorted(fs) != sorted(bs) or len(set(fs)) != len(fs):
-            raise ValueError(f"stage {s}: each micro-batch needs exactly one F and one B\n{format_grid(schedules)}")
+    groups = len(schedules)
+    num_stages = groups * interleave
+    for p, acts in enumerate(schedules):
+        for c in range(interleave):
+            fs = [a.microbatch for a in acts if a.kind == "F" and a.chunk == c]
+            bs = [a.microbatch for a in acts if a.kind == "B" and a.chunk == c]
+            if sorted(fs) != sorted(bs) or len(set(fs)) != len(fs) or (c and sorted(fs) != sorted(
+                    a.microbatch for a in acts if a.kind == "F" and a.chunk == 0)):
+                raise ValueError(f"stage {p + c * groups}: each micro-batch needs exactly one F and one B\n"
+                                 f"{format_grid(schedules)}")
+        if any(not 0 <= a.chunk < interleave for a in acts):
+            raise ValueError(f"group {p}: chunks must be in 0..{interleave - 1}\n{format_grid(schedules)}")
     done: set[tuple[str, int, int]] = set()
-    pc = [0] * num_stages
+    pc = [0] * groups
     progress = True
     while progress:
         progress = False
-        for s, acts in enumerate(schedules):
-            while pc[s] < len(acts):
-                a = acts[pc[s]]
+        for p, acts in enumerate(schedules):
+            while pc[p] < len(acts):
+                a = acts[pc[p]]
+                s = p + a.chunk * groups
                 if a.kind == "F":
                     ready = s == 0 or ("F", s - 1, a.microbatch) in done
                 else:
@@ -105,11 +202,12 @@ def validate(schedules) -> None:
                 if not ready:
                     break
                 done.add((a.kind, s, a.microbatch))
-                pc[s] += 1
+                pc[p] += 1
                 progress = True
-    for s, acts in enumerate(schedules):
-        if pc[s] < len(acts):
+    for p, acts in enumerate(schedules):
+        if pc[p] < len(acts):
+            what = "stage" if interleave == 1 else "group"
             raise ValueError(
-                f"schedule deadlocks: stage {s} step {pc[s]} ({acts[pc[s]]}) waits forever\n"
-                + format_grid(schedules, mark=(s, pc[s]))
+                f"schedule deadlocks: {what} {p} step {pc[p]} ({acts[pc[p]]}) waits forever\n"
+                + format_grid(schedules, mark=(p, pc[p]))
             )

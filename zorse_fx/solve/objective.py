@@ -383,8 +383,11 @@ def fill_policy(tab: IntTables, stage_blocks, stage_gpus, samples, sharded, reco
     return MemoryPolicy(tuple(bool(x) for x in sharded), tuple(shards), tuple(bool(x) for x in recompute))
 
 
-def evaluate_units(tab: IntTables, stage_blocks, stage_gpus, samples, policy: MemoryPolicy | None = None) -> StageUnits:
-    """The model's integer terms for an already-validated decision (memory in KiB units)."""
+def evaluate_units(tab: IntTables, stage_blocks, stage_gpus, samples, policy: MemoryPolicy | None = None,
+                   interleave: int = 1) -> StageUnits:
+    """The model's integer terms for an already-validated decision (memory in KiB units).
+
+    ``interleave`` = v > 1: the terms of [Note: interleaved stages]."""
     n_s, m = len(stage_blocks), tab.num_microbatches
     pol = policy or MemoryPolicy.plain(n_s)
     comp, bnd, ar, opt, mem, unc = [], [], [], [], [], []
@@ -429,9 +432,69 @@ def evaluate_units(tab: IntTables, stage_blocks, stage_gpus, samples, policy: Me
             mem.append(tuple(state + _act_units(tab, s, n_s, i, n, a, rc) for n in ns))
             unc.append(0)
     stage = tuple(c + x for c, x in zip(comp, bnd))
+    if interleave > 1:
+        return _interleaved_units(tab, stage_blocks, stage_gpus, samples, pol, interleave, comp, bnd, stage,
+                                  ar, opt, mem, unc)
     step = sum(stage) + (m - 1) * max(stage) + max(a + o for a, o in zip(ar, opt))
     return StageUnits(compute=tuple(comp), boundary=tuple(bnd), stage=stage, allreduce=tuple(ar),
                       optim=tuple(opt), memory=tuple(mem), step=step, uncovered=tuple(unc))
+
+
+def _interleaved_units(tab, stage_blocks, stage_gpus, samples, pol, v, comp, bnd, stage, ar, opt, mem, unc
+                       ) -> StageUnits:
+    """[Note: interleaved stages]
+    With interleave degree v the S = P v stages run on P GPU groups, stage s
+    on group p = s mod P (``runtime.schedule.interleaved_1f1b``). Per-stage
+    terms (compute, boundary, all-reduce, optimizer) are those of the module
+    note; what changes:
+
+      T_p   = sum_{s = p mod P} t_s        (one micro-batch through group p)
+      step  = M * max_p T_p + floor((sum_p T_p - max_p T_p) / v)
+              + max_p sum_{s = p mod P} (allreduce_s + optim_s)
+      memory_g = sum over g's stages of their state (replicated, or the
+              shard) + max over the moments of ``schedule.live_profile`` of
+              sum_c live_c * held_{p + cP} (+ rerun of the backward's chunk)
+              held_s = n_g A_s, or n_g X_s on a recomputing stage;
+              rerun_s = n_g A_s on a recomputing stage, else 0.
+
+    For v = 1 the step is the 1F1B formula of the module note (M max t +
+    sum t - max t). For P equal groups of v equal chunks of time t it is
+    (M v + P - 1) t: the bubble of (P - 1) stage times shrinks to (P - 1) / v
+    (Narayanan et al., SC'21, section 2.2.2). Each group's stages synchronise
+    one after the other once its pipeline has drained, as the runtime does.
+    The memory term takes the schedule's exact peak (the simulator tracks the
+    same moments and agrees to the KiB). The CP-SAT models and the DP do not
+    choose v: ``solve.interleave`` re-cuts a finished plan's groups into P v
+    stages and keeps the result when this objective says it is faster.
+    Every GPU's row in each of its stages carries its whole memory."""
+    from ..runtime.schedule import live_profile
+
+    n_s, m = len(stage_blocks), tab.num_microbatches
+    groups = n_s // v
+    load = [sum(stage[p::groups]) for p in range(groups)]
+    sync = [sum(a + o for a, o in zip(ar[p::groups], opt[p::groups])) for p in range(groups)]
+    step = m * max(load) + (sum(load) - max(load)) // v + max(sync)
+    memory = [list(row) for row in mem]
+    for p in range(groups):
+        profile = live_profile(tab.schedule, n_s, m, v, p)
+        for k, (g, n) in enumerate(zip(stage_gpus[p], samples[p])):
+            state, held, rerun = 0, [], []
+            for s in range(p, n_s, groups):
+                i, j = stage_blocks[s]
+                a = tab.act_prefix[j] - tab.act_prefix[i]
+                own = _act_units(tab, s, n_s, i, n, a, pol.recompute[s])
+                state += mem[s][k] - own
+                if pol.recompute[s]:
+                    held.append(n * (tab.cut_kib[i] if s > 0 else 0))
+                    rerun.append(n * a)
+                else:
+                    held.append(n * a)
+                    rerun.append(0)
+            act = max(sum(c * h for c, h in zip(live, held)) + (rerun[b] if b >= 0 else 0) for live, b in profile)
+            for s in range(p, n_s, groups):
+                memory[s][k] = state + act
+    return StageUnits(compute=tuple(comp), boundary=tuple(bnd), stage=stage, allreduce=tuple(ar),
+                      optim=tuple(opt), memory=tuple(tuple(r) for r in memory), step=step, uncovered=tuple(unc))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -456,19 +519,45 @@ class Evaluation:
     stage_sharded: tuple[bool, ...] = ()
     state_shard_bytes: tuple[tuple[int, ...], ...] = ()
     stage_recompute: tuple[bool, ...] = ()
+    #: Interleave degree v (stages per GPU group; [Note: interleaved stages]).
+    interleave: int = 1
 
 
-def _validate(costs, devices, options, stage_blocks, stage_gpus, samples, m) -> int:
-    """Check the decision's shape; return the micro-batch size b. Raises ValueError."""
+def _validate(costs, devices, options, stage_blocks, stage_gpus, samples, m, interleave: int = 1) -> int:
+    """Check the decision's shape; return the micro-batch size b. Raises ValueError.
+
+    With ``interleave`` = v > 1 a GPU serves the stages s, s + P, ... (P =
+    stages / v) with the same share in each ([Note: interleaved stages])."""
     nb, n_g, gbs = costs.num_blocks, devices.num_gpus, options.global_batch_size
+    if len(stage_gpus) != len(stage_blocks) or len(samples) != len(stage_blocks):
+        raise ValueError(f"stage_blocks has {len(stage_blocks)} stages, stage_gpus {len(stage_gpus)}, "
+                         f"samples_per_microbatch {len(samples)}: they must be equal")
+    v = interleave
+    if not isinstance(v, int) or v < 1:
+        raise ValueError(f"interleave={v!r} must be an int >= 1")
+    if v > 1:
+        n_s = len(stage_blocks)
+        if n_s % v or n_s // v < 2:
+            raise ValueError(f"interleave={v} needs a stage count that is a multiple of {v} with at least 2 "
+                             f"GPU groups, got {n_s} stages")
+        groups = n_s // v
+        if options.schedule != "1f1b":
+            raise ValueError(f"interleave={v} needs schedule '1f1b', got {options.schedule!r}")
+        if not isinstance(m, int) or m % groups:
+            raise ValueError(f"interleave={v} on {groups} GPU groups needs num_microbatches to be a multiple "
+                             f"of {groups}, got {m!r}")
+        for s in range(groups, n_s):
+            if (tuple(stage_gpus[s]), tuple(samples[s])) != (tuple(stage_gpus[s % groups]),
+                                                             tuple(samples[s % groups])):
+                raise ValueError(f"interleave={v}: stage {s} must have the GPUs and samples of stage "
+                                 f"{s % groups} ({tuple(stage_gpus[s % groups])}, "
+                                 f"{tuple(samples[s % groups])}), got ({tuple(stage_gpus[s])}, {tuple(samples[s])})")
+        stage_gpus, samples = stage_gpus[:groups], samples[:groups]
     if not isinstance(m, int) or m < 1 or gbs % m:
         raise ValueError(f"num_microbatches={m!r} must be a positive divisor of global_batch_size={gbs}")
     b = gbs // m
     if not stage_blocks:
         raise ValueError("stage_blocks is empty: a plan needs at least one stage")
-    if len(stage_gpus) != len(stage_blocks) or len(samples) != len(stage_blocks):
-        raise ValueError(f"stage_blocks has {len(stage_blocks)} stages, stage_gpus {len(stage_gpus)}, "
-                         f"samples_per_microbatch {len(samples)}: they must be equal")
     end = 0
     for s, (i, j) in enumerate(stage_blocks):
         if i != end or j <= i:
@@ -545,8 +634,12 @@ def mode_violations(options: SolverOptions, stage_gpus, pol: MemoryPolicy) -> li
 
 def evaluate(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions, *,
              stage_blocks, stage_gpus, samples_per_microbatch, num_microbatches: int,
-             stage_sharded=None, state_shard_mib=None, stage_recompute=None) -> Evaluation:
+             stage_sharded=None, state_shard_mib=None, stage_recompute=None, interleave: int = 1) -> Evaluation:
     """Score a decision with the model of the module note.
+
+    ``interleave`` = v > 1: S = P v stages on P GPU groups, stage s on the
+    GPUs of stage s mod P (listed again for every stage), scored by
+    [Note: interleaved stages].
 
     ``stage_sharded`` / ``stage_recompute``: per-stage flags (None = all
     False). ``state_shard_mib``: per sharded stage, each GPU's shard in whole
@@ -559,11 +652,12 @@ def evaluate(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions, *,
     uncovered optimizer state, idle GPUs, too many stages, a sharding /
     recompute mode not allowed by ``options``) are listed in ``violations``.
     """
-    _validate(costs, devices, options, stage_blocks, stage_gpus, samples_per_microbatch, num_microbatches)
+    _validate(costs, devices, options, stage_blocks, stage_gpus, samples_per_microbatch, num_microbatches,
+              interleave)
     tab = build_tables(costs, devices, options, num_microbatches)
     pol = _policy(tab, options, stage_blocks, stage_gpus, samples_per_microbatch, stage_sharded,
                   state_shard_mib, stage_recompute)
-    u = evaluate_units(tab, stage_blocks, stage_gpus, samples_per_microbatch, pol)
+    u = evaluate_units(tab, stage_blocks, stage_gpus, samples_per_microbatch, pol, interleave)
     bad = []
     if len(stage_blocks) > options.max_stages:
         bad.append(f"{len(stage_blocks)} stages > max_stages={options.max_stages}")
@@ -572,6 +666,8 @@ def evaluate(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions, *,
     if num_microbatches not in allowed:
         bad.append(f"num_microbatches={num_microbatches} is not among the allowed micro-batch counts")
     idle = sorted(set(range(devices.num_gpus)) - {g for gs in stage_gpus for g in gs})
+    if interleave > 1 and options.max_interleave < interleave:
+        bad.append(f"interleave={interleave} > max_interleave={options.max_interleave}")
     if idle and not options.allow_idle_gpus:
         bad.append(f"GPUs {idle} are idle but allow_idle_gpus=False")
     bad += mode_violations(options, stage_gpus, pol)
@@ -581,7 +677,7 @@ def evaluate(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions, *,
                        f"GiB of {_gib((tab.shard_prefix[stage_blocks[s][1]] - tab.shard_prefix[stage_blocks[s][0]]) * MEMORY_UNIT_BYTES)} "
                        f"GiB optimizer state")
         for g, need in zip(gpus, u.memory[s]):
-            if need > tab.cap_bytes[g]:
+            if need > tab.cap_bytes[g] and s < len(stage_blocks) // interleave:  # one report per GPU
                 bad.append(f"stage {s} GPU {g} ({devices.gpu_types[g]}) needs {_gib(need * MEMORY_UNIT_BYTES)} GiB > "
                            f"{_gib(tab.cap_bytes[g] * MEMORY_UNIT_BYTES)} GiB usable ({options.memory_fraction:g} × "
                            f"{_gib(devices.memory_bytes[g])} GiB)")
@@ -597,7 +693,7 @@ def evaluate(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions, *,
                       objective_units=u.step, stage_sharded=pol.sharded,
                       state_shard_bytes=tuple(tuple(z * mib for z in row) if row else (0,) * len(gs)
                                               for row, gs in zip(pol.shard_mib, stage_gpus)),
-                      stage_recompute=pol.recompute)
+                      stage_recompute=pol.recompute, interleave=interleave)
 
 
 def evaluate_result(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions, result) -> Evaluation:
@@ -610,4 +706,5 @@ def evaluate_result(costs: BlockCosts, devices: DeviceGraph, options: SolverOpti
                     num_microbatches=result.num_microbatches, stage_sharded=sharded,
                     state_shard_mib=tuple(tuple(b // mib for b in row) if sh else ()
                                           for sh, row in zip(sharded, result.state_shard_bytes or ((),) * n_s)),
-                    stage_recompute=tuple(result.stage_recompute) or None)
+                    stage_recompute=tuple(result.stage_recompute) or None,
+                    interleave=getattr(result, "interleave", 1))

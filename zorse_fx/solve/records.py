@@ -163,8 +163,14 @@ class SolverOptions:
     #: Stage-level activation recomputation: "never", "auto" (per stage) or
     #: "always" (every stage).
     recompute: str = "never"
+    #: Largest interleave degree v (stages per GPU group, interleaved 1F1B)
+    #: ``solve.interleave`` tries on a finished plan; 1 = never interleave.
+    max_interleave: int = 4
 
     def __post_init__(self) -> None:
+        if not isinstance(self.max_interleave, int) or self.max_interleave < 1:
+            raise ValueError(f"SolverOptions.max_interleave={self.max_interleave!r}: use an int >= 1 "
+                             f"(1 = no interleaving)")
         for name in ("sharding", "recompute"):
             v = getattr(self, name)
             if v not in MEMORY_MODES:
@@ -198,6 +204,9 @@ class SolverResult:
     stage_sharded: tuple[bool, ...] = ()
     state_shard_bytes: tuple[tuple[int, ...], ...] = ()
     stage_recompute: tuple[bool, ...] = ()
+    #: Interleave degree v: the stages run on ``num_stages / v`` GPU groups,
+    #: stage s on the GPUs of stage s mod (num_stages / v) (listed again).
+    interleave: int = 1
     #: "OPTIMAL", "FEASIBLE", "BRUTE_FORCE", ... and the gap (0 = proven optimal).
     status: str = "UNKNOWN"
     objective: float = 0.0
@@ -223,7 +232,7 @@ class SolverResult:
             predicted_step_time_s=ev.step_time_s, predicted_stage_time_s=ev.stage_time_s,
             predicted_allreduce_s=ev.allreduce_s, predicted_memory_bytes=ev.memory_bytes,
             stage_sharded=ev.stage_sharded, state_shard_bytes=ev.state_shard_bytes,
-            stage_recompute=ev.stage_recompute, status=status, objective=obj, best_bound=best_bound,
+            stage_recompute=ev.stage_recompute, interleave=ev.interleave, status=status, objective=obj, best_bound=best_bound,
             optimality_gap=(obj - best_bound) / obj if obj > 0 else 0.0, wall_s=wall_s, candidates=candidates)
 
     @property
