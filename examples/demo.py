@@ -75,7 +75,7 @@ def main() -> int:
     print(f"[demo] {plan.num_stages} pipeline stages; stages with unequal sample shares: {unequal or 'none'}")
     print(f"[demo] predicted step time on {cluster.name}: {plan.predicted_step_time_s * 1e3:.1f} ms "
           f"({plan.tokens_per_step / plan.predicted_step_time_s:,.0f} tokens/s)", flush=True)
-    print(format_grid(make_schedule(plan.schedule, plan.num_stages, plan.num_microbatches)))
+    print(format_grid(make_schedule(plan.schedule, plan.num_stages, plan.num_microbatches, plan.interleave)))
     _simulated_timeline(compiled, cluster, out)
     plan_dir = out / "plan"
     plan.export(plan_dir)
@@ -110,7 +110,7 @@ def _simulated_timeline(compiled, cluster, out: Path) -> None:
 
     plan = compiled.plan
     options = PlanOptions(global_batch_size=plan.global_batch_size, schedule=plan.schedule,
-                          max_stages=plan.num_stages)
+                          max_stages=plan.num_groups, max_interleave=plan.interleave)
     _, costs, _ = _analyse_and_price(compiled.captured, cluster, options)
     result = simulate(costs, _device_graph(cluster, options), _solver_options(options),
                       **plan_decision(plan, costs))  # decision + memory policy (sharding, recompute)

@@ -195,3 +195,117 @@ def test_rank_entry_point_does_not_import_ortools():
 
     code = "import sys, zorse_fx.train; assert 'ortools' not in sys.modules, 'ortools imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# --- interleaved 1F1B (Megatron-LM virtual stages) ---
+
+def test_interleaved_schedule_matches_megatron_order():
+    """P=2 groups, v=2 chunks, M=4: forwards in rounds of P micro-batches per chunk,
+    backwards with the chunks reversed, 2 (P - p - 1) + (v - 1) P warm-up forwards."""
+    sched = make_schedule("1f1b", 4, 4, interleave=2)
+    assert len(sched) == 2
+    assert [str(a) for a in sched[0]] == ["F0", "F1", "F0.1", "F1.1", "F2", "B0.1", "F3", "B1.1",
+                                          "F2.1", "B0", "F3.1", "B1", "B2.1", "B3.1", "B2", "B3"]
+    assert [str(a) for a in sched[1][:4]] == ["F0", "F1", "F0.1", "B0.1"]  # warm-up 2 = (v - 1) P
+    validate(sched, interleave=2)
+    with pytest.raises(ValueError, match=r"schedule deadlocks: group 0 step 2 \(F0.1\) waits forever"):
+        validate((sched[0], tuple(reversed(sched[1]))), interleave=2)
+
+
+@pytest.mark.parametrize("groups", [2, 3, 4])
+@pytest.mark.parametrize("chunks", [1, 2, 3])
+def test_interleaved_schedules_run_every_stage_once_without_deadlock(groups, chunks):
+    for m in range(groups, 4 * groups + 1, groups):
+        sched = make_schedule("1f1b", groups * chunks, m, interleave=chunks)
+        validate(sched, interleave=chunks)
+        for acts in sched:
+            assert sorted((a.kind, a.chunk, a.microbatch) for a in acts) == sorted(
+                (k, c, i) for k in "FB" for c in range(chunks) for i in range(m))
+        # In flight at most the warm-up + 1, as in Megatron-LM (all of them when M == P).
+        for p, acts in enumerate(sched):
+            warm = m * chunks if m == groups else min(2 * (groups - p - 1) + (chunks - 1) * groups, m * chunks)
+            assert inflight(acts) == (min(warm + 1, m * chunks) if chunks > 1 else min(groups - p, m))
+
+
+def test_interleaved_schedule_errors_name_the_fix():
+    with pytest.raises(ValueError, match=r"multiple of the number of GPU groups: 3 micro-batches, 2 groups"):
+        make_schedule("1f1b", 4, 3, interleave=2)
+    with pytest.raises(ValueError, match="needs schedule '1f1b'"):
+        make_schedule("gpipe", 4, 4, interleave=2)
+    with pytest.raises(ValueError, match="divide the stage count 5"):
+        make_schedule("1f1b", 5, 4, interleave=2)
+
+
+def test_live_profile_peaks_equal_a_step_by_step_count():
+    """The moments ``live_profile`` lists contain the true peak of any chunk weighting."""
+    import random
+
+    from zorse_fx.runtime.schedule import live_profile
+
+    rng = random.Random(0)
+    for groups, chunks, m in ((2, 2, 4), (3, 2, 6), (2, 3, 8), (4, 2, 8)):
+        for p in range(groups):
+            w = [rng.randint(1, 9) for _ in range(chunks)]
+            rerun = [rng.randint(0, 9) for _ in range(chunks)]
+            live, peak = [0] * chunks, 0
+            for a in make_schedule("1f1b", groups * chunks, m, chunks)[p]:
+                if a.kind == "F":
+                    live[a.chunk] += 1
+                    peak = max(peak, sum(x * y for x, y in zip(live, w)))
+                else:
+                    peak = max(peak, sum(x * y for x, y in zip(live, w)) + rerun[a.chunk])
+                    live[a.chunk] -= 1
+            prof = live_profile("1f1b", groups * chunks, m, chunks, p)
+            assert peak == max(sum(x * y for x, y in zip(lv, w)) + (rerun[c] if c >= 0 else 0) for lv, c in prof)
+
+
+@pytest.fixture(scope="module")
+def interleaved_plan():
+    torch.manual_seed(0)
+    ids = torch.randint(0, 256, (2, 16))
+    captured = capture(GPT(GPTConfig(n_layer=4, n_embd=32, block_size=16)), (ids, ids))
+    nb = analyse(captured).num_blocks
+    p, _ = plan_fixed(captured, Cluster.from_yaml(CLUSTERS / "small_hetero.yaml"), PlanOptions(global_batch_size=8),
+                      stage_blocks=((0, 3), (3, 5), (5, 7), (7, nb)), stage_gpus=((0, 1), (2,), (0, 1), (2,)),
+                      samples_per_microbatch=((3, 1), (4,), (3, 1), (4,)), num_microbatches=2, interleave=2)
+    return p
+
+
+def test_interleaved_plan_round_trip_roles_and_table(interleaved_plan, tmp_path):
+    p = interleaved_plan
+    assert (p.interleave, p.num_groups, p.num_stages, p.world_size) == (2, 2, 4, 3)
+    assert [p.stages_of(r) for r in range(3)] == [(0, 2), (0, 2), (1, 3)]
+    assert p.role(1).stages == (0, 2) and (p.role(1).row_start, p.role(1).row_end) == (3, 4)
+    assert [g.rank for g in p.stages[2].gpus] == [0, 1]
+    assert Plan.load(p.export(tmp_path / "p")) == p
+    assert json.loads((tmp_path / "p" / "plan.json").read_text())["interleave"] == 2
+    text = p.table()
+    assert "interleaved x2 (2 GPU groups" in text and "2 g0" in text and "3 g1" in text
+    # A GPU's memory row is its total over its stages: the same in both of its stages.
+    assert p.stages[0].gpus[0].predicted_memory_bytes == p.stages[2].gpus[0].predicted_memory_bytes > 0
+
+
+def test_interleaved_plan_file_errors_are_named(interleaved_plan, tmp_path):
+    path = interleaved_plan.export(tmp_path / "p")
+    d = json.loads(path.read_text())
+    d["stages"][2]["gpus"][0]["samples_per_microbatch"], d["stages"][2]["gpus"][1]["samples_per_microbatch"] = 2, 2
+    path.write_text(json.dumps(d))
+    with pytest.raises(PlanFileError, match=r"stage 2 must run on the GPUs of stage 0 \(GPU group 0\)"):
+        Plan.load(path)
+    d = json.loads(path.read_text())
+    d["stages"][2]["gpus"][0]["samples_per_microbatch"], d["stages"][2]["gpus"][1]["samples_per_microbatch"] = 3, 1
+    d["interleave"] = 3
+    path.write_text(json.dumps(d))
+    with pytest.raises(PlanFileError, match="interleave 3 must be an integer >= 1 dividing the stage count 4"):
+        Plan.load(path)
+    d["interleave"], d["schedule"] = 2, "gpipe"
+    path.write_text(json.dumps(d))
+    with pytest.raises(PlanFileError, match="interleave 2 needs schedule '1f1b'"):
+        Plan.load(path)
+    d["schedule"], d["num_microbatches"], d["microbatch_size"] = "1f1b", 1, 8
+    for s in d["stages"]:
+        for g in s["gpus"]:
+            g["samples_per_microbatch"] *= 2
+    path.write_text(json.dumps(d))
+    with pytest.raises(PlanFileError, match="needs num_microbatches to be a multiple of 2, got 1"):
+        Plan.load(path)

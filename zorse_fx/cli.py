@@ -54,7 +54,7 @@ def cmd_plan(args) -> int:
     compiled = zorse.compile(
         model, cluster=args.cluster, example_inputs=(ids, ids), global_batch_size=args.global_batch_size,
         max_stages=args.max_stages, schedule=args.schedule, time_limit_s=args.time_limit, planner=args.planner,
-        verbose=True,
+        max_interleave=args.max_interleave, verbose=True,
         model_name=args.model,
     )
     print(compiled.plan.table())
@@ -88,7 +88,7 @@ def cmd_show(args) -> int:
 
     plan = Plan.load(args.plan)
     print(plan.table())
-    print(format_grid(make_schedule(plan.schedule, plan.num_stages, plan.num_microbatches)))
+    print(format_grid(make_schedule(plan.schedule, plan.num_stages, plan.num_microbatches, plan.interleave)))
     return 0
 
 
@@ -110,7 +110,7 @@ def cmd_simulate(args) -> int:
         model = CausalLMWithLoss(model)
     ids = torch.randint(0, 200, (2, plan.seq_len))
     options = PlanOptions(global_batch_size=plan.global_batch_size, schedule=plan.schedule,
-                          max_stages=plan.num_stages)
+                          max_stages=plan.num_groups, max_interleave=plan.interleave)
     _, costs, _ = _analyse_and_price(capture(model, (ids, ids)), cluster, options)
     decision = plan_decision(plan, costs)  # the plan's memory policy (ZeRO-1 shards, recomputation) too
     result = simulate(costs, _device_graph(cluster, options), _solver_options(options), **decision)
@@ -159,6 +159,8 @@ def main(argv=None) -> int:
     pp.add_argument("--seq-len", type=int, default=64)
     pp.add_argument("--max-stages", type=int, default=4)
     pp.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b")
+    pp.add_argument("--max-interleave", type=int, default=4,
+                    help="most stages per GPU group (interleaved 1F1B) the planner tries; 1 = none")
     pp.add_argument("--time-limit", type=float, default=10.0, help="CP-SAT seconds per candidate")
     pp.add_argument("--planner", default="auto", choices=("auto", "cpsat", "grouped", "stage_dp", "brute_force"),
                     help="auto: CP-SAT checked against the stage DP and the baselines; stage_dp: the DP alone (fast)")

@@ -441,7 +441,9 @@ class Plan:
 
         "optimizer state" is ``replicated`` or, for a ZeRO-1 stage, this GPU's
         ``state_shard_bytes`` and its share of the stage's elements; a stage
-        that recomputes its activations reads ``<i> (recompute)``.
+        that recomputes its activations reads ``<i> (recompute)``; with
+        interleaving a stage reads ``<i> g<p>`` (GPU group p) and "memory"
+        is the GPU's total over all its stages.
         """
         from rich.console import Console
         from rich.table import Table
@@ -462,8 +464,9 @@ class Plan:
                              else f"sharded ({pct})")
                 else:
                     state = "replicated"
+                name = str(s.index) + (f" g{s.index % self.num_groups}" if self.interleave > 1 else "")
                 t.add_row(
-                    (f"{s.index} (recompute)" if s.recompute else str(s.index)) if first else "",
+                    (f"{name} (recompute)" if s.recompute else name) if first else "",
                     f"[{s.blocks[0]}, {s.blocks[1]}): {s.label}" if first else "",
                     f"{s.num_parameters / 1e6:.1f}M" if first else "",
                     str(g.rank),

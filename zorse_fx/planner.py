@@ -69,6 +69,9 @@ class PlanOptions:
     #: Stage-level activation recomputation: "auto" (per stage, where memory
     #: needs it), "never" or "always".
     recompute: str = "auto"
+    #: Largest interleave degree (stages per GPU group, interleaved 1F1B) the
+    #: planner tries on its answer; 1 = one stage per group. Needs "1f1b".
+    max_interleave: int = 4
 
 
 def plan_captured(
@@ -105,8 +108,14 @@ def plan_captured(
     from .solve.portfolio import solve_portfolio
 
     devices = _device_graph(cluster, options)
-    if planner in ("brute_force", "stage_dp"):  # on their own, without the portfolio
+    if planner == "brute_force":  # the exhaustive oracle of one stage per group, on its own
         result = solve(costs, devices, sopts)
+    elif planner == "stage_dp":  # on its own, without the portfolio
+        from .solve.interleave import with_interleaving
+
+        result = solve(costs, devices, sopts)
+        if result.status != "STAGE_DP_INFEASIBLE":
+            result = with_interleaving(costs, devices, sopts, result)
     else:
         result = solve_portfolio(costs, devices, sopts, solve)
     if result.status == "STAGE_DP_INFEASIBLE":
@@ -185,6 +194,7 @@ def _solver_options(options: PlanOptions, **overrides) -> SolverOptions:
         allow_idle_gpus=options.allow_idle_gpus,
         sharding=options.sharding,
         recompute=options.recompute,
+        max_interleave=options.max_interleave,
     )
     return SolverOptions(**{**fields, **overrides})
 

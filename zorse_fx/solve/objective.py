@@ -659,8 +659,9 @@ def evaluate(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions, *,
                   state_shard_mib, stage_recompute)
     u = evaluate_units(tab, stage_blocks, stage_gpus, samples_per_microbatch, pol, interleave)
     bad = []
-    if len(stage_blocks) > options.max_stages:
-        bad.append(f"{len(stage_blocks)} stages > max_stages={options.max_stages}")
+    if len(stage_blocks) // interleave > options.max_stages:  # GPU groups; interleaving adds chunks
+        bad.append(f"{len(stage_blocks) // interleave} {'GPU groups' if interleave > 1 else 'stages'} > "
+                   f"max_stages={options.max_stages}")
     allowed = (options.num_microbatches if options.num_microbatches is not None
                else range(1, options.max_microbatches + 1))
     if num_microbatches not in allowed:

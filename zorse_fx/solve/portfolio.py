@@ -11,7 +11,9 @@ starts from the plan) and keeps the best *feasible* decision. The result says
 which one won (``status`` "OPTIMAL"/"FEASIBLE" from CP-SAT, "STAGE_DP" when
 the stage DP's plan beat an unproven CP-SAT incumbent, or "BASELINE:<name>"
 for a baseline); the optimality gap keeps CP-SAT's bound, so it is reported
-against the returned plan.
+against the returned plan. Last, ``interleave.with_interleaving`` re-cuts the
+winner's GPU groups into interleaved stages and keeps that when the objective
+scores it faster (status ``<status>+INTERLEAVED``; [Note: interleave search]).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ def solve_portfolio(costs: BlockCosts, devices: DeviceGraph, options: SolverOpti
     """
     from ..baselines import BASELINES
     from .objective import evaluate_result
+    from .interleave import with_interleaving
     from .stage_dp import stage_dp_search
 
     t0 = time.perf_counter()
@@ -78,7 +81,8 @@ def solve_portfolio(costs: BlockCosts, devices: DeviceGraph, options: SolverOpti
     except InfeasiblePlanError as exc:
         best, error = None, exc
     if best is not None and best.status == "OPTIMAL":
-        return best  # nothing can beat a proven optimum of the same objective
+        # Nothing with one stage per group beats a proven optimum; interleaving may.
+        return with_interleaving(costs, devices, options, best)
     if found and (best is None or found[0][0] < best.predicted_step_time_s):
         step, name, res = found[0]
         bound = best.best_bound if best is not None else _throughput_bound_s(costs, devices, options)
@@ -90,6 +94,7 @@ def solve_portfolio(costs: BlockCosts, devices: DeviceGraph, options: SolverOpti
             candidates=tuple(res.candidates) + searched)
     if best is None:
         raise error
+    best = with_interleaving(costs, devices, options, best)
     return dataclasses.replace(best, wall_s=time.perf_counter() - t0,
                                candidates=tuple(best.candidates) + tuple({"portfolio": t} for t in tried))
 

@@ -136,7 +136,8 @@ class SolverOptions:
 
     #: Samples per global batch (all micro-batches of all stages together).
     global_batch_size: int
-    #: Largest number of pipeline stages to consider.
+    #: Largest number of pipeline stages to consider (of GPU groups, when
+    #: interleaving puts several stages on each; see ``max_interleave``).
     max_stages: int = 4
     #: Candidate micro-batch counts; ``None`` = every divisor of the global
     #: batch size up to ``max_microbatches``.

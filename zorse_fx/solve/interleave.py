@@ -1,0 +1,237 @@
+"""Interleaving: re-cut a finished plan's GPU groups into P x v stages.
+
+[Note: interleave search]
+The CP-SAT models, the stage DP and the baselines choose one stage per GPU
+group. Interleaved 1F1B (``runtime.schedule.interleaved_1f1b``) runs v model
+chunks on every group, stage s on group s mod P, and shrinks the pipeline
+bubble from (P - 1) stage times to (P - 1) / v of them ([Note: interleaved
+stages] in objective.py) at the price of v times more boundary messages and
+more activations in flight. Where that pays depends on the bubble (few
+micro-batches per group), the links and the memory left, so the planner asks
+the objective: given the best plan's groups (their GPUs, their sample
+shares, their memory policy), for every interleave degree v = 2 ..
+``max_interleave`` and every micro-batch count M that the groups can split
+(M a multiple of P, every GPU keeping >= 1 sample; shares rescaled to the
+new micro-batch size by largest remainder):
+
+1. cuts: the P v stages' block ranges minimising the largest stage time
+   (compute of the group's slowest GPU + boundary to the next stage), by
+   binary search on that time and a greedy pass that gives each stage as many
+   blocks as fit (with fewer blocks than the remaining stages need, it stops);
+2. local search on the objective itself: each cut moves by one block while
+   that lowers (memory breach in KiB, step time), lexicographically;
+3. memory policy: the group's flags as in the plan, and with recomputation
+   on every group when ``options.recompute`` allows it (interleaving keeps
+   more micro-batch chunks in flight than 1F1B).
+
+The best interleaved decision replaces the plan when the objective scores it
+faster and it fits; its bound is the smaller of the plan's bound and the
+throughput bound (``bounds.throughput_lower_bound``, valid for interleaved
+decisions too: a group's load T_p is at least the compute of each of its
+GPUs), since a CP-SAT bound only covers one stage per group. This is a local
+search around the solver's answer, not part of the proven model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from .objective import (MemoryPolicy, StageUnits, UNIT_S, build_tables, evaluate, evaluate_units, fill_policy,
+                        microbatch_candidates)
+from .records import BlockCosts, DeviceGraph, SolverOptions, SolverResult
+
+__all__ = ["interleave_search", "with_interleaving", "rescale_shares"]
+
+#: Local-search passes over the cuts (each pass tries every cut +-1 block).
+MAX_PASSES = 8
+
+
+def rescale_shares(shares: tuple[int, ...], size: int) -> tuple[int, ...] | None:
+    """Integer shares summing to ``size``, proportional to ``shares``, each >= 1
+    (largest remainder, ties to the earlier GPU); None if ``size`` < GPUs."""
+    k, total = len(shares), sum(shares)
+    if size < k or total <= 0:
+        return None
+    base = [max(1, size * n // total) for n in shares]
+    while sum(base) > size:  # the max(1, .) floors can overshoot
+        j = max(range(k), key=lambda q: (base[q], -q))
+        base[j] -= 1
+    rem = sorted(range(k), key=lambda q: (-(size * shares[q] % total), q))
+    for q in rem[: size - sum(base)]:
+        base[q] += 1
+    while sum(base) < size:
+        base[rem[0]] += 1
+    return tuple(base)
+
+
+class _Cutter:
+    """Stage times t_s(i, j) of the stages of one (groups, shares, M, v)."""
+
+    def __init__(self, tab, groups, shares, v, recompute):
+        self.tab, self.groups, self.v = tab, groups, v
+        p_count, nb = len(groups), tab.num_blocks
+        self.n_s = p_count * v
+        # Per group: distinct (type, samples) pairs; their work is what max() needs.
+        self.kinds = [sorted({(tab.gpu_types[g], n) for g, n in zip(gs, ns)}) for gs, ns in zip(groups, shares)]
+        self.recompute = recompute
+        # Per group p: the boundary towards group p+1 (mod P) at cut j, 2 (xfer + lat).
+        self.bnd = []
+        for p in range(p_count):
+            q = (p + 1) % p_count
+            classes = {tab.pair_bw_class[g][h] for g in groups[p] for h in groups[q]}
+            lat = max(tab.pair_lat[g][h] for g in groups[p] for h in groups[q])
+            self.bnd.append([2 * (max(tab.xfer[c][j] for c in classes) + lat) for j in range(nb + 1)])
+
+    def time(self, s: int, i: int, j: int) -> int:
+        tab, p = self.tab, s % len(self.groups)
+        rc = self.recompute[p]
+        comp = 0
+        for t, n in self.kinds[p]:
+            w = n * (tab.work_prefix[t][j] - tab.work_prefix[t][i]) + tab.fixed_prefix[t][j] - tab.fixed_prefix[t][i]
+            if rc:
+                w += n * (tab.rc_work_prefix[t][j] - tab.rc_work_prefix[t][i]) \
+                    + tab.rc_fixed_prefix[t][j] - tab.rc_fixed_prefix[t][i]
+            comp = max(comp, w)
+        return comp + (self.bnd[p][j] if s < self.n_s - 1 else 0)
+
+    def greedy(self, limit: int) -> list[int] | None:
+        """Cuts with every stage time <= limit, each stage taking as many blocks as fit."""
+        nb, cuts, i = self.tab.num_blocks, [0], 0
+        for s in range(self.n_s - 1):
+            best = None
+            for j in range(i + 1, nb - (self.n_s - s - 1) + 1):
+                if self.time(s, i, j) <= limit:
+                    best = j
+            if best is None:
+                return None
+            cuts.append(best)
+            i = best
+        if self.time(self.n_s - 1, i, nb) > limit:
+            return None
+        return cuts + [nb]
+
+    def min_max(self) -> list[int] | None:
+        nb = self.tab.num_blocks
+        if self.n_s > nb:
+            return None
+        lo, hi = 0, max(self.time(s, 0, nb) for s in range(len(self.groups)))
+        best = self.greedy(hi)
+        if best is None:
+            return None
+        while lo < hi:
+            mid = (lo + hi) // 2
+            cuts = self.greedy(mid)
+            if cuts is None:
+                lo = mid + 1
+            else:
+                hi, best = mid, cuts
+        return best
+
+
+def _score(tab, cuts, stage_gpus, samples, sharded, recompute, v) -> tuple[tuple[int, int], StageUnits, MemoryPolicy]:
+    blocks = tuple(zip(cuts[:-1], cuts[1:]))
+    pol = fill_policy(tab, blocks, stage_gpus, samples, sharded, recompute)
+    u = evaluate_units(tab, blocks, stage_gpus, samples, pol, v)
+    breach = sum(u.uncovered) + sum(max(0, need - tab.cap_bytes[g])
+                                    for gs, needs in zip(stage_gpus[: len(stage_gpus) // v], u.memory)
+                                    for g, need in zip(gs, needs))
+    return (breach, u.step), u, pol
+
+
+def _local_search(tab, cuts, stage_gpus, samples, sharded, recompute, v):
+    key, *_ = _score(tab, cuts, stage_gpus, samples, sharded, recompute, v)
+    for _ in range(MAX_PASSES):
+        improved = False
+        for k in range(1, len(cuts) - 1):
+            for d in (-1, 1):
+                c = cuts[k] + d
+                if not cuts[k - 1] < c < cuts[k + 1]:
+                    continue
+                trial = cuts[:k] + [c] + cuts[k + 1:]
+                tkey, *_ = _score(tab, trial, stage_gpus, samples, sharded, recompute, v)
+                if tkey < key:
+                    key, cuts, improved = tkey, trial, True
+        if not improved:
+            break
+    return key, cuts
+
+
+def interleave_search(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions,
+                      base: SolverResult) -> tuple[SolverResult | None, tuple[dict, ...]]:
+    """The fastest feasible interleaved version of ``base``'s GPU groups (see
+    [Note: interleave search]) and a record per (v, M, policy) tried. The
+    result is None when nothing was tried or nothing fits; it is returned even
+    when slower than ``base`` (``with_interleaving`` compares)."""
+    p_count = base.num_stages
+    if options.max_interleave < 2 or options.schedule != "1f1b" or base.interleave != 1 or p_count < 2:
+        return None, ()
+    gbs = options.global_batch_size
+    groups = tuple(tuple(g) for g in base.stage_gpus)
+    sharded = tuple(base.stage_sharded) or (False,) * p_count
+    policies = [tuple(base.stage_recompute) or (False,) * p_count]
+    if options.recompute in ("auto", "always") and not all(policies[0]):
+        policies.append((True,) * p_count)
+    if options.recompute == "never":
+        policies = [(False,) * p_count]
+    best, tried = None, []
+    for m in microbatch_candidates(options):
+        if m % p_count:
+            continue
+        shares = tuple(rescale_shares(tuple(ns), gbs // m) for ns in base.samples_per_microbatch)
+        if any(s is None for s in shares):
+            continue
+        tab = build_tables(costs, devices, options, m)
+        for v in range(2, options.max_interleave + 1):
+            if p_count * v > costs.num_blocks:
+                break
+            stage_gpus, samples = groups * v, shares * v
+            for rc in policies:
+                cutter = _Cutter(tab, groups, shares, v, rc)
+                cuts = cutter.min_max()
+                if cuts is None:
+                    continue
+                key, cuts = _local_search(tab, cuts, stage_gpus, samples, sharded * v, rc * v, v)
+                tried.append({"interleave": v, "num_microbatches": m, "recompute_all": all(rc),
+                              "step_time_s": key[1] * UNIT_S, "feasible": key[0] == 0})
+                if key[0] == 0 and (best is None or key[1] < best[0]):
+                    best = (key[1], m, v, cuts, stage_gpus, samples, sharded * v, rc * v)
+    if best is None:
+        return None, tuple(tried)
+    _, m, v, cuts, stage_gpus, samples, sh, rc = best
+    blocks = tuple(zip(cuts[:-1], cuts[1:]))
+    ev = evaluate(costs, devices, options, stage_blocks=blocks, stage_gpus=stage_gpus,
+                  samples_per_microbatch=samples, num_microbatches=m, stage_sharded=sh, stage_recompute=rc,
+                  interleave=v)
+    if not ev.feasible:  # cannot happen: the search scored the same model
+        raise AssertionError(f"interleave search returned an infeasible plan: {ev.violations}")
+    res = SolverResult.from_evaluation(ev, stage_blocks=blocks, stage_gpus=stage_gpus, samples_per_microbatch=samples,
+                                       num_microbatches=m, options=options, status=f"{base.status}+INTERLEAVED",
+                                       best_bound=base.best_bound)
+    return res, tuple(tried)
+
+
+def with_interleaving(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions,
+                      base: SolverResult) -> SolverResult:
+    """``base``, or its interleaved version when the objective scores that faster.
+
+    The interleaved result's status is ``<base status>+INTERLEAVED`` and its
+    bound the smaller of ``base``'s and the throughput bound (see the note);
+    every try is appended to ``candidates`` as ``{"interleave_search": {...}}``.
+    When nothing could be tried (``max_interleave`` 1, "gpipe", one stage)
+    ``base`` itself is returned."""
+    from .portfolio import _throughput_bound_s
+
+    t0 = time.perf_counter()
+    res, tried = interleave_search(costs, devices, options, base)
+    if not tried:  # interleaving off, or nothing it could try: ``base`` itself
+        return base
+    records = tuple({"interleave_search": t} for t in tried)
+    if res is None or res.predicted_step_time_s >= base.predicted_step_time_s:
+        return dataclasses.replace(base, candidates=tuple(base.candidates) + records,
+                                   wall_s=base.wall_s + time.perf_counter() - t0)
+    bound = min(base.best_bound, _throughput_bound_s(costs, devices, options))
+    step = res.predicted_step_time_s
+    return dataclasses.replace(res, best_bound=bound, optimality_gap=(step - bound) / step if step > 0 else 0.0,
+                               candidates=tuple(base.candidates) + records,
+                               wall_s=base.wall_s + time.perf_counter() - t0)
