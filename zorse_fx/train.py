@@ -12,7 +12,11 @@ Rank 0 writes ``<out>/metrics.jsonl``: one JSON object per step with
 ``step``, ``loss``, ``step_time_s``, ``tokens_per_s`` and ``ranks``: per rank
 the seconds spent in the pipeline schedule (``pipeline_s``), the gradient
 all-reduce (``allreduce_s``), the optimizer step (``optimizer_s``) and the
-parameter all-gather of a ZeRO-1 stage (``allgather_s``, 0 elsewhere).
+parameter all-gather of a ZeRO-1 stage (``allgather_s``, 0 elsewhere), each
+over all the stages the rank hosts (``stages``: several in an interleaved
+plan, see [Note: a rank with several stages] in ``runtime/worker.py``).
+``--dump-grads`` / ``--dump-params`` save one file per rank, by canonical
+parameter name over the rank's stages.
 """
 
 from __future__ import annotations
@@ -47,10 +51,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default="runs/train", help="run directory (metrics.jsonl)")
     p.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto")
     p.add_argument("--dump-grads", type=int, default=0, metavar="STEP",
-                   help="after this step, each rank saves its reduced gradients to <out>/grads/ (testing)")
+                   help="after this step, each rank saves its reduced gradients (all its stages, by "
+                        "canonical name) to <out>/grads/rank<r>.pt (testing)")
     p.add_argument("--dump-params", action="store_true",
-                   help="save each rank's parameters at the end to <out>/params/rank<r>.pt, and the elements "
-                        "and bytes of its optimizer state to <out>/params/rank<r>.json (testing)")
+                   help="save each rank's parameters (all its stages) at the end to <out>/params/rank<r>.pt, "
+                        "and the elements and bytes of its optimizer state (per stage: key 'stages') to "
+                        "<out>/params/rank<r>.json (testing)")
     return p.parse_args(argv)
 
 
@@ -90,7 +96,9 @@ def main(argv=None) -> int:
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         metrics = open(out / "metrics.jsonl", "w")
-    _log(rank, f"[zorse] {world} ranks ({backend}), {plan.num_stages} stages, "
+    layout = (f"{plan.num_stages} stages" if plan.interleave == 1 else
+              f"{plan.num_stages} stages interleaved x{plan.interleave} on {plan.num_groups} GPU groups")
+    _log(rank, f"[zorse] {world} ranks ({backend}), {layout}, "
                f"{plan.num_microbatches} micro-batches of {plan.microbatch_size}, {args.steps} steps")
     dist.barrier()
     for step in range(1, args.steps + 1):
@@ -108,7 +116,7 @@ def main(argv=None) -> int:
             d.mkdir(parents=True, exist_ok=True)
             torch.save(worker.gradients(), d / f"rank{rank}.pt")
         parts: list = [None] * world
-        dist.all_gather_object(parts, {"rank": rank, **worker.last_breakdown})
+        dist.all_gather_object(parts, {"rank": rank, "stages": list(plan.stages_of(rank)), **worker.last_breakdown})
         if rank == 0:
             rec = {"step": step, "loss": float(loss), "step_time_s": step_time,
                    "tokens_per_s": plan.tokens_per_step / step_time, "ranks": parts}

@@ -1,18 +1,23 @@
-"""One rank of a plan: its stage module, its rows, its messages, its optimizer.
+"""One rank of a plan: its stage modules, its rows, its messages, its optimizers.
+
+A rank hosts one stage, or ``v`` of them in an interleaved plan (see [Note: a
+rank with several stages]); each hosted stage is a ``_Stage`` (module, routes,
+optimizer, forward / backward of one micro-batch) and ``StageWorker`` is the
+rank: its process groups, its schedule, its messages, its gradient reduction.
 
 A step (``StageWorker.train_step``):
 
-1. run the stage's schedule (1F1B or GPipe) over the micro-batches; each
-   forward reads the model inputs for this GPU's rows, receives activations
-   from the previous stage (see [Note: why activations are re-partitioned by
-   sample range] in ``comm.py``), and sends its outputs on; each backward
-   receives output gradients and returns input gradients the same way (a
-   ``recompute`` stage re-runs its forward first, see [Note: stage
-   recomputation]);
+1. run the rank's GPU group's schedule (1F1B, GPipe or interleaved 1F1B) over
+   the micro-batches, each action on the stage it names; each forward reads
+   the model inputs for this GPU's rows, receives activations from the
+   previous stage (see [Note: why activations are re-partitioned by sample
+   range] in ``comm.py``), and sends its outputs on; each backward receives
+   output gradients and returns input gradients the same way (a ``recompute``
+   stage re-runs its forward first, see [Note: stage recomputation]);
 2. reduce gradients (see [Note: share-weighted gradients]);
-3. AdamW step: on every parameter, or, for a ``sharded`` stage with more than
-   one GPU, on this rank's range of the stage's parameters only (one range
-   per parameter dtype);
+3. AdamW step, per hosted stage: on every parameter, or, for a ``sharded``
+   stage with more than one GPU, on this rank's range of the stage's
+   parameters only (one range per parameter dtype);
 4. ``sharded`` stage: all-gather the updated parameters inside the stage's
    data-parallel group (see [Note: ZeRO-1 with unequal shards]).
 
@@ -86,6 +91,40 @@ stream is left as if no recompute had happened), re-runs the forward with
 grad enabled on the stashed inputs (received floats ``requires_grad_``), and
 back-propagates exactly as a stage without recomputation. Nothing extra
 moves between ranks; the cost is one more forward per micro-batch.
+
+[Note: a rank with several stages]
+With ``Plan.interleave = v > 1`` a rank of GPU group ``p`` (of ``P``) hosts
+the stages ``p, p + P, ..., p + (v - 1) P`` (``Plan.stages_of``), each a
+``_Stage`` with its own module, routes, optimizer and stash; they share the
+rank's rows (stage ``s >= P`` lists the GPUs and shares of stage ``s % P``),
+its process groups and its message queue. What that takes:
+
+- process groups are created once per rank, for the keys of every stage of
+  the plan, in one sorted order on every rank (``dist.new_group`` is
+  collective over the world), and shared by the rank's stages: a key is the
+  same communicator on every rank, whichever stage uses it;
+- the rank runs its group's list (``make_schedule(...)[p]``); action
+  ``(kind, m, c)`` runs stage ``p + c P``;
+- two ranks now exchange messages for several stage pairs (with ``P = 2``,
+  group 0 sends stages 0 -> 1 and 2 -> 3 to group 1, group 1 sends stage
+  1 -> 2 back to group 0), so a tag names the boundary, the micro-batch and
+  the direction: ``(2 b + d) M + m`` for boundary ``b`` (stages ``b`` and
+  ``b + 1``), ``d`` = 0 forward, 1 backward. Gloo matches a receive by (peer,
+  tag) in posting order, so each receive gets exactly its message; sends stay
+  asynchronous, so only the schedule's receives block, and the schedule is
+  deadlock-free under blocking receives (``schedule.validate``). A message
+  to the rank itself (stages ``b`` and ``b + 1`` on one group: ``P = 1``) is
+  handed over in memory;
+- gradients are reduced per canonical parameter: the copies one rank holds
+  (a parameter tied between two of its stages) are summed locally, in stage
+  order, then all-reduced over the union of the holders' ranks, then written
+  back into every copy, which therefore stay equal. Reductions run key by
+  key in sorted order, and within a key in one global parameter order (first
+  appearance in the plan's stages), so every member issues the same
+  collectives with the same buckets in the same order;
+- optimizer steps and ZeRO-1 all-gathers run per stage, in stage order; a
+  group's stages all have the group's ranks, so every member of a shard
+  group issues the same broadcasts in the same order.
 """
 
 from __future__ import annotations
@@ -101,7 +140,7 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ..codegen.split import load_stage_class
-from ..plan import Plan
+from ..plan import Plan, StagePlan
 from .comm import pack, routes, unpack
 from .schedule import make_schedule
 
@@ -133,25 +172,70 @@ class OptimizerConfig:
     weight_decay: float = 0.0
 
 
-class StageWorker:
-    """Executes one rank's part of ``plan``. Call on every rank of the world."""
+class _Messages:
+    """The rank's point-to-point messages (see [Note: a rank with several stages])."""
+
+    def __init__(self, rank: int, device: torch.device, num_microbatches: int):
+        self.rank = rank
+        self.device = device
+        self.num_microbatches = num_microbatches
+        self._pending: list = []  # (work, buffer) of in-flight sends
+        self._local: dict[int, torch.Tensor] = {}  # tag -> message to this rank itself
+
+    def tag(self, boundary: int, microbatch: int, backward: bool) -> int:
+        """Unique per (boundary between stages ``boundary`` and ``boundary + 1``, micro-batch, direction)."""
+        return (2 * boundary + int(backward)) * self.num_microbatches + microbatch
+
+    def send(self, buf: torch.Tensor, dst: int, tag: int) -> None:
+        if dst == self.rank:
+            assert tag not in self._local, f"message {tag} to self sent twice"
+            self._local[tag] = buf
+        else:
+            self._pending.append((dist.isend(buf, dst, tag=tag), buf))
+
+    def recv(self, nbytes: int, src: int, tag: int) -> torch.Tensor:
+        if src == self.rank:
+            buf = self._local.pop(tag)
+            assert buf.numel() == nbytes, f"message {tag} to self has {buf.numel()} bytes, expected {nbytes}"
+            return buf
+        buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        dist.recv(buf, src, tag=tag)
+        return buf
+
+    def wait(self) -> None:
+        """Wait for every send issued so far."""
+        for work, _ in self._pending:
+            work.wait()
+        self._pending.clear()
+        assert not self._local, f"messages to self never received: tags {sorted(self._local)}"
+
+
+class _Stage:
+    """One stage hosted by this rank: its module, routes, optimizer and the
+    forward / backward of one micro-batch on this GPU's rows."""
 
     def __init__(
         self,
         plan: Plan,
-        plan_dir: str | Path,
+        index: int,
+        plan_dir: Path,
         weights: dict[str, torch.Tensor],
         *,
         rank: int,
         device: torch.device,
-        optimizer: OptimizerConfig = OptimizerConfig(),
+        optimizer: OptimizerConfig,
+        messages: _Messages,
+        shard_group,
     ):
         self.plan = plan
         self.rank = rank
         self.device = device
-        self.role = plan.role(rank)
-        self.stage = plan.stages[self.role.stage]
-        cls = load_stage_class(Path(plan_dir) / self.stage.source_file, self.stage.index)
+        self.messages = messages
+        self.stage: StagePlan = plan.stages[index]
+        #: This GPU's position in the stage's data-parallel group and its rows of every micro-batch.
+        self.position = self.stage.ranks.index(rank)
+        self.row_start, self.row_end = self.stage.sample_ranges()[self.position]
+        cls = load_stage_class(plan_dir / self.stage.source_file, self.stage.index)
         with torch.device("meta"):
             module = cls()
         module = module.to_empty(device=device)
@@ -161,43 +245,28 @@ class StageWorker:
                     raise KeyError(f"weights have no tensor {canon!r} needed by stage {self.stage.index}")
                 getattr(module, flat).copy_(weights[canon])
         self.module = module
-        self.schedule = make_schedule(plan.schedule, plan.num_stages, plan.num_microbatches)[self.stage.index]
-        self.prev = plan.stages[self.stage.index - 1] if self.stage.index > 0 else None
-        self.next = plan.stages[self.stage.index + 1] if self.stage.index + 1 < plan.num_stages else None
+        self.prev = plan.stages[index - 1] if index > 0 else None
+        self.next = plan.stages[index + 1] if index + 1 < plan.num_stages else None
         # Routes from/to this GPU only (positions in the other stage).
         self.in_routes = (
-            [r for r in routes(self.prev.sample_ranges(), self.stage.sample_ranges()) if r.dst_pos == self.role.position]
+            [r for r in routes(self.prev.sample_ranges(), self.stage.sample_ranges()) if r.dst_pos == self.position]
             if self.prev else []
         )
         self.out_routes = (
-            [r for r in routes(self.stage.sample_ranges(), self.next.sample_ranges()) if r.src_pos == self.role.position]
+            [r for r in routes(self.stage.sample_ranges(), self.next.sample_ranges()) if r.src_pos == self.position]
             if self.next else []
         )
         #: ZeRO-1 on this rank (see [Note: ZeRO-1 with unequal shards]).
         self.zero1 = self.stage.sharded and len(self.stage.gpus) > 1
-        self._build_groups()
+        self.shard_group = shard_group if self.zero1 else None
         self._build_optimizer(optimizer)
-        self._pending: list = []  # (work, buffer) of in-flight sends
+        # Per in-flight micro-batch: (received, outputs), or with recomputation
+        # (inputs, received, rng state) (see [Note: stage recomputation]).
+        self._stash: dict[int, tuple] = {}
 
-    # -- process groups -----------------------------------------------------
-    def _build_groups(self) -> None:
-        """Create every reduction group on every rank, in one global order."""
-        holders: dict[str, set[int]] = defaultdict(set)
-        for s in self.plan.stages:
-            for canon in s.params.values():
-                holders[canon].update(s.ranks)
-        keys = {tuple(sorted(r)) for r in holders.values() if len(r) > 1}
-        # All-gather groups of the sharded stages (often equal to a reduction group: shared).
-        keys |= {tuple(sorted(s.ranks)) for s in self.plan.stages if s.sharded and len(s.gpus) > 1}
-        groups = {k: dist.new_group(list(k)) for k in sorted(keys)}
-        self.shard_group = groups[tuple(sorted(self.stage.ranks))] if self.zero1 else None
-        # Buckets: params of this rank grouped by their reduction group.
-        by_group: dict[tuple[int, ...], list[torch.nn.Parameter]] = defaultdict(list)
-        for flat, canon in self.stage.params.items():
-            key = tuple(sorted(holders[canon]))
-            if len(key) > 1:
-                by_group[key].append(getattr(self.module, flat))
-        self.reductions = [(groups[k], ps) for k, ps in sorted(by_group.items())]
+    def params(self) -> dict[str, torch.nn.Parameter]:
+        """Trainable parameters by canonical name."""
+        return {canon: getattr(self.module, flat) for flat, canon in self.stage.params.items()}
 
     # -- optimizer ----------------------------------------------------------
     def _build_optimizer(self, cfg: OptimizerConfig) -> None:
@@ -221,7 +290,7 @@ class StageWorker:
         if not self.zero1:
             self.optimizer = torch.optim.AdamW(list(self.module.parameters()), **kw)
             return
-        pos = self.role.position
+        pos = self.position
         with torch.no_grad():
             for dtype in self.dtypes:
                 members = [p for p in params if p.dtype == dtype]
@@ -243,7 +312,10 @@ class StageWorker:
         # A GPU may own no element (state_shard_bytes 0): it steps nothing and only receives.
         self.optimizer = torch.optim.AdamW([v for *_, v in self._pieces], **kw) if self._pieces else None
 
-    def _optimizer_step(self) -> None:
+    def optimizer_step(self) -> None:
+        if not self.zero1:
+            self.optimizer.step()
+            return
         if self.optimizer is None:
             return
         for p, lo, hi, view in self._pieces:
@@ -252,30 +324,20 @@ class StageWorker:
         for *_, view in self._pieces:
             view.grad = None  # do not keep last step's gradients alive
 
-    def _allgather_parameters(self) -> None:
-        """ZeRO-1: each owner broadcasts its updated range of every buffer over the stage's group."""
-        works = [
+    def allgather_parameters(self) -> list:
+        """ZeRO-1: each owner broadcasts its updated range of every buffer over
+        the stage's group; returns the asynchronous works (none when not sharded)."""
+        if not self.zero1:
+            return []
+        return [
             dist.broadcast(buf.flat[a:b], src=self.stage.gpus[j].rank, group=self.shard_group, async_op=True)
             for buf in self.buffers
             for j, (a, b) in enumerate(buf.ranges)
             if b > a
         ]
-        for w in works:
-            w.wait()
 
     def optimizer_state_summary(self) -> dict:
-        """Elements owned and bytes of AdamW state held (moments; the scalar
-        ``step`` counters are not counted), after at least one step.
-
-        ``owned_elements`` / ``optimizer_state_bytes``: totals over dtypes.
-        ``owned_range``: this rank's range of the stage's elements when the
-        stage has one buffer (one dtype, or not sharded: all of them); None
-        for a sharded stage with several dtypes, whose ranges are per dtype.
-        ``buffers``: per dtype (buffer order), ``elements`` (n_d), this rank's
-        ``owned_range`` = ``StagePlan.shard_ranges(n_d)[position]`` (all
-        ``[0, n_d]`` when not sharded), ``owned_elements`` and the
-        ``optimizer_state_bytes`` of that dtype's parameters (``2 x owned x
-        itemsize`` for AdamW)."""
+        """See ``StageWorker.optimizer_state_summary``."""
         by_dtype: dict[torch.dtype, int] = defaultdict(int)
         if self.optimizer is not None:
             for param, st in self.optimizer.state.items():
@@ -316,152 +378,269 @@ class StageWorker:
             yield
 
     # -- point to point -----------------------------------------------------
-    def _rank_of(self, stage, pos: int) -> int:
-        return stage.gpus[pos].rank
-
-    def _send(self, buf: torch.Tensor, dst: int, tag: int) -> None:
-        self._pending.append((dist.isend(buf, dst, tag=tag), buf))
-
-    def _recv(self, nbytes: int, src: int, tag: int) -> torch.Tensor:
-        buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        dist.recv(buf, src, tag=tag)
-        return buf
-
     def _recv_rows(self, specs, route_list, stage, pos_attr: str, tag: int) -> list[torch.Tensor]:
         """Receive one packed message per route; concatenate rows per tensor."""
         parts: list[list[torch.Tensor]] = [[] for _ in specs]
         for r in route_list:
             nbytes = r.rows * sum(s.bytes_per_sample for s in specs)
-            buf = self._recv(nbytes, self._rank_of(stage, getattr(r, pos_attr)), tag)
+            buf = self.messages.recv(nbytes, stage.gpus[getattr(r, pos_attr)].rank, tag)
             for i, t in enumerate(unpack(buf, specs, r.rows)):
                 parts[i].append(t)
         return [torch.cat(p) if len(p) > 1 else p[0] for p in parts]
+
+    # -- one micro-batch ------------------------------------------------------
+    def start_step(self) -> None:
+        self.module.zero_grad(set_to_none=True)
+        self._stash.clear()
+
+    def forward(self, m: int, batch: dict[str, torch.Tensor]) -> float:
+        """Forward of micro-batch ``m``; returns its share-weighted loss on the last stage, else 0."""
+        plan, msg = self.plan, self.messages
+        mb = plan.microbatch_size
+        last = self.next is None
+        recompute = self.stage.recompute
+        lo, hi = m * mb + self.row_start, m * mb + self.row_end
+        inputs = [batch[name][lo:hi].to(self.device) for name in self.stage.input_names]
+        received: list[torch.Tensor] = []
+        if self.prev is not None:
+            received = self._recv_rows(self.stage.recv, self.in_routes, self.prev, "src_pos",
+                                       tag=msg.tag(self.prev.index, m, backward=False))
+            if not recompute:
+                for t in received:
+                    if t.is_floating_point():
+                        t.requires_grad_(True)
+        if recompute:
+            rng = self._rng_state()
+            with torch.no_grad(), torch.device(self.device):
+                out = self.module(*inputs, *received)
+            self._stash[m] = (inputs, received, rng)
+        else:
+            with torch.device(self.device):
+                out = self.module(*inputs, *received)
+            self._stash[m] = (received, out if last else list(out))
+        if last:
+            return float(out.detach()) * (self.row_end - self.row_start) / plan.global_batch_size
+        outs = list(out)
+        for r in self.out_routes:
+            a, b = r.start - self.row_start, r.end - self.row_start
+            msg.send(pack([o.detach() for o in outs], a, b), self.next.gpus[r.dst_pos].rank,
+                     tag=msg.tag(self.stage.index, m, backward=False))
+        return 0.0
+
+    def backward(self, m: int) -> None:
+        """Backward of micro-batch ``m``: receive output gradients, send input gradients."""
+        plan, msg = self.plan, self.messages
+        last = self.next is None
+        if self.stage.recompute:
+            inputs, received, rng = self._stash.pop(m)
+            for t in received:
+                if t.is_floating_point():
+                    t.requires_grad_(True)
+            with self._replayed_rng(rng), torch.enable_grad(), torch.device(self.device):
+                out = self.module(*inputs, *received)
+            out = out if last else list(out)
+        else:
+            received, out = self._stash.pop(m)
+        if last:
+            (out * ((self.row_end - self.row_start) / plan.global_batch_size)).backward()
+        else:
+            grads = self._recv_rows(self.stage.send, self.out_routes, self.next, "dst_pos",
+                                    tag=msg.tag(self.stage.index, m, backward=True))
+            pairs = [(o, g) for o, g in zip(out, grads) if o.requires_grad]
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        if self.prev is not None:
+            gin = [t.grad if t.grad is not None else torch.zeros_like(t) for t in received if t.is_floating_point()]
+            specs = [s for s in self.stage.recv if s.torch_dtype.is_floating_point]
+            assert len(specs) == len(self.stage.recv), "non-float tensors cannot cross a cut yet"
+            for r in self.in_routes:
+                a, b = r.start - self.row_start, r.end - self.row_start
+                msg.send(pack(gin, a, b), self.prev.gpus[r.src_pos].rank,
+                         tag=msg.tag(self.prev.index, m, backward=True))
+
+
+class StageWorker:
+    """Executes one rank's part of ``plan``: every stage the rank hosts
+    (``plan.stages_of(rank)``, see [Note: a rank with several stages]).
+    Call on every rank of the world."""
+
+    def __init__(
+        self,
+        plan: Plan,
+        plan_dir: str | Path,
+        weights: dict[str, torch.Tensor],
+        *,
+        rank: int,
+        device: torch.device,
+        optimizer: OptimizerConfig = OptimizerConfig(),
+    ):
+        self.plan = plan
+        self.rank = rank
+        self.device = device
+        self.role = plan.role(rank)
+        #: The rank's GPU group (= its first stage).
+        self.group = self.role.stage
+        self.schedule = make_schedule(plan.schedule, plan.num_stages, plan.num_microbatches,
+                                      plan.interleave)[self.group]
+        self.messages = _Messages(rank, device, plan.num_microbatches)
+        self._build_groups()
+        #: The stages this rank hosts, in stage order.
+        self.stages: list[_Stage] = []
+        for index in plan.stages_of(rank):
+            s = plan.stages[index]
+            shard_key = tuple(sorted(s.ranks))
+            self.stages.append(_Stage(
+                plan, index, Path(plan_dir), weights, rank=rank, device=device, optimizer=optimizer,
+                messages=self.messages, shard_group=self._groups.get(shard_key) if len(shard_key) > 1 else None))
+        self._by_index = {st.stage.index: st for st in self.stages}
+        self._build_reductions()
+
+    @property
+    def stage(self) -> StagePlan:
+        """The rank's first stage (its only one without interleaving)."""
+        return self.stages[0].stage
+
+    @property
+    def module(self) -> torch.nn.Module:
+        """The first stage's module (its only one without interleaving)."""
+        return self.stages[0].module
+
+    # -- process groups -----------------------------------------------------
+    def _build_groups(self) -> None:
+        """Create every reduction / all-gather group of the plan on every rank,
+        once, in one global order (shared by the rank's stages)."""
+        holders: dict[str, set[int]] = defaultdict(set)
+        for s in self.plan.stages:
+            for canon in s.params.values():
+                holders[canon].update(s.ranks)
+        #: Canonical name -> the ranks holding it (sorted), every stage of the plan.
+        self._holders = {canon: tuple(sorted(r)) for canon, r in holders.items()}
+        keys = {k for k in self._holders.values() if len(k) > 1}
+        # All-gather groups of the sharded stages (often equal to a reduction group: shared).
+        keys |= {tuple(sorted(s.ranks)) for s in self.plan.stages if s.sharded and len(s.gpus) > 1}
+        self._groups = {k: dist.new_group(list(k)) for k in sorted(keys)}
+
+    def _build_reductions(self) -> None:
+        """Per reduction key (sorted), the rank's copies of each parameter with
+        that key, in one global parameter order (first appearance in the plan)."""
+        copies: dict[str, list[torch.nn.Parameter]] = defaultdict(list)
+        for st in self.stages:
+            for canon, p in st.params().items():
+                copies[canon].append(p)
+        by_key: dict[tuple[int, ...], list[list[torch.nn.Parameter]]] = defaultdict(list)
+        for canon in self._holders:  # dicts keep insertion order: plan stage order, then parameter order
+            if canon in copies and (len(self._holders[canon]) > 1 or len(copies[canon]) > 1):
+                by_key[self._holders[canon]].append(copies[canon])
+        #: (process group or None for a rank-local sum, [copies of one parameter, ...]) per key.
+        self.reductions = [(self._groups[k] if len(k) > 1 else None, entries) for k, entries in sorted(by_key.items())]
 
     # -- one step -----------------------------------------------------------
     def train_step(self, batch: dict[str, torch.Tensor]) -> float:
         """Run one training step on the global ``batch``; returns this rank's
         share-weighted loss contribution (sum over ranks = global mean loss)."""
-        plan, role = self.plan, self.role
-        mb = plan.microbatch_size
-        weight = (role.row_end - role.row_start) / plan.global_batch_size
-        last = self.next is None
-        recompute = self.stage.recompute
-        # Per in-flight micro-batch: (received, outputs), or with recomputation
-        # (inputs, received, rng state) (see [Note: stage recomputation]).
-        stash: dict[int, tuple] = {}
+        P = self.plan.num_groups
         loss_sum = 0.0
         t_start = time.perf_counter()
-        self.module.zero_grad(set_to_none=True)
+        for st in self.stages:
+            st.start_step()
         for action in self.schedule:
-            m = action.microbatch
+            st = self._by_index[self.group + action.chunk * P]
             if action.kind == "F":
-                lo, hi = m * mb + role.row_start, m * mb + role.row_end
-                inputs = [batch[name][lo:hi].to(self.device) for name in self.stage.input_names]
-                received: list[torch.Tensor] = []
-                if self.prev is not None:
-                    received = self._recv_rows(self.stage.recv, self.in_routes, self.prev, "src_pos", tag=m)
-                    if not recompute:
-                        for t in received:
-                            if t.is_floating_point():
-                                t.requires_grad_(True)
-                if recompute:
-                    rng = self._rng_state()
-                    with torch.no_grad(), torch.device(self.device):
-                        out = self.module(*inputs, *received)
-                    stash[m] = (inputs, received, rng)
-                else:
-                    with torch.device(self.device):
-                        out = self.module(*inputs, *received)
-                    stash[m] = (received, out if last else list(out))
-                if last:
-                    loss_sum += float(out.detach()) * weight
-                else:
-                    outs = list(out)
-                    for r in self.out_routes:
-                        a, b = r.start - role.row_start, r.end - role.row_start
-                        self._send(pack([o.detach() for o in outs], a, b), self._rank_of(self.next, r.dst_pos), tag=m)
+                loss_sum += st.forward(action.microbatch, batch)
             else:
-                if recompute:
-                    inputs, received, rng = stash.pop(m)
-                    for t in received:
-                        if t.is_floating_point():
-                            t.requires_grad_(True)
-                    with self._replayed_rng(rng), torch.enable_grad(), torch.device(self.device):
-                        out = self.module(*inputs, *received)
-                    out = out if last else list(out)
-                else:
-                    received, out = stash.pop(m)
-                if last:
-                    (out * weight).backward()
-                else:
-                    grads = self._recv_rows(self.stage.send, self.out_routes, self.next, "dst_pos", tag=m)
-                    pairs = [(o, g) for o, g in zip(out, grads) if o.requires_grad]
-                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-                if self.prev is not None:
-                    gin = [
-                        t.grad if t.grad is not None else torch.zeros_like(t)
-                        for t in received
-                        if t.is_floating_point()
-                    ]
-                    specs = [s for s in self.stage.recv if s.torch_dtype.is_floating_point]
-                    assert len(specs) == len(self.stage.recv), "non-float tensors cannot cross a cut yet"
-                    for r in self.in_routes:
-                        a, b = r.start - role.row_start, r.end - role.row_start
-                        self._send(pack(gin, a, b), self._rank_of(self.prev, r.src_pos), tag=m)
+                st.backward(action.microbatch)
         t_pipeline = time.perf_counter()
         self._reduce_gradients()
         t_reduce = time.perf_counter()
-        if self.zero1:
-            self._optimizer_step()
-        else:
-            self.optimizer.step()
+        for st in self.stages:
+            st.optimizer_step()
         t_step = time.perf_counter()
-        if self.zero1:
-            self._allgather_parameters()
+        works = [w for st in self.stages for w in st.allgather_parameters()]
+        for w in works:
+            w.wait()
         t_gather = time.perf_counter()
-        for work, _ in self._pending:
-            work.wait()
-        self._pending.clear()
+        self.messages.wait()
         t_end = time.perf_counter()
         #: Seconds of the last step: pipeline (compute + waits for messages),
         #: gradient all-reduce, optimizer step (+ waits for the last sends),
-        #: parameter all-gather (ZeRO-1 stages; 0 otherwise).
+        #: parameter all-gather (ZeRO-1 stages; 0 otherwise), all of the rank's stages.
         self.last_breakdown = {"pipeline_s": t_pipeline - t_start, "allreduce_s": t_reduce - t_pipeline,
                                "optimizer_s": (t_step - t_reduce) + (t_end - t_gather),
                                "allgather_s": t_gather - t_step}
         return loss_sum
 
     def _reduce_gradients(self) -> None:
-        """Bucketed all-reduce (SUM) of the share-weighted gradients, one
+        """Sum the rank's copies of each parameter, then bucketed all-reduce
+        (SUM) of the share-weighted gradients over the holders' ranks, one
         dtype at a time (dtype names in sorted order) so a bucket never mixes
-        dtypes (flattening would promote bf16 gradients to fp32)."""
-        for group, params in self.reductions:
-            for p in params:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-            for dtype in sorted({p.dtype for p in params}, key=str):
-                bucket: list[torch.Tensor] = []
-                size = 0
-                same = [p for p in params if p.dtype == dtype]
-                for p in same + [None]:
-                    if p is not None:
-                        bucket.append(p.grad)
-                        size += p.grad.numel() * p.grad.element_size()
-                    if bucket and (p is None or size >= BUCKET_BYTES):
-                        flat = _flatten_dense_tensors(bucket)
-                        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-                        for g, synced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
-                            g.copy_(synced)
-                        bucket, size = [], 0
+        dtypes (flattening would promote bf16 gradients to fp32); then every
+        copy gets the result (see [Note: a rank with several stages])."""
+        for group, entries in self.reductions:
+            for copies in entries:
+                for p in copies:
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                for p in copies[1:]:
+                    copies[0].grad.add_(p.grad)
+            if group is not None:
+                for dtype in sorted({c[0].dtype for c in entries}, key=str):
+                    bucket: list[torch.Tensor] = []
+                    size = 0
+                    same = [c[0] for c in entries if c[0].dtype == dtype]
+                    for p in same + [None]:
+                        if p is not None:
+                            bucket.append(p.grad)
+                            size += p.grad.numel() * p.grad.element_size()
+                        if bucket and (p is None or size >= BUCKET_BYTES):
+                            flat = _flatten_dense_tensors(bucket)
+                            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+                            for g, synced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+                                g.copy_(synced)
+                            bucket, size = [], 0
+            for copies in entries:
+                for p in copies[1:]:
+                    p.grad.copy_(copies[0].grad)
+
+    # -- inspection -----------------------------------------------------------
+    def _merged(self, per_stage, what: str, same) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for st, tensors in zip(self.stages, per_stage):
+            for canon, t in tensors.items():
+                if canon in out:
+                    if not same(out[canon], t):
+                        raise AssertionError(f"rank {self.rank}: the copies of {canon!r} held by its stages "
+                                             f"{[s.stage.index for s in self.stages]} have different {what}")
+                else:
+                    out[canon] = t
+        return out
 
     def gradients(self) -> dict[str, torch.Tensor]:
-        """Current gradients by canonical parameter name (after reduction)."""
-        return {
-            canon: getattr(self.module, flat).grad.detach().clone()
-            for flat, canon in self.stage.params.items()
-            if getattr(self.module, flat).grad is not None
-        }
+        """Current gradients by canonical parameter name (after reduction),
+        over the rank's stages (a parameter two of them hold appears once)."""
+        per_stage = [{canon: p.grad.detach().clone() for canon, p in st.params().items() if p.grad is not None}
+                     for st in self.stages]
+        return self._merged(per_stage, "gradients", torch.equal)
 
     def parameters_by_name(self) -> dict[str, torch.Tensor]:
-        return {canon: getattr(self.module, flat).detach().clone() for flat, canon in self.stage.params.items()}
+        """Parameters by canonical name over the rank's stages (one per name)."""
+        per_stage = [{canon: p.detach().clone() for canon, p in st.params().items()} for st in self.stages]
+        return self._merged(per_stage, "values", lambda a, b: torch.allclose(a, b, rtol=1e-6, atol=0))
 
+    def optimizer_state_summary(self) -> dict:
+        """Elements owned and bytes of AdamW state held (moments; the scalar
+        ``step`` counters are not counted), after at least one step.
+
+        The top-level keys describe the rank's first stage (its only one
+        without interleaving); ``stages`` lists the same record for every
+        stage the rank hosts, in stage order. Per stage:
+
+        ``owned_elements`` / ``optimizer_state_bytes``: totals over dtypes.
+        ``owned_range``: this rank's range of the stage's elements when the
+        stage has one buffer (one dtype, or not sharded: all of them); None
+        for a sharded stage with several dtypes, whose ranges are per dtype.
+        ``buffers``: per dtype (buffer order), ``elements`` (n_d), this rank's
+        ``owned_range`` = ``StagePlan.shard_ranges(n_d)[position]`` (all
+        ``[0, n_d]`` when not sharded), ``owned_elements`` and the
+        ``optimizer_state_bytes`` of that dtype's parameters (``2 x owned x
+        itemsize`` for AdamW)."""
+        summaries = [st.optimizer_state_summary() for st in self.stages]
+        return {**summaries[0], "stages": summaries}

@@ -1,0 +1,191 @@
+"""Interleaved plans (``Plan.interleave = 2``: a rank hosts two stages) train
+exactly as single-process training: same losses, same step-1 gradient of
+every parameter, same parameters after a few AdamW steps (Gloo, torchrun).
+See [Note: a rank with several stages] in ``runtime/worker.py``.
+
+Tolerances are test_distributed.py's (fp32 sums in another order differ by
+rounding only): losses to 1e-5 relative; each gradient to ``atol = 1e-6 +
+1e-4 * max|g_ref|``; after the AdamW steps each parameter to ``rtol = 1e-4,
+atol = 1e-6 * max|p_ref| + 5e-2 * lr``, where a lost, doubled or misrouted
+update of an element is ~``lr`` (20x the tolerance). Every parameter is
+checked to have moved by more than 1e-4, so a missing update shows.
+
+- 2 GPU groups of one GPU each, 4 stages, 4 micro-batches (warm-up, steady
+  and drain phases of interleaved 1F1B; stage 1 -> 2 goes from rank 1 back
+  to rank 0; the tied embedding is held by stage 0 on rank 0 and stage 3 on
+  rank 1);
+- group 0 data-parallel over 2 GPUs with samples 3:1, group 1 one GPU;
+  both of group 0's stages ZeRO-1 sharded with different unequal state
+  shares (two sharded stages, and their all-gathers, on one rank), the loss
+  stage recomputing its activations;
+- one process, one GPU group hosting both stages (P = 1, no torch.distributed:
+  messages to the rank itself, the tied embedding's two copies on one rank
+  summed locally).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from conftest import CLUSTERS, first_batch, reference_adamw, reference_step, run_distributed, with_memory_policy
+from zorse_fx.capture import analyse, capture
+from zorse_fx.cluster import Cluster
+from zorse_fx.data import global_batch
+from zorse_fx.models.gpt import GPT, GPTConfig
+from zorse_fx.planner import PlanOptions, plan_fixed
+from zorse_fx.runtime.worker import OptimizerConfig, StageWorker
+
+SEQ = 32
+LR, WEIGHT_DECAY = 1e-3, 0.1
+
+
+def _gpt_captured():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=4, n_embd=64, n_head=4, block_size=SEQ))
+    ids = torch.randint(0, 256, (4, SEQ))
+    return capture(model, (ids, ids))
+
+
+def _plan(captured, stage_gpus, samples, num_microbatches, global_batch_size, interleave=2):
+    nb = analyse(captured).num_blocks
+    ns = len(stage_gpus)
+    cuts = [round(i * nb / ns) for i in range(ns + 1)]
+    plan, _ = plan_fixed(
+        captured, Cluster.from_yaml(CLUSTERS / "small_hetero.yaml"), PlanOptions(global_batch_size=global_batch_size),
+        stage_blocks=tuple((cuts[i], cuts[i + 1]) for i in range(ns)), stage_gpus=stage_gpus,
+        samples_per_microbatch=samples, num_microbatches=num_microbatches, interleave=interleave,
+    )
+    return plan
+
+
+def _assert_grads(grads_by_rank, ref_grads):
+    seen = set()
+    for rank, g in grads_by_rank.items():
+        for name, value in g.items():
+            ref = ref_grads[name]
+            tol = 1e-6 + 1e-4 * ref.abs().max().item()
+            torch.testing.assert_close(value, ref, atol=tol, rtol=0, msg=lambda m: f"rank {rank} grad {name}: {m}")
+            seen.add(name)
+    assert seen == set(ref_grads), f"parameters without a gradient: {set(ref_grads) - seen}"
+
+
+def _assert_params(params_by_rank, ref_params, initial, steps):
+    seen: dict[str, list[tuple[int, torch.Tensor]]] = {}
+    for rank, params in params_by_rank.items():
+        for name, value in params.items():
+            ref = ref_params[name]
+            assert (ref - initial[name]).abs().max() > 1e-4, (
+                f"{name} barely moved: the test would not see a lost update")
+            torch.testing.assert_close(value, ref, rtol=1e-4, atol=1e-6 * ref.abs().max().item() + 5e-2 * LR,
+                                       msg=lambda m: f"rank {rank} param {name} after {steps} steps: {m}")
+            seen.setdefault(name, []).append((rank, value))
+    assert set(seen) == set(ref_params)
+    for name, copies in seen.items():
+        # DP replicas and tied copies on other ranks agree with each other.
+        for rank, value in copies[1:]:
+            torch.testing.assert_close(value, copies[0][1], rtol=1e-6, atol=1e-9,
+                                       msg=lambda m: f"{name}: rank {rank} vs rank {copies[0][0]}: {m}")
+
+
+def _train_and_compare(plan, captured, tokens, tmp_path, steps):
+    """Run ``plan`` with torchrun for ``steps`` AdamW steps and compare with
+    single-process training; returns {rank: optimizer-state summary}."""
+    initial = {k: v.clone() for k, v in captured.state().items()}
+    rows, grads = run_distributed(plan, captured.state(), tokens, tmp_path, steps=steps,
+                                  extra=("--dump-params", "--lr", str(LR), "--weight-decay", str(WEIGHT_DECAY)))
+    ref_losses, ref_grads, ref_params = reference_adamw(captured, tokens, plan, steps, lr=LR,
+                                                          weight_decay=WEIGHT_DECAY)
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    assert [r["loss"] for r in rows] == pytest.approx(ref_losses, rel=1e-5)
+    for r in rows:
+        assert [part["stages"] for part in r["ranks"]] == [list(plan.stages_of(k)) for k in range(plan.world_size)]
+    _assert_grads(grads, ref_grads)
+    out = tmp_path / "run" / "params"
+    _assert_params({r: torch.load(out / f"rank{r}.pt") for r in range(plan.world_size)}, ref_params, initial, steps)
+    return {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(plan.world_size)}
+
+
+def test_interleaved_two_groups_equal_single_process(lee_bytes, tmp_path):
+    """P = 2 groups of one GPU, v = 2 (4 stages), 4 micro-batches of 2; 3 AdamW steps."""
+    captured = _gpt_captured()
+    plan = _plan(captured, ((0,), (2,), (0,), (2,)), ((2,), (2,), (2,), (2,)), num_microbatches=4,
+                 global_batch_size=8)
+    assert (plan.interleave, plan.num_groups, plan.world_size) == (2, 2, 2)
+    assert plan.stages_of(0) == (0, 2) and plan.stages_of(1) == (1, 3)
+    assert plan.shared_params() == {"wte.weight": (0, 3)}
+    # Step-1 loss against the single-process forward on the same batch (before reference_adamw trains it).
+    ref_loss, _ = reference_step(captured, first_batch(lee_bytes, plan))
+    summaries = _train_and_compare(plan, captured, lee_bytes, tmp_path, steps=3)
+    for rank, got in summaries.items():
+        assert [s["stage"] for s in got["stages"]] == list(plan.stages_of(rank))
+        assert got["stage"] == plan.stages_of(rank)[0] and got["sharded"] is False
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["loss"] == pytest.approx(ref_loss, rel=1e-5)
+
+
+def test_interleaved_unequal_dp_zero1_recompute(lee_bytes, tmp_path):
+    """Group 0 = 2 GPUs taking 3:1 samples, group 1 = 1 GPU (3 ranks), 2
+    micro-batches of 4. Stages 0 and 2 (both on group 0) are ZeRO-1 sharded,
+    state shares 3:1 and 1:2; stage 3 (the loss stage, group 1) recomputes.
+    The tied embedding is reduced over ranks {0, 1, 2}. 3 AdamW steps."""
+    captured = _gpt_captured()
+    plan = _plan(captured, ((0, 1), (2,), (0, 1), (2,)), ((3, 1), (4,), (3, 1), (4,)), num_microbatches=2,
+                 global_batch_size=8)
+    plan = with_memory_policy(plan, sharded={0, 2}, recompute={3},
+                              shard_bytes={0: (3 * 2**20, 2**20), 2: (2**20, 2 * 2**20)})
+    assert plan.world_size == 3 and plan.stages_of(1) == (0, 2) and plan.stages_of(2) == (1, 3)
+    assert plan.shared_params() == {"wte.weight": (0, 3)}
+    summaries = _train_and_compare(plan, captured, lee_bytes, tmp_path, steps=3)
+    # Per hosted stage: the ZeRO-1 owned range (shard_ranges) and AdamW moments for it only.
+    for rank, got in summaries.items():
+        per_stage = got["stages"]
+        assert [s["stage"] for s in per_stage] == list(plan.stages_of(rank))
+        assert {k: v for k, v in got.items() if k != "stages"} == per_stage[0]
+        for summary in per_stage:
+            s = plan.stages[summary["stage"]]
+            zero1 = s.sharded and len(s.gpus) > 1
+            pos = s.ranks.index(rank)
+            a, b = s.shard_ranges(s.num_parameters)[pos] if zero1 else (0, s.num_parameters)
+            assert summary["sharded"] is zero1 and summary["stage_elements"] == s.num_parameters
+            assert tuple(summary["owned_range"]) == (a, b) and summary["optimizer_state_bytes"] == 2 * (b - a) * 4
+    for stage, share in ((0, 0.75), (2, 1 / 3)):
+        n = plan.stages[stage].num_parameters
+        owned = [summaries[r]["stages"][stage // 2]["owned_elements"] for r in (0, 1)]
+        assert sum(owned) == n and owned[0] == pytest.approx(share * n, abs=1)
+
+
+def test_one_group_two_stages_in_process(lee_bytes, tmp_path):
+    """P = 1: one rank hosts both stages, so every message goes to itself and
+    the tied embedding (stage 0 and stage 1) has two copies on the rank, whose
+    gradients must be summed locally. No torch.distributed at all. 2 AdamW
+    steps against single-process training."""
+    captured = _gpt_captured()
+    plan = _plan(captured, ((0,), (1,)), ((2,), (2,)), num_microbatches=2, global_batch_size=4, interleave=1)
+    # The planner wants >= 2 GPU groups; the plan format and the runtime take one.
+    plan = dataclasses.replace(plan, interleave=2,
+                               stages=(plan.stages[0], dataclasses.replace(plan.stages[1], gpus=plan.stages[0].gpus)))
+    assert plan.num_groups == 1 and plan.stages_of(0) == (0, 1) and plan.shared_params() == {"wte.weight": (0, 1)}
+    plan.export(tmp_path / "plan")
+    initial = {k: v.clone() for k, v in captured.state().items()}
+    worker = StageWorker(plan, tmp_path / "plan", captured.state(), rank=0, device=torch.device("cpu"),
+                         optimizer=OptimizerConfig(lr=LR, weight_decay=WEIGHT_DECAY))
+    assert [a.chunk for a in worker.schedule].count(1) == 4  # F and B of 2 micro-batches through chunk 1
+    steps, losses, grads1 = 2, [], None
+    for step in range(steps):
+        batch = global_batch(lee_bytes, step, global_batch_size=plan.global_batch_size, seq_len=plan.seq_len,
+                             input_names=plan.input_names, label_mode=plan.label_mode)
+        losses.append(worker.train_step(batch))
+        if step == 0:
+            grads1 = worker.gradients()
+    ref_loss, _ = reference_step(captured, first_batch(lee_bytes, plan))
+    assert losses[0] == pytest.approx(ref_loss, rel=1e-5)
+    ref_losses, ref_grads, ref_params = reference_adamw(captured, lee_bytes, plan, steps, lr=LR,
+                                                          weight_decay=WEIGHT_DECAY)
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    _assert_grads({0: grads1}, ref_grads)
+    # parameters_by_name checks that the rank's two wte copies still agree.
+    _assert_params({0: worker.parameters_by_name()}, ref_params, initial, steps)
