@@ -5,15 +5,20 @@ closed-form 1F1B/GPipe estimate; this module replays the schedule task by task
 so that compute, boundary messages and link contention interleave as they
 would on the cluster. Decision arguments are those of ``solve.evaluate``.
 
-Compute. GPU ``g`` of stage ``s`` runs the stage's action list
-(``runtime.schedule.make_schedule(options.schedule, S, M)``) in order, one
-task at a time. With W = sum over the stage's blocks of
-``fwd_bwd_s_per_sample[type(g)]`` and F = sum of ``fwd_bwd_s_fixed`` (missing
-type: 0), a micro-batch's forward + backward takes ``n_g * W + F`` seconds, of
-which the forward is 1/3 and the backward 2/3 (the backward computes the
-input and the weight gradient, two matmuls per forward matmul; Narayanan et
-al., "Efficient Large-Scale Language Model Training on GPU Clusters Using
-Megatron-LM", SC'21).
+Compute. GPU ``g`` of GPU group ``p`` runs the group's action list
+(``runtime.schedule.make_schedule(options.schedule, S, M, v)[p]``) in order,
+one task at a time; an action of chunk c belongs to stage ``p + c * P``.
+Without interleaving (v = 1, the default) there are P = S groups, group p is
+stage p and every action is chunk 0; with ``interleave`` = v > 1 the S = P v
+stages run on P groups, stage s on the GPUs of stage s mod P ([Note:
+interleaved stages] in objective.py), so a GPU runs v stages, each with its
+own durations, routes and held activations. For the GPU's stage s, with W =
+sum over the stage's blocks of ``fwd_bwd_s_per_sample[type(g)]`` and F = sum
+of ``fwd_bwd_s_fixed`` (missing type: 0), a micro-batch's forward + backward
+takes ``n_g * W + F`` seconds, of which the forward is 1/3 and the backward
+2/3 (the backward computes the input and the weight gradient, two matmuls per
+forward matmul; Narayanan et al., "Efficient Large-Scale Language Model
+Training on GPU Clusters Using Megatron-LM", SC'21).
 
 Dependencies. F(s, m) on GPU j waits until the activations of every route
 (i -> j) of micro-batch m from stage s-1 have *arrived*; B(s, m) waits for
@@ -22,7 +27,10 @@ s+1. Routes are ``runtime.comm.routes`` over the stages' row ranges (each
 GPU's share laid end to end, in ``stage_gpus`` order): a route of ``rows``
 samples across cut c carries ``rows * cut_bytes_per_sample[c]`` bytes, forward
 when F ends on the sender, and the same bytes backward when B ends on the
-receiver.
+receiver. Arrivals are counted per (receiving GPU, receiving stage,
+micro-batch): with interleaving the same GPU pair carries the cuts of several
+stages (group P-1's stage sends to group 0's next stage: the wrap-around),
+and those messages are never confused.
 
 Links. A message g -> h first waits ``link_latency_s[g][h]`` (no bandwidth
 used), then transfers its bytes at ``link_bw_bytes_per_s[g][h]`` divided by the
@@ -45,8 +53,12 @@ the shards of a sharded stage with ``balance_shards`` when
     whole MiB (``state_shard_mib[s]``) of the stage's shardable optimizer
     state Q_s = ``shardable_bytes_per_param * P_s``; see "Gradient sync".
 
-Gradient sync. When every GPU of a stage with > 1 GPU has finished its last
-backward, the stage's ring all-reduce runs for objective.py's [C-allreduce]:
+Gradient sync. When every GPU of a group has finished its last backward
+(of all its stages), the group's stages synchronise one after the other in
+stage order, each starting when the previous one's optimizer step / all-gather
+has ended on all the group's GPUs, so a group's sync takes the sum over its
+stages, as in [Note: interleaved stages] (v = 1: one stage per group). A
+stage with > 1 GPU first runs its ring all-reduce ([C-allreduce]):
 ``2 * grad_bytes * P_s / bw_min + 2 * (k - 1) * lat_max`` over the stage's GPU
 pairs (it does not contend with boundary messages, which have all been sent
 by then except possibly the last gradients towards stage s-1). Then each GPU
@@ -58,27 +70,35 @@ all-gathers its updated weights ("allgather" events, per GPU of the stage):
 last optimizer step ends -- so all-reduce + slowest optimizer + all-gather
 equals the objective's ``allreduce_s + optim_s`` of a sharded stage. The step
 ends when the last optimizer step / all-gather ends. Times are not rounded:
-where both models coincide (one stage, or GPipe with equal stages and free
-links) they agree to the objective's ns rounding (<= 0.5 ns per block, and
-per MiB of shard for a sharded optimizer step).
+where both models coincide (one stage, GPipe with equal stages and free
+links, or interleaved 1F1B with equal groups and chunks and free links:
+(M v + P - 1) stage times + sync) they agree to the objective's ns rounding
+(<= 0.5 ns per block, and per MiB of shard for a sharded optimizer step).
+Elsewhere the interleaved objective's closed form can be optimistic, where a
+group's chunks are unequal (tests/test_sim.py, test_interleaved_agreement...).
 
 Memory. Counted in the objective's memory units (``MEMORY_UNIT_BYTES`` = 1
 KiB; per-block state, shardable state, activation and cut bytes rounded UP,
 ``build_tables``) and reported in bytes (units x 1024), so a peak can be
 compared with ``Evaluation.memory_bytes`` exactly. Peak per GPU = state +
-the largest activation footprint tracked through the simulation:
+the largest activation footprint tracked through the simulation, both summed
+over the GPU's stages (one without interleaving):
   state       = state_bytes * P_s, or on a sharded stage the replicated rest
                 (state - Q_s) + z_g MiB;
-  activations = n_g * A_s * (micro-batches whose forward has ended and whose
-                backward has not), or on a recomputing stage
-                n_g * X_s * (that count) + n_g * A_s while a backward runs
-                (X_s = cut bytes per sample into the stage, 0 for stage 0;
-                the re-run forward's full activations live until its
+  activations = sum over its stages of live_s * held_s, live_s = micro-batches
+                whose stage-s forward has ended and whose backward has not,
+                held_s = n_g * A_s, or on a recomputing stage n_g * X_s, plus
+                n_g * A_s of the stage whose backward runs on a recomputing
+                stage (X_s = cut bytes per sample into the stage, 0 for stage
+                0; the re-run forward's full activations live until its
                 backward ends; the recomputing micro-batch stays counted in
                 the first term too).
 For 1F1B / GPipe the tracked count peaks at the objective's inflight_s
 (min(S - s, M) / M), and a recomputing stage's first backward starts with
-that many inputs held, so the peaks EQUAL ``evaluate``'s [C-memory].
+that many inputs held, so the peaks EQUAL ``evaluate``'s [C-memory]; with
+interleaving the footprint is tracked at the moments of
+``schedule.live_profile``, where the objective takes its maximum, so the peaks
+equal ``evaluate``'s [Note: interleaved stages] memory too.
 Transient memory (a forward's working set, the gradient buffers of the
 all-reduce, the all-gather's receive buffer) is not modelled, as in the
 objective.
@@ -113,6 +133,10 @@ class SimEvent:
     read and written; on a sharded stage those of the GPU's shard),
     "allgather" (per GPU of a sharded stage, ``nbytes`` = weight bytes of the
     stage). ``microbatch`` is -1 for "allreduce", "optim" and "allgather".
+    ``stage``: the stage the task belongs to (with interleaving a GPU runs
+    several), for "send" the sender's; ``peer_stage``: for "send" the
+    receiving stage (``stage + 1`` for activations, ``stage - 1`` for
+    gradients), None otherwise.
     ``recompute_s``: for a "B" task of a recomputing stage, the seconds spent
     re-running the forward at its start (0 otherwise).
     Times in seconds from the start of the step."""
@@ -126,6 +150,7 @@ class SimEvent:
     peer: int | None = None
     nbytes: int = 0
     recompute_s: float = 0.0
+    peer_stage: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,6 +175,9 @@ class SimResult:
     stage_sharded: tuple[bool, ...] = ()
     state_shard_bytes: tuple[tuple[int, ...], ...] = ()
     stage_recompute: tuple[bool, ...] = ()
+    #: Interleave degree v simulated: S = P v stages on P GPU groups, stage s
+    #: on group s mod P (a GPU's events carry the stage they ran).
+    interleave: int = 1
 
 
 def link_resource(devices: DeviceGraph, g: int, h: int) -> tuple:
@@ -185,7 +213,8 @@ def plan_decision(plan, costs: BlockCosts | None = None) -> dict:
     policy); a GPU's shard in MiB is ``state_shard_bytes // 2**20``. A sharded
     stage whose shards are all 0 (the runtime then splits its state equally)
     gets equal whole-MiB shards covering its shardable state, computed from
-    ``costs`` (ValueError without them)."""
+    ``costs`` (ValueError without them). ``interleave`` = ``Plan.interleave``
+    (left out for plans without the attribute, which are not interleaved)."""
     mib = MIB_UNITS * MEMORY_UNIT_BYTES
     sharded = tuple(bool(getattr(st, "sharded", False)) for st in plan.stages)
     shards = []
@@ -200,81 +229,95 @@ def plan_decision(plan, costs: BlockCosts | None = None) -> dict:
             need = -(-q_kib // MIB_UNITS)
             row = (-(-need // len(st.gpus)),) * len(st.gpus)
         shards.append(row)
-    return dict(stage_blocks=tuple(tuple(st.blocks) for st in plan.stages),
-                stage_gpus=tuple(tuple(g.gpu for g in st.gpus) for st in plan.stages),
-                samples_per_microbatch=tuple(tuple(g.samples_per_microbatch for g in st.gpus) for st in plan.stages),
-                num_microbatches=plan.num_microbatches, stage_sharded=sharded,
-                state_shard_mib=tuple(shards) if any(sharded) else None,
-                stage_recompute=tuple(bool(getattr(st, "recompute", False)) for st in plan.stages))
+    dec = dict(stage_blocks=tuple(tuple(st.blocks) for st in plan.stages),
+               stage_gpus=tuple(tuple(g.gpu for g in st.gpus) for st in plan.stages),
+               samples_per_microbatch=tuple(tuple(g.samples_per_microbatch for g in st.gpus) for st in plan.stages),
+               num_microbatches=plan.num_microbatches, stage_sharded=sharded,
+               state_shard_mib=tuple(shards) if any(sharded) else None,
+               stage_recompute=tuple(bool(getattr(st, "recompute", False)) for st in plan.stages))
+    if hasattr(plan, "interleave"):  # plans before format v3 are not interleaved
+        dec["interleave"] = int(plan.interleave)
+    return dec
 
 
 def simulate(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions, *, stage_blocks, stage_gpus,
              samples_per_microbatch, num_microbatches: int, stage_sharded=None, state_shard_mib=None,
-             stage_recompute=None) -> SimResult:
+             stage_recompute=None, interleave: int = 1) -> SimResult:
     """Simulate one training step of the decision (see the module note).
 
     ``stage_sharded`` / ``stage_recompute`` / ``state_shard_mib``: the memory
     policy, as in ``solve.evaluate`` (None = not sharded / not recomputing /
-    the shards ``balance_shards`` picks).
+    the shards ``balance_shards`` picks). ``interleave`` = v > 1: S = P v
+    stages on P GPU groups, stage s on the GPUs of stage s mod P, as in
+    ``solve.evaluate`` (objective.py [Note: interleaved stages]).
 
     Raises ValueError for a malformed decision or policy (as ``solve.evaluate``)
     and RuntimeError if the schedule deadlocks (it cannot for 1F1B / GPipe)."""
-    _validate(costs, devices, options, stage_blocks, stage_gpus, samples_per_microbatch, num_microbatches)
+    _validate(costs, devices, options, stage_blocks, stage_gpus, samples_per_microbatch, num_microbatches,
+              interleave)
     tab = build_tables(costs, devices, options, num_microbatches)
     pol = _policy(tab, options, stage_blocks, stage_gpus, samples_per_microbatch, stage_sharded,
                   state_shard_mib, stage_recompute)
-    n_s, m_count = len(stage_blocks), num_microbatches
-    sched = make_schedule(options.schedule, n_s, m_count)
+    n_s, m_count, v = len(stage_blocks), num_microbatches, interleave
+    n_p = n_s // v  # GPU groups; stage s runs on group s % n_p as its chunk s // n_p
+    sched = make_schedule(options.schedule, n_s, m_count, v)
     st_b, gr_b = costs.state_bytes_per_param, costs.grad_bytes_per_param
     sh_b, pa_b = costs.shardable_bytes_per_param, costs.param_bytes_per_param
     mib = MIB_UNITS * MEMORY_UNIT_BYTES
-    stage_of, share, dur, rc_dur = {}, {}, {}, {}
+    # Per GPU: its group; per (GPU, stage): F / B seconds and the re-run part of B.
+    group_of, dur, rc_dur = {}, {}, {}
+    # Activation footprint per GPU and chunk, in memory units: per micro-batch
+    # held (n A_s, or n X_s when recomputing) and, when recomputing, the re-run
+    # forward's n A_s.
+    held: dict[int, list[int]] = defaultdict(lambda: [0] * v)
+    rerun: dict[int, list[int]] = defaultdict(lambda: [0] * v)
     for s, ((i, j), gpus, ns) in enumerate(zip(stage_blocks, stage_gpus, samples_per_microbatch)):
+        a_kib = tab.act_prefix[j] - tab.act_prefix[i]
         for g, n in zip(gpus, ns):
             t = devices.gpu_types[g]
             w = sum(costs.fwd_bwd_s_per_sample[t][i:j])
             f = sum(costs.fwd_bwd_s_fixed.get(t, (0.0,) * costs.num_blocks)[i:j])
-            stage_of[g], share[g] = s, n
-            rc_dur[g] = RECOMPUTE_FRACTION * (n * w + f) if pol.recompute[s] else 0.0
-            dur[g] = ((n * w + f) / 3.0, 2.0 * (n * w + f) / 3.0 + rc_dur[g])
-    # Routes across the cut after stage s: out_routes[g] = [(dst, bytes)], in_count[g].
-    out_fwd: dict[int, list[tuple[int, int]]] = defaultdict(list)
-    out_bwd: dict[int, list[tuple[int, int]]] = defaultdict(list)
-    need_fwd: dict[int, int] = defaultdict(int)
-    need_bwd: dict[int, int] = defaultdict(int)
+            group_of[g] = s % n_p
+            rc_dur[g, s] = RECOMPUTE_FRACTION * (n * w + f) if pol.recompute[s] else 0.0
+            dur[g, s] = ((n * w + f) / 3.0, 2.0 * (n * w + f) / 3.0 + rc_dur[g, s])
+            if pol.recompute[s]:
+                held[g][s // n_p], rerun[g][s // n_p] = n * (tab.cut_kib[i] if s > 0 else 0), n * a_kib
+            else:
+                held[g][s // n_p] = n * a_kib
+    # Routes across the cut after stage s, keyed by (sender GPU, sender stage):
+    # out_fwd[g, s] = [(dst, bytes)]; need_fwd[h, s] = messages (h, s) waits for per micro-batch.
+    out_fwd: dict[tuple[int, int], list[tuple[int, int]]] = defaultdict(list)
+    out_bwd: dict[tuple[int, int], list[tuple[int, int]]] = defaultdict(list)
+    need_fwd: dict[tuple[int, int], int] = defaultdict(int)
+    need_bwd: dict[tuple[int, int], int] = defaultdict(int)
     for s in range(n_s - 1):
         cut_b = costs.cut_bytes_per_sample[stage_blocks[s][1]]
         src, dst = stage_gpus[s], stage_gpus[s + 1]
         for r in routes(_ranges(samples_per_microbatch[s]), _ranges(samples_per_microbatch[s + 1])):
             g, h = src[r.src_pos], dst[r.dst_pos]
-            out_fwd[g].append((h, r.rows * cut_b))
-            out_bwd[h].append((g, r.rows * cut_b))
-            need_fwd[h] += 1
-            need_bwd[g] += 1
+            out_fwd[g, s].append((h, r.rows * cut_b))
+            out_bwd[h, s + 1].append((g, r.rows * cut_b))
+            need_fwd[h, s + 1] += 1
+            need_bwd[g, s] += 1
 
-    used = sorted(stage_of)
+    used = sorted(group_of)
+    acts = {g: sched[group_of[g]] for g in used}
     pc = {g: 0 for g in used}
-    running: dict[int, tuple[float, float, str, int]] = {}  # g -> (start, end, kind, m)
-    got_fwd: dict[tuple[int, int], int] = defaultdict(int)
-    got_bwd: dict[tuple[int, int], int] = defaultdict(int)
-    live = {g: 0 for g in used}
-    # Activation footprint in memory units: per micro-batch held (A_s, or X_s
-    # when recomputing) and, when recomputing, the re-run forward's A_s.
-    held, rerun, peak_act = {}, {}, {g: 0 for g in used}
-    for g in used:
-        s = stage_of[g]
-        i, j = stage_blocks[s]
-        a_kib = tab.act_prefix[j] - tab.act_prefix[i]
-        if pol.recompute[s]:
-            held[g], rerun[g] = share[g] * (tab.cut_kib[i] if s > 0 else 0), share[g] * a_kib
-        else:
-            held[g], rerun[g] = share[g] * a_kib, 0
+    running: dict[int, tuple[float, float, str, int, int]] = {}  # g -> (start, end, kind, m, stage)
+    # Messages arrived, keyed by (receiver GPU, receiver stage, micro-batch).
+    got_fwd: dict[tuple[int, int, int], int] = defaultdict(int)
+    got_bwd: dict[tuple[int, int, int], int] = defaultdict(int)
+    live = {g: [0] * v for g in used}  # per chunk: forwards ended, backward not
+    peak_act = {g: 0 for g in used}
     busy = {g: 0.0 for g in used}
     last_b = {}
     events: list[SimEvent] = []
     waiting: list[_Msg] = []  # in their latency phase
     active: list[_Msg] = []  # transferring
     t = 0.0
+
+    def footprint(g) -> int:
+        return sum(c * h for c, h in zip(live[g], held[g]))
 
     def post(src, dst, s, m, fwd, nbytes):
         lat = max(devices.link_latency_s[src][dst], 0.0)
@@ -284,24 +327,30 @@ def simulate(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions, *,
         waiting.append(_Msg(src, dst, s, m, fwd, nbytes, t, t + lat, bw, link_resource(devices, src, dst)))
 
     def arrive(msg: _Msg, when: float):
-        events.append(SimEvent("send", msg.src, msg.stage, msg.m, msg.t0, when, msg.dst, msg.nbytes))
-        (got_fwd if msg.fwd else got_bwd)[msg.dst, msg.m] += 1
+        events.append(SimEvent("send", msg.src, msg.stage, msg.m, msg.t0, when, msg.dst, msg.nbytes,
+                               peer_stage=msg.stage + (1 if msg.fwd else -1)))
+        if msg.fwd:
+            got_fwd[msg.dst, msg.stage + 1, msg.m] += 1
+        else:
+            got_bwd[msg.dst, msg.stage - 1, msg.m] += 1
 
     def ready(g) -> bool:
-        a = sched[stage_of[g]][pc[g]]
+        a = acts[g][pc[g]]
+        s = group_of[g] + a.chunk * n_p
         if a.kind == "F":
-            return got_fwd[g, a.microbatch] >= need_fwd[g]
-        return got_bwd[g, a.microbatch] >= need_bwd[g]
+            return got_fwd[g, s, a.microbatch] >= need_fwd[g, s]
+        return got_bwd[g, s, a.microbatch] >= need_bwd[g, s]
 
     while True:
         for g in used:
-            if g not in running and pc[g] < len(sched[stage_of[g]]) and ready(g):
-                a = sched[stage_of[g]][pc[g]]
-                running[g] = (t, t + dur[g][a.kind == "B"], a.kind, a.microbatch)
+            if g not in running and pc[g] < len(acts[g]) and ready(g):
+                a = acts[g][pc[g]]
+                s = group_of[g] + a.chunk * n_p
+                running[g] = (t, t + dur[g, s][a.kind == "B"], a.kind, a.microbatch, s)
                 if a.kind == "B":  # the recomputed micro-batch is still held, plus its full activations
-                    peak_act[g] = max(peak_act[g], live[g] * held[g] + rerun[g])
+                    peak_act[g] = max(peak_act[g], footprint(g) + rerun[g][a.chunk])
         finish = {id(x): t + x.left / x.rate for x in active}
-        cands = [e for _, e, _, _ in running.values()] + [x.ready for x in waiting] + list(finish.values())
+        cands = [r[1] for r in running.values()] + [x.ready for x in waiting] + list(finish.values())
         if not cands:
             break
         t_next = max(min(cands), t)
@@ -310,23 +359,22 @@ def simulate(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions, *,
         t = t_next
         tol = 1e-12 * max(1.0, t)
         for g in sorted(running):
-            start, end, kind, m = running[g]
+            start, end, kind, m, s = running[g]
             if end > t + tol:
                 continue
             del running[g]
             pc[g] += 1
-            s = stage_of[g]
-            events.append(SimEvent(kind, g, s, m, start, t, recompute_s=rc_dur[g] if kind == "B" else 0.0))
+            events.append(SimEvent(kind, g, s, m, start, t, recompute_s=rc_dur[g, s] if kind == "B" else 0.0))
             busy[g] += t - start
             if kind == "F":
-                live[g] += 1
-                peak_act[g] = max(peak_act[g], live[g] * held[g])
-                for h, nb in out_fwd[g]:
+                live[g][s // n_p] += 1
+                peak_act[g] = max(peak_act[g], footprint(g))
+                for h, nb in out_fwd[g, s]:
                     post(g, h, s, m, True, nb)
             else:
-                live[g] -= 1
+                live[g][s // n_p] -= 1
                 last_b[g] = t
-                for h, nb in out_bwd[g]:
+                for h, nb in out_bwd[g, s]:
                     post(g, h, s, m, False, nb)
         for x in [x for x in active if finish[id(x)] <= t + tol]:
             active.remove(x)
@@ -342,18 +390,22 @@ def simulate(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions, *,
             count[x.res] += 1
         for x in active:
             x.rate = x.bw / count[x.res]
-    stuck = [g for g in used if pc[g] < len(sched[stage_of[g]])]
+    stuck = [g for g in used if pc[g] < len(acts[g])]
     if stuck:
         raise RuntimeError(f"schedule deadlocked: GPUs {stuck} wait at actions "
-                           f"{[str(sched[stage_of[g]][pc[g]]) for g in stuck]}")
+                           f"{[str(acts[g][pc[g]]) for g in stuck]}")
 
+    # Gradient sync: a group starts once all its GPUs ran their last backward;
+    # its stages then synchronise one after the other in stage order.
     step = 0.0
     shard_bytes = []
+    sync_end: dict[int, float] = {}
     for s, ((i, j), gpus) in enumerate(zip(stage_blocks, stage_gpus)):
         params = sum(costs.param_count[i:j])
         sharded = pol.sharded[s]
         shard_bytes.append(tuple(z * mib for z in pol.shard_mib[s]) if sharded else (0,) * len(gpus))
-        t_ar = max(last_b[g] for g in gpus)
+        first = s < n_p
+        t_ar = max(last_b[g] for g in gpus) if first else sync_end[s - n_p]
         pairs = [(g, h) for a, g in enumerate(gpus) for h in gpus[a + 1:]]
         bw_min = lat_max = 0.0
         if pairs:
@@ -365,7 +417,7 @@ def simulate(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions, *,
             t_ar = t_end
         t_opt = 0.0
         for k, g in enumerate(gpus):
-            t0 = t_ar if pairs else last_b[g]
+            t0 = t_ar if pairs or not first else last_b[g]
             # A shard of z MiB holds z MiB / shardable_bytes_per_param parameters ([C-optim]).
             moved = (2 * st_b * shard_bytes[s][k] / sh_b if sh_b else 0.0) if sharded else 2 * st_b * params
             t1 = t0 + moved / devices.mem_bw_bytes_per_s[g]
@@ -375,17 +427,20 @@ def simulate(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions, *,
             t1 = t_opt + pa_b * params / bw_min + (len(gpus) - 1) * lat_max
             events += [SimEvent("allgather", g, s, -1, t_opt, t1, None, pa_b * params) for g in gpus]
             t_opt = t1
+        sync_end[s] = t_opt
         step = max(step, t_opt)
 
     n_g = devices.num_gpus
     busy_frac = tuple(busy.get(g, 0.0) / step if step > 0 else 0.0 for g in range(n_g))
     peak = [0] * n_g
     for g in used:
-        s = stage_of[g]
-        i, j = stage_blocks[s]
-        state = tab.state_prefix[j] - tab.state_prefix[i]
-        if pol.sharded[s]:
-            state += MIB_UNITS * pol.shard_mib[s][stage_gpus[s].index(g)] - (tab.shard_prefix[j] - tab.shard_prefix[i])
+        state = 0
+        for s in range(group_of[g], n_s, n_p):
+            i, j = stage_blocks[s]
+            state += tab.state_prefix[j] - tab.state_prefix[i]
+            if pol.sharded[s]:
+                state += (MIB_UNITS * pol.shard_mib[s][stage_gpus[s].index(g)]
+                          - (tab.shard_prefix[j] - tab.shard_prefix[i]))
         peak[g] = MEMORY_UNIT_BYTES * (state + peak_act[g])
     bubble = 1.0 - sum(busy_frac[g] for g in used) / len(used)
     events.sort(key=lambda e: (e.start_s, e.gpu, KINDS.index(e.kind), e.end_s))
@@ -393,4 +448,4 @@ def simulate(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions, *,
                      events=tuple(events), bubble_fraction=bubble,
                      gpu_nodes=tuple(devices.node_names or (f"gpu{g}" for g in range(n_g))),
                      gpu_types=tuple(devices.gpu_types), stage_sharded=pol.sharded,
-                     state_shard_bytes=tuple(shard_bytes), stage_recompute=pol.recompute)
+                     state_shard_bytes=tuple(shard_bytes), stage_recompute=pol.recompute, interleave=v)

@@ -14,6 +14,12 @@ A backward of a recomputing stage is named ``B<m> (recompute)`` with
 ``args.recompute_s``, and carries a nested child slice ``re-run F<m>`` (cat
 "recompute") over its first ``recompute_s`` seconds; the Gantt chart draws
 that part hatched in its own colour. All-gathers have their own colour too.
+
+Interleaved plans (``SimResult.interleave`` > 1, a GPU runs several stages):
+compute slices carry their stage, ``F3 s2`` / ``B3 s2 (recompute)`` /
+``re-run F3 s2``, sends their two stages, ``send mb3 s1->s2 to GPU 4``, and
+the chart labels each bar ``3 s2``. Without interleaving the names are
+``F3`` / ``send mb3 -> GPU 4`` and the bars ``3``.
 """
 
 from __future__ import annotations
@@ -41,12 +47,23 @@ def _labels(result: SimResult, gpu_labels) -> dict[int, str]:
     return {g: f"GPU {g}" + (f" ({kind[g]})" if g < len(kind) else "") for g in gpus}
 
 
-def _name(e: SimEvent) -> str:
+def _task(e: SimEvent, staged: bool, kind: str | None = None) -> str:
+    """``F3``, or ``F3 s2`` when the GPU runs several stages."""
+    return f"{kind or e.kind}{e.microbatch}" + (f" s{e.stage}" if staged else "")
+
+
+def _name(e: SimEvent, staged: bool = False) -> str:
     if e.kind in ("F", "B"):
-        return f"{e.kind}{e.microbatch}" + (" (recompute)" if e.recompute_s > 0 else "")
+        return _task(e, staged) + (" (recompute)" if e.recompute_s > 0 else "")
     if e.kind == "send":
+        if staged:
+            return f"send mb{e.microbatch} s{e.stage}->s{e.peer_stage} to GPU {e.peer}"
         return f"send mb{e.microbatch} -> GPU {e.peer}"
     return _LEGEND[e.kind]
+
+
+def _staged(result: SimResult) -> bool:
+    return getattr(result, "interleave", 1) > 1
 
 
 def _lanes(events: list[SimEvent]) -> list[int]:
@@ -70,6 +87,7 @@ def to_perfetto(result: SimResult, path, *, gpu_labels=None) -> Path:
 
     ``gpu_labels``: optional names indexed by GPU (default "GPU g (type)")."""
     labels = _labels(result, gpu_labels)
+    staged = _staged(result)
     nodes = result.gpu_nodes or tuple(f"gpu{g}" for g in range(max(labels, default=-1) + 1))
     pid_of: dict[str, int] = {}
     for g in labels:
@@ -87,11 +105,13 @@ def to_perfetto(result: SimResult, path, *, gpu_labels=None) -> Path:
         args = {"stage": e.stage, "microbatch": e.microbatch, "start_s": e.start_s, "end_s": e.end_s}
         if e.kind == "send":
             args.update(peer=e.peer, bytes=e.nbytes)
+            if e.peer_stage is not None:
+                args.update(peer_stage=e.peer_stage)
         elif e.kind in ("allreduce", "optim", "allgather"):
             args.update(bytes=e.nbytes)
         elif e.recompute_s > 0:
             args.update(recompute=True, recompute_s=e.recompute_s)
-        return {"name": _name(e), "cat": e.kind, "ph": "X", "ts": e.start_s * 1e6,
+        return {"name": _name(e, staged), "cat": e.kind, "ph": "X", "ts": e.start_s * 1e6,
                 "dur": max(e.end_s - e.start_s, 0.0) * 1e6, "pid": pid_of[nodes[e.gpu]], "tid": tid, "args": args}
 
     for g, label in labels.items():
@@ -102,7 +122,7 @@ def to_perfetto(result: SimResult, path, *, gpu_labels=None) -> Path:
                 trace.append(slice_(e, base))
                 if e.recompute_s > 0:  # nested child: the re-run forward at the start of the backward
                     parent = trace[-1]
-                    trace.append({**parent, "name": f"re-run F{e.microbatch}", "cat": "recompute",
+                    trace.append({**parent, "name": "re-run " + _task(e, staged, "F"), "cat": "recompute",
                                   "dur": min(e.recompute_s * 1e6, parent["dur"]),
                                   "args": {**parent["args"], "recompute_s": e.recompute_s}})
         sends = [e for e in result.events if e.gpu == g and e.kind == "send"]
@@ -111,7 +131,8 @@ def to_perfetto(result: SimResult, path, *, gpu_labels=None) -> Path:
             thread(g, base + 1 + k, f"{label} sends" + (f" #{k + 1}" if k else ""))
         trace += [slice_(e, base + 1 + k) for e, k in zip(sends, lanes)]
     doc = {"traceEvents": meta + trace, "displayTimeUnit": "ms",
-           "otherData": {"step_time_s": result.step_time_s, "bubble_fraction": result.bubble_fraction}}
+           "otherData": {"step_time_s": result.step_time_s, "bubble_fraction": result.bubble_fraction,
+                         "interleave": getattr(result, "interleave", 1)}}
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc))
@@ -123,12 +144,14 @@ def gantt_png(result: SimResult, path, *, gpu_labels=None, dpi: int = 120) -> Pa
 
     Uses matplotlib's Agg canvas directly (no global backend switch). Compute
     bars fill a row (the forward re-run of a recomputing backward hatched in
-    its own colour); sends are thin grey bars along its bottom edge."""
+    its own colour); sends are thin grey bars along its bottom edge. Bars
+    show the micro-batch, and its stage when the plan is interleaved."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch
 
     labels = _labels(result, gpu_labels)
+    staged = _staged(result)
     rows = {g: k for k, g in enumerate(sorted(labels))}
     step_ms = max(result.step_time_s * 1e3, 1e-12)
     fig = Figure(figsize=(12, 1.2 + 0.45 * max(len(rows), 1)))
@@ -144,12 +167,14 @@ def gantt_png(result: SimResult, path, *, gpu_labels=None, dpi: int = 120) -> Pa
             ax.barh(y, min(e.recompute_s * 1e3, w), left=x0, height=0.6, color=COLORS["recompute"],
                     edgecolor="white", hatch="///", linewidth=0.5)
         if e.kind in ("F", "B") and w >= 0.02 * step_ms:
-            ax.text(x0 + w / 2, y, str(e.microbatch), ha="center", va="center", fontsize=7, color="white")
+            ax.text(x0 + w / 2, y, f"{e.microbatch} s{e.stage}" if staged else str(e.microbatch), ha="center",
+                    va="center", fontsize=7, color="white")
     ax.set_yticks(range(len(rows)), [labels[g] for g in rows])
     ax.set_ylim(len(rows) - 0.5, -0.5)
     ax.set_xlim(0, step_ms * 1.01)
     ax.set_xlabel("time (ms)")
-    ax.set_title(f"simulated step {step_ms:.2f} ms, bubble {result.bubble_fraction:.1%}")
+    ax.set_title(f"simulated step {step_ms:.2f} ms, bubble {result.bubble_fraction:.1%}"
+                 + (f", interleaved 1F1B x{result.interleave}" if staged else ""))
     shown = {e.kind for e in result.events} | {"F", "B", "send"}
     if any(e.recompute_s > 0 for e in result.events):
         shown.add("recompute")
