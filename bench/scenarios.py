@@ -129,7 +129,7 @@ def run_scenario(sc: Scenario, args) -> list[dict]:
     devices = cluster.device_graph()
     opts = SolverOptions(global_batch_size=sc.global_batch_size, max_stages=args.max_stages or sc.max_stages,
                          time_limit_s=args.time_limit, max_microbatches=args.max_microbatches,
-                         sharding=args.sharding, recompute=args.recompute)
+                         sharding=args.sharding, recompute=args.recompute, max_interleave=args.max_interleave)
     ub = upper_bound_tokens_per_s(costs, cluster, sc.seq_len)
     peak = sum(g.spec.peak_flops_per_s("float16") for g in cluster.gpus)
     from zorse_fx.solve import solve_grouped
@@ -164,8 +164,8 @@ def run_scenario(sc: Scenario, args) -> list[dict]:
             "mfu": flops_per_sample * sc.global_batch_size / step / peak,
             "step_time_s": step, "simulated_step_time_s": sim_step,
             "planner_wall_s": wall, "status": res.status, "optimality_gap": res.optimality_gap,
-            "num_stages": res.num_stages, "num_microbatches": res.num_microbatches,
-            "gpus_used": sum(len(g) for g in res.stage_gpus),
+            "num_stages": res.num_stages, "num_microbatches": res.num_microbatches, "interleave": res.interleave,
+            "gpus_used": len({g for gs in res.stage_gpus for g in gs}),
             "max_memory_fraction": max(m / c for m, c in mem), "violations": list(ev.violations)[:3],
             "sharded_stages": sum(ev.stage_sharded), "recompute_stages": sum(ev.stage_recompute),
         })
@@ -185,7 +185,13 @@ def _simulate(costs, devices, opts, res) -> float | None:
                     num_microbatches=res.num_microbatches, stage_sharded=res.stage_sharded or None,
                     state_shard_mib=tuple(tuple(b // mib for b in row) if sh else ()
                                           for sh, row in zip(res.stage_sharded, res.state_shard_bytes)) or None,
-                    stage_recompute=res.stage_recompute or None).step_time_s
+                    stage_recompute=res.stage_recompute or None, interleave=res.interleave).step_time_s
+
+
+def _stages(row: dict) -> str:
+    """'8' or, interleaved, '8 (4 groups x 2)'."""
+    v = row.get("interleave", 1)
+    return str(row["num_stages"]) + (f" ({row['num_stages'] // v} groups x {v})" if v > 1 else "")
 
 
 def main() -> int:
@@ -199,6 +205,8 @@ def main() -> int:
                     help="ZeRO-1 optimizer-state sharding, for every planner alike")
     ap.add_argument("--recompute", default="auto", choices=("never", "auto", "always"),
                     help="stage recomputation, for every planner alike")
+    ap.add_argument("--max-interleave", type=int, default=4,
+                    help="zorse_fx: most stages per GPU group (interleaved 1F1B) tried on its answer; 1 = none")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     args = ap.parse_args()
     only = set(filter(None, args.only.split(",")))
@@ -218,7 +226,7 @@ def main() -> int:
                          f"{r['planner_wall_s']:.1f} | {r['error'][:60]} |")
             continue
         lines.append(f"| {r['scenario']} | {r['planner']} | {'yes' if r['feasible'] else 'NO'} | {r['tokens_per_s']:,.0f} | "
-                     f"{r['fraction_of_upper_bound']:.0%} | {r['mfu']:.1%} | {r['num_stages']} | {r['gpus_used']} | "
+                     f"{r['fraction_of_upper_bound']:.0%} | {r['mfu']:.1%} | {_stages(r)} | {r['gpus_used']} | "
                      f"{r['sharded_stages']} / {r['recompute_stages']} | "
                      f"{r['max_memory_fraction']:.0%} | {r['planner_wall_s']:.1f} | {r['status']} |")
     (out / "scenarios.md").write_text("\n".join(lines) + "\n")

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from conftest import make_devices, random_costs
-from zorse_fx.solve.interleave import interleave_search, rescale_shares, with_interleaving
+from zorse_fx.solve.interleave import base_makespan_s, interleave_search, rescale_shares, with_interleaving
 from zorse_fx.solve.objective import evaluate, evaluate_result
 from zorse_fx.solve.records import BlockCosts, SolverOptions
 from zorse_fx.solve.stage_dp import solve_stage_dp
@@ -119,6 +119,8 @@ def test_interleave_search_results_fit_and_match_the_objective(seed):
     found, tried = interleave_search(costs, devices, options, base)
     res = with_interleaving(costs, devices, options, base)
     assert res.predicted_step_time_s <= base.predicted_step_time_s
+    # The task-graph makespan never exceeds the 1F1B closed form it is compared with.
+    assert base_makespan_s(costs, devices, options, base) <= base.predicted_step_time_s + 1e-9
     if found is not None:
         ev = evaluate_result(costs, devices, options, found)
         assert ev.feasible and ev.step_time_s == found.predicted_step_time_s

@@ -581,7 +581,9 @@ def _longest_path(costs, devices, options, kw):
     return max(free)
 
 
-INTERLEAVED_TOL = 0.30
+#: Interleaved decisions, with communication: the simulator may be this much
+#: slower than the objective (links shared by two boundaries, see below).
+INTERLEAVED_TOL = 0.20
 
 
 def test_interleaved_agreement_with_objective(capsys):
@@ -591,20 +593,20 @@ def test_interleaved_agreement_with_objective(capsys):
     Compute-only (no boundary bytes, latency or parameters), the simulator
     equals the schedule's task-graph longest path (``_longest_path``, an
     independent reference) on single-GPU groups and is at most that on
-    multi-GPU groups (each GPU runs its own rows). The objective's closed form
-    M max_p T_p + (sum_p T_p - max_p T_p) / v is exact for equal chunks (see the
-    uniform test) but OPTIMISTIC where a group's chunks are unequal: the chunks
-    of different groups then stall each other in the steady state. Measured on
-    these 50 decisions, compute-only sim / objective: min 0.931, median 1.008,
-    max 1.249 (seed 17: P=4, v=3, M=8, group 3's chunks 138 / 189 / 597 ms);
-    with communication and the memory policy: min 0.531, median 0.850, max
-    1.134 (seed 20: the boundaries of groups 0->1 and 1->2 share the n0-n1 node
-    pair, which the objective does not model -- with a link per message the
-    simulator takes 0.794 of the objective; the objective is pessimistic
-    elsewhere, as for v = 1: (a), (b) of test_agreement_with_objective).
-    Hence |sim/obj - 1| <= INTERLEAVED_TOL compute-only and sim <= obj (1 +
-    INTERLEAVED_TOL) with communication; the bound below is the compute-only
-    objective as in the v = 1 test."""
+    multi-GPU groups (each GPU runs its own rows); the objective's step is
+    that longest path computed in integer ns (``objective.pipeline_makespan``).
+    Measured on these 50 decisions, compute-only sim / objective: min 0.994,
+    median 1.000, max 1.000. (A first objective, the closed form M max_p T_p +
+    (sum_p T_p - max_p T_p) / v, is exact for equal chunks but was OPTIMISTIC
+    where a group's chunks are unequal: min 0.931, median 1.008, max 1.249 on
+    the same decisions, seed 17: P=4, v=3, M=8, group 3's chunks 138 / 189 /
+    597 ms; chunks of different groups stall each other.) With communication
+    and the memory policy: min 0.531, median 0.839, max 1.166 (seed 20: the
+    boundaries of groups 0->1 and 1->2 share the n0-n1 node pair, which the
+    objective does not model; elsewhere the objective is pessimistic as for
+    v = 1, it charges the boundary on the task). Hence compute-only the
+    objective is the longest path to rounding and at least the simulator,
+    and with communication sim <= obj (1 + INTERLEAVED_TOL)."""
     rows = []
     for seed in INTERLEAVED_SEEDS:
         costs, devices, options, kw = _interleaved_instance(seed)
@@ -619,8 +621,11 @@ def test_interleaved_agreement_with_objective(capsys):
             assert sim0.step_time_s <= path * (1 + 1e-9), seed
         rows.append((seed, sim.step_time_s / ev.step_time_s, sim0.step_time_s / ev0.step_time_s))
         assert sim.step_time_s <= ev.step_time_s * (1 + INTERLEAVED_TOL), rows[-1]
-        assert abs(rows[-1][2] - 1) <= INTERLEAVED_TOL, rows[-1]
-        assert sim.step_time_s >= ev0.step_time_s * (1 - INTERLEAVED_TOL), rows[-1]
+        # Compute-only the objective is the longest path (ns rounding) + the groups' sync.
+        sync0 = max(ev0.allreduce_s[s] + ev0.optim_s[s] for s in range(len(kw["stage_blocks"]))) * kw["interleave"]
+        assert path * (1 - 1e-6) <= ev0.step_time_s <= (path + sync0) * (1 + 1e-6), rows[-1]
+        assert sim0.step_time_s <= ev0.step_time_s * (1 + 1e-6), rows[-1]
+        assert rows[-1][2] >= 0.99, rows[-1]
     with capsys.disabled():
         for k, name in ((1, "sim/objective"), (2, "compute-only sim/objective")):
             xs = sorted(r[k] for r in rows)

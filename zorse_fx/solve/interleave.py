@@ -211,9 +211,33 @@ def interleave_search(costs: BlockCosts, devices: DeviceGraph, options: SolverOp
     return res, tuple(tried)
 
 
+def base_makespan_s(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions, base: SolverResult) -> float:
+    """``base`` (one stage per group) scored like an interleaved decision: the
+    makespan of its 1F1B / GPipe task graph + the slowest stage's sync
+    ([Note: interleaved stages]), so both sides of the comparison use the same
+    measure. It is at most the closed form of the module note (that adds
+    every stage's full time to the fill)."""
+    from .objective import _forward_units, _policy, pipeline_makespan
+
+    tab = build_tables(costs, devices, options, base.num_microbatches)
+    mib = 1 << 20
+    n_s = base.num_stages
+    sharded = tuple(base.stage_sharded) or (False,) * n_s
+    pol = _policy(tab, options, base.stage_blocks, base.stage_gpus, base.samples_per_microbatch, sharded,
+                  tuple(tuple(b // mib for b in row) if sh else () for sh, row in
+                        zip(sharded, base.state_shard_bytes or ((),) * n_s)),
+                  tuple(base.stage_recompute) or None)
+    u = evaluate_units(tab, base.stage_blocks, base.stage_gpus, base.samples_per_microbatch, pol)
+    fwd = _forward_units(tab, base.stage_blocks, base.stage_gpus, base.samples_per_microbatch, u.boundary)
+    step = pipeline_makespan(options.schedule, base.num_microbatches, 1, fwd, u.stage) + max(
+        a + o for a, o in zip(u.allreduce, u.optim))
+    return step * UNIT_S
+
+
 def with_interleaving(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions,
                       base: SolverResult) -> SolverResult:
-    """``base``, or its interleaved version when the objective scores that faster.
+    """``base``, or its interleaved version when the objective scores that faster
+    than both ``base``'s step and ``base_makespan_s`` (the same measure).
 
     The interleaved result's status is ``<base status>+INTERLEAVED`` and its
     bound the smaller of ``base``'s and the throughput bound (see the note);
@@ -227,7 +251,8 @@ def with_interleaving(costs: BlockCosts, devices: DeviceGraph, options: SolverOp
     if not tried:  # interleaving off, or nothing it could try: ``base`` itself
         return base
     records = tuple({"interleave_search": t} for t in tried)
-    if res is None or res.predicted_step_time_s >= base.predicted_step_time_s:
+    if res is None or res.predicted_step_time_s >= min(base.predicted_step_time_s,
+                                                       base_makespan_s(costs, devices, options, base)):
         return dataclasses.replace(base, candidates=tuple(base.candidates) + records,
                                    wall_s=base.wall_s + time.perf_counter() - t0)
     bound = min(base.best_bound, _throughput_bound_s(costs, devices, options))
