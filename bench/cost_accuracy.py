@@ -169,6 +169,9 @@ def _evaluate(model_name, label, plan, captured, costs, tokens, args, rows) -> N
     from zorse_fx.runtime.launch import launch
     from zorse_fx.runtime.schedule import inflight, make_schedule
 
+    if plan.interleave != 1:  # the per-stage memory rows below assume one stage per rank
+        raise ValueError(f"{label}: cost_accuracy compares one stage per rank; this plan has interleave "
+                         f"{plan.interleave}: build it with interleave=1")
     with tempfile.TemporaryDirectory() as tmp:
         plan_dir = Path(tmp) / "plan"
         plan.export(plan_dir)

@@ -168,6 +168,9 @@ def run_scenario(sc: Scenario, args) -> list[dict]:
             "gpus_used": len({g for gs in res.stage_gpus for g in gs}),
             "max_memory_fraction": max(m / c for m, c in mem), "violations": list(ev.violations)[:3],
             "sharded_stages": sum(ev.stage_sharded), "recompute_stages": sum(ev.stage_recompute),
+            # zorse_fx: the interleave pass's best feasible try (None: nothing fit or was tried).
+            "best_interleaved_step_time_s": min((c["interleave_search"]["step_time_s"] for c in res.candidates
+                                                 if c.get("interleave_search", {}).get("feasible")), default=None),
         })
         print(f"[{sc.name}] {name}: {tokens:,.0f} tokens/s ({tokens / ub:.0%} of bound), feasible {ev.feasible}, "
               f"{res.num_stages} stages, {wall:.1f} s", flush=True)

@@ -184,3 +184,24 @@ def reference_adamw(captured, tokens, plan, steps, *, lr, weight_decay):
             grads1 = {c: p.grad.detach().clone() for c, p in params.items()}
         opt.step()
     return losses, grads1, {c: p.detach().clone() for c, p in params.items()}
+
+
+def assert_params_match(params_by_rank, ref_params, initial, steps, lr):
+    """Parameters after ``steps`` AdamW steps on every rank ({rank: {name: tensor}})
+    equal single-process training's ``ref_params``; each moved from ``initial``
+    (else a lost update would go unseen); every rank holding a parameter (DP
+    replicas, tied copies in two stages) has the same values."""
+    seen: dict[str, list[tuple[int, torch.Tensor]]] = {}
+    for rank, params in params_by_rank.items():
+        for name, value in params.items():
+            ref = ref_params[name]
+            assert (ref - initial[name]).abs().max() > 1e-4, (
+                f"{name} barely moved: the test would not see a lost update")
+            torch.testing.assert_close(value, ref, rtol=1e-4, atol=1e-6 * ref.abs().max().item() + 5e-2 * lr,
+                                       msg=lambda m: f"rank {rank} param {name} after {steps} steps: {m}")
+            seen.setdefault(name, []).append((rank, value))
+    assert set(seen) == set(ref_params)
+    for name, copies in seen.items():
+        for rank, value in copies[1:]:
+            torch.testing.assert_close(value, copies[0][1], rtol=1e-6, atol=1e-9,
+                                       msg=lambda m: f"{name}: rank {rank} vs rank {copies[0][0]}: {m}")

@@ -24,7 +24,8 @@ import json
 import pytest
 import torch
 
-from conftest import CLUSTERS, first_batch, reference_adamw, reference_step, run_distributed, with_memory_policy
+from conftest import (CLUSTERS, assert_params_match, first_batch, reference_adamw, reference_step, run_distributed,
+                      with_memory_policy)
 from zorse_fx.capture import analyse, capture
 from zorse_fx.cluster import Cluster
 from zorse_fx.models.gpt import GPT, GPTConfig
@@ -130,21 +131,8 @@ def _train_and_compare(plan, captured, tokens, tmp_path, steps):
             tol = 1e-6 + 1e-4 * ref.abs().max().item()
             torch.testing.assert_close(value, ref, atol=tol, rtol=0, msg=lambda m: f"rank {rank} grad {name}: {m}")
     out = tmp_path / "run" / "params"
-    seen: dict[str, list[tuple[int, torch.Tensor]]] = {}
-    for rank in range(plan.world_size):
-        for name, value in torch.load(out / f"rank{rank}.pt").items():
-            ref = ref_params[name]
-            assert (ref - initial[name]).abs().max() > 1e-4, f"{name} barely moved: the test would not see a lost update"
-            torch.testing.assert_close(value, ref, rtol=1e-4, atol=1e-6 * ref.abs().max().item() + 5e-2 * LR,
-                                       msg=lambda m: f"rank {rank} param {name} after {steps} steps: {m}")
-            seen.setdefault(name, []).append((rank, value))
-    assert set(seen) == set(ref_params)
-    for name, copies in seen.items():
-        # Every rank holding a parameter (DP replicas, tied copies in two stages)
-        # has the same values: each stage updates and re-gathers its own copy.
-        for rank, value in copies[1:]:
-            torch.testing.assert_close(value, copies[0][1], rtol=1e-6, atol=1e-9,
-                                       msg=lambda m: f"{name}: rank {rank} vs rank {copies[0][0]}: {m}")
+    assert_params_match({r: torch.load(out / f"rank{r}.pt") for r in range(plan.world_size)}, ref_params, initial,
+                        steps, LR)
     return {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(plan.world_size)}
 
 

@@ -31,7 +31,8 @@ import json
 import pytest
 import torch
 
-from conftest import CLUSTERS, first_batch, reference_adamw, reference_step, run_distributed, with_memory_policy
+from conftest import (CLUSTERS, assert_params_match, first_batch, reference_adamw, reference_step, run_distributed,
+                      with_memory_policy)
 from zorse_fx.capture import analyse, capture
 from zorse_fx.cluster import Cluster
 from zorse_fx.data import global_batch
@@ -73,24 +74,6 @@ def _assert_grads(grads_by_rank, ref_grads):
     assert seen == set(ref_grads), f"parameters without a gradient: {set(ref_grads) - seen}"
 
 
-def _assert_params(params_by_rank, ref_params, initial, steps):
-    seen: dict[str, list[tuple[int, torch.Tensor]]] = {}
-    for rank, params in params_by_rank.items():
-        for name, value in params.items():
-            ref = ref_params[name]
-            assert (ref - initial[name]).abs().max() > 1e-4, (
-                f"{name} barely moved: the test would not see a lost update")
-            torch.testing.assert_close(value, ref, rtol=1e-4, atol=1e-6 * ref.abs().max().item() + 5e-2 * LR,
-                                       msg=lambda m: f"rank {rank} param {name} after {steps} steps: {m}")
-            seen.setdefault(name, []).append((rank, value))
-    assert set(seen) == set(ref_params)
-    for name, copies in seen.items():
-        # DP replicas and tied copies on other ranks agree with each other.
-        for rank, value in copies[1:]:
-            torch.testing.assert_close(value, copies[0][1], rtol=1e-6, atol=1e-9,
-                                       msg=lambda m: f"{name}: rank {rank} vs rank {copies[0][0]}: {m}")
-
-
 def _train_and_compare(plan, captured, tokens, tmp_path, steps):
     """Run ``plan`` with torchrun for ``steps`` AdamW steps and compare with
     single-process training; returns {rank: optimizer-state summary}."""
@@ -105,7 +88,8 @@ def _train_and_compare(plan, captured, tokens, tmp_path, steps):
         assert [part["stages"] for part in r["ranks"]] == [list(plan.stages_of(k)) for k in range(plan.world_size)]
     _assert_grads(grads, ref_grads)
     out = tmp_path / "run" / "params"
-    _assert_params({r: torch.load(out / f"rank{r}.pt") for r in range(plan.world_size)}, ref_params, initial, steps)
+    assert_params_match({r: torch.load(out / f"rank{r}.pt") for r in range(plan.world_size)}, ref_params, initial,
+                        steps, LR)
     return {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(plan.world_size)}
 
 
@@ -188,4 +172,4 @@ def test_one_group_two_stages_in_process(lee_bytes, tmp_path):
     assert losses == pytest.approx(ref_losses, rel=1e-5)
     _assert_grads({0: grads1}, ref_grads)
     # parameters_by_name checks that the rank's two wte copies still agree.
-    _assert_params({0: worker.parameters_by_name()}, ref_params, initial, steps)
+    assert_params_match({0: worker.parameters_by_name()}, ref_params, initial, steps, LR)

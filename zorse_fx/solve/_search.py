@@ -29,6 +29,11 @@ its entry); ``complete_hint`` does the same for its copy. A candidate without
 a hint that presolve wrongly declares infeasible is still lost (and may let
 the search report OPTIMAL): the portfolio hints every (stages, micro-batches)
 the stage DP reaches, which narrows this to the candidates no heuristic fits.
+Also open upstream: OR-Tools 9.15 can abort the process (uncaught
+``std::out_of_range: absl::btree_map::at`` in SolutionCrush, presolve with a
+complete hint, google/or-tools#5288, fixed on main). Seen once in a scenario
+benchmark run (FlashFlex, 2026-11-22); a planner that must not die would run
+each solve in a forked child and retry without the hint.
 """
 
 from __future__ import annotations
