@@ -29,17 +29,33 @@ its entry); ``complete_hint`` does the same for its copy. A candidate without
 a hint that presolve wrongly declares infeasible is still lost (and may let
 the search report OPTIMAL): the portfolio hints every (stages, micro-batches)
 the stage DP reaches, which narrows this to the candidates no heuristic fits.
-Also open upstream: OR-Tools 9.15 can abort the process (uncaught
-``std::out_of_range: absl::btree_map::at`` in SolutionCrush, presolve with a
-complete hint, google/or-tools#5288, fixed on main). Seen once in a scenario
-benchmark run (FlashFlex, 2026-11-22); a planner that must not die would run
-each solve in a forked child and retry without the hint.
+
+[Note: isolated solves]
+OR-Tools 9.15 can also abort the whole process: an uncaught
+``std::out_of_range: absl::btree_map::at`` in SolutionCrush during presolve
+with a complete hint (google/or-tools#5288, fixed on main, in no PyPI release
+yet). It killed a scenario benchmark run once (FlashFlex, 2026-11-22), and a
+planner must not take the user's training launch down with it. So where the
+OS can fork, every CP-SAT solve runs in a forked child (``run_isolated``):
+the child solves and reads the answer off its solver (status, bound, the
+objective and the decision; all plain tuples), pickles it into a pipe and
+exits with ``os._exit``. If the child dies instead, the parent gets
+``SolverCrash`` (naming the signal) and the candidate is solved again without
+its hint, then also without presolve; a candidate that crashes all three
+times is recorded as ``"status": "CRASHED"`` (like a time-limited UNKNOWN: no
+solution, the throughput bound, and the search is no longer OPTIMAL). Cost:
+one fork per solve, ~5-20 ms with torch loaded (copy-on-write). Set
+``ZORSE_SOLVE_IN_PROCESS=1`` to solve in-process (e.g. under a debugger).
 """
 
 from __future__ import annotations
 
 import math
+import os
+import pickle
+import signal
 import time
+from dataclasses import dataclass
 
 from ortools.sat.python import cp_model
 
@@ -48,7 +64,81 @@ from .bounds import explain_infeasible, throughput_lower_bound
 from .objective import UNIT_S, evaluate
 from .records import BlockCosts, DeviceGraph, SolverOptions, SolverResult
 
-__all__ = ["CandidateSearch"]
+__all__ = ["CandidateSearch", "SolverCrash", "run_isolated"]
+
+
+class SolverCrash(RuntimeError):
+    """A CP-SAT solve killed its (forked) process; see [Note: isolated solves]."""
+
+
+def _in_process() -> bool:
+    return not hasattr(os, "fork") or os.environ.get("ZORSE_SOLVE_IN_PROCESS", "") not in ("", "0")
+
+
+def run_isolated(fn):
+    """``fn()`` run in a forked child process; returns its (picklable) result.
+
+    An exception raised by ``fn`` is re-raised here (its repr, as a
+    RuntimeError, if it cannot be pickled). Raises ``SolverCrash`` when the
+    child dies without answering (e.g. OR-Tools' abort, SIGABRT). Runs ``fn``
+    in this process where the OS cannot fork or ``ZORSE_SOLVE_IN_PROCESS=1``.
+    See [Note: isolated solves]."""
+    if _in_process():
+        return fn()
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: answer through the pipe, never return into the caller's stack
+        code = 1
+        try:
+            os.close(r)
+            try:
+                payload = pickle.dumps((True, fn()))
+            except BaseException as exc:  # noqa: BLE001 -- everything goes back to the parent
+                try:
+                    payload = pickle.dumps((False, exc))
+                except Exception:  # noqa: BLE001
+                    payload = pickle.dumps((False, RuntimeError(repr(exc))))
+            with os.fdopen(w, "wb") as f:
+                f.write(payload)
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        data = f.read()
+    _, status = os.waitpid(pid, 0)
+    if not data:
+        if os.WIFSIGNALED(status):
+            sig = os.WTERMSIG(status)
+            how = f"signal {sig} ({signal.Signals(sig).name})" if sig in signal.Signals._value2member_map_ else f"signal {sig}"
+        else:
+            how = f"exit status {os.WEXITSTATUS(status)}"
+        raise SolverCrash(f"the CP-SAT solve in child process {pid} died with {how} without an answer")
+    ok, value = pickle.loads(data)
+    if not ok:
+        raise value
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class _Answer:
+    """What one CP-SAT solve returned, read off the solver (picklable)."""
+
+    code: int
+    status: str
+    bound: float
+    objective: int | None = None
+    decision: object = None
+
+
+def _solve(model, solver: cp_model.CpSolver) -> _Answer:
+    code = solver.Solve(model.m)
+    ans = _Answer(code, solver.StatusName(code), solver.BestObjectiveBound())
+    if code in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        # The objective at the returned solution (OR-Tools 9.15's ObjectiveValue() can
+        # differ from it by a few ms on time-limited FEASIBLE answers).
+        ans = _Answer(code, ans.status, ans.bound, int(solver.Value(model.objective)), model.decision(solver))
+    return ans
 
 
 def complete_hint(m: cp_model.CpModel, solver: cp_model.CpSolver) -> bool:
@@ -62,7 +152,8 @@ def complete_hint(m: cp_model.CpModel, solver: cp_model.CpSolver) -> bool:
     copy, the copy is solved for a feasible point (propagation does nearly
     all of it), and its values become a complete hint, which CP-SAT checks
     and keeps as its first incumbent. Returns False (hint left as it was)
-    when the copy finds nothing, e.g. a hint the model cannot express."""
+    when the copy finds nothing, e.g. a hint the model cannot express, or
+    when its solve crashes ([Note: isolated solves])."""
     proto = m.Proto()
     hinted = list(zip(proto.solution_hint.vars, proto.solution_hint.values))
     if not hinted:
@@ -73,16 +164,26 @@ def complete_hint(m: cp_model.CpModel, solver: cp_model.CpSolver) -> bool:
     for v, val in hinted:
         fixed.Add(fixed.GetIntVarFromProtoIndex(v) == val)
     solver.parameters.max_time_in_seconds = min(solver.parameters.max_time_in_seconds, HINT_COMPLETION_S)
-    code = solver.Solve(fixed)
-    if code == cp_model.INFEASIBLE:  # [Note: presolve bug]
-        solver.parameters.cp_model_presolve = False
+    n_vars = len(proto.variables)
+
+    def values():
         code = solver.Solve(fixed)
-    if code not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        if code == cp_model.INFEASIBLE:  # [Note: presolve bug]
+            solver.parameters.cp_model_presolve = False
+            code = solver.Solve(fixed)
+        if code not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+            return None
+        return [solver.Value(fixed.GetIntVarFromProtoIndex(v)) for v in range(n_vars)]
+
+    try:
+        vals = run_isolated(values)
+    except SolverCrash:
+        return False
+    if vals is None:
         return False
     m.ClearHints()
-    for v in range(len(proto.variables)):
-        var = m.GetIntVarFromProtoIndex(v)
-        m.AddHint(var, solver.Value(fixed.GetIntVarFromProtoIndex(v)))
+    for v, val in enumerate(vals):
+        m.AddHint(m.GetIntVarFromProtoIndex(v), val)
     return True
 
 
@@ -118,33 +219,52 @@ class CandidateSearch:
         solver.parameters.random_seed = opts.seed
         return solver
 
+    def _solve_robustly(self, model, *, presolve: bool) -> tuple[_Answer | None, list[str]]:
+        """Solve ``model`` in a forked child ([Note: isolated solves]); after a
+        crash, again without the hint, then without presolve. Returns (the
+        answer or None if every try crashed, the crash messages)."""
+        crashes: list[str] = []
+        had_hint = bool(model.m.Proto().solution_hint.vars)
+        tries = [presolve] + ([presolve] if had_hint else []) + ([False] if presolve else [])
+        for k, pre in enumerate(tries):
+            if k == 1 and had_hint:
+                model.m.ClearHints()
+            solver = self._solver()
+            solver.parameters.cp_model_presolve = pre
+            try:
+                return run_isolated(lambda: _solve(model, solver)), crashes
+            except SolverCrash as exc:
+                crashes.append(str(exc))
+        return None, crashes
+
     def solve(self, model, num_stages: int, num_microbatches: int, **record) -> None:
         """Solve one candidate model and record it (``record``: extra fields for its entry)."""
         t1 = time.perf_counter()
         opts, m = self.options, num_microbatches
         if record.get("hint"):
             record["hint_completed"] = complete_hint(model.m, self._solver())
-        solver = self._solver()
-        code = solver.Solve(model.m)
+        ans, attempts = self._solve_robustly(model, presolve=True)
+        code = ans.code if ans is not None else None
         retried = False
         if code == cp_model.INFEASIBLE and record.get("hint"):  # [Note: presolve bug]
-            solver = self._solver()
-            solver.parameters.cp_model_presolve = False
-            code, retried = solver.Solve(model.m), True
-        rec = {"num_stages": num_stages, "num_microbatches": m, "status": solver.StatusName(code),
+            ans, more = self._solve_robustly(model, presolve=False)
+            attempts += more
+            code, retried = (ans.code if ans is not None else None), True
+        rec = {"num_stages": num_stages, "num_microbatches": m,
+               "status": ans.status if ans is not None else "CRASHED",
                "step_time_s": None, "best_bound_s": None, "wall_s": 0.0, **record}
         if retried:
             rec["presolve_retry"] = True
+        if attempts:
+            rec["crashes"] = attempts
         if code in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-            # The objective at the returned solution (OR-Tools 9.15's ObjectiveValue() can
-            # differ from it by a few ms on time-limited FEASIBLE answers).
-            obj = int(solver.Value(model.objective))
+            obj = ans.objective
             tlb = self._throughput_bound(model, m)
             if tlb > obj:
                 raise AssertionError(f"{self.label}: throughput lower bound {tlb} > objective {obj} "
                                      f"for S={num_stages}, M={m}")
-            bound = min(obj, max(int(round(solver.BestObjectiveBound())), tlb))
-            dec = model.decision(solver)
+            bound = min(obj, max(int(round(ans.bound)), tlb))
+            dec = ans.decision
             pol = dec[3]
             ev = evaluate(self.costs, self.devices, opts, stage_blocks=dec[0], stage_gpus=dec[1],
                           samples_per_microbatch=dec[2], num_microbatches=m, stage_sharded=pol.sharded,
@@ -159,9 +279,9 @@ class CandidateSearch:
                 self.best = (obj, m, dec, ev)
         elif code == cp_model.MODEL_INVALID:
             raise AssertionError(f"invalid CP-SAT model for S={num_stages}, M={m}: {model.m.Validate()}")
-        elif code != cp_model.INFEASIBLE:  # UNKNOWN: time limit without a solution
+        elif code != cp_model.INFEASIBLE:  # UNKNOWN (time limit without a solution) or CRASHED
             self.all_optimal = False
-            lb = solver.BestObjectiveBound()
+            lb = ans.bound if ans is not None else 0.0
             self.bounds.append(max(int(lb) if math.isfinite(lb) else 0, self._throughput_bound(model, m)))
             rec["best_bound_s"] = self.bounds[-1] * UNIT_S
         rec["wall_s"] = time.perf_counter() - t1

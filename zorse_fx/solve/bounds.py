@@ -80,6 +80,10 @@ def explain_infeasible(costs: BlockCosts, devices: DeviceGraph, options: SolverO
     unknown = [(c["num_stages"], c["num_microbatches"]) for c in candidates if c.get("status") == "UNKNOWN"]
     note = (f"; (S, M) = {unknown} hit time_limit_s={options.time_limit_s:g} without a solution: "
             f"raise time_limit_s" if unknown else "")
+    crashed = [(c["num_stages"], c["num_microbatches"]) for c in candidates if c.get("status") == "CRASHED"]
+    if crashed:
+        note += (f"; (S, M) = {crashed}: OR-Tools crashed on every try (google/or-tools#5288; "
+                 f"solve_stage_dp or another ortools version may plan them)")
     if not options.allow_idle_gpus and n_g > k_max * (gbs // ms[0]):
         return (f"allow_idle_gpus=False: each of the {n_g} GPUs must take >= 1 sample of every "
                 f"micro-batch, but at most {k_txt} x {gbs // ms[0]} samples = "

@@ -1,0 +1,96 @@
+"""CP-SAT solves run in forked children, so an OR-Tools abort costs one
+candidate, not the process ([Note: isolated solves] in zorse_fx/solve/_search.py)."""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+
+import pytest
+
+from zorse_fx.errors import InfeasiblePlanError
+from zorse_fx.solve import _search
+from zorse_fx.solve._search import SolverCrash, run_isolated
+from zorse_fx.solve.cpsat import solve_cpsat
+from zorse_fx.solve.records import SolverOptions
+
+from conftest import random_instance
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+
+
+def _abort(*_args):
+    """SIGABRT, as OR-Tools' uncaught C++ exception raises (quietly: no faulthandler dump)."""
+    faulthandler.disable()
+    os.abort()
+
+
+def test_run_isolated_returns_the_childs_value_and_reraises_its_errors():
+    parent = os.getpid()
+    assert run_isolated(lambda: (os.getpid() != parent, [1, 2])) == (True, [1, 2])
+
+    def fail():
+        raise ValueError("bad model")
+
+    with pytest.raises(ValueError, match="bad model"):
+        run_isolated(fail)
+
+
+def test_run_isolated_reports_a_child_killed_by_abort():
+    with pytest.raises(SolverCrash, match=r"SIGABRT"):
+        run_isolated(_abort)
+
+
+def test_in_process_switch(monkeypatch):
+    monkeypatch.setenv("ZORSE_SOLVE_IN_PROCESS", "1")
+    assert run_isolated(os.getpid) == os.getpid()
+
+
+def test_a_crashing_solve_is_retried_and_the_plan_is_the_same(monkeypatch, tmp_path):
+    """The first CP-SAT solve of every candidate aborts its child (a real SIGABRT,
+    as OR-Tools#5288 does); the retry finds the same plan as an undisturbed run."""
+    costs, devices, opts = random_instance(3, time_limit_s=5.0)
+    clean = solve_cpsat(costs, devices, opts)
+    real_solve = _search._solve
+
+    def abort_first(model, solver):
+        # id(model) is the same in every forked child; the marker file outlives the child.
+        try:
+            (tmp_path / str(id(model))).open("x").close()
+        except FileExistsError:
+            return real_solve(model, solver)
+        _abort()
+
+    monkeypatch.setattr(_search, "_solve", abort_first)
+    res = solve_cpsat(costs, devices, opts)
+    assert res.predicted_step_time_s == pytest.approx(clean.predicted_step_time_s, abs=1e-9)
+    assert (res.stage_blocks, res.stage_gpus, res.num_microbatches) == \
+        (clean.stage_blocks, clean.stage_gpus, clean.num_microbatches)
+    solved = [c for c in res.candidates if "num_stages" in c]
+    assert solved and all(len(c["crashes"]) == 1 and "SIGABRT" in c["crashes"][0] for c in solved)
+
+
+def test_a_candidate_that_always_crashes_is_recorded_and_skipped(monkeypatch):
+    """Every solve of the 2-stage candidates aborts: they are CRASHED (no plan, the
+    search is not OPTIMAL) and the 1-stage plan is returned."""
+    costs, devices, opts = random_instance(2, time_limit_s=5.0)
+    assert solve_cpsat(costs, devices, opts).num_stages == 2  # undisturbed, 2 stages win
+    real_solve = _search._solve
+
+    def abort_two_stages(model, solver):
+        if model.S == 2:
+            _abort()
+        return real_solve(model, solver)
+
+    monkeypatch.setattr(_search, "_solve", abort_two_stages)
+    res = solve_cpsat(costs, devices, opts)
+    crashed = [c for c in res.candidates if c.get("status") == "CRASHED"]
+    assert crashed and all(c["num_stages"] == 2 and len(c["crashes"]) >= 2 for c in crashed)
+    assert res.num_stages == 1 and res.status == "FEASIBLE"
+
+
+def test_when_every_candidate_crashes_the_error_says_so(monkeypatch):
+    costs, devices, opts = random_instance(2, time_limit_s=5.0)
+    monkeypatch.setattr(_search, "_solve", _abort)
+    with pytest.raises(InfeasiblePlanError, match=r"OR-Tools crashed on every try \(google/or-tools#5288"):
+        solve_cpsat(costs, devices, opts)
