@@ -594,7 +594,7 @@ def test_interleaved_agreement_with_objective(capsys):
     equals the schedule's task-graph longest path (``_longest_path``, an
     independent reference) on single-GPU groups and is at most that on
     multi-GPU groups (each GPU runs its own rows); the objective's step is
-    that longest path computed in integer ns (``objective.pipeline_makespan``).
+    that longest path computed in integer ns (``pipeline_terms.pipeline_makespan``).
     Measured on these 50 decisions, compute-only sim / objective: min 0.994,
     median 1.000, max 1.000. (A first objective, the closed form M max_p T_p +
     (sum_p T_p - max_p T_p) / v, is exact for equal chunks but was OPTIMISTIC

@@ -11,7 +11,7 @@ one task at a time; an action of chunk c belongs to stage ``p + c * P``.
 Without interleaving (v = 1, the default) there are P = S groups, group p is
 stage p and every action is chunk 0; with ``interleave`` = v > 1 the S = P v
 stages run on P groups, stage s on the GPUs of stage s mod P ([Note:
-interleaved stages] in objective.py), so a GPU runs v stages, each with its
+interleaved stages] in solve/pipeline_terms.py), so a GPU runs v stages, each with its
 own durations, routes and held activations. For the GPU's stage s, with W =
 sum over the stage's blocks of ``fwd_bwd_s_per_sample[type(g)]`` and F = sum
 of ``fwd_bwd_s_fixed`` (missing type: 0), a micro-batch's forward + backward
@@ -249,7 +249,7 @@ def simulate(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions, *,
     policy, as in ``solve.evaluate`` (None = not sharded / not recomputing /
     the shards ``balance_shards`` picks). ``interleave`` = v > 1: S = P v
     stages on P GPU groups, stage s on the GPUs of stage s mod P, as in
-    ``solve.evaluate`` (objective.py [Note: interleaved stages]).
+    ``solve.evaluate`` (solve/pipeline_terms.py [Note: interleaved stages]).
 
     Raises ValueError for a malformed decision or policy (as ``solve.evaluate``)
     and RuntimeError if the schedule deadlocks (it cannot for 1F1B / GPipe)."""

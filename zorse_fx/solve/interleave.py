@@ -217,7 +217,8 @@ def base_makespan_s(costs: BlockCosts, devices: DeviceGraph, options: SolverOpti
     ([Note: interleaved stages]), so both sides of the comparison use the same
     measure. It is at most the closed form of the module note (that adds
     every stage's full time to the fill)."""
-    from .objective import _forward_units, _policy, pipeline_makespan
+    from .objective import _policy
+    from .pipeline_terms import forward_units, pipeline_makespan
 
     tab = build_tables(costs, devices, options, base.num_microbatches)
     mib = 1 << 20
@@ -228,7 +229,7 @@ def base_makespan_s(costs: BlockCosts, devices: DeviceGraph, options: SolverOpti
                         zip(sharded, base.state_shard_bytes or ((),) * n_s)),
                   tuple(base.stage_recompute) or None)
     u = evaluate_units(tab, base.stage_blocks, base.stage_gpus, base.samples_per_microbatch, pol)
-    fwd = _forward_units(tab, base.stage_blocks, base.stage_gpus, base.samples_per_microbatch, u.boundary)
+    fwd = forward_units(tab, base.stage_blocks, base.stage_gpus, base.samples_per_microbatch, u.boundary)
     step = pipeline_makespan(options.schedule, base.num_microbatches, 1, fwd, u.stage) + max(
         a + o for a, o in zip(u.allreduce, u.optim))
     return step * UNIT_S

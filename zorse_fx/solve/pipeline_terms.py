@@ -1,0 +1,141 @@
+"""The pipeline terms of interleaved plans ([Note: interleaved stages]).
+
+Split from ``objective.py`` (the module note there is the model; this is its
+v > 1 part): ``forward_units`` (the forward task of a stage),
+``pipeline_makespan`` (the longest path of a schedule's task graph, integer
+ns) and ``interleaved_units`` (step and memory of an interleaved decision).
+``objective.evaluate_units`` calls ``interleaved_units`` when v > 1;
+``solve.interleave`` compares plans with ``pipeline_makespan``.
+"""
+
+from __future__ import annotations
+
+from .objective import StageUnits, _act_units
+
+__all__ = ["forward_units", "pipeline_makespan", "interleaved_units"]
+
+
+def forward_units(tab, stage_blocks, stage_gpus, samples, bnd) -> tuple[int, ...]:
+    """Per stage: floor(slowest GPU's compute without recomputation / 3) +
+    floor(boundary / 2), the forward task of [Note: interleaved stages]."""
+    out = []
+    for (i, j), gpus, ns, b in zip(stage_blocks, stage_gpus, samples, bnd):
+        c = max(n * (tab.work_prefix[tab.gpu_types[g]][j] - tab.work_prefix[tab.gpu_types[g]][i])
+                + tab.fixed_prefix[tab.gpu_types[g]][j] - tab.fixed_prefix[tab.gpu_types[g]][i]
+                for g, n in zip(gpus, ns))
+        out.append(c // 3 + b // 2)
+    return tuple(out)
+
+
+def pipeline_makespan(schedule: str, num_microbatches: int, interleave: int, fwd, total) -> int:
+    """Makespan (units) of the pipeline's task graph: per stage s, a forward of
+    ``fwd[s]`` and a backward of ``total[s] - fwd[s]`` units per micro-batch;
+    each GPU group runs ``make_schedule(schedule, S, M, interleave)[group]`` in
+    order, a task starting when its group's previous task and its dependency
+    (F of stage s-1 / B of stage s+1, same micro-batch) have ended.
+
+    Raises:
+        ValueError: if the schedule deadlocks (it cannot for 1F1B / GPipe)."""
+    from ..runtime.schedule import make_schedule
+
+    n_s = len(total)
+    groups = n_s // interleave
+    sched = make_schedule(schedule, n_s, num_microbatches, interleave)
+    f_end = [[-1] * num_microbatches for _ in range(n_s)]
+    b_end = [[-1] * num_microbatches for _ in range(n_s)]
+    pc, free = [0] * groups, [0] * groups
+    left = sum(len(a) for a in sched)
+    while left:
+        moved = False
+        for p, acts in enumerate(sched):
+            while pc[p] < len(acts):
+                a = acts[pc[p]]
+                s, mb = p + a.chunk * groups, a.microbatch
+                if a.kind == "F":
+                    dep = f_end[s - 1][mb] if s > 0 else 0
+                else:
+                    dep = b_end[s + 1][mb] if s < n_s - 1 else 0
+                if dep < 0:
+                    break
+                start = max(free[p], dep)
+                if a.kind == "F":
+                    free[p] = f_end[s][mb] = start + fwd[s]
+                else:
+                    free[p] = b_end[s][mb] = start + total[s] - fwd[s]
+                pc[p] += 1
+                left -= 1
+                moved = True
+        if not moved:
+            raise ValueError(f"schedule {schedule!r} (interleave {interleave}) deadlocks")
+    return max(free)
+
+
+def interleaved_units(tab, stage_blocks, stage_gpus, samples, pol, v, comp, bnd, stage, ar, opt, mem, unc
+                       ) -> StageUnits:
+    """[Note: interleaved stages]
+    With interleave degree v the S = P v stages run on P GPU groups, stage s
+    on group p = s mod P (``runtime.schedule.interleaved_1f1b``). Per-stage
+    terms (compute, boundary, all-reduce, optimizer) are those of the module
+    note; what changes:
+
+      step  = makespan of the schedule's task graph (``pipeline_makespan``)
+              + max_p sum_{s = p mod P} (allreduce_s + optim_s)
+              where the forward of stage s takes f_s = floor(c'_s / 3) +
+              floor(boundary_s / 2) (c'_s: its slowest GPU's compute without
+              recomputation) and the backward t_s - f_s (the rest of its
+              compute, the re-run forward, the other half of the boundary),
+              and a task starts when its group's previous task and the task
+              it depends on (F of stage s-1, B of stage s+1, same
+              micro-batch) have ended;
+      memory_g = sum over g's stages of their state (replicated, or the
+              shard) + max over the moments of ``schedule.live_profile`` of
+              sum_c live_c * held_{p + cP} (+ rerun of the backward's chunk)
+              held_s = n_g A_s, or n_g X_s on a recomputing stage;
+              rerun_s = n_g A_s on a recomputing stage, else 0.
+
+    Why a longest path and not a closed form: for P equal groups of v equal
+    chunks of time t the makespan is (M v + P - 1) t -- the 1F1B bubble of
+    (P - 1) stage times shrinks to (P - 1) / v of them (Narayanan et al.,
+    SC'21, section 2.2.2) -- but where a group's chunks are unequal the
+    chunks of different groups stall each other in the steady state, and the
+    closed form M max_p T_p + (sum T - max T) / v was up to 45% below the
+    simulator (tests/test_sim.py). On free links the makespan equals the
+    simulator's compute; the boundary is charged on the task, as t_s does
+    for v = 1 (conservative: a GPU does not wait for its sends). Links shared
+    by two boundaries (P = 2: 0 -> 1 and the wrap-around 1 -> 0 on one node
+    pair) are not modelled. Each group's stages synchronise one after the
+    other once its pipeline has drained, as the runtime does. The memory term
+    is the schedule's exact peak (the simulator tracks the same moments and
+    agrees to the KiB). The CP-SAT models and the DP do not choose v:
+    ``solve.interleave`` re-cuts a finished plan's groups into P v stages and
+    keeps the result when this objective -- compared against the same
+    makespan of the plan it started from -- says it is faster. Every GPU's
+    row in each of its stages carries its whole memory."""
+    from ..runtime.schedule import live_profile
+
+    n_s, m = len(stage_blocks), tab.num_microbatches
+    groups = n_s // v
+    fwd = forward_units(tab, stage_blocks, stage_gpus, samples, bnd)
+    sync = [sum(a + o for a, o in zip(ar[p::groups], opt[p::groups])) for p in range(groups)]
+    step = pipeline_makespan(tab.schedule, m, v, fwd, stage) + max(sync)
+    memory = [list(row) for row in mem]
+    for p in range(groups):
+        profile = live_profile(tab.schedule, n_s, m, v, p)
+        for k, (g, n) in enumerate(zip(stage_gpus[p], samples[p])):
+            state, held, rerun = 0, [], []
+            for s in range(p, n_s, groups):
+                i, j = stage_blocks[s]
+                a = tab.act_prefix[j] - tab.act_prefix[i]
+                own = _act_units(tab, s, n_s, i, n, a, pol.recompute[s])
+                state += mem[s][k] - own
+                if pol.recompute[s]:
+                    held.append(n * (tab.cut_kib[i] if s > 0 else 0))
+                    rerun.append(n * a)
+                else:
+                    held.append(n * a)
+                    rerun.append(0)
+            act = max(sum(c * h for c, h in zip(live, held)) + (rerun[b] if b >= 0 else 0) for live, b in profile)
+            for s in range(p, n_s, groups):
+                memory[s][k] = state + act
+    return StageUnits(compute=tuple(comp), boundary=tuple(bnd), stage=stage, allreduce=tuple(ar),
+                      optim=tuple(opt), memory=tuple(tuple(r) for r in memory), step=step, uncovered=tuple(unc))
