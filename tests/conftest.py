@@ -205,3 +205,41 @@ def assert_params_match(params_by_rank, ref_params, initial, steps, lr):
         for rank, value in copies[1:]:
             torch.testing.assert_close(value, copies[0][1], rtol=1e-6, atol=1e-9,
                                        msg=lambda m: f"{name}: rank {rank} vs rank {copies[0][0]}: {m}")
+
+
+def assert_grads_match(grads_by_rank, ref_grads):
+    """Every rank's gradients ({rank: {name: tensor}}) equal single-process
+    ``ref_grads`` (atol 1e-6 + 1e-4 x the largest reference entry), and every
+    parameter has a gradient on some rank."""
+    seen = set()
+    for rank, g in grads_by_rank.items():
+        for name, value in g.items():
+            ref = ref_grads[name]
+            tol = 1e-6 + 1e-4 * ref.abs().max().item()
+            torch.testing.assert_close(value, ref, atol=tol, rtol=0, msg=lambda m: f"rank {rank} grad {name}: {m}")
+            seen.add(name)
+    assert seen == set(ref_grads), f"parameters without a gradient: {set(ref_grads) - seen}"
+
+
+def train_and_compare(plan, captured, tokens, tmp_path: Path, *, steps: int, lr: float, weight_decay: float):
+    """Run ``plan`` with torchrun for ``steps`` AdamW steps and compare with
+    single-process training (``reference_adamw``): the step numbers and losses
+    (rel 1e-5), each rank's logged stages and all-gather time, its step-1
+    gradients (``assert_grads_match``) and its final parameters
+    (``assert_params_match``).
+    Returns {rank: optimizer-state summary} (the ranks' ``--dump-params`` JSON)."""
+    initial = {k: v.clone() for k, v in captured.state().items()}
+    rows, grads = run_distributed(plan, captured.state(), tokens, tmp_path, steps=steps,
+                                  extra=("--dump-params", "--lr", str(lr), "--weight-decay", str(weight_decay)))
+    ref_losses, ref_grads, ref_params = reference_adamw(captured, tokens, plan, steps, lr=lr,
+                                                          weight_decay=weight_decay)
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    assert [r["loss"] for r in rows] == pytest.approx(ref_losses, rel=1e-5)
+    for r in rows:
+        assert [part["stages"] for part in r["ranks"]] == [list(plan.stages_of(k)) for k in range(plan.world_size)]
+        assert all("allgather_s" in part for part in r["ranks"])
+    assert_grads_match(grads, ref_grads)
+    out = tmp_path / "run" / "params"
+    assert_params_match({r: torch.load(out / f"rank{r}.pt") for r in range(plan.world_size)}, ref_params, initial,
+                        steps, lr)
+    return {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(plan.world_size)}

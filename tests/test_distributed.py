@@ -19,12 +19,10 @@ step by step (losses), at step 1 (gradients) and at the end (parameters).
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
-from conftest import (CLUSTERS, assert_params_match, first_batch, reference_adamw, reference_step, run_distributed,
+from conftest import (CLUSTERS, first_batch, reference_step, run_distributed, train_and_compare,
                       with_memory_policy)
 from zorse_fx.capture import analyse, capture
 from zorse_fx.cluster import Cluster
@@ -113,29 +111,6 @@ def test_hf_llama_tied_embeddings_distributed(lee_bytes, tmp_path):
 LR, WEIGHT_DECAY = 1e-3, 0.1
 
 
-def _train_and_compare(plan, captured, tokens, tmp_path, steps):
-    """Run ``plan`` for ``steps``; check losses, step-1 gradients, final
-    parameters against single-process training, and that holders of a tied
-    parameter agree. Returns {rank: optimizer-state summary}."""
-    initial = {k: v.clone() for k, v in captured.state().items()}
-    rows, grads = run_distributed(plan, captured.state(), tokens, tmp_path, steps=steps,
-                                  extra=("--dump-params", "--lr", str(LR), "--weight-decay", str(WEIGHT_DECAY)))
-    ref_losses, ref_grads, ref_params = reference_adamw(captured, tokens, plan, steps, lr=LR,
-                                                          weight_decay=WEIGHT_DECAY)
-    assert [r["step"] for r in rows] == list(range(1, steps + 1))
-    assert [r["loss"] for r in rows] == pytest.approx(ref_losses, rel=1e-5)
-    assert all("allgather_s" in part for r in rows for part in r["ranks"])
-    for rank, g in grads.items():
-        for name, value in g.items():
-            ref = ref_grads[name]
-            tol = 1e-6 + 1e-4 * ref.abs().max().item()
-            torch.testing.assert_close(value, ref, atol=tol, rtol=0, msg=lambda m: f"rank {rank} grad {name}: {m}")
-    out = tmp_path / "run" / "params"
-    assert_params_match({r: torch.load(out / f"rank{r}.pt") for r in range(plan.world_size)}, ref_params, initial,
-                        steps, LR)
-    return {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(plan.world_size)}
-
-
 def _check_state_sizes(plan, summaries):
     """ZeRO-1 ranks hold AdamW moments for their owned range only (2 x 4 bytes
     per owned fp32 element); ranges follow shard_ranges and tile the stage."""
@@ -163,7 +138,7 @@ def test_zero1_unequal_shards_and_recompute_equal_single_process(lee_bytes, tmp_
     )
     plan = with_memory_policy(plan, sharded={1}, recompute={0}, shard_bytes={1: (3 * 2**20, 2**20)})
     assert plan.shared_params() == {"wte.weight": (0, 1)}
-    summaries = _train_and_compare(plan, captured, lee_bytes, tmp_path, steps=3)
+    summaries = train_and_compare(plan, captured, lee_bytes, tmp_path, steps=3, lr=LR, weight_decay=WEIGHT_DECAY)
     _check_state_sizes(plan, summaries)
     n = plan.stages[1].num_parameters
     assert summaries[1]["owned_elements"] + summaries[2]["owned_elements"] == n
@@ -183,6 +158,6 @@ def test_hf_llama_tied_embeddings_zero1_recompute(lee_bytes, tmp_path):
     )
     plan = with_memory_policy(plan, sharded={0, 1}, recompute={1}, shard_bytes={0: (5, 0), 1: (2**20, 2 * 2**20)})
     assert plan.shared_params() == {"model.model.embed_tokens.weight": (0, 1)}
-    summaries = _train_and_compare(plan, captured, lee_bytes, tmp_path, steps=2)
+    summaries = train_and_compare(plan, captured, lee_bytes, tmp_path, steps=2, lr=LR, weight_decay=WEIGHT_DECAY)
     _check_state_sizes(plan, summaries)
     assert summaries[1]["owned_elements"] == 0 and summaries[1]["optimizer_state_bytes"] == 0

@@ -31,7 +31,8 @@ import json
 import pytest
 import torch
 
-from conftest import (CLUSTERS, assert_params_match, first_batch, reference_adamw, reference_step, run_distributed,
+from conftest import (CLUSTERS, assert_grads_match, assert_params_match, first_batch, reference_adamw, reference_step,
+                      train_and_compare,
                       with_memory_policy)
 from zorse_fx.capture import analyse, capture
 from zorse_fx.cluster import Cluster
@@ -63,36 +64,6 @@ def _plan(captured, stage_gpus, samples, num_microbatches, global_batch_size, in
     return plan
 
 
-def _assert_grads(grads_by_rank, ref_grads):
-    seen = set()
-    for rank, g in grads_by_rank.items():
-        for name, value in g.items():
-            ref = ref_grads[name]
-            tol = 1e-6 + 1e-4 * ref.abs().max().item()
-            torch.testing.assert_close(value, ref, atol=tol, rtol=0, msg=lambda m: f"rank {rank} grad {name}: {m}")
-            seen.add(name)
-    assert seen == set(ref_grads), f"parameters without a gradient: {set(ref_grads) - seen}"
-
-
-def _train_and_compare(plan, captured, tokens, tmp_path, steps):
-    """Run ``plan`` with torchrun for ``steps`` AdamW steps and compare with
-    single-process training; returns {rank: optimizer-state summary}."""
-    initial = {k: v.clone() for k, v in captured.state().items()}
-    rows, grads = run_distributed(plan, captured.state(), tokens, tmp_path, steps=steps,
-                                  extra=("--dump-params", "--lr", str(LR), "--weight-decay", str(WEIGHT_DECAY)))
-    ref_losses, ref_grads, ref_params = reference_adamw(captured, tokens, plan, steps, lr=LR,
-                                                          weight_decay=WEIGHT_DECAY)
-    assert [r["step"] for r in rows] == list(range(1, steps + 1))
-    assert [r["loss"] for r in rows] == pytest.approx(ref_losses, rel=1e-5)
-    for r in rows:
-        assert [part["stages"] for part in r["ranks"]] == [list(plan.stages_of(k)) for k in range(plan.world_size)]
-    _assert_grads(grads, ref_grads)
-    out = tmp_path / "run" / "params"
-    assert_params_match({r: torch.load(out / f"rank{r}.pt") for r in range(plan.world_size)}, ref_params, initial,
-                        steps, LR)
-    return {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(plan.world_size)}
-
-
 def test_interleaved_two_groups_equal_single_process(lee_bytes, tmp_path):
     """P = 2 groups of one GPU, v = 2 (4 stages), 4 micro-batches of 2; 3 AdamW steps."""
     captured = _gpt_captured()
@@ -103,7 +74,7 @@ def test_interleaved_two_groups_equal_single_process(lee_bytes, tmp_path):
     assert plan.shared_params() == {"wte.weight": (0, 3)}
     # Step-1 loss against the single-process forward on the same batch (before reference_adamw trains it).
     ref_loss, _ = reference_step(captured, first_batch(lee_bytes, plan))
-    summaries = _train_and_compare(plan, captured, lee_bytes, tmp_path, steps=3)
+    summaries = train_and_compare(plan, captured, lee_bytes, tmp_path, steps=3, lr=LR, weight_decay=WEIGHT_DECAY)
     for rank, got in summaries.items():
         assert [s["stage"] for s in got["stages"]] == list(plan.stages_of(rank))
         assert got["stage"] == plan.stages_of(rank)[0] and got["sharded"] is False
@@ -123,7 +94,7 @@ def test_interleaved_unequal_dp_zero1_recompute(lee_bytes, tmp_path):
                               shard_bytes={0: (3 * 2**20, 2**20), 2: (2**20, 2 * 2**20)})
     assert plan.world_size == 3 and plan.stages_of(1) == (0, 2) and plan.stages_of(2) == (1, 3)
     assert plan.shared_params() == {"wte.weight": (0, 3)}
-    summaries = _train_and_compare(plan, captured, lee_bytes, tmp_path, steps=3)
+    summaries = train_and_compare(plan, captured, lee_bytes, tmp_path, steps=3, lr=LR, weight_decay=WEIGHT_DECAY)
     # Per hosted stage: the ZeRO-1 owned range (shard_ranges) and AdamW moments for it only.
     for rank, got in summaries.items():
         per_stage = got["stages"]
@@ -170,6 +141,6 @@ def test_one_group_two_stages_in_process(lee_bytes, tmp_path):
     ref_losses, ref_grads, ref_params = reference_adamw(captured, lee_bytes, plan, steps, lr=LR,
                                                           weight_decay=WEIGHT_DECAY)
     assert losses == pytest.approx(ref_losses, rel=1e-5)
-    _assert_grads({0: grads1}, ref_grads)
+    assert_grads_match({0: grads1}, ref_grads)
     # parameters_by_name checks that the rank's two wte copies still agree.
     assert_params_match({0: worker.parameters_by_name()}, ref_params, initial, steps, LR)
