@@ -84,9 +84,15 @@ def test_cli_plan_and_show(tmp_path, capsys):
     d = json.loads((out / "plan.json").read_text())
     assert d["format"] == "zorse_fx.plan" and d["version"] == zorse.plan.PLAN_FORMAT_VERSION
     assert (out / "weights.pt").exists() and (out / "stage_0.py").exists()
+    # The answer was simulated before it became a plan (sim.check_result).
+    sv = d["solver"]
+    assert sv["simulated_step_time_s"] > 0 and 0 < sv["simulated_max_memory_fraction"] <= 1
+    assert 0.5 < sv["simulated_step_time_s"] / d["predicted_step_time_s"] <= 1.2
+    assert "simulator check: step" in capsys.readouterr().out
     assert zorse_main(["show", str(out)]) == 0
     text = capsys.readouterr().out
     assert "predicted step time" in text and "stage |" in text
+    assert f"simulated step time {sv['simulated_step_time_s']:.3f} s" in text
 
 
 def test_stage_dp_planner_alone_and_in_the_portfolio(tmp_path):

@@ -156,6 +156,12 @@ class SolverReport:
     wall_s: float
     time_limit_s: float = 0.0
     candidates: tuple[dict, ...] = ()
+    #: The simulator's check of the answer (``sim.check_result``): step time
+    #: (s), largest peak / usable memory over the GPUs, bubble fraction; 0 =
+    #: not simulated (plans made by ``plan_fixed`` or before format 3's check).
+    simulated_step_time_s: float = 0.0
+    simulated_max_memory_fraction: float = 0.0
+    simulated_bubble_fraction: float = 0.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -309,6 +315,9 @@ class Plan:
                 "wall_s": self.solver.wall_s,
                 "time_limit_s": self.solver.time_limit_s,
                 "candidates": list(self.solver.candidates),
+                "simulated_step_time_s": self.solver.simulated_step_time_s,
+                "simulated_max_memory_fraction": self.solver.simulated_max_memory_fraction,
+                "simulated_bubble_fraction": self.solver.simulated_bubble_fraction,
             },
             "stages": [
                 {
@@ -489,6 +498,11 @@ class Plan:
             f"predicted step time {self.predicted_step_time_s:.3f} s "
             f"({self.tokens_per_step / self.predicted_step_time_s:,.0f} tokens/s); "
             f"planner {sv.planner}: {sv.status}, gap {sv.optimality_gap:.2%}, {sv.wall_s:.2f} s"
+            + (f"\nsimulated step time {sv.simulated_step_time_s:.3f} s "
+               f"({sv.simulated_step_time_s / self.predicted_step_time_s:.2f}x predicted), "
+               f"bubble {sv.simulated_bubble_fraction:.0%}, peak memory "
+               f"{sv.simulated_max_memory_fraction:.0%} of usable"
+               if sv.simulated_step_time_s and self.predicted_step_time_s else "")
         )
         return buf.getvalue() + summary
 

@@ -9,6 +9,7 @@ the result is recorded as a ``Plan`` with the stage sources.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -86,8 +87,12 @@ def plan_captured(
     """Plan ``captured`` for ``cluster``. Returns the plan (with stage sources)
     and the block graph it was made from.
 
+    The answer is simulated before it becomes a plan (``sim.check_result``):
+    the simulated step, bubble and peak memory go into ``plan.solver``.
+
     Raises:
         InfeasiblePlanError: no plan fits (the message names the constraint).
+        PlanCheckError: the simulator finds a GPU over memory (a zorse_fx bug).
     """
     say = progress or (lambda msg: log.info(msg))
     t0 = time.perf_counter()
@@ -125,8 +130,19 @@ def plan_captured(
                                   f"{next(c['violations'] for c in result.candidates if c.get('chosen'))}")
     say(f"solved: {result.num_stages} stages, {result.num_microbatches} micro-batches, "
         f"status {result.status}, gap {result.optimality_gap:.2%}, {result.wall_s:.2f} s")
+    from .sim.check import check_result
+
+    check = check_result(costs, devices, sopts, result)  # raises PlanCheckError on a memory breach
+    say(check.summary())
+    for w in check.warnings:
+        log.warning(w)
+        say(f"warning: {w}")
     plan = build_plan(bg, cluster, result, options, model_name=model_name, label_mode=label_mode,
                       compute_dtype=dtype, planner=planner)
+    plan = dataclasses.replace(plan, solver=dataclasses.replace(
+        plan.solver, simulated_step_time_s=check.simulated_step_time_s,
+        simulated_max_memory_fraction=check.max_memory_fraction,
+        simulated_bubble_fraction=check.bubble_fraction))
     say(f"codegen: {plan.num_stages} stage modules ({time.perf_counter() - t0:.1f} s total)")
     return plan, bg
 
@@ -168,8 +184,6 @@ def _device_graph(cluster: Cluster, options: PlanOptions):
     """The cluster's device graph; where a GPU type's profile measured the
     optimizer step, its optimizer time comes from that measurement (expressed
     as the memory bandwidth the solver's [C-optim] term divides by)."""
-    import dataclasses
-
     from .cost.measured import ProfileSet
 
     dg = cluster.device_graph()
