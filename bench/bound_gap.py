@@ -36,7 +36,6 @@ stage_blocks}) and ``bound_gap.md``.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from dataclasses import replace
@@ -46,7 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from scenarios import CLUSTERS, SCENARIOS, price, upper_bound_tokens_per_s  # noqa: E402
+from scenarios import CLUSTERS, price, selected, upper_bound_tokens_per_s, write_results  # noqa: E402
 
 #: Link bandwidth of the idealised links, bytes/s: 1 EB/s makes every transfer
 #: of these models round to 0 ns in the planner's integer tables.
@@ -162,17 +161,8 @@ def main() -> int:
     bad = sorted(set(args.variants) - set(VARIANTS))
     if bad:
         ap.error(f"--variants: unknown {bad}; choose from {VARIANTS}")
-    only = set(filter(None, args.only.split(",")))
-    rows = []
-    for sc in SCENARIOS:
-        if not only or sc.name in only:
-            rows += run(sc, args)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bound_gap.json").write_text(json.dumps(rows, indent=1) + "\n")
-    md = table(rows)
-    (out / "bound_gap.md").write_text(md + "\n")
-    print(md)
+    rows = [row for sc in selected(args.only) for row in run(sc, args)]
+    write_results(args.out, "bound_gap", rows, table(rows))
     return 0
 
 

@@ -67,6 +67,24 @@ SCENARIOS = (
 )
 
 
+def selected(only: str) -> list[Scenario]:
+    """The scenarios named in ``only`` (comma-separated; empty = all), in SCENARIOS order."""
+    names = set(filter(None, only.split(",")))
+    unknown = sorted(names - {sc.name for sc in SCENARIOS})
+    if unknown:
+        raise SystemExit(f"--only: unknown scenario(s) {unknown}; choose from {[sc.name for sc in SCENARIOS]}")
+    return [sc for sc in SCENARIOS if not names or sc.name in names]
+
+
+def write_results(out_dir: str, stem: str, rows: list[dict], markdown: str) -> None:
+    """``<out_dir>/<stem>.json`` (the rows) and ``<stem>.md`` (the table), and print the table."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps(rows, indent=1) + "\n")
+    (out / f"{stem}.md").write_text(markdown + "\n")
+    print(markdown)
+
+
 def build_model(name: str) -> torch.nn.Module:
     """The scenario's model on the meta device in fp16 (transformers configs)."""
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM
@@ -212,14 +230,7 @@ def main() -> int:
                     help="zorse_fx: most stages per GPU group (interleaved 1F1B) tried on its answer; 1 = none")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     args = ap.parse_args()
-    only = set(filter(None, args.only.split(",")))
-    rows = []
-    for sc in SCENARIOS:
-        if not only or sc.name in only:
-            rows += run_scenario(sc, args)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "scenarios.json").write_text(json.dumps(rows, indent=1) + "\n")
+    rows = [row for sc in selected(args.only) for row in run_scenario(sc, args)]
     lines = ["| scenario | planner | feasible | tokens/s | of bound | MFU | stages | GPUs | sharded / recompute stages "
              "| max mem | planner s | status |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -232,8 +243,7 @@ def main() -> int:
                      f"{r['fraction_of_upper_bound']:.0%} | {r['mfu']:.1%} | {_stages(r)} | {r['gpus_used']} | "
                      f"{r['sharded_stages']} / {r['recompute_stages']} | "
                      f"{r['max_memory_fraction']:.0%} | {r['planner_wall_s']:.1f} | {r['status']} |")
-    (out / "scenarios.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_results(args.out, "scenarios", rows, "\n".join(lines))
     return 0
 
 

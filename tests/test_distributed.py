@@ -22,8 +22,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import (CLUSTERS, first_batch, reference_step, run_distributed, train_and_compare,
-                      with_memory_policy)
+from conftest import (CLUSTERS, assert_grads_match, first_batch, reference_step, run_distributed,
+                      train_and_compare, with_memory_policy)
 from zorse_fx.capture import analyse, capture
 from zorse_fx.cluster import Cluster
 from zorse_fx.models.gpt import GPT, GPTConfig
@@ -43,14 +43,7 @@ def _check(plan, captured, lee_bytes, tmp_path):
     ref_loss, ref_grads = reference_step(captured, first_batch(lee_bytes, plan))
     rows, grads = run_distributed(plan, captured.state(), lee_bytes, tmp_path)
     assert rows[0]["loss"] == pytest.approx(ref_loss, rel=1e-5)
-    seen = set()
-    for rank, g in grads.items():
-        for name, value in g.items():
-            ref = ref_grads[name]
-            tol = 1e-6 + 1e-4 * ref.abs().max().item()
-            torch.testing.assert_close(value, ref, atol=tol, rtol=0, msg=lambda m: f"rank {rank} {name}: {m}")
-            seen.add(name)
-    assert seen == set(ref_grads), f"parameters without a gradient: {set(ref_grads) - seen}"
+    assert_grads_match(grads, ref_grads)
 
 
 CASES = {
