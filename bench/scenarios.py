@@ -11,7 +11,9 @@ event-driven simulator (``zorse_fx/sim``). Reported per planner: tokens/s,
 MFU (model FLOPs / sum of the GPUs' fp16 peaks), the ratio to the scenario's
 upper bound (sum over GPUs of each GPU's standalone throughput: the whole
 model on that GPU alone, no communication, unlimited memory), peak memory vs
-capacity, feasibility and planner wall time.
+capacity (largest fraction in the table; per GPU in the JSON:
+``peak_memory_bytes`` and ``memory_capacity_bytes``, indexed like the
+cluster's GPUs), feasibility and planner wall time.
 
 Writes ``bench/results/scenarios.json`` and ``bench/results/scenarios.md``.
 """
@@ -185,6 +187,9 @@ def run_scenario(sc: Scenario, args) -> list[dict]:
             "num_stages": res.num_stages, "num_microbatches": res.num_microbatches, "interleave": res.interleave,
             "gpus_used": len({g for gs in res.stage_gpus for g in gs}),
             "max_memory_fraction": max(m / c for m, c in mem), "violations": list(ev.violations)[:3],
+            # Per GPU of the cluster (index = GPU): predicted peak bytes (0 = idle) and capacity.
+            "peak_memory_bytes": _per_gpu_memory(devices.num_gpus, res.stage_gpus, ev.memory_bytes),
+            "memory_capacity_bytes": list(devices.memory_bytes),
             "sharded_stages": sum(ev.stage_sharded), "recompute_stages": sum(ev.stage_recompute),
             # zorse_fx: the interleave pass's best feasible try (None: nothing fit or was tried).
             "best_interleaved_step_time_s": min((c["interleave_search"]["step_time_s"] for c in res.candidates
@@ -193,6 +198,15 @@ def run_scenario(sc: Scenario, args) -> list[dict]:
         print(f"[{sc.name}] {name}: {tokens:,.0f} tokens/s ({tokens / ub:.0%} of bound), feasible {ev.feasible}, "
               f"{res.num_stages} stages, {wall:.1f} s", flush=True)
     return rows
+
+
+def _per_gpu_memory(num_gpus: int, stage_gpus, memory_bytes) -> list[int]:
+    """Peak bytes per GPU index (a GPU's rows in its stages carry its whole memory; 0 = idle)."""
+    peak = [0] * num_gpus
+    for gs, ms in zip(stage_gpus, memory_bytes):
+        for g, m in zip(gs, ms):
+            peak[g] = max(peak[g], int(m))
+    return peak
 
 
 def _simulate(costs, devices, opts, res) -> float | None:

@@ -53,12 +53,12 @@ def test_a_crashing_solve_is_retried_and_the_plan_is_the_same(monkeypatch, tmp_p
     clean = solve_cpsat(costs, devices, opts)
     real_solve = _search._solve
 
-    def abort_first(model, solver):
+    def abort_first(model, solver, *rest):
         # id(model) is the same in every forked child; the marker file outlives the child.
         try:
             (tmp_path / str(id(model))).open("x").close()
         except FileExistsError:
-            return real_solve(model, solver)
+            return real_solve(model, solver, *rest)
         _abort()
 
     monkeypatch.setattr(_search, "_solve", abort_first)
@@ -77,10 +77,10 @@ def test_a_candidate_that_always_crashes_is_recorded_and_skipped(monkeypatch):
     assert solve_cpsat(costs, devices, opts).num_stages == 2  # undisturbed, 2 stages win
     real_solve = _search._solve
 
-    def abort_two_stages(model, solver):
+    def abort_two_stages(model, solver, *rest):
         if model.S == 2:
             _abort()
-        return real_solve(model, solver)
+        return real_solve(model, solver, *rest)
 
     monkeypatch.setattr(_search, "_solve", abort_two_stages)
     res = solve_cpsat(costs, devices, opts)
@@ -94,3 +94,17 @@ def test_when_every_candidate_crashes_the_error_says_so(monkeypatch):
     monkeypatch.setattr(_search, "_solve", _abort)
     with pytest.raises(InfeasiblePlanError, match=r"OR-Tools crashed on every try \(google/or-tools#5288"):
         solve_cpsat(costs, devices, opts)
+
+
+def test_hinted_candidates_complete_their_hint_in_the_solve_child():
+    """The portfolio hints CP-SAT with the stage DP's and the baselines' plans;
+    each hinted candidate completes its hint in the same forked child as its
+    solve and records it."""
+    from zorse_fx.solve.portfolio import solve_portfolio
+
+    costs, devices, opts = random_instance(2, time_limit_s=5.0)
+    res = solve_portfolio(costs, devices, opts, solve_cpsat)
+    hinted = [c for c in res.candidates if c.get("hint")]
+    assert hinted and all(c["hint_completed"] is True for c in hinted)
+    assert res.predicted_step_time_s == pytest.approx(solve_cpsat(costs, devices, opts).predicted_step_time_s,
+                                                      abs=1e-9)

@@ -43,9 +43,11 @@ exits with ``os._exit``. If the child dies instead, the parent gets
 ``SolverCrash`` (naming the signal) and the candidate is solved again without
 its hint, then also without presolve; a candidate that crashes all three
 times is recorded as ``"status": "CRASHED"`` (like a time-limited UNKNOWN: no
-solution, the throughput bound, and the search is no longer OPTIMAL). Cost:
-one fork per solve, ~5-20 ms with torch loaded (copy-on-write). Set
-``ZORSE_SOLVE_IN_PROCESS=1`` to solve in-process (e.g. under a debugger).
+solution, the throughput bound, and the search is no longer OPTIMAL). A
+hinted candidate completes its hint (``complete_hint``) in the same child,
+so a candidate costs one fork: ~20 ms with torch loaded (copy-on-write page
+tables; measured on the 2-core CPU machine). Set ``ZORSE_SOLVE_IN_PROCESS=1``
+to solve in-process (e.g. under a debugger).
 """
 
 from __future__ import annotations
@@ -129,16 +131,21 @@ class _Answer:
     bound: float
     objective: int | None = None
     decision: object = None
+    #: The partial hint was completed first (``complete_hint``).
+    hint_completed: bool = False
 
 
-def _solve(model, solver: cp_model.CpSolver) -> _Answer:
+def _solve(model, solver: cp_model.CpSolver, completer: cp_model.CpSolver | None = None) -> _Answer:
+    """Solve ``model`` (after completing its hint with ``completer``, if given) and
+    read the answer off the solver. Runs in the forked child: one fork per try."""
+    completed = complete_hint(model.m, completer) if completer is not None else False
     code = solver.Solve(model.m)
-    ans = _Answer(code, solver.StatusName(code), solver.BestObjectiveBound())
     if code in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         # The objective at the returned solution (OR-Tools 9.15's ObjectiveValue() can
         # differ from it by a few ms on time-limited FEASIBLE answers).
-        ans = _Answer(code, ans.status, ans.bound, int(solver.Value(model.objective)), model.decision(solver))
-    return ans
+        return _Answer(code, solver.StatusName(code), solver.BestObjectiveBound(), int(solver.Value(model.objective)),
+                       model.decision(solver), completed)
+    return _Answer(code, solver.StatusName(code), solver.BestObjectiveBound(), hint_completed=completed)
 
 
 def complete_hint(m: cp_model.CpModel, solver: cp_model.CpSolver) -> bool:
@@ -152,8 +159,9 @@ def complete_hint(m: cp_model.CpModel, solver: cp_model.CpSolver) -> bool:
     copy, the copy is solved for a feasible point (propagation does nearly
     all of it), and its values become a complete hint, which CP-SAT checks
     and keeps as its first incumbent. Returns False (hint left as it was)
-    when the copy finds nothing, e.g. a hint the model cannot express, or
-    when its solve crashes ([Note: isolated solves])."""
+    when the copy finds nothing, e.g. a hint the model cannot express. Runs in
+    this process: ``CandidateSearch`` calls it inside the forked child of the
+    candidate's solve ([Note: isolated solves])."""
     proto = m.Proto()
     hinted = list(zip(proto.solution_hint.vars, proto.solution_hint.values))
     if not hinted:
@@ -164,23 +172,13 @@ def complete_hint(m: cp_model.CpModel, solver: cp_model.CpSolver) -> bool:
     for v, val in hinted:
         fixed.Add(fixed.GetIntVarFromProtoIndex(v) == val)
     solver.parameters.max_time_in_seconds = min(solver.parameters.max_time_in_seconds, HINT_COMPLETION_S)
-    n_vars = len(proto.variables)
-
-    def values():
+    code = solver.Solve(fixed)
+    if code == cp_model.INFEASIBLE:  # [Note: presolve bug]
+        solver.parameters.cp_model_presolve = False
         code = solver.Solve(fixed)
-        if code == cp_model.INFEASIBLE:  # [Note: presolve bug]
-            solver.parameters.cp_model_presolve = False
-            code = solver.Solve(fixed)
-        if code not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-            return None
-        return [solver.Value(fixed.GetIntVarFromProtoIndex(v)) for v in range(n_vars)]
-
-    try:
-        vals = run_isolated(values)
-    except SolverCrash:
+    if code not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return False
-    if vals is None:
-        return False
+    vals = [solver.Value(fixed.GetIntVarFromProtoIndex(v)) for v in range(len(proto.variables))]
     m.ClearHints()
     for v, val in enumerate(vals):
         m.AddHint(m.GetIntVarFromProtoIndex(v), val)
@@ -220,9 +218,10 @@ class CandidateSearch:
         return solver
 
     def _solve_robustly(self, model, *, presolve: bool) -> tuple[_Answer | None, list[str]]:
-        """Solve ``model`` in a forked child ([Note: isolated solves]); after a
-        crash, again without the hint, then without presolve. Returns (the
-        answer or None if every try crashed, the crash messages)."""
+        """Solve ``model`` in a forked child ([Note: isolated solves]), a hinted
+        model with its hint completed first in the same child; after a crash,
+        again without the hint, then without presolve. Returns (the answer or
+        None if every try crashed, the crash messages)."""
         crashes: list[str] = []
         had_hint = bool(model.m.Proto().solution_hint.vars)
         tries = [presolve] + ([presolve] if had_hint else []) + ([False] if presolve else [])
@@ -231,8 +230,9 @@ class CandidateSearch:
                 model.m.ClearHints()
             solver = self._solver()
             solver.parameters.cp_model_presolve = pre
+            completer = self._solver() if k == 0 and had_hint else None
             try:
-                return run_isolated(lambda: _solve(model, solver)), crashes
+                return run_isolated(lambda: _solve(model, solver, completer)), crashes
             except SolverCrash as exc:
                 crashes.append(str(exc))
         return None, crashes
@@ -241,9 +241,9 @@ class CandidateSearch:
         """Solve one candidate model and record it (``record``: extra fields for its entry)."""
         t1 = time.perf_counter()
         opts, m = self.options, num_microbatches
-        if record.get("hint"):
-            record["hint_completed"] = complete_hint(model.m, self._solver())
         ans, attempts = self._solve_robustly(model, presolve=True)
+        if record.get("hint"):
+            record["hint_completed"] = bool(ans is not None and ans.hint_completed)
         code = ans.code if ans is not None else None
         retried = False
         if code == cp_model.INFEASIBLE and record.get("hint"):  # [Note: presolve bug]
