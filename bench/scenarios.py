@@ -214,13 +214,7 @@ def _simulate(costs, devices, opts, res) -> float | None:
         from zorse_fx.sim import simulate
     except ImportError:
         return None
-    mib = 1 << 20
-    return simulate(costs, devices, opts, stage_blocks=res.stage_blocks, stage_gpus=res.stage_gpus,
-                    samples_per_microbatch=res.samples_per_microbatch,
-                    num_microbatches=res.num_microbatches, stage_sharded=res.stage_sharded or None,
-                    state_shard_mib=tuple(tuple(b // mib for b in row) if sh else ()
-                                          for sh, row in zip(res.stage_sharded, res.state_shard_bytes)) or None,
-                    stage_recompute=res.stage_recompute or None, interleave=res.interleave).step_time_s
+    return simulate(costs, devices, opts, **res.decision_kwargs()).step_time_s
 
 
 def _stages(row: dict) -> str:

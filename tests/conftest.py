@@ -243,3 +243,11 @@ def train_and_compare(plan, captured, tokens, tmp_path: Path, *, steps: int, lr:
     assert_params_match({r: torch.load(out / f"rank{r}.pt") for r in range(plan.world_size)}, ref_params, initial,
                         steps, lr)
     return {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(plan.world_size)}
+
+
+def compute_only(costs, devices):
+    """The same instance without boundary bytes, link latency and parameters:
+    only the F/B compute of the pipeline is left."""
+    nb, g = costs.num_blocks, devices.num_gpus
+    return (dataclasses.replace(costs, cut_bytes_per_sample=(0,) * (nb + 1), param_count=(0,) * nb),
+            dataclasses.replace(devices, link_latency_s=((0.0,) * g,) * g))

@@ -6,8 +6,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import random
-import statistics
 
 import pytest
 
@@ -17,7 +15,7 @@ from zorse_fx.errors import InfeasiblePlanError
 from zorse_fx.sim import gantt_png, simulate, to_perfetto
 from zorse_fx.solve import BlockCosts, DeviceGraph, SolverOptions, evaluate, solve_cpsat
 
-from conftest import CLUSTERS, make_devices, random_costs, random_instance
+from conftest import compute_only, make_devices, random_instance
 
 GIB = 1 << 30
 KIB = MEMORY_UNIT_BYTES
@@ -31,23 +29,13 @@ def _decision(res):
 
 def _policy_kw(res):
     """The memory policy of a SolverResult as simulate / evaluate keyword arguments."""
-    return dict(stage_sharded=res.stage_sharded,
-                state_shard_mib=tuple(tuple(b // MIB for b in row) if sh else ()
-                                      for sh, row in zip(res.stage_sharded, res.state_shard_bytes)),
-                stage_recompute=res.stage_recompute)
+    kw = res.decision_kwargs()
+    return {k: kw[k] for k in ("stage_sharded", "state_shard_mib", "stage_recompute")}
 
 
 def _assert_same_memory(res, ev, sim):
     for gpus, mem in zip(res.stage_gpus, ev.memory_bytes):
         assert tuple(sim.peak_memory_bytes[g] for g in gpus) == mem
-
-
-def _compute_only(costs, devices):
-    """The same instance without boundary bytes, link latency and parameters:
-    only the F/B compute of the pipeline is left."""
-    nb, g = costs.num_blocks, devices.num_gpus
-    return (dataclasses.replace(costs, cut_bytes_per_sample=(0,) * (nb + 1), param_count=(0,) * nb),
-            dataclasses.replace(devices, link_latency_s=((0.0,) * g,) * g))
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
@@ -197,7 +185,7 @@ def test_agreement_with_objective():
             continue
         kw = _decision(res)
         ev, sim = evaluate(costs, devices, options, **kw), simulate(costs, devices, options, **kw)
-        c0, d0 = _compute_only(costs, devices)
+        c0, d0 = compute_only(costs, devices)
         ev0, sim0 = evaluate(c0, d0, options, **kw), simulate(c0, d0, options, **kw)
         rows.append((seed, res.num_stages, res.num_microbatches, sim.step_time_s / ev.step_time_s - 1,
                      sim0.step_time_s / ev0.step_time_s - 1, sim.step_time_s / ev0.step_time_s - 1))
@@ -276,7 +264,7 @@ def test_agreement_with_objective_under_memory_policy():
         assert sim.state_shard_bytes == ev.state_shard_bytes
         _assert_same_memory(res, ev, sim)
         # Compute-only: no parameters, so no shardable state: shards default to 0 MiB.
-        c0, d0 = _compute_only(costs, devices)
+        c0, d0 = compute_only(costs, devices)
         pol0 = dict(pol, state_shard_mib=None)
         ev0, sim0 = evaluate(c0, d0, options, **kw, **pol0), simulate(c0, d0, options, **kw, **pol0)
         rows.append((seed, res.num_stages, res.num_microbatches, sim.step_time_s / ev.step_time_s - 1,
@@ -450,367 +438,3 @@ def test_plan_decision_reads_the_plans_memory_policy():
     old = NS(num_microbatches=1, stages=(NS(index=0, blocks=(0, 1), gpus=tuple(
         NS(gpu=g.gpu, samples_per_microbatch=g.samples_per_microbatch) for g in gpus)),))
     assert plan_decision(old) == dict(kw, stage_sharded=(False,), state_shard_mib=None, stage_recompute=(False,))
-
-
-# -- interleaved 1F1B: S = P v stages on P GPU groups ------------------------
-
-def _split(rng, total, k):
-    """k positive ints summing to ``total`` (uniform random cut points)."""
-    cuts = sorted(rng.sample(range(1, total), k - 1))
-    return tuple(b - a for a, b in zip((0, *cuts), (*cuts, total)))
-
-
-def _interleaved_instance(seed, *, policy=True):
-    """(costs, devices, options, decision) of a random interleaved decision: P = 2-4
-    GPU groups of 1-4 GPUs (types A / B on nodes n0-n2), v = 2-3 chunks, S = P v
-    stages cut at random from S..2S blocks (so a group's chunks are unequal),
-    M in {P, 2P, 3P}, random sample shares; with ``policy``, random recompute
-    flags and some sharded multi-GPU stages (``balance_shards``' shards)."""
-    rng = random.Random(seed)
-    n_p, v = rng.randint(2, 4), rng.randint(2, 3)
-    n_s = n_p * v
-    nb = n_s + rng.randint(0, n_s)
-    sizes = [1] * n_p
-    for _ in range(rng.randint(0, 3)):
-        sizes[rng.randrange(n_p)] += 1
-    n_g = sum(sizes)
-    types = [rng.choice("AB") for _ in range(n_g)]
-    nodes = [rng.choice(["n0", "n1", "n2"]) for _ in range(n_g)]
-    mem_bw = [rng.choice([900e9, 1.2e12]) if t == "A" else 300e9 for t in types]
-    devices = make_devices(types, nodes, [16 * GIB] * n_g, mem_bw)
-    costs = random_costs(rng, nb, "AB", fixed=rng.random() < 0.5)
-    m = n_p * rng.randint(1, 3)
-    b = max(sizes) + rng.randint(0, 3)
-    order = list(range(n_g))
-    rng.shuffle(order)
-    groups = [tuple(order[sum(sizes[:p]):sum(sizes[:p + 1])]) for p in range(n_p)]
-    shares = [_split(rng, b, len(g)) if len(g) > 1 else (b,) for g in groups]
-    lengths = _split(rng, nb, n_s)
-    ends = tuple(sum(lengths[:s + 1]) for s in range(n_s))
-    kw = dict(stage_blocks=tuple(zip((0, *ends[:-1]), ends)), stage_gpus=tuple(groups) * v,
-              samples_per_microbatch=tuple(shares) * v, num_microbatches=m, interleave=v)
-    if policy:
-        kw["stage_recompute"] = tuple(rng.random() < 0.3 for _ in range(n_s))
-        kw["stage_sharded"] = tuple(len(groups[s % n_p]) > 1 and rng.random() < 0.4 for s in range(n_s))
-    options = SolverOptions(global_batch_size=m * b, max_stages=n_p, max_interleave=v, sharding="auto",
-                            recompute="auto")
-    return costs, devices, options, kw
-
-
-INTERLEAVED_SEEDS = range(50)
-
-
-def _ends(sim, kind, **match):
-    return [e for e in sim.events if e.kind == kind and all(getattr(e, k) == x for k, x in match.items())]
-
-
-def test_interleaved_memory_equals_objective_and_schedule_is_followed():
-    """(a) On random interleaved decisions (recomputing and sharded stages
-    included) every GPU's simulated peak EQUALS ``evaluate``'s memory of each of
-    its stages (sum of its stages' state + the schedule's exact activation
-    peak), and the simulator ran each stage's F and B once per micro-batch on
-    the stage's GPUs, each after the messages it needs (the wrap-around from
-    group P-1 to group 0 included)."""
-    seen = dict(recompute=0, sharded=0, multi_gpu=0)
-    for seed in INTERLEAVED_SEEDS:
-        costs, devices, options, kw = _interleaved_instance(seed)
-        ev, sim = evaluate(costs, devices, options, **kw), simulate(costs, devices, options, **kw)
-        v, n_s, m = kw["interleave"], len(kw["stage_blocks"]), kw["num_microbatches"]
-        n_p = n_s // v
-        assert sim.interleave == ev.interleave == v
-        for gpus, mem in zip(kw["stage_gpus"], ev.memory_bytes):
-            assert tuple(sim.peak_memory_bytes[g] for g in gpus) == mem, seed
-        assert sim.state_shard_bytes == ev.state_shard_bytes and sim.stage_sharded == ev.stage_sharded
-        assert sim.stage_recompute == ev.stage_recompute
-        seen["recompute"] += any(kw["stage_recompute"])
-        seen["sharded"] += any(kw["stage_sharded"])
-        seen["multi_gpu"] += any(len(g) > 1 for g in kw["stage_gpus"])
-        ran = {}
-        for e in sim.events:
-            if e.kind in ("F", "B"):
-                assert e.gpu in kw["stage_gpus"][e.stage]
-                assert (e.kind, e.stage, e.microbatch, e.gpu) not in ran
-                ran[e.kind, e.stage, e.microbatch, e.gpu] = e
-        assert len(ran) == 2 * m * sum(len(g) for g in kw["stage_gpus"])
-        for (kind, s, mb, g), e in ran.items():
-            if kind == "F":
-                sends = _ends(sim, "send", peer=g, microbatch=mb, stage=s - 1, peer_stage=s)
-                assert (len(sends) > 0) == (s > 0)
-            else:
-                sends = _ends(sim, "send", peer=g, microbatch=mb, stage=s + 1, peer_stage=s)
-                assert (len(sends) > 0) == (s < n_s - 1)
-                assert e.start_s >= ran["F", s, mb, g].end_s
-            assert all(x.end_s <= e.start_s + 1e-12 for x in sends), (seed, kind, s, mb, g)
-        wrap = _ends(sim, "send", stage=n_p - 1, peer_stage=n_p)
-        assert wrap and {x.peer for x in wrap} <= set(kw["stage_gpus"][0])
-    assert min(seen.values()) >= 10, seen
-
-
-def _longest_path(costs, devices, options, kw):
-    """Step of the schedule's task graph with free links and no sync: each stage's
-    F = t/3 and B = 2t/3 (+ t/3 re-run when recomputing) of its slowest GPU's
-    fwd+bwd time t; a task starts when its group's previous task and the task it
-    depends on (F of the stage before, B of the stage after) have ended. An
-    independent reference for the simulator on compute-only instances."""
-    from zorse_fx.runtime.schedule import make_schedule
-
-    v, n_s, m = kw["interleave"], len(kw["stage_blocks"]), kw["num_microbatches"]
-    n_p = n_s // v
-    dur = []
-    for s, ((i, j), gpus, ns) in enumerate(zip(kw["stage_blocks"], kw["stage_gpus"], kw["samples_per_microbatch"])):
-        t = max(n * sum(costs.fwd_bwd_s_per_sample[typ][i:j])
-                + sum(costs.fwd_bwd_s_fixed.get(typ, (0.0,) * costs.num_blocks)[i:j])
-                for g, n in zip(gpus, ns) for typ in [devices.gpu_types[g]])
-        rc = t / 3 if (kw.get("stage_recompute") or (False,) * n_s)[s] else 0.0
-        dur.append((t / 3, 2 * t / 3 + rc))
-    sched = make_schedule(options.schedule, n_s, m, v)
-    end, pc, free = {}, [0] * n_p, [0.0] * n_p
-    while any(pc[p] < len(sched[p]) for p in range(n_p)):
-        moved = False
-        for p in range(n_p):
-            while pc[p] < len(sched[p]):
-                a = sched[p][pc[p]]
-                s = p + a.chunk * n_p
-                dep = (("F", s - 1) if a.kind == "F" else ("B", s + 1)) + (a.microbatch,)
-                if 0 <= dep[1] < n_s and dep not in end:
-                    break
-                start = max(free[p], end.get(dep, 0.0))
-                free[p] = end[a.kind, s, a.microbatch] = start + dur[s][a.kind == "B"]
-                pc[p], moved = pc[p] + 1, True
-        assert moved, "schedule deadlocked"
-    return max(free)
-
-
-#: Interleaved decisions, with communication: the simulator may be this much
-#: slower than the objective (links shared by two boundaries, see below).
-INTERLEAVED_TOL = 0.20
-
-
-def test_interleaved_agreement_with_objective(capsys):
-    """(b) Simulator vs the objective's [Note: interleaved stages] step on the random
-    interleaved decisions of (a).
-
-    Compute-only (no boundary bytes, latency or parameters), the simulator
-    equals the schedule's task-graph longest path (``_longest_path``, an
-    independent reference) on single-GPU groups and is at most that on
-    multi-GPU groups (each GPU runs its own rows); the objective's step is
-    that longest path computed in integer ns (``pipeline_terms.pipeline_makespan``).
-    Measured on these 50 decisions, compute-only sim / objective: min 0.994,
-    median 1.000, max 1.000. (A first objective, the closed form M max_p T_p +
-    (sum_p T_p - max_p T_p) / v, is exact for equal chunks but was OPTIMISTIC
-    where a group's chunks are unequal: min 0.931, median 1.008, max 1.249 on
-    the same decisions, seed 17: P=4, v=3, M=8, group 3's chunks 138 / 189 /
-    597 ms; chunks of different groups stall each other.) With communication
-    and the memory policy: min 0.531, median 0.839, max 1.166 (seed 20: the
-    boundaries of groups 0->1 and 1->2 share the n0-n1 node pair, which the
-    objective does not model; elsewhere the objective is pessimistic as for
-    v = 1, it charges the boundary on the task). Hence compute-only the
-    objective is the longest path to rounding and at least the simulator,
-    and with communication sim <= obj (1 + INTERLEAVED_TOL)."""
-    rows = []
-    for seed in INTERLEAVED_SEEDS:
-        costs, devices, options, kw = _interleaved_instance(seed)
-        ev, sim = evaluate(costs, devices, options, **kw), simulate(costs, devices, options, **kw)
-        c0, d0 = _compute_only(costs, devices)
-        kw0 = dict(kw, stage_sharded=None)  # no parameters, no shardable state
-        ev0, sim0 = evaluate(c0, d0, options, **kw0), simulate(c0, d0, options, **kw0)
-        path = _longest_path(c0, d0, options, kw0)
-        if all(len(g) == 1 for g in kw["stage_gpus"]):
-            assert sim0.step_time_s == pytest.approx(path, rel=1e-9), seed
-        else:
-            assert sim0.step_time_s <= path * (1 + 1e-9), seed
-        rows.append((seed, sim.step_time_s / ev.step_time_s, sim0.step_time_s / ev0.step_time_s))
-        assert sim.step_time_s <= ev.step_time_s * (1 + INTERLEAVED_TOL), rows[-1]
-        # Compute-only the objective is the longest path (ns rounding) + the groups' sync.
-        sync0 = max(ev0.allreduce_s[s] + ev0.optim_s[s] for s in range(len(kw["stage_blocks"]))) * kw["interleave"]
-        assert path * (1 - 1e-6) <= ev0.step_time_s <= (path + sync0) * (1 + 1e-6), rows[-1]
-        assert sim0.step_time_s <= ev0.step_time_s * (1 + 1e-6), rows[-1]
-        assert rows[-1][2] >= 0.99, rows[-1]
-    with capsys.disabled():
-        for k, name in ((1, "sim/objective"), (2, "compute-only sim/objective")):
-            xs = sorted(r[k] for r in rows)
-            worst = max(rows, key=lambda r: r[k])
-            print(f"\ninterleaved {name} over {len(rows)} decisions: min {xs[0]:.3f}, median "
-                  f"{statistics.median(xs):.3f}, max {xs[-1]:.3f} (seed {worst[0]})", end="")
-        print()
-
-
-@pytest.mark.parametrize("groups, v, m, gpus_per_group", [(2, 2, 2, 1), (2, 3, 4, 2), (3, 2, 6, 1),
-                                                          (4, 2, 4, 2), (4, 3, 8, 1), (3, 3, 3, 2)])
-def test_interleaved_uniform_pipeline_takes_mv_plus_p_minus_1_stage_times(groups, v, m, gpus_per_group):
-    """(c) Equal groups and chunks, free boundaries: the step is (M v + P - 1) stage
-    times plus each group's sync, its stages' all-reduce + optimizer one after the
-    other in stage order; the objective says the same to its ns rounding."""
-    t, n_s, k = 6e-3, groups * v, gpus_per_group
-    n_g, params, bw = groups * k, 1_000_000, 20e9
-    costs = BlockCosts(fwd_bwd_s_per_sample={"A": (t,) * n_s}, param_count=(params,) * n_s,
-                       act_bytes_per_sample=(100,) * n_s, cut_bytes_per_sample=(0,) * (n_s + 1))
-    devices = make_devices(["A"] * n_g, ["n0"] * n_g, [GIB] * n_g, [1e12] * n_g, intra=(bw, 0.0))
-    kw = dict(stage_blocks=tuple((s, s + 1) for s in range(n_s)),
-              stage_gpus=tuple(tuple(range(p * k, p * k + k)) for p in range(groups)) * v,
-              samples_per_microbatch=((1,) * k,) * n_s, num_microbatches=m, interleave=v)
-    options = SolverOptions(global_batch_size=m * k, max_interleave=v)
-    sim = simulate(costs, devices, options, **kw)
-    ev = evaluate(costs, devices, options, **kw)
-    allreduce = 2 * 4 * params / bw if k > 1 else 0.0
-    optim = 2 * 16 * params / 1e12
-    expect = (m * v + groups - 1) * t + v * (allreduce + optim)
-    assert sim.step_time_s == pytest.approx(expect, rel=1e-12)
-    assert sim.step_time_s == pytest.approx(ev.step_time_s, abs=1e-8)
-    fb = [e for e in sim.events if e.kind in ("F", "B")]
-    assert max(e.end_s for e in fb) == pytest.approx((m * v + groups - 1) * t, rel=1e-12)
-    for g in range(n_g):  # every GPU computes M v chunk-micro-batches of t
-        assert sum(e.end_s - e.start_s for e in fb if e.gpu == g) == pytest.approx(m * v * t)
-        assert {e.stage for e in fb if e.gpu == g} == set(range(g // k, n_s, groups))
-    for p in range(groups):  # sync: the group's stages one after the other, in stage order
-        prev = max(e.end_s for e in fb if e.gpu // k == p)
-        for s in range(p, n_s, groups):
-            sync = [e for e in sim.events if e.stage == s and e.kind in ("allreduce", "optim")]
-            assert len(sync) == k * (2 if k > 1 else 1)
-            assert min(e.start_s for e in sync) == pytest.approx(prev, rel=1e-12)
-            prev = max(e.end_s for e in sync)
-            assert prev - min(e.start_s for e in sync) == pytest.approx(allreduce + optim, rel=1e-9)
-    # Memory: v stages' state; peak activations = the schedule's largest sum over chunks of live x held.
-    from zorse_fx.runtime.schedule import make_schedule
-
-    state = v * 16 * params  # 16 MB per stage: a whole number of KiB (15625)
-    for p in range(groups):
-        live, peak = [0] * v, 0
-        for a in make_schedule("1f1b", n_s, m, v)[p]:
-            live[a.chunk] += 1 if a.kind == "F" else -1
-            peak = max(peak, sum(live))
-        assert all(sim.peak_memory_bytes[g] == state + KIB * peak for g in kw["stage_gpus"][p])
-        assert ev.memory_bytes[p] == (state + KIB * peak,) * k
-
-
-def test_interleave_one_is_the_default():
-    """(d) interleave=1 is the one-stage-per-GPU simulation: the same result as
-    leaving it out, every GPU's tasks on its one stage, sends to the next / previous stage."""
-    for seed in range(6):
-        costs, devices, options = random_instance(seed)
-        n_g, nb = devices.num_gpus, costs.num_blocks
-        n_s = min(n_g, nb)
-        kw = dict(stage_blocks=tuple((s, s + 1) for s in range(n_s - 1)) + ((n_s - 1, nb),),
-                  stage_gpus=tuple((s,) for s in range(n_s)), samples_per_microbatch=((1,),) * n_s,
-                  num_microbatches=options.global_batch_size)
-        plain, one = simulate(costs, devices, options, **kw), simulate(costs, devices, options, **kw, interleave=1)
-        assert plain == one and one.interleave == 1
-        assert one.peak_memory_bytes[:n_s] == tuple(r[0] for r in evaluate(costs, devices, options, **kw).memory_bytes)
-        for e in one.events:
-            if e.kind != "send":
-                assert e.stage == e.gpu and e.peer_stage is None
-            else:
-                assert e.peer == e.peer_stage and abs(e.peer_stage - e.stage) == 1
-    with pytest.raises(ValueError, match="multiple of 2"):
-        simulate(costs, devices, SolverOptions(global_batch_size=3), stage_blocks=((0, 1), (1, 2), (2, nb)),
-                 stage_gpus=((0,), (1,), (0,)), samples_per_microbatch=((1,),) * 3, num_microbatches=3,
-                 interleave=2)
-
-
-def _two_group_instance():
-    """P = 2 single-GPU groups on two nodes, v = 2: stages 0, 2 on GPU 0 and 1, 3 on GPU 1."""
-    costs = BlockCosts(fwd_bwd_s_per_sample={"A": (3e-3, 1e-3, 2e-3, 3e-3)}, param_count=(MIB,) * 4,
-                       act_bytes_per_sample=(10 * KIB, 20 * KIB, 30 * KIB, 40 * KIB),
-                       cut_bytes_per_sample=(0, MIB, 2 * MIB, 3 * MIB, 0))
-    devices = make_devices(["A", "A"], ["n0", "n1"], [GIB] * 2, [1e12] * 2)
-    kw = dict(stage_blocks=((0, 1), (1, 2), (2, 3), (3, 4)), stage_gpus=((0,), (1,), (0,), (1,)),
-              samples_per_microbatch=((2,),) * 4, num_microbatches=2, interleave=2)
-    return costs, devices, SolverOptions(global_batch_size=4, max_interleave=2), kw
-
-
-def test_interleaved_wraparound_messages_and_memory():
-    """Both GPUs exchange the messages of all three cuts (0->1, 1->2 the
-    wrap-around, 2->3) in both directions, each once per micro-batch with its
-    cut's bytes; recomputing stage 2 keeps its inputs per micro-batch."""
-    costs, devices, options, kw = _two_group_instance()
-    kw = dict(kw, stage_recompute=(False, False, True, False))
-    sim = simulate(costs, devices, options, **kw)
-    sends = sorted((e.gpu, e.peer, e.stage, e.peer_stage, e.microbatch, e.nbytes)
-                   for e in sim.events if e.kind == "send")
-    expect = []
-    for m in range(2):
-        for s in range(3):
-            nbytes = 2 * (s + 1) * MIB  # 2 samples x the cut's bytes
-            expect += [(s % 2, (s + 1) % 2, s, s + 1, m, nbytes), ((s + 1) % 2, s % 2, s + 1, s, m, nbytes)]
-    assert sends == sorted(expect)
-    f2 = _ends(sim, "F", stage=2)
-    for e in f2:  # the wrap-around activations of the same micro-batch arrived first
-        assert e.start_s >= _ends(sim, "send", stage=1, peer_stage=2, microbatch=e.microbatch)[0].end_s
-    ev = evaluate(costs, devices, options, **kw)
-    assert (sim.peak_memory_bytes[0],) == ev.memory_bytes[0] == ev.memory_bytes[2]
-    assert (sim.peak_memory_bytes[1],) == ev.memory_bytes[1] == ev.memory_bytes[3]
-    b2 = _ends(sim, "B", stage=2)
-    assert all(e.recompute_s == pytest.approx(2 * 2e-3 / 3) for e in b2)
-    assert not any(e.recompute_s for e in sim.events if e.kind == "B" and e.stage != 2)
-    # GPU 1: state of stages 1 and 3 (16 B/param) + activations of both, M = P = 2: all forwards first.
-    assert sim.peak_memory_bytes[1] == 2 * 16 * MIB + 2 * 2 * (20 + 40) * KIB
-
-
-def test_interleaved_trace_labels_stages(tmp_path):
-    costs, devices, options, kw = _two_group_instance()
-    sim = simulate(costs, devices, options, **kw, stage_recompute=(False, False, True, False))
-    doc = json.loads(to_perfetto(sim, tmp_path / "step.json").read_text())
-    assert doc["otherData"]["interleave"] == 2
-    xs = [e for e in doc["traceEvents"] if e["ph"] == "X"]
-    names = {(e["pid"], e["name"]) for e in xs if e["cat"] in ("F", "B")}
-    assert {n for _, n in names} == {f"{k}{m} s{s}" + (" (recompute)" if (k, s) == ("B", 2) else "")
-                                     for k in "FB" for m in range(2) for s in range(4)}
-    for e in xs:
-        if e["cat"] in ("F", "B"):
-            assert e["name"].split()[1] == f"s{e['args']['stage']}"
-    assert sorted(e["name"] for e in xs if e["cat"] == "recompute") == ["re-run F0 s2", "re-run F1 s2"]
-    sends = {e["name"] for e in xs if e["cat"] == "send"}
-    assert "send mb0 s1->s2 to GPU 0" in sends and "send mb1 s2->s1 to GPU 1" in sends
-    assert all(e["args"]["peer_stage"] in (e["args"]["stage"] - 1, e["args"]["stage"] + 1)
-               for e in xs if e["cat"] == "send")
-    assert len(xs) == len(sim.events) + 2
-    tasks = [e for e in xs if e["cat"] != "recompute"]  # re-runs nest in their backward
-    for tid in {(e["pid"], e["tid"]) for e in tasks}:  # one task at a time per thread
-        lane = sorted((e["ts"], e["ts"] + e["dur"]) for e in tasks if (e["pid"], e["tid"]) == tid)
-        assert all(a[1] <= b[0] + 1e-6 for a, b in zip(lane, lane[1:]))
-    png = gantt_png(sim, tmp_path / "step.png")
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
-
-
-def test_plan_decision_round_trips_an_interleaved_plan(tmp_path, capsys):
-    """(e) ``plan_decision`` of an interleaved Plan (``plan_fixed(..., interleave=2)``)
-    gives back the decision and the degree, before and after export; simulating
-    it meets the plan's predicted memory; ``zorse simulate`` runs on the export."""
-    import torch
-
-    from zorse_fx.capture import analyse, capture
-    from zorse_fx.cli import main as zorse_main
-    from zorse_fx.cluster import Cluster
-    from zorse_fx.models.registry import load_model
-    from zorse_fx.plan import Plan
-    from zorse_fx.planner import PlanOptions, _analyse_and_price, _device_graph, plan_fixed
-    from zorse_fx.sim.engine import plan_decision
-
-    model, _ = load_model("gpt")  # the model `zorse simulate --model gpt` captures
-    ids = torch.randint(0, 200, (2, 32))
-    captured = capture(model, (ids, ids))
-    nb = analyse(captured).num_blocks
-    cluster = Cluster.from_yaml(CLUSTERS / "small_hetero.yaml")
-    options = PlanOptions(global_batch_size=8)
-    dec = dict(stage_blocks=((0, 2), (2, 3), (3, 4), (4, nb)), stage_gpus=((0, 1), (2,), (0, 1), (2,)),
-               samples_per_microbatch=((3, 1), (4,), (3, 1), (4,)), num_microbatches=2)
-    plan, _ = plan_fixed(captured, cluster, options, **dec, interleave=2, model_name="gpt",
-                         stage_recompute=(False, False, True, False))
-    want = dict(dec, interleave=2, stage_sharded=(False,) * 4, state_shard_mib=None,
-                stage_recompute=(False, False, True, False))
-    assert plan_decision(plan) == want
-    loaded = Plan.load(plan.export(tmp_path / "plan"))
-    assert plan_decision(loaded) == want
-    _, costs, _ = _analyse_and_price(captured, cluster, options)
-    sopts = SolverOptions(global_batch_size=8, max_interleave=2)
-    sim = simulate(costs, _device_graph(cluster, options), sopts, **plan_decision(loaded))
-    assert sim.interleave == 2
-    for st in loaded.stages:
-        for g in st.gpus:
-            assert sim.peak_memory_bytes[g.gpu] == g.predicted_memory_bytes
-    assert {e.stage for e in sim.events if e.gpu == 2 and e.kind == "F"} == {1, 3}
-    assert zorse_main(["simulate", str(tmp_path / "plan"), "--model", "gpt", "--cluster",
-                       str(CLUSTERS / "small_hetero.yaml"), "--out", str(tmp_path / "sim")]) == 0
-    trace = json.loads((tmp_path / "sim" / "trace.json").read_text())
-    assert {"F0 s0", "F0 s2", "B1 s2 (recompute)"} <= {e["name"] for e in trace["traceEvents"] if e.get("ph") == "X"}
-    assert "simulated step" in capsys.readouterr().out

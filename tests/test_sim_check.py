@@ -18,11 +18,7 @@ def test_check_of_solver_answers_matches_the_simulator(seed):
     costs, devices, opts = random_instance(seed, time_limit_s=5.0)
     res = solve_cpsat(costs, devices, opts)
     check = check_result(costs, devices, opts, res)
-    sim = simulate(costs, devices, opts, stage_blocks=res.stage_blocks, stage_gpus=res.stage_gpus,
-                   samples_per_microbatch=res.samples_per_microbatch, num_microbatches=res.num_microbatches,
-                   stage_sharded=res.stage_sharded, stage_recompute=res.stage_recompute,
-                   state_shard_mib=tuple(tuple(b >> 20 for b in r) if sh else ()
-                                         for sh, r in zip(res.stage_sharded, res.state_shard_bytes)))
+    sim = simulate(costs, devices, opts, **res.decision_kwargs())
     assert check.simulated_step_time_s == sim.step_time_s
     assert check.predicted_step_time_s == res.predicted_step_time_s
     assert 0 < check.max_memory_fraction <= 1.0

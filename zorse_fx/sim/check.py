@@ -73,14 +73,7 @@ def check_result(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions
             both sizes).
     """
     t0 = time.perf_counter()
-    mib = 1 << 20
-    sim = simulate(costs, devices, options, stage_blocks=result.stage_blocks, stage_gpus=result.stage_gpus,
-                   samples_per_microbatch=result.samples_per_microbatch, num_microbatches=result.num_microbatches,
-                   stage_sharded=result.stage_sharded or None,
-                   state_shard_mib=tuple(tuple(b // mib for b in row) if sh else ()
-                                         for sh, row in zip(result.stage_sharded, result.state_shard_bytes))
-                   or None,
-                   stage_recompute=result.stage_recompute or None, interleave=result.interleave)
+    sim = simulate(costs, devices, options, **result.decision_kwargs())
     wall = time.perf_counter() - t0
     stage_of = {g: s for s, gs in enumerate(result.stage_gpus) for g in gs}
     worst, over = 0.0, []

@@ -75,7 +75,7 @@ links, or interleaved 1F1B with equal groups and chunks and free links:
 (M v + P - 1) stage times + sync) they agree to the objective's ns rounding
 (<= 0.5 ns per block, and per MiB of shard for a sharded optimizer step).
 Elsewhere the interleaved objective's closed form can be optimistic, where a
-group's chunks are unequal (tests/test_sim.py, test_interleaved_agreement...).
+group's chunks are unequal (tests/test_sim_interleaved.py, test_interleaved_agreement...).
 
 Memory. Counted in the objective's memory units (``MEMORY_UNIT_BYTES`` = 1
 KiB; per-block state, shardable state, activation and cut bytes rounded UP,

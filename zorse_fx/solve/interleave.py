@@ -221,13 +221,9 @@ def base_makespan_s(costs: BlockCosts, devices: DeviceGraph, options: SolverOpti
     from .pipeline_terms import forward_units, pipeline_makespan
 
     tab = build_tables(costs, devices, options, base.num_microbatches)
-    mib = 1 << 20
-    n_s = base.num_stages
-    sharded = tuple(base.stage_sharded) or (False,) * n_s
-    pol = _policy(tab, options, base.stage_blocks, base.stage_gpus, base.samples_per_microbatch, sharded,
-                  tuple(tuple(b // mib for b in row) if sh else () for sh, row in
-                        zip(sharded, base.state_shard_bytes or ((),) * n_s)),
-                  tuple(base.stage_recompute) or None)
+    kw = base.decision_kwargs()
+    pol = _policy(tab, options, base.stage_blocks, base.stage_gpus, base.samples_per_microbatch,
+                  kw["stage_sharded"], kw["state_shard_mib"], kw["stage_recompute"])
     u = evaluate_units(tab, base.stage_blocks, base.stage_gpus, base.samples_per_microbatch, pol)
     fwd = forward_units(tab, base.stage_blocks, base.stage_gpus, base.samples_per_microbatch, u.boundary)
     step = pipeline_makespan(options.schedule, base.num_microbatches, 1, fwd, u.stage) + max(

@@ -645,13 +645,4 @@ def evaluate(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions, *,
 
 def evaluate_result(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions, result) -> Evaluation:
     """``evaluate`` of a SolverResult's decision, memory policy included."""
-    mib = MIB_UNITS * MEMORY_UNIT_BYTES
-    n_s = len(result.stage_blocks)
-    sharded = tuple(result.stage_sharded) or (False,) * n_s
-    return evaluate(costs, devices, options, stage_blocks=result.stage_blocks, stage_gpus=result.stage_gpus,
-                    samples_per_microbatch=result.samples_per_microbatch,
-                    num_microbatches=result.num_microbatches, stage_sharded=sharded,
-                    state_shard_mib=tuple(tuple(b // mib for b in row) if sh else ()
-                                          for sh, row in zip(sharded, result.state_shard_bytes or ((),) * n_s)),
-                    stage_recompute=tuple(result.stage_recompute) or None,
-                    interleave=getattr(result, "interleave", 1))
+    return evaluate(costs, devices, options, **result.decision_kwargs())

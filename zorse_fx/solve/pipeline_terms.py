@@ -99,7 +99,7 @@ def interleaved_units(tab, stage_blocks, stage_gpus, samples, pol, v, comp, bnd,
     SC'21, section 2.2.2) -- but where a group's chunks are unequal the
     chunks of different groups stall each other in the steady state, and the
     closed form M max_p T_p + (sum T - max T) / v was up to 45% below the
-    simulator (tests/test_sim.py). On free links the makespan equals the
+    simulator (tests/test_sim_interleaved.py). On free links the makespan equals the
     simulator's compute; the boundary is charged on the task, as t_s does
     for v = 1 (conservative: a GPU does not wait for its sends). Links shared
     by two boundaries (P = 2: 0 -> 1 and the wrap-around 1 -> 0 on one node

@@ -217,6 +217,20 @@ class SolverResult:
     #: Every (num_stages, num_microbatches) candidate tried and its result.
     candidates: tuple[dict, ...] = field(default_factory=tuple)
 
+    def decision_kwargs(self) -> dict:
+        """The decision and its memory policy as keyword arguments of
+        ``solve.evaluate`` and ``sim.simulate``: stage blocks, GPUs, samples,
+        micro-batches, per-stage sharded / recompute flags, each GPU's shard in
+        whole MiB (as the planners chose it; bytes here) and the interleave degree."""
+        n_s, mib = len(self.stage_blocks), 1 << 20
+        sharded = tuple(self.stage_sharded) or (False,) * n_s
+        return dict(stage_blocks=self.stage_blocks, stage_gpus=self.stage_gpus,
+                    samples_per_microbatch=self.samples_per_microbatch, num_microbatches=self.num_microbatches,
+                    stage_sharded=sharded,
+                    state_shard_mib=tuple(tuple(b // mib for b in row) if sh else ()
+                                          for sh, row in zip(sharded, self.state_shard_bytes or ((),) * n_s)),
+                    stage_recompute=tuple(self.stage_recompute) or None, interleave=self.interleave)
+
     @classmethod
     def from_evaluation(cls, ev, *, stage_blocks, stage_gpus, samples_per_microbatch, num_microbatches: int,
                         options: "SolverOptions", status: str, best_bound: float, wall_s: float = 0.0,
