@@ -109,14 +109,18 @@ def run_isolated(fn):
     with os.fdopen(r, "rb") as f:
         data = f.read()
     _, status = os.waitpid(pid, 0)
-    if not data:
+    try:
+        ok, value = pickle.loads(data)
+    except Exception:  # noqa: BLE001 -- nothing, or a payload cut short: the child died
         if os.WIFSIGNALED(status):
             sig = os.WTERMSIG(status)
-            how = f"signal {sig} ({signal.Signals(sig).name})" if sig in signal.Signals._value2member_map_ else f"signal {sig}"
+            try:
+                how = f"signal {sig} ({signal.Signals(sig).name})"
+            except ValueError:
+                how = f"signal {sig}"
         else:
             how = f"exit status {os.WEXITSTATUS(status)}"
-        raise SolverCrash(f"the CP-SAT solve in child process {pid} died with {how} without an answer")
-    ok, value = pickle.loads(data)
+        raise SolverCrash(f"the CP-SAT solve in child process {pid} died with {how} without an answer") from None
     if not ok:
         raise value
     return value
