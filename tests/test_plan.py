@@ -19,16 +19,22 @@ from zorse_fx.planner import PlanOptions, plan_fixed
 from zorse_fx.runtime.schedule import Action, format_grid, inflight, make_schedule, validate
 
 
-@pytest.fixture(scope="module")
-def plan():
+def _gpt_plan(n_layer: int, cuts, **decision):
+    """A plan_fixed plan of a small GPT on small_hetero.yaml, global batch 8, 2
+    micro-batches; stage s = blocks [cuts[s], cuts[s + 1]) with the last cut at
+    the model's end."""
     torch.manual_seed(0)
     ids = torch.randint(0, 256, (2, 16))
-    captured = capture(GPT(GPTConfig(n_layer=2, n_embd=32, block_size=16)), (ids, ids))
-    nb = analyse(captured).num_blocks
+    captured = capture(GPT(GPTConfig(n_layer=n_layer, n_embd=32, block_size=16)), (ids, ids))
+    bounds = (*cuts, analyse(captured).num_blocks)
     p, _ = plan_fixed(captured, Cluster.from_yaml(CLUSTERS / "small_hetero.yaml"), PlanOptions(global_batch_size=8),
-                      stage_blocks=((0, 3), (3, nb)), stage_gpus=((0, 1), (2,)),
-                      samples_per_microbatch=((3, 1), (4,)), num_microbatches=2)
+                      stage_blocks=tuple(zip(bounds, bounds[1:])), num_microbatches=2, **decision)
     return p
+
+
+@pytest.fixture(scope="module")
+def plan():
+    return _gpt_plan(2, (0, 3), stage_gpus=((0, 1), (2,)), samples_per_microbatch=((3, 1), (4,)))
 
 
 def test_json_round_trip(plan, tmp_path):
@@ -261,14 +267,8 @@ def test_live_profile_peaks_equal_a_step_by_step_count():
 
 @pytest.fixture(scope="module")
 def interleaved_plan():
-    torch.manual_seed(0)
-    ids = torch.randint(0, 256, (2, 16))
-    captured = capture(GPT(GPTConfig(n_layer=4, n_embd=32, block_size=16)), (ids, ids))
-    nb = analyse(captured).num_blocks
-    p, _ = plan_fixed(captured, Cluster.from_yaml(CLUSTERS / "small_hetero.yaml"), PlanOptions(global_batch_size=8),
-                      stage_blocks=((0, 3), (3, 5), (5, 7), (7, nb)), stage_gpus=((0, 1), (2,), (0, 1), (2,)),
-                      samples_per_microbatch=((3, 1), (4,), (3, 1), (4,)), num_microbatches=2, interleave=2)
-    return p
+    return _gpt_plan(4, (0, 3, 5, 7), stage_gpus=((0, 1), (2,), (0, 1), (2,)),
+                     samples_per_microbatch=((3, 1), (4,), (3, 1), (4,)), interleave=2)
 
 
 def test_interleaved_plan_round_trip_roles_and_table(interleaved_plan, tmp_path):

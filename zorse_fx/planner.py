@@ -138,11 +138,7 @@ def plan_captured(
         log.warning(w)
         say(f"warning: {w}")
     plan = build_plan(bg, cluster, result, options, model_name=model_name, label_mode=label_mode,
-                      compute_dtype=dtype, planner=planner)
-    plan = dataclasses.replace(plan, solver=dataclasses.replace(
-        plan.solver, simulated_step_time_s=check.simulated_step_time_s,
-        simulated_max_memory_fraction=check.max_memory_fraction,
-        simulated_bubble_fraction=check.bubble_fraction))
+                      compute_dtype=dtype, planner=planner, check=check)
     say(f"codegen: {plan.num_stages} stage modules ({time.perf_counter() - t0:.1f} s total)")
     return plan, bg
 
@@ -223,8 +219,10 @@ def build_plan(
     label_mode: str,
     compute_dtype: torch.dtype,
     planner: str,
+    check=None,
 ) -> Plan:
-    """Turn a planner decision into a ``Plan`` with generated stage sources."""
+    """Turn a planner decision into a ``Plan`` with generated stage sources;
+    ``check`` (a ``sim.check.SimulationCheck``) fills ``plan.solver.simulated_*``."""
     programs = split_stages(bg, result.stage_blocks)
     state = bg.captured.state()
     stages, sources, rank = [], [], 0
@@ -287,6 +285,10 @@ def build_plan(
             wall_s=result.wall_s,
             time_limit_s=options.time_limit_s,
             candidates=tuple(result.candidates),
+            **({} if check is None else dict(
+                simulated_step_time_s=check.simulated_step_time_s,
+                simulated_max_memory_fraction=check.max_memory_fraction,
+                simulated_bubble_fraction=check.bubble_fraction)),
         ),
         sources=tuple(sources),
     )
