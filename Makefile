@@ -26,13 +26,14 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests
 
-# Every benchmark of bench/README.md, in order (about 75 min on the 2-core CPU machine);
+# Every benchmark of bench/README.md, in order (about 80 min on the 2-core CPU machine);
 # each writes its results under bench/results/.
 bench: $(STAMP)
 	$(BIN)/python bench/cost_accuracy.py
 	$(BIN)/python bench/scenarios.py --time-limit 5
 	$(BIN)/python bench/bound_gap.py --time-limit 5
 	$(BIN)/python bench/planner_scaling.py
+	$(BIN)/python bench/runtime.py
 
 clean:
 	rm -rf $(VENV) runs

@@ -51,7 +51,7 @@ from scenarios import CLUSTERS, price, selected, upper_bound_tokens_per_s, write
 #: of these models round to 0 ns in the planner's integer tables.
 IDEAL_LINK_BW = 1e18
 #: Memory of every GPU in the idealised-memory variants, bytes (1 TiB: more than
-#: Llama-2 13B's whole training state, 16 B/param = 208 GB, plus activations).
+#: Llama-2 13B's whole training state, 18 B/param mixed precision = 234 GB, plus activations).
 IDEAL_MEMORY = 1 << 40
 VARIANTS = ("real", "ideal_links", "ideal_memory", "ideal_both")
 

@@ -115,12 +115,15 @@ def run(model_name: str, args, rows: list[dict]) -> None:
     ids = tokens[: 2 * args.seq_len].view(2, args.seq_len)
     # (inputs, targets): what a plain model (``gpt``) takes; a Hugging Face model gets labels = inputs
     # either way (``api._compile_instance``).
+    # precision "fp32": the CPU ranks measured here train in float32 (the CPU
+    # cluster's bf16_supported would make "auto" choose bf16-mixed).
     compiled = zorse.compile(model, cluster=args.cluster, example_inputs=(ids, ids),
                              global_batch_size=args.global_batch_size, model_name=model_name, max_stages=2,
                              allow_idle_gpus=False, profiles=(args.profile,), time_limit_s=5.0,
-                             num_microbatches=(args.microbatches,), sharding=args.sharding, verbose=True)
+                             num_microbatches=(args.microbatches,), sharding=args.sharding, precision="fp32",
+                             verbose=True)
     captured, cluster = compiled.captured, zorse_cluster(args.cluster)
-    opts = PlanOptions(global_batch_size=args.global_batch_size, profiles=(args.profile,))
+    opts = PlanOptions(global_batch_size=args.global_batch_size, profiles=(args.profile,), precision="fp32")
     _, costs, _ = _analyse_and_price(captured, cluster, opts)
     plans = [("solver", compiled.plan)]
     # Balanced 2-stage pipeline, one rank per stage: cut where the slower half is fastest.
@@ -152,7 +155,8 @@ def predicted_breakdown(plan, costs, args) -> tuple[float, dict[str, float]]:
     from zorse_fx.sim.engine import plan_decision
 
     opts = PlanOptions(global_batch_size=plan.global_batch_size, schedule=plan.schedule,
-                       max_stages=plan.num_stages, profiles=(args.profile,))
+                       max_stages=plan.num_stages, profiles=(args.profile,), precision=plan.precision,
+                       grad_reduce_dtype=plan.grad_reduce_dtype)
     sim = simulate(costs, _device_graph(zorse_cluster(args.cluster), opts), _solver_options(opts),
                    **plan_decision(plan, costs))
     per_gpu: dict[int, dict[str, float]] = defaultdict(lambda: dict.fromkeys(COMPONENTS, 0.0))

@@ -3,12 +3,19 @@
     .venv/bin/python bench/scenarios.py [--only metis,amp] [--time-limit 5]
 
 Each scenario (``../shared/DESIGN.md``) is a model traced on the meta device in
-fp16 (no weights allocated), a cluster file in ``examples/clusters/``, a global
-batch and a sequence length. Every planner (zorse_fx's CP-SAT and each
+float32 (no weights allocated), a cluster file in ``examples/clusters/``, a global
+batch and a sequence length. The model is priced under the precision
+zorse_fx's planner picks for the cluster by default (``precision="auto"``:
+bf16-mixed where every GPU supports bfloat16, else fp16-mixed), i.e. what the
+runtime keeps ([Note: mixed precision] in ``zorse_fx/precision.py``): float32
+master weights, gradients and AdamW moments plus the step's 16-bit weight
+copies (18 B/param, of which ZeRO-1 shards the 8 B of moments), activations as
+autograd saves them under autocast, float32 gradient all-reduce. Every planner
+(zorse_fx's CP-SAT and each
 baseline in ``zorse_fx/baselines``) is scored by the same cost model (datasheet
 roofline; no GPU kernel profile is shipped yet) and, where available, the
 event-driven simulator (``zorse_fx/sim``). Reported per planner: tokens/s,
-MFU (model FLOPs / sum of the GPUs' fp16 peaks), the ratio to the scenario's
+MFU (model FLOPs / sum of the GPUs' 16-bit tensor peaks), the ratio to the scenario's
 upper bound (sum over GPUs of each GPU's standalone throughput: the whole
 model on that GPU alone, no communication, unlimited memory), peak memory vs
 capacity (largest fraction in the table; per GPU in the JSON:
@@ -88,7 +95,8 @@ def write_results(out_dir: str, stem: str, rows: list[dict], markdown: str) -> N
 
 
 def build_model(name: str) -> torch.nn.Module:
-    """The scenario's model on the meta device in fp16 (transformers configs)."""
+    """The scenario's model on the meta device in float32 (transformers configs):
+    the runtime's float32 master weights, computing under autocast."""
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM
 
     from zorse_fx.models.hf import CausalLMWithLoss
@@ -110,21 +118,27 @@ def build_model(name: str) -> torch.nn.Module:
             m = OPTForCausalLM(OPTConfig(dropout=0.0, attention_dropout=0.0))
         else:
             raise ValueError(f"unknown scenario model {name!r}")
-    return CausalLMWithLoss(m.to(torch.float16))
+    return CausalLMWithLoss(m)
+
+
+def scenario_precision(cluster):
+    """The precision policy zorse_fx's planner picks for ``cluster`` by
+    default (``PlanOptions.precision="auto"``)."""
+    from zorse_fx.precision import default_precision, precision_policy
+
+    return precision_policy(default_precision(g.spec for g in cluster.gpus))
 
 
 def price(sc: Scenario, cluster):
-    """(block costs on the cluster's GPU types, model FLOPs per sample fwd+bwd)."""
+    """(block costs on the cluster's GPU types, model FLOPs per sample fwd+bwd),
+    under ``scenario_precision(cluster)``."""
     from zorse_fx.capture import analyse, capture
     from zorse_fx.cost.roofline import block_costs, node_costs
 
     ids = torch.zeros((2, sc.seq_len), dtype=torch.long, device="meta")
     captured = capture(build_model(sc.model), (ids, ids), method="export")
     bg = analyse(captured, max_blocks=MAX_BLOCKS)
-    costs = block_costs(bg, {g.type: g.spec for g in cluster.gpus}, compute_dtype=torch.float16)
-    # fp16 weights: block_costs counts mixed precision (2 B weights + 2 B grads + 12 B
-    # fp32 master weights and moments, the 12 B shardable under ZeRO-1).
-    assert costs.grad_bytes_per_param == 2 and costs.shardable_bytes_per_param == 12
+    costs = block_costs(bg, {g.type: g.spec for g in cluster.gpus}, precision=scenario_precision(cluster))
     flops = 3 * sum(c.flops for c in node_costs(bg).values())  # fwd + bwd (2x fwd)
     return costs, flops
 
@@ -151,7 +165,7 @@ def run_scenario(sc: Scenario, args) -> list[dict]:
                          time_limit_s=args.time_limit, max_microbatches=args.max_microbatches,
                          sharding=args.sharding, recompute=args.recompute, max_interleave=args.max_interleave)
     ub = upper_bound_tokens_per_s(costs, cluster, sc.seq_len)
-    peak = sum(g.spec.peak_flops_per_s("float16") for g in cluster.gpus)
+    peak = sum(g.spec.peak_flops_per_s(scenario_precision(cluster).compute_dtype) for g in cluster.gpus)
     from zorse_fx.solve import solve_grouped
 
     # zorse_fx's planner="auto": per-GPU CP-SAT up to 16 GPUs, class-level CP-SAT beyond.

@@ -2,9 +2,10 @@
 (``roofline.saved_activation_bytes``, [Note: saved activations]).
 
 Checked against (1) an independent measurement on the eager model with real
-tensors, (2) Korthikanti et al. 2022's per-layer formula for a GPT layer,
-(3) the old output-bytes estimate it replaces, and (4) the fallback when the
-measurement cannot run."""
+tensors, also under bf16/fp16 autocast (mixed precision), (2) Korthikanti et
+al. 2022's per-layer formula for a GPT layer, (3) the old output-bytes
+estimate it replaces, and (4) the fallback when the measurement cannot run;
+and the dtypes of the tensors crossing a cut under autocast."""
 
 from __future__ import annotations
 
@@ -13,13 +14,17 @@ import warnings
 import pytest
 import torch
 import torch.fx
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from zorse_fx.capture import analyse, capture
-from zorse_fx.cost.roofline import _output_bytes_estimate, block_costs, node_costs, saved_activation_bytes
+from zorse_fx.cost.roofline import (_output_bytes_estimate, block_costs, measure_saved_activations, node_costs,
+                                    saved_activation_bytes)
 from zorse_fx.models.gpt import GPT, GPTConfig
 from zorse_fx.models.hf import CausalLMWithLoss
+from zorse_fx.precision import precision_policy
 
 T = 32
+FP32 = precision_policy("fp32")
 
 
 def _layer_blocks(bg, layer: int) -> list[int]:
@@ -27,10 +32,28 @@ def _layer_blocks(bg, layer: int) -> list[int]:
     return [b for b in range(bg.num_blocks) if bg.describe_blocks(b, b + 1) == f"L{layer}"]
 
 
-def _eager_saved_bytes(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...]) -> int:
-    """Independent reference: run the eager model on real CPU tensors and add
-    up the distinct storages (by data pointer) that autograd saves, without
-    parameters and buffers."""
+class _ParamCasts(TorchDispatchMode):
+    """Data pointers of the ``aten._to_copy`` outputs whose input is one of ``params``."""
+
+    def __init__(self, params):
+        super().__init__()
+        self.ids = {id(p) for p in params}
+        self.ptrs: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten._to_copy.default and id(args[0]) in self.ids:
+            self.ptrs.add(out.untyped_storage().data_ptr())
+        return out
+
+
+def _eager_saved_bytes(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...],
+                       autocast: torch.dtype | None = None, *, exclude_casts: bool = True) -> int:
+    """Independent reference: run the eager model on real CPU tensors (under
+    CPU autocast to ``autocast`` if given) and add up the distinct storages (by
+    data pointer) that autograd saves, without parameters, buffers and (with
+    ``exclude_casts``) autocast's casts of the parameters (training state:
+    one copy per step, not per sample)."""
     state = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
     saved: list[torch.Tensor] = []  # keeps every saved tensor alive: no address is reused
 
@@ -39,10 +62,13 @@ def _eager_saved_bytes(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...])
         return t
 
     model.train()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    casts = _ParamCasts([p for p in model.parameters() if p.requires_grad])
+    with (torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None), casts,
+          torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)):
         loss = model(*inputs)
     assert loss.requires_grad
-    seen, total = set(state), 0
+    assert bool(casts.ptrs) == (autocast is not None)
+    seen, total = state | (casts.ptrs if exclude_casts else set()), 0
     for t in saved:
         storage = t.untyped_storage()
         if storage.data_ptr() not in seen:
@@ -83,7 +109,7 @@ def test_blocks_sum_to_what_eager_autograd_saves(make, lee_bytes):
     bg = analyse(capture(model, (ids, ids)))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the measurement must run, not fall back
-        acts = block_costs(bg, {}).act_bytes_per_sample
+        acts = block_costs(bg, {}, precision=FP32).act_bytes_per_sample
     reference = _eager_saved_bytes(model, (ids[:1].clone(), ids[:1].clone()))
     # 2%: the exported HF graphs pass sdpa an explicit boolean (T, T) causal mask,
     # which the fused kernel saves (T*T bytes, once per model), where eager HF
@@ -91,6 +117,62 @@ def test_blocks_sum_to_what_eager_autograd_saves(make, lee_bytes):
     # exact equality for the fx-captured GPT).
     assert sum(acts) == pytest.approx(reference, rel=0.02)
     assert all(a >= 0 for a in acts) and min(acts[b] for b in _layer_blocks(bg, 1)) > 0
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "fp16-mixed"])
+@pytest.mark.parametrize("make", [_hf_gpt2, _hf_llama, _gpt], ids=["hf_gpt2", "hf_llama", "gpt_fx"])
+def test_blocks_under_autocast_sum_to_what_eager_autocast_saves(make, precision, lee_bytes):
+    """Mixed precision: the fake run under CPU autocast saves what the eager
+    model saves under the same autocast, without autocast's weight casts."""
+    torch.manual_seed(0)
+    model = make()
+    ids = lee_bytes[: 2 * T].view(2, T)
+    bg = analyse(capture(model, (ids, ids)))
+    policy = precision_policy(precision)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        acts = block_costs(bg, {}, precision=policy).act_bytes_per_sample
+    fp32 = saved_activation_bytes(bg)
+    reference = _eager_saved_bytes(model, (ids[:1].clone(), ids[:1].clone()), policy.compute_dtype)
+    if make is _gpt:
+        assert sum(acts) == reference  # no mask difference: exact
+    # 2%: the boolean causal mask of the exported HF graphs, as in the fp32 test (seen: 0.4%).
+    assert sum(acts) == pytest.approx(reference, rel=0.02)
+    # 16-bit matmul inputs and attention tensors; float32 norms (Llama's RMSNorm casts to
+    # float32), rotary tables and loss (seen: 58% GPT-2, 62% GPT, 74% Llama of fp32's bytes).
+    assert 0.5 * sum(fp32) < sum(acts) < 0.8 * sum(fp32)
+
+
+def test_weight_casts_are_not_activations():
+    """Counting autocast's weight casts per sample would add 2 B for every
+    weight element a matmul saves (for its input gradient): the GPT's Linear
+    weights (biases are not saved), the tied lm_head among them."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_embd=64, n_head=4, block_size=T))
+    ids = torch.randint(0, 256, (2, T))
+    bg = analyse(capture(model, (ids, ids)))
+    measured = sum(measure_saved_activations(bg, precision_policy("bf16-mixed")).bytes_per_sample)
+    one = (ids[:1].clone(), ids[:1].clone())
+    eager = _eager_saved_bytes(model, one, torch.bfloat16)
+    eager_with_casts = _eager_saved_bytes(model, one, torch.bfloat16, exclude_casts=False)
+    weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    assert weights == 2 * (3 + 1 + 4 + 4) * 64 * 64 + 256 * 64  # per layer c_attn, attn c_proj, c_fc, mlp c_proj
+    assert measured == eager == eager_with_casts - 2 * weights
+
+
+@pytest.mark.parametrize("make", [_hf_llama, _gpt], ids=["hf_llama", "gpt_fx"])
+def test_residual_stream_crosses_cuts_in_float32_under_autocast(make, lee_bytes):
+    """Pre-norm transformers: float32 residual + bfloat16 branch = float32, so
+    every tensor crossing a cut keeps its capture dtype (float32) under autocast."""
+    torch.manual_seed(0)
+    ids = lee_bytes[: 2 * T].view(2, T)
+    bg = analyse(capture(make(), (ids, ids)))
+    acts = measure_saved_activations(bg, precision_policy("bf16-mixed"))
+    crossing = [t.name for ts in bg.cut_tensors for t in ts]
+    assert crossing and {acts.output_dtypes[n] for n in crossing} == {"float32"}
+    assert bg.with_dtypes(acts.output_dtypes).cut_tensors == bg.cut_tensors
+    # Inside a layer autocast does change dtypes: the matmul outputs are bfloat16.
+    assert "bfloat16" in set(acts.output_dtypes.values())
 
 
 def test_gpt2_layer_matches_korthikanti():
@@ -176,5 +258,5 @@ def test_fallback_warns_and_uses_output_bytes():
     model(x, y).backward()  # the model trains
     bg = analyse(capture(model, (x, y), method="fx"))
     with pytest.warns(UserWarning, match="could not measure the activations.*this op keeps its own saved tensors"):
-        costs = block_costs(bg, {})
+        costs = block_costs(bg, {}, precision=FP32)
     assert costs.act_bytes_per_sample == tuple(_output_bytes_estimate(bg, node_costs(bg)))

@@ -67,7 +67,7 @@ def test_infeasible_plan_names_the_binding_constraint(tmp_path):
     with pytest.raises(zorse.InfeasiblePlanError, match=r"GiB.*Tiny1G") as e:
         zorse.compile(GPT(GPTConfig(n_layer=2, n_embd=64, block_size=T)), cluster=cluster,
                       example_inputs=(ids, ids), global_batch_size=4, max_stages=2, time_limit_s=2.0)
-    assert "16 B/param" in str(e.value)
+    assert "18 B/param" in str(e.value)  # fp16-mixed (Tiny1G has no bf16): 16 B + the float16 weight copy
 
 
 def test_bad_cluster_path_is_reported(tmp_path):
@@ -83,12 +83,17 @@ def test_cli_plan_and_show(tmp_path, capsys):
                        "--global-batch-size", "8", "--seq-len", "32", "--time-limit", "2", "-o", str(out)]) == 0
     d = json.loads((out / "plan.json").read_text())
     assert d["format"] == "zorse_fx.plan" and d["version"] == zorse.plan.PLAN_FORMAT_VERSION
+    # --precision auto (the default) on A100 + T4: fp16-mixed, said in the progress output.
+    assert (d["precision"], d["grad_reduce_dtype"], d["compute_dtype"]) == ("fp16-mixed", "float32", "float16")
     assert (out / "weights.pt").exists() and (out / "stage_0.py").exists()
     # The answer was simulated before it became a plan (sim.check_result).
     sv = d["solver"]
     assert sv["simulated_step_time_s"] > 0 and 0 < sv["simulated_max_memory_fraction"] <= 1
     assert 0.5 < sv["simulated_step_time_s"] / d["predicted_step_time_s"] <= 1.2
-    assert "simulator check: step" in capsys.readouterr().out
+    progress = capsys.readouterr().out
+    assert "simulator check: step" in progress
+    assert "[zorse] precision fp16-mixed: float16 autocast compute; " in progress
+    assert "= 18 B/param; gradients all-reduced in float32; dynamic loss scaling (auto: T4 has no bf16)" in progress
     assert zorse_main(["show", str(out)]) == 0
     text = capsys.readouterr().out
     assert "predicted step time" in text and "stage |" in text
@@ -98,7 +103,7 @@ def test_cli_plan_and_show(tmp_path, capsys):
 def test_stage_dp_planner_alone_and_in_the_portfolio(tmp_path):
     """planner="stage_dp" returns the DP's plan without CP-SAT (status STAGE_DP);
     the default planner, which is warm-started by it, is never slower. The CLI
-    passes --planner through."""
+    passes --planner (and --precision) through."""
     torch.manual_seed(0)
     ids = torch.randint(0, 256, (2, T))
     kw = dict(cluster=CLUSTERS / "small_hetero.yaml", example_inputs=(ids, ids), global_batch_size=8,
@@ -109,8 +114,11 @@ def test_stage_dp_planner_alone_and_in_the_portfolio(tmp_path):
     assert best.predicted_step_time_s <= fast.predicted_step_time_s
     out = tmp_path / "plan"
     assert zorse_main(["plan", "--model", "gpt", "--cluster", str(CLUSTERS / "small_hetero.yaml"),
-                       "--global-batch-size", "8", "--seq-len", "32", "--planner", "stage_dp", "-o", str(out)]) == 0
-    assert json.loads((out / "plan.json").read_text())["solver"]["status"] == "STAGE_DP"
+                       "--global-batch-size", "8", "--seq-len", "32", "--planner", "stage_dp", "--precision", "fp32",
+                       "-o", str(out)]) == 0
+    d = json.loads((out / "plan.json").read_text())
+    assert d["solver"]["status"] == "STAGE_DP"
+    assert (d["precision"], d["grad_reduce_dtype"], d["compute_dtype"]) == ("fp32", "float32", "float32")
 
 
 def test_cli_train_runs_plan_on_real_text(tmp_path):

@@ -131,7 +131,7 @@ def test_zero1_unequal_shards_and_recompute_equal_single_process(lee_bytes, tmp_
     )
     plan = with_memory_policy(plan, sharded={1}, recompute={0}, shard_bytes={1: (3 * 2**20, 2**20)})
     assert plan.shared_params() == {"wte.weight": (0, 1)}
-    summaries = train_and_compare(plan, captured, lee_bytes, tmp_path, steps=3, lr=LR, weight_decay=WEIGHT_DECAY)
+    summaries, _ = train_and_compare(plan, captured, lee_bytes, tmp_path, steps=3, lr=LR, weight_decay=WEIGHT_DECAY)
     _check_state_sizes(plan, summaries)
     n = plan.stages[1].num_parameters
     assert summaries[1]["owned_elements"] + summaries[2]["owned_elements"] == n
@@ -151,6 +151,6 @@ def test_hf_llama_tied_embeddings_zero1_recompute(lee_bytes, tmp_path):
     )
     plan = with_memory_policy(plan, sharded={0, 1}, recompute={1}, shard_bytes={0: (5, 0), 1: (2**20, 2 * 2**20)})
     assert plan.shared_params() == {"model.model.embed_tokens.weight": (0, 1)}
-    summaries = train_and_compare(plan, captured, lee_bytes, tmp_path, steps=2, lr=LR, weight_decay=WEIGHT_DECAY)
+    summaries, _ = train_and_compare(plan, captured, lee_bytes, tmp_path, steps=2, lr=LR, weight_decay=WEIGHT_DECAY)
     _check_state_sizes(plan, summaries)
     assert summaries[1]["owned_elements"] == 0 and summaries[1]["optimizer_state_bytes"] == 0

@@ -74,7 +74,7 @@ def test_interleaved_two_groups_equal_single_process(lee_bytes, tmp_path):
     assert plan.shared_params() == {"wte.weight": (0, 3)}
     # Step-1 loss against the single-process forward on the same batch (before reference_adamw trains it).
     ref_loss, _ = reference_step(captured, first_batch(lee_bytes, plan))
-    summaries = train_and_compare(plan, captured, lee_bytes, tmp_path, steps=3, lr=LR, weight_decay=WEIGHT_DECAY)
+    summaries, _ = train_and_compare(plan, captured, lee_bytes, tmp_path, steps=3, lr=LR, weight_decay=WEIGHT_DECAY)
     for rank, got in summaries.items():
         assert [s["stage"] for s in got["stages"]] == list(plan.stages_of(rank))
         assert got["stage"] == plan.stages_of(rank)[0] and got["sharded"] is False
@@ -94,7 +94,7 @@ def test_interleaved_unequal_dp_zero1_recompute(lee_bytes, tmp_path):
                               shard_bytes={0: (3 * 2**20, 2**20), 2: (2**20, 2 * 2**20)})
     assert plan.world_size == 3 and plan.stages_of(1) == (0, 2) and plan.stages_of(2) == (1, 3)
     assert plan.shared_params() == {"wte.weight": (0, 3)}
-    summaries = train_and_compare(plan, captured, lee_bytes, tmp_path, steps=3, lr=LR, weight_decay=WEIGHT_DECAY)
+    summaries, _ = train_and_compare(plan, captured, lee_bytes, tmp_path, steps=3, lr=LR, weight_decay=WEIGHT_DECAY)
     # Per hosted stage: the ZeRO-1 owned range (shard_ranges) and AdamW moments for it only.
     for rank, got in summaries.items():
         per_stage = got["stages"]
@@ -133,7 +133,7 @@ def test_one_group_two_stages_in_process(lee_bytes, tmp_path):
     for step in range(steps):
         batch = global_batch(lee_bytes, step, global_batch_size=plan.global_batch_size, seq_len=plan.seq_len,
                              input_names=plan.input_names, label_mode=plan.label_mode)
-        losses.append(worker.train_step(batch))
+        losses.append(float(worker.train_step(batch)))
         if step == 0:
             grads1 = worker.gradients()
     ref_loss, _ = reference_step(captured, first_batch(lee_bytes, plan))

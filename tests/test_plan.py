@@ -43,7 +43,9 @@ def test_json_round_trip(plan, tmp_path):
     assert loaded == plan
     assert loaded.sources == plan.sources
     d = json.loads(path.read_text())
-    assert d["version"] == PLAN_FORMAT_VERSION == 3
+    assert d["version"] == PLAN_FORMAT_VERSION == 4
+    # small_hetero.yaml has T4s (no bfloat16): precision "auto" is fp16-mixed.
+    assert (d["precision"], d["grad_reduce_dtype"], d["compute_dtype"]) == ("fp16-mixed", "float32", "float16")
     assert [[g["samples_per_microbatch"] for g in s["gpus"]] for s in d["stages"]] == [[3, 1], [4]]
     assert (tmp_path / "p" / "stage_0.py").read_text().startswith('"""Stage 0 of 2')
 
@@ -75,7 +77,8 @@ def test_version_1_plan_reads_with_defaults(plan, tmp_path):
             del g["state_shard_bytes"]
     path.write_text(json.dumps(d))
     loaded = Plan.load(path)
-    assert loaded == plan  # new fields at their defaults; read into the current version
+    # New fields at their defaults (a version-1 plan trained in fp32); read into the current version.
+    assert loaded == dataclasses.replace(plan, precision="fp32", grad_reduce_dtype="float32")
     assert loaded.version == PLAN_FORMAT_VERSION
     assert all(not s.sharded and not s.recompute and all(g.state_shard_bytes == 0 for g in s.gpus)
                for s in loaded.stages)

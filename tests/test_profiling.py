@@ -14,6 +14,7 @@ from zorse_fx.cluster import gpu_spec
 from zorse_fx.cost.measured import ProfileSet, _interpolate, measured_block_costs, node_time
 from zorse_fx.cost.roofline import block_costs
 from zorse_fx.models.gpt import GPT, GPTConfig
+from zorse_fx.precision import precision_policy
 from zorse_fx.profiling.profile import DeviceInfo, KernelProfile, KernelTiming
 from zorse_fx.profiling.replay import NodeCall, model_calls
 
@@ -76,6 +77,30 @@ def test_lookup_order_exact_then_interpolated_then_roofline():
         node_time(_call("new"), "Mystery", ps, None, specs, torch.float32)
 
 
+def test_matmul_timings_apply_only_in_the_compute_dtype():
+    """A mixed precision plan runs matmuls in float16 under autocast: the
+    float32 timing of the very node does not price it, float16 timings of the
+    class do (interpolated), and without any the roofline at the float16
+    peak. Other classes take their timing whatever its dtype."""
+    t4 = gpu_spec("T4")
+    specs = {"T4": t4}
+    ps = ProfileSet([_profile(entries=[_timing("exact", "matmul", 2.0, 4.0, 1e9),
+                                       _timing("h1", "matmul", 0.5, 1.0, 1e8, dtype="float16"),
+                                       _timing("h2", "matmul", 1.0, 2.0, 1e10, dtype="float16"),
+                                       _timing("n", "norm", 0.3, 0.6, 0.0, 1e6)])])
+    assert node_time(_call("exact"), "T4", ps, t4, specs, torch.float32).source == "exact"
+    half = node_time(_call("exact"), "T4", ps, t4, specs, torch.float16)
+    # Log-log midpoint of (1e8, 0.5 ms) and (1e10, 1 ms) at 1e9 FLOPs; backward 2x (the entries' ratio).
+    assert half.source == "interpolated"
+    assert (half.fwd_ms, half.bwd_ms) == (pytest.approx(0.5 ** 0.5), pytest.approx(2 * 0.5 ** 0.5))
+    assert node_time(_call("n", cls="norm"), "T4", ps, t4, specs, torch.float16).source == "exact"
+    only32 = ProfileSet([_profile(entries=[_timing("exact", "matmul", 2.0, 4.0, 1e9)])])
+    roof = node_time(_call("exact"), "T4", only32, t4, specs, torch.float16)
+    eff, _ = only32.learned_efficiency("matmul", specs)
+    assert roof.source == "roofline"
+    assert roof.fwd_ms == pytest.approx((1e9 / (t4.fp16_flops_per_s * eff) + 5e-6) * 1e3)
+
+
 def test_interpolation_extrapolates_proportionally_and_floors():
     pts = [(10.0, 1.0), (1000.0, 10.0)]
     assert _interpolate(pts, 1.0) == 1.0
@@ -98,7 +123,7 @@ def test_measured_block_costs_from_replayed_model():
                 fwd, bwd = time_call(call, torch.device("cpu"), repeats=1)
                 entries[call.key] = _timing(call.key, call.op_class, max(fwd, 1e-6), bwd, call.flops, call.bytes)
     ps = ProfileSet([_profile("cpu-test", "cpu", entries.values())])
-    base = block_costs(bg, {"T4": gpu_spec("T4")})
+    base = block_costs(bg, {"T4": gpu_spec("T4")}, precision=precision_policy("fp32"))
     costs, sources = measured_block_costs(bg, {"cpu-test": None, "T4": gpu_spec("T4")}, ps, batches=(1, 4), base=base)
     assert set(sources["cpu-test"]) == {"exact"}
     assert set(sources["T4"]) == {"roofline"}

@@ -59,7 +59,7 @@ def _step(plan, weights, tmp_path, batch, seed):
     grad_modes: list[bool] = []
     worker.module.register_forward_pre_hook(lambda *_: grad_modes.append(torch.is_grad_enabled()))
     torch.manual_seed(seed)
-    loss = worker.train_step(batch)
+    loss = float(worker.train_step(batch))
     return loss, worker.gradients(), torch.get_rng_state(), grad_modes
 
 

@@ -438,3 +438,46 @@ def test_plan_decision_reads_the_plans_memory_policy():
     old = NS(num_microbatches=1, stages=(NS(index=0, blocks=(0, 1), gpus=tuple(
         NS(gpu=g.gpu, samples_per_microbatch=g.samples_per_microbatch) for g in gpus)),))
     assert plan_decision(old) == dict(kw, stage_sharded=(False,), state_shard_mib=None, stage_recompute=(False,))
+
+
+@pytest.mark.parametrize("bw", [1e15, 1e9])
+def test_gradient_buckets_overlap_the_last_backward(bw):
+    """[Note: overlapped gradient reduction]: one stage on 2 GPUs, 4 blocks of
+    12.5M parameters (50 MB of float32 gradients each, two 25 MiB buckets per
+    block). The buckets of the last block are reduced while the backward of
+    the earlier blocks still runs; the last bucket (of block 0) only once the
+    backward has ended. Fast links: only that last bucket is exposed. Slow
+    links: the reduction is bound by its own bytes, started at the first
+    bucket's readiness (block 3's backward, the first quarter of it)."""
+    from zorse_fx.runtime.grad_sync import BUCKET_BYTES
+
+    t, params = 8e-3, 12_500_000
+    costs = BlockCosts(fwd_bwd_s_per_sample={"A": (t,) * 4}, param_count=(params,) * 4,
+                       act_bytes_per_sample=(100,) * 4, cut_bytes_per_sample=(0,) * 5)
+    devices = make_devices(["A", "A"], ["n0", "n0"], [64 * GIB] * 2, [1e12] * 2, intra=(bw, 0.0))
+    options = SolverOptions(global_batch_size=2)
+    sim = simulate(costs, devices, options, stage_blocks=((0, 4),), stage_gpus=((0, 1),),
+                   samples_per_microbatch=((1, 1),), num_microbatches=1)
+    b = max((e for e in sim.events if e.kind == "B"), key=lambda e: e.end_s)
+    red = [e for e in sim.events if e.kind == "allreduce"]
+    assert len(red) == 2 and red[0].nbytes == 4 * 4 * params
+    start, end = red[0].start_s, red[0].end_s
+    total_ar = 2 * 4 * 4 * params / bw
+    quarter = (b.end_s - b.start_s) / 4
+    assert start == pytest.approx(b.start_s + quarter, rel=1e-9)  # the first bucket: block 3, a quarter in
+    # Buckets fill in reverse order: block 3's bytes first; those holding any byte of
+    # block 0 (from the bucket boundary at or below 150 MB on) wait for the whole backward.
+    total_bytes = 4 * 4 * params
+    first_of_block0 = (3 * 4 * params // BUCKET_BYTES) * BUCKET_BYTES
+    exposed = 2 * (total_bytes - first_of_block0) / bw
+    if bw > 1e12:  # fast: everything before those buckets is hidden in the backward
+        assert end == pytest.approx(b.end_s + exposed, rel=1e-9)
+        hidden = total_ar - exposed
+    else:  # slow: bound by the bytes, from the first bucket on
+        assert total_ar > 3 * quarter
+        assert end == pytest.approx(start + total_ar, rel=1e-9)
+        hidden = 3 * quarter
+    # The objective charges the whole reduction after the drain: never less.
+    ev = evaluate(costs, devices, options, stage_blocks=((0, 4),), stage_gpus=((0, 1),),
+                  samples_per_microbatch=((1, 1),), num_microbatches=1)
+    assert ev.step_time_s - sim.step_time_s == pytest.approx(hidden, rel=1e-6, abs=2e-9)

@@ -10,6 +10,7 @@ from .errors import (
     InfeasiblePlanError,
     ModelCaptureError,
     PlanFileError,
+    PlanOptionsError,
     RuntimeExecutionError,
     ZorseError,
 )
@@ -35,6 +36,7 @@ __all__ = [
     "ZorseError",
     "ClusterConfigError",
     "PlanFileError",
+    "PlanOptionsError",
     "ModelCaptureError",
     "InfeasiblePlanError",
     "RuntimeExecutionError",

@@ -21,6 +21,9 @@ from pathlib import Path
 
 import torch
 
+from .errors import PlanOptionsError
+from .precision import GRAD_REDUCE_DTYPES, PRECISIONS
+
 __all__ = ["main"]
 
 
@@ -51,12 +54,15 @@ def cmd_plan(args) -> int:
 
     model, _ = _load_model(args.model)
     ids = torch.randint(0, 200, (2, args.seq_len))
-    compiled = zorse.compile(
-        model, cluster=args.cluster, example_inputs=(ids, ids), global_batch_size=args.global_batch_size,
-        max_stages=args.max_stages, schedule=args.schedule, time_limit_s=args.time_limit, planner=args.planner,
-        max_interleave=args.max_interleave, verbose=True,
-        model_name=args.model,
-    )
+    try:
+        compiled = zorse.compile(
+            model, cluster=args.cluster, example_inputs=(ids, ids), global_batch_size=args.global_batch_size,
+            max_stages=args.max_stages, schedule=args.schedule, time_limit_s=args.time_limit, planner=args.planner,
+            max_interleave=args.max_interleave, precision=args.precision, grad_reduce_dtype=args.grad_reduce_dtype,
+            verbose=True, model_name=args.model,
+        )
+    except PlanOptionsError as exc:
+        raise SystemExit(f"zorse: {exc}") from exc
     print(compiled.plan.table())
     path = compiled.plan.export(args.output)
     weights = compiled.save_weights(args.output)
@@ -76,6 +82,8 @@ def cmd_train(args) -> int:
     torch.save(tokens, out / "tokens.pt")
     train_args = ["--tokens", str(out / "tokens.pt"), "--steps", str(args.steps), "--lr", str(args.lr),
                   "--out", str(out)]
+    if args.precision:
+        train_args += ["--precision", args.precision]
     nproc = args.nproc or plan.world_size
     print("[zorse] " + " ".join(torchrun_command(args.plan, nproc, train_args)))
     launch(args.plan, nproc, train_args)
@@ -110,7 +118,8 @@ def cmd_simulate(args) -> int:
         model = CausalLMWithLoss(model)
     ids = torch.randint(0, 200, (2, plan.seq_len))
     options = PlanOptions(global_batch_size=plan.global_batch_size, schedule=plan.schedule,
-                          max_stages=plan.num_groups, max_interleave=plan.interleave)
+                          max_stages=plan.num_groups, max_interleave=plan.interleave,
+                          precision=plan.precision, grad_reduce_dtype=plan.grad_reduce_dtype)
     _, costs, _ = _analyse_and_price(capture(model, (ids, ids)), cluster, options)
     decision = plan_decision(plan, costs)  # the plan's memory policy (ZeRO-1 shards, recomputation) too
     result = simulate(costs, _device_graph(cluster, options), _solver_options(options), **decision)
@@ -164,6 +173,10 @@ def main(argv=None) -> int:
     pp.add_argument("--time-limit", type=float, default=10.0, help="CP-SAT seconds per candidate")
     pp.add_argument("--planner", default="auto", choices=("auto", "cpsat", "grouped", "stage_dp", "brute_force"),
                     help="auto: CP-SAT checked against the stage DP and the baselines; stage_dp: the DP alone (fast)")
+    pp.add_argument("--precision", default="auto", choices=("auto", *PRECISIONS),
+                    help="training precision; auto: bf16-mixed where every GPU supports bfloat16, else fp16-mixed")
+    pp.add_argument("--grad-reduce-dtype", default=None, choices=GRAD_REDUCE_DTYPES,
+                    help="dtype of the gradient all-reduce (default float32; bfloat16 needs bf16-mixed)")
     pp.add_argument("-o", "--output", required=True, help="plan directory to write")
     pp.set_defaults(fn=cmd_plan)
     pt = sub.add_parser("train", help="run an exported plan with torchrun (one process per GPU)")
@@ -174,6 +187,8 @@ def main(argv=None) -> int:
     pt.add_argument("--lr", type=float, default=1e-4)
     pt.add_argument("--nproc", type=int, default=0, help="processes (default: the plan's GPU count)")
     pt.add_argument("--out", default="runs/train")
+    pt.add_argument("--precision", choices=("fp32", "bf16-mixed", "fp16-mixed"), default=None,
+                    help="train with this precision (default: the plan's on GPUs, fp32 on a CPU)")
     pt.set_defaults(fn=cmd_train)
     ps = sub.add_parser("show", help="print a plan's table and schedule")
     ps.add_argument("plan")

@@ -15,6 +15,7 @@ __all__ = [
     "ZorseError",
     "ClusterConfigError",
     "PlanFileError",
+    "PlanOptionsError",
     "ModelCaptureError",
     "InfeasiblePlanError",
     "RuntimeExecutionError",
@@ -31,6 +32,12 @@ class ClusterConfigError(ZorseError, ValueError):
 
 class PlanFileError(ZorseError, ValueError):
     """A plan file (plan.json) is malformed or of an unsupported version."""
+
+
+class PlanOptionsError(ZorseError, ValueError):
+    """A planner option (``PlanOptions``, a ``zorse.compile`` keyword, a
+    ``zorse plan`` flag) is invalid or does not fit the cluster (bf16-mixed
+    asked for on a GPU without bfloat16)."""
 
 
 class ModelCaptureError(ZorseError, ValueError):

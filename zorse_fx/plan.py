@@ -21,6 +21,14 @@ sample shares, listed again), as chunk ``s // P`` of its group, under
 interleaved 1F1B (``runtime.schedule.interleaved_1f1b``). Ranks are numbered
 over the first ``P`` stages; a rank hosts ``v`` stages (``Plan.stages_of``).
 
+Precision (format version 4; older files read as ``fp32``, which is how their
+runtime trained): ``Plan.precision`` is one of ``precision.PRECISIONS``
+(``fp32``, ``bf16-mixed``, ``fp16-mixed``) and ``Plan.grad_reduce_dtype`` the
+dtype of the gradient all-reduce; ``Plan.precision_policy()`` is the policy
+the planner priced and the runtime trains with ([Note: mixed precision] in
+``precision.py``). The stages' ``recv``/``send`` specs are in the dtypes that
+policy's autocast gives the crossing tensors (the wire format).
+
 Two memory-saving choices per stage (format version 2; a version-1 file reads
 with both off):
 
@@ -40,18 +48,20 @@ from __future__ import annotations
 
 import io
 import json
+import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .capture.analysis import TensorSpec
 from .errors import PlanFileError
+from .precision import PRECISIONS, REDUCE_DTYPES, PrecisionPolicy, precision_policy
 
 __all__ = ["PLAN_FORMAT_VERSION", "GPUShare", "StagePlan", "SolverReport", "Plan", "RankRole"]
 
 #: Bumped on any incompatible change of plan.json.
-PLAN_FORMAT_VERSION = 3
+PLAN_FORMAT_VERSION = 4
 #: Older versions ``from_dict`` still reads (fields added since take their defaults).
-_READABLE_VERSIONS = (1, 2, 3)
+_READABLE_VERSIONS = (1, 2, 3, 4)
 GIB = 1024**3
 
 
@@ -195,7 +205,11 @@ class Plan:
     stages: tuple[StagePlan, ...]
     predicted_step_time_s: float
     solver: SolverReport
-    compute_dtype: str = "float32"
+    #: Training precision, one of ``precision.PRECISIONS`` (format version 4;
+    #: older files read as "fp32").
+    precision: str = "fp32"
+    #: dtype of the gradient all-reduce, one of ``precision.REDUCE_DTYPES[precision]``.
+    grad_reduce_dtype: str = "float32"
     #: Interleave degree v: stages per GPU group (see the module docstring).
     interleave: int = 1
     version: int = PLAN_FORMAT_VERSION
@@ -203,6 +217,13 @@ class Plan:
     sources: tuple[str, ...] = field(default=(), compare=False, repr=False)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.precision, str) or self.precision not in PRECISIONS:
+            raise PlanFileError(f"plan: field 'precision' is {self.precision!r}; allowed: "
+                                f"{', '.join(map(repr, PRECISIONS))}")
+        allowed = REDUCE_DTYPES[self.precision]
+        if not isinstance(self.grad_reduce_dtype, str) or self.grad_reduce_dtype not in allowed:
+            raise PlanFileError(f"plan: field 'grad_reduce_dtype' is {self.grad_reduce_dtype!r}; precision "
+                                f"{self.precision!r} allows {', '.join(map(repr, allowed))}")
         if self.microbatch_size * self.num_microbatches != self.global_batch_size:
             raise PlanFileError(
                 f"plan: microbatch_size {self.microbatch_size} x num_microbatches "
@@ -251,6 +272,16 @@ class Plan:
                     )
 
     # -- queries -------------------------------------------------------------
+    def precision_policy(self) -> PrecisionPolicy:
+        """The precision policy the plan was priced under and trains with."""
+        return precision_policy(self.precision, self.grad_reduce_dtype)
+
+    @property
+    def compute_dtype(self) -> str:
+        """dtype name of the matmuls (the policy's autocast dtype): "float32",
+        "bfloat16" or "float16"."""
+        return self.precision_policy().compute_dtype_name
+
     @property
     def world_size(self) -> int:
         return sum(len(s.gpus) for s in self.stages[: self.num_groups])
@@ -304,6 +335,8 @@ class Plan:
             "num_microbatches": self.num_microbatches,
             "schedule": self.schedule,
             "interleave": self.interleave,
+            "precision": self.precision,
+            "grad_reduce_dtype": self.grad_reduce_dtype,
             "compute_dtype": self.compute_dtype,
             "predicted_step_time_s": self.predicted_step_time_s,
             "solver": {
@@ -362,6 +395,8 @@ class Plan:
                 f"{source}: plan format version {d.get('version')!r} is not supported by this zorse_fx "
                 f"(reads versions {', '.join(map(str, _READABLE_VERSIONS))}); re-export the plan with `zorse plan`"
             )
+        if d["version"] >= 4:
+            _check_compute_dtype(d, source)
         try:
             stages = tuple(
                 StagePlan(
@@ -398,7 +433,9 @@ class Plan:
                 num_microbatches=d["num_microbatches"],
                 schedule=d["schedule"],
                 interleave=d.get("interleave", 1),
-                compute_dtype=d["compute_dtype"],
+                # Versions 1-3 trained in float32 (their compute_dtype only chose datasheet peaks).
+                precision=d["precision"] if d["version"] >= 4 else "fp32",
+                grad_reduce_dtype=d["grad_reduce_dtype"] if d["version"] >= 4 else "float32",
                 predicted_step_time_s=d["predicted_step_time_s"],
                 solver=SolverReport(**{**sv, "candidates": tuple(sv.get("candidates", ()))}),
                 stages=stages,
@@ -408,6 +445,8 @@ class Plan:
             raise PlanFileError(f"{source}: missing field {exc.args[0]!r}; re-export the plan with `zorse plan`") from exc
         except TypeError as exc:
             raise PlanFileError(f"{source}: malformed plan: {exc}") from exc
+        except PlanFileError as exc:  # a __post_init__ check: name the file
+            raise PlanFileError(f"{source}: {str(exc).removeprefix('plan: ')}") from None
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
@@ -489,6 +528,8 @@ class Plan:
         buf = io.StringIO()
         Console(file=buf, width=150, record=False).print(t)
         sv = self.solver
+        precision = textwrap.fill("precision " + self.precision_policy().describe(), width=150,
+                                  subsequent_indent="  ")
         summary = (
             f"global batch {self.global_batch_size} = {self.num_microbatches} micro-batches x "
             f"{self.microbatch_size} samples (seq {self.seq_len}), schedule {self.schedule}"
@@ -503,8 +544,21 @@ class Plan:
                f"bubble {sv.simulated_bubble_fraction:.0%}, peak memory "
                f"{sv.simulated_max_memory_fraction:.0%} of usable"
                if sv.simulated_step_time_s and self.predicted_step_time_s else "")
+            + "\n" + precision
         )
         return buf.getvalue() + summary
 
     def __str__(self) -> str:
         return self.table()
+
+
+def _check_compute_dtype(d: dict, source: str) -> None:
+    """A version-4 file's ``compute_dtype`` (written for readers; the precision
+    decides it) must be the one its ``precision`` computes in."""
+    name, stored = d.get("precision"), d.get("compute_dtype")
+    if stored is None or name not in PRECISIONS:
+        return  # no compute_dtype to check; a bad precision is named by __post_init__
+    expected = precision_policy(name).compute_dtype_name
+    if stored != expected:
+        raise PlanFileError(f"{source}: field 'compute_dtype' is {stored!r} but precision {name!r} computes in "
+                            f"{expected!r}; set compute_dtype to {expected!r} (or remove it) or change precision")

@@ -14,17 +14,18 @@ import logging
 import time
 from dataclasses import dataclass
 
-import torch
-
 from .capture import BlockGraph, CapturedModel, analyse
 from .cluster import Cluster
 from .codegen import emit_source, split_stages
-from .cost.roofline import block_costs
+from .cost.roofline import block_costs, saved_activations_or_estimate
+from .errors import PlanOptionsError
 from .plan import GPUShare, Plan, SolverReport, StagePlan
+from .precision import (GRAD_REDUCE_DTYPES, PRECISIONS, PrecisionPolicy, check_supported, default_precision,
+                        precision_policy)
 from .solve import solve_brute_force, solve_cpsat
 from .solve.records import SolverOptions, SolverResult
 
-__all__ = ["PlanOptions", "plan_captured", "plan_fixed", "build_plan"]
+__all__ = ["PlanOptions", "plan_captured", "plan_fixed", "build_plan", "resolve_precision"]
 
 log = logging.getLogger(__name__)
 
@@ -51,9 +52,15 @@ class PlanOptions:
     #: warm-start it), "stage_dp" (only the memory-first stage DP: seconds at
     #: 1024 GPUs, no CP-SAT, no optimality gap) or "brute_force" (tiny instances only).
     planner: str = "auto"
-    #: dtype of the matmuls on the real cluster (selects datasheet peaks);
-    #: None = the dtype of the model's parameters.
-    compute_dtype: torch.dtype | None = None
+    #: Training precision ([Note: mixed precision] in ``zorse_fx/precision.py``):
+    #: "auto" (bf16-mixed where every GPU of the cluster supports bfloat16,
+    #: else fp16-mixed), "fp32", "bf16-mixed" or "fp16-mixed". It decides the
+    #: bytes of training state per parameter, the activations (measured under
+    #: its autocast), the dtype of tensors crossing a cut and the matmul peak.
+    precision: str = "auto"
+    #: dtype of the gradient all-reduce: None = the precision's default
+    #: (float32), or "bfloat16" (bf16-mixed only; +2 B/param of buckets).
+    grad_reduce_dtype: str | None = None
     #: Upper bound on blocks the graph is cut into.
     max_blocks: int = 32
     allow_idle_gpus: bool = True
@@ -73,6 +80,49 @@ class PlanOptions:
     #: Largest interleave degree (stages per GPU group, interleaved 1F1B) the
     #: planner tries on its answer; 1 = one stage per group. Needs "1f1b".
     max_interleave: int = 4
+
+    def __post_init__(self) -> None:
+        if self.precision not in ("auto", *PRECISIONS):
+            raise PlanOptionsError(f"PlanOptions.precision={self.precision!r}: use 'auto' or one of "
+                                   f"{', '.join(map(repr, PRECISIONS))}")
+        if self.grad_reduce_dtype is not None and self.grad_reduce_dtype not in GRAD_REDUCE_DTYPES:
+            raise PlanOptionsError(f"PlanOptions.grad_reduce_dtype={self.grad_reduce_dtype!r}: use None (the "
+                                   f"precision's default) or one of {', '.join(map(repr, GRAD_REDUCE_DTYPES))}")
+        if self.precision != "auto":
+            _policy(self.precision, self.grad_reduce_dtype, why="")
+
+
+def _policy(name: str, grad_reduce_dtype: str | None, *, why: str) -> PrecisionPolicy:
+    try:
+        return precision_policy(name, grad_reduce_dtype)
+    except ValueError as exc:
+        raise PlanOptionsError(f"PlanOptions.grad_reduce_dtype={grad_reduce_dtype!r}: {exc}{why}; leave "
+                               f"grad_reduce_dtype unset (float32) or ask for precision 'bf16-mixed'") from None
+
+
+def resolve_precision(options: PlanOptions, cluster: Cluster) -> tuple[PrecisionPolicy, str]:
+    """The plan's precision policy on ``cluster`` and why it is that one
+    ("auto: every GPU supports bf16", "auto: T4, V100-16GB have no bf16",
+    "asked for").
+
+    Raises:
+        PlanOptionsError: bf16-mixed asked for on a cluster with a GPU without
+            bfloat16 (the message names the GPU types and the alternatives),
+            or a gradient-reduction dtype the precision does not allow.
+    """
+    specs = [g.spec for g in cluster.gpus]
+    if options.precision == "auto":
+        name = default_precision(specs)
+        missing = sorted({s.type for s in specs if not s.bf16_supported})
+        reason = ("every GPU supports bf16" if not missing
+                  else f"{', '.join(missing)} {'has' if len(missing) == 1 else 'have'} no bf16")
+        return (_policy(name, options.grad_reduce_dtype, why=f" (precision 'auto' chose {name}: {reason})"),
+                f"auto: {reason}")
+    try:
+        check_supported(options.precision, specs)
+    except ValueError as exc:
+        raise PlanOptionsError(f"PlanOptions.precision on cluster {cluster.name!r}: {exc}") from None
+    return _policy(options.precision, options.grad_reduce_dtype, why=""), "asked for"
 
 
 def plan_captured(
@@ -96,7 +146,7 @@ def plan_captured(
     """
     say = progress or (lambda msg: log.info(msg))
     t0 = time.perf_counter()
-    bg, costs, dtype = _analyse_and_price(captured, cluster, options, say)
+    bg, costs, policy = _analyse_and_price(captured, cluster, options, say)
     say(f"analysed graph: {len(bg.act_order)} activation nodes, {bg.num_blocks} blocks at legal cut points")
     sopts = _solver_options(options)
     from .solve.grouped import solve_grouped
@@ -108,8 +158,8 @@ def plan_captured(
     solve = {"cpsat": solve_cpsat, "grouped": solve_grouped, "brute_force": solve_brute_force,
              "stage_dp": solve_stage_dp}.get(planner)
     if solve is None:
-        raise ValueError(f"unknown planner {options.planner!r}; use 'auto', 'cpsat', 'grouped', 'stage_dp' "
-                         f"or 'brute_force'")
+        raise PlanOptionsError(f"unknown planner {options.planner!r}; use 'auto', 'cpsat', 'grouped', 'stage_dp' "
+                               f"or 'brute_force'")
     from .solve.portfolio import solve_portfolio
 
     devices = _device_graph(cluster, options)
@@ -138,57 +188,73 @@ def plan_captured(
         log.warning(w)
         say(f"warning: {w}")
     plan = build_plan(bg, cluster, result, options, model_name=model_name, label_mode=label_mode,
-                      compute_dtype=dtype, planner=planner, check=check)
+                      precision=policy, planner=planner, check=check)
     say(f"codegen: {plan.num_stages} stage modules ({time.perf_counter() - t0:.1f} s total)")
     return plan, bg
 
 
 def _analyse_and_price(captured: CapturedModel, cluster: Cluster, options: PlanOptions, say=None):
-    """(block graph, per-block costs on the cluster's GPU types, matmul dtype).
+    """(block graph, per-block costs on the cluster's GPU types, precision policy).
 
-    Types with a measured kernel profile are priced from it; the others by the
-    roofline with efficiencies learned from the measured GPU profiles
+    The precision is ``resolve_precision``'s. Activations are measured under
+    its autocast, and the returned block graph's tensor specs (so the stages'
+    ``recv``/``send`` and the cut bytes) are in the dtypes autocast gives them
+    ([Note: saved activations] in ``cost/roofline.py``). Types with a
+    measured kernel profile are priced from it; the others by the roofline
+    with efficiencies learned from the measured GPU profiles
     (``cost/measured.py``). Without any profile for the cluster's types, the
     plain roofline (``cost/roofline.py``)."""
     from .cost.measured import ProfileSet, measured_block_costs
 
+    policy, why = resolve_precision(options, cluster)
+    if say:
+        say(f"precision {policy.describe()} ({why})")
     bg = analyse(captured, max_blocks=options.max_blocks)
-    params = list(captured.graph_module.parameters())
-    dtype = options.compute_dtype or (params[0].dtype if params else torch.float32)
+    acts = saved_activations_or_estimate(bg, policy)
+    cast = bg.with_dtypes(acts.output_dtypes)
+    if say and cast is not bg:
+        changed = sorted({f"{t.name} {b.dtype}->{t.dtype}" for ts, bs in zip(cast.cut_tensors, bg.cut_tensors)
+                          for t, b in zip(ts, bs) if t.dtype != b.dtype})
+        if changed:
+            say(f"under {policy.name} autocast these cut tensors change dtype: {', '.join(changed)}")
+    bg = cast
     specs = {g.type: g.spec for g in cluster.gpus}
-    costs = block_costs(bg, specs, compute_dtype=dtype)
+    costs = block_costs(bg, specs, precision=policy, activations=acts)
     profiles = ProfileSet.load(options.profiles) if options.profiles != () else ProfileSet([])
     if not any(t in profiles for t in specs):
         if say:
-            say(f"cost model: roofline on {', '.join(specs)} ({str(dtype).removeprefix('torch.')} matmuls; "
+            say(f"cost model: roofline on {', '.join(specs)} ({policy.compute_dtype_name} matmuls; "
                 "no measured profile for these types)")
-        return bg, costs, dtype
+        return bg, costs, policy
     measured = [profiles.by_type[t].batch_sizes for t in specs if t in profiles and profiles.by_type[t].batch_sizes]
     batches = options.profile_batches or (
         (min(measured[0]), max(measured[0])) if measured and len(set(measured[0])) > 1
         else (1, max(2, options.global_batch_size // 4)))
-    costs, sources = measured_block_costs(bg, specs, profiles, batches=batches, base=costs, compute_dtype=dtype)
+    costs, sources = measured_block_costs(bg, specs, profiles, batches=batches, base=costs,
+                                          compute_dtype=policy.compute_dtype)
     if say:
         for t, count in sources.items():
             total = sum(count.values()) or 1
             say(f"cost model for {t}: " + ", ".join(f"{k} {100 * v / total:.0f}%" for k, v in sorted(count.items()))
                 + f" of node times (micro-batches {batches[0]} and {batches[1]})")
-    return bg, costs, dtype
+    return bg, costs, policy
 
 
 def _device_graph(cluster: Cluster, options: PlanOptions):
     """The cluster's device graph; where a GPU type's profile measured the
     optimizer step, its optimizer time comes from that measurement (expressed
-    as the memory bandwidth the solver's [C-optim] term divides by)."""
+    as the memory bandwidth at which the solver's [C-optim] term,
+    ``2 * optimizer_bytes_per_param`` per parameter, takes the measured time)."""
     from .cost.measured import ProfileSet
 
     dg = cluster.device_graph()
+    step_bytes = resolve_precision(options, cluster)[0].optimizer_step_bytes_per_param
     profiles = ProfileSet.load(options.profiles) if options.profiles != () else ProfileSet([])
     bw = list(dg.mem_bw_bytes_per_s)
     for g, t in enumerate(dg.gpu_types):
         prof = profiles.by_type.get(t)
         if prof is not None and prof.optimizer_ns_per_param > 0:
-            bw[g] = 2 * 16 / (prof.optimizer_ns_per_param * 1e-9)  # [C-optim]: 2 * 16 B/param / bw
+            bw[g] = 2 * step_bytes / (prof.optimizer_ns_per_param * 1e-9)  # [C-optim]: 2 * optim B/param / bw
     return dataclasses.replace(dg, mem_bw_bytes_per_s=tuple(bw))
 
 
@@ -217,12 +283,14 @@ def build_plan(
     *,
     model_name: str,
     label_mode: str,
-    compute_dtype: torch.dtype,
+    precision: PrecisionPolicy,
     planner: str,
     check=None,
 ) -> Plan:
     """Turn a planner decision into a ``Plan`` with generated stage sources;
-    ``check`` (a ``sim.check.SimulationCheck``) fills ``plan.solver.simulated_*``."""
+    ``precision`` is the policy ``bg`` was priced under (``bg``'s tensor specs
+    in its autocast dtypes, as ``_analyse_and_price`` returns it); ``check``
+    (a ``sim.check.SimulationCheck``) fills ``plan.solver.simulated_*``."""
     programs = split_stages(bg, result.stage_blocks)
     state = bg.captured.state()
     stages, sources, rank = [], [], 0
@@ -275,7 +343,8 @@ def build_plan(
         interleave=result.interleave,
         stages=tuple(stages),
         predicted_step_time_s=result.predicted_step_time_s,
-        compute_dtype=str(compute_dtype).removeprefix("torch."),
+        precision=precision.name,
+        grad_reduce_dtype=precision.grad_reduce_dtype,
         solver=SolverReport(
             planner=planner,
             status=result.status,
@@ -322,7 +391,7 @@ def plan_fixed(
     """
     from .solve import evaluate
 
-    bg, costs, dtype = _analyse_and_price(captured, cluster, options)
+    bg, costs, policy = _analyse_and_price(captured, cluster, options)
     sopts = _solver_options(options, max_stages=max(options.max_stages, len(stage_blocks)), max_interleave=interleave,
                             num_microbatches=None, max_microbatches=options.global_batch_size,
                             allow_idle_gpus=True, sharding="auto", recompute="auto")
@@ -334,5 +403,5 @@ def plan_fixed(
         ev, stage_blocks=stage_blocks, stage_gpus=stage_gpus, samples_per_microbatch=samples_per_microbatch,
         num_microbatches=num_microbatches, options=sopts, status="FIXED", best_bound=ev.step_time_s)
     plan = build_plan(bg, cluster, result, options, model_name=model_name, label_mode=label_mode,
-                      compute_dtype=dtype, planner="fixed")
+                      precision=policy, planner="fixed")
     return plan, bg

@@ -9,14 +9,22 @@ on GPUs, Gloo on CPU)::
 ``zorse train`` wraps exactly this command. Each rank reads only plan.json,
 its stage source, the weights and the token file; it never imports OR-Tools.
 Rank 0 writes ``<out>/metrics.jsonl``: one JSON object per step with
-``step``, ``loss``, ``step_time_s``, ``tokens_per_s`` and ``ranks``: per rank
-the seconds spent in the pipeline schedule (``pipeline_s``), the gradient
-all-reduce (``allreduce_s``), the optimizer step (``optimizer_s``) and the
-parameter all-gather of a ZeRO-1 stage (``allgather_s``, 0 elsewhere), each
-over all the stages the rank hosts (``stages``: several in an interleaved
+``step``, ``loss``, ``step_time_s``, ``tokens_per_s``, ``precision``,
+``loss_scale`` and ``skipped`` (fp16-mixed: the scale the step used, and
+whether every rank skipped it for an inf/NaN gradient) and ``ranks``: per rank
+the seconds spent in the pipeline schedule (``pipeline_s``), waiting for the
+gradient all-reduce still in flight after it (``allreduce_s``; the rest
+overlapped the backward), the optimizer step (``optimizer_s``) and the
+parameter all-gather of a ZeRO-1 stage (``allgather_s``, 0 elsewhere), and its
+gradient buckets (``buckets``) of which ``buckets_during_backward`` were
+launched while the backward was still running, each over all the stages the rank hosts (``stages``: several in an interleaved
 plan, see [Note: a rank with several stages] in ``runtime/worker.py``).
 ``--dump-grads`` / ``--dump-params`` save one file per rank, by canonical
 parameter name over the rank's stages.
+
+Precision (``--precision``): the plan's (``Plan.precision``) on GPUs; on a
+CPU run, fp32 unless asked -- bf16 autocast runs on CPUs, slowly without
+bf16 hardware, and float16 matmuls on a CPU are slower still.
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ import torch.distributed as dist
 from .data import global_batch
 from .errors import RuntimeExecutionError
 from .plan import Plan
+from .precision import PRECISIONS, precision_policy
 from .runtime.launch import rank_device
 from .runtime.worker import OptimizerConfig, StageWorker
 
@@ -50,6 +59,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--out", default="runs/train", help="run directory (metrics.jsonl)")
     p.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto")
+    p.add_argument("--precision", choices=PRECISIONS, default=None,
+                   help="train with this precision instead of the plan's (default: the plan's on GPUs, fp32 on CPU)")
+    p.add_argument("--grad-reduce-dtype", choices=("float32", "bfloat16"), default=None,
+                   help="with --precision: the gradient all-reduce dtype (default: the precision's, float32)")
+    p.add_argument("--bucket-mib", type=float, default=25.0,
+                   help="gradient all-reduce bucket size in MiB (DDP's bucket_cap_mb; default 25)")
+    p.add_argument("--inject-inf", default=None, metavar="RANK:STEP",
+                   help="testing: after STEP's gradient reduction, rank RANK writes an inf into a gradient")
     p.add_argument("--dump-grads", type=int, default=0, metavar="STEP",
                    help="after this step, each rank saves its reduced gradients (all its stages, by "
                         "canonical name) to <out>/grads/rank<r>.pt (testing)")
@@ -65,13 +82,35 @@ def _log(rank: int, msg: str) -> None:
         print(msg, flush=True)
 
 
+def runtime_precision(plan: Plan, device: torch.device, asked: str | None, reduce_dtype: str | None = None):
+    """(policy to train with, why): ``asked`` (with ``reduce_dtype``, else the
+    plan's when it is the plan's precision), else the plan's on a GPU, else
+    fp32 on a CPU.
+
+    Raises:
+        ValueError: a reduction dtype the precision does not allow."""
+    planned, reduce = plan.precision, plan.grad_reduce_dtype
+    if asked is not None:
+        return precision_policy(asked, reduce_dtype or (reduce if asked == planned else None)), "--precision"
+    if reduce_dtype is not None:
+        raise ValueError("--grad-reduce-dtype needs --precision (the plan states its own reduction dtype)")
+    if device.type == "cpu" and planned != "fp32":
+        return precision_policy("fp32"), f"the plan's {planned} is for its GPUs; this is a CPU run"
+    return precision_policy(planned, reduce), "the plan's"
+
+
+_BREAKDOWN = ("pipeline_s", "allreduce_s", "optimizer_s", "allgather_s", "buckets", "buckets_during_backward")
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(1)  # one thread per rank: ranks share the host's cores
     backend = args.backend
     if backend == "auto":
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend, timeout=timedelta(minutes=10))
+    device = rank_device(backend)
+    dist.init_process_group(backend, timeout=timedelta(minutes=10),
+                            device_id=device if device.type == "cuda" else None)
     rank, world = dist.get_rank(), dist.get_world_size()
     plan_path = Path(args.plan)
     plan_dir = plan_path if plan_path.is_dir() else plan_path.parent
@@ -81,17 +120,22 @@ def main(argv=None) -> int:
             f"the plan needs {plan.world_size} processes (one per GPU) but torchrun started {world}; "
             f"use --nproc-per-node {plan.world_size} on one node (or that many in total)"
         )
-    device = rank_device(backend)
     weights_path = Path(args.weights) if args.weights else plan_dir / "weights.pt"
     if not weights_path.exists():
         raise RuntimeExecutionError(f"weights file {weights_path} not found; pass --weights or export with `zorse plan`")
     weights = torch.load(weights_path, mmap=True, weights_only=True)
     tokens = torch.load(args.tokens, weights_only=True)
+    policy, why = runtime_precision(plan, device, args.precision, args.grad_reduce_dtype)
     worker = StageWorker(
         plan, plan_dir, weights, rank=rank, device=device,
-        optimizer=OptimizerConfig(lr=args.lr, weight_decay=args.weight_decay),
+        optimizer=OptimizerConfig(lr=args.lr, weight_decay=args.weight_decay), precision=policy,
+        bucket_bytes=max(1, int(args.bucket_mib * 2**20)),
     )
     del weights
+    if args.inject_inf:
+        r, k = (int(x) for x in args.inject_inf.split(":"))
+        if r == rank:
+            worker.inject_inf_steps.add(k)
     out = Path(args.out)
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
@@ -100,6 +144,10 @@ def main(argv=None) -> int:
               f"{plan.num_stages} stages interleaved x{plan.interleave} on {plan.num_groups} GPU groups")
     _log(rank, f"[zorse] {world} ranks ({backend}), {layout}, "
                f"{plan.num_microbatches} micro-batches of {plan.microbatch_size}, {args.steps} steps")
+    _log(rank, f"[zorse] precision {policy.name} ({why}): {policy.describe()}")
+    _log(rank, f"[zorse] point-to-point: {len(worker.program.groups)} batch_isend_irecv groups per step on rank 0, "
+               f"{worker.program.prefetched} receives posted one compute early; gradient buckets: "
+               f"{worker.reducer.num_buckets} on rank 0")
     dist.barrier()
     for step in range(1, args.steps + 1):
         batch = global_batch(
@@ -107,23 +155,29 @@ def main(argv=None) -> int:
             input_names=plan.input_names, label_mode=plan.label_mode,
         )
         t0 = time.perf_counter()
-        contribution = worker.train_step(batch)
-        loss = torch.tensor([contribution], dtype=torch.float64)
-        dist.all_reduce(loss)  # sum of share-weighted contributions = global mean loss
+        loss = worker.train_step(batch).reshape(1)
+        dist.all_reduce(loss)  # on the device: sum of share-weighted contributions = global mean loss
         step_time = time.perf_counter() - t0
         if step == args.dump_grads:
             d = out / "grads"
             d.mkdir(parents=True, exist_ok=True)
             torch.save(worker.gradients(), d / f"rank{rank}.pt")
-        parts: list = [None] * world
-        dist.all_gather_object(parts, {"rank": rank, "stages": list(plan.stages_of(rank)), **worker.last_breakdown})
+        mine = torch.tensor([worker.last_breakdown[k] for k in _BREAKDOWN], dtype=torch.float64, device=device)
+        gathered = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(gathered, mine)
         if rank == 0:
-            rec = {"step": step, "loss": float(loss), "step_time_s": step_time,
-                   "tokens_per_s": plan.tokens_per_step / step_time, "ranks": parts}
+            parts = [{"rank": r, "stages": list(plan.stages_of(r)),
+                      **{k: (int(x) if k.startswith("buckets") else x) for k, x in zip(_BREAKDOWN, t.tolist())}}
+                     for r, t in enumerate(gathered)]
+            rec = {"step": step, "loss": float(loss.item()), "step_time_s": step_time,
+                   "tokens_per_s": plan.tokens_per_step / step_time, "precision": policy.name,
+                   "loss_scale": worker.last_loss_scale, "skipped": worker.last_skipped, "ranks": parts}
             metrics.write(json.dumps(rec) + "\n")
             metrics.flush()
-            print(f"[zorse] step {step:>3}/{args.steps}  loss {float(loss):.4f}  "
-                  f"{step_time:.2f} s  {rec['tokens_per_s']:,.0f} tokens/s", flush=True)
+            print(f"[zorse] step {step:>3}/{args.steps}  loss {rec['loss']:.4f}  "
+                  f"{step_time:.2f} s  {rec['tokens_per_s']:,.0f} tokens/s"
+                  + (f"  loss scale {worker.last_loss_scale:g}" if worker.scaler else "")
+                  + ("  (skipped: inf/NaN gradient)" if worker.last_skipped else ""), flush=True)
     if args.dump_params:
         d = out / "params"
         d.mkdir(parents=True, exist_ok=True)

@@ -38,7 +38,8 @@ with layer-major gradient accumulation; the shared model has ZeRO-1 only
 ([C-shard] in ``zorse_fx.solve.objective``), so here the weights and
 gradients stay replicated on every GPU and only the optimizer state is
 sharded. With ``sharding="never"`` (the default) even that is replicated
-(16 B/param on every GPU). Models whose replicated part exceeds one GPU are
+(all of ``state_bytes_per_param``, e.g. 18 B/param in mixed precision, on
+every GPU). Models whose replicated part exceeds one GPU are
 therefore reported BASELINE_INFEASIBLE: an honest outcome of the comparison
 (the decision Cephalo makes is kept; only its memory cost is modelled with
 less sharding than FSDP). Its communication is likewise the shared model's

@@ -32,6 +32,7 @@ Legend: ``K`` = act nodes, ``B`` = blocks.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -101,6 +102,20 @@ class BlockGraph:
 
     def stage_nodes(self, start_block: int, end_block: int) -> tuple[str, ...]:
         return self.act_order[self.blocks[start_block][0] : self.blocks[end_block - 1][1]]
+
+    def with_dtypes(self, dtypes: dict[str, str]) -> "BlockGraph":
+        """This block graph with the tensor specs of act nodes (and so the
+        tensors crossing each cut) in ``dtypes`` (act node name -> dtype name,
+        e.g. the dtypes a precision policy's autocast gives them:
+        ``cost.roofline.SavedActivations.output_dtypes``); names missing from
+        ``dtypes`` keep their capture dtype. ``self`` when nothing changes."""
+        changed = {name: dataclasses.replace(spec, dtype=dtypes[name]) for name, spec in self.specs.items()
+                   if dtypes.get(name, spec.dtype) != spec.dtype}
+        if not changed:
+            return self
+        return dataclasses.replace(
+            self, specs={**self.specs, **changed},
+            cut_tensors=tuple(tuple(changed.get(t.name, t) for t in ts) for ts in self.cut_tensors))
 
     def describe_blocks(self, start: int, end: int) -> str:
         """Short label of blocks [start, end): modules in order, numbered layers

@@ -15,6 +15,14 @@ Time of one node on a device type, in order of preference:
    learned from every measured *GPU* profile (median achieved / peak); if no
    GPU profile is loaded, the assumed ``MATMUL_EFFICIENCY``/``MEMORY_EFFICIENCY``.
 
+Matmul and attention timings are used only where they were measured in the
+plan's compute dtype (``KernelTiming.dtype``): under a mixed precision plan
+the runtime's autocast runs those ops in bfloat16/float16, so a float32
+measurement of the captured (float32) model's own matmuls does not price
+them; they fall to interpolation over the profile's entries in the compute
+dtype, else to the roofline at that dtype's peak. Other classes are used
+whatever their dtype.
+
 A device type with neither a profile nor a datasheet row is an error (never
 treated as a known one). Stage costs for the planner come from two micro-batch
 sizes ``n1 < n2``: per-sample slope ``(T(n2) - T(n1)) / (n2 - n1)`` and fixed
@@ -108,7 +116,9 @@ def _interpolate(points: list[tuple[float, float]], x: float) -> float:
 
 def node_time(call: NodeCall, device_type: str, profiles: ProfileSet, spec: GPUSpec | None,
               specs: dict[str, GPUSpec], dtype: torch.dtype) -> NodeTime:
-    """Forward and backward ms of ``call`` on ``device_type`` (see the module note).
+    """Forward and backward ms of ``call`` on ``device_type`` (see the module
+    note); ``dtype``: the plan's compute dtype (matmul peaks, and which
+    matmul/attention timings apply).
 
     Raises:
         ValueError: ``device_type`` has neither a profile nor a datasheet spec.
@@ -116,10 +126,15 @@ def node_time(call: NodeCall, device_type: str, profiles: ProfileSet, spec: GPUS
     prof = profiles.by_type.get(device_type)
     if prof is not None:
         c = prof.calibration
+        want = str(dtype).removeprefix("torch.")
+
+        def usable(e) -> bool:  # matmul/attention: measured in the compute dtype (module docstring)
+            return call.op_class not in _COMPUTE_CLASSES or e.dtype == want
+
         hit = prof.lookup(call.key, "torch")
-        if hit is not None:
+        if hit is not None and usable(hit):
             return NodeTime(hit.fwd_ms * c, (hit.bwd_ms or 0.0) * c, "exact")
-        same = [e for e in prof.of_class(call.op_class, "torch") if e.fwd_ms > 0]
+        same = [e for e in prof.of_class(call.op_class, "torch") if e.fwd_ms > 0 and usable(e)]
         if same:
             x = max(size_metric(call.op_class, call.flops, call.bytes), 1.0)
             fwd_pts = sorted({(max(size_metric(e.op_class, e.flops, e.bytes), 1.0), e.fwd_ms) for e in same})
@@ -155,8 +170,10 @@ def measured_block_costs(
     """Per-block per-sample and fixed times from profiles, at micro-batches ``batches``.
 
     ``base`` (the roofline ``BlockCosts``) supplies parameters, activation and
-    cut bytes, which do not depend on the timing source. Returns the costs and,
-    per device type, how many node times came from each source.
+    cut bytes and bytes per parameter, which do not depend on the timing
+    source. ``compute_dtype``: the plan's (``PrecisionPolicy.compute_dtype``).
+    Returns the costs and, per device type, how many node times came from
+    each source.
     """
     n1, n2 = batches
     if not 1 <= n1 < n2:

@@ -53,29 +53,41 @@ the shards of a sharded stage with ``balance_shards`` when
     whole MiB (``state_shard_mib[s]``) of the stage's shardable optimizer
     state Q_s = ``shardable_bytes_per_param * P_s``; see "Gradient sync".
 
-Gradient sync. When every GPU of a group has finished its last backward
-(of all its stages), the group's stages synchronise one after the other in
-stage order, each starting when the previous one's optimizer step / all-gather
-has ended on all the group's GPUs, so a group's sync takes the sum over its
-stages, as in [Note: interleaved stages] (v = 1: one stage per group). A
-stage with > 1 GPU first runs its ring all-reduce ([C-allreduce]):
-``2 * grad_bytes * P_s / bw_min + 2 * (k - 1) * lat_max`` over the stage's GPU
-pairs (it does not contend with boundary messages, which have all been sent
-by then except possibly the last gradients towards stage s-1). Then each GPU
-runs its optimizer step ([C-optim]): ``2 * state_bytes * P_s / mem_bw_g``, or
-on a sharded stage only its shard's parameters, ``2 * state_bytes *
-(z_g MiB / shardable_bytes_per_param) / mem_bw_g``. A sharded stage then
-all-gathers its updated weights ("allgather" events, per GPU of the stage):
-``param_bytes * P_s / bw_min + (k - 1) * lat_max``, starting when the stage's
-last optimizer step ends -- so all-reduce + slowest optimizer + all-gather
-equals the objective's ``allreduce_s + optim_s`` of a sharded stage. The step
-ends when the last optimizer step / all-gather ends. Times are not rounded:
-where both models coincide (one stage, GPipe with equal stages and free
-links, or interleaved 1F1B with equal groups and chunks and free links:
-(M v + P - 1) stage times + sync) they agree to the objective's ns rounding
-(<= 0.5 ns per block, and per MiB of shard for a sharded optimizer step).
-Elsewhere the interleaved objective's closed form can be optimistic, where a
-group's chunks are unequal (tests/test_sim_interleaved.py, test_interleaved_agreement...).
+Gradient sync, per GPU group, as the runtime does it ([Note: overlapped
+gradient reduction] in ``runtime/grad_sync.py``). A group with > 1 GPU
+all-reduces its gradients in buckets of ``BUCKET_BYTES`` of float32
+gradients, its parameters in reverse plan order (its last stage's last
+block first). A bucket starts once every GPU of the group has finished, in
+its stage's last backward, the bucket's earliest block -- a backward takes
+its blocks in reverse order, each for its share of the stage's fwd+bwd time,
+after the re-run forward on a recomputing stage -- and once the previous
+bucket is done; it takes a ring all-reduce of its gradients
+([C-allreduce]): ``2 * grad_bytes * params / bw_min + 2 * (k - 1) * lat_max``
+over the group's GPU pairs (it does not contend with boundary messages).
+So a reduction overlaps the backward of its own stage's last micro-batch
+(all but the last bucket) and, as every group starts on its own, the drain
+of the earlier stages; a model of one bucket per stage (all test models)
+starts at the end of the last backward, as a plain all-reduce would. Then
+each GPU runs its optimizer steps, its stages in order ([C-optim]):
+``2 * optim_bytes * P_s / mem_bw_g``, or on a sharded stage only its
+shard's parameters, ``2 * optim_bytes * (z_g MiB / shardable_bytes_per_param)
+/ mem_bw_g``. Then the sharded stages all-gather their updated weights
+("allgather" events, per GPU of the stage, one stage after the other):
+``param_bytes * P_s / bw_min + (k - 1) * lat_max``, starting when the
+group's last optimizer step ends. Without overlap (one bucket per stage), a
+stage's all-reduce + slowest optimizer + all-gather equals the objective's
+``allreduce_s + optim_s``. The step ends when the last optimizer step /
+all-gather ends. The objective charges the whole sync after the drain of
+every stage (``max_s``), which is never less than this: it prices no
+overlap. Times are not rounded: where both models coincide (one stage,
+GPipe with equal stages and free links, or interleaved 1F1B with equal
+groups and chunks and free links: (M v + P - 1) stage times + sync) they
+agree to the objective's ns rounding (<= 0.5 ns per block, and per MiB of
+shard for a sharded optimizer step). Elsewhere the interleaved objective's
+closed form can be optimistic, where a group's chunks are unequal
+(tests/test_sim_interleaved.py, test_interleaved_agreement...). Not
+modelled: the all-reduce of a parameter tied across stages (an embedding held
+by the first and the last stage), which the runtime does.
 
 Memory. Counted in the objective's memory units (``MEMORY_UNIT_BYTES`` = 1
 KiB; per-block state, shardable state, activation and cut bytes rounded UP,
@@ -111,6 +123,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from ..runtime.comm import routes
+from ..runtime.grad_sync import BUCKET_BYTES
 from ..runtime.schedule import make_schedule
 from ..solve.objective import (MEMORY_UNIT_BYTES, MIB_UNITS, RECOMPUTE_FRACTION, _policy, _validate,
                                build_tables)
@@ -119,6 +132,8 @@ from ..solve.records import BlockCosts, DeviceGraph, SolverOptions
 __all__ = ["SimEvent", "SimResult", "simulate", "link_resource", "plan_decision"]
 
 KINDS = ("F", "B", "send", "allreduce", "optim", "allgather")
+#: Bytes of one gradient element in a bucket (float32 master gradients; BUCKET_BYTES counts these).
+_FP32 = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -240,6 +255,64 @@ def plan_decision(plan, costs: BlockCosts | None = None) -> dict:
     return dec
 
 
+def _reduction(costs: BlockCosts, devices: DeviceGraph, stage_blocks, stages, gpus, last_b_span, rc_dur, samples,
+               bw_min: float, lat_max: float, grad_bytes: int):
+    """The gradient buckets of one GPU group, all-reduced in order as the
+    runtime does ([Note: overlapped gradient reduction] in
+    ``runtime/grad_sync.py``): the group's parameters in reverse plan order
+    (its last stage's last block first) in buckets of ``BUCKET_BYTES`` of
+    float32 gradients; a bucket can start once every GPU's last backward of
+    the stage finished the bucket's earliest block (the backward of a
+    micro-batch takes its blocks in reverse order, each for its share of the
+    backward time, after the re-run forward on a recomputing stage) and the
+    previous bucket is done; it takes a ring all-reduce of its gradients,
+    ``2 * grad_bytes * params / bw_min + 2 (k - 1) lat_max``. Yields
+    ``(stage, start, end, params)`` per stage, from its first bucket's start
+    to its last bucket's end, the parameters it reduces."""
+    k = len(gpus)
+
+    def block_done(g, s, b):
+        (i, j), start_end = stage_blocks[s], last_b_span[g, s]
+        t = devices.gpu_types[g]
+        n = samples[s][gpus.index(g)]
+        fixed = costs.fwd_bwd_s_fixed.get(t, (0.0,) * costs.num_blocks)
+        w = [n * costs.fwd_bwd_s_per_sample[t][c] + fixed[c] for c in range(i, j)]
+        start, end = start_end
+        bwd = end - start - rc_dur[g, s]
+        total = sum(w)
+        return end if total <= 0 else start + rc_dur[g, s] + bwd * sum(w[b - i:]) / total
+
+    buckets: list[list] = []  # [ready, params, {stage: params}]
+    cur = [0.0, 0, {}]
+    for s in reversed(stages):
+        i, j = stage_blocks[s]
+        for b in range(j - 1, i - 1, -1):
+            left = costs.param_count[b]
+            ready = max(block_done(g, s, b) for g in gpus)
+            while left > 0:
+                room = max(1, -(-(BUCKET_BYTES - _FP32 * cur[1]) // _FP32))
+                take = min(left, room)
+                cur[0] = max(cur[0], ready)
+                cur[1] += take
+                cur[2][s] = cur[2].get(s, 0) + take
+                left -= take
+                if _FP32 * cur[1] >= BUCKET_BYTES:
+                    buckets.append(cur)
+                    cur = [0.0, 0, {}]
+    if cur[1]:
+        buckets.append(cur)
+    t = 0.0
+    span: dict[int, list] = {}
+    for ready, params, by_stage in buckets:
+        start = max(ready, t)
+        t = start + 2 * grad_bytes * params / bw_min + 2 * (k - 1) * lat_max
+        for s, n in by_stage.items():
+            sp = span.setdefault(s, [start, t, 0])
+            sp[1], sp[2] = t, sp[2] + n
+    for s in sorted(span):
+        yield s, *span[s]
+
+
 def simulate(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions, *, stage_blocks, stage_gpus,
              samples_per_microbatch, num_microbatches: int, stage_sharded=None, state_shard_mib=None,
              stage_recompute=None, interleave: int = 1) -> SimResult:
@@ -261,7 +334,7 @@ def simulate(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions, *,
     n_s, m_count, v = len(stage_blocks), num_microbatches, interleave
     n_p = n_s // v  # GPU groups; stage s runs on group s % n_p as its chunk s // n_p
     sched = make_schedule(options.schedule, n_s, m_count, v)
-    st_b, gr_b = costs.state_bytes_per_param, costs.grad_bytes_per_param
+    st_b, gr_b = costs.optim_bytes, costs.grad_bytes_per_param  # [C-optim] moves 2 x optim_bytes per parameter
     sh_b, pa_b = costs.shardable_bytes_per_param, costs.param_bytes_per_param
     mib = MIB_UNITS * MEMORY_UNIT_BYTES
     # Per GPU: its group; per (GPU, stage): F / B seconds and the re-run part of B.
@@ -311,6 +384,7 @@ def simulate(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions, *,
     peak_act = {g: 0 for g in used}
     busy = {g: 0.0 for g in used}
     last_b = {}
+    last_b_span: dict[tuple[int, int], tuple[float, float]] = {}  # (GPU, stage) -> its last backward
     events: list[SimEvent] = []
     waiting: list[_Msg] = []  # in their latency phase
     active: list[_Msg] = []  # transferring
@@ -374,6 +448,7 @@ def simulate(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions, *,
             else:
                 live[g][s // n_p] -= 1
                 last_b[g] = t
+                last_b_span[g, s] = (start, t)
                 for h, nb in out_bwd[g, s]:
                     post(g, h, s, m, False, nb)
         for x in [x for x in active if finish[id(x)] <= t + tol]:
@@ -395,39 +470,50 @@ def simulate(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions, *,
         raise RuntimeError(f"schedule deadlocked: GPUs {stuck} wait at actions "
                            f"{[str(acts[g][pc[g]]) for g in stuck]}")
 
-    # Gradient sync: a group starts once all its GPUs ran their last backward;
-    # its stages then synchronise one after the other in stage order.
+    # Gradient sync, per GPU group (see the module note): the group's buckets
+    # are all-reduced one after the other, each once the last backwards of its
+    # blocks ended on every GPU; then each GPU's optimizer steps (its stages in
+    # order); then the all-gathers of the sharded stages.
     step = 0.0
     shard_bytes = []
-    sync_end: dict[int, float] = {}
-    for s, ((i, j), gpus) in enumerate(zip(stage_blocks, stage_gpus)):
-        params = sum(costs.param_count[i:j])
-        sharded = pol.sharded[s]
-        shard_bytes.append(tuple(z * mib for z in pol.shard_mib[s]) if sharded else (0,) * len(gpus))
-        first = s < n_p
-        t_ar = max(last_b[g] for g in gpus) if first else sync_end[s - n_p]
+    for s, gpus in enumerate(stage_gpus):
+        shard_bytes.append(tuple(z * mib for z in pol.shard_mib[s]) if pol.sharded[s] else (0,) * len(gpus))
+    for p in range(n_p):
+        stages_p = list(range(p, n_s, n_p))
+        gpus = stage_gpus[p]
         pairs = [(g, h) for a, g in enumerate(gpus) for h in gpus[a + 1:]]
         bw_min = lat_max = 0.0
+        t_red = {g: last_b[g] for g in gpus}
         if pairs:
             bw_min = min(min(devices.link_bw_bytes_per_s[g][h], devices.link_bw_bytes_per_s[h][g])
                          for g, h in pairs)
             lat_max = max(max(devices.link_latency_s[g][h], devices.link_latency_s[h][g]) for g, h in pairs)
-            t_end = t_ar + 2 * gr_b * params / bw_min + 2 * (len(gpus) - 1) * lat_max
-            events += [SimEvent("allreduce", g, s, -1, t_ar, t_end, None, gr_b * params) for g in gpus]
-            t_ar = t_end
+            t_end = max(last_b[g] for g in gpus)
+            for s, start, end, nparams in _reduction(costs, devices, stage_blocks, stages_p, gpus, last_b_span,
+                                                       rc_dur, samples_per_microbatch, bw_min, lat_max, gr_b):
+                events += [SimEvent("allreduce", g, s, -1, start, end, None, gr_b * nparams) for g in gpus]
+                t_end = max(t_end, end)
+            t_red = dict.fromkeys(gpus, t_end)
         t_opt = 0.0
         for k, g in enumerate(gpus):
-            t0 = t_ar if pairs or not first else last_b[g]
-            # A shard of z MiB holds z MiB / shardable_bytes_per_param parameters ([C-optim]).
-            moved = (2 * st_b * shard_bytes[s][k] / sh_b if sh_b else 0.0) if sharded else 2 * st_b * params
-            t1 = t0 + moved / devices.mem_bw_bytes_per_s[g]
-            events.append(SimEvent("optim", g, s, -1, t0, t1, None, int(round(moved))))
-            t_opt = max(t_opt, t1)
-        if sharded:  # all-gather the updated weights once the last shard is updated
-            t1 = t_opt + pa_b * params / bw_min + (len(gpus) - 1) * lat_max
-            events += [SimEvent("allgather", g, s, -1, t_opt, t1, None, pa_b * params) for g in gpus]
-            t_opt = t1
-        sync_end[s] = t_opt
+            t0 = t_red[g]
+            for s in stages_p:
+                i, j = stage_blocks[s]
+                params = sum(costs.param_count[i:j])
+                # A shard of z MiB holds z MiB / shardable_bytes_per_param parameters ([C-optim]).
+                moved = ((2 * st_b * shard_bytes[s][k] / sh_b if sh_b else 0.0) if pol.sharded[s]
+                         else 2 * st_b * params)
+                t1 = t0 + moved / devices.mem_bw_bytes_per_s[g]
+                events.append(SimEvent("optim", g, s, -1, t0, t1, None, int(round(moved))))
+                t0 = t1
+            t_opt = max(t_opt, t0)
+        for s in stages_p:  # all-gather the updated weights once the group's steps ended
+            if pol.sharded[s]:
+                i, j = stage_blocks[s]
+                params = sum(costs.param_count[i:j])
+                t1 = t_opt + pa_b * params / bw_min + (len(gpus) - 1) * lat_max
+                events += [SimEvent("allgather", g, s, -1, t_opt, t1, None, pa_b * params) for g in gpus]
+                t_opt = t1
         step = max(step, t_opt)
 
     n_g = devices.num_gpus

@@ -36,9 +36,9 @@ shardable state bytes (shardable_bytes_per_param * P_s), R_s = the rest
                 / bw_min(within s) + (2 + sh_s) * (|s| - 1) * lat_max(within s)
                 (ring all-reduce of the gradients, (k-1)/k <= 1; a sharded
                 stage then all-gathers the updated weights)          [C-allreduce]
-  optim_s     = max_{g in s} of 2 * state_bytes * P_s / mem_bw_g  (AdamW reads
+  optim_s     = max_{g in s} of 2 * optim_bytes * P_s / mem_bw_g  (AdamW reads
                 and writes its state once), or for a sharded stage
-                2 * state_bytes * (z_g MiB / shardable_bytes) / mem_bw_g
+                2 * optim_bytes * (z_g MiB / shardable_bytes) / mem_bw_g
                 (each GPU updates the parameters of its shard)        [C-optim]
   step        = sum_s t_s + (M - 1) * max_s t_s + max_s (allreduce_s + optim_s)
                 (1F1B / GPipe fill + steady state; gradient sync after drain)
@@ -67,7 +67,7 @@ presolve declared a feasible model INFEASIBLE (seen on the Metis scenario:
 presolve off or KiB units give the optimum), so the tables stay small.
   * shardable state Q per block in KiB rounded up; R = (state rounded up) - Q;
     cut bytes X in KiB rounded up; a shard z_g in whole MiB (MIB_UNITS
-    memory units) and its optimizer time z_g * to_units(2 * state * MiB /
+    memory units) and its optimizer time z_g * to_units(2 * optim_bytes * MiB /
     (shardable * mem_bw)) per distinct memory bandwidth;
   * recomputation time: per-block to_units(RECOMPUTE_FRACTION * time), prefix sums.
 bw_min / lat_max become "max over present GPU pairs of the pair's rounded
@@ -196,7 +196,7 @@ class IntTables:
     xfer: tuple[tuple[int, ...], ...]
     #: [bw class] prefix of per-block all-reduce units 2 * grad_bytes * params / bw.
     ar_prefix: tuple[tuple[int, ...], ...]
-    #: (G,) index into ``mem_bw_values``; [class] prefix of 2 * state bytes / mem_bw units.
+    #: (G,) index into ``mem_bw_values``; [class] prefix of 2 * optimizer bytes / mem_bw units.
     gpu_mbw_class: tuple[int, ...]
     mem_bw_values: tuple[float, ...]
     opt_prefix: tuple[tuple[int, ...], ...]
@@ -252,6 +252,7 @@ def build_tables(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions
                           for g in range(n_g))
     mem_bw_values = tuple(sorted(set(devices.mem_bw_bytes_per_s)))
     st, gr = costs.state_bytes_per_param, costs.grad_bytes_per_param
+    ob = costs.optim_bytes
     sh, pb = costs.shardable_bytes_per_param, costs.param_bytes_per_param
     types = sorted(set(devices.gpu_types))
     return IntTables(
@@ -269,7 +270,7 @@ def build_tables(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions
         ar_prefix=tuple(_prefix(to_units(2 * gr * p / v) for p in costs.param_count) for v in bw_values),
         gpu_mbw_class=tuple(mem_bw_values.index(v) for v in devices.mem_bw_bytes_per_s),
         mem_bw_values=mem_bw_values,
-        opt_prefix=tuple(_prefix(to_units(2 * st * p / v) for p in costs.param_count)
+        opt_prefix=tuple(_prefix(to_units(2 * ob * p / v) for p in costs.param_count)
                          for v in mem_bw_values),
         cap_bytes=tuple(int(options.memory_fraction * mb) // MEMORY_UNIT_BYTES for mb in devices.memory_bytes),
         shard_prefix=_prefix(_kib_up(sh * p) for p in costs.param_count),
@@ -280,7 +281,7 @@ def build_tables(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions
                                     for x in costs.fwd_bwd_s_fixed.get(t, (0.0,) * costs.num_blocks))
                          for t in types},
         arsh_prefix=tuple(_prefix(to_units((2 * gr + pb) * p / v) for p in costs.param_count) for v in bw_values),
-        opt_per_mib=tuple(to_units(2 * st * MIB_UNITS * MEMORY_UNIT_BYTES / (sh * v)) if sh else 0
+        opt_per_mib=tuple(to_units(2 * ob * MIB_UNITS * MEMORY_UNIT_BYTES / (sh * v)) if sh else 0
                           for v in mem_bw_values),
         sharding=options.sharding, recompute=options.recompute,
     )

@@ -36,24 +36,35 @@ class BlockCosts:
     fwd_bwd_s_fixed: dict[str, tuple[float, ...]] = field(default_factory=dict)
     #: ``(B,)`` trainable parameters first used in block ``b``.
     param_count: tuple[int, ...]
-    #: ``(B,)`` activation bytes one sample keeps alive for the backward pass.
+    #: ``(B,)`` activation bytes one sample keeps alive for the backward pass
+    #: (measured under the plan's precision: what autograd saves under its autocast).
     act_bytes_per_sample: tuple[int, ...]
-    #: ``(B+1,)`` bytes per sample crossing a cut placed *before* block ``c``
-    #: (entries 0 and B are 0: nothing crosses the ends of the model).
+    #: ``(B+1,)`` bytes per sample crossing a cut placed *before* block ``c``,
+    #: in the dtypes the plan's autocast gives the crossing tensors (entries 0
+    #: and B are 0: nothing crosses the ends of the model).
     cut_bytes_per_sample: tuple[int, ...]
-    #: Bytes of training state per parameter: weights + grads + AdamW moments.
-    #: fp32 training: 4 + 4 + 8 = 16 B (mixed precision AdamW is also ~16 B).
+    #: Bytes of training state the runtime keeps per trainable parameter
+    #: under the plan's precision (``PrecisionPolicy.state_bytes_per_param``,
+    #: [Note: mixed precision] in ``zorse_fx/precision.py``): float32 weight 4
+    #: + float32 gradient 4 + AdamW moments 8 = 16 B in fp32; + 2 B for
+    #: autocast's 16-bit weight copy in bf16/fp16-mixed (18 B); + 2 B for
+    #: 16-bit gradient buckets when gradients are reduced in bfloat16 (20 B).
     state_bytes_per_param: int = 16
-    #: Bytes of each gradient element in the DP all-reduce (fp32: 4).
+    #: Bytes per parameter the optimizer step reads and writes once ([C-optim]:
+    #: ``2 x`` this over the memory bandwidth): the float32 weight, gradient and
+    #: AdamW moments, 16 B in every precision (AdamW does not touch the 16-bit
+    #: weight copies); None = ``state_bytes_per_param``.
+    optimizer_bytes_per_param: int | None = None
+    #: Bytes of each gradient element in the DP all-reduce: 4 (float32
+    #: reduction, every precision's default), 2 (bfloat16 reduction).
     grad_bytes_per_param: int = 4
     #: The part of ``state_bytes_per_param`` that ZeRO-1 shards across a
-    #: stage's data-parallel group: AdamW's two fp32 moments (8 B) in fp32
-    #: training; moments + fp32 master weights (12 B) in mixed precision
-    #: (Rajbhandari et al., "ZeRO", SC'20, sec. 3.1). Weights and gradients
-    #: stay replicated.
+    #: stage's data-parallel group: AdamW's two float32 moments (8 B), in every
+    #: precision. Weights (float32 masters, which autocast reads), gradients
+    #: and the 16-bit weight copies stay replicated.
     shardable_bytes_per_param: int = 8
-    #: Bytes of each weight in the all-gather after a sharded optimizer step
-    #: (fp32: 4; fp16/bf16 working weights: 2).
+    #: Bytes of each weight in the all-gather after a sharded optimizer step:
+    #: 4 (the float32 master weights, in every precision).
     param_bytes_per_param: int = 4
 
     def __post_init__(self) -> None:
@@ -87,6 +98,11 @@ class BlockCosts:
                 raise ValueError(
                     f"fwd_bwd_s_fixed[{gpu_type!r}] must have {nb} non-negative entries, got {times}"
                 )
+
+    @property
+    def optim_bytes(self) -> int:
+        """``optimizer_bytes_per_param``, or ``state_bytes_per_param`` when unset."""
+        return self.state_bytes_per_param if self.optimizer_bytes_per_param is None else self.optimizer_bytes_per_param
 
     @property
     def num_blocks(self) -> int:

@@ -1,0 +1,170 @@
+"""Mixed precision in the runtime ([Note: mixed precision] in
+``zorse_fx/precision.py``): a distributed run equals single-process training
+under the same precision policy -- bf16 (or fp16) autocast forward, float32
+master weights, gradients and AdamW state -- for the plan shapes the fp32
+tests cover (test_distributed.py, test_interleaved_runtime.py), on Gloo with
+every point-to-point tag 0 (NCCL's matching).
+
+Tolerances (``conftest.BF16`` / ``FP16``), measured and explained:
+
+- loss, every step: 1e-4 relative. The forward of a micro-batch computes the
+  same rows as the whole batch does (measured: equal, or 1e-7 apart).
+- gradients after step 1: 1e-2 (bf16) / 2e-3 (fp16) of the largest reference
+  entry. Each micro-batch's 16-bit matmul gradients are rounded before they
+  are accumulated in float32, the single-process run rounds the sum once:
+  a relative error up to 2**-8 = 0.39% (bf16) / 2**-11 = 0.05% (fp16) of an
+  entry's magnitude (measured worst: 0.39% / 0.05% of the largest entry). A
+  misrouted or lost row changes a gradient by about its share of the batch
+  (>= 10% here), so these bounds still catch routing and weighting bugs.
+- parameters after the AdamW steps: at most 5% of a parameter's elements
+  may differ by more than 0.5 lr. Adam divides the gradient by its own
+  running magnitude, so where a gradient entry is rounding noise its update
+  can flip sign (+-lr) between the two runs; a lost, doubled or misrouted
+  update moves every element of a parameter by about lr (100% of them off).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import CLUSTERS, train_and_compare, with_memory_policy
+from test_distributed import CASES, _gpt_captured, _tiny_llama_tied
+from test_interleaved_runtime import _gpt_captured as _gpt4_captured
+from test_interleaved_runtime import _plan as _interleaved_plan
+from zorse_fx.capture import analyse
+from zorse_fx.cluster import Cluster
+from zorse_fx.planner import PlanOptions, plan_fixed
+
+LR, WEIGHT_DECAY = 1e-3, 0.1
+#: Small gradient buckets (50 KiB): several buckets per stage, launched during the last backward.
+SMALL_BUCKETS = ("--bucket-mib", "0.05")
+
+
+def _gpt_plan(captured, case):
+    stage_gpus, samples, m, gb = CASES[case]
+    nb = analyse(captured).num_blocks
+    ns = len(stage_gpus)
+    cuts = [round(i * nb / ns) for i in range(ns + 1)]
+    plan, _ = plan_fixed(captured, Cluster.from_yaml(CLUSTERS / "small_hetero.yaml"), PlanOptions(global_batch_size=gb),
+                         stage_blocks=tuple((cuts[i], cuts[i + 1]) for i in range(ns)), stage_gpus=stage_gpus,
+                         samples_per_microbatch=samples, num_microbatches=m)
+    return plan
+
+
+@pytest.mark.parametrize("case,extra", [
+    ("2x1", ()),
+    # Unequal shares; gradients all-reduced in bfloat16; many small buckets.
+    ("1_then_2_unequal", ("--grad-reduce-dtype", "bfloat16", *SMALL_BUCKETS)),
+    ("3_stages_asymmetric", SMALL_BUCKETS),
+])
+def test_bf16_gpt_equals_single_process(case, extra, lee_bytes, tmp_path):
+    captured = _gpt_captured()
+    plan = _gpt_plan(captured, case)
+    _, rows = train_and_compare(plan, captured, lee_bytes, tmp_path, steps=2, lr=LR, weight_decay=WEIGHT_DECAY,
+                                precision="bf16-mixed", extra=extra)
+    assert all(r["loss_scale"] == 1.0 and r["skipped"] is False for r in rows)
+    if SMALL_BUCKETS[1] in extra:  # several buckets per data-parallel stage, reduced while the backward runs
+        parts = [p for p in rows[-1]["ranks"] if p["buckets"] >= 2]
+        assert parts, rows[-1]["ranks"]
+        assert all(1 <= p["buckets_during_backward"] <= p["buckets"] for p in parts), parts
+
+
+def test_bf16_hf_llama_tied_embeddings(lee_bytes, tmp_path):
+    """HF Llama, tied embedding held by the first and the last stage (1 GPU,
+    then 2 GPUs with unequal shares)."""
+    captured = _tiny_llama_tied()
+    plan, _ = plan_fixed(
+        captured, Cluster.from_yaml(CLUSTERS / "small_hetero.yaml"), PlanOptions(global_batch_size=6),
+        stage_blocks=((0, 2), (2, analyse(captured).num_blocks)),
+        stage_gpus=((0,), (2, 3)), samples_per_microbatch=((3,), (1, 2)), num_microbatches=2, label_mode="same",
+    )
+    assert plan.shared_params() == {"model.model.embed_tokens.weight": (0, 1)}
+    train_and_compare(plan, captured, lee_bytes, tmp_path, steps=2, lr=LR, weight_decay=WEIGHT_DECAY,
+                      precision="bf16-mixed")
+
+
+def test_bf16_zero1_unequal_shards_and_recompute(lee_bytes, tmp_path):
+    """GPT, 2 stages: stage 0 recomputes (its forward re-run under the same
+    autocast); stage 1 (2 GPUs, 1:2 samples) shards its AdamW state 3:1 and
+    holds the tied output embedding. 3 steps."""
+    captured = _gpt_captured()
+    nb = analyse(captured).num_blocks
+    plan, _ = plan_fixed(
+        captured, Cluster.from_yaml(CLUSTERS / "small_hetero.yaml"), PlanOptions(global_batch_size=6),
+        stage_blocks=((0, nb // 2), (nb // 2, nb)),
+        stage_gpus=((0,), (2, 3)), samples_per_microbatch=((3,), (1, 2)), num_microbatches=2,
+    )
+    plan = with_memory_policy(plan, sharded={1}, recompute={0}, shard_bytes={1: (3 * 2**20, 2**20)})
+    summaries, _ = train_and_compare(plan, captured, lee_bytes, tmp_path, steps=3, lr=LR, weight_decay=WEIGHT_DECAY,
+                                     precision="bf16-mixed", extra=SMALL_BUCKETS)
+    # float32 master weights: AdamW moments of the owned elements, 2 x 4 bytes each.
+    for r in (1, 2):
+        assert summaries[r]["optimizer_state_bytes"] == 2 * summaries[r]["owned_elements"] * 4
+
+
+def test_bf16_hf_llama_tied_zero1_recompute(lee_bytes, tmp_path):
+    """HF Llama, tied embedding held by both stages, both sharded (one GPU of
+    stage 0 owns no state), the loss stage recomputing. 2 steps."""
+    captured = _tiny_llama_tied()
+    plan, _ = plan_fixed(
+        captured, Cluster.from_yaml(CLUSTERS / "small_hetero.yaml"), PlanOptions(global_batch_size=6),
+        stage_blocks=((0, 2), (2, analyse(captured).num_blocks)),
+        stage_gpus=((0, 1), (2, 3)), samples_per_microbatch=((2, 1), (1, 2)), num_microbatches=2, label_mode="same",
+    )
+    plan = with_memory_policy(plan, sharded={0, 1}, recompute={1}, shard_bytes={0: (5, 0), 1: (2**20, 2 * 2**20)})
+    train_and_compare(plan, captured, lee_bytes, tmp_path, steps=2, lr=LR, weight_decay=WEIGHT_DECAY,
+                      precision="bf16-mixed")
+
+
+def test_bf16_interleaved_two_groups(lee_bytes, tmp_path):
+    """P = 2 groups of one GPU, v = 2 (4 stages), 4 micro-batches; the tied
+    embedding on rank 0 (stage 0) and rank 1 (stage 3). 3 steps."""
+    captured = _gpt4_captured()
+    plan = _interleaved_plan(captured, ((0,), (2,), (0,), (2,)), ((2,), (2,), (2,), (2,)), num_microbatches=4,
+                             global_batch_size=8)
+    train_and_compare(plan, captured, lee_bytes, tmp_path, steps=3, lr=LR, weight_decay=WEIGHT_DECAY,
+                      precision="bf16-mixed", extra=SMALL_BUCKETS)
+
+
+def test_bf16_interleaved_unequal_dp_zero1_recompute(lee_bytes, tmp_path):
+    """Group 0 = 2 GPUs taking 3:1 samples, group 1 = 1 GPU; stages 0 and 2
+    ZeRO-1 sharded 3:1 and 1:2, the loss stage recomputing. 3 steps."""
+    captured = _gpt4_captured()
+    plan = _interleaved_plan(captured, ((0, 1), (2,), (0, 1), (2,)), ((3, 1), (4,), (3, 1), (4,)),
+                             num_microbatches=2, global_batch_size=8)
+    plan = with_memory_policy(plan, sharded={0, 2}, recompute={3},
+                              shard_bytes={0: (3 * 2**20, 2**20), 2: (2**20, 2 * 2**20)})
+    train_and_compare(plan, captured, lee_bytes, tmp_path, steps=3, lr=LR, weight_decay=WEIGHT_DECAY,
+                      precision="bf16-mixed")
+
+
+def test_fp16_loss_scaling_skips_the_same_step_on_every_rank(lee_bytes, tmp_path):
+    """fp16-mixed on 3 asymmetric stages (4 ranks): rank 3 (the last stage)
+    writes an inf into one gradient after step 2's reduction. Every rank must
+    skip step 2 and halve the scale, as ``torch.amp.GradScaler`` does in the
+    single-process reference with the same inf: losses, step-1 gradients and
+    the parameters after 3 steps equal it, and no rank updated its
+    parameters at step 2 (else they would differ from the reference by a
+    whole AdamW step)."""
+    captured = _gpt_captured()
+    plan = _gpt_plan(captured, "3_stages_asymmetric")
+    _, rows = train_and_compare(plan, captured, lee_bytes, tmp_path, steps=3, lr=LR, weight_decay=WEIGHT_DECAY,
+                                precision="fp16-mixed", inject_inf=(3, 2))
+    assert [r["skipped"] for r in rows] == [False, True, False]
+    assert [r["loss_scale"] for r in rows] == [2.0**16, 2.0**16, 2.0**15]
+    text = (tmp_path / "run" / "metrics.jsonl").read_text()
+    assert all(json.loads(line)["precision"] == "fp16-mixed" for line in text.splitlines())
+
+
+def test_fp16_without_inf_steps_every_time(lee_bytes, tmp_path):
+    """The same run without the inf: no step is skipped and the result equals
+    GradScaler's single-process training (2 steps; 2 GPUs with unequal shares)."""
+    captured = _gpt_captured()
+    plan = _gpt_plan(captured, "1_then_2_unequal")
+    _, rows = train_and_compare(plan, captured, lee_bytes, tmp_path, steps=2, lr=LR, weight_decay=WEIGHT_DECAY,
+                                precision="fp16-mixed")
+    assert [r["skipped"] for r in rows] == [False, False]
+    assert [r["loss_scale"] for r in rows] == [2.0**16, 2.0**16]

@@ -1,0 +1,154 @@
+"""The point-to-point program ([Note: point-to-point program] in
+``runtime/p2p.py``): derived from the plan, the same order on both ends of
+every channel, and deadlock-free under NCCL's rules (in-order groups per
+rank, an operation completes only when its peer's is posted, no tags) for
+every plan shape the runtime tests train -- and the checker does catch a
+program that would hang or mismatch on NCCL.
+
+The distributed equivalence tests (test_distributed.py,
+test_interleaved_runtime.py, test_mixed_precision.py) run these programs on
+Gloo with every tag 0 (``p2p.TAG``), i.e. with NCCL's matching."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import CLUSTERS
+from zorse_fx.capture import analyse, capture
+from zorse_fx.cluster import Cluster
+from zorse_fx.models.gpt import GPT, GPTConfig
+from zorse_fx.planner import PlanOptions, plan_fixed
+from zorse_fx.runtime import p2p
+from zorse_fx.runtime.p2p import ProgramError, _check_channels, _initial_groups, _Op, _waits, build_programs, simulate
+
+
+@pytest.fixture(scope="module")
+def captured():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=4, n_embd=32, n_head=4, block_size=16))
+    ids = torch.randint(0, 256, (4, 16))
+    return capture(model, (ids, ids))
+
+
+def _plan(captured, stage_gpus, samples, m, gb, v=1, schedule="1f1b"):
+    nb = analyse(captured).num_blocks
+    ns = len(stage_gpus)
+    cuts = [round(i * nb / ns) for i in range(ns + 1)]
+    plan, _ = plan_fixed(captured, Cluster.from_yaml(CLUSTERS / "small_hetero.yaml"),
+                         PlanOptions(global_batch_size=gb, schedule=schedule),
+                         stage_blocks=tuple((cuts[i], cuts[i + 1]) for i in range(ns)), stage_gpus=stage_gpus,
+                         samples_per_microbatch=samples, num_microbatches=m, interleave=v)
+    return plan
+
+
+# name: (stage GPUs, samples per micro-batch, micro-batches, global batch, interleave)
+SHAPES = {
+    "2x1": (((0,), (1,)), ((2,), (2,)), 4, 8, 1),
+    "1_then_2_unequal": (((0,), (2, 3)), ((3,), (2, 1)), 4, 12, 1),
+    "3_stages_asymmetric": (((0, 2), (1,), (3,)), ((2, 1), (3,), (3,)), 2, 6, 1),
+    "4_stages_8_microbatches": (((0,), (1,), (2,), (3,)), ((1,), (1,), (1,), (1,)), 8, 8, 1),
+    "many_to_many": (((0, 1), (2, 3)), ((1, 2), (2, 1)), 3, 9, 1),
+    "interleaved_2_groups": (((0,), (2,), (0,), (2,)), ((2,), (2,), (2,), (2,)), 4, 8, 2),
+    "interleaved_unequal_dp": (((0, 1), (2,), (0, 1), (2,)), ((3, 1), (4,), (3, 1), (4,)), 2, 8, 2),
+    "interleaved_3_groups": (((0,), (1,), (2,)) * 2, ((1,), (1,), (1,)) * 2, 6, 6, 2),
+    "interleaved_x4": (((0,), (1,)) * 4, ((1,), (1,)) * 4, 4, 4, 4),
+}
+
+
+def _check_program(plan):
+    progs = build_programs(plan)
+    assert set(progs) == set(range(plan.world_size))
+    groups = {r: [list(g) for g in p.groups] for r, p in progs.items()}
+    waits = {r: list(p.waits) for r, p in progs.items()}
+    _check_channels(groups)  # raises on a mismatch
+    assert simulate(groups, waits) == []
+    for r, prog in progs.items():
+        # Every network message of every action is posted exactly once, sends after the
+        # action that produces them, receives no later than the action that needs them.
+        posted = {(op.send, op.message): k for k, g in enumerate(prog.groups) for op in g}
+        for k, (sends, recvs) in enumerate(zip(prog.sends, prog.recvs)):
+            for m in sends:
+                assert m.src == r and (m.dst == r or posted[True, m] == k + 1)
+            for m in recvs:
+                assert m.dst == r and (m.src == r or posted[False, m] <= k)
+                if m.src != r:
+                    assert posted[False, m] in prog.waits[k]
+        assert len(posted) == sum(1 for k in range(len(prog.actions)) for m in prog.sends[k] + prog.recvs[k]
+                                  if m.src != m.dst)
+    return progs
+
+
+@pytest.mark.parametrize("shape,schedule", [(shape, schedule) for shape in sorted(SHAPES)
+                                            for schedule in ("1f1b", "gpipe")
+                                            if schedule == "1f1b" or SHAPES[shape][4] == 1])
+def test_program_is_consistent_and_deadlock_free(captured, shape, schedule):
+    stage_gpus, samples, m, gb, v = SHAPES[shape]
+    progs = _check_program(_plan(captured, stage_gpus, samples, m, gb, v, schedule))
+    # 1F1B and GPipe need no prefetch: the fused groups are deadlock-free as they are.
+    if v == 1:
+        assert all(p.prefetched == 0 for p in progs.values())
+
+
+def test_interleaved_needs_and_gets_prefetched_receives(captured):
+    """Interleaved 1F1B on 2 groups: with one group per compute, each rank's
+    send waits for a receive the other posts a compute later (a deadlock on
+    NCCL, not on Gloo with unique tags); the program posts those receives
+    earlier and then runs."""
+    plan = _plan(captured, *SHAPES["interleaved_2_groups"])
+    built = {r: _initial_groups(plan, r) for r in range(plan.world_size)}
+    groups = {r: built[r][2] for r in built}
+    waits = {r: _waits(r, built[r][1], groups[r]) for r in built}
+    stuck = simulate(groups, waits)
+    assert {s.rank for s in stuck} == {0, 1}
+    assert all(any(op.send for op, *_ in s.unmatched) for s in stuck)
+    progs = build_programs(plan)
+    assert all(p.prefetched > 0 for p in progs.values())
+
+
+def test_sends_before_receives_in_separate_groups_deadlock(captured):
+    """The checker can fail: posting each action's sends in a group of their
+    own, and the next action's receives in another one after it (what one
+    isend, then one recv, per message does on NCCL's in-order stream), hangs
+    1F1B's steady state, where both neighbours send before they receive."""
+    plan = _plan(captured, *SHAPES["2x1"])
+    groups, waits = {}, {}
+    for r in range(plan.world_size):
+        actions, msgs, _ = _initial_groups(plan, r)
+        # Groups [recvs(A0)], [sends(A0)], [recvs(A1)], [sends(A1)], ...: between the
+        # send group and the receive group runs an empty action, so both are posted
+        # before the real compute, each real action waiting for its receive group.
+        gs, w = [], []
+        for k in range(len(actions)):
+            gs.append([_Op(False, m) for m in msgs[k][1] if m.src != r])
+            gs.append([_Op(True, m) for m in msgs[k][0] if m.dst != r])
+            w.append((2 * k,))
+            if k < len(actions) - 1:
+                w.append(())
+        groups[r], waits[r] = gs, w
+    stuck = simulate(groups, waits)
+    assert {s.rank for s in stuck} == {0, 1}
+    assert _fused_is_fine(plan)
+
+
+def _fused_is_fine(plan) -> bool:
+    built = {r: _initial_groups(plan, r) for r in range(plan.world_size)}
+    groups = {r: built[r][2] for r in built}
+    return simulate(groups, {r: _waits(r, built[r][1], groups[r]) for r in built}) == []
+
+
+def test_channel_mismatch_is_named(captured):
+    """Two receives of one channel swapped: tag-free matching would hand each
+    the other's buffer; the check names the channel and both messages."""
+    plan = _plan(captured, *SHAPES["2x1"])
+    groups = {r: _initial_groups(plan, r)[2] for r in range(plan.world_size)}
+    recvs = [(gi, i) for gi, g in enumerate(groups[1]) for i, op in enumerate(g) if not op.send and op.message.src == 0]
+    (g1, i1), (g2, i2) = recvs[0], recvs[1]
+    groups[1][g1][i1], groups[1][g2][i2] = groups[1][g2][i2], groups[1][g1][i1]
+    with pytest.raises(ProgramError, match=r"channel rank 0 -> rank 1: message 0 is act cut 0->1 mb 0 .* on the "
+                                           r"sender but act cut 0->1 mb 1"):
+        _check_channels(groups)
+
+
+def test_every_message_is_tag_zero():
+    assert p2p.TAG == 0

@@ -1,0 +1,233 @@
+"""The optimizer side of a step: AdamW per hosted stage (over all its
+parameters, or over this rank's ZeRO-1 shard), the ZeRO-1 all-gather, and the
+fp16 loss scaler whose skip decision every rank shares.
+
+[Note: ZeRO-1 with unequal shards]
+A ``sharded`` stage (``StagePlan.sharded``) with ``k > 1`` GPUs keeps its
+trainable parameters in one flat buffer per dtype (each parameter is a view
+of the buffer of its dtype, in ``StagePlan.params`` order), so GPU ``j`` owns
+one contiguous element range per buffer, sized in proportion to its
+``state_shard_bytes`` (unequal on purpose: a GPU with more free memory holds
+more state). What is stored per rank: the full parameters and full gradients
+(ZeRO stage 1 shards only the optimizer state) and the AdamW moments
+``exp_avg``/``exp_avg_sq`` of the owned elements only: ``2 x owned x 4``
+bytes in fp32 instead of ``2 x n x 4``. The optimizer is handed one leaf view
+per (parameter, owned range) overlap, ``p.detach().view(-1)[a:b]``; before
+the step each view's ``.grad`` is set to the matching slice of ``p.grad``, so
+the step writes straight into the parameter storage and nothing is copied.
+What moves: the gradient all-reduce stays as it is (every rank needs the full
+reduced gradient of its range, and tied parameters are reduced over the
+union of their holders); after the step each owner broadcasts its range of
+each flat buffer over a process group of the stage's ranks (one
+``dist.broadcast`` per non-empty range, issued asynchronously then waited;
+unequal ranges need no padding), which is an all-gather. Per parameter
+element that is 2 x grad bytes (all-reduce) + 1 x param bytes (all-gather)
+on the slowest link of the stage, what the planner's cost model charges.
+Every update is element-wise (AdamW), so a sharded step equals the
+replicated one. A tied parameter held by several stages is updated and
+re-gathered by each holder stage on its own copy; the copies start equal
+and receive the same reduced gradient, so they stay equal.
+
+Mixed dtypes (e.g. fp32 parameters and a bf16 layer): one flat buffer per
+dtype, buffers in the order of the dtype names (``str(dtype)``, e.g.
+``torch.bfloat16`` before ``torch.float32``; the same on every rank). The
+rule: each buffer of ``n_d`` elements is split by the plan's weights on its
+own, GPU ``j`` owning ``StagePlan.shard_ranges(n_d)[j]``. So every GPU holds
+the plan's fraction ``w_j / sum(w)`` (``w`` = ``state_shard_bytes``) of every
+dtype's elements, hence of every dtype's AdamW state bytes (AdamW keeps its
+moments in the parameter's dtype: ``2 x itemsize`` bytes per element) and of
+the stage's total state bytes, up to one element per dtype from the
+largest-remainder rounding; a GPU with weight 0 owns nothing in any buffer.
+(One split of the concatenated buffers by bytes would give the same total
+share but could hand a GPU a whole dtype and another none of it; a split per
+buffer also keeps each buffer's all-gather balanced as the plan's shares
+are.) A single-dtype stage is the special case of one buffer, the range
+``StagePlan.shard_ranges(n)[j]`` of the stage's ``n`` elements.
+``StageOptimizer.state_summary`` reports the rule per buffer. The gradient
+all-reduce buckets per dtype too (as DDP does), so a bf16 gradient is
+reduced in bf16, not promoted to fp32.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..precision import PrecisionPolicy
+from .stage import StageRuntime
+
+__all__ = ["OptimizerConfig", "StageOptimizer", "LossScaler"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OptimizerConfig:
+    """AdamW hyper-parameters (``torch.optim.AdamW``)."""
+
+    lr: float = 1e-4
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _FlatBuffer:
+    """ZeRO-1: the stage's parameters of one dtype as one flat buffer."""
+
+    dtype: torch.dtype
+    flat: torch.Tensor
+    #: Per GPU of the stage (stage order): its range ``[a, b)`` of ``flat``.
+    ranges: tuple[tuple[int, int], ...]
+    #: This rank's range.
+    owned: tuple[int, int]
+
+
+class StageOptimizer:
+    """AdamW for one hosted stage: over every parameter, or, for a sharded
+    stage of more than one GPU, over this rank's ranges (ZeRO-1, see the note).
+    ``shard_group``: the process group of the stage's ranks (ZeRO-1 only)."""
+
+    def __init__(self, stage: StageRuntime, cfg: OptimizerConfig, *, shard_group=None):
+        self.stage = stage
+        plan_stage = stage.stage
+        #: ZeRO-1 on this rank.
+        self.zero1 = plan_stage.sharded and len(plan_stage.gpus) > 1
+        self.shard_group = shard_group if self.zero1 else None
+        kw = dict(lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+        params = [getattr(stage.module, flat) for flat in plan_stage.params]
+        self.params = params
+        #: Trainable elements of the stage.
+        self.stage_elements = sum(p.numel() for p in params)
+        #: The stage's parameter dtypes, in buffer order (sorted by name).
+        self.dtypes = sorted({p.dtype for p in params}, key=str)
+        #: ZeRO-1: per dtype (buffer order), its flat buffer, the shard ranges of
+        #: every GPU of the stage and this rank's range. Empty when not sharded.
+        self.buffers: list[_FlatBuffer] = []
+        #: ZeRO-1: (parameter, start, end, view) per overlap of a parameter with an owned range.
+        self._pieces: list[tuple[torch.nn.Parameter, int, int, torch.Tensor]] = []
+        if not self.zero1:
+            self.optimizer = torch.optim.AdamW(list(stage.module.parameters()), **kw)
+            return
+        pos = stage.position
+        with torch.no_grad():
+            for dtype in self.dtypes:
+                members = [p for p in params if p.dtype == dtype]
+                n = sum(p.numel() for p in members)
+                # Parameters become views of one flat buffer (stage order), so a range is one slice.
+                flat = torch.empty(n, dtype=dtype, device=stage.device)
+                ranges = plan_stage.shard_ranges(n)
+                a, b = ranges[pos]
+                offset = 0
+                for p in members:
+                    k = p.numel()
+                    flat[offset : offset + k].copy_(p.detach().reshape(-1))
+                    p.data = flat[offset : offset + k].view_as(p)
+                    lo, hi = max(a, offset), min(b, offset + k)
+                    if lo < hi:
+                        self._pieces.append((p, lo - offset, hi - offset, p.detach().view(-1)[lo - offset : hi - offset]))
+                    offset += k
+                self.buffers.append(_FlatBuffer(dtype=dtype, flat=flat, ranges=ranges, owned=(a, b)))
+        # A GPU may own no element (state_shard_bytes 0): it steps nothing and only receives.
+        self.optimizer = torch.optim.AdamW([v for *_, v in self._pieces], **kw) if self._pieces else None
+
+    def step(self) -> None:
+        if not self.zero1:
+            self.optimizer.step()
+            return
+        if self.optimizer is None:
+            return
+        for p, lo, hi, view in self._pieces:
+            view.grad = p.grad.reshape(-1)[lo:hi]
+        self.optimizer.step()
+        for *_, view in self._pieces:
+            view.grad = None  # do not keep last step's gradients alive
+
+    def allgather(self) -> list:
+        """ZeRO-1: each owner broadcasts its updated range of every buffer over
+        the stage's group; returns the asynchronous works (none when not sharded)."""
+        if not self.zero1:
+            return []
+        gpus = self.stage.stage.gpus
+        return [
+            dist.broadcast(buf.flat[a:b], src=gpus[j].rank, group=self.shard_group, async_op=True)
+            for buf in self.buffers
+            for j, (a, b) in enumerate(buf.ranges)
+            if b > a
+        ]
+
+    def state_summary(self) -> dict:
+        """See ``StageWorker.optimizer_state_summary``."""
+        by_dtype: dict[torch.dtype, int] = defaultdict(int)
+        if self.optimizer is not None:
+            for param, st in self.optimizer.state.items():
+                for key, t in st.items():
+                    if key != "step" and torch.is_tensor(t):
+                        by_dtype[param.dtype] += t.numel() * t.element_size()
+        buffers = []
+        for dtype in self.dtypes:
+            n = sum(p.numel() for p in self.params if p.dtype == dtype)
+            a, b = next((buf.owned for buf in self.buffers if buf.dtype == dtype), (0, n))
+            buffers.append({"dtype": str(dtype).removeprefix("torch."), "elements": n, "owned_range": [a, b],
+                            "owned_elements": b - a, "optimizer_state_bytes": by_dtype.get(dtype, 0)})
+        owned = sum(d["owned_elements"] for d in buffers)
+        if not self.zero1:
+            owned_range = [0, self.stage_elements]
+        elif len(buffers) == 1:
+            owned_range = buffers[0]["owned_range"]
+        else:
+            owned_range = None
+        return {"rank": self.stage.rank, "stage": self.stage.index, "sharded": self.zero1,
+                "stage_elements": self.stage_elements, "owned_range": owned_range, "owned_elements": owned,
+                "optimizer_state_bytes": sum(by_dtype.values()), "buffers": buffers}
+
+
+class LossScaler:
+    """Dynamic loss scaling for fp16-mixed with ``torch.amp.GradScaler``'s
+    semantics, the found-inf decision agreed over every rank (see [Note: mixed
+    precision] in ``zorse_fx/precision.py``).
+
+    Per step: the last stages back-propagate ``loss * scale``; after the
+    gradient reduction ``unscale_and_check`` divides every gradient of the
+    rank by the scale and sets a flag if any is inf/NaN; ``agree`` takes the
+    MAX of the flag over ``group`` (the world), so either every rank steps or
+    every rank skips; ``update`` then halves the scale on a skip (backoff)
+    or doubles it after ``growth_interval`` clean steps. The scale is a
+    Python float, equal on every rank because every rank sees the same
+    decisions."""
+
+    def __init__(self, policy: PrecisionPolicy, device: torch.device):
+        self.policy = policy
+        self.device = device
+        self.scale = float(policy.init_scale)
+        self._growth = 0
+        self._found = torch.zeros(1, dtype=torch.float32, device=device)
+
+    def unscale_and_check(self, grads: list[torch.Tensor]) -> None:
+        """Divide ``grads`` by the scale in place; note an inf/NaN among them."""
+        self._found.zero_()
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = defaultdict(list)
+        for g in grads:
+            by_dtype[g.dtype].append(g)
+        inv = torch.full((1,), 1.0 / self.scale, dtype=torch.float32, device=self.device)
+        for gs in by_dtype.values():
+            torch._amp_foreach_non_finite_check_and_unscale_(gs, self._found, inv)
+
+    def agree(self, group=None) -> bool:
+        """True if any rank found inf/NaN (one all-reduce MAX on the device)."""
+        dist.all_reduce(self._found, op=dist.ReduceOp.MAX, group=group)
+        return bool(self._found.item())
+
+    def update(self, skipped: bool) -> None:
+        if skipped:
+            self.scale *= self.policy.backoff_factor
+            self._growth = 0
+        else:
+            self._growth += 1
+            if self._growth == self.policy.growth_interval:
+                self.scale *= self.policy.growth_factor
+                self._growth = 0
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale, "growth_tracker": self._growth}

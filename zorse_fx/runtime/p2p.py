@@ -1,0 +1,427 @@
+"""Point-to-point traffic of a plan as data: which messages each rank posts, in
+which groups, in which order -- derived from the plan alone, so both peers of
+every message derive the same order -- and its execution with
+``dist.batch_isend_irecv``.
+
+[Note: point-to-point program]
+NCCL ignores tags: between two ranks it matches the i-th send on a channel
+(sender -> receiver) with the i-th receive posted for it, and it runs a rank's
+point-to-point groups one after another on one stream, each group blocking
+until all of its operations are matched (a large send waits for its receive).
+Gloo matches by (peer, tag) and buffers sends, so code that works on Gloo can
+hang or exchange the wrong buffers on NCCL. The runtime therefore never relies
+on tags (every message is tag 0, see ``TAG``) and issues its traffic as a
+*program* that is correct under NCCL's rules:
+
+- A rank runs its GPU group's action list ``A_0 .. A_{n-1}``
+  (``schedule.make_schedule``). Before action ``k`` it posts group ``G_k``
+  with ``dist.batch_isend_irecv``: the sends produced by ``A_{k-1}`` and the
+  receives ``A_k`` needs, fused in one group as ``torch.distributed.pipelining``
+  and Megatron-LM fuse a forward's send with the next backward's receive (two
+  ranks that each send before they receive deadlock on NCCL). Action ``k``
+  waits for the groups holding its receives -- whole groups, as NCCL's
+  coalesced work completes -- then computes. A last group after ``A_{n-1}``
+  holds its sends; every send is waited at the end of the step.
+- ``build_programs`` derives every rank's program from the plan and checks
+  it before any rank runs it: each channel's sends and receives list the same
+  messages in the same order (what tag-free matching needs), and an execution
+  under NCCL's rules -- in-order groups per rank; an operation completes only
+  when its peer operation is in the peer's current group; a compute starts
+  only when the groups holding its receives completed -- runs to the end
+  (``simulate``). Where it would deadlock (interleaved 1F1B: a group's
+  chunks exchange in both directions with one peer, so each rank's send
+  waits for a receive the other posts one compute later), the receive a
+  stuck send waits for is posted earlier, in its receiver's current group,
+  before the compute that precedes it: receives are prefetched exactly where
+  the schedule needs them, and the check is repeated. A plan that cannot be
+  repaired is refused, naming the stuck ranks. Every rank computes the same
+  programs from the same plan.
+- Receives are not posted earlier than that: on NCCL's in-order stream an
+  early receive also holds back the sends queued behind it, and a group that
+  mixes one action's receives with the next one's makes the first compute
+  wait for the second's data.
+
+Messages between two stages hosted by the same rank (one GPU group, ``P = 1``)
+never touch the network: they are handed over in memory (``Mailbox``).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict, deque
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..errors import RuntimeExecutionError
+from ..plan import Plan
+from .comm import routes
+from .schedule import Action, make_schedule
+
+__all__ = ["TAG", "Message", "RankProgram", "build_programs", "build_program", "simulate", "P2PExecutor",
+           "Mailbox", "action_messages", "ProgramError"]
+
+#: Every point-to-point message is tag 0: NCCL ignores tags, so the runtime
+#: must be correct without them, and Gloo then matches in posting order as
+#: NCCL does (see [Note: point-to-point program]).
+TAG = 0
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class Message:
+    """One packed message: rows ``[start, end)`` of micro-batch ``microbatch``
+    crossing the cut after stage ``boundary``, forward (activations) or
+    backward (their gradients), from rank ``src`` to rank ``dst``."""
+
+    boundary: int
+    microbatch: int
+    backward: bool
+    src: int
+    dst: int
+    start: int
+    end: int
+    nbytes: int
+
+    def __str__(self) -> str:
+        return (f"{'grad' if self.backward else 'act'} cut {self.boundary}->{self.boundary + 1} "
+                f"mb {self.microbatch} rows [{self.start},{self.end}) rank {self.src}->{self.dst}")
+
+
+@dataclass(frozen=True, slots=True)
+class _Op:
+    send: bool
+    message: Message
+
+    @property
+    def peer(self) -> int:
+        return self.message.dst if self.send else self.message.src
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankProgram:
+    """One rank's point-to-point program for one step (see the note)."""
+
+    rank: int
+    #: The rank's actions, in order (its GPU group's schedule).
+    actions: tuple[Action, ...]
+    #: ``groups[k]`` is posted before action k (k = n: after the last action).
+    #: Only network messages (src != dst), sends first, each in program order.
+    groups: tuple[tuple[_Op, ...], ...]
+    #: ``waits[k]``: indices of the groups action k waits for before it computes.
+    waits: tuple[tuple[int, ...], ...]
+    #: Per action: the messages it sends / receives, in route order (self messages included).
+    sends: tuple[tuple[Message, ...], ...]
+    recvs: tuple[tuple[Message, ...], ...]
+    #: Receive groups posted before an earlier action than the one that needs
+    #: them (prefetched where the schedule allows, see ``build_programs``).
+    prefetched: int = 0
+
+
+def _stage_bytes(specs) -> int:
+    return sum(s.bytes_per_sample for s in specs)
+
+
+def action_messages(plan: Plan, rank: int, action: Action) -> tuple[tuple[Message, ...], tuple[Message, ...]]:
+    """(sends, receives) of ``action`` on ``rank``, in route (row) order."""
+    P = plan.num_groups
+    role = plan.role(rank)
+    s = role.stage + action.chunk * P
+    stage = plan.stages[s]
+    pos = stage.ranks.index(rank)
+    sends, recvs = [], []
+
+    def cut(b):  # routes across the cut after stage b, and bytes per row
+        a, c = plan.stages[b], plan.stages[b + 1]
+        return routes(a.sample_ranges(), c.sample_ranges()), _stage_bytes(a.send), a, c
+
+    if action.kind == "F":
+        if s > 0:
+            rs, per_row, a, c = cut(s - 1)
+            recvs += [Message(s - 1, action.microbatch, False, a.gpus[r.src_pos].rank, rank, r.start, r.end,
+                              r.rows * per_row) for r in rs if r.dst_pos == pos]
+        if s < plan.num_stages - 1:
+            rs, per_row, a, c = cut(s)
+            sends += [Message(s, action.microbatch, False, rank, c.gpus[r.dst_pos].rank, r.start, r.end,
+                              r.rows * per_row) for r in rs if r.src_pos == pos]
+    else:
+        if s < plan.num_stages - 1:
+            rs, per_row, a, c = cut(s)
+            recvs += [Message(s, action.microbatch, True, c.gpus[r.dst_pos].rank, rank, r.start, r.end,
+                              r.rows * per_row) for r in rs if r.src_pos == pos]
+        if s > 0:
+            rs, per_row, a, c = cut(s - 1)
+            sends += [Message(s - 1, action.microbatch, True, rank, a.gpus[r.src_pos].rank, r.start, r.end,
+                              r.rows * per_row) for r in rs if r.dst_pos == pos]
+    return tuple(sends), tuple(recvs)
+
+
+def _initial_groups(plan: Plan, rank: int) -> tuple[tuple[Action, ...], list, list[list[_Op]]]:
+    """The fused program: group k = the sends of action k-1 + the receives of action k."""
+    actions = make_schedule(plan.schedule, plan.num_stages, plan.num_microbatches,
+                            plan.interleave)[plan.role(rank).stage]
+    msgs = [action_messages(plan, rank, a) for a in actions]
+    groups: list[list[_Op]] = [[] for _ in range(len(actions) + 1)]
+    for k, (sends, recvs) in enumerate(msgs):
+        groups[k] += [_Op(False, m) for m in recvs if m.src != rank]
+        groups[k + 1] += [_Op(True, m) for m in sends if m.dst != rank]
+    return tuple(actions), msgs, groups
+
+
+class ProgramError(RuntimeExecutionError):
+    """The plan's point-to-point program would deadlock or mismatch under NCCL."""
+
+
+def _check_channels(groups: dict[int, list[list[_Op]]]) -> None:
+    """Every channel lists the same messages in the same order on both ends."""
+    sent: dict[tuple[int, int], list[Message]] = defaultdict(list)
+    got: dict[tuple[int, int], list[Message]] = defaultdict(list)
+    for r, gs in groups.items():
+        for g in gs:
+            for op in g:
+                (sent if op.send else got)[op.message.src, op.message.dst].append(op.message)
+    for ch in sorted(set(sent) | set(got)):
+        a, b = sent.get(ch, []), got.get(ch, [])
+        if a != b:
+            i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            raise ProgramError(
+                f"point-to-point order mismatch on channel rank {ch[0]} -> rank {ch[1]}: message {i} is "
+                f"{a[i] if i < len(a) else 'nothing'} on the sender but {b[i] if i < len(b) else 'nothing'} on the "
+                f"receiver; with tag-free (NCCL) matching the receiver would get the wrong buffer")
+
+
+@dataclass(frozen=True, slots=True)
+class _Stuck:
+    """A rank that cannot finish: its head group and that group's unmatched
+    operations, each with where its peer operation sits (rank, group)."""
+
+    rank: int
+    action: int
+    group: int | None
+    unmatched: tuple[tuple[_Op, int, int], ...]
+
+
+def _waits(rank: int, msgs, groups: list[list[_Op]]) -> list[tuple[int, ...]]:
+    at = {op.message: gi for gi, g in enumerate(groups) for op in g if not op.send}
+    return [tuple(sorted({at[m] for m in recvs if m.src != rank})) for _, recvs in msgs]
+
+
+def simulate(groups: dict[int, list[list[_Op]]], waits: dict[int, list[tuple[int, ...]]]) -> list[_Stuck]:
+    """Run every rank's groups under NCCL's rules (see the note); returns the
+    ranks that cannot finish (empty: no deadlock).
+
+    An operation completes when the group holding it and the group holding
+    its peer operation are both at the head of their ranks' streams; a group
+    leaves the stream when all its operations completed; action ``k``
+    computes when every group in ``waits[k]`` left the stream; group ``k + 1``
+    is posted after action ``k``. Messages are matched per channel in order
+    (``_check_channels`` made both ends agree)."""
+    where: dict[tuple[bool, Message], tuple[int, int]] = {}
+    for r, gs in groups.items():
+        for gi, g in enumerate(gs):
+            for op in g:
+                where[op.send, op.message] = (r, gi)
+    remaining = {(r, gi): len(g) for r, gs in groups.items() for gi, g in enumerate(gs)}
+    done_ops: set[tuple[bool, Message]] = set()
+    stream: dict[int, deque] = {r: deque() for r in groups}
+    posted = dict.fromkeys(groups, 0)
+    computed = dict.fromkeys(groups, 0)
+    finished: set[tuple[int, int]] = set()
+    pending = deque(groups)
+
+    def head(r):
+        return stream[r][0] if stream[r] else None
+
+    def post(r):
+        stream[r].append(posted[r])
+        posted[r] += 1
+
+    for r in groups:
+        post(r)  # G_0
+    while pending:
+        r = pending.popleft()
+        progress = True
+        while progress:
+            progress = False
+            h = head(r)
+            if h is not None:
+                for op in groups[r][h]:
+                    if (op.send, op.message) in done_ops:
+                        continue
+                    pr, pg = where[(not op.send, op.message)]
+                    if head(pr) == pg:
+                        done_ops.add((op.send, op.message))
+                        done_ops.add((not op.send, op.message))
+                        remaining[r, h] -= 1
+                        remaining[pr, pg] -= 1
+                        if remaining[pr, pg] == 0:
+                            stream[pr].popleft()
+                            finished.add((pr, pg))
+                            pending.append(pr)
+                if remaining[r, h] == 0 and head(r) == h:
+                    stream[r].popleft()
+                    finished.add((r, h))
+                    progress = True
+            k = computed[r]
+            if k < len(waits[r]) and all((r, g) in finished for g in waits[r][k]):
+                computed[r] += 1
+                post(r)  # G_{k+1}
+                progress = True
+    stuck = []
+    for r in groups:
+        if computed[r] < len(waits[r]) or stream[r]:
+            h = head(r)
+            unmatched = tuple((op, *where[(not op.send, op.message)]) for op in (groups[r][h] if h is not None else ())
+                              if (op.send, op.message) not in done_ops)
+            stuck.append(_Stuck(r, computed[r], h, unmatched))
+    return stuck
+
+
+def _pull_forward(groups: dict[int, list[list[_Op]]], heads: dict[int, int | None], stuck: list[_Stuck]) -> bool:
+    """Repair one deadlock: where a stuck rank's send waits for a receive its
+    peer posts only in a later group, post that receive (and the receives of
+    the same channel before it) in the peer's current group instead -- an
+    earlier receive is always allowed. Returns False if nothing can move."""
+    moved = False
+    for st in stuck:
+        for op, pr, pg in st.unmatched:
+            if not op.send or heads[pr] is None or pg <= heads[pr]:
+                continue
+            h = heads[pr]
+            ch = (op.message.src, op.message.dst)
+            take = [(gi, o) for gi in range(h + 1, pg + 1) for o in groups[pr][gi]
+                    if not o.send and (o.message.src, o.message.dst) == ch]
+            take = take[: next(i for i, (_, o) in enumerate(take) if o.message == op.message) + 1]
+            for gi, o in take:
+                groups[pr][gi].remove(o)
+                groups[pr][h].append(o)
+            moved = True
+    return moved
+
+
+def _heads(stuck: list[_Stuck], ranks) -> dict[int, int | None]:
+    h = dict.fromkeys(ranks)
+    for st in stuck:
+        h[st.rank] = st.group
+    return h
+
+
+def build_programs(plan: Plan) -> dict[int, RankProgram]:
+    """Every rank's point-to-point program (see [Note: point-to-point program]).
+
+    Starts from the fused program (each compute's sends and the next
+    compute's receives in one group) and, while ``simulate`` finds a
+    deadlock, posts the receive a stuck send waits for in its receiver's
+    current group (``_pull_forward``): the receives are prefetched exactly
+    where the schedule needs it. Deterministic in the plan, so every rank
+    derives the same programs.
+
+    Raises:
+        ProgramError: the channels disagree, or the program still deadlocks
+            (the message names the stuck ranks and what they wait for).
+    """
+    ranks = range(plan.world_size)
+    built = {r: _initial_groups(plan, r) for r in ranks}
+    groups = {r: built[r][2] for r in ranks}
+    _check_channels(groups)
+    repairs = 0
+    while True:
+        waits = {r: _waits(r, built[r][1], groups[r]) for r in ranks}
+        stuck = simulate(groups, waits)
+        if not stuck:
+            break
+        if repairs > 4 * sum(len(built[r][0]) for r in ranks) or not _pull_forward(groups, _heads(stuck, ranks), stuck):
+            lines = [f"rank {st.rank} before action {st.action}: group {st.group} waits for "
+                     + "; ".join(str(op.message) for op, *_ in st.unmatched) for st in stuck]
+            raise ProgramError("the plan's point-to-point program deadlocks under NCCL's rules (in-order "
+                               "groups, no tags):\n  " + "\n  ".join(lines[:8]))
+        repairs += 1
+        _check_channels(groups)
+    out = {}
+    for r in ranks:
+        actions, msgs, gs = built[r]
+        ordered = tuple(tuple([o for o in g if o.send] + [o for o in g if not o.send]) for g in gs)
+        out[r] = RankProgram(rank=r, actions=actions, groups=ordered, waits=tuple(waits[r]),
+                             sends=tuple(s for s, _ in msgs), recvs=tuple(rc for _, rc in msgs),
+                             prefetched=sum(1 for k, w in enumerate(waits[r]) for g in w if g < k))
+    return out
+
+
+def build_program(plan: Plan, rank: int) -> RankProgram:
+    """This rank's program (``build_programs(plan)[rank]``)."""
+    return build_programs(plan)[rank]
+
+
+class Mailbox:
+    """Messages between two stages of one rank, handed over in memory."""
+
+    def __init__(self) -> None:
+        self._box: dict[Message, torch.Tensor] = {}
+
+    def put(self, m: Message, buf: torch.Tensor) -> None:
+        assert m not in self._box, f"{m} delivered twice"
+        self._box[m] = buf
+
+    def take(self, m: Message) -> torch.Tensor:
+        return self._box.pop(m)
+
+    def check_empty(self) -> None:
+        assert not self._box, f"messages to self never received: {sorted(map(str, self._box))}"
+
+
+class P2PExecutor:
+    """Runs one rank's ``RankProgram`` for one step: ``post(k, outgoing)``
+    before action k (k = n after the last), ``received(k)`` before computing
+    action k, ``finish()`` at the end of the step."""
+
+    def __init__(self, program: RankProgram, device: torch.device):
+        self.program = program
+        self.device = device
+        self.mailbox = Mailbox()
+        self._works: dict[int, list] = {}
+        self._inbox: dict[Message, torch.Tensor] = {}
+        self._keep: list[torch.Tensor] = []  # send buffers, alive until the step's end
+
+    def post(self, k: int, sent: list[torch.Tensor]) -> None:
+        """Post group k; ``sent`` are the buffers of action k-1's sends, aligned
+        with ``program.sends[k - 1]`` (empty for k = 0)."""
+        outgoing = dict(zip(self.program.sends[k - 1], sent, strict=True)) if k else {}
+        ops = []
+        for op in self.program.groups[k]:
+            m = op.message
+            if op.send:
+                buf = outgoing[m]
+                assert buf.numel() == m.nbytes and buf.device == self.device, f"{m}: bad send buffer"
+                self._keep.append(buf)
+                ops.append(dist.P2POp(dist.isend, buf, m.dst, tag=TAG))
+            else:
+                buf = torch.empty(m.nbytes, dtype=torch.uint8, device=self.device)
+                self._inbox[m] = buf
+                ops.append(dist.P2POp(dist.irecv, buf, m.src, tag=TAG))
+        for m, buf in outgoing.items():
+            if m.dst == m.src:
+                self.mailbox.put(m, buf)
+        self._works[k] = dist.batch_isend_irecv(ops) if ops else []
+
+    def _wait(self, g: int) -> None:
+        for w in self._works.pop(g, ()):
+            w.wait()
+
+    def received(self, k: int) -> list[torch.Tensor]:
+        """The buffers action k receives, aligned with ``program.recvs[k]``
+        (waits for the groups holding them)."""
+        for g in self.program.waits[k]:
+            self._wait(g)
+        out = []
+        for m in self.program.recvs[k]:
+            buf = self.mailbox.take(m) if m.src == m.dst else self._inbox.pop(m)
+            assert buf.numel() == m.nbytes, f"{m}: got {buf.numel()} bytes, expected {m.nbytes}"
+            out.append(buf)
+        return out
+
+    def finish(self) -> None:
+        """Wait for every group still in flight (the sends); the step is over."""
+        for g in sorted(self._works):
+            self._wait(g)
+        self._keep.clear()
+        assert not self._inbox, f"posted receives never consumed: {sorted(map(str, self._inbox))}"
+        self.mailbox.check_empty()

@@ -1,0 +1,241 @@
+"""One pipeline stage on one rank: its generated module with the weights
+loaded, this GPU's rows of every micro-batch, and the forward / backward of
+one micro-batch -- unpacking what it receives, packing what it sends (see
+[Note: why activations are re-partitioned by sample range] in ``comm.py``).
+
+It does no communication itself: ``P2PExecutor`` (``p2p.py``) hands it the
+received buffers of an action, in route order, and posts the buffers it
+returns. Gradients and the optimizer live in ``grad_sync.py`` and
+``optimizer.py``; ``worker.py`` runs the schedule.
+
+[Note: share-weighted gradients]
+The last stage computes, for GPU ``g`` and micro-batch ``m``, the mean loss
+``l_{g,m}`` over its ``n_g`` samples. It back-propagates
+``l_{g,m} * n_g / N`` (``N`` = global batch), i.e. each GPU's gradient is
+weighted by its share of the samples. Summing over micro-batches and over the
+GPUs of a data-parallel group (all-reduce SUM) then gives exactly the gradient
+of the mean loss over the whole global batch, as single-device training
+computes it, however unequal the shares are. (This is exact when every sample
+has the same number of loss tokens, as with fixed-length LM sequences.)
+Parameters held by several stages (tied embeddings) are reduced over the
+union of their holders, which also sums the two stages' contributions. With
+fp16-mixed the last stage back-propagates ``loss * n_g / N * scale`` (the
+loss scale, see [Note: mixed precision] in ``zorse_fx/precision.py``).
+
+[Note: stage recomputation]
+A ``recompute`` stage (``StagePlan.recompute``, GPipe's re-materialisation)
+runs each forward action under ``torch.no_grad()``: outputs are still sent on
+and the last stage still records its loss, but no autograd graph is kept.
+What is stored per in-flight micro-batch: the stage inputs only (this GPU's
+rows of the model inputs, and the received tensors, detached) plus the RNG
+state at the start of the forward (CPU, and the device's on CUDA). The
+backward action restores that RNG state inside ``torch.random.fork_rng`` (as
+``torch.utils.checkpoint`` does, so dropout masks match and the global RNG
+stream is left as if no recompute had happened), re-runs the forward with
+grad enabled on the stashed inputs (received floats ``requires_grad_``), under
+the same autocast as the first forward, and back-propagates exactly as a stage
+without recomputation. Nothing extra moves between ranks; the cost is one
+more forward per micro-batch.
+
+Precision: the worker runs the whole schedule inside the policy's autocast
+region (see [Note: mixed precision]); a backward runs with autocast off, as
+in eager AMP (autocast wraps only forward passes), and a recomputed forward
+turns it back on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from pathlib import Path
+
+import torch
+
+from ..codegen.split import load_stage_class
+from ..errors import RuntimeExecutionError
+from ..plan import Plan, StagePlan
+from ..precision import PrecisionPolicy
+from .comm import pack, routes, unpack
+
+__all__ = ["StageRuntime"]
+
+
+class StageRuntime:
+    """One stage hosted by this rank (see the module docstring).
+
+    Args:
+        plan, index: the plan and the stage's index in it.
+        plan_dir: the directory of ``stage_<i>.py``.
+        weights: every tensor of the model by canonical name (``weights.pt``).
+        rank, device: this rank and its device (``cuda:<local rank>`` or cpu).
+        precision: the policy the step runs under; under a mixed policy every
+            trainable floating parameter is a float32 master weight.
+
+    Raises:
+        RuntimeExecutionError: a weight the stage needs is missing or has the
+            wrong shape (the message names it and both shapes).
+    """
+
+    def __init__(self, plan: Plan, index: int, plan_dir: Path, weights: dict[str, torch.Tensor], *, rank: int,
+                 device: torch.device, precision: PrecisionPolicy):
+        self.plan = plan
+        self.rank = rank
+        self.device = device
+        self.precision = precision
+        self.stage: StagePlan = plan.stages[index]
+        self.index = index
+        #: This GPU's position in the stage's data-parallel group and its rows of every micro-batch.
+        self.position = self.stage.ranks.index(rank)
+        self.row_start, self.row_end = self.stage.sample_ranges()[self.position]
+        self.rows = self.row_end - self.row_start
+        self.module = self._load_module(plan_dir, weights)
+        self.prev = plan.stages[index - 1] if index > 0 else None
+        self.next = plan.stages[index + 1] if index + 1 < plan.num_stages else None
+        # Routes from/to this GPU only (positions in the other stage), in row order.
+        self.in_routes = (
+            [r for r in routes(self.prev.sample_ranges(), self.stage.sample_ranges()) if r.dst_pos == self.position]
+            if self.prev else []
+        )
+        self.out_routes = (
+            [r for r in routes(self.stage.sample_ranges(), self.next.sample_ranges()) if r.src_pos == self.position]
+            if self.next else []
+        )
+        #: Loss scale the last stage multiplies its backward by (fp16-mixed; set per step).
+        self.loss_scale = 1.0
+        # Per in-flight micro-batch: (received, outputs), or with recomputation
+        # (inputs, received, rng state) (see [Note: stage recomputation]).
+        self._stash: dict[int, tuple] = {}
+        self._warned_dtypes: set[str] = set()
+
+    def _load_module(self, plan_dir: Path, weights: dict[str, torch.Tensor]) -> torch.nn.Module:
+        cls = load_stage_class(plan_dir / self.stage.source_file, self.stage.index)
+        with torch.device("meta"):
+            module = cls()
+        module = module.to_empty(device=self.device)
+        with torch.no_grad():
+            for flat, canon in {**cls.PARAMETERS, **cls.CONSTANTS}.items():
+                if canon not in weights:
+                    raise RuntimeExecutionError(f"the weights have no tensor {canon!r}, which stage "
+                                                f"{self.stage.index} needs; export the weights of the model the "
+                                                f"plan was made for (`zorse plan` writes weights.pt)")
+                target, value = getattr(module, flat), weights[canon]
+                if tuple(target.shape) != tuple(value.shape):
+                    raise RuntimeExecutionError(f"weight {canon!r} has shape {tuple(value.shape)} but stage "
+                                                f"{self.stage.index} expects {tuple(target.shape)}; the weights "
+                                                f"file is not the one of this plan's model")
+                target.copy_(value)
+        if self.precision.mixed:  # float32 master weights (see [Note: mixed precision])
+            for name, p in module.named_parameters():
+                if p.is_floating_point() and p.dtype != torch.float32:
+                    setattr(module, name, torch.nn.Parameter(p.detach().float()))
+        return module
+
+    def params(self) -> dict[str, torch.nn.Parameter]:
+        """Trainable parameters by canonical name."""
+        return {canon: getattr(self.module, flat) for flat, canon in self.stage.params.items()}
+
+    # -- recomputation ---------------------------------------------------------
+    def _rng_state(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        cuda = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
+        return torch.get_rng_state(), cuda
+
+    @contextlib.contextmanager
+    def _replayed_rng(self, state: tuple[torch.Tensor, torch.Tensor | None]):
+        """Run the block with the RNG as it was at the first forward; restore after."""
+        cpu, cuda = state
+        with torch.random.fork_rng(devices=[self.device] if cuda is not None else []):
+            torch.set_rng_state(cpu)
+            if cuda is not None:
+                torch.cuda.set_rng_state(cuda, self.device)
+            yield
+
+    # -- messages --------------------------------------------------------------
+    def _unpack_rows(self, specs, route_list, bufs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """One packed buffer per route (row order) -> one tensor per spec, rows concatenated."""
+        assert len(bufs) == len(route_list), f"stage {self.index}: {len(bufs)} buffers for {len(route_list)} routes"
+        parts: list[list[torch.Tensor]] = [[] for _ in specs]
+        for r, buf in zip(route_list, bufs):
+            for i, t in enumerate(unpack(buf, specs, r.rows)):
+                parts[i].append(t)
+        return [torch.cat(p) if len(p) > 1 else p[0] for p in parts]
+
+    def _wire(self, tensors: list[torch.Tensor], specs) -> list[torch.Tensor]:
+        """``tensors`` in the plan's wire dtypes (``StagePlan.send``). Where
+        autocast on this device gave another dtype than the planner measured
+        (its CPU fake run, or a train-time precision override), cast once per
+        tensor and warn: the plan's message sizes stay what was priced."""
+        out = []
+        for t, s in zip(tensors, specs, strict=True):
+            if t.dtype != s.torch_dtype:
+                if s.name not in self._warned_dtypes:
+                    self._warned_dtypes.add(s.name)
+                    warnings.warn(f"stage {self.index}: {s.name} is {t.dtype} here but the plan sends it as "
+                                  f"{s.dtype}; it is cast for the wire", stacklevel=3)
+                t = t.to(s.torch_dtype)
+            out.append(t)
+        return out
+
+    # -- one micro-batch ---------------------------------------------------------
+    def start_step(self) -> None:
+        self._stash.clear()
+
+    def forward(self, m: int, batch: dict[str, torch.Tensor], received: list[torch.Tensor]
+                ) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+        """Forward of micro-batch ``m``. ``received``: one buffer per in-route.
+        Returns (the share-weighted loss, a 0-dim float32 tensor on the last
+        stage, else None; one packed buffer per out-route)."""
+        plan = self.plan
+        mb = plan.microbatch_size
+        last = self.next is None
+        recompute = self.stage.recompute
+        lo, hi = m * mb + self.row_start, m * mb + self.row_end
+        inputs = [batch[name][lo:hi].to(self.device, non_blocking=True) for name in self.stage.input_names]
+        recv = self._unpack_rows(self.stage.recv, self.in_routes, received) if self.prev is not None else []
+        if not recompute:
+            for t in recv:
+                if t.is_floating_point():
+                    t.requires_grad_(True)
+        if recompute:
+            rng = self._rng_state()
+            with torch.no_grad(), torch.device(self.device):
+                out = self.module(*inputs, *recv)
+            self._stash[m] = (inputs, recv, rng)
+        else:
+            with torch.device(self.device):
+                out = self.module(*inputs, *recv)
+            self._stash[m] = (recv, out if last else list(out))
+        if last:
+            return out.detach().float() * (self.rows / plan.global_batch_size), []
+        outs = self._wire([o.detach() for o in out], self.stage.send)
+        return None, [pack(outs, r.start - self.row_start, r.end - self.row_start) for r in self.out_routes]
+
+    def backward(self, m: int, received: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Backward of micro-batch ``m``. ``received``: one packed gradient
+        buffer per out-route; returns one per in-route."""
+        plan = self.plan
+        last = self.next is None
+        if self.stage.recompute:
+            inputs, recv, rng = self._stash.pop(m)
+            for t in recv:
+                if t.is_floating_point():
+                    t.requires_grad_(True)
+            with self._replayed_rng(rng), torch.enable_grad(), torch.device(self.device), \
+                    self.precision.autocast(self.device.type):
+                out = self.module(*inputs, *recv)
+            out = out if last else list(out)
+        else:
+            recv, out = self._stash.pop(m)
+        with torch.autocast(self.device.type, enabled=False):
+            if last:
+                (out.float() * (self.rows / plan.global_batch_size * self.loss_scale)).backward()
+            else:
+                grads = self._unpack_rows(self.stage.send, self.out_routes, received)
+                pairs = [(o, g.to(o.dtype)) for o, g in zip(out, grads) if o.requires_grad]
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        if self.prev is None:
+            return []
+        gin = [t.grad if t.grad is not None else torch.zeros_like(t) for t in recv if t.is_floating_point()]
+        if len(gin) != len(self.stage.recv):
+            raise RuntimeExecutionError(f"stage {self.index} receives a non-float tensor across its cut "
+                                        f"({[s.dtype for s in self.stage.recv]}); cuts must carry float tensors only")
+        return [pack(gin, r.start - self.row_start, r.end - self.row_start) for r in self.in_routes]
