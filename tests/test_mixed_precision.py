@@ -168,3 +168,38 @@ def test_fp16_without_inf_steps_every_time(lee_bytes, tmp_path):
                                 precision="fp16-mixed")
     assert [r["skipped"] for r in rows] == [False, False]
     assert [r["loss_scale"] for r in rows] == [2.0**16, 2.0**16]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--grad-reduce-dtype", "bfloat16"], "--grad-reduce-dtype needs --precision"),
+    (["--precision", "fp16-mixed", "--grad-reduce-dtype", "bfloat16"],
+     "precision 'fp16-mixed' reduces gradients in float32, not 'bfloat16'"),
+    (["--precision", "bf17"], "invalid choice: 'bf17'"),
+    (["--inject-inf", "1-2"], "--inject-inf expects RANK:STEP with two integers >= 0, got '1-2'"),
+    (["--bucket-mib", "0"], "--bucket-mib must be > 0, got 0.0"),
+])
+def test_train_options_are_checked_before_any_rank_starts(argv, message, capsys):
+    from zorse_fx.train import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["plan", "--tokens", "t.pt", *argv])
+    assert message in capsys.readouterr().err
+
+
+def test_cpu_run_trains_fp32_unless_asked():
+    """The plan's precision is for its GPUs; a CPU run trains in fp32 unless
+    --precision asks; a GPU run trains with the plan's (its reduction dtype too)."""
+    import dataclasses
+
+    from zorse_fx.train import runtime_precision
+
+    captured = _gpt_captured()
+    plan = dataclasses.replace(_gpt_plan(captured, "2x1"), precision="bf16-mixed", grad_reduce_dtype="bfloat16")
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    assert runtime_precision(plan, cpu, None)[0].name == "fp32"
+    assert "this is a CPU run" in runtime_precision(plan, cpu, None)[1]
+    asked = runtime_precision(plan, cpu, "bf16-mixed")[0]
+    assert (asked.name, asked.grad_reduce_dtype) == ("bf16-mixed", "bfloat16")
+    assert runtime_precision(plan, cpu, "fp16-mixed")[0].grad_reduce_dtype == "float32"
+    on_gpu = runtime_precision(plan, gpu, None)[0]
+    assert (on_gpu.name, on_gpu.grad_reduce_dtype) == ("bf16-mixed", "bfloat16")

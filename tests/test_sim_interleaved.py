@@ -209,9 +209,10 @@ def test_interleaved_agreement_with_objective(capsys):
                                                           (4, 2, 4, 2), (4, 3, 8, 1), (3, 3, 3, 2)])
 def test_interleaved_uniform_pipeline_takes_mv_plus_p_minus_1_stage_times(groups, v, m, gpus_per_group):
     """(c) Equal groups and chunks, free boundaries: the step is (M v + P - 1) stage
-    times plus each group's sync -- its gradients all-reduced (one bucket here),
-    then its stages' optimizer steps one after the other in stage order; the
-    objective says the same to its ns rounding."""
+    times plus each group's sync -- its gradients all-reduced (a 1 MiB bucket
+    while the backwards still run, then one bucket), then its stages' optimizer
+    steps one after the other in stage order; the objective charges all of the
+    sync after the drain, to its ns rounding."""
     t, n_s, k = 6e-3, groups * v, gpus_per_group
     n_g, params, bw = groups * k, 1_000_000, 20e9
     costs = BlockCosts(fwd_bwd_s_per_sample={"A": (t,) * n_s}, param_count=(params,) * n_s,
@@ -226,8 +227,13 @@ def test_interleaved_uniform_pipeline_takes_mv_plus_p_minus_1_stage_times(groups
     allreduce = 2 * 4 * params / bw if k > 1 else 0.0
     optim = 2 * 16 * params / 1e12
     expect = (m * v + groups - 1) * t + v * (allreduce + optim)
-    assert sim.step_time_s == pytest.approx(expect, rel=1e-12)
-    assert sim.step_time_s == pytest.approx(ev.step_time_s, abs=1e-8)
+    assert ev.step_time_s == pytest.approx(expect, abs=1e-8)
+    # The group's first gradient bucket (1 MiB of its last chunk's parameters, as DDP's) is
+    # reduced while the other chunks' backwards still run; the objective charges it after.
+    from zorse_fx.runtime.grad_sync import FIRST_BUCKET_BYTES
+
+    hidden = 2 * FIRST_BUCKET_BYTES / bw if k > 1 else 0.0
+    assert sim.step_time_s == pytest.approx(expect - hidden, rel=1e-12)
     fb = [e for e in sim.events if e.kind in ("F", "B")]
     assert max(e.end_s for e in fb) == pytest.approx((m * v + groups - 1) * t, rel=1e-12)
     for g in range(n_g):  # every GPU computes M v chunk-micro-batches of t
@@ -238,10 +244,10 @@ def test_interleaved_uniform_pipeline_takes_mv_plus_p_minus_1_stage_times(groups
         stages = range(p, n_s, groups)
         red = [e for e in sim.events if e.stage in stages and e.kind == "allreduce"]
         assert len(red) == (k * v if k > 1 else 0)
-        if red:  # the group's v x 4 MB of gradients fit one 25 MiB bucket, ready after the last backward
-            assert min(e.start_s for e in red) == pytest.approx(prev, rel=1e-12)
-            assert max(e.end_s for e in red) == pytest.approx(prev + v * allreduce, rel=1e-12)
-            prev += v * allreduce
+        if red:  # a 1 MiB bucket during the backwards, then the rest of the v x 4 MB in one bucket
+            assert min(e.start_s for e in red) < prev
+            assert max(e.end_s for e in red) == pytest.approx(prev + v * allreduce - hidden, rel=1e-12)
+            prev += v * allreduce - hidden
         for s in stages:
             opt = [e for e in sim.events if e.stage == s and e.kind == "optim"]
             assert len(opt) == k

@@ -74,7 +74,24 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="save each rank's parameters (all its stages) at the end to <out>/params/rank<r>.pt, "
                         "and the elements and bytes of its optimizer state (per stage: key 'stages') to "
                         "<out>/params/rank<r>.json (testing)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.grad_reduce_dtype and not args.precision:
+        p.error("--grad-reduce-dtype needs --precision (without it the plan's own reduction dtype is used)")
+    if args.precision:
+        try:
+            precision_policy(args.precision, args.grad_reduce_dtype)
+        except ValueError as exc:
+            p.error(str(exc))
+    if args.inject_inf is not None:
+        try:
+            args.inject_inf = tuple(int(x) for x in args.inject_inf.split(":"))
+            if len(args.inject_inf) != 2 or min(args.inject_inf) < 0:
+                raise ValueError
+        except ValueError:
+            p.error(f"--inject-inf expects RANK:STEP with two integers >= 0, got {args.inject_inf!r}")
+    if args.bucket_mib <= 0:
+        p.error(f"--bucket-mib must be > 0, got {args.bucket_mib}")
+    return args
 
 
 def _log(rank: int, msg: str) -> None:
@@ -92,8 +109,6 @@ def runtime_precision(plan: Plan, device: torch.device, asked: str | None, reduc
     planned, reduce = plan.precision, plan.grad_reduce_dtype
     if asked is not None:
         return precision_policy(asked, reduce_dtype or (reduce if asked == planned else None)), "--precision"
-    if reduce_dtype is not None:
-        raise ValueError("--grad-reduce-dtype needs --precision (the plan states its own reduction dtype)")
     if device.type == "cpu" and planned != "fp32":
         return precision_policy("fp32"), f"the plan's {planned} is for its GPUs; this is a CPU run"
     return precision_policy(planned, reduce), "the plan's"
@@ -132,10 +147,8 @@ def main(argv=None) -> int:
         bucket_bytes=max(1, int(args.bucket_mib * 2**20)),
     )
     del weights
-    if args.inject_inf:
-        r, k = (int(x) for x in args.inject_inf.split(":"))
-        if r == rank:
-            worker.inject_inf_steps.add(k)
+    if args.inject_inf and args.inject_inf[0] == rank:
+        worker.inject_inf_steps.add(args.inject_inf[1])
     out = Path(args.out)
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)

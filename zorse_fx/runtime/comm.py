@@ -55,9 +55,12 @@ def message_bytes(specs: tuple[TensorSpec, ...], rows: int) -> int:
 
 
 def pack(tensors: list[torch.Tensor], start: int, end: int) -> torch.Tensor:
-    """Rows ``[start, end)`` of every tensor, as one flat ``uint8`` buffer."""
+    """Rows ``[start, end)`` of every tensor, as one flat ``uint8`` buffer: a
+    copy when several tensors cross, else a view of the one tensor's rows
+    (no copy; the caller keeps it alive until the send completed and does not
+    write to it meanwhile)."""
     parts = [t[start:end].contiguous().reshape(-1).view(torch.uint8) for t in tensors]
-    return torch.cat(parts) if len(parts) > 1 else parts[0].clone()
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
 def unpack(buf: torch.Tensor, specs: tuple[TensorSpec, ...], rows: int) -> list[torch.Tensor]:

@@ -8,8 +8,10 @@ stages that hold it); copies one rank holds in several of its stages are
 summed on the rank first (see [Note: a rank with several stages] in
 ``worker.py``). Parameters with the same holders form a *key* (one process
 group); a key's parameters of one dtype are laid out in reverse plan order
-(the order the backward produces their gradients) in buckets of at most
-``bucket_bytes`` (DDP's 25 MiB by default), and every parameter's ``.grad``
+(the order the backward produces their gradients) in buckets of
+``bucket_bytes`` (DDP's 25 MiB by default; the first one 1 MiB, as DDP's, so
+the first reduction starts early), closed at the first parameter that reaches
+the size, and every parameter's ``.grad``
 is a view into its bucket (DDP's ``gradient_as_bucket_view``): autograd
 accumulates the micro-batches straight into the bucket, no copy and no extra
 memory.
@@ -31,9 +33,12 @@ their own dtype.
 What this overlaps: a stage's reduction with the backward of its own last
 micro-batch (all but the last bucket's), and, since every rank reduces as
 soon as its own stages are done, with the drain of the pipeline on the
-ranks of earlier stages. The simulator prices exactly these two
-(``sim/engine.py``, "Gradient sync"); the planner's objective charges the
-whole reduction after the drain (an upper bound).
+ranks of earlier stages. The simulator prices these two (``sim/engine.py``,
+"Gradient sync"), a bucket ready when its parameters' blocks finished their
+backward -- no earlier than this hook fires -- and taking the link to itself:
+not more overlap than this code can get. The planner's objective charges the
+whole reduction after the drain (it prices no overlap; see bench/README.md,
+"Overlap").
 """
 
 from __future__ import annotations
@@ -48,10 +53,19 @@ from ..plan import Plan
 from ..precision import PrecisionPolicy
 from .stage import StageRuntime
 
-__all__ = ["BUCKET_BYTES", "GradientReducer", "holders_of"]
+__all__ = ["BUCKET_BYTES", "FIRST_BUCKET_BYTES", "GradientReducer", "holders_of", "bucket_caps"]
 
 #: Gradient bucket size (bytes), DDP's default 25 MiB (``bucket_cap_mb``).
 BUCKET_BYTES = 25 * 1024 * 1024
+#: The first bucket of a key (its last parameters) is at most this big, as
+#: DDP's ``dist._DEFAULT_FIRST_BUCKET_BYTES`` (1 MiB): it fills early in the
+#: backward, so the first all-reduce starts early.
+FIRST_BUCKET_BYTES = 1024 * 1024
+
+
+def bucket_caps(bucket_bytes: int) -> tuple[int, int]:
+    """(first bucket's cap, every other bucket's cap) in bytes of gradients."""
+    return min(FIRST_BUCKET_BYTES, bucket_bytes), bucket_bytes
 
 
 def holders_of(plan: Plan) -> dict[str, tuple[int, ...]]:
@@ -114,13 +128,14 @@ class GradientReducer:
         for key in sorted({holders[e.canon] for e in self.entries if len(holders[e.canon]) > 1}):
             mine = [e for e in self.entries if holders[e.canon] == key]
             out: list[_Bucket] = []
+            first_cap, cap = bucket_caps(bucket_bytes)
             for dtype in sorted({e.copies[0][1].dtype for e in mine}, key=str):
                 chunk: list[_Entry] = []
                 size = 0
                 for e in reversed([e for e in mine if e.copies[0][1].dtype == dtype]):
                     chunk.append(e)
                     size += e.copies[0][1].numel() * e.copies[0][1].element_size()
-                    if size >= bucket_bytes:
+                    if size >= (first_cap if not out else cap):
                         out.append(self._bucket(key, len(out), chunk))
                         chunk, size = [], 0
                 if chunk:
@@ -134,8 +149,16 @@ class GradientReducer:
         self._in_hook = False
         #: Stages whose last micro-batch's backward is running.
         self._final: set[int] = set()
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad)
-                       for e in self.entries for _, p in e.copies]
+        #: Per stage: its parameters' copies that take part (hooks live only
+        #: during the stage's last backward, so earlier micro-batches pay nothing).
+        self._copies_of: dict[int, list[torch.nn.Parameter]] = defaultdict(list)
+        for e in self.entries:
+            for s, p in e.copies:
+                self._copies_of[s].append(p)
+        self._hooks: dict[int, list] = {}
+        #: Per bucket entry, its gradient view (made once; ``.grad`` is reset to it every step).
+        self._views = {id(e): e.bucket.flat[e.offset: e.offset + e.copies[0][1].numel()].view_as(e.copies[0][1])
+                       for e in self.entries if e.bucket is not None}
 
     def _bucket(self, key, index, entries: list[_Entry]) -> _Bucket:
         p0 = entries[0].copies[0][1]
@@ -160,8 +183,7 @@ class GradientReducer:
                 b.pending = len(b.entries)
                 b.work, b.low = None, None
                 for e in b.entries:
-                    p = e.copies[0][1]
-                    p.grad = b.flat[e.offset: e.offset + p.numel()].view_as(p)
+                    e.copies[0][1].grad = self._views[id(e)]
         for e in self.entries:
             e.ready.clear()
             for i, (_, p) in enumerate(e.copies):
@@ -176,11 +198,14 @@ class GradientReducer:
         """The backward of ``stage``'s last micro-batch starts: gradients that
         accumulate now are final."""
         self._final.add(stage)
+        self._hooks[stage] = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._copies_of[stage]]
 
     def end_final(self, stage: int) -> None:
         """``stage``'s last backward ended: its parameters without a gradient
         are final too (zeros), so every bucket gets launched."""
         self._final.discard(stage)
+        for h in self._hooks.pop(stage, ()):
+            h.remove()
         for e in self.entries:
             for i, (s, p) in enumerate(e.copies):
                 if s == stage and i not in e.ready:

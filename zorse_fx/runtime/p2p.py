@@ -19,9 +19,10 @@ on tags (every message is tag 0, see ``TAG``) and issues its traffic as a
   receives ``A_k`` needs, fused in one group as ``torch.distributed.pipelining``
   and Megatron-LM fuse a forward's send with the next backward's receive (two
   ranks that each send before they receive deadlock on NCCL). Action ``k``
-  waits for the groups holding its receives -- whole groups, as NCCL's
-  coalesced work completes -- then computes. A last group after ``A_{n-1}``
-  holds its sends; every send is waited at the end of the step.
+  waits for the groups holding its receives -- on NCCL the whole group, as
+  its coalesced work completes; where the backend returns one work per
+  operation (Gloo) only the receives -- then computes. A last group after
+  ``A_{n-1}`` holds its sends; every send is waited at the end of the step.
 - ``build_programs`` derives every rank's program from the plan and checks
   it before any rank runs it: each channel's sends and receives list the same
   messages in the same order (what tag-free matching needs), and an execution
@@ -380,12 +381,13 @@ class P2PExecutor:
         self._works: dict[int, list] = {}
         self._inbox: dict[Message, torch.Tensor] = {}
         self._keep: list[torch.Tensor] = []  # send buffers, alive until the step's end
+        self._sends: list = []  # send works waited at the step's end (per-operation works)
 
     def post(self, k: int, sent: list[torch.Tensor]) -> None:
         """Post group k; ``sent`` are the buffers of action k-1's sends, aligned
         with ``program.sends[k - 1]`` (empty for k = 0)."""
         outgoing = dict(zip(self.program.sends[k - 1], sent, strict=True)) if k else {}
-        ops = []
+        ops, is_recv = [], []
         for op in self.program.groups[k]:
             m = op.message
             if op.send:
@@ -397,10 +399,19 @@ class P2PExecutor:
                 buf = torch.empty(m.nbytes, dtype=torch.uint8, device=self.device)
                 self._inbox[m] = buf
                 ops.append(dist.P2POp(dist.irecv, buf, m.src, tag=TAG))
+            is_recv.append(not op.send)
         for m, buf in outgoing.items():
             if m.dst == m.src:
                 self.mailbox.put(m, buf)
-        self._works[k] = dist.batch_isend_irecv(ops) if ops else []
+        works = dist.batch_isend_irecv(ops) if ops else []
+        if len(works) == len(ops):
+            # One work per operation (Gloo): a compute waits for its receives only, the
+            # sends are waited at the end of the step. NCCL returns one work for the
+            # coalesced group, which completes as a whole.
+            self._works[k] = [w for w, r in zip(works, is_recv) if r]
+            self._sends += [w for w, r in zip(works, is_recv) if not r]
+        else:
+            self._works[k] = works
 
     def _wait(self, g: int) -> None:
         for w in self._works.pop(g, ()):
@@ -422,6 +433,9 @@ class P2PExecutor:
         """Wait for every group still in flight (the sends); the step is over."""
         for g in sorted(self._works):
             self._wait(g)
+        for w in self._sends:
+            w.wait()
+        self._sends.clear()
         self._keep.clear()
         assert not self._inbox, f"posted receives never consumed: {sorted(map(str, self._inbox))}"
         self.mailbox.check_empty()

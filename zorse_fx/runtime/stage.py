@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -106,6 +107,10 @@ class StageRuntime:
         # (inputs, received, rng state) (see [Note: stage recomputation]).
         self._stash: dict[int, tuple] = {}
         self._warned_dtypes: set[str] = set()
+        # Factory ops in the generated code (``torch.arange(..., device=None)``) follow the
+        # default device: on a GPU a ``torch.device`` mode sets it (it intercepts every torch
+        # call, ~2 us each); the CPU is the default already.
+        self._on_device = (lambda: nullcontext()) if device.type == "cpu" else (lambda: torch.device(device))
 
     def _load_module(self, plan_dir: Path, weights: dict[str, torch.Tensor]) -> torch.nn.Module:
         cls = load_stage_class(plan_dir / self.stage.source_file, self.stage.index)
@@ -197,11 +202,11 @@ class StageRuntime:
                     t.requires_grad_(True)
         if recompute:
             rng = self._rng_state()
-            with torch.no_grad(), torch.device(self.device):
+            with torch.no_grad(), self._on_device():
                 out = self.module(*inputs, *recv)
             self._stash[m] = (inputs, recv, rng)
         else:
-            with torch.device(self.device):
+            with self._on_device():
                 out = self.module(*inputs, *recv)
             self._stash[m] = (recv, out if last else list(out))
         if last:
@@ -219,7 +224,7 @@ class StageRuntime:
             for t in recv:
                 if t.is_floating_point():
                     t.requires_grad_(True)
-            with self._replayed_rng(rng), torch.enable_grad(), torch.device(self.device), \
+            with self._replayed_rng(rng), torch.enable_grad(), self._on_device(), \
                     self.precision.autocast(self.device.type):
                 out = self.module(*inputs, *recv)
             out = out if last else list(out)

@@ -56,7 +56,7 @@ the shards of a sharded stage with ``balance_shards`` when
 Gradient sync, per GPU group, as the runtime does it ([Note: overlapped
 gradient reduction] in ``runtime/grad_sync.py``). A group with > 1 GPU
 all-reduces its gradients in buckets of ``BUCKET_BYTES`` of float32
-gradients, its parameters in reverse plan order (its last stage's last
+gradients (the first 1 MiB, as DDP's), its parameters in reverse plan order (its last stage's last
 block first). A bucket starts once every GPU of the group has finished, in
 its stage's last backward, the bucket's earliest block -- a backward takes
 its blocks in reverse order, each for its share of the stage's fwd+bwd time,
@@ -78,8 +78,10 @@ group's last optimizer step ends. Without overlap (one bucket per stage), a
 stage's all-reduce + slowest optimizer + all-gather equals the objective's
 ``allreduce_s + optim_s``. The step ends when the last optimizer step /
 all-gather ends. The objective charges the whole sync after the drain of
-every stage (``max_s``), which is never less than this: it prices no
-overlap. Times are not rounded: where both models coincide (one stage,
+every stage (``max_s``): it prices no overlap, but one latency term per
+stage where the runtime pays one per bucket, so it is the pessimistic one
+except by ``(buckets - 1) * 2 (k - 1) lat_max`` on a stage whose buckets are
+all ready at once. Times are not rounded: where both models coincide (one stage,
 GPipe with equal stages and free links, or interleaved 1F1B with equal
 groups and chunks and free links: (M v + P - 1) stage times + sync) they
 agree to the objective's ns rounding (<= 0.5 ns per block, and per MiB of
@@ -123,7 +125,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from ..runtime.comm import routes
-from ..runtime.grad_sync import BUCKET_BYTES
+from ..runtime.grad_sync import BUCKET_BYTES, bucket_caps
 from ..runtime.schedule import make_schedule
 from ..solve.objective import (MEMORY_UNIT_BYTES, MIB_UNITS, RECOMPUTE_FRACTION, _policy, _validate,
                                build_tables)
@@ -261,7 +263,8 @@ def _reduction(costs: BlockCosts, devices: DeviceGraph, stage_blocks, stages, gp
     runtime does ([Note: overlapped gradient reduction] in
     ``runtime/grad_sync.py``): the group's parameters in reverse plan order
     (its last stage's last block first) in buckets of ``BUCKET_BYTES`` of
-    float32 gradients; a bucket can start once every GPU's last backward of
+    float32 gradients (the first one 1 MiB, ``bucket_caps``); a bucket can
+    start once every GPU's last backward of
     the stage finished the bucket's earliest block (the backward of a
     micro-batch takes its blocks in reverse order, each for its share of the
     backward time, after the re-run forward on a recomputing stage) and the
@@ -283,6 +286,7 @@ def _reduction(costs: BlockCosts, devices: DeviceGraph, stage_blocks, stages, gp
         return end if total <= 0 else start + rc_dur[g, s] + bwd * sum(w[b - i:]) / total
 
     buckets: list[list] = []  # [ready, params, {stage: params}]
+    caps = bucket_caps(BUCKET_BYTES)
     cur = [0.0, 0, {}]
     for s in reversed(stages):
         i, j = stage_blocks[s]
@@ -290,13 +294,14 @@ def _reduction(costs: BlockCosts, devices: DeviceGraph, stage_blocks, stages, gp
             left = costs.param_count[b]
             ready = max(block_done(g, s, b) for g in gpus)
             while left > 0:
-                room = max(1, -(-(BUCKET_BYTES - _FP32 * cur[1]) // _FP32))
+                cap = caps[0] if not buckets else caps[1]
+                room = max(1, -(-(cap - _FP32 * cur[1]) // _FP32))
                 take = min(left, room)
                 cur[0] = max(cur[0], ready)
                 cur[1] += take
                 cur[2][s] = cur[2].get(s, 0) + take
                 left -= take
-                if _FP32 * cur[1] >= BUCKET_BYTES:
+                if _FP32 * cur[1] >= cap:
                     buckets.append(cur)
                     cur = [0.0, 0, {}]
     if cur[1]:
