@@ -26,6 +26,21 @@ def lee_bytes() -> torch.Tensor:
     return tokenize(read_corpus("lee"))
 
 
+_CAPTURED: dict[str, object] = {}
+
+
+def cached_capture(key: str, build):
+    """``build()`` (a function returning a CapturedModel) run once per test
+    session for ``key``; every call returns a deep copy, so a test may train
+    or annotate its model without touching another's. torch.export of a small
+    HF model takes seconds here, and several test files capture the same one."""
+    import copy
+
+    if key not in _CAPTURED:
+        _CAPTURED[key] = build()
+    return copy.deepcopy(_CAPTURED[key])
+
+
 def first_batch(tokens, plan):
     return global_batch(tokens, 0, global_batch_size=plan.global_batch_size, seq_len=plan.seq_len,
                         input_names=plan.input_names, label_mode=plan.label_mode)
@@ -89,40 +104,79 @@ def reference_step(captured, batch: dict[str, torch.Tensor], precision: str | No
     return float(loss.detach()), grads
 
 
-def spawn_ranks(plan_dir: Path, world: int, train_args: list[str], *, timeout_s: float = 300) -> None:
-    """Start ``python -m zorse_fx.train`` once per rank with the environment
-    torchrun gives its workers (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
-    ``MASTER_ADDR``/``MASTER_PORT`` for the ``env://`` rendezvous), without
-    torchrun's agent process: one torch import less per launch on the 2-core
-    test machine. ``zorse train`` (tests/test_api.py) covers torchrun itself.
-    Raises AssertionError with every rank's output if one fails."""
+def _rank_main(env: dict[str, str], argv: list[str], log: str) -> None:
+    """One rank, in a process forked from the launcher's fork server: the
+    environment torchrun gives its workers, stdout and stderr to ``log``."""
     import os
-    import socket
-    import subprocess
     import sys
+
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.environ.update(env)
+    from zorse_fx.train import main
+
+    sys.exit(main(argv))
+
+
+_LAUNCHER = None
+
+
+def _launcher():
+    """A multiprocessing context whose fork server has imported
+    ``zorse_fx.train`` (torch, the runtime) once for the whole session: a rank
+    starts in milliseconds instead of re-importing torch (about 6 s of CPU per
+    rank on the 2-core test machine, most of a small test's launch)."""
+    global _LAUNCHER
+    if _LAUNCHER is None:
+        import multiprocessing
+
+        _LAUNCHER = multiprocessing.get_context("forkserver")
+        # torch._dynamo (imported by torch.optim's constructor) and torch._refs
+        # (by Module.to_empty) are imported lazily, another ~2.7 s per rank.
+        _LAUNCHER.set_forkserver_preload(["zorse_fx.train", "torch._dynamo", "torch._refs", "conftest"])
+    return _LAUNCHER
+
+
+def spawn_ranks(plan_dir: Path, world: int, train_args: list[str], *, timeout_s: float = 300) -> None:
+    """Run ``zorse_fx.train.main`` once per rank, each in its own process, with
+    the environment torchrun gives its workers (``RANK``, ``WORLD_SIZE``,
+    ``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT`` for the ``env://``
+    rendezvous). The processes are forked from a fork server that imported
+    the runtime once (``_launcher``) instead of started by torchrun's agent;
+    ``zorse train`` (tests/test_api.py) covers torchrun itself.
+    Raises AssertionError with every rank's output if one fails or runs past
+    ``timeout_s``."""
+    import socket
+    import tempfile
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC")}
-    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+    env = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    procs = [subprocess.Popen([sys.executable, "-m", "zorse_fx.train", str(plan_dir), *train_args],
-                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for r in range(world)]
-    outputs, failed = [], False
-    for r, proc in enumerate(procs):
-        try:
-            out, _ = proc.communicate(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            out, _ = proc.communicate()
-            failed = True
-        outputs.append(out)
-        failed |= proc.returncode != 0
+    ctx = _launcher()
+    with tempfile.TemporaryDirectory(prefix="zorse-ranks-") as logs:
+        log = [f"{logs}/rank{r}.log" for r in range(world)]
+        procs = [ctx.Process(target=_rank_main, args=({**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                                                      [str(plan_dir), *train_args], log[r]))
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        failed = False
+        for p in procs:
+            p.join(timeout_s)
+            if p.exitcode is None:  # still running: kill every rank
+                for q in procs:
+                    q.kill()
+                    q.join()
+                failed = True
+                break
+        failed |= any(p.exitcode != 0 for p in procs)
+        outputs = [Path(f).read_text(errors="replace") if Path(f).exists() else "" for f in log]
     if failed:
-        raise AssertionError("a rank failed:\n" + "\n".join(f"--- rank {r} ---\n{o[-4000:]}" for r, o in enumerate(outputs)))
+        raise AssertionError("a rank failed:\n" + "\n".join(
+            f"--- rank {r} (exit code {p.exitcode}) ---\n{o[-4000:]}" for r, (p, o) in enumerate(zip(procs, outputs))))
     print(outputs[0])
 
 

@@ -16,6 +16,7 @@ import torch
 import torch.fx
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from conftest import cached_capture
 from zorse_fx.capture import analyse, capture
 from zorse_fx.cost.roofline import (_output_bytes_estimate, block_costs, measure_saved_activations, node_costs,
                                     saved_activation_bytes)
@@ -101,12 +102,19 @@ def _gpt():
     return GPT(GPTConfig(n_layer=2, n_embd=64, n_head=4, block_size=T))
 
 
+def _captured(make, model, ids):
+    """``capture(model, (ids, ids))``, once per session for each ``make`` (the
+    tests build ``model = make()`` after ``torch.manual_seed(0)``: the same
+    weights every time); a deep copy, so analyses do not share state."""
+    return cached_capture(f"activation_memory/{make.__name__}", lambda: capture(model, (ids, ids)))
+
+
 @pytest.mark.parametrize("make", [_hf_gpt2, _hf_llama, _gpt], ids=["hf_gpt2", "hf_llama", "gpt_fx"])
 def test_blocks_sum_to_what_eager_autograd_saves(make, lee_bytes):
     torch.manual_seed(0)
     model = make()
     ids = lee_bytes[: 2 * T].view(2, T)
-    bg = analyse(capture(model, (ids, ids)))
+    bg = analyse(_captured(make, model, ids))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the measurement must run, not fall back
         acts = block_costs(bg, {}, precision=FP32).act_bytes_per_sample
@@ -127,7 +135,7 @@ def test_blocks_under_autocast_sum_to_what_eager_autocast_saves(make, precision,
     torch.manual_seed(0)
     model = make()
     ids = lee_bytes[: 2 * T].view(2, T)
-    bg = analyse(capture(model, (ids, ids)))
+    bg = analyse(_captured(make, model, ids))
     policy = precision_policy(precision)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -166,7 +174,7 @@ def test_residual_stream_crosses_cuts_in_float32_under_autocast(make, lee_bytes)
     every tensor crossing a cut keeps its capture dtype (float32) under autocast."""
     torch.manual_seed(0)
     ids = lee_bytes[: 2 * T].view(2, T)
-    bg = analyse(capture(make(), (ids, ids)))
+    bg = analyse(_captured(make, make(), ids))
     acts = measure_saved_activations(bg, precision_policy("bf16-mixed"))
     crossing = [t.name for ts in bg.cut_tensors for t in ts]
     assert crossing and {acts.output_dtypes[n] for n in crossing} == {"float32"}

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import cached_capture
 from zorse_fx.capture import analyse, capture
 from zorse_fx.codegen import emit_source, load_stage_class, split_stages
 from zorse_fx.errors import ModelCaptureError
@@ -46,10 +47,17 @@ MODELS = {"gpt_fx": (_gpt, "fx"), "hf_gpt2": (_hf_gpt2, "export"), "hf_llama": (
 @pytest.fixture(scope="module", params=sorted(MODELS))
 def captured(request, lee_bytes):
     make, method = MODELS[request.param]
-    ids = lee_bytes[: 4 * T].view(4, T)
-    c = capture(make(), (ids, ids))
+    c = _captured(request.param, lee_bytes)
     assert c.method == method
     return c
+
+
+def _captured(name, lee_bytes):
+    """MODELS[name] captured on the first 4 x T bytes, with ONE tensor object
+    for ids and labels (as zorse.compile calls capture); once per session."""
+    make, method = MODELS[name]
+    ids = lee_bytes[: 4 * T].view(4, T)
+    return cached_capture(f"capture_codegen/{name}", lambda: capture(make(), (ids, ids), method=method))
 
 
 def _chain(stages, input_names, inputs):
@@ -121,10 +129,10 @@ def test_one_tensor_for_ids_and_labels_keeps_two_inputs(model_name, labels_kind,
     Run with labels that differ from the ids, the captured graph and the stages
     split from it must give the eager model's loss."""
     make, method = MODELS[model_name]
-    model = make()
+    model = make()  # the eager reference: the same seeded weights the capture started from
     ids = lee_bytes[: 4 * T].view(4, T)
-    captured = capture(model, (ids, ids), method=method)
-    assert captured.input_names == ("input_ids", "labels")
+    captured = _captured(model_name, lee_bytes)
+    assert captured.method == method and captured.input_names == ("input_ids", "labels")
 
     x = lee_bytes[4 * T : 7 * T].view(3, T)  # batch 3 != capture batch 4
     g = torch.Generator().manual_seed(0)

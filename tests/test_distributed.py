@@ -22,7 +22,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import (CLUSTERS, assert_grads_match, first_batch, reference_step, run_distributed,
+from conftest import (CLUSTERS, assert_grads_match, cached_capture, first_batch, reference_step, run_distributed,
                       train_and_compare, with_memory_policy)
 from zorse_fx.capture import analyse, capture
 from zorse_fx.cluster import Cluster
@@ -33,10 +33,13 @@ SEQ = 32
 
 
 def _gpt_captured():
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(n_layer=3, n_embd=64, n_head=4, block_size=SEQ))
-    ids = torch.randint(0, 256, (4, SEQ))
-    return capture(model, (ids, ids))
+    def build():
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(n_layer=3, n_embd=64, n_head=4, block_size=SEQ))
+        ids = torch.randint(0, 256, (4, SEQ))
+        return capture(model, (ids, ids))
+
+    return cached_capture("gpt3x64", build)
 
 
 def _check(plan, captured, lee_bytes, tmp_path):
@@ -77,12 +80,15 @@ def _tiny_llama_tied():
 
     from zorse_fx.models.hf import CausalLMWithLoss
 
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
-                      tie_word_embeddings=True, bos_token_id=0, eos_token_id=0, pad_token_id=0)
-    ids = torch.randint(0, 256, (4, SEQ))
-    return capture(CausalLMWithLoss(LlamaForCausalLM(cfg)), (ids, ids))
+    def build():
+        torch.manual_seed(0)
+        cfg = LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+                          tie_word_embeddings=True, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+        ids = torch.randint(0, 256, (4, SEQ))
+        return capture(CausalLMWithLoss(LlamaForCausalLM(cfg)), (ids, ids))
+
+    return cached_capture("tiny_llama_tied", build)
 
 
 def test_hf_llama_tied_embeddings_distributed(lee_bytes, tmp_path):

@@ -203,3 +203,40 @@ def test_cpu_run_trains_fp32_unless_asked():
     assert runtime_precision(plan, cpu, "fp16-mixed")[0].grad_reduce_dtype == "float32"
     on_gpu = runtime_precision(plan, gpu, None)[0]
     assert (on_gpu.name, on_gpu.grad_reduce_dtype) == ("bf16-mixed", "bfloat16")
+
+
+def test_bf16_one_group_two_stages_in_process(lee_bytes, tmp_path):
+    """P = 1: one rank hosts both stages (messages to itself, the tied
+    embedding's two copies summed on the rank), no torch.distributed; bf16-mixed
+    against single-process autocast training, 2 steps."""
+    import dataclasses
+
+    from conftest import TOLERANCES, assert_grads_match, assert_params_match, reference_adamw
+    from zorse_fx.data import global_batch
+    from zorse_fx.precision import precision_policy
+    from zorse_fx.runtime.worker import OptimizerConfig, StageWorker
+
+    captured = _gpt4_captured()
+    plan = _interleaved_plan(captured, ((0,), (1,)), ((2,), (2,)), num_microbatches=2, global_batch_size=4,
+                             interleave=1)
+    plan = dataclasses.replace(plan, interleave=2,
+                               stages=(plan.stages[0], dataclasses.replace(plan.stages[1], gpus=plan.stages[0].gpus)))
+    plan.export(tmp_path / "plan")
+    initial = {k: v.clone() for k, v in captured.state().items()}
+    worker = StageWorker(plan, tmp_path / "plan", captured.state(), rank=0, device=torch.device("cpu"),
+                         optimizer=OptimizerConfig(lr=LR, weight_decay=WEIGHT_DECAY),
+                         precision=precision_policy("bf16-mixed"))
+    steps, losses, grads1 = 2, [], None
+    for step in range(steps):
+        batch = global_batch(lee_bytes, step, global_batch_size=plan.global_batch_size, seq_len=plan.seq_len,
+                             input_names=plan.input_names, label_mode=plan.label_mode)
+        losses.append(float(worker.train_step(batch)))
+        if step == 0:
+            grads1 = worker.gradients()
+    tol = TOLERANCES["bf16-mixed"]
+    ref_losses, ref_grads, ref_params = reference_adamw(captured, lee_bytes, plan, steps, lr=LR,
+                                                          weight_decay=WEIGHT_DECAY, precision="bf16-mixed")
+    assert losses == pytest.approx(ref_losses, rel=tol.loss_rel)
+    assert_grads_match({0: grads1}, ref_grads, tol)
+    assert_params_match({0: worker.parameters_by_name()}, ref_params, initial, steps, LR, tol, ref_grads)
+    assert all(p.dtype == torch.float32 for st in worker.stages for p in st.module.parameters())  # master weights

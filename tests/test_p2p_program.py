@@ -20,7 +20,8 @@ from zorse_fx.cluster import Cluster
 from zorse_fx.models.gpt import GPT, GPTConfig
 from zorse_fx.planner import PlanOptions, plan_fixed
 from zorse_fx.runtime import p2p
-from zorse_fx.runtime.p2p import ProgramError, _check_channels, _initial_groups, _Op, _waits, build_programs, simulate
+from zorse_fx.runtime.p2p import (ProgramError, _check_channels, _initial_groups, _Op, _waits, build_programs,
+                                  simulate_nccl)
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +63,7 @@ def _check_program(plan):
     groups = {r: [list(g) for g in p.groups] for r, p in progs.items()}
     waits = {r: list(p.waits) for r, p in progs.items()}
     _check_channels(groups)  # raises on a mismatch
-    assert simulate(groups, waits) == []
+    assert simulate_nccl(groups, waits) == []
     for r, prog in progs.items():
         # Every network message of every action is posted exactly once, sends after the
         # action that produces them, receives no later than the action that needs them.
@@ -99,7 +100,7 @@ def test_interleaved_needs_and_gets_prefetched_receives(captured):
     built = {r: _initial_groups(plan, r) for r in range(plan.world_size)}
     groups = {r: built[r][2] for r in built}
     waits = {r: _waits(r, built[r][1], groups[r]) for r in built}
-    stuck = simulate(groups, waits)
+    stuck = simulate_nccl(groups, waits)
     assert {s.rank for s in stuck} == {0, 1}
     assert all(any(op.send for op, *_ in s.unmatched) for s in stuck)
     progs = build_programs(plan)
@@ -126,7 +127,7 @@ def test_sends_before_receives_in_separate_groups_deadlock(captured):
             if k < len(actions) - 1:
                 w.append(())
         groups[r], waits[r] = gs, w
-    stuck = simulate(groups, waits)
+    stuck = simulate_nccl(groups, waits)
     assert {s.rank for s in stuck} == {0, 1}
     assert _fused_is_fine(plan)
 
@@ -134,7 +135,7 @@ def test_sends_before_receives_in_separate_groups_deadlock(captured):
 def _fused_is_fine(plan) -> bool:
     built = {r: _initial_groups(plan, r) for r in range(plan.world_size)}
     groups = {r: built[r][2] for r in built}
-    return simulate(groups, {r: _waits(r, built[r][1], groups[r]) for r in built}) == []
+    return simulate_nccl(groups, {r: _waits(r, built[r][1], groups[r]) for r in built}) == []
 
 
 def test_channel_mismatch_is_named(captured):

@@ -17,6 +17,7 @@ Also a decorator on an ``nn.Module`` class::
 from __future__ import annotations
 
 import functools
+import sys
 from pathlib import Path
 
 import torch
@@ -74,11 +75,10 @@ class CompiledModel(nn.Module):
 
 
 def _is_hf_causal_lm(model: nn.Module) -> bool:
-    try:
-        from transformers import PreTrainedModel
-    except ImportError:
-        return False
-    return isinstance(model, PreTrainedModel)
+    """Whether ``model`` is a Hugging Face ``PreTrainedModel`` (without
+    importing ``transformers`` when nothing has: then it cannot be one)."""
+    transformers = sys.modules.get("transformers")
+    return transformers is not None and isinstance(model, transformers.PreTrainedModel)
 
 
 def _compile_instance(model: nn.Module, *, cluster: Cluster, example_inputs, global_batch_size: int,

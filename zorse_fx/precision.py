@@ -76,7 +76,8 @@ if TYPE_CHECKING:  # the cluster parser imports this module without torch
 
     from .cluster.specs import GPUSpec
 
-__all__ = ["PRECISIONS", "REDUCE_DTYPES", "GRAD_REDUCE_DTYPES", "PrecisionPolicy", "precision_policy", "default_precision",
+__all__ = ["PRECISIONS", "REDUCE_DTYPES", "GRAD_REDUCE_DTYPES", "PrecisionPolicy", "precision_policy",
+           "default_precision",
            "check_supported"]
 
 #: Precision names a plan may carry.

@@ -17,7 +17,8 @@ gradient all-reduce still in flight after it (``allreduce_s``; the rest
 overlapped the backward), the optimizer step (``optimizer_s``) and the
 parameter all-gather of a ZeRO-1 stage (``allgather_s``, 0 elsewhere), and its
 gradient buckets (``buckets``) of which ``buckets_during_backward`` were
-launched while the backward was still running, each over all the stages the rank hosts (``stages``: several in an interleaved
+launched while the backward was still running, each over all the stages the
+rank hosts (``stages``: several in an interleaved
 plan, see [Note: a rank with several stages] in ``runtime/worker.py``).
 ``--dump-grads`` / ``--dump-params`` save one file per rank, by canonical
 parameter name over the rank's stages.

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -260,8 +261,10 @@ def capture(
 
 
 def _is_hf(model: torch.nn.Module) -> bool:
-    try:
-        from transformers import PreTrainedModel
-    except ImportError:
+    """Whether ``model`` holds a Hugging Face ``PreTrainedModel``. A model of
+    that class exists only once ``transformers`` is imported, so a model built
+    without it is answered without importing it (seconds on a small CPU)."""
+    transformers = sys.modules.get("transformers")
+    if transformers is None:
         return False
-    return any(isinstance(m, PreTrainedModel) for m in model.modules())
+    return any(isinstance(m, transformers.PreTrainedModel) for m in model.modules())

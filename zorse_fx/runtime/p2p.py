@@ -29,7 +29,7 @@ on tags (every message is tag 0, see ``TAG``) and issues its traffic as a
   under NCCL's rules -- in-order groups per rank; an operation completes only
   when its peer operation is in the peer's current group; a compute starts
   only when the groups holding its receives completed -- runs to the end
-  (``simulate``). Where it would deadlock (interleaved 1F1B: a group's
+  (``simulate_nccl``). Where it would deadlock (interleaved 1F1B: a group's
   chunks exchange in both directions with one peer, so each rank's send
   waits for a receive the other posts one compute later), the receive a
   stuck send waits for is posted earlier, in its receiver's current group,
@@ -59,8 +59,8 @@ from ..plan import Plan
 from .comm import routes
 from .schedule import Action, make_schedule
 
-__all__ = ["TAG", "Message", "RankProgram", "build_programs", "build_program", "simulate", "P2PExecutor",
-           "Mailbox", "action_messages", "ProgramError"]
+__all__ = ["TAG", "Message", "RankProgram", "build_programs", "build_program", "simulate_nccl",
+           "P2PExecutor", "Mailbox", "action_messages", "ProgramError"]
 
 #: Every point-to-point message is tag 0: NCCL ignores tags, so the runtime
 #: must be correct without them, and Gloo then matches in posting order as
@@ -92,10 +92,6 @@ class Message:
 class _Op:
     send: bool
     message: Message
-
-    @property
-    def peer(self) -> int:
-        return self.message.dst if self.send else self.message.src
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -206,7 +202,7 @@ def _waits(rank: int, msgs, groups: list[list[_Op]]) -> list[tuple[int, ...]]:
     return [tuple(sorted({at[m] for m in recvs if m.src != rank})) for _, recvs in msgs]
 
 
-def simulate(groups: dict[int, list[list[_Op]]], waits: dict[int, list[tuple[int, ...]]]) -> list[_Stuck]:
+def simulate_nccl(groups: dict[int, list[list[_Op]]], waits: dict[int, list[tuple[int, ...]]]) -> list[_Stuck]:
     """Run every rank's groups under NCCL's rules (see the note); returns the
     ranks that cannot finish (empty: no deadlock).
 
@@ -310,7 +306,7 @@ def build_programs(plan: Plan) -> dict[int, RankProgram]:
     """Every rank's point-to-point program (see [Note: point-to-point program]).
 
     Starts from the fused program (each compute's sends and the next
-    compute's receives in one group) and, while ``simulate`` finds a
+    compute's receives in one group) and, while ``simulate_nccl`` finds a
     deadlock, posts the receive a stuck send waits for in its receiver's
     current group (``_pull_forward``): the receives are prefetched exactly
     where the schedule needs it. Deterministic in the plan, so every rank
@@ -327,7 +323,7 @@ def build_programs(plan: Plan) -> dict[int, RankProgram]:
     repairs = 0
     while True:
         waits = {r: _waits(r, built[r][1], groups[r]) for r in ranks}
-        stuck = simulate(groups, waits)
+        stuck = simulate_nccl(groups, waits)
         if not stuck:
             break
         if repairs > 4 * sum(len(built[r][0]) for r in ranks) or not _pull_forward(groups, _heads(stuck, ranks), stuck):
