@@ -303,8 +303,44 @@ class _PipeliningSide:
         return dict(self._breakdown)
 
 
-class _DDPSide:
-    """``DistributedDataParallel`` on the generated module of the 1-stage plan, this rank's rows."""
+class _EagerSide:
+    """A plain loop over the micro-batches on one process: forward, ``(loss / M).backward()``, AdamW."""
+
+    def __init__(self, module: torch.nn.Module, input_names, plan, cfg: BenchConfig):
+        self.module = module
+        self.input_names = tuple(input_names)
+        self.rows = _microbatch_rows(plan.stages[0], 0, plan.num_microbatches, plan.microbatch_size)
+        self.M = plan.num_microbatches
+        self.optimizer = _adamw(list(module.parameters()), cfg)
+        #: The reported loss: the mean over the micro-batches.
+        self.loss_weight = 1.0 / self.M
+
+    def _forward_backward(self, m: int, inputs) -> torch.Tensor:
+        """Micro-batch ``m``'s forward and ``(loss / M).backward()``; returns its loss."""
+        loss = self.module(*inputs)
+        (loss / self.M).backward()
+        return loss
+
+    def step(self, batch: dict[str, torch.Tensor]) -> float:
+        t0 = time.perf_counter()
+        self.optimizer.zero_grad(set_to_none=True)
+        total = torch.zeros(())
+        for m, rows in enumerate(self.rows):
+            loss = self._forward_backward(m, [batch[n][rows] for n in self.input_names])
+            total = total + loss.detach()
+        t1 = time.perf_counter()
+        self.optimizer.step()
+        t2 = time.perf_counter()
+        self._breakdown = {"pipeline_s": t1 - t0, "allreduce_s": 0.0, "optimizer_s": t2 - t1}
+        return float(total) * self.loss_weight
+
+    def breakdown(self) -> dict[str, float]:
+        return dict(self._breakdown)
+
+
+class _DDPSide(_EagerSide):
+    """``DistributedDataParallel`` on the generated module of the 1-stage plan, this rank's rows:
+    the eager loop, gradients all-reduced by DDP during the last micro-batch's backward."""
 
     def __init__(self, plan, plan_dir: Path, weights, rank: int, cfg: BenchConfig):
         from torch.nn.parallel import DistributedDataParallel
@@ -316,7 +352,7 @@ class _DDPSide:
         self.rows = _microbatch_rows(stage, position, plan.num_microbatches, plan.microbatch_size)
         n, total = self.rows[0].stop - self.rows[0].start, plan.global_batch_size
         #: This rank's share of the global batch, per micro-batch (the runtime's loss weight n_g / N).
-        self.weight = n / total
+        self.loss_weight = n / total
         self.input_names = tuple(stage.input_names)
         self.module = _load_stage_module(plan, plan_dir, 0, weights)
         # DDP as users run it: default buckets (25 MiB, the runtime's BUCKET_BYTES too, and a
@@ -325,53 +361,13 @@ class _DDPSide:
         self.optimizer = _adamw(list(self.ddp.parameters()), cfg)
         self.M = plan.num_microbatches
 
-    def step(self, batch: dict[str, torch.Tensor]) -> float:
-        t0 = time.perf_counter()
-        self.optimizer.zero_grad(set_to_none=True)
-        total = torch.zeros(())
-        for m, rows in enumerate(self.rows):
-            sync = m == self.M - 1
-            with contextlib.nullcontext() if sync else self.ddp.no_sync():
-                loss = self.ddp(*(batch[n][rows] for n in self.input_names))
-                # DDP averages over the 2 ranks; / M averages over the micro-batches.
-                (loss / self.M).backward()
-            total = total + loss.detach()
-        t1 = time.perf_counter()
-        self.optimizer.step()
-        t2 = time.perf_counter()
-        self._breakdown = {"pipeline_s": t1 - t0, "allreduce_s": 0.0, "optimizer_s": t2 - t1}
-        return float(total) * self.weight
-
-    def breakdown(self) -> dict[str, float]:
-        return dict(self._breakdown)
-
-
-class _EagerSide:
-    """A plain loop over the micro-batches on one process: forward, ``(loss / M).backward()``, AdamW."""
-
-    def __init__(self, module: torch.nn.Module, input_names, plan, cfg: BenchConfig):
-        self.module = module
-        self.input_names = tuple(input_names)
-        self.rows = _microbatch_rows(plan.stages[0], 0, plan.num_microbatches, plan.microbatch_size)
-        self.M = plan.num_microbatches
-        self.optimizer = _adamw(list(module.parameters()), cfg)
-
-    def step(self, batch: dict[str, torch.Tensor]) -> float:
-        t0 = time.perf_counter()
-        self.optimizer.zero_grad(set_to_none=True)
-        total = torch.zeros(())
-        for rows in self.rows:
-            loss = self.module(*(batch[n][rows] for n in self.input_names))
+    def _forward_backward(self, m: int, inputs) -> torch.Tensor:
+        sync = m == self.M - 1
+        with contextlib.nullcontext() if sync else self.ddp.no_sync():
+            loss = self.ddp(*inputs)
+            # DDP averages over the 2 ranks; / M averages over the micro-batches.
             (loss / self.M).backward()
-            total = total + loss.detach()
-        t1 = time.perf_counter()
-        self.optimizer.step()
-        t2 = time.perf_counter()
-        self._breakdown = {"pipeline_s": t1 - t0, "allreduce_s": 0.0, "optimizer_s": t2 - t1}
-        return float(total) / self.M
-
-    def breakdown(self) -> dict[str, float]:
-        return dict(self._breakdown)
+        return loss
 
 
 def _original_model(cfg: BenchConfig, weights) -> torch.nn.Module:

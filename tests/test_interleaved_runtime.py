@@ -113,29 +113,46 @@ def test_interleaved_unequal_dp_zero1_recompute(lee_bytes, tmp_path):
         assert sum(owned) == n and owned[0] == pytest.approx(share * n, abs=1)
 
 
+def one_group_two_stages(captured, tmp_path, precision=None):
+    """A plan with both stages on ONE GPU (P = 1, interleave 2; the planner
+    wants >= 2 GPU groups, the plan format and the runtime take one), exported
+    to ``tmp_path / "plan"``, and rank 0's StageWorker for it (AdamW with
+    ``LR``, ``WEIGHT_DECAY``; ``precision`` a PrecisionPolicy or None = fp32)."""
+    plan = _plan(captured, ((0,), (1,)), ((2,), (2,)), num_microbatches=2, global_batch_size=4, interleave=1)
+    plan = dataclasses.replace(plan, interleave=2,
+                               stages=(plan.stages[0], dataclasses.replace(plan.stages[1], gpus=plan.stages[0].gpus)))
+    plan.export(tmp_path / "plan")
+    kw = {"precision": precision} if precision is not None else {}
+    worker = StageWorker(plan, tmp_path / "plan", captured.state(), rank=0, device=torch.device("cpu"),
+                         optimizer=OptimizerConfig(lr=LR, weight_decay=WEIGHT_DECAY), **kw)
+    return plan, worker
+
+
+def train_in_process(worker, plan, tokens, steps):
+    """``steps`` training steps of ``worker`` on the global batches of
+    ``tokens``; returns (the losses, the step-1 gradients by canonical name)."""
+    losses, grads1 = [], None
+    for step in range(steps):
+        batch = global_batch(tokens, step, global_batch_size=plan.global_batch_size, seq_len=plan.seq_len,
+                             input_names=plan.input_names, label_mode=plan.label_mode)
+        losses.append(float(worker.train_step(batch)))
+        if step == 0:
+            grads1 = worker.gradients()
+    return losses, grads1
+
+
 def test_one_group_two_stages_in_process(lee_bytes, tmp_path):
     """P = 1: one rank hosts both stages, so every message goes to itself and
     the tied embedding (stage 0 and stage 1) has two copies on the rank, whose
     gradients must be summed locally. No torch.distributed at all. 2 AdamW
     steps against single-process training."""
     captured = _gpt_captured()
-    plan = _plan(captured, ((0,), (1,)), ((2,), (2,)), num_microbatches=2, global_batch_size=4, interleave=1)
-    # The planner wants >= 2 GPU groups; the plan format and the runtime take one.
-    plan = dataclasses.replace(plan, interleave=2,
-                               stages=(plan.stages[0], dataclasses.replace(plan.stages[1], gpus=plan.stages[0].gpus)))
-    assert plan.num_groups == 1 and plan.stages_of(0) == (0, 1) and plan.shared_params() == {"wte.weight": (0, 1)}
-    plan.export(tmp_path / "plan")
     initial = {k: v.clone() for k, v in captured.state().items()}
-    worker = StageWorker(plan, tmp_path / "plan", captured.state(), rank=0, device=torch.device("cpu"),
-                         optimizer=OptimizerConfig(lr=LR, weight_decay=WEIGHT_DECAY))
+    plan, worker = one_group_two_stages(captured, tmp_path)
+    assert plan.num_groups == 1 and plan.stages_of(0) == (0, 1) and plan.shared_params() == {"wte.weight": (0, 1)}
     assert [a.chunk for a in worker.schedule].count(1) == 4  # F and B of 2 micro-batches through chunk 1
-    steps, losses, grads1 = 2, [], None
-    for step in range(steps):
-        batch = global_batch(lee_bytes, step, global_batch_size=plan.global_batch_size, seq_len=plan.seq_len,
-                             input_names=plan.input_names, label_mode=plan.label_mode)
-        losses.append(float(worker.train_step(batch)))
-        if step == 0:
-            grads1 = worker.gradients()
+    steps = 2
+    losses, grads1 = train_in_process(worker, plan, lee_bytes, steps)
     ref_loss, _ = reference_step(captured, first_batch(lee_bytes, plan))
     assert losses[0] == pytest.approx(ref_loss, rel=1e-5)
     ref_losses, ref_grads, ref_params = reference_adamw(captured, lee_bytes, plan, steps, lr=LR,

@@ -209,30 +209,15 @@ def test_bf16_one_group_two_stages_in_process(lee_bytes, tmp_path):
     """P = 1: one rank hosts both stages (messages to itself, the tied
     embedding's two copies summed on the rank), no torch.distributed; bf16-mixed
     against single-process autocast training, 2 steps."""
-    import dataclasses
-
     from conftest import TOLERANCES, assert_grads_match, assert_params_match, reference_adamw
-    from zorse_fx.data import global_batch
+    from test_interleaved_runtime import one_group_two_stages, train_in_process
     from zorse_fx.precision import precision_policy
-    from zorse_fx.runtime.worker import OptimizerConfig, StageWorker
 
     captured = _gpt4_captured()
-    plan = _interleaved_plan(captured, ((0,), (1,)), ((2,), (2,)), num_microbatches=2, global_batch_size=4,
-                             interleave=1)
-    plan = dataclasses.replace(plan, interleave=2,
-                               stages=(plan.stages[0], dataclasses.replace(plan.stages[1], gpus=plan.stages[0].gpus)))
-    plan.export(tmp_path / "plan")
     initial = {k: v.clone() for k, v in captured.state().items()}
-    worker = StageWorker(plan, tmp_path / "plan", captured.state(), rank=0, device=torch.device("cpu"),
-                         optimizer=OptimizerConfig(lr=LR, weight_decay=WEIGHT_DECAY),
-                         precision=precision_policy("bf16-mixed"))
-    steps, losses, grads1 = 2, [], None
-    for step in range(steps):
-        batch = global_batch(lee_bytes, step, global_batch_size=plan.global_batch_size, seq_len=plan.seq_len,
-                             input_names=plan.input_names, label_mode=plan.label_mode)
-        losses.append(float(worker.train_step(batch)))
-        if step == 0:
-            grads1 = worker.gradients()
+    plan, worker = one_group_two_stages(captured, tmp_path, precision_policy("bf16-mixed"))
+    steps = 2
+    losses, grads1 = train_in_process(worker, plan, lee_bytes, steps)
     tol = TOLERANCES["bf16-mixed"]
     ref_losses, ref_grads, ref_params = reference_adamw(captured, lee_bytes, plan, steps, lr=LR,
                                                           weight_decay=WEIGHT_DECAY, precision="bf16-mixed")
