@@ -143,3 +143,28 @@ def test_cli_simulate_writes_trace_and_gantt(tmp_path, capsys):
     assert any(e.get("ph") == "X" and e.get("name", "").startswith("F") for e in trace["traceEvents"])
     assert (tmp_path / "sim" / "gantt.png").stat().st_size > 1000
     assert "simulated step" in capsys.readouterr().out
+
+
+def test_cli_version_and_one_line_errors(tmp_path, capsys):
+    """`zorse --version`; a bad input is one line `zorse: <message>` on stderr
+    and exit status 1; `zorse --debug` raises it with its traceback."""
+    with pytest.raises(SystemExit) as e:
+        zorse_main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.strip() == f"zorse_fx {zorse.__version__} (torch {torch.__version__})"
+    argv = ["plan", "--model", "gpt", "--cluster", str(tmp_path / "nope.yaml"), "--global-batch-size", "8",
+            "-o", str(tmp_path / "plan")]
+    assert zorse_main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("zorse: ") and "nope.yaml" in err and "Traceback" not in err
+    with pytest.raises(zorse.ClusterConfigError, match="nope.yaml"):
+        zorse_main(["--debug", *argv])
+    assert not (tmp_path / "plan").exists()
+
+
+def test_cli_cuts_long_messages():
+    from zorse_fx.cli import MAX_ERROR_CHARS, _one_line
+
+    msg = _one_line(ValueError("x" * (MAX_ERROR_CHARS + 123)))
+    assert msg.startswith("x" * MAX_ERROR_CHARS + "... (123 characters more; --debug shows all)")
+    assert _one_line(ValueError("short")) == "short"

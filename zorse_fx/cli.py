@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import PlanOptionsError
+from .errors import ZorseError
 from .precision import GRAD_REDUCE_DTYPES, PRECISIONS
 
 __all__ = ["main"]
@@ -54,15 +54,12 @@ def cmd_plan(args) -> int:
 
     model, _ = _load_model(args.model)
     ids = torch.randint(0, 200, (2, args.seq_len))
-    try:
-        compiled = zorse.compile(
-            model, cluster=args.cluster, example_inputs=(ids, ids), global_batch_size=args.global_batch_size,
-            max_stages=args.max_stages, schedule=args.schedule, time_limit_s=args.time_limit, planner=args.planner,
-            max_interleave=args.max_interleave, precision=args.precision, grad_reduce_dtype=args.grad_reduce_dtype,
-            verbose=True, model_name=args.model,
-        )
-    except PlanOptionsError as exc:
-        raise SystemExit(f"zorse: {exc}") from exc
+    compiled = zorse.compile(
+        model, cluster=args.cluster, example_inputs=(ids, ids), global_batch_size=args.global_batch_size,
+        max_stages=args.max_stages, schedule=args.schedule, time_limit_s=args.time_limit, planner=args.planner,
+        max_interleave=args.max_interleave, precision=args.precision, grad_reduce_dtype=args.grad_reduce_dtype,
+        verbose=True, model_name=args.model,
+    )
     print(compiled.plan.table())
     path = compiled.plan.export(args.output)
     weights = compiled.save_weights(args.output)
@@ -158,8 +155,28 @@ def cmd_bench(args) -> int:
     return 0
 
 
+#: Longest error message printed (characters); the rest is counted, not shown.
+MAX_ERROR_CHARS = 2000
+
+
+def _one_line(exc: BaseException) -> str:
+    """``exc``'s message for the terminal, cut to ``MAX_ERROR_CHARS``."""
+    msg = str(exc) or type(exc).__name__
+    if len(msg) > MAX_ERROR_CHARS:
+        msg = f"{msg[:MAX_ERROR_CHARS]}... ({len(msg) - MAX_ERROR_CHARS} characters more; --debug shows all)"
+    return msg
+
+
 def main(argv=None) -> int:
+    """The ``zorse`` command. Returns the exit status: 0; 1 after an error,
+    printed on stderr as ``zorse: <message>`` (``zorse --debug ...``: the
+    exception propagates with its traceback instead); 130 on Ctrl-C.
+    Usage mistakes exit 2 through argparse."""
+    from . import __version__
+
     p = argparse.ArgumentParser(prog="zorse", description="Heterogeneous-cluster training planner and runtime.")
+    p.add_argument("--version", action="version", version=f"zorse_fx {__version__} (torch {torch.__version__})")
+    p.add_argument("--debug", action="store_true", help="on an error, show the Python traceback")
     sub = p.add_subparsers(dest="cmd", required=True)
     pp = sub.add_parser("plan", help="model + cluster -> exported plan (plan.json, stage_<i>.py, weights.pt)")
     pp.add_argument("--model", required=True, help="smollm2-135m | gpt | module:factory")
@@ -206,7 +223,24 @@ def main(argv=None) -> int:
     pb.add_argument("rest", nargs=argparse.REMAINDER, help="options of the sweep")
     pb.set_defaults(fn=cmd_bench)
     args = p.parse_args(argv)
-    return args.fn(args)
+    try:
+        return args.fn(args)
+    except KeyboardInterrupt:
+        if args.debug:
+            raise
+        print("zorse: interrupted", file=sys.stderr)
+        return 130
+    except ZorseError as exc:  # a bad input: the message says what to change
+        if args.debug:
+            raise
+        print(f"zorse: {_one_line(exc)}", file=sys.stderr)
+        return 1
+    except Exception as exc:  # anything else may be a bug in zorse_fx: say how to see where
+        if args.debug:
+            raise
+        print(f"zorse: {type(exc).__name__}: {_one_line(exc)} (rerun as `zorse --debug ...` for the traceback)",
+              file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":
