@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 from fractions import Fraction
 
@@ -43,7 +44,10 @@ def test_json_round_trip(plan, tmp_path):
     assert loaded == plan
     assert loaded.sources == plan.sources
     d = json.loads(path.read_text())
-    assert d["version"] == PLAN_FORMAT_VERSION == 4
+    assert d["version"] == PLAN_FORMAT_VERSION == 5
+    assert loaded.sources_verified
+    assert [s["source_sha256"] for s in d["stages"]] == [hashlib.sha256(src.encode()).hexdigest()
+                                                         for src in plan.sources]
     # small_hetero.yaml has T4s (no bfloat16): precision "auto" is fp16-mixed.
     assert (d["precision"], d["grad_reduce_dtype"], d["compute_dtype"]) == ("fp16-mixed", "float32", "float16")
     assert [[g["samples_per_microbatch"] for g in s["gpus"]] for s in d["stages"]] == [[3, 1], [4]]
@@ -312,3 +316,77 @@ def test_interleaved_plan_file_errors_are_named(interleaved_plan, tmp_path):
     path.write_text(json.dumps(d))
     with pytest.raises(PlanFileError, match="needs num_microbatches to be a multiple of 2, got 1"):
         Plan.load(path)
+
+
+# -- a plan directory runs no code its author did not export -------------------
+
+def _stage_runtime(loaded, plan_dir):
+    from zorse_fx.precision import precision_policy
+    from zorse_fx.runtime.stage import StageRuntime
+
+    weights = torch.load(plan_dir / "weights.pt", weights_only=True)
+    return StageRuntime(loaded, 0, plan_dir, weights, rank=0, device=torch.device("cpu"),
+                        precision=precision_policy("fp32"))
+
+
+@pytest.fixture()
+def exported(plan, tmp_path):
+    """``plan`` exported with the weights of its model (seed 0, as ``_gpt_plan`` builds it)."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_embd=32, block_size=16))
+    plan.export(tmp_path / "p")
+    torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, tmp_path / "p" / "weights.pt")
+    return tmp_path / "p"
+
+
+def test_an_edited_stage_file_is_refused(exported):
+    assert _stage_runtime(Plan.load(exported), exported).module is not None  # the exported files run
+    stage = exported / "stage_0.py"
+    stage.write_text(stage.read_text() + "\nimport os  # an edit after export\n")
+    with pytest.raises(PlanFileError, match=r"plan.json: stage 0 source 'stage_0.py' has sha256 [0-9a-f]{16}\.\.\. "
+                                            r"but plan.json records [0-9a-f]{16}\.\.\.: the file was changed after "
+                                            r"export.*Re-export the plan"):
+        Plan.load(exported)
+
+
+@pytest.mark.parametrize("name", ["/tmp/evil.py", "../stage_0.py", "sub/stage_0.py", ".hidden.py", "stage_0.txt", 7])
+def test_a_source_file_outside_the_plan_directory_is_refused(exported, name):
+    d = json.loads((exported / "plan.json").read_text())
+    d["stages"][0]["source_file"] = name
+    (exported / "plan.json").write_text(json.dumps(d))
+    with pytest.raises(PlanFileError, match=r"field stages\[0\]\.source_file is .*it must be the plain name of a "
+                                            r"Python file beside plan.json"):
+        Plan.load(exported)
+
+
+@pytest.mark.parametrize("value", [None, "abc", "A" * 64])
+def test_a_missing_or_malformed_hash_is_refused(exported, value):
+    d = json.loads((exported / "plan.json").read_text())
+    d["stages"][1]["source_sha256"] = value
+    (exported / "plan.json").write_text(json.dumps(d))
+    with pytest.raises(PlanFileError, match=r"field stages\[1\]\.source_sha256 is .*not a sha256"):
+        Plan.load(exported)
+
+
+def test_a_plan_file_that_is_not_an_object_is_refused(tmp_path):
+    (tmp_path / "plan.json").write_text("[1, 2]")
+    with pytest.raises(PlanFileError, match=r"plan.json: a plan file holds a JSON object, not a list"):
+        Plan.load(tmp_path)
+
+
+def test_an_old_plan_without_hashes_loads_but_does_not_run(exported):
+    """A version-4 file records no hashes: ``zorse show`` reads it, the
+    runtime refuses its stage files until the plan is re-exported."""
+    from zorse_fx.errors import RuntimeExecutionError
+
+    d = json.loads((exported / "plan.json").read_text())
+    d["version"] = 4
+    for s in d["stages"]:
+        del s["source_sha256"]
+    (exported / "plan.json").write_text(json.dumps(d))
+    old = Plan.load(exported)
+    assert not old.sources_verified and "zorse_fx plan: model on small_hetero" in old.table()
+    with pytest.raises(RuntimeExecutionError, match=r"records no sha256 of its stage sources.*re-export the plan"):
+        _stage_runtime(old, exported)
+    old.export(exported)  # re-exported after checking: now it runs
+    assert _stage_runtime(Plan.load(exported), exported).module is not None

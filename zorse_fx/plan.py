@@ -9,7 +9,18 @@ On disk (``Plan.export(dir)``)::
 
     dir/plan.json        this record (format version PLAN_FORMAT_VERSION)
     dir/stage_<i>.py     readable source of stage i (from codegen), executed
-                         as-is by the runtime
+                         by the runtime only if its sha256 is the one
+                         plan.json records
+
+Stage sources (format version 5): a plan file is data, but a stage file is
+Python that every rank executes. So ``plan.json`` records each stage file's
+sha256 (``source_sha256``), a stage's ``source_file`` must be a plain file
+name inside the plan directory, and ``Plan.load`` refuses a file whose hash
+differs (an edited or swapped stage file) with the stage, the file and both
+hashes named. The runtime executes the text that was hashed
+(``Plan.sources``), never the file again. A file of version 1-4 records no
+hashes: it loads (``zorse show`` works) with ``Plan.sources_verified``
+False, and the runtime refuses to run it until it is re-exported.
 
 Ranks are numbered stage by stage: stage 0's GPUs get ranks 0..k0-1, and so
 on, so ``world_size`` = number of GPUs the plan uses.
@@ -46,8 +57,10 @@ with both off):
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
+import re
 import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,9 +72,9 @@ from .precision import PRECISIONS, REDUCE_DTYPES, PrecisionPolicy, precision_pol
 __all__ = ["PLAN_FORMAT_VERSION", "GPUShare", "StagePlan", "SolverReport", "Plan", "RankRole"]
 
 #: Bumped on any incompatible change of plan.json.
-PLAN_FORMAT_VERSION = 4
+PLAN_FORMAT_VERSION = 5
 #: Older versions ``from_dict`` still reads (fields added since take their defaults).
-_READABLE_VERSIONS = (1, 2, 3, 4)
+_READABLE_VERSIONS = (1, 2, 3, 4, 5)
 GIB = 1024**3
 
 
@@ -100,7 +113,7 @@ class StagePlan:
     #: flat attribute name -> canonical buffer/constant name.
     consts: dict[str, str]
     num_parameters: int
-    #: File name of the stage source, beside plan.json.
+    #: File name of the stage source, beside plan.json (a plain name: no directory part).
     source_file: str
     #: Predicted compute time of one micro-batch (slowest GPU), seconds.
     predicted_time_s: float = 0.0
@@ -215,6 +228,12 @@ class Plan:
     version: int = PLAN_FORMAT_VERSION
     #: Stage sources (not in plan.json; written as stage_<i>.py beside it).
     sources: tuple[str, ...] = field(default=(), compare=False, repr=False)
+    #: Whether ``sources`` may be executed: True for a plan made in this
+    #: process or loaded with every stage file's sha256 matching plan.json;
+    #: False for a version 1-4 file (no hashes recorded).
+    sources_verified: bool = field(default=True, compare=False, repr=False)
+    #: The stage sources' sha256 as the loaded plan.json recorded them (version >= 5).
+    recorded_sha256: tuple[str, ...] = field(default=(), compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.precision, str) or self.precision not in PRECISIONS:
@@ -321,7 +340,18 @@ class Plan:
         return {k: tuple(v) for k, v in holders.items() if len(v) > 1}
 
     # -- serialisation -------------------------------------------------------
+    def source_hashes(self) -> tuple[str | None, ...]:
+        """sha256 (hex) of each stage's source as plan.json records it: of
+        ``sources`` where the plan holds them, else the hashes it was loaded
+        with, else None."""
+        if len(self.sources) == self.num_stages:
+            return tuple(_sha256(src) for src in self.sources)
+        if len(self.recorded_sha256) == self.num_stages:
+            return self.recorded_sha256
+        return (None,) * self.num_stages
+
     def to_dict(self) -> dict:
+        hashes = self.source_hashes()
         return {
             "format": "zorse_fx.plan",
             "version": self.version,
@@ -377,6 +407,7 @@ class Plan:
                     "consts": dict(s.consts),
                     "num_parameters": s.num_parameters,
                     "source_file": s.source_file,
+                    "source_sha256": hashes[s.index],
                     "predicted_time_s": s.predicted_time_s,
                     "predicted_allreduce_s": s.predicted_allreduce_s,
                     "sharded": s.sharded,
@@ -397,6 +428,9 @@ class Plan:
             )
         if d["version"] >= 4:
             _check_compute_dtype(d, source)
+        recorded = _recorded_hashes(d, source) if d["version"] >= 5 else ()
+        if sources and recorded:
+            _verify_sources(d, sources, recorded, source)
         try:
             stages = tuple(
                 StagePlan(
@@ -440,6 +474,8 @@ class Plan:
                 solver=SolverReport(**{**sv, "candidates": tuple(sv.get("candidates", ()))}),
                 stages=stages,
                 sources=sources,
+                sources_verified=bool(recorded) or not sources,
+                recorded_sha256=recorded,
             )
         except KeyError as exc:
             raise PlanFileError(f"{source}: missing field {exc.args[0]!r}; re-export the plan with `zorse plan`") from exc
@@ -475,9 +511,20 @@ class Plan:
             d = json.loads(path.read_text())
         except json.JSONDecodeError as exc:
             raise PlanFileError(f"{path}: invalid JSON at line {exc.lineno}: {exc.msg}") from exc
+        if not isinstance(d, dict):
+            raise PlanFileError(f"{path}: a plan file holds a JSON object, not a {type(d).__name__}; "
+                                f"re-export the plan with `zorse plan`")
+        stages = d.get("stages", [])
+        if not isinstance(stages, list) or not all(isinstance(s, dict) for s in stages):
+            raise PlanFileError(f"{path}: field 'stages' must be a list of objects; re-export the plan with `zorse plan`")
         sources = []
-        for s in d.get("stages", []):
-            src = path.parent / s.get("source_file", "")
+        for i, s in enumerate(stages):
+            name = s.get("source_file")
+            if not isinstance(name, str) or not _SOURCE_NAME.fullmatch(name):
+                raise PlanFileError(
+                    f"{path}: field stages[{i}].source_file is {_short(name)}; it must be the plain name of a "
+                    f"Python file beside plan.json (like 'stage_{i}.py': no directory, no '..'); re-export the plan")
+            src = path.parent / name
             if not src.is_file():
                 raise PlanFileError(f"{path}: stage {s.get('index')} source {src} is missing; re-export the plan")
             sources.append(src.read_text())
@@ -550,6 +597,48 @@ class Plan:
 
     def __str__(self) -> str:
         return self.table()
+
+
+#: A stage's ``source_file``: a plain file name (no directory part, no leading dot).
+_SOURCE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,99}\.py")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def _sha256(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def _short(value, limit: int = 80) -> str:
+    """``repr(value)`` cut to ``limit`` characters, for error messages."""
+    r = repr(value)
+    return r if len(r) <= limit else r[: limit - 3] + "..."
+
+
+def _recorded_hashes(d: dict, source: str) -> tuple[str, ...]:
+    """The ``source_sha256`` of every stage of a version >= 5 file (64 lowercase hex digits each)."""
+    stages = d.get("stages")
+    if not isinstance(stages, list):
+        raise PlanFileError(f"{source}: field 'stages' must be a list; re-export the plan with `zorse plan`")
+    out = []
+    for i, st in enumerate(stages):
+        h = st.get("source_sha256") if isinstance(st, dict) else None
+        if not isinstance(h, str) or not _SHA256.fullmatch(h):
+            raise PlanFileError(f"{source}: field stages[{i}].source_sha256 is {_short(h)}, not a sha256 (64 hex "
+                                f"digits); re-export the plan with `zorse plan`")
+        out.append(h)
+    return tuple(out)
+
+
+def _verify_sources(d: dict, sources: tuple[str, ...], recorded: tuple[str, ...], source: str) -> None:
+    """Refuse stage sources whose sha256 is not the one plan.json records."""
+    for i, (text, want) in enumerate(zip(sources, recorded)):
+        got = _sha256(text)
+        if got != want:
+            name = d["stages"][i].get("source_file")
+            raise PlanFileError(
+                f"{source}: stage {i} source {name!r} has sha256 {got[:16]}... but plan.json records "
+                f"{want[:16]}...: the file was changed after export, and zorse_fx will not run code the plan's "
+                f"author did not export. Re-export the plan with `zorse plan` (or restore the file)")
 
 
 def _check_compute_dtype(d: dict, source: str) -> None:

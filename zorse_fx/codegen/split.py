@@ -18,11 +18,12 @@ weights.
 from __future__ import annotations
 
 import builtins
+import hashlib
 import importlib
-import importlib.util
 import inspect
 import re
 import sys
+import types
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,7 +33,7 @@ import torch.fx as fx
 from ..capture.analysis import BlockGraph, TensorSpec
 from ..capture.trace import META_KEY, _fetch_attr
 
-__all__ = ["StageProgram", "split_stages", "emit_source", "load_stage_class", "flat_name"]
+__all__ = ["StageProgram", "split_stages", "emit_source", "load_stage_class", "load_stage_source", "flat_name"]
 
 
 def flat_name(target: str) -> str:
@@ -232,13 +233,26 @@ def emit_source(program: StageProgram, *, header: str = "") -> str:
 
 
 def load_stage_class(path: str | Path, index: int) -> type[torch.nn.Module]:
-    """Import ``Stage{index}`` from a generated file (no package needed)."""
+    """Import ``Stage{index}`` from a generated file (no package needed).
+    For a stage of a loaded plan use ``load_stage_source(plan.sources[i], ...)``:
+    it runs the text whose sha256 the plan checked, not the file as it is now."""
     path = Path(path)
-    mod_name = f"zorse_stage_{abs(hash(str(path.resolve())))}_{index}"
-    spec = importlib.util.spec_from_file_location(mod_name, path)
-    if spec is None or spec.loader is None:
-        raise FileNotFoundError(f"cannot import stage source {path}")
-    module = importlib.util.module_from_spec(spec)
+    return load_stage_source(path.read_text(), path, index)
+
+
+def load_stage_source(source: str, filename: str | Path, index: int) -> type[torch.nn.Module]:
+    """Execute a generated stage source (``source``, the text itself; ``filename``
+    names it in tracebacks) as a fresh module and return its ``Stage{index}``.
+
+    Raises:
+        RuntimeError: the source defines no class ``Stage{index}``.
+    """
+    mod_name = f"zorse_stage_{hashlib.sha256(source.encode()).hexdigest()[:16]}_{index}"
+    module = types.ModuleType(mod_name)
+    module.__file__ = str(filename)
     sys.modules[mod_name] = module
-    spec.loader.exec_module(module)
-    return getattr(module, f"Stage{index}")
+    exec(compile(source, str(filename), "exec"), module.__dict__)  # noqa: S102 - the plan checked its sha256
+    cls = getattr(module, f"Stage{index}", None)
+    if cls is None:
+        raise RuntimeError(f"{filename}: defines no class Stage{index}; re-export the plan with `zorse plan`")
+    return cls

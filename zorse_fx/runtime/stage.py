@@ -46,13 +46,14 @@ turns it back on.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import warnings
 from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 
-from ..codegen.split import load_stage_class
+from ..codegen.split import load_stage_source
 from ..errors import RuntimeExecutionError
 from ..plan import Plan, StagePlan
 from ..precision import PrecisionPolicy
@@ -112,8 +113,29 @@ class StageRuntime:
         # call, ~2 us each); the CPU is the default already.
         self._on_device = (lambda: nullcontext()) if device.type == "cpu" else (lambda: torch.device(device))
 
+    def _source(self, plan_dir: Path) -> str:
+        """The stage's source text: the one the plan holds (checked against
+        plan.json's sha256 when it was loaded; see ``plan.py``), else the file,
+        checked against the sha256 the plan recorded."""
+        plan = self.plan
+        if not plan.sources_verified:
+            raise RuntimeExecutionError(
+                f"plan.json in {plan_dir} records no sha256 of its stage sources (a file of format version < 5), "
+                f"so zorse_fx will not run them: check the stage_<i>.py files, then re-export the plan "
+                f"(`zorse plan`, or Plan.load(...).export(...)) to record their hashes")
+        if len(plan.sources) == plan.num_stages:
+            return plan.sources[self.stage.index]
+        path = plan_dir / self.stage.source_file
+        text = path.read_text()
+        want = plan.source_hashes()[self.stage.index]
+        if want is None or hashlib.sha256(text.encode("utf-8")).hexdigest() != want:
+            raise RuntimeExecutionError(f"{path}: not the stage source the plan recorded (sha256 "
+                                        f"{'none recorded' if want is None else want[:16] + '...'}); "
+                                        f"load the plan with Plan.load or re-export it")
+        return text
+
     def _load_module(self, plan_dir: Path, weights: dict[str, torch.Tensor]) -> torch.nn.Module:
-        cls = load_stage_class(plan_dir / self.stage.source_file, self.stage.index)
+        cls = load_stage_source(self._source(plan_dir), plan_dir / self.stage.source_file, self.stage.index)
         with torch.device("meta"):
             module = cls()
         module = module.to_empty(device=self.device)
