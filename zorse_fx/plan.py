@@ -15,8 +15,8 @@ On disk (``Plan.export(dir)``)::
 Stage sources (format version 5): a plan file is data, but a stage file is
 Python that every rank executes. So ``plan.json`` records each stage file's
 sha256 (``source_sha256``), a stage's ``source_file`` must be a plain file
-name inside the plan directory, and ``Plan.load`` refuses a file whose hash
-differs (an edited or swapped stage file) with the stage, the file and both
+name inside the plan directory, and ``Plan.load`` (checks: ``stage_sources.py``)
+refuses a file whose hash differs (an edited or swapped stage file) with the stage, the file and both
 hashes named. The runtime executes the text that was hashed
 (``Plan.sources``), never the file again. A file of version 1-4 records no
 hashes: it loads (``zorse show`` works) with ``Plan.sources_verified``
@@ -57,10 +57,8 @@ with both off):
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
-import re
 import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -68,6 +66,7 @@ from pathlib import Path
 from .capture.analysis import TensorSpec
 from .errors import PlanFileError
 from .precision import PRECISIONS, REDUCE_DTYPES, PrecisionPolicy, precision_policy
+from .stage_sources import check_source_name, recorded_hashes, source_sha256, verify_sources
 
 __all__ = ["PLAN_FORMAT_VERSION", "GPUShare", "StagePlan", "SolverReport", "Plan", "RankRole"]
 
@@ -345,7 +344,7 @@ class Plan:
         ``sources`` where the plan holds them, else the hashes it was loaded
         with, else None."""
         if len(self.sources) == self.num_stages:
-            return tuple(_sha256(src) for src in self.sources)
+            return tuple(source_sha256(src) for src in self.sources)
         if len(self.recorded_sha256) == self.num_stages:
             return self.recorded_sha256
         return (None,) * self.num_stages
@@ -428,9 +427,9 @@ class Plan:
             )
         if d["version"] >= 4:
             _check_compute_dtype(d, source)
-        recorded = _recorded_hashes(d, source) if d["version"] >= 5 else ()
+        recorded = recorded_hashes(d, source) if d["version"] >= 5 else ()
         if sources and recorded:
-            _verify_sources(d, sources, recorded, source)
+            verify_sources(d, sources, recorded, source)
         try:
             stages = tuple(
                 StagePlan(
@@ -519,11 +518,7 @@ class Plan:
             raise PlanFileError(f"{path}: field 'stages' must be a list of objects; re-export the plan with `zorse plan`")
         sources = []
         for i, s in enumerate(stages):
-            name = s.get("source_file")
-            if not isinstance(name, str) or not _SOURCE_NAME.fullmatch(name):
-                raise PlanFileError(
-                    f"{path}: field stages[{i}].source_file is {_short(name)}; it must be the plain name of a "
-                    f"Python file beside plan.json (like 'stage_{i}.py': no directory, no '..'); re-export the plan")
+            name = check_source_name(s.get("source_file"), i, str(path))
             src = path.parent / name
             if not src.is_file():
                 raise PlanFileError(f"{path}: stage {s.get('index')} source {src} is missing; re-export the plan")
@@ -597,48 +592,6 @@ class Plan:
 
     def __str__(self) -> str:
         return self.table()
-
-
-#: A stage's ``source_file``: a plain file name (no directory part, no leading dot).
-_SOURCE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,99}\.py")
-_SHA256 = re.compile(r"[0-9a-f]{64}")
-
-
-def _sha256(text: str) -> str:
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()
-
-
-def _short(value, limit: int = 80) -> str:
-    """``repr(value)`` cut to ``limit`` characters, for error messages."""
-    r = repr(value)
-    return r if len(r) <= limit else r[: limit - 3] + "..."
-
-
-def _recorded_hashes(d: dict, source: str) -> tuple[str, ...]:
-    """The ``source_sha256`` of every stage of a version >= 5 file (64 lowercase hex digits each)."""
-    stages = d.get("stages")
-    if not isinstance(stages, list):
-        raise PlanFileError(f"{source}: field 'stages' must be a list; re-export the plan with `zorse plan`")
-    out = []
-    for i, st in enumerate(stages):
-        h = st.get("source_sha256") if isinstance(st, dict) else None
-        if not isinstance(h, str) or not _SHA256.fullmatch(h):
-            raise PlanFileError(f"{source}: field stages[{i}].source_sha256 is {_short(h)}, not a sha256 (64 hex "
-                                f"digits); re-export the plan with `zorse plan`")
-        out.append(h)
-    return tuple(out)
-
-
-def _verify_sources(d: dict, sources: tuple[str, ...], recorded: tuple[str, ...], source: str) -> None:
-    """Refuse stage sources whose sha256 is not the one plan.json records."""
-    for i, (text, want) in enumerate(zip(sources, recorded)):
-        got = _sha256(text)
-        if got != want:
-            name = d["stages"][i].get("source_file")
-            raise PlanFileError(
-                f"{source}: stage {i} source {name!r} has sha256 {got[:16]}... but plan.json records "
-                f"{want[:16]}...: the file was changed after export, and zorse_fx will not run code the plan's "
-                f"author did not export. Re-export the plan with `zorse plan` (or restore the file)")
 
 
 def _check_compute_dtype(d: dict, source: str) -> None:

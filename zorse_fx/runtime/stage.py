@@ -46,7 +46,6 @@ turns it back on.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import warnings
 from contextlib import nullcontext
 from pathlib import Path
@@ -57,6 +56,7 @@ from ..codegen.split import load_stage_source
 from ..errors import RuntimeExecutionError
 from ..plan import Plan, StagePlan
 from ..precision import PrecisionPolicy
+from ..stage_sources import source_sha256
 from .comm import pack, routes, unpack
 
 __all__ = ["StageRuntime"]
@@ -128,7 +128,7 @@ class StageRuntime:
         path = plan_dir / self.stage.source_file
         text = path.read_text()
         want = plan.source_hashes()[self.stage.index]
-        if want is None or hashlib.sha256(text.encode("utf-8")).hexdigest() != want:
+        if want is None or source_sha256(text) != want:
             raise RuntimeExecutionError(f"{path}: not the stage source the plan recorded (sha256 "
                                         f"{'none recorded' if want is None else want[:16] + '...'}); "
                                         f"load the plan with Plan.load or re-export it")
