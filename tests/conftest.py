@@ -293,9 +293,14 @@ def reference_or_same_error(reference, solve, costs, devices, options):
         return None
 
 
-def reference_adamw(captured, tokens, plan, steps, *, lr, weight_decay, precision=None, inject_inf_step=None):
+def reference_adamw(captured, tokens, plan, steps, *, lr, weight_decay, precision=None, inject_inf_step=None,
+                    lr_at=None, clip=None, norms=None):
     """Single-process AdamW on the whole global batch, as train.py configures it
-    (betas, eps: OptimizerConfig defaults; ``lr``, ``weight_decay`` as given).
+    (betas, eps: OptimizerConfig defaults; ``lr``, ``weight_decay`` as given,
+    weight decay on matrices only, as nanoGPT's ``configure_optimizers``;
+    ``lr_at(step)``: the rate of step 1.., else ``lr``; ``clip``:
+    ``torch.nn.utils.clip_grad_norm_`` to it; ``norms``: a list that receives
+    each step's total gradient norm before clipping).
     ``precision``: forward under that policy's autocast; fp16-mixed through
     ``torch.amp.GradScaler`` (the semantics the runtime's scaler follows);
     ``inject_inf_step``: write an inf into a gradient before that step's
@@ -308,7 +313,10 @@ def reference_adamw(captured, tokens, plan, steps, *, lr, weight_decay, precisio
     gm = captured.graph_module
     params = {c: _fetch_attr(gm, c) for c in sorted(captured.trainable())}
     cfg = OptimizerConfig()
-    opt = torch.optim.AdamW(list(params.values()), lr=lr, betas=cfg.betas, eps=cfg.eps, weight_decay=weight_decay)
+    decay = [p for p in params.values() if p.dim() >= 2]
+    no_decay = [p for p in params.values() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=lr, betas=cfg.betas, eps=cfg.eps)
     scaler = torch.amp.GradScaler("cpu") if precision == "fp16-mixed" else None
     losses, grads1 = [], None
     for step in range(steps):
@@ -323,8 +331,15 @@ def reference_adamw(captured, tokens, plan, steps, *, lr, weight_decay, precisio
             next(iter(params.values())).grad.view(-1)[0] = float("inf")
         if scaler:
             scaler.unscale_(opt)
-        if step == 0:
+        if norms is not None or clip is not None:
+            norm = torch.nn.utils.clip_grad_norm_(list(params.values()), clip if clip is not None else float("inf"))
+            if norms is not None:
+                norms.append(float(norm))
+        if step == 0:  # the gradients the optimizer uses (clipped), as the ranks dump them
             grads1 = {c: p.grad.detach().clone() for c, p in params.items()}
+        if lr_at is not None:
+            for g in opt.param_groups:
+                g["lr"] = lr_at(step + 1)
         if scaler:
             scaler.step(opt)
             scaler.update()
@@ -384,7 +399,7 @@ def assert_grads_match(grads_by_rank, ref_grads, tol: Tolerances = FP32):
 
 
 def train_and_compare(plan, captured, tokens, tmp_path: Path, *, steps: int, lr: float, weight_decay: float,
-                      precision: str | None = None, extra=(), inject_inf=None):
+                      precision: str | None = None, extra=(), inject_inf=None, ref_kwargs=None):
     """Run ``plan`` with torchrun for ``steps`` AdamW steps and compare with
     single-process training under the same precision policy
     (``reference_adamw``): the step numbers and losses, each rank's logged
@@ -392,6 +407,7 @@ def train_and_compare(plan, captured, tokens, tmp_path: Path, *, steps: int, lr:
     and its final parameters (``assert_params_match``), with the policy's
     ``TOLERANCES``. ``inject_inf`` = (rank, step): that rank writes an inf
     into a gradient at that step; the reference does the same.
+    ``ref_kwargs``: more ``reference_adamw`` options (schedule, clipping).
     Returns ({rank: optimizer-state summary} (the ranks' ``--dump-params``
     JSON), the metrics rows)."""
     tol = TOLERANCES[precision]
@@ -404,7 +420,8 @@ def train_and_compare(plan, captured, tokens, tmp_path: Path, *, steps: int, lr:
     rows, grads = run_distributed(plan, captured.state(), tokens, tmp_path, steps=steps, extra=tuple(args))
     ref_losses, ref_grads, ref_params = reference_adamw(captured, tokens, plan, steps, lr=lr,
                                                           weight_decay=weight_decay, precision=precision,
-                                                          inject_inf_step=inject_inf[1] if inject_inf else None)
+                                                          inject_inf_step=inject_inf[1] if inject_inf else None,
+                                                          **(ref_kwargs or {}))
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     assert [r["loss"] for r in rows] == pytest.approx(ref_losses, rel=tol.loss_rel)
     for r in rows:

@@ -19,6 +19,7 @@ __all__ = [
     "ModelCaptureError",
     "InfeasiblePlanError",
     "RuntimeExecutionError",
+    "CheckpointError",
 ]
 
 
@@ -54,3 +55,8 @@ class InfeasiblePlanError(ZorseError, RuntimeError):
 
 class RuntimeExecutionError(ZorseError, RuntimeError):
     """A rank could not execute its part of a plan."""
+
+
+class CheckpointError(ZorseError, ValueError):
+    """A training checkpoint is incomplete, malformed, or of another model /
+    global batch than the plan it is loaded into."""

@@ -64,12 +64,35 @@ __all__ = ["OptimizerConfig", "StageOptimizer", "LossScaler"]
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class OptimizerConfig:
-    """AdamW hyper-parameters (``torch.optim.AdamW``)."""
+    """AdamW hyper-parameters (``torch.optim.AdamW``).
+
+    ``weight_decay`` applies to matrices only (parameters of 2 or more
+    dimensions: linear and embedding weights); norms, biases and every other
+    1-D parameter are not decayed, as nanoGPT's ``configure_optimizers`` and
+    Hugging Face's Trainer do (see ``decays``). ``lr`` is the peak learning
+    rate; the training loop sets each step's rate (``runtime/lr_schedule.py``).
+    """
 
     lr: float = 1e-4
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
     weight_decay: float = 0.0
+
+
+def decays(param: torch.Tensor) -> bool:
+    """Whether weight decay applies to ``param``: matrices (``dim() >= 2``) only."""
+    return param.dim() >= 2
+
+
+def param_groups(pairs, weight_decay: float) -> list[dict]:
+    """AdamW parameter groups from ``(parameter, tensor the optimizer steps)``
+    pairs: the decayed group (``weight_decay``) then the group without decay;
+    an empty group is left out. The decision is made on ``parameter`` (a
+    ZeRO-1 view of a matrix is 1-D but is decayed as its matrix)."""
+    decay = [t for p, t in pairs if decays(p)]
+    no_decay = [t for p, t in pairs if not decays(p)]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -95,8 +118,11 @@ class StageOptimizer:
         #: ZeRO-1 on this rank.
         self.zero1 = plan_stage.sharded and len(plan_stage.gpus) > 1
         self.shard_group = shard_group if self.zero1 else None
-        kw = dict(lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+        kw = dict(lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
+        self.weight_decay = cfg.weight_decay
         params = [getattr(stage.module, flat) for flat in plan_stage.params]
+        #: Canonical name of each trainable parameter (by id).
+        self.canonical = {id(getattr(stage.module, flat)): canon for flat, canon in plan_stage.params.items()}
         self.params = params
         #: Trainable elements of the stage.
         self.stage_elements = sum(p.numel() for p in params)
@@ -108,7 +134,8 @@ class StageOptimizer:
         #: ZeRO-1: (parameter, start, end, view) per overlap of a parameter with an owned range.
         self._pieces: list[tuple[torch.nn.Parameter, int, int, torch.Tensor]] = []
         if not self.zero1:
-            self.optimizer = torch.optim.AdamW(list(stage.module.parameters()), **kw)
+            unique = list({id(p): p for p in params}.values())
+            self.optimizer = torch.optim.AdamW(param_groups([(p, p) for p in unique], cfg.weight_decay), **kw)
             return
         pos = stage.position
         with torch.no_grad():
@@ -130,7 +157,29 @@ class StageOptimizer:
                     offset += k
                 self.buffers.append(_FlatBuffer(dtype=dtype, flat=flat, ranges=ranges, owned=(a, b)))
         # A GPU may own no element (state_shard_bytes 0): it steps nothing and only receives.
-        self.optimizer = torch.optim.AdamW([v for *_, v in self._pieces], **kw) if self._pieces else None
+        self.optimizer = (torch.optim.AdamW(param_groups([(p, v) for p, *_, v in self._pieces], cfg.weight_decay),
+                                            **kw) if self._pieces else None)
+
+    def set_lr(self, lr: float) -> None:
+        """Set this step's learning rate on every parameter group."""
+        if self.optimizer is not None:
+            for g in self.optimizer.param_groups:
+                g["lr"] = lr
+
+    def state_pieces(self) -> list[tuple[str, int, int, torch.Tensor]]:
+        """The tensors this optimizer steps, as ``(canonical name, start, end,
+        tensor)``: ``tensor`` holds elements ``[start, end)`` of the flattened
+        parameter (the whole parameter when the stage is not sharded, this
+        rank's ZeRO-1 overlap with it otherwise). Checkpoints key the AdamW
+        moments by these ranges (``runtime/checkpoint.py``)."""
+        if not self.zero1:
+            seen, out = set(), []
+            for p in self.params:
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    out.append((self.canonical[id(p)], 0, p.numel(), p))
+            return out
+        return [(self.canonical[id(p)], lo, hi, view) for p, lo, hi, view in self._pieces]
 
     def step(self) -> None:
         if not self.zero1:

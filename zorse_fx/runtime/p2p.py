@@ -152,10 +152,14 @@ def action_messages(plan: Plan, rank: int, action: Action) -> tuple[tuple[Messag
     return tuple(sends), tuple(recvs)
 
 
-def _initial_groups(plan: Plan, rank: int) -> tuple[tuple[Action, ...], list, list[list[_Op]]]:
-    """The fused program: group k = the sends of action k-1 + the receives of action k."""
+def _initial_groups(plan: Plan, rank: int, forward_only: bool = False
+                    ) -> tuple[tuple[Action, ...], list, list[list[_Op]]]:
+    """The fused program: group k = the sends of action k-1 + the receives of action k.
+    ``forward_only``: the schedule's forward actions alone, in its order (evaluation)."""
     actions = make_schedule(plan.schedule, plan.num_stages, plan.num_microbatches,
                             plan.interleave)[plan.role(rank).stage]
+    if forward_only:
+        actions = tuple(a for a in actions if a.kind == "F")
     msgs = [action_messages(plan, rank, a) for a in actions]
     groups: list[list[_Op]] = [[] for _ in range(len(actions) + 1)]
     for k, (sends, recvs) in enumerate(msgs):
@@ -302,8 +306,10 @@ def _heads(stuck: list[_Stuck], ranks) -> dict[int, int | None]:
     return h
 
 
-def build_programs(plan: Plan) -> dict[int, RankProgram]:
+def build_programs(plan: Plan, *, forward_only: bool = False) -> dict[int, RankProgram]:
     """Every rank's point-to-point program (see [Note: point-to-point program]).
+    ``forward_only``: the program of an evaluation step (the schedule's
+    forwards alone, no backward), checked the same way.
 
     Starts from the fused program (each compute's sends and the next
     compute's receives in one group) and, while ``simulate_nccl`` finds a
@@ -317,7 +323,7 @@ def build_programs(plan: Plan) -> dict[int, RankProgram]:
             (the message names the stuck ranks and what they wait for).
     """
     ranks = range(plan.world_size)
-    built = {r: _initial_groups(plan, r) for r in ranks}
+    built = {r: _initial_groups(plan, r, forward_only) for r in ranks}
     groups = {r: built[r][2] for r in ranks}
     _check_channels(groups)
     repairs = 0
@@ -343,9 +349,9 @@ def build_programs(plan: Plan) -> dict[int, RankProgram]:
     return out
 
 
-def build_program(plan: Plan, rank: int) -> RankProgram:
-    """This rank's program (``build_programs(plan)[rank]``)."""
-    return build_programs(plan)[rank]
+def build_program(plan: Plan, rank: int, *, forward_only: bool = False) -> RankProgram:
+    """This rank's program (``build_programs(plan, forward_only=...)[rank]``)."""
+    return build_programs(plan, forward_only=forward_only)[rank]
 
 
 class Mailbox:

@@ -28,9 +28,16 @@ A step (``StageWorker.train_step``):
 2. wait for the sends and the reductions;
 3. fp16-mixed: unscale, agree on inf/NaN over the world, skip the step on
    every rank or none (``LossScaler``);
-4. AdamW per hosted stage (on a ZeRO-1 stage only this rank's ranges), then
-   the ZeRO-1 all-gathers ([Note: ZeRO-1 with unequal shards] in
-   ``optimizer.py``).
+4. the global gradient norm (``grad_norm``: every canonical parameter counted
+   once, over all stages and data-parallel groups, one all-reduce) and, with
+   ``max_grad_norm``, clipping by it exactly as
+   ``torch.nn.utils.clip_grad_norm_`` clips a single-process model;
+5. AdamW per hosted stage (on a ZeRO-1 stage only this rank's ranges) at the
+   step's learning rate, then the ZeRO-1 all-gathers ([Note: ZeRO-1 with
+   unequal shards] in ``optimizer.py``).
+
+An evaluation step (``eval_step``) runs the schedule's forwards alone
+(``build_program(..., forward_only=True)``) under ``torch.no_grad``.
 
 Every tensor a collective or a point-to-point operation touches lives on the
 rank's device (the loss, the inf flag, the buckets, the messages); only the
@@ -136,8 +143,17 @@ class StageWorker:
         self._last_backward = {self.group + a.chunk * P: k for k, a in enumerate(self.schedule) if a.kind == "B"}
         self._p2p = P2PExecutor(self.program, device)
         self._bucketed = {id(p) for e in self.reducer.entries for _, p in e.copies}
-        #: Steps run so far.
+        holders = holders_of(plan)
+        #: Parameters whose squared gradient norm this rank adds to the global
+        #: norm: each canonical name once, on the lowest rank holding it.
+        self._norm_params = list({canon: p for st in self.stages for canon, p in st.params().items()
+                                  if holders[canon][0] == rank}.values())
+        self._eval = None  # (program, executor) of the forward-only step, built on first use
+        #: Steps run so far, and optimizer steps taken (steps not skipped by the loss scaler).
         self.steps = 0
+        self.optimizer_steps = 0
+        #: The global gradient norm of the last step (0-dim float32 on the device), before clipping.
+        self.last_grad_norm = None
         #: Testing: steps (1-based) after whose reduction this rank writes an inf into a gradient.
         self.inject_inf_steps: set[int] = set()
         #: fp16-mixed: whether the last step was skipped, and the scale it used.
@@ -169,8 +185,11 @@ class StageWorker:
         if self.device.type == "cuda":  # phase times below are wall times of the device's work
             torch.cuda.synchronize(self.device)
 
-    def train_step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Run one training step on the global ``batch`` (``{input: (N, T)}``).
+    def train_step(self, batch: dict[str, torch.Tensor], *, lr: float | None = None,
+                   max_grad_norm: float | None = None) -> torch.Tensor:
+        """Run one training step on the global ``batch`` (``{input: (N, T)}``)
+        at learning rate ``lr`` (default: the optimizer's), clipping the global
+        gradient norm to ``max_grad_norm`` (None: no clipping).
 
         Returns this rank's share-weighted loss contribution, a 0-dim float32
         tensor on the device (the sum over ranks is the global mean loss;
@@ -227,8 +246,16 @@ class StageWorker:
             self.scaler.update(skip)
         self.last_skipped = skip
         if not skip:
+            norm = self.last_grad_norm = self._global_grad_norm()
+            if max_grad_norm is not None:
+                grads = [p.grad for st in self.stages for p in st.params().values() if p.grad is not None]
+                coef = torch.clamp(max_grad_norm / (norm + 1e-6), max=1.0)  # clip_grad_norm_'s rule
+                torch._foreach_mul_(grads, coef)
             for opt in self.optimizers:
+                if lr is not None:
+                    opt.set_lr(lr)
                 opt.step()
+            self.optimizer_steps += 1
         self._sync()
         t_step = time.perf_counter()
         if not skip:
@@ -240,6 +267,47 @@ class StageWorker:
                                "optimizer_s": t_step - t_reduce, "allgather_s": t_end - t_step,
                                "buckets": self.reducer.num_buckets,
                                "buckets_during_backward": self.reducer.launched_during_backward}
+        return loss
+
+    def _global_grad_norm(self) -> torch.Tensor:
+        """The L2 norm of every reduced gradient of the model (one all-reduce
+        over the world): each rank adds the squares of the parameters it owns
+        (``_norm_params``), so a parameter replicated over a data-parallel
+        group or tied between stages counts once, as in a single process."""
+        sq = torch.zeros((), dtype=torch.float32, device=self.device)
+        grads = [p.grad for p in self._norm_params if p.grad is not None]
+        if grads:
+            norms = torch._foreach_norm(grads, 2.0)
+            sq = torch.stack([n.float() for n in norms]).pow(2).sum()
+        if dist.is_initialized():  # (a one-rank plan may run without a process group, in-process)
+            dist.all_reduce(sq)
+        return sq.sqrt()
+
+    @torch.no_grad()
+    def eval_step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The loss on ``batch`` without training: the schedule's forwards only,
+        no gradients. Returns this rank's share-weighted contribution (0-dim
+        float32 on the device; the sum over ranks is the mean loss)."""
+        if self._eval is None:
+            program = build_program(self.plan, self.rank, forward_only=True)
+            self._eval = (program, P2PExecutor(program, self.device))
+        program, p2p = self._eval
+        P, sent = self.plan.num_groups, []
+        loss = torch.zeros((), dtype=torch.float32, device=self.device)
+        for st in self.stages:
+            st.start_step()
+        with self.precision.autocast(self.device.type):
+            for k, action in enumerate(program.actions):
+                p2p.post(k, sent)
+                received = p2p.received(k)
+                st = self._by_index[self.group + action.chunk * P]
+                contribution, sent = st.forward(action.microbatch, batch, received)
+                if contribution is not None:
+                    loss += contribution
+            p2p.post(len(program.actions), sent)
+            p2p.finish()
+        for st in self.stages:
+            st.start_step()  # drop the stashed activations
         return loss
 
     # -- inspection -----------------------------------------------------------

@@ -1,0 +1,280 @@
+"""The training loop of ``zorse_fx.train``: learning-rate schedules, global
+gradient-norm clipping, weight decay on matrices only, validation loss, and
+checkpoints (save, exact resume, resume under another plan, restart after a
+rank is killed), each against single-process training.
+
+Tolerances are ``conftest.FP32`` (see test_distributed.py for where they come
+from); a resumed run on the same plan must equal the uninterrupted one
+exactly (same operations in the same order on the same CPU).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import (CLUSTERS, FP32, ROOT, assert_params_match, cached_capture, reference_adamw, spawn_ranks,
+                      train_and_compare, with_memory_policy)
+from zorse_fx.capture import analyse, capture
+from zorse_fx.cluster import Cluster
+from zorse_fx.data import global_batch
+from zorse_fx.errors import CheckpointError
+from zorse_fx.models.gpt import GPT, GPTConfig
+from zorse_fx.planner import PlanOptions, plan_fixed
+from zorse_fx.runtime.checkpoint import MANIFEST, latest_checkpoint, list_checkpoints, read_manifest
+from zorse_fx.runtime.lr_schedule import LRSchedule
+
+SEQ = 32
+LR, WD = 1e-3, 0.1
+
+
+def _gpt():
+    def build():
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(n_layer=3, n_embd=64, n_head=4, block_size=SEQ))
+        ids = torch.randint(0, 256, (4, SEQ))
+        return capture(model, (ids, ids))
+
+    return cached_capture("gpt3x64", build)
+
+
+def _plan(captured, *, cut, stage_gpus, samples, sharded=(), shard_bytes=None, recompute=()):
+    cluster = Cluster.from_yaml(CLUSTERS / "small_hetero.yaml")
+    nb = analyse(captured).num_blocks
+    plan, _ = plan_fixed(captured, cluster, PlanOptions(global_batch_size=6),
+                         stage_blocks=((0, cut), (cut, nb)), stage_gpus=stage_gpus,
+                         samples_per_microbatch=samples, num_microbatches=2)
+    return with_memory_policy(plan, sharded=set(sharded), recompute=set(recompute), shard_bytes=shard_bytes)
+
+
+def _plan_a(captured):
+    """2 stages: stage 0 on GPU 0; stage 1 on GPUs 2, 3 (1:2 samples), ZeRO-1 3:1, tied embedding."""
+    return _plan(captured, cut=analyse(captured).num_blocks // 2, stage_gpus=((0,), (2, 3)),
+                 samples=((3,), (1, 2)), sharded={1}, shard_bytes={1: (3 * 2**20, 2**20)})
+
+
+def _plan_b(captured):
+    """Another plan of the same model: another cut, stage 0 on 2 GPUs (2:1,
+    ZeRO-1 1:1), stage 1 on one GPU with recomputation; 3 ranks."""
+    return _plan(captured, cut=2, stage_gpus=((0, 1), (3,)), samples=((2, 1), (3,)), sharded={0},
+                 recompute={1})
+
+
+# -- learning-rate schedules -----------------------------------------------------
+
+def test_lr_schedules_warm_up_then_decay_to_min_lr():
+    cos = LRSchedule(name="cosine", lr=1.0, min_lr=0.1, warmup_steps=2, total_steps=10)
+    assert [cos(1), cos(2)] == [0.5, 1.0]
+    assert cos(6) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+    assert cos(10) == pytest.approx(0.1)
+    lin = LRSchedule(name="linear", lr=1.0, min_lr=0.0, warmup_steps=0, total_steps=4)
+    assert [lin(k) for k in range(1, 5)] == pytest.approx([0.75, 0.5, 0.25, 0.0])
+    const = LRSchedule(name="constant", lr=0.3, warmup_steps=3, total_steps=5)
+    assert [const(k) for k in range(1, 6)] == pytest.approx([0.1, 0.2, 0.3, 0.3, 0.3])
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(name="step"), "--lr-schedule 'step': choose one of constant, cosine, linear"),
+    (dict(lr=1e-3, min_lr=1e-2), "--min-lr 0.01: must be between 0 and --lr 0.001"),
+    (dict(warmup_steps=-1), "--warmup-steps -1: must be >= 0"),
+])
+def test_lr_schedule_errors_name_the_option(kw, message):
+    with pytest.raises(ValueError) as got:
+        LRSchedule(**kw)
+    assert str(got.value) == message
+
+
+def test_bad_training_options_are_named_by_argparse(capsys):
+    from zorse_fx.train import parse_args
+
+    for argv, message in ((["--clip-grad-norm", "0"], "--clip-grad-norm must be > 0, got 0.0"),
+                          (["--adam-beta2", "1.5"], "--adam-beta2 must be in [0, 1), got 1.5"),
+                          (["--checkpoint-every", "-1"], "--checkpoint-every must be >= 0 (0: never), got -1")):
+        with pytest.raises(SystemExit):
+            parse_args(["plan", "--tokens", "t.pt", *argv])
+        assert message in capsys.readouterr().err
+
+
+# -- the loop against single-process training ------------------------------------
+
+def test_cosine_schedule_clipping_and_matrix_only_decay_equal_single_process(lee_bytes, tmp_path):
+    """ZeRO-1 plan with a tied embedding across stages and a 2-GPU data-parallel
+    stage: the global gradient norm counts each parameter once (equal to
+    ``clip_grad_norm_`` on the whole model every step), clipping at 0.5 is
+    active, the rates follow the cosine schedule, and 3 steps equal
+    single-process AdamW with decay on matrices only."""
+    captured = _gpt()
+    plan = _plan_a(captured)
+    sched = LRSchedule(name="cosine", lr=LR, min_lr=1e-4, warmup_steps=1, total_steps=3)
+    norms: list[float] = []
+    _, rows = train_and_compare(
+        plan, captured, lee_bytes, tmp_path, steps=3, lr=LR, weight_decay=WD,
+        extra=("--lr-schedule", "cosine", "--warmup-steps", "1", "--min-lr", "1e-4", "--clip-grad-norm", "0.5"),
+        ref_kwargs=dict(lr_at=sched, clip=0.5, norms=norms))
+    assert [r["lr"] for r in rows] == pytest.approx([sched(k) for k in (1, 2, 3)])
+    assert [r["grad_norm"] for r in rows] == pytest.approx(norms, rel=1e-4)
+    assert min(norms) > 0.5, "clipping must be active for the test to mean something"
+
+
+def test_validation_loss_equals_single_process_eval_on_held_out_batches(lee_bytes, tmp_path):
+    """--val-every 2 over 2 steps: the held-out split is the corpus' last
+    global batch; the reported loss equals the single-process model's after
+    the same 2 AdamW steps, and training never saw those tokens."""
+    captured = _gpt()
+    plan = _plan_a(captured)
+    tokens = lee_bytes[:20 * 6 * (SEQ + 1)]
+    held = 6 * (SEQ + 1)
+    _, rows = train_and_compare(plan, captured, tokens[:-held], tmp_path, steps=2, lr=LR, weight_decay=WD,
+                                extra=("--val-every", "2", "--val-batches", "1"))
+    # train_and_compare saved tokens[:-held]; run again on the full corpus with validation.
+    torch.save(tokens, tmp_path / "tokens.pt")
+    spawn_ranks(tmp_path / "plan", plan.world_size,
+                ["--tokens", str(tmp_path / "tokens.pt"), "--steps", "2", "--out", str(tmp_path / "val"),
+                 "--lr", str(LR), "--weight-decay", str(WD), "--val-every", "2"])
+    val_rows = [json.loads(l) for l in (tmp_path / "val" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["loss"] for r in val_rows] == pytest.approx([r["loss"] for r in rows], rel=1e-6)
+    assert "val_loss" not in val_rows[0]
+    # the reference model after 2 steps (reference_adamw trained captured's module in place)
+    ref = _gpt()
+    reference_adamw(ref, tokens[:-held], plan, 2, lr=LR, weight_decay=WD)
+    batch = global_batch(tokens[-held:], 0, global_batch_size=6, seq_len=SEQ, input_names=plan.input_names,
+                         label_mode=plan.label_mode)
+    with torch.no_grad():
+        want = float(ref.graph_module(*[batch[n] for n in ref.input_names]))
+    assert val_rows[1]["val_loss"] == pytest.approx(want, rel=FP32.loss_rel)
+
+
+# -- checkpoints -------------------------------------------------------------------
+
+def _rows(run):
+    return [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def _params(run, world):
+    return {r: torch.load(run / "params" / f"rank{r}.pt") for r in range(world)}
+
+
+def _export(plan, captured, tokens, d):
+    d.mkdir(parents=True, exist_ok=True)
+    plan.export(d / "plan")
+    torch.save(captured.state(), d / "plan" / "weights.pt")
+    torch.save(tokens, d / "tokens.pt")
+    # A run stopped early here is started with --steps 2: a constant rate after the warm-up, so the
+    # rates of steps 3-4 do not depend on where the first part thought the run ended.
+    return [str(d / "plan"), "--tokens", str(d / "tokens.pt"), "--lr", str(LR), "--weight-decay", str(WD),
+            "--warmup-steps", "2"]
+
+
+def test_resumed_run_equals_the_uninterrupted_run_exactly(lee_bytes, tmp_path):
+    """4 steps in one go vs 2 steps, stop, --resume to 4 (same plan, ZeRO-1
+    shards and tied embedding): identical losses and parameters; the
+    checkpoint directory is complete (manifest) and the last K are kept;
+    metrics.jsonl is continued, not overwritten."""
+    captured = _gpt()
+    plan = _plan_a(captured)
+    common = _export(plan, captured, lee_bytes, tmp_path)
+    w = plan.world_size
+    spawn_ranks(tmp_path / "plan", w, [*common[1:], "--steps", "4", "--out", str(tmp_path / "full"), "--dump-params"])
+    run = tmp_path / "resumed"
+    spawn_ranks(tmp_path / "plan", w, [*common[1:], "--steps", "2", "--out", str(run), "--checkpoint-every", "1",
+                                       "--keep-checkpoints", "1"])
+    assert [s for s, _ in list_checkpoints(run / "checkpoints")] == [2]
+    assert not list((run / "checkpoints").glob("*.tmp"))
+    manifest = read_manifest(latest_checkpoint(run / "checkpoints"))
+    assert (manifest["step"], manifest["world_size"], manifest["optimizer_steps"]) == (2, w, 2)
+    spawn_ranks(tmp_path / "plan", w, [*common[1:], "--steps", "4", "--out", str(run), "--resume", "--dump-params"])
+    full, resumed = _rows(tmp_path / "full"), _rows(run)
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in full]
+    assert [r["lr"] for r in resumed] == [r["lr"] for r in full]
+    for r, (a, b) in enumerate(zip(_params(tmp_path / "full", w).values(), _params(run, w).values())):
+        for name in a:
+            assert torch.equal(a[name], b[name]), f"rank {r} {name} differs after resuming"
+
+
+def test_resume_under_another_plan_equals_single_process_training(lee_bytes, tmp_path):
+    """2 steps under plan A (4 ranks, cut in the middle, stage 1 ZeRO-1 3:1),
+    then 2 more under plan B (3 ranks, another cut, stage 0 ZeRO-1 over
+    different GPUs): AdamW moments are re-cut to B's shards, and the 4 steps
+    equal single-process training."""
+    captured = _gpt()
+    a, b = _plan_a(captured), _plan_b(captured)
+    assert (a.world_size, b.world_size) == (3, 3) or a.world_size != b.world_size or a.stages != b.stages
+    run = tmp_path / "run"
+    common_a = _export(a, captured, lee_bytes, tmp_path / "a")
+    spawn_ranks(tmp_path / "a" / "plan", a.world_size, [*common_a[1:], "--steps", "2", "--out", str(run),
+                                                       "--checkpoint-every", "2"])
+    common_b = _export(b, captured, lee_bytes, tmp_path / "b")
+    spawn_ranks(tmp_path / "b" / "plan", b.world_size, [*common_b[1:], "--steps", "4", "--out", str(run), "--resume",
+                                                       "--dump-params"])
+    sched = LRSchedule(name="constant", lr=LR, warmup_steps=2, total_steps=4)
+    initial = {k: v.clone() for k, v in captured.state().items()}
+    ref_losses, ref_grads, ref_params = reference_adamw(captured, lee_bytes, a, 4, lr=LR, weight_decay=WD, lr_at=sched)
+    rows = _rows(run)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert [r["loss"] for r in rows] == pytest.approx(ref_losses, rel=FP32.loss_rel)
+    assert_params_match(_params(run, b.world_size), ref_params, initial, 4, LR, FP32)
+
+
+def test_checkpoint_of_another_model_is_refused_naming_the_parameter(lee_bytes, tmp_path):
+    """A checkpoint loads only into a plan of its model: another width is
+    refused with the parameter and both shapes named."""
+    captured = _gpt()
+    plan = _plan_a(captured)
+    common = _export(plan, captured, lee_bytes, tmp_path / "a")
+    run = tmp_path / "run"
+    spawn_ranks(tmp_path / "a" / "plan", plan.world_size, [*common[1:], "--steps", "1", "--out", str(run),
+                                                          "--checkpoint-every", "1"])
+    torch.manual_seed(0)
+    other = capture(GPT(GPTConfig(n_layer=3, n_embd=32, n_head=4, block_size=SEQ)),
+                    (torch.randint(0, 256, (4, SEQ)),) * 2)
+    plan2 = _plan_a(other)
+    common2 = _export(plan2, other, lee_bytes, tmp_path / "b")
+    with pytest.raises(AssertionError) as got:
+        spawn_ranks(tmp_path / "b" / "plan", plan2.world_size,
+                    [*common2[1:], "--steps", "2", "--out", str(run), "--resume"])
+    assert "CheckpointError" in str(got.value) and "has shape (256, 64) in the checkpoint" in str(got.value)
+
+
+def test_manifest_errors_name_file_and_field(tmp_path):
+    d = tmp_path / "step_3"
+    d.mkdir()
+    with pytest.raises(CheckpointError, match="no zorse_checkpoint.json"):
+        read_manifest(d)
+    (d / MANIFEST).write_text(json.dumps({"format": "zorse_fx.checkpoint", "version": 1, "step": "3"}))
+    with pytest.raises(CheckpointError) as got:
+        read_manifest(d)
+    assert str(got.value) == f"{d / MANIFEST}: field 'step' is '3'; expected a non-negative integer"
+    assert latest_checkpoint(tmp_path) is None or latest_checkpoint(tmp_path) == d
+
+
+def test_a_killed_rank_restarts_the_job_from_the_last_checkpoint(lee_bytes, tmp_path):
+    """torchrun --max-restarts 1: rank 1 SIGKILLs itself after step 3 (before
+    step 3's checkpoint); torchrun restarts every rank, they resume from
+    step_2 and finish; the final parameters equal an uninterrupted run's."""
+    captured = _gpt()
+    plan = _plan_a(captured)
+    common = _export(plan, captured, lee_bytes, tmp_path)
+    w = plan.world_size
+    spawn_ranks(tmp_path / "plan", w, [*common[1:], "--steps", "4", "--out", str(tmp_path / "full"), "--dump-params"])
+    run = tmp_path / "killed"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env.pop("TORCHELASTIC_RUN_ID", None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={w}",
+           "--max-restarts=1", "--monitor-interval=0.5", "-m", "zorse_fx.train", *common, "--steps", "4",
+           "--out", str(run), "--checkpoint-every", "1", "--kill-at-step", "1:3", "--dump-params"]
+    done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "resumed from" in done.stdout and "after torchrun restart 1" in done.stdout
+    rows = _rows(run)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert [r["loss"] for r in rows] == [r["loss"] for r in _rows(tmp_path / "full")]
+    for r, (a, b) in enumerate(zip(_params(tmp_path / "full", w).values(), _params(run, w).values())):
+        for name in a:
+            assert torch.equal(a[name], b[name]), f"rank {r} {name} differs after the restart"

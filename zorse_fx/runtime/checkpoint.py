@@ -1,0 +1,359 @@
+"""Training checkpoints with ``torch.distributed.checkpoint`` (DCP), keyed by
+canonical parameter name so that a checkpoint written under one plan loads
+under another plan of the same model.
+
+Layout (``<out>/checkpoints/``)::
+
+    step_<k>/                 one complete checkpoint (after step k)
+        .metadata, __*.distcp DCP's files: every rank writes its part
+        zorse_checkpoint.json  the manifest, written last (see below)
+    step_<k>.tmp/             a checkpoint being written (never loaded)
+
+[Note: checkpoint contents]
+Every tensor of the training state is stored under a name that does not
+depend on the plan:
+
+- ``model/<canonical name>``: each trainable parameter, whole (float32 master
+  weights under mixed precision). Every rank holding it writes the same key;
+  DCP's planner keeps one copy (``dedup_save_plans``).
+- ``optim/exp_avg/<canonical name>/<a>-<b>`` and ``optim/exp_avg_sq/...``:
+  AdamW's moments of elements ``[a, b)`` of the flattened parameter -- the
+  whole parameter on a stage without ZeRO-1, the rank's shard overlap on a
+  ZeRO-1 stage (``StageOptimizer.state_pieces``). Under another plan a rank
+  reads every saved range that overlaps the range it now owns and copies the
+  overlap, so the shards are re-cut to the new plan's ranges (and a sharded
+  state loads into a replicated one and back).
+- ``optim/step`` (AdamW's step count: optimizer steps taken, skipped fp16
+  steps excluded), ``train/step``, ``scaler/scale`` and
+  ``scaler/growth_tracker`` (fp16-mixed) and ``rng/rank<r>/cpu`` (and
+  ``/cuda``): each rank's RNG state, restored when the world size is the
+  same (dropout then continues exactly; under another world size each rank
+  is re-seeded from ``--seed`` and the step).
+
+The data position is the step: the global batch of step k is a function of k
+(``zorse_fx.data``), so a resumed run must keep the global batch size and
+the sequence length (checked, with the value to set).
+
+Atomicity: every rank writes into ``step_<k>.tmp``; after DCP's save (which
+ends with a collective) rank 0 writes the manifest, syncs it and renames the
+directory to ``step_<k>`` (one ``os.replace``). A checkpoint is therefore
+complete or absent; ``latest_checkpoint`` only considers ``step_<k>``
+directories that hold a manifest. Rank 0 then deletes all but the newest
+``keep`` checkpoints. Several nodes need ``<out>`` on a shared file system.
+
+Loading runs no code from the checkpoint: DCP's tensor files are read with
+``torch.load(weights_only=True)``, and its pickled ``.metadata`` file is read
+by ``_SafeReader`` with an unpickler that admits only DCP's metadata classes,
+``torch.Size`` and dtypes.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import re
+import shutil
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from ..errors import CheckpointError
+from .worker import StageWorker
+
+__all__ = ["MANIFEST", "latest_checkpoint", "list_checkpoints", "save_checkpoint", "load_checkpoint",
+           "read_manifest"]
+
+#: The manifest file of a complete checkpoint.
+MANIFEST = "zorse_checkpoint.json"
+FORMAT = "zorse_fx.checkpoint"
+VERSION = 1
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+# -- finding checkpoints ---------------------------------------------------------
+def list_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints under ``root`` (``<out>/checkpoints``) as (step,
+    directory), oldest first. A directory without a manifest (a save cut
+    short) is not listed."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for d in root.iterdir():
+        m = _STEP_DIR.match(d.name)
+        if m and d.is_dir() and (d / MANIFEST).is_file():
+            found.append((int(m.group(1)), d))
+    return sorted(found)
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    """The newest complete checkpoint under ``root``, or None."""
+    found = list_checkpoints(root)
+    return found[-1][1] if found else None
+
+
+def read_manifest(path: str | Path) -> dict:
+    """The validated manifest of checkpoint directory ``path``.
+
+    Raises:
+        CheckpointError: no manifest, not JSON, or a field of the wrong type
+            (the message names the file, the field and the value)."""
+    f = Path(path) / MANIFEST
+    if not f.is_file():
+        raise CheckpointError(f"{path}: not a complete zorse_fx checkpoint (no {MANIFEST}); "
+                              f"use a step_<k> directory from <out>/checkpoints")
+    try:
+        d = json.loads(f.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{f}: not valid JSON ({exc})") from None
+    if not isinstance(d, dict) or d.get("format") != FORMAT:
+        raise CheckpointError(f"{f}: field 'format' must be {FORMAT!r}; this is not a zorse_fx checkpoint")
+    if d.get("version") != VERSION:
+        raise CheckpointError(f"{f}: checkpoint format version {d.get('version')!r} is not {VERSION}, "
+                              f"the one this zorse_fx reads")
+    expect = {"step": int, "optimizer_steps": int, "world_size": int, "global_batch_size": int, "seq_len": int,
+              "model_name": str, "precision": str}
+    for key, typ in expect.items():
+        v = d.get(key)
+        if not isinstance(v, typ) or isinstance(v, bool) or (typ is int and v < 0):
+            raise CheckpointError(f"{f}: field {key!r} is {str(v)[:80]!r}; expected a "
+                                  f"{'non-negative integer' if typ is int else 'string'}")
+    return d
+
+
+# -- DCP metadata without arbitrary unpickling ------------------------------------
+_SAFE_TORCH = {"Size", "strided", "contiguous_format", "preserve_format", "channels_last"}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Admits DCP's metadata classes, ``torch.Size``, dtypes, layouts and
+    plain containers: anything else in ``.metadata`` is refused."""
+
+    def find_class(self, module: str, name: str):
+        if module.startswith("torch.distributed.checkpoint.") or module == "torch.distributed.checkpoint":
+            return super().find_class(module, name)
+        if module == "torch" and (name in _SAFE_TORCH or isinstance(getattr(torch, name, None), torch.dtype)):
+            return getattr(torch, name)
+        if (module, name) == ("torch.serialization", "_get_layout"):  # a layout by name: "torch.strided"
+            return super().find_class(module, name)
+        if module == "pathlib" and name in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"):
+            return super().find_class(module, name)  # the checkpoint id DCP records
+        if module in ("collections",) and name == "OrderedDict":
+            return super().find_class(module, name)
+        if module == "builtins" and name in ("dict", "list", "tuple", "set", "frozenset", "int", "float", "str",
+                                             "bytes", "bool", "slice", "getattr"):
+            return super().find_class(module, name)
+        raise CheckpointError(f"checkpoint metadata refers to {module}.{name}, which a DCP checkpoint "
+                              f"does not contain; refusing to load it")
+
+
+class _SafeReader(dcp.FileSystemReader):
+    """``FileSystemReader`` whose metadata is read by ``_MetadataUnpickler``."""
+
+    def read_metadata(self, *args, **kwargs):
+        path = Path(self.path) / ".metadata"
+        try:
+            metadata = _MetadataUnpickler(io.BytesIO(path.read_bytes())).load()
+        except FileNotFoundError:
+            raise CheckpointError(f"{self.path}: DCP metadata file .metadata is missing") from None
+        if getattr(metadata, "storage_meta", None) is None:
+            from torch.distributed.checkpoint.metadata import StorageMeta
+
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+# -- save ------------------------------------------------------------------------
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """A tensor DCP writes as itself (a view of a larger buffer is copied)."""
+    t = t.detach()
+    if t.untyped_storage().nbytes() != t.numel() * t.element_size() or not t.is_contiguous():
+        t = t.clone()
+    return t
+
+
+def _rng_state(worker: StageWorker) -> dict[str, torch.Tensor]:
+    out = {f"rng/rank{worker.rank}/cpu": torch.get_rng_state()}
+    if worker.device.type == "cuda":
+        out[f"rng/rank{worker.rank}/cuda"] = torch.cuda.get_rng_state(worker.device)
+    return out
+
+
+def _state_to_save(worker: StageWorker, step: int) -> dict[str, torch.Tensor]:
+    sd: dict[str, torch.Tensor] = {}
+    for st in worker.stages:
+        for canon, p in st.params().items():
+            sd.setdefault(f"model/{canon}", _plain(p))
+    for opt in worker.optimizers:
+        state = opt.optimizer.state if opt.optimizer is not None else {}
+        for canon, a, b, t in opt.state_pieces():
+            for moment in ("exp_avg", "exp_avg_sq"):
+                key = f"optim/{moment}/{canon}/{a}-{b}"
+                if key not in sd:
+                    m = state.get(t, {}).get(moment)
+                    sd[key] = _plain(m.reshape(-1)) if m is not None else torch.zeros(b - a, dtype=t.dtype)
+    sd["optim/step"] = torch.tensor(worker.optimizer_steps, dtype=torch.int64)
+    sd["train/step"] = torch.tensor(step, dtype=torch.int64)
+    if worker.scaler is not None:
+        sd["scaler/scale"] = torch.tensor(worker.scaler.scale, dtype=torch.float64)
+        sd["scaler/growth_tracker"] = torch.tensor(worker.scaler._growth, dtype=torch.int64)
+    sd.update(_rng_state(worker))
+    return sd
+
+
+def save_checkpoint(worker: StageWorker, root: str | Path, step: int, *, keep: int = 3,
+                    extra: dict | None = None) -> Path:
+    """Save the training state after ``step`` to ``root/step_<step>``,
+    atomically (see [Note: checkpoint contents] and the module docstring);
+    keep the newest ``keep`` checkpoints. Collective: call on every rank.
+    ``extra``: more JSON fields for the manifest (rank 0's). Returns the
+    checkpoint directory."""
+    root = Path(root)
+    tmp, final = root / f"step_{step}.tmp", root / f"step_{step}"
+    if worker.rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+    dist.barrier()
+    dcp.save(_state_to_save(worker, step), storage_writer=dcp.FileSystemWriter(tmp))
+    if worker.rank == 0:
+        plan = worker.plan
+        manifest = {"format": FORMAT, "version": VERSION, "step": step,
+                    "optimizer_steps": worker.optimizer_steps, "world_size": plan.world_size,
+                    "num_stages": plan.num_stages, "model_name": plan.model_name,
+                    "cluster_name": plan.cluster_name, "global_batch_size": plan.global_batch_size,
+                    "seq_len": plan.seq_len, "precision": worker.precision.name,
+                    "samples_seen": step * plan.global_batch_size, **(extra or {})}
+        with open(tmp / MANIFEST, "w") as f:
+            f.write(json.dumps(manifest, indent=2) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        if final.exists():  # the same step saved again (a restarted run): replace it
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        fd = os.open(root, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        for _, old in list_checkpoints(root)[:-keep] if keep > 0 else []:
+            shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+    return final
+
+
+# -- load ------------------------------------------------------------------------
+def _range_key(key: str) -> tuple[str, str, int, int] | None:
+    """``optim/<moment>/<canon>/<a>-<b>`` -> (moment, canon, a, b)."""
+    parts = key.split("/")
+    if len(parts) < 4 or parts[0] != "optim":
+        return None
+    a, _, b = parts[-1].partition("-")
+    return parts[1], "/".join(parts[2:-1]), int(a), int(b)
+
+
+def load_checkpoint(worker: StageWorker, path: str | Path, *, check_batch: bool = True) -> dict:
+    """Load checkpoint ``path`` into ``worker`` (parameters, AdamW state re-cut
+    to this plan's ranges, loss scaler, step counters, RNG when the world size
+    is the same). Collective: call on every rank. Returns the manifest.
+
+    Raises:
+        CheckpointError: the checkpoint is not of this model (a parameter is
+            missing or has another shape: named with both shapes), its global
+            batch or sequence length differs from the plan's (the data
+            position would not carry over), or part of an owned optimizer
+            range was never saved."""
+    path = Path(path)
+    manifest = read_manifest(path)
+    plan = worker.plan
+    if check_batch:
+        for key, want in (("global_batch_size", plan.global_batch_size), ("seq_len", plan.seq_len)):
+            if manifest[key] != want:
+                raise CheckpointError(f"{path}: written with {key} {manifest[key]}, but this plan has {want}; "
+                                      f"the data position (step x global batch) would not carry over: resume "
+                                      f"with a plan of {key} {manifest[key]}")
+    reader = _SafeReader(path)
+    meta = reader.read_metadata().state_dict_metadata
+    pieces: dict[tuple[str, str], list[tuple[int, int, str]]] = defaultdict(list)
+    for key in meta:
+        r = _range_key(key)
+        if r is not None:
+            pieces[(r[0], r[1])].append((r[2], r[3], key))
+
+    def empty(key: str) -> torch.Tensor:
+        m = meta[key]
+        return torch.empty(tuple(m.size), dtype=m.properties.dtype)
+
+    request: dict[str, torch.Tensor] = {}
+    for st in worker.stages:
+        for canon, p in st.params().items():
+            key = f"model/{canon}"
+            if key not in meta:
+                raise CheckpointError(f"{path}: holds no parameter {canon!r}, which stage {st.index} of this plan "
+                                      f"trains; the checkpoint is of another model (manifest model "
+                                      f"{manifest['model_name']!r}, plan model {plan.model_name!r})")
+            if tuple(meta[key].size) != tuple(p.shape):
+                raise CheckpointError(f"{path}: parameter {canon!r} has shape {tuple(meta[key].size)} in the "
+                                      f"checkpoint but stage {st.index} of this plan needs {tuple(p.shape)}; "
+                                      f"the checkpoint is of another model")
+            request.setdefault(key, empty(key))
+    optim_steps = manifest["optimizer_steps"]
+    wanted: list[tuple[object, str, int, int, torch.Tensor, list]] = []
+    for opt in worker.optimizers:
+        for canon, a, b, t in opt.state_pieces():
+            for moment in ("exp_avg", "exp_avg_sq"):
+                over = [(lo, hi, k) for lo, hi, k in pieces.get((moment, canon), ()) if lo < b and hi > a]
+                for *_, k in over:
+                    request.setdefault(k, empty(k))
+                wanted.append((opt, moment, a, b, t, over))
+    scalars = ["optim/step", "train/step"]
+    if worker.scaler is not None and "scaler/scale" in meta:
+        scalars += ["scaler/scale", "scaler/growth_tracker"]
+    same_world = manifest["world_size"] == plan.world_size
+    rng = [k for k in _rng_state(worker) if k in meta] if same_world else []
+    for k in scalars + rng:
+        request[k] = empty(k)
+    dcp.load(request, storage_reader=reader)
+
+    with torch.no_grad():
+        for st in worker.stages:
+            for canon, p in st.params().items():
+                p.copy_(request[f"model/{canon}"].view_as(p))
+        states: dict[object, dict] = defaultdict(dict)
+        for opt, moment, a, b, t, over in wanted:
+            if optim_steps == 0:
+                continue
+            buf = torch.zeros(b - a, dtype=t.dtype)
+            reached = a  # saved ranges cover [a, reached) so far
+            for lo, hi, k in sorted(over):
+                x, y = max(a, lo), min(b, hi)
+                buf[x - a : y - a].copy_(request[k][x - lo : y - lo])
+                if x <= reached:
+                    reached = max(reached, y)
+            if reached < b:
+                raise CheckpointError(f"{path}: AdamW {moment} of elements [{a}, {b}) of its parameter is not in "
+                                      f"the checkpoint (saved ranges {[(lo, hi) for lo, hi, _ in over]}); "
+                                      f"it is incomplete")
+            states[(id(opt), id(t))].update(
+                {"opt": opt, "t": t, moment: buf.view_as(t).to(device=t.device, dtype=t.dtype)})
+        for entry in states.values():
+            opt, t = entry.pop("opt"), entry.pop("t")
+            opt.optimizer.state[t] = {"step": torch.tensor(float(optim_steps), dtype=torch.float32), **entry}
+    if worker.scaler is not None and "scaler/scale" in request:
+        worker.scaler.scale = float(request["scaler/scale"])
+        worker.scaler._growth = int(request["scaler/growth_tracker"])
+    for k in rng:
+        if k.endswith("/cpu"):
+            torch.set_rng_state(request[k])
+        else:
+            torch.cuda.set_rng_state(request[k], worker.device)
+    worker.steps = int(request["train/step"])
+    worker.optimizer_steps = int(request["optim/step"])
+    return manifest
