@@ -75,8 +75,6 @@ __all__ = ["PLAN_FORMAT_VERSION", "GPUShare", "StagePlan", "SolverReport", "Plan
 
 #: Bumped on any incompatible change of plan.json.
 PLAN_FORMAT_VERSION = 5
-#: Older versions ``from_dict`` still reads (fields added since take their defaults).
-_READABLE_VERSIONS = (1, 2, 3, 4, 5)
 GIB = 1024**3
 
 
@@ -291,8 +289,8 @@ class Plan:
             for j, g in enumerate(s.gpus):
                 if not isinstance(g.state_shard_bytes, int) or g.state_shard_bytes < 0:
                     raise PlanFileError(
-                        f"plan: field stages[{s.index}].gpus[{j}].state_shard_bytes is {short_repr(g.state_shard_bytes)}"
-                        f"; it must be an integer >= 0 (bytes of the stage's optimizer state this GPU holds; 0 on "
+                        f"plan: field stages[{s.index}].gpus[{j}].state_shard_bytes is "
+                        f"{short_repr(g.state_shard_bytes)}; it must be an integer >= 0 (bytes of the stage's optimizer state this GPU holds; 0 on "
                         "every GPU of the stage splits it equally)"
                     )
 
@@ -460,20 +458,12 @@ class Plan:
         fields together (``__post_init__``). Raises PlanFileError naming
         ``source``, the field path, the value and what would fix it.
         """
-        if not isinstance(d, dict):
-            raise PlanFileError(f"{source}: a plan file holds a JSON object, not a {type(d).__name__}; "
-                                f"re-export the plan with `zorse plan`")
-        if d.get("format") != "zorse_fx.plan":
-            raise PlanFileError(f"{source}: not a zorse_fx plan (field 'format' is {short_repr(d.get('format'))}, "
-                                f"expected 'zorse_fx.plan')")
-        version = d.get("version")
-        if isinstance(version, bool) or version not in _READABLE_VERSIONS:
-            raise PlanFileError(
-                f"{source}: plan format version {short_repr(version)} is not supported by this zorse_fx "
-                f"(reads versions {', '.join(map(str, _READABLE_VERSIONS))}); re-export the plan with `zorse plan`"
-            )
-        doc = decode(d, source)
-        _check_compute_dtype(doc, source)
+        return cls._build(d, decode(d, source), source, sources)
+
+    @classmethod
+    def _build(cls, d: dict, doc, source: str, sources: tuple[str, ...]) -> "Plan":
+        """The plan of ``d`` checked into ``doc`` (``plan_schema.decode``), its sources verified."""
+        version = doc.version
         recorded = recorded_hashes(d, source) if version >= 5 else ()
         if sources and recorded:
             verify_sources(d, sources, recorded, source)
@@ -553,20 +543,16 @@ class Plan:
             d = json.loads(path.read_text())
         except json.JSONDecodeError as exc:
             raise PlanFileError(f"{path}: invalid JSON at line {exc.lineno}: {exc.msg}") from exc
-        if not isinstance(d, dict):
-            raise PlanFileError(f"{path}: a plan file holds a JSON object, not a {type(d).__name__}; "
-                                f"re-export the plan with `zorse plan`")
-        stages = d.get("stages", [])
-        if not isinstance(stages, list) or not all(isinstance(s, dict) for s in stages):
-            raise PlanFileError(f"{path}: field 'stages' must be a list of objects; re-export the plan with `zorse plan`")
+        doc = decode(d, str(path))
         sources = []
-        for i, s in enumerate(stages):
-            name = check_source_name(s.get("source_file"), i, str(path))
+        for i, s in enumerate(doc.stages):
+            name = check_source_name(s.source_file, i, str(path))
             src = path.parent / name
             if not src.is_file():
-                raise PlanFileError(f"{path}: stage {s.get('index')} source {src} is missing; re-export the plan")
+                raise PlanFileError(f"{path}: stage {i} source {src} (field stages[{i}].source_file) is missing; "
+                                    f"re-export the plan with `zorse plan`")
             sources.append(src.read_text())
-        return cls.from_dict(d, source=str(path), sources=tuple(sources))
+        return cls._build(d, doc, str(path), tuple(sources))
 
     # -- readable form -------------------------------------------------------
     def table(self) -> str:
@@ -635,16 +621,3 @@ class Plan:
 
     def __str__(self) -> str:
         return self.table()
-
-
-def _check_compute_dtype(doc, source: str) -> None:
-    """A version-4+ file's ``compute_dtype`` (written for readers; the precision
-    decides it) must be the one its ``precision`` computes in (``doc``: a
-    ``plan_schema.PlanDoc``; versions 1-3 have theirs dropped by ``upgrade``)."""
-    name, stored = doc.precision, doc.compute_dtype
-    if stored is None:
-        return
-    expected = precision_policy(name).compute_dtype_name
-    if stored != expected:
-        raise PlanFileError(f"{source}: field 'compute_dtype' is {stored!r} but precision {name!r} computes in "
-                            f"{expected!r}; set compute_dtype to {expected!r} (or remove it) or change precision")

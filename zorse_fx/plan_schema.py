@@ -36,10 +36,12 @@ import msgspec
 from msgspec import Meta
 
 from .errors import PlanFileError, short_repr
-from .precision import PRECISIONS
+from .precision import PRECISIONS, precision_policy
 
-__all__ = ["PlanDoc", "StageDoc", "GPUShareDoc", "TensorSpecDoc", "SolverDoc", "upgrade", "decode"]
+__all__ = ["READABLE_VERSIONS", "PlanDoc", "StageDoc", "GPUShareDoc", "TensorSpecDoc", "SolverDoc", "upgrade", "decode"]
 
+#: Format versions ``decode`` reads (``upgrade`` fills in the fields added since).
+READABLE_VERSIONS = (1, 2, 3, 4, 5)
 _FIX = "correct it or re-export the plan with `zorse plan`"
 
 Count = Annotated[int, Meta(ge=1)]  # a size that must be at least 1 (samples, tokens, micro-batches)
@@ -124,7 +126,7 @@ class PlanDoc(_Doc, kw_only=True):
     #: One of ``precision.REDUCE_DTYPES[precision]``: checked by ``Plan.__post_init__``, whose message
     #: names what the file's precision allows.
     grad_reduce_dtype: str
-    #: Written for readers (the precision decides it); checked by ``plan._check_compute_dtype``.
+    #: Written for readers (the precision decides it); checked by ``_check_compute_dtype``.
     compute_dtype: Literal["float32", "bfloat16", "float16"] | None = None
     predicted_step_time_s: Seconds
     solver: SolverDoc
@@ -156,6 +158,8 @@ _MEANING = {
     "consts": "flat attribute name -> canonical buffer name, both strings",
     "shape_per_sample": "the tensor's shape without the batch dimension",
     "num_parameters": "a count",
+    "source_file": "it must be the plain name of a Python file beside plan.json, like 'stage_0.py'",
+    "source_sha256": "the stage file's sha256, 64 hex digits",
 }
 
 
@@ -192,15 +196,45 @@ def _upgrade_stage(s: dict, version: int) -> dict:
     return s
 
 
-def decode(d: dict, source: str) -> PlanDoc:
+def decode(d: Any, source: str) -> PlanDoc:
     """Check ``d`` (a parsed plan.json, any readable version) against the
-    schema and return it as a ``PlanDoc`` in the current shape. Raises
-    PlanFileError naming ``source``, the field path, the value and the fix."""
+    schema and return it as a ``PlanDoc`` in the current shape: an object,
+    ``format`` "zorse_fx.plan", a version in ``READABLE_VERSIONS``, every
+    field's type, range and allowed values, and a ``compute_dtype`` (if
+    written) that is the precision's. Raises PlanFileError naming ``source``,
+    the field path, the value and what would fix it."""
+    if not isinstance(d, dict):
+        raise PlanFileError(f"{source}: a plan file holds a JSON object, not a {type(d).__name__}; "
+                            f"re-export the plan with `zorse plan`")
+    if d.get("format") != "zorse_fx.plan":
+        raise PlanFileError(f"{source}: not a zorse_fx plan (field 'format' is {short_repr(d.get('format'))}, "
+                            f"expected 'zorse_fx.plan')")
+    version = d.get("version")
+    if isinstance(version, bool) or version not in READABLE_VERSIONS:
+        raise PlanFileError(
+            f"{source}: plan format version {short_repr(version)} is not supported by this zorse_fx "
+            f"(reads versions {', '.join(map(str, READABLE_VERSIONS))}); re-export the plan with `zorse plan`"
+        )
     current = upgrade(d)
     try:
-        return msgspec.convert(current, PlanDoc)
+        doc = msgspec.convert(current, PlanDoc)
     except msgspec.ValidationError as exc:
         raise PlanFileError(_message(str(exc), current, source)) from None
+    _check_compute_dtype(doc, source)
+    return doc
+
+
+def _check_compute_dtype(doc: PlanDoc, source: str) -> None:
+    """A version-4+ file's ``compute_dtype`` (written for readers; the precision
+    decides it) must be the one its ``precision`` computes in (``doc``: a
+    ``plan_schema.PlanDoc``; versions 1-3 have theirs dropped by ``upgrade``)."""
+    name, stored = doc.precision, doc.compute_dtype
+    if stored is None:
+        return
+    expected = precision_policy(name).compute_dtype_name
+    if stored != expected:
+        raise PlanFileError(f"{source}: field 'compute_dtype' is {stored!r} but precision {name!r} computes in "
+                            f"{expected!r}; set compute_dtype to {expected!r} (or remove it) or change precision")
 
 
 # -- error messages -------------------------------------------------------------------
@@ -237,7 +271,8 @@ def _message(error: str, d: dict, source: str) -> str:
                 f"re-export the plan with `zorse plan`")
     kind = _type_at(path)
     if typing.get_origin(kind) is Literal:
-        return f"{source}: field {render(path)} is {short_repr(value)}; allowed: {', '.join(map(repr, typing.get_args(kind)))}"
+        allowed = ", ".join(map(repr, typing.get_args(kind)))
+        return f"{source}: field {render(path)} is {short_repr(value)}; allowed: {allowed}"
     name = next((p for p in reversed(path) if isinstance(p, str) and p != "..."), "")
     meaning = f" ({_MEANING[name]})" if name in _MEANING else ""
     return f"{source}: field {render(path)} is {short_repr(value)}: {reason[:1].lower()}{reason[1:]}{meaning}; {_FIX}"
