@@ -243,14 +243,18 @@ _AT = re.compile(r"(?s)(.*) - at `\$(.*)`")
 _PART = re.compile(r"\.(\w+)|\[(\d+|\.\.\.)\]")
 
 
-def render(path: list) -> str:
+class _Entry(str):
+    """A dict entry in a field path, written ``[<key>]`` (``params['w']``)."""
+
+
+def _render(path: list) -> str:
     """A field path as messages write it: ``stages[1].gpus[0].rank``; a
     top-level field quoted (``'precision'``)."""
     if len(path) == 1 and isinstance(path[0], str):
         return repr(path[0])
     text = ""
     for p in path:
-        text += f"[{p}]" if isinstance(p, int) else f"[{p[1:]}]" if p.startswith("\0") else f".{p}"
+        text += f"[{p}]" if isinstance(p, (int, _Entry)) else f".{p}"
     return text.lstrip(".")
 
 
@@ -264,18 +268,18 @@ def _message(error: str, d: dict, source: str) -> str:
         name, parent = missing.group(2), path
         path = [*path, name]
         if missing.group(1).startswith("missing"):
-            return f"{source}: missing field {render(path)}; re-export the plan with `zorse plan`"
+            return f"{source}: missing field {_render(path)}; re-export the plan with `zorse plan`"
         close = difflib.get_close_matches(name, _field_names(_type_at(parent)), n=1)
         hint = f"did you mean {close[0]!r}? " if close else ""
-        return (f"{source}: unknown field {render(path)} (value {short_repr(value.get(name))}); {hint}remove it or "
+        return (f"{source}: unknown field {_render(path)} (value {short_repr(value.get(name))}); {hint}remove it or "
                 f"re-export the plan with `zorse plan`")
     kind = _type_at(path)
     if typing.get_origin(kind) is Literal:
         allowed = ", ".join(map(repr, typing.get_args(kind)))
-        return f"{source}: field {render(path)} is {short_repr(value)}; allowed: {allowed}"
-    name = next((p for p in reversed(path) if isinstance(p, str) and p != "..."), "")
+        return f"{source}: field {_render(path)} is {short_repr(value)}; allowed: {allowed}"
+    name = next((p for p in reversed(path) if isinstance(p, str) and not isinstance(p, _Entry)), "")
     meaning = f" ({_MEANING[name]})" if name in _MEANING else ""
-    return f"{source}: field {render(path)} is {short_repr(value)}: {reason[:1].lower()}{reason[1:]}{meaning}; {_FIX}"
+    return f"{source}: field {_render(path)} is {short_repr(value)}: {reason[:1].lower()}{reason[1:]}{meaning}; {_FIX}"
 
 
 def _value_at(d: Any, path: list) -> tuple[Any, list]:
@@ -287,9 +291,9 @@ def _value_at(d: Any, path: list) -> tuple[Any, list]:
         if p == "..." and isinstance(d, dict):
             bad = next(((k, v) for k, v in d.items() if not (isinstance(k, str) and isinstance(v, str))), None)
             if bad is None:
-                out.append("\0...")
+                out.append(_Entry("..."))
                 continue
-            out.append("\0" + short_repr(bad[0], 40))
+            out.append(_Entry(short_repr(bad[0], 40)))
             d = bad[1]
             continue
         out.append(p)
@@ -326,7 +330,8 @@ def _type_at(path: list) -> Any:
             if typing.get_origin(kind) is dict:
                 kind = args[1]
             else:
-                kind = args[0] if len(args) == 1 or args[-1] is Ellipsis else args[p if isinstance(p, int) else 0]
+                fixed = len(args) > 1 and args[-1] is not Ellipsis and isinstance(p, int) and p < len(args)
+                kind = args[p] if fixed else args[0]
         else:
             return None
     return _strip(kind)
