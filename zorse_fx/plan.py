@@ -297,8 +297,8 @@ class Plan:
                 if not isinstance(g.state_shard_bytes, int) or g.state_shard_bytes < 0:
                     raise PlanFileError(
                         f"plan: field stages[{s.index}].gpus[{j}].state_shard_bytes is "
-                        f"{short_repr(g.state_shard_bytes)}; it must be an integer >= 0 (bytes of the stage's optimizer state this GPU holds; 0 on "
-                        "every GPU of the stage splits it equally)"
+                        f"{short_repr(g.state_shard_bytes)}; it must be an integer >= 0 (bytes of the stage's "
+                        "optimizer state this GPU holds; 0 on every GPU of the stage splits it equally)"
                     )
 
     def _check_stages(self) -> None:
