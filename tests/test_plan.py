@@ -93,14 +93,15 @@ def test_invalid_memory_options_are_named(plan, tmp_path):
     d = json.loads(path.read_text())
     d["stages"][0]["gpus"][1]["state_shard_bytes"] = -5
     path.write_text(json.dumps(d))
-    with pytest.raises(PlanFileError, match=r"stage 0 \(sharded\) GPU rank 1 has state_shard_bytes -5; it must be "
-                                            r"an integer >= 0") as e:
+    with pytest.raises(PlanFileError, match=r"plan.json: field stages\[0\]\.gpus\[1\]\.state_shard_bytes is -5: "
+                                            r"expected `int` >= 0") as e:
         Plan.load(path)
     assert "0 on every GPU of the stage splits it equally" in str(e.value)
     d["stages"][0]["gpus"][1]["state_shard_bytes"] = 0
     d["stages"][1]["recompute"] = "yes"
     path.write_text(json.dumps(d))
-    with pytest.raises(PlanFileError, match=r"stage 1 field 'recompute' is 'yes'; it must be true or false"):
+    with pytest.raises(PlanFileError, match=r"field stages\[1\]\.recompute is 'yes': expected `bool`, got `str` "
+                                            r"\(true or false\)"):
         Plan.load(path)
 
 

@@ -20,6 +20,8 @@ __all__ = [
     "InfeasiblePlanError",
     "RuntimeExecutionError",
     "CheckpointError",
+    "WeightsFileError",
+    "short_repr",
 ]
 
 
@@ -60,3 +62,72 @@ class RuntimeExecutionError(ZorseError, RuntimeError):
 class CheckpointError(ZorseError, ValueError):
     """A training checkpoint is incomplete, malformed, or of another model /
     global batch than the plan it is loaded into."""
+
+
+class WeightsFileError(ZorseError, ValueError):
+    """A weights file (``weights.pt``, a dict canonical name -> tensor) does not
+    fit the plan: a tensor the stage needs is missing, or has another shape or
+    dtype than the stage's module expects."""
+
+
+class _Full(Exception):
+    """``short_repr``'s budget is spent."""
+
+
+def short_repr(value: object, limit: int = 80) -> str:
+    """``repr(value)`` cut to at most ``limit`` characters, for error messages.
+
+    Never builds the whole repr: containers (dict, list, tuple, set) are walked
+    element by element and the walk stops once ``limit`` characters are
+    written, so a huge or deeply shared value (a YAML alias bomb expands to
+    billions of elements through a few shared lists) costs O(limit) time. A
+    container met again inside itself reads ``[...]`` as in ``repr``; strings
+    and other scalars are cut before their ``repr`` is taken. The cut is
+    marked with a trailing ``...``.
+    """
+    out: list[str] = []
+    room = [limit + 1]  # one more than fits: tells a cut from an exact fit
+
+    def emit(text: str) -> None:
+        out.append(text[: room[0]])
+        room[0] -= len(text)
+        if room[0] <= 0:
+            raise _Full
+
+    def walk(v: object, stack: set[int]) -> None:
+        if isinstance(v, (dict, list, tuple, set, frozenset)):
+            if id(v) in stack:
+                return emit({dict: "{...}", list: "[...]", tuple: "(...)"}.get(type(v), "{...}"))
+            stack.add(id(v))
+            if isinstance(v, dict):
+                emit("{")
+                for i, (k, x) in enumerate(v.items()):
+                    emit(", " if i else "")
+                    walk(k, stack)
+                    emit(": ")
+                    walk(x, stack)
+                emit("}")
+            else:
+                kind = type(v)
+                opening, closing = {list: ("[", "]"), tuple: ("(", ")")}.get(kind, ("{", "}"))
+                if not v and kind in (set, frozenset):
+                    opening, closing = f"{kind.__name__}(", ")"
+                emit(opening)
+                for i, x in enumerate(v):
+                    emit(", " if i else "")
+                    walk(x, stack)
+                emit("," + closing if kind is tuple and len(v) == 1 else closing)
+            stack.discard(id(v))
+        elif isinstance(v, (str, bytes)):
+            emit(repr(v[: room[0]]) if len(v) > room[0] else repr(v))
+        elif isinstance(v, int) and not isinstance(v, bool) and v.bit_length() > 4 * limit:
+            emit(f"<int of {v.bit_length()} bits>")
+        else:
+            emit(repr(v))
+
+    try:
+        walk(value, set())
+    except _Full:
+        pass
+    text = "".join(out)
+    return text if len(text) <= limit else text[: max(limit - 3, 0)] + "..."

@@ -22,6 +22,13 @@ hashes named. The runtime executes the text that was hashed
 hashes: it loads (``zorse show`` works) with ``Plan.sources_verified``
 False, and the runtime refuses to run it until it is re-exported.
 
+Checked before anything runs (issue 12): ``Plan.load`` / ``Plan.from_dict``
+check plan.json against its schema (``plan_schema.py``: types, ranges,
+allowed values, no unknown keys; older versions upgraded first) before any
+stage file is read, and ``Plan.__post_init__`` checks the rules tying fields
+together. Every error is a ``PlanFileError`` naming the file, the field path
+(``stages[1].gpus[0].samples_per_microbatch``), the value and the fix.
+
 Ranks are numbered stage by stage: stage 0's GPUs get ranks 0..k0-1, and so
 on, so ``world_size`` = number of GPUs the plan uses.
 
@@ -63,8 +70,11 @@ import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import msgspec
+
 from .capture.analysis import TensorSpec
-from .errors import PlanFileError
+from .errors import PlanFileError, short_repr
+from .plan_schema import decode
 from .precision import PRECISIONS, REDUCE_DTYPES, PrecisionPolicy, precision_policy
 from .stage_sources import check_source_name, recorded_hashes, source_sha256, verify_sources
 
@@ -72,8 +82,6 @@ __all__ = ["PLAN_FORMAT_VERSION", "GPUShare", "StagePlan", "SolverReport", "Plan
 
 #: Bumped on any incompatible change of plan.json.
 PLAN_FORMAT_VERSION = 5
-#: Older versions ``from_dict`` still reads (fields added since take their defaults).
-_READABLE_VERSIONS = (1, 2, 3, 4, 5)
 GIB = 1024**3
 
 
@@ -235,59 +243,90 @@ class Plan:
     recorded_sha256: tuple[str, ...] = field(default=(), compare=False, repr=False)
 
     def __post_init__(self) -> None:
+        """The rules tying fields together (a plan file's types and ranges are
+        checked before, by ``plan_schema``). Raises PlanFileError naming the
+        field path and value (prefix ``plan:``; ``from_dict`` puts the file)."""
         if not isinstance(self.precision, str) or self.precision not in PRECISIONS:
-            raise PlanFileError(f"plan: field 'precision' is {self.precision!r}; allowed: "
+            raise PlanFileError(f"plan: field 'precision' is {short_repr(self.precision)}; allowed: "
                                 f"{', '.join(map(repr, PRECISIONS))}")
         allowed = REDUCE_DTYPES[self.precision]
         if not isinstance(self.grad_reduce_dtype, str) or self.grad_reduce_dtype not in allowed:
-            raise PlanFileError(f"plan: field 'grad_reduce_dtype' is {self.grad_reduce_dtype!r}; precision "
+            raise PlanFileError(f"plan: field 'grad_reduce_dtype' is {short_repr(self.grad_reduce_dtype)}; precision "
                                 f"{self.precision!r} allows {', '.join(map(repr, allowed))}")
         if self.microbatch_size * self.num_microbatches != self.global_batch_size:
             raise PlanFileError(
                 f"plan: microbatch_size {self.microbatch_size} x num_microbatches "
-                f"{self.num_microbatches} != global_batch_size {self.global_batch_size}"
+                f"{self.num_microbatches} != global_batch_size {self.global_batch_size}; make global_batch_size "
+                f"their product or re-export the plan with `zorse plan`"
             )
-        for s in self.stages:
-            if s.microbatch_size != self.microbatch_size:
-                raise PlanFileError(
-                    f"plan: stage {s.index} GPUs take {[g.samples_per_microbatch for g in s.gpus]} "
-                    f"samples (sum {s.microbatch_size}) but microbatch_size is {self.microbatch_size}"
-                )
+        self._check_stages()
         v = self.interleave
         if not isinstance(v, int) or v < 1 or len(self.stages) % v:
-            raise PlanFileError(f"plan: interleave {v!r} must be an integer >= 1 dividing the stage count "
-                                f"{len(self.stages)} (stages per GPU group)")
+            raise PlanFileError(f"plan: field 'interleave': interleave {short_repr(v)} must be an integer >= 1 "
+                                f"dividing the stage count {len(self.stages)} (stages per GPU group)")
         if v > 1 and self.schedule != "1f1b":
-            raise PlanFileError(f"plan: interleave {v} needs schedule '1f1b' (interleaved 1F1B), not "
-                                f"{self.schedule!r}; set interleave to 1 or the schedule to '1f1b'")
+            raise PlanFileError(f"plan: field 'schedule': interleave {v} needs schedule '1f1b' (interleaved 1F1B), "
+                                f"not {self.schedule!r}; set interleave to 1 or the schedule to '1f1b'")
         groups = len(self.stages) // v
         if v > 1 and self.num_microbatches % groups:
-            raise PlanFileError(f"plan: interleave {v} on {groups} GPU groups needs num_microbatches to be a "
-                                f"multiple of {groups}, got {self.num_microbatches}")
+            raise PlanFileError(f"plan: field 'num_microbatches': interleave {v} on {groups} GPU groups needs "
+                                f"num_microbatches to be a multiple of {groups}, got {self.num_microbatches}")
         ranks = [g.rank for s in self.stages[:groups] for g in s.gpus]
         if ranks != list(range(len(ranks))):
-            raise PlanFileError(f"plan: ranks must be 0..{len(ranks) - 1} in stage order, got {ranks}")
+            where = [(s.index, j, g.rank) for s in self.stages[:groups] for j, g in enumerate(s.gpus)]
+            i = next(k for k, r in enumerate(ranks) if r != k)
+            si, j, r = where[i]
+            raise PlanFileError(
+                f"plan: field stages[{si}].gpus[{j}].rank is {r!r}, expected {i}: ranks must be 0..{len(ranks) - 1} "
+                f"in stage order (stage 0's GPUs first, a permutation of the world), got {short_repr(ranks)}; "
+                f"renumber them or re-export the plan with `zorse plan`")
         for s in self.stages[groups:]:
             home = self.stages[s.index % groups]
             key = [(g.rank, g.gpu, g.samples_per_microbatch) for g in s.gpus]
             if key != [(g.rank, g.gpu, g.samples_per_microbatch) for g in home.gpus]:
                 raise PlanFileError(
-                    f"plan: with interleave {v}, stage {s.index} must run on the GPUs of stage {home.index} "
-                    f"(GPU group {home.index}): (rank, gpu, samples) {key} != "
-                    f"{[(g.rank, g.gpu, g.samples_per_microbatch) for g in home.gpus]}")
+                    f"plan: field stages[{s.index}].gpus: with interleave {v}, stage {s.index} must run on the GPUs "
+                    f"of stage {home.index} (GPU group {home.index}): (rank, gpu, samples) {short_repr(key)} != "
+                    f"{short_repr([(g.rank, g.gpu, g.samples_per_microbatch) for g in home.gpus])}")
         for s in self.stages:
             for name in ("sharded", "recompute"):
                 if not isinstance(getattr(s, name), bool):
-                    raise PlanFileError(
-                        f"plan: stage {s.index} field {name!r} is {getattr(s, name)!r}; it must be true or false"
-                    )
-            for g in s.gpus:
+                    raise PlanFileError(f"plan: field stages[{s.index}].{name} is {short_repr(getattr(s, name))}; "
+                                        f"it must be true or false")
+            for j, g in enumerate(s.gpus):
                 if not isinstance(g.state_shard_bytes, int) or g.state_shard_bytes < 0:
                     raise PlanFileError(
-                        f"plan: stage {s.index}{' (sharded)' if s.sharded else ''} GPU rank {g.rank} has "
-                        f"state_shard_bytes {g.state_shard_bytes!r}; it must be an integer >= 0 (bytes of the "
-                        "stage's optimizer state this GPU holds; 0 on every GPU of the stage splits it equally)"
+                        f"plan: field stages[{s.index}].gpus[{j}].state_shard_bytes is "
+                        f"{short_repr(g.state_shard_bytes)}; it must be an integer >= 0 (bytes of the stage's "
+                        "optimizer state this GPU holds; 0 on every GPU of the stage splits it equally)"
                     )
+
+    def _check_stages(self) -> None:
+        """Each stage's ``index`` is its position; the block ranges are
+        ``[start, end)`` with start < end, contiguous from block 0; each
+        stage's shares sum to ``microbatch_size``."""
+        if not self.stages:
+            raise PlanFileError("plan: field 'stages' is empty; a plan has at least one stage")
+        end = 0
+        for i, s in enumerate(self.stages):
+            if s.index != i:
+                raise PlanFileError(f"plan: field stages[{i}].index is {short_repr(s.index)}, expected {i}: stages "
+                                    f"are listed in order, numbered from 0; re-export the plan with `zorse plan`")
+            a, b = s.blocks
+            if a != end or not b > a:
+                need = (f"start at block {end} (where {'stages[%d] ends' % (i - 1) if i else 'the model starts'})"
+                        if a != end else "end after it starts")
+                raise PlanFileError(
+                    f"plan: field stages[{i}].blocks is {short_repr(list(s.blocks))}: a stage's blocks are "
+                    f"[start, end) with start < end and the stages' ranges contiguous, so it must {need}; "
+                    f"re-export the plan with `zorse plan`")
+            end = b
+            if s.microbatch_size != self.microbatch_size:
+                raise PlanFileError(
+                    f"plan: field stages[{i}].gpus[*].samples_per_microbatch: stage {s.index} GPUs take "
+                    f"{short_repr([g.samples_per_microbatch for g in s.gpus])} samples (sum {s.microbatch_size}) "
+                    f"but microbatch_size is {self.microbatch_size}; the shares of a stage's GPUs must sum to it"
+                )
 
     # -- queries -------------------------------------------------------------
     def precision_policy(self) -> PrecisionPolicy:
@@ -418,68 +457,69 @@ class Plan:
 
     @classmethod
     def from_dict(cls, d: dict, *, source: str = "<dict>", sources: tuple[str, ...] = ()) -> "Plan":
-        if d.get("format") != "zorse_fx.plan":
-            raise PlanFileError(f"{source}: not a zorse_fx plan (field 'format' is {d.get('format')!r}, expected 'zorse_fx.plan')")
-        if d.get("version") not in _READABLE_VERSIONS:
-            raise PlanFileError(
-                f"{source}: plan format version {d.get('version')!r} is not supported by this zorse_fx "
-                f"(reads versions {', '.join(map(str, _READABLE_VERSIONS))}); re-export the plan with `zorse plan`"
-            )
-        if d["version"] >= 4:
-            _check_compute_dtype(d, source)
-        recorded = recorded_hashes(d, source) if d["version"] >= 5 else ()
+        """The plan a parsed plan.json ``d`` (format version 1-5) holds.
+
+        ``d`` is checked against the schema (``plan_schema.decode``: every
+        field's type, range and allowed values), then the stage sources
+        against the recorded sha256 (version >= 5), then the rules tying the
+        fields together (``__post_init__``). Raises PlanFileError naming
+        ``source``, the field path, the value and what would fix it.
+        """
+        return cls._build(d, decode(d, source), source, sources)
+
+    @classmethod
+    def _build(cls, d: dict, doc, source: str, sources: tuple[str, ...]) -> "Plan":
+        """The plan of ``d`` checked into ``doc`` (``plan_schema.decode``), its sources verified."""
+        version = doc.version
+        recorded = recorded_hashes(d, source) if version >= 5 else ()
         if sources and recorded:
             verify_sources(d, sources, recorded, source)
-        try:
-            stages = tuple(
-                StagePlan(
-                    index=s["index"],
-                    blocks=tuple(s["blocks"]),
-                    label=s["label"],
-                    gpus=tuple(GPUShare(**g) for g in s["gpus"]),
-                    input_names=tuple(s["input_names"]),
-                    recv=tuple(TensorSpec.from_dict(t) for t in s["recv"]),
-                    send=tuple(TensorSpec.from_dict(t) for t in s["send"]),
-                    params=dict(s["params"]),
-                    consts=dict(s["consts"]),
-                    num_parameters=s["num_parameters"],
-                    source_file=s["source_file"],
-                    predicted_time_s=s["predicted_time_s"],
-                    predicted_allreduce_s=s["predicted_allreduce_s"],
-                    # Version 1 has neither field: both off.
-                    sharded=s.get("sharded", False),
-                    recompute=s.get("recompute", False),
-                )
-                for s in d["stages"]
+        stages = tuple(
+            StagePlan(
+                index=s.index,
+                blocks=tuple(s.blocks),
+                label=s.label,
+                gpus=tuple(GPUShare(**msgspec.structs.asdict(g)) for g in s.gpus),
+                input_names=tuple(s.input_names),
+                recv=tuple(TensorSpec(name=t.name, shape_per_sample=tuple(t.shape_per_sample), dtype=t.dtype)
+                           for t in s.recv),
+                send=tuple(TensorSpec(name=t.name, shape_per_sample=tuple(t.shape_per_sample), dtype=t.dtype)
+                           for t in s.send),
+                params=dict(s.params),
+                consts=dict(s.consts),
+                num_parameters=s.num_parameters,
+                source_file=s.source_file,
+                predicted_time_s=s.predicted_time_s,
+                predicted_allreduce_s=s.predicted_allreduce_s,
+                sharded=s.sharded,
+                recompute=s.recompute,
             )
-            sv = d["solver"]
+            for s in doc.stages
+        )
+        sv = msgspec.structs.asdict(doc.solver)
+        try:
             return cls(
                 # An older file is read into (and re-exported as) the current format.
                 version=PLAN_FORMAT_VERSION,
-                cluster_name=d["cluster_name"],
-                model_name=d["model_name"],
-                input_names=tuple(d["input_names"]),
-                seq_len=d["seq_len"],
-                label_mode=d["label_mode"],
-                global_batch_size=d["global_batch_size"],
-                microbatch_size=d["microbatch_size"],
-                num_microbatches=d["num_microbatches"],
-                schedule=d["schedule"],
-                interleave=d.get("interleave", 1),
-                # Versions 1-3 trained in float32 (their compute_dtype only chose datasheet peaks).
-                precision=d["precision"] if d["version"] >= 4 else "fp32",
-                grad_reduce_dtype=d["grad_reduce_dtype"] if d["version"] >= 4 else "float32",
-                predicted_step_time_s=d["predicted_step_time_s"],
-                solver=SolverReport(**{**sv, "candidates": tuple(sv.get("candidates", ()))}),
+                cluster_name=doc.cluster_name,
+                model_name=doc.model_name,
+                input_names=tuple(doc.input_names),
+                seq_len=doc.seq_len,
+                label_mode=doc.label_mode,
+                global_batch_size=doc.global_batch_size,
+                microbatch_size=doc.microbatch_size,
+                num_microbatches=doc.num_microbatches,
+                schedule=doc.schedule,
+                interleave=doc.interleave,
+                precision=doc.precision,
+                grad_reduce_dtype=doc.grad_reduce_dtype,
+                predicted_step_time_s=doc.predicted_step_time_s,
+                solver=SolverReport(**{**sv, "candidates": tuple(sv["candidates"])}),
                 stages=stages,
                 sources=sources,
                 sources_verified=bool(recorded) or not sources,
                 recorded_sha256=recorded,
             )
-        except KeyError as exc:
-            raise PlanFileError(f"{source}: missing field {exc.args[0]!r}; re-export the plan with `zorse plan`") from exc
-        except TypeError as exc:
-            raise PlanFileError(f"{source}: malformed plan: {exc}") from exc
         except PlanFileError as exc:  # a __post_init__ check: name the file
             raise PlanFileError(f"{source}: {str(exc).removeprefix('plan: ')}") from None
 
@@ -510,20 +550,16 @@ class Plan:
             d = json.loads(path.read_text())
         except json.JSONDecodeError as exc:
             raise PlanFileError(f"{path}: invalid JSON at line {exc.lineno}: {exc.msg}") from exc
-        if not isinstance(d, dict):
-            raise PlanFileError(f"{path}: a plan file holds a JSON object, not a {type(d).__name__}; "
-                                f"re-export the plan with `zorse plan`")
-        stages = d.get("stages", [])
-        if not isinstance(stages, list) or not all(isinstance(s, dict) for s in stages):
-            raise PlanFileError(f"{path}: field 'stages' must be a list of objects; re-export the plan with `zorse plan`")
+        doc = decode(d, str(path))
         sources = []
-        for i, s in enumerate(stages):
-            name = check_source_name(s.get("source_file"), i, str(path))
+        for i, s in enumerate(doc.stages):
+            name = check_source_name(s.source_file, i, str(path))
             src = path.parent / name
             if not src.is_file():
-                raise PlanFileError(f"{path}: stage {s.get('index')} source {src} is missing; re-export the plan")
+                raise PlanFileError(f"{path}: stage {i} source {src} (field stages[{i}].source_file) is missing; "
+                                    f"re-export the plan with `zorse plan`")
             sources.append(src.read_text())
-        return cls.from_dict(d, source=str(path), sources=tuple(sources))
+        return cls._build(d, doc, str(path), tuple(sources))
 
     # -- readable form -------------------------------------------------------
     def table(self) -> str:
@@ -592,15 +628,3 @@ class Plan:
 
     def __str__(self) -> str:
         return self.table()
-
-
-def _check_compute_dtype(d: dict, source: str) -> None:
-    """A version-4 file's ``compute_dtype`` (written for readers; the precision
-    decides it) must be the one its ``precision`` computes in."""
-    name, stored = d.get("precision"), d.get("compute_dtype")
-    if stored is None or name not in PRECISIONS:
-        return  # no compute_dtype to check; a bad precision is named by __post_init__
-    expected = precision_policy(name).compute_dtype_name
-    if stored != expected:
-        raise PlanFileError(f"{source}: field 'compute_dtype' is {stored!r} but precision {name!r} computes in "
-                            f"{expected!r}; set compute_dtype to {expected!r} (or remove it) or change precision")

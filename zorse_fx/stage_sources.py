@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import re
 
-from .errors import PlanFileError
+from .errors import PlanFileError, short_repr
 
 __all__ = ["source_sha256", "check_source_name", "recorded_hashes", "verify_sources"]
 
@@ -26,19 +26,13 @@ def source_sha256(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
-def _short(value, limit: int = 80) -> str:
-    """``repr(value)`` cut to ``limit`` characters, for error messages."""
-    r = repr(value)
-    return r if len(r) <= limit else r[: limit - 3] + "..."
-
-
 def check_source_name(name, index: int, plan_file: str) -> str:
     """``name`` (stage ``index``'s ``source_file``) if it is the plain name of
     a ``.py`` file beside plan.json. Raises PlanFileError otherwise (absolute,
     ``..``, a directory part, hidden, not a string)."""
     if not isinstance(name, str) or not _SOURCE_NAME.fullmatch(name):
         raise PlanFileError(
-            f"{plan_file}: field stages[{index}].source_file is {_short(name)}; it must be the plain name of a "
+            f"{plan_file}: field stages[{index}].source_file is {short_repr(name)}; it must be the plain name of a "
             f"Python file beside plan.json (like 'stage_{index}.py': no directory, no '..'); re-export the plan")
     return name
 
@@ -54,7 +48,7 @@ def recorded_hashes(d: dict, source: str) -> tuple[str, ...]:
     for i, st in enumerate(stages):
         h = st.get("source_sha256") if isinstance(st, dict) else None
         if not isinstance(h, str) or not _SHA256.fullmatch(h):
-            raise PlanFileError(f"{source}: field stages[{i}].source_sha256 is {_short(h)}, not a sha256 (64 hex "
+            raise PlanFileError(f"{source}: field stages[{i}].source_sha256 is {short_repr(h)}, not a sha256 (64 hex "
                                 f"digits); re-export the plan with `zorse plan`")
         out.append(h)
     return tuple(out)

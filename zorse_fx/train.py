@@ -321,7 +321,7 @@ def main(argv=None) -> int:
         plan, plan_dir, weights, rank=rank, device=device,
         optimizer=OptimizerConfig(lr=args.lr, weight_decay=args.weight_decay,
                                   betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps),
-        precision=policy, bucket_bytes=max(1, int(args.bucket_mib * 2**20)),
+        precision=policy, bucket_bytes=max(1, int(args.bucket_mib * 2**20)), weights_source=str(weights_path),
     )
     del weights
     if args.inject_inf and args.inject_inf[0] == rank:

@@ -13,7 +13,7 @@ import yaml
 
 from zorse_fx.cluster.cluster import GPU, Cluster, Link, LinkOverride
 from zorse_fx.cluster.specs import GPU_TYPES_HELP, GPUSpec, lookup_builtin, normalize_gpu_name, unknown_gpu_message
-from zorse_fx.errors import ClusterConfigError
+from zorse_fx.errors import ClusterConfigError, short_repr
 
 __all__ = ["load_yaml", "parse", "unparse"]
 
@@ -42,6 +42,13 @@ _GPU_TYPE_NUMBERS: dict[str, Callable[[float], float]] = {
 _GPU_TYPE_KEYS = (*_GPU_TYPE_NUMBERS, "bf16_supported", "source")
 _LINK_EXAMPLE = "e.g. {bandwidth_GBps: 12.5, latency_us: 10}"
 _MAX_GPUS_PER_GROUP = 4096  # far above any real node; stops a typo (count: 8000000) from hanging
+#: Most YAML nodes a document may hold once its aliases are expanded: far above any cluster
+#: file (1000 nodes of 10 values each are 1e4), far below a billion-laughs alias bomb (9^9).
+MAX_EXPANDED_NODES = 100_000
+
+
+class _AliasError(yaml.composer.ComposerError):
+    """The document's aliases expand it too far (or make it recursive)."""
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -65,6 +72,39 @@ class _UniqueKeyLoader(yaml.SafeLoader):
             seen.add(key)
         return super().construct_mapping(node, deep=deep)
 
+    def compose_document(self):  # type: ignore[override]
+        """The document's node graph, refused if its aliases expand it past
+        ``MAX_EXPANDED_NODES`` nodes or make it recursive: PyYAML shares an
+        aliased node (the graph stays small), but a validator or a message
+        walking the values would expand it (billion laughs)."""
+        root = super().compose_document()
+        sizes: dict[int, int] = {}  # id(node) -> expanded size; -1 while being counted
+
+        def size(node: yaml.Node) -> int:
+            known = sizes.get(id(node))
+            if known == -1:
+                raise _AliasError(None, None, "an alias refers to a node that contains it "
+                                                  "(a recursive value); write the value out", node.start_mark)
+            if known is not None:
+                return known
+            sizes[id(node)] = -1
+            total = 1
+            if isinstance(node, yaml.SequenceNode):
+                total += sum(size(child) for child in node.value)
+            elif isinstance(node, yaml.MappingNode):
+                total += sum(size(k) + size(v) for k, v in node.value)
+            if total > MAX_EXPANDED_NODES:
+                raise _AliasError(
+                    None, None, f"the aliases (*name) expand this value to more than {MAX_EXPANDED_NODES:,} "
+                    f"values (a YAML alias bomb?); a cluster file is far smaller: write the values out",
+                    node.start_mark)
+            sizes[id(node)] = total
+            return total
+
+        if root is not None:
+            size(root)
+        return root
+
 
 def load_yaml(text: str, source: str) -> Any:
     """Parse YAML text safely (plain data only); syntax errors name file and line."""
@@ -74,7 +114,8 @@ def load_yaml(text: str, source: str) -> Any:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark is not None else "unknown line"
         problem = getattr(exc, "problem", None) or str(exc)
-        raise ClusterConfigError(f"{source}: YAML syntax error at {where}: {problem}; fix the YAML there") from None
+        what = "refused YAML aliases" if isinstance(exc, _AliasError) else "YAML syntax error"
+        raise ClusterConfigError(f"{source}: {what} at {where}: {problem}; fix the YAML there") from None
 
 
 class _Ctx:
@@ -84,7 +125,9 @@ class _Ctx:
         self.source = source
 
     def error(self, path: str, problem: str, value: Any = _MISSING, fix: str = "") -> ClusterConfigError:
-        got = "" if value is _MISSING else f" (got {value!r})"
+        # short_repr: a value quoted in a message is cut to a readable length without building its
+        # whole repr (a YAML alias bomb is small in memory but billions of elements long).
+        got = "" if value is _MISSING else f" (got {short_repr(value)})"
         return ClusterConfigError(f"{self.source}: {path}: {problem}{got}" + (f"; {fix}" if fix else ""))
 
     def mapping(self, path: str, value: Any, allowed: tuple[str, ...], required: tuple[str, ...] = ()) -> dict:

@@ -47,19 +47,57 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+from collections.abc import Mapping
 from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 
 from ..codegen.split import load_stage_source
-from ..errors import RuntimeExecutionError
+from ..errors import RuntimeExecutionError, WeightsFileError, short_repr
 from ..plan import Plan, StagePlan
 from ..precision import PrecisionPolicy
 from ..stage_sources import source_sha256
 from .comm import pack, routes, unpack
 
-__all__ = ["StageRuntime"]
+__all__ = ["StageRuntime", "check_weights"]
+
+
+def check_weights(expected: Mapping[str, torch.Tensor], weights: Mapping[str, torch.Tensor], *, stage: int,
+                  source: str | None = None) -> None:
+    """Check that ``weights`` (canonical name -> tensor, as ``weights.pt``
+    holds them) has, for every name of ``expected`` (canonical name -> the
+    stage module's tensor, meta tensors are enough), a tensor of exactly its
+    shape and dtype. ``copy_`` would broadcast a wrong shape (a ``(1, 32)``
+    bias into ``(4, 32)``) and cast a wrong dtype without a word, and the
+    stage would train on wrong values.
+
+    Raises:
+        WeightsFileError: naming ``source`` (the weights file, when known),
+            the tensor's canonical name, the expected and the found shape and
+            dtype, and how many other tensors do not fit either.
+    """
+    where = f"{source}: " if source else "weights: "
+    if not isinstance(weights, Mapping):
+        raise WeightsFileError(f"{where}holds a {type(weights).__name__}, not a dict canonical name -> tensor; save "
+                               f"the weights with `zorse plan` (weights.pt) or CompiledModel.save_weights")
+    problems = []
+    for canon, target in expected.items():
+        want = f"shape {tuple(target.shape)}, {target.dtype}"
+        value = weights.get(canon)
+        if value is None:
+            problems.append(f"no tensor {canon!r}, which stage {stage} needs ({want})")
+        elif not isinstance(value, torch.Tensor):
+            problems.append(f"entry {canon!r} is a {type(value).__name__} ({short_repr(value)}), not a tensor; "
+                            f"stage {stage} needs {want}")
+        elif tuple(value.shape) != tuple(target.shape) or value.dtype != target.dtype:
+            problems.append(f"tensor {canon!r} has shape {tuple(value.shape)}, {value.dtype} but stage {stage} "
+                            f"expects {want}")
+    if problems:
+        more = f" (and {len(problems) - 1} more tensors do not fit)" if len(problems) > 1 else ""
+        raise WeightsFileError(f"{where}{problems[0]}{more}; these are not the weights of the model the plan was "
+                               f"made for: export them with the plan (`zorse plan` writes weights.pt, "
+                               f"CompiledModel.save_weights) from that model, in its dtypes")
 
 
 class StageRuntime:
@@ -72,15 +110,20 @@ class StageRuntime:
         rank, device: this rank and its device (``cuda:<local rank>`` or cpu).
         precision: the policy the step runs under; under a mixed policy every
             trainable floating parameter is a float32 master weight.
+        weights_source: where ``weights`` came from (the weights file), for
+            error messages.
 
     Raises:
-        RuntimeExecutionError: a weight the stage needs is missing or has the
-            wrong shape (the message names it and both shapes).
+        WeightsFileError: a tensor the stage needs is missing from ``weights``
+            or has another shape or dtype (``check_weights``: the file, the
+            tensor and both shapes and dtypes named).
+        RuntimeExecutionError: the stage source may not be run (see ``_source``).
     """
 
     def __init__(self, plan: Plan, index: int, plan_dir: Path, weights: dict[str, torch.Tensor], *, rank: int,
-                 device: torch.device, precision: PrecisionPolicy):
+                 device: torch.device, precision: PrecisionPolicy, weights_source: str | None = None):
         self.plan = plan
+        self.weights_source = weights_source
         self.rank = rank
         self.device = device
         self.precision = precision
@@ -138,19 +181,14 @@ class StageRuntime:
         cls = load_stage_source(self._source(plan_dir), plan_dir / self.stage.source_file, self.stage.index)
         with torch.device("meta"):
             module = cls()
+        names = {**cls.PARAMETERS, **cls.CONSTANTS}
+        # Checked on the meta module, before any memory is allocated or any value copied.
+        check_weights({canon: getattr(module, flat) for flat, canon in names.items()}, weights,
+                      stage=self.stage.index, source=self.weights_source)
         module = module.to_empty(device=self.device)
         with torch.no_grad():
-            for flat, canon in {**cls.PARAMETERS, **cls.CONSTANTS}.items():
-                if canon not in weights:
-                    raise RuntimeExecutionError(f"the weights have no tensor {canon!r}, which stage "
-                                                f"{self.stage.index} needs; export the weights of the model the "
-                                                f"plan was made for (`zorse plan` writes weights.pt)")
-                target, value = getattr(module, flat), weights[canon]
-                if tuple(target.shape) != tuple(value.shape):
-                    raise RuntimeExecutionError(f"weight {canon!r} has shape {tuple(value.shape)} but stage "
-                                                f"{self.stage.index} expects {tuple(target.shape)}; the weights "
-                                                f"file is not the one of this plan's model")
-                target.copy_(value)
+            for flat, canon in names.items():
+                getattr(module, flat).copy_(weights[canon])
         if self.precision.mixed:  # float32 master weights (see [Note: mixed precision])
             for name, p in module.named_parameters():
                 if p.is_floating_point() and p.dtype != torch.float32:

@@ -103,6 +103,8 @@ class StageWorker:
         optimizer: AdamW hyper-parameters.
         precision: the policy to train with (default fp32).
         bucket_bytes: gradient bucket size (DDP's 25 MiB by default).
+        weights_source: the file ``weights`` was read from, named by a
+            ``WeightsFileError`` (a tensor missing or of the wrong shape or dtype).
     """
 
     def __init__(
@@ -116,6 +118,7 @@ class StageWorker:
         optimizer: OptimizerConfig = OptimizerConfig(),
         precision: PrecisionPolicy | None = None,
         bucket_bytes: int = BUCKET_BYTES,
+        weights_source: str | None = None,
     ):
         self.plan = plan
         self.rank = rank
@@ -130,7 +133,8 @@ class StageWorker:
         self._build_groups()
         #: The stages this rank hosts, in stage order.
         self.stages: list[StageRuntime] = [
-            StageRuntime(plan, index, Path(plan_dir), weights, rank=rank, device=device, precision=self.precision)
+            StageRuntime(plan, index, Path(plan_dir), weights, rank=rank, device=device, precision=self.precision,
+                         weights_source=weights_source)
             for index in plan.stages_of(rank)]
         self._by_index = {st.index: st for st in self.stages}
         self.optimizers = [StageOptimizer(st, optimizer, shard_group=self._groups.get(tuple(sorted(st.stage.ranks))))

@@ -1,0 +1,303 @@
+"""A plan is data, checked before anything runs (issue 12): plan.json against
+its schema (``plan_schema``) and the cross-field rules, weights per tensor
+before they are copied into a stage, and messages that quote a value cut to a
+readable length (a YAML alias bomb in a cluster field). Every test asserts the
+message: the file, the field path, the value and the fix."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+from conftest import CLUSTERS
+from test_plan import _gpt_plan
+from zorse_fx.cli import main as zorse_main
+from zorse_fx.cluster import Cluster
+from zorse_fx.errors import ClusterConfigError, PlanFileError, WeightsFileError, short_repr
+from zorse_fx.models.gpt import GPT, GPTConfig
+from zorse_fx.plan import Plan
+from zorse_fx.precision import precision_policy
+
+REEXPORT = "re-export the plan with `zorse plan`"
+
+
+@pytest.fixture(scope="module")
+def plan():
+    """Stage 0: GPUs 0, 1 (ranks 0, 1) taking 3 + 1 samples; stage 1: GPU 2 (rank 2) taking 4."""
+    return _gpt_plan(2, (0, 3), stage_gpus=((0, 1), (2,)), samples_per_microbatch=((3, 1), (4,)))
+
+
+@pytest.fixture()
+def exported(plan, tmp_path):
+    """``plan`` exported with the weights of its model (seed 0, as ``_gpt_plan`` builds it)."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_embd=32, block_size=16))
+    plan.export(tmp_path / "p")
+    torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, tmp_path / "p" / "weights.pt")
+    return tmp_path / "p"
+
+
+def _edited(directory, edit):
+    """plan.json in ``directory`` after ``edit(d)``; returns its path."""
+    path = directory / "plan.json"
+    d = json.loads(path.read_text())
+    edit(d)
+    path.write_text(json.dumps(d))
+    return path
+
+
+def _load_error(path) -> str:
+    with pytest.raises(PlanFileError) as e:
+        Plan.load(path)
+    return str(e.value)
+
+
+# -- shares and other fields: type and range -------------------------------------------------
+
+@pytest.mark.parametrize(("value", "reason"), [
+    (0, "expected `int` >= 1"),
+    (-2, "expected `int` >= 1"),
+    (5.5, "expected `int`, got `float`"),
+    ("3", "expected `int`, got `str`"),
+    (True, "expected `int`, got `bool`"),
+])
+def test_a_bad_share_is_named(exported, value, reason):
+    path = _edited(exported, lambda d: d["stages"][1]["gpus"][0].update(samples_per_microbatch=value))
+    assert _load_error(path) == (
+        f"{path}: field stages[1].gpus[0].samples_per_microbatch is {value!r}: {reason} (the samples this GPU takes "
+        f"from every micro-batch; the shares of a stage's GPUs sum to microbatch_size); correct it or {REEXPORT}")
+
+
+@pytest.mark.parametrize(("edit", "field", "value", "reason"), [
+    (lambda d: d.update(seq_len="16"), "'seq_len'", "'16'", "expected `int`, got `str`"),
+    (lambda d: d.update(seq_len=-16), "'seq_len'", "-16", "expected `int` >= 1 (tokens per sample)"),
+    (lambda d: d.update(global_batch_size=None), "'global_batch_size'", "None", "expected `int`, got `null`"),
+    (lambda d: d.update(num_microbatches=0), "'num_microbatches'", "0", "expected `int` >= 1"),
+    (lambda d: d["stages"][0]["gpus"][1].update(rank=1.0), "stages[0].gpus[1].rank", "1.0",
+     "expected `int`, got `float`"),
+    (lambda d: d["stages"][1]["gpus"][0].update(gpu=-1), "stages[1].gpus[0].gpu", "-1", "expected `int` >= 0"),
+    (lambda d: d["stages"][0].update(blocks=[0]), "stages[0].blocks", "[0]", "expected `array` of length 2, got 1"),
+    (lambda d: d["stages"][0].update(label=None), "stages[0].label", "None", "expected `str`, got `null`"),
+    (lambda d: d["stages"][0]["params"].update({"w": 3}), "stages[0].params['w']", "3",
+     "expected `str`, got `int`"),
+    (lambda d: d["stages"][1]["recv"][0].update(shape_per_sample="16x32"), "stages[1].recv[0].shape_per_sample",
+     "'16x32'", "expected `array`, got `str`"),
+    (lambda d: d["solver"].update(wall_s="fast"), "solver.wall_s", "'fast'", "expected `float`, got `str`"),
+    (lambda d: d.update(stages={}), "'stages'", "{}", "expected `array`, got `object`"),
+])
+def test_a_wrong_type_or_range_names_the_field_path_and_value(exported, edit, field, value, reason):
+    path = _edited(exported, edit)
+    message = _load_error(path)
+    assert message.startswith(f"{path}: field {field} is {value}: {reason}"), message
+    assert message.endswith(f"correct it or {REEXPORT}")
+
+
+@pytest.mark.parametrize(("edit", "field", "value", "allowed"), [
+    (lambda d: d.update(precision="fp8"), "'precision'", "'fp8'", "'fp32', 'bf16-mixed', 'fp16-mixed'"),
+    (lambda d: d.update(schedule="zb-h1"), "'schedule'", "'zb-h1'", "'1f1b', 'gpipe'"),
+    (lambda d: d.update(label_mode=1), "'label_mode'", "1", "'same', 'shifted'"),
+    (lambda d: d["stages"][1]["recv"][0].update(dtype="float33"), "stages[1].recv[0].dtype", "'float33'",
+     "'float64', 'float32', 'float16', 'bfloat16'"),
+])
+def test_an_unknown_enum_value_lists_the_allowed_ones(exported, edit, field, value, allowed):
+    path = _edited(exported, edit)
+    assert _load_error(path).startswith(f"{path}: field {field} is {value}; allowed: {allowed}")
+
+
+def test_unknown_and_missing_fields_are_named(exported):
+    path = _edited(exported, lambda d: d["stages"][0].update(shraded=True))
+    assert _load_error(path) == (f"{path}: unknown field stages[0].shraded (value True); did you mean 'sharded'? "
+                                 f"remove it or {REEXPORT}")
+    path = _edited(exported, lambda d: (d["stages"][0].pop("shraded"), d["stages"][1]["gpus"][0].pop("node")))
+    assert _load_error(path) == f"{path}: missing field stages[1].gpus[0].node; {REEXPORT}"
+
+
+def test_a_plan_file_that_is_a_list_is_refused(exported):
+    (exported / "plan.json").write_text("[1, 2]")
+    assert _load_error(exported) == (f"{exported / 'plan.json'}: a plan file holds a JSON object, not a list; "
+                                     f"{REEXPORT}")
+    with pytest.raises(PlanFileError, match=r"^<dict>: a plan file holds a JSON object, not a list"):
+        Plan.from_dict([1, 2])
+
+
+def test_a_huge_value_is_quoted_short(exported):
+    path = _edited(exported, lambda d: d.update(seq_len=["x" * 1000] * 1000))
+    message = _load_error(path)
+    assert message.startswith(f"{path}: field 'seq_len' is ['xxxx") and "...: expected `int`, got `array`" in message
+    assert len(message) < 400
+
+
+# -- cross-field rules ------------------------------------------------------------------------------
+
+def test_ranks_that_are_not_a_permutation_are_named(exported):
+    def swap(d):
+        d["stages"][0]["gpus"][1]["rank"], d["stages"][1]["gpus"][0]["rank"] = 2, 1
+
+    path = _edited(exported, swap)
+    assert _load_error(path) == (
+        f"{path}: field stages[0].gpus[1].rank is 2, expected 1: ranks must be 0..2 in stage order (stage 0's GPUs "
+        f"first, a permutation of the world), got [0, 2, 1]; renumber them or {REEXPORT}")
+    def duplicate(d):
+        d["stages"][0]["gpus"][1]["rank"], d["stages"][1]["gpus"][0]["rank"] = 1, 0
+
+    path = _edited(exported, duplicate)
+    assert "field stages[1].gpus[0].rank is 0, expected 2: ranks must be 0..2" in _load_error(path)
+
+
+def test_shares_that_do_not_sum_to_the_microbatch_are_named(exported):
+    path = _edited(exported, lambda d: d["stages"][0]["gpus"][0].update(samples_per_microbatch=2))
+    assert _load_error(path) == (
+        f"{path}: field stages[0].gpus[*].samples_per_microbatch: stage 0 GPUs take [2, 1] samples (sum 3) but "
+        f"microbatch_size is 4; the shares of a stage's GPUs must sum to it")
+
+
+def test_stage_index_and_block_ranges_are_checked(exported):
+    path = _edited(exported, lambda d: d["stages"][1].update(index=3))
+    assert _load_error(path) == (f"{path}: field stages[1].index is 3, expected 1: stages are listed in order, "
+                                 f"numbered from 0; {REEXPORT}")
+    path = _edited(exported, lambda d: d["stages"][1].update(index=1, blocks=[4, 5]))
+    assert _load_error(path) == (
+        f"{path}: field stages[1].blocks is [4, 5]: a stage's blocks are [start, end) with start < end and the "
+        f"stages' ranges contiguous, so it must start at block 3 (where stages[0] ends); {REEXPORT}")
+    path = _edited(exported, lambda d: d["stages"][1].update(blocks=[3, 3]))
+    assert f"field stages[1].blocks is [3, 3]: a stage's blocks are [start, end) with start < end" in \
+        _load_error(path)
+    assert "so it must end after it starts" in _load_error(path)
+
+
+def test_zorse_show_prints_one_line_and_exits_1(exported, capsys):
+    path = _edited(exported, lambda d: d["stages"][1]["gpus"][0].update(samples_per_microbatch=0))
+    assert zorse_main(["show", str(exported)]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == (f"zorse: {path}: field stages[1].gpus[0].samples_per_microbatch is 0: expected `int` "
+                            f">= 1 (the samples this GPU takes from every micro-batch; the shares of a stage's GPUs "
+                            f"sum to microbatch_size); correct it or {REEXPORT}\n")
+
+
+def test_older_versions_still_load(plan, exported):
+    """Versions 1-4 lack fields added since; they load with the values they trained with."""
+    def to_v1(d):
+        d["version"] = 1
+        for key in ("interleave", "precision", "grad_reduce_dtype"):
+            del d[key]
+        for s in d["stages"]:
+            del s["sharded"], s["recompute"], s["source_sha256"]
+            for g in s["gpus"]:
+                del g["state_shard_bytes"]
+        for key in ("simulated_step_time_s", "simulated_max_memory_fraction", "simulated_bubble_fraction"):
+            del d["solver"][key]
+
+    old = Plan.load(_edited(exported, to_v1))
+    assert (old.interleave, old.precision, old.grad_reduce_dtype) == (1, "fp32", "float32")
+    assert old.stages == plan.stages and not old.sources_verified
+
+
+# -- weights, per tensor -------------------------------------------------------------------------------
+
+def _runtime(exported, weights):
+    from zorse_fx.runtime.stage import StageRuntime
+
+    return StageRuntime(Plan.load(exported), 0, exported, weights, rank=0, device=torch.device("cpu"),
+                        precision=precision_policy("fp32"), weights_source=str(exported / "weights.pt"))
+
+
+def _stage0_weight(exported, weights, ndim):
+    """The canonical name of a stage-0 weight with ``ndim`` dimensions."""
+    return next(c for c in Plan.load(exported).stages[0].params.values() if weights[c].dim() == ndim)
+
+
+def test_a_weight_of_the_wrong_shape_is_not_broadcast(exported):
+    weights = torch.load(exported / "weights.pt", weights_only=True)
+    assert _runtime(exported, weights).module is not None  # the exported weights fit
+    name = _stage0_weight(exported, weights, 2)
+    shape = tuple(weights[name].shape)
+    weights[name] = weights[name][:1].clone()  # (1, n): copy_ would broadcast it over every row
+    with pytest.raises(WeightsFileError) as e:
+        _runtime(exported, weights)
+    assert str(e.value) == (
+        f"{exported / 'weights.pt'}: tensor {name!r} has shape {(1, shape[1])}, torch.float32 but stage 0 expects "
+        f"shape {shape}, torch.float32; these are not the weights of the model the plan was made for: export them "
+        f"with the plan (`zorse plan` writes weights.pt, CompiledModel.save_weights) from that model, in its dtypes")
+
+
+def test_a_weight_of_the_wrong_dtype_is_named(exported):
+    weights = torch.load(exported / "weights.pt", weights_only=True)
+    name = _stage0_weight(exported, weights, 1)
+    shape = tuple(weights[name].shape)
+    weights[name] = weights[name].half()
+    with pytest.raises(WeightsFileError, match=re.escape(
+            f"weights.pt: tensor {name!r} has shape {shape}, torch.float16 but stage 0 expects shape {shape}, "
+            f"torch.float32; these are not the weights")):
+        _runtime(exported, weights)
+
+
+def test_a_missing_weight_is_named(exported):
+    weights = torch.load(exported / "weights.pt", weights_only=True)
+    name, other = _stage0_weight(exported, weights, 2), _stage0_weight(exported, weights, 1)
+    shape = tuple(weights.pop(name).shape)
+    weights[other] = torch.zeros(3)  # a second misfit: counted
+    with pytest.raises(WeightsFileError) as e:
+        _runtime(exported, weights)
+    assert str(e.value).startswith(f"{exported / 'weights.pt'}: no tensor {name!r}, which stage 0 needs (shape "
+                                   f"{shape}, torch.float32) (and 1 more tensors do not fit); these are not the "
+                                   f"weights of the model the plan was made for")
+    with pytest.raises(WeightsFileError, match=r"weights.pt: holds a list, not a dict canonical name -> tensor"):
+        _runtime(exported, [1, 2])
+    assert isinstance(e.value, ValueError)  # a user input error (errors.py's policy)
+
+
+# -- messages quote values short: a YAML alias bomb ------------------------------------------------
+
+def _alias_bomb(levels: int = 9) -> str:
+    """Billion laughs in YAML flow style: level k is a list of 9 aliases of level k - 1 (9^9 strings)."""
+    parts = ["&a0 [" + ", ".join(["lol"] * 9) + "]"]
+    parts += [f"&a{k} [" + ", ".join([f"*a{k - 1}"] * 9) + "]" for k in range(1, levels)]
+    return "[" + ", ".join(parts) + "]"
+
+
+def test_a_yaml_alias_bomb_in_a_cluster_field_is_refused_promptly(tmp_path):
+    path = tmp_path / "bomb.yaml"
+    path.write_text(f"name: {_alias_bomb()}\nnodes: [{{name: n0, gpus: [{{type: T4, count: 1}}]}}]\n")
+    with pytest.raises(ClusterConfigError) as e:
+        Cluster.from_yaml(path)
+    message = str(e.value)
+    assert message.startswith(f"{path}: refused YAML aliases at line 1, column ")
+    assert "the aliases (*name) expand this value to more than 100,000 values (a YAML alias bomb?)" in message
+    assert len(message) < 300
+    path.write_text("name: &r [a, *r]\nnodes: [{name: n0, gpus: [{type: T4, count: 1}]}]\n")
+    with pytest.raises(ClusterConfigError, match="refused YAML aliases at line 1.*an alias refers to a node that "
+                                                 "contains it"):
+        Cluster.from_yaml(path)
+    # Aliases of a normal size still work (a link given once, used twice).
+    path.write_text("links:\n  intra_node: &l {bandwidth_GBps: 100, latency_us: 5}\n  inter_node: *l\n"
+                    "nodes: [{name: n0, gpus: [{type: T4, count: 1}]}, {name: n1, gpus: [{type: T4, count: 1}]}]\n")
+    assert Cluster.from_yaml(path).inter_node_link.bandwidth_bytes_per_s == 100e9
+
+
+def test_a_shared_reference_bomb_in_a_cluster_field_gives_a_short_message():
+    """The same structure given as a dict (no YAML loader to refuse it): the
+    message quotes the value cut short instead of building its repr."""
+    bomb: object = ["lol"] * 9
+    for _ in range(9):
+        bomb = [bomb] * 9
+    nodes = [{"name": "n0", "gpus": [{"type": "T4", "count": bomb}]}]
+    with pytest.raises(ClusterConfigError) as e:
+        Cluster.from_dict({"nodes": nodes}, source="c.yaml")
+    assert str(e.value) == ("c.yaml: nodes[0].gpus[0].count: must be a positive integer (at most 4096) (got "
+                            "[[[[[[[[[['lol', 'lol', 'lol', 'lol', 'lol', 'lol', 'lol', 'lol', 'lol'], ['l...); set it "
+                            "to the number of GPUs of this type in the node")
+
+
+def test_short_repr():
+    assert short_repr({"a": (1,), "b": [None, 2.5], "c": set()}) == repr({"a": (1,), "b": [None, 2.5], "c": set()})
+    assert short_repr("x" * 100, 10) == "'xxxxxx..."
+    assert len(short_repr(list(range(10**6)), 50)) == 50
+    loop: list = [1]
+    loop.append(loop)
+    assert short_repr(loop) == repr(loop) == "[1, [...]]"
+    assert short_repr(10**5000) == "<int of 16610 bits>"
+    assert short_repr(Cluster.from_yaml(CLUSTERS / "small_hetero.yaml"), 30).endswith("...")
