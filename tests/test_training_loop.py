@@ -59,6 +59,12 @@ def _plan_a(captured):
                  samples=((3,), (1, 2)), sharded={1}, shard_bytes={1: (3 * 2**20, 2**20)})
 
 
+def _plan_a4(captured):
+    """4 ranks: stage 0 on GPUs 0, 1 (2:1 samples), stage 1 on GPUs 2, 3 (1:2), ZeRO-1 3:1."""
+    return _plan(captured, cut=analyse(captured).num_blocks // 2, stage_gpus=((0, 1), (2, 3)),
+                 samples=((2, 1), (1, 2)), sharded={1}, shard_bytes={1: (3 * 2**20, 2**20)})
+
+
 def _plan_b(captured):
     """Another plan of the same model: another cut, stage 0 on 2 GPUs (2:1,
     ZeRO-1 1:1), stage 1 on one GPU with recomputation; 3 ranks."""
@@ -199,13 +205,15 @@ def test_resumed_run_equals_the_uninterrupted_run_exactly(lee_bytes, tmp_path):
 
 
 def test_resume_under_another_plan_equals_single_process_training(lee_bytes, tmp_path):
-    """2 steps under plan A (4 ranks, cut in the middle, stage 1 ZeRO-1 3:1),
-    then 2 more under plan B (3 ranks, another cut, stage 0 ZeRO-1 over
-    different GPUs): AdamW moments are re-cut to B's shards, and the 4 steps
+    """2 steps under plan A (4 GPUs, cut in the middle, stage 1 ZeRO-1 3:1),
+    then 2 more under plan B for the cluster without GPU 2 (3 GPUs, another
+    cut, stage 0 ZeRO-1 over other GPUs, stage 1 recomputing): parameters
+    and AdamW moments are re-cut to B's stages and shards, and the 4 steps
     equal single-process training."""
     captured = _gpt()
-    a, b = _plan_a(captured), _plan_b(captured)
-    assert (a.world_size, b.world_size) == (3, 3) or a.world_size != b.world_size or a.stages != b.stages
+    a, b = _plan_a4(captured), _plan_b(captured)
+    assert (a.world_size, b.world_size) == (4, 3)
+    assert 2 not in {g.gpu for s in b.stages for g in s.gpus}
     run = tmp_path / "run"
     common_a = _export(a, captured, lee_bytes, tmp_path / "a")
     spawn_ranks(tmp_path / "a" / "plan", a.world_size, [*common_a[1:], "--steps", "2", "--out", str(run),

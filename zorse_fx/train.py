@@ -8,8 +8,18 @@ on GPUs, Gloo on CPU)::
 
 ``zorse train`` wraps exactly this command. Each rank reads only plan.json,
 its stage source, the weights and the token file; it never imports OR-Tools.
-Rank 0 writes ``<out>/metrics.jsonl``: one JSON object per step with
-``step``, ``loss``, ``step_time_s``, ``tokens_per_s``, ``precision``,
+The loop (``--help`` lists the options): AdamW with weight decay on matrices
+only, a learning-rate schedule (``runtime/lr_schedule.py``), clipping of the
+global gradient norm, validation on held-out batches, checkpoints with
+``torch.distributed.checkpoint`` (``runtime/checkpoint.py``: ``--checkpoint-every``,
+``--resume``, under another plan of the same model too), resumption after a
+torchrun restart (``zorse train --max-restarts``), and SIGTERM/SIGINT handled
+at the end of a step on every rank alike (checkpoint, then exit ``128 + signal``).
+
+Rank 0 writes ``<out>/metrics.jsonl`` (continued by ``--resume``; a new run
+keeps an earlier file as ``metrics.<n>.jsonl``): one JSON object per step with
+``step``, ``loss``, ``lr``, ``grad_norm`` (global, before clipping),
+``val_loss`` (on validation steps), ``tokens_seen``, ``step_time_s``, ``tokens_per_s``, ``precision``,
 ``loss_scale`` and ``skipped`` (fp16-mixed: the scale the step used, and
 whether every rank skipped it for an inf/NaN gradient) and ``ranks``: per rank
 the seconds spent in the pipeline schedule (``pipeline_s``), waiting for the
@@ -51,7 +61,7 @@ from .runtime.launch import rank_device
 from .runtime.lr_schedule import LR_SCHEDULES, LRSchedule
 from .runtime.worker import OptimizerConfig, StageWorker
 
-__all__ = ["main", "parse_args"]
+__all__ = ["main", "parse_args", "add_training_options", "check_training_options", "training_argv"]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -135,6 +145,23 @@ def add_training_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--resume", action="store_true",
                    help="continue from the newest complete checkpoint in <out>/checkpoints (any plan of the same "
                         "model, global batch and sequence length); metrics.jsonl is continued")
+
+
+def training_argv(args: argparse.Namespace) -> list[str]:
+    """The training-loop options of ``args`` (parsed by a parser that
+    ``add_training_options`` extended, e.g. ``zorse train``'s) as the flags
+    ``python -m zorse_fx.train`` takes; options left at their default are
+    omitted."""
+    p = argparse.ArgumentParser(add_help=False)
+    add_training_options(p)
+    out: list[str] = []
+    for action in p._actions:
+        value = getattr(args, action.dest, action.default)
+        if value == action.default:
+            continue
+        flag = action.option_strings[-1]
+        out += [flag] if isinstance(action, argparse._StoreTrueAction) else [flag, str(value)]
+    return out
 
 
 def check_training_options(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
