@@ -45,6 +45,7 @@ from .errors import RuntimeExecutionError
 from .plan import Plan
 from .precision import PRECISIONS, precision_policy
 from .runtime.launch import rank_device
+from .runtime.watchdog import heartbeat_dir, start_heartbeat
 from .runtime.worker import OptimizerConfig, StageWorker
 
 __all__ = ["main", "parse_args"]
@@ -66,6 +67,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="with --precision: the gradient all-reduce dtype (default: the precision's, float32)")
     p.add_argument("--bucket-mib", type=float, default=25.0,
                    help="gradient all-reduce bucket size in MiB (DDP's bucket_cap_mb; default 25)")
+    p.add_argument("--pg-timeout-min", type=float, default=10.0,
+                   help="minutes a collective may wait for a peer before the process group fails (default 10)")
+    p.add_argument("--heartbeat-s", type=float, default=1.0,
+                   help="seconds between the rank's heartbeats in <out>/.heartbeat (runtime/watchdog.py; 0: off)")
     p.add_argument("--inject-inf", default=None, metavar="RANK:STEP",
                    help="testing: after STEP's gradient reduction, rank RANK writes an inf into a gradient")
     p.add_argument("--dump-grads", type=int, default=0, metavar="STEP",
@@ -90,6 +95,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                 raise ValueError
         except ValueError:
             p.error(f"--inject-inf expects RANK:STEP with two integers >= 0, got {args.inject_inf!r}")
+    if args.pg_timeout_min <= 0 or args.heartbeat_s < 0:
+        p.error(f"--pg-timeout-min must be > 0 and --heartbeat-s >= 0, got {args.pg_timeout_min}, {args.heartbeat_s}")
     if args.bucket_mib <= 0:
         p.error(f"--bucket-mib must be > 0, got {args.bucket_mib}")
     return args
@@ -125,9 +132,11 @@ def main(argv=None) -> int:
     if backend == "auto":
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     device = rank_device(backend)
-    dist.init_process_group(backend, timeout=timedelta(minutes=10),
+    dist.init_process_group(backend, timeout=timedelta(minutes=args.pg_timeout_min),
                             device_id=device if device.type == "cuda" else None)
     rank, world = dist.get_rank(), dist.get_world_size()
+    if args.heartbeat_s:  # the launcher's stall monitor reads these (zorse train --stall-timeout)
+        start_heartbeat(heartbeat_dir(args.out), rank, interval_s=args.heartbeat_s)
     plan_path = Path(args.plan)
     plan_dir = plan_path if plan_path.is_dir() else plan_path.parent
     plan = Plan.load(plan_path)
