@@ -140,6 +140,13 @@ def test_stopped_rank_is_named_and_ends_the_job(plan2, tmp_path):
         job.wait_for_steps()
         stopped = psutil.Process(job.ranks()[1])
         stopped.suspend()  # SIGSTOP: rank 1 stops beating; rank 0 waits in a collective and keeps beating
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and job.proc.poll() is None:
+            ages = {b.rank: b.age_s for b in read_heartbeats(heartbeat_dir(job.out))}
+            if ages.get(1, 0) > 5:
+                assert ages[0] < 4, ages  # the beat thread runs while rank 0's main thread is blocked
+                break
+            time.sleep(0.2)
         assert job.wait(90) == 1
         err = [ln for ln in job.stderr if ln.strip()]
         assert err[-1].startswith(f"zorse: rank 1 (pid {stopped.pid}) made no progress for "), err[-5:]
@@ -187,3 +194,58 @@ def test_train_options_reach_torchrun_and_the_ranks():
     for bad in (["--max-restarts", "-1"], ["--stall-timeout", "soon"], ["--pg-timeout-min", "0"]):
         with pytest.raises(SystemExit):
             build_parser().parse_args(["train", "p", *bad])
+
+
+FAKE_TORCHRUN = """
+import signal, subprocess, sys, time
+# A 'rank' in its own session (as torchrun starts them) that ignores SIGTERM and SIGINT.
+rank = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                         "signal.signal(signal.SIGINT, signal.SIG_IGN); time.sleep(600)"], start_new_session=True)
+open(sys.argv[1], "w").write(f"{rank.pid}\\n")
+signal.signal(signal.SIGTERM, lambda *a: sys.exit(1))  # the 'launcher' exits at once, orphaning its rank
+time.sleep(600)
+"""
+
+SUPERVISE = """
+import sys
+from zorse_fx.runtime.launch import JobInterrupted, supervise
+try:
+    supervise([sys.executable, "-c", sys.argv[1], sys.argv[2]], term_grace_s=2)
+except JobInterrupted as e:
+    print(e, flush=True)
+    sys.exit(128 + e.signum)
+"""
+
+
+def test_a_rank_that_ignores_sigterm_is_killed_after_the_grace_period(tmp_path):
+    """The rank outlives the launcher that started it in its own session; supervise
+    recorded it and SIGKILLs it after --term-grace-s (here 2 s)."""
+    pidfile = tmp_path / "rank.pid"
+    sup = subprocess.Popen([sys.executable, "-c", SUPERVISE, FAKE_TORCHRUN, str(pidfile)], cwd=ROOT,
+                           env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=subprocess.PIPE, text=True,
+                           start_new_session=True)
+    rank = None
+    try:
+        deadline = time.monotonic() + 60
+        while not pidfile.exists() or not pidfile.read_text().endswith("\n"):
+            assert time.monotonic() < deadline and sup.poll() is None, "the fake job did not start"
+            time.sleep(0.1)
+        rank = psutil.Process(int(pidfile.read_text()))
+        time.sleep(1.5)  # two polls: supervise has recorded the rank
+        os.kill(sup.pid, signal.SIGTERM)
+        out, _ = sup.communicate(timeout=60)
+        assert sup.returncode == 143
+        assert out.strip() == "stopped by SIGTERM; killed the 1 process of the job still running after --term-grace-s"
+        deadline = time.monotonic() + 10
+        while rank.is_running() and rank.status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not rank.is_running() or rank.status() == psutil.STATUS_ZOMBIE
+    finally:
+        if sup.poll() is None:
+            os.killpg(sup.pid, signal.SIGKILL)
+            sup.wait(timeout=30)
+        if rank is not None:
+            try:
+                rank.kill()
+            except psutil.Error:
+                pass

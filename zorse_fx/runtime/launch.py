@@ -204,14 +204,9 @@ def supervise(cmd: list[str], env: dict[str, str] | None = None, *, timeout_s: f
         shutil.rmtree(hb, ignore_errors=True)  # an old run's beats must not look stalled
     received: list[int] = []
     old_handlers = {}
-    if threading.current_thread() is threading.main_thread():
-        for s in (signal.SIGINT, signal.SIGTERM):
-            old_handlers[s] = signal.signal(s, lambda signum, frame: received.append(signum))
     out_f = tempfile.TemporaryFile("w+") if capture else None
     err_f = tempfile.TemporaryFile("w+") if capture else None
-    proc = subprocess.Popen(cmd, env=env, stdout=out_f, stderr=err_f, text=True, start_new_session=True)
-    tree = _JobTree(proc)
-    start = time.monotonic()
+    tree = None
 
     def read(f):
         if f is None:
@@ -220,6 +215,12 @@ def supervise(cmd: list[str], env: dict[str, str] | None = None, *, timeout_s: f
         return f.read()
 
     try:
+        if threading.current_thread() is threading.main_thread():
+            for s in (signal.SIGINT, signal.SIGTERM):
+                old_handlers[s] = signal.signal(s, lambda signum, frame: received.append(signum))
+        proc = subprocess.Popen(cmd, env=env, stdout=out_f, stderr=err_f, text=True, start_new_session=True)
+        tree = _JobTree(proc)
+        start = time.monotonic()
         while True:
             try:
                 proc.wait(timeout=poll_s)
@@ -261,14 +262,15 @@ def supervise(cmd: list[str], env: dict[str, str] | None = None, *, timeout_s: f
             if timeout_s is not None and time.monotonic() - start > timeout_s:
                 raise JobFailedError(f"the job ran longer than {timeout_s:g} s and was stopped: {' '.join(cmd)}",
                                      -1, read(out_f), read(err_f))
+        stdout, stderr = read(out_f), read(err_f)
     finally:
-        tree.kill_all()
+        if tree is not None:
+            tree.kill_all()
         for s, h in old_handlers.items():
             signal.signal(s, h)
-    stdout, stderr = read(out_f), read(err_f)
-    for f in (out_f, err_f):
-        if f is not None:
-            f.close()
+        for f in (out_f, err_f):
+            if f is not None:
+                f.close()
     if proc.returncode != 0:
         where = "see the ranks' errors above" if not capture else "the output is in this error's stdout/stderr"
         raise JobFailedError(f"torchrun exited with status {proc.returncode} ({where}): {' '.join(cmd)}",
