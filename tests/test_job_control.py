@@ -161,6 +161,31 @@ def test_stopped_rank_is_named_and_ends_the_job(plan2, tmp_path):
         job.cleanup()
 
 
+def test_max_restarts_restarts_every_rank(plan2, tmp_path):
+    """--max-restarts 1: a SIGKILLed rank makes torchrun restart both ranks, which
+    meet again (runtime/launch.py init_process_group: the restarted attempt's
+    store prefix) and train again (from step 1: no checkpoint here)."""
+    plan, corpus = plan2
+    job = Job(plan, corpus, tmp_path / "run", "--max-restarts", "1")
+    try:
+        job.wait_for_steps()
+        first = job.ranks()[1]
+        os.kill(first, signal.SIGKILL)
+        deadline = time.monotonic() + 240
+        while job.proc.poll() is None and time.monotonic() < deadline:
+            job.record()
+            if sum("[zorse] step   1/" in line for line in job.stdout) >= 2 and job.ranks().get(1) != first:
+                break
+            time.sleep(0.3)
+        assert sum("[zorse] step   1/" in line for line in job.stdout) >= 2, "".join(job.stderr[-40:])
+        assert job.ranks()[1] != first
+        os.kill(job.proc.pid, signal.SIGTERM)
+        assert job.wait(60) == 143
+        assert _gone_within(job, 10) == []
+    finally:
+        job.cleanup()
+
+
 def test_heartbeat_files_and_stall_check(tmp_path):
     """The rank side writes rank<r> with its pid at once and keeps beating; the
     monitor reports only a live rank older than the timeout."""

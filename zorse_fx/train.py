@@ -44,7 +44,7 @@ from .data import global_batch
 from .errors import RuntimeExecutionError
 from .plan import Plan
 from .precision import PRECISIONS, precision_policy
-from .runtime.launch import rank_device
+from .runtime.launch import init_process_group, rank_device
 from .runtime.watchdog import heartbeat_dir, start_heartbeat
 from .runtime.worker import OptimizerConfig, StageWorker
 
@@ -132,8 +132,8 @@ def main(argv=None) -> int:
     if backend == "auto":
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     device = rank_device(backend)
-    dist.init_process_group(backend, timeout=timedelta(minutes=args.pg_timeout_min),
-                            device_id=device if device.type == "cuda" else None)
+    init_process_group(backend, timeout=timedelta(minutes=args.pg_timeout_min),  # restart-safe (--max-restarts)
+                       device_id=device if device.type == "cuda" else None)
     rank, world = dist.get_rank(), dist.get_world_size()
     if args.heartbeat_s:  # the launcher's stall monitor reads these (zorse train --stall-timeout)
         start_heartbeat(heartbeat_dir(args.out), rank, interval_s=args.heartbeat_s)

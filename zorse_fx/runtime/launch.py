@@ -30,6 +30,7 @@ when ``supervise`` returns or raises.
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import signal
@@ -38,13 +39,14 @@ import sys
 import tempfile
 import threading
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import torch
 
 from ..errors import RuntimeExecutionError
 
-__all__ = ["torchrun_command", "launch", "supervise", "rank_device", "JobInterrupted", "JobFailedError",
+__all__ = ["torchrun_command", "launch", "supervise", "rank_device", "init_process_group", "JobInterrupted", "JobFailedError",
            "JobStalledError"]
 
 #: Seconds a SIGINT (Ctrl-C) gives the ranks to exit before they are killed.
@@ -60,6 +62,27 @@ def rank_device(backend: str) -> torch.device:
         torch.cuda.set_device(local)
         return torch.device("cuda", local)
     return torch.device("cpu")
+
+
+def init_process_group(backend: str, *, timeout: timedelta, device_id: torch.device | None = None) -> None:
+    """``dist.init_process_group`` from torchrun's environment, safe across torchrun restarts.
+
+    A worker that torchrun restarted (``--max-restarts``; ``TORCHELASTIC_RESTART_COUNT`` > 0)
+    meets its peers in the same rendezvous store as the failed attempt, where
+    that attempt's process-group keys are still set: Gloo's ``connectFullMesh``
+    then dials the dead ranks' addresses ("Connection refused") and the restart
+    fails (torch 2.13, ``--standalone``). Restarted attempts therefore use the
+    store under the prefix ``/attempt_<n>``; the first attempt is
+    ``dist.init_process_group`` unchanged."""
+    import torch.distributed as dist
+
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if attempt == 0:
+        dist.init_process_group(backend, timeout=timeout, device_id=device_id)
+        return
+    store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+    dist.init_process_group(backend, store=dist.PrefixStore(f"/attempt_{attempt}", store), rank=rank,
+                            world_size=world, timeout=timeout, device_id=device_id)
 
 
 class JobInterrupted(KeyboardInterrupt):
@@ -85,6 +108,15 @@ class JobStalledError(RuntimeExecutionError):
     """A rank stopped beating (``--stall-timeout``); the job was stopped."""
 
 
+@functools.cache
+def _torchrun_has_option(option: str) -> bool:
+    """Whether this torch's torchrun knows ``option`` (``--shutdown-timeout`` is newer than torch 2.11)."""
+    from torch.distributed.run import get_args_parser
+
+    _, unknown = get_args_parser().parse_known_args([f"{option}=1", "script.py"])
+    return not unknown
+
+
 def torchrun_command(plan_dir: str | Path, nprocs: int, train_args: list[str], *, max_restarts: int = 0,
                      shutdown_timeout_s: float | None = None) -> list[str]:
     """The torchrun command line that runs ``plan_dir`` on ``nprocs`` local processes.
@@ -92,9 +124,10 @@ def torchrun_command(plan_dir: str | Path, nprocs: int, train_args: list[str], *
     ``max_restarts``: torchrun restarts every worker (up to this many times)
     when one fails; with checkpoints the restarted ranks resume. ``shutdown_timeout_s``:
     how long torchrun lets its workers exit after forwarding a signal before it
-    SIGKILLs them (torchrun's default is 30 s)."""
+    SIGKILLs them (torchrun's default is 30 s; left out where this torch's
+    torchrun has no ``--shutdown-timeout``)."""
     opts = [f"--max-restarts={max_restarts}"] if max_restarts else []
-    if shutdown_timeout_s is not None:
+    if shutdown_timeout_s is not None and _torchrun_has_option("--shutdown-timeout"):
         opts.append(f"--shutdown-timeout={max(1, int(round(shutdown_timeout_s)))}")
     return [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nprocs}", *opts,
