@@ -195,3 +195,16 @@ def test_cli_bench_comm_options_reach_the_ranks_unchanged():
         assert getattr(ranks, k) == getattr(a, k), k
     with pytest.raises(SystemExit):
         cli.parse_args(["bench", "comm", "--nproc", "1", "--out", "c.json"])
+
+
+def test_cli_bench_comm_needs_a_gpu_per_nccl_rank(monkeypatch, capsys, tmp_path):
+    import torch
+
+    from zorse_fx.cli import main as zorse_main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert zorse_main(["bench", "comm", "--nproc", "2", "--out", str(tmp_path / "c.json")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("zorse: --nproc 2: NCCL ranks need a GPU each and this machine has 1;")
+    assert "--backend gloo" in err and not (tmp_path / "c.json").exists()

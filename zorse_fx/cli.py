@@ -152,9 +152,13 @@ def cmd_bench(args) -> int:
         from .profiling.kernels_main import run
 
         return run(args)
-    from .profiling.comm_launch import run_comm_bench
+    from .profiling.comm_launch import BenchOptionsError, run_comm_bench
     from .profiling.comm_main import sweep_argv
 
+    if args.backend != "gloo" and torch.cuda.is_available() and args.nproc > torch.cuda.device_count():
+        raise BenchOptionsError(
+            f"--nproc {args.nproc}: NCCL ranks need a GPU each and this machine has {torch.cuda.device_count()}; "
+            f"use --nproc {torch.cuda.device_count()} (>= 2) or --backend gloo (CPU links)")
     run_comm_bench(args.nproc, args.out, sweep_argv(args), timeout_s=None, capture=False)
     return 0
 

@@ -14,9 +14,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-from zorse_fx.errors import RuntimeExecutionError
+from zorse_fx.errors import RuntimeExecutionError, ZorseError
 
-__all__ = ["comm_bench_command", "run_comm_bench"]
+__all__ = ["comm_bench_command", "run_comm_bench", "BenchOptionsError"]
+
+
+class BenchOptionsError(ZorseError, ValueError):
+    """A ``zorse bench`` option that does not fit this machine."""
 
 
 def comm_bench_command(nproc: int, out: str | Path, extra_args: list[str] = ()) -> list[str]:
