@@ -46,8 +46,8 @@ import torch
 
 from ..errors import RuntimeExecutionError
 
-__all__ = ["torchrun_command", "launch", "supervise", "rank_device", "init_process_group", "JobInterrupted", "JobFailedError",
-           "JobStalledError"]
+__all__ = ["torchrun_command", "launch", "supervise", "rank_device", "init_process_group", "JobInterrupted",
+           "JobFailedError", "JobStalledError"]
 
 #: Seconds a SIGINT (Ctrl-C) gives the ranks to exit before they are killed.
 INT_GRACE_S = 5.0
@@ -110,7 +110,7 @@ class JobStalledError(RuntimeExecutionError):
 
 @functools.cache
 def _torchrun_has_option(option: str) -> bool:
-    """Whether this torch's torchrun knows ``option`` (``--shutdown-timeout`` is newer than torch 2.11)."""
+    """Whether this torch's torchrun knows ``option`` (``--shutdown-timeout`` is recent: torch 2.13 has it)."""
     from torch.distributed.run import get_args_parser
 
     _, unknown = get_args_parser().parse_known_args([f"{option}=1", "script.py"])
