@@ -164,3 +164,47 @@ def test_noisy_samples_fall_back_instead_of_failing():
     with pytest.raises(ValueError, match="times do not grow with message size"):
         fit_alpha_beta(pts)
     assert fit_or_bound(pts) == (1e-4, (1 << 20) / 1e-4, 0.0)
+
+
+@pytest.mark.parametrize("what,options", [("comm", ["--out", "--sizes", "--iters", "--plot", "--nproc"]),
+                                          ("kernels", ["--model", "--batch-sizes", "--output", "--plot"])])
+def test_cli_bench_help_lists_the_options(capsys, what, options):
+    from zorse_fx.cli import main as zorse_main
+
+    with pytest.raises(SystemExit) as e:
+        zorse_main(["bench", what, "--help"])
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    assert text.startswith(f"usage: zorse bench {what}")
+    assert all(o in text for o in options), text
+
+
+def test_cli_bench_comm_options_reach_the_ranks_unchanged():
+    """`zorse bench comm` parses with comm_main's own parser (parents=) and hands
+    the checked values to the ranks (sweep_argv); parsing those gives the same."""
+    from zorse_fx.cli import build_parser
+    from zorse_fx.profiling.comm_main import parse_args, sweep_argv
+
+    cli = build_parser()
+    a = cli.parse_args(["bench", "comm", "--nproc", "3", "--out", "c.json", "--sizes", "1K:4K", "1M", "--iters", "2",
+                        "--all-pairs", "--datacenter", "eu", "--plot", "c.png"])
+    a = a.check(a)
+    assert a.nproc == 3 and a.sizes == [1024, 2048, 4096, 2**20]
+    ranks = parse_args(["--out", "c.json", *sweep_argv(a)])
+    for k in ("sizes", "iters", "warmup", "all_pairs", "datacenter", "plot", "backend"):
+        assert getattr(ranks, k) == getattr(a, k), k
+    with pytest.raises(SystemExit):
+        cli.parse_args(["bench", "comm", "--nproc", "1", "--out", "c.json"])
+
+
+def test_cli_bench_comm_needs_a_gpu_per_nccl_rank(monkeypatch, capsys, tmp_path):
+    import torch
+
+    from zorse_fx.cli import main as zorse_main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert zorse_main(["bench", "comm", "--nproc", "2", "--out", str(tmp_path / "c.json")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("zorse: --nproc 2: NCCL ranks need a GPU each and this machine has 1;")
+    assert "--backend gloo" in err and not (tmp_path / "c.json").exists()

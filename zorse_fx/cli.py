@@ -6,11 +6,13 @@
     zorse show  runs/x/plan          # print a plan's table and schedule grid
     zorse simulate runs/x/plan --model ... --cluster ...  # timeline: Perfetto JSON + Gantt PNG
     zorse bench kernels --model smollm2-135m -o profiles/<type>.json   # kernel profile
-    zorse bench comm --out profiles/comm.json                          # link alpha-beta fits
+    zorse bench comm --nproc 2 --out profiles/comm.json                # link alpha-beta fits, `links:`
 
-``zorse train`` starts one local process per planned GPU with torchrun; on a
-real multi-node cluster run the printed ``torchrun ... -m zorse_fx.train``
-command on every node instead.
+``zorse train`` starts one local process per planned GPU with torchrun and
+supervises it (``runtime/launch.py``, [Note: stopping a job]): SIGINT/SIGTERM
+stop every rank, a stalled rank is named and stops the job; on a real
+multi-node cluster run the printed ``torchrun ... -m zorse_fx.train`` command
+on every node instead.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import torch
 from .errors import ZorseError
 from .precision import GRAD_REDUCE_DTYPES, PRECISIONS
 
-__all__ = ["main"]
+__all__ = ["main", "build_parser"]
 
 
 def _load_model(name: str):
@@ -68,9 +70,15 @@ def cmd_plan(args) -> int:
 
 
 def cmd_train(args) -> int:
+    """Tokenise the corpus and run the plan under torchrun, supervised: a SIGINT or
+    SIGTERM stops every rank (SIGTERM after ``--term-grace-s``, for a checkpoint),
+    a rank whose heartbeat stops for ``--stall-timeout`` seconds ends the job
+    with that rank named, and ``--max-restarts`` lets torchrun restart all the
+    workers when one dies (with checkpoints, the restarted job resumes)."""
     from .data import read_corpus, tokenize
     from .plan import Plan
     from .runtime.launch import launch, torchrun_command
+    from .runtime.watchdog import heartbeat_dir
 
     plan = Plan.load(args.plan)
     out = Path(args.out)
@@ -78,12 +86,14 @@ def cmd_train(args) -> int:
     tokens = tokenize(read_corpus(args.corpus), _tokenizer(args.tokenizer))
     torch.save(tokens, out / "tokens.pt")
     train_args = ["--tokens", str(out / "tokens.pt"), "--steps", str(args.steps), "--lr", str(args.lr),
-                  "--out", str(out)]
+                  "--out", str(out), "--pg-timeout-min", f"{args.pg_timeout_min:g}"]
     if args.precision:
         train_args += ["--precision", args.precision]
     nproc = args.nproc or plan.world_size
-    print("[zorse] " + " ".join(torchrun_command(args.plan, nproc, train_args)))
-    launch(args.plan, nproc, train_args)
+    kw = dict(max_restarts=args.max_restarts, shutdown_timeout_s=args.term_grace_s)
+    print("[zorse] " + " ".join(torchrun_command(args.plan, nproc, train_args, **kw)), flush=True)
+    launch(args.plan, nproc, train_args, heartbeat_dir=heartbeat_dir(out), stall_timeout_s=args.stall_timeout,
+           term_grace_s=args.term_grace_s, max_restarts=args.max_restarts)
     return 0
 
 
@@ -139,19 +149,17 @@ def cmd_simulate(args) -> int:
 
 def cmd_bench(args) -> int:
     if args.what == "kernels":
-        from .profiling.kernels_main import main as kernels_main
+        from .profiling.kernels_main import run
 
-        return kernels_main(args.rest)
-    from .profiling.comm_launch import run_comm_bench
+        return run(args)
+    from .profiling.comm_launch import BenchOptionsError, run_comm_bench
+    from .profiling.comm_main import sweep_argv
 
-    nproc = args.nproc or 2
-    rest = list(args.rest)
-    out = "profiles/comm.json"
-    if "--out" in rest:
-        i = rest.index("--out")
-        out = rest[i + 1]
-        del rest[i : i + 2]
-    run_comm_bench(nproc, out, rest)
+    if args.backend != "gloo" and torch.cuda.is_available() and args.nproc > torch.cuda.device_count():
+        raise BenchOptionsError(
+            f"--nproc {args.nproc}: NCCL ranks need a GPU each and this machine has {torch.cuda.device_count()}; "
+            f"use --nproc {torch.cuda.device_count()} (>= 2) or --backend gloo (CPU links)")
+    run_comm_bench(args.nproc, args.out, sweep_argv(args), timeout_s=None, capture=False)
     return 0
 
 
@@ -167,11 +175,28 @@ def _one_line(exc: BaseException) -> str:
     return msg
 
 
-def main(argv=None) -> int:
-    """The ``zorse`` command. Returns the exit status: 0; 1 after an error,
-    printed on stderr as ``zorse: <message>`` (``zorse --debug ...``: the
-    exception propagates with its traceback instead); 130 on Ctrl-C.
-    Usage mistakes exit 2 through argparse."""
+def _number(kind, ok, what):
+    def parse(text: str):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number; give {what}") from None
+        if not ok(v):
+            raise argparse.ArgumentTypeError(f"{text!r}: give {what}")
+        return v
+
+    parse.__name__ = what  # argparse names the type in its messages
+    return parse
+
+
+_nonneg_seconds = _number(float, lambda v: v >= 0, "seconds >= 0")
+_positive_minutes = _number(float, lambda v: v > 0, "minutes > 0")
+_nonneg_int = _number(int, lambda v: v >= 0, "an integer >= 0")
+_at_least_two = _number(int, lambda v: v >= 2, "an integer >= 2 (links need two ranks)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``zorse`` argument parser (every subcommand; tests parse README commands with it)."""
     from . import __version__
 
     p = argparse.ArgumentParser(prog="zorse", description="Heterogeneous-cluster training planner and runtime.")
@@ -206,6 +231,17 @@ def main(argv=None) -> int:
     pt.add_argument("--out", default="runs/train")
     pt.add_argument("--precision", choices=("fp32", "bf16-mixed", "fp16-mixed"), default=None,
                     help="train with this precision (default: the plan's on GPUs, fp32 on a CPU)")
+    pt.add_argument("--stall-timeout", type=_nonneg_seconds, default=300.0, metavar="S",
+                    help="stop the job when a rank made no progress (no heartbeat: stopped, frozen host, a hang "
+                         "holding the GIL) for S seconds, naming it (default 300; 0: never)")
+    pt.add_argument("--term-grace-s", type=_nonneg_seconds, default=60.0, metavar="S",
+                    help="on SIGTERM, seconds the ranks get to finish (write a checkpoint) before every process of "
+                         "the job is killed (default 60; SIGINT/Ctrl-C: 5 s)")
+    pt.add_argument("--pg-timeout-min", type=_positive_minutes, default=10.0, metavar="MIN",
+                    help="minutes a collective waits for a peer before the process group fails (default 10)")
+    pt.add_argument("--max-restarts", type=_nonneg_int, default=0, metavar="R",
+                    help="torchrun restarts every worker when one dies, up to R times (default 0); "
+                         "with checkpoints the restarted ranks resume")
     pt.set_defaults(fn=cmd_train)
     ps = sub.add_parser("show", help="print a plan's table and schedule")
     ps.add_argument("plan")
@@ -216,15 +252,44 @@ def main(argv=None) -> int:
     pm.add_argument("--cluster", required=True)
     pm.add_argument("--out", default="runs/simulate")
     pm.set_defaults(fn=cmd_simulate)
+    from .profiling import comm_main, kernels_main
+
     pb = sub.add_parser("bench", help="measure this machine: `kernels` (kernel profile) or `comm` (links)",
-                        description="zorse bench kernels --help / zorse bench comm --help for their options")
-    pb.add_argument("what", choices=("kernels", "comm"))
-    pb.add_argument("--nproc", type=int, default=0, help="comm: local ranks to start (default 2)")
-    pb.add_argument("rest", nargs=argparse.REMAINDER, help="options of the sweep")
-    pb.set_defaults(fn=cmd_bench)
+                        description="Measure this machine. `zorse bench kernels --help` and `zorse bench comm "
+                                    "--help` list each one's options.")
+    bsub = pb.add_subparsers(dest="what", required=True, metavar="{kernels,comm}")
+    pk = bsub.add_parser("kernels", parents=[kernels_main.build_parser(add_help=False)],
+                         help="kernel profile of this device (-o profiles/<type>.json)",
+                         description=kernels_main.build_parser().description)
+    pk.set_defaults(fn=cmd_bench, what="kernels")
+    pc = bsub.add_parser("comm", parents=[comm_main.build_parser(add_help=False)],
+                         help="alpha-beta fits of the links between local ranks; prints `links:` for a cluster file",
+                         description=comm_main.DESCRIPTION + " Starts torchrun with --nproc local ranks; for "
+                         "several machines run `torchrun ... -m zorse_fx.profiling.comm_main` on each.")
+    pc.add_argument("--nproc", type=_at_least_two, default=2, help="local ranks to start (default 2)")
+    pc.set_defaults(fn=cmd_bench, what="comm", check=lambda args: comm_main.check_args(pc, args))
+    return p
+
+
+def main(argv=None) -> int:
+    """The ``zorse`` command. Returns the exit status: 0; 1 after an error,
+    printed on stderr as ``zorse: <message>`` (``zorse --debug ...``: the
+    exception propagates with its traceback instead); 130 on Ctrl-C (SIGINT)
+    and 143 on SIGTERM while a job runs, after every process of the job was
+    stopped. Usage mistakes exit 2 through argparse."""
+    from .runtime.launch import JobInterrupted
+
+    p = build_parser()
     args = p.parse_args(argv)
+    if getattr(args, "check", None):  # a subcommand's own checks of its values (argparse errors, exit 2)
+        args = args.check(args)
     try:
         return args.fn(args)
+    except JobInterrupted as exc:  # the job (torchrun and every rank) is stopped already
+        if args.debug:
+            raise
+        print(f"zorse: {exc}", file=sys.stderr)
+        return 128 + exc.signum
     except KeyboardInterrupt:
         if args.debug:
             raise

@@ -57,8 +57,9 @@ from .errors import RuntimeExecutionError
 from .plan import Plan
 from .precision import PRECISIONS, precision_policy
 from .runtime.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from .runtime.launch import rank_device
+from .runtime.launch import init_process_group, rank_device
 from .runtime.lr_schedule import LR_SCHEDULES, LRSchedule
+from .runtime.watchdog import heartbeat_dir, start_heartbeat
 from .runtime.worker import OptimizerConfig, StageWorker
 
 __all__ = ["main", "parse_args", "add_training_options", "check_training_options", "training_argv"]
@@ -82,6 +83,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--kill-at-step", default=None, metavar="RANK:STEP",
                    help="testing: in the first attempt (not after a torchrun restart), rank RANK sends itself "
                         "SIGKILL after STEP")
+    p.add_argument("--pg-timeout-min", type=float, default=10.0,
+                   help="minutes a collective may wait for a peer before the process group fails (default 10)")
+    p.add_argument("--heartbeat-s", type=float, default=1.0,
+                   help="seconds between the rank's heartbeats in <out>/.heartbeat (runtime/watchdog.py; 0: off)")
     p.add_argument("--inject-inf", default=None, metavar="RANK:STEP",
                    help="testing: after STEP's gradient reduction, rank RANK writes an inf into a gradient")
     p.add_argument("--dump-grads", type=int, default=0, metavar="STEP",
@@ -110,6 +115,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             except ValueError:
                 p.error(f"--{name.replace('_', '-')} expects RANK:STEP with two integers >= 0, got {value!r}")
             setattr(args, name, pair)
+    if args.pg_timeout_min <= 0 or args.heartbeat_s < 0:
+        p.error(f"--pg-timeout-min must be > 0 and --heartbeat-s >= 0, got {args.pg_timeout_min}, {args.heartbeat_s}")
     if args.bucket_mib <= 0:
         p.error(f"--bucket-mib must be > 0, got {args.bucket_mib}")
     return args
@@ -297,26 +304,6 @@ class _Progress:
             self.bar.close()
 
 
-def _init_process_group(backend: str, device: torch.device, timeout: timedelta) -> None:
-    """``init_process_group`` from torchrun's environment. After a torchrun
-    restart (``TORCHELASTIC_RESTART_COUNT`` > 0) torchrun hands the new
-    workers the store of the first attempt, where the dead ranks' Gloo/NCCL
-    addresses are still recorded, and the new ranks connect to them
-    ("Connection refused"; seen with torch 2.13 ``--standalone``): each
-    attempt then rendezvouses under its own key prefix."""
-    device_id = device if device.type == "cuda" else None
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-    if not attempt:
-        dist.init_process_group(backend, timeout=timeout, device_id=device_id)
-        return
-    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
-    base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                         is_master=os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" and rank == 0,
-                         timeout=timeout)
-    dist.init_process_group(backend, store=dist.PrefixStore(f"zorse_attempt_{attempt}", base), rank=rank,
-                            world_size=world, timeout=timeout, device_id=device_id)
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(1)  # one thread per rank: ranks share the host's cores
@@ -325,8 +312,11 @@ def main(argv=None) -> int:
     if backend == "auto":
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     device = rank_device(backend)
-    _init_process_group(backend, device, timedelta(minutes=10))
+    init_process_group(backend, timeout=timedelta(minutes=args.pg_timeout_min),  # restart-safe (--max-restarts)
+                       device_id=device if device.type == "cuda" else None)
     rank, world = dist.get_rank(), dist.get_world_size()
+    if args.heartbeat_s:  # the launcher's stall monitor reads these (zorse train --stall-timeout)
+        start_heartbeat(heartbeat_dir(args.out), rank, interval_s=args.heartbeat_s)
     torch.manual_seed(args.seed)
     plan_path = Path(args.plan)
     plan_dir = plan_path if plan_path.is_dir() else plan_path.parent

@@ -14,9 +14,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-from zorse_fx.errors import RuntimeExecutionError
+from zorse_fx.errors import RuntimeExecutionError, ZorseError
 
-__all__ = ["comm_bench_command", "run_comm_bench"]
+__all__ = ["comm_bench_command", "run_comm_bench", "BenchOptionsError"]
+
+
+class BenchOptionsError(ZorseError, ValueError):
+    """A ``zorse bench`` option that does not fit this machine."""
 
 
 def comm_bench_command(nproc: int, out: str | Path, extra_args: list[str] = ()) -> list[str]:
@@ -31,26 +35,28 @@ def run_comm_bench(nproc: int, out: str | Path, extra_args: list[str] = (), *, t
                    capture: bool = True) -> subprocess.CompletedProcess:
     """Run the benchmark on ``nproc`` local ranks (>= 2) and return the finished process.
 
-    A failed rank raises ``RuntimeExecutionError`` with the output's last lines
-    (``CalledProcessError`` when ``capture`` is off).
+    A failed rank raises ``RuntimeExecutionError`` (with the output's last lines
+    when ``capture`` is on); SIGINT/SIGTERM stop every rank and raise
+    ``runtime.launch.JobInterrupted``.
 
     ``OMP_NUM_THREADS=1`` (each rank one thread). With ``capture`` (default) the
     output is in the result's ``stdout``/``stderr`` (text); else it goes to the terminal.
     """
     if nproc < 2:
         raise ValueError(f"zorse bench comm needs at least 2 ranks to measure links, got nproc={nproc}")
+    from zorse_fx.runtime.launch import JobFailedError, supervise
+
     env = dict(os.environ)
     env["OMP_NUM_THREADS"] = "1"
     env.setdefault("PYTHONUNBUFFERED", "1")
     env.pop("TORCHELASTIC_RUN_ID", None)
     cmd = comm_bench_command(nproc, out, list(extra_args))
-    try:
-        return subprocess.run(cmd, env=env, check=True, timeout=timeout_s, text=True, capture_output=capture)
-    except subprocess.CalledProcessError as e:
-        if capture:  # put the ranks' own error into the message; it is otherwise hidden in e.stderr
-            lines = ((e.stdout or "") + (e.stderr or "")).strip().splitlines()
-            # The ranks' own exceptions ("[rank0]: ValueError: ...") come before torchrun's summary.
-            causes = [ln for ln in lines if ln.startswith("[rank") and ("Error" in ln or "Exception" in ln)]
-            tail = "\n".join(causes[:6] + lines[-15:])
-            raise RuntimeExecutionError(f"zorse bench comm failed (exit {e.returncode}): {' '.join(cmd)}\n{tail}") from e
-        raise
+    try:  # supervised: a signal or a timeout stops torchrun and every rank (runtime/launch.py)
+        return supervise(cmd, env, timeout_s=timeout_s, capture=capture)
+    except JobFailedError as e:
+        lines = ((e.stdout or "") + (e.stderr or "")).strip().splitlines()
+        # The ranks' own exceptions ("[rank0]: ValueError: ...") come before torchrun's summary.
+        causes = [ln for ln in lines if ln.startswith("[rank") and ("Error" in ln or "Exception" in ln)]
+        tail = "\n".join(causes[:6] + lines[-15:])
+        where = f"\n{tail}" if capture else " (the ranks' errors are above)"
+        raise RuntimeExecutionError(f"zorse bench comm failed (exit {e.returncode}): {' '.join(cmd)}{where}") from e

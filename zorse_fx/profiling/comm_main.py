@@ -26,7 +26,7 @@ import torch.distributed as dist
 from zorse_fx.profiling.comm import CommProfile, measure
 from zorse_fx.runtime.launch import rank_device
 
-__all__ = ["parse_sizes", "default_sizes", "main"]
+__all__ = ["parse_sizes", "default_sizes", "build_parser", "parse_args", "check_args", "sweep_argv", "main"]
 
 _UNITS = {"": 1, "B": 1, "K": 1024, "KIB": 1024, "M": 1024**2, "MIB": 1024**2, "G": 1024**3, "GIB": 1024**3}
 
@@ -66,9 +66,13 @@ def default_sizes(cuda: bool) -> list[int]:
     return parse_sizes(["1K:16M" if cuda else "1K:4M"])
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="zorse bench comm", description="Measure point-to-point and all-reduce times between the ranks "
-                                "torchrun started; fit latency + bytes / bandwidth per link class.")
+DESCRIPTION = ("Measure point-to-point and all-reduce times between the ranks torchrun started; fit latency + "
+               "bytes / bandwidth per link class, and print the cluster-file `links:` entries.")
+
+
+def build_parser(add_help: bool = True) -> argparse.ArgumentParser:
+    """The options of ``zorse bench comm`` (``add_help=False``: for the CLI's ``parents=``)."""
+    p = argparse.ArgumentParser(prog="zorse bench comm", description=DESCRIPTION, add_help=add_help)
     p.add_argument("--out", required=True, help="profile JSON to write (rank 0), e.g. profiles/comm_mycluster.json")
     p.add_argument("--sizes", nargs="+", default=None,
                    help="message sizes: bytes with K/M/G suffix, or FROM:TO powers of 2 (default 1K:16M, CPU 1K:4M)")
@@ -80,7 +84,16 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="this launch's datacenter name; ranks with different names are cross_datacenter")
     p.add_argument("--plot", default=None, help="also write a log-log PNG of time vs bytes with the fits")
     p.add_argument("--backend", choices=("auto", "nccl", "gloo"), default="auto")
-    args = p.parse_args(argv)
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = build_parser()
+    return check_args(p, p.parse_args(argv))
+
+
+def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
+    """Validate ``args`` (``p.error`` on a bad value) and turn ``--sizes`` into bytes."""
     try:
         args.sizes = parse_sizes(args.sizes) if args.sizes else None
     except ValueError as e:
@@ -88,6 +101,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.iters is not None and args.iters < 1 or args.warmup < 0:
         p.error(f"--iters must be >= 1 and --warmup >= 0 (got {args.iters}, {args.warmup})")
     return args
+
+
+def sweep_argv(args: argparse.Namespace) -> list[str]:
+    """The options besides ``--out`` that make ``parse_args`` return ``args`` (checked: sizes in
+    bytes); how ``zorse bench comm`` hands its options to the ranks."""
+    argv = ["--warmup", str(args.warmup), "--backend", args.backend]
+    if args.sizes:
+        argv += ["--sizes", *map(str, args.sizes)]
+    if args.iters is not None:
+        argv += ["--iters", str(args.iters)]
+    if args.all_pairs:
+        argv.append("--all-pairs")
+    if args.datacenter:
+        argv += ["--datacenter", args.datacenter]
+    if args.plot:
+        argv += ["--plot", str(args.plot)]
+    return argv
 
 
 def print_summary(profile: CommProfile, out: Path) -> None:

@@ -31,7 +31,7 @@ import torch
 
 from .profile import DeviceInfo, KernelProfile, KernelTiming
 
-__all__ = ["main", "measure_model", "measure_standard", "device_info"]
+__all__ = ["build_parser", "main", "run", "measure_model", "measure_standard", "device_info"]
 
 
 def _cpu_name() -> str:
@@ -243,8 +243,9 @@ def plot(profile: KernelProfile, path: Path, peaks: dict[str, float] | None = No
     plt.close(fig)
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="zorse bench kernels", description=__doc__.splitlines()[0])
+def build_parser(add_help: bool = True) -> argparse.ArgumentParser:
+    """The options of ``zorse bench kernels`` (``add_help=False``: for the CLI's ``parents=``)."""
+    p = argparse.ArgumentParser(prog="zorse bench kernels", description=__doc__.splitlines()[0], add_help=add_help)
     p.add_argument("--model", action="append", default=[], help="model to sweep (repeatable); see zorse_fx.models.registry")
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--batch-sizes", default="1,8", help="micro-batch sizes, comma separated")
@@ -258,7 +259,15 @@ def main(argv=None) -> int:
     p.add_argument("--calibrate", default="gpt", help="model whose whole fwd+bwd calibrates node replays ('' = off)")
     p.add_argument("-o", "--output", required=True)
     p.add_argument("--plot", help="PNG of achieved throughput per op class")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    return run(build_parser().parse_args(argv))
+
+
+def run(args) -> int:
+    """Measure and write the profile ``build_parser``'s options ``args`` describe."""
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cpu":
         torch.set_num_threads(args.threads)

@@ -1,15 +1,58 @@
-"""Start the ranks of a plan with torchrun on this machine (``zorse train``)."""
+"""Start the ranks of a plan with torchrun on this machine (``zorse train``), and stop them.
+
+[Note: stopping a job]
+torchrun (torch.distributed.elastic) starts every worker with
+``start_new_session=True`` (``elastic/multiprocessing/subprocess_handler``):
+each rank is in its own session and process group, so neither a terminal's
+Ctrl-C nor a signal to the launcher's process group reaches it. torchrun
+itself forwards SIGINT/SIGTERM/SIGHUP/SIGQUIT to its workers' groups and
+SIGKILLs them after ``--shutdown-timeout`` seconds; but a signal to the
+``zorse train`` process alone used to end only that process, leaving torchrun
+and every rank training, orphaned. ``supervise`` therefore
+
+- starts torchrun in its own session (the terminal's Ctrl-C reaches only the
+  launcher, which decides what happens) and records torchrun's descendants
+  (psutil) every poll, so it can still find ranks that torchrun's death
+  orphaned;
+- on SIGINT or SIGTERM forwards the signal to torchrun (which forwards it to
+  the ranks: on SIGTERM a rank may write a checkpoint before it exits), waits
+  a grace period (SIGINT ``int_grace_s``, a few seconds; SIGTERM
+  ``term_grace_s``, ``zorse train --term-grace-s``; a second signal cuts it
+  short), then SIGSTOPs torchrun (no restarts while it is being killed),
+  collects its descendants once more and SIGKILLs them all;
+- with a heartbeat directory (``runtime/watchdog.py``) stops the job the same
+  way when a live rank has not beaten for ``stall_timeout_s`` seconds, and
+  names it.
+
+Whatever ends the job (success included), every process it recorded is gone
+when ``supervise`` returns or raises.
+"""
 
 from __future__ import annotations
 
+import functools
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
+import threading
+import time
+from datetime import timedelta
 from pathlib import Path
 
 import torch
 
-__all__ = ["torchrun_command", "launch", "rank_device"]
+from ..errors import RuntimeExecutionError
+
+__all__ = ["torchrun_command", "launch", "supervise", "rank_device", "init_process_group", "JobInterrupted",
+           "JobFailedError", "JobStalledError"]
+
+#: Seconds a SIGINT (Ctrl-C) gives the ranks to exit before they are killed.
+INT_GRACE_S = 5.0
+#: Seconds a stalled job's other ranks get after SIGTERM before they are killed.
+STALL_GRACE_S = 3.0
 
 
 def rank_device(backend: str) -> torch.device:
@@ -21,21 +64,248 @@ def rank_device(backend: str) -> torch.device:
     return torch.device("cpu")
 
 
-def torchrun_command(plan_dir: str | Path, nprocs: int, train_args: list[str]) -> list[str]:
-    """The torchrun command line that runs ``plan_dir`` on ``nprocs`` local processes."""
+def init_process_group(backend: str, *, timeout: timedelta, device_id: torch.device | None = None) -> None:
+    """``dist.init_process_group`` from torchrun's environment, safe across torchrun restarts.
+
+    A worker that torchrun restarted (``--max-restarts``; ``TORCHELASTIC_RESTART_COUNT`` > 0)
+    meets its peers in the same rendezvous store as the failed attempt, where
+    that attempt's process-group keys are still set: Gloo's ``connectFullMesh``
+    then dials the dead ranks' addresses ("Connection refused") and the restart
+    fails (torch 2.13, ``--standalone``). Restarted attempts therefore use the
+    store under the prefix ``/attempt_<n>``; the first attempt is
+    ``dist.init_process_group`` unchanged."""
+    import torch.distributed as dist
+
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if attempt == 0:
+        dist.init_process_group(backend, timeout=timeout, device_id=device_id)
+        return
+    store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+    dist.init_process_group(backend, store=dist.PrefixStore(f"/attempt_{attempt}", store), rank=rank,
+                            world_size=world, timeout=timeout, device_id=device_id)
+
+
+class JobInterrupted(KeyboardInterrupt):
+    """The job was stopped because the launcher received ``signum`` (SIGINT or SIGTERM).
+
+    A ``KeyboardInterrupt``: ``except Exception`` does not swallow it, and a
+    caller that handles Ctrl-C handles this too."""
+
+    def __init__(self, signum: int, detail: str = ""):
+        self.signum = signum
+        super().__init__(f"stopped by {signal.Signals(signum).name}{detail}")
+
+
+class JobFailedError(RuntimeExecutionError):
+    """torchrun ended with a non-zero status (a rank failed; its error is in the output)."""
+
+    def __init__(self, message: str, returncode: int, stdout: str | None = None, stderr: str | None = None):
+        super().__init__(message)
+        self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
+
+
+class JobStalledError(RuntimeExecutionError):
+    """A rank stopped beating (``--stall-timeout``); the job was stopped."""
+
+
+@functools.cache
+def _torchrun_has_option(option: str) -> bool:
+    """Whether this torch's torchrun knows ``option`` (``--shutdown-timeout`` is recent: torch 2.13 has it)."""
+    from torch.distributed.run import get_args_parser
+
+    _, unknown = get_args_parser().parse_known_args([f"{option}=1", "script.py"])
+    return not unknown
+
+
+def torchrun_command(plan_dir: str | Path, nprocs: int, train_args: list[str], *, max_restarts: int = 0,
+                     shutdown_timeout_s: float | None = None) -> list[str]:
+    """The torchrun command line that runs ``plan_dir`` on ``nprocs`` local processes.
+
+    ``max_restarts``: torchrun restarts every worker (up to this many times)
+    when one fails; with checkpoints the restarted ranks resume. ``shutdown_timeout_s``:
+    how long torchrun lets its workers exit after forwarding a signal before it
+    SIGKILLs them (torchrun's default is 30 s; left out where this torch's
+    torchrun has no ``--shutdown-timeout``)."""
+    opts = [f"--max-restarts={max_restarts}"] if max_restarts else []
+    if shutdown_timeout_s is not None and _torchrun_has_option("--shutdown-timeout"):
+        opts.append(f"--shutdown-timeout={max(1, int(round(shutdown_timeout_s)))}")
     return [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nprocs}",
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nprocs}", *opts,
         "-m", "zorse_fx.train", str(plan_dir), *train_args,
     ]
 
 
-def launch(plan_dir: str | Path, nprocs: int, train_args: list[str], *, timeout_s: float | None = None,
-           capture: bool = False) -> subprocess.CompletedProcess:
-    """Run the plan on ``nprocs`` local processes; raises CalledProcessError on failure."""
+def job_env() -> dict[str, str]:
+    """The environment torchrun and the ranks run in: one thread per rank, unbuffered output."""
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")  # each rank uses one thread
     env.setdefault("PYTHONUNBUFFERED", "1")
     env.pop("TORCHELASTIC_RUN_ID", None)
-    cmd = torchrun_command(plan_dir, nprocs, train_args)
-    return subprocess.run(cmd, env=env, check=True, timeout=timeout_s, text=True,
-                          capture_output=capture)
+    return env
+
+
+def launch(plan_dir: str | Path, nprocs: int, train_args: list[str], *, timeout_s: float | None = None,
+           capture: bool = False, heartbeat_dir: str | Path | None = None, stall_timeout_s: float = 0,
+           term_grace_s: float = 60.0, max_restarts: int = 0) -> subprocess.CompletedProcess:
+    """Run the plan on ``nprocs`` local processes under torchrun and ``supervise`` it.
+
+    ``heartbeat_dir``/``stall_timeout_s``: stop the job when a rank has not
+    beaten for that long (0: never). ``term_grace_s``: on SIGTERM, how long the
+    ranks get to exit (write a checkpoint) before they are killed.
+    ``max_restarts``: passed to torchrun, which restarts every worker when one
+    dies (up to that many times).
+
+    Raises:
+        JobFailedError: torchrun exited with a non-zero status.
+        JobStalledError: a rank stopped beating.
+        JobInterrupted: SIGINT or SIGTERM; the job was stopped.
+    """
+    cmd = torchrun_command(plan_dir, nprocs, train_args, max_restarts=max_restarts, shutdown_timeout_s=term_grace_s)
+    return supervise(cmd, job_env(), timeout_s=timeout_s, capture=capture, heartbeat_dir=heartbeat_dir,
+                     stall_timeout_s=stall_timeout_s, term_grace_s=term_grace_s)
+
+
+class _JobTree:
+    """torchrun and every descendant seen so far (psutil handles, which survive pid reuse)."""
+
+    def __init__(self, root: subprocess.Popen):
+        import psutil
+
+        self.root = root
+        self.procs: dict[int, psutil.Process] = {}
+        self.refresh()
+
+    def refresh(self) -> None:
+        import psutil
+
+        try:
+            kids = psutil.Process(self.root.pid).children(recursive=True)
+        except psutil.Error:  # torchrun is gone: its orphans are still in self.procs
+            return
+        for k in kids:
+            self.procs.setdefault(k.pid, k)
+
+    def alive(self) -> list:
+        import psutil
+
+        out = []
+        for p in self.procs.values():
+            try:
+                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                    out.append(p)
+            except psutil.Error:
+                pass
+        return out
+
+    def kill_all(self, wait_s: float = 10.0) -> None:
+        """SIGSTOP torchrun (no restarts), collect its descendants again, SIGKILL all and wait for them."""
+        import psutil
+
+        if self.root.poll() is None:
+            try:
+                os.kill(self.root.pid, signal.SIGSTOP)
+            except ProcessLookupError:
+                pass
+            self.refresh()
+            self.root.kill()
+        victims = self.alive()
+        for p in victims:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+        try:
+            self.root.wait(timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            pass
+        deadline = time.monotonic() + wait_s
+        while self.alive() and time.monotonic() < deadline:  # orphans are reaped by init, not us
+            time.sleep(0.05)
+
+
+def supervise(cmd: list[str], env: dict[str, str] | None = None, *, timeout_s: float | None = None,
+              capture: bool = False, heartbeat_dir: str | Path | None = None, stall_timeout_s: float = 0,
+              term_grace_s: float = 60.0, int_grace_s: float = INT_GRACE_S,
+              poll_s: float = 0.5) -> subprocess.CompletedProcess:
+    """Run torchrun's ``cmd`` in its own session until it ends; see [Note: stopping a job].
+
+    ``capture``: the output is returned (``stdout``/``stderr``, text) instead of
+    going to the terminal. Signal handlers (SIGINT, SIGTERM) are installed only
+    when called from the main thread, and restored on return."""
+    hb = Path(heartbeat_dir) if heartbeat_dir else None
+    if hb is not None:
+        shutil.rmtree(hb, ignore_errors=True)  # an old run's beats must not look stalled
+    received: list[int] = []
+    old_handlers = {}
+    out_f = tempfile.TemporaryFile("w+") if capture else None
+    err_f = tempfile.TemporaryFile("w+") if capture else None
+    tree = None
+
+    def read(f):
+        if f is None:
+            return None
+        f.seek(0)
+        return f.read()
+
+    try:
+        if threading.current_thread() is threading.main_thread():
+            for s in (signal.SIGINT, signal.SIGTERM):
+                old_handlers[s] = signal.signal(s, lambda signum, frame: received.append(signum))
+        proc = subprocess.Popen(cmd, env=env, stdout=out_f, stderr=err_f, text=True, start_new_session=True)
+        tree = _JobTree(proc)
+        start = time.monotonic()
+        while True:
+            try:
+                proc.wait(timeout=poll_s)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+            tree.refresh()
+            if received:
+                sig = received[0]
+                try:
+                    proc.send_signal(sig)  # torchrun forwards it to every rank's process group
+                except ProcessLookupError:
+                    pass
+                deadline = time.monotonic() + (term_grace_s if sig == signal.SIGTERM else int_grace_s)
+                while proc.poll() is None and time.monotonic() < deadline and len(received) == 1:
+                    tree.refresh()
+                    time.sleep(0.1)
+                n = len(tree.alive()) + (proc.poll() is None)
+                detail = (f"; killed the {n} process{'es' if n != 1 else ''} of the job still running after "
+                          f"{'--term-grace-s' if sig == signal.SIGTERM else 'the grace period'}" if n else
+                          "; torchrun and every rank exited")
+                raise JobInterrupted(sig, detail)
+            if hb is not None and stall_timeout_s > 0:
+                from .watchdog import stalled_rank
+
+                beat = stalled_rank(hb, stall_timeout_s)
+                if beat is not None:
+                    try:
+                        proc.send_signal(signal.SIGTERM)
+                    except ProcessLookupError:
+                        pass
+                    deadline = time.monotonic() + min(STALL_GRACE_S, term_grace_s)
+                    while proc.poll() is None and time.monotonic() < deadline:
+                        time.sleep(0.1)
+                    raise JobStalledError(
+                        f"rank {beat.rank} (pid {beat.pid}) made no progress for {beat.age_s:.0f} s (stalled or "
+                        f"stopped); stopped the job (--stall-timeout is {stall_timeout_s:g} s: raise it if one "
+                        f"step can take longer)")
+            if timeout_s is not None and time.monotonic() - start > timeout_s:
+                raise JobFailedError(f"the job ran longer than {timeout_s:g} s and was stopped: {' '.join(cmd)}",
+                                     -1, read(out_f), read(err_f))
+        stdout, stderr = read(out_f), read(err_f)
+    finally:
+        if tree is not None:
+            tree.kill_all()
+        for s, h in old_handlers.items():
+            signal.signal(s, h)
+        for f in (out_f, err_f):
+            if f is not None:
+                f.close()
+    if proc.returncode != 0:
+        where = "see the ranks' errors above" if not capture else "the output is in this error's stdout/stderr"
+        raise JobFailedError(f"torchrun exited with status {proc.returncode} ({where}): {' '.join(cmd)}",
+                             proc.returncode, stdout, stderr)
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
