@@ -19,6 +19,7 @@ __all__ = [
     "ModelCaptureError",
     "InfeasiblePlanError",
     "RuntimeExecutionError",
+    "DataError",
 ]
 
 
@@ -54,3 +55,10 @@ class InfeasiblePlanError(ZorseError, RuntimeError):
 
 class RuntimeExecutionError(ZorseError, RuntimeError):
     """A rank could not execute its part of a plan."""
+
+
+class DataError(ZorseError, ValueError):
+    """A token file, its header, a corpus or a tokenizer is unusable (wrong
+    dtype or shape, ids outside the vocabulary, a header that does not match
+    its file, a corpus smaller than one global batch). The message names the
+    file, the field, the value and the fix."""

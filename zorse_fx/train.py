@@ -4,7 +4,12 @@ Launch with torchrun (one node or many; torch.distributed is the engine, NCCL
 on GPUs, Gloo on CPU)::
 
     torchrun --nproc-per-node 4 -m zorse_fx.train runs/x/plan \\
-        --weights runs/x/plan/weights.pt --tokens runs/x/tokens.pt --steps 10 --out runs/x
+        --weights runs/x/plan/weights.pt --data runs/x/data/tokens.bin --steps 10 --out runs/x
+
+``--data``: a token file of ``zorse prepare-data`` (``token_data.py``),
+memory-mapped; each rank reads only the rows of the global batch it computes
+on. ``--tokens``: a legacy ``torch.save`` 1-D integer tensor. Both are
+checked against the model's vocabulary (stage 0's embedding) at start-up.
 
 ``zorse train`` wraps exactly this command. Each rank reads only plan.json,
 its stage source, the weights and the token file; it never imports OR-Tools.
@@ -35,17 +40,18 @@ import json
 import sys
 import time
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from .data import global_batch
 from .errors import RuntimeExecutionError
 from .plan import Plan
 from .precision import PRECISIONS, precision_policy
 from .runtime.launch import rank_device
 from .runtime.worker import OptimizerConfig, StageWorker
+from .token_data import TokenData, model_vocab_size, plan_rank_samples
 
 __all__ = ["main", "parse_args"]
 
@@ -54,7 +60,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m zorse_fx.train", description=__doc__.split("\n")[0])
     p.add_argument("plan", help="plan directory (plan.json + stage_<i>.py) or plan.json")
     p.add_argument("--weights", help="weights file (torch.save of {name: tensor}); default: <plan>/weights.pt")
-    p.add_argument("--tokens", required=True, help="1-D int64 token tensor file (torch.save)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--data", help="token file written by `zorse prepare-data` (<name>.bin or its <name>.json "
+                                    "header); each rank reads only its samples")
+    src.add_argument("--tokens", help="legacy: torch.save file of a 1-D integer token tensor")
+    p.add_argument("--allow-repeat", action="store_true",
+                   help="allow a corpus smaller than one global batch (samples repeat within a step)")
+    p.add_argument("--val-fraction", type=float, default=0.0,
+                   help="hold out this fraction of the corpus's sequences (its last ones) for validation")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--weight-decay", type=float, default=0.0)
@@ -140,7 +153,14 @@ def main(argv=None) -> int:
     if not weights_path.exists():
         raise RuntimeExecutionError(f"weights file {weights_path} not found; pass --weights or export with `zorse plan`")
     weights = torch.load(weights_path, mmap=True, weights_only=True)
-    tokens = torch.load(args.tokens, weights_only=True)
+    data = TokenData.load(args.data or args.tokens)  # memory-mapped; see token_data.py
+    vocab = model_vocab_size(plan, weights)
+    if vocab is not None:
+        data.check_vocab(vocab)
+    batch_of = partial(data.global_batch, global_batch_size=plan.global_batch_size, seq_len=plan.seq_len,
+                       input_names=plan.input_names, label_mode=plan.label_mode, samples=plan_rank_samples(plan, rank),
+                       val_fraction=args.val_fraction, allow_repeat=args.allow_repeat)
+    batch_of(0)  # a corpus too small for a global batch fails here, before any rank trains
     policy, why = runtime_precision(plan, device, args.precision, args.grad_reduce_dtype)
     worker = StageWorker(
         plan, plan_dir, weights, rank=rank, device=device,
@@ -164,10 +184,7 @@ def main(argv=None) -> int:
                f"{worker.reducer.num_buckets} on rank 0")
     dist.barrier()
     for step in range(1, args.steps + 1):
-        batch = global_batch(
-            tokens, step - 1, global_batch_size=plan.global_batch_size, seq_len=plan.seq_len,
-            input_names=plan.input_names, label_mode=plan.label_mode,
-        )
+        batch = batch_of(step - 1)  # only this rank's rows are read; the others are -1
         t0 = time.perf_counter()
         loss = worker.train_step(batch).reshape(1)
         dist.all_reduce(loss)  # on the device: sum of share-weighted contributions = global mean loss
