@@ -158,8 +158,9 @@ def main(argv=None) -> int:
     if vocab is not None:
         data.check_vocab(vocab)
     batch_of = partial(data.global_batch, global_batch_size=plan.global_batch_size, seq_len=plan.seq_len,
-                       input_names=plan.input_names, label_mode=plan.label_mode, samples=plan_rank_samples(plan, rank),
-                       val_fraction=args.val_fraction, allow_repeat=args.allow_repeat)
+                       input_names=plan.input_names, label_mode=plan.label_mode,
+                       samples=plan_rank_samples(plan, rank), val_fraction=args.val_fraction,
+                       allow_repeat=args.allow_repeat)
     batch_of(0)  # a corpus too small for a global batch fails here, before any rank trains
     policy, why = runtime_precision(plan, device, args.precision, args.grad_reduce_dtype)
     worker = StageWorker(
