@@ -277,6 +277,21 @@ def test_tokenizer_errors(tmp_path):
         load_tokenizer(str(tmp_path / "empty"))
 
 
+@pytest.mark.parametrize("argv, message", [
+    ([], "one of the arguments --data --tokens is required"),
+    (["--data", "a.bin", "--tokens", "t.pt"], "argument --tokens: not allowed with argument --data"),
+    (["--data", "a.bin", "--val-fraction", "1.5"], "--val-fraction must be in [0, 1), got 1.5"),
+])
+def test_train_data_options(argv, message, capsys):
+    from zorse_fx.train import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["plan", *argv])
+    assert message in capsys.readouterr().err
+    args = parse_args(["plan", "--data", "a.json", "--allow-repeat", "--val-fraction", "0.1"])
+    assert (args.data, args.tokens, args.allow_repeat, args.val_fraction) == ("a.json", None, True, 0.1)
+
+
 SEQ = 32
 
 

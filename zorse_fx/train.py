@@ -105,6 +105,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"--inject-inf expects RANK:STEP with two integers >= 0, got {args.inject_inf!r}")
     if args.bucket_mib <= 0:
         p.error(f"--bucket-mib must be > 0, got {args.bucket_mib}")
+    if not 0.0 <= args.val_fraction < 1.0:
+        p.error(f"--val-fraction must be in [0, 1), got {args.val_fraction}")
     return args
 
 
