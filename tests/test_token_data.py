@@ -247,6 +247,10 @@ def test_bad_headers_and_vocabulary_of_token_files(tmp_path, lee_docs):
     with pytest.raises(DataError, match=rf"t.bin \(tokenizer 'smollm2-135m', vocabulary 49152\) has token id {hi}, "
                                         r"but the model's vocabulary is 256"):
         data.check_vocab(256)
+    with pytest.warns(UserWarning, match=rf"t.bin \(tokenizer 'smollm2-135m', vocabulary 49152\): the tokenizer's "
+                                         rf"vocabulary is larger than the model's \({hi + 1}\); every id in the file "
+                                         rf"fits \(largest {hi}\)"):
+        data.check_vocab(hi + 1)
     header = json.loads((tmp_path / "t.json").read_text())
     raw = (tmp_path / "t.bin").read_bytes()
     (tmp_path / "t.bin").write_bytes(raw[:-2])

@@ -41,6 +41,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Sequence
@@ -405,6 +406,8 @@ class TokenData:
 
     def check_vocab(self, vocab_size: int) -> None:
         """Every token id is in ``[0, vocab_size)`` (the model's vocabulary).
+        Warns (UserWarning) when the header's tokenizer vocabulary is larger
+        than the model's although every id fits.
 
         Raises:
             DataError: naming the file, the offending id and the vocabulary.
@@ -414,11 +417,15 @@ class TokenData:
             raise DataError(f"token file {self.source} has negative token id {lo}; token ids must be in "
                             f"[0, {vocab_size}) (the model's vocabulary): regenerate the file with the model's "
                             f"tokenizer (`zorse prepare-data --tokenizer ...`)")
+        tok = f" (tokenizer {self.header['tokenizer']!r}, vocabulary {self.vocab_size})" if self.header else ""
         if hi >= vocab_size:
-            tok = f" (tokenizer {self.header['tokenizer']!r}, vocabulary {self.vocab_size})" if self.header else ""
             raise DataError(f"token file {self.source}{tok} has token id {hi}, but the model's vocabulary is "
                             f"{vocab_size} (ids must be < {vocab_size}); prepare the data with the model's own "
                             f"tokenizer, or train a model whose embedding has at least {hi + 1} rows")
+        if self.vocab_size is not None and self.vocab_size > vocab_size:
+            warnings.warn(f"token file {self.source}{tok}: the tokenizer's vocabulary is larger than the model's "
+                          f"({vocab_size}); every id in the file fits (largest {hi}), but check that the data was "
+                          f"prepared with the model's tokenizer", stacklevel=2)
 
     # -- batches -------------------------------------------------------------------
     def split_chunks(self, seq_len: int, *, val_fraction: float = 0.0, val_tokens: int = 0) -> tuple[int, int]:
