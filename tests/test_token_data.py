@@ -299,6 +299,40 @@ def test_train_data_options(argv, message, capsys):
 SEQ = 32
 
 
+def _two_stage_plan(captured, gb=4):
+    from zorse_fx.capture import analyse
+    from zorse_fx.cluster import Cluster
+    from zorse_fx.planner import PlanOptions, plan_fixed
+
+    nb = analyse(captured).num_blocks
+    plan, _ = plan_fixed(captured, Cluster.from_yaml(CLUSTERS / "small_hetero.yaml"), PlanOptions(global_batch_size=gb),
+                         stage_blocks=((0, nb // 2), (nb // 2, nb)), stage_gpus=((0,), (1,)),
+                         samples_per_microbatch=((gb,), (gb,)), num_microbatches=1)
+    return plan
+
+
+def test_model_vocab_size_is_the_embedding_of_the_input_ids():
+    """The embedding looked up with the model's input (torch.fx GPT: wte, not
+    the position embedding wpe; torch.export HF Llama with tied embeddings);
+    without stage sources, the largest first dimension of stage 0's 2-D
+    parameters, an upper bound."""
+    import dataclasses
+
+    from test_distributed import _tiny_llama_tied
+    from zorse_fx.capture import capture
+    from zorse_fx.models.gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, 256, (2, SEQ))
+    gpt = capture(GPT(GPTConfig(n_layer=2, n_embd=128, n_head=4, block_size=SEQ)), (ids, ids))
+    plan = _two_stage_plan(gpt)
+    assert model_vocab_size(plan, gpt.state()) == 256
+    # Stage 0's attention / MLP weights have 3 * 128 or 4 * 128 rows: more than the vocabulary.
+    assert model_vocab_size(dataclasses.replace(plan, sources=()), gpt.state()) in (384, 512)
+    llama = _tiny_llama_tied()
+    assert model_vocab_size(_two_stage_plan(llama), llama.state()) == 256
+
+
 def test_train_with_data_reads_only_each_ranks_rows(tmp_path, lee_docs):
     """python -m zorse_fx.train --data: three ranks (stage 1 split 2 + 1 rows
     per micro-batch), each reading only its samples of the token file, train

@@ -41,6 +41,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -219,6 +220,8 @@ def prepare_data(source: str, out: str | os.PathLike, *, tokenizer: str | Tokeni
     """
     from tqdm import tqdm
 
+    if max_tokens is not None and max_tokens < 1:
+        raise DataError(f"max_tokens is {max_tokens}; it must be >= 1 (or None for every token)")
     tok = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
     dtype = np.dtype(np.uint16) if tok.vocab_size < 2**16 else np.dtype(np.uint32)
     docs, total, desc = _documents(source, fmt, text_field, split)
@@ -304,8 +307,12 @@ class TokenData:
     # -- constructors ----------------------------------------------------------
     @classmethod
     def load(cls, path: str | os.PathLike) -> TokenData:
-        """``open`` for ``.bin`` / ``.json`` paths, else ``from_torch_file``."""
-        return cls.open(path) if Path(path).suffix in (".bin", ".json") else cls.from_torch_file(path)
+        """``open`` for ``.bin`` / ``.json`` paths (or ``<out>`` when
+        ``<out>.json`` exists), else ``from_torch_file``."""
+        path = Path(path)
+        if path.suffix in (".bin", ".json") or (not path.exists() and token_file_paths(path)[1].exists()):
+            return cls.open(path)
+        return cls.from_torch_file(path)
 
     @classmethod
     def open(cls, path: str | os.PathLike) -> TokenData:
@@ -523,13 +530,32 @@ def plan_rank_samples(plan, rank: int) -> list[int]:
     return sorted(rows)
 
 
+_EMBEDDING_CALLS = (  # (pattern, group of the weight, group of the indices) in generated stage code
+    (re.compile(r"aten\.embedding\.default\(\s*(\w+)\s*,\s*(\w+)"), 1, 2),  # torch.export
+    (re.compile(r"functional\.embedding\(\s*(\w+)\s*,\s*(\w+)"), 2, 1),  # torch.fx symbolic_trace
+)
+
+
 def model_vocab_size(plan, weights: dict[str, torch.Tensor]) -> int | None:
-    """The model's vocabulary: the first dimension of the first 2-D parameter
-    of stage 0 (in the stage's parameter order, which follows the model's
-    registration order: the input embedding of GPT-style and Hugging Face
-    causal LMs). None when stage 0 has no 2-D parameter."""
-    for canon in plan.stages[0].params.values():
-        w = weights.get(canon)
-        if w is not None and w.dim() == 2:
-            return int(w.shape[0])
-    return None
+    """The model's vocabulary: the rows of the embedding that stage 0's code
+    looks the token ids up in (an ``embedding`` call on a model input, e.g.
+    ``aten.embedding.default(model_model_embed_tokens_weight, input_ids)``,
+    in ``plan.sources[0]``). Without such a call (or without sources): the
+    largest first dimension of stage 0's 2-D parameters, an upper bound of
+    the vocabulary (it never refuses ids the embedding has). None when stage
+    0 has no 2-D parameter."""
+    stage = plan.stages[0]
+
+    def rows(local: str) -> int | None:
+        w = weights.get(stage.params.get(local, ""))
+        return int(w.shape[0]) if w is not None and w.dim() == 2 else None
+
+    source = plan.sources[0] if plan.sources else ""
+    found = [rows(m.group(w)) for pattern, w, i in _EMBEDDING_CALLS for m in pattern.finditer(source)
+             if m.group(i) in stage.input_names]
+    found = [n for n in found if n is not None]
+    if found:
+        return max(found)
+    dims = [rows(local) for local in stage.params]
+    dims = [n for n in dims if n is not None]
+    return max(dims) if dims else None
