@@ -281,6 +281,25 @@ def test_tokenizer_errors(tmp_path):
         load_tokenizer(str(tmp_path / "empty"))
 
 
+def test_hub_name_without_the_hub_says_so(tmp_path):
+    """A hub name with the hub unreachable (HF_HUB_OFFLINE=1, an empty cache:
+    without it, huggingface_hub retries for ~50 s here first)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"), "PYTHONPATH": str(root)}
+    r = subprocess.run([sys.executable, "-m", "zorse_fx.cli", "prepare-data", "lee", "-o", str(tmp_path / "t"),
+                        "--tokenizer", "gpt2"], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1
+    assert r.stderr.startswith("zorse: tokenizer 'gpt2' could not be loaded: hub names resolve only where "
+                               "huggingface.co is reachable or the name is in the local Hugging Face cache; save the "
+                               "tokenizer with save_pretrained")
+    assert not (tmp_path / "t.bin").exists()
+
+
 @pytest.mark.parametrize("argv, message", [
     ([], "one of the arguments --data --tokens is required"),
     (["--data", "a.bin", "--tokens", "t.pt"], "argument --tokens: not allowed with argument --data"),
