@@ -388,3 +388,20 @@ def test_train_with_data_reads_only_each_ranks_rows(tmp_path, lee_docs):
                                             "--val-fraction", "0.1", "--out", str(tmp_path / "run")])
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert rows[0]["loss"] == pytest.approx(ref_loss, rel=1e-5)
+
+
+def test_zorse_train_with_data(tmp_path, lee_docs):
+    """`zorse prepare-data` then `zorse train --data` under torchrun (a GPT
+    plan of the stage DP), holding out a validation tenth."""
+    plan = tmp_path / "plan"
+    assert zorse_main(["plan", "--model", "gpt", "--cluster", str(CLUSTERS / "small_hetero.yaml"), "--planner",
+                       "stage_dp", "--global-batch-size", "4", "--seq-len", "32", "-o", str(plan)]) == 0
+    (tmp_path / "news").mkdir()
+    for i, doc in enumerate(lee_docs[:40]):
+        (tmp_path / "news" / f"{i:03d}.txt").write_text(doc)
+    assert zorse_main(["prepare-data", str(tmp_path / "news"), "-o", str(tmp_path / "data" / "news")]) == 0
+    assert zorse_main(["train", str(plan), "--data", str(tmp_path / "data" / "news.json"), "--val-fraction", "0.1",
+                       "--steps", "2", "--out", str(tmp_path / "run")]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and all(r["loss"] > 0 for r in rows)
+    assert not (tmp_path / "run" / "data").exists()  # --data: nothing prepared on the fly
