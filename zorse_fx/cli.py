@@ -2,7 +2,9 @@
 
     zorse plan  --model smollm2-135m --cluster examples/clusters/demo.yaml \\
                 --global-batch-size 8 --seq-len 64 -o runs/x/plan
-    zorse train runs/x/plan --corpus lee --tokenizer smollm2-135m --steps 10 --out runs/x
+    zorse prepare-data lee --tokenizer smollm2-135m -o runs/x/data/lee   # -> lee.bin + lee.json
+    zorse train runs/x/plan --data runs/x/data/lee.bin --steps 10 --out runs/x
+    zorse train runs/x/plan --corpus lee --tokenizer smollm2-135m --steps 10 --out runs/x  # prepares, then trains
     zorse show  runs/x/plan          # print a plan's table and schedule grid
     zorse simulate runs/x/plan --model ... --cluster ...  # timeline: Perfetto JSON + Gantt PNG
     zorse bench kernels --model smollm2-135m -o profiles/<type>.json   # kernel profile
@@ -25,6 +27,7 @@ import torch
 
 from .errors import ZorseError
 from .precision import GRAD_REDUCE_DTYPES, PRECISIONS
+from .train import add_training_options, check_training_options
 
 __all__ = ["main", "build_parser"]
 
@@ -36,19 +39,6 @@ def _load_model(name: str):
         return load_model(name)
     except ValueError as exc:
         raise SystemExit(f"zorse: {exc}") from exc
-
-
-def _tokenizer(name: str):
-    if name == "bytes":
-        return "bytes"
-    if name == "smollm2-135m":
-        from transformers import AutoTokenizer
-
-        from .models.hf import smollm2_gguf_path
-
-        path = smollm2_gguf_path()
-        return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    raise SystemExit(f"zorse: unknown tokenizer {name!r}; use bytes or smollm2-135m")
 
 
 def cmd_plan(args) -> int:
@@ -69,26 +59,42 @@ def cmd_plan(args) -> int:
     return 0
 
 
+def cmd_prepare_data(args) -> int:
+    from .token_data import prepare_data
+
+    prepare_data(args.source, args.out, tokenizer=args.tokenizer, text_field=args.text_field, fmt=args.format,
+                 split=args.split, max_tokens=args.max_tokens)
+    return 0
+
+
 def cmd_train(args) -> int:
-    """Tokenise the corpus and run the plan under torchrun, supervised: a SIGINT or
+    """Prepare the token file (``--corpus`` / ``--tokenizer``, unless ``--data``
+    names one) and run the plan under torchrun, supervised: a SIGINT or
     SIGTERM stops every rank (SIGTERM after ``--term-grace-s``, for a checkpoint),
     a rank whose heartbeat stops for ``--stall-timeout`` seconds ends the job
     with that rank named, and ``--max-restarts`` lets torchrun restart all the
     workers when one dies (with checkpoints, the restarted job resumes)."""
-    from .data import read_corpus, tokenize
     from .plan import Plan
     from .runtime.launch import launch, torchrun_command
     from .runtime.watchdog import heartbeat_dir
+    from .token_data import prepare_data, token_file_paths
+    from .train import training_argv
 
     plan = Plan.load(args.plan)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    tokens = tokenize(read_corpus(args.corpus), _tokenizer(args.tokenizer))
-    torch.save(tokens, out / "tokens.pt")
-    train_args = ["--tokens", str(out / "tokens.pt"), "--steps", str(args.steps), "--lr", str(args.lr),
-                  "--out", str(out), "--pg-timeout-min", f"{args.pg_timeout_min:g}"]
+    data = args.data
+    if data is None:  # --corpus / --tokenizer: prepare the token file first
+        data = str(token_file_paths(out / "data" / "tokens")[0])
+        prepare_data(args.corpus, out / "data" / "tokens", tokenizer=args.tokenizer)
+    train_args = ["--data", data, "--steps", str(args.steps), "--out", str(out),
+                  "--pg-timeout-min", f"{args.pg_timeout_min:g}", *training_argv(args)]
     if args.precision:
         train_args += ["--precision", args.precision]
+    if args.allow_repeat:
+        train_args += ["--allow-repeat"]
+    if args.val_fraction:
+        train_args += ["--val-fraction", str(args.val_fraction)]
     nproc = args.nproc or plan.world_size
     kw = dict(max_restarts=args.max_restarts, shutdown_timeout_s=args.term_grace_s)
     print("[zorse] " + " ".join(torchrun_command(args.plan, nproc, train_args, **kw)), flush=True)
@@ -223,10 +229,17 @@ def build_parser() -> argparse.ArgumentParser:
     pp.set_defaults(fn=cmd_plan)
     pt = sub.add_parser("train", help="run an exported plan with torchrun (one process per GPU)")
     pt.add_argument("plan")
-    pt.add_argument("--corpus", default="lee", help="'lee' (gensim news corpus) or a text file")
-    pt.add_argument("--tokenizer", default="bytes", help="bytes | smollm2-135m")
-    pt.add_argument("--steps", type=int, default=10)
-    pt.add_argument("--lr", type=float, default=1e-4)
+    pt.add_argument("--data", default=None, help="token file of `zorse prepare-data` (<name>.bin or <name>.json); "
+                                                 "without it --corpus is tokenized into <out>/data/tokens.bin first")
+    pt.add_argument("--corpus", default="lee", help="without --data: any prepare-data source ('lee', a text file, "
+                                                   "a directory, a datasets file)")
+    pt.add_argument("--tokenizer", default="bytes", help="without --data: bytes | smollm2-135m | a Hugging Face "
+                                                        "tokenizer directory or hub name")
+    pt.add_argument("--allow-repeat", action="store_true",
+                    help="allow a corpus smaller than one global batch (samples repeat within a step)")
+    pt.add_argument("--val-fraction", type=float, default=0.0,
+                    help="hold out this fraction of the sequences (the last ones) for validation")
+    pt.add_argument("--steps", type=int, default=10, help="total training steps (a resumed run counts from step 1)")
     pt.add_argument("--nproc", type=int, default=0, help="processes (default: the plan's GPU count)")
     pt.add_argument("--out", default="runs/train")
     pt.add_argument("--precision", choices=("fp32", "bf16-mixed", "fp16-mixed"), default=None,
@@ -242,7 +255,25 @@ def build_parser() -> argparse.ArgumentParser:
     pt.add_argument("--max-restarts", type=_nonneg_int, default=0, metavar="R",
                     help="torchrun restarts every worker when one dies, up to R times (default 0); "
                          "with checkpoints the restarted ranks resume")
-    pt.set_defaults(fn=cmd_train)
+    add_training_options(pt)
+    pt.set_defaults(fn=cmd_train, check=lambda a: (check_training_options(pt, a), a)[1])
+    pd = sub.add_parser("prepare-data", help="tokenize text / a datasets dataset into a memory-mapped token file",
+                        description="Writes <out>.bin (uint16 ids when the vocabulary is < 65536, else uint32) "
+                                    "and its header <out>.json; see zorse_fx/token_data.py.")
+    pd.add_argument("source", help="'lee', a text file (one document), a directory of *.txt files (each a "
+                                   "document) or written by Dataset.save_to_disk, or a .json/.jsonl/.parquet/.csv "
+                                   "file (one document per row)")
+    pd.add_argument("-o", "--out", required=True, help="output path without suffix: writes <out>.bin and <out>.json")
+    pd.add_argument("--tokenizer", default="bytes",
+                    help="bytes | smollm2-135m | a Hugging Face tokenizer directory (save_pretrained) or hub name "
+                         "(hub names need network access or the local Hugging Face cache)")
+    pd.add_argument("--text-field", default="text", help="datasets sources: the column holding the text")
+    pd.add_argument("--format", default="auto", choices=("auto", "document", "text", "json", "parquet", "csv", "disk"),
+                    help="how to read the source; auto: by suffix / directory contents; document: a file is one "
+                         "document; text: one document per line (datasets' text builder)")
+    pd.add_argument("--split", default="train", help="split of a saved DatasetDict")
+    pd.add_argument("--max-tokens", type=int, default=None, help="keep only the first this many tokens")
+    pd.set_defaults(fn=cmd_prepare_data)
     ps = sub.add_parser("show", help="print a plan's table and schedule")
     ps.add_argument("plan")
     ps.set_defaults(fn=cmd_show)

@@ -6,9 +6,11 @@ Corpora:
 - any text file path.
 
 Tokenisers: ``bytes`` (UTF-8 bytes, vocabulary 256, for small test models)
-or a Hugging Face tokenizer object. Tokens are stored as one 1-D int64 tensor
-(``tokens.pt``) that every rank loads; the global batch of step ``k`` is a
+or a Hugging Face tokenizer object. The global batch of step ``k`` is a
 deterministic function of ``k``, so all ranks agree without communicating.
+Training reads token files written by ``zorse prepare-data`` through
+``zorse_fx.token_data.TokenData``, which serves the same batches as
+``global_batch`` here (memory-mapped, only a rank's rows).
 """
 
 from __future__ import annotations

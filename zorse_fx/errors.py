@@ -21,6 +21,7 @@ __all__ = [
     "RuntimeExecutionError",
     "CheckpointError",
     "WeightsFileError",
+    "DataError",
     "short_repr",
 ]
 
@@ -131,3 +132,10 @@ def short_repr(value: object, limit: int = 80) -> str:
         pass
     text = "".join(out)
     return text if len(text) <= limit else text[: max(limit - 3, 0)] + "..."
+
+
+class DataError(ZorseError, ValueError):
+    """A token file, its header, a corpus or a tokenizer is unusable (wrong
+    dtype or shape, ids outside the vocabulary, a header that does not match
+    its file, a corpus smaller than one global batch). The message names the
+    file, the field, the value and the fix."""

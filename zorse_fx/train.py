@@ -4,7 +4,12 @@ Launch with torchrun (one node or many; torch.distributed is the engine, NCCL
 on GPUs, Gloo on CPU)::
 
     torchrun --nproc-per-node 4 -m zorse_fx.train runs/x/plan \\
-        --weights runs/x/plan/weights.pt --tokens runs/x/tokens.pt --steps 10 --out runs/x
+        --weights runs/x/plan/weights.pt --data runs/x/data/tokens.bin --steps 10 --out runs/x
+
+``--data``: a token file of ``zorse prepare-data`` (``token_data.py``),
+memory-mapped; each rank reads only the rows of the global batch it computes
+on. ``--tokens``: a legacy ``torch.save`` 1-D integer tensor. Both are
+checked against the model's vocabulary (stage 0's embedding) at start-up.
 
 ``zorse train`` wraps exactly this command. Each rank reads only plan.json,
 its stage source, the weights and the token file; it never imports OR-Tools.
@@ -47,12 +52,12 @@ import signal
 import sys
 import time
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from .data import global_batch
 from .errors import RuntimeExecutionError
 from .plan import Plan
 from .precision import PRECISIONS, precision_policy
@@ -61,6 +66,7 @@ from .runtime.launch import init_process_group, rank_device
 from .runtime.lr_schedule import LR_SCHEDULES, LRSchedule
 from .runtime.watchdog import heartbeat_dir, start_heartbeat
 from .runtime.worker import OptimizerConfig, StageWorker
+from .token_data import TokenData, model_vocab_size, plan_rank_samples
 
 __all__ = ["main", "parse_args", "add_training_options", "check_training_options", "training_argv"]
 
@@ -69,7 +75,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m zorse_fx.train", description=__doc__.split("\n")[0])
     p.add_argument("plan", help="plan directory (plan.json + stage_<i>.py) or plan.json")
     p.add_argument("--weights", help="weights file (torch.save of {name: tensor}); default: <plan>/weights.pt")
-    p.add_argument("--tokens", required=True, help="1-D int64 token tensor file (torch.save)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--data", help="token file written by `zorse prepare-data` (<name>.bin or its <name>.json "
+                                    "header); each rank reads only its samples")
+    src.add_argument("--tokens", help="legacy: torch.save file of a 1-D integer token tensor")
+    p.add_argument("--allow-repeat", action="store_true",
+                   help="allow a corpus smaller than one global batch (samples repeat within a step)")
+    p.add_argument("--val-fraction", type=float, default=0.0,
+                   help="hold out this fraction of the corpus's sequences (its last ones) for validation "
+                        "(default: with --val-every, the last --val-batches global batches)")
     p.add_argument("--steps", type=int, default=10, help="total training steps (a resumed run counts from step 1)")
     p.add_argument("--out", default="runs/train", help="run directory (metrics.jsonl, checkpoints/)")
     add_training_options(p)
@@ -119,6 +133,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--pg-timeout-min must be > 0 and --heartbeat-s >= 0, got {args.pg_timeout_min}, {args.heartbeat_s}")
     if args.bucket_mib <= 0:
         p.error(f"--bucket-mib must be > 0, got {args.bucket_mib}")
+    if not 0.0 <= args.val_fraction < 1.0:
+        p.error(f"--val-fraction must be in [0, 1), got {args.val_fraction}")
     return args
 
 
@@ -236,21 +252,6 @@ class _Stop:
         self.signal = signum
 
 
-def _split_tokens(tokens: torch.Tensor, *, seq_len: int, val_batches: int, global_batch_size: int,
-                  wanted: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(training tokens, held-out tokens): the last ``val_batches`` global
-    batches of ``seq_len + 1`` token chunks are held out when ``wanted``."""
-    if not wanted:
-        return tokens, None
-    held = val_batches * global_batch_size * (seq_len + 1)
-    if tokens.numel() < 2 * held:
-        raise RuntimeExecutionError(
-            f"the corpus has {tokens.numel():,} tokens: too few to hold out {val_batches} validation batch(es) of "
-            f"{global_batch_size} x {seq_len + 1} tokens and train on the rest; use fewer --val-batches, "
-            f"--val-every 0, or more data")
-    return tokens[:-held], tokens[-held:]
-
-
 def _metrics_file(out: Path, resumed_step: int | None):
     """metrics.jsonl, continued after ``resumed_step`` (later lines, from steps
     the interrupted run did after its last checkpoint, are dropped), or
@@ -330,9 +331,17 @@ def main(argv=None) -> int:
     if not weights_path.exists():
         raise RuntimeExecutionError(f"weights file {weights_path} not found; pass --weights or export with `zorse plan`")
     weights = torch.load(weights_path, mmap=True, weights_only=True)
-    tokens, val_tokens = _split_tokens(
-        torch.load(args.tokens, weights_only=True), seq_len=plan.seq_len, val_batches=args.val_batches,
-        global_batch_size=plan.global_batch_size, wanted=args.val_every > 0)
+    data = TokenData.load(args.data or args.tokens)  # memory-mapped; see token_data.py
+    vocab = model_vocab_size(plan, weights)
+    if vocab is not None:
+        data.check_vocab(vocab)
+    # The held-out split: --val-fraction, else (with --val-every) the last --val-batches global batches.
+    held = dict(val_fraction=args.val_fraction) if args.val_fraction else dict(
+        val_tokens=args.val_batches * plan.global_batch_size * (plan.seq_len + 1) if args.val_every else 0)
+    batch_of = partial(data.global_batch, global_batch_size=plan.global_batch_size, seq_len=plan.seq_len,
+                       input_names=plan.input_names, label_mode=plan.label_mode,
+                       samples=plan_rank_samples(plan, rank), allow_repeat=args.allow_repeat, **held)
+    batch_of(0)  # a corpus too small for a global batch fails here, before any rank trains
     policy, why = runtime_precision(plan, device, args.precision, args.grad_reduce_dtype)
     worker = StageWorker(
         plan, plan_dir, weights, rank=rank, device=device,
@@ -384,11 +393,9 @@ def main(argv=None) -> int:
     dist.barrier()
     if rank == 0:
         progress = _Progress(args.steps, start - 1)
-    batch_of = dict(global_batch_size=plan.global_batch_size, seq_len=plan.seq_len,
-                    input_names=plan.input_names, label_mode=plan.label_mode)
     step, saved = start - 1, resumed_step
     for step in range(start, args.steps + 1):
-        batch = global_batch(tokens, step - 1, **batch_of)
+        batch = batch_of(step - 1)  # only this rank's rows are read; the others are -1
         lr = schedule(step)
         t0 = time.perf_counter()
         loss = worker.train_step(batch, lr=lr, max_grad_norm=args.clip_grad_norm).reshape(1)
@@ -407,7 +414,7 @@ def main(argv=None) -> int:
         if args.val_every and (step % args.val_every == 0 or step == args.steps):
             val = torch.zeros(1, dtype=torch.float32, device=device)
             for b in range(args.val_batches):
-                val += worker.eval_step(global_batch(val_tokens, b, **batch_of))
+                val += worker.eval_step(batch_of(b, split="val"))
             dist.all_reduce(val)
             val_loss = float(val.item()) / args.val_batches
         if args.kill_at_step and args.kill_at_step == (rank, step) and not restarted:

