@@ -274,3 +274,32 @@ def test_a_rank_that_ignores_sigterm_is_killed_after_the_grace_period(tmp_path):
                 rank.kill()
             except psutil.Error:
                 pass
+
+
+def test_sigterm_writes_a_checkpoint_then_resume_continues(plan2, tmp_path):
+    """Spot preemption: with --checkpoint-every set (here too large to fire on
+    its own), SIGTERM to `zorse train` makes every rank finish its step,
+    agree on stopping, write checkpoints/step_<k> and exit; `--resume` then
+    continues at step k + 1 and metrics.jsonl holds steps 1..k+2 once each."""
+    from zorse_fx.runtime.checkpoint import latest_checkpoint, read_manifest
+
+    plan, corpus = plan2
+    run = tmp_path / "run"
+    job = Job(plan, corpus, run, "--checkpoint-every", "100000", "--term-grace-s", "60")
+    try:
+        job.wait_for_steps()
+        os.kill(job.proc.pid, signal.SIGTERM)
+        assert job.wait(90) == 143
+        assert _gone_within(job, 10) == []
+    finally:
+        job.cleanup()
+    ckpt = latest_checkpoint(run / "checkpoints")
+    assert ckpt is not None, "".join(job.stdout[-10:] + job.stderr[-20:])
+    k = read_manifest(ckpt)["step"]
+    assert any(f"SIGTERM received: stopping after step {k} (checkpoint step_{k})" in ln for ln in job.stdout)
+    assert zorse_main(["train", str(plan), "--corpus", str(corpus), "--steps", str(k + 2), "--out", str(run),
+                       "--resume"]) == 0
+    import json
+
+    steps = [json.loads(ln)["step"] for ln in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, k + 3))

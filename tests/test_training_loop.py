@@ -19,8 +19,9 @@ import sys
 import pytest
 import torch
 
-from conftest import (CLUSTERS, FP32, ROOT, assert_params_match, cached_capture, reference_adamw, spawn_ranks,
-                      train_and_compare, with_memory_policy)
+from conftest import (CLUSTERS, FP32, ROOT, assert_params_match, reference_adamw, spawn_ranks, train_and_compare,
+                      with_memory_policy)
+from test_distributed import SEQ, _gpt_captured
 from zorse_fx.capture import analyse, capture
 from zorse_fx.cluster import Cluster
 from zorse_fx.data import global_batch
@@ -30,18 +31,11 @@ from zorse_fx.planner import PlanOptions, plan_fixed
 from zorse_fx.runtime.checkpoint import MANIFEST, latest_checkpoint, list_checkpoints, read_manifest
 from zorse_fx.runtime.lr_schedule import LRSchedule
 
-SEQ = 32
 LR, WD = 1e-3, 0.1
 
 
 def _gpt():
-    def build():
-        torch.manual_seed(0)
-        model = GPT(GPTConfig(n_layer=3, n_embd=64, n_head=4, block_size=SEQ))
-        ids = torch.randint(0, 256, (4, SEQ))
-        return capture(model, (ids, ids))
-
-    return cached_capture("gpt3x64", build)
+    return _gpt_captured()  # the 3-layer GPT of test_distributed.py (captured once per session)
 
 
 def _plan(captured, *, cut, stage_gpus, samples, sharded=(), shard_bytes=None, recompute=()):
@@ -142,8 +136,16 @@ def test_validation_loss_equals_single_process_eval_on_held_out_batches(lee_byte
     torch.save(tokens, tmp_path / "tokens.pt")
     spawn_ranks(tmp_path / "plan", plan.world_size,
                 ["--tokens", str(tmp_path / "tokens.pt"), "--steps", "2", "--out", str(tmp_path / "val"),
-                 "--lr", str(LR), "--weight-decay", str(WD), "--val-every", "2"])
+                 "--lr", str(LR), "--weight-decay", str(WD), "--val-every", "2", "--tensorboard"])
     val_rows = [json.loads(l) for l in (tmp_path / "val" / "metrics.jsonl").read_text().splitlines()]
+    # --tensorboard: the same numbers as metrics.jsonl, readable by TensorBoard itself
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "val" / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == [1, 2]
+    assert [e.value for e in events.Scalars("train/loss")] == pytest.approx([r["loss"] for r in val_rows])
+    assert [(e.step, e.value) for e in events.Scalars("val/loss")] == [(2, pytest.approx(val_rows[1]["val_loss"]))]
     assert [r["loss"] for r in val_rows] == pytest.approx([r["loss"] for r in rows], rel=1e-6)
     assert "val_loss" not in val_rows[0]
     # the reference model after 2 steps (reference_adamw trained captured's module in place)
@@ -177,16 +179,29 @@ def _export(plan, captured, tokens, d):
             "--warmup-steps", "2"]
 
 
+def _uninterrupted_run(tokens, tmp_path):
+    """Plan A exported to ``tmp_path``, trained 4 steps in one go into
+    ``tmp_path/full``; returns (plan, the common train arguments, world size)."""
+    plan = _plan_a(_gpt())
+    common = _export(plan, _gpt(), tokens, tmp_path)
+    spawn_ranks(tmp_path / "plan", plan.world_size,
+                [*common[1:], "--steps", "4", "--out", str(tmp_path / "full"), "--dump-params"])
+    return plan, common, plan.world_size
+
+
+def _assert_same_params(run_a, run_b, world):
+    """Every rank's final parameters of the two runs are bitwise equal."""
+    for r, (a, b) in enumerate(zip(_params(run_a, world).values(), _params(run_b, world).values())):
+        for name in a:
+            assert torch.equal(a[name], b[name]), f"rank {r} {name} differs between {run_a.name} and {run_b.name}"
+
+
 def test_resumed_run_equals_the_uninterrupted_run_exactly(lee_bytes, tmp_path):
     """4 steps in one go vs 2 steps, stop, --resume to 4 (same plan, ZeRO-1
     shards and tied embedding): identical losses and parameters; the
     checkpoint directory is complete (manifest) and the last K are kept;
     metrics.jsonl is continued, not overwritten."""
-    captured = _gpt()
-    plan = _plan_a(captured)
-    common = _export(plan, captured, lee_bytes, tmp_path)
-    w = plan.world_size
-    spawn_ranks(tmp_path / "plan", w, [*common[1:], "--steps", "4", "--out", str(tmp_path / "full"), "--dump-params"])
+    plan, common, w = _uninterrupted_run(lee_bytes, tmp_path)
     run = tmp_path / "resumed"
     spawn_ranks(tmp_path / "plan", w, [*common[1:], "--steps", "2", "--out", str(run), "--checkpoint-every", "1",
                                        "--keep-checkpoints", "1"])
@@ -199,9 +214,7 @@ def test_resumed_run_equals_the_uninterrupted_run_exactly(lee_bytes, tmp_path):
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
     assert [r["loss"] for r in resumed] == [r["loss"] for r in full]
     assert [r["lr"] for r in resumed] == [r["lr"] for r in full]
-    for r, (a, b) in enumerate(zip(_params(tmp_path / "full", w).values(), _params(run, w).values())):
-        for name in a:
-            assert torch.equal(a[name], b[name]), f"rank {r} {name} differs after resuming"
+    _assert_same_params(tmp_path / "full", run, w)
 
 
 def test_resume_under_another_plan_equals_single_process_training(lee_bytes, tmp_path):
@@ -266,11 +279,7 @@ def test_a_killed_rank_restarts_the_job_from_the_last_checkpoint(lee_bytes, tmp_
     """torchrun --max-restarts 1: rank 1 SIGKILLs itself after step 3 (before
     step 3's checkpoint); torchrun restarts every rank, they resume from
     step_2 and finish; the final parameters equal an uninterrupted run's."""
-    captured = _gpt()
-    plan = _plan_a(captured)
-    common = _export(plan, captured, lee_bytes, tmp_path)
-    w = plan.world_size
-    spawn_ranks(tmp_path / "plan", w, [*common[1:], "--steps", "4", "--out", str(tmp_path / "full"), "--dump-params"])
+    plan, common, w = _uninterrupted_run(lee_bytes, tmp_path)
     run = tmp_path / "killed"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     env.pop("TORCHELASTIC_RUN_ID", None)
@@ -283,6 +292,4 @@ def test_a_killed_rank_restarts_the_job_from_the_last_checkpoint(lee_bytes, tmp_
     rows = _rows(run)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert [r["loss"] for r in rows] == [r["loss"] for r in _rows(tmp_path / "full")]
-    for r, (a, b) in enumerate(zip(_params(tmp_path / "full", w).values(), _params(run, w).values())):
-        for name in a:
-            assert torch.equal(a[name], b[name]), f"rank {r} {name} differs after the restart"
+    _assert_same_params(tmp_path / "full", run, w)
