@@ -249,6 +249,7 @@ class StageWorker:
             skip = self.scaler.agree()
             self.scaler.update(skip)
         self.last_skipped = skip
+        self.last_grad_norm = None  # (not computed on a skipped step: the gradients hold inf/NaN)
         if not skip:
             norm = self.last_grad_norm = self._global_grad_norm()
             if max_grad_norm is not None:
