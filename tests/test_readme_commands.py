@@ -3,13 +3,15 @@
 Each command is parsed by the real CLI parser (`cli.build_parser`), so a README
 line with a wrong option or an unknown subcommand fails here with the line
 quoted. The cheap ones are also run, in a scratch directory holding the plan
-they name: `zorse --version`, `--help`s, `zorse show`, and `zorse bench comm`
-(2 Gloo ranks, the README's own sweep, ~15 s)."""
+they name: `zorse --version`, `--help`s, `zorse show`, `zorse prepare-data`
+and `zorse bench comm` (2 Gloo ranks, the README's own sweep, ~15 s); the
+training and planning commands (minutes each here) are parsed only."""
 
 from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 import re
 import shlex
@@ -112,9 +114,31 @@ def _run(cmd: str, cwd: Path, timeout_s: float = 300) -> subprocess.CompletedPro
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
+def _data_inputs(d: Path) -> None:
+    """The inputs README's `zorse prepare-data` examples name, made once in ``d``
+    from real text (the Lee corpus) and the shipped SmolLM2 tokenizer:
+    books/*.txt, news.jsonl (field "body"), saved_ds/ (a DatasetDict with a
+    "train" split, save_to_disk) and my_tokenizer/ (save_pretrained)."""
+    if (d / "my_tokenizer").exists():
+        return
+    import datasets
+
+    from zorse_fx.data import read_corpus
+    from zorse_fx.token_data import load_tokenizer
+
+    docs = [ln for ln in read_corpus("lee").splitlines() if ln.strip()][:20]
+    (d / "books").mkdir()
+    for i, doc in enumerate(docs[:5]):
+        (d / "books" / f"{i:02d}.txt").write_text(doc)
+    (d / "news.jsonl").write_text("".join(json.dumps({"body": doc}) + "\n" for doc in docs[5:10]))
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": docs[10:]})}).save_to_disk(d / "saved_ds")
+    load_tokenizer("smollm2-135m").hf.save_pretrained(d / "my_tokenizer")
+
+
 def _cheap(cmd: str) -> bool:
     argv = _argv(cmd)
-    return ("--help" in argv or "--version" in argv or argv[0] == "show" or argv[:2] == ["bench", "comm"])
+    return ("--help" in argv or "--version" in argv or argv[0] in ("show", "prepare-data")
+            or argv[:2] == ["bench", "comm"])
 
 
 @pytest.mark.parametrize("cmd", [c for c in COMMANDS if _cheap(c)], ids=_id)
@@ -141,8 +165,15 @@ def test_readme_command_runs(cmd, scratch):
         if argv[0] == "show":
             assert "stage |" in text
         return
+    if argv[0] == "prepare-data":
+        _data_inputs(scratch)
     res = _run(cmd, scratch)
     assert res.returncode == 0, f"README.md command failed: {cmd!r}\n{res.stdout[-2000:]}{res.stderr[-3000:]}"
+    if argv[0] == "prepare-data":
+        out = scratch / argv[argv.index("-o") + 1]
+        header = json.loads(out.with_suffix(".json").read_text())
+        assert header["num_tokens"] > 0 and out.with_suffix(".bin").stat().st_size > 0, header
+        return
     lines = res.stdout.splitlines()
     assert "links:" in lines, res.stdout
     link = lines[lines.index("links:") + 1]
