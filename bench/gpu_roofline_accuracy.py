@@ -11,6 +11,9 @@ signed error, then median and max |error| of the fit rows and of the
 held-out rows separately. The old roofline (``MATMUL_EFFICIENCY`` x peak,
 Pascal at its packed-FP16 peak) is scored on the same rows for comparison.
 
+Part 1b: the streaming-bandwidth fraction (``gpu_model.STREAM_EFFICIENCY``)
+against published copy-bandwidth measurements (``BANDWIDTH_POINTS``).
+
 Part 2 (``--layer``): one Llama-2-7B-width decoder layer (h 4096, f 11008,
 32 heads, causal SDPA) captured on the meta device, priced under fp16-mixed
 at seq 512 / 2048 and micro-batch 1 / 4 on the GPU types of the table:
@@ -27,7 +30,7 @@ import statistics
 import sys
 
 from zorse_fx.cost import gpu_model
-from zorse_fx.cost.reference_data import GEMM_POINTS
+from zorse_fx.cost.reference_data import BANDWIDTH_POINTS, GEMM_POINTS
 from zorse_fx.cost.roofline import MATMUL_EFFICIENCY
 
 
@@ -41,6 +44,18 @@ def gemm_rows() -> list[dict]:
         old = MATMUL_EFFICIENCY * old_peak / 1e12
         rows.append(dict(gpu=p.gpu, arch=arch, role=p.role, fits=p.fits, measured=p.tflops, predicted=pred, old=old,
                          err=pred / p.tflops - 1, old_err=old / p.tflops - 1))
+    return rows
+
+
+def bandwidth_rows() -> list[dict]:
+    """One dict per ``BANDWIDTH_POINTS`` row: predicted (STREAM_EFFICIENCY x datasheet) vs measured."""
+    from zorse_fx.cluster import gpu_spec
+    rows = []
+    for p in BANDWIDTH_POINTS:
+        sheet = gpu_spec(p.gpu).mem_bw_bytes_per_s / 1e9
+        pred = gpu_model.STREAM_EFFICIENCY * sheet
+        rows.append(dict(gpu=p.gpu, role=p.role, measured=p.gbps, predicted=pred, err=pred / p.gbps - 1,
+                         old=0.7 * sheet, old_err=0.7 * sheet / p.gbps - 1))
     return rows
 
 
@@ -103,6 +118,16 @@ def main(argv=None) -> int:
         omed, omx = summary(sel, "old_err")
         print(f"{role:8s} n={len(sel):2d}  model: median |err| {med:.1%}, max {mx:.1%}   "
               f"old roofline: median {omed:.1%}, max {omx:.1%}")
+    print()
+    print(f"memory bandwidth: STREAM_EFFICIENCY = {gpu_model.STREAM_EFFICIENCY:.3f} of datasheet (old: 0.7)")
+    brows = bandwidth_rows()
+    for r in brows:
+        print(f"{r['gpu']:16s} {r['role']:8s} {r['measured']:9.1f} {r['predicted']:8.1f} {r['err']:+7.1%} "
+              f"{r['old']:8.1f} {r['old_err']:+8.1%}")
+    for role in ("fit", "holdout"):
+        sel = [r for r in brows if r["role"] == role]
+        med, mx = summary(sel)
+        print(f"{role:8s} n={len(sel):2d}  model: median |err| {med:.1%}, max {mx:.1%}")
     if args.layer:
         print()
         print(f"{'gpu':16s} {'class':22s} {'seq':>5s} {'mbs':>4s} {'fwd ms':>8s} {'bwd ms':>8s} {'bwd/fwd':>8s} "

@@ -18,7 +18,8 @@ forward + backward, from the fx nodes' FLOPs and bytes (``roofline.node_costs``)
 * **Fused elementwise accounting.** Norms, rotary, activations, residual adds
   and casts of one block are grouped into chains (connected through views);
   a chain moves only the bytes that enter it from matmuls/attention/other
-  blocks and the bytes that leave it, once, at ``mem_bw * MEMORY_EFFICIENCY``,
+  blocks and the bytes that leave it, once, at ``mem_bw * STREAM_EFFICIENCY``
+  (the median measured copy bandwidth / datasheet, ``BANDWIDTH_POINTS``),
   and costs one kernel. Intermediate tensors consumed only inside the chain
   are free (what a fused or cache-resident kernel sequence achieves).
 * **Backward / forward per op class.** matmul: 2x (dgrad + wgrad, each a GEMM
@@ -33,7 +34,7 @@ forward + backward, from the fx nodes' FLOPs and bytes (``roofline.node_costs``)
 * **Per-micro-batch weight and gradient traffic.** Every backward reads each
   parameter's compute-dtype copy once and reads + writes its FP32 gradient
   (accumulation into ``.grad``): ``itemsize(compute) + 2 * 4`` bytes per
-  trainable parameter (10 B mixed, 12 B fp32), at ``mem_bw * MEMORY_EFFICIENCY``,
+  trainable parameter (10 B mixed, 12 B fp32), at ``mem_bw * STREAM_EFFICIENCY``,
   paid once per micro-batch whatever its size (``fwd_bwd_s_fixed``), plus
   ``KERNEL_OVERHEAD_S`` per kernel (1 forward + 2 backward per matmul or
   chain, 1 + 1 per attention).
@@ -52,9 +53,9 @@ from dataclasses import dataclass
 import torch
 
 from ..cluster import GPUSpec
-from .reference_data import GEMM_POINTS, HELDOUT_PEAKS
+from .reference_data import BANDWIDTH_POINTS, GEMM_POINTS, HELDOUT_PEAKS
 
-__all__ = ["ARCH_EFFICIENCY", "ENERGY_J_PER_FLOP", "ATTENTION_BWD_FACTOR", "MATMUL_BWD_FACTOR", "CHAIN_BWD_FACTOR",
+__all__ = ["STREAM_EFFICIENCY", "ARCH_EFFICIENCY", "ENERGY_J_PER_FLOP", "ATTENTION_BWD_FACTOR", "MATMUL_BWD_FACTOR", "CHAIN_BWD_FACTOR",
            "GRAD_BYTES_PER_PARAM", "sustained_matmul_flops_per_s", "predicted_sustained_fp16", "has_class_model",
            "reference_peak"]
 
@@ -119,6 +120,20 @@ ARCH_EFFICIENCY: dict[str, float]
 #: = TDP / this (fitted, see ``_fit``).
 ENERGY_J_PER_FLOP: dict[str, float]
 ARCH_EFFICIENCY, ENERGY_J_PER_FLOP = _fit()
+
+
+def _fit_stream() -> float:
+    """Median measured copy bandwidth / datasheet bandwidth over the ``fit``
+    rows of ``BANDWIDTH_POINTS``."""
+    from ..cluster import gpu_spec
+    return statistics.median(p.gbps * 1e9 / gpu_spec(p.gpu).mem_bw_bytes_per_s
+                             for p in BANDWIDTH_POINTS if p.role == "fit")
+
+
+#: Fraction of datasheet memory bandwidth a streaming kernel (a large copy)
+#: reaches (fitted, ``_fit_stream``): the class model's bandwidth for fused
+#: elementwise chains, weight reads and gradient accumulation.
+STREAM_EFFICIENCY: float = _fit_stream()
 
 
 def has_class_model(spec: GPUSpec) -> bool:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["GemmPoint", "GEMM_POINTS", "HELDOUT_PEAKS"]
+__all__ = ["GemmPoint", "GEMM_POINTS", "HELDOUT_PEAKS", "BandwidthPoint", "BANDWIDTH_POINTS"]
 
 _Z = "https://github.com/zzc0721/torch-performance-test-data"
 
@@ -74,6 +74,9 @@ GEMM_POINTS: tuple[GemmPoint, ...] = (
     GemmPoint("V100S-PCIE-32GB", 88.92, "holdout", "",
               f"{_Z}/blob/main/database.md (NVIDIA Tesla V100S 32GB, FP16, best of 1024..10240)"),
     GemmPoint("RTX-3080", 63.94, "holdout", "", f"{_Z}/issues/114 (NVIDIA GeForce RTX 3080 10GB, FP16 8192^3)"),
+    GemmPoint("A10", 54.0, "holdout", "",
+              "https://github.com/chsasank/device-benchmarks (README table 'Nvidia A10 24GB', FP16 54 TFLOP/s: "
+              "best of single torch.matmul calls up to 6888^3, so an upper bound on the sustained rate)"),
     GemmPoint("A100-40GB", 247.63, "holdout", "",
               f"{_Z}/blob/main/database.md (NVIDIA A100 40GB, FP16, best of 1024..10240; form factor not stated)"),
 )
@@ -95,3 +98,31 @@ HELDOUT_PEAKS: dict[str, tuple[str, float, float, float, str]] = {
                   "nvidia-rtx-a2000-datasheet.pdf (RTX A2000: tensor performance 63.9 TFLOP/s is the "
                   "with-sparsity figure, dense = 31.95; 70 W max power; used for its 70 W energy-per-FLOP fit)"),
 }
+
+
+_CHS = "https://github.com/chsasank/device-benchmarks"
+
+
+@dataclass(frozen=True, slots=True)
+class BandwidthPoint:
+    """One measured device-memory copy bandwidth (``a.copy_(b)`` of a 0.38 GB
+    float32 tensor, read + write counted: ``benchmark.py`` of the source)."""
+
+    #: ``gpu_specs.csv`` type (its datasheet ``mem_bw_GBps`` is the reference).
+    gpu: str
+    #: Measured GB/s (1e9 bytes/s).
+    gbps: float
+    #: ``"fit"`` or ``"holdout"``.
+    role: str
+    source: str
+
+
+BANDWIDTH_POINTS: tuple[BandwidthPoint, ...] = (
+    BandwidthPoint("T4", 240.0, "fit", f"{_CHS} (README table, Nvidia T4: 240 GB/s)"),
+    BandwidthPoint("A10", 469.0, "fit", f"{_CHS} (README table, Nvidia A10 24GB: 469 GB/s)"),
+    BandwidthPoint("A100-80GB", 1490.0, "fit",
+                   f"{_CHS} (README table, Nvidia A100 80GB: 1490 GB/s; form factor not stated, SXM4 assumed)"),
+    BandwidthPoint("RTX-3090", 831.0, "fit", f"{_CHS} (README table, Nvidia 3090: 831 GB/s)"),
+    BandwidthPoint("V100-32GB", 766.0, "holdout", f"{_CHS} (README table, Nvidia V100 32GB: 766 GB/s)"),
+    BandwidthPoint("RTX-4090", 912.0, "holdout", f"{_CHS} (README table, Nvidia 4090: 912 GB/s)"),
+)

@@ -205,7 +205,7 @@ def _class_block_time(bg: BlockGraph, costs: dict[str, NodeCost], b: int, chains
     block ``b`` on ``spec`` under the class model of ``gpu_model``."""
     dtype = precision.compute_dtype
     rate = gpu_model.sustained_matmul_flops_per_s(spec, dtype, MATMUL_EFFICIENCY)
-    bw = spec.mem_bw_bytes_per_s * MEMORY_EFFICIENCY
+    bw = spec.mem_bw_bytes_per_s * gpu_model.STREAM_EFFICIENCY
     fwd = bwd = 0.0
     kernels_f = kernels_b = 0
     nodes = {n.name: n for n in bg.graph.nodes}
