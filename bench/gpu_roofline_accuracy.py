@@ -71,7 +71,7 @@ def layer_table(seqs=(512, 2048), mbss=(1, 4)) -> list[dict]:
 
     from zorse_fx.capture import analyse, capture
     from zorse_fx.cluster import gpu_spec, known_gpu_types
-    from zorse_fx.cost.roofline import _block_chains, _class_block_time, node_costs, saved_activations_or_estimate
+    from zorse_fx.cost.roofline import _block_chains, _class_block_time, weight_traffic_bytes, node_costs, saved_activations_or_estimate
     from zorse_fx.models.hf import CausalLMWithLoss
     from zorse_fx.precision import precision_policy
 
@@ -87,14 +87,13 @@ def layer_table(seqs=(512, 2048), mbss=(1, 4)) -> list[dict]:
         acts = saved_activations_or_estimate(bg, pol)
         costs = node_costs(bg, acts, pol)
         layer = [b for b in range(bg.num_blocks) if bg.describe_blocks(b, b + 1) == "L0"]
-        state, trainable = bg.captured.state(), bg.captured.trainable()
         chains = {b: _block_chains(bg, costs, b) for b in layer}
-        params = {b: sum(state[a].numel() for a in bg.block_attrs[b] if a in trainable) for b in layer}
+        traffic = {b: weight_traffic_bytes(bg, b, pol) for b in layer}
         for g in known_gpu_types():
             spec = gpu_spec(g)
             if not gpu_model.has_class_model(spec):
                 continue
-            parts = [_class_block_time(bg, costs, b, chains[b], params[b], spec, pol) for b in layer]
+            parts = [_class_block_time(bg, costs, b, chains[b], traffic[b], spec, pol) for b in layer]
             f, bw, ff, fb = (sum(p[i] for p in parts) for i in range(4))
             for n in mbss:
                 fwd, bwd = f * n + ff, bw * n + fb

@@ -19,7 +19,7 @@ from zorse_fx.capture import analyse, capture
 from zorse_fx.cluster import GPUSpec, gpu_spec, known_gpu_types
 from zorse_fx.cost import gpu_model
 from zorse_fx.cost.reference_data import BANDWIDTH_POINTS, GEMM_POINTS, HELDOUT_PEAKS
-from zorse_fx.cost.roofline import (MATMUL_EFFICIENCY, _block_chains, _class_block_time, block_costs, node_costs,
+from zorse_fx.cost.roofline import (MATMUL_EFFICIENCY, _block_chains, _class_block_time, weight_traffic_bytes, block_costs, node_costs,
                                     node_time_s, saved_activations_or_estimate)
 from zorse_fx.precision import precision_policy
 
@@ -165,8 +165,10 @@ def test_per_micro_batch_weight_and_gradient_traffic(llama):
     spec = gpu_spec("T4")
     for b in layer:
         params = sum(state[a].numel() for a in bg.block_attrs[b] if a in trainable)
+        assert weight_traffic_bytes(bg, b, pol) == params * 10  # fp16 weight read + fp32 grad read/write
+        assert weight_traffic_bytes(bg, b, precision_policy("fp32")) == params * 12
         chains = _block_chains(bg, costs, b)
-        _, _, _, fb = _class_block_time(bg, costs, b, chains, params, spec, pol)
+        _, _, _, fb = _class_block_time(bg, costs, b, chains, params * 10, spec, pol)
         _, _, _, fb0 = _class_block_time(bg, costs, b, chains, 0, spec, pol)
         assert fb - fb0 == pytest.approx(params * 10 / (spec.mem_bw_bytes_per_s * gpu_model.STREAM_EFFICIENCY))
     got = block_costs(bg, {"T4": spec}, precision=pol)
@@ -178,19 +180,45 @@ def test_backward_forward_ratio_by_class_and_micro_batch(llama):
     micro-batch 1 (weight and gradient traffic) than at a large micro-batch,
     and differs between GPU classes (bandwidth-poor T4 vs A100)."""
     bg, pol, costs, layer = llama
-    state, trainable = bg.captured.state(), bg.captured.trainable()
 
     def ratio(t, n):
         f = bw = 0.0
         for b in layer:
-            params = sum(state[a].numel() for a in bg.block_attrs[b] if a in trainable)
-            pf, pb, ff, fb = _class_block_time(bg, costs, b, _block_chains(bg, costs, b), params, gpu_spec(t), pol)
+            pf, pb, ff, fb = _class_block_time(bg, costs, b, _block_chains(bg, costs, b),
+                                               weight_traffic_bytes(bg, b, pol), gpu_spec(t), pol)
             f, bw = f + pf * n + ff, bw + pb * n + fb
         return bw / f
 
     for t in ("T4", "A100-40GB", "P100-16GB", "RTX-3090"):
         assert ratio(t, 1) > ratio(t, 64) >= 1.9
     assert len({round(ratio(t, 1), 3) for t in ("T4", "A100-40GB", "P100-16GB", "L4")}) == 4
+
+
+def test_half_precision_graph_runs_16_bit_matmuls_without_autocast():
+    """A model captured in float16 and planned under the fp32 policy (no
+    autocast) still runs its GEMMs in float16: they are priced at the 16-bit
+    sustained rate, not at 0.6 of the FP32 peak."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from zorse_fx.models.hf import CausalLMWithLoss
+
+    with torch.device("meta"):
+        m = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=688, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256))
+    ids = torch.zeros((2, 64), dtype=torch.long, device="meta")
+    bg = analyse(capture(CausalLMWithLoss(m.to(torch.float16)), (ids, ids), method="export"))
+    costs = node_costs(bg)
+    assert any(c.half for c in costs.values()) and all(c.half for c in costs.values() if c.is_matmul and c.flops > 0
+                                                        and c.bytes > 0 and c.flops > 1e6)
+    a100 = gpu_spec("A100-40GB")
+    got = block_costs(bg, {"A100-40GB": a100}, precision=precision_policy("fp32"))
+    layer = [b for b in range(bg.num_blocks) if bg.describe_blocks(b, b + 1) == "L0"]
+    for b in layer:
+        f, bw, _, _ = _class_block_time(bg, costs, b, _block_chains(bg, costs, b), 0.0, a100, precision_policy("fp32"))
+        assert got.fwd_bwd_s_per_sample["A100-40GB"][b] == pytest.approx(f + bw)
+    fp32_graph = _llama()
+    c32 = node_costs(fp32_graph)
+    assert not any(c.half for c in c32.values())
 
 
 def test_cluster_declared_types_keep_the_plain_roofline(llama):

@@ -140,7 +140,7 @@ def test_matmuls_priced_at_the_compute_dtype_peak():
     the fp32 peak (TF32 is off by default in PyTorch)."""
     from zorse_fx.cluster import gpu_spec
     from zorse_fx.cost import gpu_model
-    from zorse_fx.cost.roofline import MATMUL_EFFICIENCY, _block_chains, _class_block_time, node_costs
+    from zorse_fx.cost.roofline import MATMUL_EFFICIENCY, _block_chains, _class_block_time, weight_traffic_bytes, node_costs
 
     torch.manual_seed(0)
     ids = torch.randint(0, 256, (2, 256))
@@ -152,12 +152,11 @@ def test_matmuls_priced_at_the_compute_dtype_peak():
     fp32 = block_costs(bg, {"A100-40GB": a100}, precision=precision_policy("fp32"))
     bf16 = block_costs(bg, {"A100-40GB": a100}, precision=precision_policy("bf16-mixed"))
     policy = precision_policy("bf16-mixed")
-    state, trainable = bg.captured.state(), bg.captured.trainable()
     for prec, got, costs in ((precision_policy("fp32"), fp32, node_costs(bg)),
                              (policy, bf16, node_costs(bg, measure_saved_activations(bg, policy), policy))):
         for b in range(bg.num_blocks):
-            params = sum(state[a].numel() for a in bg.block_attrs[b] if a in trainable)
-            f, bw, ff, fb = _class_block_time(bg, costs, b, _block_chains(bg, costs, b), params, a100, prec)
+            f, bw, ff, fb = _class_block_time(bg, costs, b, _block_chains(bg, costs, b),
+                                              weight_traffic_bytes(bg, b, prec), a100, prec)
             assert got.fwd_bwd_s_per_sample["A100-40GB"][b] == pytest.approx(f + bw, rel=1e-12)
             assert got.fwd_bwd_s_fixed["A100-40GB"][b] == pytest.approx(ff + fb, rel=1e-12)
     assert sum(bf16.fwd_bwd_s_per_sample["A100-40GB"]) < 0.5 * sum(fp32.fwd_bwd_s_per_sample["A100-40GB"])

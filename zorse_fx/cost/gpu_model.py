@@ -70,7 +70,8 @@ ATTENTION_BWD_FACTOR = 2.5
 CHAIN_BWD_FACTOR = 2.0
 #: FP32 gradient read + write per parameter per micro-batch (bytes): the
 #: runtime keeps float32 gradients under every policy (zorse_fx/precision.py,
-#: [Note: mixed precision]).
+#: [Note: mixed precision]); ``roofline.weight_traffic_bytes`` derives it from
+#: the parameters' dtype (2 x itemsize).
 GRAD_BYTES_PER_PARAM = 8
 
 

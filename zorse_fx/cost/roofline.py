@@ -1,5 +1,13 @@
 """Roofline cost of the block graph per GPU type: FLOPs and bytes per fx node.
 
+GPU types of the built-in table (``gpu_specs.csv`` rows, which carry an
+``arch``) are priced by the per-class model of ``gpu_model.py`` (issue 13):
+sustained matmul rates fitted per GPU class to cited public measurements,
+fused elementwise chains, per-op-class backward factors and a per-micro-batch
+weight/gradient traffic term (``_block_chains``, ``_class_block_time``,
+``weight_traffic_bytes``). The plain roofline below prices the rest: GPU
+types declared in a cluster file, which carry no class.
+
 Per node (from the fake-tensor values at batch 1, i.e. per sample):
 
 - matmul-class (``linear``, ``mm``, ``bmm``, ``addmm``, ``matmul``):
@@ -48,7 +56,7 @@ from ..solve.records import BlockCosts
 from . import gpu_model
 from .opclass import flops_bytes, op_class, tensors_in
 
-__all__ = ["NodeCost", "node_costs", "block_costs", "SavedActivations", "measure_saved_activations",
+__all__ = ["NodeCost", "node_costs", "block_costs", "weight_traffic_bytes", "SavedActivations", "measure_saved_activations",
            "saved_activations_or_estimate", "saved_activation_bytes", "MATMUL_EFFICIENCY", "MEMORY_EFFICIENCY",
            "FWD_BWD_FACTOR", "KERNEL_OVERHEAD_S"]
 
@@ -79,6 +87,9 @@ class NodeCost:
     out_bytes: float = 0.0
     #: An attention node with ``is_causal=True``.
     causal: bool = False
+    #: A matmul/attention node whose floating inputs are all 16-bit as it
+    #: runs (autocast's casts, or a half-precision graph).
+    half: bool = False
 
 
 def _as_dtype(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
@@ -113,7 +124,9 @@ def _node_cost(node: fx.Node, gm: fx.GraphModule, dtypes: dict[str, str],
     reads = tuple((name, float(t.numel() * t.element_size())) for name, t in pairs)
     out_bytes = float(sum(t.numel() * t.element_size() for t in outs))
     causal = cls == "attention" and bool(node.kwargs.get("is_causal", node.args[5] if len(node.args) > 5 else False))
-    return NodeCost(flops, nbytes, compute, reads, out_bytes, causal)
+    floats = [t for t in ins if t.is_floating_point()]
+    half = compute and bool(floats) and all(t.dtype in (torch.float16, torch.bfloat16) for t in floats)
+    return NodeCost(flops, nbytes, compute, reads, out_bytes, causal, half)
 
 
 def node_costs(bg: BlockGraph, activations: "SavedActivations | None" = None,
@@ -199,12 +212,35 @@ def _block_chains(bg: BlockGraph, costs: dict[str, NodeCost], b: int) -> list[_C
     return chains
 
 
-def _class_block_time(bg: BlockGraph, costs: dict[str, NodeCost], b: int, chains: list[_Chain], params: int,
-                      spec: GPUSpec, precision: PrecisionPolicy) -> tuple[float, float, float, float]:
+def weight_traffic_bytes(bg: BlockGraph, b: int, precision: PrecisionPolicy) -> float:
+    """Bytes block ``b``'s backward moves once per micro-batch for its
+    trainable parameters: each weight read once in the dtype the matmuls use
+    (the compute dtype under a mixed policy, else its own) and its gradient
+    read and written once in the parameter's dtype (accumulation into
+    ``.grad``; float32 parameters under every zorse_fx policy: 10 B/param
+    mixed, 12 B fp32). See ``gpu_model``."""
+    state, trainable = bg.captured.state(), bg.captured.trainable()
+    total = 0.0
+    for a in bg.block_attrs[b]:
+        if a not in trainable:
+            continue
+        t = state[a]
+        weight = torch.empty((), dtype=precision.compute_dtype).element_size() if precision.mixed else t.element_size()
+        total += t.numel() * (weight + 2 * t.element_size())
+    return total
+
+
+def _class_block_time(bg: BlockGraph, costs: dict[str, NodeCost], b: int, chains: list[_Chain],
+                      traffic_bytes: float, spec: GPUSpec,
+                      precision: PrecisionPolicy) -> tuple[float, float, float, float]:
     """``(fwd per sample, bwd per sample, fwd fixed, bwd fixed)`` seconds of
-    block ``b`` on ``spec`` under the class model of ``gpu_model``."""
+    block ``b`` on ``spec`` under the class model of ``gpu_model``;
+    ``traffic_bytes``: ``weight_traffic_bytes(bg, b, precision)``."""
     dtype = precision.compute_dtype
-    rate = gpu_model.sustained_matmul_flops_per_s(spec, dtype, MATMUL_EFFICIENCY)
+    rate32 = gpu_model.sustained_matmul_flops_per_s(spec, dtype, MATMUL_EFFICIENCY)
+    # a half-precision graph under a non-mixed policy still runs 16-bit GEMMs
+    rate16 = rate32 if precision.mixed else gpu_model.sustained_matmul_flops_per_s(
+        spec, torch.float16, MATMUL_EFFICIENCY)
     bw = spec.mem_bw_bytes_per_s * gpu_model.STREAM_EFFICIENCY
     fwd = bwd = 0.0
     kernels_f = kernels_b = 0
@@ -213,6 +249,7 @@ def _class_block_time(bg: BlockGraph, costs: dict[str, NodeCost], b: int, chains
         c = costs[n]
         if not c.is_matmul:
             continue
+        rate = rate16 if c.half else rate32
         if op_class(nodes[n]) == "attention":
             flops = 0.5 * c.flops if c.causal else c.flops
             fwd += max(flops / rate, c.bytes / bw)
@@ -226,7 +263,7 @@ def _class_block_time(bg: BlockGraph, costs: dict[str, NodeCost], b: int, chains
         t = ch.bytes / bw
         fwd, bwd = fwd + t, bwd + gpu_model.CHAIN_BWD_FACTOR * t
         kernels_f, kernels_b = kernels_f + 1, kernels_b + 2
-    weight = params * (torch.empty((), dtype=dtype).element_size() + gpu_model.GRAD_BYTES_PER_PARAM) / bw
+    weight = traffic_bytes / bw
     return fwd, bwd, KERNEL_OVERHEAD_S * kernels_f, KERNEL_OVERHEAD_S * kernels_b + weight
 
 
@@ -288,12 +325,14 @@ def block_costs(
         names = bg.block_nodes(b)
         params.append(sum(state[a].numel() for a in bg.block_attrs[b] if a in trainable))
         kernels = sum(1 for n in names if costs[n].bytes > 0)
-        chains = None
+        chains = traffic = None
         for gpu_type, spec in specs.items():
             if gpu_model.has_class_model(spec):
                 if chains is None:
                     chains = _block_chains(bg, costs, b)
-                f, bw_, ff, fb = _class_block_time(bg, costs, b, chains, params[-1], spec, precision)
+                if traffic is None:
+                    traffic = weight_traffic_bytes(bg, b, precision)
+                f, bw_, ff, fb = _class_block_time(bg, costs, b, chains, traffic, spec, precision)
                 times[gpu_type].append(f + bw_)
                 fixed[gpu_type].append(ff + fb)
             else:
