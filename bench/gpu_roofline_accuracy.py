@@ -29,6 +29,8 @@ import argparse
 import statistics
 import sys
 
+import torch
+
 from zorse_fx.cost import gpu_model
 from zorse_fx.cost.reference_data import BANDWIDTH_POINTS, GEMM_POINTS
 from zorse_fx.cost.roofline import MATMUL_EFFICIENCY
@@ -127,6 +129,18 @@ def main(argv=None) -> int:
         sel = [r for r in brows if r["role"] == role]
         med, mx = summary(sel)
         print(f"{role:8s} n={len(sel):2d}  model: median |err| {med:.1%}, max {mx:.1%}")
+    print()
+    print("implied sustained clock (boost x sustained / (class efficiency x peak)), table GPUs with clocks:")
+    from zorse_fx.cluster import gpu_spec, known_gpu_types
+    for t in known_gpu_types():
+        spec = gpu_spec(t)
+        if spec.boost_clock_mhz is None or spec.arch not in gpu_model.ARCH_EFFICIENCY:
+            continue
+        peak = spec.fp32_flops_per_s if spec.arch == "pascal" else spec.fp16_flops_per_s
+        rate = gpu_model.sustained_matmul_flops_per_s(spec, torch.float16, MATMUL_EFFICIENCY)
+        clock = spec.boost_clock_mhz * rate / (gpu_model.ARCH_EFFICIENCY[spec.arch] * peak)
+        base = f"{spec.base_clock_mhz:.0f}" if spec.base_clock_mhz else "n/a"
+        print(f"{t:16s} boost {spec.boost_clock_mhz:6.0f} MHz  base {base:>5s} MHz  implied sustained {clock:6.0f} MHz")
     if args.layer:
         print()
         print(f"{'gpu':16s} {'class':22s} {'seq':>5s} {'mbs':>4s} {'fwd ms':>8s} {'bwd ms':>8s} {'bwd/fwd':>8s} "
