@@ -1,7 +1,9 @@
 """Cost model of GPU types without a measured profile (issue 13, item 1).
 
 Replaces the single "0.6 of datasheet peak" of the plain roofline for the GPU
-types of ``gpu_specs.csv`` (those with an ``arch``). Per block, for one
+types of ``gpu_specs.csv`` whose ``arch`` is a fitted class (Pascal to Hopper;
+B200, MI250X and MI300X have no cited measurement and stay on the plain
+roofline, as do GPU types declared in a cluster file). Per block, for one
 forward + backward, from the fx nodes' FLOPs and bytes (``roofline.node_costs``):
 
 * **Matmul rate (sustained, per GPU class).** ``R = sustained_fp16_flops_per_s``
@@ -30,11 +32,14 @@ forward + backward, from the fx nodes' FLOPs and bytes (``roofline.node_costs``)
   2x its bytes (reads the output gradient and the saved input, writes the
   input gradient). The per-GPU backward/forward ratio then follows from the
   class's compute/bandwidth balance plus the per-micro-batch term below
-  (``bwd_fwd_ratio`` reports it).
+  (``bench/gpu_roofline_accuracy.py --layer`` reports it).
 * **Per-micro-batch weight and gradient traffic.** Every backward reads each
   parameter's compute-dtype copy once and reads + writes its FP32 gradient
-  (accumulation into ``.grad``): ``itemsize(compute) + 2 * 4`` bytes per
-  trainable parameter (10 B mixed, 12 B fp32), at ``mem_bw * STREAM_EFFICIENCY``,
+  (accumulation into ``.grad``): ``itemsize(compute) + 2 * itemsize(param)``
+  bytes per trainable parameter (``roofline.weight_traffic_bytes``: 10 B
+  mixed, 12 B fp32, float32 parameters and gradients under every zorse_fx
+  policy, zorse_fx/precision.py [Note: mixed precision]), at
+  ``mem_bw * STREAM_EFFICIENCY``,
   paid once per micro-batch whatever its size (``fwd_bwd_s_fixed``), plus
   ``KERNEL_OVERHEAD_S`` per kernel (1 forward + 2 backward per matmul or
   chain, 1 + 1 per attention).
@@ -48,15 +53,13 @@ Units: FLOP/s, bytes/s, seconds, watts, joules per FLOP.
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass
-
 import torch
 
 from ..cluster import GPUSpec
 from .reference_data import BANDWIDTH_POINTS, GEMM_POINTS, HELDOUT_PEAKS
 
 __all__ = ["STREAM_EFFICIENCY", "ARCH_EFFICIENCY", "ENERGY_J_PER_FLOP", "ATTENTION_BWD_FACTOR", "MATMUL_BWD_FACTOR", "CHAIN_BWD_FACTOR",
-           "GRAD_BYTES_PER_PARAM", "sustained_matmul_flops_per_s", "predicted_sustained_fp16", "has_class_model",
+           "sustained_matmul_flops_per_s", "predicted_sustained_fp16", "has_class_model",
            "reference_peak"]
 
 #: backward FLOPs / forward FLOPs of a matmul (Narayanan et al. SC'21 eq. 3).
@@ -68,11 +71,6 @@ ATTENTION_BWD_FACTOR = 2.5
 #: saved input, writes dX (3 tensors against 2 forward; 2x counting the
 #: saved-input re-read as in the plain roofline's FWD_BWD_FACTOR - 1).
 CHAIN_BWD_FACTOR = 2.0
-#: FP32 gradient read + write per parameter per micro-batch (bytes): the
-#: runtime keeps float32 gradients under every policy (zorse_fx/precision.py,
-#: [Note: mixed precision]); ``roofline.weight_traffic_bytes`` derives it from
-#: the parameters' dtype (2 x itemsize).
-GRAD_BYTES_PER_PARAM = 8
 
 
 def reference_peak(gpu: str, specs: dict[str, GPUSpec] | None = None) -> tuple[str, float, float]:
@@ -162,19 +160,3 @@ def sustained_matmul_flops_per_s(spec: GPUSpec, dtype: torch.dtype, fallback_eff
             peak = spec.fp32_flops_per_s if spec.arch == "pascal" else spec.fp16_flops_per_s
             return predicted_sustained_fp16(spec.arch, peak, spec.tdp_w)
     return spec.peak_flops_per_s(dtype) * fallback_efficiency
-
-
-@dataclass(frozen=True, slots=True)
-class LayerTime:
-    """Forward and backward seconds of one block for one micro-batch."""
-
-    fwd_s: float
-    bwd_s: float
-
-    @property
-    def total_s(self) -> float:
-        return self.fwd_s + self.bwd_s
-
-    @property
-    def bwd_fwd_ratio(self) -> float:
-        return self.bwd_s / self.fwd_s
