@@ -133,23 +133,32 @@ def test_block_costs_bytes_per_param(gpt, name, reduce, expected):
 
 def test_matmuls_priced_at_the_compute_dtype_peak():
     """On an A100 the bf16 tensor peak (312 TFLOP/s) is 16x the fp32 one
-    (19.5): the roofline time of the matmuls falls accordingly (a GPT wide
-    and long enough for its matmuls to be compute-bound in float32)."""
+    (19.5): the time of the matmuls falls accordingly (a GPT wide and long
+    enough for its matmuls to be compute-bound in float32). The A100 is
+    priced by the GPU class model (``cost/gpu_model.py``): bf16 matmuls at the
+    fitted sustained rate of its class, fp32 ones at ``MATMUL_EFFICIENCY`` of
+    the fp32 peak (TF32 is off by default in PyTorch)."""
     from zorse_fx.cluster import gpu_spec
-    from zorse_fx.cost.roofline import node_costs, node_time_s
+    from zorse_fx.cost import gpu_model
+    from zorse_fx.cost.roofline import MATMUL_EFFICIENCY, _block_chains, _class_block_time, weight_traffic_bytes, node_costs
 
     torch.manual_seed(0)
     ids = torch.randint(0, 256, (2, 256))
     bg = analyse(capture(GPT(GPTConfig(n_layer=1, n_embd=256, block_size=256)), (ids, ids)))
     a100 = gpu_spec("A100-40GB")
+    assert gpu_model.sustained_matmul_flops_per_s(a100, torch.float32, MATMUL_EFFICIENCY) == MATMUL_EFFICIENCY * 19.5e12
+    assert gpu_model.sustained_matmul_flops_per_s(a100, torch.bfloat16, MATMUL_EFFICIENCY) == pytest.approx(
+        gpu_model.ARCH_EFFICIENCY["ampere-ga100"] * 312e12)
     fp32 = block_costs(bg, {"A100-40GB": a100}, precision=precision_policy("fp32"))
     bf16 = block_costs(bg, {"A100-40GB": a100}, precision=precision_policy("bf16-mixed"))
     policy = precision_policy("bf16-mixed")
-    for prec, got, costs in ((torch.float32, fp32, node_costs(bg)),
-                             (torch.bfloat16, bf16, node_costs(bg, measure_saved_activations(bg, policy), policy))):
+    for prec, got, costs in ((precision_policy("fp32"), fp32, node_costs(bg)),
+                             (policy, bf16, node_costs(bg, measure_saved_activations(bg, policy), policy))):
         for b in range(bg.num_blocks):
-            expected = 3 * sum(node_time_s(costs[n], a100, prec) for n in bg.block_nodes(b))
-            assert got.fwd_bwd_s_per_sample["A100-40GB"][b] == pytest.approx(expected, rel=1e-12)
+            f, bw, ff, fb = _class_block_time(bg, costs, b, _block_chains(bg, costs, b),
+                                              weight_traffic_bytes(bg, b, prec), a100, prec)
+            assert got.fwd_bwd_s_per_sample["A100-40GB"][b] == pytest.approx(f + bw, rel=1e-12)
+            assert got.fwd_bwd_s_fixed["A100-40GB"][b] == pytest.approx(ff + fb, rel=1e-12)
     assert sum(bf16.fwd_bwd_s_per_sample["A100-40GB"]) < 0.5 * sum(fp32.fwd_bwd_s_per_sample["A100-40GB"])
 
 

@@ -19,7 +19,25 @@ Its columns carry their units in their names:
                      no datasheet exists (A10G): a measured peak. The
                      ``source_note`` of such rows says so.
 ``bf16_supported``   ``yes``/``no``
-``tdp_w``            board power, W (informational)
+``tdp_w``            board power limit, W (datasheet TDP / max power; the
+                     sustained-rate model of ``zorse_fx.cost.gpu_model`` caps
+                     matmul throughput at ``tdp_w`` / energy per FLOP)
+``arch``             GPU class: ``pascal``, ``volta``, ``turing``,
+                     ``ampere-ga100``, ``ampere-ga10x``, ``ampere-ga10x-geforce``,
+                     ``ada``, ``ada-geforce``, ``hopper``, ``blackwell``,
+                     ``cdna2``, ``cdna3`` (die family: selects the sustained
+                     efficiency of ``zorse_fx.cost.gpu_model``)
+``tf32_tensor_tflops`` dense TF32 tensor TFLOP/s (empty: no TF32, pre-Ampere,
+                     or not in the reference table); copied from the reference
+                     table's ``tf32_tensor_dense_tflops`` (datasheets)
+``boost_clock_mhz``  datasheet boost clock, MHz (empty where not retrieved)
+``base_clock_mhz``   datasheet base clock, MHz: the clock guaranteed at the
+                     power limit (empty where not retrieved)
+``sustained_fp16_tflops`` MEASURED 16-bit (FP32 accumulate) ``torch.matmul``
+                     TFLOP/s of a large square GEMM run for seconds, i.e. at the
+                     clock the card sustains under its power limit (empty:
+                     no public measurement found; the class model predicts it)
+``sustained_source`` where the sustained figure and the clocks come from
 ``source_url``       where the numbers come from
 ``source_note``      how they were read (dense vs sparse, measured, ...)
 ==================== ==========================================================
@@ -92,6 +110,18 @@ class GPUSpec:
     bf16_supported: bool
     #: Where the numbers come from (URL(s), plus how they were read).
     source: str
+    #: GPU class (die family) for the sustained-rate model (``gpu_specs.csv``
+    #: ``arch``); None for a cluster-declared type: the plain roofline prices it.
+    arch: str | None = None
+    #: Board power limit, W (None: unknown).
+    tdp_w: float | None = None
+    #: Dense TF32 tensor FLOP/s (None: no TF32 or not published).
+    tf32_flops_per_s: float | None = None
+    #: Datasheet boost / base clocks, MHz (None: not retrieved).
+    boost_clock_mhz: float | None = None
+    base_clock_mhz: float | None = None
+    #: Measured sustained 16-bit matmul FLOP/s of a large GEMM (None: not measured).
+    sustained_fp16_flops_per_s: float | None = None
 
     def __post_init__(self) -> None:
         if not self.type:
@@ -146,6 +176,14 @@ def _parse_bool(text: str, where: str) -> bool:
     raise AssertionError(f"gpu_specs.csv {where}: bf16_supported must be yes/no, got {text!r}")
 
 
+def _opt_float(text: str, scale: float = 1.0) -> float | None:
+    """``float(text) * scale``, None for an empty cell; a range ``300-350`` reads as its upper end."""
+    text = text.strip()
+    if not text:
+        return None
+    return float(text.split("-")[-1]) * scale
+
+
 @functools.cache
 def _table() -> tuple[dict[str, GPUSpec], dict[str, str]]:
     """``({type: GPUSpec}, {normalized name or alias: type})`` from the CSV, loaded once."""
@@ -163,6 +201,12 @@ def _table() -> tuple[dict[str, GPUSpec], dict[str, str]]:
             fp16_flops_per_s=float(row["fp16_tensor_tflops"]) * 1e12,
             bf16_supported=_parse_bool(row["bf16_supported"], where),
             source=f"{row['source_url'].strip()} ({note})" if note else row["source_url"].strip(),
+            arch=row["arch"].strip() or None,
+            tdp_w=_opt_float(row["tdp_w"]),
+            tf32_flops_per_s=_opt_float(row["tf32_tensor_tflops"], 1e12),
+            boost_clock_mhz=_opt_float(row["boost_clock_mhz"]),
+            base_clock_mhz=_opt_float(row["base_clock_mhz"]),
+            sustained_fp16_flops_per_s=_opt_float(row["sustained_fp16_tflops"], 1e12),
         )
         specs[spec.type] = spec
         names = [spec.type, *(a for a in row["aliases"].split(";") if a.strip())]

@@ -1,5 +1,13 @@
 """Roofline cost of the block graph per GPU type: FLOPs and bytes per fx node.
 
+GPU types of the built-in table (``gpu_specs.csv`` rows, which carry an
+``arch``) are priced by the per-class model of ``gpu_model.py`` (issue 13):
+sustained matmul rates fitted per GPU class to cited public measurements,
+fused elementwise chains, per-op-class backward factors and a per-micro-batch
+weight/gradient traffic term (``_block_chains``, ``_class_block_time``,
+``weight_traffic_bytes``). The plain roofline below prices the rest: GPU
+types declared in a cluster file, which carry no class.
+
 Per node (from the fake-tensor values at batch 1, i.e. per sample):
 
 - matmul-class (``linear``, ``mm``, ``bmm``, ``addmm``, ``matmul``):
@@ -45,9 +53,10 @@ from ..capture.trace import META_KEY, _fetch_attr
 from ..cluster import GPUSpec
 from ..precision import PrecisionPolicy, precision_policy
 from ..solve.records import BlockCosts
+from . import gpu_model
 from .opclass import flops_bytes, op_class, tensors_in
 
-__all__ = ["NodeCost", "node_costs", "block_costs", "SavedActivations", "measure_saved_activations",
+__all__ = ["NodeCost", "node_costs", "block_costs", "weight_traffic_bytes", "SavedActivations", "measure_saved_activations",
            "saved_activations_or_estimate", "saved_activation_bytes", "MATMUL_EFFICIENCY", "MEMORY_EFFICIENCY",
            "FWD_BWD_FACTOR", "KERNEL_OVERHEAD_S"]
 
@@ -71,6 +80,16 @@ class NodeCost:
     flops: float
     bytes: float
     is_matmul: bool
+    #: Bytes read per input node: ``((input node name, bytes), ...)`` (the
+    #: fused-chain accounting of ``gpu_model`` needs them).
+    reads: tuple[tuple[str, float], ...] = ()
+    #: Bytes written (the node's tensor outputs in their run dtypes).
+    out_bytes: float = 0.0
+    #: An attention node with ``is_causal=True``.
+    causal: bool = False
+    #: A matmul/attention node whose floating inputs are all 16-bit as it
+    #: runs (autocast's casts, or a half-precision graph).
+    half: bool = False
 
 
 def _as_dtype(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
@@ -96,12 +115,18 @@ def _node_cost(node: fx.Node, gm: fx.GraphModule, dtypes: dict[str, str],
             return _as_dtype(t, autocast_dtype)  # autocast's cast (of weights: the step's cached copy)
         return _as_dtype(t, getattr(torch, dtypes[a.name])) if a.name in dtypes else t
 
-    ins = [read(a, t) for a in node.all_input_nodes for t in tensors_in(val(a))]
+    pairs = [(a.name, read(a, t)) for a in node.all_input_nodes for t in tensors_in(val(a))]
+    ins = [t for _, t in pairs]
     outs = list(tensors_in(node.meta[META_KEY].get("val_batch1")))
     if node.name in dtypes and len(outs) == 1:
         outs = [_as_dtype(outs[0], getattr(torch, dtypes[node.name]))]
     flops, nbytes = flops_bytes(cls, ins, outs)
-    return NodeCost(flops, nbytes, compute)
+    reads = tuple((name, float(t.numel() * t.element_size())) for name, t in pairs)
+    out_bytes = float(sum(t.numel() * t.element_size() for t in outs))
+    causal = cls == "attention" and bool(node.kwargs.get("is_causal", node.args[5] if len(node.args) > 5 else False))
+    floats = [t for t in ins if t.is_floating_point()]
+    half = compute and bool(floats) and all(t.dtype in (torch.float16, torch.bfloat16) for t in floats)
+    return NodeCost(flops, nbytes, compute, reads, out_bytes, causal, half)
 
 
 def node_costs(bg: BlockGraph, activations: "SavedActivations | None" = None,
@@ -124,6 +149,122 @@ def node_time_s(cost: NodeCost, spec: GPUSpec, dtype: torch.dtype) -> float:
     """Roofline forward time of one node on one GPU, seconds."""
     peak = spec.peak_flops_per_s(dtype) if cost.is_matmul else spec.fp32_flops_per_s
     return max(cost.flops / (peak * MATMUL_EFFICIENCY), cost.bytes / (spec.mem_bw_bytes_per_s * MEMORY_EFFICIENCY))
+
+
+@dataclass(frozen=True, slots=True)
+class _Chain:
+    """A fused elementwise chain of one block: its nodes, and the bytes it
+    moves once fused (inputs from outside, outputs used outside)."""
+
+    nodes: tuple[str, ...]
+    bytes: float
+
+
+def _block_chains(bg: BlockGraph, costs: dict[str, NodeCost], b: int) -> list[_Chain]:
+    """The fused elementwise chains of block ``b`` (see ``gpu_model``): non-view,
+    non-matmul, non-attention nodes with bytes, connected through views."""
+    nodes = {n.name: n for n in bg.graph.nodes}
+    members = [n for n in bg.block_nodes(b) if costs[n].bytes > 0 and not costs[n].is_matmul]
+    inside = set(members)
+    parent = {n: n for n in members}
+
+    def find(x: str) -> str:
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    def producer(name: str) -> str:
+        """The kernel behind ``name``: follows views (class None) back."""
+        seen = 0
+        while name in nodes and op_class(nodes[name]) is None and nodes[name].all_input_nodes and seen < 64:
+            ins = nodes[name].all_input_nodes
+            name, seen = ins[0].name, seen + 1
+        return name
+
+    def consumers(name: str) -> set[str]:
+        """Kernels reading ``name`` (through views)."""
+        out, todo = set(), list(nodes[name].users)
+        while todo:
+            u = todo.pop()
+            if op_class(u) is None and u.op != "output":
+                todo.extend(u.users)
+            else:
+                out.add(u.name)
+        return out
+
+    internal_reads: dict[str, float] = {}
+    for n in members:
+        for a, nbytes in costs[n].reads:
+            p = producer(a)
+            if p in inside:
+                parent[find(n)] = find(p)
+                internal_reads[n] = internal_reads.get(n, 0.0) + nbytes
+    groups: dict[str, list[str]] = {}
+    for n in members:
+        groups.setdefault(find(n), []).append(n)
+    chains = []
+    for ns in groups.values():
+        group = set(ns)
+        moved = sum(costs[n].bytes for n in ns) - sum(internal_reads.get(n, 0.0) for n in ns)
+        moved -= sum(costs[n].out_bytes for n in ns if consumers(n) and consumers(n) <= group)
+        chains.append(_Chain(tuple(ns), max(moved, 0.0)))
+    return chains
+
+
+def weight_traffic_bytes(bg: BlockGraph, b: int, precision: PrecisionPolicy) -> float:
+    """Bytes block ``b``'s backward moves once per micro-batch for its
+    trainable parameters: each weight read once in the dtype the matmuls use
+    (the compute dtype under a mixed policy, else its own) and its gradient
+    read and written once in the parameter's dtype (accumulation into
+    ``.grad``; float32 parameters under every zorse_fx policy: 10 B/param
+    mixed, 12 B fp32). See ``gpu_model``."""
+    state, trainable = bg.captured.state(), bg.captured.trainable()
+    total = 0.0
+    for a in bg.block_attrs[b]:
+        if a not in trainable:
+            continue
+        t = state[a]
+        weight = torch.empty((), dtype=precision.compute_dtype).element_size() if precision.mixed else t.element_size()
+        total += t.numel() * (weight + 2 * t.element_size())
+    return total
+
+
+def _class_block_time(bg: BlockGraph, costs: dict[str, NodeCost], b: int, chains: list[_Chain],
+                      traffic_bytes: float, spec: GPUSpec,
+                      precision: PrecisionPolicy) -> tuple[float, float, float, float]:
+    """``(fwd per sample, bwd per sample, fwd fixed, bwd fixed)`` seconds of
+    block ``b`` on ``spec`` under the class model of ``gpu_model``;
+    ``traffic_bytes``: ``weight_traffic_bytes(bg, b, precision)``."""
+    dtype = precision.compute_dtype
+    rate32 = gpu_model.sustained_matmul_flops_per_s(spec, dtype, MATMUL_EFFICIENCY)
+    # a half-precision graph under a non-mixed policy still runs 16-bit GEMMs
+    rate16 = rate32 if precision.mixed else gpu_model.sustained_matmul_flops_per_s(
+        spec, torch.float16, MATMUL_EFFICIENCY)
+    bw = spec.mem_bw_bytes_per_s * gpu_model.STREAM_EFFICIENCY
+    fwd = bwd = 0.0
+    kernels_f = kernels_b = 0
+    nodes = {n.name: n for n in bg.graph.nodes}
+    for n in bg.block_nodes(b):
+        c = costs[n]
+        if not c.is_matmul:
+            continue
+        rate = rate16 if c.half else rate32
+        if op_class(nodes[n]) == "attention":
+            flops = 0.5 * c.flops if c.causal else c.flops
+            fwd += max(flops / rate, c.bytes / bw)
+            bwd += max(gpu_model.ATTENTION_BWD_FACTOR * flops / rate, 2 * c.bytes / bw)
+            kernels_f, kernels_b = kernels_f + 1, kernels_b + 1
+            continue
+        t = max(c.flops / rate, c.bytes / bw)
+        fwd, bwd = fwd + t, bwd + gpu_model.MATMUL_BWD_FACTOR * t
+        kernels_f, kernels_b = kernels_f + 1, kernels_b + 2
+    for ch in chains:
+        t = ch.bytes / bw
+        fwd, bwd = fwd + t, bwd + gpu_model.CHAIN_BWD_FACTOR * t
+        kernels_f, kernels_b = kernels_f + 1, kernels_b + 2
+    weight = traffic_bytes / bw
+    return fwd, bwd, KERNEL_OVERHEAD_S * kernels_f, KERNEL_OVERHEAD_S * kernels_b + weight
 
 
 def block_costs(
@@ -178,19 +319,30 @@ def block_costs(
     state = bg.captured.state()
     dtype = precision.compute_dtype
     times: dict[str, list[float]] = {t: [] for t in specs}
-    params, fixed = [], []
+    fixed: dict[str, list[float]] = {t: [] for t in specs}
+    params = []
     for b in range(bg.num_blocks):
         names = bg.block_nodes(b)
-        for gpu_type, spec in specs.items():
-            fwd = sum(node_time_s(costs[n], spec, dtype) for n in names)
-            times[gpu_type].append(FWD_BWD_FACTOR * fwd)
-        kernels = sum(1 for n in names if costs[n].bytes > 0)
-        fixed.append(FWD_BWD_FACTOR * KERNEL_OVERHEAD_S * kernels)
         params.append(sum(state[a].numel() for a in bg.block_attrs[b] if a in trainable))
+        kernels = sum(1 for n in names if costs[n].bytes > 0)
+        chains = traffic = None
+        for gpu_type, spec in specs.items():
+            if gpu_model.has_class_model(spec):
+                if chains is None:
+                    chains = _block_chains(bg, costs, b)
+                if traffic is None:
+                    traffic = weight_traffic_bytes(bg, b, precision)
+                f, bw_, ff, fb = _class_block_time(bg, costs, b, chains, traffic, spec, precision)
+                times[gpu_type].append(f + bw_)
+                fixed[gpu_type].append(ff + fb)
+            else:
+                fwd = sum(node_time_s(costs[n], spec, dtype) for n in names)
+                times[gpu_type].append(FWD_BWD_FACTOR * fwd)
+                fixed[gpu_type].append(FWD_BWD_FACTOR * KERNEL_OVERHEAD_S * kernels)
     cast = bg.with_dtypes(activations.output_dtypes)
     return BlockCosts(
         fwd_bwd_s_per_sample={k: tuple(v) for k, v in times.items()},
-        fwd_bwd_s_fixed={k: tuple(fixed) for k in specs},
+        fwd_bwd_s_fixed={k: tuple(v) for k, v in fixed.items()},
         param_count=tuple(params),
         act_bytes_per_sample=activations.bytes_per_sample,
         cut_bytes_per_sample=tuple(sum(t.bytes_per_sample for t in ts) for ts in cast.cut_tensors),

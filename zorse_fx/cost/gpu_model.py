@@ -1,0 +1,162 @@
+"""Cost model of GPU types without a measured profile (issue 13, item 1).
+
+Replaces the single "0.6 of datasheet peak" of the plain roofline for the GPU
+types of ``gpu_specs.csv`` whose ``arch`` is a fitted class (Pascal to Hopper;
+B200, MI250X and MI300X have no cited measurement and stay on the plain
+roofline, as do GPU types declared in a cluster file). Per block, for one
+forward + backward, from the fx nodes' FLOPs and bytes (``roofline.node_costs``):
+
+* **Matmul rate (sustained, per GPU class).** ``R = sustained_fp16_flops_per_s``
+  where the table holds a public measurement of a large 16-bit GEMM, else
+  ``min(ARCH_EFFICIENCY[arch] * peak16, tdp_w / ENERGY_J_PER_FLOP[arch])``:
+  a die family reaches a fixed fraction of its datasheet peak while it is not
+  power-capped, and a power-capped card (T4, L4, A10, PCIe A100/H100) runs
+  at the rate its board power buys. On Pascal (no tensor cores) a 16-bit
+  GEMM with FP32 accumulate runs at the FP32 rate, so ``peak16`` is the FP32
+  peak there. Both constants are fitted, per class, to the cited GEMM
+  measurements of ``reference_data.GEMM_POINTS`` (``_fit``, no other input).
+  FP32 matmuls (no autocast) keep the plain roofline: ``MATMUL_EFFICIENCY``
+  of the FP32 peak (PyTorch leaves TF32 off for matmuls by default).
+* **Fused elementwise accounting.** Norms, rotary, activations, residual adds
+  and casts of one block are grouped into chains (connected through views);
+  a chain moves only the bytes that enter it from matmuls/attention/other
+  blocks and the bytes that leave it, once, at ``mem_bw * STREAM_EFFICIENCY``
+  (the median measured copy bandwidth / datasheet, ``BANDWIDTH_POINTS``),
+  and costs one kernel. Intermediate tensors consumed only inside the chain
+  are free (what a fused or cache-resident kernel sequence achieves).
+* **Backward / forward per op class.** matmul: 2x (dgrad + wgrad, each a GEMM
+  of the forward's size: Narayanan et al., SC'21, eq. 3); attention: 2.5x
+  the forward FLOPs (FlashAttention's backward recomputes ``QK^T`` and runs
+  five GEMMs against two: ``benchmarks/benchmark_flash_attention.py`` of
+  Dao-AILab/flash-attention counts backward = 2.5 x forward); a fused chain:
+  2x its bytes (reads the output gradient and the saved input, writes the
+  input gradient). The per-GPU backward/forward ratio then follows from the
+  class's compute/bandwidth balance plus the per-micro-batch term below
+  (``bench/gpu_roofline_accuracy.py --layer`` reports it).
+* **Per-micro-batch weight and gradient traffic.** Every backward reads each
+  parameter's compute-dtype copy once and reads + writes its FP32 gradient
+  (accumulation into ``.grad``): ``itemsize(compute) + 2 * itemsize(param)``
+  bytes per trainable parameter (``roofline.weight_traffic_bytes``: 10 B
+  mixed, 12 B fp32, float32 parameters and gradients under every zorse_fx
+  policy, zorse_fx/precision.py [Note: mixed precision]), at
+  ``mem_bw * STREAM_EFFICIENCY``,
+  paid once per micro-batch whatever its size (``fwd_bwd_s_fixed``), plus
+  ``KERNEL_OVERHEAD_S`` per kernel (1 forward + 2 backward per matmul or
+  chain, 1 + 1 per attention).
+
+Causal attention (``is_causal=True``) does half the ``QK^T``/``PV`` work
+(FlashAttention skips the masked blocks; its benchmark halves the FLOPs).
+
+Units: FLOP/s, bytes/s, seconds, watts, joules per FLOP.
+"""
+
+from __future__ import annotations
+
+import statistics
+import torch
+
+from ..cluster import GPUSpec
+from .reference_data import BANDWIDTH_POINTS, GEMM_POINTS, HELDOUT_PEAKS
+
+__all__ = ["STREAM_EFFICIENCY", "ARCH_EFFICIENCY", "ENERGY_J_PER_FLOP", "ATTENTION_BWD_FACTOR", "MATMUL_BWD_FACTOR", "CHAIN_BWD_FACTOR",
+           "sustained_matmul_flops_per_s", "predicted_sustained_fp16", "has_class_model",
+           "reference_peak"]
+
+#: backward FLOPs / forward FLOPs of a matmul (Narayanan et al. SC'21 eq. 3).
+MATMUL_BWD_FACTOR = 2.0
+#: backward FLOPs / forward FLOPs of fused attention (Dao-AILab/flash-attention,
+#: benchmarks/benchmark_flash_attention.py: ``flops(..., mode="bwd") = 2.5 * fwd``).
+ATTENTION_BWD_FACTOR = 2.5
+#: backward bytes / forward bytes of an elementwise chain: reads dY and the
+#: saved input, writes dX (3 tensors against 2 forward; 2x counting the
+#: saved-input re-read as in the plain roofline's FWD_BWD_FACTOR - 1).
+CHAIN_BWD_FACTOR = 2.0
+
+
+def reference_peak(gpu: str, specs: dict[str, GPUSpec] | None = None) -> tuple[str, float, float]:
+    """``(arch, dense 16-bit peak FLOP/s, tdp W)`` of a reference-table GPU
+    (a ``gpu_specs.csv`` row, else ``reference_data.HELDOUT_PEAKS``). For
+    Pascal the 16-bit matmul peak is the FP32 peak (see the module note)."""
+    if gpu in HELDOUT_PEAKS:
+        arch, p16, p32, tdp, _ = HELDOUT_PEAKS[gpu]
+        return arch, (p32 if arch == "pascal" else p16) * 1e12, tdp
+    from ..cluster import gpu_spec
+    spec = (specs or {}).get(gpu) or gpu_spec(gpu)
+    peak = spec.fp32_flops_per_s if spec.arch == "pascal" else spec.fp16_flops_per_s
+    return spec.arch, peak, spec.tdp_w
+
+
+def _fit() -> tuple[dict[str, float], dict[str, float]]:
+    """Per-class efficiency (measured / peak16) and energy per FLOP (TDP /
+    measured) from the ``fit`` rows of ``GEMM_POINTS`` (median per class)."""
+    eff: dict[str, list[float]] = {}
+    energy: dict[str, list[float]] = {}
+    for p in GEMM_POINTS:
+        if p.role != "fit":
+            continue
+        kind, arch = p.fits.split(":")
+        _, peak, tdp = reference_peak(p.gpu)
+        if kind == "efficiency":
+            eff.setdefault(arch, []).append(p.tflops * 1e12 / peak)
+        else:
+            energy.setdefault(arch, []).append(tdp / (p.tflops * 1e12))
+    e = {a: statistics.median(v) for a, v in eff.items()}
+    # Classes without an unthrottled measurement borrow the nearest fitted
+    # family (stated, not fitted): Turing's tensor cores are Volta's design
+    # (Jia et al. 2019, "Dissecting the NVidia Turing T4 GPU via
+    # Microbenchmarking": same instruction encoding, HMMA), Ada pro SKUs the
+    # Ampere GA10x pro SKU efficiency.
+    e.setdefault("turing", e["volta"])
+    e.setdefault("ada", e["ampere-ga10x"])
+    return e, {a: statistics.median(v) for a, v in energy.items()}
+
+
+#: Fraction of the datasheet dense 16-bit peak (Pascal: FP32 peak) a large
+#: GEMM reaches on a class when not power-capped (fitted, see ``_fit``).
+#: GeForce classes exceed 1: their cards boost above the datasheet clock.
+ARCH_EFFICIENCY: dict[str, float]
+#: Joules per 16-bit tensor FLOP of a power-capped class: sustained FLOP/s
+#: = TDP / this (fitted, see ``_fit``).
+ENERGY_J_PER_FLOP: dict[str, float]
+ARCH_EFFICIENCY, ENERGY_J_PER_FLOP = _fit()
+
+
+def _fit_stream() -> float:
+    """Median measured copy bandwidth / datasheet bandwidth over the ``fit``
+    rows of ``BANDWIDTH_POINTS``."""
+    from ..cluster import gpu_spec
+    return statistics.median(p.gbps * 1e9 / gpu_spec(p.gpu).mem_bw_bytes_per_s
+                             for p in BANDWIDTH_POINTS if p.role == "fit")
+
+
+#: Fraction of datasheet memory bandwidth a streaming kernel (a large copy)
+#: reaches (fitted, ``_fit_stream``): the class model's bandwidth for fused
+#: elementwise chains, weight reads and gradient accumulation.
+STREAM_EFFICIENCY: float = _fit_stream()
+
+
+def has_class_model(spec: GPUSpec) -> bool:
+    """Whether ``spec`` is priced by this model (a table row of a fitted class)."""
+    return spec.arch is not None and (spec.arch in ARCH_EFFICIENCY or spec.sustained_fp16_flops_per_s is not None)
+
+
+def predicted_sustained_fp16(arch: str, peak16: float, tdp_w: float | None) -> float:
+    """Class-model sustained 16-bit GEMM FLOP/s (no measurement used)."""
+    rate = ARCH_EFFICIENCY[arch] * peak16
+    if tdp_w is not None and arch in ENERGY_J_PER_FLOP:
+        rate = min(rate, tdp_w / ENERGY_J_PER_FLOP[arch])
+    return rate
+
+
+def sustained_matmul_flops_per_s(spec: GPUSpec, dtype: torch.dtype, fallback_efficiency: float) -> float:
+    """Sustained matmul FLOP/s of ``spec`` in ``dtype``: the measured figure,
+    else the class model; FP32 (and types outside the fitted classes):
+    ``fallback_efficiency`` x the datasheet peak of ``dtype``."""
+    if dtype in (torch.float16, torch.bfloat16):
+        spec.peak_flops_per_s(dtype)  # raises for bf16 on a GPU without it
+        if spec.sustained_fp16_flops_per_s is not None:
+            return spec.sustained_fp16_flops_per_s
+        if spec.arch in ARCH_EFFICIENCY:
+            peak = spec.fp32_flops_per_s if spec.arch == "pascal" else spec.fp16_flops_per_s
+            return predicted_sustained_fp16(spec.arch, peak, spec.tdp_w)
+    return spec.peak_flops_per_s(dtype) * fallback_efficiency
