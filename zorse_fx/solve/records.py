@@ -258,7 +258,8 @@ class SolverResult:
     #: Interleave degree v: the stages run on ``num_stages / v`` GPU groups,
     #: stage s on the GPUs of stage s mod (num_stages / v) (listed again).
     interleave: int = 1
-    #: "OPTIMAL", "FEASIBLE", "BRUTE_FORCE", ... and the gap (0 = proven optimal).
+    #: "OPTIMAL", "FEASIBLE", "BRUTE_FORCE", ... and the gap (0 = proven optimal);
+    #: ends in ``SAFETY_STOP`` when ``wall_clock_stops`` > 0.
     status: str = "UNKNOWN"
     objective: float = 0.0
     best_bound: float = 0.0
