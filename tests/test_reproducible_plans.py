@@ -116,3 +116,26 @@ def test_the_budget_options_are_checked_and_named():
 
     with pytest.raises(PlanOptionsError, match=r"solver_budget=0.*--solver-budget"):
         PlanOptions(global_batch_size=8, solver_budget=0)
+
+
+def test_zorse_compile_twice_writes_the_same_plan():
+    """End to end (capture, pricing, portfolio, interleaving, simulation): the
+    same model and cluster give the same plan.json, wall times aside, and it
+    records the budget and that the safety stop never fired."""
+    import torch
+
+    import zorse_fx as zorse
+    from conftest import CLUSTERS
+    from zorse_fx.models.gpt import GPT, GPTConfig
+
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    docs = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        model = zorse.compile(GPT(GPTConfig(n_layer=2, n_embd=32, block_size=16)),
+                              cluster=CLUSTERS / "small_hetero.yaml", example_inputs=(ids, ids),
+                              global_batch_size=8, solver_budget=1.0)
+        docs.append(_without_wall_times(model.plan.to_dict()))
+    assert docs[0] == docs[1]
+    sv = docs[0]["solver"]
+    assert (sv["solver_budget"], sv["wall_clock_stops"]) == (1.0, 0) and "safety stop" not in sv["status"]
