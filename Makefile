@@ -31,7 +31,7 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python bench/cost_accuracy.py
 	$(BIN)/python bench/scenarios.py --time-limit 5
-	$(BIN)/python bench/bound_gap.py --time-limit 5
+	$(BIN)/python bench/bound_gap.py --solver-budget 5
 	$(BIN)/python bench/planner_scaling.py
 	$(BIN)/python bench/runtime.py
 

@@ -119,7 +119,7 @@ def run(model_name: str, args, rows: list[dict]) -> None:
     # cluster's bf16_supported would make "auto" choose bf16-mixed).
     compiled = zorse.compile(model, cluster=args.cluster, example_inputs=(ids, ids),
                              global_batch_size=args.global_batch_size, model_name=model_name, max_stages=2,
-                             allow_idle_gpus=False, profiles=(args.profile,), time_limit_s=5.0,
+                             allow_idle_gpus=False, profiles=(args.profile,), solver_budget=5.0,
                              num_microbatches=(args.microbatches,), sharding=args.sharding, precision="fp32",
                              verbose=True)
     captured, cluster = compiled.captured, zorse_cluster(args.cluster)

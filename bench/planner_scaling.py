@@ -64,7 +64,7 @@ def main() -> int:
                              (1024, 40), (1024, 80)]:
         costs, devices = instance(num_gpus, min(2 * layers, 64))
         options = SolverOptions(global_batch_size=max(64, num_gpus), max_stages=4, num_microbatches=(8,),
-                                time_limit_s=2.0, num_workers=2, seed=0)
+                                deterministic_time=2.0, seed=0)
         solve = solve_cpsat if num_gpus <= 16 else solve_grouped
         t0 = time.perf_counter()
         res = solve_portfolio(costs, devices, options, solve)

@@ -84,7 +84,7 @@ def main() -> int:
     example = (first["input_ids"][:2],)
     compiled = zorse.compile(model, cluster=cluster, example_inputs=example,
                              global_batch_size=args.global_batch_size, model_name="SmolLM2-135M",
-                             max_stages=3, allow_idle_gpus=False, time_limit_s=3.0, verbose=True)
+                             max_stages=3, allow_idle_gpus=False, solver_budget=3.0, verbose=True)
     plan = compiled.plan
     print(plan.table(), flush=True)
     unequal = [s.index for s in plan.stages if len({g.samples_per_microbatch for g in s.gpus}) > 1]

@@ -26,7 +26,7 @@ def test_compile_hf_llama_plan_and_pipeline_forward(lee_bytes):
     hf = LlamaForCausalLM(cfg)
     ids = lee_bytes[: 2 * T].view(2, T)
     model = zorse.compile(hf, cluster=CLUSTERS / "small_hetero.yaml", example_inputs=(ids,),
-                          global_batch_size=8, time_limit_s=2.0)
+                          global_batch_size=8, solver_budget=2.0)
     plan = model.plan
     assert plan.input_names == ("input_ids", "labels") and plan.label_mode == "same"
     assert plan.microbatch_size * plan.num_microbatches == 8
@@ -41,7 +41,7 @@ def test_decorator_on_module_class():
     ids = torch.randint(0, 256, (2, T))
 
     @zorse.compile(cluster=CLUSTERS / "small_hetero.yaml", example_inputs=(ids, ids), global_batch_size=4,
-                   time_limit_s=2.0)
+                   solver_budget=2.0)
     class TinyGPT(GPT):
         """A user's model class."""
 
@@ -66,7 +66,7 @@ def test_infeasible_plan_names_the_binding_constraint(tmp_path):
     ids = torch.randint(0, 256, (2, T))
     with pytest.raises(zorse.InfeasiblePlanError, match=r"GiB.*Tiny1G") as e:
         zorse.compile(GPT(GPTConfig(n_layer=2, n_embd=64, block_size=T)), cluster=cluster,
-                      example_inputs=(ids, ids), global_batch_size=4, max_stages=2, time_limit_s=2.0)
+                      example_inputs=(ids, ids), global_batch_size=4, max_stages=2, solver_budget=2.0)
     assert "18 B/param" in str(e.value)  # fp16-mixed (Tiny1G has no bf16): 16 B + the float16 weight copy
 
 
@@ -80,7 +80,7 @@ def test_bad_cluster_path_is_reported(tmp_path):
 def test_cli_plan_and_show(tmp_path, capsys):
     out = tmp_path / "plan"
     assert zorse_main(["plan", "--model", "gpt", "--cluster", str(CLUSTERS / "small_hetero.yaml"),
-                       "--global-batch-size", "8", "--seq-len", "32", "--time-limit", "2", "-o", str(out)]) == 0
+                       "--global-batch-size", "8", "--seq-len", "32", "--solver-budget", "2", "-o", str(out)]) == 0
     d = json.loads((out / "plan.json").read_text())
     assert d["format"] == "zorse_fx.plan" and d["version"] == zorse.plan.PLAN_FORMAT_VERSION
     # --precision auto (the default) on A100 + T4: fp16-mixed, said in the progress output.
@@ -88,6 +88,8 @@ def test_cli_plan_and_show(tmp_path, capsys):
     assert (out / "weights.pt").exists() and (out / "stage_0.py").exists()
     # The answer was simulated before it became a plan (sim.check_result).
     sv = d["solver"]
+    # The CP-SAT budget (deterministic seconds) and the safety stop are recorded; the stop never fired.
+    assert (sv["solver_budget"], sv["time_limit_s"], sv["wall_clock_stops"]) == (2.0, 100.0, 0)
     assert sv["simulated_step_time_s"] > 0 and 0 < sv["simulated_max_memory_fraction"] <= 1
     assert 0.5 < sv["simulated_step_time_s"] / d["predicted_step_time_s"] <= 1.2
     progress = capsys.readouterr().out
@@ -107,7 +109,7 @@ def test_stage_dp_planner_alone_and_in_the_portfolio(tmp_path):
     torch.manual_seed(0)
     ids = torch.randint(0, 256, (2, T))
     kw = dict(cluster=CLUSTERS / "small_hetero.yaml", example_inputs=(ids, ids), global_batch_size=8,
-              time_limit_s=2.0)
+              solver_budget=2.0)
     fast = zorse.compile(GPT(GPTConfig(n_layer=2, n_embd=64, block_size=T)), planner="stage_dp", **kw).plan
     best = zorse.compile(GPT(GPTConfig(n_layer=2, n_embd=64, block_size=T)), **kw).plan
     assert fast.solver.status == "STAGE_DP" and fast.solver.planner == "stage_dp"
@@ -125,7 +127,7 @@ def test_cli_train_runs_plan_on_real_text(tmp_path):
     """`zorse train` tokenises the Lee corpus and runs the plan under torchrun."""
     out = tmp_path / "plan"
     assert zorse_main(["plan", "--model", "gpt", "--cluster", str(CLUSTERS / "small_hetero.yaml"),
-                       "--global-batch-size", "4", "--seq-len", "32", "--time-limit", "2", "-o", str(out)]) == 0
+                       "--global-batch-size", "4", "--seq-len", "32", "--solver-budget", "2", "-o", str(out)]) == 0
     assert zorse_main(["train", str(out), "--corpus", "lee", "--tokenizer", "bytes", "--steps", "2",
                        "--out", str(tmp_path / "run")]) == 0
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -137,7 +139,7 @@ def test_cli_simulate_writes_trace_and_gantt(tmp_path, capsys):
     out = tmp_path / "plan"
     cluster = str(CLUSTERS / "small_hetero.yaml")
     assert zorse_main(["plan", "--model", "gpt", "--cluster", cluster, "--global-batch-size", "8",
-                       "--seq-len", "32", "--time-limit", "2", "-o", str(out)]) == 0
+                       "--seq-len", "32", "--solver-budget", "2", "-o", str(out)]) == 0
     assert zorse_main(["simulate", str(out), "--model", "gpt", "--cluster", cluster, "--out", str(tmp_path / "sim")]) == 0
     trace = json.loads((tmp_path / "sim" / "trace.json").read_text())
     assert any(e.get("ph") == "X" and e.get("name", "").startswith("F") for e in trace["traceEvents"])

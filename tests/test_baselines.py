@@ -317,7 +317,7 @@ def _random(seed):
     memory = [rng.choice([16, 24, 40]) * GIB if t == "A" else rng.choice([8, 12, 16]) * GIB for t in types]
     devices = _devices(types, ["n0", "n0", "n1", "n1"], memory, [1.5e12 if t == "A" else 3e11 for t in types])
     options = SolverOptions(global_batch_size=8, max_stages=rng.choice([2, 3]), num_microbatches=(1, 2, 4),
-                            schedule=rng.choice(["1f1b", "gpipe"]), time_limit_s=5.0, num_workers=2, seed=seed)
+                            schedule=rng.choice(["1f1b", "gpipe"]), seed=seed)
     return costs, devices, options
 
 

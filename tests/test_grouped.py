@@ -110,7 +110,7 @@ def _big_instance(n_nodes, per_node, nb, seed=0):
 def test_sixty_four_gpus_four_types():
     costs, devices = _big_instance(8, 8, 40)
     options = SolverOptions(global_batch_size=256, max_stages=4, num_microbatches=(4, 8),
-                            time_limit_s=3.0, num_workers=2, seed=0)
+                            deterministic_time=1.0, seed=0)
     t0 = time.perf_counter()
     res = solve_grouped(costs, devices, options)
     wall = time.perf_counter() - t0
@@ -153,7 +153,7 @@ def test_identical_nodes_are_aggregated_at_scale():
     (1024 GPUs and the wall times: bench/planner_scaling.py.)"""
     costs, devices = _big_instance(32, 8, 24)
     options = SolverOptions(global_batch_size=256, max_stages=3, num_microbatches=(8,),
-                            time_limit_s=2.0, num_workers=2, seed=0)
+                            deterministic_time=1.0, seed=0)
     res = solve_grouped(costs, devices, options)
     assert {c["num_groups"] for c in res.candidates} == {4}
     ev = _eval(costs, devices, options, res)

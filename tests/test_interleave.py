@@ -138,7 +138,7 @@ def test_portfolio_interleaves_its_answer():
     costs, devices, options = _two_group_instance()
     import dataclasses
 
-    options = dataclasses.replace(options, time_limit_s=5.0)
+    options = dataclasses.replace(options, deterministic_time=2.0)
     res = solve_portfolio(costs, devices, options, solve_cpsat)
     assert res.interleave > 1 and res.status.endswith("+INTERLEAVED")
     assert evaluate_result(costs, devices, options, res).feasible

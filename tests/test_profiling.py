@@ -174,7 +174,7 @@ def test_planner_uses_profile_for_profiled_types(tmp_path):
                                                    "cross_entropy", "copy"))])
     path = prof.save(tmp_path / "cpu-test.json")
     model = zorse.compile(GPT(GPTConfig(n_layer=2, n_embd=32, block_size=T)), cluster=cluster,
-                          example_inputs=(ids, ids), global_batch_size=4, profiles=(str(path),), time_limit_s=2.0)
+                          example_inputs=(ids, ids), global_batch_size=4, profiles=(str(path),), solver_budget=2.0)
     assert model.plan.predicted_step_time_s > 0
 
 

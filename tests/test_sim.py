@@ -194,7 +194,7 @@ def test_agreement_with_objective():
     |deviation| <= 8.6%."""
     rows = []
     for seed in AGREEMENT_SEEDS:
-        costs, devices, options = random_instance(seed, time_limit_s=5.0)
+        costs, devices, options = random_instance(seed)
         try:
             res = solve_cpsat(costs, devices, options)
         except InfeasiblePlanError:
@@ -264,7 +264,7 @@ def test_agreement_with_objective_under_memory_policy():
     compute-only |deviation| <= 10.3% (seed 20)."""
     rows, n_sh, n_rc = [], 0, 0
     for seed in POLICY_SEEDS:
-        costs, devices, options = random_instance(seed, time_limit_s=5.0)
+        costs, devices, options = random_instance(seed)
         devices = dataclasses.replace(devices, memory_bytes=tuple(m // 2 for m in devices.memory_bytes))
         options = dataclasses.replace(options, sharding="auto", recompute="auto")
         try:

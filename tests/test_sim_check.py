@@ -15,7 +15,7 @@ from conftest import random_instance
 
 @pytest.mark.parametrize("seed", [0, 1, 2, 5])
 def test_check_of_solver_answers_matches_the_simulator(seed):
-    costs, devices, opts = random_instance(seed, time_limit_s=5.0)
+    costs, devices, opts = random_instance(seed)
     res = solve_cpsat(costs, devices, opts)
     check = check_result(costs, devices, opts, res)
     sim = simulate(costs, devices, opts, **res.decision_kwargs())
@@ -43,7 +43,7 @@ def test_a_memory_breach_is_refused_with_the_gpu_named():
 
 
 def test_a_slower_simulation_warns():
-    costs, devices, opts = random_instance(0, time_limit_s=5.0)
+    costs, devices, opts = random_instance(0)
     res = solve_cpsat(costs, devices, opts)
     assert check_result(costs, devices, opts, res).warnings == ()
     # The simulator is never more than 2x faster than the objective here, so

@@ -197,7 +197,7 @@ def test_sixteen_gpus_forty_blocks():
         act_bytes_per_sample=tuple(rng.randint(20, 60) * 1_000_000 for _ in range(nb)),
         cut_bytes_per_sample=(0, *([8_000_000] * (nb - 1)), 0))
     devices = make_devices(types, nodes, [mem[t] * GIB for t in types], [mbw[t] for t in types])
-    options = SolverOptions(global_batch_size=64, num_microbatches=(8,), max_stages=4, time_limit_s=3.0)
+    options = SolverOptions(global_batch_size=64, num_microbatches=(8,), max_stages=4, deterministic_time=1.0)
     res = solve_cpsat(costs, devices, options)  # wall time: bench/planner_scaling.py
     assert res.status in ("OPTIMAL", "FEASIBLE")
     ev = _eval(costs, devices, options, res)

@@ -156,7 +156,7 @@ def _tight_cluster():
     names = [f"n{g // 4}" for g in range(24)]
     devices = _devices(types, names, [40 * GIB if t == "A" else 16 * GIB for t in types],
                        [1.5e12 if t == "A" else 3e11 for t in types])
-    options = SolverOptions(global_batch_size=64, max_stages=6, max_microbatches=16, time_limit_s=2.0,
+    options = SolverOptions(global_batch_size=64, max_stages=6, max_microbatches=16, deterministic_time=1.0,
                             sharding="auto", recompute="auto")
     return costs, devices, options
 
@@ -283,7 +283,7 @@ def test_presolve_bug_does_not_hide_a_feasible_candidate():
     costs = BlockCosts(**{k: ({t: tuple(v) for t, v in val.items()} if isinstance(val, dict) else
                               tuple(val) if isinstance(val, list) else val) for k, val in raw.items()})
     devices = Cluster.from_yaml(Path(__file__).parents[1] / "examples" / "clusters" / "zorse_b.yaml").device_graph()
-    options = SolverOptions(global_batch_size=1024, max_stages=8, num_microbatches=(64,), time_limit_s=3.0,
+    options = SolverOptions(global_batch_size=1024, max_stages=8, num_microbatches=(64,), deterministic_time=1.0,
                             sharding="auto", recompute="auto")
     _, hints = stage_dp_search(costs, devices, options)
     hint = next(h for h in hints if h.num_stages == 7)

@@ -121,7 +121,9 @@ def compile(model: nn.Module | type | None = None, *, cluster, example_inputs, g
         global_batch_size: samples per optimizer step.
         label_mode: "same" (HF: labels = input_ids) or "shifted"; inferred.
         **options: fields of :class:`zorse_fx.planner.PlanOptions`
-            (max_stages, schedule, time_limit_s, memory_fraction, ...), e.g.
+            (max_stages, schedule, solver_budget: CP-SAT deterministic seconds
+            per candidate, time_limit_s: the wall-clock safety stop,
+            memory_fraction, ...), e.g.
             ``precision="auto" | "fp32" | "bf16-mixed" | "fp16-mixed"`` (auto:
             bf16-mixed where every GPU supports bfloat16, else fp16-mixed)
             and ``grad_reduce_dtype="float32" | "bfloat16"``.

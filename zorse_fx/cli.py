@@ -49,6 +49,7 @@ def cmd_plan(args) -> int:
     compiled = zorse.compile(
         model, cluster=args.cluster, example_inputs=(ids, ids), global_batch_size=args.global_batch_size,
         max_stages=args.max_stages, schedule=args.schedule, time_limit_s=args.time_limit, planner=args.planner,
+        solver_budget=args.solver_budget,
         max_interleave=args.max_interleave, precision=args.precision, grad_reduce_dtype=args.grad_reduce_dtype,
         verbose=True, model_name=args.model,
     )
@@ -218,7 +219,13 @@ def build_parser() -> argparse.ArgumentParser:
     pp.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b")
     pp.add_argument("--max-interleave", type=int, default=4,
                     help="most stages per GPU group (interleaved 1F1B) the planner tries; 1 = none")
-    pp.add_argument("--time-limit", type=float, default=10.0, help="CP-SAT seconds per candidate")
+    pp.add_argument("--solver-budget", type=float, default=5.0,
+                    help="CP-SAT work per (stages, micro-batches) candidate, in CP-SAT deterministic seconds "
+                         "(work units, about a second of one worker on an idle machine; the same plan on any "
+                         "machine load)")
+    pp.add_argument("--time-limit", type=float, default=100.0,
+                    help="wall-clock safety stop per CP-SAT solve, seconds; if it fires first the status says "
+                         "'(wall-clock safety stop)' and the plan may vary")
     pp.add_argument("--planner", default="auto", choices=("auto", "cpsat", "grouped", "stage_dp", "brute_force"),
                     help="auto: CP-SAT checked against the stage DP and the baselines; stage_dp: the DP alone (fast)")
     pp.add_argument("--precision", default="auto", choices=("auto", *PRECISIONS),

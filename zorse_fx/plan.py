@@ -184,7 +184,16 @@ class SolverReport:
     best_bound_s: float
     optimality_gap: float
     wall_s: float
+    #: The wall-clock safety stop of each CP-SAT solve, seconds
+    #: (``PlanOptions.time_limit_s``; 0 = not recorded).
     time_limit_s: float = 0.0
+    #: The deterministic budget of each CP-SAT solve, in CP-SAT deterministic
+    #: seconds (work units, not seconds; ``PlanOptions.solver_budget``); 0 = not
+    #: recorded (plans made before it existed, or by ``plan_fixed``).
+    solver_budget: float = 0.0
+    #: CP-SAT solves the wall-clock safety stop ended before their budget; > 0:
+    #: the plan may differ on another run (``status`` ends in "(wall-clock safety stop)").
+    wall_clock_stops: int = 0
     candidates: tuple[dict, ...] = ()
     #: The simulator's check of the answer (``sim.check_result``): step time
     #: (s), largest peak / usable memory over the GPUs, bubble fraction; 0 =
@@ -415,6 +424,8 @@ class Plan:
                 "optimality_gap": self.solver.optimality_gap,
                 "wall_s": self.solver.wall_s,
                 "time_limit_s": self.solver.time_limit_s,
+                "solver_budget": self.solver.solver_budget,
+                "wall_clock_stops": self.solver.wall_clock_stops,
                 "candidates": list(self.solver.candidates),
                 "simulated_step_time_s": self.solver.simulated_step_time_s,
                 "simulated_max_memory_fraction": self.solver.simulated_max_memory_fraction,

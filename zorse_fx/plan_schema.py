@@ -103,6 +103,9 @@ class SolverDoc(_Doc, kw_only=True):
     optimality_gap: float
     wall_s: Seconds
     time_limit_s: Seconds = 0.0
+    #: CP-SAT deterministic seconds per solve (0: not recorded, e.g. an older file).
+    solver_budget: Annotated[float, Meta(ge=0)] = 0.0
+    wall_clock_stops: Annotated[int, Meta(ge=0)] = 0
     candidates: list[dict[str, Any]] = []
     simulated_step_time_s: Seconds = 0.0
     simulated_max_memory_fraction: Annotated[float, Meta(ge=0)] = 0.0

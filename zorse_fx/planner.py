@@ -45,8 +45,16 @@ class PlanOptions:
     max_microbatches: int = 16
     #: Fraction of each GPU's memory a plan may fill.
     memory_fraction: float = 0.9
-    #: CP-SAT time limit per (stages, micro-batches) candidate, seconds.
-    time_limit_s: float = 10.0
+    #: CP-SAT's work budget per (stages, micro-batches) candidate, in CP-SAT
+    #: deterministic seconds (``max_deterministic_time``: work units, about a
+    #: second of one worker on an idle machine, the same under any load), so
+    #: the same inputs give the same plan ([Note: reproducible plans] in
+    #: ``solve/_search.py``). ``SolverOptions.deterministic_time``.
+    solver_budget: float = 5.0
+    #: Wall-clock safety stop per CP-SAT solve, seconds: when it fires before
+    #: the budget is spent the status says "(wall-clock safety stop)", a warning
+    #: says the plan may vary, and raising it (or lowering ``solver_budget``) fixes that.
+    time_limit_s: float = 100.0
     #: "auto" (per-GPU CP-SAT up to 16 GPUs, class-level CP-SAT beyond),
     #: "cpsat", "grouped" (each checked against the heuristics, which also
     #: warm-start it), "stage_dp" (only the memory-first stage DP: seconds at
@@ -82,6 +90,12 @@ class PlanOptions:
     max_interleave: int = 4
 
     def __post_init__(self) -> None:
+        if not self.solver_budget > 0:
+            raise PlanOptionsError(f"PlanOptions.solver_budget={self.solver_budget!r}: use a number > 0 (CP-SAT "
+                                   f"deterministic seconds per candidate, e.g. 5; zorse plan --solver-budget)")
+        if not self.time_limit_s > 0:
+            raise PlanOptionsError(f"PlanOptions.time_limit_s={self.time_limit_s!r}: use a number of seconds > 0 "
+                                   f"(the wall-clock safety stop per CP-SAT solve, e.g. 100; zorse plan --time-limit)")
         if self.precision not in ("auto", *PRECISIONS):
             raise PlanOptionsError(f"PlanOptions.precision={self.precision!r}: use 'auto' or one of "
                                    f"{', '.join(map(repr, PRECISIONS))}")
@@ -180,6 +194,13 @@ def plan_captured(
                                   f"{next(c['violations'] for c in result.candidates if c.get('chosen'))}")
     say(f"solved: {result.num_stages} stages, {result.num_microbatches} micro-batches, "
         f"status {result.status}, gap {result.optimality_gap:.2%}, {result.wall_s:.2f} s")
+    if result.wall_clock_stops:  # [Note: reproducible plans]
+        msg = (f"the wall-clock safety stop (time_limit_s={options.time_limit_s:g} s) ended "
+               f"{result.wall_clock_stops} CP-SAT solve(s) before their budget (solver_budget="
+               f"{options.solver_budget:g} deterministic s): this plan may differ on another run or machine; "
+               f"raise time_limit_s (zorse plan --time-limit) or lower solver_budget (--solver-budget)")
+        log.warning(msg)
+        say(f"warning: {msg}")
     from .sim.check import check_result
 
     check = check_result(costs, devices, sopts, result)  # raises PlanCheckError on a memory breach
@@ -267,6 +288,7 @@ def _solver_options(options: PlanOptions, **overrides) -> SolverOptions:
         schedule=options.schedule,
         memory_fraction=options.memory_fraction,
         time_limit_s=options.time_limit_s,
+        deterministic_time=options.solver_budget,
         allow_idle_gpus=options.allow_idle_gpus,
         sharding=options.sharding,
         recompute=options.recompute,
@@ -353,6 +375,8 @@ def build_plan(
             optimality_gap=result.optimality_gap,
             wall_s=result.wall_s,
             time_limit_s=options.time_limit_s,
+            solver_budget=options.solver_budget,
+            wall_clock_stops=result.wall_clock_stops,
             candidates=tuple(result.candidates),
             **({} if check is None else dict(
                 simulated_step_time_s=check.simulated_step_time_s,

@@ -48,15 +48,40 @@ hinted candidate completes its hint (``complete_hint``) in the same child,
 so a candidate costs one fork: ~20 ms with torch loaded (copy-on-write page
 tables; measured on the 2-core CPU machine). Set ``ZORSE_SOLVE_IN_PROCESS=1``
 to solve in-process (e.g. under a debugger).
+
+[Note: reproducible plans]
+The same inputs give the same plan, status and predicted step time on any
+machine and under any load (issue 13: a wall-clock limit with several
+workers made them depend on load). Every solve (each candidate, each hint
+completion) stops on CP-SAT's *deterministic* time,
+``max_deterministic_time = SolverOptions.deterministic_time`` (work units
+CP-SAT counts, "as close as possible to a second" of one worker, but the
+same on a loaded machine), with a fixed ``random_seed``. Several workers stay
+deterministic with ``interleave_search``: sat_parameters.proto (OR-Tools
+9.15, field 136): "If this is true, then we interleave all our major search
+strategy and distribute the work amongst num_workers. The search is
+deterministic (independently of num_workers!), and we schedule and wait for
+interleave_batch_size task to be completed before synchronizing" (with one
+worker the search is sequential, deterministic anyway). The wall-clock
+limit (``max_time_in_seconds = SolverOptions.time_limit_s``) is only a
+safety stop: a solve it ends before the deterministic budget is spent
+(``deterministic_time`` of CP-SAT's response below the budget, without a
+proof) is recorded as ``"wall_clock_stop": True`` in its candidate, counted in
+``SolverResult.wall_clock_stops``, marked in the status (``SAFETY_STOP``) and
+warned about, since that answer may differ on another run. The candidates
+are tried in a fixed order and the best is chosen by objective, ties to the
+first: nothing else depends on wall time (``wall_s`` is only reported).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import pickle
 import signal
 import time
+import warnings
 from dataclasses import dataclass
 
 from ortools.sat.python import cp_model
@@ -64,7 +89,7 @@ from ortools.sat.python import cp_model
 from ..errors import InfeasiblePlanError
 from .bounds import explain_infeasible, throughput_lower_bound
 from .objective import UNIT_S, evaluate
-from .records import BlockCosts, DeviceGraph, SolverOptions, SolverResult
+from .records import BlockCosts, DeviceGraph, SolverOptions, SolverResult, with_safety_stop
 
 __all__ = ["CandidateSearch", "SolverCrash", "run_isolated"]
 
@@ -137,22 +162,40 @@ class _Answer:
     decision: object = None
     #: The partial hint was completed first (``complete_hint``).
     hint_completed: bool = False
+    #: CP-SAT's deterministic time of the solve (its work units, not seconds).
+    deterministic_time: float = 0.0
+    #: The wall-clock safety stop ended this solve or its hint completion
+    #: before the deterministic budget ([Note: reproducible plans]).
+    wall_clock_stop: bool = False
+
+
+def wall_clock_stopped(solver: cp_model.CpSolver, code: int) -> bool:
+    """Whether ``solver``'s last solve (status ``code``) was ended by its wall-clock
+    limit rather than its deterministic budget: no proof (neither OPTIMAL nor
+    INFEASIBLE) and less deterministic time spent than ``max_deterministic_time``
+    ([Note: reproducible plans])."""
+    if code in (cp_model.OPTIMAL, cp_model.INFEASIBLE, cp_model.MODEL_INVALID):
+        return False
+    return solver.ResponseProto().deterministic_time < solver.parameters.max_deterministic_time
 
 
 def _solve(model, solver: cp_model.CpSolver, completer: cp_model.CpSolver | None = None) -> _Answer:
     """Solve ``model`` (after completing its hint with ``completer``, if given) and
     read the answer off the solver. Runs in the forked child: one fork per try."""
-    completed = complete_hint(model.m, completer) if completer is not None else False
+    completed, stopped = complete_hint(model.m, completer) if completer is not None else (False, False)
     code = solver.Solve(model.m)
+    stopped = stopped or wall_clock_stopped(solver, code)
+    dtime = solver.ResponseProto().deterministic_time
     if code in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         # The objective at the returned solution (OR-Tools 9.15's ObjectiveValue() can
-        # differ from it by a few ms on time-limited FEASIBLE answers).
+        # differ from it by a few ms on budget-limited FEASIBLE answers).
         return _Answer(code, solver.StatusName(code), solver.BestObjectiveBound(), int(solver.Value(model.objective)),
-                       model.decision(solver), completed)
-    return _Answer(code, solver.StatusName(code), solver.BestObjectiveBound(), hint_completed=completed)
+                       model.decision(solver), completed, dtime, stopped)
+    return _Answer(code, solver.StatusName(code), solver.BestObjectiveBound(), hint_completed=completed,
+                   deterministic_time=dtime, wall_clock_stop=stopped)
 
 
-def complete_hint(m: cp_model.CpModel, solver: cp_model.CpSolver) -> bool:
+def complete_hint(m: cp_model.CpModel, solver: cp_model.CpSolver) -> tuple[bool, bool]:
     """Extend ``m``'s partial solution hint to every variable, in place.
 
     The models hint only the decisions (cuts, GPUs per stage, samples, shards,
@@ -162,35 +205,59 @@ def complete_hint(m: cp_model.CpModel, solver: cp_model.CpSolver) -> bool:
     with the stage DP's plan hinted). So the hinted variables are fixed on a
     copy, the copy is solved for a feasible point (propagation does nearly
     all of it), and its values become a complete hint, which CP-SAT checks
-    and keeps as its first incumbent. Returns False (hint left as it was)
-    when the copy finds nothing, e.g. a hint the model cannot express. Runs in
-    this process: ``CandidateSearch`` calls it inside the forked child of the
-    candidate's solve ([Note: isolated solves])."""
+    and keeps as its first incumbent. The copy gets at most
+    ``HINT_COMPLETION_DTIME`` deterministic seconds (and ``solver``'s wall-clock
+    safety stop), so whether a hint is completed does not depend on load.
+    Returns (completed, wall_clock_stop): completed False (hint left as it
+    was) when the copy finds nothing, e.g. a hint the model cannot express;
+    wall_clock_stop True when the safety stop ended the copy's solve first.
+    Runs in this process: ``CandidateSearch`` calls it inside the forked child
+    of the candidate's solve ([Note: isolated solves])."""
     proto = m.Proto()
     hinted = list(zip(proto.solution_hint.vars, proto.solution_hint.values))
     if not hinted:
-        return False
+        return False, False
     fixed = m.Clone()
     fixed.ClearHints()
     fixed.ClearObjective()
     for v, val in hinted:
         fixed.Add(fixed.GetIntVarFromProtoIndex(v) == val)
-    solver.parameters.max_time_in_seconds = min(solver.parameters.max_time_in_seconds, HINT_COMPLETION_S)
+    solver.parameters.max_deterministic_time = min(solver.parameters.max_deterministic_time, HINT_COMPLETION_DTIME)
     code = solver.Solve(fixed)
+    stopped = wall_clock_stopped(solver, code)
     if code == cp_model.INFEASIBLE:  # [Note: presolve bug]
         solver.parameters.cp_model_presolve = False
         code = solver.Solve(fixed)
+        stopped = wall_clock_stopped(solver, code)
     if code not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        return False
+        return False, stopped
     vals = [solver.Value(fixed.GetIntVarFromProtoIndex(v)) for v in range(len(proto.variables))]
     m.ClearHints()
     for v, val in enumerate(vals):
         m.AddHint(m.GetIntVarFromProtoIndex(v), val)
-    return True
+    # A feasible point found before the safety stop is as good a hint as any other.
+    return True, False
 
 
-#: Seconds at most to complete a hint (``complete_hint``).
-HINT_COMPLETION_S = 2.0
+#: CP-SAT deterministic seconds (work units, not seconds) at most to complete a
+#: hint (``complete_hint``); it was 2 wall-clock seconds before issue 13.
+HINT_COMPLETION_DTIME = 2.0
+
+
+#: One worker, a model with fewer variables than ``SMALL_MODEL_VARS``: CP-SAT's
+#: ``linearization_level`` ``SMALL_MODEL_LINEARIZATION`` instead of its default 1.
+#: At level 1 the sequential search can raise the objective bound one unit (1 ns)
+#: per step for seconds of LP work that count almost no deterministic time
+#: (random_instance(7) of tests/conftest.py, sharding "always", 1 stage: 0.03
+#: deterministic s in 10 s), a budget that does not bound the work. At level 2
+#: (the "max_lp" worker's) every candidate of tests/test_solver.py's memory-policy
+#: family (at most 338 variables) was proven optimal, the slowest in 1.3 s; at
+#: level 1 three, at level 0 two, ran into a 3 s wall-clock limit. On large models
+#: level 2's LP is the cost: the 64-GPU instance of tests/test_grouped.py (2641
+#: variables at 3 stages), 3 deterministic s per candidate: step 1.196 s in 206 s
+#: at level 2, 1.058 s in 47 s at level 1 (2 shared cores, loaded).
+SMALL_MODEL_VARS = 1000
+SMALL_MODEL_LINEARIZATION = 2
 
 
 class CandidateSearch:
@@ -203,6 +270,7 @@ class CandidateSearch:
         self.bounds: list[int] = []
         self.best = None  # (objective units, microbatches, decision, Evaluation)
         self.all_optimal = True
+        self.wall_clock_stops = 0
         self._tlb: dict[int, int] = {}
 
     def _throughput_bound(self, model, m: int) -> int:
@@ -214,12 +282,31 @@ class CandidateSearch:
         return self._tlb[m]
 
     def _solver(self) -> cp_model.CpSolver:
+        """A CP-SAT solver with a deterministic budget ([Note: reproducible plans])."""
         opts = self.options
         solver = cp_model.CpSolver()
-        solver.parameters.max_time_in_seconds = opts.time_limit_s
-        solver.parameters.num_workers = opts.num_workers
-        solver.parameters.random_seed = opts.seed
+        p = solver.parameters
+        p.max_deterministic_time = opts.deterministic_time
+        p.max_time_in_seconds = opts.time_limit_s  # safety stop only
+        p.num_workers = opts.num_workers
+        # sat_parameters.proto: with interleave_search "the search is deterministic
+        # (independently of num_workers!)"; without it, workers race on wall time.
+        p.interleave_search = opts.num_workers > 1
+        if opts.num_workers > 1:
+            # OR-Tools 9.15 under interleave_search: the "core" subsolver's task runs on
+            # after the problem is solved, until the wall-clock limit, its deterministic
+            # time growing with it (tests/test_isolated_solve.py's instance: OPTIMAL at
+            # 0.02 s, returned at the limit): load-dependent and slow, so it is left out.
+            p.ignore_subsolvers.append("core")
+        p.random_seed = opts.seed
         return solver
+
+    def _tune(self, solver: cp_model.CpSolver, model) -> None:
+        """Per-model settings that depend only on the model (so stay deterministic):
+        ``SMALL_MODEL_LINEARIZATION`` for one worker on a model with fewer than
+        ``SMALL_MODEL_VARS`` variables."""
+        if self.options.num_workers == 1 and len(model.m.Proto().variables) < SMALL_MODEL_VARS:
+            solver.parameters.linearization_level = SMALL_MODEL_LINEARIZATION
 
     def _solve_robustly(self, model, *, presolve: bool) -> tuple[_Answer | None, list[str]]:
         """Solve ``model`` in a forked child ([Note: isolated solves]), a hinted
@@ -233,6 +320,7 @@ class CandidateSearch:
             if k == 1 and had_hint:
                 model.m.ClearHints()
             solver = self._solver()
+            self._tune(solver, model)
             solver.parameters.cp_model_presolve = pre
             completer = self._solver() if k == 0 and had_hint else None
             try:
@@ -261,6 +349,11 @@ class CandidateSearch:
             rec["presolve_retry"] = True
         if attempts:
             rec["crashes"] = attempts
+        if ans is not None:
+            rec["deterministic_time"] = round(ans.deterministic_time, 6)
+        if ans is not None and ans.wall_clock_stop:
+            rec["wall_clock_stop"] = True
+            self.wall_clock_stops += 1
         if code in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             obj = ans.objective
             tlb = self._throughput_bound(model, m)
@@ -283,7 +376,7 @@ class CandidateSearch:
                 self.best = (obj, m, dec, ev)
         elif code == cp_model.MODEL_INVALID:
             raise AssertionError(f"invalid CP-SAT model for S={num_stages}, M={m}: {model.m.Validate()}")
-        elif code != cp_model.INFEASIBLE:  # UNKNOWN (time limit without a solution) or CRASHED
+        elif code != cp_model.INFEASIBLE:  # UNKNOWN (budget or safety stop without a solution) or CRASHED
             self.all_optimal = False
             lb = ans.bound if ans is not None else 0.0
             self.bounds.append(max(int(lb) if math.isfinite(lb) else 0, self._throughput_bound(model, m)))
@@ -293,11 +386,20 @@ class CandidateSearch:
 
     def result(self) -> SolverResult:
         """The best candidate; raises InfeasiblePlanError naming the binding constraint."""
+        stops = self.wall_clock_stops
+        if stops:
+            warnings.warn(
+                f"{self.label}: the wall-clock safety stop (time_limit_s={self.options.time_limit_s:g} s) ended "
+                f"{stops} of {len(self.cands)} CP-SAT solves before their deterministic budget "
+                f"(deterministic_time={self.options.deterministic_time:g}): the plan may differ on another run "
+                f"or machine; raise time_limit_s (zorse plan --time-limit) or lower the budget "
+                f"(--solver-budget)", RuntimeWarning, stacklevel=3)
         if self.best is None:
             raise InfeasiblePlanError(explain_infeasible(self.costs, self.devices, self.options, self.cands))
         obj, m, (blocks, gpus, samples, _), ev = self.best
         assert ev.objective_units == obj
-        return SolverResult.from_evaluation(
+        return dataclasses.replace(SolverResult.from_evaluation(
             ev, stage_blocks=blocks, stage_gpus=gpus, samples_per_microbatch=samples, num_microbatches=m,
-            options=self.options, status="OPTIMAL" if self.all_optimal else "FEASIBLE",
-            best_bound=min(self.bounds) * UNIT_S, wall_s=time.perf_counter() - self.t0, candidates=tuple(self.cands))
+            options=self.options, status=with_safety_stop("OPTIMAL" if self.all_optimal else "FEASIBLE", stops),
+            best_bound=min(self.bounds) * UNIT_S, wall_s=time.perf_counter() - self.t0, candidates=tuple(self.cands)),
+            wall_clock_stops=stops)

@@ -78,8 +78,9 @@ def explain_infeasible(costs: BlockCosts, devices: DeviceGraph, options: SolverO
     if k_max < options.max_stages:
         k_txt += f" (max_stages={options.max_stages}, {n_g} GPUs, {costs.num_blocks} blocks)"
     unknown = [(c["num_stages"], c["num_microbatches"]) for c in candidates if c.get("status") == "UNKNOWN"]
-    note = (f"; (S, M) = {unknown} hit time_limit_s={options.time_limit_s:g} without a solution: "
-            f"raise time_limit_s" if unknown else "")
+    note = (f"; (S, M) = {unknown} found no solution within deterministic_time="
+            f"{options.deterministic_time:g} (CP-SAT deterministic seconds; zorse plan --solver-budget) or the "
+            f"wall-clock safety stop time_limit_s={options.time_limit_s:g} s: raise the budget" if unknown else "")
     crashed = [(c["num_stages"], c["num_microbatches"]) for c in candidates if c.get("status") == "CRASHED"]
     if crashed:
         note += (f"; (S, M) = {crashed}: OR-Tools crashed on every try (google/or-tools#5288; "

@@ -39,7 +39,7 @@ import time
 
 from .objective import (MemoryPolicy, StageUnits, UNIT_S, build_tables, evaluate, evaluate_units, fill_policy,
                         microbatch_candidates)
-from .records import BlockCosts, DeviceGraph, SolverOptions, SolverResult
+from .records import BlockCosts, DeviceGraph, SolverOptions, SolverResult, with_safety_stop
 
 __all__ = ["interleave_search", "with_interleaving", "rescale_shares"]
 
@@ -206,7 +206,8 @@ def interleave_search(costs: BlockCosts, devices: DeviceGraph, options: SolverOp
     if not ev.feasible:  # cannot happen: the search scored the same model
         raise AssertionError(f"interleave search returned an infeasible plan: {ev.violations}")
     res = SolverResult.from_evaluation(ev, stage_blocks=blocks, stage_gpus=stage_gpus, samples_per_microbatch=samples,
-                                       num_microbatches=m, options=options, status=f"{base.status}+INTERLEAVED",
+                                       num_microbatches=m, options=options, status=with_safety_stop(
+                                           f"{with_safety_stop(base.status, 0)}+INTERLEAVED", base.wall_clock_stops),
                                        best_bound=base.best_bound)
     return res, tuple(tried)
 
@@ -255,5 +256,5 @@ def with_interleaving(costs: BlockCosts, devices: DeviceGraph, options: SolverOp
     bound = min(base.best_bound, _throughput_bound_s(costs, devices, options))
     step = res.predicted_step_time_s
     return dataclasses.replace(res, best_bound=bound, optimality_gap=(step - bound) / step if step > 0 else 0.0,
-                               candidates=tuple(base.candidates) + records,
+                               candidates=tuple(base.candidates) + records, wall_clock_stops=base.wall_clock_stops,
                                wall_s=base.wall_s + time.perf_counter() - t0)

@@ -23,7 +23,7 @@ import inspect
 import time
 
 from ..errors import InfeasiblePlanError
-from .records import BlockCosts, DeviceGraph, SolverOptions, SolverResult
+from .records import BlockCosts, DeviceGraph, SolverOptions, SolverResult, with_safety_stop
 
 __all__ = ["solve_portfolio", "LARGE_CLUSTER_GPUS", "CHEAP_BASELINES"]
 
@@ -69,6 +69,7 @@ def solve_portfolio(costs: BlockCosts, devices: DeviceGraph, options: SolverOpti
         tried.append({"source": name, "step_time_s": ev.step_time_s, "feasible": ev.feasible})
         if ev.feasible:
             found.append((ev.step_time_s, name, res))
+    # By step time, ties in the fixed order of ``sources`` (a stable sort): never by wall time.
     found.sort(key=lambda f: f[0])
     # Every (S, M) the stage DP reached gets its plan as a hint; the first hint of an
     # (S, M) is used, so the list is sorted by step time.
@@ -88,9 +89,10 @@ def solve_portfolio(costs: BlockCosts, devices: DeviceGraph, options: SolverOpti
         bound = best.best_bound if best is not None else _throughput_bound_s(costs, devices, options)
         # Keep CP-SAT's per-candidate records (statuses, bounds) after the heuristic's.
         searched = tuple(best.candidates) if best is not None else ()
+        stops = best.wall_clock_stops if best is not None else 0
         best = dataclasses.replace(
-            res, status="STAGE_DP" if name == "stage_dp" else f"BASELINE:{name}", best_bound=bound,
-            optimality_gap=(step - bound) / step if step > 0 else 0.0,
+            res, status=with_safety_stop("STAGE_DP" if name == "stage_dp" else f"BASELINE:{name}", stops),
+            best_bound=bound, wall_clock_stops=stops, optimality_gap=(step - bound) / step if step > 0 else 0.0,
             candidates=tuple(res.candidates) + searched)
     if best is None:
         raise error

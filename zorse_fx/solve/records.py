@@ -12,7 +12,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["BlockCosts", "DeviceGraph", "SolverOptions", "SolverResult", "MEMORY_MODES"]
+__all__ = ["BlockCosts", "DeviceGraph", "SolverOptions", "SolverResult", "MEMORY_MODES", "SAFETY_STOP",
+           "with_safety_stop"]
+
+#: Appended to a result's status when the wall-clock safety stop cut a CP-SAT
+#: solve short ([Note: reproducible plans] in ``solve/_search.py``).
+SAFETY_STOP = " (wall-clock safety stop)"
+
+
+def with_safety_stop(status: str, wall_clock_stops: int) -> str:
+    """``status`` without ``SAFETY_STOP``, then with it again at the end when
+    ``wall_clock_stops`` > 0 (so "+INTERLEAVED" and the portfolio's names go before it)."""
+    base = status.replace(SAFETY_STOP, "")
+    return base + SAFETY_STOP if wall_clock_stops else base
 
 #: Values of ``SolverOptions.sharding`` / ``SolverOptions.recompute``.
 MEMORY_MODES = ("never", "auto", "always")
@@ -164,13 +176,27 @@ class SolverOptions:
     #: Fraction of each GPU's memory the plan may use (rest: allocator, CUDA
     #: context, fragmentation).
     memory_fraction: float = 0.9
-    #: Wall-clock limit of each CP-SAT solve, seconds.
-    time_limit_s: float = 10.0
-    #: CP-SAT worker threads.
-    num_workers: int = 2
+    #: Work budget of each CP-SAT solve (one (stages, micro-batches) candidate),
+    #: in CP-SAT *deterministic seconds* (``max_deterministic_time``): work
+    #: units counted by the solver, roughly one second of one worker on an idle
+    #: machine but independent of the machine's load, so the same inputs give
+    #: the same plan ([Note: reproducible plans] in ``solve/_search.py``).
+    deterministic_time: float = 5.0
+    #: Wall-clock safety stop of each CP-SAT solve, seconds. Only a safety
+    #: stop: when it fires before ``deterministic_time`` is spent, the answer
+    #: depends on the machine's load, the status says "(wall-clock safety
+    #: stop)" and a warning says so; raise it (or lower ``deterministic_time``).
+    time_limit_s: float = 100.0
+    #: CP-SAT worker threads. 1 (default): CP-SAT's sequential search,
+    #: deterministic. More: the workers interleave (``interleave_search``, which
+    #: keeps the search deterministic; "core" left out), which OR-Tools 9.15
+    #: marks experimental and which did worse per deterministic second on the
+    #: 64-GPU instance of tests/test_grouped.py (step 1.18 s vs 1.06 s at 3
+    #: deterministic s per candidate; [Note: reproducible plans]).
+    num_workers: int = 1
     #: Allow GPUs to stay unused when that is faster.
     allow_idle_gpus: bool = True
-    #: Random seed for CP-SAT (reproducible plans).
+    #: Random seed for CP-SAT (``random_seed``; reproducible plans).
     seed: int = 0
     #: ZeRO-1 optimizer-state sharding per stage: "never", "auto" (the planner
     #: decides per stage; it costs an all-gather of the weights after the
@@ -185,6 +211,14 @@ class SolverOptions:
     max_interleave: int = 4
 
     def __post_init__(self) -> None:
+        if not self.deterministic_time > 0:
+            raise ValueError(f"SolverOptions.deterministic_time={self.deterministic_time!r}: use a number > 0 "
+                             f"(CP-SAT deterministic seconds per candidate, e.g. 10)")
+        if not self.time_limit_s > 0:
+            raise ValueError(f"SolverOptions.time_limit_s={self.time_limit_s!r}: use a number of seconds > 0 "
+                             f"(the wall-clock safety stop of each CP-SAT solve, e.g. 100)")
+        if not isinstance(self.num_workers, int) or self.num_workers < 1:
+            raise ValueError(f"SolverOptions.num_workers={self.num_workers!r}: use an int >= 1")
         if not isinstance(self.max_interleave, int) or self.max_interleave < 1:
             raise ValueError(f"SolverOptions.max_interleave={self.max_interleave!r}: use an int >= 1 "
                              f"(1 = no interleaving)")
@@ -224,12 +258,18 @@ class SolverResult:
     #: Interleave degree v: the stages run on ``num_stages / v`` GPU groups,
     #: stage s on the GPUs of stage s mod (num_stages / v) (listed again).
     interleave: int = 1
-    #: "OPTIMAL", "FEASIBLE", "BRUTE_FORCE", ... and the gap (0 = proven optimal).
+    #: "OPTIMAL", "FEASIBLE", "BRUTE_FORCE", ... and the gap (0 = proven optimal);
+    #: ends in ``SAFETY_STOP`` when ``wall_clock_stops`` > 0.
     status: str = "UNKNOWN"
     objective: float = 0.0
     best_bound: float = 0.0
     optimality_gap: float = 0.0
     wall_s: float = 0.0
+    #: CP-SAT solves the wall-clock safety stop (``SolverOptions.time_limit_s``)
+    #: cut short before their deterministic budget: when > 0 the decision may
+    #: differ on another run or machine, and ``status`` ends in
+    #: " (wall-clock safety stop)".
+    wall_clock_stops: int = 0
     #: Every (num_stages, num_microbatches) candidate tried and its result.
     candidates: tuple[dict, ...] = field(default_factory=tuple)
 

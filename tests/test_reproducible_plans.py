@@ -1,0 +1,141 @@
+"""The same inputs give the same plan, status and predicted step time on any
+machine load ([Note: reproducible plans] in zorse_fx/solve/_search.py): CP-SAT
+stops on its deterministic budget; the wall-clock limit is a safety stop that
+is reported when it fires. No test here measures or asserts a duration."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import warnings
+
+import pytest
+
+from zorse_fx.errors import InfeasiblePlanError, PlanOptionsError
+from zorse_fx.solve.cpsat import solve_cpsat
+from zorse_fx.solve.grouped import solve_grouped
+from zorse_fx.solve.portfolio import solve_portfolio
+from zorse_fx.solve.records import SAFETY_STOP, SolverOptions
+
+from conftest import random_instance
+from test_grouped import _big_instance
+
+
+def _budget_bound_instance():
+    """16 GPUs of 4 types, 24 blocks, a budget far too small to prove optimality:
+    the search stops on its deterministic budget (status FEASIBLE), the case where
+    a wall-clock limit made the answer depend on the machine's load."""
+    costs, devices = _big_instance(2, 8, 24)
+    options = SolverOptions(global_batch_size=64, max_stages=3, num_microbatches=(8,), deterministic_time=0.2,
+                            max_interleave=1, seed=0)
+    return costs, devices, options
+
+
+def _without_wall_times(x):
+    if isinstance(x, dict):
+        return {k: _without_wall_times(v) for k, v in x.items() if k != "wall_s"}
+    if isinstance(x, (list, tuple)):
+        return [_without_wall_times(v) for v in x]
+    return x
+
+
+def _fingerprint(res) -> dict:
+    """Everything a SolverResult decides and reports, except its wall times."""
+    return dict(stage_blocks=res.stage_blocks, stage_gpus=res.stage_gpus,
+                samples_per_microbatch=res.samples_per_microbatch, num_microbatches=res.num_microbatches,
+                stage_sharded=res.stage_sharded, state_shard_bytes=res.state_shard_bytes,
+                stage_recompute=res.stage_recompute, interleave=res.interleave, status=res.status,
+                objective=res.objective, best_bound=res.best_bound, step=res.predicted_step_time_s,
+                wall_clock_stops=res.wall_clock_stops, candidates=_without_wall_times(res.candidates))
+
+
+def _solve_budget_bound():
+    costs, devices, options = _budget_bound_instance()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a safety stop would warn: none may fire here
+        return _fingerprint(solve_grouped(costs, devices, options))
+
+
+def test_the_same_instance_solved_twice_gives_the_same_plan():
+    first, second = _solve_budget_bound(), _solve_budget_bound()
+    assert first == second
+    # The budget, not a proof, ended the search: the case a wall-clock limit made vary.
+    assert first["status"] == "FEASIBLE" and first["wall_clock_stops"] == 0
+    solved = [c for c in first["candidates"] if "num_stages" in c]
+    assert any(c["status"] == "FEASIBLE" and c["deterministic_time"] >= 0.2 for c in solved), solved
+
+
+def test_the_portfolio_with_completed_hints_is_reproducible():
+    """Hint completion runs under a deterministic budget too (HINT_COMPLETION_DTIME)."""
+    costs, devices, options = random_instance(4)
+    runs = [_fingerprint(solve_portfolio(costs, devices, options, solve_cpsat)) for _ in range(2)]
+    assert runs[0] == runs[1]
+    assert any(c.get("hint_completed") for c in runs[0]["candidates"])
+
+
+def test_a_loaded_machine_gives_the_same_plan():
+    """Two busy-loop processes compete for the CPUs while the same instance is
+    solved again: the answer is the one of the unloaded run."""
+    quiet = _solve_budget_bound()
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        loaded = _solve_budget_bound()
+    finally:
+        for p in hogs:
+            p.kill()
+        for p in hogs:
+            p.wait()
+    assert loaded == quiet
+
+
+def test_the_wall_clock_safety_stop_is_reported_and_warned_about():
+    """A budget no machine spends in 0.2 s on the 64-GPU instance: the safety stop
+    ends its candidates, their records say so, the status ends in SAFETY_STOP and a
+    RuntimeWarning tells the user that the plan may vary."""
+    costs, devices = _big_instance(8, 8, 40)
+    options = SolverOptions(global_batch_size=256, max_stages=3, num_microbatches=(8,), deterministic_time=1e6,
+                            time_limit_s=0.2, seed=0)
+    with pytest.warns(RuntimeWarning, match=r"wall-clock safety stop \(time_limit_s=0.2 s\).*may differ"):
+        try:
+            res = solve_grouped(costs, devices, options)
+        except InfeasiblePlanError as exc:  # a machine too slow to solve even 1 stage in 0.2 s
+            assert "wall-clock safety stop time_limit_s=0.2" in str(exc)
+            return
+    assert res.status.endswith(SAFETY_STOP) and res.wall_clock_stops >= 1
+    stopped = [c for c in res.candidates if c.get("wall_clock_stop")]
+    assert len(stopped) == res.wall_clock_stops
+    assert all(c["deterministic_time"] < 1e6 for c in stopped)
+
+
+def test_the_budget_options_are_checked_and_named():
+    with pytest.raises(ValueError, match=r"SolverOptions.deterministic_time=0"):
+        SolverOptions(global_batch_size=8, deterministic_time=0)
+    with pytest.raises(ValueError, match=r"SolverOptions.time_limit_s=-1"):
+        SolverOptions(global_batch_size=8, time_limit_s=-1)
+    from zorse_fx.planner import PlanOptions
+
+    with pytest.raises(PlanOptionsError, match=r"solver_budget=0.*--solver-budget"):
+        PlanOptions(global_batch_size=8, solver_budget=0)
+
+
+def test_zorse_compile_twice_writes_the_same_plan():
+    """End to end (capture, pricing, portfolio, interleaving, simulation): the
+    same model and cluster give the same plan.json, wall times aside, and it
+    records the budget and that the safety stop never fired."""
+    import torch
+
+    import zorse_fx as zorse
+    from conftest import CLUSTERS
+    from zorse_fx.models.gpt import GPT, GPTConfig
+
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    docs = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        model = zorse.compile(GPT(GPTConfig(n_layer=2, n_embd=32, block_size=16)),
+                              cluster=CLUSTERS / "small_hetero.yaml", example_inputs=(ids, ids),
+                              global_batch_size=8, solver_budget=1.0)
+        docs.append(_without_wall_times(model.plan.to_dict()))
+    assert docs[0] == docs[1]
+    sv = docs[0]["solver"]
+    assert (sv["solver_budget"], sv["wall_clock_stops"]) == (1.0, 0) and "safety stop" not in sv["status"]
