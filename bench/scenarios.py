@@ -39,9 +39,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 CLUSTERS = ROOT / "examples" / "clusters"
-#: Blocks per model (``capture.analyse``): a transformer layer has two minimal cuts (after
-#: the attention and after the MLP residual add), so up to 48 blocks keeps every other
-#: cut -- whole layers -- for models of up to 47 layers (32 gave 1.5-layer blocks).
+#: Blocks per model (``capture.analyse``): a transformer layer has two candidate cuts (after
+#: the attention and after the MLP residual add). Over 48 blocks, ``analyse`` keeps the layer
+#: boundaries first and thins the cuts inside layers (every k-th), so up to 47 layers stay
+#: whole (Llama-2 7B: all 32 boundaries plus every third mid-layer cut; 65B: every other boundary).
 MAX_BLOCKS = int(__import__("os").environ.get("ZORSE_BENCH_MAX_BLOCKS", "48"))
 
 
