@@ -347,30 +347,31 @@ def _candidate_cuts(cut_b: list[int | None]) -> list[int]:
     always candidates).
     """
     legal = [p for p, b in enumerate(cut_b) if p > 0 and b]
+    costs = [cut_b[p] for p in legal]
     out = []
     i = 0
     while i < len(legal):
         j = i
-        while j + 1 < len(legal) and legal[j + 1] == legal[j] + 1 and cut_b[legal[j + 1]] == cut_b[legal[i]]:
+        while j + 1 < len(legal) and legal[j + 1] == legal[j] + 1 and costs[j + 1] == costs[i]:
             j += 1
-        b = cut_b[legal[i]]
-        left = [cut_b[p] for p in reversed(legal[:i])]
-        right = [cut_b[p] for p in legal[j + 1 :]]
-        if (not left or left[0] >= b) and (not right or right[0] >= b) \
-                and min(_col(left, b), _col(right, b)) >= _PROMINENCE * b:
+        b = costs[i]
+        if (i == 0 or costs[i - 1] >= b) and (j + 1 == len(costs) or costs[j + 1] >= b) \
+                and min(_col(costs, i - 1, -1, b), _col(costs, j + 1, +1, b)) >= _PROMINENCE * b:
             out.append(legal[j])
         i = j + 1
     return out
 
 
-def _col(walk: list[int], b: int) -> float:
-    """Dearest cut in ``walk`` (bytes, walking away from a plateau of ``b``) before the first
-    one cheaper than ``b``; ``inf`` where none is cheaper."""
+def _col(costs: list[int], start: int, step: int, b: int) -> float:
+    """Dearest of ``costs`` (bytes of the legal cuts in order) walking from index ``start`` by
+    ``step`` before the first one cheaper than ``b``; ``inf`` where none is cheaper."""
     dearest = 0
-    for c in walk:
-        if c < b:
+    q = start
+    while 0 <= q < len(costs):
+        if costs[q] < b:
             return dearest
-        dearest = max(dearest, c)
+        dearest = max(dearest, costs[q])
+        q += step
     return float("inf")
 
 
