@@ -20,8 +20,8 @@ import scenarios  # noqa: E402
 
 #: name -> (exact count of this configuration, published count, source of the published count).
 PUBLISHED = {
-    # Zhang et al. 2022 ("OPT", arXiv 2205.01068) Table 1 names it 350M, a nominal size (5.4% above
-    # this count, outside 2%); the published checkpoint facebook/opt-350m (Hugging Face Hub; its
+    # Zhang et al. 2022 ("OPT", arXiv 2205.01068) Table 1 names it 350M, a nominal size (this count is 5.4% below it,
+    # outside 2%); the published checkpoint facebook/opt-350m (Hugging Face Hub; its
     # config.json is the shape here) holds 331M parameters, the figure checked.
     "opt-350m": (331_196_416, 331e6, "facebook/opt-350m checkpoint (331M); OPT paper Table 1 nominal 350M"),
     # Hugging Face model card openai-community/gpt2-medium: "the 355M parameter version of GPT-2".
