@@ -39,9 +39,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 CLUSTERS = ROOT / "examples" / "clusters"
-#: Blocks per model (``capture.analyse``): a transformer layer has two minimal cuts (after
-#: the attention and after the MLP residual add), so up to 48 blocks keeps every other
-#: cut -- whole layers -- for models of up to 47 layers (32 gave 1.5-layer blocks).
+#: Blocks per model (``capture.analyse``): a transformer layer has two candidate cuts (after
+#: the attention and after the MLP residual add). Over 48 blocks, ``analyse`` keeps the layer
+#: boundaries first and thins the cuts inside layers (every k-th), so up to 47 layers stay
+#: whole (Llama-2 7B: all 32 boundaries plus every third mid-layer cut; 65B: every other boundary).
 MAX_BLOCKS = int(__import__("os").environ.get("ZORSE_BENCH_MAX_BLOCKS", "48"))
 
 
@@ -95,30 +96,14 @@ def write_results(out_dir: str, stem: str, rows: list[dict], markdown: str) -> N
 
 
 def build_model(name: str) -> torch.nn.Module:
-    """The scenario's model on the meta device in float32 (transformers configs):
-    the runtime's float32 master weights, computing under autocast."""
-    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM
-
+    """The scenario's model (a key of ``zorse_fx.models.published.CONFIGS``: the
+    published configuration, one table shared with the tests) on the meta
+    device in float32, the runtime's float32 master weights computing under
+    autocast, wrapped as ``(input_ids, labels) -> loss``."""
     from zorse_fx.models.hf import CausalLMWithLoss
+    from zorse_fx.models.published import build
 
-    llama = {"llama2-7b": (4096, 11008, 32, 32), "llama2-13b": (5120, 13824, 40, 40), "llama-65b": (8192, 22016, 80, 64)}
-    with torch.device("meta"):
-        if name in llama:
-            h, f, n, heads = llama[name]
-            m = LlamaForCausalLM(LlamaConfig(vocab_size=32000, hidden_size=h, intermediate_size=f, num_hidden_layers=n,
-                                             num_attention_heads=heads, num_key_value_heads=heads,
-                                             max_position_embeddings=4096))
-        elif name == "gpt3-1.5b":  # Metis' GPT-3 1.5B-class: 10 layers, hidden 4096
-            m = GPT2LMHeadModel(GPT2Config(n_layer=10, n_embd=4096, n_head=32, n_positions=1024,
-                                           resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
-        elif name == "gpt2-medium":
-            m = GPT2LMHeadModel(GPT2Config(n_layer=24, n_embd=1024, n_head=16, n_positions=1024,
-                                           resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
-        elif name == "opt-350m":
-            m = OPTForCausalLM(OPTConfig(dropout=0.0, attention_dropout=0.0))
-        else:
-            raise ValueError(f"unknown scenario model {name!r}")
-    return CausalLMWithLoss(m)
+    return CausalLMWithLoss(build(name, device="meta"))
 
 
 def scenario_precision(cluster):

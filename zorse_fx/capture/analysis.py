@@ -22,10 +22,20 @@ recompute from the inputs every stage already has.
 A cut between act node ``i-1`` and ``i`` sends every act value defined before
 the cut and used after it. A cut is *legal* if every crossing value is a tensor
 with the batch in dim 0 (so it can be re-partitioned by sample range, see
-``runtime``). Candidate cuts are the legal cuts whose bytes per sample are
-minimal (the residual stream between transformer sub-layers); of a run of
-consecutive candidates (a chain of elementwise ops) the last is kept. The
-segments between kept cuts are the *blocks*.
+``runtime``); its price is the bytes per sample that cross (``cut_tensors``,
+summed into ``BlockCosts.cut_bytes_per_sample`` by ``cost.roofline``), which the
+planner charges on the link between the two stages. Candidate cuts are the
+local minima of that bytes profile over the legal cuts: a run of equal-bytes
+cuts (a chain of elementwise ops; its last cut stands for it) whose neighbours
+carry more, and from which reaching a cheaper cut on either side means crossing
+one at least ``_PROMINENCE`` (2) times as dear. So the residual stream between
+every pair of transformer sub-layers is a candidate even where the model has a
+narrower bottleneck elsewhere (OPT-350M's 512-wide ``project_in``/``project_out``
+around its 1024-wide decoder: keeping only the globally cheapest cuts, the rule
+before issue 13, left all 24 decoder layers in one block), while a dip inside
+attention is not. When there are more than ``max_blocks - 1``, the cheapest and
+then structurally coarsest (layer boundaries, by ``nn_module_stack``, before cuts
+inside a layer) are kept. The segments between kept cuts are the *blocks*.
 
 Legend: ``K`` = act nodes, ``B`` = blocks.
 """
@@ -199,13 +209,16 @@ def _spec(name: str, v1, v2) -> TensorSpec | None:
     return TensorSpec(name=name, shape_per_sample=tuple(int(d) for d in v1.shape[1:]), dtype=str(v1.dtype).removeprefix("torch."))
 
 
-def analyse(captured: CapturedModel, *, max_blocks: int = 64) -> BlockGraph:
-    """Cut ``captured`` into blocks at legal, minimal-bytes cut points.
+def analyse(captured: CapturedModel, *, max_blocks: int = 64, _minimal_cuts_only: bool = False) -> BlockGraph:
+    """Cut ``captured`` into blocks at its candidate cut points ([Note: legal cut points]).
 
     Args:
         captured: from :func:`zorse_fx.capture.capture`.
         max_blocks: upper bound on blocks; when more candidate cuts exist,
-            every k-th is kept (coarser blocks, faster planning).
+            the cheapest and structurally coarsest are kept, a class that
+            does not fit thinned to every k-th (coarser blocks, faster planning).
+        _minimal_cuts_only: private, for tests only: the rule before issue 13
+            (only the cuts of globally minimal bytes; every k-th when too many).
 
     Raises:
         ModelCaptureError: the graph has no trainable parameter, or no legal
@@ -258,16 +271,19 @@ def analyse(captured: CapturedModel, *, max_blocks: int = 64) -> BlockGraph:
             total += specs[name].bytes_per_sample
         return total
 
-    legal = {p: b for p in range(1, len(act_order)) if (b := cut_bytes(p)) is not None and b > 0}
-    if legal:
-        best = min(legal.values())
+    cut_b: list[int | None] = [None] + [cut_bytes(p) for p in range(1, len(act_order))]
+    if _minimal_cuts_only:  # the pre-issue-13 rule, kept for the test that the new one plans no worse
+        legal = {p: b for p, b in enumerate(cut_b) if b}
+        best = min(legal.values(), default=0)
         cands = sorted(p for p, b in legal.items() if b <= best)
         kept = [p for i, p in enumerate(cands) if i + 1 == len(cands) or cands[i + 1] != p + 1]
+        if len(kept) + 1 > max_blocks:
+            step = -(-len(kept) // max(max_blocks - 1, 1))
+            kept = kept[step - 1 :: step] if max_blocks > 1 else []
     else:
-        kept = []
-    if len(kept) + 1 > max_blocks:
-        step = -(-len(kept) // (max_blocks - 1))
-        kept = kept[step - 1 :: step]
+        cands = _candidate_cuts(cut_b)
+        depth = {p: _common_depth(nodes[act_order[p - 1]], nodes[act_order[p]]) for p in cands}
+        kept = _thin_cuts(cands, cut_b, depth, max_blocks - 1)
     bounds = [0, *kept, len(act_order)]
     blocks = tuple((bounds[i], bounds[i + 1]) for i in range(len(bounds) - 1))
     cut_tensors = tuple(
@@ -304,3 +320,103 @@ def _attr_deps(node: fx.Node, kind: dict[str, str]):
             yield n
         elif kind[n.name] == "free":
             stack.extend(n.all_input_nodes)
+
+
+#: A local minimum of the cut-bytes profile is a candidate cut when reaching a cheaper cut
+#: from it, on either side, means crossing a legal cut at least this many times its bytes
+#: ([Note: legal cut points]). 2: a residual-stream cut (R) is kept, whose neighbours inside a
+#: sub-layer carry the residual plus at least one more R-sized value; a dip inside attention
+#: (e.g. q, k, v live = 4R between 5R) is not.
+_PROMINENCE = 2.0
+
+
+def _candidate_cuts(cut_b: list[int | None]) -> list[int]:
+    """Candidate cut positions, ascending, from the bytes per sample of each cut position.
+
+    Args:
+        cut_b: ``(K,)``; ``cut_b[p]`` = bytes per sample crossing a cut before act node
+            ``p`` (``None``: illegal, some crossing value is not batch-major; index 0 unused).
+            A cut that carries nothing (0 bytes) is not offered either.
+
+    Illegal positions are skipped (a flattened ``(N*T, C)`` matmul input inside a layer is
+    neither a cut nor a wall). A maximal run of adjacent legal positions with equal bytes
+    ``b`` (a plateau; its last position stands for it) is a candidate when the nearest legal
+    positions on both sides carry at least ``b`` (none: the graph's end), and, on each side,
+    reaching a strictly cheaper cut crosses one of at least ``_PROMINENCE * b`` (a side
+    without a cheaper cut counts as infinitely dear, so the globally cheapest cuts are
+    always candidates).
+    """
+    legal = [p for p, b in enumerate(cut_b) if p > 0 and b]
+    costs = [cut_b[p] for p in legal]
+    out = []
+    i = 0
+    while i < len(legal):
+        j = i
+        while j + 1 < len(legal) and legal[j + 1] == legal[j] + 1 and costs[j + 1] == costs[i]:
+            j += 1
+        b = costs[i]
+        if (i == 0 or costs[i - 1] >= b) and (j + 1 == len(costs) or costs[j + 1] >= b) \
+                and min(_col(costs, i - 1, -1, b), _col(costs, j + 1, +1, b)) >= _PROMINENCE * b:
+            out.append(legal[j])
+        i = j + 1
+    return out
+
+
+def _col(costs: list[int], start: int, step: int, b: int) -> float:
+    """Dearest of ``costs`` (bytes of the legal cuts in order) walking from index ``start`` by
+    ``step`` before the first one cheaper than ``b``; ``inf`` where none is cheaper."""
+    dearest = 0
+    q = start
+    while 0 <= q < len(costs):
+        if costs[q] < b:
+            return dearest
+        dearest = max(dearest, costs[q])
+        q += step
+    return float("inf")
+
+
+def _module_path(node: fx.Node) -> tuple[str, ...]:
+    """Qualified names of the modules ``node`` ran in, outermost first (fx/export
+    ``nn_module_stack``; empty where the capture recorded none)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    return tuple(v[0] if isinstance(v, tuple) else str(v) for v in stack.values())
+
+
+def _common_depth(a: fx.Node, b: fx.Node) -> int:
+    """Number of enclosing modules two consecutive act nodes share: a cut between two
+    decoder layers shares fewer (the model, the decoder) than a cut inside one."""
+    n = 0
+    for x, y in zip(_module_path(a), _module_path(b)):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _thin_cuts(cands: list[int], cut_b: list[int | None], depth: dict[int, int], most: int) -> list[int]:
+    """At most ``most`` of the candidate cuts ``cands``, ascending.
+
+    Candidates are taken in classes of equal (bytes per sample, module depth), cheapest
+    and then structurally coarsest (fewest shared enclosing modules: layer boundaries
+    before cuts inside a layer) first; the first class that does not fit whole is thinned
+    to every k-th of its members (k as small as fits) and the rest are dropped.
+    """
+    if len(cands) <= most:
+        return list(cands)
+    if most <= 0:
+        return []
+    classes: dict[tuple[int, int], list[int]] = {}
+    for p in cands:
+        classes.setdefault((cut_b[p], depth[p]), []).append(p)
+    kept: list[int] = []
+    for key in sorted(classes):
+        members = classes[key]
+        room = most - len(kept)
+        if len(members) <= room:
+            kept += members
+            continue
+        if room > 0:
+            step = -(-len(members) // room)
+            kept += members[step - 1 :: step]
+        break
+    return sorted(kept)
