@@ -30,7 +30,7 @@ test: $(STAMP)
 # each writes its results under bench/results/.
 bench: $(STAMP)
 	$(BIN)/python bench/cost_accuracy.py
-	$(BIN)/python bench/scenarios.py --time-limit 5
+	$(BIN)/python bench/scenarios.py --solver-budget 5
 	$(BIN)/python bench/bound_gap.py --solver-budget 5
 	$(BIN)/python bench/planner_scaling.py
 	$(BIN)/python bench/runtime.py
