@@ -73,7 +73,7 @@ def layer_table(seqs=(512, 2048), mbss=(1, 4)) -> list[dict]:
 
     from zorse_fx.capture import analyse, capture
     from zorse_fx.cluster import gpu_spec, known_gpu_types
-    from zorse_fx.cost.roofline import _block_chains, _class_block_time, weight_traffic_bytes, node_costs, saved_activations_or_estimate
+    from zorse_fx.cost.roofline import _graph_chains, _class_block_time, weight_traffic_bytes, node_costs, saved_activations_or_estimate
     from zorse_fx.models.hf import CausalLMWithLoss
     from zorse_fx.precision import precision_policy
 
@@ -89,7 +89,8 @@ def layer_table(seqs=(512, 2048), mbss=(1, 4)) -> list[dict]:
         acts = saved_activations_or_estimate(bg, pol)
         costs = node_costs(bg, acts, pol)
         layer = [b for b in range(bg.num_blocks) if bg.describe_blocks(b, b + 1) == "L0"]
-        chains = {b: _block_chains(bg, costs, b) for b in layer}
+        all_chains = _graph_chains(bg, costs)
+        chains = {b: all_chains[b] for b in layer}
         traffic = {b: weight_traffic_bytes(bg, b, pol) for b in layer}
         for g in known_gpu_types():
             spec = gpu_spec(g)

@@ -4,7 +4,7 @@ GPU types of the built-in table (``gpu_specs.csv`` rows, which carry an
 ``arch``) are priced by the per-class model of ``gpu_model.py`` (issue 13):
 sustained matmul rates fitted per GPU class to cited public measurements,
 fused elementwise chains, per-op-class backward factors and a per-micro-batch
-weight/gradient traffic term (``_block_chains``, ``_class_block_time``,
+weight/gradient traffic term (``_graph_chains``, ``_class_block_time``,
 ``weight_traffic_bytes``). The plain roofline below prices the rest: GPU
 types declared in a cluster file, which carry no class.
 
@@ -160,11 +160,18 @@ class _Chain:
     bytes: float
 
 
-def _block_chains(bg: BlockGraph, costs: dict[str, NodeCost], b: int) -> list[_Chain]:
-    """The fused elementwise chains of block ``b`` (see ``gpu_model``): non-view,
-    non-matmul, non-attention nodes with bytes, connected through views."""
+def _graph_chains(bg: BlockGraph, costs: dict[str, NodeCost]) -> dict[int, list[_Chain]]:
+    """The fused elementwise chains of the model (see ``gpu_model``): non-view,
+    non-matmul, non-attention nodes with bytes, connected through views, found
+    over the whole graph and each charged to the block of its last node. A
+    chain is one sequence of kernels whatever the block cuts are, so a block's
+    price does not depend on how finely the model is cut (a plan's step time
+    is the same on coarser or finer blocks with the same stage boundaries)."""
     nodes = {n.name: n for n in bg.graph.nodes}
-    members = [n for n in bg.block_nodes(b) if costs[n].bytes > 0 and not costs[n].is_matmul]
+    block_of = {n: b for b in range(bg.num_blocks) for n in bg.block_nodes(b)}
+    order = {n.name: i for i, n in enumerate(bg.graph.nodes)}
+    members = [n for b in range(bg.num_blocks) for n in bg.block_nodes(b)
+               if costs[n].bytes > 0 and not costs[n].is_matmul]
     inside = set(members)
     parent = {n: n for n in members}
 
@@ -203,12 +210,12 @@ def _block_chains(bg: BlockGraph, costs: dict[str, NodeCost], b: int) -> list[_C
     groups: dict[str, list[str]] = {}
     for n in members:
         groups.setdefault(find(n), []).append(n)
-    chains = []
+    chains: dict[int, list[_Chain]] = {b: [] for b in range(bg.num_blocks)}
     for ns in groups.values():
         group = set(ns)
         moved = sum(costs[n].bytes for n in ns) - sum(internal_reads.get(n, 0.0) for n in ns)
         moved -= sum(costs[n].out_bytes for n in ns if consumers(n) and consumers(n) <= group)
-        chains.append(_Chain(tuple(ns), max(moved, 0.0)))
+        chains[block_of[max(ns, key=order.__getitem__)]].append(_Chain(tuple(ns), max(moved, 0.0)))
     return chains
 
 
@@ -321,6 +328,7 @@ def block_costs(
     times: dict[str, list[float]] = {t: [] for t in specs}
     fixed: dict[str, list[float]] = {t: [] for t in specs}
     params = []
+    chains_of = None
     for b in range(bg.num_blocks):
         names = bg.block_nodes(b)
         params.append(sum(state[a].numel() for a in bg.block_attrs[b] if a in trainable))
@@ -328,8 +336,9 @@ def block_costs(
         chains = traffic = None
         for gpu_type, spec in specs.items():
             if gpu_model.has_class_model(spec):
-                if chains is None:
-                    chains = _block_chains(bg, costs, b)
+                if chains_of is None:
+                    chains_of = _graph_chains(bg, costs)
+                chains = chains_of[b]
                 if traffic is None:
                     traffic = weight_traffic_bytes(bg, b, precision)
                 f, bw_, ff, fb = _class_block_time(bg, costs, b, chains, traffic, spec, precision)
