@@ -18,6 +18,7 @@ import psutil
 import pytest
 
 from zorse_fx.cli import main as zorse_main
+from zorse_fx.runtime.launch import running
 from zorse_fx.runtime.watchdog import heartbeat_dir, read_heartbeats, stalled_rank, start_heartbeat
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -83,14 +84,7 @@ class Job:
             raise AssertionError("zorse train did not end:\n" + "".join(self.stdout[-10:] + self.stderr[-30:]))
 
     def left(self) -> list[psutil.Process]:
-        out = []
-        for p in self.seen.values():
-            try:
-                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
-                    out.append(p)
-            except psutil.Error:
-                pass
-        return out
+        return running(self.seen.values())
 
     def cleanup(self) -> None:
         for p in self.left():

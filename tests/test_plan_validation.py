@@ -13,11 +13,10 @@ import pytest
 import torch
 
 from conftest import CLUSTERS
-from test_plan import _gpt_plan
+from test_plan import _gpt_plan, exported  # noqa: F401 (exported: a fixture, of this file's plan)
 from zorse_fx.cli import main as zorse_main
 from zorse_fx.cluster import Cluster
 from zorse_fx.errors import ClusterConfigError, PlanFileError, WeightsFileError, short_repr
-from zorse_fx.models.gpt import GPT, GPTConfig
 from zorse_fx.plan import Plan
 from zorse_fx.precision import precision_policy
 
@@ -30,14 +29,6 @@ def plan():
     return _gpt_plan(2, (0, 3), stage_gpus=((0, 1), (2,)), samples_per_microbatch=((3, 1), (4,)))
 
 
-@pytest.fixture()
-def exported(plan, tmp_path):
-    """``plan`` exported with the weights of its model (seed 0, as ``_gpt_plan`` builds it)."""
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(n_layer=2, n_embd=32, block_size=16))
-    plan.export(tmp_path / "p")
-    torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, tmp_path / "p" / "weights.pt")
-    return tmp_path / "p"
 
 
 def _edited(directory, edit):

@@ -46,7 +46,7 @@ import torch
 
 from ..errors import RuntimeExecutionError
 
-__all__ = ["torchrun_command", "launch", "supervise", "rank_device", "init_process_group", "JobInterrupted",
+__all__ = ["torchrun_command", "launch", "supervise", "rank_device", "init_process_group", "running", "JobInterrupted",
            "JobFailedError", "JobStalledError"]
 
 #: Seconds a SIGINT (Ctrl-C) gives the ranks to exit before they are killed.
@@ -165,6 +165,22 @@ def launch(plan_dir: str | Path, nprocs: int, train_args: list[str], *, timeout_
                      stall_timeout_s=stall_timeout_s, term_grace_s=term_grace_s)
 
 
+
+def running(processes) -> list:
+    """The ``psutil.Process`` objects of ``processes`` still running (a zombie,
+    exited but not reaped, counts as gone)."""
+    import psutil
+
+    out = []
+    for p in processes:
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+        except psutil.Error:
+            pass
+    return out
+
+
 class _JobTree:
     """torchrun and every descendant seen so far (psutil handles, which survive pid reuse)."""
 
@@ -186,16 +202,7 @@ class _JobTree:
             self.procs.setdefault(k.pid, k)
 
     def alive(self) -> list:
-        import psutil
-
-        out = []
-        for p in self.procs.values():
-            try:
-                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
-                    out.append(p)
-            except psutil.Error:
-                pass
-        return out
+        return running(self.procs.values())
 
     def kill_all(self, wait_s: float = 10.0) -> None:
         """SIGSTOP torchrun (no restarts), collect its descendants again, SIGKILL all and wait for them."""
