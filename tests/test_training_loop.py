@@ -293,3 +293,20 @@ def test_a_killed_rank_restarts_the_job_from_the_last_checkpoint(lee_bytes, tmp_
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert [r["loss"] for r in rows] == [r["loss"] for r in _rows(tmp_path / "full")]
     _assert_same_params(tmp_path / "full", run, w)
+
+
+def test_checkpoint_metadata_that_would_run_code_is_refused(tmp_path):
+    """DCP's .metadata is a pickle: one that names a callable outside DCP's
+    metadata classes (here os.system) is refused before anything runs."""
+    import pickle
+
+    from zorse_fx.runtime.checkpoint import _SafeReader
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("touch " + str(tmp_path / "ran"),))
+
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(Evil()))
+    with pytest.raises(CheckpointError, match=r"refers to (posix|os)\.system"):
+        _SafeReader(tmp_path).read_metadata()
+    assert not (tmp_path / "ran").exists()

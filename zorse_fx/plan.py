@@ -492,10 +492,8 @@ class Plan:
                 label=s.label,
                 gpus=tuple(GPUShare(**msgspec.structs.asdict(g)) for g in s.gpus),
                 input_names=tuple(s.input_names),
-                recv=tuple(TensorSpec(name=t.name, shape_per_sample=tuple(t.shape_per_sample), dtype=t.dtype)
-                           for t in s.recv),
-                send=tuple(TensorSpec(name=t.name, shape_per_sample=tuple(t.shape_per_sample), dtype=t.dtype)
-                           for t in s.send),
+                recv=tuple(TensorSpec.from_dict(msgspec.structs.asdict(t)) for t in s.recv),
+                send=tuple(TensorSpec.from_dict(msgspec.structs.asdict(t)) for t in s.send),
                 params=dict(s.params),
                 consts=dict(s.consts),
                 num_parameters=s.num_parameters,

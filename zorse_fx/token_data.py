@@ -513,7 +513,10 @@ class TokenData:
 def rank_samples(microbatch_size: int, num_microbatches: int, row_start: int, row_end: int) -> list[int]:
     """Indices within the global batch that a rank taking rows ``[row_start,
     row_end)`` of every micro-batch needs (micro-batch ``m`` is global samples
-    ``[m * microbatch_size, (m + 1) * microbatch_size)``)."""
+    ``[m * microbatch_size, (m + 1) * microbatch_size)``), ascending.
+
+    Raises:
+        DataError: ``[row_start, row_end)`` is not within ``[0, microbatch_size]``."""
     if not 0 <= row_start <= row_end <= microbatch_size:
         raise DataError(f"rows [{row_start}, {row_end}) are not within a micro-batch of {microbatch_size}")
     return [m * microbatch_size + r for m in range(num_microbatches) for r in range(row_start, row_end)]

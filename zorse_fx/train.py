@@ -393,7 +393,7 @@ def main(argv=None) -> int:
     dist.barrier()
     if rank == 0:
         progress = _Progress(args.steps, start - 1)
-    step, saved = start - 1, resumed_step
+    saved = resumed_step
     for step in range(start, args.steps + 1):
         batch = batch_of(step - 1)  # only this rank's rows are read; the others are -1
         lr = schedule(step)
@@ -409,7 +409,7 @@ def main(argv=None) -> int:
                             dtype=torch.float64, device=device)
         gathered = [torch.empty_like(mine) for _ in range(world)]
         dist.all_gather(gathered, mine)
-        stopping = int(max(t[-1].item() for t in gathered))
+        stopping = int(torch.stack(gathered)[:, -1].max().item())  # one device-to-host copy
         val_loss = None
         if args.val_every and (step % args.val_every == 0 or step == args.steps):
             val = torch.zeros(1, dtype=torch.float32, device=device)

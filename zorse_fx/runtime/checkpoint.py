@@ -201,8 +201,9 @@ def _state_to_save(worker: StageWorker, step: int) -> dict[str, torch.Tensor]:
     sd["optim/step"] = torch.tensor(worker.optimizer_steps, dtype=torch.int64)
     sd["train/step"] = torch.tensor(step, dtype=torch.int64)
     if worker.scaler is not None:
-        sd["scaler/scale"] = torch.tensor(worker.scaler.scale, dtype=torch.float64)
-        sd["scaler/growth_tracker"] = torch.tensor(worker.scaler._growth, dtype=torch.int64)
+        scaler = worker.scaler.state_dict()
+        sd["scaler/scale"] = torch.tensor(scaler["scale"], dtype=torch.float64)
+        sd["scaler/growth_tracker"] = torch.tensor(scaler["growth_tracker"], dtype=torch.int64)
     sd.update(_rng_state(worker))
     return sd
 
@@ -305,14 +306,15 @@ def load_checkpoint(worker: StageWorker, path: str | Path, *, check_batch: bool 
                                       f"the checkpoint is of another model")
             request.setdefault(key, empty(key))
     optim_steps = manifest["optimizer_steps"]
-    wanted: list[tuple[object, str, int, int, torch.Tensor, list]] = []
+    # Per optimizer tensor: (optimizer, tensor, its range [a, b), {moment: saved ranges overlapping it}).
+    wanted = []
     for opt in worker.optimizers:
         for canon, a, b, t in opt.state_pieces():
-            for moment in ("exp_avg", "exp_avg_sq"):
-                over = [(lo, hi, k) for lo, hi, k in pieces.get((moment, canon), ()) if lo < b and hi > a]
-                for *_, k in over:
-                    request.setdefault(k, empty(k))
-                wanted.append((opt, moment, a, b, t, over))
+            over = {m: [(lo, hi, k) for lo, hi, k in pieces.get((m, canon), ()) if lo < b and hi > a]
+                    for m in ("exp_avg", "exp_avg_sq")}
+            for *_, k in (x for ranges in over.values() for x in ranges):
+                request.setdefault(k, empty(k))
+            wanted.append((opt, t, a, b, over))
     scalars = ["optim/step", "train/step"]
     if worker.scaler is not None and "scaler/scale" in meta:
         scalars += ["scaler/scale", "scaler/growth_tracker"]
@@ -322,33 +324,32 @@ def load_checkpoint(worker: StageWorker, path: str | Path, *, check_batch: bool 
         request[k] = empty(k)
     dcp.load(request, storage_reader=reader)
 
+    def assemble(moment: str, t: torch.Tensor, a: int, b: int, over) -> torch.Tensor:
+        """Elements [a, b) of ``moment`` from the saved ranges ``over``, shaped and placed as ``t``."""
+        buf = torch.zeros(b - a, dtype=t.dtype)
+        reached = a  # saved ranges cover [a, reached) so far
+        for lo, hi, k in sorted(over):
+            x, y = max(a, lo), min(b, hi)
+            buf[x - a : y - a].copy_(request[k][x - lo : y - lo])
+            if x <= reached:
+                reached = max(reached, y)
+        if reached < b:
+            raise CheckpointError(f"{path}: AdamW {moment} of elements [{a}, {b}) of its parameter is not in "
+                                  f"the checkpoint (saved ranges {[(lo, hi) for lo, hi, _ in over]}); "
+                                  f"it is incomplete")
+        return buf.view_as(t).to(device=t.device, dtype=t.dtype)
+
     with torch.no_grad():
         for st in worker.stages:
             for canon, p in st.params().items():
                 p.copy_(request[f"model/{canon}"].view_as(p))
-        states: dict[object, dict] = defaultdict(dict)
-        for opt, moment, a, b, t, over in wanted:
-            if optim_steps == 0:
-                continue
-            buf = torch.zeros(b - a, dtype=t.dtype)
-            reached = a  # saved ranges cover [a, reached) so far
-            for lo, hi, k in sorted(over):
-                x, y = max(a, lo), min(b, hi)
-                buf[x - a : y - a].copy_(request[k][x - lo : y - lo])
-                if x <= reached:
-                    reached = max(reached, y)
-            if reached < b:
-                raise CheckpointError(f"{path}: AdamW {moment} of elements [{a}, {b}) of its parameter is not in "
-                                      f"the checkpoint (saved ranges {[(lo, hi) for lo, hi, _ in over]}); "
-                                      f"it is incomplete")
-            states[(id(opt), id(t))].update(
-                {"opt": opt, "t": t, moment: buf.view_as(t).to(device=t.device, dtype=t.dtype)})
-        for entry in states.values():
-            opt, t = entry.pop("opt"), entry.pop("t")
-            opt.optimizer.state[t] = {"step": torch.tensor(float(optim_steps), dtype=torch.float32), **entry}
+        if optim_steps:  # (no optimizer step taken yet: AdamW creates its state at the first one)
+            for opt, t, a, b, over in wanted:
+                opt.optimizer.state[t] = {"step": torch.tensor(float(optim_steps), dtype=torch.float32),
+                                          **{m: assemble(m, t, a, b, ranges) for m, ranges in over.items()}}
     if worker.scaler is not None and "scaler/scale" in request:
-        worker.scaler.scale = float(request["scaler/scale"])
-        worker.scaler._growth = int(request["scaler/growth_tracker"])
+        worker.scaler.load_state_dict({"scale": float(request["scaler/scale"]),
+                                       "growth_tracker": int(request["scaler/growth_tracker"])})
     for k in rng:
         if k.endswith("/cpu"):
             torch.set_rng_state(request[k])

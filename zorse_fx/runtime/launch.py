@@ -165,7 +165,6 @@ def launch(plan_dir: str | Path, nprocs: int, train_args: list[str], *, timeout_
                      stall_timeout_s=stall_timeout_s, term_grace_s=term_grace_s)
 
 
-
 def running(processes) -> list:
     """The ``psutil.Process`` objects of ``processes`` still running (a zombie,
     exited but not reaped, counts as gone)."""

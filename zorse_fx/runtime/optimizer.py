@@ -119,7 +119,6 @@ class StageOptimizer:
         self.zero1 = plan_stage.sharded and len(plan_stage.gpus) > 1
         self.shard_group = shard_group if self.zero1 else None
         kw = dict(lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
-        self.weight_decay = cfg.weight_decay
         params = [getattr(stage.module, flat) for flat in plan_stage.params]
         #: Canonical name of each trainable parameter (by id).
         self.canonical = {id(getattr(stage.module, flat)): canon for flat, canon in plan_stage.params.items()}
@@ -173,12 +172,7 @@ class StageOptimizer:
         rank's ZeRO-1 overlap with it otherwise). Checkpoints key the AdamW
         moments by these ranges (``runtime/checkpoint.py``)."""
         if not self.zero1:
-            seen, out = set(), []
-            for p in self.params:
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    out.append((self.canonical[id(p)], 0, p.numel(), p))
-            return out
+            return [(self.canonical[id(p)], 0, p.numel(), p) for p in {id(p): p for p in self.params}.values()]
         return [(self.canonical[id(p)], lo, hi, view) for p, lo, hi, view in self._pieces]
 
     def step(self) -> None:
@@ -279,4 +273,10 @@ class LossScaler:
                 self._growth = 0
 
     def state_dict(self) -> dict:
+        """``{"scale": float, "growth_tracker": int}`` (``GradScaler``'s names)."""
         return {"scale": self.scale, "growth_tracker": self._growth}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what ``state_dict`` returned (a checkpoint)."""
+        self.scale = float(state["scale"])
+        self._growth = int(state["growth_tracker"])
