@@ -138,7 +138,9 @@ def test_stopped_rank_is_named_and_ends_the_job(plan2, tmp_path):
         while time.monotonic() < deadline and job.proc.poll() is None:
             ages = {b.rank: b.age_s for b in read_heartbeats(heartbeat_dir(job.out))}
             if ages.get(1, 0) > 5:
-                assert ages[0] < 4, ages  # the beat thread runs while rank 0's main thread is blocked
+                # the beat thread runs while rank 0's main thread is blocked: rank 0 beat after rank 1
+                # stopped (a comparison, not a time limit: holds on a loaded machine)
+                assert ages[0] < ages[1], ages
                 break
             time.sleep(0.2)
         assert job.wait(90) == 1
