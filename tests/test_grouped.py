@@ -274,3 +274,29 @@ def test_multi_unit_groups_get_the_per_stage_encoding():
     assert [g.count for g in groups] == [4, 4]
     proto = CandidateModel(tab, devices, opts, groups, 2).m.Proto()
     assert sum(v.name.startswith("z_") for v in proto.variables) == 2 * 2 * 3  # groups x stages x blocks
+    assert not any(v.name.startswith("through_") for v in proto.variables)  # no per-block sum: the old class model
+
+
+def test_mixed_groups():
+    """Three interchangeable A GPUs and one B: the A class (count 3) gets the per-(stage,
+    block) encoding, the B GPU the per-block one, and the per-block sample sum counts
+    the class through y; solve_grouped's answer is exact (evaluate() agrees) and no
+    better than the per-GPU optimum."""
+    from zorse_fx.solve.grouped import _groups
+    from zorse_fx.solve.model import CandidateModel
+
+    devices = make_devices(["A", "A", "A", "B"], ["n0"] * 4, [16 * GIB] * 4, [1e12] * 3 + [3e11])
+    costs = BlockCosts(fwd_bwd_s_per_sample={"A": (0.01, 0.02, 0.01), "B": (0.02, 0.05, 0.02)},
+                       param_count=(1000,) * 3, act_bytes_per_sample=(1 << 20,) * 3,
+                       cut_bytes_per_sample=(0, 1 << 20, 1 << 20, 0))
+    opts = SolverOptions(global_batch_size=8, max_stages=2, num_microbatches=(1, 2))
+    tab = build_tables(costs, devices, opts, 1)
+    groups = _groups(devices, tab, False)
+    assert [(g.unit, g.count) for g in groups] == [(1, 3), (1, 1)]
+    names = [v.name for v in CandidateModel(tab, devices, opts, groups, 2).m.Proto().variables]
+    assert sum(x.startswith("z_") for x in names) == 2 * 3 + 3 and sum(x.startswith("through_") for x in names) == 3
+    res, ref = solve_grouped(costs, devices, opts), solve_cpsat(costs, devices, opts)
+    assert res.status == ref.status == "OPTIMAL"
+    ev = _eval(costs, devices, opts, res)
+    assert ev.feasible and ev.objective_units == round(res.objective * UNITS_PER_S)
+    assert res.objective >= ref.objective - 1e-12

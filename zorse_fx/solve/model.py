@@ -31,9 +31,10 @@ Per-group encoding, the smaller one that fits the group:
     k * n is n, and z[c][q] (samples a GPU of c pushes through block q: n of
     c's stage if q is in it, else 0) is one variable per (group, block); its
     compute is one variable, gated onto its stage. Redundant: every block
-    sees the b samples (sum_c unit * z[c][q] = b, when every group is
-    single). [C-symmetry]: interchangeable groups c < d ordered by (stage,
-    -samples), idle last.
+    sees the b samples (sum_c unit * z[c][q] = b, a multi-unit group
+    entering with y[c][q] = k n of the stage holding q; only in models with
+    a single group). [C-symmetry]: interchangeable groups c < d ordered by
+    (stage, -samples), idle last.
   * count > 1 (a class spanning stages): z[c][s][q] and compute[c][s] per
     (group, stage, block), k * n and k * zc by AddMultiplicationEquality.
     [C-symmetry]: the vector k[c][.] of interchangeable groups c < d is
@@ -69,7 +70,11 @@ of count > 1 only it builds the old class-level model constraint for
 constraint, in the same order (so solve_grouped's answers on such clusters
 are unchanged; checked on tests/test_grouped.py's 64-GPU instance). On the
 instances of the solver tests solve_cpsat's answers did not change (status
-and objective; the commit introducing this file lists them).
+and objective; the commit introducing this file lists them). A class-level
+model mixing single and multi-unit groups needs the per-block sample sum
+(with y) to keep the old one's strength: 16 GPUs (two classes of 7, two
+single GPUs), 2 stages, 0.5 deterministic s: OPTIMAL as before with it,
+FEASIBLE and 14% slower without it.
 
 [Note: warm start]
 ``hints`` (SolverResults, in practice the baselines' and the stage DP's
@@ -202,6 +207,7 @@ class CandidateModel:
             """Samples per block of a GPU of c, valid where c is in stage s (0 where it is not)."""
             return (z[c], u[c]) if single[c] else (z[c][s], u[c][s])
 
+        kn = {}  # (group, stage) -> IntVar k * n of a multi-unit group
         for s in stages:
             tots = []
             for c in cls:
@@ -212,6 +218,7 @@ class CandidateModel:
                     continue
                 tot = m.NewIntVar(0, b, f"kn_{c}_{s}")
                 m.AddMultiplicationEquality(tot, [k[c][s], n[c][s]])
+                kn[c, s] = tot
                 tots.append(unit[c] * tot)
                 for q in blocks:  # z[c][s][q] = n[c][s] if block q is in stage s, else 0
                     m.Add(z[c][s][q] == n[c][s]).OnlyEnforceIf(in_s[s][q])
@@ -227,9 +234,21 @@ class CandidateModel:
                 for q in blocks:
                     m.Add(z[c][q] >= 1).OnlyEnforceIf(u[c][q])
                     m.Add(z[c][q] == 0).OnlyEnforceIf(u[c][q].Not())
-        if all(single):
-            for q in blocks:  # redundant: every block sees the b samples
-                m.Add(sum(unit[c] * z[c][q] for c in cls) == b)
+        if any(single):
+            # Redundant: every block sees the b samples. A multi-unit group's samples
+            # through block q: y[c][q] = k n of the stage holding q.
+            through = []
+            for c in cls:
+                if single[c]:
+                    through.append([unit[c] * z[c][q] for q in blocks])
+                    continue
+                y = [m.NewIntVar(0, b, f"through_{c}_{q}") for q in blocks]
+                for s in stages:
+                    for q in blocks:
+                        m.Add(y[q] == kn[c, s]).OnlyEnforceIf(in_s[s][q])
+                through.append([unit[c] * y[q] for q in blocks])
+            for q in blocks:
+                m.Add(sum(row[q] for row in through) == b)
 
         # [C-compute] compute = n W + F (+ the recomputed forward) of a GPU of c.
         lat_hi = max(max(r) for r in tab.pair_lat) if tab.num_gpus > 1 else 0
@@ -249,8 +268,8 @@ class CandidateModel:
             cv = m.NewIntVar(0, work_hi, f"comp_{name}")
             extra = 0
             if rc:
-                extra = gated(on, wsum(zz, _blocks(tab.rc_work_prefix[ty])) + wsum(uu, _blocks(tab.rc_fixed_prefix[ty])),
-                              work_hi, f"rcw_{name}")
+                extra = gated(on, wsum(zz, _blocks(tab.rc_work_prefix[ty]))
+                              + wsum(uu, _blocks(tab.rc_fixed_prefix[ty])), work_hi, f"rcw_{name}")
             m.Add(cv == wsum(zz, _blocks(tab.work_prefix[ty])) + wsum(uu, _blocks(tab.fixed_prefix[ty])) + extra)
             m.Add(tmax >= cv)  # redundant
             return cv
