@@ -208,8 +208,8 @@ def test_hint_encodes_the_hinted_decision(grouped):
     from ortools.sat.python import cp_model
 
     from zorse_fx.baselines import BASELINES
-    from zorse_fx.solve.cpsat import _Model
-    from zorse_fx.solve.grouped import _groups, _GroupedModel
+    from zorse_fx.solve.grouped import _groups
+    from zorse_fx.solve.model import CandidateModel, singleton_groups
     from zorse_fx.solve.objective import evaluate_result
 
     devices = make_devices(["A"] * 4 + ["B"] * 4, ["n0"] * 4 + ["n1"] * 4, [16 * GIB] * 8, [1e12] * 4 + [3e11] * 4)
@@ -221,10 +221,8 @@ def test_hint_encodes_the_hinted_decision(grouped):
     ev = evaluate_result(costs, devices, opts, base)
     assert ev.feasible and any(base.stage_sharded)
     tab = build_tables(costs, devices, opts, base.num_microbatches)
-    if grouped:
-        model = _GroupedModel(tab, devices, opts, _groups(devices, tab, False), base.num_stages)
-    else:
-        model = _Model(tab, devices, opts, base.num_stages)
+    groups = _groups(devices, tab, False) if grouped else singleton_groups(devices.num_gpus)
+    model = CandidateModel(tab, devices, opts, groups, base.num_stages)
     model.hint(base)
     solver = cp_model.CpSolver()
     solver.parameters.fix_variables_to_their_hinted_value = True
@@ -234,3 +232,71 @@ def test_hint_encodes_the_hinted_decision(grouped):
     assert (blocks, gpus, samples) == (base.stage_blocks, base.stage_gpus, base.samples_per_microbatch)
     assert pol.sharded == base.stage_sharded and pol.recompute == base.stage_recompute
     assert solver.Value(model.objective) == ev.objective_units
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_one_model_builder(seed):
+    """[Note: one model builder]: with one GPU per class, the class-level model
+    (solve_grouped) is the per-GPU model (solve_cpsat) itself -- the same groups
+    give the same CP-SAT model, constraint for constraint -- and a group with one
+    unit has one samples-through-block variable per block (the per-GPU encoding,
+    not one per stage and block)."""
+    import dataclasses
+
+    from zorse_fx.solve.grouped import _groups
+    from zorse_fx.solve.model import CandidateModel, singleton_groups
+
+    costs, devices, options = random_instance(seed, singleton_classes=True)
+    options = dataclasses.replace(options, sharding=("never", "auto")[seed % 2], recompute=("never", "auto")[seed // 2])
+    tab = build_tables(costs, devices, options, 1)
+    assert _groups(devices, tab, False) == singleton_groups(devices.num_gpus)
+    for n_s in (1, 2, 3):
+        per_gpu = str(CandidateModel(tab, devices, options, singleton_groups(devices.num_gpus), n_s).m.Proto())
+        grouped = str(CandidateModel(tab, devices, options, _groups(devices, tab, False), n_s).m.Proto())
+        assert per_gpu == grouped
+        proto = CandidateModel(tab, devices, options, singleton_groups(devices.num_gpus), n_s).m.Proto()
+        z = [v for v in proto.variables if v.name.startswith("z_")]
+        assert len(z) == devices.num_gpus * costs.num_blocks
+
+
+def test_multi_unit_groups_get_the_per_stage_encoding():
+    """A class of 4 GPUs may span stages: its samples-through-block variables are per
+    (stage, block); the model's objective at the hinted homogeneous plan is evaluate()'s."""
+    from zorse_fx.solve.grouped import _groups
+    from zorse_fx.solve.model import CandidateModel
+
+    devices = make_devices(["A"] * 4 + ["B"] * 4, ["n0"] * 4 + ["n1"] * 4, [16 * GIB] * 8, [1e12] * 4 + [3e11] * 4)
+    costs = BlockCosts(fwd_bwd_s_per_sample={"A": (0.01,) * 3, "B": (0.03,) * 3}, param_count=(1000,) * 3,
+                       act_bytes_per_sample=(1 << 20,) * 3, cut_bytes_per_sample=(0, 1 << 20, 1 << 20, 0))
+    opts = SolverOptions(global_batch_size=8, max_stages=2, num_microbatches=(1,))
+    tab = build_tables(costs, devices, opts, 1)
+    groups = _groups(devices, tab, False)
+    assert [g.count for g in groups] == [4, 4]
+    proto = CandidateModel(tab, devices, opts, groups, 2).m.Proto()
+    assert sum(v.name.startswith("z_") for v in proto.variables) == 2 * 2 * 3  # groups x stages x blocks
+    assert not any(v.name.startswith("through_") for v in proto.variables)  # no per-block sum: the old class model
+
+
+def test_mixed_groups():
+    """Three interchangeable A GPUs and one B: the A class (count 3) gets the per-(stage,
+    block) encoding, the B GPU the per-block one, and the per-block sample sum counts
+    the class through y; solve_grouped's answer is exact (evaluate() agrees) and no
+    better than the per-GPU optimum."""
+    from zorse_fx.solve.grouped import _groups
+    from zorse_fx.solve.model import CandidateModel
+
+    devices = make_devices(["A", "A", "A", "B"], ["n0"] * 4, [16 * GIB] * 4, [1e12] * 3 + [3e11])
+    costs = BlockCosts(fwd_bwd_s_per_sample={"A": (0.01, 0.02, 0.01), "B": (0.02, 0.05, 0.02)},
+                       param_count=(1000,) * 3, act_bytes_per_sample=(1 << 20,) * 3,
+                       cut_bytes_per_sample=(0, 1 << 20, 1 << 20, 0))
+    opts = SolverOptions(global_batch_size=8, max_stages=2, num_microbatches=(1, 2))
+    tab = build_tables(costs, devices, opts, 1)
+    groups = _groups(devices, tab, False)
+    assert [(g.unit, g.count) for g in groups] == [(1, 3), (1, 1)]
+    names = [v.name for v in CandidateModel(tab, devices, opts, groups, 2).m.Proto().variables]
+    assert sum(x.startswith("z_") for x in names) == 2 * 3 + 3 and sum(x.startswith("through_") for x in names) == 3
+    res, ref = solve_grouped(costs, devices, opts), solve_cpsat(costs, devices, opts)
+    assert res.status == ref.status == "OPTIMAL"
+    ev = _eval(costs, devices, opts, res)
+    assert ev.feasible and ev.objective_units == round(res.objective * UNITS_PER_S)
+    assert res.objective >= ref.objective - 1e-12

@@ -277,7 +277,8 @@ def test_presolve_bug_does_not_hide_a_feasible_candidate():
 
     from zorse_fx.cluster import Cluster
     from zorse_fx.solve._search import CandidateSearch
-    from zorse_fx.solve.grouped import _GroupedModel, _groups
+    from zorse_fx.solve.grouped import _groups
+    from zorse_fx.solve.model import CandidateModel
 
     raw = json.loads((Path(__file__).parent / "data" / "zorse_b_llama2_13b_costs.json").read_text())
     costs = BlockCosts(**{k: ({t: tuple(v) for t, v in val.items()} if isinstance(val, dict) else
@@ -288,7 +289,7 @@ def test_presolve_bug_does_not_hide_a_feasible_candidate():
     _, hints = stage_dp_search(costs, devices, options)
     hint = next(h for h in hints if h.num_stages == 7)
     tab = build_tables(costs, devices, options, 64)
-    model = _GroupedModel(tab, devices, options, _groups(devices, tab, True), 7)
+    model = CandidateModel(tab, devices, options, _groups(devices, tab, True), 7)
     model.hint(hint)
     search = CandidateSearch(costs, devices, options, label="grouped")
     search.solve(model, 7, 64, hint=hint.status)

@@ -1,5 +1,6 @@
-"""Planners: the step-time model (objective.py), CP-SAT (cpsat.py; the
-class-level grouped.py for large clusters), the memory-first stage DP
+"""Planners: the step-time model (objective.py), CP-SAT (one model builder,
+model.py: per-GPU in cpsat.py, over GPU classes / whole nodes in grouped.py for
+large clusters), the memory-first stage DP
 (stage_dp.py), the portfolio that runs the heuristics first and warm-starts
 CP-SAT with them (portfolio.py), lower bounds and infeasibility explanations
 (bounds.py) and an exhaustive oracle for tiny instances (brute_force.py).

@@ -1,5 +1,5 @@
-"""CP-SAT building blocks shared by the per-GPU (cpsat.py) and class-level
-(grouped.py) models.
+"""CP-SAT building blocks of the candidate model (model.py, the one model
+builder of the per-GPU and class-level planners).
 
 [C-cuts] c_0 = 0 < c_1 < ... < c_S = B; stage s runs blocks [c_s, c_{s+1}).
 Block membership is linear: ge[s][k] <=> c_s <= k (monotone in k), so "block

@@ -1,6 +1,7 @@
 """The planners' cost model, as a pure-Python evaluator (the single source of truth).
 
-NOTE "step-time model" -- cpsat.py labels its constraints with the tags below.
+NOTE "step-time model" -- model.py (the CP-SAT model builder of both
+solve_cpsat and solve_grouped) labels its constraints with the tags below.
 ==========================================================================
 Given S stages and M micro-batches, micro-batch size b = global_batch_size / M.
 

@@ -1,0 +1,537 @@
+"""The CP-SAT model of one (S stages, M micro-batches) candidate: the one model
+builder of both CP-SAT planners.
+
+[Note: one model builder]
+The model is written over *groups* (``_Group``): ``count`` interchangeable
+units of ``unit`` GPUs each, all units of a group in one stage taking the same
+share of the micro-batch. The per-GPU planner (``solve_cpsat``, cpsat.py) is
+this model with one group per GPU (``singleton_groups``: unit = count = 1,
+which restricts nothing); the class-level planner (``solve_grouped``,
+grouped.py) is this model with GPU classes or merged identical nodes
+(``grouped._groups``). Both go through ``CandidateModel``; nothing else builds
+a model.
+
+Decision variables (the terms are objective.py's "step-time model" note, over
+groups instead of GPUs; constraints carry its tags):
+
+  k[c][s] in [0, min(count, b // unit)]: units of group c in stage s;
+      sum_s k[c][s] <= count (== count without idle GPUs)          [C-assign]
+  p[c][s] = k[c][s] >= 1;  every stage has a group; unit * sum k <= b
+  n[c][s] in [1, b] iff p[c][s] (else 0): samples per GPU;
+      sum_c unit * k[c][s] * n[c][s] = b                            [C-samples]
+  cuts / block membership (ge, in_s; _encoding.StageCuts)           [C-cuts]
+  sh[s], rc[s]: per-stage ZeRO-1 sharding / recomputation   [C-shard] [C-recompute]
+  zc[c][s]: MiB of stage s's shardable state per GPU of c; coverage
+      sum_c unit * k[c][s] * zc[c][s] MiB >= Q_s if sh[s]          [C-shard]
+
+Per-group encoding, the smaller one that fits the group:
+
+  * count == 1 (every group of the per-GPU model): the group is in at most one
+    stage, so k[c][s] = p[c][s] (a boolean, ExactlyOne / AtMostOne over s),
+    k * n is n, and z[c][q] (samples a GPU of c pushes through block q: n of
+    c's stage if q is in it, else 0) is one variable per (group, block); its
+    compute is one variable, gated onto its stage. Redundant: every block
+    sees the b samples (sum_c unit * z[c][q] = b, a multi-unit group
+    entering with y[c][q] = k n of the stage holding q; only in models with
+    a single group). [C-symmetry]: interchangeable groups c < d ordered by
+    (stage, -samples), idle last.
+  * count > 1 (a class spanning stages): z[c][s][q] and compute[c][s] per
+    (group, stage, block), k * n and k * zc by AddMultiplicationEquality.
+    [C-symmetry]: the vector k[c][.] of interchangeable groups c < d is
+    lexicographically >= that of d.
+
+With u = z >= 1 (the block's fixed cost is paid):
+
+  compute     = sum_q w[type][q] z[q] + f[type][q] u[q] (+ the recomputed forward) [C-compute]
+  boundary_s  = 2 * (max over present group pairs (c in s, d in s+1) of the
+                rounded transfer time + max latency); (c, c) across stages
+                (count > 1) has the link between two units              [C-boundary]
+  t_s         = max_c compute of c in s + boundary_s                    [C-stage]
+  allreduce_s = max over present pairs inside s (c < d both present; the link
+                inside a unit if unit > 1; between units if k >= 2)
+                + 2 * (GPUs of s - 1) * max latency                     [C-allreduce]
+  optim_s     = max over memory-bandwidth classes present               [C-optim]
+  memory      = objective.py's [C-memory] per group and stage           [C-memory]
+  step        = sum_s t_s + (M - 1) max_s t_s + max_s (allreduce_s + optim_s) [C-objective]
+
+Units: time in integer ns (objective.UNITS_PER_S), memory in KiB, exactly the
+tables of ``build_tables``. Every derived quantity is defined by an equality
+(linear sums, max, flag ? value : 0, small products), never by a one-sided
+bound, so the objective of *any* solution CP-SAT returns equals ``evaluate()``
+of its expansion to GPUs (``decision``: the first unit * k[c][0] members of c
+go to stage 0, the next to stage 1, ...); ``_search.CandidateSearch`` checks
+that on every answer. Redundant constraints: tmax >= every compute and a
+throughput bound on tmax (see the model).
+
+Before issue 13 cpsat.py and grouped.py each built their own model. The one
+builder keeps both: with one group per GPU its model has the variables of the
+old per-GPU model plus the throughput bound (one constraint), and with groups
+of count > 1 only it builds the old class-level model constraint for
+constraint, in the same order (so solve_grouped's answers on such clusters
+are unchanged; checked on tests/test_grouped.py's 64-GPU instance). On the
+instances of the solver tests solve_cpsat's answers did not change (status
+and objective; the commit introducing this file lists them). A class-level
+model mixing single and multi-unit groups needs the per-block sample sum
+(with y) to keep the old one's strength: 16 GPUs (two classes of 7, two
+single GPUs), 2 stages, 0.5 deterministic s: OPTIMAL as before with it,
+FEASIBLE and 14% slower without it.
+
+[Note: warm start]
+``hints`` (SolverResults, in practice the baselines' and the stage DP's
+feasible plans, best first; ``solve/portfolio.py``) seed the candidate with the
+same (S, M): ``CandidateModel.hint`` gives CP-SAT the cuts, the units and
+samples per group and stage, shards and memory policy via ``AddHint``. A hint
+only guides the search (CP-SAT repairs a hint the model cannot express), so it
+cannot change the optimum, only how soon a good incumbent appears.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from ortools.sat.python import cp_model
+
+from .objective import MIB_UNITS, IntTables, MemoryPolicy, inflight
+from ._encoding import StageCuts
+from ._encoding import any_of as _any_of
+from ._encoding import blocks_of as _blocks
+from ._encoding import both as _both
+from ._encoding import gated as _gated
+from ._encoding import pair_max
+from .records import DeviceGraph, SolverOptions, SolverResult
+
+__all__ = ["CandidateModel", "matching_hint", "singleton_groups"]
+
+
+@dataclass(frozen=True)
+class _Group:
+    """A unit of decision: ``count`` interchangeable units of ``unit`` GPUs each.
+
+    One GPU (the per-GPU model: unit = count = 1), a plain class (unit = 1)
+    or, with node aggregation, ``count`` identical nodes of one class each
+    (unit = GPUs per node; stages take whole nodes). ``members`` lists the
+    GPUs unit by unit (node by node). ``link_in``: a GPU pair inside one unit
+    (None if unit = 1); ``link_out``: a pair in two different units (None if
+    count = 1)."""
+
+    members: tuple[int, ...]
+    unit: int
+    count: int
+    link_in: tuple[int, int] | None
+    link_out: tuple[int, int] | None
+
+
+def singleton_groups(num_gpus: int) -> list[_Group]:
+    """The per-GPU model's groups: GPU g is group g (unit = count = 1)."""
+    return [_Group((g,), 1, 1, None, None) for g in range(num_gpus)]
+
+
+def _link_code(tab: IntTables) -> np.ndarray:
+    """(G, G) integer code of each link: (rounded bandwidth class, latency)."""
+    lat = np.asarray(tab.pair_lat, dtype=np.int64)
+    return np.asarray(tab.pair_bw_class, dtype=np.int64) * (int(lat.max()) + 1) + lat
+
+
+class CandidateModel:
+    """CP-SAT model of one (S, M) candidate over ``groups`` (see [Note: one model builder]).
+
+    Times in ns units, memory in KiB. Attributes: ``m`` (the CpModel),
+    ``objective`` (its linear objective), ``cut``, ``k`` / ``p`` / ``n``
+    ([group][stage]), ``sh`` / ``rc`` / ``zc`` (None when the mode is "never").
+    ``devices`` is not read (the tables hold every GPU fact); kept for the
+    callers' uniform signature."""
+
+    def __init__(self, tab: IntTables, devices: DeviceGraph, options: SolverOptions,
+                 groups: list[_Group], num_stages: int):
+        self.tab, self.S, self.groups = tab, num_stages, groups
+        self.m = m = cp_model.CpModel()
+        n_s, nb, b = num_stages, tab.num_blocks, tab.microbatch_size
+        n_c = len(groups)
+        cls, stages, blocks = range(n_c), range(n_s), range(nb)
+        wsum = cp_model.LinearExpr.WeightedSum
+        rep = [q.members[0] for q in groups]
+        unit = [q.unit for q in groups]
+        count = [q.count for q in groups]
+        single = [q.count == 1 for q in groups]
+        ctype = [tab.gpu_types[r] for r in rep]
+
+        # [C-assign] k[c][s] units (GPUs, or whole nodes when aggregated) of group c in stage s,
+        # p[c][s] = k >= 1; every GPU takes >= 1 of the b samples, so unit * k <= b.
+        k = [None if single[c] else [m.NewIntVar(0, min(count[c], b // unit[c]), f"k_{c}_{s}") for s in stages]
+             for c in cls]
+        self.p = p = [[m.NewBoolVar(f"p_{c}_{s}") for s in stages] for c in cls]
+        self.k = k = [p[c] if single[c] else k[c] for c in cls]  # one unit: k = p
+        for c in cls:
+            if single[c]:
+                (m.AddAtMostOne if options.allow_idle_gpus else m.AddExactlyOne)(p[c])
+                continue
+            if options.allow_idle_gpus:
+                m.Add(sum(k[c]) <= count[c])
+            else:
+                m.Add(sum(k[c]) == count[c])
+            for s in stages:
+                m.Add(k[c][s] >= 1).OnlyEnforceIf(p[c][s])
+                m.Add(k[c][s] == 0).OnlyEnforceIf(p[c][s].Not())
+        size = [sum(unit[c] * k[c][s] for c in cls) for s in stages]
+        for s in stages:
+            m.AddBoolOr([p[c][s] for c in cls])
+            m.Add(size[s] <= b)
+
+        # [C-cuts] contiguous stage ranges (encoding in _encoding.py).
+        cuts = StageCuts(m, nb, n_s)
+        self.cut, in_s = cuts.cut, cuts.in_s
+        stage_sum, at_cut = cuts.stage_sum, cuts.at_cut
+
+        def gated(flag, value, hi, name):
+            return _gated(m, flag, value, hi, name)
+
+        def any_of(lits, name):
+            return _any_of(m, lits, name)
+
+        def both(a, c, name):
+            return _both(m, a, c, name)
+
+        # [C-shard] / [C-recompute] per-stage memory policy (absent when the mode is "never").
+        self.sh, self.rc = sh, rc = _policy_vars(m, tab, size, n_s)
+
+        # [C-samples] n[c][s] in [1, b] iff present; sum_c unit * k * n = b.
+        # z: samples a GPU of c pushes through each block (0 off its stage); u = z >= 1.
+        self.n = n = [[m.NewIntVar(0, b, f"n_{c}_{s}") for s in stages] for c in cls]
+        z = [[m.NewIntVar(0, b, f"z_{c}_{q}") for q in blocks] if single[c] else
+             [[m.NewIntVar(0, b, f"z_{c}_{s}_{q}") for q in blocks] for s in stages] for c in cls]
+        u = [[m.NewBoolVar(f"u_{c}_{q}") for q in blocks] if single[c] else
+             [[m.NewBoolVar(f"u_{c}_{s}_{q}") for q in blocks] for s in stages] for c in cls]
+
+        def z_of(c, s):
+            """Samples per block of a GPU of c, valid where c is in stage s (0 where it is not)."""
+            return (z[c], u[c]) if single[c] else (z[c][s], u[c][s])
+
+        kn = {}  # (group, stage) -> IntVar k * n of a multi-unit group
+        for s in stages:
+            tots = []
+            for c in cls:
+                m.Add(n[c][s] >= 1).OnlyEnforceIf(p[c][s])
+                m.Add(n[c][s] == 0).OnlyEnforceIf(p[c][s].Not())
+                if single[c]:
+                    tots.append(unit[c] * n[c][s])  # k = p: k * n = n
+                    continue
+                tot = m.NewIntVar(0, b, f"kn_{c}_{s}")
+                m.AddMultiplicationEquality(tot, [k[c][s], n[c][s]])
+                kn[c, s] = tot
+                tots.append(unit[c] * tot)
+                for q in blocks:  # z[c][s][q] = n[c][s] if block q is in stage s, else 0
+                    m.Add(z[c][s][q] == n[c][s]).OnlyEnforceIf(in_s[s][q])
+                    m.Add(z[c][s][q] == 0).OnlyEnforceIf(in_s[s][q].Not())
+                    m.Add(z[c][s][q] >= 1).OnlyEnforceIf(u[c][s][q])
+                    m.Add(z[c][s][q] == 0).OnlyEnforceIf(u[c][s][q].Not())
+            m.Add(sum(tots) == b)
+        for c in cls:
+            if single[c]:  # in one stage at most: z[c][q] = n[c][s] for the stage s holding q
+                for s in stages:
+                    for q in blocks:
+                        m.Add(z[c][q] == n[c][s]).OnlyEnforceIf(in_s[s][q])
+                for q in blocks:
+                    m.Add(z[c][q] >= 1).OnlyEnforceIf(u[c][q])
+                    m.Add(z[c][q] == 0).OnlyEnforceIf(u[c][q].Not())
+        if any(single):
+            # Redundant: every block sees the b samples. A multi-unit group's samples
+            # through block q: y[c][q] = k n of the stage holding q.
+            through = []
+            for c in cls:
+                if single[c]:
+                    through.append([unit[c] * z[c][q] for q in blocks])
+                    continue
+                y = [m.NewIntVar(0, b, f"through_{c}_{q}") for q in blocks]
+                for s in stages:
+                    for q in blocks:
+                        m.Add(y[q] == kn[c, s]).OnlyEnforceIf(in_s[s][q])
+                through.append([unit[c] * y[q] for q in blocks])
+            for q in blocks:
+                m.Add(sum(row[q] for row in through) == b)
+
+        # [C-compute] compute = n W + F (+ the recomputed forward) of a GPU of c.
+        lat_hi = max(max(r) for r in tab.pair_lat) if tab.num_gpus > 1 else 0
+        xfer_hi = max((max(r) for r in tab.xfer), default=0)
+        work_hi = b * max(p_[-1] for p_ in tab.work_prefix.values()) + \
+            max(p_[-1] for p_ in tab.fixed_prefix.values())
+        if rc:
+            work_hi += b * max(p_[-1] for p_ in tab.rc_work_prefix.values()) + \
+                max(p_[-1] for p_ in tab.rc_fixed_prefix.values())
+        t_hi = work_hi + 2 * (xfer_hi + lat_hi)
+        gpu_hi = min(tab.num_gpus, b * n_s)
+        tmax = m.NewIntVar(0, t_hi, "tmax")
+
+        def compute(c, zz, uu, on, name):
+            """IntVar: compute of a GPU of c with samples zz per block; ``on``: recomputes."""
+            ty = ctype[c]
+            cv = m.NewIntVar(0, work_hi, f"comp_{name}")
+            extra = 0
+            if rc:
+                extra = gated(on, wsum(zz, _blocks(tab.rc_work_prefix[ty]))
+                              + wsum(uu, _blocks(tab.rc_fixed_prefix[ty])), work_hi, f"rcw_{name}")
+            m.Add(cv == wsum(zz, _blocks(tab.work_prefix[ty])) + wsum(uu, _blocks(tab.fixed_prefix[ty])) + extra)
+            m.Add(tmax >= cv)  # redundant
+            return cv
+
+        # stage_comp[c][s]: compute of a GPU of c in stage s, 0 when c is absent from s.
+        stage_comp = [[None] * n_s for _ in cls]
+        for c in cls:
+            if single[c]:
+                on = None
+                if rc:  # the recomputed forward, when c's stage recomputes
+                    on = m.NewBoolVar(f"rcg_{c}")
+                    m.Add(on == sum(both(p[c][s], rc[s], f"prc_{c}_{s}") for s in stages))
+                cv = compute(c, z[c], u[c], on, f"{c}")
+                for s in stages:
+                    stage_comp[c][s] = gated(p[c][s], cv, work_hi, f"cgs_{c}_{s}")
+            else:
+                for s in stages:
+                    stage_comp[c][s] = compute(c, z[c][s], u[c][s], rc[s] if rc else None, f"{c}_{s}")
+        # Redundant throughput bound (valid for every decision): with w_ref[q] the
+        # fastest type's time of block q and r_g = max_q w_ref[q] / w_type(g)[q] <= 1,
+        # sum_g r_g compute_g >= b * sum_q w_ref[q] and compute_g <= tmax.
+        wt = {t_: _blocks(tab.work_prefix[t_]) for t_ in set(ctype)}
+        w_ref = [min(wt[t_][q] for t_ in wt) for q in blocks]
+        r_sum = 0.0
+        for c in cls:
+            r_g = max((w_ref[q] / wt[ctype[c]][q] for q in blocks if wt[ctype[c]][q] > 0), default=1.0)
+            r_sum += r_g * len(groups[c].members)
+        if r_sum > 0:
+            m.Add(tmax >= int(b * sum(w_ref) / r_sum * (1 - 1e-9)))
+        t = []
+        for s in stages:
+            cs = m.NewIntVar(0, work_hi, f"comp_s{s}")
+            m.AddMaxEquality(cs, [stage_comp[c][s] for c in cls])
+            # [C-boundary] (c, c): GPUs of two different units of c (whole nodes / distinct GPUs).
+            if s < n_s - 1:
+                pairs = [((rep[c], rep[d]) if c != d else groups[c].link_out,
+                          both(p[c][s], p[d][s + 1], f"y_{c}_{d}_{s}"))
+                         for c in cls for d in cls if c != d or count[c] > 1]
+                xm, lm = pair_max(m, tab, pairs, lambda q, s=s: at_cut(tab.xfer[q], s + 1),
+                                  lambda q: max(tab.xfer[q]), f"bd{s}")
+                bnd = 2 * xm + 2 * lm
+            else:
+                bnd = 0
+            ts = m.NewIntVar(0, t_hi, f"t_{s}")
+            m.Add(ts == cs + bnd)  # [C-stage]
+            t.append(ts)
+
+        # [C-shard] zc[c][s]: MiB per GPU of c in sharded stage s (0 otherwise).
+        self.zc = zc = None
+        if sh:
+            zc = [[m.NewIntVar(0, tab.cap_bytes[rep[c]] // MIB_UNITS, f"zc_{c}_{s}") for s in stages] for c in cls]
+            for s in stages:
+                held = []
+                for c in cls:
+                    m.Add(zc[c][s] == 0).OnlyEnforceIf(both(p[c][s], sh[s], f"psh_{c}_{s}").Not())
+                    if single[c]:
+                        held.append(unit[c] * zc[c][s])
+                    else:
+                        kz = m.NewIntVar(0, count[c] * (tab.cap_bytes[rep[c]] // MIB_UNITS), f"kz_{c}_{s}")
+                        m.AddMultiplicationEquality(kz, [k[c][s], zc[c][s]])
+                        held.append(unit[c] * kz)
+                m.Add(MIB_UNITS * sum(held) >= stage_sum(tab.shard_prefix, s)).OnlyEnforceIf(sh[s])
+            self.zc = zc
+        opt_hi = max(max(p_[-1] for p_ in tab.opt_prefix),
+                     max((tab.cap_bytes[r] // MIB_UNITS * tab.opt_per_mib[tab.gpu_mbw_class[r]] for r in rep),
+                         default=0) if sh else 0)
+        ar_hi = max((p_[-1] for p_ in (tab.arsh_prefix if sh else tab.ar_prefix)), default=0)
+        sync_hi = ar_hi + 3 * max(gpu_hi - 1, 0) * lat_hi + opt_hi
+
+        # [C-allreduce] ring over the stage's pairs; [C-optim] slowest memory bandwidth of the stage.
+        sync = []
+        for s in stages:
+            pairs = []
+            for c in cls:
+                if unit[c] > 1:  # a used unit has >= 2 GPUs: its inside link is present
+                    pairs.append((groups[c].link_in, p[c][s]))
+                if count[c] > 1:  # >= 2 units used: the link between units is present
+                    two = m.NewBoolVar(f"two_{c}_{s}")
+                    m.Add(k[c][s] >= 2).OnlyEnforceIf(two)
+                    m.Add(k[c][s] <= 1).OnlyEnforceIf(two.Not())
+                    pairs.append((groups[c].link_out, two))
+                for d in range(c + 1, n_c):
+                    pairs.append(((rep[c], rep[d]), both(p[c][s], p[d][s], f"w_{c}_{d}_{s}")))
+            if pairs and gpu_hi > 1:
+                arb, lw = pair_max(m, tab, pairs, lambda q, s=s: stage_sum(tab.ar_prefix[q], s),
+                                   lambda q: tab.ar_prefix[q][-1], f"ar{s}")
+                sz1 = m.NewIntVar(0, gpu_hi, f"size1_{s}")
+                m.Add(sz1 == size[s] - 1)
+                lat_term = m.NewIntVar(0, gpu_hi * lat_hi, f"arlat_{s}")
+                m.AddMultiplicationEquality(lat_term, [sz1, lw])
+                if sh:  # a sharded stage also all-gathers its weights: (2 grad + param) bytes
+                    arb_sh, _ = pair_max(m, tab, pairs, lambda q, s=s: stage_sum(tab.arsh_prefix[q], s),
+                                         lambda q: tab.arsh_prefix[q][-1], f"as{s}")
+                    hi = max(p_[-1] for p_ in tab.arsh_prefix)
+                    ar = (gated(sh[s].Not(), arb, hi, f"arp_{s}") + gated(sh[s], arb_sh, hi, f"ars_{s}")
+                          + 2 * lat_term + gated(sh[s], lat_term, gpu_hi * lat_hi, f"arl_{s}"))
+                else:
+                    ar = arb + 2 * lat_term
+            else:
+                ar = 0
+            opt_terms = []
+            for q in sorted(set(tab.gpu_mbw_class)):
+                members = [p[c][s] for c in cls if tab.gpu_mbw_class[rep[c]] == q]
+                if members:
+                    flag = any_of(members, f"o_{q}_{s}")
+                    if sh:
+                        flag = both(flag, sh[s].Not(), f"on_{q}_{s}")
+                    opt_terms.append(gated(flag, stage_sum(tab.opt_prefix[q], s),
+                                           tab.opt_prefix[q][-1], f"oz_{q}_{s}"))
+            if sh:
+                opt_terms += [tab.opt_per_mib[tab.gpu_mbw_class[rep[c]]] * zc[c][s] for c in cls]
+            opt = m.NewIntVar(0, opt_hi, f"opt_{s}")
+            m.AddMaxEquality(opt, opt_terms)
+            sync.append(ar + opt)
+
+        # [C-memory] state + activations <= usable KiB of a GPU of c in s, per policy combination.
+        act_single = {c: wsum(z[c], _blocks(tab.act_prefix)) for c in cls if single[c]}
+        for s in stages:
+            state = stage_sum(tab.state_prefix, s)
+            fl = inflight(tab.schedule, n_s, s, tab.num_microbatches)
+            xin = _stage_input_kib(m, tab, cuts, s) if rc else None
+            shard = stage_sum(tab.shard_prefix, s) if sh else 0
+            for c in cls:
+                act = act_single[c] if single[c] else wsum(z_of(c, s)[0], _blocks(tab.act_prefix))
+                _memory_limit(m, tab, p[c][s], cap=tab.cap_bytes[rep[c]], state=state, shard=shard,
+                              z_mib=zc[c][s] if sh else 0, act=act, fl=fl, n=n[c][s], xin=xin,
+                              sh=sh[s] if sh else None, rc=rc[s] if rc else None, name=f"{c}_{s}")
+
+        # [C-symmetry] interchangeable groups c < d (same type, memory, memory bandwidth,
+        # shape, inside links; the same links to every other group): swapping them changes
+        # nothing, so order them. Single groups: (stage, -samples) of c <= that of d (idle
+        # counts as stage S); otherwise k[c][.] lexicographically >= k[d][.].
+        code = _link_code(tab)
+
+        def lk(pair):
+            return -1 if pair is None else int(code[pair])
+
+        def sig(c):
+            g = rep[c]
+            return (ctype[c], tab.cap_bytes[g], tab.gpu_mbw_class[g], unit[c], count[c],
+                    lk(groups[c].link_in), lk(groups[c].link_out))
+
+        def key(c):
+            return sum((b + 1) * s * p[c][s] - n[c][s] for s in stages) + (b + 1) * n_s * (1 - sum(p[c]))
+
+        for c in cls:
+            for d in range(c + 1, n_c):
+                if sig(c) == sig(d) and all(code[rep[c], rep[e]] == code[rep[d], rep[e]]
+                                            for e in cls if e not in (c, d)):
+                    if single[c]:
+                        m.Add(key(c) <= key(d))
+                    else:
+                        base = count[c] + 1
+                        m.Add(sum(base ** (n_s - 1 - s) * (k[c][s] - k[d][s]) for s in stages) >= 0)
+                    break
+
+        # [C-objective] step = sum t_s + (M-1) max t_s + max (allreduce_s + optim_s).
+        m.AddMaxEquality(tmax, t)
+        smax = m.NewIntVar(0, sync_hi, "syncmax")
+        m.AddMaxEquality(smax, sync)
+        self.objective = sum(t) + (tab.num_microbatches - 1) * tmax + smax
+        m.Minimize(self.objective)
+
+    def hint(self, result: SolverResult) -> None:
+        """Warm start from a per-GPU decision (same S and M; [Note: warm start]): cuts,
+        policy, and per group the units in each stage and the samples / shard of its
+        first GPU there (a hint, so a decision the groups cannot express exactly is
+        repaired by CP-SAT; with one group per GPU it is the decision itself)."""
+        m, mib = self.m, MIB_UNITS * 1024
+        for s, (i, _) in enumerate(result.stage_blocks):
+            m.AddHint(self.cut[s], i)
+        where = {}
+        for s, (gs, ns) in enumerate(zip(result.stage_gpus, result.samples_per_microbatch)):
+            sharded = bool(result.stage_sharded and result.stage_sharded[s])
+            for pos, (g, n) in enumerate(zip(gs, ns)):
+                where[g] = (s, n, result.state_shard_bytes[s][pos] // mib if sharded else 0)
+        for c, grp in enumerate(self.groups):
+            for s in range(self.S):
+                mine = [where[g] for g in grp.members if where.get(g, (None,))[0] == s]
+                if self.k[c] is not self.p[c]:
+                    m.AddHint(self.k[c][s], len(mine) // grp.unit)
+                m.AddHint(self.p[c][s], bool(mine))
+                m.AddHint(self.n[c][s], mine[0][1] if mine else 0)
+                if self.zc is not None:
+                    m.AddHint(self.zc[c][s], max((z for _, _, z in mine), default=0))
+        for s in range(self.S):
+            if self.sh:
+                m.AddHint(self.sh[s], bool(result.stage_sharded and result.stage_sharded[s]))
+            if self.rc:
+                m.AddHint(self.rc[s], bool(result.stage_recompute and result.stage_recompute[s]))
+
+    def decision(self, solver: cp_model.CpSolver):
+        """Expand the group decision to GPUs: (stage_blocks, stage_gpus, samples, MemoryPolicy)."""
+        cuts = [solver.Value(c) for c in self.cut]
+        blocks = tuple((cuts[s], cuts[s + 1]) for s in range(self.S))
+        sharded = tuple(bool(self.sh and solver.BooleanValue(self.sh[s])) for s in range(self.S))
+        recompute = tuple(bool(self.rc and solver.BooleanValue(self.rc[s])) for s in range(self.S))
+        per_stage = [[] for _ in range(self.S)]
+        for c, grp in enumerate(self.groups):
+            members, pos = grp.members, 0
+            for s in range(self.S):
+                kk, nn = grp.unit * solver.Value(self.k[c][s]), solver.Value(self.n[c][s])
+                zz = solver.Value(self.zc[c][s]) if sharded[s] else 0
+                per_stage[s].extend((g, nn, zz) for g in members[pos:pos + kk])
+                pos += kk
+        gpus, samples, shards = [], [], []
+        for s, row in enumerate(per_stage):
+            row.sort()
+            gpus.append(tuple(g for g, _, _ in row))
+            samples.append(tuple(nn for _, nn, _ in row))
+            shards.append(tuple(zz for _, _, zz in row) if sharded[s] else ())
+        return blocks, tuple(gpus), tuple(samples), MemoryPolicy(sharded, tuple(shards), recompute)
+
+
+def _policy_vars(m: cp_model.CpModel, tab: IntTables, size, n_s: int):
+    """Per-stage booleans sh[s] ([C-shard]: only with >= 2 GPUs) and rc[s]
+    ([C-recompute]); None for a mode "never", fixed for "always"."""
+    sh = rc = None
+    if tab.sharding != "never":
+        sh = [m.NewBoolVar(f"sh_{s}") for s in range(n_s)]
+        for s in range(n_s):
+            m.Add(size[s] >= 2).OnlyEnforceIf(sh[s])
+            if tab.sharding == "always":
+                m.Add(size[s] <= 1).OnlyEnforceIf(sh[s].Not())
+    if tab.recompute != "never":
+        rc = [m.NewBoolVar(f"rc_{s}") for s in range(n_s)]
+        if tab.recompute == "always":
+            for v in rc:
+                m.Add(v == 1)
+    return sh, rc
+
+
+def _memory_limit(m: cp_model.CpModel, tab: IntTables, present, *, cap, state, shard, z_mib, act, fl, n, xin,
+                  sh, rc, name: str) -> None:
+    """[C-memory] of one GPU (or group member) on one stage, for each memory-policy
+    combination: (sh ? state - shard + z MiB : state) + (rc ? fl * n * X_s + act :
+    fl * act) <= cap (KiB), enforced when ``present``. ``sh`` / ``rc``: the
+    stage's policy literals, None when the mode is "never"; ``xin``: X_s (None
+    for stage 0); ``act`` = n * A_s."""
+    states = [(state, [])] if sh is None else \
+        [(state, [sh.Not()]), (state - shard + MIB_UNITS * z_mib, [sh])]
+    acts = [(fl * act, [])]
+    if rc is not None:
+        cin = 0
+        if xin is not None:
+            cin = m.NewIntVar(0, tab.microbatch_size * tab.cut_kib_max, f"cin_{name}")
+            m.AddMultiplicationEquality(cin, [n, xin])
+        acts = [(fl * act, [rc.Not()]), (fl * cin + act, [rc])]
+    for st_expr, l1 in states:
+        for act_expr, l2 in acts:
+            m.Add(st_expr + act_expr <= cap).OnlyEnforceIf([present, *l1, *l2])
+
+
+def _stage_input_kib(m: cp_model.CpModel, tab: IntTables, cuts: StageCuts, s: int):
+    """IntVar = X_s, the cut KiB per sample entering stage s (None for s = 0: nothing)."""
+    if s == 0:
+        return None
+    v = m.NewIntVar(0, tab.cut_kib_max, f"xin_{s}")
+    m.Add(v == cuts.at_cut(tab.cut_kib, s))
+    return v
+
+
+def matching_hint(hints, num_stages: int, num_microbatches: int):
+    """The first of ``hints`` (SolverResults) with this S and M, or None."""
+    return next((h for h in hints if h.num_stages == num_stages and h.num_microbatches == num_microbatches), None)
