@@ -75,15 +75,15 @@ def run(sc, args) -> list[dict]:
     from zorse_fx.solve import solve_cpsat, solve_grouped
     from zorse_fx.solve.objective import evaluate_result
     from zorse_fx.solve.portfolio import solve_portfolio
-    from zorse_fx.solve.records import SolverOptions
+    from zorse_fx.options import PlanOptions
 
     cluster = Cluster.from_yaml(CLUSTERS / sc.cluster)
     costs, _ = price(sc, cluster)
     ub = upper_bound_tokens_per_s(costs, cluster, sc.seq_len)
-    opts = SolverOptions(global_batch_size=sc.global_batch_size, max_stages=args.max_stages or sc.max_stages,
-                         time_limit_s=args.time_limit, deterministic_time=args.solver_budget,
-                         max_microbatches=args.max_microbatches,
-                         sharding="auto", recompute="auto", max_interleave=args.max_interleave)
+    opts = PlanOptions(global_batch_size=sc.global_batch_size, max_stages=args.max_stages or sc.max_stages,
+                       time_limit_s=args.time_limit, solver_budget=args.solver_budget,
+                       max_microbatches=args.max_microbatches,
+                       sharding="auto", recompute="auto", max_interleave=args.max_interleave)
     plan = partial(solve_portfolio, solver=solve_cpsat if len(cluster) <= 16 else solve_grouped)
     rows = []
     for variant in args.variants:

@@ -139,17 +139,17 @@ def run_scenario(sc: Scenario, args) -> list[dict]:
     from zorse_fx.errors import InfeasiblePlanError
     from zorse_fx.solve import solve_cpsat
     from zorse_fx.solve.objective import evaluate_result
-    from zorse_fx.solve.records import SolverOptions
+    from zorse_fx.options import PlanOptions
 
     cluster = Cluster.from_yaml(CLUSTERS / sc.cluster)
     t0 = time.perf_counter()
     costs, flops_per_sample = price(sc, cluster)
     print(f"[{sc.name}] priced {sc.model} on {len(cluster)} GPUs in {time.perf_counter() - t0:.0f} s", flush=True)
     devices = cluster.device_graph()
-    opts = SolverOptions(global_batch_size=sc.global_batch_size, max_stages=args.max_stages or sc.max_stages,
-                         time_limit_s=args.time_limit, deterministic_time=args.solver_budget,
-                         max_microbatches=args.max_microbatches,
-                         sharding=args.sharding, recompute=args.recompute, max_interleave=args.max_interleave)
+    opts = PlanOptions(global_batch_size=sc.global_batch_size, max_stages=args.max_stages or sc.max_stages,
+                       time_limit_s=args.time_limit, solver_budget=args.solver_budget,
+                       max_microbatches=args.max_microbatches,
+                       sharding=args.sharding, recompute=args.recompute, max_interleave=args.max_interleave)
     ub = upper_bound_tokens_per_s(costs, cluster, sc.seq_len)
     peak = sum(g.spec.peak_flops_per_s(scenario_precision(cluster).compute_dtype) for g in cluster.gpus)
     from zorse_fx.solve import solve_grouped

@@ -16,9 +16,11 @@ from zorse_fx.baselines.homogeneous import uniform_blocks
 from zorse_fx.baselines.metis import MAX_CANDIDATES, stage_groupings
 from zorse_fx.baselines.zorse_paper import min_k_cut_groups
 from zorse_fx.errors import InfeasiblePlanError
-from zorse_fx.solve import BlockCosts, DeviceGraph, SolverOptions, evaluate, solve_cpsat
+from zorse_fx.solve import BlockCosts, DeviceGraph, evaluate, solve_cpsat
 from zorse_fx.solve.objective import (MIB_UNITS, UNITS_PER_S, build_tables, evaluate_result, evaluate_units,
                                      fill_policy)
+
+from conftest import solver_options
 
 GIB = 1 << 30
 INTRA, INTER = (100e9, 5e-6), (10e9, 2e-5)  # (bytes/s, s): NVLink-like in a node, slower across
@@ -82,7 +84,7 @@ def _tight():
 
 
 def _tight_options(mode="never", **kw):
-    return SolverOptions(global_batch_size=16, max_stages=2, sharding=mode, recompute=mode, **kw)
+    return solver_options(global_batch_size=16, max_stages=2, sharding=mode, recompute=mode, **kw)
 
 
 def _activation_tight():
@@ -101,11 +103,11 @@ def _units(seconds):
 
 
 INSTANCES = [
-    (_hand, SolverOptions(global_batch_size=8, max_stages=2)),
-    (lambda: _eight(0), SolverOptions(global_batch_size=16, max_stages=4, schedule="gpipe")),
-    (lambda: _eight(1), SolverOptions(global_batch_size=32, max_stages=3, num_microbatches=(2, 4, 8))),
+    (_hand, solver_options(global_batch_size=8, max_stages=2)),
+    (lambda: _eight(0), solver_options(global_batch_size=16, max_stages=4, schedule="gpipe")),
+    (lambda: _eight(1), solver_options(global_batch_size=32, max_stages=3, num_microbatches=(2, 4, 8))),
     # memory techniques allowed: the policy must travel with the result.
-    (lambda: _eight(0), SolverOptions(global_batch_size=16, max_stages=4, schedule="gpipe", sharding="auto",
+    (lambda: _eight(0), solver_options(global_batch_size=16, max_stages=4, schedule="gpipe", sharding="auto",
                                       recompute="auto")),
     (_tight, _tight_options("auto")),
     (_tight, _tight_options("always")),
@@ -151,7 +153,7 @@ def test_well_formed(name, case):
 
 def test_homogeneous_all_by_hand():
     costs, devices = _hand()
-    options = SolverOptions(global_batch_size=8, max_stages=2, num_microbatches=(2,))  # b = 4
+    options = solver_options(global_batch_size=8, max_stages=2, num_microbatches=(2,))  # b = 4
     res = homogeneous_all(costs, devices, options)
     steps = {c["num_stages"]: _units(c["step_time_s"]) for c in res.candidates}
     # p = 2, d = 2: stages ((0, 4), (4, 8)) on GPUs (0, 1) | (2, 3), 2 samples each.
@@ -173,7 +175,7 @@ def test_homogeneous_all_by_hand():
 
 def test_homogeneous_equal_shares_and_skip_indivisible():
     costs, devices = _eight(0)
-    options = SolverOptions(global_batch_size=24, max_stages=4, num_microbatches=(1, 2, 3, 4))
+    options = solver_options(global_batch_size=24, max_stages=4, num_microbatches=(1, 2, 3, 4))
     res = homogeneous_all(costs, devices, options)
     d = 8 // res.num_stages
     assert all(len(gs) == d and len(set(ns)) == 1 for gs, ns in zip(res.stage_gpus, res.samples_per_microbatch))
@@ -183,12 +185,12 @@ def test_homogeneous_equal_shares_and_skip_indivisible():
     tried = {(c["num_stages"], c["num_microbatches"]) for c in res.candidates}
     assert (1, 4) not in tried and (2, 4) not in tried and (4, 4) in tried and (1, 3) in tried
     with pytest.raises(InfeasiblePlanError, match="homogeneous_all: no candidate"):
-        homogeneous_all(costs, devices, SolverOptions(global_batch_size=1, max_stages=4))
+        homogeneous_all(costs, devices, solver_options(global_batch_size=1, max_stages=4))
 
 
 def test_homogeneous_best_by_hand():
     costs, devices = _hand()
-    options = SolverOptions(global_batch_size=8, max_stages=2, num_microbatches=(2,))
+    options = solver_options(global_batch_size=8, max_stages=2, num_microbatches=(2,))
     res = homogeneous_best(costs, devices, options)
     assert {devices.gpu_types[g] for gs in res.stage_gpus for g in gs} == {"A"}
     # p = 1 on GPUs (0, 1), 2 samples each: 16 ms x (1 + 1) + ring all-reduce in n0 + A's optimizer.
@@ -196,7 +198,7 @@ def test_homogeneous_best_by_hand():
     expected = 2 * 16e-3 + (2 * 4 * 8e6 / 100e9 + 2 * 5e-6) + 2 * 16 * 8e6 / 1e12
     assert _units(res.objective) == _units(expected) == 32_906_000
     # with idling forbidden the decision is kept but reported infeasible.
-    strict = homogeneous_best(costs, devices, SolverOptions(global_batch_size=8, max_stages=2,
+    strict = homogeneous_best(costs, devices, solver_options(global_batch_size=8, max_stages=2,
                                                             num_microbatches=(2,), allow_idle_gpus=False))
     assert strict.status == "BASELINE_INFEASIBLE"
     assert any("idle" in v for c in strict.candidates if c["chosen"] for v in c["violations"])
@@ -204,7 +206,7 @@ def test_homogeneous_best_by_hand():
 
 def test_cephalo_by_hand():
     costs, devices = _hand()
-    res = cephalo(costs, devices, SolverOptions(global_batch_size=8, num_microbatches=(1,)))
+    res = cephalo(costs, devices, solver_options(global_batch_size=8, num_microbatches=(1,)))
     # b = 8: A takes 8 ms per sample, B 24 ms; min-max shares (3, 3, 1, 1) -> 24 ms on every GPU.
     assert res.num_stages == 1 and res.stage_gpus == ((0, 1, 2, 3),)
     assert res.samples_per_microbatch == ((3, 3, 1, 1),)
@@ -212,13 +214,13 @@ def test_cephalo_by_hand():
     assert _units(res.objective) == _units(expected) == 31_032_000
     # larger instance: one stage, faster GPUs never get fewer samples than slower ones.
     costs, devices = _eight(1)
-    res = cephalo(costs, devices, SolverOptions(global_batch_size=32, num_microbatches=(1, 2)))
+    res = cephalo(costs, devices, solver_options(global_batch_size=32, num_microbatches=(1, 2)))
     (gs,), (ns,) = res.stage_gpus, res.samples_per_microbatch
     fast = [n for g, n in zip(gs, ns) if devices.gpu_types[g] == "A"]
     slow = [n for g, n in zip(gs, ns) if devices.gpu_types[g] == "B"]
     assert res.num_stages == 1 and len(gs) == 8 and min(fast) > max(slow)
     with pytest.raises(InfeasiblePlanError, match="below the 8 GPUs"):
-        cephalo(costs, devices, SolverOptions(global_batch_size=4))
+        cephalo(costs, devices, solver_options(global_batch_size=4))
 
 
 def test_cephalo_reports_replicated_state_infeasible():
@@ -226,8 +228,8 @@ def test_cephalo_reports_replicated_state_infeasible():
     big = BlockCosts(fwd_bwd_s_per_sample=costs.fwd_bwd_s_per_sample, param_count=(200_000_000,) * 8,
                      act_bytes_per_sample=costs.act_bytes_per_sample,
                      cut_bytes_per_sample=costs.cut_bytes_per_sample)  # 25.6 GB of state > 14.4 GiB
-    res = cephalo(big, devices, SolverOptions(global_batch_size=8))
-    assert res.status == "BASELINE_INFEASIBLE" and not _eval(big, devices, SolverOptions(global_batch_size=8),
+    res = cephalo(big, devices, solver_options(global_batch_size=8))
+    assert res.status == "BASELINE_INFEASIBLE" and not _eval(big, devices, solver_options(global_batch_size=8),
                                                              res).feasible
     (chosen,) = [c for c in res.candidates if c["chosen"]]
     assert not chosen["feasible"] and len(chosen["violations"]) == 4  # every GPU over its memory
@@ -248,7 +250,7 @@ def test_zorse_paper_groups_follow_min_cut():
     # hand instance, k = 2: fast node first, blocks 6 : 2 (aggregate speeds 2/8 ms : 2/24 ms per
     # sample), 2 samples per GPU; beats k = 1 (55.032 ms, the all-reduce crosses the slow link).
     costs, devices = _hand()
-    res = zorse_paper(costs, devices, SolverOptions(global_batch_size=8, max_stages=2, num_microbatches=(2,)))
+    res = zorse_paper(costs, devices, solver_options(global_batch_size=8, max_stages=2, num_microbatches=(2,)))
     assert res.stage_gpus == ((0, 1), (2, 3)) and res.stage_blocks == ((0, 6), (6, 8))
     assert res.samples_per_microbatch == ((2, 2), (2, 2))
     t0 = 2 * 6e-3 + 2 * (4 * 1e6 / 10e9 + 2e-5)
@@ -263,7 +265,7 @@ def test_metis_enumeration_is_bounded_and_shares_follow_speed():
     groupings = stage_groupings(costs, devices, 4)
     assert 0 < len(groupings) <= MAX_CANDIDATES and len(set(groupings)) == len(groupings)
     assert ((0, 2, 4, 6), (1, 3, 5, 7)) in groupings and ((0, 1, 2, 3), (4, 5, 6, 7)) in groupings
-    res = metis(costs, devices, SolverOptions(global_batch_size=32, max_stages=3, num_microbatches=(2, 4)))
+    res = metis(costs, devices, solver_options(global_batch_size=32, max_stages=3, num_microbatches=(2, 4)))
     for gs, ns in zip(res.stage_gpus, res.samples_per_microbatch):
         fast = [n for g, n in zip(gs, ns) if devices.gpu_types[g] == "A"]
         slow = [n for g, n in zip(gs, ns) if devices.gpu_types[g] == "B"]
@@ -278,7 +280,7 @@ def test_flashflex_stages_and_memory_proportional_layers():
     speed = gpu_speeds(costs, devices)
     stages = spectral_stages(devices, speed, 2)
     assert sorted(g for gs in stages for g in gs) == list(range(8))
-    res = flashflex(costs, devices, SolverOptions(global_batch_size=16, max_stages=4))
+    res = flashflex(costs, devices, solver_options(global_batch_size=16, max_stages=4))
     assert len({g for gs in res.stage_gpus for g in gs}) == 8
     # two equal-memory stages split the blocks at half the memory: equal blocks -> 4 + 4.
     assert proportional_cuts([5] * 8, [16, 16]) == ((0, 4), (4, 8))
@@ -316,7 +318,7 @@ def _random(seed):
     types = "AABB" if seed % 2 else "ABAB"
     memory = [rng.choice([16, 24, 40]) * GIB if t == "A" else rng.choice([8, 12, 16]) * GIB for t in types]
     devices = _devices(types, ["n0", "n0", "n1", "n1"], memory, [1.5e12 if t == "A" else 3e11 for t in types])
-    options = SolverOptions(global_batch_size=8, max_stages=rng.choice([2, 3]), num_microbatches=(1, 2, 4),
+    options = solver_options(global_batch_size=8, max_stages=rng.choice([2, 3]), num_microbatches=(1, 2, 4),
                             schedule=rng.choice(["1f1b", "gpipe"]), seed=seed)
     return costs, devices, options
 
@@ -350,7 +352,7 @@ def test_portfolio_never_worse_than_a_baseline_and_keeps_proven_optima():
     from zorse_fx.solve.portfolio import solve_portfolio
 
     costs, devices = _eight(seed=3)
-    options = SolverOptions(global_batch_size=8, max_stages=3, time_limit_s=10.0, max_interleave=1)
+    options = solver_options(global_batch_size=8, max_stages=3, time_limit_s=10.0, max_interleave=1)
 
     def stopped_early(c, d, o):  # a feasible but poor incumbent, not proven optimal
         worst = max((fn(c, d, o) for fn in BASELINES.values()),
@@ -401,9 +403,9 @@ def test_sharding_makes_memory_tight_instance_feasible():
                 assert all(m <= int(0.9 * devices.memory_bytes[g]) for g, m in zip(gs, mem))
     assert {"homogeneous_all", "cephalo"} <= feasible, feasible
     # sharding alone suffices here; recomputation alone does not (the state is the problem).
-    assert homogeneous_all(costs, devices, SolverOptions(global_batch_size=16, max_stages=2,
+    assert homogeneous_all(costs, devices, solver_options(global_batch_size=16, max_stages=2,
                                                          sharding="auto")).status == "BASELINE"
-    assert homogeneous_all(costs, devices, SolverOptions(global_batch_size=16, max_stages=2,
+    assert homogeneous_all(costs, devices, solver_options(global_batch_size=16, max_stages=2,
                                                          recompute="always")).status == "BASELINE_INFEASIBLE"
 
 
@@ -436,7 +438,7 @@ def test_cephalo_shards_state_by_free_memory():
     assert free_memory_shards(5 * MIB_UNITS, [3 * MIB_UNITS, MIB_UNITS, 6 * MIB_UNITS]) == (2, 0, 3)
     assert free_memory_shards(0, [MIB_UNITS, MIB_UNITS]) == (0, 0)
     # with sharding "never" Cephalo replicates (the old model), whatever recompute allows.
-    plain = cephalo(costs, devices, SolverOptions(global_batch_size=16, max_stages=2, recompute="auto"))
+    plain = cephalo(costs, devices, solver_options(global_batch_size=16, max_stages=2, recompute="auto"))
     assert plain.stage_sharded == (False,) and plain.status == "BASELINE_INFEASIBLE"
 
 
@@ -444,8 +446,8 @@ def test_recompute_makes_activation_tight_instance_feasible():
     costs, devices = _activation_tight()
     base = dict(global_batch_size=16, max_stages=2, num_microbatches=(4,), schedule="gpipe")
     for name, fn in BASELINES.items():
-        assert fn(costs, devices, SolverOptions(**base)).status == "BASELINE_INFEASIBLE", name
-    options = SolverOptions(**base, recompute="auto")
+        assert fn(costs, devices, solver_options(**base)).status == "BASELINE_INFEASIBLE", name
+    options = solver_options(**base, recompute="auto")
     for name in ("homogeneous_all", "cephalo"):
         res = BASELINES[name](costs, devices, options)
         ev = _eval(costs, devices, options, res)
@@ -464,8 +466,8 @@ def test_selector_keeps_the_best_memory_variant():
     options = _tight_options("auto")
     blocks, gpus, samples, m = ((0, 2), (2, 3)), ((0, 1, 2, 3), (4, 5, 6, 7)), ((2, 2, 2, 2),) * 2, 2
     assert memory_variants(options) == ((False, False), (True, False), (False, True), (True, True))
-    assert memory_variants(SolverOptions(global_batch_size=1)) == ((False, False),)
-    assert memory_variants(SolverOptions(global_batch_size=1, sharding="always", recompute="auto")) == (
+    assert memory_variants(solver_options(global_batch_size=1)) == ((False, False),)
+    assert memory_variants(solver_options(global_batch_size=1, sharding="always", recompute="auto")) == (
         (True, False), (True, True))
     scored = []
     for sh, rc in memory_variants(options):
@@ -503,7 +505,7 @@ def test_stage_fits_matches_the_model(seed):
     outcomes = set()
     for _ in range(60):
         m = rng.choice([1, 2])
-        options = SolverOptions(global_batch_size=8, max_stages=3, schedule=rng.choice(["1f1b", "gpipe"]),
+        options = solver_options(global_batch_size=8, max_stages=3, schedule=rng.choice(["1f1b", "gpipe"]),
                                 sharding="auto", recompute="auto", memory_fraction=rng.uniform(0.05, 0.9))
         tab = build_tables(costs, devices, options, m)
         n_s = rng.choice([1, 2])
@@ -533,7 +535,7 @@ def test_metis_layers_fit_the_memory_variant(seed):
     costs, devices, _ = _random(seed)
     nb, met = costs.num_blocks, 0
     for _ in range(30):
-        options = SolverOptions(global_batch_size=8, max_stages=2, num_microbatches=(2,),
+        options = solver_options(global_batch_size=8, max_stages=2, num_microbatches=(2,),
                                 schedule=rng.choice(["1f1b", "gpipe"]), sharding="auto", recompute="auto",
                                 memory_fraction=rng.uniform(0.1, 0.9))
         tab = build_tables(costs, devices, options, 2)

@@ -133,13 +133,13 @@ def test_new_cuts_plan_no_worse_on_the_demo_cluster(small_opt, memory_fraction):
     from zorse_fx.precision import default_precision, precision_policy
     from zorse_fx.solve import evaluate, solve_cpsat
     from zorse_fx.solve.objective import evaluate_result
-    from zorse_fx.solve.records import SolverOptions
+    from conftest import solver_options
 
     cluster = Cluster.from_yaml(ROOT / "examples" / "clusters" / "demo.yaml")
     specs = {g.type: g.spec for g in cluster.gpus}
     policy = precision_policy(default_precision(specs.values()))
     devices = cluster.device_graph()
-    opts = SolverOptions(global_batch_size=16, max_stages=4, max_microbatches=8, time_limit_s=10.0,
+    opts = solver_options(global_batch_size=16, max_stages=4, max_microbatches=8, time_limit_s=10.0,
                          memory_fraction=memory_fraction)
     new, old = analyse(small_opt), analyse(small_opt, _minimal_cuts_only=True)
     c_new, c_old = block_costs(new, specs, precision=policy), block_costs(old, specs, precision=policy)

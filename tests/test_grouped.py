@@ -8,11 +8,11 @@ import time
 import pytest
 
 from zorse_fx.errors import InfeasiblePlanError
-from zorse_fx.solve import BlockCosts, SolverOptions, evaluate, solve_cpsat
+from zorse_fx.solve import BlockCosts, evaluate, solve_cpsat
 from zorse_fx.solve.grouped import gpu_classes, solve_grouped
 from zorse_fx.solve.objective import UNITS_PER_S, build_tables
 
-from conftest import make_devices, random_costs, random_instance, reference_or_same_error
+from conftest import make_devices, random_costs, random_instance, reference_or_same_error, solver_options
 
 GIB = 1 << 30
 
@@ -51,11 +51,11 @@ def test_classes_two_nodes_of_four():
     devices = make_devices(["A"] * 4 + ["A", "A", "B", "B"], ["n0"] * 4 + ["n1"] * 4, [16 * GIB] * 8,
                             [1e12] * 6 + [3e11] * 2)
     costs = random_costs(random.Random(0), 3, "AB")
-    tab = build_tables(costs, devices, SolverOptions(global_batch_size=8), 1)
+    tab = build_tables(costs, devices, solver_options(global_batch_size=8), 1)
     assert gpu_classes(devices, tab) == [[0, 1, 2, 3], [4, 5], [6, 7]]
     # one odd link inside node 0 splits that node.
     odd = make_devices(["A"] * 4, ["n0"] * 4, [16 * GIB] * 4, [1e12] * 4, odd_links={(0, 1): (5e9, 1e-5)})
-    tab = build_tables(costs, odd, SolverOptions(global_batch_size=8), 1)
+    tab = build_tables(costs, odd, solver_options(global_batch_size=8), 1)
     classes = gpu_classes(odd, tab)
     assert sorted(g for c in classes for g in c) == [0, 1, 2, 3]
     for c in classes:  # uniform links inside every class
@@ -73,7 +73,7 @@ def test_grouped_is_restriction(seed):
     devices = make_devices(types, nodes, [rng.choice([8, 16]) * GIB if t == "B" else 16 * GIB for t in types],
                             [1e12 if t == "A" else 3e11 for t in types])
     costs = random_costs(rng, nb, "AB", fixed=seed % 2 == 0)
-    options = SolverOptions(global_batch_size=rng.choice([4, 6, 8]), max_stages=2, num_microbatches=(1, 2),
+    options = solver_options(global_batch_size=rng.choice([4, 6, 8]), max_stages=2, num_microbatches=(1, 2),
                             time_limit_s=20.0, seed=seed)
     ref = solve_cpsat(costs, devices, options)
     res = solve_grouped(costs, devices, options)
@@ -109,8 +109,8 @@ def _big_instance(n_nodes, per_node, nb, seed=0):
 
 def test_sixty_four_gpus_four_types():
     costs, devices = _big_instance(8, 8, 40)
-    options = SolverOptions(global_batch_size=256, max_stages=4, num_microbatches=(4, 8),
-                            deterministic_time=1.0, seed=0)
+    options = solver_options(global_batch_size=256, max_stages=4, num_microbatches=(4, 8),
+                            solver_budget=1.0, seed=0)
     t0 = time.perf_counter()
     res = solve_grouped(costs, devices, options)
     wall = time.perf_counter() - t0
@@ -131,7 +131,7 @@ def test_node_aggregation_is_restriction(seed):
     nodes = ["n0", "n0", "n1", "n1", "n2", "n2", "n3", "n3"]
     devices = make_devices(types, nodes, [16 * GIB] * 6 + [8 * GIB] * 2, [1e12] * 6 + [3e11] * 2)
     costs = random_costs(rng, rng.randint(2, 5), "AB", fixed=seed % 2 == 0)
-    options = SolverOptions(global_batch_size=rng.choice([4, 8, 12]), max_stages=3, num_microbatches=(1, 2),
+    options = solver_options(global_batch_size=rng.choice([4, 8, 12]), max_stages=3, num_microbatches=(1, 2),
                             time_limit_s=20.0, seed=seed)
     agg = solve_grouped(costs, devices, options, aggregate_nodes=True)
     assert {c["num_groups"] for c in agg.candidates} == {2}
@@ -152,8 +152,8 @@ def test_identical_nodes_are_aggregated_at_scale():
     """32 nodes x 8 GPUs (4 types): identical nodes become 4 groups; the answer is exact.
     (1024 GPUs and the wall times: bench/planner_scaling.py.)"""
     costs, devices = _big_instance(32, 8, 24)
-    options = SolverOptions(global_batch_size=256, max_stages=3, num_microbatches=(8,),
-                            deterministic_time=1.0, seed=0)
+    options = solver_options(global_batch_size=256, max_stages=3, num_microbatches=(8,),
+                            solver_budget=1.0, seed=0)
     res = solve_grouped(costs, devices, options)
     assert {c["num_groups"] for c in res.candidates} == {4}
     ev = _eval(costs, devices, options, res)
@@ -191,7 +191,7 @@ def test_grouped_shards_across_a_class():
     devices = make_devices(["A"] * 8, ["n0"] * 4 + ["n1"] * 4, [16 * GIB] * 8, [1e12] * 8)
     costs = BlockCosts(fwd_bwd_s_per_sample={"A": (0.01,) * 4}, param_count=(750_000_000,) * 4,
                        act_bytes_per_sample=(32 << 20,) * 4, cut_bytes_per_sample=(0, 4 << 20, 4 << 20, 4 << 20, 0))
-    opts = SolverOptions(global_batch_size=8, max_stages=2, num_microbatches=(1, 2), time_limit_s=20.0)
+    opts = solver_options(global_batch_size=8, max_stages=2, num_microbatches=(1, 2), time_limit_s=20.0)
     with pytest.raises(InfeasiblePlanError, match="sharding='auto'"):
         solve_grouped(costs, devices, opts)
     res = solve_grouped(costs, devices, dataclasses.replace(opts, sharding="auto"))
@@ -215,7 +215,7 @@ def test_hint_encodes_the_hinted_decision(grouped):
     devices = make_devices(["A"] * 4 + ["B"] * 4, ["n0"] * 4 + ["n1"] * 4, [16 * GIB] * 8, [1e12] * 4 + [3e11] * 4)
     costs = BlockCosts(fwd_bwd_s_per_sample={"A": (0.01,) * 4, "B": (0.03,) * 4}, param_count=(400_000_000,) * 4,
                        act_bytes_per_sample=(32 << 20,) * 4, cut_bytes_per_sample=(0, 4 << 20, 4 << 20, 4 << 20, 0))
-    opts = SolverOptions(global_batch_size=16, max_stages=2, num_microbatches=(2,), sharding="always",
+    opts = solver_options(global_batch_size=16, max_stages=2, num_microbatches=(2,), sharding="always",
                          recompute="auto", time_limit_s=20.0)
     base = BASELINES["homogeneous_all"](costs, devices, opts)
     ev = evaluate_result(costs, devices, opts, base)

@@ -7,10 +7,10 @@ import random
 
 import pytest
 
-from conftest import make_devices, random_costs
+from conftest import make_devices, random_costs, solver_options
 from zorse_fx.solve.interleave import base_makespan_s, interleave_search, rescale_shares, with_interleaving
 from zorse_fx.solve.objective import evaluate, evaluate_result
-from zorse_fx.solve.records import BlockCosts, SolverOptions
+from zorse_fx.solve.records import BlockCosts
 from zorse_fx.solve.stage_dp import solve_stage_dp
 
 GIB = 1 << 30
@@ -23,7 +23,7 @@ def _two_group_instance(*, cross_bw=10e9, nb=16, gbs=8):
                        act_bytes_per_sample=(1e6,) * nb, cut_bytes_per_sample=(0,) + (1e5,) * (nb - 1) + (0,))
     devices = make_devices("AABB", ["n0", "n0", "n1", "n1"], [16 * GIB] * 4, [1e12] * 4,
                            inter=(cross_bw, 2e-5))
-    options = SolverOptions(global_batch_size=gbs, max_stages=4, max_microbatches=8)
+    options = solver_options(global_batch_size=gbs, max_stages=4, max_microbatches=8)
     return costs, devices, options
 
 
@@ -48,7 +48,7 @@ def test_uniform_interleaving_shrinks_the_bubble_by_v():
     costs = BlockCosts(fwd_bwd_s_per_sample={"A": (0.01,) * nb}, param_count=(1000,) * nb,
                        act_bytes_per_sample=(1e6,) * nb, cut_bytes_per_sample=(0,) * (nb + 1))
     devices = make_devices("AAAA", ["n0"] * 4, [16 * GIB] * 4, [1e12] * 4, intra=(float("inf"), 0.0))
-    options = SolverOptions(global_batch_size=8, max_stages=4)
+    options = solver_options(global_batch_size=8, max_stages=4)
     for v in (1, 2):
         blocks = tuple((k * nb // (4 * v), (k + 1) * nb // (4 * v)) for k in range(4 * v))
         ev = evaluate(costs, devices, options, stage_blocks=blocks, stage_gpus=tuple((s % 4,) for s in range(4 * v)),
@@ -94,7 +94,7 @@ def test_interleaving_off_returns_the_plan_itself():
     for opts in (dataclasses.replace(options, max_interleave=1), dataclasses.replace(options, schedule="gpipe")):
         assert with_interleaving(costs, devices, opts, base) is base
     with pytest.raises(ValueError, match="max_interleave=0"):
-        SolverOptions(global_batch_size=8, max_interleave=0)
+        solver_options(global_batch_size=8, max_interleave=0)
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -108,7 +108,7 @@ def test_interleave_search_results_fit_and_match_the_objective(seed):
     n_g = rng.randint(3, 6)
     devices = make_devices([rng.choice(types) for _ in range(n_g)], [f"n{g % 2}" for g in range(n_g)],
                            [rng.choice((8, 12, 16, 24)) * GIB for _ in range(n_g)], [1e12] * n_g)
-    options = SolverOptions(global_batch_size=rng.choice((4, 8, 12)), max_stages=3, max_microbatches=12,
+    options = solver_options(global_batch_size=rng.choice((4, 8, 12)), max_stages=3, max_microbatches=12,
                             recompute="auto", sharding="auto")
     try:
         base = solve_stage_dp(costs, devices, options)
@@ -138,7 +138,7 @@ def test_portfolio_interleaves_its_answer():
     costs, devices, options = _two_group_instance()
     import dataclasses
 
-    options = dataclasses.replace(options, deterministic_time=2.0)
+    options = dataclasses.replace(options, solver_budget=2.0)
     res = solve_portfolio(costs, devices, options, solve_cpsat)
     assert res.interleave > 1 and res.status.endswith("+INTERLEAVED")
     assert evaluate_result(costs, devices, options, res).feasible

@@ -12,9 +12,8 @@ from zorse_fx.errors import InfeasiblePlanError
 from zorse_fx.solve import _search
 from zorse_fx.solve._search import SolverCrash, run_isolated
 from zorse_fx.solve.cpsat import solve_cpsat
-from zorse_fx.solve.records import SolverOptions
 
-from conftest import random_instance
+from conftest import random_instance, solver_options
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 

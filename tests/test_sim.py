@@ -13,9 +13,9 @@ from zorse_fx.solve.objective import MEMORY_UNIT_BYTES
 
 from zorse_fx.errors import InfeasiblePlanError
 from zorse_fx.sim import gantt_png, simulate, to_perfetto
-from zorse_fx.solve import BlockCosts, DeviceGraph, SolverOptions, evaluate, solve_cpsat
+from zorse_fx.solve import BlockCosts, DeviceGraph, evaluate, solve_cpsat
 
-from conftest import compute_only, make_devices, random_instance
+from conftest import compute_only, make_devices, random_instance, solver_options
 
 GIB = 1 << 30
 KIB = MEMORY_UNIT_BYTES
@@ -44,7 +44,7 @@ def test_single_gpu(schedule):
                        param_count=(10_000_000, 5_000_000), act_bytes_per_sample=(1000, 500),
                        cut_bytes_per_sample=(0, 7, 0))
     devices = make_devices(["A"], ["n0"], [16 * GIB], [1e12])
-    options = SolverOptions(global_batch_size=12, schedule=schedule)
+    options = solver_options(global_batch_size=12, schedule=schedule)
     sim = simulate(costs, devices, options, stage_blocks=((0, 2),), stage_gpus=((0,),),
                    samples_per_microbatch=((4,),), num_microbatches=3)
     mb = 4 * 3e-3 + 1e-3  # n W + F per micro-batch
@@ -71,7 +71,7 @@ def test_pipeline_with_free_links_takes_m_plus_s_minus_1_stage_times(schedule, n
     devices = dataclasses.replace(make_devices(["A"] * num_stages, ["n0"] * num_stages, [GIB] * num_stages,
                                                 [1e12] * num_stages),
                                   link_latency_s=((0.0,) * num_stages,) * num_stages)
-    options = SolverOptions(global_batch_size=m, schedule=schedule)
+    options = solver_options(global_batch_size=m, schedule=schedule)
     kw = dict(stage_blocks=tuple((s, s + 1) for s in range(num_stages)),
               stage_gpus=tuple((s,) for s in range(num_stages)),
               samples_per_microbatch=((1,),) * num_stages, num_microbatches=m)
@@ -100,7 +100,7 @@ def test_heterogeneous_dp_pair_with_allreduce():
                           mem_bw_bytes_per_s=(1e12, 5e11), link_bw_bytes_per_s=((0, 1e10), (1e10, 0)),
                           link_latency_s=((0, 1e-5), (1e-5, 0)), node_names=("n0", "n0"))
     kw = dict(stage_blocks=((0, 1),), stage_gpus=((0, 1),), samples_per_microbatch=((3, 1),), num_microbatches=1)
-    options = SolverOptions(global_batch_size=4)
+    options = solver_options(global_batch_size=4)
     sim = simulate(costs, devices, options, **kw)
     # Ring: 2 x grad bytes / bw + 2 (k-1) latency per bucket; one block, so every bucket
     # (a 1 MiB one, then the other 3 MB) is ready when the backward ends.
@@ -133,7 +133,7 @@ def test_messages_share_link_bandwidth(nodes, shared):
     costs = BlockCosts(fwd_bwd_s_per_sample={"A": (1e-3, 1e-3)}, param_count=(0, 0),
                        act_bytes_per_sample=(0, 0), cut_bytes_per_sample=(0, cut, 0))
     devices = make_devices(["A"] * 3, nodes, [GIB] * 3, [1e12] * 3, intra=(bw, lat), inter=(bw, lat))
-    sim = simulate(costs, devices, SolverOptions(global_batch_size=2), stage_blocks=((0, 1), (1, 2)),
+    sim = simulate(costs, devices, solver_options(global_batch_size=2), stage_blocks=((0, 1), (1, 2)),
                    stage_gpus=((0,), (1, 2)), samples_per_microbatch=((2,), (1, 1)), num_microbatches=1)
     fwd = [e for e in sim.events if e.kind == "send" and e.gpu == 0]
     assert [(e.peer, e.nbytes) for e in fwd] == [(1, cut), (2, cut)]
@@ -152,7 +152,7 @@ def test_unequal_shares_route_rows():
     costs = BlockCosts(fwd_bwd_s_per_sample={"A": (1e-3, 1e-3)}, param_count=(10, 10),
                        act_bytes_per_sample=(0, 0), cut_bytes_per_sample=(0, 1000, 0))
     devices = make_devices(["A"] * 4, ["n0"] * 4, [GIB] * 4, [1e12] * 4)
-    sim = simulate(costs, devices, SolverOptions(global_batch_size=8), stage_blocks=((0, 1), (1, 2)),
+    sim = simulate(costs, devices, solver_options(global_batch_size=8), stage_blocks=((0, 1), (1, 2)),
                    stage_gpus=((0, 1), (2, 3)), samples_per_microbatch=((3, 1), (2, 2)), num_microbatches=2)
     sends = {(e.gpu, e.peer, e.microbatch): e.nbytes for e in sim.events if e.kind == "send"}
     assert sends == {**{(0, 2, m): 2000 for m in (0, 1)}, **{(0, 3, m): 1000 for m in (0, 1)},
@@ -162,7 +162,7 @@ def test_unequal_shares_route_rows():
     f3 = next(e for e in sim.events if e.kind == "F" and e.gpu == 3)
     assert f3.start_s >= max(e.end_s for e in sim.events if e.kind == "send" and e.peer == 3 and e.microbatch == 0)
     with pytest.raises(ValueError, match="sum to 3"):
-        simulate(costs, devices, SolverOptions(global_batch_size=8), stage_blocks=((0, 2),), stage_gpus=((0,),),
+        simulate(costs, devices, solver_options(global_batch_size=8), stage_blocks=((0, 2),), stage_gpus=((0,),),
                  samples_per_microbatch=((3,),), num_microbatches=2)
 
 
@@ -223,7 +223,7 @@ def test_perfetto_trace_and_gantt_png(tmp_path):
                        param_count=(10_000_000,) * 3, act_bytes_per_sample=(1000,) * 3,
                        cut_bytes_per_sample=(0, 5_000_000, 5_000_000, 0))
     devices = make_devices(["A", "B", "A", "A"], ["n0", "n0", "n1", "n1"], [GIB] * 4, [1e12, 5e11, 1e12, 1e12])
-    sim = simulate(costs, devices, SolverOptions(global_batch_size=12), stage_blocks=((0, 1), (1, 2), (2, 3)),
+    sim = simulate(costs, devices, solver_options(global_batch_size=12), stage_blocks=((0, 1), (1, 2), (2, 3)),
                    stage_gpus=((0, 1), (2,), (3,)), samples_per_microbatch=((2, 1), (3,), (3,)),
                    num_microbatches=4)
     labels = [f"gpu-{g}" for g in range(4)]
@@ -303,7 +303,7 @@ def _sharded_instance():
     devices = make_devices(["A"] * 3, ["n0"] * 3, [GIB] * 3, [1e12, 5e11, 5e11], intra=(50e9, 1e-5))
     kw = dict(stage_blocks=((0, 1),), stage_gpus=((0, 1, 2),), samples_per_microbatch=((2, 1, 1),),
               num_microbatches=1)
-    return costs, devices, SolverOptions(global_batch_size=4, sharding="auto"), kw
+    return costs, devices, solver_options(global_batch_size=4, sharding="auto"), kw
 
 
 def test_sharded_stage_allreduce_optim_allgather():
@@ -370,7 +370,7 @@ def test_recompute_backward_and_memory(schedule):
                                   link_latency_s=((0.0,) * 3,) * 3)
     devices = dataclasses.replace(devices, link_bw_bytes_per_s=tuple(tuple(0.0 if a == b else math.inf
                                                                             for b in range(3)) for a in range(3)))
-    options = SolverOptions(global_batch_size=m * n, schedule=schedule, recompute="auto")
+    options = solver_options(global_batch_size=m * n, schedule=schedule, recompute="auto")
     kw = dict(stage_blocks=((0, 1), (1, 2), (2, 3)), stage_gpus=((0,), (1,), (2,)),
               samples_per_microbatch=((n,),) * 3, num_microbatches=m, stage_recompute=(True, True, False))
     sim = simulate(costs, devices, options, **kw)
@@ -475,7 +475,7 @@ def test_gradient_buckets_overlap_the_last_backward(bw):
     costs = BlockCosts(fwd_bwd_s_per_sample={"A": (t,) * 4}, param_count=(params,) * 4,
                        act_bytes_per_sample=(100,) * 4, cut_bytes_per_sample=(0,) * 5)
     devices = make_devices(["A", "A"], ["n0", "n0"], [64 * GIB] * 2, [1e12] * 2, intra=(bw, 0.0))
-    options = SolverOptions(global_batch_size=2)
+    options = solver_options(global_batch_size=2)
     sim = simulate(costs, devices, options, stage_blocks=((0, 4),), stage_gpus=((0, 1),),
                    samples_per_microbatch=((1, 1),), num_microbatches=1)
     b = max((e for e in sim.events if e.kind == "B"), key=lambda e: e.end_s)

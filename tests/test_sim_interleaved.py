@@ -12,10 +12,10 @@ import statistics
 import pytest
 
 from zorse_fx.sim import gantt_png, simulate, to_perfetto
-from zorse_fx.solve import BlockCosts, SolverOptions, evaluate
+from zorse_fx.solve import BlockCosts, evaluate
 from zorse_fx.solve.objective import MEMORY_UNIT_BYTES
 
-from conftest import CLUSTERS, compute_only, make_devices, random_costs, random_instance
+from conftest import CLUSTERS, compute_only, make_devices, random_costs, random_instance, solver_options
 
 GIB = 1 << 30
 KIB = MEMORY_UNIT_BYTES
@@ -62,7 +62,7 @@ def _interleaved_instance(seed, *, policy=True):
     if policy:
         kw["stage_recompute"] = tuple(rng.random() < 0.3 for _ in range(n_s))
         kw["stage_sharded"] = tuple(len(groups[s % n_p]) > 1 and rng.random() < 0.4 for s in range(n_s))
-    options = SolverOptions(global_batch_size=m * b, max_stages=n_p, max_interleave=v, sharding="auto",
+    options = solver_options(global_batch_size=m * b, max_stages=n_p, max_interleave=v, sharding="auto",
                             recompute="auto")
     return costs, devices, options, kw
 
@@ -221,7 +221,7 @@ def test_interleaved_uniform_pipeline_takes_mv_plus_p_minus_1_stage_times(groups
     kw = dict(stage_blocks=tuple((s, s + 1) for s in range(n_s)),
               stage_gpus=tuple(tuple(range(p * k, p * k + k)) for p in range(groups)) * v,
               samples_per_microbatch=((1,) * k,) * n_s, num_microbatches=m, interleave=v)
-    options = SolverOptions(global_batch_size=m * k, max_interleave=v)
+    options = solver_options(global_batch_size=m * k, max_interleave=v)
     sim = simulate(costs, devices, options, **kw)
     ev = evaluate(costs, devices, options, **kw)
     allreduce = 2 * 4 * params / bw if k > 1 else 0.0
@@ -286,7 +286,7 @@ def test_interleave_one_is_the_default():
             else:
                 assert e.peer == e.peer_stage and abs(e.peer_stage - e.stage) == 1
     with pytest.raises(ValueError, match="multiple of 2"):
-        simulate(costs, devices, SolverOptions(global_batch_size=3), stage_blocks=((0, 1), (1, 2), (2, nb)),
+        simulate(costs, devices, solver_options(global_batch_size=3), stage_blocks=((0, 1), (1, 2), (2, nb)),
                  stage_gpus=((0,), (1,), (0,)), samples_per_microbatch=((1,),) * 3, num_microbatches=3,
                  interleave=2)
 
@@ -299,7 +299,7 @@ def _two_group_instance():
     devices = make_devices(["A", "A"], ["n0", "n1"], [GIB] * 2, [1e12] * 2)
     kw = dict(stage_blocks=((0, 1), (1, 2), (2, 3), (3, 4)), stage_gpus=((0,), (1,), (0,), (1,)),
               samples_per_microbatch=((2,),) * 4, num_microbatches=2, interleave=2)
-    return costs, devices, SolverOptions(global_batch_size=4, max_interleave=2), kw
+    return costs, devices, solver_options(global_batch_size=4, max_interleave=2), kw
 
 
 def test_interleaved_wraparound_messages_and_memory():
@@ -386,7 +386,7 @@ def test_plan_decision_round_trips_an_interleaved_plan(tmp_path, capsys):
     loaded = Plan.load(plan.export(tmp_path / "plan"))
     assert plan_decision(loaded) == want
     _, costs, _ = _analyse_and_price(captured, cluster, options)
-    sopts = SolverOptions(global_batch_size=8, max_interleave=2)
+    sopts = solver_options(global_batch_size=8, max_interleave=2)
     sim = simulate(costs, _device_graph(cluster, options), sopts, **plan_decision(loaded))
     assert sim.interleave == 2
     for st in loaded.stages:

@@ -20,7 +20,7 @@ The published systems train with memory techniques the shared model knows:
 Megatron-LM's distributed optimizer is ZeRO-1 and it recomputes activations
 ("full" recomputation); Cephalo, Zorse and FlashFlex shard training state
 across a data-parallel group (FSDP / ZeRO); Metis' and FlashFlex's planners
-check memory. So every baseline gets what ``SolverOptions.sharding`` /
+check memory. So every baseline gets what ``PlanOptions.sharding`` /
 ``recompute`` allow ([C-shard], [C-recompute] in ``objective``): for each
 decision ``Selector.add`` tries the uniform variants the options allow --
 plain, every multi-GPU stage sharded, every stage recomputing, both
@@ -45,7 +45,8 @@ from collections import Counter
 from ..errors import InfeasiblePlanError
 from ..solve.objective import (MIB_UNITS, UNIT_S, MemoryPolicy, build_tables, evaluate, evaluate_units,
                                fill_policy, inflight, mode_violations)
-from ..solve.records import BlockCosts, DeviceGraph, SolverOptions, SolverResult
+from ..options import PlanOptions
+from ..solve.records import BlockCosts, DeviceGraph, SolverResult
 
 __all__ = ["Selector", "gpu_speeds", "largest_remainder", "proportional_cuts", "reference_block_work",
            "bandwidth", "min_max_partition", "memory_variants", "stage_act_kib", "memory_groups", "stage_fits"]
@@ -53,7 +54,7 @@ __all__ = ["Selector", "gpu_speeds", "largest_remainder", "proportional_cuts", "
 _MODE_FLAGS = {"never": (False,), "auto": (False, True), "always": (True,)}
 
 
-def memory_variants(options: SolverOptions) -> tuple[tuple[bool, bool], ...]:
+def memory_variants(options: PlanOptions) -> tuple[tuple[bool, bool], ...]:
     """The uniform (sharded, recompute) variants ``options`` allow, in the
     order plain, sharded, recompute, both (see [Note: memory techniques of the
     baselines]); "sharded" applies to the stages with >= 2 GPUs only."""
@@ -190,7 +191,7 @@ class Selector:
     """Scores candidate decisions with the shared model; keeps the best per
     (S, M) and overall (see [Note: how a baseline picks among its candidates])."""
 
-    def __init__(self, name: str, costs: BlockCosts, devices: DeviceGraph, options: SolverOptions):
+    def __init__(self, name: str, costs: BlockCosts, devices: DeviceGraph, options: PlanOptions):
         self.name, self.costs, self.devices, self.options = name, costs, devices, options
         self.t0 = time.perf_counter()
         self._tables: dict[int, object] = {}

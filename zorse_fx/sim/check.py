@@ -25,7 +25,8 @@ import time
 from dataclasses import dataclass
 
 from ..errors import ZorseError
-from ..solve.records import BlockCosts, DeviceGraph, SolverOptions, SolverResult
+from ..options import PlanOptions
+from ..solve.records import BlockCosts, DeviceGraph, SolverResult
 from .engine import simulate
 
 __all__ = ["SimulationCheck", "PlanCheckError", "check_result", "SLOWER_TOLERANCE"]
@@ -63,7 +64,7 @@ class SimulationCheck:
                 f"peak memory {self.max_memory_fraction:.0%} of usable, {self.wall_s:.1f} s")
 
 
-def check_result(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions, result: SolverResult, *,
+def check_result(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions, result: SolverResult, *,
                  tolerance: float = SLOWER_TOLERANCE) -> SimulationCheck:
     """Simulate ``result``'s decision and check it (see the module note).
 

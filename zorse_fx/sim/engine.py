@@ -129,7 +129,8 @@ from ..runtime.grad_sync import BUCKET_BYTES, bucket_caps
 from ..runtime.schedule import make_schedule
 from ..solve.objective import (MEMORY_UNIT_BYTES, MIB_UNITS, RECOMPUTE_FRACTION, _policy, _validate,
                                build_tables)
-from ..solve.records import BlockCosts, DeviceGraph, SolverOptions
+from ..options import PlanOptions
+from ..solve.records import BlockCosts, DeviceGraph
 
 __all__ = ["SimEvent", "SimResult", "simulate", "link_resource", "plan_decision"]
 
@@ -318,7 +319,7 @@ def _reduction(costs: BlockCosts, devices: DeviceGraph, stage_blocks, stages, gp
         yield s, *span[s]
 
 
-def simulate(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions, *, stage_blocks, stage_gpus,
+def simulate(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions, *, stage_blocks, stage_gpus,
              samples_per_microbatch, num_microbatches: int, stage_sharded=None, state_shard_mib=None,
              stage_recompute=None, interleave: int = 1) -> SimResult:
     """Simulate one training step of the decision (see the module note).

@@ -10,10 +10,11 @@ needs the records (the cluster, the runtime) never imports OR-Tools.
 """
 
 from .objective import Evaluation, evaluate
-from .records import BlockCosts, DeviceGraph, SolverOptions, SolverResult
+from ..options import PlanOptions
+from .records import BlockCosts, DeviceGraph, SolverResult
 
 __all__ = [
-    "BlockCosts", "DeviceGraph", "SolverOptions", "SolverResult",
+    "BlockCosts", "DeviceGraph", "PlanOptions", "SolverResult",
     "Evaluation", "evaluate", "solve_brute_force", "solve_cpsat", "solve_grouped",
 ]
 

@@ -16,7 +16,8 @@ from ..errors import InfeasiblePlanError
 from .bounds import explain_infeasible
 from .objective import (UNIT_S, build_tables, evaluate, evaluate_units, fill_policy, max_stage_count,
                         microbatch_candidates, mode_violations)
-from .records import BlockCosts, DeviceGraph, SolverOptions, SolverResult
+from ..options import PlanOptions
+from .records import BlockCosts, DeviceGraph, SolverResult
 
 __all__ = ["solve_brute_force", "MAX_GPUS", "MAX_BLOCKS", "MAX_MICROBATCH_SIZE"]
 
@@ -32,7 +33,7 @@ def _compositions(total: int, parts: int):
         yield tuple(edges[i + 1] - edges[i] for i in range(parts))
 
 
-def solve_brute_force(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions) -> SolverResult:
+def solve_brute_force(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions) -> SolverResult:
     """Exact optimum of the model by enumeration (G <= 4, B <= 6, b <= 6).
 
     Same decision and tie-break as ``solve_cpsat`` (fewer stages, then fewer

@@ -31,7 +31,8 @@ from ._encoding import both as _both
 from ._encoding import gated as _gated
 from ._encoding import pair_max
 from ._search import CandidateSearch
-from .records import BlockCosts, DeviceGraph, SolverOptions, SolverResult
+from ..options import PlanOptions
+from .records import BlockCosts, DeviceGraph, SolverResult
 
 __all__ = ["solve_cpsat"]
 
@@ -59,7 +60,7 @@ class _Model:
     relaxation the throughput bound that product constraints do not.
     """
 
-    def __init__(self, tab: IntTables, devices: DeviceGraph, options: SolverOptions, num_stages: int):
+    def __init__(self, tab: IntTables, devices: DeviceGraph, options: PlanOptions, num_stages: int):
         self.tab, self.S = tab, num_stages
         self.m = m = cp_model.CpModel()
         n_s, n_g, nb, b = num_stages, tab.num_gpus, tab.num_blocks, tab.microbatch_size
@@ -320,7 +321,7 @@ def matching_hint(hints, num_stages: int, num_microbatches: int):
     return next((h for h in hints if h.num_stages == num_stages and h.num_microbatches == num_microbatches), None)
 
 
-def solve_cpsat(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions, *, hints=()) -> SolverResult:
+def solve_cpsat(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions, *, hints=()) -> SolverResult:
     """Plan with CP-SAT: minimise the predicted step time (seconds) over (S, M).
 
     ``objective`` / ``best_bound`` are in seconds. ``status`` is "OPTIMAL" only

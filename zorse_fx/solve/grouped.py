@@ -77,7 +77,8 @@ from ._encoding import both as _both
 from ._encoding import gated as _gated
 from ._encoding import pair_max
 from ._search import CandidateSearch
-from .records import BlockCosts, DeviceGraph, SolverOptions, SolverResult
+from ..options import PlanOptions
+from .records import BlockCosts, DeviceGraph, SolverResult
 
 __all__ = ["gpu_classes", "solve_grouped"]
 
@@ -189,7 +190,7 @@ def _groups(devices: DeviceGraph, tab: IntTables, aggregate: bool) -> list[_Grou
 class _GroupedModel:
     """CP-SAT model of one (S, M) candidate over GPU classes (see the module note)."""
 
-    def __init__(self, tab: IntTables, devices: DeviceGraph, options: SolverOptions,
+    def __init__(self, tab: IntTables, devices: DeviceGraph, options: PlanOptions,
                  groups: list[_Group], num_stages: int):
         self.tab, self.S, self.groups = tab, num_stages, groups
         self.m = m = cp_model.CpModel()
@@ -476,7 +477,7 @@ class _GroupedModel:
 AGGREGATE_ABOVE = 16
 
 
-def solve_grouped(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions, *,
+def solve_grouped(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions, *,
                   aggregate_nodes: bool | None = None, hints=()) -> SolverResult:
     """Plan with the grouped CP-SAT model: minimise the predicted step time over (S, M).
 

@@ -39,7 +39,8 @@ import time
 
 from .objective import (MemoryPolicy, StageUnits, UNIT_S, build_tables, evaluate, evaluate_units, fill_policy,
                         microbatch_candidates)
-from .records import BlockCosts, DeviceGraph, SolverOptions, SolverResult, with_safety_stop
+from ..options import PlanOptions
+from .records import BlockCosts, DeviceGraph, SolverResult, with_safety_stop
 
 __all__ = ["interleave_search", "with_interleaving", "rescale_shares"]
 
@@ -157,7 +158,7 @@ def _local_search(tab, cuts, stage_gpus, samples, sharded, recompute, v):
     return key, cuts
 
 
-def interleave_search(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions,
+def interleave_search(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions,
                       base: SolverResult) -> tuple[SolverResult | None, tuple[dict, ...]]:
     """The fastest feasible interleaved version of ``base``'s GPU groups (see
     [Note: interleave search]) and a record per (v, M, policy) tried. The
@@ -212,7 +213,7 @@ def interleave_search(costs: BlockCosts, devices: DeviceGraph, options: SolverOp
     return res, tuple(tried)
 
 
-def base_makespan_s(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions, base: SolverResult) -> float:
+def base_makespan_s(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions, base: SolverResult) -> float:
     """``base`` (one stage per group) scored like an interleaved decision: the
     makespan of its 1F1B / GPipe task graph + the slowest stage's sync
     ([Note: interleaved stages]), so both sides of the comparison use the same
@@ -232,7 +233,7 @@ def base_makespan_s(costs: BlockCosts, devices: DeviceGraph, options: SolverOpti
     return step * UNIT_S
 
 
-def with_interleaving(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions,
+def with_interleaving(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions,
                       base: SolverResult) -> SolverResult:
     """``base``, or its interleaved version when the objective scores that faster
     than both ``base``'s step and ``base_makespan_s`` (the same measure).

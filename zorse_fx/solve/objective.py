@@ -9,7 +9,7 @@ iff ``allow_idle_gpus``; every stage >= 1 GPU)                       [C-assign]
 contiguous non-empty block ranges [c_s, c_{s+1}), c_0 = 0, c_S = B   [C-cuts]
 integer samples n_g >= 1 per GPU of stage s, sum_{g in s} n_g = b   [C-samples]
 
-Memory policy per stage (decisions too; ``SolverOptions.sharding`` /
+Memory policy per stage (decisions too; ``PlanOptions.sharding`` /
 ``recompute`` = "never" fixes them to False, "always" to True, "auto" leaves
 them to the planner):
   sh_s  ZeRO-1: the stage's shardable optimizer state is split across its GPUs,
@@ -81,7 +81,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import InfeasiblePlanError
-from .records import BlockCosts, DeviceGraph, SolverOptions
+from ..options import PlanOptions
+from .records import BlockCosts, DeviceGraph
 
 __all__ = [
     "UNITS_PER_S", "UNIT_S", "GIB", "to_units", "microbatch_candidates",
@@ -119,7 +120,7 @@ def _gib(nbytes: float) -> str:
     return f"{nbytes / GIB:.1f}"
 
 
-def microbatch_candidates(options: SolverOptions) -> tuple[int, ...]:
+def microbatch_candidates(options: PlanOptions) -> tuple[int, ...]:
     """Micro-batch counts M to try (ascending): ``options.num_microbatches`` or
     every divisor of ``global_batch_size`` up to ``max_microbatches``; only
     those dividing the global batch. Raises InfeasiblePlanError if none."""
@@ -143,7 +144,7 @@ def microbatch_candidates(options: SolverOptions) -> tuple[int, ...]:
     return ms
 
 
-def max_stage_count(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions) -> int:
+def max_stage_count(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions) -> int:
     """Largest useful S: min(max_stages, blocks, GPUs)."""
     if options.max_stages < 1:
         raise ValueError(f"max_stages must be >= 1, got {options.max_stages}")
@@ -222,7 +223,7 @@ class IntTables:
         return max(self.cut_kib)
 
 
-def build_tables(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions,
+def build_tables(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions,
                  num_microbatches: int) -> IntTables:
     """Round every coefficient of the model once (see the module note)."""
     gbs, m = options.global_batch_size, num_microbatches
@@ -566,7 +567,7 @@ def _policy(tab, options, stage_blocks, stage_gpus, samples, sharded, shard_mib,
     return pol
 
 
-def mode_violations(options: SolverOptions, stage_gpus, pol: MemoryPolicy) -> list[str]:
+def mode_violations(options: PlanOptions, stage_gpus, pol: MemoryPolicy) -> list[str]:
     """Breaches of ``options.sharding`` / ``options.recompute`` by a policy."""
     bad = []
     for s, gpus in enumerate(stage_gpus):
@@ -579,7 +580,7 @@ def mode_violations(options: SolverOptions, stage_gpus, pol: MemoryPolicy) -> li
     return bad
 
 
-def evaluate(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions, *,
+def evaluate(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions, *,
              stage_blocks, stage_gpus, samples_per_microbatch, num_microbatches: int,
              stage_sharded=None, state_shard_mib=None, stage_recompute=None, interleave: int = 1) -> Evaluation:
     """Score a decision with the model of the module note.
@@ -644,6 +645,6 @@ def evaluate(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions, *,
                       stage_recompute=pol.recompute, interleave=interleave)
 
 
-def evaluate_result(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions, result) -> Evaluation:
+def evaluate_result(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions, result) -> Evaluation:
     """``evaluate`` of a SolverResult's decision, memory policy included."""
     return evaluate(costs, devices, options, **result.decision_kwargs())

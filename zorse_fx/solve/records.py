@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["BlockCosts", "DeviceGraph", "SolverOptions", "SolverResult", "MEMORY_MODES", "SAFETY_STOP",
+__all__ = ["BlockCosts", "DeviceGraph", "SolverResult", "SAFETY_STOP",
            "with_safety_stop"]
 
 #: Appended to a result's status when the wall-clock safety stop cut a CP-SAT
@@ -25,10 +25,6 @@ def with_safety_stop(status: str, wall_clock_stops: int) -> str:
     ``wall_clock_stops`` > 0 (so "+INTERLEAVED" and the portfolio's names go before it)."""
     base = status.replace(SAFETY_STOP, "")
     return base + SAFETY_STOP if wall_clock_stops else base
-
-#: Values of ``SolverOptions.sharding`` / ``SolverOptions.recompute``.
-MEMORY_MODES = ("never", "auto", "always")
-
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class BlockCosts:
@@ -159,76 +155,6 @@ class DeviceGraph:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class SolverOptions:
-    """Knobs of the planners (CP-SAT and brute force share them)."""
-
-    #: Samples per global batch (all micro-batches of all stages together).
-    global_batch_size: int
-    #: Largest number of pipeline stages to consider (of GPU groups, when
-    #: interleaving puts several stages on each; see ``max_interleave``).
-    max_stages: int = 4
-    #: Candidate micro-batch counts; ``None`` = every divisor of the global
-    #: batch size up to ``max_microbatches``.
-    num_microbatches: tuple[int, ...] | None = None
-    max_microbatches: int = 16
-    #: "1f1b" or "gpipe": decides activations in flight per stage.
-    schedule: str = "1f1b"
-    #: Fraction of each GPU's memory the plan may use (rest: allocator, CUDA
-    #: context, fragmentation).
-    memory_fraction: float = 0.9
-    #: Work budget of each CP-SAT solve (one (stages, micro-batches) candidate),
-    #: in CP-SAT *deterministic seconds* (``max_deterministic_time``): work
-    #: units counted by the solver, roughly one second of one worker on an idle
-    #: machine but independent of the machine's load, so the same inputs give
-    #: the same plan ([Note: reproducible plans] in ``solve/_search.py``).
-    deterministic_time: float = 5.0
-    #: Wall-clock safety stop of each CP-SAT solve, seconds. Only a safety
-    #: stop: when it fires before ``deterministic_time`` is spent, the answer
-    #: depends on the machine's load, the status says "(wall-clock safety
-    #: stop)" and a warning says so; raise it (or lower ``deterministic_time``).
-    time_limit_s: float = 100.0
-    #: CP-SAT worker threads. 1 (default): CP-SAT's sequential search,
-    #: deterministic. More: the workers interleave (``interleave_search``, which
-    #: keeps the search deterministic; "core" left out), which OR-Tools 9.15
-    #: marks experimental and which did worse per deterministic second on the
-    #: 64-GPU instance of tests/test_grouped.py (step 1.18 s vs 1.06 s at 3
-    #: deterministic s per candidate; [Note: reproducible plans]).
-    num_workers: int = 1
-    #: Allow GPUs to stay unused when that is faster.
-    allow_idle_gpus: bool = True
-    #: Random seed for CP-SAT (``random_seed``; reproducible plans).
-    seed: int = 0
-    #: ZeRO-1 optimizer-state sharding per stage: "never", "auto" (the planner
-    #: decides per stage; it costs an all-gather of the weights after the
-    #: optimizer step and saves memory and optimizer time) or "always" (every
-    #: stage with >= 2 GPUs is sharded).
-    sharding: str = "never"
-    #: Stage-level activation recomputation: "never", "auto" (per stage) or
-    #: "always" (every stage).
-    recompute: str = "never"
-    #: Largest interleave degree v (stages per GPU group, interleaved 1F1B)
-    #: ``solve.interleave`` tries on a finished plan; 1 = never interleave.
-    max_interleave: int = 4
-
-    def __post_init__(self) -> None:
-        if not self.deterministic_time > 0:
-            raise ValueError(f"SolverOptions.deterministic_time={self.deterministic_time!r}: use a number > 0 "
-                             f"(CP-SAT deterministic seconds per candidate, e.g. 10)")
-        if not self.time_limit_s > 0:
-            raise ValueError(f"SolverOptions.time_limit_s={self.time_limit_s!r}: use a number of seconds > 0 "
-                             f"(the wall-clock safety stop of each CP-SAT solve, e.g. 100)")
-        if not isinstance(self.num_workers, int) or self.num_workers < 1:
-            raise ValueError(f"SolverOptions.num_workers={self.num_workers!r}: use an int >= 1")
-        if not isinstance(self.max_interleave, int) or self.max_interleave < 1:
-            raise ValueError(f"SolverOptions.max_interleave={self.max_interleave!r}: use an int >= 1 "
-                             f"(1 = no interleaving)")
-        for name in ("sharding", "recompute"):
-            v = getattr(self, name)
-            if v not in MEMORY_MODES:
-                raise ValueError(f"SolverOptions.{name}={v!r}: use one of {MEMORY_MODES}")
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
 class SolverResult:
     """The planner's decision, before it is turned into a ``Plan``."""
 
@@ -265,7 +191,7 @@ class SolverResult:
     best_bound: float = 0.0
     optimality_gap: float = 0.0
     wall_s: float = 0.0
-    #: CP-SAT solves the wall-clock safety stop (``SolverOptions.time_limit_s``)
+    #: CP-SAT solves the wall-clock safety stop (``PlanOptions.time_limit_s``)
     #: cut short before their deterministic budget: when > 0 the decision may
     #: differ on another run or machine, and ``status`` ends in
     #: " (wall-clock safety stop)".
@@ -289,7 +215,7 @@ class SolverResult:
 
     @classmethod
     def from_evaluation(cls, ev, *, stage_blocks, stage_gpus, samples_per_microbatch, num_microbatches: int,
-                        options: "SolverOptions", status: str, best_bound: float, wall_s: float = 0.0,
+                        options: "PlanOptions", status: str, best_bound: float, wall_s: float = 0.0,
                         candidates: tuple[dict, ...] = ()) -> "SolverResult":
         """The record of a decision scored by ``objective.evaluate`` (``ev``, an
         ``Evaluation``): predictions and memory policy from ``ev``, objective =
