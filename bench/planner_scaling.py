@@ -74,8 +74,8 @@ def main() -> int:
         rows.append({"num_gpus": num_gpus, "num_layers": layers, "num_blocks": costs.num_blocks,
                      "planner": solve.__name__, "planner_wall_s": wall, "optimality_gap": res.optimality_gap,
                      "status": res.status, "step_time_s": res.predicted_step_time_s,
-                     "num_stages": res.num_stages, "gpus_used": sum(map(len, res.stage_gpus)),
-                     "interleave": res.interleave, "simulated_step_time_s": check.simulated_step_time_s,
+                     "num_stages": res.num_stages, "gpus_used": len(res.decision.gpus_used),
+                     "interleave": res.decision.interleave, "simulated_step_time_s": check.simulated_step_time_s,
                      "sim_check_s": check.wall_s})
         print(json.dumps(rows[-1]), flush=True)
     out = ROOT / "bench" / "results" / "scaling.json"

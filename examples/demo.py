@@ -144,7 +144,7 @@ def _simulated_timeline(compiled, cluster, out: Path) -> None:
                           precision=plan.precision, grad_reduce_dtype=plan.grad_reduce_dtype)
     _, costs, _ = _analyse_and_price(compiled.captured, cluster, options)
     result = simulate(costs, _device_graph(cluster, options), options,
-                      **plan_decision(plan, costs))  # decision + memory policy (sharding, recompute)
+                      plan_decision(plan, costs))  # decision + memory policy (sharding, recompute)
     labels = [f"{g.type}@{g.node}" for g in cluster.gpus]
     gantt_png(result, out / "timeline.png", gpu_labels=labels)
     to_perfetto(result, out / "trace.json", gpu_labels=labels)

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from zorse_fx.errors import InfeasiblePlanError
-from zorse_fx.solve import BlockCosts, evaluate, solve_cpsat
+from zorse_fx.solve import BlockCosts, Decision, evaluate, solve_cpsat
 from zorse_fx.solve.grouped import gpu_classes, solve_grouped
 from zorse_fx.solve.objective import UNITS_PER_S, build_tables
 
@@ -18,8 +18,7 @@ GIB = 1 << 30
 
 
 def _eval(costs, devices, options, res):
-    return evaluate(costs, devices, options, stage_blocks=res.stage_blocks, stage_gpus=res.stage_gpus,
-                    samples_per_microbatch=res.samples_per_microbatch, num_microbatches=res.num_microbatches)
+    return evaluate(costs, devices, options, res.decision.without_policy())
 
 
 def _check_candidates(res):
@@ -116,8 +115,8 @@ def test_sixty_four_gpus_four_types():
     wall = time.perf_counter() - t0
     ev = _eval(costs, devices, options, res)
     print(f"64 GPUs: wall {wall:.2f} s, status {res.status}, step {res.objective:.4f} s, "
-          f"gap {res.optimality_gap:.3%}, S={res.num_stages}, M={res.num_microbatches}, "
-          f"GPUs used {sum(map(len, res.stage_gpus))}")
+          f"gap {res.optimality_gap:.3%}, S={res.num_stages}, M={res.decision.num_microbatches}, "
+          f"GPUs used {sum(map(len, res.decision.stage_gpus))}")
     assert ev.feasible and ev.objective_units == round(res.objective * UNITS_PER_S)
     # Planner wall time is measured in bench/planner_scaling.py, not asserted here.
 
@@ -143,7 +142,7 @@ def test_node_aggregation_is_restriction(seed):
         assert ev.feasible and ev.objective_units == round(res.objective * UNITS_PER_S)
     assert round(agg.objective * UNITS_PER_S) >= round(cls.objective * UNITS_PER_S)
     # stages take whole nodes when aggregated.
-    for gs in agg.stage_gpus:
+    for gs in agg.decision.stage_gpus:
         a_nodes = {nodes[g] for g in gs}
         assert sum(1 for g in range(8) if nodes[g] in a_nodes) == len(gs)
 
@@ -195,8 +194,8 @@ def test_grouped_shards_across_a_class():
     with pytest.raises(InfeasiblePlanError, match="sharding='auto'"):
         solve_grouped(costs, devices, opts)
     res = solve_grouped(costs, devices, dataclasses.replace(opts, sharding="auto"))
-    assert all(res.stage_sharded)
-    for s, ((i, j), row) in enumerate(zip(res.stage_blocks, res.state_shard_bytes)):
+    assert all(res.decision.sharded)
+    for s, ((i, j), row) in enumerate(zip(res.decision.stage_blocks, res.decision.shard_bytes())):
         assert sum(row) >= 8 * sum(costs.param_count[i:j])
     assert evaluate_result(costs, devices, dataclasses.replace(opts, sharding="auto"), res).feasible
 
@@ -219,18 +218,19 @@ def test_hint_encodes_the_hinted_decision(grouped):
                          recompute="auto", time_limit_s=20.0)
     base = BASELINES["homogeneous_all"](costs, devices, opts)
     ev = evaluate_result(costs, devices, opts, base)
-    assert ev.feasible and any(base.stage_sharded)
-    tab = build_tables(costs, devices, opts, base.num_microbatches)
+    assert ev.feasible and any(base.decision.sharded)
+    tab = build_tables(costs, devices, opts, base.decision.num_microbatches)
     if grouped:
         model = _GroupedModel(tab, devices, opts, _groups(devices, tab, False), base.num_stages)
     else:
         model = _Model(tab, devices, opts, base.num_stages)
-    model.hint(base)
+    model.hint(base.decision)
     solver = cp_model.CpSolver()
     solver.parameters.fix_variables_to_their_hinted_value = True
     solver.parameters.num_workers = 1
     assert solver.Solve(model.m) in (cp_model.OPTIMAL, cp_model.FEASIBLE)
-    blocks, gpus, samples, pol = model.decision(solver)
-    assert (blocks, gpus, samples) == (base.stage_blocks, base.stage_gpus, base.samples_per_microbatch)
-    assert pol.sharded == base.stage_sharded and pol.recompute == base.stage_recompute
+    dec = model.decision(solver)
+    assert (dec.stage_blocks, dec.stage_gpus, dec.samples_per_microbatch) == (
+        base.decision.stage_blocks, base.decision.stage_gpus, base.decision.samples_per_microbatch)
+    assert dec.sharded == base.decision.sharded and dec.recompute == base.decision.recompute
     assert solver.Value(model.objective) == ev.objective_units

@@ -41,10 +41,7 @@ def _without_wall_times(x):
 
 def _fingerprint(res) -> dict:
     """Everything a SolverResult decides and reports, except its wall times."""
-    return dict(stage_blocks=res.stage_blocks, stage_gpus=res.stage_gpus,
-                samples_per_microbatch=res.samples_per_microbatch, num_microbatches=res.num_microbatches,
-                stage_sharded=res.stage_sharded, state_shard_bytes=res.state_shard_bytes,
-                stage_recompute=res.stage_recompute, interleave=res.interleave, status=res.status,
+    return dict(decision=res.decision, status=res.status,
                 objective=res.objective, best_bound=res.best_bound, step=res.predicted_step_time_s,
                 wall_clock_stops=res.wall_clock_stops, candidates=_without_wall_times(res.candidates))
 

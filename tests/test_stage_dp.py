@@ -133,7 +133,7 @@ def test_plans_are_feasible_and_never_beat_the_optimum(seed):
         assert ev.feasible and ev.step_time_s == res.predicted_step_time_s
         assert res.predicted_step_time_s >= opt.predicted_step_time_s
         assert hints and hints[0].predicted_step_time_s == res.predicted_step_time_s
-    keys = [(h.num_stages, h.num_microbatches) for h in hints]
+    keys = [(h.num_stages, h.decision.num_microbatches) for h in hints]
     assert len(keys) == len(set(keys))
     for h in hints:
         assert evaluate_result(costs, devices, options, h).feasible
@@ -166,10 +166,10 @@ def test_tight_cluster_gets_a_feasible_plan_with_unequal_stages():
     res = solve_stage_dp(costs, devices, options)
     ev = evaluate_result(costs, devices, options, res)
     assert res.status == "STAGE_DP" and ev.feasible
-    sizes = [j - i for i, j in res.stage_blocks]
+    sizes = [j - i for i, j in res.decision.stage_blocks]
     assert len(set(sizes)) > 1, sizes  # memory-balanced, not an even split
     # Stages keep to one GPU type (units are whole nodes of one type).
-    assert all(len({devices.gpu_types[g] for g in gs}) == 1 for gs in res.stage_gpus)
+    assert all(len({devices.gpu_types[g] for g in gs}) == 1 for gs in res.decision.stage_gpus)
     # Here (measured when written) it beats every baseline: Metis' layer DP is
     # 5% slower, the single-stage ones overflow the 16 GiB GPUs.
     from zorse_fx.baselines import BASELINES
@@ -202,8 +202,8 @@ def test_portfolio_returns_the_stage_dp_plan_when_nothing_else_fits():
         assert res.status in ("STAGE_DP",) or res.status.startswith("BASELINE:")
     # Every (S, M) the DP reached is hinted, fastest first per (S, M).
     _, dp_hints = stage_dp_search(costs, devices, options)
-    hinted = {(h.num_stages, h.num_microbatches) for h in seen["hints"]}
-    assert {(h.num_stages, h.num_microbatches) for h in dp_hints} <= hinted
+    hinted = {(h.num_stages, h.decision.num_microbatches) for h in seen["hints"]}
+    assert {(h.num_stages, h.decision.num_microbatches) for h in dp_hints} <= hinted
     steps = [h.predicted_step_time_s for h in seen["hints"]]
     assert steps == sorted(steps)
 
@@ -260,7 +260,7 @@ def test_options_never_disable_the_memory_techniques():
         solve_stage_dp(costs, devices, plain)
     # With 6 stages a plan fits without sharding, and then no stage is sharded.
     res = solve_stage_dp(costs, devices, dataclasses.replace(options, sharding="never"))
-    assert res.status == "STAGE_DP" and not any(res.stage_sharded)
+    assert res.status == "STAGE_DP" and not any(res.decision.sharded)
     assert evaluate_result(costs, devices, dataclasses.replace(options, sharding="never"), res).feasible
 
 
@@ -289,7 +289,7 @@ def test_presolve_bug_does_not_hide_a_feasible_candidate():
     hint = next(h for h in hints if h.num_stages == 7)
     tab = build_tables(costs, devices, options, 64)
     model = _GroupedModel(tab, devices, options, _groups(devices, tab, True), 7)
-    model.hint(hint)
+    model.hint(hint.decision)
     search = CandidateSearch(costs, devices, options, label="grouped")
     search.solve(model, 7, 64, hint=hint.status)
     rec = search.cands[-1]

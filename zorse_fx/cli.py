@@ -136,7 +136,7 @@ def cmd_simulate(args) -> int:
                           precision=plan.precision, grad_reduce_dtype=plan.grad_reduce_dtype)
     _, costs, _ = _analyse_and_price(capture(model, (ids, ids)), cluster, options)
     decision = plan_decision(plan, costs)  # the plan's memory policy (ZeRO-1 shards, recomputation) too
-    result = simulate(costs, _device_graph(cluster, options), options, **decision)
+    result = simulate(costs, _device_graph(cluster, options), options, decision)
     labels = [f"{g.type}@{g.node}" for g in cluster.gpus]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

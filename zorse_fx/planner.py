@@ -22,6 +22,7 @@ from .options import PlanOptions, checked_policy as _policy
 from .plan import GPUShare, Plan, SolverReport, StagePlan
 from .precision import PrecisionPolicy, check_supported, default_precision
 from .solve import solve_brute_force, solve_cpsat
+from .solve.decision import Decision
 from .solve.records import SolverResult
 
 __all__ = ["PlanOptions", "plan_captured", "plan_fixed", "build_plan", "resolve_precision"]
@@ -101,12 +102,13 @@ def plan_captured(
             result = with_interleaving(costs, devices, options, result)
     else:
         result = solve_portfolio(costs, devices, options, solve)
+    result = dataclasses.replace(result, decision=dataclasses.replace(result.decision, precision=policy.name))
     if result.status == "STAGE_DP_INFEASIBLE":
         from .errors import InfeasiblePlanError
 
         raise InfeasiblePlanError(f"planner 'stage_dp': its best plan does not fit: "
                                   f"{next(c['violations'] for c in result.candidates if c.get('chosen'))}")
-    say(f"solved: {result.num_stages} stages, {result.num_microbatches} micro-batches, "
+    say(f"solved: {result.num_stages} stages, {result.decision.num_microbatches} micro-batches, "
         f"status {result.status}, gap {result.optimality_gap:.2%}, {result.wall_s:.2f} s")
     if result.wall_clock_stops:  # [Note: reproducible plans]
         msg = (f"the wall-clock safety stop (time_limit_s={options.time_limit_s:g} s) ended "
@@ -209,22 +211,24 @@ def build_plan(
     ``precision`` is the policy ``bg`` was priced under (``bg``'s tensor specs
     in its autocast dtypes, as ``_analyse_and_price`` returns it); ``check``
     (a ``sim.check.SimulationCheck``) fills ``plan.solver.simulated_*``."""
-    programs = split_stages(bg, result.stage_blocks)
+    dec = result.decision
+    programs = split_stages(bg, dec.stage_blocks)
     state = bg.captured.state()
     stages, sources, rank = [], [], 0
-    groups = result.num_stages // result.interleave
+    groups = dec.num_groups
+    shard_bytes = dec.shard_bytes()
     for s, prog in enumerate(programs):
         gpus = []
-        sharded = bool(result.stage_sharded and result.stage_sharded[s])
+        sharded = dec.sharded[s]
         if s >= groups:  # interleaved: the GPUs (and ranks) of its group, stage s mod P
             rank = stages[s % groups].gpus[0].rank
-        for i, (g, n) in enumerate(zip(result.stage_gpus[s], result.samples_per_microbatch[s])):
+        for i, (g, n) in enumerate(zip(dec.stage_gpus[s], dec.samples_per_microbatch[s])):
             mem = result.predicted_memory_bytes[s][i] if result.predicted_memory_bytes else 0
             gpu = cluster.gpus[g]
             gpus.append(GPUShare(
                 rank=rank, gpu=g, node=gpu.node, gpu_type=gpu.type, samples_per_microbatch=n,
                 predicted_memory_bytes=int(mem), memory_capacity_bytes=int(gpu.memory_bytes),
-                state_shard_bytes=int(result.state_shard_bytes[s][i]) if sharded else 0,
+                state_shard_bytes=int(shard_bytes[s][i]),
             ))
             rank += 1
         label = bg.describe_blocks(*prog.blocks)
@@ -243,7 +247,7 @@ def build_plan(
             predicted_time_s=result.predicted_stage_time_s[s] if result.predicted_stage_time_s else 0.0,
             predicted_allreduce_s=result.predicted_allreduce_s[s] if result.predicted_allreduce_s else 0.0,
             sharded=sharded,
-            recompute=bool(result.stage_recompute and result.stage_recompute[s]),
+            recompute=dec.recompute[s],
         ))
         gpu_list = ", ".join(f"{gs.gpu_type}@{gs.node} x{gs.samples_per_microbatch}" for gs in gpus)
         sources.append(emit_source(prog, header=f"Plan: {model_name} on {cluster.name}; GPUs: {gpu_list}"))
@@ -255,10 +259,10 @@ def build_plan(
         seq_len=seq_len,
         label_mode=label_mode,
         global_batch_size=options.global_batch_size,
-        microbatch_size=result.microbatch_size,
-        num_microbatches=result.num_microbatches,
+        microbatch_size=dec.microbatch_size,
+        num_microbatches=dec.num_microbatches,
         schedule=result.schedule,
-        interleave=result.interleave,
+        interleave=dec.interleave,
         stages=tuple(stages),
         predicted_step_time_s=result.predicted_step_time_s,
         precision=precision.name,
@@ -287,42 +291,38 @@ def plan_fixed(
     captured: CapturedModel,
     cluster: Cluster,
     options: PlanOptions,
+    decision: Decision,
     *,
-    stage_blocks: tuple[tuple[int, int], ...],
-    stage_gpus: tuple[tuple[int, ...], ...],
-    samples_per_microbatch: tuple[tuple[int, ...], ...],
-    num_microbatches: int,
     model_name: str = "model",
     label_mode: str = "shifted",
-    stage_sharded: tuple[bool, ...] | None = None,
-    state_shard_mib: tuple[tuple[int, ...], ...] | None = None,
-    stage_recompute: tuple[bool, ...] | None = None,
-    interleave: int = 1,
 ) -> tuple[Plan, BlockGraph]:
     """A plan for a decision made by hand (what-if studies, tests), priced by
-    the same cost model and objective as the solver's plans. ``stage_sharded``
-    / ``state_shard_mib`` / ``stage_recompute``: the memory policy, as in
-    ``zorse_fx.solve.evaluate`` (None: nothing sharded or recomputed).
-    ``interleave`` = v > 1: stage s runs on the GPUs of stage s mod (S / v),
-    which ``stage_gpus`` lists again (interleaved 1F1B).
+    the same cost model and objective as the solver's plans. The decision's
+    memory policy and interleave degree are taken as given (a sharded stage
+    whose ``shard_mib`` is None gets the shards ``balance_shards`` picks);
+    ``options`` are relaxed so that any well-formed decision is scored
+    (stages, micro-batch counts, idle GPUs, sharding and recomputation all
+    allowed).
 
     Raises:
-        ValueError: the decision is malformed (see ``zorse_fx.solve.evaluate``).
+        ValueError: the decision does not fit the model or cluster (see
+            ``zorse_fx.solve.Decision.check``), or its ``precision`` is not the
+            one ``options`` resolve to on ``cluster``.
     """
     from .solve import evaluate
 
     bg, costs, policy = _analyse_and_price(captured, cluster, options)
-    sopts = dataclasses.replace(options, max_stages=max(options.max_stages, len(stage_blocks)),
-                                max_interleave=interleave, num_microbatches=None,
-                                max_microbatches=options.global_batch_size, allow_idle_gpus=True, sharding="auto",
-                                recompute="auto")
-    ev = evaluate(costs, _device_graph(cluster, options), sopts, stage_blocks=stage_blocks, stage_gpus=stage_gpus,
-                  samples_per_microbatch=samples_per_microbatch, num_microbatches=num_microbatches,
-                  stage_sharded=stage_sharded, state_shard_mib=state_shard_mib, stage_recompute=stage_recompute,
-                  interleave=interleave)
-    result = SolverResult.from_evaluation(
-        ev, stage_blocks=stage_blocks, stage_gpus=stage_gpus, samples_per_microbatch=samples_per_microbatch,
-        num_microbatches=num_microbatches, options=sopts, status="FIXED", best_bound=ev.step_time_s)
+    if decision.precision and decision.precision != policy.name:
+        raise ValueError(f"Decision.precision={decision.precision!r} but the options price {policy.name!r} on "
+                         f"cluster {cluster.name!r}: pass PlanOptions(precision={decision.precision!r}) or leave "
+                         f"Decision.precision empty")
+    relaxed = dataclasses.replace(options, max_stages=max(options.max_stages, decision.num_groups),
+                                  max_interleave=max(options.max_interleave, decision.interleave),
+                                  num_microbatches=None, max_microbatches=options.global_batch_size,
+                                  allow_idle_gpus=True, sharding="auto", recompute="auto")
+    ev = evaluate(costs, _device_graph(cluster, options), relaxed,
+                  dataclasses.replace(decision, precision=policy.name))
+    result = SolverResult.from_evaluation(ev, options=relaxed, status="FIXED", best_bound=ev.step_time_s)
     plan = build_plan(bg, cluster, result, options, model_name=model_name, label_mode=label_mode,
                       precision=policy, planner="fixed")
     return plan, bg

@@ -10,8 +10,8 @@ model the CP-SAT planner minimises; ``status`` is "BASELINE", or
 ``_common`` [Note: how a baseline picks among its candidates]. Each gets the
 memory techniques ``PlanOptions.sharding`` / ``recompute`` allow (ZeRO-1
 optimizer-state sharding, stage recomputation), uniformly over its stages;
-the SolverResult carries the policy (``stage_sharded``, ``state_shard_bytes``,
-``stage_recompute``); see [Note: memory techniques of the baselines].
+the SolverResult's ``decision`` carries the policy (``sharded``,
+``shard_mib``, ``recompute``); see [Note: memory techniques of the baselines].
 
 ==================  =========================================================
 ``homogeneous_all``   Megatron-LM / torchtitan uniform PP x DP on all GPUs

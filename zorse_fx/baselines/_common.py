@@ -44,7 +44,7 @@ from collections import Counter
 
 from ..errors import InfeasiblePlanError
 from ..solve.objective import (MIB_UNITS, UNIT_S, MemoryPolicy, build_tables, evaluate, evaluate_units,
-                               fill_policy, inflight, mode_violations)
+                               fill_policy, inflight, mode_violations, policy_decision)
 from ..options import PlanOptions
 from ..solve.records import BlockCosts, DeviceGraph, SolverResult
 
@@ -244,21 +244,18 @@ class Selector:
         cands = []
         for k in sorted(self._best):
             (bad, step), (blocks, gpus, samples, m), pol = self._best[k]
-            ev = evaluate(self.costs, self.devices, self.options, stage_blocks=blocks, stage_gpus=gpus,
-                          samples_per_microbatch=samples, num_microbatches=m, stage_sharded=pol.sharded,
-                          state_shard_mib=pol.shard_mib, stage_recompute=pol.recompute)
+            ev = evaluate(self.costs, self.devices, self.options, policy_decision(blocks, gpus, samples, m, pol))
             assert ev.objective_units == step and ev.feasible == (not bad), (ev, step, bad)
             cands.append({"num_stages": k[0], "num_microbatches": k[1], "method": self.name,
                           "status": "BASELINE" if ev.feasible else "BASELINE_INFEASIBLE",
                           "step_time_s": step * UNIT_S, "feasible": ev.feasible,
                           "violations": list(ev.violations), "chosen": k == s_m,
-                          "stage_sharded": list(ev.stage_sharded),
-                          "state_shard_bytes": [list(row) for row in ev.state_shard_bytes],
-                          "stage_recompute": list(ev.stage_recompute)})
+                          "stage_sharded": list(ev.decision.sharded),
+                          "state_shard_bytes": [list(row) for row in ev.decision.shard_bytes()],
+                          "stage_recompute": list(ev.decision.recompute)})
             if k == s_m:
-                chosen = (blocks, gpus, samples, m, ev)
-        blocks, gpus, samples, m, ev = chosen
-        return self._record(blocks, gpus, samples, m, ev, tuple(cands))
+                chosen = ev
+        return self._record(chosen, tuple(cands))
 
     def feasible_per_candidate(self) -> tuple[SolverResult, ...]:
         """The best feasible decision of every (S, M) scored, fastest first
@@ -268,15 +265,12 @@ class Selector:
             (bad, _), (blocks, gpus, samples, m), pol = self._best[k]
             if bad:
                 continue
-            ev = evaluate(self.costs, self.devices, self.options, stage_blocks=blocks, stage_gpus=gpus,
-                          samples_per_microbatch=samples, num_microbatches=m, stage_sharded=pol.sharded,
-                          state_shard_mib=pol.shard_mib, stage_recompute=pol.recompute)
-            out.append(self._record(blocks, gpus, samples, m, ev, ()))
+            ev = evaluate(self.costs, self.devices, self.options, policy_decision(blocks, gpus, samples, m, pol))
+            out.append(self._record(ev, ()))
         return tuple(out)
 
-    def _record(self, blocks, gpus, samples, m, ev, cands) -> SolverResult:
+    def _record(self, ev, cands) -> SolverResult:
         # No lower bound is known: bound 0, gap (obj - 0) / obj = 1.
         return SolverResult.from_evaluation(
-            ev, stage_blocks=blocks, stage_gpus=gpus, samples_per_microbatch=samples, num_microbatches=m,
-            options=self.options, status="BASELINE" if ev.feasible else "BASELINE_INFEASIBLE", best_bound=0.0,
+            ev, options=self.options, status="BASELINE" if ev.feasible else "BASELINE_INFEASIBLE", best_bound=0.0,
             wall_s=time.perf_counter() - self.t0, candidates=cands)

@@ -74,9 +74,9 @@ def check_result(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions, 
             both sizes).
     """
     t0 = time.perf_counter()
-    sim = simulate(costs, devices, options, **result.decision_kwargs())
+    sim = simulate(costs, devices, options, result.decision)
     wall = time.perf_counter() - t0
-    stage_of = {g: s for s, gs in enumerate(result.stage_gpus) for g in gs}
+    stage_of = {g: s for s, gs in enumerate(result.decision.stage_gpus) for g in gs}
     worst, over = 0.0, []
     for g, peak in enumerate(sim.peak_memory_bytes):
         if g not in stage_of:

@@ -364,10 +364,7 @@ class CandidateSearch:
                                      f"for S={num_stages}, M={m}")
             bound = min(obj, max(int(round(ans.bound)), tlb))
             dec = ans.decision
-            pol = dec[3]
-            ev = evaluate(self.costs, self.devices, opts, stage_blocks=dec[0], stage_gpus=dec[1],
-                          samples_per_microbatch=dec[2], num_microbatches=m, stage_sharded=pol.sharded,
-                          state_shard_mib=pol.shard_mib, stage_recompute=pol.recompute)
+            ev = evaluate(self.costs, self.devices, opts, dec)
             if ev.objective_units != obj or not ev.feasible:
                 raise AssertionError(f"{self.label} objective {obj} != evaluate() {ev.objective_units} "
                                      f"(violations {ev.violations}) for S={num_stages}, M={m}: {dec}")
@@ -398,10 +395,9 @@ class CandidateSearch:
                 f"(--solver-budget)", RuntimeWarning, stacklevel=3)
         if self.best is None:
             raise InfeasiblePlanError(explain_infeasible(self.costs, self.devices, self.options, self.cands))
-        obj, m, (blocks, gpus, samples, _), ev = self.best
+        obj, m, _, ev = self.best
         assert ev.objective_units == obj
         return dataclasses.replace(SolverResult.from_evaluation(
-            ev, stage_blocks=blocks, stage_gpus=gpus, samples_per_microbatch=samples, num_microbatches=m,
-            options=self.options, status=with_safety_stop("OPTIMAL" if self.all_optimal else "FEASIBLE", stops),
+            ev, options=self.options, status=with_safety_stop("OPTIMAL" if self.all_optimal else "FEASIBLE", stops),
             best_bound=min(self.bounds) * UNIT_S, wall_s=time.perf_counter() - self.t0, candidates=tuple(self.cands)),
             wall_clock_stops=stops)

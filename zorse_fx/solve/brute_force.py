@@ -15,7 +15,7 @@ import time
 from ..errors import InfeasiblePlanError
 from .bounds import explain_infeasible
 from .objective import (UNIT_S, build_tables, evaluate, evaluate_units, fill_policy, max_stage_count,
-                        microbatch_candidates, mode_violations)
+                        microbatch_candidates, mode_violations, policy_decision)
 from ..options import PlanOptions
 from .records import BlockCosts, DeviceGraph, SolverResult
 
@@ -89,12 +89,9 @@ def solve_brute_force(costs: BlockCosts, devices: DeviceGraph, options: PlanOpti
     if best is None:
         raise InfeasiblePlanError(explain_infeasible(costs, devices, options, cands))
     (step, blocks, gpus, samples, pol), m = best
-    ev = evaluate(costs, devices, options, stage_blocks=blocks, stage_gpus=gpus,
-                  samples_per_microbatch=samples, num_microbatches=m, stage_sharded=pol.sharded,
-                  state_shard_mib=pol.shard_mib, stage_recompute=pol.recompute)
+    ev = evaluate(costs, devices, options, policy_decision(blocks, gpus, samples, m, pol))
     if ev.objective_units != step or not ev.feasible:
         raise AssertionError(f"brute force step {step} != evaluate() {ev.objective_units} ({ev.violations})")
     return SolverResult.from_evaluation(
-        ev, stage_blocks=blocks, stage_gpus=gpus, samples_per_microbatch=samples, num_microbatches=m,
-        options=options, status="BRUTE_FORCE", best_bound=ev.step_time_s, wall_s=time.perf_counter() - t0,
+        ev, options=options, status="BRUTE_FORCE", best_bound=ev.step_time_s, wall_s=time.perf_counter() - t0,
         candidates=tuple(cands))

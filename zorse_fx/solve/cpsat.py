@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from ortools.sat.python import cp_model
 
-from .objective import (MIB_UNITS, IntTables, MemoryPolicy, build_tables, inflight, max_stage_count,
+from .objective import (MIB_UNITS, IntTables, build_tables, inflight, max_stage_count,
                         microbatch_candidates)
 from ._encoding import StageCuts
 from ._encoding import any_of as _any_of
@@ -32,6 +32,7 @@ from ._encoding import gated as _gated
 from ._encoding import pair_max
 from ._search import CandidateSearch
 from ..options import PlanOptions
+from .decision import Decision
 from .records import BlockCosts, DeviceGraph, SolverResult
 
 __all__ = ["solve_cpsat"]
@@ -231,31 +232,31 @@ class _Model:
         self.objective = sum(t) + (tab.num_microbatches - 1) * tmax + smax
         m.Minimize(self.objective)
 
-    def hint(self, result: SolverResult) -> None:
-        """Warm start: hint the decision of ``result`` (same S and M), e.g. a baseline's plan."""
-        m, mib = self.m, MIB_UNITS * 1024
-        for s, (i, _) in enumerate(result.stage_blocks):
+    def hint(self, decision: Decision) -> None:
+        """Warm start: hint ``decision`` (same S and M), e.g. a baseline's plan."""
+        m = self.m
+        for s, (i, _) in enumerate(decision.stage_blocks):
             m.AddHint(self.cut[s], i)
-        where = {g: (s, n) for s, (gs, ns) in enumerate(zip(result.stage_gpus, result.samples_per_microbatch))
+        where = {g: (s, n) for s, (gs, ns) in enumerate(zip(decision.stage_gpus, decision.samples_per_microbatch))
                  for g, n in zip(gs, ns)}
         for g in range(self.tab.num_gpus):
             for s in range(self.S):
                 on = where.get(g, (None, 0))[0] == s
                 m.AddHint(self.x[g][s], on)
                 m.AddHint(self.n[g][s], where[g][1] if on else 0)
+        shards = decision.shard_mib or ((),) * decision.num_stages
         for s in range(self.S):
-            sharded = bool(result.stage_sharded and result.stage_sharded[s])
+            sharded = decision.sharded[s]
             if self.sh:
                 m.AddHint(self.sh[s], sharded)
                 for g in range(self.tab.num_gpus):
-                    pos = result.stage_gpus[s].index(g) if g in result.stage_gpus[s] else None
-                    m.AddHint(self.zsh[g][s], result.state_shard_bytes[s][pos] // mib
-                              if sharded and pos is not None else 0)
+                    pos = decision.stage_gpus[s].index(g) if g in decision.stage_gpus[s] else None
+                    m.AddHint(self.zsh[g][s], shards[s][pos] if sharded and shards[s] and pos is not None else 0)
             if self.rc:
-                m.AddHint(self.rc[s], bool(result.stage_recompute and result.stage_recompute[s]))
+                m.AddHint(self.rc[s], decision.recompute[s])
 
     def decision(self, solver: cp_model.CpSolver):
-        """(stage_blocks, stage_gpus, samples, MemoryPolicy) of the solver's current solution."""
+        """The ``Decision`` of the solver's current solution."""
         cuts = [solver.Value(c) for c in self.cut]
         blocks = tuple((cuts[s], cuts[s + 1]) for s in range(self.S))
         gpus = tuple(tuple(g for g in range(self.tab.num_gpus) if solver.BooleanValue(self.x[g][s]))
@@ -265,7 +266,9 @@ class _Model:
         shards = tuple(tuple(solver.Value(self.zsh[g][s]) for g in gs) if sharded[s] else ()
                        for s, gs in enumerate(gpus))
         recompute = tuple(bool(self.rc and solver.BooleanValue(self.rc[s])) for s in range(self.S))
-        return blocks, gpus, samples, MemoryPolicy(sharded, shards, recompute)
+        return Decision(stage_blocks=blocks, stage_gpus=gpus, samples_per_microbatch=samples,
+                        num_microbatches=self.tab.num_microbatches, sharded=sharded, shard_mib=shards,
+                        recompute=recompute)
 
 
 def _policy_vars(m: cp_model.CpModel, tab: IntTables, size, n_s: int):
@@ -317,8 +320,9 @@ def _stage_input_kib(m: cp_model.CpModel, tab: IntTables, cuts: StageCuts, s: in
 
 
 def matching_hint(hints, num_stages: int, num_microbatches: int):
-    """The first of ``hints`` (SolverResults) with this S and M, or None."""
-    return next((h for h in hints if h.num_stages == num_stages and h.num_microbatches == num_microbatches), None)
+    """The first of ``hints`` (SolverResults) whose decision has this S and M, or None."""
+    return next((h for h in hints if h.decision.num_stages == num_stages
+                 and h.decision.num_microbatches == num_microbatches), None)
 
 
 def solve_cpsat(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions, *, hints=()) -> SolverResult:
@@ -338,6 +342,6 @@ def solve_cpsat(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions, *
             model = _Model(tab, devices, options, n_s)
             h = matching_hint(hints, n_s, m)
             if h is not None:
-                model.hint(h)
+                model.hint(h.decision)
             search.solve(model, n_s, m, **({"hint": h.status} if h is not None else {}))
     return search.result()

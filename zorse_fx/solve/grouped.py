@@ -68,7 +68,7 @@ import numpy as np
 from ortools.sat.python import cp_model
 
 from .cpsat import _memory_limit, _policy_vars, _stage_input_kib, matching_hint
-from .objective import (MIB_UNITS, IntTables, MemoryPolicy, build_tables, inflight, max_stage_count,
+from .objective import (MIB_UNITS, IntTables, build_tables, inflight, max_stage_count,
                         microbatch_candidates)
 from ._encoding import StageCuts
 from ._encoding import any_of as _any_of
@@ -78,6 +78,7 @@ from ._encoding import gated as _gated
 from ._encoding import pair_max
 from ._search import CandidateSearch
 from ..options import PlanOptions
+from .decision import Decision
 from .records import BlockCosts, DeviceGraph, SolverResult
 
 __all__ = ["gpu_classes", "solve_grouped"]
@@ -423,19 +424,20 @@ class _GroupedModel:
         self.objective = sum(t) + (tab.num_microbatches - 1) * tmax + smax
         m.Minimize(self.objective)
 
-    def hint(self, result: SolverResult) -> None:
+    def hint(self, decision: Decision) -> None:
         """Warm start from a per-GPU decision (same S and M): cuts, policy, and per
         group the units in each stage and the samples / shard of its first GPU
         there (a hint, so a decision the classes cannot express exactly is
         repaired by CP-SAT)."""
-        m, mib = self.m, MIB_UNITS * 1024
-        for s, (i, _) in enumerate(result.stage_blocks):
+        m = self.m
+        for s, (i, _) in enumerate(decision.stage_blocks):
             m.AddHint(self.cut[s], i)
+        shards = decision.shard_mib or ((),) * decision.num_stages
         where = {}
-        for s, (gs, ns) in enumerate(zip(result.stage_gpus, result.samples_per_microbatch)):
-            sharded = bool(result.stage_sharded and result.stage_sharded[s])
+        for s, (gs, ns) in enumerate(zip(decision.stage_gpus, decision.samples_per_microbatch)):
+            sharded = decision.sharded[s] and bool(shards[s])
             for pos, (g, n) in enumerate(zip(gs, ns)):
-                where[g] = (s, n, result.state_shard_bytes[s][pos] // mib if sharded else 0)
+                where[g] = (s, n, shards[s][pos] if sharded else 0)
         for c, grp in enumerate(self.groups):
             for s in range(self.S):
                 mine = [where[g] for g in grp.members if where.get(g, (None,))[0] == s]
@@ -446,12 +448,12 @@ class _GroupedModel:
                     m.AddHint(self.zc[c][s], max((z for _, _, z in mine), default=0))
         for s in range(self.S):
             if self.sh:
-                m.AddHint(self.sh[s], bool(result.stage_sharded and result.stage_sharded[s]))
+                m.AddHint(self.sh[s], decision.sharded[s])
             if self.rc:
-                m.AddHint(self.rc[s], bool(result.stage_recompute and result.stage_recompute[s]))
+                m.AddHint(self.rc[s], decision.recompute[s])
 
     def decision(self, solver: cp_model.CpSolver):
-        """Expand the class decision to GPUs: (stage_blocks, stage_gpus, samples, MemoryPolicy)."""
+        """Expand the class decision to GPUs: the ``Decision`` of the solver's current solution."""
         cuts = [solver.Value(c) for c in self.cut]
         blocks = tuple((cuts[s], cuts[s + 1]) for s in range(self.S))
         sharded = tuple(bool(self.sh and solver.BooleanValue(self.sh[s])) for s in range(self.S))
@@ -470,7 +472,9 @@ class _GroupedModel:
             gpus.append(tuple(g for g, _, _ in row))
             samples.append(tuple(nn for _, nn, _ in row))
             shards.append(tuple(zz for _, _, zz in row) if sharded[s] else ())
-        return blocks, tuple(gpus), tuple(samples), MemoryPolicy(sharded, tuple(shards), recompute)
+        return Decision(stage_blocks=blocks, stage_gpus=tuple(gpus), samples_per_microbatch=tuple(samples),
+                        num_microbatches=self.tab.num_microbatches, sharded=sharded, shard_mib=tuple(shards),
+                        recompute=recompute)
 
 
 #: With ``aggregate_nodes=None``, identical nodes are merged when there are more classes than this.
@@ -504,6 +508,6 @@ def solve_grouped(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions,
             model = _GroupedModel(tab, devices, options, groups, n_s)
             h = matching_hint(hints, n_s, m)
             if h is not None:
-                model.hint(h)
+                model.hint(h.decision)
             search.solve(model, n_s, m, num_groups=len(groups), **({"hint": h.status} if h is not None else {}))
     return search.result()

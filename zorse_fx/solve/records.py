@@ -11,6 +11,12 @@ legal cut points), ``G`` = number of GPUs in the cluster.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from .decision import Decision
+
+if TYPE_CHECKING:
+    from ..options import PlanOptions
 
 __all__ = ["BlockCosts", "DeviceGraph", "SolverResult", "SAFETY_STOP",
            "with_safety_stop"]
@@ -156,34 +162,21 @@ class DeviceGraph:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SolverResult:
-    """The planner's decision, before it is turned into a ``Plan``."""
+    """A planner's answer, before it is turned into a ``Plan``: the decision,
+    its predictions and how the planner got it."""
 
-    #: Per stage ``(start_block, end_block)``, end exclusive, contiguous, in order.
-    stage_blocks: tuple[tuple[int, int], ...]
-    #: Per stage, the GPU indices (into ``DeviceGraph``) that form its DP group.
-    stage_gpus: tuple[tuple[int, ...], ...]
-    #: Per stage, samples each of its GPUs takes from every micro-batch
-    #: (aligned with ``stage_gpus``; each row sums to ``microbatch_size``).
-    samples_per_microbatch: tuple[tuple[int, ...], ...]
-    num_microbatches: int
-    microbatch_size: int
+    #: The decision (stages, GPUs, samples, micro-batches, interleaving,
+    #: memory policy), each sharded stage's shards chosen (``shard_mib`` set).
+    decision: Decision
+    #: "1f1b" or "gpipe" (``PlanOptions.schedule``).
     schedule: str
     #: Predicted step time by the planner's objective, seconds.
     predicted_step_time_s: float
     #: Breakdown (seconds): per stage compute, comm, all-reduce, optimizer.
     predicted_stage_time_s: tuple[float, ...] = ()
     predicted_allreduce_s: tuple[float, ...] = ()
-    #: ``(G_used,)``-aligned with stage_gpus: predicted peak memory bytes.
+    #: Per stage, per GPU (aligned with ``decision.stage_gpus``): predicted peak memory bytes.
     predicted_memory_bytes: tuple[tuple[int, ...], ...] = ()
-    #: Per stage: ZeRO-1 sharded optimizer state; per stage per GPU (aligned
-    #: with stage_gpus): bytes of the stage's shardable state it holds (0 when
-    #: the stage is not sharded); per stage: activation recomputation.
-    stage_sharded: tuple[bool, ...] = ()
-    state_shard_bytes: tuple[tuple[int, ...], ...] = ()
-    stage_recompute: tuple[bool, ...] = ()
-    #: Interleave degree v: the stages run on ``num_stages / v`` GPU groups,
-    #: stage s on the GPUs of stage s mod (num_stages / v) (listed again).
-    interleave: int = 1
     #: "OPTIMAL", "FEASIBLE", "BRUTE_FORCE", ... and the gap (0 = proven optimal);
     #: ends in ``SAFETY_STOP`` when ``wall_clock_stops`` > 0.
     status: str = "UNKNOWN"
@@ -199,39 +192,27 @@ class SolverResult:
     #: Every (num_stages, num_microbatches) candidate tried and its result.
     candidates: tuple[dict, ...] = field(default_factory=tuple)
 
-    def decision_kwargs(self) -> dict:
-        """The decision and its memory policy as keyword arguments of
-        ``solve.evaluate`` and ``sim.simulate``: stage blocks, GPUs, samples,
-        micro-batches, per-stage sharded / recompute flags, each GPU's shard in
-        whole MiB (as the planners chose it; bytes here) and the interleave degree."""
-        n_s, mib = len(self.stage_blocks), 1 << 20
-        sharded = tuple(self.stage_sharded) or (False,) * n_s
-        return dict(stage_blocks=self.stage_blocks, stage_gpus=self.stage_gpus,
-                    samples_per_microbatch=self.samples_per_microbatch, num_microbatches=self.num_microbatches,
-                    stage_sharded=sharded,
-                    state_shard_mib=tuple(tuple(b // mib for b in row) if sh else ()
-                                          for sh, row in zip(sharded, self.state_shard_bytes or ((),) * n_s)),
-                    stage_recompute=tuple(self.stage_recompute) or None, interleave=self.interleave)
+    def __post_init__(self) -> None:
+        if not isinstance(self.decision, Decision) or self.decision.shard_mib is None:
+            raise ValueError(f"SolverResult.decision must be a Decision with its shards chosen (shard_mib set), "
+                             f"got {self.decision!r}: build the result with SolverResult.from_evaluation")
 
     @classmethod
-    def from_evaluation(cls, ev, *, stage_blocks, stage_gpus, samples_per_microbatch, num_microbatches: int,
-                        options: "PlanOptions", status: str, best_bound: float, wall_s: float = 0.0,
+    def from_evaluation(cls, ev, *, options: "PlanOptions", status: str, best_bound: float, wall_s: float = 0.0,
                         candidates: tuple[dict, ...] = ()) -> "SolverResult":
         """The record of a decision scored by ``objective.evaluate`` (``ev``, an
-        ``Evaluation``): predictions and memory policy from ``ev``, objective =
-        its step time (s), gap = (objective - best_bound) / objective (0 when
-        the objective is 0). Used by every planner, so the fields stay in step."""
+        ``Evaluation``): the decision as scored (``ev.decision``, shards
+        included), predictions from ``ev``, objective = its step time (s),
+        gap = (objective - best_bound) / objective (0 when the objective is 0).
+        Used by every planner, so the fields stay in step."""
         obj = ev.step_time_s
         return cls(
-            stage_blocks=tuple(stage_blocks), stage_gpus=tuple(stage_gpus),
-            samples_per_microbatch=tuple(samples_per_microbatch), num_microbatches=num_microbatches,
-            microbatch_size=options.global_batch_size // num_microbatches, schedule=options.schedule,
+            decision=ev.decision, schedule=options.schedule,
             predicted_step_time_s=ev.step_time_s, predicted_stage_time_s=ev.stage_time_s,
             predicted_allreduce_s=ev.allreduce_s, predicted_memory_bytes=ev.memory_bytes,
-            stage_sharded=ev.stage_sharded, state_shard_bytes=ev.state_shard_bytes,
-            stage_recompute=ev.stage_recompute, interleave=ev.interleave, status=status, objective=obj, best_bound=best_bound,
+            status=status, objective=obj, best_bound=best_bound,
             optimality_gap=(obj - best_bound) / obj if obj > 0 else 0.0, wall_s=wall_s, candidates=candidates)
 
     @property
     def num_stages(self) -> int:
-        return len(self.stage_blocks)
+        return self.decision.num_stages
