@@ -13,12 +13,14 @@ from dataclasses import dataclass
 from .errors import PlanOptionsError
 from .precision import GRAD_REDUCE_DTYPES, PRECISIONS, PrecisionPolicy, precision_policy
 
-__all__ = ["PlanOptions", "MEMORY_MODES", "PLANNERS"]
+__all__ = ["PlanOptions", "MEMORY_MODES", "PLANNERS", "SCHEDULES"]
 
 #: Values of ``PlanOptions.sharding`` / ``PlanOptions.recompute``.
 MEMORY_MODES = ("never", "auto", "always")
 #: Values of ``PlanOptions.planner``.
 PLANNERS = ("auto", "cpsat", "grouped", "stage_dp", "brute_force")
+#: Values of ``PlanOptions.schedule``.
+SCHEDULES = ("1f1b", "gpipe")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -103,6 +105,10 @@ class PlanOptions:
     max_interleave: int = 4
 
     def __post_init__(self) -> None:
+        if self.planner not in PLANNERS:
+            raise PlanOptionsError(f"PlanOptions.planner={self.planner!r}: use one of {', '.join(map(repr, PLANNERS))}")
+        if self.schedule not in SCHEDULES:
+            raise PlanOptionsError(f"PlanOptions.schedule={self.schedule!r}: use one of {', '.join(map(repr, SCHEDULES))}")
         if not self.solver_budget > 0:
             raise PlanOptionsError(f"PlanOptions.solver_budget={self.solver_budget!r}: use a number > 0 (CP-SAT "
                                    f"deterministic seconds per candidate, e.g. 5; zorse plan --solver-budget)")

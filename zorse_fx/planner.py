@@ -85,10 +85,7 @@ def plan_captured(
     if planner == "auto":
         planner = "cpsat" if len(cluster) <= 16 else "grouped"
     solve = {"cpsat": solve_cpsat, "grouped": solve_grouped, "brute_force": solve_brute_force,
-             "stage_dp": solve_stage_dp}.get(planner)
-    if solve is None:
-        raise PlanOptionsError(f"unknown planner {options.planner!r}; use 'auto', 'cpsat', 'grouped', 'stage_dp' "
-                               f"or 'brute_force'")
+             "stage_dp": solve_stage_dp}[planner]  # PlanOptions checked the name
     from .solve.portfolio import solve_portfolio
 
     devices = _device_graph(cluster, options)

@@ -65,7 +65,7 @@ interleave_batch_size task to be completed before synchronizing" (with one
 worker the search is sequential, deterministic anyway). The wall-clock
 limit (``max_time_in_seconds = PlanOptions.time_limit_s``) is only a
 safety stop: a solve it ends before the deterministic budget is spent
-(``deterministic_time`` of CP-SAT's response below the budget, without a
+(CP-SAT's response reports less deterministic time than the budget, without a
 proof) is recorded as ``"wall_clock_stop": True`` in its candidate, counted in
 ``SolverResult.wall_clock_stops``, marked in the status (``SAFETY_STOP``) and
 warned about, since that answer may differ on another run. The candidates

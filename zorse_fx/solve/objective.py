@@ -81,7 +81,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import InfeasiblePlanError
-from ..options import PlanOptions
+from ..options import SCHEDULES, PlanOptions
 from .decision import Decision
 from .records import BlockCosts, DeviceGraph
 
@@ -109,7 +109,6 @@ RECOMPUTE_FRACTION = 1.0 / 3.0
 def _kib_up(nbytes: float) -> int:
     return -(-int(nbytes) // MEMORY_UNIT_BYTES)
 GIB = float(1 << 30)
-SCHEDULES = ("1f1b", "gpipe")
 
 
 def to_units(seconds: float) -> int:
