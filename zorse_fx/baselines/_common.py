@@ -43,9 +43,9 @@ import time
 from collections import Counter
 
 from ..errors import InfeasiblePlanError
+from ..options import PlanOptions
 from ..solve.objective import (MIB_UNITS, UNIT_S, MemoryPolicy, build_tables, evaluate, evaluate_units,
                                fill_policy, inflight, mode_violations, policy_decision)
-from ..options import PlanOptions
 from ..solve.records import BlockCosts, DeviceGraph, SolverResult
 
 __all__ = ["Selector", "gpu_speeds", "largest_remainder", "proportional_cuts", "reference_block_work",

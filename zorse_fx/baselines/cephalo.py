@@ -49,8 +49,8 @@ all-gather + reduce-scatter per layer.
 
 from __future__ import annotations
 
-from ..solve.objective import MIB_UNITS, MemoryPolicy, microbatch_candidates
 from ..options import PlanOptions
+from ..solve.objective import MIB_UNITS, MemoryPolicy, microbatch_candidates
 from ..solve.records import BlockCosts, DeviceGraph, SolverResult
 from ._common import Selector, largest_remainder, memory_variants, stage_act_kib
 

@@ -43,8 +43,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..solve.objective import max_stage_count, microbatch_candidates
 from ..options import PlanOptions
+from ..solve.objective import max_stage_count, microbatch_candidates
 from ..solve.records import BlockCosts, DeviceGraph, SolverResult
 from ._common import Selector, bandwidth, gpu_speeds, largest_remainder, memory_variants, proportional_cuts
 

@@ -35,8 +35,8 @@ is replicated in a DP group).
 
 from __future__ import annotations
 
-from ..solve.objective import max_stage_count, microbatch_candidates
 from ..options import PlanOptions
+from ..solve.objective import max_stage_count, microbatch_candidates
 from ..solve.records import BlockCosts, DeviceGraph, SolverResult
 from ._common import Selector
 

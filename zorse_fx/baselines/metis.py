@@ -50,8 +50,8 @@ from __future__ import annotations
 import itertools
 from math import comb
 
-from ..solve.objective import max_stage_count, microbatch_candidates
 from ..options import PlanOptions
+from ..solve.objective import max_stage_count, microbatch_candidates
 from ..solve.records import BlockCosts, DeviceGraph, SolverResult
 from ._common import (Selector, gpu_speeds, largest_remainder, memory_groups, memory_variants, min_max_partition,
                       stage_fits)

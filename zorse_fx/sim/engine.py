@@ -124,12 +124,12 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass
 
+from ..options import PlanOptions
 from ..runtime.comm import routes
 from ..runtime.grad_sync import BUCKET_BYTES, bucket_caps
 from ..runtime.schedule import make_schedule
 from ..solve.decision import Decision
 from ..solve.objective import MEMORY_UNIT_BYTES, MIB_UNITS, RECOMPUTE_FRACTION, prepare
-from ..options import PlanOptions
 from ..solve.records import BlockCosts, DeviceGraph
 
 __all__ = ["SimEvent", "SimResult", "simulate", "link_resource", "plan_decision"]

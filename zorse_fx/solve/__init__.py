@@ -12,9 +12,9 @@ They all take ``PlanOptions`` (``zorse_fx/options.py``) and answer with a
 needs the records (the cluster, the runtime) never imports OR-Tools.
 """
 
+from ..options import PlanOptions
 from .decision import Decision
 from .objective import Evaluation, evaluate
-from ..options import PlanOptions
 from .records import BlockCosts, DeviceGraph, SolverResult
 
 __all__ = [

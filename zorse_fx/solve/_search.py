@@ -87,9 +87,9 @@ from dataclasses import dataclass
 from ortools.sat.python import cp_model
 
 from ..errors import InfeasiblePlanError
+from ..options import PlanOptions
 from .bounds import explain_infeasible, throughput_lower_bound
 from .objective import UNIT_S, evaluate
-from ..options import PlanOptions
 from .records import BlockCosts, DeviceGraph, SolverResult, with_safety_stop
 
 __all__ = ["CandidateSearch", "SolverCrash", "run_isolated"]

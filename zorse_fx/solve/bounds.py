@@ -7,8 +7,8 @@ candidate fits, the message that names the binding constraint
 
 from __future__ import annotations
 
-from .objective import IntTables, _gib, _prefix, max_stage_count, microbatch_candidates
 from ..options import PlanOptions
+from .objective import IntTables, _gib, _prefix, max_stage_count, microbatch_candidates
 from .records import BlockCosts, DeviceGraph
 
 __all__ = ["throughput_lower_bound", "explain_infeasible"]

@@ -13,10 +13,10 @@ import itertools
 import time
 
 from ..errors import InfeasiblePlanError
+from ..options import PlanOptions
 from .bounds import explain_infeasible
 from .objective import (UNIT_S, build_tables, evaluate, evaluate_units, fill_policy, max_stage_count,
                         microbatch_candidates, mode_violations, policy_decision)
-from ..options import PlanOptions
 from .records import BlockCosts, DeviceGraph, SolverResult
 
 __all__ = ["solve_brute_force", "MAX_GPUS", "MAX_BLOCKS", "MAX_MICROBATCH_SIZE"]

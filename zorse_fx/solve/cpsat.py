@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from ortools.sat.python import cp_model
 
+from ..options import PlanOptions
 from .objective import (MIB_UNITS, IntTables, build_tables, inflight, max_stage_count,
                         microbatch_candidates)
 from ._encoding import StageCuts
@@ -31,7 +32,6 @@ from ._encoding import both as _both
 from ._encoding import gated as _gated
 from ._encoding import pair_max
 from ._search import CandidateSearch
-from ..options import PlanOptions
 from .decision import Decision
 from .records import BlockCosts, DeviceGraph, SolverResult
 

@@ -67,6 +67,7 @@ from dataclasses import dataclass
 import numpy as np
 from ortools.sat.python import cp_model
 
+from ..options import PlanOptions
 from .cpsat import _memory_limit, _policy_vars, _stage_input_kib, matching_hint
 from .objective import (MIB_UNITS, IntTables, build_tables, inflight, max_stage_count,
                         microbatch_candidates)
@@ -77,7 +78,6 @@ from ._encoding import both as _both
 from ._encoding import gated as _gated
 from ._encoding import pair_max
 from ._search import CandidateSearch
-from ..options import PlanOptions
 from .decision import Decision
 from .records import BlockCosts, DeviceGraph, SolverResult
 

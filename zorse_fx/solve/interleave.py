@@ -37,9 +37,9 @@ from __future__ import annotations
 import dataclasses
 import time
 
+from ..options import PlanOptions
 from .objective import (MemoryPolicy, StageUnits, UNIT_S, build_tables, evaluate, evaluate_units, fill_policy,
                         microbatch_candidates)
-from ..options import PlanOptions
 from .decision import Decision
 from .records import BlockCosts, DeviceGraph, SolverResult, with_safety_stop
 

@@ -53,8 +53,8 @@ from collections import Counter
 
 import numpy as np
 
-from .objective import MIB_UNITS, fill_policy, inflight, max_stage_count, microbatch_candidates
 from ..options import PlanOptions
+from .objective import MIB_UNITS, fill_policy, inflight, max_stage_count, microbatch_candidates
 from .records import BlockCosts, DeviceGraph, SolverResult
 
 __all__ = ["solve_stage_dp", "stage_dp_search", "ORDERS", "MAX_UNITS"]
