@@ -75,15 +75,15 @@ def run(sc, args) -> list[dict]:
     from zorse_fx.solve import solve_cpsat, solve_grouped
     from zorse_fx.solve.objective import evaluate_result
     from zorse_fx.solve.portfolio import solve_portfolio
-    from zorse_fx.solve.records import SolverOptions
+    from zorse_fx.options import PlanOptions
 
     cluster = Cluster.from_yaml(CLUSTERS / sc.cluster)
     costs, _ = price(sc, cluster)
     ub = upper_bound_tokens_per_s(costs, cluster, sc.seq_len)
-    opts = SolverOptions(global_batch_size=sc.global_batch_size, max_stages=args.max_stages or sc.max_stages,
-                         time_limit_s=args.time_limit, deterministic_time=args.solver_budget,
-                         max_microbatches=args.max_microbatches,
-                         sharding="auto", recompute="auto", max_interleave=args.max_interleave)
+    opts = PlanOptions(global_batch_size=sc.global_batch_size, max_stages=args.max_stages or sc.max_stages,
+                       time_limit_s=args.time_limit, solver_budget=args.solver_budget,
+                       max_microbatches=args.max_microbatches,
+                       sharding="auto", recompute="auto", max_interleave=args.max_interleave)
     plan = partial(solve_portfolio, solver=solve_cpsat if len(cluster) <= 16 else solve_grouped)
     rows = []
     for variant in args.variants:
@@ -102,16 +102,18 @@ def run(sc, args) -> list[dict]:
         ev = evaluate_result(costs, devices, opts, res)
         tokens = sc.global_batch_size * sc.seq_len / ev.step_time_s
         row.update(feasible=ev.feasible, tokens_per_s=tokens, fraction_of_upper_bound=tokens / ub,
-                   step_time_s=ev.step_time_s, num_stages=res.num_stages, num_microbatches=res.num_microbatches,
-                   interleave=res.interleave, gpus_used=len({g for gs in res.stage_gpus for g in gs}),
-                   gpus=len(cluster), sharded_stages=sum(ev.stage_sharded),
-                   recompute_stages=sum(ev.stage_recompute), planner_wall_s=wall, status=res.status,
+                   step_time_s=ev.step_time_s, num_stages=res.num_stages,
+                   num_microbatches=res.decision.num_microbatches,
+                   interleave=res.decision.interleave, gpus_used=len(res.decision.gpus_used),
+                   gpus=len(cluster), sharded_stages=sum(ev.decision.sharded),
+                   recompute_stages=sum(ev.decision.recompute), planner_wall_s=wall, status=res.status,
                    optimality_gap=res.optimality_gap,
-                   stage_gpu_types=[sorted({devices.gpu_types[g] for g in gs}) for gs in res.stage_gpus],
-                   stage_blocks=[list(b) for b in res.stage_blocks])
+                   stage_gpu_types=[sorted({devices.gpu_types[g] for g in gs}) for gs in res.decision.stage_gpus],
+                   stage_blocks=[list(b) for b in res.decision.stage_blocks])
         rows.append(row)
         print(f"[{sc.name}] {variant}: {tokens:,.0f} tokens/s ({tokens / ub:.0%} of bound), {res.num_stages} stages "
-              f"x {res.num_microbatches} micro-batches on {row['gpus_used']}/{len(cluster)} GPUs, {wall:.0f} s",
+              f"x {res.decision.num_microbatches} micro-batches on {row['gpus_used']}/{len(cluster)} GPUs, "
+              f"{wall:.0f} s",
               flush=True)
     return rows
 

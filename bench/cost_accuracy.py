@@ -109,6 +109,7 @@ def run(model_name: str, args, rows: list[dict]) -> None:
     from zorse_fx.data import read_corpus, tokenize
     from zorse_fx.models.registry import load_model
     from zorse_fx.planner import PlanOptions, _analyse_and_price, plan_fixed
+    from zorse_fx.solve import Decision
 
     model, tokenizer = load_model(model_name)
     tokens = tokenize(read_corpus("lee"), tokenizer)
@@ -130,8 +131,9 @@ def run(model_name: str, args, rows: list[dict]) -> None:
     t = costs.fwd_bwd_s_per_sample[cluster.gpus[0].type]
     cut = min(range(1, len(t)), key=lambda c: max(sum(t[:c]), sum(t[c:])))
     b = args.global_batch_size // args.microbatches
-    pipe, _ = plan_fixed(captured, cluster, opts, stage_blocks=((0, cut), (cut, len(t))), stage_gpus=((0,), (1,)),
-                         samples_per_microbatch=((b,), (b,)), num_microbatches=args.microbatches,
+    pipe, _ = plan_fixed(captured, cluster, opts,
+                         Decision(stage_blocks=((0, cut), (cut, len(t))), stage_gpus=((0,), (1,)),
+                                  samples_per_microbatch=((b,), (b,)), num_microbatches=args.microbatches),
                          model_name=model_name, label_mode=compiled.plan.label_mode)
     plans.append(("pipeline", pipe))
     for label, plan in plans:
@@ -150,15 +152,15 @@ def predicted_breakdown(plan, costs, args) -> tuple[float, dict[str, float]]:
     "allreduce" / "optim" / "allgather" events (``sim/engine.py``; the
     all-gather of a ZeRO-1 stage is objective.py [C-allreduce]'s
     ``sh_s * param_bytes * P_s / bw_min + (k - 1) * lat_max``)."""
-    from zorse_fx.planner import PlanOptions, _device_graph, _solver_options
+    from zorse_fx.planner import PlanOptions, _device_graph
     from zorse_fx.sim import simulate
     from zorse_fx.sim.engine import plan_decision
 
     opts = PlanOptions(global_batch_size=plan.global_batch_size, schedule=plan.schedule,
                        max_stages=plan.num_stages, profiles=(args.profile,), precision=plan.precision,
                        grad_reduce_dtype=plan.grad_reduce_dtype)
-    sim = simulate(costs, _device_graph(zorse_cluster(args.cluster), opts), _solver_options(opts),
-                   **plan_decision(plan, costs))
+    sim = simulate(costs, _device_graph(zorse_cluster(args.cluster), opts), opts,
+                   plan_decision(plan, costs))
     per_gpu: dict[int, dict[str, float]] = defaultdict(lambda: dict.fromkeys(COMPONENTS, 0.0))
     key = {"allreduce": "allreduce_s", "optim": "optimizer_s", "allgather": "allgather_s"}
     for e in sim.events:

@@ -57,14 +57,15 @@ def main() -> int:
     from zorse_fx.sim.check import check_result
     from zorse_fx.solve import solve_cpsat, solve_grouped
     from zorse_fx.solve.portfolio import solve_portfolio
-    from zorse_fx.solve.records import SolverOptions
+    from zorse_fx.options import PlanOptions
 
     rows = []
     for num_gpus, layers in [(8, 16), (16, 16), (32, 32), (64, 40), (64, 80), (128, 40), (256, 40), (512, 40),
                              (1024, 40), (1024, 80)]:
         costs, devices = instance(num_gpus, min(2 * layers, 64))
-        options = SolverOptions(global_batch_size=max(64, num_gpus), max_stages=4, num_microbatches=(8,),
-                                deterministic_time=2.0, seed=0)
+        options = PlanOptions(global_batch_size=max(64, num_gpus), max_stages=4, num_microbatches=(8,),
+                              solver_budget=2.0, seed=0, sharding="never",
+                              recompute="never")
         solve = solve_cpsat if num_gpus <= 16 else solve_grouped
         t0 = time.perf_counter()
         res = solve_portfolio(costs, devices, options, solve)
@@ -73,8 +74,8 @@ def main() -> int:
         rows.append({"num_gpus": num_gpus, "num_layers": layers, "num_blocks": costs.num_blocks,
                      "planner": solve.__name__, "planner_wall_s": wall, "optimality_gap": res.optimality_gap,
                      "status": res.status, "step_time_s": res.predicted_step_time_s,
-                     "num_stages": res.num_stages, "gpus_used": sum(map(len, res.stage_gpus)),
-                     "interleave": res.interleave, "simulated_step_time_s": check.simulated_step_time_s,
+                     "num_stages": res.num_stages, "gpus_used": len(res.decision.gpus_used),
+                     "interleave": res.decision.interleave, "simulated_step_time_s": check.simulated_step_time_s,
                      "sim_check_s": check.wall_s})
         print(json.dumps(rows[-1]), flush=True)
     out = ROOT / "bench" / "results" / "scaling.json"

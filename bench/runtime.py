@@ -470,6 +470,7 @@ def _make_plans(names, cfg: BenchConfig, workdir: Path) -> _Prepared:
     from zorse_fx.data import read_corpus, tokenize
     from zorse_fx.models.gpt import GPT
     from zorse_fx.planner import PlanOptions, plan_fixed
+    from zorse_fx.solve import Decision
 
     torch.manual_seed(0)
     model = GPT(_gpt_config(cfg))
@@ -494,9 +495,10 @@ def _make_plans(names, cfg: BenchConfig, workdir: Path) -> _Prepared:
     plans = {}
     for name in names:
         blocks, gpus, samples = layouts[name]
-        plan, _ = plan_fixed(captured, cluster, PlanOptions(global_batch_size=gb), stage_blocks=blocks,
-                             stage_gpus=gpus, samples_per_microbatch=samples, num_microbatches=m,
-                             model_name=f"gpt-{cfg.n_layer}x{cfg.n_embd}", interleave=1)
+        plan, _ = plan_fixed(captured, cluster, PlanOptions(global_batch_size=gb),
+                             Decision(stage_blocks=blocks, stage_gpus=gpus, samples_per_microbatch=samples,
+                                      num_microbatches=m),
+                             model_name=f"gpt-{cfg.n_layer}x{cfg.n_embd}")
         plan.export(workdir / name / "plan")
         plans[name] = plan
     torch.save(captured.state(), workdir / "weights.pt")

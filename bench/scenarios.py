@@ -139,17 +139,17 @@ def run_scenario(sc: Scenario, args) -> list[dict]:
     from zorse_fx.errors import InfeasiblePlanError
     from zorse_fx.solve import solve_cpsat
     from zorse_fx.solve.objective import evaluate_result
-    from zorse_fx.solve.records import SolverOptions
+    from zorse_fx.options import PlanOptions
 
     cluster = Cluster.from_yaml(CLUSTERS / sc.cluster)
     t0 = time.perf_counter()
     costs, flops_per_sample = price(sc, cluster)
     print(f"[{sc.name}] priced {sc.model} on {len(cluster)} GPUs in {time.perf_counter() - t0:.0f} s", flush=True)
     devices = cluster.device_graph()
-    opts = SolverOptions(global_batch_size=sc.global_batch_size, max_stages=args.max_stages or sc.max_stages,
-                         time_limit_s=args.time_limit, deterministic_time=args.solver_budget,
-                         max_microbatches=args.max_microbatches,
-                         sharding=args.sharding, recompute=args.recompute, max_interleave=args.max_interleave)
+    opts = PlanOptions(global_batch_size=sc.global_batch_size, max_stages=args.max_stages or sc.max_stages,
+                       time_limit_s=args.time_limit, solver_budget=args.solver_budget,
+                       max_microbatches=args.max_microbatches,
+                       sharding=args.sharding, recompute=args.recompute, max_interleave=args.max_interleave)
     ub = upper_bound_tokens_per_s(costs, cluster, sc.seq_len)
     peak = sum(g.spec.peak_flops_per_s(scenario_precision(cluster).compute_dtype) for g in cluster.gpus)
     from zorse_fx.solve import solve_grouped
@@ -177,20 +177,22 @@ def run_scenario(sc: Scenario, args) -> list[dict]:
         step = ev.step_time_s
         sim_step = _simulate(costs, devices, opts, res)
         tokens = sc.global_batch_size * sc.seq_len / step
-        mem = [(m, devices.memory_bytes[g]) for gs, ms in zip(res.stage_gpus, ev.memory_bytes) for g, m in zip(gs, ms)]
+        mem = [(m, devices.memory_bytes[g]) for gs, ms in zip(res.decision.stage_gpus, ev.memory_bytes) for g,
+               m in zip(gs, ms)]
         rows.append({
             "scenario": sc.name, "planner": name, "feasible": ev.feasible, "tokens_per_s": tokens,
             "upper_bound_tokens_per_s": ub, "fraction_of_upper_bound": tokens / ub,
             "mfu": flops_per_sample * sc.global_batch_size / step / peak,
             "step_time_s": step, "simulated_step_time_s": sim_step,
             "planner_wall_s": wall, "status": res.status, "optimality_gap": res.optimality_gap,
-            "num_stages": res.num_stages, "num_microbatches": res.num_microbatches, "interleave": res.interleave,
-            "gpus_used": len({g for gs in res.stage_gpus for g in gs}),
+            "num_stages": res.num_stages, "num_microbatches": res.decision.num_microbatches,
+            "interleave": res.decision.interleave,
+            "gpus_used": len({g for gs in res.decision.stage_gpus for g in gs}),
             "max_memory_fraction": max(m / c for m, c in mem), "violations": list(ev.violations)[:3],
             # Per GPU of the cluster (index = GPU): predicted peak bytes (0 = idle) and capacity.
-            "peak_memory_bytes": _per_gpu_memory(devices.num_gpus, res.stage_gpus, ev.memory_bytes),
+            "peak_memory_bytes": _per_gpu_memory(devices.num_gpus, res.decision.stage_gpus, ev.memory_bytes),
             "memory_capacity_bytes": list(devices.memory_bytes),
-            "sharded_stages": sum(ev.stage_sharded), "recompute_stages": sum(ev.stage_recompute),
+            "sharded_stages": sum(ev.decision.sharded), "recompute_stages": sum(ev.decision.recompute),
             # zorse_fx: the interleave pass's best feasible try (None: nothing fit or was tried).
             "best_interleaved_step_time_s": min((c["interleave_search"]["step_time_s"] for c in res.candidates
                                                  if c.get("interleave_search", {}).get("feasible")), default=None),
@@ -214,7 +216,7 @@ def _simulate(costs, devices, opts, res) -> float | None:
         from zorse_fx.sim import simulate
     except ImportError:
         return None
-    return simulate(costs, devices, opts, **res.decision_kwargs()).step_time_s
+    return simulate(costs, devices, opts, res.decision).step_time_s
 
 
 def _stages(row: dict) -> str:

@@ -134,7 +134,7 @@ def main() -> int:
 
 def _simulated_timeline(compiled, cluster, out: Path) -> None:
     """The plan's step on the real cluster, event-simulated: Gantt PNG + Perfetto trace."""
-    from zorse_fx.planner import PlanOptions, _analyse_and_price, _device_graph, _solver_options
+    from zorse_fx.planner import PlanOptions, _analyse_and_price, _device_graph
     from zorse_fx.sim import gantt_png, simulate, to_perfetto
     from zorse_fx.sim.engine import plan_decision
 
@@ -143,8 +143,8 @@ def _simulated_timeline(compiled, cluster, out: Path) -> None:
                           max_stages=plan.num_groups, max_interleave=plan.interleave,
                           precision=plan.precision, grad_reduce_dtype=plan.grad_reduce_dtype)
     _, costs, _ = _analyse_and_price(compiled.captured, cluster, options)
-    result = simulate(costs, _device_graph(cluster, options), _solver_options(options),
-                      **plan_decision(plan, costs))  # decision + memory policy (sharding, recompute)
+    result = simulate(costs, _device_graph(cluster, options), options,
+                      plan_decision(plan, costs))  # decision + memory policy (sharding, recompute)
     labels = [f"{g.type}@{g.node}" for g in cluster.gpus]
     gantt_png(result, out / "timeline.png", gpu_labels=labels)
     to_perfetto(result, out / "trace.json", gpu_labels=labels)

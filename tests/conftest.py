@@ -13,7 +13,8 @@ import torch
 
 from zorse_fx.data import global_batch, read_corpus, tokenize
 from zorse_fx.errors import InfeasiblePlanError
-from zorse_fx.solve import BlockCosts, DeviceGraph, SolverOptions
+from zorse_fx.options import PlanOptions
+from zorse_fx.solve import BlockCosts, DeviceGraph
 
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTERS = ROOT / "examples" / "clusters"
@@ -212,6 +213,14 @@ def with_memory_policy(plan, *, sharded=(), recompute=(), shard_bytes=None):
 
 # -- random planning instances (tests/test_solver.py, test_grouped.py, test_sim.py) --
 
+def solver_options(**fields) -> PlanOptions:
+    """``PlanOptions`` for the solver tests: ``sharding`` and ``recompute``
+    default to "never" (the models without the memory-policy variables, so the
+    solves stay small and the expected results stay those of the plain model);
+    a test that wants them passes "auto" / "always"."""
+    return PlanOptions(**{"sharding": "never", "recompute": "never", **fields})
+
+
 def make_devices(types, nodes, memory, mem_bw, *, intra=(100e9, 5e-6), inter=(10e9, 2e-5), odd_links=None):
     """GPUs with NVLink-like links inside a node and slower links across nodes.
     ``odd_links``: {(g, h): (bw, latency)} overrides for single pairs (symmetric)."""
@@ -276,7 +285,7 @@ def random_instance(seed, *, singleton_classes=False, time_limit_s=100.0):
     mem_bw = [rng.choice([900e9, 1.2e12]) if t == "A" else 300e9 for t in types]
     odd = {(a, b): (rng.choice([2e9, 25e9, 50e9]), rng.choice([1e-6, 5e-5]))
            for a in range(n_g) for b in range(a + 1, n_g) if rng.random() < 0.2}
-    options = SolverOptions(global_batch_size=rng.randint(2, 6), max_stages=rng.randint(1, 3),
+    options = solver_options(global_batch_size=rng.randint(2, 6), max_stages=rng.randint(1, 3),
                             schedule=rng.choice(["1f1b", "gpipe"]), time_limit_s=time_limit_s,
                             seed=seed, allow_idle_gpus=rng.random() < 0.8)
     return costs, make_devices(types, nodes, memory, mem_bw, odd_links=odd), options

@@ -16,9 +16,11 @@ from zorse_fx.baselines.homogeneous import uniform_blocks
 from zorse_fx.baselines.metis import MAX_CANDIDATES, stage_groupings
 from zorse_fx.baselines.zorse_paper import min_k_cut_groups
 from zorse_fx.errors import InfeasiblePlanError
-from zorse_fx.solve import BlockCosts, DeviceGraph, SolverOptions, evaluate, solve_cpsat
+from zorse_fx.solve import BlockCosts, Decision, DeviceGraph, evaluate, solve_cpsat
 from zorse_fx.solve.objective import (MIB_UNITS, UNITS_PER_S, build_tables, evaluate_result, evaluate_units,
                                      fill_policy)
+
+from conftest import solver_options
 
 GIB = 1 << 30
 INTRA, INTER = (100e9, 5e-6), (10e9, 2e-5)  # (bytes/s, s): NVLink-like in a node, slower across
@@ -82,7 +84,7 @@ def _tight():
 
 
 def _tight_options(mode="never", **kw):
-    return SolverOptions(global_batch_size=16, max_stages=2, sharding=mode, recompute=mode, **kw)
+    return solver_options(global_batch_size=16, max_stages=2, sharding=mode, recompute=mode, **kw)
 
 
 def _activation_tight():
@@ -101,11 +103,11 @@ def _units(seconds):
 
 
 INSTANCES = [
-    (_hand, SolverOptions(global_batch_size=8, max_stages=2)),
-    (lambda: _eight(0), SolverOptions(global_batch_size=16, max_stages=4, schedule="gpipe")),
-    (lambda: _eight(1), SolverOptions(global_batch_size=32, max_stages=3, num_microbatches=(2, 4, 8))),
+    (_hand, solver_options(global_batch_size=8, max_stages=2)),
+    (lambda: _eight(0), solver_options(global_batch_size=16, max_stages=4, schedule="gpipe")),
+    (lambda: _eight(1), solver_options(global_batch_size=32, max_stages=3, num_microbatches=(2, 4, 8))),
     # memory techniques allowed: the policy must travel with the result.
-    (lambda: _eight(0), SolverOptions(global_batch_size=16, max_stages=4, schedule="gpipe", sharding="auto",
+    (lambda: _eight(0), solver_options(global_batch_size=16, max_stages=4, schedule="gpipe", sharding="auto",
                                       recompute="auto")),
     (_tight, _tight_options("auto")),
     (_tight, _tight_options("always")),
@@ -119,10 +121,10 @@ def test_well_formed(name, case):
     costs, devices = make()
     res = BASELINES[name](costs, devices, options)
     ev = _eval(costs, devices, options, res)  # raises ValueError if malformed
-    edges = [i for i, _ in res.stage_blocks] + [res.stage_blocks[-1][1]]
+    edges = [i for i, _ in res.decision.stage_blocks] + [res.decision.stage_blocks[-1][1]]
     assert edges[0] == 0 and edges[-1] == costs.num_blocks and edges == sorted(set(edges))
-    assert all(sum(ns) == res.microbatch_size for ns in res.samples_per_microbatch)
-    assert res.microbatch_size * res.num_microbatches == options.global_batch_size
+    assert all(sum(ns) == res.decision.microbatch_size for ns in res.decision.samples_per_microbatch)
+    assert res.decision.microbatch_size * res.decision.num_microbatches == options.global_batch_size
     assert res.status == ("BASELINE" if ev.feasible else "BASELINE_INFEASIBLE")
     assert _units(res.objective) == ev.objective_units and res.predicted_step_time_s == ev.step_time_s
     assert res.predicted_memory_bytes == ev.memory_bytes and res.predicted_allreduce_s == ev.allreduce_s
@@ -130,20 +132,20 @@ def test_well_formed(name, case):
     chosen = [c for c in res.candidates if c["chosen"]]
     assert len(chosen) == 1 and chosen[0]["violations"] == list(ev.violations)
     # the memory policy: one entry per stage / GPU, recorded in the chosen candidate too.
-    assert len(res.stage_sharded) == len(res.stage_recompute) == res.num_stages
-    assert [len(row) for row in res.state_shard_bytes] == [len(gs) for gs in res.stage_gpus]
-    assert (res.stage_sharded, res.state_shard_bytes, res.stage_recompute) == (
-        ev.stage_sharded, ev.state_shard_bytes, ev.stage_recompute)
-    assert chosen[0]["stage_sharded"] == list(res.stage_sharded)
-    assert chosen[0]["state_shard_bytes"] == [list(row) for row in res.state_shard_bytes]
-    assert chosen[0]["stage_recompute"] == list(res.stage_recompute)
+    assert len(res.decision.sharded) == len(res.decision.recompute) == res.num_stages
+    assert [len(row) for row in res.decision.shard_bytes()] == [len(gs) for gs in res.decision.stage_gpus]
+    assert (res.decision.sharded, res.decision.shard_bytes(), res.decision.recompute) == (
+        ev.decision.sharded, ev.decision.shard_bytes(), ev.decision.recompute)
+    assert chosen[0]["stage_sharded"] == list(res.decision.sharded)
+    assert chosen[0]["state_shard_bytes"] == [list(row) for row in res.decision.shard_bytes()]
+    assert chosen[0]["stage_recompute"] == list(res.decision.recompute)
     if options.sharding == "never":
-        assert not any(res.stage_sharded) and not any(map(any, res.state_shard_bytes))
+        assert not any(res.decision.sharded) and not any(map(any, res.decision.shard_bytes()))
     if options.sharding == "always":
-        assert all(sh == (len(gs) >= 2) for sh, gs in zip(res.stage_sharded, res.stage_gpus))
+        assert all(sh == (len(gs) >= 2) for sh, gs in zip(res.decision.sharded, res.decision.stage_gpus))
     if options.recompute != "auto":
-        assert all(rc == (options.recompute == "always") for rc in res.stage_recompute)
-    assert (chosen[0]["num_stages"], chosen[0]["num_microbatches"]) == (res.num_stages, res.num_microbatches)
+        assert all(rc == (options.recompute == "always") for rc in res.decision.recompute)
+    assert (chosen[0]["num_stages"], chosen[0]["num_microbatches"]) == (res.num_stages, res.decision.num_microbatches)
     # the chosen candidate is the best feasible one (or the fastest if none is feasible).
     pool = [c for c in res.candidates if c["feasible"]] or list(res.candidates)
     assert _units(res.objective) == min(_units(c["step_time_s"]) for c in pool)
@@ -151,7 +153,7 @@ def test_well_formed(name, case):
 
 def test_homogeneous_all_by_hand():
     costs, devices = _hand()
-    options = SolverOptions(global_batch_size=8, max_stages=2, num_microbatches=(2,))  # b = 4
+    options = solver_options(global_batch_size=8, max_stages=2, num_microbatches=(2,))  # b = 4
     res = homogeneous_all(costs, devices, options)
     steps = {c["num_stages"]: _units(c["step_time_s"]) for c in res.candidates}
     # p = 2, d = 2: stages ((0, 4), (4, 8)) on GPUs (0, 1) | (2, 3), 2 samples each.
@@ -163,8 +165,8 @@ def test_homogeneous_all_by_hand():
     # p = 1, d = 4: one stage of all 8 blocks, 1 sample per GPU; all-reduce over the 10 GB/s link.
     one = 24e-3 + 24e-3 + (2 * 4 * 8e6 / 10e9 + 2 * 3 * 2e-5) + 2 * 16 * 8e6 / 5e11
     assert steps[1] == _units(one) == 55_032_000
-    assert res.stage_blocks == ((0, 8),) and res.stage_gpus == ((0, 1, 2, 3),)
-    assert res.samples_per_microbatch == ((1, 1, 1, 1),) and res.status == "BASELINE"
+    assert res.decision.stage_blocks == ((0, 8),) and res.decision.stage_gpus == ((0, 1, 2, 3),)
+    assert res.decision.samples_per_microbatch == ((1, 1, 1, 1),) and res.status == "BASELINE"
     (two,) = [c for c in res.candidates if c["num_stages"] == 2]
     assert two["feasible"] and not two["chosen"]
     # the uniform split: the first B mod p stages get one block more.
@@ -173,30 +175,31 @@ def test_homogeneous_all_by_hand():
 
 def test_homogeneous_equal_shares_and_skip_indivisible():
     costs, devices = _eight(0)
-    options = SolverOptions(global_batch_size=24, max_stages=4, num_microbatches=(1, 2, 3, 4))
+    options = solver_options(global_batch_size=24, max_stages=4, num_microbatches=(1, 2, 3, 4))
     res = homogeneous_all(costs, devices, options)
     d = 8 // res.num_stages
-    assert all(len(gs) == d and len(set(ns)) == 1 for gs, ns in zip(res.stage_gpus, res.samples_per_microbatch))
-    assert len({j - i for i, j in res.stage_blocks}) == 1  # 16 blocks split evenly
-    assert res.stage_gpus == tuple(tuple(range(s * d, (s + 1) * d)) for s in range(res.num_stages))
+    assert all(len(gs) == d and len(set(ns)) == 1 for gs, ns in zip(res.decision.stage_gpus,
+                                                                    res.decision.samples_per_microbatch))
+    assert len({j - i for i, j in res.decision.stage_blocks}) == 1  # 16 blocks split evenly
+    assert res.decision.stage_gpus == tuple(tuple(range(s * d, (s + 1) * d)) for s in range(res.num_stages))
     # M = 3 gives b = 8 (p = 1, 2, 4 all fit); b = 24 / 4 = 6 is not divisible by d = 4 or 8.
     tried = {(c["num_stages"], c["num_microbatches"]) for c in res.candidates}
     assert (1, 4) not in tried and (2, 4) not in tried and (4, 4) in tried and (1, 3) in tried
     with pytest.raises(InfeasiblePlanError, match="homogeneous_all: no candidate"):
-        homogeneous_all(costs, devices, SolverOptions(global_batch_size=1, max_stages=4))
+        homogeneous_all(costs, devices, solver_options(global_batch_size=1, max_stages=4))
 
 
 def test_homogeneous_best_by_hand():
     costs, devices = _hand()
-    options = SolverOptions(global_batch_size=8, max_stages=2, num_microbatches=(2,))
+    options = solver_options(global_batch_size=8, max_stages=2, num_microbatches=(2,))
     res = homogeneous_best(costs, devices, options)
-    assert {devices.gpu_types[g] for gs in res.stage_gpus for g in gs} == {"A"}
+    assert {devices.gpu_types[g] for gs in res.decision.stage_gpus for g in gs} == {"A"}
     # p = 1 on GPUs (0, 1), 2 samples each: 16 ms x (1 + 1) + ring all-reduce in n0 + A's optimizer.
-    assert res.stage_gpus == ((0, 1),) and res.samples_per_microbatch == ((2, 2),)
+    assert res.decision.stage_gpus == ((0, 1),) and res.decision.samples_per_microbatch == ((2, 2),)
     expected = 2 * 16e-3 + (2 * 4 * 8e6 / 100e9 + 2 * 5e-6) + 2 * 16 * 8e6 / 1e12
     assert _units(res.objective) == _units(expected) == 32_906_000
     # with idling forbidden the decision is kept but reported infeasible.
-    strict = homogeneous_best(costs, devices, SolverOptions(global_batch_size=8, max_stages=2,
+    strict = homogeneous_best(costs, devices, solver_options(global_batch_size=8, max_stages=2,
                                                             num_microbatches=(2,), allow_idle_gpus=False))
     assert strict.status == "BASELINE_INFEASIBLE"
     assert any("idle" in v for c in strict.candidates if c["chosen"] for v in c["violations"])
@@ -204,21 +207,21 @@ def test_homogeneous_best_by_hand():
 
 def test_cephalo_by_hand():
     costs, devices = _hand()
-    res = cephalo(costs, devices, SolverOptions(global_batch_size=8, num_microbatches=(1,)))
+    res = cephalo(costs, devices, solver_options(global_batch_size=8, num_microbatches=(1,)))
     # b = 8: A takes 8 ms per sample, B 24 ms; min-max shares (3, 3, 1, 1) -> 24 ms on every GPU.
-    assert res.num_stages == 1 and res.stage_gpus == ((0, 1, 2, 3),)
-    assert res.samples_per_microbatch == ((3, 3, 1, 1),)
+    assert res.num_stages == 1 and res.decision.stage_gpus == ((0, 1, 2, 3),)
+    assert res.decision.samples_per_microbatch == ((3, 3, 1, 1),)
     expected = 24e-3 + (2 * 4 * 8e6 / 10e9 + 2 * 3 * 2e-5) + 2 * 16 * 8e6 / 5e11
     assert _units(res.objective) == _units(expected) == 31_032_000
     # larger instance: one stage, faster GPUs never get fewer samples than slower ones.
     costs, devices = _eight(1)
-    res = cephalo(costs, devices, SolverOptions(global_batch_size=32, num_microbatches=(1, 2)))
-    (gs,), (ns,) = res.stage_gpus, res.samples_per_microbatch
+    res = cephalo(costs, devices, solver_options(global_batch_size=32, num_microbatches=(1, 2)))
+    (gs,), (ns,) = res.decision.stage_gpus, res.decision.samples_per_microbatch
     fast = [n for g, n in zip(gs, ns) if devices.gpu_types[g] == "A"]
     slow = [n for g, n in zip(gs, ns) if devices.gpu_types[g] == "B"]
     assert res.num_stages == 1 and len(gs) == 8 and min(fast) > max(slow)
     with pytest.raises(InfeasiblePlanError, match="below the 8 GPUs"):
-        cephalo(costs, devices, SolverOptions(global_batch_size=4))
+        cephalo(costs, devices, solver_options(global_batch_size=4))
 
 
 def test_cephalo_reports_replicated_state_infeasible():
@@ -226,8 +229,8 @@ def test_cephalo_reports_replicated_state_infeasible():
     big = BlockCosts(fwd_bwd_s_per_sample=costs.fwd_bwd_s_per_sample, param_count=(200_000_000,) * 8,
                      act_bytes_per_sample=costs.act_bytes_per_sample,
                      cut_bytes_per_sample=costs.cut_bytes_per_sample)  # 25.6 GB of state > 14.4 GiB
-    res = cephalo(big, devices, SolverOptions(global_batch_size=8))
-    assert res.status == "BASELINE_INFEASIBLE" and not _eval(big, devices, SolverOptions(global_batch_size=8),
+    res = cephalo(big, devices, solver_options(global_batch_size=8))
+    assert res.status == "BASELINE_INFEASIBLE" and not _eval(big, devices, solver_options(global_batch_size=8),
                                                              res).feasible
     (chosen,) = [c for c in res.candidates if c["chosen"]]
     assert not chosen["feasible"] and len(chosen["violations"]) == 4  # every GPU over its memory
@@ -248,9 +251,9 @@ def test_zorse_paper_groups_follow_min_cut():
     # hand instance, k = 2: fast node first, blocks 6 : 2 (aggregate speeds 2/8 ms : 2/24 ms per
     # sample), 2 samples per GPU; beats k = 1 (55.032 ms, the all-reduce crosses the slow link).
     costs, devices = _hand()
-    res = zorse_paper(costs, devices, SolverOptions(global_batch_size=8, max_stages=2, num_microbatches=(2,)))
-    assert res.stage_gpus == ((0, 1), (2, 3)) and res.stage_blocks == ((0, 6), (6, 8))
-    assert res.samples_per_microbatch == ((2, 2), (2, 2))
+    res = zorse_paper(costs, devices, solver_options(global_batch_size=8, max_stages=2, num_microbatches=(2,)))
+    assert res.decision.stage_gpus == ((0, 1), (2, 3)) and res.decision.stage_blocks == ((0, 6), (6, 8))
+    assert res.decision.samples_per_microbatch == ((2, 2), (2, 2))
     t0 = 2 * 6e-3 + 2 * (4 * 1e6 / 10e9 + 2e-5)
     t1 = 2 * 2 * 3e-3
     sync = max(2 * 4 * 6e6 / 100e9 + 2 * 5e-6 + 2 * 16 * 6e6 / 1e12, 2 * 4 * 2e6 / 100e9 + 2 * 5e-6
@@ -263,8 +266,8 @@ def test_metis_enumeration_is_bounded_and_shares_follow_speed():
     groupings = stage_groupings(costs, devices, 4)
     assert 0 < len(groupings) <= MAX_CANDIDATES and len(set(groupings)) == len(groupings)
     assert ((0, 2, 4, 6), (1, 3, 5, 7)) in groupings and ((0, 1, 2, 3), (4, 5, 6, 7)) in groupings
-    res = metis(costs, devices, SolverOptions(global_batch_size=32, max_stages=3, num_microbatches=(2, 4)))
-    for gs, ns in zip(res.stage_gpus, res.samples_per_microbatch):
+    res = metis(costs, devices, solver_options(global_batch_size=32, max_stages=3, num_microbatches=(2, 4)))
+    for gs, ns in zip(res.decision.stage_gpus, res.decision.samples_per_microbatch):
         fast = [n for g, n in zip(gs, ns) if devices.gpu_types[g] == "A"]
         slow = [n for g, n in zip(gs, ns) if devices.gpu_types[g] == "B"]
         assert not fast or not slow or min(fast) >= max(slow)
@@ -278,8 +281,8 @@ def test_flashflex_stages_and_memory_proportional_layers():
     speed = gpu_speeds(costs, devices)
     stages = spectral_stages(devices, speed, 2)
     assert sorted(g for gs in stages for g in gs) == list(range(8))
-    res = flashflex(costs, devices, SolverOptions(global_batch_size=16, max_stages=4))
-    assert len({g for gs in res.stage_gpus for g in gs}) == 8
+    res = flashflex(costs, devices, solver_options(global_batch_size=16, max_stages=4))
+    assert len({g for gs in res.decision.stage_gpus for g in gs}) == 8
     # two equal-memory stages split the blocks at half the memory: equal blocks -> 4 + 4.
     assert proportional_cuts([5] * 8, [16, 16]) == ((0, 4), (4, 8))
     assert proportional_cuts([5] * 8, [40, 16, 16, 8]) == ((0, 4), (4, 6), (6, 7), (7, 8))
@@ -316,7 +319,7 @@ def _random(seed):
     types = "AABB" if seed % 2 else "ABAB"
     memory = [rng.choice([16, 24, 40]) * GIB if t == "A" else rng.choice([8, 12, 16]) * GIB for t in types]
     devices = _devices(types, ["n0", "n0", "n1", "n1"], memory, [1.5e12 if t == "A" else 3e11 for t in types])
-    options = SolverOptions(global_batch_size=8, max_stages=rng.choice([2, 3]), num_microbatches=(1, 2, 4),
+    options = solver_options(global_batch_size=8, max_stages=rng.choice([2, 3]), num_microbatches=(1, 2, 4),
                             schedule=rng.choice(["1f1b", "gpipe"]), seed=seed)
     return costs, devices, options
 
@@ -350,7 +353,7 @@ def test_portfolio_never_worse_than_a_baseline_and_keeps_proven_optima():
     from zorse_fx.solve.portfolio import solve_portfolio
 
     costs, devices = _eight(seed=3)
-    options = SolverOptions(global_batch_size=8, max_stages=3, time_limit_s=10.0, max_interleave=1)
+    options = solver_options(global_batch_size=8, max_stages=3, time_limit_s=10.0, max_interleave=1)
 
     def stopped_early(c, d, o):  # a feasible but poor incumbent, not proven optimal
         worst = max((fn(c, d, o) for fn in BASELINES.values()),
@@ -383,7 +386,7 @@ def test_sharding_makes_memory_tight_instance_feasible():
     for name, fn in BASELINES.items():
         res = fn(costs, devices, never)
         assert res.status == "BASELINE_INFEASIBLE", name
-        assert not any(res.stage_sharded) and not any(res.stage_recompute)
+        assert not any(res.decision.sharded) and not any(res.decision.recompute)
         assert not _eval(costs, devices, never, res).feasible
     auto = _tight_options("auto")
     feasible = set()
@@ -394,16 +397,17 @@ def test_sharding_makes_memory_tight_instance_feasible():
         assert ev.feasible == (res.status == "BASELINE") and ev.memory_bytes == res.predicted_memory_bytes
         if ev.feasible:
             feasible.add(name)
-            assert any(res.stage_sharded), name  # nothing fits without sharding
-            for sh, gs, row, mem in zip(res.stage_sharded, res.stage_gpus, res.state_shard_bytes, ev.memory_bytes):
+            assert any(res.decision.sharded), name  # nothing fits without sharding
+            for sh, gs, row, mem in zip(res.decision.sharded, res.decision.stage_gpus, res.decision.shard_bytes(),
+                                        ev.memory_bytes):
                 assert all(z % (MIB_UNITS * 1024) == 0 for z in row)  # whole MiB
                 assert sh or not any(row)
                 assert all(m <= int(0.9 * devices.memory_bytes[g]) for g, m in zip(gs, mem))
     assert {"homogeneous_all", "cephalo"} <= feasible, feasible
     # sharding alone suffices here; recomputation alone does not (the state is the problem).
-    assert homogeneous_all(costs, devices, SolverOptions(global_batch_size=16, max_stages=2,
+    assert homogeneous_all(costs, devices, solver_options(global_batch_size=16, max_stages=2,
                                                          sharding="auto")).status == "BASELINE"
-    assert homogeneous_all(costs, devices, SolverOptions(global_batch_size=16, max_stages=2,
+    assert homogeneous_all(costs, devices, solver_options(global_batch_size=16, max_stages=2,
                                                          recompute="always")).status == "BASELINE_INFEASIBLE"
 
 
@@ -414,13 +418,14 @@ def test_cephalo_shards_state_by_free_memory():
     costs, devices = _tight()
     options = _tight_options("auto")
     res = cephalo(costs, devices, options)
-    assert res.status == "BASELINE" and res.stage_sharded == (True,) and res.stage_gpus == (tuple(range(8)),)
-    tab = build_tables(costs, devices, options, res.num_microbatches)
-    nb, (ns,), (gs,) = costs.num_blocks, res.samples_per_microbatch, res.stage_gpus
+    assert res.status == "BASELINE" and res.decision.sharded == (True,)
+    assert res.decision.stage_gpus == (tuple(range(8)),)
+    tab = build_tables(costs, devices, options, res.decision.num_microbatches)
+    nb, (ns,), (gs,) = costs.num_blocks, res.decision.samples_per_microbatch, res.decision.stage_gpus
     repl = tab.state_prefix[nb] - tab.shard_prefix[nb]
     assert options.schedule == "1f1b"  # one stage: one micro-batch's activations in flight, recomputing or not
     free = [tab.cap_bytes[g] - repl - n * tab.act_prefix[nb] for g, n in zip(gs, ns)]
-    z = [b // (MIB_UNITS * 1024) for b in res.state_shard_bytes[0]]
+    z = [b // (MIB_UNITS * 1024) for b in res.decision.shard_bytes()[0]]
     assert MIB_UNITS * sum(z) >= tab.shard_prefix[nb] > MIB_UNITS * (sum(z) - 1)  # covers it, no spare MiB
     assert all(zg * MIB_UNITS <= f for zg, f in zip(z, free))
     for a in range(8):
@@ -430,30 +435,29 @@ def test_cephalo_shards_state_by_free_memory():
     free_mib = [f // MIB_UNITS for f in free]
     assert all(abs(zg - sum(z) * f / sum(free_mib)) < 1 for zg, f in zip(z, free_mib))
     assert min(z) < max(z) and free_mib[0] > free_mib[-1]  # the 24 GiB A GPUs hold more than the B
-    balanced = fill_policy(tab, res.stage_blocks, res.stage_gpus, res.samples_per_microbatch, (True,),
-                           res.stage_recompute)
+    d = res.decision
+    balanced = fill_policy(tab, d.stage_blocks, d.stage_gpus, d.samples_per_microbatch, (True,), d.recompute)
     assert balanced.shard_mib[0] != tuple(z)  # not balance_shards' split
     assert free_memory_shards(5 * MIB_UNITS, [3 * MIB_UNITS, MIB_UNITS, 6 * MIB_UNITS]) == (2, 0, 3)
     assert free_memory_shards(0, [MIB_UNITS, MIB_UNITS]) == (0, 0)
     # with sharding "never" Cephalo replicates (the old model), whatever recompute allows.
-    plain = cephalo(costs, devices, SolverOptions(global_batch_size=16, max_stages=2, recompute="auto"))
-    assert plain.stage_sharded == (False,) and plain.status == "BASELINE_INFEASIBLE"
+    plain = cephalo(costs, devices, solver_options(global_batch_size=16, max_stages=2, recompute="auto"))
+    assert plain.decision.sharded == (False,) and plain.status == "BASELINE_INFEASIBLE"
 
 
 def test_recompute_makes_activation_tight_instance_feasible():
     costs, devices = _activation_tight()
     base = dict(global_batch_size=16, max_stages=2, num_microbatches=(4,), schedule="gpipe")
     for name, fn in BASELINES.items():
-        assert fn(costs, devices, SolverOptions(**base)).status == "BASELINE_INFEASIBLE", name
-    options = SolverOptions(**base, recompute="auto")
+        assert fn(costs, devices, solver_options(**base)).status == "BASELINE_INFEASIBLE", name
+    options = solver_options(**base, recompute="auto")
     for name in ("homogeneous_all", "cephalo"):
         res = BASELINES[name](costs, devices, options)
         ev = _eval(costs, devices, options, res)
         assert res.status == "BASELINE" and ev.feasible and ev.objective_units == _units(res.objective), name
-        assert all(res.stage_recompute) and not any(res.stage_sharded)
+        assert all(res.decision.recompute) and not any(res.decision.sharded)
         # the recomputed forward costs a third of fwd+bwd on top.
-        plain = evaluate(costs, devices, options, stage_blocks=res.stage_blocks, stage_gpus=res.stage_gpus,
-                         samples_per_microbatch=res.samples_per_microbatch, num_microbatches=res.num_microbatches)
+        plain = evaluate(costs, devices, options, res.decision.without_policy())
         assert not plain.feasible and plain.step_time_s < res.predicted_step_time_s
 
 
@@ -464,32 +468,33 @@ def test_selector_keeps_the_best_memory_variant():
     options = _tight_options("auto")
     blocks, gpus, samples, m = ((0, 2), (2, 3)), ((0, 1, 2, 3), (4, 5, 6, 7)), ((2, 2, 2, 2),) * 2, 2
     assert memory_variants(options) == ((False, False), (True, False), (False, True), (True, True))
-    assert memory_variants(SolverOptions(global_batch_size=1)) == ((False, False),)
-    assert memory_variants(SolverOptions(global_batch_size=1, sharding="always", recompute="auto")) == (
+    assert memory_variants(solver_options(global_batch_size=1)) == ((False, False),)
+    assert memory_variants(solver_options(global_batch_size=1, sharding="always", recompute="auto")) == (
         (True, False), (True, True))
     scored = []
     for sh, rc in memory_variants(options):
-        ev = evaluate(costs, devices, options, stage_blocks=blocks, stage_gpus=gpus, samples_per_microbatch=samples,
-                      num_microbatches=m, stage_sharded=(sh, sh), stage_recompute=(rc, rc))
+        ev = evaluate(costs, devices, options, Decision(stage_blocks=blocks, stage_gpus=gpus,
+                                                        samples_per_microbatch=samples, num_microbatches=m,
+                                                        sharded=(sh, sh), recompute=(rc, rc)))
         scored.append((not ev.feasible, ev.objective_units, sh, rc))
     best = min(scored)
     assert not best[0] and best[2]  # feasible only sharded
     sel = Selector("t", costs, devices, options)
     assert sel.add(blocks, gpus, samples, m) == best[1]
     res = sel.result()
-    assert res.stage_sharded == (best[2],) * 2 and res.stage_recompute == (best[3],) * 2
+    assert res.decision.sharded == (best[2],) * 2 and res.decision.recompute == (best[3],) * 2
     assert res.status == "BASELINE" and _units(res.objective) == best[1]
     # an explicit plain policy is kept as given (and reported infeasible).
     sel = Selector("t", costs, devices, options)
     tab = sel.tables(m)
     sel.add(blocks, gpus, samples, m, policy=fill_policy(tab, blocks, gpus, samples, (False, False), (False, False)))
     res = sel.result()
-    assert res.status == "BASELINE_INFEASIBLE" and res.stage_sharded == (False, False)
+    assert res.status == "BASELINE_INFEASIBLE" and res.decision.sharded == (False, False)
     # a policy the options forbid is infeasible, however fast (as evaluate says).
     sel = Selector("t", costs, devices, _tight_options("never"))
     sel.add(blocks, gpus, samples, m, policy=fill_policy(tab, blocks, gpus, samples, (True, True), (False, False)))
     res = sel.result()
-    assert res.status == "BASELINE_INFEASIBLE" and res.stage_sharded == (True, True)
+    assert res.status == "BASELINE_INFEASIBLE" and res.decision.sharded == (True, True)
     (chosen,) = res.candidates
     assert chosen["violations"] == [f"stage {s} is sharded but sharding='never'" for s in (0, 1)]
 
@@ -503,7 +508,7 @@ def test_stage_fits_matches_the_model(seed):
     outcomes = set()
     for _ in range(60):
         m = rng.choice([1, 2])
-        options = SolverOptions(global_batch_size=8, max_stages=3, schedule=rng.choice(["1f1b", "gpipe"]),
+        options = solver_options(global_batch_size=8, max_stages=3, schedule=rng.choice(["1f1b", "gpipe"]),
                                 sharding="auto", recompute="auto", memory_fraction=rng.uniform(0.05, 0.9))
         tab = build_tables(costs, devices, options, m)
         n_s = rng.choice([1, 2])
@@ -533,7 +538,7 @@ def test_metis_layers_fit_the_memory_variant(seed):
     costs, devices, _ = _random(seed)
     nb, met = costs.num_blocks, 0
     for _ in range(30):
-        options = SolverOptions(global_batch_size=8, max_stages=2, num_microbatches=(2,),
+        options = solver_options(global_batch_size=8, max_stages=2, num_microbatches=(2,),
                                 schedule=rng.choice(["1f1b", "gpipe"]), sharding="auto", recompute="auto",
                                 memory_fraction=rng.uniform(0.1, 0.9))
         tab = build_tables(costs, devices, options, 2)
@@ -601,7 +606,7 @@ def test_portfolio_takes_a_sharded_baseline():
     res = solve_portfolio(costs, devices, options, nothing)
     ev = _eval(costs, devices, options, res)
     assert (res.status.startswith("BASELINE:") or res.status == "STAGE_DP") and ev.feasible
-    assert any(res.stage_sharded)
+    assert any(res.decision.sharded)
     assert ev.step_time_s == res.predicted_step_time_s
     feasible = [r for r in (fn(costs, devices, options) for fn in BASELINES.values()) if r.status == "BASELINE"]
     feasible.append(solve_stage_dp(costs, devices, options))  # the portfolio's own heuristic

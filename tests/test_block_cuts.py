@@ -10,6 +10,7 @@ fast.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -133,13 +134,14 @@ def test_new_cuts_plan_no_worse_on_the_demo_cluster(small_opt, memory_fraction):
     from zorse_fx.precision import default_precision, precision_policy
     from zorse_fx.solve import evaluate, solve_cpsat
     from zorse_fx.solve.objective import evaluate_result
-    from zorse_fx.solve.records import SolverOptions
+
+    from conftest import solver_options
 
     cluster = Cluster.from_yaml(ROOT / "examples" / "clusters" / "demo.yaml")
     specs = {g.type: g.spec for g in cluster.gpus}
     policy = precision_policy(default_precision(specs.values()))
     devices = cluster.device_graph()
-    opts = SolverOptions(global_batch_size=16, max_stages=4, max_microbatches=8, time_limit_s=10.0,
+    opts = solver_options(global_batch_size=16, max_stages=4, max_microbatches=8, time_limit_s=10.0,
                          memory_fraction=memory_fraction)
     new, old = analyse(small_opt), analyse(small_opt, _minimal_cuts_only=True)
     c_new, c_old = block_costs(new, specs, precision=policy), block_costs(old, specs, precision=policy)
@@ -147,14 +149,12 @@ def test_new_cuts_plan_no_worse_on_the_demo_cluster(small_opt, memory_fraction):
     step_old = evaluate_result(c_old, devices, opts, res_old).step_time_s
 
     index = {start: b for b, (start, _) in enumerate(new.blocks)} | {len(new.act_order): new.num_blocks}
-    mapped = tuple((index[old.blocks[a][0]], index[old.blocks[b - 1][1]]) for a, b in res_old.stage_blocks)
-    kwargs = {**res_old.decision_kwargs(), "stage_blocks": mapped}
-    step_old_in_new = evaluate(c_new, devices, opts, **kwargs).step_time_s
+    mapped = tuple((index[old.blocks[a][0]], index[old.blocks[b - 1][1]]) for a, b in res_old.decision.stage_blocks)
+    dec_new = dataclasses.replace(res_old.decision, stage_blocks=mapped)
+    step_old_in_new = evaluate(c_new, devices, opts, dec_new).step_time_s
     assert step_old_in_new == pytest.approx(step_old, rel=1e-4)  # the cost tables round per block
 
-    import dataclasses
-
-    res_new = solve_cpsat(c_new, devices, opts, hints=(dataclasses.replace(res_old, stage_blocks=mapped),))
+    res_new = solve_cpsat(c_new, devices, opts, hints=(dataclasses.replace(res_old, decision=dec_new),))
     step_new = evaluate_result(c_new, devices, opts, res_new).step_time_s
     # Equal decisions may differ in the last digits: the cost tables round per block.
     assert step_new <= step_old_in_new * (1 + 1e-4)

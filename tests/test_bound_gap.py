@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from zorse_fx.solve import evaluate
+from zorse_fx.solve import Decision, evaluate
 
 from conftest import random_instance
 
@@ -21,10 +21,10 @@ def test_ideal_links_cost_nothing_and_ideal_memory_fits_everything():
     decision = dict(stage_blocks=((0, 1), (1, costs.num_blocks)), stage_gpus=((0,), (1,)),
                     samples_per_microbatch=((2,), (2,)), num_microbatches=2)
     opts = dataclasses.replace(opts, global_batch_size=4)
-    real = evaluate(costs, devices, opts, **decision)
-    links = evaluate(costs, bound_gap.idealise(devices, "ideal_links"), opts, **decision)
-    memory = evaluate(costs, bound_gap.idealise(devices, "ideal_memory"), opts, **decision)
-    both = evaluate(costs, bound_gap.idealise(devices, "ideal_both"), opts, **decision)
+    real = evaluate(costs, devices, opts, Decision(**decision))
+    links = evaluate(costs, bound_gap.idealise(devices, "ideal_links"), opts, Decision(**decision))
+    memory = evaluate(costs, bound_gap.idealise(devices, "ideal_memory"), opts, Decision(**decision))
+    both = evaluate(costs, bound_gap.idealise(devices, "ideal_both"), opts, Decision(**decision))
     assert real.boundary_s[0] > 0 and links.boundary_s == (0.0, 0.0) and both.boundary_s == (0.0, 0.0)
     assert links.compute_s == real.compute_s and links.step_time_s < real.step_time_s
     assert memory.step_time_s == real.step_time_s and memory.memory_bytes == real.memory_bytes

@@ -28,6 +28,7 @@ from zorse_fx.capture import analyse, capture
 from zorse_fx.cluster import Cluster
 from zorse_fx.models.gpt import GPT, GPTConfig
 from zorse_fx.planner import PlanOptions, plan_fixed
+from zorse_fx.solve import Decision
 
 SEQ = 32
 
@@ -67,8 +68,8 @@ def test_gpt_distributed_equals_single_process(case, lee_bytes, tmp_path):
     cuts = [round(i * nb / ns) for i in range(ns + 1)]
     plan, _ = plan_fixed(
         captured, cluster, PlanOptions(global_batch_size=gb),
-        stage_blocks=tuple((cuts[i], cuts[i + 1]) for i in range(ns)),
-        stage_gpus=stage_gpus, samples_per_microbatch=samples, num_microbatches=m,
+        Decision(stage_blocks=tuple((cuts[i], cuts[i + 1]) for i in range(ns)), stage_gpus=stage_gpus,
+                 samples_per_microbatch=samples, num_microbatches=m),
     )
     assert plan.num_stages == ns
     _check(plan, captured, lee_bytes, tmp_path)
@@ -98,8 +99,8 @@ def test_hf_llama_tied_embeddings_distributed(lee_bytes, tmp_path):
     cluster = Cluster.from_yaml(CLUSTERS / "small_hetero.yaml")
     plan, _ = plan_fixed(
         captured, cluster, PlanOptions(global_batch_size=6),
-        stage_blocks=((0, 2), (2, analyse(captured).num_blocks)),
-        stage_gpus=((0,), (2, 3)), samples_per_microbatch=((3,), (1, 2)), num_microbatches=2, label_mode="same",
+        Decision(stage_blocks=((0, 2), (2, analyse(captured).num_blocks)), stage_gpus=((0,), (2, 3)),
+                 samples_per_microbatch=((3,), (1, 2)), num_microbatches=2), label_mode="same",
     )
     assert plan.shared_params() == {"model.model.embed_tokens.weight": (0, 1)}
     _check(plan, captured, lee_bytes, tmp_path)
@@ -132,8 +133,8 @@ def test_zero1_unequal_shards_and_recompute_equal_single_process(lee_bytes, tmp_
     nb = analyse(captured).num_blocks
     plan, _ = plan_fixed(
         captured, cluster, PlanOptions(global_batch_size=6),
-        stage_blocks=((0, nb // 2), (nb // 2, nb)),
-        stage_gpus=((0,), (2, 3)), samples_per_microbatch=((3,), (1, 2)), num_microbatches=2,
+        Decision(stage_blocks=((0, nb // 2), (nb // 2, nb)), stage_gpus=((0,), (2, 3)),
+                 samples_per_microbatch=((3,), (1, 2)), num_microbatches=2),
     )
     plan = with_memory_policy(plan, sharded={1}, recompute={0}, shard_bytes={1: (3 * 2**20, 2**20)})
     assert plan.shared_params() == {"wte.weight": (0, 1)}
@@ -152,8 +153,8 @@ def test_hf_llama_tied_embeddings_zero1_recompute(lee_bytes, tmp_path):
     cluster = Cluster.from_yaml(CLUSTERS / "small_hetero.yaml")
     plan, _ = plan_fixed(
         captured, cluster, PlanOptions(global_batch_size=6),
-        stage_blocks=((0, 2), (2, analyse(captured).num_blocks)),
-        stage_gpus=((0, 1), (2, 3)), samples_per_microbatch=((2, 1), (1, 2)), num_microbatches=2, label_mode="same",
+        Decision(stage_blocks=((0, 2), (2, analyse(captured).num_blocks)), stage_gpus=((0, 1), (2, 3)),
+                 samples_per_microbatch=((2, 1), (1, 2)), num_microbatches=2), label_mode="same",
     )
     plan = with_memory_policy(plan, sharded={0, 1}, recompute={1}, shard_bytes={0: (5, 0), 1: (2**20, 2 * 2**20)})
     assert plan.shared_params() == {"model.model.embed_tokens.weight": (0, 1)}

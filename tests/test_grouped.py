@@ -8,18 +8,17 @@ import time
 import pytest
 
 from zorse_fx.errors import InfeasiblePlanError
-from zorse_fx.solve import BlockCosts, SolverOptions, evaluate, solve_cpsat
+from zorse_fx.solve import BlockCosts, Decision, evaluate, solve_cpsat
 from zorse_fx.solve.grouped import gpu_classes, solve_grouped
 from zorse_fx.solve.objective import UNITS_PER_S, build_tables
 
-from conftest import make_devices, random_costs, random_instance, reference_or_same_error
+from conftest import make_devices, random_costs, random_instance, reference_or_same_error, solver_options
 
 GIB = 1 << 30
 
 
 def _eval(costs, devices, options, res):
-    return evaluate(costs, devices, options, stage_blocks=res.stage_blocks, stage_gpus=res.stage_gpus,
-                    samples_per_microbatch=res.samples_per_microbatch, num_microbatches=res.num_microbatches)
+    return evaluate(costs, devices, options, res.decision.without_policy())
 
 
 def _check_candidates(res):
@@ -51,11 +50,11 @@ def test_classes_two_nodes_of_four():
     devices = make_devices(["A"] * 4 + ["A", "A", "B", "B"], ["n0"] * 4 + ["n1"] * 4, [16 * GIB] * 8,
                             [1e12] * 6 + [3e11] * 2)
     costs = random_costs(random.Random(0), 3, "AB")
-    tab = build_tables(costs, devices, SolverOptions(global_batch_size=8), 1)
+    tab = build_tables(costs, devices, solver_options(global_batch_size=8), 1)
     assert gpu_classes(devices, tab) == [[0, 1, 2, 3], [4, 5], [6, 7]]
     # one odd link inside node 0 splits that node.
     odd = make_devices(["A"] * 4, ["n0"] * 4, [16 * GIB] * 4, [1e12] * 4, odd_links={(0, 1): (5e9, 1e-5)})
-    tab = build_tables(costs, odd, SolverOptions(global_batch_size=8), 1)
+    tab = build_tables(costs, odd, solver_options(global_batch_size=8), 1)
     classes = gpu_classes(odd, tab)
     assert sorted(g for c in classes for g in c) == [0, 1, 2, 3]
     for c in classes:  # uniform links inside every class
@@ -73,7 +72,7 @@ def test_grouped_is_restriction(seed):
     devices = make_devices(types, nodes, [rng.choice([8, 16]) * GIB if t == "B" else 16 * GIB for t in types],
                             [1e12 if t == "A" else 3e11 for t in types])
     costs = random_costs(rng, nb, "AB", fixed=seed % 2 == 0)
-    options = SolverOptions(global_batch_size=rng.choice([4, 6, 8]), max_stages=2, num_microbatches=(1, 2),
+    options = solver_options(global_batch_size=rng.choice([4, 6, 8]), max_stages=2, num_microbatches=(1, 2),
                             time_limit_s=20.0, seed=seed)
     ref = solve_cpsat(costs, devices, options)
     res = solve_grouped(costs, devices, options)
@@ -109,15 +108,15 @@ def _big_instance(n_nodes, per_node, nb, seed=0):
 
 def test_sixty_four_gpus_four_types():
     costs, devices = _big_instance(8, 8, 40)
-    options = SolverOptions(global_batch_size=256, max_stages=4, num_microbatches=(4, 8),
-                            deterministic_time=1.0, seed=0)
+    options = solver_options(global_batch_size=256, max_stages=4, num_microbatches=(4, 8),
+                            solver_budget=1.0, seed=0)
     t0 = time.perf_counter()
     res = solve_grouped(costs, devices, options)
     wall = time.perf_counter() - t0
     ev = _eval(costs, devices, options, res)
     print(f"64 GPUs: wall {wall:.2f} s, status {res.status}, step {res.objective:.4f} s, "
-          f"gap {res.optimality_gap:.3%}, S={res.num_stages}, M={res.num_microbatches}, "
-          f"GPUs used {sum(map(len, res.stage_gpus))}")
+          f"gap {res.optimality_gap:.3%}, S={res.num_stages}, M={res.decision.num_microbatches}, "
+          f"GPUs used {sum(map(len, res.decision.stage_gpus))}")
     assert ev.feasible and ev.objective_units == round(res.objective * UNITS_PER_S)
     # Planner wall time is measured in bench/planner_scaling.py, not asserted here.
 
@@ -131,7 +130,7 @@ def test_node_aggregation_is_restriction(seed):
     nodes = ["n0", "n0", "n1", "n1", "n2", "n2", "n3", "n3"]
     devices = make_devices(types, nodes, [16 * GIB] * 6 + [8 * GIB] * 2, [1e12] * 6 + [3e11] * 2)
     costs = random_costs(rng, rng.randint(2, 5), "AB", fixed=seed % 2 == 0)
-    options = SolverOptions(global_batch_size=rng.choice([4, 8, 12]), max_stages=3, num_microbatches=(1, 2),
+    options = solver_options(global_batch_size=rng.choice([4, 8, 12]), max_stages=3, num_microbatches=(1, 2),
                             time_limit_s=20.0, seed=seed)
     agg = solve_grouped(costs, devices, options, aggregate_nodes=True)
     assert {c["num_groups"] for c in agg.candidates} == {2}
@@ -143,7 +142,7 @@ def test_node_aggregation_is_restriction(seed):
         assert ev.feasible and ev.objective_units == round(res.objective * UNITS_PER_S)
     assert round(agg.objective * UNITS_PER_S) >= round(cls.objective * UNITS_PER_S)
     # stages take whole nodes when aggregated.
-    for gs in agg.stage_gpus:
+    for gs in agg.decision.stage_gpus:
         a_nodes = {nodes[g] for g in gs}
         assert sum(1 for g in range(8) if nodes[g] in a_nodes) == len(gs)
 
@@ -152,8 +151,8 @@ def test_identical_nodes_are_aggregated_at_scale():
     """32 nodes x 8 GPUs (4 types): identical nodes become 4 groups; the answer is exact.
     (1024 GPUs and the wall times: bench/planner_scaling.py.)"""
     costs, devices = _big_instance(32, 8, 24)
-    options = SolverOptions(global_batch_size=256, max_stages=3, num_microbatches=(8,),
-                            deterministic_time=1.0, seed=0)
+    options = solver_options(global_batch_size=256, max_stages=3, num_microbatches=(8,),
+                            solver_budget=1.0, seed=0)
     res = solve_grouped(costs, devices, options)
     assert {c["num_groups"] for c in res.candidates} == {4}
     ev = _eval(costs, devices, options, res)
@@ -191,12 +190,12 @@ def test_grouped_shards_across_a_class():
     devices = make_devices(["A"] * 8, ["n0"] * 4 + ["n1"] * 4, [16 * GIB] * 8, [1e12] * 8)
     costs = BlockCosts(fwd_bwd_s_per_sample={"A": (0.01,) * 4}, param_count=(750_000_000,) * 4,
                        act_bytes_per_sample=(32 << 20,) * 4, cut_bytes_per_sample=(0, 4 << 20, 4 << 20, 4 << 20, 0))
-    opts = SolverOptions(global_batch_size=8, max_stages=2, num_microbatches=(1, 2), time_limit_s=20.0)
+    opts = solver_options(global_batch_size=8, max_stages=2, num_microbatches=(1, 2), time_limit_s=20.0)
     with pytest.raises(InfeasiblePlanError, match="sharding='auto'"):
         solve_grouped(costs, devices, opts)
     res = solve_grouped(costs, devices, dataclasses.replace(opts, sharding="auto"))
-    assert all(res.stage_sharded)
-    for s, ((i, j), row) in enumerate(zip(res.stage_blocks, res.state_shard_bytes)):
+    assert all(res.decision.sharded)
+    for s, ((i, j), row) in enumerate(zip(res.decision.stage_blocks, res.decision.shard_bytes())):
         assert sum(row) >= 8 * sum(costs.param_count[i:j])
     assert evaluate_result(costs, devices, dataclasses.replace(opts, sharding="auto"), res).feasible
 
@@ -215,22 +214,23 @@ def test_hint_encodes_the_hinted_decision(grouped):
     devices = make_devices(["A"] * 4 + ["B"] * 4, ["n0"] * 4 + ["n1"] * 4, [16 * GIB] * 8, [1e12] * 4 + [3e11] * 4)
     costs = BlockCosts(fwd_bwd_s_per_sample={"A": (0.01,) * 4, "B": (0.03,) * 4}, param_count=(400_000_000,) * 4,
                        act_bytes_per_sample=(32 << 20,) * 4, cut_bytes_per_sample=(0, 4 << 20, 4 << 20, 4 << 20, 0))
-    opts = SolverOptions(global_batch_size=16, max_stages=2, num_microbatches=(2,), sharding="always",
+    opts = solver_options(global_batch_size=16, max_stages=2, num_microbatches=(2,), sharding="always",
                          recompute="auto", time_limit_s=20.0)
     base = BASELINES["homogeneous_all"](costs, devices, opts)
     ev = evaluate_result(costs, devices, opts, base)
-    assert ev.feasible and any(base.stage_sharded)
-    tab = build_tables(costs, devices, opts, base.num_microbatches)
+    assert ev.feasible and any(base.decision.sharded)
+    tab = build_tables(costs, devices, opts, base.decision.num_microbatches)
     groups = _groups(devices, tab, False) if grouped else singleton_groups(devices.num_gpus)
     model = CandidateModel(tab, devices, opts, groups, base.num_stages)
-    model.hint(base)
+    model.hint(base.decision)
     solver = cp_model.CpSolver()
     solver.parameters.fix_variables_to_their_hinted_value = True
     solver.parameters.num_workers = 1
     assert solver.Solve(model.m) in (cp_model.OPTIMAL, cp_model.FEASIBLE)
-    blocks, gpus, samples, pol = model.decision(solver)
-    assert (blocks, gpus, samples) == (base.stage_blocks, base.stage_gpus, base.samples_per_microbatch)
-    assert pol.sharded == base.stage_sharded and pol.recompute == base.stage_recompute
+    dec = model.decision(solver)
+    assert (dec.stage_blocks, dec.stage_gpus, dec.samples_per_microbatch) == (
+        base.decision.stage_blocks, base.decision.stage_gpus, base.decision.samples_per_microbatch)
+    assert dec.sharded == base.decision.sharded and dec.recompute == base.decision.recompute
     assert solver.Value(model.objective) == ev.objective_units
 
 
@@ -268,7 +268,7 @@ def test_multi_unit_groups_get_the_per_stage_encoding():
     devices = make_devices(["A"] * 4 + ["B"] * 4, ["n0"] * 4 + ["n1"] * 4, [16 * GIB] * 8, [1e12] * 4 + [3e11] * 4)
     costs = BlockCosts(fwd_bwd_s_per_sample={"A": (0.01,) * 3, "B": (0.03,) * 3}, param_count=(1000,) * 3,
                        act_bytes_per_sample=(1 << 20,) * 3, cut_bytes_per_sample=(0, 1 << 20, 1 << 20, 0))
-    opts = SolverOptions(global_batch_size=8, max_stages=2, num_microbatches=(1,))
+    opts = solver_options(global_batch_size=8, max_stages=2, num_microbatches=(1,))
     tab = build_tables(costs, devices, opts, 1)
     groups = _groups(devices, tab, False)
     assert [g.count for g in groups] == [4, 4]
@@ -289,7 +289,7 @@ def test_mixed_groups():
     costs = BlockCosts(fwd_bwd_s_per_sample={"A": (0.01, 0.02, 0.01), "B": (0.02, 0.05, 0.02)},
                        param_count=(1000,) * 3, act_bytes_per_sample=(1 << 20,) * 3,
                        cut_bytes_per_sample=(0, 1 << 20, 1 << 20, 0))
-    opts = SolverOptions(global_batch_size=8, max_stages=2, num_microbatches=(1, 2))
+    opts = solver_options(global_batch_size=8, max_stages=2, num_microbatches=(1, 2))
     tab = build_tables(costs, devices, opts, 1)
     groups = _groups(devices, tab, False)
     assert [(g.unit, g.count) for g in groups] == [(1, 3), (1, 1)]

@@ -7,11 +7,12 @@ import random
 
 import pytest
 
-from conftest import make_devices, random_costs
+from conftest import make_devices, random_costs, solver_options
 from zorse_fx.solve.interleave import base_makespan_s, interleave_search, rescale_shares, with_interleaving
 from zorse_fx.solve.objective import evaluate, evaluate_result
-from zorse_fx.solve.records import BlockCosts, SolverOptions
+from zorse_fx.solve.records import BlockCosts
 from zorse_fx.solve.stage_dp import solve_stage_dp
+from zorse_fx.solve import Decision
 
 GIB = 1 << 30
 
@@ -23,7 +24,7 @@ def _two_group_instance(*, cross_bw=10e9, nb=16, gbs=8):
                        act_bytes_per_sample=(1e6,) * nb, cut_bytes_per_sample=(0,) + (1e5,) * (nb - 1) + (0,))
     devices = make_devices("AABB", ["n0", "n0", "n1", "n1"], [16 * GIB] * 4, [1e12] * 4,
                            inter=(cross_bw, 2e-5))
-    options = SolverOptions(global_batch_size=gbs, max_stages=4, max_microbatches=8)
+    options = solver_options(global_batch_size=gbs, max_stages=4, max_microbatches=8)
     return costs, devices, options
 
 
@@ -48,11 +49,12 @@ def test_uniform_interleaving_shrinks_the_bubble_by_v():
     costs = BlockCosts(fwd_bwd_s_per_sample={"A": (0.01,) * nb}, param_count=(1000,) * nb,
                        act_bytes_per_sample=(1e6,) * nb, cut_bytes_per_sample=(0,) * (nb + 1))
     devices = make_devices("AAAA", ["n0"] * 4, [16 * GIB] * 4, [1e12] * 4, intra=(float("inf"), 0.0))
-    options = SolverOptions(global_batch_size=8, max_stages=4)
+    options = solver_options(global_batch_size=8, max_stages=4)
     for v in (1, 2):
         blocks = tuple((k * nb // (4 * v), (k + 1) * nb // (4 * v)) for k in range(4 * v))
-        ev = evaluate(costs, devices, options, stage_blocks=blocks, stage_gpus=tuple((s % 4,) for s in range(4 * v)),
-                      samples_per_microbatch=((2,),) * (4 * v), num_microbatches=4, interleave=v)
+        ev = evaluate(costs, devices, options, Decision(
+            stage_blocks=blocks, stage_gpus=tuple((s % 4,) for s in range(4 * v)),
+            samples_per_microbatch=((2,),) * (4 * v), num_microbatches=4, interleave=v))
         t = 2 * 0.01 * nb / (4 * v)  # one chunk, 2 samples
         sync = max(ev.allreduce_s[p] + ev.optim_s[p] for p in range(4 * v)) * v
         assert ev.step_time_s == pytest.approx((4 * v + 3) * t + sync, abs=1e-8)
@@ -61,13 +63,13 @@ def test_uniform_interleaving_shrinks_the_bubble_by_v():
 def test_interleaving_chosen_where_the_bubble_dominates():
     costs, devices, options = _two_group_instance()
     base = solve_stage_dp(costs, devices, options)
-    assert base.num_stages == 2 and base.interleave == 1
+    assert base.num_stages == 2 and base.decision.interleave == 1
     res = with_interleaving(costs, devices, options, base)
-    assert res.interleave > 1 and res.status == "STAGE_DP+INTERLEAVED"
+    assert res.decision.interleave > 1 and res.status == "STAGE_DP+INTERLEAVED"
     assert res.predicted_step_time_s < base.predicted_step_time_s
-    assert res.num_stages == 2 * res.interleave
+    assert res.num_stages == 2 * res.decision.interleave
     # The groups are the base plan's, repeated; the decision is feasible and scored as predicted.
-    assert res.stage_gpus == base.stage_gpus * res.interleave
+    assert res.decision.stage_gpus == base.decision.stage_gpus * res.decision.interleave
     ev = evaluate_result(costs, devices, options, res)
     assert ev.feasible and ev.step_time_s == res.predicted_step_time_s
     assert 0.0 <= res.optimality_gap <= 1.0 and res.best_bound <= res.predicted_step_time_s
@@ -81,7 +83,7 @@ def test_no_interleaving_when_messages_cost_more_than_the_bubble():
     devices = make_devices("AABB", ["n0", "n0", "n1", "n1"], [16 * GIB] * 4, [1e12] * 4, inter=(0.3e9 / 8, 0.05))
     base = solve_stage_dp(costs, devices, options)
     res = with_interleaving(costs, devices, options, base)
-    assert res.interleave == 1 and res.predicted_step_time_s == base.predicted_step_time_s
+    assert res.decision.interleave == 1 and res.predicted_step_time_s == base.predicted_step_time_s
     tried = [c["interleave_search"] for c in res.candidates if "interleave_search" in c]
     assert tried and all(t["step_time_s"] > base.predicted_step_time_s for t in tried if t["feasible"])
 
@@ -94,7 +96,7 @@ def test_interleaving_off_returns_the_plan_itself():
     for opts in (dataclasses.replace(options, max_interleave=1), dataclasses.replace(options, schedule="gpipe")):
         assert with_interleaving(costs, devices, opts, base) is base
     with pytest.raises(ValueError, match="max_interleave=0"):
-        SolverOptions(global_batch_size=8, max_interleave=0)
+        solver_options(global_batch_size=8, max_interleave=0)
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -108,7 +110,7 @@ def test_interleave_search_results_fit_and_match_the_objective(seed):
     n_g = rng.randint(3, 6)
     devices = make_devices([rng.choice(types) for _ in range(n_g)], [f"n{g % 2}" for g in range(n_g)],
                            [rng.choice((8, 12, 16, 24)) * GIB for _ in range(n_g)], [1e12] * n_g)
-    options = SolverOptions(global_batch_size=rng.choice((4, 8, 12)), max_stages=3, max_microbatches=12,
+    options = solver_options(global_batch_size=rng.choice((4, 8, 12)), max_stages=3, max_microbatches=12,
                             recompute="auto", sharding="auto")
     try:
         base = solve_stage_dp(costs, devices, options)
@@ -126,7 +128,7 @@ def test_interleave_search_results_fit_and_match_the_objective(seed):
         assert ev.feasible and ev.step_time_s == found.predicted_step_time_s
         assert found.predicted_step_time_s == min(t["step_time_s"] for t in tried if t["feasible"])
         for s in range(found.num_stages):
-            assert found.stage_gpus[s] == found.stage_gpus[s % (found.num_stages // found.interleave)]
+            assert found.decision.stage_gpus[s] == found.decision.stage_gpus[s % found.decision.num_groups]
 
 
 def test_portfolio_interleaves_its_answer():
@@ -138,9 +140,9 @@ def test_portfolio_interleaves_its_answer():
     costs, devices, options = _two_group_instance()
     import dataclasses
 
-    options = dataclasses.replace(options, deterministic_time=2.0)
+    options = dataclasses.replace(options, solver_budget=2.0)
     res = solve_portfolio(costs, devices, options, solve_cpsat)
-    assert res.interleave > 1 and res.status.endswith("+INTERLEAVED")
+    assert res.decision.interleave > 1 and res.status.endswith("+INTERLEAVED")
     assert evaluate_result(costs, devices, options, res).feasible
     flat = solve_portfolio(costs, devices, dataclasses.replace(options, max_interleave=1), solve_cpsat)
-    assert flat.interleave == 1 and res.predicted_step_time_s < flat.predicted_step_time_s
+    assert flat.decision.interleave == 1 and res.predicted_step_time_s < flat.predicted_step_time_s

@@ -40,6 +40,7 @@ from zorse_fx.data import global_batch
 from zorse_fx.models.gpt import GPT, GPTConfig
 from zorse_fx.planner import PlanOptions, plan_fixed
 from zorse_fx.runtime.worker import OptimizerConfig, StageWorker
+from zorse_fx.solve import Decision
 
 SEQ = 32
 LR, WEIGHT_DECAY = 1e-3, 0.1
@@ -58,8 +59,8 @@ def _plan(captured, stage_gpus, samples, num_microbatches, global_batch_size, in
     cuts = [round(i * nb / ns) for i in range(ns + 1)]
     plan, _ = plan_fixed(
         captured, Cluster.from_yaml(CLUSTERS / "small_hetero.yaml"), PlanOptions(global_batch_size=global_batch_size),
-        stage_blocks=tuple((cuts[i], cuts[i + 1]) for i in range(ns)), stage_gpus=stage_gpus,
-        samples_per_microbatch=samples, num_microbatches=num_microbatches, interleave=interleave,
+        Decision(stage_blocks=tuple((cuts[i], cuts[i + 1]) for i in range(ns)), stage_gpus=stage_gpus,
+                 samples_per_microbatch=samples, num_microbatches=num_microbatches, interleave=interleave),
     )
     return plan
 

@@ -37,6 +37,7 @@ from test_interleaved_runtime import _plan as _interleaved_plan
 from zorse_fx.capture import analyse
 from zorse_fx.cluster import Cluster
 from zorse_fx.planner import PlanOptions, plan_fixed
+from zorse_fx.solve import Decision
 
 LR, WEIGHT_DECAY = 1e-3, 0.1
 #: Small gradient buckets (50 KiB): several buckets per stage, launched during the last backward.
@@ -49,8 +50,8 @@ def _gpt_plan(captured, case):
     ns = len(stage_gpus)
     cuts = [round(i * nb / ns) for i in range(ns + 1)]
     plan, _ = plan_fixed(captured, Cluster.from_yaml(CLUSTERS / "small_hetero.yaml"), PlanOptions(global_batch_size=gb),
-                         stage_blocks=tuple((cuts[i], cuts[i + 1]) for i in range(ns)), stage_gpus=stage_gpus,
-                         samples_per_microbatch=samples, num_microbatches=m)
+                         Decision(stage_blocks=tuple((cuts[i], cuts[i + 1]) for i in range(ns)),
+                                  stage_gpus=stage_gpus, samples_per_microbatch=samples, num_microbatches=m))
     return plan
 
 
@@ -78,8 +79,8 @@ def test_bf16_hf_llama_tied_embeddings(lee_bytes, tmp_path):
     captured = _tiny_llama_tied()
     plan, _ = plan_fixed(
         captured, Cluster.from_yaml(CLUSTERS / "small_hetero.yaml"), PlanOptions(global_batch_size=6),
-        stage_blocks=((0, 2), (2, analyse(captured).num_blocks)),
-        stage_gpus=((0,), (2, 3)), samples_per_microbatch=((3,), (1, 2)), num_microbatches=2, label_mode="same",
+        Decision(stage_blocks=((0, 2), (2, analyse(captured).num_blocks)), stage_gpus=((0,), (2, 3)),
+                 samples_per_microbatch=((3,), (1, 2)), num_microbatches=2), label_mode="same",
     )
     assert plan.shared_params() == {"model.model.embed_tokens.weight": (0, 1)}
     train_and_compare(plan, captured, lee_bytes, tmp_path, steps=2, lr=LR, weight_decay=WEIGHT_DECAY,
@@ -94,8 +95,8 @@ def test_bf16_zero1_unequal_shards_and_recompute(lee_bytes, tmp_path):
     nb = analyse(captured).num_blocks
     plan, _ = plan_fixed(
         captured, Cluster.from_yaml(CLUSTERS / "small_hetero.yaml"), PlanOptions(global_batch_size=6),
-        stage_blocks=((0, nb // 2), (nb // 2, nb)),
-        stage_gpus=((0,), (2, 3)), samples_per_microbatch=((3,), (1, 2)), num_microbatches=2,
+        Decision(stage_blocks=((0, nb // 2), (nb // 2, nb)), stage_gpus=((0,), (2, 3)),
+                 samples_per_microbatch=((3,), (1, 2)), num_microbatches=2),
     )
     plan = with_memory_policy(plan, sharded={1}, recompute={0}, shard_bytes={1: (3 * 2**20, 2**20)})
     summaries, _ = train_and_compare(plan, captured, lee_bytes, tmp_path, steps=3, lr=LR, weight_decay=WEIGHT_DECAY,
@@ -111,8 +112,8 @@ def test_bf16_hf_llama_tied_zero1_recompute(lee_bytes, tmp_path):
     captured = _tiny_llama_tied()
     plan, _ = plan_fixed(
         captured, Cluster.from_yaml(CLUSTERS / "small_hetero.yaml"), PlanOptions(global_batch_size=6),
-        stage_blocks=((0, 2), (2, analyse(captured).num_blocks)),
-        stage_gpus=((0, 1), (2, 3)), samples_per_microbatch=((2, 1), (1, 2)), num_microbatches=2, label_mode="same",
+        Decision(stage_blocks=((0, 2), (2, analyse(captured).num_blocks)), stage_gpus=((0, 1), (2, 3)),
+                 samples_per_microbatch=((2, 1), (1, 2)), num_microbatches=2), label_mode="same",
     )
     plan = with_memory_policy(plan, sharded={0, 1}, recompute={1}, shard_bytes={0: (5, 0), 1: (2**20, 2 * 2**20)})
     train_and_compare(plan, captured, lee_bytes, tmp_path, steps=2, lr=LR, weight_decay=WEIGHT_DECAY,

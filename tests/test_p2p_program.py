@@ -22,6 +22,7 @@ from zorse_fx.planner import PlanOptions, plan_fixed
 from zorse_fx.runtime import p2p
 from zorse_fx.runtime.p2p import (ProgramError, _check_channels, _initial_groups, _Op, _waits, build_programs,
                                   simulate_nccl)
+from zorse_fx.solve import Decision
 
 
 @pytest.fixture(scope="module")
@@ -38,8 +39,8 @@ def _plan(captured, stage_gpus, samples, m, gb, v=1, schedule="1f1b"):
     cuts = [round(i * nb / ns) for i in range(ns + 1)]
     plan, _ = plan_fixed(captured, Cluster.from_yaml(CLUSTERS / "small_hetero.yaml"),
                          PlanOptions(global_batch_size=gb, schedule=schedule),
-                         stage_blocks=tuple((cuts[i], cuts[i + 1]) for i in range(ns)), stage_gpus=stage_gpus,
-                         samples_per_microbatch=samples, num_microbatches=m, interleave=v)
+                         Decision(stage_blocks=tuple((cuts[i], cuts[i + 1]) for i in range(ns)), stage_gpus=stage_gpus,
+                                  samples_per_microbatch=samples, num_microbatches=m, interleave=v))
     return plan
 
 

@@ -18,6 +18,7 @@ from zorse_fx.models.gpt import GPT, GPTConfig
 from zorse_fx.plan import PLAN_FORMAT_VERSION, Plan
 from zorse_fx.planner import PlanOptions, plan_fixed
 from zorse_fx.runtime.schedule import Action, format_grid, inflight, make_schedule, validate
+from zorse_fx.solve import Decision
 
 
 def _gpt_plan(n_layer: int, cuts, **decision):
@@ -29,7 +30,7 @@ def _gpt_plan(n_layer: int, cuts, **decision):
     captured = capture(GPT(GPTConfig(n_layer=n_layer, n_embd=32, block_size=16)), (ids, ids))
     bounds = (*cuts, analyse(captured).num_blocks)
     p, _ = plan_fixed(captured, Cluster.from_yaml(CLUSTERS / "small_hetero.yaml"), PlanOptions(global_batch_size=8),
-                      stage_blocks=tuple(zip(bounds, bounds[1:])), num_microbatches=2, **decision)
+                      Decision(stage_blocks=tuple(zip(bounds, bounds[1:])), num_microbatches=2, **decision))
     return p
 
 

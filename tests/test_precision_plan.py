@@ -25,6 +25,7 @@ from zorse_fx.models.gpt import GPT, GPTConfig
 from zorse_fx.plan import PLAN_FORMAT_VERSION, Plan
 from zorse_fx.planner import PlanOptions, _analyse_and_price, plan_fixed, resolve_precision
 from zorse_fx.precision import precision_policy
+from zorse_fx.solve import Decision
 
 T = 16
 #: A100-40GB x 8 + H100 x 4: every GPU computes in bfloat16.
@@ -79,8 +80,9 @@ def test_bf16_on_pre_ampere_gpus_is_refused(gpt):
     assert str(e.value) == expected
     assert isinstance(e.value, ValueError)  # a user error
     with pytest.raises(PlanOptionsError, match=r"but T4 has none \(pre-Ampere\)"):
-        plan_fixed(gpt, Cluster.from_yaml(CLUSTERS / "small_hetero.yaml"), options, stage_blocks=((0, 1),),
-                   stage_gpus=((0,),), samples_per_microbatch=((4,),), num_microbatches=2)
+        plan_fixed(gpt, Cluster.from_yaml(CLUSTERS / "small_hetero.yaml"), options,
+                   Decision(stage_blocks=((0, 1),), stage_gpus=((0,),), samples_per_microbatch=((4,),),
+                            num_microbatches=2))
 
 
 @pytest.mark.parametrize(("kw", "message"), [
@@ -215,8 +217,8 @@ def test_cut_tensors_travel_in_their_autocast_dtype():
     assert bg16.cut_tensors[1] == (TensorSpec(name="linear_1", shape_per_sample=(8,), dtype="bfloat16"),)
     assert (costs32.cut_bytes_per_sample, costs16.cut_bytes_per_sample) == ((0, 32, 0), (0, 16, 0))
     plan, _ = plan_fixed(captured, ampere, PlanOptions(global_batch_size=4, profiles=()),
-                         stage_blocks=((0, 1), (1, 2)), stage_gpus=((0,), (1,)),
-                         samples_per_microbatch=((2,), (2,)), num_microbatches=2)
+                         Decision(stage_blocks=((0, 1), (1, 2)), stage_gpus=((0,), (1,)),
+                                  samples_per_microbatch=((2,), (2,)), num_microbatches=2))
     assert plan.precision == "bf16-mixed"
     assert [t.dtype for t in plan.stages[0].send] == [t.dtype for t in plan.stages[1].recv] == ["bfloat16"]
     assert "'dtype': 'bfloat16'" in plan.sources[0] and "'dtype': 'bfloat16'" in plan.sources[1]
@@ -230,8 +232,8 @@ def bf16_plan(gpt):
     nb = analyse(gpt).num_blocks
     plan, _ = plan_fixed(gpt, Cluster.from_yaml(AMPERE),
                          PlanOptions(global_batch_size=8, precision="bf16-mixed", grad_reduce_dtype="bfloat16"),
-                         stage_blocks=((0, 3), (3, nb)), stage_gpus=((4, 5), (6,)),
-                         samples_per_microbatch=((2, 2), (4,)), num_microbatches=2)
+                         Decision(stage_blocks=((0, 3), (3, nb)), stage_gpus=((4, 5), (6,)),
+                                  samples_per_microbatch=((2, 2), (4,)), num_microbatches=2))
     return plan
 
 

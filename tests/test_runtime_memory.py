@@ -23,6 +23,7 @@ from zorse_fx.cluster import Cluster
 from zorse_fx.models.gpt import GPT, GPTConfig
 from zorse_fx.planner import PlanOptions, plan_fixed
 from zorse_fx.runtime.worker import StageWorker
+from zorse_fx.solve import Decision
 
 T = 16
 
@@ -48,8 +49,9 @@ def dropout_plan():
     captured = capture(DropoutGPT(GPTConfig(n_layer=2, n_embd=32, block_size=T)), (ids, ids))
     nb = analyse(captured).num_blocks
     plan, _ = plan_fixed(captured, Cluster.from_yaml(CLUSTERS / "small_hetero.yaml"),
-                         PlanOptions(global_batch_size=4, schedule="gpipe"), stage_blocks=((0, nb),),
-                         stage_gpus=((0,),), samples_per_microbatch=((2,),), num_microbatches=2)
+                         PlanOptions(global_batch_size=4, schedule="gpipe"),
+                         Decision(stage_blocks=((0, nb),), stage_gpus=((0,),), samples_per_microbatch=((2,),),
+                                  num_microbatches=2))
     return plan, captured.state()
 
 
@@ -122,8 +124,8 @@ def mixed_dtype_plan():
     captured = capture(MixedDtypeGPT(GPTConfig(n_layer=2, n_embd=32, block_size=T)), (ids, ids))
     nb = analyse(captured).num_blocks
     plan, _ = plan_fixed(captured, Cluster.from_yaml(CLUSTERS / "small_hetero.yaml"), PlanOptions(global_batch_size=8),
-                         stage_blocks=((0, nb),), stage_gpus=((0, 1, 2),), samples_per_microbatch=((2, 1, 1),),
-                         num_microbatches=2)
+                         Decision(stage_blocks=((0, nb),), stage_gpus=((0, 1, 2),), samples_per_microbatch=((2, 1, 1),),
+                                  num_microbatches=2))
     return plan, captured
 
 

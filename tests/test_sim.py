@@ -13,9 +13,9 @@ from zorse_fx.solve.objective import MEMORY_UNIT_BYTES
 
 from zorse_fx.errors import InfeasiblePlanError
 from zorse_fx.sim import gantt_png, simulate, to_perfetto
-from zorse_fx.solve import BlockCosts, DeviceGraph, SolverOptions, evaluate, solve_cpsat
+from zorse_fx.solve import BlockCosts, Decision, DeviceGraph, evaluate, solve_cpsat
 
-from conftest import compute_only, make_devices, random_instance
+from conftest import compute_only, make_devices, random_instance, solver_options
 
 GIB = 1 << 30
 KIB = MEMORY_UNIT_BYTES
@@ -23,18 +23,19 @@ MIB = 1 << 20
 
 
 def _decision(res):
-    return dict(stage_blocks=res.stage_blocks, stage_gpus=res.stage_gpus,
-                samples_per_microbatch=res.samples_per_microbatch, num_microbatches=res.num_microbatches)
+    d = res.decision
+    return dict(stage_blocks=d.stage_blocks, stage_gpus=d.stage_gpus, samples_per_microbatch=d.samples_per_microbatch,
+                num_microbatches=d.num_microbatches)
 
 
 def _policy_kw(res):
-    """The memory policy of a SolverResult as simulate / evaluate keyword arguments."""
-    kw = res.decision_kwargs()
-    return {k: kw[k] for k in ("stage_sharded", "state_shard_mib", "stage_recompute")}
+    """The memory policy of a SolverResult's decision as ``Decision`` fields."""
+    d = res.decision
+    return dict(sharded=d.sharded, shard_mib=d.shard_mib, recompute=d.recompute)
 
 
 def _assert_same_memory(res, ev, sim):
-    for gpus, mem in zip(res.stage_gpus, ev.memory_bytes):
+    for gpus, mem in zip(res.decision.stage_gpus, ev.memory_bytes):
         assert tuple(sim.peak_memory_bytes[g] for g in gpus) == mem
 
 
@@ -44,9 +45,9 @@ def test_single_gpu(schedule):
                        param_count=(10_000_000, 5_000_000), act_bytes_per_sample=(1000, 500),
                        cut_bytes_per_sample=(0, 7, 0))
     devices = make_devices(["A"], ["n0"], [16 * GIB], [1e12])
-    options = SolverOptions(global_batch_size=12, schedule=schedule)
-    sim = simulate(costs, devices, options, stage_blocks=((0, 2),), stage_gpus=((0,),),
-                   samples_per_microbatch=((4,),), num_microbatches=3)
+    options = solver_options(global_batch_size=12, schedule=schedule)
+    sim = simulate(costs, devices, options, Decision(stage_blocks=((0, 2),), stage_gpus=((0,),),
+                                                     samples_per_microbatch=((4,),), num_microbatches=3))
     mb = 4 * 3e-3 + 1e-3  # n W + F per micro-batch
     optim = 2 * 16 * 15e6 / 1e12
     assert sim.step_time_s == pytest.approx(3 * mb + optim, rel=1e-12)
@@ -71,13 +72,13 @@ def test_pipeline_with_free_links_takes_m_plus_s_minus_1_stage_times(schedule, n
     devices = dataclasses.replace(make_devices(["A"] * num_stages, ["n0"] * num_stages, [GIB] * num_stages,
                                                 [1e12] * num_stages),
                                   link_latency_s=((0.0,) * num_stages,) * num_stages)
-    options = SolverOptions(global_batch_size=m, schedule=schedule)
+    options = solver_options(global_batch_size=m, schedule=schedule)
     kw = dict(stage_blocks=tuple((s, s + 1) for s in range(num_stages)),
               stage_gpus=tuple((s,) for s in range(num_stages)),
               samples_per_microbatch=((1,),) * num_stages, num_microbatches=m)
-    sim = simulate(costs, devices, options, **kw)
+    sim = simulate(costs, devices, options, Decision(**kw))
     assert sim.step_time_s == pytest.approx((m + num_stages - 1) * t, rel=1e-12)
-    assert sim.step_time_s == pytest.approx(evaluate(costs, devices, options, **kw).step_time_s, rel=1e-9)
+    assert sim.step_time_s == pytest.approx(evaluate(costs, devices, options, Decision(**kw)).step_time_s, rel=1e-9)
     assert sim.bubble_fraction == pytest.approx((num_stages - 1) / (m + num_stages - 1))
     live = [min(num_stages - s, m) if schedule == "1f1b" else m for s in range(num_stages)]
     assert sim.peak_memory_bytes == tuple(KIB * n for n in live)  # 100 bytes round up to 1 KiB
@@ -100,8 +101,8 @@ def test_heterogeneous_dp_pair_with_allreduce():
                           mem_bw_bytes_per_s=(1e12, 5e11), link_bw_bytes_per_s=((0, 1e10), (1e10, 0)),
                           link_latency_s=((0, 1e-5), (1e-5, 0)), node_names=("n0", "n0"))
     kw = dict(stage_blocks=((0, 1),), stage_gpus=((0, 1),), samples_per_microbatch=((3, 1),), num_microbatches=1)
-    options = SolverOptions(global_batch_size=4)
-    sim = simulate(costs, devices, options, **kw)
+    options = solver_options(global_batch_size=4)
+    sim = simulate(costs, devices, options, Decision(**kw))
     # Ring: 2 x grad bytes / bw + 2 (k-1) latency per bucket; one block, so every bucket
     # (a 1 MiB one, then the other 3 MB) is ready when the backward ends.
     nb = _buckets(4_000_000)
@@ -116,7 +117,7 @@ def test_heterogeneous_dp_pair_with_allreduce():
     assert sim.step_time_s == pytest.approx(3e-3 + allreduce + 2 * 16e6 / 5e11, rel=1e-12)
     # The objective charges one all-reduce's latency (an optimistic alpha term when a stage
     # has several buckets; its bandwidth term is the same).
-    ev = evaluate(costs, devices, options, **kw)
+    ev = evaluate(costs, devices, options, Decision(**kw))
     assert sim.step_time_s == pytest.approx(ev.step_time_s + (nb - 1) * 2 * 1e-5, rel=1e-9)
     act = 977 * KIB  # 1e6 activation bytes per sample, rounded up to KiB as in the objective
     assert sim.peak_memory_bytes == (16_000_000 + 3 * act, 16_000_000 + act)
@@ -133,8 +134,9 @@ def test_messages_share_link_bandwidth(nodes, shared):
     costs = BlockCosts(fwd_bwd_s_per_sample={"A": (1e-3, 1e-3)}, param_count=(0, 0),
                        act_bytes_per_sample=(0, 0), cut_bytes_per_sample=(0, cut, 0))
     devices = make_devices(["A"] * 3, nodes, [GIB] * 3, [1e12] * 3, intra=(bw, lat), inter=(bw, lat))
-    sim = simulate(costs, devices, SolverOptions(global_batch_size=2), stage_blocks=((0, 1), (1, 2)),
-                   stage_gpus=((0,), (1, 2)), samples_per_microbatch=((2,), (1, 1)), num_microbatches=1)
+    sim = simulate(costs, devices, solver_options(global_batch_size=2), Decision(
+        stage_blocks=((0, 1), (1, 2)), stage_gpus=((0,), (1, 2)), samples_per_microbatch=((2,), (1, 1)),
+        num_microbatches=1))
     fwd = [e for e in sim.events if e.kind == "send" and e.gpu == 0]
     assert [(e.peer, e.nbytes) for e in fwd] == [(1, cut), (2, cut)]
     alone = cut / bw
@@ -152,8 +154,9 @@ def test_unequal_shares_route_rows():
     costs = BlockCosts(fwd_bwd_s_per_sample={"A": (1e-3, 1e-3)}, param_count=(10, 10),
                        act_bytes_per_sample=(0, 0), cut_bytes_per_sample=(0, 1000, 0))
     devices = make_devices(["A"] * 4, ["n0"] * 4, [GIB] * 4, [1e12] * 4)
-    sim = simulate(costs, devices, SolverOptions(global_batch_size=8), stage_blocks=((0, 1), (1, 2)),
-                   stage_gpus=((0, 1), (2, 3)), samples_per_microbatch=((3, 1), (2, 2)), num_microbatches=2)
+    sim = simulate(costs, devices, solver_options(global_batch_size=8), Decision(
+        stage_blocks=((0, 1), (1, 2)), stage_gpus=((0, 1), (2, 3)), samples_per_microbatch=((3, 1), (2, 2)),
+        num_microbatches=2))
     sends = {(e.gpu, e.peer, e.microbatch): e.nbytes for e in sim.events if e.kind == "send"}
     assert sends == {**{(0, 2, m): 2000 for m in (0, 1)}, **{(0, 3, m): 1000 for m in (0, 1)},
                      **{(1, 3, m): 1000 for m in (0, 1)}, **{(2, 0, m): 2000 for m in (0, 1)},
@@ -162,8 +165,8 @@ def test_unequal_shares_route_rows():
     f3 = next(e for e in sim.events if e.kind == "F" and e.gpu == 3)
     assert f3.start_s >= max(e.end_s for e in sim.events if e.kind == "send" and e.peer == 3 and e.microbatch == 0)
     with pytest.raises(ValueError, match="sum to 3"):
-        simulate(costs, devices, SolverOptions(global_batch_size=8), stage_blocks=((0, 2),), stage_gpus=((0,),),
-                 samples_per_microbatch=((3,),), num_microbatches=2)
+        simulate(costs, devices, solver_options(global_batch_size=8), Decision(
+            stage_blocks=((0, 2),), stage_gpus=((0,),), samples_per_microbatch=((3,),), num_microbatches=2))
 
 
 AGREEMENT_SEEDS = range(17)  # 15 feasible instances (seeds 8 and 11 are infeasible)
@@ -200,10 +203,10 @@ def test_agreement_with_objective():
         except InfeasiblePlanError:
             continue
         kw = _decision(res)
-        ev, sim = evaluate(costs, devices, options, **kw), simulate(costs, devices, options, **kw)
+        ev, sim = evaluate(costs, devices, options, Decision(**kw)), simulate(costs, devices, options, Decision(**kw))
         c0, d0 = compute_only(costs, devices)
-        ev0, sim0 = evaluate(c0, d0, options, **kw), simulate(c0, d0, options, **kw)
-        rows.append((seed, res.num_stages, res.num_microbatches, sim.step_time_s / ev.step_time_s - 1,
+        ev0, sim0 = evaluate(c0, d0, options, Decision(**kw)), simulate(c0, d0, options, Decision(**kw))
+        rows.append((seed, res.num_stages, res.decision.num_microbatches, sim.step_time_s / ev.step_time_s - 1,
                      sim0.step_time_s / ev0.step_time_s - 1, sim.step_time_s / ev0.step_time_s - 1))
         # Peaks: the simulator's tracked in-flight count equals the model's inflight_s and both
         # count in the objective's KiB units, so the peaks are equal.
@@ -223,9 +226,9 @@ def test_perfetto_trace_and_gantt_png(tmp_path):
                        param_count=(10_000_000,) * 3, act_bytes_per_sample=(1000,) * 3,
                        cut_bytes_per_sample=(0, 5_000_000, 5_000_000, 0))
     devices = make_devices(["A", "B", "A", "A"], ["n0", "n0", "n1", "n1"], [GIB] * 4, [1e12, 5e11, 1e12, 1e12])
-    sim = simulate(costs, devices, SolverOptions(global_batch_size=12), stage_blocks=((0, 1), (1, 2), (2, 3)),
-                   stage_gpus=((0, 1), (2,), (3,)), samples_per_microbatch=((2, 1), (3,), (3,)),
-                   num_microbatches=4)
+    sim = simulate(costs, devices, solver_options(global_batch_size=12), Decision(
+        stage_blocks=((0, 1), (1, 2), (2, 3)), stage_gpus=((0, 1), (2,), (3,)),
+        samples_per_microbatch=((2, 1), (3,), (3,)), num_microbatches=4))
     labels = [f"gpu-{g}" for g in range(4)]
     doc = json.loads(to_perfetto(sim, tmp_path / "t" / "step.json", gpu_labels=labels).read_text())
     xs = [e for e in doc["traceEvents"] if e["ph"] == "X"]
@@ -272,18 +275,19 @@ def test_agreement_with_objective_under_memory_policy():
         except InfeasiblePlanError:
             continue
         kw, pol = _decision(res), _policy_kw(res)
-        n_sh, n_rc = n_sh + any(res.stage_sharded), n_rc + any(res.stage_recompute)
-        ev, sim = evaluate(costs, devices, options, **kw, **pol), simulate(costs, devices, options, **kw, **pol)
+        n_sh, n_rc = n_sh + any(res.decision.sharded), n_rc + any(res.decision.recompute)
+        dec = Decision(**kw, **pol)
+        ev, sim = evaluate(costs, devices, options, dec), simulate(costs, devices, options, dec)
         assert ev.feasible, ev.violations
-        assert sim.stage_sharded == ev.stage_sharded == res.stage_sharded
-        assert sim.stage_recompute == ev.stage_recompute == res.stage_recompute
-        assert sim.state_shard_bytes == ev.state_shard_bytes
+        assert sim.stage_sharded == ev.decision.sharded == res.decision.sharded
+        assert sim.stage_recompute == ev.decision.recompute == res.decision.recompute
+        assert sim.state_shard_bytes == ev.decision.shard_bytes()
         _assert_same_memory(res, ev, sim)
         # Compute-only: no parameters, so no shardable state: shards default to 0 MiB.
         c0, d0 = compute_only(costs, devices)
-        pol0 = dict(pol, state_shard_mib=None)
-        ev0, sim0 = evaluate(c0, d0, options, **kw, **pol0), simulate(c0, d0, options, **kw, **pol0)
-        rows.append((seed, res.num_stages, res.num_microbatches, sim.step_time_s / ev.step_time_s - 1,
+        pol0 = dict(pol, shard_mib=None)
+        ev0, sim0 = evaluate(c0, d0, options, Decision(**kw, **pol0)), simulate(c0, d0, options, Decision(**kw, **pol0))
+        rows.append((seed, res.num_stages, res.decision.num_microbatches, sim.step_time_s / ev.step_time_s - 1,
                      sim0.step_time_s / ev0.step_time_s - 1))
         assert sim.step_time_s <= ev.step_time_s * (1 + TOL), rows[-1]
         assert abs(rows[-1][4]) <= TOL, rows[-1]
@@ -303,14 +307,14 @@ def _sharded_instance():
     devices = make_devices(["A"] * 3, ["n0"] * 3, [GIB] * 3, [1e12, 5e11, 5e11], intra=(50e9, 1e-5))
     kw = dict(stage_blocks=((0, 1),), stage_gpus=((0, 1, 2),), samples_per_microbatch=((2, 1, 1),),
               num_microbatches=1)
-    return costs, devices, SolverOptions(global_batch_size=4, sharding="auto"), kw
+    return costs, devices, solver_options(global_batch_size=4, sharding="auto"), kw
 
 
 def test_sharded_stage_allreduce_optim_allgather():
     costs, devices, options, kw = _sharded_instance()
     p, bw, lat = 4 * MIB, 50e9, 1e-5
     shards = (16, 4, 12)  # MiB; covers the 32 MiB of moments
-    sim = simulate(costs, devices, options, **kw, stage_sharded=(True,), state_shard_mib=(shards,))
+    sim = simulate(costs, devices, options, Decision(**kw, sharded=(True,), shard_mib=(shards,)))
     ends_b = 2 * 3e-3  # GPU 0: 2 samples x 3 ms, the slowest compute
     ar = [e for e in sim.events if e.kind == "allreduce"]
     assert {(e.gpu, e.nbytes) for e in ar} == {(0, 4 * p), (1, 4 * p), (2, 4 * p)}  # ring all-reduce unchanged
@@ -335,7 +339,7 @@ def test_sharded_stage_allreduce_optim_allgather():
         assert e.start_s == pytest.approx(last_opt)
         assert e.end_s - e.start_s == pytest.approx(4 * p / bw + 2 * lat)
     assert sim.step_time_s == pytest.approx(ag[0].end_s, rel=1e-12)
-    ev = evaluate(costs, devices, options, **kw, stage_sharded=(True,), state_shard_mib=(shards,))
+    ev = evaluate(costs, devices, options, Decision(**kw, sharded=(True,), shard_mib=(shards,)))
     # The objective rounds the optimizer time per MiB to the ns (<= 0.5 ns x 12 MiB here) and
     # charges one all-reduce latency term for the stage's two buckets.
     extra = (nb - 1) * 2 * 2 * lat
@@ -343,18 +347,18 @@ def test_sharded_stage_allreduce_optim_allgather():
     # Memory: weights + grads replicated (8 B/param) + the shard + n_g x 10 KiB activations.
     assert sim.peak_memory_bytes == tuple(8 * p + z * MIB + n * 10 * KIB for z, n in zip(shards, (2, 1, 1)))
     assert sim.peak_memory_bytes == ev.memory_bytes[0]
-    assert sim.state_shard_bytes == ((16 * MIB, 4 * MIB, 12 * MIB),) == ev.state_shard_bytes
+    assert sim.state_shard_bytes == ((16 * MIB, 4 * MIB, 12 * MIB),) == ev.decision.shard_bytes()
     # Default shards are the evaluator's (balance_shards): 1 : 2 : 2 of the time ~ 16 : 8 : 8 MiB.
-    dflt = simulate(costs, devices, options, **kw, stage_sharded=(True,))
-    ev_d = evaluate(costs, devices, options, **kw, stage_sharded=(True,))
-    assert dflt.state_shard_bytes == ev_d.state_shard_bytes == ((16 * MIB, 8 * MIB, 8 * MIB),)
+    dflt = simulate(costs, devices, options, Decision(**kw, sharded=(True,)))
+    ev_d = evaluate(costs, devices, options, Decision(**kw, sharded=(True,)))
+    assert dflt.state_shard_bytes == ev_d.decision.shard_bytes() == ((16 * MIB, 8 * MIB, 8 * MIB),)
     assert dflt.step_time_s == pytest.approx(ev_d.step_time_s + extra, abs=2e-8)
     # Not sharded: no all-gather, the full state per GPU.
-    plain = simulate(costs, devices, options, **kw)
+    plain = simulate(costs, devices, options, Decision(**kw))
     assert not [e for e in plain.events if e.kind == "allgather"]
     assert plain.peak_memory_bytes == tuple(16 * p + n * 10 * KIB for n in (2, 1, 1))
     with pytest.raises(ValueError, match="one int >= 0 per GPU"):
-        simulate(costs, devices, options, **kw, stage_sharded=(True,), state_shard_mib=((16, 16),))
+        simulate(costs, devices, options, Decision(**kw, sharded=(True,), shard_mib=((16, 16),)))
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
@@ -370,11 +374,11 @@ def test_recompute_backward_and_memory(schedule):
                                   link_latency_s=((0.0,) * 3,) * 3)
     devices = dataclasses.replace(devices, link_bw_bytes_per_s=tuple(tuple(0.0 if a == b else math.inf
                                                                             for b in range(3)) for a in range(3)))
-    options = SolverOptions(global_batch_size=m * n, schedule=schedule, recompute="auto")
+    options = solver_options(global_batch_size=m * n, schedule=schedule, recompute="auto")
     kw = dict(stage_blocks=((0, 1), (1, 2), (2, 3)), stage_gpus=((0,), (1,), (2,)),
-              samples_per_microbatch=((n,),) * 3, num_microbatches=m, stage_recompute=(True, True, False))
-    sim = simulate(costs, devices, options, **kw)
-    ev = evaluate(costs, devices, options, **kw)
+              samples_per_microbatch=((n,),) * 3, num_microbatches=m, recompute=(True, True, False))
+    sim = simulate(costs, devices, options, Decision(**kw))
+    ev = evaluate(costs, devices, options, Decision(**kw))
     for e in sim.events:
         if e.kind == "F":
             assert e.end_s - e.start_s == pytest.approx(t / 3) and e.recompute_s == 0
@@ -400,7 +404,7 @@ def test_recompute_backward_and_memory(schedule):
               state + n * live[2] * act)
     assert sim.peak_memory_bytes == expect
     assert tuple(r[0] for r in ev.memory_bytes) == expect
-    plain = simulate(costs, devices, options, **dict(kw, stage_recompute=None))
+    plain = simulate(costs, devices, options, Decision(**dict(kw, recompute=())))
     assert plain.peak_memory_bytes == tuple(state + n * k * act for k in live)
     assert sum(e.end_s - e.start_s for e in sim.events if e.kind == "B") == pytest.approx(
         sum(e.end_s - e.start_s for e in plain.events if e.kind == "B") + 2 * m * t / 3)
@@ -412,7 +416,7 @@ def test_trace_shows_allgather_and_recompute(tmp_path):
                                 act_bytes_per_sample=(KIB, KIB), cut_bytes_per_sample=(0, 4 * MIB, 0))
     dec = dict(stage_blocks=((0, 1), (1, 2)), stage_gpus=((0, 1), (2,)), samples_per_microbatch=((1, 1), (2,)),
                num_microbatches=2)
-    sim = simulate(costs, devices, options, **dec, stage_sharded=(True, False), stage_recompute=(False, True))
+    sim = simulate(costs, devices, options, Decision(**dec, sharded=(True, False), recompute=(False, True)))
     doc = json.loads(to_perfetto(sim, tmp_path / "step.json").read_text())
     xs = [e for e in doc["traceEvents"] if e["ph"] == "X"]
     ag = [e for e in xs if e["cat"] == "allgather"]
@@ -444,20 +448,21 @@ def test_plan_decision_reads_the_plans_memory_policy():
             zip((0, 1, 2), (2, 1, 1), (16, 4, 12))]
     plan = NS(num_microbatches=1, stages=(NS(index=0, blocks=(0, 1), gpus=tuple(gpus), sharded=True, recompute=True),))
     dec = plan_decision(plan, costs)
-    assert dec == dict(kw, stage_sharded=(True,), state_shard_mib=((16, 4, 12),), stage_recompute=(True,))
-    sim = simulate(costs, devices, options, **dec)
+    assert dec == Decision(**kw, sharded=(True,), shard_mib=((16, 4, 12),), recompute=(True,))
+    sim = simulate(costs, devices, options, dec)
     assert sim.state_shard_bytes == ((16 * MIB, 4 * MIB, 12 * MIB),) and sim.stage_recompute == (True,)
     assert [e.kind for e in sim.events].count("allgather") == 3
     # All shards 0: the runtime splits equally, so does the simulator (32 MiB / 3 -> 11 MiB each).
     zero = NS(num_microbatches=1, stages=(NS(index=0, blocks=(0, 1), sharded=True, recompute=False,
                                              gpus=tuple(NS(gpu=g.gpu, samples_per_microbatch=g.samples_per_microbatch,
                                                            state_shard_bytes=0) for g in gpus)),))
-    assert plan_decision(zero, costs)["state_shard_mib"] == ((11, 11, 11),)
+    assert plan_decision(zero, costs).shard_mib == ((11, 11, 11),)
     with pytest.raises(ValueError, match="pass the BlockCosts"):
         plan_decision(zero)
     old = NS(num_microbatches=1, stages=(NS(index=0, blocks=(0, 1), gpus=tuple(
         NS(gpu=g.gpu, samples_per_microbatch=g.samples_per_microbatch) for g in gpus)),))
-    assert plan_decision(old) == dict(kw, stage_sharded=(False,), state_shard_mib=None, stage_recompute=(False,))
+    assert plan_decision(old) == Decision(**kw)
+    assert plan_decision(old).shard_mib == ((),) and plan_decision(old).recompute == (False,)
 
 
 @pytest.mark.parametrize("bw", [1e15, 1e9])
@@ -475,9 +480,9 @@ def test_gradient_buckets_overlap_the_last_backward(bw):
     costs = BlockCosts(fwd_bwd_s_per_sample={"A": (t,) * 4}, param_count=(params,) * 4,
                        act_bytes_per_sample=(100,) * 4, cut_bytes_per_sample=(0,) * 5)
     devices = make_devices(["A", "A"], ["n0", "n0"], [64 * GIB] * 2, [1e12] * 2, intra=(bw, 0.0))
-    options = SolverOptions(global_batch_size=2)
-    sim = simulate(costs, devices, options, stage_blocks=((0, 4),), stage_gpus=((0, 1),),
-                   samples_per_microbatch=((1, 1),), num_microbatches=1)
+    options = solver_options(global_batch_size=2)
+    sim = simulate(costs, devices, options, Decision(stage_blocks=((0, 4),), stage_gpus=((0, 1),),
+                                                     samples_per_microbatch=((1, 1),), num_microbatches=1))
     b = max((e for e in sim.events if e.kind == "B"), key=lambda e: e.end_s)
     red = [e for e in sim.events if e.kind == "allreduce"]
     assert len(red) == 2 and red[0].nbytes == 4 * 4 * params
@@ -499,6 +504,6 @@ def test_gradient_buckets_overlap_the_last_backward(bw):
         assert end == pytest.approx(start + total_ar, rel=1e-9)
         hidden = 3 * quarter
     # The objective charges the whole reduction after the drain: never less.
-    ev = evaluate(costs, devices, options, stage_blocks=((0, 4),), stage_gpus=((0, 1),),
-                  samples_per_microbatch=((1, 1),), num_microbatches=1)
+    ev = evaluate(costs, devices, options, Decision(stage_blocks=((0, 4),), stage_gpus=((0, 1),),
+                                                    samples_per_microbatch=((1, 1),), num_microbatches=1))
     assert ev.step_time_s - sim.step_time_s == pytest.approx(hidden, rel=1e-6, abs=2e-9)

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from zorse_fx.sim import PlanCheckError, check_result, simulate
-from zorse_fx.solve import evaluate, solve_cpsat
+from zorse_fx.solve import Decision, evaluate, solve_cpsat
 from zorse_fx.solve.records import SolverResult
 
 from conftest import random_instance
@@ -18,7 +18,7 @@ def test_check_of_solver_answers_matches_the_simulator(seed):
     costs, devices, opts = random_instance(seed)
     res = solve_cpsat(costs, devices, opts)
     check = check_result(costs, devices, opts, res)
-    sim = simulate(costs, devices, opts, **res.decision_kwargs())
+    sim = simulate(costs, devices, opts, res.decision)
     assert check.simulated_step_time_s == sim.step_time_s
     assert check.predicted_step_time_s == res.predicted_step_time_s
     assert 0 < check.max_memory_fraction <= 1.0
@@ -34,9 +34,9 @@ def test_a_memory_breach_is_refused_with_the_gpu_named():
     nb = costs.num_blocks
     decision = dict(stage_blocks=((0, nb),), stage_gpus=((0,),), samples_per_microbatch=((opts.global_batch_size,),),
                     num_microbatches=1)
-    ev = evaluate(costs, tight, opts, **decision)
+    ev = evaluate(costs, tight, opts, Decision(**decision))
     assert not ev.feasible
-    res = SolverResult.from_evaluation(ev, options=opts, status="TEST", best_bound=0.0, **decision)
+    res = SolverResult.from_evaluation(ev, options=opts, status="TEST", best_bound=0.0)
     with pytest.raises(PlanCheckError, match=r"GPU 0 \(\w+, stage 0\) peaks at [\d.]+ GiB > 0\.90 GiB usable "
                                              r"\(0\.9 x 1\.0 GiB\)"):
         check_result(costs, tight, opts, res)

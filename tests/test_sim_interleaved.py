@@ -12,10 +12,10 @@ import statistics
 import pytest
 
 from zorse_fx.sim import gantt_png, simulate, to_perfetto
-from zorse_fx.solve import BlockCosts, SolverOptions, evaluate
+from zorse_fx.solve import BlockCosts, Decision, evaluate
 from zorse_fx.solve.objective import MEMORY_UNIT_BYTES
 
-from conftest import CLUSTERS, compute_only, make_devices, random_costs, random_instance
+from conftest import CLUSTERS, compute_only, make_devices, random_costs, random_instance, solver_options
 
 GIB = 1 << 30
 KIB = MEMORY_UNIT_BYTES
@@ -60,9 +60,9 @@ def _interleaved_instance(seed, *, policy=True):
     kw = dict(stage_blocks=tuple(zip((0, *ends[:-1]), ends)), stage_gpus=tuple(groups) * v,
               samples_per_microbatch=tuple(shares) * v, num_microbatches=m, interleave=v)
     if policy:
-        kw["stage_recompute"] = tuple(rng.random() < 0.3 for _ in range(n_s))
-        kw["stage_sharded"] = tuple(len(groups[s % n_p]) > 1 and rng.random() < 0.4 for s in range(n_s))
-    options = SolverOptions(global_batch_size=m * b, max_stages=n_p, max_interleave=v, sharding="auto",
+        kw["recompute"] = tuple(rng.random() < 0.3 for _ in range(n_s))
+        kw["sharded"] = tuple(len(groups[s % n_p]) > 1 and rng.random() < 0.4 for s in range(n_s))
+    options = solver_options(global_batch_size=m * b, max_stages=n_p, max_interleave=v, sharding="auto",
                             recompute="auto")
     return costs, devices, options, kw
 
@@ -84,16 +84,16 @@ def test_interleaved_memory_equals_objective_and_schedule_is_followed():
     seen = dict(recompute=0, sharded=0, multi_gpu=0)
     for seed in INTERLEAVED_SEEDS:
         costs, devices, options, kw = _interleaved_instance(seed)
-        ev, sim = evaluate(costs, devices, options, **kw), simulate(costs, devices, options, **kw)
+        ev, sim = evaluate(costs, devices, options, Decision(**kw)), simulate(costs, devices, options, Decision(**kw))
         v, n_s, m = kw["interleave"], len(kw["stage_blocks"]), kw["num_microbatches"]
         n_p = n_s // v
-        assert sim.interleave == ev.interleave == v
+        assert sim.interleave == ev.decision.interleave == v
         for gpus, mem in zip(kw["stage_gpus"], ev.memory_bytes):
             assert tuple(sim.peak_memory_bytes[g] for g in gpus) == mem, seed
-        assert sim.state_shard_bytes == ev.state_shard_bytes and sim.stage_sharded == ev.stage_sharded
-        assert sim.stage_recompute == ev.stage_recompute
-        seen["recompute"] += any(kw["stage_recompute"])
-        seen["sharded"] += any(kw["stage_sharded"])
+        assert sim.state_shard_bytes == ev.decision.shard_bytes() and sim.stage_sharded == ev.decision.sharded
+        assert sim.stage_recompute == ev.decision.recompute
+        seen["recompute"] += any(kw["recompute"])
+        seen["sharded"] += any(kw["sharded"])
         seen["multi_gpu"] += any(len(g) > 1 for g in kw["stage_gpus"])
         ran = {}
         for e in sim.events:
@@ -131,7 +131,7 @@ def _longest_path(costs, devices, options, kw):
         t = max(n * sum(costs.fwd_bwd_s_per_sample[typ][i:j])
                 + sum(costs.fwd_bwd_s_fixed.get(typ, (0.0,) * costs.num_blocks)[i:j])
                 for g, n in zip(gpus, ns) for typ in [devices.gpu_types[g]])
-        rc = t / 3 if (kw.get("stage_recompute") or (False,) * n_s)[s] else 0.0
+        rc = t / 3 if (kw.get("recompute") or (False,) * n_s)[s] else 0.0
         dur.append((t / 3, 2 * t / 3 + rc))
     sched = make_schedule(options.schedule, n_s, m, v)
     end, pc, free = {}, [0] * n_p, [0.0] * n_p
@@ -180,10 +180,10 @@ def test_interleaved_agreement_with_objective(capsys):
     rows = []
     for seed in INTERLEAVED_SEEDS:
         costs, devices, options, kw = _interleaved_instance(seed)
-        ev, sim = evaluate(costs, devices, options, **kw), simulate(costs, devices, options, **kw)
+        ev, sim = evaluate(costs, devices, options, Decision(**kw)), simulate(costs, devices, options, Decision(**kw))
         c0, d0 = compute_only(costs, devices)
-        kw0 = dict(kw, stage_sharded=None)  # no parameters, no shardable state
-        ev0, sim0 = evaluate(c0, d0, options, **kw0), simulate(c0, d0, options, **kw0)
+        kw0 = dict(kw, sharded=())  # no parameters, no shardable state
+        ev0, sim0 = evaluate(c0, d0, options, Decision(**kw0)), simulate(c0, d0, options, Decision(**kw0))
         path = _longest_path(c0, d0, options, kw0)
         if all(len(g) == 1 for g in kw["stage_gpus"]):
             assert sim0.step_time_s == pytest.approx(path, rel=1e-9), seed
@@ -221,9 +221,9 @@ def test_interleaved_uniform_pipeline_takes_mv_plus_p_minus_1_stage_times(groups
     kw = dict(stage_blocks=tuple((s, s + 1) for s in range(n_s)),
               stage_gpus=tuple(tuple(range(p * k, p * k + k)) for p in range(groups)) * v,
               samples_per_microbatch=((1,) * k,) * n_s, num_microbatches=m, interleave=v)
-    options = SolverOptions(global_batch_size=m * k, max_interleave=v)
-    sim = simulate(costs, devices, options, **kw)
-    ev = evaluate(costs, devices, options, **kw)
+    options = solver_options(global_batch_size=m * k, max_interleave=v)
+    sim = simulate(costs, devices, options, Decision(**kw))
+    ev = evaluate(costs, devices, options, Decision(**kw))
     allreduce = 2 * 4 * params / bw if k > 1 else 0.0
     optim = 2 * 16 * params / 1e12
     expect = (m * v + groups - 1) * t + v * (allreduce + optim)
@@ -277,18 +277,20 @@ def test_interleave_one_is_the_default():
         kw = dict(stage_blocks=tuple((s, s + 1) for s in range(n_s - 1)) + ((n_s - 1, nb),),
                   stage_gpus=tuple((s,) for s in range(n_s)), samples_per_microbatch=((1,),) * n_s,
                   num_microbatches=options.global_batch_size)
-        plain, one = simulate(costs, devices, options, **kw), simulate(costs, devices, options, **kw, interleave=1)
+        plain = simulate(costs, devices, options, Decision(**kw))
+        one = simulate(costs, devices, options, Decision(**kw, interleave=1))
         assert plain == one and one.interleave == 1
-        assert one.peak_memory_bytes[:n_s] == tuple(r[0] for r in evaluate(costs, devices, options, **kw).memory_bytes)
+        assert one.peak_memory_bytes[:n_s] == tuple(r[0] for r in evaluate(costs, devices, options,
+                                                                           Decision(**kw)).memory_bytes)
         for e in one.events:
             if e.kind != "send":
                 assert e.stage == e.gpu and e.peer_stage is None
             else:
                 assert e.peer == e.peer_stage and abs(e.peer_stage - e.stage) == 1
     with pytest.raises(ValueError, match="multiple of 2"):
-        simulate(costs, devices, SolverOptions(global_batch_size=3), stage_blocks=((0, 1), (1, 2), (2, nb)),
-                 stage_gpus=((0,), (1,), (0,)), samples_per_microbatch=((1,),) * 3, num_microbatches=3,
-                 interleave=2)
+        simulate(costs, devices, solver_options(global_batch_size=3), Decision(
+            stage_blocks=((0, 1), (1, 2), (2, nb)), stage_gpus=((0,), (1,), (0,)), samples_per_microbatch=((1,),) * 3,
+            num_microbatches=3, interleave=2))
 
 
 def _two_group_instance():
@@ -299,7 +301,7 @@ def _two_group_instance():
     devices = make_devices(["A", "A"], ["n0", "n1"], [GIB] * 2, [1e12] * 2)
     kw = dict(stage_blocks=((0, 1), (1, 2), (2, 3), (3, 4)), stage_gpus=((0,), (1,), (0,), (1,)),
               samples_per_microbatch=((2,),) * 4, num_microbatches=2, interleave=2)
-    return costs, devices, SolverOptions(global_batch_size=4, max_interleave=2), kw
+    return costs, devices, solver_options(global_batch_size=4, max_interleave=2), kw
 
 
 def test_interleaved_wraparound_messages_and_memory():
@@ -307,8 +309,8 @@ def test_interleaved_wraparound_messages_and_memory():
     wrap-around, 2->3) in both directions, each once per micro-batch with its
     cut's bytes; recomputing stage 2 keeps its inputs per micro-batch."""
     costs, devices, options, kw = _two_group_instance()
-    kw = dict(kw, stage_recompute=(False, False, True, False))
-    sim = simulate(costs, devices, options, **kw)
+    kw = dict(kw, recompute=(False, False, True, False))
+    sim = simulate(costs, devices, options, Decision(**kw))
     sends = sorted((e.gpu, e.peer, e.stage, e.peer_stage, e.microbatch, e.nbytes)
                    for e in sim.events if e.kind == "send")
     expect = []
@@ -320,7 +322,7 @@ def test_interleaved_wraparound_messages_and_memory():
     f2 = _ends(sim, "F", stage=2)
     for e in f2:  # the wrap-around activations of the same micro-batch arrived first
         assert e.start_s >= _ends(sim, "send", stage=1, peer_stage=2, microbatch=e.microbatch)[0].end_s
-    ev = evaluate(costs, devices, options, **kw)
+    ev = evaluate(costs, devices, options, Decision(**kw))
     assert (sim.peak_memory_bytes[0],) == ev.memory_bytes[0] == ev.memory_bytes[2]
     assert (sim.peak_memory_bytes[1],) == ev.memory_bytes[1] == ev.memory_bytes[3]
     b2 = _ends(sim, "B", stage=2)
@@ -332,7 +334,7 @@ def test_interleaved_wraparound_messages_and_memory():
 
 def test_interleaved_trace_labels_stages(tmp_path):
     costs, devices, options, kw = _two_group_instance()
-    sim = simulate(costs, devices, options, **kw, stage_recompute=(False, False, True, False))
+    sim = simulate(costs, devices, options, Decision(**kw, recompute=(False, False, True, False)))
     doc = json.loads(to_perfetto(sim, tmp_path / "step.json").read_text())
     assert doc["otherData"]["interleave"] == 2
     xs = [e for e in doc["traceEvents"] if e["ph"] == "X"]
@@ -378,16 +380,15 @@ def test_plan_decision_round_trips_an_interleaved_plan(tmp_path, capsys):
     options = PlanOptions(global_batch_size=8)
     dec = dict(stage_blocks=((0, 2), (2, 3), (3, 4), (4, nb)), stage_gpus=((0, 1), (2,), (0, 1), (2,)),
                samples_per_microbatch=((3, 1), (4,), (3, 1), (4,)), num_microbatches=2)
-    plan, _ = plan_fixed(captured, cluster, options, **dec, interleave=2, model_name="gpt",
-                         stage_recompute=(False, False, True, False))
-    want = dict(dec, interleave=2, stage_sharded=(False,) * 4, state_shard_mib=None,
-                stage_recompute=(False, False, True, False))
+    plan, _ = plan_fixed(captured, cluster, options,
+                         Decision(**dec, interleave=2, recompute=(False, False, True, False)), model_name="gpt")
+    want = Decision(**dec, interleave=2, recompute=(False, False, True, False), precision=plan.precision)
     assert plan_decision(plan) == want
     loaded = Plan.load(plan.export(tmp_path / "plan"))
     assert plan_decision(loaded) == want
     _, costs, _ = _analyse_and_price(captured, cluster, options)
-    sopts = SolverOptions(global_batch_size=8, max_interleave=2)
-    sim = simulate(costs, _device_graph(cluster, options), sopts, **plan_decision(loaded))
+    sopts = solver_options(global_batch_size=8, max_interleave=2)
+    sim = simulate(costs, _device_graph(cluster, options), sopts, plan_decision(loaded))
     assert sim.interleave == 2
     for st in loaded.stages:
         for g in st.gpus:

@@ -8,18 +8,16 @@ import random
 import pytest
 
 from zorse_fx.errors import InfeasiblePlanError
-from zorse_fx.solve import (BlockCosts, DeviceGraph, SolverOptions, evaluate, solve_brute_force,
-                            solve_cpsat)
+from zorse_fx.solve import BlockCosts, Decision, DeviceGraph, evaluate, solve_brute_force, solve_cpsat
 from zorse_fx.solve.objective import UNITS_PER_S, evaluate_result
 
-from conftest import make_devices, random_instance, reference_or_same_error
+from conftest import make_devices, random_instance, reference_or_same_error, solver_options
 
 GIB = 1 << 30
 
 
 def _eval(costs, devices, options, res):
-    return evaluate(costs, devices, options, stage_blocks=res.stage_blocks, stage_gpus=res.stage_gpus,
-                    samples_per_microbatch=res.samples_per_microbatch, num_microbatches=res.num_microbatches)
+    return evaluate(costs, devices, options, res.decision.without_policy())
 
 
 SEEDS = range(40)
@@ -37,7 +35,7 @@ def test_cpsat_matches_brute_force(seed):
     assert ev.feasible and ev_ref.feasible
     assert ev.objective_units == ev_ref.objective_units
     assert round(res.objective * UNITS_PER_S) == ev.objective_units
-    assert (res.num_stages, res.num_microbatches) == (ref.num_stages, ref.num_microbatches)
+    assert (res.num_stages, res.decision.num_microbatches) == (ref.num_stages, ref.decision.num_microbatches)
     # every (S, M) candidate: same feasibility and the same optimum.
     for a, b in zip(res.candidates, ref.candidates):
         assert (a["num_stages"], a["num_microbatches"]) == (b["num_stages"], b["num_microbatches"])
@@ -64,8 +62,8 @@ def test_random_family_is_diverse():
         binding += res is None or res.objective != roomy.objective
         if res is not None:
             pipelines += res.num_stages > 1
-            dp += any(len(gs) > 1 for gs in res.stage_gpus)
-            unequal += any(len(set(ns)) > 1 for ns in res.samples_per_microbatch)
+            dp += any(len(gs) > 1 for gs in res.decision.stage_gpus)
+            unequal += any(len(set(ns)) > 1 for ns in res.decision.samples_per_microbatch)
     assert binding >= 8 and pipelines >= 8 and dp >= 5 and unequal >= 1
 
 
@@ -81,7 +79,7 @@ def _fast_slow():
 
 def test_hand_checked_unequal_shares():
     costs, devices = _fast_slow()
-    options = SolverOptions(global_batch_size=4, max_stages=2)
+    options = solver_options(global_batch_size=4, max_stages=2)
     compute = 3 * 1e-3  # fast: 3 samples x 1 ms = slow: 1 sample x 3 ms
     allreduce = 2 * 4 * 1e6 / 1e10 + 2 * (2 - 1) * 1e-5  # ring: 2 x grad bytes / bw + 2 (k-1) latency
     optim = 2 * 16 * 1e6 / 5e11  # the slower memory bandwidth of the two GPUs
@@ -89,12 +87,12 @@ def test_hand_checked_unequal_shares():
     assert expected < 4 * 1e-3 + 2 * 16 * 1e6 / 1e12  # beats the fast GPU alone (4 ms + its optimizer)
     for solve in (solve_cpsat, solve_brute_force):
         res = solve(costs, devices, options)
-        assert res.stage_gpus == ((0, 1),) and res.samples_per_microbatch == ((3, 1),)
-        assert res.num_microbatches == 1 and res.stage_blocks == ((0, 1),)
+        assert res.decision.stage_gpus == ((0, 1),) and res.decision.samples_per_microbatch == ((3, 1),)
+        assert res.decision.num_microbatches == 1 and res.decision.stage_blocks == ((0, 1),)
         assert res.predicted_step_time_s == pytest.approx(expected, abs=1e-9)
         assert res.predicted_allreduce_s == pytest.approx((allreduce,), abs=1e-9)
-    ev = evaluate(costs, devices, options, stage_blocks=((0, 1),), stage_gpus=((0, 1),),
-                  samples_per_microbatch=((3, 1),), num_microbatches=1)
+    ev = evaluate(costs, devices, options, Decision(stage_blocks=((0, 1),), stage_gpus=((0, 1),),
+                                                    samples_per_microbatch=((3, 1),), num_microbatches=1))
     assert ev.objective_units == 3_884_000 and ev.compute_s == pytest.approx((3e-3,))
     assert ev.optim_s == pytest.approx((optim,)) and ev.boundary_s == (0.0,)
 
@@ -106,11 +104,11 @@ def test_two_stages_with_heterogeneous_dp_group():
     costs = BlockCosts(fwd_bwd_s_per_sample={"A": (4e-3, 2e-3), "B": (12e-3, 6e-3)}, param_count=(p, p),
                        act_bytes_per_sample=(10_000_000, 10_000_000), cut_bytes_per_sample=(0, 1_000_000, 0))
     devices = make_devices(["A", "B", "A"], ["n0"] * 3, [16 * GIB] * 3, [1e12] * 3, intra=(1e12, 1e-6))
-    options = SolverOptions(global_batch_size=16, num_microbatches=(4,), max_stages=3)
+    options = solver_options(global_batch_size=16, num_microbatches=(4,), max_stages=3)
     res = solve_cpsat(costs, devices, options)
     ref = solve_brute_force(costs, devices, options)
-    assert res.num_stages == 2 and res.stage_blocks == ((0, 1), (1, 2))
-    assert res.stage_gpus == ((0, 1), (2,)) and res.samples_per_microbatch == ((3, 1), (4,))
+    assert res.num_stages == 2 and res.decision.stage_blocks == ((0, 1), (1, 2))
+    assert res.decision.stage_gpus == ((0, 1), (2,)) and res.decision.samples_per_microbatch == ((3, 1), (4,))
     # by hand, b = 4 samples: stage 0 = max(3 x 4 ms, 1 x 12 ms) + 2 x (4 MB / 1 TB/s + 1 us)
     t0 = 12e-3 + 2 * (4e6 / 1e12 + 1e-6)
     t1 = 4 * 2e-3
@@ -126,7 +124,7 @@ def test_infeasible_memory_best_split():
     costs = BlockCosts(fwd_bwd_s_per_sample={"T4": (1e-3,) * 4}, param_count=(p,) * 4,
                        act_bytes_per_sample=(0,) * 4, cut_bytes_per_sample=(0,) * 5)
     devices = make_devices(["T4", "T4"], ["n0", "n0"], [16 * GIB] * 2, [3e11] * 2)
-    options = SolverOptions(global_batch_size=4, max_stages=4)
+    options = solver_options(global_batch_size=4, max_stages=4)
     for solve in (solve_cpsat, solve_brute_force):
         pattern = r"training state needs 35\.8 GiB \(16 B/param × 2\.4e\+09"
         with pytest.raises(InfeasiblePlanError, match=pattern) as e:
@@ -143,12 +141,12 @@ def test_infeasible_single_block():
                        act_bytes_per_sample=(0, 0), cut_bytes_per_sample=(0, 0, 0))
     devices = make_devices(["T4"] * 3, ["n0"] * 3, [16 * GIB] * 3, [3e11] * 3)
     with pytest.raises(InfeasiblePlanError, match=r"block 0 alone needs 14\.9 GiB .* 14\.4 GiB usable"):
-        solve_cpsat(costs, devices, SolverOptions(global_batch_size=2))
+        solve_cpsat(costs, devices, solver_options(global_batch_size=2))
 
 
 def test_indivisible_batch():
     costs, devices = _fast_slow()
-    options = SolverOptions(global_batch_size=7, num_microbatches=(2, 4))
+    options = solver_options(global_batch_size=7, num_microbatches=(2, 4))
     for solve in (solve_cpsat, solve_brute_force):
         with pytest.raises(InfeasiblePlanError, match=r"global_batch_size=7 cannot be divided.*\(2, 4\)"):
             solve(costs, devices, options)
@@ -159,27 +157,27 @@ def test_evaluate_memory_violation_and_shape_errors():
     devices = dataclasses.replace(devices, memory_bytes=(16 * GIB, 1 * GIB))
     costs = BlockCosts(fwd_bwd_s_per_sample=costs.fwd_bwd_s_per_sample, param_count=(100_000_000,),
                        act_bytes_per_sample=(1 << 28,), cut_bytes_per_sample=(0, 0))
-    options = SolverOptions(global_batch_size=4)
-    ev = evaluate(costs, devices, options, stage_blocks=((0, 1),), stage_gpus=((0, 1),),
-                  samples_per_microbatch=((3, 1),), num_microbatches=1)
+    options = solver_options(global_batch_size=4)
+    ev = evaluate(costs, devices, options, Decision(stage_blocks=((0, 1),), stage_gpus=((0, 1),),
+                                                    samples_per_microbatch=((3, 1),), num_microbatches=1))
     # GPU 1: 1.6e9 B state + 0.25 GiB activations = 1.7 GiB > 0.9 GiB usable
     assert not ev.feasible
     assert ev.violations == ("stage 0 GPU 1 (slow) needs 1.7 GiB > 0.9 GiB usable (0.9 × 1.0 GiB)",)
     assert ev.memory_bytes == ((1_600_000_000 + 3 * (1 << 28), 1_600_000_000 + (1 << 28)),)
     kw = dict(stage_gpus=((0, 1),), num_microbatches=1)
     with pytest.raises(ValueError, match=r"sum to 3"):
-        evaluate(costs, devices, options, stage_blocks=((0, 1),), samples_per_microbatch=((2, 1),), **kw)
+        evaluate(costs, devices, options, Decision(stage_blocks=((0, 1),), samples_per_microbatch=((2, 1),), **kw))
     with pytest.raises(ValueError, match=r"stage 0 blocks \(0, 0\)"):
-        evaluate(costs, devices, options, stage_blocks=((0, 0),), samples_per_microbatch=((3, 1),), **kw)
+        evaluate(costs, devices, options, Decision(stage_blocks=((0, 0),), samples_per_microbatch=((3, 1),), **kw))
     with pytest.raises(ValueError, match=r"GPU 1 is twice in stage 0"):
-        evaluate(costs, devices, options, stage_blocks=((0, 1),), stage_gpus=((1, 1),),
-                 samples_per_microbatch=((2, 2),), num_microbatches=1)
+        evaluate(costs, devices, options, Decision(stage_blocks=((0, 1),), stage_gpus=((1, 1),),
+                                                   samples_per_microbatch=((2, 2),), num_microbatches=1))
 
 
 def test_brute_force_refuses_large_instances():
     costs, devices = _fast_slow()
     with pytest.raises(ValueError, match=r"b <= 6"):
-        solve_brute_force(costs, devices, SolverOptions(global_batch_size=64, num_microbatches=(4,)))
+        solve_brute_force(costs, devices, solver_options(global_batch_size=64, num_microbatches=(4,)))
 
 
 def test_sixteen_gpus_forty_blocks():
@@ -197,12 +195,12 @@ def test_sixteen_gpus_forty_blocks():
         act_bytes_per_sample=tuple(rng.randint(20, 60) * 1_000_000 for _ in range(nb)),
         cut_bytes_per_sample=(0, *([8_000_000] * (nb - 1)), 0))
     devices = make_devices(types, nodes, [mem[t] * GIB for t in types], [mbw[t] for t in types])
-    options = SolverOptions(global_batch_size=64, num_microbatches=(8,), max_stages=4, deterministic_time=1.0)
+    options = solver_options(global_batch_size=64, num_microbatches=(8,), max_stages=4, solver_budget=1.0)
     res = solve_cpsat(costs, devices, options)  # wall time: bench/planner_scaling.py
     assert res.status in ("OPTIMAL", "FEASIBLE")
     ev = _eval(costs, devices, options, res)
     assert ev.feasible and res.predicted_step_time_s == ev.step_time_s
-    assert all(sum(ns) == 8 for ns in res.samples_per_microbatch)
+    assert all(sum(ns) == 8 for ns in res.decision.samples_per_microbatch)
     assert len(res.candidates) == 4
 
 
@@ -221,7 +219,7 @@ def test_large_memory_coefficients_do_not_break_presolve():
     costs = BlockCosts(**{k: ({t: tuple(v) for t, v in val.items()} if isinstance(val, dict) else
                               tuple(val) if isinstance(val, list) else val) for k, val in raw.items()})
     devices = Cluster.from_yaml(Path(__file__).parents[1] / "examples" / "clusters" / "metis.yaml").device_graph()
-    options = SolverOptions(global_batch_size=128, max_stages=2, num_microbatches=(16,), time_limit_s=10)
+    options = solver_options(global_batch_size=128, max_stages=2, num_microbatches=(16,), time_limit_s=10)
     base = BASELINES["homogeneous_best"](costs, devices, options)
     res = solve_cpsat(costs, devices, options)
     assert res.status == "OPTIMAL"
@@ -261,12 +259,12 @@ def _two_gpu_state_bound():
 
 def test_sharding_makes_a_plan_feasible_with_unequal_shards():
     costs, devices = _two_gpu_state_bound()
-    base = SolverOptions(global_batch_size=4, max_stages=1, num_microbatches=(1,), allow_idle_gpus=False)
+    base = solver_options(global_batch_size=4, max_stages=1, num_microbatches=(1,), allow_idle_gpus=False)
     with pytest.raises(InfeasiblePlanError, match="sharding"):
         solve_cpsat(costs, devices, base)
     res = solve_cpsat(costs, devices, dataclasses.replace(base, sharding="auto"))
-    assert res.stage_sharded == (True,)
-    big, small = res.state_shard_bytes[0]
+    assert res.decision.sharded == (True,)
+    big, small = res.decision.shard_bytes()[0]
     # 8 B/param of moments = 7.45 GiB sharded; the 10 GiB GPU (9 GiB usable) keeps 7.45 GiB
     # of weights + grads replicated and 0.5 GiB of activations, so it can hold < 1.1 GiB of
     # moments: the split is unequal (equal memory bandwidth would otherwise balance it 1:1).
@@ -278,34 +276,34 @@ def test_sharding_makes_a_plan_feasible_with_unequal_shards():
     kib = 1024
     repl = sum(-(-16 * p // kib) - (-(-8 * p // kib)) for p in costs.param_count) * kib
     act = sum(-(-a // kib) for a in costs.act_bytes_per_sample) * kib
-    assert ev.memory_bytes[0][0] == repl + big + res.samples_per_microbatch[0][0] * act
+    assert ev.memory_bytes[0][0] == repl + big + res.decision.samples_per_microbatch[0][0] * act
     # [C-allreduce]: a sharded stage moves (2 * 4 + 4) B/param over its link, plus 3 latencies.
     p_tot = sum(costs.param_count)
     assert ev.allreduce_s[0] == pytest.approx(12 * p_tot / 100e9 + 3 * 5e-6, rel=1e-6)
     # sharding "never" reports the memory breach instead.
-    bad = evaluate(costs, devices, base, stage_blocks=((0, 4),), stage_gpus=((0, 1),),
-                   samples_per_microbatch=((2, 2),), num_microbatches=1)
+    bad = evaluate(costs, devices, base, Decision(stage_blocks=((0, 4),), stage_gpus=((0, 1),),
+                                                  samples_per_microbatch=((2, 2),), num_microbatches=1))
     assert not bad.feasible and any("GPU 1" in v for v in bad.violations)
 
 
 def test_evaluate_rejects_malformed_memory_policy():
     costs, devices = _two_gpu_state_bound()
-    opts = SolverOptions(global_batch_size=4, sharding="auto")
+    opts = solver_options(global_batch_size=4, sharding="auto")
     dec = dict(stage_blocks=((0, 2), (2, 4)), stage_gpus=((0,), (1,)), samples_per_microbatch=((4,), (4,)),
                num_microbatches=1)
     with pytest.raises(ValueError, match="stage 0 is sharded but has 1 GPU"):
-        evaluate(costs, devices, opts, **dec, stage_sharded=(True, False))
-    with pytest.raises(ValueError, match="stage_recompute has 1 entries"):
-        evaluate(costs, devices, opts, **dec, stage_recompute=(True,))
+        evaluate(costs, devices, opts, Decision(**dec, sharded=(True, False)))
+    with pytest.raises(ValueError, match="recompute has 1 entries"):
+        evaluate(costs, devices, opts, Decision(**dec, recompute=(True,)))
     one = dict(stage_blocks=((0, 4),), stage_gpus=((0, 1),), samples_per_microbatch=((2, 2),), num_microbatches=1)
     with pytest.raises(ValueError, match="one int >= 0 per GPU"):
-        evaluate(costs, devices, opts, **one, stage_sharded=(True,), state_shard_mib=((5,),))
-    ev = evaluate(costs, devices, opts, **one, stage_sharded=(True,), state_shard_mib=((1, 1),))
+        evaluate(costs, devices, opts, Decision(**one, sharded=(True,), shard_mib=((5,),)))
+    ev = evaluate(costs, devices, opts, Decision(**one, sharded=(True,), shard_mib=((1, 1),)))
     assert not ev.feasible and any("optimizer state" in v for v in ev.violations)
-    never = evaluate(costs, devices, SolverOptions(global_batch_size=4), **one, stage_sharded=(True,))
+    never = evaluate(costs, devices, solver_options(global_batch_size=4), Decision(**one, sharded=(True,)))
     assert any("sharding='never'" in v for v in never.violations)
-    with pytest.raises(ValueError, match="SolverOptions.recompute='sometimes'"):
-        SolverOptions(global_batch_size=4, recompute="sometimes")
+    with pytest.raises(ValueError, match="PlanOptions.recompute='sometimes'"):
+        solver_options(global_batch_size=4, recompute="sometimes")
 
 
 def test_recompute_adds_a_third_and_keeps_only_stage_inputs():
@@ -313,11 +311,11 @@ def test_recompute_adds_a_third_and_keeps_only_stage_inputs():
     costs = BlockCosts(fwd_bwd_s_per_sample={"A": (0.03, 0.06)}, param_count=(1000, 1000),
                        act_bytes_per_sample=(400 << 20, 400 << 20), cut_bytes_per_sample=(0, 10 << 20, 0))
     devices = make_devices(["A", "A"], ["n0", "n1"], [80 * GIB] * 2, [1e12] * 2)
-    opts = SolverOptions(global_batch_size=8, recompute="auto", max_stages=2)
+    opts = solver_options(global_batch_size=8, recompute="auto", max_stages=2)
     dec = dict(stage_blocks=((0, 1), (1, 2)), stage_gpus=((0,), (1,)), samples_per_microbatch=((2,), (2,)),
                num_microbatches=4)
-    plain = evaluate(costs, devices, opts, **dec)
-    rc = evaluate(costs, devices, opts, **dec, stage_recompute=(False, True))
+    plain = evaluate(costs, devices, opts, Decision(**dec))
+    rc = evaluate(costs, devices, opts, Decision(**dec, recompute=(False, True)))
     assert rc.compute_s[0] == plain.compute_s[0]
     assert rc.compute_s[1] == pytest.approx(plain.compute_s[1] * 4 / 3, rel=1e-6)
     # stage 1 of 2 under 1F1B holds 1 micro-batch in flight: inputs of 1 + activations of 1.

@@ -12,10 +12,10 @@ import random
 import numpy as np
 import pytest
 
-from conftest import make_devices as _devices
+from conftest import make_devices as _devices, solver_options
 from zorse_fx.baselines._common import gpu_speeds, memory_groups, memory_variants, stage_fits
 from zorse_fx.errors import InfeasiblePlanError
-from zorse_fx.solve import BlockCosts, SolverOptions, solve_cpsat
+from zorse_fx.solve import BlockCosts, solve_cpsat
 from zorse_fx.solve.objective import build_tables, evaluate_result, inflight
 from zorse_fx.solve.stage_dp import MAX_UNITS, _dp, _Stages, _units, solve_stage_dp, stage_dp_search
 
@@ -42,7 +42,7 @@ def _instance(seed, *, gpus_per_node=2, nodes=3, nb=7):
     # one memory size per node, as on real machines
     memory = [memory[names.index(n)] for n in names]
     devices = _devices(types, names, memory, [1.5e12 if t == "A" else 3e11 for t in types])
-    options = SolverOptions(global_batch_size=8, max_stages=3, num_microbatches=(2, 4), time_limit_s=10.0,
+    options = solver_options(global_batch_size=8, max_stages=3, num_microbatches=(2, 4), time_limit_s=10.0,
                             sharding="auto", recompute="auto", schedule=rng.choice(["1f1b", "gpipe"]), seed=seed)
     return costs, devices, options
 
@@ -133,7 +133,7 @@ def test_plans_are_feasible_and_never_beat_the_optimum(seed):
         assert ev.feasible and ev.step_time_s == res.predicted_step_time_s
         assert res.predicted_step_time_s >= opt.predicted_step_time_s
         assert hints and hints[0].predicted_step_time_s == res.predicted_step_time_s
-    keys = [(h.num_stages, h.num_microbatches) for h in hints]
+    keys = [(h.num_stages, h.decision.num_microbatches) for h in hints]
     assert len(keys) == len(set(keys))
     for h in hints:
         assert evaluate_result(costs, devices, options, h).feasible
@@ -156,7 +156,7 @@ def _tight_cluster():
     names = [f"n{g // 4}" for g in range(24)]
     devices = _devices(types, names, [40 * GIB if t == "A" else 16 * GIB for t in types],
                        [1.5e12 if t == "A" else 3e11 for t in types])
-    options = SolverOptions(global_batch_size=64, max_stages=6, max_microbatches=16, deterministic_time=1.0,
+    options = solver_options(global_batch_size=64, max_stages=6, max_microbatches=16, solver_budget=1.0,
                             sharding="auto", recompute="auto")
     return costs, devices, options
 
@@ -166,10 +166,10 @@ def test_tight_cluster_gets_a_feasible_plan_with_unequal_stages():
     res = solve_stage_dp(costs, devices, options)
     ev = evaluate_result(costs, devices, options, res)
     assert res.status == "STAGE_DP" and ev.feasible
-    sizes = [j - i for i, j in res.stage_blocks]
+    sizes = [j - i for i, j in res.decision.stage_blocks]
     assert len(set(sizes)) > 1, sizes  # memory-balanced, not an even split
     # Stages keep to one GPU type (units are whole nodes of one type).
-    assert all(len({devices.gpu_types[g] for g in gs}) == 1 for gs in res.stage_gpus)
+    assert all(len({devices.gpu_types[g] for g in gs}) == 1 for gs in res.decision.stage_gpus)
     # Here (measured when written) it beats every baseline: Metis' layer DP is
     # 5% slower, the single-stage ones overflow the 16 GiB GPUs.
     from zorse_fx.baselines import BASELINES
@@ -202,8 +202,8 @@ def test_portfolio_returns_the_stage_dp_plan_when_nothing_else_fits():
         assert res.status in ("STAGE_DP",) or res.status.startswith("BASELINE:")
     # Every (S, M) the DP reached is hinted, fastest first per (S, M).
     _, dp_hints = stage_dp_search(costs, devices, options)
-    hinted = {(h.num_stages, h.num_microbatches) for h in seen["hints"]}
-    assert {(h.num_stages, h.num_microbatches) for h in dp_hints} <= hinted
+    hinted = {(h.num_stages, h.decision.num_microbatches) for h in seen["hints"]}
+    assert {(h.num_stages, h.decision.num_microbatches) for h in dp_hints} <= hinted
     steps = [h.predicted_step_time_s for h in seen["hints"]]
     assert steps == sorted(steps)
 
@@ -236,7 +236,7 @@ def test_units_merge_alike_neighbours_on_large_clusters():
                        [1.5e12 if t == "A" else 3e11 for t in types])
     costs = BlockCosts(fwd_bwd_s_per_sample={"A": (1e-3,) * 4, "B": (2e-3,) * 4}, param_count=(1000,) * 4,
                        act_bytes_per_sample=(1000,) * 4, cut_bytes_per_sample=(0, 10, 10, 10, 0))
-    tab = build_tables(costs, devices, SolverOptions(global_batch_size=256), 1)
+    tab = build_tables(costs, devices, solver_options(global_batch_size=256), 1)
     speeds = gpu_speeds(costs, devices)
     for order in ("file", "memory", "speed"):
         units = _units(devices, tab, speeds, order)
@@ -260,7 +260,7 @@ def test_options_never_disable_the_memory_techniques():
         solve_stage_dp(costs, devices, plain)
     # With 6 stages a plan fits without sharding, and then no stage is sharded.
     res = solve_stage_dp(costs, devices, dataclasses.replace(options, sharding="never"))
-    assert res.status == "STAGE_DP" and not any(res.stage_sharded)
+    assert res.status == "STAGE_DP" and not any(res.decision.sharded)
     assert evaluate_result(costs, devices, dataclasses.replace(options, sharding="never"), res).feasible
 
 
@@ -284,13 +284,13 @@ def test_presolve_bug_does_not_hide_a_feasible_candidate():
     costs = BlockCosts(**{k: ({t: tuple(v) for t, v in val.items()} if isinstance(val, dict) else
                               tuple(val) if isinstance(val, list) else val) for k, val in raw.items()})
     devices = Cluster.from_yaml(Path(__file__).parents[1] / "examples" / "clusters" / "zorse_b.yaml").device_graph()
-    options = SolverOptions(global_batch_size=1024, max_stages=8, num_microbatches=(64,), deterministic_time=1.0,
+    options = solver_options(global_batch_size=1024, max_stages=8, num_microbatches=(64,), solver_budget=1.0,
                             sharding="auto", recompute="auto")
     _, hints = stage_dp_search(costs, devices, options)
     hint = next(h for h in hints if h.num_stages == 7)
     tab = build_tables(costs, devices, options, 64)
     model = CandidateModel(tab, devices, options, _groups(devices, tab, True), 7)
-    model.hint(hint)
+    model.hint(hint.decision)
     search = CandidateSearch(costs, devices, options, label="grouped")
     search.solve(model, 7, 64, hint=hint.status)
     rec = search.cands[-1]

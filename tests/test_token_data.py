@@ -18,6 +18,7 @@ from zorse_fx.data import global_batch, read_corpus, tokenize
 from zorse_fx.errors import DataError
 from zorse_fx.token_data import (FILL_ID, TokenData, load_tokenizer, model_vocab_size, plan_rank_samples,
                                  prepare_data, rank_samples)
+from zorse_fx.solve import Decision
 
 LM = dict(input_names=("input_ids", "labels"))
 
@@ -325,8 +326,8 @@ def _two_stage_plan(captured, gb=4):
 
     nb = analyse(captured).num_blocks
     plan, _ = plan_fixed(captured, Cluster.from_yaml(CLUSTERS / "small_hetero.yaml"), PlanOptions(global_batch_size=gb),
-                         stage_blocks=((0, nb // 2), (nb // 2, nb)), stage_gpus=((0,), (1,)),
-                         samples_per_microbatch=((gb,), (gb,)), num_microbatches=1)
+                         Decision(stage_blocks=((0, nb // 2), (nb // 2, nb)), stage_gpus=((0,), (1,)),
+                                  samples_per_microbatch=((gb,), (gb,)), num_microbatches=1))
     return plan
 
 
@@ -370,8 +371,8 @@ def test_train_with_data_reads_only_each_ranks_rows(tmp_path, lee_docs):
     captured = cached_capture("gpt3x64", build)
     nb = analyse(captured).num_blocks
     plan, _ = plan_fixed(captured, Cluster.from_yaml(CLUSTERS / "small_hetero.yaml"), PlanOptions(global_batch_size=6),
-                         stage_blocks=((0, nb // 2), (nb // 2, nb)), stage_gpus=((0,), (2, 3)),
-                         samples_per_microbatch=((3,), (2, 1)), num_microbatches=2)
+                         Decision(stage_blocks=((0, nb // 2), (nb // 2, nb)), stage_gpus=((0,), (2, 3)),
+                                  samples_per_microbatch=((3,), (2, 1)), num_microbatches=2))
     assert plan_rank_samples(plan, 0) == [0, 1, 2, 3, 4, 5]
     assert [plan_rank_samples(plan, r) for r in (1, 2)] == [[0, 1, 3, 4], [2, 5]]
     assert model_vocab_size(plan, captured.state()) == 256

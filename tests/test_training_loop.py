@@ -30,6 +30,7 @@ from zorse_fx.models.gpt import GPT, GPTConfig
 from zorse_fx.planner import PlanOptions, plan_fixed
 from zorse_fx.runtime.checkpoint import MANIFEST, latest_checkpoint, list_checkpoints, read_manifest
 from zorse_fx.runtime.lr_schedule import LRSchedule
+from zorse_fx.solve import Decision
 
 LR, WD = 1e-3, 0.1
 
@@ -42,8 +43,8 @@ def _plan(captured, *, cut, stage_gpus, samples, sharded=(), shard_bytes=None, r
     cluster = Cluster.from_yaml(CLUSTERS / "small_hetero.yaml")
     nb = analyse(captured).num_blocks
     plan, _ = plan_fixed(captured, cluster, PlanOptions(global_batch_size=6),
-                         stage_blocks=((0, cut), (cut, nb)), stage_gpus=stage_gpus,
-                         samples_per_microbatch=samples, num_microbatches=2)
+                         Decision(stage_blocks=((0, cut), (cut, nb)), stage_gpus=stage_gpus,
+                                  samples_per_microbatch=samples, num_microbatches=2))
     return with_memory_policy(plan, sharded=set(sharded), recompute=set(recompute), shard_bytes=shard_bytes)
 
 

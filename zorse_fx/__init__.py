@@ -1,6 +1,7 @@
 """zorse_fx: compile PyTorch transformer training onto heterogeneous GPU clusters.
 
-Public surface: :func:`compile`, :class:`Cluster`, :class:`Plan`, and the
+Public surface: :func:`compile`, :class:`Cluster`, :class:`Plan`,
+:class:`PlanOptions` (the planner's options, ``compile``'s keywords), and the
 errors in :mod:`zorse_fx.errors`.
 """
 
@@ -14,6 +15,7 @@ from .errors import (
     RuntimeExecutionError,
     ZorseError,
 )
+from .options import PlanOptions
 from .plan import Plan
 
 __version__ = "0.1.0"
@@ -33,6 +35,7 @@ __all__ = [
     "CompiledModel",
     "Cluster",
     "Plan",
+    "PlanOptions",
     "ZorseError",
     "ClusterConfigError",
     "PlanFileError",

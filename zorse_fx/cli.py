@@ -20,12 +20,14 @@ on every node instead.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
 import torch
 
 from .errors import ZorseError
+from .options import PLANNERS, SCHEDULES, PlanOptions
 from .precision import GRAD_REDUCE_DTYPES, PRECISIONS
 from .train import add_training_options, check_training_options
 
@@ -121,7 +123,7 @@ def cmd_simulate(args) -> int:
     from .cluster import Cluster
     from .models.hf import CausalLMWithLoss
     from .plan import Plan
-    from .planner import PlanOptions, _analyse_and_price, _device_graph, _solver_options
+    from .planner import PlanOptions, _analyse_and_price, _device_graph
     from .sim import gantt_png, simulate, to_perfetto
     from .sim.engine import plan_decision
 
@@ -136,7 +138,7 @@ def cmd_simulate(args) -> int:
                           precision=plan.precision, grad_reduce_dtype=plan.grad_reduce_dtype)
     _, costs, _ = _analyse_and_price(capture(model, (ids, ids)), cluster, options)
     decision = plan_decision(plan, costs)  # the plan's memory policy (ZeRO-1 shards, recomputation) too
-    result = simulate(costs, _device_graph(cluster, options), _solver_options(options), **decision)
+    result = simulate(costs, _device_graph(cluster, options), options, decision)
     labels = [f"{g.type}@{g.node}" for g in cluster.gpus]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -215,22 +217,23 @@ def build_parser() -> argparse.ArgumentParser:
     pp.add_argument("--cluster", required=True, help="cluster YAML file")
     pp.add_argument("--global-batch-size", type=int, required=True)
     pp.add_argument("--seq-len", type=int, default=64)
-    pp.add_argument("--max-stages", type=int, default=4)
-    pp.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b")
-    pp.add_argument("--max-interleave", type=int, default=4,
+    opt = {f.name: f.default for f in dataclasses.fields(PlanOptions)}  # the one place the defaults live
+    pp.add_argument("--max-stages", type=int, default=opt["max_stages"])
+    pp.add_argument("--schedule", choices=SCHEDULES, default=opt["schedule"])
+    pp.add_argument("--max-interleave", type=int, default=opt["max_interleave"],
                     help="most stages per GPU group (interleaved 1F1B) the planner tries; 1 = none")
-    pp.add_argument("--solver-budget", type=float, default=5.0,
+    pp.add_argument("--solver-budget", type=float, default=opt["solver_budget"],
                     help="CP-SAT work per (stages, micro-batches) candidate, in CP-SAT deterministic seconds "
                          "(work units, about a second of one worker on an idle machine; the same plan on any "
                          "machine load)")
-    pp.add_argument("--time-limit", type=float, default=100.0,
+    pp.add_argument("--time-limit", type=float, default=opt["time_limit_s"],
                     help="wall-clock safety stop per CP-SAT solve, seconds; if it fires first the status says "
                          "'(wall-clock safety stop)' and the plan may vary")
-    pp.add_argument("--planner", default="auto", choices=("auto", "cpsat", "grouped", "stage_dp", "brute_force"),
+    pp.add_argument("--planner", default=opt["planner"], choices=PLANNERS,
                     help="auto: CP-SAT checked against the stage DP and the baselines; stage_dp: the DP alone (fast)")
-    pp.add_argument("--precision", default="auto", choices=("auto", *PRECISIONS),
+    pp.add_argument("--precision", default=opt["precision"], choices=("auto", *PRECISIONS),
                     help="training precision; auto: bf16-mixed where every GPU supports bfloat16, else fp16-mixed")
-    pp.add_argument("--grad-reduce-dtype", default=None, choices=GRAD_REDUCE_DTYPES,
+    pp.add_argument("--grad-reduce-dtype", default=opt["grad_reduce_dtype"], choices=GRAD_REDUCE_DTYPES,
                     help="dtype of the gradient all-reduce (default float32; bfloat16 needs bf16-mixed)")
     pp.add_argument("-o", "--output", required=True, help="plan directory to write")
     pp.set_defaults(fn=cmd_plan)

@@ -1,17 +1,17 @@
 """Baseline planners from the literature, judged by zorse_fx's own cost model.
 
 Each baseline has the planner interface
-``fn(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions) -> SolverResult``
+``fn(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions) -> SolverResult``
 and returns ONE decision (stages, GPUs per stage, samples per GPU, micro-batch
 count) scored by ``zorse_fx.solve.evaluate``, the same step-time and memory
 model the CP-SAT planner minimises; ``status`` is "BASELINE", or
 "BASELINE_INFEASIBLE" when even the method's best candidate breaks memory (its
 ``candidates`` entry with ``"chosen": True`` lists the violations). See
 ``_common`` [Note: how a baseline picks among its candidates]. Each gets the
-memory techniques ``SolverOptions.sharding`` / ``recompute`` allow (ZeRO-1
+memory techniques ``PlanOptions.sharding`` / ``recompute`` allow (ZeRO-1
 optimizer-state sharding, stage recomputation), uniformly over its stages;
-the SolverResult carries the policy (``stage_sharded``, ``state_shard_bytes``,
-``stage_recompute``); see [Note: memory techniques of the baselines].
+the SolverResult's ``decision`` carries the policy (``sharded``,
+``shard_mib``, ``recompute``); see [Note: memory techniques of the baselines].
 
 ==================  =========================================================
 ``homogeneous_all``   Megatron-LM / torchtitan uniform PP x DP on all GPUs
@@ -28,7 +28,8 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ..solve.records import BlockCosts, DeviceGraph, SolverOptions, SolverResult
+from ..options import PlanOptions
+from ..solve.records import BlockCosts, DeviceGraph, SolverResult
 from .cephalo import cephalo
 from .flashflex import flashflex
 from .homogeneous import homogeneous_all, homogeneous_best
@@ -39,7 +40,7 @@ __all__ = ["BASELINES", "Baseline", "homogeneous_all", "homogeneous_best", "ceph
            "metis", "flashflex"]
 
 #: A baseline planner: same inputs and output record as ``solve_cpsat``.
-Baseline = Callable[[BlockCosts, DeviceGraph, SolverOptions], SolverResult]
+Baseline = Callable[[BlockCosts, DeviceGraph, PlanOptions], SolverResult]
 
 #: Name -> planner, in the order a benchmark table lists them.
 BASELINES: dict[str, Baseline] = {

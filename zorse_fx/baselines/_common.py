@@ -20,7 +20,7 @@ The published systems train with memory techniques the shared model knows:
 Megatron-LM's distributed optimizer is ZeRO-1 and it recomputes activations
 ("full" recomputation); Cephalo, Zorse and FlashFlex shard training state
 across a data-parallel group (FSDP / ZeRO); Metis' and FlashFlex's planners
-check memory. So every baseline gets what ``SolverOptions.sharding`` /
+check memory. So every baseline gets what ``PlanOptions.sharding`` /
 ``recompute`` allow ([C-shard], [C-recompute] in ``objective``): for each
 decision ``Selector.add`` tries the uniform variants the options allow --
 plain, every multi-GPU stage sharded, every stage recomputing, both
@@ -43,9 +43,10 @@ import time
 from collections import Counter
 
 from ..errors import InfeasiblePlanError
+from ..options import PlanOptions
 from ..solve.objective import (MIB_UNITS, UNIT_S, MemoryPolicy, build_tables, evaluate, evaluate_units,
-                               fill_policy, inflight, mode_violations)
-from ..solve.records import BlockCosts, DeviceGraph, SolverOptions, SolverResult
+                               fill_policy, inflight, mode_violations, policy_decision)
+from ..solve.records import BlockCosts, DeviceGraph, SolverResult
 
 __all__ = ["Selector", "gpu_speeds", "largest_remainder", "proportional_cuts", "reference_block_work",
            "bandwidth", "min_max_partition", "memory_variants", "stage_act_kib", "memory_groups", "stage_fits"]
@@ -53,7 +54,7 @@ __all__ = ["Selector", "gpu_speeds", "largest_remainder", "proportional_cuts", "
 _MODE_FLAGS = {"never": (False,), "auto": (False, True), "always": (True,)}
 
 
-def memory_variants(options: SolverOptions) -> tuple[tuple[bool, bool], ...]:
+def memory_variants(options: PlanOptions) -> tuple[tuple[bool, bool], ...]:
     """The uniform (sharded, recompute) variants ``options`` allow, in the
     order plain, sharded, recompute, both (see [Note: memory techniques of the
     baselines]); "sharded" applies to the stages with >= 2 GPUs only."""
@@ -190,7 +191,7 @@ class Selector:
     """Scores candidate decisions with the shared model; keeps the best per
     (S, M) and overall (see [Note: how a baseline picks among its candidates])."""
 
-    def __init__(self, name: str, costs: BlockCosts, devices: DeviceGraph, options: SolverOptions):
+    def __init__(self, name: str, costs: BlockCosts, devices: DeviceGraph, options: PlanOptions):
         self.name, self.costs, self.devices, self.options = name, costs, devices, options
         self.t0 = time.perf_counter()
         self._tables: dict[int, object] = {}
@@ -243,21 +244,18 @@ class Selector:
         cands = []
         for k in sorted(self._best):
             (bad, step), (blocks, gpus, samples, m), pol = self._best[k]
-            ev = evaluate(self.costs, self.devices, self.options, stage_blocks=blocks, stage_gpus=gpus,
-                          samples_per_microbatch=samples, num_microbatches=m, stage_sharded=pol.sharded,
-                          state_shard_mib=pol.shard_mib, stage_recompute=pol.recompute)
+            ev = evaluate(self.costs, self.devices, self.options, policy_decision(blocks, gpus, samples, m, pol))
             assert ev.objective_units == step and ev.feasible == (not bad), (ev, step, bad)
             cands.append({"num_stages": k[0], "num_microbatches": k[1], "method": self.name,
                           "status": "BASELINE" if ev.feasible else "BASELINE_INFEASIBLE",
                           "step_time_s": step * UNIT_S, "feasible": ev.feasible,
                           "violations": list(ev.violations), "chosen": k == s_m,
-                          "stage_sharded": list(ev.stage_sharded),
-                          "state_shard_bytes": [list(row) for row in ev.state_shard_bytes],
-                          "stage_recompute": list(ev.stage_recompute)})
+                          "stage_sharded": list(ev.decision.sharded),
+                          "state_shard_bytes": [list(row) for row in ev.decision.shard_bytes()],
+                          "stage_recompute": list(ev.decision.recompute)})
             if k == s_m:
-                chosen = (blocks, gpus, samples, m, ev)
-        blocks, gpus, samples, m, ev = chosen
-        return self._record(blocks, gpus, samples, m, ev, tuple(cands))
+                chosen = ev
+        return self._record(chosen, tuple(cands))
 
     def feasible_per_candidate(self) -> tuple[SolverResult, ...]:
         """The best feasible decision of every (S, M) scored, fastest first
@@ -267,15 +265,12 @@ class Selector:
             (bad, _), (blocks, gpus, samples, m), pol = self._best[k]
             if bad:
                 continue
-            ev = evaluate(self.costs, self.devices, self.options, stage_blocks=blocks, stage_gpus=gpus,
-                          samples_per_microbatch=samples, num_microbatches=m, stage_sharded=pol.sharded,
-                          state_shard_mib=pol.shard_mib, stage_recompute=pol.recompute)
-            out.append(self._record(blocks, gpus, samples, m, ev, ()))
+            ev = evaluate(self.costs, self.devices, self.options, policy_decision(blocks, gpus, samples, m, pol))
+            out.append(self._record(ev, ()))
         return tuple(out)
 
-    def _record(self, blocks, gpus, samples, m, ev, cands) -> SolverResult:
+    def _record(self, ev, cands) -> SolverResult:
         # No lower bound is known: bound 0, gap (obj - 0) / obj = 1.
         return SolverResult.from_evaluation(
-            ev, stage_blocks=blocks, stage_gpus=gpus, samples_per_microbatch=samples, num_microbatches=m,
-            options=self.options, status="BASELINE" if ev.feasible else "BASELINE_INFEASIBLE", best_bound=0.0,
+            ev, options=self.options, status="BASELINE" if ev.feasible else "BASELINE_INFEASIBLE", best_bound=0.0,
             wall_s=time.perf_counter() - self.t0, candidates=cands)

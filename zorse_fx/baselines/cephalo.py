@@ -49,8 +49,9 @@ all-gather + reduce-scatter per layer.
 
 from __future__ import annotations
 
+from ..options import PlanOptions
 from ..solve.objective import MIB_UNITS, MemoryPolicy, microbatch_candidates
-from ..solve.records import BlockCosts, DeviceGraph, SolverOptions, SolverResult
+from ..solve.records import BlockCosts, DeviceGraph, SolverResult
 from ._common import Selector, largest_remainder, memory_variants, stage_act_kib
 
 __all__ = ["cephalo", "min_max_samples", "free_memory_shards"]
@@ -81,7 +82,7 @@ def free_memory_shards(need_kib: int, free_kib) -> tuple[int, ...]:
     return largest_remainder(need, [max(f, 0) // MIB_UNITS for f in free_kib], minimum=0)
 
 
-def cephalo(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions) -> SolverResult:
+def cephalo(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions) -> SolverResult:
     """Cephalo-style heterogeneous DP on all GPUs, one stage (see module note)."""
     sel = Selector("cephalo", costs, devices, options)
     n_g, nb = devices.num_gpus, costs.num_blocks

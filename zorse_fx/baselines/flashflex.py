@@ -43,8 +43,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..options import PlanOptions
 from ..solve.objective import max_stage_count, microbatch_candidates
-from ..solve.records import BlockCosts, DeviceGraph, SolverOptions, SolverResult
+from ..solve.records import BlockCosts, DeviceGraph, SolverResult
 from ._common import Selector, bandwidth, gpu_speeds, largest_remainder, memory_variants, proportional_cuts
 
 __all__ = ["flashflex", "spectral_stages", "stage_capacities", "BALANCE_TOLERANCE"]
@@ -95,7 +96,7 @@ def spectral_stages(devices: DeviceGraph, speed, k: int, gpus=None) -> list[tupl
     return spectral_stages(devices, speed, k1, order[:i]) + spectral_stages(devices, speed, k - k1, order[i:])
 
 
-def stage_capacities(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions, stages,
+def stage_capacities(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions, stages,
                      sharded: bool) -> list[float]:
     """Per stage, the bytes of model memory (``block_mem``: training state
     plus one sample's activations) it can hold. Unsharded, every GPU holds its
@@ -118,7 +119,7 @@ def stage_capacities(costs: BlockCosts, devices: DeviceGraph, options: SolverOpt
     return out
 
 
-def flashflex(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions) -> SolverResult:
+def flashflex(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions) -> SolverResult:
     """FlashFlex/HexiScale-style plan on the shared cost model (see module note)."""
     sel = Selector("flashflex", costs, devices, options)
     speed = gpu_speeds(costs, devices)

@@ -35,8 +35,9 @@ is replicated in a DP group).
 
 from __future__ import annotations
 
+from ..options import PlanOptions
 from ..solve.objective import max_stage_count, microbatch_candidates
-from ..solve.records import BlockCosts, DeviceGraph, SolverOptions, SolverResult
+from ..solve.records import BlockCosts, DeviceGraph, SolverResult
 from ._common import Selector
 
 __all__ = ["homogeneous_all", "homogeneous_best", "fastest_type", "uniform_blocks"]
@@ -52,7 +53,7 @@ def uniform_blocks(nb: int, p: int) -> tuple[tuple[int, int], ...]:
 
 
 def _plan(name: str, gpus: tuple[int, ...], costs: BlockCosts, devices: DeviceGraph,
-          options: SolverOptions) -> SolverResult:
+          options: PlanOptions) -> SolverResult:
     sel = Selector(name, costs, devices, options)
     n_g, nb = len(gpus), costs.num_blocks
     k_max = min(max_stage_count(costs, devices, options), n_g)
@@ -71,7 +72,7 @@ def _plan(name: str, gpus: tuple[int, ...], costs: BlockCosts, devices: DeviceGr
         f"M in {microbatch_candidates(options)}")
 
 
-def homogeneous_all(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions) -> SolverResult:
+def homogeneous_all(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions) -> SolverResult:
     """Megatron/torchtitan uniform PP x DP on all G GPUs (see module note)."""
     return _plan("homogeneous_all", tuple(range(devices.num_gpus)), costs, devices, options)
 
@@ -82,7 +83,7 @@ def fastest_type(costs: BlockCosts, devices: DeviceGraph) -> str:
     return min(types, key=lambda t: (sum(costs.fwd_bwd_s_per_sample[t]), -devices.gpu_types.count(t), t))
 
 
-def homogeneous_best(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions) -> SolverResult:
+def homogeneous_best(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions) -> SolverResult:
     """Uniform PP x DP on only the GPUs of the fastest type, the rest idle (see module note)."""
     t = fastest_type(costs, devices)
     gpus = tuple(g for g in range(devices.num_gpus) if devices.gpu_types[g] == t)

@@ -50,8 +50,9 @@ from __future__ import annotations
 import itertools
 from math import comb
 
+from ..options import PlanOptions
 from ..solve.objective import max_stage_count, microbatch_candidates
-from ..solve.records import BlockCosts, DeviceGraph, SolverOptions, SolverResult
+from ..solve.records import BlockCosts, DeviceGraph, SolverResult
 from ._common import (Selector, gpu_speeds, largest_remainder, memory_groups, memory_variants, min_max_partition,
                       stage_fits)
 
@@ -146,7 +147,7 @@ def _layers(tab, stages, samples, nb: int, sharded: bool, recompute: bool):
     return min_max_partition(nb, n_s, cost, fits) or min_max_partition(nb, n_s, cost)
 
 
-def metis(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions) -> SolverResult:
+def metis(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions) -> SolverResult:
     """Metis-style enumeration with speed-proportional DP and balanced layers (see module note)."""
     sel = Selector("metis", costs, devices, options)
     speed = gpu_speeds(costs, devices)

@@ -43,8 +43,9 @@ from __future__ import annotations
 
 import networkx as nx
 
+from ..options import PlanOptions
 from ..solve.objective import max_stage_count, microbatch_candidates
-from ..solve.records import BlockCosts, DeviceGraph, SolverOptions, SolverResult
+from ..solve.records import BlockCosts, DeviceGraph, SolverResult
 from ._common import Selector, bandwidth, gpu_speeds, largest_remainder, proportional_cuts, reference_block_work
 
 __all__ = ["zorse_paper", "min_k_cut_groups", "bandwidth_graph"]
@@ -97,7 +98,7 @@ def _chain(groups, speed, devices: DeviceGraph):
     return [groups[i] for i in order]
 
 
-def zorse_paper(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions) -> SolverResult:
+def zorse_paper(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions) -> SolverResult:
     """Zorse paper's planner on the shared cost model (see module note)."""
     sel = Selector("zorse_paper", costs, devices, options)
     speed = gpu_speeds(costs, devices)

@@ -25,7 +25,8 @@ import time
 from dataclasses import dataclass
 
 from ..errors import ZorseError
-from ..solve.records import BlockCosts, DeviceGraph, SolverOptions, SolverResult
+from ..options import PlanOptions
+from ..solve.records import BlockCosts, DeviceGraph, SolverResult
 from .engine import simulate
 
 __all__ = ["SimulationCheck", "PlanCheckError", "check_result", "SLOWER_TOLERANCE"]
@@ -63,7 +64,7 @@ class SimulationCheck:
                 f"peak memory {self.max_memory_fraction:.0%} of usable, {self.wall_s:.1f} s")
 
 
-def check_result(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions, result: SolverResult, *,
+def check_result(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions, result: SolverResult, *,
                  tolerance: float = SLOWER_TOLERANCE) -> SimulationCheck:
     """Simulate ``result``'s decision and check it (see the module note).
 
@@ -73,9 +74,9 @@ def check_result(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions
             both sizes).
     """
     t0 = time.perf_counter()
-    sim = simulate(costs, devices, options, **result.decision_kwargs())
+    sim = simulate(costs, devices, options, result.decision)
     wall = time.perf_counter() - t0
-    stage_of = {g: s for s, gs in enumerate(result.stage_gpus) for g in gs}
+    stage_of = {g: s for s, gs in enumerate(result.decision.stage_gpus) for g in gs}
     worst, over = 0.0, []
     for g, peak in enumerate(sim.peak_memory_bytes):
         if g not in stage_of:

@@ -3,7 +3,7 @@
 NOTE "simulation model" -- the planners' objective (solve/objective.py) is a
 closed-form 1F1B/GPipe estimate; this module replays the schedule task by task
 so that compute, boundary messages and link contention interleave as they
-would on the cluster. Decision arguments are those of ``solve.evaluate``.
+would on the cluster. It takes the ``Decision`` ``solve.evaluate`` takes.
 
 Compute. GPU ``g`` of GPU group ``p`` runs the group's action list
 (``runtime.schedule.make_schedule(options.schedule, S, M, v)[p]``) in order,
@@ -41,16 +41,16 @@ pair for GPUs on different nodes (one NIC / network path per node pair), the
 unordered GPU pair inside a node (NVLink / PCIe peer link); both directions
 share it. With no ``node_names`` every GPU is its own node.
 
-Memory policy (objective.py [C-shard], [C-recompute]; same arguments and
-defaults as ``solve.evaluate``: ``objective._policy`` validates them and fills
-the shards of a sharded stage with ``balance_shards`` when
-``state_shard_mib`` is None, so both models score the same shards).
-  * Recomputation (``stage_recompute[s]``): every backward of the stage first
+Memory policy (objective.py [C-shard], [C-recompute]; the decision's, as in
+``solve.evaluate``: ``objective.prepare`` fills the shards of a sharded stage
+with ``balance_shards`` when ``Decision.shard_mib`` is None, so both models
+score the same shards).
+  * Recomputation (``Decision.recompute[s]``): every backward of the stage first
     re-runs the forward, so a B task takes ``(2/3 + RECOMPUTE_FRACTION) *
     (n_g * W + F)``; its SimEvent has ``recompute_s`` = the re-run part
     (``RECOMPUTE_FRACTION * (n_g * W + F)``, 0 for other tasks).
-  * ZeRO-1 sharding (``stage_sharded[s]``): GPU g of the stage holds ``z_g``
-    whole MiB (``state_shard_mib[s]``) of the stage's shardable optimizer
+  * ZeRO-1 sharding (``Decision.sharded[s]``): GPU g of the stage holds ``z_g``
+    whole MiB (``Decision.shard_mib[s]``) of the stage's shardable optimizer
     state Q_s = ``shardable_bytes_per_param * P_s``; see "Gradient sync".
 
 Gradient sync, per GPU group, as the runtime does it ([Note: overlapped
@@ -124,12 +124,13 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass
 
+from ..options import PlanOptions
 from ..runtime.comm import routes
 from ..runtime.grad_sync import BUCKET_BYTES, bucket_caps
 from ..runtime.schedule import make_schedule
-from ..solve.objective import (MEMORY_UNIT_BYTES, MIB_UNITS, RECOMPUTE_FRACTION, _policy, _validate,
-                               build_tables)
-from ..solve.records import BlockCosts, DeviceGraph, SolverOptions
+from ..solve.decision import Decision
+from ..solve.objective import MEMORY_UNIT_BYTES, MIB_UNITS, RECOMPUTE_FRACTION, prepare
+from ..solve.records import BlockCosts, DeviceGraph
 
 __all__ = ["SimEvent", "SimResult", "simulate", "link_resource", "plan_decision"]
 
@@ -222,8 +223,8 @@ def _ranges(ns) -> tuple[tuple[int, int], ...]:
     return tuple(out)
 
 
-def plan_decision(plan, costs: BlockCosts | None = None) -> dict:
-    """``simulate``'s decision and memory-policy keyword arguments for a ``plan.Plan``.
+def plan_decision(plan, costs: BlockCosts | None = None) -> Decision:
+    """The ``Decision`` of a ``plan.Plan`` (what ``simulate`` and ``solve.evaluate`` take).
 
     Reads ``StagePlan.sharded`` / ``StagePlan.recompute`` and
     ``GPUShare.state_shard_bytes`` where the Plan has them (older plans: no
@@ -231,7 +232,8 @@ def plan_decision(plan, costs: BlockCosts | None = None) -> dict:
     stage whose shards are all 0 (the runtime then splits its state equally)
     gets equal whole-MiB shards covering its shardable state, computed from
     ``costs`` (ValueError without them). ``interleave`` = ``Plan.interleave``
-    (left out for plans without the attribute, which are not interleaved)."""
+    (1 for plans without the attribute, which are not interleaved);
+    ``precision`` = ``Plan.precision`` where the plan has one."""
     mib = MIB_UNITS * MEMORY_UNIT_BYTES
     sharded = tuple(bool(getattr(st, "sharded", False)) for st in plan.stages)
     shards = []
@@ -246,15 +248,14 @@ def plan_decision(plan, costs: BlockCosts | None = None) -> dict:
             need = -(-q_kib // MIB_UNITS)
             row = (-(-need // len(st.gpus)),) * len(st.gpus)
         shards.append(row)
-    dec = dict(stage_blocks=tuple(tuple(st.blocks) for st in plan.stages),
-               stage_gpus=tuple(tuple(g.gpu for g in st.gpus) for st in plan.stages),
-               samples_per_microbatch=tuple(tuple(g.samples_per_microbatch for g in st.gpus) for st in plan.stages),
-               num_microbatches=plan.num_microbatches, stage_sharded=sharded,
-               state_shard_mib=tuple(shards) if any(sharded) else None,
-               stage_recompute=tuple(bool(getattr(st, "recompute", False)) for st in plan.stages))
-    if hasattr(plan, "interleave"):  # plans before format v3 are not interleaved
-        dec["interleave"] = int(plan.interleave)
-    return dec
+    return Decision(stage_blocks=tuple(tuple(st.blocks) for st in plan.stages),
+                    stage_gpus=tuple(tuple(g.gpu for g in st.gpus) for st in plan.stages),
+                    samples_per_microbatch=tuple(tuple(g.samples_per_microbatch for g in st.gpus)
+                                                 for st in plan.stages),
+                    num_microbatches=plan.num_microbatches, sharded=sharded, shard_mib=tuple(shards),
+                    recompute=tuple(bool(getattr(st, "recompute", False)) for st in plan.stages),
+                    interleave=int(getattr(plan, "interleave", 1)),  # plans before format v3: not interleaved
+                    precision=str(getattr(plan, "precision", "") or ""))
 
 
 def _reduction(costs: BlockCosts, devices: DeviceGraph, stage_blocks, stages, gpus, last_b_span, rc_dur, samples,
@@ -318,24 +319,21 @@ def _reduction(costs: BlockCosts, devices: DeviceGraph, stage_blocks, stages, gp
         yield s, *span[s]
 
 
-def simulate(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions, *, stage_blocks, stage_gpus,
-             samples_per_microbatch, num_microbatches: int, stage_sharded=None, state_shard_mib=None,
-             stage_recompute=None, interleave: int = 1) -> SimResult:
-    """Simulate one training step of the decision (see the module note).
+def simulate(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions, decision: Decision) -> SimResult:
+    """Simulate one training step of ``decision`` (see the module note).
 
-    ``stage_sharded`` / ``stage_recompute`` / ``state_shard_mib``: the memory
-    policy, as in ``solve.evaluate`` (None = not sharded / not recomputing /
-    the shards ``balance_shards`` picks). ``interleave`` = v > 1: S = P v
-    stages on P GPU groups, stage s on the GPUs of stage s mod P, as in
-    ``solve.evaluate`` (solve/pipeline_terms.py [Note: interleaved stages]).
+    The memory policy is the decision's, as in ``solve.evaluate``
+    (``decision.shard_mib`` None = the shards ``balance_shards`` picks);
+    ``decision.interleave`` = v > 1: S = P v stages on P GPU groups, stage s
+    on the GPUs of stage s mod P (solve/pipeline_terms.py [Note: interleaved stages]).
 
-    Raises ValueError for a malformed decision or policy (as ``solve.evaluate``)
-    and RuntimeError if the schedule deadlocks (it cannot for 1F1B / GPipe)."""
-    _validate(costs, devices, options, stage_blocks, stage_gpus, samples_per_microbatch, num_microbatches,
-              interleave)
-    tab = build_tables(costs, devices, options, num_microbatches)
-    pol = _policy(tab, options, stage_blocks, stage_gpus, samples_per_microbatch, stage_sharded,
-                  state_shard_mib, stage_recompute)
+    Raises ValueError for a decision that does not fit the instance (as
+    ``solve.evaluate``) and RuntimeError if the schedule deadlocks (it cannot
+    for 1F1B / GPipe)."""
+    tab, pol = prepare(costs, devices, options, decision)
+    stage_blocks, stage_gpus = decision.stage_blocks, decision.stage_gpus
+    samples_per_microbatch, num_microbatches = decision.samples_per_microbatch, decision.num_microbatches
+    interleave = decision.interleave
     n_s, m_count, v = len(stage_blocks), num_microbatches, interleave
     n_p = n_s // v  # GPU groups; stage s runs on group s % n_p as its chunk s // n_p
     sched = make_schedule(options.schedule, n_s, m_count, v)

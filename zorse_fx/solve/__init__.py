@@ -4,17 +4,22 @@ large clusters), the memory-first stage DP
 (stage_dp.py), the portfolio that runs the heuristics first and warm-starts
 CP-SAT with them (portfolio.py), lower bounds and infeasibility explanations
 (bounds.py) and an exhaustive oracle for tiny instances (brute_force.py).
+They all take ``PlanOptions`` (``zorse_fx/options.py``) and answer with a
+``SolverResult`` whose ``decision`` is a ``Decision`` (decision.py), the record
+``evaluate``, ``sim.simulate`` and the plan builder take.
 
 ``solve_cpsat`` / ``solve_grouped`` (class-level CP-SAT for large clusters) /
 ``solve_brute_force`` load on first use, so code that only
 needs the records (the cluster, the runtime) never imports OR-Tools.
 """
 
+from ..options import PlanOptions
+from .decision import Decision
 from .objective import Evaluation, evaluate
-from .records import BlockCosts, DeviceGraph, SolverOptions, SolverResult
+from .records import BlockCosts, DeviceGraph, SolverResult
 
 __all__ = [
-    "BlockCosts", "DeviceGraph", "SolverOptions", "SolverResult",
+    "BlockCosts", "DeviceGraph", "Decision", "PlanOptions", "SolverResult",
     "Evaluation", "evaluate", "solve_brute_force", "solve_cpsat", "solve_grouped",
 ]
 

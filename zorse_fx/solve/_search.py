@@ -54,7 +54,7 @@ The same inputs give the same plan, status and predicted step time on any
 machine and under any load (issue 13: a wall-clock limit with several
 workers made them depend on load). Every solve (each candidate, each hint
 completion) stops on CP-SAT's *deterministic* time,
-``max_deterministic_time = SolverOptions.deterministic_time`` (work units
+``max_deterministic_time = PlanOptions.solver_budget`` (work units
 CP-SAT counts, "as close as possible to a second" of one worker, but the
 same on a loaded machine), with a fixed ``random_seed``. Several workers stay
 deterministic with ``interleave_search``: sat_parameters.proto (OR-Tools
@@ -63,9 +63,9 @@ strategy and distribute the work amongst num_workers. The search is
 deterministic (independently of num_workers!), and we schedule and wait for
 interleave_batch_size task to be completed before synchronizing" (with one
 worker the search is sequential, deterministic anyway). The wall-clock
-limit (``max_time_in_seconds = SolverOptions.time_limit_s``) is only a
+limit (``max_time_in_seconds = PlanOptions.time_limit_s``) is only a
 safety stop: a solve it ends before the deterministic budget is spent
-(``deterministic_time`` of CP-SAT's response below the budget, without a
+(CP-SAT's response reports less deterministic time than the budget, without a
 proof) is recorded as ``"wall_clock_stop": True`` in its candidate, counted in
 ``SolverResult.wall_clock_stops``, marked in the status (``SAFETY_STOP``) and
 warned about, since that answer may differ on another run. The candidates
@@ -87,9 +87,10 @@ from dataclasses import dataclass
 from ortools.sat.python import cp_model
 
 from ..errors import InfeasiblePlanError
+from ..options import PlanOptions
 from .bounds import explain_infeasible, throughput_lower_bound
 from .objective import UNIT_S, evaluate
-from .records import BlockCosts, DeviceGraph, SolverOptions, SolverResult, with_safety_stop
+from .records import BlockCosts, DeviceGraph, SolverResult, with_safety_stop
 
 __all__ = ["CandidateSearch", "SolverCrash", "run_isolated"]
 
@@ -162,8 +163,9 @@ class _Answer:
     decision: object = None
     #: The partial hint was completed first (``complete_hint``).
     hint_completed: bool = False
-    #: CP-SAT's deterministic time of the solve (its work units, not seconds).
-    deterministic_time: float = 0.0
+    #: CP-SAT's deterministic time of the solve (its work units, not seconds):
+    #: the part of ``PlanOptions.solver_budget`` it spent.
+    budget_used: float = 0.0
     #: The wall-clock safety stop ended this solve or its hint completion
     #: before the deterministic budget ([Note: reproducible plans]).
     wall_clock_stop: bool = False
@@ -192,7 +194,7 @@ def _solve(model, solver: cp_model.CpSolver, completer: cp_model.CpSolver | None
         return _Answer(code, solver.StatusName(code), solver.BestObjectiveBound(), int(solver.Value(model.objective)),
                        model.decision(solver), completed, dtime, stopped)
     return _Answer(code, solver.StatusName(code), solver.BestObjectiveBound(), hint_completed=completed,
-                   deterministic_time=dtime, wall_clock_stop=stopped)
+                   budget_used=dtime, wall_clock_stop=stopped)
 
 
 def complete_hint(m: cp_model.CpModel, solver: cp_model.CpSolver) -> tuple[bool, bool]:
@@ -263,7 +265,7 @@ SMALL_MODEL_LINEARIZATION = 2
 class CandidateSearch:
     """Solve candidates one by one; ``result()`` returns the best as a SolverResult."""
 
-    def __init__(self, costs: BlockCosts, devices: DeviceGraph, options: SolverOptions, *, label: str):
+    def __init__(self, costs: BlockCosts, devices: DeviceGraph, options: PlanOptions, *, label: str):
         self.costs, self.devices, self.options, self.label = costs, devices, options, label
         self.t0 = time.perf_counter()
         self.cands: list[dict] = []
@@ -286,7 +288,7 @@ class CandidateSearch:
         opts = self.options
         solver = cp_model.CpSolver()
         p = solver.parameters
-        p.max_deterministic_time = opts.deterministic_time
+        p.max_deterministic_time = opts.solver_budget
         p.max_time_in_seconds = opts.time_limit_s  # safety stop only
         p.num_workers = opts.num_workers
         # sat_parameters.proto: with interleave_search "the search is deterministic
@@ -350,7 +352,7 @@ class CandidateSearch:
         if attempts:
             rec["crashes"] = attempts
         if ans is not None:
-            rec["deterministic_time"] = round(ans.deterministic_time, 6)
+            rec["solver_budget_used"] = round(ans.budget_used, 6)
         if ans is not None and ans.wall_clock_stop:
             rec["wall_clock_stop"] = True
             self.wall_clock_stops += 1
@@ -362,10 +364,7 @@ class CandidateSearch:
                                      f"for S={num_stages}, M={m}")
             bound = min(obj, max(int(round(ans.bound)), tlb))
             dec = ans.decision
-            pol = dec[3]
-            ev = evaluate(self.costs, self.devices, opts, stage_blocks=dec[0], stage_gpus=dec[1],
-                          samples_per_microbatch=dec[2], num_microbatches=m, stage_sharded=pol.sharded,
-                          state_shard_mib=pol.shard_mib, stage_recompute=pol.recompute)
+            ev = evaluate(self.costs, self.devices, opts, dec)
             if ev.objective_units != obj or not ev.feasible:
                 raise AssertionError(f"{self.label} objective {obj} != evaluate() {ev.objective_units} "
                                      f"(violations {ev.violations}) for S={num_stages}, M={m}: {dec}")
@@ -391,15 +390,14 @@ class CandidateSearch:
             warnings.warn(
                 f"{self.label}: the wall-clock safety stop (time_limit_s={self.options.time_limit_s:g} s) ended "
                 f"{stops} of {len(self.cands)} CP-SAT solves before their deterministic budget "
-                f"(deterministic_time={self.options.deterministic_time:g}): the plan may differ on another run "
+                f"(solver_budget={self.options.solver_budget:g}): the plan may differ on another run "
                 f"or machine; raise time_limit_s (zorse plan --time-limit) or lower the budget "
                 f"(--solver-budget)", RuntimeWarning, stacklevel=3)
         if self.best is None:
             raise InfeasiblePlanError(explain_infeasible(self.costs, self.devices, self.options, self.cands))
-        obj, m, (blocks, gpus, samples, _), ev = self.best
+        obj, m, _, ev = self.best
         assert ev.objective_units == obj
         return dataclasses.replace(SolverResult.from_evaluation(
-            ev, stage_blocks=blocks, stage_gpus=gpus, samples_per_microbatch=samples, num_microbatches=m,
-            options=self.options, status=with_safety_stop("OPTIMAL" if self.all_optimal else "FEASIBLE", stops),
+            ev, options=self.options, status=with_safety_stop("OPTIMAL" if self.all_optimal else "FEASIBLE", stops),
             best_bound=min(self.bounds) * UNIT_S, wall_s=time.perf_counter() - self.t0, candidates=tuple(self.cands)),
             wall_clock_stops=stops)

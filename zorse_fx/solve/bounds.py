@@ -7,8 +7,9 @@ candidate fits, the message that names the binding constraint
 
 from __future__ import annotations
 
+from ..options import PlanOptions
 from .objective import IntTables, _gib, _prefix, max_stage_count, microbatch_candidates
-from .records import BlockCosts, DeviceGraph, SolverOptions
+from .records import BlockCosts, DeviceGraph
 
 __all__ = ["throughput_lower_bound", "explain_infeasible"]
 
@@ -68,7 +69,7 @@ def throughput_lower_bound(tab: IntTables) -> int:
     return tab.num_microbatches * -(-per_mb.numerator // per_mb.denominator)
 
 
-def explain_infeasible(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions,
+def explain_infeasible(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions,
                        candidates=()) -> str:
     """Why no (S, M) admits a plan, naming the binding constraint with numbers."""
     gbs, n_g = options.global_batch_size, devices.num_gpus
@@ -78,8 +79,8 @@ def explain_infeasible(costs: BlockCosts, devices: DeviceGraph, options: SolverO
     if k_max < options.max_stages:
         k_txt += f" (max_stages={options.max_stages}, {n_g} GPUs, {costs.num_blocks} blocks)"
     unknown = [(c["num_stages"], c["num_microbatches"]) for c in candidates if c.get("status") == "UNKNOWN"]
-    note = (f"; (S, M) = {unknown} found no solution within deterministic_time="
-            f"{options.deterministic_time:g} (CP-SAT deterministic seconds; zorse plan --solver-budget) or the "
+    note = (f"; (S, M) = {unknown} found no solution within solver_budget="
+            f"{options.solver_budget:g} (CP-SAT deterministic seconds; zorse plan --solver-budget) or the "
             f"wall-clock safety stop time_limit_s={options.time_limit_s:g} s: raise the budget" if unknown else "")
     crashed = [(c["num_stages"], c["num_microbatches"]) for c in candidates if c.get("status") == "CRASHED"]
     if crashed:

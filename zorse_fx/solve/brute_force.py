@@ -13,10 +13,11 @@ import itertools
 import time
 
 from ..errors import InfeasiblePlanError
+from ..options import PlanOptions
 from .bounds import explain_infeasible
 from .objective import (UNIT_S, build_tables, evaluate, evaluate_units, fill_policy, max_stage_count,
-                        microbatch_candidates, mode_violations)
-from .records import BlockCosts, DeviceGraph, SolverOptions, SolverResult
+                        microbatch_candidates, mode_violations, policy_decision)
+from .records import BlockCosts, DeviceGraph, SolverResult
 
 __all__ = ["solve_brute_force", "MAX_GPUS", "MAX_BLOCKS", "MAX_MICROBATCH_SIZE"]
 
@@ -32,7 +33,7 @@ def _compositions(total: int, parts: int):
         yield tuple(edges[i + 1] - edges[i] for i in range(parts))
 
 
-def solve_brute_force(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions) -> SolverResult:
+def solve_brute_force(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions) -> SolverResult:
     """Exact optimum of the model by enumeration (G <= 4, B <= 6, b <= 6).
 
     Same decision and tie-break as ``solve_cpsat`` (fewer stages, then fewer
@@ -88,12 +89,9 @@ def solve_brute_force(costs: BlockCosts, devices: DeviceGraph, options: SolverOp
     if best is None:
         raise InfeasiblePlanError(explain_infeasible(costs, devices, options, cands))
     (step, blocks, gpus, samples, pol), m = best
-    ev = evaluate(costs, devices, options, stage_blocks=blocks, stage_gpus=gpus,
-                  samples_per_microbatch=samples, num_microbatches=m, stage_sharded=pol.sharded,
-                  state_shard_mib=pol.shard_mib, stage_recompute=pol.recompute)
+    ev = evaluate(costs, devices, options, policy_decision(blocks, gpus, samples, m, pol))
     if ev.objective_units != step or not ev.feasible:
         raise AssertionError(f"brute force step {step} != evaluate() {ev.objective_units} ({ev.violations})")
     return SolverResult.from_evaluation(
-        ev, stage_blocks=blocks, stage_gpus=gpus, samples_per_microbatch=samples, num_microbatches=m,
-        options=options, status="BRUTE_FORCE", best_bound=ev.step_time_s, wall_s=time.perf_counter() - t0,
+        ev, options=options, status="BRUTE_FORCE", best_bound=ev.step_time_s, wall_s=time.perf_counter() - t0,
         candidates=tuple(cands))

@@ -19,12 +19,13 @@ from __future__ import annotations
 from .model import CandidateModel, matching_hint, singleton_groups
 from .objective import build_tables, max_stage_count, microbatch_candidates
 from ._search import CandidateSearch
-from .records import BlockCosts, DeviceGraph, SolverOptions, SolverResult
+from ..options import PlanOptions
+from .records import BlockCosts, DeviceGraph, SolverResult
 
 __all__ = ["solve_cpsat"]
 
 
-def solve_cpsat(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions, *, hints=()) -> SolverResult:
+def solve_cpsat(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions, *, hints=()) -> SolverResult:
     """Plan with CP-SAT: minimise the predicted step time (seconds) over (S, M).
 
     ``objective`` / ``best_bound`` are in seconds. ``status`` is "OPTIMAL" only
@@ -42,6 +43,6 @@ def solve_cpsat(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions,
             model = CandidateModel(tab, devices, options, groups, n_s)
             h = matching_hint(hints, n_s, m)
             if h is not None:
-                model.hint(h)
+                model.hint(h.decision)
             search.solve(model, n_s, m, **({"hint": h.status} if h is not None else {}))
     return search.result()

@@ -41,7 +41,8 @@ import numpy as np
 from .model import CandidateModel, _Group, _link_code, matching_hint
 from .objective import IntTables, build_tables, max_stage_count, microbatch_candidates
 from ._search import CandidateSearch
-from .records import BlockCosts, DeviceGraph, SolverOptions, SolverResult
+from ..options import PlanOptions
+from .records import BlockCosts, DeviceGraph, SolverResult
 
 __all__ = ["gpu_classes", "solve_grouped"]
 
@@ -131,7 +132,7 @@ def _groups(devices: DeviceGraph, tab: IntTables, aggregate: bool) -> list[_Grou
 AGGREGATE_ABOVE = 16
 
 
-def solve_grouped(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions, *,
+def solve_grouped(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions, *,
                   aggregate_nodes: bool | None = None, hints=()) -> SolverResult:
     """Plan with the grouped CP-SAT model: minimise the predicted step time over (S, M).
 
@@ -143,7 +144,8 @@ def solve_grouped(costs: BlockCosts, devices: DeviceGraph, options: SolverOption
     ``aggregate_nodes``: merge classes of identical nodes into one group whose
     stages take whole nodes (a further restriction; None = only when there are
     more than AGGREGATE_ABOVE classes). Each candidate gets
-    ``options.time_limit_s``. ``hints``: decisions to warm-start the candidate
+    ``options.solver_budget`` deterministic seconds (``options.time_limit_s``:
+    the wall-clock safety stop). ``hints``: decisions to warm-start the candidate
     with the same S and M (``solve_cpsat``). Raises InfeasiblePlanError if nothing fits."""
     search = CandidateSearch(costs, devices, options, label="grouped")
     groups, tabs = None, {}
@@ -159,6 +161,6 @@ def solve_grouped(costs: BlockCosts, devices: DeviceGraph, options: SolverOption
             model = CandidateModel(tab, devices, options, groups, n_s)
             h = matching_hint(hints, n_s, m)
             if h is not None:
-                model.hint(h)
+                model.hint(h.decision)
             search.solve(model, n_s, m, num_groups=len(groups), **({"hint": h.status} if h is not None else {}))
     return search.result()

@@ -37,9 +37,11 @@ from __future__ import annotations
 import dataclasses
 import time
 
+from ..options import PlanOptions
 from .objective import (MemoryPolicy, StageUnits, UNIT_S, build_tables, evaluate, evaluate_units, fill_policy,
                         microbatch_candidates)
-from .records import BlockCosts, DeviceGraph, SolverOptions, SolverResult, with_safety_stop
+from .decision import Decision
+from .records import BlockCosts, DeviceGraph, SolverResult, with_safety_stop
 
 __all__ = ["interleave_search", "with_interleaving", "rescale_shares"]
 
@@ -157,19 +159,20 @@ def _local_search(tab, cuts, stage_gpus, samples, sharded, recompute, v):
     return key, cuts
 
 
-def interleave_search(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions,
+def interleave_search(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions,
                       base: SolverResult) -> tuple[SolverResult | None, tuple[dict, ...]]:
     """The fastest feasible interleaved version of ``base``'s GPU groups (see
     [Note: interleave search]) and a record per (v, M, policy) tried. The
     result is None when nothing was tried or nothing fits; it is returned even
     when slower than ``base`` (``with_interleaving`` compares)."""
-    p_count = base.num_stages
-    if options.max_interleave < 2 or options.schedule != "1f1b" or base.interleave != 1 or p_count < 2:
+    d = base.decision
+    p_count = d.num_stages
+    if options.max_interleave < 2 or options.schedule != "1f1b" or d.interleave != 1 or p_count < 2:
         return None, ()
     gbs = options.global_batch_size
-    groups = tuple(tuple(g) for g in base.stage_gpus)
-    sharded = tuple(base.stage_sharded) or (False,) * p_count
-    policies = [tuple(base.stage_recompute) or (False,) * p_count]
+    groups = d.stage_gpus
+    sharded = d.sharded
+    policies = [d.recompute]
     if options.recompute in ("auto", "always") and not all(policies[0]):
         policies.append((True,) * p_count)
     if options.recompute == "never":
@@ -178,7 +181,7 @@ def interleave_search(costs: BlockCosts, devices: DeviceGraph, options: SolverOp
     for m in microbatch_candidates(options):
         if m % p_count:
             continue
-        shares = tuple(rescale_shares(tuple(ns), gbs // m) for ns in base.samples_per_microbatch)
+        shares = tuple(rescale_shares(tuple(ns), gbs // m) for ns in d.samples_per_microbatch)
         if any(s is None for s in shares):
             continue
         tab = build_tables(costs, devices, options, m)
@@ -200,39 +203,36 @@ def interleave_search(costs: BlockCosts, devices: DeviceGraph, options: SolverOp
         return None, tuple(tried)
     _, m, v, cuts, stage_gpus, samples, sh, rc = best
     blocks = tuple(zip(cuts[:-1], cuts[1:]))
-    ev = evaluate(costs, devices, options, stage_blocks=blocks, stage_gpus=stage_gpus,
-                  samples_per_microbatch=samples, num_microbatches=m, stage_sharded=sh, stage_recompute=rc,
-                  interleave=v)
+    ev = evaluate(costs, devices, options, Decision(
+        stage_blocks=blocks, stage_gpus=stage_gpus, samples_per_microbatch=samples, num_microbatches=m,
+        sharded=sh, recompute=rc, interleave=v, precision=d.precision))
     if not ev.feasible:  # cannot happen: the search scored the same model
         raise AssertionError(f"interleave search returned an infeasible plan: {ev.violations}")
-    res = SolverResult.from_evaluation(ev, stage_blocks=blocks, stage_gpus=stage_gpus, samples_per_microbatch=samples,
-                                       num_microbatches=m, options=options, status=with_safety_stop(
+    res = SolverResult.from_evaluation(ev, options=options, status=with_safety_stop(
                                            f"{with_safety_stop(base.status, 0)}+INTERLEAVED", base.wall_clock_stops),
                                        best_bound=base.best_bound)
     return res, tuple(tried)
 
 
-def base_makespan_s(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions, base: SolverResult) -> float:
+def base_makespan_s(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions, base: SolverResult) -> float:
     """``base`` (one stage per group) scored like an interleaved decision: the
     makespan of its 1F1B / GPipe task graph + the slowest stage's sync
     ([Note: interleaved stages]), so both sides of the comparison use the same
     measure. It is at most the closed form of the module note (that adds
     every stage's full time to the fill)."""
-    from .objective import _policy
+    from .objective import prepare
     from .pipeline_terms import forward_units, pipeline_makespan
 
-    tab = build_tables(costs, devices, options, base.num_microbatches)
-    kw = base.decision_kwargs()
-    pol = _policy(tab, options, base.stage_blocks, base.stage_gpus, base.samples_per_microbatch,
-                  kw["stage_sharded"], kw["state_shard_mib"], kw["stage_recompute"])
-    u = evaluate_units(tab, base.stage_blocks, base.stage_gpus, base.samples_per_microbatch, pol)
-    fwd = forward_units(tab, base.stage_blocks, base.stage_gpus, base.samples_per_microbatch, u.boundary)
-    step = pipeline_makespan(options.schedule, base.num_microbatches, 1, fwd, u.stage) + max(
+    d = base.decision
+    tab, pol = prepare(costs, devices, options, d)
+    u = evaluate_units(tab, d.stage_blocks, d.stage_gpus, d.samples_per_microbatch, pol)
+    fwd = forward_units(tab, d.stage_blocks, d.stage_gpus, d.samples_per_microbatch, u.boundary)
+    step = pipeline_makespan(options.schedule, d.num_microbatches, 1, fwd, u.stage) + max(
         a + o for a, o in zip(u.allreduce, u.optim))
     return step * UNIT_S
 
 
-def with_interleaving(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions,
+def with_interleaving(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions,
                       base: SolverResult) -> SolverResult:
     """``base``, or its interleaved version when the objective scores that faster
     than both ``base``'s step and ``base_makespan_s`` (the same measure).

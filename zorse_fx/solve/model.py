@@ -92,14 +92,16 @@ from dataclasses import dataclass
 import numpy as np
 from ortools.sat.python import cp_model
 
-from .objective import MIB_UNITS, IntTables, MemoryPolicy, inflight
+from .objective import MIB_UNITS, IntTables, inflight
 from ._encoding import StageCuts
 from ._encoding import any_of as _any_of
 from ._encoding import blocks_of as _blocks
 from ._encoding import both as _both
 from ._encoding import gated as _gated
 from ._encoding import pair_max
-from .records import DeviceGraph, SolverOptions, SolverResult
+from ..options import PlanOptions
+from .decision import Decision
+from .records import DeviceGraph
 
 __all__ = ["CandidateModel", "matching_hint", "singleton_groups"]
 
@@ -142,7 +144,7 @@ class CandidateModel:
     ``devices`` is not read (the tables hold every GPU fact); kept for the
     callers' uniform signature."""
 
-    def __init__(self, tab: IntTables, devices: DeviceGraph, options: SolverOptions,
+    def __init__(self, tab: IntTables, devices: DeviceGraph, options: PlanOptions,
                  groups: list[_Group], num_stages: int):
         self.tab, self.S, self.groups = tab, num_stages, groups
         self.m = m = cp_model.CpModel()
@@ -433,19 +435,20 @@ class CandidateModel:
         self.objective = sum(t) + (tab.num_microbatches - 1) * tmax + smax
         m.Minimize(self.objective)
 
-    def hint(self, result: SolverResult) -> None:
+    def hint(self, decision: Decision) -> None:
         """Warm start from a per-GPU decision (same S and M; [Note: warm start]): cuts,
         policy, and per group the units in each stage and the samples / shard of its
         first GPU there (a hint, so a decision the groups cannot express exactly is
         repaired by CP-SAT; with one group per GPU it is the decision itself)."""
-        m, mib = self.m, MIB_UNITS * 1024
-        for s, (i, _) in enumerate(result.stage_blocks):
+        m = self.m
+        for s, (i, _) in enumerate(decision.stage_blocks):
             m.AddHint(self.cut[s], i)
+        shards = decision.shard_mib or ((),) * decision.num_stages
         where = {}
-        for s, (gs, ns) in enumerate(zip(result.stage_gpus, result.samples_per_microbatch)):
-            sharded = bool(result.stage_sharded and result.stage_sharded[s])
+        for s, (gs, ns) in enumerate(zip(decision.stage_gpus, decision.samples_per_microbatch)):
+            sharded = decision.sharded[s] and bool(shards[s])
             for pos, (g, n) in enumerate(zip(gs, ns)):
-                where[g] = (s, n, result.state_shard_bytes[s][pos] // mib if sharded else 0)
+                where[g] = (s, n, shards[s][pos] if sharded else 0)
         for c, grp in enumerate(self.groups):
             for s in range(self.S):
                 mine = [where[g] for g in grp.members if where.get(g, (None,))[0] == s]
@@ -457,12 +460,12 @@ class CandidateModel:
                     m.AddHint(self.zc[c][s], max((z for _, _, z in mine), default=0))
         for s in range(self.S):
             if self.sh:
-                m.AddHint(self.sh[s], bool(result.stage_sharded and result.stage_sharded[s]))
+                m.AddHint(self.sh[s], decision.sharded[s])
             if self.rc:
-                m.AddHint(self.rc[s], bool(result.stage_recompute and result.stage_recompute[s]))
+                m.AddHint(self.rc[s], decision.recompute[s])
 
     def decision(self, solver: cp_model.CpSolver):
-        """Expand the group decision to GPUs: (stage_blocks, stage_gpus, samples, MemoryPolicy)."""
+        """Expand the group decision to GPUs: the ``Decision`` of the solver's current solution."""
         cuts = [solver.Value(c) for c in self.cut]
         blocks = tuple((cuts[s], cuts[s + 1]) for s in range(self.S))
         sharded = tuple(bool(self.sh and solver.BooleanValue(self.sh[s])) for s in range(self.S))
@@ -481,7 +484,9 @@ class CandidateModel:
             gpus.append(tuple(g for g, _, _ in row))
             samples.append(tuple(nn for _, nn, _ in row))
             shards.append(tuple(zz for _, _, zz in row) if sharded[s] else ())
-        return blocks, tuple(gpus), tuple(samples), MemoryPolicy(sharded, tuple(shards), recompute)
+        return Decision(stage_blocks=blocks, stage_gpus=tuple(gpus), samples_per_microbatch=tuple(samples),
+                        num_microbatches=self.tab.num_microbatches, sharded=sharded, shard_mib=tuple(shards),
+                        recompute=recompute)
 
 
 def _policy_vars(m: cp_model.CpModel, tab: IntTables, size, n_s: int):
@@ -533,5 +538,6 @@ def _stage_input_kib(m: cp_model.CpModel, tab: IntTables, cuts: StageCuts, s: in
 
 
 def matching_hint(hints, num_stages: int, num_microbatches: int):
-    """The first of ``hints`` (SolverResults) with this S and M, or None."""
-    return next((h for h in hints if h.num_stages == num_stages and h.num_microbatches == num_microbatches), None)
+    """The first of ``hints`` (SolverResults) whose decision has this S and M, or None."""
+    return next((h for h in hints if h.decision.num_stages == num_stages
+                 and h.decision.num_microbatches == num_microbatches), None)

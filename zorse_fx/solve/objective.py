@@ -10,7 +10,7 @@ iff ``allow_idle_gpus``; every stage >= 1 GPU)                       [C-assign]
 contiguous non-empty block ranges [c_s, c_{s+1}), c_0 = 0, c_S = B   [C-cuts]
 integer samples n_g >= 1 per GPU of stage s, sum_{g in s} n_g = b   [C-samples]
 
-Memory policy per stage (decisions too; ``SolverOptions.sharding`` /
+Memory policy per stage (decisions too; ``PlanOptions.sharding`` /
 ``recompute`` = "never" fixes them to False, "always" to True, "auto" leaves
 them to the planner):
   sh_s  ZeRO-1: the stage's shardable optimizer state is split across its GPUs,
@@ -82,13 +82,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import InfeasiblePlanError
-from .records import BlockCosts, DeviceGraph, SolverOptions
+from ..options import SCHEDULES, PlanOptions
+from .decision import Decision
+from .records import BlockCosts, DeviceGraph
 
 __all__ = [
     "UNITS_PER_S", "UNIT_S", "GIB", "to_units", "microbatch_candidates",
     "max_stage_count", "inflight", "IntTables", "build_tables", "Evaluation",
     "evaluate", "evaluate_units", "balance_shards", "MIB_UNITS", "evaluate_result",
-    "RECOMPUTE_FRACTION", "MemoryPolicy",
+    "RECOMPUTE_FRACTION", "MemoryPolicy", "prepare", "policy_decision",
 ]
 
 #: Integer time units per second: 1 unit = 1 ns.
@@ -108,7 +110,6 @@ RECOMPUTE_FRACTION = 1.0 / 3.0
 def _kib_up(nbytes: float) -> int:
     return -(-int(nbytes) // MEMORY_UNIT_BYTES)
 GIB = float(1 << 30)
-SCHEDULES = ("1f1b", "gpipe")
 
 
 def to_units(seconds: float) -> int:
@@ -120,7 +121,7 @@ def _gib(nbytes: float) -> str:
     return f"{nbytes / GIB:.1f}"
 
 
-def microbatch_candidates(options: SolverOptions) -> tuple[int, ...]:
+def microbatch_candidates(options: PlanOptions) -> tuple[int, ...]:
     """Micro-batch counts M to try (ascending): ``options.num_microbatches`` or
     every divisor of ``global_batch_size`` up to ``max_microbatches``; only
     those dividing the global batch. Raises InfeasiblePlanError if none."""
@@ -144,7 +145,7 @@ def microbatch_candidates(options: SolverOptions) -> tuple[int, ...]:
     return ms
 
 
-def max_stage_count(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions) -> int:
+def max_stage_count(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions) -> int:
     """Largest useful S: min(max_stages, blocks, GPUs)."""
     if options.max_stages < 1:
         raise ValueError(f"max_stages must be >= 1, got {options.max_stages}")
@@ -223,7 +224,7 @@ class IntTables:
         return max(self.cut_kib)
 
 
-def build_tables(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions,
+def build_tables(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions,
                  num_microbatches: int) -> IntTables:
     """Round every coefficient of the model once (see the module note)."""
     gbs, m = options.global_batch_size, num_microbatches
@@ -291,7 +292,12 @@ def build_tables(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions
 @dataclass(frozen=True, slots=True)
 class MemoryPolicy:
     """Per stage: ZeRO-1 sharded?, the shard of each GPU in MiB (aligned with
-    the stage's GPUs; () when not sharded), recomputation? ([C-shard], [C-recompute])."""
+    the stage's GPUs; () when not sharded), recomputation? ([C-shard], [C-recompute]).
+
+    The evaluator's own view of a ``Decision``'s memory policy, shards always
+    chosen, used in the planners' inner loops (``evaluate_units``) where a
+    validated ``Decision`` per candidate would cost more than scoring it;
+    ``policy_decision`` turns a candidate and its policy into a ``Decision``."""
 
     sharded: tuple[bool, ...]
     shard_mib: tuple[tuple[int, ...], ...]
@@ -385,6 +391,15 @@ def fill_policy(tab: IntTables, stage_blocks, stage_gpus, samples, sharded, reco
     return MemoryPolicy(tuple(bool(x) for x in sharded), tuple(shards), tuple(bool(x) for x in recompute))
 
 
+def policy_decision(stage_blocks, stage_gpus, samples, num_microbatches: int, policy: MemoryPolicy,
+                    interleave: int = 1) -> Decision:
+    """The ``Decision`` of an integer-level candidate (what ``evaluate_units``
+    scored) with the memory policy ``policy``, shards included."""
+    return Decision(stage_blocks=stage_blocks, stage_gpus=stage_gpus, samples_per_microbatch=samples,
+                    num_microbatches=num_microbatches, interleave=interleave, sharded=policy.sharded,
+                    shard_mib=policy.shard_mib, recompute=policy.recompute)
+
+
 def evaluate_units(tab: IntTables, stage_blocks, stage_gpus, samples, policy: MemoryPolicy | None = None,
                    interleave: int = 1) -> StageUnits:
     """The model's integer terms for an already-validated decision (memory in KiB units).
@@ -462,112 +477,30 @@ class Evaluation:
     violations: tuple[str, ...]
     #: The integer objective (ns) that CP-SAT minimises.
     objective_units: int
-    #: The memory policy scored: per stage sharded / recompute, and each GPU's
-    #: shard of the optimizer state in bytes (0 when not sharded).
-    stage_sharded: tuple[bool, ...] = ()
-    state_shard_bytes: tuple[tuple[int, ...], ...] = ()
-    stage_recompute: tuple[bool, ...] = ()
-    #: Interleave degree v (stages per GPU group; [Note: interleaved stages]).
-    interleave: int = 1
+    #: The decision scored, each sharded stage's shards as scored
+    #: (``balance_shards``' where the decision left them None).
+    decision: Decision
 
 
-def _validate(costs, devices, options, stage_blocks, stage_gpus, samples, m, interleave: int = 1) -> int:
-    """Check the decision's shape; return the micro-batch size b. Raises ValueError.
-
-    With ``interleave`` = v > 1 a GPU serves the stages s, s + P, ... (P =
-    stages / v) with the same share in each ([Note: interleaved stages])."""
-    nb, n_g, gbs = costs.num_blocks, devices.num_gpus, options.global_batch_size
-    if len(stage_gpus) != len(stage_blocks) or len(samples) != len(stage_blocks):
-        raise ValueError(f"stage_blocks has {len(stage_blocks)} stages, stage_gpus {len(stage_gpus)}, "
-                         f"samples_per_microbatch {len(samples)}: they must be equal")
-    v = interleave
-    if not isinstance(v, int) or v < 1:
-        raise ValueError(f"interleave={v!r} must be an int >= 1")
-    if v > 1:
-        n_s = len(stage_blocks)
-        if n_s % v or n_s // v < 2:
-            raise ValueError(f"interleave={v} needs a stage count that is a multiple of {v} with at least 2 "
-                             f"GPU groups, got {n_s} stages")
-        groups = n_s // v
-        if options.schedule != "1f1b":
-            raise ValueError(f"interleave={v} needs schedule '1f1b', got {options.schedule!r}")
-        if not isinstance(m, int) or m % groups:
-            raise ValueError(f"interleave={v} on {groups} GPU groups needs num_microbatches to be a multiple "
-                             f"of {groups}, got {m!r}")
-        for s in range(groups, n_s):
-            if (tuple(stage_gpus[s]), tuple(samples[s])) != (tuple(stage_gpus[s % groups]),
-                                                             tuple(samples[s % groups])):
-                raise ValueError(f"interleave={v}: stage {s} must have the GPUs and samples of stage "
-                                 f"{s % groups} ({tuple(stage_gpus[s % groups])}, "
-                                 f"{tuple(samples[s % groups])}), got ({tuple(stage_gpus[s])}, {tuple(samples[s])})")
-        stage_gpus, samples = stage_gpus[:groups], samples[:groups]
-    if not isinstance(m, int) or m < 1 or gbs % m:
-        raise ValueError(f"num_microbatches={m!r} must be a positive divisor of global_batch_size={gbs}")
-    b = gbs // m
-    if not stage_blocks:
-        raise ValueError("stage_blocks is empty: a plan needs at least one stage")
-    end = 0
-    for s, (i, j) in enumerate(stage_blocks):
-        if i != end or j <= i:
-            raise ValueError(f"stage {s} blocks ({i}, {j}): expected a non-empty range starting "
-                             f"at block {end} (stages must be contiguous and in order)")
-        end = j
-    if end != nb:
-        raise ValueError(f"last stage ends at block {end}, the model has {nb} blocks")
-    seen: dict[int, int] = {}
-    for s, (gpus, ns) in enumerate(zip(stage_gpus, samples)):
-        if not gpus:
-            raise ValueError(f"stage {s} has no GPU")
-        if len(ns) != len(gpus):
-            raise ValueError(f"stage {s}: {len(gpus)} GPUs but {len(ns)} sample counts")
-        for g, n in zip(gpus, ns):
-            if not isinstance(g, int) or not 0 <= g < n_g:
-                raise ValueError(f"stage {s}: GPU index {g!r} outside 0..{n_g - 1}")
-            if g in seen:
-                where = f"twice in stage {s}" if seen[g] == s else f"in stage {seen[g]} and stage {s}"
-                raise ValueError(f"GPU {g} is {where}: each GPU serves at most one stage")
-            seen[g] = s
-            if not isinstance(n, int) or n < 1:
-                raise ValueError(f"stage {s} GPU {g}: samples per micro-batch must be an int >= 1, got {n!r}")
-        if sum(ns) != b:
-            raise ValueError(f"stage {s}: samples {tuple(ns)} sum to {sum(ns)}, the micro-batch has "
-                             f"{b} samples ({gbs} / {m} micro-batches)")
-    return b
+def prepare(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions,
+            decision: Decision) -> tuple[IntTables, MemoryPolicy]:
+    """Check ``decision`` against the instance (``Decision.check``) and return
+    its tables and memory policy, each sharded stage's shards filled by
+    ``balance_shards`` where ``decision.shard_mib`` is None (``fill_policy``).
+    Shared by ``evaluate`` and ``sim.simulate``, so both score the same shards."""
+    if not isinstance(decision, Decision):
+        raise TypeError(f"expected a zorse_fx.solve.Decision, got {type(decision).__name__}: build one with "
+                        f"Decision(stage_blocks=..., stage_gpus=..., samples_per_microbatch=..., num_microbatches=...)")
+    decision.check(num_blocks=costs.num_blocks, num_gpus=devices.num_gpus,
+                   global_batch_size=options.global_batch_size, schedule=options.schedule)
+    tab = build_tables(costs, devices, options, decision.num_microbatches)
+    d = decision
+    if d.shard_mib is None:
+        return tab, fill_policy(tab, d.stage_blocks, d.stage_gpus, d.samples_per_microbatch, d.sharded, d.recompute)
+    return tab, MemoryPolicy(d.sharded, d.shard_mib, d.recompute)
 
 
-def _policy(tab, options, stage_blocks, stage_gpus, samples, sharded, shard_mib, recompute) -> MemoryPolicy:
-    """Validate the memory-policy arguments of ``evaluate`` and fill the defaults."""
-    n_s = len(stage_blocks)
-    sharded = tuple(bool(x) for x in sharded) if sharded is not None else (False,) * n_s
-    recompute = tuple(bool(x) for x in recompute) if recompute is not None else (False,) * n_s
-    for name, v in (("stage_sharded", sharded), ("stage_recompute", recompute)):
-        if len(v) != n_s:
-            raise ValueError(f"{name} has {len(v)} entries, the decision has {n_s} stages")
-    for s, (flag, gpus) in enumerate(zip(sharded, stage_gpus)):
-        if flag and len(gpus) < 2:
-            raise ValueError(f"stage {s} is sharded but has {len(gpus)} GPU: ZeRO-1 needs >= 2 GPUs "
-                             f"in the stage's data-parallel group")
-    pol = fill_policy(tab, stage_blocks, stage_gpus, samples, sharded, recompute)
-    if shard_mib is not None:
-        if len(shard_mib) != n_s:
-            raise ValueError(f"state_shard_mib has {len(shard_mib)} rows, the decision has {n_s} stages")
-        rows = []
-        for s, (flag, gpus, row) in enumerate(zip(sharded, stage_gpus, shard_mib)):
-            row = tuple(row or ())
-            if not flag:
-                if any(row):
-                    raise ValueError(f"stage {s} is not sharded but state_shard_mib gives it shards {row}")
-                rows.append(())
-                continue
-            if len(row) != len(gpus) or any(not isinstance(z, int) or z < 0 for z in row):
-                raise ValueError(f"stage {s}: state_shard_mib {row} must give one int >= 0 per GPU "
-                                 f"({len(gpus)} GPUs)")
-            rows.append(row)
-        pol = MemoryPolicy(pol.sharded, tuple(rows), pol.recompute)
-    return pol
-
-
-def mode_violations(options: SolverOptions, stage_gpus, pol: MemoryPolicy) -> list[str]:
+def mode_violations(options: PlanOptions, stage_gpus, pol: MemoryPolicy) -> list[str]:
     """Breaches of ``options.sharding`` / ``options.recompute`` by a policy."""
     bad = []
     for s, gpus in enumerate(stage_gpus):
@@ -580,32 +513,25 @@ def mode_violations(options: SolverOptions, stage_gpus, pol: MemoryPolicy) -> li
     return bad
 
 
-def evaluate(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions, *,
-             stage_blocks, stage_gpus, samples_per_microbatch, num_microbatches: int,
-             stage_sharded=None, state_shard_mib=None, stage_recompute=None, interleave: int = 1) -> Evaluation:
-    """Score a decision with the model of the module note.
+def evaluate(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions, decision: Decision) -> Evaluation:
+    """Score ``decision`` with the model of the module note.
 
-    ``interleave`` = v > 1: S = P v stages on P GPU groups, stage s on the
-    GPUs of stage s mod P (listed again for every stage), scored by
-    [Note: interleaved stages].
+    ``decision.interleave`` = v > 1: S = P v stages on P GPU groups, stage s
+    on the GPUs of stage s mod P, scored by [Note: interleaved stages].
+    ``decision.shard_mib`` None: the shards ``balance_shards`` picks
+    (``Evaluation.decision`` has them).
 
-    ``stage_sharded`` / ``stage_recompute``: per-stage flags (None = all
-    False). ``state_shard_mib``: per sharded stage, each GPU's shard in whole
-    MiB (None = the split ``balance_shards`` picks; rows of unsharded stages
-    are () or zeros).
-
-    Raises ValueError for a malformed decision (non-contiguous blocks, a GPU in
-    two stages, samples not summing to the micro-batch size, a sharded stage
-    with one GPU, shards of the wrong shape); constraint breaches (memory,
-    uncovered optimizer state, idle GPUs, too many stages, a sharding /
-    recompute mode not allowed by ``options``) are listed in ``violations``.
+    Raises ValueError for a decision that does not fit the instance
+    (``Decision.check``: blocks, GPU indices, samples not summing to the
+    micro-batch size; a malformed decision cannot be built at all);
+    constraint breaches (memory, uncovered optimizer state, idle GPUs, too
+    many stages, a sharding / recompute mode not allowed by ``options``) are
+    listed in ``violations``.
     """
-    _validate(costs, devices, options, stage_blocks, stage_gpus, samples_per_microbatch, num_microbatches,
-              interleave)
-    tab = build_tables(costs, devices, options, num_microbatches)
-    pol = _policy(tab, options, stage_blocks, stage_gpus, samples_per_microbatch, stage_sharded,
-                  state_shard_mib, stage_recompute)
-    u = evaluate_units(tab, stage_blocks, stage_gpus, samples_per_microbatch, pol, interleave)
+    tab, pol = prepare(costs, devices, options, decision)
+    stage_blocks, stage_gpus = decision.stage_blocks, decision.stage_gpus
+    num_microbatches, interleave = decision.num_microbatches, decision.interleave
+    u = evaluate_units(tab, stage_blocks, stage_gpus, decision.samples_per_microbatch, pol, interleave)
     bad = []
     if len(stage_blocks) // interleave > options.max_stages:  # GPU groups; interleaving adds chunks
         bad.append(f"{len(stage_blocks) // interleave} {'GPU groups' if interleave > 1 else 'stages'} > "
@@ -634,17 +560,14 @@ def evaluate(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions, *,
     def sec(v):
         return tuple(x * UNIT_S for x in v)
 
-    mib = MIB_UNITS * MEMORY_UNIT_BYTES
     return Evaluation(step_time_s=u.step * UNIT_S, stage_time_s=sec(u.stage), compute_s=sec(u.compute),
                       boundary_s=sec(u.boundary), allreduce_s=sec(u.allreduce), optim_s=sec(u.optim),
                       memory_bytes=tuple(tuple(v * MEMORY_UNIT_BYTES for v in row) for row in u.memory),
                       feasible=not bad, violations=tuple(bad),
-                      objective_units=u.step, stage_sharded=pol.sharded,
-                      state_shard_bytes=tuple(tuple(z * mib for z in row) if row else (0,) * len(gs)
-                                              for row, gs in zip(pol.shard_mib, stage_gpus)),
-                      stage_recompute=pol.recompute, interleave=interleave)
+                      objective_units=u.step,
+                      decision=decision if decision.shard_mib is not None else decision.with_shards(pol.shard_mib))
 
 
-def evaluate_result(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions, result) -> Evaluation:
+def evaluate_result(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions, result) -> Evaluation:
     """``evaluate`` of a SolverResult's decision, memory policy included."""
-    return evaluate(costs, devices, options, **result.decision_kwargs())
+    return evaluate(costs, devices, options, result.decision)

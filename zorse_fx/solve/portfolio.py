@@ -23,7 +23,8 @@ import inspect
 import time
 
 from ..errors import InfeasiblePlanError
-from .records import BlockCosts, DeviceGraph, SolverOptions, SolverResult, with_safety_stop
+from ..options import PlanOptions
+from .records import BlockCosts, DeviceGraph, SolverResult, with_safety_stop
 
 __all__ = ["solve_portfolio", "LARGE_CLUSTER_GPUS", "CHEAP_BASELINES"]
 
@@ -36,7 +37,7 @@ LARGE_CLUSTER_GPUS = 128
 CHEAP_BASELINES = ("homogeneous_all", "homogeneous_best", "cephalo")
 
 
-def solve_portfolio(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions, solver) -> SolverResult:
+def solve_portfolio(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions, solver) -> SolverResult:
     """Best feasible of ``solver(costs, devices, options)`` and every baseline.
 
     Raises:
@@ -50,7 +51,7 @@ def solve_portfolio(costs: BlockCosts, devices: DeviceGraph, options: SolverOpti
 
     t0 = time.perf_counter()
     # The heuristics first: their feasible plans warm-start the CP-SAT candidates
-    # with the same (stages, micro-batches) ([Note: warm start] in cpsat.py).
+    # with the same (stages, micro-batches) ([Note: warm start] in model.py).
     tried, found, dp_hints = [], [], ()
 
     def stage_dp(c, d, o):
@@ -101,7 +102,7 @@ def solve_portfolio(costs: BlockCosts, devices: DeviceGraph, options: SolverOpti
                                candidates=tuple(best.candidates) + tuple({"portfolio": t} for t in tried))
 
 
-def _throughput_bound_s(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions) -> float:
+def _throughput_bound_s(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions) -> float:
     """A lower bound (s) on every decision's step time when CP-SAT returned none:
     the smallest ``bounds.throughput_lower_bound`` over the micro-batch counts."""
     from .bounds import throughput_lower_bound

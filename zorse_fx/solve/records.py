@@ -11,8 +11,14 @@ legal cut points), ``G`` = number of GPUs in the cluster.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-__all__ = ["BlockCosts", "DeviceGraph", "SolverOptions", "SolverResult", "MEMORY_MODES", "SAFETY_STOP",
+from .decision import Decision
+
+if TYPE_CHECKING:
+    from ..options import PlanOptions
+
+__all__ = ["BlockCosts", "DeviceGraph", "SolverResult", "SAFETY_STOP",
            "with_safety_stop"]
 
 #: Appended to a result's status when the wall-clock safety stop cut a CP-SAT
@@ -25,10 +31,6 @@ def with_safety_stop(status: str, wall_clock_stops: int) -> str:
     ``wall_clock_stops`` > 0 (so "+INTERLEAVED" and the portfolio's names go before it)."""
     base = status.replace(SAFETY_STOP, "")
     return base + SAFETY_STOP if wall_clock_stops else base
-
-#: Values of ``SolverOptions.sharding`` / ``SolverOptions.recompute``.
-MEMORY_MODES = ("never", "auto", "always")
-
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class BlockCosts:
@@ -159,105 +161,22 @@ class DeviceGraph:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class SolverOptions:
-    """Knobs of the planners (CP-SAT and brute force share them)."""
-
-    #: Samples per global batch (all micro-batches of all stages together).
-    global_batch_size: int
-    #: Largest number of pipeline stages to consider (of GPU groups, when
-    #: interleaving puts several stages on each; see ``max_interleave``).
-    max_stages: int = 4
-    #: Candidate micro-batch counts; ``None`` = every divisor of the global
-    #: batch size up to ``max_microbatches``.
-    num_microbatches: tuple[int, ...] | None = None
-    max_microbatches: int = 16
-    #: "1f1b" or "gpipe": decides activations in flight per stage.
-    schedule: str = "1f1b"
-    #: Fraction of each GPU's memory the plan may use (rest: allocator, CUDA
-    #: context, fragmentation).
-    memory_fraction: float = 0.9
-    #: Work budget of each CP-SAT solve (one (stages, micro-batches) candidate),
-    #: in CP-SAT *deterministic seconds* (``max_deterministic_time``): work
-    #: units counted by the solver, roughly one second of one worker on an idle
-    #: machine but independent of the machine's load, so the same inputs give
-    #: the same plan ([Note: reproducible plans] in ``solve/_search.py``).
-    deterministic_time: float = 5.0
-    #: Wall-clock safety stop of each CP-SAT solve, seconds. Only a safety
-    #: stop: when it fires before ``deterministic_time`` is spent, the answer
-    #: depends on the machine's load, the status says "(wall-clock safety
-    #: stop)" and a warning says so; raise it (or lower ``deterministic_time``).
-    time_limit_s: float = 100.0
-    #: CP-SAT worker threads. 1 (default): CP-SAT's sequential search,
-    #: deterministic. More: the workers interleave (``interleave_search``, which
-    #: keeps the search deterministic; "core" left out), which OR-Tools 9.15
-    #: marks experimental and which did worse per deterministic second on the
-    #: 64-GPU instance of tests/test_grouped.py (step 1.18 s vs 1.06 s at 3
-    #: deterministic s per candidate; [Note: reproducible plans]).
-    num_workers: int = 1
-    #: Allow GPUs to stay unused when that is faster.
-    allow_idle_gpus: bool = True
-    #: Random seed for CP-SAT (``random_seed``; reproducible plans).
-    seed: int = 0
-    #: ZeRO-1 optimizer-state sharding per stage: "never", "auto" (the planner
-    #: decides per stage; it costs an all-gather of the weights after the
-    #: optimizer step and saves memory and optimizer time) or "always" (every
-    #: stage with >= 2 GPUs is sharded).
-    sharding: str = "never"
-    #: Stage-level activation recomputation: "never", "auto" (per stage) or
-    #: "always" (every stage).
-    recompute: str = "never"
-    #: Largest interleave degree v (stages per GPU group, interleaved 1F1B)
-    #: ``solve.interleave`` tries on a finished plan; 1 = never interleave.
-    max_interleave: int = 4
-
-    def __post_init__(self) -> None:
-        if not self.deterministic_time > 0:
-            raise ValueError(f"SolverOptions.deterministic_time={self.deterministic_time!r}: use a number > 0 "
-                             f"(CP-SAT deterministic seconds per candidate, e.g. 10)")
-        if not self.time_limit_s > 0:
-            raise ValueError(f"SolverOptions.time_limit_s={self.time_limit_s!r}: use a number of seconds > 0 "
-                             f"(the wall-clock safety stop of each CP-SAT solve, e.g. 100)")
-        if not isinstance(self.num_workers, int) or self.num_workers < 1:
-            raise ValueError(f"SolverOptions.num_workers={self.num_workers!r}: use an int >= 1")
-        if not isinstance(self.max_interleave, int) or self.max_interleave < 1:
-            raise ValueError(f"SolverOptions.max_interleave={self.max_interleave!r}: use an int >= 1 "
-                             f"(1 = no interleaving)")
-        for name in ("sharding", "recompute"):
-            v = getattr(self, name)
-            if v not in MEMORY_MODES:
-                raise ValueError(f"SolverOptions.{name}={v!r}: use one of {MEMORY_MODES}")
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
 class SolverResult:
-    """The planner's decision, before it is turned into a ``Plan``."""
+    """A planner's answer, before it is turned into a ``Plan``: the decision,
+    its predictions and how the planner got it."""
 
-    #: Per stage ``(start_block, end_block)``, end exclusive, contiguous, in order.
-    stage_blocks: tuple[tuple[int, int], ...]
-    #: Per stage, the GPU indices (into ``DeviceGraph``) that form its DP group.
-    stage_gpus: tuple[tuple[int, ...], ...]
-    #: Per stage, samples each of its GPUs takes from every micro-batch
-    #: (aligned with ``stage_gpus``; each row sums to ``microbatch_size``).
-    samples_per_microbatch: tuple[tuple[int, ...], ...]
-    num_microbatches: int
-    microbatch_size: int
+    #: The decision (stages, GPUs, samples, micro-batches, interleaving,
+    #: memory policy), each sharded stage's shards chosen (``shard_mib`` set).
+    decision: Decision
+    #: "1f1b" or "gpipe" (``PlanOptions.schedule``).
     schedule: str
     #: Predicted step time by the planner's objective, seconds.
     predicted_step_time_s: float
     #: Breakdown (seconds): per stage compute, comm, all-reduce, optimizer.
     predicted_stage_time_s: tuple[float, ...] = ()
     predicted_allreduce_s: tuple[float, ...] = ()
-    #: ``(G_used,)``-aligned with stage_gpus: predicted peak memory bytes.
+    #: Per stage, per GPU (aligned with ``decision.stage_gpus``): predicted peak memory bytes.
     predicted_memory_bytes: tuple[tuple[int, ...], ...] = ()
-    #: Per stage: ZeRO-1 sharded optimizer state; per stage per GPU (aligned
-    #: with stage_gpus): bytes of the stage's shardable state it holds (0 when
-    #: the stage is not sharded); per stage: activation recomputation.
-    stage_sharded: tuple[bool, ...] = ()
-    state_shard_bytes: tuple[tuple[int, ...], ...] = ()
-    stage_recompute: tuple[bool, ...] = ()
-    #: Interleave degree v: the stages run on ``num_stages / v`` GPU groups,
-    #: stage s on the GPUs of stage s mod (num_stages / v) (listed again).
-    interleave: int = 1
     #: "OPTIMAL", "FEASIBLE", "BRUTE_FORCE", ... and the gap (0 = proven optimal);
     #: ends in ``SAFETY_STOP`` when ``wall_clock_stops`` > 0.
     status: str = "UNKNOWN"
@@ -265,7 +184,7 @@ class SolverResult:
     best_bound: float = 0.0
     optimality_gap: float = 0.0
     wall_s: float = 0.0
-    #: CP-SAT solves the wall-clock safety stop (``SolverOptions.time_limit_s``)
+    #: CP-SAT solves the wall-clock safety stop (``PlanOptions.time_limit_s``)
     #: cut short before their deterministic budget: when > 0 the decision may
     #: differ on another run or machine, and ``status`` ends in
     #: " (wall-clock safety stop)".
@@ -273,39 +192,27 @@ class SolverResult:
     #: Every (num_stages, num_microbatches) candidate tried and its result.
     candidates: tuple[dict, ...] = field(default_factory=tuple)
 
-    def decision_kwargs(self) -> dict:
-        """The decision and its memory policy as keyword arguments of
-        ``solve.evaluate`` and ``sim.simulate``: stage blocks, GPUs, samples,
-        micro-batches, per-stage sharded / recompute flags, each GPU's shard in
-        whole MiB (as the planners chose it; bytes here) and the interleave degree."""
-        n_s, mib = len(self.stage_blocks), 1 << 20
-        sharded = tuple(self.stage_sharded) or (False,) * n_s
-        return dict(stage_blocks=self.stage_blocks, stage_gpus=self.stage_gpus,
-                    samples_per_microbatch=self.samples_per_microbatch, num_microbatches=self.num_microbatches,
-                    stage_sharded=sharded,
-                    state_shard_mib=tuple(tuple(b // mib for b in row) if sh else ()
-                                          for sh, row in zip(sharded, self.state_shard_bytes or ((),) * n_s)),
-                    stage_recompute=tuple(self.stage_recompute) or None, interleave=self.interleave)
+    def __post_init__(self) -> None:
+        if not isinstance(self.decision, Decision) or self.decision.shard_mib is None:
+            raise ValueError(f"SolverResult.decision must be a Decision with its shards chosen (shard_mib set), "
+                             f"got {self.decision!r}: build the result with SolverResult.from_evaluation")
 
     @classmethod
-    def from_evaluation(cls, ev, *, stage_blocks, stage_gpus, samples_per_microbatch, num_microbatches: int,
-                        options: "SolverOptions", status: str, best_bound: float, wall_s: float = 0.0,
+    def from_evaluation(cls, ev, *, options: "PlanOptions", status: str, best_bound: float, wall_s: float = 0.0,
                         candidates: tuple[dict, ...] = ()) -> "SolverResult":
         """The record of a decision scored by ``objective.evaluate`` (``ev``, an
-        ``Evaluation``): predictions and memory policy from ``ev``, objective =
-        its step time (s), gap = (objective - best_bound) / objective (0 when
-        the objective is 0). Used by every planner, so the fields stay in step."""
+        ``Evaluation``): the decision as scored (``ev.decision``, shards
+        included), predictions from ``ev``, objective = its step time (s),
+        gap = (objective - best_bound) / objective (0 when the objective is 0).
+        Used by every planner, so the fields stay in step."""
         obj = ev.step_time_s
         return cls(
-            stage_blocks=tuple(stage_blocks), stage_gpus=tuple(stage_gpus),
-            samples_per_microbatch=tuple(samples_per_microbatch), num_microbatches=num_microbatches,
-            microbatch_size=options.global_batch_size // num_microbatches, schedule=options.schedule,
+            decision=ev.decision, schedule=options.schedule,
             predicted_step_time_s=ev.step_time_s, predicted_stage_time_s=ev.stage_time_s,
             predicted_allreduce_s=ev.allreduce_s, predicted_memory_bytes=ev.memory_bytes,
-            stage_sharded=ev.stage_sharded, state_shard_bytes=ev.state_shard_bytes,
-            stage_recompute=ev.stage_recompute, interleave=ev.interleave, status=status, objective=obj, best_bound=best_bound,
+            status=status, objective=obj, best_bound=best_bound,
             optimality_gap=(obj - best_bound) / obj if obj > 0 else 0.0, wall_s=wall_s, candidates=candidates)
 
     @property
     def num_stages(self) -> int:
-        return len(self.stage_blocks)
+        return self.decision.num_stages

@@ -53,8 +53,9 @@ from collections import Counter
 
 import numpy as np
 
+from ..options import PlanOptions
 from .objective import MIB_UNITS, fill_policy, inflight, max_stage_count, microbatch_candidates
-from .records import BlockCosts, DeviceGraph, SolverOptions, SolverResult
+from .records import BlockCosts, DeviceGraph, SolverResult
 
 __all__ = ["solve_stage_dp", "stage_dp_search", "ORDERS", "MAX_UNITS"]
 
@@ -256,7 +257,7 @@ def _dp(st: _Stages, n_s: int, idle: bool = False):
     return out[::-1]
 
 
-def solve_stage_dp(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions) -> SolverResult:
+def solve_stage_dp(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions) -> SolverResult:
     """The best plan of the memory-first stage DP (see [Note: stage DP]); the
     first half of ``stage_dp_search``.
 
@@ -275,7 +276,7 @@ def solve_stage_dp(costs: BlockCosts, devices: DeviceGraph, options: SolverOptio
 
 
 def stage_dp_search(costs: BlockCosts, devices: DeviceGraph,
-                    options: SolverOptions) -> tuple[SolverResult, tuple[SolverResult, ...]]:
+                    options: PlanOptions) -> tuple[SolverResult, tuple[SolverResult, ...]]:
     """(the best plan as ``solve_stage_dp``, the best feasible plan of every
     (S, M) the DP reached, fastest first): the second are CP-SAT warm starts
     for every candidate (``portfolio.py``). Raises as ``solve_stage_dp``."""

@@ -1,0 +1,146 @@
+"""``PlanOptions``: what the user asks of the planner, and the one options
+record every planner reads (the CP-SAT models, the stage DP, brute force,
+the baselines, the interleave pass, the evaluator and the simulator).
+
+Light on purpose (no torch, no OR-Tools): the runtime, the cluster files and
+the command line can import it without loading the solvers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import PlanOptionsError
+from .precision import GRAD_REDUCE_DTYPES, PRECISIONS, PrecisionPolicy, precision_policy
+
+__all__ = ["PlanOptions", "MEMORY_MODES", "PLANNERS", "SCHEDULES"]
+
+#: Values of ``PlanOptions.sharding`` / ``PlanOptions.recompute``.
+MEMORY_MODES = ("never", "auto", "always")
+#: Values of ``PlanOptions.planner``.
+PLANNERS = ("auto", "cpsat", "grouped", "stage_dp", "brute_force")
+#: Values of ``PlanOptions.schedule``.
+SCHEDULES = ("1f1b", "gpipe")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PlanOptions:
+    """What the user asks of the planner; also the knobs of every solver.
+
+    Raises ``PlanOptionsError`` (a ``ValueError``) naming the field, the value
+    and the fix."""
+
+    #: Samples per optimizer step, over all micro-batches and GPUs.
+    global_batch_size: int
+    #: Largest number of pipeline stages considered (of GPU groups, when
+    #: interleaving puts several stages on each; see ``max_interleave``).
+    max_stages: int = 4
+    #: "1f1b" or "gpipe": decides activations in flight per stage.
+    schedule: str = "1f1b"
+    #: Micro-batch counts to consider; None = every divisor of the global
+    #: batch size up to ``max_microbatches``.
+    num_microbatches: tuple[int, ...] | None = None
+    max_microbatches: int = 16
+    #: Fraction of each GPU's memory a plan may fill (rest: allocator, CUDA
+    #: context, fragmentation).
+    memory_fraction: float = 0.9
+    #: CP-SAT's work budget per (stages, micro-batches) candidate, in CP-SAT
+    #: deterministic seconds (``max_deterministic_time``: work units counted
+    #: by the solver, about a second of one worker on an idle machine but
+    #: independent of the machine's load), so the same inputs give the same
+    #: plan ([Note: reproducible plans] in ``solve/_search.py``).
+    solver_budget: float = 5.0
+    #: Wall-clock safety stop per CP-SAT solve, seconds. Only a safety stop:
+    #: when it fires before ``solver_budget`` is spent, the answer depends on
+    #: the machine's load, the status says "(wall-clock safety stop)", a
+    #: warning says the plan may vary, and raising it (or lowering
+    #: ``solver_budget``) fixes that.
+    time_limit_s: float = 100.0
+    #: CP-SAT worker threads. 1 (default): CP-SAT's sequential search,
+    #: deterministic. More: the workers interleave (``interleave_search``, which
+    #: keeps the search deterministic; "core" left out), which OR-Tools 9.15
+    #: marks experimental and which did worse per deterministic second on the
+    #: 64-GPU instance of tests/test_grouped.py (step 1.18 s vs 1.06 s at 3
+    #: deterministic s per candidate; [Note: reproducible plans]).
+    num_workers: int = 1
+    #: Random seed for CP-SAT (``random_seed``; reproducible plans).
+    seed: int = 0
+    #: "auto" (per-GPU CP-SAT up to 16 GPUs, class-level CP-SAT beyond),
+    #: "cpsat", "grouped" (each checked against the heuristics, which also
+    #: warm-start it), "stage_dp" (only the memory-first stage DP: seconds at
+    #: 1024 GPUs, no CP-SAT, no optimality gap) or "brute_force" (tiny instances only).
+    planner: str = "auto"
+    #: Training precision ([Note: mixed precision] in ``zorse_fx/precision.py``):
+    #: "auto" (bf16-mixed where every GPU of the cluster supports bfloat16,
+    #: else fp16-mixed), "fp32", "bf16-mixed" or "fp16-mixed". It decides the
+    #: bytes of training state per parameter, the activations (measured under
+    #: its autocast), the dtype of tensors crossing a cut and the matmul peak.
+    #: The solvers do not read it: they see its prices in ``BlockCosts``.
+    precision: str = "auto"
+    #: dtype of the gradient all-reduce: None = the precision's default
+    #: (float32), or "bfloat16" (bf16-mixed only; +2 B/param of buckets).
+    grad_reduce_dtype: str | None = None
+    #: Upper bound on blocks the graph is cut into.
+    max_blocks: int = 32
+    #: Allow GPUs to stay unused when that is faster.
+    allow_idle_gpus: bool = True
+    #: Kernel profiles (files or directories) to price nodes with; None = the
+    #: profiles shipped in ``zorse_fx/profiles``; () = roofline only.
+    profiles: tuple[str, ...] | None = None
+    #: Two micro-batch sizes the measured cost model is evaluated at (per-sample
+    #: slope + fixed part); None = (1, max(2, global_batch_size // 4)).
+    profile_batches: tuple[int, int] | None = None
+    #: ZeRO-1 sharding of each stage's optimizer state across its GPUs, in
+    #: shares the planner picks per GPU: "auto" (per stage, where it pays: it
+    #: costs an all-gather of the weights after the optimizer step and saves
+    #: memory and optimizer time), "never" or "always" (every stage with >= 2
+    #: GPUs).
+    sharding: str = "auto"
+    #: Stage-level activation recomputation: "auto" (per stage, where memory
+    #: needs it), "never" or "always" (every stage).
+    recompute: str = "auto"
+    #: Largest interleave degree (stages per GPU group, interleaved 1F1B) the
+    #: planner tries on its answer (``solve.interleave``); 1 = one stage per
+    #: group. Needs "1f1b".
+    max_interleave: int = 4
+
+    def __post_init__(self) -> None:
+        if self.planner not in PLANNERS:
+            raise PlanOptionsError(f"PlanOptions.planner={self.planner!r}: use one of {', '.join(map(repr, PLANNERS))}")
+        if self.schedule not in SCHEDULES:
+            raise PlanOptionsError(f"PlanOptions.schedule={self.schedule!r}: use one of {', '.join(map(repr, SCHEDULES))}")
+        if not self.solver_budget > 0:
+            raise PlanOptionsError(f"PlanOptions.solver_budget={self.solver_budget!r}: use a number > 0 (CP-SAT "
+                                   f"deterministic seconds per candidate, e.g. 5; zorse plan --solver-budget)")
+        if not self.time_limit_s > 0:
+            raise PlanOptionsError(f"PlanOptions.time_limit_s={self.time_limit_s!r}: use a number of seconds > 0 "
+                                   f"(the wall-clock safety stop per CP-SAT solve, e.g. 100; zorse plan --time-limit)")
+        if not isinstance(self.num_workers, int) or self.num_workers < 1:
+            raise PlanOptionsError(f"PlanOptions.num_workers={self.num_workers!r}: use an int >= 1 "
+                                   f"(CP-SAT worker threads; 1 = deterministic sequential search)")
+        if not isinstance(self.max_interleave, int) or self.max_interleave < 1:
+            raise PlanOptionsError(f"PlanOptions.max_interleave={self.max_interleave!r}: use an int >= 1 "
+                                   f"(1 = no interleaving)")
+        for name in ("sharding", "recompute"):
+            v = getattr(self, name)
+            if v not in MEMORY_MODES:
+                raise PlanOptionsError(f"PlanOptions.{name}={v!r}: use one of {MEMORY_MODES}")
+        if self.precision not in ("auto", *PRECISIONS):
+            raise PlanOptionsError(f"PlanOptions.precision={self.precision!r}: use 'auto' or one of "
+                                   f"{', '.join(map(repr, PRECISIONS))}")
+        if self.grad_reduce_dtype is not None and self.grad_reduce_dtype not in GRAD_REDUCE_DTYPES:
+            raise PlanOptionsError(f"PlanOptions.grad_reduce_dtype={self.grad_reduce_dtype!r}: use None (the "
+                                   f"precision's default) or one of {', '.join(map(repr, GRAD_REDUCE_DTYPES))}")
+        if self.precision != "auto":
+            checked_policy(self.precision, self.grad_reduce_dtype, why="")
+
+
+def checked_policy(name: str, grad_reduce_dtype: str | None, *, why: str) -> PrecisionPolicy:
+    """``precision_policy(name, grad_reduce_dtype)``, its ValueError as a
+    ``PlanOptionsError`` that names the option and the fix (``why``: a
+    sentence on how the precision was chosen, or "")."""
+    try:
+        return precision_policy(name, grad_reduce_dtype)
+    except ValueError as exc:
+        raise PlanOptionsError(f"PlanOptions.grad_reduce_dtype={grad_reduce_dtype!r}: {exc}{why}; leave "
+                               f"grad_reduce_dtype unset (float32) or ask for precision 'bf16-mixed'") from None
