@@ -78,6 +78,24 @@ def test_max_min_fair_rates_over_two_resources():
         max_min_rates([[]], {})
 
 
+def test_max_min_rates_are_feasible_and_every_flow_has_a_bottleneck():
+    """The defining property on 2000 seeded random instances: no resource carries more than
+    its capacity, and every flow crosses a saturated resource on which no flow is faster
+    (so no flow can speed up without slowing one that is not faster)."""
+    import random
+
+    rng = random.Random(0)
+    for _ in range(2000):
+        cap = {r: rng.choice([1.0, 2.0, rng.uniform(0.5, 5.0)]) for r in range(rng.randint(1, 6))}
+        flows = [rng.sample(sorted(cap), rng.randint(1, min(3, len(cap)))) for _ in range(rng.randint(1, 8))]
+        rate = max_min_rates(flows, cap)
+        load = {r: sum(x for x, res in zip(rate, flows) if r in res) for r in cap}
+        assert all(load[r] <= cap[r] * (1 + 1e-9) for r in cap), (flows, cap, rate)
+        for x, res in zip(rate, flows):
+            assert any(load[r] >= cap[r] * (1 - 1e-9) and all(x >= y * (1 - 1e-9) for y, o in zip(rate, flows) if r in o)
+                       for r in res), (flows, cap, rate)
+
+
 @pytest.mark.parametrize("nic_GBps, share", [(None, 1.0), (4, 0.5), (6, 0.75), (16, 1.0)])
 def test_a_nic_is_shared_by_the_nodes_flows(nic_GBps, share):
     """Node a (stage 0) sends half a micro-batch to each of nodes b and c (stage 1): two node

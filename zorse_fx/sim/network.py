@@ -90,6 +90,8 @@ def max_min_rates(flows: Sequence[Sequence[Hashable]], capacity: Mapping[Hashabl
             raise ValueError(f"flow {f} uses no resource")
         for r in res:
             users[r].append(f)
+    if all(len(res) == 1 for res in flows):  # no flow meets another resource: equal shares (the same rates)
+        return [capacity[res[0]] / len(users[res[0]]) for res in flows]
     frozen = [False] * n
     unfrozen = {r: len(fs) for r, fs in users.items()}
     while True:
