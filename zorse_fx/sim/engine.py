@@ -407,16 +407,19 @@ def simulate(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions, *,
                 last_b_span[g, s] = (start, t)
                 for h, nb in out_bwd[g, s]:
                     post(g, h, s, m, False, nb)
+        n_active = len(active)
         for x in [x for x in active if finish[id(x)] <= t + tol]:
             active.remove(x)
             arrive(x, t)
+        changed = len(active) != n_active
         for x in [x for x in waiting if x.ready <= t + tol]:
             waiting.remove(x)
             if x.nbytes <= 0 or math.isinf(x.bw):
                 arrive(x, t)
             else:
                 active.append(x)
-        if active:  # max-min fair rates over every resource (a pair link's capacity: its smallest figure)
+                changed = True
+        if changed and active:  # max-min fair rates over every resource (a pair link's capacity: its smallest figure)
             cap: dict[tuple, float] = {}
             for x in active:
                 for key, c in x.res:

@@ -94,13 +94,11 @@ def max_min_rates(flows: Sequence[Sequence[Hashable]], capacity: Mapping[Hashabl
         return [capacity[res[0]] / len(users[res[0]]) for res in flows]
     frozen = [False] * n
     unfrozen = {r: len(fs) for r, fs in users.items()}
-    while True:
+    while unfrozen:
         best, share = None, 0.0
         for r, k in unfrozen.items():
-            if k and (best is None or left[r] / k < share):
+            if best is None or left[r] / k < share:
                 best, share = r, left[r] / k
-        if best is None:
-            return rate
         share = max(share, 0.0)
         for f in users[best]:
             if frozen[f]:
@@ -109,6 +107,9 @@ def max_min_rates(flows: Sequence[Sequence[Hashable]], capacity: Mapping[Hashabl
             for r in flows[f]:
                 left[r] -= share
                 unfrozen[r] -= 1
+                if not unfrozen[r]:
+                    del unfrozen[r]
+    return rate
 
 
 @dataclass(frozen=True, slots=True)
