@@ -40,8 +40,8 @@ pair --, the unordered GPU pair inside a node -- NVLink / PCIe peer link --;
 both directions share it; with no ``node_names`` every GPU is its own node)
 and every shared link it crosses (``DeviceGraph.shared_links``: a region's
 WAN path, a node's NIC, one resource per direction), and the rates are the
-max-min fair ones over all these resources, recomputed at every event
-([Note: network resources] in ``sim/network.py``). Without shared links a
+max-min fair ones over all these resources, recomputed whenever a message
+starts or ends its transfer ([Note: network resources] in ``sim/network.py``). Without shared links a
 message uses one resource and gets ``bw / n`` of it.
 
 Memory policy (objective.py [C-shard], [C-recompute]; same arguments and
@@ -168,7 +168,10 @@ class SimEvent:
     the stage, ``nbytes`` = gradient bytes), "optim" (``nbytes`` = state bytes
     read and written; on a sharded stage those of the GPU's shard),
     "allgather" (per GPU of a sharded stage, ``nbytes`` = weight bytes of the
-    stage). ``microbatch`` is -1 for "allreduce", "optim" and "allgather".
+    stage), "tiedreduce" (per GPU holding a tied parameter whose holders span
+    several GPU groups, ``nbytes`` = its gradient bytes; ``stage`` = the last
+    holding stage). ``microbatch`` is -1 for "allreduce", "tiedreduce",
+    "optim" and "allgather".
     ``stage``: the stage the task belongs to (with interleaving a GPU runs
     several), for "send" the sender's; ``peer_stage``: for "send" the
     receiving stage (``stage + 1`` for activations, ``stage - 1`` for
