@@ -17,7 +17,6 @@ from zorse_fx.solve import BlockCosts, SolverOptions
 
 from conftest import CLUSTERS
 
-GIB = 1 << 30
 
 
 def _one_gpu_nodes(names_by_dc: dict[str, list[str]], **extra) -> dict:
