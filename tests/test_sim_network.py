@@ -18,7 +18,6 @@ from zorse_fx.solve import BlockCosts, SolverOptions
 from conftest import CLUSTERS
 
 
-
 def _one_gpu_nodes(names_by_dc: dict[str, list[str]], **extra) -> dict:
     """A cluster file (dict) of one-T4 nodes, datacenters in order; links 1 GB/s, 1 ms
     across datacenters, 4 GB/s, 10 us inside one."""
