@@ -16,10 +16,10 @@ needs the records (the cluster, the runtime) never imports OR-Tools.
 from ..options import PlanOptions
 from .decision import Decision
 from .objective import Evaluation, evaluate
-from .records import BlockCosts, DeviceGraph, SolverResult
+from .records import BlockCosts, DeviceGraph, SharedLink, SolverResult, TiedParam
 
 __all__ = [
-    "BlockCosts", "DeviceGraph", "Decision", "PlanOptions", "SolverResult",
+    "BlockCosts", "DeviceGraph", "Decision", "PlanOptions", "SharedLink", "SolverResult", "TiedParam",
     "Evaluation", "evaluate", "solve_brute_force", "solve_cpsat", "solve_grouped",
 ]
 
