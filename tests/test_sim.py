@@ -102,11 +102,11 @@ def test_heterogeneous_dp_pair_with_allreduce():
     kw = dict(stage_blocks=((0, 1),), stage_gpus=((0, 1),), samples_per_microbatch=((3, 1),), num_microbatches=1)
     options = SolverOptions(global_batch_size=4)
     sim = simulate(costs, devices, options, **kw)
-    # Ring: 2 x grad bytes / bw + 2 (k-1) latency per bucket; one block, so every bucket
-    # (a 1 MiB one, then the other 3 MB) is ready when the backward ends.
+    # Ring of k = 2: 2 (k-1)/k x grad bytes / bw + 2 (k-1) latency per bucket; one block, so
+    # every bucket (a 1 MiB one, then the other 3 MB) is ready when the backward ends.
     nb = _buckets(4_000_000)
     assert nb == 2
-    allreduce = 2 * 4 * 1e6 / 1e10 + nb * 2 * (2 - 1) * 1e-5
+    allreduce = 2 * (1 / 2) * 4 * 1e6 / 1e10 + nb * 2 * (2 - 1) * 1e-5
     ar = [e for e in sim.events if e.kind == "allreduce"]
     assert [(e.gpu, e.start_s, e.nbytes) for e in ar] == [(0, pytest.approx(3e-3), 4_000_000),
                                                           (1, pytest.approx(3e-3), 4_000_000)]
@@ -115,9 +115,10 @@ def test_heterogeneous_dp_pair_with_allreduce():
     assert opt[1].start_s == pytest.approx(3e-3 + allreduce)
     assert sim.step_time_s == pytest.approx(3e-3 + allreduce + 2 * 16e6 / 5e11, rel=1e-12)
     # The objective charges one all-reduce's latency (an optimistic alpha term when a stage
-    # has several buckets; its bandwidth term is the same).
+    # has several buckets) and a bandwidth term without the ring's (k-1)/k = 1/2 (NOT YET in the
+    # objective: issue 13 item 6), 2 x 4 MB / bw where the ring moves half of that.
     ev = evaluate(costs, devices, options, **kw)
-    assert sim.step_time_s == pytest.approx(ev.step_time_s + (nb - 1) * 2 * 1e-5, rel=1e-9)
+    assert sim.step_time_s == pytest.approx(ev.step_time_s + (nb - 1) * 2 * 1e-5 - 4e6 / 1e10, rel=1e-9)
     act = 977 * KIB  # 1e6 activation bytes per sample, rounded up to KiB as in the objective
     assert sim.peak_memory_bytes == (16_000_000 + 3 * act, 16_000_000 + act)
 
@@ -189,9 +190,12 @@ def test_agreement_with_objective():
     boundaries share one link, which the objective does not model), and on the
     compute-only instance (a) and (b) vanish so |sim/obj - 1| <= TOL; with
     comm, the remaining gap is bounded below by that compute-only step.
+      (d) the ring's (k-1)/k: the simulator's ring all-reduce moves 2 (k-1)/k
+          of a group's gradient bytes per hop, the objective charges 2 x (NOT
+          YET in the objective: issue 13 item 6).
     Measured on these 15 plans: the simulator is never slower (+0.0%), at most
-    24.6% faster (seed 4: boundary comm is 48% of the objective); compute-only
-    |deviation| <= 8.6%."""
+    26.9% faster (seed 7, one stage, one micro-batch: (d) on its all-reduce;
+    24.7% before (d)); compute-only |deviation| <= 8.6%."""
     rows = []
     for seed in AGREEMENT_SEEDS:
         costs, devices, options = random_instance(seed)
@@ -317,7 +321,7 @@ def test_sharded_stage_allreduce_optim_allgather():
     nb = _buckets(4 * p)  # 16 MiB of gradients: a 1 MiB bucket and a 15 MiB one, both ready at the end
     assert nb == 2
     assert all(e.start_s == pytest.approx(ends_b)
-               and e.end_s - e.start_s == pytest.approx(2 * 4 * p / bw + nb * 2 * 2 * lat) for e in ar)
+               and e.end_s - e.start_s == pytest.approx(2 * (2 / 3) * 4 * p / bw + nb * 2 * 2 * lat) for e in ar)
     opt = {e.gpu: e for e in sim.events if e.kind == "optim"}
     # Each GPU updates z_g MiB / 8 B params: 2 x 16 B/param of state read + written.
     for g, z in zip((0, 1, 2), shards):
@@ -331,14 +335,16 @@ def test_sharded_stage_allreduce_optim_allgather():
     assert last_opt == opt[2].end_s  # 12 MiB at half the bandwidth is the slowest shard
     ag = [e for e in sim.events if e.kind == "allgather"]
     assert {(e.gpu, e.nbytes) for e in ag} == {(0, 4 * p), (1, 4 * p), (2, 4 * p)}
-    for e in ag:  # weights (4 B/param) over the slowest link + (k - 1) latencies, after the last shard
+    for e in ag:  # ring: (k-1)/k of the weights (4 B/param) per hop + (k - 1) latencies, after the last shard
         assert e.start_s == pytest.approx(last_opt)
-        assert e.end_s - e.start_s == pytest.approx(4 * p / bw + 2 * lat)
+        assert e.end_s - e.start_s == pytest.approx((2 / 3) * 4 * p / bw + 2 * lat)
     assert sim.step_time_s == pytest.approx(ag[0].end_s, rel=1e-12)
     ev = evaluate(costs, devices, options, **kw, stage_sharded=(True,), state_shard_mib=(shards,))
     # The objective rounds the optimizer time per MiB to the ns (<= 0.5 ns x 12 MiB here) and
-    # charges one all-reduce latency term for the stage's two buckets.
-    extra = (nb - 1) * 2 * 2 * lat
+    # charges one all-reduce latency term for the stage's two buckets; its bandwidth terms lack
+    # the ring's (k-1)/k = 2/3 (NOT YET in the objective: issue 13 item 6): it charges
+    # 1/3 x 2 x 4p / bw more for the all-reduce and 1/3 x 4p / bw more for the all-gather.
+    extra = (nb - 1) * 2 * 2 * lat - (1 / 3) * 2 * 4 * p / bw - (1 / 3) * 4 * p / bw
     assert sim.step_time_s == pytest.approx(ev.step_time_s + extra, abs=2e-8)
     # Memory: weights + grads replicated (8 B/param) + the shard + n_g x 10 KiB activations.
     assert sim.peak_memory_bytes == tuple(8 * p + z * MIB + n * 10 * KIB for z, n in zip(shards, (2, 1, 1)))
@@ -482,7 +488,7 @@ def test_gradient_buckets_overlap_the_last_backward(bw):
     red = [e for e in sim.events if e.kind == "allreduce"]
     assert len(red) == 2 and red[0].nbytes == 4 * 4 * params
     start, end = red[0].start_s, red[0].end_s
-    total_ar = 2 * 4 * 4 * params / bw
+    total_ar = 2 * (1 / 2) * 4 * 4 * params / bw  # ring of k = 2: 2 (k-1)/k x bytes / bw
     quarter = (b.end_s - b.start_s) / 4
     assert start == pytest.approx(b.start_s + quarter, rel=1e-9)  # the first bucket: block 3, a quarter in
     # Buckets fill in reverse order: block 3's bytes first, 1 MiB, then 25 MiB each; those
@@ -490,7 +496,7 @@ def test_gradient_buckets_overlap_the_last_backward(bw):
     # the whole backward.
     total_bytes = 4 * 4 * params
     first_of_block0 = FIRST_BUCKET_BYTES + ((3 * 4 * params - FIRST_BUCKET_BYTES) // BUCKET_BYTES) * BUCKET_BYTES
-    exposed = 2 * (total_bytes - first_of_block0) / bw
+    exposed = 2 * (1 / 2) * (total_bytes - first_of_block0) / bw
     if bw > 1e12:  # fast: everything before those buckets is hidden in the backward
         assert end == pytest.approx(b.end_s + exposed, rel=1e-9)
         hidden = total_ar - exposed
@@ -498,7 +504,9 @@ def test_gradient_buckets_overlap_the_last_backward(bw):
         assert total_ar > 3 * quarter
         assert end == pytest.approx(start + total_ar, rel=1e-9)
         hidden = 3 * quarter
-    # The objective charges the whole reduction after the drain: never less.
+    # The objective charges the whole reduction after the drain: never less; and it charges
+    # 2 x bytes / bw, without the ring's (k-1)/k = 1/2 (NOT YET in the objective: issue 13
+    # item 6), so total_bytes / bw more.
     ev = evaluate(costs, devices, options, stage_blocks=((0, 4),), stage_gpus=((0, 1),),
                   samples_per_microbatch=((1, 1),), num_microbatches=1)
-    assert ev.step_time_s - sim.step_time_s == pytest.approx(hidden, rel=1e-6, abs=2e-9)
+    assert ev.step_time_s - sim.step_time_s == pytest.approx(hidden + total_bytes / bw, rel=1e-6, abs=2e-9)

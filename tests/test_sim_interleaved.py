@@ -232,8 +232,10 @@ def test_interleaved_uniform_pipeline_takes_mv_plus_p_minus_1_stage_times(groups
     # reduced while the other chunks' backwards still run; the objective charges it after.
     from zorse_fx.runtime.grad_sync import FIRST_BUCKET_BYTES
 
-    hidden = 2 * FIRST_BUCKET_BYTES / bw if k > 1 else 0.0
-    assert sim.step_time_s == pytest.approx(expect - hidden, rel=1e-12)
+    # The simulator's ring moves (k-1)/k of the bytes per hop; the objective charges them all
+    # (NOT YET (k-1)/k in the objective: issue 13 item 6): v x allreduce / k less here.
+    hidden = 2 * (k - 1) / k * FIRST_BUCKET_BYTES / bw if k > 1 else 0.0
+    assert sim.step_time_s == pytest.approx(expect - hidden - v * allreduce / k, rel=1e-12)
     fb = [e for e in sim.events if e.kind in ("F", "B")]
     assert max(e.end_s for e in fb) == pytest.approx((m * v + groups - 1) * t, rel=1e-12)
     for g in range(n_g):  # every GPU computes M v chunk-micro-batches of t
@@ -246,8 +248,9 @@ def test_interleaved_uniform_pipeline_takes_mv_plus_p_minus_1_stage_times(groups
         assert len(red) == (k * v if k > 1 else 0)
         if red:  # a 1 MiB bucket during the backwards, then the rest of the v x 4 MB in one bucket
             assert min(e.start_s for e in red) < prev
-            assert max(e.end_s for e in red) == pytest.approx(prev + v * allreduce - hidden, rel=1e-12)
-            prev += v * allreduce - hidden
+            ring = v * allreduce * (k - 1) / k
+            assert max(e.end_s for e in red) == pytest.approx(prev + ring - hidden, rel=1e-12)
+            prev += ring - hidden
         for s in stages:
             opt = [e for e in sim.events if e.stage == s and e.kind == "optim"]
             assert len(opt) == k

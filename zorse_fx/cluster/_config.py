@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 import yaml
 
-from zorse_fx.cluster.cluster import GPU, Cluster, Link, LinkOverride
+from zorse_fx.cluster.cluster import GPU, Cluster, Link, LinkOverride, SharedLinkSide, SharedLinkSpec
 from zorse_fx.cluster.specs import GPU_TYPES_HELP, GPUSpec, lookup_builtin, normalize_gpu_name, unknown_gpu_message
 from zorse_fx.errors import ClusterConfigError, short_repr
 
@@ -184,6 +184,22 @@ class _Ctx:
             values.append(keys[key](number))
         return Link(kind=kind, bandwidth_bytes_per_s=values[0], latency_s=values[1])
 
+    def bandwidth(self, path: str, data: Any, extra: tuple[str, ...] = ()) -> float:
+        """A shared link's or NIC's capacity: exactly one bandwidth key, no latency."""
+        self.mapping(path, data, (*extra, *_LINK_KEYS))
+        lat = [k for k in _LATENCY_KEYS if k in data]
+        if lat:
+            raise self.error(_join(path, lat[0]), "a shared link or NIC has no latency of its own", data[lat[0]],
+                             "remove it: a flow's latency is that of its node pair's link (links:)")
+        given = [k for k in _BANDWIDTH_KEYS if k in data]
+        if len(given) != 1:
+            problem = "no bandwidth" if not given else f"bandwidth given twice ({' and '.join(given)})"
+            raise self.error(path, problem, fix=f"give exactly one of {', '.join(_BANDWIDTH_KEYS)}, "
+                                                f"per direction, e.g. bandwidth_Gbps: 25")
+        key = given[0]
+        return _BANDWIDTH_KEYS[key](self.number(_join(path, key), data[key], fix="bandwidth per direction, "
+                                                                                  "e.g. bandwidth_Gbps: 25"))
+
 
 def _join(path: str, key: str) -> str:
     return f"{path}.{key}" if path else key
@@ -194,7 +210,8 @@ def parse(data: Any, source: str, *, default_name: str) -> dict[str, Any]:
     ctx = _Ctx(source)
     if data is None:
         raise ctx.error("<top level>", "empty cluster description", fix="give at least a 'nodes:' list")
-    ctx.mapping("", data, ("name", "datacenters", "nodes", "links", "gpu_types"), required=("nodes",))
+    ctx.mapping("", data, ("name", "datacenters", "nodes", "links", "shared_links", "gpu_types"),
+                required=("nodes",))
     name = ctx.name("name", data.get("name", default_name))
     custom = _parse_gpu_types(ctx, data.get("gpu_types", {}))
     datacenters = _parse_datacenters(ctx, data)
@@ -202,9 +219,10 @@ def parse(data: Any, source: str, *, default_name: str) -> dict[str, Any]:
     gpus: list[GPU] = []
     nodes: list[str] = []
     node_links: list[Link | None] = []
+    node_nics: list[float | None] = []
     for i, node in enumerate(ctx.list("nodes", data["nodes"], "nodes")):
         path = f"nodes[{i}]"
-        ctx.mapping(path, node, ("name", "datacenter", "gpus", "intra_node"), required=("name", "gpus"))
+        ctx.mapping(path, node, ("name", "datacenter", "gpus", "intra_node", "nic"), required=("name", "gpus"))
         node_name = ctx.name(f"{path}.name", node["name"])
         if node_name in nodes:
             raise ctx.error(f"{path}.name", "duplicate node name", node_name,
@@ -218,17 +236,75 @@ def parse(data: Any, source: str, *, default_name: str) -> dict[str, Any]:
         nodes.append(node_name)
         intra = node.get("intra_node")
         node_links.append(None if intra is None else ctx.link(f"{path}.intra_node", intra, "intra_node"))
+        node_nics.append(ctx.bandwidth(f"{path}.nic", node["nic"]) if "nic" in node else None)
 
-    links = ctx.mapping("links", data.get("links", {}), ("intra_node", "inter_node", "cross_datacenter", "overrides"))
+    links = ctx.mapping("links", data.get("links", {}),
+                        ("intra_node", "inter_node", "cross_datacenter", "overrides", "nic"))
     defaults = {k: ctx.link(f"links.{k}", links[k], k)
                 for k in ("intra_node", "inter_node", "cross_datacenter") if k in links}
     node_dc = {g.node: g.datacenter for g in gpus}
     overrides = _parse_overrides(ctx, links.get("overrides", []), node_dc)
     _check_required_links(ctx, nodes, node_dc, node_links, gpus, defaults, overrides)
+    nic = ctx.bandwidth("links.nic", links["nic"]) if "nic" in links else None
+    shared = _parse_shared_links(ctx, data.get("shared_links", []), nodes, node_dc, datacenters)
     return dict(name=name, gpus=tuple(gpus), nodes=tuple(nodes), source=source, datacenters=datacenters,
                 intra_node_link=defaults.get("intra_node"), inter_node_link=defaults.get("inter_node"),
                 cross_datacenter_link=defaults.get("cross_datacenter"), node_intra_node_links=tuple(node_links),
-                link_overrides=overrides, custom_gpu_types=tuple(custom.values()))
+                link_overrides=overrides, custom_gpu_types=tuple(custom.values()),
+                nic_bandwidth_bytes_per_s=nic, node_nic_bandwidths=tuple(node_nics), shared_links=shared)
+
+
+_SHARED_EXAMPLE = "e.g. - {name: wan, between: [{datacenter: us}, {datacenter: eu}], bandwidth_Gbps: 1}"
+
+
+def _parse_shared_links(ctx: _Ctx, entries: Any, nodes: list[str], node_dc: dict[str, str],
+                        datacenters: tuple[str, ...]) -> tuple[SharedLinkSpec, ...]:
+    if not isinstance(entries, list):
+        raise ctx.error("shared_links", "must be a list", entries, _SHARED_EXAMPLE)
+    out: list[SharedLinkSpec] = []
+    for i, entry in enumerate(entries):
+        path = f"shared_links[{i}]"
+        ctx.mapping(path, entry, ("name", "between", *_LINK_KEYS), required=("name", "between"))
+        name = ctx.name(f"{path}.name", entry["name"])
+        if name in [o.name for o in out] or name.startswith("nic:"):
+            raise ctx.error(f"{path}.name", "already used" if not name.startswith("nic:") else
+                            "names 'nic:<node>' are the NICs' own", name, "give each shared link its own name")
+        pair = entry["between"]
+        if not (isinstance(pair, list) and len(pair) == 2):
+            raise ctx.error(f"{path}.between", "must list the two sides", pair,
+                            "e.g. between: [{datacenter: us-east}, {nodes: [node3, node4]}]")
+        sides = tuple(_parse_side(ctx, f"{path}.between[{k}]", side, nodes, node_dc, datacenters)
+                      for k, side in enumerate(pair))
+        common = [n for n in sides[0].nodes if n in sides[1].nodes]
+        if common:
+            raise ctx.error(f"{path}.between", f"node(s) {', '.join(common)} on both sides", pair,
+                            "the sides must be disjoint: a flow crosses the link from one side to the other")
+        bw = ctx.bandwidth(path, entry, extra=("name", "between"))
+        out.append(SharedLinkSpec(name=name, sides=sides, bandwidth_bytes_per_s=bw))
+    return tuple(out)
+
+
+def _parse_side(ctx: _Ctx, path: str, side: Any, nodes: list[str], node_dc: dict[str, str],
+                datacenters: tuple[str, ...]) -> SharedLinkSide:
+    ctx.mapping(path, side, ("datacenter", "nodes"))
+    if len(side) != 1:
+        raise ctx.error(path, "give exactly one of datacenter, nodes", side,
+                        "e.g. {datacenter: us-east} or {nodes: [node0, node1]}")
+    if "datacenter" in side:
+        dc = side["datacenter"]
+        if not isinstance(dc, str) or dc not in datacenters:
+            raise ctx.error(f"{path}.datacenter", "no such datacenter", dc, f"datacenters: {', '.join(datacenters)}")
+        members = tuple(n for n in nodes if node_dc[n] == dc)
+        if not members:
+            raise ctx.error(f"{path}.datacenter", "the datacenter has no nodes", dc, "name one that has")
+        return SharedLinkSide(datacenter=dc, nodes=members)
+    listed = ctx.list(f"{path}.nodes", side["nodes"], "node names")
+    for k, n in enumerate(listed):
+        if not isinstance(n, str) or n not in node_dc:
+            raise ctx.error(f"{path}.nodes[{k}]", "no such node", n, f"nodes: {', '.join(nodes)}")
+        if n in listed[:k]:
+            raise ctx.error(f"{path}.nodes[{k}]", "listed twice", n, "list each node once")
+    return SharedLinkSide(nodes=tuple(n for n in nodes if n in listed))
 
 
 def _parse_datacenters(ctx: _Ctx, data: dict) -> tuple[str, ...]:
@@ -389,6 +465,10 @@ def _link_dict(link: Link) -> dict[str, float]:
             **_unit_value(lat, _LATENCY_KEYS, {"latency_us": lat * 1e6, "latency_ms": lat * 1e3, "latency_s": lat})}
 
 
+def _bandwidth_dict(bw: float) -> dict[str, float]:
+    return _unit_value(bw, _BANDWIDTH_KEYS, {"bandwidth_GBps": bw / 1e9, "bandwidth_bytes_per_s": bw})
+
+
 def unparse(cluster: Cluster) -> dict[str, Any]:
     """``Cluster`` -> plain dict in the file format; ``parse`` of it gives an equal cluster."""
     nodes = []
@@ -407,6 +487,8 @@ def unparse(cluster: Cluster) -> dict[str, Any]:
         entry: dict[str, Any] = {"name": node, "datacenter": gpus[0].datacenter, "gpus": groups}
         if cluster.node_intra_node_links[i] is not None:
             entry["intra_node"] = _link_dict(cluster.node_intra_node_links[i])
+        if cluster.node_nic_bandwidths[i] is not None:
+            entry["nic"] = _bandwidth_dict(cluster.node_nic_bandwidths[i])
         nodes.append(entry)
     links: dict[str, Any] = {}
     for kind in ("intra_node", "inter_node", "cross_datacenter"):
@@ -415,8 +497,16 @@ def unparse(cluster: Cluster) -> dict[str, Any]:
             links[kind] = _link_dict(link)
     if cluster.link_overrides:
         links["overrides"] = [{"between": list(o.between), **_link_dict(o.link)} for o in cluster.link_overrides]
+    if cluster.nic_bandwidth_bytes_per_s is not None:
+        links["nic"] = _bandwidth_dict(cluster.nic_bandwidth_bytes_per_s)
     out: dict[str, Any] = {"name": cluster.name, "datacenters": [{"name": d} for d in cluster.datacenters],
                            "nodes": nodes, "links": links}
+    if cluster.shared_links:
+        out["shared_links"] = [
+            {"name": spec.name,
+             "between": [{"datacenter": side.datacenter} if side.datacenter is not None else {"nodes": list(side.nodes)}
+                         for side in spec.sides],
+             **_bandwidth_dict(spec.bandwidth_bytes_per_s)} for spec in cluster.shared_links]
     if cluster.custom_gpu_types:
         out["gpu_types"] = {s.type: _gpu_type_dict(s) for s in cluster.custom_gpu_types}
     return out

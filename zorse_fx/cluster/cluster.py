@@ -13,6 +13,7 @@ A cluster is written as YAML (or the same structure as a dict)::
           - {type: A100-40GB, count: 2}
           - {type: T4, count: 1, memory_GiB: 15}  # optional usable-memory override
         intra_node: {bandwidth_GBps: 300, latency_us: 5}  # optional, this node only
+        nic: {bandwidth_GBps: 12.5}  # optional: this node's network card (see below)
       - name: node1
         datacenter: eu-west
         gpus: [{type: T4, count: 4}]
@@ -22,6 +23,11 @@ A cluster is written as YAML (or the same structure as a dict)::
       cross_datacenter: {bandwidth_Gbps: 1.0, latency_ms: 50}   # nodes of two datacenters
       overrides:                   # one node pair, instead of the defaults above
         - {between: [node0, node1], bandwidth_GBps: 12.5, latency_us: 8}
+      nic: {bandwidth_Gbps: 25}    # optional: every node's NIC, unless it gives its own
+    shared_links:                  # optional: links that the flows of several node pairs share
+      - name: wan-us-eu
+        between: [{datacenter: us-east}, {datacenter: eu-west}]  # or {nodes: [node0, ...]}
+        bandwidth_Gbps: 1
     gpu_types:                     # optional: GPU types the built-in table lacks
       MyGPU: {memory_GiB: 32, mem_bw_GBps: 900, fp32_tflops: 15,
               fp16_tensor_tflops: 120, bf16_supported: false, source: "<URL>"}
@@ -35,6 +41,29 @@ aliases) of ``gpu_specs.csv`` (see ``zorse_fx.cluster.specs``).
 Required links: ``intra_node`` when some node has more than one GPU and no
 ``intra_node`` of its own; ``inter_node`` when two nodes of one datacenter
 have no override; ``cross_datacenter`` likewise for nodes of two datacenters.
+
+Shared links. A link above (default or override) belongs to one node pair:
+two node pairs never slow each other down through it. Where they do share
+hardware, declare it:
+
+* ``shared_links``: every flow between a node of one side and a node of the
+  other crosses the link (one WAN path between two regions, a rack's
+  uplink). A side is ``{datacenter: name}`` (its nodes) or ``{nodes: [...]}``;
+  the two sides are disjoint and non-empty. Each entry has a unique
+  ``name`` and exactly one bandwidth key, the capacity *per direction*
+  (full duplex: the flows from side 1 to side 2 share one, those back the
+  other), and no latency: a flow's latency is its node pair's link's.
+* ``nic`` (on a node, or ``links.nic`` for every node without one): every
+  flow between this node and another node crosses the node's network card,
+  outgoing flows sharing its bandwidth, incoming flows the same bandwidth
+  again (full duplex). Bandwidth only, as above. Flows inside a node do not
+  use it. On the device graph it is the shared link ``nic:<node>`` between the
+  node's GPUs and every other GPU.
+
+A flow is then limited by its pair's link and by every shared link it
+crosses; the simulator divides each among the flows crossing it at that
+moment (max-min fair, [Note: network resources] in
+``zorse_fx/sim/network.py``).
 
 Every mistake raises ``ClusterConfigError`` naming the file (or ``<dict>``),
 the field path (``nodes[1].gpus[0].count``), the bad value and a fix.
@@ -51,9 +80,10 @@ from dataclasses import dataclass, field
 
 from zorse_fx.cluster.specs import GPUSpec
 from zorse_fx.errors import ClusterConfigError
-from zorse_fx.solve.records import DeviceGraph
+from zorse_fx.solve.records import DeviceGraph, SharedLink
 
-__all__ = ["Cluster", "GPU", "Link", "LinkOverride", "LINK_KINDS", "SAME_GPU_BANDWIDTH_BYTES_PER_S"]
+__all__ = ["Cluster", "GPU", "Link", "LinkOverride", "LINK_KINDS", "SAME_GPU_BANDWIDTH_BYTES_PER_S",
+           "SharedLinkSide", "SharedLinkSpec"]
 
 #: Link kinds, fastest first.
 LINK_KINDS = ("same_gpu", "intra_node", "inter_node", "cross_datacenter")
@@ -95,6 +125,26 @@ class LinkOverride:
     #: The two node names (distinct, order irrelevant).
     between: tuple[str, str]
     link: Link
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SharedLinkSide:
+    """One side of a shared link: the nodes of ``datacenter`` (when given) or the listed nodes."""
+
+    #: The datacenter the side was declared by, or None (declared by ``nodes``).
+    datacenter: str | None = None
+    #: The side's nodes, in file order (a datacenter's: all of its nodes).
+    nodes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SharedLinkSpec:
+    """A ``shared_links:`` entry: every flow between a node of one side and a node of the other crosses it."""
+
+    name: str
+    sides: tuple[SharedLinkSide, SharedLinkSide]
+    #: Capacity per direction, bytes/s.
+    bandwidth_bytes_per_s: float
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -144,10 +194,26 @@ class Cluster:
     link_overrides: tuple[LinkOverride, ...] = ()
     #: GPU types declared in the file's ``gpu_types:`` section.
     custom_gpu_types: tuple[GPUSpec, ...] = ()
+    #: ``links.nic``: every node's NIC bandwidth per direction (bytes/s), None = no NIC modelled.
+    nic_bandwidth_bytes_per_s: float | None = None
+    #: Per node (aligned with ``nodes``): its own ``nic`` bandwidth (bytes/s), or None.
+    node_nic_bandwidths: tuple[float | None, ...] = ()
+    #: The ``shared_links:`` entries, in file order.
+    shared_links: tuple[SharedLinkSpec, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.node_intra_node_links:
             object.__setattr__(self, "node_intra_node_links", (None,) * len(self.nodes))
+        if not self.node_nic_bandwidths:
+            object.__setattr__(self, "node_nic_bandwidths", (None,) * len(self.nodes))
+        if len(self.node_nic_bandwidths) != len(self.nodes):
+            raise ClusterConfigError(f"Cluster {self.name!r}: node_nic_bandwidths has "
+                                     f"{len(self.node_nic_bandwidths)} entries for {len(self.nodes)} nodes")
+        for spec in self.shared_links:
+            unknown = [n for side in spec.sides for n in side.nodes if n not in self.nodes]
+            if unknown or set(spec.sides[0].nodes) & set(spec.sides[1].nodes):
+                raise ClusterConfigError(f"Cluster {self.name!r}: shared link {spec.name!r} has unknown "
+                                         f"or overlapping sides {spec.sides}")
         if len(self.node_intra_node_links) != len(self.nodes):
             raise ClusterConfigError(
                 f"Cluster {self.name!r}: node_intra_node_links has {len(self.node_intra_node_links)} "
@@ -238,7 +304,30 @@ class Cluster:
             link_bw_bytes_per_s=tuple(tuple(l.bandwidth_bytes_per_s for l in row) for row in links),
             link_latency_s=tuple(tuple(l.latency_s for l in row) for row in links),
             node_names=tuple(g.node for g in self.gpus),
+            shared_links=self.device_shared_links(),
         )
+
+    def nic_bandwidth(self, node: str) -> float | None:
+        """Bandwidth per direction (bytes/s) of ``node``'s NIC: its own ``nic``, else ``links.nic``, else None."""
+        own = self.node_nic_bandwidths[self.nodes.index(node)]
+        return own if own is not None else self.nic_bandwidth_bytes_per_s
+
+    def device_shared_links(self) -> tuple[SharedLink, ...]:
+        """The ``shared_links:`` entries (in file order), then one ``nic:<node>``
+        link per node with a NIC (node order; none in a one-node cluster), as GPU sets."""
+        def gpus_of(nodes) -> tuple[int, ...]:
+            return tuple(g.index for g in self.gpus if g.node in nodes)
+
+        out = [SharedLink(name=spec.name, gpus_a=gpus_of(spec.sides[0].nodes), gpus_b=gpus_of(spec.sides[1].nodes),
+                          bandwidth_bytes_per_s=spec.bandwidth_bytes_per_s) for spec in self.shared_links]
+        if len(self.nodes) > 1:
+            for node in self.nodes:
+                bw = self.nic_bandwidth(node)
+                if bw is not None:
+                    out.append(SharedLink(name=f"nic:{node}", gpus_a=gpus_of((node,)),
+                                          gpus_b=gpus_of(tuple(n for n in self.nodes if n != node)),
+                                          bandwidth_bytes_per_s=bw))
+        return tuple(out)
 
     def summary_table(self) -> str:
         """A readable text table: per node its GPUs, memory, peak FLOP/s and links."""
@@ -272,6 +361,15 @@ class Cluster:
                 links.add_row(kind, "default", _fmt_link(link))
         for o in self.link_overrides:
             links.add_row(o.link.kind, escape(" <-> ".join(o.between)), _fmt_link(o.link))
+        for spec in self.shared_links:
+            sides = [side.datacenter or ", ".join(side.nodes) for side in spec.sides]
+            links.add_row(f"shared {escape(spec.name)}", escape(" <-> ".join(sides)),
+                          f"{spec.bandwidth_bytes_per_s / 1e9:g} GB/s (all flows)")
+        nics = {node: self.nic_bandwidth(node) for node in self.nodes}
+        for bw in dict.fromkeys(b for b in nics.values() if b is not None):
+            which = [n for n, b in nics.items() if b == bw]
+            links.add_row("nic", escape("every node" if len(which) == len(nics) else ", ".join(which)),
+                          f"{bw / 1e9:g} GB/s (per node, all its flows)")
         buf = io.StringIO()
         console = Console(file=buf, width=120, color_system=None, force_terminal=False, highlight=False)
         console.print(nodes)

@@ -52,11 +52,11 @@ from ..capture.analysis import BlockGraph
 from ..capture.trace import META_KEY, _fetch_attr
 from ..cluster import GPUSpec
 from ..precision import PrecisionPolicy, precision_policy
-from ..solve.records import BlockCosts
+from ..solve.records import BlockCosts, TiedParam
 from . import gpu_model
 from .opclass import flops_bytes, op_class, tensors_in
 
-__all__ = ["NodeCost", "node_costs", "block_costs", "weight_traffic_bytes", "SavedActivations", "measure_saved_activations",
+__all__ = ["NodeCost", "node_costs", "block_costs", "tied_params", "weight_traffic_bytes", "SavedActivations", "measure_saved_activations",
            "saved_activations_or_estimate", "saved_activation_bytes", "MATMUL_EFFICIENCY", "MEMORY_EFFICIENCY",
            "FWD_BWD_FACTOR", "KERNEL_OVERHEAD_S"]
 
@@ -274,6 +274,20 @@ def _class_block_time(bg: BlockGraph, costs: dict[str, NodeCost], b: int, chains
     return fwd, bwd, KERNEL_OVERHEAD_S * kernels_f, KERNEL_OVERHEAD_S * kernels_b + weight
 
 
+def tied_params(bg: BlockGraph) -> tuple[TiedParam, ...]:
+    """The trainable parameters read by more than one block (a tied input /
+    output embedding), each with the blocks that read it and its elements, in
+    order of first use; ``param_count`` counts them in every such block."""
+    trainable, state = bg.captured.trainable(), bg.captured.state()
+    users: dict[str, list[int]] = {}
+    for b, attrs in enumerate(bg.block_attrs):
+        for a in attrs:
+            if a in trainable:
+                users.setdefault(a, []).append(b)
+    return tuple(TiedParam(name=a, blocks=tuple(bs), numel=state[a].numel())
+                 for a, bs in users.items() if len(bs) > 1)
+
+
 def block_costs(
     bg: BlockGraph,
     specs: dict[str, GPUSpec],
@@ -350,6 +364,7 @@ def block_costs(
                 fixed[gpu_type].append(FWD_BWD_FACTOR * KERNEL_OVERHEAD_S * kernels)
     cast = bg.with_dtypes(activations.output_dtypes)
     return BlockCosts(
+        tied_params=tied_params(bg),
         fwd_bwd_s_per_sample={k: tuple(v) for k, v in times.items()},
         fwd_bwd_s_fixed={k: tuple(v) for k, v in fixed.items()},
         param_count=tuple(params),

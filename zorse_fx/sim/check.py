@@ -14,8 +14,9 @@ model, the stage DP, a baseline, the interleave pass):
 * time: the simulated step is reported next to the predicted one. The
   objective is conservative on stage boundaries and DP sync (the simulator is
   0-15% faster on the scenario plans, bench/README.md); where the simulator
-  is slower by more than ``tolerance`` (links shared by two boundaries, which
-  the objective does not model), the check warns: the plan may not be the
+  is slower by more than ``tolerance`` (links shared by two boundaries, a
+  WAN path or NIC the cluster file declares shared, a tied parameter's
+  all-reduce across stages: what the objective does not model yet), the check warns: the plan may not be the
   best one and the prediction is optimistic.
 """
 

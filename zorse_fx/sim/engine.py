@@ -33,13 +33,16 @@ stages (group P-1's stage sends to group 0's next stage: the wrap-around),
 and those messages are never confused.
 
 Links. A message g -> h first waits ``link_latency_s[g][h]`` (no bandwidth
-used), then transfers its bytes at ``link_bw_bytes_per_s[g][h]`` divided by the
-number of messages transferring on the same *link resource* at that moment
-(equal fluid share, recomputed at every event; since each message uses one
-resource this is the max-min fair share). Link resource: the unordered node
-pair for GPUs on different nodes (one NIC / network path per node pair), the
-unordered GPU pair inside a node (NVLink / PCIe peer link); both directions
-share it. With no ``node_names`` every GPU is its own node.
+used), then transfers its bytes at a rate shared with the other messages
+transferring at that moment: it uses its pair's *link resource* (the
+unordered node pair for GPUs on different nodes -- one network path per node
+pair --, the unordered GPU pair inside a node -- NVLink / PCIe peer link --;
+both directions share it; with no ``node_names`` every GPU is its own node)
+and every shared link it crosses (``DeviceGraph.shared_links``: a region's
+WAN path, a node's NIC, one resource per direction), and the rates are the
+max-min fair ones over all these resources, recomputed whenever a message
+starts or ends its transfer ([Note: network resources] in ``sim/network.py``). Without shared links a
+message uses one resource and gets ``bw / n`` of it.
 
 Memory policy (objective.py [C-shard], [C-recompute]; same arguments and
 defaults as ``solve.evaluate``: ``objective._policy`` validates them and fills
@@ -61,9 +64,11 @@ block first). A bucket starts once every GPU of the group has finished, in
 its stage's last backward, the bucket's earliest block -- a backward takes
 its blocks in reverse order, each for its share of the stage's fwd+bwd time,
 after the re-run forward on a recomputing stage -- and once the previous
-bucket is done; it takes a ring all-reduce of its gradients
-([C-allreduce]): ``2 * grad_bytes * params / bw_min + 2 * (k - 1) * lat_max``
-over the group's GPU pairs (it does not contend with boundary messages).
+bucket is done; it takes a ring all-reduce of its gradients on the group's
+ring (its GPUs in stage order; ``Ring.allreduce_s`` in ``sim/network.py``):
+``2 (k - 1) / k * grad_bytes * params / bw_ring + 2 * (k - 1) * lat_max``,
+bw_ring the slowest hop's bandwidth, a hop's share of a shared link it
+crosses counted (it does not contend with boundary messages).
 So a reduction overlaps the backward of its own stage's last micro-batch
 (all but the last bucket) and, as every group starts on its own, the drain
 of the earlier stages; a model of one bucket per stage (all test models)
@@ -72,24 +77,39 @@ each GPU runs its optimizer steps, its stages in order ([C-optim]):
 ``2 * optim_bytes * P_s / mem_bw_g``, or on a sharded stage only its
 shard's parameters, ``2 * optim_bytes * (z_g MiB / shardable_bytes_per_param)
 / mem_bw_g``. Then the sharded stages all-gather their updated weights
-("allgather" events, per GPU of the stage, one stage after the other):
-``param_bytes * P_s / bw_min + (k - 1) * lat_max``, starting when the
-group's last optimizer step ends. Without overlap (one bucket per stage), a
-stage's all-reduce + slowest optimizer + all-gather equals the objective's
-``allreduce_s + optim_s``. The step ends when the last optimizer step /
+("allgather" events, per GPU of the stage, one stage after the other) on the
+same ring: ``(k - 1) / k * param_bytes * P_s / bw_ring + (k - 1) * lat_max``,
+starting when the group's last optimizer step ends. Without overlap (one
+bucket per stage) and without shared links, a stage's all-reduce + slowest
+optimizer + all-gather is the objective's ``allreduce_s + optim_s`` less the
+(k - 1)/k the objective does not price yet (it charges ``2 * bytes /
+bw_min``; issue 13 item 6, tests/test_sim.py say by how much).
+The step ends when the last optimizer step /
 all-gather ends. The objective charges the whole sync after the drain of
 every stage (``max_s``): it prices no overlap, but one latency term per
 stage where the runtime pays one per bucket, so it is the pessimistic one
 except by ``(buckets - 1) * 2 (k - 1) lat_max`` on a stage whose buckets are
 all ready at once. Times are not rounded: where both models coincide (one stage,
 GPipe with equal stages and free links, or interleaved 1F1B with equal
-groups and chunks and free links: (M v + P - 1) stage times + sync) they
+groups and chunks and free links: (M v + P - 1) stage times + sync; on a
+group of k > 1 GPUs less the (k - 1)/k term above) they
 agree to the objective's ns rounding (<= 0.5 ns per block, and per MiB of
 shard for a sharded optimizer step). Elsewhere the interleaved objective's
 closed form can be optimistic, where a group's chunks are unequal
-(tests/test_sim_interleaved.py, test_interleaved_agreement...). Not
-modelled: the all-reduce of a parameter tied across stages (an embedding held
-by the first and the last stage), which the runtime does.
+(tests/test_sim_interleaved.py, test_interleaved_agreement...).
+
+Tied parameters (``BlockCosts.tied_params``: a tied input / output embedding
+read by the first and the last block). As the runtime does ([Note:
+overlapped gradient reduction]), a tied parameter whose blocks fall on stages
+of different GPU groups is left out of those groups' buckets and all-reduced
+once over the union of the holding stages' GPUs ("tiedreduce" events, per
+GPU of the union): a ring over the union in stage order,
+``Ring.allreduce_s(grad_bytes * numel)``, starting when every holder's copy
+is final (the last backward of each holding stage has passed the block that
+reads it), not contending with the groups' own buckets; each holder's
+optimizer steps wait for it. When one group holds every copy, its buckets
+reduce the parameter once. The objective does not price this reduction yet
+(issue 13 item 6).
 
 Memory. Counted in the objective's memory units (``MEMORY_UNIT_BYTES`` = 1
 KiB; per-block state, shardable state, activation and cut bytes rounded UP,
@@ -125,17 +145,16 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from ..runtime.comm import routes
-from ..runtime.grad_sync import BUCKET_BYTES, bucket_caps
 from ..runtime.schedule import make_schedule
 from ..solve.objective import (MEMORY_UNIT_BYTES, MIB_UNITS, RECOMPUTE_FRACTION, _policy, _validate,
                                build_tables)
 from ..solve.records import BlockCosts, DeviceGraph, SolverOptions
+from .network import FlowResources, link_resource, max_min_rates
+from .sync import gradient_sync
 
 __all__ = ["SimEvent", "SimResult", "simulate", "link_resource", "plan_decision"]
 
-KINDS = ("F", "B", "send", "allreduce", "optim", "allgather")
-#: Bytes of one gradient element in a bucket (float32 master gradients; BUCKET_BYTES counts these).
-_FP32 = 4
+KINDS = ("F", "B", "send", "allreduce", "tiedreduce", "optim", "allgather")
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,7 +168,10 @@ class SimEvent:
     the stage, ``nbytes`` = gradient bytes), "optim" (``nbytes`` = state bytes
     read and written; on a sharded stage those of the GPU's shard),
     "allgather" (per GPU of a sharded stage, ``nbytes`` = weight bytes of the
-    stage). ``microbatch`` is -1 for "allreduce", "optim" and "allgather".
+    stage), "tiedreduce" (per GPU holding a tied parameter whose holders span
+    several GPU groups, ``nbytes`` = its gradient bytes; ``stage`` = the last
+    holding stage). ``microbatch`` is -1 for "allreduce", "tiedreduce",
+    "optim" and "allgather".
     ``stage``: the stage the task belongs to (with interleaving a GPU runs
     several), for "send" the sender's; ``peer_stage``: for "send" the
     receiving stage (``stage + 1`` for activations, ``stage - 1`` for
@@ -197,15 +219,9 @@ class SimResult:
     interleave: int = 1
 
 
-def link_resource(devices: DeviceGraph, g: int, h: int) -> tuple:
-    """The shared resource a message g -> h uses (see the module note)."""
-    nodes = devices.node_names or tuple(f"gpu{k}" for k in range(devices.num_gpus))
-    if nodes[g] != nodes[h]:
-        return ("node",) + tuple(sorted((nodes[g], nodes[h])))
-    return ("gpu",) + tuple(sorted((g, h)))
-
-
 class _Msg:
+    # res: the resources the message uses, ((key, capacity), ...): its pair's link first, then
+    # the shared links it crosses ([Note: network resources] in sim/network.py)
     __slots__ = ("src", "dst", "stage", "m", "fwd", "nbytes", "t0", "ready", "left", "bw", "res", "rate")
 
     def __init__(self, src, dst, stage, m, fwd, nbytes, t0, ready, bw, res):
@@ -257,67 +273,6 @@ def plan_decision(plan, costs: BlockCosts | None = None) -> dict:
     return dec
 
 
-def _reduction(costs: BlockCosts, devices: DeviceGraph, stage_blocks, stages, gpus, last_b_span, rc_dur, samples,
-               bw_min: float, lat_max: float, grad_bytes: int):
-    """The gradient buckets of one GPU group, all-reduced in order as the
-    runtime does ([Note: overlapped gradient reduction] in
-    ``runtime/grad_sync.py``): the group's parameters in reverse plan order
-    (its last stage's last block first) in buckets of ``BUCKET_BYTES`` of
-    float32 gradients (the first one 1 MiB, ``bucket_caps``); a bucket can
-    start once every GPU's last backward of
-    the stage finished the bucket's earliest block (the backward of a
-    micro-batch takes its blocks in reverse order, each for its share of the
-    backward time, after the re-run forward on a recomputing stage) and the
-    previous bucket is done; it takes a ring all-reduce of its gradients,
-    ``2 * grad_bytes * params / bw_min + 2 (k - 1) lat_max``. Yields
-    ``(stage, start, end, params)`` per stage, from its first bucket's start
-    to its last bucket's end, the parameters it reduces."""
-    k = len(gpus)
-
-    def block_done(g, s, b):
-        (i, j), start_end = stage_blocks[s], last_b_span[g, s]
-        t = devices.gpu_types[g]
-        n = samples[s][gpus.index(g)]
-        fixed = costs.fwd_bwd_s_fixed.get(t, (0.0,) * costs.num_blocks)
-        w = [n * costs.fwd_bwd_s_per_sample[t][c] + fixed[c] for c in range(i, j)]
-        start, end = start_end
-        bwd = end - start - rc_dur[g, s]
-        total = sum(w)
-        return end if total <= 0 else start + rc_dur[g, s] + bwd * sum(w[b - i:]) / total
-
-    buckets: list[list] = []  # [ready, params, {stage: params}]
-    caps = bucket_caps(BUCKET_BYTES)
-    cur = [0.0, 0, {}]
-    for s in reversed(stages):
-        i, j = stage_blocks[s]
-        for b in range(j - 1, i - 1, -1):
-            left = costs.param_count[b]
-            ready = max(block_done(g, s, b) for g in gpus)
-            while left > 0:
-                cap = caps[0] if not buckets else caps[1]
-                room = max(1, -(-(cap - _FP32 * cur[1]) // _FP32))
-                take = min(left, room)
-                cur[0] = max(cur[0], ready)
-                cur[1] += take
-                cur[2][s] = cur[2].get(s, 0) + take
-                left -= take
-                if _FP32 * cur[1] >= cap:
-                    buckets.append(cur)
-                    cur = [0.0, 0, {}]
-    if cur[1]:
-        buckets.append(cur)
-    t = 0.0
-    span: dict[int, list] = {}
-    for ready, params, by_stage in buckets:
-        start = max(ready, t)
-        t = start + 2 * grad_bytes * params / bw_min + 2 * (k - 1) * lat_max
-        for s, n in by_stage.items():
-            sp = span.setdefault(s, [start, t, 0])
-            sp[1], sp[2] = t, sp[2] + n
-    for s in sorted(span):
-        yield s, *span[s]
-
-
 def simulate(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions, *, stage_blocks, stage_gpus,
              samples_per_microbatch, num_microbatches: int, stage_sharded=None, state_shard_mib=None,
              stage_recompute=None, interleave: int = 1) -> SimResult:
@@ -339,9 +294,7 @@ def simulate(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions, *,
     n_s, m_count, v = len(stage_blocks), num_microbatches, interleave
     n_p = n_s // v  # GPU groups; stage s runs on group s % n_p as its chunk s // n_p
     sched = make_schedule(options.schedule, n_s, m_count, v)
-    st_b, gr_b = costs.optim_bytes, costs.grad_bytes_per_param  # [C-optim] moves 2 x optim_bytes per parameter
-    sh_b, pa_b = costs.shardable_bytes_per_param, costs.param_bytes_per_param
-    mib = MIB_UNITS * MEMORY_UNIT_BYTES
+    resources = FlowResources(devices)
     # Per GPU: its group; per (GPU, stage): F / B seconds and the re-run part of B.
     group_of, dur, rc_dur = {}, {}, {}
     # Activation footprint per GPU and chunk, in memory units: per micro-batch
@@ -403,7 +356,8 @@ def simulate(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions, *,
         bw = devices.link_bw_bytes_per_s[src][dst]
         if not bw > 0:
             raise ValueError(f"link bandwidth from GPU {src} to {dst} must be > 0, got {bw}")
-        waiting.append(_Msg(src, dst, s, m, fwd, nbytes, t, t + lat, bw, link_resource(devices, src, dst)))
+        res = ((link_resource(devices, src, dst), bw), *resources.shared(src, dst))
+        waiting.append(_Msg(src, dst, s, m, fwd, nbytes, t, t + lat, bw, res))
 
     def arrive(msg: _Msg, when: float):
         events.append(SimEvent("send", msg.src, msg.stage, msg.m, msg.t0, when, msg.dst, msg.nbytes,
@@ -456,70 +410,35 @@ def simulate(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions, *,
                 last_b_span[g, s] = (start, t)
                 for h, nb in out_bwd[g, s]:
                     post(g, h, s, m, False, nb)
+        n_active = len(active)
         for x in [x for x in active if finish[id(x)] <= t + tol]:
             active.remove(x)
             arrive(x, t)
+        changed = len(active) != n_active
         for x in [x for x in waiting if x.ready <= t + tol]:
             waiting.remove(x)
             if x.nbytes <= 0 or math.isinf(x.bw):
                 arrive(x, t)
             else:
                 active.append(x)
-        count: dict[tuple, int] = defaultdict(int)
-        for x in active:
-            count[x.res] += 1
-        for x in active:
-            x.rate = x.bw / count[x.res]
+                changed = True
+        if changed and active:  # max-min fair rates over every resource (a pair link's capacity: its smallest figure)
+            cap: dict[tuple, float] = {}
+            for x in active:
+                for key, c in x.res:
+                    cap[key] = min(cap.get(key, c), c)
+            for x, r in zip(active, max_min_rates([[key for key, _ in x.res] for x in active], cap)):
+                x.rate = r
     stuck = [g for g in used if pc[g] < len(acts[g])]
     if stuck:
         raise RuntimeError(f"schedule deadlocked: GPUs {stuck} wait at actions "
                            f"{[str(acts[g][pc[g]]) for g in stuck]}")
 
-    # Gradient sync, per GPU group (see the module note): the group's buckets
-    # are all-reduced one after the other, each once the last backwards of its
-    # blocks ended on every GPU; then each GPU's optimizer steps (its stages in
-    # order); then the all-gathers of the sharded stages.
-    step = 0.0
-    shard_bytes = []
-    for s, gpus in enumerate(stage_gpus):
-        shard_bytes.append(tuple(z * mib for z in pol.shard_mib[s]) if pol.sharded[s] else (0,) * len(gpus))
-    for p in range(n_p):
-        stages_p = list(range(p, n_s, n_p))
-        gpus = stage_gpus[p]
-        pairs = [(g, h) for a, g in enumerate(gpus) for h in gpus[a + 1:]]
-        bw_min = lat_max = 0.0
-        t_red = {g: last_b[g] for g in gpus}
-        if pairs:
-            bw_min = min(min(devices.link_bw_bytes_per_s[g][h], devices.link_bw_bytes_per_s[h][g])
-                         for g, h in pairs)
-            lat_max = max(max(devices.link_latency_s[g][h], devices.link_latency_s[h][g]) for g, h in pairs)
-            t_end = max(last_b[g] for g in gpus)
-            for s, start, end, nparams in _reduction(costs, devices, stage_blocks, stages_p, gpus, last_b_span,
-                                                       rc_dur, samples_per_microbatch, bw_min, lat_max, gr_b):
-                events += [SimEvent("allreduce", g, s, -1, start, end, None, gr_b * nparams) for g in gpus]
-                t_end = max(t_end, end)
-            t_red = dict.fromkeys(gpus, t_end)
-        t_opt = 0.0
-        for k, g in enumerate(gpus):
-            t0 = t_red[g]
-            for s in stages_p:
-                i, j = stage_blocks[s]
-                params = sum(costs.param_count[i:j])
-                # A shard of z MiB holds z MiB / shardable_bytes_per_param parameters ([C-optim]).
-                moved = ((2 * st_b * shard_bytes[s][k] / sh_b if sh_b else 0.0) if pol.sharded[s]
-                         else 2 * st_b * params)
-                t1 = t0 + moved / devices.mem_bw_bytes_per_s[g]
-                events.append(SimEvent("optim", g, s, -1, t0, t1, None, int(round(moved))))
-                t0 = t1
-            t_opt = max(t_opt, t0)
-        for s in stages_p:  # all-gather the updated weights once the group's steps ended
-            if pol.sharded[s]:
-                i, j = stage_blocks[s]
-                params = sum(costs.param_count[i:j])
-                t1 = t_opt + pa_b * params / bw_min + (len(gpus) - 1) * lat_max
-                events += [SimEvent("allgather", g, s, -1, t_opt, t1, None, pa_b * params) for g in gpus]
-                t_opt = t1
-        step = max(step, t_opt)
+    # Gradient sync (see the module note): per group its buckets, tied parameters over their
+    # holders, then each GPU's optimizer steps, then the all-gathers of the sharded stages.
+    step, sync_events, shard_bytes = gradient_sync(costs, devices, stage_blocks, stage_gpus, samples_per_microbatch,
+                                                   n_p, pol, last_b, last_b_span, rc_dur, resources)
+    events += sync_events
 
     n_g = devices.num_gpus
     busy_frac = tuple(busy.get(g, 0.0) / step if step > 0 else 0.0 for g in range(n_g))
@@ -539,4 +458,4 @@ def simulate(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions, *,
                      events=tuple(events), bubble_fraction=bubble,
                      gpu_nodes=tuple(devices.node_names or (f"gpu{g}" for g in range(n_g))),
                      gpu_types=tuple(devices.gpu_types), stage_sharded=pol.sharded,
-                     state_shard_bytes=tuple(shard_bytes), stage_recompute=pol.recompute, interleave=v)
+                     state_shard_bytes=shard_bytes, stage_recompute=pol.recompute, interleave=v)

@@ -33,10 +33,11 @@ __all__ = ["to_perfetto", "gantt_png", "COLORS"]
 
 #: Colours of the chart (and the trace's ``cname``-free legend) per event kind.
 COLORS = {"F": "#4C78A8", "B": "#F58518", "recompute": "#FFBF79", "allreduce": "#E45756", "optim": "#54A24B",
-          "allgather": "#B279A2", "send": "#9D9D9D"}
+          "allgather": "#B279A2", "send": "#9D9D9D", "tiedreduce": "#FF9DA6"}
 _LEGEND = {"F": "forward", "B": "backward", "recompute": "backward: forward re-run", "allreduce": "all-reduce",
-           "optim": "optimizer", "allgather": "all-gather (ZeRO-1)", "send": "send"}
-_COMPUTE = ("F", "B", "allreduce", "optim", "allgather")
+           "optim": "optimizer", "allgather": "all-gather (ZeRO-1)", "send": "send",
+           "tiedreduce": "all-reduce (tied parameter)"}
+_COMPUTE = ("F", "B", "allreduce", "tiedreduce", "optim", "allgather")
 
 
 def _labels(result: SimResult, gpu_labels) -> dict[int, str]:
@@ -107,7 +108,7 @@ def to_perfetto(result: SimResult, path, *, gpu_labels=None) -> Path:
             args.update(peer=e.peer, bytes=e.nbytes)
             if e.peer_stage is not None:
                 args.update(peer_stage=e.peer_stage)
-        elif e.kind in ("allreduce", "optim", "allgather"):
+        elif e.kind in ("allreduce", "tiedreduce", "optim", "allgather"):
             args.update(bytes=e.nbytes)
         elif e.recompute_s > 0:
             args.update(recompute=True, recompute_s=e.recompute_s)

@@ -11,10 +11,10 @@ needs the records (the cluster, the runtime) never imports OR-Tools.
 """
 
 from .objective import Evaluation, evaluate
-from .records import BlockCosts, DeviceGraph, SolverOptions, SolverResult
+from .records import BlockCosts, DeviceGraph, SharedLink, SolverOptions, SolverResult, TiedParam
 
 __all__ = [
-    "BlockCosts", "DeviceGraph", "SolverOptions", "SolverResult",
+    "BlockCosts", "DeviceGraph", "SharedLink", "SolverOptions", "SolverResult", "TiedParam",
     "Evaluation", "evaluate", "solve_brute_force", "solve_cpsat", "solve_grouped",
 ]
 

@@ -10,9 +10,10 @@ legal cut points), ``G`` = number of GPUs in the cluster.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
-__all__ = ["BlockCosts", "DeviceGraph", "SolverOptions", "SolverResult", "MEMORY_MODES", "SAFETY_STOP",
+__all__ = ["BlockCosts", "DeviceGraph", "SharedLink", "TiedParam", "SolverOptions", "SolverResult", "MEMORY_MODES", "SAFETY_STOP",
            "with_safety_stop"]
 
 #: Appended to a result's status when the wall-clock safety stop cut a CP-SAT
@@ -28,6 +29,30 @@ def with_safety_stop(status: str, wall_clock_stops: int) -> str:
 
 #: Values of ``SolverOptions.sharding`` / ``SolverOptions.recompute``.
 MEMORY_MODES = ("never", "auto", "always")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TiedParam:
+    """A trainable parameter read by several blocks (a tied input/output
+    embedding: GPT-2, OPT). Its elements count in ``BlockCosts.param_count``
+    of every block in ``blocks`` (each stage holding one of them keeps a copy);
+    where those blocks fall in different stages the runtime reduces its
+    gradient once over the union of the holding stages' GPUs ([Note:
+    overlapped gradient reduction] in ``runtime/grad_sync.py``), not per stage."""
+
+    #: Canonical parameter name (``CapturedModel.tied`` values), for messages.
+    name: str
+    #: The blocks that read it, ascending, at least two.
+    blocks: tuple[int, ...]
+    #: Elements of the parameter.
+    numel: int
+
+    def __post_init__(self) -> None:
+        if len(self.blocks) < 2 or list(self.blocks) != sorted(set(self.blocks)) or self.blocks[0] < 0:
+            raise ValueError(f"TiedParam {self.name!r}: blocks={self.blocks!r} must be >= 2 distinct block "
+                             f"indices >= 0 in ascending order")
+        if not isinstance(self.numel, int) or self.numel <= 0:
+            raise ValueError(f"TiedParam {self.name!r}: numel={self.numel!r} must be an int > 0")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -78,6 +103,9 @@ class BlockCosts:
     #: Bytes of each weight in the all-gather after a sharded optimizer step:
     #: 4 (the float32 master weights, in every precision).
     param_bytes_per_param: int = 4
+    #: Parameters read by several blocks (tied embeddings), each counted in
+    #: ``param_count`` of every block that reads it; empty = none.
+    tied_params: tuple[TiedParam, ...] = ()
 
     def __post_init__(self) -> None:
         nb = len(self.param_count)
@@ -110,6 +138,16 @@ class BlockCosts:
                 raise ValueError(
                     f"fwd_bwd_s_fixed[{gpu_type!r}] must have {nb} non-negative entries, got {times}"
                 )
+        for tp in self.tied_params:
+            if not isinstance(tp, TiedParam):
+                raise ValueError(f"tied_params must hold TiedParam records, got {tp!r}")
+            bad = [b for b in tp.blocks if b >= nb or self.param_count[b] < tp.numel]
+            if bad:
+                raise ValueError(
+                    f"tied parameter {tp.name!r}: block(s) {bad} out of range or with param_count below its "
+                    f"{tp.numel} elements; a tied parameter counts in param_count of every block in {tp.blocks}")
+        if len({tp.name for tp in self.tied_params}) != len(self.tied_params):
+            raise ValueError(f"tied_params names must be unique, got {[tp.name for tp in self.tied_params]}")
 
     @property
     def optim_bytes(self) -> int:
@@ -119,6 +157,49 @@ class BlockCosts:
     @property
     def num_blocks(self) -> int:
         return len(self.param_count)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SharedLink:
+    """A network link that the flows of several GPU pairs cross (a region's
+    WAN uplink, a node's NIC), declared in the cluster file (``shared_links:``,
+    ``nic:``; ``zorse_fx.cluster.cluster``). A flow from GPU g to GPU h crosses
+    it when g is on side a and h on side b (direction 0) or the reverse
+    (direction 1); each direction has ``bandwidth_bytes_per_s`` of its own
+    (full duplex), shared by every flow crossing it that way, on top of the
+    pair's own link (``DeviceGraph.link_bw_bytes_per_s``) ([Note: network
+    resources] in ``zorse_fx/sim/network.py``)."""
+
+    #: Name for tables and messages (``"wan-us-eu"``, ``"nic:node0"``).
+    name: str
+    #: The GPUs of either side, ascending, disjoint, non-empty.
+    gpus_a: tuple[int, ...]
+    gpus_b: tuple[int, ...]
+    #: Capacity of each direction, bytes/s.
+    bandwidth_bytes_per_s: float
+
+    def __post_init__(self) -> None:
+        for side in ("gpus_a", "gpus_b"):
+            gpus = getattr(self, side)
+            if not gpus or list(gpus) != sorted(set(gpus)) or gpus[0] < 0:
+                raise ValueError(f"SharedLink {self.name!r}: {side}={gpus!r} must be distinct GPU indices "
+                                 f">= 0 in ascending order, at least one")
+        common = set(self.gpus_a) & set(self.gpus_b)
+        if common:
+            raise ValueError(f"SharedLink {self.name!r}: GPUs {sorted(common)} are on both sides; "
+                             f"a flow crosses the link from one side to the other")
+        if not (self.bandwidth_bytes_per_s > 0 and math.isfinite(self.bandwidth_bytes_per_s)):
+            raise ValueError(f"SharedLink {self.name!r}: bandwidth_bytes_per_s={self.bandwidth_bytes_per_s!r} "
+                             f"must be a finite number > 0 (bytes/s per direction)")
+
+    def direction(self, g: int, h: int) -> int | None:
+        """0 when a flow g -> h crosses the link from side a to side b, 1 from
+        b to a, None when it does not cross it."""
+        if g in self.gpus_a:
+            return 0 if h in self.gpus_b else None
+        if g in self.gpus_b:
+            return 1 if h in self.gpus_a else None
+        return None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -140,6 +221,9 @@ class DeviceGraph:
     link_latency_s: tuple[tuple[float, ...], ...]
     #: ``(G,)`` node name of each GPU (for tables and symmetry breaking).
     node_names: tuple[str, ...] = ()
+    #: Links the flows of several GPU pairs share (WAN uplinks, NICs), on top
+    #: of each pair's own link; empty = every pair has its link to itself.
+    shared_links: tuple[SharedLink, ...] = ()
 
     def __post_init__(self) -> None:
         g = len(self.gpu_types)
@@ -152,6 +236,15 @@ class DeviceGraph:
                     raise ValueError(f"DeviceGraph.{name} must be {g}x{g}")
         if self.node_names and len(self.node_names) != g:
             raise ValueError(f"DeviceGraph.node_names has {len(self.node_names)} entries, expected {g}")
+        for link in self.shared_links:
+            if not isinstance(link, SharedLink):
+                raise ValueError(f"DeviceGraph.shared_links must hold SharedLink records, got {link!r}")
+            if max(link.gpus_a[-1], link.gpus_b[-1]) >= g:
+                raise ValueError(f"DeviceGraph.shared_links: {link.name!r} names GPU "
+                                 f"{max(link.gpus_a[-1], link.gpus_b[-1])}, the graph has {g} GPUs")
+        names = [link.name for link in self.shared_links]
+        if len(set(names)) != len(names):
+            raise ValueError(f"DeviceGraph.shared_links: names must be unique, got {names}")
 
     @property
     def num_gpus(self) -> int:

@@ -1,0 +1,163 @@
+"""The simulator's network: the resources a flow uses, max-min fair rates over
+several resources, and ring collectives priced on the actual links.
+
+[Note: network resources]
+A flow (a boundary message g -> h) uses
+  * its pair's link (``link_resource``): the unordered node pair for GPUs on
+    different nodes, the unordered GPU pair inside a node, both directions
+    sharing it, capacity ``link_bw_bytes_per_s[g][h]`` (where the flows on
+    one such resource have different figures -- a hand-made asymmetric
+    graph -- the smallest), and
+  * every shared link it crosses (``DeviceGraph.shared_links``: a region's
+    WAN path, a node's NIC), one resource per direction (full duplex), of
+    the link's capacity.
+The flows in their transfer phase get max-min fair rates over these
+resources (``max_min_rates``: progressive filling), recomputed at every
+event. With no shared links every flow uses one resource and its rate is the
+equal share ``bw / n`` of its pair's link.
+
+Ring collectives (``Ring``): the gradient all-reduce / weight all-gather of
+a GPU group runs as a ring over the group's GPUs in stage order, g_0 -> g_1
+-> ... -> g_{k-1} -> g_0. Every hop sends at once; a hop's bandwidth is its
+pair's link's, or its share of a shared link it crosses if smaller (the
+link's capacity / the number of the ring's hops crossing it in the same
+direction); the ring moves at its slowest hop. Ring all-reduce of n bytes:
+``2 (k - 1) / k * n / bw + 2 (k - 1) * lat`` (reduce-scatter + all-gather,
+k - 1 steps each, of n / k bytes per hop; Patarasuk & Yuan, "Bandwidth
+optimal all-reduce algorithms for clusters of workstations", JPDC 2009);
+all-gather of n bytes: ``(k - 1) / k * n / bw + (k - 1) * lat``, with lat
+the largest hop latency. Hops on one node pair are counted as links of their
+own (what they share is the nodes' NICs, when the cluster file declares
+them). Collectives do not contend with boundary messages.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Hashable, Mapping, Sequence
+
+from ..solve.records import DeviceGraph
+
+__all__ = ["FlowResources", "Ring", "link_resource", "max_min_rates", "ring"]
+
+
+def link_resource(devices: DeviceGraph, g: int, h: int) -> tuple:
+    """The pair's own link a message g -> h uses (see [Note: network resources])."""
+    nodes = devices.node_names or tuple(f"gpu{k}" for k in range(devices.num_gpus))
+    if nodes[g] != nodes[h]:
+        return ("node",) + tuple(sorted((nodes[g], nodes[h])))
+    return ("gpu",) + tuple(sorted((g, h)))
+
+
+class FlowResources:
+    """The shared-link resources of every GPU pair of one device graph, computed once per pair.
+
+    ``shared(g, h)``: ``((("shared", i, direction), capacity), ...)`` for the
+    shared links ``devices.shared_links[i]`` a flow g -> h crosses."""
+
+    def __init__(self, devices: DeviceGraph) -> None:
+        self.devices = devices
+        self._sides = [(frozenset(sl.gpus_a), frozenset(sl.gpus_b)) for sl in devices.shared_links]
+        self._cache: dict[tuple[int, int], tuple] = {}
+
+    def shared(self, g: int, h: int) -> tuple[tuple[tuple, float], ...]:
+        key = (g, h)
+        out = self._cache.get(key)
+        if out is None:
+            out = []
+            for i, (a, b) in enumerate(self._sides):
+                d = 0 if g in a and h in b else 1 if g in b and h in a else None
+                if d is not None:
+                    out.append((("shared", i, d), self.devices.shared_links[i].bandwidth_bytes_per_s))
+            out = self._cache[key] = tuple(out)
+        return out
+
+
+def max_min_rates(flows: Sequence[Sequence[Hashable]], capacity: Mapping[Hashable, float]) -> list[float]:
+    """Max-min fair rates of ``flows`` (each the resources it uses, at least
+    one) over resources of the given ``capacity`` (> 0), by progressive
+    filling: repeatedly the resource whose remaining capacity divided among
+    its still unfrozen flows is smallest is the bottleneck; its unfrozen flows
+    get that share and are frozen, and the share is taken off every resource
+    they use. Ties go to the first-listed resource (they freeze the same rates)."""
+    n = len(flows)
+    rate = [0.0] * n
+    left = dict(capacity)
+    users: dict[Hashable, list[int]] = defaultdict(list)
+    for f, res in enumerate(flows):
+        if not res:
+            raise ValueError(f"flow {f} uses no resource")
+        for r in res:
+            users[r].append(f)
+    if all(len(res) == 1 for res in flows):  # no flow meets another resource: equal shares (the same rates)
+        return [capacity[res[0]] / len(users[res[0]]) for res in flows]
+    frozen = [False] * n
+    unfrozen = {r: len(fs) for r, fs in users.items()}
+    while unfrozen:
+        best, share = None, 0.0
+        for r, k in unfrozen.items():
+            if best is None or left[r] / k < share:
+                best, share = r, left[r] / k
+        share = max(share, 0.0)
+        for f in users[best]:
+            if frozen[f]:
+                continue
+            frozen[f], rate[f] = True, share
+            for r in flows[f]:
+                left[r] -= share
+                unfrozen[r] -= 1
+                if not unfrozen[r]:
+                    del unfrozen[r]
+    return rate
+
+
+@dataclass(frozen=True, slots=True)
+class Ring:
+    """A ring over ``gpus`` (in this order): its slowest hop's bandwidth
+    (bytes/s, with shared links split among the hops crossing them) and largest
+    hop latency (s); see [Note: network resources]. One GPU: no hops, every
+    collective takes 0 s."""
+
+    gpus: tuple[int, ...]
+    bandwidth_bytes_per_s: float
+    latency_s: float
+
+    @property
+    def size(self) -> int:
+        return len(self.gpus)
+
+    def allreduce_s(self, nbytes: float) -> float:
+        """Ring all-reduce of ``nbytes`` per GPU: ``2 (k-1)/k n / bw + 2 (k-1) lat``."""
+        k = self.size
+        return 0.0 if k < 2 else 2 * (k - 1) / k * nbytes / self.bandwidth_bytes_per_s + 2 * (k - 1) * self.latency_s
+
+    def allgather_s(self, nbytes: float) -> float:
+        """Ring all-gather of ``nbytes`` in all (each GPU holds n / k): ``(k-1)/k n / bw + (k-1) lat``."""
+        k = self.size
+        return 0.0 if k < 2 else (k - 1) / k * nbytes / self.bandwidth_bytes_per_s + (k - 1) * self.latency_s
+
+
+def ring(devices: DeviceGraph, gpus: Sequence[int], resources: FlowResources | None = None) -> Ring:
+    """The ring g_0 -> g_1 -> ... -> g_{k-1} -> g_0 over ``gpus`` (see [Note: network resources])."""
+    gpus = tuple(gpus)
+    k = len(gpus)
+    if len(set(gpus)) != k:
+        raise ValueError(f"a ring visits each GPU once, got {gpus}")
+    if k < 2:
+        return Ring(gpus, float("inf"), 0.0)
+    resources = resources or FlowResources(devices)
+    hops = [(gpus[i], gpus[(i + 1) % k]) for i in range(k)]  # k = 2: there and back
+    crossing: dict[tuple, int] = defaultdict(int)
+    for g, h in hops:
+        for key, _ in resources.shared(g, h):
+            crossing[key] += 1
+    bw, lat = float("inf"), 0.0
+    for g, h in hops:
+        hop = devices.link_bw_bytes_per_s[g][h]
+        if not hop > 0:
+            raise ValueError(f"link bandwidth from GPU {g} to {h} must be > 0, got {hop}")
+        for key, cap in resources.shared(g, h):
+            hop = min(hop, cap / crossing[key])
+        bw, lat = min(bw, hop), max(lat, max(devices.link_latency_s[g][h], 0.0))
+    return Ring(gpus, bw, lat)

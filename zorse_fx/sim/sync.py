@@ -1,0 +1,166 @@
+"""Gradient sync of a simulated step: the per-group bucketed all-reduce, the
+all-reduce of tied parameters over the union of their holders, the optimizer
+steps and the ZeRO-1 all-gathers ("Gradient sync" and "Tied parameters" in
+the module note of ``sim/engine.py``; rings priced in ``sim/network.py``)."""
+
+from __future__ import annotations
+
+from ..runtime.grad_sync import BUCKET_BYTES, bucket_caps
+from ..solve.objective import MEMORY_UNIT_BYTES, MIB_UNITS
+from ..solve.records import BlockCosts, DeviceGraph
+from .network import FlowResources, Ring, ring
+
+__all__ = ["gradient_sync"]
+
+#: Bytes of one gradient element in a bucket (float32 master gradients; BUCKET_BYTES counts these).
+_FP32 = 4
+
+
+class _Timing:
+    """When each block's gradients are ready on a GPU: its stage's last backward
+    takes the blocks in reverse order, each for its share of the stage's
+    fwd+bwd time, after the re-run forward on a recomputing stage."""
+
+    def __init__(self, costs, devices, stage_blocks, stage_gpus, samples, last_b_span, rc_dur):
+        self.costs, self.devices, self.stage_blocks = costs, devices, stage_blocks
+        self.stage_gpus, self.samples, self.span, self.rc_dur = stage_gpus, samples, last_b_span, rc_dur
+
+    def block_done(self, g: int, s: int, b: int) -> float:
+        (i, j), (start, end) = self.stage_blocks[s], self.span[g, s]
+        costs, t = self.costs, self.devices.gpu_types[g]
+        n = self.samples[s][self.stage_gpus[s].index(g)]
+        fixed = costs.fwd_bwd_s_fixed.get(t, (0.0,) * costs.num_blocks)
+        w = [n * costs.fwd_bwd_s_per_sample[t][c] + fixed[c] for c in range(i, j)]
+        bwd = end - start - self.rc_dur[g, s]
+        total = sum(w)
+        return end if total <= 0 else start + self.rc_dur[g, s] + bwd * sum(w[b - i:]) / total
+
+
+def _reduction(costs: BlockCosts, timing: _Timing, stage_blocks, stages, gpus, excluded: dict[int, int],
+               ring_: Ring, grad_bytes: int):
+    """The gradient buckets of one GPU group, all-reduced in order as the
+    runtime does ([Note: overlapped gradient reduction] in
+    ``runtime/grad_sync.py``): the group's parameters in reverse plan order
+    (its last stage's last block first; ``excluded[b]`` of block b's
+    parameters left out: tied parameters reduced elsewhere, or counted once) in buckets of
+    ``BUCKET_BYTES`` of float32 gradients (the first one 1 MiB,
+    ``bucket_caps``); a bucket can start once every GPU's last backward of the
+    stage finished the bucket's earliest block and the previous bucket is
+    done; it takes a ring all-reduce of its gradients on the group's ring
+    (``Ring.allreduce_s``). Yields ``(stage, start, end, params)`` per stage,
+    from its first bucket's start to its last bucket's end, the parameters it reduces."""
+    buckets: list[list] = []  # [ready, params, {stage: params}]
+    caps = bucket_caps(BUCKET_BYTES)
+    cur = [0.0, 0, {}]
+    for s in reversed(stages):
+        i, j = stage_blocks[s]
+        for b in range(j - 1, i - 1, -1):
+            left = costs.param_count[b] - excluded.get(b, 0)
+            ready = max(timing.block_done(g, s, b) for g in gpus)
+            while left > 0:
+                cap = caps[0] if not buckets else caps[1]
+                room = max(1, -(-(cap - _FP32 * cur[1]) // _FP32))
+                take = min(left, room)
+                cur[0] = max(cur[0], ready)
+                cur[1] += take
+                cur[2][s] = cur[2].get(s, 0) + take
+                left -= take
+                if _FP32 * cur[1] >= cap:
+                    buckets.append(cur)
+                    cur = [0.0, 0, {}]
+    if cur[1]:
+        buckets.append(cur)
+    t = 0.0
+    span: dict[int, list] = {}
+    for ready, params, by_stage in buckets:
+        start = max(ready, t)
+        t = start + ring_.allreduce_s(grad_bytes * params)
+        for s, n in by_stage.items():
+            sp = span.setdefault(s, [start, t, 0])
+            sp[1], sp[2] = t, sp[2] + n
+    for s in sorted(span):
+        yield s, *span[s]
+
+
+def _tied_plan(costs: BlockCosts, stage_blocks, stage_gpus, n_p: int):
+    """Per tied parameter where its holders differ from one GPU group: (param,
+    holding stages, the union of their GPUs in stage order); and per block the
+    parameters its group's buckets leave out (the runtime reduces a parameter
+    once per holder set: [Note: overlapped gradient reduction])."""
+    stage_of = {b: s for s, (i, j) in enumerate(stage_blocks) for b in range(i, j)}
+    excluded: dict[int, int] = {}
+    unions = []
+    for tp in costs.tied_params:
+        stages = sorted({stage_of[b] for b in tp.blocks})
+        if len({s % n_p for s in stages}) == 1:  # one group holds every copy: reduced once, in its buckets
+            for b in tp.blocks[1:]:
+                excluded[b] = excluded.get(b, 0) + tp.numel
+            continue
+        for b in tp.blocks:
+            excluded[b] = excluded.get(b, 0) + tp.numel
+        union = tuple(dict.fromkeys(g for s in stages for g in stage_gpus[s]))
+        unions.append((tp, stages, union))
+    return excluded, unions
+
+
+def gradient_sync(costs: BlockCosts, devices: DeviceGraph, stage_blocks, stage_gpus, samples, n_p: int, pol,
+                  last_b: dict, last_b_span: dict, rc_dur: dict, resources: FlowResources):
+    """Events and end of the step's gradient sync (see the engine's module note).
+    Returns ``(step_end_s, events, shard_bytes)`` with ``shard_bytes`` per stage
+    per GPU (0 where not sharded)."""
+    from .engine import SimEvent  # the record lives with the engine
+
+    n_s = len(stage_blocks)
+    st_b, gr_b = costs.optim_bytes, costs.grad_bytes_per_param  # [C-optim] moves 2 x optim_bytes per parameter
+    sh_b, pa_b = costs.shardable_bytes_per_param, costs.param_bytes_per_param
+    mib = MIB_UNITS * MEMORY_UNIT_BYTES
+    timing = _Timing(costs, devices, stage_blocks, stage_gpus, samples, last_b_span, rc_dur)
+    events: list = []
+    shard_bytes = []
+    for s, gpus in enumerate(stage_gpus):
+        shard_bytes.append(tuple(z * mib for z in pol.shard_mib[s]) if pol.sharded[s] else (0,) * len(gpus))
+    excluded, unions = _tied_plan(costs, stage_blocks, stage_gpus, n_p)
+    # Tied parameters over the union of their holders: once the last holder's copy is final.
+    tied_end: dict[int, float] = {}
+    for tp, stages, union in unions:
+        ready = max(timing.block_done(g, s, b) for s in stages for g in stage_gpus[s]
+                    for b in tp.blocks if stage_blocks[s][0] <= b < stage_blocks[s][1])
+        end = ready + ring(devices, union, resources).allreduce_s(gr_b * tp.numel)
+        events += [SimEvent("tiedreduce", g, stages[-1], -1, ready, end, None, gr_b * tp.numel) for g in union]
+        for g in union:
+            tied_end[g] = max(tied_end.get(g, 0.0), end)
+    step = 0.0
+    for p in range(n_p):
+        stages_p = list(range(p, n_s, n_p))
+        gpus = stage_gpus[p]
+        ring_p = ring(devices, gpus, resources)
+        t_red = {g: last_b[g] for g in gpus}
+        if len(gpus) > 1:
+            t_end = max(last_b[g] for g in gpus)
+            for s, start, end, nparams in _reduction(costs, timing, stage_blocks, stages_p, gpus, excluded,
+                                                       ring_p, gr_b):
+                events += [SimEvent("allreduce", g, s, -1, start, end, None, gr_b * nparams) for g in gpus]
+                t_end = max(t_end, end)
+            t_red = dict.fromkeys(gpus, t_end)
+        t_opt = 0.0
+        for k, g in enumerate(gpus):
+            t0 = max(t_red[g], tied_end.get(g, 0.0))
+            for s in stages_p:
+                i, j = stage_blocks[s]
+                params = sum(costs.param_count[i:j])
+                # A shard of z MiB holds z MiB / shardable_bytes_per_param parameters ([C-optim]).
+                moved = ((2 * st_b * shard_bytes[s][k] / sh_b if sh_b else 0.0) if pol.sharded[s]
+                         else 2 * st_b * params)
+                t1 = t0 + moved / devices.mem_bw_bytes_per_s[g]
+                events.append(SimEvent("optim", g, s, -1, t0, t1, None, int(round(moved))))
+                t0 = t1
+            t_opt = max(t_opt, t0)
+        for s in stages_p:  # all-gather the updated weights once the group's steps ended
+            if pol.sharded[s]:
+                i, j = stage_blocks[s]
+                params = sum(costs.param_count[i:j])
+                t1 = t_opt + ring_p.allgather_s(pa_b * params)
+                events += [SimEvent("allgather", g, s, -1, t_opt, t1, None, pa_b * params) for g in gpus]
+                t_opt = t1
+        step = max(step, t_opt)
+    return step, events, tuple(shard_bytes)
