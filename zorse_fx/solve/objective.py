@@ -75,6 +75,36 @@ bw_min / lat_max become "max over present GPU pairs of the pair's rounded
 time", which equals the formula because rounding is monotone. Every quantity
 is then exact integer arithmetic, so the evaluator and the CP-SAT model agree
 to the nanosecond.
+
+[Note: shared links in the objective]
+A link that several GPU pairs share (``DeviceGraph.shared_links``: a region's
+WAN uplink, a node's NIC; one capacity per direction) enters the objective
+through the pair bandwidth only: ``effective_pair_bandwidth`` gives every
+pair bw(g, h) = min(its own link (smaller direction), the capacity of every
+shared link the pair crosses), and ``build_tables`` classes pairs by that
+figure, so the CP-SAT model, the DP and the class refinement of
+``grouped.gpu_classes`` (links with equal codes are interchangeable) see it
+without a term of their own. Why that is what sharing means here:
+  * [C-boundary] already charges ALL of the micro-batch's cut bytes over the
+    slowest pair between the two stages, as if they queued on one link. When
+    a stage pair straddles a shared link, the bytes crossing it are at most
+    all of them, and a shared link moves them at most at its capacity, so
+    bytes / min(pair link, capacity) bounds the time the boundary keeps that
+    link busy -- exactly when every route of the boundary crosses it (two
+    stages in two regions: the simulator's max-min rates give the routes
+    capacity / routes each, total bytes / capacity).
+  * [C-allreduce] is a ring over the stage's GPUs in stage order
+    (``sim/network.py``). A ring whose GPUs of each side are consecutive
+    crosses a shared link once per direction, so its crossing hop gets the
+    whole capacity: its slowest hop's bandwidth is min(pair link, capacity)
+    of that hop, >= the objective's slowest pair of the stage.
+Where it is NOT an upper bound: a ring whose order alternates between the
+two sides crosses the link r > 1 times per direction and the simulator gives
+each crossing capacity / r; two boundaries crossing one shared link in the
+same direction at the same moment (stages alternating between regions)
+share it in the simulator and not here; and boundary messages and rings that
+cross a NIC together. Those plans are priced optimistically by up to the
+factor of crossings; the simulator (``zorse_fx.sim``) prices them.
 """
 
 from __future__ import annotations
@@ -88,7 +118,7 @@ __all__ = [
     "UNITS_PER_S", "UNIT_S", "GIB", "to_units", "microbatch_candidates",
     "max_stage_count", "inflight", "IntTables", "build_tables", "Evaluation",
     "evaluate", "evaluate_units", "balance_shards", "MIB_UNITS", "evaluate_result",
-    "RECOMPUTE_FRACTION", "MemoryPolicy",
+    "RECOMPUTE_FRACTION", "MemoryPolicy", "effective_pair_bandwidth",
 ]
 
 #: Integer time units per second: 1 unit = 1 ns.
@@ -223,6 +253,31 @@ class IntTables:
         return max(self.cut_kib)
 
 
+def effective_pair_bandwidth(devices: DeviceGraph) -> list[list[float]]:
+    """(G, G) bytes/s of each GPU pair as the objective prices it ([Note: shared
+    links in the objective]): the smaller direction of the pair's own link,
+    capped by the capacity of every shared link (``DeviceGraph.shared_links``)
+    the pair crosses in either direction; 0.0 on the diagonal.
+
+    Raises:
+        ValueError: a pair's link bandwidth is not > 0."""
+    n_g = devices.num_gpus
+    bw = [[0.0] * n_g for _ in range(n_g)]
+    sides = [(frozenset(sl.gpus_a), frozenset(sl.gpus_b), sl.bandwidth_bytes_per_s) for sl in devices.shared_links]
+    for g in range(n_g):
+        for h in range(n_g):
+            if g == h:
+                continue
+            v = min(devices.link_bw_bytes_per_s[g][h], devices.link_bw_bytes_per_s[h][g])
+            if not v > 0:
+                raise ValueError(f"link bandwidth between GPU {g} and {h} must be > 0, got {v}")
+            for a, b_, cap in sides:
+                if (g in a and h in b_) or (g in b_ and h in a):
+                    v = min(v, cap)
+            bw[g][h] = v
+    return bw
+
+
 def build_tables(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions,
                  num_microbatches: int) -> IntTables:
     """Round every coefficient of the model once (see the module note)."""
@@ -238,14 +293,11 @@ def build_tables(costs: BlockCosts, devices: DeviceGraph, options: SolverOptions
     for g in range(n_g):
         if devices.mem_bw_bytes_per_s[g] <= 0:
             raise ValueError(f"GPU {g}: mem_bw_bytes_per_s must be > 0, got {devices.mem_bw_bytes_per_s[g]}")
-    bw = [[0.0] * n_g for _ in range(n_g)]
+    bw = effective_pair_bandwidth(devices)
     lat = [[0] * n_g for _ in range(n_g)]
     for g in range(n_g):
         for h in range(n_g):
             if g != h:
-                bw[g][h] = min(devices.link_bw_bytes_per_s[g][h], devices.link_bw_bytes_per_s[h][g])
-                if bw[g][h] <= 0:
-                    raise ValueError(f"link bandwidth between GPU {g} and {h} must be > 0, got {bw[g][h]}")
                 lat[g][h] = to_units(max(devices.link_latency_s[g][h], devices.link_latency_s[h][g]))
     bw_values = tuple(sorted({bw[g][h] for g in range(n_g) for h in range(n_g) if g != h}))
     bw_index = {v: k for k, v in enumerate(bw_values)}
