@@ -350,22 +350,25 @@ class CandidateModel:
         k_hi = max(1, min(tab.num_gpus, b))  # GPUs of one stage
 
         def ring(units, kv, hi, khi, name):
-            """ceil(units * (k - 1) / k) of a ring over kv = k >= 1 GPUs ([C-allreduce],
-            objective.ring_units): one literal per k (k = kv), a division by the constant k
-            each (a product units * (k - 1) of two variables left CP-SAT's LP relaxation
-            too weak: seed 7 of test_cpsat_matches_brute_force_with_memory_policy did not
-            reach OPTIMAL in its budget)."""
+            """IntVar d = ceil(units * (k - 1) / k) of a ring over kv = k >= 1 GPUs
+            ([C-allreduce], objective.ring_units): one literal per k (k = kv), under
+            which two linear inequalities k d >= (k - 1) units > k d - k pin d. (A
+            product units * (k - 1) of two variables then a division left CP-SAT's LP
+            relaxation too weak -- seed 7 of test_cpsat_matches_brute_force_with_memory_policy
+            did not reach OPTIMAL in its budget --, and division constraints by each
+            constant k made CP-SAT exhaust memory (> 8 GB) on bench/planner_scaling.py's
+            256-GPU instance when warm-started.)"""
             if khi < 2:
                 return 0
             e = [m.NewBoolVar(f"{name}_is{kk}") for kk in range(1, khi + 1)]
             m.AddExactlyOne(e)
             m.Add(sum(kk * lit for kk, lit in zip(range(1, khi + 1), e)) == kv)
-            out = []
+            d = m.NewIntVar(0, hi, f"{name}_ring")
+            m.Add(d == 0).OnlyEnforceIf(e[0])
             for kk, lit in zip(range(2, khi + 1), e[1:]):
-                d = m.NewIntVar(0, hi, f"{name}_d{kk}")
-                m.AddDivisionEquality(d, (kk - 1) * units + kk - 1, kk)
-                out.append(gated(lit, d, hi, f"{name}_g{kk}"))
-            return sum(out)
+                m.Add(kk * d >= (kk - 1) * units).OnlyEnforceIf(lit)
+                m.Add(kk * d <= (kk - 1) * units + kk - 1).OnlyEnforceIf(lit)
+            return d
 
         # [C-tied] per tied parameter t: ex[t][s] = copies stage s's own all-reduce leaves out
         # (its blocks in s, less one if every block is in s), and per stage the all-reduce over
