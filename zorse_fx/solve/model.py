@@ -51,8 +51,8 @@ With u = z >= 1 (the block's fixed cost is paid):
                 link inside a unit if unit > 1; between units if k >= 2) of
                 the stage's sum less its excluded tied copies, GPUs of s)
                 + 2 * (GPUs of s - 1) * max latency; ring(x, k) =
-                ceil(x (k-1) / k) by one literal per k = GPUs of s and a
-                division by the constant k each                         [C-allreduce]
+                ceil(x (k-1) / k) by one literal per k = GPUs of s and,
+                under it, k d >= (k-1) x > k d - k (linear)             [C-allreduce]
   tied        per tied parameter t with blocks q_1 < ... < q_r: same_s =
                 in_s[q_1] and in_s[q_r] (all in s); excluded copies of stage
                 s = sum_i in_s[q_i] - same_s; holders hold_s = OR_i in_s[q_i];
