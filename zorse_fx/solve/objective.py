@@ -488,6 +488,7 @@ class Evaluation:
     stage_time_s: tuple[float, ...]
     compute_s: tuple[float, ...]
     boundary_s: tuple[float, ...]
+    #: Per stage: the gradient sync its optimizer waits for, max([C-allreduce], [C-tied]).
     allreduce_s: tuple[float, ...]
     optim_s: tuple[float, ...]
     #: Per stage, per GPU (aligned with stage_gpus): predicted peak bytes.
