@@ -115,11 +115,10 @@ def test_heterogeneous_dp_pair_with_allreduce():
     assert opt[0].end_s - opt[0].start_s == pytest.approx(2 * 16e6 / 1e12)
     assert opt[1].start_s == pytest.approx(3e-3 + allreduce)
     assert sim.step_time_s == pytest.approx(3e-3 + allreduce + 2 * 16e6 / 5e11, rel=1e-12)
-    # The objective charges one all-reduce's latency (an optimistic alpha term when a stage
-    # has several buckets) and a bandwidth term without the ring's (k-1)/k = 1/2 (NOT YET in the
-    # objective: issue 13 item 6), 2 x 4 MB / bw where the ring moves half of that.
+    # The objective charges the ring's bandwidth term (with its (k-1)/k = 1/2) and one
+    # all-reduce's latency (an optimistic alpha term when a stage has several buckets).
     ev = evaluate(costs, devices, options, Decision(**kw))
-    assert sim.step_time_s == pytest.approx(ev.step_time_s + (nb - 1) * 2 * 1e-5 - 4e6 / 1e10, rel=1e-9)
+    assert sim.step_time_s == pytest.approx(ev.step_time_s + (nb - 1) * 2 * 1e-5, rel=1e-9)
     act = 977 * KIB  # 1e6 activation bytes per sample, rounded up to KiB as in the objective
     assert sim.peak_memory_bytes == (16_000_000 + 3 * act, 16_000_000 + act)
 
@@ -193,12 +192,10 @@ def test_agreement_with_objective():
     boundaries share one link, which the objective does not model), and on the
     compute-only instance (a) and (b) vanish so |sim/obj - 1| <= TOL; with
     comm, the remaining gap is bounded below by that compute-only step.
-      (d) the ring's (k-1)/k: the simulator's ring all-reduce moves 2 (k-1)/k
-          of a group's gradient bytes per hop, the objective charges 2 x (NOT
-          YET in the objective: issue 13 item 6).
-    Measured on these 15 plans: the simulator is never slower (+0.0%), at most
-    26.9% faster (seed 7, one stage, one micro-batch: (d) on its all-reduce;
-    24.7% before (d)); compute-only |deviation| <= 8.6%."""
+    Both price the ring all-reduce with its (k-1)/k (issue 13 item 6).
+    Measured on these 15 plans: the simulator is never slower (-0.0%), at most
+    24.6% faster (seed 4, S=2, M=4; 26.9% (seed 7) while the objective lacked
+    the (k-1)/k); compute-only |deviation| <= 5.9%."""
     rows = []
     for seed in AGREEMENT_SEEDS:
         costs, devices, options = random_instance(seed)
@@ -345,10 +342,9 @@ def test_sharded_stage_allreduce_optim_allgather():
     assert sim.step_time_s == pytest.approx(ag[0].end_s, rel=1e-12)
     ev = evaluate(costs, devices, options, Decision(**kw, sharded=(True,), shard_mib=(shards,)))
     # The objective rounds the optimizer time per MiB to the ns (<= 0.5 ns x 12 MiB here) and
-    # charges one all-reduce latency term for the stage's two buckets; its bandwidth terms lack
-    # the ring's (k-1)/k = 2/3 (NOT YET in the objective: issue 13 item 6): it charges
-    # 1/3 x 2 x 4p / bw more for the all-reduce and 1/3 x 4p / bw more for the all-gather.
-    extra = (nb - 1) * 2 * 2 * lat - (1 / 3) * 2 * 4 * p / bw - (1 / 3) * 4 * p / bw
+    # charges one all-reduce latency term for the stage's two buckets; its bandwidth terms
+    # are the ring's, (k-1)/k = 2/3 of 2 x 4p / bw (all-reduce) + 4p / bw (all-gather).
+    extra = (nb - 1) * 2 * 2 * lat
     assert sim.step_time_s == pytest.approx(ev.step_time_s + extra, abs=2e-8)
     # Memory: weights + grads replicated (8 B/param) + the shard + n_g x 10 KiB activations.
     assert sim.peak_memory_bytes == tuple(8 * p + z * MIB + n * 10 * KIB for z, n in zip(shards, (2, 1, 1)))
@@ -509,9 +505,8 @@ def test_gradient_buckets_overlap_the_last_backward(bw):
         assert total_ar > 3 * quarter
         assert end == pytest.approx(start + total_ar, rel=1e-9)
         hidden = 3 * quarter
-    # The objective charges the whole reduction after the drain: never less; and it charges
-    # 2 x bytes / bw, without the ring's (k-1)/k = 1/2 (NOT YET in the objective: issue 13
-    # item 6), so total_bytes / bw more.
+    # The objective charges the whole reduction (the same ring, (k-1)/k = 1/2) after the
+    # drain: more by what the simulator hides in the backward.
     ev = evaluate(costs, devices, options, Decision(stage_blocks=((0, 4),), stage_gpus=((0, 1),),
                                                     samples_per_microbatch=((1, 1),), num_microbatches=1))
-    assert ev.step_time_s - sim.step_time_s == pytest.approx(hidden + total_bytes / bw, rel=1e-6, abs=2e-9)
+    assert ev.step_time_s - sim.step_time_s == pytest.approx(hidden, rel=1e-6, abs=2e-9)

@@ -224,7 +224,7 @@ def test_interleaved_uniform_pipeline_takes_mv_plus_p_minus_1_stage_times(groups
     options = solver_options(global_batch_size=m * k, max_interleave=v)
     sim = simulate(costs, devices, options, Decision(**kw))
     ev = evaluate(costs, devices, options, Decision(**kw))
-    allreduce = 2 * 4 * params / bw if k > 1 else 0.0
+    allreduce = 2 * (k - 1) / k * 4 * params / bw if k > 1 else 0.0  # ring: (k-1)/k
     optim = 2 * 16 * params / 1e12
     expect = (m * v + groups - 1) * t + v * (allreduce + optim)
     assert ev.step_time_s == pytest.approx(expect, abs=1e-8)
@@ -232,10 +232,8 @@ def test_interleaved_uniform_pipeline_takes_mv_plus_p_minus_1_stage_times(groups
     # reduced while the other chunks' backwards still run; the objective charges it after.
     from zorse_fx.runtime.grad_sync import FIRST_BUCKET_BYTES
 
-    # The simulator's ring moves (k-1)/k of the bytes per hop; the objective charges them all
-    # (NOT YET (k-1)/k in the objective: issue 13 item 6): v x allreduce / k less here.
     hidden = 2 * (k - 1) / k * FIRST_BUCKET_BYTES / bw if k > 1 else 0.0
-    assert sim.step_time_s == pytest.approx(expect - hidden - v * allreduce / k, rel=1e-12)
+    assert sim.step_time_s == pytest.approx(expect - hidden, rel=1e-12)
     fb = [e for e in sim.events if e.kind in ("F", "B")]
     assert max(e.end_s for e in fb) == pytest.approx((m * v + groups - 1) * t, rel=1e-12)
     for g in range(n_g):  # every GPU computes M v chunk-micro-batches of t
@@ -248,7 +246,7 @@ def test_interleaved_uniform_pipeline_takes_mv_plus_p_minus_1_stage_times(groups
         assert len(red) == (k * v if k > 1 else 0)
         if red:  # a 1 MiB bucket during the backwards, then the rest of the v x 4 MB in one bucket
             assert min(e.start_s for e in red) < prev
-            ring = v * allreduce * (k - 1) / k
+            ring = v * allreduce
             assert max(e.end_s for e in red) == pytest.approx(prev + ring - hidden, rel=1e-12)
             prev += ring - hidden
         for s in stages:

@@ -12,12 +12,14 @@ model, the stage DP, a baseline, the interleave pass):
   raises ``PlanCheckError`` rather than handing out a plan that would run
   out of memory;
 * time: the simulated step is reported next to the predicted one. The
-  objective is conservative on stage boundaries and DP sync (the simulator is
-  0-15% faster on the scenario plans, bench/README.md); where the simulator
-  is slower by more than ``tolerance`` (links shared by two boundaries, a
-  WAN path or NIC the cluster file declares shared, a tied parameter's
-  all-reduce across stages: what the objective does not model yet), the check warns: the plan may not be the
-  best one and the prediction is optimistic.
+  objective is conservative on stage boundaries and DP sync (on 56 returned
+  plans the simulator is at most 4.8% slower and up to 43% faster:
+  "Objective vs simulator (issue 13 item 6)" in bench/README.md); where the
+  simulator is slower by more than ``tolerance`` (what the objective prices
+  optimistically: two boundaries sharing one link or one shared link in the
+  same direction, a ring crossing a shared link several times per direction:
+  [Note: shared links in the objective]), the check warns: the plan may not
+  be the best one and the prediction is optimistic.
 """
 
 from __future__ import annotations

@@ -80,10 +80,10 @@ shard's parameters, ``2 * optim_bytes * (z_g MiB / shardable_bytes_per_param)
 ("allgather" events, per GPU of the stage, one stage after the other) on the
 same ring: ``(k - 1) / k * param_bytes * P_s / bw_ring + (k - 1) * lat_max``,
 starting when the group's last optimizer step ends. Without overlap (one
-bucket per stage) and without shared links, a stage's all-reduce + slowest
-optimizer + all-gather is the objective's ``allreduce_s + optim_s`` less the
-(k - 1)/k the objective does not price yet (it charges ``2 * bytes /
-bw_min``; issue 13 item 6, tests/test_sim.py say by how much).
+bucket per stage), a stage's all-reduce + slowest optimizer + all-gather is
+the objective's ``allreduce_s + optim_s`` (both price the ring with its
+(k - 1)/k; the objective on the slowest pair of the stage, with shared links
+through the pair bandwidth: [Note: shared links in the objective]).
 The step ends when the last optimizer step /
 all-gather ends. The objective charges the whole sync after the drain of
 every stage (``max_s``): it prices no overlap, but one latency term per
@@ -91,8 +91,7 @@ stage where the runtime pays one per bucket, so it is the pessimistic one
 except by ``(buckets - 1) * 2 (k - 1) lat_max`` on a stage whose buckets are
 all ready at once. Times are not rounded: where both models coincide (one stage,
 GPipe with equal stages and free links, or interleaved 1F1B with equal
-groups and chunks and free links: (M v + P - 1) stage times + sync; on a
-group of k > 1 GPUs less the (k - 1)/k term above) they
+groups and chunks and free links: (M v + P - 1) stage times + sync) they
 agree to the objective's ns rounding (<= 0.5 ns per block, and per MiB of
 shard for a sharded optimizer step). Elsewhere the interleaved objective's
 closed form can be optimistic, where a group's chunks are unequal
@@ -108,8 +107,9 @@ GPU of the union): a ring over the union in stage order,
 is final (the last backward of each holding stage has passed the block that
 reads it), not contending with the groups' own buckets; each holder's
 optimizer steps wait for it. When one group holds every copy, its buckets
-reduce the parameter once. The objective does not price this reduction yet
-(issue 13 item 6).
+reduce the parameter once. The objective prices both the same way ([C-tied]
+in solve/objective.py: the ring over the union, on its slowest pair, from the
+drain on, max'ed with the stage's own reduction before the optimizer).
 
 Memory. Counted in the objective's memory units (``MEMORY_UNIT_BYTES`` = 1
 KiB; per-block state, shardable state, activation and cut bytes rounded UP,

@@ -47,12 +47,22 @@ With u = z >= 1 (the block's fixed cost is paid):
                 rounded transfer time + max latency); (c, c) across stages
                 (count > 1) has the link between two units              [C-boundary]
   t_s         = max_c compute of c in s + boundary_s                    [C-stage]
-  allreduce_s = max over present pairs inside s (c < d both present; the link
-                inside a unit if unit > 1; between units if k >= 2)
-                + 2 * (GPUs of s - 1) * max latency                     [C-allreduce]
+  allreduce_s = ring(max over present pairs inside s (c < d both present; the
+                link inside a unit if unit > 1; between units if k >= 2) of
+                the stage's sum less its excluded tied copies, GPUs of s)
+                + 2 * (GPUs of s - 1) * max latency; ring(x, k) =
+                ceil(x (k-1) / k) by one literal per k = GPUs of s and,
+                under it, k d >= (k-1) x > k d - k (linear)             [C-allreduce]
+  tied        per tied parameter t with blocks q_1 < ... < q_r: same_s =
+                in_s[q_1] and in_s[q_r] (all in s); excluded copies of stage
+                s = sum_i in_s[q_i] - same_s; holders hold_s = OR_i in_s[q_i];
+                when no same_s: the ring over the union of the holders' groups
+                (units summed over holding stages) -- pairs and size as for a
+                stage --, gated onto every holding stage               [C-tied]
   optim_s     = max over memory-bandwidth classes present               [C-optim]
   memory      = objective.py's [C-memory] per group and stage           [C-memory]
-  step        = sum_s t_s + (M - 1) max_s t_s + max_s (allreduce_s + optim_s) [C-objective]
+  step        = sum_s t_s + (M - 1) max_s t_s
+                + max_s (max(allreduce_s, tied of s) + optim_s)         [C-objective]
 
 Units: time in integer ns (objective.UNITS_PER_S), memory in KiB, exactly the
 tables of ``build_tables``. Every derived quantity is defined by an equality
@@ -339,7 +349,89 @@ class CandidateModel:
                      max((tab.cap_bytes[r] // MIB_UNITS * tab.opt_per_mib[tab.gpu_mbw_class[r]] for r in rep),
                          default=0) if sh else 0)
         ar_hi = max((p_[-1] for p_ in (tab.arsh_prefix if sh else tab.ar_prefix)), default=0)
-        sync_hi = ar_hi + 3 * max(gpu_hi - 1, 0) * lat_hi + opt_hi
+        k_hi = max(1, min(tab.num_gpus, b))  # GPUs of one stage
+
+        def ring(units, kv, hi, khi, name):
+            """IntVar d = ceil(units * (k - 1) / k) of a ring over kv = k >= 1 GPUs
+            ([C-allreduce], objective.ring_units): one literal per k (k = kv), under
+            which two linear inequalities k d >= (k - 1) units > k d - k pin d. (A
+            product units * (k - 1) of two variables then a division left CP-SAT's LP
+            relaxation too weak -- seed 7 of test_cpsat_matches_brute_force_with_memory_policy
+            did not reach OPTIMAL in its budget --, and division constraints by each
+            constant k made CP-SAT exhaust memory (> 8 GB) on bench/planner_scaling.py's
+            256-GPU instance when warm-started.)"""
+            if khi < 2:
+                return 0
+            e = [m.NewBoolVar(f"{name}_is{kk}") for kk in range(1, khi + 1)]
+            m.AddExactlyOne(e)
+            m.Add(sum(kk * lit for kk, lit in zip(range(1, khi + 1), e)) == kv)
+            d = m.NewIntVar(0, hi, f"{name}_ring")
+            m.Add(d == 0).OnlyEnforceIf(e[0])
+            for kk, lit in zip(range(2, khi + 1), e[1:]):
+                m.Add(kk * d >= (kk - 1) * units).OnlyEnforceIf(lit)
+                m.Add(kk * d <= (kk - 1) * units + kk - 1).OnlyEnforceIf(lit)
+            return d
+
+        # [C-tied] per tied parameter t: ex[t][s] = copies stage s's own all-reduce leaves out
+        # (its blocks in s, less one if every block is in s), and per stage the all-reduce over
+        # the union of the holders when they are in different stages (0 otherwise).
+        ex = []
+        tied_of = [[] for _ in stages]
+        tied_hi = 0
+        for t_, tb in enumerate(tab.tied_blocks):
+            same_s = [both(in_s[s][tb[0]], in_s[s][tb[-1]], f"tsame_{t_}_{s}") for s in stages]
+            ex.append([sum(in_s[s][q] for q in tb) - same_s[s] for s in stages])
+            if tab.num_gpus < 2 or n_s < 2:
+                continue
+            diff = m.NewBoolVar(f"tdiff_{t_}")
+            m.Add(sum(same_s) == 0).OnlyEnforceIf(diff)
+            m.Add(sum(same_s) == 1).OnlyEnforceIf(diff.Not())
+            hold = [any_of([in_s[s][q] for q in tb], f"thold_{t_}_{s}") for s in stages]
+            upairs, ksum = [], []
+            pu = []
+            for c in cls:
+                if single[c]:
+                    pc = any_of([both(p[c][s], hold[s], f"tpu_{t_}_{c}_{s}") for s in stages], f"tpc_{t_}_{c}")
+                    ksum.append(unit[c] * pc)
+                else:
+                    kt = m.NewIntVar(0, count[c], f"tkt_{t_}_{c}")
+                    m.Add(kt == sum(gated(hold[s], k[c][s], count[c], f"tkh_{t_}_{c}_{s}") for s in stages))
+                    ksum.append(unit[c] * kt)
+                    pc = m.NewBoolVar(f"tpc_{t_}_{c}")
+                    m.Add(kt >= 1).OnlyEnforceIf(pc)
+                    m.Add(kt == 0).OnlyEnforceIf(pc.Not())
+                    two = m.NewBoolVar(f"ttwo_{t_}_{c}")
+                    m.Add(kt >= 2).OnlyEnforceIf(two)
+                    m.Add(kt <= 1).OnlyEnforceIf(two.Not())
+                    upairs.append((groups[c].link_out, two))
+                if unit[c] > 1:
+                    upairs.append((groups[c].link_in, pc))
+                pu.append(pc)
+            for c in cls:
+                for d in range(c + 1, n_c):
+                    upairs.append(((rep[c], rep[d]), both(pu[c], pu[d], f"tw_{t_}_{c}_{d}")))
+            hi = max(tab.tied_ar[t_])
+            xm, lm = pair_max(m, tab, upairs, lambda q, t_=t_: tab.tied_ar[t_][q], lambda q, t_=t_: tab.tied_ar[t_][q],
+                              f"tied{t_}")
+            kmax = tab.num_gpus
+            ku = m.NewIntVar(1, kmax, f"tk_{t_}")
+            m.Add(ku == sum(ksum))
+            ku1 = m.NewIntVar(0, kmax - 1, f"tk1_{t_}")
+            m.Add(ku1 == ku - 1)
+            lat_t = m.NewIntVar(0, kmax * lat_hi, f"tlat_{t_}")
+            m.AddMultiplicationEquality(lat_t, [ku1, lm])
+            t_hi = hi + 2 * kmax * lat_hi
+            tt = m.NewIntVar(0, t_hi, f"tied_{t_}")
+            m.Add(tt == ring(xm, ku, hi, kmax, f"tr{t_}") + 2 * lat_t)
+            tied_hi = max(tied_hi, t_hi)
+            for s in stages:
+                tied_of[s].append(gated(both(hold[s], diff, f"thd_{t_}_{s}"), tt, t_hi, f"tg_{t_}_{s}"))
+
+        def own_ar(prefix, q, s):
+            """The stage's sum of a per-block all-reduce table less its excluded tied copies."""
+            return stage_sum(prefix[q], s) - sum(tab.tied_ar[t_][q] * ex[t_][s] for t_ in range(len(ex)))
+
+        sync_hi = max(ar_hi + 3 * max(gpu_hi - 1, 0) * lat_hi, tied_hi) + opt_hi
 
         # [C-allreduce] ring over the stage's pairs; [C-optim] slowest memory bandwidth of the stage.
         sync = []
@@ -356,22 +448,32 @@ class CandidateModel:
                 for d in range(c + 1, n_c):
                     pairs.append(((rep[c], rep[d]), both(p[c][s], p[d][s], f"w_{c}_{d}_{s}")))
             if pairs and gpu_hi > 1:
-                arb, lw = pair_max(m, tab, pairs, lambda q, s=s: stage_sum(tab.ar_prefix[q], s),
+                arb, lw = pair_max(m, tab, pairs, lambda q, s=s: own_ar(tab.ar_prefix, q, s),
                                    lambda q: tab.ar_prefix[q][-1], f"ar{s}")
+                ksz = m.NewIntVar(1, k_hi, f"size_{s}")
+                m.Add(ksz == size[s])
                 sz1 = m.NewIntVar(0, gpu_hi, f"size1_{s}")
                 m.Add(sz1 == size[s] - 1)
                 lat_term = m.NewIntVar(0, gpu_hi * lat_hi, f"arlat_{s}")
                 m.AddMultiplicationEquality(lat_term, [sz1, lw])
                 if sh:  # a sharded stage also all-gathers its weights: (2 grad + param) bytes
-                    arb_sh, _ = pair_max(m, tab, pairs, lambda q, s=s: stage_sum(tab.arsh_prefix[q], s),
+                    arb_sh, _ = pair_max(m, tab, pairs, lambda q, s=s: own_ar(tab.arsh_prefix, q, s),
                                          lambda q: tab.arsh_prefix[q][-1], f"as{s}")
                     hi = max(p_[-1] for p_ in tab.arsh_prefix)
-                    ar = (gated(sh[s].Not(), arb, hi, f"arp_{s}") + gated(sh[s], arb_sh, hi, f"ars_{s}")
+                    sel = m.NewIntVar(0, hi, f"arsel_{s}")
+                    m.Add(sel == arb).OnlyEnforceIf(sh[s].Not())
+                    m.Add(sel == arb_sh).OnlyEnforceIf(sh[s])
+                    ar = (ring(sel, ksz, hi, k_hi, f"arr{s}")
                           + 2 * lat_term + gated(sh[s], lat_term, gpu_hi * lat_hi, f"arl_{s}"))
                 else:
-                    ar = arb + 2 * lat_term
+                    ar = ring(arb, ksz, ar_hi, k_hi, f"arr{s}") + 2 * lat_term
             else:
                 ar = 0
+            if tied_of[s]:  # [C-tied] the optimizer waits for the stage's own and its tied reductions
+                own = m.NewIntVar(0, ar_hi + 3 * max(gpu_hi - 1, 0) * lat_hi, f"arown_{s}")
+                m.Add(own == ar)
+                ar = m.NewIntVar(0, sync_hi, f"arw_{s}")
+                m.AddMaxEquality(ar, [own, *tied_of[s]])
             opt_terms = []
             for q in sorted(set(tab.gpu_mbw_class)):
                 members = [p[c][s] for c in cls if tab.gpu_mbw_class[rep[c]] == q]

@@ -33,16 +33,35 @@ shardable state bytes (shardable_bytes_per_param * P_s), R_s = the rest
                 (forward activations + backward gradients, all b samples on
                 the slowest link, conservatively)
   t_s         = max_{g in s} compute_g + boundary_s                   [C-stage]
-  allreduce_s = 0 if |s| = 1, else (2 * grad_bytes + sh_s * param_bytes) * P_s
-                / bw_min(within s) + (2 + sh_s) * (|s| - 1) * lat_max(within s)
-                (ring all-reduce of the gradients, (k-1)/k <= 1; a sharded
-                stage then all-gathers the updated weights)          [C-allreduce]
+  allreduce_s = 0 if k = |s| = 1, else
+                ceil((k - 1) / k * (2 * grad_bytes + sh_s * param_bytes) * P'_s
+                / bw_min(within s)) + (2 + sh_s) * (k - 1) * lat_max(within s)
+                (ring all-reduce of the gradients: 2 (k-1)/k n / bw + 2 (k-1)
+                lat, as ``sim/network.Ring``; a sharded stage then all-gathers
+                the updated weights: (k-1)/k n / bw + (k-1) lat. P'_s = P_s
+                less the tied copies [C-tied] leaves out)             [C-allreduce]
+  tied_s      = per tied parameter (``BlockCosts.tied_params``, counted in
+                P of every block that reads it) whose blocks lie in stages of
+                different GPU groups: its gradient all-reduced once over the
+                union U of the holding stages' GPUs (in stage order), a ring:
+                ceil((|U| - 1) / |U| * 2 * grad_bytes * numel / bw_min(U))
+                + 2 (|U| - 1) lat_max(U); left out of every holder's own
+                all-reduce; tied_s = the largest over the ones stage s holds
+                (0 if none). Blocks in one stage (one group): reduced once
+                with its gradients (P'_s leaves out all copies but one). As the
+                runtime and ``sim/sync.py`` do: started with the stage's own
+                reduction, each holder's optimizer waits for both. Not priced
+                (as in the simulator): state and optimizer still count a tied
+                parameter once per block of a stage holding several; on a
+                sharded holder the objective lets the all-gather overlap the
+                tied ring (the simulator runs it after the optimizer).  [C-tied]
   optim_s     = max_{g in s} of 2 * optim_bytes * P_s / mem_bw_g  (AdamW reads
                 and writes its state once), or for a sharded stage
                 2 * optim_bytes * (z_g MiB / shardable_bytes) / mem_bw_g
                 (each GPU updates the parameters of its shard)        [C-optim]
-  step        = sum_s t_s + (M - 1) * max_s t_s + max_s (allreduce_s + optim_s)
-                (1F1B / GPipe fill + steady state; gradient sync after drain)
+  step        = sum_s t_s + (M - 1) * max_s t_s + max_s (max(allreduce_s, tied_s) + optim_s)
+                (1F1B / GPipe fill + steady state; gradient sync after drain;
+                ``Evaluation.allreduce_s`` reports max(allreduce_s, tied_s))
                                                                        [C-objective]
   memory_g    = R_s + (sh_s ? z_g MiB : Q_s)
                 + (rc_s ? n_g * (inflight_s * X_s + A_s) : inflight_s * n_g * A_s)
@@ -56,7 +75,9 @@ Integer arithmetic (shared by the evaluator, CP-SAT and brute force):
 the time unit is 1 ns (``UNITS_PER_S``). Every coefficient is rounded ONCE, to
 the nearest ns, in ``build_tables``:
   * per-block, per-GPU-type time of one sample        -> prefix sums per type;
-  * per-block all-reduce time 2*grad*param/bw per distinct link bandwidth and
+  * per-block all-reduce time 2*grad*param/bw per distinct link bandwidth (and
+    per tied parameter 2*grad*numel/bw, ``tied_ar``; the ring's (k-1)/k is
+    applied to the stage's integer sum, rounding up: ``ring_units``) and
     per-block optimizer time 2*state*param/mem_bw per distinct memory bandwidth
     -> prefix sums (so allreduce/optim of a stage = sum of its rounded blocks);
   * per-cut transfer time cut_bytes[c]*b/bw per distinct link bandwidth;
@@ -75,6 +96,10 @@ bw_min / lat_max become "max over present GPU pairs of the pair's rounded
 time", which equals the formula because rounding is monotone. Every quantity
 is then exact integer arithmetic, so the evaluator and the CP-SAT model agree
 to the nanosecond.
+
+[Note: shared links in the objective] and the ring / tied-parameter helpers
+(``effective_pair_bandwidth``, ``ring_units``, ``tied_terms``) are in
+``network_terms.py``.
 """
 
 from __future__ import annotations
@@ -84,6 +109,7 @@ from dataclasses import dataclass
 from ..errors import InfeasiblePlanError
 from ..options import SCHEDULES, PlanOptions
 from .decision import Decision
+from .network_terms import effective_pair_bandwidth, ring_units, tied_terms
 from .records import BlockCosts, DeviceGraph
 
 __all__ = [
@@ -91,6 +117,7 @@ __all__ = [
     "max_stage_count", "inflight", "IntTables", "build_tables", "Evaluation",
     "evaluate", "evaluate_units", "balance_shards", "MIB_UNITS", "evaluate_result",
     "RECOMPUTE_FRACTION", "MemoryPolicy", "prepare", "policy_decision",
+    "effective_pair_bandwidth", "ring_units", "tied_terms",
 ]
 
 #: Integer time units per second: 1 unit = 1 ns.
@@ -216,6 +243,11 @@ class IntTables:
     arsh_prefix: tuple[tuple[int, ...], ...]
     #: [memory-bandwidth class] optimizer units per MiB of shard.
     opt_per_mib: tuple[int, ...]
+    #: Per tied parameter (``BlockCosts.tied_params``): the blocks that read it
+    #: (ascending) and [bw class] units of its gradient all-reduce 2 * grad_bytes
+    #: * numel / bw, before the ring's (k-1)/k ([C-tied]).
+    tied_blocks: tuple[tuple[int, ...], ...] = ()
+    tied_ar: tuple[tuple[int, ...], ...] = ()
     sharding: str = "never"
     recompute: str = "never"
 
@@ -239,14 +271,11 @@ def build_tables(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions,
     for g in range(n_g):
         if devices.mem_bw_bytes_per_s[g] <= 0:
             raise ValueError(f"GPU {g}: mem_bw_bytes_per_s must be > 0, got {devices.mem_bw_bytes_per_s[g]}")
-    bw = [[0.0] * n_g for _ in range(n_g)]
+    bw = effective_pair_bandwidth(devices)
     lat = [[0] * n_g for _ in range(n_g)]
     for g in range(n_g):
         for h in range(n_g):
             if g != h:
-                bw[g][h] = min(devices.link_bw_bytes_per_s[g][h], devices.link_bw_bytes_per_s[h][g])
-                if bw[g][h] <= 0:
-                    raise ValueError(f"link bandwidth between GPU {g} and {h} must be > 0, got {bw[g][h]}")
                 lat[g][h] = to_units(max(devices.link_latency_s[g][h], devices.link_latency_s[h][g]))
     bw_values = tuple(sorted({bw[g][h] for g in range(n_g) for h in range(n_g) if g != h}))
     bw_index = {v: k for k, v in enumerate(bw_values)}
@@ -285,6 +314,8 @@ def build_tables(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions,
         arsh_prefix=tuple(_prefix(to_units((2 * gr + pb) * p / v) for p in costs.param_count) for v in bw_values),
         opt_per_mib=tuple(to_units(2 * ob * MIB_UNITS * MEMORY_UNIT_BYTES / (sh * v)) if sh else 0
                           for v in mem_bw_values),
+        tied_blocks=tuple(tuple(tp.blocks) for tp in costs.tied_params),
+        tied_ar=tuple(tuple(to_units(2 * gr * tp.numel / v) for v in bw_values) for tp in costs.tied_params),
         sharding=options.sharding, recompute=options.recompute,
     )
 
@@ -408,6 +439,7 @@ def evaluate_units(tab: IntTables, stage_blocks, stage_gpus, samples, policy: Me
     n_s, m = len(stage_blocks), tab.num_microbatches
     pol = policy or MemoryPolicy.plain(n_s)
     comp, bnd, ar, opt, mem, unc = [], [], [], [], [], []
+    excluded, tied = tied_terms(tab, stage_blocks, stage_gpus, n_s // interleave)
     for s, ((i, j), gpus, ns) in enumerate(zip(stage_blocks, stage_gpus, samples)):
         sh, rc = pol.sharded[s], pol.recompute[s]
 
@@ -430,8 +462,10 @@ def evaluate_units(tab: IntTables, stage_blocks, stage_gpus, samples, policy: Me
         pairs = [(g, h) for a, g in enumerate(gpus) for h in gpus[a + 1:]]
         if pairs:
             pre = tab.arsh_prefix if sh else tab.ar_prefix
-            arb = max(pre[k][j] - pre[k][i] for k in {tab.pair_bw_class[g][h] for g, h in pairs})
-            ar.append(arb + (2 + sh) * (len(gpus) - 1) * max(tab.pair_lat[g][h] for g, h in pairs))
+            arb = max(pre[k][j] - pre[k][i] - sum(c * tab.tied_ar[t][k] for t, c in excluded[s].items())
+                      for k in {tab.pair_bw_class[g][h] for g, h in pairs})
+            ar.append(ring_units(arb, len(gpus))
+                      + (2 + sh) * (len(gpus) - 1) * max(tab.pair_lat[g][h] for g, h in pairs))
         else:
             ar.append(0)
         state = tab.state_prefix[j] - tab.state_prefix[i]
@@ -453,7 +487,8 @@ def evaluate_units(tab: IntTables, stage_blocks, stage_gpus, samples, policy: Me
         from .pipeline_terms import interleaved_units
 
         return interleaved_units(tab, stage_blocks, stage_gpus, samples, pol, interleave, comp, bnd, stage,
-                                  ar, opt, mem, unc)
+                                  ar, opt, mem, unc, tied=tied)
+    ar = [max(a, t) for a, t in zip(ar, tied)]  # [C-tied]: the optimizer waits for both
     step = sum(stage) + (m - 1) * max(stage) + max(a + o for a, o in zip(ar, opt))
     return StageUnits(compute=tuple(comp), boundary=tuple(bnd), stage=stage, allreduce=tuple(ar),
                       optim=tuple(opt), memory=tuple(mem), step=step, uncovered=tuple(unc))
@@ -469,6 +504,7 @@ class Evaluation:
     stage_time_s: tuple[float, ...]
     compute_s: tuple[float, ...]
     boundary_s: tuple[float, ...]
+    #: Per stage: the gradient sync its optimizer waits for, max([C-allreduce], [C-tied]).
     allreduce_s: tuple[float, ...]
     optim_s: tuple[float, ...]
     #: Per stage, per GPU (aligned with stage_gpus): predicted peak bytes.

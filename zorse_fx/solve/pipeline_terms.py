@@ -70,8 +70,8 @@ def pipeline_makespan(schedule: str, num_microbatches: int, interleave: int, fwd
     return max(free)
 
 
-def interleaved_units(tab, stage_blocks, stage_gpus, samples, pol, v, comp, bnd, stage, ar, opt, mem, unc
-                       ) -> StageUnits:
+def interleaved_units(tab, stage_blocks, stage_gpus, samples, pol, v, comp, bnd, stage, ar, opt, mem, unc,
+                      tied=None) -> StageUnits:
     """[Note: interleaved stages]
     With interleave degree v the S = P v stages run on P GPU groups, stage s
     on group p = s mod P (``runtime.schedule.interleaved_1f1b``). Per-stage
@@ -79,7 +79,8 @@ def interleaved_units(tab, stage_blocks, stage_gpus, samples, pol, v, comp, bnd,
     note; what changes:
 
       step  = makespan of the schedule's task graph (``pipeline_makespan``)
-              + max_p sum_{s = p mod P} (allreduce_s + optim_s)
+              + max_p (max(sum_{s = p mod P} allreduce_s, max_{s = p mod P} tied_s)
+                       + sum_{s = p mod P} optim_s)   (tied_s: [C-tied])
               where the forward of stage s takes f_s = floor(c'_s / 3) +
               floor(boundary_s / 2) (c'_s: its slowest GPU's compute without
               recomputation) and the backward t_s - f_s (the rest of its
@@ -116,7 +117,9 @@ def interleaved_units(tab, stage_blocks, stage_gpus, samples, pol, v, comp, bnd,
     n_s, m = len(stage_blocks), tab.num_microbatches
     groups = n_s // v
     fwd = forward_units(tab, stage_blocks, stage_gpus, samples, bnd)
-    sync = [sum(a + o for a, o in zip(ar[p::groups], opt[p::groups])) for p in range(groups)]
+    tied = tied or [0] * n_s
+    # [C-tied]: a group's optimizer steps wait for its own reductions and the tied ones it holds.
+    sync = [max(sum(ar[p::groups]), max(tied[p::groups])) + sum(opt[p::groups]) for p in range(groups)]
     step = pipeline_makespan(tab.schedule, m, v, fwd, stage) + max(sync)
     memory = [list(row) for row in mem]
     for p in range(groups):
@@ -137,5 +140,6 @@ def interleaved_units(tab, stage_blocks, stage_gpus, samples, pol, v, comp, bnd,
             act = max(sum(c * h for c, h in zip(live, held)) + (rerun[b] if b >= 0 else 0) for live, b in profile)
             for s in range(p, n_s, groups):
                 memory[s][k] = state + act
-    return StageUnits(compute=tuple(comp), boundary=tuple(bnd), stage=stage, allreduce=tuple(ar),
+    return StageUnits(compute=tuple(comp), boundary=tuple(bnd), stage=stage,
+                      allreduce=tuple(max(a, t) for a, t in zip(ar, tied)),
                       optim=tuple(opt), memory=tuple(tuple(r) for r in memory), step=step, uncovered=tuple(unc))

@@ -149,8 +149,8 @@ class _Stages:
             pairs = [(g, h) for a, g in enumerate(gpus) for h in gpus[a + 1:]]
             kin = min(tab.pair_bw_class[g][h] for g, h in pairs)
             lat = max(tab.pair_lat[g][h] for g, h in pairs)
-            ar = self.ar[kin] + 2 * (k - 1) * lat
-            arsh = self.arsh[kin] + 3 * (k - 1) * lat
+            ar = -((-self.ar[kin] * (k - 1)) // k) + 2 * (k - 1) * lat  # ring: objective.ring_units
+            arsh = -((-self.arsh[kin] * (k - 1)) // k) + 3 * (k - 1) * lat
         else:
             ar = arsh = np.zeros_like(self.state)
         mbw = sorted({tab.gpu_mbw_class[g] for g in gpus})

@@ -1,0 +1,102 @@
+"""The network terms of the objective (issue 13 item 6), split from
+``objective.py`` (its module note "step-time model" is the model; these are
+its helpers): the pair bandwidth with shared links (``effective_pair_bandwidth``,
+used by ``build_tables``), the ring factor of [C-allreduce] (``ring_units``)
+and the tied-parameter all-reduce of [C-tied] (``tied_terms``). The CP-SAT
+model (``model.py``) encodes the same terms.
+
+[Note: shared links in the objective]
+A link that several GPU pairs share (``DeviceGraph.shared_links``: a region's
+WAN uplink, a node's NIC; one capacity per direction) enters the objective
+through the pair bandwidth only: ``effective_pair_bandwidth`` gives every
+pair bw(g, h) = min(its own link (smaller direction), the capacity of every
+shared link the pair crosses), and ``build_tables`` classes pairs by that
+figure, so the CP-SAT model, the DP and the class refinement of
+``grouped.gpu_classes`` (links with equal codes are interchangeable) see it
+without a term of their own. Why that is what sharing means here:
+  * [C-boundary] already charges ALL of the micro-batch's cut bytes over the
+    slowest pair between the two stages, as if they queued on one link. When
+    a stage pair straddles a shared link, the bytes crossing it are at most
+    all of them, and a shared link moves them at most at its capacity, so
+    bytes / min(pair link, capacity) bounds the time the boundary keeps that
+    link busy -- exactly when every route of the boundary crosses it (two
+    stages in two regions: the simulator's max-min rates give the routes
+    capacity / routes each, total bytes / capacity).
+  * [C-allreduce] is a ring over the stage's GPUs in stage order
+    (``sim/network.py``). A ring whose GPUs of each side are consecutive
+    crosses a shared link once per direction, so its crossing hop gets the
+    whole capacity: its slowest hop's bandwidth is min(pair link, capacity)
+    of that hop, >= the objective's slowest pair of the stage.
+Where it is NOT an upper bound: a ring whose order alternates between the
+two sides crosses the link r > 1 times per direction and the simulator gives
+each crossing capacity / r; two boundaries crossing one shared link in the
+same direction at the same moment (stages alternating between regions)
+share it in the simulator and not here; and boundary messages and rings that
+cross a NIC together. Those plans are priced optimistically by up to the
+factor of crossings; the simulator (``zorse_fx.sim``) prices them.
+"""
+
+from __future__ import annotations
+
+from .records import DeviceGraph
+
+__all__ = ["effective_pair_bandwidth", "ring_units", "tied_terms"]
+
+
+def effective_pair_bandwidth(devices: DeviceGraph) -> list[list[float]]:
+    """(G, G) bytes/s of each GPU pair as the objective prices it ([Note: shared
+    links in the objective]): the smaller direction of the pair's own link,
+    capped by the capacity of every shared link (``DeviceGraph.shared_links``)
+    the pair crosses in either direction; 0.0 on the diagonal.
+
+    Raises:
+        ValueError: a pair's link bandwidth is not > 0."""
+    n_g = devices.num_gpus
+    bw = [[0.0] * n_g for _ in range(n_g)]
+    sides = [(frozenset(sl.gpus_a), frozenset(sl.gpus_b), sl.bandwidth_bytes_per_s) for sl in devices.shared_links]
+    for g in range(n_g):
+        for h in range(n_g):
+            if g == h:
+                continue
+            v = min(devices.link_bw_bytes_per_s[g][h], devices.link_bw_bytes_per_s[h][g])
+            if not v > 0:
+                raise ValueError(f"link bandwidth between GPU {g} and {h} must be > 0, got {v}")
+            for a, b_, cap in sides:
+                if (g in a and h in b_) or (g in b_ and h in a):
+                    v = min(v, cap)
+            bw[g][h] = v
+    return bw
+
+
+def ring_units(units: int, k: int) -> int:
+    """ceil(units * (k - 1) / k): the bandwidth term of a ring collective over k
+    GPUs whose whole payload would take ``units`` on the slowest link ([C-allreduce])."""
+    return -(-units * (k - 1) // k) if k > 1 else 0
+
+
+def tied_terms(tab, stage_blocks, stage_gpus, num_groups: int | None = None):
+    """[C-tied] of a decision: ``(excluded, tied)``. ``excluded[s]``: {tied
+    parameter index: copies of it stage s's own all-reduce leaves out};
+    ``tied[s]``: the largest all-reduce over the union of its holders of the
+    tied parameters stage s holds and that two GPU groups hold (0 if none).
+    ``num_groups``: GPU groups (stage s on group s mod P; default one per stage)."""
+    n_s = len(stage_blocks)
+    groups = num_groups or n_s
+    stage_of = {b: s for s, (i, j) in enumerate(stage_blocks) for b in range(i, j)}
+    excluded: list[dict[int, int]] = [{} for _ in range(n_s)]
+    tied = [0] * n_s
+    for t, blocks in enumerate(tab.tied_blocks):
+        stages = sorted({stage_of[b] for b in blocks})
+        one = len({s % groups for s in stages}) == 1
+        for b in (blocks[1:] if one else blocks):  # one holder: reduced once, with its own gradients
+            excluded[stage_of[b]][t] = excluded[stage_of[b]].get(t, 0) + 1
+        if one:
+            continue
+        union = tuple(dict.fromkeys(g for s in stages for g in stage_gpus[s]))
+        pairs = [(g, h) for a, g in enumerate(union) for h in union[a + 1:]]
+        k = len(union)
+        units = ring_units(max(tab.tied_ar[t][c] for c in {tab.pair_bw_class[g][h] for g, h in pairs}), k) \
+            + 2 * (k - 1) * max(tab.pair_lat[g][h] for g, h in pairs)
+        for s in stages:
+            tied[s] = max(tied[s], units)
+    return excluded, tied
