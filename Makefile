@@ -24,7 +24,7 @@ demo: $(STAMP)
 	$(BIN)/python examples/demo.py
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=15 tests
 
 # Every benchmark of bench/README.md, in order (about 80 min on the 2-core CPU machine);
 # each writes its results under bench/results/.
