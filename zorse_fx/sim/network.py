@@ -58,19 +58,15 @@ class FlowResources:
 
     def __init__(self, devices: DeviceGraph) -> None:
         self.devices = devices
-        self._sides = [(frozenset(sl.gpus_a), frozenset(sl.gpus_b)) for sl in devices.shared_links]
         self._cache: dict[tuple[int, int], tuple] = {}
 
     def shared(self, g: int, h: int) -> tuple[tuple[tuple, float], ...]:
         key = (g, h)
         out = self._cache.get(key)
         if out is None:
-            out = []
-            for i, (a, b) in enumerate(self._sides):
-                d = 0 if g in a and h in b else 1 if g in b and h in a else None
-                if d is not None:
-                    out.append((("shared", i, d), self.devices.shared_links[i].bandwidth_bytes_per_s))
-            out = self._cache[key] = tuple(out)
+            out = self._cache[key] = tuple(
+                (("shared", i, d), sl.bandwidth_bytes_per_s)
+                for i, sl in enumerate(self.devices.shared_links) if (d := sl.direction(g, h)) is not None)
         return out
 
 

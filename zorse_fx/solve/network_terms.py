@@ -53,7 +53,6 @@ def effective_pair_bandwidth(devices: DeviceGraph) -> list[list[float]]:
         ValueError: a pair's link bandwidth is not > 0."""
     n_g = devices.num_gpus
     bw = [[0.0] * n_g for _ in range(n_g)]
-    sides = [(frozenset(sl.gpus_a), frozenset(sl.gpus_b), sl.bandwidth_bytes_per_s) for sl in devices.shared_links]
     for g in range(n_g):
         for h in range(n_g):
             if g == h:
@@ -61,9 +60,9 @@ def effective_pair_bandwidth(devices: DeviceGraph) -> list[list[float]]:
             v = min(devices.link_bw_bytes_per_s[g][h], devices.link_bw_bytes_per_s[h][g])
             if not v > 0:
                 raise ValueError(f"link bandwidth between GPU {g} and {h} must be > 0, got {v}")
-            for a, b_, cap in sides:
-                if (g in a and h in b_) or (g in b_ and h in a):
-                    v = min(v, cap)
+            for sl in devices.shared_links:
+                if sl.direction(g, h) is not None:
+                    v = min(v, sl.bandwidth_bytes_per_s)
             bw[g][h] = v
     return bw
 

@@ -179,8 +179,13 @@ class SharedLink:
     gpus_b: tuple[int, ...]
     #: Capacity of each direction, bytes/s.
     bandwidth_bytes_per_s: float
+    #: ``gpus_a`` / ``gpus_b`` as sets (derived; O(1) membership for ``direction``).
+    _side_a: frozenset = field(init=False, repr=False, compare=False)
+    _side_b: frozenset = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "_side_a", frozenset(self.gpus_a))
+        object.__setattr__(self, "_side_b", frozenset(self.gpus_b))
         for side in ("gpus_a", "gpus_b"):
             gpus = getattr(self, side)
             if not gpus or list(gpus) != sorted(set(gpus)) or gpus[0] < 0:
@@ -197,10 +202,10 @@ class SharedLink:
     def direction(self, g: int, h: int) -> int | None:
         """0 when a flow g -> h crosses the link from side a to side b, 1 from
         b to a, None when it does not cross it."""
-        if g in self.gpus_a:
-            return 0 if h in self.gpus_b else None
-        if g in self.gpus_b:
-            return 1 if h in self.gpus_a else None
+        if g in self._side_a:
+            return 0 if h in self._side_b else None
+        if g in self._side_b:
+            return 1 if h in self._side_a else None
         return None
 
 
