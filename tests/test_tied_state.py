@@ -141,7 +141,7 @@ def test_counting_the_tied_parameter_once_makes_a_plan_fit():
 def test_sharded_plan_fits_only_with_the_tied_parameter_once():
     """Two GPUs, one sharded stage, memory per GPU = R_s + half the shards + the
     activations with the copy counted once: CP-SAT's coverage and memory rows take
-    it (objective = evaluate's), the untied count does not fit."""
+    it (objective = evaluate's), as does the stage DP; the untied count does not fit."""
     costs = _costs()
     state, shard, _ = _by_hand(costs, 0, 3)
     half = -(-(-(-shard // KIB)) // 2)  # MiB per GPU
@@ -153,8 +153,11 @@ def test_sharded_plan_fits_only_with_the_tied_parameter_once():
     ev = evaluate_result(costs, devices, options, res)
     assert ev.feasible and ev.objective_units == round(res.objective * UNITS_PER_S)
     assert max(max(r) for r in ev.memory_bytes) <= KIB * need
-    with pytest.raises(InfeasiblePlanError):
-        solve_cpsat(_costs(tied=False), devices, options)
+    dp = solve_stage_dp(costs, devices, options)  # its exact memory check takes it too
+    assert evaluate_result(costs, devices, options, dp).feasible
+    for solve in (solve_cpsat, solve_stage_dp):
+        with pytest.raises(InfeasiblePlanError):
+            solve(_costs(tied=False), devices, options)
 
 
 @pytest.mark.parametrize("seed", range(6))
