@@ -231,3 +231,29 @@ def test_zero1_mixed_dtypes_equal_replicated_and_single_process(mixed_dtype_plan
         # Replicated: every rank holds the whole state.
         assert summaries_r[g.rank]["optimizer_state_bytes"] == total_state
         assert summaries_r[g.rank]["owned_range"] == [0, stage.num_parameters]
+
+
+def test_one_stage_holds_a_tied_embedding_once(dropout_plan, lee_bytes, tmp_path):
+    """GPT-2's tied token embedding (blocks 0 and B-1) on one stage is one
+    parameter of the stage module: its weight, gradient and AdamW moments exist
+    once, as the planner's P_s, Q_s count it ([C-tied]: ``state_terms.unique_params``),
+    not once per block that reads it."""
+    from zorse_fx.cost.roofline import block_costs
+    from zorse_fx.precision import precision_policy
+    from zorse_fx.solve.state_terms import unique_params
+
+    plan, weights = dropout_plan
+    torch.manual_seed(0)
+    ids = torch.randint(0, 256, (2, T))
+    bg = analyse(capture(DropoutGPT(GPTConfig(n_layer=2, n_embd=32, block_size=T)), (ids, ids)))
+    cluster = Cluster.from_yaml(CLUSTERS / "small_hetero.yaml")
+    costs = block_costs(bg, {g.type: g.spec for g in cluster.gpus}, precision=precision_policy("fp32"))
+    (tied,) = costs.tied_params
+    assert tied.blocks == (0, costs.num_blocks - 1)
+    plan.export(tmp_path)
+    worker = StageWorker(plan, tmp_path, weights, rank=0, device=torch.device("cpu"))
+    trainable = sum(p.numel() for p in worker.module.parameters() if p.requires_grad)
+    assert trainable == unique_params(costs) == sum(costs.param_count) - tied.numel
+    worker.train_step(first_batch(lee_bytes, plan))
+    summary = worker.optimizer_state_summary()
+    assert summary["optimizer_state_bytes"] == costs.shardable_bytes_per_param * unique_params(costs)

@@ -47,6 +47,7 @@ from ..options import PlanOptions
 from ..solve.objective import (MIB_UNITS, UNIT_S, MemoryPolicy, build_tables, evaluate, evaluate_units,
                                fill_policy, inflight, mode_violations, policy_decision)
 from ..solve.records import BlockCosts, DeviceGraph, SolverResult
+from ..solve.state_terms import stage_state_kib
 
 __all__ = ["Selector", "gpu_speeds", "largest_remainder", "proportional_cuts", "reference_block_work",
            "bandwidth", "min_max_partition", "memory_variants", "stage_act_kib", "memory_groups", "stage_fits"]
@@ -84,10 +85,9 @@ def stage_fits(tab, s: int, n_s: int, i: int, j: int, groups, sharded: bool, rec
     replicated part plus its activations and the memory left over, in whole
     MiB, holds the shardable part -- exactly when ``objective.fill_policy``
     finds shards satisfying [C-memory] and [C-shard]."""
-    state = tab.state_prefix[j] - tab.state_prefix[i]
+    state, shard = stage_state_kib(tab, i, j)  # [C-tied]: a tied parameter once per stage
     if not sharded or sum(c for _, c in groups) < 2:
         return all(state + stage_act_kib(tab, s, n_s, i, j, n, recompute) <= cap for (n, cap), _ in groups)
-    shard = tab.shard_prefix[j] - tab.shard_prefix[i]
     free = [(cap - (state - shard) - stage_act_kib(tab, s, n_s, i, j, n, recompute), c) for (n, cap), c in groups]
     return min(f for f, _ in free) >= 0 and MIB_UNITS * sum(c * (f // MIB_UNITS) for f, c in free) >= shard
 

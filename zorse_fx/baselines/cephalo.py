@@ -52,6 +52,7 @@ from __future__ import annotations
 from ..options import PlanOptions
 from ..solve.objective import MIB_UNITS, MemoryPolicy, microbatch_candidates
 from ..solve.records import BlockCosts, DeviceGraph, SolverResult
+from ..solve.state_terms import stage_state_kib
 from ._common import Selector, largest_remainder, memory_variants, stage_act_kib
 
 __all__ = ["cephalo", "min_max_samples", "free_memory_shards"]
@@ -93,7 +94,7 @@ def cephalo(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions) -> So
         if b < n_g:
             continue
         tab = sel.tables(m)
-        state, q = tab.state_prefix[nb], tab.shard_prefix[nb]
+        state, q = stage_state_kib(tab, 0, nb)  # [C-tied]: a tied parameter once
         held = state - q if shard else state  # the state every GPU holds in full
         for rc in dict.fromkeys(rc for _, rc in memory_variants(options)):
             per = [tab.work_prefix[t][nb] + (tab.rc_work_prefix[t][nb] if rc else 0) for t in devices.gpu_types]

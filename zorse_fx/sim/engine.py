@@ -107,7 +107,9 @@ GPU of the union): a ring over the union in stage order,
 is final (the last backward of each holding stage has passed the block that
 reads it), not contending with the groups' own buckets; each holder's
 optimizer steps wait for it. When one group holds every copy, its buckets
-reduce the parameter once. The objective prices both the same way ([C-tied]
+reduce the parameter once. A stage holding several of its blocks updates
+it once: its optimizer step and all-gather move the stage's parameters with
+the tied one counted once (as its state in "Memory"). The objective prices both the same way ([C-tied]
 in solve/objective.py: the ring over the union, on its slowest pair, from the
 drain on, max'ed with the stage's own reduction before the optimizer).
 
@@ -118,7 +120,10 @@ compared with ``Evaluation.memory_bytes`` exactly. Peak per GPU = state +
 the largest activation footprint tracked through the simulation, both summed
 over the GPU's stages (one without interleaving):
   state       = state_bytes * P_s, or on a sharded stage the replicated rest
-                (state - Q_s) + z_g MiB;
+                (state - Q_s) + z_g MiB (P_s, Q_s count a tied parameter
+                once per stage, as the stage module holds one
+                nn.Parameter: objective.py [C-tied]; a copy rounded DOWN to
+                KiB, as ``build_tables``);
   activations = sum over its stages of live_s * held_s, live_s = micro-batches
                 whose stage-s forward has ended and whose backward has not,
                 held_s = n_g * A_s, or on a recomputing stage n_g * X_s, plus
@@ -150,6 +155,7 @@ from ..runtime.schedule import make_schedule
 from ..solve.decision import Decision
 from ..solve.objective import MEMORY_UNIT_BYTES, MIB_UNITS, RECOMPUTE_FRACTION, prepare
 from ..solve.records import BlockCosts, DeviceGraph
+from ..solve.state_terms import extra_copies, stage_state_kib
 from .network import FlowResources, link_resource, max_min_rates
 from .sync import gradient_sync
 
@@ -261,6 +267,8 @@ def plan_decision(plan, costs: BlockCosts | None = None) -> Decision:
                                  f"BlockCosts to split its optimizer state equally")
             i, j = st.blocks
             q_kib = sum(-(-costs.shardable_bytes_per_param * p // MEMORY_UNIT_BYTES) for p in costs.param_count[i:j])
+            q_kib -= sum(c * (costs.shardable_bytes_per_param * costs.tied_params[t].numel // MEMORY_UNIT_BYTES)
+                         for t, c in extra_copies([tp.blocks for tp in costs.tied_params], i, j))
             need = -(-q_kib // MIB_UNITS)
             row = (-(-need // len(st.gpus)),) * len(st.gpus)
         shards.append(row)
@@ -445,10 +453,10 @@ def simulate(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions, deci
         state = 0
         for s in range(group_of[g], n_s, n_p):
             i, j = stage_blocks[s]
-            state += tab.state_prefix[j] - tab.state_prefix[i]
+            full, shard = stage_state_kib(tab, i, j)  # a tied parameter once per stage
+            state += full
             if pol.sharded[s]:
-                state += (MIB_UNITS * pol.shard_mib[s][stage_gpus[s].index(g)]
-                          - (tab.shard_prefix[j] - tab.shard_prefix[i]))
+                state += MIB_UNITS * pol.shard_mib[s][stage_gpus[s].index(g)] - shard
         peak[g] = MEMORY_UNIT_BYTES * (state + peak_act[g])
     bubble = 1.0 - sum(busy_frac[g] for g in used) / len(used)
     events.sort(key=lambda e: (e.start_s, e.gpu, KINDS.index(e.kind), e.end_s))

@@ -8,6 +8,7 @@ from __future__ import annotations
 from ..runtime.grad_sync import BUCKET_BYTES, bucket_caps
 from ..solve.objective import MEMORY_UNIT_BYTES, MIB_UNITS
 from ..solve.records import BlockCosts, DeviceGraph
+from ..solve.state_terms import unique_params
 from .network import FlowResources, Ring, ring
 
 __all__ = ["gradient_sync"]
@@ -147,7 +148,7 @@ def gradient_sync(costs: BlockCosts, devices: DeviceGraph, stage_blocks, stage_g
             t0 = max(t_red[g], tied_end.get(g, 0.0))
             for s in stages_p:
                 i, j = stage_blocks[s]
-                params = sum(costs.param_count[i:j])
+                params = unique_params(costs, i, j)  # a tied parameter once per stage ([C-tied])
                 # A shard of z MiB holds z MiB / shardable_bytes_per_param parameters ([C-optim]).
                 moved = ((2 * st_b * shard_bytes[s][k] / sh_b if sh_b else 0.0) if pol.sharded[s]
                          else 2 * st_b * params)
@@ -158,7 +159,7 @@ def gradient_sync(costs: BlockCosts, devices: DeviceGraph, stage_blocks, stage_g
         for s in stages_p:  # all-gather the updated weights once the group's steps ended
             if pol.sharded[s]:
                 i, j = stage_blocks[s]
-                params = sum(costs.param_count[i:j])
+                params = unique_params(costs, i, j)
                 t1 = t_opt + ring_p.allgather_s(pa_b * params)
                 events += [SimEvent("allgather", g, s, -1, t_opt, t1, None, pa_b * params) for g in gpus]
                 t_opt = t1

@@ -10,15 +10,17 @@ from __future__ import annotations
 from ..options import PlanOptions
 from .objective import IntTables, _gib, _prefix, max_stage_count, microbatch_candidates
 from .records import BlockCosts, DeviceGraph
+from .state_terms import extra_copies, unique_params
 
 __all__ = ["throughput_lower_bound", "explain_infeasible"]
 
 
-def _min_max_split(needs: list[int], k_max: int) -> tuple[int, list[tuple[int, int]]]:
-    """Split ``needs`` into <= k_max contiguous parts minimising the largest part sum.
-    Returns (largest part sum, the parts as (start, end))."""
+def _min_max_split(needs: list[int], k_max: int, less=None) -> tuple[int, list[tuple[int, int]]]:
+    """Split ``needs`` into <= k_max contiguous parts minimising the largest part
+    sum, less ``less(i, j)`` for a part [i, j) (default 0). Returns (largest part, the parts as (start, end))."""
     nb = len(needs)
     pre = _prefix(needs)
+    less = less or (lambda i, j: 0)
     inf = float("inf")
     # best[k][j]: min over splits of blocks [0, j) into k parts of the largest part.
     best = [[inf] * (nb + 1) for _ in range(k_max + 1)]
@@ -27,7 +29,7 @@ def _min_max_split(needs: list[int], k_max: int) -> tuple[int, list[tuple[int, i
     for k in range(1, k_max + 1):
         for j in range(1, nb + 1):
             for i in range(k - 1, j):
-                v = max(best[k - 1][i], pre[j] - pre[i])
+                v = max(best[k - 1][i], pre[j] - pre[i] - less(i, j))
                 if v < best[k][j]:
                     best[k][j], arg[k][j] = v, i
     k = min(range(1, k_max + 1), key=lambda q: (best[q][nb], q))
@@ -96,7 +98,7 @@ def explain_infeasible(costs: BlockCosts, devices: DeviceGraph, options: PlanOpt
     big_txt = (f"the largest GPU ({devices.gpu_types[big]}) has {_gib(caps[big])} GiB usable "
                f"({options.memory_fraction:g} × {_gib(devices.memory_bytes[big])} GiB)")
     st = costs.state_bytes_per_param
-    n_par = sum(costs.param_count)
+    n_par = unique_params(costs)  # a tied parameter once ([C-tied])
     head = (f"the model's training state needs {_gib(st * n_par)} GiB "
             f"({st} B/param × {n_par:.3g} params)")
     if options.sharding != "never" and costs.shardable_bytes_per_param:
@@ -115,11 +117,16 @@ def explain_infeasible(costs: BlockCosts, devices: DeviceGraph, options: PlanOpt
                 f"({_gib(st * costs.param_count[blk])} GiB state of {costs.param_count[blk]:.3g} params "
                 f"+ {_gib(costs.act_bytes_per_sample[blk])} GiB activations of one sample) but {big_txt}; "
                 f"a block cannot be split across stages: add GPUs with more memory{note}")
-    worst, parts = _min_max_split(needs, k_max)
-    s = max(range(len(parts)), key=lambda q: sum(needs[parts[q][0]:parts[q][1]]))
+    tied = [tp.blocks for tp in costs.tied_params]
+
+    def tied_less(i, j):  # a stage holds a tied parameter once ([C-tied])
+        return sum(c * st * costs.tied_params[t].numel for t, c in extra_copies(tied, i, j))
+
+    worst, parts = _min_max_split(needs, k_max, tied_less)
+    s = max(range(len(parts)), key=lambda q: sum(needs[parts[q][0]:parts[q][1]]) - tied_less(*parts[q]))
     i, j = parts[s]
     detail = (f"{_gib(worst)} GiB on stage {s} (blocks {i}-{j - 1}: "
-              f"{_gib(st * sum(costs.param_count[i:j]))} GiB state + "
+              f"{_gib(st * unique_params(costs, i, j))} GiB state + "
               f"{_gib(sum(costs.act_bytes_per_sample[i:j]))} GiB activations of one sample)")
     if worst > caps[big]:
         return f"{head}; with at most {k_txt} the best split still needs {detail} but {big_txt}; {fix}{note}"

@@ -58,7 +58,9 @@ With u = z >= 1 (the block's fixed cost is paid):
                 s = sum_i in_s[q_i] - same_s; holders hold_s = OR_i in_s[q_i];
                 when no same_s: the ring over the union of the holders' groups
                 (units summed over holding stages) -- pairs and size as for a
-                stage --, gated onto every holding stage               [C-tied]
+                stage --, gated onto every holding stage; state, shard
+                coverage and optim_s of stage s less dup_s = sum_i
+                in_s[q_i] - hold_s copies of t (same_s with r = 2)     [C-tied]
   optim_s     = max over memory-bandwidth classes present               [C-optim]
   memory      = objective.py's [C-memory] per group and stage           [C-memory]
   step        = sum_s t_s + (M - 1) max_s t_s
@@ -204,6 +206,23 @@ class CandidateModel:
         def both(a, c, name):
             return _both(m, a, c, name)
 
+        # [C-tied] per tied parameter t: same_s = every block of t in stage s; dup[t][s] = the
+        # copies stage s holds once instead of once per block (its blocks in s less one if it
+        # holds any; with two blocks: same_s), less in its state, shard and optimizer terms.
+        tsame, dup = [], []
+        for t_, tb in enumerate(tab.tied_blocks):
+            same_s = [both(in_s[s][tb[0]], in_s[s][tb[-1]], f"tsame_{t_}_{s}") for s in stages]
+            tsame.append(same_s)
+            if len(tb) == 2:
+                dup.append(same_s)
+            else:
+                held = [any_of([in_s[s][q] for q in tb], f"tdup_{t_}_{s}") for s in stages]
+                dup.append([sum(in_s[s][q] for q in tb) - held[s] for s in stages])
+
+        def shard_kib(s):
+            """Q_s in KiB, a tied parameter once ([C-tied])."""
+            return stage_sum(tab.shard_prefix, s) - sum(tab.tied_shard[t_] * dup[t_][s] for t_ in range(len(dup)))
+
         # [C-shard] / [C-recompute] per-stage memory policy (absent when the mode is "never").
         self.sh, self.rc = sh, rc = _policy_vars(m, tab, size, n_s)
 
@@ -343,7 +362,7 @@ class CandidateModel:
                         kz = m.NewIntVar(0, count[c] * (tab.cap_bytes[rep[c]] // MIB_UNITS), f"kz_{c}_{s}")
                         m.AddMultiplicationEquality(kz, [k[c][s], zc[c][s]])
                         held.append(unit[c] * kz)
-                m.Add(MIB_UNITS * sum(held) >= stage_sum(tab.shard_prefix, s)).OnlyEnforceIf(sh[s])
+                m.Add(MIB_UNITS * sum(held) >= shard_kib(s)).OnlyEnforceIf(sh[s])
             self.zc = zc
         opt_hi = max(max(p_[-1] for p_ in tab.opt_prefix),
                      max((tab.cap_bytes[r] // MIB_UNITS * tab.opt_per_mib[tab.gpu_mbw_class[r]] for r in rep),
@@ -379,7 +398,7 @@ class CandidateModel:
         tied_of = [[] for _ in stages]
         tied_hi = 0
         for t_, tb in enumerate(tab.tied_blocks):
-            same_s = [both(in_s[s][tb[0]], in_s[s][tb[-1]], f"tsame_{t_}_{s}") for s in stages]
+            same_s = tsame[t_]
             ex.append([sum(in_s[s][q] for q in tb) - same_s[s] for s in stages])
             if tab.num_gpus < 2 or n_s < 2:
                 continue
@@ -481,8 +500,9 @@ class CandidateModel:
                     flag = any_of(members, f"o_{q}_{s}")
                     if sh:
                         flag = both(flag, sh[s].Not(), f"on_{q}_{s}")
-                    opt_terms.append(gated(flag, stage_sum(tab.opt_prefix[q], s),
-                                           tab.opt_prefix[q][-1], f"oz_{q}_{s}"))
+                    opt_terms.append(gated(flag, stage_sum(tab.opt_prefix[q], s) - sum(
+                        tab.tied_opt[t_][q] * dup[t_][s] for t_ in range(len(dup))),
+                        tab.opt_prefix[q][-1], f"oz_{q}_{s}"))
             if sh:
                 opt_terms += [tab.opt_per_mib[tab.gpu_mbw_class[rep[c]]] * zc[c][s] for c in cls]
             opt = m.NewIntVar(0, opt_hi, f"opt_{s}")
@@ -492,10 +512,11 @@ class CandidateModel:
         # [C-memory] state + activations <= usable KiB of a GPU of c in s, per policy combination.
         act_single = {c: wsum(z[c], _blocks(tab.act_prefix)) for c in cls if single[c]}
         for s in stages:
-            state = stage_sum(tab.state_prefix, s)
+            state = stage_sum(tab.state_prefix, s) - sum(
+                tab.tied_state[t_] * dup[t_][s] for t_ in range(len(dup)))  # [C-tied]
             fl = inflight(tab.schedule, n_s, s, tab.num_microbatches)
             xin = _stage_input_kib(m, tab, cuts, s) if rc else None
-            shard = stage_sum(tab.shard_prefix, s) if sh else 0
+            shard = shard_kib(s) if sh else 0
             for c in cls:
                 act = act_single[c] if single[c] else wsum(z_of(c, s)[0], _blocks(tab.act_prefix))
                 _memory_limit(m, tab, p[c][s], cap=tab.cap_bytes[rep[c]], state=state, shard=shard,

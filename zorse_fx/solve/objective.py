@@ -19,7 +19,7 @@ them to the planner):
   rc_s  stage-level recomputation: keep only the stage's inputs per in-flight
         micro-batch, re-run the forward before each backward          [C-recompute]
 
-P_s = params of the blocks of s, A_s = their activation bytes per sample,
+P_s = params of the blocks of s (a tied parameter once: [C-tied]), A_s = their activation bytes per sample,
 W_{s,tau} = their fwd+bwd time per sample on GPU type tau, Q_s = their
 shardable state bytes (shardable_bytes_per_param * P_s), R_s = the rest
 (weights + gradients), X_s = cut bytes per sample into stage s (0 for s = 0).
@@ -50,9 +50,13 @@ shardable state bytes (shardable_bytes_per_param * P_s), R_s = the rest
                 (0 if none). Blocks in one stage (one group): reduced once
                 with its gradients (P'_s leaves out all copies but one). As the
                 runtime and ``sim/sync.py`` do: started with the stage's own
-                reduction, each holder's optimizer waits for both. Not priced
-                (as in the simulator): state and optimizer still count a tied
-                parameter once per block of a stage holding several; on a
+                reduction, each holder's optimizer waits for both.
+                State and optimizer: a stage holding c >= 2 blocks of a tied
+                parameter holds ONE parameter (one nn.Parameter of its
+                module: one weight, gradient and AdamW state), so its P_s, R_s,
+                Q_s and optimizer time count it once: the per-block sums less
+                (c - 1) copies (``state_terms.py``); a tied parameter on
+                several stages keeps one copy per stage. Not priced: on a
                 sharded holder the objective lets the all-gather overlap the
                 tied ring (the simulator runs it after the optimizer).  [C-tied]
   optim_s     = max_{g in s} of 2 * optim_bytes * P_s / mem_bw_g  (AdamW reads
@@ -79,7 +83,8 @@ the nearest ns, in ``build_tables``:
     per tied parameter 2*grad*numel/bw, ``tied_ar``; the ring's (k-1)/k is
     applied to the stage's integer sum, rounding up: ``ring_units``) and
     per-block optimizer time 2*state*param/mem_bw per distinct memory bandwidth
-    -> prefix sums (so allreduce/optim of a stage = sum of its rounded blocks);
+    -> prefix sums (so allreduce/optim of a stage = sum of its rounded blocks,
+    less (c - 1) rounded tied copies ``tied_opt`` where [C-tied] says so);
   * per-cut transfer time cut_bytes[c]*b/bw per distinct link bandwidth;
   * link latencies; usable memory = floor(memory_fraction * memory_bytes).
 Memory is counted in KiB (``MEMORY_UNIT_BYTES``): per-block state and
@@ -88,6 +93,9 @@ most 1 KiB per block). With byte-sized coefficients (~4e10) OR-Tools 9.15's
 presolve declared a feasible model INFEASIBLE (seen on the Metis scenario:
 presolve off or KiB units give the optimum), so the tables stay small.
   * shardable state Q per block in KiB rounded up; R = (state rounded up) - Q;
+    one tied copy's state and Q in KiB rounded DOWN (``tied_state``,
+    ``tied_shard``), so a stage's state less its extra tied copies stays >=
+    its exact bytes, and Q_s so too (the shards cover at least the exact Q_s);
     cut bytes X in KiB rounded up; a shard z_g in whole MiB (MIB_UNITS
     memory units) and its optimizer time z_g * to_units(2 * optim_bytes * MiB /
     (shardable * mem_bw)) per distinct memory bandwidth;
@@ -111,6 +119,7 @@ from ..options import SCHEDULES, PlanOptions
 from .decision import Decision
 from .network_terms import effective_pair_bandwidth, ring_units, tied_terms
 from .records import BlockCosts, DeviceGraph
+from .state_terms import stage_optim_units, stage_state_kib
 
 __all__ = [
     "UNITS_PER_S", "UNIT_S", "GIB", "to_units", "microbatch_candidates",
@@ -248,6 +257,13 @@ class IntTables:
     #: * numel / bw, before the ring's (k-1)/k ([C-tied]).
     tied_blocks: tuple[tuple[int, ...], ...] = ()
     tied_ar: tuple[tuple[int, ...], ...] = ()
+    #: Per tied parameter: one copy's state and shardable state (KiB, rounded
+    #: DOWN) and [memory-bandwidth class] optimizer units 2 * optim_bytes *
+    #: numel / mem_bw, which a stage holding c >= 2 of its blocks counts
+    #: c - 1 times less ([C-tied]; ``state_terms.py``).
+    tied_state: tuple[int, ...] = ()
+    tied_shard: tuple[int, ...] = ()
+    tied_opt: tuple[tuple[int, ...], ...] = ()
     sharding: str = "never"
     recompute: str = "never"
 
@@ -316,6 +332,9 @@ def build_tables(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions,
                           for v in mem_bw_values),
         tied_blocks=tuple(tuple(tp.blocks) for tp in costs.tied_params),
         tied_ar=tuple(tuple(to_units(2 * gr * tp.numel / v) for v in bw_values) for tp in costs.tied_params),
+        tied_state=tuple(int(st * tp.numel) // MEMORY_UNIT_BYTES for tp in costs.tied_params),
+        tied_shard=tuple(int(sh * tp.numel) // MEMORY_UNIT_BYTES for tp in costs.tied_params),
+        tied_opt=tuple(tuple(to_units(2 * ob * tp.numel / v) for v in mem_bw_values) for tp in costs.tied_params),
         sharding=options.sharding, recompute=options.recompute,
     )
 
@@ -408,11 +427,10 @@ def fill_policy(tab: IntTables, stage_blocks, stage_gpus, samples, sharded, reco
         if not sharded[s]:
             shards.append(())
             continue
-        repl = (tab.state_prefix[j] - tab.state_prefix[i]) - (tab.shard_prefix[j] - tab.shard_prefix[i])
+        state, need = stage_state_kib(tab, i, j)
         a = tab.act_prefix[j] - tab.act_prefix[i]
-        free = [(tab.cap_bytes[g] - repl - _act_units(tab, s, n_s, i, n, a, recompute[s])) // MIB_UNITS
+        free = [(tab.cap_bytes[g] - (state - need) - _act_units(tab, s, n_s, i, n, a, recompute[s])) // MIB_UNITS
                 for g, n in zip(gpus, ns)]
-        need = tab.shard_prefix[j] - tab.shard_prefix[i]
         z = balance_shards(need, free, [tab.opt_per_mib[tab.gpu_mbw_class[g]] for g in gpus])
         if z is None:
             need_mib, fr = -(-need // MIB_UNITS), [max(f, 0) for f in free]
@@ -468,8 +486,7 @@ def evaluate_units(tab: IntTables, stage_blocks, stage_gpus, samples, policy: Me
                       + (2 + sh) * (len(gpus) - 1) * max(tab.pair_lat[g][h] for g, h in pairs))
         else:
             ar.append(0)
-        state = tab.state_prefix[j] - tab.state_prefix[i]
-        shard = tab.shard_prefix[j] - tab.shard_prefix[i]
+        state, shard = stage_state_kib(tab, i, j)  # [C-tied]: a tied parameter once per stage
         a = tab.act_prefix[j] - tab.act_prefix[i]
         if sh:
             z = pol.shard_mib[s]
@@ -478,8 +495,7 @@ def evaluate_units(tab: IntTables, stage_blocks, stage_gpus, samples, policy: Me
                              for n, zg in zip(ns, z)))
             unc.append(max(0, shard - MIB_UNITS * sum(z)))
         else:
-            opt.append(max(tab.opt_prefix[tab.gpu_mbw_class[g]][j] - tab.opt_prefix[tab.gpu_mbw_class[g]][i]
-                           for g in gpus))
+            opt.append(max(stage_optim_units(tab, q, i, j) for q in {tab.gpu_mbw_class[g] for g in gpus}))
             mem.append(tuple(state + _act_units(tab, s, n_s, i, n, a, rc) for n in ns))
             unc.append(0)
     stage = tuple(c + x for c, x in zip(comp, bnd))
@@ -585,7 +601,7 @@ def evaluate(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions, deci
     for s, gpus in enumerate(stage_gpus):
         if u.uncovered[s]:
             bad.append(f"stage {s}: the shards hold {_gib(MIB_UNITS * MEMORY_UNIT_BYTES * sum(pol.shard_mib[s]))} "
-                       f"GiB of {_gib((tab.shard_prefix[stage_blocks[s][1]] - tab.shard_prefix[stage_blocks[s][0]]) * MEMORY_UNIT_BYTES)} "
+                       f"GiB of {_gib(stage_state_kib(tab, *stage_blocks[s])[1] * MEMORY_UNIT_BYTES)} "
                        f"GiB optimizer state")
         for g, need in zip(gpus, u.memory[s]):
             if need > tab.cap_bytes[g] and s < len(stage_blocks) // interleave:  # one report per GPU

@@ -37,7 +37,8 @@ def with_safety_stop(status: str, wall_clock_stops: int) -> str:
 class TiedParam:
     """A trainable parameter read by several blocks (a tied input/output
     embedding: GPT-2, OPT). Its elements count in ``BlockCosts.param_count``
-    of every block in ``blocks`` (each stage holding one of them keeps a copy);
+    of every block in ``blocks`` (each stage holding one or more of them keeps
+    one copy, which the cost model counts once: [C-tied], ``state_terms.py``);
     where those blocks fall in different stages the runtime reduces its
     gradient once over the union of the holding stages' GPUs ([Note:
     overlapped gradient reduction] in ``runtime/grad_sync.py``), not per stage."""

@@ -56,6 +56,7 @@ import numpy as np
 from ..options import PlanOptions
 from .objective import MIB_UNITS, fill_policy, inflight, max_stage_count, microbatch_candidates
 from .records import BlockCosts, DeviceGraph, SolverResult
+from .state_terms import extra_copies_matrix
 
 __all__ = ["solve_stage_dp", "stage_dp_search", "ORDERS", "MAX_UNITS"]
 
@@ -113,8 +114,10 @@ class _Stages:
             a = np.asarray(p, dtype=np.int64)
             return a[None, :] - a[:, None]  # [i, j] = p[j] - p[i]
 
-        self.state = pre(tab.state_prefix)
-        self.shard = pre(tab.shard_prefix)
+        # [C-tied]: a stage over [i, j) holds each tied parameter once (state_terms.py).
+        extra = extra_copies_matrix(tab.tied_blocks, nb)
+        self.state = pre(tab.state_prefix) - sum((e * tab.tied_state[t] for t, e in extra), np.int64(0))
+        self.shard = pre(tab.shard_prefix) - sum((e * tab.tied_shard[t] for t, e in extra), np.int64(0))
         self.act = pre(tab.act_prefix)
         self.cut_in = np.asarray(tab.cut_kib, dtype=np.int64)[:, None]  # X of a stage starting at i
         self.work = {t: pre(p) for t, p in tab.work_prefix.items()}
@@ -123,7 +126,8 @@ class _Stages:
         self.rc_fixed = {t: pre(p) for t, p in tab.rc_fixed_prefix.items()}
         self.ar = [pre(p) for p in tab.ar_prefix]
         self.arsh = [pre(p) for p in tab.arsh_prefix]
-        self.opt = [pre(p) for p in tab.opt_prefix]
+        self.opt = [pre(p) - sum((e * tab.tied_opt[t][q] for t, e in extra), np.int64(0))
+                    for q, p in enumerate(tab.opt_prefix)]
         self.terms: dict[tuple[int, int], dict | None] = {}
         self.b, self.speeds = b, speeds
 
