@@ -1,0 +1,110 @@
+"""Public whole-model training-step measurements that check the GPU class model
+(``gpu_model.py``) above the GEMM level (``bench/gpu_layer_accuracy.py``).
+
+Every row is one single-GPU run of BERT-large SQuAD fine-tuning from Lambda's
+PyTorch benchmark (https://github.com/lambdal/deeplearning-benchmark), which
+runs NVIDIA DeepLearningExamples' ``run_squad.py`` (the ``lambda/benchmark``
+branch of LambdaLabsML/DeepLearningExamples, NGC PyTorch containers 20.10 to
+22.09). The raw log of each run (``pytorch/results/<system>/
+PyTorch_bert_large_squad_FP16/<date>.txt``, commit given per row) states:
+BERT-large uncased (24 layers, hidden 1024, 16 heads, FFN 4096,
+335,150,082 parameters), ``--max_seq_length=384``, the per-GPU
+``train_batch_size``, ``--fp16`` (apex AMP O2: float16 model, float32 master
+weights, dynamic loss scaling), learning rate 0, one GPU. Each step is a
+forward, a backward and an optimizer step (apex FusedAdam / BertAdam) of
+``train_batch_size`` sequences; the run's tokenized SQuAD features are all
+padded to 384 tokens.
+
+Which number is taken: the log prints a timestamped line at training
+iterations 1, 51, 101, ...; ``interval_s`` is the time between the iteration-51
+line and the last one, ``interval_steps`` the steps between them, so
+``step_s = interval_s / interval_steps`` is the steady-state step time (the
+first 50 steps, with cuDNN/cuBLAS warm-up and the loss-scale search, are
+left out). ``reported_seq_per_s`` is the log's own
+``training_sequences_per_second`` (over all steps, warm-up included: a few
+percent lower), kept for reference.
+
+None of these numbers set a constant of the cost model. Where the table row
+of the GPU has a measured sustained GEMM rate, the "table" pricing uses it;
+the "class" pricing ignores it (see the bench script).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["StepPoint", "BERT_LARGE_SQUAD", "BERT_LARGE", "EXTRA_SPECS"]
+
+_L = "https://github.com/lambdal/deeplearning-benchmark/blob"
+
+#: BERT-large uncased, as the logs print it (``model_weights_num``) and as
+#: ``bert_config.json`` of google-research/bert defines it.
+BERT_LARGE = dict(vocab_size=30522, hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
+                  intermediate_size=4096, seq_len=384, logged_params=335_150_082)
+
+
+@dataclass(frozen=True, slots=True)
+class StepPoint:
+    """One measured training step of a whole model on one GPU."""
+
+    #: ``gpu_specs.csv`` type, or a key of ``EXTRA_SPECS``.
+    gpu: str
+    #: Sequences per step (one micro-batch, no gradient accumulation).
+    micro_batch: int
+    #: Seconds between the two timestamped log lines read.
+    interval_s: float
+    #: Optimizer steps between those lines.
+    interval_steps: int
+    #: The log's ``training_sequences_per_second`` (warm-up included).
+    reported_seq_per_s: float
+    #: Repository file and commit of the raw log, and the lines read.
+    source: str
+
+    @property
+    def step_s(self) -> float:
+        """Steady-state seconds per step (forward + backward + optimizer)."""
+        return self.interval_s / self.interval_steps
+
+
+def _src(system: str, log: str, commit: str, lines: str) -> str:
+    return f"{_L}/{commit}/pytorch/results/{system}/PyTorch_bert_large_squad_FP16/{log} ({lines})"
+
+
+BERT_LARGE_SQUAD: tuple[StepPoint, ...] = (
+    StepPoint("V100-16GB", 16, 13.509492, 50, 57.8655,
+              _src("LambdaCloud_V100_16GB_v1", "16-12-2022_02-59-50.txt", "e65ebf70a0e3f50fa5c2edc6fabcc18cf6908b0c",
+                   "iteration 51 at 03:00:44.200610, 101 at 03:00:57.710102; 5541 steps/epoch of 88641 "
+                   "features = batch 16; Lambda Cloud V100 16GB instance, 300 W per GPU in "
+                   "Lambda's pytorch-train-throughput-fp16.csv: the SXM2 card)")),
+    StepPoint("A10", 28, 32.028117, 50, 42.4548,
+              _src("LambdaCloud_A10_v1", "10-02-2023_01-39-44.txt", "4a985cd0ade7d30c00bfa9aa8b93f9a628a1e3d5",
+                   "iteration 51 at 01:40:49.948753, 101 at 01:41:21.976870; 3166 steps/epoch = batch 28")),
+    StepPoint("A40", 36, 90.747265, 150, 57.6025,
+              _src("A40", "26-06-2021_16-04-30.txt", "ebe6157492702c9ddd49881a18a7080ac4c825ec",
+                   "iteration 51 at 16:05:31.985869, 201 at 16:07:02.733134; train_batch_size 36")),
+    StepPoint("A100-PCIE-40GB", 48, 20.201503, 50, 115.8761,
+              _src("A100_40GB_PCIe_v1", "24-10-2022_05-26-56.txt", "bee47dae0e3b29907faf20dda7b018aaaba41995",
+                   "iteration 51 at 05:27:45.503183, 101 at 05:28:05.704686; train_batch_size 48")),
+    StepPoint("A100-40GB", 32, 14.270221, 50, 107.1268,
+              _src("A100_SXM4", "04-11-2020_21-22-32.txt", "e167f02cb45d83ccbc4b322dd33773e30ecfd100",
+                   "iteration 51 at 21:23:14.756846, 101 at 21:23:29.027067; train_batch_size 32; "
+                   "system 'A100 40GB SXM4' in compile_results_pytorch_throughput.py")),
+    StepPoint("RTX-A6000", 36, 83.961707, 150, 63.7924,
+              _src("A6000", "01-01-2021_17-41-40.txt", "e167f02cb45d83ccbc4b322dd33773e30ecfd100",
+                   "iteration 51 at 17:42:36.090419, 201 at 17:44:00.052126; train_batch_size 36")),
+    StepPoint("RTX-3090", 28, 26.415371, 50, 52.5676,
+              _src("3090_v1", "24-10-2022_23-09-38.txt", "835c4479afd850f025e4dcb67238a06a004c6548",
+                   "iteration 51 at 23:10:26.994406, 101 at 23:10:53.409777; 3166 steps/epoch = batch 28")),
+    StepPoint("RTX-3080", 4, 6.347623, 50, 29.9469,
+              _src("3080", "28-10-2020_05-21-22.txt", "e167f02cb45d83ccbc4b322dd33773e30ecfd100",
+                   "iteration 51 at 05:21:49.489289, 101 at 05:21:55.836912; train_batch_size 4 (10 GB card)")),
+)
+
+#: GPUs of ``BERT_LARGE_SQUAD`` that are not rows of ``gpu_specs.csv``:
+#: ``{gpu: (arch, memory GiB, GB/s, FP32 TFLOP/s, dense FP16-FP32acc tensor TFLOP/s, TDP W, source)}``.
+EXTRA_SPECS: dict[str, tuple[str, float, float, float, float, float, str]] = {
+    "RTX-3080": ("ampere-ga10x-geforce", 10, 760.0, 29.8, 59.5, 320.0,
+                 "https://www.nvidia.com/content/PDF/nvidia-ampere-ga-102-gpu-architecture-whitepaper-v2.pdf "
+                 "(GA102 whitepaper, RTX 3080 column: 10 GB GDDR6X, 760 GB/s, FP32 29.8, FP16 tensor with "
+                 "FP32 accumulate 59.5 dense, 320 W; the same figures as reference_data.HELDOUT_PEAKS)"),
+}
