@@ -87,7 +87,8 @@ def spec_of(gpu: str) -> GPUSpec:
     if gpu in EXTRA_SPECS:
         arch, mem, gbps, fp32, fp16, tdp, src = EXTRA_SPECS[gpu]
         return GPUSpec(type=gpu, memory_bytes=int(mem * 2**30), mem_bw_bytes_per_s=gbps * 1e9,
-                       fp32_flops_per_s=fp32 * 1e12, fp16_flops_per_s=fp16 * 1e12, bf16_supported=True,
+                       fp32_flops_per_s=fp32 * 1e12, fp16_flops_per_s=fp16 * 1e12,
+                       bf16_supported=arch not in ("pascal", "volta", "turing"),
                        source=src, arch=arch, tdp_w=tdp)
     return gpu_spec(gpu)
 

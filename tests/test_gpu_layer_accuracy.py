@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from zorse_fx.cost import gpu_model
-from zorse_fx.cost.step_reference_data import BERT_LARGE, BERT_LARGE_SQUAD
+from zorse_fx.cost.step_reference_data import BERT_LARGE, BERT_LARGE_SQUAD, EXTRA_SPECS
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.gpu_layer_accuracy import bert_graph, price_step, price_step_eager, spec_of  # noqa: E402
@@ -29,10 +29,15 @@ def test_step_table_well_formed():
         assert p.micro_batch >= 1 and p.interval_steps >= 1 and p.interval_s > 0
         # the raw log is cited at a commit, with the lines read
         assert re.search(r"/blob/[0-9a-f]{40}/pytorch/results/.+\.txt \(iteration 51 at ", p.source), p.source
+        if p.gpu in EXTRA_SPECS:
+            assert "https://" in EXTRA_SPECS[p.gpu][-1]
         # steady-state step vs the log's own throughput (which includes the
-        # first, slower steps): never faster, and within 10%
+        # first, slower steps): not faster (1% timing noise), and within 10%
+        if p.reported_seq_per_s is None:
+            assert "disagrees" in p.source
+            continue
         implied = p.micro_batch / p.reported_seq_per_s
-        assert p.step_s <= implied <= 1.10 * p.step_s, (p.gpu, p.step_s, implied)
+        assert 0.99 * p.step_s <= implied <= 1.10 * p.step_s, (p.gpu, p.step_s, implied)
 
 
 @pytest.fixture(scope="module")

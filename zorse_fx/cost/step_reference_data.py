@@ -4,7 +4,7 @@
 Every row is one single-GPU run of BERT-large SQuAD fine-tuning from Lambda's
 PyTorch benchmark (https://github.com/lambdal/deeplearning-benchmark), which
 runs NVIDIA DeepLearningExamples' ``run_squad.py`` (the ``lambda/benchmark``
-branch of LambdaLabsML/DeepLearningExamples, NGC PyTorch containers 20.10 to
+branch of LambdaLabsML/DeepLearningExamples, NGC PyTorch containers 20.01 to
 22.09). The raw log of each run (``pytorch/results/<system>/
 PyTorch_bert_large_squad_FP16/<date>.txt``, commit given per row) states:
 BERT-large uncased (24 layers, hidden 1024, 16 heads, FFN 4096,
@@ -55,8 +55,9 @@ class StepPoint:
     interval_s: float
     #: Optimizer steps between those lines.
     interval_steps: int
-    #: The log's ``training_sequences_per_second`` (warm-up included).
-    reported_seq_per_s: float
+    #: The log's ``training_sequences_per_second`` (warm-up included); None
+    #: where the log's own figure disagrees with its step timestamps (noted).
+    reported_seq_per_s: float | None
     #: Repository file and commit of the raw log, and the lines read.
     source: str
 
@@ -68,6 +69,12 @@ class StepPoint:
 
 def _src(system: str, log: str, commit: str, lines: str) -> str:
     return f"{_L}/{commit}/pytorch/results/{system}/PyTorch_bert_large_squad_FP16/{log} ({lines})"
+
+
+_TURING = ("Turing tensor cores run FP16 with FP32 accumulate at 8x the FP32 rate on Quadro/Titan parts "
+           "(NVIDIA Turing GPU architecture whitepaper, "
+           "https://images.nvidia.com/aem-dam/en-zz/Solutions/design-visualization/technologies/turing-architecture/"
+           "NVIDIA-Turing-Architecture-Whitepaper.pdf)")
 
 
 BERT_LARGE_SQUAD: tuple[StepPoint, ...] = (
@@ -98,6 +105,14 @@ BERT_LARGE_SQUAD: tuple[StepPoint, ...] = (
     StepPoint("RTX-3080", 4, 6.347623, 50, 29.9469,
               _src("3080", "28-10-2020_05-21-22.txt", "e167f02cb45d83ccbc4b322dd33773e30ecfd100",
                    "iteration 51 at 05:21:49.489289, 101 at 05:21:55.836912; train_batch_size 4 (10 GB card)")),
+    StepPoint("Quadro-RTX-8000", 64, 63.699150, 50, 50.2665,
+              _src("QuadroRTX8000_v1", "14-12-2022_21-58-09.txt", "b2c88c568571539b37748efd1557b88f7de99486",
+                   "iteration 51 at 22:00:01.795245, 101 at 22:01:05.494395; 1386 steps/epoch = batch 64")),
+    StepPoint("GTX-1080Ti", 4, 96.0, 200, None,
+              _src("1080Ti", "03-03-2020_10-35-27.txt", "e167f02cb45d83ccbc4b322dd33773e30ecfd100",
+                   "iteration 51 at 10:36:08, 251 at 10:37:44 (1 s resolution); 'Batch size = 4'; container "
+                   "20.01; the log's closing 'training throughput: 9.8' disagrees with its timestamps and its "
+                   "own progress rate (2.08 it/s x 4 = 8.3 seq/s) and is not used")),
 )
 
 #: GPUs of ``BERT_LARGE_SQUAD`` that are not rows of ``gpu_specs.csv``:
@@ -107,4 +122,17 @@ EXTRA_SPECS: dict[str, tuple[str, float, float, float, float, float, str]] = {
                  "https://www.nvidia.com/content/PDF/nvidia-ampere-ga-102-gpu-architecture-whitepaper-v2.pdf "
                  "(GA102 whitepaper, RTX 3080 column: 10 GB GDDR6X, 760 GB/s, FP32 29.8, FP16 tensor with "
                  "FP32 accumulate 59.5 dense, 320 W; the same figures as reference_data.HELDOUT_PEAKS)"),
+    "Quadro-RTX-8000": ("turing", 48, 672.0, 16.3, 130.4, 295.0,
+                        "https://huggingface.co/hardware/quadro-rtx-8000 (48 GB, 32.63 TFLOPS FP16 non-tensor = "
+                        "2 x FP32, 295 W); https://chip.pl/2018/10/bestia-dla-profesjonalistow-quadro-rtx-6000 "
+                        "(same TU102 configuration: FP32 16.3); https://geektopia.es/es/technology/2018/08/14/"
+                        "noticias/nvidia-anuncia-las-tres-primeras-quadro-rtx-que-usan-la-nueva-gpu-turing.html "
+                        "(14 Gb/s GDDR6 on 384 bits = 672 GB/s); tensor = 8 x 16.3: " + _TURING),
+    "GTX-1080Ti": ("pascal", 11, 484.0, 11.34, 11.34, 250.0,
+                   "https://www.nvidia.com/en-us/geforce/graphics-cards/geforce-gtx-1080-ti/specifications/ "
+                   "(3584 CUDA cores x 2 x 1582 MHz boost = 11.34 TFLOPS FP32; 11 Gbps GDDR5X on 352 bits = "
+                   "484 GB/s; 250 W; vendor page not in the stored corpus: cores and bus width agree with "
+                   "https://techpowerup.com/reviews/ASUS/GTX_1080_Ti_Strix_OC). No tensor cores and 1/64-rate "
+                   "FP16 math: a 16-bit GEMM with FP32 compute runs at the FP32 rate, so the 16-bit column "
+                   "holds the FP32 peak (the class model uses the FP32 peak on Pascal anyway)"),
 }
