@@ -2,12 +2,13 @@
 
 Run: ``PYTHONPATH=. python bench/gpu_layer_accuracy.py [--layers 24]``
 
-For every row of ``zorse_fx/cost/step_reference_data.BERT_LARGE_SQUAD``
-(BERT-large SQuAD fine-tuning, seq 384, fp16, one GPU, Lambda's PyTorch
-benchmark; every number cited there), the model prices one training step:
+For every row of ``zorse_fx/cost/step_reference_data.STEP_POINTS``
+(BERT-large and BERT-base SQuAD fine-tuning, seq 384, fp16, one GPU, Lambda's
+PyTorch benchmark; every number cited there), the model prices one training
+step:
 
-* the model: Hugging Face ``BertForQuestionAnswering`` with BERT-large's
-  shape, eager attention (``matmul -> scale -> mask add -> softmax ->
+* the model: Hugging Face ``BertForQuestionAnswering`` with the measured
+  model's shape, eager attention (``matmul -> scale -> mask add -> softmax ->
   dropout -> matmul``, as NVIDIA's ``modeling.py`` runs it), dropout 0.1,
   captured on the meta device by the project's path (``capture`` +
   ``analyse``), priced by ``roofline.block_costs`` under ``fp16-mixed``;
@@ -50,7 +51,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from zorse_fx.cluster import GPUSpec, gpu_spec  # noqa: E402
-from zorse_fx.cost.step_reference_data import BERT_LARGE, BERT_LARGE_SQUAD, EXTRA_SPECS  # noqa: E402
+from zorse_fx.cost.step_reference_data import EXTRA_SPECS, MODELS, STEP_POINTS  # noqa: E402
 
 
 class _QALoss(nn.Module):
@@ -65,16 +66,20 @@ class _QALoss(nn.Module):
                           end_positions=end_positions).loss
 
 
-def bert_graph(num_layers: int = BERT_LARGE["num_hidden_layers"], seq_len: int = BERT_LARGE["seq_len"]):
-    """The project's block graph of BERT-large's shape with ``num_layers``
-    layers, SQuAD loss, eager attention, captured on the meta device."""
+def bert_graph(model: str = "bert-large", num_layers: int | None = None):
+    """The project's block graph of ``MODELS[model]``'s shape (``num_layers``
+    layers, default the model's), SQuAD loss, eager attention, captured on
+    the meta device at the model's sequence length."""
     from transformers import BertConfig, BertForQuestionAnswering
 
     from zorse_fx.capture import analyse, capture
 
-    cfg = BertConfig(vocab_size=BERT_LARGE["vocab_size"], hidden_size=BERT_LARGE["hidden_size"],
-                     num_hidden_layers=num_layers, num_attention_heads=BERT_LARGE["num_attention_heads"],
-                     intermediate_size=BERT_LARGE["intermediate_size"], attn_implementation="eager")
+    m = MODELS[model]
+    seq_len = m["seq_len"]
+    cfg = BertConfig(vocab_size=m["vocab_size"], hidden_size=m["hidden_size"],
+                     num_hidden_layers=num_layers or m["num_hidden_layers"],
+                     num_attention_heads=m["num_attention_heads"], intermediate_size=m["intermediate_size"],
+                     attn_implementation="eager")
     with torch.device("meta"):
         model = BertForQuestionAnswering(cfg)
     ids = torch.zeros((2, seq_len), dtype=torch.long, device="meta")
@@ -130,8 +135,9 @@ def price_step_eager(bg, spec: GPUSpec, micro_batch: int, activations=None,
     return total + price_step(bg, spec, micro_batch, activations, precision)["optimizer_s"]
 
 
-def rows(bg, points=BERT_LARGE_SQUAD) -> list[dict]:
-    """One dict per measured point: measured and predicted step (class and table pricing), errors."""
+def rows(bg, points) -> list[dict]:
+    """One dict per measured point of ``points`` (all of ``bg``'s model):
+    measured and predicted step (class, table and eager pricing), errors."""
     from zorse_fx.cost.roofline import saved_activations_or_estimate
     from zorse_fx.precision import precision_policy
 
@@ -142,7 +148,7 @@ def rows(bg, points=BERT_LARGE_SQUAD) -> list[dict]:
         cls = price_step(bg, dataclasses.replace(spec, sustained_fp16_flops_per_s=None), p.micro_batch, acts)
         tab = price_step(bg, spec, p.micro_batch, acts)
         eager = price_step_eager(bg, dataclasses.replace(spec, sustained_fp16_flops_per_s=None), p.micro_batch, acts)
-        out.append(dict(gpu=p.gpu, arch=spec.arch, micro_batch=p.micro_batch, measured_step_s=p.step_s,
+        out.append(dict(model=p.model, gpu=p.gpu, arch=spec.arch, micro_batch=p.micro_batch, measured_step_s=p.step_s,
                         class_step_s=cls["step_s"], class_err=cls["step_s"] / p.step_s - 1,
                         class_optimizer_s=cls["optimizer_s"],
                         eager_step_s=eager, eager_err=eager / p.step_s - 1,
@@ -160,32 +166,40 @@ def summary(rs: list[dict], key: str) -> tuple[float, float]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layers", type=int, default=BERT_LARGE["num_hidden_layers"],
-                    help="encoder layers to capture (24: BERT-large, as measured)")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="encoder layers to capture (default: the measured model's, 24 / 12)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "gpu_layer_accuracy.json"))
     args = ap.parse_args(argv)
-    bg = bert_graph(args.layers)
-    rs = rows(bg)
-    print(f"BERT-large SQuAD, seq {BERT_LARGE['seq_len']}, fp16, {args.layers} layers captured, "
-          f"params {rs[0]['params']:,} (logged: {BERT_LARGE['logged_params']:,})")
-    print(f"{'gpu':16s} {'class':22s} {'mbs':>4s} {'measured':>9s} {'class':>8s} {'err':>7s} "
+    rs = []
+    for model, m in MODELS.items():
+        points = [p for p in STEP_POINTS if p.model == model]
+        rs_m = rows(bert_graph(model, args.layers), points)
+        print(f"{model} SQuAD, seq {m['seq_len']}, fp16: {args.layers or m['num_hidden_layers']} layers captured, "
+              f"params {rs_m[0]['params']:,} (logged: {m['logged_params']:,})")
+        rs += rs_m
+    print(f"{'model':10s} {'gpu':16s} {'class':22s} {'mbs':>4s} {'measured':>9s} {'class':>8s} {'err':>7s} "
           f"{'table':>8s} {'err':>7s} {'eager':>8s} {'err':>7s}  (step ms)")
     for r in rs:
         mark = "" if r["measured_sustained"] else " (no GEMM measurement: table = class)"
-        print(f"{r['gpu']:16s} {r['arch']:22s} {r['micro_batch']:4d} {r['measured_step_s'] * 1e3:9.1f} "
+        print(f"{r['model']:10s} {r['gpu']:16s} {r['arch']:22s} {r['micro_batch']:4d} {r['measured_step_s'] * 1e3:9.1f} "
               f"{r['class_step_s'] * 1e3:8.1f} {r['class_err']:+7.1%} {r['table_step_s'] * 1e3:8.1f} "
               f"{r['table_err']:+7.1%} {r['eager_step_s'] * 1e3:8.1f} {r['eager_err']:+7.1%}{mark}")
     for key in ("class_err", "table_err", "eager_err"):
-        med, mx = summary(rs, key)
-        print(f"{key.split('_')[0]:6s} n={len(rs)}  median |err| {med:.1%}, max {mx:.1%}")
+        for model in (*MODELS, "all"):
+            sel = [r for r in rs if model in ("all", r["model"])]
+            med, mx = summary(sel, key)
+            print(f"{key.split('_')[0]:6s} {model:10s} n={len(sel):2d}  median |err| {med:.1%}, max {mx:.1%}")
+    print("per GPU type (all models), class pricing: " + ", ".join(
+        f"{g} {statistics.median(r['class_err'] for r in rs if r['gpu'] == g):+.0%}"
+        for g in dict.fromkeys(r["gpu"] for r in rs)))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     cm, cx = summary(rs, "class_err")
     tm, tx = summary(rs, "table_err")
     em, ex = summary(rs, "eager_err")
     Path(args.out).write_text(json.dumps(dict(
         command="PYTHONPATH=. python bench/gpu_layer_accuracy.py" + (f" --layers {args.layers}"
-                                                                     if args.layers != 24 else ""),
-        model="bert-large squad, seq 384, fp16-mixed pricing", layers=args.layers,
+                                                                     if args.layers else ""),
+        models="bert-large and bert-base squad, seq 384, fp16-mixed pricing", layers=args.layers,
         class_median_abs_err=cm, class_max_abs_err=cx, table_median_abs_err=tm, table_max_abs_err=tx,
         eager_median_abs_err=em, eager_max_abs_err=ex,
         rows=rs), indent=1) + "\n")

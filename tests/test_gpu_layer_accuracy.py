@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from zorse_fx.cost import gpu_model
-from zorse_fx.cost.step_reference_data import BERT_LARGE, BERT_LARGE_SQUAD, EXTRA_SPECS
+from zorse_fx.cost.step_reference_data import EXTRA_SPECS, MODELS, STEP_POINTS
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.gpu_layer_accuracy import bert_graph, price_step, price_step_eager, spec_of  # noqa: E402
@@ -21,9 +21,11 @@ from bench.gpu_layer_accuracy import bert_graph, price_step, price_step_eager, s
 
 def test_step_table_well_formed():
     seen = set()
-    for p in BERT_LARGE_SQUAD:
-        assert p.gpu not in seen, p.gpu
-        seen.add(p.gpu)
+    for p in STEP_POINTS:
+        assert (p.model, p.gpu) not in seen, p
+        seen.add((p.model, p.gpu))
+        assert p.model in MODELS
+        assert f"PyTorch_bert_{p.model.split('-')[1]}_squad_FP16/" in p.source, p.source
         spec = spec_of(p.gpu)
         assert gpu_model.has_class_model(spec), p.gpu
         assert p.micro_batch >= 1 and p.interval_steps >= 1 and p.interval_s > 0
@@ -42,15 +44,16 @@ def test_step_table_well_formed():
 
 @pytest.fixture(scope="module")
 def one_layer():
-    return bert_graph(num_layers=1)
+    return bert_graph("bert-large", num_layers=1)
 
 
 def test_price_step_runs_and_scales(one_layer):
-    spec = spec_of(BERT_LARGE_SQUAD[0].gpu)
+    spec = spec_of(STEP_POINTS[0].gpu)
     small = price_step(one_layer, spec, 1)
     big = price_step(one_layer, spec, 8)
     # one layer + embeddings + SQuAD head of BERT-large's width
-    h, f, v = BERT_LARGE["hidden_size"], BERT_LARGE["intermediate_size"], BERT_LARGE["vocab_size"]
+    m = MODELS["bert-large"]
+    h, f, v = m["hidden_size"], m["intermediate_size"], m["vocab_size"]
     layer = 4 * (h * h + h) + (h * f + f) + (f * h + h) + 2 * 2 * h
     embeddings = (v + 512 + 2) * h + 2 * h
     assert small["params"] == layer + embeddings + (2 * h + 2)
