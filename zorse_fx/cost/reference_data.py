@@ -12,8 +12,10 @@ class model (``bench/gpu_roofline_accuracy.py``).
 
 Peaks of held-out GPUs that are not rows of ``gpu_specs.csv`` are given here
 with their datasheet source. No public per-layer forward/backward timings of
-Llama decoder layers on these GPU types were found (see bench/README.md):
-the layer-level check of the model is therefore structural, not a fit.
+Llama decoder layers on these GPU types were found (see bench/README.md);
+published whole-model training steps (BERT-large/base on 10 GPU types) check the
+model above the GEMM level: ``step_reference_data.py``, scored by
+``bench/gpu_layer_accuracy.py``, never fitted.
 """
 
 from __future__ import annotations
