@@ -3,6 +3,7 @@ scored by the shared model, hand-checked plans, and CP-SAT never worse."""
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -34,6 +35,12 @@ def _devices(types, nodes, memory, mem_bw):
         link_bw_bytes_per_s=tuple(tuple(0.0 if a == b else link[a][b][0] for b in range(g)) for a in range(g)),
         link_latency_s=tuple(tuple(0.0 if a == b else link[a][b][1] for b in range(g)) for a in range(g)),
         node_names=tuple(nodes))
+
+
+def _buckets(grad_bytes: float) -> int:
+    """Gradient buckets of ``grad_bytes`` of float32 gradients ([C-allreduce]: a
+    1 MiB first bucket, then 25 MiB each, runtime/grad_sync.bucket_caps)."""
+    return 1 + max(0, math.ceil((grad_bytes - (1 << 20)) / (25 << 20)))
 
 
 def _hand():
@@ -159,13 +166,17 @@ def test_homogeneous_all_by_hand():
     # p = 2, d = 2: stages ((0, 4), (4, 8)) on GPUs (0, 1) | (2, 3), 2 samples each.
     t0 = 2 * 4e-3 + 2 * (4 * 1e6 / 10e9 + 2e-5)  # A: 2 x 4 ms + boundary across nodes (4 MB, b = 4)
     t1 = 2 * 4 * 3e-3
-    # ring all-reduce of k GPUs: (k-1)/k x 2 x gradient bytes / the slowest link + 2 (k-1) latencies.
-    sync = max((1 / 2) * 2 * 4 * 4e6 / 100e9 + 2 * 5e-6 + 2 * 16 * 4e6 / 1e12,
-               (1 / 2) * 2 * 4 * 4e6 / 100e9 + 2 * 5e-6 + 2 * 16 * 4e6 / 5e11)
-    assert steps[2] == _units(t0 + t1 + 1 * max(t0, t1) + sync) == 57_266_000
-    # p = 1, d = 4: one stage of all 8 blocks, 1 sample per GPU; all-reduce over the 10 GB/s link.
-    one = 24e-3 + 24e-3 + ((3 / 4) * 2 * 4 * 8e6 / 10e9 + 2 * 3 * 2e-5) + 2 * 16 * 8e6 / 5e11
-    assert steps[1] == _units(one) == 53_432_000
+    # ring all-reduce of k GPUs: (k-1)/k x 2 x gradient bytes / the slowest link + 2 (k-1)
+    # latencies per gradient bucket; 4 blocks = 16 MB of float32 gradients: 1 MiB + 0.57 x 25 MiB.
+    assert _buckets(4 * 4e6) == 2
+    sync = max((1 / 2) * 2 * 4 * 4e6 / 100e9 + 2 * 2 * 5e-6 + 2 * 16 * 4e6 / 1e12,
+               (1 / 2) * 2 * 4 * 4e6 / 100e9 + 2 * 2 * 5e-6 + 2 * 16 * 4e6 / 5e11)
+    assert steps[2] == _units(t0 + t1 + 1 * max(t0, t1) + sync) == 57_276_000
+    # p = 1, d = 4: one stage of all 8 blocks, 1 sample per GPU; all-reduce over the 10 GB/s link,
+    # 32 MB of gradients: 1 MiB + 1.18 x 25 MiB, 3 buckets.
+    assert _buckets(4 * 8e6) == 3
+    one = 24e-3 + 24e-3 + ((3 / 4) * 2 * 4 * 8e6 / 10e9 + 3 * 2 * 3 * 2e-5) + 2 * 16 * 8e6 / 5e11
+    assert steps[1] == _units(one) == 53_672_000
     assert res.decision.stage_blocks == ((0, 8),) and res.decision.stage_gpus == ((0, 1, 2, 3),)
     assert res.decision.samples_per_microbatch == ((1, 1, 1, 1),) and res.status == "BASELINE"
     (two,) = [c for c in res.candidates if c["num_stages"] == 2]
@@ -197,8 +208,9 @@ def test_homogeneous_best_by_hand():
     assert {devices.gpu_types[g] for gs in res.decision.stage_gpus for g in gs} == {"A"}
     # p = 1 on GPUs (0, 1), 2 samples each: 16 ms x (1 + 1) + ring all-reduce in n0 + A's optimizer.
     assert res.decision.stage_gpus == ((0, 1),) and res.decision.samples_per_microbatch == ((2, 2),)
-    expected = 2 * 16e-3 + ((1 / 2) * 2 * 4 * 8e6 / 100e9 + 2 * 5e-6) + 2 * 16 * 8e6 / 1e12
-    assert _units(res.objective) == _units(expected) == 32_586_000
+    # 32 MB of float32 gradients: 3 buckets of 2 (k-1) latencies.
+    expected = 2 * 16e-3 + ((1 / 2) * 2 * 4 * 8e6 / 100e9 + _buckets(4 * 8e6) * 2 * 5e-6) + 2 * 16 * 8e6 / 1e12
+    assert _units(res.objective) == _units(expected) == 32_606_000
     # with idling forbidden the decision is kept but reported infeasible.
     strict = homogeneous_best(costs, devices, solver_options(global_batch_size=8, max_stages=2,
                                                             num_microbatches=(2,), allow_idle_gpus=False))
@@ -212,8 +224,8 @@ def test_cephalo_by_hand():
     # b = 8: A takes 8 ms per sample, B 24 ms; min-max shares (3, 3, 1, 1) -> 24 ms on every GPU.
     assert res.num_stages == 1 and res.decision.stage_gpus == ((0, 1, 2, 3),)
     assert res.decision.samples_per_microbatch == ((3, 3, 1, 1),)
-    expected = 24e-3 + ((3 / 4) * 2 * 4 * 8e6 / 10e9 + 2 * 3 * 2e-5) + 2 * 16 * 8e6 / 5e11
-    assert _units(res.objective) == _units(expected) == 29_432_000
+    expected = 24e-3 + ((3 / 4) * 2 * 4 * 8e6 / 10e9 + _buckets(4 * 8e6) * 2 * 3 * 2e-5) + 2 * 16 * 8e6 / 5e11
+    assert _units(res.objective) == _units(expected) == 29_672_000
     # larger instance: one stage, faster GPUs never get fewer samples than slower ones.
     costs, devices = _eight(1)
     res = cephalo(costs, devices, solver_options(global_batch_size=32, num_microbatches=(1, 2)))
@@ -250,16 +262,18 @@ def test_zorse_paper_groups_follow_min_cut():
     inter = _devices("ABAB", ["n0", "n1", "n0", "n1"], [16 * GIB] * 4, [1e12] * 4)
     assert min_k_cut_groups(inter, 2) == ((0, 2), (1, 3))
     # hand instance, k = 2: fast node first, blocks 6 : 2 (aggregate speeds 2/8 ms : 2/24 ms per
-    # sample), 2 samples per GPU; beats k = 1 (53.432 ms, the all-reduce crosses the slow link).
+    # sample), 2 samples per GPU; beats k = 1 (53.672 ms, the all-reduce crosses the slow link).
     costs, devices = _hand()
     res = zorse_paper(costs, devices, solver_options(global_batch_size=8, max_stages=2, num_microbatches=(2,)))
     assert res.decision.stage_gpus == ((0, 1), (2, 3)) and res.decision.stage_blocks == ((0, 6), (6, 8))
     assert res.decision.samples_per_microbatch == ((2, 2), (2, 2))
     t0 = 2 * 6e-3 + 2 * (4 * 1e6 / 10e9 + 2e-5)
     t1 = 2 * 2 * 3e-3
-    sync = max((1 / 2) * 2 * 4 * 6e6 / 100e9 + 2 * 5e-6 + 2 * 16 * 6e6 / 1e12,
-               (1 / 2) * 2 * 4 * 2e6 / 100e9 + 2 * 5e-6 + 2 * 16 * 2e6 / 5e11)
-    assert _units(res.objective) == _units(t0 + t1 + max(t0, t1) + sync) == 38_122_000
+    # 24 MB and 8 MB of float32 gradients: 2 buckets each (1 MiB + the rest).
+    assert _buckets(4 * 6e6) == _buckets(4 * 2e6) == 2
+    sync = max((1 / 2) * 2 * 4 * 6e6 / 100e9 + 2 * 2 * 5e-6 + 2 * 16 * 6e6 / 1e12,
+               (1 / 2) * 2 * 4 * 2e6 / 100e9 + 2 * 2 * 5e-6 + 2 * 16 * 2e6 / 5e11)
+    assert _units(res.objective) == _units(t0 + t1 + max(t0, t1) + sync) == 38_132_000
 
 
 def test_metis_enumeration_is_bounded_and_shares_follow_speed():

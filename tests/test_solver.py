@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 
 import pytest
@@ -81,7 +82,10 @@ def test_hand_checked_unequal_shares():
     costs, devices = _fast_slow()
     options = solver_options(global_batch_size=4, max_stages=2)
     compute = 3 * 1e-3  # fast: 3 samples x 1 ms = slow: 1 sample x 3 ms
-    allreduce = 2 * (1 / 2) * 4 * 1e6 / 1e10 + 2 * (2 - 1) * 1e-5  # ring: 2 (k-1)/k x grad bytes / bw + 2 (k-1) latency
+    # ring: 2 (k-1)/k x grad bytes / bw + 2 (k-1) latency per gradient bucket; 4 MB of float32
+    # gradients = a 1 MiB bucket + the rest (< 25 MiB): nb = 2 ([C-allreduce])
+    nb = 2
+    allreduce = 2 * (1 / 2) * 4 * 1e6 / 1e10 + nb * 2 * (2 - 1) * 1e-5
     optim = 2 * 16 * 1e6 / 5e11  # the slower memory bandwidth of the two GPUs
     expected = compute + allreduce + optim  # M = 1, one stage: no pipeline terms
     assert expected < 4 * 1e-3 + 2 * 16 * 1e6 / 1e12  # beats the fast GPU alone (4 ms + its optimizer)
@@ -93,7 +97,8 @@ def test_hand_checked_unequal_shares():
         assert res.predicted_allreduce_s == pytest.approx((allreduce,), abs=1e-9)
     ev = evaluate(costs, devices, options, Decision(stage_blocks=((0, 1),), stage_gpus=((0, 1),),
                                                     samples_per_microbatch=((3, 1),), num_microbatches=1))
-    assert ev.objective_units == 3_484_000 and ev.compute_s == pytest.approx((3e-3,))
+    # 3e6 ns compute + (400_000 + 2 x 20_000) ns all-reduce + 64_000 ns optimizer
+    assert ev.objective_units == 3_504_000 and ev.compute_s == pytest.approx((3e-3,))
     assert ev.optim_s == pytest.approx((optim,)) and ev.boundary_s == (0.0,)
 
 
@@ -112,7 +117,11 @@ def test_two_stages_with_heterogeneous_dp_group():
     # by hand, b = 4 samples: stage 0 = max(3 x 4 ms, 1 x 12 ms) + 2 x (4 MB / 1 TB/s + 1 us)
     t0 = 12e-3 + 2 * (4e6 / 1e12 + 1e-6)
     t1 = 4 * 2e-3
-    ar0 = 2 * (1 / 2) * 4 * p / 1e12 + 2 * 1e-6  # the two-GPU stage's ring all-reduce, (k-1)/k = 1/2
+    # The two-GPU stage's ring all-reduce, (k-1)/k = 1/2, 2 (k-1) latencies per gradient bucket:
+    # 4 p = 2.4e9 B of float32 gradients = 1 MiB + 91.5 x 25 MiB, nb = 1 + 92 = 93 buckets.
+    nb = 1 + math.ceil((4 * p - (1 << 20)) / (25 << 20))
+    assert nb == 93
+    ar0 = 2 * (1 / 2) * 4 * p / 1e12 + nb * 2 * 1e-6
     opt = 2 * 16 * p / 1e12  # same for both stages
     expected = t0 + t1 + 3 * max(t0, t1) + ar0 + opt
     assert res.predicted_step_time_s == pytest.approx(expected, abs=1e-8)
@@ -278,9 +287,12 @@ def test_sharding_makes_a_plan_feasible_with_unequal_shards():
     act = sum(-(-a // kib) for a in costs.act_bytes_per_sample) * kib
     assert ev.memory_bytes[0][0] == repl + big + res.decision.samples_per_microbatch[0][0] * act
     # [C-allreduce]: a sharded stage moves (2 * 4 + 4) B/param over its link, of which a
-    # ring of k = 2 sends (k-1)/k = 1/2 per hop, plus 3 latencies.
+    # ring of k = 2 sends (k-1)/k = 1/2 per hop, plus 2 (k-1) latencies per gradient bucket
+    # (4e9 B of float32 gradients = 1 MiB + 152.5 x 25 MiB: 154 buckets) and 1 for the all-gather.
     p_tot = sum(costs.param_count)
-    assert ev.allreduce_s[0] == pytest.approx(12 * p_tot / 100e9 / 2 + 3 * 5e-6, rel=1e-6)
+    nb = 1 + math.ceil((4 * p_tot - (1 << 20)) / (25 << 20))
+    assert nb == 154
+    assert ev.allreduce_s[0] == pytest.approx(12 * p_tot / 100e9 / 2 + (2 * nb + 1) * 5e-6, rel=1e-6)
     # sharding "never" reports the memory breach instead.
     bad = evaluate(costs, devices, base, Decision(stage_blocks=((0, 4),), stage_gpus=((0, 1),),
                                                   samples_per_microbatch=((2, 2),), num_microbatches=1))

@@ -79,17 +79,16 @@ shard's parameters, ``2 * optim_bytes * (z_g MiB / shardable_bytes_per_param)
 / mem_bw_g``. Then the sharded stages all-gather their updated weights
 ("allgather" events, per GPU of the stage, one stage after the other) on the
 same ring: ``(k - 1) / k * param_bytes * P_s / bw_ring + (k - 1) * lat_max``,
-starting when the group's last optimizer step ends. Without overlap (one
-bucket per stage), a stage's all-reduce + slowest optimizer + all-gather is
+starting when the group's last optimizer step ends. Without overlap (every
+bucket ready at once), a stage's all-reduce + slowest optimizer + all-gather is
 the objective's ``allreduce_s + optim_s`` (both price the ring with its
 (k - 1)/k; the objective on the slowest pair of the stage, with shared links
 through the pair bandwidth: [Note: shared links in the objective]).
 The step ends when the last optimizer step /
 all-gather ends. The objective charges the whole sync after the drain of
-every stage (``max_s``): it prices no overlap, but one latency term per
-stage where the runtime pays one per bucket, so it is the pessimistic one
-except by ``(buckets - 1) * 2 (k - 1) lat_max`` on a stage whose buckets are
-all ready at once. Times are not rounded: where both models coincide (one stage,
+every stage (``max_s``) and counts the same buckets ([C-allreduce]'s nb_s): it
+prices no overlap, so it is the pessimistic one. Times are not rounded:
+where both models coincide (one stage,
 GPipe with equal stages and free links, or interleaved 1F1B with equal
 groups and chunks and free links: (M v + P - 1) stage times + sync) they
 agree to the objective's ns rounding (<= 0.5 ns per block, and per MiB of

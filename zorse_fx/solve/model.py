@@ -50,9 +50,14 @@ With u = z >= 1 (the block's fixed cost is paid):
   allreduce_s = ring(max over present pairs inside s (c < d both present; the
                 link inside a unit if unit > 1; between units if k >= 2) of
                 the stage's sum less its excluded tied copies, GPUs of s)
-                + 2 * (GPUs of s - 1) * max latency; ring(x, k) =
+                + (2 nb_s + sh_s) * (GPUs of s - 1) * max latency; ring(x, k) =
                 ceil(x (k-1) / k) by one literal per k = GPUs of s and,
-                under it, k d >= (k-1) x > k d - k (linear)             [C-allreduce]
+                under it, k d >= (k-1) x > k d - k (linear); nb_s = 1 + e_s,
+                e_s = max(0, ceil((G_s - first_cap) / cap)) = (G_s - first_cap
+                + cap - 1) // cap (AddDivisionEquality; G_s the stage's
+                gradient KiB less its excluded tied copies, linear; first_cap
+                < cap keeps the numerator >= 0), its latency product by
+                AddMultiplicationEquality                               [C-allreduce]
   tied        per tied parameter t with blocks q_1 < ... < q_r: same_s =
                 in_s[q_1] and in_s[q_r] (all in s); excluded copies of stage
                 s = sum_i in_s[q_i] - same_s; holders hold_s = OR_i in_s[q_i];
@@ -104,7 +109,7 @@ from dataclasses import dataclass
 import numpy as np
 from ortools.sat.python import cp_model
 
-from .objective import MIB_UNITS, IntTables, inflight
+from .objective import MIB_UNITS, IntTables, bucket_count, inflight
 from ._encoding import StageCuts
 from ._encoding import any_of as _any_of
 from ._encoding import blocks_of as _blocks
@@ -450,7 +455,14 @@ class CandidateModel:
             """The stage's sum of a per-block all-reduce table less its excluded tied copies."""
             return stage_sum(prefix[q], s) - sum(tab.tied_ar[t_][q] * ex[t_][s] for t_ in range(len(ex)))
 
-        sync_hi = max(ar_hi + 3 * max(gpu_hi - 1, 0) * lat_hi, tied_hi) + opt_hi
+        def own_grad(s):
+            """The stage's float32 gradient KiB G_s less its excluded tied copies ([C-allreduce]'s buckets)."""
+            return stage_sum(tab.grad_kib_prefix, s) - sum(tab.tied_grad_kib[t_] * ex[t_][s] for t_ in range(len(ex)))
+
+        first_cap, cap = tab.bucket_caps
+        extra_hi = bucket_count(tab.grad_kib_prefix[-1], tab.bucket_caps) - 1  # buckets after the first, at most
+        arlat_hi = (2 * extra_hi + 3) * max(gpu_hi - 1, 0) * lat_hi
+        sync_hi = max(ar_hi + arlat_hi, tied_hi) + opt_hi
 
         # [C-allreduce] ring over the stage's pairs; [C-optim] slowest memory bandwidth of the stage.
         sync = []
@@ -475,6 +487,20 @@ class CandidateModel:
                 m.Add(sz1 == size[s] - 1)
                 lat_term = m.NewIntVar(0, gpu_hi * lat_hi, f"arlat_{s}")
                 m.AddMultiplicationEquality(lat_term, [sz1, lw])
+                grad_lat = 2 * lat_term  # the first bucket's ring
+                if extra_hi > 0:  # e_s more buckets, each a ring of 2 (k - 1) latencies
+                    # e_s = (G_s - first_cap + cap - 1) // cap, the numerator >= cap - 1 - first_cap
+                    # >= 0 (division by a constant: with the two linear inequalities it pins
+                    # instead, CP-SAT stalled -- test_stage_dp seed 0, S=2, M=4: 0.9 deterministic
+                    # s without proving optimality, 0.03 s with the division).
+                    num = m.NewIntVar(cap - 1 - first_cap, tab.grad_kib_prefix[-1] + cap - 1 - first_cap,
+                                      f"nbn_{s}")
+                    m.Add(num == own_grad(s) - first_cap + cap - 1)
+                    e_s = m.NewIntVar(0, extra_hi, f"nbx_{s}")
+                    m.AddDivisionEquality(e_s, num, cap)
+                    e_lat = m.NewIntVar(0, extra_hi * gpu_hi * lat_hi, f"nblat_{s}")
+                    m.AddMultiplicationEquality(e_lat, [e_s, lat_term])
+                    grad_lat += 2 * e_lat
                 if sh:  # a sharded stage also all-gathers its weights: (2 grad + param) bytes
                     arb_sh, _ = pair_max(m, tab, pairs, lambda q, s=s: own_ar(tab.arsh_prefix, q, s),
                                          lambda q: tab.arsh_prefix[q][-1], f"as{s}")
@@ -483,13 +509,13 @@ class CandidateModel:
                     m.Add(sel == arb).OnlyEnforceIf(sh[s].Not())
                     m.Add(sel == arb_sh).OnlyEnforceIf(sh[s])
                     ar = (ring(sel, ksz, hi, k_hi, f"arr{s}")
-                          + 2 * lat_term + gated(sh[s], lat_term, gpu_hi * lat_hi, f"arl_{s}"))
+                          + grad_lat + gated(sh[s], lat_term, gpu_hi * lat_hi, f"arl_{s}"))
                 else:
-                    ar = ring(arb, ksz, ar_hi, k_hi, f"arr{s}") + 2 * lat_term
+                    ar = ring(arb, ksz, ar_hi, k_hi, f"arr{s}") + grad_lat
             else:
                 ar = 0
             if tied_of[s]:  # [C-tied] the optimizer waits for the stage's own and its tied reductions
-                own = m.NewIntVar(0, ar_hi + 3 * max(gpu_hi - 1, 0) * lat_hi, f"arown_{s}")
+                own = m.NewIntVar(0, ar_hi + arlat_hi, f"arown_{s}")
                 m.Add(own == ar)
                 ar = m.NewIntVar(0, sync_hi, f"arw_{s}")
                 m.AddMaxEquality(ar, [own, *tied_of[s]])

@@ -35,11 +35,21 @@ shardable state bytes (shardable_bytes_per_param * P_s), R_s = the rest
   t_s         = max_{g in s} compute_g + boundary_s                   [C-stage]
   allreduce_s = 0 if k = |s| = 1, else
                 ceil((k - 1) / k * (2 * grad_bytes + sh_s * param_bytes) * P'_s
-                / bw_min(within s)) + (2 + sh_s) * (k - 1) * lat_max(within s)
-                (ring all-reduce of the gradients: 2 (k-1)/k n / bw + 2 (k-1)
-                lat, as ``sim/network.Ring``; a sharded stage then all-gathers
-                the updated weights: (k-1)/k n / bw + (k-1) lat. P'_s = P_s
-                less the tied copies [C-tied] leaves out)             [C-allreduce]
+                / bw_min(within s)) + (2 nb_s + sh_s) * (k - 1) * lat_max(within s)
+                (the gradients in nb_s buckets, each a ring all-reduce: 2 (k-1)/k
+                n / bw + 2 (k-1) lat per bucket, as ``sim/network.Ring``; a
+                sharded stage then all-gathers the updated weights in one
+                collective: (k-1)/k n / bw + (k-1) lat. P'_s = P_s less the
+                tied copies [C-tied] leaves out.
+                nb_s = 1 + max(0, ceil((G_s - first_cap) / cap)), G_s = the
+                float32 gradient bytes of P'_s (4 per parameter, whatever
+                grad_bytes is: the buckets hold float32 master gradients), caps
+                of ``runtime/grad_sync.bucket_caps(BUCKET_BYTES)`` (1 MiB, then
+                25 MiB): the buckets ``sim/sync.py`` forms, cutting parameters
+                at the caps (the runtime closes a bucket at the first
+                parameter that reaches its cap: as many or fewer). A stage
+                without any parameter of its own still counts 1 bucket (the
+                simulator: none))                                     [C-allreduce]
   tied_s      = per tied parameter (``BlockCosts.tied_params``, counted in
                 P of every block that reads it) whose blocks lie in stages of
                 different GPU groups: its gradient all-reduced once over the
@@ -87,6 +97,12 @@ the nearest ns, in ``build_tables``:
     less (c - 1) rounded tied copies ``tied_opt`` where [C-tied] says so);
   * per-cut transfer time cut_bytes[c]*b/bw per distinct link bandwidth;
   * link latencies; usable memory = floor(memory_fraction * memory_bytes).
+  * bucket counts of [C-allreduce] in KiB (``BUCKET_UNIT_BYTES``): per-block
+    float32 gradient KiB rounded UP -> prefix sums (``grad_kib_prefix``), per
+    tied parameter rounded DOWN (``tied_grad_kib``, subtracted for the copies
+    [C-tied] leaves out), the caps exact (whole KiB). G_s is then >= the exact
+    bytes / 1 KiB, so nb_s is never below the runtime's count (above it only
+    when a stage's rounding, < 1 KiB per block, crosses a bucket boundary).
 Memory is counted in KiB (``MEMORY_UNIT_BYTES``): per-block state and
 activation bytes rounded UP, usable memory rounded DOWN (conservative by at
 most 1 KiB per block). With byte-sized coefficients (~4e10) OR-Tools 9.15's
@@ -116,6 +132,7 @@ from dataclasses import dataclass
 
 from ..errors import InfeasiblePlanError
 from ..options import SCHEDULES, PlanOptions
+from ..runtime.grad_sync import BUCKET_BYTES, bucket_caps
 from .decision import Decision
 from .network_terms import effective_pair_bandwidth, ring_units, tied_terms
 from .records import BlockCosts, DeviceGraph
@@ -126,7 +143,8 @@ __all__ = [
     "max_stage_count", "inflight", "IntTables", "build_tables", "Evaluation",
     "evaluate", "evaluate_units", "balance_shards", "MIB_UNITS", "evaluate_result",
     "RECOMPUTE_FRACTION", "MemoryPolicy", "prepare", "policy_decision",
-    "effective_pair_bandwidth", "ring_units", "tied_terms",
+    "effective_pair_bandwidth", "ring_units", "tied_terms", "bucket_count", "GRAD_BUCKET_BYTES_PER_PARAM",
+    "BUCKET_UNIT_BYTES",
 ]
 
 #: Integer time units per second: 1 unit = 1 ns.
@@ -141,6 +159,19 @@ MIB_UNITS = 1024
 #: recomputes): the backward computes the input and the weight gradient, two
 #: matmuls per forward matmul (Narayanan et al., SC'21); the simulator uses it too.
 RECOMPUTE_FRACTION = 1.0 / 3.0
+#: Bytes of one gradient element in a bucket: the runtime's buckets hold the
+#: float32 master gradients (``runtime/grad_sync.py``; ``sim/sync.py``'s _FP32).
+GRAD_BUCKET_BYTES_PER_PARAM = 4
+#: Bytes per unit of the bucket-count tables (KiB; [C-allreduce], module note).
+BUCKET_UNIT_BYTES = 1024
+
+
+def bucket_count(grad_units: int, caps: tuple[int, int]) -> int:
+    """nb = 1 + max(0, ceil((G - first_cap) / cap)): the gradient buckets of
+    an all-reduce of G units of float32 gradients, ``caps`` = (first_cap, cap)
+    in the same units (``IntTables.bucket_caps``; [C-allreduce])."""
+    first, cap = caps
+    return 1 + max(0, -(-(grad_units - first) // cap))
 
 
 def _kib_up(nbytes: float) -> int:
@@ -234,6 +265,14 @@ class IntTables:
     xfer: tuple[tuple[int, ...], ...]
     #: [bw class] prefix of per-block all-reduce units 2 * grad_bytes * params / bw.
     ar_prefix: tuple[tuple[int, ...], ...]
+    #: prefix of per-block float32 gradient bytes (GRAD_BUCKET_BYTES_PER_PARAM * params) in
+    #: BUCKET_UNIT_BYTES units, rounded up per block ([C-allreduce]'s bucket count).
+    grad_kib_prefix: tuple[int, ...]
+    #: Per tied parameter: its float32 gradient bytes in BUCKET_UNIT_BYTES units, rounded down.
+    tied_grad_kib: tuple[int, ...]
+    #: (first bucket's cap, every other bucket's cap) in BUCKET_UNIT_BYTES units
+    #: (``runtime/grad_sync.bucket_caps(BUCKET_BYTES)``).
+    bucket_caps: tuple[int, int]
     #: (G,) index into ``mem_bw_values``; [class] prefix of 2 * optimizer bytes / mem_bw units.
     gpu_mbw_class: tuple[int, ...]
     mem_bw_values: tuple[float, ...]
@@ -302,6 +341,11 @@ def build_tables(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions,
     ob = costs.optim_bytes
     sh, pb = costs.shardable_bytes_per_param, costs.param_bytes_per_param
     types = sorted(set(devices.gpu_types))
+    first_cap, cap = bucket_caps(BUCKET_BYTES)
+    if first_cap % BUCKET_UNIT_BYTES or cap % BUCKET_UNIT_BYTES or not 0 < first_cap < cap:
+        raise ValueError(f"bucket caps ({first_cap}, {cap}) bytes must be whole KiB with 0 < first < other "
+                         f"(the CP-SAT model's bucket count relies on it)")
+    fp32 = GRAD_BUCKET_BYTES_PER_PARAM
     return IntTables(
         num_blocks=costs.num_blocks, num_gpus=n_g, num_microbatches=m, microbatch_size=b,
         schedule=options.schedule, gpu_types=tuple(devices.gpu_types),
@@ -315,6 +359,9 @@ def build_tables(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions,
         pair_lat=tuple(tuple(r) for r in lat),
         xfer=tuple(tuple(to_units(cb * b / v) for cb in costs.cut_bytes_per_sample) for v in bw_values),
         ar_prefix=tuple(_prefix(to_units(2 * gr * p / v) for p in costs.param_count) for v in bw_values),
+        grad_kib_prefix=_prefix(-(-fp32 * p // BUCKET_UNIT_BYTES) for p in costs.param_count),
+        tied_grad_kib=tuple(fp32 * tp.numel // BUCKET_UNIT_BYTES for tp in costs.tied_params),
+        bucket_caps=(first_cap // BUCKET_UNIT_BYTES, cap // BUCKET_UNIT_BYTES),
         gpu_mbw_class=tuple(mem_bw_values.index(v) for v in devices.mem_bw_bytes_per_s),
         mem_bw_values=mem_bw_values,
         opt_prefix=tuple(_prefix(to_units(2 * ob * p / v) for p in costs.param_count)
@@ -457,6 +504,7 @@ def evaluate_units(tab: IntTables, stage_blocks, stage_gpus, samples, policy: Me
     n_s, m = len(stage_blocks), tab.num_microbatches
     pol = policy or MemoryPolicy.plain(n_s)
     comp, bnd, ar, opt, mem, unc = [], [], [], [], [], []
+    grad_kib, ring_lat = [], []  # per stage: G_s (KiB) and (k - 1) * lat_max of [C-allreduce]
     excluded, tied = tied_terms(tab, stage_blocks, stage_gpus, n_s // interleave)
     for s, ((i, j), gpus, ns) in enumerate(zip(stage_blocks, stage_gpus, samples)):
         sh, rc = pol.sharded[s], pol.recompute[s]
@@ -478,13 +526,17 @@ def evaluate_units(tab: IntTables, stage_blocks, stage_gpus, samples, policy: Me
         else:
             bnd.append(0)
         pairs = [(g, h) for a, g in enumerate(gpus) for h in gpus[a + 1:]]
+        grad_kib.append(tab.grad_kib_prefix[j] - tab.grad_kib_prefix[i]
+                        - sum(c * tab.tied_grad_kib[t] for t, c in excluded[s].items()))
         if pairs:
             pre = tab.arsh_prefix if sh else tab.ar_prefix
             arb = max(pre[k][j] - pre[k][i] - sum(c * tab.tied_ar[t][k] for t, c in excluded[s].items())
                       for k in {tab.pair_bw_class[g][h] for g, h in pairs})
+            ring_lat.append((len(gpus) - 1) * max(tab.pair_lat[g][h] for g, h in pairs))
             ar.append(ring_units(arb, len(gpus))
-                      + (2 + sh) * (len(gpus) - 1) * max(tab.pair_lat[g][h] for g, h in pairs))
+                      + (2 * bucket_count(grad_kib[s], tab.bucket_caps) + sh) * ring_lat[s])
         else:
+            ring_lat.append(0)
             ar.append(0)
         state, shard = stage_state_kib(tab, i, j)  # [C-tied]: a tied parameter once per stage
         a = tab.act_prefix[j] - tab.act_prefix[i]
@@ -503,7 +555,7 @@ def evaluate_units(tab: IntTables, stage_blocks, stage_gpus, samples, policy: Me
         from .pipeline_terms import interleaved_units
 
         return interleaved_units(tab, stage_blocks, stage_gpus, samples, pol, interleave, comp, bnd, stage,
-                                  ar, opt, mem, unc, tied=tied)
+                                  ar, opt, mem, unc, tied=tied, buckets=(grad_kib, ring_lat))
     ar = [max(a, t) for a, t in zip(ar, tied)]  # [C-tied]: the optimizer waits for both
     step = sum(stage) + (m - 1) * max(stage) + max(a + o for a, o in zip(ar, opt))
     return StageUnits(compute=tuple(comp), boundary=tuple(bnd), stage=stage, allreduce=tuple(ar),

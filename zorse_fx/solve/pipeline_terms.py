@@ -10,7 +10,7 @@ ns) and ``interleaved_units`` (step and memory of an interleaved decision).
 
 from __future__ import annotations
 
-from .objective import StageUnits, _act_units
+from .objective import StageUnits, _act_units, bucket_count
 
 __all__ = ["forward_units", "pipeline_makespan", "interleaved_units"]
 
@@ -71,7 +71,7 @@ def pipeline_makespan(schedule: str, num_microbatches: int, interleave: int, fwd
 
 
 def interleaved_units(tab, stage_blocks, stage_gpus, samples, pol, v, comp, bnd, stage, ar, opt, mem, unc,
-                      tied=None) -> StageUnits:
+                      tied=None, *, buckets) -> StageUnits:
     """[Note: interleaved stages]
     With interleave degree v the S = P v stages run on P GPU groups, stage s
     on group p = s mod P (``runtime.schedule.interleaved_1f1b``). Per-stage
@@ -79,8 +79,18 @@ def interleaved_units(tab, stage_blocks, stage_gpus, samples, pol, v, comp, bnd,
     note; what changes:
 
       step  = makespan of the schedule's task graph (``pipeline_makespan``)
-              + max_p (max(sum_{s = p mod P} allreduce_s, max_{s = p mod P} tied_s)
+              + max_p (max(allreduce_p, max_{s = p mod P} tied_s)
                        + sum_{s = p mod P} optim_s)   (tied_s: [C-tied])
+              allreduce_p = sum_{s = p mod P} allreduce_s
+                            + 2 (nb(sum_s G_s) - sum_s nb(G_s)) (k - 1) lat_max:
+              the group's gradients fill one sequence of buckets across
+              its stages (``runtime/grad_sync.py``: one key per holder set;
+              ``sim/sync.py``'s ``_reduction``), so the bucket count of
+              [C-allreduce] is that of the group's G = sum of its stages'
+              G_s, not the sum of the stages' counts (the bandwidth terms
+              and the ZeRO-1 all-gathers stay per stage; every stage of a
+              group has the group's k and lat_max); ``allreduce_s``
+              reported per stage keeps its own count nb(G_s);
               where the forward of stage s takes f_s = floor(c'_s / 3) +
               floor(boundary_s / 2) (c'_s: its slowest GPU's compute without
               recomputation) and the backward t_s - f_s (the rest of its
@@ -118,8 +128,14 @@ def interleaved_units(tab, stage_blocks, stage_gpus, samples, pol, v, comp, bnd,
     groups = n_s // v
     fwd = forward_units(tab, stage_blocks, stage_gpus, samples, bnd)
     tied = tied or [0] * n_s
+    group_ar = [sum(ar[p::groups]) for p in range(groups)]
+    grad_kib, ring_lat = buckets  # per stage: G_s (KiB) and (k - 1) lat_max, from evaluate_units
+    for p in range(groups):  # one sequence of buckets per group (the note): recount them
+        g_kib = grad_kib[p::groups]
+        group_ar[p] += 2 * ring_lat[p] * (bucket_count(sum(g_kib), tab.bucket_caps)
+                                     - sum(bucket_count(x, tab.bucket_caps) for x in g_kib))
     # [C-tied]: a group's optimizer steps wait for its own reductions and the tied ones it holds.
-    sync = [max(sum(ar[p::groups]), max(tied[p::groups])) + sum(opt[p::groups]) for p in range(groups)]
+    sync = [max(group_ar[p], max(tied[p::groups])) + sum(opt[p::groups]) for p in range(groups)]
     step = pipeline_makespan(tab.schedule, m, v, fwd, stage) + max(sync)
     memory = [list(row) for row in mem]
     for p in range(groups):

@@ -128,6 +128,10 @@ class _Stages:
         self.arsh = [pre(p) for p in tab.arsh_prefix]
         self.opt = [pre(p) - sum((e * tab.tied_opt[t][q] for t, e in extra), np.int64(0))
                     for q, p in enumerate(tab.opt_prefix)]
+        # [C-allreduce]'s bucket count nb of blocks [i, j) (objective.bucket_count, vectorised;
+        # tied exclusions are not known per stage here, as for the all-reduce term above).
+        first_cap, cap = tab.bucket_caps
+        self.nbuckets = 1 + np.maximum(0, -((first_cap - pre(tab.grad_kib_prefix)) // cap))
         self.terms: dict[tuple[int, int], dict | None] = {}
         self.b, self.speeds = b, speeds
 
@@ -153,8 +157,9 @@ class _Stages:
             pairs = [(g, h) for a, g in enumerate(gpus) for h in gpus[a + 1:]]
             kin = min(tab.pair_bw_class[g][h] for g, h in pairs)
             lat = max(tab.pair_lat[g][h] for g, h in pairs)
-            ar = -((-self.ar[kin] * (k - 1)) // k) + 2 * (k - 1) * lat  # ring: objective.ring_units
-            arsh = -((-self.arsh[kin] * (k - 1)) // k) + 3 * (k - 1) * lat
+            # ring: objective.ring_units; nb buckets of 2 (k - 1) latencies (+ 1 all-gather when sharded)
+            ar = -((-self.ar[kin] * (k - 1)) // k) + 2 * self.nbuckets * (k - 1) * lat
+            arsh = -((-self.arsh[kin] * (k - 1)) // k) + (2 * self.nbuckets + 1) * (k - 1) * lat
         else:
             ar = arsh = np.zeros_like(self.state)
         mbw = sorted({tab.gpu_mbw_class[g] for g in gpus})

@@ -1,0 +1,151 @@
+"""The gradient-bucket count of [C-allreduce] (solve/objective.py): a stage's
+all-reduce pays the ring's 2 (k-1) link latencies once per gradient bucket of
+the runtime (a 1 MiB first bucket, then 25 MiB: ``runtime/grad_sync.bucket_caps``),
+as ``sim/sync.py`` does; the CP-SAT model equals ``evaluate`` to the ns on it,
+and interleaved groups count the buckets of all their stages together."""
+
+from __future__ import annotations
+
+import pytest
+
+from zorse_fx.runtime.grad_sync import BUCKET_BYTES, FIRST_BUCKET_BYTES
+from zorse_fx.sim import simulate
+from zorse_fx.solve import BlockCosts, Decision, evaluate, solve_cpsat
+from zorse_fx.solve.objective import UNIT_S, evaluate_units, prepare, ring_units, to_units
+from zorse_fx.solve.pipeline_terms import forward_units, pipeline_makespan
+
+from conftest import make_devices, solver_options
+
+GIB = 1 << 30
+LAT = 2e-3  # a WAN-like 2 ms between the nodes: the bucket latencies dominate the all-reduce
+BW = 1e10
+
+
+def _costs(params, **kw) -> BlockCosts:
+    nb = len(params)
+    return BlockCosts(fwd_bwd_s_per_sample={"A": (1e-3,) * nb}, param_count=tuple(params),
+                      act_bytes_per_sample=(1_000_000,) * nb, cut_bytes_per_sample=(0, *(1_000_000,) * (nb - 1), 0),
+                      **kw)
+
+
+def _devices(n):
+    return make_devices(["A"] * n, [f"n{g}" for g in range(n)], [80 * GIB] * n, [2e12] * n, inter=(BW, LAT))
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_single_stage_pays_the_latency_per_bucket(sharded):
+    """One block of 60M parameters on k = 4 GPUs (one per node): 240 MB of
+    float32 gradients = 1 MiB + 9.12 x 25 MiB, so 11 buckets. Objective:
+    ring bandwidth term + (2 nb + sh) (k-1) lat; the simulator's all-reduce
+    (all buckets ready when the only block's backward ends, so they run back
+    to back) lasts 2 (k-1)/k bytes / bw + nb 2 (k-1) lat."""
+    params, k = 60_000_000, 4
+    fp32 = 4 * params
+    nb = 1 + -(-(fp32 - FIRST_BUCKET_BYTES) // BUCKET_BYTES)  # 1 + ceil(238951424 / 26214400)
+    assert nb == 11
+    costs = _costs([params], state_bytes_per_param=16, grad_bytes_per_param=4, param_bytes_per_param=4,
+                   shardable_bytes_per_param=8)
+    devices = _devices(k)
+    options = solver_options(global_batch_size=4, sharding="auto")
+    d = Decision(stage_blocks=((0, 1),), stage_gpus=(tuple(range(k)),), samples_per_microbatch=((1,) * k,),
+                 num_microbatches=1, sharded=(sharded,))
+    ev = evaluate(costs, devices, options, d)
+    assert ev.feasible, ev.violations
+    # [C-allreduce] by hand: per-block units 2 grad params / bw (+ param bytes when sharded),
+    # the ring's (k-1)/k on them, then (2 nb + sh) (k-1) latencies.
+    per_param = 2 * 4 + (4 if sharded else 0)
+    want = ring_units(to_units(per_param * params / BW), k) + (2 * nb + sharded) * (k - 1) * to_units(LAT)
+    assert round(ev.allreduce_s[0] / UNIT_S) == want
+    sim = simulate(costs, devices, options, d)
+    ar = [e for e in sim.events if e.kind == "allreduce" and e.gpu == 0]
+    assert len(ar) == 1 and ar[0].nbytes == fp32
+    span = ar[0].end_s - ar[0].start_s
+    sim_buckets = (span - 2 * (k - 1) / k * fp32 / BW) / (2 * (k - 1) * LAT)
+    assert sim_buckets == pytest.approx(nb, abs=1e-6)
+    if sharded:  # the all-gather stays one collective in both models
+        ag = [e for e in sim.events if e.kind == "allgather" and e.gpu == 0]
+        assert ag[0].end_s - ag[0].start_s == pytest.approx((k - 1) / k * 4 * params / BW + (k - 1) * LAT)
+
+
+def test_tied_copies_leave_the_bucket_count():
+    """A tied parameter read by both blocks of one stage is reduced once: the
+    stage's buckets hold its gradient once (P'_s = P_s less one copy)."""
+    from zorse_fx.solve.records import TiedParam
+
+    tied = 20_000_000
+    params = (30_000_000, 30_000_000)  # each block counts the 20M tied elements
+    costs = _costs(params, tied_params=(TiedParam(name="emb", numel=tied, blocks=(0, 1)),))
+    devices = _devices(2)
+    options = solver_options(global_batch_size=2)
+    d = Decision(stage_blocks=((0, 2),), stage_gpus=((0, 1),), samples_per_microbatch=((1, 1),), num_microbatches=1)
+    ev = evaluate(costs, devices, options, d)
+    own = 4 * (sum(params) - tied)  # 160 MB of float32 gradients
+    nb = 1 + -(-(own - FIRST_BUCKET_BYTES) // BUCKET_BYTES)  # 1 + ceil(158951424 / 26214400) = 8
+    assert nb == 8
+    bw_units = to_units(2 * 4 * params[0] / BW) * 2 - to_units(2 * 4 * tied / BW)
+    assert round(ev.allreduce_s[0] / UNIT_S) == ring_units(bw_units, 2) + 2 * nb * 1 * to_units(LAT)
+    sim = simulate(costs, devices, options, d)
+    ar = [e for e in sim.events if e.kind == "allreduce" and e.gpu == 0]
+    assert ar[0].nbytes == own
+    assert (ar[0].end_s - ar[0].start_s - own / BW) / (2 * LAT) == pytest.approx(nb, abs=1e-6)
+
+
+@pytest.mark.parametrize("lat", [LAT, 5e-5])
+def test_cpsat_equals_evaluate_and_brute_force_with_many_buckets(lat):
+    """CP-SAT prices the bucket count exactly: on 2 nodes of 2 GPUs whose
+    blocks span many buckets (5-70M parameters each) its answer equals
+    ``evaluate`` to the ns (the search checks every answer) and its optimum is
+    brute force's (which enumerates ``evaluate``); a data-parallel stage of
+    several buckets is priced, in the plan or among those it beat."""
+    from zorse_fx.solve import solve_brute_force
+
+    params = (40_000_000, 10_000_000, 70_000_000, 25_000_000, 5_000_000)
+    costs = _costs(params)
+    devices = make_devices(["A"] * 4, ["n0", "n0", "n1", "n1"], [80 * GIB] * 4, [2e12] * 4, inter=(BW, lat))
+    options = solver_options(global_batch_size=8, max_stages=3, num_microbatches=(2, 4), sharding="auto",
+                             time_limit_s=60.0)
+    ref = solve_brute_force(costs, devices, options)
+    res = solve_cpsat(costs, devices, options)
+    assert res.status == "OPTIMAL"
+    assert round(res.objective / UNIT_S) == round(ref.objective / UNIT_S)
+    ev = evaluate(costs, devices, options, res.decision)
+    assert ev.feasible and ev.objective_units == round(res.objective / UNIT_S)
+    # The one-stage plan on all 4 GPUs: 600 MB of gradients, 1 + ceil((600e6 - 1 MiB) / 25 MiB) = 24 buckets.
+    one = Decision(stage_blocks=((0, 5),), stage_gpus=((0, 1, 2, 3),), samples_per_microbatch=((1,) * 4,),
+                   num_microbatches=2)
+    ev1 = evaluate(costs, devices, options, one)
+    nb = 1 + -(-(4 * sum(params) - FIRST_BUCKET_BYTES) // BUCKET_BYTES)
+    assert nb == 24
+    ring = ring_units(to_units(2 * 4 * sum(params) / BW), 4)
+    assert round(ev1.allreduce_s[0] / UNIT_S) == ring + 2 * nb * 3 * to_units(lat)
+    assert ev1.objective_units >= round(res.objective / UNIT_S)
+
+
+def test_interleaved_group_counts_its_buckets_together():
+    """v = 2 on 2 groups of 2 GPUs: group 0 holds stages 0 and 2 (blocks 0 and
+    2, 2.5M and 3M parameters: 10 MB and 12 MB of gradients, 2 buckets each
+    alone (1 MiB + the rest), 22 MB = 1 MiB + 0.8 x 25 MiB together: 2
+    buckets, not 4), group 1 stages 1 and 3 alike. The group's sync = sum of
+    its stages' ring terms + 2 nb(group) (k-1) lat."""
+    params = (2_500_000, 2_500_000, 3_000_000, 3_000_000)
+    costs = _costs(params)
+    devices = _devices(4)
+    options = solver_options(global_batch_size=4, max_interleave=2)
+    d = Decision(stage_blocks=((0, 1), (1, 2), (2, 3), (3, 4)), stage_gpus=((0, 1), (2, 3), (0, 1), (2, 3)),
+                 samples_per_microbatch=((1, 1),) * 4, num_microbatches=2, interleave=2)
+    ev = evaluate(costs, devices, options, d)
+    tab, pol = prepare(costs, devices, options, d)
+    u = evaluate_units(tab, d.stage_blocks, d.stage_gpus, d.samples_per_microbatch, pol, 2)
+    fwd = forward_units(tab, d.stage_blocks, d.stage_gpus, d.samples_per_microbatch, u.boundary)
+    makespan = pipeline_makespan(options.schedule, 2, 2, fwd, u.stage)
+    assert 4 * (params[0] + params[2]) < FIRST_BUCKET_BYTES + BUCKET_BYTES  # 2 buckets together
+    lat = to_units(LAT)
+    sync = []
+    for p in range(2):
+        ring = sum(ring_units(to_units(2 * 4 * params[s] / BW), 2) for s in (p, p + 2))
+        opt = sum(to_units(2 * 16 * params[s] / 2e12) for s in (p, p + 2))
+        sync.append(ring + 2 * 2 * (2 - 1) * lat + opt)
+    assert ev.objective_units == makespan + max(sync)
+    # Each stage reports its own all-reduce alone: 2 buckets.
+    assert [round(a / UNIT_S) for a in ev.allreduce_s] == [
+        ring_units(to_units(2 * 4 * params[s] / BW), 2) + 2 * 2 * (2 - 1) * lat for s in range(4)]
