@@ -160,7 +160,7 @@ def price_step_eager(bg, spec: GPUSpec, micro_batch: int, activations=None,
     costs = node_costs(bg, activations, pol)
     total = 0.0
     for b in range(bg.num_blocks):
-        kernels = [_Chain((n,), costs[n].bytes) for n in bg.block_nodes(b)
+        kernels = [_Chain((n,), costs[n].bytes, costs[n].bytes) for n in bg.block_nodes(b)
                    if costs[n].bytes > 0 and not costs[n].is_matmul]
         f, bw_, ff, fb = _class_block_time(bg, costs, b, kernels, weight_traffic_bytes(bg, b, pol), spec, pol)
         total += (f + bw_) * micro_batch + ff + fb

@@ -159,13 +159,12 @@ class _Chain:
 
     nodes: tuple[str, ...]
     bytes: float
-    eager_bytes: float = 0.0
+    eager_bytes: float
 
     def priced(self, unfused_fraction: float) -> tuple[float, float]:
         """``(bytes, forward kernels)`` with ``unfused_fraction`` of the
         eager-minus-fused traffic and kernels paid (``gpu_model``)."""
-        eager = max(self.eager_bytes, self.bytes)
-        return (self.bytes + unfused_fraction * (eager - self.bytes),
+        return (self.bytes + unfused_fraction * (self.eager_bytes - self.bytes),
                 1.0 + unfused_fraction * (len(self.nodes) - 1))
 
 
