@@ -19,11 +19,17 @@ step:
 Two pricings per GPU: ``class`` (the class model alone: the table's measured
 sustained GEMM rate is removed, so the matmul rate is
 ``gpu_model.predicted_sustained_fp16``) and ``table`` (what the planner
-uses: the measured rate where ``gpu_specs.csv`` has one). A third,
-diagnostic column, ``eager``, is the class pricing with every elementwise
-node its own kernel instead of fused chains (``price_step_eager``): the
-other end of the range the class model's fusion assumption sits in. Error =
-predicted step / measured step - 1 (positive: the model is too slow).
+uses: the measured rate where ``gpu_specs.csv`` has one), both with the
+fitted ``gpu_model.UNFUSED_FRACTION``. Two diagnostic columns bound it:
+``fused``, the class pricing with fully fused elementwise chains (fraction
+0, ``price_step_at``), and ``eager``, every elementwise node its own kernel
+(fraction 1, ``price_step_eager``). Error = predicted step / measured
+step - 1 (positive: the model is too slow).
+
+The fit of ``UNFUSED_FRACTION`` ([Note: unfused fraction] in
+``gpu_model.py``): ``gpu_model.fit_unfused_fraction`` over the fused and
+eager prices of one split (BERT-large rows, the adopted fit; and BERT-base
+rows), each scored on the other split; and leave-one-GPU-class-out.
 
 Known differences from the measured runs (stated, not corrected): the runs
 use apex O2 (float16 weights and activations, softmax and layer norm in
@@ -51,6 +57,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from zorse_fx.cluster import GPUSpec, gpu_spec  # noqa: E402
+from zorse_fx.cost import gpu_model  # noqa: E402
 from zorse_fx.cost.step_reference_data import EXTRA_SPECS, MODELS, STEP_POINTS  # noqa: E402
 
 
@@ -115,20 +122,45 @@ def price_step(bg, spec: GPUSpec, micro_batch: int, activations=None, precision:
     return dict(fwd_bwd_s=fwd_bwd, optimizer_s=optimizer, step_s=fwd_bwd + optimizer, params=params)
 
 
+def price_step_at(bg, spec: GPUSpec, micro_batch: int, unfused_fraction: float, activations=None,
+                  precision: str = "fp16-mixed") -> float:
+    """``price_step``'s step seconds with the chains priced at
+    ``unfused_fraction`` (0: fully fused; ``gpu_model.UNFUSED_FRACTION``:
+    what ``block_costs`` uses) instead of the adopted constant."""
+    from zorse_fx.cost.roofline import (_class_block_time, _graph_chains, node_costs, saved_activations_or_estimate,
+                                        weight_traffic_bytes)
+    from zorse_fx.precision import precision_policy
+
+    pol = precision_policy(precision)
+    if activations is None:  # as block_costs: node bytes in the measured run dtypes
+        activations = saved_activations_or_estimate(bg, pol)
+    costs = node_costs(bg, activations, pol)
+    chains = _graph_chains(bg, costs)
+    total = 0.0
+    for b in range(bg.num_blocks):
+        f, bw_, ff, fb = _class_block_time(bg, costs, b, chains[b], weight_traffic_bytes(bg, b, pol), spec, pol,
+                                           unfused_fraction)
+        total += (f + bw_) * micro_batch + ff + fb
+    return total + price_step(bg, spec, micro_batch, activations, precision)["optimizer_s"]
+
+
 def price_step_eager(bg, spec: GPUSpec, micro_batch: int, activations=None,
                      precision: str = "fp16-mixed") -> float:
     """Diagnostic: ``price_step``'s step seconds with every elementwise node
     its own kernel (eager PyTorch, nothing fused: each node moves its own
     input and output bytes) instead of the class model's fused chains; the
     matmul, attention, weight-traffic and optimizer terms are unchanged."""
-    from zorse_fx.cost.roofline import _Chain, _class_block_time, node_costs, weight_traffic_bytes
+    from zorse_fx.cost.roofline import (_Chain, _class_block_time, node_costs, saved_activations_or_estimate,
+                                        weight_traffic_bytes)
     from zorse_fx.precision import precision_policy
 
     pol = precision_policy(precision)
+    if activations is None:  # as block_costs: node bytes in the measured run dtypes
+        activations = saved_activations_or_estimate(bg, pol)
     costs = node_costs(bg, activations, pol)
     total = 0.0
     for b in range(bg.num_blocks):
-        kernels = [_Chain((n,), costs[n].bytes) for n in bg.block_nodes(b)
+        kernels = [_Chain((n,), costs[n].bytes, costs[n].bytes) for n in bg.block_nodes(b)
                    if costs[n].bytes > 0 and not costs[n].is_matmul]
         f, bw_, ff, fb = _class_block_time(bg, costs, b, kernels, weight_traffic_bytes(bg, b, pol), spec, pol)
         total += (f + bw_) * micro_batch + ff + fb
@@ -147,14 +179,45 @@ def rows(bg, points) -> list[dict]:
         spec = spec_of(p.gpu)
         cls = price_step(bg, dataclasses.replace(spec, sustained_fp16_flops_per_s=None), p.micro_batch, acts)
         tab = price_step(bg, spec, p.micro_batch, acts)
-        eager = price_step_eager(bg, dataclasses.replace(spec, sustained_fp16_flops_per_s=None), p.micro_batch, acts)
+        bare = dataclasses.replace(spec, sustained_fp16_flops_per_s=None)
+        eager = price_step_eager(bg, bare, p.micro_batch, acts)
+        fused = price_step_at(bg, bare, p.micro_batch, 0.0, acts)
         out.append(dict(model=p.model, gpu=p.gpu, arch=spec.arch, micro_batch=p.micro_batch, measured_step_s=p.step_s,
                         class_step_s=cls["step_s"], class_err=cls["step_s"] / p.step_s - 1,
                         class_optimizer_s=cls["optimizer_s"],
+                        fused_step_s=fused, fused_err=fused / p.step_s - 1,
                         eager_step_s=eager, eager_err=eager / p.step_s - 1,
                         table_step_s=tab["step_s"], table_err=tab["step_s"] / p.step_s - 1,
                         measured_sustained=spec.sustained_fp16_flops_per_s is not None,
                         params=cls["params"], source=p.source))
+    return out
+
+
+def interpolated_err(r: dict, fraction: float) -> float:
+    """Class-pricing error of row ``r`` at ``fraction`` (the step price is
+    linear in it between the row's fused and eager prices)."""
+    return (r["fused_step_s"] + fraction * (r["eager_step_s"] - r["fused_step_s"])) / r["measured_step_s"] - 1
+
+
+def split_fits(rs: list[dict]) -> list[dict]:
+    """``UNFUSED_FRACTION`` fitted on one split (``fit_unfused_fraction``)
+    and scored on the rest: BERT-large -> BERT-base, BERT-base ->
+    BERT-large, and each GPU class left out in turn (fit on the other
+    classes' rows of both models). Errors are of the class pricing."""
+    from zorse_fx.cost.gpu_model import fit_unfused_fraction
+
+    splits = [(f"fit {a} -> held out {b}", [r for r in rs if r["model"] == a], [r for r in rs if r["model"] == b])
+              for a, b in (("bert-large", "bert-base"), ("bert-base", "bert-large"))]
+    splits += [(f"fit other classes -> held out {c}", [r for r in rs if r["arch"] != c],
+                [r for r in rs if r["arch"] == c]) for c in dict.fromkeys(r["arch"] for r in rs)]
+    out = []
+    for name, fit, held in splits:
+        frac = fit_unfused_fraction((r["measured_step_s"], r["fused_step_s"], r["eager_step_s"]) for r in fit)
+        errs = [abs(interpolated_err(r, frac)) for r in held]
+        fused = [abs(r["fused_err"]) for r in held]
+        out.append(dict(split=name, fraction=frac, n_fit=len(fit), n_held=len(held),
+                        held_median_abs_err=statistics.median(errs), held_max_abs_err=max(errs),
+                        fused_median_abs_err=statistics.median(fused), fused_max_abs_err=max(fused)))
     return out
 
 
@@ -177,14 +240,17 @@ def main(argv=None) -> int:
         print(f"{model} SQuAD, seq {m['seq_len']}, fp16: {args.layers or m['num_hidden_layers']} layers captured, "
               f"params {rs_m[0]['params']:,} (logged: {m['logged_params']:,})")
         rs += rs_m
+    print(f"UNFUSED_FRACTION = {gpu_model.UNFUSED_FRACTION}")
     print(f"{'model':10s} {'gpu':16s} {'class':22s} {'mbs':>4s} {'measured':>9s} {'class':>8s} {'err':>7s} "
-          f"{'table':>8s} {'err':>7s} {'eager':>8s} {'err':>7s}  (step ms)")
+          f"{'table':>8s} {'err':>7s} {'fused':>8s} {'err':>7s} {'eager':>8s} {'err':>7s}  (step ms)")
     for r in rs:
-        mark = "" if r["measured_sustained"] else " (no GEMM measurement: table = class)"
+        mark = "" if r["measured_sustained"] else " *"
         print(f"{r['model']:10s} {r['gpu']:16s} {r['arch']:22s} {r['micro_batch']:4d} {r['measured_step_s'] * 1e3:9.1f} "
               f"{r['class_step_s'] * 1e3:8.1f} {r['class_err']:+7.1%} {r['table_step_s'] * 1e3:8.1f} "
-              f"{r['table_err']:+7.1%} {r['eager_step_s'] * 1e3:8.1f} {r['eager_err']:+7.1%}{mark}")
-    for key in ("class_err", "table_err", "eager_err"):
+              f"{r['table_err']:+7.1%} {r['fused_step_s'] * 1e3:8.1f} {r['fused_err']:+7.1%} "
+              f"{r['eager_step_s'] * 1e3:8.1f} {r['eager_err']:+7.1%}{mark}")
+    print("* no GEMM measurement in gpu_specs.csv: table = class")
+    for key in ("class_err", "table_err", "fused_err", "eager_err"):
         for model in (*MODELS, "all"):
             sel = [r for r in rs if model in ("all", r["model"])]
             med, mx = summary(sel, key)
@@ -192,6 +258,14 @@ def main(argv=None) -> int:
     print("per GPU type (all models), class pricing: " + ", ".join(
         f"{g} {statistics.median(r['class_err'] for r in rs if r['gpu'] == g):+.0%}"
         for g in dict.fromkeys(r["gpu"] for r in rs)))
+    print("per GPU class, class pricing: " + ", ".join(
+        f"{a} median {statistics.median(r['class_err'] for r in rs if r['arch'] == a):+.1%}"
+        for a in dict.fromkeys(r["arch"] for r in rs)))
+    fits = split_fits(rs)
+    for f in fits:
+        print(f"{f['split']:50s} fraction {f['fraction']:.4f}  held-out n={f['n_held']:2d} median |err| "
+              f"{f['held_median_abs_err']:.1%}, max {f['held_max_abs_err']:.1%}  (fused: "
+              f"{f['fused_median_abs_err']:.1%}, {f['fused_max_abs_err']:.1%})")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     cm, cx = summary(rs, "class_err")
     tm, tx = summary(rs, "table_err")
@@ -202,6 +276,8 @@ def main(argv=None) -> int:
         models="bert-large and bert-base squad, seq 384, fp16-mixed pricing", layers=args.layers,
         class_median_abs_err=cm, class_max_abs_err=cx, table_median_abs_err=tm, table_max_abs_err=tx,
         eager_median_abs_err=em, eager_max_abs_err=ex,
+        fused_median_abs_err=summary(rs, "fused_err")[0], fused_max_abs_err=summary(rs, "fused_err")[1],
+        unfused_fraction=gpu_model.UNFUSED_FRACTION, split_fits=fits,
         rows=rs), indent=1) + "\n")
     print(f"wrote {args.out}")
     return 0

@@ -19,7 +19,7 @@ from zorse_fx.capture import analyse, capture
 from zorse_fx.cluster import GPUSpec, gpu_spec, known_gpu_types
 from zorse_fx.cost import gpu_model
 from zorse_fx.cost.reference_data import BANDWIDTH_POINTS, GEMM_POINTS, HELDOUT_PEAKS
-from zorse_fx.cost.roofline import (MATMUL_EFFICIENCY, _graph_chains, _class_block_time, weight_traffic_bytes, block_costs, node_costs,
+from zorse_fx.cost.roofline import (KERNEL_OVERHEAD_S, MATMUL_EFFICIENCY, _graph_chains, _class_block_time, weight_traffic_bytes, block_costs, node_costs,
                                     node_time_s, saved_activations_or_estimate)
 from zorse_fx.precision import precision_policy
 
@@ -157,6 +157,51 @@ def test_fused_chains_move_fewer_bytes_than_every_kernel(llama):
     kernels = [n for c in ours for n in c.nodes]
     assert len(ours) < len(kernels)
     assert sum(c.bytes for c in ours) < sum(costs[n].bytes for n in kernels)
+
+
+def test_chains_priced_between_fused_and_eager(llama):
+    """A chain pays ``UNFUSED_FRACTION`` of the way from its fused bytes and
+    one kernel to the sum of its nodes' bytes and one kernel per node."""
+    bg, pol, costs, layer = llama
+    spec = gpu_spec("A100-40GB")
+    bw = spec.mem_bw_bytes_per_s * gpu_model.STREAM_EFFICIENCY
+    chains = _graph_chains(bg, costs)
+    f = gpu_model.UNFUSED_FRACTION
+    assert 0.0 < f < 1.0
+    for b in layer:
+        fused_bytes = sum(c.bytes for c in chains[b])
+        eager_bytes = sum(costs[n].bytes for c in chains[b] for n in c.nodes)
+        nodes = sum(len(c.nodes) for c in chains[b])
+        assert eager_bytes > fused_bytes
+        got = _class_block_time(bg, costs, b, chains[b], 0.0, spec, pol)
+        fused = _class_block_time(bg, costs, b, chains[b], 0.0, spec, pol, 0.0)
+        eager = _class_block_time(bg, costs, b, chains[b], 0.0, spec, pol, 1.0)
+        # forward per sample: the chain bytes once at the streaming bandwidth
+        assert got[0] - fused[0] == pytest.approx(f * (eager_bytes - fused_bytes) / bw, rel=1e-9)
+        assert eager[0] - fused[0] == pytest.approx((eager_bytes - fused_bytes) / bw, rel=1e-9)
+        # backward per sample: CHAIN_BWD_FACTOR x the forward chain bytes
+        assert eager[1] - fused[1] == pytest.approx(
+            gpu_model.CHAIN_BWD_FACTOR * (eager_bytes - fused_bytes) / bw, rel=1e-9)
+        # kernels: one per chain fused, one per node eager (1 forward + 2 backward)
+        extra = (nodes - len(chains[b])) * KERNEL_OVERHEAD_S
+        assert (eager[2] - fused[2], eager[3] - fused[3]) == pytest.approx((extra, 2 * extra), rel=1e-9)
+        assert got[2] - fused[2] == pytest.approx(f * extra, rel=1e-9)
+    got = block_costs(bg, {"A100-40GB": spec}, precision=pol)
+    for b in layer:
+        pf, pb, ff, fb = _class_block_time(bg, costs, b, chains[b], weight_traffic_bytes(bg, b, pol), spec, pol)
+        assert got.fwd_bwd_s_per_sample["A100-40GB"][b] == pytest.approx(pf + pb, rel=1e-12)
+
+
+def test_fit_unfused_fraction():
+    """The median implied fraction, clipped to [0, 1]; bad input refused."""
+    # implied fractions 0.25, 0.5, 1.5 -> median 0.5
+    assert gpu_model.fit_unfused_fraction([(1.25, 1.0, 2.0), (2.0, 1.0, 3.0), (2.5, 1.0, 2.0)]) == 0.5
+    assert gpu_model.fit_unfused_fraction([(0.5, 1.0, 2.0)]) == 0.0
+    assert gpu_model.fit_unfused_fraction([(3.0, 1.0, 2.0)]) == 1.0
+    with pytest.raises(ValueError):
+        gpu_model.fit_unfused_fraction([])
+    with pytest.raises(ValueError):
+        gpu_model.fit_unfused_fraction([(1.0, 2.0, 2.0)])
 
 
 def test_per_micro_batch_weight_and_gradient_traffic(llama):

@@ -3,7 +3,7 @@
 GPU types of the built-in table (``gpu_specs.csv`` rows, which carry an
 ``arch``) are priced by the per-class model of ``gpu_model.py`` (issue 13):
 sustained matmul rates fitted per GPU class to cited public measurements,
-fused elementwise chains, per-op-class backward factors and a per-micro-batch
+partly fused elementwise chains, per-op-class backward factors and a per-micro-batch
 weight/gradient traffic term (``_graph_chains``, ``_class_block_time``,
 ``weight_traffic_bytes``). The plain roofline below prices the rest: GPU
 types declared in a cluster file, which carry no class.
@@ -153,11 +153,19 @@ def node_time_s(cost: NodeCost, spec: GPUSpec, dtype: torch.dtype) -> float:
 
 @dataclass(frozen=True, slots=True)
 class _Chain:
-    """A fused elementwise chain of one block: its nodes, and the bytes it
-    moves once fused (inputs from outside, outputs used outside)."""
+    """An elementwise chain of one block: its nodes, the bytes it moves fully
+    fused (inputs from outside, outputs used outside, once) and run eagerly
+    (the sum of its nodes' bytes, one kernel per node)."""
 
     nodes: tuple[str, ...]
     bytes: float
+    eager_bytes: float
+
+    def priced(self, unfused_fraction: float) -> tuple[float, float]:
+        """``(bytes, forward kernels)`` with ``unfused_fraction`` of the
+        eager-minus-fused traffic and kernels paid (``gpu_model``)."""
+        return (self.bytes + unfused_fraction * (self.eager_bytes - self.bytes),
+                1.0 + unfused_fraction * (len(self.nodes) - 1))
 
 
 def _graph_chains(bg: BlockGraph, costs: dict[str, NodeCost]) -> dict[int, list[_Chain]]:
@@ -215,7 +223,8 @@ def _graph_chains(bg: BlockGraph, costs: dict[str, NodeCost]) -> dict[int, list[
         group = set(ns)
         moved = sum(costs[n].bytes for n in ns) - sum(internal_reads.get(n, 0.0) for n in ns)
         moved -= sum(costs[n].out_bytes for n in ns if consumers(n) and consumers(n) <= group)
-        chains[block_of[max(ns, key=order.__getitem__)]].append(_Chain(tuple(ns), max(moved, 0.0)))
+        chains[block_of[max(ns, key=order.__getitem__)]].append(
+            _Chain(tuple(ns), max(moved, 0.0), sum(costs[n].bytes for n in ns)))
     return chains
 
 
@@ -238,11 +247,14 @@ def weight_traffic_bytes(bg: BlockGraph, b: int, precision: PrecisionPolicy) -> 
 
 
 def _class_block_time(bg: BlockGraph, costs: dict[str, NodeCost], b: int, chains: list[_Chain],
-                      traffic_bytes: float, spec: GPUSpec,
-                      precision: PrecisionPolicy) -> tuple[float, float, float, float]:
+                      traffic_bytes: float, spec: GPUSpec, precision: PrecisionPolicy,
+                      unfused_fraction: float | None = None) -> tuple[float, float, float, float]:
     """``(fwd per sample, bwd per sample, fwd fixed, bwd fixed)`` seconds of
     block ``b`` on ``spec`` under the class model of ``gpu_model``;
-    ``traffic_bytes``: ``weight_traffic_bytes(bg, b, precision)``."""
+    ``traffic_bytes``: ``weight_traffic_bytes(bg, b, precision)``;
+    ``unfused_fraction``: of the chains' eager-minus-fused price (None:
+    ``gpu_model.UNFUSED_FRACTION``; 0: fully fused chains)."""
+    frac = gpu_model.UNFUSED_FRACTION if unfused_fraction is None else unfused_fraction
     dtype = precision.compute_dtype
     rate32 = gpu_model.sustained_matmul_flops_per_s(spec, dtype, MATMUL_EFFICIENCY)
     # a half-precision graph under a non-mixed policy still runs 16-bit GEMMs
@@ -250,7 +262,7 @@ def _class_block_time(bg: BlockGraph, costs: dict[str, NodeCost], b: int, chains
         spec, torch.float16, MATMUL_EFFICIENCY)
     bw = spec.mem_bw_bytes_per_s * gpu_model.STREAM_EFFICIENCY
     fwd = bwd = 0.0
-    kernels_f = kernels_b = 0
+    kernels_f = kernels_b = 0.0
     nodes = {n.name: n for n in bg.graph.nodes}
     for n in bg.block_nodes(b):
         c = costs[n]
@@ -267,9 +279,10 @@ def _class_block_time(bg: BlockGraph, costs: dict[str, NodeCost], b: int, chains
         fwd, bwd = fwd + t, bwd + gpu_model.MATMUL_BWD_FACTOR * t
         kernels_f, kernels_b = kernels_f + 1, kernels_b + 2
     for ch in chains:
-        t = ch.bytes / bw
+        nbytes, kernels = ch.priced(frac)
+        t = nbytes / bw
         fwd, bwd = fwd + t, bwd + gpu_model.CHAIN_BWD_FACTOR * t
-        kernels_f, kernels_b = kernels_f + 1, kernels_b + 2
+        kernels_f, kernels_b = kernels_f + kernels, kernels_b + 2 * kernels
     weight = traffic_bytes / bw
     return fwd, bwd, KERNEL_OVERHEAD_S * kernels_f, KERNEL_OVERHEAD_S * kernels_b + weight
 

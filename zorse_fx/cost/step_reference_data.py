@@ -24,9 +24,12 @@ left out). ``reported_seq_per_s`` is the log's own
 ``training_sequences_per_second`` (over all steps, warm-up included: a few
 percent lower), kept for reference.
 
-None of these numbers set a constant of the cost model. Where the table row
-of the GPU has a measured sustained GEMM rate, the "table" pricing uses it;
-the "class" pricing ignores it (see the bench script).
+The BERT-large rows (``BERT_LARGE_SQUAD``) set one constant of the cost
+model, ``gpu_model.UNFUSED_FRACTION`` (the fit split, [Note: unfused
+fraction] in ``gpu_model.py``); the BERT-base rows (``BERT_BASE_SQUAD``) set
+nothing and score it. Where the table row of the GPU has a measured
+sustained GEMM rate, the "table" pricing uses it; the "class" pricing
+ignores it (see the bench script).
 """
 
 from __future__ import annotations
