@@ -6,15 +6,12 @@ the module note of ``sim/engine.py``; rings priced in ``sim/network.py``)."""
 from __future__ import annotations
 
 from ..runtime.grad_sync import BUCKET_BYTES, bucket_caps
-from ..solve.objective import MEMORY_UNIT_BYTES, MIB_UNITS
+from ..solve.objective import GRAD_BUCKET_BYTES_PER_PARAM as _FP32, MEMORY_UNIT_BYTES, MIB_UNITS
 from ..solve.records import BlockCosts, DeviceGraph
 from ..solve.state_terms import unique_params
 from .network import FlowResources, Ring, ring
 
 __all__ = ["gradient_sync"]
-
-#: Bytes of one gradient element in a bucket (float32 master gradients; BUCKET_BYTES counts these).
-_FP32 = 4
 
 
 class _Timing:
