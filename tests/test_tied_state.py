@@ -177,3 +177,18 @@ def test_cpsat_matches_brute_force_with_tied_params_and_memory_policy(seed):
     ev = evaluate_result(costs, devices, options, res)
     assert ev.feasible, ev.violations
     assert ev.objective_units == round(res.objective * UNITS_PER_S) == round(ref.objective * UNITS_PER_S)
+
+
+def test_shardable_kib_from_costs_equals_the_tables():
+    """``state_terms.shardable_kib`` (what ``sim.engine.plan_decision`` uses to
+    split an old plan's sharded state equally) rounds as ``build_tables`` does:
+    equal to the tables' Q_s of every block range, and to the hand count where
+    the stage holds both tied blocks."""
+    from zorse_fx.solve.objective import MEMORY_UNIT_BYTES
+    from zorse_fx.solve.state_terms import shardable_kib, stage_state_kib
+    costs = _costs()
+    tab = build_tables(costs, _one_gpu(80 * 2**30), solver_options(global_batch_size=2), 1)
+    for i in range(3):
+        for j in range(i + 1, 4):
+            assert shardable_kib(costs, i, j, MEMORY_UNIT_BYTES) == stage_state_kib(tab, i, j)[1], (i, j)
+    assert shardable_kib(costs, 0, 3, MEMORY_UNIT_BYTES) == _by_hand(costs, 0, 3)[1]

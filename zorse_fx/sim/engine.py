@@ -154,7 +154,7 @@ from ..runtime.schedule import make_schedule
 from ..solve.decision import Decision
 from ..solve.objective import MEMORY_UNIT_BYTES, MIB_UNITS, RECOMPUTE_FRACTION, prepare
 from ..solve.records import BlockCosts, DeviceGraph
-from ..solve.state_terms import extra_copies, stage_state_kib
+from ..solve.state_terms import shardable_kib, stage_state_kib
 from .network import FlowResources, link_resource, max_min_rates
 from .sync import gradient_sync
 
@@ -265,9 +265,7 @@ def plan_decision(plan, costs: BlockCosts | None = None) -> Decision:
                 raise ValueError(f"plan stage {st.index} is sharded without state_shard_bytes: pass the "
                                  f"BlockCosts to split its optimizer state equally")
             i, j = st.blocks
-            q_kib = sum(-(-costs.shardable_bytes_per_param * p // MEMORY_UNIT_BYTES) for p in costs.param_count[i:j])
-            q_kib -= sum(c * (costs.shardable_bytes_per_param * costs.tied_params[t].numel // MEMORY_UNIT_BYTES)
-                         for t, c in extra_copies([tp.blocks for tp in costs.tied_params], i, j))
+            q_kib = shardable_kib(costs, i, j, MEMORY_UNIT_BYTES)
             need = -(-q_kib // MIB_UNITS)
             row = (-(-need // len(st.gpus)),) * len(st.gpus)
         shards.append(row)

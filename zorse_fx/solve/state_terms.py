@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["extra_copies", "stage_state_kib", "stage_optim_units", "extra_copies_matrix", "unique_params"]
+__all__ = ["extra_copies", "stage_state_kib", "stage_optim_units", "extra_copies_matrix", "unique_params",
+           "shardable_kib"]
 
 
 def extra_copies(tied_blocks, i: int, j: int) -> list[tuple[int, int]]:
@@ -80,3 +81,16 @@ def unique_params(costs, i: int = 0, j: int | None = None) -> int:
     j = costs.num_blocks if j is None else j
     blocks = [tp.blocks for tp in costs.tied_params]
     return sum(costs.param_count[i:j]) - sum(c * costs.tied_params[t].numel for t, c in extra_copies(blocks, i, j))
+
+
+def shardable_kib(costs, i: int, j: int, unit_bytes: int) -> int:
+    """Shardable state Q_s of blocks [i, j) of ``costs`` (a ``BlockCosts``) in
+    units of ``unit_bytes`` (``objective.MEMORY_UNIT_BYTES``), rounded as
+    ``build_tables`` rounds it: per block UP, less each extra tied copy
+    (``extra_copies``) rounded DOWN; equal to ``stage_state_kib(tab, i, j)[1]``
+    of the tables built from ``costs``. For a caller holding a ``BlockCosts``
+    and no tables (``sim.engine.plan_decision``'s equal shards)."""
+    sh = costs.shardable_bytes_per_param
+    q = sum(-(-sh * p // unit_bytes) for p in costs.param_count[i:j])
+    blocks = [tp.blocks for tp in costs.tied_params]
+    return q - sum(c * (int(sh * costs.tied_params[t].numel) // unit_bytes) for t, c in extra_copies(blocks, i, j))
