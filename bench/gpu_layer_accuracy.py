@@ -127,7 +127,7 @@ def price_step_at(bg, spec: GPUSpec, micro_batch: int, unfused_fraction: float, 
     """``price_step``'s step seconds with the chains priced at
     ``unfused_fraction`` (0: fully fused; ``gpu_model.UNFUSED_FRACTION``:
     what ``block_costs`` uses) instead of the adopted constant."""
-    from zorse_fx.cost.roofline import (_class_block_time, _graph_chains, node_costs, saved_activations_or_estimate,
+    from zorse_fx.cost.roofline import (class_block_time, graph_chains, node_costs, saved_activations_or_estimate,
                                         weight_traffic_bytes)
     from zorse_fx.precision import precision_policy
 
@@ -135,10 +135,10 @@ def price_step_at(bg, spec: GPUSpec, micro_batch: int, unfused_fraction: float, 
     if activations is None:  # as block_costs: node bytes in the measured run dtypes
         activations = saved_activations_or_estimate(bg, pol)
     costs = node_costs(bg, activations, pol)
-    chains = _graph_chains(bg, costs)
+    chains = graph_chains(bg, costs)
     total = 0.0
     for b in range(bg.num_blocks):
-        f, bw_, ff, fb = _class_block_time(bg, costs, b, chains[b], weight_traffic_bytes(bg, b, pol), spec, pol,
+        f, bw_, ff, fb = class_block_time(bg, costs, b, chains[b], weight_traffic_bytes(bg, b, pol), spec, pol,
                                            unfused_fraction)
         total += (f + bw_) * micro_batch + ff + fb
     return total + price_step(bg, spec, micro_batch, activations, precision)["optimizer_s"]
@@ -150,7 +150,7 @@ def price_step_eager(bg, spec: GPUSpec, micro_batch: int, activations=None,
     its own kernel (eager PyTorch, nothing fused: each node moves its own
     input and output bytes) instead of the class model's fused chains; the
     matmul, attention, weight-traffic and optimizer terms are unchanged."""
-    from zorse_fx.cost.roofline import (_Chain, _class_block_time, node_costs, saved_activations_or_estimate,
+    from zorse_fx.cost.roofline import (Chain, class_block_time, node_costs, saved_activations_or_estimate,
                                         weight_traffic_bytes)
     from zorse_fx.precision import precision_policy
 
@@ -160,9 +160,9 @@ def price_step_eager(bg, spec: GPUSpec, micro_batch: int, activations=None,
     costs = node_costs(bg, activations, pol)
     total = 0.0
     for b in range(bg.num_blocks):
-        kernels = [_Chain((n,), costs[n].bytes, costs[n].bytes) for n in bg.block_nodes(b)
+        kernels = [Chain((n,), costs[n].bytes, costs[n].bytes) for n in bg.block_nodes(b)
                    if costs[n].bytes > 0 and not costs[n].is_matmul]
-        f, bw_, ff, fb = _class_block_time(bg, costs, b, kernels, weight_traffic_bytes(bg, b, pol), spec, pol)
+        f, bw_, ff, fb = class_block_time(bg, costs, b, kernels, weight_traffic_bytes(bg, b, pol), spec, pol)
         total += (f + bw_) * micro_batch + ff + fb
     return total + price_step(bg, spec, micro_batch, activations, precision)["optimizer_s"]
 

@@ -73,7 +73,7 @@ def layer_table(seqs=(512, 2048), mbss=(1, 4)) -> list[dict]:
 
     from zorse_fx.capture import analyse, capture
     from zorse_fx.cluster import gpu_spec, known_gpu_types
-    from zorse_fx.cost.roofline import _graph_chains, _class_block_time, weight_traffic_bytes, node_costs, saved_activations_or_estimate
+    from zorse_fx.cost.roofline import graph_chains, class_block_time, weight_traffic_bytes, node_costs, saved_activations_or_estimate
     from zorse_fx.models.hf import CausalLMWithLoss
     from zorse_fx.precision import precision_policy
 
@@ -89,14 +89,14 @@ def layer_table(seqs=(512, 2048), mbss=(1, 4)) -> list[dict]:
         acts = saved_activations_or_estimate(bg, pol)
         costs = node_costs(bg, acts, pol)
         layer = [b for b in range(bg.num_blocks) if bg.describe_blocks(b, b + 1) == "L0"]
-        all_chains = _graph_chains(bg, costs)
+        all_chains = graph_chains(bg, costs)
         chains = {b: all_chains[b] for b in layer}
         traffic = {b: weight_traffic_bytes(bg, b, pol) for b in layer}
         for g in known_gpu_types():
             spec = gpu_spec(g)
             if not gpu_model.has_class_model(spec):
                 continue
-            parts = [_class_block_time(bg, costs, b, chains[b], traffic[b], spec, pol) for b in layer]
+            parts = [class_block_time(bg, costs, b, chains[b], traffic[b], spec, pol) for b in layer]
             f, bw, ff, fb = (sum(p[i] for p in parts) for i in range(4))
             for n in mbss:
                 fwd, bwd = f * n + ff, bw * n + fb

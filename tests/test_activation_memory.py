@@ -18,8 +18,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import cached_capture
 from zorse_fx.capture import analyse, capture
-from zorse_fx.cost.roofline import (_output_bytes_estimate, block_costs, measure_saved_activations, node_costs,
-                                    saved_activation_bytes)
+from zorse_fx.cost.activations import _output_bytes_estimate
+from zorse_fx.cost.roofline import block_costs, measure_saved_activations, node_costs, saved_activation_bytes
 from zorse_fx.models.gpt import GPT, GPTConfig
 from zorse_fx.models.hf import CausalLMWithLoss
 from zorse_fx.precision import precision_policy

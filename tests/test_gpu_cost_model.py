@@ -19,7 +19,7 @@ from zorse_fx.capture import analyse, capture
 from zorse_fx.cluster import GPUSpec, gpu_spec, known_gpu_types
 from zorse_fx.cost import gpu_model
 from zorse_fx.cost.reference_data import BANDWIDTH_POINTS, GEMM_POINTS, HELDOUT_PEAKS
-from zorse_fx.cost.roofline import (KERNEL_OVERHEAD_S, MATMUL_EFFICIENCY, _graph_chains, _class_block_time, weight_traffic_bytes, block_costs, node_costs,
+from zorse_fx.cost.roofline import (KERNEL_OVERHEAD_S, MATMUL_EFFICIENCY, graph_chains, class_block_time, weight_traffic_bytes, block_costs, node_costs,
                                     node_time_s, saved_activations_or_estimate)
 from zorse_fx.precision import precision_policy
 
@@ -148,7 +148,7 @@ def test_fused_chains_move_fewer_bytes_than_every_kernel(llama):
     """(ii): norms, rotary, SwiGLU and residual adds are grouped into chains
     that move less than the sum of their kernels' bytes, in fewer kernels."""
     bg, _, costs, layer = llama
-    chains = _graph_chains(bg, costs)
+    chains = graph_chains(bg, costs)
     members = [n for b in range(bg.num_blocks) for n in bg.block_nodes(b)
                if costs[n].bytes > 0 and not costs[n].is_matmul]
     # every elementwise kernel of the model is in exactly one chain, charged to one block
@@ -165,7 +165,7 @@ def test_chains_priced_between_fused_and_eager(llama):
     bg, pol, costs, layer = llama
     spec = gpu_spec("A100-40GB")
     bw = spec.mem_bw_bytes_per_s * gpu_model.STREAM_EFFICIENCY
-    chains = _graph_chains(bg, costs)
+    chains = graph_chains(bg, costs)
     f = gpu_model.UNFUSED_FRACTION
     assert 0.0 < f < 1.0
     for b in layer:
@@ -173,9 +173,9 @@ def test_chains_priced_between_fused_and_eager(llama):
         eager_bytes = sum(costs[n].bytes for c in chains[b] for n in c.nodes)
         nodes = sum(len(c.nodes) for c in chains[b])
         assert eager_bytes > fused_bytes
-        got = _class_block_time(bg, costs, b, chains[b], 0.0, spec, pol)
-        fused = _class_block_time(bg, costs, b, chains[b], 0.0, spec, pol, 0.0)
-        eager = _class_block_time(bg, costs, b, chains[b], 0.0, spec, pol, 1.0)
+        got = class_block_time(bg, costs, b, chains[b], 0.0, spec, pol)
+        fused = class_block_time(bg, costs, b, chains[b], 0.0, spec, pol, 0.0)
+        eager = class_block_time(bg, costs, b, chains[b], 0.0, spec, pol, 1.0)
         # forward per sample: the chain bytes once at the streaming bandwidth
         assert got[0] - fused[0] == pytest.approx(f * (eager_bytes - fused_bytes) / bw, rel=1e-9)
         assert eager[0] - fused[0] == pytest.approx((eager_bytes - fused_bytes) / bw, rel=1e-9)
@@ -188,7 +188,7 @@ def test_chains_priced_between_fused_and_eager(llama):
         assert got[2] - fused[2] == pytest.approx(f * extra, rel=1e-9)
     got = block_costs(bg, {"A100-40GB": spec}, precision=pol)
     for b in layer:
-        pf, pb, ff, fb = _class_block_time(bg, costs, b, chains[b], weight_traffic_bytes(bg, b, pol), spec, pol)
+        pf, pb, ff, fb = class_block_time(bg, costs, b, chains[b], weight_traffic_bytes(bg, b, pol), spec, pol)
         assert got.fwd_bwd_s_per_sample["A100-40GB"][b] == pytest.approx(pf + pb, rel=1e-12)
 
 
@@ -215,9 +215,9 @@ def test_per_micro_batch_weight_and_gradient_traffic(llama):
         params = sum(state[a].numel() for a in bg.block_attrs[b] if a in trainable)
         assert weight_traffic_bytes(bg, b, pol) == params * 10  # fp16 weight read + fp32 grad read/write
         assert weight_traffic_bytes(bg, b, precision_policy("fp32")) == params * 12
-        chains = _graph_chains(bg, costs)[b]
-        _, _, _, fb = _class_block_time(bg, costs, b, chains, params * 10, spec, pol)
-        _, _, _, fb0 = _class_block_time(bg, costs, b, chains, 0, spec, pol)
+        chains = graph_chains(bg, costs)[b]
+        _, _, _, fb = class_block_time(bg, costs, b, chains, params * 10, spec, pol)
+        _, _, _, fb0 = class_block_time(bg, costs, b, chains, 0, spec, pol)
         assert fb - fb0 == pytest.approx(params * 10 / (spec.mem_bw_bytes_per_s * gpu_model.STREAM_EFFICIENCY))
     got = block_costs(bg, {"T4": spec}, precision=pol)
     assert all(got.fwd_bwd_s_fixed["T4"][b] > 0 for b in layer)
@@ -232,7 +232,7 @@ def test_backward_forward_ratio_by_class_and_micro_batch(llama):
     def ratio(t, n):
         f = bw = 0.0
         for b in layer:
-            pf, pb, ff, fb = _class_block_time(bg, costs, b, _graph_chains(bg, costs)[b],
+            pf, pb, ff, fb = class_block_time(bg, costs, b, graph_chains(bg, costs)[b],
                                                weight_traffic_bytes(bg, b, pol), gpu_spec(t), pol)
             f, bw = f + pf * n + ff, bw + pb * n + fb
         return bw / f
@@ -262,7 +262,7 @@ def test_half_precision_graph_runs_16_bit_matmuls_without_autocast():
     got = block_costs(bg, {"A100-40GB": a100}, precision=precision_policy("fp32"))
     layer = [b for b in range(bg.num_blocks) if bg.describe_blocks(b, b + 1) == "L0"]
     for b in layer:
-        f, bw, _, _ = _class_block_time(bg, costs, b, _graph_chains(bg, costs)[b], 0.0, a100, precision_policy("fp32"))
+        f, bw, _, _ = class_block_time(bg, costs, b, graph_chains(bg, costs)[b], 0.0, a100, precision_policy("fp32"))
         assert got.fwd_bwd_s_per_sample["A100-40GB"][b] == pytest.approx(f + bw)
     fp32_graph = _llama()
     c32 = node_costs(fp32_graph)

@@ -142,7 +142,7 @@ def test_matmuls_priced_at_the_compute_dtype_peak():
     the fp32 peak (TF32 is off by default in PyTorch)."""
     from zorse_fx.cluster import gpu_spec
     from zorse_fx.cost import gpu_model
-    from zorse_fx.cost.roofline import MATMUL_EFFICIENCY, _graph_chains, _class_block_time, weight_traffic_bytes, node_costs
+    from zorse_fx.cost.roofline import MATMUL_EFFICIENCY, graph_chains, class_block_time, weight_traffic_bytes, node_costs
 
     torch.manual_seed(0)
     ids = torch.randint(0, 256, (2, 256))
@@ -157,7 +157,7 @@ def test_matmuls_priced_at_the_compute_dtype_peak():
     for prec, got, costs in ((precision_policy("fp32"), fp32, node_costs(bg)),
                              (policy, bf16, node_costs(bg, measure_saved_activations(bg, policy), policy))):
         for b in range(bg.num_blocks):
-            f, bw, ff, fb = _class_block_time(bg, costs, b, _graph_chains(bg, costs)[b],
+            f, bw, ff, fb = class_block_time(bg, costs, b, graph_chains(bg, costs)[b],
                                               weight_traffic_bytes(bg, b, prec), a100, prec)
             assert got.fwd_bwd_s_per_sample["A100-40GB"][b] == pytest.approx(f + bw, rel=1e-12)
             assert got.fwd_bwd_s_fixed["A100-40GB"][b] == pytest.approx(ff + fb, rel=1e-12)
