@@ -68,8 +68,11 @@ With u = z >= 1 (the block's fixed cost is paid):
                 in_s[q_i] - hold_s copies of t (same_s with r = 2)     [C-tied]
   optim_s     = max over memory-bandwidth classes present               [C-optim]
   memory      = objective.py's [C-memory] per group and stage           [C-memory]
-  step        = sum_s t_s + (M - 1) max_s t_s
-                + max_s (max(allreduce_s, tied of s) + optim_s)         [C-objective]
+  step        = sum_s t_s + (M - 1) max_s t_s + Y, Y = ceil(W / 6) by
+                AddDivisionEquality, W = max_s (max(6 allreduce_s - E_s,
+                6 tied of s) + 6 optim_s), E_s = sum_{j<s} (4 cmax_j + 3
+                boundary_j): objective.py's D_s = floor(E_s / 6), in integers
+                (ceil((6 a - E) / 6) = a - floor(E / 6))              [C-objective]
 
 Units: time in integer ns (objective.UNITS_PER_S), memory in KiB, exactly the
 tables of ``build_tables``. Every derived quantity is defined by an equality
@@ -297,6 +300,7 @@ class CandidateModel:
         t_hi = work_hi + 2 * (xfer_hi + lat_hi)
         gpu_hi = min(tab.num_gpus, b * n_s)
         tmax = m.NewIntVar(0, t_hi, "tmax")
+        drain_hi = 6 * t_hi  # bounds 4 cmax_s + 3 boundary_s of [C-objective]
 
         def compute(c, zz, uu, on, name):
             """IntVar: compute of a GPU of c with samples zz per block; ``on``: recomputes."""
@@ -335,7 +339,7 @@ class CandidateModel:
             r_sum += r_g * len(groups[c].members)
         if r_sum > 0:
             m.Add(tmax >= int(b * sum(w_ref) / r_sum * (1 - 1e-9)))
-        t = []
+        t, drain6 = [], []
         for s in stages:
             cs = m.NewIntVar(0, work_hi, f"comp_s{s}")
             m.AddMaxEquality(cs, [stage_comp[c][s] for c in cls])
@@ -352,6 +356,7 @@ class CandidateModel:
             ts = m.NewIntVar(0, t_hi, f"t_{s}")
             m.Add(ts == cs + bnd)  # [C-stage]
             t.append(ts)
+            drain6.append(4 * cs + 3 * bnd)  # [C-objective] E_{s+1} - E_s
 
         # [C-shard] zc[c][s]: MiB per GPU of c in sharded stage s (0 otherwise).
         self.zc = zc = None
@@ -448,8 +453,11 @@ class CandidateModel:
             tt = m.NewIntVar(0, t_hi, f"tied_{t_}")
             m.Add(tt == ring(xm, ku, hi, kmax, f"tr{t_}") + 2 * lat_t)
             tied_hi = max(tied_hi, t_hi)
-            for s in stages:
-                tied_of[s].append(gated(both(hold[s], diff, f"thd_{t_}_{s}"), tt, t_hi, f"tg_{t_}_{s}"))
+            for s in stages:  # 6 x the ring on a holder ([C-objective]), else a floor below any own term
+                held, tg = both(hold[s], diff, f"thd_{t_}_{s}"), m.NewIntVar(-drain_hi * s, 6 * t_hi, f"tg_{t_}_{s}")
+                m.Add(tg == 6 * tt).OnlyEnforceIf(held)
+                m.Add(tg == -drain_hi * s).OnlyEnforceIf(held.Not())
+                tied_of[s].append(tg)
 
         def own_ar(prefix, q, s):
             """The stage's sum of a per-block all-reduce table less its excluded tied copies."""
@@ -514,10 +522,12 @@ class CandidateModel:
                     ar = ring(arb, ksz, ar_hi, k_hi, f"arr{s}") + grad_lat
             else:
                 ar = 0
+            # [C-objective] 6 x the stage's sync term: its own all-reduce starts E_s / 6 before the drain ends.
+            ar = 6 * ar - sum(drain6[:s])
             if tied_of[s]:  # [C-tied] the optimizer waits for the stage's own and its tied reductions
-                own = m.NewIntVar(0, ar_hi + arlat_hi, f"arown_{s}")
+                own = m.NewIntVar(-drain_hi * s, 6 * (ar_hi + arlat_hi), f"arown_{s}")
                 m.Add(own == ar)
-                ar = m.NewIntVar(0, sync_hi, f"arw_{s}")
+                ar = m.NewIntVar(-drain_hi * s, 6 * sync_hi, f"arw_{s}")
                 m.AddMaxEquality(ar, [own, *tied_of[s]])
             opt_terms = []
             for q in sorted(set(tab.gpu_mbw_class)):
@@ -533,7 +543,7 @@ class CandidateModel:
                 opt_terms += [tab.opt_per_mib[tab.gpu_mbw_class[rep[c]]] * zc[c][s] for c in cls]
             opt = m.NewIntVar(0, opt_hi, f"opt_{s}")
             m.AddMaxEquality(opt, opt_terms)
-            sync.append(ar + opt)
+            sync.append(ar + 6 * opt)
 
         # [C-memory] state + activations <= usable KiB of a GPU of c in s, per policy combination.
         act_single = {c: wsum(z[c], _blocks(tab.act_prefix)) for c in cls if single[c]}
@@ -577,10 +587,14 @@ class CandidateModel:
                         m.Add(sum(base ** (n_s - 1 - s) * (k[c][s] - k[d][s]) for s in stages) >= 0)
                     break
 
-        # [C-objective] step = sum t_s + (M-1) max t_s + max (allreduce_s + optim_s).
+        # [C-objective] step = sum t_s + (M-1) max t_s + ceil(max_s sync6_s / 6) (stage 0's term >= 0).
         m.AddMaxEquality(tmax, t)
+        smax6 = m.NewIntVar(0, 6 * sync_hi, "syncmax6")
+        m.AddMaxEquality(smax6, sync)
+        num6 = m.NewIntVar(5, 6 * sync_hi + 5, "syncnum6")
+        m.Add(num6 == smax6 + 5)
         smax = m.NewIntVar(0, sync_hi, "syncmax")
-        m.AddMaxEquality(smax, sync)
+        m.AddDivisionEquality(smax, num6, 6)
         self.objective = sum(t) + (tab.num_microbatches - 1) * tmax + smax
         m.Minimize(self.objective)
 

@@ -77,13 +77,13 @@ def tied_terms(tab, stage_blocks, stage_gpus, num_groups: int | None = None):
     """[C-tied] of a decision: ``(excluded, tied)``. ``excluded[s]``: {tied
     parameter index: copies of it stage s's own all-reduce leaves out};
     ``tied[s]``: the largest all-reduce over the union of its holders of the
-    tied parameters stage s holds and that two GPU groups hold (0 if none).
+    tied parameters stage s holds and that two GPU groups hold (None if none).
     ``num_groups``: GPU groups (stage s on group s mod P; default one per stage)."""
     n_s = len(stage_blocks)
     groups = num_groups or n_s
     stage_of = {b: s for s, (i, j) in enumerate(stage_blocks) for b in range(i, j)}
     excluded: list[dict[int, int]] = [{} for _ in range(n_s)]
-    tied = [0] * n_s
+    tied: list[int | None] = [None] * n_s
     for t, blocks in enumerate(tab.tied_blocks):
         stages = sorted({stage_of[b] for b in blocks})
         one = len({s % groups for s in stages}) == 1
@@ -97,5 +97,5 @@ def tied_terms(tab, stage_blocks, stage_gpus, num_groups: int | None = None):
         units = ring_units(max(tab.tied_ar[t][c] for c in {tab.pair_bw_class[g][h] for g, h in pairs}), k) \
             + 2 * (k - 1) * max(tab.pair_lat[g][h] for g, h in pairs)
         for s in stages:
-            tied[s] = max(tied[s], units)
+            tied[s] = units if tied[s] is None else max(tied[s], units)
     return excluded, tied

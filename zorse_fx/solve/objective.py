@@ -57,7 +57,7 @@ shardable state bytes (shardable_bytes_per_param * P_s), R_s = the rest
                 ceil((|U| - 1) / |U| * 2 * grad_bytes * numel / bw_min(U))
                 + 2 (|U| - 1) lat_max(U); left out of every holder's own
                 all-reduce; tied_s = the largest over the ones stage s holds
-                (0 if none). Blocks in one stage (one group): reduced once
+                (none if it holds none). Blocks in one stage (one group): reduced once
                 with its gradients (P'_s leaves out all copies but one). As the
                 runtime and ``sim/sync.py`` do: started with the stage's own
                 reduction, each holder's optimizer waits for both.
@@ -73,10 +73,28 @@ shardable state bytes (shardable_bytes_per_param * P_s), R_s = the rest
                 and writes its state once), or for a sharded stage
                 2 * optim_bytes * (z_g MiB / shardable_bytes) / mem_bw_g
                 (each GPU updates the parameters of its shard)        [C-optim]
-  step        = sum_s t_s + (M - 1) * max_s t_s + max_s (max(allreduce_s, tied_s) + optim_s)
-                (1F1B / GPipe fill + steady state; gradient sync after drain;
-                ``Evaluation.allreduce_s`` reports max(allreduce_s, tied_s))
+  pipe        = sum_s t_s + (M - 1) * max_s t_s   (1F1B / GPipe fill + steady state)
+  D_s         = floor(sum_{j<s} (4 cmax_j + 3 boundary_j) / 6), cmax_j = max_{g in j}
+                compute_g  (D_0 = 0; ``drain_offsets``)
+  step        = pipe + max_s (max(allreduce_s - D_s, tied_s) + optim_s)
+                (a stage holding no tied_s: allreduce_s - D_s + optim_s, < 0
+                when its sync ends before the drain does; stage 0's term is
+                >= 0; ``Evaluation.allreduce_s`` reports max(allreduce_s, tied_s))
                                                                        [C-objective]
+                Why D_s: stage s's own all-reduce starts when its last backward
+                ends, at pipe - D_s or earlier, as the runtime and the simulator
+                start a stage's buckets during its last backward
+                (``sim/sync.py``). The last micro-batch's backward walks from
+                stage S-1 down to 0, so after stage s's last backward each
+                stage j < s still receives the gradient (half of boundary_j)
+                and runs its backward: 2/3 of compute_j without recomputation,
+                3/4 with it (the re-run forward), so >= 2/3 cmax_j either way;
+                D_s = sum_{j<s} (2/3 cmax_j + boundary_j / 2) rounded down is
+                a lower bound of that drain (conservative). A tied parameter's
+                ring waits for all its holders (usually stage 0), so tied_s has
+                no offset. Before issue 13 item 6 every sync started after the
+                whole drain (D_s = 0): the simulator's step was 0.86-0.95 of
+                it on the scaling instances (bench/objective_vs_sim.py).
   memory_g    = R_s + (sh_s ? z_g MiB : Q_s)
                 + (rc_s ? n_g * (inflight_s * X_s + A_s) : inflight_s * n_g * A_s)
                 <= floor(memory_fraction * memory_bytes_g),
@@ -144,7 +162,7 @@ __all__ = [
     "evaluate", "evaluate_units", "balance_shards", "MIB_UNITS", "evaluate_result",
     "RECOMPUTE_FRACTION", "MemoryPolicy", "prepare", "policy_decision",
     "effective_pair_bandwidth", "ring_units", "tied_terms", "bucket_count", "GRAD_BUCKET_BYTES_PER_PARAM",
-    "BUCKET_UNIT_BYTES",
+    "BUCKET_UNIT_BYTES", "drain_offsets",
 ]
 
 #: Integer time units per second: 1 unit = 1 ns.
@@ -425,6 +443,17 @@ class StageUnits:
             need <= tab.cap_bytes[g] for gs, needs in zip(stage_gpus, self.memory) for g, need in zip(gs, needs))
 
 
+def drain_offsets(compute, boundary) -> tuple[int, ...]:
+    """D_s of [C-objective] (units): floor(sum_{j<s} (4 compute_j + 3 boundary_j) / 6),
+    a lower bound of the time from stage s's last backward to stage 0's
+    (``compute`` = per-stage slowest GPU's compute, ``boundary`` as [C-boundary])."""
+    out, acc = [], 0
+    for c, b in zip(compute, boundary):
+        out.append(acc // 6)
+        acc += 4 * c + 3 * b
+    return tuple(out)
+
+
 def _act_units(tab: IntTables, s: int, n_s: int, i: int, n: int, a: int, rc: bool) -> int:
     """Activation KiB of a GPU with n samples on stage s (blocks from i, A_s = a)."""
     fl = inflight(tab.schedule, n_s, s, tab.num_microbatches)
@@ -555,9 +584,12 @@ def evaluate_units(tab: IntTables, stage_blocks, stage_gpus, samples, policy: Me
         from .pipeline_terms import interleaved_units
 
         return interleaved_units(tab, stage_blocks, stage_gpus, samples, pol, interleave, comp, bnd, stage,
-                                  ar, opt, mem, unc, tied=tied, buckets=(grad_kib, ring_lat))
-    ar = [max(a, t) for a, t in zip(ar, tied)]  # [C-tied]: the optimizer waits for both
-    step = sum(stage) + (m - 1) * max(stage) + max(a + o for a, o in zip(ar, opt))
+                                  ar, opt, mem, unc, tied=[t or 0 for t in tied], buckets=(grad_kib, ring_lat))
+    # [C-objective]: stage s's own sync starts D_s before the drain ends; a tied ring (held: not None) at its end.
+    drain = drain_offsets(comp, bnd)
+    step = sum(stage) + (m - 1) * max(stage) + max(
+        (a - d if t is None else max(a - d, t)) + o for a, d, t, o in zip(ar, drain, tied, opt))
+    ar = [a if t is None else max(a, t) for a, t in zip(ar, tied)]  # [C-tied]: the optimizer waits for both
     return StageUnits(compute=tuple(comp), boundary=tuple(bnd), stage=stage, allreduce=tuple(ar),
                       optim=tuple(opt), memory=tuple(mem), step=step, uncovered=tuple(unc))
 
