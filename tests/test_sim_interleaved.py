@@ -153,7 +153,7 @@ def _longest_path(costs, devices, options, kw):
 
 #: Interleaved decisions, with communication: the simulator may be this much
 #: slower than the objective (links shared by two boundaries, see below).
-INTERLEAVED_TOL = 0.20
+INTERLEAVED_TOL = 0.25
 
 
 def test_interleaved_agreement_with_objective(capsys):
@@ -171,10 +171,13 @@ def test_interleaved_agreement_with_objective(capsys):
     where a group's chunks are unequal: min 0.931, median 1.008, max 1.249 on
     the same decisions, seed 17: P=4, v=3, M=8, group 3's chunks 138 / 189 /
     597 ms; chunks of different groups stall each other.) With communication
-    and the memory policy: min 0.531, median 0.839, max 1.166 (seed 20: the
+    and the memory policy: min 0.439, median 0.822, max 1.203 (seed 20: the
     boundaries of groups 0->1 and 1->2 share the n0-n1 node pair, which the
-    objective does not model; elsewhere the objective is pessimistic as for
-    v = 1, it charges the boundary on the task). Hence compute-only the
+    objective does not model: the simulator's last backward alone ends 20%
+    after the objective's step; elsewhere the objective is pessimistic as for
+    v = 1, it charges the boundary on the task). Before each group's sync
+    started at its own last task's end (issue 13 item 6; it started after
+    the whole drain): min 0.439, median 0.813, max 1.166 (seed 20). Hence compute-only the
     objective is the longest path to rounding and at least the simulator,
     and with communication sim <= obj (1 + INTERLEAVED_TOL)."""
     rows = []
@@ -211,8 +214,9 @@ def test_interleaved_uniform_pipeline_takes_mv_plus_p_minus_1_stage_times(groups
     """(c) Equal groups and chunks, free boundaries: the step is (M v + P - 1) stage
     times plus each group's sync -- its gradients all-reduced (a 1 MiB bucket
     while the backwards still run, then one bucket), then its stages' optimizer
-    steps one after the other in stage order; the objective charges all of the
-    sync after the drain, to its ns rounding."""
+    steps one after the other in stage order; the objective charges all of a
+    group's sync after its last task (equal syncs: group 0's, which ends the
+    drain decides), to its ns rounding."""
     t, n_s, k = 6e-3, groups * v, gpus_per_group
     n_g, params, bw = groups * k, 1_000_000, 20e9
     costs = BlockCosts(fwd_bwd_s_per_sample={"A": (t,) * n_s}, param_count=(params,) * n_s,

@@ -216,20 +216,17 @@ def interleave_search(costs: BlockCosts, devices: DeviceGraph, options: PlanOpti
 
 def base_makespan_s(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions, base: SolverResult) -> float:
     """``base`` (one stage per group) scored like an interleaved decision: the
-    makespan of its 1F1B / GPipe task graph + the slowest stage's sync
-    ([Note: interleaved stages]), so both sides of the comparison use the same
-    measure. It is at most the closed form of the module note (that adds
-    every stage's full time to the fill)."""
+    1F1B / GPipe task graph, each stage's sync from its own last task's end
+    ([Note: interleaved stages] with v = 1), so both sides of the comparison
+    use the same measure. It is at most the closed form of the module note:
+    that adds every stage's full time to the fill, and stage s's last task
+    ends at least sum_{j<s} (t_j - f_j) >= D_s before the makespan."""
     from .objective import prepare
-    from .pipeline_terms import forward_units, pipeline_makespan
 
     d = base.decision
     tab, pol = prepare(costs, devices, options, d)
-    u = evaluate_units(tab, d.stage_blocks, d.stage_gpus, d.samples_per_microbatch, pol)
-    fwd = forward_units(tab, d.stage_blocks, d.stage_gpus, d.samples_per_microbatch, u.boundary)
-    step = pipeline_makespan(options.schedule, d.num_microbatches, 1, fwd, u.stage) + max(
-        a + o for a, o in zip(u.allreduce, u.optim))
-    return step * UNIT_S
+    u = evaluate_units(tab, d.stage_blocks, d.stage_gpus, d.samples_per_microbatch, pol, task_graph=True)
+    return u.step * UNIT_S
 
 
 def with_interleaving(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions,

@@ -526,10 +526,11 @@ def policy_decision(stage_blocks, stage_gpus, samples, num_microbatches: int, po
 
 
 def evaluate_units(tab: IntTables, stage_blocks, stage_gpus, samples, policy: MemoryPolicy | None = None,
-                   interleave: int = 1) -> StageUnits:
+                   interleave: int = 1, task_graph: bool = False) -> StageUnits:
     """The model's integer terms for an already-validated decision (memory in KiB units).
 
-    ``interleave`` = v > 1: the terms of [Note: interleaved stages]."""
+    ``interleave`` = v > 1, or ``task_graph``: the terms of [Note: interleaved
+    stages] (with v = 1: ``interleave.base_makespan_s``'s measure)."""
     n_s, m = len(stage_blocks), tab.num_microbatches
     pol = policy or MemoryPolicy.plain(n_s)
     comp, bnd, ar, opt, mem, unc = [], [], [], [], [], []
@@ -580,11 +581,11 @@ def evaluate_units(tab: IntTables, stage_blocks, stage_gpus, samples, policy: Me
             mem.append(tuple(state + _act_units(tab, s, n_s, i, n, a, rc) for n in ns))
             unc.append(0)
     stage = tuple(c + x for c, x in zip(comp, bnd))
-    if interleave > 1:
+    if interleave > 1 or task_graph:
         from .pipeline_terms import interleaved_units
 
         return interleaved_units(tab, stage_blocks, stage_gpus, samples, pol, interleave, comp, bnd, stage,
-                                  ar, opt, mem, unc, tied=[t or 0 for t in tied], buckets=(grad_kib, ring_lat))
+                                  ar, opt, mem, unc, tied=tied, buckets=(grad_kib, ring_lat))
     # [C-objective]: stage s's own sync starts D_s before the drain ends; a tied ring (held: not None) at its end.
     drain = drain_offsets(comp, bnd)
     step = sum(stage) + (m - 1) * max(stage) + max(

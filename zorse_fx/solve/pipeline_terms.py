@@ -27,12 +27,15 @@ def forward_units(tab, stage_blocks, stage_gpus, samples, bnd) -> tuple[int, ...
     return tuple(out)
 
 
-def pipeline_makespan(schedule: str, num_microbatches: int, interleave: int, fwd, total) -> int:
+def pipeline_makespan(schedule: str, num_microbatches: int, interleave: int, fwd, total,
+                      per_group: bool = False):
     """Makespan (units) of the pipeline's task graph: per stage s, a forward of
     ``fwd[s]`` and a backward of ``total[s] - fwd[s]`` units per micro-batch;
     each GPU group runs ``make_schedule(schedule, S, M, interleave)[group]`` in
     order, a task starting when its group's previous task and its dependency
     (F of stage s-1 / B of stage s+1, same micro-batch) have ended.
+    ``per_group``: return instead each group's last task end (a tuple of
+    S / interleave ints; the makespan is their max).
 
     Raises:
         ValueError: if the schedule deadlocks (it cannot for 1F1B / GPipe)."""
@@ -67,7 +70,7 @@ def pipeline_makespan(schedule: str, num_microbatches: int, interleave: int, fwd
                 moved = True
         if not moved:
             raise ValueError(f"schedule {schedule!r} (interleave {interleave}) deadlocks")
-    return max(free)
+    return tuple(free) if per_group else max(free)
 
 
 def interleaved_units(tab, stage_blocks, stage_gpus, samples, pol, v, comp, bnd, stage, ar, opt, mem, unc,
@@ -78,9 +81,14 @@ def interleaved_units(tab, stage_blocks, stage_gpus, samples, pol, v, comp, bnd,
     terms (compute, boundary, all-reduce, optimizer) are those of the module
     note; what changes:
 
-      step  = makespan of the schedule's task graph (``pipeline_makespan``)
-              + max_p (max(allreduce_p, max_{s = p mod P} tied_s)
-                       + sum_{s = p mod P} optim_s)   (tied_s: [C-tied])
+      step  = max_p (max(free_p + allreduce_p, makespan + max_{s = p mod P} tied_s)
+                     + sum_{s = p mod P} optim_s)   (tied_s: [C-tied]; a
+                     group holding none: free_p + allreduce_p + ...)
+              free_p = the end of group p's last task in the schedule's task
+                       graph (``pipeline_makespan(..., per_group=True)``),
+                       makespan = max_p free_p: a group's own sync starts
+                       when its last task ends, a tied ring (over several
+                       groups) when the pipeline has drained ([C-objective]);
               allreduce_p = sum_{s = p mod P} allreduce_s
                             + 2 (nb(sum_s G_s) - sum_s nb(G_s)) (k - 1) lat_max:
               the group's gradients fill one sequence of buckets across
@@ -115,7 +123,7 @@ def interleaved_units(tab, stage_blocks, stage_gpus, samples, pol, v, comp, bnd,
     for v = 1 (conservative: a GPU does not wait for its sends). Links shared
     by two boundaries (P = 2: 0 -> 1 and the wrap-around 1 -> 0 on one node
     pair) are not modelled. Each group's stages synchronise one after the
-    other once its pipeline has drained, as the runtime does. The memory term
+    other once the group's last task has ended, as the runtime does. The memory term
     is the schedule's exact peak (the simulator tracks the same moments and
     agrees to the KiB). The CP-SAT models and the DP do not choose v:
     ``solve.interleave`` re-cuts a finished plan's groups into P v stages and
@@ -127,7 +135,7 @@ def interleaved_units(tab, stage_blocks, stage_gpus, samples, pol, v, comp, bnd,
     n_s, m = len(stage_blocks), tab.num_microbatches
     groups = n_s // v
     fwd = forward_units(tab, stage_blocks, stage_gpus, samples, bnd)
-    tied = tied or [0] * n_s
+    tied = tied or [None] * n_s  # None: the stage holds no tied parameter of two groups
     group_ar = [sum(ar[p::groups]) for p in range(groups)]
     grad_kib, ring_lat = buckets  # per stage: G_s (KiB) and (k - 1) lat_max, from evaluate_units
     for p in range(groups):  # one sequence of buckets per group (the note): recount them
@@ -135,8 +143,13 @@ def interleaved_units(tab, stage_blocks, stage_gpus, samples, pol, v, comp, bnd,
         group_ar[p] += 2 * ring_lat[p] * (bucket_count(sum(g_kib), tab.bucket_caps)
                                      - sum(bucket_count(x, tab.bucket_caps) for x in g_kib))
     # [C-tied]: a group's optimizer steps wait for its own reductions and the tied ones it holds.
-    sync = [max(group_ar[p], max(tied[p::groups])) + sum(opt[p::groups]) for p in range(groups)]
-    step = pipeline_makespan(tab.schedule, m, v, fwd, stage) + max(sync)
+    free = pipeline_makespan(tab.schedule, m, v, fwd, stage, per_group=True)
+    ends = []
+    for p in range(groups):
+        held = [t for t in tied[p::groups] if t is not None]
+        ready = max([free[p] + group_ar[p], *(max(free) + t for t in held)])
+        ends.append(ready + sum(opt[p::groups]))
+    step = max(ends)
     memory = [list(row) for row in mem]
     for p in range(groups):
         profile = live_profile(tab.schedule, n_s, m, v, p)
@@ -157,5 +170,5 @@ def interleaved_units(tab, stage_blocks, stage_gpus, samples, pol, v, comp, bnd,
             for s in range(p, n_s, groups):
                 memory[s][k] = state + act
     return StageUnits(compute=tuple(comp), boundary=tuple(bnd), stage=stage,
-                      allreduce=tuple(max(a, t) for a, t in zip(ar, tied)),
+                      allreduce=tuple(a if t is None else max(a, t) for a, t in zip(ar, tied)),
                       optim=tuple(opt), memory=tuple(tuple(r) for r in memory), step=step, uncovered=tuple(unc))
