@@ -169,9 +169,12 @@ def test_homogeneous_all_by_hand():
     # ring all-reduce of k GPUs: (k-1)/k x 2 x gradient bytes / the slowest link + 2 (k-1)
     # latencies per gradient bucket; 4 blocks = 16 MB of float32 gradients: 1 MiB + 0.57 x 25 MiB.
     assert _buckets(4 * 4e6) == 2
+    # Stage 1's sync starts D_1 = 2/3 of stage 0's compute + half its boundary before the drain
+    # ends ([C-objective]), so stage 0's decides.
+    d1 = 2 / 3 * 2 * 4e-3 + (t0 - 2 * 4e-3) / 2
     sync = max((1 / 2) * 2 * 4 * 4e6 / 100e9 + 2 * 2 * 5e-6 + 2 * 16 * 4e6 / 1e12,
-               (1 / 2) * 2 * 4 * 4e6 / 100e9 + 2 * 2 * 5e-6 + 2 * 16 * 4e6 / 5e11)
-    assert steps[2] == _units(t0 + t1 + 1 * max(t0, t1) + sync) == 57_276_000
+               (1 / 2) * 2 * 4 * 4e6 / 100e9 + 2 * 2 * 5e-6 + 2 * 16 * 4e6 / 5e11 - d1)
+    assert steps[2] == _units(t0 + t1 + 1 * max(t0, t1) + sync) == 57_148_000
     # p = 1, d = 4: one stage of all 8 blocks, 1 sample per GPU; all-reduce over the 10 GB/s link,
     # 32 MB of gradients: 1 MiB + 1.18 x 25 MiB, 3 buckets.
     assert _buckets(4 * 8e6) == 3

@@ -37,7 +37,8 @@ ranks of earlier stages. The simulator prices these two (``sim/engine.py``,
 "Gradient sync"), a bucket ready when its parameters' blocks finished their
 backward -- no earlier than this hook fires -- and taking the link to itself:
 not more overlap than this code can get. The planner's objective charges the
-whole reduction after the drain (it prices no overlap; see bench/README.md,
+whole reduction after the stage's own last backward (the drain of the earlier
+stages, [C-objective]; no overlap with the backward; see bench/README.md,
 "Overlap").
 """
 

@@ -85,9 +85,11 @@ the objective's ``allreduce_s + optim_s`` (both price the ring with its
 (k - 1)/k; the objective on the slowest pair of the stage, with shared links
 through the pair bandwidth: [Note: shared links in the objective]).
 The step ends when the last optimizer step /
-all-gather ends. The objective charges the whole sync after the drain of
-every stage (``max_s``) and counts the same buckets ([C-allreduce]'s nb_s): it
-prices no overlap, so it is the pessimistic one. Times are not rounded:
+all-gather ends. The objective starts stage s's sync D_s before the drain
+ends (a lower bound of the drain after s's last backward, [C-objective];
+interleaved: when the group's last task ends), all buckets at once, and
+counts the same buckets ([C-allreduce]'s nb_s): it prices no overlap with the
+backward, so it is the pessimistic one. Times are not rounded:
 where both models coincide (one stage,
 GPipe with equal stages and free links, or interleaved 1F1B with equal
 groups and chunks and free links: (M v + P - 1) stage times + sync) they
