@@ -26,8 +26,9 @@ second per (order, M) on 64 GPUs:
            kept iff [C-memory] / [C-shard] hold (``stage_fits``, exact).
   cost     c = (M + S - 1) * (compute + boundary) + allreduce + optim of the
            cheapest fitting variant, with the boundary on the link to the next
-           unit: a per-stage proxy of [C-objective] (step = sum_s t_s +
-           (M - 1) max_s t_s + max_s sync_s <= max_s c_s + (S - 1) max_s t_s).
+           unit: a per-stage proxy of [C-objective] (step <= sum_s t_s +
+           (M - 1) max_s t_s + max_s sync_s <= max_s c_s + (S - 1) max_s t_s;
+           the proxy leaves out the drain offsets D_s).
   DP       best[s][u][j] = min over (u0, i) of max(best[s-1][u0][i], c(s; u0..u; i..j)),
            one DP per total S (in-flight micro-batches of stage s are
            min(S - s, M)), vectorised over the block indices with numpy.
