@@ -72,7 +72,8 @@ With u = z >= 1 (the block's fixed cost is paid):
                 AddDivisionEquality, W = max_s (max(6 allreduce_s - E_s,
                 6 tied of s) + 6 optim_s), E_s = sum_{j<s} (4 cmax_j + 3
                 boundary_j): objective.py's D_s = floor(E_s / 6), in integers
-                (ceil((6 a - E) / 6) = a - floor(E / 6))              [C-objective]
+                (ceil((6 a - E) / 6) = a - floor(E / 6)); a tied term is
+                -6 s t_hi (<= -E_s) on a stage not holding it          [C-objective]
 
 Units: time in integer ns (objective.UNITS_PER_S), memory in KiB, exactly the
 tables of ``build_tables``. Every derived quantity is defined by an equality
