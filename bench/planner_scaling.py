@@ -1,6 +1,6 @@
 """Planner wall time and optimality gap vs cluster size and model depth.
 
-    .venv/bin/python bench/planner_scaling.py
+    .venv/bin/python bench/planner_scaling.py [--sizes 512x40,1024x40] [--solver-budget 5] [--out DIR]
 
 Synthetic clusters of 8-GPU nodes with four GPU types round-robin (H100-, A100-,
 V100-, T4-like speeds and memories, 300 GB/s inside a node, 25 GB/s between),
@@ -14,6 +14,7 @@ optimality_gap, ...) and prints a markdown table.
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
 import sys
@@ -53,18 +54,37 @@ def instance(num_gpus: int, num_blocks: int, seed: int = 0):
     return costs, devices
 
 
+def _default_budget() -> float:
+    import dataclasses
+
+    from zorse_fx.options import PlanOptions
+
+    return next(f.default for f in dataclasses.fields(PlanOptions) if f.name == "solver_budget")
+
+
+SIZES = ((8, 16), (16, 16), (32, 32), (64, 40), (64, 80), (128, 40), (256, 40), (512, 40), (1024, 40), (1024, 80))
+
+
 def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", default=",".join(f"{g}x{l}" for g, l in SIZES),
+                    help="comma-separated GPUSxLAYERS instances (default: all ten)")
+    ap.add_argument("--solver-budget", type=float, default=_default_budget(),
+                    help="CP-SAT deterministic seconds per (stages, micro-batches) candidate (default: "
+                         "PlanOptions.solver_budget, what zorse_fx.compile uses)")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results"), help="directory for scaling.json")
+    args = ap.parse_args()
+    sizes = [tuple(int(x) for x in item.split("x")) for item in args.sizes.split(",") if item]
     from zorse_fx.sim.check import check_result
     from zorse_fx.solve import solve_cpsat, solve_grouped
     from zorse_fx.solve.portfolio import solve_portfolio
     from zorse_fx.options import PlanOptions
 
     rows = []
-    for num_gpus, layers in [(8, 16), (16, 16), (32, 32), (64, 40), (64, 80), (128, 40), (256, 40), (512, 40),
-                             (1024, 40), (1024, 80)]:
+    for num_gpus, layers in sizes:
         costs, devices = instance(num_gpus, min(2 * layers, 64))
         options = PlanOptions(global_batch_size=max(64, num_gpus), max_stages=4, num_microbatches=(8,),
-                              solver_budget=2.0, seed=0, sharding="never",
+                              solver_budget=args.solver_budget, seed=0, sharding="never",
                               recompute="never")
         solve = solve_cpsat if num_gpus <= 16 else solve_grouped
         t0 = time.perf_counter()
@@ -78,7 +98,8 @@ def main() -> int:
                      "interleave": res.decision.interleave, "simulated_step_time_s": check.simulated_step_time_s,
                      "sim_check_s": check.wall_s})
         print(json.dumps(rows[-1]), flush=True)
-    out = ROOT / "bench" / "results" / "scaling.json"
+    out = Path(args.out) / "scaling.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(rows, indent=1) + "\n")
     print("| GPUs | layers | blocks | planner | wall s | gap | status | step s | simulated s | sim check s "
           "| stages | GPUs used |")
