@@ -303,6 +303,28 @@ def reference_or_same_error(reference, solve, costs, devices, options):
         return None
 
 
+def assert_cpsat_equals_brute_force(costs, devices, options, *, optimal: bool = True):
+    """CP-SAT's optimum is brute force's and both equal ``evaluate`` to the ns:
+    ``solve_cpsat``'s answer (status OPTIMAL where ``optimal``) is feasible under
+    ``evaluate_result`` with ``objective_units`` equal to both solvers' objectives.
+    Where brute force finds no plan, CP-SAT must raise the same error (returns
+    None). Returns ``(ref, res, ev)``: brute force's result, CP-SAT's, and the
+    evaluation of CP-SAT's."""
+    from zorse_fx.solve import solve_brute_force, solve_cpsat
+    from zorse_fx.solve.objective import UNITS_PER_S, evaluate_result
+
+    ref = reference_or_same_error(solve_brute_force, solve_cpsat, costs, devices, options)
+    if ref is None:
+        return None
+    res = solve_cpsat(costs, devices, options)
+    if optimal:
+        assert res.status == "OPTIMAL"
+    ev = evaluate_result(costs, devices, options, res)
+    assert ev.feasible, ev.violations
+    assert ev.objective_units == round(res.objective * UNITS_PER_S) == round(ref.objective * UNITS_PER_S)
+    return ref, res, ev
+
+
 def reference_adamw(captured, tokens, plan, steps, *, lr, weight_decay, precision=None, inject_inf_step=None,
                     lr_at=None, clip=None, norms=None):
     """Single-process AdamW on the whole global batch, as train.py configures it
