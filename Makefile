@@ -23,8 +23,23 @@ $(STAMP): pyproject.toml Makefile
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py
 
+# The suite runs under pytest-xdist, one worker per physical core (`-n auto`),
+# at most TEST_WORKERS_MAX: most tests are one process with one thread (CP-SAT
+# with 1 worker, torch with 1 thread), so a second core otherwise idles. The
+# cap matters on a large or container CI machine (psutil counts the host's
+# cores, not a CPU quota): every worker imports torch and keeps a fork server
+# with the runtime loaded, and a distributed test starts 2-4 rank processes of
+# its own. --dist loadgroup hands tests out like the default `load` (so a long
+# file's tests spread over workers), except that the tests marked
+# `xdist_group` (tests/test_job_control.py: torchrun jobs stopped by signals
+# within a few seconds) run one after another on one worker. Every test
+# writes only under its tmp_path and finds ports through the kernel, so
+# workers do not collide. `make test TEST_WORKERS=0` runs it in one process.
+TEST_WORKERS     ?= auto
+TEST_WORKERS_MAX ?= 8
+
 test: $(STAMP)
-	$(BIN)/python -m pytest -q --durations=15 tests
+	$(BIN)/python -m pytest -q --durations=15 -n $(TEST_WORKERS) --maxprocesses=$(TEST_WORKERS_MAX) --dist loadgroup tests
 
 # Every benchmark of bench/README.md, in order (about 80 min on the 2-core CPU machine);
 # each writes its results under bench/results/.

@@ -143,19 +143,24 @@ def spawn_ranks(plan_dir: Path, world: int, train_args: list[str], *, timeout_s:
     """Run ``zorse_fx.train.main`` once per rank, each in its own process, with
     the environment torchrun gives its workers (``RANK``, ``WORLD_SIZE``,
     ``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT`` for the ``env://``
-    rendezvous). The processes are forked from a fork server that imported
-    the runtime once (``_launcher``) instead of started by torchrun's agent;
-    ``zorse train`` (tests/test_api.py) covers torchrun itself.
+    rendezvous, whose store this process serves on a port the kernel chose).
+    The processes are forked from a fork server that imported the runtime
+    once (``_launcher``) instead of started by torchrun's agent; ``zorse
+    train`` (tests/test_api.py) covers torchrun itself.
     Raises AssertionError with every rank's output if one fails or runs past
     ``timeout_s``."""
-    import socket
     import tempfile
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    env = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-               OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    from torch.distributed import TCPStore
+
+    # The rendezvous store is served from this process, as torchrun's agent
+    # serves it (TORCHELASTIC_USE_AGENT_STORE: every rank connects as a
+    # client). Its port is bound once, by the kernel (port 0), and held until
+    # the ranks are done: no other process (a second pytest-xdist worker, say)
+    # can take it between choosing it and rank 0 listening on it.
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    env = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), TORCHELASTIC_USE_AGENT_STORE="True",
+               WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     ctx = _launcher()
     with tempfile.TemporaryDirectory(prefix="zorse-ranks-") as logs:
         log = [f"{logs}/rank{r}.log" for r in range(world)]
@@ -175,6 +180,7 @@ def spawn_ranks(plan_dir: Path, world: int, train_args: list[str], *, timeout_s:
                 break
         failed |= any(p.exitcode != 0 for p in procs)
         outputs = [Path(f).read_text(errors="replace") if Path(f).exists() else "" for f in log]
+    del store  # the last reference: the server stops and its port is freed
     if failed:
         raise AssertionError("a rank failed:\n" + "\n".join(
             f"--- rank {r} (exit code {p.exitcode}) ---\n{o[-4000:]}" for r, (p, o) in enumerate(zip(procs, outputs))))

@@ -93,8 +93,12 @@ def scratch(tmp_path_factory):
 
 
 def _run(cmd: str, cwd: Path, timeout_s: float = 300) -> subprocess.CompletedProcess:
-    """Run a README command in ``cwd`` (`zorse` = this checkout's CLI); stop its job on a timeout."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    """Run a README command in ``cwd`` (`zorse` = this checkout's CLI); stop its job on a timeout.
+    The Hugging Face / ``datasets`` caches (`datasets.load_dataset` writes lock
+    files there) are under ``cwd``, not the user's ~/.cache shared with other
+    test processes."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HOME=str(cwd / "hf-cache"),
+               HF_DATASETS_CACHE=str(cwd / "hf-cache" / "datasets"))
     proc = subprocess.Popen([sys.executable, "-m", "zorse_fx.cli", *_argv(cmd)], cwd=cwd, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     try:
