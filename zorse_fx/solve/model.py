@@ -47,33 +47,17 @@ With u = z >= 1 (the block's fixed cost is paid):
                 rounded transfer time + max latency); (c, c) across stages
                 (count > 1) has the link between two units              [C-boundary]
   t_s         = max_c compute of c in s + boundary_s                    [C-stage]
-  allreduce_s = ring(max over present pairs inside s (c < d both present; the
-                link inside a unit if unit > 1; between units if k >= 2) of
-                the stage's sum less its excluded tied copies, GPUs of s)
-                + (2 nb_s + sh_s) * (GPUs of s - 1) * max latency; ring(x, k) =
-                ceil(x (k-1) / k) by one literal per k = GPUs of s and,
-                under it, k d >= (k-1) x > k d - k (linear); nb_s = 1 + e_s,
-                e_s = max(0, ceil((G_s - first_cap) / cap)) = (G_s - first_cap
-                + cap - 1) // cap (AddDivisionEquality; G_s the stage's
-                gradient KiB less its excluded tied copies, linear; first_cap
-                < cap keeps the numerator >= 0), its latency product by
-                AddMultiplicationEquality                               [C-allreduce]
-  tied        per tied parameter t with blocks q_1 < ... < q_r: same_s =
-                in_s[q_1] and in_s[q_r] (all in s); excluded copies of stage
-                s = sum_i in_s[q_i] - same_s; holders hold_s = OR_i in_s[q_i];
-                when no same_s: the ring over the union of the holders' groups
-                (units summed over holding stages) -- pairs and size as for a
-                stage --, gated onto every holding stage; state, shard
-                coverage and optim_s of stage s less dup_s = sum_i
-                in_s[q_i] - hold_s copies of t (same_s with r = 2)     [C-tied]
-  optim_s     = max over memory-bandwidth classes present               [C-optim]
+  sync6_s     = 6 x stage s's gradient synchronisation term: its own ring
+                all-reduce with buckets, the tied parameters' cross-stage
+                all-reduce and the optimizer, less E_s (below); encoded in
+                _sync_encoding.py, which documents it   [C-allreduce] [C-tied] [C-optim]
+  dup_s       = the tied copies stage s holds once (_sync_encoding.
+                tied_copies), left out of its state and shard coverage  [C-tied]
   memory      = objective.py's [C-memory] per group and stage           [C-memory]
   step        = sum_s t_s + (M - 1) max_s t_s + Y, Y = ceil(W / 6) by
-                AddDivisionEquality, W = max_s (max(6 allreduce_s - E_s,
-                6 tied of s) + 6 optim_s), E_s = sum_{j<s} (4 cmax_j + 3
-                boundary_j): objective.py's D_s = floor(E_s / 6), in integers
-                (ceil((6 a - E) / 6) = a - floor(E / 6)); a tied term is
-                -6 s t_hi (<= -E_s) on a stage not holding it          [C-objective]
+                AddDivisionEquality, W = max_s sync6_s, E_s = sum_{j<s} (4
+                cmax_j + 3 boundary_j): objective.py's D_s = floor(E_s / 6)
+                in integers (_sync_encoding.py)                        [C-objective]
 
 Units: time in integer ns (objective.UNITS_PER_S), memory in KiB, exactly the
 tables of ``build_tables``. Every derived quantity is defined by an equality
@@ -113,13 +97,13 @@ from dataclasses import dataclass
 import numpy as np
 from ortools.sat.python import cp_model
 
-from .objective import MIB_UNITS, IntTables, bucket_count, inflight
+from .objective import MIB_UNITS, IntTables, inflight
 from ._encoding import StageCuts
-from ._encoding import any_of as _any_of
 from ._encoding import blocks_of as _blocks
 from ._encoding import both as _both
 from ._encoding import gated as _gated
 from ._encoding import pair_max
+from ._sync_encoding import sync_terms, tied_copies
 from ..options import PlanOptions
 from .decision import Decision
 from .records import DeviceGraph
@@ -209,24 +193,12 @@ class CandidateModel:
         def gated(flag, value, hi, name):
             return _gated(m, flag, value, hi, name)
 
-        def any_of(lits, name):
-            return _any_of(m, lits, name)
-
         def both(a, c, name):
             return _both(m, a, c, name)
 
-        # [C-tied] per tied parameter t: same_s = every block of t in stage s; dup[t][s] = the
-        # copies stage s holds once instead of once per block (its blocks in s less one if it
-        # holds any; with two blocks: same_s), less in its state, shard and optimizer terms.
-        tsame, dup = [], []
-        for t_, tb in enumerate(tab.tied_blocks):
-            same_s = [both(in_s[s][tb[0]], in_s[s][tb[-1]], f"tsame_{t_}_{s}") for s in stages]
-            tsame.append(same_s)
-            if len(tb) == 2:
-                dup.append(same_s)
-            else:
-                held = [any_of([in_s[s][q] for q in tb], f"tdup_{t_}_{s}") for s in stages]
-                dup.append([sum(in_s[s][q] for q in tb) - held[s] for s in stages])
+        # [C-tied] same_s / dup_s of every tied parameter (_sync_encoding.py).
+        tied = tied_copies(m, tab, cuts, n_s)
+        dup = tied.dup
 
         def shard_kib(s):
             """Q_s in KiB, a tied parameter once ([C-tied])."""
@@ -375,176 +347,10 @@ class CandidateModel:
                         held.append(unit[c] * kz)
                 m.Add(MIB_UNITS * sum(held) >= shard_kib(s)).OnlyEnforceIf(sh[s])
             self.zc = zc
-        opt_hi = max(max(p_[-1] for p_ in tab.opt_prefix),
-                     max((tab.cap_bytes[r] // MIB_UNITS * tab.opt_per_mib[tab.gpu_mbw_class[r]] for r in rep),
-                         default=0) if sh else 0)
-        ar_hi = max((p_[-1] for p_ in (tab.arsh_prefix if sh else tab.ar_prefix)), default=0)
-        k_hi = max(1, min(tab.num_gpus, b))  # GPUs of one stage
 
-        def ring(units, kv, hi, khi, name):
-            """IntVar d = ceil(units * (k - 1) / k) of a ring over kv = k >= 1 GPUs
-            ([C-allreduce], objective.ring_units): one literal per k (k = kv), under
-            which two linear inequalities k d >= (k - 1) units > k d - k pin d. (A
-            product units * (k - 1) of two variables then a division left CP-SAT's LP
-            relaxation too weak -- seed 7 of test_cpsat_matches_brute_force_with_memory_policy
-            did not reach OPTIMAL in its budget --, and division constraints by each
-            constant k made CP-SAT exhaust memory (> 8 GB) on bench/planner_scaling.py's
-            256-GPU instance when warm-started.)"""
-            if khi < 2:
-                return 0
-            e = [m.NewBoolVar(f"{name}_is{kk}") for kk in range(1, khi + 1)]
-            m.AddExactlyOne(e)
-            m.Add(sum(kk * lit for kk, lit in zip(range(1, khi + 1), e)) == kv)
-            d = m.NewIntVar(0, hi, f"{name}_ring")
-            m.Add(d == 0).OnlyEnforceIf(e[0])
-            for kk, lit in zip(range(2, khi + 1), e[1:]):
-                m.Add(kk * d >= (kk - 1) * units).OnlyEnforceIf(lit)
-                m.Add(kk * d <= (kk - 1) * units + kk - 1).OnlyEnforceIf(lit)
-            return d
-
-        # [C-tied] per tied parameter t: ex[t][s] = copies stage s's own all-reduce leaves out
-        # (its blocks in s, less one if every block is in s), and per stage the all-reduce over
-        # the union of the holders when they are in different stages (0 otherwise).
-        ex = []
-        tied_of = [[] for _ in stages]
-        tied_hi = 0
-        for t_, tb in enumerate(tab.tied_blocks):
-            same_s = tsame[t_]
-            ex.append([sum(in_s[s][q] for q in tb) - same_s[s] for s in stages])
-            if tab.num_gpus < 2 or n_s < 2:
-                continue
-            diff = m.NewBoolVar(f"tdiff_{t_}")
-            m.Add(sum(same_s) == 0).OnlyEnforceIf(diff)
-            m.Add(sum(same_s) == 1).OnlyEnforceIf(diff.Not())
-            hold = [any_of([in_s[s][q] for q in tb], f"thold_{t_}_{s}") for s in stages]
-            upairs, ksum = [], []
-            pu = []
-            for c in cls:
-                if single[c]:
-                    pc = any_of([both(p[c][s], hold[s], f"tpu_{t_}_{c}_{s}") for s in stages], f"tpc_{t_}_{c}")
-                    ksum.append(unit[c] * pc)
-                else:
-                    kt = m.NewIntVar(0, count[c], f"tkt_{t_}_{c}")
-                    m.Add(kt == sum(gated(hold[s], k[c][s], count[c], f"tkh_{t_}_{c}_{s}") for s in stages))
-                    ksum.append(unit[c] * kt)
-                    pc = m.NewBoolVar(f"tpc_{t_}_{c}")
-                    m.Add(kt >= 1).OnlyEnforceIf(pc)
-                    m.Add(kt == 0).OnlyEnforceIf(pc.Not())
-                    two = m.NewBoolVar(f"ttwo_{t_}_{c}")
-                    m.Add(kt >= 2).OnlyEnforceIf(two)
-                    m.Add(kt <= 1).OnlyEnforceIf(two.Not())
-                    upairs.append((groups[c].link_out, two))
-                if unit[c] > 1:
-                    upairs.append((groups[c].link_in, pc))
-                pu.append(pc)
-            for c in cls:
-                for d in range(c + 1, n_c):
-                    upairs.append(((rep[c], rep[d]), both(pu[c], pu[d], f"tw_{t_}_{c}_{d}")))
-            hi = max(tab.tied_ar[t_])
-            xm, lm = pair_max(m, tab, upairs, lambda q, t_=t_: tab.tied_ar[t_][q], lambda q, t_=t_: tab.tied_ar[t_][q],
-                              f"tied{t_}")
-            kmax = tab.num_gpus
-            ku = m.NewIntVar(1, kmax, f"tk_{t_}")
-            m.Add(ku == sum(ksum))
-            ku1 = m.NewIntVar(0, kmax - 1, f"tk1_{t_}")
-            m.Add(ku1 == ku - 1)
-            lat_t = m.NewIntVar(0, kmax * lat_hi, f"tlat_{t_}")
-            m.AddMultiplicationEquality(lat_t, [ku1, lm])
-            t_hi = hi + 2 * kmax * lat_hi
-            tt = m.NewIntVar(0, t_hi, f"tied_{t_}")
-            m.Add(tt == ring(xm, ku, hi, kmax, f"tr{t_}") + 2 * lat_t)
-            tied_hi = max(tied_hi, t_hi)
-            for s in stages:  # 6 x the ring on a holder ([C-objective]), else a floor below any own term
-                held, tg = both(hold[s], diff, f"thd_{t_}_{s}"), m.NewIntVar(-drain_hi * s, 6 * t_hi, f"tg_{t_}_{s}")
-                m.Add(tg == 6 * tt).OnlyEnforceIf(held)
-                m.Add(tg == -drain_hi * s).OnlyEnforceIf(held.Not())
-                tied_of[s].append(tg)
-
-        def own_ar(prefix, q, s):
-            """The stage's sum of a per-block all-reduce table less its excluded tied copies."""
-            return stage_sum(prefix[q], s) - sum(tab.tied_ar[t_][q] * ex[t_][s] for t_ in range(len(ex)))
-
-        def own_grad(s):
-            """The stage's float32 gradient KiB G_s less its excluded tied copies ([C-allreduce]'s buckets)."""
-            return stage_sum(tab.grad_kib_prefix, s) - sum(tab.tied_grad_kib[t_] * ex[t_][s] for t_ in range(len(ex)))
-
-        first_cap, cap = tab.bucket_caps
-        extra_hi = bucket_count(tab.grad_kib_prefix[-1], tab.bucket_caps) - 1  # buckets after the first, at most
-        arlat_hi = (2 * extra_hi + 3) * max(gpu_hi - 1, 0) * lat_hi
-        sync_hi = max(ar_hi + arlat_hi, tied_hi) + opt_hi
-
-        # [C-allreduce] ring over the stage's pairs; [C-optim] slowest memory bandwidth of the stage.
-        sync = []
-        for s in stages:
-            pairs = []
-            for c in cls:
-                if unit[c] > 1:  # a used unit has >= 2 GPUs: its inside link is present
-                    pairs.append((groups[c].link_in, p[c][s]))
-                if count[c] > 1:  # >= 2 units used: the link between units is present
-                    two = m.NewBoolVar(f"two_{c}_{s}")
-                    m.Add(k[c][s] >= 2).OnlyEnforceIf(two)
-                    m.Add(k[c][s] <= 1).OnlyEnforceIf(two.Not())
-                    pairs.append((groups[c].link_out, two))
-                for d in range(c + 1, n_c):
-                    pairs.append(((rep[c], rep[d]), both(p[c][s], p[d][s], f"w_{c}_{d}_{s}")))
-            if pairs and gpu_hi > 1:
-                arb, lw = pair_max(m, tab, pairs, lambda q, s=s: own_ar(tab.ar_prefix, q, s),
-                                   lambda q: tab.ar_prefix[q][-1], f"ar{s}")
-                ksz = m.NewIntVar(1, k_hi, f"size_{s}")
-                m.Add(ksz == size[s])
-                sz1 = m.NewIntVar(0, gpu_hi, f"size1_{s}")
-                m.Add(sz1 == size[s] - 1)
-                lat_term = m.NewIntVar(0, gpu_hi * lat_hi, f"arlat_{s}")
-                m.AddMultiplicationEquality(lat_term, [sz1, lw])
-                grad_lat = 2 * lat_term  # the first bucket's ring
-                if extra_hi > 0:  # e_s more buckets, each a ring of 2 (k - 1) latencies
-                    # e_s = (G_s - first_cap + cap - 1) // cap, the numerator >= cap - 1 - first_cap
-                    # >= 0 (division by a constant: with the two linear inequalities it pins
-                    # instead, CP-SAT stalled -- test_stage_dp seed 0, S=2, M=4: 0.9 deterministic
-                    # s without proving optimality, 0.03 s with the division).
-                    num = m.NewIntVar(cap - 1 - first_cap, tab.grad_kib_prefix[-1] + cap - 1 - first_cap,
-                                      f"nbn_{s}")
-                    m.Add(num == own_grad(s) - first_cap + cap - 1)
-                    e_s = m.NewIntVar(0, extra_hi, f"nbx_{s}")
-                    m.AddDivisionEquality(e_s, num, cap)
-                    e_lat = m.NewIntVar(0, extra_hi * gpu_hi * lat_hi, f"nblat_{s}")
-                    m.AddMultiplicationEquality(e_lat, [e_s, lat_term])
-                    grad_lat += 2 * e_lat
-                if sh:  # a sharded stage also all-gathers its weights: (2 grad + param) bytes
-                    arb_sh, _ = pair_max(m, tab, pairs, lambda q, s=s: own_ar(tab.arsh_prefix, q, s),
-                                         lambda q: tab.arsh_prefix[q][-1], f"as{s}")
-                    hi = max(p_[-1] for p_ in tab.arsh_prefix)
-                    sel = m.NewIntVar(0, hi, f"arsel_{s}")
-                    m.Add(sel == arb).OnlyEnforceIf(sh[s].Not())
-                    m.Add(sel == arb_sh).OnlyEnforceIf(sh[s])
-                    ar = (ring(sel, ksz, hi, k_hi, f"arr{s}")
-                          + grad_lat + gated(sh[s], lat_term, gpu_hi * lat_hi, f"arl_{s}"))
-                else:
-                    ar = ring(arb, ksz, ar_hi, k_hi, f"arr{s}") + grad_lat
-            else:
-                ar = 0
-            # [C-objective] 6 x the stage's sync term: its own all-reduce starts E_s / 6 before the drain ends.
-            ar = 6 * ar - sum(drain6[:s])
-            if tied_of[s]:  # [C-tied] the optimizer waits for the stage's own and its tied reductions
-                own = m.NewIntVar(-drain_hi * s, 6 * (ar_hi + arlat_hi), f"arown_{s}")
-                m.Add(own == ar)
-                ar = m.NewIntVar(-drain_hi * s, 6 * sync_hi, f"arw_{s}")
-                m.AddMaxEquality(ar, [own, *tied_of[s]])
-            opt_terms = []
-            for q in sorted(set(tab.gpu_mbw_class)):
-                members = [p[c][s] for c in cls if tab.gpu_mbw_class[rep[c]] == q]
-                if members:
-                    flag = any_of(members, f"o_{q}_{s}")
-                    if sh:
-                        flag = both(flag, sh[s].Not(), f"on_{q}_{s}")
-                    opt_terms.append(gated(flag, stage_sum(tab.opt_prefix[q], s) - sum(
-                        tab.tied_opt[t_][q] * dup[t_][s] for t_ in range(len(dup))),
-                        tab.opt_prefix[q][-1], f"oz_{q}_{s}"))
-            if sh:
-                opt_terms += [tab.opt_per_mib[tab.gpu_mbw_class[rep[c]]] * zc[c][s] for c in cls]
-            opt = m.NewIntVar(0, opt_hi, f"opt_{s}")
-            m.AddMaxEquality(opt, opt_terms)
-            sync.append(ar + 6 * opt)
+        # [C-allreduce] [C-tied] [C-optim] 6 x each stage's sync term (_sync_encoding.py).
+        sync, sync_hi = sync_terms(m, tab, groups, p, k, size, cuts, tied, sh, zc, drain6,
+                                   gpu_hi=gpu_hi, lat_hi=lat_hi, drain_hi=drain_hi)
 
         # [C-memory] state + activations <= usable KiB of a GPU of c in s, per policy combination.
         act_single = {c: wsum(z[c], _blocks(tab.act_prefix)) for c in cls if single[c]}

@@ -3,7 +3,7 @@
 its helpers): the pair bandwidth with shared links (``effective_pair_bandwidth``,
 used by ``build_tables``), the ring factor of [C-allreduce] (``ring_units``)
 and the tied-parameter all-reduce of [C-tied] (``tied_terms``). The CP-SAT
-model (``model.py``) encodes the same terms.
+model (``model.py``; these terms in ``_sync_encoding.py``) encodes the same terms.
 
 [Note: shared links in the objective]
 A link that several GPU pairs share (``DeviceGraph.shared_links``: a region's
