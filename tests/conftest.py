@@ -254,11 +254,11 @@ def random_costs(rng, nb, types, *, fixed=False):
     )
 
 
-def random_instance(seed, *, singleton_classes=False, time_limit_s=100.0):
+def random_instance(seed, *, singleton_classes=False):
     """(costs, devices, options) of a small random planning problem: 2-4 GPUs of
     types A / B, 2-6 blocks; the same seed gives the same instance. CP-SAT gets
-    the default deterministic budget; ``time_limit_s`` is only the wall-clock
-    safety stop ([Note: reproducible plans] in zorse_fx/solve/_search.py).
+    the default deterministic budget and PlanOptions' wall-clock safety stop
+    ([Note: reproducible plans] in zorse_fx/solve/_search.py).
 
     Default: the family of tests/test_solver.py and test_sim.py: type B 1.5-4x slower than A, GPUs on nodes n0 / n1
     with 4-16 GiB, a fixed per-micro-batch cost on odd seeds.
@@ -292,7 +292,7 @@ def random_instance(seed, *, singleton_classes=False, time_limit_s=100.0):
     odd = {(a, b): (rng.choice([2e9, 25e9, 50e9]), rng.choice([1e-6, 5e-5]))
            for a in range(n_g) for b in range(a + 1, n_g) if rng.random() < 0.2}
     options = solver_options(global_batch_size=rng.randint(2, 6), max_stages=rng.randint(1, 3),
-                            schedule=rng.choice(["1f1b", "gpipe"]), time_limit_s=time_limit_s,
+                            schedule=rng.choice(["1f1b", "gpipe"]),
                             seed=seed, allow_idle_gpus=rng.random() < 0.8)
     return costs, make_devices(types, nodes, memory, mem_bw, odd_links=odd), options
 

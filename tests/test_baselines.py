@@ -371,7 +371,7 @@ def test_portfolio_never_worse_than_a_baseline_and_keeps_proven_optima():
     from zorse_fx.solve.portfolio import solve_portfolio
 
     costs, devices = _eight(seed=3)
-    options = solver_options(global_batch_size=8, max_stages=3, time_limit_s=100.0, max_interleave=1)
+    options = solver_options(global_batch_size=8, max_stages=3, max_interleave=1)
 
     def stopped_early(c, d, o):  # a feasible but poor incumbent, not proven optimal
         worst = max((fn(c, d, o) for fn in BASELINES.values()),

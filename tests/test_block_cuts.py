@@ -141,8 +141,7 @@ def test_new_cuts_plan_no_worse_on_the_demo_cluster(small_opt, memory_fraction):
     specs = {g.type: g.spec for g in cluster.gpus}
     policy = precision_policy(default_precision(specs.values()))
     devices = cluster.device_graph()
-    opts = solver_options(global_batch_size=16, max_stages=4, max_microbatches=8, time_limit_s=100.0,
-                         memory_fraction=memory_fraction)
+    opts = solver_options(global_batch_size=16, max_stages=4, max_microbatches=8, memory_fraction=memory_fraction)
     new, old = analyse(small_opt), analyse(small_opt, _minimal_cuts_only=True)
     c_new, c_old = block_costs(new, specs, precision=policy), block_costs(old, specs, precision=policy)
     res_old = solve_cpsat(c_old, devices, opts)

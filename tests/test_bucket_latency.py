@@ -102,8 +102,7 @@ def test_cpsat_equals_evaluate_and_brute_force_with_many_buckets(lat):
     params = (40_000_000, 10_000_000, 70_000_000, 25_000_000, 5_000_000)
     costs = _costs(params)
     devices = make_devices(["A"] * 4, ["n0", "n0", "n1", "n1"], [80 * GIB] * 4, [2e12] * 4, inter=(BW, lat))
-    options = solver_options(global_batch_size=8, max_stages=3, num_microbatches=(2, 4), sharding="auto",
-                             time_limit_s=100.0)
+    options = solver_options(global_batch_size=8, max_stages=3, num_microbatches=(2, 4), sharding="auto")
     ref = solve_brute_force(costs, devices, options)
     res = solve_cpsat(costs, devices, options)
     assert res.status == "OPTIMAL"

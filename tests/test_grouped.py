@@ -73,7 +73,7 @@ def test_grouped_is_restriction(seed):
                             [1e12 if t == "A" else 3e11 for t in types])
     costs = random_costs(rng, nb, "AB", fixed=seed % 2 == 0)
     options = solver_options(global_batch_size=rng.choice([4, 6, 8]), max_stages=2, num_microbatches=(1, 2),
-                            time_limit_s=100.0, seed=seed)
+                            seed=seed)
     ref = solve_cpsat(costs, devices, options)
     res = solve_grouped(costs, devices, options)
     assert res.status == "OPTIMAL"
@@ -131,7 +131,7 @@ def test_node_aggregation_is_restriction(seed):
     devices = make_devices(types, nodes, [16 * GIB] * 6 + [8 * GIB] * 2, [1e12] * 6 + [3e11] * 2)
     costs = random_costs(rng, rng.randint(2, 5), "AB", fixed=seed % 2 == 0)
     options = solver_options(global_batch_size=rng.choice([4, 8, 12]), max_stages=3, num_microbatches=(1, 2),
-                            time_limit_s=100.0, seed=seed)
+                            seed=seed)
     agg = solve_grouped(costs, devices, options, aggregate_nodes=True)
     assert {c["num_groups"] for c in agg.candidates} == {2}
     cls = solve_grouped(costs, devices, options, aggregate_nodes=False)
@@ -190,7 +190,7 @@ def test_grouped_shards_across_a_class():
     devices = make_devices(["A"] * 8, ["n0"] * 4 + ["n1"] * 4, [16 * GIB] * 8, [1e12] * 8)
     costs = BlockCosts(fwd_bwd_s_per_sample={"A": (0.01,) * 4}, param_count=(750_000_000,) * 4,
                        act_bytes_per_sample=(32 << 20,) * 4, cut_bytes_per_sample=(0, 4 << 20, 4 << 20, 4 << 20, 0))
-    opts = solver_options(global_batch_size=8, max_stages=2, num_microbatches=(1, 2), time_limit_s=100.0)
+    opts = solver_options(global_batch_size=8, max_stages=2, num_microbatches=(1, 2))
     with pytest.raises(InfeasiblePlanError, match="sharding='auto'"):
         solve_grouped(costs, devices, opts)
     res = solve_grouped(costs, devices, dataclasses.replace(opts, sharding="auto"))
@@ -215,7 +215,7 @@ def test_hint_encodes_the_hinted_decision(grouped):
     costs = BlockCosts(fwd_bwd_s_per_sample={"A": (0.01,) * 4, "B": (0.03,) * 4}, param_count=(400_000_000,) * 4,
                        act_bytes_per_sample=(32 << 20,) * 4, cut_bytes_per_sample=(0, 4 << 20, 4 << 20, 4 << 20, 0))
     opts = solver_options(global_batch_size=16, max_stages=2, num_microbatches=(2,), sharding="always",
-                         recompute="auto", time_limit_s=100.0)
+                         recompute="auto")
     base = BASELINES["homogeneous_all"](costs, devices, opts)
     ev = evaluate_result(costs, devices, opts, base)
     assert ev.feasible and any(base.decision.sharded)

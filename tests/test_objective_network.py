@@ -201,7 +201,7 @@ def test_class_level_model_prices_tied_params_like_evaluate(seed):
     numel = min(costs.param_count[0], costs.param_count[-1]) // 2
     costs = dataclasses.replace(costs, tied_params=(TiedParam(name="emb", blocks=(0, nb - 1), numel=numel),))
     options = solver_options(global_batch_size=rng.choice([4, 8]), max_stages=2, num_microbatches=(1, 2),
-                            time_limit_s=100.0, seed=seed)
+                            seed=seed)
     ref = solve_cpsat(costs, devices, options)
     res = solve_grouped(costs, devices, options)
     ev = evaluate(costs, devices, options, res.decision)

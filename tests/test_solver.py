@@ -228,7 +228,7 @@ def test_large_memory_coefficients_do_not_break_presolve():
     costs = BlockCosts(**{k: ({t: tuple(v) for t, v in val.items()} if isinstance(val, dict) else
                               tuple(val) if isinstance(val, list) else val) for k, val in raw.items()})
     devices = Cluster.from_yaml(Path(__file__).parents[1] / "examples" / "clusters" / "metis.yaml").device_graph()
-    options = solver_options(global_batch_size=128, max_stages=2, num_microbatches=(16,), time_limit_s=100.0)
+    options = solver_options(global_batch_size=128, max_stages=2, num_microbatches=(16,))
     base = BASELINES["homogeneous_best"](costs, devices, options)
     res = solve_cpsat(costs, devices, options)
     assert res.status == "OPTIMAL"

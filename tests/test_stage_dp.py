@@ -42,8 +42,8 @@ def _instance(seed, *, gpus_per_node=2, nodes=3, nb=7):
     # one memory size per node, as on real machines
     memory = [memory[names.index(n)] for n in names]
     devices = _devices(types, names, memory, [1.5e12 if t == "A" else 3e11 for t in types])
-    options = solver_options(global_batch_size=8, max_stages=3, num_microbatches=(2, 4), time_limit_s=100.0,
-                            sharding="auto", recompute="auto", schedule=rng.choice(["1f1b", "gpipe"]), seed=seed)
+    options = solver_options(global_batch_size=8, max_stages=3, num_microbatches=(2, 4), sharding="auto",
+                            recompute="auto", schedule=rng.choice(["1f1b", "gpipe"]), seed=seed)
     return costs, devices, options
 
 
