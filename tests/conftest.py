@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import random
 from pathlib import Path
 
@@ -19,6 +20,20 @@ from zorse_fx.solve import BlockCosts, DeviceGraph
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTERS = ROOT / "examples" / "clusters"
 GIB = 1 << 30
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _subprocess_tmpdir(tmp_path_factory):
+    """Processes the tests start (torchrun and its ranks) make their temporary
+    files (torchrun's ``torchelastic_*`` log directories) under this session's
+    pytest directory, which pytest removes with its old runs, instead of /tmp."""
+    old = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = str(tmp_path_factory.mktemp("tmp"))
+    yield
+    if old is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = old
 
 
 @pytest.fixture(scope="session")
