@@ -4,7 +4,9 @@ Each candidate is one CP-SAT model (any object with ``.m``, ``.objective`` and
 ``.decision(solver)``). Every answer is re-checked with ``evaluate``: the
 model's objective at the returned solution must equal the evaluator's integer
 objective (ns). ``status`` is "OPTIMAL" only when every candidate was solved to
-optimality or proven infeasible; ``best_bound`` is the smallest bound over all
+optimality or proven infeasible, or when no candidate's bound is below the plan's
+step time (a budget-limited candidate whose bound already exceeds the plan cannot
+beat it: gap 0); ``best_bound`` is the smallest bound over all
 candidates, so the reported gap covers the whole search. A candidate's bound
 is the larger of CP-SAT's and ``bounds.throughput_lower_bound`` (valid for
 every decision with its M; before it, a time-limited UNKNOWN candidate
@@ -397,7 +399,10 @@ class CandidateSearch:
             raise InfeasiblePlanError(explain_infeasible(self.costs, self.devices, self.options, self.cands))
         obj, m, _, ev = self.best
         assert ev.objective_units == obj
+        # Proven optimal when every candidate was solved, or when no candidate's bound is below
+        # the plan (gap 0: a candidate stopped by its budget cannot hold a better plan).
+        proven = self.all_optimal or min(self.bounds) >= obj
         return dataclasses.replace(SolverResult.from_evaluation(
-            ev, options=self.options, status=with_safety_stop("OPTIMAL" if self.all_optimal else "FEASIBLE", stops),
+            ev, options=self.options, status=with_safety_stop("OPTIMAL" if proven else "FEASIBLE", stops),
             best_bound=min(self.bounds) * UNIT_S, wall_s=time.perf_counter() - self.t0, candidates=tuple(self.cands)),
             wall_clock_stops=stops)
