@@ -12,6 +12,9 @@ On disk (``Plan.export(dir)``)::
                          by the runtime only if its sha256 is the one
                          plan.json records
 
+Written and read by ``_plan_io.py`` (``Plan.to_dict`` / ``Plan.load``); the
+readable table (``Plan.table``) is drawn by ``plan_table.py``.
+
 Stage sources (format version 5): a plan file is data, but a stage file is
 Python that every rank executes. So ``plan.json`` records each stage file's
 sha256 (``source_sha256``), a stage's ``source_file`` must be a plain file
@@ -64,25 +67,24 @@ with both off):
 
 from __future__ import annotations
 
-import io
 import json
-import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgspec
 
+from ._plan_io import plan_dict, read_plan_files
 from .capture.analysis import TensorSpec
 from .errors import PlanFileError, short_repr
 from .plan_schema import decode
+from .plan_table import GIB, plan_table  # noqa: F401 (GIB: importable from here as before)
 from .precision import PRECISIONS, REDUCE_DTYPES, PrecisionPolicy, precision_policy
-from .stage_sources import check_source_name, recorded_hashes, source_sha256, verify_sources
+from .stage_sources import recorded_hashes, source_sha256, verify_sources
 
 __all__ = ["PLAN_FORMAT_VERSION", "GPUShare", "StagePlan", "SolverReport", "Plan", "RankRole"]
 
 #: Bumped on any incompatible change of plan.json.
 PLAN_FORMAT_VERSION = 5
-GIB = 1024**3
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -398,73 +400,8 @@ class Plan:
         return (None,) * self.num_stages
 
     def to_dict(self) -> dict:
-        hashes = self.source_hashes()
-        return {
-            "format": "zorse_fx.plan",
-            "version": self.version,
-            "cluster_name": self.cluster_name,
-            "model_name": self.model_name,
-            "input_names": list(self.input_names),
-            "seq_len": self.seq_len,
-            "label_mode": self.label_mode,
-            "global_batch_size": self.global_batch_size,
-            "microbatch_size": self.microbatch_size,
-            "num_microbatches": self.num_microbatches,
-            "schedule": self.schedule,
-            "interleave": self.interleave,
-            "precision": self.precision,
-            "grad_reduce_dtype": self.grad_reduce_dtype,
-            "compute_dtype": self.compute_dtype,
-            "predicted_step_time_s": self.predicted_step_time_s,
-            "solver": {
-                "planner": self.solver.planner,
-                "status": self.solver.status,
-                "objective_s": self.solver.objective_s,
-                "best_bound_s": self.solver.best_bound_s,
-                "optimality_gap": self.solver.optimality_gap,
-                "wall_s": self.solver.wall_s,
-                "time_limit_s": self.solver.time_limit_s,
-                "solver_budget": self.solver.solver_budget,
-                "wall_clock_stops": self.solver.wall_clock_stops,
-                "candidates": list(self.solver.candidates),
-                "simulated_step_time_s": self.solver.simulated_step_time_s,
-                "simulated_max_memory_fraction": self.solver.simulated_max_memory_fraction,
-                "simulated_bubble_fraction": self.solver.simulated_bubble_fraction,
-            },
-            "stages": [
-                {
-                    "index": s.index,
-                    "blocks": list(s.blocks),
-                    "label": s.label,
-                    "gpus": [
-                        {
-                            "rank": g.rank,
-                            "gpu": g.gpu,
-                            "node": g.node,
-                            "gpu_type": g.gpu_type,
-                            "samples_per_microbatch": g.samples_per_microbatch,
-                            "predicted_memory_bytes": g.predicted_memory_bytes,
-                            "memory_capacity_bytes": g.memory_capacity_bytes,
-                            "state_shard_bytes": g.state_shard_bytes,
-                        }
-                        for g in s.gpus
-                    ],
-                    "input_names": list(s.input_names),
-                    "recv": [t.to_dict() for t in s.recv],
-                    "send": [t.to_dict() for t in s.send],
-                    "params": dict(s.params),
-                    "consts": dict(s.consts),
-                    "num_parameters": s.num_parameters,
-                    "source_file": s.source_file,
-                    "source_sha256": hashes[s.index],
-                    "predicted_time_s": s.predicted_time_s,
-                    "predicted_allreduce_s": s.predicted_allreduce_s,
-                    "sharded": s.sharded,
-                    "recompute": s.recompute,
-                }
-                for s in self.stages
-            ],
-        }
+        """plan.json's content as a JSON-ready dict (``_plan_io.plan_dict``)."""
+        return plan_dict(self)
 
     @classmethod
     def from_dict(cls, d: dict, *, source: str = "<dict>", sources: tuple[str, ...] = ()) -> "Plan":
@@ -549,91 +486,16 @@ class Plan:
 
     @classmethod
     def load(cls, path: str | Path) -> "Plan":
-        """Load ``plan.json`` (or a directory holding it) and the stage sources beside it."""
-        path = Path(path)
-        if path.is_dir():
-            path = path / "plan.json"
-        if not path.exists():
-            raise PlanFileError(f"{path}: no such plan file; create one with `zorse plan`")
-        try:
-            d = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise PlanFileError(f"{path}: invalid JSON at line {exc.lineno}: {exc.msg}") from exc
-        doc = decode(d, str(path))
-        sources = []
-        for i, s in enumerate(doc.stages):
-            name = check_source_name(s.source_file, i, str(path))
-            src = path.parent / name
-            if not src.is_file():
-                raise PlanFileError(f"{path}: stage {i} source {src} (field stages[{i}].source_file) is missing; "
-                                    f"re-export the plan with `zorse plan`")
-            sources.append(src.read_text())
-        return cls._build(d, doc, str(path), tuple(sources))
+        """Load ``plan.json`` (or a directory holding it) and the stage sources beside it
+        (read by ``_plan_io.read_plan_files``; their sha256 checked against plan.json's)."""
+        path, d, doc, sources = read_plan_files(path)
+        return cls._build(d, doc, str(path), sources)
 
     # -- readable form -------------------------------------------------------
     def table(self) -> str:
-        """The plan as a text table (one row per GPU), at most 150 columns.
-
-        "optimizer state" is ``replicated`` or, for a ZeRO-1 stage, this GPU's
-        ``state_shard_bytes`` and its share of the stage's elements; a stage
-        that recomputes its activations reads ``<i> (recompute)``; with
-        interleaving a stage reads ``<i> g<p>`` (GPU group p) and "memory"
-        is the GPU's total over all its stages.
-        """
-        from rich.console import Console
-        from rich.table import Table
-
-        t = Table(title=f"zorse_fx plan: {self.model_name} on {self.cluster_name}", show_lines=False)
-        cols = ("stage", "blocks: layers", "params", "rank", "GPU @ node", "samples", "memory GiB",
-                "optimizer state", "µbatch")
-        for col in cols:
-            t.add_column(col, justify="left" if col in ("blocks: layers", "GPU @ node", "optimizer state") else "right")
-        for s in self.stages:
-            shards = s.shard_ranges(s.num_parameters) if s.sharded else ()
-            for i, g in enumerate(s.gpus):
-                first = i == 0
-                if s.sharded:
-                    a, b = shards[i]
-                    pct = f"{(b - a) / s.num_parameters:.0%}" if s.num_parameters else "-"
-                    state = (f"sharded {g.state_shard_bytes / GIB:.2f} GiB ({pct})" if g.state_shard_bytes
-                             else f"sharded ({pct})")
-                else:
-                    state = "replicated"
-                name = str(s.index) + (f" g{s.index % self.num_groups}" if self.interleave > 1 else "")
-                t.add_row(
-                    (f"{name} (recompute)" if s.recompute else name) if first else "",
-                    f"[{s.blocks[0]}, {s.blocks[1]}): {s.label}" if first else "",
-                    f"{s.num_parameters / 1e6:.1f}M" if first else "",
-                    str(g.rank),
-                    f"{g.gpu_type} @ {g.node}",
-                    f"{g.samples_per_microbatch}/{s.microbatch_size}",
-                    f"{g.predicted_memory_bytes / GIB:.2f} / {g.memory_capacity_bytes / GIB:.1f}",
-                    state,
-                    f"{s.predicted_time_s * 1e3:.1f} ms" if first else "",
-                )
-            t.add_section()
-        buf = io.StringIO()
-        Console(file=buf, width=150, record=False).print(t)
-        sv = self.solver
-        precision = textwrap.fill("precision " + self.precision_policy().describe(), width=150,
-                                  subsequent_indent="  ")
-        summary = (
-            f"global batch {self.global_batch_size} = {self.num_microbatches} micro-batches x "
-            f"{self.microbatch_size} samples (seq {self.seq_len}), schedule {self.schedule}"
-            + (f" interleaved x{self.interleave} ({self.num_groups} GPU groups, stage s on group s mod "
-               f"{self.num_groups})" if self.interleave > 1 else "")
-            + f", {self.num_stages} stages on {self.world_size} GPUs\n"
-            f"predicted step time {self.predicted_step_time_s:.3f} s "
-            f"({self.tokens_per_step / self.predicted_step_time_s:,.0f} tokens/s); "
-            f"planner {sv.planner}: {sv.status}, gap {sv.optimality_gap:.2%}, {sv.wall_s:.2f} s"
-            + (f"\nsimulated step time {sv.simulated_step_time_s:.3f} s "
-               f"({sv.simulated_step_time_s / self.predicted_step_time_s:.2f}x predicted), "
-               f"bubble {sv.simulated_bubble_fraction:.0%}, peak memory "
-               f"{sv.simulated_max_memory_fraction:.0%} of usable"
-               if sv.simulated_step_time_s and self.predicted_step_time_s else "")
-            + "\n" + precision
-        )
-        return buf.getvalue() + summary
+        """The plan as a text table (one row per GPU), at most 150 columns
+        (``plan_table.plan_table``)."""
+        return plan_table(self)
 
     def __str__(self) -> str:
         return self.table()

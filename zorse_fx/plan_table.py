@@ -1,0 +1,88 @@
+"""The readable form of a plan: ``Plan.table()`` (and ``str(plan)``), the
+text table ``zorse show`` and ``zorse plan`` print.
+
+One row per GPU of each stage (at most 150 columns, drawn with ``rich``),
+then a summary: global batch and schedule, predicted step time and
+throughput, the planner's status, the simulator's check when the plan holds
+one, and the precision policy. Split from ``plan.py`` (the Plan IR), which
+keeps ``Plan.table`` as the entry point; this module reads only the plan's
+fields and queries.
+"""
+
+from __future__ import annotations
+
+import io
+import textwrap
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .plan import Plan
+
+__all__ = ["GIB", "plan_table"]
+
+GIB = 1024**3
+
+
+def plan_table(plan: Plan) -> str:
+    """``plan`` as a text table (one row per GPU), at most 150 columns.
+
+    "optimizer state" is ``replicated`` or, for a ZeRO-1 stage, this GPU's
+    ``state_shard_bytes`` and its share of the stage's elements; a stage
+    that recomputes its activations reads ``<i> (recompute)``; with
+    interleaving a stage reads ``<i> g<p>`` (GPU group p) and "memory"
+    is the GPU's total over all its stages.
+    """
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"zorse_fx plan: {plan.model_name} on {plan.cluster_name}", show_lines=False)
+    cols = ("stage", "blocks: layers", "params", "rank", "GPU @ node", "samples", "memory GiB",
+            "optimizer state", "µbatch")
+    for col in cols:
+        t.add_column(col, justify="left" if col in ("blocks: layers", "GPU @ node", "optimizer state") else "right")
+    for s in plan.stages:
+        shards = s.shard_ranges(s.num_parameters) if s.sharded else ()
+        for i, g in enumerate(s.gpus):
+            first = i == 0
+            if s.sharded:
+                a, b = shards[i]
+                pct = f"{(b - a) / s.num_parameters:.0%}" if s.num_parameters else "-"
+                state = (f"sharded {g.state_shard_bytes / GIB:.2f} GiB ({pct})" if g.state_shard_bytes
+                         else f"sharded ({pct})")
+            else:
+                state = "replicated"
+            name = str(s.index) + (f" g{s.index % plan.num_groups}" if plan.interleave > 1 else "")
+            t.add_row(
+                (f"{name} (recompute)" if s.recompute else name) if first else "",
+                f"[{s.blocks[0]}, {s.blocks[1]}): {s.label}" if first else "",
+                f"{s.num_parameters / 1e6:.1f}M" if first else "",
+                str(g.rank),
+                f"{g.gpu_type} @ {g.node}",
+                f"{g.samples_per_microbatch}/{s.microbatch_size}",
+                f"{g.predicted_memory_bytes / GIB:.2f} / {g.memory_capacity_bytes / GIB:.1f}",
+                state,
+                f"{s.predicted_time_s * 1e3:.1f} ms" if first else "",
+            )
+        t.add_section()
+    buf = io.StringIO()
+    Console(file=buf, width=150, record=False).print(t)
+    sv = plan.solver
+    precision = textwrap.fill("precision " + plan.precision_policy().describe(), width=150,
+                              subsequent_indent="  ")
+    summary = (
+        f"global batch {plan.global_batch_size} = {plan.num_microbatches} micro-batches x "
+        f"{plan.microbatch_size} samples (seq {plan.seq_len}), schedule {plan.schedule}"
+        + (f" interleaved x{plan.interleave} ({plan.num_groups} GPU groups, stage s on group s mod "
+           f"{plan.num_groups})" if plan.interleave > 1 else "")
+        + f", {plan.num_stages} stages on {plan.world_size} GPUs\n"
+        f"predicted step time {plan.predicted_step_time_s:.3f} s "
+        f"({plan.tokens_per_step / plan.predicted_step_time_s:,.0f} tokens/s); "
+        f"planner {sv.planner}: {sv.status}, gap {sv.optimality_gap:.2%}, {sv.wall_s:.2f} s"
+        + (f"\nsimulated step time {sv.simulated_step_time_s:.3f} s "
+           f"({sv.simulated_step_time_s / plan.predicted_step_time_s:.2f}x predicted), "
+           f"bubble {sv.simulated_bubble_fraction:.0%}, peak memory "
+           f"{sv.simulated_max_memory_fraction:.0%} of usable"
+           if sv.simulated_step_time_s and plan.predicted_step_time_s else "")
+        + "\n" + precision
+    )
+    return buf.getvalue() + summary
