@@ -1,10 +1,11 @@
-"""[C-objective]'s gradient sync overlaps the pipeline drain (issue 13 item 6):
-stage s's own all-reduce starts when its last backward ends, D_s = floor(sum_{j<s}
-(4 cmax_j + 3 boundary_j) / 6) ns before stage 0's, not after the whole drain.
-The step equals that formula, recomputed here from the evaluation's per-stage
-fields; it stays at or above the simulator (which starts a stage's buckets during
-its last backward) within the stated tolerance; CP-SAT and brute force equal
-``evaluate`` on it to the ns."""
+"""[C-objective]'s gradient sync overlaps the pipeline drain and the stage's own
+last backward (issue 13 item 6): stage s's own all-reduce may start B_s =
+floor((E_s + (4 - rc_s) cmax_s) / 6) ns before stage 0's last backward ends, E_s
+= sum_{j<s} (4 cmax_j + 3 boundary_j), but its last gradient bucket L_s only
+D_s = floor(E_s / 6) before. The step equals that formula, recomputed here from
+the evaluation's per-stage fields and L_s from bytes and links; it stays near the
+simulator (which starts a stage's buckets during its last backward) within the
+stated tolerance; CP-SAT and brute force equal ``evaluate`` on it to the ns."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import dataclasses
 
 import pytest
 
+from zorse_fx.runtime.grad_sync import BUCKET_BYTES, FIRST_BUCKET_BYTES
 from zorse_fx.sim import simulate
 from zorse_fx.solve import BlockCosts, Decision, evaluate
 from zorse_fx.solve.objective import UNIT_S
@@ -25,24 +27,60 @@ def _ns(values):
     return [round(x / UNIT_S) for x in values]
 
 
-def _old_and_new(ev, m):
-    """(after-drain form, overlapped form) of the step in ns, from ``ev``'s per-stage
-    fields (no tied parameters: ``allreduce_s`` is the stage's own all-reduce)."""
+def last_bucket_ns(costs, devices, blocks, gpus, sharded=False):
+    """L_s of [C-objective] from bytes and links (no tied parameters, no shared
+    links): the stage's float32 gradients (4 B per parameter, KiB rounded up per
+    block) fill a 1 MiB bucket, then 25 MiB ones; the last holds the rest. Its
+    ring moves 2 grad_bytes per parameter (1 KiB of bucket = 256 parameters),
+    timed in 1/2^i ns per KiB (the least i giving >= 1024 of them) on the
+    slowest pair of the stage, times (k-1)/k, plus 2 (k-1) latencies; a sharded
+    stage adds its weights' all-gather ((k-1)/k param bytes / bw rounded per
+    block to the ns, + (k-1) latencies)."""
+    assert not costs.tied_params and not devices.shared_links
+    k = len(gpus)
+    if k < 2:
+        return 0
+    pairs = [(g, h) for a, g in enumerate(gpus) for h in gpus[a + 1:]]
+    bw = min(min(devices.link_bw_bytes_per_s[g][h], devices.link_bw_bytes_per_s[h][g]) for g, h in pairs)
+    lat = max(round(max(devices.link_latency_s[g][h], devices.link_latency_s[h][g]) / UNIT_S) for g, h in pairs)
+    kib = sum(-(-4 * costs.param_count[q] // 1024) for q in range(*blocks))
+    first, cap = FIRST_BUCKET_BYTES // 1024, BUCKET_BYTES // 1024
+    last = kib if kib <= first else kib - first - (-(-(kib - first) // cap) - 1) * cap
+    per_kib, scale = 2 * costs.grad_bytes_per_param * 256 / bw * 1e9, 1
+    while per_kib * scale < 1024:
+        scale *= 2
+    out = -(-round(per_kib * scale) * last * (k - 1) // (k * scale))
+    if sharded:
+        gr, pb = costs.grad_bytes_per_param, costs.param_bytes_per_param
+        gather = sum(round((2 * gr + pb) * costs.param_count[q] / bw * 1e9)
+                     - round(2 * gr * costs.param_count[q] / bw * 1e9) for q in range(*blocks))
+        out += -(-gather * (k - 1) // k)
+    return out + (2 + sharded) * (k - 1) * lat
+
+
+def _old_and_new(ev, m, last):
+    """(after-drain form, overlapped form, D_s) of the step in ns, from ``ev``'s
+    per-stage fields (no tied parameters: ``allreduce_s`` is the stage's own
+    all-reduce) and ``last`` = L_s per stage (``last_bucket_ns``)."""
     t, c, b = _ns(ev.stage_time_s), _ns(ev.compute_s), _ns(ev.boundary_s)
     ar, opt = _ns(ev.allreduce_s), _ns(ev.optim_s)
+    rc = ev.decision.recompute
     pipe = sum(t) + (m - 1) * max(t)
-    drain = [sum(4 * c[j] + 3 * b[j] for j in range(s)) // 6 for s in range(len(t))]
+    e = [sum(4 * c[j] + 3 * b[j] for j in range(s)) for s in range(len(t))]
     old = pipe + max(a + o for a, o in zip(ar, opt))
-    new = pipe + max(a - d + o for a, d, o in zip(ar, drain, opt))
-    return old, new, drain
+    new = pipe + max(max(a - (e_s + (4 - r) * c_s) // 6, lb - e_s // 6) + o
+                     for a, e_s, r, c_s, lb, o in zip(ar, e, rc, c, last, opt))
+    return old, new, [x // 6 for x in e]
 
 
 def test_last_stage_sync_overlaps_the_drain():
     """3 stages: GPU 0, GPU 1, and GPUs 2-3 data-parallel on the last, largest
     block (400M parameters: a 3.2 GB ring on 10 GB/s links, 0.16 s); stages 0 and
-    1 have no all-reduce. The last stage's sync starts D_2 = 2/3 (c_0 + c_1) +
-    (boundary_0 + boundary_1) / 2 before the drain ends, so the step is that much
-    below the after-drain form (its optimizer, 0.4 ms, is below the offset)."""
+    1 have no all-reduce. The last stage's sync starts 2/3 (c_0 + c_1 + c_2) +
+    (boundary_0 + boundary_1) / 2 before the drain ends (its own last backward
+    and the drain), so the step is that much below the after-drain form (its
+    optimizer, 0.4 ms, is below the offset; its last bucket's ring, 2.6 ms, is
+    far below the all-reduce)."""
     costs = BlockCosts(fwd_bwd_s_per_sample={"A": (30e-3, 30e-3, 30e-3)},
                        param_count=(1_000_000, 1_000_000, 400_000_000),
                        act_bytes_per_sample=(1_000_000,) * 3, cut_bytes_per_sample=(0, 50_000_000, 50_000_000, 0))
@@ -55,10 +93,15 @@ def test_last_stage_sync_overlaps_the_drain():
     assert ev.feasible, ev.violations
     ar = _ns(ev.allreduce_s)
     assert ar[0] == ar[1] == 0 and ar[2] > 100_000_000  # only the last stage reduces
-    old, new, drain = _old_and_new(ev, 4)
+    last = [0, 0, last_bucket_ns(costs, devices, (2, 3), (2, 3))]
+    assert 2_000_000 < last[2] < 3_000_000
+    old, new, drain = _old_and_new(ev, 4, last)
     assert ev.objective_units == new
     assert drain[0] == 0 and drain[2] > drain[1] > 0
-    assert new == old - drain[2]  # the whole offset: the last stage's sync decides the step
+    c, b = _ns(ev.compute_s), _ns(ev.boundary_s)
+    own = (4 * (c[0] + c[1] + c[2]) + 3 * (b[0] + b[1])) // 6
+    assert own > drain[2]
+    assert new == old - own  # the whole offset: the last stage's sync decides the step
     # The simulator starts that ring during the last backward: at most the objective.
     sim = simulate(costs, devices, options, d)
     assert sim.step_time_s <= ev.step_time_s * (1 + 1e-9)
@@ -98,7 +141,8 @@ def test_objective_stays_above_the_simulator_with_overlap():
             continue
         opts, d = _dp_last_stage(costs, devices, options)
         ev, sim = evaluate(costs, devices, opts, d), simulate(costs, devices, opts, d)
-        old, new, _ = _old_and_new(ev, 2)
+        last = [0, last_bucket_ns(costs, devices, d.stage_blocks[1], d.stage_gpus[1])]
+        old, new, _ = _old_and_new(ev, 2, last)
         assert ev.objective_units == new
         rows.append((seed, sim.step_time_s / ev.step_time_s, new < old))
         assert sim.step_time_s <= ev.step_time_s * (1 + OVERLAP_TOL), rows[-1]
@@ -117,3 +161,68 @@ def test_cpsat_equals_evaluate_and_brute_force_with_overlap(seed):
     devices = dataclasses.replace(devices, link_bw_bytes_per_s=slow)
     options = dataclasses.replace(options, max_stages=3)
     assert_cpsat_equals_brute_force(costs, devices, options)
+
+
+def _one_stage(params, fwd_bwd_s, recompute=False, sharded=False, blocks=1):
+    """``blocks`` blocks of ``params`` parameters and ``fwd_bwd_s`` each on 2 GPUs on
+    two nodes (10 GB/s, 20 us), one sample each, M = 1: single-stage data
+    parallelism (E_0 = 0)."""
+    costs = BlockCosts(fwd_bwd_s_per_sample={"A": (fwd_bwd_s,) * blocks}, param_count=(params,) * blocks,
+                       act_bytes_per_sample=(1_000_000,) * blocks, cut_bytes_per_sample=(0,) * (blocks + 1),
+                       state_bytes_per_param=16, grad_bytes_per_param=4, param_bytes_per_param=4,
+                       shardable_bytes_per_param=8)
+    devices = make_devices(["A"] * 2, ["n0", "n1"], [80 * GIB] * 2, [2e12] * 2, inter=(10e9, 2e-5))
+    options = solver_options(global_batch_size=2, max_stages=1, num_microbatches=(1,), sharding="auto",
+                             recompute="auto")
+    d = Decision(stage_blocks=((0, blocks),), stage_gpus=((0, 1),), samples_per_microbatch=((1, 1),),
+                 num_microbatches=1, sharded=(sharded,), recompute=(recompute,))
+    ev = evaluate(costs, devices, options, d)
+    assert ev.feasible, ev.violations
+    return costs, devices, options, d, ev
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_single_stage_allreduce_overlaps_its_own_backward(recompute):
+    """8 blocks of 50M parameters (3.2 GB of gradients; the ring moves half of
+    it per GPU over 10 GB/s: 160 ms), 30 ms fwd+bwd in all: the all-reduce
+    outlasts the backward, so the sync term is allreduce - floor((4 - rc) cmax
+    / 6) = allreduce - 20 ms (2/3 of 30 ms either way: with recomputation cmax =
+    40 ms, half of it). The simulator, whose buckets are ready block by block,
+    stays within OVERLAP_TOL."""
+    params = 50_000_000
+    costs, devices, options, d, ev = _one_stage(params, 30e-3 / 8, recompute=recompute, blocks=8)
+    lat = 20_000
+    kib = 8 * -(-4 * params // 1024)
+    nb = 1 + -(-(kib - 1024) // 25600)
+    ar = -(-8 * round(2 * 4 * params / 10e9 * 1e9) // 2) + 2 * nb * lat  # [C-allreduce] by hand, k = 2
+    assert _ns(ev.allreduce_s) == [ar]  # the reported all-reduce is unchanged
+    c = _ns(ev.compute_s)[0]
+    assert c == (40_000_000 if recompute else 30_000_000)
+    last = last_bucket_ns(costs, devices, (0, 8), (0, 1))
+    assert last < ar - 20_000_000
+    assert ev.objective_units == c + ar - 20_000_000 + _ns(ev.optim_s)[0]
+    sim = simulate(costs, devices, options, d)
+    assert ev.step_time_s * (1 - OVERLAP_TOL) <= sim.step_time_s <= ev.step_time_s * (1 + OVERLAP_TOL)
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_single_stage_sync_is_its_last_bucket_when_the_backward_is_longer(sharded):
+    """20M parameters: 80 MB of float32 gradients = 78125 KiB in 5 buckets (1 MiB,
+    3 x 25 MiB, then 301 KiB) and a 1 s backward: every bucket but the last
+    finishes during the backward, so the sync term is the last bucket's ring
+    (301 KiB of float32 = 77056 parameters x 2 x 4 B, (k-1)/k over 10 GB/s, 2
+    latencies); a sharded stage adds its weights' all-gather (80 MB x 1/2 over
+    10 GB/s = 4 ms, one latency), which starts after the backward too."""
+    params = 20_000_000
+    costs, devices, options, d, ev = _one_stage(params, 1.0, sharded=sharded)
+    kib = -(-4 * params // 1024)
+    assert kib == 78125 and kib - 1024 - 3 * 25600 == 301
+    # 301 KiB: 77056 parameters, 2 x 4 B each, (k-1)/k = 1/2, at 10 GB/s: 204.8 ns per KiB,
+    # counted in 1/8 ns (1638 per KiB).
+    ring = -(-1638 * 301 // (2 * 8))
+    assert abs(ring / (77056 * 8 / 2 / 10e9 * 1e9) - 1) < 1e-3  # 30822 ns
+    gather = -(-round(4 * params / 10e9 * 1e9) // 2) if sharded else 0
+    want = ring + gather + (2 + sharded) * 20_000
+    assert last_bucket_ns(costs, devices, (0, 1), (0, 1), sharded) == want
+    assert want < _ns(ev.allreduce_s)[0]
+    assert ev.objective_units == _ns(ev.compute_s)[0] + want + _ns(ev.optim_s)[0]

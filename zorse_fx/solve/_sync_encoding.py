@@ -30,16 +30,28 @@ stage s, p[c][s] = k[c][s] >= 1) and carry its tags. Units: time in integer ns
                 in_s[q_i] - hold_s copies of t (same_s with r = 2)     [C-tied]
   optim_s     = max over memory-bandwidth classes present (a sharded stage:
                 each GPU's shard)                                       [C-optim]
-  sync6_s     = max(6 allreduce_s - E_s, 6 tied of s) + 6 optim_s: 6 x the
-                stage's sync term of objective.py's step, E_s = sum_{j<s}
-                (4 cmax_j + 3 boundary_j) (model.py's drain terms) and D_s =
-                floor(E_s / 6) in integers (ceil((6 a - E) / 6) = a -
-                floor(E / 6)); a tied term is -6 s t_hi (<= -E_s) on a stage
-                not holding it                                          [C-objective]
+  L_s         = the last bucket's ring: last_kib_s = G_s - cap e_s + (cap -
+                first_cap) [e_s >= 1] (a literal on e_s >= 1; G_s with one
+                bucket); per bandwidth class q of the stage's pairs d_q =
+                ring(lastb_coef[q] last_kib_s, k) with scale lastb_scale[q]
+                (k scale d >= (k-1) x > k scale d - k scale, sharing the
+                all-reduce ring's literals); the max of d_q over present
+                pairs; when sh_s + ring(max over present pairs of own arsh
+                - own ar, k), the all-gather; + (2 + sh_s) (k - 1) max
+                latency                                                 [C-objective]
+  sync6_s     = max(6 allreduce_s - E_s - B6_s, 6 L_s - E_s, 6 tied of s)
+                + 6 optim_s: 6 x the stage's sync term of objective.py's
+                step, E_s = sum_{j<s} (4 cmax_j + 3 boundary_j) (model.py's
+                drain terms), B6_s = (4 - rc_s) cmax_s (model.py's bwd6) and
+                the floors in integers (ceil((6 a - E - B) / 6) = a -
+                floor((E + B) / 6)); a tied term is -6 s t_hi (<= -E_s <=
+                6 L_s - E_s) on a stage not holding it                  [C-objective]
 
 ``tied_copies`` builds same_s and dup_s (model.py reads dup_s for the state
 and shard terms too); ``sync_terms`` builds the rest and returns sync6_s per
-stage. Every quantity is defined by an equality, as in the rest of the model.
+stage; ``pair_max_many`` shares one presence literal per bandwidth class
+between a stage's all-reduce and last-bucket maxima. Every quantity is
+defined by an equality, as in the rest of the model.
 """
 
 from __future__ import annotations
@@ -50,12 +62,12 @@ from typing import TYPE_CHECKING
 from ortools.sat.python import cp_model
 
 from .objective import MIB_UNITS, bucket_count
-from ._encoding import StageCuts, any_of, both, gated, pair_max
+from ._encoding import StageCuts, any_of, both, gated, pair_max, pair_max_many
 
 if TYPE_CHECKING:
     from .objective import IntTables
 
-__all__ = ["TiedCopies", "tied_copies", "ring", "sync_terms"]
+__all__ = ["TiedCopies", "tied_copies", "ring", "ring_literals", "sync_terms"]
 
 
 @dataclass(frozen=True)
@@ -88,31 +100,41 @@ def tied_copies(m: cp_model.CpModel, tab: IntTables, cuts: StageCuts, num_stages
     return TiedCopies(tsame, dup)
 
 
-def ring(m: cp_model.CpModel, units, kv, hi: int, khi: int, name: str):
-    """IntVar d = ceil(units * (k - 1) / k) of a ring over kv = k >= 1 GPUs
-    ([C-allreduce], objective.ring_units), or 0 when ``khi`` < 2; ``hi`` bounds
-    d, ``khi`` bounds k. One literal per k (k = kv), under which two linear
-    inequalities k d >= (k - 1) units > k d - k pin d. (A product units * (k -
-    1) of two variables then a division left CP-SAT's LP relaxation too weak --
-    seed 7 of test_cpsat_matches_brute_force_with_memory_policy did not reach
-    OPTIMAL in its budget --, and division constraints by each constant k made
-    CP-SAT exhaust memory (> 8 GB) on bench/planner_scaling.py's 256-GPU
-    instance when warm-started.)"""
+def ring_literals(m: cp_model.CpModel, kv, khi: int, name: str):
+    """One literal per k = 1..khi, exactly one true: k = kv (``ring``'s); None when ``khi`` < 2."""
     if khi < 2:
-        return 0
+        return None
     e = [m.NewBoolVar(f"{name}_is{kk}") for kk in range(1, khi + 1)]
     m.AddExactlyOne(e)
     m.Add(sum(kk * lit for kk, lit in zip(range(1, khi + 1), e)) == kv)
+    return e
+
+
+def ring(m: cp_model.CpModel, units, kv, hi: int, khi: int, name: str, *, scale: int = 1, lits=None):
+    """IntVar d = ceil(units * (k - 1) / (k * scale)) of a ring over kv = k >= 1
+    GPUs ([C-allreduce], objective.ring_units), or 0 when ``khi`` < 2; ``hi``
+    bounds d, ``khi`` bounds k; ``lits``: ``ring_literals(m, kv, khi, ...)`` to
+    share (default: new ones). One literal per k (k = kv), under which two
+    linear inequalities k scale d >= (k - 1) units > k scale d - k scale pin
+    d. (A product units * (k - 1) of two variables then a division left
+    CP-SAT's LP relaxation too weak -- seed 7 of
+    test_cpsat_matches_brute_force_with_memory_policy did not reach OPTIMAL in
+    its budget --, and division constraints by each constant k made CP-SAT
+    exhaust memory (> 8 GB) on bench/planner_scaling.py's 256-GPU instance
+    when warm-started.)"""
+    if khi < 2:
+        return 0
+    e = ring_literals(m, kv, khi, name) if lits is None else lits
     d = m.NewIntVar(0, hi, f"{name}_ring")
     m.Add(d == 0).OnlyEnforceIf(e[0])
     for kk, lit in zip(range(2, khi + 1), e[1:]):
-        m.Add(kk * d >= (kk - 1) * units).OnlyEnforceIf(lit)
-        m.Add(kk * d <= (kk - 1) * units + kk - 1).OnlyEnforceIf(lit)
+        m.Add(kk * scale * d >= (kk - 1) * units).OnlyEnforceIf(lit)
+        m.Add(kk * scale * d <= (kk - 1) * units + kk * scale - 1).OnlyEnforceIf(lit)
     return d
 
 
 def sync_terms(m: cp_model.CpModel, tab: IntTables, groups, p, k, size, cuts: StageCuts, tied: TiedCopies,
-               sh, zc, drain6, *, gpu_hi: int, lat_hi: int, drain_hi: int):
+               sh, zc, drain6, bwd6, *, gpu_hi: int, lat_hi: int, drain_hi: int):
     """(sync6, sync_hi): per stage s, the linear expression sync6_s (6 x the
     stage's sync term less E_s, module note; ns units), and sync_hi >= every
     sync term before the factor 6.
@@ -121,8 +143,9 @@ def sync_terms(m: cp_model.CpModel, tab: IntTables, groups, p, k, size, cuts: St
     presence literals / unit counts; ``size[s]``: GPUs of stage s (linear);
     ``sh`` / ``zc``: per-stage sharding literals and [group][stage] shard MiB
     (None when sharding is "never"); ``drain6[j]`` = 4 cmax_j + 3 boundary_j
-    (E_s = sum_{j<s}); ``gpu_hi`` bounds the GPUs of a stage, ``lat_hi`` a
-    link's latency, ``drain_hi`` one drain6 term."""
+    (E_s = sum_{j<s}); ``bwd6[s]`` = B6_s = (4 - rc_s) cmax_s; ``gpu_hi`` bounds
+    the GPUs of a stage, ``lat_hi`` a link's latency, ``drain_hi`` one drain6
+    and one bwd6 term."""
     n_s = len(size)
     rep = [q.members[0] for q in groups]
     b = tab.microbatch_size
@@ -145,20 +168,35 @@ def sync_terms(m: cp_model.CpModel, tab: IntTables, groups, p, k, size, cuts: St
 
     extra_hi = bucket_count(tab.grad_kib_prefix[-1], tab.bucket_caps) - 1  # buckets after the first, at most
     arlat_hi = (2 * extra_hi + 3) * max(gpu_hi - 1, 0) * lat_hi
-    sync_hi = max(ar_hi + arlat_hi, tied_hi) + opt_hi
+    # [C-objective] the last bucket's ring (at most cap KiB) and a sharded stage's all-gather.
+    lring_hi = max((-(-c * tab.bucket_caps[1] // sc) for c, sc in zip(tab.lastb_coef, tab.lastb_scale)), default=0) \
+        + (max((a[-1] - b[-1] for a, b in zip(tab.arsh_prefix, tab.ar_prefix)), default=0) if sh else 0) \
+        + 3 * max(gpu_hi - 1, 0) * lat_hi
+    sync_hi = max(ar_hi + arlat_hi, lring_hi, tied_hi) + opt_hi
 
     # [C-allreduce] ring over the stage's pairs; [C-optim] slowest memory bandwidth of the stage.
     sync = []
     for s in range(n_s):
-        ar = _stage_allreduce(m, tab, groups, p, k, size[s], s, sh, own_ar, own_grad, gpu_hi=gpu_hi,
-                              lat_hi=lat_hi, ar_hi=ar_hi, k_hi=k_hi, extra_hi=extra_hi)
-        # [C-objective] 6 x the stage's sync term: its own all-reduce starts E_s / 6 before the drain ends.
-        ar = 6 * ar - sum(drain6[:s])
-        if tied_of[s]:  # [C-tied] the optimizer waits for the stage's own and its tied reductions
-            own = m.NewIntVar(-drain_hi * s, 6 * (ar_hi + arlat_hi), f"arown_{s}")
-            m.Add(own == ar)
+        terms = _stage_allreduce(m, tab, groups, p, k, size[s], s, sh, own_ar, own_grad, gpu_hi=gpu_hi,
+                                 lat_hi=lat_hi, ar_hi=ar_hi, k_hi=k_hi, extra_hi=extra_hi)
+        # [C-objective] 6 x the stage's sync term: its own all-reduce overlaps its last backward
+        # (B6_s) and the drain (E_s); its last bucket's ring only the drain.
+        e_s = sum(drain6[:s])
+        own = []
+        if terms is None:  # no pair can be present: allreduce = last = 0, the term is -E_s
+            ar = -e_s
+        else:
+            ar6 = m.NewIntVar(-drain_hi * (s + 1), 6 * (ar_hi + arlat_hi), f"arown_{s}")
+            m.Add(ar6 == 6 * terms[0] - e_s - bwd6[s])
+            last6 = m.NewIntVar(-drain_hi * s, 6 * lring_hi, f"arlast_{s}")
+            m.Add(last6 == 6 * terms[1] - e_s)
+            own = [ar6, last6]
+        if own or tied_of[s]:  # [C-tied] the optimizer waits for the stage's own and its tied reductions
+            if not own:
+                own = [m.NewIntVar(-drain_hi * s, 0, f"arown_{s}")]
+                m.Add(own[0] == ar)
             ar = m.NewIntVar(-drain_hi * s, 6 * sync_hi, f"arw_{s}")
-            m.AddMaxEquality(ar, [own, *tied_of[s]])
+            m.AddMaxEquality(ar, [*own, *tied_of[s]])
         opt = _stage_optim(m, tab, groups, p, cuts, tied, s, sh, zc, opt_hi)
         sync.append(ar + 6 * opt)
     return sync, sync_hi
@@ -237,9 +275,10 @@ def _tied_allreduce(m: cp_model.CpModel, tab: IntTables, groups, p, k, cuts: Sta
 
 def _stage_allreduce(m: cp_model.CpModel, tab: IntTables, groups, p, k, size_s, s: int, sh, own_ar, own_grad, *,
                      gpu_hi: int, lat_hi: int, ar_hi: int, k_hi: int, extra_hi: int):
-    """[C-allreduce] allreduce_s of stage s (an expression; 0 when no pair can be
-    present). ``own_ar(prefix, q, s)`` / ``own_grad(s)``: the stage's all-reduce
-    table of bandwidth class q / gradient KiB less its excluded tied copies."""
+    """([C-allreduce] allreduce_s, [C-objective] L_s) of stage s as expressions, or
+    None when no pair can be present. ``own_ar(prefix, q, s)`` / ``own_grad(s)``:
+    the stage's all-reduce table of bandwidth class q / gradient KiB less its
+    excluded tied copies."""
     n_c = len(groups)
     rep = [q.members[0] for q in groups]
     pairs = []
@@ -254,12 +293,27 @@ def _stage_allreduce(m: cp_model.CpModel, tab: IntTables, groups, p, k, size_s, 
         for d in range(c + 1, n_c):
             pairs.append(((rep[c], rep[d]), both(m, p[c][s], p[d][s], f"w_{c}_{d}_{s}")))
     if not (pairs and gpu_hi > 1):
-        return 0
+        return None
     first_cap, cap = tab.bucket_caps
-    arb, lw = pair_max(m, tab, pairs, lambda q: own_ar(tab.ar_prefix, q, s),
-                       lambda q: tab.ar_prefix[q][-1], f"ar{s}")
     ksz = m.NewIntVar(1, k_hi, f"size_{s}")
     m.Add(ksz == size_s)
+    lits = ring_literals(m, ksz, k_hi, f"arr{s}")
+    # [C-objective] the last bucket's KiB G_s - cap e_s + (cap - first_cap) [e_s >= 1] (set
+    # below) and its ring on each bandwidth class of the stage's pairs (class units).
+    last_kib = m.NewIntVar(0, cap, f"lastk_{s}")
+    lring, lring_hi = {}, {}
+    for q in sorted({tab.pair_bw_class[g][h] for (g, h), _ in pairs}):
+        coef, sc = tab.lastb_coef[q], tab.lastb_scale[q]
+        lring_hi[q] = -(-coef * cap // sc)
+        lring[q] = ring(m, coef * last_kib, ksz, lring_hi[q], k_hi, f"lr{s}_{q}", scale=sc, lits=lits)
+    values = [(lambda q: own_ar(tab.ar_prefix, q, s), lambda q: tab.ar_prefix[q][-1]),
+              (lambda q: lring[q], lambda q: lring_hi[q])]
+    if sh:  # the all-reduce's (2 grad + param) bytes; the all-gather's param bytes
+        values += [(lambda q: own_ar(tab.arsh_prefix, q, s), lambda q: tab.arsh_prefix[q][-1]),
+                   (lambda q: own_ar(tab.arsh_prefix, q, s) - own_ar(tab.ar_prefix, q, s),
+                    lambda q: tab.arsh_prefix[q][-1] - tab.ar_prefix[q][-1])]
+    xs, lw = pair_max_many(m, tab, pairs, values, f"ar{s}")
+    arb, last_ring = xs[0], xs[1]
     sz1 = m.NewIntVar(0, gpu_hi, f"size1_{s}")
     m.Add(sz1 == size_s - 1)
     lat_term = m.NewIntVar(0, gpu_hi * lat_hi, f"arlat_{s}")
@@ -277,17 +331,24 @@ def _stage_allreduce(m: cp_model.CpModel, tab: IntTables, groups, p, k, size_s, 
         e_lat = m.NewIntVar(0, extra_hi * gpu_hi * lat_hi, f"nblat_{s}")
         m.AddMultiplicationEquality(e_lat, [e_s, lat_term])
         grad_lat += 2 * e_lat
+        more = m.NewBoolVar(f"nbm_{s}")  # e_s >= 1
+        m.Add(e_s >= 1).OnlyEnforceIf(more)
+        m.Add(e_s == 0).OnlyEnforceIf(more.Not())
+        m.Add(last_kib == own_grad(s) - cap * e_s + (cap - first_cap) * more)
+    else:  # one bucket holds every stage's gradients
+        m.Add(last_kib == own_grad(s))
     if not sh:
-        return ring(m, arb, ksz, ar_hi, k_hi, f"arr{s}") + grad_lat
-    # A sharded stage also all-gathers its weights: (2 grad + param) bytes.
-    arb_sh, _ = pair_max(m, tab, pairs, lambda q: own_ar(tab.arsh_prefix, q, s),
-                         lambda q: tab.arsh_prefix[q][-1], f"as{s}")
+        return (ring(m, arb, ksz, ar_hi, k_hi, f"arr{s}", lits=lits) + grad_lat, last_ring + 2 * lat_term)
+    # A sharded stage also all-gathers its weights, after the last bucket.
     hi = max(p_[-1] for p_ in tab.arsh_prefix)
     sel = m.NewIntVar(0, hi, f"arsel_{s}")
     m.Add(sel == arb).OnlyEnforceIf(sh[s].Not())
-    m.Add(sel == arb_sh).OnlyEnforceIf(sh[s])
-    return (ring(m, sel, ksz, hi, k_hi, f"arr{s}")
-            + grad_lat + gated(m, sh[s], lat_term, gpu_hi * lat_hi, f"arl_{s}"))
+    m.Add(sel == xs[2]).OnlyEnforceIf(sh[s])
+    ghi = max(a[-1] - b[-1] for a, b in zip(tab.arsh_prefix, tab.ar_prefix))
+    gather = ring(m, gated(m, sh[s], xs[3], ghi, f"ag_{s}"), ksz, ghi, k_hi, f"agr{s}", lits=lits)
+    gather_lat = gated(m, sh[s], lat_term, gpu_hi * lat_hi, f"arl_{s}")
+    return (ring(m, sel, ksz, hi, k_hi, f"arr{s}", lits=lits) + grad_lat + gather_lat,
+            last_ring + gather + 2 * lat_term + gather_lat)
 
 
 def _stage_optim(m: cp_model.CpModel, tab: IntTables, groups, p, cuts: StageCuts, tied: TiedCopies, s: int,

@@ -48,16 +48,18 @@ With u = z >= 1 (the block's fixed cost is paid):
                 (count > 1) has the link between two units              [C-boundary]
   t_s         = max_c compute of c in s + boundary_s                    [C-stage]
   sync6_s     = 6 x stage s's gradient synchronisation term: its own ring
-                all-reduce with buckets, the tied parameters' cross-stage
-                all-reduce and the optimizer, less E_s (below); encoded in
-                _sync_encoding.py, which documents it   [C-allreduce] [C-tied] [C-optim]
+                all-reduce with buckets less E_s + B6_s (below), its last
+                bucket's ring less E_s, the tied parameters' cross-stage
+                all-reduce and the optimizer; encoded in _sync_encoding.py,
+                which documents it              [C-allreduce] [C-tied] [C-optim]
   dup_s       = the tied copies stage s holds once (_sync_encoding.
                 tied_copies), left out of its state and shard coverage  [C-tied]
   memory      = objective.py's [C-memory] per group and stage           [C-memory]
   step        = sum_s t_s + (M - 1) max_s t_s + Y, Y = ceil(W / 6) by
                 AddDivisionEquality, W = max_s sync6_s, E_s = sum_{j<s} (4
-                cmax_j + 3 boundary_j): objective.py's D_s = floor(E_s / 6)
-                in integers (_sync_encoding.py)                        [C-objective]
+                cmax_j + 3 boundary_j), B6_s = (4 - rc_s) cmax_s (a gated
+                product on rc_s): objective.py's floors in integers
+                (_sync_encoding.py)                                    [C-objective]
 
 Units: time in integer ns (objective.UNITS_PER_S), memory in KiB, exactly the
 tables of ``build_tables``. Every derived quantity is defined by an equality
@@ -312,7 +314,7 @@ class CandidateModel:
             r_sum += r_g * len(groups[c].members)
         if r_sum > 0:
             m.Add(tmax >= int(b * sum(w_ref) / r_sum * (1 - 1e-9)))
-        t, drain6 = [], []
+        t, drain6, bwd6 = [], [], []
         for s in stages:
             cs = m.NewIntVar(0, work_hi, f"comp_s{s}")
             m.AddMaxEquality(cs, [stage_comp[c][s] for c in cls])
@@ -330,6 +332,8 @@ class CandidateModel:
             m.Add(ts == cs + bnd)  # [C-stage]
             t.append(ts)
             drain6.append(4 * cs + 3 * bnd)  # [C-objective] E_{s+1} - E_s
+            # [C-objective] B6_s = (4 - rc_s) cmax_s: 6 x a bound of the stage's last backward
+            bwd6.append(4 * cs - gated(rc[s], cs, work_hi, f"bwdrc_{s}") if rc else 4 * cs)
 
         # [C-shard] zc[c][s]: MiB per GPU of c in sharded stage s (0 otherwise).
         self.zc = zc = None
@@ -349,7 +353,7 @@ class CandidateModel:
             self.zc = zc
 
         # [C-allreduce] [C-tied] [C-optim] 6 x each stage's sync term (_sync_encoding.py).
-        sync, sync_hi = sync_terms(m, tab, groups, p, k, size, cuts, tied, sh, zc, drain6,
+        sync, sync_hi = sync_terms(m, tab, groups, p, k, size, cuts, tied, sh, zc, drain6, bwd6,
                                    gpu_hi=gpu_hi, lat_hi=lat_hi, drain_hi=drain_hi)
 
         # [C-memory] state + activations <= usable KiB of a GPU of c in s, per policy combination.
