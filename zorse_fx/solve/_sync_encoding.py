@@ -209,7 +209,6 @@ def _tied_allreduce(m: cp_model.CpModel, tab: IntTables, groups, p, k, cuts: Sta
     stage s (one per tied parameter, a floor below any own term where s does
     not hold it; empty with one GPU or one stage); tied_hi bounds a tied ring."""
     in_s, stages, n_c = cuts.in_s, range(n_s), len(groups)
-    rep = [q.members[0] for q in groups]
     unit = [q.unit for q in groups]
     count = [q.count for q in groups]
     single = [q.count == 1 for q in groups]
@@ -228,12 +227,12 @@ def _tied_allreduce(m: cp_model.CpModel, tab: IntTables, groups, p, k, cuts: Sta
         m.Add(sum(same_s) == 0).OnlyEnforceIf(diff)
         m.Add(sum(same_s) == 1).OnlyEnforceIf(diff.Not())
         hold = [any_of(m, [in_s[s][q] for q in tb], f"thold_{t_}_{s}") for s in stages]
-        upairs, ksum = [], []
-        pu = []
+        ksum, pu, ku = [], [], []
         for c in range(n_c):
             if single[c]:
                 pc = any_of(m, [both(m, p[c][s], hold[s], f"tpu_{t_}_{c}_{s}") for s in stages], f"tpc_{t_}_{c}")
                 ksum.append(unit[c] * pc)
+                ku.append(None)
             else:
                 kt = m.NewIntVar(0, count[c], f"tkt_{t_}_{c}")
                 m.Add(kt == sum(gated(m, hold[s], k[c][s], count[c], f"tkh_{t_}_{c}_{s}") for s in stages))
@@ -241,16 +240,9 @@ def _tied_allreduce(m: cp_model.CpModel, tab: IntTables, groups, p, k, cuts: Sta
                 pc = m.NewBoolVar(f"tpc_{t_}_{c}")
                 m.Add(kt >= 1).OnlyEnforceIf(pc)
                 m.Add(kt == 0).OnlyEnforceIf(pc.Not())
-                two = m.NewBoolVar(f"ttwo_{t_}_{c}")
-                m.Add(kt >= 2).OnlyEnforceIf(two)
-                m.Add(kt <= 1).OnlyEnforceIf(two.Not())
-                upairs.append((groups[c].link_out, two))
-            if unit[c] > 1:
-                upairs.append((groups[c].link_in, pc))
+                ku.append(kt)
             pu.append(pc)
-        for c in range(n_c):
-            for d in range(c + 1, n_c):
-                upairs.append(((rep[c], rep[d]), both(m, pu[c], pu[d], f"tw_{t_}_{c}_{d}")))
+        upairs = _present_pairs(m, groups, pu, ku, f"t{t_}")
         hi = max(tab.tied_ar[t_])
         xm, lm = pair_max(m, tab, upairs, lambda q, t_=t_: tab.tied_ar[t_][q], lambda q, t_=t_: tab.tied_ar[t_][q],
                           f"tied{t_}")
@@ -273,25 +265,36 @@ def _tied_allreduce(m: cp_model.CpModel, tab: IntTables, groups, p, k, cuts: Sta
     return ex, tied_of, tied_hi
 
 
+def _present_pairs(m: cp_model.CpModel, groups, present, units, name: str):
+    """The links a ring over the used units of ``groups`` crosses, each with its
+    presence literal, for ``pair_max`` ([C-allreduce], [C-tied]): ``present[c]``
+    group c is used, ``units[c]`` its used units (None for a one-unit group).
+    The link inside a unit (unit > 1: a used unit has >= 2 GPUs), the link
+    between two units of a group (>= 2 used), the link between two used groups."""
+    rep = [q.members[0] for q in groups]
+    pairs = []
+    for c, q in enumerate(groups):
+        if q.unit > 1:
+            pairs.append((q.link_in, present[c]))
+        if units[c] is not None:
+            two = m.NewBoolVar(f"{name}_two_{c}")
+            m.Add(units[c] >= 2).OnlyEnforceIf(two)
+            m.Add(units[c] <= 1).OnlyEnforceIf(two.Not())
+            pairs.append((q.link_out, two))
+    for c in range(len(groups)):
+        for d in range(c + 1, len(groups)):
+            pairs.append(((rep[c], rep[d]), both(m, present[c], present[d], f"{name}_w_{c}_{d}")))
+    return pairs
+
+
 def _stage_allreduce(m: cp_model.CpModel, tab: IntTables, groups, p, k, size_s, s: int, sh, own_ar, own_grad, *,
                      gpu_hi: int, lat_hi: int, ar_hi: int, k_hi: int, extra_hi: int):
     """([C-allreduce] allreduce_s, [C-objective] L_s) of stage s as expressions, or
     None when no pair can be present. ``own_ar(prefix, q, s)`` / ``own_grad(s)``:
     the stage's all-reduce table of bandwidth class q / gradient KiB less its
     excluded tied copies."""
-    n_c = len(groups)
-    rep = [q.members[0] for q in groups]
-    pairs = []
-    for c in range(n_c):
-        if groups[c].unit > 1:  # a used unit has >= 2 GPUs: its inside link is present
-            pairs.append((groups[c].link_in, p[c][s]))
-        if groups[c].count > 1:  # >= 2 units used: the link between units is present
-            two = m.NewBoolVar(f"two_{c}_{s}")
-            m.Add(k[c][s] >= 2).OnlyEnforceIf(two)
-            m.Add(k[c][s] <= 1).OnlyEnforceIf(two.Not())
-            pairs.append((groups[c].link_out, two))
-        for d in range(c + 1, n_c):
-            pairs.append(((rep[c], rep[d]), both(m, p[c][s], p[d][s], f"w_{c}_{d}_{s}")))
+    pairs = _present_pairs(m, groups, [p[c][s] for c in range(len(groups))],
+                           [k[c][s] if q.count > 1 else None for c, q in enumerate(groups)], f"s{s}")
     if not (pairs and gpu_hi > 1):
         return None
     first_cap, cap = tab.bucket_caps
