@@ -112,7 +112,7 @@ def drain_offsets(compute, boundary, extra=None) -> tuple[int, ...]:
     has no offset. Before issue 13 item 6 every sync started after the whole
     drain; bench/objective_vs_sim.py on 56 plans: simulated / objective median
     0.950 -> 0.957 with D_s, 28 -> 32 within 5%; with B6_s and L_s, on 58
-    plans: median 0.956 -> 1.000, 32 -> 38 within 5%, max 1.036 -> 1.281.
+    plans: median 0.956 -> 1.000, 32 -> 37 within 5%, max 1.036 -> 1.281.
     The simulator readies a block's gradients when the block's backward ends,
     so on stages of few large blocks it overlaps less than B6_s assumes
     (random 2-6 block single-stage plans: up to 1.28)."""
