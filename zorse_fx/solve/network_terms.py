@@ -103,19 +103,25 @@ def drain_offsets(compute, boundary, extra=None) -> tuple[int, ...]:
     lower bound of that drain in the model's own terms (a stage at its slowest
     GPU, a boundary at its [C-boundary] price; the simulator routes rows, so
     its drain can be shorter where a GPU receives from a faster one or on a
-    faster link). Every bucket but the last (it holds the stage's earliest
-    parameters) can also start during stage s's own last backward, which
-    lasts at most B6_s / 6 = (4 - rc_s) cmax_s / 6 (2/3 of compute, 1/2 with
-    recomputation), so the all-reduce gets floor((E_s + B6_s) / 6) and the
-    last bucket's ring L_s (and a sharded stage's all-gather) D_s. A tied
-    parameter's ring waits for all its holders (usually stage 0), so tied_s
-    has no offset. Before issue 13 item 6 every sync started after the whole
-    drain; bench/objective_vs_sim.py on 56 plans: simulated / objective median
-    0.950 -> 0.957 with D_s, 28 -> 32 within 5%; with B6_s and L_s, on 58
-    plans: median 0.956 -> 1.000, 32 -> 37 within 5%, max 1.036 -> 1.281.
-    The simulator readies a block's gradients when the block's backward ends,
-    so on stages of few large blocks it overlaps less than B6_s assumes
-    (random 2-6 block single-stage plans: up to 1.28)."""
+    faster link). Stage s's own backward runs its blocks in reverse, its last
+    block first, and a block's gradients are ready when its backward ends (the
+    runtime's hook; ``sim/sync.py``'s ``_Timing.block_done``), so nothing of
+    stage s can be all-reduced before its last block's backward ends on every
+    GPU: with g* the GPU that ends last, the tail after it is >= allreduce_s -
+    max_g bwd_g(blocks i..j-2). Every bucket but the last (it holds the stage's
+    earliest parameters) can start during the backward of those blocks, which
+    lasts at most B6_s / 6 = (4 - rc_s) cmax-_s / 6 (2/3 of their compute, 1/2
+    with recomputation; cmax-_s = the slowest GPU's compute over the stage's
+    blocks but its last, 0 for a one-block stage), so the all-reduce gets
+    floor((E_s + B6_s) / 6) and the last bucket's ring L_s (and a sharded
+    stage's all-gather) D_s. A tied parameter's ring waits for all its holders
+    (usually stage 0), so tied_s has no offset. Before issue 13 item 6 every
+    sync started after the whole drain; bench/objective_vs_sim.py on 56 plans:
+    simulated / objective median 0.950 -> 0.957 with D_s, 28 -> 32 within 5%.
+    B6_s over the whole stage ((4 - rc_s) cmax_s) made single-stage plans of
+    few large blocks optimistic (58 plans: max 1.036 -> 1.281, random seed
+    36: blocks of 20M and 148M parameters, the bulk ready only after the
+    second's backward); RESULTS_PLACEHOLDER"""
     out, acc = [], 0
     for s, (c, b) in enumerate(zip(compute, boundary)):
         out.append((acc + (extra[s] if extra else 0)) // 6)

@@ -76,8 +76,9 @@ shardable state bytes (shardable_bytes_per_param * P_s), R_s = the rest
   pipe        = sum_s t_s + (M - 1) * max_s t_s   (1F1B / GPipe fill + steady state)
   E_s         = sum_{j<s} (4 cmax_j + 3 boundary_j), cmax_j = max_{g in j} compute_g;
                 D_s = floor(E_s / 6) (``network_terms.drain_offsets``, which says why);
-                B6_s = (4 - rc_s) cmax_s, 6 x an upper bound of the slowest
-                GPU's last backward (2/3 of compute, 1/2 with recomputation)
+                B6_s = (4 - rc_s) cmax-_s, cmax-_s = max_{g in s} compute_g
+                over the blocks of s but its last (0 for one block): 6 x an
+                upper bound of the last backward once its last block's ends
   L_s         = the last gradient bucket's ring, 0 if k = 1: max over the bw
                 classes q present in s of ceil(lastb_q last_kib_s (k - 1) / (k
                 scale_q)) + (2 + sh_s) (k - 1) lat_max(within s), + when sh_s
@@ -540,21 +541,22 @@ def evaluate_units(tab: IntTables, stage_blocks, stage_gpus, samples, policy: Me
     stages] (with v = 1: ``interleave.base_makespan_s``'s measure)."""
     n_s, m = len(stage_blocks), tab.num_microbatches
     pol = policy or MemoryPolicy.plain(n_s)
-    comp, bnd, ar, opt, mem, unc, last = [], [], [], [], [], [], []
+    comp, comp_head, bnd, ar, opt, mem, unc, last = [], [], [], [], [], [], [], []
     grad_kib, ring_lat = [], []  # per stage: G_s (KiB) and (k - 1) * lat_max of [C-allreduce]
     excluded, tied = tied_terms(tab, stage_blocks, stage_gpus, n_s // interleave)
     for s, ((i, j), gpus, ns) in enumerate(zip(stage_blocks, stage_gpus, samples)):
         sh, rc = pol.sharded[s], pol.recompute[s]
 
-        def work(g, n):
+        def work(g, n, e):  # [C-compute] of GPU g over blocks [i, e)
             t = tab.gpu_types[g]
-            w = n * (tab.work_prefix[t][j] - tab.work_prefix[t][i]) + tab.fixed_prefix[t][j] - tab.fixed_prefix[t][i]
+            w = n * (tab.work_prefix[t][e] - tab.work_prefix[t][i]) + tab.fixed_prefix[t][e] - tab.fixed_prefix[t][i]
             if rc:
-                w += n * (tab.rc_work_prefix[t][j] - tab.rc_work_prefix[t][i]) \
-                    + tab.rc_fixed_prefix[t][j] - tab.rc_fixed_prefix[t][i]
+                w += n * (tab.rc_work_prefix[t][e] - tab.rc_work_prefix[t][i]) \
+                    + tab.rc_fixed_prefix[t][e] - tab.rc_fixed_prefix[t][i]
             return w
 
-        comp.append(max(work(g, n) for g, n in zip(gpus, ns)))
+        comp.append(max(work(g, n, j) for g, n in zip(gpus, ns)))
+        comp_head.append(max(work(g, n, j - 1) for g, n in zip(gpus, ns)))  # cmax-_s of [C-objective]
         if s < n_s - 1:
             nxt = stage_gpus[s + 1]
             xfer = max(tab.xfer[tab.pair_bw_class[g][h]][j] for g in gpus for h in nxt)
@@ -602,11 +604,11 @@ def evaluate_units(tab: IntTables, stage_blocks, stage_gpus, samples, policy: Me
 
         return interleaved_units(tab, stage_blocks, stage_gpus, samples, pol, interleave, comp, bnd, stage,
                                   ar, opt, mem, unc, tied=tied, buckets=(grad_kib, ring_lat))
-    # [C-objective]: stage s's own sync starts during its last backward (6 x an upper bound of it:
-    # (4 - rc_s) cmax_s), but its last bucket only after it, D_s before the drain ends; a tied ring
-    # (held: not None) at the drain's end.
+    # [C-objective]: stage s's own sync starts during the backward of its blocks but its last (6 x
+    # an upper bound of it: (4 - rc_s) cmax-_s), its last bucket only after it, D_s before the drain
+    # ends; a tied ring (held: not None) at the drain's end.
     drain = drain_offsets(comp, bnd)
-    drain_bwd = drain_offsets(comp, bnd, [(3 if r else 4) * c for r, c in zip(pol.recompute, comp)])
+    drain_bwd = drain_offsets(comp, bnd, [(3 if r else 4) * c for r, c in zip(pol.recompute, comp_head)])
     sync = [max(a - db, lb - d) for a, db, lb, d in zip(ar, drain_bwd, last, drain)]
     step = sum(stage) + (m - 1) * max(stage) + max(
         (w if t is None else max(w, t)) + o for w, t, o in zip(sync, tied, opt))
