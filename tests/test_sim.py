@@ -523,13 +523,14 @@ def test_gradient_buckets_overlap_the_last_backward(bw):
         hidden = 3 * quarter
     # [C-objective] hides floor(4 cmax- / 6) = the backward of blocks 0-2 (2/3 of their
     # compute, cmax- = 3/4 of cmax) when the reduction (the same ring, (k-1)/k = 1/2)
-    # outlasts it, exactly what the simulator hides (slow links); else it charges its last
-    # bucket only (4 x 48829 KiB - 1 MiB - 7 x 25 MiB = 15092 KiB, 256 parameters each)
-    # after the backward, while the simulator also waits for the rest of block 0's buckets.
+    # outlasts it, exactly what the simulator hides (slow links); else it charges after the
+    # backward the ring of the larger of its last bucket (4 x 48829 KiB - 1 MiB - 7 x 25 MiB
+    # = 15092 KiB) and block 0's gradients (48829 KiB, 256 parameters each), while the
+    # simulator waits for every bucket holding a byte of block 0 (a little more).
     ev = evaluate(costs, devices, options, Decision(stage_blocks=((0, 4),), stage_gpus=((0, 1),),
                                                     samples_per_microbatch=((1, 1),), num_microbatches=1))
     if bw > 1e12:
-        want = 15092 * 256 * 2 * 4 / 2 / bw - exposed
+        want = 48829 * 256 * 2 * 4 / 2 / bw - exposed
         assert want < 0
     else:
         want = hidden - (4 * (3 * round(ev.compute_s[0] * 1e9) // 4) // 6) * 1e-9

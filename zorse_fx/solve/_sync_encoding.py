@@ -32,8 +32,10 @@ stage s, p[c][s] = k[c][s] >= 1) and carry its tags. Units: time in integer ns
                 each GPU's shard)                                       [C-optim]
   L_s         = the last bucket's ring: last_kib_s = G_s - cap e_s + (cap -
                 first_cap) [e_s >= 1] (a literal on e_s >= 1; G_s with one
-                bucket); per bandwidth class q of the stage's pairs d_q =
-                ring(lastb_coef[q] last_kib_s, k) with scale lastb_scale[q]
+                bucket), LK_s = max(last_kib_s, untied KiB of the stage's
+                first block: StageCuts.at_cut, linear); per bandwidth class
+                q of the stage's pairs d_q = ring(lastb_coef[q] LK_s, k)
+                with scale lastb_scale[q]
                 (k scale d >= (k-1) x > k scale d - k scale, sharing the
                 all-reduce ring's literals); the max of d_q over present
                 pairs; when sh_s + ring(max over present pairs of own arsh
@@ -63,6 +65,7 @@ from typing import TYPE_CHECKING
 from ortools.sat.python import cp_model
 
 from .objective import MIB_UNITS, bucket_count
+from .network_terms import untied_block_kib
 from ._encoding import StageCuts, any_of, both, gated, pair_max, pair_max_many
 
 if TYPE_CHECKING:
@@ -162,6 +165,12 @@ def sync_terms(m: cp_model.CpModel, tab: IntTables, groups, p, k, size, cuts: St
         """The stage's sum of a per-block all-reduce table less its excluded tied copies."""
         return cuts.stage_sum(prefix[q], s) - sum(tab.tied_ar[t_][q] * ex[t_][s] for t_ in range(len(ex)))
 
+    fk = untied_block_kib(tab)
+
+    def first_kib(s):
+        """The untied gradient KiB of stage s's first block (linear: at its cut)."""
+        return cuts.at_cut(fk, s) if s > 0 else fk[0]
+
     def own_grad(s):
         """The stage's float32 gradient KiB G_s less its excluded tied copies ([C-allreduce]'s buckets)."""
         return cuts.stage_sum(tab.grad_kib_prefix, s) - sum(
@@ -169,8 +178,9 @@ def sync_terms(m: cp_model.CpModel, tab: IntTables, groups, p, k, size, cuts: St
 
     extra_hi = bucket_count(tab.grad_kib_prefix[-1], tab.bucket_caps) - 1  # buckets after the first, at most
     arlat_hi = (2 * extra_hi + 3) * max(gpu_hi - 1, 0) * lat_hi
-    # [C-objective] the last bucket's ring (at most cap KiB) and a sharded stage's all-gather.
-    lring_hi = max((-(-c * tab.bucket_caps[1] // sc) for c, sc in zip(tab.lastb_coef, tab.lastb_scale)), default=0) \
+    # [C-objective] the last bucket's ring (LK_s KiB) and a sharded stage's all-gather.
+    lk_hi = max(tab.bucket_caps[1], max(fk))  # LK_s <= the larger of a bucket and a block
+    lring_hi = max((-(-c * lk_hi // sc) for c, sc in zip(tab.lastb_coef, tab.lastb_scale)), default=0) \
         + (max((a[-1] - b[-1] for a, b in zip(tab.arsh_prefix, tab.ar_prefix)), default=0) if sh else 0) \
         + 3 * max(gpu_hi - 1, 0) * lat_hi
     sync_hi = max(ar_hi + arlat_hi, lring_hi, tied_hi) + opt_hi
@@ -178,8 +188,8 @@ def sync_terms(m: cp_model.CpModel, tab: IntTables, groups, p, k, size, cuts: St
     # [C-allreduce] ring over the stage's pairs; [C-optim] slowest memory bandwidth of the stage.
     sync = []
     for s in range(n_s):
-        terms = _stage_allreduce(m, tab, groups, p, k, size[s], s, sh, own_ar, own_grad, gpu_hi=gpu_hi,
-                                 lat_hi=lat_hi, ar_hi=ar_hi, k_hi=k_hi, extra_hi=extra_hi)
+        terms = _stage_allreduce(m, tab, groups, p, k, size[s], s, sh, own_ar, own_grad, first_kib, gpu_hi=gpu_hi,
+                                 lat_hi=lat_hi, ar_hi=ar_hi, k_hi=k_hi, extra_hi=extra_hi, lk_hi=lk_hi)
         # [C-objective] 6 x the stage's sync term: its own all-reduce overlaps its last backward
         # (B6_s) and the drain (E_s); its last bucket's ring only the drain.
         e_s = sum(drain6[:s])
@@ -288,12 +298,13 @@ def _present_pairs(m: cp_model.CpModel, groups, present, units, name: str):
     return pairs
 
 
-def _stage_allreduce(m: cp_model.CpModel, tab: IntTables, groups, p, k, size_s, s: int, sh, own_ar, own_grad, *,
-                     gpu_hi: int, lat_hi: int, ar_hi: int, k_hi: int, extra_hi: int):
+def _stage_allreduce(m: cp_model.CpModel, tab: IntTables, groups, p, k, size_s, s: int, sh, own_ar, own_grad,
+                     first_kib, *, gpu_hi: int, lat_hi: int, ar_hi: int, k_hi: int, extra_hi: int, lk_hi: int):
     """([C-allreduce] allreduce_s, [C-objective] L_s) of stage s as expressions, or
     None when no pair can be present. ``own_ar(prefix, q, s)`` / ``own_grad(s)``:
     the stage's all-reduce table of bandwidth class q / gradient KiB less its
-    excluded tied copies."""
+    excluded tied copies; ``first_kib(s)`` its first block's untied KiB, <=
+    ``lk_hi``."""
     pairs = _present_pairs(m, groups, [p[c][s] for c in range(len(groups))],
                            [k[c][s] if q.count > 1 else None for c, q in enumerate(groups)], f"s{s}")
     if not (pairs and gpu_hi > 1):
@@ -304,12 +315,15 @@ def _stage_allreduce(m: cp_model.CpModel, tab: IntTables, groups, p, k, size_s, 
     lits = ring_literals(m, ksz, k_hi, f"arr{s}")
     # [C-objective] the last bucket's KiB G_s - cap e_s + (cap - first_cap) [e_s >= 1] (set
     # below) and its ring on each bandwidth class of the stage's pairs (class units).
+    # LK_s = max(last_kib, the stage's first block's untied KiB: at its cut, linear).
     last_kib = m.NewIntVar(0, cap, f"lastk_{s}")
+    lk = m.NewIntVar(0, lk_hi, f"lastkf_{s}")
+    m.AddMaxEquality(lk, [last_kib, first_kib(s)])
     lring, lring_hi = {}, {}
     for q in sorted({tab.pair_bw_class[g][h] for (g, h), _ in pairs}):
         coef, sc = tab.lastb_coef[q], tab.lastb_scale[q]
-        lring_hi[q] = -(-coef * cap // sc)
-        lring[q] = ring(m, coef * last_kib, ksz, lring_hi[q], k_hi, f"lr{s}_{q}", scale=sc, lits=lits)
+        lring_hi[q] = -(-coef * lk_hi // sc)
+        lring[q] = ring(m, coef * lk, ksz, lring_hi[q], k_hi, f"lr{s}_{q}", scale=sc, lits=lits)
     values = [(lambda q: own_ar(tab.ar_prefix, q, s), lambda q: tab.ar_prefix[q][-1]),
               (lambda q: lring[q], lambda q: lring_hi[q])]
     if sh:  # the all-reduce's (2 grad + param) bytes; the all-gather's param bytes

@@ -48,8 +48,8 @@ With u = z >= 1 (the block's fixed cost is paid):
                 (count > 1) has the link between two units              [C-boundary]
   t_s         = max_c compute of c in s + boundary_s                    [C-stage]
   sync6_s     = 6 x stage s's gradient synchronisation term: its own ring
-                all-reduce with buckets less E_s + B6_s (below), its last
-                bucket's ring less E_s, the tied parameters' cross-stage
+                all-reduce with buckets less E_s + B6_s (below), L_s (the
+                last bucket's ring) less E_s, the tied parameters' cross-stage
                 all-reduce and the optimizer; encoded in _sync_encoding.py,
                 which documents it              [C-allreduce] [C-tied] [C-optim]
   dup_s       = the tied copies stage s holds once (_sync_encoding.

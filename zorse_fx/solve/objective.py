@@ -76,16 +76,15 @@ shardable state bytes (shardable_bytes_per_param * P_s), R_s = the rest
   pipe        = sum_s t_s + (M - 1) * max_s t_s   (1F1B / GPipe fill + steady state)
   E_s         = sum_{j<s} (4 cmax_j + 3 boundary_j), cmax_j = max_{g in j} compute_g;
                 D_s = floor(E_s / 6) (``network_terms.drain_offsets``, which says why);
-                B6_s = (4 - rc_s) cmax-_s, cmax-_s = max_{g in s} compute_g
-                over the blocks of s but its last (0 for one block): 6 x an
-                upper bound of the last backward once its last block's ends
+                B6_s = (4 - rc_s) cmax-_s, cmax-_s = max_{g in s} compute_g over the blocks of s
+                but its last (0 for one): 6 x a bound of the last backward after that block's
   L_s         = the last gradient bucket's ring, 0 if k = 1: max over the bw
-                classes q present in s of ceil(lastb_q last_kib_s (k - 1) / (k
+                classes q present in s of ceil(lastb_q LK_s (k - 1) / (k
                 scale_q)) + (2 + sh_s) (k - 1) lat_max(within s), + when sh_s
                 the all-gather: ceil(max_q (own arsh_q - own ar_q) (k - 1) / k);
-                last_kib_s = G_s - cap e_s + (cap - first_cap) [e_s >= 1], e_s =
-                nb_s - 1 (``network_terms.last_bucket_kib``); lastb_q = 1/scale_q
-                ns per KiB of a float32 bucket (``IntTables.lastb_coef``)
+                LK_s = max(last_kib_s, untied KiB of block i_s: ``untied_block_kib``),
+                last_kib_s = G_s - cap e_s + (cap - first_cap) [e_s >= 1], e_s = nb_s - 1
+                (``last_bucket_kib``); lastb_q = 1/scale_q ns per KiB (``IntTables.lastb_coef``)
   step        = pipe + max_s (max(allreduce_s - floor((E_s + B6_s) / 6),
                 L_s - D_s, tied_s) + optim_s)  (stage 0's term is >= 0;
                 a stage holding no tied_s leaves it out; a 1-GPU stage's term
@@ -150,7 +149,8 @@ from ..errors import InfeasiblePlanError
 from ..options import SCHEDULES, PlanOptions
 from ..runtime.grad_sync import BUCKET_BYTES, bucket_caps
 from .decision import Decision
-from .network_terms import drain_offsets, effective_pair_bandwidth, last_bucket_kib, ring_units, tied_terms
+from .network_terms import (drain_offsets, effective_pair_bandwidth, last_bucket_kib, ring_units, tied_terms,
+                            untied_block_kib)
 from .records import BlockCosts, DeviceGraph
 from .state_terms import stage_optim_units, stage_state_kib
 
@@ -543,7 +543,7 @@ def evaluate_units(tab: IntTables, stage_blocks, stage_gpus, samples, policy: Me
     pol = policy or MemoryPolicy.plain(n_s)
     comp, comp_head, bnd, ar, opt, mem, unc, last = [], [], [], [], [], [], [], []
     grad_kib, ring_lat = [], []  # per stage: G_s (KiB) and (k - 1) * lat_max of [C-allreduce]
-    excluded, tied = tied_terms(tab, stage_blocks, stage_gpus, n_s // interleave)
+    (excluded, tied), first_kib = tied_terms(tab, stage_blocks, stage_gpus, n_s // interleave), untied_block_kib(tab)
     for s, ((i, j), gpus, ns) in enumerate(zip(stage_blocks, stage_gpus, samples)):
         sh, rc = pol.sharded[s], pol.recompute[s]
 
@@ -576,8 +576,8 @@ def evaluate_units(tab: IntTables, stage_blocks, stage_gpus, samples, policy: Me
             ring_lat.append((len(gpus) - 1) * max(tab.pair_lat[g][h] for g, h in pairs))
             ar.append(ring_units(arb, len(gpus))
                       + (2 * bucket_count(grad_kib[s], tab.bucket_caps) + sh) * ring_lat[s])
-            # [C-objective] the last bucket's ring (and a sharded stage's all-gather), after the backward.
-            lk, k = last_bucket_kib(grad_kib[s], tab.bucket_caps), len(gpus)
+            # [C-objective] L_s: the ring of LK_s KiB (and a sharded stage's all-gather), after the backward.
+            lk, k = max(last_bucket_kib(grad_kib[s], tab.bucket_caps), first_kib[i]), len(gpus)
             x = max(ring_units(tab.lastb_coef[q] * lk, k, tab.lastb_scale[q]) for q in classes)
             if sh:
                 x += ring_units(max(own(tab.arsh_prefix, q) - own(tab.ar_prefix, q) for q in classes), k)
