@@ -95,7 +95,8 @@ def untied_block_kib(tab) -> list[int]:
     >= 0 and <= G_s of any stage starting at q. A stage's first block's
     gradients are ready only when the stage's backward ends, so its buckets
     holding them wait for it: [C-objective]'s L_s counts max(last_kib_s, this
-    of the stage's first block) (tied gradients go with [C-tied]'s ring)."""
+    of the stage's first block). Leaving out every tied copy keeps it a lower
+    bound of those buckets whichever copy [C-tied] keeps in the stage's ring."""
     pre = tab.grad_kib_prefix
     out = [pre[q + 1] - pre[q] for q in range(len(pre) - 1)]
     for t, blocks in enumerate(tab.tied_blocks):
