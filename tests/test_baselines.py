@@ -105,6 +105,22 @@ def _activation_tight():
     return costs, devices
 
 
+def _last_bucket(kib, k, bw, lat):
+    """[C-objective]'s last gradient bucket's ring in seconds: of ``kib`` KiB of float32
+    gradients (rounded up per block) a 1 MiB bucket and whole 25 MiB ones go first, the rest
+    last; 256 parameters per KiB, 2 x 4 B each, (k-1)/k per ring hop, + 2 (k-1) latencies."""
+    e = max(0, math.ceil((kib - 1024) / 25600))
+    last = kib if e == 0 else kib - 1024 - (e - 1) * 25600
+    return (k - 1) / k * last * 256 * 2 * 4 / bw + 2 * (k - 1) * lat
+
+
+#: KiB of float32 gradients of one _hand block (1e6 parameters: 3906.25 KiB, rounded up).
+HAND_KIB = 3907
+#: The objective counts the last bucket's ring in 1/2^i ns per KiB (>= 1024 of them):
+#: 1638/8 for 204.8 ns at 10 GB/s, so the hand formula agrees to 0.03%.
+LAST_RTOL = 3e-4
+
+
 def _units(seconds):
     return round(seconds * UNITS_PER_S)
 
@@ -169,17 +185,24 @@ def test_homogeneous_all_by_hand():
     # ring all-reduce of k GPUs: (k-1)/k x 2 x gradient bytes / the slowest link + 2 (k-1)
     # latencies per gradient bucket; 4 blocks = 16 MB of float32 gradients: 1 MiB + 0.57 x 25 MiB.
     assert _buckets(4 * 4e6) == 2
-    # Stage 1's sync starts D_1 = 2/3 of stage 0's compute + half its boundary before the drain
-    # ends ([C-objective]), so stage 0's decides.
-    d1 = 2 / 3 * 2 * 4e-3 + (t0 - 2 * 4e-3) / 2
-    sync = max((1 / 2) * 2 * 4 * 4e6 / 100e9 + 2 * 2 * 5e-6 + 2 * 16 * 4e6 / 1e12,
-               (1 / 2) * 2 * 4 * 4e6 / 100e9 + 2 * 2 * 5e-6 + 2 * 16 * 4e6 / 5e11 - d1)
-    assert steps[2] == _units(t0 + t1 + 1 * max(t0, t1) + sync) == 57_148_000
+    # [C-objective] stage 0's ring (0.18 ms) overlaps its own last backward (2/3 of 8 ms), all
+    # but its last bucket (4 x 3907 KiB - 1 MiB); stage 1's sync (ring, optimizer) ends more
+    # than D_1 = 2/3 of stage 0's compute + half its boundary before the drain does.
+    ar = (1 / 2) * 2 * 4 * 4e6 / 100e9 + 2 * 2 * 5e-6
+    last0 = _last_bucket(4 * HAND_KIB, 2, 100e9, 5e-6)
+    assert ar - 2 / 3 * 8e-3 < last0 and ar + 2 * 16 * 4e6 / 5e11 < 2 / 3 * 8e-3
+    sync = last0 + 2 * 16 * 4e6 / 1e12
+    assert steps[2] == 57_127_577
+    assert steps[2] == pytest.approx(_units(t0 + t1 + 1 * max(t0, t1) + sync), abs=LAST_RTOL * _units(last0))
     # p = 1, d = 4: one stage of all 8 blocks, 1 sample per GPU; all-reduce over the 10 GB/s link,
     # 32 MB of gradients: 1 MiB + 1.18 x 25 MiB, 3 buckets.
     assert _buckets(4 * 8e6) == 3
-    one = 24e-3 + 24e-3 + ((3 / 4) * 2 * 4 * 8e6 / 10e9 + 3 * 2 * 3 * 2e-5) + 2 * 16 * 8e6 / 5e11
-    assert steps[1] == _units(one) == 53_672_000
+    # The ring (5.16 ms) overlaps the last backward (2/3 of 24 ms) but its last bucket.
+    assert (3 / 4) * 2 * 4 * 8e6 / 10e9 + 3 * 2 * 3 * 2e-5 < 2 / 3 * 24e-3
+    last = _last_bucket(8 * HAND_KIB, 4, 10e9, 2e-5)
+    one = 24e-3 + 24e-3 + last + 2 * 16 * 8e6 / 5e11
+    assert steps[1] == 49_343_302
+    assert steps[1] == pytest.approx(_units(one), abs=LAST_RTOL * _units(last))
     assert res.decision.stage_blocks == ((0, 8),) and res.decision.stage_gpus == ((0, 1, 2, 3),)
     assert res.decision.samples_per_microbatch == ((1, 1, 1, 1),) and res.status == "BASELINE"
     (two,) = [c for c in res.candidates if c["num_stages"] == 2]
@@ -211,9 +234,13 @@ def test_homogeneous_best_by_hand():
     assert {devices.gpu_types[g] for gs in res.decision.stage_gpus for g in gs} == {"A"}
     # p = 1 on GPUs (0, 1), 2 samples each: 16 ms x (1 + 1) + ring all-reduce in n0 + A's optimizer.
     assert res.decision.stage_gpus == ((0, 1),) and res.decision.samples_per_microbatch == ((2, 2),)
-    # 32 MB of float32 gradients: 3 buckets of 2 (k-1) latencies.
-    expected = 2 * 16e-3 + ((1 / 2) * 2 * 4 * 8e6 / 100e9 + _buckets(4 * 8e6) * 2 * 5e-6) + 2 * 16 * 8e6 / 1e12
-    assert _units(res.objective) == _units(expected) == 32_606_000
+    # 32 MB of float32 gradients: 3 buckets of 2 (k-1) latencies, 0.35 ms, within the last
+    # backward (2/3 of 16 ms) but the last bucket ([C-objective]).
+    assert (1 / 2) * 2 * 4 * 8e6 / 100e9 + _buckets(4 * 8e6) * 2 * 5e-6 < 2 / 3 * 16e-3
+    last = _last_bucket(8 * HAND_KIB, 2, 100e9, 5e-6)
+    expected = 2 * 16e-3 + last + 2 * 16 * 8e6 / 1e12
+    assert _units(res.objective) == 32_313_442
+    assert _units(res.objective) == pytest.approx(_units(expected), abs=LAST_RTOL * _units(last))
     # with idling forbidden the decision is kept but reported infeasible.
     strict = homogeneous_best(costs, devices, solver_options(global_batch_size=8, max_stages=2,
                                                             num_microbatches=(2,), allow_idle_gpus=False))
@@ -227,8 +254,12 @@ def test_cephalo_by_hand():
     # b = 8: A takes 8 ms per sample, B 24 ms; min-max shares (3, 3, 1, 1) -> 24 ms on every GPU.
     assert res.num_stages == 1 and res.decision.stage_gpus == ((0, 1, 2, 3),)
     assert res.decision.samples_per_microbatch == ((3, 3, 1, 1),)
-    expected = 24e-3 + ((3 / 4) * 2 * 4 * 8e6 / 10e9 + _buckets(4 * 8e6) * 2 * 3 * 2e-5) + 2 * 16 * 8e6 / 5e11
-    assert _units(res.objective) == _units(expected) == 29_672_000
+    # The ring (5.16 ms) within the last backward (2/3 of 24 ms) but its last bucket ([C-objective]).
+    assert (3 / 4) * 2 * 4 * 8e6 / 10e9 + _buckets(4 * 8e6) * 2 * 3 * 2e-5 < 2 / 3 * 24e-3
+    last = _last_bucket(8 * HAND_KIB, 4, 10e9, 2e-5)
+    expected = 24e-3 + last + 2 * 16 * 8e6 / 5e11
+    assert _units(res.objective) == 25_343_302
+    assert _units(res.objective) == pytest.approx(_units(expected), abs=LAST_RTOL * _units(last))
     # larger instance: one stage, faster GPUs never get fewer samples than slower ones.
     costs, devices = _eight(1)
     res = cephalo(costs, devices, solver_options(global_batch_size=32, num_microbatches=(1, 2)))
@@ -265,7 +296,7 @@ def test_zorse_paper_groups_follow_min_cut():
     inter = _devices("ABAB", ["n0", "n1", "n0", "n1"], [16 * GIB] * 4, [1e12] * 4)
     assert min_k_cut_groups(inter, 2) == ((0, 2), (1, 3))
     # hand instance, k = 2: fast node first, blocks 6 : 2 (aggregate speeds 2/8 ms : 2/24 ms per
-    # sample), 2 samples per GPU; beats k = 1 (53.672 ms, the all-reduce crosses the slow link).
+    # sample), 2 samples per GPU; beats k = 1 (49.343 ms, the all-reduce crosses the slow link).
     costs, devices = _hand()
     res = zorse_paper(costs, devices, solver_options(global_batch_size=8, max_stages=2, num_microbatches=(2,)))
     assert res.decision.stage_gpus == ((0, 1), (2, 3)) and res.decision.stage_blocks == ((0, 6), (6, 8))
@@ -274,9 +305,14 @@ def test_zorse_paper_groups_follow_min_cut():
     t1 = 2 * 2 * 3e-3
     # 24 MB and 8 MB of float32 gradients: 2 buckets each (1 MiB + the rest).
     assert _buckets(4 * 6e6) == _buckets(4 * 2e6) == 2
-    sync = max((1 / 2) * 2 * 4 * 6e6 / 100e9 + 2 * 2 * 5e-6 + 2 * 16 * 6e6 / 1e12,
-               (1 / 2) * 2 * 4 * 2e6 / 100e9 + 2 * 2 * 5e-6 + 2 * 16 * 2e6 / 5e11)
-    assert _units(res.objective) == _units(t0 + t1 + max(t0, t1) + sync) == 38_132_000
+    # [C-objective] stage 0's ring (0.5 ms) within its last backward (2/3 of 12 ms) but its last
+    # bucket; stage 1's sync ends more than D_1 >= 2/3 of 12 ms before the drain does.
+    assert (1 / 2) * 2 * 4 * 6e6 / 100e9 + 2 * 2 * 5e-6 < 2 / 3 * 12e-3
+    assert (1 / 2) * 2 * 4 * 2e6 / 100e9 + 2 * 2 * 5e-6 + 2 * 16 * 2e6 / 5e11 < 2 / 3 * 12e-3
+    last0 = _last_bucket(6 * HAND_KIB, 2, 100e9, 5e-6)
+    sync = last0 + 2 * 16 * 6e6 / 1e12
+    assert _units(res.objective) == 38_111_610
+    assert _units(res.objective) == pytest.approx(_units(t0 + t1 + max(t0, t1) + sync), abs=LAST_RTOL * _units(last0))
 
 
 def test_metis_enumeration_is_bounded_and_shares_follow_speed():

@@ -151,7 +151,9 @@ def test_new_cuts_plan_no_worse_on_the_demo_cluster(small_opt, memory_fraction):
     mapped = tuple((index[old.blocks[a][0]], index[old.blocks[b - 1][1]]) for a, b in res_old.decision.stage_blocks)
     dec_new = dataclasses.replace(res_old.decision, stage_blocks=mapped)
     step_old_in_new = evaluate(c_new, devices, opts, dec_new).step_time_s
-    assert step_old_in_new == pytest.approx(step_old, rel=1e-4)  # the cost tables round per block
+    # The cost tables round per block; so do [C-objective]'s last-bucket KiB (up to 1 KiB more
+    # per block of the new analysis, 0.25% of the data-parallel plan's step at 2e-4).
+    assert step_old_in_new == pytest.approx(step_old, rel=5e-3)
 
     res_new = solve_cpsat(c_new, devices, opts, hints=(dataclasses.replace(res_old, decision=dec_new),))
     step_new = evaluate_result(c_new, devices, opts, res_new).step_time_s

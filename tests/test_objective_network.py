@@ -16,7 +16,7 @@ import pytest
 from zorse_fx.cluster import Cluster
 from zorse_fx.sim import simulate
 from zorse_fx.solve import BlockCosts, Decision, evaluate, solve_brute_force, solve_cpsat
-from zorse_fx.solve.objective import UNITS_PER_S, effective_pair_bandwidth, to_units
+from zorse_fx.solve.objective import UNIT_S, UNITS_PER_S, effective_pair_bandwidth, to_units
 from zorse_fx.solve.records import TiedParam
 
 from conftest import random_instance, reference_or_same_error, solver_options
@@ -92,7 +92,9 @@ def test_cpsat_equals_evaluate_with_a_wan_and_prefers_one_region():
 def test_allreduce_is_a_ring_with_k_minus_1_over_k():
     """One stage of k = 1..4 GPUs on equal links: [C-allreduce] =
     ceil(2 * 4 B * P / bw * (k-1)/k) + 2 (k-1) lat (units), and the simulator's ring
-    (one bucket: P small) ends there too, to the ns rounding."""
+    (one bucket: P small, ready when the only block's backward ends) ends there
+    too, to the rounding of [C-objective]'s last bucket (the whole gradient,
+    781.25 KiB rounded up to 782: +0.1% of the ring)."""
     from conftest import make_devices
 
     params, bw, lat = 200_000, 10e9, 1e-5
@@ -108,7 +110,7 @@ def test_allreduce_is_a_ring_with_k_minus_1_over_k():
         assert round(ev.allreduce_s[0] * UNITS_PER_S) == (-(-full * (k - 1) // k) + 2 * (k - 1) * to_units(lat)
                                                          if k > 1 else 0)
         sim = simulate(costs, devices, options, Decision(**kw))
-        assert sim.step_time_s == pytest.approx(ev.step_time_s, abs=2e-9)
+        assert sim.step_time_s == pytest.approx(ev.step_time_s, abs=2e-9 + 1e-3 * full * UNIT_S)
 
 
 def _gpt():

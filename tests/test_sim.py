@@ -119,7 +119,10 @@ def test_heterogeneous_dp_pair_with_allreduce():
     # 2 (k-1) latencies once per bucket ([C-allreduce]'s nb = 2), as the simulator does.
     ev = evaluate(costs, devices, options, Decision(**kw))
     assert ev.allreduce_s[0] == pytest.approx(allreduce, rel=1e-9)
-    assert sim.step_time_s == pytest.approx(ev.step_time_s, rel=1e-9)
+    # [C-objective] overlaps the buckets with the backward of the stage's blocks but its last
+    # (the first to run): with one block, none, like the simulator, which makes a block's
+    # gradients ready when its backward ends: both expose the whole ring.
+    assert ev.step_time_s == pytest.approx(sim.step_time_s, abs=1e-9)
     act = 977 * KIB  # 1e6 activation bytes per sample, rounded up to KiB as in the objective
     assert sim.peak_memory_bytes == (16_000_000 + 3 * act, 16_000_000 + act)
 
@@ -353,7 +356,10 @@ def test_sharded_stage_allreduce_optim_allgather():
     # charges 2 (k-1) latencies per bucket (nb = 2) + (k-1) for the all-gather; its bandwidth
     # terms are the ring's, (k-1)/k = 2/3 of 2 x 4p / bw (all-reduce) + 4p / bw (all-gather).
     assert ev.allreduce_s[0] == pytest.approx(2 / 3 * (2 * 4 + 4) * p / bw + (2 * nb + 1) * 2 * lat, abs=1e-9)
-    assert sim.step_time_s == pytest.approx(ev.step_time_s, abs=2e-8)
+    # [C-objective]: one block, so no bucket overlaps the backward (its gradients are ready when
+    # it ends): the objective charges the whole all-reduce and all-gather after it, as the
+    # simulator does (which runs the all-gather after the optimizer: the same sum).
+    assert ev.step_time_s == pytest.approx(sim.step_time_s, abs=1e-8)
     # Memory: weights + grads replicated (8 B/param) + the shard + n_g x 10 KiB activations.
     assert sim.peak_memory_bytes == tuple(8 * p + z * MIB + n * 10 * KIB for z, n in zip(shards, (2, 1, 1)))
     assert sim.peak_memory_bytes == ev.memory_bytes[0]
@@ -362,7 +368,7 @@ def test_sharded_stage_allreduce_optim_allgather():
     dflt = simulate(costs, devices, options, Decision(**kw, sharded=(True,)))
     ev_d = evaluate(costs, devices, options, Decision(**kw, sharded=(True,)))
     assert dflt.state_shard_bytes == ev_d.decision.shard_bytes() == ((16 * MIB, 8 * MIB, 8 * MIB),)
-    assert dflt.step_time_s == pytest.approx(ev_d.step_time_s, abs=2e-8)
+    assert dflt.step_time_s - ev_d.step_time_s == pytest.approx(sim.step_time_s - ev.step_time_s, abs=2e-8)
     # Not sharded: no all-gather, the full state per GPU.
     plain = simulate(costs, devices, options, Decision(**kw))
     assert not [e for e in plain.events if e.kind == "allgather"]
@@ -483,7 +489,9 @@ def test_gradient_buckets_overlap_the_last_backward(bw):
     the earlier blocks still runs; the last bucket (of block 0) only once the
     backward has ended. Fast links: only that last bucket is exposed. Slow
     links: the reduction is bound by its own bytes, started at the first
-    bucket's readiness (block 3's backward, the first quarter of it)."""
+    bucket's readiness (block 3's backward, the first quarter of it). The
+    objective, which lets the buckets start any time in the backward, is
+    below the simulator by that block granularity."""
     from zorse_fx.runtime.grad_sync import BUCKET_BYTES, FIRST_BUCKET_BYTES
 
     t, params = 8e-3, 12_500_000
@@ -513,8 +521,17 @@ def test_gradient_buckets_overlap_the_last_backward(bw):
         assert total_ar > 3 * quarter
         assert end == pytest.approx(start + total_ar, rel=1e-9)
         hidden = 3 * quarter
-    # The objective charges the whole reduction (the same ring, (k-1)/k = 1/2) after the
-    # drain: more by what the simulator hides in the backward.
+    # [C-objective] hides floor(4 cmax- / 6) = the backward of blocks 0-2 (2/3 of their
+    # compute, cmax- = 3/4 of cmax) when the reduction (the same ring, (k-1)/k = 1/2)
+    # outlasts it, exactly what the simulator hides (slow links); else it charges after the
+    # backward the ring of the larger of its last bucket (4 x 48829 KiB - 1 MiB - 7 x 25 MiB
+    # = 15092 KiB) and block 0's gradients (48829 KiB, 256 parameters each), while the
+    # simulator waits for every bucket holding a byte of block 0 (a little more).
     ev = evaluate(costs, devices, options, Decision(stage_blocks=((0, 4),), stage_gpus=((0, 1),),
                                                     samples_per_microbatch=((1, 1),), num_microbatches=1))
-    assert ev.step_time_s - sim.step_time_s == pytest.approx(hidden, rel=1e-6, abs=2e-9)
+    if bw > 1e12:
+        want = 48829 * 256 * 2 * 4 / 2 / bw - exposed
+        assert want < 0
+    else:
+        want = hidden - (4 * (3 * round(ev.compute_s[0] * 1e9) // 4) // 6) * 1e-9
+    assert ev.step_time_s - sim.step_time_s == pytest.approx(want, rel=1e-6, abs=3e-9)

@@ -87,6 +87,8 @@ def test_hand_checked_unequal_shares():
     nb = 2
     allreduce = 2 * (1 / 2) * 4 * 1e6 / 1e10 + nb * 2 * (2 - 1) * 1e-5
     optim = 2 * 16 * 1e6 / 5e11  # the slower memory bandwidth of the two GPUs
+    # [C-objective] one block: its gradients are all ready only when the backward ends, so no
+    # bucket overlaps it (B6 = 0) and the whole ring follows the compute.
     expected = compute + allreduce + optim  # M = 1, one stage: no pipeline terms
     assert expected < 4 * 1e-3 + 2 * 16 * 1e6 / 1e12  # beats the fast GPU alone (4 ms + its optimizer)
     for solve in (solve_cpsat, solve_brute_force):
@@ -123,6 +125,8 @@ def test_two_stages_with_heterogeneous_dp_group():
     assert nb == 93
     ar0 = 2 * (1 / 2) * 4 * p / 1e12 + nb * 2 * 1e-6
     opt = 2 * 16 * p / 1e12  # same for both stages
+    # [C-objective] stage 0 holds one block, ready only when its backward ends: its ring
+    # overlaps none of it (stage 1, one GPU, has no ring and D_1 > its optimizer).
     expected = t0 + t1 + 3 * max(t0, t1) + ar0 + opt
     assert res.predicted_step_time_s == pytest.approx(expected, abs=1e-8)
     assert round(ref.objective * UNITS_PER_S) == round(res.objective * UNITS_PER_S)

@@ -17,7 +17,7 @@ from ortools.sat.python import cp_model
 if TYPE_CHECKING:
     from .objective import IntTables
 
-__all__ = ["StageCuts", "blocks_of", "gated", "any_of", "both", "pair_max"]
+__all__ = ["StageCuts", "blocks_of", "gated", "any_of", "both", "pair_max", "pair_max_many"]
 
 
 def blocks_of(prefix) -> list[int]:
@@ -92,14 +92,27 @@ def pair_max(m: cp_model.CpModel, tab: IntTables, pairs, value_of_class, hi_of_c
     iterated once; the link of (g, h) is read from ``tab.pair_bw_class`` /
     ``tab.pair_lat``. Pairs are grouped by bandwidth class / latency (one OR
     literal per group); ``hi_of_class(k)`` bounds ``value_of_class(k)``."""
+    xs, lm = pair_max_many(m, tab, pairs, [(value_of_class, hi_of_class)], name)
+    return xs[0], lm
+
+
+def pair_max_many(m: cp_model.CpModel, tab: IntTables, pairs, values, name: str):
+    """``pair_max`` of several (value_of_class, hi_of_class) in ``values`` over the
+    same pairs, sharing their presence literals: ([max of each], max latency)."""
     by_bw, by_lat = defaultdict(list), defaultdict(list)
     for (g, h), y in pairs:
         by_bw[tab.pair_bw_class[g][h]].append(y)
         by_lat[tab.pair_lat[g][h]].append(y)
-    terms = [gated(m, any_of(m, ys, f"{name}_p{k}"), value_of_class(k), hi_of_class(k), f"{name}_z{k}")
-             for k, ys in by_bw.items()]
-    xm = m.NewIntVar(0, max(hi_of_class(k) for k in by_bw), f"{name}_x")
-    m.AddMaxEquality(xm, terms)
+    present, xs = {}, []
+    for v, (value_of_class, hi_of_class) in enumerate(values):
+        sfx, terms = "" if v == 0 else f"_{v}", []
+        for k, ys in by_bw.items():
+            if k not in present:
+                present[k] = any_of(m, ys, f"{name}_p{k}")
+            terms.append(gated(m, present[k], value_of_class(k), hi_of_class(k), f"{name}_z{k}{sfx}"))
+        xm = m.NewIntVar(0, max(hi_of_class(k) for k in by_bw), f"{name}_x{sfx}")
+        m.AddMaxEquality(xm, terms)
+        xs.append(xm)
     lm = m.NewIntVar(0, max(by_lat), f"{name}_l")
     m.AddMaxEquality(lm, [lat * any_of(m, ys, f"{name}_q{lat}") for lat, ys in by_lat.items()])
-    return xm, lm
+    return xs, lm

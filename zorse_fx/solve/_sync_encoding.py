@@ -30,16 +30,31 @@ stage s, p[c][s] = k[c][s] >= 1) and carry its tags. Units: time in integer ns
                 in_s[q_i] - hold_s copies of t (same_s with r = 2)     [C-tied]
   optim_s     = max over memory-bandwidth classes present (a sharded stage:
                 each GPU's shard)                                       [C-optim]
-  sync6_s     = max(6 allreduce_s - E_s, 6 tied of s) + 6 optim_s: 6 x the
-                stage's sync term of objective.py's step, E_s = sum_{j<s}
-                (4 cmax_j + 3 boundary_j) (model.py's drain terms) and D_s =
-                floor(E_s / 6) in integers (ceil((6 a - E) / 6) = a -
-                floor(E / 6)); a tied term is -6 s t_hi (<= -E_s) on a stage
-                not holding it                                          [C-objective]
+  L_s         = the last bucket's ring: last_kib_s = G_s - cap e_s + (cap -
+                first_cap) [e_s >= 1] (a literal on e_s >= 1; G_s with one
+                bucket), LK_s = max(last_kib_s, untied KiB of the stage's
+                first block: StageCuts.at_cut, linear); per bandwidth class
+                q of the stage's pairs d_q = ring(lastb_coef[q] LK_s, k)
+                with scale lastb_scale[q]
+                (k scale d >= (k-1) x > k scale d - k scale, sharing the
+                all-reduce ring's literals); the max of d_q over present
+                pairs; when sh_s + ring(max over present pairs of own arsh
+                - own ar, k), the all-gather; + (2 + sh_s) (k - 1) max
+                latency                                                 [C-objective]
+  sync6_s     = max(6 allreduce_s - E_s - B6_s, 6 L_s - E_s, 6 tied of s)
+                + 6 optim_s: 6 x the stage's sync term of objective.py's
+                step, E_s = sum_{j<s} (4 cmax_j + 3 boundary_j) (model.py's
+                drain terms), B6_s = (4 - rc_s) cmax-_s (model.py's bwd6;
+                cmax-_s over the stage's blocks but its last) and
+                the floors in integers (ceil((6 a - E - B) / 6) = a -
+                floor((E + B) / 6)); a tied term is -6 s t_hi (<= -E_s <=
+                6 L_s - E_s) on a stage not holding it                  [C-objective]
 
 ``tied_copies`` builds same_s and dup_s (model.py reads dup_s for the state
 and shard terms too); ``sync_terms`` builds the rest and returns sync6_s per
-stage. Every quantity is defined by an equality, as in the rest of the model.
+stage; ``pair_max_many`` shares one presence literal per bandwidth class
+between a stage's all-reduce and last-bucket maxima. Every quantity is
+defined by an equality, as in the rest of the model.
 """
 
 from __future__ import annotations
@@ -50,12 +65,13 @@ from typing import TYPE_CHECKING
 from ortools.sat.python import cp_model
 
 from .objective import MIB_UNITS, bucket_count
-from ._encoding import StageCuts, any_of, both, gated, pair_max
+from .network_terms import untied_block_kib
+from ._encoding import StageCuts, any_of, both, gated, pair_max, pair_max_many
 
 if TYPE_CHECKING:
     from .objective import IntTables
 
-__all__ = ["TiedCopies", "tied_copies", "ring", "sync_terms"]
+__all__ = ["TiedCopies", "tied_copies", "ring", "ring_literals", "sync_terms"]
 
 
 @dataclass(frozen=True)
@@ -88,31 +104,41 @@ def tied_copies(m: cp_model.CpModel, tab: IntTables, cuts: StageCuts, num_stages
     return TiedCopies(tsame, dup)
 
 
-def ring(m: cp_model.CpModel, units, kv, hi: int, khi: int, name: str):
-    """IntVar d = ceil(units * (k - 1) / k) of a ring over kv = k >= 1 GPUs
-    ([C-allreduce], objective.ring_units), or 0 when ``khi`` < 2; ``hi`` bounds
-    d, ``khi`` bounds k. One literal per k (k = kv), under which two linear
-    inequalities k d >= (k - 1) units > k d - k pin d. (A product units * (k -
-    1) of two variables then a division left CP-SAT's LP relaxation too weak --
-    seed 7 of test_cpsat_matches_brute_force_with_memory_policy did not reach
-    OPTIMAL in its budget --, and division constraints by each constant k made
-    CP-SAT exhaust memory (> 8 GB) on bench/planner_scaling.py's 256-GPU
-    instance when warm-started.)"""
+def ring_literals(m: cp_model.CpModel, kv, khi: int, name: str):
+    """One literal per k = 1..khi, exactly one true: k = kv (``ring``'s); None when ``khi`` < 2."""
     if khi < 2:
-        return 0
+        return None
     e = [m.NewBoolVar(f"{name}_is{kk}") for kk in range(1, khi + 1)]
     m.AddExactlyOne(e)
     m.Add(sum(kk * lit for kk, lit in zip(range(1, khi + 1), e)) == kv)
+    return e
+
+
+def ring(m: cp_model.CpModel, units, kv, hi: int, khi: int, name: str, *, scale: int = 1, lits=None):
+    """IntVar d = ceil(units * (k - 1) / (k * scale)) of a ring over kv = k >= 1
+    GPUs ([C-allreduce], objective.ring_units), or 0 when ``khi`` < 2; ``hi``
+    bounds d, ``khi`` bounds k; ``lits``: ``ring_literals(m, kv, khi, ...)`` to
+    share (default: new ones). One literal per k (k = kv), under which two
+    linear inequalities k scale d >= (k - 1) units > k scale d - k scale pin
+    d. (A product units * (k - 1) of two variables then a division left
+    CP-SAT's LP relaxation too weak -- seed 7 of
+    test_cpsat_matches_brute_force_with_memory_policy did not reach OPTIMAL in
+    its budget --, and division constraints by each constant k made CP-SAT
+    exhaust memory (> 8 GB) on bench/planner_scaling.py's 256-GPU instance
+    when warm-started.)"""
+    if khi < 2:
+        return 0
+    e = ring_literals(m, kv, khi, name) if lits is None else lits
     d = m.NewIntVar(0, hi, f"{name}_ring")
     m.Add(d == 0).OnlyEnforceIf(e[0])
     for kk, lit in zip(range(2, khi + 1), e[1:]):
-        m.Add(kk * d >= (kk - 1) * units).OnlyEnforceIf(lit)
-        m.Add(kk * d <= (kk - 1) * units + kk - 1).OnlyEnforceIf(lit)
+        m.Add(kk * scale * d >= (kk - 1) * units).OnlyEnforceIf(lit)
+        m.Add(kk * scale * d <= (kk - 1) * units + kk * scale - 1).OnlyEnforceIf(lit)
     return d
 
 
 def sync_terms(m: cp_model.CpModel, tab: IntTables, groups, p, k, size, cuts: StageCuts, tied: TiedCopies,
-               sh, zc, drain6, *, gpu_hi: int, lat_hi: int, drain_hi: int):
+               sh, zc, drain6, bwd6, *, gpu_hi: int, lat_hi: int, drain_hi: int):
     """(sync6, sync_hi): per stage s, the linear expression sync6_s (6 x the
     stage's sync term less E_s, module note; ns units), and sync_hi >= every
     sync term before the factor 6.
@@ -121,8 +147,9 @@ def sync_terms(m: cp_model.CpModel, tab: IntTables, groups, p, k, size, cuts: St
     presence literals / unit counts; ``size[s]``: GPUs of stage s (linear);
     ``sh`` / ``zc``: per-stage sharding literals and [group][stage] shard MiB
     (None when sharding is "never"); ``drain6[j]`` = 4 cmax_j + 3 boundary_j
-    (E_s = sum_{j<s}); ``gpu_hi`` bounds the GPUs of a stage, ``lat_hi`` a
-    link's latency, ``drain_hi`` one drain6 term."""
+    (E_s = sum_{j<s}); ``bwd6[s]`` = B6_s = (4 - rc_s) cmax-_s; ``gpu_hi`` bounds
+    the GPUs of a stage, ``lat_hi`` a link's latency, ``drain_hi`` one drain6
+    and one bwd6 term."""
     n_s = len(size)
     rep = [q.members[0] for q in groups]
     b = tab.microbatch_size
@@ -138,6 +165,12 @@ def sync_terms(m: cp_model.CpModel, tab: IntTables, groups, p, k, size, cuts: St
         """The stage's sum of a per-block all-reduce table less its excluded tied copies."""
         return cuts.stage_sum(prefix[q], s) - sum(tab.tied_ar[t_][q] * ex[t_][s] for t_ in range(len(ex)))
 
+    fk = untied_block_kib(tab)
+
+    def first_kib(s):
+        """The untied gradient KiB of stage s's first block (linear: at its cut)."""
+        return cuts.at_cut(fk, s) if s > 0 else fk[0]
+
     def own_grad(s):
         """The stage's float32 gradient KiB G_s less its excluded tied copies ([C-allreduce]'s buckets)."""
         return cuts.stage_sum(tab.grad_kib_prefix, s) - sum(
@@ -145,20 +178,36 @@ def sync_terms(m: cp_model.CpModel, tab: IntTables, groups, p, k, size, cuts: St
 
     extra_hi = bucket_count(tab.grad_kib_prefix[-1], tab.bucket_caps) - 1  # buckets after the first, at most
     arlat_hi = (2 * extra_hi + 3) * max(gpu_hi - 1, 0) * lat_hi
-    sync_hi = max(ar_hi + arlat_hi, tied_hi) + opt_hi
+    # [C-objective] the last bucket's ring (LK_s KiB) and a sharded stage's all-gather.
+    lk_hi = max(tab.bucket_caps[1], max(fk))  # LK_s <= the larger of a bucket and a block
+    lring_hi = max((-(-c * lk_hi // sc) for c, sc in zip(tab.lastb_coef, tab.lastb_scale)), default=0) \
+        + (max((a[-1] - b[-1] for a, b in zip(tab.arsh_prefix, tab.ar_prefix)), default=0) if sh else 0) \
+        + 3 * max(gpu_hi - 1, 0) * lat_hi
+    sync_hi = max(ar_hi + arlat_hi, lring_hi, tied_hi) + opt_hi
 
     # [C-allreduce] ring over the stage's pairs; [C-optim] slowest memory bandwidth of the stage.
     sync = []
     for s in range(n_s):
-        ar = _stage_allreduce(m, tab, groups, p, k, size[s], s, sh, own_ar, own_grad, gpu_hi=gpu_hi,
-                              lat_hi=lat_hi, ar_hi=ar_hi, k_hi=k_hi, extra_hi=extra_hi)
-        # [C-objective] 6 x the stage's sync term: its own all-reduce starts E_s / 6 before the drain ends.
-        ar = 6 * ar - sum(drain6[:s])
-        if tied_of[s]:  # [C-tied] the optimizer waits for the stage's own and its tied reductions
-            own = m.NewIntVar(-drain_hi * s, 6 * (ar_hi + arlat_hi), f"arown_{s}")
-            m.Add(own == ar)
+        terms = _stage_allreduce(m, tab, groups, p, k, size[s], s, sh, own_ar, own_grad, first_kib, gpu_hi=gpu_hi,
+                                 lat_hi=lat_hi, ar_hi=ar_hi, k_hi=k_hi, extra_hi=extra_hi, lk_hi=lk_hi)
+        # [C-objective] 6 x the stage's sync term: its own all-reduce overlaps its last backward
+        # (B6_s) and the drain (E_s); its last bucket's ring only the drain.
+        e_s = sum(drain6[:s])
+        own = []
+        if terms is None:  # no pair can be present: allreduce = last = 0, the term is -E_s
+            ar = -e_s
+        else:
+            ar6 = m.NewIntVar(-drain_hi * (s + 1), 6 * (ar_hi + arlat_hi), f"arown_{s}")
+            m.Add(ar6 == 6 * terms[0] - e_s - bwd6[s])
+            last6 = m.NewIntVar(-drain_hi * s, 6 * lring_hi, f"arlast_{s}")
+            m.Add(last6 == 6 * terms[1] - e_s)
+            own = [ar6, last6]
+        if own or tied_of[s]:  # [C-tied] the optimizer waits for the stage's own and its tied reductions
+            if not own:
+                own = [m.NewIntVar(-drain_hi * s, 0, f"arown_{s}")]
+                m.Add(own[0] == ar)
             ar = m.NewIntVar(-drain_hi * s, 6 * sync_hi, f"arw_{s}")
-            m.AddMaxEquality(ar, [own, *tied_of[s]])
+            m.AddMaxEquality(ar, [*own, *tied_of[s]])
         opt = _stage_optim(m, tab, groups, p, cuts, tied, s, sh, zc, opt_hi)
         sync.append(ar + 6 * opt)
     return sync, sync_hi
@@ -171,7 +220,6 @@ def _tied_allreduce(m: cp_model.CpModel, tab: IntTables, groups, p, k, cuts: Sta
     stage s (one per tied parameter, a floor below any own term where s does
     not hold it; empty with one GPU or one stage); tied_hi bounds a tied ring."""
     in_s, stages, n_c = cuts.in_s, range(n_s), len(groups)
-    rep = [q.members[0] for q in groups]
     unit = [q.unit for q in groups]
     count = [q.count for q in groups]
     single = [q.count == 1 for q in groups]
@@ -190,12 +238,12 @@ def _tied_allreduce(m: cp_model.CpModel, tab: IntTables, groups, p, k, cuts: Sta
         m.Add(sum(same_s) == 0).OnlyEnforceIf(diff)
         m.Add(sum(same_s) == 1).OnlyEnforceIf(diff.Not())
         hold = [any_of(m, [in_s[s][q] for q in tb], f"thold_{t_}_{s}") for s in stages]
-        upairs, ksum = [], []
-        pu = []
+        ksum, pu, ku = [], [], []
         for c in range(n_c):
             if single[c]:
                 pc = any_of(m, [both(m, p[c][s], hold[s], f"tpu_{t_}_{c}_{s}") for s in stages], f"tpc_{t_}_{c}")
                 ksum.append(unit[c] * pc)
+                ku.append(None)
             else:
                 kt = m.NewIntVar(0, count[c], f"tkt_{t_}_{c}")
                 m.Add(kt == sum(gated(m, hold[s], k[c][s], count[c], f"tkh_{t_}_{c}_{s}") for s in stages))
@@ -203,16 +251,9 @@ def _tied_allreduce(m: cp_model.CpModel, tab: IntTables, groups, p, k, cuts: Sta
                 pc = m.NewBoolVar(f"tpc_{t_}_{c}")
                 m.Add(kt >= 1).OnlyEnforceIf(pc)
                 m.Add(kt == 0).OnlyEnforceIf(pc.Not())
-                two = m.NewBoolVar(f"ttwo_{t_}_{c}")
-                m.Add(kt >= 2).OnlyEnforceIf(two)
-                m.Add(kt <= 1).OnlyEnforceIf(two.Not())
-                upairs.append((groups[c].link_out, two))
-            if unit[c] > 1:
-                upairs.append((groups[c].link_in, pc))
+                ku.append(kt)
             pu.append(pc)
-        for c in range(n_c):
-            for d in range(c + 1, n_c):
-                upairs.append(((rep[c], rep[d]), both(m, pu[c], pu[d], f"tw_{t_}_{c}_{d}")))
+        upairs = _present_pairs(m, groups, pu, ku, f"t{t_}")
         hi = max(tab.tied_ar[t_])
         xm, lm = pair_max(m, tab, upairs, lambda q, t_=t_: tab.tied_ar[t_][q], lambda q, t_=t_: tab.tied_ar[t_][q],
                           f"tied{t_}")
@@ -235,31 +276,62 @@ def _tied_allreduce(m: cp_model.CpModel, tab: IntTables, groups, p, k, cuts: Sta
     return ex, tied_of, tied_hi
 
 
-def _stage_allreduce(m: cp_model.CpModel, tab: IntTables, groups, p, k, size_s, s: int, sh, own_ar, own_grad, *,
-                     gpu_hi: int, lat_hi: int, ar_hi: int, k_hi: int, extra_hi: int):
-    """[C-allreduce] allreduce_s of stage s (an expression; 0 when no pair can be
-    present). ``own_ar(prefix, q, s)`` / ``own_grad(s)``: the stage's all-reduce
-    table of bandwidth class q / gradient KiB less its excluded tied copies."""
-    n_c = len(groups)
+def _present_pairs(m: cp_model.CpModel, groups, present, units, name: str):
+    """The links a ring over the used units of ``groups`` crosses, each with its
+    presence literal, for ``pair_max`` ([C-allreduce], [C-tied]): ``present[c]``
+    group c is used, ``units[c]`` its used units (None for a one-unit group).
+    The link inside a unit (unit > 1: a used unit has >= 2 GPUs), the link
+    between two units of a group (>= 2 used), the link between two used groups."""
     rep = [q.members[0] for q in groups]
     pairs = []
-    for c in range(n_c):
-        if groups[c].unit > 1:  # a used unit has >= 2 GPUs: its inside link is present
-            pairs.append((groups[c].link_in, p[c][s]))
-        if groups[c].count > 1:  # >= 2 units used: the link between units is present
-            two = m.NewBoolVar(f"two_{c}_{s}")
-            m.Add(k[c][s] >= 2).OnlyEnforceIf(two)
-            m.Add(k[c][s] <= 1).OnlyEnforceIf(two.Not())
-            pairs.append((groups[c].link_out, two))
-        for d in range(c + 1, n_c):
-            pairs.append(((rep[c], rep[d]), both(m, p[c][s], p[d][s], f"w_{c}_{d}_{s}")))
+    for c, q in enumerate(groups):
+        if q.unit > 1:
+            pairs.append((q.link_in, present[c]))
+        if units[c] is not None:
+            two = m.NewBoolVar(f"{name}_two_{c}")
+            m.Add(units[c] >= 2).OnlyEnforceIf(two)
+            m.Add(units[c] <= 1).OnlyEnforceIf(two.Not())
+            pairs.append((q.link_out, two))
+    for c in range(len(groups)):
+        for d in range(c + 1, len(groups)):
+            pairs.append(((rep[c], rep[d]), both(m, present[c], present[d], f"{name}_w_{c}_{d}")))
+    return pairs
+
+
+def _stage_allreduce(m: cp_model.CpModel, tab: IntTables, groups, p, k, size_s, s: int, sh, own_ar, own_grad,
+                     first_kib, *, gpu_hi: int, lat_hi: int, ar_hi: int, k_hi: int, extra_hi: int, lk_hi: int):
+    """([C-allreduce] allreduce_s, [C-objective] L_s) of stage s as expressions, or
+    None when no pair can be present. ``own_ar(prefix, q, s)`` / ``own_grad(s)``:
+    the stage's all-reduce table of bandwidth class q / gradient KiB less its
+    excluded tied copies; ``first_kib(s)`` its first block's untied KiB, <=
+    ``lk_hi``."""
+    pairs = _present_pairs(m, groups, [p[c][s] for c in range(len(groups))],
+                           [k[c][s] if q.count > 1 else None for c, q in enumerate(groups)], f"s{s}")
     if not (pairs and gpu_hi > 1):
-        return 0
+        return None
     first_cap, cap = tab.bucket_caps
-    arb, lw = pair_max(m, tab, pairs, lambda q: own_ar(tab.ar_prefix, q, s),
-                       lambda q: tab.ar_prefix[q][-1], f"ar{s}")
     ksz = m.NewIntVar(1, k_hi, f"size_{s}")
     m.Add(ksz == size_s)
+    lits = ring_literals(m, ksz, k_hi, f"arr{s}")
+    # [C-objective] the last bucket's KiB G_s - cap e_s + (cap - first_cap) [e_s >= 1] (set
+    # below) and its ring on each bandwidth class of the stage's pairs (class units).
+    # LK_s = max(last_kib, the stage's first block's untied KiB: at its cut, linear).
+    last_kib = m.NewIntVar(0, cap, f"lastk_{s}")
+    lk = m.NewIntVar(0, lk_hi, f"lastkf_{s}")
+    m.AddMaxEquality(lk, [last_kib, first_kib(s)])
+    lring, lring_hi = {}, {}
+    for q in sorted({tab.pair_bw_class[g][h] for (g, h), _ in pairs}):
+        coef, sc = tab.lastb_coef[q], tab.lastb_scale[q]
+        lring_hi[q] = -(-coef * lk_hi // sc)
+        lring[q] = ring(m, coef * lk, ksz, lring_hi[q], k_hi, f"lr{s}_{q}", scale=sc, lits=lits)
+    values = [(lambda q: own_ar(tab.ar_prefix, q, s), lambda q: tab.ar_prefix[q][-1]),
+              (lambda q: lring[q], lambda q: lring_hi[q])]
+    if sh:  # the all-reduce's (2 grad + param) bytes; the all-gather's param bytes
+        values += [(lambda q: own_ar(tab.arsh_prefix, q, s), lambda q: tab.arsh_prefix[q][-1]),
+                   (lambda q: own_ar(tab.arsh_prefix, q, s) - own_ar(tab.ar_prefix, q, s),
+                    lambda q: tab.arsh_prefix[q][-1] - tab.ar_prefix[q][-1])]
+    xs, lw = pair_max_many(m, tab, pairs, values, f"ar{s}")
+    arb, last_ring = xs[0], xs[1]
     sz1 = m.NewIntVar(0, gpu_hi, f"size1_{s}")
     m.Add(sz1 == size_s - 1)
     lat_term = m.NewIntVar(0, gpu_hi * lat_hi, f"arlat_{s}")
@@ -277,17 +349,24 @@ def _stage_allreduce(m: cp_model.CpModel, tab: IntTables, groups, p, k, size_s, 
         e_lat = m.NewIntVar(0, extra_hi * gpu_hi * lat_hi, f"nblat_{s}")
         m.AddMultiplicationEquality(e_lat, [e_s, lat_term])
         grad_lat += 2 * e_lat
+        more = m.NewBoolVar(f"nbm_{s}")  # e_s >= 1
+        m.Add(e_s >= 1).OnlyEnforceIf(more)
+        m.Add(e_s == 0).OnlyEnforceIf(more.Not())
+        m.Add(last_kib == own_grad(s) - cap * e_s + (cap - first_cap) * more)
+    else:  # one bucket holds every stage's gradients
+        m.Add(last_kib == own_grad(s))
     if not sh:
-        return ring(m, arb, ksz, ar_hi, k_hi, f"arr{s}") + grad_lat
-    # A sharded stage also all-gathers its weights: (2 grad + param) bytes.
-    arb_sh, _ = pair_max(m, tab, pairs, lambda q: own_ar(tab.arsh_prefix, q, s),
-                         lambda q: tab.arsh_prefix[q][-1], f"as{s}")
+        return (ring(m, arb, ksz, ar_hi, k_hi, f"arr{s}", lits=lits) + grad_lat, last_ring + 2 * lat_term)
+    # A sharded stage also all-gathers its weights, after the last bucket.
     hi = max(p_[-1] for p_ in tab.arsh_prefix)
     sel = m.NewIntVar(0, hi, f"arsel_{s}")
     m.Add(sel == arb).OnlyEnforceIf(sh[s].Not())
-    m.Add(sel == arb_sh).OnlyEnforceIf(sh[s])
-    return (ring(m, sel, ksz, hi, k_hi, f"arr{s}")
-            + grad_lat + gated(m, sh[s], lat_term, gpu_hi * lat_hi, f"arl_{s}"))
+    m.Add(sel == xs[2]).OnlyEnforceIf(sh[s])
+    ghi = max(a[-1] - b[-1] for a, b in zip(tab.arsh_prefix, tab.ar_prefix))
+    gather = ring(m, gated(m, sh[s], xs[3], ghi, f"ag_{s}"), ksz, ghi, k_hi, f"agr{s}", lits=lits)
+    gather_lat = gated(m, sh[s], lat_term, gpu_hi * lat_hi, f"arl_{s}")
+    return (ring(m, sel, ksz, hi, k_hi, f"arr{s}", lits=lits) + grad_lat + gather_lat,
+            last_ring + gather + 2 * lat_term + gather_lat)
 
 
 def _stage_optim(m: cp_model.CpModel, tab: IntTables, groups, p, cuts: StageCuts, tied: TiedCopies, s: int,

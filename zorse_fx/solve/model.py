@@ -48,16 +48,21 @@ With u = z >= 1 (the block's fixed cost is paid):
                 (count > 1) has the link between two units              [C-boundary]
   t_s         = max_c compute of c in s + boundary_s                    [C-stage]
   sync6_s     = 6 x stage s's gradient synchronisation term: its own ring
-                all-reduce with buckets, the tied parameters' cross-stage
-                all-reduce and the optimizer, less E_s (below); encoded in
-                _sync_encoding.py, which documents it   [C-allreduce] [C-tied] [C-optim]
+                all-reduce with buckets less E_s + B6_s (below), L_s (the
+                last bucket's ring) less E_s, the tied parameters' cross-stage
+                all-reduce and the optimizer; encoded in _sync_encoding.py,
+                which documents it              [C-allreduce] [C-tied] [C-optim]
   dup_s       = the tied copies stage s holds once (_sync_encoding.
                 tied_copies), left out of its state and shard coverage  [C-tied]
   memory      = objective.py's [C-memory] per group and stage           [C-memory]
   step        = sum_s t_s + (M - 1) max_s t_s + Y, Y = ceil(W / 6) by
                 AddDivisionEquality, W = max_s sync6_s, E_s = sum_{j<s} (4
-                cmax_j + 3 boundary_j): objective.py's D_s = floor(E_s / 6)
-                in integers (_sync_encoding.py)                        [C-objective]
+                cmax_j + 3 boundary_j), B6_s = (4 - rc_s) cmax-_s (a gated
+                product on rc_s; cmax-_s = max_c of c's compute over zh / uh,
+                its samples z / u on every block but the last of its stage:
+                end[q] = sum_s (ge[s][q+1] - ge[s][q]) a cut at q + 1, zh[q]
+                = end[q] ? 0 : z[q], uh[q] = u[q] and not end[q]):
+                objective.py's floors in integers (_sync_encoding.py) [C-objective]
 
 Units: time in integer ns (objective.UNITS_PER_S), memory in KiB, exactly the
 tables of ``build_tables``. Every derived quantity is defined by an equality
@@ -289,18 +294,63 @@ class CandidateModel:
 
         # stage_comp[c][s]: compute of a GPU of c in stage s, 0 when c is absent from s.
         stage_comp = [[None] * n_s for _ in cls]
+        rcg = [None] * n_c
         for c in cls:
             if single[c]:
                 on = None
                 if rc:  # the recomputed forward, when c's stage recomputes
                     on = m.NewBoolVar(f"rcg_{c}")
                     m.Add(on == sum(both(p[c][s], rc[s], f"prc_{c}_{s}") for s in stages))
+                rcg[c] = on
                 cv = compute(c, z[c], u[c], on, f"{c}")
                 for s in stages:
                     stage_comp[c][s] = gated(p[c][s], cv, work_hi, f"cgs_{c}_{s}")
             else:
                 for s in stages:
                     stage_comp[c][s] = compute(c, z[c][s], u[c][s], rc[s] if rc else None, f"{c}_{s}")
+        # [C-objective] cmax-_s: compute over the stage's blocks but its last (the backward the
+        # stage's buckets can overlap). end[q]: block q is the last of its stage (a cut at q + 1;
+        # True for the last block, False for the others with one stage); zh / uh = z / u off them.
+        ge = cuts.ge
+        end = [True if q == nb - 1 else False if n_s == 1 else m.NewBoolVar(f"end_{q}") for q in blocks]
+        for q in blocks[:-1]:
+            if n_s > 1:
+                m.Add(end[q] == sum(ge[s][q + 1] - ge[s][q] for s in range(1, n_s)))
+
+        def head(c, zz, uu, on, name):
+            """IntVar: compute of a GPU of c over its stage's blocks but the last ([C-compute] of
+            zz / uu with the last block's samples and fixed cost left out)."""
+            ty, zh, uh = ctype[c], [], []
+            for q in blocks:
+                if end[q] is True:
+                    zh.append(0), uh.append(0)
+                elif end[q] is False:
+                    zh.append(zz[q]), uh.append(uu[q])
+                else:
+                    v = m.NewIntVar(0, b, f"zh_{name}_{q}")
+                    m.Add(v == zz[q]).OnlyEnforceIf(end[q].Not())
+                    m.Add(v == 0).OnlyEnforceIf(end[q])
+                    zh.append(v), uh.append(both(uu[q], end[q].Not(), f"uh_{name}_{q}"))
+
+            def tsum(prefix):
+                w_, f_ = _blocks(prefix[0][ty]), _blocks(prefix[1][ty])
+                return sum(w_[q] * zh[q] + f_[q] * uh[q] for q in blocks)
+
+            hv = m.NewIntVar(0, work_hi, f"comph_{name}")
+            extra = gated(on, tsum((tab.rc_work_prefix, tab.rc_fixed_prefix)), work_hi, f"rch_{name}") if rc else 0
+            m.Add(hv == tsum((tab.work_prefix, tab.fixed_prefix)) + extra)
+            return hv
+
+        stage_head = [[None] * n_s for _ in cls]
+        for c in cls:
+            if single[c]:
+                hv = head(c, z[c], u[c], rcg[c], f"{c}")
+                for s in stages:
+                    stage_head[c][s] = gated(p[c][s], hv, work_hi, f"chs_{c}_{s}")
+            else:
+                for s in stages:
+                    stage_head[c][s] = head(c, z[c][s], u[c][s], rc[s] if rc else None, f"{c}_{s}")
+
         # Redundant throughput bound (valid for every decision): with w_ref[q] the
         # fastest type's time of block q and r_g = max_q w_ref[q] / w_type(g)[q] <= 1,
         # sum_g r_g compute_g >= b * sum_q w_ref[q] and compute_g <= tmax.
@@ -312,7 +362,7 @@ class CandidateModel:
             r_sum += r_g * len(groups[c].members)
         if r_sum > 0:
             m.Add(tmax >= int(b * sum(w_ref) / r_sum * (1 - 1e-9)))
-        t, drain6 = [], []
+        t, drain6, bwd6 = [], [], []
         for s in stages:
             cs = m.NewIntVar(0, work_hi, f"comp_s{s}")
             m.AddMaxEquality(cs, [stage_comp[c][s] for c in cls])
@@ -330,6 +380,11 @@ class CandidateModel:
             m.Add(ts == cs + bnd)  # [C-stage]
             t.append(ts)
             drain6.append(4 * cs + 3 * bnd)  # [C-objective] E_{s+1} - E_s
+            # [C-objective] B6_s = (4 - rc_s) cmax-_s: 6 x a bound of the stage's last backward but
+            # its last block's
+            ch = m.NewIntVar(0, work_hi, f"comph_s{s}")
+            m.AddMaxEquality(ch, [stage_head[c][s] for c in cls])
+            bwd6.append(4 * ch - gated(rc[s], ch, work_hi, f"bwdrc_{s}") if rc else 4 * ch)
 
         # [C-shard] zc[c][s]: MiB per GPU of c in sharded stage s (0 otherwise).
         self.zc = zc = None
@@ -349,7 +404,7 @@ class CandidateModel:
             self.zc = zc
 
         # [C-allreduce] [C-tied] [C-optim] 6 x each stage's sync term (_sync_encoding.py).
-        sync, sync_hi = sync_terms(m, tab, groups, p, k, size, cuts, tied, sh, zc, drain6,
+        sync, sync_hi = sync_terms(m, tab, groups, p, k, size, cuts, tied, sh, zc, drain6, bwd6,
                                    gpu_hi=gpu_hi, lat_hi=lat_hi, drain_hi=drain_hi)
 
         # [C-memory] state + activations <= usable KiB of a GPU of c in s, per policy combination.

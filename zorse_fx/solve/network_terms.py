@@ -1,7 +1,8 @@
 """The network terms of the objective (issue 13 item 6), split from
 ``objective.py`` (its module note "step-time model" is the model; these are
 its helpers): the pair bandwidth with shared links (``effective_pair_bandwidth``,
-used by ``build_tables``), the ring factor of [C-allreduce] (``ring_units``)
+used by ``build_tables``), the ring factor of [C-allreduce] (``ring_units``),
+the sync offsets of [C-objective] (``drain_offsets``, ``last_bucket_kib``)
 and the tied-parameter all-reduce of [C-tied] (``tied_terms``). The CP-SAT
 model (``model.py``; these terms in ``_sync_encoding.py``) encodes the same terms.
 
@@ -40,7 +41,8 @@ from __future__ import annotations
 
 from .records import DeviceGraph
 
-__all__ = ["effective_pair_bandwidth", "ring_units", "tied_terms"]
+__all__ = ["effective_pair_bandwidth", "ring_units", "last_bucket_kib", "untied_block_kib", "drain_offsets",
+           "tied_terms"]
 
 
 def effective_pair_bandwidth(devices: DeviceGraph) -> list[list[float]]:
@@ -67,10 +69,87 @@ def effective_pair_bandwidth(devices: DeviceGraph) -> list[list[float]]:
     return bw
 
 
-def ring_units(units: int, k: int) -> int:
-    """ceil(units * (k - 1) / k): the bandwidth term of a ring collective over k
-    GPUs whose whole payload would take ``units`` on the slowest link ([C-allreduce])."""
-    return -(-units * (k - 1) // k) if k > 1 else 0
+def ring_units(units: int, k: int, scale: int = 1) -> int:
+    """ceil(units * (k - 1) / (k * scale)): the bandwidth term of a ring collective
+    over k GPUs whose whole payload would take ``units`` on the slowest link
+    ([C-allreduce]); ``scale`` > 1 when ``units`` are 1/scale ns (the last
+    bucket's table of [C-objective], ``IntTables.lastb_scale``). 0 for k <= 1."""
+    return -(-units * (k - 1) // (k * scale)) if k > 1 else 0
+
+
+def last_bucket_kib(grad_kib: int, caps: tuple[int, int]) -> int:
+    """KiB of the last gradient bucket of a stage with ``grad_kib`` KiB of float32
+    gradients (G_s of [C-allreduce], ``caps`` = (first_cap, cap) in KiB): with e =
+    nb - 1 = max(0, ceil((G - first_cap) / cap)) buckets after the first, G when
+    e = 0, else G - first_cap - (e - 1) cap (in (0, cap]). The runtime fills the
+    buckets in backward order, so the last one holds the stage's earliest
+    parameters and is ready only when its last backward ends ([C-objective])."""
+    first, cap = caps
+    e = max(0, -(-(grad_kib - first) // cap))
+    return grad_kib - cap * e + (cap - first) * (e >= 1)
+
+
+def untied_block_kib(tab) -> list[int]:
+    """Per block q: its float32 gradient KiB (``tab.grad_kib_prefix``, rounded up)
+    less every tied parameter it reads (``tab.tied_grad_kib``, rounded down), so
+    >= 0 and <= G_s of any stage starting at q. A stage's first block's
+    gradients are ready only when the stage's backward ends, so its buckets
+    holding them wait for it: [C-objective]'s L_s counts max(last_kib_s, this
+    of the stage's first block). Leaving out every tied copy keeps it a lower
+    bound of those buckets whichever copy [C-tied] keeps in the stage's ring."""
+    pre = tab.grad_kib_prefix
+    out = [pre[q + 1] - pre[q] for q in range(len(pre) - 1)]
+    for t, blocks in enumerate(tab.tied_blocks):
+        for q in blocks:
+            out[q] -= tab.tied_grad_kib[t]
+    return out
+
+
+def drain_offsets(compute, boundary, extra=None) -> tuple[int, ...]:
+    """D_s of [C-objective] (units): floor(E_s / 6), E_s = sum_{j<s} (4 compute_j
+    + 3 boundary_j), a lower bound of the time from stage s's last backward to
+    stage 0's (``compute`` = per-stage slowest GPU's compute, ``boundary`` as
+    [C-boundary]); with ``extra`` (per stage, units): floor((E_s + extra_s) / 6).
+
+    Why: the runtime and the simulator (``sim/sync.py``) start each gradient
+    bucket of a stage as soon as its last backward has produced it. The last
+    micro-batch's backward walks from stage S-1 down to 0, so after stage s's
+    last backward each stage j < s still receives the gradient (half of
+    boundary_j) and runs its backward: 2/3 of compute_j without recomputation,
+    3/4 with it (the re-run forward), so >= 2/3 cmax_j either way; D_s is a
+    lower bound of that drain in the model's own terms (a stage at its slowest
+    GPU, a boundary at its [C-boundary] price; the simulator routes rows, so
+    its drain can be shorter where a GPU receives from a faster one or on a
+    faster link). Stage s's own backward runs its blocks in reverse, its last
+    block first, and a block's gradients are ready when its backward ends (the
+    runtime's hook; ``sim/sync.py``'s ``_Timing.block_done``), so nothing of
+    stage s can be all-reduced before its last block's backward ends on every
+    GPU: with g* the GPU that ends last, the tail after it is >= allreduce_s -
+    max_g bwd_g(blocks i..j-2). Every bucket but the last (it holds the stage's
+    earliest parameters) can start during the backward of those blocks, which
+    lasts at most B6_s / 6 = (4 - rc_s) cmax-_s / 6 (2/3 of their compute, 1/2
+    with recomputation; cmax-_s = the slowest GPU's compute over the stage's
+    blocks but its last, 0 for a one-block stage), so the all-reduce gets
+    floor((E_s + B6_s) / 6). The buckets holding the stage's first block's
+    gradients wait for the whole backward, so L_s, the ring of the larger of
+    the last bucket and that block's gradients (and a sharded stage's
+    all-gather), gets D_s. A tied parameter's ring waits for all its holders
+    (usually stage 0), so tied_s has no offset. Before issue 13 item 6 every
+    sync started after the whole drain; bench/objective_vs_sim.py on 56 plans:
+    simulated / objective median 0.950 -> 0.957 with D_s, 28 -> 32 within 5%.
+    B6_s over the whole stage ((4 - rc_s) cmax_s) made single-stage plans of
+    few large blocks optimistic (58 plans: max 1.036 -> 1.281, random seed
+    36: blocks of 20M and 148M parameters, the bulk ready only after the
+    second's backward). With cmax-_s: max 1.093, 38 within 5%, median 1.000;
+    the plans above 1.05 (seeds 6, 15, 34) wait for their first block's
+    buckets, which LK_s now counts: 58 plans min 0.576, median 1.000, max
+    1.036 (an AMP scenario plan; random instances 1.020), 43 within 5%, none
+    above 1.05."""
+    out, acc = [], 0
+    for s, (c, b) in enumerate(zip(compute, boundary)):
+        out.append((acc + (extra[s] if extra else 0)) // 6)
+        acc += 4 * c + 3 * b
+    return tuple(out)
 
 
 def tied_terms(tab, stage_blocks, stage_gpus, num_groups: int | None = None):

@@ -74,32 +74,24 @@ shardable state bytes (shardable_bytes_per_param * P_s), R_s = the rest
                 2 * optim_bytes * (z_g MiB / shardable_bytes) / mem_bw_g
                 (each GPU updates the parameters of its shard)        [C-optim]
   pipe        = sum_s t_s + (M - 1) * max_s t_s   (1F1B / GPipe fill + steady state)
-  D_s         = floor(sum_{j<s} (4 cmax_j + 3 boundary_j) / 6), cmax_j = max_{g in j}
-                compute_g  (D_0 = 0; ``drain_offsets``)
-  step        = pipe + max_s (max(allreduce_s - D_s, tied_s) + optim_s)
-                (a stage holding no tied_s: allreduce_s - D_s + optim_s, < 0
-                when its sync ends before the drain does; stage 0's term is
-                >= 0; ``Evaluation.allreduce_s`` reports max(allreduce_s, tied_s))
-                                                                       [C-objective]
-                Why D_s: stage s's own all-reduce starts when its last backward
-                ends, at pipe - D_s or earlier, as the runtime and the simulator
-                start a stage's buckets during its last backward
-                (``sim/sync.py``). The last micro-batch's backward walks from
-                stage S-1 down to 0, so after stage s's last backward each
-                stage j < s still receives the gradient (half of boundary_j)
-                and runs its backward: 2/3 of compute_j without recomputation,
-                3/4 with it (the re-run forward), so >= 2/3 cmax_j either way;
-                D_s = sum_{j<s} (2/3 cmax_j + boundary_j / 2) rounded down is
-                a lower bound of that drain in the model's own terms (a stage
-                at its slowest GPU, a boundary at its [C-boundary] price; the
-                simulator routes rows, so its drain can be shorter where a
-                GPU receives from a faster one or on a faster link). A tied
-                parameter's ring waits for all its holders (usually stage 0),
-                so tied_s has no offset. Before issue 13 item 6 every sync
-                started after the whole drain (D_s = 0); bench/objective_vs_sim.py
-                on 56 plans (scaling up to 256 GPUs, amp, metis, random):
-                simulated / objective median 0.950 -> 0.957, 28 -> 32 within 5%,
-                max 1.036 (unchanged: amp homogeneous_all).
+  E_s         = sum_{j<s} (4 cmax_j + 3 boundary_j), cmax_j = max_{g in j} compute_g;
+                D_s = floor(E_s / 6) (``network_terms.drain_offsets``, which says why);
+                B6_s = (4 - rc_s) cmax-_s, cmax-_s = max_{g in s} compute_g over the blocks of s
+                but its last (0 for one): 6 x a bound of the last backward after that block's
+  L_s         = the last gradient bucket's ring, 0 if k = 1: max over the bw
+                classes q present in s of ceil(lastb_q LK_s (k - 1) / (k
+                scale_q)) + (2 + sh_s) (k - 1) lat_max(within s), + when sh_s
+                the all-gather: ceil(max_q (own arsh_q - own ar_q) (k - 1) / k);
+                LK_s = max(last_kib_s, untied KiB of block i_s: ``untied_block_kib``),
+                last_kib_s = G_s - cap e_s + (cap - first_cap) [e_s >= 1], e_s = nb_s - 1
+                (``last_bucket_kib``); lastb_q = 1/scale_q ns per KiB (``IntTables.lastb_coef``)
+  step        = pipe + max_s (max(allreduce_s - floor((E_s + B6_s) / 6),
+                L_s - D_s, tied_s) + optim_s)  (stage 0's term is >= 0;
+                a stage holding no tied_s leaves it out; a 1-GPU stage's term
+                is optim_s - D_s; ``Evaluation.allreduce_s`` reports
+                max(allreduce_s, tied_s)). The interleaved terms ([Note:
+                interleaved stages], pipeline_terms.py) have neither the drain
+                nor the own-backward offsets.                            [C-objective]
   memory_g    = R_s + (sh_s ? z_g MiB : Q_s)
                 + (rc_s ? n_g * (inflight_s * X_s + A_s) : inflight_s * n_g * A_s)
                 <= floor(memory_fraction * memory_bytes_g),
@@ -157,7 +149,8 @@ from ..errors import InfeasiblePlanError
 from ..options import SCHEDULES, PlanOptions
 from ..runtime.grad_sync import BUCKET_BYTES, bucket_caps
 from .decision import Decision
-from .network_terms import effective_pair_bandwidth, ring_units, tied_terms
+from .network_terms import (drain_offsets, effective_pair_bandwidth, last_bucket_kib, ring_units, tied_terms,
+                            untied_block_kib)
 from .records import BlockCosts, DeviceGraph
 from .state_terms import stage_optim_units, stage_state_kib
 
@@ -167,7 +160,7 @@ __all__ = [
     "evaluate", "evaluate_units", "balance_shards", "MIB_UNITS", "evaluate_result",
     "RECOMPUTE_FRACTION", "MemoryPolicy", "prepare", "policy_decision",
     "effective_pair_bandwidth", "ring_units", "tied_terms", "bucket_count", "GRAD_BUCKET_BYTES_PER_PARAM",
-    "BUCKET_UNIT_BYTES", "drain_offsets",
+    "BUCKET_UNIT_BYTES", "drain_offsets", "LAST_BUCKET_RESOLUTION",
 ]
 
 #: Integer time units per second: 1 unit = 1 ns.
@@ -187,6 +180,12 @@ RECOMPUTE_FRACTION = 1.0 / 3.0
 GRAD_BUCKET_BYTES_PER_PARAM = 4
 #: Bytes per unit of the bucket-count tables (KiB; [C-allreduce], module note).
 BUCKET_UNIT_BYTES = 1024
+#: Least coefficient of the last bucket's table (``IntTables.lastb_coef``, [C-objective]):
+#: its per-KiB ring time on NVLink is ~2-20 ns, so whole ns would round it by up to 25%;
+#: each class counts in 1/2^i ns enough for a rounding error < 0.05%. Per class, not one
+#: fine unit for all: 1/1024 ns per KiB on a 2 GB/s link made the coefficients ~3e10
+#: and OR-Tools 9.15's presolve returned a wrong "OPTIMAL" (test_solver seed 30).
+LAST_BUCKET_RESOLUTION = 1024
 
 
 def bucket_count(grad_units: int, caps: tuple[int, int]) -> int:
@@ -326,6 +325,11 @@ class IntTables:
     tied_state: tuple[int, ...] = ()
     tied_shard: tuple[int, ...] = ()
     tied_opt: tuple[tuple[int, ...], ...] = ()
+    #: [bw class] 1/lastb_scale[class] ns per KiB of a float32 gradient bucket's ring
+    #: pass, 2 * grad_bytes * (BUCKET_UNIT_BYTES / 4) / bw (the last bucket of [C-objective]);
+    #: lastb_scale = the least power of two making it >= LAST_BUCKET_RESOLUTION (1 if none).
+    lastb_coef: tuple[int, ...] = ()
+    lastb_scale: tuple[int, ...] = ()
     sharding: str = "never"
     recompute: str = "never"
 
@@ -369,6 +373,13 @@ def build_tables(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions,
         raise ValueError(f"bucket caps ({first_cap}, {cap}) bytes must be whole KiB with 0 < first < other "
                          f"(the CP-SAT model's bucket count relies on it)")
     fp32 = GRAD_BUCKET_BYTES_PER_PARAM
+    lastb_scale = []
+    for v in bw_values:  # [C-objective] sub-ns units of the last bucket's ring, per class
+        per_kib, sc = 2 * gr * (BUCKET_UNIT_BYTES / fp32) / v * UNITS_PER_S, 1
+        while 0 < per_kib * sc < LAST_BUCKET_RESOLUTION:
+            sc *= 2
+        lastb_scale.append(sc)
+    lastb_scale = tuple(lastb_scale)
     return IntTables(
         num_blocks=costs.num_blocks, num_gpus=n_g, num_microbatches=m, microbatch_size=b,
         schedule=options.schedule, gpu_types=tuple(devices.gpu_types),
@@ -405,6 +416,9 @@ def build_tables(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions,
         tied_state=tuple(int(st * tp.numel) // MEMORY_UNIT_BYTES for tp in costs.tied_params),
         tied_shard=tuple(int(sh * tp.numel) // MEMORY_UNIT_BYTES for tp in costs.tied_params),
         tied_opt=tuple(tuple(to_units(2 * ob * tp.numel / v) for v in mem_bw_values) for tp in costs.tied_params),
+        lastb_coef=tuple(int(round(2 * gr * (BUCKET_UNIT_BYTES / fp32) / v * UNITS_PER_S * sc))
+                         for v, sc in zip(bw_values, lastb_scale)),
+        lastb_scale=lastb_scale,
         sharding=options.sharding, recompute=options.recompute,
     )
 
@@ -446,17 +460,6 @@ class StageUnits:
         """[C-memory] and [C-shard] hold."""
         return not any(self.uncovered) and all(
             need <= tab.cap_bytes[g] for gs, needs in zip(stage_gpus, self.memory) for g, need in zip(gs, needs))
-
-
-def drain_offsets(compute, boundary) -> tuple[int, ...]:
-    """D_s of [C-objective] (units): floor(sum_{j<s} (4 compute_j + 3 boundary_j) / 6),
-    a lower bound of the time from stage s's last backward to stage 0's
-    (``compute`` = per-stage slowest GPU's compute, ``boundary`` as [C-boundary])."""
-    out, acc = [], 0
-    for c, b in zip(compute, boundary):
-        out.append(acc // 6)
-        acc += 4 * c + 3 * b
-    return tuple(out)
 
 
 def _act_units(tab: IntTables, s: int, n_s: int, i: int, n: int, a: int, rc: bool) -> int:
@@ -538,21 +541,22 @@ def evaluate_units(tab: IntTables, stage_blocks, stage_gpus, samples, policy: Me
     stages] (with v = 1: ``interleave.base_makespan_s``'s measure)."""
     n_s, m = len(stage_blocks), tab.num_microbatches
     pol = policy or MemoryPolicy.plain(n_s)
-    comp, bnd, ar, opt, mem, unc = [], [], [], [], [], []
+    comp, comp_head, bnd, ar, opt, mem, unc, last = [], [], [], [], [], [], [], []
     grad_kib, ring_lat = [], []  # per stage: G_s (KiB) and (k - 1) * lat_max of [C-allreduce]
-    excluded, tied = tied_terms(tab, stage_blocks, stage_gpus, n_s // interleave)
+    (excluded, tied), first_kib = tied_terms(tab, stage_blocks, stage_gpus, n_s // interleave), untied_block_kib(tab)
     for s, ((i, j), gpus, ns) in enumerate(zip(stage_blocks, stage_gpus, samples)):
         sh, rc = pol.sharded[s], pol.recompute[s]
 
-        def work(g, n):
+        def work(g, n, e):  # [C-compute] of GPU g over blocks [i, e)
             t = tab.gpu_types[g]
-            w = n * (tab.work_prefix[t][j] - tab.work_prefix[t][i]) + tab.fixed_prefix[t][j] - tab.fixed_prefix[t][i]
+            w = n * (tab.work_prefix[t][e] - tab.work_prefix[t][i]) + tab.fixed_prefix[t][e] - tab.fixed_prefix[t][i]
             if rc:
-                w += n * (tab.rc_work_prefix[t][j] - tab.rc_work_prefix[t][i]) \
-                    + tab.rc_fixed_prefix[t][j] - tab.rc_fixed_prefix[t][i]
+                w += n * (tab.rc_work_prefix[t][e] - tab.rc_work_prefix[t][i]) \
+                    + tab.rc_fixed_prefix[t][e] - tab.rc_fixed_prefix[t][i]
             return w
 
-        comp.append(max(work(g, n) for g, n in zip(gpus, ns)))
+        comp.append(max(work(g, n, j) for g, n in zip(gpus, ns)))
+        comp_head.append(max(work(g, n, j - 1) for g, n in zip(gpus, ns)))  # cmax-_s of [C-objective]
         if s < n_s - 1:
             nxt = stage_gpus[s + 1]
             xfer = max(tab.xfer[tab.pair_bw_class[g][h]][j] for g in gpus for h in nxt)
@@ -564,15 +568,24 @@ def evaluate_units(tab: IntTables, stage_blocks, stage_gpus, samples, policy: Me
         grad_kib.append(tab.grad_kib_prefix[j] - tab.grad_kib_prefix[i]
                         - sum(c * tab.tied_grad_kib[t] for t, c in excluded[s].items()))
         if pairs:
-            pre = tab.arsh_prefix if sh else tab.ar_prefix
-            arb = max(pre[k][j] - pre[k][i] - sum(c * tab.tied_ar[t][k] for t, c in excluded[s].items())
-                      for k in {tab.pair_bw_class[g][h] for g, h in pairs})
+            def own(pre, q):  # the stage's sum of a per-block table less its excluded tied copies
+                return pre[q][j] - pre[q][i] - sum(c * tab.tied_ar[t][q] for t, c in excluded[s].items())
+
+            classes = {tab.pair_bw_class[g][h] for g, h in pairs}
+            arb = max(own(tab.arsh_prefix if sh else tab.ar_prefix, q) for q in classes)
             ring_lat.append((len(gpus) - 1) * max(tab.pair_lat[g][h] for g, h in pairs))
             ar.append(ring_units(arb, len(gpus))
                       + (2 * bucket_count(grad_kib[s], tab.bucket_caps) + sh) * ring_lat[s])
+            # [C-objective] L_s: the ring of LK_s KiB (and a sharded stage's all-gather), after the backward.
+            lk, k = max(last_bucket_kib(grad_kib[s], tab.bucket_caps), first_kib[i]), len(gpus)
+            x = max(ring_units(tab.lastb_coef[q] * lk, k, tab.lastb_scale[q]) for q in classes)
+            if sh:
+                x += ring_units(max(own(tab.arsh_prefix, q) - own(tab.ar_prefix, q) for q in classes), k)
+            last.append(x + (2 + sh) * ring_lat[s])
         else:
             ring_lat.append(0)
             ar.append(0)
+            last.append(0)
         state, shard = stage_state_kib(tab, i, j)  # [C-tied]: a tied parameter once per stage
         a = tab.act_prefix[j] - tab.act_prefix[i]
         if sh:
@@ -591,10 +604,14 @@ def evaluate_units(tab: IntTables, stage_blocks, stage_gpus, samples, policy: Me
 
         return interleaved_units(tab, stage_blocks, stage_gpus, samples, pol, interleave, comp, bnd, stage,
                                   ar, opt, mem, unc, tied=tied, buckets=(grad_kib, ring_lat))
-    # [C-objective]: stage s's own sync starts D_s before the drain ends; a tied ring (held: not None) at its end.
+    # [C-objective]: stage s's own sync starts during the backward of its blocks but its last (6 x
+    # an upper bound of it: (4 - rc_s) cmax-_s), its last bucket only after it, D_s before the drain
+    # ends; a tied ring (held: not None) at the drain's end.
     drain = drain_offsets(comp, bnd)
+    drain_bwd = drain_offsets(comp, bnd, [(3 if r else 4) * c for r, c in zip(pol.recompute, comp_head)])
+    sync = [max(a - db, lb - d) for a, db, lb, d in zip(ar, drain_bwd, last, drain)]
     step = sum(stage) + (m - 1) * max(stage) + max(
-        (a - d if t is None else max(a - d, t)) + o for a, d, t, o in zip(ar, drain, tied, opt))
+        (w if t is None else max(w, t)) + o for w, t, o in zip(sync, tied, opt))
     ar = [a if t is None else max(a, t) for a, t in zip(ar, tied)]  # [C-tied]: the optimizer waits for both
     return StageUnits(compute=tuple(comp), boundary=tuple(bnd), stage=stage, allreduce=tuple(ar),
                       optim=tuple(opt), memory=tuple(mem), step=step, uncovered=tuple(unc))

@@ -27,8 +27,12 @@ second per (order, M) on 64 GPUs:
   cost     c = (M + S - 1) * (compute + boundary) + allreduce + optim of the
            cheapest fitting variant, with the boundary on the link to the next
            unit: a per-stage proxy of [C-objective] (step <= sum_s t_s +
-           (M - 1) max_s t_s + max_s sync_s <= max_s c_s + (S - 1) max_s t_s;
-           the proxy leaves out the drain offsets D_s).
+           (M - 1) max_s t_s + max_s sync_s <= max_s c_s + (S - 1) max_s t_s
+           with sync_s = allreduce_s + optim_s; the proxy leaves out the
+           drain and own-backward offsets, and the objective's sync term
+           max(allreduce_s - ..., L_s - D_s) is <= allreduce_s up to the
+           last bucket's rounding, so the proxy is an approximate upper
+           bound, used only to rank splits, never to prune or bound).
   DP       best[s][u][j] = min over (u0, i) of max(best[s-1][u0][i], c(s; u0..u; i..j)),
            one DP per total S (in-flight micro-batches of stage s are
            min(S - s, M)), vectorised over the block indices with numpy.
