@@ -36,10 +36,11 @@ soon as its own stages are done, with the drain of the pipeline on the
 ranks of earlier stages. The simulator prices these two (``sim/engine.py``,
 "Gradient sync"), a bucket ready when its parameters' blocks finished their
 backward -- no earlier than this hook fires -- and taking the link to itself:
-not more overlap than this code can get. The planner's objective charges the
-whole reduction after the stage's own last backward (the drain of the earlier
-stages, [C-objective]; no overlap with the backward; see bench/README.md,
-"Overlap").
+not more overlap than this code can get. The planner's objective lets every bucket
+but the last run during the stage's last backward, from the end of the
+backward of the stage's last block (it runs first: no bucket is ready before
+it ends), and charges the rest after it: [C-objective], ``solve/network_terms.drain_offsets``;
+bench/README.md, "Gradient buckets overlapping the stage's own last backward").
 """
 
 from __future__ import annotations

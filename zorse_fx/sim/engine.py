@@ -87,9 +87,10 @@ through the pair bandwidth: [Note: shared links in the objective]).
 The step ends when the last optimizer step /
 all-gather ends. The objective starts stage s's sync D_s before the drain
 ends (a lower bound of the drain after s's last backward, [C-objective];
-interleaved: when the group's last task ends), all buckets at once, and
-counts the same buckets ([C-allreduce]'s nb_s): it prices no overlap with the
-backward, so it is the pessimistic one. Times are not rounded:
+interleaved: when the group's last task ends) and lets the buckets overlap
+that backward except its last block's, with the last bucket and the first
+block's gradients after it; it counts the same buckets ([C-allreduce]'s
+nb_s) but not when each block makes them ready. Times are not rounded:
 where both models coincide (one stage,
 GPipe with equal stages and free links, or interleaved 1F1B with equal
 groups and chunks and free links: (M v + P - 1) stage times + sync) they
