@@ -10,10 +10,13 @@ Time of one node on a device type, in order of preference:
    FLOPs (matmul, attention) or bytes (others); beyond the largest measured
    size time grows in proportion to size, below the smallest it stays at the
    smallest measured time (dispatch/launch floor);
-3. ``roofline``: the type has no profile (or none for the class):
+3. ``roofline``: the type's profile has no entry of the node's class:
    datasheet roofline (``roofline.py``) with the efficiency of the class
    learned from every measured *GPU* profile (median achieved / peak); if no
    GPU profile is loaded, the assumed ``MATMUL_EFFICIENCY``/``MEMORY_EFFICIENCY``.
+
+A type with no profile at all is priced by ``measured_block_costs`` as a plan
+without profiles prices it (``base``: the class model), source ``"class model"``.
 
 Matmul and attention timings are used only where they were measured in the
 plan's compute dtype (``KernelTiming.dtype``): under a mixed precision plan
@@ -22,6 +25,12 @@ measurement of the captured (float32) model's own matmuls does not price
 them; they fall to interpolation over the profile's entries in the compute
 dtype, else to the roofline at that dtype's peak. Other classes are used
 whatever their dtype.
+
+A profiled type's block also pays, once per micro-batch, the accumulation of
+its parameters' gradients into ``.grad`` (``grad_accumulate_ms``; node
+replays return gradients and accumulate none) and ``node_overhead_ms`` per
+computing node (what a whole graph's time has beyond its nodes' device times;
+fitted with the calibration, ``kernels_main.calibrate_graph``).
 
 A device type with neither a profile nor a datasheet row is an error (never
 treated as a known one). Stage costs for the planner come from two micro-batch
@@ -49,7 +58,8 @@ from ..solve.records import BlockCosts
 from .opclass import size_metric
 from .roofline import FWD_BWD_FACTOR, KERNEL_OVERHEAD_S, MATMUL_EFFICIENCY, MEMORY_EFFICIENCY
 
-__all__ = ["ProfileSet", "NodeTime", "node_time", "measured_block_costs", "SHIPPED_PROFILES"]
+__all__ = ["ProfileSet", "NodeTime", "node_time", "measured_block_costs", "grad_accumulate_ms", "computing_nodes",
+           "SHIPPED_PROFILES"]
 
 #: Profiles shipped with zorse_fx (measured by the project; see bench/README.md).
 SHIPPED_PROFILES = Path(__file__).resolve().parents[1] / "profiles"
@@ -158,6 +168,26 @@ def node_time(call: NodeCall, device_type: str, profiles: ProfileSet, spec: GPUS
     return NodeTime(fwd * 1e3, fwd * (FWD_BWD_FACTOR - 1) * 1e3, "roofline")
 
 
+def grad_accumulate_ms(prof: KernelProfile, numel: int, itemsize: int = 4) -> float:
+    """ms to add one micro-batch's gradient of ``numel`` elements into ``.grad``
+    (read both, write one: ``3 * itemsize * numel`` bytes) on ``prof``'s device:
+    interpolated over its measured elementwise entries by bytes; 0 if it has none.
+
+    Node replays time each node's backward with ``torch.autograd.grad``, which
+    returns gradients and accumulates none; the runtime's backward adds every
+    parameter's gradient into ``.grad`` (one float32 add kernel per parameter;
+    measured on an H200, bench/README.md "Measured-profile path on an H200")."""
+    pts = sorted({(max(e.bytes, 1.0), e.fwd_ms) for e in prof.of_class("elementwise", "torch") if e.fwd_ms > 0})
+    return _interpolate(pts, 3.0 * itemsize * numel) if pts else 0.0
+
+
+def computing_nodes(bg: BlockGraph, batch: int = 1) -> int:
+    """How many nodes of ``bg``'s blocks the cost model times (``model_calls``):
+    what ``KernelProfile.node_overhead_ms`` is charged per."""
+    calls = model_calls(bg.captured, batch)
+    return sum(name in calls for b in range(bg.num_blocks) for name in bg.block_nodes(b))
+
+
 def measured_block_costs(
     bg: BlockGraph,
     specs: dict[str, GPUSpec | None],
@@ -169,11 +199,17 @@ def measured_block_costs(
 ) -> tuple[BlockCosts, dict[str, Counter]]:
     """Per-block per-sample and fixed times from profiles, at micro-batches ``batches``.
 
-    ``base`` (the roofline ``BlockCosts``) supplies parameters, activation and
+    ``base`` (``roofline.block_costs``) supplies parameters, activation and
     cut bytes and bytes per parameter, which do not depend on the timing
-    source. ``compute_dtype``: the plan's (``PrecisionPolicy.compute_dtype``).
-    Returns the costs and, per device type, how many node times came from
-    each source.
+    source, and the times of every type in ``specs`` without a profile: a
+    table GPU beside a profiled one is priced as in a plan with no profile
+    (the class model of ``gpu_model``, source ``"class model"``), not by a
+    roofline scaled from the other GPU's profile. ``compute_dtype``: the
+    plan's (``PrecisionPolicy.compute_dtype``). Returns the costs and, per
+    device type, how many node times came from each source.
+
+    Raises:
+        ValueError: a type has neither a profile nor a datasheet spec.
     """
     n1, n2 = batches
     if not 1 <= n1 < n2:
@@ -183,10 +219,25 @@ def measured_block_costs(
     per_sample: dict[str, tuple[float, ...]] = {}
     fixed: dict[str, tuple[float, ...]] = {}
     sources: dict[str, Counter] = {}
+    state, trainable = bg.captured.state(), bg.captured.trainable()
     for dev_type, spec in specs.items():
+        prof = profiles.by_type.get(dev_type)
+        if prof is None and spec is not None and dev_type in base.fwd_bwd_s_per_sample:
+            per_sample[dev_type] = base.fwd_bwd_s_per_sample[dev_type]
+            fixed[dev_type] = base.fwd_bwd_s_fixed.get(dev_type, (0.0,) * bg.num_blocks)
+            sources[dev_type] = Counter({"class model": sum(name in calls[n] for n in (n1, n2)
+                                                            for b in range(bg.num_blocks)
+                                                            for name in bg.block_nodes(b))})
+            continue
         cache: dict[str, NodeTime] = {}
         count: Counter = Counter()
         slopes, fixeds = [], []
+        calibration = prof.calibration if prof is not None else 1.0
+        accumulate = [sum(grad_accumulate_ms(prof, state[a].numel(), state[a].element_size())
+                          for a in bg.block_attrs[b] if a in trainable) if prof is not None else 0.0
+                      for b in range(bg.num_blocks)]
+        overhead = [(prof.node_overhead_ms * sum(name in calls[n1] for name in bg.block_nodes(b))
+                     if prof is not None else 0.0) for b in range(bg.num_blocks)]
         for b in range(bg.num_blocks):
             totals = []
             for n in (n1, n2):
@@ -203,7 +254,7 @@ def measured_block_costs(
                 totals.append(total)
             slope = max(0.0, (totals[1] - totals[0]) / (n2 - n1))
             slopes.append(slope)
-            fixeds.append(max(0.0, totals[0] - n1 * slope))
+            fixeds.append(max(0.0, totals[0] - n1 * slope) + (accumulate[b] * calibration + overhead[b]) * 1e-3)
         per_sample[dev_type] = tuple(slopes)
         fixed[dev_type] = tuple(fixeds)
         sources[dev_type] = count

@@ -86,10 +86,12 @@ CONFIGS: dict[str, Callable[[], object]] = {
 }
 
 
-def build(name: str, *, device: str | torch.device = "meta") -> torch.nn.Module:
+def build(name: str, *, device: str | torch.device = "meta", num_layers: int | None = None) -> torch.nn.Module:
     """The causal LM ``name`` (a key of :data:`CONFIGS`) in float32 on ``device``
     (default meta: shapes only, no memory), with randomly initialised weights
     off the meta device. The bare ``transformers`` model (``...ForCausalLM``).
+    ``num_layers``: that many decoder layers instead of the published count
+    (to measure a few layers of a large model on one GPU).
 
     Raises:
         ValueError: ``name`` is not in :data:`CONFIGS`.
@@ -99,6 +101,8 @@ def build(name: str, *, device: str | torch.device = "meta") -> torch.nn.Module:
     if name not in CONFIGS:
         raise ValueError(f"unknown scenario model {name!r}; choose from {sorted(CONFIGS)}")
     cfg = CONFIGS[name]()
+    if num_layers is not None:
+        setattr(cfg, "n_layer" if cfg.model_type == "gpt2" else "num_hidden_layers", int(num_layers))
     cls = {"opt": OPTForCausalLM, "gpt2": GPT2LMHeadModel, "llama": LlamaForCausalLM}[cfg.model_type]
     with torch.device(device):
         return cls(cfg)

@@ -3,11 +3,33 @@
     zorse bench kernels --model smollm2-135m --seq-len 64 --batch-sizes 1,6 \\
         --device-type cpu-x86-1thread -o profiles/cpu-x86-1thread.json --plot profiles/cpu.png
 
+    # on a GPU: 2 decoder layers of Llama-2 7B's shape, bf16 autocast, as the H200 profile was made
+    zorse bench kernels --model llama2-7b --layers 2 --seq-len 512,2048,4096 --batch-sizes 1,4 \
+        --calibrate-at 4096,1 --calibrate-at 512,1 -o zorse_fx/profiles/H200.json
+
 Two sweeps, both written to one profile (``profile.py``):
 
 - the model sweep: every distinct computing node of the traced model at each
   micro-batch size, replayed with the ATen op the runtime executes
-  (``replay.py``), forward and backward;
+  (``replay.py``), forward and backward. Two ways:
+
+  * ``--replay graph`` (default on a GPU): the captured graph runs once per
+    (sequence length, micro-batch) under the precision's autocast (default
+    ``bf16-mixed``) and every node is re-run alone on the tensors that run
+    gave it (``replay.graph_node_times``): the dtypes, casts, strides and
+    kernels of training; timed on the device alone (``replay.time_gpu_ms``).
+    The whole graph's forward + backward is measured too; the calibration and
+    the per-node overhead are fitted to it at the ``--calibrate-at`` points
+    (``calibrate_graph``, against ``predict_fwd_bwd_ms``: the measured-profile
+    path, gradient accumulation included), and every point's error is printed
+    (the others held out). Needs the model's weights and one
+    forward's activations in device memory: ``--layers`` cuts a published
+    model (``zorse_fx.models.published``) to a few decoder layers.
+  * ``--replay fake`` (default on a CPU): random tensors of the shapes and
+    dtypes a fake-tensor run gives (any model size), host-timed; matmuls in
+    the captured graph's float32, so a mixed-precision plan prices them from
+    the standard sweep (``cost.measured``); calibrated on ``--calibrate``'s
+    model.
 - the standard sweep: the Triton kernel registry (``kernels/zorse_kernels``)
   at its standard shapes. On a GPU both the Triton kernel and the torch
   reference are timed (``triton.testing.do_bench``); on a CPU only the torch
@@ -20,10 +42,13 @@ On a CPU the harness uses ``--threads`` threads (default 1, as each rank does).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as dt
+import json
 import platform
 import socket
 import statistics
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -94,6 +119,204 @@ def measure_model(model_name: str, seq_len: int, batch_sizes: list[int], device:
                                 dtype=_dtype_of(call), shape={}, fwd_ms=max(fwd, 1e-6),
                                 bwd_ms=bwd, flops=call.flops, bytes=call.bytes, source="model"))
     return out
+
+
+def load_on(model_name: str, device: torch.device, *, layers: int | None = None) -> torch.nn.Module:
+    """``model_name`` (a published scenario model, ``zorse_fx.models.published``,
+    with ``layers`` decoder layers if given; else a ``zorse_fx.models.registry``
+    name) on ``device`` as ``(input_ids, labels) -> loss``.
+
+    Raises:
+        ValueError: unknown name, or ``layers`` for a registry model.
+    """
+    import sys
+
+    from ..models import published
+    from ..models.hf import CausalLMWithLoss
+    from ..models.registry import load_model
+
+    if model_name in published.CONFIGS:
+        model = published.build(model_name, device=device, num_layers=layers)
+    else:
+        if layers is not None:
+            raise ValueError(f"--layers applies to the published models ({', '.join(sorted(published.CONFIGS))}), "
+                             f"not to {model_name!r}")
+        model = load_model(model_name)[0].to(device)
+    hf = sys.modules.get("transformers")  # not `api._is_hf_causal_lm`: that imports the planner (OR-Tools)
+    return CausalLMWithLoss(model) if hf is not None and isinstance(model, hf.PreTrainedModel) else model
+
+
+def whole_fwd_bwd_ms(gm, inputs, device: torch.device, autocast_dtype: torch.dtype | None, *,
+                     min_ms: float = 30.0) -> float:
+    """Wall time (ms) of one forward (under ``autocast_dtype``'s autocast) and
+    backward of ``gm``, gradients accumulating into ``.grad`` as over a step's
+    micro-batches; median of 3 runs of >= ``min_ms`` each after one warm-up."""
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+
+    def step():
+        with torch.autocast(device.type, dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None):
+            loss = gm(*inputs)
+        loss.backward()
+
+    step()
+    sync()
+    t0 = time.perf_counter()
+    step()
+    sync()
+    n = max(1, int(min_ms / max((time.perf_counter() - t0) * 1e3, 1e-3)))
+    out = []
+    for _ in range(3):
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            step()
+        sync()
+        out.append((time.perf_counter() - t0) * 1e3 / n)
+    for p in gm.parameters():
+        p.grad = None
+    return statistics.median(out)
+
+
+def measure_model_graph(model_name: str, seq_lens: list[int], batch_sizes: list[int], device: torch.device, *,
+                        precision: str, layers: int | None = None, progress=True):
+    """The model sweep on the run's own tensors (``replay.graph_node_times``)
+    under ``precision``'s autocast, at every (sequence length, micro-batch).
+
+    Returns ``(entries, whole, graphs)``: one :class:`KernelTiming` per
+    distinct node signature (keyed as ``cost.measured`` looks nodes up;
+    ``dtype`` = the compute dtype for matmul and attention, else the node's
+    output dtype); ``whole`` = ``[{"seq", "micro_batch", "fwd_bwd_ms",
+    "node_sum_ms"}]``, the whole graph's measured forward + backward
+    (``whole_fwd_bwd_ms``) beside the sum of its nodes; ``graphs`` =
+    ``{seq: BlockGraph}`` (a capture per sequence length).
+    """
+    from tqdm import tqdm
+
+    from ..capture import analyse, capture
+    from ..precision import precision_policy
+    from .replay import graph_node_times, model_calls
+
+    pol = precision_policy(precision)
+    amp = pol.compute_dtype if pol.mixed else None
+    model = load_on(model_name, device, layers=layers)
+    vocab = getattr(getattr(getattr(model, "model", None), "config", None), "vocab_size", 200)
+    entries: dict[str, KernelTiming] = {}
+    whole, graphs = [], {}
+    for seq in seq_lens:
+        ids = torch.randint(0, vocab, (2, seq), device=device)
+        captured = capture(model, (ids, ids.clone()))
+        graphs[seq] = analyse(captured)
+        gm = captured.graph_module
+        for n in tqdm(batch_sizes, desc=f"{model_name} seq {seq}", disable=not progress, unit="micro-batch"):
+            x = torch.randint(0, vocab, (n, seq), device=device)
+            calls = model_calls(captured, n)
+            times = graph_node_times(gm, (x, x.clone()), device, autocast_dtype=amp)
+            total = 0.0
+            for name, (fwd, bwd, out_dtype) in times.items():
+                call = calls.get(name)
+                if call is None:
+                    continue
+                total += fwd + (bwd or 0.0)
+                dtype = (str(pol.compute_dtype).removeprefix("torch.") if call.op_class in ("matmul", "attention")
+                         else out_dtype or "float32")
+                entries.setdefault(call.key, KernelTiming(
+                    key=call.key, op_class=call.op_class, impl="torch", dtype=dtype, shape={},
+                    fwd_ms=max(fwd, 1e-6), bwd_ms=bwd, flops=call.flops, bytes=call.bytes, source="model"))
+            whole.append(dict(seq=seq, micro_batch=n, fwd_bwd_ms=whole_fwd_bwd_ms(gm, (x, x.clone()), device, amp),
+                              node_sum_ms=total))
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    return list(entries.values()), whole, graphs
+
+
+def _seq_batch(text: str) -> tuple[int, int]:
+    try:
+        seq, batch = (int(v) for v in text.split(","))
+    except ValueError:
+        raise SystemExit(f"zorse bench kernels: --calibrate-at {text!r}: give SEQ,MICRO_BATCH, e.g. 4096,1") from None
+    return seq, batch
+
+
+def predict_fwd_bwd_ms(profile: KernelProfile, bg, batch: int, precision: str) -> float:
+    """The measured-profile path's forward + backward (ms) of the whole of
+    ``bg`` at micro-batch ``batch``: ``cost.measured.measured_block_costs``
+    with ``profile`` alone (its device type, its ``batch_sizes``' extremes),
+    as the planner prices a stage holding every block."""
+    from ..cluster import gpu_spec
+    from ..cost.measured import ProfileSet, measured_block_costs
+    from ..cost.roofline import block_costs
+    from ..precision import precision_policy
+
+    t = profile.device.device_type
+    try:
+        spec = gpu_spec(t)
+    except Exception:  # noqa: BLE001 - a profiled type needs no datasheet row (a CPU)
+        spec = None
+    pol = precision_policy(precision)
+    base = block_costs(bg, {}, precision=pol)  # sizes only: the times come from the profile
+    costs, _ = measured_block_costs(bg, {t: spec}, ProfileSet([profile]),
+                                    batches=(min(profile.batch_sizes), max(profile.batch_sizes)),
+                                    base=base, compute_dtype=pol.compute_dtype)
+    return sum(f + batch * s for f, s in zip(costs.fwd_bwd_s_fixed[t], costs.fwd_bwd_s_per_sample[t])) * 1e3
+
+
+def calibrate_graph(profile: KernelProfile, whole: list[dict], graphs: dict, at: list[tuple[int, int]],
+                    precision: str) -> tuple[float, float, str, list[dict]]:
+    """Fit the profile's ``calibration`` (a) and ``node_overhead_ms`` (b) so
+    that measured = a * predicted + b * nodes at the points ``at`` = [(seq,
+    micro-batch), ...] of ``whole`` (predicted: ``predict_fwd_bwd_ms`` with a
+    = 1, b = 0; nodes: ``cost.measured.computing_nodes``). One point: b = 0,
+    a = measured / predicted. Two or more: least squares; a negative b is set
+    to 0 and a refitted. Returns ``(a, b, note, rows)``; rows = every point of
+    ``whole`` with ``measured_ms``, ``raw_ms`` (a = 1, b = 0), ``predicted_ms``
+    (fitted) and ``error`` = predicted / measured - 1 (``calibration_point``
+    marks the fitted points; the others are held out).
+
+    Raises:
+        ValueError: a point of ``at`` was not measured.
+    """
+    from ..cost.measured import computing_nodes
+
+    bare = dataclasses.replace(profile, calibration=1.0, node_overhead_ms=0.0, by_key={})
+    rows = []
+    for w in whole:
+        bg = graphs[w["seq"]]
+        rows.append(dict(seq=w["seq"], micro_batch=w["micro_batch"], measured_ms=w["fwd_bwd_ms"],
+                         raw_ms=predict_fwd_bwd_ms(bare, bg, w["micro_batch"], precision),
+                         nodes=computing_nodes(bg, w["micro_batch"])))
+    measured_at = [(r["seq"], r["micro_batch"]) for r in rows]
+    missing = [p for p in at if tuple(p) not in measured_at]
+    if missing or not at:
+        raise ValueError(f"--calibrate-at {missing or at}: not a measured (seq, micro-batch); measured: {measured_at}")
+    fit = [r for r in rows if (r["seq"], r["micro_batch"]) in {tuple(p) for p in at}]
+    a, b = _fit_scale_offset([(r["raw_ms"], r["nodes"], r["measured_ms"]) for r in fit])
+    for r in rows:
+        r["predicted_ms"] = a * r["raw_ms"] + b * r["nodes"]
+        r["error"] = r["predicted_ms"] / r["measured_ms"] - 1
+        r["calibration_point"] = r in fit
+    where = ", ".join(f"seq {s} micro-batch {n}" for s, n in at)
+    note = (f"calibration {a:.4f}, node overhead {1e3 * b:.2f} us x {fit[0]['nodes']} nodes: fitted to the whole "
+            f"graph's measured fwd+bwd at {where}")
+    return a, b, note, rows
+
+
+def _fit_scale_offset(points: list[tuple[float, float, float]]) -> tuple[float, float]:
+    """``(a, b)`` minimising sum (a*x + b*n - y)^2 over ``(x, n, y)``, b >= 0
+    (one point, or a singular system: b = 0)."""
+    if len(points) >= 2:
+        sxx = sum(x * x for x, _, _ in points)
+        snn = sum(n * n for _, n, _ in points)
+        sxn = sum(x * n for x, n, _ in points)
+        sxy = sum(x * y for x, _, y in points)
+        sny = sum(n * y for _, n, y in points)
+        det = sxx * snn - sxn * sxn
+        if abs(det) > 1e-12 * max(sxx * snn, 1e-300):
+            a = (sxy * snn - sny * sxn) / det
+            b = (sxx * sny - sxn * sxy) / det
+            if b >= 0 and a > 0:
+                return a, b
+    sxx = sum(x * x for x, _, _ in points)
+    return sum(x * y for x, _, y in points) / sxx, 0.0
 
 
 def calibrate(model_name: str, seq_len: int, batch: int, device: torch.device, *, repeats: int,
@@ -247,7 +470,19 @@ def build_parser(add_help: bool = True) -> argparse.ArgumentParser:
     """The options of ``zorse bench kernels`` (``add_help=False``: for the CLI's ``parents=``)."""
     p = argparse.ArgumentParser(prog="zorse bench kernels", description=__doc__.splitlines()[0], add_help=add_help)
     p.add_argument("--model", action="append", default=[], help="model to sweep (repeatable); see zorse_fx.models.registry")
-    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--seq-len", default="64", help="sequence lengths, comma separated (`fake` replay: the first)")
+    p.add_argument("--layers", type=int, help="decoder layers of a published model (zorse_fx.models.published; "
+                   "default: all)")
+    p.add_argument("--replay", choices=("graph", "fake"),
+                   help="`graph`: re-run each node on the model's own tensors under the precision's autocast, "
+                        "device time only, calibrated against the whole graph (default on a GPU); `fake`: random "
+                        "tensors of the fake-propagated shapes, host-timed (default on a CPU)")
+    p.add_argument("--precision", help="autocast of the `graph` replay: fp32, bf16-mixed, fp16-mixed "
+                   "(default bf16-mixed on a GPU, fp32 on a CPU)")
+    p.add_argument("--calibrate-at", action="append", metavar="SEQ,MICRO_BATCH",
+                   help="`graph` replay: a measured point whose whole-graph fwd+bwd calibrates the profile "
+                        "(repeatable; two or more also fit the per-node overhead; default: the longest and the "
+                        "shortest sequence at the smallest micro-batch)")
     p.add_argument("--batch-sizes", default="1,8", help="micro-batch sizes, comma separated")
     p.add_argument("--no-standard", action="store_true", help="skip the standard sweep")
     p.add_argument("--device-type", help="cluster GPU type this profile describes (default: detected)")
@@ -256,8 +491,11 @@ def build_parser(add_help: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--flush-bytes", type=int, default=4 << 20,
                    help="cache-flush buffer written before each timed run (0: off)")
     p.add_argument("--cpu-scale", type=float, default=0.25, help="scale of standard shapes on CPU")
-    p.add_argument("--calibrate", default="gpt", help="model whose whole fwd+bwd calibrates node replays ('' = off)")
+    p.add_argument("--calibrate", default="gpt", help="`fake` replay: model whose whole fwd+bwd calibrates node "
+                   "replays ('' = off)")
     p.add_argument("-o", "--output", required=True)
+    p.add_argument("--report", help="`graph` replay: JSON of the calibration and each point's measured and "
+                   "predicted whole-graph fwd+bwd")
     p.add_argument("--plot", help="PNG of achieved throughput per op class")
     return p
 
@@ -273,17 +511,49 @@ def run(args) -> int:
         torch.set_num_threads(args.threads)
     info = device_info(device, args.device_type, args.threads if device.type == "cpu" else 1)
     batches = [int(b) for b in args.batch_sizes.split(",") if b]
+    try:
+        seqs = [int(v) for v in str(args.seq_len).split(",") if v]
+    except ValueError:
+        raise SystemExit(f"zorse bench kernels: --seq-len {args.seq_len!r}: give integers, comma separated")
+    replay = args.replay or ("graph" if device.type == "cuda" else "fake")
+    precision = args.precision or ("bf16-mixed" if device.type == "cuda" else "fp32")
     entries: list[KernelTiming] = []
+    calibration, node_overhead, cal_note = 1.0, 0.0, "none"
+    graph_runs = []
     for name in args.model:
-        entries += measure_model(name, args.seq_len, batches, device, repeats=args.repeats,
-                                 flush_bytes=args.flush_bytes if device.type == "cpu" else 0)
+        if replay == "graph":
+            es, whole, graphs = measure_model_graph(name, seqs, batches, device, precision=precision,
+                                                    layers=args.layers)
+            entries += es
+            graph_runs.append((name, whole, graphs))
+        else:
+            entries += measure_model(name, seqs[0], batches, device, repeats=args.repeats,
+                                     flush_bytes=args.flush_bytes if device.type == "cpu" else 0)
     if not args.no_standard:
         entries += measure_standard(device, repeats=args.repeats, cpu_scale=args.cpu_scale)
     if not entries:
         raise SystemExit("zorse bench kernels: nothing measured (give --model or allow the standard sweep)")
-    calibration, cal_note = 1.0, "none"
-    if args.calibrate:
-        calibration, cal_note = calibrate(args.calibrate, args.seq_len, max(batches), device, repeats=args.repeats,
+    if graph_runs:
+        name, whole, graphs = graph_runs[0]
+        at = ([_seq_batch(v) for v in args.calibrate_at] if args.calibrate_at
+              else sorted({(max(seqs), min(batches)), (min(seqs), min(batches))}, reverse=True))
+        draft = KernelProfile(device=info, measured_at="", overhead_ms=0.0, entries=tuple(entries),
+                              batch_sizes=tuple(batches))
+        calibration, node_overhead, note, rows = calibrate_graph(draft, whole, graphs, at, precision)
+        cal_note = f"{name}: {note}"
+        print(f"[zorse] calibration {cal_note}")
+        if args.report:
+            Path(args.report).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.report).write_text(json.dumps(dict(model=name, layers=args.layers, precision=precision,
+                                                         calibrate_at=at, calibration=calibration,
+                                                         node_overhead_ms=node_overhead, note=note,
+                                                         points=rows), indent=1) + "\n")
+        for r in rows:
+            print(f"[zorse]   seq {r['seq']} micro-batch {r['micro_batch']}: measured {r['measured_ms']:.2f} ms, "
+                  f"profile path {r['predicted_ms']:.2f} ms ({100 * r['error']:+.1f}%"
+                  f"{', fitted' if r['calibration_point'] else ', held out'})")
+    elif args.calibrate:
+        calibration, cal_note = calibrate(args.calibrate, seqs[0], max(batches), device, repeats=args.repeats,
                                           flush_bytes=args.flush_bytes if device.type == "cpu" else 0)
         print(f"[zorse] calibration {calibration:.3f} ({cal_note})")
     opt_ns = measure_optimizer(device)
@@ -296,9 +566,13 @@ def run(args) -> int:
         measured_at=dt.datetime.now(dt.timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z"),
         overhead_ms=min(e.fwd_ms for e in uniq.values()),
         entries=tuple(uniq.values()),
-        notes=f"models: {', '.join(args.model) or '-'}; seq_len {args.seq_len}; batch sizes {batches}; "
-              f"repeats {args.repeats}; flush {args.flush_bytes} B; calibration: {cal_note}",
+        notes=f"models: {', '.join(args.model) or '-'}{f' ({args.layers} layers)' if args.layers else ''}; "
+              f"seq_len {args.seq_len}; batch sizes {batches}; replay {replay}"
+              + (f" under {precision} autocast, device time; " if replay == "graph" else
+                 f"; repeats {args.repeats}; flush {args.flush_bytes} B; ")
+              + f"calibration: {cal_note}",
         calibration=calibration,
+        node_overhead_ms=node_overhead,
         batch_sizes=tuple(batches) if args.model else (),
         optimizer_ns_per_param=opt_ns,
     )

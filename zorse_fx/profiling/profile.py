@@ -5,6 +5,7 @@ A profile is JSON (``"format": "zorse_fx.kernel_profile"``, version 1)::
     {"device": {"device_type": "H100-80GB", "name": "NVIDIA H100 80GB HBM3", ...},
      "harness_version": "1", "measured_at": "2026-11-22T06:10:00Z",
      "overhead_ms": 0.004,                     # smallest op, dispatch + launch
+     "calibration": 1.06, "node_overhead_ms": 0.014,   # whole graph = cal * nodes + overhead * nodes
      "entries": [{"key": "aten.linear.default(f32[64,576],f32[1536,576])",
                   "op_class": "matmul", "impl": "torch", "dtype": "float32",
                   "shape": {"M": 64, "N": 1536, "K": 576},
@@ -26,6 +27,14 @@ __all__ = ["HARNESS_VERSION", "DeviceInfo", "KernelTiming", "KernelProfile"]
 
 HARNESS_VERSION = "1"
 _FORMAT = "zorse_fx.kernel_profile"
+
+
+def _non_negative(d: dict, name: str, source: str) -> float:
+    v = d.get(name, 0.0)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
+        raise ValueError(f"{source}: field {name!r} is {v!r}; expected a number >= 0 (ms), "
+                         f"or leave it out for 0; re-run `zorse bench kernels` to measure it")
+    return float(v)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -88,6 +97,12 @@ class KernelProfile:
     batch_sizes: tuple[int, ...] = ()
     #: AdamW step time per parameter (fp32 state), ns; 0 = not measured.
     optimizer_ns_per_param: float = 0.0
+    #: Per computing node and micro-batch (forward + backward), ms: the part of
+    #: a whole graph's measured time that its nodes' device times do not
+    #: explain and that does not grow with the work (host dispatch the GPU
+    #: waits for, gaps between kernels). Fitted with ``calibration`` from two
+    #: or more whole-graph points (``kernels_main.calibrate_graph``); 0 = none.
+    node_overhead_ms: float = 0.0
     by_key: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -111,6 +126,7 @@ class KernelProfile:
             "calibration": self.calibration,
             "batch_sizes": list(self.batch_sizes),
             "optimizer_ns_per_param": self.optimizer_ns_per_param,
+            "node_overhead_ms": self.node_overhead_ms,
             "entries": [asdict(e) for e in self.entries],
         }
 
@@ -142,6 +158,7 @@ class KernelProfile:
                 calibration=float(d.get("calibration", 1.0)),
                 batch_sizes=tuple(int(b) for b in d.get("batch_sizes", ())),
                 optimizer_ns_per_param=float(d.get("optimizer_ns_per_param", 0.0)),
+                node_overhead_ms=_non_negative(d, "node_overhead_ms", source),
             )
         except KeyError as exc:
             raise ValueError(f"{source}: missing field {exc.args[0]!r}") from exc

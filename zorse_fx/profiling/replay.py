@@ -162,3 +162,132 @@ def time_call(call: NodeCall, device: torch.device, *, repeats: int = 5,
     bwd = _timeit(lambda: torch.autograd.grad(outs, leaves, grads, retain_graph=True, allow_unused=True),
                   device, repeats, flush)
     return fwd, bwd
+
+
+def time_gpu_ms(fn, device: torch.device, *, min_ms: float = 2.0, samples: int = 3) -> float:
+    """The device's time for one call of ``fn`` in ms, without the host's.
+
+    On CUDA a ``torch.cuda._sleep`` kernel holds the GPU while the host queues
+    the timed calls, so the host's dispatch cost (Python, autocast, the launch
+    itself) is not in the figure: the kernels run back to back, as in a model
+    whose host runs ahead of its GPU. Median over ``samples`` runs of the mean
+    of ``n`` calls (``n`` up to 40, enough for ``min_ms``; few enough that the
+    queued launches fit CUDA's launch queue). On a CPU: wall time
+    (``_timeit``-style, median of ``samples``).
+    """
+    if device.type != "cuda":
+        fn()
+        out = []
+        for _ in range(samples):
+            t0 = time.perf_counter()
+            fn()
+            out.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(out)
+    fn()
+    torch.cuda.synchronize(device)
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    fn()
+    b.record()
+    b.synchronize()
+    n = max(1, min(40, int(min_ms / max(a.elapsed_time(b), 1e-3))))
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    host_ms = (time.perf_counter() - t0) * 1e3
+    torch.cuda.synchronize(device)
+    out = []
+    for _ in range(samples):
+        torch.cuda._sleep(int(max(5.0, 3 * host_ms) * 1e6))  # cycles (>= 1 GHz): >= 3x the host's queueing time
+        a.record()
+        for _ in range(n):
+            fn()
+        b.record()
+        b.synchronize()
+        out.append(a.elapsed_time(b) / n)
+    return statistics.median(out)
+
+
+def graph_node_times(gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...], device: torch.device, *,
+                     autocast_dtype: torch.dtype | None = None, timer=None,
+                     on_node=None) -> dict[str, tuple[float, float | None, str]]:
+    """``{node name: (forward ms, backward ms or None, output dtype)}`` of every computing
+    node of an analysed graph (``op_class`` not None, kind ``act``), each re-run
+    alone on the very tensors one run of ``gm(*inputs)`` gave it.
+
+    Unlike :func:`time_call` (random tensors of the fake-propagated shapes and
+    dtypes), the node sees the run's own dtypes, strides and values: under
+    ``autocast_dtype`` (the runtime's autocast of a mixed-precision plan) each
+    node runs the casts and kernels it runs in training. Inputs that carry a
+    gradient in training (kinds ``act`` and ``param``) are aliases of the run's
+    tensors with ``requires_grad``; the backward is ``torch.autograd.grad`` of
+    the node's outputs, which returns gradients and accumulates none (the
+    runtime's accumulation into ``.grad`` is priced apart:
+    ``cost.measured.grad_accumulate_ms``). ``timer(fn) -> ms``: default
+    :func:`time_gpu_ms`. ``on_node(name, fwd_fn, bwd_fn or None)`` is called
+    for each node (to profile it). The run holds every value of the graph at
+    once: about a training forward's activation memory.
+    """
+    timer = timer or (lambda f: time_gpu_ms(f, device))
+    values: dict[str, object] = {}
+
+    class _Keep(fx.Interpreter):
+        def run_node(self, n):
+            v = super().run_node(n)
+            values[n.name] = v
+            return v
+
+    amp = (lambda: torch.autocast(device.type, dtype=autocast_dtype)) if autocast_dtype is not None else (
+        lambda: torch.autocast(device.type, enabled=False))
+    with torch.no_grad(), amp():
+        _Keep(gm).run(*inputs)
+    out: dict[str, tuple[float, float | None]] = {}
+    for node in gm.graph.nodes:
+        if node.op not in ("call_function", "call_method") or node.meta.get(META_KEY, {}).get("kind") != "act":
+            continue
+        if op_class(node) is None:
+            continue
+        carries = {a.name for a in node.all_input_nodes if a.meta.get(META_KEY, {}).get("kind") in ("act", "param")}
+        leaves: list[torch.Tensor] = []
+
+        def load(a):
+            if isinstance(a, fx.Node):
+                v = values[a.name]
+                if isinstance(v, torch.Tensor):
+                    v = v.detach()  # an alias: the run's own strides and layout
+                    if a.name in carries and v.is_floating_point():
+                        v.requires_grad_(True)
+                        leaves.append(v)
+                return v
+            if isinstance(a, (list, tuple)):
+                return type(a)(load(x) for x in a)
+            if isinstance(a, dict):
+                return {k: load(x) for k, x in a.items()}
+            return a
+
+        args, kwargs = load(node.args), load(node.kwargs)
+        call = NodeCall(key="", op_class="", target=(node.target if node.op == "call_function" else ("method", node.target)),
+                        args=args, kwargs=kwargs, flops=0.0, bytes=0.0)
+
+        def fwd(call=call):
+            with amp():
+                return _run(call, call.args, call.kwargs)
+
+        with torch.no_grad():
+            f = timer(fwd)
+        res = fwd()
+        outs = [o for o in tensors_in(res) if o.requires_grad]
+        bwd = None
+        if leaves and outs:
+            grads = [torch.randn_like(o) for o in outs]
+
+            def bwd(outs=outs, leaves=leaves, grads=grads):
+                return torch.autograd.grad(outs, leaves, grads, retain_graph=True, allow_unused=True)
+
+        dts = [str(o.dtype).removeprefix("torch.") for o in tensors_in(res)]
+        out[node.name] = (f, timer(bwd) if bwd is not None else None, dts[0] if dts else "")
+        if on_node is not None:
+            on_node(node.name, fwd, bwd)
+        del res, outs
+    values.clear()
+    return out
