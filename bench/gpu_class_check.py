@@ -183,7 +183,14 @@ def check_rows(layers: list[dict], prices: dict, graph=llama_graph) -> list[dict
     2-layer model (``two_``), the 1-layer model (``one_``) and the layer
     (``layer_`` = two - one), per pricing of ``prices`` (``{name: fn(bg,
     micro_batch) -> s}``), and errors (predicted / measured - 1).
-    ``graph(shape, layers, seq)`` gives the block graph."""
+    ``graph(shape, layers, seq)`` gives the block graph.
+
+    Raises:
+        ValueError: a row's shape is not a key of ``SHAPES``.
+    """
+    unknown = {r["shape"] for r in layers} - set(SHAPES)
+    if unknown:
+        raise ValueError(f"unknown shapes {sorted(unknown)}; choose from {sorted(SHAPES)}")
     by = {(r["shape"], r["layers"], r["seq"], r["micro_batch"]): r["fwd_bwd_ms"] * 1e-3 for r in layers}
     out = []
     for (shape, n, seq, mb) in sorted(by, key=lambda k: (list(SHAPES).index(k[0]), k[2], k[3])):
