@@ -289,3 +289,105 @@ def test_every_table_gpu_is_priced_by_the_class_model():
             assert gpu_model.has_class_model(spec)
             if spec.bf16_supported or spec.arch in ("pascal", "volta", "turing"):
                 assert gpu_model.sustained_matmul_flops_per_s(spec, torch.float16, MATMUL_EFFICIENCY) > 0
+
+
+def _llama_layers(layers: int):
+    """A ``layers``-layer tiny HF Llama (seq 64), captured once; its graphs at
+    64 blocks and at 5 (coarser blocks, a subset of the same cuts)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from zorse_fx.models.hf import CausalLMWithLoss
+
+    with torch.device("meta"):
+        m = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=688,
+                                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4,
+                                         max_position_embeddings=256))
+    ids = torch.zeros((2, 64), dtype=torch.long, device="meta")
+    captured = capture(CausalLMWithLoss(m), (ids, ids), method="export")
+    return analyse(captured), analyse(captured, max_blocks=5)
+
+
+@pytest.fixture(scope="module")
+def llama23():
+    return {layers: _llama_layers(layers) for layers in (2, 3)}
+
+
+def test_no_chain_has_a_matmul_between_its_nodes(llama23):
+    """A chain is fusable: for every matmul/attention node ``m``, no chain has
+    a node upstream of ``m`` and another downstream of it (checked by
+    reachability, not through ``kernel_depths``). So the residual stream is
+    not one chain: no chain covers more than two consecutive blocks (the add
+    closing a block and the norm opening the next), and no chain holds nodes
+    of two decoder layers' attention or MLP sub-blocks."""
+    bg, _ = llama23[3]
+    pol = precision_policy("bf16-mixed")
+    costs = node_costs(bg, saved_activations_or_estimate(bg, pol), pol)
+    chains = [c for cs in graph_chains(bg, costs).values() for c in cs]
+    block_of = {n: b for b in range(bg.num_blocks) for n in bg.block_nodes(b)}
+    nodes = list(bg.graph.nodes)
+    matmuls = [n for n in nodes if n.name in costs and costs[n.name].is_matmul]
+    assert len(matmuls) >= 3 * 7  # q, k, v, o, gate, up, down (+ attention, lm_head)
+
+    def closure(start, step):
+        seen, todo = set(), list(step(start))
+        while todo:
+            x = todo.pop()
+            if x.name not in seen:
+                seen.add(x.name)
+                todo.extend(step(x))
+        return seen
+
+    for m in matmuls:
+        up = closure(m, lambda x: x.all_input_nodes)
+        down = closure(m, lambda x: x.users)
+        for c in chains:
+            assert not (up & set(c.nodes) and down & set(c.nodes)), (m.name, c.nodes)
+    for c in chains:
+        blocks = sorted({block_of[n] for n in c.nodes})
+        assert blocks[-1] - blocks[0] <= 1, c.nodes
+    # the chains crossing a cut: one per cut between the embedding and the final norm
+    crossing = [c for c in chains if len({block_of[n] for n in c.nodes}) > 1]
+    assert len(crossing) == bg.num_blocks - 2
+
+
+def test_last_block_price_does_not_grow_with_the_layer_count(llama23):
+    """The class model prices the final norm + LM head block, and every block
+    up to the last decoder layer, the same in a 2- and a 3-layer model of one
+    shape: no layer's residual or norm traffic lands on the last block (it
+    did while the residual stream was one chain charged to the final norm)."""
+    pol = precision_policy("bf16-mixed")
+    spec = {"H100-80GB": gpu_spec("H100-80GB")}
+    got = {}
+    for layers, (bg, _) in llama23.items():
+        names = [bg.describe_blocks(b, b + 1) for b in range(bg.num_blocks)]
+        assert names.count("norm, lm_head") == 1
+        c = block_costs(bg, spec, precision=pol)
+        got[layers] = (names, c.fwd_bwd_s_per_sample["H100-80GB"], c.fwd_bwd_s_fixed["H100-80GB"])
+    (n2, t2, f2), (n3, t3, f3) = got[2], got[3]
+    assert len(n3) == len(n2) + 2  # one more layer: its attention and MLP blocks
+    last2, last3 = n2.index("norm, lm_head"), n3.index("norm, lm_head")
+    assert t2[last2] > 0
+    assert (t3[last3], f3[last3]) == pytest.approx((t2[last2], f2[last2]), rel=1e-12)
+    assert t3[last3 + 1:] == pytest.approx(t2[last2 + 1:], rel=1e-12)
+    # the blocks of the first layer are priced the same too, and layer 2 as layer 1
+    assert t3[:last2 - 2] == pytest.approx(t2[:last2 - 2], rel=1e-12)
+    assert t3[last3 - 2:last3] == pytest.approx(t2[last2 - 2:last2], rel=1e-12)
+
+
+def test_stage_price_does_not_depend_on_the_block_cuts(llama23):
+    """Each chain is charged whole to the block of its last node, so a run of
+    blocks is priced the same cut finely (64 blocks) or coarsely (5 blocks,
+    a subset of the same cuts): a plan's step time depends on its stage
+    boundaries only."""
+    pol = precision_policy("bf16-mixed")
+    specs = {t: gpu_spec(t) for t in ("H100-80GB", "A100-40GB")}
+    fine, coarse = llama23[3]
+    firsts = [fine.block_nodes(b)[0] for b in range(fine.num_blocks)]
+    starts = [firsts.index(coarse.block_nodes(b)[0]) for b in range(coarse.num_blocks)] + [fine.num_blocks]
+    assert coarse.num_blocks < fine.num_blocks and starts == sorted(starts)
+    cf, cc = block_costs(fine, specs, precision=pol), block_costs(coarse, specs, precision=pol)
+    for t in specs:
+        for b in range(coarse.num_blocks):
+            lo, hi = starts[b], starts[b + 1]
+            assert cc.fwd_bwd_s_per_sample[t][b] == pytest.approx(sum(cf.fwd_bwd_s_per_sample[t][lo:hi]), rel=1e-9)
+            assert cc.fwd_bwd_s_fixed[t][b] == pytest.approx(sum(cf.fwd_bwd_s_fixed[t][lo:hi]), rel=1e-9)

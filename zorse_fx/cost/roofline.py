@@ -60,7 +60,7 @@ from .opclass import flops_bytes, op_class, tensors_in
 
 __all__ = ["NodeCost", "node_costs", "block_costs", "tied_params", "weight_traffic_bytes", "SavedActivations", "measure_saved_activations",
            "saved_activations_or_estimate", "saved_activation_bytes", "MATMUL_EFFICIENCY", "MEMORY_EFFICIENCY",
-           "FWD_BWD_FACTOR", "KERNEL_OVERHEAD_S", "Chain", "graph_chains", "class_block_time", "node_time_s"]
+           "FWD_BWD_FACTOR", "KERNEL_OVERHEAD_S", "Chain", "kernel_depths", "graph_chains", "class_block_time", "node_time_s"]
 
 #: Fraction of datasheet peak FLOP/s a large matmul reaches (assumption; typical
 #: for cuBLAS GEMMs of transformer sizes, replaced by measured profiles).
@@ -170,16 +170,54 @@ class Chain:
                 1.0 + unfused_fraction * (len(self.nodes) - 1))
 
 
+def kernel_depths(bg: BlockGraph, costs: dict[str, NodeCost]) -> dict[str, int]:
+    """Per node of ``bg.graph`` (views, placeholders and parameters included):
+    the largest number of matmul/attention nodes (``NodeCost.is_matmul``) on
+    any dataflow path from the graph inputs to it, itself included. A path
+    ``p -> ... -> m -> ... -> n`` through a matmul/attention node ``m`` gives
+    ``depth(n) > depth(p)``, so two nodes of equal depth have no
+    matmul/attention kernel between them (``graph_chains``). Nodes are visited
+    in graph order, which is a topological order of an fx graph."""
+    depth: dict[str, int] = {}
+    for n in bg.graph.nodes:
+        d = max((depth[a.name] for a in n.all_input_nodes), default=0)
+        c = costs.get(n.name)
+        depth[n.name] = d + 1 if c is not None and c.is_matmul else d
+    return depth
+
+
 def graph_chains(bg: BlockGraph, costs: dict[str, NodeCost]) -> dict[int, list[Chain]]:
-    """The fused elementwise chains of the model (see ``gpu_model``): non-view,
-    non-matmul, non-attention nodes with bytes, connected through views, found
-    over the whole graph and each charged to the block of its last node. A
-    chain is one sequence of kernels whatever the block cuts are, so a block's
-    price does not depend on how finely the model is cut (a plan's step time
-    is the same on coarser or finer blocks with the same stage boundaries)."""
+    """The fused elementwise chains of the model (see ``gpu_model``), per block.
+
+    Members are the non-view, non-matmul, non-attention nodes with bytes. A
+    member joins the chain of a member it reads (through views) only when the
+    two have the same kernel depth (``kernel_depths``): no matmul/attention
+    kernel lies on any dataflow path between them. A chain therefore never
+    contains two nodes with a matmul between them, which no compiler could
+    fuse into one kernel: in a transformer the residual add after attention
+    and the add after the MLP are different chains, and the residual stream
+    is not one chain across all layers (it was before: union over every
+    producer/consumer edge put every layer's residual adds and norms into one
+    chain charged to the final norm's block).
+
+    Each chain is charged whole to the block of its last node (graph order).
+    Blocks are cut on the residual stream, and a residual add and the norm
+    that reads it have the same depth, so a chain can still cross a block
+    cut: the add closing block ``b`` (with any elementwise ops of ``b`` at its
+    depth) and the norm opening ``b+1`` form one chain charged to ``b+1``.
+    Charging it whole rather than splitting it at the cut keeps a block's
+    price independent of how the model is cut elsewhere: the chains, and so
+    a stage's summed price, are the same on coarser or finer blocks with the
+    same stage boundaries (exact; ``tests/test_gpu_cost_model.py``). The cost
+    of this choice: at a stage boundary the later stage pays the add of the
+    earlier one and the pair is priced as one fused kernel, where the run has
+    two kernels on two GPUs (one more read of the crossing tensors and one
+    more kernel than priced).
+    """
     nodes = {n.name: n for n in bg.graph.nodes}
     block_of = {n: b for b in range(bg.num_blocks) for n in bg.block_nodes(b)}
     order = {n.name: i for i, n in enumerate(bg.graph.nodes)}
+    depth = kernel_depths(bg, costs)
     members = [n for b in range(bg.num_blocks) for n in bg.block_nodes(b)
                if costs[n].bytes > 0 and not costs[n].is_matmul]
     inside = set(members)
@@ -214,7 +252,7 @@ def graph_chains(bg: BlockGraph, costs: dict[str, NodeCost]) -> dict[int, list[C
     for n in members:
         for a, nbytes in costs[n].reads:
             p = producer(a)
-            if p in inside:
+            if p in inside and depth[p] == depth[n]:
                 parent[find(n)] = find(p)
                 internal_reads[n] = internal_reads.get(n, 0.0) + nbytes
     groups: dict[str, list[str]] = {}
