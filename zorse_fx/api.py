@@ -17,7 +17,6 @@ Also a decorator on an ``nn.Module`` class::
 from __future__ import annotations
 
 import functools
-import sys
 from pathlib import Path
 
 import torch
@@ -25,6 +24,7 @@ import torch.nn as nn
 
 from .capture import capture
 from .cluster import Cluster
+from .models.hf import is_hf_causal_lm
 from .plan import Plan
 from .planner import PlanOptions, plan_captured
 
@@ -74,19 +74,12 @@ class CompiledModel(nn.Module):
         return carried
 
 
-def _is_hf_causal_lm(model: nn.Module) -> bool:
-    """Whether ``model`` is a Hugging Face ``PreTrainedModel`` (without
-    importing ``transformers`` when nothing has: then it cannot be one)."""
-    transformers = sys.modules.get("transformers")
-    return transformers is not None and isinstance(model, transformers.PreTrainedModel)
-
-
 def _compile_instance(model: nn.Module, *, cluster: Cluster, example_inputs, global_batch_size: int,
                       label_mode: str | None, model_name: str | None, verbose: bool, **options) -> CompiledModel:
     if isinstance(cluster, (str, Path)):
         cluster = Cluster.from_yaml(cluster)
     inner = model
-    if _is_hf_causal_lm(model):
+    if is_hf_causal_lm(model):
         from .models.hf import CausalLMWithLoss
 
         model = CausalLMWithLoss(model)

@@ -118,10 +118,9 @@ def cmd_show(args) -> int:
 
 def cmd_simulate(args) -> int:
     """Simulate an exported plan's step: summary, Perfetto trace and Gantt PNG."""
-    from .api import _is_hf_causal_lm
     from .capture import capture
     from .cluster import Cluster
-    from .models.hf import CausalLMWithLoss
+    from .models.hf import CausalLMWithLoss, is_hf_causal_lm
     from .plan import Plan
     from .planner import PlanOptions, _analyse_and_price, _device_graph
     from .sim import gantt_png, simulate, to_perfetto
@@ -130,7 +129,7 @@ def cmd_simulate(args) -> int:
     plan = Plan.load(args.plan)
     cluster = Cluster.from_yaml(args.cluster)
     model, _ = _load_model(args.model)
-    if _is_hf_causal_lm(model):
+    if is_hf_causal_lm(model):
         model = CausalLMWithLoss(model)
     ids = torch.randint(0, 200, (2, plan.seq_len))
     options = PlanOptions(global_batch_size=plan.global_batch_size, schedule=plan.schedule,

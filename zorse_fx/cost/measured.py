@@ -176,7 +176,7 @@ def grad_accumulate_ms(prof: KernelProfile, numel: int, itemsize: int = 4) -> fl
     Node replays time each node's backward with ``torch.autograd.grad``, which
     returns gradients and accumulates none; the runtime's backward adds every
     parameter's gradient into ``.grad`` (one float32 add kernel per parameter;
-    measured on an H200, bench/README.md "Measured-profile path on an H200")."""
+    measured on an H200, bench/README.md "One H200 measured")."""
     pts = sorted({(max(e.bytes, 1.0), e.fwd_ms) for e in prof.of_class("elementwise", "torch") if e.fwd_ms > 0})
     return _interpolate(pts, 3.0 * itemsize * numel) if pts else 0.0
 

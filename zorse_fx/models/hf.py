@@ -9,12 +9,20 @@ prediction).
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 
-__all__ = ["CausalLMWithLoss", "smollm2_gguf_path", "load_smollm2_135m"]
+__all__ = ["CausalLMWithLoss", "is_hf_causal_lm", "smollm2_gguf_path", "load_smollm2_135m"]
+
+
+def is_hf_causal_lm(model: nn.Module) -> bool:
+    """Whether ``model`` is a Hugging Face ``PreTrainedModel`` (without
+    importing ``transformers`` when nothing has: then it cannot be one)."""
+    transformers = sys.modules.get("transformers")
+    return transformers is not None and isinstance(model, transformers.PreTrainedModel)
 
 
 class CausalLMWithLoss(nn.Module):

@@ -96,14 +96,13 @@ def measure_model(model_name: str, seq_len: int, batch_sizes: list[int], device:
     """Entries for every distinct node of ``model_name`` at each micro-batch size."""
     from tqdm import tqdm
 
-    from ..api import _is_hf_causal_lm
     from ..capture import analyse, capture
-    from ..models.hf import CausalLMWithLoss
+    from ..models.hf import CausalLMWithLoss, is_hf_causal_lm
     from ..models.registry import load_model
     from .replay import model_calls, time_call
 
     model, _ = load_model(model_name)
-    if _is_hf_causal_lm(model):
+    if is_hf_causal_lm(model):
         model = CausalLMWithLoss(model)
     ids = torch.randint(0, 200, (2, seq_len))
     captured = capture(model, (ids, ids))
@@ -129,10 +128,8 @@ def load_on(model_name: str, device: torch.device, *, layers: int | None = None)
     Raises:
         ValueError: unknown name, or ``layers`` for a registry model.
     """
-    import sys
-
     from ..models import published
-    from ..models.hf import CausalLMWithLoss
+    from ..models.hf import CausalLMWithLoss, is_hf_causal_lm
     from ..models.registry import load_model
 
     if model_name in published.CONFIGS:
@@ -142,8 +139,7 @@ def load_on(model_name: str, device: torch.device, *, layers: int | None = None)
             raise ValueError(f"--layers applies to the published models ({', '.join(sorted(published.CONFIGS))}), "
                              f"not to {model_name!r}")
         model = load_model(model_name)[0].to(device)
-    hf = sys.modules.get("transformers")  # not `api._is_hf_causal_lm`: that imports the planner (OR-Tools)
-    return CausalLMWithLoss(model) if hf is not None and isinstance(model, hf.PreTrainedModel) else model
+    return CausalLMWithLoss(model) if is_hf_causal_lm(model) else model
 
 
 def whole_fwd_bwd_ms(gm, inputs, device: torch.device, autocast_dtype: torch.dtype | None, *,
@@ -245,12 +241,13 @@ def predict_fwd_bwd_ms(profile: KernelProfile, bg, batch: int, precision: str) -
     from ..cluster import gpu_spec
     from ..cost.measured import ProfileSet, measured_block_costs
     from ..cost.roofline import block_costs
+    from ..errors import ClusterConfigError
     from ..precision import precision_policy
 
     t = profile.device.device_type
     try:
         spec = gpu_spec(t)
-    except Exception:  # noqa: BLE001 - a profiled type needs no datasheet row (a CPU)
+    except ClusterConfigError:  # a profiled type needs no datasheet row (a CPU)
         spec = None
     pol = precision_policy(precision)
     base = block_costs(bg, {}, precision=pol)  # sizes only: the times come from the profile
@@ -322,14 +319,13 @@ def _fit_scale_offset(points: list[tuple[float, float, float]]) -> tuple[float, 
 def calibrate(model_name: str, seq_len: int, batch: int, device: torch.device, *, repeats: int,
               flush_bytes: int) -> tuple[float, str]:
     """Measured whole-model fwd+bwd / sum of its replayed node times (see KernelProfile.calibration)."""
-    from ..api import _is_hf_causal_lm
     from ..capture import analyse, capture
-    from ..models.hf import CausalLMWithLoss
+    from ..models.hf import CausalLMWithLoss, is_hf_causal_lm
     from ..models.registry import load_model
     from .replay import _timeit, model_calls, time_call
 
     model, _ = load_model(model_name)
-    if _is_hf_causal_lm(model):
+    if is_hf_causal_lm(model):
         model = CausalLMWithLoss(model)
     ids = torch.randint(0, 200, (batch, seq_len), device=device)
     captured = capture(model.to(device), (ids[:2].cpu(), ids[:2].cpu()))

@@ -173,16 +173,10 @@ def time_gpu_ms(fn, device: torch.device, *, min_ms: float = 2.0, samples: int =
     whose host runs ahead of its GPU. Median over ``samples`` runs of the mean
     of ``n`` calls (``n`` up to 40, enough for ``min_ms``; few enough that the
     queued launches fit CUDA's launch queue). On a CPU: wall time
-    (``_timeit``-style, median of ``samples``).
+    (:func:`_timeit`, median of ``samples``).
     """
     if device.type != "cuda":
-        fn()
-        out = []
-        for _ in range(samples):
-            t0 = time.perf_counter()
-            fn()
-            out.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(out)
+        return _timeit(fn, device, samples)
     fn()
     torch.cuda.synchronize(device)
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -241,7 +235,7 @@ def graph_node_times(gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...], devic
         lambda: torch.autocast(device.type, enabled=False))
     with torch.no_grad(), amp():
         _Keep(gm).run(*inputs)
-    out: dict[str, tuple[float, float | None]] = {}
+    out: dict[str, tuple[float, float | None, str]] = {}
     for node in gm.graph.nodes:
         if node.op not in ("call_function", "call_method") or node.meta.get(META_KEY, {}).get("kind") != "act":
             continue
