@@ -123,14 +123,15 @@ def test_sustained_fraction_of_peak_by_class():
         a10.tdp_w / gpu_model.ENERGY_J_PER_FLOP["ampere-ga10x"])
 
 
-def _llama(seq=64):
+def _llama(seq=64, max_positions=256):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from zorse_fx.models.hf import CausalLMWithLoss
 
     with torch.device("meta"):
         m = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=688, num_hidden_layers=1,
-                                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256))
+                                         num_attention_heads=4, num_key_value_heads=4,
+                                         max_position_embeddings=max_positions))
     ids = torch.zeros((2, seq), dtype=torch.long, device="meta")
     return analyse(capture(CausalLMWithLoss(m), (ids, ids), method="export"))
 
@@ -391,3 +392,127 @@ def test_stage_price_does_not_depend_on_the_block_cuts(llama23):
             lo, hi = starts[b], starts[b + 1]
             assert cc.fwd_bwd_s_per_sample[t][b] == pytest.approx(sum(cf.fwd_bwd_s_per_sample[t][lo:hi]), rel=1e-9)
             assert cc.fwd_bwd_s_fixed[t][b] == pytest.approx(sum(cf.fwd_bwd_s_fixed[t][lo:hi]), rel=1e-9)
+
+
+def test_attention_efficiency_is_recomputed_from_its_cited_rows():
+    """Each (class, kernel) attention efficiency is the median over its cited
+    sweep of attention TFLOP/s / the same GPU's GEMM fit row, forward and
+    backward; every row is cited, and every kernel SDPA_KERNELS names has a
+    rate on that class."""
+    from zorse_fx.cost.reference_data import ATTENTION_POINTS
+
+    gemm = {p.gpu: p.tflops for p in GEMM_POINTS if p.role == "fit"}
+    expected: dict = {}
+    for p in ATTENTION_POINTS:
+        assert p.source.startswith("http") and len(p.seq_lens) == len(p.tflops) and p.direction in ("fwd", "bwd")
+        arch = gpu_spec(p.gpu).arch
+        expected.setdefault((arch, p.kernel), {})[p.direction] = statistics.median(t / gemm[p.gpu] for t in p.tflops)
+    assert set(expected) == set(gpu_model.ATTENTION_EFFICIENCY)
+    for key, d in expected.items():
+        assert gpu_model.ATTENTION_EFFICIENCY[key] == pytest.approx((d["fwd"], d["bwd"]), rel=1e-12)
+    for arch, kernels in gpu_model.SDPA_KERNELS.items():
+        assert all((arch, k) in gpu_model.ATTENTION_EFFICIENCY for k in kernels)
+    # the cited Hopper kernels run attention below the GEMM rate, backward slower than forward
+    for fwd, bwd in gpu_model.ATTENTION_EFFICIENCY.values():
+        assert 0 < bwd < fwd < 1
+    r = 700e12
+    assert gpu_model.attention_flops_per_s("hopper", r, False) == pytest.approx(
+        tuple(e * r for e in gpu_model.ATTENTION_EFFICIENCY[("hopper", "flash2")]))
+    assert gpu_model.attention_flops_per_s("hopper", r, True) == pytest.approx(
+        tuple(e * r for e in gpu_model.ATTENTION_EFFICIENCY[("hopper", "cudnn")]))
+    for arch in ("ampere-ga100", "volta", "turing", None):
+        assert gpu_model.attention_flops_per_s(arch, r, True) == (r, r)
+
+
+def _attention_nodes(bg, blocks):
+    from zorse_fx.cost.opclass import op_class
+
+    nodes = {x.name: x for x in bg.graph.nodes}
+    return [n for b in blocks for n in bg.block_nodes(b) if op_class(nodes[n]) == "attention"]
+
+
+def _attention_terms(bg, costs, b, spec, rate_f, rate_b):
+    """Forward and backward seconds per sample of block ``b``'s attention
+    nodes at the given rates (the class model's attention term)."""
+    bw = spec.mem_bw_bytes_per_s * gpu_model.STREAM_EFFICIENCY
+    f = bwd = 0.0
+    for n in _attention_nodes(bg, [b]):
+        c = costs[n]
+        flops = 0.5 * c.flops if c.causal else c.flops
+        f += max(flops / rate_f, c.bytes / bw)
+        bwd += max(gpu_model.ATTENTION_BWD_FACTOR * flops / rate_b, 2 * c.bytes / bw)
+    return f, bwd
+
+
+def test_attention_priced_at_the_class_rate_and_unlisted_classes_as_before(monkeypatch):
+    """The export-captured HF Llama passes an explicit attention mask: on
+    Hopper its attention runs at the cuDNN rates, and the block's price moves
+    by exactly the attention term; a class without a cited attention rate
+    (Ampere, Turing, Ada) is priced as before (attention at the matmul rate).
+    Sequence 2048, so that attention is compute-bound on every type priced."""
+    bg = _llama(seq=2048, max_positions=2048)
+    pol = precision_policy("fp16-mixed")
+    costs = node_costs(bg, saved_activations_or_estimate(bg, pol), pol)
+    layer = [b for b in range(bg.num_blocks) if bg.describe_blocks(b, b + 1) == "L0"]
+    attn = _attention_nodes(bg, layer)
+    assert attn and all(costs[n].masked and costs[n].half for n in attn)
+
+    def price(t):
+        spec = gpu_spec(t)
+        return [class_block_time(bg, costs, b, graph_chains(bg, costs)[b], weight_traffic_bytes(bg, b, pol), spec, pol)
+                for b in layer]
+
+    now = {t: price(t) for t in ("H100-80GB", "A100-40GB", "T4", "L4")}
+    monkeypatch.setattr(gpu_model, "SDPA_KERNELS", {})
+    before = {t: price(t) for t in now}
+    for t in ("A100-40GB", "T4", "L4"):
+        assert now[t] == before[t], t
+    spec = gpu_spec("H100-80GB")
+    r = gpu_model.sustained_matmul_flops_per_s(spec, torch.float16, MATMUL_EFFICIENCY)
+    ef, eb = gpu_model.ATTENTION_EFFICIENCY[("hopper", "cudnn")]
+    for b, new, old in zip(layer, now["H100-80GB"], before["H100-80GB"]):
+        nf, nb = _attention_terms(bg, costs, b, spec, ef * r, eb * r)
+        of, ob = _attention_terms(bg, costs, b, spec, r, r)
+        assert new[0] - old[0] == pytest.approx(nf - of, rel=1e-9, abs=1e-15)
+        assert new[1] - old[1] == pytest.approx(nb - ob, rel=1e-9, abs=1e-15)
+        assert new[2:] == old[2:]
+    assert sum(n[0] + n[1] for n in now["H100-80GB"]) > sum(o[0] + o[1] for o in before["H100-80GB"])
+
+
+class _CausalSDPA(torch.nn.Module):
+    """q/k/v projections and ``scaled_dot_product_attention(is_causal=True)``
+    (no ``attn_mask``): SDPA's flash backend can run it."""
+
+    def __init__(self, width=256, heads=2):
+        super().__init__()
+        self.heads, self.qkv = heads, torch.nn.Linear(width, 3 * width, bias=False)
+
+    def forward(self, x):
+        n, t, w = x.shape
+        q, k, v = self.qkv(x).view(n, t, 3, self.heads, w // self.heads).permute(2, 0, 3, 1, 4)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).sum()
+
+
+def test_unmasked_causal_attention_is_priced_at_the_flash_rate():
+    """An SDPA node without ``attn_mask`` is priced on Hopper at the
+    FlashAttention-2 ratios (the flash backend), causal at half the FLOPs."""
+    with torch.device("meta"):
+        model = _CausalSDPA()
+    bg = analyse(capture(model, (torch.zeros((2, 2048, 256), device="meta"),), method="export"))
+    pol = precision_policy("bf16-mixed")
+    costs = node_costs(bg, saved_activations_or_estimate(bg, pol), pol)
+    attn = _attention_nodes(bg, range(bg.num_blocks))
+    assert len(attn) == 1 and costs[attn[0]].causal and not costs[attn[0]].masked and costs[attn[0]].half
+    b = next(b for b in range(bg.num_blocks) if attn[0] in bg.block_nodes(b))
+    spec = gpu_spec("H100-80GB")
+    r = gpu_model.sustained_matmul_flops_per_s(spec, torch.bfloat16, MATMUL_EFFICIENCY)
+    ef, eb = gpu_model.ATTENTION_EFFICIENCY[("hopper", "flash2")]
+    got = class_block_time(bg, costs, b, graph_chains(bg, costs)[b], weight_traffic_bytes(bg, b, pol), spec, pol)
+    rest = [n for n in bg.block_nodes(b) if n != attn[0] and costs[n].is_matmul]
+    flops = 0.5 * costs[attn[0]].flops
+    assert flops / (ef * r) > costs[attn[0]].bytes / (spec.mem_bw_bytes_per_s * gpu_model.STREAM_EFFICIENCY)
+    other_f = sum(max(costs[n].flops / r, costs[n].bytes / (spec.mem_bw_bytes_per_s * gpu_model.STREAM_EFFICIENCY))
+                  for n in rest)
+    chains_f = sum(ch.priced(gpu_model.UNFUSED_FRACTION)[0] for ch in graph_chains(bg, costs)[b]) / (
+        spec.mem_bw_bytes_per_s * gpu_model.STREAM_EFFICIENCY)
+    assert got[0] == pytest.approx(flops / (ef * r) + other_f + chains_f, rel=1e-9)

@@ -52,8 +52,20 @@ forward + backward, from the fx nodes' FLOPs and bytes (``roofline.node_costs``)
   ``KERNEL_OVERHEAD_S`` per kernel (1 forward + 2 backward per matmul or
   chain's kernel count, 1 + 1 per attention).
 
+* **Attention rate (per GPU class and SDPA kernel).** A 16-bit fused
+  attention node (``scaled_dot_product_attention``) runs at
+  ``ATTENTION_EFFICIENCY[(arch, kernel)] * R`` (forward and backward
+  separately), where ``kernel`` is the one PyTorch's SDPA dispatches on that
+  class (``SDPA_KERNELS``: on Hopper FlashAttention-2 without an explicit
+  ``attn_mask``, cuDNN attention with one). The efficiencies are published
+  attention rates over the same GPU's GEMM rate
+  (``reference_data.ATTENTION_POINTS`` over ``GEMM_POINTS``,
+  ``_fit_attention``); see [Note: attention rate]. Classes with no
+  cited per-pass figure (Pascal to Ada) price attention at ``R``, both ways.
+
 Causal attention (``is_causal=True``) does half the ``QK^T``/``PV`` work
-(FlashAttention skips the masked blocks; its benchmark halves the FLOPs).
+(FlashAttention skips the masked blocks; its benchmark halves the FLOPs), at
+the same rate as non-causal attention.
 
 Units: FLOP/s, bytes/s, seconds, watts, joules per FLOP.
 
@@ -82,6 +94,38 @@ splits and the per-class errors; ``tests/test_gpu_layer_accuracy.py``
 recomputes the constant from the fit rows. Not shown by this data: BERT's eager attention (scores
 through scale, mask, softmax, dropout) against the SDPA of a Llama layer,
 and apex O2 (float16 norms and softmax) against autocast.
+
+[Note: attention rate]
+Fused attention on Hopper runs well below the GEMM rate: the
+FlashAttention-3 paper (Shah et al. 2024, arXiv 2407.08608, Figures 5 and 6,
+H100 SXM5, FP16, head dim 128, no causal mask) measures FlashAttention-2 at
+309-370 TFLOP/s forward and 214-322 backward, cuDNN at 497-617 and 305-518,
+against 736 TFLOP/s for a large GEMM on the same GPU (``GEMM_POINTS``). The
+class model takes, per (class, kernel) and pass, the median over the paper's
+sequence lengths (512 to 16k) of attention rate / GEMM rate, and multiplies
+the class's ``R`` by it. Relative to ``R``, not to the datasheet peak: both
+kernels are tensor-core bound like a GEMM, so a power-capped SKU (H100 PCIe,
+whose ``R`` is set by its board power) loses the same share on attention.
+Which kernel runs (``SDPA_KERNELS``): PyTorch's SDPA tries its backends in a
+fixed priority order that starts with the flash backend, FlashAttention-2
+(https://github.com/huggingface/transformers/pull/48163, 2026, which adds a
+cuDNN preference on Hopper for that reason); the flash backend takes no ``attn_mask``, and with a
+mask PyTorch 2.11 ran cuDNN's kernels on our H200 (kernel names
+``cudnn_generated_fort_native_sdpa_sm90_flash_fprop/bprop`` in the
+``diagnose`` rows of ``bench/results/gpu_h200.json``: the kernel's identity,
+not its time, is taken from that run). Hugging Face Llama captured by
+``capture(..., method="export")`` passes an explicit causal mask, so it is
+priced at the cuDNN rates on Hopper. Not covered: Ampere and Ada
+(FlashAttention-2 without a mask, the memory-efficient kernel with one:
+the FlashAttention-2 paper, Dao 2023, arXiv 2307.08691, gives A100 per-pass
+rates only as plots and a 50-73%-of-peak range in its abstract), Volta,
+Turing and Pascal (the flash backend needs sm80; SDPA runs the
+memory-efficient kernel, no cited rate): attention stays at ``R`` there.
+The published figures carry no mask (a mask adds its own read), are FP16
+(bfloat16 is priced the same: same tensor-core peak) and head dim 128 (used
+for every head dim).
+``bench/gpu_class_check.py`` scores the result on our H200 (held out: none
+of its timings set a constant).
 """
 
 from __future__ import annotations
@@ -90,11 +134,11 @@ import statistics
 import torch
 
 from ..cluster import GPUSpec
-from .reference_data import BANDWIDTH_POINTS, GEMM_POINTS, HELDOUT_PEAKS
+from .reference_data import ATTENTION_POINTS, BANDWIDTH_POINTS, GEMM_POINTS, HELDOUT_PEAKS
 
 __all__ = ["STREAM_EFFICIENCY", "ARCH_EFFICIENCY", "ENERGY_J_PER_FLOP", "ATTENTION_BWD_FACTOR", "MATMUL_BWD_FACTOR", "CHAIN_BWD_FACTOR",
            "UNFUSED_FRACTION", "fit_unfused_fraction", "sustained_matmul_flops_per_s", "predicted_sustained_fp16",
-           "has_class_model", "reference_peak"]
+           "has_class_model", "reference_peak", "SDPA_KERNELS", "ATTENTION_EFFICIENCY", "attention_flops_per_s"]
 
 #: backward FLOPs / forward FLOPs of a matmul (Narayanan et al. SC'21 eq. 3).
 MATMUL_BWD_FACTOR = 2.0
@@ -197,6 +241,57 @@ def fit_unfused_fraction(steps) -> float:
 #: recomputed by ``tests/test_gpu_layer_accuracy.py``). See [Note: unfused
 #: fraction].
 UNFUSED_FRACTION: float = 0.6375
+
+
+#: The kernel PyTorch's ``scaled_dot_product_attention`` runs on 16-bit
+#: inputs per GPU class: ``{arch: (without attn_mask, with attn_mask)}``.
+#: Only classes with a cited rate for that kernel are listed; the others
+#: price attention at the matmul rate. See [Note: attention rate].
+SDPA_KERNELS: dict[str, tuple[str, str]] = {"hopper": ("flash2", "cudnn")}
+
+
+def _fit_attention() -> dict[tuple[str, str], tuple[float, float]]:
+    """``{(arch, kernel): (forward, backward)}`` attention rate / sustained
+    GEMM rate of the same GPU: per row of ``reference_data.ATTENTION_POINTS``,
+    the median over its sequence lengths of ``tflops`` / that GPU's
+    ``GEMM_POINTS`` fit row.
+
+    Raises:
+        ValueError: a row's GPU has no GEMM fit row, or a (class, kernel)
+            has no forward or no backward row.
+    """
+    gemm = {p.gpu: p.tflops for p in GEMM_POINTS if p.role == "fit"}
+    eff: dict[tuple[str, str], dict[str, float]] = {}
+    for p in ATTENTION_POINTS:
+        if p.gpu not in gemm:
+            raise ValueError(f"attention row on {p.gpu} has no GEMM fit row to be relative to")
+        arch = reference_peak(p.gpu)[0]
+        eff.setdefault((arch, p.kernel), {})[p.direction] = statistics.median(t / gemm[p.gpu] for t in p.tflops)
+    for key, d in eff.items():
+        if set(d) != {"fwd", "bwd"}:
+            raise ValueError(f"{key}: attention rows for both passes needed, got {sorted(d)}")
+    return {key: (d["fwd"], d["bwd"]) for key, d in eff.items()}
+
+
+#: Fused-attention rate / the class's sustained matmul rate ``R``, forward
+#: and backward, per ``(arch, kernel)`` (``_fit_attention``: FlashAttention-3
+#: paper figures on H100 SXM5 over the same GPU's GEMM rate).
+ATTENTION_EFFICIENCY: dict[tuple[str, str], tuple[float, float]] = _fit_attention()
+
+
+def attention_flops_per_s(arch: str | None, matmul_flops_per_s: float, masked: bool) -> tuple[float, float]:
+    """``(forward, backward)`` FLOP/s of a 16-bit fused attention node on a
+    GPU of class ``arch`` whose sustained 16-bit matmul rate is
+    ``matmul_flops_per_s``, with (``masked``) or without an explicit
+    ``attn_mask``. FLOPs are counted as in ``roofline.node_costs`` (forward
+    ``4*N*H*T*S*D``, halved if causal; backward ``ATTENTION_BWD_FACTOR`` x
+    forward). A class without a cited rate (not in ``SDPA_KERNELS``) gets the
+    matmul rate both ways. See [Note: attention rate]."""
+    kernels = SDPA_KERNELS.get(arch) if arch is not None else None
+    if kernels is None:
+        return matmul_flops_per_s, matmul_flops_per_s
+    fwd, bwd = ATTENTION_EFFICIENCY[(arch, kernels[1] if masked else kernels[0])]
+    return fwd * matmul_flops_per_s, bwd * matmul_flops_per_s
 
 
 def has_class_model(spec: GPUSpec) -> bool:

@@ -10,6 +10,11 @@ the report's best size where it gives only one number (noted). ``role``:
 ``fits``), ``holdout`` rows are never used to set anything and only score the
 class model (``bench/gpu_roofline_accuracy.py``).
 
+``ATTENTION_POINTS`` (at the end) are published fused-attention rates
+(FlashAttention-2 and cuDNN kernels on H100 SXM5, forward and backward), all
+``fit`` data for ``gpu_model.ATTENTION_EFFICIENCY``; our own H200 measurement
+scores them (``bench/gpu_class_check.py``).
+
 Peaks of held-out GPUs that are not rows of ``gpu_specs.csv`` are given here
 with their datasheet source. No public per-layer forward/backward timings of
 Llama decoder layers on these GPU types were found (see bench/README.md);
@@ -22,7 +27,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["GemmPoint", "GEMM_POINTS", "HELDOUT_PEAKS", "BandwidthPoint", "BANDWIDTH_POINTS"]
+__all__ = ["GemmPoint", "GEMM_POINTS", "HELDOUT_PEAKS", "BandwidthPoint", "BANDWIDTH_POINTS", "AttentionPoint",
+           "ATTENTION_POINTS"]
 
 _Z = "https://github.com/zzc0721/torch-performance-test-data"
 
@@ -127,4 +133,58 @@ BANDWIDTH_POINTS: tuple[BandwidthPoint, ...] = (
     BandwidthPoint("RTX-3090", 831.0, "fit", f"{_CHS} (README table, Nvidia 3090: 831 GB/s)"),
     BandwidthPoint("V100-32GB", 766.0, "holdout", f"{_CHS} (README table, Nvidia V100 32GB: 766 GB/s)"),
     BandwidthPoint("RTX-4090", 912.0, "holdout", f"{_CHS} (README table, Nvidia 4090: 912 GB/s)"),
+)
+
+
+_FA3 = "https://arxiv.org/abs/2407.08608"
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionPoint:
+    """One published fused-attention throughput sweep: one kernel, one pass,
+    16-bit inputs, on one GPU, in TFLOP/s per sequence length. FLOPs are
+    FlashAttention's count (forward ``4 * batch * heads * seq^2 * head_dim``
+    without a causal mask; backward 2.5x that, ``gpu_model.ATTENTION_BWD_FACTOR``),
+    so ``flops / tflops`` is the kernel's time under either count."""
+
+    #: ``gpu_specs.csv`` type; its ``GEMM_POINTS`` fit row is the same GPU's
+    #: sustained matmul rate the attention rate is taken relative to.
+    gpu: str
+    #: ``"flash2"`` (FlashAttention-2: the kernel of PyTorch SDPA's flash
+    #: backend) or ``"cudnn"`` (cuDNN's fused attention: SDPA's cuDNN backend).
+    kernel: str
+    #: ``"fwd"`` or ``"bwd"``.
+    direction: str
+    head_dim: int
+    causal: bool
+    #: Sequence lengths of the sweep (batch x seq = 16k tokens, hidden 2048).
+    seq_lens: tuple[int, ...]
+    #: TFLOP/s at each of ``seq_lens``.
+    tflops: tuple[float, ...]
+    #: Where it was published, and which figure was read.
+    source: str
+
+
+_SEQ = (512, 1024, 2048, 4096, 8192, 16384)
+
+#: H100 SXM5 figures of the FlashAttention-3 paper (Shah, Bikshandi, Zhang,
+#: Thakkar, Ramani, Dao 2024, "FlashAttention-3: Fast and Accurate Attention
+#: with Asynchrony and Low-precision", NeurIPS 2024): FP16, head dim 128, no
+#: causal mask, the bar labels of Figure 5 (forward) and Figure 6 (backward),
+#: FlashAttention-2 and cuDNN bars (the FlashAttention-3 kernel is not what
+#: PyTorch's SDPA runs, so its bars are not used). No per-pass figure at head dim 128 was found for other GPU classes: the
+#: FlashAttention-2 paper (Dao 2023, arXiv 2307.08691) gives A100 per-pass
+#: figures only as plots and, in its abstract, a range (50-73% of the
+#: theoretical maximum), not a single rate per pass.
+ATTENTION_POINTS: tuple[AttentionPoint, ...] = (
+    AttentionPoint("H100-80GB", "flash2", "fwd", 128, False, _SEQ, (309.0, 350.0, 362.0, 368.0, 370.0, 370.0),
+                   f"{_FA3} (Figure 5, forward, without causal mask, head dim 128, H100 80GB SXM5: "
+                   "FlashAttention-2 bars)"),
+    AttentionPoint("H100-80GB", "cudnn", "fwd", 128, False, _SEQ, (497.0, 574.0, 617.0, 609.0, 600.0, 595.0),
+                   f"{_FA3} (Figure 5, forward, without causal mask, head dim 128, H100 80GB SXM5: cuDNN bars)"),
+    AttentionPoint("H100-80GB", "flash2", "bwd", 128, False, _SEQ, (214.0, 260.0, 291.0, 310.0, 318.0, 322.0),
+                   f"{_FA3} (Figure 6, backward, without causal mask, head dim 128, H100 80GB SXM5: "
+                   "FlashAttention-2 bars)"),
+    AttentionPoint("H100-80GB", "cudnn", "bwd", 128, False, _SEQ, (305.0, 408.0, 465.0, 499.0, 518.0, 516.0),
+                   f"{_FA3} (Figure 6, backward, without causal mask, head dim 128, H100 80GB SXM5: cuDNN bars)"),
 )

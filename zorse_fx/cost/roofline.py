@@ -92,6 +92,9 @@ class NodeCost:
     #: A matmul/attention node whose floating inputs are all 16-bit as it
     #: runs (autocast's casts, or a half-precision graph).
     half: bool = False
+    #: An attention node given an explicit ``attn_mask`` (PyTorch's SDPA then
+    #: cannot run its flash backend; ``gpu_model.SDPA_KERNELS``).
+    masked: bool = False
 
 
 def _as_dtype(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
@@ -128,7 +131,8 @@ def _node_cost(node: fx.Node, gm: fx.GraphModule, dtypes: dict[str, str],
     causal = cls == "attention" and bool(node.kwargs.get("is_causal", node.args[5] if len(node.args) > 5 else False))
     floats = [t for t in ins if t.is_floating_point()]
     half = compute and bool(floats) and all(t.dtype in (torch.float16, torch.bfloat16) for t in floats)
-    return NodeCost(flops, nbytes, compute, reads, out_bytes, causal, half)
+    masked = cls == "attention" and node.kwargs.get("attn_mask", node.args[3] if len(node.args) > 3 else None) is not None
+    return NodeCost(flops, nbytes, compute, reads, out_bytes, causal, half, masked=masked)
 
 
 def node_costs(bg: BlockGraph, activations: "SavedActivations | None" = None,
@@ -311,8 +315,9 @@ def class_block_time(bg: BlockGraph, costs: dict[str, NodeCost], b: int, chains:
         rate = rate16 if c.half else rate32
         if op_class(nodes[n]) == "attention":
             flops = 0.5 * c.flops if c.causal else c.flops
-            fwd += max(flops / rate, c.bytes / bw)
-            bwd += max(gpu_model.ATTENTION_BWD_FACTOR * flops / rate, 2 * c.bytes / bw)
+            rate_f, rate_b = gpu_model.attention_flops_per_s(spec.arch, rate, c.masked) if c.half else (rate, rate)
+            fwd += max(flops / rate_f, c.bytes / bw)
+            bwd += max(gpu_model.ATTENTION_BWD_FACTOR * flops / rate_b, 2 * c.bytes / bw)
             kernels_f, kernels_b = kernels_f + 1, kernels_b + 1
             continue
         t = max(c.flops / rate, c.bytes / bw)
