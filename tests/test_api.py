@@ -3,6 +3,8 @@ see, and the `zorse` command line."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 
 import pytest
@@ -77,10 +79,21 @@ def test_bad_cluster_path_is_reported(tmp_path):
                       example_inputs=(ids, ids), global_batch_size=4)
 
 
-def test_cli_plan_and_show(tmp_path, capsys):
-    out = tmp_path / "plan"
-    assert zorse_main(["plan", "--model", "gpt", "--cluster", str(CLUSTERS / "small_hetero.yaml"),
-                       "--global-batch-size", "8", "--seq-len", "32", "--solver-budget", "2", "-o", str(out)]) == 0
+@pytest.fixture(scope="module")
+def cli_plan(tmp_path_factory):
+    """`zorse plan` of a tiny GPT on small_hetero (batch 8): the plan directory
+    and what the command printed on stdout (its progress). The plan and show
+    test and the simulate test read this one plan."""
+    out = tmp_path_factory.mktemp("cli") / "plan"
+    progress = io.StringIO()
+    with contextlib.redirect_stdout(progress):
+        assert zorse_main(["plan", "--model", "gpt", "--cluster", str(CLUSTERS / "small_hetero.yaml"),
+                           "--global-batch-size", "8", "--seq-len", "32", "--solver-budget", "2", "-o", str(out)]) == 0
+    return out, progress.getvalue()
+
+
+def test_cli_plan_and_show(cli_plan, capsys):
+    out, progress = cli_plan
     d = json.loads((out / "plan.json").read_text())
     assert d["format"] == "zorse_fx.plan" and d["version"] == zorse.plan.PLAN_FORMAT_VERSION
     # --precision auto (the default) on A100 + T4: fp16-mixed, said in the progress output.
@@ -92,7 +105,6 @@ def test_cli_plan_and_show(tmp_path, capsys):
     assert (sv["solver_budget"], sv["time_limit_s"], sv["wall_clock_stops"]) == (2.0, 100.0, 0)
     assert sv["simulated_step_time_s"] > 0 and 0 < sv["simulated_max_memory_fraction"] <= 1
     assert 0.5 < sv["simulated_step_time_s"] / d["predicted_step_time_s"] <= 1.2
-    progress = capsys.readouterr().out
     assert "simulator check: step" in progress
     assert "[zorse] precision fp16-mixed: float16 autocast compute; " in progress
     assert "= 18 B/param; gradients all-reduced in float32; dynamic loss scaling (auto: T4 has no bf16)" in progress
@@ -135,11 +147,9 @@ def test_cli_train_runs_plan_on_real_text(tmp_path):
     assert all(r["loss"] > 0 and r["step_time_s"] > 0 for r in rows)
 
 
-def test_cli_simulate_writes_trace_and_gantt(tmp_path, capsys):
-    out = tmp_path / "plan"
+def test_cli_simulate_writes_trace_and_gantt(cli_plan, tmp_path, capsys):
+    out, _ = cli_plan
     cluster = str(CLUSTERS / "small_hetero.yaml")
-    assert zorse_main(["plan", "--model", "gpt", "--cluster", cluster, "--global-batch-size", "8",
-                       "--seq-len", "32", "--solver-budget", "2", "-o", str(out)]) == 0
     assert zorse_main(["simulate", str(out), "--model", "gpt", "--cluster", cluster, "--out", str(tmp_path / "sim")]) == 0
     trace = json.loads((tmp_path / "sim" / "trace.json").read_text())
     assert any(e.get("ph") == "X" and e.get("name", "").startswith("F") for e in trace["traceEvents"])

@@ -141,10 +141,15 @@ def test_new_cuts_plan_no_worse_on_the_demo_cluster(small_opt, memory_fraction):
     specs = {g.type: g.spec for g in cluster.gpus}
     policy = precision_policy(default_precision(specs.values()))
     devices = cluster.device_graph()
-    opts = solver_options(global_batch_size=16, max_stages=4, max_microbatches=8, memory_fraction=memory_fraction)
+    # 0.3 CP-SAT deterministic s per candidate (the default is 5): the old solve is still proven
+    # optimal, and the new one, warm-started with the old plan, reaches the same step times as
+    # with 5 s (the pipelined plan at 2e-4 included); "no worse than the hint" holds at any budget.
+    opts = solver_options(global_batch_size=16, max_stages=4, max_microbatches=8, memory_fraction=memory_fraction,
+                          solver_budget=0.3)
     new, old = analyse(small_opt), analyse(small_opt, _minimal_cuts_only=True)
     c_new, c_old = block_costs(new, specs, precision=policy), block_costs(old, specs, precision=policy)
     res_old = solve_cpsat(c_old, devices, opts)
+    assert res_old.status == "OPTIMAL"
     step_old = evaluate_result(c_old, devices, opts, res_old).step_time_s
 
     index = {start: b for b, (start, _) in enumerate(new.blocks)} | {len(new.act_order): new.num_blocks}

@@ -23,10 +23,13 @@ from zorse_fx.runtime.watchdog import heartbeat_dir, read_heartbeats, stalled_ra
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# Under pytest-xdist (`make test`: --dist loadgroup) these tests run one after
-# another on one worker: never two torchrun jobs of this file, each 3 processes
-# with signals and second-scale waits, competing for the CPUs at once.
-pytestmark = pytest.mark.xdist_group("job_control")
+# Under pytest-xdist (`make test`: --dist loadgroup) the tests that start a
+# torchrun job (marked JOB) run one after another on one worker: never two
+# torchrun jobs of this file, each 3 processes with signals and second-scale
+# waits, competing for the CPUs at once. The others (no torchrun job: unit
+# checks and one light fake job of two sleeping processes) go to any worker,
+# as every other test of the suite does beside these jobs.
+JOB = pytest.mark.xdist_group("job_control")
 
 
 @pytest.fixture(scope="module")
@@ -113,6 +116,7 @@ def _gone_within(job: Job, seconds: float) -> list[psutil.Process]:
     return job.left()
 
 
+@JOB
 @pytest.mark.parametrize("sig,status", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_signal_stops_torchrun_and_every_rank(plan2, tmp_path, sig, status):
     plan, corpus = plan2
@@ -131,6 +135,7 @@ def test_signal_stops_torchrun_and_every_rank(plan2, tmp_path, sig, status):
         job.cleanup()
 
 
+@JOB
 def test_stopped_rank_is_named_and_ends_the_job(plan2, tmp_path):
     plan, corpus = plan2
     job = Job(plan, corpus, tmp_path / "run", "--stall-timeout", "8")
@@ -162,6 +167,7 @@ def test_stopped_rank_is_named_and_ends_the_job(plan2, tmp_path):
         job.cleanup()
 
 
+@JOB
 def test_max_restarts_restarts_every_rank(plan2, tmp_path):
     """--max-restarts 1: a SIGKILLed rank makes torchrun restart both ranks, which
     meet again (runtime/launch.py init_process_group: the restarted attempt's
@@ -278,6 +284,7 @@ def test_a_rank_that_ignores_sigterm_is_killed_after_the_grace_period(tmp_path):
                 pass
 
 
+@JOB
 def test_sigterm_writes_a_checkpoint_then_resume_continues(plan2, tmp_path):
     """Spot preemption: with --checkpoint-every set (here too large to fire on
     its own), SIGTERM to `zorse train` makes every rank finish its step,

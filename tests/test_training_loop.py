@@ -180,14 +180,17 @@ def _export(plan, captured, tokens, d):
             "--warmup-steps", "2"]
 
 
-def _uninterrupted_run(tokens, tmp_path):
-    """Plan A exported to ``tmp_path``, trained 4 steps in one go into
-    ``tmp_path/full``; returns (plan, the common train arguments, world size)."""
+@pytest.fixture(scope="module")
+def uninterrupted(lee_bytes, tmp_path_factory):
+    """Plan A exported to a directory ``d``, trained 4 steps in one go into
+    ``d/full``; returns (d, the common train arguments, world size). The
+    exact-resume and killed-rank tests compare against this same run."""
+    d = tmp_path_factory.mktemp("uninterrupted")
     plan = _plan_a(_gpt())
-    common = _export(plan, _gpt(), tokens, tmp_path)
-    spawn_ranks(tmp_path / "plan", plan.world_size,
-                [*common[1:], "--steps", "4", "--out", str(tmp_path / "full"), "--dump-params"])
-    return plan, common, plan.world_size
+    common = _export(plan, _gpt(), lee_bytes, d)
+    spawn_ranks(d / "plan", plan.world_size,
+                [*common[1:], "--steps", "4", "--out", str(d / "full"), "--dump-params"])
+    return d, common, plan.world_size
 
 
 def _assert_same_params(run_a, run_b, world):
@@ -197,25 +200,25 @@ def _assert_same_params(run_a, run_b, world):
             assert torch.equal(a[name], b[name]), f"rank {r} {name} differs between {run_a.name} and {run_b.name}"
 
 
-def test_resumed_run_equals_the_uninterrupted_run_exactly(lee_bytes, tmp_path):
+def test_resumed_run_equals_the_uninterrupted_run_exactly(uninterrupted, tmp_path):
     """4 steps in one go vs 2 steps, stop, --resume to 4 (same plan, ZeRO-1
     shards and tied embedding): identical losses and parameters; the
     checkpoint directory is complete (manifest) and the last K are kept;
     metrics.jsonl is continued, not overwritten."""
-    plan, common, w = _uninterrupted_run(lee_bytes, tmp_path)
+    d, common, w = uninterrupted
     run = tmp_path / "resumed"
-    spawn_ranks(tmp_path / "plan", w, [*common[1:], "--steps", "2", "--out", str(run), "--checkpoint-every", "1",
-                                       "--keep-checkpoints", "1"])
+    spawn_ranks(d / "plan", w, [*common[1:], "--steps", "2", "--out", str(run), "--checkpoint-every", "1",
+                                "--keep-checkpoints", "1"])
     assert [s for s, _ in list_checkpoints(run / "checkpoints")] == [2]
     assert not list((run / "checkpoints").glob("*.tmp"))
     manifest = read_manifest(latest_checkpoint(run / "checkpoints"))
     assert (manifest["step"], manifest["world_size"], manifest["optimizer_steps"]) == (2, w, 2)
-    spawn_ranks(tmp_path / "plan", w, [*common[1:], "--steps", "4", "--out", str(run), "--resume", "--dump-params"])
-    full, resumed = _rows(tmp_path / "full"), _rows(run)
+    spawn_ranks(d / "plan", w, [*common[1:], "--steps", "4", "--out", str(run), "--resume", "--dump-params"])
+    full, resumed = _rows(d / "full"), _rows(run)
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
     assert [r["loss"] for r in resumed] == [r["loss"] for r in full]
     assert [r["lr"] for r in resumed] == [r["lr"] for r in full]
-    _assert_same_params(tmp_path / "full", run, w)
+    _assert_same_params(d / "full", run, w)
 
 
 def test_resume_under_another_plan_equals_single_process_training(lee_bytes, tmp_path):
@@ -276,11 +279,11 @@ def test_manifest_errors_name_file_and_field(tmp_path):
     assert latest_checkpoint(tmp_path) is None or latest_checkpoint(tmp_path) == d
 
 
-def test_a_killed_rank_restarts_the_job_from_the_last_checkpoint(lee_bytes, tmp_path):
+def test_a_killed_rank_restarts_the_job_from_the_last_checkpoint(uninterrupted, tmp_path):
     """torchrun --max-restarts 1: rank 1 SIGKILLs itself after step 3 (before
     step 3's checkpoint); torchrun restarts every rank, they resume from
     step_2 and finish; the final parameters equal an uninterrupted run's."""
-    plan, common, w = _uninterrupted_run(lee_bytes, tmp_path)
+    d, common, w = uninterrupted
     run = tmp_path / "killed"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     env.pop("TORCHELASTIC_RUN_ID", None)
@@ -292,8 +295,8 @@ def test_a_killed_rank_restarts_the_job_from_the_last_checkpoint(lee_bytes, tmp_
     assert "resumed from" in done.stdout and "after torchrun restart 1" in done.stdout
     rows = _rows(run)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
-    assert [r["loss"] for r in rows] == [r["loss"] for r in _rows(tmp_path / "full")]
-    _assert_same_params(tmp_path / "full", run, w)
+    assert [r["loss"] for r in rows] == [r["loss"] for r in _rows(d / "full")]
+    _assert_same_params(d / "full", run, w)
 
 
 def test_checkpoint_metadata_that_would_run_code_is_refused(tmp_path):
