@@ -171,6 +171,9 @@ _SEQ = (512, 1024, 2048, 4096, 8192, 16384)
 #: Thakkar, Ramani, Dao 2024, "FlashAttention-3: Fast and Accurate Attention
 #: with Asynchrony and Low-precision", NeurIPS 2024): FP16, head dim 128, no
 #: causal mask, the bar labels of Figure 5 (forward) and Figure 6 (backward),
+#: as read from public transcriptions of those figures, not yet checked against
+#: the PDF (one transcription swaps the cuDNN and FlashAttention-3 bars at seq 512
+#: of Figure 5, 497 vs 467; the median used does not depend on that bar),
 #: FlashAttention-2 and cuDNN bars (the FlashAttention-3 kernel is not what
 #: PyTorch's SDPA runs, so its bars are not used). No per-pass figure at head dim 128 was found for other GPU classes: the
 #: FlashAttention-2 paper (Dao 2023, arXiv 2307.08691) gives A100 per-pass
