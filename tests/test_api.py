@@ -92,6 +92,7 @@ def cli_plan(tmp_path_factory):
     return out, progress.getvalue()
 
 
+@pytest.mark.xdist_group("cli_plan")  # one worker computes the module fixture once
 def test_cli_plan_and_show(cli_plan, capsys):
     out, progress = cli_plan
     d = json.loads((out / "plan.json").read_text())
@@ -147,6 +148,7 @@ def test_cli_train_runs_plan_on_real_text(tmp_path):
     assert all(r["loss"] > 0 and r["step_time_s"] > 0 for r in rows)
 
 
+@pytest.mark.xdist_group("cli_plan")  # one worker computes the module fixture once
 def test_cli_simulate_writes_trace_and_gantt(cli_plan, tmp_path, capsys):
     out, _ = cli_plan
     cluster = str(CLUSTERS / "small_hetero.yaml")

@@ -200,6 +200,7 @@ def _assert_same_params(run_a, run_b, world):
             assert torch.equal(a[name], b[name]), f"rank {r} {name} differs between {run_a.name} and {run_b.name}"
 
 
+@pytest.mark.xdist_group("uninterrupted")  # one worker computes the module fixture once
 def test_resumed_run_equals_the_uninterrupted_run_exactly(uninterrupted, tmp_path):
     """4 steps in one go vs 2 steps, stop, --resume to 4 (same plan, ZeRO-1
     shards and tied embedding): identical losses and parameters; the
@@ -279,6 +280,7 @@ def test_manifest_errors_name_file_and_field(tmp_path):
     assert latest_checkpoint(tmp_path) is None or latest_checkpoint(tmp_path) == d
 
 
+@pytest.mark.xdist_group("uninterrupted")  # one worker computes the module fixture once
 def test_a_killed_rank_restarts_the_job_from_the_last_checkpoint(uninterrupted, tmp_path):
     """torchrun --max-restarts 1: rank 1 SIGKILLs itself after step 3 (before
     step 3's checkpoint); torchrun restarts every rank, they resume from
