@@ -107,7 +107,8 @@ from ._encoding import StageCuts
 from ._encoding import blocks_of as _blocks
 from ._encoding import both as _both
 from ._encoding import gated as _gated
-from ._encoding import pair_max
+from ._encoding import rows_max
+from .network_terms import ROWS_ALL, ROWS_SAME_NODE
 from ._sync_encoding import sync_terms, tied_copies
 from ..options import PlanOptions
 from .decision import Decision
@@ -140,9 +141,41 @@ def singleton_groups(num_gpus: int) -> list[_Group]:
 
 
 def _link_code(tab: IntTables) -> np.ndarray:
-    """(G, G) integer code of each link: (rounded bandwidth class, latency)."""
+    """(G, G) integer code of each link: (rounded bandwidth class, latency, [Note: boundary rows] code)."""
     lat = np.asarray(tab.pair_lat, dtype=np.int64)
-    return np.asarray(tab.pair_bw_class, dtype=np.int64) * (int(lat.max()) + 1) + lat
+    code = np.asarray(tab.pair_bw_class, dtype=np.int64) * (int(lat.max()) + 1) + lat
+    return code * 4 + np.asarray(tab.pair_rows, dtype=np.int64) + 1
+
+
+def _node_sums(tab: IntTables, groups: list[_Group], n, kn, num_stages: int):
+    """[Note: boundary rows] per (group c, stage s): an expression of the samples the GPUs of
+    stage s on the node of one unit of c take, for the two layouts the planners build:
+      * every member of c on one node N (a GPU, a class of one node): the sum over
+        the groups on N (each with every member on N) of their k n;
+      * each unit of c a node of its own, no other group on it (merged identical
+        nodes; GPUs without node names, each its own node): unit * n[c][s].
+    Raises ValueError for any other layout (no planner makes one)."""
+    node = tab.gpu_node
+    nodes_of = [{node[g] for g in q.members} for q in groups]
+    holders: dict[int, list[int]] = {}
+    for c, ns_ in enumerate(nodes_of):
+        for x in ns_:
+            holders.setdefault(x, []).append(c)
+    out = []
+    for c, q in enumerate(groups):
+        if len(nodes_of[c]) == 1:
+            (x,) = nodes_of[c]
+            if any(len(nodes_of[d]) != 1 for d in holders[x]):
+                raise ValueError(f"group {c} shares node {x} with a group that spans nodes")
+            out.append([sum(q_.unit * (n[d][s] if q_.count == 1 else kn[d, s])
+                            for d in holders[x] for q_ in (groups[d],)) for s in range(num_stages)])
+            continue
+        units = [q.members[u * q.unit:(u + 1) * q.unit] for u in range(q.count)]
+        if any(len({node[g] for g in us}) != 1 for us in units) or len(nodes_of[c]) != q.count \
+                or any(holders[x] != [c] for x in nodes_of[c]):
+            raise ValueError(f"group {c}: its units are not one node each, alone on it")
+        out.append([q.unit * n[c][s] for s in range(num_stages)])
+    return out
 
 
 class CandidateModel:
@@ -267,6 +300,9 @@ class CandidateModel:
             for q in blocks:
                 m.Add(sum(row[q] for row in through) == b)
 
+        # [Note: boundary rows] node_sum[c][s]: the samples of stage s on the node of a unit of c.
+        node_sum = _node_sums(tab, groups, n, kn, n_s)
+
         # [C-compute] compute = n W + F (+ the recomputed forward) of a GPU of c.
         lat_hi = max(max(r) for r in tab.pair_lat) if tab.num_gpus > 1 else 0
         xfer_hi = max((max(r) for r in tab.xfer), default=0)
@@ -366,13 +402,28 @@ class CandidateModel:
         for s in stages:
             cs = m.NewIntVar(0, work_hi, f"comp_s{s}")
             m.AddMaxEquality(cs, [stage_comp[c][s] for c in cls])
-            # [C-boundary] (c, c): GPUs of two different units of c (whole nodes / distinct GPUs).
+            # [C-boundary] (c, c): GPUs of two different units of c (whole nodes / distinct GPUs);
+            # rows per pair: network_terms.py [Note: boundary rows].
             if s < n_s - 1:
-                pairs = [((rep[c], rep[d]) if c != d else groups[c].link_out,
-                          both(p[c][s], p[d][s + 1], f"y_{c}_{d}_{s}"))
-                         for c in cls for d in cls if c != d or count[c] > 1]
-                xm, lm = pair_max(m, tab, pairs, lambda q, s=s: at_cut(tab.xfer[q], s + 1),
-                                  lambda q: max(tab.xfer[q]), f"bd{s}")
+                pairs = []
+                for c in cls:
+                    for d in cls:
+                        if c == d and count[c] == 1:
+                            continue
+                        link = (rep[c], rep[d]) if c != d else groups[c].link_out
+                        y = both(p[c][s], p[d][s + 1], f"y_{c}_{d}_{s}")
+                        code = tab.pair_rows[link[0]][link[1]]
+                        if code == ROWS_ALL:
+                            rows = b * y
+                        else:
+                            a_, b_ = (n[c][s], n[d][s + 1]) if code == ROWS_SAME_NODE else \
+                                (node_sum[c][s], node_sum[d][s + 1])
+                            mn = m.NewIntVar(0, b, f"mn_{c}_{d}_{s}")
+                            m.AddMinEquality(mn, [a_, b_])
+                            rows = mn if code == ROWS_SAME_NODE else gated(y, mn, b, f"rows_{c}_{d}_{s}")
+                        pairs.append((link, y, rows))
+                xm, lm = rows_max(m, tab, pairs, lambda q, s=s: at_cut(tab.xfer1[q], s + 1),
+                                  lambda q: max(tab.xfer1[q]), b, f"bd{s}")
                 bnd = 2 * xm + 2 * lm
             else:
                 bnd = 0
