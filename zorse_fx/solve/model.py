@@ -302,6 +302,7 @@ class CandidateModel:
 
         # [Note: boundary rows] node_sum[c][s]: the samples of stage s on the node of a unit of c.
         node_sum = _node_sums(tab, groups, n, kn, n_s)
+        one_node = [len({tab.gpu_node[g] for g in q.members}) == 1 for q in groups]
 
         # [C-compute] compute = n W + F (+ the recomputed forward) of a GPU of c.
         lat_hi = max(max(r) for r in tab.pair_lat) if tab.num_gpus > 1 else 0
@@ -415,12 +416,17 @@ class CandidateModel:
                         code = tab.pair_rows[link[0]][link[1]]
                         if code == ROWS_ALL:
                             rows = b * y
-                        else:
-                            a_, b_ = (n[c][s], n[d][s + 1]) if code == ROWS_SAME_NODE else \
-                                (node_sum[c][s], node_sum[d][s + 1])
+                        elif code == ROWS_SAME_NODE:
+                            rows = m.NewIntVar(0, b, f"mn_{c}_{d}_{s}")
+                            m.AddMinEquality(rows, [n[c][s], n[d][s + 1]])
+                        else:  # the node pair's link carries both ways; back only between one-node groups
                             mn = m.NewIntVar(0, b, f"mn_{c}_{d}_{s}")
-                            m.AddMinEquality(mn, [a_, b_])
-                            rows = mn if code == ROWS_SAME_NODE else gated(y, mn, b, f"rows_{c}_{d}_{s}")
+                            m.AddMinEquality(mn, [node_sum[c][s], node_sum[d][s + 1]])
+                            if one_node[c] and one_node[d] and c != d:
+                                back = m.NewIntVar(0, b, f"mb_{c}_{d}_{s}")
+                                m.AddMinEquality(back, [node_sum[d][s], node_sum[c][s + 1]])
+                                mn = mn + back
+                            rows = gated(y, mn, b, f"rows_{c}_{d}_{s}")
                         pairs.append((link, y, rows))
                 xm, lm = rows_max(m, tab, pairs, lambda q, s=s: at_cut(tab.xfer1[q], s + 1),
                                   lambda q: max(tab.xfer1[q]), b, f"bd{s}")

@@ -45,9 +45,11 @@ between two nodes share the node pair's link, those inside a node each have
 the GPU pair's link (``sim/network.link_resource``). So the samples a link
 carries per micro-batch are at most (``boundary_rows``, codes ``pair_rows``):
   * a GPU pair on one node: min(n_g, n_h) (the overlap of two ranges);
-  * two nodes N -> N': min(S_N, S_N'), S_N the samples of the sending stage's
-    GPUs on N and S_N' those of the receiving stage's GPUs on N' (the routes
-    between them carry the overlap of the two unions of ranges);
+  * two nodes N -> N': min(S_N, S'_N') + min(S_N', S'_N), S_N the samples of
+    the sending stage's GPUs on N and S'_N' those of the receiving stage's
+    GPUs on N' (the routes N -> N' carry the overlap of the two unions of
+    ranges; the node pair's link also carries those N' -> N when both stages
+    have GPUs on both nodes: one link for both directions);
   * a pair whose flows cross a shared link (a WAN path, a NIC): all b, as
     several node pairs may share the link ([Note: shared links in the objective]).
 The boundary's transfer is the max over the two stages' GPU pairs of
@@ -132,8 +134,8 @@ def boundary_rows(tab, src, src_n, dst, dst_n):
     sending stage (GPUs ``src``, samples ``src_n`` per micro-batch, aligned) and
     h of the receiving one: the samples of one micro-batch the pair's link
     carries at most, from ``tab.pair_rows`` (``ROWS_ALL``: the micro-batch
-    size b; ``ROWS_SAME_NODE``: min(n_g, n_h); ``ROWS_NODE_SUMS``: min of the
-    two stages' sample sums on the two nodes)."""
+    size b; ``ROWS_SAME_NODE``: min(n_g, n_h); ``ROWS_NODE_SUMS``: the
+    overlaps of the two stages' sample sums on the two nodes, both ways)."""
     s_src, s_dst = {}, {}
     for sums, gpus, ns in ((s_src, src, src_n), (s_dst, dst, dst_n)):
         for g, n in zip(gpus, ns):
@@ -142,8 +144,9 @@ def boundary_rows(tab, src, src_n, dst, dst_n):
     for g, ng in zip(src, src_n):
         for h, nh in zip(dst, dst_n):
             code = tab.pair_rows[g][h]
+            x, y = tab.gpu_node[g], tab.gpu_node[h]
             rows = (tab.microbatch_size if code == ROWS_ALL else min(ng, nh) if code == ROWS_SAME_NODE
-                    else min(s_src[tab.gpu_node[g]], s_dst[tab.gpu_node[h]]))
+                    else min(s_src[x], s_dst[y]) + min(s_src.get(y, 0), s_dst.get(x, 0)))
             out.append(((g, h), rows))
     return out
 

@@ -31,8 +31,9 @@ shardable state bytes (shardable_bytes_per_param * P_s), R_s = the rest
                 xfer_s = max over GPU pairs (g in s, h in s+1) of
                 rows(g, h) * cut_bytes[c_{s+1}] / bw(g, h), rows = the samples
                 of the micro-batch the pair's link carries at most: min(n_g,
-                n_h) on one node, min of the two stages' sample sums on the
-                two nodes across nodes, b across a shared link
+                n_h) on one node, across nodes min(S_N, S'_N') + min(S_N',
+                S'_N) of the two stages' sample sums S, S' on the two nodes
+                (one link for both directions), b across a shared link
                 (network_terms.py [Note: boundary rows]);
                 lat_s  = lat_max(s, s+1) over GPU pairs (g in s, h in s+1)
                 (forward activations + backward gradients on the link that
