@@ -137,8 +137,14 @@ def rows_max(m: cp_model.CpModel, tab: IntTables, pairs, xfer_of_class, hi_of_cl
         m.AddMaxEquality(r, rs)
         x = m.NewIntVar(0, hi_of_class(k), f"{name}_c{k}")
         m.Add(x == xfer_of_class(k))
-        z = m.NewIntVar(0, b * hi_of_class(k), f"{name}_z{k}")
+        hi = hi_of_class(k)
+        z = m.NewIntVar(0, b * hi, f"{name}_z{k}")
         m.AddMultiplicationEquality(z, [r, x])
+        # Redundant (McCormick, r in [0, b], x in [0, hi]): linear cuts of the product that
+        # keep the LP bound of an all-rows boundary (r = b gives z >= b x).
+        m.Add(z >= b * x + hi * r - b * hi)
+        m.Add(z <= b * x)
+        m.Add(z <= hi * r)
         terms.append(z)
     xm = m.NewIntVar(0, b * max(hi_of_class(k) for k in by_bw), f"{name}_x")
     m.AddMaxEquality(xm, terms)

@@ -62,16 +62,28 @@ a stage spread over several GPUs by up to their number (the Metis scenario's
 FlashFlex plan, a 1-GPU stage feeding 5 GPUs on two nodes: simulated /
 objective 0.580). The stage DP and the interleave pass price all b samples
 (``IntTables.xfer`` = b x ``xfer1``): an upper bound of this term; their
-plans are scored by ``evaluate``. What is still not priced: a boundary
-message overlapping other micro-batches' compute (the term sits inside
-every t_s; "Stage-boundary overlap" in bench/README.md).
+plans are scored by ``evaluate``.
+A node pair's link can carry several boundaries (a node holding GPUs of two
+stages that both exchange with the other node): per micro-batch it then moves
+2 sum_s rows_s x xfer1_s, more than any one boundary term. [C-objective]'s
+steady-state period is therefore max(max_s t_s, 2 x ``link_load``) (1F1B /
+GPipe, v = 1; a link one boundary uses never binds: 2 rows x xfer1 <=
+boundary_s <= t_s). Without it the Metis baseline's plan (two boundaries on
+the T4-A100 node pair) was 33% optimistic. In the CP-SAT model only links with
+a node holding >= 2 GPUs of one-node groups can carry two boundaries (a GPU
+alone on its node, and a merged node, is in one stage), so only those get the
+term (``model._link_loads``). Not priced: a GPU pair's own link inside a node
+carrying several boundaries (interleaved plans only), shared links (WAN, NIC)
+carrying several boundaries, and a boundary message overlapping other
+micro-batches' compute (the term sits inside every t_s; "Stage-boundary
+overlap" in bench/README.md).
 """
 
 from __future__ import annotations
 
 from .records import DeviceGraph
 
-__all__ = ["ROWS_SAME_NODE", "ROWS_NODE_SUMS", "ROWS_ALL", "pair_row_codes", "boundary_rows",
+__all__ = ["ROWS_SAME_NODE", "ROWS_NODE_SUMS", "ROWS_ALL", "pair_row_codes", "boundary_rows", "link_load",
            "effective_pair_bandwidth", "ring_units", "last_bucket_kib", "untied_block_kib", "drain_offsets",
            "tied_terms"]
 
@@ -149,6 +161,24 @@ def boundary_rows(tab, src, src_n, dst, dst_n):
                     else min(s_src[x], s_dst[y]) + min(s_src.get(y, 0), s_dst.get(x, 0)))
             out.append(((g, h), rows))
     return out
+
+
+def link_load(tab, stage_blocks, stage_gpus, samples) -> int:
+    """[Note: boundary rows] the busiest node pair's link over every boundary of
+    one micro-batch, one direction (units): max over node pairs {N, N'} (pairs
+    coded ``ROWS_NODE_SUMS``) of sum over boundaries s of rows_s x the largest
+    ``xfer1`` at cut s of a GPU pair on the link in boundary s; 0 if none."""
+    loads: dict[tuple[int, int], int] = {}
+    node = tab.gpu_node
+    for s in range(len(stage_blocks) - 1):
+        j, on_link = stage_blocks[s][1], {}
+        for (g, h), rows in boundary_rows(tab, stage_gpus[s], samples[s], stage_gpus[s + 1], samples[s + 1]):
+            if tab.pair_rows[g][h] == ROWS_NODE_SUMS:
+                key = (min(node[g], node[h]), max(node[g], node[h]))
+                on_link[key] = (rows, max(on_link.get(key, (0, 0))[1], tab.xfer1[tab.pair_bw_class[g][h]][j]))
+        for key, (rows, x) in on_link.items():
+            loads[key] = loads.get(key, 0) + rows * x
+    return max(loads.values(), default=0)
 
 
 def ring_units(units: int, k: int, scale: int = 1) -> int:
