@@ -116,8 +116,10 @@ def test_two_stages_with_heterogeneous_dp_group():
     ref = solve_brute_force(costs, devices, options)
     assert res.num_stages == 2 and res.decision.stage_blocks == ((0, 1), (1, 2))
     assert res.decision.stage_gpus == ((0, 1), (2,)) and res.decision.samples_per_microbatch == ((3, 1), (4,))
-    # by hand, b = 4 samples: stage 0 = max(3 x 4 ms, 1 x 12 ms) + 2 x (4 MB / 1 TB/s + 1 us)
-    t0 = 12e-3 + 2 * (4e6 / 1e12 + 1e-6)
+    # by hand, b = 4 samples: stage 0 = max(3 x 4 ms, 1 x 12 ms) + 2 x (3 MB / 1 TB/s + 1 us): one
+    # node, so each GPU pair has its own link, and GPU 0 -> GPU 2 carries min(3, 4) = 3 samples,
+    # the most of any pair ([Note: boundary rows]; all 4 before)
+    t0 = 12e-3 + 2 * (3e6 / 1e12 + 1e-6)
     t1 = 4 * 2e-3
     # The two-GPU stage's ring all-reduce, (k-1)/k = 1/2, 2 (k-1) latencies per gradient bucket:
     # 4 p = 2.4e9 B of float32 gradients = 1 MiB + 91.5 x 25 MiB, nb = 1 + 92 = 93 buckets.

@@ -17,7 +17,7 @@ from ortools.sat.python import cp_model
 if TYPE_CHECKING:
     from .objective import IntTables
 
-__all__ = ["StageCuts", "blocks_of", "gated", "any_of", "both", "pair_max", "pair_max_many"]
+__all__ = ["StageCuts", "blocks_of", "gated", "any_of", "both", "pair_max", "pair_max_many", "rows_max"]
 
 
 def blocks_of(prefix) -> list[int]:
@@ -116,3 +116,38 @@ def pair_max_many(m: cp_model.CpModel, tab: IntTables, pairs, values, name: str)
     lm = m.NewIntVar(0, max(by_lat), f"{name}_l")
     m.AddMaxEquality(lm, [lat * any_of(m, ys, f"{name}_q{lat}") for lat, ys in by_lat.items()])
     return xs, lm
+
+
+def rows_max(m: cp_model.CpModel, tab: IntTables, pairs, xfer_of_class, hi_of_class, b: int, name: str):
+    """[C-boundary]: (max over pairs of rows x xfer_of_class(bw class), max latency over present pairs).
+
+    ``pairs``: iterable of ((g, h) a GPU pair with the link, presence literal,
+    rows: the samples its link carries, an IntVar or linear expression in
+    [0, b] that is 0 when the pair is absent); ``xfer_of_class(k)``: one
+    sample's transfer units at the stage's cut, in [0, ``hi_of_class(k)``].
+    Per bandwidth class one product (max rows of the class) x (its transfer):
+    the max over pairs of rows x transfer, as the transfer is one per class."""
+    by_bw, by_lat = defaultdict(list), defaultdict(list)
+    for (g, h), y, rows in pairs:
+        by_bw[tab.pair_bw_class[g][h]].append(rows)
+        by_lat[tab.pair_lat[g][h]].append(y)
+    terms = []
+    for k, rs in by_bw.items():
+        r = m.NewIntVar(0, b, f"{name}_r{k}")
+        m.AddMaxEquality(r, rs)
+        x = m.NewIntVar(0, hi_of_class(k), f"{name}_c{k}")
+        m.Add(x == xfer_of_class(k))
+        hi = hi_of_class(k)
+        z = m.NewIntVar(0, b * hi, f"{name}_z{k}")
+        m.AddMultiplicationEquality(z, [r, x])
+        # Redundant (McCormick, r in [0, b], x in [0, hi]): linear cuts of the product that
+        # keep the LP bound of an all-rows boundary (r = b gives z >= b x).
+        m.Add(z >= b * x + hi * r - b * hi)
+        m.Add(z <= b * x)
+        m.Add(z <= hi * r)
+        terms.append(z)
+    xm = m.NewIntVar(0, b * max(hi_of_class(k) for k in by_bw), f"{name}_x")
+    m.AddMaxEquality(xm, terms)
+    lm = m.NewIntVar(0, max(by_lat), f"{name}_l")
+    m.AddMaxEquality(lm, [lat * any_of(m, ys, f"{name}_q{lat}") for lat, ys in by_lat.items()])
+    return xm, lm

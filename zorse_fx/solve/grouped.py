@@ -111,10 +111,17 @@ def _groups(devices: DeviceGraph, tab: IntTables, aggregate: bool) -> list[_Grou
     reps = [c[0] for c in classes]
     cc = code[np.ix_(reps, reps)]
     keys: dict[tuple, list[int]] = defaultdict(list)
+    per_node: dict[int, int] = defaultdict(int)
+    for c in classes:
+        for x in {tab.gpu_node[g] for g in c}:
+            per_node[x] += 1
     for i, c in enumerate(classes):
         g = c[0]
+        # A class sharing its node with another stays a plain class: a merged group's node
+        # holds its GPUs only ([Note: boundary rows]: model._node_sums).
+        alone = len({tab.gpu_node[h] for h in c}) == 1 and per_node[tab.gpu_node[g]] == 1
         keys[(devices.gpu_types[g], tab.cap_bytes[g], tab.gpu_mbw_class[g], len(c),
-              int(code[c[0], c[1]]) if len(c) > 1 else -1)].append(i)
+              int(code[c[0], c[1]]) if len(c) > 1 else -1, True if alone else i)].append(i)
     out = []
     for part in _refine(cc, list(keys.values())):
         cs = [classes[i] for i in part]

@@ -15,14 +15,14 @@ shared link the pair crosses), and ``build_tables`` classes pairs by that
 figure, so the CP-SAT model, the DP and the class refinement of
 ``grouped.gpu_classes`` (links with equal codes are interchangeable) see it
 without a term of their own. Why that is what sharing means here:
-  * [C-boundary] already charges ALL of the micro-batch's cut bytes over the
-    slowest pair between the two stages, as if they queued on one link. When
-    a stage pair straddles a shared link, the bytes crossing it are at most
-    all of them, and a shared link moves them at most at its capacity, so
-    bytes / min(pair link, capacity) bounds the time the boundary keeps that
-    link busy -- exactly when every route of the boundary crosses it (two
-    stages in two regions: the simulator's max-min rates give the routes
-    capacity / routes each, total bytes / capacity).
+  * [C-boundary] charges ALL of the micro-batch's cut bytes on a pair whose
+    flows cross a shared link ([Note: boundary rows]), as if they queued on
+    one link. When a stage pair straddles a shared link, the bytes crossing
+    it are at most all of them, and a shared link moves them at most at its
+    capacity, so bytes / min(pair link, capacity) bounds the time the
+    boundary keeps that link busy -- exactly when every route of the
+    boundary crosses it (two stages in two regions: the simulator's max-min
+    rates give the routes capacity / routes each, total bytes / capacity).
   * [C-allreduce] is a ring over the stage's GPUs in stage order
     (``sim/network.py``). A ring whose GPUs of each side are consecutive
     crosses a shared link once per direction, so its crossing hop gets the
@@ -35,13 +35,56 @@ same direction at the same moment (stages alternating between regions)
 share it in the simulator and not here; and boundary messages and rings that
 cross a NIC together. Those plans are priced optimistically by up to the
 factor of crossings; the simulator (``zorse_fx.sim``) prices them.
+
+[Note: boundary rows]
+[C-boundary] charges one micro-batch's cut bytes, both directions, on the link
+that takes longest. The runtime (``runtime.comm.routes``) and the simulator
+send each GPU's rows of the micro-batch to the GPUs of the next stage that
+hold those rows: a route carries the overlap of two row ranges; the routes
+between two nodes share the node pair's link, those inside a node each have
+the GPU pair's link (``sim/network.link_resource``). So the samples a link
+carries per micro-batch are at most (``boundary_rows``, codes ``pair_rows``):
+  * a GPU pair on one node: min(n_g, n_h) (the overlap of two ranges);
+  * two nodes N -> N': min(S_N, S'_N') + min(S_N', S'_N), S_N the samples of
+    the sending stage's GPUs on N and S'_N' those of the receiving stage's
+    GPUs on N' (the routes N -> N' carry the overlap of the two unions of
+    ranges; the node pair's link also carries those N' -> N when both stages
+    have GPUs on both nodes: one link for both directions);
+  * a pair whose flows cross a shared link (a WAN path, a NIC): all b, as
+    several node pairs may share the link ([Note: shared links in the objective]).
+The boundary's transfer is the max over the two stages' GPU pairs of
+rows(g, h) x ``xfer1[class(g, h)][cut]`` (one sample's bytes / bw(g, h),
+rounded once per sample), its latency the max over the pairs, as before.
+These bound each link's bytes from above; the exact count depends on the
+order of the row ranges, which the CP-SAT model and the DP do not see.
+Until 2026-11-26 all b samples were charged on every pair, which overcounts
+a stage spread over several GPUs by up to their number (the Metis scenario's
+FlashFlex plan, a 1-GPU stage feeding 5 GPUs on two nodes: simulated /
+objective 0.580). The stage DP and the interleave pass price all b samples
+(``IntTables.xfer`` = b x ``xfer1``): an upper bound of this term; their
+plans are scored by ``evaluate``.
+A node pair's link can carry several boundaries (a node holding GPUs of two
+stages that both exchange with the other node): per micro-batch it then moves
+2 sum_s rows_s x xfer1_s, more than any one boundary term. [C-objective]'s
+steady-state period is therefore max(max_s t_s, 2 x ``link_load``) (1F1B /
+GPipe, v = 1; a link one boundary uses never binds: 2 rows x xfer1 <=
+boundary_s <= t_s). Without it the Metis baseline's plan (two boundaries on
+the T4-A100 node pair) was 33% optimistic. In the CP-SAT model only links with
+a node holding >= 2 GPUs of one-node groups can carry two boundaries (a GPU
+alone on its node, and a merged node, is in one stage), so only those get the
+term (``model._link_loads``). Not priced: a GPU pair's own link inside a node
+carrying several boundaries (interleaved plans only), shared links (WAN, NIC)
+carrying several boundaries, and a boundary message overlapping other
+micro-batches' compute (the term sits inside every t_s; "Stage-boundary
+overlap" in bench/README.md).
 """
 
 from __future__ import annotations
 
 from .records import DeviceGraph
 
-__all__ = ["effective_pair_bandwidth", "ring_units", "last_bucket_kib", "untied_block_kib", "drain_offsets",
+__all__ = ["ROWS_SAME_NODE", "ROWS_NODE_SUMS", "ROWS_ALL", "pair_row_codes", "boundary_rows", "link_load",
+           "effective_pair_bandwidth", "ring_units", "last_bucket_kib", "untied_block_kib", "drain_offsets",
            "tied_terms"]
 
 
@@ -67,6 +110,75 @@ def effective_pair_bandwidth(devices: DeviceGraph) -> list[list[float]]:
                     v = min(v, sl.bandwidth_bytes_per_s)
             bw[g][h] = v
     return bw
+
+
+#: [Note: boundary rows] codes of ``IntTables.pair_rows``.
+ROWS_SAME_NODE, ROWS_NODE_SUMS, ROWS_ALL = 0, 1, 2
+
+
+def pair_row_codes(devices: DeviceGraph) -> tuple[tuple[int, tuple[tuple[int, ...], ...]], ...]:
+    """((G,) node index of each GPU, (G, G) row code of each pair) of [Note: boundary rows].
+
+    Nodes are ``devices.node_names`` (each GPU its own node without them, as
+    ``sim/network.link_resource``); the code of (g, h), g != h, is ROWS_ALL when
+    a flow between them crosses a shared link (either direction), else
+    ROWS_SAME_NODE on one node and ROWS_NODE_SUMS on two; -1 on the diagonal."""
+    n_g = devices.num_gpus
+    names = devices.node_names or tuple(f"gpu{g}" for g in range(n_g))
+    index = {name: k for k, name in enumerate(dict.fromkeys(names))}
+    node = tuple(index[name] for name in names)
+    codes = []
+    for g in range(n_g):
+        row = []
+        for h in range(n_g):
+            if g == h:
+                row.append(-1)
+            elif any(sl.direction(g, h) is not None for sl in devices.shared_links):
+                row.append(ROWS_ALL)
+            else:
+                row.append(ROWS_SAME_NODE if node[g] == node[h] else ROWS_NODE_SUMS)
+        codes.append(tuple(row))
+    return node, tuple(codes)
+
+
+def boundary_rows(tab, src, src_n, dst, dst_n):
+    """[Note: boundary rows]: ``[((g, h), rows)]`` for every GPU pair g of the
+    sending stage (GPUs ``src``, samples ``src_n`` per micro-batch, aligned) and
+    h of the receiving one: the samples of one micro-batch the pair's link
+    carries at most, from ``tab.pair_rows`` (``ROWS_ALL``: the micro-batch
+    size b; ``ROWS_SAME_NODE``: min(n_g, n_h); ``ROWS_NODE_SUMS``: the
+    overlaps of the two stages' sample sums on the two nodes, both ways)."""
+    s_src, s_dst = {}, {}
+    for sums, gpus, ns in ((s_src, src, src_n), (s_dst, dst, dst_n)):
+        for g, n in zip(gpus, ns):
+            sums[tab.gpu_node[g]] = sums.get(tab.gpu_node[g], 0) + n
+    out = []
+    for g, ng in zip(src, src_n):
+        for h, nh in zip(dst, dst_n):
+            code = tab.pair_rows[g][h]
+            x, y = tab.gpu_node[g], tab.gpu_node[h]
+            rows = (tab.microbatch_size if code == ROWS_ALL else min(ng, nh) if code == ROWS_SAME_NODE
+                    else min(s_src[x], s_dst[y]) + min(s_src.get(y, 0), s_dst.get(x, 0)))
+            out.append(((g, h), rows))
+    return out
+
+
+def link_load(tab, stage_blocks, stage_gpus, samples) -> int:
+    """[Note: boundary rows] the busiest node pair's link over every boundary of
+    one micro-batch, one direction (units): max over node pairs {N, N'} (pairs
+    coded ``ROWS_NODE_SUMS``) of sum over boundaries s of rows_s x the largest
+    ``xfer1`` at cut s of a GPU pair on the link in boundary s; 0 if none."""
+    loads: dict[tuple[int, int], int] = {}
+    node = tab.gpu_node
+    for s in range(len(stage_blocks) - 1):
+        j, on_link = stage_blocks[s][1], {}
+        for (g, h), rows in boundary_rows(tab, stage_gpus[s], samples[s], stage_gpus[s + 1], samples[s + 1]):
+            if tab.pair_rows[g][h] == ROWS_NODE_SUMS:
+                key = (min(node[g], node[h]), max(node[g], node[h]))
+                on_link[key] = (rows, max(on_link.get(key, (0, 0))[1], tab.xfer1[tab.pair_bw_class[g][h]][j]))
+        for key, (rows, x) in on_link.items():
+            loads[key] = loads.get(key, 0) + rows * x
+    return max(loads.values(), default=0)
 
 
 def ring_units(units: int, k: int, scale: int = 1) -> int:

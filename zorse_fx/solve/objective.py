@@ -28,10 +28,16 @@ shardable state bytes (shardable_bytes_per_param * P_s), R_s = the rest
                 (F = fixed time per micro-batch: kernel launches; the
                 recomputed forward is 1/3 of fwd+bwd, RECOMPUTE_FRACTION)
   boundary_s  = 2 * (xfer_s + lat_s) for s < S-1, boundary_{S-1} = 0  [C-boundary]
-                xfer_s = cut_bytes[c_{s+1}] * b / bw_min(s, s+1),
+                xfer_s = max over GPU pairs (g in s, h in s+1) of
+                rows(g, h) * cut_bytes[c_{s+1}] / bw(g, h), rows = the samples
+                of the micro-batch the pair's link carries at most: min(n_g,
+                n_h) on one node, across nodes min(S_N, S'_N') + min(S_N',
+                S'_N) of the two stages' sample sums S, S' on the two nodes
+                (one link for both directions), b across a shared link
+                (network_terms.py [Note: boundary rows]);
                 lat_s  = lat_max(s, s+1) over GPU pairs (g in s, h in s+1)
-                (forward activations + backward gradients, all b samples on
-                the slowest link, conservatively)
+                (forward activations + backward gradients on the link that
+                takes longest, on the critical path of every micro-batch)
   t_s         = max_{g in s} compute_g + boundary_s                   [C-stage]
   allreduce_s = 0 if k = |s| = 1, else
                 ceil((k - 1) / k * (2 * grad_bytes + sh_s * param_bytes) * P'_s
@@ -73,7 +79,9 @@ shardable state bytes (shardable_bytes_per_param * P_s), R_s = the rest
                 and writes its state once), or for a sharded stage
                 2 * optim_bytes * (z_g MiB / shardable_bytes) / mem_bw_g
                 (each GPU updates the parameters of its shard)        [C-optim]
-  pipe        = sum_s t_s + (M - 1) * max_s t_s   (1F1B / GPipe fill + steady state)
+  pipe        = sum_s t_s + (M - 1) * max(max_s t_s, 2 load)   (1F1B / GPipe fill + steady state;
+                load = the busiest node pair's link over all boundaries of a micro-batch,
+                network_terms.link_load: binds only where several boundaries share a link)
   E_s         = sum_{j<s} (4 cmax_j + 3 boundary_j), cmax_j = max_{g in j} compute_g;
                 D_s = floor(E_s / 6) (``network_terms.drain_offsets``, which says why);
                 B6_s = (4 - rc_s) cmax-_s, cmax-_s = max_{g in s} compute_g over the blocks of s
@@ -110,7 +118,8 @@ the nearest ns, in ``build_tables``:
     per-block optimizer time 2*state*param/mem_bw per distinct memory bandwidth
     -> prefix sums (so allreduce/optim of a stage = sum of its rounded blocks,
     less (c - 1) rounded tied copies ``tied_opt`` where [C-tied] says so);
-  * per-cut transfer time cut_bytes[c]*b/bw per distinct link bandwidth;
+  * per-cut transfer time of one sample cut_bytes[c]/bw per distinct link
+    bandwidth (``xfer1``; a pair's rows times it; ``xfer`` = b x ``xfer1``);
   * link latencies; usable memory = floor(memory_fraction * memory_bytes).
   * bucket counts of [C-allreduce] in KiB (``BUCKET_UNIT_BYTES``): per-block
     float32 gradient KiB rounded UP -> prefix sums (``grad_kib_prefix``), per
@@ -149,8 +158,8 @@ from ..errors import InfeasiblePlanError
 from ..options import SCHEDULES, PlanOptions
 from ..runtime.grad_sync import BUCKET_BYTES, bucket_caps
 from .decision import Decision
-from .network_terms import (drain_offsets, effective_pair_bandwidth, last_bucket_kib, ring_units, tied_terms,
-                            untied_block_kib)
+from .network_terms import (boundary_rows, drain_offsets, effective_pair_bandwidth, last_bucket_kib,
+                            link_load, pair_row_codes, ring_units, tied_terms, untied_block_kib)
 from .records import BlockCosts, DeviceGraph
 from .state_terms import stage_optim_units, stage_state_kib
 
@@ -283,8 +292,13 @@ class IntTables:
     bw_values: tuple[float, ...]
     #: (G, G) link latency units (max of both directions).
     pair_lat: tuple[tuple[int, ...], ...]
-    #: [bw class][cut c] units of cut_bytes[c] * b / bw (one direction).
+    #: [bw class][cut c] units of cut_bytes[c] / bw: one sample, one direction ([C-boundary]).
+    xfer1: tuple[tuple[int, ...], ...]
+    #: b * xfer1: the whole micro-batch on one link (the stage DP's and interleave pass's upper bound).
     xfer: tuple[tuple[int, ...], ...]
+    #: (G,) node index of each GPU; (G, G) [Note: boundary rows] code of each pair (-1 on the diagonal).
+    gpu_node: tuple[int, ...]
+    pair_rows: tuple[tuple[int, ...], ...]
     #: [bw class] prefix of per-block all-reduce units 2 * grad_bytes * params / bw.
     ar_prefix: tuple[tuple[int, ...], ...]
     #: prefix of per-block float32 gradient bytes (GRAD_BUCKET_BYTES_PER_PARAM * params) in
@@ -380,6 +394,8 @@ def build_tables(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions,
             sc *= 2
         lastb_scale.append(sc)
     lastb_scale = tuple(lastb_scale)
+    xfer1 = tuple(tuple(to_units(cb / v) for cb in costs.cut_bytes_per_sample) for v in bw_values)
+    gpu_node, pair_rows = pair_row_codes(devices)
     return IntTables(
         num_blocks=costs.num_blocks, num_gpus=n_g, num_microbatches=m, microbatch_size=b,
         schedule=options.schedule, gpu_types=tuple(devices.gpu_types),
@@ -391,7 +407,8 @@ def build_tables(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions,
         act_prefix=_prefix(_kib_up(a) for a in costs.act_bytes_per_sample),
         pair_bw_class=pair_bw_class, bw_values=bw_values,
         pair_lat=tuple(tuple(r) for r in lat),
-        xfer=tuple(tuple(to_units(cb * b / v) for cb in costs.cut_bytes_per_sample) for v in bw_values),
+        xfer1=xfer1, xfer=tuple(tuple(b * x for x in row) for row in xfer1),
+        gpu_node=gpu_node, pair_rows=pair_rows,
         ar_prefix=tuple(_prefix(to_units(2 * gr * p / v) for p in costs.param_count) for v in bw_values),
         grad_kib_prefix=_prefix(-(-fp32 * p // BUCKET_UNIT_BYTES) for p in costs.param_count),
         tied_grad_kib=tuple(fp32 * tp.numel // BUCKET_UNIT_BYTES for tp in costs.tied_params),
@@ -559,7 +576,8 @@ def evaluate_units(tab: IntTables, stage_blocks, stage_gpus, samples, policy: Me
         comp_head.append(max(work(g, n, j - 1) for g, n in zip(gpus, ns)))  # cmax-_s of [C-objective]
         if s < n_s - 1:
             nxt = stage_gpus[s + 1]
-            xfer = max(tab.xfer[tab.pair_bw_class[g][h]][j] for g in gpus for h in nxt)
+            xfer = max(rows * tab.xfer1[tab.pair_bw_class[g][h]][j]
+                       for (g, h), rows in boundary_rows(tab, gpus, ns, nxt, samples[s + 1]))
             lat = max(tab.pair_lat[g][h] for g in gpus for h in nxt)
             bnd.append(2 * (xfer + lat))
         else:
@@ -610,7 +628,9 @@ def evaluate_units(tab: IntTables, stage_blocks, stage_gpus, samples, policy: Me
     drain = drain_offsets(comp, bnd)
     drain_bwd = drain_offsets(comp, bnd, [(3 if r else 4) * c for r, c in zip(pol.recompute, comp_head)])
     sync = [max(a - db, lb - d) for a, db, lb, d in zip(ar, drain_bwd, last, drain)]
-    step = sum(stage) + (m - 1) * max(stage) + max(
+    # [Note: boundary rows]: the steady state also waits for a node pair's link that several boundaries use.
+    period = max(max(stage), 2 * link_load(tab, stage_blocks, stage_gpus, samples))
+    step = sum(stage) + (m - 1) * period + max(
         (w if t is None else max(w, t)) + o for w, t, o in zip(sync, tied, opt))
     ar = [a if t is None else max(a, t) for a, t in zip(ar, tied)]  # [C-tied]: the optimizer waits for both
     return StageUnits(compute=tuple(comp), boundary=tuple(bnd), stage=stage, allreduce=tuple(ar),
