@@ -162,6 +162,8 @@ def _link_loads(m: cp_model.CpModel, tab: IntTables, groups: list[_Group], one_n
     groups ("a-node") and another a-node, or a unit (node) of a multi-node group in
     stage s' (the boundaries s'-1 and s'). Every other link carries one boundary, and
     2 x its load <= that boundary's term <= t_s, so it never sets the period."""
+    if num_stages < 3 or not tab.xfer1:
+        return []  # one boundary (or one GPU): no link carries two
     node = tab.gpu_node
     on: dict[int, list[int]] = {}
     for c, q in enumerate(groups):
