@@ -46,12 +46,12 @@ With u = z >= 1 (the block's fixed cost is paid):
   boundary_s  = 2 * (max over present group pairs (c in s, d in s+1) of
                 rows x one sample's rounded transfer time + max latency);
                 rows = min(n[c][s], n[d][s+1]) on one node, the node sample
-                sums' overlaps across nodes (``_node_sums``), b across a
+                sums' overlaps across nodes (``_boundary_encoding.node_sums``), b across a
                 shared link (network_terms.py [Note: boundary rows]); per
                 bandwidth class one product (max rows) x (transfer at the
                 cut), with McCormick cuts; (c, c) across stages (count > 1)
                 has the link between two units                          [C-boundary]
-  load        = the node pair links that can carry two boundaries (``_link_loads``):
+  load        = the node pair links that can carry two boundaries (``_boundary_encoding``):
                 network_terms.link_load; the period is max(tmax, 2 load)
   t_s         = max_c compute of c in s + boundary_s                    [C-stage]
   sync6_s     = 6 x stage s's gradient synchronisation term: its own ring
@@ -113,10 +113,8 @@ from .objective import MIB_UNITS, IntTables, inflight
 from ._encoding import StageCuts
 from ._encoding import blocks_of as _blocks
 from ._encoding import both as _both
-from ._encoding import any_of
+from ._boundary_encoding import LinkTerms
 from ._encoding import gated as _gated
-from ._encoding import rows_max
-from .network_terms import ROWS_ALL, ROWS_NODE_SUMS, ROWS_SAME_NODE
 from ._sync_encoding import sync_terms, tied_copies
 from ..options import PlanOptions
 from .decision import Decision
@@ -153,113 +151,6 @@ def _link_code(tab: IntTables) -> np.ndarray:
     lat = np.asarray(tab.pair_lat, dtype=np.int64)
     code = np.asarray(tab.pair_bw_class, dtype=np.int64) * (int(lat.max()) + 1) + lat
     return code * 4 + np.asarray(tab.pair_rows, dtype=np.int64) + 1
-
-
-def _link_loads(m: cp_model.CpModel, tab: IntTables, groups: list[_Group], one_node, node_sum, n, ys, xcut,
-                num_stages: int, b: int) -> list:
-    """network_terms.link_load's node pair links that can carry two boundaries, as
-    expressions (units, one direction): those between a node with >= 2 GPUs of one-node
-    groups ("a-node") and another a-node, or a unit (node) of a multi-node group in
-    stage s' (the boundaries s'-1 and s'). Every other link carries one boundary, and
-    2 x its load <= that boundary's term <= t_s, so it never sets the period."""
-    if num_stages < 3 or not tab.xfer1:
-        return []  # one boundary (or one GPU): no link carries two
-    node = tab.gpu_node
-    on: dict[int, list[int]] = {}
-    for c, q in enumerate(groups):
-        if one_node[c]:
-            on.setdefault(node[q.members[0]], []).append(c)
-    big = sorted(x for x, cs in on.items() if sum(len(groups[c].members) for c in cs) >= 2)
-    rep = [q.members[0] for q in groups]
-    nsum = {x: node_sum[cs[0]] for x, cs in on.items()}
-    hi = b * max(max(r) for r in tab.xfer1)
-
-    def transfer(pairs, s, name):
-        """max over present (c, d) pairs coded ROWS_NODE_SUMS of xcut(class, s) (None if none)."""
-        by_q: dict[int, list] = {}
-        for c, d in pairs:
-            if tab.pair_rows[rep[c]][rep[d]] == ROWS_NODE_SUMS:
-                by_q.setdefault(tab.pair_bw_class[rep[c]][rep[d]], []).append(ys[c, d, s])
-        if not by_q:
-            return None
-        terms = [_gated(m, any_of(m, yl, f"{name}_p{q}"), xcut(q, s), max(tab.xfer1[q]), f"{name}_g{q}")
-                 for q, yl in by_q.items()]
-        x = m.NewIntVar(0, max(max(tab.xfer1[q]) for q in by_q), f"{name}_x")
-        m.AddMaxEquality(x, terms)
-        return x
-
-    def product(rows, x, name):
-        z = m.NewIntVar(0, hi, name)
-        m.AddMultiplicationEquality(z, [rows, x])
-        return z
-
-    def least(a_, b_, name):
-        v = m.NewIntVar(0, b, name)
-        m.AddMinEquality(v, [a_, b_])
-        return v
-
-    loads = []
-    for x1 in big:
-        for x2 in [y for y in on if y != x1 and (y not in big or y > x1)]:
-            terms = []
-            for s in range(num_stages - 1):
-                pairs = [(c, d) for c in on[x1] for d in on[x2]] + [(d, c) for c in on[x1] for d in on[x2]]
-                x = transfer(pairs, s, f"ll_{x1}_{x2}_{s}")
-                if x is not None:
-                    rows = least(nsum[x1][s], nsum[x2][s + 1], f"lr_{x1}_{x2}_{s}") + \
-                        least(nsum[x2][s], nsum[x1][s + 1], f"lb_{x1}_{x2}_{s}")
-                    terms.append(product(rows, x, f"lz_{x1}_{x2}_{s}"))
-            if len(terms) >= 2:
-                loads.append(sum(terms))
-        for c, q in enumerate(groups):
-            if one_node[c]:
-                continue
-            for s in range(num_stages):  # a unit of c in stage s: boundaries s - 1 (in) and s (out)
-                terms = []
-                if s >= 1:
-                    x = transfer([(d, c) for d in on[x1]], s - 1, f"la_{x1}_{c}_{s}")
-                    if x is not None:
-                        terms.append(product(least(nsum[x1][s - 1], q.unit * n[c][s], f"lin_{x1}_{c}_{s}"), x,
-                                             f"lza_{x1}_{c}_{s}"))
-                if s + 1 < num_stages:
-                    x = transfer([(c, d) for d in on[x1]], s, f"lo_{x1}_{c}_{s}")
-                    if x is not None:
-                        terms.append(product(least(q.unit * n[c][s], nsum[x1][s + 1], f"lout_{x1}_{c}_{s}"), x,
-                                             f"lzo_{x1}_{c}_{s}"))
-                if len(terms) == 2:
-                    loads.append(sum(terms))
-    return loads
-
-
-def _node_sums(tab: IntTables, groups: list[_Group], n, kn, num_stages: int):
-    """[Note: boundary rows] per (group c, stage s): an expression of the samples the GPUs of
-    stage s on the node of one unit of c take, for the two layouts the planners build:
-      * every member of c on one node N (a GPU, a class of one node): the sum over
-        the groups on N (each with every member on N) of their k n;
-      * each unit of c a node of its own, no other group on it (merged identical
-        nodes; GPUs without node names, each its own node): unit * n[c][s].
-    Raises ValueError for any other layout (no planner makes one)."""
-    node = tab.gpu_node
-    nodes_of = [{node[g] for g in q.members} for q in groups]
-    holders: dict[int, list[int]] = {}
-    for c, ns_ in enumerate(nodes_of):
-        for x in ns_:
-            holders.setdefault(x, []).append(c)
-    out = []
-    for c, q in enumerate(groups):
-        if len(nodes_of[c]) == 1:
-            (x,) = nodes_of[c]
-            if any(len(nodes_of[d]) != 1 for d in holders[x]):
-                raise ValueError(f"group {c} shares node {x} with a group that spans nodes")
-            out.append([sum(q_.unit * (n[d][s] if q_.count == 1 else kn[d, s])
-                            for d in holders[x] for q_ in (groups[d],)) for s in range(num_stages)])
-            continue
-        units = [q.members[u * q.unit:(u + 1) * q.unit] for u in range(q.count)]
-        if any(len({node[g] for g in us}) != 1 for us in units) or len(nodes_of[c]) != q.count \
-                or any(holders[x] != [c] for x in nodes_of[c]):
-            raise ValueError(f"group {c}: its units are not one node each, alone on it")
-        out.append([q.unit * n[c][s] for s in range(num_stages)])
-    return out
 
 
 class CandidateModel:
@@ -310,7 +201,7 @@ class CandidateModel:
         # [C-cuts] contiguous stage ranges (encoding in _encoding.py).
         cuts = StageCuts(m, nb, n_s)
         self.cut, in_s = cuts.cut, cuts.in_s
-        stage_sum, at_cut = cuts.stage_sum, cuts.at_cut
+        stage_sum = cuts.stage_sum
 
         def gated(flag, value, hi, name):
             return _gated(m, flag, value, hi, name)
@@ -384,9 +275,8 @@ class CandidateModel:
             for q in blocks:
                 m.Add(sum(row[q] for row in through) == b)
 
-        # [Note: boundary rows] node_sum[c][s]: the samples of stage s on the node of a unit of c.
-        node_sum = _node_sums(tab, groups, n, kn, n_s)
-        one_node = [len({tab.gpu_node[g] for g in q.members}) == 1 for q in groups]
+        # [C-boundary] and the link loads over groups (_boundary_encoding.py).
+        links = LinkTerms(m, tab, groups, cuts, p, n, kn, n_s)
 
         # [C-compute] compute = n W + F (+ the recomputed forward) of a GPU of c.
         lat_hi = max(max(r) for r in tab.pair_lat) if tab.num_gpus > 1 else 0
@@ -484,44 +374,13 @@ class CandidateModel:
         if r_sum > 0:
             m.Add(tmax >= int(b * sum(w_ref) / r_sum * (1 - 1e-9)))
         t, drain6, bwd6 = [], [], []
-        ys, xcuts = {}, {}
-
-        def xcut(q, s):
-            """IntVar: one sample's transfer units of bandwidth class q at the cut after stage s."""
-            if (q, s) not in xcuts:
-                xcuts[q, s] = m.NewIntVar(0, max(tab.xfer1[q]), f"xcut_{q}_{s}")
-                m.Add(xcuts[q, s] == at_cut(tab.xfer1[q], s + 1))
-            return xcuts[q, s]
 
         for s in stages:
             cs = m.NewIntVar(0, work_hi, f"comp_s{s}")
             m.AddMaxEquality(cs, [stage_comp[c][s] for c in cls])
-            # [C-boundary] (c, c): GPUs of two different units of c (whole nodes / distinct GPUs);
-            # rows per pair: network_terms.py [Note: boundary rows].
+            # [C-boundary] rows per link (network_terms.py [Note: boundary rows]; _boundary_encoding.py).
             if s < n_s - 1:
-                pairs = []
-                for c in cls:
-                    for d in cls:
-                        if c == d and count[c] == 1:
-                            continue
-                        link = (rep[c], rep[d]) if c != d else groups[c].link_out
-                        y = ys[c, d, s] = both(p[c][s], p[d][s + 1], f"y_{c}_{d}_{s}")
-                        code = tab.pair_rows[link[0]][link[1]]
-                        if code == ROWS_ALL:
-                            rows = b * y
-                        elif code == ROWS_SAME_NODE:
-                            rows = m.NewIntVar(0, b, f"mn_{c}_{d}_{s}")
-                            m.AddMinEquality(rows, [n[c][s], n[d][s + 1]])
-                        else:  # the node pair's link carries both ways; back only between one-node groups
-                            mn = m.NewIntVar(0, b, f"mn_{c}_{d}_{s}")
-                            m.AddMinEquality(mn, [node_sum[c][s], node_sum[d][s + 1]])
-                            if one_node[c] and one_node[d] and c != d:
-                                back = m.NewIntVar(0, b, f"mb_{c}_{d}_{s}")
-                                m.AddMinEquality(back, [node_sum[d][s], node_sum[c][s + 1]])
-                                mn = mn + back
-                            rows = gated(y, mn, b, f"rows_{c}_{d}_{s}")
-                        pairs.append((link, y, rows))
-                xm, lm = rows_max(m, tab, pairs, lambda q, s=s: xcut(q, s), lambda q: max(tab.xfer1[q]), b, f"bd{s}")
+                xm, lm = links.boundary(s)
                 bnd = 2 * xm + 2 * lm
             else:
                 bnd = 0
@@ -601,7 +460,7 @@ class CandidateModel:
         # [C-objective] step = sum t_s + (M-1) max(max t_s, 2 load) + ceil(max_s sync6_s / 6) (stage 0's
         # term >= 0); load: network_terms.link_load, over the links that can carry two boundaries.
         m.AddMaxEquality(tmax, t)
-        loads = _link_loads(m, tab, groups, one_node, node_sum, n, ys, xcut, n_s, b)
+        loads = links.loads()
         period = tmax
         if loads:
             period = m.NewIntVar(0, max(t_hi, 2 * n_s * b * max(max(r) for r in tab.xfer1)), "period")

@@ -1,0 +1,187 @@
+"""The CP-SAT encoding of [C-boundary]'s rows per link and of the link loads
+(network_terms.py [Note: boundary rows]) over the groups of the one model
+builder (model.py [Note: one model builder]): ``evaluate``'s ``boundary_rows``
+and ``link_load`` as equalities, so the model's objective stays ``evaluate``'s
+to the ns.
+
+Per boundary s and present group pair (c in s, d in s+1), its link's rows:
+b across a shared link, min(n[c][s], n[d][s+1]) on one node, and across
+nodes min(S_c, S'_d) + (both groups on one node each) min(S_d, S'_c) of the
+node sample sums (``node_sums``); per bandwidth class one product (max rows)
+x (one sample's transfer at the cut) (``_encoding.rows_max``).
+"""
+
+from __future__ import annotations
+
+from ortools.sat.python import cp_model
+
+from ._encoding import any_of, both, rows_max
+from ._encoding import gated as _gated
+from .network_terms import ROWS_ALL, ROWS_NODE_SUMS, ROWS_SAME_NODE
+from .objective import IntTables
+
+__all__ = ["LinkTerms", "node_sums"]
+
+
+class LinkTerms:
+    """[C-boundary] per stage (``boundary``) and the link loads (``loads``) of one
+    candidate model: ``groups`` (model._Group), ``cuts`` (StageCuts), ``p`` / ``n``
+    ([group][stage] presence / samples per GPU), ``kn`` ((group, stage) -> k n of
+    a multi-unit group)."""
+
+    def __init__(self, m: cp_model.CpModel, tab: IntTables, groups, cuts, p, n, kn, num_stages: int):
+        self.m, self.tab, self.groups, self.cuts, self.p, self.n = m, tab, groups, cuts, p, n
+        self.num_stages, self.b = num_stages, tab.microbatch_size
+        #: node_sum[c][s]: the samples of stage s on the node of a unit of c.
+        self.node_sum = node_sums(tab, groups, n, kn, num_stages)
+        self.one_node = [len({tab.gpu_node[g] for g in q.members}) == 1 for q in groups]
+        self.ys: dict[tuple[int, int, int], object] = {}  # (c, d, s) -> c in s and d in s + 1
+        self._xcut: dict[tuple[int, int], object] = {}
+
+    def xcut(self, q: int, s: int):
+        """IntVar: one sample's transfer units of bandwidth class q at the cut after stage s."""
+        if (q, s) not in self._xcut:
+            x = self._xcut[q, s] = self.m.NewIntVar(0, max(self.tab.xfer1[q]), f"xcut_{q}_{s}")
+            self.m.Add(x == self.cuts.at_cut(self.tab.xfer1[q], s + 1))
+        return self._xcut[q, s]
+
+    def boundary(self, s: int):
+        """(max over present pairs of rows x transfer, max latency) of the boundary after stage s;
+        (c, c) across stages (count > 1) has the link between two units."""
+        m, tab, groups, p, n, b = self.m, self.tab, self.groups, self.p, self.n, self.b
+        node_sum, one_node = self.node_sum, self.one_node
+        pairs = []
+        for c, qc in enumerate(groups):
+            for d, qd in enumerate(groups):
+                if c == d and qc.count == 1:
+                    continue
+                link = (qc.members[0], qd.members[0]) if c != d else qc.link_out
+                y = self.ys[c, d, s] = both(m, p[c][s], p[d][s + 1], f"y_{c}_{d}_{s}")
+                code = tab.pair_rows[link[0]][link[1]]
+                if code == ROWS_ALL:
+                    rows = b * y
+                elif code == ROWS_SAME_NODE:
+                    rows = m.NewIntVar(0, b, f"mn_{c}_{d}_{s}")
+                    m.AddMinEquality(rows, [n[c][s], n[d][s + 1]])
+                else:  # the node pair's link carries both ways; back only between one-node groups
+                    mn = m.NewIntVar(0, b, f"mn_{c}_{d}_{s}")
+                    m.AddMinEquality(mn, [node_sum[c][s], node_sum[d][s + 1]])
+                    if one_node[c] and one_node[d] and c != d:
+                        back = m.NewIntVar(0, b, f"mb_{c}_{d}_{s}")
+                        m.AddMinEquality(back, [node_sum[d][s], node_sum[c][s + 1]])
+                        mn = mn + back
+                    rows = _gated(m, y, mn, b, f"rows_{c}_{d}_{s}")
+                pairs.append((link, y, rows))
+        return rows_max(m, tab, pairs, lambda q: self.xcut(q, s), lambda q: max(tab.xfer1[q]), b, f"bd{s}")
+
+    def loads(self) -> list:
+        """The link loads (after every ``boundary``): ``_link_loads``."""
+        return _link_loads(self.m, self.tab, self.groups, self.one_node, self.node_sum, self.n, self.ys,
+                           self.xcut, self.num_stages, self.b)
+
+
+def _link_loads(m: cp_model.CpModel, tab: IntTables, groups, one_node, node_sum, n, ys, xcut,
+                num_stages: int, b: int) -> list:
+    """network_terms.link_load's node pair links that can carry two boundaries, as
+    expressions (units, one direction): those between a node with >= 2 GPUs of one-node
+    groups ("a-node") and another a-node, or a unit (node) of a multi-node group in
+    stage s' (the boundaries s'-1 and s'). Every other link carries one boundary, and
+    2 x its load <= that boundary's term <= t_s, so it never sets the period."""
+    if num_stages < 3 or not tab.xfer1:
+        return []  # one boundary (or one GPU): no link carries two
+    node = tab.gpu_node
+    on: dict[int, list[int]] = {}
+    for c, q in enumerate(groups):
+        if one_node[c]:
+            on.setdefault(node[q.members[0]], []).append(c)
+    big = sorted(x for x, cs in on.items() if sum(len(groups[c].members) for c in cs) >= 2)
+    rep = [q.members[0] for q in groups]
+    nsum = {x: node_sum[cs[0]] for x, cs in on.items()}
+    hi = b * max(max(r) for r in tab.xfer1)
+
+    def transfer(pairs, s, name):
+        """max over present (c, d) pairs coded ROWS_NODE_SUMS of xcut(class, s) (None if none)."""
+        by_q: dict[int, list] = {}
+        for c, d in pairs:
+            if tab.pair_rows[rep[c]][rep[d]] == ROWS_NODE_SUMS:
+                by_q.setdefault(tab.pair_bw_class[rep[c]][rep[d]], []).append(ys[c, d, s])
+        if not by_q:
+            return None
+        terms = [_gated(m, any_of(m, yl, f"{name}_p{q}"), xcut(q, s), max(tab.xfer1[q]), f"{name}_g{q}")
+                 for q, yl in by_q.items()]
+        x = m.NewIntVar(0, max(max(tab.xfer1[q]) for q in by_q), f"{name}_x")
+        m.AddMaxEquality(x, terms)
+        return x
+
+    def product(rows, x, name):
+        z = m.NewIntVar(0, hi, name)
+        m.AddMultiplicationEquality(z, [rows, x])
+        return z
+
+    def least(a_, b_, name):
+        v = m.NewIntVar(0, b, name)
+        m.AddMinEquality(v, [a_, b_])
+        return v
+
+    loads = []
+    for x1 in big:
+        for x2 in [y for y in on if y != x1 and (y not in big or y > x1)]:
+            terms = []
+            for s in range(num_stages - 1):
+                pairs = [(c, d) for c in on[x1] for d in on[x2]] + [(d, c) for c in on[x1] for d in on[x2]]
+                x = transfer(pairs, s, f"ll_{x1}_{x2}_{s}")
+                if x is not None:
+                    rows = least(nsum[x1][s], nsum[x2][s + 1], f"lr_{x1}_{x2}_{s}") + \
+                        least(nsum[x2][s], nsum[x1][s + 1], f"lb_{x1}_{x2}_{s}")
+                    terms.append(product(rows, x, f"lz_{x1}_{x2}_{s}"))
+            if len(terms) >= 2:
+                loads.append(sum(terms))
+        for c, q in enumerate(groups):
+            if one_node[c]:
+                continue
+            for s in range(num_stages):  # a unit of c in stage s: boundaries s - 1 (in) and s (out)
+                terms = []
+                if s >= 1:
+                    x = transfer([(d, c) for d in on[x1]], s - 1, f"la_{x1}_{c}_{s}")
+                    if x is not None:
+                        terms.append(product(least(nsum[x1][s - 1], q.unit * n[c][s], f"lin_{x1}_{c}_{s}"), x,
+                                             f"lza_{x1}_{c}_{s}"))
+                if s + 1 < num_stages:
+                    x = transfer([(c, d) for d in on[x1]], s, f"lo_{x1}_{c}_{s}")
+                    if x is not None:
+                        terms.append(product(least(q.unit * n[c][s], nsum[x1][s + 1], f"lout_{x1}_{c}_{s}"), x,
+                                             f"lzo_{x1}_{c}_{s}"))
+                if len(terms) == 2:
+                    loads.append(sum(terms))
+    return loads
+
+
+def node_sums(tab: IntTables, groups, n, kn, num_stages: int):
+    """[Note: boundary rows] per (group c, stage s): an expression of the samples the GPUs of
+    stage s on the node of one unit of c take, for the two layouts the planners build:
+      * every member of c on one node N (a GPU, a class of one node): the sum over
+        the groups on N (each with every member on N) of their k n;
+      * each unit of c a node of its own, no other group on it (merged identical
+        nodes; GPUs without node names, each its own node): unit * n[c][s].
+    Raises ValueError for any other layout (no planner makes one)."""
+    node = tab.gpu_node
+    nodes_of = [{node[g] for g in q.members} for q in groups]
+    holders: dict[int, list[int]] = {}
+    for c, ns_ in enumerate(nodes_of):
+        for x in ns_:
+            holders.setdefault(x, []).append(c)
+    out = []
+    for c, q in enumerate(groups):
+        if len(nodes_of[c]) == 1:
+            (x,) = nodes_of[c]
+            if any(len(nodes_of[d]) != 1 for d in holders[x]):
+                raise ValueError(f"group {c} shares node {x} with a group that spans nodes")
+            out.append([sum(q_.unit * (n[d][s] if q_.count == 1 else kn[d, s])
+                            for d in holders[x] for q_ in (groups[d],)) for s in range(num_stages)])
+            continue
+        units = [q.members[u * q.unit:(u + 1) * q.unit] for u in range(q.count)]
+        if any(len({node[g] for g in us}) != 1 for us in units) or len(nodes_of[c]) != q.count \
+                or any(holders[x] != [c] for x in nodes_of[c]):
+            raise ValueError(f"group {c}: its units are not one node each, alone on it")
+        out.append([q.unit * n[c][s] for s in range(num_stages)])
+    return out
