@@ -8,7 +8,8 @@ Per boundary s and present group pair (c in s, d in s+1), its link's rows:
 b across a shared link, min(n[c][s], n[d][s+1]) on one node, and across
 nodes min(S_c, S'_d) + (both groups on one node each) min(S_d, S'_c) of the
 node sample sums (``node_sums``); per bandwidth class one product (max rows)
-x (one sample's transfer at the cut) (``_encoding.rows_max``).
+x (one sample's transfer at the cut) (``_encoding.rows_max``); the link
+loads of network_terms.link_load (``LinkTerms.loads``).
 """
 
 from __future__ import annotations
@@ -75,85 +76,81 @@ class LinkTerms:
         return rows_max(m, tab, pairs, lambda q: self.xcut(q, s), lambda q: max(tab.xfer1[q]), b, f"bd{s}")
 
     def loads(self) -> list:
-        """The link loads (after every ``boundary``): ``_link_loads``."""
-        return _link_loads(self.m, self.tab, self.groups, self.one_node, self.node_sum, self.n, self.ys,
-                           self.xcut, self.num_stages, self.b)
-
-
-def _link_loads(m: cp_model.CpModel, tab: IntTables, groups, one_node, node_sum, n, ys, xcut,
-                num_stages: int, b: int) -> list:
-    """network_terms.link_load's node pair links that can carry two boundaries, as
-    expressions (units, one direction): those between a node with >= 2 GPUs of one-node
-    groups ("a-node") and another a-node, or a unit (node) of a multi-node group in
-    stage s' (the boundaries s'-1 and s'). Every other link carries one boundary, and
-    2 x its load <= that boundary's term <= t_s, so it never sets the period."""
-    if num_stages < 3 or not tab.xfer1:
-        return []  # one boundary (or one GPU): no link carries two
-    node = tab.gpu_node
-    on: dict[int, list[int]] = {}
-    for c, q in enumerate(groups):
-        if one_node[c]:
-            on.setdefault(node[q.members[0]], []).append(c)
-    big = sorted(x for x, cs in on.items() if sum(len(groups[c].members) for c in cs) >= 2)
-    rep = [q.members[0] for q in groups]
-    nsum = {x: node_sum[cs[0]] for x, cs in on.items()}
-    hi = b * max(max(r) for r in tab.xfer1)
-
-    def transfer(pairs, s, name):
-        """max over present (c, d) pairs coded ROWS_NODE_SUMS of xcut(class, s) (None if none)."""
-        by_q: dict[int, list] = {}
-        for c, d in pairs:
-            if tab.pair_rows[rep[c]][rep[d]] == ROWS_NODE_SUMS:
-                by_q.setdefault(tab.pair_bw_class[rep[c]][rep[d]], []).append(ys[c, d, s])
-        if not by_q:
-            return None
-        terms = [_gated(m, any_of(m, yl, f"{name}_p{q}"), xcut(q, s), max(tab.xfer1[q]), f"{name}_g{q}")
-                 for q, yl in by_q.items()]
-        x = m.NewIntVar(0, max(max(tab.xfer1[q]) for q in by_q), f"{name}_x")
-        m.AddMaxEquality(x, terms)
-        return x
-
-    def product(rows, x, name):
-        z = m.NewIntVar(0, hi, name)
-        m.AddMultiplicationEquality(z, [rows, x])
-        return z
-
-    def least(a_, b_, name):
-        v = m.NewIntVar(0, b, name)
-        m.AddMinEquality(v, [a_, b_])
-        return v
-
-    loads = []
-    for x1 in big:
-        for x2 in [y for y in on if y != x1 and (y not in big or y > x1)]:
-            terms = []
-            for s in range(num_stages - 1):
-                pairs = [(c, d) for c in on[x1] for d in on[x2]] + [(d, c) for c in on[x1] for d in on[x2]]
-                x = transfer(pairs, s, f"ll_{x1}_{x2}_{s}")
-                if x is not None:
-                    rows = least(nsum[x1][s], nsum[x2][s + 1], f"lr_{x1}_{x2}_{s}") + \
-                        least(nsum[x2][s], nsum[x1][s + 1], f"lb_{x1}_{x2}_{s}")
-                    terms.append(product(rows, x, f"lz_{x1}_{x2}_{s}"))
-            if len(terms) >= 2:
-                loads.append(sum(terms))
+        """network_terms.link_load's node pair links that can carry two boundaries (call
+        after every ``boundary``), as expressions (ns units, one direction): those between
+        a node with >= 2 GPUs of one-node groups ("a-node") and another a-node, or a unit
+        (node) of a multi-node group in stage s' (the boundaries s'-1 and s'). Every other
+        link carries one boundary, and 2 x its load <= that boundary's term <= t_s, so it
+        never sets the period."""
+        m, tab, groups, n, b, xcut = self.m, self.tab, self.groups, self.n, self.b, self.xcut
+        one_node, node_sum, ys, num_stages = self.one_node, self.node_sum, self.ys, self.num_stages
+        if num_stages < 3 or not tab.xfer1:
+            return []  # one boundary (or one GPU): no link carries two
+        node = tab.gpu_node
+        on: dict[int, list[int]] = {}
         for c, q in enumerate(groups):
             if one_node[c]:
-                continue
-            for s in range(num_stages):  # a unit of c in stage s: boundaries s - 1 (in) and s (out)
+                on.setdefault(node[q.members[0]], []).append(c)
+        big = sorted(x for x, cs in on.items() if sum(len(groups[c].members) for c in cs) >= 2)
+        rep = [q.members[0] for q in groups]
+        nsum = {x: node_sum[cs[0]] for x, cs in on.items()}
+        hi = b * max(max(r) for r in tab.xfer1)
+
+        def transfer(pairs, s, name):
+            """max over present (c, d) pairs coded ROWS_NODE_SUMS of xcut(class, s) (None if none)."""
+            by_q: dict[int, list] = {}
+            for c, d in pairs:
+                if tab.pair_rows[rep[c]][rep[d]] == ROWS_NODE_SUMS:
+                    by_q.setdefault(tab.pair_bw_class[rep[c]][rep[d]], []).append(ys[c, d, s])
+            if not by_q:
+                return None
+            terms = [_gated(m, any_of(m, yl, f"{name}_p{q}"), xcut(q, s), max(tab.xfer1[q]), f"{name}_g{q}")
+                     for q, yl in by_q.items()]
+            x = m.NewIntVar(0, max(max(tab.xfer1[q]) for q in by_q), f"{name}_x")
+            m.AddMaxEquality(x, terms)
+            return x
+
+        def product(rows, x, name):
+            z = m.NewIntVar(0, hi, name)
+            m.AddMultiplicationEquality(z, [rows, x])
+            return z
+
+        def least(a_, b_, name):
+            v = m.NewIntVar(0, b, name)
+            m.AddMinEquality(v, [a_, b_])
+            return v
+
+        loads = []
+        for x1 in big:
+            for x2 in [y for y in on if y != x1 and (y not in big or y > x1)]:
                 terms = []
-                if s >= 1:
-                    x = transfer([(d, c) for d in on[x1]], s - 1, f"la_{x1}_{c}_{s}")
+                pairs = [(c, d) for c in on[x1] for d in on[x2]] + [(d, c) for c in on[x1] for d in on[x2]]
+                for s in range(num_stages - 1):
+                    x = transfer(pairs, s, f"ll_{x1}_{x2}_{s}")
                     if x is not None:
-                        terms.append(product(least(nsum[x1][s - 1], q.unit * n[c][s], f"lin_{x1}_{c}_{s}"), x,
-                                             f"lza_{x1}_{c}_{s}"))
-                if s + 1 < num_stages:
-                    x = transfer([(c, d) for d in on[x1]], s, f"lo_{x1}_{c}_{s}")
-                    if x is not None:
-                        terms.append(product(least(q.unit * n[c][s], nsum[x1][s + 1], f"lout_{x1}_{c}_{s}"), x,
-                                             f"lzo_{x1}_{c}_{s}"))
-                if len(terms) == 2:
+                        rows = least(nsum[x1][s], nsum[x2][s + 1], f"lr_{x1}_{x2}_{s}") + \
+                            least(nsum[x2][s], nsum[x1][s + 1], f"lb_{x1}_{x2}_{s}")
+                        terms.append(product(rows, x, f"lz_{x1}_{x2}_{s}"))
+                if len(terms) >= 2:
                     loads.append(sum(terms))
-    return loads
+            for c, q in enumerate(groups):
+                if one_node[c]:
+                    continue
+                for s in range(num_stages):  # a unit of c in stage s: boundaries s - 1 (in) and s (out)
+                    terms = []
+                    if s >= 1:
+                        x = transfer([(d, c) for d in on[x1]], s - 1, f"la_{x1}_{c}_{s}")
+                        if x is not None:
+                            terms.append(product(least(nsum[x1][s - 1], q.unit * n[c][s], f"lin_{x1}_{c}_{s}"), x,
+                                                 f"lza_{x1}_{c}_{s}"))
+                    if s + 1 < num_stages:
+                        x = transfer([(c, d) for d in on[x1]], s, f"lo_{x1}_{c}_{s}")
+                        if x is not None:
+                            terms.append(product(least(q.unit * n[c][s], nsum[x1][s + 1], f"lout_{x1}_{c}_{s}"), x,
+                                                 f"lzo_{x1}_{c}_{s}"))
+                    if len(terms) == 2:
+                        loads.append(sum(terms))
+        return loads
 
 
 def node_sums(tab: IntTables, groups, n, kn, num_stages: int):

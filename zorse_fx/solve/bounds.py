@@ -8,7 +8,8 @@ candidate fits, the message that names the binding constraint
 from __future__ import annotations
 
 from ..options import PlanOptions
-from .objective import IntTables, _gib, _prefix, max_stage_count, microbatch_candidates
+from .objective import IntTables, _gib, max_stage_count, microbatch_candidates
+from .tables import _prefix
 from .records import BlockCosts, DeviceGraph
 from .state_terms import extra_copies, unique_params
 

@@ -118,7 +118,7 @@ def _groups(devices: DeviceGraph, tab: IntTables, aggregate: bool) -> list[_Grou
     for i, c in enumerate(classes):
         g = c[0]
         # A class sharing its node with another stays a plain class: a merged group's node
-        # holds its GPUs only ([Note: boundary rows]: model._node_sums).
+        # holds its GPUs only ([Note: boundary rows]: _boundary_encoding.node_sums).
         alone = len({tab.gpu_node[h] for h in c}) == 1 and per_node[tab.gpu_node[g]] == 1
         keys[(devices.gpu_types[g], tab.cap_bytes[g], tab.gpu_mbw_class[g], len(c),
               int(code[c[0], c[1]]) if len(c) > 1 else -1, True if alone else i)].append(i)

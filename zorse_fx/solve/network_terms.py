@@ -72,7 +72,7 @@ boundary_s <= t_s). Without it the Metis baseline's plan (two boundaries on
 the T4-A100 node pair) was 33% optimistic. In the CP-SAT model only links with
 a node holding >= 2 GPUs of one-node groups can carry two boundaries (a GPU
 alone on its node, and a merged node, is in one stage), so only those get the
-term (``model._link_loads``). Not priced: a GPU pair's own link inside a node
+term (``_boundary_encoding.LinkTerms.loads``). Not priced: a GPU pair's own link inside a node
 carrying several boundaries (interleaved plans only), shared links (WAN, NIC)
 carrying several boundaries, and a boundary message overlapping other
 micro-batches' compute (the term sits inside every t_s; "Stage-boundary
@@ -116,7 +116,7 @@ def effective_pair_bandwidth(devices: DeviceGraph) -> list[list[float]]:
 ROWS_SAME_NODE, ROWS_NODE_SUMS, ROWS_ALL = 0, 1, 2
 
 
-def pair_row_codes(devices: DeviceGraph) -> tuple[tuple[int, tuple[tuple[int, ...], ...]], ...]:
+def pair_row_codes(devices: DeviceGraph) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:
     """((G,) node index of each GPU, (G, G) row code of each pair) of [Note: boundary rows].
 
     Nodes are ``devices.node_names`` (each GPU its own node without them, as
@@ -141,13 +141,14 @@ def pair_row_codes(devices: DeviceGraph) -> tuple[tuple[int, tuple[tuple[int, ..
     return node, tuple(codes)
 
 
-def boundary_rows(tab, src, src_n, dst, dst_n):
-    """[Note: boundary rows]: ``[((g, h), rows)]`` for every GPU pair g of the
-    sending stage (GPUs ``src``, samples ``src_n`` per micro-batch, aligned) and
-    h of the receiving one: the samples of one micro-batch the pair's link
-    carries at most, from ``tab.pair_rows`` (``ROWS_ALL``: the micro-batch
-    size b; ``ROWS_SAME_NODE``: min(n_g, n_h); ``ROWS_NODE_SUMS``: the
-    overlaps of the two stages' sample sums on the two nodes, both ways)."""
+def boundary_rows(tab, src, src_n, dst, dst_n) -> list[tuple[tuple[int, int], int]]:
+    """[Note: boundary rows]: ``[((g, h), rows)]``, |src| x |dst| entries, for
+    every GPU pair g of the sending stage (GPUs ``src``, samples ``src_n`` per
+    micro-batch, aligned) and h of the receiving one: the samples (an int in
+    [0, b]) of one micro-batch the pair's link carries at most, from
+    ``tab.pair_rows`` (``ROWS_ALL``: the micro-batch size b; ``ROWS_SAME_NODE``:
+    min(n_g, n_h); ``ROWS_NODE_SUMS``: the overlaps of the two stages' sample
+    sums on the two nodes, both ways)."""
     s_src, s_dst = {}, {}
     for sums, gpus, ns in ((s_src, src, src_n), (s_dst, dst, dst_n)):
         for g, n in zip(gpus, ns):
@@ -163,16 +164,18 @@ def boundary_rows(tab, src, src_n, dst, dst_n):
     return out
 
 
-def link_load(tab, stage_blocks, stage_gpus, samples) -> int:
+def link_load(tab, stage_blocks, rows_per_boundary) -> int:
     """[Note: boundary rows] the busiest node pair's link over every boundary of
-    one micro-batch, one direction (units): max over node pairs {N, N'} (pairs
+    one micro-batch, one direction (ns units): max over node pairs {N, N'} (pairs
     coded ``ROWS_NODE_SUMS``) of sum over boundaries s of rows_s x the largest
-    ``xfer1`` at cut s of a GPU pair on the link in boundary s; 0 if none."""
+    ``xfer1`` at cut s of a GPU pair on the link in boundary s; 0 if none.
+    ``rows_per_boundary[s]``: ``boundary_rows`` of the boundary after stage s
+    (S - 1 lists); every pair of one node pair has the same rows."""
     loads: dict[tuple[int, int], int] = {}
     node = tab.gpu_node
-    for s in range(len(stage_blocks) - 1):
-        j, on_link = stage_blocks[s][1], {}
-        for (g, h), rows in boundary_rows(tab, stage_gpus[s], samples[s], stage_gpus[s + 1], samples[s + 1]):
+    for (_, j), pairs in zip(stage_blocks, rows_per_boundary):
+        on_link = {}
+        for (g, h), rows in pairs:
             if tab.pair_rows[g][h] == ROWS_NODE_SUMS:
                 key = (min(node[g], node[h]), max(node[g], node[h]))
                 on_link[key] = (rows, max(on_link.get(key, (0, 0))[1], tab.xfer1[tab.pair_bw_class[g][h]][j]))

@@ -108,7 +108,7 @@ shardable state bytes (shardable_bytes_per_param * P_s), R_s = the rest
 Objective: minimise step. The planners loop over (S, M), one model per pair,
 and keep the best (ties: fewer stages, then fewer micro-batches).
 
-Integer arithmetic (shared by the evaluator, CP-SAT and brute force):
+Integer arithmetic (shared by the evaluator, CP-SAT and brute force; tables.py):
 the time unit is 1 ns (``UNITS_PER_S``). Every coefficient is rounded ONCE, to
 the nearest ns, in ``build_tables``:
   * per-block, per-GPU-type time of one sample        -> prefix sums per type;
@@ -156,12 +156,15 @@ from dataclasses import dataclass
 
 from ..errors import InfeasiblePlanError
 from ..options import SCHEDULES, PlanOptions
-from ..runtime.grad_sync import BUCKET_BYTES, bucket_caps
 from .decision import Decision
 from .network_terms import (boundary_rows, drain_offsets, effective_pair_bandwidth, last_bucket_kib,
-                            link_load, pair_row_codes, ring_units, tied_terms, untied_block_kib)
+                            link_load, ring_units, tied_terms, untied_block_kib)
 from .records import BlockCosts, DeviceGraph
 from .state_terms import stage_optim_units, stage_state_kib
+# The units and integer tables live in tables.py (re-exported: callers import them from here).
+from .tables import (BUCKET_UNIT_BYTES, GIB, GRAD_BUCKET_BYTES_PER_PARAM, LAST_BUCKET_RESOLUTION,  # noqa: F401
+                     MEMORY_UNIT_BYTES, MIB_UNITS, RECOMPUTE_FRACTION, UNIT_S, UNITS_PER_S, IntTables,
+                     bucket_count, build_tables, to_units)
 
 __all__ = [
     "UNITS_PER_S", "UNIT_S", "GIB", "to_units", "microbatch_candidates",
@@ -171,48 +174,6 @@ __all__ = [
     "effective_pair_bandwidth", "ring_units", "tied_terms", "bucket_count", "GRAD_BUCKET_BYTES_PER_PARAM",
     "BUCKET_UNIT_BYTES", "drain_offsets", "LAST_BUCKET_RESOLUTION",
 ]
-
-#: Integer time units per second: 1 unit = 1 ns.
-UNITS_PER_S = 1_000_000_000
-#: Seconds per integer time unit.
-UNIT_S = 1.0 / UNITS_PER_S
-#: Bytes per integer memory unit of the tables (KiB; see the module note).
-MEMORY_UNIT_BYTES = 1024
-#: Memory units per MiB: optimizer-state shards are decided in whole MiB.
-MIB_UNITS = 1024
-#: Share of a block's fwd+bwd time that is the forward (re-run when a stage
-#: recomputes): the backward computes the input and the weight gradient, two
-#: matmuls per forward matmul (Narayanan et al., SC'21); the simulator uses it too.
-RECOMPUTE_FRACTION = 1.0 / 3.0
-#: Bytes of one gradient element in a bucket: the runtime's buckets hold the
-#: float32 master gradients (``runtime/grad_sync.py``; ``sim/sync.py``'s _FP32).
-GRAD_BUCKET_BYTES_PER_PARAM = 4
-#: Bytes per unit of the bucket-count tables (KiB; [C-allreduce], module note).
-BUCKET_UNIT_BYTES = 1024
-#: Least coefficient of the last bucket's table (``IntTables.lastb_coef``, [C-objective]):
-#: its per-KiB ring time on NVLink is ~2-20 ns, so whole ns would round it by up to 25%;
-#: each class counts in 1/2^i ns enough for a rounding error < 0.05%. Per class, not one
-#: fine unit for all: 1/1024 ns per KiB on a 2 GB/s link made the coefficients ~3e10
-#: and OR-Tools 9.15's presolve returned a wrong "OPTIMAL" (test_solver seed 30).
-LAST_BUCKET_RESOLUTION = 1024
-
-
-def bucket_count(grad_units: int, caps: tuple[int, int]) -> int:
-    """nb = 1 + max(0, ceil((G - first_cap) / cap)): the gradient buckets of
-    an all-reduce of G units of float32 gradients, ``caps`` = (first_cap, cap)
-    in the same units (``IntTables.bucket_caps``; [C-allreduce])."""
-    first, cap = caps
-    return 1 + max(0, -(-(grad_units - first) // cap))
-
-
-def _kib_up(nbytes: float) -> int:
-    return -(-int(nbytes) // MEMORY_UNIT_BYTES)
-GIB = float(1 << 30)
-
-
-def to_units(seconds: float) -> int:
-    """Round a duration in seconds to the nearest integer time unit (ns)."""
-    return int(round(seconds * UNITS_PER_S))
 
 
 def _gib(nbytes: float) -> str:
@@ -257,187 +218,6 @@ def inflight(schedule: str, num_stages: int, stage: int, num_microbatches: int) 
     if schedule == "gpipe":
         return num_microbatches
     raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
-
-
-def _prefix(values) -> tuple[int, ...]:
-    out = [0]
-    for v in values:
-        out.append(out[-1] + v)
-    return tuple(out)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class IntTables:
-    """Integer coefficients of the model for one micro-batch count M.
-
-    Times in units (ns), sizes in bytes. Prefix arrays have B+1 entries:
-    the value of blocks [i, j) is ``prefix[j] - prefix[i]``."""
-
-    num_blocks: int
-    num_gpus: int
-    num_microbatches: int
-    microbatch_size: int
-    schedule: str
-    gpu_types: tuple[str, ...]
-    #: {gpu_type: prefix of per-sample fwd+bwd units}.
-    work_prefix: dict[str, tuple[int, ...]]
-    #: {gpu_type: prefix of fixed per-micro-batch fwd+bwd units}.
-    fixed_prefix: dict[str, tuple[int, ...]]
-    #: prefix of state (state_bytes_per_param * params) and of activations per sample,
-    #: in MEMORY_UNIT_BYTES units.
-    state_prefix: tuple[int, ...]
-    act_prefix: tuple[int, ...]
-    #: (G, G) index into ``bw_values`` (ascending distinct link bandwidths, B/s); -1 on the diagonal.
-    pair_bw_class: tuple[tuple[int, ...], ...]
-    bw_values: tuple[float, ...]
-    #: (G, G) link latency units (max of both directions).
-    pair_lat: tuple[tuple[int, ...], ...]
-    #: [bw class][cut c] units of cut_bytes[c] / bw: one sample, one direction ([C-boundary]).
-    xfer1: tuple[tuple[int, ...], ...]
-    #: b * xfer1: the whole micro-batch on one link (the stage DP's and interleave pass's upper bound).
-    xfer: tuple[tuple[int, ...], ...]
-    #: (G,) node index of each GPU; (G, G) [Note: boundary rows] code of each pair (-1 on the diagonal).
-    gpu_node: tuple[int, ...]
-    pair_rows: tuple[tuple[int, ...], ...]
-    #: [bw class] prefix of per-block all-reduce units 2 * grad_bytes * params / bw.
-    ar_prefix: tuple[tuple[int, ...], ...]
-    #: prefix of per-block float32 gradient bytes (GRAD_BUCKET_BYTES_PER_PARAM * params) in
-    #: BUCKET_UNIT_BYTES units, rounded up per block ([C-allreduce]'s bucket count).
-    grad_kib_prefix: tuple[int, ...]
-    #: Per tied parameter: its float32 gradient bytes in BUCKET_UNIT_BYTES units, rounded down.
-    tied_grad_kib: tuple[int, ...]
-    #: (first bucket's cap, every other bucket's cap) in BUCKET_UNIT_BYTES units
-    #: (``runtime/grad_sync.bucket_caps(BUCKET_BYTES)``).
-    bucket_caps: tuple[int, int]
-    #: (G,) index into ``mem_bw_values``; [class] prefix of 2 * optimizer bytes / mem_bw units.
-    gpu_mbw_class: tuple[int, ...]
-    mem_bw_values: tuple[float, ...]
-    opt_prefix: tuple[tuple[int, ...], ...]
-    #: (G,) usable memory floor(memory_fraction * memory_bytes), in MEMORY_UNIT_BYTES units.
-    cap_bytes: tuple[int, ...]
-    #: prefix of the shardable state Q (KiB, rounded up per block); the
-    #: replicated rest of a stage is state_prefix - shard_prefix.
-    shard_prefix: tuple[int, ...]
-    #: (B+1,) cut bytes per sample before block c (KiB, rounded up).
-    cut_kib: tuple[int, ...]
-    #: {gpu_type: prefix of recomputed-forward units per sample / per micro-batch}.
-    rc_work_prefix: dict[str, tuple[int, ...]]
-    rc_fixed_prefix: dict[str, tuple[int, ...]]
-    #: [bw class] prefix of a sharded stage's sync units (2 grad + param) * params / bw.
-    arsh_prefix: tuple[tuple[int, ...], ...]
-    #: [memory-bandwidth class] optimizer units per MiB of shard.
-    opt_per_mib: tuple[int, ...]
-    #: Per tied parameter (``BlockCosts.tied_params``): the blocks that read it
-    #: (ascending) and [bw class] units of its gradient all-reduce 2 * grad_bytes
-    #: * numel / bw, before the ring's (k-1)/k ([C-tied]).
-    tied_blocks: tuple[tuple[int, ...], ...] = ()
-    tied_ar: tuple[tuple[int, ...], ...] = ()
-    #: Per tied parameter: one copy's state and shardable state (KiB, rounded
-    #: DOWN) and [memory-bandwidth class] optimizer units 2 * optim_bytes *
-    #: numel / mem_bw, which a stage holding c >= 2 of its blocks counts
-    #: c - 1 times less ([C-tied]; ``state_terms.py``).
-    tied_state: tuple[int, ...] = ()
-    tied_shard: tuple[int, ...] = ()
-    tied_opt: tuple[tuple[int, ...], ...] = ()
-    #: [bw class] 1/lastb_scale[class] ns per KiB of a float32 gradient bucket's ring
-    #: pass, 2 * grad_bytes * (BUCKET_UNIT_BYTES / 4) / bw (the last bucket of [C-objective]);
-    #: lastb_scale = the least power of two making it >= LAST_BUCKET_RESOLUTION (1 if none).
-    lastb_coef: tuple[int, ...] = ()
-    lastb_scale: tuple[int, ...] = ()
-    sharding: str = "never"
-    recompute: str = "never"
-
-    @property
-    def cut_kib_max(self) -> int:
-        return max(self.cut_kib)
-
-
-def build_tables(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions,
-                 num_microbatches: int) -> IntTables:
-    """Round every coefficient of the model once (see the module note)."""
-    gbs, m = options.global_batch_size, num_microbatches
-    if m < 1 or gbs % m:
-        raise ValueError(f"num_microbatches={m} does not divide global_batch_size={gbs}")
-    if options.schedule not in SCHEDULES:
-        raise ValueError(f"schedule must be one of {SCHEDULES}, got {options.schedule!r}")
-    b, n_g = gbs // m, devices.num_gpus
-    missing = sorted(set(devices.gpu_types) - set(costs.fwd_bwd_s_per_sample))
-    if missing:
-        raise ValueError(f"BlockCosts.fwd_bwd_s_per_sample has no times for GPU type(s) {missing}")
-    for g in range(n_g):
-        if devices.mem_bw_bytes_per_s[g] <= 0:
-            raise ValueError(f"GPU {g}: mem_bw_bytes_per_s must be > 0, got {devices.mem_bw_bytes_per_s[g]}")
-    bw = effective_pair_bandwidth(devices)
-    lat = [[0] * n_g for _ in range(n_g)]
-    for g in range(n_g):
-        for h in range(n_g):
-            if g != h:
-                lat[g][h] = to_units(max(devices.link_latency_s[g][h], devices.link_latency_s[h][g]))
-    bw_values = tuple(sorted({bw[g][h] for g in range(n_g) for h in range(n_g) if g != h}))
-    bw_index = {v: k for k, v in enumerate(bw_values)}
-    pair_bw_class = tuple(tuple(bw_index[bw[g][h]] if g != h else -1 for h in range(n_g))
-                          for g in range(n_g))
-    mem_bw_values = tuple(sorted(set(devices.mem_bw_bytes_per_s)))
-    st, gr = costs.state_bytes_per_param, costs.grad_bytes_per_param
-    ob = costs.optim_bytes
-    sh, pb = costs.shardable_bytes_per_param, costs.param_bytes_per_param
-    types = sorted(set(devices.gpu_types))
-    first_cap, cap = bucket_caps(BUCKET_BYTES)
-    if first_cap % BUCKET_UNIT_BYTES or cap % BUCKET_UNIT_BYTES or not 0 < first_cap < cap:
-        raise ValueError(f"bucket caps ({first_cap}, {cap}) bytes must be whole KiB with 0 < first < other "
-                         f"(the CP-SAT model's bucket count relies on it)")
-    fp32 = GRAD_BUCKET_BYTES_PER_PARAM
-    lastb_scale = []
-    for v in bw_values:  # [C-objective] sub-ns units of the last bucket's ring, per class
-        per_kib, sc = 2 * gr * (BUCKET_UNIT_BYTES / fp32) / v * UNITS_PER_S, 1
-        while 0 < per_kib * sc < LAST_BUCKET_RESOLUTION:
-            sc *= 2
-        lastb_scale.append(sc)
-    lastb_scale = tuple(lastb_scale)
-    xfer1 = tuple(tuple(to_units(cb / v) for cb in costs.cut_bytes_per_sample) for v in bw_values)
-    gpu_node, pair_rows = pair_row_codes(devices)
-    return IntTables(
-        num_blocks=costs.num_blocks, num_gpus=n_g, num_microbatches=m, microbatch_size=b,
-        schedule=options.schedule, gpu_types=tuple(devices.gpu_types),
-        work_prefix={t: _prefix(to_units(x) for x in costs.fwd_bwd_s_per_sample[t])
-                     for t in sorted(set(devices.gpu_types))},
-        fixed_prefix={t: _prefix(to_units(x) for x in costs.fwd_bwd_s_fixed.get(t, (0.0,) * costs.num_blocks))
-                      for t in sorted(set(devices.gpu_types))},
-        state_prefix=_prefix(_kib_up(st * p) for p in costs.param_count),
-        act_prefix=_prefix(_kib_up(a) for a in costs.act_bytes_per_sample),
-        pair_bw_class=pair_bw_class, bw_values=bw_values,
-        pair_lat=tuple(tuple(r) for r in lat),
-        xfer1=xfer1, xfer=tuple(tuple(b * x for x in row) for row in xfer1),
-        gpu_node=gpu_node, pair_rows=pair_rows,
-        ar_prefix=tuple(_prefix(to_units(2 * gr * p / v) for p in costs.param_count) for v in bw_values),
-        grad_kib_prefix=_prefix(-(-fp32 * p // BUCKET_UNIT_BYTES) for p in costs.param_count),
-        tied_grad_kib=tuple(fp32 * tp.numel // BUCKET_UNIT_BYTES for tp in costs.tied_params),
-        bucket_caps=(first_cap // BUCKET_UNIT_BYTES, cap // BUCKET_UNIT_BYTES),
-        gpu_mbw_class=tuple(mem_bw_values.index(v) for v in devices.mem_bw_bytes_per_s),
-        mem_bw_values=mem_bw_values,
-        opt_prefix=tuple(_prefix(to_units(2 * ob * p / v) for p in costs.param_count)
-                         for v in mem_bw_values),
-        cap_bytes=tuple(int(options.memory_fraction * mb) // MEMORY_UNIT_BYTES for mb in devices.memory_bytes),
-        shard_prefix=_prefix(_kib_up(sh * p) for p in costs.param_count),
-        cut_kib=tuple(_kib_up(c) for c in costs.cut_bytes_per_sample),
-        rc_work_prefix={t: _prefix(to_units(RECOMPUTE_FRACTION * x) for x in costs.fwd_bwd_s_per_sample[t])
-                        for t in types},
-        rc_fixed_prefix={t: _prefix(to_units(RECOMPUTE_FRACTION * x)
-                                    for x in costs.fwd_bwd_s_fixed.get(t, (0.0,) * costs.num_blocks))
-                         for t in types},
-        arsh_prefix=tuple(_prefix(to_units((2 * gr + pb) * p / v) for p in costs.param_count) for v in bw_values),
-        opt_per_mib=tuple(to_units(2 * ob * MIB_UNITS * MEMORY_UNIT_BYTES / (sh * v)) if sh else 0
-                          for v in mem_bw_values),
-        tied_blocks=tuple(tuple(tp.blocks) for tp in costs.tied_params),
-        tied_ar=tuple(tuple(to_units(2 * gr * tp.numel / v) for v in bw_values) for tp in costs.tied_params),
-        tied_state=tuple(int(st * tp.numel) // MEMORY_UNIT_BYTES for tp in costs.tied_params),
-        tied_shard=tuple(int(sh * tp.numel) // MEMORY_UNIT_BYTES for tp in costs.tied_params),
-        tied_opt=tuple(tuple(to_units(2 * ob * tp.numel / v) for v in mem_bw_values) for tp in costs.tied_params),
-        lastb_coef=tuple(int(round(2 * gr * (BUCKET_UNIT_BYTES / fp32) / v * UNITS_PER_S * sc))
-                         for v, sc in zip(bw_values, lastb_scale)),
-        lastb_scale=lastb_scale,
-        sharding=options.sharding, recompute=options.recompute,
-    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -560,6 +340,7 @@ def evaluate_units(tab: IntTables, stage_blocks, stage_gpus, samples, policy: Me
     pol = policy or MemoryPolicy.plain(n_s)
     comp, comp_head, bnd, ar, opt, mem, unc, last = [], [], [], [], [], [], [], []
     grad_kib, ring_lat = [], []  # per stage: G_s (KiB) and (k - 1) * lat_max of [C-allreduce]
+    rows_per_boundary = []  # [C-boundary] rows of each boundary's GPU pairs
     (excluded, tied), first_kib = tied_terms(tab, stage_blocks, stage_gpus, n_s // interleave), untied_block_kib(tab)
     for s, ((i, j), gpus, ns) in enumerate(zip(stage_blocks, stage_gpus, samples)):
         sh, rc = pol.sharded[s], pol.recompute[s]
@@ -576,8 +357,8 @@ def evaluate_units(tab: IntTables, stage_blocks, stage_gpus, samples, policy: Me
         comp_head.append(max(work(g, n, j - 1) for g, n in zip(gpus, ns)))  # cmax-_s of [C-objective]
         if s < n_s - 1:
             nxt = stage_gpus[s + 1]
-            xfer = max(rows * tab.xfer1[tab.pair_bw_class[g][h]][j]
-                       for (g, h), rows in boundary_rows(tab, gpus, ns, nxt, samples[s + 1]))
+            rows_per_boundary.append(boundary_rows(tab, gpus, ns, nxt, samples[s + 1]))
+            xfer = max(rows * tab.xfer1[tab.pair_bw_class[g][h]][j] for (g, h), rows in rows_per_boundary[s])
             lat = max(tab.pair_lat[g][h] for g in gpus for h in nxt)
             bnd.append(2 * (xfer + lat))
         else:
@@ -629,7 +410,7 @@ def evaluate_units(tab: IntTables, stage_blocks, stage_gpus, samples, policy: Me
     drain_bwd = drain_offsets(comp, bnd, [(3 if r else 4) * c for r, c in zip(pol.recompute, comp_head)])
     sync = [max(a - db, lb - d) for a, db, lb, d in zip(ar, drain_bwd, last, drain)]
     # [Note: boundary rows]: the steady state also waits for a node pair's link that several boundaries use.
-    period = max(max(stage), 2 * link_load(tab, stage_blocks, stage_gpus, samples))
+    period = max(max(stage), 2 * link_load(tab, stage_blocks, rows_per_boundary))
     step = sum(stage) + (m - 1) * period + max(
         (w if t is None else max(w, t)) + o for w, t, o in zip(sync, tied, opt))
     ar = [a if t is None else max(a, t) for a, t in zip(ar, tied)]  # [C-tied]: the optimizer waits for both
