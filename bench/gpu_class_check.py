@@ -303,7 +303,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "gpu_class_check.json"))
     args = ap.parse_args(argv)
     data = json.loads(Path(args.measured).read_text())
-    device = data.get("args", {}).get("device_type") or "H200"
+    device = data.get("device_type") or data.get("args", {}).get("device_type") or "H200"
     spec = gpu_spec(device)
     gemm = data.get("gemm", [])
     specs = pricing_specs(spec, gemm)
@@ -317,7 +317,7 @@ def main(argv=None) -> int:
     print_tables(rows, summ, grep, device, list(prices), coincide)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(dict(
-        command="PYTHONPATH=. python bench/gpu_class_check.py --measured " + args.measured,
+        command=f"PYTHONPATH=. python bench/gpu_class_check.py --measured {args.measured} --out {args.out}",
         measured=dict(file=args.measured, started=data.get("started"), env=data.get("env")),
         device_type=device, precision="bf16-mixed", unfused_fraction=gpu_model.UNFUSED_FRACTION,
         table_equals_class=coincide,

@@ -25,7 +25,14 @@ finished; ``--budget-s`` skips the parts that would start after it):
    the whole graph differ: wall and kernel time of the whole captured graph,
    node replays timed with and without the host, and both sides' GPU kernels
    by name (torch.profiler).
-5. ``profile``: ``zorse bench kernels --model llama2-7b --layers 2
+5. ``attention``: one Llama-2 7B layer's attention (32 heads x 128, bfloat16)
+   at each (``--seqs``, ``--batches``): ``F.scaled_dot_product_attention``
+   with an explicit boolean causal mask (what the export-captured Hugging
+   Face model passes), with ``is_causal=True``, and without a mask, and the
+   project's Triton ``flash_attention`` (causal and not); forward and
+   forward + backward ms, TFLOP/s by the non-causal count 4*B*H*T*T*D
+   (forward; backward 2.5x), and the kernels each SDPA variant runs.
+6. ``profile``: ``zorse bench kernels --model llama2-7b --layers 2
    --replay graph --precision bf16-mixed`` at every (``--seqs``,
    ``--batches``), calibrated at ``--calibrate-at``
    (``zorse_fx/profiling/kernels_main.py``): the kernel profile
@@ -318,6 +325,70 @@ def diagnose_part(device, shape, layers, points, rec: Recorder, deadline: float,
     return rows
 
 
+def attention_part(device, seqs, batches, tiny: bool, deadline: float) -> list[dict]:
+    """SDPA masked / causal / unmasked and the Triton kernel, per (seq, micro-batch)."""
+    import torch.nn.functional as F
+
+    heads, dim = (4, 16) if tiny else (32, 128)
+    dtype = torch.float32 if tiny else torch.bfloat16
+    variants = {"sdpa_mask": None, "sdpa_causal": None, "sdpa_none": None}
+    try:
+        from zorse_kernels.attention import flash_attention, flash_attention_backward
+
+        if device.type == "cuda":
+            variants.update(triton_causal=None, triton_none=None)
+    except Exception:  # noqa: BLE001 - no Triton: SDPA only
+        flash_attention = flash_attention_backward = None
+    rows = []
+    for seq in seqs:
+        mask = torch.ones(seq, seq, dtype=torch.bool, device=device).tril()
+        for mb in batches:
+            if time.monotonic() > deadline:
+                return rows
+            q, k, v = (torch.randn(mb, heads, seq, dim, device=device, dtype=dtype, requires_grad=True)
+                       for _ in range(3))
+            calls = {
+                "sdpa_mask": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask),
+                "sdpa_causal": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+                "sdpa_none": lambda: F.scaled_dot_product_attention(q, k, v),
+                "triton_causal": lambda: flash_attention(q, k, v, causal=True),
+                "triton_none": lambda: flash_attention(q, k, v, causal=False),
+            }
+            flops = 4 * mb * heads * seq * seq * dim
+            for name in variants:
+                fn = calls[name]
+                g = torch.randn(mb, heads, seq, dim, device=device, dtype=dtype)
+
+                def fwd_bwd(fn=fn, g=g, name=name):
+                    if name.startswith("triton"):  # no autograd: its backward kernels, as the runtime calls them
+                        fn()
+                        flash_attention_backward(q, k, v, name == "triton_causal", g)
+                    else:
+                        fn().backward(g)
+
+                try:
+                    with torch.no_grad():
+                        f = time_ms(fn, device, min_ms=10.0)
+                    fb = time_ms(fwd_bwd, device, min_ms=10.0)
+                    kern = kernel_table(fwd_bwd, device) if name.startswith("sdpa") else None
+                except Exception as e:  # noqa: BLE001 - one variant failing keeps the others
+                    rows.append(dict(variant=name, seq=seq, micro_batch=mb, error=repr(e)[:300]))
+                    continue
+                for t in (q, k, v):
+                    t.grad = None
+                row = dict(variant=name, seq=seq, micro_batch=mb, fwd_ms=f, fwd_bwd_ms=fb,
+                           fwd_tflops=flops / (f * 1e-3) / 1e12,
+                           bwd_tflops=2.5 * flops / (max(fb - f, 1e-6) * 1e-3) / 1e12)
+                if kern is not None:
+                    top = sorted(kern["by_name"].items(), key=lambda kv: -kv[1][0])[:4]
+                    row["kernels"] = [[k_, round(v_[0], 4), v_[1]] for k_, v_ in top]
+                rows.append(row)
+                print(f"[gpu_measure] attention {name} seq {seq} mb {mb}: fwd {f:.3f} ms "
+                      f"({row['fwd_tflops']:.0f} TFLOP/s), fwd+bwd {fb:.3f} ms", flush=True)
+            del q, k, v
+    return rows
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True)
@@ -371,6 +442,7 @@ def main(argv=None) -> int:
         return res
 
     rec.put("args", vars(args))
+    rec.put("device_type", dev_type)
     rec.put("env", part("env", lambda: env_info(device)))
     rec.put("gemm", part("gemm", lambda: gemm_sweep(device, tiny)))
     shapes = ["tiny"] if tiny else args.layer_shapes.split(",")
@@ -378,6 +450,7 @@ def main(argv=None) -> int:
     diag_points = [tuple(int(v) for v in p_.split(",")) for p_ in args.diagnose_at.split(";") if p_]
     part("diagnose", lambda: diagnose_part(device, "tiny" if tiny else args.profile_shape, 2, diag_points, rec,
                                            deadline, tiny))
+    rec.put("attention", part("attention", lambda: attention_part(device, seqs, batches, tiny, deadline)))
     from zorse_fx.profiling import kernels_main
 
     cal_args = [a for p_ in args.calibrate_at.split(";") if p_ for a in ("--calibrate-at", p_)]

@@ -130,9 +130,24 @@ def test_backward(name, shape, dt):
     expected = torch.autograd.grad(out, diff, grad_out.float())
     got = op.triton_backward(*inputs, grad_out)
     assert len(got) == len(expected)
+    low = None
+    if name == "attention" and dt != torch.float32:
+        # FlashAttention's backward rounds P and dS to the input dtype before its matmuls, so a
+        # gradient element can sit a few ulps off the float32 oracle (measured on an H100: 1 of
+        # 1584 bf16 elements 0.003 off where atol is 0.002). The accepted bound there is
+        # FlashAttention's own test's (Dao-AILab/flash-attention, tests/test_flash_attn.py):
+        # max error <= 2 x the max error of PyTorch's attention run in the same dtype.
+        low_leaves = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in inputs]
+        low_out = op.reference(*low_leaves)
+        low = torch.autograd.grad(low_out, [t for t in low_leaves if t.requires_grad], grad_out)
     for i, (g, e, x) in enumerate(zip(got, expected, [t for t in inputs if t.is_floating_point()])):
         assert g.dtype == x.dtype and g.shape == x.shape
-        _close(g, e, dt, f"{name} grad of differentiable input {i}")
+        what = f"{name} grad of differentiable input {i}"
+        if low is None:
+            _close(g, e, dt, what)
+            continue
+        err, ref_err = (g.float() - e).abs().max().item(), (low[i].float() - e).abs().max().item()
+        assert err <= 2 * ref_err + 1e-6 or torch.allclose(g.float(), e, *TOL[dt]), (what, err, ref_err)
 
 
 # ---- exact cost formulas -------------------------------------------------------------------

@@ -56,9 +56,10 @@ forward + backward, from the fx nodes' FLOPs and bytes (``roofline.node_costs``)
   attention node (``scaled_dot_product_attention``) runs at
   ``ATTENTION_EFFICIENCY[(arch, kernel)] * R`` (forward and backward
   separately), where ``kernel`` is the one PyTorch's SDPA dispatches on that
-  class (``SDPA_KERNELS``: on Hopper FlashAttention-2 without an explicit
-  ``attn_mask``, cuDNN attention with one). The efficiencies are published
-  attention rates over the same GPU's GEMM rate
+  class (``SDPA_KERNELS``: on Hopper cuDNN attention, without an explicit
+  ``attn_mask`` and, at about half that rate, with one). The efficiencies are
+  published (unmasked) and our measured (masked) attention rates over the
+  same GPU's GEMM rate
   (``reference_data.ATTENTION_POINTS`` over ``GEMM_POINTS``,
   ``_fit_attention``); see [Note: attention rate]. Classes with no
   cited per-pass figure (Pascal to Ada) price attention at ``R``, both ways.
@@ -106,16 +107,26 @@ sequence lengths (512 to 16k) of attention rate / GEMM rate, and multiplies
 the class's ``R`` by it. Relative to ``R``, not to the datasheet peak: both
 kernels are tensor-core bound like a GEMM, so a power-capped SKU (H100 PCIe,
 whose ``R`` is set by its board power) loses the same share on attention.
-Which kernel runs (``SDPA_KERNELS``): PyTorch's SDPA tries its backends in a
-fixed priority order that starts with the flash backend, FlashAttention-2
-(https://github.com/huggingface/transformers/pull/48163, 2026, which adds a
-cuDNN preference on Hopper for that reason); the flash backend takes no ``attn_mask``, and with a
-mask PyTorch 2.11 ran cuDNN's kernels on our H200 (kernel names
-``cudnn_generated_fort_native_sdpa_sm90_flash_fprop/bprop`` in the
-``diagnose`` rows of ``bench/results/gpu_h200.json``: the kernel's identity,
-not its time, is taken from that run). Hugging Face Llama captured by
-``capture(..., method="export")`` passes an explicit causal mask, so it is
-priced at the cuDNN rates on Hopper. Not covered: Ampere and Ada
+Which kernel runs (``SDPA_KERNELS``): PyTorch 2.11 on our H100 and H200 ran
+cuDNN's kernels (``cudnn_generated_fort_native_sdpa_sm90_flash_fprop/bprop``,
+by name in the ``attention`` rows of ``bench/results/gpu_h100.json`` and the
+``diagnose`` rows of ``bench/results/gpu_h200.json``) for bfloat16 attention
+with an explicit mask, with ``is_causal=True`` and with neither, so Hopper
+is priced at the cuDNN ratios; older PyTorch tried the flash backend,
+FlashAttention-2, first (https://github.com/huggingface/transformers/pull/48163,
+2026, adds a cuDNN preference on Hopper for that reason). The unmasked cuDNN
+rate we measured on the H100 at 8k-16k tokens (662-683 TFLOP/s forward,
+437-506 backward) is within 12% of the paper's cuDNN bars, which are used.
+An explicit ``attn_mask`` costs about half: cuDNN then computes every
+query-key block and applies the mask, where ``is_causal`` skips the masked
+half (measured: 333 TFLOP/s forward, 257 backward by the non-causal count,
+against 683 and 506 unmasked, micro-batch 4 at seq 4096). No public rate
+for the masked case was found, so ``("hopper", "cudnn_mask")`` is fitted to
+our own H100 measurement (``reference_data.ATTENTION_POINTS``' last rows);
+the H200, whose masked kernel ran at 328 / 299 TFLOP/s by the same count,
+holds it out. Hugging Face Llama captured by ``capture(...,
+method="export")`` passes an explicit causal mask, so it is priced at
+``cudnn_mask``. Not covered: Ampere and Ada
 (FlashAttention-2 without a mask, the memory-efficient kernel with one:
 the FlashAttention-2 paper, Dao 2023, arXiv 2307.08691, gives A100 per-pass
 rates only as plots and a 50-73%-of-peak range in its abstract), Volta,
@@ -247,7 +258,7 @@ UNFUSED_FRACTION: float = 0.6375
 #: inputs per GPU class: ``{arch: (without attn_mask, with attn_mask)}``.
 #: Only classes with a cited rate for that kernel are listed; the others
 #: price attention at the matmul rate. See [Note: attention rate].
-SDPA_KERNELS: dict[str, tuple[str, str]] = {"hopper": ("flash2", "cudnn")}
+SDPA_KERNELS: dict[str, tuple[str, str]] = {"hopper": ("cudnn", "cudnn_mask")}
 
 
 def _fit_attention() -> dict[tuple[str, str], tuple[float, float]]:
@@ -275,7 +286,8 @@ def _fit_attention() -> dict[tuple[str, str], tuple[float, float]]:
 
 #: Fused-attention rate / the class's sustained matmul rate ``R``, forward
 #: and backward, per ``(arch, kernel)`` (``_fit_attention``: FlashAttention-3
-#: paper figures on H100 SXM5 over the same GPU's GEMM rate).
+#: paper figures on H100 SXM5, and our masked H100 measurement, over the same
+#: GPU's GEMM rate).
 ATTENTION_EFFICIENCY: dict[tuple[str, str], tuple[float, float]] = _fit_attention()
 
 

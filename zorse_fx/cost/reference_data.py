@@ -10,8 +10,9 @@ the report's best size where it gives only one number (noted). ``role``:
 ``fits``), ``holdout`` rows are never used to set anything and only score the
 class model (``bench/gpu_roofline_accuracy.py``).
 
-``ATTENTION_POINTS`` (at the end) are published fused-attention rates
-(FlashAttention-2 and cuDNN kernels on H100 SXM5, forward and backward), all
+``ATTENTION_POINTS`` (at the end) are fused-attention rates (FlashAttention-2
+and cuDNN kernels on H100 SXM5, forward and backward: published; cuDNN with an
+explicit mask: our own H100 measurement, ``bench/results/gpu_h100.json``), all
 ``fit`` data for ``gpu_model.ATTENTION_EFFICIENCY``; our own H200 measurement
 scores them (``bench/gpu_class_check.py``).
 
@@ -141,7 +142,8 @@ _FA3 = "https://arxiv.org/abs/2407.08608"
 
 @dataclass(frozen=True, slots=True)
 class AttentionPoint:
-    """One published fused-attention throughput sweep: one kernel, one pass,
+    """One published (or, where ``source`` is a file of this repository, our
+    own measured) fused-attention throughput sweep: one kernel, one pass,
     16-bit inputs, on one GPU, in TFLOP/s per sequence length. FLOPs are
     FlashAttention's count (forward ``4 * batch * heads * seq^2 * head_dim``
     without a causal mask; backward 2.5x that, ``gpu_model.ATTENTION_BWD_FACTOR``),
@@ -151,7 +153,9 @@ class AttentionPoint:
     #: sustained matmul rate the attention rate is taken relative to.
     gpu: str
     #: ``"flash2"`` (FlashAttention-2: the kernel of PyTorch SDPA's flash
-    #: backend) or ``"cudnn"`` (cuDNN's fused attention: SDPA's cuDNN backend).
+    #: backend), ``"cudnn"`` (cuDNN's fused attention: SDPA's cuDNN backend)
+    #: or ``"cudnn_mask"`` (the cuDNN backend given an explicit boolean
+    #: ``attn_mask``: it computes every query-key block and applies the mask).
     kernel: str
     #: ``"fwd"`` or ``"bwd"``.
     direction: str
@@ -190,4 +194,14 @@ ATTENTION_POINTS: tuple[AttentionPoint, ...] = (
                    "FlashAttention-2 bars)"),
     AttentionPoint("H100-80GB", "cudnn", "bwd", 128, False, _SEQ, (305.0, 408.0, 465.0, 499.0, 518.0, 516.0),
                    f"{_FA3} (Figure 6, backward, without causal mask, head dim 128, H100 80GB SXM5: cuDNN bars)"),
+    # Our own measurement (not published): PyTorch 2.11 SDPA on one H100 80GB HBM3 (SXM), bfloat16,
+    # 32 heads x head dim 128, micro-batch 4 (2k-16k tokens), an explicit lower-triangular boolean mask
+    # (what the export-captured Hugging Face Llama passes), cuDNN's sm90 kernels by name; FLOPs counted
+    # without the causal halving (the kernel computes every block), backward = fwd+bwd - fwd.
+    AttentionPoint("H100-80GB", "cudnn_mask", "fwd", 128, True, (512, 2048, 4096), (221.2, 336.7, 333.4),
+                   "bench/results/gpu_h100.json (attention, variant sdpa_mask, micro_batch 4; "
+                   "bench/README.md 'One H100 measured')"),
+    AttentionPoint("H100-80GB", "cudnn_mask", "bwd", 128, True, (512, 2048, 4096), (142.5, 256.8, 291.0),
+                   "bench/results/gpu_h100.json (attention, variant sdpa_mask, micro_batch 4; "
+                   "bench/README.md 'One H100 measured')"),
 )
