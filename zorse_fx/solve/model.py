@@ -52,7 +52,7 @@ With u = z >= 1 (the block's fixed cost is paid):
                 cut), with McCormick cuts; (c, c) across stages (count > 1)
                 has the link between two units                          [C-boundary]
   load        = the node pair links that can carry two boundaries (``_boundary_encoding``):
-                network_terms.link_load; the period is max(tmax, 2 load)
+                network_terms.link_load; the period is network_terms.pipeline_period's
   t_s         = max_c compute of c in s + boundary_s                    [C-stage]
   sync6_s     = 6 x stage s's gradient synchronisation term: its own ring
                 all-reduce with buckets less E_s + B6_s (below), L_s (the
@@ -373,7 +373,7 @@ class CandidateModel:
             r_sum += r_g * len(groups[c].members)
         if r_sum > 0:
             m.Add(tmax >= int(b * sum(w_ref) / r_sum * (1 - 1e-9)))
-        t, drain6, bwd6 = [], [], []
+        t, drain6, bwd6, comps, bnds = [], [], [], [], []
 
         for s in stages:
             cs = m.NewIntVar(0, work_hi, f"comp_s{s}")
@@ -387,6 +387,9 @@ class CandidateModel:
             ts = m.NewIntVar(0, t_hi, f"t_{s}")
             m.Add(ts == cs + bnd)  # [C-stage]
             t.append(ts)
+            comps.append(cs)
+            if s < n_s - 1:
+                bnds.append(bnd)
             drain6.append(4 * cs + 3 * bnd)  # [C-objective] E_{s+1} - E_s
             # [C-objective] B6_s = (4 - rc_s) cmax-_s: 6 x a bound of the stage's last backward but
             # its last block's
@@ -457,14 +460,22 @@ class CandidateModel:
                         m.Add(sum(base ** (n_s - 1 - s) * (k[c][s] - k[d][s]) for s in stages) >= 0)
                     break
 
-        # [C-objective] step = sum t_s + (M-1) max(max t_s, 2 load) + ceil(max_s sync6_s / 6) (stage 0's
-        # term >= 0); load: network_terms.link_load, over the links that can carry two boundaries.
+        # [C-objective] step = sum t_s + (M-1) T + ceil(max_s sync6_s / 6) (stage 0's term >= 0), the
+        # period T of network_terms.pipeline_period: max(max boundary_s, the window averages
+        # ceil((sum_{j=s..e} t_j - boundary_e) / (e - s + 1)), cmax_s for s = e, 2 load); load:
+        # network_terms.link_load, over the links that can carry two boundaries.
         m.AddMaxEquality(tmax, t)
+        windows = []
+        for s in range(n_s):
+            for e in range(s + 1, n_s):
+                k, total = e - s + 1, sum(t[s:e + 1]) - (bnds[e] if e < n_s - 1 else 0)
+                avg = m.NewIntVar(0, t_hi, f"window_{s}_{e}")
+                m.Add(k * avg >= total)
+                m.Add(k * avg <= total + k - 1)
+                windows.append(avg)
         loads = links.loads()
-        period = tmax
-        if loads:
-            period = m.NewIntVar(0, max(t_hi, 2 * n_s * b * max(max(r) for r in tab.xfer1)), "period")
-            m.AddMaxEquality(period, [tmax] + [2 * x for x in loads])
+        period = m.NewIntVar(0, max(t_hi, 2 * n_s * b * max((max(r) for r in tab.xfer1), default=0)), "period")
+        m.AddMaxEquality(period, comps + bnds + windows + [2 * x for x in loads])
         smax6 = m.NewIntVar(0, 6 * sync_hi, "syncmax6")
         m.AddMaxEquality(smax6, sync)
         num6 = m.NewIntVar(5, 6 * sync_hi + 5, "syncnum6")

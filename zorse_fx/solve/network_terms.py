@@ -65,18 +65,40 @@ objective 0.580). The stage DP and the interleave pass price all b samples
 plans are scored by ``evaluate``.
 A node pair's link can carry several boundaries (a node holding GPUs of two
 stages that both exchange with the other node): per micro-batch it then moves
-2 sum_s rows_s x xfer1_s, more than any one boundary term. [C-objective]'s
-steady-state period is therefore max(max_s t_s, 2 x ``link_load``) (1F1B /
-GPipe, v = 1; a link one boundary uses never binds: 2 rows x xfer1 <=
-boundary_s <= t_s). Without it the Metis baseline's plan (two boundaries on
+2 sum_s rows_s x xfer1_s, more than any one boundary term, so it bounds
+[C-objective]'s steady-state period (``pipeline_period``; 1F1B / GPipe, v = 1;
+a link one boundary uses never binds: 2 rows x xfer1 <=
+boundary_s). Without it the Metis baseline's plan (two boundaries on
 the T4-A100 node pair) was 33% optimistic. In the CP-SAT model only links with
 a node holding >= 2 GPUs of one-node groups can carry two boundaries (a GPU
 alone on its node, and a merged node, is in one stage), so only those get the
 term (``_boundary_encoding.LinkTerms.loads``). Not priced: a GPU pair's own link inside a node
-carrying several boundaries (interleaved plans only), shared links (WAN, NIC)
-carrying several boundaries, and a boundary message overlapping other
-micro-batches' compute (the term sits inside every t_s; "Stage-boundary
-overlap" in bench/README.md).
+carrying several boundaries (interleaved plans only) and shared links (WAN, NIC)
+carrying several boundaries.
+
+[Note: pipeline period]
+The runtime and the simulator send a boundary's activations and gradients
+asynchronously: in the steady state a stage computes the next micro-batch
+while the last one's rows are on the link. So a boundary is on the critical
+path of the fill and drain (sum_s t_s of [C-objective]), but the steady-state
+period T (1F1B / GPipe, v = 1) is not max_s t_s (compute + boundary) but
+
+    T = max(max_s boundary_s, max_{s <= e} ceil((sum_{s <= j <= e} t_j - boundary_e) / (e - s + 1)), 2 load)
+
+- boundary_s: the link of the busiest pair carries both directions;
+- the window averages (s = e: cmax_s, a stage runs one forward and one
+  backward per micro-batch): under 1F1B stage j runs F(i + S - 1 - j) just
+  before B(i), so the chain B_s(i) -> F_s -> F_{s+1} -> ... -> F_e -> B_e ->
+  ... -> B_s(i + e - s + 1) of the schedule's order and the boundaries
+  between (both directions of s..e-1) is a cycle of e - s + 1 micro-batches:
+  every window of stages [s, e] bounds the period by its average (for e =
+  S - 1: the round trip from s to the last stage and back);
+- 2 load: ``link_load``.
+T <= max_s t_s, so the objective only drops where a boundary used to set
+the period. Measured (bench/README.md "The pipeline period"): tried before
+with all b samples on the slowest pair, the period form was optimistic on the
+Metis baseline's plan (6.7%) and the planners picked slower plans; with the
+per-link rows above it is not.
 """
 
 from __future__ import annotations
@@ -84,6 +106,7 @@ from __future__ import annotations
 from .records import DeviceGraph
 
 __all__ = ["ROWS_SAME_NODE", "ROWS_NODE_SUMS", "ROWS_ALL", "pair_row_codes", "boundary_rows", "link_load",
+           "pipeline_period",
            "effective_pair_bandwidth", "ring_units", "last_bucket_kib", "untied_block_kib", "drain_offsets",
            "tied_terms"]
 
@@ -182,6 +205,16 @@ def link_load(tab, stage_blocks, rows_per_boundary) -> int:
         for key, (rows, x) in on_link.items():
             loads[key] = loads.get(key, 0) + rows * x
     return max(loads.values(), default=0)
+
+
+def pipeline_period(compute, boundary, load: int) -> int:
+    """[Note: pipeline period] T (units) of stages with slowest-GPU ``compute``
+    and ``boundary`` terms (per stage, [C-boundary], 0 for the last) and the
+    busiest shared node-pair ``load`` (``link_load``, one direction)."""
+    stage = [c + x for c, x in zip(compute, boundary)]
+    n = len(stage)
+    windows = max(-(-(sum(stage[s:e + 1]) - boundary[e]) // (e - s + 1)) for s in range(n) for e in range(s, n))
+    return max(max(boundary), windows, 2 * load)
 
 
 def ring_units(units: int, k: int, scale: int = 1) -> int:

@@ -79,9 +79,12 @@ shardable state bytes (shardable_bytes_per_param * P_s), R_s = the rest
                 and writes its state once), or for a sharded stage
                 2 * optim_bytes * (z_g MiB / shardable_bytes) / mem_bw_g
                 (each GPU updates the parameters of its shard)        [C-optim]
-  pipe        = sum_s t_s + (M - 1) * max(max_s t_s, 2 load)   (1F1B / GPipe fill + steady state;
-                load = the busiest node pair's link over all boundaries of a micro-batch,
-                network_terms.link_load: binds only where several boundaries share a link)
+  pipe        = sum_s t_s + (M - 1) * T   (1F1B / GPipe fill + steady state), the period
+                T = max(max_s boundary_s, max over windows s <= e of ceil((sum_{j=s..e} t_j
+                - boundary_e) / (e - s + 1)) (s = e: cmax_s), 2 load)
+                (network_terms.py [Note: pipeline period]: a boundary overlaps later micro-batches'
+                compute; load = the busiest node pair's link over all boundaries of a micro-batch,
+                network_terms.link_load)
   E_s         = sum_{j<s} (4 cmax_j + 3 boundary_j), cmax_j = max_{g in j} compute_g;
                 D_s = floor(E_s / 6) (``network_terms.drain_offsets``, which says why);
                 B6_s = (4 - rc_s) cmax-_s, cmax-_s = max_{g in s} compute_g over the blocks of s
@@ -158,7 +161,7 @@ from ..errors import InfeasiblePlanError
 from ..options import SCHEDULES, PlanOptions
 from .decision import Decision
 from .network_terms import (boundary_rows, drain_offsets, effective_pair_bandwidth, last_bucket_kib,
-                            link_load, ring_units, tied_terms, untied_block_kib)
+                            link_load, pipeline_period, ring_units, tied_terms, untied_block_kib)
 from .records import BlockCosts, DeviceGraph
 from .state_terms import stage_optim_units, stage_state_kib
 # The units and integer tables live in tables.py (re-exported: callers import them from here).
@@ -409,8 +412,8 @@ def evaluate_units(tab: IntTables, stage_blocks, stage_gpus, samples, policy: Me
     drain = drain_offsets(comp, bnd)
     drain_bwd = drain_offsets(comp, bnd, [(3 if r else 4) * c for r, c in zip(pol.recompute, comp_head)])
     sync = [max(a - db, lb - d) for a, db, lb, d in zip(ar, drain_bwd, last, drain)]
-    # [Note: boundary rows]: the steady state also waits for a node pair's link that several boundaries use.
-    period = max(max(stage), 2 * link_load(tab, stage_blocks, rows_per_boundary))
+    # [Note: pipeline period]: boundaries overlap later micro-batches' compute in the steady state.
+    period = pipeline_period(comp, bnd, link_load(tab, stage_blocks, rows_per_boundary))
     step = sum(stage) + (m - 1) * period + max(
         (w if t is None else max(w, t)) + o for w, t, o in zip(sync, tied, opt))
     ar = [a if t is None else max(a, t) for a, t in zip(ar, tied)]  # [C-tied]: the optimizer waits for both
