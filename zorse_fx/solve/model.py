@@ -112,6 +112,7 @@ from ortools.sat.python import cp_model
 from .objective import MIB_UNITS, IntTables, inflight
 from ._encoding import StageCuts
 from ._encoding import blocks_of as _blocks
+from ._encoding import any_of as _any_of
 from ._encoding import both as _both
 from ._boundary_encoding import LinkTerms
 from ._encoding import gated as _gated
@@ -462,7 +463,7 @@ class CandidateModel:
 
         # [C-objective] step = sum t_s + (M-1) T + ceil(max_s sync6_s / 6) (stage 0's term >= 0), the
         # period T of network_terms.pipeline_period: max(max boundary_s, the window averages
-        # ceil((sum_{j=s..e} t_j - boundary_e) / (e - s + 1)), cmax_s for s = e, 2 load); load:
+        # ceil((sum_{j=s..e} t_j - boundary_e) / (e - s + 1)), cmax_s for s = e, load); load:
         # network_terms.link_load, over the links that can carry two boundaries.
         m.AddMaxEquality(tmax, t)
         windows = []
@@ -475,7 +476,11 @@ class CandidateModel:
                 windows.append(avg)
         loads = links.loads()
         period = m.NewIntVar(0, max(t_hi, 2 * n_s * b * max((max(r) for r in tab.xfer1), default=0)), "period")
-        m.AddMaxEquality(period, comps + bnds + windows + [2 * x for x in loads])
+        gated_t = []
+        if links.shared_flags:  # a link with two boundaries: T = max(max t_s, load) (pipeline_period)
+            shared = _any_of(m, links.shared_flags, "shared_link")
+            gated_t = [gated(shared, ts, t_hi, f"tsh_{s}") for s, ts in enumerate(t)]
+        m.AddMaxEquality(period, comps + bnds + windows + loads + gated_t)
         smax6 = m.NewIntVar(0, 6 * sync_hi, "syncmax6")
         m.AddMaxEquality(smax6, sync)
         num6 = m.NewIntVar(5, 6 * sync_hi + 5, "syncnum6")
