@@ -46,7 +46,7 @@ With u = z >= 1 (the block's fixed cost is paid):
   boundary_s  = 2 * (max over present group pairs (c in s, d in s+1) of
                 rows x one sample's rounded transfer time + max latency);
                 rows = min(n[c][s], n[d][s+1]) on one node, the node sample
-                sums' overlaps across nodes (``_boundary_encoding.node_sums``), b across a
+                sums' larger overlap across nodes (``_boundary_encoding.node_sums``), b across a
                 shared link (network_terms.py [Note: boundary rows]); per
                 bandwidth class one product (max rows) x (transfer at the
                 cut), with McCormick cuts; (c, c) across stages (count > 1)
