@@ -292,6 +292,8 @@ class CandidateModel:
         tmax = m.NewIntVar(0, t_hi, "tmax")
         drain_hi = 6 * t_hi  # bounds 4 cmax_s + 3 boundary_s of [C-objective]
 
+        gpu_comps = []  # every compute IntVar: redundant lower bounds of the period
+
         def compute(c, zz, uu, on, name):
             """IntVar: compute of a GPU of c with samples zz per block; ``on``: recomputes."""
             ty = ctype[c]
@@ -302,6 +304,7 @@ class CandidateModel:
                               + wsum(uu, _blocks(tab.rc_fixed_prefix[ty])), work_hi, f"rcw_{name}")
             m.Add(cv == wsum(zz, _blocks(tab.work_prefix[ty])) + wsum(uu, _blocks(tab.fixed_prefix[ty])) + extra)
             m.Add(tmax >= cv)  # redundant
+            gpu_comps.append(cv)
             return cv
 
         # stage_comp[c][s]: compute of a GPU of c in stage s, 0 when c is absent from s.
@@ -372,8 +375,9 @@ class CandidateModel:
         for c in cls:
             r_g = max((w_ref[q] / wt[ctype[c]][q] for q in blocks if wt[ctype[c]][q] > 0), default=1.0)
             r_sum += r_g * len(groups[c].members)
+        thr = int(b * sum(w_ref) / r_sum * (1 - 1e-9)) if r_sum > 0 else 0
         if r_sum > 0:
-            m.Add(tmax >= int(b * sum(w_ref) / r_sum * (1 - 1e-9)))
+            m.Add(tmax >= thr)
         t, drain6, bwd6, comps, bnds = [], [], [], [], []
 
         for s in stages:
@@ -466,6 +470,23 @@ class CandidateModel:
         # ceil((sum_{j=s..e} t_j - boundary_e) / (e - s + 1)), cmax_s for s = e, load); load:
         # network_terms.link_load, over the links that can carry two boundaries.
         m.AddMaxEquality(tmax, t)
+        period = 0
+        if tab.num_microbatches > 1:  # (M - 1) T: no period term with one micro-batch
+            period = self._period(t, comps, bnds, links, gpu_comps, thr, t_hi, gated)
+        smax6 = m.NewIntVar(0, 6 * sync_hi, "syncmax6")
+        m.AddMaxEquality(smax6, sync)
+        num6 = m.NewIntVar(5, 6 * sync_hi + 5, "syncnum6")
+        m.Add(num6 == smax6 + 5)
+        smax = m.NewIntVar(0, sync_hi, "syncmax")
+        m.AddDivisionEquality(smax, num6, 6)
+        self.objective = sum(t) + (tab.num_microbatches - 1) * period + smax
+        m.Minimize(self.objective)
+
+    def _period(self, t, comps, bnds, links, gpu_comps, thr, t_hi, gated):
+        """IntVar: network_terms.pipeline_period's T over the stage terms (``t``, ``comps``,
+        ``bnds``), the link loads and the shared-link flag of ``links``; redundant bounds: every
+        GPU's compute (``gpu_comps``) and the throughput bound ``thr``."""
+        m, tab, n_s, b = self.m, self.tab, len(t), self.tab.microbatch_size
         windows = []
         for s in range(n_s):
             for e in range(s + 1, n_s):
@@ -481,14 +502,10 @@ class CandidateModel:
             shared = _any_of(m, links.shared_flags, "shared_link")
             gated_t = [gated(shared, ts, t_hi, f"tsh_{s}") for s, ts in enumerate(t)]
         m.AddMaxEquality(period, comps + bnds + windows + loads + gated_t)
-        smax6 = m.NewIntVar(0, 6 * sync_hi, "syncmax6")
-        m.AddMaxEquality(smax6, sync)
-        num6 = m.NewIntVar(5, 6 * sync_hi + 5, "syncnum6")
-        m.Add(num6 == smax6 + 5)
-        smax = m.NewIntVar(0, sync_hi, "syncmax")
-        m.AddDivisionEquality(smax, num6, 6)
-        self.objective = sum(t) + (tab.num_microbatches - 1) * period + smax
-        m.Minimize(self.objective)
+        for cv in gpu_comps:  # redundant: the period is >= every GPU's compute, so >= the throughput bound
+            m.Add(period >= cv)
+        m.Add(period >= thr)
+        return period
 
     def hint(self, decision: Decision) -> None:
         """Warm start from a per-GPU decision (same S and M; [Note: warm start]): cuts,
