@@ -87,7 +87,11 @@ def _old_and_new(ev, m, last, head):
     t, c, b = _ns(ev.stage_time_s), _ns(ev.compute_s), _ns(ev.boundary_s)
     ar, opt = _ns(ev.allreduce_s), _ns(ev.optim_s)
     rc = ev.decision.recompute
-    pipe = sum(t) + (m - 1) * max(t)
+    # [Note: pipeline period] (no node pair link carries two boundaries in these instances): the
+    # largest of the boundaries and of every window's 1F1B cycle average.
+    n = len(t)
+    period = max(max(b), *(-(-(sum(t[s:e + 1]) - b[e]) // (e - s + 1)) for s in range(n) for e in range(s, n)))
+    pipe = sum(t) + (m - 1) * period
     e = [sum(4 * c[j] + 3 * b[j] for j in range(s)) for s in range(len(t))]
     old = pipe + max(a + o for a, o in zip(ar, opt))
     new = pipe + max(max(a - (e_s + (4 - r) * h) // 6, lb - e_s // 6) + o

@@ -34,10 +34,11 @@ and those messages are never confused.
 
 Links. A message g -> h first waits ``link_latency_s[g][h]`` (no bandwidth
 used), then transfers its bytes at a rate shared with the other messages
-transferring at that moment: it uses its pair's *link resource* (the
-unordered node pair for GPUs on different nodes -- one network path per node
-pair --, the unordered GPU pair inside a node -- NVLink / PCIe peer link --;
-both directions share it; with no ``node_names`` every GPU is its own node)
+transferring at that moment: it uses its pair's *link resource* in its
+direction (the ordered node pair for GPUs on different nodes -- one network
+path per node pair --, the ordered GPU pair inside a node -- NVLink / PCIe
+peer link --; full duplex: the two directions are two resources; with no
+``node_names`` every GPU is its own node)
 and every shared link it crosses (``DeviceGraph.shared_links``: a region's
 WAN path, a node's NIC, one resource per direction), and the rates are the
 max-min fair ones over all these resources, recomputed whenever a message

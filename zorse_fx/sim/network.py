@@ -3,11 +3,15 @@ several resources, and ring collectives priced on the actual links.
 
 [Note: network resources]
 A flow (a boundary message g -> h) uses
-  * its pair's link (``link_resource``): the unordered node pair for GPUs on
-    different nodes, the unordered GPU pair inside a node, both directions
-    sharing it, capacity ``link_bw_bytes_per_s[g][h]`` (where the flows on
-    one such resource have different figures -- a hand-made asymmetric
-    graph -- the smallest), and
+  * its pair's link in its direction (``link_resource``): the ordered node
+    pair for GPUs on different nodes, the ordered GPU pair inside a node,
+    capacity ``link_bw_bytes_per_s[g][h]`` (where the flows on one such
+    resource have different figures -- a hand-made asymmetric graph -- the
+    smallest). Links are full duplex, as NVLink, PCIe, InfiniBand and
+    Ethernet are: an activation message and a gradient message going the
+    other way do not share bandwidth (until 2026-11-26 the two directions
+    shared one resource, which stretched asynchronous boundary messages of
+    opposite directions; bench/README.md "The pipeline period"), and
   * every shared link it crosses (``DeviceGraph.shared_links``: a region's
     WAN path, a node's NIC), one resource per direction (full duplex), of
     the link's capacity.
@@ -43,11 +47,11 @@ __all__ = ["FlowResources", "Ring", "link_resource", "max_min_rates", "ring"]
 
 
 def link_resource(devices: DeviceGraph, g: int, h: int) -> tuple:
-    """The pair's own link a message g -> h uses (see [Note: network resources])."""
+    """The pair's own link a message g -> h uses, in its direction (see [Note: network resources])."""
     nodes = devices.node_names or tuple(f"gpu{k}" for k in range(devices.num_gpus))
     if nodes[g] != nodes[h]:
-        return ("node",) + tuple(sorted((nodes[g], nodes[h])))
-    return ("gpu",) + tuple(sorted((g, h)))
+        return ("node", nodes[g], nodes[h])
+    return ("gpu", g, h)
 
 
 class FlowResources:

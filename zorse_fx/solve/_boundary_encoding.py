@@ -6,10 +6,11 @@ to the ns.
 
 Per boundary s and present group pair (c in s, d in s+1), its link's rows:
 b across a shared link, min(n[c][s], n[d][s+1]) on one node, and across
-nodes min(S_c, S'_d) + (both groups on one node each) min(S_d, S'_c) of the
-node sample sums (``node_sums``); per bandwidth class one product (max rows)
-x (one sample's transfer at the cut) (``_encoding.rows_max``); the link
-loads of network_terms.link_load (``LinkTerms.loads``).
+nodes min(S_c, S'_d), or (both groups on one node each) max(min(S_c, S'_d),
+min(S_d, S'_c)), of the node sample sums (``node_sums``; full-duplex links);
+per bandwidth class one product (max rows) x (one sample's transfer at the
+cut) (``_encoding.rows_max``); the link loads of network_terms.link_load
+(``LinkTerms.loads``: the sum of both overlaps, one direction per micro-batch).
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ class LinkTerms:
         self.node_sum = node_sums(tab, groups, n, kn, num_stages)
         self.one_node = [len({tab.gpu_node[g] for g in q.members}) == 1 for q in groups]
         self.ys: dict[tuple[int, int, int], object] = {}  # (c, d, s) -> c in s and d in s + 1
+        #: Booleans set by ``loads``: a node pair's link carries pairs of two boundaries.
+        self.shared_flags: list = []
         self._xcut: dict[tuple[int, int], object] = {}
 
     def xcut(self, q: int, s: int):
@@ -64,13 +67,15 @@ class LinkTerms:
                 elif code == ROWS_SAME_NODE:
                     rows = m.NewIntVar(0, b, f"mn_{c}_{d}_{s}")
                     m.AddMinEquality(rows, [n[c][s], n[d][s + 1]])
-                else:  # the node pair's link carries both ways; back only between one-node groups
+                else:  # each direction of the node pair's link; back only between one-node groups
                     mn = m.NewIntVar(0, b, f"mn_{c}_{d}_{s}")
                     m.AddMinEquality(mn, [node_sum[c][s], node_sum[d][s + 1]])
                     if one_node[c] and one_node[d] and c != d:
                         back = m.NewIntVar(0, b, f"mb_{c}_{d}_{s}")
                         m.AddMinEquality(back, [node_sum[d][s], node_sum[c][s + 1]])
-                        mn = mn + back
+                        both_ = m.NewIntVar(0, b, f"mx_{c}_{d}_{s}")
+                        m.AddMaxEquality(both_, [mn, back])
+                        mn = both_
                     rows = _gated(m, y, mn, b, f"rows_{c}_{d}_{s}")
                 pairs.append((link, y, rows))
         return rows_max(m, tab, pairs, lambda q: self.xcut(q, s), lambda q: max(tab.xfer1[q]), b, f"bd{s}")
@@ -80,8 +85,8 @@ class LinkTerms:
         after every ``boundary``), as expressions (ns units, one direction): those between
         a node with >= 2 GPUs of one-node groups ("a-node") and another a-node, or a unit
         (node) of a multi-node group in stage s' (the boundaries s'-1 and s'). Every other
-        link carries one boundary, and 2 x its load <= that boundary's term <= t_s, so it
-        never sets the period."""
+        link carries one boundary, and its load (both overlaps) <= 2 x the larger overlap's
+        transfer <= that boundary's term, so it never sets the period."""
         m, tab, groups, n, b, xcut = self.m, self.tab, self.groups, self.n, self.b, self.xcut
         one_node, node_sum, ys, num_stages = self.one_node, self.node_sum, self.ys, self.num_stages
         if num_stages < 3 or not tab.xfer1:
@@ -97,18 +102,30 @@ class LinkTerms:
         hi = b * max(max(r) for r in tab.xfer1)
 
         def transfer(pairs, s, name):
-            """max over present (c, d) pairs coded ROWS_NODE_SUMS of xcut(class, s) (None if none)."""
+            """max over present (c, d) pairs coded ROWS_NODE_SUMS of xcut(class, s) (None if none);
+            records whether any such pair is present (``present``)."""
             by_q: dict[int, list] = {}
             for c, d in pairs:
                 if tab.pair_rows[rep[c]][rep[d]] == ROWS_NODE_SUMS:
                     by_q.setdefault(tab.pair_bw_class[rep[c]][rep[d]], []).append(ys[c, d, s])
             if not by_q:
                 return None
-            terms = [_gated(m, any_of(m, yl, f"{name}_p{q}"), xcut(q, s), max(tab.xfer1[q]), f"{name}_g{q}")
-                     for q, yl in by_q.items()]
+            flags = {q: any_of(m, yl, f"{name}_p{q}") for q, yl in by_q.items()}
+            terms = [_gated(m, flags[q], xcut(q, s), max(tab.xfer1[q]), f"{name}_g{q}") for q in by_q]
             x = m.NewIntVar(0, max(max(tab.xfer1[q]) for q in by_q), f"{name}_x")
             m.AddMaxEquality(x, terms)
+            present[x.Name()] = any_of(m, list(flags.values()), f"{name}_on")
             return x
+
+        present: dict[str, object] = {}
+
+        def two_on_link(xs, name):
+            """A boolean: at least two of the boundaries (transfers ``xs``) have pairs on the link."""
+            on = [present[x.Name()] for x in xs]
+            flag = m.NewBoolVar(name)
+            m.Add(sum(on) >= 2).OnlyEnforceIf(flag)
+            m.Add(sum(on) <= 1).OnlyEnforceIf(flag.Not())
+            self.shared_flags.append(flag)
 
         def product(rows, x, name):
             z = m.NewIntVar(0, hi, name)
@@ -123,7 +140,7 @@ class LinkTerms:
         loads = []
         for x1 in big:
             for x2 in [y for y in on if y != x1 and (y not in big or y > x1)]:
-                terms = []
+                terms, xs = [], []
                 pairs = [(c, d) for c in on[x1] for d in on[x2]] + [(d, c) for c in on[x1] for d in on[x2]]
                 for s in range(num_stages - 1):
                     x = transfer(pairs, s, f"ll_{x1}_{x2}_{s}")
@@ -131,25 +148,30 @@ class LinkTerms:
                         rows = least(nsum[x1][s], nsum[x2][s + 1], f"lr_{x1}_{x2}_{s}") + \
                             least(nsum[x2][s], nsum[x1][s + 1], f"lb_{x1}_{x2}_{s}")
                         terms.append(product(rows, x, f"lz_{x1}_{x2}_{s}"))
+                        xs.append(x)
                 if len(terms) >= 2:
                     loads.append(sum(terms))
+                    two_on_link(xs, f"two_{x1}_{x2}")
             for c, q in enumerate(groups):
                 if one_node[c]:
                     continue
                 for s in range(num_stages):  # a unit of c in stage s: boundaries s - 1 (in) and s (out)
-                    terms = []
+                    terms, xs = [], []
                     if s >= 1:
                         x = transfer([(d, c) for d in on[x1]], s - 1, f"la_{x1}_{c}_{s}")
                         if x is not None:
                             terms.append(product(least(nsum[x1][s - 1], q.unit * n[c][s], f"lin_{x1}_{c}_{s}"), x,
                                                  f"lza_{x1}_{c}_{s}"))
+                            xs.append(x)
                     if s + 1 < num_stages:
                         x = transfer([(c, d) for d in on[x1]], s, f"lo_{x1}_{c}_{s}")
                         if x is not None:
                             terms.append(product(least(q.unit * n[c][s], nsum[x1][s + 1], f"lout_{x1}_{c}_{s}"), x,
                                                  f"lzo_{x1}_{c}_{s}"))
+                            xs.append(x)
                     if len(terms) == 2:
                         loads.append(sum(terms))
+                        two_on_link(xs, f"two_{x1}_{c}_{s}")
         return loads
 
 

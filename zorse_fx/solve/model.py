@@ -46,13 +46,13 @@ With u = z >= 1 (the block's fixed cost is paid):
   boundary_s  = 2 * (max over present group pairs (c in s, d in s+1) of
                 rows x one sample's rounded transfer time + max latency);
                 rows = min(n[c][s], n[d][s+1]) on one node, the node sample
-                sums' overlaps across nodes (``_boundary_encoding.node_sums``), b across a
+                sums' larger overlap across nodes (``_boundary_encoding.node_sums``), b across a
                 shared link (network_terms.py [Note: boundary rows]); per
                 bandwidth class one product (max rows) x (transfer at the
                 cut), with McCormick cuts; (c, c) across stages (count > 1)
                 has the link between two units                          [C-boundary]
   load        = the node pair links that can carry two boundaries (``_boundary_encoding``):
-                network_terms.link_load; the period is max(tmax, 2 load)
+                network_terms.link_load; the period is network_terms.pipeline_period's
   t_s         = max_c compute of c in s + boundary_s                    [C-stage]
   sync6_s     = 6 x stage s's gradient synchronisation term: its own ring
                 all-reduce with buckets less E_s + B6_s (below), L_s (the
@@ -112,6 +112,7 @@ from ortools.sat.python import cp_model
 from .objective import MIB_UNITS, IntTables, inflight
 from ._encoding import StageCuts
 from ._encoding import blocks_of as _blocks
+from ._encoding import any_of as _any_of
 from ._encoding import both as _both
 from ._boundary_encoding import LinkTerms
 from ._encoding import gated as _gated
@@ -291,6 +292,8 @@ class CandidateModel:
         tmax = m.NewIntVar(0, t_hi, "tmax")
         drain_hi = 6 * t_hi  # bounds 4 cmax_s + 3 boundary_s of [C-objective]
 
+        gpu_comps = []  # every compute IntVar: redundant lower bounds of the period
+
         def compute(c, zz, uu, on, name):
             """IntVar: compute of a GPU of c with samples zz per block; ``on``: recomputes."""
             ty = ctype[c]
@@ -301,6 +304,7 @@ class CandidateModel:
                               + wsum(uu, _blocks(tab.rc_fixed_prefix[ty])), work_hi, f"rcw_{name}")
             m.Add(cv == wsum(zz, _blocks(tab.work_prefix[ty])) + wsum(uu, _blocks(tab.fixed_prefix[ty])) + extra)
             m.Add(tmax >= cv)  # redundant
+            gpu_comps.append(cv)
             return cv
 
         # stage_comp[c][s]: compute of a GPU of c in stage s, 0 when c is absent from s.
@@ -371,9 +375,10 @@ class CandidateModel:
         for c in cls:
             r_g = max((w_ref[q] / wt[ctype[c]][q] for q in blocks if wt[ctype[c]][q] > 0), default=1.0)
             r_sum += r_g * len(groups[c].members)
+        thr = int(b * sum(w_ref) / r_sum * (1 - 1e-9)) if r_sum > 0 else 0
         if r_sum > 0:
-            m.Add(tmax >= int(b * sum(w_ref) / r_sum * (1 - 1e-9)))
-        t, drain6, bwd6 = [], [], []
+            m.Add(tmax >= thr)
+        t, drain6, bwd6, comps, bnds = [], [], [], [], []
 
         for s in stages:
             cs = m.NewIntVar(0, work_hi, f"comp_s{s}")
@@ -387,6 +392,9 @@ class CandidateModel:
             ts = m.NewIntVar(0, t_hi, f"t_{s}")
             m.Add(ts == cs + bnd)  # [C-stage]
             t.append(ts)
+            comps.append(cs)
+            if s < n_s - 1:
+                bnds.append(bnd)
             drain6.append(4 * cs + 3 * bnd)  # [C-objective] E_{s+1} - E_s
             # [C-objective] B6_s = (4 - rc_s) cmax-_s: 6 x a bound of the stage's last backward but
             # its last block's
@@ -457,14 +465,14 @@ class CandidateModel:
                         m.Add(sum(base ** (n_s - 1 - s) * (k[c][s] - k[d][s]) for s in stages) >= 0)
                     break
 
-        # [C-objective] step = sum t_s + (M-1) max(max t_s, 2 load) + ceil(max_s sync6_s / 6) (stage 0's
-        # term >= 0); load: network_terms.link_load, over the links that can carry two boundaries.
+        # [C-objective] step = sum t_s + (M-1) T + ceil(max_s sync6_s / 6) (stage 0's term >= 0), the
+        # period T of network_terms.pipeline_period: max(max boundary_s, the window averages
+        # ceil((sum_{j=s..e} t_j - boundary_e) / (e - s + 1)), cmax_s for s = e, load); load:
+        # network_terms.link_load, over the links that can carry two boundaries.
         m.AddMaxEquality(tmax, t)
-        loads = links.loads()
-        period = tmax
-        if loads:
-            period = m.NewIntVar(0, max(t_hi, 2 * n_s * b * max(max(r) for r in tab.xfer1)), "period")
-            m.AddMaxEquality(period, [tmax] + [2 * x for x in loads])
+        period = 0
+        if tab.num_microbatches > 1:  # (M - 1) T: no period term with one micro-batch
+            period = self._period(t, comps, bnds, links, gpu_comps, thr, t_hi, gated)
         smax6 = m.NewIntVar(0, 6 * sync_hi, "syncmax6")
         m.AddMaxEquality(smax6, sync)
         num6 = m.NewIntVar(5, 6 * sync_hi + 5, "syncnum6")
@@ -473,6 +481,31 @@ class CandidateModel:
         m.AddDivisionEquality(smax, num6, 6)
         self.objective = sum(t) + (tab.num_microbatches - 1) * period + smax
         m.Minimize(self.objective)
+
+    def _period(self, t, comps, bnds, links, gpu_comps, thr, t_hi, gated):
+        """IntVar: network_terms.pipeline_period's T over the stage terms (``t``, ``comps``,
+        ``bnds``), the link loads and the shared-link flag of ``links``; redundant bounds: every
+        GPU's compute (``gpu_comps``) and the throughput bound ``thr``."""
+        m, tab, n_s, b = self.m, self.tab, len(t), self.tab.microbatch_size
+        windows = []
+        for s in range(n_s):
+            for e in range(s + 1, n_s):
+                k, total = e - s + 1, sum(t[s:e + 1]) - (bnds[e] if e < n_s - 1 else 0)
+                avg = m.NewIntVar(0, t_hi, f"window_{s}_{e}")
+                m.Add(k * avg >= total)
+                m.Add(k * avg <= total + k - 1)
+                windows.append(avg)
+        loads = links.loads()
+        period = m.NewIntVar(0, max(t_hi, 2 * n_s * b * max((max(r) for r in tab.xfer1), default=0)), "period")
+        gated_t = []
+        if links.shared_flags:  # a link with two boundaries: T = max(max t_s, load) (pipeline_period)
+            shared = _any_of(m, links.shared_flags, "shared_link")
+            gated_t = [gated(shared, ts, t_hi, f"tsh_{s}") for s, ts in enumerate(t)]
+        m.AddMaxEquality(period, comps + bnds + windows + loads + gated_t)
+        for cv in gpu_comps:  # redundant: the period is >= every GPU's compute, so >= the throughput bound
+            m.Add(period >= cv)
+        m.Add(period >= thr)
+        return period
 
     def hint(self, decision: Decision) -> None:
         """Warm start from a per-GPU decision (same S and M; [Note: warm start]): cuts,

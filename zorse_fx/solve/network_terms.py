@@ -37,19 +37,20 @@ cross a NIC together. Those plans are priced optimistically by up to the
 factor of crossings; the simulator (``zorse_fx.sim``) prices them.
 
 [Note: boundary rows]
-[C-boundary] charges one micro-batch's cut bytes, both directions, on the link
-that takes longest. The runtime (``runtime.comm.routes``) and the simulator
+[C-boundary] charges one micro-batch's cut bytes, forward and backward, on the
+link that takes longest. The runtime (``runtime.comm.routes``) and the simulator
 send each GPU's rows of the micro-batch to the GPUs of the next stage that
 hold those rows: a route carries the overlap of two row ranges; the routes
-between two nodes share the node pair's link, those inside a node each have
-the GPU pair's link (``sim/network.link_resource``). So the samples a link
-carries per micro-batch are at most (``boundary_rows``, codes ``pair_rows``):
+from one node to another share that node pair's link in that direction, those
+inside a node each have the GPU pair's link (``sim/network.link_resource``;
+links are full duplex). So the samples a link carries in one direction per
+message are at most (``boundary_rows``, codes ``pair_rows``):
   * a GPU pair on one node: min(n_g, n_h) (the overlap of two ranges);
-  * two nodes N -> N': min(S_N, S'_N') + min(S_N', S'_N), S_N the samples of
+  * two nodes N, N': max(min(S_N, S'_N'), min(S_N', S'_N)), S_N the samples of
     the sending stage's GPUs on N and S'_N' those of the receiving stage's
     GPUs on N' (the routes N -> N' carry the overlap of the two unions of
-    ranges; the node pair's link also carries those N' -> N when both stages
-    have GPUs on both nodes: one link for both directions);
+    ranges, those N' -> N, when both stages have GPUs on both nodes, go the
+    other way at the same time on the other direction);
   * a pair whose flows cross a shared link (a WAN path, a NIC): all b, as
     several node pairs may share the link ([Note: shared links in the objective]).
 The boundary's transfer is the max over the two stages' GPU pairs of
@@ -63,20 +64,54 @@ FlashFlex plan, a 1-GPU stage feeding 5 GPUs on two nodes: simulated /
 objective 0.580). The stage DP and the interleave pass price all b samples
 (``IntTables.xfer`` = b x ``xfer1``): an upper bound of this term; their
 plans are scored by ``evaluate``.
-A node pair's link can carry several boundaries (a node holding GPUs of two
-stages that both exchange with the other node): per micro-batch it then moves
-2 sum_s rows_s x xfer1_s, more than any one boundary term. [C-objective]'s
-steady-state period is therefore max(max_s t_s, 2 x ``link_load``) (1F1B /
-GPipe, v = 1; a link one boundary uses never binds: 2 rows x xfer1 <=
-boundary_s <= t_s). Without it the Metis baseline's plan (two boundaries on
-the T4-A100 node pair) was 33% optimistic. In the CP-SAT model only links with
+Per micro-batch each direction of a node pair's link carries, for every
+boundary s on it, the forward rows one way and the gradients of the rows that
+went the other way: min(S_N, S'_N') + min(S_N', S'_N) samples
+(``boundary_rows(..., both_ways=True)``). Its busiest direction's time,
+sum_s of those rows x xfer1_s (``link_load``), bounds [C-objective]'s
+steady-state period (``pipeline_period``; 1F1B / GPipe, v = 1). A link one
+boundary uses never binds (its load <= 2 x max rows x xfer1 <= boundary_s);
+one that carries two boundaries (a node holding GPUs of two stages that both
+exchange with the other node) can: without it the Metis baseline's plan (two
+boundaries on the T4-A100 node pair) was 33% optimistic. In the CP-SAT model only links with
 a node holding >= 2 GPUs of one-node groups can carry two boundaries (a GPU
 alone on its node, and a merged node, is in one stage), so only those get the
 term (``_boundary_encoding.LinkTerms.loads``). Not priced: a GPU pair's own link inside a node
-carrying several boundaries (interleaved plans only), shared links (WAN, NIC)
-carrying several boundaries, and a boundary message overlapping other
-micro-batches' compute (the term sits inside every t_s; "Stage-boundary
-overlap" in bench/README.md).
+carrying several boundaries (interleaved plans only) and shared links (WAN, NIC)
+carrying several boundaries.
+
+[Note: pipeline period]
+The runtime and the simulator send a boundary's activations and gradients
+asynchronously: in the steady state a stage computes the next micro-batch
+while the last one's rows are on the link. So a boundary is on the critical
+path of the fill and drain (sum_s t_s of [C-objective]), but the steady-state
+period T (1F1B / GPipe, v = 1) is not max_s t_s (compute + boundary) but
+
+    T = max(max_s boundary_s, max_{s <= e} ceil((sum_{s <= j <= e} t_j - boundary_e) / (e - s + 1)), load)
+
+- boundary_s: the forward and the backward message of a micro-batch
+  (a message and the opposite one of another micro-batch use the two
+  directions of a full-duplex link; a boundary's two messages cannot both
+  take more than half a period each without queueing behind the next);
+- the window averages (s = e: cmax_s, a stage runs one forward and one
+  backward per micro-batch): under 1F1B stage j runs F(i + S - 1 - j) just
+  before B(i), so the chain B_s(i) -> F_s -> F_{s+1} -> ... -> F_e -> B_e ->
+  ... -> B_s(i + e - s + 1) of the schedule's order and the boundaries
+  between (both directions of s..e-1) is a cycle of e - s + 1 micro-batches:
+  every window of stages [s, e] bounds the period by its average (for e =
+  S - 1: the round trip from s to the last stage and back);
+- load: ``link_load``, a node pair link's busiest direction.
+Where one node pair's link carries two boundaries, the messages of the two
+share each direction of it and stretch each other by a factor the
+per-micro-batch terms do not carry (the simulator: 1F1B, two boundaries on
+one link, the window form 4-8% optimistic), so such plans keep the boundary
+in every stage's period: T = max(max_s t_s, load).
+T <= max_s t_s where no link carries two boundaries, so the objective drops
+where a boundary used to set the period. Measured (bench/README.md "The
+pipeline period"): tried twice before -- with all b samples on the slowest
+pair, then on half-duplex links (the simulator then shared a link's two
+directions) -- the period form was optimistic by up to 9.5% and the
+planners picked plans that simulated slower.
 """
 
 from __future__ import annotations
@@ -84,6 +119,7 @@ from __future__ import annotations
 from .records import DeviceGraph
 
 __all__ = ["ROWS_SAME_NODE", "ROWS_NODE_SUMS", "ROWS_ALL", "pair_row_codes", "boundary_rows", "link_load",
+           "pipeline_period", "shares_a_link",
            "effective_pair_bandwidth", "ring_units", "last_bucket_kib", "untied_block_kib", "drain_offsets",
            "tied_terms"]
 
@@ -141,14 +177,16 @@ def pair_row_codes(devices: DeviceGraph) -> tuple[tuple[int, ...], tuple[tuple[i
     return node, tuple(codes)
 
 
-def boundary_rows(tab, src, src_n, dst, dst_n) -> list[tuple[tuple[int, int], int]]:
+def boundary_rows(tab, src, src_n, dst, dst_n, *, both_ways: bool = False) -> list[tuple[tuple[int, int], int]]:
     """[Note: boundary rows]: ``[((g, h), rows)]``, |src| x |dst| entries, for
     every GPU pair g of the sending stage (GPUs ``src``, samples ``src_n`` per
     micro-batch, aligned) and h of the receiving one: the samples (an int in
-    [0, b]) of one micro-batch the pair's link carries at most, from
-    ``tab.pair_rows`` (``ROWS_ALL``: the micro-batch size b; ``ROWS_SAME_NODE``:
-    min(n_g, n_h); ``ROWS_NODE_SUMS``: the overlaps of the two stages' sample
-    sums on the two nodes, both ways)."""
+    [0, b]) of one micro-batch's message the pair's link carries at most in one
+    direction, from ``tab.pair_rows`` (``ROWS_ALL``: the micro-batch size b;
+    ``ROWS_SAME_NODE``: min(n_g, n_h); ``ROWS_NODE_SUMS``: the larger overlap
+    of the two stages' sample sums on the two nodes, or with ``both_ways``
+    the sum of both overlaps: what one direction carries per micro-batch,
+    forward rows one way and gradients of the other way's rows)."""
     s_src, s_dst = {}, {}
     for sums, gpus, ns in ((s_src, src, src_n), (s_dst, dst, dst_n)):
         for g, n in zip(gpus, ns):
@@ -158,8 +196,13 @@ def boundary_rows(tab, src, src_n, dst, dst_n) -> list[tuple[tuple[int, int], in
         for h, nh in zip(dst, dst_n):
             code = tab.pair_rows[g][h]
             x, y = tab.gpu_node[g], tab.gpu_node[h]
-            rows = (tab.microbatch_size if code == ROWS_ALL else min(ng, nh) if code == ROWS_SAME_NODE
-                    else min(s_src[x], s_dst[y]) + min(s_src.get(y, 0), s_dst.get(x, 0)))
+            if code == ROWS_ALL:
+                rows = tab.microbatch_size
+            elif code == ROWS_SAME_NODE:
+                rows = min(ng, nh)
+            else:
+                there, back = min(s_src[x], s_dst[y]), min(s_src.get(y, 0), s_dst.get(x, 0))
+                rows = there + back if both_ways else max(there, back)
             out.append(((g, h), rows))
     return out
 
@@ -169,8 +212,9 @@ def link_load(tab, stage_blocks, rows_per_boundary) -> int:
     one micro-batch, one direction (ns units): max over node pairs {N, N'} (pairs
     coded ``ROWS_NODE_SUMS``) of sum over boundaries s of rows_s x the largest
     ``xfer1`` at cut s of a GPU pair on the link in boundary s; 0 if none.
-    ``rows_per_boundary[s]``: ``boundary_rows`` of the boundary after stage s
-    (S - 1 lists); every pair of one node pair has the same rows."""
+    ``rows_per_boundary[s]``: ``boundary_rows(..., both_ways=True)`` of the
+    boundary after stage s (S - 1 lists); every pair of one node pair has the
+    same rows."""
     loads: dict[tuple[int, int], int] = {}
     node = tab.gpu_node
     for (_, j), pairs in zip(stage_blocks, rows_per_boundary):
@@ -182,6 +226,33 @@ def link_load(tab, stage_blocks, rows_per_boundary) -> int:
         for key, (rows, x) in on_link.items():
             loads[key] = loads.get(key, 0) + rows * x
     return max(loads.values(), default=0)
+
+
+def shares_a_link(tab, rows_per_boundary) -> bool:
+    """Whether one node pair's link (pairs coded ``ROWS_NODE_SUMS``) carries
+    GPU pairs of two or more boundaries ([Note: pipeline period])."""
+    seen: dict[tuple[int, int], int] = {}
+    node = tab.gpu_node
+    for pairs in rows_per_boundary:
+        keys = {(min(node[g], node[h]), max(node[g], node[h])) for (g, h), _ in pairs
+                if tab.pair_rows[g][h] == ROWS_NODE_SUMS}
+        for k in keys:
+            seen[k] = seen.get(k, 0) + 1
+    return any(v >= 2 for v in seen.values())
+
+
+def pipeline_period(compute, boundary, load: int, shared: bool = False) -> int:
+    """[Note: pipeline period] T (units) of stages with slowest-GPU ``compute``
+    and ``boundary`` terms (per stage, [C-boundary], 0 for the last), the
+    busiest node pair link's ``load`` (``link_load``, one direction) and
+    ``shared``: whether a node pair's link carries two boundaries
+    (``shares_a_link``; then T = max(max_s t_s, load))."""
+    stage = [c + x for c, x in zip(compute, boundary)]
+    if shared:
+        return max(max(stage), load)
+    n = len(stage)
+    windows = max(-(-(sum(stage[s:e + 1]) - boundary[e]) // (e - s + 1)) for s in range(n) for e in range(s, n))
+    return max(max(boundary), windows, load)
 
 
 def ring_units(units: int, k: int, scale: int = 1) -> int:

@@ -30,14 +30,15 @@ shardable state bytes (shardable_bytes_per_param * P_s), R_s = the rest
   boundary_s  = 2 * (xfer_s + lat_s) for s < S-1, boundary_{S-1} = 0  [C-boundary]
                 xfer_s = max over GPU pairs (g in s, h in s+1) of
                 rows(g, h) * cut_bytes[c_{s+1}] / bw(g, h), rows = the samples
-                of the micro-batch the pair's link carries at most: min(n_g,
-                n_h) on one node, across nodes min(S_N, S'_N') + min(S_N',
-                S'_N) of the two stages' sample sums S, S' on the two nodes
-                (one link for both directions), b across a shared link
-                (network_terms.py [Note: boundary rows]);
+                of the micro-batch the pair's link carries at most in one
+                direction: min(n_g, n_h) on one node, across nodes
+                max(min(S_N, S'_N'), min(S_N', S'_N)) of the two stages'
+                sample sums S, S' on the two nodes (full-duplex links), b
+                across a shared link (network_terms.py [Note: boundary rows]);
                 lat_s  = lat_max(s, s+1) over GPU pairs (g in s, h in s+1)
                 (forward activations + backward gradients on the link that
-                takes longest, on the critical path of every micro-batch)
+                takes longest: on the critical path of the fill and drain;
+                the steady state overlaps them, see pipe)
   t_s         = max_{g in s} compute_g + boundary_s                   [C-stage]
   allreduce_s = 0 if k = |s| = 1, else
                 ceil((k - 1) / k * (2 * grad_bytes + sh_s * param_bytes) * P'_s
@@ -79,9 +80,13 @@ shardable state bytes (shardable_bytes_per_param * P_s), R_s = the rest
                 and writes its state once), or for a sharded stage
                 2 * optim_bytes * (z_g MiB / shardable_bytes) / mem_bw_g
                 (each GPU updates the parameters of its shard)        [C-optim]
-  pipe        = sum_s t_s + (M - 1) * max(max_s t_s, 2 load)   (1F1B / GPipe fill + steady state;
-                load = the busiest node pair's link over all boundaries of a micro-batch,
-                network_terms.link_load: binds only where several boundaries share a link)
+  pipe        = sum_s t_s + (M - 1) * T   (1F1B / GPipe fill + steady state), the period
+                T = max(max_s boundary_s, max over windows s <= e of ceil((sum_{j=s..e} t_j
+                - boundary_e) / (e - s + 1)) (s = e: cmax_s), load)
+                (network_terms.py [Note: pipeline period]: a boundary overlaps later micro-batches'
+                compute; load = the busiest node pair's link over all boundaries of a micro-batch,
+                network_terms.link_load, its busiest direction; where one node pair's
+                link carries two boundaries T = max(max_s t_s, load))
   E_s         = sum_{j<s} (4 cmax_j + 3 boundary_j), cmax_j = max_{g in j} compute_g;
                 D_s = floor(E_s / 6) (``network_terms.drain_offsets``, which says why);
                 B6_s = (4 - rc_s) cmax-_s, cmax-_s = max_{g in s} compute_g over the blocks of s
@@ -158,7 +163,8 @@ from ..errors import InfeasiblePlanError
 from ..options import SCHEDULES, PlanOptions
 from .decision import Decision
 from .network_terms import (boundary_rows, drain_offsets, effective_pair_bandwidth, last_bucket_kib,
-                            link_load, ring_units, tied_terms, untied_block_kib)
+                            link_load, pipeline_period, ring_units, shares_a_link, tied_terms,
+                            untied_block_kib)
 from .records import BlockCosts, DeviceGraph
 from .state_terms import stage_optim_units, stage_state_kib
 # The units and integer tables live in tables.py (re-exported: callers import them from here).
@@ -340,7 +346,7 @@ def evaluate_units(tab: IntTables, stage_blocks, stage_gpus, samples, policy: Me
     pol = policy or MemoryPolicy.plain(n_s)
     comp, comp_head, bnd, ar, opt, mem, unc, last = [], [], [], [], [], [], [], []
     grad_kib, ring_lat = [], []  # per stage: G_s (KiB) and (k - 1) * lat_max of [C-allreduce]
-    rows_per_boundary = []  # [C-boundary] rows of each boundary's GPU pairs
+    rows_per_boundary, load_rows = [], []  # [C-boundary] rows of each boundary's GPU pairs; both ways
     (excluded, tied), first_kib = tied_terms(tab, stage_blocks, stage_gpus, n_s // interleave), untied_block_kib(tab)
     for s, ((i, j), gpus, ns) in enumerate(zip(stage_blocks, stage_gpus, samples)):
         sh, rc = pol.sharded[s], pol.recompute[s]
@@ -358,6 +364,7 @@ def evaluate_units(tab: IntTables, stage_blocks, stage_gpus, samples, policy: Me
         if s < n_s - 1:
             nxt = stage_gpus[s + 1]
             rows_per_boundary.append(boundary_rows(tab, gpus, ns, nxt, samples[s + 1]))
+            load_rows.append(boundary_rows(tab, gpus, ns, nxt, samples[s + 1], both_ways=True))
             xfer = max(rows * tab.xfer1[tab.pair_bw_class[g][h]][j] for (g, h), rows in rows_per_boundary[s])
             lat = max(tab.pair_lat[g][h] for g in gpus for h in nxt)
             bnd.append(2 * (xfer + lat))
@@ -409,8 +416,8 @@ def evaluate_units(tab: IntTables, stage_blocks, stage_gpus, samples, policy: Me
     drain = drain_offsets(comp, bnd)
     drain_bwd = drain_offsets(comp, bnd, [(3 if r else 4) * c for r, c in zip(pol.recompute, comp_head)])
     sync = [max(a - db, lb - d) for a, db, lb, d in zip(ar, drain_bwd, last, drain)]
-    # [Note: boundary rows]: the steady state also waits for a node pair's link that several boundaries use.
-    period = max(max(stage), 2 * link_load(tab, stage_blocks, rows_per_boundary))
+    # [Note: pipeline period]: boundaries overlap later micro-batches' compute in the steady state.
+    period = pipeline_period(comp, bnd, link_load(tab, stage_blocks, load_rows), shares_a_link(tab, load_rows))
     step = sum(stage) + (m - 1) * period + max(
         (w if t is None else max(w, t)) + o for w, t, o in zip(sync, tied, opt))
     ar = [a if t is None else max(a, t) for a, t in zip(ar, tied)]  # [C-tied]: the optimizer waits for both
