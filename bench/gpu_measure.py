@@ -385,7 +385,6 @@ def attention_part(device, seqs, batches, tiny: bool, deadline: float) -> list[d
                 rows.append(row)
                 print(f"[gpu_measure] attention {name} seq {seq} mb {mb}: fwd {f:.3f} ms "
                       f"({row['fwd_tflops']:.0f} TFLOP/s), fwd+bwd {fb:.3f} ms", flush=True)
-            del q, k, v
     return rows
 
 
