@@ -77,8 +77,10 @@ tables of ``build_tables``. Every derived quantity is defined by an equality
 bound, so the objective of *any* solution CP-SAT returns equals ``evaluate()``
 of its expansion to GPUs (``decision``: the first unit * k[c][0] members of c
 go to stage 0, the next to stage 1, ...); ``_search.CandidateSearch`` checks
-that on every answer. Redundant constraints: tmax >= every compute and a
-throughput bound on tmax (see the model).
+that on every answer. Redundant constraints: the period T (network_terms
+[Note: pipeline period]) and tmax (the largest t_s; since the period form it
+is in no term of the objective, and only these bounds use it) are >= every
+compute and a throughput bound (see the model).
 
 Before issue 13 cpsat.py and grouped.py each built their own model. The one
 builder keeps both: with one group per GPU its model has the variables of the
