@@ -10,7 +10,9 @@ nodes min(S_c, S'_d), or (both groups on one node each) max(min(S_c, S'_d),
 min(S_d, S'_c)), of the node sample sums (``node_sums``; full-duplex links);
 per bandwidth class one product (max rows) x (one sample's transfer at the
 cut) (``_encoding.rows_max``); the link loads of network_terms.link_load
-(``LinkTerms.loads``: the sum of both overlaps, one direction per micro-batch).
+(``LinkTerms.loads``: the sum of both overlaps, one direction per micro-batch)
+and the pipeline period over them (``LinkTerms.period``, network_terms.py
+[Note: pipeline period]).
 """
 
 from __future__ import annotations
@@ -173,6 +175,33 @@ class LinkTerms:
                         loads.append(sum(terms))
                         two_on_link(xs, f"two_{x1}_{c}_{s}")
         return loads
+
+    def period(self, t, comps, bnds, gpu_comps, thr: int, t_hi: int):
+        """IntVar: network_terms.pipeline_period's T (ns units) over the stage times ``t``,
+        the stages' slowest compute ``comps`` and boundary terms ``bnds`` (S - 1 of them),
+        this model's link loads and shared-link flags (``loads``, called here); redundant
+        bounds: every GPU's compute (``gpu_comps``) and the throughput bound ``thr``;
+        ``t_hi``: the upper bound of a stage time."""
+        m, tab, n_s, b = self.m, self.tab, len(t), self.b
+        windows = []
+        for s in range(n_s):
+            for e in range(s + 1, n_s):
+                k, total = e - s + 1, sum(t[s:e + 1]) - (bnds[e] if e < n_s - 1 else 0)
+                avg = m.NewIntVar(0, t_hi, f"window_{s}_{e}")
+                m.Add(k * avg >= total)
+                m.Add(k * avg <= total + k - 1)
+                windows.append(avg)
+        loads = self.loads()
+        period = m.NewIntVar(0, max(t_hi, 2 * n_s * b * max((max(r) for r in tab.xfer1), default=0)), "period")
+        gated_t = []
+        if self.shared_flags:  # a link with two boundaries: T = max(max t_s, load) (pipeline_period)
+            shared = any_of(m, self.shared_flags, "shared_link")
+            gated_t = [_gated(m, shared, ts, t_hi, f"tsh_{s}") for s, ts in enumerate(t)]
+        m.AddMaxEquality(period, comps + bnds + windows + loads + gated_t)
+        for cv in gpu_comps:  # redundant: the period is >= every GPU's compute, so >= the throughput bound
+            m.Add(period >= cv)
+        m.Add(period >= thr)
+        return period
 
 
 def node_sums(tab: IntTables, groups, n, kn, num_stages: int):

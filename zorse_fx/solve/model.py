@@ -114,7 +114,6 @@ from ortools.sat.python import cp_model
 from .objective import MIB_UNITS, IntTables, inflight
 from ._encoding import StageCuts
 from ._encoding import blocks_of as _blocks
-from ._encoding import any_of as _any_of
 from ._encoding import both as _both
 from ._boundary_encoding import LinkTerms
 from ._encoding import gated as _gated
@@ -474,7 +473,7 @@ class CandidateModel:
         m.AddMaxEquality(tmax, t)
         period = 0
         if tab.num_microbatches > 1:  # (M - 1) T: no period term with one micro-batch
-            period = self._period(t, comps, bnds, links, gpu_comps, thr, t_hi, gated)
+            period = links.period(t, comps, bnds, gpu_comps, thr, t_hi)
         smax6 = m.NewIntVar(0, 6 * sync_hi, "syncmax6")
         m.AddMaxEquality(smax6, sync)
         num6 = m.NewIntVar(5, 6 * sync_hi + 5, "syncnum6")
@@ -483,31 +482,6 @@ class CandidateModel:
         m.AddDivisionEquality(smax, num6, 6)
         self.objective = sum(t) + (tab.num_microbatches - 1) * period + smax
         m.Minimize(self.objective)
-
-    def _period(self, t, comps, bnds, links, gpu_comps, thr, t_hi, gated):
-        """IntVar: network_terms.pipeline_period's T over the stage terms (``t``, ``comps``,
-        ``bnds``), the link loads and the shared-link flag of ``links``; redundant bounds: every
-        GPU's compute (``gpu_comps``) and the throughput bound ``thr``."""
-        m, tab, n_s, b = self.m, self.tab, len(t), self.tab.microbatch_size
-        windows = []
-        for s in range(n_s):
-            for e in range(s + 1, n_s):
-                k, total = e - s + 1, sum(t[s:e + 1]) - (bnds[e] if e < n_s - 1 else 0)
-                avg = m.NewIntVar(0, t_hi, f"window_{s}_{e}")
-                m.Add(k * avg >= total)
-                m.Add(k * avg <= total + k - 1)
-                windows.append(avg)
-        loads = links.loads()
-        period = m.NewIntVar(0, max(t_hi, 2 * n_s * b * max((max(r) for r in tab.xfer1), default=0)), "period")
-        gated_t = []
-        if links.shared_flags:  # a link with two boundaries: T = max(max t_s, load) (pipeline_period)
-            shared = _any_of(m, links.shared_flags, "shared_link")
-            gated_t = [gated(shared, ts, t_hi, f"tsh_{s}") for s, ts in enumerate(t)]
-        m.AddMaxEquality(period, comps + bnds + windows + loads + gated_t)
-        for cv in gpu_comps:  # redundant: the period is >= every GPU's compute, so >= the throughput bound
-            m.Add(period >= cv)
-        m.Add(period >= thr)
-        return period
 
     def hint(self, decision: Decision) -> None:
         """Warm start from a per-GPU decision (same S and M; [Note: warm start]): cuts,

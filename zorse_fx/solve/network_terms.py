@@ -107,8 +107,8 @@ per-micro-batch terms do not carry (the simulator: 1F1B, two boundaries on
 one link, the window form 4-8% optimistic), so such plans keep the boundary
 in every stage's period: T = max(max_s t_s, load).
 T <= max_s t_s where no link carries two boundaries, so the objective drops
-where a boundary used to set the period. Measured (bench/README.md "The
-pipeline period"): tried twice before -- with all b samples on the slowest
+where a boundary used to set the period. Measured (bench/README.md "Full-duplex
+links and the pipeline period"): tried twice before -- with all b samples on the slowest
 pair, then on half-duplex links (the simulator then shared a link's two
 directions) -- the period form was optimistic by up to 9.5% and the
 planners picked plans that simulated slower.
@@ -119,7 +119,7 @@ from __future__ import annotations
 from .records import DeviceGraph
 
 __all__ = ["ROWS_SAME_NODE", "ROWS_NODE_SUMS", "ROWS_ALL", "pair_row_codes", "boundary_rows", "link_load",
-           "pipeline_period", "shares_a_link",
+           "pipeline_period",
            "effective_pair_bandwidth", "ring_units", "last_bucket_kib", "untied_block_kib", "drain_offsets",
            "tied_terms"]
 
@@ -207,15 +207,18 @@ def boundary_rows(tab, src, src_n, dst, dst_n, *, both_ways: bool = False) -> li
     return out
 
 
-def link_load(tab, stage_blocks, rows_per_boundary) -> int:
-    """[Note: boundary rows] the busiest node pair's link over every boundary of
-    one micro-batch, one direction (ns units): max over node pairs {N, N'} (pairs
-    coded ``ROWS_NODE_SUMS``) of sum over boundaries s of rows_s x the largest
-    ``xfer1`` at cut s of a GPU pair on the link in boundary s; 0 if none.
+def link_load(tab, stage_blocks, rows_per_boundary) -> tuple[int, bool]:
+    """[Note: boundary rows] (load, shared) of the node pair links (pairs coded
+    ``ROWS_NODE_SUMS``) over every boundary of one micro-batch: ``load``, the
+    busiest link's one direction (ns units), max over node pairs {N, N'} of sum
+    over boundaries s of rows_s x the largest ``xfer1`` at cut s of a GPU pair
+    on the link in boundary s (0 if none); ``shared``, whether one such link
+    carries GPU pairs of two or more boundaries ([Note: pipeline period]).
     ``rows_per_boundary[s]``: ``boundary_rows(..., both_ways=True)`` of the
     boundary after stage s (S - 1 lists); every pair of one node pair has the
     same rows."""
     loads: dict[tuple[int, int], int] = {}
+    crossings: dict[tuple[int, int], int] = {}
     node = tab.gpu_node
     for (_, j), pairs in zip(stage_blocks, rows_per_boundary):
         on_link = {}
@@ -225,20 +228,8 @@ def link_load(tab, stage_blocks, rows_per_boundary) -> int:
                 on_link[key] = (rows, max(on_link.get(key, (0, 0))[1], tab.xfer1[tab.pair_bw_class[g][h]][j]))
         for key, (rows, x) in on_link.items():
             loads[key] = loads.get(key, 0) + rows * x
-    return max(loads.values(), default=0)
-
-
-def shares_a_link(tab, rows_per_boundary) -> bool:
-    """Whether one node pair's link (pairs coded ``ROWS_NODE_SUMS``) carries
-    GPU pairs of two or more boundaries ([Note: pipeline period])."""
-    seen: dict[tuple[int, int], int] = {}
-    node = tab.gpu_node
-    for pairs in rows_per_boundary:
-        keys = {(min(node[g], node[h]), max(node[g], node[h])) for (g, h), _ in pairs
-                if tab.pair_rows[g][h] == ROWS_NODE_SUMS}
-        for k in keys:
-            seen[k] = seen.get(k, 0) + 1
-    return any(v >= 2 for v in seen.values())
+            crossings[key] = crossings.get(key, 0) + 1
+    return max(loads.values(), default=0), any(v >= 2 for v in crossings.values())
 
 
 def pipeline_period(compute, boundary, load: int, shared: bool = False) -> int:
@@ -246,7 +237,7 @@ def pipeline_period(compute, boundary, load: int, shared: bool = False) -> int:
     and ``boundary`` terms (per stage, [C-boundary], 0 for the last), the
     busiest node pair link's ``load`` (``link_load``, one direction) and
     ``shared``: whether a node pair's link carries two boundaries
-    (``shares_a_link``; then T = max(max_s t_s, load))."""
+    (``link_load``'s second value; then T = max(max_s t_s, load))."""
     stage = [c + x for c, x in zip(compute, boundary)]
     if shared:
         return max(max(stage), load)

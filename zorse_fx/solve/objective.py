@@ -163,8 +163,7 @@ from ..errors import InfeasiblePlanError
 from ..options import SCHEDULES, PlanOptions
 from .decision import Decision
 from .network_terms import (boundary_rows, drain_offsets, effective_pair_bandwidth, last_bucket_kib,
-                            link_load, pipeline_period, ring_units, shares_a_link, tied_terms,
-                            untied_block_kib)
+                            link_load, pipeline_period, ring_units, tied_terms, untied_block_kib)
 from .records import BlockCosts, DeviceGraph
 from .state_terms import stage_optim_units, stage_state_kib
 # The units and integer tables live in tables.py (re-exported: callers import them from here).
@@ -417,7 +416,7 @@ def evaluate_units(tab: IntTables, stage_blocks, stage_gpus, samples, policy: Me
     drain_bwd = drain_offsets(comp, bnd, [(3 if r else 4) * c for r, c in zip(pol.recompute, comp_head)])
     sync = [max(a - db, lb - d) for a, db, lb, d in zip(ar, drain_bwd, last, drain)]
     # [Note: pipeline period]: boundaries overlap later micro-batches' compute in the steady state.
-    period = pipeline_period(comp, bnd, link_load(tab, stage_blocks, load_rows), shares_a_link(tab, load_rows))
+    period = pipeline_period(comp, bnd, *link_load(tab, stage_blocks, load_rows))
     step = sum(stage) + (m - 1) * period + max(
         (w if t is None else max(w, t)) + o for w, t, o in zip(sync, tied, opt))
     ar = [a if t is None else max(a, t) for a, t in zip(ar, tied)]  # [C-tied]: the optimizer waits for both
