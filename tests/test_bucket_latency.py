@@ -12,7 +12,7 @@ from zorse_fx.runtime.grad_sync import BUCKET_BYTES, FIRST_BUCKET_BYTES
 from zorse_fx.sim import simulate
 from zorse_fx.solve import BlockCosts, Decision, evaluate, solve_cpsat
 from zorse_fx.solve.objective import UNIT_S, evaluate_units, prepare, ring_units, to_units
-from zorse_fx.solve.pipeline_terms import forward_units, pipeline_makespan
+from zorse_fx.solve.pipeline_terms import forward_units, pipeline_ends, pipeline_makespan
 
 from conftest import make_devices, solver_options
 
@@ -124,8 +124,12 @@ def test_interleaved_group_counts_its_buckets_together():
     """v = 2 on 2 groups of 2 GPUs: group 0 holds stages 0 and 2 (blocks 0 and
     2, 2.5M and 3M parameters: 10 MB and 12 MB of gradients, 2 buckets each
     alone (1 MiB + the rest), 22 MB = 1 MiB + 0.8 x 25 MiB together: 2
-    buckets, not 4), group 1 stages 1 and 3 alike. The group's sync = sum of
-    its stages' ring terms + 2 nb(group) (k-1) lat, from its last task's end."""
+    buckets, not 4), group 1 stages 1 and 3 alike. The group's sync runs its
+    2 buckets in the runtime's order: the first (1 MiB of the later stage's
+    gradients) from that stage's last backward, the second (the rest of it
+    and all of the earlier stage's) once the earlier stage's last backward
+    has ended too; each bucket a ring of its KiB's share of the stages'
+    bandwidth terms + 2 (k - 1) lat."""
     params = (2_500_000, 2_500_000, 3_000_000, 3_000_000)
     costs = _costs(params)
     devices = _devices(4)
@@ -136,16 +140,26 @@ def test_interleaved_group_counts_its_buckets_together():
     tab, pol = prepare(costs, devices, options, d)
     u = evaluate_units(tab, d.stage_blocks, d.stage_gpus, d.samples_per_microbatch, pol, 2)
     fwd = forward_units(tab, d.stage_blocks, d.stage_gpus, d.samples_per_microbatch, u.boundary)
-    free = pipeline_makespan(options.schedule, 2, 2, fwd, u.stage, per_group=True)  # each group's last task end
+    free, last_b = pipeline_ends(options.schedule, 2, 2, fwd, u.stage)
+    assert free == pipeline_makespan(options.schedule, 2, 2, fwd, u.stage, per_group=True)
     assert max(free) == pipeline_makespan(options.schedule, 2, 2, fwd, u.stage)
+    # The interleaved cooldown: each group's later stage ends its last backward first.
+    assert last_b[0] == free[0] and last_b[1] == free[1] and last_b[2] < free[0] and last_b[3] < free[1]
     assert 4 * (params[0] + params[2]) < FIRST_BUCKET_BYTES + BUCKET_BYTES  # 2 buckets together
     lat = to_units(LAT)
-    sync = []
+    kib = [-(-4 * n // 1024) for n in params]
+    first = FIRST_BUCKET_BYTES // 1024
+    ring = [ring_units(to_units(2 * 4 * params[s] / BW), 2) for s in range(4)]
+    ends, before = [], []
     for p in range(2):
-        ring = sum(ring_units(to_units(2 * 4 * params[s] / BW), 2) for s in (p, p + 2))
+        late, early = p + 2, p
+        w1 = -(-ring[late] * first // kib[late])
+        w2 = ring[late] - w1 + ring[early]  # the later stage's shares add up to its term
+        chain = max(last_b[late] + w1 + 2 * lat, last_b[early]) + w2 + 2 * lat
         opt = sum(to_units(2 * 16 * params[s] / 2e12) for s in (p, p + 2))
-        sync.append(ring + 2 * 2 * (2 - 1) * lat + opt)
-    assert ev.objective_units == max(f + y for f, y in zip(free, sync))  # a group syncs after its own last task
+        ends.append(max(free[p], chain) + opt)
+        before.append(free[p] + ring[p] + ring[p + 2] + 2 * 2 * lat + opt)  # the whole sync after the last task
+    assert ev.objective_units == max(ends) < max(before)
     # Each stage reports its own all-reduce alone: 2 buckets.
     assert [round(a / UNIT_S) for a in ev.allreduce_s] == [
         ring_units(to_units(2 * 4 * params[s] / BW), 2) + 2 * 2 * (2 - 1) * lat for s in range(4)]

@@ -2,8 +2,9 @@
 
 Split from ``objective.py`` (the module note there is the model; this is its
 v > 1 part): ``forward_units`` (the forward task of a stage),
-``pipeline_makespan`` (the longest path of a schedule's task graph, integer
-ns) and ``interleaved_units`` (step and memory of an interleaved decision).
+``pipeline_makespan`` / ``pipeline_ends`` (the longest path of a schedule's
+task graph, integer ns; the latter also each stage's last backward end) and
+``interleaved_units`` (step and memory of an interleaved decision).
 ``objective.evaluate_units`` calls ``interleaved_units`` when v > 1;
 ``solve.interleave`` compares plans with ``pipeline_makespan``.
 """
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 from .objective import StageUnits, _act_units, bucket_count
 
-__all__ = ["forward_units", "pipeline_makespan", "interleaved_units"]
+__all__ = ["forward_units", "pipeline_ends", "pipeline_makespan", "group_sync_units", "interleaved_units"]
 
 
 def forward_units(tab, stage_blocks, stage_gpus, samples, bnd) -> tuple[int, ...]:
@@ -27,15 +28,12 @@ def forward_units(tab, stage_blocks, stage_gpus, samples, bnd) -> tuple[int, ...
     return tuple(out)
 
 
-def pipeline_makespan(schedule: str, num_microbatches: int, interleave: int, fwd, total,
-                      per_group: bool = False):
-    """Makespan (units) of the pipeline's task graph: per stage s, a forward of
-    ``fwd[s]`` and a backward of ``total[s] - fwd[s]`` units per micro-batch;
-    each GPU group runs ``make_schedule(schedule, S, M, interleave)[group]`` in
-    order, a task starting when its group's previous task and its dependency
-    (F of stage s-1 / B of stage s+1, same micro-batch) have ended.
-    ``per_group``: return instead each group's last task end (a tuple of
-    S / interleave ints; the makespan is their max).
+def pipeline_ends(schedule: str, num_microbatches: int, interleave: int, fwd, total):
+    """The task graph of ``pipeline_makespan`` walked once: ``(free, last_backward)``,
+    ``free[p]`` the end (units) of GPU group p's last task and
+    ``last_backward[s]`` the end of stage s's last backward (when its
+    gradients are final: its gradient sync can start, [Note: interleaved
+    stages]).
 
     Raises:
         ValueError: if the schedule deadlocks (it cannot for 1F1B / GPipe)."""
@@ -70,7 +68,61 @@ def pipeline_makespan(schedule: str, num_microbatches: int, interleave: int, fwd
                 moved = True
         if not moved:
             raise ValueError(f"schedule {schedule!r} (interleave {interleave}) deadlocks")
-    return tuple(free) if per_group else max(free)
+    return tuple(free), tuple(max(row) for row in b_end)
+
+
+def pipeline_makespan(schedule: str, num_microbatches: int, interleave: int, fwd, total,
+                      per_group: bool = False):
+    """Makespan (units) of the pipeline's task graph: per stage s, a forward of
+    ``fwd[s]`` and a backward of ``total[s] - fwd[s]`` units per micro-batch;
+    each GPU group runs ``make_schedule(schedule, S, M, interleave)[group]`` in
+    order, a task starting when its group's previous task and its dependency
+    (F of stage s-1 / B of stage s+1, same micro-batch) have ended.
+    ``per_group``: return instead each group's last task end (a tuple of
+    S / interleave ints; the makespan is their max).
+
+    Raises:
+        ValueError: if the schedule deadlocks (it cannot for 1F1B / GPipe)."""
+    free, _ = pipeline_ends(schedule, num_microbatches, interleave, fwd, total)
+    return free if per_group else max(free)
+
+
+def group_sync_units(stages, last_b, ar, grad_kib, ring_lat, sharded, caps) -> int:
+    """When (units) a GPU group's own gradient sync ends (sync_p of [Note:
+    interleaved stages]): the group's float32 gradients, its ``stages`` in
+    reverse plan order, in the buckets of ``caps`` (KiB: the first, then
+    every other), each bucket ready at the latest ``last_b`` (last backward
+    end) of the stages it holds gradients of and run after the one before:
+    t = max(t, ready) + its share of those stages' bandwidth terms + 2
+    ``ring_lat`` (a ring's 2 (k - 1) latencies); then a sharded stage's
+    all-gather latency. Stage s's bandwidth term bw_s = ``ar[s]`` less its
+    latencies (2 nb_s + sh_s) ``ring_lat[s]``; a bucket over its KiB [a, b)
+    takes ceil(bw_s (b - lo_s) / G_s) - ceil(bw_s (a - lo_s) / G_s), so the
+    shares add up to bw_s. With every stage ready at 0 the sync is the sum of
+    the stages' terms with the group's bucket count (``bucket_count`` of the
+    summed KiB); with one stage, ``last_b`` + its term."""
+    order = list(reversed(stages))
+    lat = ring_lat[stages[0]]
+    bw = {s: ar[s] - (2 * bucket_count(grad_kib[s], caps) + sharded[s]) * ring_lat[s] for s in order}
+    total = sum(grad_kib[s] for s in order)
+    first, cap = caps
+    edges = [0, min(first, total)]
+    while edges[-1] < total:
+        edges.append(min(edges[-1] + cap, total))
+    if total == 0:  # no gradients: one (empty) bucket once every stage is done
+        edges = [0, 0]
+    spans, lo = [], 0
+    for s in order:  # stage s holds KiB [lo, lo + G_s) of the sequence
+        spans.append((s, lo, lo + grad_kib[s]))
+        lo += grad_kib[s]
+    t = 0
+    for a, b in zip(edges, edges[1:]):
+        held = [(s, x, y) for s, x, y in spans if x < b and y > a] or [(s, x, y) for s, x, y in spans if y >= b]
+        ready = max(last_b[s] for s, _, _ in held)
+        work = sum(-(-bw[s] * (min(y, b) - x) // (y - x)) - -(-bw[s] * (max(x, a) - x) // (y - x))
+                   for s, x, y in held if y > x)  # telescoping shares: a stage's sum is its term
+        t = max(t, ready) + work + 2 * lat
+    return t + sum(bw[s] for s in order if grad_kib[s] == 0) + sum(sharded[s] for s in order) * lat
 
 
 def interleaved_units(tab, stage_blocks, stage_gpus, samples, pol, v, comp, bnd, stage, ar, opt, mem, unc,
@@ -81,24 +133,34 @@ def interleaved_units(tab, stage_blocks, stage_gpus, samples, pol, v, comp, bnd,
     terms (compute, boundary, all-reduce, optimizer) are those of the module
     note; what changes:
 
-      step  = max_p (max(free_p + allreduce_p, makespan + max_{s = p mod P} tied_s)
+      step  = max_p (max(sync_p, makespan + max_{s = p mod P} tied_s)
                      + sum_{s = p mod P} optim_s)   (tied_s: [C-tied]; a
-                     group holding none: free_p + allreduce_p + ...)
+                     group holding none: sync_p + ...)
               free_p = the end of group p's last task in the schedule's task
-                       graph (``pipeline_makespan(..., per_group=True)``),
-                       makespan = max_p free_p: a group's own sync starts
-                       when its last task ends, a tied ring (over several
-                       groups) when the pipeline has drained ([C-objective]);
-              allreduce_p = sum_{s = p mod P} allreduce_s
-                            + 2 (nb(sum_s G_s) - sum_s nb(G_s)) (k - 1) lat_max:
+                       graph (``pipeline_ends``), makespan = max_p free_p:
+                       a tied ring (over several groups) starts when the
+                       pipeline has drained ([C-objective]);
+              sync_p = max(free_p, chain_p + 2 (nb(sum_s G_s) - sum_s nb(G_s))
+                           (k - 1) lat_max), the group's own gradient sync:
+                       chain_p = 0, then for its stages s = p mod P, the
+                       last first (the runtime's bucket order), chain_p =
+                       max(chain_p, lastB_s) + allreduce_s, lastB_s = the
+                       end of stage s's last backward in the task graph
+                       (its gradients are final: the runtime and
+                       ``sim/sync.py`` start its buckets then, or earlier,
+                       block by block during that backward; the interleaved
+                       cooldown ends the group's stages one after the
+                       other, so their rings overlap the group's remaining
+                       backwards);
               the group's gradients fill one sequence of buckets across
               its stages (``runtime/grad_sync.py``: one key per holder set;
               ``sim/sync.py``'s ``_reduction``), so the bucket count of
               [C-allreduce] is that of the group's G = sum of its stages'
-              G_s, not the sum of the stages' counts (the bandwidth terms
-              and the ZeRO-1 all-gathers stay per stage; every stage of a
-              group has the group's k and lat_max); ``allreduce_s``
-              reported per stage keeps its own count nb(G_s);
+              G_s, not the sum of the stages' counts (the recount term
+              above; the bandwidth terms and the ZeRO-1 all-gathers stay
+              per stage; every stage of a group has the group's k and
+              lat_max); ``allreduce_s`` reported per stage keeps its own
+              count nb(G_s);
               where the forward of stage s takes f_s = floor(c'_s / 3) +
               floor(boundary_s / 2) (c'_s: its slowest GPU's compute without
               recomputation) and the backward t_s - f_s (the rest of its
@@ -122,8 +184,13 @@ def interleaved_units(tab, stage_blocks, stage_gpus, samples, pol, v, comp, bnd,
     simulator's compute; the boundary is charged on the task, as t_s does
     for v = 1 (conservative: a GPU does not wait for its sends). Links shared
     by two boundaries (P = 2: 0 -> 1 and the wrap-around 1 -> 0 on one node
-    pair) are not modelled. Each group's stages synchronise one after the
-    other once the group's last task has ended, as the runtime does. The memory term
+    pair) are not modelled. A group's stages synchronise one after the
+    other, each from its own last backward's end (sync_p): the runtime
+    launches a bucket once its parameters are final ([Note: overlapped
+    gradient reduction] in ``runtime/grad_sync.py``); charging the whole
+    group's sync after its last task was 8% pessimistic on the 8-GPU
+    scaling plan (bench/README.md, "Interleaved stages' gradient sync").
+    The memory term
     is the schedule's exact peak (the simulator tracks the same moments and
     agrees to the KiB). The CP-SAT models and the DP do not choose v:
     ``solve.interleave`` re-cuts a finished plan's groups into P v stages and
@@ -136,18 +203,15 @@ def interleaved_units(tab, stage_blocks, stage_gpus, samples, pol, v, comp, bnd,
     groups = n_s // v
     fwd = forward_units(tab, stage_blocks, stage_gpus, samples, bnd)
     tied = tied or [None] * n_s  # None: the stage holds no tied parameter of two groups
-    group_ar = [sum(ar[p::groups]) for p in range(groups)]
     grad_kib, ring_lat = buckets  # per stage: G_s (KiB) and (k - 1) lat_max, from evaluate_units
-    for p in range(groups):  # one sequence of buckets per group (the note): recount them
-        g_kib = grad_kib[p::groups]
-        group_ar[p] += 2 * ring_lat[p] * (bucket_count(sum(g_kib), tab.bucket_caps)
-                                     - sum(bucket_count(x, tab.bucket_caps) for x in g_kib))
     # [C-tied]: a group's optimizer steps wait for its own reductions and the tied ones it holds.
-    free = pipeline_makespan(tab.schedule, m, v, fwd, stage, per_group=True)
+    free, last_b = pipeline_ends(tab.schedule, m, v, fwd, stage)
     ends = []
     for p in range(groups):
+        own = max(free[p], group_sync_units(list(range(p, n_s, groups)), last_b, ar, grad_kib, ring_lat,
+                                            pol.sharded, tab.bucket_caps))
         held = [t for t in tied[p::groups] if t is not None]
-        ready = max([free[p] + group_ar[p], *(max(free) + t for t in held)])
+        ready = max([own, *(max(free) + t for t in held)])
         ends.append(ready + sum(opt[p::groups]))
     step = max(ends)
     memory = [list(row) for row in mem]
