@@ -5,8 +5,9 @@ v > 1 part): ``forward_units`` (the forward task of a stage),
 ``pipeline_makespan`` / ``pipeline_ends`` (the longest path of a schedule's
 task graph, integer ns; the latter also each stage's last backward end) and
 ``interleaved_units`` (step and memory of an interleaved decision).
-``objective.evaluate_units`` calls ``interleaved_units`` when v > 1;
-``solve.interleave`` compares plans with ``pipeline_makespan``.
+``objective.evaluate_units`` calls ``interleaved_units`` when v > 1 (or
+``task_graph``: ``solve.interleave.base_makespan_s`` scores the v = 1 plan it
+starts from by the same task graph).
 """
 
 from __future__ import annotations
