@@ -88,7 +88,8 @@ through the pair bandwidth: [Note: shared links in the objective]).
 The step ends when the last optimizer step /
 all-gather ends. The objective starts stage s's sync D_s before the drain
 ends (a lower bound of the drain after s's last backward, [C-objective];
-interleaved: when the group's last task ends) and lets the buckets overlap
+interleaved: each of the group's buckets once the last backwards of the
+stages it holds have ended) and lets the buckets overlap
 that backward except its last block's, with the last bucket and the first
 block's gradients after it; it counts the same buckets ([C-allreduce]'s
 nb_s) but not when each block makes them ready. Times are not rounded:
