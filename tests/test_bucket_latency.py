@@ -163,3 +163,34 @@ def test_interleaved_group_counts_its_buckets_together():
     # Each stage reports its own all-reduce alone: 2 buckets.
     assert [round(a / UNIT_S) for a in ev.allreduce_s] == [
         ring_units(to_units(2 * 4 * params[s] / BW), 2) + 2 * 2 * (2 - 1) * lat for s in range(4)]
+
+
+def test_group_sync_with_every_stage_ready_is_the_summed_terms_with_the_groups_bucket_count():
+    """``group_sync_units`` with every last backward at 0: the stages' ring terms
+    add up (the telescoping KiB shares lose nothing to rounding) and the
+    latency is counted per bucket of the group's summed gradients; with one
+    stage it is that stage's last backward + its own term."""
+    import random
+
+    from zorse_fx.solve.objective import bucket_count
+    from zorse_fx.solve.pipeline_terms import group_sync_units
+
+    rng = random.Random(0)
+    caps = (1024, 25600)
+    for _ in range(200):
+        stages = list(range(rng.randint(1, 4)))
+        kib = [rng.choice([0, rng.randint(1, 3000), rng.randint(1, 200_000)]) for _ in stages]
+        lat = rng.randint(0, 50_000)
+        sh = [rng.random() < 0.3 for _ in stages]
+        bw = [rng.randint(0, 10**9) if g else 0 for g in kib]
+        ar = [w + (2 * bucket_count(g, caps) + h) * lat for w, g, h in zip(bw, kib, sh)]
+        got = group_sync_units(stages, [0] * len(stages), ar, kib, [lat] * len(stages), sh, caps)
+        assert got == sum(bw) + (2 * bucket_count(sum(kib), caps) + sum(sh)) * lat
+        last = [rng.randint(0, 10**9) for _ in stages]
+        one = group_sync_units([0], last[:1], ar[:1], kib[:1], [lat], sh[:1], caps)
+        assert one == last[0] + ar[0]
+        # Later last backwards never make the sync end earlier; it waits for every stage with gradients
+        # (interleaved_units takes the max with the group's last task for the others).
+        base = group_sync_units(stages, last, ar, kib, [lat] * len(stages), sh, caps)
+        later = group_sync_units(stages, [x + 1 for x in last], ar, kib, [lat] * len(stages), sh, caps)
+        assert later >= base >= max([x for x, g in zip(last, kib) if g] or [0])

@@ -106,24 +106,26 @@ def group_sync_units(stages, last_b, ar, grad_kib, ring_lat, sharded, caps) -> i
     lat = ring_lat[stages[0]]
     bw = {s: ar[s] - (2 * bucket_count(grad_kib[s], caps) + sharded[s]) * ring_lat[s] for s in order}
     total = sum(grad_kib[s] for s in order)
+    tail = sum(bw[s] for s in order if grad_kib[s] == 0) + sum(sharded[s] for s in order) * lat
+    if total == 0:  # no gradients: the one (empty) bucket [C-allreduce] counts, once every stage is done
+        return max(last_b[s] for s in order) + 2 * lat + tail
     first, cap = caps
     edges = [0, min(first, total)]
     while edges[-1] < total:
         edges.append(min(edges[-1] + cap, total))
-    if total == 0:  # no gradients: one (empty) bucket once every stage is done
-        edges = [0, 0]
     spans, lo = [], 0
     for s in order:  # stage s holds KiB [lo, lo + G_s) of the sequence
-        spans.append((s, lo, lo + grad_kib[s]))
+        if grad_kib[s]:
+            spans.append((s, lo, lo + grad_kib[s]))
         lo += grad_kib[s]
     t = 0
     for a, b in zip(edges, edges[1:]):
-        held = [(s, x, y) for s, x, y in spans if x < b and y > a] or [(s, x, y) for s, x, y in spans if y >= b]
-        ready = max(last_b[s] for s, _, _ in held)
-        work = sum(-(-bw[s] * (min(y, b) - x) // (y - x)) - -(-bw[s] * (max(x, a) - x) // (y - x))
-                   for s, x, y in held if y > x)  # telescoping shares: a stage's sum is its term
-        t = max(t, ready) + work + 2 * lat
-    return t + sum(bw[s] for s in order if grad_kib[s] == 0) + sum(sharded[s] for s in order) * lat
+        held = [(s, x, y) for s, x, y in spans if x < b and y > a]
+        # telescoping shares: ceil(bw_s (b - x) / G_s) - ceil(bw_s (a - x) / G_s), a stage's sum is bw_s
+        work = sum(-(-bw[s] * (min(y, b) - x) // (y - x)) + -bw[s] * (max(x, a) - x) // (y - x)
+                   for s, x, y in held)
+        t = max(t, max(last_b[s] for s, _, _ in held)) + work + 2 * lat
+    return t + tail
 
 
 def interleaved_units(tab, stage_blocks, stage_gpus, samples, pol, v, comp, bnd, stage, ar, opt, mem, unc,
