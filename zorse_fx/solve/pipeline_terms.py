@@ -143,27 +143,28 @@ def interleaved_units(tab, stage_blocks, stage_gpus, samples, pol, v, comp, bnd,
                        graph (``pipeline_ends``), makespan = max_p free_p:
                        a tied ring (over several groups) starts when the
                        pipeline has drained ([C-objective]);
-              sync_p = max(free_p, chain_p + 2 (nb(sum_s G_s) - sum_s nb(G_s))
-                           (k - 1) lat_max), the group's own gradient sync:
-                       chain_p = 0, then for its stages s = p mod P, the
-                       last first (the runtime's bucket order), chain_p =
-                       max(chain_p, lastB_s) + allreduce_s, lastB_s = the
-                       end of stage s's last backward in the task graph
-                       (its gradients are final: the runtime and
-                       ``sim/sync.py`` start its buckets then, or earlier,
-                       block by block during that backward; the interleaved
-                       cooldown ends the group's stages one after the
-                       other, so their rings overlap the group's remaining
-                       backwards);
+              sync_p = max(free_p, the end of the group's own gradient
+                       sync: ``group_sync_units``): its buckets in the
+                       runtime's order (its stages s = p mod P, the last
+                       first), bucket q at max(the end of q - 1, the latest
+                       lastB_s of the stages whose gradients q holds) + q's
+                       KiB share of those stages' bandwidth terms + 2 (k - 1)
+                       lat_max; lastB_s = the end of stage s's last backward
+                       in the task graph (its gradients are final: the
+                       runtime and ``sim/sync.py`` start its buckets then,
+                       or earlier, block by block during that backward; the
+                       interleaved cooldown ends the group's stages one
+                       after the other, so their rings overlap the group's
+                       remaining backwards);
               the group's gradients fill one sequence of buckets across
               its stages (``runtime/grad_sync.py``: one key per holder set;
               ``sim/sync.py``'s ``_reduction``), so the bucket count of
               [C-allreduce] is that of the group's G = sum of its stages'
-              G_s, not the sum of the stages' counts (the recount term
-              above; the bandwidth terms and the ZeRO-1 all-gathers stay
-              per stage; every stage of a group has the group's k and
-              lat_max); ``allreduce_s`` reported per stage keeps its own
-              count nb(G_s);
+              G_s, not the sum of the stages' counts (the bandwidth
+              terms and the ZeRO-1 all-gathers stay per stage; every
+              stage of a group has the group's k and lat_max);
+              ``allreduce_s`` reported per stage keeps its own count
+              nb(G_s);
               where the forward of stage s takes f_s = floor(c'_s / 3) +
               floor(boundary_s / 2) (c'_s: its slowest GPU's compute without
               recomputation) and the backward t_s - f_s (the rest of its
@@ -187,8 +188,8 @@ def interleaved_units(tab, stage_blocks, stage_gpus, samples, pol, v, comp, bnd,
     simulator's compute; the boundary is charged on the task, as t_s does
     for v = 1 (conservative: a GPU does not wait for its sends). Links shared
     by two boundaries (P = 2: 0 -> 1 and the wrap-around 1 -> 0 on one node
-    pair) are not modelled. A group's stages synchronise one after the
-    other, each from its own last backward's end (sync_p): the runtime
+    pair) are not modelled. A group's buckets run one after the other,
+    each from the last backwards of the stages it holds (sync_p): the runtime
     launches a bucket once its parameters are final ([Note: overlapped
     gradient reduction] in ``runtime/grad_sync.py``); charging the whole
     group's sync after its last task was 8% pessimistic on the 8-GPU
