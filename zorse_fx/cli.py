@@ -137,13 +137,13 @@ def cmd_simulate(args) -> int:
                           precision=plan.precision, grad_reduce_dtype=plan.grad_reduce_dtype)
     _, costs, _ = _analyse_and_price(capture(model, (ids, ids)), cluster, options)
     decision = plan_decision(plan, costs)  # the plan's memory policy (ZeRO-1 shards, recomputation) too
-    result = simulate(costs, _device_graph(cluster, options), options, decision)
+    result = simulate(costs, _device_graph(cluster, options), options, decision, p2p=args.p2p)
     labels = [f"{g.type}@{g.node}" for g in cluster.gpus]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     to_perfetto(result, out / "trace.json", gpu_labels=labels)
     gantt_png(result, out / "gantt.png", gpu_labels=labels)
-    print(f"[zorse] simulated step {result.step_time_s * 1e3:.1f} ms (plan predicted "
+    print(f"[zorse] simulated step {result.step_time_s * 1e3:.1f} ms with {args.p2p} sends (plan predicted "
           f"{plan.predicted_step_time_s * 1e3:.1f} ms), bubble {result.bubble_fraction:.0%}")
     for s, shards in zip(plan.stages, result.state_shard_bytes):
         policy = " (recompute)" if result.stage_recompute[s.index] else ""
@@ -291,6 +291,9 @@ def build_parser() -> argparse.ArgumentParser:
     pm.add_argument("--model", required=True, help="the model the plan was made for (as in `zorse plan`)")
     pm.add_argument("--cluster", required=True)
     pm.add_argument("--out", default="runs/simulate")
+    pm.add_argument("--p2p", choices=("buffered", "nccl"), default="buffered",
+                    help="boundary sends as Gloo buffers them (default; what the planner's objective assumes) or "
+                         "as the runtime's point-to-point program runs on NCCL: fused exchanges, in order per GPU")
     pm.set_defaults(fn=cmd_simulate)
     from .profiling import comm_main, kernels_main
 

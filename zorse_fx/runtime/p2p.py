@@ -59,7 +59,8 @@ from ..plan import Plan
 from .comm import routes
 from .schedule import Action, make_schedule
 
-__all__ = ["TAG", "Message", "RankProgram", "build_programs", "build_program", "simulate_nccl",
+__all__ = ["TAG", "Message", "RankProgram", "build_programs", "build_program", "programs_from", "route_messages",
+           "simulate_nccl",
            "P2PExecutor", "Mailbox", "action_messages", "ProgramError"]
 
 #: Every point-to-point message is tag 0: NCCL ignores tags, so the runtime
@@ -121,34 +122,51 @@ def _stage_bytes(specs) -> int:
 def action_messages(plan: Plan, rank: int, action: Action) -> tuple[tuple[Message, ...], tuple[Message, ...]]:
     """(sends, receives) of ``action`` on ``rank``, in route (row) order."""
     P = plan.num_groups
-    role = plan.role(rank)
-    s = role.stage + action.chunk * P
-    stage = plan.stages[s]
-    pos = stage.ranks.index(rank)
+    s = plan.role(rank).stage + action.chunk * P
+    return route_messages(action, s, plan.stages[s].ranks.index(rank), rank,
+                          tuple(tuple(g.rank for g in st.gpus) for st in plan.stages),
+                          tuple(st.sample_ranges() for st in plan.stages),
+                          tuple(_stage_bytes(st.send) for st in plan.stages[:-1]))
+
+
+def route_messages(action: Action, s: int, pos: int, rank: int, stage_ranks, stage_ranges, row_bytes
+                   ) -> tuple[tuple[Message, ...], tuple[Message, ...]]:
+    """(sends, receives) of ``action`` of stage ``s`` run by ``rank``, the
+    stage's member at position ``pos``, in route (row) order: a forward
+    receives its rows' activations from stage s-1 and sends its outputs to
+    stage s+1, a backward receives their gradients from s+1 and sends its
+    inputs' gradients to s-1 (``comm.routes`` over the stages' row ranges).
+
+    ``stage_ranks[j]``: the ranks of stage j in order; ``stage_ranges[j]``:
+    their ``[start, end)`` rows of a micro-batch; ``row_bytes[c]``: bytes of
+    one row across the cut after stage c. The plan (``action_messages``) and
+    the simulator (``sim/engine.py``, from a ``Decision``) both derive the
+    point-to-point program from this."""
+    n_s = len(stage_ranks)
     sends, recvs = [], []
 
-    def cut(b):  # routes across the cut after stage b, and bytes per row
-        a, c = plan.stages[b], plan.stages[b + 1]
-        return routes(a.sample_ranges(), c.sample_ranges()), _stage_bytes(a.send), a, c
+    def cut(b):
+        return routes(stage_ranges[b], stage_ranges[b + 1]), row_bytes[b], stage_ranks[b], stage_ranks[b + 1]
 
+    m = action.microbatch
     if action.kind == "F":
         if s > 0:
             rs, per_row, a, c = cut(s - 1)
-            recvs += [Message(s - 1, action.microbatch, False, a.gpus[r.src_pos].rank, rank, r.start, r.end,
-                              r.rows * per_row) for r in rs if r.dst_pos == pos]
-        if s < plan.num_stages - 1:
+            recvs += [Message(s - 1, m, False, a[r.src_pos], rank, r.start, r.end, r.rows * per_row)
+                      for r in rs if r.dst_pos == pos]
+        if s < n_s - 1:
             rs, per_row, a, c = cut(s)
-            sends += [Message(s, action.microbatch, False, rank, c.gpus[r.dst_pos].rank, r.start, r.end,
-                              r.rows * per_row) for r in rs if r.src_pos == pos]
+            sends += [Message(s, m, False, rank, c[r.dst_pos], r.start, r.end, r.rows * per_row)
+                      for r in rs if r.src_pos == pos]
     else:
-        if s < plan.num_stages - 1:
+        if s < n_s - 1:
             rs, per_row, a, c = cut(s)
-            recvs += [Message(s, action.microbatch, True, c.gpus[r.dst_pos].rank, rank, r.start, r.end,
-                              r.rows * per_row) for r in rs if r.src_pos == pos]
+            recvs += [Message(s, m, True, c[r.dst_pos], rank, r.start, r.end, r.rows * per_row)
+                      for r in rs if r.src_pos == pos]
         if s > 0:
             rs, per_row, a, c = cut(s - 1)
-            sends += [Message(s - 1, action.microbatch, True, rank, a.gpus[r.src_pos].rank, r.start, r.end,
-                              r.rows * per_row) for r in rs if r.dst_pos == pos]
+            sends += [Message(s - 1, m, True, rank, a[r.src_pos], r.start, r.end, r.rows * per_row)
+                      for r in rs if r.dst_pos == pos]
     return tuple(sends), tuple(recvs)
 
 
@@ -161,11 +179,16 @@ def _initial_groups(plan: Plan, rank: int, forward_only: bool = False
     if forward_only:
         actions = tuple(a for a in actions if a.kind == "F")
     msgs = [action_messages(plan, rank, a) for a in actions]
-    groups: list[list[_Op]] = [[] for _ in range(len(actions) + 1)]
+    return tuple(actions), msgs, _fused_groups(rank, msgs)
+
+
+def _fused_groups(rank: int, msgs) -> list[list[_Op]]:
+    """Group k = the network receives of action k + the network sends of action k-1."""
+    groups: list[list[_Op]] = [[] for _ in range(len(msgs) + 1)]
     for k, (sends, recvs) in enumerate(msgs):
         groups[k] += [_Op(False, m) for m in recvs if m.src != rank]
         groups[k + 1] += [_Op(True, m) for m in sends if m.dst != rank]
-    return tuple(actions), msgs, groups
+    return groups
 
 
 class ProgramError(RuntimeExecutionError):
@@ -322,9 +345,20 @@ def build_programs(plan: Plan, *, forward_only: bool = False) -> dict[int, RankP
         ProgramError: the channels disagree, or the program still deadlocks
             (the message names the stuck ranks and what they wait for).
     """
-    ranks = range(plan.world_size)
-    built = {r: _initial_groups(plan, r, forward_only) for r in ranks}
-    groups = {r: built[r][2] for r in ranks}
+    built = {r: _initial_groups(plan, r, forward_only) for r in range(plan.world_size)}
+    return programs_from({r: (b[0], b[1]) for r, b in built.items()})
+
+
+def programs_from(built: dict[int, tuple[tuple[Action, ...], list]]) -> dict[int, RankProgram]:
+    """``build_programs``' fused program, checked and repaired, from each
+    rank's (actions, per action its (sends, receives)) -- from a plan
+    (``action_messages``) or a planner's decision (the simulator's NCCL
+    point-to-point model, ``sim/engine.py``).
+
+    Raises:
+        ProgramError: as ``build_programs``."""
+    ranks = sorted(built)
+    groups = {r: _fused_groups(r, built[r][1]) for r in ranks}
     _check_channels(groups)
     repairs = 0
     while True:
@@ -341,7 +375,7 @@ def build_programs(plan: Plan, *, forward_only: bool = False) -> dict[int, RankP
         _check_channels(groups)
     out = {}
     for r in ranks:
-        actions, msgs, gs = built[r]
+        (actions, msgs), gs = built[r], groups[r]
         ordered = tuple(tuple([o for o in g if o.send] + [o for o in g if not o.send]) for g in gs)
         out[r] = RankProgram(rank=r, actions=actions, groups=ordered, waits=tuple(waits[r]),
                              sends=tuple(s for s, _ in msgs), recvs=tuple(rc for _, rc in msgs),

@@ -45,6 +45,35 @@ max-min fair ones over all these resources, recomputed whenever a message
 starts or ends its transfer ([Note: network resources] in ``sim/network.py``). Without shared links a
 message uses one resource and gets ``bw / n`` of it.
 
+[Note: point-to-point models]
+When a boundary message may move is ``simulate``'s ``p2p``:
+  * ``"buffered"`` (the default; what the objective's period assumes): a
+    message is posted when its task ends and the sender goes on at once; the
+    receiver's task waits for its arrival. This is Gloo's behaviour (it
+    buffers sends), the runtime's on CPU.
+  * ``"nccl"``: the runtime's own point-to-point program
+    (``runtime/p2p.py`` [Note: point-to-point program]; ``decision_programs``
+    derives it from the decision with ``runtime.p2p.programs_from``, as
+    ``build_programs`` does from a plan, prefetched receives included) run
+    under NCCL's rules: group k of a GPU (action k-1's sends + action k's
+    receives) is posted when action k-1 ends and runs on the GPU's one
+    stream after group k-1 has completed; a message starts its latency and
+    transfer when the groups holding its send and its receive are both at
+    the heads of their GPUs' streams (a large NCCL send needs its receive
+    posted); a group completes when all its messages have arrived; action k
+    starts when every group holding its receives has completed -- on NCCL the
+    group is one coalesced work, so that includes action k-1's sends.
+    A stage's sends are then on its critical path, paired with its
+    neighbour's opposite messages (the fused exchange of
+    ``torch.distributed.pipelining`` and Megatron-LM), and one GPU's messages
+    never share its links with each other across groups.
+Neither is uniformly slower: on a link-bound boundary, buffered sends
+queued together share the link and arrive together
+(tests/test_sim_nccl.py: 26 against NCCL's 24 time units), while NCCL's
+exchange keeps a boundary off the compute's overlap. bench/README.md "The
+runtime's NCCL program in the simulator" measures both on the benchmark
+plans.
+
 Memory policy (objective.py [C-shard], [C-recompute]; the decision's, as in
 ``solve.evaluate``: ``objective.prepare`` fills the shards of a sharded stage
 with ``balance_shards`` when ``Decision.shard_mib`` is None, so both models
@@ -150,11 +179,12 @@ objective.
 from __future__ import annotations
 
 import math
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import dataclass
 
 from ..options import PlanOptions
 from ..runtime.comm import routes
+from ..runtime.p2p import RankProgram, programs_from, route_messages
 from ..runtime.schedule import make_schedule
 from ..solve.decision import Decision
 from ..solve.objective import MEMORY_UNIT_BYTES, MIB_UNITS, RECOMPUTE_FRACTION, prepare
@@ -163,7 +193,14 @@ from ..solve.state_terms import shardable_kib, stage_state_kib
 from .network import FlowResources, link_resource, max_min_rates
 from .sync import gradient_sync
 
-__all__ = ["SimEvent", "SimResult", "simulate", "link_resource", "plan_decision"]
+__all__ = ["SimEvent", "SimResult", "simulate", "link_resource", "plan_decision", "decision_programs",
+           "P2P_BUFFERED", "P2P_NCCL"]
+
+#: ``simulate(p2p=...)``: boundary messages sent as Gloo does (a send leaves
+#: when its task ends; the sender goes on) or as the runtime's point-to-point
+#: program runs under NCCL ([Note: point-to-point models]).
+P2P_BUFFERED = "buffered"
+P2P_NCCL = "nccl"
 
 KINDS = ("F", "B", "send", "allreduce", "tiedreduce", "optim", "allgather")
 
@@ -233,11 +270,13 @@ class SimResult:
 class _Msg:
     # res: the resources the message uses, ((key, capacity), ...): its pair's link first, then
     # the shared links it crosses ([Note: network resources] in sim/network.py)
-    __slots__ = ("src", "dst", "stage", "m", "fwd", "nbytes", "t0", "ready", "left", "bw", "res", "rate")
+    # key: the program's Message under P2P_NCCL (None when sends are buffered)
+    __slots__ = ("src", "dst", "stage", "m", "fwd", "nbytes", "t0", "ready", "left", "bw", "res", "rate", "key")
 
-    def __init__(self, src, dst, stage, m, fwd, nbytes, t0, ready, bw, res):
+    def __init__(self, src, dst, stage, m, fwd, nbytes, t0, ready, bw, res, key=None):
         self.src, self.dst, self.stage, self.m, self.fwd = src, dst, stage, m, fwd
         self.nbytes, self.t0, self.ready, self.bw, self.res = nbytes, t0, ready, bw, res
+        self.key = key
         self.left, self.rate = float(nbytes), 0.0
 
 
@@ -284,8 +323,37 @@ def plan_decision(plan, costs: BlockCosts | None = None) -> Decision:
                     precision=str(getattr(plan, "precision", "") or ""))
 
 
-def simulate(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions, decision: Decision) -> SimResult:
+def decision_programs(costs: BlockCosts, decision: Decision, schedule: str) -> dict[int, RankProgram]:
+    """The runtime's point-to-point program (``runtime.p2p.programs_from``, as
+    ``build_programs`` derives it from a plan) of ``decision`` under
+    ``schedule``, keyed by GPU index (the ranks of the plan, in the cluster's
+    numbering); message bytes are ``rows * cut_bytes_per_sample`` of the cut.
+
+    Raises:
+        runtime.p2p.ProgramError: the program would deadlock under NCCL's rules."""
+    n_s, v = decision.num_stages, decision.interleave
+    n_p = n_s // v
+    sched = make_schedule(schedule, n_s, decision.num_microbatches, v)
+    ranges = [_ranges(ns) for ns in decision.samples_per_microbatch]
+    row_bytes = [costs.cut_bytes_per_sample[decision.stage_blocks[s][1]] for s in range(n_s - 1)]
+    built = {}
+    for p in range(n_p):
+        for g in decision.stage_gpus[p]:
+            built[g] = (sched[p], [route_messages(a, p + a.chunk * n_p, decision.stage_gpus[p + a.chunk * n_p].index(g),
+                                                  g, decision.stage_gpus, ranges, row_bytes) for a in sched[p]])
+    return programs_from(built)
+
+
+def simulate(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions, decision: Decision, *,
+             p2p: str = P2P_BUFFERED) -> SimResult:
     """Simulate one training step of ``decision`` (see the module note).
+
+    ``p2p``: how boundary messages are sent ([Note: point-to-point models]):
+    ``"buffered"`` (the default; Gloo's semantics: a send leaves when its
+    task ends and the sender goes on) or ``"nccl"`` (the runtime's
+    point-to-point program under NCCL's rules: fused groups run in order on
+    each rank's stream, a message moves only while both ends' groups are at
+    the head, and a compute waits for the whole group holding its receives).
 
     The memory policy is the decision's, as in ``solve.evaluate``
     (``decision.shard_mib`` None = the shards ``balance_shards`` picks);
@@ -293,8 +361,11 @@ def simulate(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions, deci
     on the GPUs of stage s mod P (solve/pipeline_terms.py [Note: interleaved stages]).
 
     Raises ValueError for a decision that does not fit the instance (as
-    ``solve.evaluate``) and RuntimeError if the schedule deadlocks (it cannot
-    for 1F1B / GPipe)."""
+    ``solve.evaluate``) or an unknown ``p2p``, RuntimeError if the schedule
+    deadlocks (it cannot for 1F1B / GPipe) and ``runtime.p2p.ProgramError``
+    where the runtime would refuse the program (``"nccl"``)."""
+    if p2p not in (P2P_BUFFERED, P2P_NCCL):
+        raise ValueError(f"simulate: p2p must be {P2P_BUFFERED!r} or {P2P_NCCL!r}, got {p2p!r}")
     tab, pol = prepare(costs, devices, options, decision)
     stage_blocks, stage_gpus = decision.stage_blocks, decision.stage_gpus
     samples_per_microbatch, num_microbatches = decision.samples_per_microbatch, decision.num_microbatches
@@ -359,23 +430,76 @@ def simulate(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions, deci
     def footprint(g) -> int:
         return sum(c * h for c, h in zip(live[g], held[g]))
 
-    def post(src, dst, s, m, fwd, nbytes):
+    def post(src, dst, s, m, fwd, nbytes, key=None, t0=None):
         lat = max(devices.link_latency_s[src][dst], 0.0)
         bw = devices.link_bw_bytes_per_s[src][dst]
         if not bw > 0:
             raise ValueError(f"link bandwidth from GPU {src} to {dst} must be > 0, got {bw}")
         res = ((link_resource(devices, src, dst), bw), *resources.shared(src, dst))
-        waiting.append(_Msg(src, dst, s, m, fwd, nbytes, t, t + lat, bw, res))
+        waiting.append(_Msg(src, dst, s, m, fwd, nbytes, t if t0 is None else t0, t + lat, bw, res, key))
 
     def arrive(msg: _Msg, when: float):
         events.append(SimEvent("send", msg.src, msg.stage, msg.m, msg.t0, when, msg.dst, msg.nbytes,
                                peer_stage=msg.stage + (1 if msg.fwd else -1)))
-        if msg.fwd:
+        if nccl:
+            for side in (True, False):
+                remaining[where[side, msg.key]] -= 1
+            advance(msg.src)
+            advance(msg.dst)
+        elif msg.fwd:
             got_fwd[msg.dst, msg.stage + 1, msg.m] += 1
         else:
             got_bwd[msg.dst, msg.stage - 1, msg.m] += 1
 
+    # P2P_NCCL ([Note: point-to-point models]): each rank's groups in order on its stream.
+    nccl = p2p == P2P_NCCL
+    if nccl:
+        progs = decision_programs(costs, decision, options.schedule)
+        where = {(op.send, op.message): (g, gi) for g, pr in progs.items()
+                 for gi, grp in enumerate(pr.groups) for op in grp}
+        remaining = {(g, gi): len(grp) for g, pr in progs.items() for gi, grp in enumerate(pr.groups)}
+        stream = {g: deque() for g in used}
+        posted = dict.fromkeys(used, 0)
+        post_time: dict[tuple[int, int], float] = {}
+        finished: set[tuple[int, int]] = set()
+        started: set = set()
+
+    def head(g):
+        return stream[g][0] if stream[g] else None
+
+    def advance(g):
+        """Retire g's finished head groups; start every message whose two groups are both at the head."""
+        while (h := head(g)) is not None:
+            if remaining[g, h] == 0:
+                stream[g].popleft()
+                finished.add((g, h))
+                continue
+            for op in progs[g].groups[h]:
+                msg = op.message
+                if msg in started:
+                    continue
+                peer, pg = where[not op.send, msg]
+                if head(peer) == pg:
+                    started.add(msg)
+                    fwd = not msg.backward
+                    post(msg.src, msg.dst, msg.boundary if fwd else msg.boundary + 1, msg.microbatch, fwd,
+                         msg.nbytes, key=msg, t0=post_time[where[True, msg]])
+            return
+
+    def post_group(g):
+        gi = posted[g]
+        posted[g] += 1
+        post_time[g, gi] = t
+        stream[g].append(gi)
+        advance(g)
+
+    if nccl:
+        for g in used:
+            post_group(g)  # G_0: the receives of the first action
+
     def ready(g) -> bool:
+        if nccl:
+            return all((g, gi) in finished for gi in progs[g].waits[pc[g]])
         a = acts[g][pc[g]]
         s = group_of[g] + a.chunk * n_p
         if a.kind == "F":
@@ -410,14 +534,16 @@ def simulate(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions, deci
             if kind == "F":
                 live[g][s // n_p] += 1
                 peak_act[g] = max(peak_act[g], footprint(g))
-                for h, nb in out_fwd[g, s]:
+                for h, nb in () if nccl else out_fwd[g, s]:
                     post(g, h, s, m, True, nb)
             else:
                 live[g][s // n_p] -= 1
                 last_b[g] = t
                 last_b_span[g, s] = (start, t)
-                for h, nb in out_bwd[g, s]:
+                for h, nb in () if nccl else out_bwd[g, s]:
                     post(g, h, s, m, False, nb)
+            if nccl:
+                post_group(g)  # G_{k+1}: this action's sends + the next action's receives
         n_active = len(active)
         for x in [x for x in active if finish[id(x)] <= t + tol]:
             active.remove(x)
@@ -437,10 +563,10 @@ def simulate(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions, deci
                     cap[key] = min(cap.get(key, c), c)
             for x, r in zip(active, max_min_rates([[key for key, _ in x.res] for x in active], cap)):
                 x.rate = r
-    stuck = [g for g in used if pc[g] < len(acts[g])]
+    stuck = [g for g in used if pc[g] < len(acts[g]) or (nccl and stream[g])]
     if stuck:
         raise RuntimeError(f"schedule deadlocked: GPUs {stuck} wait at actions "
-                           f"{[str(acts[g][pc[g]]) for g in stuck]}")
+                           f"{[str(acts[g][pc[g]]) if pc[g] < len(acts[g]) else 'its last sends' for g in stuck]}")
 
     # Gradient sync (see the module note): per group its buckets, tied parameters over their
     # holders, then each GPU's optimizer steps, then the all-gathers of the sharded stages.
