@@ -144,8 +144,8 @@ def test_a_budget_limited_candidate_whose_bound_exceeds_the_plan_leaves_it_optim
     4 micro-batches) stopped FEASIBLE with a bound 4x the plan's step time)."""
     import dataclasses
 
-    costs, devices, options = random_instance(61)
-    res = solve_cpsat(costs, devices, dataclasses.replace(options, solver_budget=0.02))
+    costs, devices, options = random_instance(83)  # re-picked (seed, budget) when the model changes
+    res = solve_cpsat(costs, devices, dataclasses.replace(options, solver_budget=0.015))
     unproven = [c for c in res.candidates if c["status"] in ("FEASIBLE", "UNKNOWN")]
     assert unproven, "precondition: a candidate stopped by its budget (pick another seed if the model changed)"
     assert all(c["best_bound_s"] >= res.predicted_step_time_s for c in unproven)

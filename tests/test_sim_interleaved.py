@@ -152,8 +152,9 @@ def _longest_path(costs, devices, options, kw):
 
 
 #: Interleaved decisions, with communication: the simulator may be this much
-#: slower than the objective (links shared by two boundaries, see below).
-INTERLEAVED_TOL = 0.25
+#: slower than the objective (links shared by two boundaries, see below;
+#: measured max 5.0%, 20.3% with buffered sends and the task graph).
+INTERLEAVED_TOL = 0.10
 
 
 def test_interleaved_agreement_with_objective(capsys):
@@ -161,34 +162,25 @@ def test_interleaved_agreement_with_objective(capsys):
     interleaved decisions of (a).
 
     Compute-only (no boundary bytes, latency or parameters), the simulator
-    equals the schedule's task-graph longest path (``_longest_path``, an
-    independent reference) on single-GPU groups and is at most that on
-    multi-GPU groups (each GPU runs its own rows); the objective's step is
-    that longest path computed in integer ns (``pipeline_terms.pipeline_makespan``).
-    Measured on these 50 decisions, compute-only sim / objective: min 0.994,
-    median 1.000, max 1.000. (A first objective, the closed form M max_p T_p +
-    (sum_p T_p - max_p T_p) / v, is exact for equal chunks but was OPTIMISTIC
-    where a group's chunks are unequal: min 0.931, median 1.008, max 1.249 on
-    the same decisions, seed 17: P=4, v=3, M=8, group 3's chunks 138 / 189 /
-    597 ms; chunks of different groups stall each other.) With communication
-    and the memory policy: min 0.439, median 0.822, max 1.203 (seed 20: the
-    boundaries of groups 0->1 and 1->2 share the n0-n1 node pair, which the
-    objective does not model: the simulator's last backward alone ends 20%
-    after the objective's step; elsewhere the objective is pessimistic as for
-    v = 1, it charges the boundary on the task). Before each group's sync
-    started at its own last task's end (issue 13 item 6; it started after
-    the whole drain): min 0.439, median 0.813, max 1.166 (seed 20). Since
-    then (full-duplex links, the boundary rows per link; 2026-11-26): min
-    0.652, median 0.860, max 1.027; and with the group's buckets each started
-    at its stages' last backward ([Note: interleaved stages] sync_p): min
-    0.713, median 0.885, max 1.069 (seed 44: its group-1 ring shares links
-    with the pipeline's messages and takes 3x the objective's term; the
-    pipeline alone ends 5.5% after the objective's task graph). Charging the
-    boundary on the dependency edges instead of the task (no link sharing)
-    was tried: median 1.003, 40 of 50 within 5%, but max 1.277 (seed 42,
-    messages of several boundaries on one link), so the task keeps it. Hence compute-only the
-    objective is the longest path to rounding and at least the simulator,
-    and with communication sim <= obj (1 + INTERLEAVED_TOL)."""
+    with buffered sends equals the schedule's task-graph longest path
+    (``_longest_path``, an independent reference) on single-GPU groups and is
+    at most that on multi-GPU groups (each GPU runs its own rows); the
+    objective replays the runtime's point-to-point program under NCCL's rules
+    (``pipeline_terms.program_ends``), the simulator's default: at least that
+    path (fused groups stall even on free links) and at least the simulator.
+    Measured on these 50 decisions (2026-11-26, the NCCL program on both
+    sides), sim / objective: compute-only min 0.985, median 1.000, max 1.000;
+    with communication and the memory policy min 0.793, median 0.994, max
+    1.050 (seed 36). Before, the objective was the task graph of buffered
+    sends with the boundary charged on the sending task, checked against the
+    buffered simulator: compute-only min 0.994; with communication min 0.439,
+    median 0.822, max 1.203 at first, then (full-duplex links, per-link rows,
+    sync per bucket) min 0.713, median 0.885, max 1.069. (A first objective,
+    the closed form M max_p T_p + (sum_p T_p - max_p T_p) / v, is exact for
+    equal chunks but was OPTIMISTIC where a group's chunks are unequal: min
+    0.931, median 1.008, max 1.249; chunks of different groups stall each
+    other.) Hence compute-only the objective is at least the simulator, and
+    with communication sim <= obj (1 + INTERLEAVED_TOL)."""
     rows = []
     for seed in INTERLEAVED_SEEDS:
         costs, devices, options, kw = _interleaved_instance(seed)
@@ -196,18 +188,19 @@ def test_interleaved_agreement_with_objective(capsys):
         c0, d0 = compute_only(costs, devices)
         kw0 = dict(kw, sharded=())  # no parameters, no shardable state
         ev0, sim0 = evaluate(c0, d0, options, Decision(**kw0)), simulate(c0, d0, options, Decision(**kw0))
+        buf0 = simulate(c0, d0, options, Decision(**kw0), p2p="buffered")
         path = _longest_path(c0, d0, options, kw0)
         if all(len(g) == 1 for g in kw["stage_gpus"]):
-            assert sim0.step_time_s == pytest.approx(path, rel=1e-9), seed
+            assert buf0.step_time_s == pytest.approx(path, rel=1e-9), seed
         else:
-            assert sim0.step_time_s <= path * (1 + 1e-9), seed
+            assert buf0.step_time_s <= path * (1 + 1e-9), seed
         rows.append((seed, sim.step_time_s / ev.step_time_s, sim0.step_time_s / ev0.step_time_s))
         assert sim.step_time_s <= ev.step_time_s * (1 + INTERLEAVED_TOL), rows[-1]
-        # Compute-only the objective is the longest path (ns rounding) + the groups' sync.
-        sync0 = max(ev0.allreduce_s[s] + ev0.optim_s[s] for s in range(len(kw["stage_blocks"]))) * kw["interleave"]
-        assert path * (1 - 1e-6) <= ev0.step_time_s <= (path + sync0) * (1 + 1e-6), rows[-1]
+        # Compute-only the objective replays the program the NCCL simulator runs: at least the
+        # buffered longest path, at least the simulator (which runs each GPU's own rows).
+        assert ev0.step_time_s >= path * (1 - 1e-6), rows[-1]
         assert sim0.step_time_s <= ev0.step_time_s * (1 + 1e-6), rows[-1]
-        assert rows[-1][2] >= 0.99, rows[-1]
+        assert rows[-1][2] >= 0.98, rows[-1]
     with capsys.disabled():
         for k, name in ((1, "sim/objective"), (2, "compute-only sim/objective")):
             xs = sorted(r[k] for r in rows)
@@ -220,12 +213,15 @@ def test_interleaved_agreement_with_objective(capsys):
 @pytest.mark.parametrize("groups, v, m, gpus_per_group", [(2, 2, 2, 1), (2, 3, 4, 2), (3, 2, 6, 1),
                                                           (4, 2, 4, 2), (4, 3, 8, 1), (3, 3, 3, 2)])
 def test_interleaved_uniform_pipeline_takes_mv_plus_p_minus_1_stage_times(groups, v, m, gpus_per_group):
-    """(c) Equal groups and chunks, free boundaries: the step is (M v + P - 1) stage
-    times plus each group's sync -- its gradients all-reduced (a 1 MiB bucket
-    while the backwards still run, then one bucket), then its stages' optimizer
-    steps one after the other in stage order; the objective's buckets are the
-    runtime's (the first from the last chunk's last backward: equal syncs,
-    group 0's, which ends the drain, decides), to its ns rounding."""
+    """(c) Equal groups and chunks, free boundaries, buffered sends: the step is
+    (M v + P - 1) stage times plus each group's sync -- its gradients
+    all-reduced (a 1 MiB bucket while the backwards still run, then one
+    bucket), then its stages' optimizer steps one after the other in stage
+    order. Under NCCL's rules (the default; the objective replays the same
+    program, its buckets the runtime's) the fused groups make a rank wait for
+    its peer's receive even on free links: the objective equals the
+    simulator to its ns rounding, at or above that closed form (above for
+    (2, 3, 4), (3, 2, 6), (4, 3, 8): 10%, 36%, 40%)."""
     t, n_s, k = 6e-3, groups * v, gpus_per_group
     n_g, params, bw = groups * k, 1_000_000, 20e9
     costs = BlockCosts(fwd_bwd_s_per_sample={"A": (t,) * n_s}, param_count=(params,) * n_s,
@@ -235,8 +231,11 @@ def test_interleaved_uniform_pipeline_takes_mv_plus_p_minus_1_stage_times(groups
               stage_gpus=tuple(tuple(range(p * k, p * k + k)) for p in range(groups)) * v,
               samples_per_microbatch=((1,) * k,) * n_s, num_microbatches=m, interleave=v)
     options = solver_options(global_batch_size=m * k, max_interleave=v)
-    sim = simulate(costs, devices, options, Decision(**kw))
+    nccl = simulate(costs, devices, options, Decision(**kw))
+    sim = simulate(costs, devices, options, Decision(**kw), p2p="buffered")
     ev = evaluate(costs, devices, options, Decision(**kw))
+    assert ev.step_time_s == pytest.approx(nccl.step_time_s, abs=1e-8)
+    assert nccl.step_time_s >= sim.step_time_s * (1 - 1e-12)
     allreduce = 2 * (k - 1) / k * 4 * params / bw if k > 1 else 0.0  # ring: (k-1)/k
     optim = 2 * 16 * params / 1e12
     expect = (m * v + groups - 1) * t + v * (allreduce + optim)
@@ -246,7 +245,6 @@ def test_interleaved_uniform_pipeline_takes_mv_plus_p_minus_1_stage_times(groups
 
     hidden = 2 * (k - 1) / k * FIRST_BUCKET_BYTES / bw if k > 1 else 0.0
     assert sim.step_time_s == pytest.approx(expect - hidden, rel=1e-12)
-    assert ev.step_time_s == pytest.approx(expect - hidden, abs=1e-8)
     fb = [e for e in sim.events if e.kind in ("F", "B")]
     assert max(e.end_s for e in fb) == pytest.approx((m * v + groups - 1) * t, rel=1e-12)
     for g in range(n_g):  # every GPU computes M v chunk-micro-batches of t

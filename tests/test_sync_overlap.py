@@ -79,7 +79,7 @@ def head_ns(costs, devices, d):
     return out
 
 
-def _old_and_new(ev, m, last, head):
+def _old_and_new(ev, m, last, head, schedule="1f1b"):
     """(after-drain form, overlapped form, D_s) of the step in ns, from ``ev``'s
     per-stage fields (no tied parameters: ``allreduce_s`` is the stage's own
     all-reduce), ``last`` = L_s per stage (``last_bucket_ns``) and ``head`` =
@@ -87,10 +87,17 @@ def _old_and_new(ev, m, last, head):
     t, c, b = _ns(ev.stage_time_s), _ns(ev.compute_s), _ns(ev.boundary_s)
     ar, opt = _ns(ev.allreduce_s), _ns(ev.optim_s)
     rc = ev.decision.recompute
-    # [Note: pipeline period] (no node pair link carries two boundaries in these instances): the
-    # largest of the boundaries and of every window's 1F1B cycle average.
+    # [Note: pipeline period], no recomputation: 1F1B each stage's cycle, its compute and one
+    # direction of each neighbouring boundary; GPipe its forward (c / 3) and backward (2 c / 3)
+    # phases, each compute with its larger neighbouring direction (the phase's first stage alone).
     n = len(t)
-    period = max(max(b), *(-(-(sum(t[s:e + 1]) - b[e]) // (e - s + 1)) for s in range(n) for e in range(s, n)))
+    h = [x // 2 for x in b] + [0]
+    if schedule == "1f1b":
+        period = max(c[s] + h[s - 1] + h[s] for s in range(n))
+    else:
+        t_f = max(c[0], 3 * h[0], *(c[s] + 3 * max(h[s - 1], h[s]) for s in range(1, n)))
+        t_b = max(2 * c[n - 1], 3 * h[n - 2], *(2 * c[s] + 3 * max(h[s - 1], h[s]) for s in range(n - 1)))
+        period = -(-(t_f + t_b) // 3)
     pipe = sum(t) + (m - 1) * period
     e = [sum(4 * c[j] + 3 * b[j] for j in range(s)) for s in range(len(t))]
     old = pipe + max(a + o for a, o in zip(ar, opt))
@@ -139,8 +146,9 @@ def test_last_stage_sync_overlaps_the_drain():
 
 #: The simulator may exceed the objective by this much on these plans: messages
 #: sharing one link, which the objective does not model (tests/test_sim.py's
-#: test_agreement_with_objective). Measured over the 14 plans: sim / objective
-#: min 0.364, max 0.987 (never above 1).
+#: test_agreement_with_objective). Measured over the 14 plans (2026-11-26, the
+#: runtime's NCCL program against the objective's NCCL period): sim / objective
+#: min 0.782, max 1.008 (with buffered sends and the window period: 0.364 - 0.987).
 OVERLAP_TOL = 0.05
 
 
@@ -169,7 +177,7 @@ def test_objective_stays_above_the_simulator_with_overlap():
         opts, d = _dp_last_stage(costs, devices, options)
         ev, sim = evaluate(costs, devices, opts, d), simulate(costs, devices, opts, d)
         last = [0, last_bucket_ns(costs, devices, d.stage_blocks[1], d.stage_gpus[1])]
-        old, new, _ = _old_and_new(ev, 2, last, head_ns(costs, devices, d))
+        old, new, _ = _old_and_new(ev, 2, last, head_ns(costs, devices, d), opts.schedule)
         assert ev.objective_units == new
         rows.append((seed, sim.step_time_s / ev.step_time_s, new < old))
         assert sim.step_time_s <= ev.step_time_s * (1 + OVERLAP_TOL), rows[-1]

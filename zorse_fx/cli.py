@@ -291,9 +291,9 @@ def build_parser() -> argparse.ArgumentParser:
     pm.add_argument("--model", required=True, help="the model the plan was made for (as in `zorse plan`)")
     pm.add_argument("--cluster", required=True)
     pm.add_argument("--out", default="runs/simulate")
-    pm.add_argument("--p2p", choices=("buffered", "nccl"), default="buffered",
-                    help="boundary sends as Gloo buffers them (default; what the planner's objective assumes) or "
-                         "as the runtime's point-to-point program runs on NCCL: fused exchanges, in order per GPU")
+    pm.add_argument("--p2p", choices=("nccl", "buffered"), default="nccl",
+                    help="boundary sends as the runtime's point-to-point program runs on NCCL (default: fused "
+                         "exchanges, in order per GPU) or as Gloo buffers them (the runtime on CPU)")
     pm.set_defaults(fn=cmd_simulate)
     from .profiling import comm_main, kernels_main
 

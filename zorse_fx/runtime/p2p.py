@@ -44,6 +44,14 @@ on tags (every message is tag 0, see ``TAG``) and issues its traffic as a
 
 Messages between two stages hosted by the same rank (one GPU group, ``P = 1``)
 never touch the network: they are handed over in memory (``Mailbox``).
+
+What this costs on NCCL: a compute waits for its whole group, so a stage's
+sends are on its critical path, exchanged with its neighbour's opposite
+messages, and a send moves only once its receiver has posted the receive.
+The simulator replays exactly these programs under these rules
+(``simulate(p2p="nccl")``, [Note: point-to-point models] in
+``sim/engine.py``) and the planner's objective prices them
+(``solve/network_terms.py`` [Note: pipeline period]).
 """
 
 from __future__ import annotations

@@ -47,11 +47,9 @@ message uses one resource and gets ``bw / n`` of it.
 
 [Note: point-to-point models]
 When a boundary message may move is ``simulate``'s ``p2p``:
-  * ``"buffered"`` (the default; what the objective's period assumes): a
-    message is posted when its task ends and the sender goes on at once; the
-    receiver's task waits for its arrival. This is Gloo's behaviour (it
-    buffers sends), the runtime's on CPU.
-  * ``"nccl"``: the runtime's own point-to-point program
+  * ``"nccl"`` (the default; what the objective prices: network_terms.py
+    [Note: pipeline period], pipeline_terms.program_ends for interleaved
+    plans): the runtime's own point-to-point program
     (``runtime/p2p.py`` [Note: point-to-point program]; ``decision_programs``
     derives it from the decision with ``runtime.p2p.programs_from``, as
     ``build_programs`` does from a plan, prefetched receives included) run
@@ -67,6 +65,10 @@ When a boundary message may move is ``simulate``'s ``p2p``:
     neighbour's opposite messages (the fused exchange of
     ``torch.distributed.pipelining`` and Megatron-LM), and one GPU's messages
     never share its links with each other across groups.
+  * ``"buffered"``: a message is posted when its task ends and the sender
+    goes on at once; the receiver's task waits for its arrival. This is
+    Gloo's behaviour (it buffers sends), the runtime's on CPU, and what the
+    objective assumed until 2026-11-26.
 Neither is uniformly slower: on a link-bound boundary, buffered sends
 queued together share the link and arrive together
 (tests/test_sim_nccl.py: 26 against NCCL's 24 time units), while NCCL's
@@ -196,9 +198,10 @@ from .sync import gradient_sync
 __all__ = ["SimEvent", "SimResult", "simulate", "link_resource", "plan_decision", "decision_programs",
            "P2P_BUFFERED", "P2P_NCCL"]
 
-#: ``simulate(p2p=...)``: boundary messages sent as Gloo does (a send leaves
-#: when its task ends; the sender goes on) or as the runtime's point-to-point
-#: program runs under NCCL ([Note: point-to-point models]).
+#: ``simulate(p2p=...)``: boundary messages sent as the runtime's
+#: point-to-point program runs under NCCL (the default) or as Gloo buffers
+#: them (a send leaves when its task ends; the sender goes on) ([Note:
+#: point-to-point models]).
 P2P_BUFFERED = "buffered"
 P2P_NCCL = "nccl"
 
@@ -345,15 +348,16 @@ def decision_programs(costs: BlockCosts, decision: Decision, schedule: str) -> d
 
 
 def simulate(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions, decision: Decision, *,
-             p2p: str = P2P_BUFFERED) -> SimResult:
+             p2p: str = P2P_NCCL) -> SimResult:
     """Simulate one training step of ``decision`` (see the module note).
 
     ``p2p``: how boundary messages are sent ([Note: point-to-point models]):
-    ``"buffered"`` (the default; Gloo's semantics: a send leaves when its
-    task ends and the sender goes on) or ``"nccl"`` (the runtime's
-    point-to-point program under NCCL's rules: fused groups run in order on
-    each rank's stream, a message moves only while both ends' groups are at
-    the head, and a compute waits for the whole group holding its receives).
+    ``"nccl"`` (the default: the runtime's point-to-point program under
+    NCCL's rules, as it runs on GPUs: fused groups run in order on each
+    rank's stream, a message moves only while both ends' groups are at the
+    head, and a compute waits for the whole group holding its receives) or
+    ``"buffered"`` (Gloo's semantics, the runtime on CPU: a send leaves when
+    its task ends and the sender goes on).
 
     The memory policy is the decision's, as in ``solve.evaluate``
     (``decision.shard_mib`` None = the shards ``balance_shards`` picks);

@@ -40,8 +40,6 @@ class LinkTerms:
         self.node_sum = node_sums(tab, groups, n, kn, num_stages)
         self.one_node = [len({tab.gpu_node[g] for g in q.members}) == 1 for q in groups]
         self.ys: dict[tuple[int, int, int], object] = {}  # (c, d, s) -> c in s and d in s + 1
-        #: Booleans set by ``loads``: a node pair's link carries pairs of two boundaries.
-        self.shared_flags: list = []
         self._xcut: dict[tuple[int, int], object] = {}
 
     def xcut(self, q: int, s: int):
@@ -104,8 +102,7 @@ class LinkTerms:
         hi = b * max(max(r) for r in tab.xfer1)
 
         def transfer(pairs, s, name):
-            """max over present (c, d) pairs coded ROWS_NODE_SUMS of xcut(class, s) (None if none);
-            records whether any such pair is present (``present``)."""
+            """max over present (c, d) pairs coded ROWS_NODE_SUMS of xcut(class, s) (None if none)."""
             by_q: dict[int, list] = {}
             for c, d in pairs:
                 if tab.pair_rows[rep[c]][rep[d]] == ROWS_NODE_SUMS:
@@ -116,18 +113,7 @@ class LinkTerms:
             terms = [_gated(m, flags[q], xcut(q, s), max(tab.xfer1[q]), f"{name}_g{q}") for q in by_q]
             x = m.NewIntVar(0, max(max(tab.xfer1[q]) for q in by_q), f"{name}_x")
             m.AddMaxEquality(x, terms)
-            present[x.Name()] = any_of(m, list(flags.values()), f"{name}_on")
             return x
-
-        present: dict[str, object] = {}
-
-        def two_on_link(xs, name):
-            """A boolean: at least two of the boundaries (transfers ``xs``) have pairs on the link."""
-            on = [present[x.Name()] for x in xs]
-            flag = m.NewBoolVar(name)
-            m.Add(sum(on) >= 2).OnlyEnforceIf(flag)
-            m.Add(sum(on) <= 1).OnlyEnforceIf(flag.Not())
-            self.shared_flags.append(flag)
 
         def product(rows, x, name):
             z = m.NewIntVar(0, hi, name)
@@ -142,7 +128,7 @@ class LinkTerms:
         loads = []
         for x1 in big:
             for x2 in [y for y in on if y != x1 and (y not in big or y > x1)]:
-                terms, xs = [], []
+                terms = []
                 pairs = [(c, d) for c in on[x1] for d in on[x2]] + [(d, c) for c in on[x1] for d in on[x2]]
                 for s in range(num_stages - 1):
                     x = transfer(pairs, s, f"ll_{x1}_{x2}_{s}")
@@ -150,54 +136,73 @@ class LinkTerms:
                         rows = least(nsum[x1][s], nsum[x2][s + 1], f"lr_{x1}_{x2}_{s}") + \
                             least(nsum[x2][s], nsum[x1][s + 1], f"lb_{x1}_{x2}_{s}")
                         terms.append(product(rows, x, f"lz_{x1}_{x2}_{s}"))
-                        xs.append(x)
                 if len(terms) >= 2:
                     loads.append(sum(terms))
-                    two_on_link(xs, f"two_{x1}_{x2}")
             for c, q in enumerate(groups):
                 if one_node[c]:
                     continue
                 for s in range(num_stages):  # a unit of c in stage s: boundaries s - 1 (in) and s (out)
-                    terms, xs = [], []
+                    terms = []
                     if s >= 1:
                         x = transfer([(d, c) for d in on[x1]], s - 1, f"la_{x1}_{c}_{s}")
                         if x is not None:
                             terms.append(product(least(nsum[x1][s - 1], q.unit * n[c][s], f"lin_{x1}_{c}_{s}"), x,
                                                  f"lza_{x1}_{c}_{s}"))
-                            xs.append(x)
                     if s + 1 < num_stages:
                         x = transfer([(c, d) for d in on[x1]], s, f"lo_{x1}_{c}_{s}")
                         if x is not None:
                             terms.append(product(least(q.unit * n[c][s], nsum[x1][s + 1], f"lout_{x1}_{c}_{s}"), x,
                                                  f"lzo_{x1}_{c}_{s}"))
-                            xs.append(x)
                     if len(terms) == 2:
                         loads.append(sum(terms))
-                        two_on_link(xs, f"two_{x1}_{c}_{s}")
         return loads
 
-    def period(self, t, comps, bnds, gpu_comps, thr: int, t_hi: int):
-        """IntVar: network_terms.pipeline_period's T (ns units) over the stage times ``t``,
-        the stages' slowest compute ``comps`` and boundary terms ``bnds`` (S - 1 of them),
-        this model's link loads and shared-link flags (``loads``, called here); redundant
-        bounds: every GPU's compute (``gpu_comps``) and the throughput bound ``thr``;
-        ``t_hi``: the upper bound of a stage time."""
-        m, tab, n_s, b = self.m, self.tab, len(t), self.b
-        windows = []
-        for s in range(n_s):
-            for e in range(s + 1, n_s):
-                k, total = e - s + 1, sum(t[s:e + 1]) - (bnds[e] if e < n_s - 1 else 0)
-                avg = m.NewIntVar(0, t_hi, f"window_{s}_{e}")
-                m.Add(k * avg >= total)
-                m.Add(k * avg <= total + k - 1)
-                windows.append(avg)
+    def period(self, comps, halves, split, gpu_comps, thr: int, t_hi: int):
+        """IntVar: network_terms.pipeline_period's T (ns units) under the tables' schedule,
+        over the stages' slowest compute ``comps``, their boundaries' one-way halves
+        ``halves`` (S - 1) and, for GPipe, ``split`` = (fwd3, bwd3): per stage the lists
+        of its classes' 3 x forward and 3 x backward (None for 1F1B); this model's link
+        loads (``loads``, called here); redundant bounds: every GPU's compute
+        (``gpu_comps``) and the throughput bound ``thr``; ``t_hi``: the upper bound of a
+        stage time."""
+        m, tab, n_s = self.m, self.tab, len(comps)
         loads = self.loads()
-        period = m.NewIntVar(0, max(t_hi, 2 * n_s * b * max((max(r) for r in tab.xfer1), default=0)), "period")
-        gated_t = []
-        if self.shared_flags:  # a link with two boundaries: T = max(max t_s, load) (pipeline_period)
-            shared = any_of(m, self.shared_flags, "shared_link")
-            gated_t = [_gated(m, shared, ts, t_hi, f"tsh_{s}") for s, ts in enumerate(t)]
-        m.AddMaxEquality(period, comps + bnds + windows + loads + gated_t)
+        hi = max(2 * t_hi, 2 * n_s * self.b * max((max(r) for r in tab.xfer1), default=0))
+        period = m.NewIntVar(0, hi, "period")
+
+        def h(s):  # one direction of boundary s (0 outside the pipeline)
+            return halves[s] if 0 <= s < n_s - 1 else 0
+
+        if tab.schedule == "1f1b":
+            loops = []
+            for s in range(n_s):
+                v = m.NewIntVar(0, t_hi, f"loop_{s}")
+                m.Add(v == comps[s] + h(s - 1) + h(s))
+                loops.append(v)
+            m.AddMaxEquality(period, loops + loads)
+        else:
+            fwd3, bwd3 = split
+
+            def phase(parts, first, name):
+                """3 x max(one end's compute, its exchange, every other stage's compute + its larger exchange)."""
+                terms = []
+                for s in range(n_s):
+                    c3 = m.NewIntVar(0, 3 * t_hi, f"{name}c_{s}")
+                    m.AddMaxEquality(c3, parts[s])
+                    if s == first:  # no receive in this phase: its sends queue on its stream
+                        terms += [c3, 3 * h(s if s == 0 else s - 1)]
+                        continue
+                    big = m.NewIntVar(0, t_hi, f"{name}h_{s}")
+                    m.AddMaxEquality(big, [h(s - 1), h(s)])
+                    terms.append(c3 + 3 * big)
+                out = m.NewIntVar(0, 3 * hi, f"{name}3")
+                m.AddMaxEquality(out, terms)
+                return out
+
+            t3 = phase(fwd3, 0, "gf") + phase(bwd3, n_s - 1, "gb")
+            tg = m.NewIntVar(0, hi, "period_gpipe")
+            m.AddDivisionEquality(tg, t3 + 2, 3)  # ceil
+            m.AddMaxEquality(period, [tg] + loads)
         for cv in gpu_comps:  # redundant: the period is >= every GPU's compute, so >= the throughput bound
             m.Add(period >= cv)
         m.Add(period >= thr)

@@ -296,7 +296,8 @@ class CandidateModel:
         gpu_comps = []  # every compute IntVar: redundant lower bounds of the period
 
         def compute(c, zz, uu, on, name):
-            """IntVar: compute of a GPU of c with samples zz per block; ``on``: recomputes."""
+            """(IntVar: compute of a GPU of c with samples zz per block, its recomputed part:
+            an IntVar or 0); ``on``: recomputes."""
             ty = ctype[c]
             cv = m.NewIntVar(0, work_hi, f"comp_{name}")
             extra = 0
@@ -306,10 +307,12 @@ class CandidateModel:
             m.Add(cv == wsum(zz, _blocks(tab.work_prefix[ty])) + wsum(uu, _blocks(tab.fixed_prefix[ty])) + extra)
             m.Add(tmax >= cv)  # redundant
             gpu_comps.append(cv)
-            return cv
+            return cv, extra
 
-        # stage_comp[c][s]: compute of a GPU of c in stage s, 0 when c is absent from s.
+        # stage_comp[c][s]: compute of a GPU of c in stage s, 0 when c is absent from s; stage_rcx[c][s]:
+        # its recomputed forward (0 without recomputation), for GPipe's forward / backward split.
         stage_comp = [[None] * n_s for _ in cls]
+        stage_rcx = [[0] * n_s for _ in cls]
         rcg = [None] * n_c
         for c in cls:
             if single[c]:
@@ -318,12 +321,15 @@ class CandidateModel:
                     on = m.NewBoolVar(f"rcg_{c}")
                     m.Add(on == sum(both(p[c][s], rc[s], f"prc_{c}_{s}") for s in stages))
                 rcg[c] = on
-                cv = compute(c, z[c], u[c], on, f"{c}")
+                cv, extra = compute(c, z[c], u[c], on, f"{c}")
                 for s in stages:
                     stage_comp[c][s] = gated(p[c][s], cv, work_hi, f"cgs_{c}_{s}")
+                    if rc and tab.schedule == "gpipe":
+                        stage_rcx[c][s] = gated(p[c][s], extra, work_hi, f"rxs_{c}_{s}")
             else:
                 for s in stages:
-                    stage_comp[c][s] = compute(c, z[c][s], u[c][s], rc[s] if rc else None, f"{c}_{s}")
+                    stage_comp[c][s], stage_rcx[c][s] = compute(c, z[c][s], u[c][s], rc[s] if rc else None,
+                                                                f"{c}_{s}")
         # [C-objective] cmax-_s: compute over the stage's blocks but its last (the backward the
         # stage's buckets can overlap). end[q]: block q is the last of its stage (a cut at q + 1;
         # True for the last block, False for the others with one stage); zh / uh = z / u off them.
@@ -379,7 +385,7 @@ class CandidateModel:
         thr = int(b * sum(w_ref) / r_sum * (1 - 1e-9)) if r_sum > 0 else 0
         if r_sum > 0:
             m.Add(tmax >= thr)
-        t, drain6, bwd6, comps, bnds = [], [], [], [], []
+        t, drain6, bwd6, comps, halves = [], [], [], [], []
 
         for s in stages:
             cs = m.NewIntVar(0, work_hi, f"comp_s{s}")
@@ -395,7 +401,7 @@ class CandidateModel:
             t.append(ts)
             comps.append(cs)
             if s < n_s - 1:
-                bnds.append(bnd)
+                halves.append(xm + lm)  # one direction: an exchange of [Note: pipeline period]
             drain6.append(4 * cs + 3 * bnd)  # [C-objective] E_{s+1} - E_s
             # [C-objective] B6_s = (4 - rc_s) cmax-_s: 6 x a bound of the stage's last backward but
             # its last block's
@@ -467,13 +473,17 @@ class CandidateModel:
                     break
 
         # [C-objective] step = sum t_s + (M-1) T + ceil(max_s sync6_s / 6) (stage 0's term >= 0), the
-        # period T of network_terms.pipeline_period: max(max boundary_s, the window averages
-        # ceil((sum_{j=s..e} t_j - boundary_e) / (e - s + 1)), cmax_s for s = e, load); load:
-        # network_terms.link_load, over the links that can carry two boundaries.
+        # period T of network_terms.pipeline_period: 1F1B max(cmax_s + h_{s-1} + h_s, load), GPipe
+        # max(T_F + T_B, load) (ceil of the thirds); load: network_terms.link_load, over the links
+        # that can carry two boundaries.
         m.AddMaxEquality(tmax, t)
         period = 0
         if tab.num_microbatches > 1:  # (M - 1) T: no period term with one micro-batch
-            period = links.period(t, comps, bnds, gpu_comps, thr, t_hi)
+            split = None
+            if tab.schedule == "gpipe":  # per stage, its classes' 3 x forward and 3 x backward
+                split = ([[stage_comp[c][s] - stage_rcx[c][s] for c in cls] for s in stages],
+                         [[2 * stage_comp[c][s] + stage_rcx[c][s] for c in cls] for s in stages])
+            period = links.period(comps, halves, split, gpu_comps, thr, t_hi)
         smax6 = m.NewIntVar(0, 6 * sync_hi, "syncmax6")
         m.AddMaxEquality(smax6, sync)
         num6 = m.NewIntVar(5, 6 * sync_hi + 5, "syncnum6")

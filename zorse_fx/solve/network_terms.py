@@ -81,37 +81,57 @@ carrying several boundaries (interleaved plans only) and shared links (WAN, NIC)
 carrying several boundaries.
 
 [Note: pipeline period]
-The runtime and the simulator send a boundary's activations and gradients
-asynchronously: in the steady state a stage computes the next micro-batch
-while the last one's rows are on the link. So a boundary is on the critical
-path of the fill and drain (sum_s t_s of [C-objective]), but the steady-state
-period T (1F1B / GPipe, v = 1) is not max_s t_s (compute + boundary) but
+The steady-state period T of [C-objective] (step = sum_s t_s + (M - 1) T +
+sync, v = 1) prices the point-to-point program the runtime runs on GPUs
+(``runtime/p2p.py`` [Note: point-to-point program], under NCCL's rules; the
+simulator's ``p2p="nccl"``, [Note: point-to-point models] in sim/engine.py).
 
-    T = max(max_s boundary_s, max_{s <= e} ceil((sum_{s <= j <= e} t_j - boundary_e) / (e - s + 1)), load)
+1F1B. A stage alternates compute and a fused exchange with each neighbour:
+after F(i + S - 1 - s) it sends the activations right and receives the
+gradient of B(i) from stage s + 1, which runs B(i) then F(i + S - 1 - s) and
+posts the opposite pair in one group; after B(i) it sends the gradient left
+and receives the next forward's activations from s - 1. The two messages of
+an exchange use the two directions of a full-duplex link at once, so an
+exchange takes h_s = boundary_s / 2 (one direction's rows x transfer +
+latency, [C-boundary]); a compute waits for its whole group, so neither the
+exchange nor the neighbour's readiness overlaps the stage's compute. Each
+stage's cycle of one micro-batch is F, exchange right, B, exchange left:
 
-- boundary_s: the forward and the backward message of a micro-batch
-  (a message and the opposite one of another micro-batch use the two
-  directions of a full-duplex link; a boundary's two messages cannot both
-  take more than half a period each without queueing behind the next);
-- the window averages (s = e: cmax_s, a stage runs one forward and one
-  backward per micro-batch): under 1F1B stage j runs F(i + S - 1 - j) just
-  before B(i), so the chain B_s(i) -> F_s -> F_{s+1} -> ... -> F_e -> B_e ->
-  ... -> B_s(i + e - s + 1) of the schedule's order and the boundaries
-  between (both directions of s..e-1) is a cycle of e - s + 1 micro-batches:
-  every window of stages [s, e] bounds the period by its average (for e =
-  S - 1: the round trip from s to the last stage and back);
-- load: ``link_load``, a node pair link's busiest direction.
-Where one node pair's link carries two boundaries, the messages of the two
-share each direction of it and stretch each other by a factor the
-per-micro-batch terms do not carry (the simulator: 1F1B, two boundaries on
-one link, the window form 4-8% optimistic), so such plans keep the boundary
-in every stage's period: T = max(max_s t_s, load).
-T <= max_s t_s where no link carries two boundaries, so the objective drops
-where a boundary used to set the period. Measured (bench/README.md "Full-duplex
-links and the pipeline period"): tried twice before -- with all b samples on the slowest
-pair, then on half-duplex links (the simulator then shared a link's two
-directions) -- the period form was optimistic by up to 9.5% and the
-planners picked plans that simulated slower.
+    T = max(max_s (cmax_s + h_{s-1} + h_s), load)      (h_{-1} = h_{S-1} = 0)
+
+(cycles through several stages average these and are no longer). load:
+``link_load``, a node pair link's busiest direction per micro-batch.
+
+GPipe. All forwards, then all backwards; a stage's receive is posted in the
+group just before the compute that needs it, so a message moves only once its
+receiver has finished its previous compute, and a compute waits for its group
+(its receive and its previous compute's send, on two links at once). Per
+micro-batch the forward phase takes T_F and the backward phase T_B:
+
+    T_F = max(F_0, h_0, max_{s >= 1} (F_s + max(h_{s-1}, h_s)))
+    T_B = max(B_{S-1}, h_{S-2}, max_{s <= S-2} (B_s + max(h_{s-1}, h_s)))
+    T   = max(ceil(T_F + T_B), load)
+
+(the first stage of a phase has no receive: it computes back to back while its
+sends queue on its stream, one after another). F_s / B_s: the slowest GPU's
+forward (1/3 of its compute without the re-run) and backward (2/3 + the re-run
+forward of a recomputing stage), each maxed over the stage's GPUs; in units
+of 1/3 ns (``split``) and rounded up once.
+
+Measured against the simulator's NCCL program (bench/README.md "The
+runtime's NCCL program in the simulator"): a node pair's link that carries
+two boundaries needs no term of its own in either schedule -- the exchanges
+keep the stages in lock step, so the boundaries take turns on the link
+(tests/test_boundary_rows.py).
+
+History (bench/README.md): until 2026-11-26 both schedules used a form
+derived for buffered sends (a stage computes while its messages move, as on
+Gloo): T = max(max_s boundary_s, every window's 1F1B cycle average
+ceil((sum_{j=s..e} t_j - boundary_e) / (e - s + 1)), load), and
+max(max_s t_s, load) where a link carried two boundaries. Against the
+runtime's NCCL program that was up to 6% optimistic on the planners' own 1F1B
+plans (AMP), 30% on others, and up to 28% on GPipe plans. Before that:
+T = max_s t_s, and the window form on half-duplex links.
 """
 
 from __future__ import annotations
@@ -207,18 +227,16 @@ def boundary_rows(tab, src, src_n, dst, dst_n, *, both_ways: bool = False) -> li
     return out
 
 
-def link_load(tab, stage_blocks, rows_per_boundary) -> tuple[int, bool]:
-    """[Note: boundary rows] (load, shared) of the node pair links (pairs coded
-    ``ROWS_NODE_SUMS``) over every boundary of one micro-batch: ``load``, the
-    busiest link's one direction (ns units), max over node pairs {N, N'} of sum
-    over boundaries s of rows_s x the largest ``xfer1`` at cut s of a GPU pair
-    on the link in boundary s (0 if none); ``shared``, whether one such link
-    carries GPU pairs of two or more boundaries ([Note: pipeline period]).
+def link_load(tab, stage_blocks, rows_per_boundary) -> int:
+    """[Note: boundary rows] load of the node pair links (pairs coded
+    ``ROWS_NODE_SUMS``) over every boundary of one micro-batch: the busiest
+    link's one direction (ns units), max over node pairs {N, N'} of sum over
+    boundaries s of rows_s x the largest ``xfer1`` at cut s of a GPU pair on
+    the link in boundary s (0 if none).
     ``rows_per_boundary[s]``: ``boundary_rows(..., both_ways=True)`` of the
     boundary after stage s (S - 1 lists); every pair of one node pair has the
     same rows."""
     loads: dict[tuple[int, int], int] = {}
-    crossings: dict[tuple[int, int], int] = {}
     node = tab.gpu_node
     for (_, j), pairs in zip(stage_blocks, rows_per_boundary):
         on_link = {}
@@ -228,22 +246,30 @@ def link_load(tab, stage_blocks, rows_per_boundary) -> tuple[int, bool]:
                 on_link[key] = (rows, max(on_link.get(key, (0, 0))[1], tab.xfer1[tab.pair_bw_class[g][h]][j]))
         for key, (rows, x) in on_link.items():
             loads[key] = loads.get(key, 0) + rows * x
-            crossings[key] = crossings.get(key, 0) + 1
-    return max(loads.values(), default=0), any(v >= 2 for v in crossings.values())
+    return max(loads.values(), default=0)
 
 
-def pipeline_period(compute, boundary, load: int, shared: bool = False) -> int:
+def pipeline_period(compute, boundary, load: int, schedule: str = "1f1b", split=None) -> int:
     """[Note: pipeline period] T (units) of stages with slowest-GPU ``compute``
-    and ``boundary`` terms (per stage, [C-boundary], 0 for the last), the
-    busiest node pair link's ``load`` (``link_load``, one direction) and
-    ``shared``: whether a node pair's link carries two boundaries
-    (``link_load``'s second value; then T = max(max_s t_s, load))."""
-    stage = [c + x for c, x in zip(compute, boundary)]
-    if shared:
-        return max(max(stage), load)
-    n = len(stage)
-    windows = max(-(-(sum(stage[s:e + 1]) - boundary[e]) // (e - s + 1)) for s in range(n) for e in range(s, n))
-    return max(max(boundary), windows, load)
+    and ``boundary`` terms (per stage, [C-boundary], 0 for the last; even: two
+    one-way terms) and the busiest node pair link's ``load`` (``link_load``,
+    one direction), under ``schedule`` ("1f1b" or "gpipe"). GPipe also needs
+    ``split`` = (fwd3, bwd3): per stage 3 x the forward and 3 x the backward
+    (the recomputed forward included) of its slowest GPU, each maxed over the
+    stage's GPUs on its own (``objective.evaluate_units``).
+
+    Raises:
+        ValueError: an unknown schedule, or GPipe without ``split``."""
+    n = len(compute)
+    h = [b // 2 for b in boundary] + [0]  # h[-1] = h[n - 1] = 0: no boundary outside the pipeline
+    if schedule == "1f1b":
+        return max(max(compute[s] + h[s - 1] + h[s] for s in range(n)), load)
+    if schedule != "gpipe" or split is None:
+        raise ValueError(f"pipeline_period: schedule {schedule!r} (GPipe needs split=(fwd3, bwd3))")
+    fwd3, bwd3 = split
+    t_f = max(fwd3[0], 3 * h[0], *(fwd3[s] + 3 * max(h[s - 1], h[s]) for s in range(1, n)))
+    t_b = max(bwd3[n - 1], 3 * h[n - 2], *(bwd3[s] + 3 * max(h[s - 1], h[s]) for s in range(n - 1)))
+    return max(-(-(t_f + t_b) // 3), load)
 
 
 def ring_units(units: int, k: int, scale: int = 1) -> int:

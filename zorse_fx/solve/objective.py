@@ -81,12 +81,13 @@ shardable state bytes (shardable_bytes_per_param * P_s), R_s = the rest
                 2 * optim_bytes * (z_g MiB / shardable_bytes) / mem_bw_g
                 (each GPU updates the parameters of its shard)        [C-optim]
   pipe        = sum_s t_s + (M - 1) * T   (1F1B / GPipe fill + steady state), the period
-                T = max(max_s boundary_s, max over windows s <= e of ceil((sum_{j=s..e} t_j
-                - boundary_e) / (e - s + 1)) (s = e: cmax_s), load)
-                (network_terms.py [Note: pipeline period]: a boundary overlaps later micro-batches'
-                compute; load = the busiest node pair's link over all boundaries of a micro-batch,
-                network_terms.link_load, its busiest direction; where one node pair's
-                link carries two boundaries T = max(max_s t_s, load))
+                (network_terms.py [Note: pipeline period], the runtime's program on NCCL)
+                1F1B: T = max(max_s (cmax_s + h_{s-1} + h_s), load), h_s = boundary_s / 2
+                (a stage's cycle: F, a fused exchange with each neighbour, B); GPipe:
+                T = max(T_F + T_B, load), T_F = max(F_0, h_0, F_s + max(h_{s-1}, h_s)),
+                T_B = max(B_{S-1}, h_{S-2}, B_s + max(h_{s-1}, h_s)) (a receive is posted
+                only before its compute); load = the busiest node pair's link over all
+                boundaries of a micro-batch, network_terms.link_load, its busiest direction
   E_s         = sum_{j<s} (4 cmax_j + 3 boundary_j), cmax_j = max_{g in j} compute_g;
                 D_s = floor(E_s / 6) (``network_terms.drain_offsets``, which says why);
                 B6_s = (4 - rc_s) cmax-_s, cmax-_s = max_{g in s} compute_g over the blocks of s
@@ -344,21 +345,27 @@ def evaluate_units(tab: IntTables, stage_blocks, stage_gpus, samples, policy: Me
     n_s, m = len(stage_blocks), tab.num_microbatches
     pol = policy or MemoryPolicy.plain(n_s)
     comp, comp_head, bnd, ar, opt, mem, unc, last = [], [], [], [], [], [], [], []
+    fwd3, bwd3 = [], []
     grad_kib, ring_lat = [], []  # per stage: G_s (KiB) and (k - 1) * lat_max of [C-allreduce]
     rows_per_boundary, load_rows = [], []  # [C-boundary] rows of each boundary's GPU pairs; both ways
     (excluded, tied), first_kib = tied_terms(tab, stage_blocks, stage_gpus, n_s // interleave), untied_block_kib(tab)
     for s, ((i, j), gpus, ns) in enumerate(zip(stage_blocks, stage_gpus, samples)):
         sh, rc = pol.sharded[s], pol.recompute[s]
 
+        def rerun(g, n, e):  # the recomputed forward of GPU g over blocks [i, e) (0 without recomputation)
+            t = tab.gpu_types[g]
+            return n * (tab.rc_work_prefix[t][e] - tab.rc_work_prefix[t][i]) \
+                + tab.rc_fixed_prefix[t][e] - tab.rc_fixed_prefix[t][i] if rc else 0
+
         def work(g, n, e):  # [C-compute] of GPU g over blocks [i, e)
             t = tab.gpu_types[g]
-            w = n * (tab.work_prefix[t][e] - tab.work_prefix[t][i]) + tab.fixed_prefix[t][e] - tab.fixed_prefix[t][i]
-            if rc:
-                w += n * (tab.rc_work_prefix[t][e] - tab.rc_work_prefix[t][i]) \
-                    + tab.rc_fixed_prefix[t][e] - tab.rc_fixed_prefix[t][i]
-            return w
+            return n * (tab.work_prefix[t][e] - tab.work_prefix[t][i]) + tab.fixed_prefix[t][e] \
+                - tab.fixed_prefix[t][i] + rerun(g, n, e)
 
         comp.append(max(work(g, n, j) for g, n in zip(gpus, ns)))
+        # GPipe's period: 3 x forward = the compute less its re-run, 3 x backward = 2 x that + 3 x the re-run.
+        fwd3.append(max(work(g, n, j) - rerun(g, n, j) for g, n in zip(gpus, ns)))
+        bwd3.append(max(2 * work(g, n, j) + rerun(g, n, j) for g, n in zip(gpus, ns)))
         comp_head.append(max(work(g, n, j - 1) for g, n in zip(gpus, ns)))  # cmax-_s of [C-objective]
         if s < n_s - 1:
             nxt = stage_gpus[s + 1]
@@ -415,8 +422,8 @@ def evaluate_units(tab: IntTables, stage_blocks, stage_gpus, samples, policy: Me
     drain = drain_offsets(comp, bnd)
     drain_bwd = drain_offsets(comp, bnd, [(3 if r else 4) * c for r, c in zip(pol.recompute, comp_head)])
     sync = [max(a - db, lb - d) for a, db, lb, d in zip(ar, drain_bwd, last, drain)]
-    # [Note: pipeline period]: boundaries overlap later micro-batches' compute in the steady state.
-    period = pipeline_period(comp, bnd, *link_load(tab, stage_blocks, load_rows))
+    # [Note: pipeline period]: 1F1B's cycle per stage is F, an exchange with each neighbour, B.
+    period = pipeline_period(comp, bnd, link_load(tab, stage_blocks, load_rows), tab.schedule, (fwd3, bwd3))
     step = sum(stage) + (m - 1) * period + max(
         (w if t is None else max(w, t)) + o for w, t, o in zip(sync, tied, opt))
     ar = [a if t is None else max(a, t) for a, t in zip(ar, tied)]  # [C-tied]: the optimizer waits for both

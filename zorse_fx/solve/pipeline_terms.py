@@ -12,9 +12,12 @@ starts from by the same task graph).
 
 from __future__ import annotations
 
+import functools
+
 from .objective import StageUnits, _act_units, bucket_count
 
-__all__ = ["forward_units", "pipeline_ends", "pipeline_makespan", "group_sync_units", "interleaved_units"]
+__all__ = ["forward_units", "pipeline_ends", "pipeline_makespan", "program_ends", "group_sync_units",
+           "interleaved_units"]
 
 
 def forward_units(tab, stage_blocks, stage_gpus, samples, bnd) -> tuple[int, ...]:
@@ -88,6 +91,120 @@ def pipeline_makespan(schedule: str, num_microbatches: int, interleave: int, fwd
     return free if per_group else max(free)
 
 
+@functools.lru_cache(maxsize=32)
+def _one_rank_programs(schedule: str, num_microbatches: int, interleave: int, num_stages: int):
+    """(programs, where) of ``program_ends``: the runtime's program for one rank per GPU group
+    (``runtime.p2p.programs_from``: its deadlock repairs are the slow part, and the program
+    depends on the shape alone, so it is built once per shape), and per (is_send, message)
+    the (rank, group) holding it.
+
+    Raises:
+        ValueError: the program deadlocks."""
+    from ..runtime.p2p import Message, ProgramError, programs_from
+    from ..runtime.schedule import make_schedule
+
+    n_s, n_p = num_stages, num_stages // interleave
+    sched = make_schedule(schedule, n_s, num_microbatches, interleave)
+    built = {}
+    for p, acts in enumerate(sched):
+        msgs = []
+        for a in acts:
+            s, mb = p + a.chunk * n_p, a.microbatch
+            sends, recvs = [], []
+            if a.kind == "F":
+                if s > 0:
+                    recvs.append(Message(s - 1, mb, False, (s - 1) % n_p, p, 0, 1, 1))
+                if s < n_s - 1:
+                    sends.append(Message(s, mb, False, p, (s + 1) % n_p, 0, 1, 1))
+            else:
+                if s < n_s - 1:
+                    recvs.append(Message(s, mb, True, (s + 1) % n_p, p, 0, 1, 1))
+                if s > 0:
+                    sends.append(Message(s - 1, mb, True, p, (s - 1) % n_p, 0, 1, 1))
+            msgs.append((tuple(sends), tuple(recvs)))
+        built[p] = (acts, msgs)
+    try:
+        progs = programs_from(built)
+    except ProgramError as exc:
+        raise ValueError(f"schedule {schedule!r} (interleave {interleave}): {exc}") from exc
+    where = {(op.send, op.message): (r, gi) for r, pr in progs.items() for gi, grp in enumerate(pr.groups)
+             for op in grp}
+    return progs, where
+
+
+def program_ends(schedule: str, num_microbatches: int, interleave: int, fwd, bwd, half):
+    """The runtime's point-to-point program replayed under NCCL's rules with
+    fixed times: ``(free, last_backward)`` as ``pipeline_ends`` (units), for
+    P = S / ``interleave`` GPU groups, one rank each, with a forward of
+    ``fwd[s]``, a backward of ``bwd[s]`` and a message across the cut after
+    stage s of ``half[s]`` units (one direction, either way).
+
+    The program is ``runtime.p2p.programs_from``'s (fused groups, receives
+    prefetched where interleaving needs it) and the rules the simulator's
+    ``p2p="nccl"`` ([Note: point-to-point models] in sim/engine.py): group k
+    of a rank is posted when its action k - 1 ends and reaches the head of the
+    rank's stream when group k - 1 has completed; a message runs from the
+    later of its two groups' head times for ``half`` units (no contention:
+    the groups' links are the stages' own); a group completes when its
+    messages have; action k starts when action k - 1 has ended and every
+    group holding its receives has completed. Without contention every time
+    is a max of earlier times plus a duration, so the replay does not depend
+    on the order it visits ranks in.
+
+    Raises:
+        ValueError: the program deadlocks (``runtime.p2p.ProgramError``)."""
+    n_s = len(fwd)
+    n_p = n_s // interleave
+    progs, where = _one_rank_programs(schedule, num_microbatches, interleave, n_s)
+    head_at: dict[tuple[int, int], int] = {}  # (rank, group) -> when it reached its stream's head
+    done_at: dict[tuple[int, int], int] = {}  # (rank, group) -> when it completed
+    posted = {r: [0] for r in progs}  # per rank, when each group was posted (group 0 at 0)
+    head = dict.fromkeys(progs, 0)  # per rank: its first group not yet completed
+    end_of: dict = {}  # Message -> its arrival
+    pc = dict.fromkeys(progs, 0)
+    free = dict.fromkeys(progs, 0)
+    last_b = [0] * n_s
+    moved = True
+    while moved:
+        moved = False
+        for r, pr in progs.items():
+            while head[r] < len(posted[r]):  # the stream: complete its head groups
+                gi = head[r]
+                if (r, gi) not in head_at:
+                    head_at[r, gi] = max(posted[r][gi], done_at[r, gi - 1] if gi else 0)
+                    moved = True
+                ends = []
+                for op in pr.groups[gi]:
+                    msg = op.message
+                    if msg not in end_of:
+                        peer = where[not op.send, msg]
+                        if peer not in head_at:  # the peer's group has not reached its head yet
+                            break
+                        end_of[msg] = max(head_at[r, gi], head_at[peer]) + half[msg.boundary]
+                    ends.append(end_of[msg])
+                else:
+                    done_at[r, gi] = max([head_at[r, gi], *ends])
+                    head[r] += 1
+                    moved = True
+                    continue
+                break
+            k = pc[r]
+            if k < len(pr.actions) and all((r, g) in done_at for g in pr.waits[k]):
+                a = pr.actions[k]
+                s = r + a.chunk * n_p
+                start = max([free[r], *(done_at[r, g] for g in pr.waits[k])])
+                free[r] = start + (fwd[s] if a.kind == "F" else bwd[s])
+                if a.kind == "B":
+                    last_b[s] = max(last_b[s], free[r])
+                posted[r].append(free[r])  # group k + 1: this action's sends, the next one's receives
+                pc[r] += 1
+                moved = True
+    if any(pc[r] < len(pr.actions) or head[r] < len(pr.groups) for r, pr in progs.items()):
+        raise ValueError(f"schedule {schedule!r} (interleave {interleave}): the program's replay is stuck")
+    ends = tuple(max(free[r], done_at[r, len(progs[r].groups) - 1]) for r in range(n_p))
+    return ends, tuple(last_b)
+
+
 def group_sync_units(stages, last_b, ar, grad_kib, ring_lat, sharded, caps) -> int:
     """When (units) a GPU group's own gradient sync ends (sync_p of [Note:
     interleaved stages]): the group's float32 gradients, its ``stages`` in
@@ -139,8 +256,9 @@ def interleaved_units(tab, stage_blocks, stage_gpus, samples, pol, v, comp, bnd,
       step  = max_p (max(sync_p, makespan + max_{s = p mod P} tied_s)
                      + sum_{s = p mod P} optim_s)   (tied_s: [C-tied]; a
                      group holding none: sync_p + ...)
-              free_p = the end of group p's last task in the schedule's task
-                       graph (``pipeline_ends``), makespan = max_p free_p:
+              free_p = the end of group p's last task and its last sends in
+                       the runtime's point-to-point program replayed under
+                       NCCL's rules (``program_ends``), makespan = max_p free_p:
                        a tied ring (over several groups) starts when the
                        pipeline has drained ([C-objective]);
               sync_p = max(free_p, the end of the group's own gradient
@@ -150,7 +268,7 @@ def interleaved_units(tab, stage_blocks, stage_gpus, samples, pol, v, comp, bnd,
                        lastB_s of the stages whose gradients q holds) + q's
                        KiB share of those stages' bandwidth terms + 2 (k - 1)
                        lat_max; lastB_s = the end of stage s's last backward
-                       in the task graph (its gradients are final: the
+                       in that replay (its gradients are final: the
                        runtime and ``sim/sync.py`` start its buckets then,
                        or earlier, block by block during that backward; the
                        interleaved cooldown ends the group's stages one
@@ -165,30 +283,36 @@ def interleaved_units(tab, stage_blocks, stage_gpus, samples, pol, v, comp, bnd,
               stage of a group has the group's k and lat_max);
               ``allreduce_s`` reported per stage keeps its own count
               nb(G_s);
-              where the forward of stage s takes f_s = floor(c'_s / 3) +
-              floor(boundary_s / 2) (c'_s: its slowest GPU's compute without
-              recomputation) and the backward t_s - f_s (the rest of its
-              compute, the re-run forward, the other half of the boundary),
-              and a task starts when its group's previous task and the task
-              it depends on (F of stage s-1, B of stage s+1, same
-              micro-batch) have ended;
+              where the forward of stage s takes f_s = floor(c'_s / 3)
+              (c'_s: its slowest GPU's compute without recomputation), the
+              backward cmax_s - f_s (the rest of its compute and the re-run
+              forward) and a message across the cut after s h_s =
+              boundary_s / 2 (one direction), and the program's rules decide
+              when each starts: a message once both ends have posted its
+              group, a compute once the groups holding its receives -- and
+              the sends fused with them -- have completed;
       memory_g = sum over g's stages of their state (replicated, or the
               shard) + max over the moments of ``schedule.live_profile`` of
               sum_c live_c * held_{p + cP} (+ rerun of the backward's chunk)
               held_s = n_g A_s, or n_g X_s on a recomputing stage;
               rerun_s = n_g A_s on a recomputing stage, else 0.
 
-    Why a longest path and not a closed form: for P equal groups of v equal
-    chunks of time t the makespan is (M v + P - 1) t -- the 1F1B bubble of
-    (P - 1) stage times shrinks to (P - 1) / v of them (Narayanan et al.,
-    SC'21, section 2.2.2) -- but where a group's chunks are unequal the
-    chunks of different groups stall each other in the steady state, and the
-    closed form M max_p T_p + (sum T - max T) / v was up to 45% below the
-    simulator (tests/test_sim_interleaved.py). On free links the makespan equals the
-    simulator's compute; the boundary is charged on the task, as t_s does
-    for v = 1 (conservative: a GPU does not wait for its sends). Links shared
-    by two boundaries (P = 2: 0 -> 1 and the wrap-around 1 -> 0 on one node
-    pair) are not modelled. A group's buckets run one after the other,
+    Why a replay and not a closed form: for P equal groups of v equal
+    chunks of time t and buffered sends the makespan is (M v + P - 1) t --
+    the 1F1B bubble of (P - 1) stage times shrinks to (P - 1) / v of them
+    (Narayanan et al., SC'21, section 2.2.2) -- but where a group's chunks
+    are unequal the chunks of different groups stall each other in the
+    steady state (the closed form M max_p T_p + (sum T - max T) / v was up
+    to 45% below the simulator), and under NCCL's rules the fused groups
+    hold a rank's next compute until its peer has posted the matching
+    receive, which stalls even on free links (4 groups of equal chunks:
+    tests/test_sim_interleaved.py). Until 2026-11-26 this was the task graph
+    of buffered sends with the boundary charged on the sending task
+    (``pipeline_ends``): against the runtime's NCCL program 10% optimistic
+    on the 8-GPU scaling plan and 30% on the 256-GPU one (bench/README.md
+    "The runtime's NCCL program in the simulator"). Links shared by two
+    boundaries (P = 2: 0 -> 1 and the wrap-around 1 -> 0 on one node pair)
+    are not modelled. A group's buckets run one after the other,
     each from the last backwards of the stages it holds (sync_p): the runtime
     launches a bucket once its parameters are final ([Note: overlapped
     gradient reduction] in ``runtime/grad_sync.py``); charging the whole
@@ -205,11 +329,11 @@ def interleaved_units(tab, stage_blocks, stage_gpus, samples, pol, v, comp, bnd,
 
     n_s, m = len(stage_blocks), tab.num_microbatches
     groups = n_s // v
-    fwd = forward_units(tab, stage_blocks, stage_gpus, samples, bnd)
+    fwd = [f - b // 2 for f, b in zip(forward_units(tab, stage_blocks, stage_gpus, samples, bnd), bnd)]
     tied = tied or [None] * n_s  # None: the stage holds no tied parameter of two groups
     grad_kib, ring_lat = buckets  # per stage: G_s (KiB) and (k - 1) lat_max, from evaluate_units
     # [C-tied]: a group's optimizer steps wait for its own reductions and the tied ones it holds.
-    free, last_b = pipeline_ends(tab.schedule, m, v, fwd, stage)
+    free, last_b = program_ends(tab.schedule, m, v, fwd, [c - f for c, f in zip(comp, fwd)], [b // 2 for b in bnd])
     ends = []
     for p in range(groups):
         own = max(free[p], group_sync_units(list(range(p, n_s, groups)), last_b, ar, grad_kib, ring_lat,
