@@ -13,13 +13,12 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-import torch
 
 from conftest import CLUSTERS, make_devices, solver_options
-from zorse_fx.capture import analyse, capture
+from test_interleaved_runtime import _gpt_captured
+from zorse_fx.capture import analyse
 from zorse_fx.cluster import Cluster
 from zorse_fx.cost.roofline import block_costs
-from zorse_fx.models.gpt import GPT, GPTConfig
 from zorse_fx.planner import PlanOptions, plan_fixed
 from zorse_fx.precision import precision_policy
 from zorse_fx.runtime.p2p import build_programs
@@ -111,10 +110,7 @@ SHAPES = {
 
 @pytest.fixture(scope="module")
 def captured():
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(n_layer=4, n_embd=32, n_head=4, block_size=16))
-    ids = torch.randint(0, 256, (4, 16))
-    return capture(model, (ids, ids))
+    return _gpt_captured()
 
 
 @pytest.mark.parametrize("shape", SHAPES)
