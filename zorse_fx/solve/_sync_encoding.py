@@ -40,8 +40,9 @@ stage s, p[c][s] = k[c][s] >= 1) and carry its tags. Units: time in integer ns
                 all-reduce ring's literals); the max of d_q over present
                 pairs; when sh_s + ring(max over present pairs of own arsh
                 - own ar, k), the all-gather; + (2 + sh_s) (k - 1) max
-                latency                                                 [C-objective]
-  sync6_s     = max(6 allreduce_s - E_s - B6_s, 6 L_s - E_s, 6 tied of s)
+                latency (ag_s: the all-gather's ring and its (k - 1) max
+                latency, 0 unsharded)                                   [C-objective]
+  sync6_s     = max(6 allreduce_s - E_s - B6_s, 6 L_s - E_s, 6 (tied of s + ag_s))
                 + 6 optim_s: 6 x the stage's sync term of objective.py's
                 step, E_s = sum_{j<s} (4 cmax_j + 3 boundary_j) (model.py's
                 drain terms), B6_s = (4 - rc_s) cmax-_s (model.py's bwd6;
@@ -183,7 +184,9 @@ def sync_terms(m: cp_model.CpModel, tab: IntTables, groups, p, k, size, cuts: St
     lring_hi = max((-(-c * lk_hi // sc) for c, sc in zip(tab.lastb_coef, tab.lastb_scale)), default=0) \
         + (max((a[-1] - b[-1] for a, b in zip(tab.arsh_prefix, tab.ar_prefix)), default=0) if sh else 0) \
         + 3 * max(gpu_hi - 1, 0) * lat_hi
-    sync_hi = max(ar_hi + arlat_hi, lring_hi, tied_hi) + opt_hi
+    ag_hi = (max((a[-1] - b[-1] for a, b in zip(tab.arsh_prefix, tab.ar_prefix)), default=0)
+             + max(gpu_hi - 1, 0) * lat_hi) if sh else 0  # a sharded stage's all-gather, ring and latency
+    sync_hi = max(ar_hi + arlat_hi, lring_hi, tied_hi + ag_hi) + opt_hi
 
     # [C-allreduce] ring over the stage's pairs; [C-optim] slowest memory bandwidth of the stage.
     sync = []
@@ -206,8 +209,11 @@ def sync_terms(m: cp_model.CpModel, tab: IntTables, groups, p, k, size, cuts: St
             if not own:
                 own = [m.NewIntVar(-drain_hi * s, 0, f"arown_{s}")]
                 m.Add(own[0] == ar)
+            # a sharded holder's all-gather follows its optimizer step, so the tied ring too: tied_s + ag_s
+            # (on a stage not holding t, its floor + 6 ag_s <= 6 L_s - E_s, still below an own term)
+            ag6 = 6 * terms[2] if terms is not None else 0
             ar = m.NewIntVar(-drain_hi * s, 6 * sync_hi, f"arw_{s}")
-            m.AddMaxEquality(ar, [*own, *tied_of[s]])
+            m.AddMaxEquality(ar, [*own, *(tg + ag6 for tg in tied_of[s])])
         opt = _stage_optim(m, tab, groups, p, cuts, tied, s, sh, zc, opt_hi)
         sync.append(ar + 6 * opt)
     return sync, sync_hi
@@ -300,8 +306,9 @@ def _present_pairs(m: cp_model.CpModel, groups, present, units, name: str):
 
 def _stage_allreduce(m: cp_model.CpModel, tab: IntTables, groups, p, k, size_s, s: int, sh, own_ar, own_grad,
                      first_kib, *, gpu_hi: int, lat_hi: int, ar_hi: int, k_hi: int, extra_hi: int, lk_hi: int):
-    """([C-allreduce] allreduce_s, [C-objective] L_s) of stage s as expressions, or
-    None when no pair can be present. ``own_ar(prefix, q, s)`` / ``own_grad(s)``:
+    """([C-allreduce] allreduce_s, [C-objective] L_s, [C-tied] ag_s: a sharded
+    stage's all-gather, 0 unsharded) of stage s as expressions, or None when no
+    pair can be present. ``own_ar(prefix, q, s)`` / ``own_grad(s)``:
     the stage's all-reduce table of bandwidth class q / gradient KiB less its
     excluded tied copies; ``first_kib(s)`` its first block's untied KiB, <=
     ``lk_hi``."""
@@ -356,7 +363,7 @@ def _stage_allreduce(m: cp_model.CpModel, tab: IntTables, groups, p, k, size_s, 
     else:  # one bucket holds every stage's gradients
         m.Add(last_kib == own_grad(s))
     if not sh:
-        return (ring(m, arb, ksz, ar_hi, k_hi, f"arr{s}", lits=lits) + grad_lat, last_ring + 2 * lat_term)
+        return (ring(m, arb, ksz, ar_hi, k_hi, f"arr{s}", lits=lits) + grad_lat, last_ring + 2 * lat_term, 0)
     # A sharded stage also all-gathers its weights, after the last bucket.
     hi = max(p_[-1] for p_ in tab.arsh_prefix)
     sel = m.NewIntVar(0, hi, f"arsel_{s}")
@@ -366,7 +373,7 @@ def _stage_allreduce(m: cp_model.CpModel, tab: IntTables, groups, p, k, size_s, 
     gather = ring(m, gated(m, sh[s], xs[3], ghi, f"ag_{s}"), ksz, ghi, k_hi, f"agr{s}", lits=lits)
     gather_lat = gated(m, sh[s], lat_term, gpu_hi * lat_hi, f"arl_{s}")
     return (ring(m, sel, ksz, hi, k_hi, f"arr{s}", lits=lits) + grad_lat + gather_lat,
-            last_ring + gather + 2 * lat_term + gather_lat)
+            last_ring + gather + 2 * lat_term + gather_lat, gather + gather_lat)
 
 
 def _stage_optim(m: cp_model.CpModel, tab: IntTables, groups, p, cuts: StageCuts, tied: TiedCopies, s: int,

@@ -73,9 +73,13 @@ shardable state bytes (shardable_bytes_per_param * P_s), R_s = the rest
                 module: one weight, gradient and AdamW state), so its P_s, R_s,
                 Q_s and optimizer time count it once: the per-block sums less
                 (c - 1) copies (``state_terms.py``); a tied parameter on
-                several stages keeps one copy per stage. Not priced: on a
-                sharded holder the objective lets the all-gather overlap the
-                tied ring (the simulator runs it after the optimizer).  [C-tied]
+                several stages keeps one copy per stage. A sharded holder
+                all-gathers its weights after its optimizer step, so after
+                the tied ring too: its tied term is tied_s + ag_s, ag_s = the
+                all-gather ring ceil(max_q (own arsh_q - own ar_q) (k - 1) / k)
+                + (k - 1) lat_max (0 unsharded; until 2026-11-26 it overlapped
+                the tied ring: 5.7% optimistic on Metis' zorse_paper plan,
+                bench/README.md "Sharded holders of a tied parameter").  [C-tied]
   optim_s     = max_{g in s} of 2 * optim_bytes * P_s / mem_bw_g  (AdamW reads
                 and writes its state once), or for a sharded stage
                 2 * optim_bytes * (z_g MiB / shardable_bytes) / mem_bw_g
@@ -100,7 +104,7 @@ shardable state bytes (shardable_bytes_per_param * P_s), R_s = the rest
                 last_kib_s = G_s - cap e_s + (cap - first_cap) [e_s >= 1], e_s = nb_s - 1
                 (``last_bucket_kib``); lastb_q = 1/scale_q ns per KiB (``IntTables.lastb_coef``)
   step        = pipe + max_s (max(allreduce_s - floor((E_s + B6_s) / 6),
-                L_s - D_s, tied_s) + optim_s)  (stage 0's term is >= 0;
+                L_s - D_s, tied_s + ag_s) + optim_s)  (stage 0's term is >= 0;
                 a stage holding no tied_s leaves it out; a 1-GPU stage's term
                 is optim_s - D_s; ``Evaluation.allreduce_s`` reports
                 max(allreduce_s, tied_s)). The interleaved terms ([Note:
@@ -347,6 +351,7 @@ def evaluate_units(tab: IntTables, stage_blocks, stage_gpus, samples, policy: Me
     comp, comp_head, bnd, ar, opt, mem, unc, last = [], [], [], [], [], [], [], []
     fwd3, bwd3 = [], []
     grad_kib, ring_lat = [], []  # per stage: G_s (KiB) and (k - 1) * lat_max of [C-allreduce]
+    gather = []  # per stage: ag_s, a sharded stage's all-gather after its optimizer step ([C-tied])
     rows_per_boundary, load_rows = [], []  # [C-boundary] rows of each boundary's GPU pairs; both ways
     (excluded, tied), first_kib = tied_terms(tab, stage_blocks, stage_gpus, n_s // interleave), untied_block_kib(tab)
     for s, ((i, j), gpus, ns) in enumerate(zip(stage_blocks, stage_gpus, samples)):
@@ -391,13 +396,15 @@ def evaluate_units(tab: IntTables, stage_blocks, stage_gpus, samples, policy: Me
             # [C-objective] L_s: the ring of LK_s KiB (and a sharded stage's all-gather), after the backward.
             lk, k = max(last_bucket_kib(grad_kib[s], tab.bucket_caps), first_kib[i]), len(gpus)
             x = max(ring_units(tab.lastb_coef[q] * lk, k, tab.lastb_scale[q]) for q in classes)
-            if sh:
-                x += ring_units(max(own(tab.arsh_prefix, q) - own(tab.ar_prefix, q) for q in classes), k)
-            last.append(x + (2 + sh) * ring_lat[s])
+            # A sharded stage all-gathers its weights after its optimizer step: ag_s, also in L_s.
+            gather.append(ring_units(max(own(tab.arsh_prefix, q) - own(tab.ar_prefix, q) for q in classes), k)
+                          + ring_lat[s] if sh else 0)
+            last.append(x + 2 * ring_lat[s] + gather[s])
         else:
             ring_lat.append(0)
             ar.append(0)
             last.append(0)
+            gather.append(0)
         state, shard = stage_state_kib(tab, i, j)  # [C-tied]: a tied parameter once per stage
         a = tab.act_prefix[j] - tab.act_prefix[i]
         if sh:
@@ -415,7 +422,7 @@ def evaluate_units(tab: IntTables, stage_blocks, stage_gpus, samples, policy: Me
         from .pipeline_terms import interleaved_units
 
         return interleaved_units(tab, stage_blocks, stage_gpus, samples, pol, interleave, comp, bnd, stage,
-                                  ar, opt, mem, unc, tied=tied, buckets=(grad_kib, ring_lat))
+                                  ar, opt, mem, unc, tied=tied, buckets=(grad_kib, ring_lat), gather=gather)
     # [C-objective]: stage s's own sync starts during the backward of its blocks but its last (6 x
     # an upper bound of it: (4 - rc_s) cmax-_s), its last bucket only after it, D_s before the drain
     # ends; a tied ring (held: not None) at the drain's end.
@@ -425,7 +432,7 @@ def evaluate_units(tab: IntTables, stage_blocks, stage_gpus, samples, policy: Me
     # [Note: pipeline period]: 1F1B's cycle per stage is F, an exchange with each neighbour, B.
     period = pipeline_period(comp, bnd, link_load(tab, stage_blocks, load_rows), tab.schedule, (fwd3, bwd3))
     step = sum(stage) + (m - 1) * period + max(
-        (w if t is None else max(w, t)) + o for w, t, o in zip(sync, tied, opt))
+        (w if t is None else max(w, t + ag)) + o for w, t, ag, o in zip(sync, tied, gather, opt))
     ar = [a if t is None else max(a, t) for a, t in zip(ar, tied)]  # [C-tied]: the optimizer waits for both
     return StageUnits(compute=tuple(comp), boundary=tuple(bnd), stage=stage, allreduce=tuple(ar),
                       optim=tuple(opt), memory=tuple(mem), step=step, uncovered=tuple(unc))

@@ -246,16 +246,17 @@ def group_sync_units(stages, last_b, ar, grad_kib, ring_lat, sharded, caps) -> i
 
 
 def interleaved_units(tab, stage_blocks, stage_gpus, samples, pol, v, comp, bnd, stage, ar, opt, mem, unc,
-                      tied=None, *, buckets) -> StageUnits:
+                      tied=None, *, buckets, gather=None) -> StageUnits:
     """[Note: interleaved stages]
     With interleave degree v the S = P v stages run on P GPU groups, stage s
     on group p = s mod P (``runtime.schedule.interleaved_1f1b``). Per-stage
     terms (compute, boundary, all-reduce, optimizer) are those of the module
     note; what changes:
 
-      step  = max_p (max(sync_p, makespan + max_{s = p mod P} tied_s)
-                     + sum_{s = p mod P} optim_s)   (tied_s: [C-tied]; a
-                     group holding none: sync_p + ...)
+      step  = max_p (max(sync_p, makespan + max_{s = p mod P} tied_s
+                     + sum_{s = p mod P} ag_s) + sum_{s = p mod P} optim_s)
+                     (tied_s, ag_s: [C-tied], the sharded stages' all-gathers
+                     follow the optimizer; a group holding none: sync_p + ...)
               free_p = the end of group p's last task and its last sends in
                        the runtime's point-to-point program replayed under
                        NCCL's rules (``program_ends``), makespan = max_p free_p:
@@ -339,7 +340,9 @@ def interleaved_units(tab, stage_blocks, stage_gpus, samples, pol, v, comp, bnd,
         own = max(free[p], group_sync_units(list(range(p, n_s, groups)), last_b, ar, grad_kib, ring_lat,
                                             pol.sharded, tab.bucket_caps))
         held = [t for t in tied[p::groups] if t is not None]
-        ready = max([own, *(max(free) + t for t in held)])
+        # the group's sharded stages all-gather after their optimizer steps, so after a tied ring too
+        ag = sum(gather[p::groups]) if gather else 0
+        ready = max([own, *(max(free) + t + ag for t in held)])
         ends.append(ready + sum(opt[p::groups]))
     step = max(ends)
     memory = [list(row) for row in mem]
