@@ -180,6 +180,26 @@ def test_sharded_holder_all_gathers_after_the_tied_ring():
     assert sim.step_time_s == pytest.approx(ev.step_time_s, rel=2e-4)
 
 
+def test_cpsat_prices_the_all_gather_after_the_tied_ring():
+    """The CP-SAT model's [C-tied] term of a sharded holder, tied_s + ag_s, equals
+    ``evaluate``'s where it binds: the 4 GPUs of the tied-embedding cluster, all
+    used, at most 2 stages, every stage sharded. The optimum is 2 sharded stages
+    holding the embedding's two blocks, whose tied ring over 25 GbE binds both
+    holders' sync (their reported all-reduce is the ring's). CP-SAT's objective
+    equals ``evaluate``'s, and against the same plan unsharded the step grows by
+    more than the optimizer terms: each holder's all-gather follows the tied ring."""
+    costs, devices = _gpt()
+    options = solver_options(global_batch_size=8, sharding="always", max_stages=2, allow_idle_gpus=False)
+    res = solve_cpsat(costs, devices, options)
+    ev = evaluate(costs, devices, options, res.decision)
+    assert res.status == "OPTIMAL" and ev.objective_units == round(res.objective * UNITS_PER_S)
+    d = ev.decision
+    assert d.num_stages == 2 and all(d.sharded)
+    plain = evaluate(costs, devices, options, dataclasses.replace(d, sharded=(False, False), shard_mib=((), ())))
+    assert ev.allreduce_s == plain.allreduce_s and ev.allreduce_s[0] == ev.allreduce_s[1]  # the tied ring binds
+    assert ev.step_time_s - plain.step_time_s > max(ev.optim_s) - max(plain.optim_s) + 5e-6
+
+
 def _with_network(seed: int):
     """A random instance (conftest.random_instance) with a tied parameter over its
     first and last block (or two middle blocks on every third seed) and, on even
