@@ -215,15 +215,16 @@ def interleave_search(costs: BlockCosts, devices: DeviceGraph, options: PlanOpti
 
 
 def base_makespan_s(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions, base: SolverResult) -> float:
-    """``base`` (one stage per group) scored like an interleaved decision: the
-    1F1B / GPipe task graph, each stage's sync from its own last task's end
-    ([Note: interleaved stages] with v = 1), so both sides of the comparison
-    use the same measure. It is at most the closed form of the module note
-    without its own-backward overlap (every sync offset by D_s alone): that
-    adds every stage's full time to the fill, and stage s's last task ends at
-    least sum_{j<s} (t_j - f_j) >= D_s before the makespan. The task graph
-    starts a stage's sync at its last task's end, so [C-objective]'s overlap
-    of the sync with that task can put the closed form below it."""
+    """``base`` (one stage per group) scored like an interleaved decision (s):
+    the runtime's point-to-point program replayed with fixed times
+    (``pipeline_terms.program_ends``), each stage's sync from its own last
+    backward's end ([Note: interleaved stages] with v = 1), so both sides of
+    the comparison use the same measure. It is at most the closed form of the
+    module note without its own-backward overlap (every sync offset by D_s
+    alone; tests/test_interleave.py checks it on every plan it searches). The
+    replay starts a stage's sync at its last backward's end, so
+    [C-objective]'s overlap of the sync with that task can put the closed form
+    below it."""
     from .objective import prepare
 
     d = base.decision

@@ -367,10 +367,11 @@ def evaluate_units(tab: IntTables, stage_blocks, stage_gpus, samples, policy: Me
             return n * (tab.work_prefix[t][e] - tab.work_prefix[t][i]) + tab.fixed_prefix[t][e] \
                 - tab.fixed_prefix[t][i] + rerun(g, n, e)
 
-        comp.append(max(work(g, n, j) for g, n in zip(gpus, ns)))
+        per_gpu = [(work(g, n, j), rerun(g, n, j)) for g, n in zip(gpus, ns)]  # (compute, its re-run)
+        comp.append(max(w for w, _ in per_gpu))
         # GPipe's period: 3 x forward = the compute less its re-run, 3 x backward = 2 x that + 3 x the re-run.
-        fwd3.append(max(work(g, n, j) - rerun(g, n, j) for g, n in zip(gpus, ns)))
-        bwd3.append(max(2 * work(g, n, j) + rerun(g, n, j) for g, n in zip(gpus, ns)))
+        fwd3.append(max(w - r for w, r in per_gpu))
+        bwd3.append(max(2 * w + r for w, r in per_gpu))
         comp_head.append(max(work(g, n, j - 1) for g, n in zip(gpus, ns)))  # cmax-_s of [C-objective]
         if s < n_s - 1:
             nxt = stage_gpus[s + 1]

@@ -2,12 +2,16 @@
 
 Split from ``objective.py`` (the module note there is the model; this is its
 v > 1 part): ``forward_units`` (the forward task of a stage),
-``pipeline_makespan`` / ``pipeline_ends`` (the longest path of a schedule's
-task graph, integer ns; the latter also each stage's last backward end) and
+``program_ends`` (the runtime's point-to-point program replayed under NCCL's
+rules with fixed times: each GPU group's end and each stage's last backward,
+integer ns), ``group_sync_units`` (a group's gradient sync) and
 ``interleaved_units`` (step and memory of an interleaved decision).
 ``objective.evaluate_units`` calls ``interleaved_units`` when v > 1 (or
 ``task_graph``: ``solve.interleave.base_makespan_s`` scores the v = 1 plan it
-starts from by the same task graph).
+starts from by the same replay). ``pipeline_makespan`` / ``pipeline_ends``
+(the longest path of the schedule's task graph with buffered sends, the
+objective's measure until 2026-11-26) are no longer in the objective; only
+tests/test_bucket_latency.py still uses them as its reference.
 """
 
 from __future__ import annotations
@@ -100,29 +104,16 @@ def _one_rank_programs(schedule: str, num_microbatches: int, interleave: int, nu
 
     Raises:
         ValueError: the program deadlocks."""
-    from ..runtime.p2p import Message, ProgramError, programs_from
+    from ..runtime.p2p import ProgramError, programs_from, route_messages
     from ..runtime.schedule import make_schedule
 
     n_s, n_p = num_stages, num_stages // interleave
     sched = make_schedule(schedule, n_s, num_microbatches, interleave)
-    built = {}
-    for p, acts in enumerate(sched):
-        msgs = []
-        for a in acts:
-            s, mb = p + a.chunk * n_p, a.microbatch
-            sends, recvs = [], []
-            if a.kind == "F":
-                if s > 0:
-                    recvs.append(Message(s - 1, mb, False, (s - 1) % n_p, p, 0, 1, 1))
-                if s < n_s - 1:
-                    sends.append(Message(s, mb, False, p, (s + 1) % n_p, 0, 1, 1))
-            else:
-                if s < n_s - 1:
-                    recvs.append(Message(s, mb, True, (s + 1) % n_p, p, 0, 1, 1))
-                if s > 0:
-                    sends.append(Message(s - 1, mb, True, p, (s - 1) % n_p, 0, 1, 1))
-            msgs.append((tuple(sends), tuple(recvs)))
-        built[p] = (acts, msgs)
+    # One rank per GPU group holding the whole micro-batch as one row of one byte: the runtime's
+    # routing (``route_messages``) then gives one message per action and neighbour.
+    ranks, ranges, row_bytes = [(s % n_p,) for s in range(n_s)], [((0, 1),)] * n_s, (1,) * (n_s - 1)
+    built = {p: (acts, [route_messages(a, p + a.chunk * n_p, 0, p, ranks, ranges, row_bytes) for a in acts])
+             for p, acts in enumerate(sched)}
     try:
         progs = programs_from(built)
     except ProgramError as exc:
@@ -134,7 +125,9 @@ def _one_rank_programs(schedule: str, num_microbatches: int, interleave: int, nu
 
 def program_ends(schedule: str, num_microbatches: int, interleave: int, fwd, bwd, half):
     """The runtime's point-to-point program replayed under NCCL's rules with
-    fixed times: ``(free, last_backward)`` as ``pipeline_ends`` (units), for
+    fixed times: ``(free, last_backward)`` (units): ``free[p]`` when GPU group
+    p's last task and its last messages have ended, ``last_backward[s]`` when
+    stage s's last backward ended (its gradients are final), for
     P = S / ``interleave`` GPU groups, one rank each, with a forward of
     ``fwd[s]``, a backward of ``bwd[s]`` and a message across the cut after
     stage s of ``half[s]`` units (one direction, either way).
@@ -246,7 +239,7 @@ def group_sync_units(stages, last_b, ar, grad_kib, ring_lat, sharded, caps) -> i
 
 
 def interleaved_units(tab, stage_blocks, stage_gpus, samples, pol, v, comp, bnd, stage, ar, opt, mem, unc,
-                      tied=None, *, buckets, gather=None) -> StageUnits:
+                      tied=None, *, buckets, gather) -> StageUnits:
     """[Note: interleaved stages]
     With interleave degree v the S = P v stages run on P GPU groups, stage s
     on group p = s mod P (``runtime.schedule.interleaved_1f1b``). Per-stage
@@ -341,7 +334,7 @@ def interleaved_units(tab, stage_blocks, stage_gpus, samples, pol, v, comp, bnd,
                                             pol.sharded, tab.bucket_caps))
         held = [t for t in tied[p::groups] if t is not None]
         # the group's sharded stages all-gather after their optimizer steps, so after a tied ring too
-        ag = sum(gather[p::groups]) if gather else 0
+        ag = sum(gather[p::groups])
         ready = max([own, *(max(free) + t + ag for t in held)])
         ends.append(ready + sum(opt[p::groups]))
     step = max(ends)
