@@ -12,7 +12,7 @@ from zorse_fx.runtime.grad_sync import BUCKET_BYTES, FIRST_BUCKET_BYTES
 from zorse_fx.sim import simulate
 from zorse_fx.solve import BlockCosts, Decision, evaluate, solve_cpsat
 from zorse_fx.solve.objective import UNIT_S, evaluate_units, prepare, ring_units, to_units
-from zorse_fx.solve.pipeline_terms import forward_units, pipeline_ends, pipeline_makespan
+from zorse_fx.solve.pipeline_terms import forward_units, program_ends
 
 from conftest import make_devices, solver_options
 
@@ -139,12 +139,18 @@ def test_interleaved_group_counts_its_buckets_together():
     ev = evaluate(costs, devices, options, d)
     tab, pol = prepare(costs, devices, options, d)
     u = evaluate_units(tab, d.stage_blocks, d.stage_gpus, d.samples_per_microbatch, pol, 2)
-    fwd = forward_units(tab, d.stage_blocks, d.stage_gpus, d.samples_per_microbatch, u.boundary)
-    free, last_b = pipeline_ends(options.schedule, 2, 2, fwd, u.stage)
-    assert free == pipeline_makespan(options.schedule, 2, 2, fwd, u.stage, per_group=True)
-    assert max(free) == pipeline_makespan(options.schedule, 2, 2, fwd, u.stage)
-    # The interleaved cooldown: each group's later stage ends its last backward first.
-    assert last_b[0] == free[0] and last_b[1] == free[1] and last_b[2] < free[0] and last_b[3] < free[1]
+    # The replay the objective prices (``program_ends``): forward f_s = floor(c_s / 3), backward
+    # c_s - f_s, a message h_s = boundary_s / 2 each way.
+    fwd = [f - b // 2 for f, b in zip(
+        forward_units(tab, d.stage_blocks, d.stage_gpus, d.samples_per_microbatch, u.boundary), u.boundary)]
+    assert fwd == [c // 3 for c in u.compute]
+    free, last_b = program_ends(options.schedule, 2, 2, fwd, [c - f for c, f in zip(u.compute, fwd)],
+                                [b // 2 for b in u.boundary])
+    # The interleaved cooldown: each group's later stage ends its last backward first. Group 0's last
+    # task is stage 0's last backward (nothing to send after it); group 1's ends before its gradient
+    # message to group 0 arrives, which free[1] includes.
+    h = u.boundary[0] // 2
+    assert last_b[0] == free[0] and last_b[1] + h == free[1] and last_b[2] < free[0] and last_b[3] < free[1]
     assert 4 * (params[0] + params[2]) < FIRST_BUCKET_BYTES + BUCKET_BYTES  # 2 buckets together
     lat = to_units(LAT)
     kib = [-(-4 * n // 1024) for n in params]

@@ -8,10 +8,9 @@ integer ns), ``group_sync_units`` (a group's gradient sync) and
 ``interleaved_units`` (step and memory of an interleaved decision).
 ``objective.evaluate_units`` calls ``interleaved_units`` when v > 1 (or
 ``task_graph``: ``solve.interleave.base_makespan_s`` scores the v = 1 plan it
-starts from by the same replay). ``pipeline_makespan`` / ``pipeline_ends``
-(the longest path of the schedule's task graph with buffered sends, the
-objective's measure until 2026-11-26) are no longer in the objective; only
-tests/test_bucket_latency.py still uses them as its reference.
+starts from by the same replay). The longest path of the schedule's task
+graph with buffered sends, the measure here until 2026-11-26, is gone:
+nothing was priced by it any more.
 """
 
 from __future__ import annotations
@@ -20,8 +19,7 @@ import functools
 
 from .objective import StageUnits, _act_units, bucket_count
 
-__all__ = ["forward_units", "pipeline_ends", "pipeline_makespan", "program_ends", "group_sync_units",
-           "interleaved_units"]
+__all__ = ["forward_units", "program_ends", "group_sync_units", "interleaved_units"]
 
 
 def forward_units(tab, stage_blocks, stage_gpus, samples, bnd) -> tuple[int, ...]:
@@ -34,65 +32,6 @@ def forward_units(tab, stage_blocks, stage_gpus, samples, bnd) -> tuple[int, ...
                 for g, n in zip(gpus, ns))
         out.append(c // 3 + b // 2)
     return tuple(out)
-
-
-def pipeline_ends(schedule: str, num_microbatches: int, interleave: int, fwd, total):
-    """The task graph of ``pipeline_makespan`` walked once: ``(free, last_backward)``,
-    ``free[p]`` the end (units) of GPU group p's last task and
-    ``last_backward[s]`` the end of stage s's last backward (when its
-    gradients are final: its gradient sync can start, [Note: interleaved
-    stages]).
-
-    Raises:
-        ValueError: if the schedule deadlocks (it cannot for 1F1B / GPipe)."""
-    from ..runtime.schedule import make_schedule
-
-    n_s = len(total)
-    groups = n_s // interleave
-    sched = make_schedule(schedule, n_s, num_microbatches, interleave)
-    f_end = [[-1] * num_microbatches for _ in range(n_s)]
-    b_end = [[-1] * num_microbatches for _ in range(n_s)]
-    pc, free = [0] * groups, [0] * groups
-    left = sum(len(a) for a in sched)
-    while left:
-        moved = False
-        for p, acts in enumerate(sched):
-            while pc[p] < len(acts):
-                a = acts[pc[p]]
-                s, mb = p + a.chunk * groups, a.microbatch
-                if a.kind == "F":
-                    dep = f_end[s - 1][mb] if s > 0 else 0
-                else:
-                    dep = b_end[s + 1][mb] if s < n_s - 1 else 0
-                if dep < 0:
-                    break
-                start = max(free[p], dep)
-                if a.kind == "F":
-                    free[p] = f_end[s][mb] = start + fwd[s]
-                else:
-                    free[p] = b_end[s][mb] = start + total[s] - fwd[s]
-                pc[p] += 1
-                left -= 1
-                moved = True
-        if not moved:
-            raise ValueError(f"schedule {schedule!r} (interleave {interleave}) deadlocks")
-    return tuple(free), tuple(max(row) for row in b_end)
-
-
-def pipeline_makespan(schedule: str, num_microbatches: int, interleave: int, fwd, total,
-                      per_group: bool = False):
-    """Makespan (units) of the pipeline's task graph: per stage s, a forward of
-    ``fwd[s]`` and a backward of ``total[s] - fwd[s]`` units per micro-batch;
-    each GPU group runs ``make_schedule(schedule, S, M, interleave)[group]`` in
-    order, a task starting when its group's previous task and its dependency
-    (F of stage s-1 / B of stage s+1, same micro-batch) have ended.
-    ``per_group``: return instead each group's last task end (a tuple of
-    S / interleave ints; the makespan is their max).
-
-    Raises:
-        ValueError: if the schedule deadlocks (it cannot for 1F1B / GPipe)."""
-    free, _ = pipeline_ends(schedule, num_microbatches, interleave, fwd, total)
-    return free if per_group else max(free)
 
 
 @functools.lru_cache(maxsize=32)
@@ -302,7 +241,7 @@ def interleaved_units(tab, stage_blocks, stage_gpus, samples, pol, v, comp, bnd,
     receive, which stalls even on free links (4 groups of equal chunks:
     tests/test_sim_interleaved.py). Until 2026-11-26 this was the task graph
     of buffered sends with the boundary charged on the sending task
-    (``pipeline_ends``): against the runtime's NCCL program 10% optimistic
+    (since removed): against the runtime's NCCL program 10% optimistic
     on the 8-GPU scaling plan and 30% on the 256-GPU one (bench/README.md
     "The runtime's NCCL program in the simulator"). Links shared by two
     boundaries (P = 2: 0 -> 1 and the wrap-around 1 -> 0 on one node pair)
