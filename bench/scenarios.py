@@ -54,7 +54,11 @@ class Scenario:
     global_batch_size: int
     seq_len: int
     note: str
-    #: Largest pipeline depth searched (``--max-stages`` overrides): 13B on 16 GB GPUs needs more than 4.
+    #: Largest pipeline depth searched (``--max-stages`` overrides). 4, except where the training
+    #: state cannot fit in 4: Llama-2 7B keeps 10 B/param replicated (62.8 GiB), 15.7 GiB per GPU over
+    #: 4 stages, above a 16 GB T4/V100's usable 14.4 GiB (Zorse C); on FlashFlex's 24 GB RTX 3090/4090s
+    #: 4 even stages need 20.2-21.9 GiB of the usable 21.6 at one sample per GPU with ZeRO-1 and
+    #: recomputation everywhere (the last stage, with the LM head, over); 13B on 16 GB GPUs (Zorse B).
     max_stages: int = 4
 
 
@@ -66,12 +70,14 @@ SCENARIOS = (
     Scenario(name="zorse_a", model="llama2-7b", cluster="zorse_a.yaml", global_batch_size=256, seq_len=4096,
              note="Zorse A: Llama-2 7B, 4 x H100 + 16 x A100, seq 4096, ~1M tokens/batch"),
     Scenario(name="flashflex", model="llama2-7b", cluster="flashflex.yaml", global_batch_size=256, seq_len=2048,
-             note="FlashFlex/HexiScale: Llama-2 7B on 8 x 3090 + 24 x 4090 (3080 Ti left out); batch assumed"),
+             note="FlashFlex/HexiScale: Llama-2 7B on 8 x 3090 + 24 x 4090 (3080 Ti left out); batch assumed",
+             max_stages=8),
     Scenario(name="zorse_b", model="llama2-13b", cluster="zorse_b.yaml", global_batch_size=1024, seq_len=1024,
              note="Zorse B: Llama-2 13B, 8 x A100 + 16 x A10G + 16 x V100 + 24 x T4, seq 1024, ~1M tokens",
              max_stages=8),
     Scenario(name="zorse_c", model="llama2-7b", cluster="zorse_c_two_regions.yaml", global_batch_size=2048,
-             seq_len=512, note="Zorse C: two regions (16 A10G + 48 T4 | 16 V100 + 48 T4), seq 512, ~1M tokens"),
+             seq_len=512, note="Zorse C: two regions (16 A10G + 48 T4 | 16 V100 + 48 T4), seq 512, ~1M tokens",
+             max_stages=8),
     Scenario(name="sailor", model="opt-350m", cluster="sailor.yaml", global_batch_size=1024, seq_len=2048,
              note="Sailor (SOSP'25): OPT-350M, 32 x A100-40GB + 96 x V100-16GB, batch 1024"),
 )
