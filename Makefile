@@ -41,7 +41,8 @@ TEST_WORKERS_MAX ?= 8
 test: $(STAMP)
 	$(BIN)/python -m pytest -q --durations=15 -n $(TEST_WORKERS) --maxprocesses=$(TEST_WORKERS_MAX) --dist loadgroup tests
 
-# Every benchmark of bench/README.md, in order (about 80 min on the 2-core CPU machine);
+# Every benchmark of bench/README.md, in order (hours on the 2-core CPU machine: FlashFlex's
+# scenario took 21 min and its four bound-gap variants 112 min on 2026-11-26);
 # each writes its results under bench/results/.
 bench: $(STAMP)
 	$(BIN)/python bench/cost_accuracy.py
