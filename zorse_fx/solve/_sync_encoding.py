@@ -181,11 +181,11 @@ def sync_terms(m: cp_model.CpModel, tab: IntTables, groups, p, k, size, cuts: St
     arlat_hi = (2 * extra_hi + 3) * max(gpu_hi - 1, 0) * lat_hi
     # [C-objective] the last bucket's ring (LK_s KiB) and a sharded stage's all-gather.
     lk_hi = max(tab.bucket_caps[1], max(fk))  # LK_s <= the larger of a bucket and a block
+    # a sharded stage's all-gather: its ring (the whole model's, at most) and its latency
+    gather_ring_hi = max((a[-1] - b[-1] for a, b in zip(tab.arsh_prefix, tab.ar_prefix)), default=0) if sh else 0
+    ag_hi = gather_ring_hi + max(gpu_hi - 1, 0) * lat_hi if sh else 0
     lring_hi = max((-(-c * lk_hi // sc) for c, sc in zip(tab.lastb_coef, tab.lastb_scale)), default=0) \
-        + (max((a[-1] - b[-1] for a, b in zip(tab.arsh_prefix, tab.ar_prefix)), default=0) if sh else 0) \
-        + 3 * max(gpu_hi - 1, 0) * lat_hi
-    ag_hi = (max((a[-1] - b[-1] for a, b in zip(tab.arsh_prefix, tab.ar_prefix)), default=0)
-             + max(gpu_hi - 1, 0) * lat_hi) if sh else 0  # a sharded stage's all-gather, ring and latency
+        + gather_ring_hi + 3 * max(gpu_hi - 1, 0) * lat_hi
     sync_hi = max(ar_hi + arlat_hi, lring_hi, tied_hi + ag_hi) + opt_hi
 
     # [C-allreduce] ring over the stage's pairs; [C-optim] slowest memory bandwidth of the stage.
