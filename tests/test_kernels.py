@@ -41,14 +41,50 @@ needs_gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 # patterns of bfloat16 dot operands (triton-lang/triton#11584, "we just don't support it yet").
 DOT_OPS = {"matmul", "attention"}
 
-# (rtol, atol). float32: the kernels accumulate in float32 like torch, so only summation
-# order differs. float16/bfloat16: compared with the reference run in float32 on the same
-# (rounded) inputs; the kernels compute in float32 and round the result once (attention also
-# rounds P to the input dtype before P@V, as FlashAttention does), so rtol is ~4 half-ulps
-# of the dtype (2^-11 for fp16, 2^-8 for bf16) and atol covers results near 0.
+# (rtol, atol) for ops without a long dot product (norms, softmax, elementwise, cross entropy,
+# attention's short rows): float32: the kernels accumulate in float32 like torch, so only
+# summation order differs, over rows of at most a few hundred elements of magnitude ~1.
+# float16/bfloat16: compared with the reference run in float32 on the same (rounded) inputs; the
+# kernels compute in float32 and round the result once (attention also rounds P to the input
+# dtype before P@V, as FlashAttention does), so rtol is ~4 half-ulps of the dtype (2^-11 for
+# fp16, 2^-8 for bf16) and atol covers results near 0.
 TOL = {torch.float32: (1e-4, 1e-5), torch.float16: (2e-3, 1e-3), torch.bfloat16: (1.6e-2, 2e-3)}
 
+#: float32's unit roundoff (IEEE 754 binary32, 24-bit significand).
+U_FP32 = 2.0 ** -24
+#: TF32 keeps 10 explicit significand bits of each tl.dot / cuBLAS operand: unit roundoff 2^-11.
+U_TF32 = 2.0 ** -11
 
+
+def dot_atol(n: int, magnitude: torch.Tensor, tf32: bool = False) -> torch.Tensor:
+    """Elementwise bound on a float32 dot product's error, in any summation order.
+
+    ``magnitude`` is ``sum_i |a_i b_i|`` for each output element (``|A| @ |B|`` in float64) and
+    ``n`` the accumulation length. Higham, *Accuracy and Stability of Numerical Algorithms*
+    (2nd ed., 2002), eq. (3.5): a dot product computed in floating point, with the additions in
+    any order (blocked, pairwise, with FMA), is within ``gamma_n * sum |a_i b_i|`` of the exact
+    value, ``gamma_n = n u / (1 - n u)``. The Triton tile loop and the machine's BLAS (its kernel
+    differs between CPUs: OpenBLAS picks one per microarchitecture) sum in different orders, so a
+    fixed atol that one CPU's order happens to meet fails on another; this bound holds on any.
+    With TF32 operands each product's inputs are first rounded to 2^-11 (twice: ``2 u_tf32``).
+    """
+    gamma = n * U_FP32 / (1 - n * U_FP32)
+    return (gamma + (2 * U_TF32 if tf32 else 0.0)) * magnitude
+
+
+def _tf32() -> bool:
+    from zorse_kernels.matmul import dot_precision
+
+    return CUDA and dot_precision(torch.float32) == "tf32"
+
+
+def _close_dot(actual, exact, atol, what=""):
+    """``actual`` (float32) within ``atol`` (elementwise) of the float64 ``exact``; the float64
+    oracle's own rounding (2^-53 relative) is below the bound by nine orders of magnitude."""
+    err = (actual.double() - exact).abs()
+    bad = err > atol
+    assert not bad.any(), (f"{what}: {int(bad.sum())} of {err.numel()} elements beyond the float32 dot-product "
+                           f"bound; worst {err.max().item():.3e}, bound there {atol.flatten()[err.argmax()].item():.3e}")
 def _sid(shape: dict) -> str:
     return "-".join(f"{k}{int(v)}" for k, v in shape.items())
 
@@ -113,6 +149,13 @@ def test_forward(name, shape, dt):
     if name == "pack":  # a byte copy: exact
         assert torch.equal(out, ref_dt)
         return
+    if name == "matmul" and dt == torch.float32:
+        x, w = (t.double() for t in inputs)
+        exact = op.reference(x, w)
+        atol = dot_atol(shape["K"], op.reference(x.abs(), w.abs()), _tf32())
+        _close_dot(out, exact, atol, f"{name} triton forward")
+        _close_dot(ref_dt, exact, atol, f"{name} torch reference in {dt}")
+        return
     oracle = op.reference(*_upcast(inputs))
     _close(out, oracle, dt, f"{name} triton forward")
     _close(ref_dt, oracle, dt, f"{name} torch reference in {dt}")
@@ -130,6 +173,17 @@ def test_backward(name, shape, dt):
     expected = torch.autograd.grad(out, diff, grad_out.float())
     got = op.triton_backward(*inputs, grad_out)
     assert len(got) == len(expected)
+    if name == "matmul" and dt == torch.float32:
+        # dx = dy @ w sums over N, dw = dy^T @ x over M; the magnitudes |dy| @ |w| and
+        # |dy|^T @ |x| are the gradients of the same linear at |x|, |w| with |dy| (float64).
+        exact_leaves = [t.double().requires_grad_() for t in inputs]
+        exact = torch.autograd.grad(op.reference(*exact_leaves), exact_leaves, grad_out.double())
+        abs_leaves = [t.double().abs().requires_grad_() for t in inputs]
+        mags = torch.autograd.grad(op.reference(*abs_leaves), abs_leaves, grad_out.double().abs())
+        for i, (g, e, m, n) in enumerate(zip(got, exact, mags, (shape["N"], shape["M"]))):
+            assert g.dtype == dt and g.shape == e.shape
+            _close_dot(g, e, dot_atol(n, m, _tf32()), f"{name} grad of differentiable input {i}")
+        return
     low = None
     if name == "attention" and dt != torch.float32:
         # FlashAttention's backward rounds P and dS to the input dtype before its matmuls, so a
@@ -195,7 +249,8 @@ def test_matmul_strided_operands_and_edges():
     a = torch.randn(37, 50, generator=g, device=DEVICE).t()  # (50, 37), column-major
     b = torch.randn(37, 21, generator=g, device=DEVICE)
     assert not a.is_contiguous()
-    _close(matmul(a, b), a @ b, torch.float32, "strided matmul")
+    _close_dot(matmul(a, b), a.double() @ b.double(), dot_atol(37, a.double().abs() @ b.double().abs(), _tf32()),
+               "strided matmul")
     assert torch.equal(matmul(a[:, :0], b[:0]), torch.zeros(50, 21, device=DEVICE))  # K == 0
     with pytest.raises(ValueError):
         matmul(a, b.t())
