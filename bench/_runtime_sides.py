@@ -140,8 +140,8 @@ class PipeliningSide:
         # Float activations crossing the cut carry gradients back (requires_grad: pipelining
         # allocates gradient buffers only for those).
         def example(t):
-            return torch.empty((mb, *t.shape_per_sample), dtype=t.torch_dtype,
-                               requires_grad=t.torch_dtype.is_floating_point)
+            return torch.empty((mb, *t.shape_per_sample), dtype=getattr(torch, t.dtype),
+                               requires_grad=getattr(torch, t.dtype).is_floating_point)
 
         recv, send = tuple(map(example, stage.recv)), tuple(map(example, stage.send))
         self.pipe = PipelineStage(self.submod, self.index, plan.num_stages, torch.device("cpu"),

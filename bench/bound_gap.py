@@ -72,10 +72,10 @@ def run(sc, args) -> list[dict]:
 
     from zorse_fx.cluster import Cluster
     from zorse_fx.errors import InfeasiblePlanError
+    from zorse_fx.options import PlanOptions
+    from zorse_fx.portfolio import solve_portfolio
     from zorse_fx.solve import solve_cpsat, solve_grouped
     from zorse_fx.solve.objective import evaluate_result
-    from zorse_fx.solve.portfolio import solve_portfolio
-    from zorse_fx.options import PlanOptions
 
     cluster = Cluster.from_yaml(CLUSTERS / sc.cluster)
     costs, _ = price(sc, cluster)

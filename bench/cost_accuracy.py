@@ -65,7 +65,7 @@ def _stage_inputs(stage, plan, tokens, n):
                          input_names=plan.input_names, label_mode=plan.label_mode)
     ins = [batch[name][:n] for name in stage.input_names]
     gen = torch.Generator().manual_seed(0)
-    recv = [torch.randn((n, *t.shape_per_sample), generator=gen).to(t.torch_dtype).requires_grad_(True)
+    recv = [torch.randn((n, *t.shape_per_sample), generator=gen).to(getattr(torch, t.dtype)).requires_grad_(True)
             for t in stage.recv]
     return ins, recv
 
@@ -172,8 +172,8 @@ def predicted_breakdown(plan, costs, args) -> tuple[float, dict[str, float]]:
 
 
 def _evaluate(model_name, label, plan, captured, costs, tokens, args, rows) -> None:
+    from zorse_fx.ir.schedule import inflight, make_schedule
     from zorse_fx.runtime.launch import launch
-    from zorse_fx.runtime.schedule import inflight, make_schedule
 
     if plan.interleave != 1:  # the per-stage memory rows below assume one stage per rank
         raise ValueError(f"{label}: cost_accuracy compares one stage per rank; this plan has interleave "

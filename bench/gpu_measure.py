@@ -258,7 +258,7 @@ def diagnose_part(device, shape, layers, points, rec: Recorder, deadline: float,
     kernels by name (torch.profiler)."""
     from zorse_fx.capture import analyse, capture
     from zorse_fx.models.hf import CausalLMWithLoss
-    from zorse_fx.profiling.replay import graph_node_times, model_calls
+    from zorse_fx.cost.replay import graph_node_times, model_calls
 
     def node_replays(gm, inputs, device, dtype, *, gpu_only=False, on_node=None):
         timer = None if gpu_only else (lambda f: time_ms(f, device, min_ms=2.0, warmup=1, samples=3))

@@ -52,12 +52,13 @@ def scenario_rows(names: str, budget: float) -> list[dict]:
     from functools import partial
 
     from scenarios import CLUSTERS, price, selected
+
     from zorse_fx.baselines import BASELINES
     from zorse_fx.cluster import Cluster
     from zorse_fx.errors import InfeasiblePlanError
-    from zorse_fx.solve import solve_cpsat, solve_grouped
-    from zorse_fx.solve.portfolio import solve_portfolio
     from zorse_fx.options import PlanOptions
+    from zorse_fx.portfolio import solve_portfolio
+    from zorse_fx.solve import solve_cpsat, solve_grouped
 
     rows = []
     for sc in selected(names):
@@ -85,9 +86,10 @@ def scenario_rows(names: str, budget: float) -> list[dict]:
 def scaling_rows(sizes: str) -> list[dict]:
     """``bench/planner_scaling.py``'s instances (its settings) of the given GPU counts ("8x16,64x40": GPUs x layers)."""
     from planner_scaling import instance
-    from zorse_fx.solve import solve_cpsat, solve_grouped
-    from zorse_fx.solve.portfolio import solve_portfolio
+
     from zorse_fx.options import PlanOptions
+    from zorse_fx.portfolio import solve_portfolio
+    from zorse_fx.solve import solve_cpsat, solve_grouped
 
     rows = []
     for item in filter(None, sizes.split(",")):
@@ -105,6 +107,7 @@ def scaling_rows(sizes: str) -> list[dict]:
 
 def random_rows(seeds: int) -> list[dict]:
     from conftest import random_instance
+
     from zorse_fx.errors import InfeasiblePlanError
     from zorse_fx.solve import solve_cpsat
 

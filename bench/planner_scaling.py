@@ -6,7 +6,7 @@ Synthetic clusters of 8-GPU nodes with four GPU types round-robin (H100-, A100-,
 V100-, T4-like speeds and memories, 300 GB/s inside a node, 25 GB/s between),
 ``B`` blocks (= 2 per transformer layer); zorse_fx's ``planner="auto"`` choice:
 per-GPU CP-SAT up to 16 GPUs, class-level CP-SAT (``solve_grouped``) beyond,
-then the portfolio check against the baselines (``solve/portfolio.py``), and
+then the portfolio check against the baselines (``zorse_fx/portfolio.py``), and
 the simulator's check of the answer (``sim/check.py``, timed separately).
 Writes ``bench/results/scaling.json`` (num_gpus, num_layers, planner_wall_s,
 optimality_gap, ...) and prints a markdown table.
@@ -29,7 +29,8 @@ SPEC = {"H100": (80, 3.35e12, 1.0), "A100": (40, 1.6e12, 1.6), "V100": (32, 9e11
 
 
 def instance(num_gpus: int, num_blocks: int, seed: int = 0):
-    from zorse_fx.solve.records import BlockCosts, DeviceGraph
+    from zorse_fx.ir.costs import BlockCosts
+    from zorse_fx.ir.devices import DeviceGraph
 
     rng = random.Random(seed)
     per_node = min(8, num_gpus)
@@ -75,10 +76,10 @@ def main() -> int:
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"), help="directory for scaling.json")
     args = ap.parse_args()
     sizes = [tuple(int(x) for x in item.split("x")) for item in args.sizes.split(",") if item]
+    from zorse_fx.options import PlanOptions
+    from zorse_fx.portfolio import solve_portfolio
     from zorse_fx.sim.check import check_result
     from zorse_fx.solve import solve_cpsat, solve_grouped
-    from zorse_fx.solve.portfolio import solve_portfolio
-    from zorse_fx.options import PlanOptions
 
     rows = []
     for num_gpus, layers in sizes:

@@ -143,9 +143,9 @@ def run_scenario(sc: Scenario, args) -> list[dict]:
     from zorse_fx.baselines import BASELINES
     from zorse_fx.cluster import Cluster
     from zorse_fx.errors import InfeasiblePlanError
+    from zorse_fx.options import PlanOptions
     from zorse_fx.solve import solve_cpsat
     from zorse_fx.solve.objective import evaluate_result
-    from zorse_fx.options import PlanOptions
 
     cluster = Cluster.from_yaml(CLUSTERS / sc.cluster)
     t0 = time.perf_counter()
@@ -158,12 +158,11 @@ def run_scenario(sc: Scenario, args) -> list[dict]:
                        sharding=args.sharding, recompute=args.recompute, max_interleave=args.max_interleave)
     ub = upper_bound_tokens_per_s(costs, cluster, sc.seq_len)
     peak = sum(g.spec.peak_flops_per_s(scenario_precision(cluster).compute_dtype) for g in cluster.gpus)
-    from zorse_fx.solve import solve_grouped
-
     # zorse_fx's planner="auto": per-GPU CP-SAT up to 16 GPUs, class-level CP-SAT beyond.
     from functools import partial
 
-    from zorse_fx.solve.portfolio import solve_portfolio
+    from zorse_fx.portfolio import solve_portfolio
+    from zorse_fx.solve import solve_grouped
 
     cpsat = solve_cpsat if len(cluster) <= 16 else solve_grouped
     planners = {"zorse_fx": partial(solve_portfolio, solver=cpsat), **BASELINES}

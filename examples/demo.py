@@ -60,9 +60,9 @@ def main() -> int:
     t_start = time.perf_counter()
 
     import zorse_fx as zorse
+    from zorse_fx.ir.schedule import format_grid, make_schedule
     from zorse_fx.models.hf import load_smollm2_135m
     from zorse_fx.runtime.launch import launch
-    from zorse_fx.runtime.schedule import format_grid, make_schedule
     from zorse_fx.token_data import TokenData, prepare_data
 
     out = Path(args.out)

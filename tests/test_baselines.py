@@ -7,10 +7,9 @@ import math
 import random
 
 import pytest
+from conftest import solver_options
 
 from zorse_fx.baselines import BASELINES, cephalo, flashflex, homogeneous_all, homogeneous_best, metis, zorse_paper
-from zorse_fx.baselines._common import (Selector, gpu_speeds, largest_remainder, memory_groups, memory_variants,
-                                        min_max_partition, proportional_cuts, stage_fits)
 from zorse_fx.baselines.cephalo import free_memory_shards
 from zorse_fx.baselines.flashflex import spectral_stages, stage_capacities
 from zorse_fx.baselines.homogeneous import uniform_blocks
@@ -18,10 +17,17 @@ from zorse_fx.baselines.metis import MAX_CANDIDATES, stage_groupings
 from zorse_fx.baselines.zorse_paper import min_k_cut_groups
 from zorse_fx.errors import InfeasiblePlanError
 from zorse_fx.solve import BlockCosts, Decision, DeviceGraph, evaluate, solve_cpsat
-from zorse_fx.solve.objective import (MIB_UNITS, UNITS_PER_S, build_tables, evaluate_result, evaluate_units,
-                                     fill_policy)
-
-from conftest import solver_options
+from zorse_fx.solve.heuristics import (
+    Selector,
+    gpu_speeds,
+    largest_remainder,
+    memory_groups,
+    memory_variants,
+    min_max_partition,
+    proportional_cuts,
+    stage_fits,
+)
+from zorse_fx.solve.objective import MIB_UNITS, UNITS_PER_S, build_tables, evaluate_result, evaluate_units, fill_policy
 
 GIB = 1 << 30
 INTRA, INTER = (100e9, 5e-6), (10e9, 2e-5)  # (bytes/s, s): NVLink-like in a node, slower across
@@ -410,7 +416,7 @@ def test_portfolio_never_worse_than_a_baseline_and_keeps_proven_optima():
     (one stage per GPU group here: the interleaving pass has its own tests)."""
     import dataclasses
 
-    from zorse_fx.solve.portfolio import solve_portfolio
+    from zorse_fx.portfolio import solve_portfolio
 
     costs, devices = _eight(seed=3)
     options = solver_options(global_batch_size=8, max_stages=3, max_interleave=1)
@@ -653,7 +659,7 @@ def test_portfolio_takes_a_sharded_baseline():
     """When CP-SAT finds nothing, the portfolio returns the best feasible
     heuristic plan (baselines and the stage DP) with its memory policy (it
     re-scores with evaluate_result)."""
-    from zorse_fx.solve.portfolio import solve_portfolio
+    from zorse_fx.portfolio import solve_portfolio
 
     costs, devices = _tight()
     options = _tight_options("auto")

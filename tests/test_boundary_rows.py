@@ -11,17 +11,16 @@ import random
 from collections import defaultdict
 
 import pytest
+from conftest import make_devices, random_costs, solver_options
 
-from zorse_fx.runtime.comm import routes
+from zorse_fx.ir.devices import SharedLink
+from zorse_fx.ir.p2p import routes
 from zorse_fx.sim import simulate
 from zorse_fx.sim.network import link_resource
 from zorse_fx.solve import BlockCosts, Decision, evaluate, solve_brute_force, solve_cpsat
 from zorse_fx.solve.grouped import _groups, solve_grouped
 from zorse_fx.solve.network_terms import ROWS_ALL, boundary_rows, pipeline_period
 from zorse_fx.solve.objective import UNITS_PER_S, build_tables, to_units
-from zorse_fx.solve.records import SharedLink
-
-from conftest import make_devices, random_costs, solver_options
 
 GIB = 1 << 30
 

@@ -7,14 +7,13 @@ and interleaved groups count the buckets of all their stages together."""
 from __future__ import annotations
 
 import pytest
+from conftest import make_devices, solver_options
 
-from zorse_fx.runtime.grad_sync import BUCKET_BYTES, FIRST_BUCKET_BYTES
+from zorse_fx.ir.buckets import BUCKET_BYTES, FIRST_BUCKET_BYTES
 from zorse_fx.sim import simulate
 from zorse_fx.solve import BlockCosts, Decision, evaluate, solve_cpsat
 from zorse_fx.solve.objective import UNIT_S, evaluate_units, prepare, ring_units, to_units
 from zorse_fx.solve.pipeline_terms import forward_units, program_ends
-
-from conftest import make_devices, solver_options
 
 GIB = 1 << 30
 LAT = 2e-3  # a WAN-like 2 ms between the nodes: the bucket latencies dominate the all-reduce
@@ -70,7 +69,7 @@ def test_single_stage_pays_the_latency_per_bucket(sharded):
 def test_tied_copies_leave_the_bucket_count():
     """A tied parameter read by both blocks of one stage is reduced once: the
     stage's buckets hold its gradient once (P'_s = P_s less one copy)."""
-    from zorse_fx.solve.records import TiedParam
+    from zorse_fx.ir.costs import TiedParam
 
     tied = 20_000_000
     params = (30_000_000, 30_000_000)  # each block counts the 20M tied elements

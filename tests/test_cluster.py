@@ -11,7 +11,7 @@ import yaml
 
 from zorse_fx.cluster import GPU, Cluster, GPUSpec, Link, gpu_spec, known_gpu_types
 from zorse_fx.errors import ClusterConfigError
-from zorse_fx.solve.records import DeviceGraph
+from zorse_fx.ir.devices import DeviceGraph
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "clusters"
 GiB = 2**30

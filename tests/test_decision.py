@@ -13,14 +13,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import CLUSTERS, make_devices, random_costs, random_instance
 
 import zorse_fx
-import zorse_fx.solve.records as records
+import zorse_fx.ir.result as records
 from zorse_fx import PlanOptions, PlanOptionsError
 from zorse_fx.solve import Decision, SolverResult, evaluate, solve_brute_force, solve_cpsat
 from zorse_fx.solve.objective import evaluate_result
-
-from conftest import CLUSTERS, make_devices, random_costs, random_instance
 
 ROOT = Path(__file__).resolve().parents[1]
 TWO = dict(stage_blocks=((0, 2), (2, 4)), stage_gpus=((0, 1), (2,)), samples_per_microbatch=((3, 1), (4,)),

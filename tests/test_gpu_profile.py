@@ -19,8 +19,8 @@ from zorse_fx.cost.roofline import block_costs
 from zorse_fx.models.gpt import GPT, GPTConfig
 from zorse_fx.precision import precision_policy
 from zorse_fx.profiling.kernels_main import _fit_scale_offset, predict_fwd_bwd_ms
-from zorse_fx.profiling.profile import DeviceInfo, KernelProfile, KernelTiming
-from zorse_fx.profiling.replay import graph_node_times, model_calls
+from zorse_fx.cost.profile import DeviceInfo, KernelProfile, KernelTiming
+from zorse_fx.cost.replay import graph_node_times, model_calls
 
 ROOT = Path(__file__).resolve().parents[1]
 T = 16
@@ -111,7 +111,7 @@ def test_graph_replay_times_every_computing_node_on_the_runs_tensors():
                              timer=lambda f: (f(), 1.0)[1])
     calls = model_calls(bg.captured, 2)
     assert set(times) == set(calls)
-    from zorse_fx.profiling.replay import _T
+    from zorse_fx.cost.replay import _T
 
     def carries(a):
         if isinstance(a, _T):

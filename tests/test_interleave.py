@@ -6,13 +6,13 @@ from __future__ import annotations
 import random
 
 import pytest
-
 from conftest import make_devices, random_costs, solver_options
+
+from zorse_fx.ir.costs import BlockCosts
+from zorse_fx.solve import Decision
 from zorse_fx.solve.interleave import base_makespan_s, interleave_search, rescale_shares, with_interleaving
 from zorse_fx.solve.objective import UNIT_S, drain_offsets, evaluate, evaluate_result
-from zorse_fx.solve.records import BlockCosts
 from zorse_fx.solve.stage_dp import solve_stage_dp
-from zorse_fx.solve import Decision
 
 GIB = 1 << 30
 
@@ -147,8 +147,8 @@ def test_interleave_search_results_fit_and_match_the_objective(seed):
 def test_portfolio_interleaves_its_answer():
     """The planner's default path (CP-SAT + heuristics) ends with the interleaving
     pass: on the two-group instance its answer is interleaved and fits."""
+    from zorse_fx.portfolio import solve_portfolio
     from zorse_fx.solve import solve_cpsat
-    from zorse_fx.solve.portfolio import solve_portfolio
 
     costs, devices, options = _two_group_instance()
     import dataclasses

@@ -7,13 +7,12 @@ import faulthandler
 import os
 
 import pytest
+from conftest import random_instance, solver_options
 
 from zorse_fx.errors import InfeasiblePlanError
 from zorse_fx.solve import _search
 from zorse_fx.solve._search import SolverCrash, run_isolated
 from zorse_fx.solve.cpsat import solve_cpsat
-
-from conftest import random_instance, solver_options
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 
@@ -107,7 +106,7 @@ def test_hinted_candidates_complete_their_hint_in_the_solve_child():
     """The portfolio hints CP-SAT with the stage DP's and the baselines' plans;
     each hinted candidate completes its hint in the same forked child as its
     solve and records it."""
-    from zorse_fx.solve.portfolio import solve_portfolio
+    from zorse_fx.portfolio import solve_portfolio
 
     costs, devices, opts = random_instance(2)
     res = solve_portfolio(costs, devices, opts, solve_cpsat)

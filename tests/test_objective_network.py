@@ -12,14 +12,13 @@ import dataclasses
 import random
 
 import pytest
+from conftest import random_instance, reference_or_same_error, solver_options
 
 from zorse_fx.cluster import Cluster
+from zorse_fx.ir.costs import TiedParam
 from zorse_fx.sim import simulate
 from zorse_fx.solve import BlockCosts, Decision, evaluate, solve_brute_force, solve_cpsat
 from zorse_fx.solve.objective import UNIT_S, UNITS_PER_S, effective_pair_bandwidth, to_units
-from zorse_fx.solve.records import TiedParam
-
-from conftest import random_instance, reference_or_same_error, solver_options
 
 GIB = 1 << 30
 
@@ -204,7 +203,7 @@ def _with_network(seed: int):
     """A random instance (conftest.random_instance) with a tied parameter over its
     first and last block (or two middle blocks on every third seed) and, on even
     seeds, a shared link between GPU 0 and the rest slower than their own links."""
-    from zorse_fx.solve.records import SharedLink
+    from zorse_fx.ir.devices import SharedLink
 
     costs, devices, options = random_instance(seed)
     rng = random.Random(1000 + seed)
@@ -241,8 +240,9 @@ def test_class_level_model_prices_tied_params_like_evaluate(seed):
     shared link between the nodes: every answer equals ``evaluate`` (``_search``
     raises otherwise) and the restriction is never better than the per-GPU optimum."""
     from conftest import make_devices, random_costs
+
+    from zorse_fx.ir.devices import SharedLink
     from zorse_fx.solve import solve_grouped
-    from zorse_fx.solve.records import SharedLink
 
     rng = random.Random(300 + seed)
     nb = rng.randint(3, 5)

@@ -1,5 +1,5 @@
 """The point-to-point program ([Note: point-to-point program] in
-``runtime/p2p.py``): derived from the plan, the same order on both ends of
+``ir/p2p.py``): derived from the plan, the same order on both ends of
 every channel, and deadlock-free under NCCL's rules (in-order groups per
 rank, an operation completes only when its peer's is posted, no tags) for
 every plan shape the runtime tests train -- and the checker does catch a
@@ -13,15 +13,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import CLUSTERS
+
 from zorse_fx.capture import analyse, capture
 from zorse_fx.cluster import Cluster
+from zorse_fx.ir.p2p import ProgramError, _check_channels, _Op, _waits, simulate_nccl
 from zorse_fx.models.gpt import GPT, GPTConfig
 from zorse_fx.planner import PlanOptions, plan_fixed
 from zorse_fx.runtime import p2p
-from zorse_fx.runtime.p2p import (ProgramError, _check_channels, _initial_groups, _Op, _waits, build_programs,
-                                  simulate_nccl)
+from zorse_fx.runtime.p2p import _initial_groups, build_programs
 from zorse_fx.solve import Decision
 
 

@@ -9,15 +9,15 @@ from fractions import Fraction
 
 import pytest
 import torch
-
 from conftest import CLUSTERS, with_memory_policy
+
 from zorse_fx.capture import analyse, capture
 from zorse_fx.cluster import Cluster
 from zorse_fx.errors import PlanFileError
+from zorse_fx.ir.schedule import Action, format_grid, inflight, make_schedule, validate
 from zorse_fx.models.gpt import GPT, GPTConfig
 from zorse_fx.plan import PLAN_FORMAT_VERSION, Plan
 from zorse_fx.planner import PlanOptions, plan_fixed
-from zorse_fx.runtime.schedule import Action, format_grid, inflight, make_schedule, validate
 from zorse_fx.solve import Decision
 
 
@@ -255,7 +255,7 @@ def test_live_profile_peaks_equal_a_step_by_step_count():
     """The moments ``live_profile`` lists contain the true peak of any chunk weighting."""
     import random
 
-    from zorse_fx.runtime.schedule import live_profile
+    from zorse_fx.ir.schedule import live_profile
 
     rng = random.Random(0)
     for groups, chunks, m in ((2, 2, 4), (3, 2, 6), (2, 3, 8), (4, 2, 8)):

@@ -13,14 +13,14 @@ import re
 import pytest
 import torch
 import torch.nn as nn
-
 from conftest import CLUSTERS
+
 from zorse_fx.capture import analyse, capture
-from zorse_fx.capture.analysis import TensorSpec
 from zorse_fx.cli import main as zorse_main
 from zorse_fx.cluster import Cluster
 from zorse_fx.cost.roofline import block_costs, measure_saved_activations
 from zorse_fx.errors import PlanFileError, PlanOptionsError
+from zorse_fx.ir.tensor import TensorSpec
 from zorse_fx.models.gpt import GPT, GPTConfig
 from zorse_fx.plan import PLAN_FORMAT_VERSION, Plan
 from zorse_fx.planner import PlanOptions, _analyse_and_price, plan_fixed, resolve_precision
@@ -142,7 +142,13 @@ def test_matmuls_priced_at_the_compute_dtype_peak():
     the fp32 peak (TF32 is off by default in PyTorch)."""
     from zorse_fx.cluster import gpu_spec
     from zorse_fx.cost import gpu_model
-    from zorse_fx.cost.roofline import MATMUL_EFFICIENCY, graph_chains, class_block_time, weight_traffic_bytes, node_costs
+    from zorse_fx.cost.roofline import (
+        MATMUL_EFFICIENCY,
+        class_block_time,
+        graph_chains,
+        node_costs,
+        weight_traffic_bytes,
+    )
 
     torch.manual_seed(0)
     ids = torch.randint(0, 256, (2, 256))

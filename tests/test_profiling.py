@@ -16,8 +16,8 @@ from zorse_fx.cost.measured import ProfileSet, _interpolate, measured_block_cost
 from zorse_fx.cost.roofline import block_costs
 from zorse_fx.models.gpt import GPT, GPTConfig
 from zorse_fx.precision import precision_policy
-from zorse_fx.profiling.profile import DeviceInfo, KernelProfile, KernelTiming
-from zorse_fx.profiling.replay import NodeCall, model_calls
+from zorse_fx.cost.profile import DeviceInfo, KernelProfile, KernelTiming
+from zorse_fx.cost.replay import NodeCall, model_calls
 
 T = 16
 
@@ -111,7 +111,7 @@ def test_interpolation_extrapolates_proportionally_and_floors():
 
 def test_measured_block_costs_from_replayed_model():
     """Profile the model's own nodes (real timings, 1 repeat) and price its blocks."""
-    from zorse_fx.profiling.replay import time_call
+    from zorse_fx.cost.replay import time_call
 
     torch.manual_seed(0)
     ids = torch.randint(0, 256, (2, T))

@@ -10,15 +10,14 @@ import sys
 import warnings
 
 import pytest
-
-from zorse_fx.errors import InfeasiblePlanError, PlanOptionsError
-from zorse_fx.solve.cpsat import solve_cpsat
-from zorse_fx.solve.grouped import solve_grouped
-from zorse_fx.solve.portfolio import solve_portfolio
-from zorse_fx.solve.records import SAFETY_STOP
-
 from conftest import random_instance, solver_options
 from test_grouped import _big_instance
+
+from zorse_fx.errors import InfeasiblePlanError, PlanOptionsError
+from zorse_fx.ir.result import SAFETY_STOP
+from zorse_fx.portfolio import solve_portfolio
+from zorse_fx.solve.cpsat import solve_cpsat
+from zorse_fx.solve.grouped import solve_grouped
 
 
 def _budget_bound_instance():
@@ -120,9 +119,9 @@ def test_zorse_compile_twice_writes_the_same_plan():
     same model and cluster give the same plan.json, wall times aside, and it
     records the budget and that the safety stop never fired."""
     import torch
+    from conftest import CLUSTERS
 
     import zorse_fx as zorse
-    from conftest import CLUSTERS
     from zorse_fx.models.gpt import GPT, GPTConfig
 
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))

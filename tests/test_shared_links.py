@@ -6,12 +6,11 @@ from __future__ import annotations
 import copy
 
 import pytest
+from test_cluster import EXAMPLES, expect_error, write
 
 from zorse_fx.cluster import Cluster
 from zorse_fx.cluster.cluster import SharedLinkSide, SharedLinkSpec
-from zorse_fx.solve.records import DeviceGraph, SharedLink
-
-from test_cluster import EXAMPLES, expect_error, write
+from zorse_fx.ir.devices import DeviceGraph, SharedLink
 
 # Three nodes in two datacenters: us (n0: 2 GPUs, n1: 1 GPU), eu (n2: 2 GPUs).
 TWO_DC = {

@@ -8,14 +8,12 @@ import json
 import math
 
 import pytest
-
-from zorse_fx.solve.objective import MEMORY_UNIT_BYTES
+from conftest import compute_only, make_devices, random_instance, solver_options
 
 from zorse_fx.errors import InfeasiblePlanError
 from zorse_fx.sim import gantt_png, simulate, to_perfetto
 from zorse_fx.solve import BlockCosts, Decision, DeviceGraph, evaluate, solve_cpsat
-
-from conftest import compute_only, make_devices, random_instance, solver_options
+from zorse_fx.solve.objective import MEMORY_UNIT_BYTES
 
 GIB = 1 << 30
 KIB = MEMORY_UNIT_BYTES
@@ -87,7 +85,7 @@ def test_pipeline_with_free_links_takes_m_plus_s_minus_1_stage_times(schedule, n
 def _buckets(grad_bytes: int) -> int:
     """Gradient buckets of one block's ``grad_bytes`` of float32 gradients (the
     runtime's: a 1 MiB first bucket, then 25 MiB; grad_sync.bucket_caps)."""
-    from zorse_fx.runtime.grad_sync import BUCKET_BYTES, bucket_caps
+    from zorse_fx.ir.buckets import BUCKET_BYTES, bucket_caps
 
     first, cap = bucket_caps(BUCKET_BYTES)
     return 1 if grad_bytes <= first else 1 + -(-(grad_bytes - first) // cap)
@@ -488,7 +486,7 @@ def test_gradient_buckets_overlap_the_last_backward(bw):
     bucket's readiness (block 3's backward, the first quarter of it). The
     objective, which lets the buckets start any time in the backward, is
     below the simulator by that block granularity."""
-    from zorse_fx.runtime.grad_sync import BUCKET_BYTES, FIRST_BUCKET_BYTES
+    from zorse_fx.ir.buckets import BUCKET_BYTES, FIRST_BUCKET_BYTES
 
     t, params = 8e-3, 12_500_000
     costs = BlockCosts(fwd_bwd_s_per_sample={"A": (t,) * 4}, param_count=(params,) * 4,

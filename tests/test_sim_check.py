@@ -5,12 +5,11 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from conftest import random_instance
 
+from zorse_fx.ir.result import SolverResult
 from zorse_fx.sim import PlanCheckError, check_result, simulate
 from zorse_fx.solve import Decision, evaluate, solve_cpsat
-from zorse_fx.solve.records import SolverResult
-
-from conftest import random_instance
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2, 5])

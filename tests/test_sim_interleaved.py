@@ -10,12 +10,11 @@ import random
 import statistics
 
 import pytest
+from conftest import CLUSTERS, compute_only, make_devices, random_costs, random_instance, solver_options
 
 from zorse_fx.sim import gantt_png, simulate, to_perfetto
 from zorse_fx.solve import BlockCosts, Decision, evaluate
 from zorse_fx.solve.objective import MEMORY_UNIT_BYTES
-
-from conftest import CLUSTERS, compute_only, make_devices, random_costs, random_instance, solver_options
 
 GIB = 1 << 30
 KIB = MEMORY_UNIT_BYTES
@@ -122,7 +121,7 @@ def _longest_path(costs, devices, options, kw):
     fwd+bwd time t; a task starts when its group's previous task and the task it
     depends on (F of the stage before, B of the stage after) have ended. An
     independent reference for the simulator on compute-only instances."""
-    from zorse_fx.runtime.schedule import make_schedule
+    from zorse_fx.ir.schedule import make_schedule
 
     v, n_s, m = kw["interleave"], len(kw["stage_blocks"]), kw["num_microbatches"]
     n_p = n_s // v
@@ -241,7 +240,7 @@ def test_interleaved_uniform_pipeline_takes_mv_plus_p_minus_1_stage_times(groups
     expect = (m * v + groups - 1) * t + v * (allreduce + optim)
     # The group's first gradient bucket (1 MiB of its last chunk's parameters, as DDP's) is
     # reduced while the other chunks' backwards still run, in the simulator and the objective.
-    from zorse_fx.runtime.grad_sync import FIRST_BUCKET_BYTES
+    from zorse_fx.ir.buckets import FIRST_BUCKET_BYTES
 
     hidden = 2 * (k - 1) / k * FIRST_BUCKET_BYTES / bw if k > 1 else 0.0
     assert sim.step_time_s == pytest.approx(expect - hidden, rel=1e-12)
@@ -267,7 +266,7 @@ def test_interleaved_uniform_pipeline_takes_mv_plus_p_minus_1_stage_times(groups
             prev = max(e.end_s for e in opt)
             assert prev - min(e.start_s for e in opt) == pytest.approx(optim, rel=1e-9)
     # Memory: v stages' state; peak activations = the schedule's largest sum over chunks of live x held.
-    from zorse_fx.runtime.schedule import make_schedule
+    from zorse_fx.ir.schedule import make_schedule
 
     state = v * 16 * params  # 16 MB per stage: a whole number of KiB (15625)
     for p in range(groups):

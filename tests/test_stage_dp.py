@@ -11,11 +11,12 @@ import random
 
 import numpy as np
 import pytest
+from conftest import make_devices as _devices
+from conftest import solver_options
 
-from conftest import make_devices as _devices, solver_options
-from zorse_fx.baselines._common import gpu_speeds, memory_groups, memory_variants, stage_fits
 from zorse_fx.errors import InfeasiblePlanError
 from zorse_fx.solve import BlockCosts, solve_cpsat
+from zorse_fx.solve.heuristics import gpu_speeds, memory_groups, memory_variants, stage_fits
 from zorse_fx.solve.objective import build_tables, evaluate_result, inflight
 from zorse_fx.solve.stage_dp import MAX_UNITS, _dp, _Stages, _units, solve_stage_dp, stage_dp_search
 
@@ -183,7 +184,7 @@ def test_tight_cluster_gets_a_feasible_plan_with_unequal_stages():
 def test_portfolio_returns_the_stage_dp_plan_when_nothing_else_fits():
     """A CP-SAT stub that finds nothing (as on Zorse B) and a cluster where the
     DP's plan is the best heuristic: the portfolio returns it, labelled."""
-    from zorse_fx.solve.portfolio import solve_portfolio
+    from zorse_fx.portfolio import solve_portfolio
 
     costs, devices, options = _tight_cluster()
     seen = {}
@@ -210,7 +211,7 @@ def test_portfolio_returns_the_stage_dp_plan_when_nothing_else_fits():
 
 def test_portfolio_labels_a_winning_stage_dp_plan():
     """With every baseline disabled the stage DP's plan is returned as "STAGE_DP"."""
-    from zorse_fx.solve import portfolio
+    from zorse_fx import portfolio
 
     costs, devices, options = _tight_cluster()
 

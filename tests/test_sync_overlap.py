@@ -15,13 +15,12 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from conftest import assert_cpsat_equals_brute_force, make_devices, random_instance, solver_options
 
-from zorse_fx.runtime.grad_sync import BUCKET_BYTES, FIRST_BUCKET_BYTES
+from zorse_fx.ir.buckets import BUCKET_BYTES, FIRST_BUCKET_BYTES
 from zorse_fx.sim import simulate
 from zorse_fx.solve import BlockCosts, Decision, evaluate
 from zorse_fx.solve.objective import UNIT_S
-
-from conftest import assert_cpsat_equals_brute_force, make_devices, random_instance, solver_options
 
 GIB = 1 << 30
 

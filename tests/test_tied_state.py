@@ -9,13 +9,13 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-
 from conftest import assert_cpsat_equals_brute_force, make_devices, random_instance, solver_options
+
 from zorse_fx.errors import InfeasiblePlanError
+from zorse_fx.ir.costs import TiedParam
 from zorse_fx.sim import simulate
 from zorse_fx.solve import BlockCosts, Decision, evaluate, solve_brute_force, solve_cpsat
 from zorse_fx.solve.objective import UNITS_PER_S, build_tables, evaluate_result, to_units
-from zorse_fx.solve.records import TiedParam
 from zorse_fx.solve.stage_dp import solve_stage_dp
 
 KIB = 1024

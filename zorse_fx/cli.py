@@ -107,8 +107,8 @@ def cmd_train(args) -> int:
 
 
 def cmd_show(args) -> int:
+    from .ir.schedule import format_grid, make_schedule
     from .plan import Plan
-    from .runtime.schedule import format_grid, make_schedule
 
     plan = Plan.load(args.plan)
     print(plan.table())

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .errors import PlanOptionsError
+from .ir.schedule import SCHEDULES  # the values of PlanOptions.schedule
 from .precision import GRAD_REDUCE_DTYPES, PRECISIONS, PrecisionPolicy, precision_policy
 
 __all__ = ["PlanOptions", "MEMORY_MODES", "PLANNERS", "SCHEDULES"]
@@ -19,8 +20,6 @@ __all__ = ["PlanOptions", "MEMORY_MODES", "PLANNERS", "SCHEDULES"]
 MEMORY_MODES = ("never", "auto", "always")
 #: Values of ``PlanOptions.planner``.
 PLANNERS = ("auto", "cpsat", "grouped", "stage_dp", "brute_force")
-#: Values of ``PlanOptions.schedule``.
-SCHEDULES = ("1f1b", "gpipe")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

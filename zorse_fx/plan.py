@@ -39,7 +39,7 @@ Interleaving (format version 3; older files read with ``interleave = 1``):
 with ``Plan.interleave = v > 1`` the ``S`` stages run on ``P = S / v`` GPU
 groups, stage ``s`` on the GPUs of stage ``s % P`` (same GPUs, ranks and
 sample shares, listed again), as chunk ``s // P`` of its group, under
-interleaved 1F1B (``runtime.schedule.interleaved_1f1b``). Ranks are numbered
+interleaved 1F1B (``ir.schedule.interleaved_1f1b``). Ranks are numbered
 over the first ``P`` stages; a rank hosts ``v`` stages (``Plan.stages_of``).
 
 Precision (format version 4; older files read as ``fp32``, which is how their
@@ -74,8 +74,8 @@ from pathlib import Path
 import msgspec
 
 from ._plan_io import plan_dict, read_plan_files
-from .capture.analysis import TensorSpec
 from .errors import PlanFileError, short_repr
+from .ir.tensor import TensorSpec
 from .plan_schema import decode
 from .plan_table import GIB, plan_table  # noqa: F401 (GIB: importable from here as before)
 from .precision import PRECISIONS, REDUCE_DTYPES, PrecisionPolicy, precision_policy

@@ -36,6 +36,8 @@ import msgspec
 from msgspec import Meta
 
 from .errors import PlanFileError, short_repr
+from .ir.schedule import SCHEDULES
+from .ir.tensor import ITEMSIZE
 from .precision import PRECISIONS, precision_policy
 
 __all__ = ["READABLE_VERSIONS", "PlanDoc", "StageDoc", "GPUShareDoc", "TensorSpecDoc", "SolverDoc", "upgrade", "decode"]
@@ -49,8 +51,7 @@ Index = Annotated[int, Meta(ge=0)]  # a rank, GPU index, block index
 Bytes = Annotated[int, Meta(ge=0)]
 Seconds = Annotated[float, Meta(ge=0)]
 #: dtype names a stage's recv / send tensors may have (``str(torch dtype)`` without ``torch.``).
-TensorDtype = Literal["float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "complex64",
-                      "complex128", "int64", "int32", "int16", "int8", "uint8", "bool"]
+TensorDtype = Literal[tuple(ITEMSIZE)]  # type: ignore[valid-type]
 
 
 class _Doc(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -123,7 +124,7 @@ class PlanDoc(_Doc, kw_only=True):
     global_batch_size: Count
     microbatch_size: Count
     num_microbatches: Count
-    schedule: Literal["1f1b", "gpipe"]
+    schedule: Literal[SCHEDULES]  # type: ignore[valid-type]
     interleave: Count
     precision: Literal[PRECISIONS]  # type: ignore[valid-type]
     #: One of ``precision.REDUCE_DTYPES[precision]``: checked by ``Plan.__post_init__``, whose message

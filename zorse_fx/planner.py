@@ -18,12 +18,13 @@ from .cluster import Cluster
 from .codegen import emit_source, split_stages
 from .cost.roofline import block_costs, saved_activations_or_estimate
 from .errors import PlanOptionsError
-from .options import PlanOptions, checked_policy as _policy
+from .ir.decision import Decision
+from .ir.result import SolverResult
+from .options import PlanOptions
+from .options import checked_policy as _policy
 from .plan import GPUShare, Plan, SolverReport, StagePlan
 from .precision import PrecisionPolicy, check_supported, default_precision
 from .solve import solve_brute_force, solve_cpsat
-from .solve.decision import Decision
-from .solve.records import SolverResult
 
 __all__ = ["PlanOptions", "plan_captured", "plan_fixed", "build_plan", "resolve_precision"]
 
@@ -86,7 +87,7 @@ def plan_captured(
         planner = "cpsat" if len(cluster) <= 16 else "grouped"
     solve = {"cpsat": solve_cpsat, "grouped": solve_grouped, "brute_force": solve_brute_force,
              "stage_dp": solve_stage_dp}[planner]  # PlanOptions checked the name
-    from .solve.portfolio import solve_portfolio
+    from .portfolio import solve_portfolio
 
     devices = _device_graph(cluster, options)
     if planner == "brute_force":  # the exhaustive oracle of one stage per group, on its own

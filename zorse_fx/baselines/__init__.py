@@ -7,7 +7,7 @@ count) scored by ``zorse_fx.solve.evaluate``, the same step-time and memory
 model the CP-SAT planner minimises; ``status`` is "BASELINE", or
 "BASELINE_INFEASIBLE" when even the method's best candidate breaks memory (its
 ``candidates`` entry with ``"chosen": True`` lists the violations). See
-``_common`` [Note: how a baseline picks among its candidates]. Each gets the
+``solve/heuristics.py`` [Note: how a baseline picks among its candidates]. Each gets the
 memory techniques ``PlanOptions.sharding`` / ``recompute`` allow (ZeRO-1
 optimizer-state sharding, stage recomputation), uniformly over its stages;
 the SolverResult's ``decision`` carries the policy (``sharded``,
@@ -28,8 +28,10 @@ from __future__ import annotations
 
 from typing import Callable
 
+from ..ir.costs import BlockCosts
+from ..ir.devices import DeviceGraph
+from ..ir.result import SolverResult
 from ..options import PlanOptions
-from ..solve.records import BlockCosts, DeviceGraph, SolverResult
 from .cephalo import cephalo
 from .flashflex import flashflex
 from .homogeneous import homogeneous_all, homogeneous_best

@@ -20,7 +20,7 @@ What is implemented:
     A GPU whose memory cannot take another sample is skipped (the paper's
     memory constraint); if the GPUs together cannot hold ``b`` samples, the
     split ignores memory and the candidate is reported infeasible;
-  * memory, as the options allow (``_common`` [Note: memory techniques of
+  * memory, as the options allow (``solve/heuristics.py`` [Note: memory techniques of
     the baselines]). Cephalo is sharded DP only, so with ``sharding`` "auto"
     or "always" (and >= 2 GPUs) the stage is always ZeRO-1 sharded, with an
     explicit policy instead of ``balance_shards``: a GPU's sample cap counts
@@ -49,11 +49,13 @@ all-gather + reduce-scatter per layer.
 
 from __future__ import annotations
 
+from ..ir.costs import BlockCosts
+from ..ir.devices import DeviceGraph
+from ..ir.result import SolverResult
 from ..options import PlanOptions
+from ..solve.heuristics import Selector, largest_remainder, memory_variants, stage_act_kib
 from ..solve.objective import MIB_UNITS, MemoryPolicy, microbatch_candidates
-from ..solve.records import BlockCosts, DeviceGraph, SolverResult
 from ..solve.state_terms import stage_state_kib
-from ._common import Selector, largest_remainder, memory_variants, stage_act_kib
 
 __all__ = ["cephalo", "min_max_samples", "free_memory_shards"]
 

@@ -28,7 +28,7 @@ What is implemented:
     the state and the activations on every GPU, the shardable part spread
     over the group's memory: ``stage_capacities``). The Selector scores
     each split under every memory variant the options allow (plain, sharded,
-    recompute, both; ``_common`` [Note: memory techniques of the baselines]);
+    recompute, both; ``solve/heuristics.py`` [Note: memory techniques of the baselines]);
   * samples per GPU in a stage: proportional to speed, integers >= 1 by the
     largest-remainder method; a micro-batch smaller than a stage is skipped;
   * the best (k, M) by the shared objective among memory-feasible ones.
@@ -43,10 +43,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..ir.costs import BlockCosts
+from ..ir.devices import DeviceGraph
+from ..ir.result import SolverResult
 from ..options import PlanOptions
+from ..solve.heuristics import Selector, bandwidth, gpu_speeds, largest_remainder, memory_variants, proportional_cuts
 from ..solve.objective import max_stage_count, microbatch_candidates
-from ..solve.records import BlockCosts, DeviceGraph, SolverResult
-from ._common import Selector, bandwidth, gpu_speeds, largest_remainder, memory_variants, proportional_cuts
 
 __all__ = ["flashflex", "spectral_stages", "stage_capacities", "BALANCE_TOLERANCE"]
 

@@ -24,7 +24,7 @@ user does who keeps only their best GPUs.
 Memory: Megatron's distributed optimizer is ZeRO-1 and its activation
 recomputation ("full", per layer) is stage-wide here; so, as the options
 allow, every decision is also scored with every multi-GPU stage sharded
-and/or every stage recomputing, the best kept (``_common`` [Note: memory
+and/or every stage recomputing, the best kept (``solve/heuristics.py`` [Note: memory
 techniques of the baselines]).
 
 Simplifications: no tensor parallelism, no interleaved virtual stages; the
@@ -35,10 +35,12 @@ is replicated in a DP group).
 
 from __future__ import annotations
 
+from ..ir.costs import BlockCosts
+from ..ir.devices import DeviceGraph
+from ..ir.result import SolverResult
 from ..options import PlanOptions
+from ..solve.heuristics import Selector
 from ..solve.objective import max_stage_count, microbatch_candidates
-from ..solve.records import BlockCosts, DeviceGraph, SolverResult
-from ._common import Selector
 
 __all__ = ["homogeneous_all", "homogeneous_best", "fastest_type", "uniform_blocks"]
 

@@ -32,7 +32,7 @@ What is implemented:
     in-flight micro-batches; if no split fits, the unrestricted one (reported
     infeasible). With ZeRO-1 sharding and/or recomputation allowed by the
     options, the DP runs once per memory variant (plain, sharded, recompute,
-    both; see ``_common`` [Note: memory techniques of the baselines]) with
+    both; see ``solve/heuristics.py`` [Note: memory techniques of the baselines]) with
     that variant's memory check (sharded: the replicated part of the state
     plus activations on every GPU, the shardable part spread over the
     stage's leftover memory) and, when recomputing, its extra forward time;
@@ -50,11 +50,20 @@ from __future__ import annotations
 import itertools
 from math import comb
 
+from ..ir.costs import BlockCosts
+from ..ir.devices import DeviceGraph
+from ..ir.result import SolverResult
 from ..options import PlanOptions
+from ..solve.heuristics import (
+    Selector,
+    gpu_speeds,
+    largest_remainder,
+    memory_groups,
+    memory_variants,
+    min_max_partition,
+    stage_fits,
+)
 from ..solve.objective import max_stage_count, microbatch_candidates
-from ..solve.records import BlockCosts, DeviceGraph, SolverResult
-from ._common import (Selector, gpu_speeds, largest_remainder, memory_groups, memory_variants, min_max_partition,
-                      stage_fits)
 
 __all__ = ["metis", "stage_groupings", "MAX_CANDIDATES"]
 

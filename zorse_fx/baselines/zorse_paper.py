@@ -30,7 +30,7 @@ What is implemented:
 
   * memory: as the options allow, each decision is also scored with every
     multi-GPU group ZeRO-1 sharded and/or every stage recomputing, the best
-    kept (``_common`` [Note: memory techniques of the baselines]).
+    kept (``solve/heuristics.py`` [Note: memory techniques of the baselines]).
 
 Simplifications: one stage per group (no interleaved / round-robin stages);
 the shared memory model shards only the optimizer state (ZeRO-1, where
@@ -43,10 +43,19 @@ from __future__ import annotations
 
 import networkx as nx
 
+from ..ir.costs import BlockCosts
+from ..ir.devices import DeviceGraph
+from ..ir.result import SolverResult
 from ..options import PlanOptions
+from ..solve.heuristics import (
+    Selector,
+    bandwidth,
+    gpu_speeds,
+    largest_remainder,
+    proportional_cuts,
+    reference_block_work,
+)
 from ..solve.objective import max_stage_count, microbatch_candidates
-from ..solve.records import BlockCosts, DeviceGraph, SolverResult
-from ._common import Selector, bandwidth, gpu_speeds, largest_remainder, proportional_cuts, reference_block_work
 
 __all__ = ["zorse_paper", "min_k_cut_groups", "bandwidth_graph"]
 

@@ -1,6 +1,7 @@
 """Capture a model as an fx graph and cut it into blocks (see DESIGN.md)."""
 
-from .analysis import BlockGraph, TensorSpec, analyse
+from ..ir.tensor import TensorSpec
+from .analysis import BlockGraph, analyse
 from .trace import CapturedModel, capture
 
 __all__ = ["CapturedModel", "capture", "BlockGraph", "TensorSpec", "analyse"]

@@ -50,36 +50,10 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ..errors import ModelCaptureError
+from ..ir.tensor import TensorSpec
 from .trace import META_KEY, CapturedModel, _fetch_attr
 
 __all__ = ["TensorSpec", "BlockGraph", "analyse"]
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class TensorSpec:
-    """A batch-major tensor: full shape is ``(n, *shape_per_sample)``."""
-
-    name: str
-    shape_per_sample: tuple[int, ...]
-    dtype: str  # e.g. "float32", as in ``torch.float32``
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return getattr(torch, self.dtype)
-
-    @property
-    def bytes_per_sample(self) -> int:
-        numel = 1
-        for d in self.shape_per_sample:
-            numel *= d
-        return numel * self.torch_dtype.itemsize
-
-    def to_dict(self) -> dict:
-        return {"name": self.name, "shape_per_sample": list(self.shape_per_sample), "dtype": self.dtype}
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "TensorSpec":
-        return cls(name=d["name"], shape_per_sample=tuple(d["shape_per_sample"]), dtype=d["dtype"])
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

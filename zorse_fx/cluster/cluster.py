@@ -80,7 +80,8 @@ from dataclasses import dataclass, field
 
 from zorse_fx.cluster.specs import GPUSpec
 from zorse_fx.errors import ClusterConfigError
-from zorse_fx.solve.records import DeviceGraph, SharedLink
+
+from ..ir.devices import DeviceGraph, SharedLink
 
 __all__ = ["Cluster", "GPU", "Link", "LinkOverride", "LINK_KINDS", "SAME_GPU_BANDWIDTH_BYTES_PER_S",
            "SharedLinkSide", "SharedLinkSpec"]

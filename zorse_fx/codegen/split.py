@@ -30,8 +30,9 @@ from pathlib import Path
 import torch
 import torch.fx as fx
 
-from ..capture.analysis import BlockGraph, TensorSpec
+from ..capture.analysis import BlockGraph
 from ..capture.trace import META_KEY, _fetch_attr
+from ..ir.tensor import TensorSpec
 
 __all__ = ["StageProgram", "split_stages", "emit_source", "load_stage_class", "load_stage_source", "flat_name"]
 

@@ -52,9 +52,9 @@ import torch
 
 from ..capture.analysis import BlockGraph
 from ..cluster import GPUSpec
-from ..profiling.profile import KernelProfile
-from ..profiling.replay import NodeCall, model_calls
-from ..solve.records import BlockCosts
+from ..ir.costs import BlockCosts
+from .profile import KernelProfile
+from .replay import NodeCall, model_calls
 from .opclass import size_metric
 from .roofline import FWD_BWD_FACTOR, KERNEL_OVERHEAD_S, MATMUL_EFFICIENCY, MEMORY_EFFICIENCY
 

@@ -51,11 +51,15 @@ from torch.utils._pytree import tree_map
 from ..capture.analysis import BlockGraph
 from ..capture.trace import META_KEY, _fetch_attr
 from ..cluster import GPUSpec
+from ..ir.costs import BlockCosts, TiedParam
 from ..precision import PrecisionPolicy, precision_policy
-from ..solve.records import BlockCosts, TiedParam
 from . import gpu_model
-from .activations import (SavedActivations, measure_saved_activations, saved_activation_bytes,
-                          saved_activations_or_estimate)
+from .activations import (
+    SavedActivations,
+    measure_saved_activations,
+    saved_activation_bytes,
+    saved_activations_or_estimate,
+)
 from .opclass import flops_bytes, op_class, tensors_in
 
 __all__ = ["NodeCost", "node_costs", "block_costs", "tied_params", "weight_traffic_bytes", "SavedActivations", "measure_saved_activations",

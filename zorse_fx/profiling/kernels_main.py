@@ -54,7 +54,7 @@ from pathlib import Path
 
 import torch
 
-from .profile import DeviceInfo, KernelProfile, KernelTiming
+from ..cost.profile import DeviceInfo, KernelProfile, KernelTiming
 
 __all__ = ["build_parser", "main", "run", "measure_model", "measure_standard", "device_info"]
 
@@ -99,7 +99,7 @@ def measure_model(model_name: str, seq_len: int, batch_sizes: list[int], device:
     from ..capture import analyse, capture
     from ..models.hf import CausalLMWithLoss, is_hf_causal_lm
     from ..models.registry import load_model
-    from .replay import model_calls, time_call
+    from ..cost.replay import model_calls, time_call
 
     model, _ = load_model(model_name)
     if is_hf_causal_lm(model):
@@ -190,7 +190,7 @@ def measure_model_graph(model_name: str, seq_lens: list[int], batch_sizes: list[
 
     from ..capture import analyse, capture
     from ..precision import precision_policy
-    from .replay import graph_node_times, model_calls
+    from ..cost.replay import graph_node_times, model_calls
 
     pol = precision_policy(precision)
     amp = pol.compute_dtype if pol.mixed else None
@@ -322,7 +322,7 @@ def calibrate(model_name: str, seq_len: int, batch: int, device: torch.device, *
     from ..capture import analyse, capture
     from ..models.hf import CausalLMWithLoss, is_hf_causal_lm
     from ..models.registry import load_model
-    from .replay import _timeit, model_calls, time_call
+    from ..cost.replay import _timeit, model_calls, time_call
 
     model, _ = load_model(model_name)
     if is_hf_causal_lm(model):
@@ -348,7 +348,7 @@ def calibrate(model_name: str, seq_len: int, batch: int, device: torch.device, *
 
 def measure_optimizer(device: torch.device, *, num_params: int = 32 << 20, repeats: int = 3) -> float:
     """AdamW (torch.optim.AdamW, fp32) step time per parameter, ns."""
-    from .replay import _timeit
+    from ..cost.replay import _timeit
 
     chunks = [torch.nn.Parameter(torch.randn(1 << 20, device=device)) for _ in range(num_params >> 20)]
     for p in chunks:
@@ -373,7 +373,7 @@ def measure_standard(device: torch.device, *, repeats: int, cpu_scale: float, pr
         from zorse_kernels import OPS
     except ImportError:
         return []
-    from .replay import _timeit
+    from ..cost.replay import _timeit
 
     on_gpu = device.type == "cuda"
     jobs = []

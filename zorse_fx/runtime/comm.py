@@ -16,38 +16,16 @@ the number of messages does not grow with the number of crossing tensors.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from ..capture.analysis import TensorSpec
+from ..ir.tensor import TensorSpec
 
-__all__ = ["Route", "routes", "pack", "unpack", "message_bytes"]
-
-
-@dataclass(frozen=True, slots=True)
-class Route:
-    """Rows ``[start, end)`` of a micro-batch going from one GPU to another."""
-
-    src_pos: int  # GPU position in the sending stage
-    dst_pos: int  # GPU position in the receiving stage
-    start: int
-    end: int
-
-    @property
-    def rows(self) -> int:
-        return self.end - self.start
+__all__ = ["pack", "unpack", "message_bytes", "torch_dtype"]
 
 
-def routes(src: tuple[tuple[int, int], ...], dst: tuple[tuple[int, int], ...]) -> tuple[Route, ...]:
-    """All non-empty overlaps between sender and receiver row ranges, in row order."""
-    out = []
-    for i, (a, b) in enumerate(src):
-        for j, (c, d) in enumerate(dst):
-            lo, hi = max(a, c), min(b, d)
-            if lo < hi:
-                out.append(Route(i, j, lo, hi))
-    return tuple(sorted(out, key=lambda r: r.start))
+def torch_dtype(spec: TensorSpec) -> torch.dtype:
+    """The torch dtype of ``spec.dtype`` (``"float32"`` -> ``torch.float32``)."""
+    return getattr(torch, spec.dtype)
 
 
 def message_bytes(specs: tuple[TensorSpec, ...], rows: int) -> int:
@@ -68,7 +46,7 @@ def unpack(buf: torch.Tensor, specs: tuple[TensorSpec, ...], rows: int) -> list[
     out, offset = [], 0
     for s in specs:
         n = rows * s.bytes_per_sample
-        out.append(buf[offset : offset + n].view(s.torch_dtype).reshape(rows, *s.shape_per_sample))
+        out.append(buf[offset : offset + n].view(torch_dtype(s)).reshape(rows, *s.shape_per_sample))
         offset += n
     if offset != buf.numel():
         raise AssertionError(f"message has {buf.numel()} bytes, specs account for {offset}")

@@ -51,24 +51,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from ..ir.buckets import BUCKET_BYTES, bucket_caps
 from ..plan import Plan
 from ..precision import PrecisionPolicy
 from .stage import StageRuntime
 
-__all__ = ["BUCKET_BYTES", "FIRST_BUCKET_BYTES", "GradientReducer", "holders_of", "bucket_caps"]
-
-#: Gradient bucket size (bytes), DDP's default 25 MiB (``bucket_cap_mb``).
-BUCKET_BYTES = 25 * 1024 * 1024
-#: The first bucket of a key (its last parameters) is at most this big, as
-#: DDP's ``dist._DEFAULT_FIRST_BUCKET_BYTES`` (1 MiB): it fills early in the
-#: backward, so the first all-reduce starts early.
-FIRST_BUCKET_BYTES = 1024 * 1024
-
-
-def bucket_caps(bucket_bytes: int) -> tuple[int, int]:
-    """(first bucket's cap, every other bucket's cap) in bytes of gradients."""
-    return min(FIRST_BUCKET_BYTES, bucket_bytes), bucket_bytes
-
+__all__ = ["GradientReducer", "holders_of"]
 
 def holders_of(plan: Plan) -> dict[str, tuple[int, ...]]:
     """Canonical parameter name -> the ranks holding it (sorted), over every

@@ -55,10 +55,11 @@ import torch
 
 from ..codegen.split import load_stage_source
 from ..errors import RuntimeExecutionError, WeightsFileError, short_repr
+from ..ir.p2p import routes
 from ..plan import Plan, StagePlan
 from ..precision import PrecisionPolicy
 from ..stage_sources import source_sha256
-from .comm import pack, routes, unpack
+from .comm import pack, torch_dtype, unpack
 
 __all__ = ["StageRuntime", "check_weights"]
 
@@ -231,12 +232,12 @@ class StageRuntime:
         tensor and warn: the plan's message sizes stay what was priced."""
         out = []
         for t, s in zip(tensors, specs, strict=True):
-            if t.dtype != s.torch_dtype:
+            if t.dtype != torch_dtype(s):
                 if s.name not in self._warned_dtypes:
                     self._warned_dtypes.add(s.name)
                     warnings.warn(f"stage {self.index}: {s.name} is {t.dtype} here but the plan sends it as "
                                   f"{s.dtype}; it is cast for the wire", stacklevel=3)
-                t = t.to(s.torch_dtype)
+                t = t.to(torch_dtype(s))
             out.append(t)
         return out
 

@@ -21,7 +21,7 @@ A step (``StageWorker.train_step``):
    precision] in ``zorse_fx/precision.py``), run the rank's GPU group's
    schedule over the micro-batches, each action on the stage it names:
    before action k post its point-to-point group and wait for the receives
-   it needs ([Note: point-to-point program] in ``p2p.py``), then compute
+   it needs ([Note: point-to-point program] in ``ir/p2p.py``), then compute
    (``StageRuntime.forward`` / ``backward``); during the backward of each
    stage's last micro-batch, gradient buckets are all-reduced as they become
    final ([Note: overlapped gradient reduction] in ``grad_sync.py``);
@@ -81,9 +81,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ..ir.buckets import BUCKET_BYTES
 from ..plan import Plan, StagePlan
 from ..precision import PrecisionPolicy, precision_policy
-from .grad_sync import BUCKET_BYTES, GradientReducer, holders_of
+from .grad_sync import GradientReducer, holders_of
 from .optimizer import LossScaler, OptimizerConfig, StageOptimizer
 from .p2p import P2PExecutor, build_program
 from .stage import StageRuntime

@@ -28,8 +28,10 @@ import time
 from dataclasses import dataclass
 
 from ..errors import ZorseError
+from ..ir.costs import BlockCosts
+from ..ir.devices import DeviceGraph
+from ..ir.result import SolverResult
 from ..options import PlanOptions
-from ..solve.records import BlockCosts, DeviceGraph, SolverResult
 from .engine import simulate
 
 __all__ = ["SimulationCheck", "PlanCheckError", "check_result", "SLOWER_TOLERANCE"]

@@ -6,7 +6,7 @@ so that compute, boundary messages and link contention interleave as they
 would on the cluster. It takes the ``Decision`` ``solve.evaluate`` takes.
 
 Compute. GPU ``g`` of GPU group ``p`` runs the group's action list
-(``runtime.schedule.make_schedule(options.schedule, S, M, v)[p]``) in order,
+(``ir.schedule.make_schedule(options.schedule, S, M, v)[p]``) in order,
 one task at a time; an action of chunk c belongs to stage ``p + c * P``.
 Without interleaving (v = 1, the default) there are P = S groups, group p is
 stage p and every action is chunk 0; with ``interleave`` = v > 1 the S = P v
@@ -23,7 +23,7 @@ Training on GPU Clusters Using Megatron-LM", SC'21).
 Dependencies. F(s, m) on GPU j waits until the activations of every route
 (i -> j) of micro-batch m from stage s-1 have *arrived*; B(s, m) waits for
 F(s, m) (schedule order) and the gradients of every route (j -> k) from stage
-s+1. Routes are ``runtime.comm.routes`` over the stages' row ranges (each
+s+1. Routes are ``ir.p2p.routes`` over the stages' row ranges (each
 GPU's share laid end to end, in ``stage_gpus`` order): a route of ``rows``
 samples across cut c carries ``rows * cut_bytes_per_sample[c]`` bytes, forward
 when F ends on the sender, and the same bytes backward when B ends on the
@@ -50,8 +50,8 @@ When a boundary message may move is ``simulate``'s ``p2p``:
   * ``"nccl"`` (the default; what the objective prices: network_terms.py
     [Note: pipeline period], pipeline_terms.program_ends for interleaved
     plans): the runtime's own point-to-point program
-    (``runtime/p2p.py`` [Note: point-to-point program]; ``decision_programs``
-    derives it from the decision with ``runtime.p2p.programs_from``, as
+    (``ir/p2p.py`` [Note: point-to-point program]; ``decision_programs``
+    derives it from the decision with ``ir.p2p.programs_from``, as
     ``build_programs`` does from a plan, prefetched receives included) run
     under NCCL's rules: group k of a GPU (action k-1's sends + action k's
     receives) is posted when action k-1 ends and runs on the GPU's one
@@ -184,13 +184,13 @@ import math
 from collections import defaultdict, deque
 from dataclasses import dataclass
 
+from ..ir.costs import BlockCosts
+from ..ir.decision import Decision
+from ..ir.devices import DeviceGraph
+from ..ir.p2p import RankProgram, programs_from, route_messages, routes
+from ..ir.schedule import make_schedule
 from ..options import PlanOptions
-from ..runtime.comm import routes
-from ..runtime.p2p import RankProgram, programs_from, route_messages
-from ..runtime.schedule import make_schedule
-from ..solve.decision import Decision
 from ..solve.objective import MEMORY_UNIT_BYTES, MIB_UNITS, RECOMPUTE_FRACTION, prepare
-from ..solve.records import BlockCosts, DeviceGraph
 from ..solve.state_terms import shardable_kib, stage_state_kib
 from .network import FlowResources, link_resource, max_min_rates
 from .sync import gradient_sync
@@ -327,13 +327,13 @@ def plan_decision(plan, costs: BlockCosts | None = None) -> Decision:
 
 
 def decision_programs(costs: BlockCosts, decision: Decision, schedule: str) -> dict[int, RankProgram]:
-    """The runtime's point-to-point program (``runtime.p2p.programs_from``, as
+    """The runtime's point-to-point program (``ir.p2p.programs_from``, as
     ``build_programs`` derives it from a plan) of ``decision`` under
     ``schedule``, keyed by GPU index (the ranks of the plan, in the cluster's
     numbering); message bytes are ``rows * cut_bytes_per_sample`` of the cut.
 
     Raises:
-        runtime.p2p.ProgramError: the program would deadlock under NCCL's rules."""
+        ir.p2p.ProgramError: the program would deadlock under NCCL's rules."""
     n_s, v = decision.num_stages, decision.interleave
     n_p = n_s // v
     sched = make_schedule(schedule, n_s, decision.num_microbatches, v)
@@ -366,7 +366,7 @@ def simulate(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions, deci
 
     Raises ValueError for a decision that does not fit the instance (as
     ``solve.evaluate``) or an unknown ``p2p``, RuntimeError if the schedule
-    deadlocks (it cannot for 1F1B / GPipe) and ``runtime.p2p.ProgramError``
+    deadlocks (it cannot for 1F1B / GPipe) and ``ir.p2p.ProgramError``
     where the runtime would refuse the program (``"nccl"``)."""
     if p2p not in (P2P_BUFFERED, P2P_NCCL):
         raise ValueError(f"simulate: p2p must be {P2P_BUFFERED!r} or {P2P_NCCL!r}, got {p2p!r}")

@@ -42,7 +42,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Hashable, Mapping, Sequence
 
-from ..solve.records import DeviceGraph
+from ..ir.devices import DeviceGraph
 
 __all__ = ["FlowResources", "Ring", "link_resource", "max_min_rates", "ring"]
 

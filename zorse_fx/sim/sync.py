@@ -5,9 +5,11 @@ the module note of ``sim/engine.py``; rings priced in ``sim/network.py``)."""
 
 from __future__ import annotations
 
-from ..runtime.grad_sync import BUCKET_BYTES, bucket_caps
-from ..solve.objective import GRAD_BUCKET_BYTES_PER_PARAM as _FP32, MEMORY_UNIT_BYTES, MIB_UNITS
-from ..solve.records import BlockCosts, DeviceGraph
+from ..ir.buckets import BUCKET_BYTES, bucket_caps
+from ..ir.costs import BlockCosts
+from ..ir.devices import DeviceGraph
+from ..solve.objective import GRAD_BUCKET_BYTES_PER_PARAM as _FP32
+from ..solve.objective import MEMORY_UNIT_BYTES, MIB_UNITS
 from ..solve.state_terms import unique_params
 from .network import FlowResources, Ring, ring
 

@@ -13,10 +13,12 @@ They all take ``PlanOptions`` (``zorse_fx/options.py``) and answer with a
 needs the records (the cluster, the runtime) never imports OR-Tools.
 """
 
+from ..ir.costs import BlockCosts, TiedParam
+from ..ir.decision import Decision
+from ..ir.devices import DeviceGraph, SharedLink
+from ..ir.result import SolverResult
 from ..options import PlanOptions
-from .decision import Decision
 from .objective import Evaluation, evaluate
-from .records import BlockCosts, DeviceGraph, SharedLink, SolverResult, TiedParam
 
 __all__ = [
     "BlockCosts", "DeviceGraph", "Decision", "PlanOptions", "SharedLink", "SolverResult", "TiedParam",

@@ -89,10 +89,12 @@ from dataclasses import dataclass
 from ortools.sat.python import cp_model
 
 from ..errors import InfeasiblePlanError
+from ..ir.costs import BlockCosts
+from ..ir.devices import DeviceGraph
+from ..ir.result import SolverResult, with_safety_stop
 from ..options import PlanOptions
 from .bounds import explain_infeasible, throughput_lower_bound
 from .objective import UNIT_S, evaluate
-from .records import BlockCosts, DeviceGraph, SolverResult, with_safety_stop
 
 __all__ = ["CandidateSearch", "SolverCrash", "run_isolated"]
 

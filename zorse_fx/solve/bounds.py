@@ -7,13 +7,14 @@ candidate fits, the message that names the binding constraint
 
 from __future__ import annotations
 
+from ..ir.costs import BlockCosts
+from ..ir.devices import DeviceGraph
 from ..options import PlanOptions
 from .objective import IntTables, _gib, max_stage_count, microbatch_candidates
-from .tables import _prefix
-from .records import BlockCosts, DeviceGraph
 from .state_terms import extra_copies, unique_params
+from .tables import _prefix
 
-__all__ = ["throughput_lower_bound", "explain_infeasible"]
+__all__ = ["throughput_lower_bound", "throughput_bound_s", "explain_infeasible"]
 
 
 def _min_max_split(needs: list[int], k_max: int, less=None) -> tuple[int, list[tuple[int, int]]]:
@@ -70,6 +71,15 @@ def throughput_lower_bound(tab: IntTables) -> int:
     speed = sum(r[t] for t in tab.gpu_types)
     per_mb = Fraction(tab.microbatch_size * total) / speed
     return tab.num_microbatches * -(-per_mb.numerator // per_mb.denominator)
+
+
+def throughput_bound_s(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions) -> float:
+    """A lower bound (s) on every decision's step time when CP-SAT returned none:
+    the smallest ``throughput_lower_bound`` over the micro-batch counts."""
+    from .objective import UNIT_S, build_tables
+
+    return min(throughput_lower_bound(build_tables(costs, devices, options, m))
+               for m in microbatch_candidates(options)) * UNIT_S
 
 
 def explain_infeasible(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions,

@@ -13,11 +13,22 @@ import itertools
 import time
 
 from ..errors import InfeasiblePlanError
+from ..ir.costs import BlockCosts
+from ..ir.devices import DeviceGraph
+from ..ir.result import SolverResult
 from ..options import PlanOptions
 from .bounds import explain_infeasible
-from .objective import (UNIT_S, build_tables, evaluate, evaluate_units, fill_policy, max_stage_count,
-                        microbatch_candidates, mode_violations, policy_decision)
-from .records import BlockCosts, DeviceGraph, SolverResult
+from .objective import (
+    UNIT_S,
+    build_tables,
+    evaluate,
+    evaluate_units,
+    fill_policy,
+    max_stage_count,
+    microbatch_candidates,
+    mode_violations,
+    policy_decision,
+)
 
 __all__ = ["solve_brute_force", "MAX_GPUS", "MAX_BLOCKS", "MAX_MICROBATCH_SIZE"]
 

@@ -16,11 +16,13 @@ model.py.
 
 from __future__ import annotations
 
+from ..ir.costs import BlockCosts
+from ..ir.devices import DeviceGraph
+from ..ir.result import SolverResult
+from ..options import PlanOptions
+from ._search import CandidateSearch
 from .model import CandidateModel, matching_hint, singleton_groups
 from .objective import build_tables, max_stage_count, microbatch_candidates
-from ._search import CandidateSearch
-from ..options import PlanOptions
-from .records import BlockCosts, DeviceGraph, SolverResult
 
 __all__ = ["solve_cpsat"]
 

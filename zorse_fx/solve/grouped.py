@@ -38,11 +38,13 @@ from collections import defaultdict
 
 import numpy as np
 
+from ..ir.costs import BlockCosts
+from ..ir.devices import DeviceGraph
+from ..ir.result import SolverResult
+from ..options import PlanOptions
+from ._search import CandidateSearch
 from .model import CandidateModel, _Group, _link_code, matching_hint
 from .objective import IntTables, build_tables, max_stage_count, microbatch_candidates
-from ._search import CandidateSearch
-from ..options import PlanOptions
-from .records import BlockCosts, DeviceGraph, SolverResult
 
 __all__ = ["gpu_classes", "solve_grouped"]
 

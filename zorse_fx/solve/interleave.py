@@ -2,7 +2,7 @@
 
 [Note: interleave search]
 The CP-SAT models, the stage DP and the baselines choose one stage per GPU
-group. Interleaved 1F1B (``runtime.schedule.interleaved_1f1b``) runs v model
+group. Interleaved 1F1B (``ir.schedule.interleaved_1f1b``) runs v model
 chunks on every group, stage s on group s mod P, and shrinks the pipeline
 bubble from (P - 1) stage times to (P - 1) / v of them ([Note: interleaved
 stages] in objective.py) at the price of v times more boundary messages and
@@ -37,11 +37,21 @@ from __future__ import annotations
 import dataclasses
 import time
 
+from ..ir.costs import BlockCosts
+from ..ir.decision import Decision
+from ..ir.devices import DeviceGraph
+from ..ir.result import SolverResult, with_safety_stop
 from ..options import PlanOptions
-from .objective import (MemoryPolicy, StageUnits, UNIT_S, build_tables, evaluate, evaluate_units, fill_policy,
-                        microbatch_candidates)
-from .decision import Decision
-from .records import BlockCosts, DeviceGraph, SolverResult, with_safety_stop
+from .objective import (
+    UNIT_S,
+    MemoryPolicy,
+    StageUnits,
+    build_tables,
+    evaluate,
+    evaluate_units,
+    fill_policy,
+    microbatch_candidates,
+)
 
 __all__ = ["interleave_search", "with_interleaving", "rescale_shares"]
 
@@ -243,7 +253,7 @@ def with_interleaving(costs: BlockCosts, devices: DeviceGraph, options: PlanOpti
     every try is appended to ``candidates`` as ``{"interleave_search": {...}}``.
     When nothing could be tried (``max_interleave`` 1, "gpipe", one stage)
     ``base`` itself is returned."""
-    from .portfolio import _throughput_bound_s
+    from .bounds import throughput_bound_s
 
     t0 = time.perf_counter()
     res, tried = interleave_search(costs, devices, options, base)
@@ -254,7 +264,7 @@ def with_interleaving(costs: BlockCosts, devices: DeviceGraph, options: PlanOpti
                                                        base_makespan_s(costs, devices, options, base)):
         return dataclasses.replace(base, candidates=tuple(base.candidates) + records,
                                    wall_s=base.wall_s + time.perf_counter() - t0)
-    bound = min(base.best_bound, _throughput_bound_s(costs, devices, options))
+    bound = min(base.best_bound, throughput_bound_s(costs, devices, options))
     step = res.predicted_step_time_s
     return dataclasses.replace(res, best_bound=bound, optimality_gap=(step - bound) / step if step > 0 else 0.0,
                                candidates=tuple(base.candidates) + records, wall_clock_stops=base.wall_clock_stops,

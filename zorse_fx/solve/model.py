@@ -97,7 +97,7 @@ FEASIBLE and 14% slower without it.
 
 [Note: warm start]
 ``hints`` (SolverResults, in practice the baselines' and the stage DP's
-feasible plans, best first; ``solve/portfolio.py``) seed the candidate with the
+feasible plans, best first; ``zorse_fx/portfolio.py``) seed the candidate with the
 same (S, M): ``CandidateModel.hint`` gives CP-SAT the cuts, the units and
 samples per group and stage, shards and memory policy via ``AddHint``. A hint
 only guides the search (CP-SAT repairs a hint the model cannot express), so it
@@ -111,16 +111,16 @@ from dataclasses import dataclass
 import numpy as np
 from ortools.sat.python import cp_model
 
-from .objective import MIB_UNITS, IntTables, inflight
+from ..ir.decision import Decision
+from ..ir.devices import DeviceGraph
+from ..options import PlanOptions
+from ._boundary_encoding import LinkTerms
 from ._encoding import StageCuts
 from ._encoding import blocks_of as _blocks
 from ._encoding import both as _both
-from ._boundary_encoding import LinkTerms
 from ._encoding import gated as _gated
 from ._sync_encoding import sync_terms, tied_copies
-from ..options import PlanOptions
-from .decision import Decision
-from .records import DeviceGraph
+from .objective import MIB_UNITS, IntTables, inflight
 
 __all__ = ["CandidateModel", "matching_hint", "singleton_groups"]
 

@@ -38,7 +38,7 @@ factor of crossings; the simulator (``zorse_fx.sim``) prices them.
 
 [Note: boundary rows]
 [C-boundary] charges one micro-batch's cut bytes, forward and backward, on the
-link that takes longest. The runtime (``runtime.comm.routes``) and the simulator
+link that takes longest. The runtime (``ir.p2p.routes``) and the simulator
 send each GPU's rows of the micro-batch to the GPUs of the next stage that
 hold those rows: a route carries the overlap of two row ranges; the routes
 from one node to another share that node pair's link in that direction, those
@@ -83,7 +83,7 @@ carrying several boundaries.
 [Note: pipeline period]
 The steady-state period T of [C-objective] (step = sum_s t_s + (M - 1) T +
 sync, v = 1) prices the point-to-point program the runtime runs on GPUs
-(``runtime/p2p.py`` [Note: point-to-point program], under NCCL's rules; the
+(``ir/p2p.py`` [Note: point-to-point program], under NCCL's rules; the
 simulator's ``p2p="nccl"``, [Note: point-to-point models] in sim/engine.py).
 
 1F1B. A stage alternates compute and a fused exchange with each neighbour:
@@ -136,7 +136,7 @@ T = max_s t_s, and the window form on half-duplex links.
 
 from __future__ import annotations
 
-from .records import DeviceGraph
+from ..ir.devices import DeviceGraph
 
 __all__ = ["ROWS_SAME_NODE", "ROWS_NODE_SUMS", "ROWS_ALL", "pair_row_codes", "boundary_rows", "link_load",
            "pipeline_period",

@@ -165,16 +165,39 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import InfeasiblePlanError
+from ..ir.costs import BlockCosts
+from ..ir.decision import Decision
+from ..ir.devices import DeviceGraph
 from ..options import SCHEDULES, PlanOptions
-from .decision import Decision
-from .network_terms import (boundary_rows, drain_offsets, effective_pair_bandwidth, last_bucket_kib,
-                            link_load, pipeline_period, ring_units, tied_terms, untied_block_kib)
-from .records import BlockCosts, DeviceGraph
+from .network_terms import (
+    boundary_rows,
+    drain_offsets,
+    effective_pair_bandwidth,
+    last_bucket_kib,
+    link_load,
+    pipeline_period,
+    ring_units,
+    tied_terms,
+    untied_block_kib,
+)
 from .state_terms import stage_optim_units, stage_state_kib
+
 # The units and integer tables live in tables.py (re-exported: callers import them from here).
-from .tables import (BUCKET_UNIT_BYTES, GIB, GRAD_BUCKET_BYTES_PER_PARAM, LAST_BUCKET_RESOLUTION,  # noqa: F401
-                     MEMORY_UNIT_BYTES, MIB_UNITS, RECOMPUTE_FRACTION, UNIT_S, UNITS_PER_S, IntTables,
-                     bucket_count, build_tables, to_units)
+from .tables import (  # noqa: F401
+    BUCKET_UNIT_BYTES,
+    GIB,
+    GRAD_BUCKET_BYTES_PER_PARAM,
+    LAST_BUCKET_RESOLUTION,
+    MEMORY_UNIT_BYTES,
+    MIB_UNITS,
+    RECOMPUTE_FRACTION,
+    UNIT_S,
+    UNITS_PER_S,
+    IntTables,
+    bucket_count,
+    build_tables,
+    to_units,
+)
 
 __all__ = [
     "UNITS_PER_S", "UNIT_S", "GIB", "to_units", "microbatch_candidates",

@@ -37,14 +37,14 @@ def forward_units(tab, stage_blocks, stage_gpus, samples, bnd) -> tuple[int, ...
 @functools.lru_cache(maxsize=32)
 def _one_rank_programs(schedule: str, num_microbatches: int, interleave: int, num_stages: int):
     """(programs, where) of ``program_ends``: the runtime's program for one rank per GPU group
-    (``runtime.p2p.programs_from``: its deadlock repairs are the slow part, and the program
+    (``ir.p2p.programs_from``: its deadlock repairs are the slow part, and the program
     depends on the shape alone, so it is built once per shape), and per (is_send, message)
     the (rank, group) holding it.
 
     Raises:
         ValueError: the program deadlocks."""
-    from ..runtime.p2p import ProgramError, programs_from, route_messages
-    from ..runtime.schedule import make_schedule
+    from ..ir.p2p import ProgramError, programs_from, route_messages
+    from ..ir.schedule import make_schedule
 
     n_s, n_p = num_stages, num_stages // interleave
     sched = make_schedule(schedule, n_s, num_microbatches, interleave)
@@ -71,7 +71,7 @@ def program_ends(schedule: str, num_microbatches: int, interleave: int, fwd, bwd
     ``fwd[s]``, a backward of ``bwd[s]`` and a message across the cut after
     stage s of ``half[s]`` units (one direction, either way).
 
-    The program is ``runtime.p2p.programs_from``'s (fused groups, receives
+    The program is ``ir.p2p.programs_from``'s (fused groups, receives
     prefetched where interleaving needs it) and the rules the simulator's
     ``p2p="nccl"`` ([Note: point-to-point models] in sim/engine.py): group k
     of a rank is posted when its action k - 1 ends and reaches the head of the
@@ -84,7 +84,7 @@ def program_ends(schedule: str, num_microbatches: int, interleave: int, fwd, bwd
     on the order it visits ranks in.
 
     Raises:
-        ValueError: the program deadlocks (``runtime.p2p.ProgramError``)."""
+        ValueError: the program deadlocks (``ir.p2p.ProgramError``)."""
     n_s = len(fwd)
     n_p = n_s // interleave
     progs, where = _one_rank_programs(schedule, num_microbatches, interleave, n_s)
@@ -181,7 +181,7 @@ def interleaved_units(tab, stage_blocks, stage_gpus, samples, pol, v, comp, bnd,
                       tied=None, *, buckets, gather) -> StageUnits:
     """[Note: interleaved stages]
     With interleave degree v the S = P v stages run on P GPU groups, stage s
-    on group p = s mod P (``runtime.schedule.interleaved_1f1b``). Per-stage
+    on group p = s mod P (``ir.schedule.interleaved_1f1b``). Per-stage
     terms (compute, boundary, all-reduce, optimizer) are those of the module
     note; what changes:
 
@@ -258,7 +258,7 @@ def interleaved_units(tab, stage_blocks, stage_gpus, samples, pol, v, comp, bnd,
     keeps the result when this objective -- compared against the same
     makespan of the plan it started from -- says it is faster. Every GPU's
     row in each of its stages carries its whole memory."""
-    from ..runtime.schedule import live_profile
+    from ..ir.schedule import live_profile
 
     n_s, m = len(stage_blocks), tab.num_microbatches
     groups = n_s // v

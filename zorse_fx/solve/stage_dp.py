@@ -22,7 +22,7 @@ second per (order, M) on 64 GPUs:
            per micro-batch are split over its GPUs by whole-model speed
            (largest remainder, >= 1 each, so a stage has at most b GPUs).
   variant  a memory policy of the ones ``options`` allow (plain, ZeRO-1
-           sharded, recomputing, both: ``baselines._common.memory_variants``),
+           sharded, recomputing, both: ``heuristics.memory_variants``),
            kept iff [C-memory] / [C-shard] hold (``stage_fits``, exact).
   cost     c = (M + S - 1) * (compute + boundary) + allreduce + optim of the
            cheapest fitting variant, with the boundary on the link to the next
@@ -58,9 +58,11 @@ from collections import Counter
 
 import numpy as np
 
+from ..ir.costs import BlockCosts
+from ..ir.devices import DeviceGraph
+from ..ir.result import SolverResult
 from ..options import PlanOptions
 from .objective import MIB_UNITS, fill_policy, inflight, max_stage_count, microbatch_candidates
-from .records import BlockCosts, DeviceGraph, SolverResult
 from .state_terms import extra_copies_matrix
 
 __all__ = ["solve_stage_dp", "stage_dp_search", "ORDERS", "MAX_UNITS"]
@@ -145,7 +147,7 @@ class _Stages:
         key = (u0, u1)
         if key in self.terms:
             return self.terms[key]
-        from ..baselines._common import largest_remainder, memory_groups
+        from .heuristics import largest_remainder, memory_groups
 
         tab = self.tab
         gpus = tuple(g for u in self.units[u0:u1] for g in u)
@@ -209,7 +211,7 @@ class _Stages:
         return best, arg
 
     def _fits(self, mem, fl: int, not_first: bool, sharded: bool, recompute: bool):
-        """[C-memory] / [C-shard] for every (i, j) at once (as baselines._common.stage_fits)."""
+        """[C-memory] / [C-shard] for every (i, j) at once (as heuristics.stage_fits)."""
         def act(n):
             if recompute:
                 return n * (fl * (self.cut_in if not_first else 0) + self.act)
@@ -294,7 +296,7 @@ def stage_dp_search(costs: BlockCosts, devices: DeviceGraph,
     """(the best plan as ``solve_stage_dp``, the best feasible plan of every
     (S, M) the DP reached, fastest first): the second are CP-SAT warm starts
     for every candidate (``portfolio.py``). Raises as ``solve_stage_dp``."""
-    from ..baselines._common import Selector, gpu_speeds, memory_variants
+    from .heuristics import Selector, gpu_speeds, memory_variants
 
     sel = Selector("stage_dp", costs, devices, options)
     speeds = gpu_speeds(costs, devices)

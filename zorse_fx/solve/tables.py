@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..ir.buckets import BUCKET_BYTES, bucket_caps
+from ..ir.costs import BlockCosts
+from ..ir.devices import DeviceGraph
 from ..options import SCHEDULES, PlanOptions
-from ..runtime.grad_sync import BUCKET_BYTES, bucket_caps
 from .network_terms import effective_pair_bandwidth, pair_row_codes
-from .records import BlockCosts, DeviceGraph
 
 __all__ = ["UNITS_PER_S", "UNIT_S", "MEMORY_UNIT_BYTES", "MIB_UNITS", "RECOMPUTE_FRACTION",
            "GRAD_BUCKET_BYTES_PER_PARAM", "BUCKET_UNIT_BYTES", "LAST_BUCKET_RESOLUTION", "GIB", "bucket_count",

@@ -29,6 +29,7 @@ group ``p`` is stage ``p`` and every action is chunk 0.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -38,9 +39,16 @@ __all__ = ["Action", "one_f_one_b", "gpipe", "interleaved_1f1b", "make_schedule"
 #: Schedule names a plan may carry.
 SCHEDULES = ("1f1b", "gpipe")
 
+_ACTION_RE = re.compile(r"(?P<kind>[FB])(?P<mb>\d+)(?:\.(?P<chunk>\d+))?")
+
 
 @dataclass(frozen=True, slots=True)
 class Action:
+    """One step of a GPU group's schedule: the forward (``"F"``) or backward
+    (``"B"``) of micro-batch ``microbatch`` through the group's model chunk
+    ``chunk``. Prints as ``F3`` / ``B2.1`` and parses back (``Action.parse``),
+    like ``torch.distributed.pipelining``'s ``_Action``."""
+
     kind: str  # "F" or "B"
     microbatch: int
     #: Model chunk of the group (interleaving): the action runs stage ``group + chunk * P``.
@@ -48,6 +56,23 @@ class Action:
 
     def __str__(self) -> str:
         return f"{self.kind}{self.microbatch}" + (f".{self.chunk}" if self.chunk else "")
+
+    @classmethod
+    def parse(cls, text: str) -> "Action":
+        """The action ``str(action)`` printed: ``"F3"``, ``"B2.1"`` (chunk 1).
+
+        Raises:
+            ValueError: ``text`` is not ``F`` or ``B``, a micro-batch >= 0 and
+                optionally ``.chunk`` with chunk >= 1.
+        """
+        m = _ACTION_RE.fullmatch(text.strip()) if isinstance(text, str) else None
+        if m is None:
+            raise ValueError(f"action {text!r}: expected F or B, a micro-batch number and optionally .chunk "
+                             f"(e.g. 'F3', 'B2.1')")
+        chunk = int(m["chunk"]) if m["chunk"] is not None else 0
+        if m["chunk"] is not None and chunk < 1:
+            raise ValueError(f"action {text!r}: chunk 0 is written without a suffix ('{m['kind']}{m['mb']}')")
+        return cls(m["kind"], int(m["mb"]), chunk)
 
 
 def one_f_one_b(stage: int, num_stages: int, num_microbatches: int) -> tuple[Action, ...]:

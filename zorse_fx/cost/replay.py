@@ -20,7 +20,7 @@ import torch.fx as fx
 
 from ..capture.analysis import _propagate
 from ..capture.trace import META_KEY, CapturedModel, _fetch_attr
-from ..cost.opclass import flops_bytes, op_class, signature, tensors_in
+from .opclass import flops_bytes, op_class, signature, tensors_in
 
 __all__ = ["NodeCall", "model_calls", "time_call"]
 

@@ -3,7 +3,7 @@
 CP-SAT under a time limit can stop at a poor incumbent on large clusters
 (``bench/README.md``, planner scaling). The baselines (``zorse_fx/baselines``)
 are fast and score decisions with the same objective, and so is zorse_fx's
-own memory-first stage DP (``stage_dp.py``, which finds plans where memory is
+own memory-first stage DP (``solve/stage_dp.py``, which finds plans where memory is
 too tight for both the baselines' recipes and an objective-driven CP-SAT
 search). The planner runs them first, hands their feasible plans to CP-SAT as
 hints (``AddHint``: the candidate with the same stages and micro-batches
@@ -11,7 +11,7 @@ starts from the plan) and keeps the best *feasible* decision. The result says
 which one won (``status`` "OPTIMAL"/"FEASIBLE" from CP-SAT, "STAGE_DP" when
 the stage DP's plan beat an unproven CP-SAT incumbent, or "BASELINE:<name>"
 for a baseline); the optimality gap keeps CP-SAT's bound, so it is reported
-against the returned plan. Last, ``interleave.with_interleaving`` re-cuts the
+against the returned plan. Last, ``solve.interleave.with_interleaving`` re-cuts the
 winner's GPU groups into interleaved stages and keeps that when the objective
 scores it faster (status ``<status>+INTERLEAVED``; [Note: interleave search]).
 """
@@ -22,9 +22,11 @@ import dataclasses
 import inspect
 import time
 
-from ..errors import InfeasiblePlanError
-from ..options import PlanOptions
-from .records import BlockCosts, DeviceGraph, SolverResult, with_safety_stop
+from .errors import InfeasiblePlanError
+from .ir.costs import BlockCosts
+from .ir.devices import DeviceGraph
+from .ir.result import SolverResult, with_safety_stop
+from .options import PlanOptions
 
 __all__ = ["solve_portfolio", "LARGE_CLUSTER_GPUS", "CHEAP_BASELINES"]
 
@@ -44,10 +46,11 @@ def solve_portfolio(costs: BlockCosts, devices: DeviceGraph, options: PlanOption
         InfeasiblePlanError: neither CP-SAT nor any baseline has a feasible plan
             (CP-SAT's message, which names the binding constraint).
     """
-    from ..baselines import BASELINES
-    from .objective import evaluate_result
-    from .interleave import with_interleaving
-    from .stage_dp import stage_dp_search
+    from .baselines import BASELINES
+    from .solve.bounds import throughput_bound_s
+    from .solve.interleave import with_interleaving
+    from .solve.objective import evaluate_result
+    from .solve.stage_dp import stage_dp_search
 
     t0 = time.perf_counter()
     # The heuristics first: their feasible plans warm-start the CP-SAT candidates
@@ -87,7 +90,7 @@ def solve_portfolio(costs: BlockCosts, devices: DeviceGraph, options: PlanOption
         return with_interleaving(costs, devices, options, best)
     if found and (best is None or found[0][0] < best.predicted_step_time_s):
         step, name, res = found[0]
-        bound = best.best_bound if best is not None else _throughput_bound_s(costs, devices, options)
+        bound = best.best_bound if best is not None else throughput_bound_s(costs, devices, options)
         # Keep CP-SAT's per-candidate records (statuses, bounds) after the heuristic's.
         searched = tuple(best.candidates) if best is not None else ()
         stops = best.wall_clock_stops if best is not None else 0
@@ -100,13 +103,3 @@ def solve_portfolio(costs: BlockCosts, devices: DeviceGraph, options: PlanOption
     best = with_interleaving(costs, devices, options, best)
     return dataclasses.replace(best, wall_s=time.perf_counter() - t0,
                                candidates=tuple(best.candidates) + tuple({"portfolio": t} for t in tried))
-
-
-def _throughput_bound_s(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions) -> float:
-    """A lower bound (s) on every decision's step time when CP-SAT returned none:
-    the smallest ``bounds.throughput_lower_bound`` over the micro-batch counts."""
-    from .bounds import throughput_lower_bound
-    from .objective import UNIT_S, build_tables, microbatch_candidates
-
-    return min(throughput_lower_bound(build_tables(costs, devices, options, m))
-               for m in microbatch_candidates(options)) * UNIT_S

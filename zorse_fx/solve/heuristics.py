@@ -43,10 +43,22 @@ import time
 from collections import Counter
 
 from ..errors import InfeasiblePlanError
+from ..ir.costs import BlockCosts
+from ..ir.devices import DeviceGraph
+from ..ir.result import SolverResult
 from ..options import PlanOptions
-from ..solve.objective import (MIB_UNITS, UNIT_S, MemoryPolicy, build_tables, evaluate, evaluate_units,
-                               fill_policy, inflight, mode_violations, policy_decision)
-from ..solve.records import BlockCosts, DeviceGraph, SolverResult
+from ..solve.objective import (
+    MIB_UNITS,
+    UNIT_S,
+    MemoryPolicy,
+    build_tables,
+    evaluate,
+    evaluate_units,
+    fill_policy,
+    inflight,
+    mode_violations,
+    policy_decision,
+)
 from ..solve.state_terms import stage_state_kib
 
 __all__ = ["Selector", "gpu_speeds", "largest_remainder", "proportional_cuts", "reference_block_work",

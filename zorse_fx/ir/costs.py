@@ -1,0 +1,141 @@
+"""What one training step of the model costs, per block: the record the cost
+model produces and every planner, the evaluator and the simulator read.
+
+Legend: ``B`` = number of blocks (contiguous pieces of the model graph between
+legal cut points).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["BlockCosts", "TiedParam"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TiedParam:
+    """A trainable parameter read by several blocks (a tied input/output
+    embedding: GPT-2, OPT). Its elements count in ``BlockCosts.param_count``
+    of every block in ``blocks`` (each stage holding one or more of them keeps
+    one copy, which the cost model counts once: [C-tied], ``state_terms.py``);
+    where those blocks fall in different stages the runtime reduces its
+    gradient once over the union of the holding stages' GPUs ([Note:
+    overlapped gradient reduction] in ``runtime/grad_sync.py``), not per stage."""
+
+    #: Canonical parameter name (``CapturedModel.tied`` values), for messages.
+    name: str
+    #: The blocks that read it, ascending, at least two.
+    blocks: tuple[int, ...]
+    #: Elements of the parameter.
+    numel: int
+
+    def __post_init__(self) -> None:
+        if len(self.blocks) < 2 or list(self.blocks) != sorted(set(self.blocks)) or self.blocks[0] < 0:
+            raise ValueError(f"TiedParam {self.name!r}: blocks={self.blocks!r} must be >= 2 distinct block "
+                             f"indices >= 0 in ascending order")
+        if not isinstance(self.numel, int) or self.numel <= 0:
+            raise ValueError(f"TiedParam {self.name!r}: numel={self.numel!r} must be an int > 0")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BlockCosts:
+    """Per-block costs of one training step of the model, per sample.
+
+    Block ``b`` is the ``b``-th contiguous piece of the graph; a pipeline stage
+    is a contiguous range of blocks ``[start, end)``.
+    """
+
+    #: ``{gpu_type: (B,)}`` forward+backward time of one sample through block
+    #: ``b`` on one GPU of that type, in seconds (cost model: roofline or
+    #: measured profile).
+    fwd_bwd_s_per_sample: dict[str, tuple[float, ...]]
+    #: ``{gpu_type: (B,)}`` forward+backward time of block ``b`` per
+    #: micro-batch that does not grow with its samples (kernel launches), in
+    #: seconds. Missing types count as zero.
+    fwd_bwd_s_fixed: dict[str, tuple[float, ...]] = field(default_factory=dict)
+    #: ``(B,)`` trainable parameters first used in block ``b``.
+    param_count: tuple[int, ...]
+    #: ``(B,)`` activation bytes one sample keeps alive for the backward pass
+    #: (measured under the plan's precision: what autograd saves under its autocast).
+    act_bytes_per_sample: tuple[int, ...]
+    #: ``(B+1,)`` bytes per sample crossing a cut placed *before* block ``c``,
+    #: in the dtypes the plan's autocast gives the crossing tensors (entries 0
+    #: and B are 0: nothing crosses the ends of the model).
+    cut_bytes_per_sample: tuple[int, ...]
+    #: Bytes of training state the runtime keeps per trainable parameter
+    #: under the plan's precision (``PrecisionPolicy.state_bytes_per_param``,
+    #: [Note: mixed precision] in ``zorse_fx/precision.py``): float32 weight 4
+    #: + float32 gradient 4 + AdamW moments 8 = 16 B in fp32; + 2 B for
+    #: autocast's 16-bit weight copy in bf16/fp16-mixed (18 B); + 2 B for
+    #: 16-bit gradient buckets when gradients are reduced in bfloat16 (20 B).
+    state_bytes_per_param: int = 16
+    #: Bytes per parameter the optimizer step reads and writes once ([C-optim]:
+    #: ``2 x`` this over the memory bandwidth): the float32 weight, gradient and
+    #: AdamW moments, 16 B in every precision (AdamW does not touch the 16-bit
+    #: weight copies); None = ``state_bytes_per_param``.
+    optimizer_bytes_per_param: int | None = None
+    #: Bytes of each gradient element in the DP all-reduce: 4 (float32
+    #: reduction, every precision's default), 2 (bfloat16 reduction).
+    grad_bytes_per_param: int = 4
+    #: The part of ``state_bytes_per_param`` that ZeRO-1 shards across a
+    #: stage's data-parallel group: AdamW's two float32 moments (8 B), in every
+    #: precision. Weights (float32 masters, which autocast reads), gradients
+    #: and the 16-bit weight copies stay replicated.
+    shardable_bytes_per_param: int = 8
+    #: Bytes of each weight in the all-gather after a sharded optimizer step:
+    #: 4 (the float32 master weights, in every precision).
+    param_bytes_per_param: int = 4
+    #: Parameters read by several blocks (tied embeddings), each counted in
+    #: ``param_count`` of every block that reads it; empty = none.
+    tied_params: tuple[TiedParam, ...] = ()
+
+    def __post_init__(self) -> None:
+        nb = len(self.param_count)
+        if nb == 0:
+            raise ValueError("BlockCosts needs at least one block")
+        if not 0 <= self.shardable_bytes_per_param <= self.state_bytes_per_param:
+            raise ValueError(
+                f"shardable_bytes_per_param={self.shardable_bytes_per_param} must be between 0 and "
+                f"state_bytes_per_param={self.state_bytes_per_param}")
+        if len(self.act_bytes_per_sample) != nb:
+            raise ValueError(
+                f"act_bytes_per_sample has {len(self.act_bytes_per_sample)} entries, "
+                f"param_count has {nb}"
+            )
+        if len(self.cut_bytes_per_sample) != nb + 1:
+            raise ValueError(
+                f"cut_bytes_per_sample needs {nb + 1} entries (one per cut position), "
+                f"got {len(self.cut_bytes_per_sample)}"
+            )
+        for gpu_type, times in self.fwd_bwd_s_per_sample.items():
+            if len(times) != nb:
+                raise ValueError(
+                    f"fwd_bwd_s_per_sample[{gpu_type!r}] has {len(times)} entries, "
+                    f"expected {nb} (one per block)"
+                )
+            if any(t < 0 for t in times):
+                raise ValueError(f"negative block time for {gpu_type!r}: {times}")
+        for gpu_type, times in self.fwd_bwd_s_fixed.items():
+            if len(times) != nb or any(t < 0 for t in times):
+                raise ValueError(
+                    f"fwd_bwd_s_fixed[{gpu_type!r}] must have {nb} non-negative entries, got {times}"
+                )
+        for tp in self.tied_params:
+            if not isinstance(tp, TiedParam):
+                raise ValueError(f"tied_params must hold TiedParam records, got {tp!r}")
+            bad = [b for b in tp.blocks if b >= nb or self.param_count[b] < tp.numel]
+            if bad:
+                raise ValueError(
+                    f"tied parameter {tp.name!r}: block(s) {bad} out of range or with param_count below its "
+                    f"{tp.numel} elements; a tied parameter counts in param_count of every block in {tp.blocks}")
+        if len({tp.name for tp in self.tied_params}) != len(self.tied_params):
+            raise ValueError(f"tied_params names must be unique, got {[tp.name for tp in self.tied_params]}")
+
+    @property
+    def optim_bytes(self) -> int:
+        """``optimizer_bytes_per_param``, or ``state_bytes_per_param`` when unset."""
+        return self.state_bytes_per_param if self.optimizer_bytes_per_param is None else self.optimizer_bytes_per_param
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.param_count)

@@ -1,0 +1,46 @@
+"""The shape and dtype of a tensor that crosses a stage boundary or enters the
+model, per sample (the batch dimension left out)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["TensorSpec", "ITEMSIZE"]
+
+#: Bytes per element of the dtypes a captured graph's batch-major tensors may take
+#: (``torch.<name>.itemsize``, checked against torch in tests/test_ir.py); its keys are
+#: the dtypes plan.json accepts (``plan_schema.TensorDtype``).
+ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1,
+            "complex64": 8, "complex128": 16, "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TensorSpec:
+    """A batch-major tensor: full shape is ``(n, *shape_per_sample)``."""
+
+    name: str
+    shape_per_sample: tuple[int, ...]
+    dtype: str  # e.g. "float32", as in ``torch.float32``
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per element of ``dtype``; raises ``ValueError`` for a dtype outside ``ITEMSIZE``."""
+        try:
+            return ITEMSIZE[self.dtype]
+        except KeyError:
+            raise ValueError(f"TensorSpec {self.name!r}: dtype {self.dtype!r} is not one of {sorted(ITEMSIZE)}") \
+                from None
+
+    @property
+    def bytes_per_sample(self) -> int:
+        numel = 1
+        for d in self.shape_per_sample:
+            numel *= d
+        return numel * self.itemsize
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "shape_per_sample": list(self.shape_per_sample), "dtype": self.dtype}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TensorSpec":
+        return cls(name=d["name"], shape_per_sample=tuple(d["shape_per_sample"]), dtype=d["dtype"])
