@@ -108,7 +108,8 @@ def run(model_name: str, args, rows: list[dict]) -> None:
     import zorse_fx as zorse
     from zorse_fx.data import read_corpus, tokenize
     from zorse_fx.models.registry import load_model
-    from zorse_fx.planner import PlanOptions, _analyse_and_price, plan_fixed
+    from zorse_fx.planner import PlanOptions, plan_fixed
+    from zorse_fx.pricing import price
     from zorse_fx.solve import Decision
 
     model, tokenizer = load_model(model_name)
@@ -125,7 +126,7 @@ def run(model_name: str, args, rows: list[dict]) -> None:
                              verbose=True)
     captured, cluster = compiled.captured, zorse_cluster(args.cluster)
     opts = PlanOptions(global_batch_size=args.global_batch_size, profiles=(args.profile,), precision="fp32")
-    _, costs, _ = _analyse_and_price(captured, cluster, opts)
+    costs = price(captured, cluster, opts).costs
     plans = [("solver", compiled.plan)]
     # Balanced 2-stage pipeline, one rank per stage: cut where the slower half is fastest.
     t = costs.fwd_bwd_s_per_sample[cluster.gpus[0].type]
@@ -152,14 +153,15 @@ def predicted_breakdown(plan, costs, args) -> tuple[float, dict[str, float]]:
     "allreduce" / "optim" / "allgather" events (``sim/engine.py``; the
     all-gather of a ZeRO-1 stage is objective.py [C-allreduce]'s
     ``sh_s * param_bytes * P_s / bw_min + (k - 1) * lat_max``)."""
-    from zorse_fx.planner import PlanOptions, _device_graph
+    from zorse_fx.planner import PlanOptions
+    from zorse_fx.pricing import device_graph
     from zorse_fx.sim import simulate
     from zorse_fx.sim.engine import plan_decision
 
     opts = PlanOptions(global_batch_size=plan.global_batch_size, schedule=plan.schedule,
                        max_stages=plan.num_stages, profiles=(args.profile,), precision=plan.precision,
                        grad_reduce_dtype=plan.grad_reduce_dtype)
-    sim = simulate(costs, _device_graph(zorse_cluster(args.cluster), opts), opts,
+    sim = simulate(costs, device_graph(zorse_cluster(args.cluster), opts), opts,
                    plan_decision(plan, costs))
     per_gpu: dict[int, dict[str, float]] = defaultdict(lambda: dict.fromkeys(COMPONENTS, 0.0))
     key = {"allreduce": "allreduce_s", "optim": "optimizer_s", "allgather": "allgather_s"}

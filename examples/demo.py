@@ -134,17 +134,12 @@ def main() -> int:
 
 def _simulated_timeline(compiled, cluster, out: Path) -> None:
     """The plan's step on the real cluster, event-simulated: Gantt PNG + Perfetto trace."""
-    from zorse_fx.planner import PlanOptions, _analyse_and_price, _device_graph
-    from zorse_fx.sim import gantt_png, simulate, to_perfetto
-    from zorse_fx.sim.engine import plan_decision
+    from zorse_fx.pricing import options_for_plan, price, simulate_plan
+    from zorse_fx.sim import gantt_png, to_perfetto
 
     plan = compiled.plan
-    options = PlanOptions(global_batch_size=plan.global_batch_size, schedule=plan.schedule,
-                          max_stages=plan.num_groups, max_interleave=plan.interleave,
-                          precision=plan.precision, grad_reduce_dtype=plan.grad_reduce_dtype)
-    _, costs, _ = _analyse_and_price(compiled.captured, cluster, options)
-    result = simulate(costs, _device_graph(cluster, options), options,
-                      plan_decision(plan, costs))  # decision + memory policy (sharding, recompute)
+    priced = price(compiled.captured, cluster, options_for_plan(plan))
+    result = simulate_plan(plan, priced)  # decision + memory policy (sharding, recompute)
     labels = [f"{g.type}@{g.node}" for g in cluster.gpus]
     gantt_png(result, out / "timeline.png", gpu_labels=labels)
     to_perfetto(result, out / "trace.json", gpu_labels=labels)

@@ -102,7 +102,7 @@ def reference_step(captured, batch: dict[str, torch.Tensor], precision: str | No
     global batch; ``precision`` "bf16-mixed"/"fp16-mixed": the forward under
     that autocast, as eager AMP trains (fp16: gradients of the scaled loss,
     unscaled, as ``torch.amp.GradScaler`` computes them)."""
-    from zorse_fx.capture.trace import _fetch_attr
+    from zorse_fx.capture.trace import fetch_attr
 
     gm = captured.graph_module
     gm.zero_grad(set_to_none=True)
@@ -112,10 +112,10 @@ def reference_step(captured, batch: dict[str, torch.Tensor], precision: str | No
     (loss.float() * scale).backward()
     if scale != 1.0:
         for canon in captured.trainable():
-            _fetch_attr(gm, canon).grad.div_(scale)
+            fetch_attr(gm, canon).grad.div_(scale)
     grads = {}
     for canon in captured.trainable():
-        grads[canon] = _fetch_attr(gm, canon).grad.detach().clone()
+        grads[canon] = fetch_attr(gm, canon).grad.detach().clone()
     gm.zero_grad(set_to_none=True)
     return float(loss.detach()), grads
 
@@ -360,11 +360,11 @@ def reference_adamw(captured, tokens, plan, steps, *, lr, weight_decay, precisio
     (1-based) ``scaler.step``, which must then skip it.
     Returns per-step losses, step-1 gradients (unscaled) and the final
     parameters, by canonical name: the reference the distributed runs must equal."""
-    from zorse_fx.capture.trace import _fetch_attr
+    from zorse_fx.capture.trace import fetch_attr
     from zorse_fx.runtime.worker import OptimizerConfig
 
     gm = captured.graph_module
-    params = {c: _fetch_attr(gm, c) for c in sorted(captured.trainable())}
+    params = {c: fetch_attr(gm, c) for c in sorted(captured.trainable())}
     cfg = OptimizerConfig()
     decay = [p for p in params.values() if p.dim() >= 2]
     no_decay = [p for p in params.values() if p.dim() < 2]

@@ -100,7 +100,7 @@ def test_chained_stages_equal_traced_model(captured, cuts, lee_bytes, tmp_path):
     got.backward()
     torch.testing.assert_close(got, ref, rtol=0, atol=1e-6)
     # Gradients: sum over stages holding a parameter (tied embeddings) == reference.
-    from zorse_fx.capture.trace import _fetch_attr
+    from zorse_fx.capture.trace import fetch_attr
 
     total: dict[str, torch.Tensor] = {}
     for p, mod in stages:
@@ -108,7 +108,7 @@ def test_chained_stages_equal_traced_model(captured, cuts, lee_bytes, tmp_path):
             g = getattr(mod, flat).grad
             total[canon] = total.get(canon, 0) + g
     for canon in captured.trainable():
-        torch.testing.assert_close(total[canon], _fetch_attr(captured.graph_module, canon).grad, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(total[canon], fetch_attr(captured.graph_module, canon).grad, rtol=1e-5, atol=1e-6)
     captured.graph_module.zero_grad(set_to_none=True)
 
 

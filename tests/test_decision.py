@@ -128,7 +128,8 @@ def test_plans_round_trip_through_plan_decision():
     from zorse_fx.capture import analyse, capture
     from zorse_fx.cluster import Cluster
     from zorse_fx.models.gpt import GPT, GPTConfig
-    from zorse_fx.planner import _analyse_and_price, _device_graph, plan_captured, plan_fixed
+    from zorse_fx.planner import plan_captured, plan_fixed
+    from zorse_fx.pricing import price
     from zorse_fx.sim.engine import plan_decision
 
     torch.manual_seed(0)
@@ -141,8 +142,8 @@ def test_plans_round_trip_through_plan_decision():
     fixed, _ = plan_fixed(captured, cluster, options, Decision(
         stage_blocks=((0, 2), (2, nb)), stage_gpus=((0, 1), (2,)), samples_per_microbatch=((3, 1), (4,)),
         num_microbatches=2, sharded=(True, False), recompute=(False, True)))
-    _, costs, policy = _analyse_and_price(captured, cluster, options)
-    devices = _device_graph(cluster, options)
+    priced = price(captured, cluster, options)
+    costs, policy, devices = priced.costs, priced.precision, priced.devices
     for plan, relaxed in ((solved, options), (fixed, dataclasses.replace(options, num_microbatches=None))):
         dec = plan_decision(plan, costs)
         assert dec.precision == plan.precision == policy.name

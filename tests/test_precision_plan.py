@@ -23,7 +23,8 @@ from zorse_fx.errors import PlanFileError, PlanOptionsError
 from zorse_fx.ir.tensor import TensorSpec
 from zorse_fx.models.gpt import GPT, GPTConfig
 from zorse_fx.plan import PLAN_FORMAT_VERSION, Plan
-from zorse_fx.planner import PlanOptions, _analyse_and_price, plan_fixed, resolve_precision
+from zorse_fx.planner import PlanOptions, plan_fixed, resolve_precision
+from zorse_fx.pricing import price
 from zorse_fx.precision import precision_policy
 from zorse_fx.solve import Decision
 
@@ -214,9 +215,9 @@ def test_cut_tensors_travel_in_their_autocast_dtype():
     torch.manual_seed(0)
     captured = capture(_Bottleneck(), (torch.randn(2, 16), torch.randn(2, 64)), method="fx")
     ampere = Cluster.from_yaml(AMPERE)
-    bg32, costs32, _ = _analyse_and_price(captured, ampere, PlanOptions(global_batch_size=4, precision="fp32",
-                                                                        profiles=()))
-    bg16, costs16, policy = _analyse_and_price(captured, ampere, PlanOptions(global_batch_size=4, profiles=()))
+    p32 = price(captured, ampere, PlanOptions(global_batch_size=4, precision="fp32", profiles=()))
+    p16 = price(captured, ampere, PlanOptions(global_batch_size=4, profiles=()))
+    (bg32, costs32), (bg16, costs16, policy) = (p32.blocks, p32.costs), (p16.blocks, p16.costs, p16.precision)
     assert policy.name == "bf16-mixed"
     assert bg16.num_blocks == bg32.num_blocks == 2
     assert bg32.cut_tensors[1] == (TensorSpec(name="linear_1", shape_per_sample=(8,), dtype="float32"),)

@@ -380,7 +380,8 @@ def test_plan_decision_round_trips_an_interleaved_plan(tmp_path, capsys):
     from zorse_fx.cluster import Cluster
     from zorse_fx.models.registry import load_model
     from zorse_fx.plan import Plan
-    from zorse_fx.planner import PlanOptions, _analyse_and_price, _device_graph, plan_fixed
+    from zorse_fx.planner import PlanOptions, plan_fixed
+    from zorse_fx.pricing import price
     from zorse_fx.sim.engine import plan_decision
 
     model, _ = load_model("gpt")  # the model `zorse simulate --model gpt` captures
@@ -397,9 +398,9 @@ def test_plan_decision_round_trips_an_interleaved_plan(tmp_path, capsys):
     assert plan_decision(plan) == want
     loaded = Plan.load(plan.export(tmp_path / "plan"))
     assert plan_decision(loaded) == want
-    _, costs, _ = _analyse_and_price(captured, cluster, options)
+    priced = price(captured, cluster, options)
     sopts = solver_options(global_batch_size=8, max_interleave=2)
-    sim = simulate(costs, _device_graph(cluster, options), sopts, plan_decision(loaded))
+    sim = simulate(priced.costs, priced.devices, sopts, plan_decision(loaded))
     assert sim.interleave == 2
     for st in loaded.stages:
         for g in st.gpus:

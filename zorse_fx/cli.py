@@ -122,9 +122,8 @@ def cmd_simulate(args) -> int:
     from .cluster import Cluster
     from .models.hf import CausalLMWithLoss, is_hf_causal_lm
     from .plan import Plan
-    from .planner import PlanOptions, _analyse_and_price, _device_graph
-    from .sim import gantt_png, simulate, to_perfetto
-    from .sim.engine import plan_decision
+    from .pricing import options_for_plan, price, simulate_plan
+    from .sim import gantt_png, to_perfetto
 
     plan = Plan.load(args.plan)
     cluster = Cluster.from_yaml(args.cluster)
@@ -132,12 +131,8 @@ def cmd_simulate(args) -> int:
     if is_hf_causal_lm(model):
         model = CausalLMWithLoss(model)
     ids = torch.randint(0, 200, (2, plan.seq_len))
-    options = PlanOptions(global_batch_size=plan.global_batch_size, schedule=plan.schedule,
-                          max_stages=plan.num_groups, max_interleave=plan.interleave,
-                          precision=plan.precision, grad_reduce_dtype=plan.grad_reduce_dtype)
-    _, costs, _ = _analyse_and_price(capture(model, (ids, ids)), cluster, options)
-    decision = plan_decision(plan, costs)  # the plan's memory policy (ZeRO-1 shards, recomputation) too
-    result = simulate(costs, _device_graph(cluster, options), options, decision, p2p=args.p2p)
+    priced = price(capture(model, (ids, ids)), cluster, options_for_plan(plan))
+    result = simulate_plan(plan, priced, p2p=args.p2p)  # with the plan's memory policy (ZeRO-1, recomputation)
     labels = [f"{g.type}@{g.node}" for g in cluster.gpus]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

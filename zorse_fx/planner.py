@@ -13,47 +13,20 @@ import dataclasses
 import logging
 import time
 
-from .capture import BlockGraph, CapturedModel, analyse
+from .capture import BlockGraph, CapturedModel
 from .cluster import Cluster
 from .codegen import emit_source, split_stages
-from .cost.roofline import block_costs, saved_activations_or_estimate
-from .errors import PlanOptionsError
 from .ir.decision import Decision
 from .ir.result import SolverResult
 from .options import PlanOptions
-from .options import checked_policy as _policy
 from .plan import GPUShare, Plan, SolverReport, StagePlan
-from .precision import PrecisionPolicy, check_supported, default_precision
+from .precision import PrecisionPolicy
+from .pricing import price, resolve_precision
 from .solve import solve_brute_force, solve_cpsat
 
 __all__ = ["PlanOptions", "plan_captured", "plan_fixed", "build_plan", "resolve_precision"]
 
 log = logging.getLogger(__name__)
-
-
-def resolve_precision(options: PlanOptions, cluster: Cluster) -> tuple[PrecisionPolicy, str]:
-    """The plan's precision policy on ``cluster`` and why it is that one
-    ("auto: every GPU supports bf16", "auto: T4, V100-16GB have no bf16",
-    "asked for").
-
-    Raises:
-        PlanOptionsError: bf16-mixed asked for on a cluster with a GPU without
-            bfloat16 (the message names the GPU types and the alternatives),
-            or a gradient-reduction dtype the precision does not allow.
-    """
-    specs = [g.spec for g in cluster.gpus]
-    if options.precision == "auto":
-        name = default_precision(specs)
-        missing = sorted({s.type for s in specs if not s.bf16_supported})
-        reason = ("every GPU supports bf16" if not missing
-                  else f"{', '.join(missing)} {'has' if len(missing) == 1 else 'have'} no bf16")
-        return (_policy(name, options.grad_reduce_dtype, why=f" (precision 'auto' chose {name}: {reason})"),
-                f"auto: {reason}")
-    try:
-        check_supported(options.precision, specs)
-    except ValueError as exc:
-        raise PlanOptionsError(f"PlanOptions.precision on cluster {cluster.name!r}: {exc}") from None
-    return _policy(options.precision, options.grad_reduce_dtype, why=""), "asked for"
 
 
 def plan_captured(
@@ -77,7 +50,8 @@ def plan_captured(
     """
     say = progress or (lambda msg: log.info(msg))
     t0 = time.perf_counter()
-    bg, costs, policy = _analyse_and_price(captured, cluster, options, say)
+    priced = price(captured, cluster, options, progress=say)
+    bg, costs, policy = priced.blocks, priced.costs, priced.precision
     say(f"analysed graph: {len(bg.act_order)} activation nodes, {bg.num_blocks} blocks at legal cut points")
     from .solve.grouped import solve_grouped
     from .solve.stage_dp import solve_stage_dp
@@ -89,7 +63,7 @@ def plan_captured(
              "stage_dp": solve_stage_dp}[planner]  # PlanOptions checked the name
     from .portfolio import solve_portfolio
 
-    devices = _device_graph(cluster, options)
+    devices = priced.devices
     if planner == "brute_force":  # the exhaustive oracle of one stage per group, on its own
         result = solve(costs, devices, options)
     elif planner == "stage_dp":  # on its own, without the portfolio
@@ -128,71 +102,6 @@ def plan_captured(
     return plan, bg
 
 
-def _analyse_and_price(captured: CapturedModel, cluster: Cluster, options: PlanOptions, say=None):
-    """(block graph, per-block costs on the cluster's GPU types, precision policy).
-
-    The precision is ``resolve_precision``'s. Activations are measured under
-    its autocast, and the returned block graph's tensor specs (so the stages'
-    ``recv``/``send`` and the cut bytes) are in the dtypes autocast gives them
-    ([Note: saved activations] in ``cost/roofline.py``). Types with a
-    measured kernel profile are priced from it; the others by the roofline
-    with efficiencies learned from the measured GPU profiles
-    (``cost/measured.py``). Without any profile for the cluster's types, the
-    plain roofline (``cost/roofline.py``)."""
-    from .cost.measured import ProfileSet, measured_block_costs
-
-    policy, why = resolve_precision(options, cluster)
-    if say:
-        say(f"precision {policy.describe()} ({why})")
-    bg = analyse(captured, max_blocks=options.max_blocks)
-    acts = saved_activations_or_estimate(bg, policy)
-    cast = bg.with_dtypes(acts.output_dtypes)
-    if say and cast is not bg:
-        changed = sorted({f"{t.name} {b.dtype}->{t.dtype}" for ts, bs in zip(cast.cut_tensors, bg.cut_tensors)
-                          for t, b in zip(ts, bs) if t.dtype != b.dtype})
-        if changed:
-            say(f"under {policy.name} autocast these cut tensors change dtype: {', '.join(changed)}")
-    bg = cast
-    specs = {g.type: g.spec for g in cluster.gpus}
-    costs = block_costs(bg, specs, precision=policy, activations=acts)
-    profiles = ProfileSet.load(options.profiles) if options.profiles != () else ProfileSet([])
-    if not any(t in profiles for t in specs):
-        if say:
-            say(f"cost model: roofline on {', '.join(specs)} ({policy.compute_dtype_name} matmuls; "
-                "no measured profile for these types)")
-        return bg, costs, policy
-    measured = [profiles.by_type[t].batch_sizes for t in specs if t in profiles and profiles.by_type[t].batch_sizes]
-    batches = options.profile_batches or (
-        (min(measured[0]), max(measured[0])) if measured and len(set(measured[0])) > 1
-        else (1, max(2, options.global_batch_size // 4)))
-    costs, sources = measured_block_costs(bg, specs, profiles, batches=batches, base=costs,
-                                          compute_dtype=policy.compute_dtype)
-    if say:
-        for t, count in sources.items():
-            total = sum(count.values()) or 1
-            say(f"cost model for {t}: " + ", ".join(f"{k} {100 * v / total:.0f}%" for k, v in sorted(count.items()))
-                + f" of node times (micro-batches {batches[0]} and {batches[1]})")
-    return bg, costs, policy
-
-
-def _device_graph(cluster: Cluster, options: PlanOptions):
-    """The cluster's device graph; where a GPU type's profile measured the
-    optimizer step, its optimizer time comes from that measurement (expressed
-    as the memory bandwidth at which the solver's [C-optim] term,
-    ``2 * optimizer_bytes_per_param`` per parameter, takes the measured time)."""
-    from .cost.measured import ProfileSet
-
-    dg = cluster.device_graph()
-    step_bytes = resolve_precision(options, cluster)[0].optimizer_step_bytes_per_param
-    profiles = ProfileSet.load(options.profiles) if options.profiles != () else ProfileSet([])
-    bw = list(dg.mem_bw_bytes_per_s)
-    for g, t in enumerate(dg.gpu_types):
-        prof = profiles.by_type.get(t)
-        if prof is not None and prof.optimizer_ns_per_param > 0:
-            bw[g] = 2 * step_bytes / (prof.optimizer_ns_per_param * 1e-9)  # [C-optim]: 2 * optim B/param / bw
-    return dataclasses.replace(dg, mem_bw_bytes_per_s=tuple(bw))
-
-
 def build_plan(
     bg: BlockGraph,
     cluster: Cluster,
@@ -207,7 +116,7 @@ def build_plan(
 ) -> Plan:
     """Turn a planner decision into a ``Plan`` with generated stage sources;
     ``precision`` is the policy ``bg`` was priced under (``bg``'s tensor specs
-    in its autocast dtypes, as ``_analyse_and_price`` returns it); ``check``
+    in its autocast dtypes, as ``pricing.price`` returns it); ``check``
     (a ``sim.check.SimulationCheck``) fills ``plan.solver.simulated_*``."""
     dec = result.decision
     programs = split_stages(bg, dec.stage_blocks)
@@ -309,7 +218,8 @@ def plan_fixed(
     """
     from .solve import evaluate
 
-    bg, costs, policy = _analyse_and_price(captured, cluster, options)
+    priced = price(captured, cluster, options)
+    bg, costs, policy = priced.blocks, priced.costs, priced.precision
     if decision.precision and decision.precision != policy.name:
         raise ValueError(f"Decision.precision={decision.precision!r} but the options price {policy.name!r} on "
                          f"cluster {cluster.name!r}: pass PlanOptions(precision={decision.precision!r}) or leave "
@@ -318,7 +228,7 @@ def plan_fixed(
                                   max_interleave=max(options.max_interleave, decision.interleave),
                                   num_microbatches=None, max_microbatches=options.global_batch_size,
                                   allow_idle_gpus=True, sharding="auto", recompute="auto")
-    ev = evaluate(costs, _device_graph(cluster, options), relaxed,
+    ev = evaluate(costs, priced.devices, relaxed,
                   dataclasses.replace(decision, precision=policy.name))
     result = SolverResult.from_evaluation(ev, options=relaxed, status="FIXED", best_bound=ev.step_time_s)
     plan = build_plan(bg, cluster, result, options, model_name=model_name, label_mode=label_mode,

@@ -51,7 +51,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ..errors import ModelCaptureError
 from ..ir.tensor import TensorSpec
-from .trace import META_KEY, CapturedModel, _fetch_attr
+from .trace import META_KEY, CapturedModel, fetch_attr
 
 __all__ = ["TensorSpec", "BlockGraph", "analyse"]
 
@@ -157,7 +157,7 @@ def _classify(gm: fx.GraphModule) -> dict[str, str]:
         if node.op == "placeholder":
             kind[node.name] = "input"
         elif node.op == "get_attr":
-            value = _fetch_attr(gm, node.target)
+            value = fetch_attr(gm, node.target)
             trainable = isinstance(value, torch.nn.Parameter) and value.requires_grad
             kind[node.name] = "param" if trainable else "const"
         elif node.op == "output":

@@ -31,7 +31,7 @@ import torch.fx as fx
 
 from ..errors import ModelCaptureError
 
-__all__ = ["CapturedModel", "capture"]
+__all__ = ["CapturedModel", "capture", "fetch_attr"]
 
 log = logging.getLogger(__name__)
 
@@ -73,20 +73,23 @@ class CapturedModel:
         for node in self.graph_module.graph.find_nodes(op="get_attr"):
             canon = self.tied.get(node.target, node.target)
             if canon not in out:
-                out[canon] = _fetch_attr(self.graph_module, node.target).detach()
+                out[canon] = fetch_attr(self.graph_module, node.target).detach()
         return out
 
     def trainable(self) -> set[str]:
         """Canonical names of the trainable parameters."""
         names = set()
         for node in self.graph_module.graph.find_nodes(op="get_attr"):
-            value = _fetch_attr(self.graph_module, node.target)
+            value = fetch_attr(self.graph_module, node.target)
             if isinstance(value, torch.nn.Parameter) and value.requires_grad:
                 names.add(self.tied.get(node.target, node.target))
         return names
 
 
-def _fetch_attr(module: torch.nn.Module, target: str):
+def fetch_attr(module: torch.nn.Module, target: str):
+    """The attribute a ``get_attr`` node's dotted ``target`` names (``"h.0.attn.c_attn.weight"``)
+    on ``module``: a parameter, buffer or constant tensor. Raises ``AttributeError`` naming
+    the missing part."""
     obj = module
     for part in target.split("."):
         obj = getattr(obj, part)
@@ -112,7 +115,7 @@ def _tie_map(gm: fx.GraphModule) -> dict[str, str]:
     first_by_id: dict[int, str] = {}
     tied: dict[str, str] = {}
     for node in gm.graph.find_nodes(op="get_attr"):
-        value = _fetch_attr(gm, node.target)
+        value = fetch_attr(gm, node.target)
         if not isinstance(value, torch.Tensor):
             continue
         canon = first_by_id.setdefault(id(value), node.target)

@@ -31,7 +31,7 @@ import torch
 import torch.fx as fx
 
 from ..capture.analysis import BlockGraph
-from ..capture.trace import META_KEY, _fetch_attr
+from ..capture.trace import META_KEY, fetch_attr
 from ..ir.tensor import TensorSpec
 
 __all__ = ["StageProgram", "split_stages", "emit_source", "load_stage_class", "load_stage_source", "flat_name"]
@@ -139,7 +139,7 @@ def _build_stage(bg: BlockGraph, s: int, num_stages: int, blocks: tuple[int, int
         if n.name in needed and n.op == "get_attr":
             canon = tied.get(n.target, n.target)
             flat = flat_name(canon)
-            value = _fetch_attr(gm, n.target)
+            value = fetch_attr(gm, n.target)
             trainable = isinstance(value, torch.nn.Parameter) and value.requires_grad
             (params if trainable else consts)[flat] = canon
             attr_meta[flat] = (tuple(value.shape), str(value.dtype).removeprefix("torch."))

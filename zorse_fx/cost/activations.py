@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
 from ..capture.analysis import BlockGraph
-from ..capture.trace import META_KEY, _fetch_attr
+from ..capture.trace import META_KEY, fetch_attr
 from ..precision import PrecisionPolicy, precision_policy
 from .opclass import op_class, tensors_in
 
@@ -262,7 +262,7 @@ def measure_saved_activations(bg: BlockGraph, precision: PrecisionPolicy) -> Sav
     by_id: dict[int, torch.Tensor] = {}  # one fake tensor per real one: tied weights stay tied
     trainable: list[torch.Tensor] = []
     for node in gm.graph.find_nodes(op="get_attr"):
-        value = _fetch_attr(gm, node.target)
+        value = fetch_attr(gm, node.target)
         if not isinstance(value, torch.Tensor):
             continue
         if id(value) not in by_id:

@@ -19,7 +19,7 @@ import torch
 import torch.fx as fx
 
 from ..capture.analysis import _propagate
-from ..capture.trace import META_KEY, CapturedModel, _fetch_attr
+from ..capture.trace import META_KEY, CapturedModel, fetch_attr
 from .opclass import flops_bytes, op_class, signature, tensors_in
 
 __all__ = ["NodeCall", "model_calls", "time_call"]
@@ -54,7 +54,7 @@ def model_calls(captured: CapturedModel, batch: int) -> dict[str, NodeCall]:
         analyse(captured)  # classifies nodes
     values = _propagate(gm, captured.example_inputs, batch)
     for n in gm.graph.find_nodes(op="get_attr"):
-        values[n.name] = _fetch_attr(gm, n.target)
+        values[n.name] = fetch_attr(gm, n.target)
     out: dict[str, NodeCall] = {}
     for node in gm.graph.nodes:
         if node.meta.get(META_KEY, {}).get("kind") != "act":

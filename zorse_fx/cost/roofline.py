@@ -49,7 +49,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
 from ..capture.analysis import BlockGraph
-from ..capture.trace import META_KEY, _fetch_attr
+from ..capture.trace import META_KEY, fetch_attr
 from ..cluster import GPUSpec
 from ..ir.costs import BlockCosts, TiedParam
 from ..precision import PrecisionPolicy, precision_policy
@@ -116,7 +116,7 @@ def _node_cost(node: fx.Node, gm: fx.GraphModule, dtypes: dict[str, str],
     compute = cls in ("matmul", "attention")
 
     def val(a):
-        return _fetch_attr(gm, a.target) if a.op == "get_attr" else a.meta[META_KEY].get("val_batch1")
+        return fetch_attr(gm, a.target) if a.op == "get_attr" else a.meta[META_KEY].get("val_batch1")
 
     def read(a, t):
         """The dtype the node reads ``t`` (the value of input node ``a``) in at run time."""

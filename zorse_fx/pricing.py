@@ -1,0 +1,202 @@
+"""A captured model priced on a cluster, once, as every later phase reads it.
+
+``price(captured, cluster, options)`` resolves the plan's precision, cuts the
+graph into blocks, measures activations under that precision's autocast,
+prices every block on every GPU type of the cluster (from a measured kernel
+profile where the type has one, else the per-class model of
+``cost/gpu_model.py``) and builds the device graph, loading the profiles
+once. The planner, ``zorse simulate``, the demo and the benchmarks all start
+from the ``PricedModel`` it returns; ``simulate_plan`` replays an exported
+plan on it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .capture import BlockGraph, CapturedModel, analyse
+from .cluster import Cluster
+from .cost.measured import ProfileSet, measured_block_costs
+from .cost.roofline import block_costs, saved_activations_or_estimate
+from .errors import PlanOptionsError
+from .ir.costs import BlockCosts
+from .ir.devices import DeviceGraph
+from .options import PlanOptions
+from .options import checked_policy as _policy
+from .precision import PrecisionPolicy, check_supported, default_precision
+from .sim.engine import SimResult, plan_decision, simulate
+
+__all__ = ["PricedModel", "price", "simulate_plan", "resolve_precision", "options_for_plan", "device_graph",
+           "CLASS_MODEL"]
+
+#: ``PricedModel.cost_sources`` of a GPU type priced without a measured profile.
+CLASS_MODEL = "class model"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PricedModel:
+    """A model priced on a cluster under one precision (``price``).
+
+    Legend: ``B`` blocks (``blocks.num_blocks``), ``G`` GPUs of ``cluster``.
+    """
+
+    #: The graph cut into B blocks at legal cut points; its cut tensors in the
+    #: dtypes the precision's autocast gives them (what a stage sends).
+    blocks: BlockGraph
+    #: Per block and GPU type: forward+backward seconds per sample and per
+    #: micro-batch, parameters, activation and cut bytes.
+    costs: BlockCosts
+    #: The G GPUs and their links as the planners and the simulator see them;
+    #: a GPU type whose profile measured the optimizer step gets the memory
+    #: bandwidth at which the objective's optimizer term takes that time.
+    devices: DeviceGraph
+    #: The precision the costs were measured under, and why it is that one
+    #: ("asked for", "auto: T4 has no bf16", ...).
+    precision: PrecisionPolicy
+    precision_reason: str
+    #: Per GPU type, where its block times came from: ``{CLASS_MODEL: 1.0}``
+    #: for a type without a measured profile, else the profile's sources
+    #: ("exact", "interpolated", ...) as fractions of its node times.
+    cost_sources: dict[str, dict[str, float]]
+    #: The two micro-batch sizes the measured times were fitted at (per-sample
+    #: slope and fixed part); None when no GPU type has a profile.
+    profile_batches: tuple[int, int] | None
+    cluster: Cluster
+    options: PlanOptions
+
+
+def resolve_precision(options: PlanOptions, cluster: Cluster) -> tuple[PrecisionPolicy, str]:
+    """The plan's precision policy on ``cluster`` and why it is that one
+    ("auto: every GPU supports bf16", "auto: T4, V100-16GB have no bf16",
+    "asked for").
+
+    Raises:
+        PlanOptionsError: bf16-mixed asked for on a cluster with a GPU without
+            bfloat16 (the message names the GPU types and the alternatives),
+            or a gradient-reduction dtype the precision does not allow.
+    """
+    specs = [g.spec for g in cluster.gpus]
+    if options.precision == "auto":
+        name = default_precision(specs)
+        missing = sorted({s.type for s in specs if not s.bf16_supported})
+        reason = ("every GPU supports bf16" if not missing
+                  else f"{', '.join(missing)} {'has' if len(missing) == 1 else 'have'} no bf16")
+        return (_policy(name, options.grad_reduce_dtype, why=f" (precision 'auto' chose {name}: {reason})"),
+                f"auto: {reason}")
+    try:
+        check_supported(options.precision, specs)
+    except ValueError as exc:
+        raise PlanOptionsError(f"PlanOptions.precision on cluster {cluster.name!r}: {exc}") from None
+    return _policy(options.precision, options.grad_reduce_dtype, why=""), "asked for"
+
+
+def options_for_plan(plan, **overrides) -> PlanOptions:
+    """The ``PlanOptions`` an exported ``plan.Plan`` was made under, as far as
+    pricing and simulation read them: its global batch, schedule, GPU-group
+    count, interleave degree, precision and gradient-reduction dtype;
+    ``overrides`` (``profiles=...``, say) are passed on."""
+    fields = dict(global_batch_size=plan.global_batch_size, schedule=plan.schedule,
+                  max_stages=plan.num_groups, max_interleave=plan.interleave,
+                  precision=plan.precision, grad_reduce_dtype=plan.grad_reduce_dtype)
+    return PlanOptions(**{**fields, **overrides})
+
+
+def price(captured: CapturedModel, cluster: Cluster, options: PlanOptions, *,
+          progress: Callable[[str], None] | None = None) -> PricedModel:
+    """``captured`` priced on ``cluster`` under ``options``' precision.
+
+    The precision is ``resolve_precision``'s. Activations are measured under
+    its autocast, and the block graph's tensor specs (so the stages'
+    ``recv``/``send`` and the cut bytes) are in the dtypes autocast gives them
+    ([Note: saved activations] in ``cost/roofline.py``). Types with a
+    measured kernel profile (``options.profiles``, loaded once) are priced
+    from it; the others by the per-class model with efficiencies learned from
+    the measured GPU profiles (``cost/measured.py``); without any profile for
+    the cluster's types, by the per-class model alone (``cost/roofline.py``).
+    ``progress`` receives one line per decision taken (precision, cost model).
+
+    Raises:
+        PlanOptionsError: the precision does not fit the cluster (see
+            ``resolve_precision``).
+        ModelCaptureError: the graph has no legal cut (``capture.analyse``).
+    """
+    say = progress or (lambda msg: None)
+    policy, why = resolve_precision(options, cluster)
+    say(f"precision {policy.describe()} ({why})")
+    bg = analyse(captured, max_blocks=options.max_blocks)
+    acts = saved_activations_or_estimate(bg, policy)
+    cast = bg.with_dtypes(acts.output_dtypes)
+    if cast is not bg:
+        changed = sorted({f"{t.name} {b.dtype}->{t.dtype}" for ts, bs in zip(cast.cut_tensors, bg.cut_tensors)
+                          for t, b in zip(ts, bs) if t.dtype != b.dtype})
+        if changed:
+            say(f"under {policy.name} autocast these cut tensors change dtype: {', '.join(changed)}")
+    bg = cast
+    specs = {g.type: g.spec for g in cluster.gpus}
+    costs = block_costs(bg, specs, precision=policy, activations=acts)
+    profiles = ProfileSet.load(options.profiles) if options.profiles != () else ProfileSet([])
+    sources: dict[str, dict[str, float]] = {t: {CLASS_MODEL: 1.0} for t in specs}
+    batches = None
+    if not any(t in profiles for t in specs):
+        say(f"cost model: roofline on {', '.join(specs)} ({policy.compute_dtype_name} matmuls; "
+            "no measured profile for these types)")
+    else:
+        measured = [profiles.by_type[t].batch_sizes for t in specs
+                    if t in profiles and profiles.by_type[t].batch_sizes]
+        batches = options.profile_batches or (
+            (min(measured[0]), max(measured[0])) if measured and len(set(measured[0])) > 1
+            else (1, max(2, options.global_batch_size // 4)))
+        costs, counts = measured_block_costs(bg, specs, profiles, batches=batches, base=costs,
+                                             compute_dtype=policy.compute_dtype)
+        for t, count in counts.items():
+            total = sum(count.values()) or 1
+            sources[t] = {k: v / total for k, v in sorted(count.items())}
+            say(f"cost model for {t}: " + ", ".join(f"{k} {100 * v / total:.0f}%" for k, v in sorted(count.items()))
+                + f" of node times (micro-batches {batches[0]} and {batches[1]})")
+    return PricedModel(blocks=bg, costs=costs, devices=_device_graph(cluster, policy, profiles),
+                       precision=policy, precision_reason=why, cost_sources=sources,
+                       profile_batches=batches, cluster=cluster, options=options)
+
+
+def device_graph(cluster: Cluster, options: PlanOptions) -> DeviceGraph:
+    """The cluster's device graph under ``options`` (``PricedModel.devices``
+    without pricing a model)."""
+    profiles = ProfileSet.load(options.profiles) if options.profiles != () else ProfileSet([])
+    return _device_graph(cluster, resolve_precision(options, cluster)[0], profiles)
+
+
+def _device_graph(cluster: Cluster, policy: PrecisionPolicy, profiles: ProfileSet) -> DeviceGraph:
+    """The cluster's device graph; where a GPU type's profile measured the
+    optimizer step, its optimizer time comes from that measurement (expressed
+    as the memory bandwidth at which the solver's [C-optim] term,
+    ``2 * optimizer_bytes_per_param`` per parameter, takes the measured time)."""
+    dg = cluster.device_graph()
+    step_bytes = policy.optimizer_step_bytes_per_param
+    bw = list(dg.mem_bw_bytes_per_s)
+    for g, t in enumerate(dg.gpu_types):
+        prof = profiles.by_type.get(t)
+        if prof is not None and prof.optimizer_ns_per_param > 0:
+            bw[g] = 2 * step_bytes / (prof.optimizer_ns_per_param * 1e-9)  # [C-optim]: 2 * optim B/param / bw
+    return dataclasses.replace(dg, mem_bw_bytes_per_s=tuple(bw))
+
+
+def simulate_plan(plan, priced: PricedModel, *, p2p: str = "nccl") -> SimResult:
+    """One training step of an exported ``plan.Plan`` on ``priced``'s cluster,
+    event-simulated (``sim.simulate``) with the plan's stages, GPUs, sample
+    shares, micro-batches, interleaving and memory policy (ZeRO-1 shards,
+    recomputation). ``p2p``: ``"nccl"`` (the runtime's point-to-point
+    program under NCCL's rules) or ``"buffered"`` (Gloo-like sends).
+
+    Raises:
+        ValueError: ``priced`` was priced under another precision than the
+            plan trains in (price it with ``options_for_plan(plan)``), or the
+            plan does not fit the priced model (its blocks or GPUs).
+    """
+    if priced.precision.name != plan.precision or priced.precision.grad_reduce_dtype != plan.grad_reduce_dtype:
+        raise ValueError(f"the model was priced under {priced.precision.name} (gradients reduced in "
+                         f"{priced.precision.grad_reduce_dtype}) but the plan trains in {plan.precision} "
+                         f"({plan.grad_reduce_dtype}): price it with options_for_plan(plan)")
+    options = options_for_plan(plan, profiles=priced.options.profiles)
+    return simulate(priced.costs, priced.devices, options, plan_decision(plan, priced.costs), p2p=p2p)
