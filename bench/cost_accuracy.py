@@ -153,10 +153,10 @@ def predicted_breakdown(plan, costs, args) -> tuple[float, dict[str, float]]:
     "allreduce" / "optim" / "allgather" events (``sim/engine.py``; the
     all-gather of a ZeRO-1 stage is objective.py [C-allreduce]'s
     ``sh_s * param_bytes * P_s / bw_min + (k - 1) * lat_max``)."""
+    from zorse_fx.plan_build import plan_decision
     from zorse_fx.planner import PlanOptions
     from zorse_fx.pricing import device_graph
     from zorse_fx.sim import simulate
-    from zorse_fx.sim.engine import plan_decision
 
     opts = PlanOptions(global_batch_size=plan.global_batch_size, schedule=plan.schedule,
                        max_stages=plan.num_stages, profiles=(args.profile,), precision=plan.precision,

@@ -128,9 +128,9 @@ def test_plans_round_trip_through_plan_decision():
     from zorse_fx.capture import analyse, capture
     from zorse_fx.cluster import Cluster
     from zorse_fx.models.gpt import GPT, GPTConfig
+    from zorse_fx.plan_build import plan_decision
     from zorse_fx.planner import plan_captured, plan_fixed
     from zorse_fx.pricing import price
-    from zorse_fx.sim.engine import plan_decision
 
     torch.manual_seed(0)
     ids = torch.randint(0, 256, (2, 16))

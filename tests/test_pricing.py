@@ -16,10 +16,10 @@ from zorse_fx.ir import Decision
 from zorse_fx.models.gpt import GPT, GPTConfig
 from zorse_fx.options import PlanOptions
 from zorse_fx.plan import Plan
+from zorse_fx.plan_build import plan_decision
 from zorse_fx.planner import plan_fixed
 from zorse_fx.pricing import CLASS_MODEL, options_for_plan, price, simulate_plan
 from zorse_fx.sim import simulate
-from zorse_fx.sim.engine import plan_decision
 
 ROOT = Path(__file__).resolve().parents[1]
 

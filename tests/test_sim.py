@@ -451,7 +451,7 @@ def test_plan_decision_reads_the_plans_memory_policy():
     (no ``sharded`` / ``recompute`` / ``state_shard_bytes`` attributes) get none."""
     from types import SimpleNamespace as NS
 
-    from zorse_fx.sim.engine import plan_decision
+    from zorse_fx.plan_build import plan_decision
 
     costs, devices, options, kw = _sharded_instance()
     gpus = [NS(gpu=g, samples_per_microbatch=n, state_shard_bytes=z * MIB) for g, n, z in

@@ -380,9 +380,9 @@ def test_plan_decision_round_trips_an_interleaved_plan(tmp_path, capsys):
     from zorse_fx.cluster import Cluster
     from zorse_fx.models.registry import load_model
     from zorse_fx.plan import Plan
+    from zorse_fx.plan_build import plan_decision
     from zorse_fx.planner import PlanOptions, plan_fixed
     from zorse_fx.pricing import price
-    from zorse_fx.sim.engine import plan_decision
 
     model, _ = load_model("gpt")  # the model `zorse simulate --model gpt` captures
     ids = torch.randint(0, 200, (2, 32))

@@ -13,17 +13,18 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-
 from conftest import CLUSTERS, make_devices, solver_options
 from test_interleaved_runtime import _gpt_captured
+
 from zorse_fx.capture import analyse
 from zorse_fx.cluster import Cluster
 from zorse_fx.cost.roofline import block_costs
+from zorse_fx.plan_build import plan_decision
 from zorse_fx.planner import PlanOptions, plan_fixed
 from zorse_fx.precision import precision_policy
 from zorse_fx.runtime.p2p import build_programs
 from zorse_fx.sim import simulate
-from zorse_fx.sim.engine import decision_programs, plan_decision
+from zorse_fx.sim.engine import decision_programs
 from zorse_fx.solve import BlockCosts, Decision
 
 GIB = 1 << 30

@@ -15,12 +15,11 @@ import time
 
 from .capture import BlockGraph, CapturedModel
 from .cluster import Cluster
-from .codegen import emit_source, split_stages
 from .ir.decision import Decision
 from .ir.result import SolverResult
 from .options import PlanOptions
-from .plan import GPUShare, Plan, SolverReport, StagePlan
-from .precision import PrecisionPolicy
+from .plan import Plan
+from .plan_build import build_plan
 from .pricing import price, resolve_precision
 from .solve import solve_brute_force, solve_cpsat
 
@@ -100,98 +99,6 @@ def plan_captured(
                       precision=policy, planner=planner, check=check)
     say(f"codegen: {plan.num_stages} stage modules ({time.perf_counter() - t0:.1f} s total)")
     return plan, bg
-
-
-def build_plan(
-    bg: BlockGraph,
-    cluster: Cluster,
-    result: SolverResult,
-    options: PlanOptions,
-    *,
-    model_name: str,
-    label_mode: str,
-    precision: PrecisionPolicy,
-    planner: str,
-    check=None,
-) -> Plan:
-    """Turn a planner decision into a ``Plan`` with generated stage sources;
-    ``precision`` is the policy ``bg`` was priced under (``bg``'s tensor specs
-    in its autocast dtypes, as ``pricing.price`` returns it); ``check``
-    (a ``sim.check.SimulationCheck``) fills ``plan.solver.simulated_*``."""
-    dec = result.decision
-    programs = split_stages(bg, dec.stage_blocks)
-    state = bg.captured.state()
-    stages, sources, rank = [], [], 0
-    groups = dec.num_groups
-    shard_bytes = dec.shard_bytes()
-    for s, prog in enumerate(programs):
-        gpus = []
-        sharded = dec.sharded[s]
-        if s >= groups:  # interleaved: the GPUs (and ranks) of its group, stage s mod P
-            rank = stages[s % groups].gpus[0].rank
-        for i, (g, n) in enumerate(zip(dec.stage_gpus[s], dec.samples_per_microbatch[s])):
-            mem = result.predicted_memory_bytes[s][i] if result.predicted_memory_bytes else 0
-            gpu = cluster.gpus[g]
-            gpus.append(GPUShare(
-                rank=rank, gpu=g, node=gpu.node, gpu_type=gpu.type, samples_per_microbatch=n,
-                predicted_memory_bytes=int(mem), memory_capacity_bytes=int(gpu.memory_bytes),
-                state_shard_bytes=int(shard_bytes[s][i]),
-            ))
-            rank += 1
-        label = bg.describe_blocks(*prog.blocks)
-        stages.append(StagePlan(
-            index=s,
-            blocks=prog.blocks,
-            label=label,
-            gpus=tuple(gpus),
-            input_names=prog.input_names,
-            recv=prog.recv,
-            send=prog.send,
-            params=dict(prog.params),
-            consts=dict(prog.consts),
-            num_parameters=sum(state[c].numel() for c in prog.params.values()),
-            source_file=f"stage_{s}.py",
-            predicted_time_s=result.predicted_stage_time_s[s] if result.predicted_stage_time_s else 0.0,
-            predicted_allreduce_s=result.predicted_allreduce_s[s] if result.predicted_allreduce_s else 0.0,
-            sharded=sharded,
-            recompute=dec.recompute[s],
-        ))
-        gpu_list = ", ".join(f"{gs.gpu_type}@{gs.node} x{gs.samples_per_microbatch}" for gs in gpus)
-        sources.append(emit_source(prog, header=f"Plan: {model_name} on {cluster.name}; GPUs: {gpu_list}"))
-    seq_len = int(bg.captured.example_inputs[0].shape[1]) if bg.captured.example_inputs[0].dim() > 1 else 1
-    return Plan(
-        cluster_name=cluster.name,
-        model_name=model_name,
-        input_names=bg.captured.input_names,
-        seq_len=seq_len,
-        label_mode=label_mode,
-        global_batch_size=options.global_batch_size,
-        microbatch_size=dec.microbatch_size,
-        num_microbatches=dec.num_microbatches,
-        schedule=result.schedule,
-        interleave=dec.interleave,
-        stages=tuple(stages),
-        predicted_step_time_s=result.predicted_step_time_s,
-        precision=precision.name,
-        grad_reduce_dtype=precision.grad_reduce_dtype,
-        solver=SolverReport(
-            planner=planner,
-            status=result.status,
-            objective_s=result.objective,
-            best_bound_s=result.best_bound,
-            optimality_gap=result.optimality_gap,
-            wall_s=result.wall_s,
-            time_limit_s=options.time_limit_s,
-            solver_budget=options.solver_budget,
-            wall_clock_stops=result.wall_clock_stops,
-            candidates=tuple(result.candidates),
-            **({} if check is None else dict(
-                simulated_step_time_s=check.simulated_step_time_s,
-                simulated_max_memory_fraction=check.max_memory_fraction,
-                simulated_bubble_fraction=check.bubble_fraction)),
-        ),
-        sources=tuple(sources),
-    )
 
 
 def plan_fixed(

@@ -25,8 +25,9 @@ from .ir.costs import BlockCosts
 from .ir.devices import DeviceGraph
 from .options import PlanOptions
 from .options import checked_policy as _policy
+from .plan_build import plan_decision
 from .precision import PrecisionPolicy, check_supported, default_precision
-from .sim.engine import SimResult, plan_decision, simulate
+from .sim.engine import SimResult, simulate
 
 __all__ = ["PricedModel", "price", "simulate_plan", "resolve_precision", "options_for_plan", "device_graph",
            "CLASS_MODEL"]

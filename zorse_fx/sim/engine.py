@@ -191,11 +191,11 @@ from ..ir.p2p import RankProgram, programs_from, route_messages, routes
 from ..ir.schedule import make_schedule
 from ..options import PlanOptions
 from ..solve.objective import MEMORY_UNIT_BYTES, MIB_UNITS, RECOMPUTE_FRACTION, prepare
-from ..solve.state_terms import shardable_kib, stage_state_kib
+from ..solve.state_terms import stage_state_kib
 from .network import FlowResources, link_resource, max_min_rates
 from .sync import gradient_sync
 
-__all__ = ["SimEvent", "SimResult", "simulate", "link_resource", "plan_decision", "decision_programs",
+__all__ = ["SimEvent", "SimResult", "simulate", "link_resource", "decision_programs",
            "P2P_BUFFERED", "P2P_NCCL"]
 
 #: ``simulate(p2p=...)``: boundary messages sent as the runtime's
@@ -289,41 +289,6 @@ def _ranges(ns) -> tuple[tuple[int, int], ...]:
         out.append((a, a + n))
         a += n
     return tuple(out)
-
-
-def plan_decision(plan, costs: BlockCosts | None = None) -> Decision:
-    """The ``Decision`` of a ``plan.Plan`` (what ``simulate`` and ``solve.evaluate`` take).
-
-    Reads ``StagePlan.sharded`` / ``StagePlan.recompute`` and
-    ``GPUShare.state_shard_bytes`` where the Plan has them (older plans: no
-    policy); a GPU's shard in MiB is ``state_shard_bytes // 2**20``. A sharded
-    stage whose shards are all 0 (the runtime then splits its state equally)
-    gets equal whole-MiB shards covering its shardable state, computed from
-    ``costs`` (ValueError without them). ``interleave`` = ``Plan.interleave``
-    (1 for plans without the attribute, which are not interleaved);
-    ``precision`` = ``Plan.precision`` where the plan has one."""
-    mib = MIB_UNITS * MEMORY_UNIT_BYTES
-    sharded = tuple(bool(getattr(st, "sharded", False)) for st in plan.stages)
-    shards = []
-    for st, sh in zip(plan.stages, sharded):
-        row = tuple(int(getattr(g, "state_shard_bytes", 0)) // mib for g in st.gpus) if sh else ()
-        if sh and not any(row):
-            if costs is None:
-                raise ValueError(f"plan stage {st.index} is sharded without state_shard_bytes: pass the "
-                                 f"BlockCosts to split its optimizer state equally")
-            i, j = st.blocks
-            q_kib = shardable_kib(costs, i, j, MEMORY_UNIT_BYTES)
-            need = -(-q_kib // MIB_UNITS)
-            row = (-(-need // len(st.gpus)),) * len(st.gpus)
-        shards.append(row)
-    return Decision(stage_blocks=tuple(tuple(st.blocks) for st in plan.stages),
-                    stage_gpus=tuple(tuple(g.gpu for g in st.gpus) for st in plan.stages),
-                    samples_per_microbatch=tuple(tuple(g.samples_per_microbatch for g in st.gpus)
-                                                 for st in plan.stages),
-                    num_microbatches=plan.num_microbatches, sharded=sharded, shard_mib=tuple(shards),
-                    recompute=tuple(bool(getattr(st, "recompute", False)) for st in plan.stages),
-                    interleave=int(getattr(plan, "interleave", 1)),  # plans before format v3: not interleaved
-                    precision=str(getattr(plan, "precision", "") or ""))
 
 
 def decision_programs(costs: BlockCosts, decision: Decision, schedule: str) -> dict[int, RankProgram]:

@@ -89,7 +89,7 @@ def shardable_kib(costs, i: int, j: int, unit_bytes: int) -> int:
     ``build_tables`` rounds it: per block UP, less each extra tied copy
     (``extra_copies``) rounded DOWN; equal to ``stage_state_kib(tab, i, j)[1]``
     of the tables built from ``costs``. For a caller holding a ``BlockCosts``
-    and no tables (``sim.engine.plan_decision``'s equal shards)."""
+    and no tables (``plan_build.plan_decision``'s equal shards)."""
     sh = costs.shardable_bytes_per_param
     q = sum(-(-sh * p // unit_bytes) for p in costs.param_count[i:j])
     blocks = [tp.blocks for tp in costs.tied_params]

@@ -1,0 +1,147 @@
+"""A plan and the planner's decision it records, converted both ways here and
+nowhere else: ``build_plan`` turns a ``SolverResult`` into a ``Plan`` with
+generated stage sources, ``plan_decision`` reads the ``Decision`` back from a
+``Plan`` (what ``solve.evaluate`` and ``sim.simulate`` take)."""
+
+from __future__ import annotations
+
+from .capture import BlockGraph
+from .cluster import Cluster
+from .codegen import emit_source, split_stages
+from .ir.costs import BlockCosts
+from .ir.decision import Decision
+from .ir.result import SolverResult
+from .options import PlanOptions
+from .plan import GPUShare, Plan, SolverReport, StagePlan
+from .precision import PrecisionPolicy
+from .solve.objective import MEMORY_UNIT_BYTES, MIB_UNITS
+from .solve.state_terms import shardable_kib
+
+__all__ = ["build_plan", "plan_decision"]
+
+
+def build_plan(
+    bg: BlockGraph,
+    cluster: Cluster,
+    result: SolverResult,
+    options: PlanOptions,
+    *,
+    model_name: str,
+    label_mode: str,
+    precision: PrecisionPolicy,
+    planner: str,
+    check=None,
+) -> Plan:
+    """Turn a planner decision into a ``Plan`` with generated stage sources;
+    ``precision`` is the policy ``bg`` was priced under (``bg``'s tensor specs
+    in its autocast dtypes, as ``pricing.price`` returns it); ``check``
+    (a ``sim.check.SimulationCheck``) fills ``plan.solver.simulated_*``."""
+    dec = result.decision
+    programs = split_stages(bg, dec.stage_blocks)
+    state = bg.captured.state()
+    stages, sources, rank = [], [], 0
+    groups = dec.num_groups
+    shard_bytes = dec.shard_bytes()
+    for s, prog in enumerate(programs):
+        gpus = []
+        sharded = dec.sharded[s]
+        if s >= groups:  # interleaved: the GPUs (and ranks) of its group, stage s mod P
+            rank = stages[s % groups].gpus[0].rank
+        for i, (g, n) in enumerate(zip(dec.stage_gpus[s], dec.samples_per_microbatch[s])):
+            mem = result.predicted_memory_bytes[s][i] if result.predicted_memory_bytes else 0
+            gpu = cluster.gpus[g]
+            gpus.append(GPUShare(
+                rank=rank, gpu=g, node=gpu.node, gpu_type=gpu.type, samples_per_microbatch=n,
+                predicted_memory_bytes=int(mem), memory_capacity_bytes=int(gpu.memory_bytes),
+                state_shard_bytes=int(shard_bytes[s][i]),
+            ))
+            rank += 1
+        label = bg.describe_blocks(*prog.blocks)
+        stages.append(StagePlan(
+            index=s,
+            blocks=prog.blocks,
+            label=label,
+            gpus=tuple(gpus),
+            input_names=prog.input_names,
+            recv=prog.recv,
+            send=prog.send,
+            params=dict(prog.params),
+            consts=dict(prog.consts),
+            num_parameters=sum(state[c].numel() for c in prog.params.values()),
+            source_file=f"stage_{s}.py",
+            predicted_time_s=result.predicted_stage_time_s[s] if result.predicted_stage_time_s else 0.0,
+            predicted_allreduce_s=result.predicted_allreduce_s[s] if result.predicted_allreduce_s else 0.0,
+            sharded=sharded,
+            recompute=dec.recompute[s],
+        ))
+        gpu_list = ", ".join(f"{gs.gpu_type}@{gs.node} x{gs.samples_per_microbatch}" for gs in gpus)
+        sources.append(emit_source(prog, header=f"Plan: {model_name} on {cluster.name}; GPUs: {gpu_list}"))
+    seq_len = int(bg.captured.example_inputs[0].shape[1]) if bg.captured.example_inputs[0].dim() > 1 else 1
+    return Plan(
+        cluster_name=cluster.name,
+        model_name=model_name,
+        input_names=bg.captured.input_names,
+        seq_len=seq_len,
+        label_mode=label_mode,
+        global_batch_size=options.global_batch_size,
+        microbatch_size=dec.microbatch_size,
+        num_microbatches=dec.num_microbatches,
+        schedule=result.schedule,
+        interleave=dec.interleave,
+        stages=tuple(stages),
+        predicted_step_time_s=result.predicted_step_time_s,
+        precision=precision.name,
+        grad_reduce_dtype=precision.grad_reduce_dtype,
+        solver=SolverReport(
+            planner=planner,
+            status=result.status,
+            objective_s=result.objective,
+            best_bound_s=result.best_bound,
+            optimality_gap=result.optimality_gap,
+            wall_s=result.wall_s,
+            time_limit_s=options.time_limit_s,
+            solver_budget=options.solver_budget,
+            wall_clock_stops=result.wall_clock_stops,
+            candidates=tuple(result.candidates),
+            **({} if check is None else dict(
+                simulated_step_time_s=check.simulated_step_time_s,
+                simulated_max_memory_fraction=check.max_memory_fraction,
+                simulated_bubble_fraction=check.bubble_fraction)),
+        ),
+        sources=tuple(sources),
+    )
+
+
+def plan_decision(plan, costs: BlockCosts | None = None) -> Decision:
+    """The ``Decision`` of a ``plan.Plan`` (what ``simulate`` and ``solve.evaluate`` take).
+
+    Reads ``StagePlan.sharded`` / ``StagePlan.recompute`` and
+    ``GPUShare.state_shard_bytes`` where the Plan has them (older plans: no
+    policy); a GPU's shard in MiB is ``state_shard_bytes // 2**20``. A sharded
+    stage whose shards are all 0 (the runtime then splits its state equally)
+    gets equal whole-MiB shards covering its shardable state, computed from
+    ``costs`` (ValueError without them). ``interleave`` = ``Plan.interleave``
+    (1 for plans without the attribute, which are not interleaved);
+    ``precision`` = ``Plan.precision`` where the plan has one."""
+    mib = MIB_UNITS * MEMORY_UNIT_BYTES
+    sharded = tuple(bool(getattr(st, "sharded", False)) for st in plan.stages)
+    shards = []
+    for st, sh in zip(plan.stages, sharded):
+        row = tuple(int(getattr(g, "state_shard_bytes", 0)) // mib for g in st.gpus) if sh else ()
+        if sh and not any(row):
+            if costs is None:
+                raise ValueError(f"plan stage {st.index} is sharded without state_shard_bytes: pass the "
+                                 f"BlockCosts to split its optimizer state equally")
+            i, j = st.blocks
+            q_kib = shardable_kib(costs, i, j, MEMORY_UNIT_BYTES)
+            need = -(-q_kib // MIB_UNITS)
+            row = (-(-need // len(st.gpus)),) * len(st.gpus)
+        shards.append(row)
+    return Decision(stage_blocks=tuple(tuple(st.blocks) for st in plan.stages),
+                    stage_gpus=tuple(tuple(g.gpu for g in st.gpus) for st in plan.stages),
+                    samples_per_microbatch=tuple(tuple(g.samples_per_microbatch for g in st.gpus)
+                                                 for st in plan.stages),
+                    num_microbatches=plan.num_microbatches, sharded=sharded, shard_mib=tuple(shards),
+                    recompute=tuple(bool(getattr(st, "recompute", False)) for st in plan.stages),
+                    interleave=int(getattr(plan, "interleave", 1)),  # plans before format v3: not interleaved
+                    precision=str(getattr(plan, "precision", "") or ""))
