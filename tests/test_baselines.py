@@ -586,7 +586,7 @@ def test_stage_fits_matches_the_model(seed):
         sh, rc = rng.random() < 0.5, rng.random() < 0.5
         pol = fill_policy(tab, blocks, gpus, samples, (sh,) * n_s, (rc,) * n_s)
         u = evaluate_units(tab, blocks, gpus, samples, pol)
-        fits = all(stage_fits(tab, s, n_s, i, j, memory_groups(tab, gs, ns), sh, rc)
+        fits = all(stage_fits(tab, s, n_s, i, j, memory_groups(tab, gs, ns), sharded=sh, recompute=rc)
                    for s, ((i, j), gs, ns) in enumerate(zip(blocks, gpus, samples)))
         assert fits == u.fits(tab, gpus), (blocks, gpus, samples, sh, rc)
         outcomes.add((fits, sh))
@@ -614,11 +614,11 @@ def test_metis_layers_fit_the_memory_variant(seed):
         groups = [memory_groups(tab, gs, ns) for gs, ns in zip(stages, samples)]
         for sh, rc in memory_variants(options):
             def ok(blocks):
-                return all(stage_fits(tab, s, 2, i, j, groups[s], sh, rc) for s, (i, j) in enumerate(blocks))
+                return all(stage_fits(tab, s, 2, i, j, groups[s], sharded=sh, recompute=rc) for s, (i, j) in enumerate(blocks))
             some = any(ok(((0, c), (c, nb))) for c in range(1, nb))
             got = _layers(tab, stages, samples, nb, sh, rc)
             assert ok(got) == some, (sh, rc, got)
-            met += some and not any(all(stage_fits(tab, s, 2, i, j, groups[s], False, False)
+            met += some and not any(all(stage_fits(tab, s, 2, i, j, groups[s], sharded=False, recompute=False)
                                         for s, (i, j) in enumerate(((0, c), (c, nb)))) for c in range(1, nb))
     assert met > 0  # some variants fit only thanks to sharding / recomputation
 

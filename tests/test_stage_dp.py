@@ -70,7 +70,7 @@ def test_vectorised_memory_check_equals_stage_fits(seed):
                         got = st._fits(g["mem"], fl, s > 0, sh and g["k"] >= 2, rc)
                         for i in range(tab.num_blocks):
                             for j in range(i + 1, tab.num_blocks + 1):
-                                want = stage_fits(tab, s, n_s, i, j, groups, sh, rc)
+                                want = stage_fits(tab, s, n_s, i, j, groups, sharded=sh, recompute=rc)
                                 assert bool(got[i, j]) == want, (u0, u1, s, n_s, sh, rc, i, j)
                                 checked += 1
     assert checked > 500

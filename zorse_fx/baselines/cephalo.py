@@ -102,11 +102,11 @@ def cephalo(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions) -> So
             per = [tab.work_prefix[t][nb] + (tab.rc_work_prefix[t][nb] if rc else 0) for t in devices.gpu_types]
             fixed = [tab.fixed_prefix[t][nb] + (tab.rc_fixed_prefix[t][nb] if rc else 0)
                      for t in devices.gpu_types]
-            act = stage_act_kib(tab, 0, 1, 0, nb, 1, rc)  # per sample
+            act = stage_act_kib(tab, 0, 1, 0, nb, 1, recompute=rc)  # per sample
             cap = [(c - held) // act if act > 0 else (b if c >= held else 0) for c in tab.cap_bytes]
             n = min_max_samples(b, per, fixed, cap) or min_max_samples(b, per, fixed)
             if shard:
-                free = [c - held - stage_act_kib(tab, 0, 1, 0, nb, k, rc) for c, k in zip(tab.cap_bytes, n)]
+                free = [c - held - stage_act_kib(tab, 0, 1, 0, nb, k, recompute=rc) for c, k in zip(tab.cap_bytes, n)]
                 pol = MemoryPolicy((True,), (free_memory_shards(q, free),), (rc,))
             else:
                 pol = MemoryPolicy((False,), ((),), (rc,))

@@ -151,7 +151,7 @@ def _layers(tab, stages, samples, nb: int, sharded: bool, recompute: bool):
         return max(busy(t, n, i, j) for t, n in worst[s].items())
 
     def fits(s, i, j):
-        return stage_fits(tab, s, n_s, i, j, mem[s], sharded, recompute)
+        return stage_fits(tab, s, n_s, i, j, mem[s], sharded=sharded, recompute=recompute)
 
     return min_max_partition(nb, n_s, cost, fits) or min_max_partition(nb, n_s, cost)
 

@@ -312,6 +312,239 @@ def decision_programs(costs: BlockCosts, decision: Decision, schedule: str) -> d
     return programs_from(built)
 
 
+class _Pipeline:
+    """The pipeline part of one simulated step (``simulate``): every GPU runs its
+    group's schedule, an action starts when its inputs arrived, boundary messages
+    move over max-min fair links. ``run()`` replays it; afterwards ``events``,
+    ``busy``, ``peak_act``, ``last_b`` and ``last_b_span`` hold the outcome."""
+
+    def __init__(self, costs: BlockCosts, devices: DeviceGraph, options: PlanOptions, decision: Decision,
+                 tab, pol, p2p: str):
+        self.costs, self.devices, self.decision, self.pol = costs, devices, decision, pol
+        self.n_s, self.v = decision.num_stages, decision.interleave
+        self.n_p = self.n_s // self.v  # GPU groups; stage s runs on group s % n_p as its chunk s // n_p
+        self.sched = make_schedule(options.schedule, self.n_s, decision.num_microbatches, self.v)
+        self.resources = FlowResources(devices)
+        self._stage_work(tab)
+        self._routes()
+        self.used = sorted(self.group_of)
+        used = self.used
+        self.acts = {g: self.sched[self.group_of[g]] for g in used}
+        self.pc = {g: 0 for g in used}
+        self.running: dict[int, tuple[float, float, str, int, int]] = {}  # g -> (start, end, kind, m, stage)
+        # Messages arrived, keyed by (receiver GPU, receiver stage, micro-batch).
+        self.got_fwd: dict[tuple[int, int, int], int] = defaultdict(int)
+        self.got_bwd: dict[tuple[int, int, int], int] = defaultdict(int)
+        self.live = {g: [0] * self.v for g in used}  # per chunk: forwards ended, backward not
+        self.peak_act = {g: 0 for g in used}
+        self.busy = {g: 0.0 for g in used}
+        self.last_b = {}
+        self.last_b_span: dict[tuple[int, int], tuple[float, float]] = {}  # (GPU, stage) -> its last backward
+        self.events: list[SimEvent] = []
+        self.waiting: list[_Msg] = []  # in their latency phase
+        self.active: list[_Msg] = []  # transferring
+        self.t = 0.0
+        # P2P_NCCL ([Note: point-to-point models]): each rank's groups in order on its stream.
+        self.nccl = p2p == P2P_NCCL
+        if self.nccl:
+            self.progs = progs = decision_programs(costs, decision, options.schedule)
+            self.where = {(op.send, op.message): (g, gi) for g, pr in progs.items()
+                          for gi, grp in enumerate(pr.groups) for op in grp}
+            self.remaining = {(g, gi): len(grp) for g, pr in progs.items() for gi, grp in enumerate(pr.groups)}
+            self.stream = {g: deque() for g in used}
+            self.posted = dict.fromkeys(used, 0)
+            self.post_time: dict[tuple[int, int], float] = {}
+            self.finished: set[tuple[int, int]] = set()
+            self.started: set = set()
+            for g in used:
+                self._post_group(g)  # G_0: the receives of the first action
+
+    def _stage_work(self, tab) -> None:
+        """Per GPU its group; per (GPU, stage) the F / B seconds and the re-run part of B;
+        the activation footprint per GPU and chunk, in memory units: per micro-batch held
+        (n A_s, or n X_s when recomputing) and, when recomputing, the re-run forward's n A_s."""
+        costs, devices, pol, n_p, d = self.costs, self.devices, self.pol, self.n_p, self.decision
+        self.group_of, self.dur, self.rc_dur = {}, {}, {}
+        self.held: dict[int, list[int]] = defaultdict(lambda: [0] * self.v)
+        self.rerun: dict[int, list[int]] = defaultdict(lambda: [0] * self.v)
+        for s, ((i, j), gpus, ns) in enumerate(zip(d.stage_blocks, d.stage_gpus, d.samples_per_microbatch)):
+            a_kib = tab.act_prefix[j] - tab.act_prefix[i]
+            for g, n in zip(gpus, ns):
+                t = devices.gpu_types[g]
+                w = sum(costs.fwd_bwd_s_per_sample[t][i:j])
+                f = sum(costs.fwd_bwd_s_fixed.get(t, (0.0,) * costs.num_blocks)[i:j])
+                self.group_of[g] = s % n_p
+                self.rc_dur[g, s] = RECOMPUTE_FRACTION * (n * w + f) if pol.recompute[s] else 0.0
+                self.dur[g, s] = ((n * w + f) / 3.0, 2.0 * (n * w + f) / 3.0 + self.rc_dur[g, s])
+                if pol.recompute[s]:
+                    self.held[g][s // n_p], self.rerun[g][s // n_p] = n * (tab.cut_kib[i] if s > 0 else 0), n * a_kib
+                else:
+                    self.held[g][s // n_p] = n * a_kib
+
+    def _routes(self) -> None:
+        """Routes across the cut after stage s, keyed by (sender GPU, sender stage):
+        out_fwd[g, s] = [(dst, bytes)]; need_fwd[h, s] = messages (h, s) waits for per micro-batch."""
+        d, costs = self.decision, self.costs
+        self.out_fwd: dict[tuple[int, int], list[tuple[int, int]]] = defaultdict(list)
+        self.out_bwd: dict[tuple[int, int], list[tuple[int, int]]] = defaultdict(list)
+        self.need_fwd: dict[tuple[int, int], int] = defaultdict(int)
+        self.need_bwd: dict[tuple[int, int], int] = defaultdict(int)
+        for s in range(self.n_s - 1):
+            cut_b = costs.cut_bytes_per_sample[d.stage_blocks[s][1]]
+            src, dst = d.stage_gpus[s], d.stage_gpus[s + 1]
+            for r in routes(_ranges(d.samples_per_microbatch[s]), _ranges(d.samples_per_microbatch[s + 1])):
+                g, h = src[r.src_pos], dst[r.dst_pos]
+                self.out_fwd[g, s].append((h, r.rows * cut_b))
+                self.out_bwd[h, s + 1].append((g, r.rows * cut_b))
+                self.need_fwd[h, s + 1] += 1
+                self.need_bwd[g, s] += 1
+
+    def _footprint(self, g) -> int:
+        return sum(c * h for c, h in zip(self.live[g], self.held[g]))
+
+    def _post(self, src, dst, s, m, fwd, nbytes, key=None, t0=None):
+        devices = self.devices
+        lat = max(devices.link_latency_s[src][dst], 0.0)
+        bw = devices.link_bw_bytes_per_s[src][dst]
+        if not bw > 0:
+            raise ValueError(f"link bandwidth from GPU {src} to {dst} must be > 0, got {bw}")
+        res = ((link_resource(devices, src, dst), bw), *self.resources.shared(src, dst))
+        self.waiting.append(_Msg(src, dst, s, m, fwd, nbytes, self.t if t0 is None else t0, self.t + lat, bw, res,
+                                 key))
+
+    def _arrive(self, msg: _Msg, when: float):
+        self.events.append(SimEvent("send", msg.src, msg.stage, msg.m, msg.t0, when, msg.dst, msg.nbytes,
+                                    peer_stage=msg.stage + (1 if msg.fwd else -1)))
+        if self.nccl:
+            for side in (True, False):
+                self.remaining[self.where[side, msg.key]] -= 1
+            self._advance(msg.src)
+            self._advance(msg.dst)
+        elif msg.fwd:
+            self.got_fwd[msg.dst, msg.stage + 1, msg.m] += 1
+        else:
+            self.got_bwd[msg.dst, msg.stage - 1, msg.m] += 1
+
+    def _head(self, g):
+        return self.stream[g][0] if self.stream[g] else None
+
+    def _advance(self, g):
+        """Retire g's finished head groups; start every message whose two groups are both at the head."""
+        while (h := self._head(g)) is not None:
+            if self.remaining[g, h] == 0:
+                self.stream[g].popleft()
+                self.finished.add((g, h))
+                continue
+            for op in self.progs[g].groups[h]:
+                msg = op.message
+                if msg in self.started:
+                    continue
+                peer, pg = self.where[not op.send, msg]
+                if self._head(peer) == pg:
+                    self.started.add(msg)
+                    fwd = not msg.backward
+                    self._post(msg.src, msg.dst, msg.boundary if fwd else msg.boundary + 1, msg.microbatch, fwd,
+                               msg.nbytes, key=msg, t0=self.post_time[self.where[True, msg]])
+            return
+
+    def _post_group(self, g):
+        gi = self.posted[g]
+        self.posted[g] += 1
+        self.post_time[g, gi] = self.t
+        self.stream[g].append(gi)
+        self._advance(g)
+
+    def _ready(self, g) -> bool:
+        if self.nccl:
+            return all((g, gi) in self.finished for gi in self.progs[g].waits[self.pc[g]])
+        a = self.acts[g][self.pc[g]]
+        s = self.group_of[g] + a.chunk * self.n_p
+        if a.kind == "F":
+            return self.got_fwd[g, s, a.microbatch] >= self.need_fwd[g, s]
+        return self.got_bwd[g, s, a.microbatch] >= self.need_bwd[g, s]
+
+    def run(self) -> None:
+        """Replay the step until no task runs and no message is in flight.
+
+        Raises:
+            RuntimeError: a GPU is left waiting (the schedule or program deadlocked)."""
+        while True:
+            self._start_ready_actions()
+            finish = {id(x): self.t + x.left / x.rate for x in self.active}
+            cands = [r[1] for r in self.running.values()] + [x.ready for x in self.waiting] + list(finish.values())
+            if not cands:
+                break
+            t_next = max(min(cands), self.t)
+            for x in self.active:
+                x.left -= x.rate * (t_next - self.t)
+            self.t = t_next
+            tol = 1e-12 * max(1.0, self.t)
+            self._end_actions(tol)
+            self._move_messages(finish, tol)
+        stuck = [g for g in self.used if self.pc[g] < len(self.acts[g]) or (self.nccl and self.stream[g])]
+        if stuck:
+            at = [str(self.acts[g][self.pc[g]]) if self.pc[g] < len(self.acts[g]) else "its last sends" for g in stuck]
+            raise RuntimeError(f"schedule deadlocked: GPUs {stuck} wait at actions {at}")
+
+    def _start_ready_actions(self) -> None:
+        for g in self.used:
+            if g not in self.running and self.pc[g] < len(self.acts[g]) and self._ready(g):
+                a = self.acts[g][self.pc[g]]
+                s = self.group_of[g] + a.chunk * self.n_p
+                self.running[g] = (self.t, self.t + self.dur[g, s][a.kind == "B"], a.kind, a.microbatch, s)
+                if a.kind == "B":  # the recomputed micro-batch is still held, plus its full activations
+                    self.peak_act[g] = max(self.peak_act[g], self._footprint(g) + self.rerun[g][a.chunk])
+
+    def _end_actions(self, tol: float) -> None:
+        t, n_p = self.t, self.n_p
+        for g in sorted(self.running):
+            start, end, kind, m, s = self.running[g]
+            if end > t + tol:
+                continue
+            del self.running[g]
+            self.pc[g] += 1
+            self.events.append(SimEvent(kind, g, s, m, start, t, recompute_s=self.rc_dur[g, s] if kind == "B" else 0.0))
+            self.busy[g] += t - start
+            if kind == "F":
+                self.live[g][s // n_p] += 1
+                self.peak_act[g] = max(self.peak_act[g], self._footprint(g))
+                for h, nb in () if self.nccl else self.out_fwd[g, s]:
+                    self._post(g, h, s, m, True, nb)
+            else:
+                self.live[g][s // n_p] -= 1
+                self.last_b[g] = t
+                self.last_b_span[g, s] = (start, t)
+                for h, nb in () if self.nccl else self.out_bwd[g, s]:
+                    self._post(g, h, s, m, False, nb)
+            if self.nccl:
+                self._post_group(g)  # G_{k+1}: this action's sends + the next action's receives
+
+    def _move_messages(self, finish: dict, tol: float) -> None:
+        """Deliver the messages that arrived, start those whose latency passed, and share
+        the links among the transferring ones (max-min fair over every resource; a pair
+        link's capacity: its smallest figure)."""
+        t, active = self.t, self.active
+        n_active = len(active)
+        for x in [x for x in active if finish[id(x)] <= t + tol]:
+            active.remove(x)
+            self._arrive(x, t)
+        changed = len(active) != n_active
+        for x in [x for x in self.waiting if x.ready <= t + tol]:
+            self.waiting.remove(x)
+            if x.nbytes <= 0 or math.isinf(x.bw):
+                self._arrive(x, t)
+            else:
+                active.append(x)
+                changed = True
+        if changed and active:
+            cap: dict[tuple, float] = {}
+            for x in active:
+                for key, c in x.res:
+                    cap[key] = min(cap.get(key, c), c)
+            for x, r in zip(active, max_min_rates([[key for key, _ in x.res] for x in active], cap)):
+                x.rate = r
+
+
 def simulate(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions, decision: Decision, *,
              p2p: str = P2P_NCCL) -> SimResult:
     """Simulate one training step of ``decision`` (see the module note).
@@ -336,229 +569,32 @@ def simulate(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions, deci
     if p2p not in (P2P_BUFFERED, P2P_NCCL):
         raise ValueError(f"simulate: p2p must be {P2P_BUFFERED!r} or {P2P_NCCL!r}, got {p2p!r}")
     tab, pol = prepare(costs, devices, options, decision)
-    stage_blocks, stage_gpus = decision.stage_blocks, decision.stage_gpus
-    samples_per_microbatch, num_microbatches = decision.samples_per_microbatch, decision.num_microbatches
-    interleave = decision.interleave
-    n_s, m_count, v = len(stage_blocks), num_microbatches, interleave
-    n_p = n_s // v  # GPU groups; stage s runs on group s % n_p as its chunk s // n_p
-    sched = make_schedule(options.schedule, n_s, m_count, v)
-    resources = FlowResources(devices)
-    # Per GPU: its group; per (GPU, stage): F / B seconds and the re-run part of B.
-    group_of, dur, rc_dur = {}, {}, {}
-    # Activation footprint per GPU and chunk, in memory units: per micro-batch
-    # held (n A_s, or n X_s when recomputing) and, when recomputing, the re-run
-    # forward's n A_s.
-    held: dict[int, list[int]] = defaultdict(lambda: [0] * v)
-    rerun: dict[int, list[int]] = defaultdict(lambda: [0] * v)
-    for s, ((i, j), gpus, ns) in enumerate(zip(stage_blocks, stage_gpus, samples_per_microbatch)):
-        a_kib = tab.act_prefix[j] - tab.act_prefix[i]
-        for g, n in zip(gpus, ns):
-            t = devices.gpu_types[g]
-            w = sum(costs.fwd_bwd_s_per_sample[t][i:j])
-            f = sum(costs.fwd_bwd_s_fixed.get(t, (0.0,) * costs.num_blocks)[i:j])
-            group_of[g] = s % n_p
-            rc_dur[g, s] = RECOMPUTE_FRACTION * (n * w + f) if pol.recompute[s] else 0.0
-            dur[g, s] = ((n * w + f) / 3.0, 2.0 * (n * w + f) / 3.0 + rc_dur[g, s])
-            if pol.recompute[s]:
-                held[g][s // n_p], rerun[g][s // n_p] = n * (tab.cut_kib[i] if s > 0 else 0), n * a_kib
-            else:
-                held[g][s // n_p] = n * a_kib
-    # Routes across the cut after stage s, keyed by (sender GPU, sender stage):
-    # out_fwd[g, s] = [(dst, bytes)]; need_fwd[h, s] = messages (h, s) waits for per micro-batch.
-    out_fwd: dict[tuple[int, int], list[tuple[int, int]]] = defaultdict(list)
-    out_bwd: dict[tuple[int, int], list[tuple[int, int]]] = defaultdict(list)
-    need_fwd: dict[tuple[int, int], int] = defaultdict(int)
-    need_bwd: dict[tuple[int, int], int] = defaultdict(int)
-    for s in range(n_s - 1):
-        cut_b = costs.cut_bytes_per_sample[stage_blocks[s][1]]
-        src, dst = stage_gpus[s], stage_gpus[s + 1]
-        for r in routes(_ranges(samples_per_microbatch[s]), _ranges(samples_per_microbatch[s + 1])):
-            g, h = src[r.src_pos], dst[r.dst_pos]
-            out_fwd[g, s].append((h, r.rows * cut_b))
-            out_bwd[h, s + 1].append((g, r.rows * cut_b))
-            need_fwd[h, s + 1] += 1
-            need_bwd[g, s] += 1
-
-    used = sorted(group_of)
-    acts = {g: sched[group_of[g]] for g in used}
-    pc = {g: 0 for g in used}
-    running: dict[int, tuple[float, float, str, int, int]] = {}  # g -> (start, end, kind, m, stage)
-    # Messages arrived, keyed by (receiver GPU, receiver stage, micro-batch).
-    got_fwd: dict[tuple[int, int, int], int] = defaultdict(int)
-    got_bwd: dict[tuple[int, int, int], int] = defaultdict(int)
-    live = {g: [0] * v for g in used}  # per chunk: forwards ended, backward not
-    peak_act = {g: 0 for g in used}
-    busy = {g: 0.0 for g in used}
-    last_b = {}
-    last_b_span: dict[tuple[int, int], tuple[float, float]] = {}  # (GPU, stage) -> its last backward
-    events: list[SimEvent] = []
-    waiting: list[_Msg] = []  # in their latency phase
-    active: list[_Msg] = []  # transferring
-    t = 0.0
-
-    def footprint(g) -> int:
-        return sum(c * h for c, h in zip(live[g], held[g]))
-
-    def post(src, dst, s, m, fwd, nbytes, key=None, t0=None):
-        lat = max(devices.link_latency_s[src][dst], 0.0)
-        bw = devices.link_bw_bytes_per_s[src][dst]
-        if not bw > 0:
-            raise ValueError(f"link bandwidth from GPU {src} to {dst} must be > 0, got {bw}")
-        res = ((link_resource(devices, src, dst), bw), *resources.shared(src, dst))
-        waiting.append(_Msg(src, dst, s, m, fwd, nbytes, t if t0 is None else t0, t + lat, bw, res, key))
-
-    def arrive(msg: _Msg, when: float):
-        events.append(SimEvent("send", msg.src, msg.stage, msg.m, msg.t0, when, msg.dst, msg.nbytes,
-                               peer_stage=msg.stage + (1 if msg.fwd else -1)))
-        if nccl:
-            for side in (True, False):
-                remaining[where[side, msg.key]] -= 1
-            advance(msg.src)
-            advance(msg.dst)
-        elif msg.fwd:
-            got_fwd[msg.dst, msg.stage + 1, msg.m] += 1
-        else:
-            got_bwd[msg.dst, msg.stage - 1, msg.m] += 1
-
-    # P2P_NCCL ([Note: point-to-point models]): each rank's groups in order on its stream.
-    nccl = p2p == P2P_NCCL
-    if nccl:
-        progs = decision_programs(costs, decision, options.schedule)
-        where = {(op.send, op.message): (g, gi) for g, pr in progs.items()
-                 for gi, grp in enumerate(pr.groups) for op in grp}
-        remaining = {(g, gi): len(grp) for g, pr in progs.items() for gi, grp in enumerate(pr.groups)}
-        stream = {g: deque() for g in used}
-        posted = dict.fromkeys(used, 0)
-        post_time: dict[tuple[int, int], float] = {}
-        finished: set[tuple[int, int]] = set()
-        started: set = set()
-
-    def head(g):
-        return stream[g][0] if stream[g] else None
-
-    def advance(g):
-        """Retire g's finished head groups; start every message whose two groups are both at the head."""
-        while (h := head(g)) is not None:
-            if remaining[g, h] == 0:
-                stream[g].popleft()
-                finished.add((g, h))
-                continue
-            for op in progs[g].groups[h]:
-                msg = op.message
-                if msg in started:
-                    continue
-                peer, pg = where[not op.send, msg]
-                if head(peer) == pg:
-                    started.add(msg)
-                    fwd = not msg.backward
-                    post(msg.src, msg.dst, msg.boundary if fwd else msg.boundary + 1, msg.microbatch, fwd,
-                         msg.nbytes, key=msg, t0=post_time[where[True, msg]])
-            return
-
-    def post_group(g):
-        gi = posted[g]
-        posted[g] += 1
-        post_time[g, gi] = t
-        stream[g].append(gi)
-        advance(g)
-
-    if nccl:
-        for g in used:
-            post_group(g)  # G_0: the receives of the first action
-
-    def ready(g) -> bool:
-        if nccl:
-            return all((g, gi) in finished for gi in progs[g].waits[pc[g]])
-        a = acts[g][pc[g]]
-        s = group_of[g] + a.chunk * n_p
-        if a.kind == "F":
-            return got_fwd[g, s, a.microbatch] >= need_fwd[g, s]
-        return got_bwd[g, s, a.microbatch] >= need_bwd[g, s]
-
-    while True:
-        for g in used:
-            if g not in running and pc[g] < len(acts[g]) and ready(g):
-                a = acts[g][pc[g]]
-                s = group_of[g] + a.chunk * n_p
-                running[g] = (t, t + dur[g, s][a.kind == "B"], a.kind, a.microbatch, s)
-                if a.kind == "B":  # the recomputed micro-batch is still held, plus its full activations
-                    peak_act[g] = max(peak_act[g], footprint(g) + rerun[g][a.chunk])
-        finish = {id(x): t + x.left / x.rate for x in active}
-        cands = [r[1] for r in running.values()] + [x.ready for x in waiting] + list(finish.values())
-        if not cands:
-            break
-        t_next = max(min(cands), t)
-        for x in active:
-            x.left -= x.rate * (t_next - t)
-        t = t_next
-        tol = 1e-12 * max(1.0, t)
-        for g in sorted(running):
-            start, end, kind, m, s = running[g]
-            if end > t + tol:
-                continue
-            del running[g]
-            pc[g] += 1
-            events.append(SimEvent(kind, g, s, m, start, t, recompute_s=rc_dur[g, s] if kind == "B" else 0.0))
-            busy[g] += t - start
-            if kind == "F":
-                live[g][s // n_p] += 1
-                peak_act[g] = max(peak_act[g], footprint(g))
-                for h, nb in () if nccl else out_fwd[g, s]:
-                    post(g, h, s, m, True, nb)
-            else:
-                live[g][s // n_p] -= 1
-                last_b[g] = t
-                last_b_span[g, s] = (start, t)
-                for h, nb in () if nccl else out_bwd[g, s]:
-                    post(g, h, s, m, False, nb)
-            if nccl:
-                post_group(g)  # G_{k+1}: this action's sends + the next action's receives
-        n_active = len(active)
-        for x in [x for x in active if finish[id(x)] <= t + tol]:
-            active.remove(x)
-            arrive(x, t)
-        changed = len(active) != n_active
-        for x in [x for x in waiting if x.ready <= t + tol]:
-            waiting.remove(x)
-            if x.nbytes <= 0 or math.isinf(x.bw):
-                arrive(x, t)
-            else:
-                active.append(x)
-                changed = True
-        if changed and active:  # max-min fair rates over every resource (a pair link's capacity: its smallest figure)
-            cap: dict[tuple, float] = {}
-            for x in active:
-                for key, c in x.res:
-                    cap[key] = min(cap.get(key, c), c)
-            for x, r in zip(active, max_min_rates([[key for key, _ in x.res] for x in active], cap)):
-                x.rate = r
-    stuck = [g for g in used if pc[g] < len(acts[g]) or (nccl and stream[g])]
-    if stuck:
-        raise RuntimeError(f"schedule deadlocked: GPUs {stuck} wait at actions "
-                           f"{[str(acts[g][pc[g]]) if pc[g] < len(acts[g]) else 'its last sends' for g in stuck]}")
-
+    pipe = _Pipeline(costs, devices, options, decision, tab, pol, p2p)
+    pipe.run()
+    stage_blocks, stage_gpus, n_s, n_p = decision.stage_blocks, decision.stage_gpus, pipe.n_s, pipe.n_p
     # Gradient sync (see the module note): per group its buckets, tied parameters over their
     # holders, then each GPU's optimizer steps, then the all-gathers of the sharded stages.
-    step, sync_events, shard_bytes = gradient_sync(costs, devices, stage_blocks, stage_gpus, samples_per_microbatch,
-                                                   n_p, pol, last_b, last_b_span, rc_dur, resources)
-    events += sync_events
-
-    n_g = devices.num_gpus
-    busy_frac = tuple(busy.get(g, 0.0) / step if step > 0 else 0.0 for g in range(n_g))
+    step, sync_events, shard_bytes = gradient_sync(
+        costs, devices, stage_blocks=stage_blocks, stage_gpus=stage_gpus, samples=decision.samples_per_microbatch,
+        n_p=n_p, pol=pol, last_b=pipe.last_b, last_b_span=pipe.last_b_span, rc_dur=pipe.rc_dur,
+        resources=pipe.resources)
+    events = pipe.events + sync_events
+    used, n_g = pipe.used, devices.num_gpus
+    busy_frac = tuple(pipe.busy.get(g, 0.0) / step if step > 0 else 0.0 for g in range(n_g))
     peak = [0] * n_g
     for g in used:
         state = 0
-        for s in range(group_of[g], n_s, n_p):
+        for s in range(pipe.group_of[g], n_s, n_p):
             i, j = stage_blocks[s]
             full, shard = stage_state_kib(tab, i, j)  # a tied parameter once per stage
             state += full
             if pol.sharded[s]:
                 state += MIB_UNITS * pol.shard_mib[s][stage_gpus[s].index(g)] - shard
-        peak[g] = MEMORY_UNIT_BYTES * (state + peak_act[g])
+        peak[g] = MEMORY_UNIT_BYTES * (state + pipe.peak_act[g])
     bubble = 1.0 - sum(busy_frac[g] for g in used) / len(used)
     events.sort(key=lambda e: (e.start_s, e.gpu, KINDS.index(e.kind), e.end_s))
     return SimResult(step_time_s=step, busy_fraction=busy_frac, peak_memory_bytes=tuple(peak),
                      events=tuple(events), bubble_fraction=bubble,
                      gpu_nodes=tuple(devices.node_names or (f"gpu{g}" for g in range(n_g))),
                      gpu_types=tuple(devices.gpu_types), stage_sharded=pol.sharded,
-                     state_shard_bytes=shard_bytes, stage_recompute=pol.recompute, interleave=v)
+                     state_shard_bytes=shard_bytes, stage_recompute=pol.recompute, interleave=pipe.v)

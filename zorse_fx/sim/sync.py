@@ -103,7 +103,7 @@ def _tied_plan(costs: BlockCosts, stage_blocks, stage_gpus, n_p: int):
     return excluded, unions
 
 
-def gradient_sync(costs: BlockCosts, devices: DeviceGraph, stage_blocks, stage_gpus, samples, n_p: int, pol,
+def gradient_sync(costs: BlockCosts, devices: DeviceGraph, *, stage_blocks, stage_gpus, samples, n_p: int, pol,
                   last_b: dict, last_b_span: dict, rc_dur: dict, resources: FlowResources):
     """Events and end of the step's gradient sync (see the engine's module note).
     Returns ``(step_end_s, events, shard_bytes)`` with ``shard_bytes`` per stage

@@ -33,7 +33,7 @@ class LinkTerms:
     ([group][stage] presence / samples per GPU), ``kn`` ((group, stage) -> k n of
     a multi-unit group)."""
 
-    def __init__(self, m: cp_model.CpModel, tab: IntTables, groups, cuts, p, n, kn, num_stages: int):
+    def __init__(self, m: cp_model.CpModel, tab: IntTables, groups, *, cuts, p, n, kn, num_stages: int):
         self.m, self.tab, self.groups, self.cuts, self.p, self.n = m, tab, groups, cuts, p, n
         self.num_stages, self.b = num_stages, tab.microbatch_size
         #: node_sum[c][s]: the samples of stage s on the node of a unit of c.

@@ -138,8 +138,8 @@ def ring(m: cp_model.CpModel, units, kv, hi: int, khi: int, name: str, *, scale:
     return d
 
 
-def sync_terms(m: cp_model.CpModel, tab: IntTables, groups, p, k, size, cuts: StageCuts, tied: TiedCopies,
-               sh, zc, drain6, bwd6, *, gpu_hi: int, lat_hi: int, drain_hi: int):
+def sync_terms(m: cp_model.CpModel, tab: IntTables, groups, *, p, k, size, cuts: StageCuts, tied: TiedCopies,
+               sh, zc, drain6, bwd6, gpu_hi: int, lat_hi: int, drain_hi: int):
     """(sync6, sync_hi): per stage s, the linear expression sync6_s (6 x the
     stage's sync term less E_s, module note; ns units), and sync_hi >= every
     sync term before the factor 6.

@@ -75,7 +75,7 @@ def memory_variants(options: PlanOptions) -> tuple[tuple[bool, bool], ...]:
     return tuple((a, b) for b in rc for a in sh)
 
 
-def stage_act_kib(tab, s: int, n_s: int, i: int, j: int, n: int, recompute: bool) -> int:
+def stage_act_kib(tab, s: int, n_s: int, i: int, j: int, n: int, *, recompute: bool) -> int:
     """Activation KiB of a GPU with ``n`` samples on stage ``s`` of ``n_s``
     (blocks [i, j)), as [C-memory]: in-flight micro-batches x n x A_s, or with
     recomputation n x (in-flight x X_s + A_s) (X_0 = 0)."""
@@ -90,7 +90,7 @@ def memory_groups(tab, gpus, samples) -> tuple[tuple[tuple[int, int], int], ...]
     return tuple(sorted(Counter((n, tab.cap_bytes[g]) for g, n in zip(gpus, samples)).items()))
 
 
-def stage_fits(tab, s: int, n_s: int, i: int, j: int, groups, sharded: bool, recompute: bool) -> bool:
+def stage_fits(tab, s: int, n_s: int, i: int, j: int, groups, *, sharded: bool, recompute: bool) -> bool:
     """Whether stage ``s`` of ``n_s`` (blocks [i, j), GPUs as ``memory_groups``)
     fits memory under the variant. Unsharded (or one GPU), every GPU holds
     the whole state plus its activations; sharded, every GPU holds the
@@ -99,8 +99,8 @@ def stage_fits(tab, s: int, n_s: int, i: int, j: int, groups, sharded: bool, rec
     finds shards satisfying [C-memory] and [C-shard]."""
     state, shard = stage_state_kib(tab, i, j)  # [C-tied]: a tied parameter once per stage
     if not sharded or sum(c for _, c in groups) < 2:
-        return all(state + stage_act_kib(tab, s, n_s, i, j, n, recompute) <= cap for (n, cap), _ in groups)
-    free = [(cap - (state - shard) - stage_act_kib(tab, s, n_s, i, j, n, recompute), c) for (n, cap), c in groups]
+        return all(state + stage_act_kib(tab, s, n_s, i, j, n, recompute=recompute) <= cap for (n, cap), _ in groups)
+    free = [(cap - (state - shard) - stage_act_kib(tab, s, n_s, i, j, n, recompute=recompute), c) for (n, cap), c in groups]
     return min(f for f, _ in free) >= 0 and MIB_UNITS * sum(c * (f // MIB_UNITS) for f, c in free) >= shard
 
 

@@ -167,74 +167,88 @@ class CandidateModel:
     def __init__(self, tab: IntTables, devices: DeviceGraph, options: PlanOptions,
                  groups: list[_Group], num_stages: int):
         self.tab, self.S, self.groups = tab, num_stages, groups
-        self.m = m = cp_model.CpModel()
-        n_s, nb, b = num_stages, tab.num_blocks, tab.microbatch_size
-        n_c = len(groups)
-        cls, stages, blocks = range(n_c), range(n_s), range(nb)
-        wsum = cp_model.LinearExpr.WeightedSum
-        rep = [q.members[0] for q in groups]
-        unit = [q.unit for q in groups]
-        count = [q.count for q in groups]
-        single = [q.count == 1 for q in groups]
-        ctype = [tab.gpu_types[r] for r in rep]
+        self.m = cp_model.CpModel()
+        self.b, self.nb = tab.microbatch_size, tab.num_blocks
+        self.rep = [q.members[0] for q in groups]
+        self.unit = [q.unit for q in groups]
+        self.count = [q.count for q in groups]
+        self.single = [q.count == 1 for q in groups]
+        self.ctype = [tab.gpu_types[r] for r in self.rep]
+        # The constraint families of [Note: one model builder], in this order (the
+        # order fixes the variables' and constraints' indices in the model).
+        self._assign(options.allow_idle_gpus)  # [C-assign]
+        self.cuts = StageCuts(self.m, self.nb, num_stages)  # [C-cuts] (_encoding.py)
+        self.cut, self.in_s = self.cuts.cut, self.cuts.in_s
+        self.tied = tied_copies(self.m, tab, self.cuts, num_stages)  # [C-tied] same_s / dup_s (_sync_encoding.py)
+        self.sh, self.rc = _policy_vars(self.m, tab, self.size, num_stages)  # [C-shard] / [C-recompute]
+        self._samples()  # [C-samples]
+        self.links = LinkTerms(self.m, tab, groups, cuts=self.cuts, p=self.p, n=self.n, kn=self.kn,  # [C-boundary]
+                               num_stages=num_stages)
+        self._compute()  # [C-compute]
+        self._compute_heads()  # [C-objective]'s cmax-
+        self._throughput_bound()  # redundant
+        self._stage_times()  # [C-stage]
+        self._shards()  # [C-shard]
+        # [C-allreduce] [C-tied] [C-optim] 6 x each stage's sync term (_sync_encoding.py).
+        sync, sync_hi = sync_terms(self.m, tab, groups, p=self.p, k=self.k, size=self.size, cuts=self.cuts,
+                                   tied=self.tied, sh=self.sh, zc=self.zc, drain6=self.drain6, bwd6=self.bwd6,
+                                   gpu_hi=self.gpu_hi, lat_hi=self.lat_hi, drain_hi=self.drain_hi)
+        self._memory()  # [C-memory]
+        self._symmetry()  # [C-symmetry]
+        self._objective(sync, sync_hi)  # [C-objective]
 
-        # [C-assign] k[c][s] units (GPUs, or whole nodes when aggregated) of group c in stage s,
-        # p[c][s] = k >= 1; every GPU takes >= 1 of the b samples, so unit * k <= b.
+    # -- the constraint families -------------------------------------------------------
+
+    def _gated(self, flag, value, hi, name):
+        return _gated(self.m, flag, value, hi, name)
+
+    def _both(self, a, c, name):
+        return _both(self.m, a, c, name)
+
+    def _shard_kib(self, s: int):
+        """Q_s in KiB, a tied parameter once ([C-tied])."""
+        dup = self.tied.dup
+        return self.cuts.stage_sum(self.tab.shard_prefix, s) - sum(
+            self.tab.tied_shard[t_] * dup[t_][s] for t_ in range(len(dup)))
+
+    def _assign(self, allow_idle_gpus: bool) -> None:
+        """[C-assign] k[c][s] units (GPUs, or whole nodes when aggregated) of group c in stage s,
+        p[c][s] = k >= 1; every GPU takes >= 1 of the b samples, so unit * k <= b."""
+        m, b, cls, stages = self.m, self.b, range(len(self.groups)), range(self.S)
+        single, count, unit = self.single, self.count, self.unit
         k = [None if single[c] else [m.NewIntVar(0, min(count[c], b // unit[c]), f"k_{c}_{s}") for s in stages]
              for c in cls]
         self.p = p = [[m.NewBoolVar(f"p_{c}_{s}") for s in stages] for c in cls]
         self.k = k = [p[c] if single[c] else k[c] for c in cls]  # one unit: k = p
         for c in cls:
             if single[c]:
-                (m.AddAtMostOne if options.allow_idle_gpus else m.AddExactlyOne)(p[c])
+                (m.AddAtMostOne if allow_idle_gpus else m.AddExactlyOne)(p[c])
                 continue
-            if options.allow_idle_gpus:
+            if allow_idle_gpus:
                 m.Add(sum(k[c]) <= count[c])
             else:
                 m.Add(sum(k[c]) == count[c])
             for s in stages:
                 m.Add(k[c][s] >= 1).OnlyEnforceIf(p[c][s])
                 m.Add(k[c][s] == 0).OnlyEnforceIf(p[c][s].Not())
-        size = [sum(unit[c] * k[c][s] for c in cls) for s in stages]
+        self.size = [sum(unit[c] * k[c][s] for c in cls) for s in stages]
         for s in stages:
             m.AddBoolOr([p[c][s] for c in cls])
-            m.Add(size[s] <= b)
+            m.Add(self.size[s] <= b)
 
-        # [C-cuts] contiguous stage ranges (encoding in _encoding.py).
-        cuts = StageCuts(m, nb, n_s)
-        self.cut, in_s = cuts.cut, cuts.in_s
-        stage_sum = cuts.stage_sum
-
-        def gated(flag, value, hi, name):
-            return _gated(m, flag, value, hi, name)
-
-        def both(a, c, name):
-            return _both(m, a, c, name)
-
-        # [C-tied] same_s / dup_s of every tied parameter (_sync_encoding.py).
-        tied = tied_copies(m, tab, cuts, n_s)
-        dup = tied.dup
-
-        def shard_kib(s):
-            """Q_s in KiB, a tied parameter once ([C-tied])."""
-            return stage_sum(tab.shard_prefix, s) - sum(tab.tied_shard[t_] * dup[t_][s] for t_ in range(len(dup)))
-
-        # [C-shard] / [C-recompute] per-stage memory policy (absent when the mode is "never").
-        self.sh, self.rc = sh, rc = _policy_vars(m, tab, size, n_s)
-
-        # [C-samples] n[c][s] in [1, b] iff present; sum_c unit * k * n = b.
-        # z: samples a GPU of c pushes through each block (0 off its stage); u = z >= 1.
+    def _samples(self) -> None:
+        """[C-samples] n[c][s] in [1, b] iff present; sum_c unit * k * n = b. z: samples a GPU
+        of c pushes through each block (0 off its stage); u = z >= 1; kn: k * n of a
+        multi-unit group; with a single group, the redundant per-block sample sum."""
+        m, b, in_s, p, k = self.m, self.b, self.in_s, self.p, self.k
+        cls, stages, blocks = range(len(self.groups)), range(self.S), range(self.nb)
+        single, unit = self.single, self.unit
         self.n = n = [[m.NewIntVar(0, b, f"n_{c}_{s}") for s in stages] for c in cls]
-        z = [[m.NewIntVar(0, b, f"z_{c}_{q}") for q in blocks] if single[c] else
-             [[m.NewIntVar(0, b, f"z_{c}_{s}_{q}") for q in blocks] for s in stages] for c in cls]
-        u = [[m.NewBoolVar(f"u_{c}_{q}") for q in blocks] if single[c] else
-             [[m.NewBoolVar(f"u_{c}_{s}_{q}") for q in blocks] for s in stages] for c in cls]
-
-        def z_of(c, s):
-            """Samples per block of a GPU of c, valid where c is in stage s (0 where it is not)."""
-            return (z[c], u[c]) if single[c] else (z[c][s], u[c][s])
-
-        kn = {}  # (group, stage) -> IntVar k * n of a multi-unit group
+        self.z = z = [[m.NewIntVar(0, b, f"z_{c}_{q}") for q in blocks] if single[c] else
+                      [[m.NewIntVar(0, b, f"z_{c}_{s}_{q}") for q in blocks] for s in stages] for c in cls]
+        self.u = u = [[m.NewBoolVar(f"u_{c}_{q}") for q in blocks] if single[c] else
+                      [[m.NewBoolVar(f"u_{c}_{s}_{q}") for q in blocks] for s in stages] for c in cls]
+        self.kn = kn = {}  # (group, stage) -> IntVar k * n of a multi-unit group
         for s in stages:
             tots = []
             for c in cls:
@@ -277,177 +291,197 @@ class CandidateModel:
             for q in blocks:
                 m.Add(sum(row[q] for row in through) == b)
 
-        # [C-boundary] and the link loads over groups (_boundary_encoding.py).
-        links = LinkTerms(m, tab, groups, cuts, p, n, kn, n_s)
-
-        # [C-compute] compute = n W + F (+ the recomputed forward) of a GPU of c.
-        lat_hi = max(max(r) for r in tab.pair_lat) if tab.num_gpus > 1 else 0
+    def _compute(self) -> None:
+        """[C-compute] compute = n W + F (+ the recomputed forward) of a GPU of c: stage_comp[c][s]
+        (0 when c is absent from s) and stage_rcx[c][s], its recomputed forward (0 without
+        recomputation), for GPipe's forward / backward split; the bounds every time term uses."""
+        m, tab, b, n_s, rc = self.m, self.tab, self.b, self.S, self.rc
+        cls, stages = range(len(self.groups)), range(n_s)
+        self.lat_hi = max(max(r) for r in tab.pair_lat) if tab.num_gpus > 1 else 0
         xfer_hi = max((max(r) for r in tab.xfer), default=0)
         work_hi = b * max(p_[-1] for p_ in tab.work_prefix.values()) + \
             max(p_[-1] for p_ in tab.fixed_prefix.values())
         if rc:
             work_hi += b * max(p_[-1] for p_ in tab.rc_work_prefix.values()) + \
                 max(p_[-1] for p_ in tab.rc_fixed_prefix.values())
-        t_hi = work_hi + 2 * (xfer_hi + lat_hi)
-        gpu_hi = min(tab.num_gpus, b * n_s)
-        tmax = m.NewIntVar(0, t_hi, "tmax")
-        drain_hi = 6 * t_hi  # bounds 4 cmax_s + 3 boundary_s of [C-objective]
-
-        gpu_comps = []  # every compute IntVar: redundant lower bounds of the period
-
-        def compute(c, zz, uu, on, name):
-            """(IntVar: compute of a GPU of c with samples zz per block, its recomputed part:
-            an IntVar or 0); ``on``: recomputes."""
-            ty = ctype[c]
-            cv = m.NewIntVar(0, work_hi, f"comp_{name}")
-            extra = 0
-            if rc:
-                extra = gated(on, wsum(zz, _blocks(tab.rc_work_prefix[ty]))
-                              + wsum(uu, _blocks(tab.rc_fixed_prefix[ty])), work_hi, f"rcw_{name}")
-            m.Add(cv == wsum(zz, _blocks(tab.work_prefix[ty])) + wsum(uu, _blocks(tab.fixed_prefix[ty])) + extra)
-            m.Add(tmax >= cv)  # redundant
-            gpu_comps.append(cv)
-            return cv, extra
-
-        # stage_comp[c][s]: compute of a GPU of c in stage s, 0 when c is absent from s; stage_rcx[c][s]:
-        # its recomputed forward (0 without recomputation), for GPipe's forward / backward split.
-        stage_comp = [[None] * n_s for _ in cls]
-        stage_rcx = [[0] * n_s for _ in cls]
-        rcg = [None] * n_c
+        self.work_hi = work_hi
+        self.t_hi = work_hi + 2 * (xfer_hi + self.lat_hi)
+        self.gpu_hi = min(tab.num_gpus, b * n_s)
+        self.tmax = m.NewIntVar(0, self.t_hi, "tmax")
+        self.drain_hi = 6 * self.t_hi  # bounds 4 cmax_s + 3 boundary_s of [C-objective]
+        self.gpu_comps = []  # every compute IntVar: redundant lower bounds of the period
+        self.stage_comp = [[None] * n_s for _ in cls]
+        self.stage_rcx = [[0] * n_s for _ in cls]
+        self.rcg = [None] * len(self.groups)  # per single group: its stage recomputes
+        p, z, u = self.p, self.z, self.u
         for c in cls:
-            if single[c]:
+            if self.single[c]:
                 on = None
                 if rc:  # the recomputed forward, when c's stage recomputes
                     on = m.NewBoolVar(f"rcg_{c}")
-                    m.Add(on == sum(both(p[c][s], rc[s], f"prc_{c}_{s}") for s in stages))
-                rcg[c] = on
-                cv, extra = compute(c, z[c], u[c], on, f"{c}")
+                    m.Add(on == sum(self._both(p[c][s], rc[s], f"prc_{c}_{s}") for s in stages))
+                self.rcg[c] = on
+                cv, extra = self._gpu_compute(c, z[c], u[c], on, f"{c}")
                 for s in stages:
-                    stage_comp[c][s] = gated(p[c][s], cv, work_hi, f"cgs_{c}_{s}")
+                    self.stage_comp[c][s] = self._gated(p[c][s], cv, work_hi, f"cgs_{c}_{s}")
                     if rc and tab.schedule == "gpipe":
-                        stage_rcx[c][s] = gated(p[c][s], extra, work_hi, f"rxs_{c}_{s}")
+                        self.stage_rcx[c][s] = self._gated(p[c][s], extra, work_hi, f"rxs_{c}_{s}")
             else:
                 for s in stages:
-                    stage_comp[c][s], stage_rcx[c][s] = compute(c, z[c][s], u[c][s], rc[s] if rc else None,
-                                                                f"{c}_{s}")
-        # [C-objective] cmax-_s: compute over the stage's blocks but its last (the backward the
-        # stage's buckets can overlap). end[q]: block q is the last of its stage (a cut at q + 1;
-        # True for the last block, False for the others with one stage); zh / uh = z / u off them.
-        ge = cuts.ge
-        end = [True if q == nb - 1 else False if n_s == 1 else m.NewBoolVar(f"end_{q}") for q in blocks]
-        for q in blocks[:-1]:
+                    self.stage_comp[c][s], self.stage_rcx[c][s] = self._gpu_compute(
+                        c, z[c][s], u[c][s], rc[s] if rc else None, f"{c}_{s}")
+
+    def _gpu_compute(self, c, zz, uu, on, name):
+        """(IntVar: compute of a GPU of c with samples zz per block, its recomputed part:
+        an IntVar or 0); ``on``: recomputes."""
+        m, tab, ty, work_hi = self.m, self.tab, self.ctype[c], self.work_hi
+        wsum = cp_model.LinearExpr.WeightedSum
+        cv = m.NewIntVar(0, work_hi, f"comp_{name}")
+        extra = 0
+        if self.rc:
+            extra = self._gated(on, wsum(zz, _blocks(tab.rc_work_prefix[ty]))
+                                + wsum(uu, _blocks(tab.rc_fixed_prefix[ty])), work_hi, f"rcw_{name}")
+        m.Add(cv == wsum(zz, _blocks(tab.work_prefix[ty])) + wsum(uu, _blocks(tab.fixed_prefix[ty])) + extra)
+        m.Add(self.tmax >= cv)  # redundant
+        self.gpu_comps.append(cv)
+        return cv, extra
+
+    def _compute_heads(self) -> None:
+        """[C-objective] cmax-_s: compute over the stage's blocks but its last (the backward the
+        stage's buckets can overlap). end[q]: block q is the last of its stage (a cut at q + 1;
+        True for the last block, False for the others with one stage); zh / uh = z / u off them."""
+        m, nb, n_s, ge = self.m, self.nb, self.S, self.cuts.ge
+        cls, stages = range(len(self.groups)), range(n_s)
+        self.end = end = [True if q == nb - 1 else False if n_s == 1 else m.NewBoolVar(f"end_{q}") for q in range(nb)]
+        for q in range(nb - 1):
             if n_s > 1:
                 m.Add(end[q] == sum(ge[s][q + 1] - ge[s][q] for s in range(1, n_s)))
-
-        def head(c, zz, uu, on, name):
-            """IntVar: compute of a GPU of c over its stage's blocks but the last ([C-compute] of
-            zz / uu with the last block's samples and fixed cost left out)."""
-            ty, zh, uh = ctype[c], [], []
-            for q in blocks:
-                if end[q] is True:
-                    zh.append(0), uh.append(0)
-                elif end[q] is False:
-                    zh.append(zz[q]), uh.append(uu[q])
-                else:
-                    v = m.NewIntVar(0, b, f"zh_{name}_{q}")
-                    m.Add(v == zz[q]).OnlyEnforceIf(end[q].Not())
-                    m.Add(v == 0).OnlyEnforceIf(end[q])
-                    zh.append(v), uh.append(both(uu[q], end[q].Not(), f"uh_{name}_{q}"))
-
-            def tsum(prefix):
-                w_, f_ = _blocks(prefix[0][ty]), _blocks(prefix[1][ty])
-                return sum(w_[q] * zh[q] + f_[q] * uh[q] for q in blocks)
-
-            hv = m.NewIntVar(0, work_hi, f"comph_{name}")
-            extra = gated(on, tsum((tab.rc_work_prefix, tab.rc_fixed_prefix)), work_hi, f"rch_{name}") if rc else 0
-            m.Add(hv == tsum((tab.work_prefix, tab.fixed_prefix)) + extra)
-            return hv
-
-        stage_head = [[None] * n_s for _ in cls]
+        self.stage_head = [[None] * n_s for _ in cls]
+        p, z, u, rc = self.p, self.z, self.u, self.rc
         for c in cls:
-            if single[c]:
-                hv = head(c, z[c], u[c], rcg[c], f"{c}")
+            if self.single[c]:
+                hv = self._head(c, z[c], u[c], self.rcg[c], f"{c}")
                 for s in stages:
-                    stage_head[c][s] = gated(p[c][s], hv, work_hi, f"chs_{c}_{s}")
+                    self.stage_head[c][s] = self._gated(p[c][s], hv, self.work_hi, f"chs_{c}_{s}")
             else:
                 for s in stages:
-                    stage_head[c][s] = head(c, z[c][s], u[c][s], rc[s] if rc else None, f"{c}_{s}")
+                    self.stage_head[c][s] = self._head(c, z[c][s], u[c][s], rc[s] if rc else None, f"{c}_{s}")
 
-        # Redundant throughput bound (valid for every decision): with w_ref[q] the
-        # fastest type's time of block q and r_g = max_q w_ref[q] / w_type(g)[q] <= 1,
-        # sum_g r_g compute_g >= b * sum_q w_ref[q] and compute_g <= tmax.
+    def _head(self, c, zz, uu, on, name):
+        """IntVar: compute of a GPU of c over its stage's blocks but the last ([C-compute] of
+        zz / uu with the last block's samples and fixed cost left out)."""
+        m, tab, end, blocks = self.m, self.tab, self.end, range(self.nb)
+        ty, zh, uh = self.ctype[c], [], []
+        for q in blocks:
+            if end[q] is True:
+                zh.append(0), uh.append(0)
+            elif end[q] is False:
+                zh.append(zz[q]), uh.append(uu[q])
+            else:
+                v = m.NewIntVar(0, self.b, f"zh_{name}_{q}")
+                m.Add(v == zz[q]).OnlyEnforceIf(end[q].Not())
+                m.Add(v == 0).OnlyEnforceIf(end[q])
+                zh.append(v), uh.append(self._both(uu[q], end[q].Not(), f"uh_{name}_{q}"))
+
+        def tsum(prefix):
+            w_, f_ = _blocks(prefix[0][ty]), _blocks(prefix[1][ty])
+            return sum(w_[q] * zh[q] + f_[q] * uh[q] for q in blocks)
+
+        hv = m.NewIntVar(0, self.work_hi, f"comph_{name}")
+        extra = self._gated(on, tsum((tab.rc_work_prefix, tab.rc_fixed_prefix)), self.work_hi,
+                            f"rch_{name}") if self.rc else 0
+        m.Add(hv == tsum((tab.work_prefix, tab.fixed_prefix)) + extra)
+        return hv
+
+    def _throughput_bound(self) -> None:
+        """Redundant throughput bound (valid for every decision): with w_ref[q] the fastest
+        type's time of block q and r_g = max_q w_ref[q] / w_type(g)[q] <= 1,
+        sum_g r_g compute_g >= b * sum_q w_ref[q] and compute_g <= tmax."""
+        tab, blocks, ctype = self.tab, range(self.nb), self.ctype
         wt = {t_: _blocks(tab.work_prefix[t_]) for t_ in set(ctype)}
         w_ref = [min(wt[t_][q] for t_ in wt) for q in blocks]
         r_sum = 0.0
-        for c in cls:
+        for c in range(len(self.groups)):
             r_g = max((w_ref[q] / wt[ctype[c]][q] for q in blocks if wt[ctype[c]][q] > 0), default=1.0)
-            r_sum += r_g * len(groups[c].members)
-        thr = int(b * sum(w_ref) / r_sum * (1 - 1e-9)) if r_sum > 0 else 0
+            r_sum += r_g * len(self.groups[c].members)
+        self.thr = int(self.b * sum(w_ref) / r_sum * (1 - 1e-9)) if r_sum > 0 else 0
         if r_sum > 0:
-            m.Add(tmax >= thr)
-        t, drain6, bwd6, comps, halves = [], [], [], [], []
+            self.m.Add(self.tmax >= self.thr)
 
-        for s in stages:
+    def _stage_times(self) -> None:
+        """[C-stage] t_s = cmax_s + boundary_s; per stage its compute (comps), one direction of
+        its boundary (halves: an exchange of [Note: pipeline period]) and [C-objective]'s
+        drain6_s = 4 cmax_s + 3 boundary_s = E_{s+1} - E_s and B6_s = (4 - rc_s) cmax-_s."""
+        m, n_s, rc, work_hi = self.m, self.S, self.rc, self.work_hi
+        cls = range(len(self.groups))
+        self.t, self.drain6, self.bwd6, self.comps, self.halves = [], [], [], [], []
+        for s in range(n_s):
             cs = m.NewIntVar(0, work_hi, f"comp_s{s}")
-            m.AddMaxEquality(cs, [stage_comp[c][s] for c in cls])
+            m.AddMaxEquality(cs, [self.stage_comp[c][s] for c in cls])
             # [C-boundary] rows per link (network_terms.py [Note: boundary rows]; _boundary_encoding.py).
             if s < n_s - 1:
-                xm, lm = links.boundary(s)
+                xm, lm = self.links.boundary(s)
                 bnd = 2 * xm + 2 * lm
             else:
                 bnd = 0
-            ts = m.NewIntVar(0, t_hi, f"t_{s}")
+            ts = m.NewIntVar(0, self.t_hi, f"t_{s}")
             m.Add(ts == cs + bnd)  # [C-stage]
-            t.append(ts)
-            comps.append(cs)
+            self.t.append(ts)
+            self.comps.append(cs)
             if s < n_s - 1:
-                halves.append(xm + lm)  # one direction: an exchange of [Note: pipeline period]
-            drain6.append(4 * cs + 3 * bnd)  # [C-objective] E_{s+1} - E_s
-            # [C-objective] B6_s = (4 - rc_s) cmax-_s: 6 x a bound of the stage's last backward but
-            # its last block's
+                self.halves.append(xm + lm)
+            self.drain6.append(4 * cs + 3 * bnd)
             ch = m.NewIntVar(0, work_hi, f"comph_s{s}")
-            m.AddMaxEquality(ch, [stage_head[c][s] for c in cls])
-            bwd6.append(4 * ch - gated(rc[s], ch, work_hi, f"bwdrc_{s}") if rc else 4 * ch)
+            m.AddMaxEquality(ch, [self.stage_head[c][s] for c in cls])
+            self.bwd6.append(4 * ch - self._gated(rc[s], ch, work_hi, f"bwdrc_{s}") if rc else 4 * ch)
 
-        # [C-shard] zc[c][s]: MiB per GPU of c in sharded stage s (0 otherwise).
-        self.zc = zc = None
-        if sh:
-            zc = [[m.NewIntVar(0, tab.cap_bytes[rep[c]] // MIB_UNITS, f"zc_{c}_{s}") for s in stages] for c in cls]
-            for s in stages:
-                held = []
-                for c in cls:
-                    m.Add(zc[c][s] == 0).OnlyEnforceIf(both(p[c][s], sh[s], f"psh_{c}_{s}").Not())
-                    if single[c]:
-                        held.append(unit[c] * zc[c][s])
-                    else:
-                        kz = m.NewIntVar(0, count[c] * (tab.cap_bytes[rep[c]] // MIB_UNITS), f"kz_{c}_{s}")
-                        m.AddMultiplicationEquality(kz, [k[c][s], zc[c][s]])
-                        held.append(unit[c] * kz)
-                m.Add(MIB_UNITS * sum(held) >= shard_kib(s)).OnlyEnforceIf(sh[s])
-            self.zc = zc
-
-        # [C-allreduce] [C-tied] [C-optim] 6 x each stage's sync term (_sync_encoding.py).
-        sync, sync_hi = sync_terms(m, tab, groups, p, k, size, cuts, tied, sh, zc, drain6, bwd6,
-                                   gpu_hi=gpu_hi, lat_hi=lat_hi, drain_hi=drain_hi)
-
-        # [C-memory] state + activations <= usable KiB of a GPU of c in s, per policy combination.
-        act_single = {c: wsum(z[c], _blocks(tab.act_prefix)) for c in cls if single[c]}
+    def _shards(self) -> None:
+        """[C-shard] zc[c][s]: MiB per GPU of c in sharded stage s (0 otherwise), covering the
+        stage's shardable state Q_s when it is sharded; None when sharding is "never"."""
+        self.zc = None
+        if not self.sh:
+            return
+        m, tab, sh, p, k = self.m, self.tab, self.sh, self.p, self.k
+        cls, stages, rep = range(len(self.groups)), range(self.S), self.rep
+        zc = [[m.NewIntVar(0, tab.cap_bytes[rep[c]] // MIB_UNITS, f"zc_{c}_{s}") for s in stages] for c in cls]
         for s in stages:
-            state = stage_sum(tab.state_prefix, s) - sum(
+            held = []
+            for c in cls:
+                m.Add(zc[c][s] == 0).OnlyEnforceIf(self._both(p[c][s], sh[s], f"psh_{c}_{s}").Not())
+                if self.single[c]:
+                    held.append(self.unit[c] * zc[c][s])
+                else:
+                    kz = m.NewIntVar(0, self.count[c] * (tab.cap_bytes[rep[c]] // MIB_UNITS), f"kz_{c}_{s}")
+                    m.AddMultiplicationEquality(kz, [k[c][s], zc[c][s]])
+                    held.append(self.unit[c] * kz)
+            m.Add(MIB_UNITS * sum(held) >= self._shard_kib(s)).OnlyEnforceIf(sh[s])
+        self.zc = zc
+
+    def _memory(self) -> None:
+        """[C-memory] state + activations <= usable KiB of a GPU of c in s, per policy combination."""
+        m, tab, n_s, sh, rc, zc, dup = self.m, self.tab, self.S, self.sh, self.rc, self.zc, self.tied.dup
+        wsum = cp_model.LinearExpr.WeightedSum
+        cls = range(len(self.groups))
+        act_single = {c: wsum(self.z[c], _blocks(tab.act_prefix)) for c in cls if self.single[c]}
+        for s in range(n_s):
+            state = self.cuts.stage_sum(tab.state_prefix, s) - sum(
                 tab.tied_state[t_] * dup[t_][s] for t_ in range(len(dup)))  # [C-tied]
             fl = inflight(tab.schedule, n_s, s, tab.num_microbatches)
-            xin = _stage_input_kib(m, tab, cuts, s) if rc else None
-            shard = shard_kib(s) if sh else 0
+            xin = _stage_input_kib(m, tab, self.cuts, s) if rc else None
+            shard = self._shard_kib(s) if sh else 0
             for c in cls:
-                act = act_single[c] if single[c] else wsum(z_of(c, s)[0], _blocks(tab.act_prefix))
-                _memory_limit(m, tab, p[c][s], cap=tab.cap_bytes[rep[c]], state=state, shard=shard,
-                              z_mib=zc[c][s] if sh else 0, act=act, fl=fl, n=n[c][s], xin=xin,
+                act = act_single[c] if self.single[c] else wsum(self.z[c][s], _blocks(tab.act_prefix))
+                _memory_limit(m, tab, self.p[c][s], cap=tab.cap_bytes[self.rep[c]], state=state, shard=shard,
+                              z_mib=zc[c][s] if sh else 0, act=act, fl=fl, n=self.n[c][s], xin=xin,
                               sh=sh[s] if sh else None, rc=rc[s] if rc else None, name=f"{c}_{s}")
 
-        # [C-symmetry] interchangeable groups c < d (same type, memory, memory bandwidth,
-        # shape, inside links; the same links to every other group): swapping them changes
-        # nothing, so order them. Single groups: (stage, -samples) of c <= that of d (idle
-        # counts as stage S); otherwise k[c][.] lexicographically >= k[d][.].
+    def _symmetry(self) -> None:
+        """[C-symmetry] interchangeable groups c < d (same type, memory, memory bandwidth,
+        shape, inside links; the same links to every other group): swapping them changes
+        nothing, so order them. Single groups: (stage, -samples) of c <= that of d (idle
+        counts as stage S); otherwise k[c][.] lexicographically >= k[d][.]."""
+        m, tab, b, n_s, p, n, k = self.m, self.tab, self.b, self.S, self.p, self.n, self.k
+        rep, n_c, stages = self.rep, len(self.groups), range(self.S)
         code = _link_code(tab)
 
         def lk(pair):
@@ -455,42 +489,44 @@ class CandidateModel:
 
         def sig(c):
             g = rep[c]
-            return (ctype[c], tab.cap_bytes[g], tab.gpu_mbw_class[g], unit[c], count[c],
-                    lk(groups[c].link_in), lk(groups[c].link_out))
+            return (self.ctype[c], tab.cap_bytes[g], tab.gpu_mbw_class[g], self.unit[c], self.count[c],
+                    lk(self.groups[c].link_in), lk(self.groups[c].link_out))
 
         def key(c):
             return sum((b + 1) * s * p[c][s] - n[c][s] for s in stages) + (b + 1) * n_s * (1 - sum(p[c]))
 
-        for c in cls:
+        for c in range(n_c):
             for d in range(c + 1, n_c):
                 if sig(c) == sig(d) and all(code[rep[c], rep[e]] == code[rep[d], rep[e]]
-                                            for e in cls if e not in (c, d)):
-                    if single[c]:
+                                            for e in range(n_c) if e not in (c, d)):
+                    if self.single[c]:
                         m.Add(key(c) <= key(d))
                     else:
-                        base = count[c] + 1
+                        base = self.count[c] + 1
                         m.Add(sum(base ** (n_s - 1 - s) * (k[c][s] - k[d][s]) for s in stages) >= 0)
                     break
 
-        # [C-objective] step = sum t_s + (M-1) T + ceil(max_s sync6_s / 6) (stage 0's term >= 0), the
-        # period T of network_terms.pipeline_period: 1F1B max(cmax_s + h_{s-1} + h_s, load), GPipe
-        # max(T_F + T_B, load) (ceil of the thirds); load: network_terms.link_load, over the links
-        # that can carry two boundaries.
-        m.AddMaxEquality(tmax, t)
+    def _objective(self, sync, sync_hi: int) -> None:
+        """[C-objective] step = sum t_s + (M-1) T + ceil(max_s sync6_s / 6) (stage 0's term >= 0),
+        the period T of network_terms.pipeline_period: 1F1B max(cmax_s + h_{s-1} + h_s, load),
+        GPipe max(T_F + T_B, load) (ceil of the thirds); load: network_terms.link_load, over the
+        links that can carry two boundaries."""
+        m, tab, cls, stages = self.m, self.tab, range(len(self.groups)), range(self.S)
+        m.AddMaxEquality(self.tmax, self.t)
         period = 0
         if tab.num_microbatches > 1:  # (M - 1) T: no period term with one micro-batch
             split = None
             if tab.schedule == "gpipe":  # per stage, its classes' 3 x forward and 3 x backward
-                split = ([[stage_comp[c][s] - stage_rcx[c][s] for c in cls] for s in stages],
-                         [[2 * stage_comp[c][s] + stage_rcx[c][s] for c in cls] for s in stages])
-            period = links.period(comps, halves, split, gpu_comps, thr, t_hi)
+                split = ([[self.stage_comp[c][s] - self.stage_rcx[c][s] for c in cls] for s in stages],
+                         [[2 * self.stage_comp[c][s] + self.stage_rcx[c][s] for c in cls] for s in stages])
+            period = self.links.period(self.comps, self.halves, split, self.gpu_comps, self.thr, self.t_hi)
         smax6 = m.NewIntVar(0, 6 * sync_hi, "syncmax6")
         m.AddMaxEquality(smax6, sync)
         num6 = m.NewIntVar(5, 6 * sync_hi + 5, "syncnum6")
         m.Add(num6 == smax6 + 5)
         smax = m.NewIntVar(0, sync_hi, "syncmax")
         m.AddDivisionEquality(smax, num6, 6)
-        self.objective = sum(t) + (tab.num_microbatches - 1) * period + smax
+        self.objective = sum(self.t) + (tab.num_microbatches - 1) * period + smax
         m.Minimize(self.objective)
 
     def hint(self, decision: Decision) -> None:

@@ -203,7 +203,7 @@ __all__ = [
     "UNITS_PER_S", "UNIT_S", "GIB", "to_units", "microbatch_candidates",
     "max_stage_count", "inflight", "IntTables", "build_tables", "Evaluation",
     "evaluate", "evaluate_units", "balance_shards", "MIB_UNITS", "evaluate_result",
-    "RECOMPUTE_FRACTION", "MemoryPolicy", "prepare", "policy_decision",
+    "RECOMPUTE_FRACTION", "MemoryPolicy", "prepare", "policy_decision", "act_units",
     "effective_pair_bandwidth", "ring_units", "tied_terms", "bucket_count", "GRAD_BUCKET_BYTES_PER_PARAM",
     "BUCKET_UNIT_BYTES", "drain_offsets", "LAST_BUCKET_RESOLUTION",
 ]
@@ -292,10 +292,10 @@ class StageUnits:
             need <= tab.cap_bytes[g] for gs, needs in zip(stage_gpus, self.memory) for g, need in zip(gs, needs))
 
 
-def _act_units(tab: IntTables, s: int, n_s: int, i: int, n: int, a: int, rc: bool) -> int:
+def act_units(tab: IntTables, s: int, n_s: int, i: int, n: int, a: int, *, recompute: bool) -> int:
     """Activation KiB of a GPU with n samples on stage s (blocks from i, A_s = a)."""
     fl = inflight(tab.schedule, n_s, s, tab.num_microbatches)
-    return n * (fl * (tab.cut_kib[i] if s > 0 else 0) + a) if rc else fl * n * a
+    return n * (fl * (tab.cut_kib[i] if s > 0 else 0) + a) if recompute else fl * n * a
 
 
 def balance_shards(need_kib: int, free_mib, rate) -> tuple[int, ...] | None:
@@ -343,7 +343,7 @@ def fill_policy(tab: IntTables, stage_blocks, stage_gpus, samples, sharded, reco
             continue
         state, need = stage_state_kib(tab, i, j)
         a = tab.act_prefix[j] - tab.act_prefix[i]
-        free = [(tab.cap_bytes[g] - (state - need) - _act_units(tab, s, n_s, i, n, a, recompute[s])) // MIB_UNITS
+        free = [(tab.cap_bytes[g] - (state - need) - act_units(tab, s, n_s, i, n, a, recompute=recompute[s])) // MIB_UNITS
                 for g, n in zip(gpus, ns)]
         z = balance_shards(need, free, [tab.opt_per_mib[tab.gpu_mbw_class[g]] for g in gpus])
         if z is None:
@@ -434,19 +434,20 @@ def evaluate_units(tab: IntTables, stage_blocks, stage_gpus, samples, policy: Me
         if sh:
             z = pol.shard_mib[s]
             opt.append(max(zg * tab.opt_per_mib[tab.gpu_mbw_class[g]] for g, zg in zip(gpus, z)))
-            mem.append(tuple(state - shard + MIB_UNITS * zg + _act_units(tab, s, n_s, i, n, a, rc)
+            mem.append(tuple(state - shard + MIB_UNITS * zg + act_units(tab, s, n_s, i, n, a, recompute=rc)
                              for n, zg in zip(ns, z)))
             unc.append(max(0, shard - MIB_UNITS * sum(z)))
         else:
             opt.append(max(stage_optim_units(tab, q, i, j) for q in {tab.gpu_mbw_class[g] for g in gpus}))
-            mem.append(tuple(state + _act_units(tab, s, n_s, i, n, a, rc) for n in ns))
+            mem.append(tuple(state + act_units(tab, s, n_s, i, n, a, recompute=rc) for n in ns))
             unc.append(0)
     stage = tuple(c + x for c, x in zip(comp, bnd))
     if interleave > 1 or task_graph:
         from .pipeline_terms import interleaved_units
 
-        return interleaved_units(tab, stage_blocks, stage_gpus, samples, pol, interleave, comp, bnd, stage,
-                                  ar, opt, mem, unc, tied=tied, buckets=(grad_kib, ring_lat), gather=gather)
+        return interleaved_units(tab, stage_blocks, stage_gpus, samples, pol, v=interleave, comp=comp, bnd=bnd,
+                                 stage=stage, ar=ar, opt=opt, mem=mem, unc=unc, tied=tied,
+                                 buckets=(grad_kib, ring_lat), gather=gather)
     # [C-objective]: stage s's own sync starts during the backward of its blocks but its last (6 x
     # an upper bound of it: (4 - rc_s) cmax-_s), its last bucket only after it, D_s before the drain
     # ends; a tied ring (held: not None) at the drain's end.

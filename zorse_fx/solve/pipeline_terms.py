@@ -1,23 +1,98 @@
-"""The pipeline terms of interleaved plans ([Note: interleaved stages]).
+"""The pipeline terms of interleaved plans: ``forward_units`` (the forward
+task of a stage), ``program_ends`` (the runtime's point-to-point program
+replayed under NCCL's rules with fixed times: each GPU group's end and each
+stage's last backward, integer ns), ``group_sync_units`` (a group's gradient
+sync) and ``interleaved_units`` (step and memory of an interleaved decision).
+``objective.evaluate_units`` (whose module note is the model; this is its
+v > 1 part) calls ``interleaved_units`` when v > 1 (or ``task_graph``:
+``solve.interleave.base_makespan_s`` scores the v = 1 plan it starts from by
+the same replay).
 
-Split from ``objective.py`` (the module note there is the model; this is its
-v > 1 part): ``forward_units`` (the forward task of a stage),
-``program_ends`` (the runtime's point-to-point program replayed under NCCL's
-rules with fixed times: each GPU group's end and each stage's last backward,
-integer ns), ``group_sync_units`` (a group's gradient sync) and
-``interleaved_units`` (step and memory of an interleaved decision).
-``objective.evaluate_units`` calls ``interleaved_units`` when v > 1 (or
-``task_graph``: ``solve.interleave.base_makespan_s`` scores the v = 1 plan it
-starts from by the same replay). The longest path of the schedule's task
-graph with buffered sends, the measure here until 2026-11-26, is gone:
-nothing was priced by it any more.
+[Note: interleaved stages]
+With interleave degree v the S = P v stages run on P GPU groups, stage s
+on group p = s mod P (``ir.schedule.interleaved_1f1b``). Per-stage
+terms (compute, boundary, all-reduce, optimizer) are those of the module
+note; what changes:
+
+  step  = max_p (max(sync_p, makespan + max_{s = p mod P} tied_s
+                 + sum_{s = p mod P} ag_s) + sum_{s = p mod P} optim_s)
+                 (tied_s, ag_s: [C-tied], the sharded stages' all-gathers
+                 follow the optimizer; a group holding none: sync_p + ...)
+          free_p = the end of group p's last task and its last sends in
+                   the runtime's point-to-point program replayed under
+                   NCCL's rules (``program_ends``), makespan = max_p free_p:
+                   a tied ring (over several groups) starts when the
+                   pipeline has drained ([C-objective]);
+          sync_p = max(free_p, the end of the group's own gradient
+                   sync: ``group_sync_units``): its buckets in the
+                   runtime's order (its stages s = p mod P, the last
+                   first), bucket q at max(the end of q - 1, the latest
+                   lastB_s of the stages whose gradients q holds) + q's
+                   KiB share of those stages' bandwidth terms + 2 (k - 1)
+                   lat_max; lastB_s = the end of stage s's last backward
+                   in that replay (its gradients are final: the
+                   runtime and ``sim/sync.py`` start its buckets then,
+                   or earlier, block by block during that backward; the
+                   interleaved cooldown ends the group's stages one
+                   after the other, so their rings overlap the group's
+                   remaining backwards);
+          the group's gradients fill one sequence of buckets across
+          its stages (``runtime/grad_sync.py``: one key per holder set;
+          ``sim/sync.py``'s ``_reduction``), so the bucket count of
+          [C-allreduce] is that of the group's G = sum of its stages'
+          G_s, not the sum of the stages' counts (the bandwidth
+          terms and the ZeRO-1 all-gathers stay per stage; every
+          stage of a group has the group's k and lat_max);
+          ``allreduce_s`` reported per stage keeps its own count
+          nb(G_s);
+          where the forward of stage s takes f_s = floor(c'_s / 3)
+          (c'_s: its slowest GPU's compute without recomputation), the
+          backward cmax_s - f_s (the rest of its compute and the re-run
+          forward) and a message across the cut after s h_s =
+          boundary_s / 2 (one direction), and the program's rules decide
+          when each starts: a message once both ends have posted its
+          group, a compute once the groups holding its receives -- and
+          the sends fused with them -- have completed;
+  memory_g = sum over g's stages of their state (replicated, or the
+          shard) + max over the moments of ``schedule.live_profile`` of
+          sum_c live_c * held_{p + cP} (+ rerun of the backward's chunk)
+          held_s = n_g A_s, or n_g X_s on a recomputing stage;
+          rerun_s = n_g A_s on a recomputing stage, else 0.
+
+Why a replay and not a closed form: for P equal groups of v equal
+chunks of time t and buffered sends the makespan is (M v + P - 1) t --
+the 1F1B bubble of (P - 1) stage times shrinks to (P - 1) / v of them
+(Narayanan et al., SC'21, section 2.2.2) -- but where a group's chunks
+are unequal the chunks of different groups stall each other in the
+steady state (the closed form M max_p T_p + (sum T - max T) / v was up
+to 45% below the simulator), and under NCCL's rules the fused groups
+hold a rank's next compute until its peer has posted the matching
+receive, which stalls even on free links (4 groups of equal chunks:
+tests/test_sim_interleaved.py). The task graph of buffered sends with
+the boundary charged on the sending task was 10% optimistic against the
+runtime's NCCL program on the 8-GPU scaling plan and 30% on the 256-GPU
+one (bench/README.md "The runtime's NCCL program in the simulator"). Links shared by two
+boundaries (P = 2: 0 -> 1 and the wrap-around 1 -> 0 on one node pair)
+are not modelled. A group's buckets run one after the other,
+each from the last backwards of the stages it holds (sync_p): the runtime
+launches a bucket once its parameters are final ([Note: overlapped
+gradient reduction] in ``runtime/grad_sync.py``); charging the whole
+group's sync after its last task was 8% pessimistic on the 8-GPU
+scaling plan (bench/README.md, "Interleaved stages' gradient sync").
+The memory term
+is the schedule's exact peak (the simulator tracks the same moments and
+agrees to the KiB). The CP-SAT models and the DP do not choose v:
+``solve.interleave`` re-cuts a finished plan's groups into P v stages and
+keeps the result when this objective -- compared against the same
+makespan of the plan it started from -- says it is faster. Every GPU's
+row in each of its stages carries its whole memory.
 """
 
 from __future__ import annotations
 
 import functools
 
-from .objective import StageUnits, _act_units, bucket_count
+from .objective import StageUnits, act_units, bucket_count
 
 __all__ = ["forward_units", "program_ends", "group_sync_units", "interleaved_units"]
 
@@ -177,93 +252,32 @@ def group_sync_units(stages, last_b, ar, grad_kib, ring_lat, sharded, caps) -> i
     return t + tail
 
 
-def interleaved_units(tab, stage_blocks, stage_gpus, samples, pol, v, comp, bnd, stage, ar, opt, mem, unc,
-                      tied=None, *, buckets, gather) -> StageUnits:
-    """[Note: interleaved stages]
-    With interleave degree v the S = P v stages run on P GPU groups, stage s
-    on group p = s mod P (``ir.schedule.interleaved_1f1b``). Per-stage
-    terms (compute, boundary, all-reduce, optimizer) are those of the module
-    note; what changes:
+def interleaved_units(tab, stage_blocks, stage_gpus, samples, pol, *, v, comp, bnd, stage, ar, opt, mem, unc,
+                      tied=None, buckets, gather) -> StageUnits:
+    """Step and memory of a decision with interleave degree ``v`` ([Note:
+    interleaved stages] in this module). Per stage (S of them): ``comp``,
+    ``bnd``, ``stage``, ``ar``, ``opt``, ``unc``: ``objective.evaluate_units``'
+    compute, boundary, compute + boundary, all-reduce, optimizer and
+    uncovered terms; ``mem[s][k]``: the one-stage memory of the stage's k-th
+    GPU; ``tied[s]``: the stage's cross-group tied ring (None: none);
+    ``buckets``: (G_s KiB, (k - 1) lat_max) per stage; ``gather``: each
+    sharded stage's all-gather (0 for the others). Integer ns and KiB."""
+    n_s = len(stage_blocks)
+    tied = tied or [None] * n_s  # None: the stage holds no tied parameter of two groups
+    step = _interleaved_step(tab, stage_blocks, stage_gpus, samples, pol, v=v, comp=comp, bnd=bnd, ar=ar,
+                             opt=opt, tied=tied, buckets=buckets, gather=gather)
+    memory = _interleaved_memory(tab, stage_blocks, stage_gpus, samples, pol, v=v, mem=mem)
+    return StageUnits(compute=tuple(comp), boundary=tuple(bnd), stage=stage,
+                      allreduce=tuple(a if t is None else max(a, t) for a, t in zip(ar, tied)),
+                      optim=tuple(opt), memory=memory, step=step, uncovered=tuple(unc))
 
-      step  = max_p (max(sync_p, makespan + max_{s = p mod P} tied_s
-                     + sum_{s = p mod P} ag_s) + sum_{s = p mod P} optim_s)
-                     (tied_s, ag_s: [C-tied], the sharded stages' all-gathers
-                     follow the optimizer; a group holding none: sync_p + ...)
-              free_p = the end of group p's last task and its last sends in
-                       the runtime's point-to-point program replayed under
-                       NCCL's rules (``program_ends``), makespan = max_p free_p:
-                       a tied ring (over several groups) starts when the
-                       pipeline has drained ([C-objective]);
-              sync_p = max(free_p, the end of the group's own gradient
-                       sync: ``group_sync_units``): its buckets in the
-                       runtime's order (its stages s = p mod P, the last
-                       first), bucket q at max(the end of q - 1, the latest
-                       lastB_s of the stages whose gradients q holds) + q's
-                       KiB share of those stages' bandwidth terms + 2 (k - 1)
-                       lat_max; lastB_s = the end of stage s's last backward
-                       in that replay (its gradients are final: the
-                       runtime and ``sim/sync.py`` start its buckets then,
-                       or earlier, block by block during that backward; the
-                       interleaved cooldown ends the group's stages one
-                       after the other, so their rings overlap the group's
-                       remaining backwards);
-              the group's gradients fill one sequence of buckets across
-              its stages (``runtime/grad_sync.py``: one key per holder set;
-              ``sim/sync.py``'s ``_reduction``), so the bucket count of
-              [C-allreduce] is that of the group's G = sum of its stages'
-              G_s, not the sum of the stages' counts (the bandwidth
-              terms and the ZeRO-1 all-gathers stay per stage; every
-              stage of a group has the group's k and lat_max);
-              ``allreduce_s`` reported per stage keeps its own count
-              nb(G_s);
-              where the forward of stage s takes f_s = floor(c'_s / 3)
-              (c'_s: its slowest GPU's compute without recomputation), the
-              backward cmax_s - f_s (the rest of its compute and the re-run
-              forward) and a message across the cut after s h_s =
-              boundary_s / 2 (one direction), and the program's rules decide
-              when each starts: a message once both ends have posted its
-              group, a compute once the groups holding its receives -- and
-              the sends fused with them -- have completed;
-      memory_g = sum over g's stages of their state (replicated, or the
-              shard) + max over the moments of ``schedule.live_profile`` of
-              sum_c live_c * held_{p + cP} (+ rerun of the backward's chunk)
-              held_s = n_g A_s, or n_g X_s on a recomputing stage;
-              rerun_s = n_g A_s on a recomputing stage, else 0.
 
-    Why a replay and not a closed form: for P equal groups of v equal
-    chunks of time t and buffered sends the makespan is (M v + P - 1) t --
-    the 1F1B bubble of (P - 1) stage times shrinks to (P - 1) / v of them
-    (Narayanan et al., SC'21, section 2.2.2) -- but where a group's chunks
-    are unequal the chunks of different groups stall each other in the
-    steady state (the closed form M max_p T_p + (sum T - max T) / v was up
-    to 45% below the simulator), and under NCCL's rules the fused groups
-    hold a rank's next compute until its peer has posted the matching
-    receive, which stalls even on free links (4 groups of equal chunks:
-    tests/test_sim_interleaved.py). Until 2026-11-26 this was the task graph
-    of buffered sends with the boundary charged on the sending task
-    (since removed): against the runtime's NCCL program 10% optimistic
-    on the 8-GPU scaling plan and 30% on the 256-GPU one (bench/README.md
-    "The runtime's NCCL program in the simulator"). Links shared by two
-    boundaries (P = 2: 0 -> 1 and the wrap-around 1 -> 0 on one node pair)
-    are not modelled. A group's buckets run one after the other,
-    each from the last backwards of the stages it holds (sync_p): the runtime
-    launches a bucket once its parameters are final ([Note: overlapped
-    gradient reduction] in ``runtime/grad_sync.py``); charging the whole
-    group's sync after its last task was 8% pessimistic on the 8-GPU
-    scaling plan (bench/README.md, "Interleaved stages' gradient sync").
-    The memory term
-    is the schedule's exact peak (the simulator tracks the same moments and
-    agrees to the KiB). The CP-SAT models and the DP do not choose v:
-    ``solve.interleave`` re-cuts a finished plan's groups into P v stages and
-    keeps the result when this objective -- compared against the same
-    makespan of the plan it started from -- says it is faster. Every GPU's
-    row in each of its stages carries its whole memory."""
-    from ..ir.schedule import live_profile
-
+def _interleaved_step(tab, stage_blocks, stage_gpus, samples, pol, *, v, comp, bnd, ar, opt, tied, buckets,
+                      gather) -> int:
+    """The note's ``step`` = max_p (max(sync_p, makespan + tied + ag) + optim)."""
     n_s, m = len(stage_blocks), tab.num_microbatches
     groups = n_s // v
     fwd = [f - b // 2 for f, b in zip(forward_units(tab, stage_blocks, stage_gpus, samples, bnd), bnd)]
-    tied = tied or [None] * n_s  # None: the stage holds no tied parameter of two groups
     grad_kib, ring_lat = buckets  # per stage: G_s (KiB) and (k - 1) lat_max, from evaluate_units
     # [C-tied]: a group's optimizer steps wait for its own reductions and the tied ones it holds.
     free, last_b = program_ends(tab.schedule, m, v, fwd, [c - f for c, f in zip(comp, fwd)], [b // 2 for b in bnd])
@@ -276,7 +290,15 @@ def interleaved_units(tab, stage_blocks, stage_gpus, samples, pol, v, comp, bnd,
         ag = sum(gather[p::groups])
         ready = max([own, *(max(free) + t + ag for t in held)])
         ends.append(ready + sum(opt[p::groups]))
-    step = max(ends)
+    return max(ends)
+
+
+def _interleaved_memory(tab, stage_blocks, stage_gpus, samples, pol, *, v, mem) -> tuple[tuple[int, ...], ...]:
+    """The note's ``memory_g``, in every row of each of g's stages."""
+    from ..ir.schedule import live_profile
+
+    n_s, m = len(stage_blocks), tab.num_microbatches
+    groups = n_s // v
     memory = [list(row) for row in mem]
     for p in range(groups):
         profile = live_profile(tab.schedule, n_s, m, v, p)
@@ -285,7 +307,7 @@ def interleaved_units(tab, stage_blocks, stage_gpus, samples, pol, v, comp, bnd,
             for s in range(p, n_s, groups):
                 i, j = stage_blocks[s]
                 a = tab.act_prefix[j] - tab.act_prefix[i]
-                own = _act_units(tab, s, n_s, i, n, a, pol.recompute[s])
+                own = act_units(tab, s, n_s, i, n, a, recompute=pol.recompute[s])
                 state += mem[s][k] - own
                 if pol.recompute[s]:
                     held.append(n * (tab.cut_kib[i] if s > 0 else 0))
@@ -296,6 +318,4 @@ def interleaved_units(tab, stage_blocks, stage_gpus, samples, pol, v, comp, bnd,
             act = max(sum(c * h for c, h in zip(live, held)) + (rerun[b] if b >= 0 else 0) for live, b in profile)
             for s in range(p, n_s, groups):
                 memory[s][k] = state + act
-    return StageUnits(compute=tuple(comp), boundary=tuple(bnd), stage=stage,
-                      allreduce=tuple(a if t is None else max(a, t) for a, t in zip(ar, tied)),
-                      optim=tuple(opt), memory=tuple(tuple(r) for r in memory), step=step, uncovered=tuple(unc))
+    return tuple(tuple(r) for r in memory)
