@@ -8,7 +8,7 @@ STAMP   := $(VENV)/.installed
 TORCH_PIN := torch==2.13.0
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 
-.PHONY: venv demo test bench clean
+.PHONY: venv demo test test-other-cpu bench clean
 
 venv: $(STAMP)
 
@@ -44,6 +44,14 @@ test: $(STAMP)
 	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -q --durations=15 -n $(TEST_WORKERS) --maxprocesses=$(TEST_WORKERS_MAX) --dist loadgroup tests
 
+# The suite with torch's and MKL's vector kernels held to a baseline ISA and MKL
+# in its reproducible mode: other summation orders than this CPU's (bitwise
+# different matmul, softmax and sum results), as on another vendor's or
+# generation's CPU. Tolerances must hold under both (tests/test_kernels.py).
+test-other-cpu: $(STAMP)
+	ATEN_CPU_CAPABILITY=default MKL_ENABLE_INSTRUCTIONS=SSE4_2 MKL_CBWR=COMPATIBLE OPENBLAS_CORETYPE=Prescott \
+		$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --maxprocesses=$(TEST_WORKERS_MAX) --dist loadgroup tests
+
 # Every benchmark of bench/README.md, in order (hours on the 2-core CPU machine: FlashFlex's
 # scenario took 21 min and its four bound-gap variants 112 min on 2026-11-26);
 # each writes its results under bench/results/.
@@ -53,6 +61,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/bound_gap.py --solver-budget 5
 	$(BIN)/python bench/planner_scaling.py
 	$(BIN)/python bench/runtime.py
+	$(BIN)/python bench/report.py --write
 
 clean:
 	rm -rf $(VENV) runs

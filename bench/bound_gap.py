@@ -22,7 +22,7 @@ reaches the 85% that the real cluster misses, that resource is what binds:
 ``ideal_memory`` >= 85% memory-bound. If even ``ideal_both`` stays below,
 the rest of the gap is the pipeline's own losses (fill/drain bubble, integer
 samples per GPU, whole-layer stages, GPUs whose standalone speed the plan
-cannot use) or the planner's search, which the note in bench/README.md reads
+cannot use) or the planner's search, which the notes in bench/LOG.md read
 from the plan.
 
 The ``real`` row is the plan on the unchanged cluster (re-planned here, so

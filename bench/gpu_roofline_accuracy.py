@@ -18,9 +18,9 @@ Part 2 (``--layer``): one Llama-2-7B-width decoder layer (h 4096, f 11008,
 32 heads, causal SDPA) captured on the meta device, priced under fp16-mixed
 at seq 512 / 2048 and micro-batch 1 / 4 on the GPU types of the table:
 forward, backward, backward/forward ratio. There are no public per-layer
-measurements to score these against (bench/README.md), so this part only
-shows the model's structure (per-class ratios, the micro-batch-1 fixed cost).
-No GPU is used.
+measurements to score these against (bench/README.md, "GPU cost model of
+types without a profile"), so this part only shows the model's structure
+(per-class ratios, the micro-batch-1 fixed cost). No GPU is used.
 """
 
 from __future__ import annotations

@@ -12,8 +12,9 @@ master weights, gradients and AdamW moments plus the step's 16-bit weight
 copies (18 B/param, of which ZeRO-1 shards the 8 B of moments), activations as
 autograd saves them under autocast, float32 gradient all-reduce. Every planner
 (zorse_fx's CP-SAT and each
-baseline in ``zorse_fx/baselines``) is scored by the same cost model (datasheet
-roofline; no GPU kernel profile is shipped yet) and, where available, the
+baseline in ``zorse_fx/baselines``) is scored by the same cost model (the measured
+kernel profile of a GPU type where one is shipped, H100-80GB and H200, else the
+per-class GPU model) and, where available, the
 event-driven simulator (``zorse_fx/sim``). Reported per planner: tokens/s,
 MFU (model FLOPs / sum of the GPUs' 16-bit tensor peaks), the ratio to the scenario's
 upper bound (sum over GPUs of each GPU's standalone throughput: the whole

@@ -59,10 +59,10 @@ with both off):
   the stage's flattened trainable elements, sized in proportion to its
   ``GPUShare.state_shard_bytes`` (the state share is chosen apart from the
   compute share, as in Cephalo). See [Note: ZeRO-1 with unequal shards] in
-  ``runtime/worker.py``.
+  ``runtime/optimizer.py``.
 - ``StagePlan.recompute``: the stage keeps only its inputs per in-flight
   micro-batch and re-runs its forward before the backward. See
-  [Note: stage recomputation] in ``runtime/worker.py``.
+  [Note: stage recomputation] in ``runtime/stage.py``.
 """
 
 from __future__ import annotations

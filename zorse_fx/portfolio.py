@@ -1,7 +1,7 @@
 """Portfolio: the CP-SAT planner, checked against every baseline heuristic.
 
 CP-SAT under a time limit can stop at a poor incumbent on large clusters
-(``bench/README.md``, planner scaling). The baselines (``zorse_fx/baselines``)
+(bench/LOG.md, "Planner scaling (issue 4, first results)"). The baselines (``zorse_fx/baselines``)
 are fast and score decisions with the same objective, and so is zorse_fx's
 own memory-first stage DP (``solve/stage_dp.py``, which finds plans where memory is
 too tight for both the baselines' recipes and an objective-driven CP-SAT
@@ -34,7 +34,8 @@ __all__ = ["solve_portfolio", "LARGE_CLUSTER_GPUS", "CHEAP_BASELINES"]
 #: run: the graph-partitioning ones (Stoer-Wagner min-cut, spectral) and the
 #: Metis enumeration took minutes on 512 GPUs but 0.4-3.4 s on 128; with the
 #: limit at 64, the skipped FlashFlex baseline beat an unproven CP-SAT answer
-#: on Zorse C (128 GPUs; bench/README.md).
+#: on Zorse C (128 GPUs; bench/LOG.md, "Scenario benchmark with ZeRO-1 sharding and
+#: recomputation (issue 4, second results, superseded by the third)").
 LARGE_CLUSTER_GPUS = 128
 CHEAP_BASELINES = ("homogeneous_all", "homogeneous_best", "cephalo")
 

@@ -51,7 +51,7 @@ in float32 after a sharded step (4 B per element moved).
 Activations are what autograd saves under the policy's autocast (16-bit
 inputs of the matmuls, float32 where the graph or autocast keeps float32:
 norms, softmax statistics, the loss), measured by running the captured graph
-under autocast (``cost/roofline.py``, [Note: saved activations]). Tensors
+under autocast (``cost/activations.py``, [Note: saved activations]). Tensors
 crossing a pipeline cut keep the dtype autocast gives them (the residual
 stream of a pre-norm transformer stays float32: float32 + bfloat16 is float32).
 

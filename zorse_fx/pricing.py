@@ -111,7 +111,7 @@ def price(captured: CapturedModel, cluster: Cluster, options: PlanOptions, *,
     The precision is ``resolve_precision``'s. Activations are measured under
     its autocast, and the block graph's tensor specs (so the stages'
     ``recv``/``send`` and the cut bytes) are in the dtypes autocast gives them
-    ([Note: saved activations] in ``cost/roofline.py``). Types with a
+    ([Note: saved activations] in ``cost/activations.py``). Types with a
     measured kernel profile (``options.profiles``, loaded once) are priced
     from it; the others by the per-class model with efficiencies learned from
     the measured GPU profiles (``cost/measured.py``); without any profile for

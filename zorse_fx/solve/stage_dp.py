@@ -2,7 +2,8 @@
 
 [Note: stage DP]
 CP-SAT can stop at its time limit without any incumbent when memory is tight
-(Zorse B: Llama-2 13B on 64 GPUs, half of them 16 GB; ``bench/README.md``),
+(Zorse B: Llama-2 13B on 64 GPUs, half of them 16 GB; bench/LOG.md, "Scenario
+benchmark, third results"),
 and the baselines' fixed recipes (one stage; layers by speed) overflow the
 small GPUs. This module searches the space of Alpa's and Metis' stage DPs --
 contiguous stages over an *ordered* list of GPU units -- with heterogeneous,
@@ -15,7 +16,8 @@ second per (order, M) on 64 GPUs:
            hold the most in-flight micro-batches under 1F1B; fastest first;
            fastest last: the last stage holds one micro-batch in flight, so
            fast GPUs there take many blocks without recomputation -- Zorse A's
-           H100s: 87% of the bound last vs 79% first, bench/README.md).
+           H100s: 87% of the bound last vs 79% first, the same section of
+           bench/LOG.md).
            Above ``MAX_UNITS`` units, neighbouring units of one type and
            memory merge pairwise.
   stage    units [u0, u1) x blocks [i, j). Its b = global batch / M samples

@@ -1,0 +1,746 @@
+"""The "Current results" tables of bench/README.md, rendered from bench/results/*.json.
+
+    python bench/report.py            # print the Markdown
+    python bench/report.py --write    # replace the block between the markers in bench/README.md
+    python bench/report.py --check    # exit 1 if that block differs from what --write would put there
+        [--results DIR] [--readme FILE]
+
+One table (or a few) per benchmark, from the result files each benchmark
+writes (``RESULT_FILES``); under each, the command that produced it, the
+machine and the date. Where a file records them (``runtime.json`` rows,
+``gpu_h100.json``, ``gpu_h200.json``, ``gpu_class_check*.json``,
+``gpu_layer_accuracy.json``, ``comm_loopback.json``'s ``measured_at``) they
+come from the file; otherwise from ``PROVENANCE`` below, copied from the
+section of bench/LOG.md (or bench/README.md) that reports the run, named in a
+comment at each entry. Files of superseded runs (``SUPERSEDED``) are not
+rendered: bench/LOG.md reports them. A file missing from ``--results`` is
+skipped, so a partial results directory renders what it has.
+
+Standard library only (no torch, no zorse_fx import, no network): the
+scenario descriptions are read from ``bench/scenarios.py``'s source with
+``ast``, and the bound-gap verdict is ``bench/bound_gap.verdict``'s rule,
+restated in ``verdict``. The output is deterministic: rows in a fixed order,
+numbers at a fixed precision.
+
+``tests/test_bench_report.py`` runs ``--check``, so a result file replaced
+without ``--write`` fails the tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+README = ROOT / "bench" / "README.md"
+BEGIN = "<!-- report.py: begin -->"
+END = "<!-- report.py: end -->"
+
+#: Result files rendered, in the order of their tables.
+RESULT_FILES = (
+    "scenarios.json",
+    "bound_gap.json",
+    "scaling.json",
+    "objective_vs_sim.json",
+    "runtime.json",
+    "cost_accuracy.json",
+    "comm_loopback.json",
+    "gpu_h100.json",
+    "gpu_h200.json",
+    "gpu_class_check_h100.json",
+    "gpu_class_check.json",
+    "gpu_layer_accuracy.json",
+)
+
+#: Files under bench/results that are logs of superseded runs, not rendered (bench/LOG.md reports them).
+SUPERSEDED = {
+    "scenarios_max8.json": "issue 11's 8-stage FlashFlex and Zorse C run, under issue 11's pricing",
+    "scenarios_sailor_issue13.json": "Sailor alone on 2026-11-24, before the network terms",
+    "scenarios_zorse_c_shared_wan.json": "Zorse C's 8-stage run; its rows are copied into scenarios.json",
+    "bound_gap_issue13_log.txt": "the bound-gap run of 2026-11-25, stopped before it wrote its json",
+}
+
+SCENARIO_ORDER = ("metis", "amp", "zorse_a", "flashflex", "zorse_b", "zorse_c", "sailor")
+PLANNER_ORDER = ("zorse_fx", "homogeneous_all", "homogeneous_best", "cephalo", "zorse_paper", "metis", "flashflex")
+VARIANTS = ("real", "ideal_links", "ideal_memory", "ideal_both")
+FAMILY_ORDER = ("tests (random_instance)", "scaling (planner_scaling.py)", "metis", "amp")
+#: |simulated / objective - 1| at most this counts as "within 5%".
+WITHIN = 0.05
+CPU_MACHINE = "the project's 2-core CPU machine (AMD EPYC)"
+
+# Command, code, machine and date of the runs whose result files do not record them. Each entry names
+# the section that reports the run: bench/LOG.md's dated sections, or bench/README.md's method notes.
+PROVENANCE = {
+    "scenarios.json": {
+        # bench/LOG.md, "Scenario benchmark re-run after the tied all-gather fix (issue 13 items 3 and 6,
+        # 2026-11-26, eleventh session)"
+        ("metis", "amp", "zorse_a"): dict(
+            command="bench/scenarios.py --only metis,amp,zorse_a,flashflex --solver-budget 5", code="66b3dec",
+            machine=f"{CPU_MACHINE}, beside the objective vs simulator and Zorse C runs",
+            date="2026-11-26 18:38-19:06"),
+        # bench/LOG.md, "FlashFlex planned with up to 8 stages (issue 13 item 3, 2026-11-26, twelfth session)"
+        ("flashflex",): dict(
+            command="bench/scenarios.py --only flashflex --solver-budget 5",
+            code="0a1151c (bench/scenarios.py of 3685878)",
+            machine=f"{CPU_MACHINE}, beside `make test` and the bound-gap runs", date="2026-11-26 20:22-20:45"),
+        # bench/LOG.md, "Scenario benchmark and objective vs simulator re-run (issue 13, 2026-11-26, sixth session)"
+        ("zorse_b",): dict(
+            command="bench/scenarios.py --solver-budget 5", code="9dc5d13",
+            machine=f"{CPU_MACHINE}, shared with `make test`, a CI run and other benchmarks (load 3-5)",
+            date="2026-11-26 04:10-06:10"),
+        # bench/LOG.md, "Zorse C re-planned under the NCCL program (issue 13 items 3 and 6, 2026-11-26,
+        # eleventh session)"; rows copied from scenarios_zorse_c_shared_wan.json (bench/LOG.md, "FlashFlex
+        # planned with up to 8 stages")
+        ("zorse_c",): dict(
+            command="bench/scenarios.py --only zorse_c --max-stages 8 --solver-budget 5", code="6a4dc17",
+            machine=f"{CPU_MACHINE}, beside other runs", date="2026-11-26 18:29-18:49"),
+        # bench/LOG.md, "Sailor and Zorse C re-run (issue 13 items 3 and 6, 2026-11-26, ninth session)"
+        ("sailor",): dict(
+            command="bench/scenarios.py --only sailor --solver-budget 5", code="267a2f5",
+            machine=f"{CPU_MACHINE}, beside `make test` and bench/objective_vs_sim.py",
+            date="2026-11-26 11:58-12:10"),
+    },
+    "bound_gap.json": {
+        # bench/LOG.md, "What bounds each scenario, re-run under the NCCL program (issue 13 item 3,
+        # 2026-11-26, eleventh session)"
+        (("metis", "amp"), ("real", "ideal_memory")): dict(
+            command="bench/bound_gap.py --only metis,amp --variants real,ideal_memory --solver-budget 5",
+            code="66b3dec", machine=f"{CPU_MACHINE}, beside other runs", date="2026-11-26 18:50-19:06"),
+        (("zorse_a",), ("real", "ideal_memory")): dict(
+            command="bench/bound_gap.py --only zorse_a --variants real,ideal_memory --solver-budget 5",
+            code="66b3dec", machine=f"{CPU_MACHINE}, beside other runs", date="2026-11-26 19:07-19:29"),
+        # bench/LOG.md, "What bounds each scenario, re-run (issue 13 item 3, 2026-11-26, ninth session)"
+        (("metis", "amp"), ("ideal_links", "ideal_both")): dict(
+            command="bench/bound_gap.py --only metis,amp --solver-budget 5", code="968387e",
+            machine=f"{CPU_MACHINE}, beside a CI run", date="2026-11-26 12:36-13:23"),
+        (("zorse_a",), ("ideal_links", "ideal_both")): dict(
+            command="bench/bound_gap.py --only zorse_a --solver-budget 5", code="968387e",
+            machine=f"{CPU_MACHINE}, beside a CI run", date="2026-11-26 13:07-14:06"),
+        # bench/LOG.md, "FlashFlex planned with up to 8 stages (issue 13 item 3, 2026-11-26, twelfth session)"
+        (("flashflex",), ("real", "ideal_links")): dict(
+            command="bench/bound_gap.py --only flashflex --variants real,ideal_links --solver-budget 5",
+            code="0a1151c", machine=f"{CPU_MACHINE}, beside other runs", date="2026-11-26 20:39-21:19"),
+        (("flashflex",), ("ideal_memory", "ideal_both")): dict(
+            command="bench/bound_gap.py --only flashflex --variants ideal_memory,ideal_both --solver-budget 5",
+            code="0a1151c", machine=f"{CPU_MACHINE}, beside `make test`, `make demo` and a CI run",
+            date="2026-11-26 20:58-22:19"),
+        # bench/LOG.md, "What bounds each scenario: re-planning on idealised clusters (issue 4, 2026-11-22,
+        # fifth session)": issue 4's pricing, CP-SAT under a 5 s wall-clock limit per candidate
+        (("zorse_b", "zorse_c", "sailor"), VARIANTS): dict(
+            command="bench/bound_gap.py --time-limit 5", note="issue 4's code and pricing",
+            machine=f"{CPU_MACHINE}, partly beside `make test`", date="2026-11-22 12:13-13:04"),
+    },
+    # bench/LOG.md, "Planner scaling re-run under the NCCL program (issue 13 item 6, 2026-11-26, eleventh session)"
+    "scaling.json": dict(
+        command="bench/planner_scaling.py", note="5 deterministic CP-SAT seconds per candidate, the default",
+        code="66b3dec", machine=f"{CPU_MACHINE}, shared with two bench/bound_gap.py runs",
+        date="2026-11-26 19:13-19:23"),
+    # bench/README.md, method note "Sharded holders of a tied parameter"
+    "objective_vs_sim.json": dict(
+        command=("bench/objective_vs_sim.py --only amp,metis --solver-budget 1 --seeds 40 "
+                 "--scaling 8x16,16x16,32x32,64x40,128x40,256x40,512x40,1024x40"),
+        code="66b3dec", machine=f"{CPU_MACHINE}, shared with a scenario run", date="2026-11-26 18:37-18:44"),
+    # bench/LOG.md, "Cost-model accuracy on CPU (issue 3)"
+    "cost_accuracy.json": dict(
+        command="bench/cost_accuracy.py", note="issue 3's code, before the ZeRO-1 all-gather row",
+        machine=f"{CPU_MACHINE}, 1 thread per rank, torch 2.13.0+cpu; cluster bench/clusters/cpu_local.yaml",
+        date="2026-11-22"),
+    # bench/LOG.md, "Links of this machine (issue 3)"
+    "comm_loopback.json": dict(
+        command="zorse bench comm --out bench/results/comm_loopback.json --plot bench/results/comm_loopback.png",
+        note="2 Gloo ranks on loopback, 1 KiB - 4 MiB, 20 iterations", machine=CPU_MACHINE),
+    # bench/README.md, "One H200 measured" (the file records no date)
+    "gpu_h200.json": dict(date="2026-11-26"),
+    # bench/README.md, "One H100 measured", "The class model with the masked attention rate (item 1)": both
+    # files re-made on 2026-11-26 by the commands they record, pricing only
+    "gpu_class_check.json": dict(machine=f"{CPU_MACHINE} (pricing only, no GPU)", date="2026-11-26"),
+    "gpu_class_check_h100.json": dict(machine=f"{CPU_MACHINE} (pricing only, no GPU)", date="2026-11-26"),
+    # bench/README.md, method note "Elementwise chains stop at matmuls" (UNFUSED_FRACTION re-fitted)
+    "gpu_layer_accuracy.json": dict(machine=f"{CPU_MACHINE} (no GPU)", date="2026-11-26"),
+}
+
+
+# ---------------------------------------------------------------- formatting
+
+
+def _int(x: float) -> str:
+    return f"{round(x):,}"
+
+
+def _pct(x: float, digits: int = 0) -> str:
+    return f"{100 * x:.{digits}f}%"
+
+
+def _err(x: float) -> str:
+    return f"{100 * x:+.1f}%"
+
+
+def _r3(x: float) -> str:
+    return f"{x:.3f}"
+
+
+def _s(x: float, digits: int = 1) -> str:
+    return f"{x:,.{digits}f}"
+
+
+def _cell(x) -> str:
+    return str(x).replace("|", "\\|").replace("\n", " ")
+
+
+def table(header: list[str], rows: list[list]) -> list[str]:
+    """A Markdown table (cells escaped; ``|`` inside a cell is ``\\|``)."""
+    out = ["| " + " | ".join(_cell(h) for h in header) + " |", "|" + "---|" * len(header)]
+    out += ["| " + " | ".join(_cell(c) for c in row) + " |" for row in rows]
+    return out
+
+
+def _ordered(names, order) -> list[str]:
+    """``names`` (unique) in ``order``, the rest sorted after it."""
+    names = list(dict.fromkeys(names))
+    known = [n for n in order if n in names]
+    return known + sorted(n for n in names if n not in order)
+
+
+def _provenance_line(p: dict) -> str:
+    parts = []
+    if p.get("command"):
+        parts.append(f"`{p['command']}`" + (f" at {p['code']}" if p.get("code") else "")
+                     + (f" ({p['note']})" if p.get("note") else ""))
+    if p.get("machine"):
+        parts.append(p["machine"])
+    if p.get("date"):
+        parts.append(p["date"])
+    return "; ".join(parts) if parts else "not recorded"
+
+
+def _source(p: dict, label: str = "Run") -> list[str]:
+    return ["", f"{label}: {_provenance_line(p)}."]
+
+
+def _driver(env: dict) -> str:
+    """The driver version from a gpu_measure ``env``'s nvidia-smi CSV ('' if absent)."""
+    lines = [ln for ln in str(env.get("nvidia_smi", "")).splitlines() if ln.strip()]
+    if len(lines) < 2:
+        return ""
+    cells = [c.strip() for c in lines[1].split(",")]
+    return cells[1] if len(cells) > 1 else ""
+
+
+def _gpu_machine(env: dict) -> str:
+    parts = [env.get("name", "one GPU")]
+    if _driver(env):
+        parts.append(f"driver {_driver(env)}")
+    for key, label in (("torch", "torch"), ("triton", "Triton"), ("cuda", "CUDA"), ("python", "Python")):
+        if env.get(key):
+            parts.append(f"{label} {env[key]}")
+    return ", ".join(parts)
+
+
+# ---------------------------------------------------------------- scenarios
+
+
+def scenario_notes() -> dict[str, str]:
+    """``{name: note}`` of ``bench/scenarios.py``'s ``SCENARIOS``, read from its source (no import:
+    the module imports torch)."""
+    path = ROOT / "bench" / "scenarios.py"
+    if not path.exists():
+        return {}
+    notes = {}
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "Scenario":
+            kw = {k.arg: k.value for k in node.keywords}
+            if isinstance(kw.get("name"), ast.Constant) and isinstance(kw.get("note"), ast.Constant):
+                notes[kw["name"].value] = kw["note"].value
+    return notes
+
+
+def _has_plan(r: dict) -> bool:
+    return r.get("step_time_s") is not None and (r.get("tokens_per_s") or 0) > 0
+
+
+def _best_baselines(rows: list[dict]) -> tuple[list[str], float]:
+    """Names of the best feasible baseline(s) of one scenario (tied ones all named) and their tokens/s."""
+    feasible = [r for r in rows if r["planner"] != "zorse_fx" and r.get("feasible") and _has_plan(r)]
+    if not feasible:
+        return [], 0.0
+    best = max(r["tokens_per_s"] for r in feasible)
+    names = [r["planner"] for r in feasible if r["tokens_per_s"] >= best * (1 - 1e-9)]
+    return _ordered(names, PLANNER_ORDER), best
+
+
+def _sim_over_objective(r: dict) -> str:
+    if r.get("simulated_step_time_s") and r.get("step_time_s"):
+        return _r3(r["simulated_step_time_s"] / r["step_time_s"])
+    return "-"
+
+
+def _shape(r: dict) -> str:
+    s = f"{r['num_stages']} x {r['num_microbatches']}"
+    return s + (f", v = {r['interleave']}" if (r.get("interleave") or 1) > 1 else "")
+
+
+def render_scenarios(rows: list[dict], name: str) -> list[str]:
+    by = {}
+    for r in rows:
+        by.setdefault(r["scenario"], []).append(r)
+    scenarios = _ordered(by, SCENARIO_ORDER)
+    notes = scenario_notes()
+
+    head = []
+    for sc in scenarios:
+        mine = by[sc]
+        z = next((r for r in mine if r["planner"] == "zorse_fx"), None)
+        names, best = _best_baselines(mine)
+        if z is None or not _has_plan(z) or not z.get("feasible"):
+            zcell, ratio, sim, status = "no plan", "-", "-", "-"
+        else:
+            zcell = f"{_int(z['tokens_per_s'])} ({_pct(z['fraction_of_upper_bound'])})"
+            ratio = f"{z['tokens_per_s'] / best:.2f}x" if best else "-"
+            sim, status = _sim_over_objective(z), z.get("status", "")
+        bcell = f"{' = '.join(names)}: {_int(best)}" if names else "none feasible"
+        head.append([sc, notes.get(sc, ""), zcell, bcell, ratio, sim,
+                     _s(z["planner_wall_s"]) if z and z.get("planner_wall_s") is not None else "-", status])
+    out = ["### Scenarios: zorse_fx against the best feasible baseline", "",
+           "Tokens/s and the fraction of the scenario's upper bound (the sum of each GPU's standalone "
+           "throughput) are the objective's for the plan; simulated / objective is the event-driven "
+           "simulator's step over the objective's (> 1: the objective is optimistic). A baseline is feasible "
+           "when its plan fits every GPU's memory. zorse_fx's portfolio includes the baselines' plans, so its "
+           "ratio is >= 1.00 by construction.", ""]
+    out += table(["scenario", "setting", "zorse_fx tokens/s (of bound)", "best feasible baseline: tokens/s",
+                  "zorse_fx / best baseline", "simulated / objective", "planner s", "status"], head)
+
+    full = []
+    for sc in scenarios:
+        mine = {r["planner"]: r for r in by[sc]}
+        _, best = _best_baselines(by[sc])
+        for p in _ordered(mine, PLANNER_ORDER):
+            r = mine[p]
+            if not _has_plan(r):
+                full.append([sc, p, "no plan"] + ["-"] * 8 + [_s(r.get("planner_wall_s") or 0.0)])
+                continue
+            ok = bool(r.get("feasible"))
+            full.append([sc, p, "yes" if ok else "NO", _int(r["tokens_per_s"]), _pct(r["fraction_of_upper_bound"]),
+                         _pct(r["mfu"], 1) if r.get("mfu") is not None else "-",
+                         f"{r['tokens_per_s'] / best:.2f}x" if ok and best else "-", _shape(r),
+                         r.get("gpus_used", "-"), _sim_over_objective(r), r.get("status", ""),
+                         _s(r.get("planner_wall_s") or 0.0)])
+    out += ["", "### Scenarios: every planner", "",
+            "Stages x micro-batches (v: interleaved stages per GPU group); feasible NO: the plan overflows a "
+            "GPU's memory (its tokens/s are the objective's, not reachable); the ratio is to the scenario's best "
+            "feasible baseline.", ""]
+    out += table(["scenario", "planner", "feasible", "tokens/s", "of bound", "MFU", "x best feasible baseline",
+                  "stages x micro-batches", "GPUs", "simulated / objective", "status", "planner s"], full)
+
+    out += ["", "Runs (each scenario's rows come from one run):", ""]
+    for group, p in PROVENANCE.get(name, {}).items():
+        mine = [sc for sc in scenarios if sc in group]
+        if mine:
+            out.append(f"- {', '.join(mine)}: {_provenance_line(p)}.")
+    for sc in scenarios:
+        if not any(sc in group for group in PROVENANCE.get(name, {})):
+            out.append(f"- {sc}: not recorded.")
+    return out
+
+
+# ---------------------------------------------------------------- bound gap
+
+
+def verdict(rows: list[dict], target: float = 0.85) -> str:
+    """What binds a scenario, from its four variants: ``bench/bound_gap.verdict``'s rule."""
+    f = {r["variant"]: r["fraction_of_upper_bound"] for r in rows if r.get("feasible")}
+    if f.get("real", 0.0) >= target:
+        return f"meets {target:.0%}"
+    if f.get("ideal_links", 0.0) >= target:
+        return "communication-bound"
+    if f.get("ideal_memory", 0.0) >= target:
+        return "memory-bound"
+    if f.get("ideal_both", 0.0) >= target:
+        return "communication- and memory-bound"
+    return f"below {target:.0%} even with ideal links and memory"
+
+
+def render_bound_gap(rows: list[dict], name: str) -> list[str]:
+    by = {}
+    for r in rows:
+        by.setdefault(r["scenario"], []).append(r)
+    body = []
+    for sc in _ordered(by, SCENARIO_ORDER):
+        cells = []
+        for v in VARIANTS:
+            r = next((r for r in by[sc] if r["variant"] == v), None)
+            if r is None:
+                cells.append("-")
+            elif not r.get("feasible"):
+                cells.append("no plan")
+            else:
+                stop = " (safety stop)" if "safety stop" in str(r.get("status", "")) else ""
+                cells.append(f"{_pct(r['fraction_of_upper_bound'])} ({r['num_stages']} st x "
+                             f"{r['num_microbatches']} mb, {r['gpus_used']} GPUs){stop}")
+        body.append([sc, *cells, verdict(by[sc])])
+    out = ["### What bounds each scenario", "",
+           "zorse_fx re-planned on the real cluster and on idealised copies (links at 1 EB/s with zero latency; "
+           "1 TiB per GPU; both): fraction of the scenario's upper bound (stages x micro-batches, GPUs used). "
+           "The verdict names the first variant that reaches 85%. \"(safety stop)\": a CP-SAT solve hit the "
+           "100 s wall-clock safety stop, so that cell may differ on an idle machine.", ""]
+    out += table(["scenario", "real", "ideal links", "ideal memory", "ideal both", "verdict"], body)
+    out += ["", "Runs (the cells of one scenario may come from several runs):", ""]
+    for (scs, vs), p in PROVENANCE.get(name, {}).items():
+        mine = [sc for sc in scs if sc in by]
+        if mine:
+            out.append(f"- {', '.join(mine)}: {', '.join(v.replace('_', ' ') for v in vs)}: {_provenance_line(p)}.")
+    return out
+
+
+# ---------------------------------------------------------------- planner scaling
+
+
+def render_scaling(rows: list[dict], name: str) -> list[str]:
+    body = []
+    for r in sorted(rows, key=lambda r: (r["num_gpus"], r["num_layers"])):
+        stages = f"{r['num_stages']}" + (f", v = {r['interleave']}" if (r.get("interleave") or 1) > 1 else "")
+        sim = r.get("simulated_step_time_s")
+        body.append([r["num_gpus"], r["num_layers"], r["planner"], _s(r["planner_wall_s"]), r["status"],
+                     _pct(r["optimality_gap"]) if r.get("optimality_gap") is not None else "-",
+                     _r3(r["step_time_s"]), _r3(sim) if sim else "-",
+                     _r3(sim / r["step_time_s"]) if sim else "-", stages, r["gpus_used"]])
+    out = ["### Planner scaling", "",
+           "Synthetic clusters (8-GPU nodes, four GPU types round-robin); the gap is against the class-level "
+           "throughput bound, which ignores communication, bubbles and memory (not a measured loss). Step times "
+           "are seconds.", ""]
+    out += table(["GPUs", "layers", "planner", "planner s", "status", "gap", "objective step", "simulated step",
+                  "simulated / objective", "stages", "GPUs used"], body)
+    return out + _source(PROVENANCE.get(name, {}))
+
+
+# ---------------------------------------------------------------- objective vs simulator
+
+
+def _stats(xs: list[float]) -> list[str]:
+    return [f"{_r3(min(xs))} / {_r3(statistics.median(xs))} / {_r3(max(xs))}",
+            f"{sum(abs(x - 1) <= WITHIN for x in xs)}"]
+
+
+def render_objective_vs_sim(rows: list[dict], name: str) -> list[str]:
+    by = {}
+    for r in rows:
+        by.setdefault(r["family"], []).append(r)
+    families = _ordered(by, FAMILY_ORDER)
+    body = []
+    for fam, mine in [(f, by[f]) for f in families] + [("all", rows)]:
+        body.append([fam, len(mine), *_stats([r["ratio_nccl"] for r in mine]), *_stats([r["ratio"] for r in mine])])
+    out = ["### Objective vs simulator", "",
+           "Simulated / objective step time of every plan the planners return (> 1: the objective is "
+           "optimistic and can mis-rank plans). NCCL: the simulator replays the runtime's point-to-point program "
+           "under NCCL's rules (its default); buffered: Gloo's buffered sends.", ""]
+    out += table(["plans", "n", "NCCL: min / median / max", "NCCL: within 5%", "buffered: min / median / max",
+                  "buffered: within 5%"], body)
+    miss = [r for f in families for r in by[f] if abs(r["ratio_nccl"] - 1) > WITHIN]
+    if miss:
+        out += ["", "Plans outside 5% under NCCL:", ""]
+        out += table(["plans", "plan", "stages x micro-batches", "GPUs", "objective s", "simulated s",
+                      "simulated / objective"],
+                     [[r["family"], r["plan"], _shape(r), r["gpus"], _r3(r["objective_s"]),
+                       _r3(r["simulated_nccl_s"]), _r3(r["ratio_nccl"])] for r in miss])
+    return out + _source(PROVENANCE.get(name, {}))
+
+
+# ---------------------------------------------------------------- runtime
+
+
+def render_runtime(rows: list[dict], name: str) -> list[str]:
+    body = []
+    for r in rows:
+        q = r.get("ratio_quartiles") or []
+        iqr = f" ({_r3(q[0])} - {_r3(q[-1])})" if len(q) >= 2 else ""
+        target = "-"
+        if r.get("target_ratio") is not None:
+            target = f"<= {r['target_ratio']:.2f}: {'met' if r.get('target_met') else 'missed'}"
+        body.append([r["comparison"], r.get("what", ""), r.get("anchor", ""), r.get("ranks", "-"),
+                     _r3(r["zorse_fx_step_s"]), _r3(r["anchor_step_s"]), _r3(r["ratio"]) + iqr, r.get("pairs", "-"),
+                     _r3(r["cpu_ratio"]) if r.get("cpu_ratio") is not None else "-", target])
+    out = ["### Runtime against PyTorch", "",
+           "zorse_fx step / anchor step on the same model, cut, micro-batches, weights and optimizer, steps "
+           "alternating in one torchrun job: the median over the counted pairs (interquartile range), and the "
+           "same median over CPU seconds. Step times are seconds, the max over ranks.", ""]
+    out += table(["comparison", "zorse_fx side", "anchor", "ranks", "zorse_fx step", "anchor step",
+                  "ratio (IQR)", "pairs", "CPU-time ratio", "target"], body)
+    runs = []
+    for r in rows:
+        m = r.get("machine") or {}
+        machine = ", ".join(str(x) for x in (
+            m.get("cpu"), f"{m['cores']} cores" if m.get("cores") else None,
+            f"torch {m['torch']}" if m.get("torch") else None, f"Python {m['python']}" if m.get("python") else None,
+            f"{m['backend']} on {m.get('device', '?')}" if m.get("backend") else None,
+            f"{m['threads_per_rank']} thread per rank" if m.get("threads_per_rank") else None) if x)
+        code = (r.get("code") or {}).get("commit")
+        line = _provenance_line(dict(command=r.get("command"), code=code, machine=machine, date=r.get("date")))
+        if line not in runs:
+            runs.append(line)
+    return out + [""] + [f"Run (recorded in {name}): {line}." for line in runs]
+
+
+# ---------------------------------------------------------------- cost accuracy
+
+
+def _quantity(q: str, x: float) -> str:
+    if q.endswith("_bytes"):
+        return f"{x / 2**20:,.0f} MiB"
+    if q.endswith("_ms"):
+        return f"{x:,.0f} ms"
+    return f"{x:g}"
+
+
+def render_cost_accuracy(rows: list[dict], name: str) -> list[str]:
+    body = [[r["model"], r["plan"], r["stage"], r["samples"], r["quantity"], _quantity(r["quantity"], r["predicted"]),
+             _quantity(r["quantity"], r["measured"]), _err(r["error"])] for r in rows]
+    out = ["### Cost-model accuracy on CPU", "",
+           "The measured-profile cost model against the real run on this CPU: each stage's fwd+bwd alone, the "
+           "step of a 2-process Gloo run, and peak memory (training state + bytes autograd saves). Error = "
+           "predicted / measured - 1.", ""]
+    out += table(["model", "plan", "stage", "samples", "quantity", "predicted", "measured", "error"], body)
+    return out + _source(PROVENANCE.get(name, {}))
+
+
+# ---------------------------------------------------------------- links
+
+
+def render_comm(doc: dict, name: str) -> list[str]:
+    body = []
+    for f in doc.get("fits", []):
+        sizes = [s[0] for s in f.get("samples", [])]
+        span = f"{min(sizes) // 1024} KiB - {max(sizes) // 2**20} MiB" if sizes else "-"
+        body.append([f["link_class"], f["op"], f["ranks"], _s(f["alpha_s"] * 1e6),
+                     _s(f["bandwidth_bytes_per_s"] / 1e9, 2),
+                     _s(f["r2"], 2), span])
+    out = ["### Links of this machine", "",
+           f"Alpha-beta fits of {doc.get('backend', '?')} over {doc.get('world_size', '?')} ranks "
+           "(time = alpha + bytes / bandwidth).", ""]
+    out += table(["link class", "op", "ranks", "alpha µs", "bandwidth GB/s", "R²", "sizes"], body)
+    p = dict(PROVENANCE.get(name, {}))
+    p["machine"] = f"{p.get('machine', 'machine not recorded')}, torch {doc.get('torch_version', '?')}"
+    p.setdefault("date", doc.get("measured_at", ""))
+    return out + _source(p)
+
+
+# ---------------------------------------------------------------- GPUs
+
+
+def _gpu_docs(docs: dict) -> list[tuple[str, dict]]:
+    return [(n, docs[n]) for n in ("gpu_h100.json", "gpu_h200.json") if n in docs]
+
+
+def _gpu_name(doc: dict) -> str:
+    return (doc.get("env") or {}).get("name", "?").replace("NVIDIA ", "")
+
+
+def _gpu_provenance(name: str, doc: dict) -> list[str]:
+    env = doc.get("env") or {}
+    date = str(doc.get("started") or PROVENANCE.get(name, {}).get("date", "not recorded"))
+    out = [f"- {_gpu_name(doc)} ({name}): {_gpu_machine(env)}; {date[:10]}."]
+    for run, cmd in sorted((doc.get("runs") or {}).items()):
+        out.append(f"  - run {run}: `{cmd}`")
+    return out
+
+
+def render_gpus(docs: dict) -> list[str]:
+    gpus = _gpu_docs(docs)
+    if not gpus:
+        return []
+    out = ["### One GPU measured: the measured-profile path", "",
+           "Two decoder layers of Llama-2 7B's shape (bf16 autocast), whole captured graph fwd+bwd measured "
+           "against the cost model's price from the shipped kernel profile (`zorse bench kernels --replay "
+           "graph`: the sum of the node replays, calibrated at two points, \"fitted\"; the other four are held "
+           "out).", ""]
+    body = []
+    for _, doc in gpus:
+        pc = doc.get("profile_check") or {}
+        for p in pc.get("points", []):
+            body.append([_gpu_name(doc), p["seq"], p["micro_batch"], _s(p["measured_ms"], 2), _s(p["predicted_ms"], 2),
+                         "fitted" if p.get("calibration_point") else _err(p["error"])])
+    out += table(["GPU", "seq", "micro-batch", "measured ms", "profile path ms", "error"], body)
+    cal = [f"{_gpu_name(d)}: calibration {d['profile_check']['calibration']:.4f}, node overhead "
+           f"{1000 * d['profile_check']['node_overhead_ms']:.1f} µs" for _, d in gpus if d.get("profile_check")]
+    if cal:
+        out += ["", "Fitted: " + "; ".join(cal) + "."]
+    out += ["", "Runs (the machines and commands of every table of this GPU section):", ""]
+    for name, doc in gpus:
+        out += _gpu_provenance(name, doc)
+    same = ["", "Runs: as under the measured-profile path table above."]
+
+    out += ["", "### One GPU measured: GEMM and decoder-layer times", "",
+            "`torch.matmul` TFLOP/s (2MNK / time) at 8192³ and the best over the sweep's shapes; one decoder layer "
+            "= the 2-layer minus the 1-layer eager Hugging Face Llama (sdpa, bf16 autocast, float32 weights), "
+            "fwd+bwd ms.", ""]
+    body = []
+    for _, doc in gpus:
+        g = doc.get("gemm", [])
+        at = {r["mode"]: r["tflops"] for r in g if r["m"] == r["n"] == r["k"] == 8192}
+        best = {}
+        for r in g:
+            best[r["mode"]] = max(best.get(r["mode"], 0.0), r["tflops"])
+        body.append([_gpu_name(doc)] + [f"{at[m]:.0f} ({best[m]:.0f})" if m in at else "-"
+                                        for m in ("bfloat16", "float16", "tf32", "float32")])
+    out += table(["GPU", "bf16: 8192³ (best)", "fp16", "TF32", "fp32"], body) + same
+    layers = {}
+    for _, doc in gpus:
+        t = {(r["shape"], r["layers"], r["seq"], r["micro_batch"]): r["fwd_bwd_ms"] for r in doc.get("layers", [])}
+        for (shape, n, seq, mb), two in t.items():
+            if n == 2 and (shape, 1, seq, mb) in t:
+                layers.setdefault((shape, seq, mb), {})[_gpu_name(doc)] = two - t[(shape, 1, seq, mb)]
+    if layers:
+        names = [_gpu_name(d) for _, d in gpus]
+        out += [""] + table(["shape", "seq", "micro-batch"] + [f"{n}: one layer fwd+bwd ms" for n in names],
+                            [[s, q, m] + [_s(layers[(s, q, m)][n], 2) if n in layers[(s, q, m)] else "-" for n in names]
+                             for (s, q, m) in sorted(layers, key=lambda k: (len(k[0]), k))]) + same
+
+    att = [(n, d) for n, d in gpus if d.get("attention")]
+    for _, doc in att:
+        rows = [r for r in doc["attention"] if r["micro_batch"] == 4]
+        seqs = sorted({r["seq"] for r in rows})
+        variants = list(dict.fromkeys(r["variant"] for r in rows))
+        cell = {(r["variant"], r["seq"]): f"{r['fwd_tflops']:.0f} / {r['bwd_tflops']:.0f}" for r in rows}
+        out += ["", f"### One GPU measured: attention on the {_gpu_name(doc)}", "",
+                "One Llama-2 7B layer's attention (32 heads x 128, bfloat16), TFLOP/s by the non-causal count "
+                "4·B·H·T²·D (backward 2.5x that), micro-batch 4: `sdpa_mask` is "
+                "`F.scaled_dot_product_attention` with an explicit boolean causal mask (what the export-captured "
+                "Hugging Face Llama passes), `sdpa_causal` with `is_causal=True`, `sdpa_none` without a mask, "
+                "`triton_causal` / `triton_none` the project's Triton `flash_attention`.", ""]
+        out += table(["variant"] + [f"seq {s}: fwd / bwd" for s in seqs],
+                     [[v] + [cell.get((v, s), "-") for s in seqs] for v in variants]) + same
+    return out
+
+
+def render_class_check(docs: dict) -> list[str]:
+    checks = [(n, docs[n]) for n in ("gpu_class_check_h100.json", "gpu_class_check.json") if n in docs]
+    if not checks:
+        return []
+    body = []
+    for _, doc in checks:
+        for s in doc.get("summary", []):
+            if s["rows"] != "all":
+                continue
+            body.append([doc.get("device_type", "?"), s["pricing"], s["n"],
+                         f"{_pct(s['layer_median_abs_err'], 1)} / {_pct(s['layer_max_abs_err'], 1)}",
+                         f"{_pct(s['two_median_abs_err'], 1)} / {_pct(s['two_max_abs_err'], 1)}"])
+    out = ["### GPU class model against the measured Hopper layers", "",
+           "What a plan uses for a GPU type without a profile (the class model) against the measured "
+           "Llama-2 7B/13B layers above (seq 512/2048/4096, micro-batch 1/4), |predicted / measured - 1|: "
+           "`table` as the planner prices, `class` without the table's measured GEMM rate, `sweep` with the "
+           "file's own bf16 8192³ rate, `eager` every elementwise node its own kernel.", ""]
+    out += table(["GPU", "pricing", "rows", "one layer: median / max", "2-layer model: median / max"], body)
+    out += ["", "Runs:", ""]
+    for name, doc in checks:
+        p = dict(PROVENANCE.get(name, {}))
+        p["command"] = doc.get("command", "")
+        meas = (doc.get("measured") or {}).get("file", "?")
+        out.append(f"- {doc.get('device_type', '?')} ({name}, measurement {meas}; unfused fraction "
+                   f"{doc.get('unfused_fraction', '?')}): {_provenance_line(p)}.")
+    return out
+
+
+def render_layer_accuracy(doc: dict, name: str) -> list[str]:
+    rows = doc.get("rows", [])
+    body = [[r["model"], r["gpu"], r["arch"], r["micro_batch"], _s(1000 * r["measured_step_s"]),
+             f"{_s(1000 * r['class_step_s'])} ({_err(r['class_err'])})",
+             f"{_s(1000 * r['table_step_s'])} ({_err(r['table_err'])})"] for r in rows]
+    out = ["### GPU class model on published BERT training steps", "",
+           f"One training step of BERT ({doc.get('models', '')}) per GPU type, published (Lambda's PyTorch "
+           "benchmark) against the class model's price, ms: `class` the class model alone, `table` as the planner "
+           f"prices (the measured GEMM rate where gpu_specs.csv has one); unfused fraction "
+           f"{doc.get('unfused_fraction', '?')}.", ""]
+    out += table(["model", "GPU", "class", "micro-batch", "measured ms", "class ms (error)", "table ms (error)"], body)
+    summary = [[p, f"{_pct(doc[f'{p}_median_abs_err'], 1)} / {_pct(doc[f'{p}_max_abs_err'], 1)}"]
+               for p in ("class", "table", "fused", "eager") if f"{p}_median_abs_err" in doc]
+    out += ["", "|error| over all rows (`fused`: fully fused elementwise chains, fraction 0; `eager`: fraction 1):", ""]
+    out += table(["pricing", "median / max"], summary)
+    fits = doc.get("split_fits", [])
+    if fits:
+        out += ["", "The fitted fraction, scored on held-out rows:", ""]
+        out += table(["split", "fraction", "held out", "held out: median / max", "fused: median / max"],
+                     [[f["split"], f"{f['fraction']:.4f}", f["n_held"],
+                       f"{_pct(f['held_median_abs_err'], 1)} / {_pct(f['held_max_abs_err'], 1)}",
+                       f"{_pct(f['fused_median_abs_err'], 1)} / {_pct(f['fused_max_abs_err'], 1)}"] for f in fits])
+    p = dict(PROVENANCE.get(name, {}))
+    p["command"] = doc.get("command", "")
+    return out + _source(p)
+
+
+# ---------------------------------------------------------------- the block
+
+
+def load(results: Path) -> dict:
+    """The current result files found in ``results``, parsed."""
+    return {n: json.loads((results / n).read_text()) for n in RESULT_FILES if (results / n).is_file()}
+
+
+def render(results: Path = RESULTS) -> str:
+    """The Markdown of the block between the markers (without them)."""
+    docs = load(results)
+    parts = [["Generated by `python bench/report.py --write` from `bench/results/*.json`; "
+              "`tests/test_bench_report.py` fails when this block is stale. Absolute times hold only for the "
+              "machine named under each table, ratios only within one run."]]
+    single = (("scenarios.json", render_scenarios), ("bound_gap.json", render_bound_gap),
+              ("scaling.json", render_scaling), ("objective_vs_sim.json", render_objective_vs_sim),
+              ("runtime.json", render_runtime), ("cost_accuracy.json", render_cost_accuracy),
+              ("comm_loopback.json", render_comm))
+    for name, fn in single:
+        if name in docs:
+            parts.append(fn(docs[name], name))
+    for lines in (render_gpus(docs), render_class_check(docs)):
+        if lines:
+            parts.append(lines)
+    if "gpu_layer_accuracy.json" in docs:
+        parts.append(render_layer_accuracy(docs["gpu_layer_accuracy.json"], "gpu_layer_accuracy.json"))
+    present = sorted(n for n in SUPERSEDED if (results / n).exists())
+    if present:
+        parts.append(["Not rendered (superseded runs, reported in bench/LOG.md): "
+                      + "; ".join(f"`{n}`, {SUPERSEDED[n]}" for n in present) + "."])
+    return "\n\n".join("\n".join(p) for p in parts) + "\n"
+
+
+def splice(text: str, block: str) -> str:
+    """``text`` with the lines between its BEGIN and END markers replaced by ``block``."""
+    i, j = text.find(BEGIN), text.find(END)
+    if i < 0 or j < i:
+        raise ValueError(f"no '{BEGIN}' ... '{END}' markers")
+    return text[:i] + BEGIN + "\n" + block + text[j:]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--results", default=str(RESULTS), help="directory of the result files (default bench/results)")
+    ap.add_argument("--readme", default=str(README),
+                    help="the Markdown file holding the markers (default bench/README.md)")
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--write", action="store_true", help="replace the block between the markers in --readme")
+    mode.add_argument("--check", action="store_true", help="exit 1 if the block in --readme differs from the output")
+    args = ap.parse_args(argv)
+    block = render(Path(args.results))
+    if not (args.write or args.check):
+        sys.stdout.write(block)
+        return 0
+    readme = Path(args.readme)
+    text = readme.read_text()
+    try:
+        new = splice(text, block)
+    except ValueError as e:
+        print(f"{readme}: {e}", file=sys.stderr)
+        return 1 if args.check else 2
+    if args.check:
+        if new != text:
+            print(f"{readme}: the generated results block is stale; run `python bench/report.py --write`",
+                  file=sys.stderr)
+            return 1
+        return 0
+    if new != text:
+        readme.write_text(new)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,67 @@
+"""bench/report.py: the "Current results" block of bench/README.md is what the result files say.
+
+``--check`` against the committed README fails when a file under bench/results
+was replaced without ``python bench/report.py --write``; the other tests feed
+the script a hand-made results directory, so they fail when its rendering does.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "bench" / "report.py"
+
+
+def _report(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60, check=False)
+
+
+def _row(planner: str, tokens: float, feasible: bool, status: str) -> dict:
+    """One scenarios.json row of a made-up scenario 'toy' (upper bound 200 tokens/s)."""
+    return {"scenario": "toy", "planner": planner, "feasible": feasible, "tokens_per_s": tokens,
+            "upper_bound_tokens_per_s": 200.0, "fraction_of_upper_bound": tokens / 200.0, "mfu": 0.25,
+            "step_time_s": 2.0, "simulated_step_time_s": 1.9, "planner_wall_s": 3.5, "status": status,
+            "num_stages": 2, "num_microbatches": 8, "interleave": 1, "gpus_used": 4}
+
+
+def _toy_results(tmp_path: Path) -> Path:
+    results = tmp_path / "results"
+    results.mkdir()
+    rows = [_row("zorse_fx", 120.0, True, "FEASIBLE"), _row("metis", 100.0, True, "BASELINE"),
+            # faster but over memory: not the best *feasible* baseline
+            _row("cephalo", 150.0, False, "BASELINE_INFEASIBLE")]
+    (results / "scenarios.json").write_text(json.dumps(rows))
+    return results
+
+
+def test_readme_results_block_is_current():
+    r = _report("--check")
+    assert r.returncode == 0, r.stderr or r.stdout
+
+
+def test_renders_a_scenario_against_its_best_feasible_baseline(tmp_path):
+    r = _report("--results", str(_toy_results(tmp_path)))
+    assert r.returncode == 0, r.stderr
+    # zorse_fx 120 tokens/s = 60% of the bound, 1.20x metis (cephalo's 150 does not fit), 1.9 s / 2.0 s simulated
+    assert "| toy |  | 120 (60%) | metis: 100 | 1.20x | 0.950 | 3.5 | FEASIBLE |" in r.stdout, r.stdout
+    assert "| toy | cephalo | NO | 150 | 75% | 25.0% | - | 2 x 8 | 4 | 0.950 | BASELINE_INFEASIBLE | 3.5 |" in r.stdout
+    assert "### Runtime against PyTorch" not in r.stdout  # files not in --results are skipped
+
+
+def test_check_fails_on_a_stale_block_and_write_refreshes_it(tmp_path):
+    results = _toy_results(tmp_path)
+    readme = tmp_path / "README.md"
+    readme.write_text("# x\n\n<!-- report.py: begin -->\nSTALE-BLOCK\n<!-- report.py: end -->\n\nafter\n")
+    r = _report("--results", str(results), "--readme", str(readme), "--check")
+    assert r.returncode == 1
+    assert len(r.stderr.strip().splitlines()) == 1 and "stale" in r.stderr
+    assert _report("--results", str(results), "--readme", str(readme), "--write").returncode == 0
+    text = readme.read_text()
+    assert "STALE-BLOCK" not in text and "| toy |  | 120 (60%)" in text
+    assert text.endswith("<!-- report.py: end -->\n\nafter\n")
+    assert _report("--results", str(results), "--readme", str(readme), "--check").returncode == 0
