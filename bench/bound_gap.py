@@ -45,6 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+from report import verdict  # noqa: E402 (what binds a scenario: one rule for the run and the report)
 from scenarios import CLUSTERS, price, selected, upper_bound_tokens_per_s, write_results  # noqa: E402
 
 #: Link bandwidth of the idealised links, bytes/s: 1 EB/s makes every transfer
@@ -118,18 +119,6 @@ def run(sc, args) -> list[dict]:
     return rows
 
 
-def verdict(rows: list[dict], target: float = 0.85) -> str:
-    """What binds a scenario, from its four rows (see the module docstring)."""
-    f = {r["variant"]: r["fraction_of_upper_bound"] for r in rows if r.get("feasible")}
-    if f.get("real", 0.0) >= target:
-        return f"meets {target:.0%}"
-    if f.get("ideal_links", 0.0) >= target:
-        return "communication-bound"
-    if f.get("ideal_memory", 0.0) >= target:
-        return "memory-bound"
-    if f.get("ideal_both", 0.0) >= target:
-        return "communication- and memory-bound"
-    return f"below {target:.0%} even with ideal links and memory"
 
 
 def table(rows: list[dict]) -> str:

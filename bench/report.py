@@ -351,7 +351,9 @@ def render_scenarios(rows: list[dict], name: str) -> list[str]:
 
 
 def verdict(rows: list[dict], target: float = 0.85) -> str:
-    """What binds a scenario, from its four variants: ``bench/bound_gap.verdict``'s rule."""
+    """What binds a scenario, from its four variants' rows (``bench/bound_gap.py`` writes
+    ``verdict`` with this rule too): the first of real, ideal links, ideal memory, ideal
+    both whose fraction of the upper bound reaches ``target``."""
     f = {r["variant"]: r["fraction_of_upper_bound"] for r in rows if r.get("feasible")}
     if f.get("real", 0.0) >= target:
         return f"meets {target:.0%}"

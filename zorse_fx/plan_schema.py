@@ -1,5 +1,5 @@
 """The on-disk schema of ``plan.json``: types and ranges, checked before a
-plan is built (issue 12: a plan is data, checked before anything runs).
+plan is built (a plan is data, checked before anything runs).
 
 ``decode(d, source)`` upgrades a parsed plan.json of any readable format
 version (1-5) to the current shape (``upgrade``: fields added since take the

@@ -31,8 +31,8 @@ carry more, and from which reaching a cheaper cut on either side means crossing
 one at least ``_PROMINENCE`` (2) times as dear. So the residual stream between
 every pair of transformer sub-layers is a candidate even where the model has a
 narrower bottleneck elsewhere (OPT-350M's 512-wide ``project_in``/``project_out``
-around its 1024-wide decoder: keeping only the globally cheapest cuts, the rule
-before issue 13, left all 24 decoder layers in one block), while a dip inside
+around its 1024-wide decoder: keeping only the globally cheapest cuts leaves
+all 24 decoder layers in one block), while a dip inside
 attention is not. When there are more than ``max_blocks - 1``, the cheapest and
 then structurally coarsest (layer boundaries, by ``nn_module_stack``, before cuts
 inside a layer) are kept. The segments between kept cuts are the *blocks*.
@@ -191,7 +191,7 @@ def analyse(captured: CapturedModel, *, max_blocks: int = 64, _minimal_cuts_only
         max_blocks: upper bound on blocks; when more candidate cuts exist,
             the cheapest and structurally coarsest are kept, a class that
             does not fit thinned to every k-th (coarser blocks, faster planning).
-        _minimal_cuts_only: private, for tests only: the rule before issue 13
+        _minimal_cuts_only: private, for tests only: the minimal-cuts rule
             (only the cuts of globally minimal bytes; every k-th when too many).
 
     Raises:
@@ -246,7 +246,7 @@ def analyse(captured: CapturedModel, *, max_blocks: int = 64, _minimal_cuts_only
         return total
 
     cut_b: list[int | None] = [None] + [cut_bytes(p) for p in range(1, len(act_order))]
-    if _minimal_cuts_only:  # the pre-issue-13 rule, kept for the test that the new one plans no worse
+    if _minimal_cuts_only:  # the minimal-cuts rule, for the test that the prominence rule plans no worse
         legal = {p: b for p, b in enumerate(cut_b) if b}
         best = min(legal.values(), default=0)
         cands = sorted(p for p, b in legal.items() if b <= best)

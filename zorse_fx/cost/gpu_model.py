@@ -1,6 +1,6 @@
-"""Cost model of GPU types without a measured profile (issue 13, item 1).
+"""Cost model of GPU types without a measured profile.
 
-Replaces the single "0.6 of datasheet peak" of the plain roofline for the GPU
+Prices, instead of the plain roofline's single "0.6 of datasheet peak", the GPU
 types of ``gpu_specs.csv`` whose ``arch`` is a fitted class (Pascal to Hopper;
 B200, MI250X and MI300X have no cited measurement and stay on the plain
 roofline, as do GPU types declared in a cluster file). Per block, for one

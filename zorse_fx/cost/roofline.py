@@ -1,7 +1,7 @@
 """Roofline cost of the block graph per GPU type: FLOPs and bytes per fx node.
 
 GPU types of the built-in table (``gpu_specs.csv`` rows, which carry an
-``arch``) are priced by the per-class model of ``gpu_model.py`` (issue 13):
+``arch``) are priced by the per-class model of ``gpu_model.py``:
 sustained matmul rates fitted per GPU class to cited public measurements,
 partly fused elementwise chains, per-op-class backward factors and a per-micro-batch
 weight/gradient traffic term (``graph_chains``, ``class_block_time``,
@@ -29,8 +29,8 @@ clusters", eq. 3).
 Every non-view node also costs a fixed ``3 * KERNEL_OVERHEAD_S`` per
 micro-batch (one forward and about two backward kernels), whatever its sample
 count: this is what makes tiny micro-batches slow on a real GPU. The
-efficiencies and the overhead are assumptions until a measured profile
-replaces them (issue 3, ``zorse bench kernels``).
+efficiencies and the overhead are assumptions; a measured profile
+(``zorse bench kernels``) replaces them.
 
 Activation memory (``act_bytes_per_sample``) is measured, not modelled: see
 [Note: saved activations] in ``activations.py``. Bytes of training state per parameter come from the
@@ -76,7 +76,7 @@ FWD_BWD_FACTOR = 3.0
 #: Fixed time per kernel (launch + tail), seconds, paid once per micro-batch per
 #: non-view node in forward and twice in backward. "A few microseconds" per
 #: launch: NVIDIA developer blog, "Getting Started with CUDA Graphs" (2019).
-#: An assumption until measured profiles replace it (issue 3).
+#: An assumption; a measured profile replaces it.
 KERNEL_OVERHEAD_S = 5e-6
 
 @dataclass(frozen=True, slots=True)
@@ -204,9 +204,9 @@ def graph_chains(bg: BlockGraph, costs: dict[str, NodeCost]) -> dict[int, list[C
     contains two nodes with a matmul between them, which no compiler could
     fuse into one kernel: in a transformer the residual add after attention
     and the add after the MLP are different chains, and the residual stream
-    is not one chain across all layers (it was before: union over every
-    producer/consumer edge put every layer's residual adds and norms into one
-    chain charged to the final norm's block).
+    is not one chain across all layers (a union over every producer/consumer
+    edge would put every layer's residual adds and norms into one chain
+    charged to the final norm's block).
 
     Each chain is charged whole to the block of its last node (graph order).
     Blocks are cut on the residual stream, and a residual add and the norm
@@ -379,7 +379,7 @@ def block_costs(
     dropout (``tests/test_activation_memory.py`` derives the dropout-free
     variant for GPT-2).
     If the measurement cannot run on the graph, a ``UserWarning`` says why
-    and the old upper estimate (output bytes of every non-view node) is used.
+    and an upper estimate (output bytes of every non-view node) is used.
     Cut bytes are those of the crossing tensors in the dtypes the measurement
     run gave them (autocast may change a dtype; the residual stream of a
     pre-norm transformer stays float32).

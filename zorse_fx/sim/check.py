@@ -1,6 +1,6 @@
 """The planner's answer, checked by the simulator before it becomes a Plan.
 
-The planners optimise the closed-form objective (``solve/objective.py``); the
+The planners optimise the objective (``solve/objective.py``); the
 event-driven simulator (``engine.py``) replays the same decision message by
 message, with links shared by concurrent messages. ``check_result`` runs it
 on the final answer, whatever planner produced it (CP-SAT, the class-level
@@ -12,9 +12,9 @@ model, the stage DP, a baseline, the interleave pass):
   raises ``PlanCheckError`` rather than handing out a plan that would run
   out of memory;
 * time: the simulated step is reported next to the predicted one. The
-  objective is conservative on stage boundaries and DP sync (on 56 returned
-  plans the simulator is at most 4.8% slower and up to 43% faster:
-  "Objective vs simulator (issue 13 item 6)" in bench/README.md); where the
+  objective is mostly conservative (on 58 returned plans the simulator is at
+  most 2% slower and up to 16% faster: "Objective vs simulator" in
+  bench/README.md); where the
   simulator is slower by more than ``tolerance`` (what the objective prices
   optimistically: two boundaries sharing one link or one shared link in the
   same direction, a ring crossing a shared link several times per direction:

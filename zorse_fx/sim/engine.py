@@ -1,7 +1,7 @@
 """Event-driven simulator of one training step of a plan (seconds, bytes).
 
-NOTE "simulation model" -- the planners' objective (solve/objective.py) is a
-closed-form 1F1B/GPipe estimate; this module replays the schedule task by task
+NOTE "simulation model" -- the planners' objective (solve/objective.py) prices
+a schedule with fixed task and message times; this module replays it task by task
 so that compute, boundary messages and link contention interleave as they
 would on the cluster. It takes the ``Decision`` ``solve.evaluate`` takes.
 
@@ -67,8 +67,7 @@ When a boundary message may move is ``simulate``'s ``p2p``:
     never share its links with each other across groups.
   * ``"buffered"``: a message is posted when its task ends and the sender
     goes on at once; the receiver's task waits for its arrival. This is
-    Gloo's behaviour (it buffers sends), the runtime's on CPU, and what the
-    objective assumed until 2026-11-26.
+    Gloo's behaviour (it buffers sends) and the runtime's on CPU.
 Neither is uniformly slower: on a link-bound boundary, buffered sends
 queued together share the link and arrive together
 (tests/test_sim_nccl.py: 26 against NCCL's 24 time units), while NCCL's
@@ -126,10 +125,10 @@ block's gradients after it; it counts the same buckets ([C-allreduce]'s
 nb_s) but not when each block makes them ready. Times are not rounded:
 where both models coincide (one stage,
 GPipe with equal stages and free links, or interleaved 1F1B with equal
-groups and chunks and free links: (M v + P - 1) stage times + sync) they
+groups and chunks and free links) they
 agree to the objective's ns rounding (<= 0.5 ns per block, and per MiB of
-shard for a sharded optimizer step). Elsewhere the interleaved objective's
-closed form can be optimistic, where a group's chunks are unequal
+shard for a sharded optimizer step). Elsewhere the interleaved objective
+(fixed times, no link contention) and the simulator differ
 (tests/test_sim_interleaved.py, test_interleaved_agreement...).
 
 Tied parameters (``BlockCosts.tied_params``: a tied input / output embedding

@@ -9,10 +9,9 @@ A flow (a boundary message g -> h) uses
     resource have different figures -- a hand-made asymmetric graph -- the
     smallest). Links are full duplex, as NVLink, PCIe, InfiniBand and
     Ethernet are: an activation message and a gradient message going the
-    other way do not share bandwidth (until 2026-11-26 the two directions
-    shared one resource, which stretched asynchronous boundary messages of
-    opposite directions; bench/README.md "Full-duplex links and the pipeline
-    period"), and
+    other way do not share bandwidth (one resource for both directions
+    stretches asynchronous boundary messages of opposite directions:
+    bench/README.md "Full-duplex links and the pipeline period"), and
   * every shared link it crosses (``DeviceGraph.shared_links``: a region's
     WAN path, a node's NIC), one resource per direction (full duplex), of
     the link's capacity.

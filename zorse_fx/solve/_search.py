@@ -9,14 +9,14 @@ step time (a budget-limited candidate whose bound already exceeds the plan canno
 beat it: gap 0); ``best_bound`` is the smallest bound over all
 candidates, so the reported gap covers the whole search. A candidate's bound
 is the larger of CP-SAT's and ``bounds.throughput_lower_bound`` (valid for
-every decision with its M; before it, a time-limited UNKNOWN candidate
-reported 0 and pinned every gap at 100%).
+every decision with its M; without it, a time-limited UNKNOWN candidate
+would report 0 and pin every gap at 100%).
 
 [Note: presolve bug]
 OR-Tools 9.15.6755 (the newest release on PyPI) has a presolve bug that
 declares some feasible models INFEASIBLE (google/or-tools#5274: "INFEASIBLE
 with presolve enabled but OPTIMAL with presolve disabled", fixed after the
-release). It hit us on Zorse B: the class-level model of (7 stages, 64
+release). On Zorse B the class-level model of (7 stages, 64
 micro-batches) was "INFEASIBLE" in 0.2 s although the stage DP's plan for it
 satisfies every constraint (checked by solving with that plan fixed through
 assumptions). Turning off presolve's inclusion step
@@ -36,8 +36,8 @@ the stage DP reaches, which narrows this to the candidates no heuristic fits.
 OR-Tools 9.15 can also abort the whole process: an uncaught
 ``std::out_of_range: absl::btree_map::at`` in SolutionCrush during presolve
 with a complete hint (google/or-tools#5288, fixed on main, in no PyPI release
-yet). It killed a scenario benchmark run once (FlashFlex, 2026-11-22), and a
-planner must not take the user's training launch down with it. So where the
+yet). It can kill a scenario benchmark run (FlashFlex), and a planner must
+not take the user's training launch down with it. So where the
 OS can fork, every CP-SAT solve runs in a forked child (``run_isolated``):
 the child solves and reads the answer off its solver (status, bound, the
 objective and the decision; all plain tuples), pickles it into a pipe and
@@ -53,8 +53,8 @@ to solve in-process (e.g. under a debugger).
 
 [Note: reproducible plans]
 The same inputs give the same plan, status and predicted step time on any
-machine and under any load (issue 13: a wall-clock limit with several
-workers made them depend on load). Every solve (each candidate, each hint
+machine and under any load (a wall-clock limit with several workers would
+make them depend on load). Every solve (each candidate, each hint
 completion) stops on CP-SAT's *deterministic* time,
 ``max_deterministic_time = PlanOptions.solver_budget`` (work units
 CP-SAT counts, "as close as possible to a second" of one worker, but the
@@ -246,7 +246,7 @@ def complete_hint(m: cp_model.CpModel, solver: cp_model.CpSolver) -> tuple[bool,
 
 
 #: CP-SAT deterministic seconds (work units, not seconds) at most to complete a
-#: hint (``complete_hint``); it was 2 wall-clock seconds before issue 13.
+#: hint (``complete_hint``).
 HINT_COMPLETION_DTIME = 2.0
 
 

@@ -62,7 +62,7 @@ With u = z >= 1 (the block's fixed cost is paid):
   dup_s       = the tied copies stage s holds once (_sync_encoding.
                 tied_copies), left out of its state and shard coverage  [C-tied]
   memory      = objective.py's [C-memory] per group and stage           [C-memory]
-  step        = sum_s t_s + (M - 1) max_s t_s + Y, Y = ceil(W / 6) by
+  step        = sum_s t_s + (M - 1) T + Y (T: the period), Y = ceil(W / 6) by
                 AddDivisionEquality, W = max_s sync6_s, E_s = sum_{j<s} (4
                 cmax_j + 3 boundary_j), B6_s = (4 - rc_s) cmax-_s (a gated
                 product on rc_s; cmax-_s = max_c of c's compute over zh / uh,
@@ -78,22 +78,12 @@ bound, so the objective of *any* solution CP-SAT returns equals ``evaluate()``
 of its expansion to GPUs (``decision``: the first unit * k[c][0] members of c
 go to stage 0, the next to stage 1, ...); ``_search.CandidateSearch`` checks
 that on every answer. Redundant constraints: the period T (network_terms
-[Note: pipeline period]) and tmax (the largest t_s; since the period form it
-is in no term of the objective, and only these bounds use it) are >= every
-compute and a throughput bound (see the model).
-
-Before issue 13 cpsat.py and grouped.py each built their own model. The one
-builder keeps both: with one group per GPU its model has the variables of the
-old per-GPU model plus the throughput bound (one constraint), and with groups
-of count > 1 only it builds the old class-level model constraint for
-constraint, in the same order (so solve_grouped's answers on such clusters
-are unchanged; checked on tests/test_grouped.py's 64-GPU instance). On the
-instances of the solver tests solve_cpsat's answers did not change (status
-and objective; the commit introducing this file lists them). A class-level
-model mixing single and multi-unit groups needs the per-block sample sum
-(with y) to keep the old one's strength: 16 GPUs (two classes of 7, two
-single GPUs), 2 stages, 0.5 deterministic s: OPTIMAL as before with it,
-FEASIBLE and 14% slower without it.
+[Note: pipeline period]) and tmax (the largest t_s; in no term of the
+objective, only these bounds use it) are >= every compute and a throughput
+bound (see the model). A class-level model mixing single and multi-unit
+groups needs the per-block sample sum (with y) for its strength: 16 GPUs
+(two classes of 7, two single GPUs), 2 stages, 0.5 deterministic s: OPTIMAL
+with it, FEASIBLE and 14% slower without it.
 
 [Note: warm start]
 ``hints`` (SolverResults, in practice the baselines' and the stage DP's

@@ -1,7 +1,7 @@
-"""The network terms of the objective (issue 13 item 6), split from
-``objective.py`` (its module note "step-time model" is the model; these are
-its helpers): the pair bandwidth with shared links (``effective_pair_bandwidth``,
-used by ``build_tables``), the ring factor of [C-allreduce] (``ring_units``),
+"""The network terms of the objective (``objective.py``'s module note
+"step-time model" is the model; these are its helpers): the pair bandwidth
+with shared links (``effective_pair_bandwidth``, used by ``build_tables``),
+the ring factor of [C-allreduce] (``ring_units``),
 the sync offsets of [C-objective] (``drain_offsets``, ``last_bucket_kib``)
 and the tied-parameter all-reduce of [C-tied] (``tied_terms``). The CP-SAT
 model (``model.py``; these terms in ``_sync_encoding.py``) encodes the same terms.
@@ -55,15 +55,15 @@ message are at most (``boundary_rows``, codes ``pair_rows``):
     several node pairs may share the link ([Note: shared links in the objective]).
 The boundary's transfer is the max over the two stages' GPU pairs of
 rows(g, h) x ``xfer1[class(g, h)][cut]`` (one sample's bytes / bw(g, h),
-rounded once per sample), its latency the max over the pairs, as before.
+rounded once per sample), its latency the max over the pairs.
 These bound each link's bytes from above; the exact count depends on the
 order of the row ranges, which the CP-SAT model and the DP do not see.
-Until 2026-11-26 all b samples were charged on every pair, which overcounts
-a stage spread over several GPUs by up to their number (the Metis scenario's
-FlashFlex plan, a 1-GPU stage feeding 5 GPUs on two nodes: simulated /
-objective 0.580). The stage DP and the interleave pass price all b samples
-(``IntTables.xfer`` = b x ``xfer1``): an upper bound of this term; their
-plans are scored by ``evaluate``.
+Charging all b samples on every pair overcounts a stage spread over several
+GPUs by up to their number (the Metis scenario's FlashFlex plan, a 1-GPU
+stage feeding 5 GPUs on two nodes: simulated / objective 0.580). The stage
+DP and the interleave pass price all b samples (``IntTables.xfer`` = b x
+``xfer1``): an upper bound of this term; their plans are scored by
+``evaluate``.
 Per micro-batch each direction of a node pair's link carries, for every
 boundary s on it, the forward rows one way and the gradients of the rows that
 went the other way: min(S_N, S'_N') + min(S_N', S'_N) samples
@@ -124,14 +124,12 @@ two boundaries needs no term of its own in either schedule -- the exchanges
 keep the stages in lock step, so the boundaries take turns on the link
 (tests/test_boundary_rows.py).
 
-History (bench/README.md): until 2026-11-26 both schedules used a form
-derived for buffered sends (a stage computes while its messages move, as on
-Gloo): T = max(max_s boundary_s, every window's 1F1B cycle average
-ceil((sum_{j=s..e} t_j - boundary_e) / (e - s + 1)), load), and
-max(max_s t_s, load) where a link carried two boundaries. Against the
-runtime's NCCL program that was up to 6% optimistic on the planners' own 1F1B
-plans (AMP), 30% on others, and up to 28% on GPipe plans. Before that:
-T = max_s t_s, and the window form on half-duplex links.
+Why not a form for buffered sends (a stage computes while its messages move,
+as on Gloo: T = max(max_s boundary_s, every window's 1F1B cycle average
+ceil((sum_{j=s..e} t_j - boundary_e) / (e - s + 1)), load)): against the
+runtime's NCCL program it is up to 6% optimistic on the planners' own 1F1B
+plans (AMP), 30% on others and up to 28% on GPipe plans (bench/README.md
+"The runtime's NCCL program in the simulator").
 """
 
 from __future__ import annotations
@@ -337,17 +335,15 @@ def drain_offsets(compute, boundary, extra=None) -> tuple[int, ...]:
     gradients wait for the whole backward, so L_s, the ring of the larger of
     the last bucket and that block's gradients (and a sharded stage's
     all-gather), gets D_s. A tied parameter's ring waits for all its holders
-    (usually stage 0), so tied_s has no offset. Before issue 13 item 6 every
-    sync started after the whole drain; bench/objective_vs_sim.py on 56 plans:
-    simulated / objective median 0.950 -> 0.957 with D_s, 28 -> 32 within 5%.
-    B6_s over the whole stage ((4 - rc_s) cmax_s) made single-stage plans of
-    few large blocks optimistic (58 plans: max 1.036 -> 1.281, random seed
-    36: blocks of 20M and 148M parameters, the bulk ready only after the
-    second's backward). With cmax-_s: max 1.093, 38 within 5%, median 1.000;
-    the plans above 1.05 (seeds 6, 15, 34) wait for their first block's
-    buckets, which LK_s now counts: 58 plans min 0.576, median 1.000, max
-    1.036 (an AMP scenario plan; random instances 1.020), 43 within 5%, none
-    above 1.05."""
+    (usually stage 0), so tied_s has no offset. Measured by
+    bench/objective_vs_sim.py (bench/README.md "Gradient sync overlapping the
+    pipeline drain", "Gradient buckets overlapping the stage's own last
+    backward"), simulated / objective: every sync after the whole drain,
+    median 0.950 on 56 plans (0.957 with D_s); B6_s over the whole stage
+    ((4 - rc_s) cmax_s) is optimistic on single-stage plans of few large
+    blocks (max 1.281; random seed 36: blocks of 20M and 148M parameters, the
+    bulk ready only after the second's backward); L_s without the first
+    block's buckets, max 1.093 (seeds 6, 15, 34)."""
     out, acc = [], 0
     for s, (c, b) in enumerate(zip(compute, boundary)):
         out.append((acc + (extra[s] if extra else 0)) // 6)

@@ -77,8 +77,8 @@ shardable state bytes (shardable_bytes_per_param * P_s), R_s = the rest
                 all-gathers its weights after its optimizer step, so after
                 the tied ring too: its tied term is tied_s + ag_s, ag_s = the
                 all-gather ring ceil(max_q (own arsh_q - own ar_q) (k - 1) / k)
-                + (k - 1) lat_max (0 unsharded; until 2026-11-26 it overlapped
-                the tied ring: 5.7% optimistic on Metis' zorse_paper plan,
+                + (k - 1) lat_max (0 unsharded; overlapping it with the tied
+                ring was 5.7% optimistic on Metis' zorse_paper plan,
                 bench/README.md "Sharded holders of a tied parameter").  [C-tied]
   optim_s     = max_{g in s} of 2 * optim_bytes * P_s / mem_bw_g  (AdamW reads
                 and writes its state once), or for a sharded stage
