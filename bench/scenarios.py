@@ -200,8 +200,8 @@ def run_scenario(sc: Scenario, args) -> list[dict]:
             "memory_capacity_bytes": list(devices.memory_bytes),
             "sharded_stages": sum(ev.decision.sharded), "recompute_stages": sum(ev.decision.recompute),
             # zorse_fx: the interleave pass's best feasible try (None: nothing fit or was tried).
-            "best_interleaved_step_time_s": min((c["interleave_search"]["step_time_s"] for c in res.candidates
-                                                 if c.get("interleave_search", {}).get("feasible")), default=None),
+            "best_interleaved_step_time_s": min((c.step_time_s for c in res.candidates
+                                                 if c.kind == "interleave" and c.feasible), default=None),
         })
         print(f"[{sc.name}] {name}: {tokens:,.0f} tokens/s ({tokens / ub:.0%} of bound), feasible {ev.feasible}, "
               f"{res.num_stages} stages, {wall:.1f} s", flush=True)

@@ -494,3 +494,8 @@ def compute_only(costs, devices):
     nb, g = costs.num_blocks, devices.num_gpus
     return (dataclasses.replace(costs, cut_bytes_per_sample=(0,) * (nb + 1), param_count=(0,) * nb),
             dataclasses.replace(devices, link_latency_s=((0.0,) * g,) * g))
+
+
+def candidate_dicts(result) -> list[dict]:
+    """A ``SolverResult``'s candidates as plan.json records them (``Candidate.to_dict``)."""
+    return [c.to_dict() for c in result.candidates]

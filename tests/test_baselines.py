@@ -7,7 +7,7 @@ import math
 import random
 
 import pytest
-from conftest import solver_options
+from conftest import candidate_dicts, solver_options
 
 from zorse_fx.baselines import BASELINES, cephalo, flashflex, homogeneous_all, homogeneous_best, metis, zorse_paper
 from zorse_fx.baselines.cephalo import free_memory_shards
@@ -158,7 +158,7 @@ def test_well_formed(name, case):
     assert _units(res.objective) == ev.objective_units and res.predicted_step_time_s == ev.step_time_s
     assert res.predicted_memory_bytes == ev.memory_bytes and res.predicted_allreduce_s == ev.allreduce_s
     assert res.optimality_gap == 1.0 and res.best_bound == 0.0  # a baseline proves no bound
-    chosen = [c for c in res.candidates if c["chosen"]]
+    chosen = [c for c in candidate_dicts(res) if c["chosen"]]
     assert len(chosen) == 1 and chosen[0]["violations"] == list(ev.violations)
     # the memory policy: one entry per stage / GPU, recorded in the chosen candidate too.
     assert len(res.decision.sharded) == len(res.decision.recompute) == res.num_stages
@@ -176,7 +176,7 @@ def test_well_formed(name, case):
         assert all(rc == (options.recompute == "always") for rc in res.decision.recompute)
     assert (chosen[0]["num_stages"], chosen[0]["num_microbatches"]) == (res.num_stages, res.decision.num_microbatches)
     # the chosen candidate is the best feasible one (or the fastest if none is feasible).
-    pool = [c for c in res.candidates if c["feasible"]] or list(res.candidates)
+    pool = [c for c in candidate_dicts(res) if c["feasible"]] or list(candidate_dicts(res))
     assert _units(res.objective) == min(_units(c["step_time_s"]) for c in pool)
 
 
@@ -184,7 +184,7 @@ def test_homogeneous_all_by_hand():
     costs, devices = _hand()
     options = solver_options(global_batch_size=8, max_stages=2, num_microbatches=(2,))  # b = 4
     res = homogeneous_all(costs, devices, options)
-    steps = {c["num_stages"]: _units(c["step_time_s"]) for c in res.candidates}
+    steps = {c["num_stages"]: _units(c["step_time_s"]) for c in candidate_dicts(res)}
     # p = 2, d = 2: stages ((0, 4), (4, 8)) on GPUs (0, 1) | (2, 3), 2 samples each.
     t0 = 2 * 4e-3 + 2 * (4 * 1e6 / 10e9 + 2e-5)  # A: 2 x 4 ms + boundary across nodes (4 MB, b = 4)
     t1 = 2 * 4 * 3e-3
@@ -213,7 +213,7 @@ def test_homogeneous_all_by_hand():
     assert steps[1] == pytest.approx(_units(one), abs=LAST_RTOL * _units(last))
     assert res.decision.stage_blocks == ((0, 8),) and res.decision.stage_gpus == ((0, 1, 2, 3),)
     assert res.decision.samples_per_microbatch == ((1, 1, 1, 1),) and res.status == "BASELINE"
-    (two,) = [c for c in res.candidates if c["num_stages"] == 2]
+    (two,) = [c for c in candidate_dicts(res) if c["num_stages"] == 2]
     assert two["feasible"] and not two["chosen"]
     # the uniform split: the first B mod p stages get one block more.
     assert uniform_blocks(8, 3) == ((0, 3), (3, 6), (6, 8)) and uniform_blocks(8, 2) == ((0, 4), (4, 8))
@@ -229,7 +229,7 @@ def test_homogeneous_equal_shares_and_skip_indivisible():
     assert len({j - i for i, j in res.decision.stage_blocks}) == 1  # 16 blocks split evenly
     assert res.decision.stage_gpus == tuple(tuple(range(s * d, (s + 1) * d)) for s in range(res.num_stages))
     # M = 3 gives b = 8 (p = 1, 2, 4 all fit); b = 24 / 4 = 6 is not divisible by d = 4 or 8.
-    tried = {(c["num_stages"], c["num_microbatches"]) for c in res.candidates}
+    tried = {(c["num_stages"], c["num_microbatches"]) for c in candidate_dicts(res)}
     assert (1, 4) not in tried and (2, 4) not in tried and (4, 4) in tried and (1, 3) in tried
     with pytest.raises(InfeasiblePlanError, match="homogeneous_all: no candidate"):
         homogeneous_all(costs, devices, solver_options(global_batch_size=1, max_stages=4))
@@ -253,7 +253,7 @@ def test_homogeneous_best_by_hand():
     strict = homogeneous_best(costs, devices, solver_options(global_batch_size=8, max_stages=2,
                                                             num_microbatches=(2,), allow_idle_gpus=False))
     assert strict.status == "BASELINE_INFEASIBLE"
-    assert any("idle" in v for c in strict.candidates if c["chosen"] for v in c["violations"])
+    assert any("idle" in v for c in candidate_dicts(strict) if c["chosen"] for v in c["violations"])
 
 
 def test_cephalo_by_hand():
@@ -287,7 +287,7 @@ def test_cephalo_reports_replicated_state_infeasible():
     res = cephalo(big, devices, solver_options(global_batch_size=8))
     assert res.status == "BASELINE_INFEASIBLE" and not _eval(big, devices, solver_options(global_batch_size=8),
                                                              res).feasible
-    (chosen,) = [c for c in res.candidates if c["chosen"]]
+    (chosen,) = [c for c in candidate_dicts(res) if c["chosen"]]
     assert not chosen["feasible"] and len(chosen["violations"]) == 4  # every GPU over its memory
 
 
@@ -398,7 +398,7 @@ def test_cpsat_never_worse_than_baselines(seed):
     lie outside the solver's space and are not compared."""
     costs, devices, options = _random(seed)
     best = solve_cpsat(costs, devices, options)
-    assert best.status == "OPTIMAL", best.candidates
+    assert best.status == "OPTIMAL", candidate_dicts(best)
     compared = 0
     for name, fn in BASELINES.items():
         res = fn(costs, devices, options)
@@ -561,7 +561,7 @@ def test_selector_keeps_the_best_memory_variant():
     sel.add(blocks, gpus, samples, m, policy=fill_policy(tab, blocks, gpus, samples, (True, True), (False, False)))
     res = sel.result()
     assert res.status == "BASELINE_INFEASIBLE" and res.decision.sharded == (True, True)
-    (chosen,) = res.candidates
+    (chosen,) = candidate_dicts(res)
     assert chosen["violations"] == [f"stage {s} is sharded but sharding='never'" for s in (0, 1)]
 
 
@@ -646,7 +646,7 @@ def test_cpsat_never_worse_than_baselines_with_memory_techniques(seed):
     costs, devices, options = _random(seed)
     options = dataclasses.replace(options, sharding="auto", recompute="auto")
     best = solve_cpsat(costs, devices, options)
-    assert best.status == "OPTIMAL", best.candidates
+    assert best.status == "OPTIMAL", candidate_dicts(best)
     for name, fn in BASELINES.items():
         res = fn(costs, devices, options)
         ev = _eval(costs, devices, options, res)

@@ -12,7 +12,8 @@ from zorse_fx.solve import BlockCosts, Decision, evaluate, solve_cpsat
 from zorse_fx.solve.grouped import gpu_classes, solve_grouped
 from zorse_fx.solve.objective import UNITS_PER_S, build_tables
 
-from conftest import make_devices, random_costs, random_instance, reference_or_same_error, solver_options
+from conftest import (candidate_dicts, make_devices, random_costs, random_instance, reference_or_same_error,
+                      solver_options)
 
 GIB = 1 << 30
 
@@ -22,7 +23,7 @@ def _eval(costs, devices, options, res):
 
 
 def _check_candidates(res):
-    for c in res.candidates:
+    for c in candidate_dicts(res):
         assert c["status"] in ("OPTIMAL", "INFEASIBLE"), c
 
 
@@ -39,7 +40,7 @@ def test_singleton_classes_match_cpsat(seed):
     ev = _eval(costs, devices, options, res)
     assert ev.feasible
     assert ev.objective_units == round(res.objective * UNITS_PER_S) == round(ref.objective * UNITS_PER_S)
-    for a, b in zip(res.candidates, ref.candidates):
+    for a, b in zip(candidate_dicts(res), candidate_dicts(ref)):
         assert (a["step_time_s"] is None) == (b["step_time_s"] is None)
         if a["step_time_s"] is not None:
             assert round(a["step_time_s"] * UNITS_PER_S) == round(b["step_time_s"] * UNITS_PER_S)
@@ -135,9 +136,9 @@ def test_node_aggregation_is_restriction(seed):
     options = solver_options(global_batch_size=rng.choice([4, 8, 12]), max_stages=3, num_microbatches=(1, 2),
                             seed=seed)
     agg = solve_grouped(costs, devices, options, aggregate_nodes=True)
-    assert {c["num_groups"] for c in agg.candidates} == {2}
+    assert {c["num_groups"] for c in candidate_dicts(agg)} == {2}
     cls = solve_grouped(costs, devices, options, aggregate_nodes=False)
-    assert {c["num_groups"] for c in cls.candidates} == {4}
+    assert {c["num_groups"] for c in candidate_dicts(cls)} == {4}
     assert agg.status == cls.status == "OPTIMAL"
     for res in (agg, cls):
         ev = _eval(costs, devices, options, res)
@@ -156,7 +157,7 @@ def test_identical_nodes_are_aggregated_at_scale():
     options = solver_options(global_batch_size=256, max_stages=3, num_microbatches=(8,),
                             solver_budget=1.0, seed=0)
     res = solve_grouped(costs, devices, options)
-    assert {c["num_groups"] for c in res.candidates} == {4}
+    assert {c["num_groups"] for c in candidate_dicts(res)} == {4}
     ev = _eval(costs, devices, options, res)
     assert ev.feasible and ev.objective_units == round(res.objective * UNITS_PER_S)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from conftest import make_devices, random_costs, solver_options
+from conftest import candidate_dicts, make_devices, random_costs, solver_options
 
 from zorse_fx.errors import InfeasiblePlanError
 from zorse_fx.ir.costs import BlockCosts
@@ -74,7 +74,7 @@ def test_interleaving_chosen_where_the_bubble_dominates():
     ev = evaluate_result(costs, devices, options, res)
     assert ev.feasible and ev.step_time_s == res.predicted_step_time_s
     assert 0.0 <= res.optimality_gap <= 1.0 and res.best_bound <= res.predicted_step_time_s
-    assert any("interleave_search" in c for c in res.candidates)
+    assert any("interleave_search" in c for c in candidate_dicts(res))
 
 
 def test_no_interleaving_when_messages_cost_more_than_the_bubble():
@@ -85,7 +85,7 @@ def test_no_interleaving_when_messages_cost_more_than_the_bubble():
     base = solve_stage_dp(costs, devices, options)
     res = with_interleaving(costs, devices, options, base)
     assert res.decision.interleave == 1 and res.predicted_step_time_s == base.predicted_step_time_s
-    tried = [c["interleave_search"] for c in res.candidates if "interleave_search" in c]
+    tried = [c["interleave_search"] for c in candidate_dicts(res) if "interleave_search" in c]
     assert tried and all(t["step_time_s"] > base.predicted_step_time_s for t in tried if t["feasible"])
 
 
@@ -140,7 +140,7 @@ def test_interleave_search_results_fit_and_match_the_objective(seed):
     if found is not None:
         ev = evaluate_result(costs, devices, options, found)
         assert ev.feasible and ev.step_time_s == found.predicted_step_time_s
-        assert found.predicted_step_time_s == min(t["step_time_s"] for t in tried if t["feasible"])
+        assert found.predicted_step_time_s == min(t.step_time_s for t in tried if t.feasible)
         for s in range(found.num_stages):
             assert found.decision.stage_gpus[s] == found.decision.stage_gpus[s % found.decision.num_groups]
 

@@ -7,7 +7,7 @@ import faulthandler
 import os
 
 import pytest
-from conftest import random_instance, solver_options
+from conftest import candidate_dicts, random_instance, solver_options
 
 from zorse_fx.errors import InfeasiblePlanError
 from zorse_fx.solve import _search
@@ -70,8 +70,8 @@ def test_a_crashing_solve_is_retried_and_the_plan_is_the_same(monkeypatch, tmp_p
     assert res.predicted_step_time_s == pytest.approx(clean.predicted_step_time_s, abs=1e-9)
     got, want = res.decision, clean.decision
     assert (got.num_stages, got.num_microbatches, res.status) == (want.num_stages, want.num_microbatches, clean.status)
-    solved = [c for c in res.candidates if "num_stages" in c]
-    assert len(solved) == len([c for c in clean.candidates if "num_stages" in c])
+    solved = [c for c in candidate_dicts(res) if "num_stages" in c]
+    assert len(solved) == len([c for c in candidate_dicts(clean) if "num_stages" in c])
     crashes = {(c["num_stages"], c["num_microbatches"]): c.get("crashes", []) for c in solved}
     assert all(len(v) == 1 and "SIGABRT" in v[0] for v in crashes.values()), crashes
 
@@ -90,7 +90,7 @@ def test_a_candidate_that_always_crashes_is_recorded_and_skipped(monkeypatch):
 
     monkeypatch.setattr(_search, "_solve", abort_two_stages)
     res = solve_cpsat(costs, devices, opts)
-    crashed = [c for c in res.candidates if c.get("status") == "CRASHED"]
+    crashed = [c for c in candidate_dicts(res) if c.get("status") == "CRASHED"]
     assert crashed and all(c["num_stages"] == 2 and len(c["crashes"]) >= 2 for c in crashed)
     assert res.num_stages == 1 and res.status == "FEASIBLE"
 
@@ -110,7 +110,7 @@ def test_hinted_candidates_complete_their_hint_in_the_solve_child():
 
     costs, devices, opts = random_instance(2)
     res = solve_portfolio(costs, devices, opts, solve_cpsat)
-    hinted = [c for c in res.candidates if c.get("hint")]
+    hinted = [c for c in candidate_dicts(res) if c.get("hint")]
     assert hinted and all(c["hint_completed"] is True for c in hinted)
     assert res.predicted_step_time_s == pytest.approx(solve_cpsat(costs, devices, opts).predicted_step_time_s,
                                                       abs=1e-9)

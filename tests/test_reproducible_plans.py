@@ -10,7 +10,7 @@ import sys
 import warnings
 
 import pytest
-from conftest import random_instance, solver_options
+from conftest import candidate_dicts, random_instance, solver_options
 from test_grouped import _big_instance
 
 from zorse_fx.errors import InfeasiblePlanError, PlanOptionsError
@@ -42,7 +42,7 @@ def _fingerprint(res) -> dict:
     """Everything a SolverResult decides and reports, except its wall times."""
     return dict(decision=res.decision, status=res.status,
                 objective=res.objective, best_bound=res.best_bound, step=res.predicted_step_time_s,
-                wall_clock_stops=res.wall_clock_stops, candidates=_without_wall_times(res.candidates))
+                wall_clock_stops=res.wall_clock_stops, candidates=_without_wall_times(candidate_dicts(res)))
 
 
 def _solve_budget_bound():
@@ -98,7 +98,7 @@ def test_the_wall_clock_safety_stop_is_reported_and_warned_about():
             assert "wall-clock safety stop time_limit_s=0.2" in str(exc)
             return
     assert res.status.endswith(SAFETY_STOP) and res.wall_clock_stops >= 1
-    stopped = [c for c in res.candidates if c.get("wall_clock_stop")]
+    stopped = [c for c in candidate_dicts(res) if c.get("wall_clock_stop")]
     assert len(stopped) == res.wall_clock_stops
     assert all(c["solver_budget_used"] < 1e6 for c in stopped)
 
@@ -145,7 +145,7 @@ def test_a_budget_limited_candidate_whose_bound_exceeds_the_plan_leaves_it_optim
 
     costs, devices, options = random_instance(83)  # re-picked (seed, budget) when the model changes
     res = solve_cpsat(costs, devices, dataclasses.replace(options, solver_budget=0.015))
-    unproven = [c for c in res.candidates if c["status"] in ("FEASIBLE", "UNKNOWN")]
+    unproven = [c for c in candidate_dicts(res) if c["status"] in ("FEASIBLE", "UNKNOWN")]
     assert unproven, "precondition: a candidate stopped by its budget (pick another seed if the model changed)"
     assert all(c["best_bound_s"] >= res.predicted_step_time_s for c in unproven)
     assert res.status == "OPTIMAL" and res.optimality_gap == 0.0

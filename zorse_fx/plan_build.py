@@ -102,7 +102,7 @@ def build_plan(
             time_limit_s=options.time_limit_s,
             solver_budget=options.solver_budget,
             wall_clock_stops=result.wall_clock_stops,
-            candidates=tuple(result.candidates),
+            candidates=tuple(c.to_dict() for c in result.candidates),
             **({} if check is None else dict(
                 simulated_step_time_s=check.simulated_step_time_s,
                 simulated_max_memory_fraction=check.max_memory_fraction,

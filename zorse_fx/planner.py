@@ -78,7 +78,7 @@ def plan_captured(
         from .errors import InfeasiblePlanError
 
         raise InfeasiblePlanError(f"planner 'stage_dp': its best plan does not fit: "
-                                  f"{next(c['violations'] for c in result.candidates if c.get('chosen'))}")
+                                  f"{list(next(c.violations for c in result.candidates if c.chosen))}")
     say(f"solved: {result.num_stages} stages, {result.decision.num_microbatches} micro-batches, "
         f"status {result.status}, gap {result.optimality_gap:.2%}, {result.wall_s:.2f} s")
     if result.wall_clock_stops:  # [Note: reproducible plans]

@@ -25,7 +25,7 @@ import time
 from .errors import InfeasiblePlanError
 from .ir.costs import BlockCosts
 from .ir.devices import DeviceGraph
-from .ir.result import SolverResult, with_safety_stop
+from .ir.result import Candidate, SolverResult, with_safety_stop
 from .options import PlanOptions
 
 __all__ = ["solve_portfolio", "LARGE_CLUSTER_GPUS", "CHEAP_BASELINES"]
@@ -71,7 +71,7 @@ def solve_portfolio(costs: BlockCosts, devices: DeviceGraph, options: PlanOption
         except (InfeasiblePlanError, ValueError):
             continue
         ev = evaluate_result(costs, devices, options, res)
-        tried.append({"source": name, "step_time_s": ev.step_time_s, "feasible": ev.feasible})
+        tried.append(Candidate(kind="portfolio", source=name, step_time_s=ev.step_time_s, feasible=ev.feasible))
         if ev.feasible:
             found.append((ev.step_time_s, name, res))
     # By step time, ties in the fixed order of ``sources`` (a stable sort): never by wall time.
@@ -103,4 +103,4 @@ def solve_portfolio(costs: BlockCosts, devices: DeviceGraph, options: PlanOption
         raise error
     best = with_interleaving(costs, devices, options, best)
     return dataclasses.replace(best, wall_s=time.perf_counter() - t0,
-                               candidates=tuple(best.candidates) + tuple({"portfolio": t} for t in tried))
+                               candidates=tuple(best.candidates) + tuple(tried))

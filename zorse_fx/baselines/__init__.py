@@ -6,7 +6,7 @@ and returns ONE decision (stages, GPUs per stage, samples per GPU, micro-batch
 count) scored by ``zorse_fx.solve.evaluate``, the same step-time and memory
 model the CP-SAT planner minimises; ``status`` is "BASELINE", or
 "BASELINE_INFEASIBLE" when even the method's best candidate breaks memory (its
-``candidates`` entry with ``"chosen": True`` lists the violations). See
+``Candidate`` with ``chosen`` set lists the violations). See
 ``solve/heuristics.py`` [Note: how a baseline picks among its candidates]. Each gets the
 memory techniques ``PlanOptions.sharding`` / ``recompute`` allow (ZeRO-1
 optimizer-state sharding, stage recomputation), uniformly over its stages;

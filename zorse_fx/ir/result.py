@@ -11,7 +11,7 @@ from .decision import Decision
 if TYPE_CHECKING:
     from ..options import PlanOptions
 
-__all__ = ["SolverResult", "SAFETY_STOP", "with_safety_stop"]
+__all__ = ["SolverResult", "Candidate", "SAFETY_STOP", "with_safety_stop"]
 
 #: Appended to a result's status when the wall-clock safety stop cut a CP-SAT
 #: solve short ([Note: reproducible plans] in ``solve/_search.py``).
@@ -23,6 +23,104 @@ def with_safety_stop(status: str, wall_clock_stops: int) -> str:
     ``wall_clock_stops`` > 0 (so "+INTERLEAVED" and the portfolio's names go before it)."""
     base = status.replace(SAFETY_STOP, "")
     return base + SAFETY_STOP if wall_clock_stops else base
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Candidate:
+    """One thing a planner tried and how it came out; plan.json's
+    ``solver.candidates`` lists them (``to_dict``).
+
+    ``kind``:
+
+    * ``"solve"``: one (S stages, M micro-batches) CP-SAT model (per GPU, or
+      over ``num_groups`` GPU classes), with its ``status`` (OPTIMAL,
+      FEASIBLE, INFEASIBLE, UNKNOWN, CRASHED), step time and lower bound
+      (seconds; None where it found none), the heuristic ``hint`` that
+      warm-started it and what the solve cost;
+    * ``"brute_force"``: one (S, M) of the exhaustive oracle;
+    * ``"heuristic"``: a baseline's (``method``) or the stage DP's best plan
+      for one (S, M), ``feasible`` or with its ``violations``, ``chosen`` on
+      the one the method returned, and its memory policy per stage;
+    * ``"interleave"``: one (interleave degree, M, recompute everywhere?) the
+      interleave pass scored;
+    * ``"portfolio"``: one heuristic (``source``) the portfolio ran before
+      CP-SAT, its step time and feasibility.
+    """
+
+    kind: str
+    num_stages: int | None = None
+    num_microbatches: int | None = None
+    status: str | None = None
+    #: Seconds; None: no plan for this candidate.
+    step_time_s: float | None = None
+    best_bound_s: float | None = None
+    wall_s: float = 0.0
+    #: "solve": GPU classes of a class-level model (None: one per GPU).
+    num_groups: int | None = None
+    #: "solve": the status of the heuristic plan that warm-started it, and
+    #: whether CP-SAT completed that hint to a solution.
+    hint: str | None = None
+    hint_completed: bool | None = None
+    presolve_retry: bool = False
+    crashes: int = 0
+    #: "solve": CP-SAT deterministic seconds used.
+    solver_budget_used: float | None = None
+    wall_clock_stop: bool = False
+    #: "heuristic"
+    method: str | None = None
+    feasible: bool | None = None
+    violations: tuple[str, ...] = ()
+    chosen: bool = False
+    stage_sharded: tuple[bool, ...] = ()
+    state_shard_bytes: tuple[tuple[int, ...], ...] = ()
+    stage_recompute: tuple[bool, ...] = ()
+    #: "interleave"
+    interleave: int | None = None
+    recompute_all: bool | None = None
+    #: "portfolio"
+    source: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in CANDIDATE_KINDS:
+            raise ValueError(f"Candidate.kind={self.kind!r}: use one of {', '.join(map(repr, CANDIDATE_KINDS))}")
+
+    def to_dict(self) -> dict:
+        """The JSON record plan.json writes for this candidate (its kind's keys)."""
+        if self.kind == "interleave":
+            return {"interleave_search": {"interleave": self.interleave, "num_microbatches": self.num_microbatches,
+                                          "recompute_all": self.recompute_all, "step_time_s": self.step_time_s,
+                                          "feasible": self.feasible}}
+        if self.kind == "portfolio":
+            return {"portfolio": {"source": self.source, "step_time_s": self.step_time_s, "feasible": self.feasible}}
+        out = {"num_stages": self.num_stages, "num_microbatches": self.num_microbatches}
+        if self.kind == "heuristic":
+            return {**out, "method": self.method, "status": self.status, "step_time_s": self.step_time_s,
+                    "feasible": self.feasible, "violations": list(self.violations), "chosen": self.chosen,
+                    "stage_sharded": list(self.stage_sharded),
+                    "state_shard_bytes": [list(row) for row in self.state_shard_bytes],
+                    "stage_recompute": list(self.stage_recompute)}
+        if self.kind == "brute_force":
+            return {**out, "status": self.status, "step_time_s": self.step_time_s, "wall_s": self.wall_s}
+        out.update(status=self.status, step_time_s=self.step_time_s, best_bound_s=self.best_bound_s,
+                   wall_s=self.wall_s)
+        if self.num_groups is not None:
+            out["num_groups"] = self.num_groups
+        if self.hint is not None:
+            out["hint"] = self.hint
+            out["hint_completed"] = self.hint_completed
+        if self.presolve_retry:
+            out["presolve_retry"] = True
+        if self.crashes:
+            out["crashes"] = self.crashes
+        if self.solver_budget_used is not None:
+            out["solver_budget_used"] = self.solver_budget_used
+        if self.wall_clock_stop:
+            out["wall_clock_stop"] = True
+        return out
+
+
+#: ``Candidate.kind`` values.
+CANDIDATE_KINDS = ("solve", "brute_force", "heuristic", "interleave", "portfolio")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -54,8 +152,8 @@ class SolverResult:
     #: differ on another run or machine, and ``status`` ends in
     #: " (wall-clock safety stop)".
     wall_clock_stops: int = 0
-    #: Every (num_stages, num_microbatches) candidate tried and its result.
-    candidates: tuple[dict, ...] = field(default_factory=tuple)
+    #: Everything the planner tried and its result, in the order it was tried.
+    candidates: tuple[Candidate, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
         if not isinstance(self.decision, Decision) or self.decision.shard_mib is None:
@@ -64,7 +162,7 @@ class SolverResult:
 
     @classmethod
     def from_evaluation(cls, ev, *, options: "PlanOptions", status: str, best_bound: float, wall_s: float = 0.0,
-                        candidates: tuple[dict, ...] = ()) -> "SolverResult":
+                        candidates: tuple[Candidate, ...] = ()) -> "SolverResult":
         """The record of a decision scored by ``objective.evaluate`` (``ev``, an
         ``Evaluation``): the decision as scored (``ev.decision``, shards
         included), predictions from ``ev``, objective = its step time (s),

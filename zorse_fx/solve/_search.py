@@ -91,7 +91,7 @@ from ortools.sat.python import cp_model
 from ..errors import InfeasiblePlanError
 from ..ir.costs import BlockCosts
 from ..ir.devices import DeviceGraph
-from ..ir.result import SolverResult, with_safety_stop
+from ..ir.result import Candidate, SolverResult, with_safety_stop
 from ..options import PlanOptions
 from .bounds import explain_infeasible, throughput_lower_bound
 from .objective import UNIT_S, evaluate
@@ -335,30 +335,26 @@ class CandidateSearch:
                 crashes.append(str(exc))
         return None, crashes
 
-    def solve(self, model, num_stages: int, num_microbatches: int, **record) -> None:
-        """Solve one candidate model and record it (``record``: extra fields for its entry)."""
+    def solve(self, model, num_stages: int, num_microbatches: int, *, hint: str | None = None,
+              num_groups: int | None = None) -> None:
+        """Solve one candidate model and record it as a ``Candidate`` (``hint``: the status of
+        the heuristic plan that warm-started it; ``num_groups``: GPU classes of a class-level model)."""
         t1 = time.perf_counter()
         opts, m = self.options, num_microbatches
         ans, attempts = self._solve_robustly(model, presolve=True)
-        if record.get("hint"):
-            record["hint_completed"] = bool(ans is not None and ans.hint_completed)
+        hint_completed = bool(ans is not None and ans.hint_completed) if hint else None
         code = ans.code if ans is not None else None
         retried = False
-        if code == cp_model.INFEASIBLE and record.get("hint"):  # [Note: presolve bug]
+        if code == cp_model.INFEASIBLE and hint:  # [Note: presolve bug]
             ans, more = self._solve_robustly(model, presolve=False)
             attempts += more
             code, retried = (ans.code if ans is not None else None), True
-        rec = {"num_stages": num_stages, "num_microbatches": m,
-               "status": ans.status if ans is not None else "CRASHED",
-               "step_time_s": None, "best_bound_s": None, "wall_s": 0.0, **record}
-        if retried:
-            rec["presolve_retry"] = True
-        if attempts:
-            rec["crashes"] = attempts
-        if ans is not None:
-            rec["solver_budget_used"] = round(ans.budget_used, 6)
-        if ans is not None and ans.wall_clock_stop:
-            rec["wall_clock_stop"] = True
+        rec = dict(kind="solve", num_stages=num_stages, num_microbatches=m,
+                   status=ans.status if ans is not None else "CRASHED", num_groups=num_groups, hint=hint,
+                   hint_completed=hint_completed, presolve_retry=retried, crashes=attempts,
+                   solver_budget_used=round(ans.budget_used, 6) if ans is not None else None,
+                   wall_clock_stop=bool(ans is not None and ans.wall_clock_stop))
+        if rec["wall_clock_stop"]:
             self.wall_clock_stops += 1
         if code in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             obj = ans.objective
@@ -385,7 +381,7 @@ class CandidateSearch:
             self.bounds.append(max(int(lb) if math.isfinite(lb) else 0, self._throughput_bound(model, m)))
             rec["best_bound_s"] = self.bounds[-1] * UNIT_S
         rec["wall_s"] = time.perf_counter() - t1
-        self.cands.append(rec)
+        self.cands.append(Candidate(**rec))
 
     def result(self) -> SolverResult:
         """The best candidate; raises InfeasiblePlanError naming the binding constraint."""

@@ -15,7 +15,7 @@ import time
 from ..errors import InfeasiblePlanError
 from ..ir.costs import BlockCosts
 from ..ir.devices import DeviceGraph
-from ..ir.result import SolverResult
+from ..ir.result import Candidate, SolverResult
 from ..options import PlanOptions
 from .bounds import explain_infeasible
 from .objective import (
@@ -91,10 +91,10 @@ def solve_brute_force(costs: BlockCosts, devices: DeviceGraph, options: PlanOpti
                                     continue
                                 if cand_best is None or u.step < cand_best[0]:
                                     cand_best = (u.step, blocks, stage_gpus, samples, pol)
-            cands.append({"num_stages": n_s, "num_microbatches": m,
-                          "status": "INFEASIBLE" if cand_best is None else "BRUTE_FORCE",
-                          "step_time_s": None if cand_best is None else cand_best[0] * UNIT_S,
-                          "wall_s": time.perf_counter() - t1})
+            cands.append(Candidate(kind="brute_force", num_stages=n_s, num_microbatches=m,
+                                   status="INFEASIBLE" if cand_best is None else "BRUTE_FORCE",
+                                   step_time_s=None if cand_best is None else cand_best[0] * UNIT_S,
+                                   wall_s=time.perf_counter() - t1))
             if cand_best is not None and (best is None or cand_best[0] < best[0][0]):
                 best = (cand_best, m)
     if best is None:

@@ -12,7 +12,7 @@ those ``evaluate`` accepts (memory fits, no idle GPU when idling is not
 allowed, at most ``max_stages`` stages); ties: fewer stages, then fewer
 micro-batches (as the solver). If no candidate is accepted, the fastest
 candidate is returned anyway with status "BASELINE_INFEASIBLE" and its
-violations in the ``candidates`` entry marked ``"chosen": True``, so a
+violations in the ``candidates`` entry with ``chosen`` set, so a
 benchmark can report the method as infeasible instead of dropping it.
 
 [Note: memory techniques of the baselines]
@@ -45,7 +45,7 @@ from collections import Counter
 from ..errors import InfeasiblePlanError
 from ..ir.costs import BlockCosts
 from ..ir.devices import DeviceGraph
-from ..ir.result import SolverResult
+from ..ir.result import Candidate, SolverResult
 from ..options import PlanOptions
 from ..solve.objective import (
     MIB_UNITS,
@@ -258,13 +258,13 @@ class Selector:
             (bad, step), (blocks, gpus, samples, m), pol = self._best[k]
             ev = evaluate(self.costs, self.devices, self.options, policy_decision(blocks, gpus, samples, m, pol))
             assert ev.objective_units == step and ev.feasible == (not bad), (ev, step, bad)
-            cands.append({"num_stages": k[0], "num_microbatches": k[1], "method": self.name,
-                          "status": "BASELINE" if ev.feasible else "BASELINE_INFEASIBLE",
-                          "step_time_s": step * UNIT_S, "feasible": ev.feasible,
-                          "violations": list(ev.violations), "chosen": k == s_m,
-                          "stage_sharded": list(ev.decision.sharded),
-                          "state_shard_bytes": [list(row) for row in ev.decision.shard_bytes()],
-                          "stage_recompute": list(ev.decision.recompute)})
+            cands.append(Candidate(kind="heuristic", num_stages=k[0], num_microbatches=k[1], method=self.name,
+                                   status="BASELINE" if ev.feasible else "BASELINE_INFEASIBLE",
+                                   step_time_s=step * UNIT_S, feasible=ev.feasible,
+                                   violations=tuple(ev.violations), chosen=k == s_m,
+                                   stage_sharded=tuple(ev.decision.sharded),
+                                   state_shard_bytes=tuple(tuple(row) for row in ev.decision.shard_bytes()),
+                                   stage_recompute=tuple(ev.decision.recompute)))
             if k == s_m:
                 chosen = ev
         return self._record(chosen, tuple(cands))

@@ -40,7 +40,7 @@ import time
 from ..ir.costs import BlockCosts
 from ..ir.decision import Decision
 from ..ir.devices import DeviceGraph
-from ..ir.result import SolverResult, with_safety_stop
+from ..ir.result import Candidate, SolverResult, with_safety_stop
 from ..options import PlanOptions
 from .objective import (
     UNIT_S,
@@ -170,9 +170,9 @@ def _local_search(tab, cuts, stage_gpus, samples, sharded, recompute, v):
 
 
 def interleave_search(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions,
-                      base: SolverResult) -> tuple[SolverResult | None, tuple[dict, ...]]:
+                      base: SolverResult) -> tuple[SolverResult | None, tuple[Candidate, ...]]:
     """The fastest feasible interleaved version of ``base``'s GPU groups (see
-    [Note: interleave search]) and a record per (v, M, policy) tried. The
+    [Note: interleave search]) and a ``Candidate`` per (v, M, policy) tried. The
     result is None when nothing was tried or nothing fits; it is returned even
     when slower than ``base`` (``with_interleaving`` compares)."""
     d = base.decision
@@ -205,8 +205,8 @@ def interleave_search(costs: BlockCosts, devices: DeviceGraph, options: PlanOpti
                 if cuts is None:
                     continue
                 key, cuts = _local_search(tab, cuts, stage_gpus, samples, sharded * v, rc * v, v)
-                tried.append({"interleave": v, "num_microbatches": m, "recompute_all": all(rc),
-                              "step_time_s": key[1] * UNIT_S, "feasible": key[0] == 0})
+                tried.append(Candidate(kind="interleave", interleave=v, num_microbatches=m, recompute_all=all(rc),
+                                       step_time_s=key[1] * UNIT_S, feasible=key[0] == 0))
                 if key[0] == 0 and (best is None or key[1] < best[0]):
                     best = (key[1], m, v, cuts, stage_gpus, samples, sharded * v, rc * v)
     if best is None:
@@ -250,7 +250,7 @@ def with_interleaving(costs: BlockCosts, devices: DeviceGraph, options: PlanOpti
 
     The interleaved result's status is ``<base status>+INTERLEAVED`` and its
     bound the smaller of ``base``'s and the throughput bound (see the note);
-    every try is appended to ``candidates`` as ``{"interleave_search": {...}}``.
+    every try is appended to ``candidates`` (a ``Candidate`` of kind "interleave").
     When nothing could be tried (``max_interleave`` 1, "gpipe", one stage)
     ``base`` itself is returned."""
     from .bounds import throughput_bound_s
@@ -259,7 +259,7 @@ def with_interleaving(costs: BlockCosts, devices: DeviceGraph, options: PlanOpti
     res, tried = interleave_search(costs, devices, options, base)
     if not tried:  # interleaving off, or nothing it could try: ``base`` itself
         return base
-    records = tuple({"interleave_search": t} for t in tried)
+    records = tuple(tried)
     if res is None or res.predicted_step_time_s >= min(base.predicted_step_time_s,
                                                        base_makespan_s(costs, devices, options, base)):
         return dataclasses.replace(base, candidates=tuple(base.candidates) + records,

@@ -336,6 +336,7 @@ def stage_dp_search(costs: BlockCosts, devices: DeviceGraph,
         f"(now {options.sharding!r} / {options.recompute!r}), more stages (max_stages) or more "
         f"micro-batches (max_microbatches)")
     ok = res.status == "BASELINE"
-    cands = tuple({**c, "status": "STAGE_DP" if c["feasible"] else "STAGE_DP_INFEASIBLE"} for c in res.candidates)
+    cands = tuple(dataclasses.replace(c, status="STAGE_DP" if c.feasible else "STAGE_DP_INFEASIBLE")
+                  for c in res.candidates)
     hints = tuple(dataclasses.replace(h, status="STAGE_DP") for h in sel.feasible_per_candidate())
     return dataclasses.replace(res, status="STAGE_DP" if ok else "STAGE_DP_INFEASIBLE", candidates=cands), hints
