@@ -295,5 +295,5 @@ def test_presolve_bug_does_not_hide_a_feasible_candidate():
     search = CandidateSearch(costs, devices, options, label="grouped")
     search.solve(model, 7, 64, hint=hint.status)
     rec = search.cands[-1]
-    assert rec["status"] in ("FEASIBLE", "OPTIMAL"), rec
-    assert rec["step_time_s"] <= hint.predicted_step_time_s + 1e-9
+    assert rec.status in ("FEASIBLE", "OPTIMAL"), rec
+    assert rec.step_time_s <= hint.predicted_step_time_s + 1e-9
