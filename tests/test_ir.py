@@ -64,3 +64,19 @@ def test_layers_contract_kept_and_a_backward_import_named(tmp_path):
     assert bad.returncode != 0
     assert "zorse_fx phases import downwards only BROKEN" in bad.stdout
     assert "zorse_fx.ir.decision -> zorse_fx.solve" in bad.stdout, bad.stdout[-3000:]
+
+
+def test_cli_demo_and_bench_use_only_public_names():
+    """The CLI, the demo and the benchmarks reach zorse_fx through public names only
+    (no ``_name``, no module whose path has a ``_`` part), so a move inside the
+    package does not break them."""
+    import ast
+
+    files = [ROOT / "zorse_fx" / "cli.py", ROOT / "examples" / "demo.py", *sorted((ROOT / "bench").glob("*.py"))]
+    private = []
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("zorse_fx"):
+                private += [f"{path.name}: from {node.module} import {a.name}" for a in node.names
+                            if a.name.startswith("_") or any(p.startswith("_") for p in node.module.split("."))]
+    assert not private, private

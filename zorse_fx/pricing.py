@@ -64,6 +64,7 @@ class PricedModel:
     #: The two micro-batch sizes the measured times were fitted at (per-sample
     #: slope and fixed part); None when no GPU type has a profile.
     profile_batches: tuple[int, int] | None
+    #: The cluster and the options it was priced for.
     cluster: Cluster
     options: PlanOptions
 
@@ -117,6 +118,7 @@ def price(captured: CapturedModel, cluster: Cluster, options: PlanOptions, *,
     the measured GPU profiles (``cost/measured.py``); without any profile for
     the cluster's types, by the per-class model alone (``cost/roofline.py``).
     ``progress`` receives one line per decision taken (precision, cost model).
+    Times in the returned ``costs`` are seconds, memory bytes (see ``BlockCosts``).
 
     Raises:
         PlanOptionsError: the precision does not fit the cluster (see
@@ -137,7 +139,7 @@ def price(captured: CapturedModel, cluster: Cluster, options: PlanOptions, *,
     bg = cast
     specs = {g.type: g.spec for g in cluster.gpus}
     costs = block_costs(bg, specs, precision=policy, activations=acts)
-    profiles = ProfileSet.load(options.profiles) if options.profiles != () else ProfileSet([])
+    profiles = _profiles(options)
     sources: dict[str, dict[str, float]] = {t: {CLASS_MODEL: 1.0} for t in specs}
     batches = None
     if not any(t in profiles for t in specs):
@@ -163,9 +165,19 @@ def price(captured: CapturedModel, cluster: Cluster, options: PlanOptions, *,
 
 def device_graph(cluster: Cluster, options: PlanOptions) -> DeviceGraph:
     """The cluster's device graph under ``options`` (``PricedModel.devices``
-    without pricing a model)."""
-    profiles = ProfileSet.load(options.profiles) if options.profiles != () else ProfileSet([])
-    return _device_graph(cluster, resolve_precision(options, cluster)[0], profiles)
+    without pricing a model): G GPUs, memory in bytes, bandwidths in bytes/s,
+    latencies in seconds; a GPU type whose measured profile timed the
+    optimizer step gets the memory bandwidth at which [C-optim] takes that time.
+
+    Raises:
+        PlanOptionsError: the precision does not fit the cluster (``resolve_precision``).
+    """
+    return _device_graph(cluster, resolve_precision(options, cluster)[0], _profiles(options))
+
+
+def _profiles(options: PlanOptions) -> ProfileSet:
+    """The measured kernel profiles ``options.profiles`` names (None: the shipped ones; (): none)."""
+    return ProfileSet.load(options.profiles) if options.profiles != () else ProfileSet([])
 
 
 def _device_graph(cluster: Cluster, policy: PrecisionPolicy, profiles: ProfileSet) -> DeviceGraph:

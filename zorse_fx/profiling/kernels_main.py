@@ -7,11 +7,11 @@
     zorse bench kernels --model llama2-7b --layers 2 --seq-len 512,2048,4096 --batch-sizes 1,4 \
         --calibrate-at 4096,1 --calibrate-at 512,1 -o zorse_fx/profiles/H200.json
 
-Two sweeps, both written to one profile (``profile.py``):
+Two sweeps, both written to one profile (``cost/profile.py``):
 
 - the model sweep: every distinct computing node of the traced model at each
   micro-batch size, replayed with the ATen op the runtime executes
-  (``replay.py``), forward and backward. Two ways:
+  (``cost/replay.py``), forward and backward. Two ways:
 
   * ``--replay graph`` (default on a GPU): the captured graph runs once per
     (sequence length, micro-batch) under the precision's autocast (default

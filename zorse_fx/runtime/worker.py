@@ -2,12 +2,13 @@
 one training step at a time.
 
 The runtime's parts, one module each (as torch.distributed.pipelining keeps
-stage, schedule and P2P apart):
+stage, schedule and P2P apart); the schedule (``ir/schedule.py``: 1F1B, GPipe,
+interleaved as data) and the point-to-point program (``ir/p2p.py``) they
+execute are records in ``zorse_fx.ir``:
 
 ==================  ===========================================================
-``schedule.py``     the pipeline schedules as data (1F1B, GPipe, interleaved)
-``comm.py``         sample-range routes between stages, packed messages
-``p2p.py``          the point-to-point program NCCL accepts, and its executor
+``comm.py``         packed messages of the stages' boundary tensors
+``p2p.py``          the plan's point-to-point program NCCL accepts, executed
 ``stage.py``        one stage: module, rows, forward / backward of a micro-batch
 ``grad_sync.py``    bucketed gradient all-reduce overlapped with the backward
 ``optimizer.py``    AdamW (ZeRO-1 shards, all-gather), the fp16 loss scaler

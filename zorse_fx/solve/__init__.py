@@ -1,11 +1,12 @@
 """Planners: the step-time model (objective.py), CP-SAT (one model builder,
 model.py: per-GPU in cpsat.py, over GPU classes / whole nodes in grouped.py for
 large clusters), the memory-first stage DP
-(stage_dp.py), the portfolio that runs the heuristics first and warm-starts
-CP-SAT with them (portfolio.py), lower bounds and infeasibility explanations
-(bounds.py) and an exhaustive oracle for tiny instances (brute_force.py).
-They all take ``PlanOptions`` (``zorse_fx/options.py``) and answer with a
-``SolverResult`` whose ``decision`` is a ``Decision`` (decision.py), the record
+(stage_dp.py; its scoring shared with the baselines in heuristics.py), lower
+bounds and infeasibility explanations (bounds.py) and an exhaustive oracle for
+tiny instances (brute_force.py); ``zorse_fx/portfolio.py`` runs the heuristics
+first and warm-starts CP-SAT with them. They all take ``PlanOptions``
+(``zorse_fx/options.py``) and answer with a ``SolverResult`` whose
+``decision`` is a ``Decision`` (both in ``zorse_fx/ir``), the record
 ``evaluate``, ``sim.simulate`` and the plan builder take.
 
 ``solve_cpsat`` / ``solve_grouped`` (class-level CP-SAT for large clusters) /

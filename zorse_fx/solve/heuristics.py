@@ -1,4 +1,5 @@
-"""Mechanism shared by the baseline planners (policy lives in one module per method).
+"""Mechanism shared by the baseline planners (policy lives in one module per
+method, ``zorse_fx/baselines``) and the stage DP (``stage_dp.py``).
 
 Every baseline proposes concrete decisions (stage blocks, stage GPUs, samples
 per GPU, micro-batch count) and lets :class:`Selector` score them with the

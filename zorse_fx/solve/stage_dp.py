@@ -45,7 +45,7 @@ second per (order, M) on 64 GPUs:
 Every (order, S, M) answer is then scored exactly by the shared objective
 (``objective.evaluate``, via the baselines' ``Selector``, with the DP's
 per-stage policy and with each uniform policy) and the best feasible one is
-returned with status "STAGE_DP". The portfolio (``portfolio.py``) hands it to
+returned with status "STAGE_DP". The portfolio (``zorse_fx/portfolio.py``) hands it to
 CP-SAT as a hint like the baselines' plans, and returns it when CP-SAT finds
 nothing better.
 
@@ -297,7 +297,7 @@ def stage_dp_search(costs: BlockCosts, devices: DeviceGraph,
                     options: PlanOptions) -> tuple[SolverResult, tuple[SolverResult, ...]]:
     """(the best plan as ``solve_stage_dp``, the best feasible plan of every
     (S, M) the DP reached, fastest first): the second are CP-SAT warm starts
-    for every candidate (``portfolio.py``). Raises as ``solve_stage_dp``."""
+    for every candidate (``zorse_fx/portfolio.py``). Raises as ``solve_stage_dp``."""
     from .heuristics import Selector, gpu_speeds, memory_variants
 
     sel = Selector("stage_dp", costs, devices, options)
