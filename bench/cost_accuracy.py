@@ -202,8 +202,8 @@ def _evaluate(model_name, label, plan, captured, costs, tokens, args, rows) -> N
             rows.append({**common, "quantity": "peak_memory_bytes", "predicted": g.predicted_memory_bytes,
                          "measured": 8 * n_par + 8 * (hi - lo) + act_bytes * inflight(sched[s])})
         torch.save(tokens, Path(tmp) / "tokens.pt")
-        launch(plan_dir, plan.world_size, ["--tokens", str(Path(tmp) / "tokens.pt"), "--steps", str(args.steps),
-                                           "--out", str(Path(tmp) / "run")], capture=True)
+        launch(plan.world_size, [str(plan_dir), "--tokens", str(Path(tmp) / "tokens.pt"), "--steps", str(args.steps),
+                                 "--out", str(Path(tmp) / "run")], capture=True)
         metrics = [json.loads(x) for x in (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()]
         steady = metrics[1:]
         measured = {k: statistics.median(max(r[k] for r in m["ranks"]) for m in steady) for k in COMPONENTS}

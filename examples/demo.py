@@ -64,6 +64,8 @@ def main() -> int:
     from zorse_fx.models.hf import load_smollm2_135m
     from zorse_fx.runtime.launch import launch
     from zorse_fx.token_data import TokenData, prepare_data
+    from zorse_fx.train_options import (OPTIONS_FILE, DataOptions, JobOptions, LoopOptions, OptimizerOptions,
+                                        TrainingOptions, write_options_file)
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -114,8 +116,11 @@ def main() -> int:
     del model, compiled
 
     print(f"[demo] training: {plan.world_size} Gloo processes stand in for the plan's GPUs", flush=True)
-    launch(plan_dir, plan.world_size, ["--data", str(data_path.with_suffix(".bin")), "--steps", str(args.steps),
-                                       "--lr", str(args.lr), "--out", str(out), "--precision", args.train_precision])
+    # The training options as one typed tree, handed to the ranks as a file (what `zorse train` does).
+    options = TrainingOptions(data=DataOptions(plan=str(plan_dir), data=str(data_path.with_suffix(".bin"))),
+                              optimizer=OptimizerOptions(lr=args.lr), loop=LoopOptions(steps=args.steps),
+                              job=JobOptions(out=str(out), precision=args.train_precision))
+    launch(plan.world_size, ["--options-file", str(write_options_file(options, out / OPTIONS_FILE))])
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     rel = abs(rows[0]["loss"] - ref_loss) / abs(ref_loss)
     # bf16: the captured graph and the eager model may round an op's output at

@@ -57,6 +57,117 @@ def cached_capture(key: str, build):
     return copy.deepcopy(_CAPTURED[key])
 
 
+# -- small captured models and hand-made plans (the runtime, plan and simulator tests) --
+
+def small_gpt(n_layer: int = 2, seq: int = 16):
+    """A captured GPT of ``n_layer`` layers, 32 wide (``GPTConfig``'s 4 heads),
+    ``seq`` tokens: seed 0, example input ids (2 x ``seq``) drawn before the
+    weights. Captured anew on every call (not cached)."""
+    from zorse_fx.capture import capture
+    from zorse_fx.models.gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, 256, (2, seq))
+    return capture(GPT(GPTConfig(n_layer=n_layer, n_embd=32, block_size=seq)), (ids, ids))
+
+
+def gpt3x64():
+    """The GPT of the distributed tests: 3 layers, 64 wide, 4 heads, 32 tokens,
+    seed 0 (weights drawn before the example ids); captured once per session
+    (``cached_capture``, key "gpt3x64")."""
+    from zorse_fx.capture import capture
+    from zorse_fx.models.gpt import GPT, GPTConfig
+
+    def build():
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(n_layer=3, n_embd=64, n_head=4, block_size=32))
+        ids = torch.randint(0, 256, (4, 32))
+        return capture(model, (ids, ids))
+
+    return cached_capture("gpt3x64", build)
+
+
+def gpt4x64():
+    """The GPT of the interleaved tests: 4 layers (enough blocks for 4 stages),
+    64 wide, 4 heads, 32 tokens, seed 0 (weights drawn before the example ids).
+    Captured anew on every call (not cached)."""
+    from zorse_fx.capture import capture
+    from zorse_fx.models.gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=4, n_embd=64, n_head=4, block_size=32))
+    ids = torch.randint(0, 256, (4, 32))
+    return capture(model, (ids, ids))
+
+
+def tiny_llama_tied():
+    """A 2-layer HF Llama with tied input/output embeddings (vocabulary 256,
+    32 tokens, seed 0), captured with torch.export once per session
+    (``cached_capture``); its plans use ``label_mode="same"``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from zorse_fx.capture import capture
+    from zorse_fx.models.hf import CausalLMWithLoss
+
+    def build():
+        torch.manual_seed(0)
+        cfg = LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                          tie_word_embeddings=True, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+        ids = torch.randint(0, 256, (4, 32))
+        return capture(CausalLMWithLoss(LlamaForCausalLM(cfg)), (ids, ids))
+
+    return cached_capture("tiny_llama_tied", build)
+
+
+def fixed_decision(captured, stage_gpus, samples, *, num_microbatches: int, cuts=None, interleave: int = 1):
+    """The ``Decision`` of ``fixed_plan`` (arguments as there), for a test that
+    prices or simulates it itself."""
+    from zorse_fx.capture import analyse
+    from zorse_fx.solve import Decision
+
+    nb = analyse(captured).num_blocks
+    ns = len(stage_gpus)
+    if cuts is None:
+        bounds = [round(i * nb / ns) for i in range(ns + 1)]
+    else:
+        assert len(cuts) == ns - 1, f"{ns} stages need {ns - 1} cuts, got {cuts}"
+        bounds = [0, *cuts, nb]
+    return Decision(stage_blocks=tuple(zip(bounds, bounds[1:])), stage_gpus=stage_gpus,
+                    samples_per_microbatch=samples, num_microbatches=num_microbatches, interleave=interleave)
+
+
+def fixed_plan(captured, stage_gpus, samples, *, num_microbatches: int, global_batch_size: int, cuts=None,
+               interleave: int = 1, schedule: str = "1f1b", bucket_mib: float = 25.0,
+               cluster: str | Path = "small_hetero.yaml", label_mode: str | None = None):
+    """A ``planner.plan_fixed`` Plan of ``captured`` for a decision made by hand:
+    stage s on the GPUs ``stage_gpus[s]``, which take ``samples[s]`` samples of
+    each of the ``num_microbatches`` micro-batches; ``interleave`` v > 1: the S
+    stages run on S / v GPU groups, stage s on group s mod (S / v), and
+    ``stage_gpus`` / ``samples`` list every stage, as ``Decision`` does.
+
+    Stage blocks: ``cuts`` None cuts the model's ``nb`` blocks (``capture.analyse``)
+    evenly, stage s = blocks ``[round(s * nb / S), round((s + 1) * nb / S))`` of
+    S stages; else ``cuts`` are the S - 1 explicit stage boundaries, the blocks
+    where stages 1..S-1 begin (stage 0 begins at block 0, the last stage ends
+    at block nb).
+
+    Options: ``PlanOptions(global_batch_size, schedule, bucket_mib)``, every
+    other field its default; ``cluster``: a file of examples/clusters (or a
+    path); ``label_mode``: None = ``plan_fixed``'s default ("shifted"), "same"
+    for HF models that shift labels themselves. Memory policy (sharding,
+    recomputation): none; tests add it with ``with_memory_policy``."""
+    from zorse_fx.cluster import Cluster
+    from zorse_fx.planner import plan_fixed
+
+    decision = fixed_decision(captured, stage_gpus, samples, num_microbatches=num_microbatches, cuts=cuts,
+                              interleave=interleave)
+    options = PlanOptions(global_batch_size=global_batch_size, schedule=schedule, bucket_mib=bucket_mib)
+    kw = {} if label_mode is None else {"label_mode": label_mode}
+    plan, _ = plan_fixed(captured, Cluster.from_yaml(CLUSTERS / cluster), options, decision, **kw)
+    return plan
+
+
 def first_batch(tokens, plan):
     return global_batch(tokens, 0, global_batch_size=plan.global_batch_size, seq_len=plan.seq_len,
                         input_names=plan.input_names, label_mode=plan.label_mode)

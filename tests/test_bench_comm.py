@@ -7,6 +7,7 @@ import json
 import numpy as np
 import pytest
 
+from zorse_fx.errors import FileFormatError
 from zorse_fx.profiling.comm import CommProfile, CommProfileError, LinkFit, classify_pair, fit_alpha_beta
 from zorse_fx.profiling.comm_launch import run_comm_bench
 from zorse_fx.profiling.comm_main import parse_sizes
@@ -92,15 +93,22 @@ def test_link_yaml_is_accepted_by_the_cluster_parser():
 
 
 @pytest.mark.parametrize("mutate,match", [
-    (lambda d: d.update(format="zorse_fx.plan"), r"field 'format' is 'zorse_fx.plan'"),
-    (lambda d: d.update(version=7), r"field 'version' is 7"),
-    (lambda d: d.pop("backend"), r"field 'backend' is missing"),
-    (lambda d: d.update(hosts=["a"]), r"field 'hosts' is \['a'\], expected a list of 4 host names"),
-    (lambda d: d["fits"][0].update(alpha_s=-1.0), r"field 'fits\[0\].alpha_s' is -1.0"),
-    (lambda d: d["fits"][1].update(op="broadcast"), r"field 'fits\[1\].op' is 'broadcast'"),
-    (lambda d: d["fits"][0].update(bandwidth_bytes_per_s=0), r"'fits\[0\].bandwidth_bytes_per_s' is 0"),
-    (lambda d: d["fits"][0].update(samples=[[1024]]), r"'fits\[0\].samples' is \[\[1024\]\]"),
-    (lambda d: d["fits"][0].update(link_class="rack"), r"'fits\[0\].link_class' is 'rack'"),
+    (lambda d: d.update(format="zorse_fx.plan"), (r"not a zorse_fx communication profile \(field 'format' is "
+                                                  r"'zorse_fx.plan', expected 'zorse_fx.comm_profile'\)")),
+    (lambda d: d.update(version=7), (r"communication profile format version 7 is not supported by this zorse_fx "
+                                     r"\(reads version 1\); re-run `zorse bench comm`")),
+    (lambda d: d.pop("backend"), r"missing field 'backend'; re-run `zorse bench comm`"),
+    (lambda d: d.update(hosts=["a"]), r"field 'hosts' is \['a'\]: expected a list of 4 host names"),
+    (lambda d: d["fits"][0].update(alpha_s=-1.0), r"field fits\[0\].alpha_s is -1.0: expected `float` >= 0.0"),
+    (lambda d: d["fits"][0].update(alpha_s=float("inf")), r"field fits\[0\].alpha_s is inf: expected a finite number"),
+    (lambda d: d["fits"][1].update(op="broadcast"), r"field fits\[1\].op is 'broadcast'; allowed: 'p2p', 'allreduce'"),
+    (lambda d: d["fits"][0].update(bandwidth_bytes_per_s=0), (r"field fits\[0\].bandwidth_bytes_per_s is 0: "
+                                                              r"expected `float` > 0.0")),
+    (lambda d: d["fits"][0].update(samples=[[1024]]), (r"field fits\[0\].samples\[0\] is \[1024\]: expected "
+                                                       r"`array` of length 2, got 1 \(a list of \[bytes > 0, "
+                                                       r"seconds > 0\] pairs\)")),
+    (lambda d: d["fits"][0].update(link_class="rack"), (r"field fits\[0\].link_class is 'rack'; allowed: "
+                                                        r"'intra_node', 'inter_node', 'cross_datacenter'")),
 ])
 def test_bad_profile_files_name_file_field_and_value(tmp_path, mutate, match):
     d = _profile().to_dict()
@@ -109,14 +117,38 @@ def test_bad_profile_files_name_file_field_and_value(tmp_path, mutate, match):
     path.write_text(json.dumps(d))
     with pytest.raises(CommProfileError, match=match) as e:
         CommProfile.load(path)
-    assert str(path) in str(e.value) and isinstance(e.value, ValueError)
+    assert str(e.value).startswith(f"{path}: ")
+    # the fix (an enum's error lists the allowed values instead)
+    assert str(e.value).endswith("re-run `zorse bench comm`") or "not a zorse_fx" in str(e.value) \
+        or "; allowed: " in str(e.value)
+    assert isinstance(e.value, ValueError) and isinstance(e.value, FileFormatError)
+
+
+@pytest.mark.parametrize("mutate,field,value", [
+    (lambda d: d.update(world_size="4"), "'world_size'", "4"),  # wrong type
+    (lambda d: d["fits"][1].update(ranks=1), "fits[1].ranks", 1),  # out of range
+    (lambda d: d["fits"][0].update(latency=3e-5), "fits[0].latency", 3e-5),  # unknown field
+])
+def test_bad_profile_fields_set_file_field_and_value(tmp_path, mutate, field, value):
+    d = _profile().to_dict()
+    mutate(d)
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(d))
+    with pytest.raises(FileFormatError) as e:
+        CommProfile.load(path)
+    assert isinstance(e.value, CommProfileError)
+    assert (e.value.path, e.value.field, e.value.value) == (str(path), field, value)
+    assert str(e.value).startswith(f"{path}: ") and field in str(e.value) and repr(value) in str(e.value)
 
 
 def test_not_json_names_the_file(tmp_path):
     path = tmp_path / "x.json"
     path.write_text("{nope")
-    with pytest.raises(ValueError, match="x.json: not valid JSON"):
+    with pytest.raises(ValueError, match="x.json: invalid JSON at line 1: .*; re-run `zorse bench comm`"):
         CommProfile.load(path)
+    with pytest.raises(CommProfileError, match="y.json: no such communication profile file; create one with "
+                                               "`zorse bench comm`"):
+        CommProfile.load(tmp_path / "y.json")
 
 
 def test_classify_pair_and_parse_sizes():

@@ -12,8 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-from conftest import CLUSTERS, make_devices, random_costs, random_instance
+from conftest import CLUSTERS, make_devices, random_costs, random_instance, small_gpt
 
 import zorse_fx
 import zorse_fx.ir.result as records
@@ -125,16 +124,13 @@ def test_plans_round_trip_through_plan_decision():
     """plan -> plan_decision -> evaluate gives the plan's own predicted step:
     a solved plan (interleaved here) and a hand-made one with a ZeRO-1 stage
     (shards in whole MiB) and a recomputing one; the precision comes along."""
-    from zorse_fx.capture import analyse, capture
+    from zorse_fx.capture import analyse
     from zorse_fx.cluster import Cluster
-    from zorse_fx.models.gpt import GPT, GPTConfig
     from zorse_fx.plan_build import plan_decision
     from zorse_fx.planner import plan_captured, plan_fixed
     from zorse_fx.pricing import price
 
-    torch.manual_seed(0)
-    ids = torch.randint(0, 256, (2, 16))
-    captured = capture(GPT(GPTConfig(n_layer=2, n_embd=32, block_size=16)), (ids, ids))
+    captured = small_gpt()
     cluster = Cluster.from_yaml(CLUSTERS / "small_hetero.yaml")
     options = PlanOptions(global_batch_size=8, max_stages=2, num_microbatches=(2,), solver_budget=0.5)
     solved, _ = plan_captured(captured, cluster, options, model_name="gpt", label_mode="shifted")

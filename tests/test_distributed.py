@@ -20,27 +20,10 @@ step by step (losses), at step 1 (gradients) and at the end (parameters).
 from __future__ import annotations
 
 import pytest
-import torch
 
-from conftest import (CLUSTERS, assert_grads_match, cached_capture, first_batch, reference_step, run_distributed,
-                      train_and_compare, with_memory_policy)
-from zorse_fx.capture import analyse, capture
-from zorse_fx.cluster import Cluster
-from zorse_fx.models.gpt import GPT, GPTConfig
-from zorse_fx.planner import PlanOptions, plan_fixed
-from zorse_fx.solve import Decision
-
-SEQ = 32
-
-
-def _gpt_captured():
-    def build():
-        torch.manual_seed(0)
-        model = GPT(GPTConfig(n_layer=3, n_embd=64, n_head=4, block_size=SEQ))
-        ids = torch.randint(0, 256, (4, SEQ))
-        return capture(model, (ids, ids))
-
-    return cached_capture("gpt3x64", build)
+from conftest import (assert_grads_match, first_batch, fixed_plan, gpt3x64, reference_step, run_distributed,
+                      tiny_llama_tied, train_and_compare, with_memory_policy)
+from zorse_fx.capture import analyse
 
 
 def _check(plan, captured, lee_bytes, tmp_path):
@@ -58,50 +41,26 @@ CASES = {
 }
 
 
+def case_plan(captured, case, **options):
+    """The plan of ``CASES[case]``, blocks cut evenly (``fixed_plan``; ``options``: its other arguments)."""
+    stage_gpus, samples, m, gb = CASES[case]
+    return fixed_plan(captured, stage_gpus, samples, num_microbatches=m, global_batch_size=gb, **options)
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_gpt_distributed_equals_single_process(case, lee_bytes, tmp_path):
-    stage_gpus, samples, m, gb = CASES[case]
-    captured = _gpt_captured()
-    cluster = Cluster.from_yaml(CLUSTERS / "small_hetero.yaml")
-    nb = analyse(captured).num_blocks
-    ns = len(stage_gpus)
-    cuts = [round(i * nb / ns) for i in range(ns + 1)]
-    plan, _ = plan_fixed(
-        captured, cluster, PlanOptions(global_batch_size=gb),
-        Decision(stage_blocks=tuple((cuts[i], cuts[i + 1]) for i in range(ns)), stage_gpus=stage_gpus,
-                 samples_per_microbatch=samples, num_microbatches=m),
-    )
-    assert plan.num_stages == ns
+    captured = gpt3x64()
+    plan = case_plan(captured, case)
+    assert plan.num_stages == len(CASES[case][0])
     _check(plan, captured, lee_bytes, tmp_path)
-
-
-def _tiny_llama_tied():
-    """A 2-layer HF Llama with tied input/output embeddings, captured with torch.export."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from zorse_fx.models.hf import CausalLMWithLoss
-
-    def build():
-        torch.manual_seed(0)
-        cfg = LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
-                          tie_word_embeddings=True, bos_token_id=0, eos_token_id=0, pad_token_id=0)
-        ids = torch.randint(0, 256, (4, SEQ))
-        return capture(CausalLMWithLoss(LlamaForCausalLM(cfg)), (ids, ids))
-
-    return cached_capture("tiny_llama_tied", build)
 
 
 def test_hf_llama_tied_embeddings_distributed(lee_bytes, tmp_path):
     """HF Llama (torch.export route), tied input/output embedding held by the
     first and the last stage: 1 GPU, then 2 GPUs with unequal shares."""
-    captured = _tiny_llama_tied()
-    cluster = Cluster.from_yaml(CLUSTERS / "small_hetero.yaml")
-    plan, _ = plan_fixed(
-        captured, cluster, PlanOptions(global_batch_size=6),
-        Decision(stage_blocks=((0, 2), (2, analyse(captured).num_blocks)), stage_gpus=((0,), (2, 3)),
-                 samples_per_microbatch=((3,), (1, 2)), num_microbatches=2), label_mode="same",
-    )
+    captured = tiny_llama_tied()
+    plan = fixed_plan(captured, ((0,), (2, 3)), ((3,), (1, 2)), num_microbatches=2, global_batch_size=6, cuts=(2,),
+                      label_mode="same")
     assert plan.shared_params() == {"model.model.embed_tokens.weight": (0, 1)}
     _check(plan, captured, lee_bytes, tmp_path)
 
@@ -128,14 +87,9 @@ def test_zero1_unequal_shards_and_recompute_equal_single_process(lee_bytes, tmp_
     """GPT, 2 stages: stage 0 recomputes its activations; stage 1 (2 GPUs,
     1:2 samples) shards its AdamW state 3:1 (state share decoupled from
     compute share) and holds the tied output embedding. 3 AdamW steps."""
-    captured = _gpt_captured()
-    cluster = Cluster.from_yaml(CLUSTERS / "small_hetero.yaml")
-    nb = analyse(captured).num_blocks
-    plan, _ = plan_fixed(
-        captured, cluster, PlanOptions(global_batch_size=6),
-        Decision(stage_blocks=((0, nb // 2), (nb // 2, nb)), stage_gpus=((0,), (2, 3)),
-                 samples_per_microbatch=((3,), (1, 2)), num_microbatches=2),
-    )
+    captured = gpt3x64()
+    plan = fixed_plan(captured, ((0,), (2, 3)), ((3,), (1, 2)), num_microbatches=2, global_batch_size=6,
+                      cuts=(analyse(captured).num_blocks // 2,))
     plan = with_memory_policy(plan, sharded={1}, recompute={0}, shard_bytes={1: (3 * 2**20, 2**20)})
     assert plan.shared_params() == {"wte.weight": (0, 1)}
     summaries, _ = train_and_compare(plan, captured, lee_bytes, tmp_path, steps=3, lr=LR, weight_decay=WEIGHT_DECAY)
@@ -149,13 +103,9 @@ def test_hf_llama_tied_embeddings_zero1_recompute(lee_bytes, tmp_path):
     """HF Llama, tied embedding held by both stages, both stages sharded:
     stage 0 over 2 GPUs with one owning no state (state_shard_bytes 0), the
     last stage 1:2 and recomputing (the loss stage). 2 AdamW steps."""
-    captured = _tiny_llama_tied()
-    cluster = Cluster.from_yaml(CLUSTERS / "small_hetero.yaml")
-    plan, _ = plan_fixed(
-        captured, cluster, PlanOptions(global_batch_size=6),
-        Decision(stage_blocks=((0, 2), (2, analyse(captured).num_blocks)), stage_gpus=((0, 1), (2, 3)),
-                 samples_per_microbatch=((2, 1), (1, 2)), num_microbatches=2), label_mode="same",
-    )
+    captured = tiny_llama_tied()
+    plan = fixed_plan(captured, ((0, 1), (2, 3)), ((2, 1), (1, 2)), num_microbatches=2, global_batch_size=6,
+                      cuts=(2,), label_mode="same")
     plan = with_memory_policy(plan, sharded={0, 1}, recompute={1}, shard_bytes={0: (5, 0), 1: (2**20, 2 * 2**20)})
     assert plan.shared_params() == {"model.model.embed_tokens.weight": (0, 1)}
     summaries, _ = train_and_compare(plan, captured, lee_bytes, tmp_path, steps=2, lr=LR, weight_decay=WEIGHT_DECAY)

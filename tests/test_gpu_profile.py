@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import small_gpt
 from zorse_fx.capture import analyse, capture
 from zorse_fx.cost.measured import (SHIPPED_PROFILES, ProfileSet, computing_nodes, grad_accumulate_ms,
                                     measured_block_costs)
@@ -37,9 +38,7 @@ def _timing(key, cls, fwd, bwd, nbytes=0.0, source="model"):
 
 
 def _gpt_graph():
-    torch.manual_seed(0)
-    ids = torch.randint(0, 256, (2, T))
-    return analyse(capture(GPT(GPTConfig(n_layer=2, n_embd=32, block_size=T)), (ids, ids)))
+    return analyse(small_gpt(seq=T))
 
 
 def test_grad_accumulate_is_interpolated_at_three_accesses_per_element():
@@ -100,7 +99,9 @@ def test_node_overhead_field_is_validated(tmp_path):
     assert KernelProfile.load(path).node_overhead_ms == 0.0
     d["node_overhead_ms"] = -0.5
     path.write_text(json.dumps(d))
-    with pytest.raises(ValueError, match=r"p\.json: field 'node_overhead_ms' is -0\.5; expected a number >= 0"):
+    with pytest.raises(ValueError, match=r"p\.json: field 'node_overhead_ms' is -0\.5: expected `float` >= 0\.0 \(ms "
+                                         r"per computing node and micro-batch; leave it out for 0\); correct it or "
+                                         r"re-run `zorse bench kernels`"):
         KernelProfile.load(path)
 
 

@@ -31,45 +31,19 @@ import json
 import pytest
 import torch
 
-from conftest import (CLUSTERS, assert_grads_match, assert_params_match, first_batch, reference_adamw, reference_step,
-                      train_and_compare,
-                      with_memory_policy)
-from zorse_fx.capture import analyse, capture
-from zorse_fx.cluster import Cluster
+from conftest import (assert_grads_match, assert_params_match, first_batch, fixed_plan, gpt4x64, reference_adamw,
+                      reference_step, train_and_compare, with_memory_policy)
 from zorse_fx.data import global_batch
-from zorse_fx.models.gpt import GPT, GPTConfig
-from zorse_fx.planner import PlanOptions, plan_fixed
 from zorse_fx.runtime.worker import OptimizerConfig, StageWorker
-from zorse_fx.solve import Decision
 
-SEQ = 32
 LR, WEIGHT_DECAY = 1e-3, 0.1
-
-
-def _gpt_captured():
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(n_layer=4, n_embd=64, n_head=4, block_size=SEQ))
-    ids = torch.randint(0, 256, (4, SEQ))
-    return capture(model, (ids, ids))
-
-
-def _plan(captured, stage_gpus, samples, num_microbatches, global_batch_size, interleave=2):
-    nb = analyse(captured).num_blocks
-    ns = len(stage_gpus)
-    cuts = [round(i * nb / ns) for i in range(ns + 1)]
-    plan, _ = plan_fixed(
-        captured, Cluster.from_yaml(CLUSTERS / "small_hetero.yaml"), PlanOptions(global_batch_size=global_batch_size),
-        Decision(stage_blocks=tuple((cuts[i], cuts[i + 1]) for i in range(ns)), stage_gpus=stage_gpus,
-                 samples_per_microbatch=samples, num_microbatches=num_microbatches, interleave=interleave),
-    )
-    return plan
 
 
 def test_interleaved_two_groups_equal_single_process(lee_bytes, tmp_path):
     """P = 2 groups of one GPU, v = 2 (4 stages), 4 micro-batches of 2; 3 AdamW steps."""
-    captured = _gpt_captured()
-    plan = _plan(captured, ((0,), (2,), (0,), (2,)), ((2,), (2,), (2,), (2,)), num_microbatches=4,
-                 global_batch_size=8)
+    captured = gpt4x64()
+    plan = fixed_plan(captured, ((0,), (2,), (0,), (2,)), ((2,), (2,), (2,), (2,)), num_microbatches=4,
+                      global_batch_size=8, interleave=2)
     assert (plan.interleave, plan.num_groups, plan.world_size) == (2, 2, 2)
     assert plan.stages_of(0) == (0, 2) and plan.stages_of(1) == (1, 3)
     assert plan.shared_params() == {"wte.weight": (0, 3)}
@@ -88,9 +62,9 @@ def test_interleaved_unequal_dp_zero1_recompute(lee_bytes, tmp_path):
     micro-batches of 4. Stages 0 and 2 (both on group 0) are ZeRO-1 sharded,
     state shares 3:1 and 1:2; stage 3 (the loss stage, group 1) recomputes.
     The tied embedding is reduced over ranks {0, 1, 2}. 3 AdamW steps."""
-    captured = _gpt_captured()
-    plan = _plan(captured, ((0, 1), (2,), (0, 1), (2,)), ((3, 1), (4,), (3, 1), (4,)), num_microbatches=2,
-                 global_batch_size=8)
+    captured = gpt4x64()
+    plan = fixed_plan(captured, ((0, 1), (2,), (0, 1), (2,)), ((3, 1), (4,), (3, 1), (4,)), num_microbatches=2,
+                      global_batch_size=8, interleave=2)
     plan = with_memory_policy(plan, sharded={0, 2}, recompute={3},
                               shard_bytes={0: (3 * 2**20, 2**20), 2: (2**20, 2 * 2**20)})
     assert plan.world_size == 3 and plan.stages_of(1) == (0, 2) and plan.stages_of(2) == (1, 3)
@@ -119,7 +93,7 @@ def one_group_two_stages(captured, tmp_path, precision=None):
     wants >= 2 GPU groups, the plan format and the runtime take one), exported
     to ``tmp_path / "plan"``, and rank 0's StageWorker for it (AdamW with
     ``LR``, ``WEIGHT_DECAY``; ``precision`` a PrecisionPolicy or None = fp32)."""
-    plan = _plan(captured, ((0,), (1,)), ((2,), (2,)), num_microbatches=2, global_batch_size=4, interleave=1)
+    plan = fixed_plan(captured, ((0,), (1,)), ((2,), (2,)), num_microbatches=2, global_batch_size=4)
     plan = dataclasses.replace(plan, interleave=2,
                                stages=(plan.stages[0], dataclasses.replace(plan.stages[1], gpus=plan.stages[0].gpus)))
     plan.export(tmp_path / "plan")
@@ -147,7 +121,7 @@ def test_one_group_two_stages_in_process(lee_bytes, tmp_path):
     the tied embedding (stage 0 and stage 1) has two copies on the rank, whose
     gradients must be summed locally. No torch.distributed at all. 2 AdamW
     steps against single-process training."""
-    captured = _gpt_captured()
+    captured = gpt4x64()
     initial = {k: v.clone() for k, v in captured.state().items()}
     plan, worker = one_group_two_stages(captured, tmp_path)
     assert plan.num_groups == 1 and plan.stages_of(0) == (0, 1) and plan.shared_params() == {"wte.weight": (0, 1)}

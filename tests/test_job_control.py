@@ -216,13 +216,15 @@ def test_train_options_reach_torchrun_and_the_ranks():
     from zorse_fx.train import parse_args
 
     a = build_parser().parse_args(["train", "p", "--max-restarts", "2", "--term-grace-s", "90",
-                                   "--stall-timeout", "0", "--pg-timeout-min", "2.5"])
-    assert (a.max_restarts, a.term_grace_s, a.stall_timeout, a.pg_timeout_min) == (2, 90.0, 0.0, 2.5)
-    cmd = torchrun_command("p", 2, [], max_restarts=2, shutdown_timeout_s=90)
+                                   "--stall-timeout", "0", "--pg-timeout-min", "2.5"]).train
+    launch = a.launch
+    assert (launch.max_restarts, launch.term_grace_s, launch.stall_timeout, a.job.pg_timeout_min) == (2, 90.0, 0.0, 2.5)
+    cmd = torchrun_command(2, ["--options-file", "o.json"], max_restarts=2, shutdown_timeout_s=90)
     assert "--max-restarts=2" in cmd and "--shutdown-timeout=90" in cmd
     assert cmd.index("--max-restarts=2") < cmd.index("zorse_fx.train")
+    assert cmd[cmd.index("zorse_fx.train"):] == ["zorse_fx.train", "--options-file", "o.json"]
     t = parse_args(["p", "--tokens", "t.pt", "--pg-timeout-min", "2.5", "--heartbeat-s", "0"])
-    assert (t.pg_timeout_min, t.heartbeat_s) == (2.5, 0.0)
+    assert (t.job.pg_timeout_min, t.job.heartbeat_s) == (2.5, 0.0)
     for bad in (["--max-restarts", "-1"], ["--stall-timeout", "soon"], ["--pg-timeout-min", "0"]):
         with pytest.raises(SystemExit):
             build_parser().parse_args(["train", "p", *bad])

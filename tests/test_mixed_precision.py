@@ -30,44 +30,30 @@ import json
 import pytest
 import torch
 
-from conftest import CLUSTERS, train_and_compare, with_memory_policy
-from test_distributed import CASES, _gpt_captured, _tiny_llama_tied
-from test_interleaved_runtime import _gpt_captured as _gpt4_captured
-from test_interleaved_runtime import _plan as _interleaved_plan
+from conftest import fixed_plan, gpt3x64, gpt4x64, tiny_llama_tied, train_and_compare, with_memory_policy
+from test_distributed import case_plan
 from zorse_fx.capture import analyse
-from zorse_fx.cluster import Cluster
-from zorse_fx.planner import PlanOptions, plan_fixed
-from zorse_fx.solve import Decision
 
 LR, WEIGHT_DECAY = 1e-3, 0.1
-#: Small gradient buckets (50 KiB): several buckets per stage, launched during the last backward.
-SMALL_BUCKETS = ("--bucket-mib", "0.05")
+#: Small gradient buckets (51 KiB; PlanOptions.bucket_mib, recorded in the plan): several buckets per stage,
+#: launched during the last backward.
+SMALL_BUCKETS = 0.05
 
 
-def _gpt_plan(captured, case):
-    stage_gpus, samples, m, gb = CASES[case]
-    nb = analyse(captured).num_blocks
-    ns = len(stage_gpus)
-    cuts = [round(i * nb / ns) for i in range(ns + 1)]
-    plan, _ = plan_fixed(captured, Cluster.from_yaml(CLUSTERS / "small_hetero.yaml"), PlanOptions(global_batch_size=gb),
-                         Decision(stage_blocks=tuple((cuts[i], cuts[i + 1]) for i in range(ns)),
-                                  stage_gpus=stage_gpus, samples_per_microbatch=samples, num_microbatches=m))
-    return plan
-
-
-@pytest.mark.parametrize("case,extra", [
-    ("2x1", ()),
+@pytest.mark.parametrize("case,extra,bucket_mib", [
+    ("2x1", (), 25.0),
     # Unequal shares; gradients all-reduced in bfloat16; many small buckets.
-    ("1_then_2_unequal", ("--grad-reduce-dtype", "bfloat16", *SMALL_BUCKETS)),
-    ("3_stages_asymmetric", SMALL_BUCKETS),
+    ("1_then_2_unequal", ("--grad-reduce-dtype", "bfloat16"), SMALL_BUCKETS),
+    ("3_stages_asymmetric", (), SMALL_BUCKETS),
 ])
-def test_bf16_gpt_equals_single_process(case, extra, lee_bytes, tmp_path):
-    captured = _gpt_captured()
-    plan = _gpt_plan(captured, case)
+def test_bf16_gpt_equals_single_process(case, extra, bucket_mib, lee_bytes, tmp_path):
+    captured = gpt3x64()
+    plan = case_plan(captured, case, bucket_mib=bucket_mib)
+    assert plan.grad_bucket_bytes == round(bucket_mib * 1024) * 1024
     _, rows = train_and_compare(plan, captured, lee_bytes, tmp_path, steps=2, lr=LR, weight_decay=WEIGHT_DECAY,
                                 precision="bf16-mixed", extra=extra)
     assert all(r["loss_scale"] == 1.0 and r["skipped"] is False for r in rows)
-    if SMALL_BUCKETS[1] in extra:  # several buckets per data-parallel stage, reduced while the backward runs
+    if bucket_mib == SMALL_BUCKETS:  # several buckets per data-parallel stage, reduced while the backward runs
         parts = [p for p in rows[-1]["ranks"] if p["buckets"] >= 2]
         assert parts, rows[-1]["ranks"]
         assert all(1 <= p["buckets_during_backward"] <= p["buckets"] for p in parts), parts
@@ -76,12 +62,9 @@ def test_bf16_gpt_equals_single_process(case, extra, lee_bytes, tmp_path):
 def test_bf16_hf_llama_tied_embeddings(lee_bytes, tmp_path):
     """HF Llama, tied embedding held by the first and the last stage (1 GPU,
     then 2 GPUs with unequal shares)."""
-    captured = _tiny_llama_tied()
-    plan, _ = plan_fixed(
-        captured, Cluster.from_yaml(CLUSTERS / "small_hetero.yaml"), PlanOptions(global_batch_size=6),
-        Decision(stage_blocks=((0, 2), (2, analyse(captured).num_blocks)), stage_gpus=((0,), (2, 3)),
-                 samples_per_microbatch=((3,), (1, 2)), num_microbatches=2), label_mode="same",
-    )
+    captured = tiny_llama_tied()
+    plan = fixed_plan(captured, ((0,), (2, 3)), ((3,), (1, 2)), num_microbatches=2, global_batch_size=6, cuts=(2,),
+                      label_mode="same")
     assert plan.shared_params() == {"model.model.embed_tokens.weight": (0, 1)}
     train_and_compare(plan, captured, lee_bytes, tmp_path, steps=2, lr=LR, weight_decay=WEIGHT_DECAY,
                       precision="bf16-mixed")
@@ -91,16 +74,12 @@ def test_bf16_zero1_unequal_shards_and_recompute(lee_bytes, tmp_path):
     """GPT, 2 stages: stage 0 recomputes (its forward re-run under the same
     autocast); stage 1 (2 GPUs, 1:2 samples) shards its AdamW state 3:1 and
     holds the tied output embedding. 3 steps."""
-    captured = _gpt_captured()
-    nb = analyse(captured).num_blocks
-    plan, _ = plan_fixed(
-        captured, Cluster.from_yaml(CLUSTERS / "small_hetero.yaml"), PlanOptions(global_batch_size=6),
-        Decision(stage_blocks=((0, nb // 2), (nb // 2, nb)), stage_gpus=((0,), (2, 3)),
-                 samples_per_microbatch=((3,), (1, 2)), num_microbatches=2),
-    )
+    captured = gpt3x64()
+    plan = fixed_plan(captured, ((0,), (2, 3)), ((3,), (1, 2)), num_microbatches=2, global_batch_size=6,
+                      cuts=(analyse(captured).num_blocks // 2,), bucket_mib=SMALL_BUCKETS)
     plan = with_memory_policy(plan, sharded={1}, recompute={0}, shard_bytes={1: (3 * 2**20, 2**20)})
     summaries, _ = train_and_compare(plan, captured, lee_bytes, tmp_path, steps=3, lr=LR, weight_decay=WEIGHT_DECAY,
-                                     precision="bf16-mixed", extra=SMALL_BUCKETS)
+                                     precision="bf16-mixed")
     # float32 master weights: AdamW moments of the owned elements, 2 x 4 bytes each.
     for r in (1, 2):
         assert summaries[r]["optimizer_state_bytes"] == 2 * summaries[r]["owned_elements"] * 4
@@ -109,12 +88,9 @@ def test_bf16_zero1_unequal_shards_and_recompute(lee_bytes, tmp_path):
 def test_bf16_hf_llama_tied_zero1_recompute(lee_bytes, tmp_path):
     """HF Llama, tied embedding held by both stages, both sharded (one GPU of
     stage 0 owns no state), the loss stage recomputing. 2 steps."""
-    captured = _tiny_llama_tied()
-    plan, _ = plan_fixed(
-        captured, Cluster.from_yaml(CLUSTERS / "small_hetero.yaml"), PlanOptions(global_batch_size=6),
-        Decision(stage_blocks=((0, 2), (2, analyse(captured).num_blocks)), stage_gpus=((0, 1), (2, 3)),
-                 samples_per_microbatch=((2, 1), (1, 2)), num_microbatches=2), label_mode="same",
-    )
+    captured = tiny_llama_tied()
+    plan = fixed_plan(captured, ((0, 1), (2, 3)), ((2, 1), (1, 2)), num_microbatches=2, global_batch_size=6,
+                      cuts=(2,), label_mode="same")
     plan = with_memory_policy(plan, sharded={0, 1}, recompute={1}, shard_bytes={0: (5, 0), 1: (2**20, 2 * 2**20)})
     train_and_compare(plan, captured, lee_bytes, tmp_path, steps=2, lr=LR, weight_decay=WEIGHT_DECAY,
                       precision="bf16-mixed")
@@ -123,19 +99,19 @@ def test_bf16_hf_llama_tied_zero1_recompute(lee_bytes, tmp_path):
 def test_bf16_interleaved_two_groups(lee_bytes, tmp_path):
     """P = 2 groups of one GPU, v = 2 (4 stages), 4 micro-batches; the tied
     embedding on rank 0 (stage 0) and rank 1 (stage 3). 3 steps."""
-    captured = _gpt4_captured()
-    plan = _interleaved_plan(captured, ((0,), (2,), (0,), (2,)), ((2,), (2,), (2,), (2,)), num_microbatches=4,
-                             global_batch_size=8)
+    captured = gpt4x64()
+    plan = fixed_plan(captured, ((0,), (2,), (0,), (2,)), ((2,), (2,), (2,), (2,)), num_microbatches=4,
+                      global_batch_size=8, interleave=2, bucket_mib=SMALL_BUCKETS)
     train_and_compare(plan, captured, lee_bytes, tmp_path, steps=3, lr=LR, weight_decay=WEIGHT_DECAY,
-                      precision="bf16-mixed", extra=SMALL_BUCKETS)
+                      precision="bf16-mixed")
 
 
 def test_bf16_interleaved_unequal_dp_zero1_recompute(lee_bytes, tmp_path):
     """Group 0 = 2 GPUs taking 3:1 samples, group 1 = 1 GPU; stages 0 and 2
     ZeRO-1 sharded 3:1 and 1:2, the loss stage recomputing. 3 steps."""
-    captured = _gpt4_captured()
-    plan = _interleaved_plan(captured, ((0, 1), (2,), (0, 1), (2,)), ((3, 1), (4,), (3, 1), (4,)),
-                             num_microbatches=2, global_batch_size=8)
+    captured = gpt4x64()
+    plan = fixed_plan(captured, ((0, 1), (2,), (0, 1), (2,)), ((3, 1), (4,), (3, 1), (4,)), num_microbatches=2,
+                      global_batch_size=8, interleave=2)
     plan = with_memory_policy(plan, sharded={0, 2}, recompute={3},
                               shard_bytes={0: (3 * 2**20, 2**20), 2: (2**20, 2 * 2**20)})
     train_and_compare(plan, captured, lee_bytes, tmp_path, steps=3, lr=LR, weight_decay=WEIGHT_DECAY,
@@ -150,8 +126,8 @@ def test_fp16_loss_scaling_skips_the_same_step_on_every_rank(lee_bytes, tmp_path
     the parameters after 3 steps equal it, and no rank updated its
     parameters at step 2 (else they would differ from the reference by a
     whole AdamW step)."""
-    captured = _gpt_captured()
-    plan = _gpt_plan(captured, "3_stages_asymmetric")
+    captured = gpt3x64()
+    plan = case_plan(captured, "3_stages_asymmetric")
     _, rows = train_and_compare(plan, captured, lee_bytes, tmp_path, steps=3, lr=LR, weight_decay=WEIGHT_DECAY,
                                 precision="fp16-mixed", inject_inf=(3, 2))
     assert [r["skipped"] for r in rows] == [False, True, False]
@@ -163,8 +139,8 @@ def test_fp16_loss_scaling_skips_the_same_step_on_every_rank(lee_bytes, tmp_path
 def test_fp16_without_inf_steps_every_time(lee_bytes, tmp_path):
     """The same run without the inf: no step is skipped and the result equals
     GradScaler's single-process training (2 steps; 2 GPUs with unequal shares)."""
-    captured = _gpt_captured()
-    plan = _gpt_plan(captured, "1_then_2_unequal")
+    captured = gpt3x64()
+    plan = case_plan(captured, "1_then_2_unequal")
     _, rows = train_and_compare(plan, captured, lee_bytes, tmp_path, steps=2, lr=LR, weight_decay=WEIGHT_DECAY,
                                 precision="fp16-mixed")
     assert [r["skipped"] for r in rows] == [False, False]
@@ -177,7 +153,7 @@ def test_fp16_without_inf_steps_every_time(lee_bytes, tmp_path):
      "precision 'fp16-mixed' reduces gradients in float32, not 'bfloat16'"),
     (["--precision", "bf17"], "invalid choice: 'bf17'"),
     (["--inject-inf", "1-2"], "--inject-inf expects RANK:STEP with two integers >= 0, got '1-2'"),
-    (["--bucket-mib", "0"], "--bucket-mib must be > 0, got 0.0"),
+    (["--bucket-mib", "0.05"], "--bucket-mib is not a training option"),
 ])
 def test_train_options_are_checked_before_any_rank_starts(argv, message, capsys):
     from zorse_fx.train import parse_args
@@ -194,8 +170,8 @@ def test_cpu_run_trains_fp32_unless_asked():
 
     from zorse_fx.train import runtime_precision
 
-    captured = _gpt_captured()
-    plan = dataclasses.replace(_gpt_plan(captured, "2x1"), precision="bf16-mixed", grad_reduce_dtype="bfloat16")
+    captured = gpt3x64()
+    plan = dataclasses.replace(case_plan(captured, "2x1"), precision="bf16-mixed", grad_reduce_dtype="bfloat16")
     cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
     assert runtime_precision(plan, cpu, None)[0].name == "fp32"
     assert "this is a CPU run" in runtime_precision(plan, cpu, None)[1]
@@ -214,7 +190,7 @@ def test_bf16_one_group_two_stages_in_process(lee_bytes, tmp_path):
     from test_interleaved_runtime import one_group_two_stages, train_in_process
     from zorse_fx.precision import precision_policy
 
-    captured = _gpt4_captured()
+    captured = gpt4x64()
     initial = {k: v.clone() for k, v in captured.state().items()}
     plan, worker = one_group_two_stages(captured, tmp_path, precision_policy("bf16-mixed"))
     steps = 2

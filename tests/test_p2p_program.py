@@ -13,16 +13,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import CLUSTERS
+from conftest import fixed_plan
 
-from zorse_fx.capture import analyse, capture
-from zorse_fx.cluster import Cluster
+from zorse_fx.capture import capture
 from zorse_fx.ir.p2p import ProgramError, _check_channels, _Op, _waits, simulate_nccl
 from zorse_fx.models.gpt import GPT, GPTConfig
-from zorse_fx.planner import PlanOptions, plan_fixed
 from zorse_fx.runtime import p2p
 from zorse_fx.runtime.p2p import _initial_groups, build_programs
-from zorse_fx.solve import Decision
 
 
 @pytest.fixture(scope="module")
@@ -31,17 +28,6 @@ def captured():
     model = GPT(GPTConfig(n_layer=4, n_embd=32, n_head=4, block_size=16))
     ids = torch.randint(0, 256, (4, 16))
     return capture(model, (ids, ids))
-
-
-def _plan(captured, stage_gpus, samples, m, gb, v=1, schedule="1f1b"):
-    nb = analyse(captured).num_blocks
-    ns = len(stage_gpus)
-    cuts = [round(i * nb / ns) for i in range(ns + 1)]
-    plan, _ = plan_fixed(captured, Cluster.from_yaml(CLUSTERS / "small_hetero.yaml"),
-                         PlanOptions(global_batch_size=gb, schedule=schedule),
-                         Decision(stage_blocks=tuple((cuts[i], cuts[i + 1]) for i in range(ns)), stage_gpus=stage_gpus,
-                                  samples_per_microbatch=samples, num_microbatches=m, interleave=v))
-    return plan
 
 
 # name: (stage GPUs, samples per micro-batch, micro-batches, global batch, interleave)
@@ -56,6 +42,13 @@ SHAPES = {
     "interleaved_3_groups": (((0,), (1,), (2,)) * 2, ((1,), (1,), (1,)) * 2, 6, 6, 2),
     "interleaved_x4": (((0,), (1,)) * 4, ((1,), (1,)) * 4, 4, 4, 4),
 }
+
+
+def _shape_plan(captured, shape, schedule="1f1b"):
+    """The plan of ``SHAPES[shape]``, blocks cut evenly."""
+    stage_gpus, samples, m, gb, v = SHAPES[shape]
+    return fixed_plan(captured, stage_gpus, samples, num_microbatches=m, global_batch_size=gb, interleave=v,
+                      schedule=schedule)
 
 
 def _check_program(plan):
@@ -85,10 +78,9 @@ def _check_program(plan):
                                             for schedule in ("1f1b", "gpipe")
                                             if schedule == "1f1b" or SHAPES[shape][4] == 1])
 def test_program_is_consistent_and_deadlock_free(captured, shape, schedule):
-    stage_gpus, samples, m, gb, v = SHAPES[shape]
-    progs = _check_program(_plan(captured, stage_gpus, samples, m, gb, v, schedule))
+    progs = _check_program(_shape_plan(captured, shape, schedule))
     # 1F1B and GPipe need no prefetch: the fused groups are deadlock-free as they are.
-    if v == 1:
+    if SHAPES[shape][4] == 1:
         assert all(p.prefetched == 0 for p in progs.values())
 
 
@@ -97,7 +89,7 @@ def test_interleaved_needs_and_gets_prefetched_receives(captured):
     send waits for a receive the other posts a compute later (a deadlock on
     NCCL, not on Gloo with unique tags); the program posts those receives
     earlier and then runs."""
-    plan = _plan(captured, *SHAPES["interleaved_2_groups"])
+    plan = _shape_plan(captured, "interleaved_2_groups")
     built = {r: _initial_groups(plan, r) for r in range(plan.world_size)}
     groups = {r: built[r][2] for r in built}
     waits = {r: _waits(r, built[r][1], groups[r]) for r in built}
@@ -113,7 +105,7 @@ def test_sends_before_receives_in_separate_groups_deadlock(captured):
     own, and the next action's receives in another one after it (what one
     isend, then one recv, per message does on NCCL's in-order stream), hangs
     1F1B's steady state, where both neighbours send before they receive."""
-    plan = _plan(captured, *SHAPES["2x1"])
+    plan = _shape_plan(captured, "2x1")
     groups, waits = {}, {}
     for r in range(plan.world_size):
         actions, msgs, _ = _initial_groups(plan, r)
@@ -142,7 +134,7 @@ def _fused_is_fine(plan) -> bool:
 def test_channel_mismatch_is_named(captured):
     """Two receives of one channel swapped: tag-free matching would hand each
     the other's buffer; the check names the channel and both messages."""
-    plan = _plan(captured, *SHAPES["2x1"])
+    plan = _shape_plan(captured, "2x1")
     groups = {r: _initial_groups(plan, r)[2] for r in range(plan.world_size)}
     recvs = [(gi, i) for gi, g in enumerate(groups[1]) for i, op in enumerate(g) if not op.send and op.message.src == 0]
     (g1, i1), (g2, i2) = recvs[0], recvs[1]

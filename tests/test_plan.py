@@ -9,34 +9,25 @@ from fractions import Fraction
 
 import pytest
 import torch
-from conftest import CLUSTERS, with_memory_policy
+from conftest import fixed_plan, small_gpt, with_memory_policy
 
-from zorse_fx.capture import analyse, capture
-from zorse_fx.cluster import Cluster
-from zorse_fx.errors import PlanFileError
+from zorse_fx.errors import PlanFileError, PlanOptionsError
 from zorse_fx.ir.schedule import Action, format_grid, inflight, make_schedule, validate
 from zorse_fx.models.gpt import GPT, GPTConfig
 from zorse_fx.plan import PLAN_FORMAT_VERSION, Plan
-from zorse_fx.planner import PlanOptions, plan_fixed
-from zorse_fx.solve import Decision
+from zorse_fx.planner import PlanOptions
 
 
-def _gpt_plan(n_layer: int, cuts, **decision):
-    """A plan_fixed plan of a small GPT on small_hetero.yaml, global batch 8, 2
-    micro-batches; stage s = blocks [cuts[s], cuts[s + 1]) with the last cut at
-    the model's end."""
-    torch.manual_seed(0)
-    ids = torch.randint(0, 256, (2, 16))
-    captured = capture(GPT(GPTConfig(n_layer=n_layer, n_embd=32, block_size=16)), (ids, ids))
-    bounds = (*cuts, analyse(captured).num_blocks)
-    p, _ = plan_fixed(captured, Cluster.from_yaml(CLUSTERS / "small_hetero.yaml"), PlanOptions(global_batch_size=8),
-                      Decision(stage_blocks=tuple(zip(bounds, bounds[1:])), num_microbatches=2, **decision))
-    return p
+def _gpt_plan(n_layer: int, cuts, stage_gpus, samples, *, interleave: int = 1, bucket_mib: float = 25.0):
+    """A ``fixed_plan`` of ``small_gpt(n_layer)`` on small_hetero.yaml, global
+    batch 8 in 2 micro-batches; ``cuts``: the blocks where stages 1.. begin."""
+    return fixed_plan(small_gpt(n_layer), stage_gpus, samples, num_microbatches=2, global_batch_size=8, cuts=cuts,
+                      interleave=interleave, bucket_mib=bucket_mib)
 
 
 @pytest.fixture(scope="module")
 def plan():
-    return _gpt_plan(2, (0, 3), stage_gpus=((0, 1), (2,)), samples_per_microbatch=((3, 1), (4,)))
+    return _gpt_plan(2, (3,), ((0, 1), (2,)), ((3, 1), (4,)))
 
 
 def test_json_round_trip(plan, tmp_path):
@@ -45,7 +36,7 @@ def test_json_round_trip(plan, tmp_path):
     assert loaded == plan
     assert loaded.sources == plan.sources
     d = json.loads(path.read_text())
-    assert d["version"] == PLAN_FORMAT_VERSION == 5
+    assert d["version"] == PLAN_FORMAT_VERSION == 6
     assert loaded.sources_verified
     assert [s["source_sha256"] for s in d["stages"]] == [hashlib.sha256(src.encode()).hexdigest()
                                                          for src in plan.sources]
@@ -53,6 +44,22 @@ def test_json_round_trip(plan, tmp_path):
     assert (d["precision"], d["grad_reduce_dtype"], d["compute_dtype"]) == ("fp16-mixed", "float32", "float16")
     assert [[g["samples_per_microbatch"] for g in s["gpus"]] for s in d["stages"]] == [[3, 1], [4]]
     assert (tmp_path / "p" / "stage_0.py").read_text().startswith('"""Stage 0 of 2')
+
+
+def test_the_bucket_size_is_priced_and_recorded(plan, tmp_path):
+    """``PlanOptions.bucket_mib`` reaches the plan (the runtime's buckets) and the
+    planner's price: 2 KiB buckets split the data-parallel stage's 19 KiB of
+    float32 gradients (4,800 parameters; the tied embedding is reduced apart)
+    into 10 all-reduces, each paying the ring's latencies."""
+    small = _gpt_plan(2, (3,), ((0, 1), (2,)), ((3, 1), (4,)), bucket_mib=0.002)
+    assert (plan.grad_bucket_bytes, small.grad_bucket_bytes) == (25 * 2**20, 2 * 1024)  # whole KiB
+    assert small.stages[0].predicted_allreduce_s > plan.stages[0].predicted_allreduce_s
+    assert small.predicted_step_time_s > plan.predicted_step_time_s
+    assert Plan.load(small.export(tmp_path / "p")).grad_bucket_bytes == 2 * 1024
+    with pytest.raises(PlanOptionsError, match=r"PlanOptions.bucket_mib=0.0: use a number of MiB from 1/1024 \(1 "
+                                               r"KiB\) to 2\*\*20 \(the gradient bucket size, e.g. 25; zorse plan "
+                                               r"--bucket-mib\)"):
+        PlanOptions(global_batch_size=8, bucket_mib=0.0)
 
 
 def test_memory_options_round_trip(plan, tmp_path):
@@ -276,8 +283,7 @@ def test_live_profile_peaks_equal_a_step_by_step_count():
 
 @pytest.fixture(scope="module")
 def interleaved_plan():
-    return _gpt_plan(4, (0, 3, 5, 7), stage_gpus=((0, 1), (2,), (0, 1), (2,)),
-                     samples_per_microbatch=((3, 1), (4,), (3, 1), (4,)), interleave=2)
+    return _gpt_plan(4, (3, 5, 7), ((0, 1), (2,), (0, 1), (2,)), ((3, 1), (4,), (3, 1), (4,)), interleave=2)
 
 
 def test_interleaved_plan_round_trip_roles_and_table(interleaved_plan, tmp_path):

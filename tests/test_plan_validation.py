@@ -17,7 +17,7 @@ from test_plan import _gpt_plan, exported  # noqa: F401 (exported: a fixture, of
 from zorse_fx.cli import main as zorse_main
 from zorse_fx.cluster import Cluster
 from zorse_fx.errors import ClusterConfigError, PlanFileError, WeightsFileError, short_repr
-from zorse_fx.plan import Plan
+from zorse_fx.plan import PLAN_FORMAT_VERSION, Plan
 from zorse_fx.precision import precision_policy
 
 REEXPORT = "re-export the plan with `zorse plan`"
@@ -26,7 +26,7 @@ REEXPORT = "re-export the plan with `zorse plan`"
 @pytest.fixture(scope="module")
 def plan():
     """Stage 0: GPUs 0, 1 (ranks 0, 1) taking 3 + 1 samples; stage 1: GPU 2 (rank 2) taking 4."""
-    return _gpt_plan(2, (0, 3), stage_gpus=((0, 1), (2,)), samples_per_microbatch=((3, 1), (4,)))
+    return _gpt_plan(2, (3,), ((0, 1), (2,)), ((3, 1), (4,)))
 
 
 
@@ -173,7 +173,7 @@ def test_older_versions_still_load(plan, exported):
     """Versions 1-4 lack fields added since; they load with the values they trained with."""
     def to_v1(d):
         d["version"] = 1
-        for key in ("interleave", "precision", "grad_reduce_dtype"):
+        for key in ("interleave", "precision", "grad_reduce_dtype", "grad_bucket_bytes"):
             del d[key]
         for s in d["stages"]:
             del s["sharded"], s["recompute"], s["source_sha256"]
@@ -185,6 +185,51 @@ def test_older_versions_still_load(plan, exported):
     old = Plan.load(_edited(exported, to_v1))
     assert (old.interleave, old.precision, old.grad_reduce_dtype) == (1, "fp32", "float32")
     assert old.stages == plan.stages and not old.sources_verified
+    assert old.grad_bucket_bytes == 25 * 2**20 and old.to_dict()["version"] == PLAN_FORMAT_VERSION
+
+
+def test_a_version_5_file_reads_with_25_mib_buckets(exported):
+    """Version 6 added ``grad_bucket_bytes``; a version-5 file's runtime used 25 MiB unless told otherwise."""
+    def to_v5(d):
+        d["version"] = 5
+        del d["grad_bucket_bytes"]
+
+    old = Plan.load(_edited(exported, to_v5))
+    assert old.grad_bucket_bytes == 25 * 2**20 and old.sources_verified
+
+
+def test_a_bucket_size_below_1_kib_is_named(exported):
+    path = _edited(exported, lambda d: d.update(grad_bucket_bytes=512))
+    assert _load_error(path) == (f"{path}: field 'grad_bucket_bytes' is 512: expected `int` >= 1024 (the gradient "
+                                 f"all-reduce bucket size in bytes, at least 1 KiB (zorse plan --bucket-mib)); "
+                                 f"correct it or {REEXPORT}")
+
+
+def test_the_schema_is_the_dataclasses():
+    """plan.json's structs are built from the records' dataclasses: the same fields in the same
+    order, plus the three plan.json adds; a field is declared once (``file_schema.struct_of``)."""
+    import dataclasses
+
+    import msgspec
+
+    from zorse_fx.ir.tensor import TensorSpec
+    from zorse_fx.plan import GPUShare, SolverReport, StagePlan
+    from zorse_fx.plan_schema import GPUShareDoc, PlanDoc, SolverDoc, StageDoc, TensorSpecDoc
+
+    def names(cls):
+        return [f.name for f in dataclasses.fields(cls) if f.metadata.get("file") != "no"]
+
+    def doc_names(doc):
+        return [f.name for f in msgspec.structs.fields(doc)]
+
+    for cls, doc in [(GPUShare, GPUShareDoc), (SolverReport, SolverDoc), (TensorSpec, TensorSpecDoc)]:
+        assert doc_names(doc) == names(cls)
+    stage = names(StagePlan)
+    assert doc_names(StageDoc) == [*stage[:stage.index("source_file") + 1], "source_sha256",
+                                   *stage[stage.index("source_file") + 1:]]
+    top = names(Plan)
+    assert doc_names(PlanDoc) == ["format", *top[:top.index("grad_reduce_dtype") + 1], "compute_dtype",
+                                  *top[top.index("grad_reduce_dtype") + 1:]]
 
 
 # -- weights, per tensor -------------------------------------------------------------------------------

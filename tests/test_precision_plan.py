@@ -13,7 +13,7 @@ import re
 import pytest
 import torch
 import torch.nn as nn
-from conftest import CLUSTERS
+from conftest import CLUSTERS, small_gpt
 
 from zorse_fx.capture import analyse, capture
 from zorse_fx.cli import main as zorse_main
@@ -35,15 +35,9 @@ AMPERE = CLUSTERS / "zorse_a.yaml"
 DEMO = CLUSTERS / "demo.yaml"
 
 
-def _gpt():
-    torch.manual_seed(0)
-    ids = torch.randint(0, 256, (2, T))
-    return capture(GPT(GPTConfig(n_layer=2, n_embd=32, block_size=T)), (ids, ids))
-
-
 @pytest.fixture(scope="module")
 def gpt():
-    return _gpt()
+    return small_gpt(seq=T)
 
 
 # -- "auto" and the errors ----------------------------------------------------
@@ -250,7 +244,7 @@ def test_plan_round_trip_with_precision(bf16_plan, tmp_path):
     assert bf16_plan.precision_policy() == precision_policy("bf16-mixed", "bfloat16")
     path = bf16_plan.export(tmp_path / "p")
     d = json.loads(path.read_text())
-    assert d["version"] == PLAN_FORMAT_VERSION == 5
+    assert d["version"] == PLAN_FORMAT_VERSION == 6
     assert (d["precision"], d["grad_reduce_dtype"], d["compute_dtype"]) == ("bf16-mixed", "bfloat16", "bfloat16")
     loaded = Plan.load(path)
     assert loaded == bf16_plan and loaded.precision_policy().state_bytes_per_param == 20

@@ -8,12 +8,10 @@ import dataclasses
 from pathlib import Path
 
 import pytest
-import torch
 
-from zorse_fx.capture import capture
+from conftest import small_gpt
 from zorse_fx.cluster import Cluster
 from zorse_fx.ir import Decision
-from zorse_fx.models.gpt import GPT, GPTConfig
 from zorse_fx.options import PlanOptions
 from zorse_fx.plan import Plan
 from zorse_fx.plan_build import plan_decision
@@ -26,9 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def gpt():
-    torch.manual_seed(0)
-    ids = torch.randint(0, 256, (2, 16))
-    return capture(GPT(GPTConfig(n_layer=2, n_embd=32, block_size=16)), (ids, ids))
+    return small_gpt()
 
 
 def test_price_without_profiles_says_where_costs_come_from(gpt):

@@ -10,13 +10,15 @@ import re
 import pytest
 import torch
 
-from zorse_fx.capture import analyse, capture
+from conftest import small_gpt
+from zorse_fx.capture import analyse
 from zorse_fx.cluster import gpu_spec
 from zorse_fx.cost.measured import ProfileSet, _interpolate, measured_block_costs, node_time
 from zorse_fx.cost.roofline import block_costs
 from zorse_fx.models.gpt import GPT, GPTConfig
 from zorse_fx.precision import precision_policy
 from zorse_fx.cost.profile import DeviceInfo, KernelProfile, KernelTiming
+from zorse_fx.errors import FileFormatError, ProfileFileError
 from zorse_fx.cost.replay import NodeCall, model_calls
 
 T = 16
@@ -45,14 +47,38 @@ def test_profile_round_trip_and_bad_files(tmp_path):
     d = json.loads(path.read_text())
     d["entries"][0]["fwd_ms"] = -1
     path.write_text(json.dumps(d))
-    with pytest.raises(ValueError, match=r"entries\[0\]\.fwd_ms must be a positive number, got -1"):
+    with pytest.raises(ValueError, match=rf"{re.escape(str(path))}: field entries\[0\]\.fwd_ms is -1: expected "
+                                         r"`float` > 0\.0 \(forward time, ms, > 0\); correct it or re-run "
+                                         r"`zorse bench kernels`"):
         KernelProfile.load(path)
     d["format"] = "other"
     path.write_text(json.dumps(d))
-    with pytest.raises(ValueError, match="not a kernel profile"):
+    with pytest.raises(ValueError, match=r"not a zorse_fx kernel profile \(field 'format' is 'other', expected "
+                                         r"'zorse_fx.kernel_profile'\)"):
         KernelProfile.load(path)
-    with pytest.raises(ValueError, match="no such profile; create one with `zorse bench kernels"):
+    with pytest.raises(ValueError, match="missing.json: no such kernel profile file; create one with "
+                                         "`zorse bench kernels"):
         KernelProfile.load(tmp_path / "missing.json")
+
+
+@pytest.mark.parametrize("mutate,field,value", [
+    (lambda d: d["entries"][0].update(flops="1e9"), "entries[0].flops", "1e9"),  # wrong type
+    (lambda d: d["device"].update(threads=0), "device.threads", 0),  # out of range
+    (lambda d: d["entries"][0].update(op_class="conv"), "entries[0].op_class", "conv"),  # not an allowed value
+    (lambda d: d.update(calibraton=1.1), "'calibraton'", 1.1),  # unknown field (a typo)
+])
+def test_bad_profile_fields_name_file_field_and_value(tmp_path, mutate, field, value):
+    d = _profile(entries=[_timing("a", "matmul", 1.0, 2.0, 1e9, 1e6)]).to_dict()
+    mutate(d)
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(d))
+    with pytest.raises(FileFormatError) as e:
+        KernelProfile.load(path)
+    assert isinstance(e.value, ProfileFileError) and isinstance(e.value, ValueError)
+    assert (e.value.path, e.value.field, e.value.value) == (str(path), field, value)
+    assert str(e.value).startswith(f"{path}: ") and field in str(e.value)
+    # the fix (an enum's error lists the allowed values instead)
+    assert str(e.value).endswith("re-run `zorse bench kernels`") or "; allowed: " in str(e.value)
 
 
 def test_lookup_order_exact_then_interpolated_then_roofline():
@@ -113,9 +139,7 @@ def test_measured_block_costs_from_replayed_model():
     """Profile the model's own nodes (real timings, 1 repeat) and price its blocks."""
     from zorse_fx.cost.replay import time_call
 
-    torch.manual_seed(0)
-    ids = torch.randint(0, 256, (2, T))
-    captured = capture(GPT(GPTConfig(n_layer=2, n_embd=32, block_size=T)), (ids, ids))
+    captured = small_gpt(seq=T)
     bg = analyse(captured)
     entries = {}
     for n in (1, 4):

@@ -17,13 +17,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import CLUSTERS, first_batch, reference_adamw, run_distributed, with_memory_policy
+from conftest import CLUSTERS, first_batch, fixed_plan, reference_adamw, run_distributed, with_memory_policy
 from zorse_fx.capture import analyse, capture
 from zorse_fx.cluster import Cluster
 from zorse_fx.models.gpt import GPT, GPTConfig
-from zorse_fx.planner import PlanOptions, plan_fixed
 from zorse_fx.runtime.worker import StageWorker
-from zorse_fx.solve import Decision
 
 T = 16
 
@@ -47,11 +45,7 @@ def dropout_plan():
     torch.manual_seed(0)
     ids = torch.randint(0, 256, (2, T))
     captured = capture(DropoutGPT(GPTConfig(n_layer=2, n_embd=32, block_size=T)), (ids, ids))
-    nb = analyse(captured).num_blocks
-    plan, _ = plan_fixed(captured, Cluster.from_yaml(CLUSTERS / "small_hetero.yaml"),
-                         PlanOptions(global_batch_size=4, schedule="gpipe"),
-                         Decision(stage_blocks=((0, nb),), stage_gpus=((0,),), samples_per_microbatch=((2,),),
-                                  num_microbatches=2))
+    plan = fixed_plan(captured, ((0,),), ((2,),), num_microbatches=2, global_batch_size=4, schedule="gpipe")
     return plan, captured.state()
 
 
@@ -122,10 +116,7 @@ def mixed_dtype_plan():
     torch.manual_seed(0)
     ids = torch.randint(0, 256, (2, T))
     captured = capture(MixedDtypeGPT(GPTConfig(n_layer=2, n_embd=32, block_size=T)), (ids, ids))
-    nb = analyse(captured).num_blocks
-    plan, _ = plan_fixed(captured, Cluster.from_yaml(CLUSTERS / "small_hetero.yaml"), PlanOptions(global_batch_size=8),
-                         Decision(stage_blocks=((0, nb),), stage_gpus=((0, 1, 2),), samples_per_microbatch=((2, 1, 1),),
-                                  num_microbatches=2))
+    plan = fixed_plan(captured, ((0, 1, 2),), ((2, 1, 1),), num_microbatches=2, global_batch_size=8)
     return plan, captured
 
 

@@ -13,10 +13,8 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from conftest import CLUSTERS, make_devices, solver_options
-from test_interleaved_runtime import _gpt_captured
+from conftest import CLUSTERS, fixed_decision, gpt4x64, make_devices, solver_options
 
-from zorse_fx.capture import analyse
 from zorse_fx.cluster import Cluster
 from zorse_fx.cost.roofline import block_costs
 from zorse_fx.plan_build import plan_decision
@@ -111,7 +109,7 @@ SHAPES = {
 
 @pytest.fixture(scope="module")
 def captured():
-    return _gpt_captured()
+    return gpt4x64()
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -122,11 +120,7 @@ def test_the_simulator_replays_the_runtimes_program(captured, shape):
     cost model's cut bytes)."""
     gpus, samples, m, v = SHAPES[shape]
     gb = m * sum(samples[0])
-    nb = analyse(captured).num_blocks
-    ns = len(gpus)
-    cuts = [round(i * nb / ns) for i in range(ns + 1)]
-    dec = Decision(stage_blocks=tuple((cuts[i], cuts[i + 1]) for i in range(ns)), stage_gpus=gpus,
-                   samples_per_microbatch=samples, num_microbatches=m, interleave=v)
+    dec = fixed_decision(captured, gpus, samples, num_microbatches=m, interleave=v)
     cluster = Cluster.from_yaml(CLUSTERS / "small_hetero.yaml")
     plan, bg = plan_fixed(captured, cluster, PlanOptions(global_batch_size=gb), dec)
     costs = block_costs(bg, {g.type: g.spec for g in cluster.gpus}, precision=precision_policy("fp32"))

@@ -8,14 +8,13 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-import torch
 
 from zorse_fx.cluster import Cluster
 from zorse_fx.sim import simulate
 from zorse_fx.sim.network import max_min_rates, ring
 from zorse_fx.solve import BlockCosts, Decision
 
-from conftest import CLUSTERS, solver_options
+from conftest import CLUSTERS, small_gpt, solver_options
 
 
 def _one_gpu_nodes(names_by_dc: dict[str, list[str]], **extra) -> dict:
@@ -146,16 +145,12 @@ def test_ring_allreduce_k_minus_1_over_k_and_shared_wan_hops():
 
 def _gpt_costs():
     """Block costs of a 2-layer GPT (tied input / output embedding) on small_hetero's GPU types."""
-    from zorse_fx.capture import capture
     from zorse_fx.capture.analysis import analyse
     from zorse_fx.cost.roofline import block_costs
-    from zorse_fx.models.gpt import GPT, GPTConfig
     from zorse_fx.precision import precision_policy
 
-    torch.manual_seed(0)
-    ids = torch.randint(0, 256, (2, 16))
     cluster = Cluster.from_yaml(CLUSTERS / "small_hetero.yaml")
-    bg = analyse(capture(GPT(GPTConfig(n_layer=2, n_embd=32, block_size=16)), (ids, ids)))
+    bg = analyse(small_gpt())
     specs = {g.type: g.spec for g in cluster.gpus}
     return block_costs(bg, specs, precision=precision_policy("fp32")), cluster.device_graph()
 

@@ -12,13 +12,12 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import CLUSTERS, cached_capture, reference_step, spawn_ranks
+from conftest import CLUSTERS, fixed_plan, gpt3x64, reference_step, spawn_ranks, tiny_llama_tied
 from zorse_fx.cli import main as zorse_main
 from zorse_fx.data import global_batch, read_corpus, tokenize
 from zorse_fx.errors import DataError
 from zorse_fx.token_data import (FILL_ID, TokenData, load_tokenizer, model_vocab_size, plan_rank_samples,
                                  prepare_data, rank_samples)
-from zorse_fx.solve import Decision
 
 LM = dict(input_names=("input_ids", "labels"))
 
@@ -240,6 +239,8 @@ def test_bad_token_files_are_named_with_the_fix(tmp_path, lee_bytes):
 
 
 def test_bad_headers_and_vocabulary_of_token_files(tmp_path, lee_docs):
+    from zorse_fx.errors import FileFormatError, TokenHeaderError
+
     (tmp_path / "a.txt").write_text(lee_docs[0])
     prepare_data(str(tmp_path / "a.txt"), tmp_path / "t", tokenizer="smollm2-135m", progress=False)
     data = TokenData.open(tmp_path / "t.bin")
@@ -260,13 +261,31 @@ def test_bad_headers_and_vocabulary_of_token_files(tmp_path, lee_docs):
                                         rf"{len(raw):,} bytes\).*`zorse prepare-data`"):
         TokenData.open(tmp_path / "t.bin")
     (tmp_path / "t.bin").write_bytes(raw)
-    for field, value, want in [("dtype", "float32", "'uint16' or 'uint32'"), ("version", 9, "1"),
-                               ("format", "npy", "'zorse_fx.tokens'"), ("num_tokens", -1, "an integer >= 1"),
-                               ("max_token_id", 70000, "<= 65535")]:
+    fix = "; correct it or rewrite the token file with `zorse prepare-data`"
+    for field, value, want in [
+            ("dtype", "float32", r"t.json: field 'dtype' is 'float32'; allowed: 'uint16', 'uint32'$"),
+            ("version", 9, r"t.json: token file header format version 9 is not supported by this zorse_fx \(reads "
+                           r"version 1\); rewrite the token file with `zorse prepare-data`"),
+            ("format", "npy", r"t.json: not a zorse_fx token file header \(field 'format' is 'npy', expected "
+                              r"'zorse_fx.tokens'\)"),
+            ("num_tokens", -1, rf"t.json: field 'num_tokens' is -1: expected `int` >= 1 \(token ids in the .bin "
+                               rf"file\){fix}"),
+            ("max_token_id", 70000, rf"t.json: field 'max_token_id' is 70000: expected <= 65535 \(the largest "
+                                    rf"uint16\){fix}"),
+            ("eos_id", "2", rf"t.json: field 'eos_id' is '2': expected `int \| null`, got `str` \(the id written "
+                            rf"after each document, or null\){fix}"),  # wrong type
+            ("vocab_size", 0, rf"t.json: field 'vocab_size' is 0: expected `int` >= 1 .*{fix}"),  # out of range
+            ("max_id", 3, r"t.json: unknown field 'max_id' \(value 3\); did you mean 'max_token_id'\? remove it "
+                          r"or rewrite the token file with `zorse prepare-data`")]:  # unknown field
         (tmp_path / "t.json").write_text(json.dumps({**header, field: value}))
-        with pytest.raises(DataError, match=rf"t.json: field '{field}' is {value!r}, expected {want}.*"
-                                            r"`zorse prepare-data`"):
+        with pytest.raises(TokenHeaderError, match=want) as e:
             TokenData.open(tmp_path / "t.json")
+        assert isinstance(e.value, DataError) and isinstance(e.value, FileFormatError)
+        assert (e.value.path, e.value.field, e.value.value) == (str(tmp_path / "t.json"), repr(field), value)
+    (tmp_path / "t.json").write_text("{\"format\": ")
+    with pytest.raises(DataError, match=r"t.json: invalid JSON at line 1: .*; rewrite the token file with "
+                                        r"`zorse prepare-data`"):
+        TokenData.open(tmp_path / "t.json")
     (tmp_path / "t.json").unlink()
     with pytest.raises(DataError, match=r"t.json not found"):
         TokenData.open(tmp_path / "t.bin")
@@ -312,23 +331,19 @@ def test_train_data_options(argv, message, capsys):
     with pytest.raises(SystemExit):
         parse_args(["plan", *argv])
     assert message in capsys.readouterr().err
-    args = parse_args(["plan", "--data", "a.json", "--allow-repeat", "--val-fraction", "0.1"])
-    assert (args.data, args.tokens, args.allow_repeat, args.val_fraction) == ("a.json", None, True, 0.1)
+    d = parse_args(["plan", "--data", "a.json", "--allow-repeat", "--val-fraction", "0.1"]).data
+    assert (d.data, d.tokens, d.allow_repeat, d.val_fraction) == ("a.json", None, True, 0.1)
 
 
 SEQ = 32
 
 
 def _two_stage_plan(captured, gb=4):
+    """Two stages cut in the middle, on GPUs 0 and 1, one micro-batch of ``gb``."""
     from zorse_fx.capture import analyse
-    from zorse_fx.cluster import Cluster
-    from zorse_fx.planner import PlanOptions, plan_fixed
 
-    nb = analyse(captured).num_blocks
-    plan, _ = plan_fixed(captured, Cluster.from_yaml(CLUSTERS / "small_hetero.yaml"), PlanOptions(global_batch_size=gb),
-                         Decision(stage_blocks=((0, nb // 2), (nb // 2, nb)), stage_gpus=((0,), (1,)),
-                                  samples_per_microbatch=((gb,), (gb,)), num_microbatches=1))
-    return plan
+    return fixed_plan(captured, ((0,), (1,)), ((gb,), (gb,)), num_microbatches=1, global_batch_size=gb,
+                      cuts=(analyse(captured).num_blocks // 2,))
 
 
 def test_model_vocab_size_is_the_embedding_of_the_input_ids():
@@ -338,7 +353,6 @@ def test_model_vocab_size_is_the_embedding_of_the_input_ids():
     parameters, an upper bound."""
     import dataclasses
 
-    from test_distributed import _tiny_llama_tied
     from zorse_fx.capture import capture
     from zorse_fx.models.gpt import GPT, GPTConfig
 
@@ -349,7 +363,7 @@ def test_model_vocab_size_is_the_embedding_of_the_input_ids():
     assert model_vocab_size(plan, gpt.state()) == 256
     # Stage 0's attention / MLP weights have 3 * 128 or 4 * 128 rows: more than the vocabulary.
     assert model_vocab_size(dataclasses.replace(plan, sources=()), gpt.state()) in (384, 512)
-    llama = _tiny_llama_tied()
+    llama = tiny_llama_tied()
     assert model_vocab_size(_two_stage_plan(llama), llama.state()) == 256
 
 
@@ -357,22 +371,11 @@ def test_train_with_data_reads_only_each_ranks_rows(tmp_path, lee_docs):
     """python -m zorse_fx.train --data: three ranks (stage 1 split 2 + 1 rows
     per micro-batch), each reading only its samples of the token file, train
     the step single-process training computes on the whole batch."""
-    from zorse_fx.capture import analyse, capture
-    from zorse_fx.cluster import Cluster
-    from zorse_fx.models.gpt import GPT, GPTConfig
-    from zorse_fx.planner import PlanOptions, plan_fixed
+    from zorse_fx.capture import analyse
 
-    def build():
-        torch.manual_seed(0)
-        model = GPT(GPTConfig(n_layer=3, n_embd=64, n_head=4, block_size=SEQ))
-        ids = torch.randint(0, 256, (4, SEQ))
-        return capture(model, (ids, ids))
-
-    captured = cached_capture("gpt3x64", build)
-    nb = analyse(captured).num_blocks
-    plan, _ = plan_fixed(captured, Cluster.from_yaml(CLUSTERS / "small_hetero.yaml"), PlanOptions(global_batch_size=6),
-                         Decision(stage_blocks=((0, nb // 2), (nb // 2, nb)), stage_gpus=((0,), (2, 3)),
-                                  samples_per_microbatch=((3,), (2, 1)), num_microbatches=2))
+    captured = gpt3x64()
+    plan = fixed_plan(captured, ((0,), (2, 3)), ((3,), (2, 1)), num_microbatches=2, global_batch_size=6,
+                      cuts=(analyse(captured).num_blocks // 2,))
     assert plan_rank_samples(plan, 0) == [0, 1, 2, 3, 4, 5]
     assert [plan_rank_samples(plan, r) for r in (1, 2)] == [[0, 1, 3, 4], [2, 5]]
     assert model_vocab_size(plan, captured.state()) == 256

@@ -19,52 +19,44 @@ import sys
 import pytest
 import torch
 
-from conftest import (CLUSTERS, FP32, ROOT, assert_params_match, reference_adamw, spawn_ranks, train_and_compare,
-                      with_memory_policy)
-from test_distributed import SEQ, _gpt_captured
+from conftest import (FP32, ROOT, assert_params_match, fixed_plan, gpt3x64, reference_adamw, spawn_ranks,
+                      train_and_compare, with_memory_policy)
 from zorse_fx.capture import analyse, capture
-from zorse_fx.cluster import Cluster
 from zorse_fx.data import global_batch
 from zorse_fx.errors import CheckpointError
 from zorse_fx.models.gpt import GPT, GPTConfig
-from zorse_fx.planner import PlanOptions, plan_fixed
 from zorse_fx.runtime.checkpoint import MANIFEST, latest_checkpoint, list_checkpoints, read_manifest
 from zorse_fx.runtime.lr_schedule import LRSchedule
-from zorse_fx.solve import Decision
 
 LR, WD = 1e-3, 0.1
+SEQ = 32  # gpt3x64's tokens
 
 
 def _gpt():
-    return _gpt_captured()  # the 3-layer GPT of test_distributed.py (captured once per session)
-
-
-def _plan(captured, *, cut, stage_gpus, samples, sharded=(), shard_bytes=None, recompute=()):
-    cluster = Cluster.from_yaml(CLUSTERS / "small_hetero.yaml")
-    nb = analyse(captured).num_blocks
-    plan, _ = plan_fixed(captured, cluster, PlanOptions(global_batch_size=6),
-                         Decision(stage_blocks=((0, cut), (cut, nb)), stage_gpus=stage_gpus,
-                                  samples_per_microbatch=samples, num_microbatches=2))
-    return with_memory_policy(plan, sharded=set(sharded), recompute=set(recompute), shard_bytes=shard_bytes)
+    return gpt3x64()  # the 3-layer GPT of the distributed tests (captured once per session)
 
 
 def _plan_a(captured):
-    """2 stages: stage 0 on GPU 0; stage 1 on GPUs 2, 3 (1:2 samples), ZeRO-1 3:1, tied embedding."""
-    return _plan(captured, cut=analyse(captured).num_blocks // 2, stage_gpus=((0,), (2, 3)),
-                 samples=((3,), (1, 2)), sharded={1}, shard_bytes={1: (3 * 2**20, 2**20)})
+    """2 stages cut in the middle, global batch 6 in 2 micro-batches: stage 0 on
+    GPU 0; stage 1 on GPUs 2, 3 (1:2 samples), ZeRO-1 3:1, tied embedding."""
+    plan = fixed_plan(captured, ((0,), (2, 3)), ((3,), (1, 2)), num_microbatches=2, global_batch_size=6,
+                      cuts=(analyse(captured).num_blocks // 2,))
+    return with_memory_policy(plan, sharded={1}, shard_bytes={1: (3 * 2**20, 2**20)})
 
 
 def _plan_a4(captured):
-    """4 ranks: stage 0 on GPUs 0, 1 (2:1 samples), stage 1 on GPUs 2, 3 (1:2), ZeRO-1 3:1."""
-    return _plan(captured, cut=analyse(captured).num_blocks // 2, stage_gpus=((0, 1), (2, 3)),
-                 samples=((2, 1), (1, 2)), sharded={1}, shard_bytes={1: (3 * 2**20, 2**20)})
+    """4 ranks, cut in the middle, global batch 6 in 2 micro-batches: stage 0 on
+    GPUs 0, 1 (2:1 samples), stage 1 on GPUs 2, 3 (1:2), ZeRO-1 3:1."""
+    plan = fixed_plan(captured, ((0, 1), (2, 3)), ((2, 1), (1, 2)), num_microbatches=2, global_batch_size=6,
+                      cuts=(analyse(captured).num_blocks // 2,))
+    return with_memory_policy(plan, sharded={1}, shard_bytes={1: (3 * 2**20, 2**20)})
 
 
 def _plan_b(captured):
-    """Another plan of the same model: another cut, stage 0 on 2 GPUs (2:1,
-    ZeRO-1 1:1), stage 1 on one GPU with recomputation; 3 ranks."""
-    return _plan(captured, cut=2, stage_gpus=((0, 1), (3,)), samples=((2, 1), (3,)), sharded={0},
-                 recompute={1})
+    """Another plan of the same model: another cut (block 2), stage 0 on 2 GPUs
+    (2:1, ZeRO-1 1:1), stage 1 on one GPU with recomputation; 3 ranks."""
+    plan = fixed_plan(captured, ((0, 1), (3,)), ((2, 1), (3,)), num_microbatches=2, global_batch_size=6, cuts=(2,))
+    return with_memory_policy(plan, sharded={0}, recompute={1})
 
 
 # -- learning-rate schedules -----------------------------------------------------
@@ -269,6 +261,8 @@ def test_checkpoint_of_another_model_is_refused_naming_the_parameter(lee_bytes, 
 
 
 def test_manifest_errors_name_file_and_field(tmp_path):
+    from zorse_fx.errors import FileFormatError
+
     d = tmp_path / "step_3"
     d.mkdir()
     with pytest.raises(CheckpointError, match="no zorse_checkpoint.json"):
@@ -276,8 +270,28 @@ def test_manifest_errors_name_file_and_field(tmp_path):
     (d / MANIFEST).write_text(json.dumps({"format": "zorse_fx.checkpoint", "version": 1, "step": "3"}))
     with pytest.raises(CheckpointError) as got:
         read_manifest(d)
-    assert str(got.value) == f"{d / MANIFEST}: field 'step' is '3'; expected a non-negative integer"
+    assert str(got.value) == (f"{d / MANIFEST}: field 'step' is '3': expected `int`, got `str` (training steps taken "
+                              f"when it was written); correct it or resume from another step_<k> directory of "
+                              f"<out>/checkpoints")
     assert latest_checkpoint(tmp_path) is None or latest_checkpoint(tmp_path) == d
+    good = {"format": "zorse_fx.checkpoint", "version": 1, "step": 3, "optimizer_steps": 3, "world_size": 2,
+            "num_stages": 2, "model_name": "gpt", "cluster_name": "c", "global_batch_size": 8, "seq_len": 16,
+            "precision": "fp32", "samples_seen": 24}
+    (d / MANIFEST).write_text(json.dumps(good))
+    assert read_manifest(d) == good
+    for field, value, bad in [("'world_size'", "2", {"world_size": "2"}),  # wrong type
+                              ("'seq_len'", 0, {"seq_len": 0}),  # out of range
+                              ("'precision'", "fp8", {"precision": "fp8"}),  # not an allowed value
+                              ("'samples'", 24, {"samples": 24})]:  # unknown field
+        (d / MANIFEST).write_text(json.dumps({**good, **bad}))
+        with pytest.raises(FileFormatError) as got:
+            read_manifest(d)
+        assert isinstance(got.value, CheckpointError)
+        assert (got.value.path, got.value.field, got.value.value) == (str(d / MANIFEST), field, value)
+        assert str(got.value).startswith(f"{d / MANIFEST}: ") and f"{field}" in str(got.value)
+        # the fix (an enum's error lists the allowed values instead)
+        assert str(got.value).endswith("resume from another step_<k> directory of <out>/checkpoints") \
+            or str(got.value).endswith("allowed: 'fp32', 'bf16-mixed', 'fp16-mixed'")
 
 
 @pytest.mark.xdist_group("uninterrupted")  # one worker computes the module fixture once

@@ -12,9 +12,13 @@
 
 ``zorse train`` starts one local process per planned GPU with torchrun and
 supervises it (``runtime/launch.py``, [Note: stopping a job]): SIGINT/SIGTERM
-stop every rank, a stalled rank is named and stops the job; on a real
-multi-node cluster run the printed ``torchrun ... -m zorse_fx.train`` command
-on every node instead.
+stop every rank, a stalled rank is named and stops the job. Its options are
+``python -m zorse_fx.train``'s (``train_options.py``: the same records, flags
+and checks, parsed by tyro) plus the launcher's (``LaunchOptions``); the
+ranks get theirs as ``<out>/train_options.json`` (``--options-file``). On a
+real multi-node cluster run the printed ``torchrun ... -m zorse_fx.train``
+command on every node instead (the options file on a shared path, or the
+flags).
 """
 
 from __future__ import annotations
@@ -22,16 +26,64 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated
 
 import torch
+import tyro
 
 from .errors import ZorseError
 from .options import PLANNERS, SCHEDULES, PlanOptions
 from .precision import GRAD_REDUCE_DTYPES, PRECISIONS
-from .train import add_training_options, check_training_options
+from .train_options import (OPTIONS_FILE, OptionValueError, TrainingOptions, TrainingRecords, UsageError, parse_flags,
+                            write_options_file)
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "build_parser", "LaunchOptions", "TrainCommand"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaunchOptions:
+    """``zorse train``'s own options: the token file it prepares, and how it
+    starts and supervises torchrun (``runtime/launch.py``)."""
+
+    nproc: int = 0
+    """processes to start on this machine (0: the plan's GPU count)"""
+    corpus: str = "lee"
+    """without --data/--tokens: any prepare-data source ('lee', a text file, a directory, a datasets file)"""
+    tokenizer: str = "bytes"
+    """without --data/--tokens: bytes | smollm2-135m | a Hugging Face tokenizer directory or hub name"""
+    stall_timeout: Annotated[float, tyro.conf.arg(metavar="S", help=(
+        "stop the job when a rank made no progress (no heartbeat: stopped, frozen host, a hang holding the GIL) "
+        "for S seconds, naming it (0: never)"))] = 300.0
+    term_grace_s: Annotated[float, tyro.conf.arg(metavar="S", help=(
+        "on SIGTERM, seconds the ranks get to finish (write a checkpoint) before every process of the job is "
+        "killed (SIGINT/Ctrl-C: 5 s)"))] = 60.0
+    max_restarts: Annotated[int, tyro.conf.arg(metavar="R", help=(
+        "torchrun restarts every worker when one dies, up to R times; with checkpoints the restarted ranks "
+        "resume"))] = 0
+
+    def __post_init__(self) -> None:
+        for name in ("nproc", "stall_timeout", "term_grace_s", "max_restarts"):
+            if not getattr(self, name) >= 0:
+                raise OptionValueError(name, f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainCommand(TrainingRecords):
+    """``zorse train``'s command line: the training options (the records of
+    ``train_options.TrainingOptions``, the same flags as ``python -m
+    zorse_fx.train``) and the launcher's."""
+
+    launch: LaunchOptions = LaunchOptions()
+    """zorse train: preparing the tokens, starting and supervising torchrun"""
+
+    def training_options(self, data: str | None = None) -> TrainingOptions:
+        """The ranks' options; ``data``: the token file ``zorse train`` prepared (``--data``)."""
+        records = {f.name: getattr(self, f.name) for f in dataclasses.fields(TrainingRecords)}
+        if data is not None:
+            records["data"] = dataclasses.replace(self.data, data=data)
+        return TrainingOptions(**records)
 
 
 def _load_model(name: str):
@@ -51,7 +103,7 @@ def cmd_plan(args) -> int:
     compiled = zorse.compile(
         model, cluster=args.cluster, example_inputs=(ids, ids), global_batch_size=args.global_batch_size,
         max_stages=args.max_stages, schedule=args.schedule, time_limit_s=args.time_limit, planner=args.planner,
-        solver_budget=args.solver_budget,
+        solver_budget=args.solver_budget, bucket_mib=args.bucket_mib,
         max_interleave=args.max_interleave, precision=args.precision, grad_reduce_dtype=args.grad_reduce_dtype,
         verbose=True, model_name=args.model,
     )
@@ -72,7 +124,9 @@ def cmd_prepare_data(args) -> int:
 
 def cmd_train(args) -> int:
     """Prepare the token file (``--corpus`` / ``--tokenizer``, unless ``--data``
-    names one) and run the plan under torchrun, supervised: a SIGINT or
+    or ``--tokens`` names one), write the ranks' options to
+    ``<out>/train_options.json`` and run the plan under torchrun
+    (``python -m zorse_fx.train --options-file ...``), supervised: a SIGINT or
     SIGTERM stops every rank (SIGTERM after ``--term-grace-s``, for a checkpoint),
     a rank whose heartbeat stops for ``--stall-timeout`` seconds ends the job
     with that rank named, and ``--max-restarts`` lets torchrun restart all the
@@ -81,28 +135,22 @@ def cmd_train(args) -> int:
     from .runtime.launch import launch, torchrun_command
     from .runtime.watchdog import heartbeat_dir
     from .token_data import prepare_data, token_file_paths
-    from .train import training_argv
 
-    plan = Plan.load(args.plan)
-    out = Path(args.out)
+    cmd: TrainCommand = args.train
+    plan = Plan.load(cmd.data.plan)
+    out = Path(cmd.job.out)
     out.mkdir(parents=True, exist_ok=True)
-    data = args.data
-    if data is None:  # --corpus / --tokenizer: prepare the token file first
+    data = None
+    if cmd.data.data is None and cmd.data.tokens is None:  # --corpus / --tokenizer: prepare the token file first
         data = str(token_file_paths(out / "data" / "tokens")[0])
-        prepare_data(args.corpus, out / "data" / "tokens", tokenizer=args.tokenizer)
-    train_args = ["--data", data, "--steps", str(args.steps), "--out", str(out),
-                  "--pg-timeout-min", f"{args.pg_timeout_min:g}", *training_argv(args)]
-    if args.precision:
-        train_args += ["--precision", args.precision]
-    if args.allow_repeat:
-        train_args += ["--allow-repeat"]
-    if args.val_fraction:
-        train_args += ["--val-fraction", str(args.val_fraction)]
-    nproc = args.nproc or plan.world_size
-    kw = dict(max_restarts=args.max_restarts, shutdown_timeout_s=args.term_grace_s)
-    print("[zorse] " + " ".join(torchrun_command(args.plan, nproc, train_args, **kw)), flush=True)
-    launch(args.plan, nproc, train_args, heartbeat_dir=heartbeat_dir(out), stall_timeout_s=args.stall_timeout,
-           term_grace_s=args.term_grace_s, max_restarts=args.max_restarts)
+        prepare_data(cmd.launch.corpus, out / "data" / "tokens", tokenizer=cmd.launch.tokenizer)
+    options_file = write_options_file(cmd.training_options(data), out / OPTIONS_FILE)
+    train_argv = ["--options-file", str(options_file)]
+    nproc = cmd.launch.nproc or plan.world_size
+    kw = dict(max_restarts=cmd.launch.max_restarts, shutdown_timeout_s=cmd.launch.term_grace_s)
+    print("[zorse] " + " ".join(torchrun_command(nproc, train_argv, **kw)), flush=True)
+    launch(nproc, train_argv, heartbeat_dir=heartbeat_dir(out), stall_timeout_s=cmd.launch.stall_timeout,
+           term_grace_s=cmd.launch.term_grace_s, max_restarts=cmd.launch.max_restarts)
     return 0
 
 
@@ -192,20 +240,37 @@ def _number(kind, ok, what):
     return parse
 
 
-_nonneg_seconds = _number(float, lambda v: v >= 0, "seconds >= 0")
-_positive_minutes = _number(float, lambda v: v > 0, "minutes > 0")
-_nonneg_int = _number(int, lambda v: v >= 0, "an integer >= 0")
 _at_least_two = _number(int, lambda v: v >= 2, "an integer >= 2 (links need two ranks)")
+
+
+class _Parser(argparse.ArgumentParser):
+    """``zorse``'s parsers: argparse, except a subcommand built from records
+    (``command`` set: ``zorse train``), whose whole argv goes to tyro
+    (``train_options.parse_flags``); its ``--help`` is tyro's, listing every
+    flag, and a refused flag or value is ``parser.error`` (exit 2)."""
+
+    command: type | None = None
+
+    def parse_known_args(self, args=None, namespace=None):
+        if self.command is None:
+            return super().parse_known_args(args, namespace)
+        namespace, _ = super().parse_known_args([], namespace)  # the set_defaults (fn)
+        try:
+            namespace.train = parse_flags(self.command, sys.argv[1:] if args is None else args, prog=self.prog,
+                                          description=self.description)
+        except UsageError as exc:
+            self.error(str(exc))
+        return namespace, []
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``zorse`` argument parser (every subcommand; tests parse README commands with it)."""
     from . import __version__
 
-    p = argparse.ArgumentParser(prog="zorse", description="Heterogeneous-cluster training planner and runtime.")
+    p = _Parser(prog="zorse", description="Heterogeneous-cluster training planner and runtime.")
     p.add_argument("--version", action="version", version=f"zorse_fx {__version__} (torch {torch.__version__})")
     p.add_argument("--debug", action="store_true", help="on an error, show the Python traceback")
-    sub = p.add_subparsers(dest="cmd", required=True)
+    sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
     pp = sub.add_parser("plan", help="model + cluster -> exported plan (plan.json, stage_<i>.py, weights.pt)")
     pp.add_argument("--model", required=True, help="smollm2-135m | gpt | module:factory")
     pp.add_argument("--cluster", required=True, help="cluster YAML file")
@@ -223,6 +288,9 @@ def build_parser() -> argparse.ArgumentParser:
     pp.add_argument("--time-limit", type=float, default=opt["time_limit_s"],
                     help="wall-clock safety stop per CP-SAT solve, seconds; if it fires first the status says "
                          "'(wall-clock safety stop)' and the plan may vary")
+    pp.add_argument("--bucket-mib", type=float, default=opt["bucket_mib"], metavar="MIB",
+                    help="gradient all-reduce bucket size in MiB (DDP's bucket_cap_mb; default %(default)g): priced "
+                         "by the planner and recorded in the plan, which the runtime trains with")
     pp.add_argument("--planner", default=opt["planner"], choices=PLANNERS,
                     help="auto: CP-SAT checked against the stage DP and the baselines; stage_dp: the DP alone (fast)")
     pp.add_argument("--precision", default=opt["precision"], choices=("auto", *PRECISIONS),
@@ -231,36 +299,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="dtype of the gradient all-reduce (default float32; bfloat16 needs bf16-mixed)")
     pp.add_argument("-o", "--output", required=True, help="plan directory to write")
     pp.set_defaults(fn=cmd_plan)
-    pt = sub.add_parser("train", help="run an exported plan with torchrun (one process per GPU)")
-    pt.add_argument("plan")
-    pt.add_argument("--data", default=None, help="token file of `zorse prepare-data` (<name>.bin or <name>.json); "
-                                                 "without it --corpus is tokenized into <out>/data/tokens.bin first")
-    pt.add_argument("--corpus", default="lee", help="without --data: any prepare-data source ('lee', a text file, "
-                                                   "a directory, a datasets file)")
-    pt.add_argument("--tokenizer", default="bytes", help="without --data: bytes | smollm2-135m | a Hugging Face "
-                                                        "tokenizer directory or hub name")
-    pt.add_argument("--allow-repeat", action="store_true",
-                    help="allow a corpus smaller than one global batch (samples repeat within a step)")
-    pt.add_argument("--val-fraction", type=float, default=0.0,
-                    help="hold out this fraction of the sequences (the last ones) for validation")
-    pt.add_argument("--steps", type=int, default=10, help="total training steps (a resumed run counts from step 1)")
-    pt.add_argument("--nproc", type=int, default=0, help="processes (default: the plan's GPU count)")
-    pt.add_argument("--out", default="runs/train")
-    pt.add_argument("--precision", choices=("fp32", "bf16-mixed", "fp16-mixed"), default=None,
-                    help="train with this precision (default: the plan's on GPUs, fp32 on a CPU)")
-    pt.add_argument("--stall-timeout", type=_nonneg_seconds, default=300.0, metavar="S",
-                    help="stop the job when a rank made no progress (no heartbeat: stopped, frozen host, a hang "
-                         "holding the GIL) for S seconds, naming it (default 300; 0: never)")
-    pt.add_argument("--term-grace-s", type=_nonneg_seconds, default=60.0, metavar="S",
-                    help="on SIGTERM, seconds the ranks get to finish (write a checkpoint) before every process of "
-                         "the job is killed (default 60; SIGINT/Ctrl-C: 5 s)")
-    pt.add_argument("--pg-timeout-min", type=_positive_minutes, default=10.0, metavar="MIN",
-                    help="minutes a collective waits for a peer before the process group fails (default 10)")
-    pt.add_argument("--max-restarts", type=_nonneg_int, default=0, metavar="R",
-                    help="torchrun restarts every worker when one dies, up to R times (default 0); "
-                         "with checkpoints the restarted ranks resume")
-    add_training_options(pt)
-    pt.set_defaults(fn=cmd_train, check=lambda a: (check_training_options(pt, a), a)[1])
+    pt = sub.add_parser("train", help="run an exported plan with torchrun (one process per GPU)",
+                        usage="zorse train [-h] [OPTIONS] PLAN",
+                        description="Run an exported plan with torchrun, one process per GPU, supervised. The "
+                                    "training options are those of `python -m zorse_fx.train`; zorse train writes "
+                                    "them to <out>/train_options.json, which every rank reads.")
+    pt.command = TrainCommand  # every flag from the records (zorse_fx/train_options.py), parsed by tyro
+    pt.set_defaults(fn=cmd_train)
     pd = sub.add_parser("prepare-data", help="tokenize text / a datasets dataset into a memory-mapped token file",
                         description="Writes <out>.bin (uint16 ids when the vocabulary is < 65536, else uint32) "
                                     "and its header <out>.json; see zorse_fx/token_data.py.")

@@ -14,6 +14,7 @@ from __future__ import annotations
 __all__ = [
     "ZorseError",
     "ClusterConfigError",
+    "FileFormatError",
     "PlanFileError",
     "PlanOptionsError",
     "ModelCaptureError",
@@ -22,6 +23,9 @@ __all__ = [
     "CheckpointError",
     "WeightsFileError",
     "DataError",
+    "ProfileFileError",
+    "CheckpointManifestError",
+    "TokenHeaderError",
     "short_repr",
 ]
 
@@ -34,7 +38,21 @@ class ClusterConfigError(ZorseError, ValueError):
     """A cluster description (YAML file or dict) is invalid."""
 
 
-class PlanFileError(ZorseError, ValueError):
+class FileFormatError(ZorseError, ValueError):
+    """A JSON file zorse_fx reads (plan.json, a kernel or communication
+    profile, a checkpoint manifest, a token-file header) is missing,
+    malformed or of an unsupported version. Raised by ``file_schema``; the
+    message names the file, the field, the value and the fix, and so do the
+    attributes ``path``, ``field`` and ``value`` (None where the error is not
+    about one field). Each format raises its own subclass."""
+
+    def __init__(self, message: str, *, path: str | None = None, field: str | None = None,
+                 value: object = None) -> None:
+        super().__init__(message)
+        self.path, self.field, self.value = path, field, value
+
+
+class PlanFileError(FileFormatError):
     """A plan file (plan.json) is malformed or of an unsupported version."""
 
 
@@ -139,3 +157,24 @@ class DataError(ZorseError, ValueError):
     dtype or shape, ids outside the vocabulary, a header that does not match
     its file, a corpus smaller than one global batch). The message names the
     file, the field, the value and the fix."""
+
+
+class ProfileFileError(FileFormatError):
+    """A kernel profile (``zorse bench kernels`` output, ``zorse_fx/profiles/*.json``)
+    is missing, malformed or of an unsupported version. Raised by
+    ``cost.profile.KernelProfile.load`` / ``from_dict``; the message names the
+    file, the field, the value and the fix (re-run ``zorse bench kernels``)."""
+
+
+class CheckpointManifestError(CheckpointError, FileFormatError):
+    """A checkpoint's manifest (``zorse_checkpoint.json``) is missing,
+    malformed or of an unsupported version. Raised by
+    ``runtime.checkpoint.read_manifest``; a ``CheckpointError`` too, so callers
+    catching that keep working."""
+
+
+class TokenHeaderError(DataError, FileFormatError):
+    """A token file's header (``<out>.json`` beside ``<out>.bin``) is
+    malformed, of an unsupported version, or does not fit its dtype. Raised by
+    ``token_data.TokenData.open``; a ``DataError`` too. The fix: rewrite the
+    token file with ``zorse prepare-data``."""

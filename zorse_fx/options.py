@@ -102,6 +102,11 @@ class PlanOptions:
     #: planner tries on its answer (``solve.interleave``); 1 = one stage per
     #: group. Needs "1f1b".
     max_interleave: int = 4
+    #: Gradient all-reduce bucket size, MiB (DDP's ``bucket_cap_mb``, 25 by
+    #: default; the first bucket 1 MiB or this, the smaller). The planner prices
+    #: the buckets' all-reduce latencies with it and the plan records it
+    #: (``Plan.grad_bucket_bytes``), which the runtime trains with.
+    bucket_mib: float = 25.0
 
     def __post_init__(self) -> None:
         if self.planner not in PLANNERS:
@@ -130,8 +135,17 @@ class PlanOptions:
         if self.grad_reduce_dtype is not None and self.grad_reduce_dtype not in GRAD_REDUCE_DTYPES:
             raise PlanOptionsError(f"PlanOptions.grad_reduce_dtype={self.grad_reduce_dtype!r}: use None (the "
                                    f"precision's default) or one of {', '.join(map(repr, GRAD_REDUCE_DTYPES))}")
+        if isinstance(self.bucket_mib, bool) or not isinstance(self.bucket_mib, (int, float)) \
+                or not self.bucket_mib * 1024 >= 1 or self.bucket_mib > 2**20:
+            raise PlanOptionsError(f"PlanOptions.bucket_mib={self.bucket_mib!r}: use a number of MiB from 1/1024 (1 "
+                                   f"KiB) to 2**20 (the gradient bucket size, e.g. 25; zorse plan --bucket-mib)")
         if self.precision != "auto":
             checked_policy(self.precision, self.grad_reduce_dtype, why="")
+
+    @property
+    def bucket_bytes(self) -> int:
+        """``bucket_mib`` in bytes, rounded to whole KiB (the CP-SAT model counts buckets in KiB)."""
+        return round(self.bucket_mib * 1024) * 1024
 
 
 def checked_policy(name: str, grad_reduce_dtype: str | None, *, why: str) -> PrecisionPolicy:

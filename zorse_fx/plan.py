@@ -50,6 +50,12 @@ the planner priced and the runtime trains with ([Note: mixed precision] in
 ``precision.py``). The stages' ``recv``/``send`` specs are in the dtypes that
 policy's autocast gives the crossing tensors (the wire format).
 
+Gradient buckets (format version 6; older files read with DDP's 25 MiB, what
+their runtime used unless told otherwise): ``Plan.grad_bucket_bytes`` is the
+bucket size the planner priced (``PlanOptions.bucket_mib``, ``zorse plan
+--bucket-mib``) and the runtime's gradient all-reduce uses; it is not a
+training option, so a run cannot use buckets the planner never priced.
+
 Two memory-saving choices per stage (format version 2; a version-1 file reads
 with both off):
 
@@ -70,67 +76,88 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Annotated, Any, Literal
 
-import msgspec
+from msgspec import Meta
 
-from ._plan_io import plan_dict, read_plan_files
 from .errors import PlanFileError, short_repr
+from .file_schema import NOT_IN_FILE, OPTIONAL
+from .ir.buckets import BUCKET_BYTES
+from .ir.schedule import SCHEDULES
 from .ir.tensor import TensorSpec
-from .plan_schema import decode
 from .plan_table import GIB, plan_table  # noqa: F401 (GIB: importable from here as before)
 from .precision import PRECISIONS, REDUCE_DTYPES, PrecisionPolicy, precision_policy
-from .stage_sources import recorded_hashes, source_sha256, verify_sources
+from .stage_sources import source_sha256
 
 __all__ = ["PLAN_FORMAT_VERSION", "GPUShare", "StagePlan", "SolverReport", "Plan", "RankRole"]
 
 #: Bumped on any incompatible change of plan.json.
-PLAN_FORMAT_VERSION = 5
+PLAN_FORMAT_VERSION = 6
+
+
+# Field types of plan.json: one declaration, read by the schema (``plan_schema``,
+# through ``file_schema.struct_of``) for the ranges and the meaning its errors quote.
+Count = Annotated[int, Meta(ge=1)]  # a size that must be at least 1 (samples, tokens, micro-batches)
+Index = Annotated[int, Meta(ge=0)]  # a rank, GPU index, block index
+Bytes = Annotated[int, Meta(ge=0)]
+Seconds = Annotated[float, Meta(ge=0)]
+Fraction = Annotated[float, Meta(ge=0)]
+ScheduleName = Literal[SCHEDULES]  # type: ignore[valid-type]
+PrecisionName = Literal[PRECISIONS]  # type: ignore[valid-type]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class GPUShare:
     """One GPU of a stage's data-parallel group."""
 
-    rank: int
+    rank: Annotated[Index, Meta(description="the GPU's rank: 0..world_size-1, numbered stage by stage")]
     #: Index of the GPU in the cluster file (nodes in order, GPUs in order).
-    gpu: int
+    gpu: Annotated[Index, Meta(description="the GPU's index in the cluster file")]
     node: str
     gpu_type: str
     #: Samples this GPU takes from every micro-batch (>= 1).
-    samples_per_microbatch: int
-    predicted_memory_bytes: int = 0
-    memory_capacity_bytes: int = 0
+    samples_per_microbatch: Annotated[Count, Meta(
+        description="the samples this GPU takes from every micro-batch; the shares of a stage's GPUs sum to "
+                    "microbatch_size")]
+    predicted_memory_bytes: Annotated[Bytes, Meta(description="bytes")] = field(default=0, metadata=OPTIONAL)
+    memory_capacity_bytes: Annotated[Bytes, Meta(description="bytes")] = field(default=0, metadata=OPTIONAL)
     #: Bytes of the stage's shardable optimizer state this GPU holds when the
     #: stage is ``sharded`` (ZeRO-1); the runtime splits the stage's elements
     #: in proportion to these (all 0: equally). Ignored when not sharded.
-    state_shard_bytes: int = 0
+    state_shard_bytes: Annotated[Bytes, Meta(
+        description="bytes of the stage's optimizer state this GPU holds; 0 on every GPU of the stage splits it "
+                    "equally")] = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StagePlan:
-    index: int
+    index: Annotated[Index, Meta(description="the stage's position in 'stages', from 0")]
     #: Block range [start, end) of the captured model.
-    blocks: tuple[int, int]
+    blocks: Annotated[tuple[Index, Index], Meta(description="the stage's block range [start, end) of the captured "
+                                                            "model")]
     #: Human label of the first and last block (module paths).
     label: str
-    gpus: tuple[GPUShare, ...]
+    gpus: Annotated[tuple[GPUShare, ...], Meta(min_length=1, description="the stage's GPUs, at least one")]
     input_names: tuple[str, ...]
     recv: tuple[TensorSpec, ...]
     send: tuple[TensorSpec, ...]
     #: flat attribute name -> canonical parameter name (trainable).
-    params: dict[str, str]
+    params: Annotated[dict[str, str], Meta(description="flat attribute name -> canonical parameter name, both "
+                                                       "strings")]
     #: flat attribute name -> canonical buffer/constant name.
-    consts: dict[str, str]
-    num_parameters: int
+    consts: Annotated[dict[str, str], Meta(description="flat attribute name -> canonical buffer name, both strings")]
+    num_parameters: Annotated[Index, Meta(description="a count")]
     #: File name of the stage source, beside plan.json (a plain name: no directory part).
-    source_file: str
+    #: (plan.json follows it with the file's ``source_sha256``: ``Plan.source_hashes``.)
+    source_file: Annotated[str, Meta(description="it must be the plain name of a Python file beside plan.json, "
+                                                 "like 'stage_0.py'")]
     #: Predicted compute time of one micro-batch (slowest GPU), seconds.
-    predicted_time_s: float = 0.0
-    predicted_allreduce_s: float = 0.0
+    predicted_time_s: Seconds = 0.0
+    predicted_allreduce_s: Seconds = 0.0
     #: ZeRO-1: AdamW state sharded over the stage's GPUs (see ``shard_ranges``).
-    sharded: bool = False
+    sharded: Annotated[bool, Meta(description="true or false")] = False
     #: Activation recomputation: keep only stage inputs, re-run forward in backward.
-    recompute: bool = False
+    recompute: Annotated[bool, Meta(description="true or false")] = False
 
     @property
     def microbatch_size(self) -> int:
@@ -182,27 +209,29 @@ class StagePlan:
 class SolverReport:
     planner: str
     status: str
+    # Objective, bound and gap may be inf / nan (no bound found): floats, unranged.
     objective_s: float
     best_bound_s: float
     optimality_gap: float
-    wall_s: float
+    wall_s: Seconds
     #: The wall-clock safety stop of each CP-SAT solve, seconds
     #: (``PlanOptions.time_limit_s``; 0 = not recorded).
-    time_limit_s: float = 0.0
+    time_limit_s: Seconds = field(default=0.0, metadata=OPTIONAL)
     #: The deterministic budget of each CP-SAT solve, in CP-SAT deterministic
     #: seconds (work units, not seconds; ``PlanOptions.solver_budget``); 0 = not
     #: recorded (plans made before it existed, or by ``plan_fixed``).
-    solver_budget: float = 0.0
+    solver_budget: Annotated[float, Meta(ge=0)] = field(default=0.0, metadata=OPTIONAL)
     #: CP-SAT solves the wall-clock safety stop ended before their budget; > 0:
     #: the plan may differ on another run (``status`` ends in "(wall-clock safety stop)").
-    wall_clock_stops: int = 0
-    candidates: tuple[dict, ...] = ()
+    wall_clock_stops: Annotated[int, Meta(ge=0)] = field(default=0, metadata=OPTIONAL)
+    #: What the planner tried (``ir.result.Candidate.to_dict``), for readers.
+    candidates: tuple[dict[str, Any], ...] = field(default=(), metadata=OPTIONAL)
     #: The simulator's check of the answer (``sim.check_result``): step time
     #: (s), largest peak / usable memory over the GPUs, bubble fraction; 0 =
     #: not simulated (plans made by ``plan_fixed`` or before format 3's check).
-    simulated_step_time_s: float = 0.0
-    simulated_max_memory_fraction: float = 0.0
-    simulated_bubble_fraction: float = 0.0
+    simulated_step_time_s: Seconds = field(default=0.0, metadata=OPTIONAL)
+    simulated_max_memory_fraction: Fraction = field(default=0.0, metadata=OPTIONAL)
+    simulated_bubble_fraction: Fraction = field(default=0.0, metadata=OPTIONAL)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -221,37 +250,47 @@ class RankRole:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Plan:
+    """A plan; its fields in plan.json's order (plan.json adds ``format``
+    first and ``compute_dtype`` after ``grad_reduce_dtype``)."""
+
+    version: Annotated[int, Meta(ge=1)] = PLAN_FORMAT_VERSION
     cluster_name: str
     model_name: str
     #: Model inputs, all ``(N, seq_len)`` int64 token tensors for LMs.
     input_names: tuple[str, ...]
-    seq_len: int
+    seq_len: Annotated[Count, Meta(description="tokens per sample")]
     #: How the data loader builds inputs: "same" (HF: labels = input_ids, the
     #: model shifts) or "shifted" (targets = input_ids shifted by one).
-    label_mode: str
-    global_batch_size: int
-    microbatch_size: int
-    num_microbatches: int
-    schedule: str
-    stages: tuple[StagePlan, ...]
-    predicted_step_time_s: float
-    solver: SolverReport
+    label_mode: Literal["same", "shifted"]
+    global_batch_size: Annotated[Count, Meta(description="samples per optimizer step = microbatch_size x "
+                                                         "num_microbatches")]
+    microbatch_size: Annotated[Count, Meta(description="samples per micro-batch")]
+    num_microbatches: Annotated[Count, Meta(description="micro-batches per step")]
+    schedule: ScheduleName
+    #: Interleave degree v: stages per GPU group (see the module docstring).
+    interleave: Annotated[Count, Meta(description="stages per GPU group, 1 without interleaving")] = 1
     #: Training precision, one of ``precision.PRECISIONS`` (format version 4;
     #: older files read as "fp32").
-    precision: str = "fp32"
-    #: dtype of the gradient all-reduce, one of ``precision.REDUCE_DTYPES[precision]``.
+    precision: PrecisionName = "fp32"
+    #: dtype of the gradient all-reduce, one of ``precision.REDUCE_DTYPES[precision]``
+    #: (checked by ``__post_init__``, whose message names what the precision allows).
     grad_reduce_dtype: str = "float32"
-    #: Interleave degree v: stages per GPU group (see the module docstring).
-    interleave: int = 1
-    version: int = PLAN_FORMAT_VERSION
+    #: Gradient all-reduce bucket size, bytes (format version 6; older files read
+    #: as 25 MiB, what their runtime used by default): ``PlanOptions.bucket_mib``,
+    #: priced by the planner, used by the runtime's buckets (``runtime/grad_sync.py``).
+    grad_bucket_bytes: Annotated[int, Meta(ge=1024, description="the gradient all-reduce bucket size in bytes, "
+                                                                 "at least 1 KiB (zorse plan --bucket-mib)")] = BUCKET_BYTES
+    predicted_step_time_s: Seconds
+    solver: SolverReport
+    stages: Annotated[tuple[StagePlan, ...], Meta(min_length=1, description="the pipeline stages, at least one")]
     #: Stage sources (not in plan.json; written as stage_<i>.py beside it).
-    sources: tuple[str, ...] = field(default=(), compare=False, repr=False)
+    sources: tuple[str, ...] = field(default=(), compare=False, repr=False, metadata=NOT_IN_FILE)
     #: Whether ``sources`` may be executed: True for a plan made in this
     #: process or loaded with every stage file's sha256 matching plan.json;
     #: False for a version 1-4 file (no hashes recorded).
-    sources_verified: bool = field(default=True, compare=False, repr=False)
+    sources_verified: bool = field(default=True, compare=False, repr=False, metadata=NOT_IN_FILE)
     #: The stage sources' sha256 as the loaded plan.json recorded them (version >= 5).
-    recorded_sha256: tuple[str, ...] = field(default=(), compare=False, repr=False)
+    recorded_sha256: tuple[str, ...] = field(default=(), compare=False, repr=False, metadata=NOT_IN_FILE)
 
     def __post_init__(self) -> None:
         """The rules tying fields together (a plan file's types and ranges are
@@ -399,13 +438,17 @@ class Plan:
             return self.recorded_sha256
         return (None,) * self.num_stages
 
+    # plan.json is written and read by ``_plan_io`` (imported when used: its
+    # schema, ``plan_schema``, is built from the classes of this module).
     def to_dict(self) -> dict:
         """plan.json's content as a JSON-ready dict (``_plan_io.plan_dict``)."""
+        from ._plan_io import plan_dict
+
         return plan_dict(self)
 
     @classmethod
     def from_dict(cls, d: dict, *, source: str = "<dict>", sources: tuple[str, ...] = ()) -> "Plan":
-        """The plan a parsed plan.json ``d`` (format version 1-5) holds.
+        """The plan a parsed plan.json ``d`` (format version 1-6) holds.
 
         ``d`` is checked against the schema (``plan_schema.decode``: every
         field's type, range and allowed values), then the stage sources
@@ -413,61 +456,9 @@ class Plan:
         fields together (``__post_init__``). Raises PlanFileError naming
         ``source``, the field path, the value and what would fix it.
         """
-        return cls._build(d, decode(d, source), source, sources)
+        from ._plan_io import plan_from_dict
 
-    @classmethod
-    def _build(cls, d: dict, doc, source: str, sources: tuple[str, ...]) -> "Plan":
-        """The plan of ``d`` checked into ``doc`` (``plan_schema.decode``), its sources verified."""
-        version = doc.version
-        recorded = recorded_hashes(d, source) if version >= 5 else ()
-        if sources and recorded:
-            verify_sources(d, sources, recorded, source)
-        stages = tuple(
-            StagePlan(
-                index=s.index,
-                blocks=tuple(s.blocks),
-                label=s.label,
-                gpus=tuple(GPUShare(**msgspec.structs.asdict(g)) for g in s.gpus),
-                input_names=tuple(s.input_names),
-                recv=tuple(TensorSpec.from_dict(msgspec.structs.asdict(t)) for t in s.recv),
-                send=tuple(TensorSpec.from_dict(msgspec.structs.asdict(t)) for t in s.send),
-                params=dict(s.params),
-                consts=dict(s.consts),
-                num_parameters=s.num_parameters,
-                source_file=s.source_file,
-                predicted_time_s=s.predicted_time_s,
-                predicted_allreduce_s=s.predicted_allreduce_s,
-                sharded=s.sharded,
-                recompute=s.recompute,
-            )
-            for s in doc.stages
-        )
-        sv = msgspec.structs.asdict(doc.solver)
-        try:
-            return cls(
-                # An older file is read into (and re-exported as) the current format.
-                version=PLAN_FORMAT_VERSION,
-                cluster_name=doc.cluster_name,
-                model_name=doc.model_name,
-                input_names=tuple(doc.input_names),
-                seq_len=doc.seq_len,
-                label_mode=doc.label_mode,
-                global_batch_size=doc.global_batch_size,
-                microbatch_size=doc.microbatch_size,
-                num_microbatches=doc.num_microbatches,
-                schedule=doc.schedule,
-                interleave=doc.interleave,
-                precision=doc.precision,
-                grad_reduce_dtype=doc.grad_reduce_dtype,
-                predicted_step_time_s=doc.predicted_step_time_s,
-                solver=SolverReport(**{**sv, "candidates": tuple(sv["candidates"])}),
-                stages=stages,
-                sources=sources,
-                sources_verified=bool(recorded) or not sources,
-                recorded_sha256=recorded,
-            )
-        except PlanFileError as exc:  # a __post_init__ check: name the file
-            raise PlanFileError(f"{source}: {str(exc).removeprefix('plan: ')}") from None
+        return plan_from_dict(d, source=source, sources=sources)
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
@@ -487,9 +478,10 @@ class Plan:
     @classmethod
     def load(cls, path: str | Path) -> "Plan":
         """Load ``plan.json`` (or a directory holding it) and the stage sources beside it
-        (read by ``_plan_io.read_plan_files``; their sha256 checked against plan.json's)."""
-        path, d, doc, sources = read_plan_files(path)
-        return cls._build(d, doc, str(path), sources)
+        (``_plan_io.load_plan``: their sha256 checked against plan.json's)."""
+        from ._plan_io import load_plan
+
+        return load_plan(path)
 
     # -- readable form -------------------------------------------------------
     def table(self) -> str:

@@ -92,6 +92,7 @@ def build_plan(
         predicted_step_time_s=result.predicted_step_time_s,
         precision=precision.name,
         grad_reduce_dtype=precision.grad_reduce_dtype,
+        grad_bucket_bytes=options.bucket_bytes,
         solver=SolverReport(
             planner=planner,
             status=result.status,

@@ -97,11 +97,12 @@ def resolve_precision(options: PlanOptions, cluster: Cluster) -> tuple[Precision
 def options_for_plan(plan, **overrides) -> PlanOptions:
     """The ``PlanOptions`` an exported ``plan.Plan`` was made under, as far as
     pricing and simulation read them: its global batch, schedule, GPU-group
-    count, interleave degree, precision and gradient-reduction dtype;
+    count, interleave degree, precision, gradient-reduction dtype and bucket size;
     ``overrides`` (``profiles=...``, say) are passed on."""
     fields = dict(global_batch_size=plan.global_batch_size, schedule=plan.schedule,
                   max_stages=plan.num_groups, max_interleave=plan.interleave,
-                  precision=plan.precision, grad_reduce_dtype=plan.grad_reduce_dtype)
+                  precision=plan.precision, grad_reduce_dtype=plan.grad_reduce_dtype,
+                  bucket_mib=plan.grad_bucket_bytes / 2**20)
     return PlanOptions(**{**fields, **overrides})
 
 

@@ -9,7 +9,13 @@ Format (``zorse_fx.tokens`` version 1, like nanoGPT's ``prepare.py``):
   the tokenizer's EOS id when it has one (the ``bytes`` tokenizer has none).
 - ``<out>.json``: ``{"format": "zorse_fx.tokens", "version": 1, "dtype",
   "vocab_size", "tokenizer", "eos_id" (or null), "num_documents",
-  "num_tokens", "max_token_id", "source"}``.
+  "num_tokens", "max_token_id", "source"}``, declared once as ``TokenHeader``
+  (each field's type, range and meaning; ``file_schema.struct_of`` builds the
+  schema ``TokenHeaderDoc`` from it): ``prepare_data`` writes it and
+  ``TokenData.open`` checks it (``TOKEN_HEADER_FILE``: unknown fields refused,
+  ``max_token_id`` within the dtype), raising ``errors.TokenHeaderError`` (a
+  ``DataError`` and a ``FileFormatError``) naming the file, the field, the
+  value and the fix.
 
 Sources (``prepare_data``): ``lee`` (gensim's news corpus, one document), a
 text file (one document), a directory of ``*.txt`` files (recursively, sorted
@@ -45,16 +51,20 @@ import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import Annotated, Callable, Iterable, Iterator, Literal, Sequence
 
+import msgspec
 import numpy as np
 import torch
+from msgspec import Meta
 
-from .errors import DataError
+from .errors import DataError, TokenHeaderError
+from .file_schema import FileFormat, struct_of, to_builtins
 
 __all__ = [
-    "FORMAT", "VERSION", "FILL_ID", "BUILTIN_TOKENIZERS", "Tokenizer", "load_tokenizer", "prepare_data",
-    "token_file_paths", "TokenData", "rank_samples", "plan_rank_samples", "model_vocab_size",
+    "FORMAT", "VERSION", "FILL_ID", "BUILTIN_TOKENIZERS", "TokenHeader", "TokenHeaderDoc", "TOKEN_HEADER_FILE",
+    "Tokenizer", "load_tokenizer", "prepare_data", "token_file_paths", "TokenData", "rank_samples",
+    "plan_rank_samples", "model_vocab_size",
 ]
 
 FORMAT = "zorse_fx.tokens"
@@ -68,6 +78,31 @@ TORCH_TOKEN_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8)
 _DATASET_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 FORMATS = ("auto", "document", "text", "json", "parquet", "csv", "disk")
 _BATCH_DOCS = 1000  # documents tokenized per tokenizer call
+
+
+# -- the header ------------------------------------------------------------------
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TokenHeader:
+    """The header ``<out>.json`` of a token file (fields in the file's order,
+    after ``format`` and ``version``)."""
+
+    dtype: Literal["uint16", "uint32"]
+    vocab_size: Annotated[int, Meta(ge=1, description="the tokenizer's vocabulary; ids are below it")]
+    tokenizer: Annotated[str, Meta(description="the tokenizer's name or directory")]
+    eos_id: Annotated[Annotated[int, Meta(ge=0)] | None, Meta(
+        description="the id written after each document, or null")]
+    num_documents: Annotated[int, Meta(ge=0, description="documents tokenized")]
+    num_tokens: Annotated[int, Meta(ge=1, description="token ids in the .bin file")]
+    max_token_id: Annotated[int, Meta(ge=0, description="the largest id in the .bin file")]
+    source: Annotated[str, Meta(description="the data source tokenized")]
+
+
+TokenHeaderDoc = struct_of(TokenHeader, "TokenHeaderDoc", extra={
+    "": [("format", Literal["zorse_fx.tokens"], msgspec.NODEFAULT), ("version", Literal[1], msgspec.NODEFAULT)],
+})
+#: The token-file header as a ``file_schema.FileFormat``.
+TOKEN_HEADER_FILE = FileFormat(name=FORMAT, what="token file header", doc=TokenHeaderDoc, versions=(VERSION,),
+                               remake="rewrite the token file with `zorse prepare-data`", error=TokenHeaderError)
 
 
 # -- tokenizers ------------------------------------------------------------------
@@ -259,9 +294,10 @@ def prepare_data(source: str, out: str | os.PathLike, *, tokenizer: str | Tokeni
         tmp.unlink()
         raise DataError(f"data source {desc} gave no tokens (empty documents?); nothing written to {bin_path}")
     os.replace(tmp, bin_path)
-    header = {"format": FORMAT, "version": VERSION, "dtype": dtype.name, "vocab_size": tok.vocab_size,
-              "tokenizer": tok.name, "eos_id": tok.eos_id, "num_documents": n_docs, "num_tokens": n_tokens,
-              "max_token_id": max_id, "source": desc}
+    header = to_builtins(TokenHeader(dtype=dtype.name, vocab_size=tok.vocab_size, tokenizer=tok.name,
+                                     eos_id=tok.eos_id, num_documents=n_docs, num_tokens=n_tokens,
+                                     max_token_id=max_id, source=desc),
+                         TokenHeaderDoc, lambda record: {"format": FORMAT, "version": VERSION})
     json_path.write_text(json.dumps(header, indent=1) + "\n")
     if progress:
         cut = f" (cut at --max-tokens {max_tokens:,})" if max_tokens is not None and n_tokens >= max_tokens else ""
@@ -272,9 +308,6 @@ def prepare_data(source: str, out: str | os.PathLike, *, tokenizer: str | Tokeni
 
 
 # -- reading ---------------------------------------------------------------------
-def _header_error(path: Path, field: str, value, want: str) -> DataError:
-    return DataError(f"token file header {path}: field {field!r} is {value!r}, expected {want}; rewrite the "
-                     f"token file with `zorse prepare-data`")
 
 
 class TokenData:
@@ -318,40 +351,24 @@ class TokenData:
     def open(cls, path: str | os.PathLike) -> TokenData:
         """The token file ``<out>.bin`` with its header ``<out>.json`` (either
         path), memory-mapped read-only after checking the header against the
-        file (format, version, dtype, size).
+        file (the header's schema ``TokenHeaderDoc``, ``max_token_id`` within
+        the dtype, the .bin size ``num_tokens`` x the dtype's bytes).
 
         Raises:
-            DataError: missing file, malformed header, size mismatch.
+            DataError: a missing file, a size mismatch; TokenHeaderError (a
+                DataError) for a header that is not JSON or that the schema
+                refuses (naming the file, the field, the value and the fix).
         """
         bin_path, json_path = token_file_paths(path)
         for p in (json_path, bin_path):
             if not p.is_file():
                 raise DataError(f"token file {p} not found ({bin_path.name} and its header {json_path.name} are "
                                 f"written together by `zorse prepare-data`; run it, or pass the right path)")
-        try:
-            header = json.loads(json_path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise DataError(f"token file header {json_path} is not JSON ({exc}); rewrite it with "
-                            f"`zorse prepare-data`") from exc
-        if not isinstance(header, dict):
-            raise _header_error(json_path, "<top level>", type(header).__name__, "a JSON object")
-        if header.get("format") != FORMAT:
-            raise _header_error(json_path, "format", header.get("format"), repr(FORMAT))
-        if header.get("version") != VERSION:
-            raise _header_error(json_path, "version", header.get("version"), f"{VERSION} (this zorse_fx reads "
-                                f"version {VERSION})")
-        if header.get("dtype") not in ("uint16", "uint32"):
-            raise _header_error(json_path, "dtype", header.get("dtype"), "'uint16' or 'uint32'")
-        for field in ("num_tokens", "vocab_size"):
-            v = header.get(field)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise _header_error(json_path, field, v, "an integer >= 1")
-        v = header.get("max_token_id")
-        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-            raise _header_error(json_path, "max_token_id", v, "an integer >= 0")
-        dtype = np.dtype(header["dtype"])
-        if v > np.iinfo(dtype).max:
-            raise _header_error(json_path, "max_token_id", v, f"<= {np.iinfo(dtype).max} (the largest {dtype.name})")
+        header, doc = TOKEN_HEADER_FILE.read(json_path)
+        dtype = np.dtype(doc.dtype)
+        if doc.max_token_id > np.iinfo(dtype).max:
+            raise TOKEN_HEADER_FILE.field_error(str(json_path), ["max_token_id"], doc.max_token_id,
+                                                f"<= {np.iinfo(dtype).max} (the largest {dtype.name})")
         size = bin_path.stat().st_size
         want = header["num_tokens"] * dtype.itemsize
         if size != want:

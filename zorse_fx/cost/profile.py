@@ -15,26 +15,45 @@ A profile is JSON (``"format": "zorse_fx.kernel_profile"``, version 1)::
 nodes (``source: "model"``), or ``<op>(<shape>)`` for the standard sweep.
 Only the profiling harness touches the device; the cost model reads these
 files.
+
+The format is declared once, on the dataclasses below: their annotations
+carry each field's type, range (``Meta(gt=0)``, ...), allowed values
+(``Literal``) and meaning (``Meta(description=...)``), and
+``file_schema.struct_of`` builds the schema (``KernelProfileDoc``) from them.
+Fields marked ``OPTIONAL`` may be left out of a file (files written before
+they existed) and take their defaults. ``KernelProfile.load`` / ``from_dict``
+check a file against the schema (``KERNEL_PROFILE_FILE``, unknown fields
+refused) and raise ``errors.ProfileFileError`` (a ``FileFormatError`` and a
+``ValueError``) naming the file, the field path (``entries[3].fwd_ms``), the
+value, what was expected and the fix; ``to_dict`` / ``save`` write the
+fields in the schema's order.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Annotated, Any, Literal
 
-__all__ = ["HARNESS_VERSION", "DeviceInfo", "KernelTiming", "KernelProfile"]
+import msgspec
+from msgspec import Meta
+
+from ..errors import ProfileFileError
+from ..file_schema import NOT_IN_FILE, OPTIONAL, FileFormat, from_doc, struct_of, to_builtins
+
+__all__ = ["HARNESS_VERSION", "OP_CLASSES", "DeviceInfo", "KernelTiming", "KernelProfile", "KernelProfileDoc",
+           "KERNEL_PROFILE_FILE"]
 
 HARNESS_VERSION = "1"
 _FORMAT = "zorse_fx.kernel_profile"
+_VERSION = 1
+#: The operation classes of ``cost.opclass.op_class`` (what an entry's ``op_class`` may be).
+OP_CLASSES = ("matmul", "attention", "norm", "softmax", "elementwise", "cross_entropy", "embedding", "copy")
 
-
-def _non_negative(d: dict, name: str, source: str) -> float:
-    v = d.get(name, 0.0)
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
-        raise ValueError(f"{source}: field {name!r} is {v!r}; expected a number >= 0 (ms), "
-                         f"or leave it out for 0; re-run `zorse bench kernels` to measure it")
-    return float(v)
+# Field types of a kernel profile, read by the schema for the ranges and the meaning its errors quote.
+Ms = Annotated[float, Meta(ge=0)]  # a time in milliseconds, >= 0
+OpClass = Literal[OP_CLASSES]  # type: ignore[valid-type]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -43,32 +62,34 @@ class DeviceInfo:
 
     #: The cluster GPU type this profile describes (key in the GPU table or a
     #: cluster file's ``gpu_types``), e.g. "H100-80GB" or "cpu-x86-1thread".
-    device_type: str
+    device_type: Annotated[str, Meta(description="the cluster GPU type the profile describes, e.g. 'H100-80GB'")]
     #: What the device calls itself (``torch.cuda.get_device_name`` / CPU model).
-    name: str
-    backend: str  # "cuda" or "cpu"
+    name: Annotated[str, Meta(description="the device's own name")]
+    backend: Literal["cuda", "cpu"]
     torch_version: str
-    triton_version: str = ""
-    cuda_version: str = ""
-    driver_version: str = ""
-    host: str = ""
-    threads: int = 1
+    triton_version: str = field(default="", metadata=OPTIONAL)
+    cuda_version: str = field(default="", metadata=OPTIONAL)
+    driver_version: str = field(default="", metadata=OPTIONAL)
+    host: str = field(default="", metadata=OPTIONAL)
+    threads: Annotated[int, Meta(ge=1, description="CPU threads the harness ran with")] = field(
+        default=1, metadata=OPTIONAL)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class KernelTiming:
-    """One measured operation."""
+    """One measured operation (times in ms, work in FLOPs and bytes)."""
 
-    key: str
-    op_class: str  # matmul | attention | norm | softmax | elementwise | cross_entropy | embedding | copy
-    impl: str  # "torch" (what the eager runtime runs) or "triton"
-    dtype: str
-    shape: dict
-    fwd_ms: float
-    bwd_ms: float | None
-    flops: float  # forward FLOPs
-    bytes: float  # forward bytes read + written
-    source: str = "standard"  # "standard" sweep or "model" node replay
+    key: Annotated[str, Meta(description="the node signature, or <op>(<shape>) for the standard sweep")]
+    op_class: OpClass
+    impl: Literal["torch", "triton"]  # "torch" (what the eager runtime runs) or "triton"
+    dtype: Annotated[str, Meta(description="the compute dtype, e.g. 'float32'")]
+    shape: Annotated[dict[str, int | float | bool | str], Meta(
+        description="the sweep's shape parameters, name -> value; {} for a model node")]
+    fwd_ms: Annotated[float, Meta(gt=0, description="forward time, ms, > 0")]
+    bwd_ms: Annotated[float | None, Meta(description="backward time, ms (null: not measured)")]
+    flops: Annotated[float, Meta(ge=0, description="forward FLOPs")]
+    bytes: Annotated[float, Meta(ge=0, description="forward bytes read + written")]
+    source: Literal["standard", "model"] = field(default="standard", metadata=OPTIONAL)
 
     @property
     def achieved_tflops(self) -> float:
@@ -81,29 +102,35 @@ class KernelTiming:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class KernelProfile:
+    """The measured kernels of one device type (fields in the file's order)."""
+
+    harness_version: str = field(default=HARNESS_VERSION, metadata=OPTIONAL)
+    measured_at: Annotated[str, Meta(description="an ISO 8601 date-time, e.g. '2026-11-22T06:10:00Z'")]
     device: DeviceInfo
-    measured_at: str
     #: Time of the cheapest measured op (per-op dispatch + launch), ms.
-    overhead_ms: float
-    entries: tuple[KernelTiming, ...]
-    harness_version: str = HARNESS_VERSION
-    notes: str = ""
+    overhead_ms: Annotated[Ms, Meta(description="time of the cheapest measured op (dispatch + launch), ms")]
+    notes: str = field(default="", metadata=OPTIONAL)
     #: Whole-model fwd+bwd time / sum of its replayed node times, measured on a
     #: calibration model (autograd engine, gradient accumulation and cache
     #: effects that isolated replays miss). The cost model multiplies
     #: profiled node times by it.
-    calibration: float = 1.0
+    calibration: Annotated[float, Meta(gt=0, description="whole-model time / sum of its node times, > 0")] = field(
+        default=1.0, metadata=OPTIONAL)
     #: Micro-batch sizes of the model sweep (the cost model evaluates there).
-    batch_sizes: tuple[int, ...] = ()
+    batch_sizes: Annotated[tuple[Annotated[int, Meta(ge=1)], ...], Meta(
+        description="micro-batch sizes of the model sweep, each >= 1")] = field(default=(), metadata=OPTIONAL)
     #: AdamW step time per parameter (fp32 state), ns; 0 = not measured.
-    optimizer_ns_per_param: float = 0.0
+    optimizer_ns_per_param: Annotated[float, Meta(ge=0, description="AdamW step time per parameter, ns; 0 = not "
+                                                                   "measured")] = field(default=0.0, metadata=OPTIONAL)
     #: Per computing node and micro-batch (forward + backward), ms: the part of
     #: a whole graph's measured time that its nodes' device times do not
     #: explain and that does not grow with the work (host dispatch the GPU
     #: waits for, gaps between kernels). Fitted with ``calibration`` from two
     #: or more whole-graph points (``kernels_main.calibrate_graph``); 0 = none.
-    node_overhead_ms: float = 0.0
-    by_key: dict = field(default_factory=dict, compare=False, repr=False)
+    node_overhead_ms: Annotated[Ms, Meta(description="ms per computing node and micro-batch; leave it out for 0")] = (
+        field(default=0.0, metadata=OPTIONAL))
+    entries: tuple[KernelTiming, ...]
+    by_key: dict = field(default_factory=dict, compare=False, repr=False, metadata=NOT_IN_FILE)
 
     def __post_init__(self) -> None:
         self.by_key.update({(e.key, e.impl): e for e in self.entries})
@@ -115,63 +142,44 @@ class KernelProfile:
         return [e for e in self.entries if e.op_class == op_class and (impl is None or e.impl == impl)]
 
     def to_dict(self) -> dict:
-        return {
-            "format": _FORMAT,
-            "version": 1,
-            "harness_version": self.harness_version,
-            "measured_at": self.measured_at,
-            "device": asdict(self.device),
-            "overhead_ms": self.overhead_ms,
-            "notes": self.notes,
-            "calibration": self.calibration,
-            "batch_sizes": list(self.batch_sizes),
-            "optimizer_ns_per_param": self.optimizer_ns_per_param,
-            "node_overhead_ms": self.node_overhead_ms,
-            "entries": [asdict(e) for e in self.entries],
-        }
+        """The JSON-ready dict of this profile (the file's content), keys in
+        the schema's order, ``format`` and ``version`` first."""
+        return to_builtins(self, KernelProfileDoc, _file_only)
 
     def save(self, path: str | Path) -> Path:
+        """Write ``to_dict`` to ``path`` (JSON, indent 1; parent directories made); returns ``path``."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
         return path
 
     @classmethod
-    def from_dict(cls, d: dict, *, source: str = "<dict>") -> "KernelProfile":
-        if d.get("format") != _FORMAT:
-            raise ValueError(f"{source}: field 'format' is {d.get('format')!r}, expected {_FORMAT!r}: not a kernel profile")
-        if d.get("version") != 1:
-            raise ValueError(f"{source}: kernel profile version {d.get('version')!r} unsupported (this zorse_fx reads 1); re-run `zorse bench kernels`")
-        try:
-            entries = []
-            for i, e in enumerate(d["entries"]):
-                if not (isinstance(e.get("fwd_ms"), (int, float)) and e["fwd_ms"] > 0):
-                    raise ValueError(f"{source}: entries[{i}].fwd_ms must be a positive number, got {e.get('fwd_ms')!r}")
-                entries.append(KernelTiming(**e))
-            return cls(
-                device=DeviceInfo(**d["device"]),
-                measured_at=d["measured_at"],
-                overhead_ms=float(d["overhead_ms"]),
-                entries=tuple(entries),
-                harness_version=d.get("harness_version", HARNESS_VERSION),
-                notes=d.get("notes", ""),
-                calibration=float(d.get("calibration", 1.0)),
-                batch_sizes=tuple(int(b) for b in d.get("batch_sizes", ())),
-                optimizer_ns_per_param=float(d.get("optimizer_ns_per_param", 0.0)),
-                node_overhead_ms=_non_negative(d, "node_overhead_ms", source),
-            )
-        except KeyError as exc:
-            raise ValueError(f"{source}: missing field {exc.args[0]!r}") from exc
-        except TypeError as exc:
-            raise ValueError(f"{source}: malformed entry: {exc}") from exc
+    def from_dict(cls, d: Any, *, source: str = "<dict>") -> KernelProfile:
+        """The profile of ``d`` (a parsed profile file) checked against the
+        schema. Raises ProfileFileError naming ``source``, the field, the
+        value and the fix."""
+        return from_doc(KERNEL_PROFILE_FILE.decode(d, source), cls)
 
     @classmethod
-    def load(cls, path: str | Path) -> "KernelProfile":
-        path = Path(path)
-        try:
-            d = json.loads(path.read_text())
-        except FileNotFoundError as exc:
-            raise ValueError(f"{path}: no such profile; create one with `zorse bench kernels -o {path}`") from exc
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}: invalid JSON at line {exc.lineno}: {exc.msg}") from exc
-        return cls.from_dict(d, source=str(path))
+    def load(cls, path: str | Path) -> KernelProfile:
+        """The profile in the JSON file ``path``. Raises ProfileFileError: no
+        such file, not JSON, or a field the schema refuses."""
+        _, doc = KERNEL_PROFILE_FILE.read(path, missing=f"create one with `zorse bench kernels -o {path}`")
+        return from_doc(doc, cls)
+
+
+def _file_only(record: Any) -> dict:
+    """The fields a profile file holds that ``KernelProfile`` does not."""
+    return {"format": _FORMAT, "version": _VERSION} if isinstance(record, KernelProfile) else {}
+
+
+DeviceInfoDoc = struct_of(DeviceInfo, "DeviceInfoDoc")
+KernelTimingDoc = struct_of(KernelTiming, "KernelTimingDoc")
+KernelProfileDoc = struct_of(KernelProfile, "KernelProfileDoc", docs={DeviceInfo: DeviceInfoDoc,
+                                                                      KernelTiming: KernelTimingDoc}, extra={
+    "": [("format", Literal["zorse_fx.kernel_profile"], msgspec.NODEFAULT), ("version", Literal[1], msgspec.NODEFAULT)],
+})
+
+#: A kernel profile as a ``file_schema.FileFormat``.
+KERNEL_PROFILE_FILE = FileFormat(name=_FORMAT, what="kernel profile", doc=KernelProfileDoc, versions=(_VERSION,),
+                                 remake="re-run `zorse bench kernels`", error=ProfileFileError)

@@ -4,23 +4,33 @@ model, per sample (the batch dimension left out)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Annotated, Literal
 
-__all__ = ["TensorSpec", "ITEMSIZE"]
+from msgspec import Meta
+
+__all__ = ["TensorSpec", "ITEMSIZE", "TensorDtype"]
 
 #: Bytes per element of the dtypes a captured graph's batch-major tensors may take
 #: (``torch.<name>.itemsize``, checked against torch in tests/test_ir.py); its keys are
-#: the dtypes plan.json accepts (``plan_schema.TensorDtype``).
+#: the dtypes plan.json accepts (``TensorDtype``).
 ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1,
             "complex64": 8, "complex128": 16, "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1}
+
+#: A dtype name of ``ITEMSIZE`` (``str(torch dtype)`` without ``torch.``).
+TensorDtype = Literal[tuple(ITEMSIZE)]  # type: ignore[valid-type]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TensorSpec:
-    """A batch-major tensor: full shape is ``(n, *shape_per_sample)``."""
+    """A batch-major tensor: full shape is ``(n, *shape_per_sample)``.
+
+    The annotations are also plan.json's schema of a stage's ``recv``/``send``
+    entries (``file_schema.struct_of``)."""
 
     name: str
-    shape_per_sample: tuple[int, ...]
-    dtype: str  # e.g. "float32", as in ``torch.float32``
+    shape_per_sample: Annotated[tuple[Annotated[int, Meta(ge=0)], ...],
+                                Meta(description="the tensor's shape without the batch dimension")]
+    dtype: TensorDtype  # e.g. "float32", as in ``torch.float32``
 
     @property
     def itemsize(self) -> int:

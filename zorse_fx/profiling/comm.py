@@ -27,6 +27,16 @@ JSON: ``{"format": "zorse_fx.comm_profile", "version": 1, "harness_version", "ba
 "torch_version", "measured_at": "2026-11-22T06:10:00Z", "fits": [{"link_class", "op",
 "ranks", "alpha_s", "bandwidth_bytes_per_s", "bus_bandwidth_bytes_per_s" (derived, ignored
 when loading), "r2", "samples": [[bytes, seconds], ...]}, ...]}``.
+
+The format is declared once, on ``CommProfile`` and ``LinkFit``: their
+annotations carry each field's type, range, allowed values and meaning, and
+``file_schema.struct_of`` builds the schema (``CommProfileDoc``) from them
+(plus the file-only ``format``, ``version`` and ``bus_bandwidth_bytes_per_s``).
+``CommProfile.load`` / ``from_dict`` check a file against it
+(``COMM_PROFILE_FILE``: unknown fields refused), then the rules tying fields
+together (one host per rank, numbers finite); every error is a
+``CommProfileError`` (a ``FileFormatError`` and a ``ValueError``) naming the
+file, the field path (``fits[0].alpha_s``), the value and the fix.
 """
 
 from __future__ import annotations
@@ -40,16 +50,19 @@ import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Annotated, Any, Literal, Sequence
 
+import msgspec
 import numpy as np
 import torch
 import torch.distributed as dist
+from msgspec import Meta
 
-from zorse_fx.errors import ZorseError
+from zorse_fx.errors import FileFormatError
+from zorse_fx.file_schema import OPTIONAL, FileFormat, from_doc, struct_of, to_builtins
 
-__all__ = ["HARNESS_VERSION", "LINK_CLASSES", "OPS", "CommProfileError", "LinkFit", "CommProfile",
-           "fit_alpha_beta", "classify_pair", "measure"]
+__all__ = ["HARNESS_VERSION", "LINK_CLASSES", "OPS", "CommProfileError", "LinkFit", "CommProfile", "CommProfileDoc",
+           "COMM_PROFILE_FILE", "fit_alpha_beta", "classify_pair", "measure"]
 
 HARNESS_VERSION = "1"
 FORMAT = "zorse_fx.comm_profile"
@@ -58,27 +71,10 @@ LINK_CLASSES = ("intra_node", "inter_node", "cross_datacenter")  # narrowest to 
 OPS = ("p2p", "allreduce")
 
 
-class CommProfileError(ZorseError, ValueError):
-    """A communication profile file (or dict) is malformed."""
-
-
-def _is_num(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _getter(source: str):
-    """``get(obj, key, check, expected, prefix)``: the value, or a ``CommProfileError`` naming it."""
-    def get(obj: dict, key: str, check, expected: str, prefix: str = "") -> Any:
-        if key not in obj:
-            raise CommProfileError(f"{source}: field {prefix + key!r} is missing (expected {expected})")
-        if not check(obj[key]):
-            raise CommProfileError(f"{source}: field {prefix + key!r} is {obj[key]!r}, expected {expected}")
-        return obj[key]
-    return get
+class CommProfileError(FileFormatError):
+    """A communication profile file (or dict) is missing, malformed or of an
+    unsupported version (a ``FileFormatError``: ``path``, ``field`` and
+    ``value`` name the file, the field and the value)."""
 
 
 def fit_alpha_beta(samples: Sequence[tuple[int, float]]) -> tuple[float, float, float]:
@@ -136,13 +132,14 @@ class LinkFit:
     spans (2 for ``p2p``, the world for ``allreduce``).
     """
 
-    link_class: str
-    op: str
-    alpha_s: float
-    bandwidth_bytes_per_s: float
-    r2: float
-    samples: tuple[tuple[int, float], ...]
-    ranks: int = 2
+    link_class: Literal[LINK_CLASSES]  # type: ignore[valid-type]
+    op: Literal[OPS]  # type: ignore[valid-type]
+    ranks: Annotated[int, Meta(ge=2, description="ranks the op spans: 2 for p2p, the world for allreduce")] = 2
+    alpha_s: Annotated[float, Meta(ge=0, description="latency, seconds >= 0")]
+    bandwidth_bytes_per_s: Annotated[float, Meta(gt=0, description="asymptotic bandwidth, bytes/s > 0")]
+    r2: Annotated[float, Meta(description="the fit's coefficient of determination, a finite number")]
+    samples: Annotated[tuple[tuple[Annotated[int, Meta(gt=0)], Annotated[float, Meta(gt=0)]], ...], Meta(
+        description="a list of [bytes > 0, seconds > 0] pairs")]
 
     @property
     def bus_bandwidth_bytes_per_s(self) -> float:
@@ -156,14 +153,15 @@ class CommProfile:
     """Measured communication of one launch (see the module docstring for the JSON)."""
 
     harness_version: str
-    backend: str
-    world_size: int
-    hosts: tuple[str, ...]
+    backend: Annotated[str, Meta(description="the torch.distributed backend, such as 'gloo' or 'nccl'")]
+    world_size: Annotated[int, Meta(ge=1, description="ranks of the launch")]
+    hosts: Annotated[tuple[str, ...], Meta(description="one host name per rank")]
+    datacenters: Annotated[tuple[str, ...], Meta(description="one datacenter name per rank ('' = unknown), or "
+                                                             "none")] = field(default=(), metadata=OPTIONAL)
     device: str
     torch_version: str
-    measured_at: str
+    measured_at: Annotated[str, Meta(description="an ISO 8601 date-time string")]
     fits: tuple[LinkFit, ...]
-    datacenters: tuple[str, ...] = field(default=())
 
     def fit(self, link_class: str, op: str = "p2p") -> LinkFit:
         """The fit of ``op`` over ``link_class``; ``ValueError`` if it was not measured."""
@@ -180,65 +178,72 @@ class CommProfile:
                 "latency_us": float(f"{f.alpha_s * 1e6:.4g}")}
 
     def to_dict(self) -> dict[str, Any]:
-        head = {k: getattr(self, k) for k in ("harness_version", "backend", "world_size", "hosts", "datacenters",
-                                              "device", "torch_version", "measured_at")}
-        fits = [{k: getattr(f, k) for k in ("link_class", "op", "ranks", "alpha_s", "bandwidth_bytes_per_s",
-                                            "bus_bandwidth_bytes_per_s", "r2")}
-                | {"samples": [[b, t] for b, t in f.samples]} for f in self.fits]
-        return {"format": FORMAT, "version": FORMAT_VERSION, **head, "hosts": list(self.hosts),
-                "datacenters": list(self.datacenters), "fits": fits}
+        """The JSON-ready dict of this profile (the file's content), keys in
+        the schema's order; each fit adds its ``bus_bandwidth_bytes_per_s``."""
+        return to_builtins(self, CommProfileDoc, _file_only)
 
     @classmethod
-    def from_dict(cls, d: Any, *, source: str = "<dict>") -> "CommProfile":
+    def from_dict(cls, d: Any, *, source: str = "<dict>") -> CommProfile:
         """Parse ``to_dict`` output; ``CommProfileError`` (a ``ValueError``) names source, field and value."""
-        if not isinstance(d, dict):
-            raise CommProfileError(f"{source}: expected a JSON object, got {type(d).__name__}")
-        get = _getter(source)
-        get(d, "format", lambda v: v == FORMAT, f"{FORMAT!r} (not a zorse_fx communication profile)")
-        get(d, "version", lambda v: v == FORMAT_VERSION, f"{FORMAT_VERSION}; re-run `zorse bench comm`")
-        world = get(d, "world_size", lambda v: _is_int(v) and v >= 1, "an integer >= 1")
-        names = lambda n: lambda v: isinstance(v, list) and len(v) in n and all(isinstance(s, str) for s in v)  # noqa: E731
-        hosts = get(d, "hosts", names((world,)), f"a list of {world} host names")
-        dcs = get({"datacenters": [], **d}, "datacenters", names((0, world)), f"a list of {world} datacenter names ('' = unknown)")
-        fits = []
-        for i, f in enumerate(get(d, "fits", lambda v: isinstance(v, list), "a list of fits")):
-            p = f"fits[{i}]."
-            get({p[:-1]: f}, p[:-1], lambda v: isinstance(v, dict), "an object")
-            samples = get(f, "samples", lambda v: isinstance(v, list) and all(
-                isinstance(s, list) and len(s) == 2 and _is_int(s[0]) and s[0] > 0 and _is_num(s[1]) and s[1] > 0
-                for s in v), "a list of [bytes > 0, seconds > 0] pairs", p)
-            fits.append(LinkFit(
-                link_class=get(f, "link_class", lambda v: v in LINK_CLASSES, f"one of {LINK_CLASSES}", p),
-                op=get(f, "op", lambda v: v in OPS, f"one of {OPS}", p),
-                ranks=get(f, "ranks", lambda v: _is_int(v) and v >= 2, "an integer >= 2", p),
-                alpha_s=float(get(f, "alpha_s", lambda v: _is_num(v) and v >= 0, "seconds >= 0", p)),
-                bandwidth_bytes_per_s=float(get(f, "bandwidth_bytes_per_s", lambda v: _is_num(v) and v > 0,
-                                                "bytes/s > 0", p)),
-                r2=float(get(f, "r2", _is_num, "a finite number", p)),
-                samples=tuple((int(b), float(t)) for b, t in samples)))
-        text = lambda v: isinstance(v, str)  # noqa: E731
-        return cls(
-            harness_version=get(d, "harness_version", text, "a string"),
-            backend=get(d, "backend", text, "a string such as 'gloo' or 'nccl'"),
-            world_size=world, hosts=tuple(hosts), datacenters=tuple(dcs),
-            device=get(d, "device", text, "a string"), torch_version=get(d, "torch_version", text, "a string"),
-            measured_at=get(d, "measured_at", text, "an ISO 8601 date-time string"), fits=tuple(fits))
+        return _build(COMM_PROFILE_FILE.decode(d, source), source)
 
     def save(self, path: str | Path) -> Path:
+        """Write ``to_dict`` to ``path`` (JSON, indent 1; parent directories made); returns ``path``."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
         return path
 
     @classmethod
-    def load(cls, path: str | Path) -> "CommProfile":
-        path = Path(path)
-        try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise CommProfileError(f"{path}: not valid JSON ({e})") from e
-        return cls.from_dict(data, source=str(path))
+    def load(cls, path: str | Path) -> CommProfile:
+        """The profile in the JSON file ``path``. Raises CommProfileError: no
+        such file, not JSON, or a field the schema or ``_build`` refuses."""
+        _, doc = COMM_PROFILE_FILE.read(path, missing="create one with `zorse bench comm`")
+        return _build(doc, str(path))
 
+
+def _file_only(record: Any) -> dict:
+    """The fields a profile file holds that the records do not (``bus_bandwidth_bytes_per_s`` is derived)."""
+    if isinstance(record, CommProfile):
+        return {"format": FORMAT, "version": FORMAT_VERSION}
+    if isinstance(record, LinkFit):
+        return {"bus_bandwidth_bytes_per_s": record.bus_bandwidth_bytes_per_s}
+    return {}
+
+
+LinkFitDoc = struct_of(LinkFit, "LinkFitDoc", extra={
+    "bandwidth_bytes_per_s": [("bus_bandwidth_bytes_per_s", Annotated[float | None, Meta(
+        description="derived from bandwidth_bytes_per_s and ranks; ignored when loading")], None)],
+})
+CommProfileDoc = struct_of(CommProfile, "CommProfileDoc", docs={LinkFit: LinkFitDoc}, extra={
+    "": [("format", Literal["zorse_fx.comm_profile"], msgspec.NODEFAULT), ("version", Literal[1], msgspec.NODEFAULT)],
+})
+
+#: A communication profile as a ``file_schema.FileFormat``.
+COMM_PROFILE_FILE = FileFormat(name=FORMAT, what="communication profile", doc=CommProfileDoc,
+                               versions=(FORMAT_VERSION,), remake="re-run `zorse bench comm`", error=CommProfileError)
+
+
+def _build(doc: Any, source: str) -> CommProfile:
+    """The profile of ``doc`` (a checked ``CommProfileDoc``) after the rules
+    the schema cannot state: one host per rank, one datacenter per rank (or
+    none), every time and bandwidth finite. Raises CommProfileError."""
+    world = doc.world_size
+    if len(doc.hosts) != world:
+        raise COMM_PROFILE_FILE.field_error(source, ["hosts"], list(doc.hosts), f"a list of {world} host names "
+                                            f"(one per rank of world_size {world})")
+    if len(doc.datacenters) not in (0, world):
+        raise COMM_PROFILE_FILE.field_error(source, ["datacenters"], list(doc.datacenters),
+                                            f"a list of {world} datacenter names ('' = unknown), or none")
+    for i, f in enumerate(doc.fits):
+        for name in ("alpha_s", "bandwidth_bytes_per_s", "r2"):
+            if not math.isfinite(getattr(f, name)):
+                raise COMM_PROFILE_FILE.field_error(source, ["fits", i, name], getattr(f, name), "a finite number")
+        for j, (_, t) in enumerate(f.samples):
+            if not math.isfinite(t):
+                raise COMM_PROFILE_FILE.field_error(source, ["fits", i, "samples", j, 1], t,
+                                                    "a finite number of seconds")
+    return from_doc(doc, CommProfile)
 
 
 def fit_or_bound(samples: list[tuple[int, float]]) -> tuple[float, float, float]:

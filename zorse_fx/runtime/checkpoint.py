@@ -41,6 +41,15 @@ complete or absent; ``latest_checkpoint`` only considers ``step_<k>``
 directories that hold a manifest. Rank 0 then deletes all but the newest
 ``keep`` checkpoints. Several nodes need ``<out>`` on a shared file system.
 
+The manifest (``zorse_checkpoint.json``, ``"format": "zorse_fx.checkpoint"``,
+version 1) is declared once, as ``CheckpointManifest``: its annotations carry
+each field's type, range and meaning, ``file_schema.struct_of`` builds the
+schema ``ManifestDoc`` from them, ``save_checkpoint`` writes a manifest
+through it and ``read_manifest`` checks one against it (``MANIFEST_FILE``:
+unknown fields refused), raising ``errors.CheckpointManifestError`` (a
+``CheckpointError`` and a ``FileFormatError``) that names the file, the
+field, the value and the fix.
+
 Loading runs no code from the checkpoint: DCP's tensor files are read with
 ``torch.load(weights_only=True)``, and its pickled ``.metadata`` file is read
 by ``_SafeReader`` with an unpickler that admits only DCP's metadata classes,
@@ -56,23 +65,60 @@ import pickle
 import re
 import shutil
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated, Any, Literal
 
+import msgspec
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from msgspec import Meta
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, CheckpointManifestError
+from ..file_schema import FileFormat, struct_of, to_builtins
+from ..precision import PRECISIONS
 from .worker import StageWorker
 
-__all__ = ["MANIFEST", "latest_checkpoint", "list_checkpoints", "save_checkpoint", "load_checkpoint",
-           "read_manifest"]
+__all__ = ["MANIFEST", "CheckpointManifest", "ManifestDoc", "MANIFEST_FILE", "latest_checkpoint",
+           "list_checkpoints", "save_checkpoint", "load_checkpoint", "read_manifest"]
 
 #: The manifest file of a complete checkpoint.
 MANIFEST = "zorse_checkpoint.json"
 FORMAT = "zorse_fx.checkpoint"
 VERSION = 1
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CheckpointManifest:
+    """What a checkpoint's manifest records (fields in the file's order,
+    after ``format`` and ``version``); written by rank 0, last."""
+
+    step: Annotated[int, Meta(ge=0, description="training steps taken when it was written")]
+    optimizer_steps: Annotated[int, Meta(ge=0, description="AdamW steps taken, skipped fp16 steps excluded")]
+    world_size: Annotated[int, Meta(ge=1, description="the ranks that wrote it")]
+    num_stages: Annotated[int, Meta(ge=1, description="the pipeline stages of the plan that wrote it")]
+    model_name: Annotated[str, Meta(description="the model of the plan that wrote it")]
+    cluster_name: Annotated[str, Meta(description="the cluster of the plan that wrote it")]
+    global_batch_size: Annotated[int, Meta(ge=1, description="samples per step; a resumed run must keep it")]
+    seq_len: Annotated[int, Meta(ge=1, description="tokens per sample; a resumed run must keep it")]
+    precision: Literal[PRECISIONS]  # type: ignore[valid-type]
+    samples_seen: Annotated[int, Meta(ge=0, description="step x global_batch_size")]
+
+
+ManifestDoc = struct_of(CheckpointManifest, "ManifestDoc", extra={
+    "": [("format", Literal["zorse_fx.checkpoint"], msgspec.NODEFAULT), ("version", Literal[1], msgspec.NODEFAULT)],
+})
+#: The manifest as a ``file_schema.FileFormat``.
+MANIFEST_FILE = FileFormat(name=FORMAT, what="checkpoint manifest", doc=ManifestDoc, versions=(VERSION,),
+                           remake="resume from another step_<k> directory of <out>/checkpoints",
+                           error=CheckpointManifestError)
+
+
+def _manifest_dict(manifest: CheckpointManifest) -> dict[str, Any]:
+    """``manifest`` as the JSON-ready dict of ``zorse_checkpoint.json``."""
+    return to_builtins(manifest, ManifestDoc, lambda record: {"format": FORMAT, "version": VERSION})
 
 
 # -- finding checkpoints ---------------------------------------------------------
@@ -98,31 +144,18 @@ def latest_checkpoint(root: str | Path) -> Path | None:
 
 
 def read_manifest(path: str | Path) -> dict:
-    """The validated manifest of checkpoint directory ``path``.
+    """The manifest of checkpoint directory ``path`` (its parsed
+    ``zorse_checkpoint.json``), checked against ``ManifestDoc``: format,
+    version, every ``CheckpointManifest`` field's type and range, no unknown
+    field.
 
     Raises:
-        CheckpointError: no manifest, not JSON, or a field of the wrong type
-            (the message names the file, the field and the value)."""
-    f = Path(path) / MANIFEST
-    if not f.is_file():
-        raise CheckpointError(f"{path}: not a complete zorse_fx checkpoint (no {MANIFEST}); "
-                              f"use a step_<k> directory from <out>/checkpoints")
-    try:
-        d = json.loads(f.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{f}: not valid JSON ({exc})") from None
-    if not isinstance(d, dict) or d.get("format") != FORMAT:
-        raise CheckpointError(f"{f}: field 'format' must be {FORMAT!r}; this is not a zorse_fx checkpoint")
-    if d.get("version") != VERSION:
-        raise CheckpointError(f"{f}: checkpoint format version {d.get('version')!r} is not {VERSION}, "
-                              f"the one this zorse_fx reads")
-    expect = {"step": int, "optimizer_steps": int, "world_size": int, "global_batch_size": int, "seq_len": int,
-              "model_name": str, "precision": str}
-    for key, typ in expect.items():
-        v = d.get(key)
-        if not isinstance(v, typ) or isinstance(v, bool) or (typ is int and v < 0):
-            raise CheckpointError(f"{f}: field {key!r} is {str(v)[:80]!r}; expected a "
-                                  f"{'non-negative integer' if typ is int else 'string'}")
+        CheckpointManifestError (a CheckpointError): no manifest (not a
+            complete checkpoint), not JSON, or a field the schema refuses
+            (the message names the file, the field, the value and the fix)."""
+    d, _ = MANIFEST_FILE.read(Path(path) / MANIFEST, missing=f"{path} is not a complete zorse_fx checkpoint (no "
+                                                             f"{MANIFEST}); use a step_<k> directory from "
+                                                             f"<out>/checkpoints")
     return d
 
 
@@ -208,12 +241,11 @@ def _state_to_save(worker: StageWorker, step: int) -> dict[str, torch.Tensor]:
     return sd
 
 
-def save_checkpoint(worker: StageWorker, root: str | Path, step: int, *, keep: int = 3,
-                    extra: dict | None = None) -> Path:
+def save_checkpoint(worker: StageWorker, root: str | Path, step: int, *, keep: int = 3) -> Path:
     """Save the training state after ``step`` to ``root/step_<step>``,
     atomically (see [Note: checkpoint contents] and the module docstring);
     keep the newest ``keep`` checkpoints. Collective: call on every rank.
-    ``extra``: more JSON fields for the manifest (rank 0's). Returns the
+    Rank 0 writes the manifest (a ``CheckpointManifest``). Returns the
     checkpoint directory."""
     root = Path(root)
     tmp, final = root / f"step_{step}.tmp", root / f"step_{step}"
@@ -226,12 +258,11 @@ def save_checkpoint(worker: StageWorker, root: str | Path, step: int, *, keep: i
     dcp.save(_state_to_save(worker, step), storage_writer=dcp.FileSystemWriter(tmp))
     if worker.rank == 0:
         plan = worker.plan
-        manifest = {"format": FORMAT, "version": VERSION, "step": step,
-                    "optimizer_steps": worker.optimizer_steps, "world_size": plan.world_size,
-                    "num_stages": plan.num_stages, "model_name": plan.model_name,
-                    "cluster_name": plan.cluster_name, "global_batch_size": plan.global_batch_size,
-                    "seq_len": plan.seq_len, "precision": worker.precision.name,
-                    "samples_seen": step * plan.global_batch_size, **(extra or {})}
+        manifest = _manifest_dict(CheckpointManifest(
+            step=step, optimizer_steps=worker.optimizer_steps, world_size=plan.world_size,
+            num_stages=plan.num_stages, model_name=plan.model_name, cluster_name=plan.cluster_name,
+            global_batch_size=plan.global_batch_size, seq_len=plan.seq_len, precision=worker.precision.name,
+            samples_seen=step * plan.global_batch_size))
         with open(tmp / MANIFEST, "w") as f:
             f.write(json.dumps(manifest, indent=2) + "\n")
             f.flush()

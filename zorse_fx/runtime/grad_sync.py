@@ -9,7 +9,8 @@ summed on the rank first (see [Note: a rank with several stages] in
 ``worker.py``). Parameters with the same holders form a *key* (one process
 group); a key's parameters of one dtype are laid out in reverse plan order
 (the order the backward produces their gradients) in buckets of
-``bucket_bytes`` (DDP's 25 MiB by default; the first one 1 MiB, as DDP's, so
+``bucket_bytes`` (the plan's ``grad_bucket_bytes``, which the planner priced: DDP's
+25 MiB by default; the first one 1 MiB at most, as DDP's, so
 the first reduction starts early), closed at the first parameter that reaches
 the size, and every parameter's ``.grad``
 is a view into its bucket (DDP's ``gradient_as_bucket_view``): autograd
@@ -51,7 +52,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ..ir.buckets import BUCKET_BYTES, bucket_caps
+from ..ir.buckets import bucket_caps
 from ..plan import Plan
 from ..precision import PrecisionPolicy
 from .stage import StageRuntime
@@ -94,10 +95,11 @@ class _Bucket:
 class GradientReducer:
     """Reduces the gradients of one rank's stages (see [Note: overlapped
     gradient reduction]). ``groups``: process group per key (sorted ranks)
-    with more than one rank; ``bucket_bytes``: bucket size."""
+    with more than one rank; ``bucket_bytes``: bucket size (default: the plan's)."""
 
     def __init__(self, plan: Plan, stages: list[StageRuntime], groups: dict[tuple[int, ...], object], *,
-                 precision: PrecisionPolicy, bucket_bytes: int = BUCKET_BYTES):
+                 precision: PrecisionPolicy, bucket_bytes: int | None = None):
+        bucket_bytes = plan.grad_bucket_bytes if bucket_bytes is None else bucket_bytes
         self.precision = precision
         self.groups = groups
         holders = holders_of(plan)

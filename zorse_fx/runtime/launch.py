@@ -117,9 +117,13 @@ def _torchrun_has_option(option: str) -> bool:
     return not unknown
 
 
-def torchrun_command(plan_dir: str | Path, nprocs: int, train_args: list[str], *, max_restarts: int = 0,
+def torchrun_command(nprocs: int, train_argv: list[str], *, max_restarts: int = 0,
                      shutdown_timeout_s: float | None = None) -> list[str]:
-    """The torchrun command line that runs ``plan_dir`` on ``nprocs`` local processes.
+    """The torchrun command line that runs ``python -m zorse_fx.train`` with
+    ``train_argv`` on ``nprocs`` local processes: ``zorse train`` passes
+    ``["--options-file", <out>/train_options.json]``; flags work too
+    (``[plan_dir, "--data", ...]``). torchrun's own options come before
+    ``-m zorse_fx.train``.
 
     ``max_restarts``: torchrun restarts every worker (up to this many times)
     when one fails; with checkpoints the restarted ranks resume. ``shutdown_timeout_s``:
@@ -131,7 +135,7 @@ def torchrun_command(plan_dir: str | Path, nprocs: int, train_args: list[str], *
         opts.append(f"--shutdown-timeout={max(1, int(round(shutdown_timeout_s)))}")
     return [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nprocs}", *opts,
-        "-m", "zorse_fx.train", str(plan_dir), *train_args,
+        "-m", "zorse_fx.train", *train_argv,
     ]
 
 
@@ -144,10 +148,11 @@ def job_env() -> dict[str, str]:
     return env
 
 
-def launch(plan_dir: str | Path, nprocs: int, train_args: list[str], *, timeout_s: float | None = None,
+def launch(nprocs: int, train_argv: list[str], *, timeout_s: float | None = None,
            capture: bool = False, heartbeat_dir: str | Path | None = None, stall_timeout_s: float = 0,
            term_grace_s: float = 60.0, max_restarts: int = 0) -> subprocess.CompletedProcess:
-    """Run the plan on ``nprocs`` local processes under torchrun and ``supervise`` it.
+    """Run ``python -m zorse_fx.train`` with ``train_argv`` (see
+    ``torchrun_command``) on ``nprocs`` local processes under torchrun and ``supervise`` it.
 
     ``heartbeat_dir``/``stall_timeout_s``: stop the job when a rank has not
     beaten for that long (0: never). ``term_grace_s``: on SIGTERM, how long the
@@ -160,7 +165,7 @@ def launch(plan_dir: str | Path, nprocs: int, train_args: list[str], *, timeout_
         JobStalledError: a rank stopped beating.
         JobInterrupted: SIGINT or SIGTERM; the job was stopped.
     """
-    cmd = torchrun_command(plan_dir, nprocs, train_args, max_restarts=max_restarts, shutdown_timeout_s=term_grace_s)
+    cmd = torchrun_command(nprocs, train_argv, max_restarts=max_restarts, shutdown_timeout_s=term_grace_s)
     return supervise(cmd, job_env(), timeout_s=timeout_s, capture=capture, heartbeat_dir=heartbeat_dir,
                      stall_timeout_s=stall_timeout_s, term_grace_s=term_grace_s)
 

@@ -17,9 +17,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ..train_options import LR_SCHEDULES, OptimizerOptions, check_lr_schedule
+
 __all__ = ["LR_SCHEDULES", "LRSchedule"]
 
-LR_SCHEDULES = ("constant", "cosine", "linear")
+_DEFAULTS = OptimizerOptions()  # the defaults are written once, in train_options.py
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -32,23 +34,23 @@ class LRSchedule:
             option to change.
     """
 
-    name: str = "constant"
-    lr: float = 1e-4
-    min_lr: float = 0.0
-    warmup_steps: int = 0
+    name: str = _DEFAULTS.lr_schedule
+    lr: float = _DEFAULTS.lr
+    min_lr: float = _DEFAULTS.min_lr
+    warmup_steps: int = _DEFAULTS.warmup_steps
     total_steps: int = 1
 
     def __post_init__(self) -> None:
-        if self.name not in LR_SCHEDULES:
-            raise ValueError(f"--lr-schedule {self.name!r}: choose one of {', '.join(LR_SCHEDULES)}")
-        if not (self.lr >= 0 and math.isfinite(self.lr)):
-            raise ValueError(f"--lr {self.lr}: the learning rate must be a finite number >= 0")
-        if not (0 <= self.min_lr <= self.lr):
-            raise ValueError(f"--min-lr {self.min_lr}: must be between 0 and --lr {self.lr}")
-        if self.warmup_steps < 0:
-            raise ValueError(f"--warmup-steps {self.warmup_steps}: must be >= 0")
+        check_lr_schedule(self.name, self.lr, self.min_lr, self.warmup_steps)
         if self.total_steps < 1:
             raise ValueError(f"--steps {self.total_steps}: must be >= 1")
+
+    @classmethod
+    def from_options(cls, options: OptimizerOptions, total_steps: int) -> LRSchedule:
+        """The schedule ``options`` (``--lr-schedule``, ``--lr``, ``--min-lr``,
+        ``--warmup-steps``) describe, over a run of ``total_steps``."""
+        return cls(name=options.lr_schedule, lr=options.lr, min_lr=options.min_lr, warmup_steps=options.warmup_steps,
+                   total_steps=total_steps)
 
     def __call__(self, step: int) -> float:
         if step < 1:

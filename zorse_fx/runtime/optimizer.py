@@ -57,9 +57,12 @@ import torch
 import torch.distributed as dist
 
 from ..precision import PrecisionPolicy
+from ..train_options import OptimizerOptions
 from .stage import StageRuntime
 
 __all__ = ["OptimizerConfig", "StageOptimizer", "LossScaler"]
+
+_DEFAULTS = OptimizerOptions()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -71,12 +74,19 @@ class OptimizerConfig:
     1-D parameter are not decayed, as nanoGPT's ``configure_optimizers`` and
     Hugging Face's Trainer do (see ``decays``). ``lr`` is the peak learning
     rate; the training loop sets each step's rate (``runtime/lr_schedule.py``).
+    The defaults are ``train_options.OptimizerOptions``'s (written once, there).
     """
 
-    lr: float = 1e-4
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = 1e-8
-    weight_decay: float = 0.0
+    lr: float = _DEFAULTS.lr
+    betas: tuple[float, float] = (_DEFAULTS.adam_beta1, _DEFAULTS.adam_beta2)
+    eps: float = _DEFAULTS.adam_eps
+    weight_decay: float = _DEFAULTS.weight_decay
+
+    @classmethod
+    def from_options(cls, options: OptimizerOptions) -> OptimizerConfig:
+        """AdamW as ``options`` (``--lr``, ``--adam-beta1/2``, ``--adam-eps``, ``--weight-decay``) set it."""
+        return cls(lr=options.lr, betas=(options.adam_beta1, options.adam_beta2), eps=options.adam_eps,
+                   weight_decay=options.weight_decay)
 
 
 def decays(param: torch.Tensor) -> bool:

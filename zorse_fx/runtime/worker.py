@@ -82,7 +82,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..ir.buckets import BUCKET_BYTES
 from ..plan import Plan, StagePlan
 from ..precision import PrecisionPolicy, precision_policy
 from .grad_sync import GradientReducer, holders_of
@@ -104,7 +103,6 @@ class StageWorker:
         rank, device: this rank and its device.
         optimizer: AdamW hyper-parameters.
         precision: the policy to train with (default fp32).
-        bucket_bytes: gradient bucket size (DDP's 25 MiB by default).
         weights_source: the file ``weights`` was read from, named by a
             ``WeightsFileError`` (a tensor missing or of the wrong shape or dtype).
     """
@@ -119,7 +117,6 @@ class StageWorker:
         device: torch.device,
         optimizer: OptimizerConfig = OptimizerConfig(),
         precision: PrecisionPolicy | None = None,
-        bucket_bytes: int = BUCKET_BYTES,
         weights_source: str | None = None,
     ):
         self.plan = plan
@@ -142,7 +139,7 @@ class StageWorker:
         self.optimizers = [StageOptimizer(st, optimizer, shard_group=self._groups.get(tuple(sorted(st.stage.ranks))))
                            for st in self.stages]
         self.reducer = GradientReducer(plan, self.stages, self._groups, precision=self.precision,
-                                       bucket_bytes=bucket_bytes)
+                                       bucket_bytes=plan.grad_bucket_bytes)  # what the planner priced
         self.scaler = LossScaler(self.precision, device) if self.precision.loss_scaling else None
         P = plan.num_groups
         #: Per hosted stage: the index of its last backward in the schedule.

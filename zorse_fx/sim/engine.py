@@ -89,7 +89,7 @@ score the same shards).
 
 Gradient sync, per GPU group, as the runtime does it ([Note: overlapped
 gradient reduction] in ``runtime/grad_sync.py``). A group with > 1 GPU
-all-reduces its gradients in buckets of ``BUCKET_BYTES`` of float32
+all-reduces its gradients in buckets of ``PlanOptions.bucket_bytes`` of float32
 gradients (the first 1 MiB, as DDP's), its parameters in reverse plan order (its last stage's last
 block first). A bucket starts once every GPU of the group has finished, in
 its stage's last backward, the bucket's earliest block -- a backward takes
@@ -576,7 +576,7 @@ def simulate(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions, deci
     step, sync_events, shard_bytes = gradient_sync(
         costs, devices, stage_blocks=stage_blocks, stage_gpus=stage_gpus, samples=decision.samples_per_microbatch,
         n_p=n_p, pol=pol, last_b=pipe.last_b, last_b_span=pipe.last_b_span, rc_dur=pipe.rc_dur,
-        resources=pipe.resources)
+        resources=pipe.resources, bucket_bytes=options.bucket_bytes)
     events = pipe.events + sync_events
     used, n_g = pipe.used, devices.num_gpus
     busy_frac = tuple(pipe.busy.get(g, 0.0) / step if step > 0 else 0.0 for g in range(n_g))

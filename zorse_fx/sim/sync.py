@@ -5,7 +5,7 @@ the module note of ``sim/engine.py``; rings priced in ``sim/network.py``)."""
 
 from __future__ import annotations
 
-from ..ir.buckets import BUCKET_BYTES, bucket_caps
+from ..ir.buckets import bucket_caps
 from ..ir.costs import BlockCosts
 from ..ir.devices import DeviceGraph
 from ..solve.objective import GRAD_BUCKET_BYTES_PER_PARAM as _FP32
@@ -37,20 +37,20 @@ class _Timing:
 
 
 def _reduction(costs: BlockCosts, timing: _Timing, stage_blocks, stages, gpus, excluded: dict[int, int],
-               ring_: Ring, grad_bytes: int):
+               ring_: Ring, grad_bytes: int, bucket_bytes: int):
     """The gradient buckets of one GPU group, all-reduced in order as the
     runtime does ([Note: overlapped gradient reduction] in
     ``runtime/grad_sync.py``): the group's parameters in reverse plan order
     (its last stage's last block first; ``excluded[b]`` of block b's
     parameters left out: tied parameters reduced elsewhere, or counted once) in buckets of
-    ``BUCKET_BYTES`` of float32 gradients (the first one 1 MiB,
-    ``bucket_caps``); a bucket can start once every GPU's last backward of the
+    ``bucket_bytes`` of float32 gradients (the first one 1 MiB at most,
+    ``bucket_caps``; ``PlanOptions.bucket_bytes``); a bucket can start once every GPU's last backward of the
     stage finished the bucket's earliest block and the previous bucket is
     done; it takes a ring all-reduce of its gradients on the group's ring
     (``Ring.allreduce_s``). Yields ``(stage, start, end, params)`` per stage,
     from its first bucket's start to its last bucket's end, the parameters it reduces."""
     buckets: list[list] = []  # [ready, params, {stage: params}]
-    caps = bucket_caps(BUCKET_BYTES)
+    caps = bucket_caps(bucket_bytes)
     cur = [0.0, 0, {}]
     for s in reversed(stages):
         i, j = stage_blocks[s]
@@ -104,8 +104,9 @@ def _tied_plan(costs: BlockCosts, stage_blocks, stage_gpus, n_p: int):
 
 
 def gradient_sync(costs: BlockCosts, devices: DeviceGraph, *, stage_blocks, stage_gpus, samples, n_p: int, pol,
-                  last_b: dict, last_b_span: dict, rc_dur: dict, resources: FlowResources):
+                  last_b: dict, last_b_span: dict, rc_dur: dict, resources: FlowResources, bucket_bytes: int):
     """Events and end of the step's gradient sync (see the engine's module note).
+    ``bucket_bytes``: the gradient bucket size (``PlanOptions.bucket_bytes``).
     Returns ``(step_end_s, events, shard_bytes)`` with ``shard_bytes`` per stage
     per GPU (0 where not sharded)."""
     from .engine import SimEvent  # the record lives with the engine
@@ -138,7 +139,7 @@ def gradient_sync(costs: BlockCosts, devices: DeviceGraph, *, stage_blocks, stag
         if len(gpus) > 1:
             t_end = max(last_b[g] for g in gpus)
             for s, start, end, nparams in _reduction(costs, timing, stage_blocks, stages_p, gpus, excluded,
-                                                       ring_p, gr_b):
+                                                       ring_p, gr_b, bucket_bytes):
                 events += [SimEvent("allreduce", g, s, -1, start, end, None, gr_b * nparams) for g in gpus]
                 t_end = max(t_end, end)
             t_red = dict.fromkeys(gpus, t_end)

@@ -51,8 +51,8 @@ shardable state bytes (shardable_bytes_per_param * P_s), R_s = the rest
                 nb_s = 1 + max(0, ceil((G_s - first_cap) / cap)), G_s = the
                 float32 gradient bytes of P'_s (4 per parameter, whatever
                 grad_bytes is: the buckets hold float32 master gradients), caps
-                of ``runtime/grad_sync.bucket_caps(BUCKET_BYTES)`` (1 MiB, then
-                25 MiB): the buckets ``sim/sync.py`` forms, cutting parameters
+                of ``ir.buckets.bucket_caps(PlanOptions.bucket_bytes)`` (1 MiB,
+                then 25 MiB by default): the buckets ``sim/sync.py`` forms, cutting parameters
                 at the caps (the runtime closes a bucket at the first
                 parameter that reaches its cap: as many or fewer). A stage
                 without any parameter of its own still counts 1 bucket (the

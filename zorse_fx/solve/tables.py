@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..ir.buckets import BUCKET_BYTES, bucket_caps
+from ..ir.buckets import bucket_caps
 from ..ir.costs import BlockCosts
 from ..ir.devices import DeviceGraph
 from ..options import SCHEDULES, PlanOptions
@@ -110,7 +110,7 @@ class IntTables:
     #: Per tied parameter: its float32 gradient bytes in BUCKET_UNIT_BYTES units, rounded down.
     tied_grad_kib: tuple[int, ...]
     #: (first bucket's cap, every other bucket's cap) in BUCKET_UNIT_BYTES units
-    #: (``runtime/grad_sync.bucket_caps(BUCKET_BYTES)``).
+    #: (``ir.buckets.bucket_caps(options.bucket_bytes)``, as the runtime's buckets).
     bucket_caps: tuple[int, int]
     #: (G,) index into ``mem_bw_values``; [class] prefix of 2 * optimizer bytes / mem_bw units.
     gpu_mbw_class: tuple[int, ...]
@@ -192,9 +192,9 @@ def build_tables(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions,
     ob = costs.optim_bytes
     sh, pb = costs.shardable_bytes_per_param, costs.param_bytes_per_param
     types = sorted(set(devices.gpu_types))
-    first_cap, cap = bucket_caps(BUCKET_BYTES)
-    if first_cap % BUCKET_UNIT_BYTES or cap % BUCKET_UNIT_BYTES or not 0 < first_cap < cap:
-        raise ValueError(f"bucket caps ({first_cap}, {cap}) bytes must be whole KiB with 0 < first < other "
+    first_cap, cap = bucket_caps(options.bucket_bytes)
+    if first_cap % BUCKET_UNIT_BYTES or cap % BUCKET_UNIT_BYTES or not 0 < first_cap <= cap:
+        raise ValueError(f"bucket caps ({first_cap}, {cap}) bytes must be whole KiB with 0 < first <= other "
                          f"(the CP-SAT model's bucket count relies on it)")
     fp32 = GRAD_BUCKET_BYTES_PER_PARAM
     lastb_scale = []

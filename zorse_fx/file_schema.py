@@ -1,0 +1,356 @@
+"""How zorse_fx reads the JSON files it writes: one loader, one error type.
+
+Five formats pass through here: ``plan.json`` (``plan_schema``), kernel
+profiles (``cost/profile.py``), communication profiles
+(``profiling/comm.py``), checkpoint manifests (``runtime/checkpoint.py``) and
+token-file headers (``token_data.py``). Each is one ``FileFormat``: the value
+of its ``format`` field, the versions it reads, a ``msgspec.Struct`` holding
+every field's type, range (``msgspec.Meta``: ``ge``, ``min_length``, ...),
+allowed values (``Literal``) and meaning (``Meta(description=...)``), what
+makes a good file again, and the error class it raises. Unknown fields are
+refused (a typo is not ignored).
+
+Where a format has an in-memory record (``Plan``, ``KernelProfile``, ...),
+the struct is not written by hand: ``struct_of`` builds it from the
+record's dataclass annotations, ``from_doc`` builds the record back from a
+checked struct and ``to_builtins`` writes the record in the struct's field
+order. A field is then declared once, on the dataclass; a file that lacks a
+field the dataclass declares is an older version, which the format's
+``upgrade`` brings up to date.
+
+Every error is a ``FileFormatError`` (a subclass per format, so callers can
+keep catching ``PlanFileError`` or ``CheckpointError``) naming the file, the
+field path as msgspec reports it (``stages[1].gpus[0].samples_per_microbatch``;
+a top-level field is quoted: ``'precision'``), the value (cut to a readable
+length by ``errors.short_repr``), what was expected with the field's meaning,
+and the fix::
+
+    runs/x/plan/plan.json: field stages[1].gpus[0].samples_per_microbatch is 0:
+    expected `int` >= 1 (the samples this GPU takes from every micro-batch; the
+    shares of a stage's GPUs sum to microbatch_size); correct it or re-export
+    the plan with `zorse plan`
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import re
+import types
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Callable, Literal, Union
+
+import msgspec
+
+from .errors import FileFormatError, short_repr
+
+__all__ = ["FileFormat", "OPTIONAL", "NOT_IN_FILE", "struct_of", "from_doc", "to_builtins"]
+
+#: Dataclass field metadata: the field may be left out of the file (it then takes its default).
+OPTIONAL = {"file": "optional"}
+#: Dataclass field metadata: an in-memory field the file does not hold.
+NOT_IN_FILE = {"file": "no"}
+
+
+# -- dataclass <-> struct ---------------------------------------------------------------
+
+
+def struct_of(cls: type, name: str, *, docs: dict[type, type] | None = None,
+              extra: dict[str, list[tuple[str, Any, Any]]] | None = None,
+              defaults_optional: bool = False) -> type[msgspec.Struct]:
+    """The ``msgspec.Struct`` that checks the file form of dataclass ``cls``.
+
+    One struct field per dataclass field in declaration order (the file's
+    key order), with its annotation (``Annotated`` constraints kept) and with
+    nested record types replaced by their structs (``docs``: dataclass ->
+    struct). A field is required unless its metadata is ``OPTIONAL`` (then
+    it defaults to the dataclass default); fields marked ``NOT_IN_FILE`` are
+    left out (with ``defaults_optional``, every field with a default is
+    optional: a file of options). ``extra`` adds file-only fields, ``{after: [(name, type,
+    default), ...]}`` (``after`` "" = first; default ``msgspec.NODEFAULT`` =
+    required). Unknown keys are refused."""
+    docs = docs or {}
+    extra = extra or {}
+    hints = typing.get_type_hints(cls, include_extras=True)
+    fields: list[tuple] = [_extra_field(e) for e in extra.get("", [])]
+    for f in dataclasses.fields(cls):
+        mode = f.metadata.get("file")
+        if mode != "no":
+            kind = _doc_type(hints[f.name], docs)
+            has_default = f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
+            if mode == "optional" or (defaults_optional and has_default):
+                default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+                if dataclasses.is_dataclass(default):  # a record's default: its file form, made per instance
+                    default = msgspec.field(default_factory=lambda d=msgspec.to_builtins(default), k=_strip(kind):
+                                            msgspec.convert(d, k))
+                fields.append((f.name, kind, default))
+            else:
+                fields.append((f.name, kind))
+        fields += [_extra_field(e) for e in extra.get(f.name, [])]
+    return msgspec.defstruct(name, fields, kw_only=True, forbid_unknown_fields=True, module=cls.__module__)
+
+
+def _extra_field(e: tuple[str, Any, Any]) -> tuple:
+    name, kind, default = e
+    return (name, kind) if default is msgspec.NODEFAULT else (name, kind, default)
+
+
+def _doc_type(kind: Any, docs: dict[type, type]) -> Any:
+    """``kind`` with every record type in ``docs`` replaced by its struct."""
+    if isinstance(kind, type) and kind in docs:
+        return docs[kind]
+    origin, args = typing.get_origin(kind), typing.get_args(kind)
+    if origin is Annotated:
+        return Annotated[(_doc_type(args[0], docs), *kind.__metadata__)]
+    if origin in (Union, types.UnionType):
+        return Union[tuple(_doc_type(a, docs) for a in args)]
+    if origin in (tuple, list, dict):
+        return origin[tuple(a if a is Ellipsis else _doc_type(a, docs) for a in args)]
+    return kind
+
+
+def from_doc(value: Any, kind: Any, **overrides: Any) -> Any:
+    """The in-memory form of ``value`` (a checked struct or a part of one)
+    as type ``kind``: a dataclass record is built from its file fields (plus
+    ``overrides``, top level only), arrays become tuples, maps dicts."""
+    if value is None:  # an optional field left unset
+        return None
+    kind = _strip(kind)
+    if dataclasses.is_dataclass(kind):
+        hints = typing.get_type_hints(kind, include_extras=True)
+        kwargs = {f.name: from_doc(getattr(value, f.name), hints[f.name])
+                  for f in dataclasses.fields(kind) if f.metadata.get("file") != "no" and f.name not in overrides}
+        return kind(**kwargs, **overrides)
+    origin, args = typing.get_origin(kind), typing.get_args(kind)
+    if origin is tuple:
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(from_doc(x, args[0]) for x in value)
+        return tuple(from_doc(x, a) for x, a in zip(value, args))
+    if origin is dict:
+        return dict(value)
+    return value
+
+
+def to_builtins(record: Any, doc: type[msgspec.Struct], derived: Callable[[Any], dict] | None = None) -> dict:
+    """``record`` (a dataclass) as its file's JSON-ready dict, keys in the
+    order of ``doc``'s fields: nested records by their own struct (found
+    through the field types), tuples as lists, file-only fields from
+    ``derived(record)`` (a dict; called for every nested record)."""
+    out = derived(record) if derived else {}
+    hints = {f.name: f.type for f in msgspec.structs.fields(doc)}
+    return {name: out[name] if name in out else _plain(getattr(record, name), hints[name], derived) for name in hints}
+
+
+def _plain(value: Any, kind: Any, derived) -> Any:
+    kind = _strip(kind)
+    if isinstance(kind, type) and issubclass(kind, msgspec.Struct):
+        return to_builtins(value, kind, derived)
+    origin, args = typing.get_origin(kind), typing.get_args(kind)
+    if origin in (tuple, list):
+        fixed = origin is tuple and not (len(args) == 2 and args[1] is Ellipsis)
+        return [_plain(x, args[i] if fixed else args[0], derived) for i, x in enumerate(value)]
+    if origin is dict:
+        return dict(value)
+    return value
+
+
+# -- one format ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FileFormat:
+    """One JSON file format zorse_fx reads.
+
+    Attributes:
+        name: the value of the file's ``format`` field ("zorse_fx.plan").
+        what: what the file is, for messages ("plan", "kernel profile").
+        doc: the struct a file of the current version must match.
+        versions: the ``version`` values it reads (older ones through ``upgrade``).
+        remake: how to get a good file, ending every message that has no
+            better fix ("re-export the plan with `zorse plan`").
+        error: the ``FileFormatError`` subclass raised.
+        upgrade: a parsed file of any readable version -> the current shape
+            (a copy; fields added since at the values those versions meant).
+    """
+
+    name: str
+    what: str
+    doc: type[msgspec.Struct]
+    versions: tuple[int, ...]
+    remake: str
+    error: type[FileFormatError] = FileFormatError
+    upgrade: Callable[[dict], dict] | None = None
+
+    def read(self, path: str | Path, *, missing: str | None = None) -> tuple[dict, Any]:
+        """``(parsed dict, checked struct)`` of the file at ``path``.
+
+        Raises ``error``: no such file (``missing`` says how to make one, else
+        ``remake``), not UTF-8 JSON, or anything ``decode`` refuses."""
+        path = Path(path)
+        if not path.is_file():
+            raise self.error(f"{path}: no such {self.what} file; {missing or self.remake}", path=str(path))
+        try:
+            d = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise self.error(f"{path}: invalid JSON at line {exc.lineno}: {exc.msg}; {self.remake}",
+                             path=str(path)) from None
+        except UnicodeDecodeError as exc:
+            raise self.error(f"{path}: not a text file ({exc.reason} at byte {exc.start}); {self.remake}",
+                             path=str(path)) from None
+        return d, self.decode(d, str(path))
+
+    def decode(self, d: Any, source: str) -> Any:
+        """``d`` (a parsed file of any readable version) checked and converted
+        into ``doc``, upgraded to the current shape: a JSON object, ``format``
+        ``name``, ``version`` one of ``versions``, every field's type, range
+        and allowed values, no unknown field. Raises ``error`` naming
+        ``source``, the field, the value and the fix."""
+        if not isinstance(d, dict):
+            raise self.error(f"{source}: a {self.what} file holds a JSON object, not a {type(d).__name__}; "
+                             f"{self.remake}", path=source, value=d)
+        if d.get("format") != self.name:
+            raise self.error(f"{source}: not a zorse_fx {self.what} (field 'format' is {short_repr(d.get('format'))}, "
+                             f"expected {self.name!r})", path=source, field="'format'", value=d.get("format"))
+        version = d.get("version")
+        if isinstance(version, bool) or version not in self.versions:
+            raise self.error(f"{source}: {self.what} format version {short_repr(version)} is not supported by this "
+                             f"zorse_fx (reads version{'s' if len(self.versions) > 1 else ''} "
+                             f"{', '.join(map(str, self.versions))}); {self.remake}",
+                             path=source, field="'version'", value=version)
+        current = self.upgrade(d) if self.upgrade else d
+        try:
+            return msgspec.convert(current, self.doc)
+        except msgspec.ValidationError as exc:
+            raise self._validation_error(str(exc), current, source) from None
+
+    def field_error(self, source: str, path: list, value: Any, expected: str | None = None, *,
+                    reason: str | None = None) -> FileFormatError:
+        """The error for a rule the struct cannot state (one tying two fields
+        together, a record's own check), in the same words: ``field <path> is
+        <value>: expected <expected>; correct it or <remake>`` (or ``: <reason>``
+        where the rule's own message says what is wrong)."""
+        why = reason if reason is not None else f"expected {expected}"
+        return self.error(f"{source}: field {_render(path)} is {short_repr(value)}: {why}; "
+                          f"correct it or {self.remake}", path=source, field=_render(path), value=value)
+
+    def _validation_error(self, error: str, d: dict, source: str) -> FileFormatError:
+        m = _AT.fullmatch(error)
+        reason, at = (m.group(1), m.group(2)) if m else (error, "")
+        path: list = [int(i) if i and i != "..." else (name or "...") for name, i in _PART.findall(at)]
+        value, path = _value_at(d, path)
+        missing = re.fullmatch(r"Object (missing required|contains unknown) field `(.+)`", reason)
+        if missing:
+            name, parent = missing.group(2), path
+            path = [*path, name]
+            where = _render(path)
+            if missing.group(1).startswith("missing"):
+                return self.error(f"{source}: missing field {where}; {self.remake}", path=source, field=where)
+            close = difflib.get_close_matches(name, _field_names(_type_at(self.doc, parent)[0]), n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            return self.error(f"{source}: unknown field {where} (value {short_repr(value.get(name))}); {hint}remove "
+                              f"it or {self.remake}", path=source, field=where, value=value.get(name))
+        kind, meaning = _type_at(self.doc, path)
+        where = _render(path)
+        if typing.get_origin(kind) is Literal:
+            allowed = ", ".join(map(repr, typing.get_args(kind)))
+            return self.error(f"{source}: field {where} is {short_repr(value)}; allowed: {allowed}", path=source,
+                              field=where, value=value)
+        meaning = f" ({meaning})" if meaning else ""
+        return self.error(f"{source}: field {where} is {short_repr(value)}: {reason[:1].lower()}{reason[1:]}{meaning}; "
+                          f"correct it or {self.remake}", path=source, field=where, value=value)
+
+
+# -- error messages -----------------------------------------------------------------------
+
+_AT = re.compile(r"(?s)(.*) - at `\$(.*)`")
+_PART = re.compile(r"\.(\w+)|\[(\d+|\.\.\.)\]")
+
+
+class _Entry(str):
+    """A dict entry in a field path, written ``[<key>]`` (``params['w']``)."""
+
+
+def _render(path: list) -> str:
+    """A field path as messages write it: ``stages[1].gpus[0].rank``; a
+    top-level field quoted (``'precision'``)."""
+    if len(path) == 1 and isinstance(path[0], str):
+        return repr(path[0])
+    text = ""
+    for p in path:
+        text += f"[{p}]" if isinstance(p, (int, _Entry)) else f".{p}"
+    return text.lstrip(".")
+
+
+def _value_at(d: Any, path: list) -> tuple[Any, list]:
+    """The value at ``path`` in ``d`` and the path with a dict entry msgspec
+    writes ``[...]`` replaced by the first entry whose key or value is not a
+    string (the only dicts checked per entry are str -> str maps)."""
+    out = []
+    for p in path:
+        if p == "..." and isinstance(d, dict):
+            bad = next(((k, v) for k, v in d.items() if not (isinstance(k, str) and isinstance(v, str))), None)
+            if bad is None:
+                out.append(_Entry("..."))
+                continue
+            out.append(_Entry(short_repr(bad[0], 40)))
+            d = bad[1]
+            continue
+        out.append(p)
+        try:
+            d = d[p]
+        except (KeyError, IndexError, TypeError):
+            d = None
+    return d, out
+
+
+def _strip(kind: Any) -> Any:
+    """``kind`` without ``Annotated`` and without a ``| None``."""
+    while True:
+        if typing.get_origin(kind) is Annotated:
+            kind = typing.get_args(kind)[0]
+        elif typing.get_origin(kind) in (Union, types.UnionType):
+            arms = [a for a in typing.get_args(kind) if a is not type(None)]
+            if len(arms) != 1:
+                return kind
+            kind = arms[0]
+        else:
+            return kind
+
+
+def _description(kind: Any) -> str | None:
+    """The ``Meta(description=...)`` of an ``Annotated`` field type, if any."""
+    if typing.get_origin(kind) is Annotated:
+        for m in kind.__metadata__:
+            if isinstance(m, msgspec.Meta) and m.description:
+                return m.description
+    return None
+
+
+def _type_at(root: Any, path: list) -> tuple[Any, str | None]:
+    """The schema type of the field at ``path`` under ``root`` (None where it
+    has none) and the meaning of the last named field on the path."""
+    kind, meaning = root, None
+    for p in path:
+        kind = _strip(kind)
+        if isinstance(kind, type) and issubclass(kind, msgspec.Struct):
+            kind = {f.name: f.type for f in msgspec.structs.fields(kind)}.get(p)
+            meaning = _description(kind)
+        elif typing.get_origin(kind) in (list, tuple, dict):
+            args = typing.get_args(kind)
+            if typing.get_origin(kind) is dict:
+                kind = args[1]
+            else:
+                fixed = len(args) > 1 and args[-1] is not Ellipsis and isinstance(p, int) and p < len(args)
+                kind = args[p] if fixed else args[0]
+        else:
+            return None, meaning
+    return _strip(kind), meaning
+
+
+def _field_names(kind: Any) -> tuple[str, ...]:
+    if isinstance(kind, type) and issubclass(kind, msgspec.Struct):
+        return tuple(f.name for f in msgspec.structs.fields(kind))
+    return ()
