@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import json
 import re
 import types
@@ -120,9 +121,8 @@ def from_doc(value: Any, kind: Any, **overrides: Any) -> Any:
         return None
     kind = _strip(kind)
     if dataclasses.is_dataclass(kind):
-        hints = typing.get_type_hints(kind, include_extras=True)
-        kwargs = {f.name: from_doc(getattr(value, f.name), hints[f.name])
-                  for f in dataclasses.fields(kind) if f.metadata.get("file") != "no" and f.name not in overrides}
+        kwargs = {name: from_doc(getattr(value, name), hint)
+                  for name, hint in _file_fields(kind) if name not in overrides}
         return kind(**kwargs, **overrides)
     origin, args = typing.get_origin(kind), typing.get_args(kind)
     if origin is tuple:
@@ -134,14 +134,27 @@ def from_doc(value: Any, kind: Any, **overrides: Any) -> Any:
     return value
 
 
+@functools.cache
+def _file_fields(cls: type) -> tuple[tuple[str, Any], ...]:
+    """``(name, annotation)`` of the dataclass ``cls``'s fields a file holds
+    (resolving the annotations once per class: ``get_type_hints`` is slow)."""
+    hints = typing.get_type_hints(cls, include_extras=True)
+    return tuple((f.name, hints[f.name]) for f in dataclasses.fields(cls) if f.metadata.get("file") != "no")
+
+
+@functools.cache
+def _struct_fields(doc: type) -> tuple[tuple[str, Any], ...]:
+    return tuple((f.name, f.type) for f in msgspec.structs.fields(doc))
+
+
 def to_builtins(record: Any, doc: type[msgspec.Struct], derived: Callable[[Any], dict] | None = None) -> dict:
     """``record`` (a dataclass) as its file's JSON-ready dict, keys in the
     order of ``doc``'s fields: nested records by their own struct (found
     through the field types), tuples as lists, file-only fields from
     ``derived(record)`` (a dict; called for every nested record)."""
     out = derived(record) if derived else {}
-    hints = {f.name: f.type for f in msgspec.structs.fields(doc)}
-    return {name: out[name] if name in out else _plain(getattr(record, name), hints[name], derived) for name in hints}
+    return {name: out[name] if name in out else _plain(getattr(record, name), kind, derived)
+            for name, kind in _struct_fields(doc)}
 
 
 def _plain(value: Any, kind: Any, derived) -> Any:
