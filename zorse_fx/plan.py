@@ -25,9 +25,11 @@ hashes named. The runtime executes the text that was hashed
 hashes: it loads (``zorse show`` works) with ``Plan.sources_verified``
 False, and the runtime refuses to run it until it is re-exported.
 
-Checked before anything runs (issue 12): ``Plan.load`` / ``Plan.from_dict``
-check plan.json against its schema (``plan_schema.py``: types, ranges,
-allowed values, no unknown keys; older versions upgraded first) before any
+Checked before anything runs: ``Plan.load`` / ``Plan.from_dict``
+check plan.json against its schema (``plan_schema.py``, built by
+``file_schema.struct_of`` from the annotations of this module's dataclasses:
+types, ranges, allowed values and each field's meaning; no unknown keys;
+older versions upgraded first) before any
 stage file is read, and ``Plan.__post_init__`` checks the rules tying fields
 together. Every error is a ``PlanFileError`` naming the file, the field path
 (``stages[1].gpus[0].samples_per_microbatch``), the value and the fix.
