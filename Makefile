@@ -8,7 +8,7 @@ STAMP   := $(VENV)/.installed
 TORCH_PIN := torch==2.13.0
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 
-.PHONY: venv demo test test-other-cpu bench clean
+.PHONY: venv demo test test-other-cpu bench clean gpu-check gpu-check-prepare
 
 venv: $(STAMP)
 
@@ -51,6 +51,18 @@ test: $(STAMP)
 test-other-cpu: $(STAMP)
 	ATEN_CPU_CAPABILITY=default MKL_ENABLE_INSTRUCTIONS=SSE4_2 MKL_CBWR=COMPATIBLE OPENBLAS_CORETYPE=Prescott \
 		$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --maxprocesses=$(TEST_WORKERS_MAX) --dist loadgroup tests
+
+# The GPU check (bench/gpu_check.py): run `make gpu-check-prepare` here (it needs OR-Tools: plans for
+# H100-80GB and H200, the token file and the wheels the GPU image lacks, under .gpu_check/), then on the
+# GPU machine, carrying .gpu_check, `make gpu-check` first of all (at most 8 minutes on one H100/H200; it
+# uses the machine's own python3 with torch and Triton, no venv). Its CPU dry run is part of `make test`.
+GPU_CHECK_DIR ?= .gpu_check
+gpu-check-prepare: $(STAMP)
+	$(BIN)/python bench/gpu_check.py prepare --out $(GPU_CHECK_DIR)
+
+gpu-check:
+	$(PY) -m pip install -q --no-index --no-deps --no-compile --target /tmp/zorse_gpu_check_site $(GPU_CHECK_DIR)/wheels/*.whl
+	PYTHONPATH=.:/tmp/zorse_gpu_check_site $(PY) bench/gpu_check.py run --prepared $(GPU_CHECK_DIR) --out bench/results
 
 # Every benchmark of bench/README.md, in order (hours on the 2-core CPU machine: FlashFlex's
 # scenario took 21 min and its four bound-gap variants 112 min on 2026-11-26);

@@ -1,0 +1,318 @@
+"""``make gpu-check``: the prepared check that runs first whenever a GPU is at hand.
+
+Two phases, because the GPU machine has torch and Triton but no OR-Tools:
+
+``prepare`` (here, ``make gpu-check-prepare``): for each GPU type (H100-80GB,
+H200) a one-GPU cluster, the model captured and a one-stage plan made with
+``plan_fixed`` at bf16-mixed, and the token file, all under ``.gpu_check/``
+(ignored by git; carried to the GPU machine), with the wheels the GPU image
+lacks (``.gpu_check/wheels``: msgspec, tyro and its needs).
+
+``run`` (there, ``make gpu-check``), world size 1, in this order:
+
+(a) ``kernels``: ``pytest tests/test_kernels.py``, the Triton kernels compiled.
+(b) ``train``: the model under the plan over NCCL (world size 1: one GPU
+    cannot hold two NCCL ranks, so the point-to-point program is empty; the
+    gradient path, autocast, the optimizer, the collectives of the step
+    loop and the checkpoint run on the GPU), ``--steps`` steps at bf16-mixed;
+    step-1 loss against the single-process Hugging Face model on the same
+    batch under the same autocast (relative tolerance 2e-3: bfloat16 keeps 8
+    bits, 2^-8 = 3.9e-3 per rounding, and both sides round the same ops), and
+    the loss falling (mean of the last 5 steps below the first step's).
+(c) ``memory``: ``torch.cuda.max_memory_allocated`` over the run against the
+    plan's predicted peak of the GPU (ratio; the layout is the replicated one
+    until sharded layouts exist).
+(d) ``step_time``: the median measured step (steps 3..) against the plan's
+    predicted step from the shipped profile of that GPU (ratio).
+(e) ``resume``: the run's checkpoint at step ``steps/2`` resumed on CUDA; the
+    resumed steps' losses against the first run's (relative tolerance 1e-2:
+    bfloat16 rounding of ``steps/2`` steps, and atomics in the embedding
+    backward that sum in another order).
+
+It writes ``<out>/gpu_check_<type>.json`` (one object: the environment and
+each part's numbers and verdict) and exits 1 if a part failed.
+
+The model is SmolLM2-135M's architecture (``SMOLLM2_135M``: Llama, 30 layers,
+576 wide, vocabulary 49152; HuggingFaceTB/SmolLM2-135M ``config.json``) with
+seeded random weights: the real weights ship as a 98 MB GGUF, above the
+64 MiB a GPU call can carry. The tokens are the Lee corpus, byte-tokenized.
+
+``--dry-run`` (``tests/test_gpu_check.py``, part of ``make test``): the same
+command on this CPU with a 2-layer model of the same family, Gloo, a few
+steps, and a subset of the kernel tests under ``TRITON_INTERPRET=1``, so the
+script cannot rot while no GPU is at hand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+#: HuggingFaceTB/SmolLM2-135M config.json (https://huggingface.co/HuggingFaceTB/SmolLM2-135M/blob/main/config.json).
+SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                    num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
+                    rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True)
+#: The dry run's model: the same family, 2 layers, 64 wide, byte vocabulary.
+TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=100000.0,
+            tie_word_embeddings=True)
+#: GPU type of the cluster table -> substrings of ``torch.cuda.get_device_name``.
+GPU_TYPES = {"H100-80GB": ("H100",), "H200": ("H200",)}
+#: (model, seq_len, microbatch size, micro-batches, steps) of the GPU run and of the dry run.
+SHAPES = {"gpu": ("smollm2-135m", 512, 8, 2, 20), "dry": ("tiny", 32, 2, 2, 4)}
+#: The wheels ``prepare`` downloads for the GPU image (Python 3.12): what zorse_fx imports that it lacks.
+WHEELS = ("msgspec==0.19.0", "tyro==1.0.17", "docstring-parser==0.17.0", "typeguard==4.4.4")
+
+
+def build_model(name: str):
+    """SmolLM2-135M's architecture (``"smollm2-135m"``) or the dry run's
+    (``"tiny"``): a float32 ``LlamaForCausalLM``, weights seeded with 0."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(**(SMOLLM2_135M if name == "smollm2-135m" else TINY))
+    return LlamaForCausalLM(config).float().eval()
+
+
+class _Loss(torch.nn.Module):
+    """``model(input_ids, labels=labels).loss`` (Hugging Face shifts the labels): what the plan's stages compute."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, labels):
+        return self.model(input_ids=input_ids, labels=labels, use_cache=False).loss
+
+
+def _captured(name: str, seq_len: int):
+    from zorse_fx.capture import capture
+
+    ids = torch.randint(0, 256, (2, seq_len), generator=torch.Generator().manual_seed(1))
+    return capture(_Loss(build_model(name)), (ids, ids))
+
+
+# -- prepare (here) ---------------------------------------------------------------------------------
+
+def prepare(out: Path, *, shape: str, types: list[str], wheels: bool) -> None:
+    """Plans, token file and wheels for ``run``, under ``out`` (see the module docstring)."""
+    from zorse_fx.capture import analyse
+    from zorse_fx.cluster import Cluster
+    from zorse_fx.planner import PlanOptions, plan_fixed
+    from zorse_fx.pricing import price
+    from zorse_fx.solve import Decision
+    from zorse_fx.token_data import prepare_data
+
+    name, seq, mb, m, steps = SHAPES[shape]
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    captured = _captured(name, seq)
+    nb = analyse(captured).num_blocks
+    print(f"[gpu-check] captured {name} ({nb} blocks) in {time.perf_counter() - t0:.0f} s", flush=True)
+    for gpu_type in types:
+        cluster = Cluster.from_dict({"name": f"one-{gpu_type}", "nodes": [{"name": "gpu-node", "gpus": [
+            {"type": gpu_type, "count": 1}]}], "links": {"intra_node": {"bandwidth_GBps": 900, "latency_us": 5}}})
+        options = PlanOptions(global_batch_size=mb * m, precision="bf16-mixed")
+        blocks = price(captured, cluster, options).costs.num_blocks  # after merging to max_blocks
+        plan, _ = plan_fixed(captured, cluster, options,
+                             Decision(stage_blocks=((0, blocks),), stage_gpus=((0,),), samples_per_microbatch=((mb,),),
+                                      num_microbatches=m), model_name=name, label_mode="same")
+        plan.export(out / gpu_type)
+        print(f"[gpu-check] {gpu_type}: predicted step {plan.predicted_step_time_s * 1e3:.1f} ms, peak "
+              f"{plan.stages[0].gpus[0].predicted_memory_bytes / 2**30:.2f} GiB -> {out / gpu_type}", flush=True)
+    tokens = (2 * steps + 2) * mb * m * (seq + 1)
+    prepare_data("lee", out / "tokens", tokenizer="bytes", max_tokens=tokens, progress=False)
+    (out / "prepared.json").write_text(json.dumps({"model": name, "seq_len": seq, "microbatch_size": mb,
+                                                   "num_microbatches": m, "steps": steps, "types": types}) + "\n")
+    if wheels:
+        (out / "wheels").mkdir(exist_ok=True)
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+                        "--python-version", "3.12", "--implementation", "cp", "--platform", "manylinux_2_17_x86_64",
+                        "--platform", "manylinux2014_x86_64", "-d", str(out / "wheels"), *WHEELS], check=True)
+
+
+# -- run (there) --------------------------------------------------------------------------------------
+
+def _device_type(asked: str | None) -> str:
+    if asked:
+        return asked
+    name = torch.cuda.get_device_name(0)
+    for gpu_type, marks in GPU_TYPES.items():
+        if any(mark in name for mark in marks):
+            return gpu_type
+    raise SystemExit(f"gpu-check: no prepared plan for {name!r} (prepared: {', '.join(GPU_TYPES)}); pass "
+                     f"--device-type with one of them")
+
+
+def _kernels(dry: bool, k: str | None) -> dict:
+    """(a): the kernel tests, compiled on the GPU (interpreted on the dry run)."""
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(ROOT / "tests" / "test_kernels.py")]
+    if k:
+        cmd += ["-k", k]
+    env = {**os.environ, **({"TRITON_INTERPRET": "1"} if dry else {})}
+    t0 = time.perf_counter()
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    last = (r.stdout.strip().splitlines() or [""])[-1]
+    return {"command": " ".join(cmd[2:]), "summary": last, "seconds": round(time.perf_counter() - t0, 1),
+            "ok": r.returncode == 0}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _train(options) -> list[dict]:
+    """``python -m zorse_fx.train`` in this process as a world of one (torchrun's environment
+    set by hand), ``options`` a ``TrainingOptions``; its metrics rows."""
+    from zorse_fx.train import main as train_main
+    from zorse_fx.train_options import OPTIONS_FILE, write_options_file
+
+    out = Path(options.job.out)
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(_free_port()))
+    code = train_main(["--options-file", str(write_options_file(options, out / OPTIONS_FILE))])
+    if code:
+        raise RuntimeError(f"zorse_fx.train exited with {code}")
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def run(prepared: Path, out: Path, *, shape: str, device_type: str | None, kernels_k: str | None) -> int:
+    """The check (see the module docstring); writes ``out/gpu_check_<type>.json``; 1 if a part failed."""
+    from zorse_fx.capture import capture
+    from zorse_fx.plan import Plan
+    from zorse_fx.token_data import TokenData
+    from zorse_fx.train_options import (CheckpointOptions, DataOptions, JobOptions, LoopOptions, TestingOptions,
+                                        TrainingOptions)
+
+    dry = shape == "dry"
+    meta = json.loads((prepared / "prepared.json").read_text())
+    gpu_type = device_type or ("H200" if dry else _device_type(None))
+    work = out / f"gpu_check_{gpu_type}_run"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    plan_dir = work / "plan"
+    shutil.copytree(prepared / gpu_type, plan_dir)
+    plan = Plan.load(plan_dir)
+    cuda = torch.cuda.is_available() and not dry
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    report: dict = {"gpu_type": gpu_type, "dry_run": dry, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                    "env": {"device": torch.cuda.get_device_name(0) if cuda else "cpu", "torch": torch.__version__,
+                            "python": sys.version.split()[0]},
+                    "model": meta["model"], "seq_len": meta["seq_len"], "global_batch_size": plan.global_batch_size}
+    try:
+        import triton
+
+        report["env"]["triton"] = triton.__version__
+    except ImportError:
+        pass
+    report["kernels"] = _kernels(dry, kernels_k)
+    print(f"[gpu-check] (a) kernels: {report['kernels']['summary']}", flush=True)
+
+    # (b) the weights by the plan's canonical names (the model rebuilt with the same seed and captured here)
+    ids = torch.randint(0, 256, (2, meta["seq_len"]), generator=torch.Generator().manual_seed(1))
+    model = _Loss(build_model(meta["model"]))
+    torch.save({k: v.contiguous() for k, v in capture(model, (ids, ids)).state().items()}, plan_dir / "weights.pt")
+    data = TokenData.open(prepared / "tokens.bin")
+    first = data.global_batch(0, global_batch_size=plan.global_batch_size, seq_len=plan.seq_len,
+                              input_names=plan.input_names, label_mode=plan.label_mode)
+    policy = plan.precision_policy()
+    model = model.to(device)
+    with torch.no_grad(), policy.autocast(device.type):
+        ref = float(model(first["input_ids"].to(device), first["labels"].to(device)))
+    del model
+    steps = meta["steps"]
+    options = TrainingOptions(
+        data=DataOptions(plan=str(plan_dir), data=str(prepared / "tokens.bin")),
+        loop=LoopOptions(steps=steps), checkpoint=CheckpointOptions(checkpoint_every=steps // 2, keep_checkpoints=3),
+        job=JobOptions(out=str(work / "a"), backend="nccl" if cuda else "gloo", precision=plan.precision,
+                       heartbeat_s=0.0),
+        testing=TestingOptions())
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    rows = _train(options)
+    peak = torch.cuda.max_memory_allocated(device) if cuda else None
+    losses = [r["loss"] for r in rows]
+    rel = abs(losses[0] - ref) / abs(ref)
+    report["train"] = {"steps": steps, "losses": losses, "step1_loss": losses[0], "hf_step1_loss": ref,
+                       "relative_difference": rel, "tolerance": 2e-3, "precision": rows[0]["precision"],
+                       "ok": rel <= 2e-3 and statistics.mean(losses[-5:]) < losses[0]}
+    print(f"[gpu-check] (b) train: step-1 loss {losses[0]:.5f} vs Hugging Face {ref:.5f} (relative {rel:.1e}); "
+          f"loss {losses[0]:.3f} -> {losses[-1]:.3f}", flush=True)
+
+    predicted = plan.stages[0].gpus[0].predicted_memory_bytes
+    report["memory"] = {"layout": "replicated", "measured_peak_bytes": peak, "predicted_peak_bytes": predicted,
+                        "ratio": peak / predicted if peak and predicted else None,
+                        "note": None if cuda else "not measured on a CPU"}
+    times = [r["step_time_s"] for r in rows[2:]] or [r["step_time_s"] for r in rows]
+    measured = statistics.median(times)
+    report["step_time"] = {"measured_median_s": measured, "predicted_s": plan.predicted_step_time_s,
+                           "ratio": measured / plan.predicted_step_time_s if plan.predicted_step_time_s else None,
+                           "tokens_per_s": plan.tokens_per_step / measured}
+    if cuda:
+        print(f"[gpu-check] (c) memory: peak {peak / 2**30:.2f} GiB measured vs {predicted / 2**30:.2f} GiB "
+              f"predicted (ratio {report['memory']['ratio']:.2f})", flush=True)
+    print(f"[gpu-check] (d) step time: {measured * 1e3:.1f} ms measured vs {plan.predicted_step_time_s * 1e3:.1f} "
+          f"ms predicted (ratio {report['step_time']['ratio']:.2f})", flush=True)
+
+    # (e) resume from the middle checkpoint: the later steps again, equal to the first run's
+    second = work / "b"
+    shutil.copytree(work / "a", second)
+    for ckpt in (second / "checkpoints").glob("step_*"):
+        if int(ckpt.name.split("_")[1]) > steps // 2:
+            shutil.rmtree(ckpt)
+    again = _train(TrainingOptions(
+        data=options.data, loop=options.loop, checkpoint=CheckpointOptions(resume=True),
+        job=JobOptions(out=str(second), backend=options.job.backend, precision=plan.precision, heartbeat_s=0.0)))
+    resumed = {r["step"]: r["loss"] for r in again if r["step"] > steps // 2}
+    worst = max(abs(resumed[s] - losses[s - 1]) / abs(losses[s - 1]) for s in resumed)
+    report["resume"] = {"from_step": steps // 2, "steps": sorted(resumed), "max_relative_difference": worst,
+                        "tolerance": 1e-2, "ok": len(resumed) == steps - steps // 2 and worst <= 1e-2}
+    print(f"[gpu-check] (e) resume at step {steps // 2}: {len(resumed)} steps again, largest relative loss "
+          f"difference {worst:.1e}", flush=True)
+    report["ok"] = all(report[k]["ok"] for k in ("kernels", "train", "resume"))
+    path = out / f"gpu_check_{gpu_type}{'_dry' if dry else ''}.json"
+    path.write_text(json.dumps(report, indent=1) + "\n")
+    print(f"[gpu-check] {'passed' if report['ok'] else 'FAILED'}: wrote {path}", flush=True)
+    return 0 if report["ok"] else 1
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    pp = sub.add_parser("prepare", help="make the plans, token file and wheels (here: needs OR-Tools)")
+    pp.add_argument("--out", default=str(ROOT / ".gpu_check"))
+    pp.add_argument("--dry-run", action="store_true", help="the dry run's model and shapes")
+    pp.add_argument("--types", default=",".join(GPU_TYPES))
+    pp.add_argument("--no-wheels", action="store_true")
+    pr = sub.add_parser("run", help="run the check (on the GPU machine; --dry-run here)")
+    pr.add_argument("--prepared", default=str(ROOT / ".gpu_check"))
+    pr.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    pr.add_argument("--dry-run", action="store_true", help="on this CPU: Gloo, the small model, a few steps")
+    pr.add_argument("--device-type", default=None, help="the GPU type (default: from the device's name)")
+    pr.add_argument("--kernels-k", default=None, help="pytest -k for the kernel tests (dry run: a small subset)")
+    args = ap.parse_args(argv)
+    shape = "dry" if args.dry_run else "gpu"
+    if args.cmd == "prepare":
+        prepare(Path(args.out), shape=shape, types=args.types.split(","), wheels=not args.no_wheels)
+        return 0
+    return run(Path(args.prepared), Path(args.out), shape=shape, device_type=args.device_type,
+               kernels_k=args.kernels_k)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
