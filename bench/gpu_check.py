@@ -193,7 +193,6 @@ def _train(options) -> list[dict]:
 
 def run(prepared: Path, out: Path, *, shape: str, device_type: str | None, kernels_k: str | None) -> int:
     """The check (see the module docstring); writes ``out/gpu_check_<type>.json``; 1 if a part failed."""
-    from zorse_fx.capture import capture
     from zorse_fx.plan import Plan
     from zorse_fx.token_data import TokenData
     from zorse_fx.train_options import (CheckpointOptions, DataOptions, JobOptions, LoopOptions, TestingOptions,
@@ -223,10 +222,14 @@ def run(prepared: Path, out: Path, *, shape: str, device_type: str | None, kerne
     report["kernels"] = _kernels(dry, kernels_k)
     print(f"[gpu-check] (a) kernels: {report['kernels']['summary']}", flush=True)
 
-    # (b) the weights by the plan's canonical names (the model rebuilt with the same seed and captured here)
-    ids = torch.randint(0, 256, (2, meta["seq_len"]), generator=torch.Generator().manual_seed(1))
+    # (b) the weights by the plan's canonical names: the model rebuilt with the same seed; its canonical names are
+    # its parameters' and buffers' (tied weights under their first name), so it need not be captured again here.
     model = _Loss(build_model(meta["model"]))
-    torch.save({k: v.contiguous() for k, v in capture(model, (ids, ids)).state().items()}, plan_dir / "weights.pt")
+    state = {**dict(model.named_buffers()), **dict(model.named_parameters())}
+    wanted = {c for st in plan.stages for c in (*st.params.values(), *st.consts.values())}
+    if wanted - state.keys():
+        raise SystemExit(f"gpu-check: the plan needs tensors the model lacks: {sorted(wanted - state.keys())[:5]}")
+    torch.save({k: state[k].detach().contiguous() for k in sorted(wanted)}, plan_dir / "weights.pt")
     data = TokenData.open(prepared / "tokens.bin")
     first = data.global_batch(0, global_batch_size=plan.global_batch_size, seq_len=plan.seq_len,
                               input_names=plan.input_names, label_mode=plan.label_mode)
