@@ -146,9 +146,8 @@ def prepare(out: Path, *, shape: str, types: list[str], wheels: bool) -> None:
 
 # -- run (there) --------------------------------------------------------------------------------------
 
-def _device_type(asked: str | None) -> str:
-    if asked:
-        return asked
+def _device_type() -> str:
+    """The prepared GPU type of CUDA device 0, from its name (``GPU_TYPES``)."""
     name = torch.cuda.get_device_name(0)
     for gpu_type, marks in GPU_TYPES.items():
         if any(mark in name for mark in marks):
@@ -200,7 +199,7 @@ def run(prepared: Path, out: Path, *, shape: str, device_type: str | None, kerne
 
     dry = shape == "dry"
     meta = json.loads((prepared / "prepared.json").read_text())
-    gpu_type = device_type or ("H200" if dry else _device_type(None))
+    gpu_type = device_type or ("H200" if dry else _device_type())
     work = out / f"gpu_check_{gpu_type}_run"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)

@@ -26,6 +26,7 @@ __all__ = [
     "ProfileFileError",
     "CheckpointManifestError",
     "TokenHeaderError",
+    "TrainOptionsFileError",
     "short_repr",
 ]
 
@@ -178,3 +179,11 @@ class TokenHeaderError(DataError, FileFormatError):
     malformed, of an unsupported version, or does not fit its dtype. Raised by
     ``token_data.TokenData.open``; a ``DataError`` too. The fix: rewrite the
     token file with ``zorse prepare-data``."""
+
+
+class TrainOptionsFileError(FileFormatError):
+    """A training-options file (``<out>/train_options.json``, written by
+    ``zorse train``) that is missing, not JSON, of another format or version,
+    or holds an unknown field, a value of the wrong type or a value the loop
+    cannot use. Raised by ``train_options.read_options_file``; the message
+    names the file, the field and the value."""

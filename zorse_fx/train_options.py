@@ -46,7 +46,6 @@ import contextlib
 import dataclasses
 import json
 import math
-import re
 import typing
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -56,7 +55,7 @@ from typing import Annotated, Any, Literal, TypeVar
 import msgspec
 import tyro
 
-from .errors import FileFormatError
+from .errors import TrainOptionsFileError
 from .file_schema import FileFormat, from_doc, struct_of
 from .precision import GRAD_REDUCE_DTYPES, PRECISIONS, precision_policy
 
@@ -83,14 +82,6 @@ class OptionValueError(ValueError):
     def __init__(self, field: str, message: str) -> None:
         super().__init__(message)
         self.field = field
-
-
-class TrainOptionsFileError(FileFormatError):
-    """An options file (``<out>/train_options.json``) that is missing, not
-    JSON, of another format or version, or holds an unknown field, a value of
-    the wrong type or a value the loop cannot use. The message names the file,
-    the field and the value; so do ``path``, ``field`` and ``value`` (None
-    where the error is not about one field)."""
 
 
 class UsageError(ValueError):

@@ -39,20 +39,16 @@ plan's precision policy (``zorse_fx.precision``, [Note: mixed precision]).
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_map
 
 from ..capture.analysis import BlockGraph
 from ..capture.trace import META_KEY, fetch_attr
 from ..cluster import GPUSpec
 from ..ir.costs import BlockCosts, TiedParam
-from ..precision import PrecisionPolicy, precision_policy
+from ..precision import PrecisionPolicy
 from . import gpu_model
 from .activations import (
     SavedActivations,
