@@ -208,6 +208,58 @@ def _autocast(precision):
     return precision_policy(precision or "fp32").autocast("cpu")
 
 
+class _WireRound(torch.autograd.Function):
+    """A stage boundary under a mixed policy: the value rounded to the wire
+    dtype and back, and its gradient likewise ([Note: 16-bit boundary tensors]
+    in ``zorse_fx/precision.py``)."""
+
+    @staticmethod
+    def forward(x, dtype):
+        return x.to(dtype).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.to(ctx.wire).to(g.dtype), None
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.wire = inputs[1]
+
+
+def with_plan_cuts(captured, plan, precision: str | None):
+    """The captured graph as a callable that rounds every tensor crossing one
+    of ``plan``'s stage boundaries to its wire dtype under ``precision`` (and
+    its gradient on the way back), for the consumers in later stages only:
+    single-process training under the policy the ranks train with. Without a
+    mixed policy the captured graph module itself."""
+    from zorse_fx.capture import analyse
+    from zorse_fx.precision import precision_policy
+
+    policy = precision_policy(precision or "fp32")
+    gm = captured.graph_module
+    if not policy.mixed or plan.num_stages == 1:
+        return gm
+    bg = analyse(captured)
+    stage_of = {n: s for s, st in enumerate(plan.stages) for n in bg.stage_nodes(*st.blocks)}
+
+    class Rounding(torch.fx.Interpreter):
+        def run_node(self, n):
+            t = stage_of.get(n.name)
+            swapped = {}
+            for a in n.all_input_nodes if t is not None else ():
+                v = self.env[a]
+                if stage_of.get(a.name, t) < t and isinstance(v, torch.Tensor) and v.is_floating_point():
+                    dtype = getattr(torch, policy.wire_dtype_name(str(v.dtype).removeprefix("torch.")))
+                    swapped[a] = v
+                    self.env[a] = _WireRound.apply(v, dtype)
+            try:
+                return super().run_node(n)
+            finally:
+                self.env.update(swapped)
+
+    return lambda *inputs: Rounding(gm).run(*inputs)
+
+
 def reference_step(captured, batch: dict[str, torch.Tensor], precision: str | None = None):
     """Single-process loss and gradients (by canonical name) on the whole
     global batch; ``precision`` "bf16-mixed"/"fp16-mixed": the forward under
@@ -465,7 +517,8 @@ def reference_adamw(captured, tokens, plan, steps, *, lr, weight_decay, precisio
     ``lr_at(step)``: the rate of step 1.., else ``lr``; ``clip``:
     ``torch.nn.utils.clip_grad_norm_`` to it; ``norms``: a list that receives
     each step's total gradient norm before clipping).
-    ``precision``: forward under that policy's autocast; fp16-mixed through
+    ``precision``: forward under that policy's autocast, with the rounding of
+    the tensors crossing ``plan``'s stage boundaries (``with_plan_cuts``); fp16-mixed through
     ``torch.amp.GradScaler`` (the semantics the runtime's scaler follows);
     ``inject_inf_step``: write an inf into a gradient before that step's
     (1-based) ``scaler.step``, which must then skip it.
@@ -482,13 +535,14 @@ def reference_adamw(captured, tokens, plan, steps, *, lr, weight_decay, precisio
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
                             lr=lr, betas=cfg.betas, eps=cfg.eps)
     scaler = torch.amp.GradScaler("cpu") if precision == "fp16-mixed" else None
+    model = with_plan_cuts(captured, plan, precision)
     losses, grads1 = [], None
     for step in range(steps):
         batch = global_batch(tokens, step, global_batch_size=plan.global_batch_size, seq_len=plan.seq_len,
                              input_names=plan.input_names, label_mode=plan.label_mode)
         opt.zero_grad(set_to_none=True)
         with _autocast(precision):
-            loss = gm(*[batch[n] for n in captured.input_names])
+            loss = model(*[batch[n] for n in captured.input_names])
         (scaler.scale(loss.float()) if scaler else loss.float()).backward()
         losses.append(float(loss.detach()))
         if step + 1 == inject_inf_step:

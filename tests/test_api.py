@@ -108,7 +108,8 @@ def test_cli_plan_and_show(cli_plan, capsys):
     assert 0.5 < sv["simulated_step_time_s"] / d["predicted_step_time_s"] <= 1.2
     assert "simulator check: step" in progress
     assert "[zorse] precision fp16-mixed: float16 autocast compute; " in progress
-    assert "= 18 B/param; gradients all-reduced in float32; dynamic loss scaling (auto: T4 has no bf16)" in progress
+    assert ("= 18 B/param; gradients all-reduced in float32; stage-boundary activations and gradients sent in "
+            "float16; dynamic loss scaling (auto: T4 has no bf16)") in progress
     assert zorse_main(["show", str(out)]) == 0
     text = capsys.readouterr().out
     assert "predicted step time" in text and "stage |" in text

@@ -112,6 +112,45 @@ def test_chained_stages_equal_traced_model(captured, cuts, lee_bytes, tmp_path):
     captured.graph_module.zero_grad(set_to_none=True)
 
 
+def test_stages_allocate_on_their_inputs_device(captured, request, tmp_path):
+    """Every tensor a stage makes is on the device of its inputs: aten factory
+    overloads (arange, full, ...) allocate on the CPU when ``device=None``,
+    whatever ``torch.device`` mode is active, so codegen hands each one the
+    device of a stage input (the bug the first GPU check found: HF Llama's
+    rotary positions made on the CPU beside CUDA weights).
+
+    Statically; and by running the stages on the meta device, where a CPU
+    tensor mixed with a meta one fails as it would with a CUDA one, and whose
+    SDPA returns another memory layout than the CPU kernel the model was
+    captured with (export dropped the ``.contiguous()`` that was a no-op there;
+    codegen emits ``reshape`` for ``view``)."""
+    bg = analyse(captured)
+    progs = split_stages(bg, ((0, 2), (2, bg.num_blocks)))
+    factories = 0
+    for p in progs:
+        for n in (n for n in p.graph.nodes if n.op == "call_function"):
+            schema = getattr(n.target, "_schema", None)
+            if schema is None or not any(a.name == "device" and a.kwarg_only for a in schema.arguments):
+                continue
+            assert not isinstance(n.kwargs.get("device"), torch.device), n.format_node()
+            if not any(isinstance(a.type, torch.TensorType) for a in schema.arguments):
+                factories += 1
+                assert isinstance(n.kwargs.get("device"), torch.fx.Node), n.format_node()
+    ids = torch.zeros(3, T, dtype=torch.long, device="meta")
+    carried: tuple = ()
+    for p in progs:
+        path = tmp_path / f"stage_{p.index}.py"
+        path.write_text(emit_source(p))
+        with torch.device("meta"):
+            mod = load_stage_class(path, p.index)()
+        named = dict(zip(captured.input_names, (ids, ids)))
+        out = mod(*[named[n] for n in p.input_names], *carried)
+        carried = tuple(out) if p.send else (out,)
+        assert all(t.device.type == "meta" for t in carried), p.index
+    if request.node.callspec.params["captured"] == "hf_llama":
+        assert factories > 0  # the rotary positions' arange at least
+
+
 def test_free_values_are_recomputed_not_sent(captured):
     """Rotary tables, masks, position ids never cross a cut: only the hidden state does."""
     bg = analyse(captured)

@@ -11,6 +11,8 @@ Gloo with every tag 0 (``p2p.TAG``), i.e. with NCCL's matching."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import fixed_plan
@@ -146,3 +148,22 @@ def test_channel_mismatch_is_named(captured):
 
 def test_every_message_is_tag_zero():
     assert p2p.TAG == 0
+
+
+@pytest.mark.parametrize("shape", ["3_stages_asymmetric", "interleaved_unequal_dp"])
+def test_mixed_policy_sends_half_the_bytes(captured, shape):
+    """[Note: 16-bit boundary tensors]: under bf16-mixed the float32 residual
+    stream crosses every boundary in bfloat16, forward and backward: each
+    message is half its float32 size, and the program (who posts what, in
+    which group) is otherwise the same."""
+    from zorse_fx.precision import precision_policy
+
+    plan = _shape_plan(captured, shape)
+    assert {t.dtype for s in plan.stages for t in s.send} == {"float32"}  # what the stages compute
+    fp32 = build_programs(plan)
+    bf16 = build_programs(plan, precision=precision_policy("bf16-mixed"))
+    for r in fp32:
+        a = [op.message for g in fp32[r].groups for op in g]
+        b = [op.message for g in bf16[r].groups for op in g]
+        assert [m.nbytes for m in b] == [m.nbytes // 2 for m in a] and a
+        assert [dataclasses.replace(m, nbytes=0) for m in a] == [dataclasses.replace(m, nbytes=0) for m in b]

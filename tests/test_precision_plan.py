@@ -225,6 +225,21 @@ def test_cut_tensors_travel_in_their_autocast_dtype():
     assert "'dtype': 'bfloat16'" in plan.sources[0] and "'dtype': 'bfloat16'" in plan.sources[1]
 
 
+def test_float32_cuts_are_priced_as_sent_in_16_bits(gpt):
+    """[Note: 16-bit boundary tensors]: a GPT's residual stream is float32
+    under autocast (float32 + bfloat16 is float32) and the stage computes it
+    so (the plan's specs), but it is sent in the compute dtype, and the
+    planner prices the cut at those bytes: half of fp32's, at every cut."""
+    ampere = Cluster.from_yaml(AMPERE)
+    p32 = price(gpt, ampere, PlanOptions(global_batch_size=4, precision="fp32", profiles=()))
+    p16 = price(gpt, ampere, PlanOptions(global_batch_size=4, precision="fp16-mixed", profiles=()))
+    inner = range(1, p32.blocks.num_blocks)
+    assert all(t.dtype == "float32" for c in inner for t in p16.blocks.cut_tensors[c])
+    assert all(p32.costs.cut_bytes_per_sample[c] > 0 for c in inner)
+    assert [p16.costs.cut_bytes_per_sample[c] for c in inner] == [p32.costs.cut_bytes_per_sample[c] // 2 for c in inner]
+    assert "stage-boundary activations and gradients sent in float16" in p16.precision.describe()
+
+
 # -- plan.json and the table --------------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -52,8 +52,25 @@ Activations are what autograd saves under the policy's autocast (16-bit
 inputs of the matmuls, float32 where the graph or autocast keeps float32:
 norms, softmax statistics, the loss), measured by running the captured graph
 under autocast (``cost/activations.py``, [Note: saved activations]). Tensors
-crossing a pipeline cut keep the dtype autocast gives them (the residual
-stream of a pre-norm transformer stays float32: float32 + bfloat16 is float32).
+crossing a pipeline cut are computed in the dtype autocast gives them (the
+residual stream of a pre-norm transformer stays float32: float32 + bfloat16
+is float32) and sent in 16 bits ([Note: 16-bit boundary tensors]).
+
+[Note: 16-bit boundary tensors]
+Under a mixed policy a float32 tensor crossing a stage boundary (the
+residual stream) travels in the compute dtype, and so does its gradient on
+the way back (``wire_dtype_name``): the sender casts it after its forward,
+the receiver casts it back to float32 before its stage reads it; in the
+backward the receiver sends the float32 gradient of that input cast to the
+compute dtype and the sender casts it back before back-propagating. The
+planner prices the boundary at those bytes (``BlockCosts.cut_bytes_per_sample``)
+and the runtime sends exactly them (``runtime.worker.on_wire``). Each cut
+thus rounds the activation and its gradient once to 16 bits (8 significant
+bits in bfloat16, 11 in float16), which the stage after it would have
+done anyway at its first matmul; a distributed run equals single-process
+training with the same rounding at the same cuts
+(``tests/test_mixed_precision.py``). A CPU run of a mixed plan trains in
+fp32 and sends float32.
 
 fp16-mixed: the last stage back-propagates ``loss * scale``; the boundary
 gradients between stages are scaled too (what keeps them representable in
@@ -151,6 +168,13 @@ class PrecisionPolicy:
 
         return torch.autocast(device_type, dtype=self.compute_dtype, enabled=self.mixed)
 
+    def wire_dtype_name(self, dtype_name: str) -> str:
+        """The dtype a stage-boundary tensor of ``dtype_name`` travels in, and
+        its gradient back: float32 in the compute dtype under a mixed policy
+        (half the bytes on the links between stages, as Megatron-LM and Zorse
+        send them; see [Note: 16-bit boundary tensors]), anything else as it is."""
+        return self.compute_dtype_name if self.mixed and dtype_name == "float32" else dtype_name
+
     # -- bytes per trainable parameter (what the runtime keeps) -------------
     #: float32 master weight, float32 gradient, AdamW moments (float32 x 2).
     weight_bytes_per_param: int = 4
@@ -198,7 +222,8 @@ class PrecisionPolicy:
         """One line for the plan table and the logs, e.g. ``bf16-mixed: bfloat16
         autocast compute; float32 weights, gradients and AdamW state (16
         B/param) + bfloat16 weight copies (2 B/param) = 18 B/param; gradients
-        all-reduced in float32``."""
+        all-reduced in float32; stage-boundary activations and gradients sent
+        in bfloat16``."""
         if not self.mixed:
             return (f"fp32: float32 compute, weights, gradients and AdamW state = {self.state_bytes_per_param} "
                     f"B/param; gradients all-reduced in {self.grad_reduce_dtype}")
@@ -209,6 +234,7 @@ class PrecisionPolicy:
         return (f"{self.name}: {cd} autocast compute; float32 weights, gradients and AdamW state ({base} B/param) "
                 f"+ {cd} weight copies ({self.cast_bytes_per_param} B/param){buckets} = "
                 f"{self.state_bytes_per_param} B/param; gradients all-reduced in {self.grad_reduce_dtype}"
+                + f"; stage-boundary activations and gradients sent in {cd}"
                 + ("; dynamic loss scaling" if self.loss_scaling else ""))
 
 

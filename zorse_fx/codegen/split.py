@@ -99,6 +99,21 @@ def split_stages(bg: BlockGraph, stage_blocks: tuple[tuple[int, int], ...]) -> t
     return tuple(_build_stage(bg, s, len(stage_blocks), blk) for s, blk in enumerate(stage_blocks))
 
 
+def _takes_device(n: fx.Node) -> bool:
+    """Whether ``n`` must be told the stage's device: an aten overload with a
+    keyword-only ``device`` argument that either names a device (the capture
+    device, baked in) or has no tensor argument to follow (the factory ops:
+    arange, empty, full, zeros, scalar_tensor, ...; with ``device=None`` they
+    allocate on the CPU whatever ``torch.device`` mode is active)."""
+    schema = getattr(n.target, "_schema", None)
+    if n.op != "call_function" or schema is None:
+        return False
+    if not any(a.name == "device" and a.kwarg_only for a in schema.arguments):
+        return False
+    follows_a_tensor = any(isinstance(a.type, torch.TensorType) for a in schema.arguments)
+    return n.kwargs.get("device") is not None or not follows_a_tensor
+
+
 def _build_stage(bg: BlockGraph, s: int, num_stages: int, blocks: tuple[int, int]) -> StageProgram:
     gm = bg.captured.graph_module
     tied = bg.captured.tied
@@ -132,6 +147,11 @@ def _build_stage(bg: BlockGraph, s: int, num_stages: int, blocks: tuple[int, int
     for t in recv:
         env[t.name] = g.placeholder(t.name)
         env[t.name].meta = dict(nodes[t.name].meta)
+    # The device every factory op of the stage allocates on: read from its first
+    # tensor input (model inputs and received tensors are on the rank's device).
+    first_input = next((env[name] for name in (*input_names, *(t.name for t in recv))
+                        if isinstance(nodes[name].meta.get("val"), torch.Tensor)), None)
+    device: fx.Node | None = None
     params: dict[str, str] = {}
     consts: dict[str, str] = {}
     attr_meta: dict[str, tuple[tuple[int, ...], str]] = {}
@@ -146,10 +166,22 @@ def _build_stage(bg: BlockGraph, s: int, num_stages: int, blocks: tuple[int, int
             env[n.name] = g.get_attr(flat)
         elif (n.name in needed and n.op not in ("placeholder", "get_attr")) or n.name in act:
             env[n.name] = g.node_copy(n, lambda a: env[a.name])
-            if n.kwargs.get("device") is not None:
-                # Factory ops (arange, ...) follow the runtime's default device
-                # (``with torch.device(...)``) instead of the capture device.
-                env[n.name].kwargs = {**n.kwargs, "device": None}
+            if n.target is torch.ops.aten.view.default:
+                # A view whose legality the capture's strides decided: export drops a
+                # ``.contiguous()`` that was a no-op for the CPU kernel's output layout
+                # (SDPA's), which another device's kernel may not share. ``reshape`` is the
+                # same view where the strides allow it and a copy where they do not.
+                env[n.name].target = torch.ops.aten.reshape.default
+            if _takes_device(n):
+                # Factory ops (aten.arange, aten.full, ...) allocate on the device of the
+                # stage's first input, not on the capture device: a ``torch.device`` mode
+                # does not reach ``torch.ops.aten.*`` overloads (device=None means the CPU).
+                if device is None:
+                    if first_input is None:
+                        raise AssertionError(f"stage {s}: factory op {n.name} but no tensor input to take the device from")
+                    with g.inserting_after(next(reversed(g.find_nodes(op="placeholder")))):
+                        device = g.call_function(getattr, (first_input, "device"))
+                env[n.name].kwargs = {**n.kwargs, "device": device}
     if is_last:
         g.output(env[out_node.args[0].name])
     else:

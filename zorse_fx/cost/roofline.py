@@ -48,6 +48,7 @@ from ..capture.analysis import BlockGraph
 from ..capture.trace import META_KEY, fetch_attr
 from ..cluster import GPUSpec
 from ..ir.costs import BlockCosts, TiedParam
+from ..ir.tensor import on_wire
 from ..precision import PrecisionPolicy
 from . import gpu_model
 from .activations import (
@@ -427,7 +428,8 @@ def block_costs(
         fwd_bwd_s_fixed={k: tuple(v) for k, v in fixed.items()},
         param_count=tuple(params),
         act_bytes_per_sample=activations.bytes_per_sample,
-        cut_bytes_per_sample=tuple(sum(t.bytes_per_sample for t in ts) for ts in cast.cut_tensors),
+        # As sent: float32 in the compute dtype under a mixed policy ([Note: 16-bit boundary tensors]).
+        cut_bytes_per_sample=tuple(sum(t.bytes_per_sample for t in on_wire(ts, precision)) for ts in cast.cut_tensors),
         state_bytes_per_param=precision.state_bytes_per_param,
         optimizer_bytes_per_param=precision.optimizer_step_bytes_per_param,
         grad_bytes_per_param=precision.allreduce_bytes_per_param,

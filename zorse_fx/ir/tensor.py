@@ -3,12 +3,15 @@ model, per sample (the batch dimension left out)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Annotated, Literal
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Annotated, Literal
 
 from msgspec import Meta
 
-__all__ = ["TensorSpec", "ITEMSIZE", "TensorDtype"]
+if TYPE_CHECKING:
+    from ..precision import PrecisionPolicy
+
+__all__ = ["TensorSpec", "ITEMSIZE", "TensorDtype", "on_wire"]
 
 #: Bytes per element of the dtypes a captured graph's batch-major tensors may take
 #: (``torch.<name>.itemsize``, checked against torch in tests/test_ir.py); its keys are
@@ -54,3 +57,12 @@ class TensorSpec:
     @classmethod
     def from_dict(cls, d: dict) -> "TensorSpec":
         return cls(name=d["name"], shape_per_sample=tuple(d["shape_per_sample"]), dtype=d["dtype"])
+
+
+def on_wire(specs, precision: "PrecisionPolicy") -> tuple[TensorSpec, ...]:
+    """``specs`` (what a stage computes) as they cross the boundary under
+    ``precision``: float32 in the compute dtype of a mixed policy
+    (``PrecisionPolicy.wire_dtype_name``, [Note: 16-bit boundary tensors] in
+    ``zorse_fx/precision.py``), the rest unchanged. The one rule the planner
+    prices and the runtime sends by."""
+    return tuple(replace(s, dtype=precision.wire_dtype_name(s.dtype)) for s in specs)

@@ -14,7 +14,9 @@ import torch.distributed as dist
 
 from ..ir.p2p import Message, RankProgram, _fused_groups, _Op, programs_from, route_messages
 from ..ir.schedule import Action, make_schedule
+from ..ir.tensor import on_wire
 from ..plan import Plan
+from ..precision import PrecisionPolicy
 
 __all__ = ["TAG", "build_programs", "build_program", "P2PExecutor", "Mailbox", "action_messages"]
 
@@ -24,21 +26,25 @@ __all__ = ["TAG", "build_programs", "build_program", "P2PExecutor", "Mailbox", "
 TAG = 0
 
 
-def _stage_bytes(specs) -> int:
-    return sum(s.bytes_per_sample for s in specs)
+def _stage_bytes(specs, precision: PrecisionPolicy | None) -> int:
+    """Bytes per sample of a boundary as sent under ``precision`` (``on_wire``;
+    None: as the stage computes them)."""
+    return sum(s.bytes_per_sample for s in (on_wire(specs, precision) if precision else specs))
 
 
-def action_messages(plan: Plan, rank: int, action: Action) -> tuple[tuple[Message, ...], tuple[Message, ...]]:
-    """(sends, receives) of ``action`` on ``rank``, in route (row) order."""
+def action_messages(plan: Plan, rank: int, action: Action, precision: PrecisionPolicy | None = None
+                    ) -> tuple[tuple[Message, ...], tuple[Message, ...]]:
+    """(sends, receives) of ``action`` on ``rank``, in route (row) order;
+    message sizes as sent under ``precision`` (the policy the ranks train with)."""
     P = plan.num_groups
     s = plan.role(rank).stage + action.chunk * P
     return route_messages(action, s, plan.stages[s].ranks.index(rank), rank,
                           tuple(tuple(g.rank for g in st.gpus) for st in plan.stages),
                           tuple(st.sample_ranges() for st in plan.stages),
-                          tuple(_stage_bytes(st.send) for st in plan.stages[:-1]))
+                          tuple(_stage_bytes(st.send, precision) for st in plan.stages[:-1]))
 
 
-def _initial_groups(plan: Plan, rank: int, forward_only: bool = False
+def _initial_groups(plan: Plan, rank: int, forward_only: bool = False, precision: PrecisionPolicy | None = None
                     ) -> tuple[tuple[Action, ...], list, list[list[_Op]]]:
     """The fused program: group k = the sends of action k-1 + the receives of action k.
     ``forward_only``: the schedule's forward actions alone, in its order (evaluation)."""
@@ -46,14 +52,18 @@ def _initial_groups(plan: Plan, rank: int, forward_only: bool = False
                             plan.interleave)[plan.role(rank).stage]
     if forward_only:
         actions = tuple(a for a in actions if a.kind == "F")
-    msgs = [action_messages(plan, rank, a) for a in actions]
+    msgs = [action_messages(plan, rank, a, precision) for a in actions]
     return tuple(actions), msgs, _fused_groups(rank, msgs)
 
 
-def build_programs(plan: Plan, *, forward_only: bool = False) -> dict[int, RankProgram]:
+def build_programs(plan: Plan, *, forward_only: bool = False, precision: PrecisionPolicy | None = None
+                   ) -> dict[int, RankProgram]:
     """Every rank's point-to-point program ([Note: point-to-point program] in ``ir/p2p.py``).
     ``forward_only``: the program of an evaluation step (the schedule's
-    forwards alone, no backward), checked the same way.
+    forwards alone, no backward), checked the same way. ``precision``: the
+    policy the ranks train with, which sets the bytes of each boundary
+    message ([Note: 16-bit boundary tensors] in ``zorse_fx/precision.py``;
+    None: the stage's own dtypes).
 
     Starts from the fused program (each compute's sends and the next
     compute's receives in one group) and, while ``simulate_nccl`` finds a
@@ -66,13 +76,14 @@ def build_programs(plan: Plan, *, forward_only: bool = False) -> dict[int, RankP
         ProgramError: the channels disagree, or the program still deadlocks
             (the message names the stuck ranks and what they wait for).
     """
-    built = {r: _initial_groups(plan, r, forward_only) for r in range(plan.world_size)}
+    built = {r: _initial_groups(plan, r, forward_only, precision) for r in range(plan.world_size)}
     return programs_from({r: (b[0], b[1]) for r, b in built.items()})
 
 
-def build_program(plan: Plan, rank: int, *, forward_only: bool = False) -> RankProgram:
-    """This rank's program (``build_programs(plan, forward_only=...)[rank]``)."""
-    return build_programs(plan, forward_only=forward_only)[rank]
+def build_program(plan: Plan, rank: int, *, forward_only: bool = False, precision: PrecisionPolicy | None = None
+                  ) -> RankProgram:
+    """This rank's program (``build_programs(plan, forward_only=..., precision=...)[rank]``)."""
+    return build_programs(plan, forward_only=forward_only, precision=precision)[rank]
 
 
 class Mailbox:

@@ -48,7 +48,6 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Mapping
-from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -56,6 +55,7 @@ import torch
 from ..codegen.split import load_stage_source
 from ..errors import RuntimeExecutionError, WeightsFileError, short_repr
 from ..ir.p2p import routes
+from ..ir.tensor import on_wire
 from ..plan import Plan, StagePlan
 from ..precision import PrecisionPolicy
 from ..stage_sources import source_sha256
@@ -130,6 +130,10 @@ class StageRuntime:
         self.precision = precision
         self.stage: StagePlan = plan.stages[index]
         self.index = index
+        # The boundary tensors as sent and received under the policy ([Note: 16-bit boundary
+        # tensors] in zorse_fx/precision.py); self.stage.send / .recv are what the stage computes.
+        self.send_wire = on_wire(self.stage.send, precision)
+        self.recv_wire = on_wire(self.stage.recv, precision)
         #: This GPU's position in the stage's data-parallel group and its rows of every micro-batch.
         self.position = self.stage.ranks.index(rank)
         self.row_start, self.row_end = self.stage.sample_ranges()[self.position]
@@ -152,10 +156,6 @@ class StageRuntime:
         # (inputs, received, rng state) (see [Note: stage recomputation]).
         self._stash: dict[int, tuple] = {}
         self._warned_dtypes: set[str] = set()
-        # Factory ops in the generated code (``torch.arange(..., device=None)``) follow the
-        # default device: on a GPU a ``torch.device`` mode sets it (it intercepts every torch
-        # call, ~2 us each); the CPU is the default already.
-        self._on_device = (lambda: nullcontext()) if device.type == "cpu" else (lambda: torch.device(device))
 
     def _source(self, plan_dir: Path) -> str:
         """The stage's source text: the one the plan holds (checked against
@@ -225,20 +225,18 @@ class StageRuntime:
                 parts[i].append(t)
         return [torch.cat(p) if len(p) > 1 else p[0] for p in parts]
 
-    def _wire(self, tensors: list[torch.Tensor], specs) -> list[torch.Tensor]:
-        """``tensors`` in the plan's wire dtypes (``StagePlan.send``). Where
-        autocast on this device gave another dtype than the planner measured
-        (its CPU fake run, or a train-time precision override), cast once per
-        tensor and warn: the plan's message sizes stay what was priced."""
+    def _wire(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The stage's outputs in their wire dtypes (``self.send_wire``: float32
+        in the compute dtype under a mixed policy). Where autocast on this device
+        gave another dtype than the planner measured (``StagePlan.send``: its CPU
+        fake run), warn once per tensor: the message sizes stay what was priced."""
         out = []
-        for t, s in zip(tensors, specs, strict=True):
-            if t.dtype != torch_dtype(s):
-                if s.name not in self._warned_dtypes:
-                    self._warned_dtypes.add(s.name)
-                    warnings.warn(f"stage {self.index}: {s.name} is {t.dtype} here but the plan sends it as "
-                                  f"{s.dtype}; it is cast for the wire", stacklevel=3)
-                t = t.to(torch_dtype(s))
-            out.append(t)
+        for t, s, w in zip(tensors, self.stage.send, self.send_wire, strict=True):
+            if t.dtype != torch_dtype(s) and s.name not in self._warned_dtypes:
+                self._warned_dtypes.add(s.name)
+                warnings.warn(f"stage {self.index}: {s.name} is {t.dtype} here but the plan measured "
+                              f"{s.dtype}; it is sent as {w.dtype}", stacklevel=3)
+            out.append(t.to(torch_dtype(w)))
         return out
 
     # -- one micro-batch ---------------------------------------------------------
@@ -256,23 +254,24 @@ class StageRuntime:
         recompute = self.stage.recompute
         lo, hi = m * mb + self.row_start, m * mb + self.row_end
         inputs = [batch[name][lo:hi].to(self.device, non_blocking=True) for name in self.stage.input_names]
-        recv = self._unpack_rows(self.stage.recv, self.in_routes, received) if self.prev is not None else []
+        recv = [t.to(torch_dtype(spec)) for t, spec in
+                zip(self._unpack_rows(self.recv_wire, self.in_routes, received), self.stage.recv, strict=True)
+                ] if self.prev is not None else []
         if not recompute:
             for t in recv:
                 if t.is_floating_point():
                     t.requires_grad_(True)
         if recompute:
             rng = self._rng_state()
-            with torch.no_grad(), self._on_device():
+            with torch.no_grad():
                 out = self.module(*inputs, *recv)
             self._stash[m] = (inputs, recv, rng)
         else:
-            with self._on_device():
-                out = self.module(*inputs, *recv)
+            out = self.module(*inputs, *recv)
             self._stash[m] = (recv, out if last else list(out))
         if last:
             return out.detach().float() * (self.rows / plan.global_batch_size), []
-        outs = self._wire([o.detach() for o in out], self.stage.send)
+        outs = self._wire([o.detach() for o in out])
         return None, [pack(outs, r.start - self.row_start, r.end - self.row_start) for r in self.out_routes]
 
     def backward(self, m: int, received: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -285,7 +284,7 @@ class StageRuntime:
             for t in recv:
                 if t.is_floating_point():
                     t.requires_grad_(True)
-            with self._replayed_rng(rng), torch.enable_grad(), self._on_device(), \
+            with self._replayed_rng(rng), torch.enable_grad(), \
                     self.precision.autocast(self.device.type):
                 out = self.module(*inputs, *recv)
             out = out if last else list(out)
@@ -295,7 +294,7 @@ class StageRuntime:
             if last:
                 (out.float() * (self.rows / plan.global_batch_size * self.loss_scale)).backward()
             else:
-                grads = self._unpack_rows(self.stage.send, self.out_routes, received)
+                grads = self._unpack_rows(self.send_wire, self.out_routes, received)
                 pairs = [(o, g.to(o.dtype)) for o, g in zip(out, grads) if o.requires_grad]
                 torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         if self.prev is None:
@@ -304,4 +303,5 @@ class StageRuntime:
         if len(gin) != len(self.stage.recv):
             raise RuntimeExecutionError(f"stage {self.index} receives a non-float tensor across its cut "
                                         f"({[s.dtype for s in self.stage.recv]}); cuts must carry float tensors only")
+        gin = [g.to(torch_dtype(w)) for g, w in zip(gin, self.recv_wire, strict=True)]
         return [pack(gin, r.start - self.row_start, r.end - self.row_start) for r in self.in_routes]

@@ -126,7 +126,7 @@ class StageWorker:
         self.role = plan.role(rank)
         #: The rank's GPU group (= its first stage).
         self.group = self.role.stage
-        self.program = build_program(plan, rank)
+        self.program = build_program(plan, rank, precision=self.precision)
         #: The rank's actions (its GPU group's schedule).
         self.schedule = self.program.actions
         self._build_groups()
@@ -293,7 +293,7 @@ class StageWorker:
         no gradients. Returns this rank's share-weighted contribution (0-dim
         float32 on the device; the sum over ranks is the mean loss)."""
         if self._eval is None:
-            program = build_program(self.plan, self.rank, forward_only=True)
+            program = build_program(self.plan, self.rank, forward_only=True, precision=self.precision)
             self._eval = (program, P2PExecutor(program, self.device))
         program, p2p = self._eval
         P, sent = self.plan.num_groups, []
