@@ -18,6 +18,8 @@ checked to have moved by more than 1e-4, so a missing update shows.
   both of group 0's stages ZeRO-1 sharded with different unequal state
   shares (two sharded stages, and their all-gathers, on one rank), the loss
   stage recomputing its activations;
+- 2 groups, 5 micro-batches: a micro-batch count that is not a multiple of
+  the group count (rounds of 3 and 2);
 - one process, one GPU group hosting both stages (P = 1, no torch.distributed:
   messages to the rank itself, the tied embedding's two copies on one rank
   summed locally).
@@ -86,6 +88,22 @@ def test_interleaved_unequal_dp_zero1_recompute(lee_bytes, tmp_path):
         n = plan.stages[stage].num_parameters
         owned = [summaries[r]["stages"][stage // 2]["owned_elements"] for r in (0, 1)]
         assert sum(owned) == n and owned[0] == pytest.approx(share * n, abs=1)
+
+
+def test_interleaved_microbatch_count_not_a_multiple_of_the_groups(lee_bytes, tmp_path):
+    """P = 2 groups, v = 2, M = 5 micro-batches (issue 31 item 5): rounds of 3
+    and 2 micro-batches (``interleave_rounds``), warm-up, steady state and
+    drain crossing the round boundary; the point-to-point program checked
+    deadlock-free under NCCL's rules by ``build_programs``. 3 AdamW steps."""
+    from zorse_fx.ir.schedule import interleave_rounds, make_schedule
+
+    captured = gpt4x64()
+    plan = fixed_plan(captured, ((0,), (2,), (0,), (2,)), ((2,), (2,), (2,), (2,)), num_microbatches=5,
+                      global_batch_size=10, interleave=2)
+    assert (plan.num_groups, plan.num_microbatches, interleave_rounds(2, 5)) == (2, 5, (3, 2))
+    sched = make_schedule(plan.schedule, plan.num_stages, plan.num_microbatches, plan.interleave)
+    assert [str(a) for a in sched[1][:4]] == ["F0", "F1", "F2", "F0.1"]  # group 1: 3-micro-batch round first
+    train_and_compare(plan, captured, lee_bytes, tmp_path, steps=3, lr=LR, weight_decay=WEIGHT_DECAY)
 
 
 def one_group_two_stages(captured, tmp_path, precision=None):

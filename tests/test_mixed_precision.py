@@ -106,6 +106,17 @@ def test_bf16_interleaved_two_groups(lee_bytes, tmp_path):
                       precision="bf16-mixed")
 
 
+def test_bf16_interleaved_three_microbatches_on_two_groups(lee_bytes, tmp_path):
+    """Interleaved with M = 3 on P = 2 groups (not a multiple; one round of 3),
+    group 0 data-parallel 2:1 and ZeRO-1, 16-bit boundary tensors."""
+    captured = gpt4x64()
+    plan = fixed_plan(captured, ((0, 1), (2,), (0, 1), (2,)), ((2, 1), (3,), (2, 1), (3,)), num_microbatches=3,
+                      global_batch_size=9, interleave=2)
+    plan = with_memory_policy(plan, sharded={0, 2}, shard_bytes={0: (2**20, 2 * 2**20), 2: (3 * 2**20, 2**20)})
+    train_and_compare(plan, captured, lee_bytes, tmp_path, steps=2, lr=LR, weight_decay=WEIGHT_DECAY,
+                      precision="bf16-mixed")
+
+
 def test_bf16_interleaved_unequal_dp_zero1_recompute(lee_bytes, tmp_path):
     """Group 0 = 2 GPUs taking 3:1 samples, group 1 = 1 GPU; stages 0 and 2
     ZeRO-1 sharded 3:1 and 1:2, the loss stage recomputing. 3 steps."""

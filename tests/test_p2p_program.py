@@ -43,6 +43,10 @@ SHAPES = {
     "interleaved_unequal_dp": (((0, 1), (2,), (0, 1), (2,)), ((3, 1), (4,), (3, 1), (4,)), 2, 8, 2),
     "interleaved_3_groups": (((0,), (1,), (2,)) * 2, ((1,), (1,), (1,)) * 2, 6, 6, 2),
     "interleaved_x4": (((0,), (1,)) * 4, ((1,), (1,)) * 4, 4, 4, 4),
+    # Micro-batch counts that are not multiples of the group count (issue 31 item 5).
+    "interleaved_2_groups_5_microbatches": (((0,), (2,), (0,), (2,)), ((2,), (2,), (2,), (2,)), 5, 10, 2),
+    "interleaved_3_groups_4_microbatches_unequal_dp": (((0, 1), (2,), (3,)) * 2, ((1, 1), (2,), (2,)) * 2, 4, 8, 2),
+    "interleaved_3_groups_2_microbatches": (((0,), (1,), (2,)) * 3, ((1,), (1,), (1,)) * 3, 2, 2, 3),
 }
 
 
@@ -167,3 +171,20 @@ def test_mixed_policy_sends_half_the_bytes(captured, shape):
         b = [op.message for g in bf16[r].groups for op in g]
         assert [m.nbytes for m in b] == [m.nbytes // 2 for m in a] and a
         assert [dataclasses.replace(m, nbytes=0) for m in a] == [dataclasses.replace(m, nbytes=0) for m in b]
+
+
+def test_receives_follow_the_senders_order_on_a_shared_channel(captured):
+    """Interleaved on 2 groups with 5 micro-batches (rounds of 3 and 2): rank 0
+    sends a gradient before the activation rank 1 computes with first, on the
+    one channel 0 -> 1; the program posts rank 1's receives in rank 0's send
+    order (``_align_receives``), and it runs under NCCL's rules."""
+    from zorse_fx.ir.p2p import _align_receives, _fused_groups
+
+    plan = _shape_plan(captured, "interleaved_2_groups_5_microbatches")
+    built = {r: _initial_groups(plan, r) for r in range(plan.world_size)}
+    groups = {r: _fused_groups(r, built[r][1]) for r in built}
+    with pytest.raises(ProgramError, match="order mismatch on channel rank 0 -> rank 1"):
+        _check_channels(groups)
+    assert _align_receives(groups) > 0
+    _check_channels(groups)
+    _check_program(plan)

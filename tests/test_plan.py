@@ -12,7 +12,7 @@ import torch
 from conftest import fixed_plan, small_gpt, with_memory_policy
 
 from zorse_fx.errors import PlanFileError, PlanOptionsError
-from zorse_fx.ir.schedule import Action, format_grid, inflight, make_schedule, validate
+from zorse_fx.ir.schedule import Action, format_grid, inflight, interleave_rounds, make_schedule, validate
 from zorse_fx.models.gpt import GPT, GPTConfig
 from zorse_fx.plan import PLAN_FORMAT_VERSION, Plan
 from zorse_fx.planner import PlanOptions
@@ -234,24 +234,33 @@ def test_interleaved_schedule_matches_megatron_order():
         validate((sched[0], tuple(reversed(sched[1]))), interleave=2)
 
 
-@pytest.mark.parametrize("groups", [2, 3, 4])
-@pytest.mark.parametrize("chunks", [1, 2, 3])
+@pytest.mark.parametrize("groups", [2, 3, 4, 5, 6, 7, 8])
+@pytest.mark.parametrize("chunks", [1, 2, 3, 4, 5])
 def test_interleaved_schedules_run_every_stage_once_without_deadlock(groups, chunks):
-    for m in range(groups, 4 * groups + 1, groups):
+    """Every micro-batch count M = 1 .. 5 P + 2, multiples of P or not (issue 31 item 5)."""
+    for m in range(1, 5 * groups + 3):
         sched = make_schedule("1f1b", groups * chunks, m, interleave=chunks)
         validate(sched, interleave=chunks)
         for acts in sched:
             assert sorted((a.kind, a.chunk, a.microbatch) for a in acts) == sorted(
                 (k, c, i) for k in "FB" for c in range(chunks) for i in range(m))
-        # In flight at most the warm-up + 1, as in Megatron-LM (all of them when M == P).
+        # In flight at most the warm-up + 1, as in Megatron-LM (all of them when M <= P); the
+        # rounds are P micro-batches each when P divides M, the first round's size R0 >= P else.
+        r0 = interleave_rounds(groups, m)[0]
+        assert r0 == (groups if m % groups == 0 else r0) and (r0 >= groups or m < groups)
         for p, acts in enumerate(sched):
-            warm = m * chunks if m == groups else min(2 * (groups - p - 1) + (chunks - 1) * groups, m * chunks)
+            warm = m * chunks if m <= groups else min(2 * (groups - p - 1) + (chunks - 1) * r0, m * chunks)
             assert inflight(acts) == (min(warm + 1, m * chunks) if chunks > 1 else min(groups - p, m))
 
 
+def test_interleave_rounds():
+    assert [interleave_rounds(4, m) for m in (1, 3, 4, 5, 8, 10, 11, 12)] == [
+        (1,), (3,), (4,), (5,), (4, 4), (5, 5), (6, 5), (4, 4, 4)]
+    with pytest.raises(ValueError, match=">= 1 micro-batch, got 2 and 0"):
+        interleave_rounds(2, 0)
+
+
 def test_interleaved_schedule_errors_name_the_fix():
-    with pytest.raises(ValueError, match=r"multiple of the number of GPU groups: 3 micro-batches, 2 groups"):
-        make_schedule("1f1b", 4, 3, interleave=2)
     with pytest.raises(ValueError, match="needs schedule '1f1b'"):
         make_schedule("gpipe", 4, 4, interleave=2)
     with pytest.raises(ValueError, match="divide the stage count 5"):
@@ -322,8 +331,8 @@ def test_interleaved_plan_file_errors_are_named(interleaved_plan, tmp_path):
         for g in s["gpus"]:
             g["samples_per_microbatch"] *= 2
     path.write_text(json.dumps(d))
-    with pytest.raises(PlanFileError, match="needs num_microbatches to be a multiple of 2, got 1"):
-        Plan.load(path)
+    # One micro-batch on 2 groups: interleaving runs any micro-batch count (issue 31 item 5).
+    assert Plan.load(path).num_microbatches == 1
 
 
 # -- a plan directory runs no code its author did not export -------------------

@@ -320,9 +320,6 @@ class Plan:
             raise PlanFileError(f"plan: field 'schedule': interleave {v} needs schedule '1f1b' (interleaved 1F1B), "
                                 f"not {self.schedule!r}; set interleave to 1 or the schedule to '1f1b'")
         groups = len(self.stages) // v
-        if v > 1 and self.num_microbatches % groups:
-            raise PlanFileError(f"plan: field 'num_microbatches': interleave {v} on {groups} GPU groups needs "
-                                f"num_microbatches to be a multiple of {groups}, got {self.num_microbatches}")
         ranks = [g.rank for s in self.stages[:groups] for g in s.gpus]
         if ranks != list(range(len(ranks))):
             where = [(s.index, j, g.rank) for s in self.stages[:groups] for j, g in enumerate(s.gpus)]

@@ -38,6 +38,14 @@ on tags (every message is tag 0, see ``TAG``) and issues its traffic as a
   the schedule needs them, and the check is repeated. A plan that cannot be
   repaired is refused, naming the stuck ranks. Every rank computes the same
   programs from the same plan.
+- Where a receiver needs a channel's messages in another order than its
+  sender sends them (interleaved 1F1B on 2 groups with an odd micro-batch
+  count >= 5: both directions of every cut share one pair of ranks, and the
+  3-then-2 rounds make rank 0 send a gradient before the activation rank 1
+  needs first), the receiver posts the message that is sent first before
+  the one it needs first (``_align_receives``): an earlier receive of data
+  already on its way, in the group of the receive it now precedes; the
+  deadlock check then runs on the aligned program.
 - Receives are not posted earlier than that: on NCCL's in-order stream an
   early receive also holds back the sends queued behind it, and a group that
   mixes one action's receives with the next one's makes the first compute
@@ -327,6 +335,44 @@ def _heads(stuck: list[_Stuck], ranks) -> dict[int, int | None]:
     return h
 
 
+def _align_receives(groups: dict[int, list[list[_Op]]]) -> int:
+    """Reorder receives so each channel receives in its sender's order (see
+    the note): walking a receiver's groups in order, where the next receive
+    on a channel is not the message the sender sends next, the receive of
+    that message moves (from a later group, or later in the same group) to
+    just before it. Returns the number of receives moved. A channel whose
+    two ends list different messages is left for ``_check_channels`` to name."""
+    order: dict[tuple[int, int], list[Message]] = defaultdict(list)
+    for gs in groups.values():
+        for g in gs:
+            for op in g:
+                if op.send:
+                    order[op.message.src, op.message.dst].append(op.message)
+    moved = 0
+    for gs in groups.values():
+        at = {op.message: gi for gi, g in enumerate(gs) for op in g if not op.send}
+        nxt: dict[tuple[int, int], int] = defaultdict(int)
+        for gi, g in enumerate(gs):
+            i = 0
+            while i < len(g):
+                op = g[i]
+                ch = (op.message.src, op.message.dst)
+                if not op.send and nxt[ch] < len(order[ch]) and order[ch][nxt[ch]] != op.message:
+                    want = order[ch][nxt[ch]]
+                    gj = at.get(want)
+                    if gj is not None and gj >= gi:
+                        w = next(o for o in gs[gj] if not o.send and o.message == want)
+                        gs[gj].remove(w)
+                        g.insert(i, w)
+                        at[want] = gi
+                        moved += 1
+                        continue  # position i now holds ``want``
+                if not op.send:
+                    nxt[ch] += 1
+                i += 1
+    return moved
+
+
 def programs_from(built: dict[int, tuple[tuple[Action, ...], list]]) -> dict[int, RankProgram]:
     """``build_programs``' fused program, checked and repaired, from each
     rank's (actions, per action its (sends, receives)) -- from a plan
@@ -337,6 +383,7 @@ def programs_from(built: dict[int, tuple[tuple[Action, ...], list]]) -> dict[int
         ProgramError: as ``build_programs``."""
     ranks = sorted(built)
     groups = {r: _fused_groups(r, built[r][1]) for r in ranks}
+    _align_receives(groups)
     _check_channels(groups)
     repairs = 0
     while True:

@@ -16,15 +16,24 @@ group ``p`` is stage ``p`` and every action is chunk 0.
   ``min(S - s - 1, M)`` warm-up forwards, then alternates one forward and one
   backward, then drains; at most ``S - s`` micro-batches in flight.
 - Interleaved 1F1B (Narayanan et al., SC'21, section 2.2.2; the order of
-  Megatron-LM's ``forward_backward_pipelining_with_interleaving``): the
-  group's ``M * v`` (micro-batch, chunk) forwards run in rounds of ``P``
-  micro-batches per chunk -- chunk 0 of micro-batches 0..P-1, chunk 1 of the
-  same, ..., then the next P micro-batches -- and the backwards in the same
-  order with the chunks reversed. Group ``p`` runs ``2 (P - p - 1) + (v - 1) P``
-  warm-up forwards (all ``M v`` when ``M == P``), then one forward / one
-  backward, then drains. The bubble shrinks from ``(P - 1)`` stage times to
-  ``(P - 1) / v`` of them, at ``v`` times more boundary messages. Needs
-  ``M % P == 0``.
+  Megatron-LM's ``forward_backward_pipelining_with_interleaving``), for any
+  micro-batch count M >= 1: the group's ``M * v`` (micro-batch, chunk)
+  forwards run in rounds -- chunk 0 of the round's micro-batches, chunk 1 of
+  the same, ..., then the next round -- and the backwards in the same order
+  with the chunks reversed. The rounds (``interleave_rounds``): ``max(1, M //
+  P)`` of them, sizes as equal as possible (the larger first), so each holds
+  at least P micro-batches when M >= P -- P each when P divides M, as in
+  Megatron-LM; one round of all M when M < P. (torch's
+  ``ScheduleInterleaved1F1B`` also cuts M into ``M // P`` rounds but needs
+  them equal; Megatron-LM runs a short last round, which deadlocks for some
+  (P, v, M), e.g. P = 4, v = 3, M = 5.) Group ``p`` runs
+  ``2 (P - p - 1) + (v - 1) R`` warm-up forwards, R = the first round's
+  size (all ``M v`` when ``M <= P``), then one forward / one backward, then
+  drains. The bubble shrinks from ``(P - 1)`` stage times to about
+  ``(P - 1) / v`` of them, at ``v`` times more boundary messages.
+  ``validate`` proves each schedule deadlock-free under blocking messages,
+  and ``tests/test_plan.py`` checks every (P, v, M) with P <= 8, v <= 5,
+  M <= 5 P + 2; the runtime's NCCL program check runs on every plan.
 """
 
 from __future__ import annotations
@@ -33,7 +42,7 @@ import re
 from dataclasses import dataclass
 from functools import lru_cache
 
-__all__ = ["Action", "one_f_one_b", "gpipe", "interleaved_1f1b", "make_schedule", "validate", "format_grid",
+__all__ = ["Action", "one_f_one_b", "gpipe", "interleaved_1f1b", "interleave_rounds", "make_schedule", "validate", "format_grid",
            "inflight", "live_profile", "SCHEDULES"]
 
 #: Schedule names a plan may carry.
@@ -92,28 +101,45 @@ def gpipe(stage: int, num_stages: int, num_microbatches: int) -> tuple[Action, .
     )
 
 
-def interleaved_1f1b(group: int, num_groups: int, num_chunks: int, num_microbatches: int) -> tuple[Action, ...]:
-    """Group ``group``'s interleaved 1F1B actions (see the module docstring).
+def interleave_rounds(num_groups: int, num_microbatches: int) -> tuple[int, ...]:
+    """Sizes of the micro-batch rounds of interleaved 1F1B (see the module
+    docstring): ``max(1, M // P)`` rounds as equal as possible, the larger
+    first; each >= P when M >= P. E.g. P = 4: M = 8 -> (4, 4); M = 10 -> (5, 5);
+    M = 11 -> (6, 5); M = 3 -> (3,).
 
     Raises:
-        ValueError: if ``num_microbatches`` is not a multiple of ``num_groups``.
+        ValueError: ``num_groups`` or ``num_microbatches`` < 1.
+    """
+    p, m = num_groups, num_microbatches
+    if p < 1 or m < 1:
+        raise ValueError(f"interleaved 1F1B needs >= 1 GPU group and >= 1 micro-batch, got {p} and {m}")
+    q = max(1, m // p)
+    return tuple(m // q + (1 if i < m % q else 0) for i in range(q))
+
+
+def interleaved_1f1b(group: int, num_groups: int, num_chunks: int, num_microbatches: int) -> tuple[Action, ...]:
+    """Group ``group``'s interleaved 1F1B actions, for any micro-batch count
+    (see the module docstring).
+
+    Raises:
+        ValueError: ``num_groups`` or ``num_microbatches`` < 1.
     """
     p, v, m = num_groups, num_chunks, num_microbatches
-    if m % p:
-        raise ValueError(f"interleaved 1F1B needs the micro-batch count to be a multiple of the number of "
-                         f"GPU groups: {m} micro-batches, {p} groups; pick num_microbatches in "
-                         f"{{{', '.join(str(p * k) for k in range(1, 5))}, ...}} or interleave 1")
+    sizes = interleave_rounds(p, m)
+    fwd: list[tuple[int, int]] = []
+    bwd: list[tuple[int, int]] = []
+    start = 0
+    for size in sizes:
+        mbs = range(start, start + size)
+        fwd += [(mb, c) for c in range(v) for mb in mbs]
+        bwd += [(mb, c) for c in reversed(range(v)) for mb in mbs]
+        start += size
     total = m * v
-
-    def unit(k: int, forward: bool) -> Action:
-        chunk = (k % (p * v)) // p
-        return Action("F" if forward else "B", (k // (p * v)) * p + k % p, chunk if forward else v - 1 - chunk)
-
-    warmup = total if m == p else min(2 * (p - group - 1) + (v - 1) * p, total)
-    acts = [unit(k, True) for k in range(warmup)]
+    warmup = total if m <= p else min(2 * (p - group - 1) + (v - 1) * sizes[0], total)
+    acts = [Action("F", *fwd[k]) for k in range(warmup)]
     for k in range(total - warmup):
-        acts += [unit(k + warmup, True), unit(k, False)]
-    acts += [unit(k, False) for k in range(total - warmup, total)]
+        acts += [Action("F", *fwd[k + warmup]), Action("B", *bwd[k])]
+    acts += [Action("B", *bwd[k]) for k in range(total - warmup, total)]
     return tuple(acts)
 
 
@@ -127,7 +153,7 @@ def make_schedule(name: str, num_stages: int, num_microbatches: int, interleave:
 
     Raises:
         ValueError: unknown schedule, ``num_stages`` not a multiple of v,
-            interleaving with "gpipe", or M not a multiple of the group count.
+            interleaving with "gpipe", or M < 1 when interleaving.
     """
     if name not in SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}; choose one of {sorted(SCHEDULES)}")

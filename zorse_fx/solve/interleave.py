@@ -11,7 +11,8 @@ micro-batches per group), the links and the memory left, so the planner asks
 the objective: given the best plan's groups (their GPUs, their sample
 shares, their memory policy), for every interleave degree v = 2 ..
 ``max_interleave`` and every micro-batch count M that the groups can split
-(M a multiple of P, every GPU keeping >= 1 sample; shares rescaled to the
+(any M: ``ir.schedule.interleaved_1f1b`` runs rounds of >= P micro-batches
+when M is not a multiple of P; every GPU keeping >= 1 sample; shares rescaled to the
 new micro-batch size by largest remainder):
 
 1. cuts: the P v stages' block ranges minimising the largest stage time
@@ -189,8 +190,6 @@ def interleave_search(costs: BlockCosts, devices: DeviceGraph, options: PlanOpti
         policies = [(False,) * p_count]
     best, tried = None, []
     for m in microbatch_candidates(options):
-        if m % p_count:
-            continue
         shares = tuple(rescale_shares(tuple(ns), gbs // m) for ns in d.samples_per_microbatch)
         if any(s is None for s in shares):
             continue
