@@ -69,6 +69,7 @@ gpu-check:
 # each writes its results under bench/results/.
 bench: $(STAMP)
 	$(BIN)/python bench/cost_accuracy.py
+	$(BIN)/python bench/memory_cpu.py
 	$(BIN)/python bench/scenarios.py --solver-budget 5
 	$(BIN)/python bench/bound_gap.py --solver-budget 5
 	$(BIN)/python bench/planner_scaling.py

@@ -36,7 +36,7 @@ def test_json_round_trip(plan, tmp_path):
     assert loaded == plan
     assert loaded.sources == plan.sources
     d = json.loads(path.read_text())
-    assert d["version"] == PLAN_FORMAT_VERSION == 6
+    assert d["version"] == PLAN_FORMAT_VERSION == 7
     assert loaded.sources_verified
     assert [s["source_sha256"] for s in d["stages"]] == [hashlib.sha256(src.encode()).hexdigest()
                                                          for src in plan.sources]
@@ -44,6 +44,41 @@ def test_json_round_trip(plan, tmp_path):
     assert (d["precision"], d["grad_reduce_dtype"], d["compute_dtype"]) == ("fp16-mixed", "float32", "float16")
     assert [[g["samples_per_microbatch"] for g in s["gpus"]] for s in d["stages"]] == [[3, 1], [4]]
     assert (tmp_path / "p" / "stage_0.py").read_text().startswith('"""Stage 0 of 2')
+
+
+def test_memory_breakdown_adds_up_and_is_checked(plan, tmp_path):
+    """Each GPU's predicted peak split by what holds it (format 7): fp16-mixed
+    keeps 6 B of weights (float32 master + float16 copy), 4 B of gradients and
+    8 B of AdamW moments per unique parameter of the stage (the tied embedding
+    once); the rest is activations, more on the GPU taking 3 samples than on
+    the one taking 1. A version 6 file has none (all 0); parts that do not add
+    up are refused, naming the field."""
+    for s in plan.stages:
+        for g in s.gpus:
+            m = g.predicted_memory
+            n = s.num_parameters
+            assert (m.weights_bytes, m.gradients_bytes, m.optimizer_bytes, m.communication_bytes) == \
+                (6 * n, 4 * n, 8 * n, 0)
+            assert m.total_bytes == g.predicted_memory_bytes and m.activations_bytes > 0
+    a, b = plan.stages[0].gpus
+    assert a.predicted_memory.activations_bytes > b.predicted_memory.activations_bytes
+    assert "predicted peak memory per rank" in plan.table()
+    path = plan.export(tmp_path / "p")
+    d = json.loads(path.read_text())
+    assert d["stages"][0]["gpus"][0]["predicted_memory"]["weights_bytes"] == 6 * plan.stages[0].num_parameters
+    for s in d["stages"]:
+        for g in s["gpus"]:
+            del g["predicted_memory"]
+    path.write_text(json.dumps({**d, "version": 6}))
+    old = Plan.load(path)
+    assert all(g.predicted_memory.total_bytes == 0 for s in old.stages for g in s.gpus)
+    assert "predicted peak memory per rank" not in old.table()
+    d["stages"][1]["gpus"][0]["predicted_memory"] = {"weights_bytes": 1, "gradients_bytes": 2, "optimizer_bytes": 0,
+                                                     "activations_bytes": 0, "communication_bytes": 0}
+    path.write_text(json.dumps(d))
+    with pytest.raises(PlanFileError, match=r"field stages\[1\].gpus\[0\].predicted_memory sums to 3 bytes, but "
+                                            r"predicted_memory_bytes is \d+; the parts must add up"):
+        Plan.load(path)
 
 
 def test_the_bucket_size_is_priced_and_recorded(plan, tmp_path):

@@ -213,8 +213,8 @@ def test_the_schema_is_the_dataclasses():
     import msgspec
 
     from zorse_fx.ir.tensor import TensorSpec
-    from zorse_fx.plan import GPUShare, SolverReport, StagePlan
-    from zorse_fx.plan_schema import GPUShareDoc, PlanDoc, SolverDoc, StageDoc, TensorSpecDoc
+    from zorse_fx.plan import GPUShare, MemoryBreakdown, SolverReport, StagePlan
+    from zorse_fx.plan_schema import GPUShareDoc, MemoryBreakdownDoc, PlanDoc, SolverDoc, StageDoc, TensorSpecDoc
 
     def names(cls):
         return [f.name for f in dataclasses.fields(cls) if f.metadata.get("file") != "no"]
@@ -222,7 +222,8 @@ def test_the_schema_is_the_dataclasses():
     def doc_names(doc):
         return [f.name for f in msgspec.structs.fields(doc)]
 
-    for cls, doc in [(GPUShare, GPUShareDoc), (SolverReport, SolverDoc), (TensorSpec, TensorSpecDoc)]:
+    for cls, doc in [(GPUShare, GPUShareDoc), (SolverReport, SolverDoc), (TensorSpec, TensorSpecDoc),
+                     (MemoryBreakdown, MemoryBreakdownDoc)]:
         assert doc_names(doc) == names(cls)
     stage = names(StagePlan)
     assert doc_names(StageDoc) == [*stage[:stage.index("source_file") + 1], "source_sha256",

@@ -91,10 +91,10 @@ from .plan_table import GIB, plan_table  # noqa: F401 (GIB: importable from here
 from .precision import PRECISIONS, REDUCE_DTYPES, PrecisionPolicy, precision_policy
 from .stage_sources import source_sha256
 
-__all__ = ["PLAN_FORMAT_VERSION", "GPUShare", "StagePlan", "SolverReport", "Plan", "RankRole"]
+__all__ = ["PLAN_FORMAT_VERSION", "MemoryBreakdown", "GPUShare", "StagePlan", "SolverReport", "Plan", "RankRole"]
 
 #: Bumped on any incompatible change of plan.json.
-PLAN_FORMAT_VERSION = 6
+PLAN_FORMAT_VERSION = 7
 
 
 # Field types of plan.json: one declaration, read by the schema (``plan_schema``,
@@ -106,6 +106,43 @@ Seconds = Annotated[float, Meta(ge=0)]
 Fraction = Annotated[float, Meta(ge=0)]
 ScheduleName = Literal[SCHEDULES]  # type: ignore[valid-type]
 PrecisionName = Literal[PRECISIONS]  # type: ignore[valid-type]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MemoryBreakdown:
+    """A GPU's predicted peak memory by what holds it, bytes; the parts sum to
+    ``GPUShare.predicted_memory_bytes`` (format version 7; all 0 in a plan
+    read from an older file: not recorded). Over every stage the GPU hosts
+    (interleaving), each tied parameter once per stage. Per unique parameter
+    under the plan's precision ([Note: mixed precision] in
+    ``zorse_fx/precision.py``):
+
+    - ``weights_bytes``: float32 master weights (4 B) and, mixed, the step's
+      16-bit copies in autocast's cache (2 B);
+    - ``gradients_bytes``: float32 gradients (4 B; the gradient buckets);
+    - ``optimizer_bytes``: AdamW's two moments (8 B), or on a ZeRO-1 stage
+      this GPU's shard (``state_shard_bytes``);
+    - ``communication_bytes``: the 16-bit copies of gradient buckets in flight
+      (2 B with a 16-bit ``grad_reduce_dtype``, else 0); point-to-point
+      buffers are not modelled (one micro-batch's boundary tensors);
+    - ``activations_bytes``: the rest of the prediction: what autograd saves
+      for the micro-batches in flight (``cost/activations.py``), the
+      recomputing stage's inputs and one re-run, and the planner's rounding
+      (< 1 KiB per block). Not modelled: the transient working memory of a
+      backward beyond its saved tensors (e.g. the loss block's logits
+      gradient), which ``make gpu-check`` measured as the gap between
+      predicted and measured peak (bench/README.md)."""
+
+    weights_bytes: Bytes = 0
+    gradients_bytes: Bytes = 0
+    optimizer_bytes: Bytes = 0
+    activations_bytes: Bytes = 0
+    communication_bytes: Bytes = 0
+
+    @property
+    def total_bytes(self) -> int:
+        return (self.weights_bytes + self.gradients_bytes + self.optimizer_bytes + self.activations_bytes
+                + self.communication_bytes)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -129,6 +166,8 @@ class GPUShare:
     state_shard_bytes: Annotated[Bytes, Meta(
         description="bytes of the stage's optimizer state this GPU holds; 0 on every GPU of the stage splits it "
                     "equally")] = 0
+    #: ``predicted_memory_bytes`` by what holds it (version 7; all 0 when not recorded).
+    predicted_memory: MemoryBreakdown = field(default=MemoryBreakdown(), metadata=OPTIONAL)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -349,6 +388,12 @@ class Plan:
                         f"{short_repr(g.state_shard_bytes)}; it must be an integer >= 0 (bytes of the stage's "
                         "optimizer state this GPU holds; 0 on every GPU of the stage splits it equally)"
                     )
+                parts = g.predicted_memory.total_bytes
+                if parts and parts != g.predicted_memory_bytes:
+                    raise PlanFileError(
+                        f"plan: field stages[{s.index}].gpus[{j}].predicted_memory sums to {parts} bytes, but "
+                        f"predicted_memory_bytes is {g.predicted_memory_bytes}; the parts must add up to the "
+                        f"prediction (or all be 0: not recorded): re-export the plan with `zorse plan`")
 
     def _check_stages(self) -> None:
         """Each stage's ``index`` is its position; the block ranges are

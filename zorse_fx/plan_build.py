@@ -12,12 +12,33 @@ from .ir.costs import BlockCosts
 from .ir.decision import Decision
 from .ir.result import SolverResult
 from .options import PlanOptions
-from .plan import GPUShare, Plan, SolverReport, StagePlan
+from .plan import GPUShare, MemoryBreakdown, Plan, SolverReport, StagePlan
 from .precision import PrecisionPolicy
 from .solve.objective import MEMORY_UNIT_BYTES, MIB_UNITS
 from .solve.state_terms import shardable_kib
 
-__all__ = ["build_plan", "plan_decision"]
+__all__ = ["build_plan", "plan_decision", "memory_breakdown"]
+
+
+def memory_breakdown(predicted: int, hosted: list[tuple[int, int | None]], precision: PrecisionPolicy
+                     ) -> MemoryBreakdown:
+    """``predicted`` bytes of one GPU split by what holds them (see
+    ``plan.MemoryBreakdown``). ``hosted``: per stage the GPU hosts, (its unique
+    trainable parameters, this GPU's ZeRO-1 optimizer shard in bytes or None
+    when the stage is not sharded). The training state is exact per parameter
+    under ``precision``; activations are the rest of the prediction (what
+    autograd saves for the micro-batches in flight, and the planner's
+    rounding up of each block's state to KiB). 0 predicted: all 0."""
+    if predicted <= 0:
+        return MemoryBreakdown()
+    params = sum(n for n, _ in hosted)
+    weights = params * (precision.weight_bytes_per_param + precision.cast_bytes_per_param)
+    grads = params * precision.grad_bytes_per_param
+    comm = params * precision.reduce_copy_bytes_per_param
+    optim = sum(n * precision.optimizer_bytes_per_param if shard is None else shard for n, shard in hosted)
+    acts = max(0, predicted - weights - grads - comm - optim)
+    return MemoryBreakdown(weights_bytes=weights, gradients_bytes=grads, optimizer_bytes=optim,
+                           activations_bytes=acts, communication_bytes=comm)
 
 
 def build_plan(
@@ -42,18 +63,23 @@ def build_plan(
     stages, sources, rank = [], [], 0
     groups = dec.num_groups
     shard_bytes = dec.shard_bytes()
+    n_params = [sum(state[c].numel() for c in prog.params.values()) for prog in programs]
     for s, prog in enumerate(programs):
         gpus = []
         sharded = dec.sharded[s]
         if s >= groups:  # interleaved: the GPUs (and ranks) of its group, stage s mod P
             rank = stages[s % groups].gpus[0].rank
         for i, (g, n) in enumerate(zip(dec.stage_gpus[s], dec.samples_per_microbatch[s])):
-            mem = result.predicted_memory_bytes[s][i] if result.predicted_memory_bytes else 0
+            mem = int(result.predicted_memory_bytes[s][i]) if result.predicted_memory_bytes else 0
             gpu = cluster.gpus[g]
+            # The prediction is of the GPU: every stage of its group (interleaving) at position i.
+            hosted = [(n_params[t], int(shard_bytes[t][i]) if dec.sharded[t] else None)
+                      for t in range(s % groups, len(programs), groups)]
             gpus.append(GPUShare(
                 rank=rank, gpu=g, node=gpu.node, gpu_type=gpu.type, samples_per_microbatch=n,
-                predicted_memory_bytes=int(mem), memory_capacity_bytes=int(gpu.memory_bytes),
+                predicted_memory_bytes=mem, memory_capacity_bytes=int(gpu.memory_bytes),
                 state_shard_bytes=int(shard_bytes[s][i]),
+                predicted_memory=memory_breakdown(mem, hosted, precision),
             ))
             rank += 1
         label = bg.describe_blocks(*prog.blocks)

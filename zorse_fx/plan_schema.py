@@ -13,7 +13,7 @@ a field to plan.json is one edit in ``plan.py`` plus, where older files lack
 it, a line in ``upgrade`` (and a ``PLAN_FORMAT_VERSION`` bump).
 
 ``decode(d, source)`` upgrades a parsed plan.json of any readable format
-version (1-6) to the current shape (``upgrade``: fields added since take the
+version (1-7) to the current shape (``upgrade``: fields added since take the
 values those versions trained with) and converts it into ``PlanDoc``,
 refusing unknown keys; ``_plan_io`` then builds the ``Plan`` from it and
 ``Plan.__post_init__`` checks the rules that tie fields together (shares sum
@@ -38,17 +38,19 @@ from .errors import PlanFileError
 from .file_schema import FileFormat, struct_of
 from .ir.buckets import BUCKET_BYTES
 from .ir.tensor import TensorSpec
-from .plan import PLAN_FORMAT_VERSION, GPUShare, Plan, SolverReport, StagePlan
+from .plan import PLAN_FORMAT_VERSION, GPUShare, MemoryBreakdown, Plan, SolverReport, StagePlan
 from .precision import precision_policy
 
-__all__ = ["READABLE_VERSIONS", "PLAN_FILE", "PlanDoc", "StageDoc", "GPUShareDoc", "TensorSpecDoc", "SolverDoc",
+__all__ = ["READABLE_VERSIONS", "PLAN_FILE", "PlanDoc", "StageDoc", "GPUShareDoc", "MemoryBreakdownDoc",
+           "TensorSpecDoc", "SolverDoc",
            "upgrade", "decode"]
 
 #: Format versions ``decode`` reads (``upgrade`` fills in the fields added since).
 READABLE_VERSIONS = tuple(range(1, PLAN_FORMAT_VERSION + 1))
 _NEEDED = msgspec.NODEFAULT
 
-GPUShareDoc = struct_of(GPUShare, "GPUShareDoc")
+MemoryBreakdownDoc = struct_of(MemoryBreakdown, "MemoryBreakdownDoc")
+GPUShareDoc = struct_of(GPUShare, "GPUShareDoc", docs={MemoryBreakdown: MemoryBreakdownDoc})
 TensorSpecDoc = struct_of(TensorSpec, "TensorSpecDoc")
 SolverDoc = struct_of(SolverReport, "SolverDoc")
 StageDoc = struct_of(StagePlan, "StageDoc", docs={GPUShare: GPUShareDoc, TensorSpec: TensorSpecDoc}, extra={
@@ -64,13 +66,14 @@ PlanDoc = struct_of(Plan, "PlanDoc", docs={SolverReport: SolverDoc, StagePlan: S
 
 
 def upgrade(d: dict) -> dict:
-    """``d`` (a parsed plan.json of version 1-6) in the current shape: a
+    """``d`` (a parsed plan.json of version 1-7) in the current shape: a
     copy with the fields added since its version at the values it trained
     with (v2: ``sharded``/``recompute`` off, ``state_shard_bytes`` 0; v3:
     ``interleave`` 1; v4: ``precision`` fp32 with float32 gradients, and the
     old ``compute_dtype`` dropped as it only chose datasheet peaks; v5:
     ``source_sha256`` None; v6: ``grad_bucket_bytes`` 25 MiB, the runtime's
-    default). Parts of the wrong type are left for the schema to name."""
+    default; v7: each GPU's ``predicted_memory`` breakdown, optional, all 0
+    when absent). Parts of the wrong type are left for the schema to name."""
     d = dict(d)
     version = d.get("version")
     if not isinstance(version, int) or version >= 6:

@@ -23,6 +23,30 @@ __all__ = ["GIB", "plan_table"]
 GIB = 1024**3
 
 
+def _memory_table(plan: Plan):
+    """Per rank, its predicted peak by what holds it (``GPUShare.predicted_memory``),
+    GiB; None when the plan records no breakdown (a file of version < 7)."""
+    from rich.table import Table
+
+    seen: dict[int, object] = {}
+    for s in plan.stages:
+        for g in s.gpus:
+            seen.setdefault(g.rank, g)
+    if not any(g.predicted_memory.total_bytes for g in seen.values()):
+        return None
+    t = Table(title="predicted peak memory per rank, GiB (activations: saved for the micro-batches in flight; "
+                    "comm: 16-bit gradient buckets)", show_lines=False)
+    for col in ("rank", "GPU @ node", "weights", "gradients", "optimizer", "activations", "comm", "total / capacity"):
+        t.add_column(col, justify="left" if col == "GPU @ node" else "right")
+    for rank in sorted(seen):
+        g = seen[rank]
+        m = g.predicted_memory
+        t.add_row(str(rank), f"{g.gpu_type} @ {g.node}", *(f"{b / GIB:.2f}" for b in (
+            m.weights_bytes, m.gradients_bytes, m.optimizer_bytes, m.activations_bytes, m.communication_bytes)),
+            f"{g.predicted_memory_bytes / GIB:.2f} / {g.memory_capacity_bytes / GIB:.1f}")
+    return t
+
+
 def plan_table(plan: Plan) -> str:
     """``plan`` as a text table (one row per GPU), at most 150 columns.
 
@@ -65,7 +89,11 @@ def plan_table(plan: Plan) -> str:
             )
         t.add_section()
     buf = io.StringIO()
-    Console(file=buf, width=150, record=False).print(t)
+    console = Console(file=buf, width=150, record=False)
+    console.print(t)
+    breakdown = _memory_table(plan)
+    if breakdown is not None:
+        console.print(breakdown)
     sv = plan.solver
     precision = textwrap.fill("precision " + plan.precision_policy().describe(), width=150,
                               subsequent_indent="  ")
