@@ -50,7 +50,9 @@ def measure(vocab: int) -> dict:
                       tie_word_embeddings=True, bos_token_id=0, eos_token_id=0, pad_token_id=0)
     ids = torch.randint(0, vocab, (4, 64))
     captured = capture(CausalLMWithLoss(LlamaForCausalLM(cfg)), (ids, ids))
-    plan = fixed_plan(captured, ((0,),), ((4,),), num_microbatches=2, global_batch_size=8, label_mode="same")
+    # Planned in fp32, the precision this CPU run trains in.
+    plan = fixed_plan(captured, ((0,),), ((4,),), num_microbatches=2, global_batch_size=8, label_mode="same",
+                      precision="fp32")
     g = plan.stages[0].gpus[0]
     with tempfile.TemporaryDirectory() as d:
         plan.export(d)

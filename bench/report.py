@@ -49,6 +49,7 @@ RESULT_FILES = (
     "objective_vs_sim.json",
     "runtime.json",
     "cost_accuracy.json",
+    "memory_cpu.json",
     "comm_loopback.json",
     "gpu_h100.json",
     "gpu_h200.json",
@@ -150,6 +151,8 @@ PROVENANCE = {
         command="bench/cost_accuracy.py", note="issue 3's code, before the ZeRO-1 all-gather row",
         machine=f"{CPU_MACHINE}, 1 thread per rank, torch 2.13.0+cpu; cluster bench/clusters/cpu_local.yaml",
         date="2026-11-22"),
+    "memory_cpu.json": dict(command="bench/memory_cpu.py", note="fp32, one stage, 2 micro-batches of 4 x 64 tokens",
+                            machine=f"{CPU_MACHINE}, 1 thread, torch 2.13.0+cpu", date="2026-11-27"),
     # bench/LOG.md, "Links of this machine (issue 3)"
     "comm_loopback.json": dict(
         command="zorse bench comm --out bench/results/comm_loopback.json --plot bench/results/comm_loopback.png",
@@ -508,6 +511,21 @@ def render_cost_accuracy(rows: list[dict], name: str) -> list[str]:
     return out + _source(PROVENANCE.get(name, {}))
 
 
+def render_memory_cpu(rows: list[dict], name: str) -> list[str]:
+    mib = 2**20
+    body = [[r["vocab"], f"{r['parameters']:,}", _s(r["predicted_bytes"] / mib), _s(r["measured_peak_bytes"] / mib),
+             _r3(r["ratio"]), ", ".join(f"{k} {v / mib:.1f}" for k, v in r["measured_at_peak_by_category"].items()
+                                        if v >= mib / 10)] for r in rows]
+    out = ["### Memory of one rank on this CPU", "",
+           "One rank's predicted peak (`GPUShare.predicted_memory`) against the peak of live CPU tensor bytes in "
+           "torch.profiler's memory timeline, and what holds it at that moment (MiB). The prediction includes "
+           "the loss block's backward transient (two logits-sized gradients, the \"autograd detail\"); without "
+           "it the prediction would be 0.5 / 16 / 64 MiB lower, measured / predicted 1.15 / 1.82 / 1.95.", ""]
+    out += table(["vocab", "params", "predicted MiB", "measured peak MiB", "measured / predicted",
+                  "at the peak, by category"], body)
+    return out + _source(PROVENANCE.get(name, {}))
+
+
 # ---------------------------------------------------------------- links
 
 
@@ -689,7 +707,7 @@ def render(results: Path = RESULTS) -> str:
     single = (("scenarios.json", render_scenarios), ("bound_gap.json", render_bound_gap),
               ("scaling.json", render_scaling), ("objective_vs_sim.json", render_objective_vs_sim),
               ("runtime.json", render_runtime), ("cost_accuracy.json", render_cost_accuracy),
-              ("comm_loopback.json", render_comm))
+              ("memory_cpu.json", render_memory_cpu), ("comm_loopback.json", render_comm))
     for name, fn in single:
         if name in docs:
             parts.append(fn(docs[name], name))

@@ -139,7 +139,7 @@ def fixed_decision(captured, stage_gpus, samples, *, num_microbatches: int, cuts
 
 def fixed_plan(captured, stage_gpus, samples, *, num_microbatches: int, global_batch_size: int, cuts=None,
                interleave: int = 1, schedule: str = "1f1b", bucket_mib: float = 25.0,
-               cluster: str | Path = "small_hetero.yaml", label_mode: str | None = None):
+               cluster: str | Path = "small_hetero.yaml", label_mode: str | None = None, precision: str = "auto"):
     """A ``planner.plan_fixed`` Plan of ``captured`` for a decision made by hand:
     stage s on the GPUs ``stage_gpus[s]``, which take ``samples[s]`` samples of
     each of the ``num_microbatches`` micro-batches; ``interleave`` v > 1: the S
@@ -152,7 +152,7 @@ def fixed_plan(captured, stage_gpus, samples, *, num_microbatches: int, global_b
     where stages 1..S-1 begin (stage 0 begins at block 0, the last stage ends
     at block nb).
 
-    Options: ``PlanOptions(global_batch_size, schedule, bucket_mib)``, every
+    Options: ``PlanOptions(global_batch_size, schedule, bucket_mib, precision)``, every
     other field its default; ``cluster``: a file of examples/clusters (or a
     path); ``label_mode``: None = ``plan_fixed``'s default ("shifted"), "same"
     for HF models that shift labels themselves. Memory policy (sharding,
@@ -162,7 +162,8 @@ def fixed_plan(captured, stage_gpus, samples, *, num_microbatches: int, global_b
 
     decision = fixed_decision(captured, stage_gpus, samples, num_microbatches=num_microbatches, cuts=cuts,
                               interleave=interleave)
-    options = PlanOptions(global_batch_size=global_batch_size, schedule=schedule, bucket_mib=bucket_mib)
+    options = PlanOptions(global_batch_size=global_batch_size, schedule=schedule, bucket_mib=bucket_mib,
+                          precision=precision)
     kw = {} if label_mode is None else {"label_mode": label_mode}
     plan, _ = plan_fixed(captured, Cluster.from_yaml(CLUSTERS / cluster), options, decision, **kw)
     return plan

@@ -19,6 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from conftest import cached_capture
 from zorse_fx.capture import analyse, capture
 from zorse_fx.cost.activations import _output_bytes_estimate
+from zorse_fx.cost.activations import loss_backward_transient_bytes
 from zorse_fx.cost.roofline import block_costs, measure_saved_activations, node_costs, saved_activation_bytes
 from zorse_fx.models.gpt import GPT, GPTConfig
 from zorse_fx.models.hf import CausalLMWithLoss
@@ -109,6 +110,17 @@ def _captured(make, model, ids):
     return cached_capture(f"activation_memory/{make.__name__}", lambda: capture(model, (ids, ids)))
 
 
+def _saved(bg, costs, policy) -> list[int]:
+    """What autograd saves per block: ``BlockCosts.act_bytes_per_sample`` less the loss
+    block's backward transient it adds (checked here to be that and nothing else)."""
+    acts = list(costs.act_bytes_per_sample)
+    transient = loss_backward_transient_bytes(bg, measure_saved_activations(bg, policy).output_dtypes)
+    assert transient > 0
+    acts[-1] -= transient
+    assert acts == list(measure_saved_activations(bg, policy).bytes_per_sample)
+    return acts
+
+
 @pytest.mark.parametrize("make", [_hf_gpt2, _hf_llama, _gpt], ids=["hf_gpt2", "hf_llama", "gpt_fx"])
 def test_blocks_sum_to_what_eager_autograd_saves(make, lee_bytes):
     torch.manual_seed(0)
@@ -117,7 +129,7 @@ def test_blocks_sum_to_what_eager_autograd_saves(make, lee_bytes):
     bg = analyse(_captured(make, model, ids))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the measurement must run, not fall back
-        acts = block_costs(bg, {}, precision=FP32).act_bytes_per_sample
+        acts = _saved(bg, block_costs(bg, {}, precision=FP32), FP32)
     reference = _eager_saved_bytes(model, (ids[:1].clone(), ids[:1].clone()))
     # 2%: the exported HF graphs pass sdpa an explicit boolean (T, T) causal mask,
     # which the fused kernel saves (T*T bytes, once per model), where eager HF
@@ -139,7 +151,7 @@ def test_blocks_under_autocast_sum_to_what_eager_autocast_saves(make, precision,
     policy = precision_policy(precision)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        acts = block_costs(bg, {}, precision=policy).act_bytes_per_sample
+        acts = _saved(bg, block_costs(bg, {}, precision=policy), policy)
     fp32 = saved_activation_bytes(bg)
     reference = _eager_saved_bytes(model, (ids[:1].clone(), ids[:1].clone()), policy.compute_dtype)
     if make is _gpt:
@@ -267,4 +279,6 @@ def test_fallback_warns_and_uses_output_bytes():
     bg = analyse(capture(model, (x, y), method="fx"))
     with pytest.warns(UserWarning, match="could not measure the activations.*this op keeps its own saved tensors"):
         costs = block_costs(bg, {}, precision=FP32)
-    assert costs.act_bytes_per_sample == tuple(_output_bytes_estimate(bg, node_costs(bg)))
+    estimate = _output_bytes_estimate(bg, node_costs(bg))
+    estimate[-1] += loss_backward_transient_bytes(bg, {})  # capture dtypes: nothing was measured
+    assert costs.act_bytes_per_sample == tuple(estimate)

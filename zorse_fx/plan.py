@@ -127,11 +127,13 @@ class MemoryBreakdown:
       buffers are not modelled (one micro-batch's boundary tensors);
     - ``activations_bytes``: the rest of the prediction: what autograd saves
       for the micro-batches in flight (``cost/activations.py``), the
-      recomputing stage's inputs and one re-run, and the planner's rounding
-      (< 1 KiB per block). Not modelled: the transient working memory of a
-      backward beyond its saved tensors (e.g. the loss block's logits
-      gradient), which ``make gpu-check`` measured as the gap between
-      predicted and measured peak (bench/README.md)."""
+      recomputing stage's inputs and one re-run, the loss block's backward
+      transient (two logits-sized gradients,
+      ``cost.activations.loss_backward_transient_bytes``) and the planner's
+      rounding (< 1 KiB per block). Not modelled: a body block's backward
+      transient (an MLP's 4h-wide gradient), small beside its saved tensors.
+      Measured on this CPU: within 2% of one rank's peak (bench/README.md,
+      ``bench/memory_cpu.py``; ``tests/test_runtime_memory.py``)."""
 
     weights_bytes: Bytes = 0
     gradients_bytes: Bytes = 0

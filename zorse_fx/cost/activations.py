@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from .roofline import NodeCost
 
 __all__ = ["SavedActivations", "measure_saved_activations", "saved_activations_or_estimate",
-           "saved_activation_bytes"]
+           "saved_activation_bytes", "loss_backward_transient_bytes"]
 
 
 def _out_bytes(node: fx.Node) -> int:
@@ -306,3 +306,51 @@ def saved_activation_bytes(bg: BlockGraph, precision: PrecisionPolicy | None = N
     """``measure_saved_activations(bg, precision).bytes_per_sample`` as a list;
     ``precision`` None: fp32 (no autocast: the graph's own dtypes)."""
     return list(measure_saved_activations(bg, precision or precision_policy("fp32")).bytes_per_sample)
+
+
+def loss_backward_transient_bytes(bg: BlockGraph, output_dtypes: dict[str, str]) -> int:
+    """Per sample, the working memory of the loss block's backward beyond
+    what autograd saves: while an op's backward runs, the gradient of its
+    output and the gradient of its activation inputs are live together, so
+    the block's transient is the largest (output + activation inputs) bytes
+    of one of its floating ops, in the dtypes ``output_dtypes`` gives them
+    (the policy's autocast; the capture dtype where missing). For a causal
+    LM it is the log-softmax over the logits: two logits-sized float32
+    gradients (``bench/memory_cpu.py`` measured exactly that, 2 x 32 MiB of
+    "autograd detail" at the peak, on a 32768-token vocabulary; ``make
+    gpu-check`` a 1.87 GiB gap on SmolLM2-135M where two logits are 1.5 GiB).
+
+    Only the loss block's: it is the largest in a language model (the
+    vocabulary is wider than the hidden size), it runs on the last stage,
+    which holds one micro-batch in flight under 1F1B, so it is added to that
+    block's saved bytes (``block_costs``). A body block's transient (an MLP's
+    4h-wide gradient) is smaller and not modelled."""
+    nodes = {n.name: n for n in bg.graph.nodes}
+
+    def nbytes(n: fx.Node) -> int:
+        out = 0
+        for t in tensors_in(n.meta[META_KEY].get("val_batch1")):
+            if not t.is_floating_point():
+                continue
+            dtype = output_dtypes.get(n.name)
+            size = torch.empty((), dtype=getattr(torch, dtype)).element_size() if dtype else t.element_size()
+            out += t.numel() * size
+        return out
+
+    def numel(n: fx.Node) -> int:
+        return sum(t.numel() for t in tensors_in(n.meta[META_KEY].get("val_batch1")) if t.is_floating_point())
+
+    best = 0
+    for name in bg.block_nodes(bg.num_blocks - 1):
+        n = nodes[name]
+        if n.op != "call_function" or not nbytes(n):
+            continue
+        ins = {a.name: a for a in n.all_input_nodes if a.meta.get(META_KEY, {}).get("kind") == "act"}
+        here = nbytes(n) + sum(nbytes(a) for a in ins.values())
+        if n.target is torch.ops.aten.cross_entropy_loss.default and n.args:
+            # nll_loss(log_softmax(x)) inside one node: the log-softmax's input and output live together
+            # in the loss's dtype (float32 under autocast, whatever x's dtype is: a 16-bit x is upcast).
+            size = torch.empty((), dtype=getattr(torch, output_dtypes.get(n.name, "float32"))).element_size()
+            here = max(here, 2 * numel(n.args[0]) * size)
+        best = max(best, here)
+    return best

@@ -53,6 +53,7 @@ from ..precision import PrecisionPolicy
 from . import gpu_model
 from .activations import (
     SavedActivations,
+    loss_backward_transient_bytes,
     measure_saved_activations,
     saved_activation_bytes,
     saved_activations_or_estimate,
@@ -427,7 +428,9 @@ def block_costs(
         fwd_bwd_s_per_sample={k: tuple(v) for k, v in times.items()},
         fwd_bwd_s_fixed={k: tuple(v) for k, v in fixed.items()},
         param_count=tuple(params),
-        act_bytes_per_sample=activations.bytes_per_sample,
+        # The loss block's backward transient rides on its saved bytes ([Note: saved activations]).
+        act_bytes_per_sample=(*activations.bytes_per_sample[:-1], activations.bytes_per_sample[-1]
+                              + loss_backward_transient_bytes(bg, activations.output_dtypes)),
         # As sent: float32 in the compute dtype under a mixed policy ([Note: 16-bit boundary tensors]).
         cut_bytes_per_sample=tuple(sum(t.bytes_per_sample for t in on_wire(ts, precision)) for ts in cast.cut_tensors),
         state_bytes_per_param=precision.state_bytes_per_param,
