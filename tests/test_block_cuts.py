@@ -128,7 +128,8 @@ def test_new_cuts_plan_no_worse_on_the_demo_cluster(small_opt, memory_fraction):
     analysis (its stages mapped to the new blocks); the planner, warm-started with it, finds a
     predicted step time no worse. With the whole memory (0.9) both plans are one stage. With
     2e-4 of each GPU's 16 GB (3.4 MB: less than the model's training state) the old blocks cannot
-    split the decoder, so the old plan is data parallel over two GPUs, and the new one pipelines."""
+    split the decoder, so the old plan keeps it whole (with the head apart since the loss block's
+    backward transient is priced), and the new one pipelines it, more than 10% faster."""
     from zorse_fx.cluster import Cluster
     from zorse_fx.cost.roofline import block_costs
     from zorse_fx.precision import default_precision, precision_policy
@@ -165,5 +166,9 @@ def test_new_cuts_plan_no_worse_on_the_demo_cluster(small_opt, memory_fraction):
     # Equal decisions may differ in the last digits: the cost tables round per block.
     assert step_new <= step_old_in_new * (1 + 1e-4)
     if memory_fraction < 0.01:
-        assert res_new.num_stages > 1 == res_old.num_stages
+        # The old blocks (embedding + decoder, head) cannot split the decoder: at most the head, with
+        # its loss backward's transient, on a GPU of its own (measured 2 stages, 1.88 ms); the new
+        # blocks pipeline the decoder (1.04 ms).
+        assert res_new.num_stages > 1
+        assert res_old.num_stages == 1 or res_old.decision.stage_blocks[0] == (0, old.num_blocks - 1)
         assert step_new < 0.9 * step_old
