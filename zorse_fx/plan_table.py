@@ -34,8 +34,7 @@ def _memory_table(plan: Plan):
             seen.setdefault(g.rank, g)
     if not any(g.predicted_memory.total_bytes for g in seen.values()):
         return None
-    t = Table(title="predicted peak memory per rank, GiB (activations: saved for the micro-batches in flight; "
-                    "comm: 16-bit gradient buckets)", show_lines=False)
+    t = Table(title="predicted peak memory per rank, GiB (plan.json: gpus[].predicted_memory)", show_lines=False)
     for col in ("rank", "GPU @ node", "weights", "gradients", "optimizer", "activations", "comm", "total / capacity"):
         t.add_column(col, justify="left" if col == "GPU @ node" else "right")
     for rank in sorted(seen):
