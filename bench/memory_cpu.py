@@ -98,14 +98,11 @@ def main() -> int:
     torch.set_num_threads(1)
     rows = [measure(v) for v in (256, 8192, 32768)]
     out = ROOT / "bench" / "results" / "memory_cpu.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(rows, indent=1) + "\n")
-    mib = 2**20
-    print("| vocab | params | predicted MiB | measured peak MiB | ratio | at the peak, MiB by category |")
-    print("|---|---|---|---|---|---|")
-    for r in rows:
-        cats = ", ".join(f"{k} {v / mib:.1f}" for k, v in r["measured_at_peak_by_category"].items())
-        print(f"| {r['vocab']} | {r['parameters']:,} | {r['predicted_bytes'] / mib:.1f} | "
-              f"{r['measured_peak_bytes'] / mib:.1f} | {r['ratio']:.2f} | {cats} |")
+    from report import render_memory_cpu  # bench/report.py: the table bench/README.md shows
+
+    print("\n".join(render_memory_cpu(rows, out.name)))
     print(f"wrote {out}")
     return 0
 

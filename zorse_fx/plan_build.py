@@ -27,8 +27,9 @@ def memory_breakdown(predicted: int, hosted: list[tuple[int, int | None]], preci
     trainable parameters, this GPU's ZeRO-1 optimizer shard in bytes or None
     when the stage is not sharded). The training state is exact per parameter
     under ``precision``; activations are the rest of the prediction (what
-    autograd saves for the micro-batches in flight, and the planner's
-    rounding up of each block's state to KiB). 0 predicted: all 0."""
+    autograd saves for the micro-batches in flight, the loss block's
+    backward transient, and the planner's rounding up of each block's state
+    to KiB). Bytes in, bytes out; 0 predicted: all 0."""
     if predicted <= 0:
         return MemoryBreakdown()
     params = sum(n for n, _ in hosted)

@@ -64,13 +64,14 @@ the receiver casts it back to float32 before its stage reads it; in the
 backward the receiver sends the float32 gradient of that input cast to the
 compute dtype and the sender casts it back before back-propagating. The
 planner prices the boundary at those bytes (``BlockCosts.cut_bytes_per_sample``)
-and the runtime sends exactly them (``runtime.worker.on_wire``). Each cut
+and the runtime sends exactly them (``ir.tensor.on_wire``, used by
+``runtime.stage.StageRuntime`` and ``runtime.p2p.build_programs``). Each cut
 thus rounds the activation and its gradient once to 16 bits (8 significant
-bits in bfloat16, 11 in float16), which the stage after it would have
-done anyway at its first matmul; a distributed run equals single-process
-training with the same rounding at the same cuts
-(``tests/test_mixed_precision.py``). A CPU run of a mixed plan trains in
-fp32 and sends float32.
+bits in bfloat16, 11 in float16): the next stage's matmuls see 16-bit inputs
+under autocast anyway, its float32 residual adds and norms do not, so a
+distributed run equals single-process training with the same rounding at
+the same cuts (``tests/test_mixed_precision.py``), not the unrounded one.
+A CPU run of a mixed plan trains in fp32 and sends float32.
 
 fp16-mixed: the last stage back-propagates ``loss * scale``; the boundary
 gradients between stages are scaled too (what keeps them representable in

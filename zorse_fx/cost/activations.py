@@ -20,6 +20,7 @@ from torch.utils._pytree import tree_map
 
 from ..capture.analysis import BlockGraph
 from ..capture.trace import META_KEY, fetch_attr
+from ..ir.tensor import ITEMSIZE
 from ..precision import PrecisionPolicy, precision_policy
 from .opclass import op_class, tensors_in
 
@@ -309,7 +310,7 @@ def saved_activation_bytes(bg: BlockGraph, precision: PrecisionPolicy | None = N
 
 
 def loss_backward_transient_bytes(bg: BlockGraph, output_dtypes: dict[str, str]) -> int:
-    """Per sample, the working memory of the loss block's backward beyond
+    """Bytes per sample (batch 1), the working memory of the loss block's backward beyond
     what autograd saves: while an op's backward runs, the gradient of its
     output and the gradient of its activation inputs are live together, so
     the block's transient is the largest (output + activation inputs) bytes
@@ -327,18 +328,15 @@ def loss_backward_transient_bytes(bg: BlockGraph, output_dtypes: dict[str, str])
     4h-wide gradient) is smaller and not modelled."""
     nodes = {n.name: n for n in bg.graph.nodes}
 
-    def nbytes(n: fx.Node) -> int:
-        out = 0
-        for t in tensors_in(n.meta[META_KEY].get("val_batch1")):
-            if not t.is_floating_point():
-                continue
-            dtype = output_dtypes.get(n.name)
-            size = torch.empty((), dtype=getattr(torch, dtype)).element_size() if dtype else t.element_size()
-            out += t.numel() * size
-        return out
-
-    def numel(n: fx.Node) -> int:
+    def numel(n: fx.Node) -> int:  # floating elements of the node's batch-1 output
         return sum(t.numel() for t in tensors_in(n.meta[META_KEY].get("val_batch1")) if t.is_floating_point())
+
+    def nbytes(n: fx.Node) -> int:
+        dtype = output_dtypes.get(n.name)
+        if dtype is None:  # not measured: the capture dtypes
+            return sum(t.numel() * t.element_size() for t in tensors_in(n.meta[META_KEY].get("val_batch1"))
+                       if t.is_floating_point())
+        return numel(n) * ITEMSIZE[dtype]
 
     best = 0
     for name in bg.block_nodes(bg.num_blocks - 1):
@@ -350,7 +348,6 @@ def loss_backward_transient_bytes(bg: BlockGraph, output_dtypes: dict[str, str])
         if n.target is torch.ops.aten.cross_entropy_loss.default and n.args:
             # nll_loss(log_softmax(x)) inside one node: the log-softmax's input and output live together
             # in the loss's dtype (float32 under autocast, whatever x's dtype is: a 16-bit x is upcast).
-            size = torch.empty((), dtype=getattr(torch, output_dtypes.get(n.name, "float32"))).element_size()
-            here = max(here, 2 * numel(n.args[0]) * size)
+            here = max(here, 2 * numel(n.args[0]) * ITEMSIZE[output_dtypes.get(n.name, "float32")])
         best = max(best, here)
     return best
