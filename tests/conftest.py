@@ -396,6 +396,19 @@ def with_memory_policy(plan, *, sharded=(), recompute=(), shard_bytes=None):
     return dataclasses.replace(plan, stages=tuple(stages))
 
 
+def with_low_precision(plan, captured):
+    """``plan`` with 16-bit working weights on every sharded stage of two or
+    more GPUs (``StagePlan.low_precision_params``: the stage's parameters
+    ``capture.low_precision_params`` finds), as ``build_plan`` sets them for
+    a mixed plan; the other stages unchanged."""
+    from zorse_fx.capture import analyse, low_precision_params
+
+    eligible = low_precision_params(analyse(captured))
+    stages = [dataclasses.replace(s, low_precision_params=tuple(f for f, c in s.params.items() if c in eligible))
+              if s.sharded and len(s.gpus) > 1 else s for s in plan.stages]
+    return dataclasses.replace(plan, stages=tuple(stages))
+
+
 # -- random planning instances (tests/test_solver.py, test_grouped.py, test_sim.py) --
 
 def solver_options(**fields) -> PlanOptions:
@@ -649,8 +662,27 @@ def train_and_compare(plan, captured, tokens, tmp_path: Path, *, steps: int, lr:
         assert r["precision"] == (precision or "fp32")
     assert_grads_match(grads, ref_grads, tol)
     out = tmp_path / "run" / "params"
-    assert_params_match({r: torch.load(out / f"rank{r}.pt") for r in range(plan.world_size)}, ref_params, initial,
-                        steps, lr, tol, ref_grads)
+    params = {r: torch.load(out / f"rank{r}.pt") for r in range(plan.world_size)}
+    masters = {r: torch.load(out / f"rank{r}_masters.pt") for r in range(plan.world_size)}
+    # 16-bit working weights: the float32 masters (by range) are the parameters; the 16-bit values are their rounding.
+    for r, pieces in masters.items():
+        for canon, ranges in pieces.items():
+            assert params[r][canon].dtype == torch.bfloat16 or params[r][canon].dtype == torch.float16, canon
+            assert sum(b - a for a, b, _ in ranges) <= params[r][canon].numel()
+    whole = {}
+    for canon in {c for pieces in masters.values() for c in pieces}:
+        n = ref_params[canon].numel()
+        flat = torch.full((n,), float("nan"))
+        for pieces in masters.values():
+            for a, b, t in pieces.get(canon, ()):
+                flat[a:b] = t
+        assert not flat.isnan().any(), f"the ranks' float32 masters of {canon!r} do not cover it"
+        whole[canon] = flat.view_as(ref_params[canon])
+        holder = next(r for r in params if canon in params[r])
+        assert torch.equal(params[holder][canon], whole[canon].to(params[holder][canon].dtype)), (
+            f"{canon!r}: the 16-bit working weight is not the rounding of its float32 master")
+    params = {r: {c: (whole[c] if c in whole else t) for c, t in ps.items()} for r, ps in params.items()}
+    assert_params_match(params, ref_params, initial, steps, lr, tol, ref_grads)
     return {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(plan.world_size)}, rows
 
 

@@ -30,7 +30,8 @@ import json
 import pytest
 import torch
 
-from conftest import fixed_plan, gpt3x64, gpt4x64, tiny_llama_tied, train_and_compare, with_memory_policy
+from conftest import (fixed_plan, gpt3x64, gpt4x64, run_distributed, tiny_llama_tied, train_and_compare,
+                      with_low_precision, with_memory_policy)
 from test_distributed import case_plan
 from zorse_fx.capture import analyse
 
@@ -83,6 +84,49 @@ def test_bf16_zero1_unequal_shards_and_recompute(lee_bytes, tmp_path):
     # float32 master weights: AdamW moments of the owned elements, 2 x 4 bytes each.
     for r in (1, 2):
         assert summaries[r]["optimizer_state_bytes"] == 2 * summaries[r]["owned_elements"] * 4
+
+
+def test_bf16_sixteen_bit_working_weights_unequal_shards(lee_bytes, tmp_path):
+    """GPT, 2 stages; stage 1 (2 GPUs, 1:2 samples) sharded 3:1 keeps its
+    matmul weights in bfloat16, their float32 masters in the shards ([Note:
+    16-bit working weights]); the tied embedding and the norms stay float32.
+    Equal to single-process training under the same autocast: losses,
+    gradients (the float32 main gradients), the float32 masters after 3
+    steps, and the 16-bit weights are the masters' rounding."""
+    captured = gpt3x64()
+    plan = fixed_plan(captured, ((0,), (2, 3)), ((3,), (1, 2)), num_microbatches=2, global_batch_size=6,
+                      cuts=(analyse(captured).num_blocks // 2,), bucket_mib=SMALL_BUCKETS)
+    fp32_weights = with_memory_policy(plan, sharded={1}, shard_bytes={1: (3 * 2**20, 2**20)})
+    plan = with_low_precision(fp32_weights, captured)
+    low = plan.stages[1].low_precision_params
+    assert low and not plan.stages[0].low_precision_params
+    assert not any(plan.stages[1].params[f] in plan.shared_params() or "ln" in f for f in low)
+    initial = {k: v.clone() for k, v in captured.state().items()}  # (the reference trains ``captured``)
+    summaries, rows = train_and_compare(plan, captured, lee_bytes, tmp_path, steps=3, lr=LR,
+                                        weight_decay=WEIGHT_DECAY, precision="bf16-mixed")
+    # The same values as float32 weights under autocast, bit for bit: the same plan with ZeRO-1's float32
+    # weights gives the same losses, the same (main) gradients and the same float32 weights.
+    ref_rows, ref_grads = run_distributed(fp32_weights, initial, lee_bytes, tmp_path / "fp32_weights",
+                                          steps=3, extra=("--dump-params", "--lr", str(LR), "--weight-decay",
+                                                          str(WEIGHT_DECAY), "--precision", "bf16-mixed"))
+    assert [r["loss"] for r in rows] == [r["loss"] for r in ref_rows]
+    grads = {r: torch.load(tmp_path / "run" / "grads" / f"rank{r}.pt") for r in range(plan.world_size)}
+    for r in range(plan.world_size):
+        assert grads[r].keys() == ref_grads[r].keys()
+        for name, g in grads[r].items():
+            assert g.dtype == torch.float32 and torch.equal(g, ref_grads[r][name]), (r, name)
+        ref_params = torch.load(tmp_path / "fp32_weights" / "run" / "params" / f"rank{r}.pt")
+        masters = torch.load(tmp_path / "run" / "params" / f"rank{r}_masters.pt")
+        for name, pieces in masters.items():
+            for a, b, t in pieces:
+                assert torch.equal(t, ref_params[name].reshape(-1)[a:b]), (r, name, a, b)
+    n16 = sum(captured.state()[plan.stages[1].params[f]].numel() for f in low)
+    for r, share in ((1, 3), (2, 1)):
+        bf16 = next(b for b in summaries[r]["buffers"] if b["dtype"] == "bfloat16")
+        assert bf16["elements"] == n16 and bf16["owned_elements"] in (n16 * share // 4, n16 * share // 4 + 1)
+        # float32 master (4 B) + AdamW moments (2 x 4 B) per owned 16-bit element.
+        assert bf16["master_bytes"] == 4 * bf16["owned_elements"]
+        assert bf16["optimizer_state_bytes"] == 8 * bf16["owned_elements"]
 
 
 def test_bf16_hf_llama_tied_zero1_recompute(lee_bytes, tmp_path):

@@ -36,7 +36,7 @@ def test_json_round_trip(plan, tmp_path):
     assert loaded == plan
     assert loaded.sources == plan.sources
     d = json.loads(path.read_text())
-    assert d["version"] == PLAN_FORMAT_VERSION == 7
+    assert d["version"] == PLAN_FORMAT_VERSION == 8
     assert loaded.sources_verified
     assert [s["source_sha256"] for s in d["stages"]] == [hashlib.sha256(src.encode()).hexdigest()
                                                          for src in plan.sources]
@@ -442,3 +442,69 @@ def test_an_old_plan_without_hashes_loads_but_does_not_run(exported):
         _stage_runtime(old, exported)
     old.export(exported)  # re-exported after checking: now it runs
     assert _stage_runtime(Plan.load(exported), exported).module is not None
+
+
+def test_sixteen_bit_working_weights_are_planned_priced_and_checked(tmp_path):
+    """A mixed plan whose stage 1 is sharded over 2 GPUs keeps that stage's
+    matmul weights in 16 bits (format 8, ``low_precision_params``): not the
+    tied embedding, not the norms, nothing on the unsharded stage 0. The
+    cost model prices them (12 B/param sharded: float32 master + AdamW
+    moments; 2 B all-gathered) and the breakdown gives them 2 B of weights.
+    A version 7 file has none; a name the stage does not have, or 16-bit
+    weights on an fp32 plan or an unsharded stage, are refused naming the field."""
+    from conftest import CLUSTERS, fixed_decision
+
+    from zorse_fx.capture import analyse, low_precision_params
+    from zorse_fx.cluster import Cluster
+    from zorse_fx.planner import plan_fixed
+    from zorse_fx.pricing import price
+
+    captured = small_gpt(2)
+    cluster = Cluster.from_yaml(CLUSTERS / "small_hetero.yaml")
+    options = PlanOptions(global_batch_size=8)  # T4s: fp16-mixed
+    bg = analyse(captured)
+    decision = dataclasses.replace(fixed_decision(captured, ((0,), (2, 3)), ((4,), (1, 3)), num_microbatches=2,
+                                                  cuts=(3,)), sharded=(False, True), shard_mib=None)
+    plan, _ = plan_fixed(captured, cluster, options, decision)
+    assert plan.precision == "fp16-mixed"
+    s0, s1 = plan.stages
+    eligible = low_precision_params(bg)
+    assert s0.low_precision_params == ()
+    assert s1.low_precision_params == tuple(f for f, c in s1.params.items() if c in eligible) != ()
+    assert all(".ln_" not in c and c != "wte.weight" for c in eligible)
+    state = captured.state()
+    n, n16 = s1.num_parameters, sum(state[s1.params[f]].numel() for f in s1.low_precision_params)
+    for g in s1.gpus:
+        m = g.predicted_memory
+        assert (m.weights_bytes, m.gradients_bytes, m.optimizer_bytes) == (
+            6 * (n - n16) + 2 * n16, 4 * n, g.state_shard_bytes)
+    costs = price(captured, cluster, options).costs
+    assert sum(costs.param16_count) == sum(state[c].numel() for c in eligible)
+    b = next(b for b in range(costs.num_blocks) if costs.param16(b))
+    p, q = costs.param_count[b], costs.param16(b)
+    assert costs.shardable_bytes(b) == 8 * (p - q) + 12 * q and costs.gather_bytes(b) == 4 * (p - q) + 2 * q
+    assert Plan.load(plan.export(tmp_path / "p")) == plan
+    table = plan.table()
+    assert table.count("16-bit") == 3 and "16-bit working weights on stage 1 (12 matmul weights in float16" in table
+
+    path = tmp_path / "p" / "plan.json"
+    d = json.loads(path.read_text())
+    old = json.loads(json.dumps(d))
+    for st in old["stages"]:
+        del st["low_precision_params"]
+    path.write_text(json.dumps({**old, "version": 7}))
+    assert all(st.low_precision_params == () for st in Plan.load(path).stages)
+    for edit, message in (
+            (lambda d: d["stages"][1]["low_precision_params"].append("nope"),
+             r"field stages\[1\].low_precision_params names \['nope'\], which is not among the stage's parameters"),
+            (lambda d: d["stages"][1].update(sharded=False),
+             r"field stages\[1\].low_precision_params lists \d+ parameter\(s\), but 16-bit working weights need a "
+             r"mixed precision and a sharded stage of two or more GPUs \(precision 'fp16-mixed', sharded False, "
+             r"2 GPU\(s\)\); set it to \[\]"),
+            (lambda d: d.update(precision="fp32", grad_reduce_dtype="float32", compute_dtype="float32"),
+             r"precision 'fp32', sharded True")):
+        bad = json.loads(json.dumps(d))
+        edit(bad)
+        path.write_text(json.dumps(bad))
+        with pytest.raises(PlanFileError, match=message):
+            Plan.load(path)

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from conftest import (FP32, ROOT, assert_params_match, fixed_plan, gpt3x64, reference_adamw, spawn_ranks,
-                      train_and_compare, with_memory_policy)
+                      train_and_compare, with_low_precision, with_memory_policy)
 from zorse_fx.capture import analyse, capture
 from zorse_fx.data import global_batch
 from zorse_fx.errors import CheckpointError
@@ -238,6 +238,44 @@ def test_resume_under_another_plan_equals_single_process_training(lee_bytes, tmp
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert [r["loss"] for r in rows] == pytest.approx(ref_losses, rel=FP32.loss_rel)
     assert_params_match(_params(run, b.world_size), ref_params, initial, 4, LR, FP32)
+
+
+def test_checkpoints_move_between_float32_and_16_bit_working_weights_exactly(lee_bytes, tmp_path):
+    """bf16-mixed, plan A on 4 ranks with both stages ZeRO-1 (2:1 and 3:1
+    shards), once with float32 weights and once with 16-bit working weights
+    (the same values: [Note: 16-bit working weights]). Steps 1-2 under the
+    16-bit layout, step 3 resumed under float32 weights, step 4 resumed under
+    16-bit weights again equal 4 uninterrupted steps under float32 weights bit
+    for bit: a checkpoint saves the float32 masters (by shard range under the
+    16-bit layout) and the AdamW moments, and each layout loads the other's."""
+    captured = _gpt()
+    a32 = with_memory_policy(_plan_a4(captured), sharded={0, 1}, shard_bytes={0: (2**20, 2**20),
+                                                                               1: (3 * 2**20, 2**20)})
+    a16 = with_low_precision(a32, captured)
+    assert all(s.low_precision_params for s in a16.stages)
+    bf16 = ("--precision", "bf16-mixed")
+    c32, c16 = (_export(p, captured, lee_bytes, tmp_path / name) for p, name in ((a32, "a32"), (a16, "a16")))
+    full, run, w = tmp_path / "full", tmp_path / "run", a32.world_size
+    spawn_ranks(tmp_path / "a32" / "plan", w, [*c32[1:], *bf16, "--steps", "4", "--out", str(full), "--dump-params"])
+    for common, plan_dir, steps, more in ((c16, "a16", 2, ("--checkpoint-every", "2")),
+                                          (c32, "a32", 3, ("--resume", "--checkpoint-every", "3")),
+                                          (c16, "a16", 4, ("--resume", "--dump-params"))):
+        spawn_ranks(tmp_path / plan_dir / "plan", w, [*common[1:], *bf16, "--steps", str(steps), "--out", str(run),
+                                                      *more])
+    assert [r["step"] for r in _rows(run)] == [1, 2, 3, 4]
+    assert [r["loss"] for r in _rows(run)] == [r["loss"] for r in _rows(full)]
+    want, got = _params(full, w), _params(run, w)
+    for r in range(w):
+        masters = torch.load(run / "params" / f"rank{r}_masters.pt")
+        assert masters, f"rank {r} holds no float32 master"
+        stage = a16.stages[a16.role(r).stage]
+        low = {stage.params[f] for f in stage.low_precision_params}
+        for name, value in got[r].items():  # a 16-bit working weight is its master's rounding
+            assert (value.dtype == torch.bfloat16) == (name in low), (r, name, value.dtype)
+            assert torch.equal(value, want[r][name].to(value.dtype)), (r, name)
+        for name, pieces in masters.items():
+            for a, b, t in pieces:
+                assert torch.equal(t, want[r][name].reshape(-1)[a:b]), (r, name, a, b)
 
 
 def test_checkpoint_of_another_model_is_refused_naming_the_parameter(lee_bytes, tmp_path):

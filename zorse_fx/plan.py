@@ -71,6 +71,12 @@ with both off):
 - ``StagePlan.recompute``: the stage keeps only its inputs per in-flight
   micro-batch and re-runs its forward before the backward. See
   [Note: stage recomputation] in ``runtime/stage.py``.
+
+16-bit working weights (format version 8; an older file reads with none):
+``StagePlan.low_precision_params`` lists the parameters a sharded stage of
+two or more GPUs holds in the compute dtype under a mixed precision, their
+float32 masters moved into the ZeRO-1 shard ([Note: 16-bit working weights]
+in ``zorse_fx/precision.py``).
 """
 
 from __future__ import annotations
@@ -94,7 +100,7 @@ from .stage_sources import source_sha256
 __all__ = ["PLAN_FORMAT_VERSION", "MemoryBreakdown", "GPUShare", "StagePlan", "SolverReport", "Plan", "RankRole"]
 
 #: Bumped on any incompatible change of plan.json.
-PLAN_FORMAT_VERSION = 7
+PLAN_FORMAT_VERSION = 8
 
 
 # Field types of plan.json: one declaration, read by the schema (``plan_schema``,
@@ -118,10 +124,12 @@ class MemoryBreakdown:
     ``zorse_fx/precision.py``):
 
     - ``weights_bytes``: float32 master weights (4 B) and, mixed, the step's
-      16-bit copies in autocast's cache (2 B);
+      16-bit copies in autocast's cache (2 B); a 16-bit working weight
+      (``StagePlan.low_precision_params``) 2 B;
     - ``gradients_bytes``: float32 gradients (4 B; the gradient buckets);
     - ``optimizer_bytes``: AdamW's two moments (8 B), or on a ZeRO-1 stage
-      this GPU's shard (``state_shard_bytes``);
+      this GPU's shard (``state_shard_bytes``, which holds the float32
+      masters of its 16-bit working weights);
     - ``communication_bytes``: the 16-bit copies of gradient buckets in flight
       (2 B with a 16-bit ``grad_reduce_dtype``, else 0); point-to-point
       buffers are not modelled (one micro-batch's boundary tensors);
@@ -201,6 +209,14 @@ class StagePlan:
     sharded: Annotated[bool, Meta(description="true or false")] = False
     #: Activation recomputation: keep only stage inputs, re-run forward in backward.
     recompute: Annotated[bool, Meta(description="true or false")] = False
+    #: 16-bit working weights (format version 8; none in older files): flat
+    #: names (keys of ``params``) of the parameters a sharded stage of two or
+    #: more GPUs keeps in the compute dtype on the GPU under a mixed policy,
+    #: their float32 masters in the optimizer shard ([Note: 16-bit working
+    #: weights] in ``zorse_fx/precision.py``). Ignored by a run in fp32.
+    low_precision_params: Annotated[tuple[str, ...], Meta(
+        description="flat names of the stage's parameters held in 16 bits (keys of 'params')")] = field(
+        default=(), metadata=OPTIONAL)
 
     @property
     def microbatch_size(self) -> int:
@@ -379,6 +395,18 @@ class Plan:
                     f"of stage {home.index} (GPU group {home.index}): (rank, gpu, samples) {short_repr(key)} != "
                     f"{short_repr([(g.rank, g.gpu, g.samples_per_microbatch) for g in home.gpus])}")
         for s in self.stages:
+            unknown = [n for n in s.low_precision_params if n not in s.params]
+            if unknown:
+                raise PlanFileError(
+                    f"plan: field stages[{s.index}].low_precision_params names {short_repr(unknown)}, which "
+                    f"{'is' if len(unknown) == 1 else 'are'} not among the stage's parameters ('params'); list "
+                    f"only keys of stages[{s.index}].params, or re-export the plan with `zorse plan`")
+            if s.low_precision_params and not (s.sharded and len(s.gpus) > 1 and self.precision != "fp32"):
+                raise PlanFileError(
+                    f"plan: field stages[{s.index}].low_precision_params lists {len(s.low_precision_params)} "
+                    f"parameter(s), but 16-bit working weights need a mixed precision and a sharded stage of two "
+                    f"or more GPUs (precision {self.precision!r}, sharded {s.sharded}, {len(s.gpus)} GPU(s)); "
+                    f"set it to [] or re-export the plan with `zorse plan`")
             for name in ("sharded", "recompute"):
                 if not isinstance(getattr(s, name), bool):
                     raise PlanFileError(f"plan: field stages[{s.index}].{name} is {short_repr(getattr(s, name))}; "

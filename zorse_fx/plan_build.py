@@ -5,7 +5,7 @@ generated stage sources, ``plan_decision`` reads the ``Decision`` back from a
 
 from __future__ import annotations
 
-from .capture import BlockGraph
+from .capture import BlockGraph, low_precision_params
 from .cluster import Cluster
 from .codegen import emit_source, split_stages
 from .ir.costs import BlockCosts
@@ -20,23 +20,28 @@ from .solve.state_terms import shardable_kib
 __all__ = ["build_plan", "plan_decision", "memory_breakdown"]
 
 
-def memory_breakdown(predicted: int, hosted: list[tuple[int, int | None]], precision: PrecisionPolicy
-                     ) -> MemoryBreakdown:
+def memory_breakdown(predicted: int, hosted: list[tuple[int, int | None]] | list[tuple[int, int | None, int]],
+                     precision: PrecisionPolicy) -> MemoryBreakdown:
     """``predicted`` bytes of one GPU split by what holds them (see
     ``plan.MemoryBreakdown``). ``hosted``: per stage the GPU hosts, (its unique
     trainable parameters, this GPU's ZeRO-1 optimizer shard in bytes or None
-    when the stage is not sharded). The training state is exact per parameter
-    under ``precision``; activations are the rest of the prediction (what
-    autograd saves for the micro-batches in flight, the loss block's
-    backward transient, and the planner's rounding up of each block's state
-    to KiB). Bytes in, bytes out; 0 predicted: all 0."""
+    when the stage is not sharded[, how many of the parameters are 16-bit
+    working weights]). The training state is exact per parameter under
+    ``precision`` (a 16-bit working weight: 2 B of weights, its float32
+    master in the optimizer shard, [Note: 16-bit working weights]);
+    activations are the rest of the prediction (what autograd saves for the
+    micro-batches in flight, the loss block's backward transient, and the
+    planner's rounding up of each block's state to KiB). Bytes in, bytes
+    out; 0 predicted: all 0."""
     if predicted <= 0:
         return MemoryBreakdown()
-    params = sum(n for n, _ in hosted)
-    weights = params * (precision.weight_bytes_per_param + precision.cast_bytes_per_param)
+    params = sum(h[0] for h in hosted)
+    low = sum(h[2] if len(h) > 2 else 0 for h in hosted)
+    weights = ((params - low) * (precision.weight_bytes_per_param + precision.cast_bytes_per_param)
+               + low * precision.allgather_bytes_per_param16)
     grads = params * precision.grad_bytes_per_param
     comm = params * precision.reduce_copy_bytes_per_param
-    optim = sum(n * precision.optimizer_bytes_per_param if shard is None else shard for n, shard in hosted)
+    optim = sum(h[0] * precision.optimizer_bytes_per_param if h[1] is None else h[1] for h in hosted)
     acts = max(0, predicted - weights - grads - comm - optim)
     return MemoryBreakdown(weights_bytes=weights, gradients_bytes=grads, optimizer_bytes=optim,
                            activations_bytes=acts, communication_bytes=comm)
@@ -65,6 +70,11 @@ def build_plan(
     groups = dec.num_groups
     shard_bytes = dec.shard_bytes()
     n_params = [sum(state[c].numel() for c in prog.params.values()) for prog in programs]
+    # 16-bit working weights: the matmul weights of a sharded stage of >= 2 GPUs under a mixed policy.
+    eligible = low_precision_params(bg) if precision.mixed else frozenset()
+    low = [tuple(flat for flat, canon in prog.params.items() if canon in eligible)
+           if dec.sharded[s] and len(dec.stage_gpus[s]) > 1 else () for s, prog in enumerate(programs)]
+    n_low = [sum(state[prog.params[flat]].numel() for flat in low[s]) for s, prog in enumerate(programs)]
     for s, prog in enumerate(programs):
         gpus = []
         sharded = dec.sharded[s]
@@ -74,7 +84,7 @@ def build_plan(
             mem = int(result.predicted_memory_bytes[s][i]) if result.predicted_memory_bytes else 0
             gpu = cluster.gpus[g]
             # The prediction is of the GPU: every stage of its group (interleaving) at position i.
-            hosted = [(n_params[t], int(shard_bytes[t][i]) if dec.sharded[t] else None)
+            hosted = [(n_params[t], int(shard_bytes[t][i]) if dec.sharded[t] else None, n_low[t])
                       for t in range(s % groups, len(programs), groups)]
             gpus.append(GPUShare(
                 rank=rank, gpu=g, node=gpu.node, gpu_type=gpu.type, samples_per_microbatch=n,
@@ -100,6 +110,7 @@ def build_plan(
             predicted_allreduce_s=result.predicted_allreduce_s[s] if result.predicted_allreduce_s else 0.0,
             sharded=sharded,
             recompute=dec.recompute[s],
+            low_precision_params=low[s],
         ))
         gpu_list = ", ".join(f"{gs.gpu_type}@{gs.node} x{gs.samples_per_microbatch}" for gs in gpus)
         sources.append(emit_source(prog, header=f"Plan: {model_name} on {cluster.name}; GPUs: {gpu_list}"))

@@ -13,7 +13,7 @@ a field to plan.json is one edit in ``plan.py`` plus, where older files lack
 it, a line in ``upgrade`` (and a ``PLAN_FORMAT_VERSION`` bump).
 
 ``decode(d, source)`` upgrades a parsed plan.json of any readable format
-version (1-7) to the current shape (``upgrade``: fields added since take the
+version (1-8) to the current shape (``upgrade``: fields added since take the
 values those versions trained with) and converts it into ``PlanDoc``,
 refusing unknown keys; ``_plan_io`` then builds the ``Plan`` from it and
 ``Plan.__post_init__`` checks the rules that tie fields together (shares sum
@@ -66,13 +66,14 @@ PlanDoc = struct_of(Plan, "PlanDoc", docs={SolverReport: SolverDoc, StagePlan: S
 
 
 def upgrade(d: dict) -> dict:
-    """``d`` (a parsed plan.json of version 1-7) in the current shape: a
+    """``d`` (a parsed plan.json of version 1-8) in the current shape: a
     copy with the fields added since its version at the values it trained
     with (v2: ``sharded``/``recompute`` off, ``state_shard_bytes`` 0; v3:
     ``interleave`` 1; v4: ``precision`` fp32 with float32 gradients, and the
     old ``compute_dtype`` dropped as it only chose datasheet peaks; v5:
     ``source_sha256`` None; v6: ``grad_bucket_bytes`` 25 MiB, the runtime's
     default; v7: each GPU's ``predicted_memory`` breakdown, optional, all 0
+    when absent; v8: each stage's ``low_precision_params``, optional, none
     when absent). Parts of the wrong type are left for the schema to name."""
     d = dict(d)
     version = d.get("version")

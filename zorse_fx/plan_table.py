@@ -50,7 +50,8 @@ def plan_table(plan: Plan) -> str:
     """``plan`` as a text table (one row per GPU), at most 150 columns.
 
     "optimizer state" is ``replicated`` or, for a ZeRO-1 stage, this GPU's
-    ``state_shard_bytes`` and its share of the stage's elements; a stage
+    ``state_shard_bytes`` and its share of the stage's elements (", 16-bit
+    weights" where the stage keeps 16-bit working weights); a stage
     that recomputes its activations reads ``<i> (recompute)``; with
     interleaving a stage reads ``<i> g<p>`` (GPU group p) and "memory"
     is the GPU's total over all its stages.
@@ -71,7 +72,7 @@ def plan_table(plan: Plan) -> str:
                 a, b = shards[i]
                 pct = f"{(b - a) / s.num_parameters:.0%}" if s.num_parameters else "-"
                 state = (f"sharded {g.state_shard_bytes / GIB:.2f} GiB ({pct})" if g.state_shard_bytes
-                         else f"sharded ({pct})")
+                         else f"sharded ({pct})") + (", 16-bit weights" if s.low_precision_params else "")
             else:
                 state = "replicated"
             name = str(s.index) + (f" g{s.index % plan.num_groups}" if plan.interleave > 1 else "")
@@ -112,4 +113,10 @@ def plan_table(plan: Plan) -> str:
            if sv.simulated_step_time_s and plan.predicted_step_time_s else "")
         + "\n" + precision
     )
+    low = [s for s in plan.stages if s.low_precision_params]
+    if low:
+        summary += (f"\n16-bit working weights on stage{'s' if len(low) > 1 else ''} "
+                    f"{', '.join(str(s.index) for s in low)} ({sum(len(s.low_precision_params) for s in low)} "
+                    f"matmul weights in {plan.precision_policy().compute_dtype_name}, their float32 masters in the "
+                    f"ZeRO-1 shards: 6 + 12/k B per parameter on k GPUs instead of 10 + 8/k)")
     return buf.getvalue() + summary

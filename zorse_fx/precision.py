@@ -45,8 +45,43 @@ reduction). Megatron-LM's mixed-precision layout is also 18 B per parameter
 moments 8; Megatron-LM, ``docs/source/api-guide/dist_optimizer.md``); it keeps
 16-bit weights and float32 master copies, which needs dtype-generic modules.
 ZeRO-1 (``StagePlan.sharded``) shards the AdamW moments (8 B); the float32
-weights are what autocast reads, so they stay replicated and are all-gathered
-in float32 after a sharded step (4 B per element moved).
+weights of parameters autocast does not cast (embeddings, norms, tied
+weights) stay replicated and are all-gathered in float32 after a sharded step
+(4 B per element moved). The matmul weights of a sharded stage of two or more
+GPUs become 16-bit working weights ([Note: 16-bit working weights]).
+
+[Note: 16-bit working weights]
+Under a mixed policy a sharded stage (ZeRO-1, k >= 2 GPUs) holds the
+parameters that autocast casts anyway (``StagePlan.low_precision_params``:
+``capture.low_precision_params``, the weights read only by linear, matmul
+and convolution ops, through exact views, and by one block) in the compute
+dtype on the GPU; their float32 master weights live in the optimizer shard
+beside the AdamW moments. Megatron-LM's distributed optimizer keeps this
+layout (``docs/source/api-guide/dist_optimizer.md``). Per such parameter:
+
+- replicated: the 16-bit weight (2 B) and a float32 *main gradient* (4 B,
+  a view into the gradient bucket; + 2 B with a 16-bit reduction, as for
+  every parameter): 6 B instead of 10 B (float32 weight 4 + gradient 4 +
+  autocast's copy 2);
+- sharded: float32 master 4 B + AdamW moments 8 B = 12 B instead of 8 B;
+  so a stage of k GPUs holds 6 + 12/k B per parameter instead of 10 + 8/k
+  (fewer from k = 2 on, 18 B at k = 1 either way);
+- the all-gather after the step moves the 16-bit weights (2 B per element
+  instead of 4).
+
+The values are the same as with float32 weights: autocast would cast the
+weight to the compute dtype at its first use (and its cache would hold that
+copy for the step), so the matmuls read the same 16-bit numbers, and the
+gradient the matmul's backward makes is a 16-bit tensor that autocast's cast
+turns into float32 before it is accumulated; here a ``post_accumulate_grad``
+hook adds the 16-bit gradient of each micro-batch into the float32 main
+gradient and frees it, the same float32 sums in the same order (the
+micro-batches' backwards in schedule order). AdamW steps the float32
+masters of the rank's range with the main gradients, then writes their
+16-bit rounding into the working weights and all-gathers those: what
+autocast's cast of the float32 weight would give at the next step.
+Checkpoints save the float32 masters (``runtime/checkpoint.py``). A CPU run
+of a mixed plan trains in fp32 and keeps every weight in float32.
 
 Activations are what autograd saves under the policy's autocast (16-bit
 inputs of the matmuls, float32 where the graph or autocast keeps float32:
@@ -213,6 +248,17 @@ class PrecisionPolicy:
     def allreduce_bytes_per_param(self) -> int:
         """Bytes per gradient element in the data-parallel all-reduce."""
         return _ITEMSIZE[self.grad_reduce_dtype]
+
+    @property
+    def shardable_bytes_per_param16(self) -> int:
+        """What a sharded stage shards of a 16-bit working weight: float32
+        master 4 B + AdamW moments 8 B ([Note: 16-bit working weights])."""
+        return self.weight_bytes_per_param + self.optimizer_bytes_per_param
+
+    @property
+    def allgather_bytes_per_param16(self) -> int:
+        """Bytes per element in the all-gather of 16-bit working weights (the compute dtype's)."""
+        return _ITEMSIZE[self.compute_dtype_name]
 
     @property
     def allgather_bytes_per_param(self) -> int:

@@ -344,6 +344,7 @@ def main(argv=None) -> int:
         d = out / "params"
         d.mkdir(parents=True, exist_ok=True)
         torch.save(worker.parameters_by_name(), d / f"rank{rank}.pt")
+        torch.save(worker.master_weights(), d / f"rank{rank}_masters.pt")
         (d / f"rank{rank}.json").write_text(json.dumps(worker.optimizer_state_summary()) + "\n")
     dist.barrier()
     dist.destroy_process_group()

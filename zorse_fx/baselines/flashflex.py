@@ -109,7 +109,7 @@ def stage_capacities(costs: BlockCosts, devices: DeviceGraph, options: PlanOptio
     sum_g c_g (R + Q + A) / (k (R + A) + Q))."""
     cap = [int(options.memory_fraction * mb) for mb in devices.memory_bytes]
     n_par = sum(costs.param_count)
-    q = costs.shardable_bytes_per_param * n_par
+    q = sum(costs.shardable_bytes(b) for b in range(costs.num_blocks))
     ra = (costs.state_bytes_per_param * n_par - q) + sum(costs.act_bytes_per_sample)
     out = []
     for gs in stages:

@@ -53,7 +53,7 @@ from ..errors import ModelCaptureError
 from ..ir.tensor import TensorSpec
 from .trace import META_KEY, CapturedModel, fetch_attr
 
-__all__ = ["TensorSpec", "BlockGraph", "analyse"]
+__all__ = ["TensorSpec", "BlockGraph", "analyse", "low_precision_params", "AUTOCAST_LOWER_OPS"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -394,3 +394,66 @@ def _thin_cuts(cands: list[int], cut_b: list[int | None], depth: dict[int, int],
             kept += members[step - 1 :: step]
         break
     return sorted(kept)
+
+
+#: Ops that ``torch.autocast`` runs in the 16-bit compute dtype on CUDA and on
+#: CPU alike, casting every floating input to it (PyTorch's autocast op lists,
+#: "CUDA Ops that can autocast to float16" and "CPU Ops that can autocast to
+#: bfloat16", docs/source/amp.rst), by op name.
+AUTOCAST_LOWER_OPS = frozenset({
+    "linear", "mm", "addmm", "bmm", "baddbmm", "addbmm", "matmul", "conv1d", "conv2d", "conv3d", "convolution",
+    "_convolution", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d"})
+#: Views that move values without changing them, whose backward moves the
+#: gradient back without arithmetic (no sum: ``expand`` is not one).
+_EXACT_VIEWS = frozenset({"t", "transpose", "permute", "view", "reshape", "_unsafe_view", "unsqueeze", "squeeze",
+                          "alias", "detach"})
+
+
+def _op_name(node: fx.Node) -> str | None:
+    """``aten.linear.default`` / ``F.linear`` / ``operator.matmul`` / ``x.t()`` -> "linear" / "matmul" / "t"."""
+    if node.op == "call_method":
+        return str(node.target)
+    if node.op != "call_function":
+        return None
+    packet = getattr(node.target, "_overloadpacket", None)
+    return getattr(packet if packet is not None else node.target, "__name__", None)
+
+
+def low_precision_params(bg: BlockGraph) -> frozenset[str]:
+    """Canonical names of the trainable parameters that can live in the 16-bit
+    compute dtype on the GPU without changing a single value of the forward
+    or of their gradients under the policy's autocast (16-bit working
+    weights, [Note: 16-bit working weights] in ``zorse_fx/precision.py``):
+    those read by one block only (not a tied embedding) whose every use
+    reaches an autocast-lowered op (``AUTOCAST_LOWER_OPS``: linear, matmul,
+    convolution) through exact views only. Autocast casts such a weight to
+    the compute dtype before each use anyway, and the gradient it produces
+    is that dtype's, cast to float32; a 16-bit weight skips the cast and its
+    gradient is cast to float32 when it is added to the float32 main
+    gradient, the same values in the same order. Embeddings (a lookup, not
+    cast by autocast), norms and biases of non-matmul ops stay float32."""
+    trainable = bg.captured.trainable()
+    tied = bg.captured.tied
+    readers: dict[str, int] = {}
+    for attrs in bg.block_attrs:
+        for a in attrs:
+            if a in trainable:
+                readers[a] = readers.get(a, 0) + 1
+    ok: dict[str, bool] = {}
+    for node in bg.graph.nodes:
+        if node.op != "get_attr":
+            continue
+        canon = tied.get(node.target, node.target)
+        if canon not in trainable:
+            continue
+        good = ok.get(canon, True)
+        stack = list(node.users)
+        while good and stack:
+            user = stack.pop()
+            name = _op_name(user)
+            if name in _EXACT_VIEWS:
+                stack.extend(user.users)
+            elif name not in AUTOCAST_LOWER_OPS:
+                good = False
+        ok[canon] = good
+    return frozenset(c for c, good in ok.items() if good and readers.get(c, 0) == 1)

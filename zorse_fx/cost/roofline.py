@@ -44,7 +44,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from ..capture.analysis import BlockGraph
+from ..capture.analysis import BlockGraph, low_precision_params
 from ..capture.trace import META_KEY, fetch_attr
 from ..cluster import GPUSpec
 from ..ir.costs import BlockCosts, TiedParam
@@ -401,11 +401,13 @@ def block_costs(
     dtype = precision.compute_dtype
     times: dict[str, list[float]] = {t: [] for t in specs}
     fixed: dict[str, list[float]] = {t: [] for t in specs}
-    params = []
+    params, params16 = [], []
+    low = low_precision_params(bg) if precision.mixed else frozenset()
     chains_of = None
     for b in range(bg.num_blocks):
         names = bg.block_nodes(b)
         params.append(sum(state[a].numel() for a in bg.block_attrs[b] if a in trainable))
+        params16.append(sum(state[a].numel() for a in bg.block_attrs[b] if a in low))
         kernels = sum(1 for n in names if costs[n].bytes > 0)
         chains = traffic = None
         for gpu_type, spec in specs.items():
@@ -438,4 +440,7 @@ def block_costs(
         grad_bytes_per_param=precision.allreduce_bytes_per_param,
         param_bytes_per_param=precision.allgather_bytes_per_param,
         shardable_bytes_per_param=precision.shardable_bytes_per_param,
+        param16_count=tuple(params16) if any(params16) else (),
+        shardable_bytes_per_param16=precision.shardable_bytes_per_param16,
+        param_bytes_per_param16=precision.allgather_bytes_per_param16,
     )

@@ -88,11 +88,36 @@ class BlockCosts:
     #: Parameters read by several blocks (tied embeddings), each counted in
     #: ``param_count`` of every block that reads it; empty = none.
     tied_params: tuple[TiedParam, ...] = ()
+    #: ``(B,)`` the parameters of ``param_count[b]`` that a sharded stage of
+    #: two or more GPUs holds as 16-bit working weights under a mixed policy
+    #: (``capture.low_precision_params``: matmul weights read by one block;
+    #: never a tied parameter); empty = none (fp32, or a caller without them).
+    #: Such a parameter keeps the same total ``state_bytes_per_param`` but
+    #: moves its float32 master weight into the shard: ``shardable_bytes_per_param16``
+    #: (float32 master 4 + AdamW moments 8 = 12 B) is sharded, the rest (16-bit
+    #: weight 2 + float32 gradient 4 [+ 16-bit bucket copy]) replicated; its
+    #: all-gather after the step moves ``param_bytes_per_param16`` (2 B).
+    #: See [Note: 16-bit working weights] in ``zorse_fx/precision.py``.
+    param16_count: tuple[int, ...] = ()
+    shardable_bytes_per_param16: int = 12
+    param_bytes_per_param16: int = 2
 
     def __post_init__(self) -> None:
         nb = len(self.param_count)
         if nb == 0:
             raise ValueError("BlockCosts needs at least one block")
+        if self.param16_count:
+            if len(self.param16_count) != nb or any(not 0 <= q <= p for q, p in zip(self.param16_count,
+                                                                                    self.param_count)):
+                raise ValueError(f"param16_count must have {nb} entries, each between 0 and the block's "
+                                 f"param_count, got {self.param16_count}")
+            if not 0 <= self.shardable_bytes_per_param16 <= self.state_bytes_per_param:
+                raise ValueError(f"shardable_bytes_per_param16={self.shardable_bytes_per_param16} must be "
+                                 f"between 0 and state_bytes_per_param={self.state_bytes_per_param}")
+            tied = {b for tp in self.tied_params for b in tp.blocks}
+            if any(self.param16_count[b] > self.param_count[b] - sum(tp.numel for tp in self.tied_params
+                                                                     if b in tp.blocks) for b in tied):
+                raise ValueError("param16_count counts a tied parameter; tied parameters stay float32")
         if not 0 <= self.shardable_bytes_per_param <= self.state_bytes_per_param:
             raise ValueError(
                 f"shardable_bytes_per_param={self.shardable_bytes_per_param} must be between 0 and "
@@ -139,3 +164,21 @@ class BlockCosts:
     @property
     def num_blocks(self) -> int:
         return len(self.param_count)
+
+    def param16(self, b: int) -> int:
+        """``param16_count[b]`` (0 when none are recorded)."""
+        return self.param16_count[b] if self.param16_count else 0
+
+    def shardable_bytes(self, b: int) -> int:
+        """Bytes of block ``b``'s state a sharded stage of >= 2 GPUs spreads
+        over its GPUs: ``shardable_bytes_per_param`` per float32 parameter,
+        ``shardable_bytes_per_param16`` per 16-bit working weight."""
+        q = self.param16(b)
+        return self.shardable_bytes_per_param * (self.param_count[b] - q) + self.shardable_bytes_per_param16 * q
+
+    def gather_bytes(self, b: int) -> int:
+        """Bytes of block ``b``'s weights in a sharded stage's all-gather after
+        the step: ``param_bytes_per_param`` per float32 parameter,
+        ``param_bytes_per_param16`` per 16-bit working weight."""
+        q = self.param16(b)
+        return self.param_bytes_per_param * (self.param_count[b] - q) + self.param_bytes_per_param16 * q

@@ -15,7 +15,12 @@ depend on the plan:
 
 - ``model/<canonical name>``: each trainable parameter, whole (float32 master
   weights under mixed precision). Every rank holding it writes the same key;
-  DCP's planner keeps one copy (``dedup_save_plans``).
+  DCP's planner keeps one copy (``dedup_save_plans``). A 16-bit working
+  weight ([Note: 16-bit working weights] in ``zorse_fx/precision.py``) has
+  its float32 master only in the ranks' shards: each rank writes its range
+  as ``model/<canonical name>/<a>-<b>``, and a loading rank joins the ranges
+  into the whole parameter, whatever layout it loads into (the 16-bit
+  weight takes their rounding, its master the range it now owns).
 - ``optim/exp_avg/<canonical name>/<a>-<b>`` and ``optim/exp_avg_sq/...``:
   AdamW's moments of elements ``[a, b)`` of the flattened parameter -- the
   whole parameter on a stage without ZeRO-1, the rank's shard overlap on a
@@ -220,9 +225,14 @@ def _rng_state(worker: StageWorker) -> dict[str, torch.Tensor]:
 
 def _state_to_save(worker: StageWorker, step: int) -> dict[str, torch.Tensor]:
     sd: dict[str, torch.Tensor] = {}
+    low = worker.reducer.main_grads  # 16-bit working weights: their float32 masters are saved, by range
     for st in worker.stages:
         for canon, p in st.params().items():
-            sd.setdefault(f"model/{canon}", _plain(p))
+            if id(p) not in low:
+                sd.setdefault(f"model/{canon}", _plain(p))
+    for canon, pieces in worker.master_weights().items():
+        for a, b, t in pieces:
+            sd.setdefault(f"model/{canon}/{a}-{b}", _plain(t.reshape(-1)))
     for opt in worker.optimizers:
         state = opt.optimizer.state if opt.optimizer is not None else {}
         for canon, a, b, t in opt.state_pieces():
@@ -282,6 +292,17 @@ def save_checkpoint(worker: StageWorker, root: str | Path, step: int, *, keep: i
 
 
 # -- load ------------------------------------------------------------------------
+def _model_range_key(key: str) -> tuple[str, int, int] | None:
+    """``model/<canon>/<a>-<b>`` (a float32 master's range) -> (canon, a, b)."""
+    if not key.startswith("model/"):
+        return None
+    canon, _, rng = key[len("model/"):].rpartition("/")
+    a, dash, b = rng.partition("-")
+    if not canon or not dash or not a.isdigit() or not b.isdigit():
+        return None
+    return canon, int(a), int(b)
+
+
 def _range_key(key: str) -> tuple[str, str, int, int] | None:
     """``optim/<moment>/<canon>/<a>-<b>`` -> (moment, canon, a, b)."""
     parts = key.split("/")
@@ -323,10 +344,26 @@ def load_checkpoint(worker: StageWorker, path: str | Path, *, check_batch: bool 
         m = meta[key]
         return torch.empty(tuple(m.size), dtype=m.properties.dtype)
 
+    # Parameters saved by range (float32 masters of 16-bit working weights): canon -> [(a, b, key)].
+    ranged: dict[str, list[tuple[int, int, str]]] = defaultdict(list)
+    for key in meta:
+        r = _model_range_key(key)
+        if r is not None:
+            ranged[r[0]].append((r[1], r[2], key))
     request: dict[str, torch.Tensor] = {}
     for st in worker.stages:
         for canon, p in st.params().items():
             key = f"model/{canon}"
+            if key not in meta and canon in ranged:
+                covered = sorted(ranged[canon])
+                if covered[-1][1] != p.numel() or sum(b - a for a, b, _ in covered) != p.numel():
+                    raise CheckpointError(f"{path}: parameter {canon!r} is saved as ranges "
+                                          f"{[(a, b) for a, b, _ in covered]} that do not cover its {p.numel()} "
+                                          f"elements ({tuple(p.shape)} in stage {st.index} of this plan); the "
+                                          f"checkpoint is incomplete or of another model")
+                for *_, k in covered:
+                    request.setdefault(k, empty(k))
+                continue
             if key not in meta:
                 raise CheckpointError(f"{path}: holds no parameter {canon!r}, which stage {st.index} of this plan "
                                       f"trains; the checkpoint is of another model (manifest model "
@@ -370,10 +407,20 @@ def load_checkpoint(worker: StageWorker, path: str | Path, *, check_batch: bool 
                                   f"it is incomplete")
         return buf.view_as(t).to(device=t.device, dtype=t.dtype)
 
+    def whole(canon: str) -> torch.Tensor:
+        """Parameter ``canon`` as saved: whole, or its float32 ranges joined (float32 masters)."""
+        key = f"model/{canon}"
+        if key in request:
+            return request[key]
+        return torch.cat([request[k].reshape(-1) for *_, k in sorted(ranged[canon])])
+
     with torch.no_grad():
         for st in worker.stages:
             for canon, p in st.params().items():
-                p.copy_(request[f"model/{canon}"].view_as(p))
+                p.copy_(whole(canon).view_as(p))  # (a 16-bit working weight: the masters' rounding)
+        for opt in worker.optimizers:  # the float32 masters of this plan's ranges
+            for canon, a, b, t in opt.master_pieces():
+                t.copy_(whole(canon).reshape(-1)[a:b].to(device=t.device, dtype=t.dtype))
         if optim_steps:  # (no optimizer step taken yet: AdamW creates its state at the first one)
             for opt, t, a, b, over in wanted:
                 opt.optimizer.state[t] = {"step": torch.tensor(float(optim_steps), dtype=torch.float32),

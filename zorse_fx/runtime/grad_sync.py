@@ -98,10 +98,14 @@ class GradientReducer:
     with more than one rank; ``bucket_bytes``: bucket size (default: the plan's)."""
 
     def __init__(self, plan: Plan, stages: list[StageRuntime], groups: dict[tuple[int, ...], object], *,
-                 precision: PrecisionPolicy, bucket_bytes: int | None = None):
+                 precision: PrecisionPolicy, bucket_bytes: int | None = None, main_grad=()):
         bucket_bytes = plan.grad_bucket_bytes if bucket_bytes is None else bucket_bytes
         self.precision = precision
         self.groups = groups
+        #: 16-bit working weights (``StageOptimizer.low_params``): their gradients accumulate into float32
+        #: main gradients, views of float32 buckets (see [Note: 16-bit working weights] in precision.py).
+        low = {id(p) for p in main_grad}
+        self._low = low
         holders = holders_of(plan)
         copies: dict[str, list[tuple[int, torch.nn.Parameter]]] = defaultdict(list)
         for st in stages:
@@ -121,12 +125,12 @@ class GradientReducer:
             mine = [e for e in self.entries if holders[e.canon] == key]
             out: list[_Bucket] = []
             first_cap, cap = bucket_caps(bucket_bytes)
-            for dtype in sorted({e.copies[0][1].dtype for e in mine}, key=str):
+            for dtype in sorted({self._grad_dtype(e) for e in mine}, key=str):
                 chunk: list[_Entry] = []
                 size = 0
-                for e in reversed([e for e in mine if e.copies[0][1].dtype == dtype]):
+                for e in reversed([e for e in mine if self._grad_dtype(e) == dtype]):
                     chunk.append(e)
-                    size += e.copies[0][1].numel() * e.copies[0][1].element_size()
+                    size += e.copies[0][1].numel() * dtype.itemsize
                     if size >= (first_cap if not out else cap):
                         out.append(self._bucket(key, len(out), chunk))
                         chunk, size = [], 0
@@ -146,16 +150,37 @@ class GradientReducer:
         self._copies_of: dict[int, list[torch.nn.Parameter]] = defaultdict(list)
         for e in self.entries:
             for s, p in e.copies:
-                self._copies_of[s].append(p)
+                if id(p) not in low:  # (16-bit working weights are marked by their own hook)
+                    self._copies_of[s].append(p)
         self._hooks: dict[int, list] = {}
         #: Per bucket entry, its gradient view (made once; ``.grad`` is reset to it every step).
         self._views = {id(e): e.bucket.flat[e.offset: e.offset + e.copies[0][1].numel()].view_as(e.copies[0][1])
                        for e in self.entries if e.bucket is not None}
+        #: 16-bit working weight (by id) -> its float32 main gradient (the bucket view).
+        self.main_grads: dict[int, torch.Tensor] = {}
+        for e in self.entries:
+            p = e.copies[0][1]
+            if id(p) in low:
+                assert e.bucket is not None and len(e.copies) == 1, (
+                    f"16-bit working weight {e.canon!r} must be held once and reduced (a sharded stage's)")
+                self.main_grads[id(p)] = self._views[id(e)]
+                # Every micro-batch: add its 16-bit gradient into the float32 main gradient and free it.
+                p.register_post_accumulate_grad_hook(self._on_low_grad)
+
+    def _grad_dtype(self, e: _Entry) -> torch.dtype:
+        """The dtype of ``e``'s gradient bucket: float32 for a 16-bit working weight, else the parameter's."""
+        p = e.copies[0][1]
+        return torch.float32 if id(p) in self._low else p.dtype
+
+    def grad_of(self, p: torch.Tensor) -> torch.Tensor | None:
+        """``p``'s gradient: its float32 main gradient for a 16-bit working weight, else ``p.grad``."""
+        return self.main_grads.get(id(p), p.grad)
 
     def _bucket(self, key, index, entries: list[_Entry]) -> _Bucket:
         p0 = entries[0].copies[0][1]
         n = sum(e.copies[0][1].numel() for e in entries)
-        b = _Bucket(key=key, index=index, flat=torch.zeros(n, dtype=p0.dtype, device=p0.device), entries=entries)
+        b = _Bucket(key=key, index=index, flat=torch.zeros(n, dtype=self._grad_dtype(entries[0]), device=p0.device),
+                    entries=entries)
         offset = 0
         for e in entries:
             e.bucket, e.offset = b, offset
@@ -175,7 +200,8 @@ class GradientReducer:
                 b.pending = len(b.entries)
                 b.work, b.low = None, None
                 for e in b.entries:
-                    e.copies[0][1].grad = self._views[id(e)]
+                    p = e.copies[0][1]
+                    p.grad = None if id(p) in self._low else self._views[id(e)]
         for e in self.entries:
             e.ready.clear()
             for i, (_, p) in enumerate(e.copies):
@@ -201,9 +227,25 @@ class GradientReducer:
         for e in self.entries:
             for i, (s, p) in enumerate(e.copies):
                 if s == stage and i not in e.ready:
-                    if p.grad is None:
+                    if p.grad is None and id(p) not in self._low:  # (a main gradient is zeros already)
                         p.grad = torch.zeros_like(p)
                     self._mark(e, i)
+
+    def _on_low_grad(self, p: torch.Tensor) -> None:
+        """A 16-bit working weight's gradient of one micro-batch was accumulated:
+        add it into the float32 main gradient (autocast's cast back to float32,
+        then the float32 accumulation), free it, and mark it final during its
+        stage's last backward."""
+        main = self.main_grads[id(p)]
+        main.add_(p.grad)
+        p.grad = None
+        e, i = self._by_copy[id(p)]
+        if e.copies[i][0] in self._final and i not in e.ready:
+            self._in_hook = True
+            try:
+                self._mark(e, i)
+            finally:
+                self._in_hook = False
 
     def _on_grad(self, p: torch.Tensor) -> None:
         e, i = self._by_copy[id(p)]
@@ -228,7 +270,7 @@ class GradientReducer:
             b = bs[self._next[key]]
             self._next[key] += 1
             for e in b.entries:  # local copies in other stages of this rank: summed into the bucket
-                view = e.copies[0][1].grad
+                view = self.grad_of(e.copies[0][1])
                 for _, q in e.copies[1:]:
                     view.add_(q.grad)
             # A 16-bit reduction dtype applies to the float32 (master) gradients;
@@ -254,7 +296,7 @@ class GradientReducer:
                 b.low = None
             for e in b.entries:
                 for _, q in e.copies[1:]:
-                    q.grad.copy_(e.copies[0][1].grad)
+                    q.grad.copy_(self.grad_of(e.copies[0][1]))
         for e in self.entries:
             if e.bucket is None:  # held by this rank only, in several of its stages
                 first = e.copies[0][1]

@@ -115,6 +115,8 @@ class _FlatBuffer:
     ranges: tuple[tuple[int, int], ...]
     #: This rank's range.
     owned: tuple[int, int]
+    #: 16-bit working weights: the float32 masters of the owned range (None: the buffer is its own master).
+    master: torch.Tensor | None = None
 
 
 class StageOptimizer:
@@ -122,7 +124,8 @@ class StageOptimizer:
     stage of more than one GPU, over this rank's ranges (ZeRO-1, see the note).
     ``shard_group``: the process group of the stage's ranks (ZeRO-1 only)."""
 
-    def __init__(self, stage: StageRuntime, cfg: OptimizerConfig, *, shard_group=None):
+    def __init__(self, stage: StageRuntime, cfg: OptimizerConfig, *, shard_group=None,
+                 precision: PrecisionPolicy | None = None):
         self.stage = stage
         plan_stage = stage.stage
         #: ZeRO-1 on this rank.
@@ -130,13 +133,26 @@ class StageOptimizer:
         self.shard_group = shard_group if self.zero1 else None
         kw = dict(lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
         params = [getattr(stage.module, flat) for flat in plan_stage.params]
+        #: 16-bit working weights (``StagePlan.low_precision_params``, under a mixed policy on a ZeRO-1
+        #: stage): these parameters become the compute dtype, their float32 masters live in the shard.
+        self.low_params: list[torch.nn.Parameter] = (
+            [getattr(stage.module, flat) for flat in plan_stage.low_precision_params]
+            if self.zero1 and precision is not None and precision.mixed else [])
+        low = {id(p) for p in self.low_params}
+        compute = precision.compute_dtype if low else None
+
+        def working(p) -> torch.dtype:
+            return compute if id(p) in low else p.dtype
+        #: The gradient of a parameter: ``p.grad``, or for a 16-bit working weight its float32 main
+        #: gradient (``GradientReducer.grad_of``; the worker sets it once the reducer exists).
+        self.grad_of = lambda p: p.grad
         #: Canonical name of each trainable parameter (by id).
         self.canonical = {id(getattr(stage.module, flat)): canon for flat, canon in plan_stage.params.items()}
         self.params = params
         #: Trainable elements of the stage.
         self.stage_elements = sum(p.numel() for p in params)
-        #: The stage's parameter dtypes, in buffer order (sorted by name).
-        self.dtypes = sorted({p.dtype for p in params}, key=str)
+        #: The stage's parameter dtypes (16-bit working weights: the compute dtype), in buffer order (by name).
+        self.dtypes = sorted({working(p) for p in params}, key=str)
         #: ZeRO-1: per dtype (buffer order), its flat buffer, the shard ranges of
         #: every GPU of the stage and this rank's range. Empty when not sharded.
         self.buffers: list[_FlatBuffer] = []
@@ -149,22 +165,28 @@ class StageOptimizer:
         pos = stage.position
         with torch.no_grad():
             for dtype in self.dtypes:
-                members = [p for p in params if p.dtype == dtype]
+                members = [p for p in params if working(p) == dtype]
                 n = sum(p.numel() for p in members)
                 # Parameters become views of one flat buffer (stage order), so a range is one slice.
                 flat = torch.empty(n, dtype=dtype, device=stage.device)
                 ranges = plan_stage.shard_ranges(n)
                 a, b = ranges[pos]
+                is_low = any(id(p) in low for p in members)
+                # 16-bit working weights: the float32 masters of the owned range, from the loaded weights.
+                master = torch.empty(b - a, dtype=torch.float32, device=stage.device) if is_low else None
                 offset = 0
                 for p in members:
                     k = p.numel()
+                    lo, hi = max(a, offset), min(b, offset + k)
+                    if master is not None and lo < hi:
+                        master[lo - a : hi - a].copy_(p.detach().reshape(-1)[lo - offset : hi - offset])
                     flat[offset : offset + k].copy_(p.detach().reshape(-1))
                     p.data = flat[offset : offset + k].view_as(p)
-                    lo, hi = max(a, offset), min(b, offset + k)
                     if lo < hi:
-                        self._pieces.append((p, lo - offset, hi - offset, p.detach().view(-1)[lo - offset : hi - offset]))
+                        view = master[lo - a : hi - a] if master is not None else p.detach().view(-1)[lo - offset : hi - offset]
+                        self._pieces.append((p, lo - offset, hi - offset, view))
                     offset += k
-                self.buffers.append(_FlatBuffer(dtype=dtype, flat=flat, ranges=ranges, owned=(a, b)))
+                self.buffers.append(_FlatBuffer(dtype=dtype, flat=flat, ranges=ranges, owned=(a, b), master=master))
         # A GPU may own no element (state_shard_bytes 0): it steps nothing and only receives.
         self.optimizer = (torch.optim.AdamW(param_groups([(p, v) for p, *_, v in self._pieces], cfg.weight_decay),
                                             **kw) if self._pieces else None)
@@ -185,6 +207,13 @@ class StageOptimizer:
             return [(self.canonical[id(p)], 0, p.numel(), p) for p in {id(p): p for p in self.params}.values()]
         return [(self.canonical[id(p)], lo, hi, view) for p, lo, hi, view in self._pieces]
 
+    def master_pieces(self) -> list[tuple[str, int, int, torch.Tensor]]:
+        """The float32 masters of this rank's 16-bit working weights, as
+        ``(canonical name, start, end, tensor)`` over elements ``[start, end)``
+        of the flattened parameter (empty without 16-bit working weights)."""
+        low = {id(p) for p in self.low_params}
+        return [(self.canonical[id(p)], lo, hi, view) for p, lo, hi, view in self._pieces if id(p) in low]
+
     def step(self) -> None:
         if not self.zero1:
             self.optimizer.step()
@@ -192,10 +221,14 @@ class StageOptimizer:
         if self.optimizer is None:
             return
         for p, lo, hi, view in self._pieces:
-            view.grad = p.grad.reshape(-1)[lo:hi]
+            view.grad = self.grad_of(p).reshape(-1)[lo:hi]
         self.optimizer.step()
         for *_, view in self._pieces:
             view.grad = None  # do not keep last step's gradients alive
+        with torch.no_grad():
+            for buf in self.buffers:  # 16-bit working weights: the masters' rounding, what autocast would read
+                if buf.master is not None:
+                    buf.flat[buf.owned[0] : buf.owned[1]].copy_(buf.master)
 
     def allgather(self) -> list:
         """ZeRO-1: each owner broadcasts its updated range of every buffer over
@@ -213,17 +246,21 @@ class StageOptimizer:
     def state_summary(self) -> dict:
         """See ``StageWorker.optimizer_state_summary``."""
         by_dtype: dict[torch.dtype, int] = defaultdict(int)
+        buffer_of = {id(view): p.dtype for p, *_, view in self._pieces}  # a master steps for its 16-bit weight
         if self.optimizer is not None:
             for param, st in self.optimizer.state.items():
                 for key, t in st.items():
                     if key != "step" and torch.is_tensor(t):
-                        by_dtype[param.dtype] += t.numel() * t.element_size()
+                        by_dtype[buffer_of.get(id(param), param.dtype)] += t.numel() * t.element_size()
         buffers = []
         for dtype in self.dtypes:
             n = sum(p.numel() for p in self.params if p.dtype == dtype)
-            a, b = next((buf.owned for buf in self.buffers if buf.dtype == dtype), (0, n))
+            buf = next((buf for buf in self.buffers if buf.dtype == dtype), None)
+            a, b = buf.owned if buf is not None else (0, n)
+            master = buf.master.numel() * buf.master.element_size() if buf is not None and buf.master is not None else 0
             buffers.append({"dtype": str(dtype).removeprefix("torch."), "elements": n, "owned_range": [a, b],
-                            "owned_elements": b - a, "optimizer_state_bytes": by_dtype.get(dtype, 0)})
+                            "owned_elements": b - a, "optimizer_state_bytes": by_dtype.get(dtype, 0),
+                            "master_bytes": master})
         owned = sum(d["owned_elements"] for d in buffers)
         if not self.zero1:
             owned_range = [0, self.stage_elements]
@@ -233,7 +270,8 @@ class StageOptimizer:
             owned_range = None
         return {"rank": self.stage.rank, "stage": self.stage.index, "sharded": self.zero1,
                 "stage_elements": self.stage_elements, "owned_range": owned_range, "owned_elements": owned,
-                "optimizer_state_bytes": sum(by_dtype.values()), "buffers": buffers}
+                "optimizer_state_bytes": sum(by_dtype.values()),
+                "master_bytes": sum(d["master_bytes"] for d in buffers), "buffers": buffers}
 
 
 class LossScaler:

@@ -136,10 +136,14 @@ class StageWorker:
                          weights_source=weights_source)
             for index in plan.stages_of(rank)]
         self._by_index = {st.index: st for st in self.stages}
-        self.optimizers = [StageOptimizer(st, optimizer, shard_group=self._groups.get(tuple(sorted(st.stage.ranks))))
+        self.optimizers = [StageOptimizer(st, optimizer, shard_group=self._groups.get(tuple(sorted(st.stage.ranks))),
+                                          precision=self.precision)
                            for st in self.stages]
         self.reducer = GradientReducer(plan, self.stages, self._groups, precision=self.precision,
-                                       bucket_bytes=plan.grad_bucket_bytes)  # what the planner priced
+                                       bucket_bytes=plan.grad_bucket_bytes,  # what the planner priced
+                                       main_grad=[p for opt in self.optimizers for p in opt.low_params])
+        for opt in self.optimizers:
+            opt.grad_of = self.reducer.grad_of
         self.scaler = LossScaler(self.precision, device) if self.precision.loss_scaling else None
         P = plan.num_groups
         #: Per hosted stage: the index of its last backward in the schedule.
@@ -241,7 +245,7 @@ class StageWorker:
         t_reduce = time.perf_counter()
         skip = False
         if self.scaler is not None:
-            grads = [p.grad for st in self.stages for p in st.params().values() if p.grad is not None]
+            grads = self._grads()
             if self.steps in self.inject_inf_steps and grads:
                 grads[0].view(-1)[0] = float("inf")
             self.scaler.unscale_and_check(grads)
@@ -252,7 +256,7 @@ class StageWorker:
         if not skip:
             norm = self.last_grad_norm = self._global_grad_norm()
             if max_grad_norm is not None:
-                grads = [p.grad for st in self.stages for p in st.params().values() if p.grad is not None]
+                grads = self._grads()
                 coef = torch.clamp(max_grad_norm / (norm + 1e-6), max=1.0)  # clip_grad_norm_'s rule
                 torch._foreach_mul_(grads, coef)
             for opt in self.optimizers:
@@ -273,13 +277,18 @@ class StageWorker:
                                "buckets_during_backward": self.reducer.launched_during_backward}
         return loss
 
+    def _grads(self) -> list[torch.Tensor]:
+        """Every gradient of the rank's stages (a 16-bit working weight's: its float32 main gradient)."""
+        grads = [self.reducer.grad_of(p) for st in self.stages for p in st.params().values()]
+        return list({id(g): g for g in grads if g is not None}.values())
+
     def _global_grad_norm(self) -> torch.Tensor:
         """The L2 norm of every reduced gradient of the model (one all-reduce
         over the world): each rank adds the squares of the parameters it owns
         (``_norm_params``), so a parameter replicated over a data-parallel
         group or tied between stages counts once, as in a single process."""
         sq = torch.zeros((), dtype=torch.float32, device=self.device)
-        grads = [p.grad for p in self._norm_params if p.grad is not None]
+        grads = [g for g in map(self.reducer.grad_of, self._norm_params) if g is not None]
         if grads:
             norms = torch._foreach_norm(grads, 2.0)
             sq = torch.stack([n.float() for n in norms]).pow(2).sum()
@@ -330,7 +339,8 @@ class StageWorker:
     def gradients(self) -> dict[str, torch.Tensor]:
         """Current gradients by canonical parameter name (after reduction),
         over the rank's stages (a parameter two of them hold appears once)."""
-        per_stage = [{canon: p.grad.detach().clone() for canon, p in st.params().items() if p.grad is not None}
+        grad_of = self.reducer.grad_of
+        per_stage = [{canon: grad_of(p).detach().clone() for canon, p in st.params().items() if grad_of(p) is not None}
                      for st in self.stages]
         return self._merged(per_stage, "gradients", torch.equal)
 
@@ -338,6 +348,18 @@ class StageWorker:
         """Parameters by canonical name over the rank's stages (one per name)."""
         per_stage = [{canon: p.detach().clone() for canon, p in st.params().items()} for st in self.stages]
         return self._merged(per_stage, "values", lambda a, b: torch.allclose(a, b, rtol=1e-6, atol=0))
+
+    def master_weights(self) -> dict[str, list[tuple[int, int, torch.Tensor]]]:
+        """The float32 masters this rank holds of 16-bit working weights
+        (``StagePlan.low_precision_params``), by canonical name: ``(start,
+        end, values)`` of elements ``[start, end)`` of the flattened parameter
+        (the rank's ZeRO-1 range). ``parameters_by_name`` gives those
+        parameters' 16-bit working values."""
+        out: dict[str, list[tuple[int, int, torch.Tensor]]] = {}
+        for opt in self.optimizers:
+            for canon, a, b, t in opt.master_pieces():
+                out.setdefault(canon, []).append((a, b, t.detach().clone()))
+        return out
 
     def optimizer_state_summary(self) -> dict:
         """Elements owned and bytes of AdamW state held (moments; the scalar

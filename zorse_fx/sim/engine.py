@@ -85,7 +85,10 @@ score the same shards).
     (``RECOMPUTE_FRACTION * (n_g * W + F)``, 0 for other tasks).
   * ZeRO-1 sharding (``Decision.sharded[s]``): GPU g of the stage holds ``z_g``
     whole MiB (``Decision.shard_mib[s]``) of the stage's shardable optimizer
-    state Q_s = ``shardable_bytes_per_param * P_s``; see "Gradient sync".
+    state Q_s = ``sum of BlockCosts.shardable_bytes`` over its blocks
+    (``shardable_bytes_per_param`` per float32 parameter, 12 B per 16-bit
+    working weight: [Note: 16-bit working weights] in ``precision.py``);
+    see "Gradient sync".
 
 Gradient sync, per GPU group, as the runtime does it ([Note: overlapped
 gradient reduction] in ``runtime/grad_sync.py``). A group with > 1 GPU
@@ -107,9 +110,11 @@ starts at the end of the last backward, as a plain all-reduce would. Then
 each GPU runs its optimizer steps, its stages in order ([C-optim]):
 ``2 * optim_bytes * P_s / mem_bw_g``, or on a sharded stage only its
 shard's parameters, ``2 * optim_bytes * (z_g MiB / shardable_bytes_per_param)
-/ mem_bw_g``. Then the sharded stages all-gather their updated weights
+/ mem_bw_g`` (the float32 rate; for 16-bit working weights an upper bound,
+as the objective's ``opt_per_mib``). Then the sharded stages all-gather their updated weights
 ("allgather" events, per GPU of the stage, one stage after the other) on the
-same ring: ``(k - 1) / k * param_bytes * P_s / bw_ring + (k - 1) * lat_max``,
+same ring: ``(k - 1) / k * gather bytes / bw_ring + (k - 1) * lat_max``, the
+gather bytes ``param_bytes`` per float32 parameter and 2 per 16-bit working weight,
 starting when the group's last optimizer step ends. Without overlap (every
 bucket ready at once), a stage's all-reduce + slowest optimizer + all-gather is
 the objective's ``allreduce_s + optim_s`` (both price the ring with its

@@ -113,7 +113,7 @@ def gradient_sync(costs: BlockCosts, devices: DeviceGraph, *, stage_blocks, stag
 
     n_s = len(stage_blocks)
     st_b, gr_b = costs.optim_bytes, costs.grad_bytes_per_param  # [C-optim] moves 2 x optim_bytes per parameter
-    sh_b, pa_b = costs.shardable_bytes_per_param, costs.param_bytes_per_param
+    sh_b, pa_b = costs.shardable_bytes_per_param, costs.param_bytes_per_param  # pa_b: a tied (float32) copy
     mib = MIB_UNITS * MEMORY_UNIT_BYTES
     timing = _Timing(costs, devices, stage_blocks, stage_gpus, samples, last_b_span, rc_dur)
     events: list = []
@@ -149,7 +149,8 @@ def gradient_sync(costs: BlockCosts, devices: DeviceGraph, *, stage_blocks, stag
             for s in stages_p:
                 i, j = stage_blocks[s]
                 params = unique_params(costs, i, j)  # a tied parameter once per stage ([C-tied])
-                # A shard of z MiB holds z MiB / shardable_bytes_per_param parameters ([C-optim]).
+                # A shard of z MiB holds z MiB / shardable_bytes_per_param parameters ([C-optim]; at the
+                # float32 rate, an upper bound for 16-bit working weights: tables.IntTables.opt_per_mib).
                 moved = ((2 * st_b * shard_bytes[s][k] / sh_b if sh_b else 0.0) if pol.sharded[s]
                          else 2 * st_b * params)
                 t1 = t0 + moved / devices.mem_bw_bytes_per_s[g]
@@ -159,9 +160,10 @@ def gradient_sync(costs: BlockCosts, devices: DeviceGraph, *, stage_blocks, stag
         for s in stages_p:  # all-gather the updated weights once the group's steps ended
             if pol.sharded[s]:
                 i, j = stage_blocks[s]
-                params = unique_params(costs, i, j)
-                t1 = t_opt + ring_p.allgather_s(pa_b * params)
-                events += [SimEvent("allgather", g, s, -1, t_opt, t1, None, pa_b * params) for g in gpus]
+                moved = (sum(costs.gather_bytes(b) for b in range(i, j))  # a tied parameter once ([C-tied])
+                         - pa_b * (sum(costs.param_count[i:j]) - unique_params(costs, i, j)))
+                t1 = t_opt + ring_p.allgather_s(moved)
+                events += [SimEvent("allgather", g, s, -1, t_opt, t1, None, moved) for g in gpus]
                 t_opt = t1
         step = max(step, t_opt)
     return step, events, tuple(shard_bytes)

@@ -112,11 +112,15 @@ def explain_infeasible(costs: BlockCosts, devices: DeviceGraph, options: PlanOpt
     n_par = unique_params(costs)  # a tied parameter once ([C-tied])
     head = (f"the model's training state needs {_gib(st * n_par)} GiB "
             f"({st} B/param × {n_par:.3g} params)")
+    state = [st * p for p in costs.param_count]
+    rep = st  # per tied (float32) parameter
     if options.sharding != "never" and costs.shardable_bytes_per_param:
+        rep = st - costs.shardable_bytes_per_param
         # Lower bound: the shardable part can be spread over other GPUs of the stage.
-        st = st - costs.shardable_bytes_per_param
-        head += f", {_gib(st * n_par)} GiB of it replicated per stage under ZeRO-1 sharding"
-    needs = [st * p + a for p, a in zip(costs.param_count, costs.act_bytes_per_sample)]
+        state = [x - costs.shardable_bytes(b) for b, x in enumerate(state)]
+        head += (f", {_gib(sum(state) - _tied_replicated(costs))} GiB of it replicated per stage under "
+                 f"ZeRO-1 sharding")
+    needs = [x + a for x, a in zip(state, costs.act_bytes_per_sample)]
     fix = "add GPUs with more memory, raise max_stages, or lower global_batch_size / use more micro-batches"
     more = [f"{name}='auto'" for name, v in (("sharding", options.sharding), ("recompute", options.recompute))
             if v == "never"]
@@ -125,19 +129,19 @@ def explain_infeasible(costs: BlockCosts, devices: DeviceGraph, options: PlanOpt
     blk = max(range(len(needs)), key=lambda i: needs[i])
     if needs[blk] > caps[big]:
         return (f"{head}; block {blk} alone needs {_gib(needs[blk])} GiB "
-                f"({_gib(st * costs.param_count[blk])} GiB state of {costs.param_count[blk]:.3g} params "
+                f"({_gib(state[blk])} GiB state of {costs.param_count[blk]:.3g} params "
                 f"+ {_gib(costs.act_bytes_per_sample[blk])} GiB activations of one sample) but {big_txt}; "
                 f"a block cannot be split across stages: add GPUs with more memory{note}")
     tied = [tp.blocks for tp in costs.tied_params]
 
     def tied_less(i, j):  # a stage holds a tied parameter once ([C-tied])
-        return sum(c * st * costs.tied_params[t].numel for t, c in extra_copies(tied, i, j))
+        return sum(c * rep * costs.tied_params[t].numel for t, c in extra_copies(tied, i, j))
 
     worst, parts = _min_max_split(needs, k_max, tied_less)
     s = max(range(len(parts)), key=lambda q: sum(needs[parts[q][0]:parts[q][1]]) - tied_less(*parts[q]))
     i, j = parts[s]
     detail = (f"{_gib(worst)} GiB on stage {s} (blocks {i}-{j - 1}: "
-              f"{_gib(st * unique_params(costs, i, j))} GiB state + "
+              f"{_gib(sum(state[i:j]) - tied_less(i, j))} GiB state + "
               f"{_gib(sum(costs.act_bytes_per_sample[i:j]))} GiB activations of one sample)")
     if worst > caps[big]:
         return f"{head}; with at most {k_txt} the best split still needs {detail} but {big_txt}; {fix}{note}"
@@ -147,3 +151,10 @@ def explain_infeasible(costs: BlockCosts, devices: DeviceGraph, options: PlanOpt
             f"and holds activations of b = {gbs // ms[-1]}..{gbs // ms[0]} samples x up to "
             f"{ms[-1] if options.schedule == 'gpipe' else min(k_max, ms[-1])} micro-batches in flight; "
             f"usable GiB per GPU: {[float(_gib(c)) for c in caps]}; {fix}{note}")
+
+
+def _tied_replicated(costs: BlockCosts) -> int:
+    """Replicated state bytes of the extra copies of tied parameters that the
+    per-block sums count (one copy per extra block reading it)."""
+    per = costs.state_bytes_per_param - costs.shardable_bytes_per_param  # a tied parameter is float32
+    return sum(per * tp.numel * (len(tp.blocks) - 1) for tp in costs.tied_params)

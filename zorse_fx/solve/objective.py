@@ -21,7 +21,10 @@ them to the planner):
 
 P_s = params of the blocks of s (a tied parameter once: [C-tied]), A_s = their activation bytes per sample,
 W_{s,tau} = their fwd+bwd time per sample on GPU type tau, Q_s = their
-shardable state bytes (shardable_bytes_per_param * P_s), R_s = the rest
+shardable state bytes (``BlockCosts.shardable_bytes``: AdamW's moments 8 B
+per float32 parameter; under a mixed precision float32 master + moments 12 B
+per 16-bit working weight, whose 16-bit weight and float32 gradient stay in
+R_s: [Note: 16-bit working weights] in ``precision.py``), R_s = the rest
 (weights + gradients), X_s = cut bytes per sample into stage s (0 for s = 0).
   compute_g   = n_g * W_{s,type(g)} + F_{s,type(g)}                   [C-compute]
                 + rc_s * (n_g * W_{s,type(g)} + F_{s,type(g)}) / 3

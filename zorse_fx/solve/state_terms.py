@@ -90,7 +90,7 @@ def shardable_kib(costs, i: int, j: int, unit_bytes: int) -> int:
     (``extra_copies``) rounded DOWN; equal to ``stage_state_kib(tab, i, j)[1]``
     of the tables built from ``costs``. For a caller holding a ``BlockCosts``
     and no tables (``plan_build.plan_decision``'s equal shards)."""
-    sh = costs.shardable_bytes_per_param
-    q = sum(-(-sh * p // unit_bytes) for p in costs.param_count[i:j])
+    sh = costs.shardable_bytes_per_param  # a tied parameter is float32 ([Note: 16-bit working weights])
+    q = sum(-(-costs.shardable_bytes(b) // unit_bytes) for b in range(i, j))
     blocks = [tp.blocks for tp in costs.tied_params]
     return q - sum(c * (int(sh * costs.tied_params[t].numel) // unit_bytes) for t, c in extra_copies(blocks, i, j))

@@ -118,17 +118,20 @@ class IntTables:
     opt_prefix: tuple[tuple[int, ...], ...]
     #: (G,) usable memory floor(memory_fraction * memory_bytes), in MEMORY_UNIT_BYTES units.
     cap_bytes: tuple[int, ...]
-    #: prefix of the shardable state Q (KiB, rounded up per block); the
-    #: replicated rest of a stage is state_prefix - shard_prefix.
+    #: prefix of the shardable state Q (``BlockCosts.shardable_bytes``, KiB,
+    #: rounded up per block); the replicated rest of a stage is state_prefix - shard_prefix.
     shard_prefix: tuple[int, ...]
     #: (B+1,) cut bytes per sample before block c (KiB, rounded up).
     cut_kib: tuple[int, ...]
     #: {gpu_type: prefix of recomputed-forward units per sample / per micro-batch}.
     rc_work_prefix: dict[str, tuple[int, ...]]
     rc_fixed_prefix: dict[str, tuple[int, ...]]
-    #: [bw class] prefix of a sharded stage's sync units (2 grad + param) * params / bw.
+    #: [bw class] prefix of a sharded stage's sync units (2 grad * params + ``gather_bytes``) / bw.
     arsh_prefix: tuple[tuple[int, ...], ...]
-    #: [memory-bandwidth class] optimizer units per MiB of shard.
+    #: [memory-bandwidth class] optimizer units per MiB of shard, at float32's
+    #: ``2 x optim_bytes / shardable_bytes_per_param`` (4 per shard byte): an upper
+    #: bound for a shard of 16-bit working weights, whose step moves about 34 B per
+    #: 12 B of shard ([Note: 16-bit working weights]).
     opt_per_mib: tuple[int, ...]
     #: Per tied parameter (``BlockCosts.tied_params``): the blocks that read it
     #: (ascending) and [bw class] units of its gradient all-reduce 2 * grad_bytes
@@ -190,7 +193,7 @@ def build_tables(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions,
     mem_bw_values = tuple(sorted(set(devices.mem_bw_bytes_per_s)))
     st, gr = costs.state_bytes_per_param, costs.grad_bytes_per_param
     ob = costs.optim_bytes
-    sh, pb = costs.shardable_bytes_per_param, costs.param_bytes_per_param
+    sh = costs.shardable_bytes_per_param
     types = sorted(set(devices.gpu_types))
     first_cap, cap = bucket_caps(options.bucket_bytes)
     if first_cap % BUCKET_UNIT_BYTES or cap % BUCKET_UNIT_BYTES or not 0 < first_cap <= cap:
@@ -228,14 +231,15 @@ def build_tables(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions,
         opt_prefix=tuple(_prefix(to_units(2 * ob * p / v) for p in costs.param_count)
                          for v in mem_bw_values),
         cap_bytes=tuple(int(options.memory_fraction * mb) // MEMORY_UNIT_BYTES for mb in devices.memory_bytes),
-        shard_prefix=_prefix(_kib_up(sh * p) for p in costs.param_count),
+        shard_prefix=_prefix(_kib_up(costs.shardable_bytes(b)) for b in range(costs.num_blocks)),
         cut_kib=tuple(_kib_up(c) for c in costs.cut_bytes_per_sample),
         rc_work_prefix={t: _prefix(to_units(RECOMPUTE_FRACTION * x) for x in costs.fwd_bwd_s_per_sample[t])
                         for t in types},
         rc_fixed_prefix={t: _prefix(to_units(RECOMPUTE_FRACTION * x)
                                     for x in costs.fwd_bwd_s_fixed.get(t, (0.0,) * costs.num_blocks))
                          for t in types},
-        arsh_prefix=tuple(_prefix(to_units((2 * gr + pb) * p / v) for p in costs.param_count) for v in bw_values),
+        arsh_prefix=tuple(_prefix(to_units((2 * gr * costs.param_count[b] + costs.gather_bytes(b)) / v)
+                                  for b in range(costs.num_blocks)) for v in bw_values),
         opt_per_mib=tuple(to_units(2 * ob * MIB_UNITS * MEMORY_UNIT_BYTES / (sh * v)) if sh else 0
                           for v in mem_bw_values),
         tied_blocks=tuple(tuple(tp.blocks) for tp in costs.tied_params),
