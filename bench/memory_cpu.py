@@ -10,14 +10,19 @@ at that moment, the bytes per category (parameter, gradient, optimizer state,
 activation, autograd detail, temporary). The plan's ``GPUShare.predicted_memory``
 is the prediction.
 
-Proves: how far the plan's per-rank prediction is from what the runtime
-allocates on a CPU, and which category the difference is in (the vocabulary
-sweep isolates the loss block). Cannot: measure a GPU (allocator caching,
-fused kernels; ``make gpu-check`` does that), several ranks, or layouts other
-than the replicated one.
+Then, per state layout (``measure_layouts``: replicated, ZeRO-1 with float32
+weights, ZeRO-1 with 16-bit working weights), one stage data-parallel over
+two torch.distributed ranks (Gloo) with unequal shards, each rank profiled
+the same way against its own prediction.
 
-Run: ``.venv/bin/python bench/memory_cpu.py`` (about a minute); writes
-``bench/results/memory_cpu.json``.
+Proves: how far the plan's per-rank prediction is from what the runtime
+allocates on a CPU, per layout, and which category the difference is in
+(the vocabulary sweep isolates the loss block). Cannot: measure a GPU
+(allocator caching, fused kernels, NCCL buffers; ``make gpu-check`` does
+that).
+
+Run: ``.venv/bin/python bench/memory_cpu.py`` (about two minutes); writes
+``bench/results/memory_cpu.json`` and ``memory_cpu_layouts.json``.
 """
 
 from __future__ import annotations
@@ -63,6 +68,21 @@ def measure(vocab: int) -> dict:
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
                      with_stack=True) as prof:
             worker.train_step(batch)
+    peak, by = _peak_by_category(prof)
+    m = g.predicted_memory
+    return {"vocab": vocab, "parameters": plan.stages[0].num_parameters,
+            "predicted_bytes": g.predicted_memory_bytes,
+            "predicted": {"weights": m.weights_bytes, "gradients": m.gradients_bytes,
+                          "optimizer": m.optimizer_bytes, "activations": m.activations_bytes},
+            "measured_peak_bytes": peak, "ratio": peak / g.predicted_memory_bytes,
+            "measured_at_peak_by_category": by}
+
+
+def _peak_by_category(prof) -> tuple[int, dict[str, int]]:
+    """The peak of live CPU tensor bytes in ``prof``'s memory timeline and,
+    at that moment, the bytes per category (largest first)."""
+    from torch.profiler._memory_profiler import Action
+
     mp = prof._memory_profile()
     live: dict = {}
     cur = peak = 0
@@ -85,13 +105,123 @@ def measure(vocab: int) -> dict:
         cat = mp._categories.get(key, version)
         name = cat.name.lower() if cat is not None else "unknown"
         by[name] = by.get(name, 0) + size
-    m = g.predicted_memory
-    return {"vocab": vocab, "parameters": plan.stages[0].num_parameters,
-            "predicted_bytes": g.predicted_memory_bytes,
-            "predicted": {"weights": m.weights_bytes, "gradients": m.gradients_bytes,
-                          "optimizer": m.optimizer_bytes, "activations": m.activations_bytes},
-            "measured_peak_bytes": peak, "ratio": peak / g.predicted_memory_bytes,
-            "measured_at_peak_by_category": dict(sorted(by.items(), key=lambda kv: -kv[1]))}
+    return peak, dict(sorted(by.items(), key=lambda kv: -kv[1]))
+
+
+# -- a sharded stage over two ranks, per state layout --------------------------------
+#: Two A100-40GB on one node (bfloat16): the plan's GPUs; only their pricing matters here.
+_TWO_GPUS = """name: two_a100
+nodes:
+  - name: n0
+    gpus: [{type: A100-40GB, count: 2}]
+    intra_node: {bandwidth_GBps: 300, latency_us: 5}
+links:
+  intra_node: {bandwidth_GBps: 300, latency_us: 5}
+  inter_node: {bandwidth_GBps: 300, latency_us: 5}
+"""
+#: The layouts of ``measure_layouts``: (name, precision, sharded). Sharded under bf16-mixed is
+#: ZeRO-1 with 16-bit working weights (the planner's choice for a sharded stage of >= 2 GPUs);
+#: sharded in fp32 is ZeRO-1 with float32 weights.
+LAYOUTS = (("replicated", "bf16-mixed", False), ("zero1_fp32", "fp32", True),
+           ("zero1_16bit_weights", "bf16-mixed", True))
+
+
+def _rank(rank: int, world: int, port: int, plan_dir: str, precision: str, out: str) -> None:
+    """One rank of ``measure_layouts``: two steps, the second profiled; writes ``rank<r>.json``."""
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
+
+    from zorse_fx.plan import Plan
+    from zorse_fx.precision import precision_policy
+    from zorse_fx.runtime.worker import StageWorker
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    plan = Plan.load(Path(plan_dir) / "plan.json")
+    worker = StageWorker(plan, plan_dir, torch.load(Path(plan_dir) / "weights.pt"), rank=rank,
+                         device=torch.device("cpu"), precision=precision_policy(precision))
+    tokens = torch.load(Path(plan_dir) / "tokens.pt")
+    batch = {n: tokens for n in plan.input_names}
+    worker.train_step(batch)  # the optimizer's state exists from here on
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
+                 with_stack=True) as prof:
+        worker.train_step(batch)
+    peak, by = _peak_by_category(prof)
+    summary = worker.optimizer_state_summary()
+    Path(out, f"rank{rank}.json").write_text(json.dumps({"peak": peak, "by": by, "summary": summary}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def measure_layouts(layouts=LAYOUTS) -> list[dict]:
+    """Per state layout (``LAYOUTS``), each rank's measured peak against its
+    prediction: a 2-layer HF Llama (256 wide, 1024 MLP, vocabulary 256: its
+    matmul weights are 97% of its 1.6M parameters) as one stage
+    data-parallel over two ranks (samples 2:2, ZeRO-1 shards 3:1 where
+    sharded), bf16-mixed on this CPU (CPU autocast), two torch.distributed
+    ranks over Gloo, the second step profiled on each."""
+    import dataclasses
+    import socket
+
+    import torch.multiprocessing as mp
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from conftest import fixed_decision, with_low_precision
+    from zorse_fx.capture import capture
+    from zorse_fx.cluster import Cluster
+    from zorse_fx.models.hf import CausalLMWithLoss
+    from zorse_fx.options import PlanOptions
+    from zorse_fx.planner import plan_fixed
+    from zorse_fx.pricing import price
+    from zorse_fx.solve.state_terms import shardable_kib
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=1024, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                      tie_word_embeddings=True, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    ids = torch.randint(0, 256, (4, 32))
+    captured = capture(CausalLMWithLoss(LlamaForCausalLM(cfg)), (ids, ids))
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        cluster_file = Path(tmp, "two.yaml")
+        cluster_file.write_text(_TWO_GPUS)
+        cluster = Cluster.from_yaml(cluster_file)
+        for name, precision, sharded in layouts:
+            options = PlanOptions(global_batch_size=8, precision=precision)
+            decision = fixed_decision(captured, ((0, 1),), ((2, 2),), num_microbatches=2)
+            if sharded:  # whole-MiB shards 3:1 covering the stage's shardable state
+                costs = price(captured, cluster, options).costs
+                q_mib = -(-shardable_kib(costs, 0, costs.num_blocks, 1024) // 1024)
+                first = -(-3 * q_mib // 4)
+                decision = dataclasses.replace(decision, sharded=(True,), shard_mib=((first, q_mib - first),))
+            plan, _ = plan_fixed(captured, cluster, options, decision, label_mode="same")
+            assert bool(plan.stages[0].low_precision_params) == (sharded and precision != "fp32"), name
+            d = Path(tmp, name)
+            plan.export(d)
+            torch.save(captured.state(), d / "weights.pt")
+            torch.save(torch.randint(0, 256, (8, 32)), d / "tokens.pt")
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                port = sock.getsockname()[1]
+            mp.spawn(_rank, args=(2, port, str(d), precision, str(d)), nprocs=2, join=True)
+            for g in plan.stages[0].gpus:
+                got = json.loads(Path(d, f"rank{g.rank}.json").read_text())
+                m = g.predicted_memory
+                rows.append({"layout": name, "precision": precision, "rank": g.rank,
+                             "parameters": plan.stages[0].num_parameters,
+                             "low_precision_parameters": sum(captured.state()[plan.stages[0].params[f]].numel()
+                                                             for f in plan.stages[0].low_precision_params),
+                             "state_shard_bytes": g.state_shard_bytes,
+                             "predicted_bytes": g.predicted_memory_bytes,
+                             "predicted": {"weights": m.weights_bytes, "gradients": m.gradients_bytes,
+                                           "optimizer": m.optimizer_bytes, "activations": m.activations_bytes,
+                                           "communication": m.communication_bytes},
+                             "measured_peak_bytes": got["peak"], "ratio": got["peak"] / g.predicted_memory_bytes,
+                             "measured_at_peak_by_category": got["by"],
+                             "optimizer_state_bytes": got["summary"]["optimizer_state_bytes"],
+                             "master_bytes": got["summary"]["master_bytes"],
+                             "owned_elements": got["summary"]["owned_elements"]})
+    return rows
 
 
 def main() -> int:
@@ -100,10 +230,14 @@ def main() -> int:
     out = ROOT / "bench" / "results" / "memory_cpu.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(rows, indent=1) + "\n")
-    from report import render_memory_cpu  # bench/report.py: the table bench/README.md shows
+    layouts = measure_layouts()
+    out_layouts = ROOT / "bench" / "results" / "memory_cpu_layouts.json"
+    out_layouts.write_text(json.dumps(layouts, indent=1) + "\n")
+    from report import render_memory_cpu, render_memory_layouts  # bench/report.py: the tables bench/README.md shows
 
     print("\n".join(render_memory_cpu(rows, out.name)))
-    print(f"wrote {out}")
+    print("\n".join(render_memory_layouts(layouts, out_layouts.name)))
+    print(f"wrote {out} and {out_layouts}")
     return 0
 
 

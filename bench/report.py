@@ -50,6 +50,7 @@ RESULT_FILES = (
     "runtime.json",
     "cost_accuracy.json",
     "memory_cpu.json",
+    "memory_cpu_layouts.json",
     "comm_loopback.json",
     "gpu_h100.json",
     "gpu_h200.json",
@@ -153,6 +154,10 @@ PROVENANCE = {
         date="2026-11-22"),
     "memory_cpu.json": dict(command="bench/memory_cpu.py", note="fp32, one stage, 2 micro-batches of 4 x 64 tokens",
                             machine=f"{CPU_MACHINE}, 1 thread, torch 2.13.0+cpu", date="2026-11-27"),
+    "memory_cpu_layouts.json": dict(
+        command="bench/memory_cpu.py", note="one stage over 2 Gloo ranks, samples 2:2, shards 3:1, 2 micro-batches "
+                                            "of 4 x 32 tokens",
+        machine=f"{CPU_MACHINE}, 1 thread per rank, torch 2.13.0+cpu", date="2026-11-27"),
     # bench/LOG.md, "Links of this machine (issue 3)"
     "comm_loopback.json": dict(
         command="zorse bench comm --out bench/results/comm_loopback.json --plot bench/results/comm_loopback.png",
@@ -526,6 +531,25 @@ def render_memory_cpu(rows: list[dict], name: str) -> list[str]:
     return out + _source(PROVENANCE.get(name, {}))
 
 
+def render_memory_layouts(rows: list[dict], name: str) -> list[str]:
+    mib = 2**20
+    body = [[r["layout"], r.get("precision", "?"), r["rank"], _s(r["state_shard_bytes"] / mib),
+             _s(r["predicted_bytes"] / mib),
+             _s(r["measured_peak_bytes"] / mib), _r3(r["ratio"]),
+             ", ".join(f"{k} {v / mib:.1f}" for k, v in r["measured_at_peak_by_category"].items() if v >= mib / 10)]
+            for r in rows]
+    n = rows[0]["parameters"] if rows else 0
+    n16 = max((r["low_precision_parameters"] for r in rows), default=0)
+    out = ["### Memory per rank and state layout on this CPU", "",
+           f"One stage of {n:,} parameters ({n16:,} of them matmul weights, 16-bit working weights where the "
+           "layout has them) data-parallel over two ranks, ZeRO-1 shards 3:1; each rank's predicted peak against "
+           "the peak of live CPU tensor bytes in its torch.profiler memory timeline (MiB). Under 16-bit working "
+           "weights \"parameter\" holds the 16-bit weights, the float32 ones and the rank's float32 masters.", ""]
+    out += table(["layout", "precision", "rank", "shard MiB", "predicted MiB", "measured peak MiB", "measured / predicted",
+                  "at the peak, by category"], body)
+    return out + _source(PROVENANCE.get(name, {}))
+
+
 # ---------------------------------------------------------------- links
 
 
@@ -707,7 +731,8 @@ def render(results: Path = RESULTS) -> str:
     single = (("scenarios.json", render_scenarios), ("bound_gap.json", render_bound_gap),
               ("scaling.json", render_scaling), ("objective_vs_sim.json", render_objective_vs_sim),
               ("runtime.json", render_runtime), ("cost_accuracy.json", render_cost_accuracy),
-              ("memory_cpu.json", render_memory_cpu), ("comm_loopback.json", render_comm))
+              ("memory_cpu.json", render_memory_cpu), ("memory_cpu_layouts.json", render_memory_layouts),
+              ("comm_loopback.json", render_comm))
     for name, fn in single:
         if name in docs:
             parts.append(fn(docs[name], name))
