@@ -155,6 +155,36 @@ def test_infeasible_memory_best_split():
         assert "raise max_stages" in msg
 
 
+def test_infeasible_because_of_the_planners_caps_says_which_to_raise():
+    """Issue 31: the planner's own caps must not hide a plan silently. Four
+    blocks of 8.9 GiB of state on four T4s (14.4 GiB usable; one per node,
+    the stage DP's unit) need 4 stages:
+    with max_stages=2 the error says max_stages=4 holds a plan (the stage DP
+    finds it with the caps widened). One block whose sample keeps 5 GiB of
+    activations needs micro-batches of at most 2 samples: with
+    max_microbatches=2 at global batch 8 the error names max_microbatches=4."""
+    p = 600_000_000
+    costs = BlockCosts(fwd_bwd_s_per_sample={"T4": (1e-3,) * 4}, param_count=(p,) * 4,
+                       act_bytes_per_sample=(0,) * 4, cut_bytes_per_sample=(0,) * 5)
+    devices = make_devices(["T4"] * 4, ["n0", "n1", "n2", "n3"], [16 * GIB] * 4, [3e11] * 4)
+    with pytest.raises(InfeasiblePlanError) as e:
+        solve_cpsat(costs, devices, solver_options(global_batch_size=4, max_stages=2))
+    assert ("; the planner's own cap is why: with max_stages=4 a plan exists (the stage DP finds 4 stages x "
+            in str(e.value))
+    assert str(e.value).endswith("set max_stages=4 (zorse plan --max-stages 4)")
+    one = BlockCosts(fwd_bwd_s_per_sample={"T4": (1e-3,)}, param_count=(1000,), act_bytes_per_sample=(5 * GIB,),
+                     cut_bytes_per_sample=(0, 0))
+    t4 = make_devices(["T4"], ["n0"], [16 * GIB], [3e11])
+    with pytest.raises(InfeasiblePlanError) as e:
+        solve_cpsat(one, t4, solver_options(global_batch_size=8, max_microbatches=2))
+    assert "with max_microbatches=4 a plan exists (the stage DP finds 1 stages x 4 micro-batches of 2 samples" \
+        in str(e.value)
+    # An explicit micro-batch list is the user's choice, not a cap.
+    with pytest.raises(InfeasiblePlanError) as e:
+        solve_cpsat(one, t4, solver_options(global_batch_size=8, num_microbatches=(2,)))
+    assert "cap" not in str(e.value)
+
+
 def test_infeasible_single_block():
     costs = BlockCosts(fwd_bwd_s_per_sample={"T4": (1e-3, 1e-3)}, param_count=(1_000_000_000, 10),
                        act_bytes_per_sample=(0, 0), cut_bytes_per_sample=(0, 0, 0))

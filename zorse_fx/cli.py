@@ -102,7 +102,7 @@ def cmd_plan(args) -> int:
     ids = torch.randint(0, 200, (2, args.seq_len))
     compiled = zorse.compile(
         model, cluster=args.cluster, example_inputs=(ids, ids), global_batch_size=args.global_batch_size,
-        max_stages=args.max_stages, schedule=args.schedule, time_limit_s=args.time_limit, planner=args.planner,
+        max_stages=args.max_stages, max_microbatches=args.max_microbatches, schedule=args.schedule, time_limit_s=args.time_limit, planner=args.planner,
         solver_budget=args.solver_budget, bucket_mib=args.bucket_mib,
         max_interleave=args.max_interleave, precision=args.precision, grad_reduce_dtype=args.grad_reduce_dtype,
         verbose=True, model_name=args.model,
@@ -277,7 +277,11 @@ def build_parser() -> argparse.ArgumentParser:
     pp.add_argument("--global-batch-size", type=int, required=True)
     pp.add_argument("--seq-len", type=int, default=64)
     opt = {f.name: f.default for f in dataclasses.fields(PlanOptions)}  # the one place the defaults live
-    pp.add_argument("--max-stages", type=int, default=opt["max_stages"])
+    pp.add_argument("--max-stages", type=int, default=opt["max_stages"],
+                    help="most pipeline stages the planner tries (default %(default)s)")
+    pp.add_argument("--max-microbatches", type=int, default=opt["max_microbatches"],
+                    help="most micro-batches per step the planner tries: divisors of the global batch size up "
+                         "to this (default %(default)s)")
     pp.add_argument("--schedule", choices=SCHEDULES, default=opt["schedule"])
     pp.add_argument("--max-interleave", type=int, default=opt["max_interleave"],
                     help="most stages per GPU group (interleaved 1F1B) the planner tries; 1 = none")

@@ -7,6 +7,8 @@ candidate fits, the message that names the binding constraint
 
 from __future__ import annotations
 
+import dataclasses
+
 from ..ir.costs import BlockCosts
 from ..ir.devices import DeviceGraph
 from ..options import PlanOptions
@@ -84,7 +86,51 @@ def throughput_bound_s(costs: BlockCosts, devices: DeviceGraph, options: PlanOpt
 
 def explain_infeasible(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions,
                        candidates=()) -> str:
-    """Why no (S, M) admits a plan, naming the binding constraint with numbers."""
+    """Why no (S, M) admits a plan, naming the binding constraint with numbers;
+    when the planner's own caps are why (``max_stages``, ``max_microbatches``:
+    the stage DP finds a plan with them widened), it says so and which values
+    to set (``wider_caps_note``)."""
+    why = _explain(costs, devices, options, candidates)
+    return why + wider_caps_note(costs, devices, options) if "a block cannot be split" not in why else why
+
+
+def wider_caps_note(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions) -> str:
+    """``"; with max_stages=S and max_microbatches=M a plan exists ..."`` when
+    the stage DP (``stage_dp.solve_stage_dp``: memory-first, seconds even on
+    64 GPUs) finds a feasible plan with the caps widened to at most
+    ``min(GPUs, blocks)`` stages and ``global_batch_size`` micro-batches,
+    else ``""``. The caps named are the smallest that hold that plan, so the
+    search they allow contains it. Deterministic: the stage DP has no budget.
+    A probe, not a proof: the stage DP keeps a node's GPUs of one type in one
+    stage, so a plan that splits a node may exist where it finds none."""
+    from ..errors import InfeasiblePlanError
+    from .stage_dp import solve_stage_dp
+
+    stages = min(devices.num_gpus, costs.num_blocks)
+    gbs = options.global_batch_size
+    fixed_m = options.num_microbatches is not None  # an explicit list is the user's, not a cap
+    if stages <= options.max_stages and (fixed_m or options.max_microbatches >= gbs):
+        return ""
+    wide = dataclasses.replace(options, max_stages=max(options.max_stages, stages),
+                               max_microbatches=options.max_microbatches if fixed_m else
+                               max(options.max_microbatches, gbs))
+    try:
+        res = solve_stage_dp(costs, devices, wide)
+    except (InfeasiblePlanError, ValueError):
+        return ""
+    s, m = res.num_stages, res.decision.num_microbatches
+    need = [f"max_stages={s}" if s > options.max_stages else "",
+            f"max_microbatches={m}" if m > options.max_microbatches else ""]
+    need = [x for x in need if x]
+    if not need:
+        return ""
+    flags = " ".join(f"--{x.replace('_', '-').replace('=', ' ')}" for x in need)
+    return (f"; the planner's own cap{'s are' if len(need) > 1 else ' is'} why: with {' and '.join(need)} a plan "
+            f"exists (the stage DP finds {s} stages x {m} micro-batches of {gbs // m} samples, predicted "
+            f"{res.predicted_step_time_s:.3g} s per step): set {' and '.join(need)} (zorse plan {flags})")
+
+
+def _explain(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions, candidates=()) -> str:
     gbs, n_g = options.global_batch_size, devices.num_gpus
     ms = microbatch_candidates(options)  # raises for an indivisible batch
     k_max = max_stage_count(costs, devices, options)
