@@ -191,6 +191,39 @@ def test_fp16_loss_scaling_skips_the_same_step_on_every_rank(lee_bytes, tmp_path
     assert all(json.loads(line)["precision"] == "fp16-mixed" for line in text.splitlines())
 
 
+def test_fp16_sixteen_bit_working_weights_skip_the_same_step(lee_bytes, tmp_path):
+    """fp16-mixed with 16-bit working weights (float16) on the sharded stage:
+    rank 2 (on it) writes an inf into a float32 main gradient after step 2's
+    reduction; every rank skips step 2 (masters and moments untouched) and
+    the 3 steps equal GradScaler's single-process training."""
+    captured = gpt3x64()
+    plan = fixed_plan(captured, ((0,), (2, 3)), ((3,), (1, 2)), num_microbatches=2, global_batch_size=6,
+                      cuts=(analyse(captured).num_blocks // 2,))
+    plan = with_low_precision(with_memory_policy(plan, sharded={1}, shard_bytes={1: (2**20, 3 * 2**20)}), captured)
+    assert plan.precision == "fp16-mixed" and plan.stages[1].low_precision_params
+    _, rows = train_and_compare(plan, captured, lee_bytes, tmp_path, steps=3, lr=LR, weight_decay=WEIGHT_DECAY,
+                                precision="fp16-mixed", inject_inf=(2, 2))
+    assert [r["skipped"] for r in rows] == [False, True, False]
+    assert [r["loss_scale"] for r in rows] == [2.0**16, 2.0**16, 2.0**15]
+    params = torch.load(tmp_path / "run" / "params" / "rank2.pt")
+    assert {str(params[plan.stages[1].params[f]].dtype) for f in plan.stages[1].low_precision_params} == \
+        {"torch.float16"}
+
+
+def test_bf16_interleaved_sixteen_bit_working_weights(lee_bytes, tmp_path):
+    """Interleaved, M = 3 on P = 2 groups: group 0 (2 GPUs, 2:1) hosts stages 0
+    and 2, both ZeRO-1 with 16-bit working weights (one rank, two stages'
+    main gradients and masters); 2 steps equal single-process training."""
+    captured = gpt4x64()
+    plan = fixed_plan(captured, ((0, 1), (2,), (0, 1), (2,)), ((2, 1), (3,), (2, 1), (3,)), num_microbatches=3,
+                      global_batch_size=9, interleave=2)
+    plan = with_memory_policy(plan, sharded={0, 2}, shard_bytes={0: (2**20, 2 * 2**20), 2: (3 * 2**20, 2**20)})
+    plan = with_low_precision(plan, captured)
+    assert plan.stages[0].low_precision_params and plan.stages[2].low_precision_params
+    train_and_compare(plan, captured, lee_bytes, tmp_path, steps=2, lr=LR, weight_decay=WEIGHT_DECAY,
+                      precision="bf16-mixed")
+
+
 def test_fp16_without_inf_steps_every_time(lee_bytes, tmp_path):
     """The same run without the inf: no step is skipped and the result equals
     GradScaler's single-process training (2 steps; 2 GPUs with unequal shares)."""

@@ -31,6 +31,13 @@ back (its 16-bit copy lives while in flight: ``reduce_copy_bytes_per_param``
 in ``zorse_fx/precision.py``); buckets of 16-bit parameters are reduced in
 their own dtype.
 
+A 16-bit working weight ([Note: 16-bit working weights] in
+``zorse_fx/precision.py``) cannot hold a float32 ``.grad``: its bucket is
+float32 all the same (its *main gradient* is the bucket view, ``grad_of``),
+and a ``post_accumulate_grad`` hook registered for the whole run adds each
+micro-batch's 16-bit gradient into it and frees it; during the stage's last
+backward the same hook marks the parameter final.
+
 What this overlaps: a stage's reduction with the backward of its own last
 micro-batch (all but the last bucket's), and, since every rank reduces as
 soon as its own stages are done, with the drain of the pipeline on the

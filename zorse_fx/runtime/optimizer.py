@@ -46,6 +46,17 @@ are.) A single-dtype stage is the special case of one buffer, the range
 ``StageOptimizer.state_summary`` reports the rule per buffer. The gradient
 all-reduce buckets per dtype too (as DDP does), so a bf16 gradient is
 reduced in bf16, not promoted to fp32.
+
+16-bit working weights (``StagePlan.low_precision_params`` under a mixed
+policy, [Note: 16-bit working weights] in ``zorse_fx/precision.py``): those
+parameters form a buffer of the compute dtype (ordered among the others by
+its name), split by the same rule; the rank keeps a float32 *master* of its
+range of that buffer (``_FlatBuffer.master``, copied from the loaded float32
+weights), and AdamW steps the masters, one leaf view per (parameter, owned
+range) overlap as above, with the slices of the parameters' float32 main
+gradients (``GradientReducer.grad_of``). After the step the masters'
+rounding is written into the rank's range of the 16-bit buffer, which the
+all-gather then broadcasts: 2 bytes per element instead of 4.
 """
 
 from __future__ import annotations
