@@ -487,6 +487,16 @@ def test_sixteen_bit_working_weights_are_planned_priced_and_checked(tmp_path):
     table = plan.table()
     assert table.count("16-bit") == 3 and "16-bit working weights on stage 1 (12 matmul weights in float16" in table
 
+    # Simulated as each plan keeps its weights: a sharded stage without the list (format 7, or edited) holds
+    # float32 weights, 4 B more per 16-bit weight than the 2 B the 16-bit layout replicates.
+    from zorse_fx.pricing import options_for_plan, simulate_plan
+
+    fp32_weights = dataclasses.replace(plan, stages=(s0, dataclasses.replace(s1, low_precision_params=())))
+    priced = price(captured, cluster, options_for_plan(plan))
+    sim16, sim32 = simulate_plan(plan, priced), simulate_plan(fp32_weights, priced)
+    for g in s1.gpus:  # (the shards are the plan's whole MiB in both; state rounded up to KiB per block)
+        diff = sim32.peak_memory_bytes[g.gpu] - sim16.peak_memory_bytes[g.gpu]
+        assert abs(diff - 4 * n16) <= 1024 * (s1.blocks[1] - s1.blocks[0]), (diff, 4 * n16)
     path = tmp_path / "p" / "plan.json"
     d = json.loads(path.read_text())
     old = json.loads(json.dumps(d))

@@ -29,7 +29,7 @@ from .plan_build import plan_decision
 from .precision import PrecisionPolicy, check_supported, default_precision
 from .sim.engine import SimResult, simulate
 
-__all__ = ["PricedModel", "price", "simulate_plan", "resolve_precision", "options_for_plan", "device_graph",
+__all__ = ["PricedModel", "price", "simulate_plan", "plan_costs", "resolve_precision", "options_for_plan", "device_graph",
            "CLASS_MODEL"]
 
 #: ``PricedModel.cost_sources`` of a GPU type priced without a measured profile.
@@ -213,4 +213,20 @@ def simulate_plan(plan, priced: PricedModel, *, p2p: str = "nccl") -> SimResult:
                          f"{priced.precision.grad_reduce_dtype}) but the plan trains in {plan.precision} "
                          f"({plan.grad_reduce_dtype}): price it with options_for_plan(plan)")
     options = options_for_plan(plan, profiles=priced.options.profiles)
-    return simulate(priced.costs, priced.devices, options, plan_decision(plan, priced.costs), p2p=p2p)
+    costs = plan_costs(plan, priced.costs)
+    return simulate(costs, priced.devices, options, plan_decision(plan, costs), p2p=p2p)
+
+
+def plan_costs(plan, costs: BlockCosts) -> BlockCosts:
+    """``costs`` as ``plan`` keeps its weights: the blocks of a sharded stage
+    of two or more GPUs whose ``low_precision_params`` are empty (a plan of
+    format 7 or older, or edited) are priced with float32 working weights,
+    as the runtime then trains them ([Note: 16-bit working weights])."""
+    if not costs.param16_count:
+        return costs
+    keep = list(costs.param16_count)
+    for st in plan.stages:
+        if st.sharded and len(st.gpus) > 1 and not st.low_precision_params:
+            for b in range(*st.blocks):
+                keep[b] = 0
+    return costs if keep == list(costs.param16_count) else dataclasses.replace(costs, param16_count=tuple(keep))
