@@ -213,11 +213,13 @@ def test_fp16_sixteen_bit_working_weights_skip_the_same_step(lee_bytes, tmp_path
 def test_bf16_interleaved_sixteen_bit_working_weights(lee_bytes, tmp_path):
     """Interleaved, M = 3 on P = 2 groups: group 0 (2 GPUs, 2:1) hosts stages 0
     and 2, both ZeRO-1 with 16-bit working weights (one rank, two stages'
-    main gradients and masters); 2 steps equal single-process training."""
+    main gradients and masters), stage 0 recomputing its forward with 16-bit
+    weights; 2 steps equal single-process training."""
     captured = gpt4x64()
     plan = fixed_plan(captured, ((0, 1), (2,), (0, 1), (2,)), ((2, 1), (3,), (2, 1), (3,)), num_microbatches=3,
                       global_batch_size=9, interleave=2)
-    plan = with_memory_policy(plan, sharded={0, 2}, shard_bytes={0: (2**20, 2 * 2**20), 2: (3 * 2**20, 2**20)})
+    plan = with_memory_policy(plan, sharded={0, 2}, recompute={0},
+                              shard_bytes={0: (2**20, 2 * 2**20), 2: (3 * 2**20, 2**20)})
     plan = with_low_precision(plan, captured)
     assert plan.stages[0].low_precision_params and plan.stages[2].low_precision_params
     train_and_compare(plan, captured, lee_bytes, tmp_path, steps=2, lr=LR, weight_decay=WEIGHT_DECAY,
