@@ -90,11 +90,10 @@ PROVENANCE = {
             command="bench/scenarios.py --only flashflex --solver-budget 5",
             code="0a1151c (bench/scenarios.py of 3685878)",
             machine=f"{CPU_MACHINE}, beside `make test` and the bound-gap runs", date="2026-11-26 20:22-20:45"),
-        # bench/LOG.md, "Scenario benchmark and objective vs simulator re-run (issue 13, 2026-11-26, sixth session)"
+        # bench/LOG.md, "Scenarios re-planned with 16-bit working weights (issue 31, 2026-11-27)"
         ("zorse_b",): dict(
-            command="bench/scenarios.py --solver-budget 5", code="9dc5d13",
-            machine=f"{CPU_MACHINE}, shared with `make test`, a CI run and other benchmarks (load 3-5)",
-            date="2026-11-26 04:10-06:10"),
+            command="bench/scenarios.py --only zorse_b --solver-budget 5", code="5e8bccb",
+            machine=f"{CPU_MACHINE}, beside another scenario run", date="2026-11-27 14:45-15:21"),
         # bench/LOG.md, "Zorse C re-planned under the NCCL program (issue 13 items 3 and 6, 2026-11-26,
         # eleventh session)"; rows copied from scenarios_zorse_c_shared_wan.json (bench/LOG.md, "FlashFlex
         # planned with up to 8 stages")
