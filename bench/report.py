@@ -544,7 +544,8 @@ def render_memory_layouts(rows: list[dict], name: str) -> list[str]:
            "layout has them) data-parallel over two ranks, ZeRO-1 shards 3:1; each rank's predicted peak against "
            "the peak of live CPU tensor bytes in its torch.profiler memory timeline (MiB). Under 16-bit working "
            "weights \"parameter\" holds the 16-bit weights, the float32 ones and the rank's float32 masters.", ""]
-    out += table(["layout", "precision", "rank", "shard MiB", "predicted MiB", "measured peak MiB", "measured / predicted",
+    out += table(["layout", "precision", "rank", "shard MiB", "predicted MiB", "measured peak MiB",
+                  "measured / predicted",
                   "at the peak, by category"], body)
     return out + _source(PROVENANCE.get(name, {}))
 

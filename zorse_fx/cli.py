@@ -102,7 +102,8 @@ def cmd_plan(args) -> int:
     ids = torch.randint(0, 200, (2, args.seq_len))
     compiled = zorse.compile(
         model, cluster=args.cluster, example_inputs=(ids, ids), global_batch_size=args.global_batch_size,
-        max_stages=args.max_stages, max_microbatches=args.max_microbatches, schedule=args.schedule, time_limit_s=args.time_limit, planner=args.planner,
+        max_stages=args.max_stages, max_microbatches=args.max_microbatches, schedule=args.schedule,
+        time_limit_s=args.time_limit, planner=args.planner,
         solver_budget=args.solver_budget, bucket_mib=args.bucket_mib,
         max_interleave=args.max_interleave, precision=args.precision, grad_reduce_dtype=args.grad_reduce_dtype,
         verbose=True, model_name=args.model,

@@ -29,8 +29,8 @@ from .plan_build import plan_decision
 from .precision import PrecisionPolicy, check_supported, default_precision
 from .sim.engine import SimResult, simulate
 
-__all__ = ["PricedModel", "price", "simulate_plan", "plan_costs", "resolve_precision", "options_for_plan", "device_graph",
-           "CLASS_MODEL"]
+__all__ = ["PricedModel", "price", "simulate_plan", "plan_costs", "resolve_precision", "options_for_plan",
+           "device_graph", "CLASS_MODEL"]
 
 #: ``PricedModel.cost_sources`` of a GPU type priced without a measured profile.
 CLASS_MODEL = "class model"

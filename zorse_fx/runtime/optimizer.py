@@ -194,7 +194,8 @@ class StageOptimizer:
                     flat[offset : offset + k].copy_(p.detach().reshape(-1))
                     p.data = flat[offset : offset + k].view_as(p)
                     if lo < hi:
-                        view = master[lo - a : hi - a] if master is not None else p.detach().view(-1)[lo - offset : hi - offset]
+                        view = (master[lo - a : hi - a] if master is not None
+                                else p.detach().view(-1)[lo - offset : hi - offset])
                         self._pieces.append((p, lo - offset, hi - offset, view))
                     offset += k
                 self.buffers.append(_FlatBuffer(dtype=dtype, flat=flat, ranges=ranges, owned=(a, b), master=master))
