@@ -40,8 +40,6 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 
 def measure(vocab: int) -> dict:
-    from torch.profiler import ProfilerActivity, profile
-    from torch.profiler._memory_profiler import Action
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from conftest import fixed_plan
@@ -62,13 +60,7 @@ def measure(vocab: int) -> dict:
     with tempfile.TemporaryDirectory() as d:
         plan.export(d)
         worker = StageWorker(plan, d, captured.state(), rank=0, device=torch.device("cpu"))
-        tokens = torch.randint(0, vocab, (8, 64))
-        batch = {n: tokens for n in plan.input_names}
-        worker.train_step(batch)  # the optimizer's state exists from here on
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
-                     with_stack=True) as prof:
-            worker.train_step(batch)
-    peak, by = _peak_by_category(prof)
+        peak, by = _profiled_step(worker, torch.randint(0, vocab, (8, 64)))
     m = g.predicted_memory
     return {"vocab": vocab, "parameters": plan.stages[0].num_parameters,
             "predicted_bytes": g.predicted_memory_bytes,
@@ -76,6 +68,19 @@ def measure(vocab: int) -> dict:
                           "optimizer": m.optimizer_bytes, "activations": m.activations_bytes},
             "measured_peak_bytes": peak, "ratio": peak / g.predicted_memory_bytes,
             "measured_at_peak_by_category": by}
+
+
+def _profiled_step(worker, tokens: torch.Tensor) -> tuple[int, dict[str, int]]:
+    """Two training steps of ``worker`` on ``tokens`` (every input), the second
+    under ``torch.profiler`` with memory: its peak and bytes by category."""
+    from torch.profiler import ProfilerActivity, profile
+
+    batch = {n: tokens for n in worker.plan.input_names}
+    worker.train_step(batch)  # the optimizer's state exists from here on
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
+                 with_stack=True) as prof:
+        worker.train_step(batch)
+    return _peak_by_category(prof)
 
 
 def _peak_by_category(prof) -> tuple[int, dict[str, int]]:
@@ -129,7 +134,6 @@ LAYOUTS = (("replicated", "bf16-mixed", False), ("zero1_fp32", "fp32", True),
 def _rank(rank: int, world: int, port: int, plan_dir: str, precision: str, out: str) -> None:
     """One rank of ``measure_layouts``: two steps, the second profiled; writes ``rank<r>.json``."""
     import torch.distributed as dist
-    from torch.profiler import ProfilerActivity, profile
 
     from zorse_fx.plan import Plan
     from zorse_fx.precision import precision_policy
@@ -140,13 +144,7 @@ def _rank(rank: int, world: int, port: int, plan_dir: str, precision: str, out: 
     plan = Plan.load(Path(plan_dir) / "plan.json")
     worker = StageWorker(plan, plan_dir, torch.load(Path(plan_dir) / "weights.pt"), rank=rank,
                          device=torch.device("cpu"), precision=precision_policy(precision))
-    tokens = torch.load(Path(plan_dir) / "tokens.pt")
-    batch = {n: tokens for n in plan.input_names}
-    worker.train_step(batch)  # the optimizer's state exists from here on
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
-                 with_stack=True) as prof:
-        worker.train_step(batch)
-    peak, by = _peak_by_category(prof)
+    peak, by = _profiled_step(worker, torch.load(Path(plan_dir) / "tokens.pt"))
     summary = worker.optimizer_state_summary()
     Path(out, f"rank{rank}.json").write_text(json.dumps({"peak": peak, "by": by, "summary": summary}))
     dist.barrier()
@@ -166,7 +164,7 @@ def measure_layouts(layouts=LAYOUTS) -> list[dict]:
     import torch.multiprocessing as mp
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from conftest import fixed_decision, with_low_precision
+    from conftest import fixed_decision
     from zorse_fx.capture import capture
     from zorse_fx.cluster import Cluster
     from zorse_fx.models.hf import CausalLMWithLoss

@@ -243,18 +243,12 @@ class GradientReducer:
         add it into the float32 main gradient (autocast's cast back to float32,
         then the float32 accumulation), free it, and mark it final during its
         stage's last backward."""
-        main = self.main_grads[id(p)]
-        main.add_(p.grad)
+        self.main_grads[id(p)].add_(p.grad)
         p.grad = None
-        e, i = self._by_copy[id(p)]
-        if e.copies[i][0] in self._final and i not in e.ready:
-            self._in_hook = True
-            try:
-                self._mark(e, i)
-            finally:
-                self._in_hook = False
+        self._on_grad(p)
 
     def _on_grad(self, p: torch.Tensor) -> None:
+        """During its stage's last backward: ``p``'s copy is final."""
         e, i = self._by_copy[id(p)]
         if e.copies[i][0] in self._final and i not in e.ready:
             self._in_hook = True
