@@ -81,7 +81,7 @@ PROVENANCE = {
     "scenarios.json": {
         # bench/LOG.md, "Scenario benchmark re-run after the tied all-gather fix (issue 13 items 3 and 6,
         # 2026-11-26, eleventh session)"
-        ("metis", "amp", "zorse_a"): dict(
+        ("metis", "amp"): dict(
             command="bench/scenarios.py --only metis,amp,zorse_a,flashflex --solver-budget 5", code="66b3dec",
             machine=f"{CPU_MACHINE}, beside the objective vs simulator and Zorse C runs",
             date="2026-11-26 18:38-19:06"),
@@ -91,6 +91,12 @@ PROVENANCE = {
             code="0a1151c (bench/scenarios.py of 3685878)",
             machine=f"{CPU_MACHINE}, beside `make test` and the bound-gap runs", date="2026-11-26 20:22-20:45"),
         # bench/LOG.md, "Scenarios re-planned with 16-bit working weights (issue 31, 2026-11-27)"
+        ("zorse_a",): dict(
+            command="bench/scenarios.py --only zorse_a --solver-budget 5", code="faba7a3",
+            machine=f"{CPU_MACHINE}, beside two other scenario runs", date="2026-11-27 15:27-15:44"),
+        ("sailor",): dict(
+            command="bench/scenarios.py --only sailor --solver-budget 5", code="faba7a3",
+            machine=f"{CPU_MACHINE}, beside two other scenario runs", date="2026-11-27 15:22-15:44"),
         ("zorse_b",): dict(
             command="bench/scenarios.py --only zorse_b --solver-budget 5", code="5e8bccb",
             machine=f"{CPU_MACHINE}, beside another scenario run", date="2026-11-27 14:45-15:21"),
@@ -100,11 +106,6 @@ PROVENANCE = {
         ("zorse_c",): dict(
             command="bench/scenarios.py --only zorse_c --max-stages 8 --solver-budget 5", code="6a4dc17",
             machine=f"{CPU_MACHINE}, beside other runs", date="2026-11-26 18:29-18:49"),
-        # bench/LOG.md, "Sailor and Zorse C re-run (issue 13 items 3 and 6, 2026-11-26, ninth session)"
-        ("sailor",): dict(
-            command="bench/scenarios.py --only sailor --solver-budget 5", code="267a2f5",
-            machine=f"{CPU_MACHINE}, beside `make test` and bench/objective_vs_sim.py",
-            date="2026-11-26 11:58-12:10"),
     },
     "bound_gap.json": {
         # bench/LOG.md, "What bounds each scenario, re-run under the NCCL program (issue 13 item 3,
