@@ -81,7 +81,7 @@ PROVENANCE = {
     "scenarios.json": {
         # bench/LOG.md, "Scenario benchmark re-run after the tied all-gather fix (issue 13 items 3 and 6,
         # 2026-11-26, eleventh session)"
-        ("metis", "amp"): dict(
+        ("amp",): dict(
             command="bench/scenarios.py --only metis,amp,zorse_a,flashflex --solver-budget 5", code="66b3dec",
             machine=f"{CPU_MACHINE}, beside the objective vs simulator and Zorse C runs",
             date="2026-11-26 18:38-19:06"),
@@ -94,6 +94,9 @@ PROVENANCE = {
         ("zorse_a",): dict(
             command="bench/scenarios.py --only zorse_a --solver-budget 5", code="faba7a3",
             machine=f"{CPU_MACHINE}, beside two other scenario runs", date="2026-11-27 15:27-15:44"),
+        ("metis",): dict(
+            command="bench/scenarios.py --only metis --solver-budget 5", code="faba7a3",
+            machine=f"{CPU_MACHINE}, beside two other scenario runs", date="2026-11-27 15:44-15:48"),
         ("sailor",): dict(
             command="bench/scenarios.py --only sailor --solver-budget 5", code="faba7a3",
             machine=f"{CPU_MACHINE}, beside two other scenario runs", date="2026-11-27 15:22-15:44"),
