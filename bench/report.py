@@ -85,15 +85,13 @@ PROVENANCE = {
             command="bench/scenarios.py --only metis,amp,zorse_a,flashflex --solver-budget 5", code="66b3dec",
             machine=f"{CPU_MACHINE}, beside the objective vs simulator and Zorse C runs",
             date="2026-11-26 18:38-19:06"),
-        # bench/LOG.md, "FlashFlex planned with up to 8 stages (issue 13 item 3, 2026-11-26, twelfth session)"
-        ("flashflex",): dict(
-            command="bench/scenarios.py --only flashflex --solver-budget 5",
-            code="0a1151c (bench/scenarios.py of 3685878)",
-            machine=f"{CPU_MACHINE}, beside `make test` and the bound-gap runs", date="2026-11-26 20:22-20:45"),
         # bench/LOG.md, "Scenarios re-planned with 16-bit working weights (issue 31, 2026-11-27)"
         ("zorse_a",): dict(
             command="bench/scenarios.py --only zorse_a --solver-budget 5", code="faba7a3",
             machine=f"{CPU_MACHINE}, beside two other scenario runs", date="2026-11-27 15:27-15:44"),
+        ("flashflex",): dict(
+            command="bench/scenarios.py --only flashflex --solver-budget 5", code="faba7a3",
+            machine=f"{CPU_MACHINE}, beside `make test` and another scenario run", date="2026-11-27 15:35-16:24"),
         ("metis",): dict(
             command="bench/scenarios.py --only metis --solver-budget 5", code="faba7a3",
             machine=f"{CPU_MACHINE}, beside two other scenario runs", date="2026-11-27 15:44-15:48"),
