@@ -20,13 +20,13 @@ from .solve.state_terms import shardable_kib
 __all__ = ["build_plan", "plan_decision", "memory_breakdown"]
 
 
-def memory_breakdown(predicted: int, hosted: list[tuple[int, int | None]] | list[tuple[int, int | None, int]],
+def memory_breakdown(predicted: int, hosted: list[tuple[int, int | None, int]],
                      precision: PrecisionPolicy) -> MemoryBreakdown:
     """``predicted`` bytes of one GPU split by what holds them (see
     ``plan.MemoryBreakdown``). ``hosted``: per stage the GPU hosts, (its unique
     trainable parameters, this GPU's ZeRO-1 optimizer shard in bytes or None
-    when the stage is not sharded[, how many of the parameters are 16-bit
-    working weights]). The training state is exact per parameter under
+    when the stage is not sharded, how many of the parameters are 16-bit
+    working weights). The training state is exact per parameter under
     ``precision`` (a 16-bit working weight: 2 B of weights, its float32
     master in the optimizer shard, [Note: 16-bit working weights]);
     activations are the rest of the prediction (what autograd saves for the
@@ -35,13 +35,13 @@ def memory_breakdown(predicted: int, hosted: list[tuple[int, int | None]] | list
     out; 0 predicted: all 0."""
     if predicted <= 0:
         return MemoryBreakdown()
-    params = sum(h[0] for h in hosted)
-    low = sum(h[2] if len(h) > 2 else 0 for h in hosted)
+    params = sum(n for n, _, _ in hosted)
+    low = sum(n16 for _, _, n16 in hosted)
     weights = ((params - low) * (precision.weight_bytes_per_param + precision.cast_bytes_per_param)
                + low * precision.allgather_bytes_per_param16)
     grads = params * precision.grad_bytes_per_param
     comm = params * precision.reduce_copy_bytes_per_param
-    optim = sum(h[0] * precision.optimizer_bytes_per_param if h[1] is None else h[1] for h in hosted)
+    optim = sum(n * precision.optimizer_bytes_per_param if shard is None else shard for n, shard, _ in hosted)
     acts = max(0, predicted - weights - grads - comm - optim)
     return MemoryBreakdown(weights_bytes=weights, gradients_bytes=grads, optimizer_bytes=optim,
                            activations_bytes=acts, communication_bytes=comm)
