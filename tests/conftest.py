@@ -379,6 +379,19 @@ def run_distributed(compiled_or_plan, weights, tokens, tmp_path: Path, *, steps:
                  "--dump-grads", "1", *extra])
     rows = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     grads = {r: torch.load(tmp_path / "run" / "grads" / f"rank{r}.pt") for r in range(plan.world_size)}
+    # ZeRO-2 stages: each rank holds its owned ranges of those gradients; joined whole, on the lowest owner.
+    pieces = {r: torch.load(tmp_path / "run" / "grads" / f"rank{r}_pieces.pt") for r in range(plan.world_size)}
+    for canon in sorted({c for ps in pieces.values() for c in ps}):
+        n = max(b for ps in pieces.values() for a, b, _ in ps.get(canon, ()))
+        flat = torch.full((n,), float("nan"))
+        for ps in pieces.values():
+            for a, b, t in ps.get(canon, ()):
+                assert flat[a:b].isnan().all(), f"two ranks hold elements [{a}, {b}) of the gradient of {canon!r}"
+                flat[a:b] = t
+        assert not flat.isnan().any(), f"the ranks' gradient shards of {canon!r} do not cover it"
+        owner = min(r for r, ps in pieces.items() if canon in ps)
+        assert all(canon not in g for g in grads.values()), f"{canon!r}: a whole gradient beside its shards"
+        grads[owner][canon] = flat.view(weights[canon].shape)
     return rows, grads
 
 
@@ -394,6 +407,14 @@ def with_memory_policy(plan, *, sharded=(), recompute=(), shard_bytes=None):
                          for g, b in zip(gpus, shard_bytes[s.index], strict=True))
         stages.append(dataclasses.replace(s, gpus=gpus, sharded=s.index in sharded, recompute=s.index in recompute))
     return dataclasses.replace(plan, stages=tuple(stages))
+
+
+def with_grad_sharding(plan, stages=None):
+    """``plan`` with sharded gradients (ZeRO-2, ``StagePlan.grad_sharded``) on
+    ``stages`` (indices; default every sharded stage of two or more GPUs)."""
+    chosen = {s.index for s in plan.stages if s.sharded and len(s.gpus) > 1} if stages is None else set(stages)
+    return dataclasses.replace(plan, stages=tuple(dataclasses.replace(s, grad_sharded=s.index in chosen)
+                                                  for s in plan.stages))
 
 
 def with_low_precision(plan, captured):

@@ -77,6 +77,12 @@ with both off):
 two or more GPUs holds in the compute dtype under a mixed precision, their
 float32 masters moved into the ZeRO-1 shard ([Note: 16-bit working weights]
 in ``zorse_fx/precision.py``).
+
+Sharded gradients, ZeRO-2 (format version 9; an older file reads with it
+off): ``StagePlan.grad_sharded`` makes a sharded stage of two or more GPUs
+reduce every micro-batch's gradients to their shard owners instead of
+accumulating float32 gradients of the whole stage on every GPU ([Note:
+sharded gradients] in ``runtime/grad_sync.py``).
 """
 
 from __future__ import annotations
@@ -100,7 +106,7 @@ from .stage_sources import source_sha256
 __all__ = ["PLAN_FORMAT_VERSION", "MemoryBreakdown", "GPUShare", "StagePlan", "SolverReport", "Plan", "RankRole"]
 
 #: Bumped on any incompatible change of plan.json.
-PLAN_FORMAT_VERSION = 8
+PLAN_FORMAT_VERSION = 9
 
 
 # Field types of plan.json: one declaration, read by the schema (``plan_schema``,
@@ -217,6 +223,11 @@ class StagePlan:
     low_precision_params: Annotated[tuple[str, ...], Meta(
         description="flat names of the stage's parameters held in 16 bits (keys of 'params')")] = field(
         default=(), metadata=OPTIONAL)
+    #: ZeRO-2 (format version 9; off in older files): each micro-batch's
+    #: gradients are reduced to the GPUs owning their ZeRO-1 ranges, which
+    #: accumulate them in float32; no GPU holds the stage's whole gradient.
+    #: Needs ``sharded`` and two or more GPUs.
+    grad_sharded: Annotated[bool, Meta(description="true or false")] = field(default=False, metadata=OPTIONAL)
 
     @property
     def microbatch_size(self) -> int:
@@ -407,7 +418,12 @@ class Plan:
                     f"parameter(s), but 16-bit working weights need a mixed precision and a sharded stage of two "
                     f"or more GPUs (precision {self.precision!r}, sharded {s.sharded}, {len(s.gpus)} GPU(s)); "
                     f"set it to [] or re-export the plan with `zorse plan`")
-            for name in ("sharded", "recompute"):
+            if s.grad_sharded is True and not (s.sharded and len(s.gpus) > 1):
+                raise PlanFileError(
+                    f"plan: field stages[{s.index}].grad_sharded is true, but sharded gradients (ZeRO-2) need a "
+                    f"sharded stage of two or more GPUs (sharded {s.sharded}, {len(s.gpus)} GPU(s)); set it to "
+                    f"false or re-export the plan with `zorse plan`")
+            for name in ("sharded", "recompute", "grad_sharded"):
                 if not isinstance(getattr(s, name), bool):
                     raise PlanFileError(f"plan: field stages[{s.index}].{name} is {short_repr(getattr(s, name))}; "
                                         f"it must be true or false")

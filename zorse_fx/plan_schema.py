@@ -66,7 +66,7 @@ PlanDoc = struct_of(Plan, "PlanDoc", docs={SolverReport: SolverDoc, StagePlan: S
 
 
 def upgrade(d: dict) -> dict:
-    """``d`` (a parsed plan.json of version 1-8) in the current shape: a
+    """``d`` (a parsed plan.json of version 1-9) in the current shape: a
     copy with the fields added since its version at the values it trained
     with (v2: ``sharded``/``recompute`` off, ``state_shard_bytes`` 0; v3:
     ``interleave`` 1; v4: ``precision`` fp32 with float32 gradients, and the
@@ -74,7 +74,8 @@ def upgrade(d: dict) -> dict:
     ``source_sha256`` None; v6: ``grad_bucket_bytes`` 25 MiB, the runtime's
     default; v7: each GPU's ``predicted_memory`` breakdown, optional, all 0
     when absent; v8: each stage's ``low_precision_params``, optional, none
-    when absent). Parts of the wrong type are left for the schema to name."""
+    when absent; v9: each stage's ``grad_sharded``, optional, off when
+    absent). Parts of the wrong type are left for the schema to name."""
     d = dict(d)
     version = d.get("version")
     if not isinstance(version, int) or version >= 6:

@@ -292,6 +292,7 @@ def main(argv=None) -> int:
             d = out / "grads"
             d.mkdir(parents=True, exist_ok=True)
             torch.save(worker.gradients(), d / f"rank{rank}.pt")
+            torch.save(worker.gradient_pieces(), d / f"rank{rank}_pieces.pt")  # ZeRO-2's owned ranges
         mine = torch.tensor([worker.last_breakdown[k] for k in _BREAKDOWN] + [float(stop.signal)],
                             dtype=torch.float64, device=device)
         gathered = [torch.empty_like(mine) for _ in range(world)]

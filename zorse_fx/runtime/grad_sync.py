@@ -49,11 +49,53 @@ but the last run during the stage's last backward, from the end of the
 backward of the stage's last block (it runs first: no bucket is ready before
 it ends), and charges the rest after it: [C-objective], ``solve/network_terms.drain_offsets``;
 bench/README.md, "Gradient buckets overlapping the stage's own last backward").
+
+[Note: sharded gradients]
+ZeRO-2 (``StagePlan.grad_sharded``, on a ZeRO-1 stage of k >= 2 GPUs): no
+GPU keeps the stage's whole gradient. Each rank keeps a float32 *gradient
+shard* per optimizer buffer, the size of its owned range of that buffer
+([Note: ZeRO-1 with unequal shards] in ``optimizer.py``), and every
+micro-batch's gradients are reduced into the shards as the backward makes
+them:
+
+- the stage's parameters reduced over the stage's own GPUs only (a tied
+  parameter other stages hold, or one this rank holds twice, keeps the
+  ZeRO-1 path above) form *shard buckets*: runs of one buffer's elements in
+  buffer order, closed at ``bucket_bytes`` of the reduction dtype, numbered
+  in backward order (last parameters first), the same on every rank;
+- a ``post_accumulate_grad`` hook registered for the whole run adds each
+  parameter's gradient of the micro-batch into its bucket's reduction
+  buffer (the plan's ``grad_reduce_dtype``; allocated at the bucket's
+  first gradient, zeros for a parameter without one) and frees it; a
+  complete bucket is launched, in bucket order, as one asynchronous
+  ``dist.reduce_scatter`` whose parts are the owners' overlaps with the
+  bucket (SUM; a GPU whose range misses the bucket gets an empty part).
+  The parts are unequal, so it is not ``reduce_scatter_tensor`` (equal
+  chunks, which would need padding to the largest shard); on NCCL torch
+  runs unequal parts as k rooted reductions in one NCCL group
+  (reduce_scatter_v), so they share the links as one reduce-scatter does:
+  each rank sends (k-1)/k of the bucket, at k launches' latency;
+- at most ``MAX_SHARD_BUCKETS_IN_FLIGHT`` buckets are in flight: launching
+  one more first waits for the oldest, whose owner adds its slice (cast to
+  float32) into its gradient shard and drops the buffer. So the transient
+  is a few buckets, not the stage's gradient. After each backward of the
+  stage (``end_backward``) parameters that got no gradient are marked,
+  launching the rest; ``wait`` drains every bucket before the step.
+
+The rank's gradient of a parameter's owned elements is then a view of its
+shard (``piece_grad``), which the optimizer steps; ``shard_grads`` are what
+the loss scaler unscales, clipping scales and the global norm squares (each
+element once, on its owner). Traffic: every micro-batch moves the stage's
+gradient once in the reduction dtype (M times per step instead of one
+all-reduce of the sum), spread over the backwards instead of the drain;
+the planner prices it so (``sim/engine.py``). The float32 sums are the
+same numbers as ZeRO-1's in another order: micro-batches summed after the
+ranks instead of before.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import dataclass, field
 
 import torch
@@ -64,7 +106,11 @@ from ..plan import Plan
 from ..precision import PrecisionPolicy
 from .stage import StageRuntime
 
-__all__ = ["GradientReducer", "holders_of"]
+__all__ = ["GradientReducer", "holders_of", "MAX_SHARD_BUCKETS_IN_FLIGHT"]
+
+#: ZeRO-2: shard buckets in flight per rank before launching another waits for the oldest
+#: ([Note: sharded gradients]); the reduction buffers that can be alive at once are one more.
+MAX_SHARD_BUCKETS_IN_FLIGHT = 2
 
 def holders_of(plan: Plan) -> dict[str, tuple[int, ...]]:
     """Canonical parameter name -> the ranks holding it (sorted), over every
@@ -99,29 +145,60 @@ class _Bucket:
     low: torch.Tensor | None = None
 
 
+@dataclass(slots=True, kw_only=True)
+class _GradShard:
+    """ZeRO-2: one optimizer buffer of a ``grad_sharded`` stage on this rank."""
+
+    stage: int
+    group: object
+    #: Each GPU of the stage's range of the buffer (stage order), and this rank's position among them.
+    ranges: tuple[tuple[int, int], ...]
+    position: int
+    #: This rank's range and its float32 gradient shard.
+    owned: tuple[int, int]
+    main: torch.Tensor
+    buckets: list["_ShardBucket"] = field(default_factory=list)
+    next: int = 0
+
+
+@dataclass(slots=True, kw_only=True)
+class _ShardBucket:
+    """ZeRO-2: elements ``[start, end)`` of a buffer, reduced to their owners every micro-batch."""
+
+    shard: _GradShard
+    index: int
+    start: int
+    end: int
+    members: list[tuple[torch.nn.Parameter, int]]  # (parameter, offset in the buffer)
+    marked: set[int] = field(default_factory=set)
+    comm: torch.Tensor | None = None
+
+
 class GradientReducer:
     """Reduces the gradients of one rank's stages (see [Note: overlapped
     gradient reduction]). ``groups``: process group per key (sorted ranks)
     with more than one rank; ``bucket_bytes``: bucket size (default: the plan's)."""
 
     def __init__(self, plan: Plan, stages: list[StageRuntime], groups: dict[tuple[int, ...], object], *,
-                 precision: PrecisionPolicy, bucket_bytes: int | None = None, main_grad=()):
+                 precision: PrecisionPolicy, bucket_bytes: int | None = None, main_grad=(), shard_buffers=()):
         bucket_bytes = plan.grad_bucket_bytes if bucket_bytes is None else bucket_bytes
         self.precision = precision
         self.groups = groups
-        #: 16-bit working weights (``StageOptimizer.low_params``): their gradients accumulate into float32
-        #: main gradients, views of float32 buckets (see [Note: 16-bit working weights] in precision.py).
-        low = {id(p) for p in main_grad}
-        self._low = low
         holders = holders_of(plan)
         copies: dict[str, list[tuple[int, torch.nn.Parameter]]] = defaultdict(list)
         for st in stages:
             for canon, p in st.params().items():
                 copies[canon].append((st.index, p))
-        #: Entries of this rank, global order, that need a reduction or a local sum.
+        self._build_shards(plan, holders, copies, shard_buffers, bucket_bytes)
+        #: 16-bit working weights (``StageOptimizer.low_params``): their gradients accumulate into float32
+        #: main gradients, views of float32 buckets (see [Note: 16-bit working weights] in precision.py).
+        low = {id(p) for p in main_grad} - self._shard_of.keys()
+        self._low = low
+        #: Entries of this rank, global order, that need a reduction or a local sum (ZeRO-2's aside).
         self.entries: list[_Entry] = [
             _Entry(canon=c, copies=copies[c]) for c in holders
-            if c in copies and (len(holders[c]) > 1 or len(copies[c]) > 1)]
+            if c in copies and (len(holders[c]) > 1 or len(copies[c]) > 1)
+            and id(copies[c][0][1]) not in self._shard_of]
         self._by_copy: dict[int, tuple[_Entry, int]] = {}
         for e in self.entries:
             for i, (_, p) in enumerate(e.copies):
@@ -174,6 +251,136 @@ class GradientReducer:
                 # Every micro-batch: add its 16-bit gradient into the float32 main gradient and free it.
                 p.register_post_accumulate_grad_hook(self._on_low_grad)
 
+    # -- ZeRO-2 ----------------------------------------------------------------
+    def _build_shards(self, plan: Plan, holders, copies, shard_buffers, bucket_bytes: int) -> None:
+        """The gradient shards and shard buckets of the ``grad_sharded`` stages
+        ([Note: sharded gradients]). ``shard_buffers``: per such stage hosted
+        here, ``(StageRuntime, [optimizer._FlatBuffer])``."""
+        #: Every ZeRO-2 shard of this rank, in stage then buffer order.
+        self.shards: list[_GradShard] = []
+        #: id(parameter) -> (its shard bucket, its offset in the buffer).
+        self._shard_of: dict[int, tuple[_ShardBucket, int]] = {}
+        self._in_flight: deque[tuple[_ShardBucket, torch.Tensor, list]] = deque()
+        red = self.precision.reduce_dtype
+        first_cap, cap = bucket_caps(bucket_bytes)
+        for st, buffers in shard_buffers:
+            key = tuple(sorted(st.stage.ranks))
+            for buf in buffers:
+                a, b = buf.owned
+                shard = _GradShard(stage=st.index, group=self.groups[key], ranges=buf.ranges, position=st.position,
+                                   owned=(a, b), main=torch.zeros(b - a, dtype=torch.float32, device=buf.flat.device))
+                canon_of = {id(p): c for c, p in st.params().items()}
+                # Runs of parameters reduced over this stage's GPUs only, held once here, in buffer order.
+                runs, run = [], []
+                for p, offset in buf.members:
+                    c = canon_of[id(p)]
+                    if holders[c] == key and len(copies[c]) == 1:
+                        run.append((p, offset))
+                    elif run:
+                        runs.append(run)
+                        run = []
+                if run:
+                    runs.append(run)
+                # Buckets in backward order: from the buffer's end, closed at the bucket size.
+                chunks = []
+                for run in reversed(runs):
+                    chunk, size = [], 0
+                    for p, offset in reversed(run):
+                        chunk.append((p, offset))
+                        size += p.numel() * red.itemsize
+                        if size >= (first_cap if not chunks else cap):
+                            chunks.append(chunk[::-1])
+                            chunk, size = [], 0
+                    if chunk:
+                        chunks.append(chunk[::-1])
+                for i, members in enumerate(chunks):
+                    start = members[0][1]
+                    end = members[-1][1] + members[-1][0].numel()
+                    bk = _ShardBucket(shard=shard, index=i, start=start, end=end, members=members)
+                    shard.buckets.append(bk)
+                    for p, offset in members:
+                        self._shard_of[id(p)] = (bk, offset)
+                        p.register_post_accumulate_grad_hook(self._on_shard_grad)
+                self.shards.append(shard)
+
+    def _on_shard_grad(self, p: torch.Tensor) -> None:
+        """ZeRO-2: ``p``'s gradient of one micro-batch is complete: add it to its
+        bucket's reduction buffer, free it, launch the buckets now complete."""
+        bk, offset = self._shard_of[id(p)]
+        assert id(p) not in bk.marked, f"a gradient of one parameter arrived twice in one backward (bucket {bk.index})"
+        if bk.comm is None:
+            bk.comm = torch.zeros(bk.end - bk.start, dtype=self.precision.reduce_dtype, device=p.device)
+        lo = offset - bk.start
+        bk.comm[lo: lo + p.numel()].add_(p.grad.reshape(-1))
+        p.grad = None
+        bk.marked.add(id(p))
+        self._in_hook = True
+        try:
+            self._launch_shards(bk.shard)
+        finally:
+            self._in_hook = False
+
+    def _launch_shards(self, shard: _GradShard, *, flush: bool = False) -> None:
+        """Launch ``shard``'s complete buckets in bucket order (``flush``: every
+        remaining one, its missing gradients zeros)."""
+        while shard.next < len(shard.buckets):
+            bk = shard.buckets[shard.next]
+            if not flush and len(bk.marked) < len(bk.members):
+                return
+            comm = bk.comm if bk.comm is not None else torch.zeros(
+                bk.end - bk.start, dtype=self.precision.reduce_dtype, device=shard.main.device)
+            while len(self._in_flight) >= MAX_SHARD_BUCKETS_IN_FLIGHT:
+                self._finish_oldest()
+            # Per GPU of the stage, its owned part of the bucket (possibly empty): a reduce-scatter with
+            # unequal parts (NCCL: torch's coalesced rooted reductions, reduce_scatter_v).
+            parts = [comm[min(max(a, bk.start), bk.end) - bk.start: max(min(b, bk.end), bk.start) - bk.start]
+                     for a, b in shard.ranges]
+            mine = torch.empty_like(parts[shard.position])
+            work = dist.reduce_scatter(mine, parts, op=dist.ReduceOp.SUM, group=shard.group, async_op=True)
+            self._in_flight.append((bk, mine, work))
+            bk.comm = None
+            bk.marked.clear()
+            shard.next += 1
+            self.launched_during_backward += self._in_hook
+
+    def _finish_oldest(self) -> None:
+        """Wait for the oldest shard bucket in flight; its owner here adds its slice into the gradient shard."""
+        bk, mine, work = self._in_flight.popleft()
+        work.wait()
+        shard = bk.shard
+        a, b = shard.owned
+        lo = max(a, bk.start)
+        if mine.numel():
+            shard.main[lo - a: lo - a + mine.numel()].add_(mine)
+
+    def end_backward(self, stage: int) -> None:
+        """A backward of ``stage`` ended: launch its shard buckets still waiting
+        (parameters without a gradient in this micro-batch add zeros)."""
+        for shard in self.shards:
+            if shard.stage == stage:
+                self._launch_shards(shard, flush=True)
+                shard.next = 0  # the next micro-batch starts again at bucket 0
+
+    def piece_grad(self, p: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        """Elements ``[lo, hi)`` of ``p``'s reduced, flattened gradient: for a
+        ZeRO-2 parameter a view of this rank's gradient shard (the range must
+        be owned here), else a slice of ``grad_of(p)``."""
+        found = self._shard_of.get(id(p))
+        if found is None:
+            return self.grad_of(p).reshape(-1)[lo:hi]
+        bk, offset = found
+        a, b = bk.shard.owned
+        assert a <= offset + lo and offset + hi <= b, "a ZeRO-2 gradient piece this rank does not own"
+        return bk.shard.main[offset + lo - a: offset + hi - a]
+
+    def is_sharded(self, p: torch.Tensor) -> bool:
+        """Whether ``p``'s gradient lives in ZeRO-2 shards (``piece_grad``), not whole on this rank."""
+        return id(p) in self._shard_of
+
+    def shard_grads(self) -> list[torch.Tensor]:
+        """This rank's float32 gradient shards (ZeRO-2; empty tensors left out)."""
+        return [s.main for s in self.shards if s.main.numel()]
+
     def _grad_dtype(self, e: _Entry) -> torch.dtype:
         """The dtype of ``e``'s gradient bucket: float32 for a 16-bit working weight, else the parameter's."""
         p = e.copies[0][1]
@@ -196,7 +403,7 @@ class GradientReducer:
 
     @property
     def num_buckets(self) -> int:
-        return sum(len(b) for b in self.buckets.values())
+        return sum(len(b) for b in self.buckets.values()) + sum(len(s.buckets) for s in self.shards)
 
     # -- a step ------------------------------------------------------------------
     def start_step(self) -> None:
@@ -213,6 +420,15 @@ class GradientReducer:
             e.ready.clear()
             for i, (_, p) in enumerate(e.copies):
                 if e.bucket is None or i > 0:
+                    p.grad = None
+        assert not self._in_flight, "ZeRO-2 buckets of the last step are still in flight: wait() was not called"
+        for shard in self.shards:
+            shard.main.zero_()
+            shard.next = 0
+            for bk in shard.buckets:
+                bk.marked.clear()
+                bk.comm = None
+                for p, _ in bk.members:
                     p.grad = None
         self._next = dict.fromkeys(self.buckets, 0)
         self._launched.clear()
@@ -290,6 +506,11 @@ class GradientReducer:
             assert self._next[key] == len(bs), (
                 f"bucket {self._next[key]} of {len(bs)} for ranks {key} was never launched: a stage's last "
                 f"backward did not run end_final")
+        for shard in self.shards:
+            assert shard.next == 0, (f"ZeRO-2 bucket {shard.next} of stage {shard.stage} was never launched: a "
+                                     f"backward of the stage did not run end_backward")
+        while self._in_flight:
+            self._finish_oldest()
         for b in self._launched:
             b.work.wait()
             if b.low is not None:

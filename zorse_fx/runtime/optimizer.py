@@ -128,6 +128,8 @@ class _FlatBuffer:
     owned: tuple[int, int]
     #: 16-bit working weights: the float32 masters of the owned range (None: the buffer is its own master).
     master: torch.Tensor | None = None
+    #: The buffer's parameters in order, each with its offset in ``flat``.
+    members: tuple[tuple[torch.nn.Parameter, int], ...] = ()
 
 
 class StageOptimizer:
@@ -157,6 +159,9 @@ class StageOptimizer:
         #: The gradient of a parameter: ``p.grad``, or for a 16-bit working weight its float32 main
         #: gradient (``GradientReducer.grad_of``; the worker sets it once the reducer exists).
         self.grad_of = lambda p: p.grad
+        #: Elements ``[lo, hi)`` of a parameter's flattened gradient (a ZeRO-2 stage's: a view of this
+        #: rank's float32 gradient shard, ``GradientReducer.piece_grad``; the worker sets it).
+        self.piece_grad = lambda p, lo, hi: self.grad_of(p).reshape(-1)[lo:hi]
         #: Canonical name of each trainable parameter (by id).
         self.canonical = {id(getattr(stage.module, flat)): canon for flat, canon in plan_stage.params.items()}
         self.params = params
@@ -185,8 +190,9 @@ class StageOptimizer:
                 is_low = any(id(p) in low for p in members)
                 # 16-bit working weights: the float32 masters of the owned range, from the loaded weights.
                 master = torch.empty(b - a, dtype=torch.float32, device=stage.device) if is_low else None
-                offset = 0
+                offset, placed = 0, []
                 for p in members:
+                    placed.append((p, offset))
                     k = p.numel()
                     lo, hi = max(a, offset), min(b, offset + k)
                     if master is not None and lo < hi:
@@ -198,7 +204,8 @@ class StageOptimizer:
                                 else p.detach().view(-1)[lo - offset : hi - offset])
                         self._pieces.append((p, lo - offset, hi - offset, view))
                     offset += k
-                self.buffers.append(_FlatBuffer(dtype=dtype, flat=flat, ranges=ranges, owned=(a, b), master=master))
+                self.buffers.append(_FlatBuffer(dtype=dtype, flat=flat, ranges=ranges, owned=(a, b), master=master,
+                                                members=tuple(placed)))
         # A GPU may own no element (state_shard_bytes 0): it steps nothing and only receives.
         self.optimizer = (torch.optim.AdamW(param_groups([(p, v) for p, *_, v in self._pieces], cfg.weight_decay),
                                             **kw) if self._pieces else None)
@@ -219,6 +226,12 @@ class StageOptimizer:
             return [(self.canonical[id(p)], 0, p.numel(), p) for p in {id(p): p for p in self.params}.values()]
         return [(self.canonical[id(p)], lo, hi, view) for p, lo, hi, view in self._pieces]
 
+    def owned_pieces(self) -> list[tuple[torch.nn.Parameter, int, int]]:
+        """ZeRO-1: ``(parameter, start, end)`` per overlap of a parameter with
+        this rank's ranges (elements ``[start, end)`` of the flattened
+        parameter); empty when the stage is not sharded."""
+        return [(p, lo, hi) for p, lo, hi, _ in self._pieces]
+
     def master_pieces(self) -> list[tuple[str, int, int, torch.Tensor]]:
         """The float32 masters of this rank's 16-bit working weights, as
         ``(canonical name, start, end, tensor)`` over elements ``[start, end)``
@@ -233,7 +246,7 @@ class StageOptimizer:
         if self.optimizer is None:
             return
         for p, lo, hi, view in self._pieces:
-            view.grad = self.grad_of(p).reshape(-1)[lo:hi]
+            view.grad = self.piece_grad(p, lo, hi)
         self.optimizer.step()
         for *_, view in self._pieces:
             view.grad = None  # do not keep last step's gradients alive

@@ -141,9 +141,12 @@ class StageWorker:
                            for st in self.stages]
         self.reducer = GradientReducer(plan, self.stages, self._groups, precision=self.precision,
                                        bucket_bytes=plan.grad_bucket_bytes,  # what the planner priced
-                                       main_grad=[p for opt in self.optimizers for p in opt.low_params])
+                                       main_grad=[p for opt in self.optimizers for p in opt.low_params],
+                                       shard_buffers=[(st, opt.buffers) for st, opt in zip(self.stages, self.optimizers)
+                                                      if opt.zero1 and st.stage.grad_sharded])
         for opt in self.optimizers:
             opt.grad_of = self.reducer.grad_of
+            opt.piece_grad = self.reducer.piece_grad
         self.scaler = LossScaler(self.precision, device) if self.precision.loss_scaling else None
         P = plan.num_groups
         #: Per hosted stage: the index of its last backward in the schedule.
@@ -154,7 +157,7 @@ class StageWorker:
         #: Parameters whose squared gradient norm this rank adds to the global
         #: norm: each canonical name once, on the lowest rank holding it.
         self._norm_params = list({canon: p for st in self.stages for canon, p in st.params().items()
-                                  if holders[canon][0] == rank}.values())
+                                  if holders[canon][0] == rank and not self.reducer.is_sharded(p)}.values())
         self._eval = None  # (program, executor) of the forward-only step, built on first use
         #: Steps run so far, and optimizer steps taken (steps not skipped by the loss scaler).
         self.steps = 0
@@ -234,6 +237,7 @@ class StageWorker:
                     if final:
                         self.reducer.begin_final(st.index)
                     sent = st.backward(action.microbatch, received)
+                    self.reducer.end_backward(st.index)
                     if final:
                         self.reducer.end_final(st.index)
             p2p.post(len(self.schedule), sent)
@@ -280,6 +284,7 @@ class StageWorker:
     def _grads(self) -> list[torch.Tensor]:
         """Every gradient of the rank's stages (a 16-bit working weight's: its float32 main gradient)."""
         grads = [self.reducer.grad_of(p) for st in self.stages for p in st.params().values()]
+        grads += self.reducer.shard_grads()  # ZeRO-2: this rank's float32 gradient shards
         return list({id(g): g for g in grads if g is not None}.values())
 
     def _global_grad_norm(self) -> torch.Tensor:
@@ -289,6 +294,7 @@ class StageWorker:
         group or tied between stages counts once, as in a single process."""
         sq = torch.zeros((), dtype=torch.float32, device=self.device)
         grads = [g for g in map(self.reducer.grad_of, self._norm_params) if g is not None]
+        grads += self.reducer.shard_grads()  # ZeRO-2: each element once, on its owner
         if grads:
             norms = torch._foreach_norm(grads, 2.0)
             sq = torch.stack([n.float() for n in norms]).pow(2).sum()
@@ -343,6 +349,20 @@ class StageWorker:
         per_stage = [{canon: grad_of(p).detach().clone() for canon, p in st.params().items() if grad_of(p) is not None}
                      for st in self.stages]
         return self._merged(per_stage, "gradients", torch.equal)
+
+    def gradient_pieces(self) -> dict[str, list[tuple[int, int, torch.Tensor]]]:
+        """The reduced gradients this rank holds of ZeRO-2 parameters
+        (``StagePlan.grad_sharded``), by canonical name: ``(start, end,
+        values)`` of elements ``[start, end)`` of the flattened parameter, its
+        owned range ([Note: sharded gradients] in ``grad_sync.py``).
+        ``gradients`` gives every other parameter's whole gradient."""
+        out: dict[str, list[tuple[int, int, torch.Tensor]]] = {}
+        for opt in self.optimizers:
+            for p, a, b in opt.owned_pieces():
+                if self.reducer.is_sharded(p):
+                    out.setdefault(opt.canonical[id(p)], []).append(
+                        (a, b, self.reducer.piece_grad(p, a, b).detach().clone()))
+        return out
 
     def parameters_by_name(self) -> dict[str, torch.Tensor]:
         """Parameters by canonical name over the rank's stages (one per name)."""
