@@ -282,10 +282,12 @@ MODES = ("never", "auto", "always")
 
 @pytest.mark.parametrize("seed", range(16))
 def test_cpsat_matches_brute_force_with_memory_policy(seed):
-    """With sharding / recompute decided per stage, CP-SAT's optimum equals the oracle's."""
+    """With sharding / recompute decided per stage, CP-SAT's optimum equals the
+    oracle's (without ZeRO-2, which the CP-SAT model does not have: [Note:
+    ZeRO-2 outside CP-SAT] in zorse_fx/portfolio.py)."""
     costs, devices, options = random_instance(seed)
     options = dataclasses.replace(options, sharding=("auto", "always")[seed % 2],
-                                  recompute=("auto", "always", "auto", "never")[seed % 4])
+                                  recompute=("auto", "always", "auto", "never")[seed % 4], grad_sharding="never")
     got = assert_cpsat_equals_brute_force(costs, devices, options)
     if got is None:
         return

@@ -95,6 +95,13 @@ class PlanOptions:
     #: memory and optimizer time), "never" or "always" (every stage with >= 2
     #: GPUs).
     sharding: str = "auto"
+    #: ZeRO-2 on a sharded stage: every micro-batch's gradients reduce-scattered
+    #: into the shards, so no GPU holds the stage's float32 gradients
+    #: ([Note: sharded gradients] in ``runtime/grad_sync.py``): "auto" (per
+    #: sharded stage, where it pays: it moves the stage's gradients M times per
+    #: step instead of once and frees 4 (k - 1)/k B per parameter), "never" or
+    #: "always" (every sharded stage).
+    grad_sharding: str = "auto"
     #: Stage-level activation recomputation: "auto" (per stage, where memory
     #: needs it), "never" or "always" (every stage).
     recompute: str = "auto"
@@ -125,7 +132,7 @@ class PlanOptions:
         if not isinstance(self.max_interleave, int) or self.max_interleave < 1:
             raise PlanOptionsError(f"PlanOptions.max_interleave={self.max_interleave!r}: use an int >= 1 "
                                    f"(1 = no interleaving)")
-        for name in ("sharding", "recompute"):
+        for name in ("sharding", "recompute", "grad_sharding"):
             v = getattr(self, name)
             if v not in MEMORY_MODES:
                 raise PlanOptionsError(f"PlanOptions.{name}={v!r}: use one of {MEMORY_MODES}")

@@ -132,12 +132,17 @@ class MemoryBreakdown:
     - ``weights_bytes``: float32 master weights (4 B) and, mixed, the step's
       16-bit copies in autocast's cache (2 B); a 16-bit working weight
       (``StagePlan.low_precision_params``) 2 B;
-    - ``gradients_bytes``: float32 gradients (4 B; the gradient buckets);
+    - ``gradients_bytes``: float32 gradients (4 B; the gradient buckets); on
+      a ZeRO-2 stage (``StagePlan.grad_sharded``) the GPU's gradient shard,
+      its share of ``state_shard_bytes`` in proportion to 4 B per parameter
+      beside the shardable bytes;
     - ``optimizer_bytes``: AdamW's two moments (8 B), or on a ZeRO-1 stage
       this GPU's shard (``state_shard_bytes``, which holds the float32
-      masters of its 16-bit working weights);
+      masters of its 16-bit working weights; on a ZeRO-2 stage less its
+      gradient shard);
     - ``communication_bytes``: the 16-bit copies of gradient buckets in flight
-      (2 B with a 16-bit ``grad_reduce_dtype``, else 0); point-to-point
+      (2 B with a 16-bit ``grad_reduce_dtype``, else 0), on a ZeRO-2 stage its
+      reduction buffers (three buckets at most); point-to-point
       buffers are not modelled (one micro-batch's boundary tensors);
     - ``activations_bytes``: the rest of the prediction: what autograd saves
       for the micro-batches in flight (``cost/activations.py``), the

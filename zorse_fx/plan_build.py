@@ -5,9 +5,12 @@ generated stage sources, ``plan_decision`` reads the ``Decision`` back from a
 
 from __future__ import annotations
 
+from collections import Counter
+
 from .capture import BlockGraph, low_precision_params
 from .cluster import Cluster
 from .codegen import emit_source, split_stages
+from .ir.buckets import BUCKET_BYTES, MAX_SHARD_BUCKETS_IN_FLIGHT
 from .ir.costs import BlockCosts
 from .ir.decision import Decision
 from .ir.result import SolverResult
@@ -15,33 +18,50 @@ from .options import PlanOptions
 from .plan import GPUShare, MemoryBreakdown, Plan, SolverReport, StagePlan
 from .precision import PrecisionPolicy
 from .solve.objective import MEMORY_UNIT_BYTES, MIB_UNITS
-from .solve.state_terms import shardable_kib
+from .solve.state_terms import shardable_kib, unique_params
 
 __all__ = ["build_plan", "plan_decision", "memory_breakdown"]
 
 
-def memory_breakdown(predicted: int, hosted: list[tuple[int, int | None, int]],
-                     precision: PrecisionPolicy) -> MemoryBreakdown:
+def memory_breakdown(predicted: int, hosted: list[tuple[int, int | None, int, int]],
+                     precision: PrecisionPolicy, *, bucket_bytes: int = BUCKET_BYTES) -> MemoryBreakdown:
     """``predicted`` bytes of one GPU split by what holds them (see
     ``plan.MemoryBreakdown``). ``hosted``: per stage the GPU hosts, (its unique
     trainable parameters, this GPU's ZeRO-1 optimizer shard in bytes or None
     when the stage is not sharded, how many of the parameters are 16-bit
-    working weights). The training state is exact per parameter under
+    working weights, how many have their gradients sharded: ZeRO-2, 0
+    elsewhere). The training state is exact per parameter under
     ``precision`` (a 16-bit working weight: 2 B of weights, its float32
-    master in the optimizer shard, [Note: 16-bit working weights]);
-    activations are the rest of the prediction (what autograd saves for the
-    micro-batches in flight, the loss block's backward transient, and the
-    planner's rounding up of each block's state to KiB). Bytes in, bytes
-    out; 0 predicted: all 0."""
+    master in the optimizer shard, [Note: 16-bit working weights]); on a
+    ZeRO-2 stage the shard also holds the GPU's float32 gradients of those
+    parameters, counted as gradients in proportion (4 B per parameter beside
+    the shardable bytes of each; the others' stay whole), and its reduction
+    buffers (``state_terms.grad_shard_kib``'s transient: 2 x
+    ``MAX_SHARD_BUCKETS_IN_FLIGHT`` + 2 buckets of ``bucket_bytes`` at most)
+    as communication; activations are the rest of the prediction
+    (what autograd saves for the micro-batches in flight, the loss block's
+    backward transient, and the planner's rounding up of each block's state
+    to KiB). Bytes in, bytes out; 0 predicted: all 0."""
     if predicted <= 0:
         return MemoryBreakdown()
-    params = sum(n for n, _, _ in hosted)
-    low = sum(n16 for _, _, n16 in hosted)
+    params = sum(n for n, *_ in hosted)
+    low = sum(n16 for _, _, n16, _ in hosted)
     weights = ((params - low) * (precision.weight_bytes_per_param + precision.cast_bytes_per_param)
                + low * precision.allgather_bytes_per_param16)
-    grads = params * precision.grad_bytes_per_param
-    comm = params * precision.reduce_copy_bytes_per_param
-    optim = sum(n * precision.optimizer_bytes_per_param if shard is None else shard for n, shard, _ in hosted)
+    grads = comm = optim = 0
+    for n, shard, n16, n_gs in hosted:
+        if shard is not None and n_gs:
+            grad_b = 4 * n_gs
+            shardable = precision.optimizer_bytes_per_param * (n - n16) + 12 * n16
+            g = min(grad_b, shard * grad_b // (shardable + grad_b)) if shardable + grad_b else 0
+            grads += g + (n - n_gs) * precision.grad_bytes_per_param
+            optim += shard - g
+            comm += ((2 * MAX_SHARD_BUCKETS_IN_FLIGHT + 2) * min(grad_b, bucket_bytes)
+                     + (n - n_gs) * precision.reduce_copy_bytes_per_param)
+            continue
+        grads += n * precision.grad_bytes_per_param
+        comm += n * precision.reduce_copy_bytes_per_param
+        optim += n * precision.optimizer_bytes_per_param if shard is None else shard
     acts = max(0, predicted - weights - grads - comm - optim)
     return MemoryBreakdown(weights_bytes=weights, gradients_bytes=grads, optimizer_bytes=optim,
                            activations_bytes=acts, communication_bytes=comm)
@@ -75,6 +95,10 @@ def build_plan(
     low = [tuple(flat for flat, canon in prog.params.items() if canon in eligible)
            if dec.sharded[s] and len(dec.stage_gpus[s]) > 1 else () for s, prog in enumerate(programs)]
     n_low = [sum(state[prog.params[flat]].numel() for flat in low[s]) for s, prog in enumerate(programs)]
+    # ZeRO-2: the parameters whose gradients the shards take (not held by another stage as well).
+    held = Counter(canon for prog in programs for canon in set(prog.params.values()))
+    n_gs = [sum(state[canon].numel() for canon in set(prog.params.values()) if held[canon] == 1)
+            if dec.grad_sharded[s] else 0 for s, prog in enumerate(programs)]
     for s, prog in enumerate(programs):
         gpus = []
         sharded = dec.sharded[s]
@@ -84,13 +108,13 @@ def build_plan(
             mem = int(result.predicted_memory_bytes[s][i]) if result.predicted_memory_bytes else 0
             gpu = cluster.gpus[g]
             # The prediction is of the GPU: every stage of its group (interleaving) at position i.
-            hosted = [(n_params[t], int(shard_bytes[t][i]) if dec.sharded[t] else None, n_low[t])
+            hosted = [(n_params[t], int(shard_bytes[t][i]) if dec.sharded[t] else None, n_low[t], n_gs[t])
                       for t in range(s % groups, len(programs), groups)]
             gpus.append(GPUShare(
                 rank=rank, gpu=g, node=gpu.node, gpu_type=gpu.type, samples_per_microbatch=n,
                 predicted_memory_bytes=mem, memory_capacity_bytes=int(gpu.memory_bytes),
                 state_shard_bytes=int(shard_bytes[s][i]),
-                predicted_memory=memory_breakdown(mem, hosted, precision),
+                predicted_memory=memory_breakdown(mem, hosted, precision, bucket_bytes=options.bucket_bytes),
             ))
             rank += 1
         label = bg.describe_blocks(*prog.blocks)
@@ -111,6 +135,7 @@ def build_plan(
             sharded=sharded,
             recompute=dec.recompute[s],
             low_precision_params=low[s],
+            grad_sharded=dec.grad_sharded[s],
         ))
         gpu_list = ", ".join(f"{gs.gpu_type}@{gs.node} x{gs.samples_per_microbatch}" for gs in gpus)
         sources.append(emit_source(prog, header=f"Plan: {model_name} on {cluster.name}; GPUs: {gpu_list}"))
@@ -173,6 +198,8 @@ def plan_decision(plan, costs: BlockCosts | None = None) -> Decision:
                                  f"BlockCosts to split its optimizer state equally")
             i, j = st.blocks
             q_kib = shardable_kib(costs, i, j, MEMORY_UNIT_BYTES)
+            if getattr(st, "grad_sharded", False):  # ZeRO-2: the shards hold the float32 gradients too
+                q_kib += -(-4 * unique_params(costs, i, j) // MEMORY_UNIT_BYTES)
             need = -(-q_kib // MIB_UNITS)
             row = (-(-need // len(st.gpus)),) * len(st.gpus)
         shards.append(row)
@@ -182,5 +209,6 @@ def plan_decision(plan, costs: BlockCosts | None = None) -> Decision:
                                                  for st in plan.stages),
                     num_microbatches=plan.num_microbatches, sharded=sharded, shard_mib=tuple(shards),
                     recompute=tuple(bool(getattr(st, "recompute", False)) for st in plan.stages),
+                    grad_sharded=tuple(bool(getattr(st, "grad_sharded", False)) for st in plan.stages),
                     interleave=int(getattr(plan, "interleave", 1)),  # plans before format v3: not interleaved
                     precision=str(getattr(plan, "precision", "") or ""))

@@ -14,6 +14,29 @@ for a baseline); the optimality gap keeps CP-SAT's bound, so it is reported
 against the returned plan. Last, ``solve.interleave.with_interleaving`` re-cuts the
 winner's GPU groups into interleaved stages and keeps that when the objective
 scores it faster (status ``<status>+INTERLEAVED``; [Note: interleave search]).
+
+[Note: ZeRO-2 outside CP-SAT]
+Sharded gradients (ZeRO-2, [C-grad-shard] in ``solve/objective.py``) are
+scored by the evaluator, chosen per stage by the stage DP and the brute-force
+oracle, and tried on the winner by ``_try_grad_sharding``; the CP-SAT model
+does not have them. Why: in the objective a ZeRO-2 stage's sync term is M
+reduce-scatters (half an all-reduce ring each) and the all-gather, counted
+as all after its last backward (the runtime spreads them over the
+backwards: conservative), and its optimizer step reads the gradient shard
+too; with M >= 2 that is never less than ZeRO-1's all-reduce and
+all-gather, so ZeRO-2 can win only by what its memory buys (fewer stages,
+more micro-batches in flight, no recomputation) -- exactly the plans the
+memory-first stage DP searches. Adding the choice to CP-SAT (drafted:
+per-stage literals, the shifted memory states, a third sync term) made
+OR-Tools 9.15's presolve declare a worse solution OPTIMAL on a random
+instance of tests/test_solver.py (the bug of [Note: presolve bug] in
+``solve/_search.py``; right with presolve off), and would enlarge every
+candidate's model. So the CP-SAT candidates stay ZeRO-2-free and get
+ZeRO-2-free warm starts (``Selector.feasible_per_candidate(plain=True)``),
+a CP-SAT optimum is proven over ZeRO-2-free plans only (a stage DP plan
+with ZeRO-2 that beats it is returned, with the throughput bound as its
+bound), and the winner's sharded stages are each tried with ZeRO-2 and
+without recomputation.
 """
 
 from __future__ import annotations
@@ -78,7 +101,9 @@ def solve_portfolio(costs: BlockCosts, devices: DeviceGraph, options: PlanOption
     found.sort(key=lambda f: f[0])
     # Every (S, M) the stage DP reached gets its plan as a hint; the first hint of an
     # (S, M) is used, so the list is sorted by step time.
-    hints = sorted([(r.predicted_step_time_s, k, r) for k, (_, _, r) in enumerate(found)]
+    # ([Note: ZeRO-2 outside CP-SAT]: a plan with sharded gradients is no warm start for CP-SAT.)
+    hints = sorted([(r.predicted_step_time_s, k, r) for k, (_, _, r) in enumerate(found)
+                    if not any(r.decision.grad_sharded)]
                    + [(r.predicted_step_time_s, len(found) + k, r) for k, r in enumerate(dp_hints)])
     kw = {"hints": tuple(r for _, _, r in hints)} if "hints" in inspect.signature(solver).parameters else {}
     try:
@@ -86,12 +111,15 @@ def solve_portfolio(costs: BlockCosts, devices: DeviceGraph, options: PlanOption
         error = None
     except InfeasiblePlanError as exc:
         best, error = None, exc
-    if best is not None and best.status == "OPTIMAL":
-        # Nothing with one stage per group beats a proven optimum; interleaving may.
-        return with_interleaving(costs, devices, options, best)
+    if best is not None and best.status == "OPTIMAL" and not (found and found[0][0] < best.predicted_step_time_s):
+        # Nothing with one stage per group beats a proven optimum (ZeRO-2 aside:
+        # [Note: ZeRO-2 outside CP-SAT]); interleaving or ZeRO-2 may.
+        return with_interleaving(costs, devices, options, _try_grad_sharding(costs, devices, options, best))
     if found and (best is None or found[0][0] < best.predicted_step_time_s):
         step, name, res = found[0]
         bound = best.best_bound if best is not None else throughput_bound_s(costs, devices, options)
+        if any(res.decision.grad_sharded):  # CP-SAT's bound is over plans without ZeRO-2
+            bound = min(bound, throughput_bound_s(costs, devices, options))
         # Keep CP-SAT's per-candidate records (statuses, bounds) after the heuristic's.
         searched = tuple(best.candidates) if best is not None else ()
         stops = best.wall_clock_stops if best is not None else 0
@@ -101,6 +129,43 @@ def solve_portfolio(costs: BlockCosts, devices: DeviceGraph, options: PlanOption
             candidates=tuple(res.candidates) + searched)
     if best is None:
         raise error
-    best = with_interleaving(costs, devices, options, best)
+    best = with_interleaving(costs, devices, options, _try_grad_sharding(costs, devices, options, best))
     return dataclasses.replace(best, wall_s=time.perf_counter() - t0,
                                candidates=tuple(best.candidates) + tuple(tried))
+
+
+def _try_grad_sharding(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions,
+                       best: SolverResult) -> SolverResult:
+    """``best`` with sharded gradients (ZeRO-2) on those of its sharded stages
+    where the objective scores it faster: each stage in turn, with its
+    recomputation kept or dropped ([Note: ZeRO-2 outside CP-SAT]); shards
+    re-balanced (``objective.fill_policy``). ``best`` itself when nothing is
+    faster or ``options.grad_sharding`` is "never"."""
+    from .solve.bounds import throughput_bound_s
+    from .solve.objective import evaluate, fill_policy, policy_decision, prepare
+
+    d = best.decision
+    if options.grad_sharding == "never" or not any(d.sharded) or d.interleave != 1:
+        return best
+    tab, _ = prepare(costs, devices, options, d)
+    gs, rc = list(d.grad_sharded), list(d.recompute)
+    cur = evaluate(costs, devices, options, d)
+    improved = False
+    for s in range(d.num_stages):
+        if not d.sharded[s] or gs[s]:
+            continue
+        for rc_s in dict.fromkeys((False, rc[s])):
+            tgs, trc = gs.copy(), rc.copy()
+            tgs[s], trc[s] = True, rc_s
+            pol = fill_policy(tab, d.stage_blocks, d.stage_gpus, d.samples_per_microbatch, d.sharded, trc, tgs)
+            ev = evaluate(costs, devices, options, policy_decision(d.stage_blocks, d.stage_gpus,
+                                                                   d.samples_per_microbatch, d.num_microbatches, pol))
+            if ev.feasible and ev.objective_units < cur.objective_units:
+                cur, gs, rc, improved = ev, tgs, trc, True
+    if not improved:
+        return best
+    # CP-SAT's bound is over plans without ZeRO-2: the throughput bound holds for these too.
+    bound = min(best.best_bound, throughput_bound_s(costs, devices, options))
+    status = with_safety_stop(f"{with_safety_stop(best.status, 0)}+ZERO2", best.wall_clock_stops)
+    return dataclasses.replace(SolverResult.from_evaluation(cur, options=options, status=status, best_bound=bound),
+                               wall_clock_stops=best.wall_clock_stops, candidates=best.candidates)

@@ -60,14 +60,22 @@ them:
 
 - the stage's parameters reduced over the stage's own GPUs only (a tied
   parameter other stages hold, or one this rank holds twice, keeps the
-  ZeRO-1 path above) form *shard buckets*: runs of one buffer's elements in
-  buffer order, closed at ``bucket_bytes`` of the reduction dtype, numbered
-  in backward order (last parameters first), the same on every rank;
-- a ``post_accumulate_grad`` hook registered for the whole run adds each
-  parameter's gradient of the micro-batch into its bucket's reduction
-  buffer (the plan's ``grad_reduce_dtype``; allocated at the bucket's
-  first gradient, zeros for a parameter without one) and frees it; a
-  complete bucket is launched, in bucket order, as one asynchronous
+  ZeRO-1 path above) form *shard buckets*: element ranges of one buffer of
+  ``bucket_bytes`` of the reduction dtype (the first 1 MiB at most), cut
+  through parameters where they fall, numbered from the buffer's end. A
+  ZeRO-2 stage's buffer is in forward order (each parameter at its first
+  use in the stage source: ``StageRuntime.first_use``, the same on every
+  rank), so the backward completes the buckets in that order, one at a
+  time. (In ``StagePlan.params`` order -- norms after a layer's matmuls, a
+  tied embedding last -- the bucket holding the embedding would hold back
+  every launch, and every bucket's buffer, until the end of the backward;
+  and a bucket closed at whole parameters would be as large as the largest
+  one, 180 MB of float32 for a Llama-2 7B MLP weight.);
+- a ``post_accumulate_grad`` hook registered for the whole run copies each
+  parameter's gradient of the micro-batch, piece by piece, into its
+  buckets' reduction buffers (the plan's ``grad_reduce_dtype``; allocated
+  at a bucket's first piece, zeros for a parameter without a gradient) and
+  frees it; each complete bucket is launched, in bucket order, as one asynchronous
   ``dist.reduce_scatter`` whose parts are the owners' overlaps with the
   bucket (SUM; a GPU whose range misses the bucket gets an empty part).
   The parts are unequal, so it is not ``reduce_scatter_tensor`` (equal
@@ -101,16 +109,13 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ..ir.buckets import bucket_caps
+from ..ir.buckets import MAX_SHARD_BUCKETS_IN_FLIGHT, bucket_caps
 from ..plan import Plan
 from ..precision import PrecisionPolicy
 from .stage import StageRuntime
 
 __all__ = ["GradientReducer", "holders_of", "MAX_SHARD_BUCKETS_IN_FLIGHT"]
 
-#: ZeRO-2: shard buckets in flight per rank before launching another waits for the oldest
-#: ([Note: sharded gradients]); the reduction buffers that can be alive at once are one more.
-MAX_SHARD_BUCKETS_IN_FLIGHT = 2
 
 def holders_of(plan: Plan) -> dict[str, tuple[int, ...]]:
     """Canonical parameter name -> the ranks holding it (sorted), over every
@@ -169,7 +174,9 @@ class _ShardBucket:
     index: int
     start: int
     end: int
-    members: list[tuple[torch.nn.Parameter, int]]  # (parameter, offset in the buffer)
+    #: (parameter, [lo, hi) of the buffer): the parameters' elements in the bucket; a parameter
+    #: larger than a bucket is cut over several.
+    members: list[tuple[torch.nn.Parameter, int, int]]
     marked: set[int] = field(default_factory=set)
     comm: torch.Tensor | None = None
 
@@ -258,11 +265,12 @@ class GradientReducer:
         here, ``(StageRuntime, [optimizer._FlatBuffer])``."""
         #: Every ZeRO-2 shard of this rank, in stage then buffer order.
         self.shards: list[_GradShard] = []
-        #: id(parameter) -> (its shard bucket, its offset in the buffer).
-        self._shard_of: dict[int, tuple[_ShardBucket, int]] = {}
-        self._in_flight: deque[tuple[_ShardBucket, torch.Tensor, list]] = deque()
+        #: id(parameter) -> (its shard, its offset in the buffer, [(bucket, lo, hi): its elements
+        #: [lo, hi) in that bucket, in launch order]).
+        self._shard_of: dict[int, tuple[_GradShard, int, list]] = {}
+        self._in_flight: deque[tuple[_ShardBucket, torch.Tensor, object]] = deque()
         red = self.precision.reduce_dtype
-        first_cap, cap = bucket_caps(bucket_bytes)
+        first_cap, cap = (max(1, c // red.itemsize) for c in bucket_caps(bucket_bytes))  # in elements
         for st, buffers in shard_buffers:
             key = tuple(sorted(st.stage.ranks))
             for buf in buffers:
@@ -270,7 +278,8 @@ class GradientReducer:
                 shard = _GradShard(stage=st.index, group=self.groups[key], ranges=buf.ranges, position=st.position,
                                    owned=(a, b), main=torch.zeros(b - a, dtype=torch.float32, device=buf.flat.device))
                 canon_of = {id(p): c for c, p in st.params().items()}
-                # Runs of parameters reduced over this stage's GPUs only, held once here, in buffer order.
+                # Runs of parameters reduced over this stage's GPUs only, held once here, in buffer order
+                # (forward order for a ZeRO-2 stage: StageOptimizer), as element ranges [start, end).
                 runs, run = [], []
                 for p, offset in buf.members:
                     c = canon_of[id(p)]
@@ -281,44 +290,45 @@ class GradientReducer:
                         run = []
                 if run:
                     runs.append(run)
-                # Buckets in backward order: from the buffer's end, closed at the bucket size.
-                chunks = []
+                # Buckets in backward order: from each run's end, ``cap`` elements each (the shard's first
+                # ``first_cap``), cutting through parameters, so a bucket is never more than a cap.
                 for run in reversed(runs):
-                    chunk, size = [], 0
-                    for p, offset in reversed(run):
-                        chunk.append((p, offset))
-                        size += p.numel() * red.itemsize
-                        if size >= (first_cap if not chunks else cap):
-                            chunks.append(chunk[::-1])
-                            chunk, size = [], 0
-                    if chunk:
-                        chunks.append(chunk[::-1])
-                for i, members in enumerate(chunks):
-                    start = members[0][1]
-                    end = members[-1][1] + members[-1][0].numel()
-                    bk = _ShardBucket(shard=shard, index=i, start=start, end=end, members=members)
-                    shard.buckets.append(bk)
-                    for p, offset in members:
-                        self._shard_of[id(p)] = (bk, offset)
-                        p.register_post_accumulate_grad_hook(self._on_shard_grad)
+                    lo_run, end = run[0][1], run[-1][1] + run[-1][0].numel()
+                    while end > lo_run:
+                        start = max(lo_run, end - (first_cap if not shard.buckets else cap))
+                        pieces = [(p, max(start, off), min(end, off + p.numel())) for p, off in run
+                                  if off < end and off + p.numel() > start]
+                        shard.buckets.append(_ShardBucket(shard=shard, index=len(shard.buckets), start=start,
+                                                          end=end, members=pieces))
+                        end = start
+                for bk in shard.buckets:
+                    for p, lo, hi in bk.members:
+                        ent = self._shard_of.setdefault(id(p), (shard, next(o for q, o in buf.members if q is p), []))
+                        ent[2].append((bk, lo, hi))
+                for p, _ in (m for run in runs for m in run):
+                    p.register_post_accumulate_grad_hook(self._on_shard_grad)
                 self.shards.append(shard)
 
     def _on_shard_grad(self, p: torch.Tensor) -> None:
-        """ZeRO-2: ``p``'s gradient of one micro-batch is complete: add it to its
-        bucket's reduction buffer, free it, launch the buckets now complete."""
-        bk, offset = self._shard_of[id(p)]
-        assert id(p) not in bk.marked, f"a gradient of one parameter arrived twice in one backward (bucket {bk.index})"
-        if bk.comm is None:
-            bk.comm = torch.zeros(bk.end - bk.start, dtype=self.precision.reduce_dtype, device=p.device)
-        lo = offset - bk.start
-        bk.comm[lo: lo + p.numel()].add_(p.grad.reshape(-1))
-        p.grad = None
-        bk.marked.add(id(p))
+        """ZeRO-2: ``p``'s gradient of one micro-batch is complete: copy each of
+        its pieces into its bucket's reduction buffer, in launch order, launching
+        each bucket it completes (so a parameter larger than a bucket goes out
+        bucket by bucket, at most ``MAX_SHARD_BUCKETS_IN_FLIGHT`` in flight);
+        free it."""
+        shard, offset, pieces = self._shard_of[id(p)]
+        flat = p.grad.reshape(-1)
         self._in_hook = True
         try:
-            self._launch_shards(bk.shard)
+            for bk, lo, hi in pieces:
+                assert id(p) not in bk.marked, f"a gradient arrived twice in one backward (bucket {bk.index})"
+                if bk.comm is None:  # (every range is written once: arrivals copy, the flush zeroes the rest)
+                    bk.comm = torch.empty(bk.end - bk.start, dtype=self.precision.reduce_dtype, device=p.device)
+                bk.comm[lo - bk.start: hi - bk.start].copy_(flat[lo - offset: hi - offset])  # (cast on the fly)
+                bk.marked.add(id(p))
+                self._launch_shards(shard)
         finally:
             self._in_hook = False
+        p.grad = None
 
     def _launch_shards(self, shard: _GradShard, *, flush: bool = False) -> None:
         """Launch ``shard``'s complete buckets in bucket order (``flush``: every
@@ -327,8 +337,11 @@ class GradientReducer:
             bk = shard.buckets[shard.next]
             if not flush and len(bk.marked) < len(bk.members):
                 return
-            comm = bk.comm if bk.comm is not None else torch.zeros(
+            comm = bk.comm if bk.comm is not None else torch.empty(
                 bk.end - bk.start, dtype=self.precision.reduce_dtype, device=shard.main.device)
+            for q, lo, hi in bk.members:  # parameters without a gradient this micro-batch add zeros
+                if id(q) not in bk.marked:
+                    comm[lo - bk.start: hi - bk.start].zero_()
             while len(self._in_flight) >= MAX_SHARD_BUCKETS_IN_FLIGHT:
                 self._finish_oldest()
             # Per GPU of the stage, its owned part of the bucket (possibly empty): a reduce-scatter with
@@ -368,10 +381,10 @@ class GradientReducer:
         found = self._shard_of.get(id(p))
         if found is None:
             return self.grad_of(p).reshape(-1)[lo:hi]
-        bk, offset = found
-        a, b = bk.shard.owned
+        shard, offset, _ = found
+        a, b = shard.owned
         assert a <= offset + lo and offset + hi <= b, "a ZeRO-2 gradient piece this rank does not own"
-        return bk.shard.main[offset + lo - a: offset + hi - a]
+        return shard.main[offset + lo - a: offset + hi - a]
 
     def is_sharded(self, p: torch.Tensor) -> bool:
         """Whether ``p``'s gradient lives in ZeRO-2 shards (``piece_grad``), not whole on this rank."""
@@ -428,7 +441,7 @@ class GradientReducer:
             for bk in shard.buckets:
                 bk.marked.clear()
                 bk.comm = None
-                for p, _ in bk.members:
+                for p, *_ in bk.members:
                     p.grad = None
         self._next = dict.fromkeys(self.buckets, 0)
         self._launched.clear()

@@ -179,9 +179,15 @@ class StageOptimizer:
             self.optimizer = torch.optim.AdamW(param_groups([(p, p) for p in unique], cfg.weight_decay), **kw)
             return
         pos = stage.position
+        # ZeRO-2: the buffer in forward order (first use), so the backward completes its gradient buckets
+        # from the end to the start, one at a time ([Note: sharded gradients] in grad_sync.py).
+        first = ({id(getattr(stage.module, flat)): k for flat, k in stage.first_use().items()}
+                 if plan_stage.grad_sharded else None)
         with torch.no_grad():
             for dtype in self.dtypes:
                 members = [p for p in params if working(p) == dtype]
+                if first is not None:
+                    members.sort(key=lambda p: first[id(p)])
                 n = sum(p.numel() for p in members)
                 # Parameters become views of one flat buffer (stage order), so a range is one slice.
                 flat = torch.empty(n, dtype=dtype, device=stage.device)

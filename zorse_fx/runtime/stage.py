@@ -179,7 +179,8 @@ class StageRuntime:
         return text
 
     def _load_module(self, plan_dir: Path, weights: dict[str, torch.Tensor]) -> torch.nn.Module:
-        cls = load_stage_source(self._source(plan_dir), plan_dir / self.stage.source_file, self.stage.index)
+        self.source_text = self._source(plan_dir)
+        cls = load_stage_source(self.source_text, plan_dir / self.stage.source_file, self.stage.index)
         with torch.device("meta"):
             module = cls()
         names = {**cls.PARAMETERS, **cls.CONSTANTS}
@@ -195,6 +196,33 @@ class StageRuntime:
                 if p.is_floating_point() and p.dtype != torch.float32:
                     setattr(module, name, torch.nn.Parameter(p.detach().float()))
         return module
+
+    def first_use(self) -> dict[str, int]:
+        """Flat parameter name -> the line of its first use in the stage's
+        forward (the generated source binds every attribute to a local first,
+        ``name = self.<flat>``: the first later line reading that local, or
+        reading ``self.<flat>`` itself); -1 for one the forward never reads.
+        A parameter's gradient is final when the backward of its first use
+        ends, so the backward finalizes them in descending order of this
+        (ZeRO-2's launch order: [Note: sharded gradients] in ``grad_sync.py``)."""
+        import re
+
+        text = self.source_text
+        lines = text[text.find("def forward"):].splitlines()[1:]
+        bind = re.compile(r"^\s*([A-Za-z_]\w*) = self\.([A-Za-z_]\w*)\s*$")
+        ident = re.compile(r"\bself\.([A-Za-z_]\w*)|\b([A-Za-z_]\w*)\b")
+        local_of: dict[str, str] = {}
+        out: dict[str, int] = {}
+        for k, line in enumerate(lines):
+            b = bind.match(line)
+            if b:
+                local_of[b.group(1)] = b.group(2)
+                continue
+            for m in ident.finditer(line):
+                flat = m.group(1) or local_of.get(m.group(2))
+                if flat is not None:
+                    out.setdefault(flat, k)
+        return {flat: out.get(flat, -1) for flat in self.stage.params}
 
     def params(self) -> dict[str, torch.nn.Parameter]:
         """Trainable parameters by canonical name."""

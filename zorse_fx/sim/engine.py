@@ -88,7 +88,13 @@ score the same shards).
     state Q_s = ``sum of BlockCosts.shardable_bytes`` over its blocks
     (``shardable_bytes_per_param`` per float32 parameter, 12 B per 16-bit
     working weight: [Note: 16-bit working weights] in ``precision.py``);
-    see "Gradient sync".
+    see "Gradient sync". ZeRO-2 (``Decision.grad_sharded[s]``): the shards
+    hold the float32 gradients too and the replicated state drops by them,
+    plus the reduction buffers (``objective.sharded_state_kib``); each
+    bucket's part of such a stage takes M reduce-scatters (half a ring
+    all-reduce each) after the last backward, as the objective counts them
+    ([C-grad-shard]: an upper bound, the runtime starts each after its own
+    micro-batch's backward).
 
 Gradient sync, per GPU group, as the runtime does it ([Note: overlapped
 gradient reduction] in ``runtime/grad_sync.py``). A group with > 1 GPU
@@ -194,7 +200,7 @@ from ..ir.devices import DeviceGraph
 from ..ir.p2p import RankProgram, programs_from, route_messages, routes
 from ..ir.schedule import make_schedule
 from ..options import PlanOptions
-from ..solve.objective import MEMORY_UNIT_BYTES, MIB_UNITS, RECOMPUTE_FRACTION, prepare
+from ..solve.objective import MEMORY_UNIT_BYTES, MIB_UNITS, RECOMPUTE_FRACTION, prepare, sharded_state_kib
 from ..solve.state_terms import stage_state_kib
 from .network import FlowResources, link_resource, max_min_rates
 from .sync import gradient_sync
@@ -581,7 +587,7 @@ def simulate(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions, deci
     step, sync_events, shard_bytes = gradient_sync(
         costs, devices, stage_blocks=stage_blocks, stage_gpus=stage_gpus, samples=decision.samples_per_microbatch,
         n_p=n_p, pol=pol, last_b=pipe.last_b, last_b_span=pipe.last_b_span, rc_dur=pipe.rc_dur,
-        resources=pipe.resources, bucket_bytes=options.bucket_bytes)
+        resources=pipe.resources, bucket_bytes=options.bucket_bytes, num_microbatches=decision.num_microbatches)
     events = pipe.events + sync_events
     used, n_g = pipe.used, devices.num_gpus
     busy_frac = tuple(pipe.busy.get(g, 0.0) / step if step > 0 else 0.0 for g in range(n_g))
@@ -591,9 +597,10 @@ def simulate(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions, deci
         for s in range(pipe.group_of[g], n_s, n_p):
             i, j = stage_blocks[s]
             full, shard = stage_state_kib(tab, i, j)  # a tied parameter once per stage
+            if pol.sharded[s]:  # the replicated rest (ZeRO-2: less the gradients) and the GPU's shard
+                full = sharded_state_kib(tab, i, j, pol.gs(s))[0]
+                full += MIB_UNITS * pol.shard_mib[s][stage_gpus[s].index(g)]
             state += full
-            if pol.sharded[s]:
-                state += MIB_UNITS * pol.shard_mib[s][stage_gpus[s].index(g)] - shard
         peak[g] = MEMORY_UNIT_BYTES * (state + pipe.peak_act[g])
     bubble = 1.0 - sum(busy_frac[g] for g in used) / len(used)
     events.sort(key=lambda e: (e.start_s, e.gpu, KINDS.index(e.kind), e.end_s))

@@ -37,7 +37,7 @@ class _Timing:
 
 
 def _reduction(costs: BlockCosts, timing: _Timing, stage_blocks, stages, gpus, excluded: dict[int, int],
-               ring_: Ring, grad_bytes: int, bucket_bytes: int):
+               ring_: Ring, grad_bytes: int, bucket_bytes: int, scatters: dict[int, int] | None = None):
     """The gradient buckets of one GPU group, all-reduced in order as the
     runtime does ([Note: overlapped gradient reduction] in
     ``runtime/grad_sync.py``): the group's parameters in reverse plan order
@@ -48,7 +48,12 @@ def _reduction(costs: BlockCosts, timing: _Timing, stage_blocks, stages, gpus, e
     stage finished the bucket's earliest block and the previous bucket is
     done; it takes a ring all-reduce of its gradients on the group's ring
     (``Ring.allreduce_s``). Yields ``(stage, start, end, params)`` per stage,
-    from its first bucket's start to its last bucket's end, the parameters it reduces."""
+    from its first bucket's start to its last bucket's end, the parameters it reduces.
+    ``scatters[s]`` = M for a ZeRO-2 stage: its parameters' part of a bucket
+    takes M reduce-scatters (half a ring all-reduce each) instead, all after
+    the last backward, as the objective counts them ([C-grad-shard]: an upper
+    bound; the runtime starts each after its own micro-batch's backward)."""
+    scatters = scatters or {}
     buckets: list[list] = []  # [ready, params, {stage: params}]
     caps = bucket_caps(bucket_bytes)
     cur = [0.0, 0, {}]
@@ -74,7 +79,9 @@ def _reduction(costs: BlockCosts, timing: _Timing, stage_blocks, stages, gpus, e
     span: dict[int, list] = {}
     for ready, params, by_stage in buckets:
         start = max(ready, t)
-        t = start + ring_.allreduce_s(grad_bytes * params)
+        plain = sum(n for s, n in by_stage.items() if s not in scatters)
+        t = start + (ring_.allreduce_s(grad_bytes * plain) if plain else 0.0) + sum(
+            scatters[s] * ring_.allreduce_s(grad_bytes * n) / 2 for s, n in by_stage.items() if s in scatters)
         for s, n in by_stage.items():
             sp = span.setdefault(s, [start, t, 0])
             sp[1], sp[2] = t, sp[2] + n
@@ -104,7 +111,8 @@ def _tied_plan(costs: BlockCosts, stage_blocks, stage_gpus, n_p: int):
 
 
 def gradient_sync(costs: BlockCosts, devices: DeviceGraph, *, stage_blocks, stage_gpus, samples, n_p: int, pol,
-                  last_b: dict, last_b_span: dict, rc_dur: dict, resources: FlowResources, bucket_bytes: int):
+                  last_b: dict, last_b_span: dict, rc_dur: dict, resources: FlowResources, bucket_bytes: int,
+                  num_microbatches: int = 1):
     """Events and end of the step's gradient sync (see the engine's module note).
     ``bucket_bytes``: the gradient bucket size (``PlanOptions.bucket_bytes``).
     Returns ``(step_end_s, events, shard_bytes)`` with ``shard_bytes`` per stage
@@ -138,8 +146,9 @@ def gradient_sync(costs: BlockCosts, devices: DeviceGraph, *, stage_blocks, stag
         t_red = {g: last_b[g] for g in gpus}
         if len(gpus) > 1:
             t_end = max(last_b[g] for g in gpus)
+            scatters = {s: num_microbatches for s in stages_p if pol.gs(s)}  # ZeRO-2 stages
             for s, start, end, nparams in _reduction(costs, timing, stage_blocks, stages_p, gpus, excluded,
-                                                       ring_p, gr_b, bucket_bytes):
+                                                       ring_p, gr_b, bucket_bytes, scatters):
                 events += [SimEvent("allreduce", g, s, -1, start, end, None, gr_b * nparams) for g in gpus]
                 t_end = max(t_end, end)
             t_red = dict.fromkeys(gpus, t_end)

@@ -1,7 +1,7 @@
 """Exhaustive oracle for tiny instances (tests compare CP-SAT against it).
 
 Enumerates every S, M, assignment of GPUs to stages / idle, cut composition,
-sample split and per-stage memory policy (sharded / recompute, as the options
+sample split and per-stage memory policy (sharded / ZeRO-2 / recompute, as the options
 allow; a sharded stage's shards are ``balance_shards``' split, the least
 optimizer time that fits), the full product with no pruning, checks memory
 and scores each decision with objective.py's integer model (``evaluate_units``).
@@ -77,13 +77,16 @@ def solve_brute_force(costs: BlockCosts, devices: DeviceGraph, options: PlanOpti
                     edges = (0, *inner, nb)
                     blocks = tuple((edges[s], edges[s + 1]) for s in range(n_s))
                     splits = [list(_compositions(b, len(gs))) for gs in stage_gpus]
-                    flags = [(False, True) if options.sharding != "never" and len(gs) >= 2 else (False,)
+                    gsm = {"never": (False,), "auto": (False, True), "always": (True,)}[options.grad_sharding]
+                    flags = [((False, False), *((True, z) for z in gsm))  # (sharded, grad_sharded)
+                             if options.sharding != "never" and len(gs) >= 2 else ((False, False),)
                              for gs in stage_gpus]
                     rcs = {"never": (False,), "auto": (False, True), "always": (True,)}[options.recompute]
                     for samples in itertools.product(*splits):
-                        for sharded in itertools.product(*flags):
+                        for flag in itertools.product(*flags):
+                            sharded, grads = tuple(f[0] for f in flag), tuple(f[1] for f in flag)
                             for recompute in itertools.product(rcs, repeat=n_s):
-                                pol = fill_policy(tab, blocks, stage_gpus, samples, sharded, recompute)
+                                pol = fill_policy(tab, blocks, stage_gpus, samples, sharded, recompute, grads)
                                 if mode_violations(options, stage_gpus, pol):
                                     continue
                                 u = evaluate_units(tab, blocks, stage_gpus, samples, pol)

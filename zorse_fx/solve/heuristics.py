@@ -91,17 +91,22 @@ def memory_groups(tab, gpus, samples) -> tuple[tuple[tuple[int, int], int], ...]
     return tuple(sorted(Counter((n, tab.cap_bytes[g]) for g, n in zip(gpus, samples)).items()))
 
 
-def stage_fits(tab, s: int, n_s: int, i: int, j: int, groups, *, sharded: bool, recompute: bool) -> bool:
+def stage_fits(tab, s: int, n_s: int, i: int, j: int, groups, *, sharded: bool, recompute: bool,
+               grad_sharded: bool = False) -> bool:
     """Whether stage ``s`` of ``n_s`` (blocks [i, j), GPUs as ``memory_groups``)
     fits memory under the variant. Unsharded (or one GPU), every GPU holds
     the whole state plus its activations; sharded, every GPU holds the
     replicated part plus its activations and the memory left over, in whole
     MiB, holds the shardable part -- exactly when ``objective.fill_policy``
-    finds shards satisfying [C-memory] and [C-shard]."""
+    finds shards satisfying [C-memory] and [C-shard] (``grad_sharded``: with
+    ZeRO-2's replicated and shardable parts, [C-grad-shard])."""
+    from .objective import sharded_state_kib
+
     state, shard = stage_state_kib(tab, i, j)  # [C-tied]: a tied parameter once per stage
     if not sharded or sum(c for _, c in groups) < 2:
         return all(state + stage_act_kib(tab, s, n_s, i, j, n, recompute=recompute) <= cap for (n, cap), _ in groups)
-    free = [(cap - (state - shard) - stage_act_kib(tab, s, n_s, i, j, n, recompute=recompute), c) for (n, cap), c in groups]
+    rep, shard = sharded_state_kib(tab, i, j, grad_sharded)
+    free = [(cap - rep - stage_act_kib(tab, s, n_s, i, j, n, recompute=recompute), c) for (n, cap), c in groups]
     return min(f for f, _ in free) >= 0 and MIB_UNITS * sum(c * (f // MIB_UNITS) for f, c in free) >= shard
 
 
@@ -210,6 +215,9 @@ class Selector:
         self._tables: dict[int, object] = {}
         #: {(S, M): (rank key, decision, MemoryPolicy)}; rank key = (infeasible?, step units).
         self._best: dict[tuple[int, int], tuple[tuple[int, int], tuple, MemoryPolicy]] = {}
+        #: The same over the policies without sharded gradients (ZeRO-2): the CP-SAT model's warm
+        #: starts, as it has no ZeRO-2 ([Note: ZeRO-2 outside CP-SAT] in ``zorse_fx/portfolio.py``).
+        self._best_plain: dict[tuple[int, int], tuple[tuple[int, int], tuple, MemoryPolicy]] = {}
 
     def tables(self, m: int):
         """Integer tables of the model for M micro-batches (cached)."""
@@ -234,18 +242,20 @@ class Selector:
             policies = [policy]
         ok_shape = len(blocks) <= self.options.max_stages
         ok_shape &= self.options.allow_idle_gpus or sum(map(len, gpus)) == self.devices.num_gpus
-        best = None
+        best = plain = None
         for pol in policies:
             u = evaluate_units(tab, blocks, gpus, ns, pol)
             ok = ok_shape and u.fits(tab, gpus) and not mode_violations(self.options, gpus, pol)
             key = (0 if ok else 1, u.step)
             if best is None or key < best[0]:
                 best = (key, pol)
-        key, pol = best
+            if not any(pol.grad_sharded) and (plain is None or key < plain[0]):
+                plain = (key, pol)
         s_m = (len(blocks), m)
-        if s_m not in self._best or key < self._best[s_m][0]:
-            self._best[s_m] = (key, dec, pol)
-        return key[1]
+        for kept, found in ((self._best, best), (self._best_plain, plain)):
+            if found is not None and (s_m not in kept or found[0] < kept[s_m][0]):
+                kept[s_m] = (found[0], dec, found[1])
+        return best[0][1]
 
     def result(self, why_none: str = "") -> SolverResult:
         """The chosen decision as a SolverResult (status BASELINE / BASELINE_INFEASIBLE).
@@ -270,12 +280,15 @@ class Selector:
                 chosen = ev
         return self._record(chosen, tuple(cands))
 
-    def feasible_per_candidate(self) -> tuple[SolverResult, ...]:
+    def feasible_per_candidate(self, *, plain: bool = False) -> tuple[SolverResult, ...]:
         """The best feasible decision of every (S, M) scored, fastest first
-        (status BASELINE; ``candidates`` empty): warm starts for CP-SAT."""
+        (status BASELINE; ``candidates`` empty): warm starts for CP-SAT
+        (``plain``: the best without sharded gradients, which CP-SAT's
+        model can express)."""
         out = []
-        for k in sorted(self._best, key=lambda k: (self._best[k][0], k)):
-            (bad, _), (blocks, gpus, samples, m), pol = self._best[k]
+        kept = self._best_plain if plain else self._best
+        for k in sorted(kept, key=lambda k: (kept[k][0], k)):
+            (bad, _), (blocks, gpus, samples, m), pol = kept[k]
             if bad:
                 continue
             ev = evaluate(self.costs, self.devices, self.options, policy_decision(blocks, gpus, samples, m, pol))

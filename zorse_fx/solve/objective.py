@@ -18,6 +18,22 @@ them to the planner):
         stages with >= 2 GPUs)                                        [C-shard]
   rc_s  stage-level recomputation: keep only the stage's inputs per in-flight
         micro-batch, re-run the forward before each backward          [C-recompute]
+  gs_s  ZeRO-2 (only where sh_s; ``PlanOptions.grad_sharding``): the stage's
+        float32 gradients sharded too, every micro-batch's reduce-scattered
+        into the shards ([Note: sharded gradients] in runtime/grad_sync.py).
+        Memory: R_s - G-_s + T_s replicated, Q_s + G+_s shardable, G+_s >=
+        and G-_s <= the float32 gradient bytes of the stage's parameters less
+        every tied copy another stage also holds (those keep the all-reduce),
+        T_s = 6 min(G+_s, one bucket) its reduction buffers
+        (``state_terms.grad_shard_kib``, ``sharded_state_kib``). Time: the
+        stage's allreduce_s becomes ring(ceil(M * ar_s / 2) + ag_s) + (M nb_s
+        + 1) (k - 1) lat_max: M reduce-scatters (half an all-reduce ring each)
+        and the all-gather, all counted after the last backward (an upper
+        bound: the runtime starts each after its own micro-batch's backward);
+        L_s and optim_s as ZeRO-1's (the optimizer's z_g now also holds the
+        gradient shard: its time is over-counted by that). Not in the CP-SAT
+        model ([Note: ZeRO-2 outside CP-SAT] in zorse_fx/portfolio.py)
+                                                                      [C-grad-shard]
 
 P_s = params of the blocks of s (a tied parameter once: [C-tied]), A_s = their activation bytes per sample,
 W_{s,tau} = their fwd+bwd time per sample on GPU type tau, Q_s = their
@@ -183,7 +199,7 @@ from .network_terms import (
     tied_terms,
     untied_block_kib,
 )
-from .state_terms import stage_optim_units, stage_state_kib
+from .state_terms import grad_shard_kib, stage_optim_units, stage_state_kib
 
 # The units and integer tables live in tables.py (re-exported: callers import them from here).
 from .tables import (  # noqa: F401
@@ -208,7 +224,7 @@ __all__ = [
     "evaluate", "evaluate_units", "balance_shards", "MIB_UNITS", "evaluate_result",
     "RECOMPUTE_FRACTION", "MemoryPolicy", "prepare", "policy_decision", "act_units",
     "effective_pair_bandwidth", "ring_units", "tied_terms", "bucket_count", "GRAD_BUCKET_BYTES_PER_PARAM",
-    "BUCKET_UNIT_BYTES", "drain_offsets", "LAST_BUCKET_RESOLUTION",
+    "BUCKET_UNIT_BYTES", "drain_offsets", "LAST_BUCKET_RESOLUTION", "sharded_state_kib",
 ]
 
 
@@ -269,10 +285,16 @@ class MemoryPolicy:
     sharded: tuple[bool, ...]
     shard_mib: tuple[tuple[int, ...], ...]
     recompute: tuple[bool, ...]
+    #: Per stage: ZeRO-2 (gradients sharded too, [C-grad-shard]); () = none.
+    grad_sharded: tuple[bool, ...] = ()
 
     @classmethod
     def plain(cls, num_stages: int) -> "MemoryPolicy":
         return cls((False,) * num_stages, ((),) * num_stages, (False,) * num_stages)
+
+    def gs(self, s: int) -> bool:
+        """Whether stage ``s`` has sharded gradients (ZeRO-2)."""
+        return bool(self.grad_sharded) and self.grad_sharded[s]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -333,18 +355,33 @@ def balance_shards(need_kib: int, free_mib, rate) -> tuple[int, ...] | None:
     return tuple(z)
 
 
-def fill_policy(tab: IntTables, stage_blocks, stage_gpus, samples, sharded, recompute) -> MemoryPolicy:
+def sharded_state_kib(tab: IntTables, i: int, j: int, grad_sharded: bool) -> tuple[int, int]:
+    """(replicated, shardable) KiB of a sharded stage over blocks [i, j): R_s and
+    Q_s ([C-shard]), under ZeRO-2 R_s - G-_s + the reduction buffers and Q_s +
+    G+_s ([C-grad-shard], ``state_terms.grad_shard_kib``)."""
+    state, shard = stage_state_kib(tab, i, j)
+    if not grad_sharded:
+        return state - shard, shard
+    up, down, transient = grad_shard_kib(tab, i, j)
+    down = min(down, state - shard)  # (the replicated state holds the float32 gradients: 4 of its B/param)
+    return state - shard - down + transient, shard + up
+
+
+def fill_policy(tab: IntTables, stage_blocks, stage_gpus, samples, sharded, recompute,
+                grad_sharded=()) -> MemoryPolicy:
     """A MemoryPolicy for the given per-stage flags with each sharded stage's
     shards chosen by ``balance_shards`` on the memory left after the replicated
     state and the activations (when even that cannot hold the state, shards
     proportional to the free memory: ``evaluate`` then reports the breach)."""
     n_s = len(stage_blocks)
+    grad_sharded = tuple(bool(x) for x in grad_sharded) or (False,) * n_s
     shards = []
     for s, ((i, j), gpus, ns) in enumerate(zip(stage_blocks, stage_gpus, samples)):
         if not sharded[s]:
             shards.append(())
             continue
-        state, need = stage_state_kib(tab, i, j)
+        rep, need = sharded_state_kib(tab, i, j, grad_sharded[s])
+        state = rep + need
         a = tab.act_prefix[j] - tab.act_prefix[i]
         free = [(tab.cap_bytes[g] - (state - need) - act_units(tab, s, n_s, i, n, a, recompute=recompute[s])) // MIB_UNITS
                 for g, n in zip(gpus, ns)]
@@ -354,7 +391,8 @@ def fill_policy(tab: IntTables, stage_blocks, stage_gpus, samples, sharded, reco
             tot = sum(fr) or len(fr)
             z = [-(-need_mib * (f if sum(fr) else 1) // tot) for f in fr]
         shards.append(tuple(z))
-    return MemoryPolicy(tuple(bool(x) for x in sharded), tuple(shards), tuple(bool(x) for x in recompute))
+    return MemoryPolicy(tuple(bool(x) for x in sharded), tuple(shards), tuple(bool(x) for x in recompute),
+                        grad_sharded)
 
 
 def policy_decision(stage_blocks, stage_gpus, samples, num_microbatches: int, policy: MemoryPolicy,
@@ -363,7 +401,7 @@ def policy_decision(stage_blocks, stage_gpus, samples, num_microbatches: int, po
     scored) with the memory policy ``policy``, shards included."""
     return Decision(stage_blocks=stage_blocks, stage_gpus=stage_gpus, samples_per_microbatch=samples,
                     num_microbatches=num_microbatches, interleave=interleave, sharded=policy.sharded,
-                    shard_mib=policy.shard_mib, recompute=policy.recompute)
+                    shard_mib=policy.shard_mib, recompute=policy.recompute, grad_sharded=policy.grad_sharded)
 
 
 def evaluate_units(tab: IntTables, stage_blocks, stage_gpus, samples, policy: MemoryPolicy | None = None,
@@ -381,7 +419,7 @@ def evaluate_units(tab: IntTables, stage_blocks, stage_gpus, samples, policy: Me
     rows_per_boundary, load_rows = [], []  # [C-boundary] rows of each boundary's GPU pairs; both ways
     (excluded, tied), first_kib = tied_terms(tab, stage_blocks, stage_gpus, n_s // interleave), untied_block_kib(tab)
     for s, ((i, j), gpus, ns) in enumerate(zip(stage_blocks, stage_gpus, samples)):
-        sh, rc = pol.sharded[s], pol.recompute[s]
+        sh, rc, gs = pol.sharded[s], pol.recompute[s], pol.gs(s)
 
         def rerun(g, n, e):  # the recomputed forward of GPU g over blocks [i, e) (0 without recomputation)
             t = tab.gpu_types[g]
@@ -418,8 +456,13 @@ def evaluate_units(tab: IntTables, stage_blocks, stage_gpus, samples, policy: Me
             classes = {tab.pair_bw_class[g][h] for g, h in pairs}
             arb = max(own(tab.arsh_prefix if sh else tab.ar_prefix, q) for q in classes)
             ring_lat.append((len(gpus) - 1) * max(tab.pair_lat[g][h] for g, h in pairs))
-            ar.append(ring_units(arb, len(gpus))
-                      + (2 * bucket_count(grad_kib[s], tab.bucket_caps) + sh) * ring_lat[s])
+            if gs:  # [C-grad-shard]: M reduce-scatters (half an all-reduce's ring each), then the all-gather
+                ar.append(max(ring_units(-(-m * own(tab.ar_prefix, q) // 2) + own(tab.arsh_prefix, q)
+                                         - own(tab.ar_prefix, q), len(gpus)) for q in classes)
+                          + (m * bucket_count(grad_kib[s], tab.bucket_caps) + 1) * ring_lat[s])
+            else:
+                ar.append(ring_units(arb, len(gpus))
+                          + (2 * bucket_count(grad_kib[s], tab.bucket_caps) + sh) * ring_lat[s])
             # [C-objective] L_s: the ring of LK_s KiB (and a sharded stage's all-gather), after the backward.
             lk, k = max(last_bucket_kib(grad_kib[s], tab.bucket_caps), first_kib[i]), len(gpus)
             x = max(ring_units(tab.lastb_coef[q] * lk, k, tab.lastb_scale[q]) for q in classes)
@@ -436,8 +479,9 @@ def evaluate_units(tab: IntTables, stage_blocks, stage_gpus, samples, policy: Me
         a = tab.act_prefix[j] - tab.act_prefix[i]
         if sh:
             z = pol.shard_mib[s]
+            rep, shard = sharded_state_kib(tab, i, j, gs)  # [C-grad-shard]
             opt.append(max(zg * tab.opt_per_mib[tab.gpu_mbw_class[g]] for g, zg in zip(gpus, z)))
-            mem.append(tuple(state - shard + MIB_UNITS * zg + act_units(tab, s, n_s, i, n, a, recompute=rc)
+            mem.append(tuple(rep + MIB_UNITS * zg + act_units(tab, s, n_s, i, n, a, recompute=rc)
                              for n, zg in zip(ns, z)))
             unc.append(max(0, shard - MIB_UNITS * sum(z)))
         else:
@@ -504,8 +548,9 @@ def prepare(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions,
     tab = build_tables(costs, devices, options, decision.num_microbatches)
     d = decision
     if d.shard_mib is None:
-        return tab, fill_policy(tab, d.stage_blocks, d.stage_gpus, d.samples_per_microbatch, d.sharded, d.recompute)
-    return tab, MemoryPolicy(d.sharded, d.shard_mib, d.recompute)
+        return tab, fill_policy(tab, d.stage_blocks, d.stage_gpus, d.samples_per_microbatch, d.sharded, d.recompute,
+                                d.grad_sharded)
+    return tab, MemoryPolicy(d.sharded, d.shard_mib, d.recompute, d.grad_sharded)
 
 
 def mode_violations(options: PlanOptions, stage_gpus, pol: MemoryPolicy) -> list[str]:
@@ -516,6 +561,10 @@ def mode_violations(options: PlanOptions, stage_gpus, pol: MemoryPolicy) -> list
             bad.append(f"stage {s} is sharded but sharding='never'")
         if not pol.sharded[s] and len(gpus) >= 2 and options.sharding == "always":
             bad.append(f"stage {s} ({len(gpus)} GPUs) is not sharded but sharding='always'")
+        if pol.gs(s) and options.grad_sharding == "never":
+            bad.append(f"stage {s} has sharded gradients but grad_sharding='never'")
+        if pol.sharded[s] and not pol.gs(s) and options.grad_sharding == "always":
+            bad.append(f"stage {s} is sharded without sharded gradients but grad_sharding='always'")
         if pol.recompute[s] != (options.recompute == "always") and options.recompute != "auto":
             bad.append(f"stage {s} recompute={pol.recompute[s]} but recompute={options.recompute!r}")
     return bad
@@ -557,7 +606,7 @@ def evaluate(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions, deci
     for s, gpus in enumerate(stage_gpus):
         if u.uncovered[s]:
             bad.append(f"stage {s}: the shards hold {_gib(MIB_UNITS * MEMORY_UNIT_BYTES * sum(pol.shard_mib[s]))} "
-                       f"GiB of {_gib(stage_state_kib(tab, *stage_blocks[s])[1] * MEMORY_UNIT_BYTES)} "
+                       f"GiB of {_gib(sharded_state_kib(tab, *stage_blocks[s], pol.gs(s))[1] * MEMORY_UNIT_BYTES)} "
                        f"GiB optimizer state")
         for g, need in zip(gpus, u.memory[s]):
             if need > tab.cap_bytes[g] and s < len(stage_blocks) // interleave:  # one report per GPU

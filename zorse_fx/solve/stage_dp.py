@@ -65,7 +65,7 @@ from ..ir.devices import DeviceGraph
 from ..ir.result import SolverResult
 from ..options import PlanOptions
 from .objective import MIB_UNITS, fill_policy, inflight, max_stage_count, microbatch_candidates
-from .state_terms import extra_copies_matrix
+from .state_terms import extra_copies_matrix, grad_shard_kib
 
 __all__ = ["solve_stage_dp", "stage_dp_search", "ORDERS", "MAX_UNITS"]
 
@@ -74,6 +74,16 @@ ORDERS = ("file", "memory", "speed", "speed_last")
 #: Above this many units neighbouring alike units merge (the DP is O(S^2 U^2) numpy steps).
 MAX_UNITS = 32
 _INF = np.iinfo(np.int64).max // 4
+
+
+def grad_variants(options: PlanOptions) -> tuple[tuple[bool, bool, bool], ...]:
+    """The (sharded, recompute, grad_sharded) variants the stage DP tries:
+    ``heuristics.memory_variants``, each sharded one with ZeRO-2 off and / or
+    on as ``options.grad_sharding`` allows ([C-grad-shard])."""
+    from .heuristics import memory_variants
+
+    gs_modes = {"never": (False,), "auto": (False, True), "always": (True,)}[options.grad_sharding]
+    return tuple((sh, rc, gs) for sh, rc in memory_variants(options) for gs in (gs_modes if sh else (False,)))
 
 
 def _units(devices: DeviceGraph, tab, speeds, order: str) -> list[tuple[int, ...]]:
@@ -137,6 +147,15 @@ class _Stages:
         self.arsh = [pre(p) for p in tab.arsh_prefix]
         self.opt = [pre(p) - sum((e * tab.tied_opt[t][q] for t, e in extra), np.int64(0))
                     for q, p in enumerate(tab.opt_prefix)]
+        # [C-grad-shard]: a ZeRO-2 stage's replicated state and shardable state (objective.sharded_state_kib).
+        self.gs_rep = self.gs_shard = None
+        if any(gs for _, _, gs in variants):
+            up, down, tr = (np.zeros_like(self.state) for _ in range(3))
+            for i in range(nb):
+                for j in range(i + 1, nb + 1):
+                    up[i, j], down[i, j], tr[i, j] = grad_shard_kib(tab, i, j)
+            rep = self.state - self.shard
+            self.gs_rep, self.gs_shard = rep - np.minimum(down, rep) + tr, self.shard + up
         # [C-allreduce]'s bucket count nb of blocks [i, j) (objective.bucket_count, vectorised;
         # tied exclusions are not known per stage here, as for the all-reduce term above).
         first_cap, cap = tab.bucket_caps
@@ -169,12 +188,18 @@ class _Stages:
             # ring: objective.ring_units; nb buckets of 2 (k - 1) latencies (+ 1 all-gather when sharded)
             ar = -((-self.ar[kin] * (k - 1)) // k) + 2 * self.nbuckets * (k - 1) * lat
             arsh = -((-self.arsh[kin] * (k - 1)) // k) + (2 * self.nbuckets + 1) * (k - 1) * lat
+            # [C-grad-shard]: M reduce-scatters (half an all-reduce ring each) and the all-gather
+            m = self.m
+            zr = (-((-(-(-m * self.ar[kin] // 2) + self.arsh[kin] - self.ar[kin]) * (k - 1)) // k)
+                  + (m * self.nbuckets + 1) * (k - 1) * lat)
         else:
-            ar = arsh = np.zeros_like(self.state)
+            ar = arsh = zr = np.zeros_like(self.state)
         mbw = sorted({tab.gpu_mbw_class[g] for g in gpus})
         opt = np.max([self.opt[q] for q in mbw], axis=0)
         per_gpu_mib = -(-self.shard // (MIB_UNITS * k))
         opt_sh = max(tab.opt_per_mib[q] for q in mbw) * per_gpu_mib
+        opt_gs = (max(tab.opt_per_mib[q] for q in mbw) * -(-self.gs_shard // (MIB_UNITS * k))
+                  if self.gs_shard is not None else None)
         # Boundary to the next unit (the first GPU group of the next stage): cut at j.
         bnd = np.zeros(self.nb + 1, dtype=np.int64)
         if u1 < len(self.units):
@@ -183,36 +208,43 @@ class _Stages:
             lq = max(tab.pair_lat[g][h] for g in gpus for h in nxt)
             bnd = 2 * (np.asarray(tab.xfer[kq], dtype=np.int64) + lq)
         mem = memory_groups(tab, gpus, ns)
-        out = {"gpus": gpus, "samples": ns, "comp": comp, "comp_rc": comp_rc, "ar": ar, "arsh": arsh,
-               "opt": opt, "opt_sh": opt_sh, "bnd": bnd[None, :], "mem": mem, "k": k, "cost": {}}
+        out = {"gpus": gpus, "samples": ns, "comp": comp, "comp_rc": comp_rc, "ar": ar, "arsh": arsh, "zr": zr,
+               "opt": opt, "opt_sh": opt_sh, "opt_gs": opt_gs, "bnd": bnd[None, :], "mem": mem, "k": k, "cost": {}}
         self.terms[key] = out
         return out
 
-    def cost(self, u0: int, u1: int, s: int, n_s: int):
-        """(cost matrix with _INF where nothing fits, variant index matrix) of stage s of n_s."""
+    def cost(self, u0: int, u1: int, s: int, n_s: int, plain: bool = False):
+        """(cost matrix with _INF where nothing fits, variant index matrix) of stage s of n_s,
+        over every variant or (``plain``) over those without sharded gradients."""
         g = self.group(u0, u1)
         if g is None:
             return None
         fl = inflight(self.tab.schedule, n_s, s, self.m)
         ck = (fl, s > 0, n_s)
-        if ck in g["cost"]:
-            return g["cost"][ck]
-        best = np.full_like(self.state, _INF)
-        arg = np.full(self.state.shape, -1, dtype=np.int64)
+        if (ck, plain) in g["cost"]:
+            return g["cost"][ck, plain]
         mult = self.m + n_s - 1
-        for v, (sh, rc) in enumerate(self.variants):
+        if plain:  # the variants without ZeRO-2
+            best = np.full_like(self.state, _INF)
+            arg = np.full(self.state.shape, -1, dtype=np.int64)
+        else:  # the ZeRO-2 ones on top of those (ties: the plain one)
+            best, arg = self.cost(u0, u1, s, n_s, plain=True)
+        for v, (sh, rc, gs) in enumerate(self.variants):
+            if gs == plain:
+                continue
             sh = sh and g["k"] >= 2
-            fits = self._fits(g["mem"], fl, s > 0, sh, rc)
+            gs = gs and sh  # (a one-GPU stage: neither)
+            fits = self._fits(g["mem"], fl, s > 0, sh, rc, gs)
             t = (g["comp_rc"] if rc else g["comp"]) + g["bnd"]
-            c = mult * t + (g["arsh"] + g["opt_sh"] if sh else g["ar"] + g["opt"])
+            c = mult * t + (g["zr"] + g["opt_gs"] if gs else g["arsh"] + g["opt_sh"] if sh else g["ar"] + g["opt"])
             c = np.where(fits & self.valid, c, _INF)
             better = c < best
             best = np.where(better, c, best)
             arg = np.where(better, v, arg)
-        g["cost"][ck] = (best, arg)
+        g["cost"][ck, plain] = (best, arg)
         return best, arg
 
-    def _fits(self, mem, fl: int, not_first: bool, sharded: bool, recompute: bool):
+    def _fits(self, mem, fl: int, not_first: bool, sharded: bool, recompute: bool, grad_sharded: bool = False):
         """[C-memory] / [C-shard] for every (i, j) at once (as heuristics.stage_fits)."""
         def act(n):
             if recompute:
@@ -224,16 +256,17 @@ class _Stages:
             for (n, cap), _ in mem:
                 ok &= self.state + act(n) <= cap
             return ok
+        rep, need = (self.gs_rep, self.gs_shard) if grad_sharded else (self.state - self.shard, self.shard)
         ok = np.ones_like(self.valid)
         held = np.zeros_like(self.state)
         for (n, cap), c in mem:
-            free = cap - (self.state - self.shard) - act(n)
+            free = cap - rep - act(n)
             ok &= free >= 0
             held += c * (np.maximum(free, 0) // MIB_UNITS)
-        return ok & (MIB_UNITS * held >= self.shard)
+        return ok & (MIB_UNITS * held >= need)
 
 
-def _dp(st: _Stages, n_s: int, idle: bool = False):
+def _dp(st: _Stages, n_s: int, idle: bool = False, plain: bool = False):
     """Best split into n_s stages over all blocks and all units (``idle``: over a
     prefix of the units, the rest idle): list of (u0, u1, i, j, variant) or None."""
     n_u, nb = len(st.units), st.nb
@@ -250,7 +283,7 @@ def _dp(st: _Stages, n_s: int, idle: bool = False):
             for u1 in range(u0 + 1, n_u + 1):
                 if not idle and (s == n_s - 1) != (u1 == n_u):
                     continue  # the last stage takes the remaining units, earlier ones leave some
-                cv = st.cost(u0, u1, s, n_s)
+                cv = st.cost(u0, u1, s, n_s, plain)
                 if cv is None:
                     break  # more units only add GPUs: > b
                 c, var = cv
@@ -275,6 +308,25 @@ def _dp(st: _Stages, n_s: int, idle: bool = False):
     return out[::-1]
 
 
+def _add_split(sel, st: _Stages, tab, split, variants, m: int) -> None:
+    """Score one DP split with the objective (``Selector``): with the DP's per-stage
+    variants and with each uniform policy."""
+    blocks, gpus, samples, sharded, recompute, grads = [], [], [], [], [], []
+    for u0, u1, i, j, v in split:
+        g = st.group(u0, u1)
+        order_g = sorted(range(len(g["gpus"])), key=lambda a: g["gpus"][a])
+        blocks.append((i, j))
+        gpus.append(tuple(g["gpus"][a] for a in order_g))
+        samples.append(tuple(g["samples"][a] for a in order_g))
+        sh, rc, gs = variants[v]
+        sharded.append(sh and len(g["gpus"]) >= 2)
+        recompute.append(rc)
+        grads.append(gs and sharded[-1])
+    pol = fill_policy(tab, blocks, gpus, samples, sharded, recompute, grads)
+    sel.add(blocks, gpus, samples, m, pol)
+    sel.add(blocks, gpus, samples, m)  # and each uniform policy
+
+
 def solve_stage_dp(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions) -> SolverResult:
     """The best plan of the memory-first stage DP (see [Note: stage DP]); the
     first half of ``stage_dp_search``.
@@ -295,14 +347,14 @@ def solve_stage_dp(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions
 
 def stage_dp_search(costs: BlockCosts, devices: DeviceGraph,
                     options: PlanOptions) -> tuple[SolverResult, tuple[SolverResult, ...]]:
-    """(the best plan as ``solve_stage_dp``, the best feasible plan of every
-    (S, M) the DP reached, fastest first): the second are CP-SAT warm starts
+    """(the best plan as ``solve_stage_dp``, the best feasible plan without
+    sharded gradients of every (S, M) the DP reached, fastest first): the second are CP-SAT warm starts
     for every candidate (``zorse_fx/portfolio.py``). Raises as ``solve_stage_dp``."""
-    from .heuristics import Selector, gpu_speeds, memory_variants
+    from .heuristics import Selector, gpu_speeds
 
     sel = Selector("stage_dp", costs, devices, options)
     speeds = gpu_speeds(costs, devices)
-    variants = memory_variants(options)
+    variants = grad_variants(options)
     s_max = max_stage_count(costs, devices, options)
     for m in microbatch_candidates(options):
         tab = sel.tables(m)
@@ -313,23 +365,18 @@ def stage_dp_search(costs: BlockCosts, devices: DeviceGraph,
                 continue
             seen.add(tuple(units))
             st = _Stages(tab, units, speeds, variants, m)
+            zero2 = any(gs for *_, gs in variants)
             for n_s in range(1, min(s_max, len(units)) + 1):
-                split = _dp(st, n_s, options.allow_idle_gpus)
-                if split is None:
-                    continue
-                blocks, gpus, samples, sharded, recompute = [], [], [], [], []
-                for u0, u1, i, j, v in split:
-                    g = st.group(u0, u1)
-                    order_g = sorted(range(len(g["gpus"])), key=lambda a: g["gpus"][a])
-                    blocks.append((i, j))
-                    gpus.append(tuple(g["gpus"][a] for a in order_g))
-                    samples.append(tuple(g["samples"][a] for a in order_g))
-                    sh, rc = variants[v]
-                    sharded.append(sh and len(g["gpus"]) >= 2)
-                    recompute.append(rc)
-                pol = fill_policy(tab, blocks, gpus, samples, sharded, recompute)
-                sel.add(blocks, gpus, samples, m, pol)
-                sel.add(blocks, gpus, samples, m)  # and each uniform policy
+                # The DP over the variants without ZeRO-2; then, where memory binds (no split, or one
+                # that recomputes) and ZeRO-2 is allowed, with them: the proxy picks other splits once
+                # ZeRO-2 fits more, which can score slower, so the split without is always kept.
+                split = _dp(st, n_s, options.allow_idle_gpus, plain=True)
+                splits = [split]
+                if zero2 and (split is None or any(variants[v][1] for *_, v in split)):
+                    splits.append(_dp(st, n_s, options.allow_idle_gpus))
+                for split in splits:
+                    if split is not None:
+                        _add_split(sel, st, tab, split, variants, m)
     res = sel.result(
         f"no split of the GPU units (a node's GPUs of one type) into <= {s_max} stages fits memory with "
         f"<= b GPUs per stage for any micro-batch count; allow ZeRO-1 sharding / recomputation "
@@ -338,5 +385,5 @@ def stage_dp_search(costs: BlockCosts, devices: DeviceGraph,
     ok = res.status == "BASELINE"
     cands = tuple(dataclasses.replace(c, status="STAGE_DP" if c.feasible else "STAGE_DP_INFEASIBLE")
                   for c in res.candidates)
-    hints = tuple(dataclasses.replace(h, status="STAGE_DP") for h in sel.feasible_per_candidate())
+    hints = tuple(dataclasses.replace(h, status="STAGE_DP") for h in sel.feasible_per_candidate(plain=True))
     return dataclasses.replace(res, status="STAGE_DP" if ok else "STAGE_DP_INFEASIBLE", candidates=cands), hints

@@ -26,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 
 __all__ = ["extra_copies", "stage_state_kib", "stage_optim_units", "extra_copies_matrix", "unique_params",
-           "shardable_kib"]
+           "shardable_kib", "grad_shard_kib"]
 
 
 def extra_copies(tied_blocks, i: int, j: int) -> list[tuple[int, int]]:
@@ -94,3 +94,33 @@ def shardable_kib(costs, i: int, j: int, unit_bytes: int) -> int:
     q = sum(-(-costs.shardable_bytes(b) // unit_bytes) for b in range(i, j))
     blocks = [tp.blocks for tp in costs.tied_params]
     return q - sum(c * (int(sh * costs.tied_params[t].numel) // unit_bytes) for t, c in extra_copies(blocks, i, j))
+
+
+def grad_shard_kib(tab, i: int, j: int) -> tuple[int, int, int]:
+    """[C-grad-shard] of a ZeRO-2 stage over blocks [i, j) of ``tab``: ``(up,
+    down, transient)`` KiB. ``up`` >= and ``down`` <= the float32 gradient
+    bytes the stage's shards take over (its parameters less every copy of a
+    tied parameter another stage also holds, which keeps the all-reduce path:
+    [Note: sharded gradients] in ``runtime/grad_sync.py``); the shards must
+    cover ``up``, the replicated state drops by ``down`` (memory stays
+    conservative: per block the rounding is < 1 KiB, per tied copy < 1 KiB).
+    ``transient``: the reduction buffers alive at once: the buckets in
+    flight (``MAX_SHARD_BUCKETS_IN_FLIGHT``) and their outputs (at most a
+    bucket each), and one filling per optimizer buffer (two under a mixed
+    precision: the 16-bit working weights' and the float32 rest), each
+    bucket at most ``min(cap, up)`` (a stage of fewer buckets cycles through
+    them every micro-batch), at float32 size (an upper bound under a 16-bit
+    reduction)."""
+    from ..ir.buckets import MAX_SHARD_BUCKETS_IN_FLIGHT
+
+    up = tab.grad_kib_prefix[j] - tab.grad_kib_prefix[i]
+    copies = 0
+    for t, blocks in enumerate(tab.tied_blocks):
+        c = sum(1 for b in blocks if i <= b < j)
+        if c:
+            gone = c - 1 if c == len(blocks) else c  # held once here, or also by another stage
+            up -= gone * tab.tied_grad_kib[t]
+            copies += gone
+    up = max(up, 0)
+    down = max(0, up - (j - i) - copies)
+    return up, down, (2 * MAX_SHARD_BUCKETS_IN_FLIGHT + 2) * min(up, tab.bucket_caps[1])

@@ -151,6 +151,8 @@ class IntTables:
     lastb_coef: tuple[int, ...] = ()
     lastb_scale: tuple[int, ...] = ()
     sharding: str = "never"
+    #: ``PlanOptions.grad_sharding`` ([C-grad-shard]).
+    grad_sharding: str = "never"
     recompute: str = "never"
 
     @property
@@ -250,5 +252,5 @@ def build_tables(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions,
         lastb_coef=tuple(int(round(2 * gr * (BUCKET_UNIT_BYTES / fp32) / v * UNITS_PER_S * sc))
                          for v, sc in zip(bw_values, lastb_scale)),
         lastb_scale=lastb_scale,
-        sharding=options.sharding, recompute=options.recompute,
+        sharding=options.sharding, recompute=options.recompute, grad_sharding=options.grad_sharding,
     )
