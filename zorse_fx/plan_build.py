@@ -52,7 +52,7 @@ def memory_breakdown(predicted: int, hosted: list[tuple[int, int | None, int, in
     for n, shard, n16, n_gs in hosted:
         if shard is not None and n_gs:
             grad_b = 4 * n_gs
-            shardable = precision.optimizer_bytes_per_param * (n - n16) + 12 * n16
+            shardable = precision.optimizer_bytes_per_param * (n - n16) + precision.shardable_bytes_per_param16 * n16
             g = min(grad_b, shard * grad_b // (shardable + grad_b)) if shardable + grad_b else 0
             grads += g + (n - n_gs) * precision.grad_bytes_per_param
             optim += shard - g

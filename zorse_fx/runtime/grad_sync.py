@@ -301,10 +301,10 @@ class GradientReducer:
                         shard.buckets.append(_ShardBucket(shard=shard, index=len(shard.buckets), start=start,
                                                           end=end, members=pieces))
                         end = start
+                offset_of = {id(p): o for p, o in buf.members}
                 for bk in shard.buckets:
                     for p, lo, hi in bk.members:
-                        ent = self._shard_of.setdefault(id(p), (shard, next(o for q, o in buf.members if q is p), []))
-                        ent[2].append((bk, lo, hi))
+                        self._shard_of.setdefault(id(p), (shard, offset_of[id(p)], []))[2].append((bk, lo, hi))
                 for p, _ in (m for run in runs for m in run):
                     p.register_post_accumulate_grad_hook(self._on_shard_grad)
                 self.shards.append(shard)
