@@ -157,3 +157,26 @@ def test_plan_file_table_and_round_trip_with_zero2(tmp_path):
         # The GPU keeps gradients of its shard only (its share of 4 B x the stage's parameters).
         assert b.gradients_bytes <= 4 * plan.stages[0].num_parameters
     assert sum(g.predicted_memory.gradients_bytes for g in plan.stages[0].gpus) > 0
+
+
+def test_stage_dp_second_pass_runs_only_where_zero2_can_win():
+    """[Note: ZeRO-2 in the stage DP]: pass 2 re-runs the (M, order, S) keys whose
+    pass-1 split recomputes within RECOMPUTE_GAIN of the best pass-1 score, plus the
+    stage count below the fewest that fit for those (M, order); every key when
+    nothing fit in pass 1."""
+    from zorse_fx.solve.stage_dp import RECOMPUTE_GAIN, _zero2_pass
+
+    a, b = ("u0", "u1"), ("u1", "u0")
+    best = 1000
+    found = {
+        (8, a): {1: (None, False), 2: (None, False), 3: (best, False), 4: (int(best * RECOMPUTE_GAIN), True)},
+        (8, b): {1: (None, False), 2: (1200, True), 3: (int(best * RECOMPUTE_GAIN) + 1, True)},
+        (16, a): {1: (None, False), 2: (900 * 10, True)},
+    }
+    picks = _zero2_pass(found)
+    # (8, a) S=4 is at the bar; its fewest fitting S is 3, so S=2 too. (8, b) S=2 is under the bar,
+    # S=3 over it; its fewest fitting S is 2, so S=1. (16, a) is far over the bar, and S=3 of (8, a)
+    # does not recompute: ZeRO-2 cannot win there.
+    assert picks == {(8, a): [4, 2], (8, b): [2, 1]}
+    nothing = {(8, a): {1: (None, False), 2: (None, False)}, (16, b): {1: (None, False)}}
+    assert _zero2_pass(nothing) == {(8, a): [1, 2], (16, b): [1]}

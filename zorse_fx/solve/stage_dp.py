@@ -49,6 +49,23 @@ returned with status "STAGE_DP". The portfolio (``zorse_fx/portfolio.py``) hands
 CP-SAT as a hint like the baselines' plans, and returns it when CP-SAT finds
 nothing better.
 
+[Note: ZeRO-2 in the stage DP]
+Sharded gradients ([C-grad-shard] in ``objective.py``) win only through the
+memory they free (their sync is never cheaper than ZeRO-1's), i.e. where a
+split recomputes or does not fit. The DP over every variant at once picks
+other splits (its proxy is not the objective: a Zorse A split 1.7% slower),
+and running it for every (M, order, S) doubled the DP's time on Zorse C for
+no gain. So the search runs in two passes: pass 1 the variants without
+ZeRO-2 for every (M, order, S), each split scored by the objective; pass 2
+the DP with ZeRO-2 too (the plain splits tie-win) for the (M, order, S)
+whose pass-1 split recomputes and is within ``RECOMPUTE_GAIN`` (4/3, the
+most that dropping recomputation can save) of pass 1's best, plus, for each
+of those (M, order), the stage count just below the fewest that fit without
+ZeRO-2 (fewer stages, less bubble, that ZeRO-2 may make fit). Where no split
+fits at all in pass 1, pass 2 runs for every key (Zorse B before ZeRO-2 had
+no plan). Both passes' splits are scored and the best kept. Measured in
+bench/LOG.md ("ZeRO-2 through the stage DP", "pass 2 pruned").
+
 Legend: ``U`` units, ``B`` blocks, ``S`` stages, ``M`` micro-batches, ``b``
 samples per micro-batch; times in integer units (1 ns), memory in KiB units.
 """
@@ -209,7 +226,8 @@ class _Stages:
             bnd = 2 * (np.asarray(tab.xfer[kq], dtype=np.int64) + lq)
         mem = memory_groups(tab, gpus, ns)
         out = {"gpus": gpus, "samples": ns, "comp": comp, "comp_rc": comp_rc, "ar": ar, "arsh": arsh, "zr": zr,
-               "opt": opt, "opt_sh": opt_sh, "opt_gs": opt_gs, "bnd": bnd[None, :], "mem": mem, "k": k, "cost": {}}
+               "opt": opt, "opt_sh": opt_sh, "opt_gs": opt_gs, "bnd": bnd[None, :], "mem": mem, "k": k, "cost": {},
+               "fits": {}}
         self.terms[key] = out
         return out
 
@@ -234,10 +252,13 @@ class _Stages:
                 continue
             sh = sh and g["k"] >= 2
             gs = gs and sh  # (a one-GPU stage: neither)
-            fits = self._fits(g["mem"], fl, s > 0, sh, rc, gs)
+            fk = (fl, s > 0, v)  # what fits does not depend on the stage count: shared over n_s
+            fits = g["fits"].get(fk)
+            if fits is None:
+                fits = g["fits"][fk] = self._fits(g["mem"], fl, s > 0, sh, rc, gs) & self.valid
             t = (g["comp_rc"] if rc else g["comp"]) + g["bnd"]
             c = mult * t + (g["zr"] + g["opt_gs"] if gs else g["arsh"] + g["opt_sh"] if sh else g["ar"] + g["opt"])
-            c = np.where(fits & self.valid, c, _INF)
+            c = np.where(fits, c, _INF)
             better = c < best
             best = np.where(better, c, best)
             arg = np.where(better, v, arg)
@@ -308,9 +329,9 @@ def _dp(st: _Stages, n_s: int, idle: bool = False, plain: bool = False):
     return out[::-1]
 
 
-def _add_split(sel, st: _Stages, tab, split, variants, m: int) -> None:
+def _add_split(sel, st: _Stages, tab, split, variants, m: int) -> int:
     """Score one DP split with the objective (``Selector``): with the DP's per-stage
-    variants and with each uniform policy."""
+    variants and with each uniform policy. Returns the better step time (units)."""
     blocks, gpus, samples, sharded, recompute, grads = [], [], [], [], [], []
     for u0, u1, i, j, v in split:
         g = st.group(u0, u1)
@@ -323,8 +344,35 @@ def _add_split(sel, st: _Stages, tab, split, variants, m: int) -> None:
         recompute.append(rc)
         grads.append(gs and sharded[-1])
     pol = fill_policy(tab, blocks, gpus, samples, sharded, recompute, grads)
-    sel.add(blocks, gpus, samples, m, pol)
-    sel.add(blocks, gpus, samples, m)  # and each uniform policy
+    own = sel.add(blocks, gpus, samples, m, pol)
+    return min(own, sel.add(blocks, gpus, samples, m))  # and each uniform policy
+
+
+#: The most a split can speed up by dropping its recomputation: a recomputing stage runs each
+#: micro-batch's forward twice, F + B -> 2F + B, which with the backward at twice the forward
+#: (the cost model's ratio for matmul blocks) is 4/3. Pass 2 of the stage DP re-runs only the
+#: (M, order, S) keys whose recomputing pass-1 split is within this factor of pass 1's best.
+RECOMPUTE_GAIN = 4 / 3
+
+
+def _zero2_pass(found: dict) -> dict[tuple[int, tuple], list[int]]:
+    """The (M, units) -> stage counts the stage DP re-runs with ZeRO-2 ([Note: ZeRO-2 in the stage DP])."""
+    scores = [score for per_s in found.values() for score, _ in per_s.values() if score is not None]
+    if not scores:
+        picks = [(m, units, n_s) for (m, units), per_s in found.items() for n_s in per_s]
+    else:
+        bar = min(scores) * RECOMPUTE_GAIN
+        picks = sorted((m, units, n_s) for (m, units), per_s in found.items()
+                       for n_s, (score, rc) in per_s.items() if score is not None and rc and score <= bar)
+        for m, units, _ in list(picks):  # and the stage count just below the fewest that fit without ZeRO-2
+            fit = min(n for n, (score, _) in found[m, units].items() if score is not None)
+            if fit > 1:
+                picks.append((m, units, fit - 1))
+    out: dict[tuple[int, tuple], list[int]] = {}
+    for m, units, n_s in picks:
+        if n_s not in out.setdefault((m, units), []):
+            out[m, units].append(n_s)
+    return out
 
 
 def solve_stage_dp(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions) -> SolverResult:
@@ -355,28 +403,35 @@ def stage_dp_search(costs: BlockCosts, devices: DeviceGraph,
     sel = Selector("stage_dp", costs, devices, options)
     speeds = gpu_speeds(costs, devices)
     variants = grad_variants(options)
+    zero2 = any(gs for *_, gs in variants)
     s_max = max_stage_count(costs, devices, options)
+    # Pass 1: the DP over the variants without ZeRO-2, every (M, order, S). Kept per (M, order):
+    # its units and, per S, the score of its split (None: no split) and whether it recomputes.
+    found: dict[tuple[int, tuple], dict[int, tuple[int | None, bool]]] = {}
     for m in microbatch_candidates(options):
         tab = sel.tables(m)
-        seen = set()
         for order in ORDERS:
             units = _units(devices, tab, speeds, order)
-            if tuple(units) in seen:
+            if (m, tuple(units)) in found:
                 continue
-            seen.add(tuple(units))
+            per_s = found[m, tuple(units)] = {}
             st = _Stages(tab, units, speeds, variants, m)
-            zero2 = any(gs for *_, gs in variants)
             for n_s in range(1, min(s_max, len(units)) + 1):
-                # The DP over the variants without ZeRO-2; then, where memory binds (no split, or one
-                # that recomputes) and ZeRO-2 is allowed, with them: the proxy picks other splits once
-                # ZeRO-2 fits more, which can score slower, so the split without is always kept.
                 split = _dp(st, n_s, options.allow_idle_gpus, plain=True)
-                splits = [split]
-                if zero2 and (split is None or any(variants[v][1] for *_, v in split)):
-                    splits.append(_dp(st, n_s, options.allow_idle_gpus))
-                for split in splits:
-                    if split is not None:
-                        _add_split(sel, st, tab, split, variants, m)
+                if split is None:
+                    per_s[n_s] = (None, False)
+                else:
+                    per_s[n_s] = (_add_split(sel, st, tab, split, variants, m),
+                                  any(variants[v][1] for *_, v in split))
+    # Pass 2: the DP with ZeRO-2 too, only where it can win ([Note: ZeRO-2 in the stage DP]).
+    if zero2:
+        for (m, units), stage_counts in _zero2_pass(found).items():
+            tab = sel.tables(m)
+            st = _Stages(tab, list(units), speeds, variants, m)
+            for n_s in stage_counts:
+                split = _dp(st, n_s, options.allow_idle_gpus)
+                if split is not None:
+                    _add_split(sel, st, tab, split, variants, m)
     res = sel.result(
         f"no split of the GPU units (a node's GPUs of one type) into <= {s_max} stages fits memory with "
         f"<= b GPUs per stage for any micro-batch count; allow ZeRO-1 sharding / recomputation "
