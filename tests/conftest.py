@@ -417,6 +417,16 @@ def with_grad_sharding(plan, stages=None):
                                                   for s in plan.stages))
 
 
+def with_param_sharding(plan, stages=None):
+    """``plan`` with sharded parameters (ZeRO-3, ``StagePlan.param_sharded``,
+    with ZeRO-2 under it) on ``stages`` (default every sharded stage of two or
+    more GPUs)."""
+    chosen = {s.index for s in plan.stages if s.sharded and len(s.gpus) > 1} if stages is None else set(stages)
+    plan = with_grad_sharding(plan, chosen)
+    return dataclasses.replace(plan, stages=tuple(dataclasses.replace(s, param_sharded=s.index in chosen)
+                                                  for s in plan.stages))
+
+
 def with_low_precision(plan, captured):
     """``plan`` with 16-bit working weights on every sharded stage of two or
     more GPUs (``StagePlan.low_precision_params``: the stage's parameters

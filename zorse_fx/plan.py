@@ -83,6 +83,12 @@ off): ``StagePlan.grad_sharded`` makes a sharded stage of two or more GPUs
 reduce every micro-batch's gradients to their shard owners instead of
 accumulating float32 gradients of the whole stage on every GPU ([Note:
 sharded gradients] in ``runtime/grad_sync.py``).
+
+Sharded parameters, ZeRO-3 (format version 10; an older file reads with it
+off): ``StagePlan.param_sharded`` makes a ZeRO-2 stage keep only each GPU's
+range of its working weights, gathered block by block for the forward and
+again for the backward ([Note: sharded parameters] in
+``runtime/param_shard.py``).
 """
 
 from __future__ import annotations
@@ -106,7 +112,7 @@ from .stage_sources import source_sha256
 __all__ = ["PLAN_FORMAT_VERSION", "MemoryBreakdown", "GPUShare", "StagePlan", "SolverReport", "Plan", "RankRole"]
 
 #: Bumped on any incompatible change of plan.json.
-PLAN_FORMAT_VERSION = 9
+PLAN_FORMAT_VERSION = 10
 
 
 # Field types of plan.json: one declaration, read by the schema (``plan_schema``,
@@ -233,6 +239,11 @@ class StagePlan:
     #: accumulate them in float32; no GPU holds the stage's whole gradient.
     #: Needs ``sharded`` and two or more GPUs.
     grad_sharded: Annotated[bool, Meta(description="true or false")] = field(default=False, metadata=OPTIONAL)
+    #: ZeRO-3 (format version 10; off in older files): each GPU keeps only its
+    #: ZeRO-1 range of the stage's working weights; every block's are gathered
+    #: before its forward and again for its backward, freed after. Needs
+    #: ``grad_sharded``.
+    param_sharded: Annotated[bool, Meta(description="true or false")] = field(default=False, metadata=OPTIONAL)
 
     @property
     def microbatch_size(self) -> int:
@@ -428,7 +439,13 @@ class Plan:
                     f"plan: field stages[{s.index}].grad_sharded is true, but sharded gradients (ZeRO-2) need a "
                     f"sharded stage of two or more GPUs (sharded {s.sharded}, {len(s.gpus)} GPU(s)); set it to "
                     f"false or re-export the plan with `zorse plan`")
-            for name in ("sharded", "recompute", "grad_sharded"):
+            if s.param_sharded is True and s.grad_sharded is not True:
+                raise PlanFileError(
+                    f"plan: field stages[{s.index}].param_sharded is true, but sharded parameters (ZeRO-3) need "
+                    f"sharded gradients (grad_sharded is {short_repr(s.grad_sharded)}); set grad_sharded to true "
+                    f"(and sharded, on two or more GPUs) or param_sharded to false, or re-export the plan with "
+                    f"`zorse plan`")
+            for name in ("sharded", "recompute", "grad_sharded", "param_sharded"):
                 if not isinstance(getattr(s, name), bool):
                     raise PlanFileError(f"plan: field stages[{s.index}].{name} is {short_repr(getattr(s, name))}; "
                                         f"it must be true or false")

@@ -72,7 +72,7 @@ def plan_table(plan: Plan) -> str:
                 a, b = shards[i]
                 pct = f"{(b - a) / s.num_parameters:.0%}" if s.num_parameters else "-"
                 state = (f"sharded {g.state_shard_bytes / GIB:.2f} GiB ({pct})" if g.state_shard_bytes
-                         else f"sharded ({pct})") + (", ZeRO-2" if s.grad_sharded else "") + (
+                         else f"sharded ({pct})") + (", ZeRO-3" if s.param_sharded else ", ZeRO-2" if s.grad_sharded else "") + (
                     ", 16-bit weights" if s.low_precision_params else "")
             else:
                 state = "replicated"
@@ -120,7 +120,12 @@ def plan_table(plan: Plan) -> str:
                     f"{', '.join(str(s.index) for s in low)} ({sum(len(s.low_precision_params) for s in low)} "
                     f"matmul weights in {plan.precision_policy().compute_dtype_name}, their float32 masters in the "
                     f"ZeRO-1 shards: 6 + 12/k B per parameter on k GPUs instead of 10 + 8/k)")
-    zero2 = [s for s in plan.stages if s.grad_sharded]
+    zero3 = [s for s in plan.stages if s.param_sharded]
+    if zero3:
+        summary += (f"\nSharded parameters (ZeRO-3) on stage{'s' if len(zero3) > 1 else ''} "
+                    f"{', '.join(str(s.index) for s in zero3)}: each GPU keeps its shard of the working weights, "
+                    f"every block's gathered before its forward and again for its backward")
+    zero2 = [s for s in plan.stages if s.grad_sharded and not s.param_sharded]
     if zero2:
         summary += (f"\nSharded gradients (ZeRO-2) on stage{'s' if len(zero2) > 1 else ''} "
                     f"{', '.join(str(s.index) for s in zero2)}: every micro-batch's gradients reduced to the "

@@ -13,6 +13,19 @@ A stage program is an fx graph ``forward(*model_inputs_it_reads, *received)
 ``nn.Module`` class, readable by people and importable by the runtime, which
 needs nothing else (no tracing, no OR-Tools, no model class) besides the
 weights.
+
+[Note: ZeRO-3 units]
+Every emitted stage lists ``UNITS``: its trainable parameters grouped by the
+block of the captured model that reads them first (a parameter first read by
+a rematerialised free node joins the next act node's block), in forward
+order; ``forward`` calls ``self.zorse_gather(u)`` just before the first line
+reading a parameter of unit ``u`` and ``self.zorse_release(u)`` just after
+the last (a tied weight read again by a later block keeps its unit gathered
+until then). Both are no-ops in the class; a ZeRO-3 stage's runtime replaces
+them with its gathers ([Note: sharded parameters] in
+``runtime/param_shard.py``). A block is the unit FSDP wraps (a transformer
+layer's attention or MLP here), so at most three units' weights are whole at
+once: the one computing, the next one arriving, the last one leaving.
 """
 
 from __future__ import annotations
@@ -24,6 +37,7 @@ import inspect
 import re
 import sys
 import types
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,10 +78,36 @@ class StageProgram:
     consts: dict[str, str]
     #: flat attribute name -> (shape, dtype) of every attribute.
     attr_meta: dict[str, tuple[tuple[int, ...], str]]
+    #: Node name -> the captured block it belongs to (act nodes; the ZeRO-3 units of ``param_units``).
+    block_of: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @property
     def is_last(self) -> bool:
         return self.index == self.num_stages - 1
+
+    def param_units(self) -> tuple[tuple[tuple[str, ...], str, str], ...]:
+        """ZeRO-3 units ([Note: ZeRO-3 units]): per block of the stage that
+        first reads a trainable parameter, ``(flat names first read in that
+        block in forward order, the node before which the unit is gathered,
+        the node after which it is released)``, in forward order."""
+        order = {n.name: k for k, n in enumerate(self.graph.nodes)}
+        first_block = self.blocks[0]
+        units: dict[int, list[tuple[int, str, int, int]]] = {}
+        nodes = list(self.graph.nodes)
+        for n in self.graph.find_nodes(op="get_attr"):
+            if n.target not in self.params or not n.users:
+                continue
+            users = sorted(order[u.name] for u in n.users)
+            # A parameter read first by a free node (copied per stage) joins the block of the next act node.
+            block = next((self.block_of[m.name] for m in nodes[users[0]:] if m.name in self.block_of), first_block)
+            units.setdefault(block, []).append((users[0], n.target, users[0], users[-1]))
+        names = [n.name for n in nodes]
+        out = []
+        for block in sorted(units):
+            members = sorted(units[block])
+            out.append((tuple(flat for _, flat, _, _ in members), names[min(m[2] for m in members)],
+                        names[max(m[3] for m in members)]))
+        return tuple(out)
 
     def build(self, state: dict[str, torch.Tensor]) -> fx.GraphModule:
         """An executable module with parameters copied from ``state`` (canonical names)."""
@@ -182,6 +222,7 @@ def _build_stage(bg: BlockGraph, s: int, num_stages: int, blocks: tuple[int, int
                     with g.inserting_after(next(reversed(g.find_nodes(op="placeholder")))):
                         device = g.call_function(getattr, (first_input, "device"))
                 env[n.name].kwargs = {**n.kwargs, "device": device}
+    block_of = {env[name].name: b for b in range(*blocks) for name in bg.block_nodes(b) if name in env}
     if is_last:
         g.output(env[out_node.args[0].name])
     else:
@@ -198,6 +239,7 @@ def _build_stage(bg: BlockGraph, s: int, num_stages: int, blocks: tuple[int, int
         params=params,
         consts=consts,
         attr_meta=attr_meta,
+        block_of=block_of,
     )
 
 
@@ -253,6 +295,12 @@ def emit_source(program: StageProgram, *, header: str = "") -> str:
     lines.append(f"    INPUTS = {list(p.input_names)!r}")
     lines.append(f"    RECV = {[t.to_dict() for t in p.recv]!r}")
     lines.append(f"    SEND = {[t.to_dict() for t in p.send]!r}")
+    units = p.param_units()
+    lines.append("    #: ZeRO-3 units ([Note: ZeRO-3 units] in zorse_fx/codegen/split.py): per block, the parameters it reads")
+    lines.append("    #: first; forward calls zorse_gather(u) before unit u's first read and zorse_release(u) after its last.")
+    lines.append("    UNITS = [")
+    lines += [f"        {list(flats)!r}," for flats, _, _ in units]
+    lines.append("    ]")
     lines += ["", "    def __init__(self):", "        super().__init__()"]
     for flat, (shape, dtype) in p.attr_meta.items():
         empty = f"torch.empty({shape!r}, dtype=torch.{dtype})"
@@ -260,9 +308,38 @@ def emit_source(program: StageProgram, *, header: str = "") -> str:
             lines.append(f"        self.{flat} = torch.nn.Parameter({empty})")
         else:
             lines.append(f"        self.register_buffer({flat!r}, {empty})")
-    body = code.src.strip("\n")
+    lines += ["", "    def zorse_gather(self, unit):",
+              '        """ZeRO-3: the runtime gathers unit `unit`\'s parameters here (a no-op otherwise)."""',
+              "", "    def zorse_release(self, unit):",
+              '        """ZeRO-3: the runtime frees unit `unit`\'s gathered parameters here (a no-op otherwise)."""']
+    body = _with_unit_hooks(code.src.strip("\n"), units)
     lines += [""] + ["    " + ln if ln.strip() else "" for ln in body.splitlines()]
     return "\n".join(lines) + "\n"
+
+
+def _with_unit_hooks(body: str, units) -> str:
+    """``body`` (fx's forward source) with ``self.zorse_gather(u)`` before the
+    line of unit ``u``'s first reader and ``self.zorse_release(u)`` after the
+    line of its last (see ``StageProgram.param_units``)."""
+    lines = body.splitlines()
+    line_of = {}
+    for k, ln in enumerate(lines):
+        m = re.match(r"^\s+([A-Za-z_]\w*) = ", ln)
+        if m:
+            line_of.setdefault(m.group(1), k)
+    before: dict[int, list[str]] = {}
+    after: dict[int, list[str]] = {}
+    for u, (_, first, last) in enumerate(units):
+        if first not in line_of or last not in line_of:
+            raise AssertionError(f"codegen: no line assigns {first!r} / {last!r} (ZeRO-3 unit {u})")
+        before.setdefault(line_of[first], []).append(f"    self.zorse_gather({u})")
+        after.setdefault(line_of[last], []).append(f"    self.zorse_release({u})")
+    out = []
+    for k, ln in enumerate(lines):
+        out += before.get(k, [])
+        out.append(ln)
+        out += after.get(k, [])
+    return "\n".join(out)
 
 
 def load_stage_class(path: str | Path, index: int) -> type[torch.nn.Module]:

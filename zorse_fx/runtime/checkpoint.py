@@ -227,6 +227,12 @@ def _state_to_save(worker: StageWorker, step: int) -> dict[str, torch.Tensor]:
     sd: dict[str, torch.Tensor] = {}
     low = worker.reducer.main_grads  # 16-bit working weights: their float32 masters are saved, by range
     for st in worker.stages:
+        if st.param_shards is not None:  # ZeRO-3: the owned ranges (masters: below), no whole tensor anywhere
+            canon_of = {id(p): canon for canon, p in st.params().items()}
+            for p, a, b, t in st.param_shards.owned_values():
+                if id(p) not in low:
+                    sd.setdefault(f"model/{canon_of[id(p)]}/{a}-{b}", t.detach().clone())
+            continue
         for canon, p in st.params().items():
             if id(p) not in low:
                 sd.setdefault(f"model/{canon}", _plain(p))
@@ -417,7 +423,10 @@ def load_checkpoint(worker: StageWorker, path: str | Path, *, check_batch: bool 
     with torch.no_grad():
         for st in worker.stages:
             for canon, p in st.params().items():
-                p.copy_(whole(canon).view_as(p))  # (a 16-bit working weight: the masters' rounding)
+                if st.param_shards is not None:  # ZeRO-3: into the owned range
+                    st.param_shards.load_values(p, whole(canon))
+                else:
+                    p.copy_(whole(canon).view_as(p))  # (a 16-bit working weight: the masters' rounding)
         for opt in worker.optimizers:  # the float32 masters of this plan's ranges
             for canon, a, b, t in opt.master_pieces():
                 t.copy_(whole(canon).reshape(-1)[a:b].to(device=t.device, dtype=t.dtype))

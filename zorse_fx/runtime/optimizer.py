@@ -17,10 +17,10 @@ the step each view's ``.grad`` is set to the matching slice of ``p.grad``, so
 the step writes straight into the parameter storage and nothing is copied.
 What moves: the gradient all-reduce stays as it is (every rank needs the full
 reduced gradient of its range, and tied parameters are reduced over the
-union of their holders); after the step each owner broadcasts its range of
-each flat buffer over a process group of the stage's ranks (one
-``dist.broadcast`` per non-empty range, issued asynchronously then waited;
-unequal ranges need no padding), which is an all-gather. Per parameter
+union of their holders); after the step each owner's range of each flat buffer
+goes to every GPU of the stage in one all-gather with unequal parts per
+buffer ([Note: unequal all-gather] in ``param_shard.py``: one coalesced
+NCCL group, no padding; one broadcast per non-empty range on Gloo). Per parameter
 element that is 2 x grad bytes (all-reduce) + 1 x param bytes (all-gather)
 on the slowest link of the stage, what the planner's cost model charges.
 Every update is element-wise (AdamW), so a sharded step equals the
@@ -69,6 +69,7 @@ import torch.distributed as dist
 
 from ..precision import PrecisionPolicy
 from ..train_options import OptimizerOptions
+from .param_shard import ParamShards, all_gather_unequal
 from .stage import StageRuntime
 
 __all__ = ["OptimizerConfig", "StageOptimizer", "LossScaler"]
@@ -121,6 +122,7 @@ class _FlatBuffer:
     """ZeRO-1: the stage's parameters of one dtype as one flat buffer."""
 
     dtype: torch.dtype
+    #: The buffer (ZeRO-3, ``StagePlan.param_sharded``: its owned range ``owned`` only).
     flat: torch.Tensor
     #: Per GPU of the stage (stage order): its range ``[a, b)`` of ``flat``.
     ranges: tuple[tuple[int, int], ...]
@@ -143,6 +145,8 @@ class StageOptimizer:
         plan_stage = stage.stage
         #: ZeRO-1 on this rank.
         self.zero1 = plan_stage.sharded and len(plan_stage.gpus) > 1
+        #: ZeRO-3: the stage's unit gathers ([Note: sharded parameters] in param_shard.py).
+        self.param_shards: ParamShards | None = None
         self.shard_group = shard_group if self.zero1 else None
         kw = dict(lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
         params = [getattr(stage.module, flat) for flat in plan_stage.params]
@@ -179,20 +183,29 @@ class StageOptimizer:
             self.optimizer = torch.optim.AdamW(param_groups([(p, p) for p in unique], cfg.weight_decay), **kw)
             return
         pos = stage.position
+        #: ZeRO-3 ([Note: sharded parameters] in param_shard.py): each buffer holds only the owned range.
+        self.zero3 = bool(plan_stage.param_sharded)
         # ZeRO-2: the buffer in forward order (first use), so the backward completes its gradient buckets
-        # from the end to the start, one at a time ([Note: sharded gradients] in grad_sync.py).
+        # from the end to the start, one at a time ([Note: sharded gradients] in grad_sync.py); ZeRO-3:
+        # in unit order first, so that a unit is one range of each buffer.
         first = ({id(getattr(stage.module, flat)): k for flat, k in stage.first_use().items()}
                  if plan_stage.grad_sharded else None)
+        if first is not None and self.zero3:
+            unit_of = {id(getattr(stage.module, flat)): u
+                       for u, flats in enumerate(getattr(type(stage.module), "UNITS", ())) for flat in flats
+                       if flat in plan_stage.params}
+            first = {k: (unit_of.get(k, len(unit_of) + 1), line) for k, line in first.items()}
         with torch.no_grad():
             for dtype in self.dtypes:
                 members = [p for p in params if working(p) == dtype]
                 if first is not None:
                     members.sort(key=lambda p: first[id(p)])
                 n = sum(p.numel() for p in members)
-                # Parameters become views of one flat buffer (stage order), so a range is one slice.
-                flat = torch.empty(n, dtype=dtype, device=stage.device)
+                # Parameters become views of one flat buffer (stage order), so a range is one slice;
+                # ZeRO-3 keeps the owned range only (ParamShards then makes them views of unit buffers).
                 ranges = plan_stage.shard_ranges(n)
                 a, b = ranges[pos]
+                flat = torch.empty(b - a if self.zero3 else n, dtype=dtype, device=stage.device)
                 is_low = any(id(p) in low for p in members)
                 # 16-bit working weights: the float32 masters of the owned range, from the loaded weights.
                 master = torch.empty(b - a, dtype=torch.float32, device=stage.device) if is_low else None
@@ -203,15 +216,22 @@ class StageOptimizer:
                     lo, hi = max(a, offset), min(b, offset + k)
                     if master is not None and lo < hi:
                         master[lo - a : hi - a].copy_(p.detach().reshape(-1)[lo - offset : hi - offset])
-                    flat[offset : offset + k].copy_(p.detach().reshape(-1))
-                    p.data = flat[offset : offset + k].view_as(p)
+                    if self.zero3:
+                        if lo < hi:
+                            flat[lo - a : hi - a].copy_(p.detach().reshape(-1)[lo - offset : hi - offset])
+                    else:
+                        flat[offset : offset + k].copy_(p.detach().reshape(-1))
+                        p.data = flat[offset : offset + k].view_as(p)
                     if lo < hi:
                         view = (master[lo - a : hi - a] if master is not None
+                                else flat[lo - a : hi - a] if self.zero3
                                 else p.detach().view(-1)[lo - offset : hi - offset])
                         self._pieces.append((p, lo - offset, hi - offset, view))
                     offset += k
                 self.buffers.append(_FlatBuffer(dtype=dtype, flat=flat, ranges=ranges, owned=(a, b), master=master,
                                                 members=tuple(placed)))
+        if self.zero3:
+            self.param_shards = stage.param_shards = ParamShards(stage, self.buffers, shard_group)
         # A GPU may own no element (state_shard_bytes 0): it steps nothing and only receives.
         self.optimizer = (torch.optim.AdamW(param_groups([(p, v) for p, *_, v in self._pieces], cfg.weight_decay),
                                             **kw) if self._pieces else None)
@@ -259,20 +279,19 @@ class StageOptimizer:
         with torch.no_grad():
             for buf in self.buffers:  # 16-bit working weights: the masters' rounding, what autocast would read
                 if buf.master is not None:
-                    buf.flat[buf.owned[0] : buf.owned[1]].copy_(buf.master)
+                    (buf.flat if self.zero3 else buf.flat[buf.owned[0] : buf.owned[1]]).copy_(buf.master)
 
     def allgather(self) -> list:
-        """ZeRO-1: each owner broadcasts its updated range of every buffer over
-        the stage's group; returns the asynchronous works (none when not sharded)."""
-        if not self.zero1:
+        """ZeRO-1: each owner's updated range of every buffer to every GPU of the
+        stage, one unequal all-gather per buffer (``param_shard.all_gather_unequal``);
+        returns the asynchronous works (none when not sharded, or under ZeRO-3,
+        whose units are gathered when the next forward reads them)."""
+        if not self.zero1 or self.zero3:
             return []
-        gpus = self.stage.stage.gpus
-        return [
-            dist.broadcast(buf.flat[a:b], src=gpus[j].rank, group=self.shard_group, async_op=True)
-            for buf in self.buffers
-            for j, (a, b) in enumerate(buf.ranges)
-            if b > a
-        ]
+        st = self.stage
+        return [w for buf in self.buffers
+                for w in all_gather_unequal([buf.flat[a:b] for a, b in buf.ranges], st.position, self.shard_group,
+                                            st.stage.ranks)]
 
     def state_summary(self) -> dict:
         """See ``StageWorker.optimizer_state_summary``."""
@@ -302,7 +321,8 @@ class StageOptimizer:
         return {"rank": self.stage.rank, "stage": self.stage.index, "sharded": self.zero1,
                 "stage_elements": self.stage_elements, "owned_range": owned_range, "owned_elements": owned,
                 "optimizer_state_bytes": sum(by_dtype.values()),
-                "master_bytes": sum(d["master_bytes"] for d in buffers), "buffers": buffers}
+                "master_bytes": sum(d["master_bytes"] for d in buffers), "buffers": buffers,
+                "zero3": self.param_shards.summary() if self.param_shards is not None else None}
 
 
 class LossScaler:

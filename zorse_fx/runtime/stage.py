@@ -156,6 +156,14 @@ class StageRuntime:
         # (inputs, received, rng state) (see [Note: stage recomputation]).
         self._stash: dict[int, tuple] = {}
         self._warned_dtypes: set[str] = set()
+        #: ZeRO-3 (``StagePlan.param_sharded``): the unit gathers, set by the stage's optimizer
+        #: ([Note: sharded parameters] in param_shard.py); None otherwise.
+        self.param_shards = None
+
+    def _recorded(self):
+        """The context of a forward autograd records: under ZeRO-3 the saved working weights are
+        re-gathered when the backward reads them."""
+        return self.param_shards.saving() if self.param_shards is not None else contextlib.nullcontext()
 
     def _source(self, plan_dir: Path) -> str:
         """The stage's source text: the one the plan holds (checked against
@@ -295,7 +303,8 @@ class StageRuntime:
                 out = self.module(*inputs, *recv)
             self._stash[m] = (inputs, recv, rng)
         else:
-            out = self.module(*inputs, *recv)
+            with self._recorded():
+                out = self.module(*inputs, *recv)
             self._stash[m] = (recv, out if last else list(out))
         if last:
             return out.detach().float() * (self.rows / plan.global_batch_size), []
@@ -313,7 +322,7 @@ class StageRuntime:
                 if t.is_floating_point():
                     t.requires_grad_(True)
             with self._replayed_rng(rng), torch.enable_grad(), \
-                    self.precision.autocast(self.device.type):
+                    self.precision.autocast(self.device.type), self._recorded():
                 out = self.module(*inputs, *recv)
             out = out if last else list(out)
         else:
@@ -325,6 +334,8 @@ class StageRuntime:
                 grads = self._unpack_rows(self.send_wire, self.out_routes, received)
                 pairs = [(o, g.to(o.dtype)) for o, g in zip(out, grads) if o.requires_grad]
                 torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        if self.param_shards is not None:
+            self.param_shards.end_backward()
         if self.prev is None:
             return []
         gin = [t.grad if t.grad is not None else torch.zeros_like(t) for t in recv if t.is_floating_point()]

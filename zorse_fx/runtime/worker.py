@@ -76,6 +76,7 @@ the rank's rows (stage ``s >= P`` lists the GPUs and shares of stage
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 
@@ -365,9 +366,21 @@ class StageWorker:
         return out
 
     def parameters_by_name(self) -> dict[str, torch.Tensor]:
-        """Parameters by canonical name over the rank's stages (one per name)."""
-        per_stage = [{canon: p.detach().clone() for canon, p in st.params().items()} for st in self.stages]
+        """Parameters by canonical name over the rank's stages (one per name).
+        Collective where a stage is ZeRO-3 (its units are gathered for the
+        copy): every rank calls it at the same point."""
+        per_stage = []
+        for st in self.stages:
+            with self.gathered(st):
+                per_stage.append({canon: p.detach().clone() for canon, p in st.params().items()})
         return self._merged(per_stage, "values", lambda a, b: torch.allclose(a, b, rtol=1e-6, atol=0))
+
+    @staticmethod
+    def gathered(st: StageRuntime):
+        """Stage ``st``'s whole parameters for the block: ZeRO-3 gathers them
+        (collective over the stage's GPUs, [Note: sharded parameters]); a
+        no-op elsewhere."""
+        return st.param_shards.gathered() if st.param_shards is not None else contextlib.nullcontext()
 
     def master_weights(self) -> dict[str, list[tuple[int, int, torch.Tensor]]]:
         """The float32 masters this rank holds of 16-bit working weights
