@@ -147,10 +147,11 @@ links:
 #: The layouts of ``measure_layouts``: (name, precision, sharded). Sharded under bf16-mixed is
 #: ZeRO-1 with 16-bit working weights (the planner's choice for a sharded stage of >= 2 GPUs);
 #: sharded in fp32 is ZeRO-1 with float32 weights.
-#: (name, precision, sharded[, gradients sharded too: ZeRO-2]).
+#: (name, precision, sharded[, gradients sharded too: ZeRO-2[, weights sharded too: ZeRO-3]]).
 LAYOUTS = (("replicated", "bf16-mixed", False), ("zero1_fp32", "fp32", True),
            ("zero1_16bit_weights", "bf16-mixed", True), ("zero2_fp32", "fp32", True, True),
-           ("zero2_16bit_weights", "bf16-mixed", True, True))
+           ("zero2_16bit_weights", "bf16-mixed", True, True), ("zero3_fp32", "fp32", True, True, True),
+           ("zero3_16bit_weights", "bf16-mixed", True, True, True))
 
 
 def _rank(rank: int, world: int, port: int, plan_dir: str, precision: str, out: str) -> None:
@@ -193,7 +194,7 @@ def measure_layouts(layouts=LAYOUTS) -> list[dict]:
     from zorse_fx.options import PlanOptions
     from zorse_fx.planner import plan_fixed
     from zorse_fx.pricing import price
-    from zorse_fx.solve.state_terms import shardable_kib, unique_params
+    from zorse_fx.solve.objective import build_tables, sharded_state_kib
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=1024, num_hidden_layers=2,
@@ -206,20 +207,21 @@ def measure_layouts(layouts=LAYOUTS) -> list[dict]:
         cluster_file = Path(tmp, "two.yaml")
         cluster_file.write_text(_TWO_GPUS)
         cluster = Cluster.from_yaml(cluster_file)
-        for name, precision, sharded, *zero2 in layouts:
-            grads = bool(zero2 and zero2[0])
+        for name, precision, sharded, *more in layouts:
+            grads = bool(more and more[0])
+            params = bool(len(more) > 1 and more[1])
             # ZeRO-2: 512 KiB buckets, a dozen per stage (as 25 MiB ones are on a GPU-sized stage), so its
             # reduction buffers (6 buckets at most: state_terms.grad_shard_kib) are not the stage's gradients.
             options = PlanOptions(global_batch_size=8, precision=precision, **({"bucket_mib": 0.5} if grads else {}))
             decision = fixed_decision(captured, ((0, 1),), ((2, 2),), num_microbatches=2)
-            if sharded:  # whole-MiB shards 3:1 covering the stage's shardable state (ZeRO-2: and gradients)
-                costs = price(captured, cluster, options).costs
-                q_kib = shardable_kib(costs, 0, costs.num_blocks, 1024)
-                q_kib += -(-4 * unique_params(costs) // 1024) if grads else 0
+            if sharded:  # whole-MiB shards 3:1 covering the stage's shardable state as the planner counts it
+                priced = price(captured, cluster, options)
+                tab = build_tables(priced.costs, priced.devices, options, 2)
+                q_kib = sharded_state_kib(tab, 0, priced.costs.num_blocks, grads, params)[1]
                 q_mib = -(-q_kib // 1024)
                 first = -(-3 * q_mib // 4)
                 decision = dataclasses.replace(decision, sharded=(True,), shard_mib=((first, q_mib - first),),
-                                               grad_sharded=(grads,))
+                                               grad_sharded=(grads,), param_sharded=(params,))
             plan, _ = plan_fixed(captured, cluster, options, decision, label_mode="same")
             assert bool(plan.stages[0].low_precision_params) == (sharded and precision != "fp32"), name
             d = Path(tmp, name)
@@ -234,6 +236,7 @@ def measure_layouts(layouts=LAYOUTS) -> list[dict]:
                 got = json.loads(Path(d, f"rank{g.rank}.json").read_text())
                 m = g.predicted_memory
                 rows.append({"layout": name, "precision": precision, "rank": g.rank, "grad_sharded": grads,
+                             "param_sharded": params, "zero3": got["summary"].get("zero3"),
                              "parameters": plan.stages[0].num_parameters,
                              "low_precision_parameters": sum(captured.state()[plan.stages[0].params[f]].numel()
                                                              for f in plan.stages[0].low_precision_params),

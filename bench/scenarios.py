@@ -157,7 +157,8 @@ def run_scenario(sc: Scenario, args) -> list[dict]:
                        time_limit_s=args.time_limit, solver_budget=args.solver_budget,
                        max_microbatches=args.max_microbatches,
                        sharding=args.sharding, recompute=args.recompute, max_interleave=args.max_interleave,
-                       grad_sharding=args.grad_sharding)
+                       grad_sharding=args.grad_sharding,
+                       param_sharding=args.param_sharding)
     ub = upper_bound_tokens_per_s(costs, cluster, sc.seq_len)
     peak = sum(g.spec.peak_flops_per_s(scenario_precision(cluster).compute_dtype) for g in cluster.gpus)
     # zorse_fx's planner="auto": per-GPU CP-SAT up to 16 GPUs, class-level CP-SAT beyond.
@@ -247,6 +248,8 @@ def main() -> int:
                     help="ZeRO-1 optimizer-state sharding, for every planner alike")
     ap.add_argument("--grad-sharding", default="auto", choices=("never", "auto", "always"),
                     help="zorse_fx: ZeRO-2 (gradients sharded too) on sharded stages; the baselines never use it")
+    ap.add_argument("--param-sharding", default="auto", choices=("never", "auto", "always"),
+                    help="zorse_fx: ZeRO-3 (weights sharded too) on ZeRO-2 stages; the baselines never use it")
     ap.add_argument("--recompute", default="auto", choices=("never", "auto", "always"),
                     help="stage recomputation, for every planner alike")
     ap.add_argument("--max-interleave", type=int, default=4,

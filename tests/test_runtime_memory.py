@@ -279,7 +279,8 @@ def test_measured_peak_per_rank_under_each_sharded_layout():
     """Issue 31 item 6, per layout: one stage data-parallel over two Gloo
     ranks with ZeRO-1 shards 3:1, with float32 weights (fp32) and with 16-bit
     working weights (bf16-mixed, CPU autocast), each also with sharded
-    gradients (ZeRO-2: measured 0.95-0.99). Each rank's peak of live CPU
+    gradients (ZeRO-2: measured 0.95-0.99) and sharded weights (ZeRO-3:
+    measured 0.94-0.97). Each rank's peak of live CPU
     tensor bytes within 10% of its own prediction (measured 1.02-1.06), and
     the state exactly what the layout keeps: AdamW moments 8 B per owned
     element; under 16-bit working weights the float32 masters 4 B per owned
@@ -295,13 +296,20 @@ def test_measured_peak_per_rank_under_each_sharded_layout():
     from memory_cpu import measure_layouts
 
     rows = measure_layouts((("zero1_fp32", "fp32", True), ("zero1_16bit_weights", "bf16-mixed", True),
-                            ("zero2_fp32", "fp32", True, True), ("zero2_16bit_weights", "bf16-mixed", True, True)))
-    layouts = ("zero1_fp32", "zero1_16bit_weights", "zero2_fp32", "zero2_16bit_weights")
+                            ("zero2_fp32", "fp32", True, True), ("zero2_16bit_weights", "bf16-mixed", True, True),
+                            ("zero3_fp32", "fp32", True, True, True),
+                            ("zero3_16bit_weights", "bf16-mixed", True, True, True)))
+    layouts = ("zero1_fp32", "zero1_16bit_weights", "zero2_fp32", "zero2_16bit_weights", "zero3_fp32",
+               "zero3_16bit_weights")
     assert [(r["layout"], r["rank"]) for r in rows] == [(name, rank) for name in layouts for rank in (0, 1)]
     for r in rows:
         assert 0.9 <= r["ratio"] <= 1.1, r
         n, n16 = r["parameters"], r["low_precision_parameters"]
         by = r["measured_at_peak_by_category"]
+        if r["param_sharded"]:  # ZeRO-3: the GPU keeps its shard of the weights, gathers the rest per unit
+            z3 = r["zero3"]
+            assert z3["gathers"] > 0 and z3["gathered_bytes"] == 0, r
+            assert z3["owned_weight_bytes"] < (4 if r["precision"] == "fp32" else 2) * n, r
         if r["grad_sharded"]:  # the shard holds moments and float32 gradients: 12 B per owned element
             assert r["optimizer_state_bytes"] == 8 * r["owned_elements"], r
             assert r["predicted"]["gradients"] < 4 * n and r["predicted"]["communication"] > 0, r

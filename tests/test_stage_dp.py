@@ -51,8 +51,10 @@ def _instance(seed, *, gpus_per_node=2, nodes=3, nb=7):
 @pytest.mark.parametrize("seed", range(6))
 def test_vectorised_memory_check_equals_stage_fits(seed):
     """``_Stages._fits`` over all (i, j) at once == baselines' exact ``stage_fits``
-    per (i, j), for every unit group, stage position and memory variant."""
+    per (i, j), for every unit group, stage position and memory variant (ZeRO-2 and ZeRO-3 included)."""
     costs, devices, options = _instance(seed)
+    options = dataclasses.replace(options, grad_sharding="auto", param_sharding="auto")
+    assert any(ps for *_, ps in grad_variants(options))
     tab = build_tables(costs, devices, options, 2)
     units = _units(devices, tab, gpu_speeds(costs, devices), "file")
     st = _Stages(tab, units, gpu_speeds(costs, devices), grad_variants(options), 2)
@@ -66,13 +68,14 @@ def test_vectorised_memory_check_equals_stage_fits(seed):
             for n_s in (1, 2, 3):
                 for s in range(n_s):
                     fl = inflight(tab.schedule, n_s, s, 2)
-                    for sh, rc, gs in grad_variants(options):
-                        got = st._fits(g["mem"], fl, s > 0, sh and g["k"] >= 2, rc, gs and g["k"] >= 2)
+                    for sh, rc, gs, ps in grad_variants(options):
+                        got = st._fits(g["mem"], fl, s > 0, sh and g["k"] >= 2, rc, gs and g["k"] >= 2,
+                                       ps and g["k"] >= 2)
                         for i in range(tab.num_blocks):
                             for j in range(i + 1, tab.num_blocks + 1):
                                 want = stage_fits(tab, s, n_s, i, j, groups, sharded=sh, recompute=rc,
-                                                  grad_sharded=gs)
-                                assert bool(got[i, j]) == want, (u0, u1, s, n_s, sh, rc, gs, i, j)
+                                                  grad_sharded=gs, param_sharded=ps)
+                                assert bool(got[i, j]) == want, (u0, u1, s, n_s, sh, rc, gs, ps, i, j)
                                 checked += 1
     assert checked > 500
 

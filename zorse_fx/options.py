@@ -102,6 +102,13 @@ class PlanOptions:
     #: step instead of once and frees 4 (k - 1)/k B per parameter), "never" or
     #: "always" (every sharded stage).
     grad_sharding: str = "auto"
+    #: ZeRO-3 on a ZeRO-2 stage: its working weights sharded too, each block's
+    #: gathered before its forward and again for its backward ([Note: sharded
+    #: parameters] in ``runtime/param_shard.py``): "auto" (per ZeRO-2 stage,
+    #: where it pays: 2-3 all-gathers of the stage's weights per micro-batch,
+    #: and the weights' 2-4 (k - 1)/k B per parameter freed), "never" or
+    #: "always" (every ZeRO-2 stage).
+    param_sharding: str = "auto"
     #: Stage-level activation recomputation: "auto" (per stage, where memory
     #: needs it), "never" or "always" (every stage).
     recompute: str = "auto"
@@ -132,7 +139,7 @@ class PlanOptions:
         if not isinstance(self.max_interleave, int) or self.max_interleave < 1:
             raise PlanOptionsError(f"PlanOptions.max_interleave={self.max_interleave!r}: use an int >= 1 "
                                    f"(1 = no interleaving)")
-        for name in ("sharding", "recompute", "grad_sharding"):
+        for name in ("sharding", "recompute", "grad_sharding", "param_sharding"):
             v = getattr(self, name)
             if v not in MEMORY_MODES:
                 raise PlanOptionsError(f"PlanOptions.{name}={v!r}: use one of {MEMORY_MODES}")

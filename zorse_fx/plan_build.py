@@ -18,12 +18,12 @@ from .options import PlanOptions
 from .plan import GPUShare, MemoryBreakdown, Plan, SolverReport, StagePlan
 from .precision import PrecisionPolicy
 from .solve.objective import MEMORY_UNIT_BYTES, MIB_UNITS
-from .solve.state_terms import shardable_kib, unique_params
+from .solve.state_terms import GATHERED_UNITS, shardable_kib, unique_params
 
 __all__ = ["build_plan", "plan_decision", "memory_breakdown"]
 
 
-def memory_breakdown(predicted: int, hosted: list[tuple[int, int | None, int, int]],
+def memory_breakdown(predicted: int, hosted: list[tuple],
                      precision: PrecisionPolicy, *, bucket_bytes: int = BUCKET_BYTES) -> MemoryBreakdown:
     """``predicted`` bytes of one GPU split by what holds them (see
     ``plan.MemoryBreakdown``). ``hosted``: per stage the GPU hosts, (its unique
@@ -38,24 +38,31 @@ def memory_breakdown(predicted: int, hosted: list[tuple[int, int | None, int, in
     the shardable bytes of each; the others' stay whole), and its reduction
     buffers (``state_terms.grad_shard_kib``'s transient: 2 x
     ``MAX_SHARD_BUCKETS_IN_FLIGHT`` + 2 buckets of ``bucket_bytes`` at most)
-    as communication; activations are the rest of the prediction
+    as communication. A fifth entry, when present and not None, makes the
+    stage ZeRO-3: the most bytes of working weights it holds gathered (its
+    largest ``GATHERED_UNITS`` consecutive units); the shard then also holds
+    the GPU's weights (in proportion, as the gradients), and those are weights too. Activations are the rest of the prediction
     (what autograd saves for the micro-batches in flight, the loss block's
     backward transient, and the planner's rounding up of each block's state
     to KiB). Bytes in, bytes out; 0 predicted: all 0."""
     if predicted <= 0:
         return MemoryBreakdown()
-    params = sum(n for n, *_ in hosted)
-    low = sum(n16 for _, _, n16, _ in hosted)
-    weights = ((params - low) * (precision.weight_bytes_per_param + precision.cast_bytes_per_param)
-               + low * precision.allgather_bytes_per_param16)
+    hosted = [(*h[:4], h[4] if len(h) > 4 else None) for h in hosted]
+    wide = precision.weight_bytes_per_param + precision.cast_bytes_per_param
+    weights = sum((n - n16) * wide + n16 * precision.allgather_bytes_per_param16
+                  for n, _, n16, _, unit in hosted if unit is None)
     grads = comm = optim = 0
-    for n, shard, n16, n_gs in hosted:
+    for n, shard, n16, n_gs, unit in hosted:
         if shard is not None and n_gs:
             grad_b = 4 * n_gs
             shardable = precision.optimizer_bytes_per_param * (n - n16) + precision.shardable_bytes_per_param16 * n16
-            g = min(grad_b, shard * grad_b // (shardable + grad_b)) if shardable + grad_b else 0
+            w_b = (n - n16) * wide + n16 * precision.allgather_bytes_per_param16 if unit is not None else 0
+            total = shardable + grad_b + w_b
+            g = min(grad_b, shard * grad_b // total) if total else 0
+            w = min(w_b, shard * w_b // total) if total else 0
+            weights += w + (unit if unit is not None else 0)
             grads += g + (n - n_gs) * precision.grad_bytes_per_param
-            optim += shard - g
+            optim += shard - g - w
             comm += ((2 * MAX_SHARD_BUCKETS_IN_FLIGHT + 2) * min(grad_b, bucket_bytes)
                      + (n - n_gs) * precision.reduce_copy_bytes_per_param)
             continue
@@ -99,6 +106,21 @@ def build_plan(
     held = Counter(canon for prog in programs for canon in set(prog.params.values()))
     n_gs = [sum(state[canon].numel() for canon in set(prog.params.values()) if held[canon] == 1)
             if dec.grad_sharded[s] else 0 for s, prog in enumerate(programs)]
+    # ZeRO-3: the working-weight bytes of each stage's largest unit ([Note: ZeRO-3 units] in codegen/split.py).
+    wide = precision.weight_bytes_per_param + precision.cast_bytes_per_param
+    def gathered(s, prog) -> int:
+        """The largest GATHERED_UNITS consecutive units, plus every unit read again after the next
+        one's first read (a tied weight: gathered throughout) ([C-param-shard])."""
+        units = prog.param_units()
+        order = {n.name: k for k, n in enumerate(prog.graph.nodes)}
+        sizes = [sum(state[prog.params[f]].numel() * (precision.allgather_bytes_per_param16 if f in low[s] else wide)
+                     for f in flats) for flats, _, _ in units]
+        spans = [u for u in range(len(units) - 1) if order[units[u][2]] > order[units[u + 1][1]]]
+        k = GATHERED_UNITS
+        window = sum(sizes) if len(sizes) <= k else max(sum(sizes[a:a + k]) for a in range(len(sizes) - k + 1))
+        return window + sum(sizes[u] for u in spans)
+
+    unit_bytes = [gathered(s, prog) if dec.param_sharded[s] else None for s, prog in enumerate(programs)]
     for s, prog in enumerate(programs):
         gpus = []
         sharded = dec.sharded[s]
@@ -108,8 +130,8 @@ def build_plan(
             mem = int(result.predicted_memory_bytes[s][i]) if result.predicted_memory_bytes else 0
             gpu = cluster.gpus[g]
             # The prediction is of the GPU: every stage of its group (interleaving) at position i.
-            hosted = [(n_params[t], int(shard_bytes[t][i]) if dec.sharded[t] else None, n_low[t], n_gs[t])
-                      for t in range(s % groups, len(programs), groups)]
+            hosted = [(n_params[t], int(shard_bytes[t][i]) if dec.sharded[t] else None, n_low[t], n_gs[t],
+                       unit_bytes[t]) for t in range(s % groups, len(programs), groups)]
             gpus.append(GPUShare(
                 rank=rank, gpu=g, node=gpu.node, gpu_type=gpu.type, samples_per_microbatch=n,
                 predicted_memory_bytes=mem, memory_capacity_bytes=int(gpu.memory_bytes),
@@ -136,6 +158,7 @@ def build_plan(
             recompute=dec.recompute[s],
             low_precision_params=low[s],
             grad_sharded=dec.grad_sharded[s],
+            param_sharded=dec.param_sharded[s],
         ))
         gpu_list = ", ".join(f"{gs.gpu_type}@{gs.node} x{gs.samples_per_microbatch}" for gs in gpus)
         sources.append(emit_source(prog, header=f"Plan: {model_name} on {cluster.name}; GPUs: {gpu_list}"))
@@ -200,6 +223,8 @@ def plan_decision(plan, costs: BlockCosts | None = None) -> Decision:
             q_kib = shardable_kib(costs, i, j, MEMORY_UNIT_BYTES)
             if getattr(st, "grad_sharded", False):  # ZeRO-2: the shards hold the float32 gradients too
                 q_kib += -(-4 * unique_params(costs, i, j) // MEMORY_UNIT_BYTES)
+            if getattr(st, "param_sharded", False):  # ZeRO-3: and the working weights (4 B, an upper bound)
+                q_kib += -(-4 * unique_params(costs, i, j) // MEMORY_UNIT_BYTES)
             need = -(-q_kib // MIB_UNITS)
             row = (-(-need // len(st.gpus)),) * len(st.gpus)
         shards.append(row)
@@ -210,5 +235,6 @@ def plan_decision(plan, costs: BlockCosts | None = None) -> Decision:
                     num_microbatches=plan.num_microbatches, sharded=sharded, shard_mib=tuple(shards),
                     recompute=tuple(bool(getattr(st, "recompute", False)) for st in plan.stages),
                     grad_sharded=tuple(bool(getattr(st, "grad_sharded", False)) for st in plan.stages),
+                    param_sharded=tuple(bool(getattr(st, "param_sharded", False)) for st in plan.stages),
                     interleave=int(getattr(plan, "interleave", 1)),  # plans before format v3: not interleaved
                     precision=str(getattr(plan, "precision", "") or ""))

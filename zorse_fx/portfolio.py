@@ -136,36 +136,43 @@ def solve_portfolio(costs: BlockCosts, devices: DeviceGraph, options: PlanOption
 
 def _try_grad_sharding(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions,
                        best: SolverResult) -> SolverResult:
-    """``best`` with sharded gradients (ZeRO-2) on those of its sharded stages
-    where the objective scores it faster: each stage in turn, with its
+    """``best`` with sharded gradients (ZeRO-2), or sharded gradients and
+    parameters (ZeRO-3), on those of its sharded stages where the objective
+    scores it faster: each stage in turn, ZeRO-2 then ZeRO-3 as
+    ``options.grad_sharding`` / ``param_sharding`` allow, with its
     recomputation kept or dropped ([Note: ZeRO-2 outside CP-SAT]); shards
     re-balanced (``objective.fill_policy``). ``best`` itself when nothing is
-    faster or ``options.grad_sharding`` is "never"."""
+    faster."""
     from .solve.bounds import throughput_bound_s
     from .solve.objective import evaluate, fill_policy, policy_decision, prepare
 
     d = best.decision
     if options.grad_sharding == "never" or not any(d.sharded) or d.interleave != 1:
         return best
+    levels = [(True, False)] + ([(True, True)] if options.param_sharding != "never" else [])
     tab, _ = prepare(costs, devices, options, d)
-    gs, rc = list(d.grad_sharded), list(d.recompute)
+    gs, ps, rc = list(d.grad_sharded), list(d.param_sharded), list(d.recompute)
     cur = evaluate(costs, devices, options, d)
     improved = False
     for s in range(d.num_stages):
-        if not d.sharded[s] or gs[s]:
+        if not d.sharded[s]:
             continue
-        for rc_s in dict.fromkeys((False, rc[s])):
-            tgs, trc = gs.copy(), rc.copy()
-            tgs[s], trc[s] = True, rc_s
-            pol = fill_policy(tab, d.stage_blocks, d.stage_gpus, d.samples_per_microbatch, d.sharded, trc, tgs)
-            ev = evaluate(costs, devices, options, policy_decision(d.stage_blocks, d.stage_gpus,
-                                                                   d.samples_per_microbatch, d.num_microbatches, pol))
-            if ev.feasible and ev.objective_units < cur.objective_units:
-                cur, gs, rc, improved = ev, tgs, trc, True
+        for g_s, p_s in levels:
+            if (gs[s], ps[s]) >= (g_s, p_s):
+                continue
+            for rc_s in dict.fromkeys((False, rc[s])):
+                tgs, tps, trc = gs.copy(), ps.copy(), rc.copy()
+                tgs[s], tps[s], trc[s] = g_s, p_s, rc_s
+                pol = fill_policy(tab, d.stage_blocks, d.stage_gpus, d.samples_per_microbatch, d.sharded, trc, tgs,
+                                  tps)
+                ev = evaluate(costs, devices, options, policy_decision(
+                    d.stage_blocks, d.stage_gpus, d.samples_per_microbatch, d.num_microbatches, pol))
+                if ev.feasible and ev.objective_units < cur.objective_units:
+                    cur, gs, ps, rc, improved = ev, tgs, tps, trc, True
     if not improved:
         return best
     # CP-SAT's bound is over plans without ZeRO-2: the throughput bound holds for these too.
     bound = min(best.best_bound, throughput_bound_s(costs, devices, options))
-    status = with_safety_stop(f"{with_safety_stop(best.status, 0)}+ZERO2", best.wall_clock_stops)
+    status = with_safety_stop(f"{with_safety_stop(best.status, 0)}+ZERO{3 if any(ps) else 2}", best.wall_clock_stops)
     return dataclasses.replace(SolverResult.from_evaluation(cur, options=options, status=status, best_bound=bound),
                                wall_clock_stops=best.wall_clock_stops, candidates=best.candidates)

@@ -61,6 +61,10 @@ class Decision:
     #: (S,) ZeRO-2 per sharded stage: its float32 gradients sharded too,
     #: reduce-scattered every micro-batch ([C-grad-shard]); () = none.
     grad_sharded: tuple[bool, ...] = ()
+    #: (S,) ZeRO-3 per ZeRO-2 stage: its working weights sharded too, each
+    #: block's gathered for its forward and again for its backward
+    #: ([C-param-shard]); () = none.
+    param_sharded: tuple[bool, ...] = ()
     #: The precision the decision was priced under ("fp32", "bf16-mixed",
     #: "fp16-mixed"; ``zorse_fx/precision.py``); "" = as priced, i.e. whatever
     #: ``BlockCosts`` the decision is scored with (the solvers see only costs).
@@ -72,7 +76,7 @@ class Decision:
         put(self, "stage_gpus", _tuple2(self.stage_gpus))
         put(self, "samples_per_microbatch", _tuple2(self.samples_per_microbatch))
         n_s = len(self.stage_blocks)
-        for name in ("sharded", "recompute", "grad_sharded"):
+        for name in ("sharded", "recompute", "grad_sharded", "param_sharded"):
             v = tuple(getattr(self, name))
             if len(v) not in (0, n_s):
                 raise ValueError(f"Decision.{name} has {len(v)} entries, the decision has {n_s} stages")
@@ -86,6 +90,10 @@ class Decision:
             if flag and not sh:
                 raise ValueError(f"stage {s} has sharded gradients (ZeRO-2) but is not sharded: "
                                  f"Decision.grad_sharded[{s}] needs Decision.sharded[{s}]")
+        for s, (flag, gs) in enumerate(zip(self.param_sharded, self.grad_sharded)):
+            if flag and not gs:
+                raise ValueError(f"stage {s} has sharded parameters (ZeRO-3) but not sharded gradients: "
+                                 f"Decision.param_sharded[{s}] needs Decision.grad_sharded[{s}]")
         if self.shard_mib is None and not any(self.sharded):
             put(self, "shard_mib", ((),) * n_s)
         if self.shard_mib is not None:
@@ -205,7 +213,8 @@ class Decision:
     def without_policy(self) -> "Decision":
         """This decision with nothing sharded or recomputed (same stages, GPUs,
         samples, micro-batches and interleaving)."""
-        return dataclasses.replace(self, sharded=(), shard_mib=None, recompute=(), grad_sharded=())
+        return dataclasses.replace(self, sharded=(), shard_mib=None, recompute=(), grad_sharded=(),
+                                   param_sharded=())
 
     def with_shards(self, shard_mib) -> "Decision":
         """This decision with each sharded stage's shards set to ``shard_mib`` (MiB)."""

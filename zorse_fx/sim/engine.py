@@ -94,7 +94,12 @@ score the same shards).
     bucket's part of such a stage takes M reduce-scatters (half a ring
     all-reduce each) after the last backward, as the objective counts them
     ([C-grad-shard]: an upper bound, the runtime starts each after its own
-    micro-batch's backward).
+    micro-batch's backward). ZeRO-3 (``Decision.param_sharded[s]``): the
+    shards hold the weights too ([C-param-shard]); each F task gathers the
+    stage's weights once and each B task once (twice when recomputing), a
+    ring all-gather per block, prefetched one block ahead: a task takes
+    max(its compute, its gathers) + one block's gather; no all-gather after
+    the step.
 
 Gradient sync, per GPU group, as the runtime does it ([Note: overlapped
 gradient reduction] in ``runtime/grad_sync.py``). A group with > 1 GPU
@@ -201,8 +206,8 @@ from ..ir.p2p import RankProgram, programs_from, route_messages, routes
 from ..ir.schedule import make_schedule
 from ..options import PlanOptions
 from ..solve.objective import MEMORY_UNIT_BYTES, MIB_UNITS, RECOMPUTE_FRACTION, prepare, sharded_state_kib
-from ..solve.state_terms import stage_state_kib
-from .network import FlowResources, link_resource, max_min_rates
+from ..solve.state_terms import stage_state_kib, unique_params
+from .network import FlowResources, link_resource, max_min_rates, ring
 from .sync import gradient_sync
 
 __all__ = ["SimEvent", "SimResult", "simulate", "link_resource", "decision_programs",
@@ -386,6 +391,15 @@ class _Pipeline:
                 self.group_of[g] = s % n_p
                 self.rc_dur[g, s] = RECOMPUTE_FRACTION * (n * w + f) if pol.recompute[s] else 0.0
                 self.dur[g, s] = ((n * w + f) / 3.0, 2.0 * (n * w + f) / 3.0 + self.rc_dur[g, s])
+                if pol.ps(s):  # ZeRO-3: the weights' gathers, prefetched one unit ahead ([C-param-shard])
+                    units = j - i
+                    moved = (sum(costs.gather_bytes(b) for b in range(i, j))  # a tied parameter once ([C-tied])
+                             - costs.param_bytes_per_param * (sum(costs.param_count[i:j]) - unique_params(costs, i, j)))
+                    per_pass = units * ring(devices, gpus, self.resources).allgather_s(moved / units)
+                    fwd, bwd = self.dur[g, s]
+                    k_b = 2 if pol.recompute[s] else 1  # a recomputing B gathers for its re-run forward too
+                    self.dur[g, s] = (fwd + max(0.0, per_pass - fwd) + per_pass / units,
+                                      bwd + max(0.0, k_b * per_pass - bwd) + k_b * per_pass / units)
                 if pol.recompute[s]:
                     self.held[g][s // n_p], self.rerun[g][s // n_p] = n * (tab.cut_kib[i] if s > 0 else 0), n * a_kib
                 else:
@@ -598,7 +612,7 @@ def simulate(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions, deci
             i, j = stage_blocks[s]
             full, shard = stage_state_kib(tab, i, j)  # a tied parameter once per stage
             if pol.sharded[s]:  # the replicated rest (ZeRO-2: less the gradients) and the GPU's shard
-                full = sharded_state_kib(tab, i, j, pol.gs(s))[0]
+                full = sharded_state_kib(tab, i, j, pol.gs(s), pol.ps(s))[0]
                 full += MIB_UNITS * pol.shard_mib[s][stage_gpus[s].index(g)]
             state += full
         peak[g] = MEMORY_UNIT_BYTES * (state + pipe.peak_act[g])

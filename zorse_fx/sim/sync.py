@@ -166,8 +166,8 @@ def gradient_sync(costs: BlockCosts, devices: DeviceGraph, *, stage_blocks, stag
                 events.append(SimEvent("optim", g, s, -1, t0, t1, None, int(round(moved))))
                 t0 = t1
             t_opt = max(t_opt, t0)
-        for s in stages_p:  # all-gather the updated weights once the group's steps ended
-            if pol.sharded[s]:
+        for s in stages_p:  # all-gather the updated weights once the group's steps ended (not ZeRO-3's)
+            if pol.sharded[s] and not pol.ps(s):
                 i, j = stage_blocks[s]
                 moved = (sum(costs.gather_bytes(b) for b in range(i, j))  # a tied parameter once ([C-tied])
                          - pa_b * (sum(costs.param_count[i:j]) - unique_params(costs, i, j)))

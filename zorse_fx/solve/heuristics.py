@@ -92,7 +92,7 @@ def memory_groups(tab, gpus, samples) -> tuple[tuple[tuple[int, int], int], ...]
 
 
 def stage_fits(tab, s: int, n_s: int, i: int, j: int, groups, *, sharded: bool, recompute: bool,
-               grad_sharded: bool = False) -> bool:
+               grad_sharded: bool = False, param_sharded: bool = False) -> bool:
     """Whether stage ``s`` of ``n_s`` (blocks [i, j), GPUs as ``memory_groups``)
     fits memory under the variant. Unsharded (or one GPU), every GPU holds
     the whole state plus its activations; sharded, every GPU holds the
@@ -105,7 +105,7 @@ def stage_fits(tab, s: int, n_s: int, i: int, j: int, groups, *, sharded: bool, 
     state, shard = stage_state_kib(tab, i, j)  # [C-tied]: a tied parameter once per stage
     if not sharded or sum(c for _, c in groups) < 2:
         return all(state + stage_act_kib(tab, s, n_s, i, j, n, recompute=recompute) <= cap for (n, cap), _ in groups)
-    rep, shard = sharded_state_kib(tab, i, j, grad_sharded)
+    rep, shard = sharded_state_kib(tab, i, j, grad_sharded, param_sharded)
     free = [(cap - rep - stage_act_kib(tab, s, n_s, i, j, n, recompute=recompute), c) for (n, cap), c in groups]
     return min(f for f, _ in free) >= 0 and MIB_UNITS * sum(c * (f // MIB_UNITS) for f, c in free) >= shard
 

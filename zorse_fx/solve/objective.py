@@ -34,6 +34,20 @@ them to the planner):
         gradient shard: its time is over-counted by that). Not in the CP-SAT
         model ([Note: ZeRO-2 outside CP-SAT] in zorse_fx/portfolio.py)
                                                                       [C-grad-shard]
+  ps_s  ZeRO-3 (only where gs_s; ``PlanOptions.param_sharding``): the working
+        weights sharded too, each block's gathered before its forward and
+        again for its backward ([Note: sharded parameters] in
+        runtime/param_shard.py). Memory: the whole replicated state of
+        ZeRO-2 but its reduction buffers and the gradients of tied copies it
+        all-reduces moves into the shards; the weights of GATHERED_UNITS (3)
+        consecutive blocks stay, gathered (the largest such sum:
+        ``state_terms.gathered_weight_kib``). Time: per micro-batch g_s = 2 +
+        rc_s gathers of the stage's weights, each a ring all-gather
+        ag_s + U_s (k - 1) lat_max over its U_s = j - i blocks; the runtime
+        prefetches one unit ahead, so compute_g gains max(0, g_s * G_s -
+        compute_s) + g_s * ceil(G_s / U_s) (one unit per pass not hidden); the
+        sync is ZeRO-2's without the all-gather after the step. Not in the
+        CP-SAT model, as ZeRO-2                                      [C-param-shard]
 
 P_s = params of the blocks of s (a tied parameter once: [C-tied]), A_s = their activation bytes per sample,
 W_{s,tau} = their fwd+bwd time per sample on GPU type tau, Q_s = their
@@ -199,7 +213,8 @@ from .network_terms import (
     tied_terms,
     untied_block_kib,
 )
-from .state_terms import grad_shard_kib, stage_optim_units, stage_state_kib
+from .state_terms import (extra_copies, gathered_weight_kib, grad_shard_kib, stage_optim_units,
+                          stage_state_kib)
 
 # The units and integer tables live in tables.py (re-exported: callers import them from here).
 from .tables import (  # noqa: F401
@@ -287,6 +302,8 @@ class MemoryPolicy:
     recompute: tuple[bool, ...]
     #: Per stage: ZeRO-2 (gradients sharded too, [C-grad-shard]); () = none.
     grad_sharded: tuple[bool, ...] = ()
+    #: Per stage: ZeRO-3 (weights sharded too, [C-param-shard]); () = none.
+    param_sharded: tuple[bool, ...] = ()
 
     @classmethod
     def plain(cls, num_stages: int) -> "MemoryPolicy":
@@ -295,6 +312,10 @@ class MemoryPolicy:
     def gs(self, s: int) -> bool:
         """Whether stage ``s`` has sharded gradients (ZeRO-2)."""
         return bool(self.grad_sharded) and self.grad_sharded[s]
+
+    def ps(self, s: int) -> bool:
+        """Whether stage ``s`` has sharded parameters (ZeRO-3)."""
+        return bool(self.param_sharded) and self.param_sharded[s]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -355,32 +376,40 @@ def balance_shards(need_kib: int, free_mib, rate) -> tuple[int, ...] | None:
     return tuple(z)
 
 
-def sharded_state_kib(tab: IntTables, i: int, j: int, grad_sharded: bool) -> tuple[int, int]:
+def sharded_state_kib(tab: IntTables, i: int, j: int, grad_sharded: bool,
+                      param_sharded: bool = False) -> tuple[int, int]:
     """(replicated, shardable) KiB of a sharded stage over blocks [i, j): R_s and
     Q_s ([C-shard]), under ZeRO-2 R_s - G-_s + the reduction buffers and Q_s +
-    G+_s ([C-grad-shard], ``state_terms.grad_shard_kib``)."""
+    G+_s ([C-grad-shard], ``state_terms.grad_shard_kib``), under ZeRO-3 the
+    buffers and GATHERED_UNITS of its largest block's weights, and the rest
+    ([C-param-shard])."""
     state, shard = stage_state_kib(tab, i, j)
     if not grad_sharded:
         return state - shard, shard
     up, down, transient = grad_shard_kib(tab, i, j)
     down = min(down, state - shard)  # (the replicated state holds the float32 gradients: 4 of its B/param)
+    if param_sharded:  # the gradients the shards do not take (tied, all-reduced) stay whole
+        grads = tab.grad_kib_prefix[j] - tab.grad_kib_prefix[i] - sum(
+            c * tab.tied_grad_kib[t] for t, c in extra_copies(tab.tied_blocks, i, j))
+        return transient + gathered_weight_kib(tab, i, j) + max(0, grads - up), state - grads + up
     return state - shard - down + transient, shard + up
 
 
 def fill_policy(tab: IntTables, stage_blocks, stage_gpus, samples, sharded, recompute,
-                grad_sharded=()) -> MemoryPolicy:
+                grad_sharded=(), param_sharded=()) -> MemoryPolicy:
     """A MemoryPolicy for the given per-stage flags with each sharded stage's
     shards chosen by ``balance_shards`` on the memory left after the replicated
     state and the activations (when even that cannot hold the state, shards
     proportional to the free memory: ``evaluate`` then reports the breach)."""
     n_s = len(stage_blocks)
     grad_sharded = tuple(bool(x) for x in grad_sharded) or (False,) * n_s
+    param_sharded = tuple(bool(x) for x in param_sharded) or (False,) * n_s
     shards = []
     for s, ((i, j), gpus, ns) in enumerate(zip(stage_blocks, stage_gpus, samples)):
         if not sharded[s]:
             shards.append(())
             continue
-        rep, need = sharded_state_kib(tab, i, j, grad_sharded[s])
+        rep, need = sharded_state_kib(tab, i, j, grad_sharded[s], param_sharded[s])
         state = rep + need
         a = tab.act_prefix[j] - tab.act_prefix[i]
         free = [(tab.cap_bytes[g] - (state - need) - act_units(tab, s, n_s, i, n, a, recompute=recompute[s])) // MIB_UNITS
@@ -392,7 +421,7 @@ def fill_policy(tab: IntTables, stage_blocks, stage_gpus, samples, sharded, reco
             z = [-(-need_mib * (f if sum(fr) else 1) // tot) for f in fr]
         shards.append(tuple(z))
     return MemoryPolicy(tuple(bool(x) for x in sharded), tuple(shards), tuple(bool(x) for x in recompute),
-                        grad_sharded)
+                        grad_sharded, param_sharded)
 
 
 def policy_decision(stage_blocks, stage_gpus, samples, num_microbatches: int, policy: MemoryPolicy,
@@ -401,7 +430,8 @@ def policy_decision(stage_blocks, stage_gpus, samples, num_microbatches: int, po
     scored) with the memory policy ``policy``, shards included."""
     return Decision(stage_blocks=stage_blocks, stage_gpus=stage_gpus, samples_per_microbatch=samples,
                     num_microbatches=num_microbatches, interleave=interleave, sharded=policy.sharded,
-                    shard_mib=policy.shard_mib, recompute=policy.recompute, grad_sharded=policy.grad_sharded)
+                    shard_mib=policy.shard_mib, recompute=policy.recompute, grad_sharded=policy.grad_sharded,
+                    param_sharded=policy.param_sharded)
 
 
 def evaluate_units(tab: IntTables, stage_blocks, stage_gpus, samples, policy: MemoryPolicy | None = None,
@@ -419,7 +449,7 @@ def evaluate_units(tab: IntTables, stage_blocks, stage_gpus, samples, policy: Me
     rows_per_boundary, load_rows = [], []  # [C-boundary] rows of each boundary's GPU pairs; both ways
     (excluded, tied), first_kib = tied_terms(tab, stage_blocks, stage_gpus, n_s // interleave), untied_block_kib(tab)
     for s, ((i, j), gpus, ns) in enumerate(zip(stage_blocks, stage_gpus, samples)):
-        sh, rc, gs = pol.sharded[s], pol.recompute[s], pol.gs(s)
+        sh, rc, gs, ps = pol.sharded[s], pol.recompute[s], pol.gs(s), pol.ps(s)
 
         def rerun(g, n, e):  # the recomputed forward of GPU g over blocks [i, e) (0 without recomputation)
             t = tab.gpu_types[g]
@@ -457,9 +487,10 @@ def evaluate_units(tab: IntTables, stage_blocks, stage_gpus, samples, policy: Me
             arb = max(own(tab.arsh_prefix if sh else tab.ar_prefix, q) for q in classes)
             ring_lat.append((len(gpus) - 1) * max(tab.pair_lat[g][h] for g, h in pairs))
             if gs:  # [C-grad-shard]: M reduce-scatters (half an all-reduce's ring each), then the all-gather
-                ar.append(max(ring_units(-(-m * own(tab.ar_prefix, q) // 2) + own(tab.arsh_prefix, q)
-                                         - own(tab.ar_prefix, q), len(gpus)) for q in classes)
-                          + (m * bucket_count(grad_kib[s], tab.bucket_caps) + 1) * ring_lat[s])
+                ag = 0 if ps else 1  # [C-param-shard]: no all-gather after the step
+                ar.append(max(ring_units(-(-m * own(tab.ar_prefix, q) // 2) + ag * (own(tab.arsh_prefix, q)
+                                         - own(tab.ar_prefix, q)), len(gpus)) for q in classes)
+                          + (m * bucket_count(grad_kib[s], tab.bucket_caps) + ag) * ring_lat[s])
             else:
                 ar.append(ring_units(arb, len(gpus))
                           + (2 * bucket_count(grad_kib[s], tab.bucket_caps) + sh) * ring_lat[s])
@@ -467,9 +498,17 @@ def evaluate_units(tab: IntTables, stage_blocks, stage_gpus, samples, policy: Me
             lk, k = max(last_bucket_kib(grad_kib[s], tab.bucket_caps), first_kib[i]), len(gpus)
             x = max(ring_units(tab.lastb_coef[q] * lk, k, tab.lastb_scale[q]) for q in classes)
             # A sharded stage all-gathers its weights after its optimizer step: ag_s, also in L_s.
-            gather.append(ring_units(max(own(tab.arsh_prefix, q) - own(tab.ar_prefix, q) for q in classes), k)
-                          + ring_lat[s] if sh else 0)
+            g_ring = ring_units(max(own(tab.arsh_prefix, q) - own(tab.ar_prefix, q) for q in classes), k)
+            gather.append(g_ring + ring_lat[s] if sh and not ps else 0)
             last.append(x + 2 * ring_lat[s] + gather[s])
+            if ps:  # [C-param-shard]: g gathers of the weights per micro-batch, prefetched one unit ahead
+                g, units = 2 + rc, j - i
+                pass_units = g_ring + units * ring_lat[s]
+                exposed = max(0, g * pass_units - comp[s]) + g * -(-pass_units // units)
+                comp[s] += exposed
+                comp_head[s] += exposed
+                fwd3[s] += 3 * exposed // g
+                bwd3[s] += 3 * exposed - 3 * exposed // g
         else:
             ring_lat.append(0)
             ar.append(0)
@@ -479,7 +518,7 @@ def evaluate_units(tab: IntTables, stage_blocks, stage_gpus, samples, policy: Me
         a = tab.act_prefix[j] - tab.act_prefix[i]
         if sh:
             z = pol.shard_mib[s]
-            rep, shard = sharded_state_kib(tab, i, j, gs)  # [C-grad-shard]
+            rep, shard = sharded_state_kib(tab, i, j, gs, ps)  # [C-grad-shard], [C-param-shard]
             opt.append(max(zg * tab.opt_per_mib[tab.gpu_mbw_class[g]] for g, zg in zip(gpus, z)))
             mem.append(tuple(rep + MIB_UNITS * zg + act_units(tab, s, n_s, i, n, a, recompute=rc)
                              for n, zg in zip(ns, z)))
@@ -549,8 +588,8 @@ def prepare(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions,
     d = decision
     if d.shard_mib is None:
         return tab, fill_policy(tab, d.stage_blocks, d.stage_gpus, d.samples_per_microbatch, d.sharded, d.recompute,
-                                d.grad_sharded)
-    return tab, MemoryPolicy(d.sharded, d.shard_mib, d.recompute, d.grad_sharded)
+                                d.grad_sharded, d.param_sharded)
+    return tab, MemoryPolicy(d.sharded, d.shard_mib, d.recompute, d.grad_sharded, d.param_sharded)
 
 
 def mode_violations(options: PlanOptions, stage_gpus, pol: MemoryPolicy) -> list[str]:
@@ -565,6 +604,10 @@ def mode_violations(options: PlanOptions, stage_gpus, pol: MemoryPolicy) -> list
             bad.append(f"stage {s} has sharded gradients but grad_sharding='never'")
         if pol.sharded[s] and not pol.gs(s) and options.grad_sharding == "always":
             bad.append(f"stage {s} is sharded without sharded gradients but grad_sharding='always'")
+        if pol.ps(s) and options.param_sharding == "never":
+            bad.append(f"stage {s} has sharded parameters but param_sharding='never'")
+        if pol.gs(s) and not pol.ps(s) and options.param_sharding == "always":
+            bad.append(f"stage {s} has sharded gradients without sharded parameters but param_sharding='always'")
         if pol.recompute[s] != (options.recompute == "always") and options.recompute != "auto":
             bad.append(f"stage {s} recompute={pol.recompute[s]} but recompute={options.recompute!r}")
     return bad
@@ -606,7 +649,7 @@ def evaluate(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions, deci
     for s, gpus in enumerate(stage_gpus):
         if u.uncovered[s]:
             bad.append(f"stage {s}: the shards hold {_gib(MIB_UNITS * MEMORY_UNIT_BYTES * sum(pol.shard_mib[s]))} "
-                       f"GiB of {_gib(sharded_state_kib(tab, *stage_blocks[s], pol.gs(s))[1] * MEMORY_UNIT_BYTES)} "
+                       f"GiB of {_gib(sharded_state_kib(tab, *stage_blocks[s], pol.gs(s), pol.ps(s))[1] * MEMORY_UNIT_BYTES)} "
                        f"GiB optimizer state")
         for g, need in zip(gpus, u.memory[s]):
             if need > tab.cap_bytes[g] and s < len(stage_blocks) // interleave:  # one report per GPU

@@ -82,7 +82,7 @@ from ..ir.devices import DeviceGraph
 from ..ir.result import SolverResult
 from ..options import PlanOptions
 from .objective import MIB_UNITS, fill_policy, inflight, max_stage_count, microbatch_candidates
-from .state_terms import extra_copies_matrix, grad_shard_kib
+from .state_terms import extra_copies_matrix, gathered_weight_matrix, grad_shard_kib
 
 __all__ = ["solve_stage_dp", "stage_dp_search", "ORDERS", "MAX_UNITS"]
 
@@ -93,14 +93,18 @@ MAX_UNITS = 32
 _INF = np.iinfo(np.int64).max // 4
 
 
-def grad_variants(options: PlanOptions) -> tuple[tuple[bool, bool, bool], ...]:
-    """The (sharded, recompute, grad_sharded) variants the stage DP tries:
-    ``heuristics.memory_variants``, each sharded one with ZeRO-2 off and / or
-    on as ``options.grad_sharding`` allows ([C-grad-shard])."""
+def grad_variants(options: PlanOptions) -> tuple[tuple[bool, bool, bool, bool], ...]:
+    """The (sharded, recompute, grad_sharded, param_sharded) variants the
+    stage DP tries: ``heuristics.memory_variants``, each sharded one with
+    ZeRO-2 off and / or on as ``options.grad_sharding`` allows
+    ([C-grad-shard]), each ZeRO-2 one with ZeRO-3 off and / or on as
+    ``options.param_sharding`` allows ([C-param-shard])."""
     from .heuristics import memory_variants
 
-    gs_modes = {"never": (False,), "auto": (False, True), "always": (True,)}[options.grad_sharding]
-    return tuple((sh, rc, gs) for sh, rc in memory_variants(options) for gs in (gs_modes if sh else (False,)))
+    modes = {"never": (False,), "auto": (False, True), "always": (True,)}
+    return tuple((sh, rc, gs, ps) for sh, rc in memory_variants(options)
+                 for gs in (modes[options.grad_sharding] if sh else (False,))
+                 for ps in (modes[options.param_sharding] if gs else (False,)))
 
 
 def _units(devices: DeviceGraph, tab, speeds, order: str) -> list[tuple[int, ...]]:
@@ -165,14 +169,19 @@ class _Stages:
         self.opt = [pre(p) - sum((e * tab.tied_opt[t][q] for t, e in extra), np.int64(0))
                     for q, p in enumerate(tab.opt_prefix)]
         # [C-grad-shard]: a ZeRO-2 stage's replicated state and shardable state (objective.sharded_state_kib).
-        self.gs_rep = self.gs_shard = None
-        if any(gs for _, _, gs in variants):
+        self.gs_rep = self.gs_shard = self.ps_rep = self.ps_shard = None
+        if any(gs for _, _, gs, _ in variants):
             up, down, tr = (np.zeros_like(self.state) for _ in range(3))
             for i in range(nb):
                 for j in range(i + 1, nb + 1):
                     up[i, j], down[i, j], tr[i, j] = grad_shard_kib(tab, i, j)
             rep = self.state - self.shard
             self.gs_rep, self.gs_shard = rep - np.minimum(down, rep) + tr, self.shard + up
+            # [C-param-shard]: the weights move into the shards too, GATHERED_UNITS of the largest block's stay.
+            grads = pre(tab.grad_kib_prefix) - sum((e * tab.tied_grad_kib[t] for t, e in extra), np.int64(0))
+            self.ps_rep = tr + gathered_weight_matrix(tab) + np.maximum(0, grads - up)
+            self.ps_shard = self.state - grads + up
+            self.nblocks = np.maximum(jj - ii, 1)
         # [C-allreduce]'s bucket count nb of blocks [i, j) (objective.bucket_count, vectorised;
         # tied exclusions are not known per stage here, as for the all-reduce term above).
         first_cap, cap = tab.bucket_caps
@@ -209,14 +218,21 @@ class _Stages:
             m = self.m
             zr = (-((-(-(-m * self.ar[kin] // 2) + self.arsh[kin] - self.ar[kin]) * (k - 1)) // k)
                   + (m * self.nbuckets + 1) * (k - 1) * lat)
+            # [C-param-shard]: the sync without the all-gather; one gather pass of the weights
+            zr3 = -((-(-(-m * self.ar[kin] // 2)) * (k - 1)) // k) + m * self.nbuckets * (k - 1) * lat
+            gpass = -((-(self.arsh[kin] - self.ar[kin]) * (k - 1)) // k) + self.nblocks * (k - 1) * lat \
+                if self.ps_rep is not None else None
         else:
-            ar = arsh = zr = np.zeros_like(self.state)
+            ar = arsh = zr = zr3 = np.zeros_like(self.state)
+            gpass = None
         mbw = sorted({tab.gpu_mbw_class[g] for g in gpus})
         opt = np.max([self.opt[q] for q in mbw], axis=0)
         per_gpu_mib = -(-self.shard // (MIB_UNITS * k))
         opt_sh = max(tab.opt_per_mib[q] for q in mbw) * per_gpu_mib
         opt_gs = (max(tab.opt_per_mib[q] for q in mbw) * -(-self.gs_shard // (MIB_UNITS * k))
                   if self.gs_shard is not None else None)
+        opt_ps = (max(tab.opt_per_mib[q] for q in mbw) * -(-self.ps_shard // (MIB_UNITS * k))
+                  if self.ps_shard is not None else None)
         # Boundary to the next unit (the first GPU group of the next stage): cut at j.
         bnd = np.zeros(self.nb + 1, dtype=np.int64)
         if u1 < len(self.units):
@@ -226,7 +242,8 @@ class _Stages:
             bnd = 2 * (np.asarray(tab.xfer[kq], dtype=np.int64) + lq)
         mem = memory_groups(tab, gpus, ns)
         out = {"gpus": gpus, "samples": ns, "comp": comp, "comp_rc": comp_rc, "ar": ar, "arsh": arsh, "zr": zr,
-               "opt": opt, "opt_sh": opt_sh, "opt_gs": opt_gs, "bnd": bnd[None, :], "mem": mem, "k": k, "cost": {},
+               "zr3": zr3, "gpass": gpass, "opt": opt, "opt_sh": opt_sh, "opt_gs": opt_gs, "opt_ps": opt_ps,
+               "bnd": bnd[None, :], "mem": mem, "k": k, "cost": {},
                "fits": {}}
         self.terms[key] = out
         return out
@@ -247,17 +264,23 @@ class _Stages:
             arg = np.full(self.state.shape, -1, dtype=np.int64)
         else:  # the ZeRO-2 ones on top of those (ties: the plain one)
             best, arg = self.cost(u0, u1, s, n_s, plain=True)
-        for v, (sh, rc, gs) in enumerate(self.variants):
+        for v, (sh, rc, gs, ps) in enumerate(self.variants):
             if gs == plain:
                 continue
             sh = sh and g["k"] >= 2
             gs = gs and sh  # (a one-GPU stage: neither)
+            ps = ps and gs
             fk = (fl, s > 0, v)  # what fits does not depend on the stage count: shared over n_s
             fits = g["fits"].get(fk)
             if fits is None:
-                fits = g["fits"][fk] = self._fits(g["mem"], fl, s > 0, sh, rc, gs) & self.valid
+                fits = g["fits"][fk] = self._fits(g["mem"], fl, s > 0, sh, rc, gs, ps) & self.valid
             t = (g["comp_rc"] if rc else g["comp"]) + g["bnd"]
-            c = mult * t + (g["zr"] + g["opt_gs"] if gs else g["arsh"] + g["opt_sh"] if sh else g["ar"] + g["opt"])
+            if ps:  # [C-param-shard]: the gathers' exposed time per micro-batch (objective.evaluate_units)
+                passes = 3 if rc else 2
+                comp = g["comp_rc"] if rc else g["comp"]
+                t = t + np.maximum(0, passes * g["gpass"] - comp) + passes * -(-g["gpass"] // self.nblocks)
+            c = mult * t + (g["zr3"] + g["opt_ps"] if ps else g["zr"] + g["opt_gs"] if gs
+                            else g["arsh"] + g["opt_sh"] if sh else g["ar"] + g["opt"])
             c = np.where(fits, c, _INF)
             better = c < best
             best = np.where(better, c, best)
@@ -265,7 +288,8 @@ class _Stages:
         g["cost"][ck, plain] = (best, arg)
         return best, arg
 
-    def _fits(self, mem, fl: int, not_first: bool, sharded: bool, recompute: bool, grad_sharded: bool = False):
+    def _fits(self, mem, fl: int, not_first: bool, sharded: bool, recompute: bool, grad_sharded: bool = False,
+              param_sharded: bool = False):
         """[C-memory] / [C-shard] for every (i, j) at once (as heuristics.stage_fits)."""
         def act(n):
             if recompute:
@@ -277,7 +301,8 @@ class _Stages:
             for (n, cap), _ in mem:
                 ok &= self.state + act(n) <= cap
             return ok
-        rep, need = (self.gs_rep, self.gs_shard) if grad_sharded else (self.state - self.shard, self.shard)
+        rep, need = ((self.ps_rep, self.ps_shard) if param_sharded else (self.gs_rep, self.gs_shard) if grad_sharded
+                     else (self.state - self.shard, self.shard))
         ok = np.ones_like(self.valid)
         held = np.zeros_like(self.state)
         for (n, cap), c in mem:
@@ -332,18 +357,19 @@ def _dp(st: _Stages, n_s: int, idle: bool = False, plain: bool = False):
 def _add_split(sel, st: _Stages, tab, split, variants, m: int) -> int:
     """Score one DP split with the objective (``Selector``): with the DP's per-stage
     variants and with each uniform policy. Returns the better step time (units)."""
-    blocks, gpus, samples, sharded, recompute, grads = [], [], [], [], [], []
+    blocks, gpus, samples, sharded, recompute, grads, params = [], [], [], [], [], [], []
     for u0, u1, i, j, v in split:
         g = st.group(u0, u1)
         order_g = sorted(range(len(g["gpus"])), key=lambda a: g["gpus"][a])
         blocks.append((i, j))
         gpus.append(tuple(g["gpus"][a] for a in order_g))
         samples.append(tuple(g["samples"][a] for a in order_g))
-        sh, rc, gs = variants[v]
+        sh, rc, gs, ps = variants[v]
         sharded.append(sh and len(g["gpus"]) >= 2)
         recompute.append(rc)
         grads.append(gs and sharded[-1])
-    pol = fill_policy(tab, blocks, gpus, samples, sharded, recompute, grads)
+        params.append(ps and grads[-1])
+    pol = fill_policy(tab, blocks, gpus, samples, sharded, recompute, grads, params)
     own = sel.add(blocks, gpus, samples, m, pol)
     return min(own, sel.add(blocks, gpus, samples, m))  # and each uniform policy
 
@@ -403,7 +429,7 @@ def stage_dp_search(costs: BlockCosts, devices: DeviceGraph,
     sel = Selector("stage_dp", costs, devices, options)
     speeds = gpu_speeds(costs, devices)
     variants = grad_variants(options)
-    zero2 = any(gs for *_, gs in variants)
+    zero2 = any(gs for _, _, gs, _ in variants)
     s_max = max_stage_count(costs, devices, options)
     # Pass 1: the DP over the variants without ZeRO-2, every (M, order, S). Kept per (M, order):
     # its units and, per S, the score of its split (None: no split) and whether it recomputes.

@@ -26,7 +26,8 @@ from __future__ import annotations
 import numpy as np
 
 __all__ = ["extra_copies", "stage_state_kib", "stage_optim_units", "extra_copies_matrix", "unique_params",
-           "shardable_kib", "grad_shard_kib"]
+           "shardable_kib", "grad_shard_kib", "block_weight_kib", "gathered_weight_kib",
+           "gathered_weight_matrix", "GATHERED_UNITS"]
 
 
 def extra_copies(tied_blocks, i: int, j: int) -> list[tuple[int, int]]:
@@ -124,3 +125,55 @@ def grad_shard_kib(tab, i: int, j: int) -> tuple[int, int, int]:
     up = max(up, 0)
     down = max(0, up - (j - i) - copies)
     return up, down, (2 * MAX_SHARD_BUCKETS_IN_FLIGHT + 2) * min(up, tab.bucket_caps[1])
+
+
+#: ZeRO-3: the consecutive units whose working weights are whole at once ([Note: sharded parameters]
+#: in ``runtime/param_shard.py``): in the forward the one computing and the next one arriving
+#: (prefetch); in the backward the one computing and the one before it arriving, the one after it
+#: freed already (its weight gradients accumulate, and free it, before autograd moves on: an
+#: AccumulateGrad node runs as soon as it is ready). A unit whose weight is read again by a later
+#: block (a tied embedding and LM head in one stage) stays gathered from its first read to its last.
+GATHERED_UNITS = 2
+
+
+def block_weight_kib(tab, b: int) -> int:
+    """[C-param-shard]: the working-weight KiB of block ``b`` of ``tab``: its
+    replicated state less its float32 gradients (4 B per parameter: the
+    16-bit or float32 working weights, 2 or 4 B), + 1 KiB: the gradients are
+    rounded up per block, so the difference could fall < 1 KiB short of the
+    exact bytes (memory stays conservative); 0 for a block without parameters."""
+    rep = (tab.state_prefix[b + 1] - tab.state_prefix[b]) - (tab.shard_prefix[b + 1] - tab.shard_prefix[b])
+    return max(0, rep - (tab.grad_kib_prefix[b + 1] - tab.grad_kib_prefix[b]) + 1) if rep > 0 else 0
+
+
+def gathered_weight_kib(tab, i: int, j: int) -> int:
+    """[C-param-shard]: the most working-weight KiB a ZeRO-3 stage over blocks
+    [i, j) holds gathered at once: the largest sum of ``GATHERED_UNITS``
+    consecutive blocks with weights (a unit per such block, [Note: ZeRO-3
+    units] in ``codegen/split.py``; all of them when there are fewer), plus
+    every tied parameter two of its blocks read (gathered throughout, at 4 B
+    per parameter: tied parameters are float32)."""
+    nz = [w for w in (block_weight_kib(tab, b) for b in range(i, j)) if w > 0]
+    k = GATHERED_UNITS
+    window = sum(nz) if len(nz) <= k else max(sum(nz[a:a + k]) for a in range(len(nz) - k + 1))
+    return window + sum(tab.tied_grad_kib[t] for t, _ in extra_copies(tab.tied_blocks, i, j))
+
+
+def gathered_weight_matrix(tab) -> np.ndarray:
+    """``gathered_weight_kib(tab, i, j)`` for every (i, j) as a (B+1, B+1) int64
+    matrix (0 where i >= j), O(B^2)."""
+    nb = tab.num_blocks
+    w = [block_weight_kib(tab, b) for b in range(nb)]
+    out = np.zeros((nb + 1, nb + 1), dtype=np.int64)
+    k = GATHERED_UNITS
+    for i in range(nb):
+        last: list[int] = []
+        best = 0
+        for j in range(i + 1, nb + 1):
+            if w[j - 1] > 0:
+                last = (last + [w[j - 1]])[-k:]
+                best = max(best, sum(last))
+            out[i, j] = best
+    for t, e in extra_copies_matrix(tab.tied_blocks, nb):
+        out += (e > 0) * tab.tied_grad_kib[t]
+    return out

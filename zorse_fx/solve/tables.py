@@ -153,6 +153,8 @@ class IntTables:
     sharding: str = "never"
     #: ``PlanOptions.grad_sharding`` ([C-grad-shard]).
     grad_sharding: str = "never"
+    #: ``PlanOptions.param_sharding`` ([C-param-shard]).
+    param_sharding: str = "never"
     recompute: str = "never"
 
     @property
@@ -253,4 +255,5 @@ def build_tables(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions,
                          for v, sc in zip(bw_values, lastb_scale)),
         lastb_scale=lastb_scale,
         sharding=options.sharding, recompute=options.recompute, grad_sharding=options.grad_sharding,
+        param_sharding=options.param_sharding,
     )
