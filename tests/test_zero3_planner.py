@@ -137,3 +137,28 @@ def test_plan_file_table_and_round_trip_with_zero3(tmp_path):
         assert g.predicted_memory_bytes == mem == (b.weights_bytes + b.gradients_bytes + b.optimizer_bytes
                                                    + b.activations_bytes + b.communication_bytes)
         assert b.weights_bytes > 0
+
+
+@pytest.mark.parametrize("zero3", [False, True])
+def test_interleave_search_keeps_the_state_layout(zero3):
+    """The interleave search keeps each group's ZeRO-2 / ZeRO-3 on all of its
+    stages: two groups of two 5 GiB GPUs hold the model under ZeRO-2 or
+    ZeRO-3 only, and their interleaved (v = 2) version fits with it."""
+    from zorse_fx.ir.result import SolverResult
+    from zorse_fx.solve.interleave import interleave_search
+
+    costs = BlockCosts(fwd_bwd_s_per_sample={"A": (0.01,) * NB}, param_count=(P // NB,) * NB,
+                       act_bytes_per_sample=(4 << 20,) * NB, cut_bytes_per_sample=(0, *(1 << 20,) * (NB - 1), 0))
+    devices = make_devices(["A"] * 4, ["n0"] * 4, [5 * GIB] * 4, [1e12] * 4)
+    options = solver_options(global_batch_size=8, max_stages=2, num_microbatches=(4,), allow_idle_gpus=False,
+                             sharding="auto", grad_sharding="auto", param_sharding="auto", max_interleave=2)
+    two = dict(stage_blocks=((0, NB // 2), (NB // 2, NB)), stage_gpus=((0, 1), (2, 3)),
+               samples_per_microbatch=((1, 1), (1, 1)), num_microbatches=4, sharded=(True, True))
+    assert not evaluate(costs, devices, options, Decision(**two)).feasible  # ZeRO-1
+    ev = evaluate(costs, devices, options, Decision(**two, grad_sharded=(True, True), param_sharded=(zero3, zero3)))
+    assert ev.feasible, ev.violations
+    base = SolverResult.from_evaluation(ev, options=options, status="FEASIBLE", best_bound=0.1)
+    res, tried = interleave_search(costs, devices, options, base)
+    assert res is not None and res.decision.interleave == 2, tried
+    assert res.decision.grad_sharded == (True,) * 4 and res.decision.param_sharded == (zero3,) * 4
+    assert evaluate_result(costs, devices, options, res).feasible

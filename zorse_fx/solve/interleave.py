@@ -142,9 +142,10 @@ class _Cutter:
         return best
 
 
-def _score(tab, cuts, stage_gpus, samples, sharded, recompute, v) -> tuple[tuple[int, int], StageUnits, MemoryPolicy]:
+def _score(tab, cuts, stage_gpus, samples, sharded, recompute, v,
+           grads=(), params=()) -> tuple[tuple[int, int], StageUnits, MemoryPolicy]:
     blocks = tuple(zip(cuts[:-1], cuts[1:]))
-    pol = fill_policy(tab, blocks, stage_gpus, samples, sharded, recompute)
+    pol = fill_policy(tab, blocks, stage_gpus, samples, sharded, recompute, grads, params)
     u = evaluate_units(tab, blocks, stage_gpus, samples, pol, v)
     breach = sum(u.uncovered) + sum(max(0, need - tab.cap_bytes[g])
                                     for gs, needs in zip(stage_gpus[: len(stage_gpus) // v], u.memory)
@@ -152,8 +153,8 @@ def _score(tab, cuts, stage_gpus, samples, sharded, recompute, v) -> tuple[tuple
     return (breach, u.step), u, pol
 
 
-def _local_search(tab, cuts, stage_gpus, samples, sharded, recompute, v):
-    key, *_ = _score(tab, cuts, stage_gpus, samples, sharded, recompute, v)
+def _local_search(tab, cuts, stage_gpus, samples, sharded, recompute, v, grads=(), params=()):
+    key, *_ = _score(tab, cuts, stage_gpus, samples, sharded, recompute, v, grads, params)
     for _ in range(MAX_PASSES):
         improved = False
         for k in range(1, len(cuts) - 1):
@@ -162,7 +163,7 @@ def _local_search(tab, cuts, stage_gpus, samples, sharded, recompute, v):
                 if not cuts[k - 1] < c < cuts[k + 1]:
                     continue
                 trial = cuts[:k] + [c] + cuts[k + 1:]
-                tkey, *_ = _score(tab, trial, stage_gpus, samples, sharded, recompute, v)
+                tkey, *_ = _score(tab, trial, stage_gpus, samples, sharded, recompute, v, grads, params)
                 if tkey < key:
                     key, cuts, improved = tkey, trial, True
         if not improved:
@@ -183,6 +184,8 @@ def interleave_search(costs: BlockCosts, devices: DeviceGraph, options: PlanOpti
     gbs = options.global_batch_size
     groups = d.stage_gpus
     sharded = d.sharded
+    # Each group keeps the base's state layout (ZeRO-1/2/3) on all of its stages.
+    grads, params = d.grad_sharded, d.param_sharded
     policies = [d.recompute]
     if options.recompute in ("auto", "always") and not all(policies[0]):
         policies.append((True,) * p_count)
@@ -203,7 +206,8 @@ def interleave_search(costs: BlockCosts, devices: DeviceGraph, options: PlanOpti
                 cuts = cutter.min_max()
                 if cuts is None:
                     continue
-                key, cuts = _local_search(tab, cuts, stage_gpus, samples, sharded * v, rc * v, v)
+                key, cuts = _local_search(tab, cuts, stage_gpus, samples, sharded * v, rc * v, v, grads * v,
+                                          params * v)
                 tried.append(Candidate(kind="interleave", interleave=v, num_microbatches=m, recompute_all=all(rc),
                                        step_time_s=key[1] * UNIT_S, feasible=key[0] == 0))
                 if key[0] == 0 and (best is None or key[1] < best[0]):
@@ -214,7 +218,8 @@ def interleave_search(costs: BlockCosts, devices: DeviceGraph, options: PlanOpti
     blocks = tuple(zip(cuts[:-1], cuts[1:]))
     ev = evaluate(costs, devices, options, Decision(
         stage_blocks=blocks, stage_gpus=stage_gpus, samples_per_microbatch=samples, num_microbatches=m,
-        sharded=sh, recompute=rc, interleave=v, precision=d.precision))
+        sharded=sh, recompute=rc, interleave=v, precision=d.precision, grad_sharded=grads * v,
+        param_sharded=params * v))
     if not ev.feasible:  # cannot happen: the search scored the same model
         raise AssertionError(f"interleave search returned an infeasible plan: {ev.violations}")
     res = SolverResult.from_evaluation(ev, options=options, status=with_safety_stop(
