@@ -544,7 +544,8 @@ def render_memory_layouts(rows: list[dict], name: str) -> list[str]:
     out = ["### Memory per rank and state layout on this CPU", "",
            f"One stage of {n:,} parameters ({n16:,} of them matmul weights, 16-bit working weights where the "
            "layout has them) data-parallel over two ranks, ZeRO-1 shards 3:1 (zero2: the float32 gradients "
-           "sharded too, reduce-scattered every micro-batch in 512 KiB buckets); each rank's predicted peak against "
+           "sharded too, reduce-scattered every micro-batch in 512 KiB buckets; zero3: the weights too, "
+           "gathered block by block); each rank's predicted peak against "
            "the peak of live CPU tensor bytes in its torch.profiler memory timeline (MiB). Under 16-bit working "
            "weights \"parameter\" holds the 16-bit weights, the float32 ones and the rank's float32 masters.", ""]
     out += table(["layout", "precision", "rank", "shard MiB", "predicted MiB", "measured peak MiB",

@@ -196,6 +196,11 @@ def test_plan_options_is_the_one_options_record():
     assert (args.max_stages, args.schedule, args.max_interleave, args.solver_budget, args.time_limit, args.planner,
             args.precision) == (dflt.max_stages, dflt.schedule, dflt.max_interleave, dflt.solver_budget,
                                 dflt.time_limit_s, dflt.planner, dflt.precision)
+    assert (args.sharding, args.grad_sharding, args.param_sharding, args.recompute) == (
+        dflt.sharding, dflt.grad_sharding, dflt.param_sharding, dflt.recompute)
+    args = build_parser().parse_args(["plan", "--model", "gpt", "--cluster", "c.yaml", "--global-batch-size", "8",
+                                      "--param-sharding", "never", "--recompute", "always", "-o", "out"])
+    assert (args.param_sharding, args.recompute) == ("never", "always")
     # Light: importing the options loads neither OR-Tools nor the planner.
     out = subprocess.run([sys.executable, "-c", "import sys, zorse_fx.options; "
                           "print('ortools' in sys.modules, 'zorse_fx.planner' in sys.modules)"],

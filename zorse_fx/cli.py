@@ -106,7 +106,8 @@ def cmd_plan(args) -> int:
         time_limit_s=args.time_limit, planner=args.planner,
         solver_budget=args.solver_budget, bucket_mib=args.bucket_mib,
         max_interleave=args.max_interleave, precision=args.precision, grad_reduce_dtype=args.grad_reduce_dtype,
-        verbose=True, model_name=args.model,
+        sharding=args.sharding, grad_sharding=args.grad_sharding, param_sharding=args.param_sharding,
+        recompute=args.recompute, verbose=True, model_name=args.model,
     )
     print(compiled.plan.table())
     path = compiled.plan.export(args.output)
@@ -302,6 +303,15 @@ def build_parser() -> argparse.ArgumentParser:
                     help="training precision; auto: bf16-mixed where every GPU supports bfloat16, else fp16-mixed")
     pp.add_argument("--grad-reduce-dtype", default=opt["grad_reduce_dtype"], choices=GRAD_REDUCE_DTYPES,
                     help="dtype of the gradient all-reduce (default float32; bfloat16 needs bf16-mixed)")
+    modes = ("never", "auto", "always")
+    pp.add_argument("--sharding", choices=modes, default=opt["sharding"],
+                    help="ZeRO-1: shard each stage's optimizer state over its GPUs (auto: per stage, where it pays)")
+    pp.add_argument("--grad-sharding", choices=modes, default=opt["grad_sharding"],
+                    help="ZeRO-2 on sharded stages: every micro-batch's gradients reduce-scattered into the shards")
+    pp.add_argument("--param-sharding", choices=modes, default=opt["param_sharding"],
+                    help="ZeRO-3 on ZeRO-2 stages: the weights sharded too, gathered block by block")
+    pp.add_argument("--recompute", choices=modes, default=opt["recompute"],
+                    help="stage recomputation: re-run each stage's forward before its backward")
     pp.add_argument("-o", "--output", required=True, help="plan directory to write")
     pp.set_defaults(fn=cmd_plan)
     pt = sub.add_parser("train", help="run an exported plan with torchrun (one process per GPU)",
