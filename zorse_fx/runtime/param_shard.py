@@ -87,9 +87,11 @@ def all_gather_unequal(parts: list[torch.Tensor], position: int, group, ranks: t
     rank order (``new_group`` sorts ranks), which torch runs for unequal
     sizes as broadcasts coalesced in one NCCL group: the bytes of one ring
     all-gather, no padding to the largest part. Gloo, whose all-gather needs
-    equal sizes: one broadcast per non-empty part.
+    equal sizes: one broadcast per non-empty part. Where a part is empty (a
+    unit inside fewer GPUs' ranges, often one: then one broadcast moves it)
+    NCCL gets the broadcasts too, so no zero-byte collective is issued.
     """
-    if dist.get_backend(group) == "nccl":
+    if dist.get_backend(group) == "nccl" and all(p.numel() for p in parts):
         order = sorted(range(len(ranks)), key=lambda j: ranks[j])
         return [dist.all_gather([parts[j] for j in order], parts[position], group=group, async_op=True)]
     return [dist.broadcast(parts[j], src=ranks[j], group=group, async_op=True)
