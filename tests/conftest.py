@@ -444,12 +444,12 @@ def with_low_precision(plan, captured):
 
 def solver_options(**fields) -> PlanOptions:
     """``PlanOptions`` for the solver tests: ``sharding``, ``recompute`` and
-    ``grad_sharding`` default to "never" (the models without the memory-policy
+    ``grad_sharding``, ``param_sharding`` and ``offload`` default to "never" (the models without the memory-policy
     variables, so the solves stay small and the expected results stay those of
     the plain model; ZeRO-2 is not in the CP-SAT model, so a CP-SAT optimum is
     the oracle's without it); a test that wants them passes "auto" / "always"."""
     return PlanOptions(**{"sharding": "never", "recompute": "never", "grad_sharding": "never", "param_sharding": "never",
-                          **fields})
+                          "offload": "never", **fields})
 
 
 def make_devices(types, nodes, memory, mem_bw, *, intra=(100e9, 5e-6), inter=(10e9, 2e-5), odd_links=None):

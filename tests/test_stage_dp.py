@@ -54,7 +54,7 @@ def test_vectorised_memory_check_equals_stage_fits(seed):
     per (i, j), for every unit group, stage position and memory variant (ZeRO-2 and ZeRO-3 included)."""
     costs, devices, options = _instance(seed)
     options = dataclasses.replace(options, grad_sharding="auto", param_sharding="auto")
-    assert any(ps for *_, ps in grad_variants(options))
+    assert any(v[3] for v in grad_variants(options))
     tab = build_tables(costs, devices, options, 2)
     units = _units(devices, tab, gpu_speeds(costs, devices), "file")
     st = _Stages(tab, units, gpu_speeds(costs, devices), grad_variants(options), 2)
@@ -68,7 +68,7 @@ def test_vectorised_memory_check_equals_stage_fits(seed):
             for n_s in (1, 2, 3):
                 for s in range(n_s):
                     fl = inflight(tab.schedule, n_s, s, 2)
-                    for sh, rc, gs, ps in grad_variants(options):
+                    for sh, rc, gs, ps, _ in grad_variants(options):
                         got = st._fits(g["mem"], fl, s > 0, sh and g["k"] >= 2, rc, gs and g["k"] >= 2,
                                        ps and g["k"] >= 2)
                         for i in range(tab.num_blocks):
@@ -78,6 +78,53 @@ def test_vectorised_memory_check_equals_stage_fits(seed):
                                 assert bool(got[i, j]) == want, (u0, u1, s, n_s, sh, rc, gs, ps, i, j)
                                 checked += 1
     assert checked > 500
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_vectorised_offload_check_equals_the_objective(seed):
+    """``_Stages._fits_offload`` over all (i, j) == the objective's own pieces
+    per (i, j): the device holds the replicated state and the activations, the
+    host the whole H_s (replicated) or shards ``balance_shards`` can place in
+    each GPU's host memory (``fill_policy``'s choice) ([C-offload])."""
+    from zorse_fx.solve.objective import MIB_UNITS, balance_shards
+    from zorse_fx.solve.heuristics import stage_act_kib
+    from zorse_fx.solve.state_terms import stage_host_kib, stage_state_kib
+
+    costs, devices, options = _instance(seed)
+    rng = random.Random(seed)
+    per_node = {n: rng.choice([4, 12, 24, 64]) * GIB for n in devices.node_names}
+    devices = dataclasses.replace(devices, host_memory_bytes=tuple(per_node[n] for n in devices.node_names),
+                                  host_mem_bw_bytes_per_s=(1e11,) * devices.num_gpus,
+                                  host_link_bytes_per_s=(16e9,) * devices.num_gpus)
+    options = dataclasses.replace(options, offload="auto")
+    tab = build_tables(costs, devices, options, 2)
+    units = _units(devices, tab, gpu_speeds(costs, devices), "file")
+    st = _Stages(tab, units, gpu_speeds(costs, devices), grad_variants(options), 2)
+    checked = fits = 0
+    for u0 in range(len(units)):
+        for u1 in range(u0 + 1, len(units) + 1):
+            g = st.group(u0, u1)
+            if g is None:
+                continue
+            for n_s, sh, rc in itertools.product((1, 2), (False, True), (False, True)):
+                sh = sh and g["k"] >= 2
+                for s in range(n_s):
+                    got = st._fits_offload(g, inflight(tab.schedule, n_s, s, 2), s > 0, sh, rc)
+                    for i in range(tab.num_blocks):
+                        for j in range(i + 1, tab.num_blocks + 1):
+                            state, shard = stage_state_kib(tab, i, j)
+                            dev = all(state - shard + stage_act_kib(tab, s, n_s, i, j, n, recompute=rc)
+                                      <= tab.cap_bytes[gp] for gp, n in zip(g["gpus"], g["samples"]))
+                            host = stage_host_kib(tab, i, j)
+                            if sh:
+                                free = [tab.host_cap[gp] * shard // host // MIB_UNITS for gp in g["gpus"]]
+                                ok = balance_shards(shard, free, [1] * len(free)) is not None
+                            else:
+                                ok = all(host <= tab.host_cap[gp] for gp in g["gpus"])
+                            assert bool(got[i, j]) == (dev and ok), (u0, u1, s, n_s, sh, rc, i, j)
+                            checked += 1
+                            fits += dev and ok
+    assert checked > 300 and fits > 0
 
 
 @pytest.mark.parametrize("seed", range(4))

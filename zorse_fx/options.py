@@ -109,6 +109,13 @@ class PlanOptions:
     #: and the weights' 2-4 (k - 1)/k B per parameter freed), "never" or
     #: "always" (every ZeRO-2 stage).
     param_sharding: str = "auto"
+    #: Optimizer offload (ZeRO-Offload): a stage's AdamW moments and float32
+    #: master weights in host memory, the step on the CPU ([C-offload] in
+    #: ``solve/objective.py``; only on nodes whose cluster file gives
+    #: ``host_memory_GiB``): "auto" (where nothing fits without it: it costs
+    #: the gradients' and weights' trip over the host link and a CPU step every
+    #: step), "never" or "always" (every stage whose GPUs have host memory).
+    offload: str = "auto"
     #: Stage-level activation recomputation: "auto" (per stage, where memory
     #: needs it), "never" or "always" (every stage).
     recompute: str = "auto"
@@ -139,7 +146,7 @@ class PlanOptions:
         if not isinstance(self.max_interleave, int) or self.max_interleave < 1:
             raise PlanOptionsError(f"PlanOptions.max_interleave={self.max_interleave!r}: use an int >= 1 "
                                    f"(1 = no interleaving)")
-        for name in ("sharding", "recompute", "grad_sharding", "param_sharding"):
+        for name in ("sharding", "recompute", "grad_sharding", "param_sharding", "offload"):
             v = getattr(self, name)
             if v not in MEMORY_MODES:
                 raise PlanOptionsError(f"PlanOptions.{name}={v!r}: use one of {MEMORY_MODES}")

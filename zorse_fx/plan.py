@@ -89,6 +89,12 @@ off): ``StagePlan.param_sharded`` makes a ZeRO-2 stage keep only each GPU's
 range of its working weights, gathered block by block for the forward and
 again for the backward ([Note: sharded parameters] in
 ``runtime/param_shard.py``).
+
+Optimizer offload (format version 11; an older file reads with it off):
+``StagePlan.offload_optimizer`` keeps the stage's AdamW moments and float32
+master weights in host memory and steps them on the CPU ([Note: optimizer
+offload] in ``runtime/optimizer.py``); ``GPUShare.predicted_host_memory_bytes``
+is what each GPU's process holds there.
 """
 
 from __future__ import annotations
@@ -112,7 +118,7 @@ from .stage_sources import source_sha256
 __all__ = ["PLAN_FORMAT_VERSION", "MemoryBreakdown", "GPUShare", "StagePlan", "SolverReport", "Plan", "RankRole"]
 
 #: Bumped on any incompatible change of plan.json.
-PLAN_FORMAT_VERSION = 10
+PLAN_FORMAT_VERSION = 11
 
 
 # Field types of plan.json: one declaration, read by the schema (``plan_schema``,
@@ -195,6 +201,9 @@ class GPUShare:
                     "equally")] = 0
     #: ``predicted_memory_bytes`` by what holds it (version 7; all 0 when not recorded).
     predicted_memory: MemoryBreakdown = field(default=MemoryBreakdown(), metadata=OPTIONAL)
+    #: Host memory this GPU's process holds for an offloaded optimizer (version 11; 0: none):
+    #: ``tables.OFFLOAD_BYTES_PER_PARAM`` (12) B per parameter it steps ([C-offload]).
+    predicted_host_memory_bytes: Annotated[Bytes, Meta(description="bytes")] = field(default=0, metadata=OPTIONAL)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -244,6 +253,10 @@ class StagePlan:
     #: before its forward and again for its backward, freed after. Needs
     #: ``grad_sharded``.
     param_sharded: Annotated[bool, Meta(description="true or false")] = field(default=False, metadata=OPTIONAL)
+    #: Optimizer offload (format version 11; off in older files): the stage's
+    #: AdamW moments and float32 master weights in host memory, the step on
+    #: the CPU. Not with ``grad_sharded``.
+    offload_optimizer: Annotated[bool, Meta(description="true or false")] = field(default=False, metadata=OPTIONAL)
 
     @property
     def microbatch_size(self) -> int:
@@ -445,7 +458,12 @@ class Plan:
                     f"sharded gradients (grad_sharded is {short_repr(s.grad_sharded)}); set grad_sharded to true "
                     f"(and sharded, on two or more GPUs) or param_sharded to false, or re-export the plan with "
                     f"`zorse plan`")
-            for name in ("sharded", "recompute", "grad_sharded", "param_sharded"):
+            if s.offload_optimizer is True and s.grad_sharded is True:
+                raise PlanFileError(
+                    f"plan: field stages[{s.index}].offload_optimizer is true on a stage with sharded gradients; "
+                    f"optimizer offload goes with replicated or ZeRO-1 state only: set one of them to false, or "
+                    f"re-export the plan with `zorse plan`")
+            for name in ("sharded", "recompute", "grad_sharded", "param_sharded", "offload_optimizer"):
                 if not isinstance(getattr(s, name), bool):
                     raise PlanFileError(f"plan: field stages[{s.index}].{name} is {short_repr(getattr(s, name))}; "
                                         f"it must be true or false")

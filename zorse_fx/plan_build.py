@@ -19,6 +19,7 @@ from .plan import GPUShare, MemoryBreakdown, Plan, SolverReport, StagePlan
 from .precision import PrecisionPolicy
 from .solve.objective import MEMORY_UNIT_BYTES, MIB_UNITS
 from .solve.state_terms import GATHERED_UNITS, shardable_kib, unique_params
+from .solve.tables import OFFLOAD_BYTES_PER_PARAM
 
 __all__ = ["build_plan", "plan_decision", "memory_breakdown"]
 
@@ -44,15 +45,18 @@ def memory_breakdown(predicted: int, hosted: list[tuple],
     the GPU's weights (in proportion, as the gradients), and those are weights too. Activations are the rest of the prediction
     (what autograd saves for the micro-batches in flight, the loss block's
     backward transient, and the planner's rounding up of each block's state
-    to KiB). Bytes in, bytes out; 0 predicted: all 0."""
+    to KiB). A sixth entry, when true, offloads the stage's optimizer
+    ([C-offload]): no optimizer bytes on the GPU. Bytes in, bytes out; 0
+    predicted: all 0."""
     if predicted <= 0:
         return MemoryBreakdown()
+    offloaded = [bool(h[5]) if len(h) > 5 else False for h in hosted]  # a sixth entry: [C-offload]
     hosted = [(*h[:4], h[4] if len(h) > 4 else None) for h in hosted]
     wide = precision.weight_bytes_per_param + precision.cast_bytes_per_param
     weights = sum((n - n16) * wide + n16 * precision.allgather_bytes_per_param16
                   for n, _, n16, _, unit in hosted if unit is None)
     grads = comm = optim = 0
-    for n, shard, n16, n_gs, unit in hosted:
+    for (n, shard, n16, n_gs, unit), off in zip(hosted, offloaded):
         if shard is not None and n_gs:
             grad_b = 4 * n_gs
             shardable = precision.optimizer_bytes_per_param * (n - n16) + precision.shardable_bytes_per_param16 * n16
@@ -68,7 +72,8 @@ def memory_breakdown(predicted: int, hosted: list[tuple],
             continue
         grads += n * precision.grad_bytes_per_param
         comm += n * precision.reduce_copy_bytes_per_param
-        optim += n * precision.optimizer_bytes_per_param if shard is None else shard
+        if not off:  # offloaded: the moments and masters are in host memory (GPUShare.predicted_host_memory_bytes)
+            optim += n * precision.optimizer_bytes_per_param if shard is None else shard
     acts = max(0, predicted - weights - grads - comm - optim)
     return MemoryBreakdown(weights_bytes=weights, gradients_bytes=grads, optimizer_bytes=optim,
                            activations_bytes=acts, communication_bytes=comm)
@@ -131,12 +136,17 @@ def build_plan(
             gpu = cluster.gpus[g]
             # The prediction is of the GPU: every stage of its group (interleaving) at position i.
             hosted = [(n_params[t], int(shard_bytes[t][i]) if dec.sharded[t] else None, n_low[t], n_gs[t],
-                       unit_bytes[t]) for t in range(s % groups, len(programs), groups)]
+                       unit_bytes[t], dec.offload[t]) for t in range(s % groups, len(programs), groups)]
+            # [C-offload]: 12 B per owned parameter in host memory (a sharded stage: its share of the params).
+            host = sum(OFFLOAD_BYTES_PER_PARAM * (n_params[t] if not dec.sharded[t] else
+                                                  n_params[t] * int(shard_bytes[t][i]) // max(1, sum(shard_bytes[t])))
+                       for t in range(s % groups, len(programs), groups) if dec.offload[t])
             gpus.append(GPUShare(
                 rank=rank, gpu=g, node=gpu.node, gpu_type=gpu.type, samples_per_microbatch=n,
                 predicted_memory_bytes=mem, memory_capacity_bytes=int(gpu.memory_bytes),
                 state_shard_bytes=int(shard_bytes[s][i]),
                 predicted_memory=memory_breakdown(mem, hosted, precision, bucket_bytes=options.bucket_bytes),
+                predicted_host_memory_bytes=host,
             ))
             rank += 1
         label = bg.describe_blocks(*prog.blocks)
@@ -159,6 +169,7 @@ def build_plan(
             low_precision_params=low[s],
             grad_sharded=dec.grad_sharded[s],
             param_sharded=dec.param_sharded[s],
+            offload_optimizer=dec.offload[s],
         ))
         gpu_list = ", ".join(f"{gs.gpu_type}@{gs.node} x{gs.samples_per_microbatch}" for gs in gpus)
         sources.append(emit_source(prog, header=f"Plan: {model_name} on {cluster.name}; GPUs: {gpu_list}"))
@@ -236,5 +247,6 @@ def plan_decision(plan, costs: BlockCosts | None = None) -> Decision:
                     recompute=tuple(bool(getattr(st, "recompute", False)) for st in plan.stages),
                     grad_sharded=tuple(bool(getattr(st, "grad_sharded", False)) for st in plan.stages),
                     param_sharded=tuple(bool(getattr(st, "param_sharded", False)) for st in plan.stages),
+                    offload=tuple(bool(getattr(st, "offload_optimizer", False)) for st in plan.stages),
                     interleave=int(getattr(plan, "interleave", 1)),  # plans before format v3: not interleaved
                     precision=str(getattr(plan, "precision", "") or ""))

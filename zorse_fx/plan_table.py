@@ -76,6 +76,8 @@ def plan_table(plan: Plan) -> str:
                     ", 16-bit weights" if s.low_precision_params else "")
             else:
                 state = "replicated"
+            if s.offload_optimizer:
+                state += f", offloaded ({g.predicted_host_memory_bytes / GIB:.2f} GiB host)"
             name = str(s.index) + (f" g{s.index % plan.num_groups}" if plan.interleave > 1 else "")
             t.add_row(
                 (f"{name} (recompute)" if s.recompute else name) if first else "",
@@ -125,6 +127,11 @@ def plan_table(plan: Plan) -> str:
         summary += (f"\nSharded parameters (ZeRO-3) on stage{'s' if len(zero3) > 1 else ''} "
                     f"{', '.join(str(s.index) for s in zero3)}: each GPU keeps its shard of the working weights, "
                     f"every block's gathered before its forward and again for its backward")
+    off = [s for s in plan.stages if s.offload_optimizer]
+    if off:
+        summary += (f"\nOptimizer offloaded on stage{'s' if len(off) > 1 else ''} "
+                    f"{', '.join(str(s.index) for s in off)}: AdamW moments and float32 masters in host memory, "
+                    f"stepped on the CPU (each step: gradients to the host, weights back over the host link)")
     zero2 = [s for s in plan.stages if s.grad_sharded and not s.param_sharded]
     if zero2:
         summary += (f"\nSharded gradients (ZeRO-2) on stage{'s' if len(zero2) > 1 else ''} "

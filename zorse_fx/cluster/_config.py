@@ -189,7 +189,7 @@ class _Ctx:
         self.mapping(path, data, (*extra, *_LINK_KEYS))
         lat = [k for k in _LATENCY_KEYS if k in data]
         if lat:
-            raise self.error(_join(path, lat[0]), "a shared link or NIC has no latency of its own", data[lat[0]],
+            raise self.error(_join(path, lat[0]), "a shared link, NIC or host link has no latency of its own", data[lat[0]],
                              "remove it: a flow's latency is that of its node pair's link (links:)")
         given = [k for k in _BANDWIDTH_KEYS if k in data]
         if len(given) != 1:
@@ -220,9 +220,11 @@ def parse(data: Any, source: str, *, default_name: str) -> dict[str, Any]:
     nodes: list[str] = []
     node_links: list[Link | None] = []
     node_nics: list[float | None] = []
+    host: dict[str, list] = {"node_host_memory_bytes": [], "node_host_memory_bandwidths": [], "node_host_links": []}
     for i, node in enumerate(ctx.list("nodes", data["nodes"], "nodes")):
         path = f"nodes[{i}]"
-        ctx.mapping(path, node, ("name", "datacenter", "gpus", "intra_node", "nic"), required=("name", "gpus"))
+        ctx.mapping(path, node, ("name", "datacenter", "gpus", "intra_node", "nic", *_HOST_KEYS),
+                    required=("name", "gpus"))
         node_name = ctx.name(f"{path}.name", node["name"])
         if node_name in nodes:
             raise ctx.error(f"{path}.name", "duplicate node name", node_name,
@@ -237,6 +239,8 @@ def parse(data: Any, source: str, *, default_name: str) -> dict[str, Any]:
         intra = node.get("intra_node")
         node_links.append(None if intra is None else ctx.link(f"{path}.intra_node", intra, "intra_node"))
         node_nics.append(ctx.bandwidth(f"{path}.nic", node["nic"]) if "nic" in node else None)
+        for key, value in _parse_host(ctx, path, node).items():
+            host[key].append(value)
 
     links = ctx.mapping("links", data.get("links", {}),
                         ("intra_node", "inter_node", "cross_datacenter", "overrides", "nic"))
@@ -251,7 +255,29 @@ def parse(data: Any, source: str, *, default_name: str) -> dict[str, Any]:
                 intra_node_link=defaults.get("intra_node"), inter_node_link=defaults.get("inter_node"),
                 cross_datacenter_link=defaults.get("cross_datacenter"), node_intra_node_links=tuple(node_links),
                 link_overrides=overrides, custom_gpu_types=tuple(custom.values()),
-                nic_bandwidth_bytes_per_s=nic, node_nic_bandwidths=tuple(node_nics), shared_links=shared)
+                nic_bandwidth_bytes_per_s=nic, node_nic_bandwidths=tuple(node_nics), shared_links=shared,
+                **{k: tuple(v) for k, v in host.items()})
+
+
+#: A node's host-memory keys (offload: ``zorse_fx/cluster/host.py``).
+_HOST_KEYS = ("host_memory_GiB", "host_memory_bandwidth_GBps", "host_link")
+
+
+def _parse_host(ctx: _Ctx, path: str, node: dict) -> dict[str, Any]:
+    """A node's ``host_memory_GiB`` (bytes), ``host_memory_bandwidth_GBps`` (bytes/s) and
+    ``host_link`` (bytes/s per GPU and direction), each None where not given."""
+    mem = node.get("host_memory_GiB")
+    if mem is not None:
+        mem = round(ctx.number(f"{path}.host_memory_GiB", mem,
+                               fix="the node's RAM training may use, in GiB, e.g. host_memory_GiB: 512") * _GiB)
+    bw = node.get("host_memory_bandwidth_GBps")
+    if bw is not None:
+        bw = ctx.number(f"{path}.host_memory_bandwidth_GBps", bw,
+                        fix="the node's memory bandwidth in GB/s, e.g. 204.8 (8 channels of DDR4-3200)") * 1e9
+    link = node.get("host_link")
+    if link is not None:
+        link = ctx.bandwidth(f"{path}.host_link", link)
+    return {"node_host_memory_bytes": mem, "node_host_memory_bandwidths": bw, "node_host_links": link}
 
 
 _SHARED_EXAMPLE = "e.g. - {name: wan, between: [{datacenter: us}, {datacenter: eu}], bandwidth_Gbps: 1}"
@@ -489,6 +515,14 @@ def unparse(cluster: Cluster) -> dict[str, Any]:
             entry["intra_node"] = _link_dict(cluster.node_intra_node_links[i])
         if cluster.node_nic_bandwidths[i] is not None:
             entry["nic"] = _bandwidth_dict(cluster.node_nic_bandwidths[i])
+        if cluster.node_host_memory_bytes[i] is not None:
+            entry["host_memory_GiB"] = _memory_gib(cluster.node_host_memory_bytes[i])
+        if cluster.node_host_memory_bandwidths[i] is not None:
+            bw = cluster.node_host_memory_bandwidths[i]
+            u = _unscale(bw, lambda v: v * 1e9, bw / 1e9)
+            entry["host_memory_bandwidth_GBps"] = u if u is not None else bw / 1e9
+        if cluster.node_host_links[i] is not None:
+            entry["host_link"] = _bandwidth_dict(cluster.node_host_links[i])
         nodes.append(entry)
     links: dict[str, Any] = {}
     for kind in ("intra_node", "inter_node", "cross_datacenter"):

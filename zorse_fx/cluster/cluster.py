@@ -14,6 +14,9 @@ A cluster is written as YAML (or the same structure as a dict)::
           - {type: T4, count: 1, memory_GiB: 15}  # optional usable-memory override
         intra_node: {bandwidth_GBps: 300, latency_us: 5}  # optional, this node only
         nic: {bandwidth_GBps: 12.5}  # optional: this node's network card (see below)
+        host_memory_GiB: 512       # optional: the node's RAM, needed to offload there
+        host_memory_bandwidth_GBps: 204.8  # optional (default: cluster/host.py)
+        host_link: {bandwidth_GBps: 12}    # optional: each GPU's link to host memory
       - name: node1
         datacenter: eu-west
         gpus: [{type: T4, count: 4}]
@@ -64,6 +67,13 @@ A flow is then limited by its pair's link and by every shared link it
 crosses; the simulator divides each among the flows crossing it at that
 moment (max-min fair, [Note: network resources] in
 ``zorse_fx/sim/network.py``).
+
+Host memory (offload, ``zorse_fx/cluster/host.py``): ``host_memory_GiB`` is
+the node's RAM that training may use (shared evenly by its GPUs; without it
+the node offers none and nothing is offloaded there),
+``host_memory_bandwidth_GBps`` its memory bandwidth (the CPU optimizer step's
+rate, shared by the GPUs), ``host_link`` one GPU's link to host memory per
+direction (bandwidth only; default by GPU class: PCIe Gen3/4/5 x16).
 
 Every mistake raises ``ClusterConfigError`` naming the file (or ``<dict>``),
 the field path (``nodes[1].gpus[0].count``), the bad value and a fix.
@@ -201,8 +211,20 @@ class Cluster:
     node_nic_bandwidths: tuple[float | None, ...] = ()
     #: The ``shared_links:`` entries, in file order.
     shared_links: tuple[SharedLinkSpec, ...] = ()
+    #: Per node (aligned with ``nodes``): ``host_memory_GiB`` in bytes, or None (no offload there).
+    node_host_memory_bytes: tuple[int | None, ...] = ()
+    #: Per node: ``host_memory_bandwidth_GBps`` in bytes/s, or None (``host.DEFAULT_HOST_MEMORY_BANDWIDTH_BYTES_PER_S``).
+    node_host_memory_bandwidths: tuple[float | None, ...] = ()
+    #: Per node: ``host_link`` bandwidth per GPU and direction, bytes/s, or None (by GPU class: ``cluster/host.py``).
+    node_host_links: tuple[float | None, ...] = ()
 
     def __post_init__(self) -> None:
+        for name in ("node_host_memory_bytes", "node_host_memory_bandwidths", "node_host_links"):
+            if not getattr(self, name):
+                object.__setattr__(self, name, (None,) * len(self.nodes))
+            if len(getattr(self, name)) != len(self.nodes):
+                raise ClusterConfigError(f"Cluster {self.name!r}: {name} has {len(getattr(self, name))} entries "
+                                         f"for {len(self.nodes)} nodes")
         if not self.node_intra_node_links:
             object.__setattr__(self, "node_intra_node_links", (None,) * len(self.nodes))
         if not self.node_nic_bandwidths:
@@ -306,7 +328,21 @@ class Cluster:
             link_latency_s=tuple(tuple(l.latency_s for l in row) for row in links),
             node_names=tuple(g.node for g in self.gpus),
             shared_links=self.device_shared_links(),
+            **self._host_terms(),
         )
+
+    def _host_terms(self) -> dict:
+        """Per GPU: its share of its node's host memory and host memory bandwidth
+        (split evenly over the node's GPUs) and its host link (``cluster/host.py``)."""
+        from zorse_fx.cluster.host import DEFAULT_HOST_MEMORY_BANDWIDTH_BYTES_PER_S, default_host_link_bytes_per_s
+
+        per_node = {n: sum(g.node == n for g in self.gpus) for n in self.nodes}
+        k = {n: i for i, n in enumerate(self.nodes)}
+        mem = tuple((self.node_host_memory_bytes[k[g.node]] or 0) // per_node[g.node] for g in self.gpus)
+        bw = tuple((self.node_host_memory_bandwidths[k[g.node]] or DEFAULT_HOST_MEMORY_BANDWIDTH_BYTES_PER_S)
+                   / per_node[g.node] for g in self.gpus)
+        link = tuple(self.node_host_links[k[g.node]] or default_host_link_bytes_per_s(g.spec.arch) for g in self.gpus)
+        return dict(host_memory_bytes=mem, host_mem_bw_bytes_per_s=bw, host_link_bytes_per_s=link)
 
     def nic_bandwidth(self, node: str) -> float | None:
         """Bandwidth per direction (bytes/s) of ``node``'s NIC: its own ``nic``, else ``links.nic``, else None."""

@@ -65,6 +65,9 @@ class Decision:
     #: block's gathered for its forward and again for its backward
     #: ([C-param-shard]); () = none.
     param_sharded: tuple[bool, ...] = ()
+    #: (S,) optimizer offload per stage: its AdamW state and float32 masters in
+    #: host memory, stepped on the CPU ([C-offload]); () = none. Not with ZeRO-2/3.
+    offload: tuple[bool, ...] = ()
     #: The precision the decision was priced under ("fp32", "bf16-mixed",
     #: "fp16-mixed"; ``zorse_fx/precision.py``); "" = as priced, i.e. whatever
     #: ``BlockCosts`` the decision is scored with (the solvers see only costs).
@@ -76,7 +79,7 @@ class Decision:
         put(self, "stage_gpus", _tuple2(self.stage_gpus))
         put(self, "samples_per_microbatch", _tuple2(self.samples_per_microbatch))
         n_s = len(self.stage_blocks)
-        for name in ("sharded", "recompute", "grad_sharded", "param_sharded"):
+        for name in ("sharded", "recompute", "grad_sharded", "param_sharded", "offload"):
             v = tuple(getattr(self, name))
             if len(v) not in (0, n_s):
                 raise ValueError(f"Decision.{name} has {len(v)} entries, the decision has {n_s} stages")
@@ -94,6 +97,10 @@ class Decision:
             if flag and not gs:
                 raise ValueError(f"stage {s} has sharded parameters (ZeRO-3) but not sharded gradients: "
                                  f"Decision.param_sharded[{s}] needs Decision.grad_sharded[{s}]")
+        for s, (flag, gs) in enumerate(zip(self.offload, self.grad_sharded)):
+            if flag and gs:
+                raise ValueError(f"stage {s} offloads its optimizer and shards its gradients: offload goes with "
+                                 f"replicated or ZeRO-1 state only (Decision.offload[{s}], grad_sharded[{s}])")
         if self.shard_mib is None and not any(self.sharded):
             put(self, "shard_mib", ((),) * n_s)
         if self.shard_mib is not None:
@@ -214,7 +221,7 @@ class Decision:
         """This decision with nothing sharded or recomputed (same stages, GPUs,
         samples, micro-batches and interleaving)."""
         return dataclasses.replace(self, sharded=(), shard_mib=None, recompute=(), grad_sharded=(),
-                                   param_sharded=())
+                                   param_sharded=(), offload=())
 
     def with_shards(self, shard_mib) -> "Decision":
         """This decision with each sharded stage's shards set to ``shard_mib`` (MiB)."""

@@ -83,9 +83,23 @@ class DeviceGraph:
     #: Links the flows of several GPU pairs share (WAN uplinks, NICs), on top
     #: of each pair's own link; empty = every pair has its link to itself.
     shared_links: tuple[SharedLink, ...] = ()
+    #: ``(G,)`` host memory each GPU may offload to, bytes (its node's
+    #: ``host_memory_GiB`` / the node's GPUs; 0 = none); () = none anywhere.
+    host_memory_bytes: tuple[int, ...] = ()
+    #: ``(G,)`` each GPU's share of its node's host memory bandwidth, bytes/s
+    #: (the CPU optimizer step's rate, [C-offload]); () = offload not modelled.
+    host_mem_bw_bytes_per_s: tuple[float, ...] = ()
+    #: ``(G,)`` each GPU's link to host memory, bytes/s per direction (PCIe); ().
+    host_link_bytes_per_s: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         g = len(self.gpu_types)
+        for name in ("host_memory_bytes", "host_mem_bw_bytes_per_s", "host_link_bytes_per_s"):
+            v = getattr(self, name)
+            if v and len(v) != g:
+                raise ValueError(f"DeviceGraph.{name} has {len(v)} entries, expected {g} (or none)")
+            if any(not (x >= 0 and math.isfinite(x)) for x in v):
+                raise ValueError(f"DeviceGraph.{name} must hold finite numbers >= 0, got {v}")
         for name in ("memory_bytes", "mem_bw_bytes_per_s", "link_bw_bytes_per_s", "link_latency_s"):
             if len(getattr(self, name)) != g:
                 raise ValueError(f"DeviceGraph.{name} has {len(getattr(self, name))} rows, expected {g}")

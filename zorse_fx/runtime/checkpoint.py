@@ -430,6 +430,7 @@ def load_checkpoint(worker: StageWorker, path: str | Path, *, check_batch: bool 
         for opt in worker.optimizers:  # the float32 masters of this plan's ranges
             for canon, a, b, t in opt.master_pieces():
                 t.copy_(whole(canon).reshape(-1)[a:b].to(device=t.device, dtype=t.dtype))
+            opt.refresh_host()  # [Note: optimizer offload]: the host copies of the loaded weights
         if optim_steps:  # (no optimizer step taken yet: AdamW creates its state at the first one)
             for opt, t, a, b, over in wanted:
                 opt.optimizer.state[t] = {"step": torch.tensor(float(optim_steps), dtype=torch.float32),

@@ -57,6 +57,31 @@ range) overlap as above, with the slices of the parameters' float32 main
 gradients (``GradientReducer.grad_of``). After the step the masters'
 rounding is written into the rank's range of the 16-bit buffer, which the
 all-gather then broadcasts: 2 bytes per element instead of 4.
+
+[Note: optimizer offload]
+A stage with ``StagePlan.offload_optimizer`` (ZeRO-Offload's layout, Ren et
+al., USENIX ATC 2021; [C-offload] in ``solve/objective.py``) keeps every
+tensor AdamW steps in host memory: the float32 masters of its 16-bit working
+weights are allocated there, and every other stepped tensor (a whole
+parameter on a replicated stage, an owned range on a ZeRO-1 stage) gets a
+host copy; AdamW's moments are created beside them, so they live there too
+(pinned host memory when the stage is on a GPU, for the copies' speed). A
+step: each stepped tensor's gradient (its float32 main gradient's range, or
+its parameter's gradient) is copied to the host, ``torch.optim.AdamW`` steps
+on the CPU, and the results are copied back into the GPU's weights (the
+masters' rounding for 16-bit working weights, as without offload), after
+which a ZeRO-1 stage all-gathers as usual. The copies and the CPU step run
+in sequence, not overlapped with the next step's compute (what the planner
+prices). The GPU keeps its weights and gradients: 8 B per parameter in
+fp32 (float32 weight and gradient), 6 + ... under 16-bit working weights;
+the host holds 12 B per stepped parameter (two moments and a master or a
+float32 copy). AdamW is element-wise and runs the same arithmetic on the
+CPU, so an offloaded step equals the on-GPU one up to the CPU's and GPU's
+float32 rounding of the same operations (exactly equal on a CPU run).
+Offload goes with replicated and ZeRO-1 state only (no ZeRO-2/3).
+Checkpoints save and load the host tensors as the GPU ones
+(``state_pieces``, ``master_pieces``); after a load the host copies are
+refreshed from the loaded weights (``refresh_host``).
 """
 
 from __future__ import annotations
@@ -143,6 +168,11 @@ class StageOptimizer:
                  precision: PrecisionPolicy | None = None):
         self.stage = stage
         plan_stage = stage.stage
+        #: [Note: optimizer offload]: the stepped tensors and AdamW state in host memory.
+        self.offload = bool(getattr(plan_stage, "offload_optimizer", False))
+        self.host = torch.device("cpu")
+        #: Offload: (host tensor AdamW steps, the GPU tensor it is written back to) per copied tensor.
+        self._host_copies: list[tuple[torch.Tensor, torch.Tensor]] = []
         #: ZeRO-1 on this rank.
         self.zero1 = plan_stage.sharded and len(plan_stage.gpus) > 1
         #: ZeRO-3: the stage's unit gathers ([Note: sharded parameters] in param_shard.py).
@@ -180,7 +210,10 @@ class StageOptimizer:
         self._pieces: list[tuple[torch.nn.Parameter, int, int, torch.Tensor]] = []
         if not self.zero1:
             unique = list({id(p): p for p in params}.values())
-            self.optimizer = torch.optim.AdamW(param_groups([(p, p) for p in unique], cfg.weight_decay), **kw)
+            #: What AdamW steps per parameter: the parameter, or offloaded, its host copy.
+            self._stepped = [self._host_copy(p) if self.offload else p for p in unique]
+            self.optimizer = torch.optim.AdamW(param_groups(list(zip(unique, self._stepped)), cfg.weight_decay),
+                                               **kw)
             return
         pos = stage.position
         #: ZeRO-3 ([Note: sharded parameters] in param_shard.py): each buffer holds only the owned range.
@@ -195,6 +228,7 @@ class StageOptimizer:
                        for u, flats in enumerate(getattr(type(stage.module), "UNITS", ())) for flat in flats
                        if flat in plan_stage.params}
             first = {k: (unit_of.get(k, len(unit_of) + 1), line) for k, line in first.items()}
+        masters: set[int] = set()  # ids of the stepped views that are float32 masters
         with torch.no_grad():
             for dtype in self.dtypes:
                 members = [p for p in params if working(p) == dtype]
@@ -208,7 +242,9 @@ class StageOptimizer:
                 flat = torch.empty(b - a if self.zero3 else n, dtype=dtype, device=stage.device)
                 is_low = any(id(p) in low for p in members)
                 # 16-bit working weights: the float32 masters of the owned range, from the loaded weights.
-                master = torch.empty(b - a, dtype=torch.float32, device=stage.device) if is_low else None
+                master = (torch.empty(b - a, dtype=torch.float32, device=self.host if self.offload else stage.device,
+                                      pin_memory=self.offload and stage.device.type == "cuda")
+                          if is_low else None)
                 offset, placed = 0, []
                 for p in members:
                     placed.append((p, offset))
@@ -227,14 +263,40 @@ class StageOptimizer:
                                 else flat[lo - a : hi - a] if self.zero3
                                 else p.detach().view(-1)[lo - offset : hi - offset])
                         self._pieces.append((p, lo - offset, hi - offset, view))
+                        if master is not None:
+                            masters.add(id(view))
                     offset += k
                 self.buffers.append(_FlatBuffer(dtype=dtype, flat=flat, ranges=ranges, owned=(a, b), master=master,
                                                 members=tuple(placed)))
         if self.zero3:
             self.param_shards = stage.param_shards = ParamShards(stage, self.buffers, shard_group)
+        if self.offload:  # every stepped range that is not a master (in host memory already) gets a host copy
+            self._pieces = [(p, lo, hi, v if id(v) in masters else self._host_copy(v))
+                            for p, lo, hi, v in self._pieces]
         # A GPU may own no element (state_shard_bytes 0): it steps nothing and only receives.
         self.optimizer = (torch.optim.AdamW(param_groups([(p, v) for p, *_, v in self._pieces], cfg.weight_decay),
                                             **kw) if self._pieces else None)
+
+    def _host_copy(self, t: torch.Tensor) -> torch.Tensor:
+        """Offload: a host copy of ``t`` (pinned next to a GPU) that AdamW steps, written back into ``t``."""
+        with torch.no_grad():
+            h = torch.empty(t.shape, dtype=t.dtype, device=self.host,
+                            pin_memory=self.stage.device.type == "cuda").copy_(t.detach())
+        self._host_copies.append((h, t))
+        return h
+
+    def _write_back(self) -> None:
+        """Offload: the stepped host copies back into the GPU's weights."""
+        with torch.no_grad():
+            for h, t in self._host_copies:
+                h.grad = None
+                t.copy_(h)
+
+    def refresh_host(self) -> None:
+        """Offload: copy the GPU's weights into their host copies (after a checkpoint load)."""
+        with torch.no_grad():
+            for h, t in self._host_copies:
+                h.copy_(t.detach())
 
     def set_lr(self, lr: float) -> None:
         """Set this step's learning rate on every parameter group."""
@@ -249,7 +311,8 @@ class StageOptimizer:
         rank's ZeRO-1 overlap with it otherwise). Checkpoints key the AdamW
         moments by these ranges (``runtime/checkpoint.py``)."""
         if not self.zero1:
-            return [(self.canonical[id(p)], 0, p.numel(), p) for p in {id(p): p for p in self.params}.values()]
+            unique = {id(p): p for p in self.params}.values()
+            return [(self.canonical[id(p)], 0, p.numel(), t) for p, t in zip(unique, self._stepped)]
         return [(self.canonical[id(p)], lo, hi, view) for p, lo, hi, view in self._pieces]
 
     def owned_pieces(self) -> list[tuple[torch.nn.Parameter, int, int]]:
@@ -267,15 +330,25 @@ class StageOptimizer:
 
     def step(self) -> None:
         if not self.zero1:
+            if not self.offload:
+                self.optimizer.step()
+                return
+            unique = {id(p): p for p in self.params}.values()
+            for p, h in zip(unique, self._stepped):  # [Note: optimizer offload]: gradients to the host
+                g = self.grad_of(p)
+                h.grad = None if g is None else g.detach().to(device=self.host, dtype=h.dtype)
             self.optimizer.step()
+            self._write_back()
             return
         if self.optimizer is None:
             return
         for p, lo, hi, view in self._pieces:
-            view.grad = self.piece_grad(p, lo, hi)
+            g = self.piece_grad(p, lo, hi)
+            view.grad = g.to(device=view.device, dtype=view.dtype) if self.offload else g
         self.optimizer.step()
         for *_, view in self._pieces:
             view.grad = None  # do not keep last step's gradients alive
+        self._write_back()
         with torch.no_grad():
             for buf in self.buffers:  # 16-bit working weights: the masters' rounding, what autocast would read
                 if buf.master is not None:
@@ -318,7 +391,9 @@ class StageOptimizer:
             owned_range = buffers[0]["owned_range"]
         else:
             owned_range = None
-        return {"rank": self.stage.rank, "stage": self.stage.index, "sharded": self.zero1,
+        return {"rank": self.stage.rank, "stage": self.stage.index, "sharded": self.zero1, "offload": self.offload,
+                # [Note: optimizer offload]: bytes of the host copies AdamW steps (not the masters, counted above)
+                "host_copy_bytes": sum(h.numel() * h.element_size() for h, _ in self._host_copies),
                 "stage_elements": self.stage_elements, "owned_range": owned_range, "owned_elements": owned,
                 "optimizer_state_bytes": sum(by_dtype.values()),
                 "master_bytes": sum(d["master_bytes"] for d in buffers), "buffers": buffers,

@@ -11,6 +11,7 @@ from ..ir.devices import DeviceGraph
 from ..solve.objective import GRAD_BUCKET_BYTES_PER_PARAM as _FP32
 from ..solve.objective import MEMORY_UNIT_BYTES, MIB_UNITS
 from ..solve.state_terms import unique_params
+from ..solve.tables import OFFLOAD_BYTES_PER_PARAM, OFFLOAD_LINK_BYTES
 from .network import FlowResources, Ring, ring
 
 __all__ = ["gradient_sync"]
@@ -163,6 +164,14 @@ def gradient_sync(costs: BlockCosts, devices: DeviceGraph, *, stage_blocks, stag
                 moved = ((2 * st_b * shard_bytes[s][k] / sh_b if sh_b else 0.0) if pol.sharded[s]
                          else 2 * st_b * params)
                 t1 = t0 + moved / devices.mem_bw_bytes_per_s[g]
+                if pol.of(s):  # [C-offload]: its parameters' gradients down, CPU AdamW, weights back, in turn
+                    if pol.sharded[s]:
+                        total = sum(costs.param_count[i:j])
+                        q = sum(costs.shardable_bytes(b) for b in range(i, j)) * params / max(total, 1)
+                        params = params * shard_bytes[s][k] / max(q, 1.0)
+                    moved = OFFLOAD_BYTES_PER_PARAM * params
+                    t1 = t0 + params * (OFFLOAD_LINK_BYTES / devices.host_link_bytes_per_s[g]
+                                        + 2 * st_b / devices.host_mem_bw_bytes_per_s[g])
                 events.append(SimEvent("optim", g, s, -1, t0, t1, None, int(round(moved))))
                 t0 = t1
             t_opt = max(t_opt, t0)

@@ -39,15 +39,31 @@ them to the planner):
         again for its backward ([Note: sharded parameters] in
         runtime/param_shard.py). Memory: the whole replicated state of
         ZeRO-2 but its reduction buffers and the gradients of tied copies it
-        all-reduces moves into the shards; the weights of GATHERED_UNITS (3)
-        consecutive blocks stay, gathered (the largest such sum:
-        ``state_terms.gathered_weight_kib``). Time: per micro-batch g_s = 2 +
+        all-reduces moves into the shards; the weights of GATHERED_UNITS (2)
+        consecutive blocks and the stage's tied weights stay, gathered (the
+        largest such sum: ``state_terms.gathered_weight_kib``). Time: per micro-batch g_s = 2 +
         rc_s gathers of the stage's weights, each a ring all-gather
         ag_s + U_s (k - 1) lat_max over its U_s = j - i blocks; the runtime
         prefetches one unit ahead, so compute_g gains max(0, g_s * G_s -
         compute_s) + g_s * ceil(G_s / U_s) (one unit per pass not hidden); the
         sync is ZeRO-2's without the all-gather after the step. Not in the
         CP-SAT model, as ZeRO-2                                      [C-param-shard]
+  of_s  optimizer offload (not with gs_s; ``PlanOptions.offload``; only on GPUs
+        whose node gives ``host_memory_GiB``): the stage's shardable state
+        Q_s (AdamW moments; a 16-bit working weight's float32 master) leaves
+        the GPU for host memory, with a float32 host copy of every other
+        weight: H_s = OFFLOAD_BYTES_PER_PARAM (12) B per parameter
+        (``state_terms.stage_host_kib``), all of it on each GPU's host share
+        when replicated, ceil(H_s z_g MiB / Q_s) when sharded (the shards z_g
+        are then host memory, not device memory). Memory: memory_g loses its
+        Q_s / z_g term; host_g <= floor(memory_fraction * the GPU's share of
+        its node's host memory) ([C-host-memory]). Time: optim_s becomes max_g
+        host_g / MiB * off_g, off_g = (OFFLOAD_LINK_BYTES (8: the float32
+        gradient down, the weight back) / host link_g + 2 optim_bytes / host
+        memory bandwidth share_g) * MiB / 12 (``IntTables.off_per_mib``): the
+        runtime copies, steps on the CPU and copies back in sequence, after
+        the sync, nothing overlapped ([Note: optimizer offload] in
+        runtime/optimizer.py). Not in the CP-SAT model      [C-offload]
 
 P_s = params of the blocks of s (a tied parameter once: [C-tied]), A_s = their activation bytes per sample,
 W_{s,tau} = their fwd+bwd time per sample on GPU type tau, Q_s = their
@@ -195,6 +211,7 @@ to the nanosecond.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from ..errors import InfeasiblePlanError
@@ -213,8 +230,8 @@ from .network_terms import (
     tied_terms,
     untied_block_kib,
 )
-from .state_terms import (extra_copies, gathered_weight_kib, grad_shard_kib, stage_optim_units,
-                          stage_state_kib)
+from .state_terms import (extra_copies, gathered_weight_kib, grad_shard_kib, offload_host_kib, stage_host_kib,
+                          stage_optim_units, stage_state_kib)
 
 # The units and integer tables live in tables.py (re-exported: callers import them from here).
 from .tables import (  # noqa: F401
@@ -304,6 +321,8 @@ class MemoryPolicy:
     grad_sharded: tuple[bool, ...] = ()
     #: Per stage: ZeRO-3 (weights sharded too, [C-param-shard]); () = none.
     param_sharded: tuple[bool, ...] = ()
+    #: Per stage: optimizer offload ([C-offload]); () = none.
+    offload: tuple[bool, ...] = ()
 
     @classmethod
     def plain(cls, num_stages: int) -> "MemoryPolicy":
@@ -316,6 +335,10 @@ class MemoryPolicy:
     def ps(self, s: int) -> bool:
         """Whether stage ``s`` has sharded parameters (ZeRO-3)."""
         return bool(self.param_sharded) and self.param_sharded[s]
+
+    def of(self, s: int) -> bool:
+        """Whether stage ``s`` offloads its optimizer ([C-offload])."""
+        return bool(self.offload) and self.offload[s]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -331,11 +354,15 @@ class StageUnits:
     step: int
     #: Per stage: KiB of the shardable state no shard covers (0 = [C-shard] holds).
     uncovered: tuple[int, ...] = ()
+    #: Per stage, per GPU: host KiB its offloaded optimizer holds ([C-offload]; 0: none); () = none.
+    host: tuple[tuple[int, ...], ...] = ()
 
     def fits(self, tab: "IntTables", stage_gpus) -> bool:
-        """[C-memory] and [C-shard] hold."""
+        """[C-memory], [C-shard] and [C-host-memory] hold."""
         return not any(self.uncovered) and all(
-            need <= tab.cap_bytes[g] for gs, needs in zip(stage_gpus, self.memory) for g, need in zip(gs, needs))
+            need <= tab.cap_bytes[g] for gs, needs in zip(stage_gpus, self.memory) for g, need in zip(gs, needs)
+        ) and all(h <= (tab.host_cap[g] if tab.host_cap else 0)
+                  for gs, hs in zip(stage_gpus, self.host) for g, h in zip(gs, hs) if h)
 
 
 def act_units(tab: IntTables, s: int, n_s: int, i: int, n: int, a: int, *, recompute: bool) -> int:
@@ -381,8 +408,8 @@ def sharded_state_kib(tab: IntTables, i: int, j: int, grad_sharded: bool,
     """(replicated, shardable) KiB of a sharded stage over blocks [i, j): R_s and
     Q_s ([C-shard]), under ZeRO-2 R_s - G-_s + the reduction buffers and Q_s +
     G+_s ([C-grad-shard], ``state_terms.grad_shard_kib``), under ZeRO-3 the
-    buffers and GATHERED_UNITS of its largest block's weights, and the rest
-    ([C-param-shard])."""
+    buffers, the weights of GATHERED_UNITS consecutive blocks and the tied
+    weights, and the rest ([C-param-shard])."""
     state, shard = stage_state_kib(tab, i, j)
     if not grad_sharded:
         return state - shard, shard
@@ -396,32 +423,38 @@ def sharded_state_kib(tab: IntTables, i: int, j: int, grad_sharded: bool,
 
 
 def fill_policy(tab: IntTables, stage_blocks, stage_gpus, samples, sharded, recompute,
-                grad_sharded=(), param_sharded=()) -> MemoryPolicy:
+                grad_sharded=(), param_sharded=(), offload=()) -> MemoryPolicy:
     """A MemoryPolicy for the given per-stage flags with each sharded stage's
     shards chosen by ``balance_shards`` on the memory left after the replicated
-    state and the activations (when even that cannot hold the state, shards
-    proportional to the free memory: ``evaluate`` then reports the breach)."""
+    state and the activations, or, offloaded ([C-offload]), on the host memory
+    (when even that cannot hold the state, shards proportional to the free
+    memory: ``evaluate`` then reports the breach)."""
     n_s = len(stage_blocks)
     grad_sharded = tuple(bool(x) for x in grad_sharded) or (False,) * n_s
     param_sharded = tuple(bool(x) for x in param_sharded) or (False,) * n_s
+    offload = tuple(bool(x) for x in offload) or (False,) * n_s
     shards = []
     for s, ((i, j), gpus, ns) in enumerate(zip(stage_blocks, stage_gpus, samples)):
         if not sharded[s]:
             shards.append(())
             continue
         rep, need = sharded_state_kib(tab, i, j, grad_sharded[s], param_sharded[s])
-        state = rep + need
-        a = tab.act_prefix[j] - tab.act_prefix[i]
-        free = [(tab.cap_bytes[g] - (state - need) - act_units(tab, s, n_s, i, n, a, recompute=recompute[s])) // MIB_UNITS
-                for g, n in zip(gpus, ns)]
-        z = balance_shards(need, free, [tab.opt_per_mib[tab.gpu_mbw_class[g]] for g in gpus])
+        if offload[s]:  # the shards live in host memory: H_s / Q_s KiB of it per KiB of shard
+            host, cap = stage_host_kib(tab, i, j), tab.host_cap or (0,) * tab.num_gpus
+            free = [cap[g] * max(need, 1) // max(host, 1) // MIB_UNITS for g in gpus]
+            z = balance_shards(need, free, [-(-tab.off_per_mib[g] * host // max(need, 1)) for g in gpus])
+        else:
+            a = tab.act_prefix[j] - tab.act_prefix[i]
+            free = [(tab.cap_bytes[g] - rep - act_units(tab, s, n_s, i, n, a, recompute=recompute[s])) // MIB_UNITS
+                    for g, n in zip(gpus, ns)]
+            z = balance_shards(need, free, [tab.opt_per_mib[tab.gpu_mbw_class[g]] for g in gpus])
         if z is None:
             need_mib, fr = -(-need // MIB_UNITS), [max(f, 0) for f in free]
             tot = sum(fr) or len(fr)
             z = [-(-need_mib * (f if sum(fr) else 1) // tot) for f in fr]
         shards.append(tuple(z))
     return MemoryPolicy(tuple(bool(x) for x in sharded), tuple(shards), tuple(bool(x) for x in recompute),
-                        grad_sharded, param_sharded)
+                        grad_sharded, param_sharded, offload)
 
 
 def policy_decision(stage_blocks, stage_gpus, samples, num_microbatches: int, policy: MemoryPolicy,
@@ -431,7 +464,7 @@ def policy_decision(stage_blocks, stage_gpus, samples, num_microbatches: int, po
     return Decision(stage_blocks=stage_blocks, stage_gpus=stage_gpus, samples_per_microbatch=samples,
                     num_microbatches=num_microbatches, interleave=interleave, sharded=policy.sharded,
                     shard_mib=policy.shard_mib, recompute=policy.recompute, grad_sharded=policy.grad_sharded,
-                    param_sharded=policy.param_sharded)
+                    param_sharded=policy.param_sharded, offload=policy.offload)
 
 
 def evaluate_units(tab: IntTables, stage_blocks, stage_gpus, samples, policy: MemoryPolicy | None = None,
@@ -442,7 +475,7 @@ def evaluate_units(tab: IntTables, stage_blocks, stage_gpus, samples, policy: Me
     stages] (with v = 1: ``interleave.base_makespan_s``'s measure)."""
     n_s, m = len(stage_blocks), tab.num_microbatches
     pol = policy or MemoryPolicy.plain(n_s)
-    comp, comp_head, bnd, ar, opt, mem, unc, last = [], [], [], [], [], [], [], []
+    comp, comp_head, bnd, ar, opt, mem, unc, last, host = [], [], [], [], [], [], [], [], []
     fwd3, bwd3 = [], []
     grad_kib, ring_lat = [], []  # per stage: G_s (KiB) and (k - 1) * lat_max of [C-allreduce]
     gather = []  # per stage: ag_s, a sharded stage's all-gather after its optimizer step ([C-tied])
@@ -516,7 +549,20 @@ def evaluate_units(tab: IntTables, stage_blocks, stage_gpus, samples, policy: Me
             gather.append(0)
         state, shard = stage_state_kib(tab, i, j)  # [C-tied]: a tied parameter once per stage
         a = tab.act_prefix[j] - tab.act_prefix[i]
-        if sh:
+        if pol.of(s):  # [C-offload]: Q_s (the shards) in host memory, the step over the host link and CPU
+            if sh:
+                z = pol.shard_mib[s]
+                rep, shard = sharded_state_kib(tab, i, j, False)
+                unc.append(max(0, shard - MIB_UNITS * sum(z)))
+            else:
+                z, rep = None, state - shard
+                unc.append(0)
+            hk = offload_host_kib(tab, i, j, z, shard)
+            hk = hk * len(gpus) if z is None else hk
+            host.append(hk)
+            opt.append(max(-(-h * tab.off_per_mib[g] // MIB_UNITS) for g, h in zip(gpus, hk)))
+            mem.append(tuple(rep + act_units(tab, s, n_s, i, n, a, recompute=rc) for n in ns))
+        elif sh:
             z = pol.shard_mib[s]
             rep, shard = sharded_state_kib(tab, i, j, gs, ps)  # [C-grad-shard], [C-param-shard]
             opt.append(max(zg * tab.opt_per_mib[tab.gpu_mbw_class[g]] for g, zg in zip(gpus, z)))
@@ -527,13 +573,18 @@ def evaluate_units(tab: IntTables, stage_blocks, stage_gpus, samples, policy: Me
             opt.append(max(stage_optim_units(tab, q, i, j) for q in {tab.gpu_mbw_class[g] for g in gpus}))
             mem.append(tuple(state + act_units(tab, s, n_s, i, n, a, recompute=rc) for n in ns))
             unc.append(0)
+        if len(host) < len(mem):
+            host.append((0,) * len(gpus))
     stage = tuple(c + x for c, x in zip(comp, bnd))
     if interleave > 1 or task_graph:
         from .pipeline_terms import interleaved_units
 
-        return interleaved_units(tab, stage_blocks, stage_gpus, samples, pol, v=interleave, comp=comp, bnd=bnd,
-                                 stage=stage, ar=ar, opt=opt, mem=mem, unc=unc, tied=tied,
-                                 buckets=(grad_kib, ring_lat), gather=gather)
+        p = n_s // interleave  # a GPU group's host memory holds every one of its stages' offloaded state
+        host = [tuple(map(sum, zip(*host[s % p::p]))) for s in range(n_s)] if p else host
+        u = interleaved_units(tab, stage_blocks, stage_gpus, samples, pol, v=interleave, comp=comp, bnd=bnd,
+                              stage=stage, ar=ar, opt=opt, mem=mem, unc=unc, tied=tied,
+                              buckets=(grad_kib, ring_lat), gather=gather)
+        return dataclasses.replace(u, host=tuple(host))
     # [C-objective]: stage s's own sync starts during the backward of its blocks but its last (6 x
     # an upper bound of it: (4 - rc_s) cmax-_s), its last bucket only after it, D_s before the drain
     # ends; a tied ring (held: not None) at the drain's end.
@@ -546,7 +597,7 @@ def evaluate_units(tab: IntTables, stage_blocks, stage_gpus, samples, policy: Me
         (w if t is None else max(w, t + ag)) + o for w, t, ag, o in zip(sync, tied, gather, opt))
     ar = [a if t is None else max(a, t) for a, t in zip(ar, tied)]  # [C-tied]: the optimizer waits for both
     return StageUnits(compute=tuple(comp), boundary=tuple(bnd), stage=stage, allreduce=tuple(ar),
-                      optim=tuple(opt), memory=tuple(mem), step=step, uncovered=tuple(unc))
+                      optim=tuple(opt), memory=tuple(mem), step=step, uncovered=tuple(unc), host=tuple(host))
 
 
 
@@ -588,8 +639,8 @@ def prepare(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions,
     d = decision
     if d.shard_mib is None:
         return tab, fill_policy(tab, d.stage_blocks, d.stage_gpus, d.samples_per_microbatch, d.sharded, d.recompute,
-                                d.grad_sharded, d.param_sharded)
-    return tab, MemoryPolicy(d.sharded, d.shard_mib, d.recompute, d.grad_sharded, d.param_sharded)
+                                d.grad_sharded, d.param_sharded, d.offload)
+    return tab, MemoryPolicy(d.sharded, d.shard_mib, d.recompute, d.grad_sharded, d.param_sharded, d.offload)
 
 
 def mode_violations(options: PlanOptions, stage_gpus, pol: MemoryPolicy) -> list[str]:
@@ -608,6 +659,10 @@ def mode_violations(options: PlanOptions, stage_gpus, pol: MemoryPolicy) -> list
             bad.append(f"stage {s} has sharded parameters but param_sharding='never'")
         if pol.gs(s) and not pol.ps(s) and options.param_sharding == "always":
             bad.append(f"stage {s} has sharded gradients without sharded parameters but param_sharding='always'")
+        if pol.of(s) and options.offload == "never":
+            bad.append(f"stage {s} offloads its optimizer but offload='never'")
+        if not pol.of(s) and not pol.gs(s) and options.offload == "always":
+            bad.append(f"stage {s} does not offload its optimizer but offload='always'")
         if pol.recompute[s] != (options.recompute == "always") and options.recompute != "auto":
             bad.append(f"stage {s} recompute={pol.recompute[s]} but recompute={options.recompute!r}")
     return bad
@@ -651,6 +706,14 @@ def evaluate(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions, deci
             bad.append(f"stage {s}: the shards hold {_gib(MIB_UNITS * MEMORY_UNIT_BYTES * sum(pol.shard_mib[s]))} "
                        f"GiB of {_gib(sharded_state_kib(tab, *stage_blocks[s], pol.gs(s), pol.ps(s))[1] * MEMORY_UNIT_BYTES)} "
                        f"GiB optimizer state")
+        for g, h in zip(gpus, u.host[s]):
+            cap = tab.host_cap[g] if tab.host_cap else 0
+            if h > cap and s < len(stage_blocks) // interleave:
+                node = devices.node_names[g] if devices.node_names else f"of GPU {g}"
+                bad.append(f"stage {s} GPU {g} ({devices.gpu_types[g]}) offloads {_gib(h * MEMORY_UNIT_BYTES)} GiB "
+                           f"to host memory > {_gib(cap * MEMORY_UNIT_BYTES)} GiB usable (its share of node "
+                           f"{node}'s host_memory_GiB x {options.memory_fraction:g}"
+                           + ("; the cluster file gives none: add host_memory_GiB to the node" if not cap else "") + ")")
         for g, need in zip(gpus, u.memory[s]):
             if need > tab.cap_bytes[g] and s < len(stage_blocks) // interleave:  # one report per GPU
                 bad.append(f"stage {s} GPU {g} ({devices.gpu_types[g]}) needs {_gib(need * MEMORY_UNIT_BYTES)} GiB > "

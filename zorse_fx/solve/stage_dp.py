@@ -66,6 +66,15 @@ fits at all in pass 1, pass 2 runs for every key (Zorse B before ZeRO-2 had
 no plan). Both passes' splits are scored and the best kept. Measured in
 bench/LOG.md ("ZeRO-2 through the stage DP", "pass 2 pruned").
 
+[Note: offload in the stage DP]
+Optimizer offload ([C-offload]) frees the shardable state from the GPU at the
+price of a host-link round trip and a CPU step every step: on the scenarios'
+clusters that is never faster than a plan that fits without it. So pass 3,
+the DP with the offload variants too, runs only when passes 1 and 2 found no
+split at all (or ``offload="always"``), for every (M, order, S) key, and only
+on tables with host memory. A cluster that fits without offload plans exactly
+as before, in the same time.
+
 Legend: ``U`` units, ``B`` blocks, ``S`` stages, ``M`` micro-batches, ``b``
 samples per micro-batch; times in integer units (1 ns), memory in KiB units.
 """
@@ -93,18 +102,26 @@ MAX_UNITS = 32
 _INF = np.iinfo(np.int64).max // 4
 
 
-def grad_variants(options: PlanOptions) -> tuple[tuple[bool, bool, bool, bool], ...]:
-    """The (sharded, recompute, grad_sharded, param_sharded) variants the
-    stage DP tries: ``heuristics.memory_variants``, each sharded one with
+def grad_variants(options: PlanOptions) -> tuple[tuple[bool, bool, bool, bool, bool], ...]:
+    """The (sharded, recompute, grad_sharded, param_sharded, offload) variants
+    the stage DP tries: ``heuristics.memory_variants``, each sharded one with
     ZeRO-2 off and / or on as ``options.grad_sharding`` allows
     ([C-grad-shard]), each ZeRO-2 one with ZeRO-3 off and / or on as
-    ``options.param_sharding`` allows ([C-param-shard])."""
+    ``options.param_sharding`` allows ([C-param-shard]), each without ZeRO-2
+    with optimizer offload off and / or on as ``options.offload`` allows
+    ([C-offload])."""
     from .heuristics import memory_variants
 
     modes = {"never": (False,), "auto": (False, True), "always": (True,)}
-    return tuple((sh, rc, gs, ps) for sh, rc in memory_variants(options)
+    return tuple((sh, rc, gs, ps, of) for sh, rc in memory_variants(options)
                  for gs in (modes[options.grad_sharding] if sh else (False,))
-                 for ps in (modes[options.param_sharding] if gs else (False,)))
+                 for ps in (modes[options.param_sharding] if gs else (False,))
+                 for of in ((False,) if gs else modes[options.offload]))
+
+
+def _level(variant) -> int:
+    """The stage DP pass a variant joins: 0 (neither ZeRO-2 nor offload), 1 (ZeRO-2), 2 (offload)."""
+    return 2 if variant[4] else 1 if variant[2] else 0
 
 
 def _units(devices: DeviceGraph, tab, speeds, order: str) -> list[tuple[int, ...]]:
@@ -170,7 +187,7 @@ class _Stages:
                     for q, p in enumerate(tab.opt_prefix)]
         # [C-grad-shard]: a ZeRO-2 stage's replicated state and shardable state (objective.sharded_state_kib).
         self.gs_rep = self.gs_shard = self.ps_rep = self.ps_shard = None
-        if any(gs for _, _, gs, _ in variants):
+        if any(v[2] for v in variants):
             up, down, tr = (np.zeros_like(self.state) for _ in range(3))
             for i in range(nb):
                 for j in range(i + 1, nb + 1):
@@ -186,6 +203,9 @@ class _Stages:
         # tied exclusions are not known per stage here, as for the all-reduce term above).
         first_cap, cap = tab.bucket_caps
         self.nbuckets = 1 + np.maximum(0, -((first_cap - pre(tab.grad_kib_prefix)) // cap))
+        # [C-offload]: the host state H of blocks [i, j) (state_terms.stage_host_kib).
+        self.host = (pre(tab.host_prefix) - sum((e * tab.tied_host[t] for t, e in extra), np.int64(0))
+                     if any(tab.host_cap) else None)
         self.terms: dict[tuple[int, int], dict | None] = {}
         self.b, self.speeds = b, speeds
 
@@ -241,31 +261,39 @@ class _Stages:
             lq = max(tab.pair_lat[g][h] for g in gpus for h in nxt)
             bnd = 2 * (np.asarray(tab.xfer[kq], dtype=np.int64) + lq)
         mem = memory_groups(tab, gpus, ns)
+        # [C-offload]: each GPU's host capacity and the step's time over its host state (per GPU, as
+        # the objective: a replicated stage's whole H, a sharded one's ~H / k).
+        hcap = tuple(tab.host_cap[g] for g in gpus) if tab.host_cap else ()
+        opt_of = None
+        if self.host is not None and hcap and min(hcap) > 0:
+            off = max(tab.off_per_mib[g] for g in gpus)
+            opt_of = (-(-off * self.host // MIB_UNITS), -(-off * -(-self.host // k) // MIB_UNITS))
         out = {"gpus": gpus, "samples": ns, "comp": comp, "comp_rc": comp_rc, "ar": ar, "arsh": arsh, "zr": zr,
                "zr3": zr3, "gpass": gpass, "opt": opt, "opt_sh": opt_sh, "opt_gs": opt_gs, "opt_ps": opt_ps,
-               "bnd": bnd[None, :], "mem": mem, "k": k, "cost": {},
+               "bnd": bnd[None, :], "mem": mem, "k": k, "cost": {}, "hcap": hcap, "opt_of": opt_of,
                "fits": {}}
         self.terms[key] = out
         return out
 
-    def cost(self, u0: int, u1: int, s: int, n_s: int, plain: bool = False):
+    def cost(self, u0: int, u1: int, s: int, n_s: int, level: int = 1):
         """(cost matrix with _INF where nothing fits, variant index matrix) of stage s of n_s,
-        over every variant or (``plain``) over those without sharded gradients."""
+        over the variants of ``_level`` <= ``level`` (0: neither ZeRO-2 nor offload; 1: and
+        ZeRO-2; 2: and offload)."""
         g = self.group(u0, u1)
         if g is None:
             return None
         fl = inflight(self.tab.schedule, n_s, s, self.m)
         ck = (fl, s > 0, n_s)
-        if (ck, plain) in g["cost"]:
-            return g["cost"][ck, plain]
+        if (ck, level) in g["cost"]:
+            return g["cost"][ck, level]
         mult = self.m + n_s - 1
-        if plain:  # the variants without ZeRO-2
+        if level == 0:
             best = np.full_like(self.state, _INF)
             arg = np.full(self.state.shape, -1, dtype=np.int64)
-        else:  # the ZeRO-2 ones on top of those (ties: the plain one)
-            best, arg = self.cost(u0, u1, s, n_s, plain=True)
-        for v, (sh, rc, gs, ps) in enumerate(self.variants):
-            if gs == plain:
+        else:  # this level's variants on top of the lower ones' (ties: the lower one)
+            best, arg = self.cost(u0, u1, s, n_s, level - 1)
+        for v, (sh, rc, gs, ps, of) in enumerate(self.variants):
+            if _level(self.variants[v]) != level or (of and g["opt_of"] is None):
                 continue
             sh = sh and g["k"] >= 2
             gs = gs and sh  # (a one-GPU stage: neither)
@@ -273,20 +301,39 @@ class _Stages:
             fk = (fl, s > 0, v)  # what fits does not depend on the stage count: shared over n_s
             fits = g["fits"].get(fk)
             if fits is None:
-                fits = g["fits"][fk] = self._fits(g["mem"], fl, s > 0, sh, rc, gs, ps) & self.valid
+                fits = g["fits"][fk] = (self._fits_offload(g, fl, s > 0, sh, rc) if of
+                                        else self._fits(g["mem"], fl, s > 0, sh, rc, gs, ps)) & self.valid
             t = (g["comp_rc"] if rc else g["comp"]) + g["bnd"]
             if ps:  # [C-param-shard]: the gathers' exposed time per micro-batch (objective.evaluate_units)
                 passes = 3 if rc else 2
                 comp = g["comp_rc"] if rc else g["comp"]
                 t = t + np.maximum(0, passes * g["gpass"] - comp) + passes * -(-g["gpass"] // self.nblocks)
             c = mult * t + (g["zr3"] + g["opt_ps"] if ps else g["zr"] + g["opt_gs"] if gs
+                            else (g["arsh"] if sh else g["ar"]) + g["opt_of"][sh] if of
                             else g["arsh"] + g["opt_sh"] if sh else g["ar"] + g["opt"])
             c = np.where(fits, c, _INF)
             better = c < best
             best = np.where(better, c, best)
             arg = np.where(better, v, arg)
-        g["cost"][ck, plain] = (best, arg)
+        g["cost"][ck, level] = (best, arg)
         return best, arg
+
+    def _act(self, n: int, fl: int, not_first: bool, recompute: bool):
+        if recompute:
+            return n * (fl * (self.cut_in if not_first else 0) + self.act)
+        return fl * n * self.act
+
+    def _fits_offload(self, g, fl: int, not_first: bool, sharded: bool, recompute: bool):
+        """[C-memory], [C-shard] and [C-host-memory] of an offloaded variant ([C-offload]), all (i, j)."""
+        rep = self.state - self.shard
+        ok = np.ones_like(self.valid)
+        for (n, cap), _ in g["mem"]:
+            ok &= rep + self._act(n, fl, not_first, recompute) <= cap
+        host = np.maximum(self.host, 1)
+        if not sharded:
+            return ok & (self.host <= min(g["hcap"]))
+        held = sum((c * np.maximum(self.shard, 1) // host) // MIB_UNITS for c in g["hcap"])
+        return ok & (MIB_UNITS * held >= self.shard)
 
     def _fits(self, mem, fl: int, not_first: bool, sharded: bool, recompute: bool, grad_sharded: bool = False,
               param_sharded: bool = False):
@@ -312,7 +359,7 @@ class _Stages:
         return ok & (MIB_UNITS * held >= need)
 
 
-def _dp(st: _Stages, n_s: int, idle: bool = False, plain: bool = False):
+def _dp(st: _Stages, n_s: int, idle: bool = False, level: int = 1):
     """Best split into n_s stages over all blocks and all units (``idle``: over a
     prefix of the units, the rest idle): list of (u0, u1, i, j, variant) or None."""
     n_u, nb = len(st.units), st.nb
@@ -329,7 +376,7 @@ def _dp(st: _Stages, n_s: int, idle: bool = False, plain: bool = False):
             for u1 in range(u0 + 1, n_u + 1):
                 if not idle and (s == n_s - 1) != (u1 == n_u):
                     continue  # the last stage takes the remaining units, earlier ones leave some
-                cv = st.cost(u0, u1, s, n_s, plain)
+                cv = st.cost(u0, u1, s, n_s, level)
                 if cv is None:
                     break  # more units only add GPUs: > b
                 c, var = cv
@@ -357,19 +404,20 @@ def _dp(st: _Stages, n_s: int, idle: bool = False, plain: bool = False):
 def _add_split(sel, st: _Stages, tab, split, variants, m: int) -> int:
     """Score one DP split with the objective (``Selector``): with the DP's per-stage
     variants and with each uniform policy. Returns the better step time (units)."""
-    blocks, gpus, samples, sharded, recompute, grads, params = [], [], [], [], [], [], []
+    blocks, gpus, samples, sharded, recompute, grads, params, offload = [], [], [], [], [], [], [], []
     for u0, u1, i, j, v in split:
         g = st.group(u0, u1)
         order_g = sorted(range(len(g["gpus"])), key=lambda a: g["gpus"][a])
         blocks.append((i, j))
         gpus.append(tuple(g["gpus"][a] for a in order_g))
         samples.append(tuple(g["samples"][a] for a in order_g))
-        sh, rc, gs, ps = variants[v]
+        sh, rc, gs, ps, of = variants[v]
         sharded.append(sh and len(g["gpus"]) >= 2)
         recompute.append(rc)
         grads.append(gs and sharded[-1])
         params.append(ps and grads[-1])
-    pol = fill_policy(tab, blocks, gpus, samples, sharded, recompute, grads, params)
+        offload.append(of)
+    pol = fill_policy(tab, blocks, gpus, samples, sharded, recompute, grads, params, offload)
     own = sel.add(blocks, gpus, samples, m, pol)
     return min(own, sel.add(blocks, gpus, samples, m))  # and each uniform policy
 
@@ -429,7 +477,8 @@ def stage_dp_search(costs: BlockCosts, devices: DeviceGraph,
     sel = Selector("stage_dp", costs, devices, options)
     speeds = gpu_speeds(costs, devices)
     variants = grad_variants(options)
-    zero2 = any(gs for _, _, gs, _ in variants)
+    zero2 = any(v[2] for v in variants)
+    offload = any(v[4] for v in variants)
     s_max = max_stage_count(costs, devices, options)
     # Pass 1: the DP over the variants without ZeRO-2, every (M, order, S). Kept per (M, order):
     # its units and, per S, the score of its split (None: no split) and whether it recomputes.
@@ -443,19 +492,32 @@ def stage_dp_search(costs: BlockCosts, devices: DeviceGraph,
             per_s = found[m, tuple(units)] = {}
             st = _Stages(tab, units, speeds, variants, m)
             for n_s in range(1, min(s_max, len(units)) + 1):
-                split = _dp(st, n_s, options.allow_idle_gpus, plain=True)
+                split = _dp(st, n_s, options.allow_idle_gpus, level=0)
                 if split is None:
                     per_s[n_s] = (None, False)
                 else:
                     per_s[n_s] = (_add_split(sel, st, tab, split, variants, m),
                                   any(variants[v][1] for *_, v in split))
     # Pass 2: the DP with ZeRO-2 too, only where it can win ([Note: ZeRO-2 in the stage DP]).
+    fitted = any(score is not None for per_s in found.values() for score, _ in per_s.values())
     if zero2:
         for (m, units), stage_counts in _zero2_pass(found).items():
             tab = sel.tables(m)
             st = _Stages(tab, list(units), speeds, variants, m)
             for n_s in stage_counts:
                 split = _dp(st, n_s, options.allow_idle_gpus)
+                if split is not None:
+                    fitted = True
+                    _add_split(sel, st, tab, split, variants, m)
+    # Pass 3: offload, only where nothing fits without it ([Note: offload in the stage DP]).
+    if offload and (not fitted or options.offload == "always"):
+        for (m, units), per_s in found.items():
+            tab = sel.tables(m)
+            if not tab.host_cap or not any(tab.host_cap):
+                continue
+            st = _Stages(tab, list(units), speeds, variants, m)
+            for n_s in per_s:
+                split = _dp(st, n_s, options.allow_idle_gpus, level=2)
                 if split is not None:
                     _add_split(sel, st, tab, split, variants, m)
     res = sel.result(

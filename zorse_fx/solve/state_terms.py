@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .tables import MIB_UNITS
+
 __all__ = ["extra_copies", "stage_state_kib", "stage_optim_units", "extra_copies_matrix", "unique_params",
            "shardable_kib", "grad_shard_kib", "block_weight_kib", "gathered_weight_kib",
            "gathered_weight_matrix", "GATHERED_UNITS"]
@@ -52,6 +54,26 @@ def stage_state_kib(tab, i: int, j: int) -> tuple[int, int]:
         state -= c * tab.tied_state[t]
         shard -= c * tab.tied_shard[t]
     return state, shard
+
+
+def stage_host_kib(tab, i: int, j: int) -> int:
+    """[C-offload]: KiB of host memory the offloaded optimizer of blocks [i, j)
+    holds (``tables.OFFLOAD_BYTES_PER_PARAM`` per parameter, a tied one once)."""
+    host = tab.host_prefix[j] - tab.host_prefix[i]
+    for t, c in extra_copies(tab.tied_blocks, i, j):
+        host -= c * tab.tied_host[t]
+    return host
+
+
+def offload_host_kib(tab, i: int, j: int, shard_mib, shardable_kib: int) -> tuple[int, ...]:
+    """[C-offload]: per GPU of an offloaded stage over blocks [i, j), its host
+    KiB: the stage's host state H_s (``stage_host_kib``) when ``shard_mib`` is
+    None (replicated), else its shard's part ceil(H_s * z_g MiB / Q_s) of it
+    (the shards split the parameters, so the host state in the same ratio)."""
+    host = stage_host_kib(tab, i, j)
+    if shard_mib is None:
+        return (host,)
+    return tuple(-(-host * z * MIB_UNITS // max(shardable_kib, 1)) for z in shard_mib)
 
 
 def stage_optim_units(tab, q: int, i: int, j: int) -> int:

@@ -44,6 +44,14 @@ BUCKET_UNIT_BYTES = 1024
 LAST_BUCKET_RESOLUTION = 1024
 
 
+#: [C-offload] host bytes per offloaded parameter: AdamW's two float32 moments and the float32
+#: master weight (a 16-bit working weight's master, or the host copy of a float32 weight) = 12.
+OFFLOAD_BYTES_PER_PARAM = 12
+#: [C-offload] bytes per parameter over the host link each step: its float32 gradient to the host
+#: (4) and its updated weight back (4: float32, an upper bound for a 16-bit working weight).
+OFFLOAD_LINK_BYTES = 8
+
+
 def bucket_count(grad_units: int, caps: tuple[int, int]) -> int:
     """nb = 1 + max(0, ceil((G - first_cap) / cap)): the gradient buckets of
     an all-reduce of G units of float32 gradients, ``caps`` = (first_cap, cap)
@@ -156,6 +164,18 @@ class IntTables:
     #: ``PlanOptions.param_sharding`` ([C-param-shard]).
     param_sharding: str = "never"
     recompute: str = "never"
+    #: ``PlanOptions.offload`` ([C-offload]).
+    offload: str = "never"
+    #: [C-offload]: prefix of the host state of an offloaded stage, OFFLOAD_BYTES_PER_PARAM
+    #: per parameter (KiB, rounded up per block); per tied parameter one copy's (rounded down).
+    host_prefix: tuple[int, ...] = ()
+    tied_host: tuple[int, ...] = ()
+    #: (G,) host memory a GPU may offload to: floor(memory_fraction x its share of its node's
+    #: ``host_memory_GiB``), KiB (0: none).
+    host_cap: tuple[int, ...] = ()
+    #: (G,) units per MiB of offloaded host state: the step's host-link and CPU time
+    #: (OFFLOAD_LINK_BYTES / host link + 2 x optim_bytes / host memory bandwidth per parameter).
+    off_per_mib: tuple[int, ...] = ()
 
     @property
     def cut_kib_max(self) -> int:
@@ -255,5 +275,22 @@ def build_tables(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions,
                          for v, sc in zip(bw_values, lastb_scale)),
         lastb_scale=lastb_scale,
         sharding=options.sharding, recompute=options.recompute, grad_sharding=options.grad_sharding,
-        param_sharding=options.param_sharding,
+        param_sharding=options.param_sharding, offload=options.offload,
+        **_host_tables(costs, devices, options),
     )
+
+
+def _host_tables(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions) -> dict:
+    """[C-offload]'s tables (``IntTables.host_prefix`` ...); a GPU without host memory
+    (or a link or bandwidth of 0) gets host_cap 0 and off_per_mib 0."""
+    per_param, n = OFFLOAD_BYTES_PER_PARAM, devices.num_gpus
+    off = tuple(to_units(MIB_UNITS * MEMORY_UNIT_BYTES / per_param
+                         * (OFFLOAD_LINK_BYTES / link + 2 * costs.optim_bytes / hbw)) if mem and link > 0 and hbw > 0
+                else 0
+                for mem, link, hbw in zip(devices.host_memory_bytes or (0,) * n, devices.host_link_bytes_per_s
+                                          or (0.0,) * n, devices.host_mem_bw_bytes_per_s or (0.0,) * n))
+    return dict(host_prefix=_prefix(_kib_up(per_param * p) for p in costs.param_count),
+                tied_host=tuple(per_param * tp.numel // MEMORY_UNIT_BYTES for tp in costs.tied_params),
+                host_cap=tuple(int(options.memory_fraction * mb) // MEMORY_UNIT_BYTES if o else 0
+                               for mb, o in zip(devices.host_memory_bytes or (0,) * n, off)),
+                off_per_mib=off)

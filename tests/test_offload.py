@@ -1,0 +1,224 @@
+"""Optimizer offload ([Note: optimizer offload] in ``runtime/optimizer.py``,
+[C-offload] in ``solve/objective.py``): a stage's AdamW moments and float32
+masters in host memory, the step on the CPU. Equal to single-process training
+(losses, step-1 gradients, parameters after several steps) on Gloo with
+NCCL's semantics, replicated and ZeRO-1 with unequal shards and sample
+shares, a tied embedding, fp32 and bf16-mixed with 16-bit working weights;
+checkpoints move between offloaded and on-device layouts. On this CPU host
+and device memory are one, so what these runs show is the arithmetic and
+the bookkeeping (host copies, write-back, checkpoint keys), not the
+transfers' speed; ``make gpu-check`` runs on a GPU.
+
+The planner side: the cluster file's host fields, the stage DP's third pass
+(only where nothing fits without offload), the objective against the
+simulator, the host-memory check and its message.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from conftest import fixed_plan, gpt3x64, make_devices, train_and_compare, with_low_precision, with_memory_policy
+from zorse_fx.capture import analyse
+from zorse_fx.cluster import Cluster
+from zorse_fx.errors import ClusterConfigError, InfeasiblePlanError, PlanFileError
+from zorse_fx.ir.costs import BlockCosts
+from zorse_fx.options import PlanOptions
+from zorse_fx.plan import Plan
+from zorse_fx.sim import simulate
+from zorse_fx.solve.objective import evaluate
+from zorse_fx.solve.stage_dp import solve_stage_dp
+
+LR, WEIGHT_DECAY = 1e-3, 0.1
+GiB = 2**30
+
+
+def with_offload(plan, stages):
+    """``plan`` with ``StagePlan.offload_optimizer`` on ``stages`` (indices)."""
+    return dataclasses.replace(plan, stages=tuple(dataclasses.replace(s, offload_optimizer=s.index in stages)
+                                                  for s in plan.stages))
+
+
+def _two_stage_plan(captured, *, microbatches=3):
+    """GPT, 2 stages: stage 0 on GPU 0 (replicated); stage 1 on GPUs 2, 3
+    taking 1:2 of each micro-batch, ZeRO-1 shards 3:1; the tied embedding on both."""
+    plan = fixed_plan(captured, ((0,), (2, 3)), ((3,), (1, 2)), num_microbatches=microbatches,
+                      global_batch_size=3 * microbatches, cuts=(analyse(captured).num_blocks // 2,))
+    return with_memory_policy(plan, sharded={1}, shard_bytes={1: (3 * 2**20, 2**20)})
+
+
+def test_fp32_offload_replicated_and_zero1(lee_bytes, tmp_path):
+    """fp32, both stages offloaded (stage 0 replicated on one GPU, stage 1
+    ZeRO-1 with 3:1 shards), clipping at 0.5: every stepped tensor is a host
+    copy (4 B per element, stage 0 all of its parameters, stage 1 each
+    rank's range), and training equals single-process AdamW."""
+    captured = gpt3x64()
+    plan = with_offload(_two_stage_plan(captured), {0, 1})
+    summaries, _ = train_and_compare(plan, captured, lee_bytes, tmp_path, steps=3, lr=LR, weight_decay=WEIGHT_DECAY,
+                                     extra=("--clip-grad-norm", "0.5"), ref_kwargs={"clip": 0.5})
+    assert all(summaries[r]["offload"] for r in range(plan.world_size))
+    stage0 = summaries[0]
+    assert stage0["host_copy_bytes"] == 4 * stage0["stage_elements"]
+    for r in (1, 2):
+        assert summaries[r]["host_copy_bytes"] == 4 * summaries[r]["owned_elements"] > 0
+    assert summaries[1]["owned_elements"] > 2 * summaries[2]["owned_elements"]
+
+
+def test_bf16_offload_with_sixteen_bit_working_weights(lee_bytes, tmp_path):
+    """bf16-mixed, stage 1 offloaded with 16-bit working weights: their
+    float32 masters are allocated in host memory (no host copy for them),
+    the rest of the range gets host copies; equal to single-process training
+    under the same autocast within the bf16 tolerances."""
+    captured = gpt3x64()
+    plan = with_offload(with_low_precision(_two_stage_plan(captured), captured), {1})
+    assert plan.stages[1].low_precision_params
+    summaries, _ = train_and_compare(plan, captured, lee_bytes, tmp_path, steps=3, lr=LR, weight_decay=WEIGHT_DECAY,
+                                     precision="bf16-mixed")
+    assert not summaries[0]["offload"] and summaries[0]["host_copy_bytes"] == 0
+    for r in (1, 2):
+        bf16 = next(b for b in summaries[r]["buffers"] if b["dtype"] == "bfloat16")
+        fp32 = next(b for b in summaries[r]["buffers"] if b["dtype"] == "float32")
+        assert bf16["master_bytes"] == 4 * bf16["owned_elements"] > 0
+        assert summaries[r]["host_copy_bytes"] == 4 * fp32["owned_elements"]
+
+
+def test_checkpoints_move_between_offloaded_and_on_device(lee_bytes, tmp_path):
+    """fp32: steps 1-2 offloaded, step 3 resumed on the GPU, step 4 offloaded
+    again: losses and parameters equal 4 uninterrupted on-device steps."""
+    from conftest import FP32, spawn_ranks
+    from test_training_loop import LR as LR_A, _export, _params, _plan_a4, _rows
+
+    captured = gpt3x64()
+    dev = with_memory_policy(_plan_a4(captured), sharded={0, 1}, shard_bytes={0: (2**20, 2**20),
+                                                                              1: (3 * 2**20, 2**20)})
+    off = with_offload(dev, {0, 1})
+    c1, c2 = (_export(p, captured, lee_bytes, tmp_path / name) for p, name in ((dev, "dev"), (off, "off")))
+    full, run, w = tmp_path / "full", tmp_path / "run", dev.world_size
+    spawn_ranks(tmp_path / "dev" / "plan", w, [*c1[1:], "--steps", "4", "--out", str(full), "--dump-params"])
+    for common, plan_dir, steps, more in ((c2, "off", 2, ("--checkpoint-every", "2")),
+                                          (c1, "dev", 3, ("--resume", "--checkpoint-every", "3")),
+                                          (c2, "off", 4, ("--resume", "--dump-params"))):
+        spawn_ranks(tmp_path / plan_dir / "plan", w, [*common[1:], "--steps", str(steps), "--out", str(run), *more])
+    assert [r["step"] for r in _rows(run)] == [1, 2, 3, 4]
+    assert [r["loss"] for r in _rows(run)] == pytest.approx([r["loss"] for r in _rows(full)], rel=FP32.loss_rel)
+    want, got = _params(full, w), _params(run, w)
+    for r in range(w):
+        for name, value in got[r].items():
+            torch.testing.assert_close(value, want[r][name], rtol=FP32.param_rtol, atol=FP32.param_atol_lr * LR_A)
+
+
+def test_plan_file_offload_field():
+    """``offload_optimizer`` with sharded gradients is refused naming the
+    field and the fix; a version-10 file reads with it off; the table says
+    where the optimizer lives and how much host memory it takes."""
+    captured = gpt3x64()
+    plan = with_offload(_two_stage_plan(captured), {1})
+    d = plan.to_dict()
+    assert d["stages"][1]["offload_optimizer"] is True
+    assert Plan.from_dict(d).stages[1].offload_optimizer
+    bad = plan.to_dict()
+    bad["stages"][1]["grad_sharded"] = True
+    with pytest.raises(PlanFileError, match=r"stages\[1\]\.offload_optimizer is true on a stage with sharded "
+                                            r"gradients; optimizer offload goes with replicated or ZeRO-1 state"):
+        Plan.from_dict(bad)
+    bad = plan.to_dict()
+    bad["stages"][1]["offload_optimizer"] = "yes"
+    with pytest.raises(PlanFileError, match=r"stages\[1\]\.offload_optimizer"):
+        Plan.from_dict(bad)
+    d["version"] = 10
+    for s in d["stages"]:
+        del s["offload_optimizer"]
+        for g in s["gpus"]:
+            g.pop("predicted_host_memory_bytes", None)
+    assert not any(s.offload_optimizer for s in Plan.from_dict(d).stages)
+    table = plan.table()
+    assert "offloaded" in table and "GiB host" in table and "Optimizer offloaded on stage 1" in table
+
+
+# -- planner ---------------------------------------------------------------
+
+def _big_model(params_per_block=250_000_000, blocks=4):
+    """1e9 float32 parameters (16 GB of state): more than a 12 GiB GPU holds."""
+    return BlockCosts(fwd_bwd_s_per_sample={"V100-16GB": (0.01,) * blocks}, param_count=(params_per_block,) * blocks,
+                      act_bytes_per_sample=(50_000_000,) * blocks, cut_bytes_per_sample=(0, *(1e6,) * (blocks - 1), 0))
+
+
+def _one_gpu(host_gib, *, link=15.75e9, host_bw=100e9):
+    dev = make_devices(["V100-16GB"], ["n0"], [12 * GiB], [900e9])
+    return dataclasses.replace(dev, host_memory_bytes=(host_gib * GiB,), host_mem_bw_bytes_per_s=(host_bw,),
+                               host_link_bytes_per_s=(link,))
+
+
+def test_stage_dp_offloads_only_where_nothing_fits():
+    """One 12 GiB GPU cannot hold 16 GB of state: without host memory there
+    is no plan (the error says so), with 64 GiB of it the stage DP offloads
+    (device: weights and gradients, 8 GB; host: 12 GB), and the objective's
+    step equals the simulator's (the CPU step after the backward, priced
+    alike). The offload time is the host link round trip plus the CPU step:
+    1e9 x (8 B / 15.75 GB/s + 32 B / 100 GB/s) = 0.828 s."""
+    costs, opts = _big_model(), PlanOptions(global_batch_size=4, planner="stage_dp")
+    with pytest.raises(InfeasiblePlanError, match="fits memory"):
+        solve_stage_dp(costs, _one_gpu(0), opts)
+    dev = _one_gpu(64)
+    res = solve_stage_dp(costs, dev, opts)
+    d = res.decision
+    assert d.offload == (True,) and not any(d.sharded)
+    ev = evaluate(costs, dev, opts, d)
+    assert ev.feasible and ev.memory_bytes[0][0] < 12 * GiB
+    assert ev.optim_s[0] == pytest.approx(1e9 * (8 / 15.75e9 + 32 / 100e9), rel=1e-3)
+    assert simulate(costs, dev, opts, d).step_time_s == pytest.approx(ev.step_time_s, rel=1e-4)
+    with pytest.raises(InfeasiblePlanError):
+        solve_stage_dp(costs, dev, dataclasses.replace(opts, offload="never"))
+
+
+def test_stage_dp_does_not_offload_what_fits():
+    """A model that fits on the GPU plans the same with and without host memory."""
+    costs, opts = _big_model(params_per_block=100_000_000), PlanOptions(global_batch_size=4, planner="stage_dp")
+    with_host, without = solve_stage_dp(costs, _one_gpu(64), opts), solve_stage_dp(costs, _one_gpu(0), opts)
+    assert not any(with_host.decision.offload)
+    assert with_host.decision == without.decision
+
+
+def test_host_memory_check_names_the_node_and_the_fix():
+    """An offloaded decision on a node with too little host memory is
+    infeasible; the violation names the GPU, the bytes and the node; with no
+    host memory at all it says to add ``host_memory_GiB``."""
+    costs, opts = _big_model(), PlanOptions(global_batch_size=4)
+    d = solve_stage_dp(costs, _one_gpu(64), dataclasses.replace(opts, planner="stage_dp")).decision
+    small = evaluate(costs, _one_gpu(8), opts, d)
+    assert not small.feasible
+    assert any("offloads 11.2 GiB to host memory > 7.2 GiB usable" in v and "node n0" in v for v in small.violations)
+    none = evaluate(costs, _one_gpu(0), opts, d)
+    assert any("add host_memory_GiB to the node" in v for v in none.violations)
+
+
+def test_cluster_file_host_fields(tmp_path):
+    """``host_memory_GiB``, ``host_memory_bandwidth_GBps`` and ``host_link``
+    per node: split over the node's GPUs, the host link defaulting by GPU
+    class (V100: PCIe Gen3 x16, 15.75 GB/s; A100: Gen4, 31.5 GB/s), written
+    back by ``to_dict``; a bad value names the field and the fix."""
+    d = {"nodes": [{"name": "n0", "gpus": [{"type": "V100-16GB", "count": 2}], "host_memory_GiB": 488,
+                    "host_link": {"bandwidth_GBps": 12}},
+                   {"name": "n1", "gpus": [{"type": "A100-40GB", "count": 1}], "host_memory_GiB": 100,
+                    "host_memory_bandwidth_GBps": 300}],
+         "links": {"intra_node": {"bandwidth_GBps": 16, "latency_us": 10},
+                   "inter_node": {"bandwidth_GBps": 3, "latency_us": 20}}}
+    c = Cluster.from_dict(d)
+    g = c.device_graph()
+    assert g.host_memory_bytes == (244 * GiB, 244 * GiB, 100 * GiB)
+    assert g.host_link_bytes_per_s == pytest.approx((12e9, 12e9, 31.5e9), rel=1e-3)
+    assert g.host_mem_bw_bytes_per_s == pytest.approx((102.4e9, 102.4e9, 300e9))
+    assert Cluster.from_dict(c.to_dict()) == c
+    bad = {**d, "nodes": [{**d["nodes"][0], "host_memory_GiB": -1}, d["nodes"][1]]}
+    with pytest.raises(ClusterConfigError, match=r"nodes\[0\]\.host_memory_GiB: must be a positive number "
+                                                 r"\(got -1\); the node's RAM training may use"):
+        Cluster.from_dict(bad)
+    bad = {**d, "nodes": [{**d["nodes"][0], "host_link": {"bandwidth_GBps": 12, "latency_us": 1}}, d["nodes"][1]]}
+    with pytest.raises(ClusterConfigError, match=r"nodes\[0\]\.host_link\.latency_us"):
+        Cluster.from_dict(bad)
+    plain = Cluster.from_dict({**d, "nodes": [{k: v for k, v in n.items() if not k.startswith("host")}
+                                              for n in d["nodes"]]})
+    assert plain.device_graph().host_memory_bytes == (0, 0, 0)
