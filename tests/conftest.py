@@ -730,3 +730,29 @@ def compute_only(costs, devices):
 def candidate_dicts(result) -> list[dict]:
     """A ``SolverResult``'s candidates as plan.json records them (``Candidate.to_dict``)."""
     return [c.to_dict() for c in result.candidates]
+
+
+def assert_resume_across_layouts(captured, tokens, tmp_path: Path, base, other) -> Path:
+    """Checkpoints move between two layouts of one plan (ZeRO-1 and ZeRO-2/3,
+    on-device and offloaded): ``base`` trains 4 uninterrupted steps; a second
+    run trains steps 1-2 under ``other``, step 3 resumed under ``base`` and
+    step 4 under ``other`` again. Its losses and final parameters equal the
+    first run's within fp32 tolerance (``FP32``: the layouts sum in other
+    orders; Adam amplifies the rounding of near-zero gradient entries up to
+    ~lr). Returns the second run's directory."""
+    from test_training_loop import LR as LR_A, _export, _params, _rows
+
+    c_base, c_other = (_export(p, captured, tokens, tmp_path / name) for p, name in ((base, "base"), (other, "other")))
+    full, run, w = tmp_path / "full", tmp_path / "run", base.world_size
+    spawn_ranks(tmp_path / "base" / "plan", w, [*c_base[1:], "--steps", "4", "--out", str(full), "--dump-params"])
+    for common, plan_dir, steps, more in ((c_other, "other", 2, ("--checkpoint-every", "2")),
+                                          (c_base, "base", 3, ("--resume", "--checkpoint-every", "3")),
+                                          (c_other, "other", 4, ("--resume", "--dump-params"))):
+        spawn_ranks(tmp_path / plan_dir / "plan", w, [*common[1:], "--steps", str(steps), "--out", str(run), *more])
+    assert [r["step"] for r in _rows(run)] == [1, 2, 3, 4]
+    assert [r["loss"] for r in _rows(run)] == pytest.approx([r["loss"] for r in _rows(full)], rel=FP32.loss_rel)
+    want, got = _params(full, w), _params(run, w)
+    for r in range(w):
+        for name, value in got[r].items():
+            torch.testing.assert_close(value, want[r][name], rtol=FP32.param_rtol, atol=FP32.param_atol_lr * LR_A)
+    return run

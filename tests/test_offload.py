@@ -21,8 +21,7 @@ import dataclasses
 import pytest
 import torch
 
-from conftest import fixed_plan, gpt3x64, make_devices, train_and_compare, with_low_precision, with_memory_policy
-from zorse_fx.capture import analyse
+from conftest import gpt3x64, make_devices, train_and_compare, with_low_precision, with_memory_policy
 from zorse_fx.cluster import Cluster
 from zorse_fx.errors import ClusterConfigError, InfeasiblePlanError, PlanFileError
 from zorse_fx.ir.costs import BlockCosts
@@ -31,8 +30,9 @@ from zorse_fx.plan import Plan
 from zorse_fx.sim import simulate
 from zorse_fx.solve.objective import evaluate
 from zorse_fx.solve.stage_dp import solve_stage_dp
+from test_zero2 import LR, WEIGHT_DECAY, _two_stage_plan
 
-LR, WEIGHT_DECAY = 1e-3, 0.1
+
 GiB = 2**30
 
 
@@ -40,14 +40,6 @@ def with_offload(plan, stages):
     """``plan`` with ``StagePlan.offload_optimizer`` on ``stages`` (indices)."""
     return dataclasses.replace(plan, stages=tuple(dataclasses.replace(s, offload_optimizer=s.index in stages)
                                                   for s in plan.stages))
-
-
-def _two_stage_plan(captured, *, microbatches=3):
-    """GPT, 2 stages: stage 0 on GPU 0 (replicated); stage 1 on GPUs 2, 3
-    taking 1:2 of each micro-batch, ZeRO-1 shards 3:1; the tied embedding on both."""
-    plan = fixed_plan(captured, ((0,), (2, 3)), ((3,), (1, 2)), num_microbatches=microbatches,
-                      global_batch_size=3 * microbatches, cuts=(analyse(captured).num_blocks // 2,))
-    return with_memory_policy(plan, sharded={1}, shard_bytes={1: (3 * 2**20, 2**20)})
 
 
 def test_fp32_offload_replicated_and_zero1(lee_bytes, tmp_path):
@@ -87,28 +79,15 @@ def test_bf16_offload_with_sixteen_bit_working_weights(lee_bytes, tmp_path):
 
 def test_checkpoints_move_between_offloaded_and_on_device(lee_bytes, tmp_path):
     """fp32: steps 1-2 offloaded, step 3 resumed on the GPU, step 4 offloaded
-    again: losses and parameters equal 4 uninterrupted on-device steps."""
-    from conftest import FP32, spawn_ranks
-    from test_training_loop import LR as LR_A, _export, _params, _plan_a4, _rows
+    again: losses and parameters equal 4 uninterrupted on-device steps (the
+    host copies are refreshed from the loaded weights)."""
+    from conftest import assert_resume_across_layouts
+    from test_training_loop import _plan_a4
 
     captured = gpt3x64()
     dev = with_memory_policy(_plan_a4(captured), sharded={0, 1}, shard_bytes={0: (2**20, 2**20),
                                                                               1: (3 * 2**20, 2**20)})
-    off = with_offload(dev, {0, 1})
-    c1, c2 = (_export(p, captured, lee_bytes, tmp_path / name) for p, name in ((dev, "dev"), (off, "off")))
-    full, run, w = tmp_path / "full", tmp_path / "run", dev.world_size
-    spawn_ranks(tmp_path / "dev" / "plan", w, [*c1[1:], "--steps", "4", "--out", str(full), "--dump-params"])
-    for common, plan_dir, steps, more in ((c2, "off", 2, ("--checkpoint-every", "2")),
-                                          (c1, "dev", 3, ("--resume", "--checkpoint-every", "3")),
-                                          (c2, "off", 4, ("--resume", "--dump-params"))):
-        spawn_ranks(tmp_path / plan_dir / "plan", w, [*common[1:], "--steps", str(steps), "--out", str(run), *more])
-    assert [r["step"] for r in _rows(run)] == [1, 2, 3, 4]
-    assert [r["loss"] for r in _rows(run)] == pytest.approx([r["loss"] for r in _rows(full)], rel=FP32.loss_rel)
-    want, got = _params(full, w), _params(run, w)
-    for r in range(w):
-        for name, value in got[r].items():
-            torch.testing.assert_close(value, want[r][name], rtol=FP32.param_rtol, atol=FP32.param_atol_lr * LR_A)
-
+    assert_resume_across_layouts(captured, lee_bytes, tmp_path, dev, with_offload(dev, {0, 1}))
 
 def test_plan_file_offload_field():
     """``offload_optimizer`` with sharded gradients is refused naming the

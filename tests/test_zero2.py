@@ -147,25 +147,13 @@ def test_checkpoints_move_between_zero1_and_zero2(lee_bytes, tmp_path):
     buffers are in forward order, so the owned ranges differ: the checkpoint
     keys state by parameter and element range, and each layout loads the
     other's)."""
-    from conftest import spawn_ranks, FP32
-    from test_training_loop import LR as LR_A, _export, _params, _plan_a4, _rows
+    from conftest import assert_resume_across_layouts
+    from test_training_loop import _plan_a4
 
     captured = gpt3x64()
     z1 = with_memory_policy(_plan_a4(captured), sharded={0, 1}, shard_bytes={0: (2**20, 2**20),
                                                                              1: (3 * 2**20, 2**20)})
     z2 = with_grad_sharding(z1)
     assert all(s.grad_sharded for s in z2.stages)
-    c1, c2 = (_export(p, captured, lee_bytes, tmp_path / name) for p, name in ((z1, "z1"), (z2, "z2")))
-    full, run, w = tmp_path / "full", tmp_path / "run", z1.world_size
-    spawn_ranks(tmp_path / "z1" / "plan", w, [*c1[1:], "--steps", "4", "--out", str(full), "--dump-params"])
-    for common, plan_dir, steps, more in ((c2, "z2", 2, ("--checkpoint-every", "2")),
-                                          (c1, "z1", 3, ("--resume", "--checkpoint-every", "3")),
-                                          (c2, "z2", 4, ("--resume", "--dump-params"))):
-        spawn_ranks(tmp_path / plan_dir / "plan", w, [*common[1:], "--steps", str(steps), "--out", str(run), *more])
-    assert [r["step"] for r in _rows(run)] == [1, 2, 3, 4]
-    assert [r["loss"] for r in _rows(run)] == pytest.approx([r["loss"] for r in _rows(full)], rel=FP32.loss_rel)
-    want, got = _params(full, w), _params(run, w)
-    for r in range(w):
-        for name, value in got[r].items():
-            # (conftest.Tolerances: Adam amplifies rounding noise of near-zero gradient entries up to ~lr)
-            torch.testing.assert_close(value, want[r][name], rtol=FP32.param_rtol, atol=FP32.param_atol_lr * LR_A)
+    assert_resume_across_layouts(captured, lee_bytes, tmp_path, z1, z2)
+

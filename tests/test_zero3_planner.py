@@ -103,11 +103,23 @@ def test_zero3_not_chosen_where_memory_does_not_bind():
     assert not any(dp.decision.param_sharded)
 
 
-def test_plan_file_table_and_round_trip_with_zero3(tmp_path):
-    """A ZeRO-3 plan of a real model: the stage records ``param_sharded``, the
-    table says so, the memory breakdown adds up with the weight shard among
-    the weights, and plan -> plan_decision -> evaluate gives the plan's own
-    step and memory."""
+#: Per layout: the decision's memory-policy fields, what the table says, the plan field that records it.
+LAYOUTS = {
+    "zero2": (dict(sharded=(True, False), grad_sharded=(True, False)), "ZeRO-2", "grad_sharded"),
+    "zero3": (dict(sharded=(True, False), grad_sharded=(True, False), param_sharded=(True, False)), "ZeRO-3",
+              "param_sharded"),
+    "offload": (dict(sharded=(True, False), offload=(True, False)), "offloaded", "offload_optimizer"),
+}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_plan_file_table_and_round_trip(layout, tmp_path):
+    """A plan of a real model with stage 0 (2 GPUs) under ``layout``: the
+    stage records it, the table says so, the memory breakdown adds up (ZeRO-2:
+    the GPU's gradient shard among the gradients; ZeRO-3: the weight shard
+    among the weights; offload: no optimizer bytes on the GPU, 12 B per owned
+    parameter in host memory), and plan -> plan_decision -> evaluate gives
+    the plan's own step and memory."""
     from zorse_fx.capture import analyse
     from zorse_fx.cluster import Cluster
     from zorse_fx.plan import Plan
@@ -115,28 +127,44 @@ def test_plan_file_table_and_round_trip_with_zero3(tmp_path):
     from zorse_fx.planner import plan_fixed
     from zorse_fx.pricing import price
 
+    fields, label, flag = LAYOUTS[layout]
     captured = small_gpt()
     cluster = Cluster.from_yaml(CLUSTERS / "small_hetero.yaml")
+    if layout == "offload":  # host memory on every node
+        d = cluster.to_dict()
+        cluster = Cluster.from_dict({**d, "nodes": [{**n, "host_memory_GiB": 64} for n in d["nodes"]]})
     options = PlanOptions(global_batch_size=8, max_stages=2, num_microbatches=(2,), solver_budget=0.5)
     nb = analyse(captured).num_blocks
     plan, _ = plan_fixed(captured, cluster, options, Decision(
         stage_blocks=((0, 2), (2, nb)), stage_gpus=((0, 1), (2,)), samples_per_microbatch=((3, 1), (4,)),
-        num_microbatches=2, sharded=(True, False), grad_sharded=(True, False), param_sharded=(True, False)))
-    assert plan.stages[0].param_sharded and not plan.stages[1].param_sharded
-    assert "ZeRO-3" in plan.table()
+        num_microbatches=2, **fields))
+    assert getattr(plan.stages[0], flag) and not getattr(plan.stages[1], flag)
+    assert label in plan.table()
     plan.export(tmp_path / "p")
     loaded = Plan.load(tmp_path / "p")
-    assert loaded.stages[0].param_sharded
+    assert getattr(loaded.stages[0], flag)
     priced = price(captured, cluster, options)
     dec = plan_decision(loaded, priced.costs)
-    assert dec.param_sharded == (True, False)
+    for name, value in fields.items():
+        assert getattr(dec, name) == value
     ev = evaluate(priced.costs, priced.devices, dataclasses.replace(options, num_microbatches=None), dec)
     assert ev.feasible and ev.step_time_s == pytest.approx(plan.predicted_step_time_s, rel=1e-12)
     for g, mem in zip(plan.stages[0].gpus, ev.memory_bytes[0]):
         b = g.predicted_memory
         assert g.predicted_memory_bytes == mem == (b.weights_bytes + b.gradients_bytes + b.optimizer_bytes
                                                    + b.activations_bytes + b.communication_bytes)
-        assert b.weights_bytes > 0
+        if layout == "zero2":  # the GPU keeps gradients of its shard only
+            assert b.gradients_bytes <= 4 * plan.stages[0].num_parameters
+        if layout == "zero3":
+            assert b.weights_bytes > 0
+        if layout == "offload":
+            assert b.optimizer_bytes == 0
+    if layout == "offload":
+        n = plan.stages[0].num_parameters
+        assert sum(g.predicted_host_memory_bytes for g in plan.stages[0].gpus) == pytest.approx(12 * n, abs=2)
+        assert all(g.predicted_host_memory_bytes == 0 for g in plan.stages[1].gpus)
+    if layout == "zero2":
+        assert sum(g.predicted_memory.gradients_bytes for g in plan.stages[0].gpus) > 0
 
 
 @pytest.mark.parametrize("zero3", [False, True])

@@ -18,7 +18,7 @@ from .options import PlanOptions
 from .plan import GPUShare, MemoryBreakdown, Plan, SolverReport, StagePlan
 from .precision import PrecisionPolicy
 from .solve.objective import MEMORY_UNIT_BYTES, MIB_UNITS
-from .solve.state_terms import GATHERED_UNITS, shardable_kib, unique_params
+from .solve.state_terms import GATHERED_UNITS, max_window_sum, shardable_kib, unique_params
 from .solve.tables import OFFLOAD_BYTES_PER_PARAM
 
 __all__ = ["build_plan", "plan_decision", "memory_breakdown"]
@@ -121,9 +121,7 @@ def build_plan(
         sizes = [sum(state[prog.params[f]].numel() * (precision.allgather_bytes_per_param16 if f in low[s] else wide)
                      for f in flats) for flats, _, _ in units]
         spans = [u for u in range(len(units) - 1) if order[units[u][2]] > order[units[u + 1][1]]]
-        k = GATHERED_UNITS
-        window = sum(sizes) if len(sizes) <= k else max(sum(sizes[a:a + k]) for a in range(len(sizes) - k + 1))
-        return window + sum(sizes[u] for u in spans)
+        return max_window_sum(sizes, GATHERED_UNITS) + sum(sizes[u] for u in spans)
 
     unit_bytes = [gathered(s, prog) if dec.param_sharded[s] else None for s, prog in enumerate(programs)]
     for s, prog in enumerate(programs):

@@ -308,8 +308,11 @@ class ParamShards:
 
     def load_values(self, p: torch.nn.Parameter, value: torch.Tensor) -> None:
         """Set parameter ``p`` (whole value ``value``) where this GPU holds it: its owned range."""
+        if getattr(self, "_owned_by_param", None) is None:  # built once: a checkpoint load calls this per parameter
+            self._owned_by_param: dict[int, list] = {}
+            for q, lo, hi, t in self.owned_values():
+                self._owned_by_param.setdefault(id(q), []).append((lo, hi, t))
         with torch.no_grad():
             flat = value.reshape(-1)
-            for q, lo, hi, t in self.owned_values():
-                if q is p:
-                    t.copy_(flat[lo:hi].to(device=t.device, dtype=t.dtype))
+            for lo, hi, t in self._owned_by_param.get(id(p), ()):
+                t.copy_(flat[lo:hi].to(device=t.device, dtype=t.dtype))

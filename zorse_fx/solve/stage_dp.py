@@ -194,7 +194,8 @@ class _Stages:
                     up[i, j], down[i, j], tr[i, j] = grad_shard_kib(tab, i, j)
             rep = self.state - self.shard
             self.gs_rep, self.gs_shard = rep - np.minimum(down, rep) + tr, self.shard + up
-            # [C-param-shard]: the weights move into the shards too, GATHERED_UNITS of the largest block's stay.
+            # [C-param-shard]: the weights move into the shards; GATHERED_UNITS consecutive blocks' and the
+            # tied weights stay gathered.
             grads = pre(tab.grad_kib_prefix) - sum((e * tab.tied_grad_kib[t] for t, e in extra), np.int64(0))
             self.ps_rep = tr + gathered_weight_matrix(tab) + np.maximum(0, grads - up)
             self.ps_shard = self.state - grads + up

@@ -29,7 +29,7 @@ from .tables import MIB_UNITS
 
 __all__ = ["extra_copies", "stage_state_kib", "stage_optim_units", "extra_copies_matrix", "unique_params",
            "shardable_kib", "grad_shard_kib", "block_weight_kib", "gathered_weight_kib",
-           "gathered_weight_matrix", "GATHERED_UNITS"]
+           "gathered_weight_matrix", "GATHERED_UNITS", "max_window_sum", "stage_host_kib", "offload_host_kib"]
 
 
 def extra_copies(tied_blocks, i: int, j: int) -> list[tuple[int, int]]:
@@ -168,6 +168,14 @@ def block_weight_kib(tab, b: int) -> int:
     return max(0, rep - (tab.grad_kib_prefix[b + 1] - tab.grad_kib_prefix[b]) + 1) if rep > 0 else 0
 
 
+def max_window_sum(sizes, k: int) -> int:
+    """The largest sum of ``k`` consecutive entries of ``sizes`` (all of them
+    when there are fewer; 0 for none): the weights a ZeRO-3 stage holds
+    gathered at once ([C-param-shard]; ``plan_build`` counts its units so)."""
+    sizes = list(sizes)
+    return sum(sizes) if len(sizes) <= k else max(sum(sizes[a:a + k]) for a in range(len(sizes) - k + 1))
+
+
 def gathered_weight_kib(tab, i: int, j: int) -> int:
     """[C-param-shard]: the most working-weight KiB a ZeRO-3 stage over blocks
     [i, j) holds gathered at once: the largest sum of ``GATHERED_UNITS``
@@ -176,9 +184,7 @@ def gathered_weight_kib(tab, i: int, j: int) -> int:
     every tied parameter two of its blocks read (gathered throughout, at 4 B
     per parameter: tied parameters are float32)."""
     nz = [w for w in (block_weight_kib(tab, b) for b in range(i, j)) if w > 0]
-    k = GATHERED_UNITS
-    window = sum(nz) if len(nz) <= k else max(sum(nz[a:a + k]) for a in range(len(nz) - k + 1))
-    return window + sum(tab.tied_grad_kib[t] for t, _ in extra_copies(tab.tied_blocks, i, j))
+    return max_window_sum(nz, GATHERED_UNITS) + sum(tab.tied_grad_kib[t] for t, _ in extra_copies(tab.tied_blocks, i, j))
 
 
 def gathered_weight_matrix(tab) -> np.ndarray:
