@@ -147,11 +147,15 @@ links:
 #: The layouts of ``measure_layouts``: (name, precision, sharded). Sharded under bf16-mixed is
 #: ZeRO-1 with 16-bit working weights (the planner's choice for a sharded stage of >= 2 GPUs);
 #: sharded in fp32 is ZeRO-1 with float32 weights.
-#: (name, precision, sharded[, gradients sharded too: ZeRO-2[, weights sharded too: ZeRO-3]]).
+#: (name, precision, sharded[, gradients sharded too: ZeRO-2[, weights sharded too: ZeRO-3[, optimizer
+#: offloaded[, activations offloaded]]]]). On this CPU host memory is the same memory: an offloaded
+#: row's measured peak is against its predicted device + host bytes.
 LAYOUTS = (("replicated", "bf16-mixed", False), ("zero1_fp32", "fp32", True),
            ("zero1_16bit_weights", "bf16-mixed", True), ("zero2_fp32", "fp32", True, True),
            ("zero2_16bit_weights", "bf16-mixed", True, True), ("zero3_fp32", "fp32", True, True, True),
-           ("zero3_16bit_weights", "bf16-mixed", True, True, True))
+           ("zero3_16bit_weights", "bf16-mixed", True, True, True),
+           ("offload_fp32", "fp32", True, False, False, True),
+           ("offload_16bit_weights_and_activations", "bf16-mixed", True, False, False, True, True))
 
 
 def _rank(rank: int, world: int, port: int, plan_dir: str, precision: str, out: str) -> None:
@@ -205,11 +209,12 @@ def measure_layouts(layouts=LAYOUTS) -> list[dict]:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         cluster_file = Path(tmp, "two.yaml")
-        cluster_file.write_text(_TWO_GPUS)
+        cluster_file.write_text(_TWO_GPUS.replace("    gpus: [", "    host_memory_GiB: 64\n    gpus: ["))
         cluster = Cluster.from_yaml(cluster_file)
         for name, precision, sharded, *more in layouts:
             grads = bool(more and more[0])
             params = bool(len(more) > 1 and more[1])
+            offload, acts = bool(len(more) > 2 and more[2]), bool(len(more) > 3 and more[3])
             # ZeRO-2: 512 KiB buckets, a dozen per stage (as 25 MiB ones are on a GPU-sized stage), so its
             # reduction buffers (6 buckets at most: state_terms.grad_shard_kib) are not the stage's gradients.
             options = PlanOptions(global_batch_size=8, precision=precision, **({"bucket_mib": 0.5} if grads else {}))
@@ -221,7 +226,8 @@ def measure_layouts(layouts=LAYOUTS) -> list[dict]:
                 q_mib = -(-q_kib // 1024)
                 first = -(-3 * q_mib // 4)
                 decision = dataclasses.replace(decision, sharded=(True,), shard_mib=((first, q_mib - first),),
-                                               grad_sharded=(grads,), param_sharded=(params,))
+                                               grad_sharded=(grads,), param_sharded=(params,), offload=(offload,),
+                                               act_offload=(acts,))
             plan, _ = plan_fixed(captured, cluster, options, decision, label_mode="same")
             assert bool(plan.stages[0].low_precision_params) == (sharded and precision != "fp32"), name
             d = Path(tmp, name)
@@ -242,10 +248,15 @@ def measure_layouts(layouts=LAYOUTS) -> list[dict]:
                                                              for f in plan.stages[0].low_precision_params),
                              "state_shard_bytes": g.state_shard_bytes,
                              "predicted_bytes": g.predicted_memory_bytes,
+                             "predicted_host_bytes": g.predicted_host_memory_bytes,
+                             "offload": offload, "act_offload": acts,
+                             "host_copy_bytes": got["summary"]["host_copy_bytes"],
+                             "activation_offload": got["summary"]["activation_offload"],
                              "predicted": {"weights": m.weights_bytes, "gradients": m.gradients_bytes,
                                            "optimizer": m.optimizer_bytes, "activations": m.activations_bytes,
                                            "communication": m.communication_bytes},
-                             "measured_peak_bytes": got["peak"], "ratio": got["peak"] / g.predicted_memory_bytes,
+                             "measured_peak_bytes": got["peak"],
+                             "ratio": got["peak"] / (g.predicted_memory_bytes + g.predicted_host_memory_bytes),
                              "measured_at_peak_by_category": got["by"],
                              "optimizer_state_bytes": got["summary"]["optimizer_state_bytes"],
                              "master_bytes": got["summary"]["master_bytes"],

@@ -51,6 +51,7 @@ RESULT_FILES = (
     "cost_accuracy.json",
     "memory_cpu.json",
     "memory_cpu_layouts.json",
+    "offload_cpu.json",
     "comm_loopback.json",
     "gpu_h100.json",
     "gpu_h200.json",
@@ -154,11 +155,14 @@ PROVENANCE = {
         machine=f"{CPU_MACHINE}, 1 thread per rank, torch 2.13.0+cpu; cluster bench/clusters/cpu_local.yaml",
         date="2026-11-22"),
     "memory_cpu.json": dict(command="bench/memory_cpu.py", note="fp32, one stage, 2 micro-batches of 4 x 64 tokens",
-                            machine=f"{CPU_MACHINE}, 1 thread, torch 2.13.0+cpu", date="2026-11-27"),
+                            machine=f"{CPU_MACHINE}, 1 thread, torch 2.13.0+cpu", date="2026-11-28"),
     "memory_cpu_layouts.json": dict(
         command="bench/memory_cpu.py", note="one stage over 2 Gloo ranks, samples 2:2, shards 3:1, 2 micro-batches "
                                             "of 4 x 32 tokens",
-        machine=f"{CPU_MACHINE}, 1 thread per rank, torch 2.13.0+cpu", date="2026-11-27"),
+        machine=f"{CPU_MACHINE}, 1 thread per rank, torch 2.13.0+cpu", date="2026-11-28"),
+    # bench/LOG.md, "Optimizer and activation offload (issue 31 item 3)"
+    "offload_cpu.json": dict(command="bench/offload_cpu.py", note="2^23 float32 parameters, best of 5",
+                             machine=f"{CPU_MACHINE}, alone", date="2026-11-28"),
     # bench/LOG.md, "Links of this machine (issue 3)"
     "comm_loopback.json": dict(
         command="zorse bench comm --out bench/results/comm_loopback.json --plot bench/results/comm_loopback.png",
@@ -535,7 +539,8 @@ def render_memory_cpu(rows: list[dict], name: str) -> list[str]:
 def render_memory_layouts(rows: list[dict], name: str) -> list[str]:
     mib = 2**20
     body = [[r["layout"], r.get("precision", "?"), r["rank"], _s(r["state_shard_bytes"] / mib),
-             _s(r["predicted_bytes"] / mib),
+             _s(r["predicted_bytes"] / mib) + (f" + {r['predicted_host_bytes'] / mib:.1f} host"
+                                                if r.get("predicted_host_bytes") else ""),
              _s(r["measured_peak_bytes"] / mib), _r3(r["ratio"]),
              ", ".join(f"{k} {v / mib:.1f}" for k, v in r["measured_at_peak_by_category"].items() if v >= mib / 10)]
             for r in rows]
@@ -545,12 +550,27 @@ def render_memory_layouts(rows: list[dict], name: str) -> list[str]:
            f"One stage of {n:,} parameters ({n16:,} of them matmul weights, 16-bit working weights where the "
            "layout has them) data-parallel over two ranks, ZeRO-1 shards 3:1 (zero2: the float32 gradients "
            "sharded too, reduce-scattered every micro-batch in 512 KiB buckets; zero3: the weights too, "
-           "gathered block by block); each rank's predicted peak against "
-           "the peak of live CPU tensor bytes in its torch.profiler memory timeline (MiB). Under 16-bit working "
-           "weights \"parameter\" holds the 16-bit weights, the float32 ones and the rank's float32 masters.", ""]
+           "gathered block by block; offload: the optimizer's masters, host copies and moments in host memory, "
+           "and with activations the saved tensors between forward and backward); each rank's predicted peak "
+           "against the peak of live CPU tensor bytes in its torch.profiler memory timeline (MiB; on this CPU "
+           "host memory is the same memory, so an offloaded row's prediction is device + host). Under 16-bit "
+           "working weights \"parameter\" holds the 16-bit weights, the float32 ones and the rank's float32 "
+           "masters.", ""]
     out += table(["layout", "precision", "rank", "shard MiB", "predicted MiB", "measured peak MiB",
                   "measured / predicted",
                   "at the peak, by category"], body)
+    return out + _source(PROVENANCE.get(name, {}))
+
+
+def render_offload_cpu(doc: dict, name: str) -> list[str]:
+    body = [[r["threads"], f"{r['parameters']:,}", _r3(r["adamw_foreach_over_copy"]), _r3(r["adamw_fused_over_copy"]),
+             _r3(r["adamw_foreach_s"] / r["adamw_fused_s"])] for r in doc.get("rows", [])]
+    out = ["### Optimizer offload: the CPU step", "",
+           "One `torch.optim.AdamW` step on CPU tensors against streaming the same 32 B per parameter with "
+           "`copy_` ([C-offload] prices the step as memory bound at the host's bandwidth): ratios of times "
+           "measured side by side in one process. Ratio <= 1: the step is at least as fast as the memory-bound "
+           "price on this machine; the runtime steps an offloaded optimizer with the fused kernel.", ""]
+    out += table(["threads", "parameters", "foreach / copy", "fused / copy", "foreach / fused"], body)
     return out + _source(PROVENANCE.get(name, {}))
 
 
@@ -736,6 +756,7 @@ def render(results: Path = RESULTS) -> str:
               ("scaling.json", render_scaling), ("objective_vs_sim.json", render_objective_vs_sim),
               ("runtime.json", render_runtime), ("cost_accuracy.json", render_cost_accuracy),
               ("memory_cpu.json", render_memory_cpu), ("memory_cpu_layouts.json", render_memory_layouts),
+              ("offload_cpu.json", render_offload_cpu),
               ("comm_loopback.json", render_comm))
     for name, fn in single:
         if name in docs:

@@ -201,3 +201,58 @@ def test_cluster_file_host_fields(tmp_path):
     plain = Cluster.from_dict({**d, "nodes": [{k: v for k, v in n.items() if not k.startswith("host")}
                                               for n in d["nodes"]]})
     assert plain.device_graph().host_memory_bytes == (0, 0, 0)
+
+
+# -- activation offload -------------------------------------------------------
+
+def with_act_offload(plan, stages):
+    """``plan`` with ``StagePlan.offload_activations`` on ``stages`` (indices)."""
+    return dataclasses.replace(plan, stages=tuple(dataclasses.replace(s, offload_activations=s.index in stages)
+                                                  for s in plan.stages))
+
+
+@pytest.mark.parametrize("precision", [None, "bf16-mixed"])
+def test_activation_offload_equals_single_process(precision, lee_bytes, tmp_path):
+    """Both stages offload their activations (stage 1 with its optimizer too,
+    ZeRO-1 with 3:1 shards; bf16 with 16-bit working weights): equal to
+    single-process training. Every stage moved saved tensors to host memory
+    and kept its weights (parameters and autocast's casts of them) in place."""
+    captured = gpt3x64()
+    plan = _two_stage_plan(captured)
+    if precision:
+        plan = with_low_precision(plan, captured)
+    plan = with_act_offload(with_offload(plan, {1}), {0, 1})
+    summaries, _ = train_and_compare(plan, captured, lee_bytes, tmp_path, steps=2, lr=LR, weight_decay=WEIGHT_DECAY,
+                                     precision=precision)
+    for r in range(plan.world_size):
+        moved = summaries[r]["activation_offload"]
+        assert moved["offloaded_bytes"] > 0 and moved["kept_weights"] > 0, (r, moved)
+
+
+def test_activation_offload_in_the_planner():
+    """GPipe with 4 micro-batches of 4 GB of saved activations each on a 12
+    GiB GPU: nothing fits without activation offload; with it the GPU holds
+    one micro-batch's (3.7 GiB) and the host all four, each micro-batch pays
+    2 x 4 GB over the 15.75 GB/s link (0.508 s) in its compute, and the
+    objective's step equals the simulator's (the transfer half in the
+    forward, half in the backward in both)."""
+    costs = BlockCosts(fwd_bwd_s_per_sample={"V100-16GB": (0.01,) * 4}, param_count=(25_000_000,) * 4,
+                       act_bytes_per_sample=(1_000_000_000,) * 4, cut_bytes_per_sample=(0, *(1e6,) * 3, 0))
+    opts = PlanOptions(global_batch_size=4, planner="stage_dp", recompute="never", num_microbatches=(4,),
+                       schedule="gpipe")
+    dev = _one_gpu(64)
+    with pytest.raises(InfeasiblePlanError):
+        solve_stage_dp(costs, dev, dataclasses.replace(opts, activation_offload="never"))
+    d = solve_stage_dp(costs, dev, opts).decision
+    assert d.act_offload == (True,) and not any(d.recompute)
+    ev = evaluate(costs, dev, opts, d)
+    assert ev.feasible
+    # (the tables round each block's activations up to a KiB and the per-MiB time to a ns: ~4e-6)
+    assert ev.compute_s[0] == pytest.approx(4 * 0.01 + 2 * 4e9 / 15.75e9, rel=2e-5)
+    assert ev.host_memory_bytes[0][0] == pytest.approx(4 * 4e9, rel=1e-3)
+    assert ev.memory_bytes[0][0] < 5.3 * GiB
+    sim = simulate(costs, dev, opts, d)
+    assert sim.step_time_s == pytest.approx(ev.step_time_s, rel=1e-5)
+    assert sim.peak_memory_bytes[0] == ev.memory_bytes[0][0]
+    small = evaluate(costs, _one_gpu(8), opts, d)
+    assert any("to host memory" in v for v in small.violations)

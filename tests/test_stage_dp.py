@@ -68,7 +68,7 @@ def test_vectorised_memory_check_equals_stage_fits(seed):
             for n_s in (1, 2, 3):
                 for s in range(n_s):
                     fl = inflight(tab.schedule, n_s, s, 2)
-                    for sh, rc, gs, ps, _ in grad_variants(options):
+                    for sh, rc, gs, ps, *_ in grad_variants(options):
                         got = st._fits(g["mem"], fl, s > 0, sh and g["k"] >= 2, rc, gs and g["k"] >= 2,
                                        ps and g["k"] >= 2)
                         for i in range(tab.num_blocks):

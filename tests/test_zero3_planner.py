@@ -161,7 +161,8 @@ def test_plan_file_table_and_round_trip(layout, tmp_path):
             assert b.optimizer_bytes == 0
     if layout == "offload":
         n = plan.stages[0].num_parameters
-        assert sum(g.predicted_host_memory_bytes for g in plan.stages[0].gpus) == pytest.approx(12 * n, abs=2)
+        # (12 B per parameter; the planner rounds each block's up to whole KiB)
+        assert 12 * n <= sum(g.predicted_host_memory_bytes for g in plan.stages[0].gpus) <= 12 * n + 2048 * nb
         assert all(g.predicted_host_memory_bytes == 0 for g in plan.stages[1].gpus)
     if layout == "zero2":
         assert sum(g.predicted_memory.gradients_bytes for g in plan.stages[0].gpus) > 0

@@ -107,7 +107,7 @@ def cmd_plan(args) -> int:
         solver_budget=args.solver_budget, bucket_mib=args.bucket_mib,
         max_interleave=args.max_interleave, precision=args.precision, grad_reduce_dtype=args.grad_reduce_dtype,
         sharding=args.sharding, grad_sharding=args.grad_sharding, param_sharding=args.param_sharding,
-        offload=args.offload, recompute=args.recompute, verbose=True, model_name=args.model,
+        offload=args.offload, activation_offload=args.activation_offload, recompute=args.recompute, verbose=True, model_name=args.model,
     )
     print(compiled.plan.table())
     path = compiled.plan.export(args.output)
@@ -313,6 +313,9 @@ def build_parser() -> argparse.ArgumentParser:
     pp.add_argument("--offload", choices=modes, default=opt["offload"],
                     help="optimizer offload: AdamW state in host memory, stepped on the CPU (auto: where nothing "
                          "fits without it; needs host_memory_GiB on the cluster file's nodes)")
+    pp.add_argument("--activation-offload", choices=modes, default=opt["activation_offload"],
+                    help="keep what autograd saves in host memory between a micro-batch's forward and backward "
+                         "(auto: where nothing fits without it; needs host_memory_GiB)")
     pp.add_argument("--recompute", choices=modes, default=opt["recompute"],
                     help="stage recomputation: re-run each stage's forward before its backward")
     pp.add_argument("-o", "--output", required=True, help="plan directory to write")

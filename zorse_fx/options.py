@@ -116,6 +116,11 @@ class PlanOptions:
     #: the gradients' and weights' trip over the host link and a CPU step every
     #: step), "never" or "always" (every stage whose GPUs have host memory).
     offload: str = "auto"
+    #: Activation offload: what autograd saves during a micro-batch's forward
+    #: goes to host memory and comes back for its backward ([C-act-offload];
+    #: not with recomputation or ZeRO-2/3; host memory as for ``offload``):
+    #: "auto" (where nothing fits without it), "never" or "always".
+    activation_offload: str = "auto"
     #: Stage-level activation recomputation: "auto" (per stage, where memory
     #: needs it), "never" or "always" (every stage).
     recompute: str = "auto"
@@ -146,7 +151,7 @@ class PlanOptions:
         if not isinstance(self.max_interleave, int) or self.max_interleave < 1:
             raise PlanOptionsError(f"PlanOptions.max_interleave={self.max_interleave!r}: use an int >= 1 "
                                    f"(1 = no interleaving)")
-        for name in ("sharding", "recompute", "grad_sharding", "param_sharding", "offload"):
+        for name in ("sharding", "recompute", "grad_sharding", "param_sharding", "offload", "activation_offload"):
             v = getattr(self, name)
             if v not in MEMORY_MODES:
                 raise PlanOptionsError(f"PlanOptions.{name}={v!r}: use one of {MEMORY_MODES}")

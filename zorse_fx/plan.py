@@ -93,8 +93,10 @@ again for the backward ([Note: sharded parameters] in
 Optimizer offload (format version 11; an older file reads with it off):
 ``StagePlan.offload_optimizer`` keeps the stage's AdamW moments and float32
 master weights in host memory and steps them on the CPU ([Note: optimizer
-offload] in ``runtime/optimizer.py``); ``GPUShare.predicted_host_memory_bytes``
-is what each GPU's process holds there.
+offload] in ``runtime/optimizer.py``); ``StagePlan.offload_activations`` keeps
+what autograd saves between a micro-batch's forward and backward there
+([Note: activation offload] in ``runtime/act_offload.py``);
+``GPUShare.predicted_host_memory_bytes`` is what each GPU's process holds there.
 """
 
 from __future__ import annotations
@@ -201,8 +203,9 @@ class GPUShare:
                     "equally")] = 0
     #: ``predicted_memory_bytes`` by what holds it (version 7; all 0 when not recorded).
     predicted_memory: MemoryBreakdown = field(default=MemoryBreakdown(), metadata=OPTIONAL)
-    #: Host memory this GPU's process holds for an offloaded optimizer (version 11; 0: none):
-    #: ``tables.OFFLOAD_BYTES_PER_PARAM`` (12) B per parameter it steps ([C-offload]).
+    #: Host memory this GPU's process holds for its offloads (version 11; 0: none): an offloaded
+    #: optimizer's 12 B per parameter it steps ([C-offload]) and offloaded activations of the
+    #: micro-batches in flight ([C-act-offload]); the objective's prediction.
     predicted_host_memory_bytes: Annotated[Bytes, Meta(description="bytes")] = field(default=0, metadata=OPTIONAL)
 
 
@@ -257,6 +260,11 @@ class StagePlan:
     #: AdamW moments and float32 master weights in host memory, the step on
     #: the CPU. Not with ``grad_sharded``.
     offload_optimizer: Annotated[bool, Meta(description="true or false")] = field(default=False, metadata=OPTIONAL)
+    #: Activation offload (format version 11; off in older files): what autograd
+    #: saves in a micro-batch's forward is kept in host memory until its
+    #: backward. Not with ``recompute`` nor ``grad_sharded``.
+    offload_activations: Annotated[bool, Meta(description="true or false")] = field(default=False,
+                                                                                   metadata=OPTIONAL)
 
     @property
     def microbatch_size(self) -> int:
@@ -463,7 +471,14 @@ class Plan:
                     f"plan: field stages[{s.index}].offload_optimizer is true on a stage with sharded gradients; "
                     f"optimizer offload goes with replicated or ZeRO-1 state only: set one of them to false, or "
                     f"re-export the plan with `zorse plan`")
-            for name in ("sharded", "recompute", "grad_sharded", "param_sharded", "offload_optimizer"):
+            if s.offload_activations is True and (s.recompute is True or s.grad_sharded is True):
+                raise PlanFileError(
+                    f"plan: field stages[{s.index}].offload_activations is true on a stage that "
+                    f"{'recomputes' if s.recompute is True else 'shards its gradients'}; activation offload goes "
+                    f"without recomputation and ZeRO-2/3: set one of them to false, or re-export the plan with "
+                    f"`zorse plan`")
+            for name in ("sharded", "recompute", "grad_sharded", "param_sharded", "offload_optimizer",
+                         "offload_activations"):
                 if not isinstance(getattr(s, name), bool):
                     raise PlanFileError(f"plan: field stages[{s.index}].{name} is {short_repr(getattr(s, name))}; "
                                         f"it must be true or false")

@@ -19,7 +19,6 @@ from .plan import GPUShare, MemoryBreakdown, Plan, SolverReport, StagePlan
 from .precision import PrecisionPolicy
 from .solve.objective import MEMORY_UNIT_BYTES, MIB_UNITS
 from .solve.state_terms import GATHERED_UNITS, max_window_sum, shardable_kib, unique_params
-from .solve.tables import OFFLOAD_BYTES_PER_PARAM
 
 __all__ = ["build_plan", "plan_decision", "memory_breakdown"]
 
@@ -135,10 +134,8 @@ def build_plan(
             # The prediction is of the GPU: every stage of its group (interleaving) at position i.
             hosted = [(n_params[t], int(shard_bytes[t][i]) if dec.sharded[t] else None, n_low[t], n_gs[t],
                        unit_bytes[t], dec.offload[t]) for t in range(s % groups, len(programs), groups)]
-            # [C-offload]: 12 B per owned parameter in host memory (a sharded stage: its share of the params).
-            host = sum(OFFLOAD_BYTES_PER_PARAM * (n_params[t] if not dec.sharded[t] else
-                                                  n_params[t] * int(shard_bytes[t][i]) // max(1, sum(shard_bytes[t])))
-                       for t in range(s % groups, len(programs), groups) if dec.offload[t])
+            # [C-offload], [C-act-offload]: the objective's host bytes (of the GPU's group when interleaved).
+            host = int(result.predicted_host_memory_bytes[s][i]) if result.predicted_host_memory_bytes else 0
             gpus.append(GPUShare(
                 rank=rank, gpu=g, node=gpu.node, gpu_type=gpu.type, samples_per_microbatch=n,
                 predicted_memory_bytes=mem, memory_capacity_bytes=int(gpu.memory_bytes),
@@ -168,6 +165,7 @@ def build_plan(
             grad_sharded=dec.grad_sharded[s],
             param_sharded=dec.param_sharded[s],
             offload_optimizer=dec.offload[s],
+            offload_activations=dec.act_offload[s],
         ))
         gpu_list = ", ".join(f"{gs.gpu_type}@{gs.node} x{gs.samples_per_microbatch}" for gs in gpus)
         sources.append(emit_source(prog, header=f"Plan: {model_name} on {cluster.name}; GPUs: {gpu_list}"))
@@ -246,5 +244,6 @@ def plan_decision(plan, costs: BlockCosts | None = None) -> Decision:
                     grad_sharded=tuple(bool(getattr(st, "grad_sharded", False)) for st in plan.stages),
                     param_sharded=tuple(bool(getattr(st, "param_sharded", False)) for st in plan.stages),
                     offload=tuple(bool(getattr(st, "offload_optimizer", False)) for st in plan.stages),
+                    act_offload=tuple(bool(getattr(st, "offload_activations", False)) for st in plan.stages),
                     interleave=int(getattr(plan, "interleave", 1)),  # plans before format v3: not interleaved
                     precision=str(getattr(plan, "precision", "") or ""))

@@ -76,8 +76,10 @@ def plan_table(plan: Plan) -> str:
                     ", 16-bit weights" if s.low_precision_params else "")
             else:
                 state = "replicated"
-            if s.offload_optimizer:
-                state += f", offloaded ({g.predicted_host_memory_bytes / GIB:.2f} GiB host)"
+            if s.offload_optimizer or s.offload_activations:
+                what = "offloaded" if not s.offload_activations else (
+                    "offloaded, activations too" if s.offload_optimizer else "activations offloaded")
+                state += f", {what} ({g.predicted_host_memory_bytes / GIB:.2f} GiB host)"
             name = str(s.index) + (f" g{s.index % plan.num_groups}" if plan.interleave > 1 else "")
             t.add_row(
                 (f"{name} (recompute)" if s.recompute else name) if first else "",
@@ -132,6 +134,11 @@ def plan_table(plan: Plan) -> str:
         summary += (f"\nOptimizer offloaded on stage{'s' if len(off) > 1 else ''} "
                     f"{', '.join(str(s.index) for s in off)}: AdamW moments and float32 masters in host memory, "
                     f"stepped on the CPU (each step: gradients to the host, weights back over the host link)")
+    acts = [s for s in plan.stages if s.offload_activations]
+    if acts:
+        summary += (f"\nActivations offloaded on stage{'s' if len(acts) > 1 else ''} "
+                    f"{', '.join(str(s.index) for s in acts)}: what autograd saves waits in host memory between "
+                    f"a micro-batch's forward and backward (one micro-batch's on the GPU)")
     zero2 = [s for s in plan.stages if s.grad_sharded and not s.param_sharded]
     if zero2:
         summary += (f"\nSharded gradients (ZeRO-2) on stage{'s' if len(zero2) > 1 else ''} "

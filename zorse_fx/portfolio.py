@@ -103,7 +103,8 @@ def solve_portfolio(costs: BlockCosts, devices: DeviceGraph, options: PlanOption
     # (S, M) is used, so the list is sorted by step time.
     # ([Note: ZeRO-2 outside CP-SAT]: a plan with sharded gradients is no warm start for CP-SAT.)
     hints = sorted([(r.predicted_step_time_s, k, r) for k, (_, _, r) in enumerate(found)
-                    if not any(r.decision.grad_sharded) and not any(r.decision.offload)]
+                    if not any(r.decision.grad_sharded) and not any(r.decision.offload)
+                    and not any(r.decision.act_offload)]
                    + [(r.predicted_step_time_s, len(found) + k, r) for k, r in enumerate(dp_hints)])
     kw = {"hints": tuple(r for _, _, r in hints)} if "hints" in inspect.signature(solver).parameters else {}
     try:
@@ -118,7 +119,8 @@ def solve_portfolio(costs: BlockCosts, devices: DeviceGraph, options: PlanOption
     if found and (best is None or found[0][0] < best.predicted_step_time_s):
         step, name, res = found[0]
         bound = best.best_bound if best is not None else throughput_bound_s(costs, devices, options)
-        if any(res.decision.grad_sharded) or any(res.decision.offload):  # CP-SAT's bound: plans without either
+        if any(res.decision.grad_sharded) or any(res.decision.offload) or any(res.decision.act_offload):
+            # CP-SAT's bound is over plans without ZeRO-2 and offload
             bound = min(bound, throughput_bound_s(costs, devices, options))
         # Keep CP-SAT's per-candidate records (statuses, bounds) after the heuristic's.
         searched = tuple(best.candidates) if best is not None else ()
@@ -155,7 +157,7 @@ def _try_grad_sharding(costs: BlockCosts, devices: DeviceGraph, options: PlanOpt
     cur = evaluate(costs, devices, options, d)
     improved = False
     for s in range(d.num_stages):
-        if not d.sharded[s] or d.offload[s]:  # (offload goes without ZeRO-2: [C-offload])
+        if not d.sharded[s] or d.offload[s] or d.act_offload[s]:  # (offloads go without ZeRO-2: [C-offload])
             continue
         for g_s, p_s in levels:
             if (gs[s], ps[s]) >= (g_s, p_s):
@@ -164,7 +166,7 @@ def _try_grad_sharding(costs: BlockCosts, devices: DeviceGraph, options: PlanOpt
                 tgs, tps, trc = gs.copy(), ps.copy(), rc.copy()
                 tgs[s], tps[s], trc[s] = g_s, p_s, rc_s
                 pol = fill_policy(tab, d.stage_blocks, d.stage_gpus, d.samples_per_microbatch, d.sharded, trc, tgs,
-                                  tps, d.offload)
+                                  tps, d.offload, d.act_offload)
                 ev = evaluate(costs, devices, options, policy_decision(
                     d.stage_blocks, d.stage_gpus, d.samples_per_microbatch, d.num_microbatches, pol))
                 if ev.feasible and ev.objective_units < cur.objective_units:

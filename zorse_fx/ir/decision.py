@@ -68,6 +68,10 @@ class Decision:
     #: (S,) optimizer offload per stage: its AdamW state and float32 masters in
     #: host memory, stepped on the CPU ([C-offload]); () = none. Not with ZeRO-2/3.
     offload: tuple[bool, ...] = ()
+    #: (S,) activation offload per stage: the tensors autograd saves go to host
+    #: memory between a micro-batch's forward and its backward ([C-act-offload]);
+    #: () = none. Not with recomputation nor ZeRO-2/3.
+    act_offload: tuple[bool, ...] = ()
     #: The precision the decision was priced under ("fp32", "bf16-mixed",
     #: "fp16-mixed"; ``zorse_fx/precision.py``); "" = as priced, i.e. whatever
     #: ``BlockCosts`` the decision is scored with (the solvers see only costs).
@@ -79,7 +83,7 @@ class Decision:
         put(self, "stage_gpus", _tuple2(self.stage_gpus))
         put(self, "samples_per_microbatch", _tuple2(self.samples_per_microbatch))
         n_s = len(self.stage_blocks)
-        for name in ("sharded", "recompute", "grad_sharded", "param_sharded", "offload"):
+        for name in ("sharded", "recompute", "grad_sharded", "param_sharded", "offload", "act_offload"):
             v = tuple(getattr(self, name))
             if len(v) not in (0, n_s):
                 raise ValueError(f"Decision.{name} has {len(v)} entries, the decision has {n_s} stages")
@@ -101,6 +105,11 @@ class Decision:
             if flag and gs:
                 raise ValueError(f"stage {s} offloads its optimizer and shards its gradients: offload goes with "
                                  f"replicated or ZeRO-1 state only (Decision.offload[{s}], grad_sharded[{s}])")
+        for s, (flag, rc, gs) in enumerate(zip(self.act_offload, self.recompute, self.grad_sharded)):
+            if flag and (rc or gs):
+                raise ValueError(f"stage {s} offloads its activations and {'recomputes' if rc else 'shards its gradients'}"
+                                 f": activation offload goes without recomputation and ZeRO-2/3 "
+                                 f"(Decision.act_offload[{s}])")
         if self.shard_mib is None and not any(self.sharded):
             put(self, "shard_mib", ((),) * n_s)
         if self.shard_mib is not None:
@@ -221,7 +230,7 @@ class Decision:
         """This decision with nothing sharded or recomputed (same stages, GPUs,
         samples, micro-batches and interleaving)."""
         return dataclasses.replace(self, sharded=(), shard_mib=None, recompute=(), grad_sharded=(),
-                                   param_sharded=(), offload=())
+                                   param_sharded=(), offload=(), act_offload=())
 
     def with_shards(self, shard_mib) -> "Decision":
         """This decision with each sharded stage's shards set to ``shard_mib`` (MiB)."""

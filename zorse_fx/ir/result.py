@@ -140,6 +140,9 @@ class SolverResult:
     predicted_allreduce_s: tuple[float, ...] = ()
     #: Per stage, per GPU (aligned with ``decision.stage_gpus``): predicted peak memory bytes.
     predicted_memory_bytes: tuple[tuple[int, ...], ...] = ()
+    #: Per stage, per GPU: predicted host memory of its offloads, bytes ([C-offload], [C-act-offload];
+    #: interleaved: of the GPU's group, as ``predicted_memory_bytes``); () = none recorded.
+    predicted_host_memory_bytes: tuple[tuple[int, ...], ...] = ()
     #: "OPTIMAL", "FEASIBLE", "BRUTE_FORCE", ... and the gap (0 = proven optimal);
     #: ends in ``SAFETY_STOP`` when ``wall_clock_stops`` > 0.
     status: str = "UNKNOWN"
@@ -173,7 +176,7 @@ class SolverResult:
             decision=ev.decision, schedule=options.schedule,
             predicted_step_time_s=ev.step_time_s, predicted_stage_time_s=ev.stage_time_s,
             predicted_allreduce_s=ev.allreduce_s, predicted_memory_bytes=ev.memory_bytes,
-            status=status, objective=obj, best_bound=best_bound,
+            predicted_host_memory_bytes=ev.host_memory_bytes, status=status, objective=obj, best_bound=best_bound,
             optimality_gap=(obj - best_bound) / obj if obj > 0 else 0.0, wall_s=wall_s, candidates=candidates)
 
     @property

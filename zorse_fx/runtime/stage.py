@@ -159,10 +159,22 @@ class StageRuntime:
         #: ZeRO-3 (``StagePlan.param_sharded``): the unit gathers, set by the stage's optimizer
         #: ([Note: sharded parameters] in param_shard.py); None otherwise.
         self.param_shards = None
+        #: ``StagePlan.offload_activations``: the hooks that keep saved tensors in host memory
+        #: ([Note: activation offload] in act_offload.py); built at the first recorded forward.
+        self.act_offload = None
 
     def _recorded(self):
         """The context of a forward autograd records: under ZeRO-3 the saved working weights are
-        re-gathered when the backward reads them."""
+        re-gathered when the backward reads them; with activation offload the other saved tensors
+        wait in host memory."""
+        if getattr(self.stage, "offload_activations", False):
+            if self.act_offload is None:
+                from .act_offload import ActivationOffload
+
+                inner = ((self.param_shards._pack, self.param_shards._unpack)
+                         if self.param_shards is not None else None)
+                self.act_offload = ActivationOffload(self.module, self.device, inner)
+            return self.act_offload.saving()
         return self.param_shards.saving() if self.param_shards is not None else contextlib.nullcontext()
 
     def _source(self, plan_dir: Path) -> str:

@@ -99,7 +99,10 @@ score the same shards).
     stage's weights once and each B task once (twice when recomputing), a
     ring all-gather per block, prefetched one block ahead: a task takes
     max(its compute, its gathers) + one block's gather; no all-gather after
-    the step.
+    the step. Activation offload (``Decision.act_offload[s]``,
+    [C-act-offload]): F and B each take half of 2 n A_s / host link longer;
+    the GPU holds no micro-batch's activations between its F and B, one
+    micro-batch's n A_s during a B.
 
 Gradient sync, per GPU group, as the runtime does it ([Note: overlapped
 gradient reduction] in ``runtime/grad_sync.py``). A group with > 1 GPU
@@ -122,7 +125,10 @@ each GPU runs its optimizer steps, its stages in order ([C-optim]):
 ``2 * optim_bytes * P_s / mem_bw_g``, or on a sharded stage only its
 shard's parameters, ``2 * optim_bytes * (z_g MiB / shardable_bytes_per_param)
 / mem_bw_g`` (the float32 rate; for 16-bit working weights an upper bound,
-as the objective's ``opt_per_mib``). Then the sharded stages all-gather their updated weights
+as the objective's ``opt_per_mib``); an offloaded optimizer ([C-offload])
+instead ``params_g (8 B / host link + 2 optim_bytes / host memory bandwidth)``,
+params_g its stage's parameters or its shard's share of them, and its
+shardable state out of the GPU's peak. Then the sharded stages all-gather their updated weights
 ("allgather" events, per GPU of the stage, one stage after the other) on the
 same ring: ``(k - 1) / k * gather bytes / bw_ring + (k - 1) * lat_max``, the
 gather bytes ``param_bytes`` per float32 parameter and 2 per 16-bit working weight,
@@ -400,7 +406,12 @@ class _Pipeline:
                     k_b = 2 if pol.recompute[s] else 1  # a recomputing B gathers for its re-run forward too
                     self.dur[g, s] = (fwd + max(0.0, per_pass - fwd) + per_pass / units,
                                       bwd + max(0.0, k_b * per_pass - bwd) + k_b * per_pass / units)
-                if pol.recompute[s]:
+                if pol.ao(s):  # [C-act-offload]: saved tensors down in F, back in B (half each); one on the GPU
+                    x = 2 * n * a_kib * MEMORY_UNIT_BYTES / devices.host_link_bytes_per_s[g]
+                    fwd, bwd = self.dur[g, s]
+                    self.dur[g, s] = (fwd + x / 2, bwd + x / 2)
+                    self.held[g][s // n_p], self.rerun[g][s // n_p] = 0, n * a_kib
+                elif pol.recompute[s]:
                     self.held[g][s // n_p], self.rerun[g][s // n_p] = n * (tab.cut_kib[i] if s > 0 else 0), n * a_kib
                 else:
                     self.held[g][s // n_p] = n * a_kib
@@ -611,7 +622,9 @@ def simulate(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions, deci
         for s in range(pipe.group_of[g], n_s, n_p):
             i, j = stage_blocks[s]
             full, shard = stage_state_kib(tab, i, j)  # a tied parameter once per stage
-            if pol.sharded[s]:  # the replicated rest (ZeRO-2: less the gradients) and the GPU's shard
+            if pol.of(s):  # [C-offload]: the shardable state (the shards) in host memory
+                full -= shard
+            elif pol.sharded[s]:  # the replicated rest (ZeRO-2: less the gradients) and the GPU's shard
                 full = sharded_state_kib(tab, i, j, pol.gs(s), pol.ps(s))[0]
                 full += MIB_UNITS * pol.shard_mib[s][stage_gpus[s].index(g)]
             state += full

@@ -249,7 +249,8 @@ class Selector:
             key = (0 if ok else 1, u.step)
             if best is None or key < best[0]:
                 best = (key, pol)
-            if not any(pol.grad_sharded) and not any(pol.offload) and (plain is None or key < plain[0]):
+            if (not any(pol.grad_sharded) and not any(pol.offload) and not any(pol.act_offload)
+                    and (plain is None or key < plain[0])):
                 plain = (key, pol)
         s_m = (len(blocks), m)
         for kept, found in ((self._best, best), (self._best_plain, plain)):

@@ -181,7 +181,7 @@ def interleave_search(costs: BlockCosts, devices: DeviceGraph, options: PlanOpti
     p_count = d.num_stages
     if options.max_interleave < 2 or options.schedule != "1f1b" or d.interleave != 1 or p_count < 2:
         return None, ()
-    if any(d.offload):  # an offloaded plan is a last resort for memory; interleaving only adds to it
+    if any(d.offload) or any(d.act_offload):  # an offloaded plan is a last resort for memory; interleaving only adds to it
         return None, ()
     gbs = options.global_batch_size
     groups = d.stage_gpus

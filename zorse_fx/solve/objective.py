@@ -64,6 +64,15 @@ them to the planner):
         runtime copies, steps on the CPU and copies back in sequence, after
         the sync, nothing overlapped ([Note: optimizer offload] in
         runtime/optimizer.py). Not in the CP-SAT model      [C-offload]
+  ao_s  activation offload (not with rc_s nor gs_s; ``PlanOptions.activation_offload``):
+        what autograd saves for a micro-batch goes to host memory during its
+        forward and back during its backward ([Note: activation offload] in
+        runtime/act_offload.py). Memory: memory_g holds one micro-batch's
+        n_g A_s (in place of inflight_s n_g A_s); host_g += inflight_s n_g A_s
+        ([C-host-memory], with [C-offload]'s). Time: compute_g +=
+        x_g = 2 n_g A_s / host link_g (down and back, not overlapped), half in
+        the forward and half in the backward (``IntTables.act_per_mib``).
+        Not in the CP-SAT model                                 [C-act-offload]
 
 P_s = params of the blocks of s (a tied parameter once: [C-tied]), A_s = their activation bytes per sample,
 W_{s,tau} = their fwd+bwd time per sample on GPU type tau, Q_s = their
@@ -254,7 +263,7 @@ __all__ = [
     "UNITS_PER_S", "UNIT_S", "GIB", "to_units", "microbatch_candidates",
     "max_stage_count", "inflight", "IntTables", "build_tables", "Evaluation",
     "evaluate", "evaluate_units", "balance_shards", "MIB_UNITS", "evaluate_result",
-    "RECOMPUTE_FRACTION", "MemoryPolicy", "prepare", "policy_decision", "act_units",
+    "RECOMPUTE_FRACTION", "MemoryPolicy", "prepare", "policy_decision", "act_units", "act_host_units", "act_xfer_units",
     "effective_pair_bandwidth", "ring_units", "tied_terms", "bucket_count", "GRAD_BUCKET_BYTES_PER_PARAM",
     "BUCKET_UNIT_BYTES", "drain_offsets", "LAST_BUCKET_RESOLUTION", "sharded_state_kib",
 ]
@@ -323,6 +332,8 @@ class MemoryPolicy:
     param_sharded: tuple[bool, ...] = ()
     #: Per stage: optimizer offload ([C-offload]); () = none.
     offload: tuple[bool, ...] = ()
+    #: Per stage: activation offload ([C-act-offload]); () = none.
+    act_offload: tuple[bool, ...] = ()
 
     @classmethod
     def plain(cls, num_stages: int) -> "MemoryPolicy":
@@ -339,6 +350,10 @@ class MemoryPolicy:
     def of(self, s: int) -> bool:
         """Whether stage ``s`` offloads its optimizer ([C-offload])."""
         return bool(self.offload) and self.offload[s]
+
+    def ao(self, s: int) -> bool:
+        """Whether stage ``s`` offloads its activations ([C-act-offload])."""
+        return bool(self.act_offload) and self.act_offload[s]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -365,10 +380,24 @@ class StageUnits:
                   for gs, hs in zip(stage_gpus, self.host) for g, h in zip(gs, hs) if h)
 
 
-def act_units(tab: IntTables, s: int, n_s: int, i: int, n: int, a: int, *, recompute: bool) -> int:
-    """Activation KiB of a GPU with n samples on stage s (blocks from i, A_s = a)."""
+def act_units(tab: IntTables, s: int, n_s: int, i: int, n: int, a: int, *, recompute: bool,
+              offload: bool = False) -> int:
+    """Activation KiB of a GPU with n samples on stage s (blocks from i, A_s = a);
+    ``offload`` ([C-act-offload]): one micro-batch's on the GPU."""
+    if offload:
+        return n * a
     fl = inflight(tab.schedule, n_s, s, tab.num_microbatches)
     return n * (fl * (tab.cut_kib[i] if s > 0 else 0) + a) if recompute else fl * n * a
+
+
+def act_host_units(tab: IntTables, s: int, n_s: int, n: int, a: int) -> int:
+    """[C-act-offload]: host KiB of a GPU with n samples on stage s (A_s = a): every micro-batch in flight."""
+    return inflight(tab.schedule, n_s, s, tab.num_microbatches) * n * a
+
+
+def act_xfer_units(tab: IntTables, g: int, n: int, a: int) -> int:
+    """[C-act-offload]: units of GPU g moving n x a KiB of saved activations to host memory and back."""
+    return -(-n * a * tab.act_per_mib[g] // MIB_UNITS) if tab.act_per_mib else 0
 
 
 def balance_shards(need_kib: int, free_mib, rate) -> tuple[int, ...] | None:
@@ -423,7 +452,7 @@ def sharded_state_kib(tab: IntTables, i: int, j: int, grad_sharded: bool,
 
 
 def fill_policy(tab: IntTables, stage_blocks, stage_gpus, samples, sharded, recompute,
-                grad_sharded=(), param_sharded=(), offload=()) -> MemoryPolicy:
+                grad_sharded=(), param_sharded=(), offload=(), act_offload=()) -> MemoryPolicy:
     """A MemoryPolicy for the given per-stage flags with each sharded stage's
     shards chosen by ``balance_shards`` on the memory left after the replicated
     state and the activations, or, offloaded ([C-offload]), on the host memory
@@ -433,19 +462,22 @@ def fill_policy(tab: IntTables, stage_blocks, stage_gpus, samples, sharded, reco
     grad_sharded = tuple(bool(x) for x in grad_sharded) or (False,) * n_s
     param_sharded = tuple(bool(x) for x in param_sharded) or (False,) * n_s
     offload = tuple(bool(x) for x in offload) or (False,) * n_s
+    act_offload = tuple(bool(x) for x in act_offload) or (False,) * n_s
     shards = []
     for s, ((i, j), gpus, ns) in enumerate(zip(stage_blocks, stage_gpus, samples)):
         if not sharded[s]:
             shards.append(())
             continue
         rep, need = sharded_state_kib(tab, i, j, grad_sharded[s], param_sharded[s])
+        a = tab.act_prefix[j] - tab.act_prefix[i]
         if offload[s]:  # the shards live in host memory: H_s / Q_s KiB of it per KiB of shard
             host, cap = stage_host_kib(tab, i, j), tab.host_cap or (0,) * tab.num_gpus
-            free = [cap[g] * max(need, 1) // max(host, 1) // MIB_UNITS for g in gpus]
+            free = [max(0, cap[g] - (act_host_units(tab, s, n_s, n, a) if act_offload[s] else 0))
+                    * max(need, 1) // max(host, 1) // MIB_UNITS for g, n in zip(gpus, ns)]
             z = balance_shards(need, free, [-(-tab.off_per_mib[g] * host // max(need, 1)) for g in gpus])
         else:
-            a = tab.act_prefix[j] - tab.act_prefix[i]
-            free = [(tab.cap_bytes[g] - rep - act_units(tab, s, n_s, i, n, a, recompute=recompute[s])) // MIB_UNITS
+            free = [(tab.cap_bytes[g] - rep - act_units(tab, s, n_s, i, n, a, recompute=recompute[s],
+                                                        offload=act_offload[s])) // MIB_UNITS
                     for g, n in zip(gpus, ns)]
             z = balance_shards(need, free, [tab.opt_per_mib[tab.gpu_mbw_class[g]] for g in gpus])
         if z is None:
@@ -454,7 +486,7 @@ def fill_policy(tab: IntTables, stage_blocks, stage_gpus, samples, sharded, reco
             z = [-(-need_mib * (f if sum(fr) else 1) // tot) for f in fr]
         shards.append(tuple(z))
     return MemoryPolicy(tuple(bool(x) for x in sharded), tuple(shards), tuple(bool(x) for x in recompute),
-                        grad_sharded, param_sharded, offload)
+                        grad_sharded, param_sharded, offload, act_offload)
 
 
 def policy_decision(stage_blocks, stage_gpus, samples, num_microbatches: int, policy: MemoryPolicy,
@@ -464,7 +496,7 @@ def policy_decision(stage_blocks, stage_gpus, samples, num_microbatches: int, po
     return Decision(stage_blocks=stage_blocks, stage_gpus=stage_gpus, samples_per_microbatch=samples,
                     num_microbatches=num_microbatches, interleave=interleave, sharded=policy.sharded,
                     shard_mib=policy.shard_mib, recompute=policy.recompute, grad_sharded=policy.grad_sharded,
-                    param_sharded=policy.param_sharded, offload=policy.offload)
+                    param_sharded=policy.param_sharded, offload=policy.offload, act_offload=policy.act_offload)
 
 
 def evaluate_units(tab: IntTables, stage_blocks, stage_gpus, samples, policy: MemoryPolicy | None = None,
@@ -482,7 +514,8 @@ def evaluate_units(tab: IntTables, stage_blocks, stage_gpus, samples, policy: Me
     rows_per_boundary, load_rows = [], []  # [C-boundary] rows of each boundary's GPU pairs; both ways
     (excluded, tied), first_kib = tied_terms(tab, stage_blocks, stage_gpus, n_s // interleave), untied_block_kib(tab)
     for s, ((i, j), gpus, ns) in enumerate(zip(stage_blocks, stage_gpus, samples)):
-        sh, rc, gs, ps = pol.sharded[s], pol.recompute[s], pol.gs(s), pol.ps(s)
+        sh, rc, gs, ps, ao = pol.sharded[s], pol.recompute[s], pol.gs(s), pol.ps(s), pol.ao(s)
+        a = tab.act_prefix[j] - tab.act_prefix[i]
 
         def rerun(g, n, e):  # the recomputed forward of GPU g over blocks [i, e) (0 without recomputation)
             t = tab.gpu_types[g]
@@ -494,12 +527,16 @@ def evaluate_units(tab: IntTables, stage_blocks, stage_gpus, samples, policy: Me
             return n * (tab.work_prefix[t][e] - tab.work_prefix[t][i]) + tab.fixed_prefix[t][e] \
                 - tab.fixed_prefix[t][i] + rerun(g, n, e)
 
-        per_gpu = [(work(g, n, j), rerun(g, n, j)) for g, n in zip(gpus, ns)]  # (compute, its re-run)
-        comp.append(max(w for w, _ in per_gpu))
-        # GPipe's period: 3 x forward = the compute less its re-run, 3 x backward = 2 x that + 3 x the re-run.
-        fwd3.append(max(w - r for w, r in per_gpu))
-        bwd3.append(max(2 * w + r for w, r in per_gpu))
-        comp_head.append(max(work(g, n, j - 1) for g, n in zip(gpus, ns)))  # cmax-_s of [C-objective]
+        # (compute, its re-run, [C-act-offload]'s transfers down and back)
+        per_gpu = [(work(g, n, j), rerun(g, n, j), act_xfer_units(tab, g, n, a) if ao else 0)
+                   for g, n in zip(gpus, ns)]
+        comp.append(max(w + x for w, _, x in per_gpu))
+        # GPipe's period: 3 x forward = the compute less its re-run, 3 x backward = 2 x that + 3 x the re-run;
+        # each gets half of the activations' transfers.
+        fwd3.append(max(w - r + 3 * x // 2 for w, r, x in per_gpu))
+        bwd3.append(max(2 * w + r + 3 * x - 3 * x // 2 for w, r, x in per_gpu))
+        comp_head.append(max(work(g, n, j - 1) + (act_xfer_units(tab, g, n, tab.act_prefix[j - 1] - tab.act_prefix[i])
+                                                  if ao else 0) for g, n in zip(gpus, ns)))  # cmax-_s
         if s < n_s - 1:
             nxt = stage_gpus[s + 1]
             rows_per_boundary.append(boundary_rows(tab, gpus, ns, nxt, samples[s + 1]))
@@ -548,7 +585,6 @@ def evaluate_units(tab: IntTables, stage_blocks, stage_gpus, samples, policy: Me
             last.append(0)
             gather.append(0)
         state, shard = stage_state_kib(tab, i, j)  # [C-tied]: a tied parameter once per stage
-        a = tab.act_prefix[j] - tab.act_prefix[i]
         if pol.of(s):  # [C-offload]: Q_s (the shards) in host memory, the step over the host link and CPU
             if sh:
                 z = pol.shard_mib[s]
@@ -557,24 +593,26 @@ def evaluate_units(tab: IntTables, stage_blocks, stage_gpus, samples, policy: Me
             else:
                 z, rep = None, state - shard
                 unc.append(0)
-            hk = offload_host_kib(tab, i, j, z, shard)
+            hk = offload_host_kib(tab, i, j, z)
             hk = hk * len(gpus) if z is None else hk
             host.append(hk)
             opt.append(max(-(-h * tab.off_per_mib[g] // MIB_UNITS) for g, h in zip(gpus, hk)))
-            mem.append(tuple(rep + act_units(tab, s, n_s, i, n, a, recompute=rc) for n in ns))
+            mem.append(tuple(rep + act_units(tab, s, n_s, i, n, a, recompute=rc, offload=ao) for n in ns))
         elif sh:
             z = pol.shard_mib[s]
             rep, shard = sharded_state_kib(tab, i, j, gs, ps)  # [C-grad-shard], [C-param-shard]
             opt.append(max(zg * tab.opt_per_mib[tab.gpu_mbw_class[g]] for g, zg in zip(gpus, z)))
-            mem.append(tuple(rep + MIB_UNITS * zg + act_units(tab, s, n_s, i, n, a, recompute=rc)
+            mem.append(tuple(rep + MIB_UNITS * zg + act_units(tab, s, n_s, i, n, a, recompute=rc, offload=ao)
                              for n, zg in zip(ns, z)))
             unc.append(max(0, shard - MIB_UNITS * sum(z)))
         else:
             opt.append(max(stage_optim_units(tab, q, i, j) for q in {tab.gpu_mbw_class[g] for g in gpus}))
-            mem.append(tuple(state + act_units(tab, s, n_s, i, n, a, recompute=rc) for n in ns))
+            mem.append(tuple(state + act_units(tab, s, n_s, i, n, a, recompute=rc, offload=ao) for n in ns))
             unc.append(0)
         if len(host) < len(mem):
             host.append((0,) * len(gpus))
+        if ao:  # [C-act-offload]: every micro-batch in flight in host memory
+            host[s] = tuple(h + act_host_units(tab, s, n_s, n, a) for h, n in zip(host[s], ns))
     stage = tuple(c + x for c, x in zip(comp, bnd))
     if interleave > 1 or task_graph:
         from .pipeline_terms import interleaved_units
@@ -615,6 +653,8 @@ class Evaluation:
     optim_s: tuple[float, ...]
     #: Per stage, per GPU (aligned with stage_gpus): predicted peak bytes.
     memory_bytes: tuple[tuple[int, ...], ...]
+    #: Per stage, per GPU: host bytes its offloads hold ([C-offload], [C-act-offload]; 0: none).
+    host_memory_bytes: tuple[tuple[int, ...], ...]
     feasible: bool
     violations: tuple[str, ...]
     #: The integer objective (ns) that CP-SAT minimises.
@@ -639,8 +679,9 @@ def prepare(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions,
     d = decision
     if d.shard_mib is None:
         return tab, fill_policy(tab, d.stage_blocks, d.stage_gpus, d.samples_per_microbatch, d.sharded, d.recompute,
-                                d.grad_sharded, d.param_sharded, d.offload)
-    return tab, MemoryPolicy(d.sharded, d.shard_mib, d.recompute, d.grad_sharded, d.param_sharded, d.offload)
+                                d.grad_sharded, d.param_sharded, d.offload, d.act_offload)
+    return tab, MemoryPolicy(d.sharded, d.shard_mib, d.recompute, d.grad_sharded, d.param_sharded, d.offload,
+                             d.act_offload)
 
 
 def mode_violations(options: PlanOptions, stage_gpus, pol: MemoryPolicy) -> list[str]:
@@ -663,6 +704,11 @@ def mode_violations(options: PlanOptions, stage_gpus, pol: MemoryPolicy) -> list
             bad.append(f"stage {s} offloads its optimizer but offload='never'")
         if not pol.of(s) and not pol.gs(s) and options.offload == "always":
             bad.append(f"stage {s} does not offload its optimizer but offload='always'")
+        if pol.ao(s) and options.activation_offload == "never":
+            bad.append(f"stage {s} offloads its activations but activation_offload='never'")
+        if (not pol.ao(s) and not pol.gs(s) and not pol.recompute[s]
+                and options.activation_offload == "always"):
+            bad.append(f"stage {s} does not offload its activations but activation_offload='always'")
         if pol.recompute[s] != (options.recompute == "always") and options.recompute != "auto":
             bad.append(f"stage {s} recompute={pol.recompute[s]} but recompute={options.recompute!r}")
     return bad
@@ -726,6 +772,7 @@ def evaluate(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions, deci
     return Evaluation(step_time_s=u.step * UNIT_S, stage_time_s=sec(u.stage), compute_s=sec(u.compute),
                       boundary_s=sec(u.boundary), allreduce_s=sec(u.allreduce), optim_s=sec(u.optim),
                       memory_bytes=tuple(tuple(v * MEMORY_UNIT_BYTES for v in row) for row in u.memory),
+                      host_memory_bytes=tuple(tuple(v * MEMORY_UNIT_BYTES for v in row) for row in u.host),
                       feasible=not bad, violations=tuple(bad),
                       objective_units=u.step,
                       decision=decision if decision.shard_mib is not None else decision.with_shards(pol.shard_mib))

@@ -102,26 +102,29 @@ MAX_UNITS = 32
 _INF = np.iinfo(np.int64).max // 4
 
 
-def grad_variants(options: PlanOptions) -> tuple[tuple[bool, bool, bool, bool, bool], ...]:
-    """The (sharded, recompute, grad_sharded, param_sharded, offload) variants
-    the stage DP tries: ``heuristics.memory_variants``, each sharded one with
-    ZeRO-2 off and / or on as ``options.grad_sharding`` allows
-    ([C-grad-shard]), each ZeRO-2 one with ZeRO-3 off and / or on as
+def grad_variants(options: PlanOptions) -> tuple[tuple[bool, bool, bool, bool, bool, bool], ...]:
+    """The (sharded, recompute, grad_sharded, param_sharded, offload,
+    act_offload) variants the stage DP tries: ``heuristics.memory_variants``,
+    each sharded one with ZeRO-2 off and / or on as ``options.grad_sharding``
+    allows ([C-grad-shard]), each ZeRO-2 one with ZeRO-3 off and / or on as
     ``options.param_sharding`` allows ([C-param-shard]), each without ZeRO-2
     with optimizer offload off and / or on as ``options.offload`` allows
-    ([C-offload])."""
+    ([C-offload]), and each of those without recomputation with activation
+    offload off and / or on as ``options.activation_offload`` allows
+    ([C-act-offload])."""
     from .heuristics import memory_variants
 
     modes = {"never": (False,), "auto": (False, True), "always": (True,)}
-    return tuple((sh, rc, gs, ps, of) for sh, rc in memory_variants(options)
+    return tuple((sh, rc, gs, ps, of, ao) for sh, rc in memory_variants(options)
                  for gs in (modes[options.grad_sharding] if sh else (False,))
                  for ps in (modes[options.param_sharding] if gs else (False,))
-                 for of in ((False,) if gs else modes[options.offload]))
+                 for of in ((False,) if gs else modes[options.offload])
+                 for ao in ((False,) if gs or rc else modes[options.activation_offload]))
 
 
 def _level(variant) -> int:
-    """The stage DP pass a variant joins: 0 (neither ZeRO-2 nor offload), 1 (ZeRO-2), 2 (offload)."""
-    return 2 if variant[4] else 1 if variant[2] else 0
+    """The stage DP pass a variant joins: 0 (neither ZeRO-2 nor offload), 1 (ZeRO-2), 2 (an offload)."""
+    return 2 if variant[4] or variant[5] else 1 if variant[2] else 0
 
 
 def _units(devices: DeviceGraph, tab, speeds, order: str) -> list[tuple[int, ...]]:
@@ -265,13 +268,15 @@ class _Stages:
         # [C-offload]: each GPU's host capacity and the step's time over its host state (per GPU, as
         # the objective: a replicated stage's whole H, a sharded one's ~H / k).
         hcap = tuple(tab.host_cap[g] for g in gpus) if tab.host_cap else ()
-        opt_of = None
+        opt_of = ao_x = None
         if self.host is not None and hcap and min(hcap) > 0:
             off = max(tab.off_per_mib[g] for g in gpus)
             opt_of = (-(-off * self.host // MIB_UNITS), -(-off * -(-self.host // k) // MIB_UNITS))
+            # [C-act-offload]: the slowest GPU's activations down and back per micro-batch
+            ao_x = np.max([-(-n * self.act * tab.act_per_mib[g] // MIB_UNITS) for g, n in zip(gpus, ns)], axis=0)
         out = {"gpus": gpus, "samples": ns, "comp": comp, "comp_rc": comp_rc, "ar": ar, "arsh": arsh, "zr": zr,
                "zr3": zr3, "gpass": gpass, "opt": opt, "opt_sh": opt_sh, "opt_gs": opt_gs, "opt_ps": opt_ps,
-               "bnd": bnd[None, :], "mem": mem, "k": k, "cost": {}, "hcap": hcap, "opt_of": opt_of,
+               "bnd": bnd[None, :], "mem": mem, "k": k, "cost": {}, "hcap": hcap, "opt_of": opt_of, "ao_x": ao_x,
                "fits": {}}
         self.terms[key] = out
         return out
@@ -293,8 +298,8 @@ class _Stages:
             arg = np.full(self.state.shape, -1, dtype=np.int64)
         else:  # this level's variants on top of the lower ones' (ties: the lower one)
             best, arg = self.cost(u0, u1, s, n_s, level - 1)
-        for v, (sh, rc, gs, ps, of) in enumerate(self.variants):
-            if _level(self.variants[v]) != level or (of and g["opt_of"] is None):
+        for v, (sh, rc, gs, ps, of, ao) in enumerate(self.variants):
+            if _level(self.variants[v]) != level or ((of or ao) and g["opt_of"] is None):
                 continue
             sh = sh and g["k"] >= 2
             gs = gs and sh  # (a one-GPU stage: neither)
@@ -302,9 +307,9 @@ class _Stages:
             fk = (fl, s > 0, v)  # what fits does not depend on the stage count: shared over n_s
             fits = g["fits"].get(fk)
             if fits is None:
-                fits = g["fits"][fk] = (self._fits_offload(g, fl, s > 0, sh, rc) if of
+                fits = g["fits"][fk] = (self._fits_offload(g, fl, s > 0, sh, rc, of, ao) if of or ao
                                         else self._fits(g["mem"], fl, s > 0, sh, rc, gs, ps)) & self.valid
-            t = (g["comp_rc"] if rc else g["comp"]) + g["bnd"]
+            t = (g["comp_rc"] if rc else g["comp"]) + g["bnd"] + (g["ao_x"] if ao else 0)
             if ps:  # [C-param-shard]: the gathers' exposed time per micro-batch (objective.evaluate_units)
                 passes = 3 if rc else 2
                 comp = g["comp_rc"] if rc else g["comp"]
@@ -324,16 +329,37 @@ class _Stages:
             return n * (fl * (self.cut_in if not_first else 0) + self.act)
         return fl * n * self.act
 
-    def _fits_offload(self, g, fl: int, not_first: bool, sharded: bool, recompute: bool):
-        """[C-memory], [C-shard] and [C-host-memory] of an offloaded variant ([C-offload]), all (i, j)."""
-        rep = self.state - self.shard
+    def _fits_offload(self, g, fl: int, not_first: bool, sharded: bool, recompute: bool, offload: bool = True,
+                      act_offload: bool = False):
+        """[C-memory], [C-shard] and [C-host-memory] of a variant with an offload ([C-offload],
+        [C-act-offload]), all (i, j) (as ``objective.fill_policy`` and ``evaluate_units``)."""
+        def act(n):  # on the GPU
+            return n * self.act if act_offload else self._act(n, fl, not_first, recompute)
+
         ok = np.ones_like(self.valid)
-        for (n, cap), _ in g["mem"]:
-            ok &= rep + self._act(n, fl, not_first, recompute) <= cap
-        host = np.maximum(self.host, 1)
+        rep = self.state - self.shard
+        held_dev = np.zeros_like(self.state)
+        for (n, cap), c in g["mem"]:
+            if offload or not sharded:  # the shardable state in host memory, or all of it on the GPU
+                ok &= (rep if offload else self.state) + act(n) <= cap
+            else:  # ZeRO-1 shards on the GPUs, from the memory left
+                free = cap - rep - act(n)
+                ok &= free >= 0
+                held_dev += c * (np.maximum(free, 0) // MIB_UNITS)
+        if sharded and not offload:
+            ok &= MIB_UNITS * held_dev >= self.shard
+        # Host memory per GPU: the in-flight activations, then the offloaded optimizer state.
+        hfree = [hc - (fl * n * self.act if act_offload else 0) for n, hc in zip(g["samples"], g["hcap"])]
+        for f in hfree:
+            ok &= f >= 0
+        if not offload:
+            return ok
         if not sharded:
-            return ok & (self.host <= min(g["hcap"]))
-        held = sum((c * np.maximum(self.shard, 1) // host) // MIB_UNITS for c in g["hcap"])
+            for f in hfree:
+                ok &= self.host <= f
+            return ok
+        host = np.maximum(self.host, 1)
+        held = sum((np.maximum(f, 0) * np.maximum(self.shard, 1) // host) // MIB_UNITS for f in hfree)
         return ok & (MIB_UNITS * held >= self.shard)
 
     def _fits(self, mem, fl: int, not_first: bool, sharded: bool, recompute: bool, grad_sharded: bool = False,
@@ -405,20 +431,21 @@ def _dp(st: _Stages, n_s: int, idle: bool = False, level: int = 1):
 def _add_split(sel, st: _Stages, tab, split, variants, m: int) -> int:
     """Score one DP split with the objective (``Selector``): with the DP's per-stage
     variants and with each uniform policy. Returns the better step time (units)."""
-    blocks, gpus, samples, sharded, recompute, grads, params, offload = [], [], [], [], [], [], [], []
+    blocks, gpus, samples, sharded, recompute, grads, params, offload, acts = [], [], [], [], [], [], [], [], []
     for u0, u1, i, j, v in split:
         g = st.group(u0, u1)
         order_g = sorted(range(len(g["gpus"])), key=lambda a: g["gpus"][a])
         blocks.append((i, j))
         gpus.append(tuple(g["gpus"][a] for a in order_g))
         samples.append(tuple(g["samples"][a] for a in order_g))
-        sh, rc, gs, ps, of = variants[v]
+        sh, rc, gs, ps, of, ao = variants[v]
         sharded.append(sh and len(g["gpus"]) >= 2)
         recompute.append(rc)
         grads.append(gs and sharded[-1])
         params.append(ps and grads[-1])
         offload.append(of)
-    pol = fill_policy(tab, blocks, gpus, samples, sharded, recompute, grads, params, offload)
+        acts.append(ao)
+    pol = fill_policy(tab, blocks, gpus, samples, sharded, recompute, grads, params, offload, acts)
     own = sel.add(blocks, gpus, samples, m, pol)
     return min(own, sel.add(blocks, gpus, samples, m))  # and each uniform policy
 
@@ -479,7 +506,7 @@ def stage_dp_search(costs: BlockCosts, devices: DeviceGraph,
     speeds = gpu_speeds(costs, devices)
     variants = grad_variants(options)
     zero2 = any(v[2] for v in variants)
-    offload = any(v[4] for v in variants)
+    offload = any(v[4] or v[5] for v in variants)
     s_max = max_stage_count(costs, devices, options)
     # Pass 1: the DP over the variants without ZeRO-2, every (M, order, S). Kept per (M, order):
     # its units and, per S, the score of its split (None: no split) and whether it recomputes.
@@ -511,7 +538,7 @@ def stage_dp_search(costs: BlockCosts, devices: DeviceGraph,
                     fitted = True
                     _add_split(sel, st, tab, split, variants, m)
     # Pass 3: offload, only where nothing fits without it ([Note: offload in the stage DP]).
-    if offload and (not fitted or options.offload == "always"):
+    if offload and (not fitted or "always" in (options.offload, options.activation_offload)):
         for (m, units), per_s in found.items():
             tab = sel.tables(m)
             if not tab.host_cap or not any(tab.host_cap):

@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from .tables import MIB_UNITS
-
 __all__ = ["extra_copies", "stage_state_kib", "stage_optim_units", "extra_copies_matrix", "unique_params",
            "shardable_kib", "grad_shard_kib", "block_weight_kib", "gathered_weight_kib",
            "gathered_weight_matrix", "GATHERED_UNITS", "max_window_sum", "stage_host_kib", "offload_host_kib"]
@@ -65,15 +63,18 @@ def stage_host_kib(tab, i: int, j: int) -> int:
     return host
 
 
-def offload_host_kib(tab, i: int, j: int, shard_mib, shardable_kib: int) -> tuple[int, ...]:
+def offload_host_kib(tab, i: int, j: int, shard_mib) -> tuple[int, ...]:
     """[C-offload]: per GPU of an offloaded stage over blocks [i, j), its host
     KiB: the stage's host state H_s (``stage_host_kib``) when ``shard_mib`` is
-    None (replicated), else its shard's part ceil(H_s * z_g MiB / Q_s) of it
-    (the shards split the parameters, so the host state in the same ratio)."""
+    None (replicated), else its shard's part ceil(H_s * z_g / sum z) of it
+    (the runtime splits the parameters in proportion to the shards, so the
+    host state too). The planners place the shards so that z_g MiB <=
+    host_g * Q_s / H_s, which implies this <= host_g since sum z MiB >= Q_s."""
     host = stage_host_kib(tab, i, j)
     if shard_mib is None:
         return (host,)
-    return tuple(-(-host * z * MIB_UNITS // max(shardable_kib, 1)) for z in shard_mib)
+    total = max(sum(shard_mib), 1)
+    return tuple(-(-host * z // total) for z in shard_mib)
 
 
 def stage_optim_units(tab, q: int, i: int, j: int) -> int:

@@ -176,6 +176,9 @@ class IntTables:
     #: (G,) units per MiB of offloaded host state: the step's host-link and CPU time
     #: (OFFLOAD_LINK_BYTES / host link + 2 x optim_bytes / host memory bandwidth per parameter).
     off_per_mib: tuple[int, ...] = ()
+    #: (G,) [C-act-offload] units per MiB of saved activations moved to host memory and back
+    #: (2 x MiB / host link; 0: no host link).
+    act_per_mib: tuple[int, ...] = ()
 
     @property
     def cut_kib_max(self) -> int:
@@ -293,4 +296,6 @@ def _host_tables(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions) 
                 tied_host=tuple(per_param * tp.numel // MEMORY_UNIT_BYTES for tp in costs.tied_params),
                 host_cap=tuple(int(options.memory_fraction * mb) // MEMORY_UNIT_BYTES if o else 0
                                for mb, o in zip(devices.host_memory_bytes or (0,) * n, off)),
-                off_per_mib=off)
+                off_per_mib=off,
+                act_per_mib=tuple(to_units(2 * MIB_UNITS * MEMORY_UNIT_BYTES / link) if o else 0
+                                  for link, o in zip(devices.host_link_bytes_per_s or (0.0,) * n, off)))
