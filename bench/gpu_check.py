@@ -28,6 +28,16 @@ lacks (``.gpu_check/wheels``: msgspec, tyro and its needs).
     resumed steps' losses against the first run's (relative tolerance 1e-2:
     bfloat16 rounding of ``steps/2`` steps, and atomics in the embedding
     backward that sum in another order).
+(f) ``offload``: the same one-stage plan with the optimizer and the
+    activations offloaded (``prepare`` plans it on a cluster whose node gives
+    ``host_memory_GiB``: [C-offload], [C-act-offload]), ``OFFLOAD_STEPS``
+    steps: the losses against the first run's (relative 2e-3 at step 1, the
+    same arithmetic before any update; 1e-2 after, the CPU's fused AdamW
+    summing in another order than the GPU's), ``max_memory_allocated``
+    against the offloaded plan's predicted device peak, the median step
+    against its predicted step (the PCIe copies and the CPU step priced
+    from the cluster file's defaults: ``cluster/host.py``). One GPU cannot
+    shard a stage, so ZeRO-3 + offload needs two.
 
 It writes ``<out>/gpu_check_<type>.json`` (one object: the environment and
 each part's numbers and verdict) and exits 1 if a part failed.
@@ -73,6 +83,10 @@ TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_la
 GPU_TYPES = {"H100-80GB": ("H100",), "H200": ("H200",)}
 #: (model, seq_len, microbatch size, micro-batches, steps) of the GPU run and of the dry run.
 SHAPES = {"gpu": ("smollm2-135m", 512, 8, 2, 20), "dry": ("tiny", 32, 2, 2, 4)}
+#: Steps of (f), the offloaded run (its first ones are compared with the first run's).
+OFFLOAD_STEPS = 6
+#: Host memory the offload plan's node declares, GiB (the GPU machines have 128 GiB).
+OFFLOAD_HOST_GIB = 64
 #: The wheels ``prepare`` downloads for the GPU image (Python 3.12): what zorse_fx imports that it lacks.
 WHEELS = ("msgspec==0.19.0", "tyro==1.0.17", "docstring-parser==0.17.0", "typeguard==4.4.4")
 
@@ -133,6 +147,17 @@ def prepare(out: Path, *, shape: str, types: list[str], wheels: bool) -> None:
         plan.export(out / gpu_type)
         print(f"[gpu-check] {gpu_type}: predicted step {plan.predicted_step_time_s * 1e3:.1f} ms, peak "
               f"{plan.stages[0].gpus[0].predicted_memory_bytes / 2**30:.2f} GiB -> {out / gpu_type}", flush=True)
+        # (f): the same stage with the optimizer and the activations in host memory.
+        hosted = Cluster.from_dict({**cluster.to_dict(), "nodes": [
+            {**n, "host_memory_GiB": OFFLOAD_HOST_GIB} for n in cluster.to_dict()["nodes"]]})
+        plan, _ = plan_fixed(captured, hosted, options,
+                             Decision(stage_blocks=((0, blocks),), stage_gpus=((0,),), samples_per_microbatch=((mb,),),
+                                      num_microbatches=m, offload=(True,), act_offload=(True,)),
+                             model_name=name, label_mode="same")
+        plan.export(out / f"{gpu_type}_offload")
+        print(f"[gpu-check] {gpu_type} offloaded: predicted step {plan.predicted_step_time_s * 1e3:.1f} ms, peak "
+              f"{plan.stages[0].gpus[0].predicted_memory_bytes / 2**30:.2f} GiB + "
+              f"{plan.stages[0].gpus[0].predicted_host_memory_bytes / 2**30:.2f} GiB host", flush=True)
     tokens = (2 * steps + 2) * mb * m * (seq + 1)
     prepare_data("lee", out / "tokens", tokenizer="bytes", max_tokens=tokens, progress=False)
     (out / "prepared.json").write_text(json.dumps({"model": name, "seq_len": seq, "microbatch_size": mb,
@@ -286,11 +311,54 @@ def run(prepared: Path, out: Path, *, shape: str, device_type: str | None, kerne
                         "tolerance": 1e-2, "ok": len(resumed) == steps - steps // 2 and worst <= 1e-2}
     print(f"[gpu-check] (e) resume at step {steps // 2}: {len(resumed)} steps again, largest relative loss "
           f"difference {worst:.1e}", flush=True)
-    report["ok"] = all(report[k]["ok"] for k in ("kernels", "train", "resume"))
+    report["offload"] = _offload(prepared / f"{gpu_type}_offload", work, plan_dir, prepared, losses, cuda, device)
+    report["ok"] = all(report[k]["ok"] for k in ("kernels", "train", "resume", "offload"))
     path = out / f"gpu_check_{gpu_type}{'_dry' if dry else ''}.json"
     path.write_text(json.dumps(report, indent=1) + "\n")
     print(f"[gpu-check] {'passed' if report['ok'] else 'FAILED'}: wrote {path}", flush=True)
     return 0 if report["ok"] else 1
+
+
+def _offload(prepared_plan: Path, work: Path, plan_dir: Path, prepared: Path, losses: list[float], cuda: bool,
+             device) -> dict:
+    """(f): the offloaded plan trained ``OFFLOAD_STEPS`` steps from the same weights and batches."""
+    from zorse_fx.plan import Plan
+    from zorse_fx.train_options import DataOptions, JobOptions, LoopOptions, TrainingOptions
+
+    if not prepared_plan.exists():  # prepared before (f) existed
+        print("[gpu-check] (f) offload: not prepared (run make gpu-check-prepare again)", flush=True)
+        return {"ok": True, "note": "not prepared"}
+    off_dir = work / "plan_offload"
+    shutil.copytree(prepared_plan, off_dir)
+    shutil.copy(plan_dir / "weights.pt", off_dir / "weights.pt")
+    plan = Plan.load(off_dir)
+    steps = min(OFFLOAD_STEPS, len(losses))
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    rows = _train(TrainingOptions(
+        data=DataOptions(plan=str(off_dir), data=str(prepared / "tokens.bin")), loop=LoopOptions(steps=steps),
+        job=JobOptions(out=str(work / "offload"), backend="nccl" if cuda else "gloo", precision=plan.precision,
+                       heartbeat_s=0.0)))
+    peak = torch.cuda.max_memory_allocated(device) if cuda else None
+    got = [r["loss"] for r in rows]
+    rel = [abs(a - b) / abs(b) for a, b in zip(got, losses)]
+    g = plan.stages[0].gpus[0]
+    times = [r["step_time_s"] for r in rows[2:]] or [r["step_time_s"] for r in rows]
+    measured = statistics.median(times)
+    out = {"steps": steps, "losses": got, "relative_difference": rel, "tolerance": [2e-3, 1e-2],
+           "measured_peak_bytes": peak, "predicted_peak_bytes": g.predicted_memory_bytes,
+           "predicted_host_bytes": g.predicted_host_memory_bytes,
+           "memory_ratio": peak / g.predicted_memory_bytes if peak else None,
+           "measured_median_step_s": measured, "predicted_step_s": plan.predicted_step_time_s,
+           "step_ratio": measured / plan.predicted_step_time_s if plan.predicted_step_time_s else None,
+           "ok": len(got) == steps and rel[0] <= 2e-3 and max(rel) <= 1e-2}
+    print(f"[gpu-check] (f) offload: losses within {max(rel):.1e} of the first run's; "
+          + (f"peak {peak / 2**30:.2f} GiB measured vs {g.predicted_memory_bytes / 2**30:.2f} GiB predicted "
+             f"(ratio {out['memory_ratio']:.2f}); " if peak else "")
+          + f"step {measured * 1e3:.1f} ms vs {plan.predicted_step_time_s * 1e3:.1f} ms predicted "
+            f"(ratio {out['step_ratio']:.2f})", flush=True)
+    return out
 
 
 def main(argv=None) -> int:

@@ -35,3 +35,6 @@ def test_gpu_check_dry_run(tmp_path):
     assert report["resume"]["ok"] and report["resume"]["steps"] == [3, 4]
     assert report["memory"]["predicted_peak_bytes"] > 0 and report["memory"]["measured_peak_bytes"] is None
     assert report["step_time"]["predicted_s"] > 0 and report["step_time"]["measured_median_s"] > 0
+    off = report["offload"]  # (f): optimizer and activations offloaded, the same losses
+    assert off["ok"] and off["steps"] == 4 and off["relative_difference"][0] <= 2e-3, off
+    assert off["predicted_host_bytes"] > 0 and off["predicted_step_s"] > report["step_time"]["predicted_s"]
