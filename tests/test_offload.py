@@ -77,6 +77,23 @@ def test_bf16_offload_with_sixteen_bit_working_weights(lee_bytes, tmp_path):
         assert summaries[r]["host_copy_bytes"] == 4 * fp32["owned_elements"]
 
 
+def test_zero3_with_offload_equals_single_process(lee_bytes, tmp_path):
+    """bf16-mixed, stage 1 ZeRO-3 (3:1 shards, 16-bit working weights) with
+    its optimizer offloaded: the float32 gradient shards go to the host, the
+    CPU steps the masters, the rounding goes back into the GPU's owned range
+    of the weights, which the next forward gathers; equal to single-process
+    training."""
+    from conftest import with_param_sharding
+
+    captured = gpt3x64()
+    plan = with_offload(with_param_sharding(with_low_precision(_two_stage_plan(captured), captured)), {1})
+    assert plan.stages[1].param_sharded and plan.stages[1].offload_optimizer
+    summaries, _ = train_and_compare(plan, captured, lee_bytes, tmp_path, steps=2, lr=LR, weight_decay=WEIGHT_DECAY,
+                                     precision="bf16-mixed")
+    for r in (1, 2):
+        assert summaries[r]["offload"] and summaries[r]["zero3"]["gathers"] > 0
+
+
 def test_checkpoints_move_between_offloaded_and_on_device(lee_bytes, tmp_path):
     """fp32: steps 1-2 offloaded, step 3 resumed on the GPU, step 4 offloaded
     again: losses and parameters equal 4 uninterrupted on-device steps (the
@@ -90,7 +107,7 @@ def test_checkpoints_move_between_offloaded_and_on_device(lee_bytes, tmp_path):
     assert_resume_across_layouts(captured, lee_bytes, tmp_path, dev, with_offload(dev, {0, 1}))
 
 def test_plan_file_offload_field():
-    """``offload_optimizer`` with sharded gradients is refused naming the
+    """``offload_activations`` on a recomputing stage is refused naming the
     field and the fix; a version-10 file reads with it off; the table says
     where the optimizer lives and how much host memory it takes."""
     captured = gpt3x64()
@@ -99,9 +116,9 @@ def test_plan_file_offload_field():
     assert d["stages"][1]["offload_optimizer"] is True
     assert Plan.from_dict(d).stages[1].offload_optimizer
     bad = plan.to_dict()
-    bad["stages"][1]["grad_sharded"] = True
-    with pytest.raises(PlanFileError, match=r"stages\[1\]\.offload_optimizer is true on a stage with sharded "
-                                            r"gradients; optimizer offload goes with replicated or ZeRO-1 state"):
+    bad["stages"][1].update(offload_activations=True, recompute=True)
+    with pytest.raises(PlanFileError, match=r"stages\[1\]\.offload_activations is true on a stage that "
+                                            r"recomputes; activation offload goes without recomputation"):
         Plan.from_dict(bad)
     bad = plan.to_dict()
     bad["stages"][1]["offload_optimizer"] = "yes"
@@ -256,3 +273,37 @@ def test_activation_offload_in_the_planner():
     assert sim.peak_memory_bytes[0] == ev.memory_bytes[0][0]
     small = evaluate(costs, _one_gpu(8), opts, d)
     assert any("to host memory" in v for v in small.violations)
+
+
+def test_stage_dp_offloads_a_zero3_stage_where_only_that_fits():
+    """1e9 float32 parameters on two 6 GiB GPUs: ZeRO-3 alone needs 8 B per
+    parameter per GPU (7.5 GiB), optimizer offload without it keeps 8 B of
+    weights and gradients on each; ZeRO-3 with its optimizer offloaded keeps
+    the weight and gradient shards (4 B per parameter over 2 GPUs) and
+    puts 12 B per owned parameter in host memory: the only layout that fits,
+    and the stage DP finds it; the objective equals the simulator in time
+    and memory. With 10 GiB GPUs ZeRO-3 fits alone and nothing is offloaded."""
+    nb, p = 16, 1_000_000_000
+    costs = BlockCosts(fwd_bwd_s_per_sample={"A": (0.01,) * nb}, param_count=(p // nb,) * nb,
+                       act_bytes_per_sample=(4 << 20,) * nb, cut_bytes_per_sample=(0, *(1 << 20,) * (nb - 1), 0))
+    opts = PlanOptions(global_batch_size=4, max_stages=1, num_microbatches=(2,), allow_idle_gpus=False,
+                       planner="stage_dp")
+
+    def devices(gib):
+        dev = make_devices(["A", "A"], ["n0", "n0"], [gib * GiB] * 2, [1e12, 1e12])
+        return dataclasses.replace(dev, host_memory_bytes=(64 * GiB,) * 2, host_mem_bw_bytes_per_s=(1e11,) * 2,
+                                   host_link_bytes_per_s=(16e9,) * 2)
+
+    with pytest.raises(InfeasiblePlanError):
+        solve_stage_dp(costs, devices(6), dataclasses.replace(opts, offload="never"))
+    d = solve_stage_dp(costs, devices(6), opts).decision
+    assert d.param_sharded == (True,) and d.offload == (True,)
+    ev = evaluate(costs, devices(6), opts, d)
+    assert ev.feasible and max(ev.memory_bytes[0]) < 0.8 * 6 * GiB
+    assert sum(ev.host_memory_bytes[0]) == pytest.approx(12 * p, rel=1e-3)
+    sim = simulate(costs, devices(6), opts, d)
+    # (1e-3: the ZeRO-3 gathers' latencies, per block in the simulator and per pass in the objective)
+    assert sim.step_time_s == pytest.approx(ev.step_time_s, rel=1e-3)
+    assert sim.peak_memory_bytes[:2] == ev.memory_bytes[0]
+    roomy = solve_stage_dp(costs, devices(10), opts).decision
+    assert roomy.param_sharded == (True,) and roomy.offload == (False,)

@@ -258,7 +258,7 @@ class StagePlan:
     param_sharded: Annotated[bool, Meta(description="true or false")] = field(default=False, metadata=OPTIONAL)
     #: Optimizer offload (format version 11; off in older files): the stage's
     #: AdamW moments and float32 master weights in host memory, the step on
-    #: the CPU. Not with ``grad_sharded``.
+    #: the CPU (with any state layout).
     offload_optimizer: Annotated[bool, Meta(description="true or false")] = field(default=False, metadata=OPTIONAL)
     #: Activation offload (format version 11; off in older files): what autograd
     #: saves in a micro-batch's forward is kept in host memory until its
@@ -466,11 +466,6 @@ class Plan:
                     f"sharded gradients (grad_sharded is {short_repr(s.grad_sharded)}); set grad_sharded to true "
                     f"(and sharded, on two or more GPUs) or param_sharded to false, or re-export the plan with "
                     f"`zorse plan`")
-            if s.offload_optimizer is True and s.grad_sharded is True:
-                raise PlanFileError(
-                    f"plan: field stages[{s.index}].offload_optimizer is true on a stage with sharded gradients; "
-                    f"optimizer offload goes with replicated or ZeRO-1 state only: set one of them to false, or "
-                    f"re-export the plan with `zorse plan`")
             if s.offload_activations is True and (s.recompute is True or s.grad_sharded is True):
                 raise PlanFileError(
                     f"plan: field stages[{s.index}].offload_activations is true on a stage that "

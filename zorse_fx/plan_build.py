@@ -65,7 +65,7 @@ def memory_breakdown(predicted: int, hosted: list[tuple],
             w = min(w_b, shard * w_b // total) if total else 0
             weights += w + (unit if unit is not None else 0)
             grads += g + (n - n_gs) * precision.grad_bytes_per_param
-            optim += shard - g - w
+            optim += 0 if off else shard - g - w  # (offloaded: the optimizer's part in host memory)
             comm += ((2 * MAX_SHARD_BUCKETS_IN_FLIGHT + 2) * min(grad_b, bucket_bytes)
                      + (n - n_gs) * precision.reduce_copy_bytes_per_param)
             continue

@@ -157,7 +157,7 @@ def _try_grad_sharding(costs: BlockCosts, devices: DeviceGraph, options: PlanOpt
     cur = evaluate(costs, devices, options, d)
     improved = False
     for s in range(d.num_stages):
-        if not d.sharded[s] or d.offload[s] or d.act_offload[s]:  # (offloads go without ZeRO-2: [C-offload])
+        if not d.sharded[s] or d.act_offload[s]:  # (activation offload goes without ZeRO-2: [C-act-offload])
             continue
         for g_s, p_s in levels:
             if (gs[s], ps[s]) >= (g_s, p_s):

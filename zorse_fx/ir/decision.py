@@ -66,7 +66,7 @@ class Decision:
     #: ([C-param-shard]); () = none.
     param_sharded: tuple[bool, ...] = ()
     #: (S,) optimizer offload per stage: its AdamW state and float32 masters in
-    #: host memory, stepped on the CPU ([C-offload]); () = none. Not with ZeRO-2/3.
+    #: host memory, stepped on the CPU ([C-offload]); () = none.
     offload: tuple[bool, ...] = ()
     #: (S,) activation offload per stage: the tensors autograd saves go to host
     #: memory between a micro-batch's forward and its backward ([C-act-offload]);
@@ -101,10 +101,6 @@ class Decision:
             if flag and not gs:
                 raise ValueError(f"stage {s} has sharded parameters (ZeRO-3) but not sharded gradients: "
                                  f"Decision.param_sharded[{s}] needs Decision.grad_sharded[{s}]")
-        for s, (flag, gs) in enumerate(zip(self.offload, self.grad_sharded)):
-            if flag and gs:
-                raise ValueError(f"stage {s} offloads its optimizer and shards its gradients: offload goes with "
-                                 f"replicated or ZeRO-1 state only (Decision.offload[{s}], grad_sharded[{s}])")
         for s, (flag, rc, gs) in enumerate(zip(self.act_offload, self.recompute, self.grad_sharded)):
             if flag and (rc or gs):
                 raise ValueError(f"stage {s} offloads its activations and {'recomputes' if rc else 'shards its gradients'}"

@@ -83,7 +83,9 @@ AdamW kernel, which ``bench/offload_cpu.py`` measured at about 0.4x the time
 of streaming the same bytes, where the default foreach path takes 2.5x;
 its arithmetic order differs from the reference's, within the float32
 tolerances of the tests.
-Offload goes with replicated and ZeRO-1 state only (no ZeRO-2/3).
+Any state layout: under ZeRO-2 the gradient of a stepped range is its
+float32 gradient shard, under ZeRO-3 the write-back goes into the GPU's
+owned range of the weights, which the next forward gathers.
 Checkpoints save and load the host tensors as the GPU ones
 (``state_pieces``, ``master_pieces``); after a load the host copies are
 refreshed from the loaded weights (``refresh_host``).

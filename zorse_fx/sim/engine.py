@@ -211,7 +211,8 @@ from ..ir.devices import DeviceGraph
 from ..ir.p2p import RankProgram, programs_from, route_messages, routes
 from ..ir.schedule import make_schedule
 from ..options import PlanOptions
-from ..solve.objective import MEMORY_UNIT_BYTES, MIB_UNITS, RECOMPUTE_FRACTION, prepare, sharded_state_kib
+from ..solve.objective import (MEMORY_UNIT_BYTES, MIB_UNITS, RECOMPUTE_FRACTION, offload_device_kib, prepare,
+                               sharded_state_kib)
 from ..solve.state_terms import stage_state_kib, unique_params
 from .network import FlowResources, link_resource, max_min_rates, ring
 from .sync import gradient_sync
@@ -622,11 +623,13 @@ def simulate(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions, deci
         for s in range(pipe.group_of[g], n_s, n_p):
             i, j = stage_blocks[s]
             full, shard = stage_state_kib(tab, i, j)  # a tied parameter once per stage
-            if pol.of(s):  # [C-offload]: the shardable state (the shards) in host memory
+            if pol.sharded[s]:  # the replicated rest (ZeRO-2: less the gradients) and the GPU's shard
+                full, need = sharded_state_kib(tab, i, j, pol.gs(s), pol.ps(s))
+                z = pol.shard_mib[s][stage_gpus[s].index(g)]
+                # [C-offload]: the shard's optimizer part in host memory, its gradients / weights here
+                full += offload_device_kib(z, need, shard) if pol.of(s) else MIB_UNITS * z
+            elif pol.of(s):  # [C-offload]: the shardable state in host memory
                 full -= shard
-            elif pol.sharded[s]:  # the replicated rest (ZeRO-2: less the gradients) and the GPU's shard
-                full = sharded_state_kib(tab, i, j, pol.gs(s), pol.ps(s))[0]
-                full += MIB_UNITS * pol.shard_mib[s][stage_gpus[s].index(g)]
             state += full
         peak[g] = MEMORY_UNIT_BYTES * (state + pipe.peak_act[g])
     bubble = 1.0 - sum(busy_frac[g] for g in used) / len(used)

@@ -165,10 +165,8 @@ def gradient_sync(costs: BlockCosts, devices: DeviceGraph, *, stage_blocks, stag
                          else 2 * st_b * params)
                 t1 = t0 + moved / devices.mem_bw_bytes_per_s[g]
                 if pol.of(s):  # [C-offload]: its parameters' gradients down, CPU AdamW, weights back, in turn
-                    if pol.sharded[s]:
-                        total = sum(costs.param_count[i:j])
-                        q = sum(costs.shardable_bytes(b) for b in range(i, j)) * params / max(total, 1)
-                        params = params * shard_bytes[s][k] / max(q, 1.0)
+                    if pol.sharded[s]:  # its shard's share of the parameters (objective.offload_host_kib)
+                        params = params * shard_bytes[s][k] / max(sum(shard_bytes[s]), 1)
                     moved = OFFLOAD_BYTES_PER_PARAM * params
                     t1 = t0 + params * (OFFLOAD_LINK_BYTES / devices.host_link_bytes_per_s[g]
                                         + 2 * st_b / devices.host_mem_bw_bytes_per_s[g])

@@ -48,16 +48,19 @@ them to the planner):
         compute_s) + g_s * ceil(G_s / U_s) (one unit per pass not hidden); the
         sync is ZeRO-2's without the all-gather after the step. Not in the
         CP-SAT model, as ZeRO-2                                      [C-param-shard]
-  of_s  optimizer offload (not with gs_s; ``PlanOptions.offload``; only on GPUs
-        whose node gives ``host_memory_GiB``): the stage's shardable state
-        Q_s (AdamW moments; a 16-bit working weight's float32 master) leaves
-        the GPU for host memory, with a float32 host copy of every other
-        weight: H_s = OFFLOAD_BYTES_PER_PARAM (12) B per parameter
+  of_s  optimizer offload (``PlanOptions.offload``; only on GPUs whose node
+        gives ``host_memory_GiB``): the stage's shardable state Q_s (AdamW
+        moments; a 16-bit working weight's float32 master) leaves the GPU for
+        host memory, with a float32 host copy of every other weight: H_s =
+        OFFLOAD_BYTES_PER_PARAM (12) B per parameter
         (``state_terms.stage_host_kib``), all of it on each GPU's host share
-        when replicated, ceil(H_s z_g MiB / Q_s) when sharded (the shards z_g
-        are then host memory, not device memory). Memory: memory_g loses its
-        Q_s / z_g term; host_g <= floor(memory_fraction * the GPU's share of
-        its node's host memory) ([C-host-memory]). Time: optim_s becomes max_g
+        when replicated, ceil(H_s z_g / sum z) when sharded. Memory: memory_g
+        loses its Q_s term, or on a sharded stage the Q_s part of its shard
+        z_g: what stays is ceil(z_g MiB (N_s - Q_s) / N_s), N_s the stage's
+        shardable state under its layout (ZeRO-2/3 also shard gradients and
+        weights, which stay on the GPU: ``offload_device_kib``); host_g <=
+        floor(memory_fraction * the GPU's share of its node's host memory)
+        ([C-host-memory]). Time: optim_s becomes max_g
         host_g / MiB * off_g, off_g = (OFFLOAD_LINK_BYTES (8: the float32
         gradient down, the weight back) / host link_g + 2 optim_bytes / host
         memory bandwidth share_g) * MiB / 12 (``IntTables.off_per_mib``): the
@@ -263,7 +266,7 @@ __all__ = [
     "UNITS_PER_S", "UNIT_S", "GIB", "to_units", "microbatch_candidates",
     "max_stage_count", "inflight", "IntTables", "build_tables", "Evaluation",
     "evaluate", "evaluate_units", "balance_shards", "MIB_UNITS", "evaluate_result",
-    "RECOMPUTE_FRACTION", "MemoryPolicy", "prepare", "policy_decision", "act_units", "act_host_units", "act_xfer_units",
+    "RECOMPUTE_FRACTION", "MemoryPolicy", "offload_device_kib", "prepare", "policy_decision", "act_units", "act_host_units", "act_xfer_units",
     "effective_pair_bandwidth", "ring_units", "tied_terms", "bucket_count", "GRAD_BUCKET_BYTES_PER_PARAM",
     "BUCKET_UNIT_BYTES", "drain_offsets", "LAST_BUCKET_RESOLUTION", "sharded_state_kib",
 ]
@@ -451,6 +454,14 @@ def sharded_state_kib(tab: IntTables, i: int, j: int, grad_sharded: bool,
     return state - shard - down + transient, shard + up
 
 
+def offload_device_kib(z_mib: int, need: int, q: int) -> int:
+    """[C-offload]: KiB of an offloaded stage's shard of ``z_mib`` MiB that stay on
+    the GPU: its part of the stage's shardable state ``need`` (KiB) that is not
+    the optimizer's ``q`` (ZeRO-2's gradient shard, ZeRO-3's weight shard; 0
+    under ZeRO-1, where need == q)."""
+    return -(-z_mib * MIB_UNITS * max(0, need - q) // max(need, 1))
+
+
 def fill_policy(tab: IntTables, stage_blocks, stage_gpus, samples, sharded, recompute,
                 grad_sharded=(), param_sharded=(), offload=(), act_offload=()) -> MemoryPolicy:
     """A MemoryPolicy for the given per-stage flags with each sharded stage's
@@ -470,10 +481,17 @@ def fill_policy(tab: IntTables, stage_blocks, stage_gpus, samples, sharded, reco
             continue
         rep, need = sharded_state_kib(tab, i, j, grad_sharded[s], param_sharded[s])
         a = tab.act_prefix[j] - tab.act_prefix[i]
-        if offload[s]:  # the shards live in host memory: H_s / Q_s KiB of it per KiB of shard
+        if offload[s]:  # the shards' optimizer part in host memory, H_s / N_s KiB of it per KiB of shard
             host, cap = stage_host_kib(tab, i, j), tab.host_cap or (0,) * tab.num_gpus
-            free = [max(0, cap[g] - (act_host_units(tab, s, n_s, n, a) if act_offload[s] else 0))
-                    * max(need, 1) // max(host, 1) // MIB_UNITS for g, n in zip(gpus, ns)]
+            q = stage_state_kib(tab, i, j)[1]
+            free = []
+            for g, n in zip(gpus, ns):
+                f = max(0, cap[g] - (act_host_units(tab, s, n_s, n, a) if act_offload[s] else 0)) * need // max(host, 1)
+                if need > q:  # ZeRO-2/3: the rest of the shard on the GPU
+                    dev = tab.cap_bytes[g] - rep - act_units(tab, s, n_s, i, n, a, recompute=recompute[s],
+                                                             offload=act_offload[s])
+                    f = min(f, max(0, dev) * need // (need - q))
+                free.append(f // MIB_UNITS)
             z = balance_shards(need, free, [-(-tab.off_per_mib[g] * host // max(need, 1)) for g in gpus])
         else:
             free = [(tab.cap_bytes[g] - rep - act_units(tab, s, n_s, i, n, a, recompute=recompute[s],
@@ -588,16 +606,18 @@ def evaluate_units(tab: IntTables, stage_blocks, stage_gpus, samples, policy: Me
         if pol.of(s):  # [C-offload]: Q_s (the shards) in host memory, the step over the host link and CPU
             if sh:
                 z = pol.shard_mib[s]
-                rep, shard = sharded_state_kib(tab, i, j, False)
-                unc.append(max(0, shard - MIB_UNITS * sum(z)))
+                rep, need = sharded_state_kib(tab, i, j, gs, ps)
+                unc.append(max(0, need - MIB_UNITS * sum(z)))
+                dev = [offload_device_kib(zg, need, shard) for zg in z]
             else:
-                z, rep = None, state - shard
+                z, rep, dev = None, state - shard, [0] * len(gpus)
                 unc.append(0)
             hk = offload_host_kib(tab, i, j, z)
             hk = hk * len(gpus) if z is None else hk
             host.append(hk)
             opt.append(max(-(-h * tab.off_per_mib[g] // MIB_UNITS) for g, h in zip(gpus, hk)))
-            mem.append(tuple(rep + act_units(tab, s, n_s, i, n, a, recompute=rc, offload=ao) for n in ns))
+            mem.append(tuple(rep + d + act_units(tab, s, n_s, i, n, a, recompute=rc, offload=ao)
+                             for n, d in zip(ns, dev)))
         elif sh:
             z = pol.shard_mib[s]
             rep, shard = sharded_state_kib(tab, i, j, gs, ps)  # [C-grad-shard], [C-param-shard]

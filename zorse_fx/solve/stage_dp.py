@@ -67,13 +67,16 @@ no plan). Both passes' splits are scored and the best kept. Measured in
 bench/LOG.md ("ZeRO-2 through the stage DP", "pass 2 pruned").
 
 [Note: offload in the stage DP]
-Optimizer offload ([C-offload]) frees the shardable state from the GPU at the
-price of a host-link round trip and a CPU step every step: on the scenarios'
-clusters that is never faster than a plan that fits without it. So pass 3,
-the DP with the offload variants too, runs only when passes 1 and 2 found no
-split at all (or ``offload="always"``), for every (M, order, S) key, and only
-on tables with host memory. A cluster that fits without offload plans exactly
-as before, in the same time.
+Optimizer offload ([C-offload], with any layout, ZeRO-3 included) frees the
+optimizer's state from the GPU at the price of a host-link round trip and a
+CPU step every step; activation offload ([C-act-offload]) frees the in-flight
+activations at 2 x their bytes over the host link per micro-batch. Neither is
+priced as overlapped, so neither beats a plan that fits without it unless
+memory forbids that plan. So pass 3, the DP with the offload variants too
+(every variant of the earlier passes with an offload), runs only when passes
+1 and 2 found no split at all (or an offload is "always"), for every
+(M, order, S) key, and only on tables with host memory. A cluster that fits
+without offload plans exactly as before, in the same time.
 
 Legend: ``U`` units, ``B`` blocks, ``S`` stages, ``M`` micro-batches, ``b``
 samples per micro-batch; times in integer units (1 ns), memory in KiB units.
@@ -107,9 +110,9 @@ def grad_variants(options: PlanOptions) -> tuple[tuple[bool, bool, bool, bool, b
     act_offload) variants the stage DP tries: ``heuristics.memory_variants``,
     each sharded one with ZeRO-2 off and / or on as ``options.grad_sharding``
     allows ([C-grad-shard]), each ZeRO-2 one with ZeRO-3 off and / or on as
-    ``options.param_sharding`` allows ([C-param-shard]), each without ZeRO-2
-    with optimizer offload off and / or on as ``options.offload`` allows
-    ([C-offload]), and each of those without recomputation with activation
+    ``options.param_sharding`` allows ([C-param-shard]), each with optimizer
+    offload off and / or on as ``options.offload`` allows ([C-offload]), and
+    each without recomputation or ZeRO-2 with activation
     offload off and / or on as ``options.activation_offload`` allows
     ([C-act-offload])."""
     from .heuristics import memory_variants
@@ -118,13 +121,13 @@ def grad_variants(options: PlanOptions) -> tuple[tuple[bool, bool, bool, bool, b
     return tuple((sh, rc, gs, ps, of, ao) for sh, rc in memory_variants(options)
                  for gs in (modes[options.grad_sharding] if sh else (False,))
                  for ps in (modes[options.param_sharding] if gs else (False,))
-                 for of in ((False,) if gs else modes[options.offload])
+                 for of in modes[options.offload]
                  for ao in ((False,) if gs or rc else modes[options.activation_offload]))
 
 
 def _level(variant) -> int:
     """The stage DP pass a variant joins: 0 (neither ZeRO-2 nor offload), 1 (ZeRO-2), 2 (an offload)."""
-    return 2 if variant[4] or variant[5] else 1 if variant[2] else 0
+    return 2 if variant[4] or variant[5] else 1 if variant[2] else 0  # (ZeRO-2 with offload: 2)
 
 
 def _units(devices: DeviceGraph, tab, speeds, order: str) -> list[tuple[int, ...]]:
@@ -307,16 +310,16 @@ class _Stages:
             fk = (fl, s > 0, v)  # what fits does not depend on the stage count: shared over n_s
             fits = g["fits"].get(fk)
             if fits is None:
-                fits = g["fits"][fk] = (self._fits_offload(g, fl, s > 0, sh, rc, of, ao) if of or ao
+                fits = g["fits"][fk] = (self._fits_offload(g, fl, s > 0, sh, rc, of, ao, gs, ps) if of or ao
                                         else self._fits(g["mem"], fl, s > 0, sh, rc, gs, ps)) & self.valid
             t = (g["comp_rc"] if rc else g["comp"]) + g["bnd"] + (g["ao_x"] if ao else 0)
             if ps:  # [C-param-shard]: the gathers' exposed time per micro-batch (objective.evaluate_units)
                 passes = 3 if rc else 2
                 comp = g["comp_rc"] if rc else g["comp"]
                 t = t + np.maximum(0, passes * g["gpass"] - comp) + passes * -(-g["gpass"] // self.nblocks)
-            c = mult * t + (g["zr3"] + g["opt_ps"] if ps else g["zr"] + g["opt_gs"] if gs
-                            else (g["arsh"] if sh else g["ar"]) + g["opt_of"][sh] if of
-                            else g["arsh"] + g["opt_sh"] if sh else g["ar"] + g["opt"])
+            sync = g["zr3"] if ps else g["zr"] if gs else g["arsh"] if sh else g["ar"]
+            c = mult * t + sync + (g["opt_of"][sh] if of else g["opt_ps"] if ps else g["opt_gs"] if gs
+                                   else g["opt_sh"] if sh else g["opt"])
             c = np.where(fits, c, _INF)
             better = c < best
             best = np.where(better, c, best)
@@ -330,24 +333,28 @@ class _Stages:
         return fl * n * self.act
 
     def _fits_offload(self, g, fl: int, not_first: bool, sharded: bool, recompute: bool, offload: bool = True,
-                      act_offload: bool = False):
+                      act_offload: bool = False, grad_sharded: bool = False, param_sharded: bool = False):
         """[C-memory], [C-shard] and [C-host-memory] of a variant with an offload ([C-offload],
         [C-act-offload]), all (i, j) (as ``objective.fill_policy`` and ``evaluate_units``)."""
         def act(n):  # on the GPU
             return n * self.act if act_offload else self._act(n, fl, not_first, recompute)
 
         ok = np.ones_like(self.valid)
-        rep = self.state - self.shard
+        rep, need = ((self.ps_rep, self.ps_shard) if param_sharded else (self.gs_rep, self.gs_shard) if grad_sharded
+                     else (self.state - self.shard, self.shard))
         held_dev = np.zeros_like(self.state)
+        dev_free = []  # per GPU of an offloaded ZeRO-2/3 stage: device KiB left for its shard's rest
         for (n, cap), c in g["mem"]:
-            if offload or not sharded:  # the shardable state in host memory, or all of it on the GPU
+            if not sharded:  # the shardable state in host memory, or all of it on the GPU
                 ok &= (rep if offload else self.state) + act(n) <= cap
-            else:  # ZeRO-1 shards on the GPUs, from the memory left
+            else:  # shards from the memory left (offloaded: only their gradients / weights are on the GPU)
                 free = cap - rep - act(n)
                 ok &= free >= 0
                 held_dev += c * (np.maximum(free, 0) // MIB_UNITS)
         if sharded and not offload:
-            ok &= MIB_UNITS * held_dev >= self.shard
+            ok &= MIB_UNITS * held_dev >= need
+        if sharded and offload and (grad_sharded or param_sharded):
+            dev_free = [np.maximum(self.tab.cap_bytes[x] - rep - act(n), 0) for x, n in zip(g["gpus"], g["samples"])]
         # Host memory per GPU: the in-flight activations, then the offloaded optimizer state.
         hfree = [hc - (fl * n * self.act if act_offload else 0) for n, hc in zip(g["samples"], g["hcap"])]
         for f in hfree:
@@ -359,8 +366,14 @@ class _Stages:
                 ok &= self.host <= f
             return ok
         host = np.maximum(self.host, 1)
-        held = sum((np.maximum(f, 0) * np.maximum(self.shard, 1) // host) // MIB_UNITS for f in hfree)
-        return ok & (MIB_UNITS * held >= self.shard)
+        need1 = np.maximum(need, 1)
+        per_gpu = [np.maximum(f, 0) * need1 // host for f in hfree]  # KiB of shard each host share holds
+        if dev_free:  # ZeRO-2/3: and each GPU holds the shard's gradients / weights
+            rest = np.maximum(need - self.shard, 1)
+            per_gpu = [np.where(need > self.shard, np.minimum(p, d * need1 // rest), p)
+                       for p, d in zip(per_gpu, dev_free)]
+        held = sum(p // MIB_UNITS for p in per_gpu)
+        return ok & (MIB_UNITS * held >= need)
 
     def _fits(self, mem, fl: int, not_first: bool, sharded: bool, recompute: bool, grad_sharded: bool = False,
               param_sharded: bool = False):
