@@ -307,3 +307,22 @@ def test_stage_dp_offloads_a_zero3_stage_where_only_that_fits():
     assert sim.peak_memory_bytes[:2] == ev.memory_bytes[0]
     roomy = solve_stage_dp(costs, devices(10), opts).decision
     assert roomy.param_sharded == (True,) and roomy.offload == (False,)
+
+
+def test_interleaved_three_microbatches_with_offload(lee_bytes, tmp_path):
+    """Interleaved, P = 2 groups, v = 2, M = 3 (not a multiple of P): group 0
+    (2 GPUs, 2:1 samples, ZeRO-1 shards 1:2 and 3:1) offloads the optimizer
+    of both its stages, group 1 (one GPU) its activations; bf16-mixed with
+    16-bit working weights. Equal to single-process training. (The planner
+    does not interleave offloaded plans; the runtime trains them.)"""
+    from conftest import fixed_plan, gpt4x64
+
+    captured = gpt4x64()
+    plan = fixed_plan(captured, ((0, 1), (2,), (0, 1), (2,)), ((2, 1), (3,), (2, 1), (3,)), num_microbatches=3,
+                      global_batch_size=9, interleave=2)
+    plan = with_memory_policy(plan, sharded={0, 2}, shard_bytes={0: (2**20, 2 * 2**20), 2: (3 * 2**20, 2**20)})
+    plan = with_act_offload(with_offload(with_low_precision(plan, captured), {0, 2}), {1, 3})
+    summaries, _ = train_and_compare(plan, captured, lee_bytes, tmp_path, steps=2, lr=LR, weight_decay=WEIGHT_DECAY,
+                                     precision="bf16-mixed")
+    assert all(summaries[r]["offload"] for r in (0, 1))
+    assert summaries[2]["activation_offload"]["offloaded_bytes"] > 0
