@@ -518,3 +518,22 @@ def test_sixteen_bit_working_weights_are_planned_priced_and_checked(tmp_path):
         path.write_text(json.dumps(bad))
         with pytest.raises(PlanFileError, match=message):
             Plan.load(path)
+
+
+def test_solver_verdict_says_what_is_proven():
+    """Issue 32 item 3: "proven optimal" only for a CP-SAT optimum returned as
+    it is (and over CP-SAT's model); an interleaved or heuristic plan is "the
+    best plan found"; every plan gets its distance to the throughput bound,
+    named as a bound no plan beats."""
+    from zorse_fx.plan import SolverReport
+
+    def report(status, bound=2.0):
+        return SolverReport(planner="cpsat", status=status, objective_s=3.0, best_bound_s=3.0, optimality_gap=0.0,
+                            wall_s=1.0, throughput_bound_s=bound)
+
+    assert report("OPTIMAL").verdict(3.0).startswith("proven optimal among the plans of CP-SAT's model")
+    assert "50% slower than the throughput bound 2.000 s" in report("OPTIMAL").verdict(3.0)
+    inter = report("OPTIMAL+INTERLEAVED").verdict(2.5)
+    assert inter.startswith("the best plan found (OPTIMAL+INTERLEAVED)") and "proven" not in inter
+    assert "25% slower than the throughput bound" in inter and "no plan of these options is faster" in inter
+    assert report("STAGE_DP", bound=0.0).verdict(3.0) == "the best plan found (STAGE_DP)"

@@ -339,6 +339,33 @@ class SolverReport:
     simulated_step_time_s: Seconds = field(default=0.0, metadata=OPTIONAL)
     simulated_max_memory_fraction: Fraction = field(default=0.0, metadata=OPTIONAL)
     simulated_bubble_fraction: Fraction = field(default=0.0, metadata=OPTIONAL)
+    #: A lower bound (s) on the step time of EVERY plan these options allow
+    #: (``solve.bounds.throughput_bound_s``: every GPU busy all step at its
+    #: speed, no communication, no bubble, perfect balance), whatever the state
+    #: layout, offload or interleaving (format 11; 0 = not recorded). The
+    #: plan table reports the plan's distance to it; ``best_bound_s`` is the
+    #: solver's own bound, over the solver's model only.
+    throughput_bound_s: Seconds = field(default=0.0, metadata=OPTIONAL)
+
+    def verdict(self, predicted_step_s: float) -> str:
+        """One sentence on how good the plan is, in words that mean what they say
+        (issue 32 item 3): "proven optimal" only for a CP-SAT optimum returned as
+        it is, and then over CP-SAT's model (one stage per GPU group, no ZeRO-2/3,
+        offload or interleaving); for every plan its distance to the throughput
+        bound, which holds for every plan."""
+        status = self.status
+        if status == "OPTIMAL":
+            words = ("proven optimal among the plans of CP-SAT's model (one stage per GPU group; no ZeRO-2/3, "
+                     "offload or interleaving)")
+        elif status == "FIXED":
+            words = "a decision given by hand, not searched"
+        else:
+            words = f"the best plan found ({status})"
+        if self.throughput_bound_s > 0 and predicted_step_s > 0:
+            over = predicted_step_s / self.throughput_bound_s - 1
+            words += (f"; {over:.0%} slower than the throughput bound {self.throughput_bound_s:.3f} s (every GPU "
+                      f"busy all step, no communication or bubble: no plan of these options is faster)")
+        return words
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

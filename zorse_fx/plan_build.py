@@ -89,11 +89,14 @@ def build_plan(
     precision: PrecisionPolicy,
     planner: str,
     check=None,
+    throughput_bound_s: float = 0.0,
 ) -> Plan:
     """Turn a planner decision into a ``Plan`` with generated stage sources;
     ``precision`` is the policy ``bg`` was priced under (``bg``'s tensor specs
     in its autocast dtypes, as ``pricing.price`` returns it); ``check``
-    (a ``sim.check.SimulationCheck``) fills ``plan.solver.simulated_*``."""
+    (a ``sim.check.SimulationCheck``) fills ``plan.solver.simulated_*``;
+    ``throughput_bound_s`` (``solve.bounds.throughput_bound_s``) fills
+    ``plan.solver.throughput_bound_s`` (0: not recorded)."""
     dec = result.decision
     programs = split_stages(bg, dec.stage_blocks)
     state = bg.captured.state()
@@ -197,6 +200,7 @@ def build_plan(
             solver_budget=options.solver_budget,
             wall_clock_stops=result.wall_clock_stops,
             candidates=tuple(c.to_dict() for c in result.candidates),
+            throughput_bound_s=throughput_bound_s,
             **({} if check is None else dict(
                 simulated_step_time_s=check.simulated_step_time_s,
                 simulated_max_memory_fraction=check.max_memory_fraction,

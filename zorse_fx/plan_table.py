@@ -110,7 +110,7 @@ def plan_table(plan: Plan) -> str:
         + f", {plan.num_stages} stages on {plan.world_size} GPUs\n"
         f"predicted step time {plan.predicted_step_time_s:.3f} s "
         f"({plan.tokens_per_step / plan.predicted_step_time_s:,.0f} tokens/s); "
-        f"planner {sv.planner}: {sv.status}, gap {sv.optimality_gap:.2%}, {sv.wall_s:.2f} s"
+        f"planner {sv.planner} in {sv.wall_s:.2f} s: {sv.verdict(plan.predicted_step_time_s)}"
         + (f"\nsimulated step time {sv.simulated_step_time_s:.3f} s "
            f"({sv.simulated_step_time_s / plan.predicted_step_time_s:.2f}x predicted), "
            f"bubble {sv.simulated_bubble_fraction:.0%}, peak memory "
@@ -124,24 +124,20 @@ def plan_table(plan: Plan) -> str:
                     f"{', '.join(str(s.index) for s in low)} ({sum(len(s.low_precision_params) for s in low)} "
                     f"matmul weights in {plan.precision_policy().compute_dtype_name}, their float32 masters in the "
                     f"ZeRO-1 shards: 6 + 12/k B per parameter on k GPUs instead of 10 + 8/k)")
-    zero3 = [s for s in plan.stages if s.param_sharded]
-    if zero3:
-        summary += (f"\nSharded parameters (ZeRO-3) on stage{'s' if len(zero3) > 1 else ''} "
-                    f"{', '.join(str(s.index) for s in zero3)}: each GPU keeps its shard of the working weights, "
-                    f"every block's gathered before its forward and again for its backward")
-    off = [s for s in plan.stages if s.offload_optimizer]
-    if off:
-        summary += (f"\nOptimizer offloaded on stage{'s' if len(off) > 1 else ''} "
-                    f"{', '.join(str(s.index) for s in off)}: AdamW moments and float32 masters in host memory, "
-                    f"stepped on the CPU (each step: gradients to the host, weights back over the host link)")
-    acts = [s for s in plan.stages if s.offload_activations]
-    if acts:
-        summary += (f"\nActivations offloaded on stage{'s' if len(acts) > 1 else ''} "
-                    f"{', '.join(str(s.index) for s in acts)}: what autograd saves waits in host memory between "
-                    f"a micro-batch's forward and backward (one micro-batch's on the GPU)")
-    zero2 = [s for s in plan.stages if s.grad_sharded and not s.param_sharded]
-    if zero2:
-        summary += (f"\nSharded gradients (ZeRO-2) on stage{'s' if len(zero2) > 1 else ''} "
-                    f"{', '.join(str(s.index) for s in zero2)}: every micro-batch's gradients reduced to the "
-                    f"shard owners, 4/k B per parameter on k GPUs instead of 4 on each")
+    for chosen, what, how in (
+            ([s for s in plan.stages if s.param_sharded], "Sharded parameters (ZeRO-3)",
+             "each GPU keeps its shard of the working weights, every block's gathered before its forward and again "
+             "for its backward"),
+            ([s for s in plan.stages if s.offload_optimizer], "Optimizer offloaded",
+             "AdamW moments and float32 masters in host memory, stepped on the CPU (each step: gradients to the "
+             "host, weights back over the host link)"),
+            ([s for s in plan.stages if s.offload_activations], "Activations offloaded",
+             "what autograd saves waits in host memory between a micro-batch's forward and backward (one "
+             "micro-batch's on the GPU)"),
+            ([s for s in plan.stages if s.grad_sharded and not s.param_sharded], "Sharded gradients (ZeRO-2)",
+             "every micro-batch's gradients reduced to the shard owners, 4/k B per parameter on k GPUs instead of "
+             "4 on each")):
+        if chosen:
+            summary += (f"\n{what} on stage{'s' if len(chosen) > 1 else ''} "
+                        f"{', '.join(str(s.index) for s in chosen)}: {how}")
     return buf.getvalue() + summary

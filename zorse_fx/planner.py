@@ -79,8 +79,13 @@ def plan_captured(
 
         raise InfeasiblePlanError(f"planner 'stage_dp': its best plan does not fit: "
                                   f"{list(next(c.violations for c in result.candidates if c.chosen))}")
+    from .solve.bounds import throughput_bound_s
+
+    bound = throughput_bound_s(costs, devices, options)  # valid for every plan of these options
     say(f"solved: {result.num_stages} stages, {result.decision.num_microbatches} micro-batches, "
-        f"status {result.status}, gap {result.optimality_gap:.2%}, {result.wall_s:.2f} s")
+        f"status {result.status}, {result.predicted_step_time_s / bound - 1:.0%} slower than the throughput "
+        f"bound {bound:.3f} s, {result.wall_s:.2f} s" if bound > 0 else
+        f"solved: {result.num_stages} stages, status {result.status}, {result.wall_s:.2f} s")
     if result.wall_clock_stops:  # [Note: reproducible plans]
         msg = (f"the wall-clock safety stop (time_limit_s={options.time_limit_s:g} s) ended "
                f"{result.wall_clock_stops} CP-SAT solve(s) before their budget (solver_budget="
@@ -96,7 +101,7 @@ def plan_captured(
         log.warning(w)
         say(f"warning: {w}")
     plan = build_plan(bg, cluster, result, options, model_name=model_name, label_mode=label_mode,
-                      precision=policy, planner=planner, check=check)
+                      precision=policy, planner=planner, check=check, throughput_bound_s=bound)
     say(f"codegen: {plan.num_stages} stage modules ({time.perf_counter() - t0:.1f} s total)")
     return plan, bg
 
