@@ -297,6 +297,15 @@ def _shape(r: dict) -> str:
     return s + (f", v = {r['interleave']}" if (r.get("interleave") or 1) > 1 else "")
 
 
+def _planner_s(r: dict | None) -> str:
+    """A row's planner time: wall seconds, and the CPU seconds of this process and its
+    forked CP-SAT children where the run recorded them (``planner_cpu_s``; issue 32 item 6)."""
+    if not r or r.get("planner_wall_s") is None:
+        return "-"
+    cpu = r.get("planner_cpu_s")
+    return _s(r["planner_wall_s"]) + (f" / {_s(cpu)}" if cpu is not None else "")
+
+
 def render_scenarios(rows: list[dict], name: str) -> list[str]:
     by = {}
     for r in rows:
@@ -316,8 +325,7 @@ def render_scenarios(rows: list[dict], name: str) -> list[str]:
             ratio = f"{z['tokens_per_s'] / best:.2f}x" if best else "-"
             sim, status = _sim_over_objective(z), z.get("status", "")
         bcell = f"{' = '.join(names)}: {_int(best)}" if names else "none feasible"
-        head.append([sc, notes.get(sc, ""), zcell, bcell, ratio, sim,
-                     _s(z["planner_wall_s"]) if z and z.get("planner_wall_s") is not None else "-", status])
+        head.append([sc, notes.get(sc, ""), zcell, bcell, ratio, sim, _planner_s(z), status])
     out = ["### Scenarios: zorse_fx against the best feasible baseline", "",
            "Tokens/s and the fraction of the scenario's upper bound (the sum of each GPU's standalone "
            "throughput) are the objective's for the plan; simulated / objective is the event-driven "
@@ -325,7 +333,7 @@ def render_scenarios(rows: list[dict], name: str) -> list[str]:
            "when its plan fits every GPU's memory. zorse_fx's portfolio includes the baselines' plans, so its "
            "ratio is >= 1.00 by construction.", ""]
     out += table(["scenario", "setting", "zorse_fx tokens/s (of bound)", "best feasible baseline: tokens/s",
-                  "zorse_fx / best baseline", "simulated / objective", "planner s", "status"], head)
+                  "zorse_fx / best baseline", "simulated / objective", "planner s (wall / CPU)", "status"], head)
 
     full = []
     for sc in scenarios:
@@ -334,20 +342,20 @@ def render_scenarios(rows: list[dict], name: str) -> list[str]:
         for p in _ordered(mine, PLANNER_ORDER):
             r = mine[p]
             if not _has_plan(r):
-                full.append([sc, p, "no plan"] + ["-"] * 8 + [_s(r.get("planner_wall_s") or 0.0)])
+                full.append([sc, p, "no plan"] + ["-"] * 8 + [_planner_s(r)])
                 continue
             ok = bool(r.get("feasible"))
             full.append([sc, p, "yes" if ok else "NO", _int(r["tokens_per_s"]), _pct(r["fraction_of_upper_bound"]),
                          _pct(r["mfu"], 1) if r.get("mfu") is not None else "-",
                          f"{r['tokens_per_s'] / best:.2f}x" if ok and best else "-", _shape(r),
                          r.get("gpus_used", "-"), _sim_over_objective(r), r.get("status", ""),
-                         _s(r.get("planner_wall_s") or 0.0)])
+                         _planner_s(r)])
     out += ["", "### Scenarios: every planner", "",
             "Stages x micro-batches (v: interleaved stages per GPU group); feasible NO: the plan overflows a "
             "GPU's memory (its tokens/s are the objective's, not reachable); the ratio is to the scenario's best "
             "feasible baseline.", ""]
     out += table(["scenario", "planner", "feasible", "tokens/s", "of bound", "MFU", "x best feasible baseline",
-                  "stages x micro-batches", "GPUs", "simulated / objective", "status", "planner s"], full)
+                  "stages x micro-batches", "GPUs", "simulated / objective", "status", "planner s (wall / CPU)"], full)
 
     out += ["", "Runs (each scenario's rows come from one run):", ""]
     for group, p in PROVENANCE.get(name, {}).items():
@@ -419,15 +427,17 @@ def render_scaling(rows: list[dict], name: str) -> list[str]:
     for r in sorted(rows, key=lambda r: (r["num_gpus"], r["num_layers"])):
         stages = f"{r['num_stages']}" + (f", v = {r['interleave']}" if (r.get("interleave") or 1) > 1 else "")
         sim = r.get("simulated_step_time_s")
-        body.append([r["num_gpus"], r["num_layers"], r["planner"], _s(r["planner_wall_s"]), r["status"],
+        body.append([r["num_gpus"], r["num_layers"], r["planner"], _planner_s(r), r["status"],
                      _pct(r["optimality_gap"]) if r.get("optimality_gap") is not None else "-",
                      _r3(r["step_time_s"]), _r3(sim) if sim else "-",
                      _r3(sim / r["step_time_s"]) if sim else "-", stages, r["gpus_used"]])
     out = ["### Planner scaling", "",
            "Synthetic clusters (8-GPU nodes, four GPU types round-robin); the gap is against the class-level "
            "throughput bound, which ignores communication, bubbles and memory (not a measured loss). Step times "
-           "are seconds.", ""]
-    out += table(["GPUs", "layers", "planner", "planner s", "status", "gap", "objective step", "simulated step",
+           "are seconds; planner s is wall / CPU seconds (CPU: the planner's process and its forked CP-SAT "
+           "solves; only the runs that recorded it).", ""]
+    out += table(["GPUs", "layers", "planner", "planner s (wall / CPU)", "status", "gap", "objective step",
+                  "simulated step",
                   "simulated / objective", "stages", "GPUs used"], body)
     return out + _source(PROVENANCE.get(name, {}))
 

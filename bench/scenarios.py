@@ -39,6 +39,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from _timing import cpu_s  # noqa: E402  (bench/, the directory of this script)
+
 CLUSTERS = ROOT / "examples" / "clusters"
 #: Blocks per model (``capture.analyse``): a transformer layer has two candidate cuts (after
 #: the attention and after the MLP residual add). Over 48 blocks, ``analyse`` keeps the layer
@@ -171,16 +173,17 @@ def run_scenario(sc: Scenario, args) -> list[dict]:
     planners = {"zorse_fx": partial(solve_portfolio, solver=cpsat), **BASELINES}
     rows = []
     for name, fn in planners.items():
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), cpu_s()
         try:
             res = fn(costs, devices, opts)
         except (InfeasiblePlanError, ValueError) as exc:
             rows.append({"scenario": sc.name, "planner": name, "feasible": False, "tokens_per_s": 0.0,
                          "upper_bound_tokens_per_s": ub, "planner_wall_s": time.perf_counter() - t0,
+                         "planner_cpu_s": cpu_s() - c0,
                          "error": str(exc).splitlines()[0][:300]})
             print(f"[{sc.name}] {name}: no plan ({type(exc).__name__})", flush=True)
             continue
-        wall = time.perf_counter() - t0
+        wall, cpu = time.perf_counter() - t0, cpu_s() - c0
         ev = evaluate_result(costs, devices, opts, res)
         step = ev.step_time_s
         sim_step = _simulate(costs, devices, opts, res)
@@ -192,7 +195,7 @@ def run_scenario(sc: Scenario, args) -> list[dict]:
             "upper_bound_tokens_per_s": ub, "fraction_of_upper_bound": tokens / ub,
             "mfu": flops_per_sample * sc.global_batch_size / step / peak,
             "step_time_s": step, "simulated_step_time_s": sim_step,
-            "planner_wall_s": wall, "status": res.status, "optimality_gap": res.optimality_gap,
+            "planner_wall_s": wall, "planner_cpu_s": cpu, "status": res.status, "optimality_gap": res.optimality_gap,
             "num_stages": res.num_stages, "num_microbatches": res.decision.num_microbatches,
             "interleave": res.decision.interleave,
             "gpus_used": len({g for gs in res.decision.stage_gpus for g in gs}),
