@@ -142,8 +142,7 @@ PROVENANCE = {
     # bench/LOG.md, "Planner scaling re-run under the NCCL program (issue 13 item 6, 2026-11-26, eleventh session)"
     "scaling.json": dict(
         command="bench/planner_scaling.py", note="5 deterministic CP-SAT seconds per candidate, the default",
-        code="66b3dec", machine=f"{CPU_MACHINE}, shared with two bench/bound_gap.py runs",
-        date="2026-11-26 19:13-19:23"),
+        code="1752332", machine=f"{CPU_MACHINE}, alone", date="2026-11-28 01:25-01:39"),
     # bench/README.md, method note "Sharded holders of a tied parameter"
     "objective_vs_sim.json": dict(
         command=("bench/objective_vs_sim.py --only amp,metis --solver-budget 1 --seeds 40 "
