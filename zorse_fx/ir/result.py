@@ -34,9 +34,10 @@ class Candidate:
 
     * ``"solve"``: one (S stages, M micro-batches) CP-SAT model (per GPU, or
       over ``num_groups`` GPU classes), with its ``status`` (OPTIMAL,
-      FEASIBLE, INFEASIBLE, UNKNOWN, CRASHED), step time and lower bound
-      (seconds; None where it found none), the heuristic ``hint`` that
-      warm-started it and what the solve cost;
+      FEASIBLE, INFEASIBLE, UNKNOWN, CRASHED; PRUNED: not solved, its lower
+      bound ``bounds.stage_count_lower_bound`` above a plan already found),
+      step time and lower bound (seconds; None where it found none), the
+      heuristic ``hint`` that warm-started it and what the solve cost;
     * ``"brute_force"``: one (S, M) of the exhaustive oracle;
     * ``"heuristic"``: a baseline's (``method``) or the stage DP's best plan
       for one (S, M), ``feasible`` or with its ``violations``, ``chosen`` on

@@ -93,7 +93,7 @@ from ..ir.costs import BlockCosts
 from ..ir.devices import DeviceGraph
 from ..ir.result import Candidate, SolverResult, with_safety_stop
 from ..options import PlanOptions
-from .bounds import explain_infeasible, throughput_lower_bound
+from .bounds import explain_infeasible, stage_count_lower_bound, throughput_lower_bound
 from .objective import UNIT_S, evaluate
 
 __all__ = ["CandidateSearch", "SolverCrash", "run_isolated"]
@@ -286,6 +286,24 @@ class CandidateSearch:
         if m not in self._tlb:
             self._tlb[m] = throughput_lower_bound(model.tab)
         return self._tlb[m]
+
+    def pruned(self, tab, num_stages: int) -> bool:
+        """Skip the candidate (S = ``num_stages``, M = ``tab.num_microbatches``) when its
+        lower bound (``bounds.stage_count_lower_bound``) is above the best objective a
+        candidate solved so far reached: it cannot hold a better plan, nor an equal one
+        (ties go to the earlier candidate anyway). Recorded as status "PRUNED" with that
+        bound, which the result's bound and OPTIMAL test then include. Deterministic:
+        the candidates are tried in a fixed order and only solved ones set the bar
+        (a heuristic's hint could be one CP-SAT does not reach)."""
+        if self.best is None:
+            return False
+        lb = stage_count_lower_bound(tab, num_stages)
+        if lb <= self.best[0]:
+            return False
+        self.bounds.append(lb)
+        self.cands.append(Candidate(kind="solve", num_stages=num_stages, num_microbatches=tab.num_microbatches,
+                                    status="PRUNED", best_bound_s=lb * UNIT_S, wall_s=0.0))
+        return True
 
     def _solver(self) -> cp_model.CpSolver:
         """A CP-SAT solver with a deterministic budget ([Note: reproducible plans])."""

@@ -16,7 +16,7 @@ from .objective import IntTables, _gib, max_stage_count, microbatch_candidates
 from .state_terms import extra_copies, unique_params
 from .tables import _prefix
 
-__all__ = ["throughput_lower_bound", "throughput_bound_s", "explain_infeasible"]
+__all__ = ["throughput_lower_bound", "throughput_bound_s", "explain_infeasible", "stage_count_lower_bound"]
 
 
 def _min_max_split(needs: list[int], k_max: int, less=None) -> tuple[int, list[tuple[int, int]]]:
@@ -73,6 +73,32 @@ def throughput_lower_bound(tab: IntTables) -> int:
     speed = sum(r[t] for t in tab.gpu_types)
     per_mb = Fraction(tab.microbatch_size * total) / speed
     return tab.num_microbatches * -(-per_mb.numerator // per_mb.denominator)
+
+
+def stage_count_lower_bound(tab: IntTables, num_stages: int) -> int:
+    """A lower bound (units) on the step time of every decision with S =
+    ``num_stages`` stages, one per GPU group (the CP-SAT candidates'), and
+    ``tab.num_microbatches`` = M: max(F, P) + (M - 1) max(ceil(F / S), P).
+
+    F = sum over blocks q of the smallest per-micro-batch fixed time over the
+    GPU types (``fixed_prefix``: kernel launches, paid once per micro-batch by
+    every GPU of the block's stage), P = ``throughput_lower_bound`` / M.
+    Proof: compute_g >= n_g W + F over its stage's blocks (recomputation,
+    ZeRO-3's exposed gathers and activation offload only add), so cmax_s >=
+    F_s, sum_s F_s >= F and max_s cmax_s >= ceil(F / S) (integers); and
+    max_s cmax_s >= P (``throughput_lower_bound``'s lemma). [C-objective]:
+    step >= sum_s t_s + (M - 1) T with t_s >= cmax_s and the period T >=
+    max_s cmax_s (1F1B: each stage's cycle; GPipe: T_F + T_B >= max_s F_s +
+    max_s B_s >= max_s cmax_s), the sync term >= 0. With small micro-batches
+    the fixed part dominates and the bound grows as S shrinks, which lets the
+    candidate search skip (S, M) pairs that cannot beat a plan in hand
+    (``_search.CandidateSearch.pruned``; issue 32 item 1)."""
+    m = tab.num_microbatches
+    types = sorted(set(tab.gpu_types))
+    fixed = sum(min(tab.fixed_prefix[t][q + 1] - tab.fixed_prefix[t][q] for t in types)
+                for q in range(tab.num_blocks))
+    per = throughput_lower_bound(tab) // m
+    return max(fixed, per) + (m - 1) * max(-(-fixed // max(num_stages, 1)), per)
 
 
 def throughput_bound_s(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions) -> float:

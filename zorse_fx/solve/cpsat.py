@@ -42,6 +42,8 @@ def solve_cpsat(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions, *
     for n_s in range(1, max_stage_count(costs, devices, options) + 1):
         for m in microbatch_candidates(options):
             tab = build_tables(costs, devices, options, m)
+            if search.pruned(tab, n_s):  # its lower bound is above a plan in hand
+                continue
             model = CandidateModel(tab, devices, options, groups, n_s)
             h = matching_hint(hints, n_s, m)
             if h is not None:

@@ -167,6 +167,8 @@ def solve_grouped(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions,
                 groups = _groups(devices, tab, False)
                 if aggregate_nodes or (aggregate_nodes is None and len(groups) > AGGREGATE_ABOVE):
                     groups = _groups(devices, tab, True)
+            if search.pruned(tab, n_s):  # its lower bound is above a plan in hand
+                continue
             model = CandidateModel(tab, devices, options, groups, n_s)
             h = matching_hint(hints, n_s, m)
             if h is not None:
