@@ -23,9 +23,9 @@ source (copied from ``reference/gpu_specs.csv`` and the standards it cites):
   (``ARCH_PCIE_GENERATION``, the reference table's ``host_link`` column: every
   Pascal, Volta and Turing row is Gen3 x16, Ampere, Ada and CDNA2 Gen4,
   Hopper, Blackwell and CDNA3 Gen5). A cluster-declared GPU type has no class:
-  Gen3, the slowest. These are line rates: pinned copies reach less (about
-  80-90% on PCIe; not measured here), so an offloaded plan's transfers are
-  priced optimistically by that much -- give ``host_link`` where measured.
+  Gen3, the slowest. These are line rates: pinned copies reach less (by how
+  much is not measured here), so an offloaded plan's transfers are priced
+  optimistically -- give ``host_link`` where measured.
 * host memory bandwidth: ``DEFAULT_HOST_MEMORY_BANDWIDTH_BYTES_PER_S`` =
   204.8 GB/s, one socket of eight DDR4-3200 channels (JEDEC DDR4-3200:
   3200 MT/s x 8 B = 25.6 GB/s per channel; AMD EPYC 7002/7003 have eight),

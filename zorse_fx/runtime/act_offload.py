@@ -92,4 +92,6 @@ class ActivationOffload:
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
     def summary(self) -> dict:
+        """``offloaded_bytes``: bytes of saved tensors copied to host memory so far;
+        ``kept_weights``: saved tensors left in place as weights (a count)."""
         return {"offloaded_bytes": self.offloaded_bytes, "kept_weights": self.kept}

@@ -186,7 +186,7 @@ class StageOptimizer:
         self.param_shards: ParamShards | None = None
         self.shard_group = shard_group if self.zero1 else None
         kw = dict(lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
-        if self.offload:  # the CPU's fused AdamW: 2.5x faster than foreach here (bench/README.md, "Offload")
+        if self.offload:  # the CPU's fused AdamW: ~5x the default foreach path here (bench/offload_cpu.py)
             kw["fused"] = True
         params = [getattr(stage.module, flat) for flat in plan_stage.params]
         #: 16-bit working weights (``StagePlan.low_precision_params``, under a mixed policy on a ZeRO-1
@@ -218,11 +218,12 @@ class StageOptimizer:
         #: ZeRO-1: (parameter, start, end, view) per overlap of a parameter with an owned range.
         self._pieces: list[tuple[torch.nn.Parameter, int, int, torch.Tensor]] = []
         if not self.zero1:
-            unique = list({id(p): p for p in params}.values())
-            #: What AdamW steps per parameter: the parameter, or offloaded, its host copy.
-            self._stepped = [self._host_copy(p) if self.offload else p for p in unique]
-            self.optimizer = torch.optim.AdamW(param_groups(list(zip(unique, self._stepped)), cfg.weight_decay),
-                                               **kw)
+            #: The stage's parameters, a tied one once, and what AdamW steps for each: the
+            #: parameter, or offloaded, its host copy.
+            self._unique = list({id(p): p for p in params}.values())
+            self._stepped = [self._host_copy(p) if self.offload else p for p in self._unique]
+            self.optimizer = torch.optim.AdamW(param_groups(list(zip(self._unique, self._stepped)),
+                                                            cfg.weight_decay), **kw)
             return
         pos = stage.position
         #: ZeRO-3 ([Note: sharded parameters] in param_shard.py): each buffer holds only the owned range.
@@ -320,8 +321,7 @@ class StageOptimizer:
         rank's ZeRO-1 overlap with it otherwise). Checkpoints key the AdamW
         moments by these ranges (``runtime/checkpoint.py``)."""
         if not self.zero1:
-            unique = {id(p): p for p in self.params}.values()
-            return [(self.canonical[id(p)], 0, p.numel(), t) for p, t in zip(unique, self._stepped)]
+            return [(self.canonical[id(p)], 0, p.numel(), t) for p, t in zip(self._unique, self._stepped)]
         return [(self.canonical[id(p)], lo, hi, view) for p, lo, hi, view in self._pieces]
 
     def owned_pieces(self) -> list[tuple[torch.nn.Parameter, int, int]]:
@@ -342,8 +342,7 @@ class StageOptimizer:
             if not self.offload:
                 self.optimizer.step()
                 return
-            unique = {id(p): p for p in self.params}.values()
-            for p, h in zip(unique, self._stepped):  # [Note: optimizer offload]: gradients to the host
+            for p, h in zip(self._unique, self._stepped):  # [Note: optimizer offload]: gradients to the host
                 g = self.grad_of(p)
                 h.grad = None if g is None else g.detach().to(device=self.host, dtype=h.dtype)
             self.optimizer.step()

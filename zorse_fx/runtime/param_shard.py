@@ -142,6 +142,8 @@ class ParamShards:
                 f"{stage.stage.source_file} has no UNITS (written before ZeRO-3); re-export the plan with `zorse plan`")
         self.stage = stage
         self.group = group
+        #: id(parameter) -> its owned (start, end, values) pieces, built at the first ``load_values``.
+        self._owned_by_param: dict[int, list] | None = None
         self.ranks = stage.stage.ranks
         self.position = stage.position
         module = stage.module
@@ -255,10 +257,15 @@ class ParamShards:
             return x.tensor
         return x
 
+    def hooks(self):
+        """The (pack, unpack) pair of ``saving``, for a caller that composes it with its own
+        (activation offload: [Note: activation offload] in act_offload.py)."""
+        return self._pack, self._unpack
+
     def saving(self):
         """The context a forward that autograd records runs in: saved working weights are re-gathered
         when the backward needs them."""
-        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        return torch.autograd.graph.saved_tensors_hooks(*self.hooks())
 
     def _on_grad(self, p: torch.Tensor) -> None:
         unit = self._unit_by_param[id(p)]
@@ -308,8 +315,8 @@ class ParamShards:
 
     def load_values(self, p: torch.nn.Parameter, value: torch.Tensor) -> None:
         """Set parameter ``p`` (whole value ``value``) where this GPU holds it: its owned range."""
-        if getattr(self, "_owned_by_param", None) is None:  # built once: a checkpoint load calls this per parameter
-            self._owned_by_param: dict[int, list] = {}
+        if self._owned_by_param is None:  # built once: a checkpoint load calls this per parameter
+            self._owned_by_param = {}
             for q, lo, hi, t in self.owned_values():
                 self._owned_by_param.setdefault(id(q), []).append((lo, hi, t))
         with torch.no_grad():

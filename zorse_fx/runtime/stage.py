@@ -171,8 +171,7 @@ class StageRuntime:
             if self.act_offload is None:
                 from .act_offload import ActivationOffload
 
-                inner = ((self.param_shards._pack, self.param_shards._unpack)
-                         if self.param_shards is not None else None)
+                inner = self.param_shards.hooks() if self.param_shards is not None else None
                 self.act_offload = ActivationOffload(self.module, self.device, inner)
             return self.act_offload.saving()
         return self.param_shards.saving() if self.param_shards is not None else contextlib.nullcontext()

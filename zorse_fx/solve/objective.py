@@ -230,7 +230,7 @@ from ..errors import InfeasiblePlanError
 from ..ir.costs import BlockCosts
 from ..ir.decision import Decision
 from ..ir.devices import DeviceGraph
-from ..options import SCHEDULES, PlanOptions
+from ..options import PlanOptions
 from .network_terms import (
     boundary_rows,
     drain_offsets,
@@ -242,8 +242,19 @@ from .network_terms import (
     tied_terms,
     untied_block_kib,
 )
-from .state_terms import (extra_copies, gathered_weight_kib, grad_shard_kib, offload_host_kib, stage_host_kib,
-                          stage_optim_units, stage_state_kib)
+# The memory policy and its terms live in memory_policy.py (re-exported: callers import them from here).
+from .memory_policy import (  # noqa: F401
+    MemoryPolicy,
+    act_host_units,
+    act_units,
+    act_xfer_units,
+    balance_shards,
+    fill_policy,
+    inflight,
+    offload_device_kib,
+    sharded_state_kib,
+)
+from .state_terms import offload_host_kib, stage_optim_units, stage_state_kib
 
 # The units and integer tables live in tables.py (re-exported: callers import them from here).
 from .tables import (  # noqa: F401
@@ -307,58 +318,6 @@ def max_stage_count(costs: BlockCosts, devices: DeviceGraph, options: PlanOption
     return min(options.max_stages, costs.num_blocks, devices.num_gpus)
 
 
-def inflight(schedule: str, num_stages: int, stage: int, num_microbatches: int) -> int:
-    """Micro-batches whose activations stage ``stage`` (0-based) holds at peak."""
-    if schedule == "1f1b":
-        return min(num_stages - stage, num_microbatches)
-    if schedule == "gpipe":
-        return num_microbatches
-    raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
-
-
-@dataclass(frozen=True, slots=True)
-class MemoryPolicy:
-    """Per stage: ZeRO-1 sharded?, the shard of each GPU in MiB (aligned with
-    the stage's GPUs; () when not sharded), recomputation? ([C-shard], [C-recompute]).
-
-    The evaluator's own view of a ``Decision``'s memory policy, shards always
-    chosen, used in the planners' inner loops (``evaluate_units``) where a
-    validated ``Decision`` per candidate would cost more than scoring it;
-    ``policy_decision`` turns a candidate and its policy into a ``Decision``."""
-
-    sharded: tuple[bool, ...]
-    shard_mib: tuple[tuple[int, ...], ...]
-    recompute: tuple[bool, ...]
-    #: Per stage: ZeRO-2 (gradients sharded too, [C-grad-shard]); () = none.
-    grad_sharded: tuple[bool, ...] = ()
-    #: Per stage: ZeRO-3 (weights sharded too, [C-param-shard]); () = none.
-    param_sharded: tuple[bool, ...] = ()
-    #: Per stage: optimizer offload ([C-offload]); () = none.
-    offload: tuple[bool, ...] = ()
-    #: Per stage: activation offload ([C-act-offload]); () = none.
-    act_offload: tuple[bool, ...] = ()
-
-    @classmethod
-    def plain(cls, num_stages: int) -> "MemoryPolicy":
-        return cls((False,) * num_stages, ((),) * num_stages, (False,) * num_stages)
-
-    def gs(self, s: int) -> bool:
-        """Whether stage ``s`` has sharded gradients (ZeRO-2)."""
-        return bool(self.grad_sharded) and self.grad_sharded[s]
-
-    def ps(self, s: int) -> bool:
-        """Whether stage ``s`` has sharded parameters (ZeRO-3)."""
-        return bool(self.param_sharded) and self.param_sharded[s]
-
-    def of(self, s: int) -> bool:
-        """Whether stage ``s`` offloads its optimizer ([C-offload])."""
-        return bool(self.offload) and self.offload[s]
-
-    def ao(self, s: int) -> bool:
-        """Whether stage ``s`` offloads its activations ([C-act-offload])."""
-        return bool(self.act_offload) and self.act_offload[s]
-
-
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StageUnits:
     """Integer terms of one decision (units = ns, memory in KiB units), per stage."""
@@ -381,130 +340,6 @@ class StageUnits:
             need <= tab.cap_bytes[g] for gs, needs in zip(stage_gpus, self.memory) for g, need in zip(gs, needs)
         ) and all(h <= (tab.host_cap[g] if tab.host_cap else 0)
                   for gs, hs in zip(stage_gpus, self.host) for g, h in zip(gs, hs) if h)
-
-
-def act_units(tab: IntTables, s: int, n_s: int, i: int, n: int, a: int, *, recompute: bool,
-              offload: bool = False) -> int:
-    """Activation KiB of a GPU with n samples on stage s (blocks from i, A_s = a);
-    ``offload`` ([C-act-offload]): one micro-batch's on the GPU."""
-    if offload:
-        return n * a
-    fl = inflight(tab.schedule, n_s, s, tab.num_microbatches)
-    return n * (fl * (tab.cut_kib[i] if s > 0 else 0) + a) if recompute else fl * n * a
-
-
-def act_host_units(tab: IntTables, s: int, n_s: int, n: int, a: int) -> int:
-    """[C-act-offload]: host KiB of a GPU with n samples on stage s (A_s = a): every micro-batch in flight."""
-    return inflight(tab.schedule, n_s, s, tab.num_microbatches) * n * a
-
-
-def act_xfer_units(tab: IntTables, g: int, n: int, a: int) -> int:
-    """[C-act-offload]: units of GPU g moving n x a KiB of saved activations to host memory and back."""
-    return -(-n * a * tab.act_per_mib[g] // MIB_UNITS) if tab.act_per_mib else 0
-
-
-def balance_shards(need_kib: int, free_mib, rate) -> tuple[int, ...] | None:
-    """Whole-MiB shards ``z_g <= free_mib[g]`` with ``MIB_UNITS * sum z >= need_kib``
-    minimising ``max_g z_g * rate[g]`` (the stage's sharded optimizer time;
-    ``rate`` = units per MiB). Binary search on that maximum, then surplus
-    MiB are taken back from the slowest shards. None if the free memory
-    cannot hold the state."""
-    need = -(-need_kib // MIB_UNITS)
-    free = [max(0, int(f)) for f in free_mib]
-    if sum(free) < need:
-        return None
-
-    def take(limit):
-        return [min(f, limit // r) if r > 0 else f for f, r in zip(free, rate)]
-
-    lo, hi = 0, max((f * r for f, r in zip(free, rate)), default=0)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if sum(take(mid)) >= need:
-            hi = mid
-        else:
-            lo = mid + 1
-    z = take(lo)
-    surplus = sum(z) - need
-    for g in sorted(range(len(z)), key=lambda g: (-z[g] * rate[g], g)):
-        if surplus <= 0:
-            break
-        d = min(surplus, z[g])
-        z[g] -= d
-        surplus -= d
-    return tuple(z)
-
-
-def sharded_state_kib(tab: IntTables, i: int, j: int, grad_sharded: bool,
-                      param_sharded: bool = False) -> tuple[int, int]:
-    """(replicated, shardable) KiB of a sharded stage over blocks [i, j): R_s and
-    Q_s ([C-shard]), under ZeRO-2 R_s - G-_s + the reduction buffers and Q_s +
-    G+_s ([C-grad-shard], ``state_terms.grad_shard_kib``), under ZeRO-3 the
-    buffers, the weights of GATHERED_UNITS consecutive blocks and the tied
-    weights, and the rest ([C-param-shard])."""
-    state, shard = stage_state_kib(tab, i, j)
-    if not grad_sharded:
-        return state - shard, shard
-    up, down, transient = grad_shard_kib(tab, i, j)
-    down = min(down, state - shard)  # (the replicated state holds the float32 gradients: 4 of its B/param)
-    if param_sharded:  # the gradients the shards do not take (tied, all-reduced) stay whole
-        grads = tab.grad_kib_prefix[j] - tab.grad_kib_prefix[i] - sum(
-            c * tab.tied_grad_kib[t] for t, c in extra_copies(tab.tied_blocks, i, j))
-        return transient + gathered_weight_kib(tab, i, j) + max(0, grads - up), state - grads + up
-    return state - shard - down + transient, shard + up
-
-
-def offload_device_kib(z_mib: int, need: int, q: int) -> int:
-    """[C-offload]: KiB of an offloaded stage's shard of ``z_mib`` MiB that stay on
-    the GPU: its part of the stage's shardable state ``need`` (KiB) that is not
-    the optimizer's ``q`` (ZeRO-2's gradient shard, ZeRO-3's weight shard; 0
-    under ZeRO-1, where need == q)."""
-    return -(-z_mib * MIB_UNITS * max(0, need - q) // max(need, 1))
-
-
-def fill_policy(tab: IntTables, stage_blocks, stage_gpus, samples, sharded, recompute,
-                grad_sharded=(), param_sharded=(), offload=(), act_offload=()) -> MemoryPolicy:
-    """A MemoryPolicy for the given per-stage flags with each sharded stage's
-    shards chosen by ``balance_shards`` on the memory left after the replicated
-    state and the activations, or, offloaded ([C-offload]), on the host memory
-    (when even that cannot hold the state, shards proportional to the free
-    memory: ``evaluate`` then reports the breach)."""
-    n_s = len(stage_blocks)
-    grad_sharded = tuple(bool(x) for x in grad_sharded) or (False,) * n_s
-    param_sharded = tuple(bool(x) for x in param_sharded) or (False,) * n_s
-    offload = tuple(bool(x) for x in offload) or (False,) * n_s
-    act_offload = tuple(bool(x) for x in act_offload) or (False,) * n_s
-    shards = []
-    for s, ((i, j), gpus, ns) in enumerate(zip(stage_blocks, stage_gpus, samples)):
-        if not sharded[s]:
-            shards.append(())
-            continue
-        rep, need = sharded_state_kib(tab, i, j, grad_sharded[s], param_sharded[s])
-        a = tab.act_prefix[j] - tab.act_prefix[i]
-        if offload[s]:  # the shards' optimizer part in host memory, H_s / N_s KiB of it per KiB of shard
-            host, cap = stage_host_kib(tab, i, j), tab.host_cap or (0,) * tab.num_gpus
-            q = stage_state_kib(tab, i, j)[1]
-            free = []
-            for g, n in zip(gpus, ns):
-                f = max(0, cap[g] - (act_host_units(tab, s, n_s, n, a) if act_offload[s] else 0)) * need // max(host, 1)
-                if need > q:  # ZeRO-2/3: the rest of the shard on the GPU
-                    dev = tab.cap_bytes[g] - rep - act_units(tab, s, n_s, i, n, a, recompute=recompute[s],
-                                                             offload=act_offload[s])
-                    f = min(f, max(0, dev) * need // (need - q))
-                free.append(f // MIB_UNITS)
-            z = balance_shards(need, free, [-(-tab.off_per_mib[g] * host // max(need, 1)) for g in gpus])
-        else:
-            free = [(tab.cap_bytes[g] - rep - act_units(tab, s, n_s, i, n, a, recompute=recompute[s],
-                                                        offload=act_offload[s])) // MIB_UNITS
-                    for g, n in zip(gpus, ns)]
-            z = balance_shards(need, free, [tab.opt_per_mib[tab.gpu_mbw_class[g]] for g in gpus])
-        if z is None:
-            need_mib, fr = -(-need // MIB_UNITS), [max(f, 0) for f in free]
-            tot = sum(fr) or len(fr)
-            z = [-(-need_mib * (f if sum(fr) else 1) // tot) for f in fr]
-        shards.append(tuple(z))
-    return MemoryPolicy(tuple(bool(x) for x in sharded), tuple(shards), tuple(bool(x) for x in recompute),
-                        grad_sharded, param_sharded, offload, act_offload)
 
 
 def policy_decision(stage_blocks, stage_gpus, samples, num_microbatches: int, policy: MemoryPolicy,
@@ -625,11 +460,11 @@ def evaluate_units(tab: IntTables, stage_blocks, stage_gpus, samples, policy: Me
             mem.append(tuple(rep + MIB_UNITS * zg + act_units(tab, s, n_s, i, n, a, recompute=rc, offload=ao)
                              for n, zg in zip(ns, z)))
             unc.append(max(0, shard - MIB_UNITS * sum(z)))
+            host.append((0,) * len(gpus))
         else:
             opt.append(max(stage_optim_units(tab, q, i, j) for q in {tab.gpu_mbw_class[g] for g in gpus}))
             mem.append(tuple(state + act_units(tab, s, n_s, i, n, a, recompute=rc, offload=ao) for n in ns))
             unc.append(0)
-        if len(host) < len(mem):
             host.append((0,) * len(gpus))
         if ao:  # [C-act-offload]: every micro-batch in flight in host memory
             host[s] = tuple(h + act_host_units(tab, s, n_s, n, a) for h, n in zip(host[s], ns))

@@ -328,39 +328,39 @@ class _Stages:
         return best, arg
 
     def _act(self, n: int, fl: int, not_first: bool, recompute: bool):
+        """Activation KiB of a GPU with ``n`` samples for every (i, j) (``objective.act_units``)."""
         if recompute:
             return n * (fl * (self.cut_in if not_first else 0) + self.act)
         return fl * n * self.act
+
+    def _layout(self, grad_sharded: bool, param_sharded: bool):
+        """(replicated, shardable) KiB matrices of a sharded stage under its layout
+        (``objective.sharded_state_kib``: ZeRO-1, [C-grad-shard], [C-param-shard])."""
+        if param_sharded:
+            return self.ps_rep, self.ps_shard
+        if grad_sharded:
+            return self.gs_rep, self.gs_shard
+        return self.state - self.shard, self.shard
 
     def _fits_offload(self, g, fl: int, not_first: bool, sharded: bool, recompute: bool, offload: bool = True,
                       act_offload: bool = False, grad_sharded: bool = False, param_sharded: bool = False):
         """[C-memory], [C-shard] and [C-host-memory] of a variant with an offload ([C-offload],
         [C-act-offload]), all (i, j) (as ``objective.fill_policy`` and ``evaluate_units``)."""
+        # Host memory per GPU: the in-flight activations, then the offloaded optimizer state.
+        hfree = [hc - (fl * n * self.act if act_offload else 0) for n, hc in zip(g["samples"], g["hcap"])]
+        ok = np.ones_like(self.valid)
+        for f in hfree:
+            ok &= f >= 0
+        if not offload:  # activations only: the state on the GPU as without offload
+            return ok & self._fits(g["mem"], fl, not_first, sharded, recompute, grad_sharded, param_sharded,
+                                   act_offload)
+
         def act(n):  # on the GPU
             return n * self.act if act_offload else self._act(n, fl, not_first, recompute)
 
-        ok = np.ones_like(self.valid)
-        rep, need = ((self.ps_rep, self.ps_shard) if param_sharded else (self.gs_rep, self.gs_shard) if grad_sharded
-                     else (self.state - self.shard, self.shard))
-        held_dev = np.zeros_like(self.state)
-        dev_free = []  # per GPU of an offloaded ZeRO-2/3 stage: device KiB left for its shard's rest
-        for (n, cap), c in g["mem"]:
-            if not sharded:  # the shardable state in host memory, or all of it on the GPU
-                ok &= (rep if offload else self.state) + act(n) <= cap
-            else:  # shards from the memory left (offloaded: only their gradients / weights are on the GPU)
-                free = cap - rep - act(n)
-                ok &= free >= 0
-                held_dev += c * (np.maximum(free, 0) // MIB_UNITS)
-        if sharded and not offload:
-            ok &= MIB_UNITS * held_dev >= need
-        if sharded and offload and (grad_sharded or param_sharded):
-            dev_free = [np.maximum(self.tab.cap_bytes[x] - rep - act(n), 0) for x, n in zip(g["gpus"], g["samples"])]
-        # Host memory per GPU: the in-flight activations, then the offloaded optimizer state.
-        hfree = [hc - (fl * n * self.act if act_offload else 0) for n, hc in zip(g["samples"], g["hcap"])]
-        for f in hfree:
-            ok &= f >= 0
-        if not offload:
-            return ok
+        rep, need = self._layout(grad_sharded, param_sharded)
+        for (n, cap), _ in g["mem"]:  # the optimizer's state in host memory (a shard's gradients / weights: below)
+            ok &= rep + act(n) <= cap
         if not sharded:
             for f in hfree:
                 ok &= self.host <= f
@@ -368,36 +368,33 @@ class _Stages:
         host = np.maximum(self.host, 1)
         need1 = np.maximum(need, 1)
         per_gpu = [np.maximum(f, 0) * need1 // host for f in hfree]  # KiB of shard each host share holds
-        if dev_free:  # ZeRO-2/3: and each GPU holds the shard's gradients / weights
+        if grad_sharded or param_sharded:  # and each GPU holds the shard's gradients / weights
             rest = np.maximum(need - self.shard, 1)
+            dev_free = [np.maximum(self.tab.cap_bytes[x] - rep - act(n), 0) for x, n in zip(g["gpus"], g["samples"])]
             per_gpu = [np.where(need > self.shard, np.minimum(p, d * need1 // rest), p)
                        for p, d in zip(per_gpu, dev_free)]
         held = sum(p // MIB_UNITS for p in per_gpu)
         return ok & (MIB_UNITS * held >= need)
 
     def _fits(self, mem, fl: int, not_first: bool, sharded: bool, recompute: bool, grad_sharded: bool = False,
-              param_sharded: bool = False):
-        """[C-memory] / [C-shard] for every (i, j) at once (as heuristics.stage_fits)."""
+              param_sharded: bool = False, act_offload: bool = False):
+        """[C-memory] / [C-shard] for every (i, j) at once (as heuristics.stage_fits);
+        ``act_offload``: one micro-batch's activations on the GPU ([C-act-offload])."""
         def act(n):
-            if recompute:
-                return n * (fl * (self.cut_in if not_first else 0) + self.act)
-            return fl * n * self.act
+            return n * self.act if act_offload else self._act(n, fl, not_first, recompute)
 
+        ok = np.ones_like(self.valid)
         if not sharded:
-            ok = np.ones_like(self.valid)
             for (n, cap), _ in mem:
                 ok &= self.state + act(n) <= cap
             return ok
-        rep, need = ((self.ps_rep, self.ps_shard) if param_sharded else (self.gs_rep, self.gs_shard) if grad_sharded
-                     else (self.state - self.shard, self.shard))
-        ok = np.ones_like(self.valid)
+        rep, need = self._layout(grad_sharded, param_sharded)
         held = np.zeros_like(self.state)
         for (n, cap), c in mem:
             free = cap - rep - act(n)
             ok &= free >= 0
             held += c * (np.maximum(free, 0) // MIB_UNITS)
         return ok & (MIB_UNITS * held >= need)
-
 
 def _dp(st: _Stages, n_s: int, idle: bool = False, level: int = 1):
     """Best split into n_s stages over all blocks and all units (``idle``: over a
