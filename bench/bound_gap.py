@@ -74,7 +74,7 @@ def run(sc, args) -> list[dict]:
     from zorse_fx.cluster import Cluster
     from zorse_fx.errors import InfeasiblePlanError
     from zorse_fx.options import PlanOptions
-    from zorse_fx.portfolio import solve_portfolio
+    from zorse_fx.portfolio import auto_planner, solve_portfolio
     from zorse_fx.solve import solve_cpsat, solve_grouped
     from zorse_fx.solve.objective import evaluate_result
 
@@ -85,7 +85,7 @@ def run(sc, args) -> list[dict]:
                        time_limit_s=args.time_limit, solver_budget=args.solver_budget,
                        max_microbatches=args.max_microbatches,
                        sharding="auto", recompute="auto", max_interleave=args.max_interleave)
-    plan = partial(solve_portfolio, solver=solve_cpsat if len(cluster) <= 16 else solve_grouped)
+    plan = partial(solve_portfolio, solver=(solve_cpsat if auto_planner(len(cluster)) == "cpsat" else solve_grouped))
     rows = []
     for variant in args.variants:
         devices = idealise(cluster.device_graph(), variant)

@@ -57,7 +57,7 @@ def scenario_rows(names: str, budget: float) -> list[dict]:
     from zorse_fx.cluster import Cluster
     from zorse_fx.errors import InfeasiblePlanError
     from zorse_fx.options import PlanOptions
-    from zorse_fx.portfolio import solve_portfolio
+    from zorse_fx.portfolio import auto_planner, solve_portfolio
     from zorse_fx.solve import solve_cpsat, solve_grouped
 
     rows = []
@@ -68,7 +68,7 @@ def scenario_rows(names: str, budget: float) -> list[dict]:
         opts = PlanOptions(global_batch_size=sc.global_batch_size, max_stages=sc.max_stages, time_limit_s=100.0,
                            solver_budget=budget, max_microbatches=64, sharding="auto", recompute="auto",
                            max_interleave=4)
-        cpsat = solve_cpsat if len(cluster) <= 16 else solve_grouped
+        cpsat = solve_cpsat if auto_planner(len(cluster)) == "cpsat" else solve_grouped
         for name, fn in {"zorse_fx": partial(solve_portfolio, solver=cpsat), **BASELINES}.items():
             t0 = time.perf_counter()
             try:
@@ -88,7 +88,7 @@ def scaling_rows(sizes: str) -> list[dict]:
     from planner_scaling import instance
 
     from zorse_fx.options import PlanOptions
-    from zorse_fx.portfolio import solve_portfolio
+    from zorse_fx.portfolio import auto_planner, solve_portfolio
     from zorse_fx.solve import solve_cpsat, solve_grouped
 
     rows = []
@@ -97,7 +97,7 @@ def scaling_rows(sizes: str) -> list[dict]:
         costs, devices = instance(num_gpus, min(2 * layers, 64))
         options = PlanOptions(global_batch_size=max(64, num_gpus), max_stages=4, num_microbatches=(8,),
                               solver_budget=2.0, seed=0, sharding="never", recompute="never")
-        res = solve_portfolio(costs, devices, options, solve_cpsat if num_gpus <= 16 else solve_grouped)
+        res = solve_portfolio(costs, devices, options, (solve_cpsat if auto_planner(num_gpus) == "cpsat" else solve_grouped))
         rows.append(_row("scaling (planner_scaling.py)", f"{num_gpus} GPUs x {layers} layers", costs, devices,
                          options, res))
         print(f"[scaling] {item}: sim / objective {rows[-1]['ratio_nccl']:.3f} NCCL, {rows[-1]['ratio']:.3f} "

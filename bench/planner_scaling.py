@@ -78,7 +78,7 @@ def main() -> int:
     args = ap.parse_args()
     sizes = [tuple(int(x) for x in item.split("x")) for item in args.sizes.split(",") if item]
     from zorse_fx.options import PlanOptions
-    from zorse_fx.portfolio import solve_portfolio
+    from zorse_fx.portfolio import auto_planner, solve_portfolio
     from zorse_fx.sim.check import check_result
     from zorse_fx.solve import solve_cpsat, solve_grouped
 
@@ -88,7 +88,7 @@ def main() -> int:
         options = PlanOptions(global_batch_size=max(64, num_gpus), max_stages=4, num_microbatches=(8,),
                               solver_budget=args.solver_budget, seed=0, sharding="never",
                               recompute="never")
-        solve = solve_cpsat if num_gpus <= 16 else solve_grouped
+        solve = solve_cpsat if auto_planner(num_gpus) == "cpsat" else solve_grouped
         t0, c0 = time.perf_counter(), cpu_s()
         res = solve_portfolio(costs, devices, options, solve)
         wall, cpu = time.perf_counter() - t0, cpu_s() - c0

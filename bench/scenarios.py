@@ -166,10 +166,10 @@ def run_scenario(sc: Scenario, args) -> list[dict]:
     # zorse_fx's planner="auto": per-GPU CP-SAT up to 16 GPUs, class-level CP-SAT beyond.
     from functools import partial
 
-    from zorse_fx.portfolio import solve_portfolio
+    from zorse_fx.portfolio import auto_planner, solve_portfolio
     from zorse_fx.solve import solve_grouped
 
-    cpsat = solve_cpsat if len(cluster) <= 16 else solve_grouped
+    cpsat = solve_cpsat if auto_planner(len(cluster)) == "cpsat" else solve_grouped
     planners = {"zorse_fx": partial(solve_portfolio, solver=cpsat), **BASELINES}
     rows = []
     for name, fn in planners.items():

@@ -534,6 +534,32 @@ def reference_or_same_error(reference, solve, costs, devices, options):
         return None
 
 
+def assert_candidates_agree(res, ref):
+    """Every (S, M) candidate CP-SAT (``res``) solved has the optimum ``ref`` (brute
+    force, or a CP-SAT run of the same model) found for it; one it proved could
+    not beat its bar (NO_BETTER, PRUNED: [Note: incumbent cutoff] in
+    solve/_search.py) has no ``ref`` plan below that bar's bound; an INFEASIBLE
+    one has none. (S, M) pairs ``ref`` itself did not solve are not compared."""
+    from zorse_fx.solve.objective import UNITS_PER_S
+
+    brute = {(b["num_stages"], b["num_microbatches"]): b["step_time_s"] for b in candidate_dicts(ref)
+             if b.get("status") not in ("NO_BETTER", "PRUNED")}
+    solved = 0
+    for a in candidate_dicts(res):
+        key = (a["num_stages"], a["num_microbatches"])
+        if key not in brute:
+            continue
+        want = brute[key]
+        if a["status"] == "OPTIMAL":
+            assert want is not None and round(a["step_time_s"] * UNITS_PER_S) == round(want * UNITS_PER_S), a
+            solved += 1
+        elif a["status"] in ("NO_BETTER", "PRUNED"):
+            assert want is None or round(want * UNITS_PER_S) >= round(a["best_bound_s"] * UNITS_PER_S), (a, want)
+        else:
+            assert a["status"] == "INFEASIBLE" and want is None, (a, want)
+    assert solved >= 1
+
+
 def assert_cpsat_equals_brute_force(costs, devices, options, *, optimal: bool = True):
     """CP-SAT's optimum is brute force's and both equal ``evaluate`` to the ns:
     ``solve_cpsat``'s answer (status OPTIMAL where ``optimal``) is feasible under

@@ -366,6 +366,35 @@ def test_helpers():
     assert min_max_partition(4, 2, lambda s, i, j: j - i, fits=lambda s, i, j: j - i <= 1) is None
 
 
+@pytest.mark.parametrize("seed", range(20))
+def test_min_max_partition_equals_enumeration(seed):
+    """The vectorised DP's split has the smallest largest cost of all contiguous
+    splits that fit (enumerated), and among those the first in the DP's tie order
+    (each stage's start as small as possible, from the last stage back)."""
+    import itertools
+
+    rng = random.Random(seed)
+    nb, n_s = rng.randint(2, 9), rng.randint(1, 4)
+    if n_s > nb:
+        n_s = nb
+    cost = {(s, i, j): rng.choice([rng.randint(0, 5), rng.randint(0, 50)]) for s in range(n_s)
+            for i in range(nb) for j in range(i + 1, nb + 1)}
+    fits = {k: rng.random() < 0.8 for k in cost}
+    got = min_max_partition(nb, n_s, lambda s, i, j: cost[s, i, j], lambda s, i, j: fits[s, i, j])
+    splits = []
+    for cuts in itertools.combinations(range(1, nb), n_s - 1):
+        edges = (0, *cuts, nb)
+        parts = tuple(zip(edges[:-1], edges[1:]))
+        if all(fits[s, i, j] for s, (i, j) in enumerate(parts)):
+            splits.append((max(cost[s, i, j] for s, (i, j) in enumerate(parts)), parts))
+    if not splits:
+        assert got is None
+        return
+    best = min(v for v, _ in splits)
+    assert got is not None and max(cost[s, i, j] for s, (i, j) in enumerate(got)) == best
+    assert got in {p for v, p in splits if v == best}
+
+
 SEEDS = 12
 
 
@@ -599,6 +628,7 @@ def test_metis_layers_fit_the_memory_variant(seed):
     allow: when some split of the blocks fits (sharded / recomputing), its
     split fits too."""
     from zorse_fx.baselines.metis import _layers
+    from zorse_fx.solve.heuristics import StageMatrices
 
     rng = random.Random(seed)
     costs, devices, _ = _random(seed)
@@ -616,7 +646,7 @@ def test_metis_layers_fit_the_memory_variant(seed):
             def ok(blocks):
                 return all(stage_fits(tab, s, 2, i, j, groups[s], sharded=sh, recompute=rc) for s, (i, j) in enumerate(blocks))
             some = any(ok(((0, c), (c, nb))) for c in range(1, nb))
-            got = _layers(tab, stages, samples, nb, sh, rc)
+            got = _layers(StageMatrices(tab), stages, samples, sh, rc)
             assert ok(got) == some, (sh, rc, got)
             met += some and not any(all(stage_fits(tab, s, 2, i, j, groups[s], sharded=False, recompute=False)
                                         for s, (i, j) in enumerate(((0, c), (c, nb)))) for c in range(1, nb))

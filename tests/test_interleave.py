@@ -162,3 +162,21 @@ def test_portfolio_interleaves_its_answer():
     assert evaluate_result(costs, devices, options, res).feasible
     flat = solve_portfolio(costs, devices, dataclasses.replace(options, max_interleave=1), solve_cpsat)
     assert flat.decision.interleave == 1 and res.predicted_step_time_s < flat.predicted_step_time_s
+
+
+@pytest.mark.parametrize("shape", [("1f1b", 4, 2, 4), ("1f1b", 8, 3, 6), ("1f1b", 5, 2, 6), ("1f1b", 3, 1, 3),
+                                   ("gpipe", 4, 1, 3), ("1f1b", 16, 4, 8)])
+def test_replay_tape_equals_the_replay(shape):
+    """[Note: replay tape]: ``program_ends`` (the shape's tape, evaluated level by level)
+    equals the replay of the program itself on integer times, for random durations
+    (including zeros, where ties decide nothing)."""
+    from zorse_fx.solve.pipeline_terms import _Concrete, program_ends, replay_program
+
+    schedule, m, v, n_s = shape
+    rng = random.Random(n_s * 100 + m)
+    for _ in range(6):
+        fwd = [rng.choice([0, rng.randint(1, 10**9)]) for _ in range(n_s)]
+        bwd = [rng.randint(0, 2 * 10**9) for _ in range(n_s)]
+        half = [rng.choice([0, rng.randint(1, 10**8)]) for _ in range(n_s - 1)]
+        assert program_ends(schedule, m, v, fwd, bwd, half) == replay_program(schedule, m, v, n_s,
+                                                                               _Concrete(fwd, bwd, half))

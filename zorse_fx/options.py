@@ -43,11 +43,13 @@ class PlanOptions:
     #: Fraction of each GPU's memory a plan may fill (rest: allocator, CUDA
     #: context, fragmentation).
     memory_fraction: float = 0.9
-    #: CP-SAT's work budget per (stages, micro-batches) candidate, in CP-SAT
-    #: deterministic seconds (``max_deterministic_time``: work units counted
-    #: by the solver, about a second of one worker on an idle machine but
-    #: independent of the machine's load), so the same inputs give the same
-    #: plan ([Note: reproducible plans] in ``solve/_search.py``).
+    #: CP-SAT's work budget for the whole (stages, micro-batches) search, in
+    #: CP-SAT deterministic seconds (``max_deterministic_time``: work units
+    #: counted by the solver, about a second of one worker on an idle machine
+    #: but independent of the machine's load), so the same inputs give the same
+    #: plan ([Note: reproducible plans], [Note: search budget] in
+    #: ``solve/_search.py``). More buys a better plan or a proof, never
+    #: feasibility: the heuristics' plan is kept when CP-SAT finds nothing better.
     solver_budget: float = 5.0
     #: Wall-clock safety stop per CP-SAT solve, seconds. Only a safety stop:
     #: when it fires before ``solver_budget`` is spent, the answer depends on
@@ -64,7 +66,8 @@ class PlanOptions:
     num_workers: int = 1
     #: Random seed for CP-SAT (``random_seed``; reproducible plans).
     seed: int = 0
-    #: "auto" (per-GPU CP-SAT up to 16 GPUs, class-level CP-SAT beyond),
+    #: "auto" (per-GPU CP-SAT up to 8 GPUs, class-level CP-SAT beyond:
+    #: ``portfolio.auto_planner``),
     #: "cpsat", "grouped" (each checked against the heuristics, which also
     #: warm-start it), "stage_dp" (only the memory-first stage DP: seconds at
     #: 1024 GPUs, no CP-SAT, no optimality gap) or "brute_force" (tiny instances only).

@@ -57,7 +57,9 @@ def plan_captured(
 
     planner = options.planner
     if planner == "auto":
-        planner = "cpsat" if len(cluster) <= 16 else "grouped"
+        from .portfolio import auto_planner
+
+        planner = auto_planner(len(cluster))
     solve = {"cpsat": solve_cpsat, "grouped": solve_grouped, "brute_force": solve_brute_force,
              "stage_dp": solve_stage_dp}[planner]  # PlanOptions checked the name
     from .portfolio import solve_portfolio

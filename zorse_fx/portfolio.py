@@ -51,7 +51,22 @@ from .ir.devices import DeviceGraph
 from .ir.result import Candidate, SolverResult, with_safety_stop
 from .options import PlanOptions
 
-__all__ = ["solve_portfolio", "LARGE_CLUSTER_GPUS", "CHEAP_BASELINES"]
+__all__ = ["solve_portfolio", "LARGE_CLUSTER_GPUS", "CHEAP_BASELINES", "PER_GPU_MAX_GPUS", "auto_planner"]
+
+#: ``planner="auto"``: the per-GPU CP-SAT model up to this many GPUs, the
+#: class-level one (``solve/grouped.py``, GPUs of one class in one group)
+#: beyond. At 16 GPUs the per-GPU model has 4,700-7,700 variables per candidate
+#: and CP-SAT found nothing better than the heuristics in 2 deterministic s on
+#: AMP's scenario (12 x V100 + 4 x T4, 11-17 s wall per candidate on the 2-core
+#: machine), where the class-level model proved 10 of its 24 candidates in
+#: 15 s for the whole search (bench/LOG.md, issue 32).
+PER_GPU_MAX_GPUS = 8
+
+
+def auto_planner(num_gpus: int) -> str:
+    """The CP-SAT planner ``planner="auto"`` picks: "cpsat" (per GPU) up to
+    ``PER_GPU_MAX_GPUS`` GPUs, "grouped" (GPU classes) beyond."""
+    return "cpsat" if num_gpus <= PER_GPU_MAX_GPUS else "grouped"
 
 #: Above this many GPUs only the baselines whose cost is linear in the GPU count
 #: run: the graph-partitioning ones (Stoer-Wagner min-cut, spectral) and the
@@ -71,6 +86,7 @@ def solve_portfolio(costs: BlockCosts, devices: DeviceGraph, options: PlanOption
             (CP-SAT's message, which names the binding constraint).
     """
     from .baselines import BASELINES
+    from .solve._search import in_model
     from .solve.bounds import throughput_bound_s
     from .solve.interleave import with_interleaving
     from .solve.objective import evaluate_result
@@ -106,7 +122,11 @@ def solve_portfolio(costs: BlockCosts, devices: DeviceGraph, options: PlanOption
                     if not any(r.decision.grad_sharded) and not any(r.decision.offload)
                     and not any(r.decision.act_offload)]
                    + [(r.predicted_step_time_s, len(found) + k, r) for k, r in enumerate(dp_hints)])
-    kw = {"hints": tuple(r for _, _, r in hints)} if "hints" in inspect.signature(solver).parameters else {}
+    params = inspect.signature(solver).parameters
+    kw = {"hints": tuple(r for _, _, r in hints)} if "hints" in params else {}
+    if found and "incumbent" in params:  # [Note: incumbent cutoff] in solve/_search.py
+        step, name, res = found[0]
+        kw["incumbent"] = dataclasses.replace(res, status=_label(name), candidates=tuple(res.candidates))
     try:
         best = solver(costs, devices, options, **kw)
         error = None
@@ -117,23 +137,29 @@ def solve_portfolio(costs: BlockCosts, devices: DeviceGraph, options: PlanOption
         # [Note: ZeRO-2 outside CP-SAT]); interleaving or ZeRO-2 may.
         return with_interleaving(costs, devices, options, _try_grad_sharding(costs, devices, options, best))
     if found and (best is None or found[0][0] < best.predicted_step_time_s):
+        # A solver without an incumbent (or none at all) lost to a heuristic.
         step, name, res = found[0]
         bound = best.best_bound if best is not None else throughput_bound_s(costs, devices, options)
-        if any(res.decision.grad_sharded) or any(res.decision.offload) or any(res.decision.act_offload):
-            # CP-SAT's bound is over plans without ZeRO-2 and offload
-            bound = min(bound, throughput_bound_s(costs, devices, options))
         # Keep CP-SAT's per-candidate records (statuses, bounds) after the heuristic's.
         searched = tuple(best.candidates) if best is not None else ()
         stops = best.wall_clock_stops if best is not None else 0
-        best = dataclasses.replace(
-            res, status=with_safety_stop("STAGE_DP" if name == "stage_dp" else f"BASELINE:{name}", stops),
-            best_bound=bound, wall_clock_stops=stops, optimality_gap=(step - bound) / step if step > 0 else 0.0,
-            candidates=tuple(res.candidates) + searched)
+        best = dataclasses.replace(res, status=with_safety_stop(_label(name), stops), best_bound=bound,
+                                   wall_clock_stops=stops, candidates=tuple(res.candidates) + searched)
     if best is None:
         raise error
+    bound = best.best_bound
+    if not in_model(best.decision):  # CP-SAT's bound is over plans without ZeRO-2/3 and offload
+        bound = min(bound, throughput_bound_s(costs, devices, options))
+    step = best.predicted_step_time_s
+    best = dataclasses.replace(best, best_bound=bound, optimality_gap=(step - bound) / step if step > 0 else 0.0)
     best = with_interleaving(costs, devices, options, _try_grad_sharding(costs, devices, options, best))
     return dataclasses.replace(best, wall_s=time.perf_counter() - t0,
                                candidates=tuple(best.candidates) + tuple(tried))
+
+
+def _label(name: str) -> str:
+    """The status of a plan a heuristic found: "STAGE_DP" or "BASELINE:<name>"."""
+    return "STAGE_DP" if name == "stage_dp" else f"BASELINE:{name}"
 
 
 def _try_grad_sharding(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions,

@@ -50,20 +50,22 @@ from __future__ import annotations
 import itertools
 from math import comb
 
+import numpy as np
+
 from ..ir.costs import BlockCosts
 from ..ir.devices import DeviceGraph
 from ..ir.result import SolverResult
 from ..options import PlanOptions
 from ..solve.heuristics import (
     Selector,
+    StageMatrices,
     gpu_speeds,
     largest_remainder,
     memory_groups,
     memory_variants,
-    min_max_partition,
-    stage_fits,
+    min_max_partition_arrays,
 )
-from ..solve.objective import max_stage_count, microbatch_candidates
+from ..solve.objective import inflight, max_stage_count, microbatch_candidates
 
 __all__ = ["metis", "stage_groupings", "MAX_CANDIDATES"]
 
@@ -127,33 +129,24 @@ def stage_groupings(costs: BlockCosts, devices: DeviceGraph, k_max: int):
     return seen[:MAX_CANDIDATES]
 
 
-def _layers(tab, stages, samples, nb: int, sharded: bool, recompute: bool):
+def _layers(mats: StageMatrices, stages, samples, sharded: bool, recompute: bool):
     """Block ranges minimising the slowest stage's compute (recomputation
     included when the variant recomputes), memory-feasible under the memory
-    variant if possible."""
-    n_s = len(stages)
-    # Per stage: {type: largest samples of a GPU of that type} and its GPUs' memory groups.
-    worst = [{} for _ in stages]
-    mem = [memory_groups(tab, gs, ns) for gs, ns in zip(stages, samples)]
+    variant if possible (``mats``: the tables' ``StageMatrices``)."""
+    tab, n_s = mats.tab, len(stages)
+    cost = np.empty((n_s, mats.nb + 1, mats.nb + 1))
+    fits = np.empty(cost.shape, dtype=bool)
     for s, (gs, ns) in enumerate(zip(stages, samples)):
+        # {type: largest samples of a GPU of that type}: the stage's slowest GPU per type.
+        worst = {}
         for g, n in zip(gs, ns):
-            t = tab.gpu_types[g]
-            worst[s][t] = max(worst[s].get(t, 0), n)
-
-    def busy(t, n, i, j):
-        out = n * (tab.work_prefix[t][j] - tab.work_prefix[t][i]) + tab.fixed_prefix[t][j] - tab.fixed_prefix[t][i]
-        if recompute:
-            out += (n * (tab.rc_work_prefix[t][j] - tab.rc_work_prefix[t][i])
-                    + tab.rc_fixed_prefix[t][j] - tab.rc_fixed_prefix[t][i])
-        return out
-
-    def cost(s, i, j):
-        return max(busy(t, n, i, j) for t, n in worst[s].items())
-
-    def fits(s, i, j):
-        return stage_fits(tab, s, n_s, i, j, mem[s], sharded=sharded, recompute=recompute)
-
-    return min_max_partition(nb, n_s, cost, fits) or min_max_partition(nb, n_s, cost)
+            worst[tab.gpu_types[g]] = max(worst.get(tab.gpu_types[g], 0), n)
+        busy = [n * mats.work[t] + mats.fixed[t] + (n * mats.rc_work[t] + mats.rc_fixed[t] if recompute else 0)
+                for t, n in worst.items()]
+        cost[s] = np.where(mats.valid, np.max(busy, axis=0), np.inf)
+        fits[s] = mats.fits(memory_groups(tab, gs, ns), inflight(tab.schedule, n_s, s, tab.num_microbatches), s > 0,
+                            sharded and len(gs) >= 2, recompute)
+    return min_max_partition_arrays(np.where(fits, cost, np.inf)) or min_max_partition_arrays(cost)
 
 
 def metis(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions) -> SolverResult:
@@ -164,6 +157,7 @@ def metis(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions) -> Solv
     for m in microbatch_candidates(options):
         b = options.global_batch_size // m
         tab = sel.tables(m)
+        mats = StageMatrices(tab)
         for stages in groupings:
             if b < max(map(len, stages)):
                 continue
@@ -172,7 +166,7 @@ def metis(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions) -> Solv
             # matters with a multi-GPU stage); the Selector scores each split
             # under every variant.
             variants = {(sh and max(map(len, stages)) >= 2, rc) for sh, rc in memory_variants(options)}
-            splits = dict.fromkeys(_layers(tab, stages, samples, costs.num_blocks, sh, rc)
+            splits = dict.fromkeys(_layers(mats, stages, samples, sh, rc)
                                    for sh, rc in sorted(variants))
             for blocks in splits:
                 sel.add(blocks, stages, samples, m)

@@ -31,6 +31,13 @@ its entry); ``complete_hint`` does the same for its copy. A candidate without
 a hint that presolve wrongly declares infeasible is still lost (and may let
 the search report OPTIMAL): the portfolio hints every (stages, micro-batches)
 the stage DP reaches, which narrows this to the candidates no heuristic fits.
+With an incumbent cutoff ([Note: incumbent cutoff]) the wrong answer became
+common: on the Metis scenario (4 stages, 32 micro-batches) under the cutoff
+3.4835 s presolve said INFEASIBLE although the model holds a 3.4037 s plan
+(found with presolve off, or with the inclusion step off), and the search
+called a worse plan OPTIMAL. So every solve under a cutoff runs with
+``presolve_inclusion_work_limit = 0``; the abort that setting can cause
+costs one retry of that candidate (next note), not the process.
 
 [Note: isolated solves]
 OR-Tools 9.15 can also abort the whole process: an uncaught
@@ -73,6 +80,45 @@ proof) is recorded as ``"wall_clock_stop": True`` in its candidate, counted in
 warned about, since that answer may differ on another run. The candidates
 are tried in a fixed order and the best is chosen by objective, ties to the
 first: nothing else depends on wall time (``wall_s`` is only reported).
+
+[Note: search budget]
+``PlanOptions.solver_budget`` is the whole search's CP-SAT budget in
+deterministic seconds, not each candidate's: a per-candidate budget made
+planning time grow with the candidate count (AMP's 24 candidates, 13 of
+which spent all 5 deterministic s finding nothing better than the incumbent:
+400 s). Candidates are tried in bound order ([Note: incumbent cutoff]) and
+each gets an equal share of what is left (``CandidateSearch.share``), so a
+candidate proven quickly passes its unspent share on to the later ones
+(the share is over at most the next ``SHARE_WINDOW`` candidates, so the
+first, most promising ones get the most: with every candidate spending its
+share, the k-th gets (3/4)^k of a quarter of the budget);
+once the budget is spent each still gets ``MIN_CANDIDATE_BUDGET``. What a
+solve spent is CP-SAT's own count (``deterministic_time``, hint completion
+included), so the shares, like the plan, depend only on the inputs. A
+candidate stopped by its share keeps the larger of CP-SAT's bound, the
+throughput bound and ``stage_count_lower_bound`` as its bound.
+
+[Note: incumbent cutoff]
+Most of a candidate's CP-SAT time went into proving that its optimum is what
+it found (the demo, 21 candidates, all OPTIMAL: 35 s of 39 s). A candidate
+only matters if it can beat the plan in hand, so ``CandidateSearch`` keeps an
+incumbent -- the best heuristic plan the portfolio found (``incumbent=``),
+then the best candidate solved -- and (1) tries the candidates in order of
+``bounds.stage_count_lower_bound`` (ties: fewer stages, then fewer
+micro-batches; candidates a heuristic reached come first, by its plan's step
+time), (2) skips those whose bound is above the incumbent
+("PRUNED"), and (3) adds ``objective <= incumbent`` to every other model, so
+CP-SAT searches only for plans at least as good and proves "nothing here is"
+in a fraction of the time (the demo's (3 stages, 8 micro-batches): OPTIMAL
+in 2.1 s without, INFEASIBLE in 0.6 s with it). Such a candidate is
+recorded as "NO_BETTER" with the incumbent + 1 ns as its bound, which is a
+proof like OPTIMAL's, so the search can still say OPTIMAL. A heuristic's
+plan hints its candidate only where it is within the cutoff (any other is
+infeasible under it). The order, the incumbent and every cutoff depend only
+on the inputs, so this stays reproducible ([Note: reproducible plans]).
+When no candidate beats the incumbent, the search returns the incumbent
+(its status kept, or OPTIMAL when every candidate was proven and the
+incumbent is a plan of the model, see ``result``).
 """
 
 from __future__ import annotations
@@ -94,9 +140,38 @@ from ..ir.devices import DeviceGraph
 from ..ir.result import Candidate, SolverResult, with_safety_stop
 from ..options import PlanOptions
 from .bounds import explain_infeasible, stage_count_lower_bound, throughput_lower_bound
-from .objective import UNIT_S, evaluate
+from .objective import UNIT_S, IntTables, build_tables, evaluate, max_stage_count, microbatch_candidates
 
-__all__ = ["CandidateSearch", "SolverCrash", "run_isolated"]
+__all__ = ["CandidateSearch", "SolverCrash", "run_isolated", "ordered_candidates", "in_model"]
+
+
+def ordered_candidates(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions,
+                       hints=()) -> list[tuple[int, int, IntTables]]:
+    """Every (S stages, M micro-batches) candidate as (S, M, its tables), in the
+    order the search tries them ([Note: incumbent cutoff]): those a heuristic
+    plan of ``hints`` (SolverResults) reaches first, by that plan's step time
+    (an upper bound on the candidate's optimum), then the others; within each,
+    ascending ``bounds.stage_count_lower_bound``, ties to fewer stages, then
+    fewer micro-batches."""
+    from .model import matching_hint
+
+    tabs = {m: build_tables(costs, devices, options, m) for m in microbatch_candidates(options)}
+    cands = []
+    for m, tab in tabs.items():
+        for s in range(1, max_stage_count(costs, devices, options) + 1):
+            h = matching_hint(hints, s, m)
+            cands.append((h.predicted_step_time_s if h is not None else math.inf,
+                          stage_count_lower_bound(tab, s), s, m, tab))
+    cands.sort(key=lambda c: c[:4])
+    return [(s, m, tab) for _, _, s, m, tab in cands]
+
+
+def in_model(decision) -> bool:
+    """Whether the CP-SAT candidate models can express ``decision``'s memory
+    policy: no ZeRO-2/3 and no offload ([Note: ZeRO-2 outside CP-SAT] in
+    portfolio.py), one stage per GPU group."""
+    return (decision.interleave == 1 and not any(decision.grad_sharded) and not any(decision.offload)
+            and not any(decision.act_offload))
 
 
 class SolverCrash(RuntimeError):
@@ -167,8 +242,8 @@ class _Answer:
     decision: object = None
     #: The partial hint was completed first (``complete_hint``).
     hint_completed: bool = False
-    #: CP-SAT's deterministic time of the solve (its work units, not seconds):
-    #: the part of ``PlanOptions.solver_budget`` it spent.
+    #: CP-SAT's deterministic time of the solve and its hint completion (its work
+    #: units, not seconds): the part of ``PlanOptions.solver_budget`` it spent.
     budget_used: float = 0.0
     #: The wall-clock safety stop ended this solve or its hint completion
     #: before the deterministic budget ([Note: reproducible plans]).
@@ -189,9 +264,10 @@ def _solve(model, solver: cp_model.CpSolver, completer: cp_model.CpSolver | None
     """Solve ``model`` (after completing its hint with ``completer``, if given) and
     read the answer off the solver. Runs in the forked child: one fork per try."""
     completed, stopped = complete_hint(model.m, completer) if completer is not None else (False, False)
+    dtime = completer.ResponseProto().deterministic_time if completer is not None else 0.0
     code = solver.Solve(model.m)
     stopped = stopped or wall_clock_stopped(solver, code)
-    dtime = solver.ResponseProto().deterministic_time
+    dtime += solver.ResponseProto().deterministic_time
     if code in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         # The objective at the returned solution (OR-Tools 9.15's ObjectiveValue() can
         # differ from it by a few ms on budget-limited FEASIBLE answers).
@@ -249,6 +325,14 @@ def complete_hint(m: cp_model.CpModel, solver: cp_model.CpSolver) -> tuple[bool,
 #: hint (``complete_hint``).
 HINT_COMPLETION_DTIME = 2.0
 
+#: The smallest deterministic budget a candidate gets once the search budget is
+#: spent ([Note: search budget]): enough for presolve to prove the easy ones.
+MIN_CANDIDATE_BUDGET = 0.02
+
+#: A candidate's share is what is left over at most this many candidates
+#: ([Note: search budget]): the first, most promising candidates get more.
+SHARE_WINDOW = 4
+
 
 #: One worker, a model with fewer variables than ``SMALL_MODEL_VARS``: CP-SAT's
 #: ``linearization_level`` ``SMALL_MODEL_LINEARIZATION`` instead of its default 1.
@@ -264,12 +348,22 @@ HINT_COMPLETION_DTIME = 2.0
 #: at level 2, 1.058 s in 47 s at level 1 (2 shared cores, loaded).
 SMALL_MODEL_VARS = 1000
 SMALL_MODEL_LINEARIZATION = 2
+#: ... and with an incumbent cutoff ([Note: incumbent cutoff]) level 0, no LP:
+#: the cutoff prunes by propagation, and the LP's work was most of the time.
+#: The demo's (3 stages, M = 1..4) under the cutoff 0.08799 s, no hint, one
+#: worker: level 2 0.8-1.7 s wall (0.14-0.53 deterministic s), level 0
+#: 0.19-0.35 s (0.04 deterministic s), every one proven (OPTIMAL or
+#: INFEASIBLE) with the same optimum.
+CUTOFF_LINEARIZATION = 0
 
 
 class CandidateSearch:
     """Solve candidates one by one; ``result()`` returns the best as a SolverResult."""
 
-    def __init__(self, costs: BlockCosts, devices: DeviceGraph, options: PlanOptions, *, label: str):
+    def __init__(self, costs: BlockCosts, devices: DeviceGraph, options: PlanOptions, *, label: str,
+                 incumbent: SolverResult | None = None):
+        """``incumbent``: a feasible plan found without CP-SAT (the portfolio's best
+        heuristic plan), which every candidate must beat ([Note: incumbent cutoff])."""
         self.costs, self.devices, self.options, self.label = costs, devices, options, label
         self.t0 = time.perf_counter()
         self.cands: list[dict] = []
@@ -278,6 +372,21 @@ class CandidateSearch:
         self.all_optimal = True
         self.wall_clock_stops = 0
         self._tlb: dict[int, int] = {}
+        #: CP-SAT deterministic seconds left of ``options.solver_budget`` ([Note: search budget]).
+        self.budget_left = float(options.solver_budget)
+        self.incumbent, self._inc_ev = None, None
+        if incumbent is not None:
+            ev = evaluate(costs, devices, options, incumbent.decision)
+            if ev.feasible:
+                self.incumbent, self._inc_ev = incumbent, ev
+
+    @property
+    def bar(self) -> int | None:
+        """The objective (units) a candidate must reach to matter: the best solved
+        candidate's or the incumbent's, whichever is smaller (None: neither yet)."""
+        objs = [x for x in (self.best and self.best[0], self._inc_ev and self._inc_ev.objective_units)
+                if x is not None]
+        return min(objs) if objs else None
 
     def _throughput_bound(self, model, m: int) -> int:
         """``bounds.throughput_lower_bound`` of the candidate's tables (valid for
@@ -293,24 +402,24 @@ class CandidateSearch:
         candidate solved so far reached: it cannot hold a better plan, nor an equal one
         (ties go to the earlier candidate anyway). Recorded as status "PRUNED" with that
         bound, which the result's bound and OPTIMAL test then include. Deterministic:
-        the candidates are tried in a fixed order and only solved ones set the bar
-        (a heuristic's hint could be one CP-SAT does not reach)."""
-        if self.best is None:
+        the candidates are tried in a fixed order and only solved ones
+        plus the incumbent set the bar ([Note: incumbent cutoff])."""
+        if self.bar is None:
             return False
         lb = stage_count_lower_bound(tab, num_stages)
-        if lb <= self.best[0]:
+        if lb <= self.bar:
             return False
         self.bounds.append(lb)
         self.cands.append(Candidate(kind="solve", num_stages=num_stages, num_microbatches=tab.num_microbatches,
                                     status="PRUNED", best_bound_s=lb * UNIT_S, wall_s=0.0))
         return True
 
-    def _solver(self) -> cp_model.CpSolver:
-        """A CP-SAT solver with a deterministic budget ([Note: reproducible plans])."""
+    def _solver(self, budget: float) -> cp_model.CpSolver:
+        """A CP-SAT solver with ``budget`` deterministic seconds ([Note: reproducible plans])."""
         opts = self.options
         solver = cp_model.CpSolver()
         p = solver.parameters
-        p.max_deterministic_time = opts.solver_budget
+        p.max_deterministic_time = budget
         p.max_time_in_seconds = opts.time_limit_s  # safety stop only
         p.num_workers = opts.num_workers
         # sat_parameters.proto: with interleave_search "the search is deterministic
@@ -325,14 +434,17 @@ class CandidateSearch:
         p.random_seed = opts.seed
         return solver
 
-    def _tune(self, solver: cp_model.CpSolver, model) -> None:
+    def _tune(self, solver: cp_model.CpSolver, model, cutoff: bool = False) -> None:
         """Per-model settings that depend only on the model (so stay deterministic):
-        ``SMALL_MODEL_LINEARIZATION`` for one worker on a model with fewer than
-        ``SMALL_MODEL_VARS`` variables."""
+        for one worker on a model with fewer than ``SMALL_MODEL_VARS`` variables,
+        ``SMALL_MODEL_LINEARIZATION``, or with an incumbent cutoff ``CUTOFF_LINEARIZATION``."""
         if self.options.num_workers == 1 and len(model.m.Proto().variables) < SMALL_MODEL_VARS:
-            solver.parameters.linearization_level = SMALL_MODEL_LINEARIZATION
+            solver.parameters.linearization_level = CUTOFF_LINEARIZATION if cutoff else SMALL_MODEL_LINEARIZATION
+        if cutoff:  # [Note: presolve bug]: the cutoff makes the wrong INFEASIBLE common
+            solver.parameters.presolve_inclusion_work_limit = 0
 
-    def _solve_robustly(self, model, *, presolve: bool) -> tuple[_Answer | None, list[str]]:
+    def _solve_robustly(self, model, *, presolve: bool, budget: float,
+                        cutoff: bool = False) -> tuple[_Answer | None, list[str]]:
         """Solve ``model`` in a forked child ([Note: isolated solves]), a hinted
         model with its hint completed first in the same child; after a crash,
         again without the hint, then without presolve. Returns (the answer or
@@ -343,28 +455,48 @@ class CandidateSearch:
         for k, pre in enumerate(tries):
             if k == 1 and had_hint:
                 model.m.ClearHints()
-            solver = self._solver()
-            self._tune(solver, model)
+            solver = self._solver(budget)
+            self._tune(solver, model, cutoff)
             solver.parameters.cp_model_presolve = pre
-            completer = self._solver() if k == 0 and had_hint else None
+            completer = self._solver(budget) if k == 0 and had_hint else None
             try:
                 return run_isolated(lambda: _solve(model, solver, completer)), crashes
             except SolverCrash as exc:
                 crashes.append(str(exc))
         return None, crashes
 
-    def solve(self, model, num_stages: int, num_microbatches: int, *, hint: str | None = None,
-              num_groups: int | None = None) -> None:
-        """Solve one candidate model and record it as a ``Candidate`` (``hint``: the status of
-        the heuristic plan that warm-started it; ``num_groups``: GPU classes of a class-level model)."""
+    def share(self, left: int) -> float:
+        """This candidate's deterministic budget when ``left`` candidates (it
+        included) remain: an equal share of what is left among at most the next
+        ``SHARE_WINDOW``, at least ``MIN_CANDIDATE_BUDGET`` ([Note: search budget])."""
+        return max(self.budget_left / min(max(left, 1), SHARE_WINDOW), MIN_CANDIDATE_BUDGET)
+
+    def solve(self, model, num_stages: int, num_microbatches: int, *, hint: SolverResult | None = None,
+              num_groups: int | None = None, left: int = 1) -> None:
+        """Solve one candidate model and record it as a ``Candidate``. ``hint``: a heuristic
+        plan with this S and M to warm-start it (``model.hint``), used only where it is
+        within the cutoff; ``num_groups``: GPU classes of a class-level model; ``left``: the
+        candidates not yet tried, this one included (its budget: ``share``). With a bar
+        (``bar``), the model gets ``objective <= bar`` first ([Note: incumbent cutoff])."""
         t1 = time.perf_counter()
-        opts, m = self.options, num_microbatches
-        ans, attempts = self._solve_robustly(model, presolve=True)
+        opts, m = dataclasses.replace(self.options, solver_budget=self.share(left)), num_microbatches
+        cutoff = self.bar
+        if hint is not None and cutoff is not None and \
+                evaluate(self.costs, self.devices, opts, hint.decision).objective_units > cutoff:
+            hint = None  # infeasible under the cutoff: no warm start
+        if hint is not None:
+            model.hint(hint.decision)
+        hint = hint.status if hint is not None else None
+        if cutoff is not None:
+            model.m.Add(model.objective <= cutoff)
+        ans, attempts = self._solve_robustly(model, presolve=True, budget=opts.solver_budget,
+                                             cutoff=cutoff is not None)
         hint_completed = bool(ans is not None and ans.hint_completed) if hint else None
         code = ans.code if ans is not None else None
         retried = False
         if code == cp_model.INFEASIBLE and hint:  # [Note: presolve bug]
-            ans, more = self._solve_robustly(model, presolve=False)
+            ans, more = self._solve_robustly(model, presolve=False, budget=opts.solver_budget,
+                                             cutoff=cutoff is not None)
             attempts += more
             code, retried = (ans.code if ans is not None else None), True
         rec = dict(kind="solve", num_stages=num_stages, num_microbatches=m,
@@ -372,6 +504,7 @@ class CandidateSearch:
                    hint_completed=hint_completed, presolve_retry=retried, crashes=attempts,
                    solver_budget_used=round(ans.budget_used, 6) if ans is not None else None,
                    wall_clock_stop=bool(ans is not None and ans.wall_clock_stop))
+        self.budget_left -= ans.budget_used if ans is not None else opts.solver_budget
         if rec["wall_clock_stop"]:
             self.wall_clock_stops += 1
         if code in (cp_model.OPTIMAL, cp_model.FEASIBLE):
@@ -393,16 +526,29 @@ class CandidateSearch:
                 self.best = (obj, m, dec, ev)
         elif code == cp_model.MODEL_INVALID:
             raise AssertionError(f"invalid CP-SAT model for S={num_stages}, M={m}: {model.m.Validate()}")
+        elif code == cp_model.INFEASIBLE and cutoff is not None:  # proven: nothing at or below the bar
+            rec["status"] = "NO_BETTER"
+            self.bounds.append(cutoff + 1)
+            rec["best_bound_s"] = (cutoff + 1) * UNIT_S
         elif code != cp_model.INFEASIBLE:  # UNKNOWN (budget or safety stop without a solution) or CRASHED
             self.all_optimal = False
             lb = ans.bound if ans is not None else 0.0
-            self.bounds.append(max(int(lb) if math.isfinite(lb) else 0, self._throughput_bound(model, m)))
+            self.bounds.append(max(int(lb) if math.isfinite(lb) else 0, self._throughput_bound(model, m),
+                                   stage_count_lower_bound(model.tab, num_stages)))
             rec["best_bound_s"] = self.bounds[-1] * UNIT_S
         rec["wall_s"] = time.perf_counter() - t1
         self.cands.append(Candidate(**rec))
 
     def result(self) -> SolverResult:
-        """The best candidate; raises InfeasiblePlanError naming the binding constraint."""
+        """The best candidate, or the incumbent when no candidate beat it; raises
+        InfeasiblePlanError naming the binding constraint when there is neither.
+
+        Status OPTIMAL when every candidate was proven (OPTIMAL, NO_BETTER,
+        INFEASIBLE, PRUNED) or no candidate's bound is below the plan, and the plan
+        is one of the model's (an incumbent with ZeRO-2/3 or offload keeps its
+        own status: other such plans were not searched); FEASIBLE for a
+        candidate's plan otherwise, the incumbent's own status for the
+        incumbent. ``best_bound``: the smallest candidate bound, at most the plan's."""
         stops = self.wall_clock_stops
         if stops:
             warnings.warn(
@@ -411,14 +557,22 @@ class CandidateSearch:
                 f"(solver_budget={self.options.solver_budget:g}): the plan may differ on another run "
                 f"or machine; raise time_limit_s (zorse plan --time-limit) or lower the budget "
                 f"(--solver-budget)", RuntimeWarning, stacklevel=3)
-        if self.best is None:
+        wall = time.perf_counter() - self.t0
+        if self.best is None and self.incumbent is None:
             raise InfeasiblePlanError(explain_infeasible(self.costs, self.devices, self.options, self.cands))
-        obj, m, _, ev = self.best
+        if self.best is not None and (self._inc_ev is None or self.best[0] < self._inc_ev.objective_units):
+            obj, _, _, ev = self.best
+            own, inc = "FEASIBLE", None
+        else:
+            ev, inc = self._inc_ev, self.incumbent
+            obj, own = ev.objective_units, with_safety_stop(inc.status, 0)
         assert ev.objective_units == obj
         # Proven optimal when every candidate was solved, or when no candidate's bound is below
         # the plan (gap 0: a candidate stopped by its budget cannot hold a better plan).
-        proven = self.all_optimal or min(self.bounds) >= obj
-        return dataclasses.replace(SolverResult.from_evaluation(
-            ev, options=self.options, status=with_safety_stop("OPTIMAL" if proven else "FEASIBLE", stops),
-            best_bound=min(self.bounds) * UNIT_S, wall_s=time.perf_counter() - self.t0, candidates=tuple(self.cands)),
-            wall_clock_stops=stops)
+        proven = (self.all_optimal or min(self.bounds, default=obj) >= obj) and in_model(ev.decision)
+        bound = min(min(self.bounds, default=obj), obj)
+        res = SolverResult.from_evaluation(
+            ev, options=self.options, status=with_safety_stop("OPTIMAL" if proven else own, stops),
+            best_bound=bound * UNIT_S, wall_s=wall,
+            candidates=(tuple(inc.candidates) if inc is not None else ()) + tuple(self.cands))
+        return dataclasses.replace(res, wall_clock_stops=stops)

@@ -163,11 +163,11 @@ def _explain(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions, cand
     k_txt = f"{k_max} stage{'s' if k_max > 1 else ''}"
     if k_max < options.max_stages:
         k_txt += f" (max_stages={options.max_stages}, {n_g} GPUs, {costs.num_blocks} blocks)"
-    unknown = [(c.num_stages, c.num_microbatches) for c in candidates if c.status == "UNKNOWN"]
+    unknown = sorted((c.num_stages, c.num_microbatches) for c in candidates if c.status == "UNKNOWN")
     note = (f"; (S, M) = {unknown} found no solution within solver_budget="
             f"{options.solver_budget:g} (CP-SAT deterministic seconds; zorse plan --solver-budget) or the "
             f"wall-clock safety stop time_limit_s={options.time_limit_s:g} s: raise the budget" if unknown else "")
-    crashed = [(c.num_stages, c.num_microbatches) for c in candidates if c.status == "CRASHED"]
+    crashed = sorted((c.num_stages, c.num_microbatches) for c in candidates if c.status == "CRASHED")
     if crashed:
         note += (f"; (S, M) = {crashed}: OR-Tools crashed on every try (google/or-tools#5288; "
                  f"solve_stage_dp or another ortools version may plan them)")
@@ -217,7 +217,7 @@ def _explain(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions, cand
               f"{_gib(sum(costs.act_bytes_per_sample[i:j]))} GiB activations of one sample)")
     if worst > caps[big]:
         return f"{head}; with at most {k_txt} the best split still needs {detail} but {big_txt}; {fix}{note}"
-    tried = [(c.num_stages, c.num_microbatches) for c in candidates]
+    tried = sorted((c.num_stages, c.num_microbatches) for c in candidates)
     return (f"{head}; no (stages, micro-batches) candidate {tried} fits in memory: the best split into "
             f"at most {k_txt} needs {detail} and {big_txt}, but every stage needs its own GPUs "
             f"and holds activations of b = {gbs // ms[-1]}..{gbs // ms[0]} samples x up to "

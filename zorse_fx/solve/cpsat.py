@@ -20,33 +20,31 @@ from ..ir.costs import BlockCosts
 from ..ir.devices import DeviceGraph
 from ..ir.result import SolverResult
 from ..options import PlanOptions
-from ._search import CandidateSearch
+from ._search import CandidateSearch, ordered_candidates
 from .model import CandidateModel, matching_hint, singleton_groups
-from .objective import build_tables, max_stage_count, microbatch_candidates
 
 __all__ = ["solve_cpsat"]
 
 
-def solve_cpsat(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions, *, hints=()) -> SolverResult:
+def solve_cpsat(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions, *, hints=(),
+                incumbent: SolverResult | None = None) -> SolverResult:
     """Plan with CP-SAT: minimise the predicted step time (seconds) over (S, M).
 
     ``objective`` / ``best_bound`` are in seconds. ``status`` is "OPTIMAL" only
     when every candidate was solved to optimality (or proven infeasible) and
     ``best_bound`` is the smallest bound over all candidates, so the gap
     covers the whole (S, M) search. ``hints``: decisions (SolverResults, e.g.
-    the baselines') to warm-start the candidate with the same S and M.
-    Raises InfeasiblePlanError if nothing fits.
+    the baselines') to warm-start the candidate with the same S and M;
+    ``incumbent``: a feasible plan every candidate must beat, returned when none
+    does ([Note: incumbent cutoff] in _search.py). Candidates are tried in order
+    of their lower bound. Raises InfeasiblePlanError if nothing fits.
     """
-    search = CandidateSearch(costs, devices, options, label="CP-SAT")
+    search = CandidateSearch(costs, devices, options, label="CP-SAT", incumbent=incumbent)
     groups = singleton_groups(devices.num_gpus)
-    for n_s in range(1, max_stage_count(costs, devices, options) + 1):
-        for m in microbatch_candidates(options):
-            tab = build_tables(costs, devices, options, m)
-            if search.pruned(tab, n_s):  # its lower bound is above a plan in hand
-                continue
-            model = CandidateModel(tab, devices, options, groups, n_s)
-            h = matching_hint(hints, n_s, m)
-            if h is not None:
-                model.hint(h.decision)
-            search.solve(model, n_s, m, **({"hint": h.status} if h is not None else {}))
+    cands = ordered_candidates(costs, devices, options, hints)
+    for k, (n_s, m, tab) in enumerate(cands):
+        if search.pruned(tab, n_s):  # its lower bound is above a plan in hand
+            continue
+        search.solve(CandidateModel(tab, devices, options, groups, n_s), n_s, m, hint=matching_hint(hints, n_s, m),
+                     left=len(cands) - k)
     return search.result()

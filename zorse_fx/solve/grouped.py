@@ -42,9 +42,9 @@ from ..ir.costs import BlockCosts
 from ..ir.devices import DeviceGraph
 from ..ir.result import SolverResult
 from ..options import PlanOptions
-from ._search import CandidateSearch
+from ._search import CandidateSearch, ordered_candidates
 from .model import CandidateModel, _Group, _link_code, matching_hint
-from .objective import IntTables, build_tables, max_stage_count, microbatch_candidates
+from .objective import IntTables
 
 __all__ = ["gpu_classes", "solve_grouped"]
 
@@ -142,7 +142,7 @@ AGGREGATE_ABOVE = 16
 
 
 def solve_grouped(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions, *,
-                  aggregate_nodes: bool | None = None, hints=()) -> SolverResult:
+                  aggregate_nodes: bool | None = None, hints=(), incumbent: SolverResult | None = None) -> SolverResult:
     """Plan with the grouped CP-SAT model: minimise the predicted step time over (S, M).
 
     Same contract as ``solve_cpsat`` (``objective`` / ``best_bound`` in seconds,
@@ -155,23 +155,18 @@ def solve_grouped(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions,
     more than AGGREGATE_ABOVE classes). Each candidate gets
     ``options.solver_budget`` deterministic seconds (``options.time_limit_s``:
     the wall-clock safety stop). ``hints``: decisions to warm-start the candidate
-    with the same S and M (``solve_cpsat``). Raises InfeasiblePlanError if nothing fits."""
-    search = CandidateSearch(costs, devices, options, label="grouped")
-    groups, tabs = None, {}
-    for n_s in range(1, max_stage_count(costs, devices, options) + 1):
-        for m in microbatch_candidates(options):
-            if m not in tabs:
-                tabs[m] = build_tables(costs, devices, options, m)
-            tab = tabs[m]
-            if groups is None:
-                groups = _groups(devices, tab, False)
-                if aggregate_nodes or (aggregate_nodes is None and len(groups) > AGGREGATE_ABOVE):
-                    groups = _groups(devices, tab, True)
-            if search.pruned(tab, n_s):  # its lower bound is above a plan in hand
-                continue
-            model = CandidateModel(tab, devices, options, groups, n_s)
-            h = matching_hint(hints, n_s, m)
-            if h is not None:
-                model.hint(h.decision)
-            search.solve(model, n_s, m, num_groups=len(groups), **({"hint": h.status} if h is not None else {}))
+    with the same S and M, ``incumbent`` a plan to beat (``solve_cpsat``). Raises
+    InfeasiblePlanError if nothing fits."""
+    search = CandidateSearch(costs, devices, options, label="grouped", incumbent=incumbent)
+    groups = None
+    cands = ordered_candidates(costs, devices, options, hints)
+    for k, (n_s, m, tab) in enumerate(cands):
+        if groups is None:
+            groups = _groups(devices, tab, False)
+            if aggregate_nodes or (aggregate_nodes is None and len(groups) > AGGREGATE_ABOVE):
+                groups = _groups(devices, tab, True)
+        if search.pruned(tab, n_s):  # its lower bound is above a plan in hand
+            continue
+        search.solve(CandidateModel(tab, devices, options, groups, n_s), n_s, m, num_groups=len(groups),
+                     hint=matching_hint(hints, n_s, m), left=len(cands) - k)
     return search.result()

@@ -43,6 +43,8 @@ from __future__ import annotations
 import time
 from collections import Counter
 
+import numpy as np
+
 from ..errors import InfeasiblePlanError
 from ..ir.costs import BlockCosts
 from ..ir.devices import DeviceGraph
@@ -60,10 +62,11 @@ from ..solve.objective import (
     mode_violations,
     policy_decision,
 )
-from ..solve.state_terms import stage_state_kib
+from ..solve.state_terms import extra_copies_matrix, stage_state_kib
 
 __all__ = ["Selector", "gpu_speeds", "largest_remainder", "proportional_cuts", "reference_block_work",
-           "bandwidth", "min_max_partition", "memory_variants", "stage_act_kib", "memory_groups", "stage_fits"]
+           "bandwidth", "min_max_partition", "min_max_partition_arrays", "memory_variants", "stage_act_kib",
+           "memory_groups", "stage_fits", "StageMatrices"]
 
 _MODE_FLAGS = {"never": (False,), "auto": (False, True), "always": (True,)}
 
@@ -182,27 +185,114 @@ def proportional_cuts(block_weights, shares) -> tuple[tuple[int, int], ...]:
 
 def min_max_partition(nb: int, n_s: int, cost, fits=lambda s, i, j: True):
     """Contiguous split of ``nb`` blocks into ``n_s`` non-empty ranges minimising
-    ``max_s cost(s, i, j)`` (dynamic program, O(S B^2) calls). Ranges with
-    ``fits(s, i, j)`` False are excluded; returns None if no split fits."""
+    ``max_s cost(s, i, j)`` (callables; ``min_max_partition_arrays`` with the
+    costs as matrices). Ranges with ``fits(s, i, j)`` False are excluded;
+    returns None if no split fits."""
     inf = float("inf")
-    best = [[inf] * (nb + 1) for _ in range(n_s + 1)]
-    arg = [[-1] * (nb + 1) for _ in range(n_s + 1)]
-    best[0][0] = 0
+    mats = np.full((n_s, nb + 1, nb + 1), inf)
     for s in range(n_s):
-        for j in range(s + 1, nb - (n_s - 1 - s) + 1):
-            for i in range(s, j):
-                if best[s][i] == inf or not fits(s, i, j):
-                    continue
-                v = max(best[s][i], cost(s, i, j))
-                if v < best[s + 1][j]:
-                    best[s + 1][j], arg[s + 1][j] = v, i
-    if best[n_s][nb] == inf:
+        for i in range(nb):
+            for j in range(i + 1, nb + 1):
+                if fits(s, i, j):
+                    mats[s, i, j] = cost(s, i, j)
+    return min_max_partition_arrays(mats)
+
+
+def min_max_partition_arrays(cost) -> tuple[tuple[int, int], ...] | None:
+    """Contiguous split of B blocks into S non-empty ranges minimising the largest
+    ``cost[s, i, j]`` (an (S, B+1, B+1) float array; inf where stage s may not
+    hold blocks [i, j), and wherever i >= j), by dynamic program over the
+    stages, one vectorised step each (O(S B^2)). Ties: the smallest start of
+    each stage's range, from the last stage back. Returns the ranges as
+    ((start, end), ...), or None if no split fits. Exact for integer costs
+    below 2**53."""
+    n_s, nb = cost.shape[0], cost.shape[1] - 1
+    best = np.full(nb + 1, np.inf)
+    best[0] = 0.0
+    args = []
+    cols = np.arange(nb + 1)
+    for s in range(n_s):
+        v = np.maximum(best[:, None], cost[s])  # [i, j]: the split's max if stage s takes [i, j)
+        arg = np.argmin(v, axis=0)  # the first (smallest) i on ties
+        best = v[arg, cols]
+        args.append(arg)
+    if not np.isfinite(best[nb]):
         return None
     parts, j = [], nb
-    for s in range(n_s, 0, -1):
-        parts.append((arg[s][j], j))
-        j = arg[s][j]
+    for s in range(n_s - 1, -1, -1):
+        i = int(args[s][j])
+        parts.append((i, j))
+        j = i
     return tuple(parts[::-1])
+
+
+class StageMatrices:
+    """The integer terms of a stage over blocks [i, j) of ``tab`` (an
+    ``objective.IntTables``) for every (i, j) at once: (B+1, B+1) int64
+    matrices indexed [i, j] (meaningful where ``valid``: i < j), each tied
+    parameter counted once per stage ([C-tied]). KiB for memory, units (ns)
+    for time, as ``objective.py``. Shared by the stage DP and the Metis
+    baseline, whose memory checks (``fits``) equal ``stage_fits`` entry by entry
+    (tests/test_stage_dp.py)."""
+
+    def __init__(self, tab):
+        self.tab = tab
+        self.nb = nb = tab.num_blocks
+        ii, jj = np.meshgrid(np.arange(nb + 1), np.arange(nb + 1), indexing="ij")
+        self.ii, self.jj = ii, jj
+        self.valid = ii < jj
+        pre = self.pre
+        # [C-tied]: a stage over [i, j) holds each tied parameter once (state_terms.py).
+        self.extra = extra = extra_copies_matrix(tab.tied_blocks, nb)
+        self.state = pre(tab.state_prefix) - sum((e * tab.tied_state[t] for t, e in extra), np.int64(0))
+        self.shard = pre(tab.shard_prefix) - sum((e * tab.tied_shard[t] for t, e in extra), np.int64(0))
+        self.act = pre(tab.act_prefix)
+        self.cut_in = np.asarray(tab.cut_kib, dtype=np.int64)[:, None]  # X of a stage starting at i
+        self.work = {t: pre(p) for t, p in tab.work_prefix.items()}
+        self.fixed = {t: pre(p) for t, p in tab.fixed_prefix.items()}
+        self.rc_work = {t: pre(p) for t, p in tab.rc_work_prefix.items()}
+        self.rc_fixed = {t: pre(p) for t, p in tab.rc_fixed_prefix.items()}
+
+    @staticmethod
+    def pre(p) -> np.ndarray:
+        """[i, j] = p[j] - p[i] of a prefix sum ``p``."""
+        a = np.asarray(p, dtype=np.int64)
+        return a[None, :] - a[:, None]
+
+    def act_kib(self, n: int, fl: int, not_first: bool, recompute: bool) -> np.ndarray:
+        """Activation KiB of a GPU with ``n`` samples (``stage_act_kib``), ``fl``
+        micro-batches in flight, for every (i, j)."""
+        if recompute:
+            return n * (fl * (self.cut_in if not_first else 0) + self.act)
+        return fl * n * self.act
+
+    def layout(self, grad_sharded: bool, param_sharded: bool):
+        """(replicated, shardable) KiB matrices of a sharded stage
+        (``objective.sharded_state_kib``); here ZeRO-1 only."""
+        if grad_sharded or param_sharded:
+            raise NotImplementedError("ZeRO-2/3 layouts: stage_dp._Stages")
+        return self.state - self.shard, self.shard
+
+    def fits(self, mem, fl: int, not_first: bool, sharded: bool, recompute: bool, grad_sharded: bool = False,
+             param_sharded: bool = False, act_offload: bool = False) -> np.ndarray:
+        """[C-memory] / [C-shard] for every (i, j) at once (``stage_fits``), the
+        stage's GPUs as ``memory_groups``; ``act_offload``: one micro-batch's
+        activations on the GPU ([C-act-offload])."""
+        def act(n):
+            return n * self.act if act_offload else self.act_kib(n, fl, not_first, recompute)
+
+        ok = np.ones_like(self.valid)
+        if not sharded:  # (stage_fits also treats a one-GPU stage as unsharded; callers pass sharded=False)
+            for (n, cap), _ in mem:
+                ok &= self.state + act(n) <= cap
+            return ok
+        rep, need = self.layout(grad_sharded, param_sharded)
+        held = np.zeros_like(self.state)
+        for (n, cap), c in mem:
+            free = cap - rep - act(n)
+            ok &= free >= 0
+            held += c * (np.maximum(free, 0) // MIB_UNITS)
+        return ok & (MIB_UNITS * held >= need)
 
 
 class Selector:

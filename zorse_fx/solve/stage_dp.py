@@ -94,7 +94,8 @@ from ..ir.devices import DeviceGraph
 from ..ir.result import SolverResult
 from ..options import PlanOptions
 from .objective import MIB_UNITS, fill_policy, inflight, max_stage_count, microbatch_candidates
-from .state_terms import extra_copies_matrix, gathered_weight_matrix, grad_shard_kib
+from .state_terms import gathered_weight_matrix, grad_shard_kib
+from .heuristics import StageMatrices
 
 __all__ = ["solve_stage_dp", "stage_dp_search", "ORDERS", "MAX_UNITS"]
 
@@ -163,30 +164,15 @@ def _alike(devices: DeviceGraph, tab, g: int, h: int) -> bool:
     return devices.gpu_types[g] == devices.gpu_types[h] and tab.cap_bytes[g] == tab.cap_bytes[h]
 
 
-class _Stages:
-    """Per-(u0, u1) stage terms of one unit order and one M, as (B+1, B+1) matrices over (i, j)."""
+class _Stages(StageMatrices):
+    """Per-(u0, u1) stage terms of one unit order and one M, as (B+1, B+1) matrices over (i, j)
+    (the per-(i, j) terms: ``heuristics.StageMatrices``; here also ZeRO-2/3 layouts, all-reduce, offload)."""
 
     def __init__(self, tab, units, speeds, variants, num_microbatches: int):
-        self.tab, self.units, self.variants, self.m = tab, units, variants, num_microbatches
-        self.nb = nb = tab.num_blocks
-        b = tab.microbatch_size
-        ii, jj = np.meshgrid(np.arange(nb + 1), np.arange(nb + 1), indexing="ij")
-        self.valid = ii < jj
-
-        def pre(p):
-            a = np.asarray(p, dtype=np.int64)
-            return a[None, :] - a[:, None]  # [i, j] = p[j] - p[i]
-
-        # [C-tied]: a stage over [i, j) holds each tied parameter once (state_terms.py).
-        extra = extra_copies_matrix(tab.tied_blocks, nb)
-        self.state = pre(tab.state_prefix) - sum((e * tab.tied_state[t] for t, e in extra), np.int64(0))
-        self.shard = pre(tab.shard_prefix) - sum((e * tab.tied_shard[t] for t, e in extra), np.int64(0))
-        self.act = pre(tab.act_prefix)
-        self.cut_in = np.asarray(tab.cut_kib, dtype=np.int64)[:, None]  # X of a stage starting at i
-        self.work = {t: pre(p) for t, p in tab.work_prefix.items()}
-        self.fixed = {t: pre(p) for t, p in tab.fixed_prefix.items()}
-        self.rc_work = {t: pre(p) for t, p in tab.rc_work_prefix.items()}
-        self.rc_fixed = {t: pre(p) for t, p in tab.rc_fixed_prefix.items()}
+        super().__init__(tab)
+        self.units, self.variants, self.m = units, variants, num_microbatches
+        nb, b, pre = self.nb, tab.microbatch_size, self.pre
+        ii, jj, extra = self.ii, self.jj, self.extra
         self.ar = [pre(p) for p in tab.ar_prefix]
         self.arsh = [pre(p) for p in tab.arsh_prefix]
         self.opt = [pre(p) - sum((e * tab.tied_opt[t][q] for t, e in extra), np.int64(0))
@@ -311,7 +297,7 @@ class _Stages:
             fits = g["fits"].get(fk)
             if fits is None:
                 fits = g["fits"][fk] = (self._fits_offload(g, fl, s > 0, sh, rc, of, ao, gs, ps) if of or ao
-                                        else self._fits(g["mem"], fl, s > 0, sh, rc, gs, ps)) & self.valid
+                                        else self.fits(g["mem"], fl, s > 0, sh, rc, gs, ps)) & self.valid
             t = (g["comp_rc"] if rc else g["comp"]) + g["bnd"] + (g["ao_x"] if ao else 0)
             if ps:  # [C-param-shard]: the gathers' exposed time per micro-batch (objective.evaluate_units)
                 passes = 3 if rc else 2
@@ -327,13 +313,7 @@ class _Stages:
         g["cost"][ck, level] = (best, arg)
         return best, arg
 
-    def _act(self, n: int, fl: int, not_first: bool, recompute: bool):
-        """Activation KiB of a GPU with ``n`` samples for every (i, j) (``objective.act_units``)."""
-        if recompute:
-            return n * (fl * (self.cut_in if not_first else 0) + self.act)
-        return fl * n * self.act
-
-    def _layout(self, grad_sharded: bool, param_sharded: bool):
+    def layout(self, grad_sharded: bool, param_sharded: bool):
         """(replicated, shardable) KiB matrices of a sharded stage under its layout
         (``objective.sharded_state_kib``: ZeRO-1, [C-grad-shard], [C-param-shard])."""
         if param_sharded:
@@ -352,13 +332,13 @@ class _Stages:
         for f in hfree:
             ok &= f >= 0
         if not offload:  # activations only: the state on the GPU as without offload
-            return ok & self._fits(g["mem"], fl, not_first, sharded, recompute, grad_sharded, param_sharded,
+            return ok & self.fits(g["mem"], fl, not_first, sharded, recompute, grad_sharded, param_sharded,
                                    act_offload)
 
         def act(n):  # on the GPU
-            return n * self.act if act_offload else self._act(n, fl, not_first, recompute)
+            return n * self.act if act_offload else self.act_kib(n, fl, not_first, recompute)
 
-        rep, need = self._layout(grad_sharded, param_sharded)
+        rep, need = self.layout(grad_sharded, param_sharded)
         for (n, cap), _ in g["mem"]:  # the optimizer's state in host memory (a shard's gradients / weights: below)
             ok &= rep + act(n) <= cap
         if not sharded:
@@ -374,26 +354,6 @@ class _Stages:
             per_gpu = [np.where(need > self.shard, np.minimum(p, d * need1 // rest), p)
                        for p, d in zip(per_gpu, dev_free)]
         held = sum(p // MIB_UNITS for p in per_gpu)
-        return ok & (MIB_UNITS * held >= need)
-
-    def _fits(self, mem, fl: int, not_first: bool, sharded: bool, recompute: bool, grad_sharded: bool = False,
-              param_sharded: bool = False, act_offload: bool = False):
-        """[C-memory] / [C-shard] for every (i, j) at once (as heuristics.stage_fits);
-        ``act_offload``: one micro-batch's activations on the GPU ([C-act-offload])."""
-        def act(n):
-            return n * self.act if act_offload else self._act(n, fl, not_first, recompute)
-
-        ok = np.ones_like(self.valid)
-        if not sharded:
-            for (n, cap), _ in mem:
-                ok &= self.state + act(n) <= cap
-            return ok
-        rep, need = self._layout(grad_sharded, param_sharded)
-        held = np.zeros_like(self.state)
-        for (n, cap), c in mem:
-            free = cap - rep - act(n)
-            ok &= free >= 0
-            held += c * (np.maximum(free, 0) // MIB_UNITS)
         return ok & (MIB_UNITS * held >= need)
 
 def _dp(st: _Stages, n_s: int, idle: bool = False, level: int = 1):
