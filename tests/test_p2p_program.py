@@ -170,7 +170,7 @@ def test_mixed_policy_sends_half_the_bytes(captured, shape):
         a = [op.message for g in fp32[r].groups for op in g]
         b = [op.message for g in bf16[r].groups for op in g]
         assert [m.nbytes for m in b] == [m.nbytes // 2 for m in a] and a
-        assert [dataclasses.replace(m, nbytes=0) for m in a] == [dataclasses.replace(m, nbytes=0) for m in b]
+        assert [m._replace(nbytes=0) for m in a] == [m._replace(nbytes=0) for m in b]
 
 
 def test_receives_follow_the_senders_order_on_a_shared_channel(captured):
