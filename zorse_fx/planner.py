@@ -74,7 +74,7 @@ def plan_captured(
         if result.status != "STAGE_DP_INFEASIBLE":
             result = with_interleaving(costs, devices, options, result)
     else:
-        result = solve_portfolio(costs, devices, options, solve)
+        result = solve_portfolio(costs, devices, options, solve, progress=say)
     result = dataclasses.replace(result, decision=dataclasses.replace(result.decision, precision=policy.name))
     if result.status == "STAGE_DP_INFEASIBLE":
         from .errors import InfeasiblePlanError

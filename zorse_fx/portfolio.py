@@ -78,8 +78,12 @@ LARGE_CLUSTER_GPUS = 128
 CHEAP_BASELINES = ("homogeneous_all", "homogeneous_best", "cephalo")
 
 
-def solve_portfolio(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions, solver) -> SolverResult:
+def solve_portfolio(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions, solver,
+                    progress=None) -> SolverResult:
     """Best feasible of ``solver(costs, devices, options)`` and every baseline.
+    ``progress``: called with a line when the heuristics have a plan (the first
+    feasible plan, within seconds), then per CP-SAT candidate (the solver's own
+    lines, where it takes ``progress``).
 
     Raises:
         InfeasiblePlanError: neither CP-SAT nor any baseline has a feasible plan
@@ -124,6 +128,12 @@ def solve_portfolio(costs: BlockCosts, devices: DeviceGraph, options: PlanOption
                    + [(r.predicted_step_time_s, len(found) + k, r) for k, r in enumerate(dp_hints)])
     params = inspect.signature(solver).parameters
     kw = {"hints": tuple(r for _, _, r in hints)} if "hints" in params else {}
+    if progress is not None:
+        progress(f"heuristics: best plan {found[0][0]:.4g} s ({found[0][1]}), {time.perf_counter() - t0:.1f} s; "
+                 f"CP-SAT next, each candidate must beat it" if found else
+                 f"heuristics: no plan fits ({time.perf_counter() - t0:.1f} s); CP-SAT next")
+    if progress is not None and "progress" in params:
+        kw["progress"] = progress
     if found and "incumbent" in params:  # [Note: incumbent cutoff] in solve/_search.py
         step, name, res = found[0]
         kw["incumbent"] = dataclasses.replace(res, status=_label(name), candidates=tuple(res.candidates))

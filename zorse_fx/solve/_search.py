@@ -361,10 +361,13 @@ class CandidateSearch:
     """Solve candidates one by one; ``result()`` returns the best as a SolverResult."""
 
     def __init__(self, costs: BlockCosts, devices: DeviceGraph, options: PlanOptions, *, label: str,
-                 incumbent: SolverResult | None = None):
+                 incumbent: SolverResult | None = None, progress=None, total: int = 0):
         """``incumbent``: a feasible plan found without CP-SAT (the portfolio's best
-        heuristic plan), which every candidate must beat ([Note: incumbent cutoff])."""
+        heuristic plan), which every candidate must beat ([Note: incumbent cutoff]);
+        ``progress``: called with one line per candidate solved (candidates done of
+        ``total``, its status, the best step time so far and the bound)."""
         self.costs, self.devices, self.options, self.label = costs, devices, options, label
+        self.progress, self.total = progress, total
         self.t0 = time.perf_counter()
         self.cands: list[dict] = []
         self.bounds: list[int] = []
@@ -538,6 +541,14 @@ class CandidateSearch:
             rec["best_bound_s"] = self.bounds[-1] * UNIT_S
         rec["wall_s"] = time.perf_counter() - t1
         self.cands.append(Candidate(**rec))
+        if self.progress is not None:
+            bar = self.bar
+            best = f"best {bar * UNIT_S:.4g} s" if bar is not None else "no plan yet"
+            pruned = sum(c.status == "PRUNED" for c in self.cands)
+            self.progress(f"{self.label} candidate {len(self.cands)}/{self.total or '?'} (S={num_stages} stages, "
+                          f"M={m} micro-batches): {rec['status']} in {rec['wall_s']:.1f} s; {best}, "
+                          f"{self.budget_left:.2f} of {self.options.solver_budget:g} budget left"
+                          + (f", {pruned} skipped by their bound" if pruned else ""))
 
     def result(self) -> SolverResult:
         """The best candidate, or the incumbent when no candidate beat it; raises

@@ -27,7 +27,7 @@ __all__ = ["solve_cpsat"]
 
 
 def solve_cpsat(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions, *, hints=(),
-                incumbent: SolverResult | None = None) -> SolverResult:
+                incumbent: SolverResult | None = None, progress=None) -> SolverResult:
     """Plan with CP-SAT: minimise the predicted step time (seconds) over (S, M).
 
     ``objective`` / ``best_bound`` are in seconds. ``status`` is "OPTIMAL" only
@@ -36,12 +36,13 @@ def solve_cpsat(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions, *
     covers the whole (S, M) search. ``hints``: decisions (SolverResults, e.g.
     the baselines') to warm-start the candidate with the same S and M;
     ``incumbent``: a feasible plan every candidate must beat, returned when none
-    does ([Note: incumbent cutoff] in _search.py). Candidates are tried in order
-    of their lower bound. Raises InfeasiblePlanError if nothing fits.
+    does ([Note: incumbent cutoff] in _search.py); ``progress``: called with a line
+    per candidate. Candidates are tried in order of their lower bound. Raises InfeasiblePlanError if nothing fits.
     """
-    search = CandidateSearch(costs, devices, options, label="CP-SAT", incumbent=incumbent)
-    groups = singleton_groups(devices.num_gpus)
     cands = ordered_candidates(costs, devices, options, hints)
+    search = CandidateSearch(costs, devices, options, label="CP-SAT", incumbent=incumbent, progress=progress,
+                             total=len(cands))
+    groups = singleton_groups(devices.num_gpus)
     for k, (n_s, m, tab) in enumerate(cands):
         if search.pruned(tab, n_s):  # its lower bound is above a plan in hand
             continue

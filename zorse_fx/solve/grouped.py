@@ -142,7 +142,8 @@ AGGREGATE_ABOVE = 16
 
 
 def solve_grouped(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions, *,
-                  aggregate_nodes: bool | None = None, hints=(), incumbent: SolverResult | None = None) -> SolverResult:
+                  aggregate_nodes: bool | None = None, hints=(), incumbent: SolverResult | None = None,
+                  progress=None) -> SolverResult:
     """Plan with the grouped CP-SAT model: minimise the predicted step time over (S, M).
 
     Same contract as ``solve_cpsat`` (``objective`` / ``best_bound`` in seconds,
@@ -155,11 +156,13 @@ def solve_grouped(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions,
     more than AGGREGATE_ABOVE classes). Each candidate gets
     ``options.solver_budget`` deterministic seconds (``options.time_limit_s``:
     the wall-clock safety stop). ``hints``: decisions to warm-start the candidate
-    with the same S and M, ``incumbent`` a plan to beat (``solve_cpsat``). Raises
+    with the same S and M, ``incumbent`` a plan to beat, ``progress`` a line per
+    candidate (``solve_cpsat``). Raises
     InfeasiblePlanError if nothing fits."""
-    search = CandidateSearch(costs, devices, options, label="grouped", incumbent=incumbent)
-    groups = None
     cands = ordered_candidates(costs, devices, options, hints)
+    search = CandidateSearch(costs, devices, options, label="grouped", incumbent=incumbent, progress=progress,
+                             total=len(cands))
+    groups = None
     for k, (n_s, m, tab) in enumerate(cands):
         if groups is None:
             groups = _groups(devices, tab, False)
