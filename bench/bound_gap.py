@@ -144,7 +144,7 @@ def main() -> int:
     ap.add_argument("--only", default="", help="comma-separated scenario names")
     ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {VARIANTS}")
     ap.add_argument("--solver-budget", type=float, default=5.0,
-                    help="CP-SAT deterministic seconds (work units) per (stages, micro-batches) candidate")
+                    help="CP-SAT deterministic seconds (work units) for the whole (stages, micro-batches) search")
     ap.add_argument("--time-limit", type=float, default=100.0,
                     help="wall-clock safety stop per CP-SAT solve, seconds (a status ending in "
                          "'(wall-clock safety stop)' says it fired)")

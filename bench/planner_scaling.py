@@ -72,7 +72,7 @@ def main() -> int:
     ap.add_argument("--sizes", default=",".join(f"{g}x{l}" for g, l in SIZES),
                     help="comma-separated GPUSxLAYERS instances (default: all ten)")
     ap.add_argument("--solver-budget", type=float, default=_default_budget(),
-                    help="CP-SAT deterministic seconds per (stages, micro-batches) candidate (default: "
+                    help="CP-SAT deterministic seconds for the whole (stages, micro-batches) search (default: "
                          "PlanOptions.solver_budget, what zorse_fx.compile uses)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"), help="directory for scaling.json")
     args = ap.parse_args()

@@ -131,10 +131,11 @@ def test_stage_dp_planner_alone_and_in_the_portfolio(tmp_path):
     out = tmp_path / "plan"
     assert zorse_main(["plan", "--model", "gpt", "--cluster", str(CLUSTERS / "small_hetero.yaml"),
                        "--global-batch-size", "8", "--seq-len", "32", "--planner", "stage_dp", "--precision", "fp32",
-                       "-o", str(out)]) == 0
+                       "--tf32", "-o", str(out)]) == 0
     d = json.loads((out / "plan.json").read_text())
     assert d["solver"]["status"] == "STAGE_DP"
-    assert (d["precision"], d["grad_reduce_dtype"], d["compute_dtype"]) == ("fp32", "float32", "float32")
+    assert (d["precision"], d["grad_reduce_dtype"], d["compute_dtype"], d["tf32"]) == ("fp32", "float32", "float32",
+                                                                                       True)
 
 
 def test_cli_train_runs_plan_on_real_text(tmp_path):

@@ -259,7 +259,7 @@ def test_plan_round_trip_with_precision(bf16_plan, tmp_path):
     assert bf16_plan.precision_policy() == precision_policy("bf16-mixed", "bfloat16")
     path = bf16_plan.export(tmp_path / "p")
     d = json.loads(path.read_text())
-    assert d["version"] == PLAN_FORMAT_VERSION == 11
+    assert d["version"] == PLAN_FORMAT_VERSION == 12
     assert (d["precision"], d["grad_reduce_dtype"], d["compute_dtype"]) == ("bf16-mixed", "bfloat16", "bfloat16")
     loaded = Plan.load(path)
     assert loaded == bf16_plan and loaded.precision_policy().state_bytes_per_param == 20
@@ -324,5 +324,94 @@ def test_table_prints_the_precision(bf16_plan):
     assert "gradients all-reduced in bfloat16" in text
     assert max(len(line) for line in text.splitlines()) <= 150
     fp32 = dataclasses.replace(bf16_plan, precision="fp32", grad_reduce_dtype="float32")
-    assert ("\nprecision fp32: float32 compute, weights, gradients and AdamW state = 16 B/param; gradients "
+    assert ("\nprecision fp32: float32 compute (TF32 off), weights, gradients and AdamW state = 16 B/param; gradients "
             "all-reduced in float32") in fp32.table()
+
+
+# -- TF32 ---------------------------------------------------------------------
+
+def test_tf32_prices_float32_matmuls_from_the_tf32_column():
+    """With TF32 on, an A100's and an H100's float32 matmuls run on their tensor
+    cores at the datasheet TF32/16-bit peak ratio of their 16-bit rate (a
+    fitted class) and the block costs fall; a V100 (no TF32) and a mixed policy
+    (no float32 matmuls) are priced as without it."""
+    from zorse_fx.cluster import gpu_spec
+    from zorse_fx.cost import gpu_model
+    from zorse_fx.cost.roofline import MATMUL_EFFICIENCY
+
+    a100, h100, v100 = gpu_spec("A100-40GB"), gpu_spec("H100-80GB"), gpu_spec("V100-16GB")
+    assert a100.tf32_flops_per_s == 156e12 and v100.tf32_flops_per_s is None  # gpu_specs.csv
+    for spec in (a100, h100):
+        r16 = gpu_model.sustained_matmul_flops_per_s(spec, torch.float16, MATMUL_EFFICIENCY)
+        assert gpu_model.sustained_matmul_flops_per_s(spec, torch.float32, MATMUL_EFFICIENCY, tf32=True) == \
+            pytest.approx(r16 * spec.tf32_flops_per_s / spec.fp16_flops_per_s, rel=1e-12)
+    assert gpu_model.sustained_matmul_flops_per_s(v100, torch.float32, MATMUL_EFFICIENCY, tf32=True) == \
+        gpu_model.sustained_matmul_flops_per_s(v100, torch.float32, MATMUL_EFFICIENCY)
+    # a type outside the fitted classes: the plain roofline at the TF32 peak
+    plain = dataclasses.replace(a100, arch=None, sustained_fp16_flops_per_s=None)
+    assert gpu_model.sustained_matmul_flops_per_s(plain, torch.float32, MATMUL_EFFICIENCY, tf32=True) == \
+        MATMUL_EFFICIENCY * 156e12
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, 256, (2, 128))
+    bg = analyse(capture(GPT(GPTConfig(n_layer=1, n_embd=256, block_size=128)), (ids, ids)))
+    specs = {"A100-40GB": a100, "V100-16GB": v100}
+    off, on = (block_costs(bg, specs, precision=precision_policy("fp32", tf32=x)) for x in (False, True))
+    assert sum(on.fwd_bwd_s_per_sample["A100-40GB"]) < 0.5 * sum(off.fwd_bwd_s_per_sample["A100-40GB"])
+    assert on.fwd_bwd_s_per_sample["V100-16GB"] == off.fwd_bwd_s_per_sample["V100-16GB"]
+    mixed = [block_costs(bg, {"A100-40GB": a100}, precision=precision_policy("bf16-mixed", tf32=x))
+             for x in (False, True)]
+    assert mixed[0].fwd_bwd_s_per_sample == mixed[1].fwd_bwd_s_per_sample
+
+
+def test_tf32_in_the_plan_and_on_the_ranks(tmp_path):
+    """``PlanOptions.tf32`` reaches plan.json, the table and the runtime's policy
+    and speeds up an A100 stage (compute-bound float32 matmuls); the H100's
+    shipped profile, timed with TF32 off, is set aside and said so; a
+    version-11 file (no ``tf32``) reads with it off; the rank sets PyTorch's
+    flags both ways on CUDA and leaves a CPU process alone."""
+    from zorse_fx.train import runtime_precision
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, 256, (2, 128))
+    model = capture(GPT(GPTConfig(n_layer=2, n_embd=256, block_size=128)), (ids, ids))
+    nb = analyse(model).num_blocks
+    decision = Decision(stage_blocks=((0, 3), (3, nb)), stage_gpus=((4, 5), (6,)),
+                        samples_per_microbatch=((2, 2), (4,)), num_microbatches=2)
+    cluster = Cluster.from_yaml(AMPERE)
+    lines: list[str] = []
+    price(model, cluster, PlanOptions(global_batch_size=8, precision="fp32", tf32=True), progress=lines.append)
+    assert any(x.startswith("TF32 on: the measured profiles of H100-80GB timed float32 matmuls with TF32 off")
+               for x in lines), lines
+    plans = {x: plan_fixed(model, cluster, PlanOptions(global_batch_size=8, precision="fp32", tf32=x),
+                           decision)[0] for x in (False, True)}
+    assert plans[True].tf32 and not plans[False].tf32
+    assert plans[True].predicted_step_time_s < plans[False].predicted_step_time_s
+    path = plans[True].export(tmp_path / "p")
+    d = json.loads(path.read_text())
+    assert d["tf32"] is True and Plan.load(path) == plans[True]
+    assert "float32 compute (TF32 tensor-core matmuls where the GPU has them)" in plans[True].table()
+    assert "float32 compute (TF32 off)" in plans[False].table()
+    d.update(version=11)
+    del d["tf32"]
+    path.write_text(json.dumps(d))
+    assert Plan.load(path).tf32 is False
+    d.update(version=12, tf32="yes")
+    path.write_text(json.dumps(d))
+    with pytest.raises(PlanFileError, match="tf32"):
+        Plan.load(path)
+    with pytest.raises(PlanOptionsError, match=r"PlanOptions.tf32='yes': use True"):
+        PlanOptions(global_batch_size=8, tf32="yes")
+
+    policy, _ = runtime_precision(plans[True], torch.device("cuda"), None)
+    assert policy.tf32
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    try:
+        for x in (True, False):
+            precision_policy("fp32", tf32=x).apply_matmul_precision("cuda")
+            assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == (x, x)
+        torch.backends.cuda.matmul.allow_tf32 = True
+        precision_policy("fp32").apply_matmul_precision("cpu")
+        assert torch.backends.cuda.matmul.allow_tf32
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved

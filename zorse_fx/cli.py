@@ -106,6 +106,7 @@ def cmd_plan(args) -> int:
         time_limit_s=args.time_limit, planner=args.planner,
         solver_budget=args.solver_budget, bucket_mib=args.bucket_mib,
         max_interleave=args.max_interleave, precision=args.precision, grad_reduce_dtype=args.grad_reduce_dtype,
+        tf32=args.tf32,
         sharding=args.sharding, grad_sharding=args.grad_sharding, param_sharding=args.param_sharding,
         offload=args.offload, activation_offload=args.activation_offload, recompute=args.recompute, verbose=True, model_name=args.model,
     )
@@ -303,6 +304,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="training precision; auto: bf16-mixed where every GPU supports bfloat16, else fp16-mixed")
     pp.add_argument("--grad-reduce-dtype", default=opt["grad_reduce_dtype"], choices=GRAD_REDUCE_DTYPES,
                     help="dtype of the gradient all-reduce (default float32; bfloat16 needs bf16-mixed)")
+    pp.add_argument("--tf32", action=argparse.BooleanOptionalAction, default=opt["tf32"],
+                    help="float32 matmuls on TF32 tensor cores (Ampere and later), priced and set on every rank "
+                         "(default off, as in PyTorch; only fp32 plans have float32 matmuls)")
     modes = ("never", "auto", "always")
     pp.add_argument("--sharding", choices=modes, default=opt["sharding"],
                     help="ZeRO-1: shard each stage's optimizer state over its GPUs (auto: per stage, where it pays)")

@@ -82,6 +82,10 @@ class PlanOptions:
     #: dtype of the gradient all-reduce: None = the precision's default
     #: (float32), or "bfloat16" (bf16-mixed only; +2 B/param of buckets).
     grad_reduce_dtype: str | None = None
+    #: float32 matmuls on TF32 tensor cores (Ampere and later): priced from the
+    #: datasheet TF32 peak and set on every rank (``Plan.tf32``). Off by
+    #: default, as in PyTorch. Only fp32 plans have float32 matmuls to speed up.
+    tf32: bool = False
     #: Upper bound on blocks the graph is cut into.
     max_blocks: int = 32
     #: Allow GPUs to stay unused when that is faster.
@@ -168,6 +172,9 @@ class PlanOptions:
                 or not self.bucket_mib * 1024 >= 1 or self.bucket_mib > 2**20:
             raise PlanOptionsError(f"PlanOptions.bucket_mib={self.bucket_mib!r}: use a number of MiB from 1/1024 (1 "
                                    f"KiB) to 2**20 (the gradient bucket size, e.g. 25; zorse plan --bucket-mib)")
+        if not isinstance(self.tf32, bool):
+            raise PlanOptionsError(f"PlanOptions.tf32={self.tf32!r}: use True (float32 matmuls on TF32 tensor cores) "
+                                   f"or False (PyTorch's default; zorse plan --tf32 / --no-tf32)")
         if self.precision != "auto":
             checked_policy(self.precision, self.grad_reduce_dtype, why="")
 
@@ -177,12 +184,12 @@ class PlanOptions:
         return round(self.bucket_mib * 1024) * 1024
 
 
-def checked_policy(name: str, grad_reduce_dtype: str | None, *, why: str) -> PrecisionPolicy:
-    """``precision_policy(name, grad_reduce_dtype)``, its ValueError as a
+def checked_policy(name: str, grad_reduce_dtype: str | None, *, why: str, tf32: bool = False) -> PrecisionPolicy:
+    """``precision_policy(name, grad_reduce_dtype, tf32=tf32)``, its ValueError as a
     ``PlanOptionsError`` that names the option and the fix (``why``: a
     sentence on how the precision was chosen, or "")."""
     try:
-        return precision_policy(name, grad_reduce_dtype)
+        return precision_policy(name, grad_reduce_dtype, tf32=tf32)
     except ValueError as exc:
         raise PlanOptionsError(f"PlanOptions.grad_reduce_dtype={grad_reduce_dtype!r}: {exc}{why}; leave "
                                f"grad_reduce_dtype unset (float32) or ask for precision 'bf16-mixed'") from None

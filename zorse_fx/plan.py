@@ -97,6 +97,11 @@ offload] in ``runtime/optimizer.py``); ``StagePlan.offload_activations`` keeps
 what autograd saves between a micro-batch's forward and backward there
 ([Note: activation offload] in ``runtime/act_offload.py``);
 ``GPUShare.predicted_host_memory_bytes`` is what each GPU's process holds there.
+
+TF32 (format version 12; an older file reads with it off, PyTorch's
+default): ``Plan.tf32`` says whether float32 matmuls run on TF32 tensor
+cores; the planner priced them so and every rank sets PyTorch's flags to it
+(``PrecisionPolicy.tf32`` in ``zorse_fx/precision.py``).
 """
 
 from __future__ import annotations
@@ -120,7 +125,7 @@ from .stage_sources import source_sha256
 __all__ = ["PLAN_FORMAT_VERSION", "MemoryBreakdown", "GPUShare", "StagePlan", "SolverReport", "Plan", "RankRole"]
 
 #: Bumped on any incompatible change of plan.json.
-PLAN_FORMAT_VERSION = 11
+PLAN_FORMAT_VERSION = 12
 
 
 # Field types of plan.json: one declaration, read by the schema (``plan_schema``,
@@ -359,6 +364,9 @@ class SolverReport:
                      "offload or interleaving)")
         elif status == "FIXED":
             words = "a decision given by hand, not searched"
+        elif "+SIM_RERANKED" in status:  # [Note: simulator re-rank] in portfolio.py
+            words = (f"the best plan found ({status}: of the objective's best few plans, the one the simulator "
+                     f"finds fastest)")
         else:
             words = f"the best plan found ({status})"
         if self.throughput_bound_s > 0 and predicted_step_s > 0:
@@ -409,6 +417,10 @@ class Plan:
     #: dtype of the gradient all-reduce, one of ``precision.REDUCE_DTYPES[precision]``
     #: (checked by ``__post_init__``, whose message names what the precision allows).
     grad_reduce_dtype: str = "float32"
+    #: float32 matmuls on TF32 tensor cores where the GPU has them (format
+    #: version 12; older files read as False): priced from the TF32 peak, set on
+    #: every rank (``PrecisionPolicy.apply_matmul_precision``).
+    tf32: bool = field(default=False, metadata=OPTIONAL)
     #: Gradient all-reduce bucket size, bytes (format version 6; older files read
     #: as 25 MiB, what their runtime used by default): ``PlanOptions.bucket_mib``,
     #: priced by the planner, used by the runtime's buckets (``runtime/grad_sync.py``).
@@ -548,7 +560,7 @@ class Plan:
     # -- queries -------------------------------------------------------------
     def precision_policy(self) -> PrecisionPolicy:
         """The precision policy the plan was priced under and trains with."""
-        return precision_policy(self.precision, self.grad_reduce_dtype)
+        return precision_policy(self.precision, self.grad_reduce_dtype, tf32=self.tf32)
 
     @property
     def compute_dtype(self) -> str:

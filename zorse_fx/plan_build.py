@@ -188,6 +188,7 @@ def build_plan(
         predicted_step_time_s=result.predicted_step_time_s,
         precision=precision.name,
         grad_reduce_dtype=precision.grad_reduce_dtype,
+        tf32=precision.tf32,
         grad_bucket_bytes=options.bucket_bytes,
         solver=SolverReport(
             planner=planner,

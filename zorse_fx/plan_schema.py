@@ -77,7 +77,7 @@ def upgrade(d: dict) -> dict:
     when absent; v9: each stage's ``grad_sharded``, optional, off when
     absent; v10: each stage's ``param_sharded``, optional, off when absent; v11: each stage's
     ``offload_optimizer`` / ``offload_activations`` and each GPU's ``predicted_host_memory_bytes``, optional,
-    off / 0 when absent). Parts of the wrong type are left for the schema to name."""
+    off / 0 when absent; v12: ``tf32``, optional, off when absent: PyTorch's default). Parts of the wrong type are left for the schema to name."""
     d = dict(d)
     version = d.get("version")
     if not isinstance(version, int) or version >= 6:

@@ -14,6 +14,17 @@ the runtime trains with it. The policies:
                decision agreed over every rank); gradients reduced in float32.
 ============== ============================================================
 
+``PrecisionPolicy.tf32`` (``Plan.tf32``, ``PlanOptions.tf32``, ``zorse plan
+--tf32``): float32 matmuls and convolutions on TF32 tensor cores (Ampere and
+later; 10-bit mantissa products, float32 accumulation). PyTorch leaves it off
+for matmuls by default; the runtime sets both
+``torch.backends.cuda.matmul.allow_tf32`` and
+``torch.backends.cudnn.allow_tf32`` to the plan's value on every rank
+(``apply_matmul_precision``), so a plan priced with TF32 runs with it and one
+priced without runs without, whatever the process set before. It only
+changes float32 matmuls: all of them in fp32, none under a mixed policy
+(autocast runs them in 16 bits); GPUs without TF32 (pre-Ampere) ignore it.
+
 [Note: mixed precision]
 The stage modules are ATen graphs captured in float32, with the dtypes of
 their explicit casts baked in (an RMSNorm's ``.to(float32)``), so the runtime
@@ -161,6 +172,8 @@ class PrecisionPolicy:
     growth_factor: float = 2.0
     backoff_factor: float = 0.5
     growth_interval: int = 2000
+    #: float32 matmuls on TF32 tensor cores (see the module docstring).
+    tf32: bool = False
 
     def __post_init__(self) -> None:
         if self.name not in PRECISIONS:
@@ -203,6 +216,19 @@ class PrecisionPolicy:
         import torch
 
         return torch.autocast(device_type, dtype=self.compute_dtype, enabled=self.mixed)
+
+    def apply_matmul_precision(self, device_type: str) -> None:
+        """On ``device_type`` "cuda", set ``torch.backends.cuda.matmul.allow_tf32``
+        and ``torch.backends.cudnn.allow_tf32`` to ``tf32`` (both ways: a plan
+        priced without TF32 runs without it). Process-wide. Other devices are
+        left alone (the CUDA flag also moves ``torch.get_float32_matmul_precision``,
+        which CPU backends may read)."""
+        import torch
+
+        if device_type != "cuda":
+            return
+        torch.backends.cuda.matmul.allow_tf32 = self.tf32
+        torch.backends.cudnn.allow_tf32 = self.tf32
 
     def wire_dtype_name(self, dtype_name: str) -> str:
         """The dtype a stage-boundary tensor of ``dtype_name`` travels in, and
@@ -272,7 +298,8 @@ class PrecisionPolicy:
         all-reduced in float32; stage-boundary activations and gradients sent
         in bfloat16``."""
         if not self.mixed:
-            return (f"fp32: float32 compute, weights, gradients and AdamW state = {self.state_bytes_per_param} "
+            return (f"fp32: float32 compute ({'TF32 tensor-core matmuls where the GPU has them' if self.tf32 else 'TF32 off'}), "
+                    f"weights, gradients and AdamW state = {self.state_bytes_per_param} "
                     f"B/param; gradients all-reduced in {self.grad_reduce_dtype}")
         base = self.weight_bytes_per_param + self.grad_bytes_per_param + self.optimizer_bytes_per_param
         cd = self.compute_dtype_name
@@ -285,8 +312,9 @@ class PrecisionPolicy:
                 + ("; dynamic loss scaling" if self.loss_scaling else ""))
 
 
-def precision_policy(name: str, grad_reduce_dtype: str | None = None) -> PrecisionPolicy:
-    """The policy ``name`` with ``grad_reduce_dtype`` (None: the precision's default).
+def precision_policy(name: str, grad_reduce_dtype: str | None = None, *, tf32: bool = False) -> PrecisionPolicy:
+    """The policy ``name`` with ``grad_reduce_dtype`` (None: the precision's
+    default) and float32 matmuls in TF32 or not (``tf32``).
 
     Raises:
         ValueError: unknown precision, or a reduction dtype it does not allow;
@@ -294,7 +322,7 @@ def precision_policy(name: str, grad_reduce_dtype: str | None = None) -> Precisi
     """
     if name not in PRECISIONS:
         raise ValueError(f"precision {name!r} is not one of {', '.join(PRECISIONS)}")
-    return PrecisionPolicy(name=name, grad_reduce_dtype=grad_reduce_dtype or REDUCE_DTYPES[name][0])
+    return PrecisionPolicy(name=name, grad_reduce_dtype=grad_reduce_dtype or REDUCE_DTYPES[name][0], tf32=bool(tf32))
 
 
 def default_precision(specs: Iterable["GPUSpec"]) -> str:

@@ -85,13 +85,14 @@ def resolve_precision(options: PlanOptions, cluster: Cluster) -> tuple[Precision
         missing = sorted({s.type for s in specs if not s.bf16_supported})
         reason = ("every GPU supports bf16" if not missing
                   else f"{', '.join(missing)} {'has' if len(missing) == 1 else 'have'} no bf16")
-        return (_policy(name, options.grad_reduce_dtype, why=f" (precision 'auto' chose {name}: {reason})"),
+        return (_policy(name, options.grad_reduce_dtype, why=f" (precision 'auto' chose {name}: {reason})",
+                        tf32=options.tf32),
                 f"auto: {reason}")
     try:
         check_supported(options.precision, specs)
     except ValueError as exc:
         raise PlanOptionsError(f"PlanOptions.precision on cluster {cluster.name!r}: {exc}") from None
-    return _policy(options.precision, options.grad_reduce_dtype, why=""), "asked for"
+    return _policy(options.precision, options.grad_reduce_dtype, why="", tf32=options.tf32), "asked for"
 
 
 def options_for_plan(plan, **overrides) -> PlanOptions:
@@ -101,7 +102,7 @@ def options_for_plan(plan, **overrides) -> PlanOptions:
     ``overrides`` (``profiles=...``, say) are passed on."""
     fields = dict(global_batch_size=plan.global_batch_size, schedule=plan.schedule,
                   max_stages=plan.num_groups, max_interleave=plan.interleave,
-                  precision=plan.precision, grad_reduce_dtype=plan.grad_reduce_dtype,
+                  precision=plan.precision, grad_reduce_dtype=plan.grad_reduce_dtype, tf32=plan.tf32,
                   bucket_mib=plan.grad_bucket_bytes / 2**20)
     return PlanOptions(**{**fields, **overrides})
 
@@ -140,19 +141,28 @@ def price(captured: CapturedModel, cluster: Cluster, options: PlanOptions, *,
     bg = cast
     specs = {g.type: g.spec for g in cluster.gpus}
     costs = block_costs(bg, specs, precision=policy, activations=acts)
-    profiles = _profiles(options)
+    profiles = timing = _profiles(options)
+    if policy.tf32 and not policy.mixed:
+        # The kernel profiles time float32 matmuls as PyTorch runs them by default,
+        # TF32 off (``profiling/kernels_main.py`` leaves the flag alone): not what a
+        # TF32 plan runs on a GPU that has it. Those types get the class model.
+        stale = sorted(t for t in timing.by_type if t in specs and specs[t].tf32_flops_per_s)
+        if stale:
+            timing = ProfileSet([p for t, p in timing.by_type.items() if t not in stale])
+            say(f"TF32 on: the measured profiles of {', '.join(stale)} timed float32 matmuls with TF32 off; "
+                f"{'that type is' if len(stale) == 1 else 'those types are'} priced by the class model")
     sources: dict[str, dict[str, float]] = {t: {CLASS_MODEL: 1.0} for t in specs}
     batches = None
-    if not any(t in profiles for t in specs):
+    if not any(t in timing for t in specs):
         say(f"cost model: roofline on {', '.join(specs)} ({policy.compute_dtype_name} matmuls; "
             "no measured profile for these types)")
     else:
-        measured = [profiles.by_type[t].batch_sizes for t in specs
-                    if t in profiles and profiles.by_type[t].batch_sizes]
+        measured = [timing.by_type[t].batch_sizes for t in specs
+                    if t in timing and timing.by_type[t].batch_sizes]
         batches = options.profile_batches or (
             (min(measured[0]), max(measured[0])) if measured and len(set(measured[0])) > 1
             else (1, max(2, options.global_batch_size // 4)))
-        costs, counts = measured_block_costs(bg, specs, profiles, batches=batches, base=costs,
+        costs, counts = measured_block_costs(bg, specs, timing, batches=batches, base=costs,
                                              compute_dtype=policy.compute_dtype)
         for t, count in counts.items():
             total = sum(count.values()) or 1

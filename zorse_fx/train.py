@@ -109,16 +109,17 @@ def _log(rank: int, msg: str) -> None:
 def runtime_precision(plan: Plan, device: torch.device, asked: str | None, reduce_dtype: str | None = None):
     """(policy to train with, why): ``asked`` (with ``reduce_dtype``, else the
     plan's when it is the plan's precision), else the plan's on a GPU, else
-    fp32 on a CPU.
+    fp32 on a CPU; TF32 as the plan says (``Plan.tf32``).
 
     Raises:
         ValueError: a reduction dtype the precision does not allow."""
     planned, reduce = plan.precision, plan.grad_reduce_dtype
     if asked is not None:
-        return precision_policy(asked, reduce_dtype or (reduce if asked == planned else None)), "--precision"
+        return (precision_policy(asked, reduce_dtype or (reduce if asked == planned else None), tf32=plan.tf32),
+                "--precision")
     if device.type == "cpu" and planned != "fp32":
-        return precision_policy("fp32"), f"the plan's {planned} is for its GPUs; this is a CPU run"
-    return precision_policy(planned, reduce), "the plan's"
+        return precision_policy("fp32", tf32=plan.tf32), f"the plan's {planned} is for its GPUs; this is a CPU run"
+    return precision_policy(planned, reduce, tf32=plan.tf32), "the plan's"
 
 
 _BREAKDOWN = ("pipeline_s", "allreduce_s", "optimizer_s", "allgather_s", "buckets", "buckets_during_backward")

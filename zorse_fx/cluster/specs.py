@@ -135,10 +135,11 @@ class GPUSpec:
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise ClusterConfigError(f"GPUSpec {self.type!r}: {name} must be > 0, got {value!r}")
 
-    def peak_flops_per_s(self, dtype: torch.dtype | str) -> float:
+    def peak_flops_per_s(self, dtype: torch.dtype | str, *, tf32: bool = False) -> float:
         """Peak FLOP/s for matmuls in ``dtype``.
 
-        ``torch.float32``/``"fp32"`` -> ``fp32_flops_per_s``;
+        ``torch.float32``/``"fp32"`` -> ``fp32_flops_per_s``, or with ``tf32``
+        on a GPU with TF32 tensor cores ``tf32_flops_per_s`` (datasheet, dense);
         ``torch.float16``/``torch.bfloat16`` (or ``"fp16"``/``"bf16"``) ->
         ``fp16_flops_per_s``. Raises ``ValueError`` for bf16 on a GPU without
         bf16 support and for any other dtype.
@@ -151,7 +152,7 @@ class GPUSpec:
                 f"supported: torch.float32, torch.float16, torch.bfloat16"
             )
         if kind == "fp32":
-            return self.fp32_flops_per_s
+            return self.tf32_flops_per_s if tf32 and self.tf32_flops_per_s else self.fp32_flops_per_s
         if kind == "bf16" and not self.bf16_supported:
             raise ValueError(
                 f"{self.type} does not support bfloat16 (pre-Ampere); train in float16 "

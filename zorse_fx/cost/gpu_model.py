@@ -16,7 +16,13 @@ forward + backward, from the fx nodes' FLOPs and bytes (``roofline.node_costs``)
   peak there. Both constants are fitted, per class, to the cited GEMM
   measurements of ``reference_data.GEMM_POINTS`` (``_fit``, no other input).
   FP32 matmuls (no autocast) keep the plain roofline: ``MATMUL_EFFICIENCY``
-  of the FP32 peak (PyTorch leaves TF32 off for matmuls by default).
+  of the FP32 peak (PyTorch leaves TF32 off for matmuls by default). With
+  TF32 on (``PrecisionPolicy.tf32``) on a GPU with TF32 tensor cores, an FP32
+  matmul runs on the same tensor cores at the datasheet's TF32/16-bit peak
+  ratio (half on A100, H100, A10, L4): ``R * tf32_peak / peak16`` for a
+  fitted class (the same sustained fraction of the tensor peak, and the same
+  power cap bought at that ratio, an assumption: no cited TF32 GEMM
+  measurement per class), else ``MATMUL_EFFICIENCY`` x the TF32 peak.
 * **Partly fused elementwise accounting.** Norms, rotary, activations,
   residual adds and casts are grouped into chains: connected through views,
   with no matmul/attention kernel on any dataflow path between two nodes of
@@ -319,10 +325,19 @@ def predicted_sustained_fp16(arch: str, peak16: float, tdp_w: float | None) -> f
     return rate
 
 
-def sustained_matmul_flops_per_s(spec: GPUSpec, dtype: torch.dtype, fallback_efficiency: float) -> float:
+def sustained_matmul_flops_per_s(spec: GPUSpec, dtype: torch.dtype, fallback_efficiency: float, *,
+                                 tf32: bool = False) -> float:
     """Sustained matmul FLOP/s of ``spec`` in ``dtype``: the measured figure,
     else the class model; FP32 (and types outside the fitted classes):
-    ``fallback_efficiency`` x the datasheet peak of ``dtype``."""
+    ``fallback_efficiency`` x the datasheet peak of ``dtype``. FP32 with
+    ``tf32`` on a GPU with TF32 tensor cores: the 16-bit rate scaled by the
+    datasheet TF32/16-bit peak ratio (module docstring), or
+    ``fallback_efficiency`` x the TF32 peak outside the fitted classes."""
+    if dtype == torch.float32 and tf32 and spec.tf32_flops_per_s:
+        if spec.sustained_fp16_flops_per_s is not None or spec.arch in ARCH_EFFICIENCY:
+            return (sustained_matmul_flops_per_s(spec, torch.float16, fallback_efficiency)
+                    * spec.tf32_flops_per_s / spec.fp16_flops_per_s)
+        return spec.tf32_flops_per_s * fallback_efficiency
     if dtype in (torch.float16, torch.bfloat16):
         spec.peak_flops_per_s(dtype)  # raises for bf16 on a GPU without it
         if spec.sustained_fp16_flops_per_s is not None:

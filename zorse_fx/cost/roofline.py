@@ -153,9 +153,10 @@ def node_costs(bg: BlockGraph, activations: "SavedActivations | None" = None,
     return {name: _node_cost(nodes[name], gm, dtypes, autocast_dtype) for name in bg.act_order}
 
 
-def node_time_s(cost: NodeCost, spec: GPUSpec, dtype: torch.dtype) -> float:
-    """Roofline forward time of one node on one GPU, seconds."""
-    peak = spec.peak_flops_per_s(dtype) if cost.is_matmul else spec.fp32_flops_per_s
+def node_time_s(cost: NodeCost, spec: GPUSpec, dtype: torch.dtype, *, tf32: bool = False) -> float:
+    """Roofline forward time of one node on one GPU, seconds (``tf32``: float32
+    matmuls at the TF32 peak where the GPU has one)."""
+    peak = spec.peak_flops_per_s(dtype, tf32=tf32) if cost.is_matmul else spec.fp32_flops_per_s
     return max(cost.flops / (peak * MATMUL_EFFICIENCY), cost.bytes / (spec.mem_bw_bytes_per_s * MEMORY_EFFICIENCY))
 
 
@@ -302,7 +303,7 @@ def class_block_time(bg: BlockGraph, costs: dict[str, NodeCost], b: int, chains:
     ``gpu_model.UNFUSED_FRACTION``; 0: fully fused chains)."""
     frac = gpu_model.UNFUSED_FRACTION if unfused_fraction is None else unfused_fraction
     dtype = precision.compute_dtype
-    rate32 = gpu_model.sustained_matmul_flops_per_s(spec, dtype, MATMUL_EFFICIENCY)
+    rate32 = gpu_model.sustained_matmul_flops_per_s(spec, dtype, MATMUL_EFFICIENCY, tf32=precision.tf32)
     # a half-precision graph under a non-mixed policy still runs 16-bit GEMMs
     rate16 = rate32 if precision.mixed else gpu_model.sustained_matmul_flops_per_s(
         spec, torch.float16, MATMUL_EFFICIENCY)
@@ -421,7 +422,7 @@ def block_costs(
                 times[gpu_type].append(f + bw_)
                 fixed[gpu_type].append(ff + fb)
             else:
-                fwd = sum(node_time_s(costs[n], spec, dtype) for n in names)
+                fwd = sum(node_time_s(costs[n], spec, dtype, tf32=precision.tf32) for n in names)
                 times[gpu_type].append(FWD_BWD_FACTOR * fwd)
                 fixed[gpu_type].append(FWD_BWD_FACTOR * KERNEL_OVERHEAD_S * kernels)
     cast = bg.with_dtypes(activations.output_dtypes)

@@ -45,7 +45,11 @@ class Candidate:
     * ``"interleave"``: one (interleave degree, M, recompute everywhere?) the
       interleave pass scored;
     * ``"portfolio"``: one heuristic (``source``) the portfolio ran before
-      CP-SAT, its step time and feasibility.
+      CP-SAT, its step time and feasibility;
+    * ``"rerank"``: one plan the simulator re-ranked (``source``: its status,
+      its stages, micro-batches and interleave degree), its objective and
+      simulated step time, ``chosen`` on the one returned
+      ([Note: simulator re-rank] in portfolio.py).
     """
 
     kind: str
@@ -78,8 +82,10 @@ class Candidate:
     #: "interleave"
     interleave: int | None = None
     recompute_all: bool | None = None
-    #: "portfolio"
+    #: "portfolio", "rerank"
     source: str | None = None
+    #: "rerank": seconds (inf: the simulator refused the plan).
+    simulated_step_time_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in CANDIDATE_KINDS:
@@ -91,6 +97,11 @@ class Candidate:
             return {"interleave_search": {"interleave": self.interleave, "num_microbatches": self.num_microbatches,
                                           "recompute_all": self.recompute_all, "step_time_s": self.step_time_s,
                                           "feasible": self.feasible}}
+        if self.kind == "rerank":
+            return {"rerank": {"source": self.source, "num_stages": self.num_stages,
+                               "num_microbatches": self.num_microbatches, "interleave": self.interleave,
+                               "step_time_s": self.step_time_s, "simulated_step_time_s": self.simulated_step_time_s,
+                               "chosen": self.chosen}}
         if self.kind == "portfolio":
             return {"portfolio": {"source": self.source, "step_time_s": self.step_time_s, "feasible": self.feasible}}
         out = {"num_stages": self.num_stages, "num_microbatches": self.num_microbatches}
@@ -121,7 +132,7 @@ class Candidate:
 
 
 #: ``Candidate.kind`` values.
-CANDIDATE_KINDS = ("solve", "brute_force", "heuristic", "interleave", "portfolio")
+CANDIDATE_KINDS = ("solve", "brute_force", "heuristic", "interleave", "portfolio", "rerank")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -124,6 +124,7 @@ class StageWorker:
         self.rank = rank
         self.device = device
         self.precision = precision or precision_policy("fp32")
+        self.precision.apply_matmul_precision(device.type)  # TF32 as planned (zorse_fx/precision.py)
         self.role = plan.role(rank)
         #: The rank's GPU group (= its first stage).
         self.group = self.role.stage
