@@ -67,15 +67,20 @@ def test_gpu_table_exact_values():
     assert gpu_spec("P100-16GB").fp16_flops_per_s == 21.2e12  # no tensor cores: 2x FP32 (source_note)
     assert gpu_spec("A10G").fp16_flops_per_s == 70e12  # measured, no datasheet (source_note)
     assert "MEASURED" in gpu_spec("A10G").source
+    v100p, p40 = gpu_spec("V100-PCIE-16GB"), gpu_spec("P40")  # ../shared/reference/gpu_specs.csv; P40: source_url
+    assert (v100p.fp32_flops_per_s, v100p.fp16_flops_per_s, v100p.tdp_w, v100p.arch) == (14e12, 112e12, 250, "volta")
+    assert (p40.memory_bytes, p40.mem_bw_bytes_per_s, p40.fp32_flops_per_s, p40.arch) == (24 * GiB, 346e9, 11.76e12,
+                                                                                          "pascal")
 
 
 def test_known_gpu_types_are_complete_and_sourced():
     types = known_gpu_types()
     for t in ("P100-16GB", "V100-16GB", "V100-32GB", "T4", "A10", "A10G", "A30", "A40", "A100-40GB",
               "A100-80GB", "A100-PCIE-40GB", "A100-PCIE-80GB", "RTX-A6000", "RTX-3090", "RTX-4090", "L4",
-              "L40", "L40S", "H100-80GB", "H100-PCIE", "H200", "B200", "MI250X", "MI300X"):
+              "L40", "L40S", "H100-80GB", "H100-PCIE", "H200", "B200", "MI250X", "MI300X",
+              "V100-PCIE-16GB", "V100-PCIE-32GB", "P40"):
         assert t in types
-    assert len(types) == len(set(types)) == 24
+    assert len(types) == len(set(types)) == 27
     for t in types:
         spec = gpu_spec(t)
         assert spec.type == t and spec.source.startswith("http")
@@ -86,7 +91,8 @@ def test_known_gpu_types_are_complete_and_sourced():
     [("H100", "H100-80GB"), ("h100-sxm", "H100-80GB"), ("H100 SXM5 80GB", "H100-80GB"),
      ("h100_sxm5_80gb", "H100-80GB"), ("NVIDIA A100-SXM4-40GB", "A100-40GB"), ("tesla t4", "T4"),
      ("a100_pcie_80gb", "A100-PCIE-80GB"), ("NVIDIA A100 80GB PCIe", "A100-PCIE-80GB"),
-     ("GeForce RTX 4090", "RTX-4090"), ("AMD Instinct MI300X", "MI300X"), ("v100-sxm2-32gb", "V100-32GB")],
+     ("GeForce RTX 4090", "RTX-4090"), ("AMD Instinct MI300X", "MI300X"), ("v100-sxm2-32gb", "V100-32GB"),
+     ("Tesla V100-PCIE-32GB", "V100-PCIE-32GB"), ("Tesla P40", "P40")],
 )
 def test_alias_resolution(alias, canonical):
     assert gpu_spec(alias).type == canonical
@@ -377,3 +383,38 @@ def test_from_dict_errors_name_dict_source():
         Cluster.from_dict(broken(lambda d: d["nodes"][0]["gpus"][0].update(count=0)))
     with pytest.raises(ClusterConfigError, match="my-source: <top level>: must be a mapping"):
         Cluster.from_dict(["not", "a", "mapping"], source="my-source")  # type: ignore[arg-type]
+
+
+def test_declared_gpu_type_with_an_arch_is_priced_by_its_class_model(tmp_path):
+    """A declared type with ``arch``, ``tdp_w`` and ``tf32_tensor_tflops`` (here the
+    V100 PCIe's datasheet figures under another name) is priced by the volta class
+    model exactly as the table's V100-PCIE-16GB row; without ``arch`` it falls back
+    to the plain roofline; the keys round-trip; an unknown class is named with the
+    closest one."""
+    import torch
+
+    from zorse_fx.cluster import gpu_spec
+    from zorse_fx.cost import gpu_model
+    from zorse_fx.cost.roofline import MATMUL_EFFICIENCY
+
+    base = {"memory_GiB": 16, "mem_bw_GBps": 900, "fp32_tflops": 14, "fp16_tensor_tflops": 112,
+            "bf16_supported": False, "source": "V100 PCIe datasheet"}
+    data = {"name": "declared", "nodes": [{"name": "a", "gpus": [{"type": "MyVolta", "count": 1},
+                                                                 {"type": "MyPlain", "count": 1}]}],
+            "links": {"intra_node": {"bandwidth_GBps": 10, "latency_us": 5}},
+            "gpu_types": {"MyVolta": {**base, "arch": "volta", "tdp_w": 250},
+                          "MyPlain": dict(base)}}
+    cluster = Cluster.from_yaml(write(tmp_path, data))
+    mine, plain, table = cluster.gpus[0].spec, cluster.gpus[1].spec, gpu_spec("V100-PCIE-16GB")
+    assert (mine.arch, mine.tdp_w, plain.arch) == ("volta", 250, None)
+    assert gpu_model.has_class_model(mine) and not gpu_model.has_class_model(plain)
+    rate = gpu_model.sustained_matmul_flops_per_s(mine, torch.float16, MATMUL_EFFICIENCY)
+    assert rate == gpu_model.sustained_matmul_flops_per_s(table, torch.float16, MATMUL_EFFICIENCY)
+    assert rate == gpu_model.predicted_sustained_fp16("volta", 112e12, 250)  # the class's rate, not 0.6 x peak
+    assert gpu_model.sustained_matmul_flops_per_s(plain, torch.float16, MATMUL_EFFICIENCY) == \
+        112e12 * MATMUL_EFFICIENCY
+    assert Cluster.from_dict(cluster.to_dict()) == cluster
+
+    data["gpu_types"]["MyVolta"] = {**base, "arch": "volt", "tf32_tensor_tflops": 62.5}
+    expect_error(write(tmp_path, data), "gpu_types.MyVolta.arch: unknown architecture class", "did you mean 'volta'?",
+                 "pascal")

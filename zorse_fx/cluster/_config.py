@@ -12,7 +12,14 @@ from typing import Any, Callable
 import yaml
 
 from zorse_fx.cluster.cluster import GPU, Cluster, Link, LinkOverride, SharedLinkSide, SharedLinkSpec
-from zorse_fx.cluster.specs import GPU_TYPES_HELP, GPUSpec, lookup_builtin, normalize_gpu_name, unknown_gpu_message
+from zorse_fx.cluster.specs import (
+    GPU_TYPES_HELP,
+    GPUSpec,
+    known_archs,
+    lookup_builtin,
+    normalize_gpu_name,
+    unknown_gpu_message,
+)
 from zorse_fx.errors import ClusterConfigError, short_repr
 
 __all__ = ["load_yaml", "parse", "unparse"]
@@ -40,6 +47,10 @@ _GPU_TYPE_NUMBERS: dict[str, Callable[[float], float]] = {
     "fp16_tensor_tflops": lambda v: v * 1e12,
 }
 _GPU_TYPE_KEYS = (*_GPU_TYPE_NUMBERS, "bf16_supported", "source")
+#: Optional keys of a declared GPU type: its architecture class (priced by that
+#: class's model, ``cost/gpu_model.py``, instead of the plain roofline), board
+#: power (the class model's power cap) and dense TF32 tensor peak.
+_GPU_TYPE_OPTIONAL = ("arch", "tdp_w", "tf32_tensor_tflops")
 _LINK_EXAMPLE = "e.g. {bandwidth_GBps: 12.5, latency_us: 10}"
 _MAX_GPUS_PER_GROUP = 4096  # far above any real node; stops a typo (count: 8000000) from hanging
 #: Most YAML nodes a document may hold once its aliases are expanded: far above any cluster
@@ -429,14 +440,25 @@ def _parse_gpu_types(ctx: _Ctx, section: Any) -> dict[str, GPUSpec]:
                             fix="choose another name (or use a per-group memory_GiB override)")
         if normalize_gpu_name(type_name) in custom:
             raise ctx.error(path, "declared twice (names match case-insensitively)", type_name)
-        ctx.mapping(path, entry, _GPU_TYPE_KEYS, required=_GPU_TYPE_KEYS)
+        ctx.mapping(path, entry, _GPU_TYPE_KEYS + _GPU_TYPE_OPTIONAL, required=_GPU_TYPE_KEYS)
         nums = {k: conv(ctx.number(f"{path}.{k}", entry[k])) for k, conv in _GPU_TYPE_NUMBERS.items()}
         if not isinstance(entry["bf16_supported"], bool):
             raise ctx.error(f"{path}.bf16_supported", "must be true or false", entry["bf16_supported"])
+        arch = entry.get("arch")
+        if arch is not None and arch not in known_archs():
+            close = difflib.get_close_matches(str(arch), known_archs(), n=1)
+            raise ctx.error(f"{path}.arch", "unknown architecture class", arch,
+                            fix=(f"did you mean {close[0]!r}? " if close else "")
+                            + f"use one of {', '.join(known_archs())} (gpu_specs.csv's arch column), or leave "
+                              f"arch out to price the type by the plain roofline")
+        tdp = ctx.number(f"{path}.tdp_w", entry["tdp_w"]) if "tdp_w" in entry else None
+        tf32 = ctx.number(f"{path}.tf32_tensor_tflops", entry["tf32_tensor_tflops"]) * 1e12 \
+            if "tf32_tensor_tflops" in entry else None
         custom[normalize_gpu_name(type_name)] = GPUSpec(
             type=type_name, memory_bytes=round(nums["memory_GiB"]), mem_bw_bytes_per_s=nums["mem_bw_GBps"],
             fp32_flops_per_s=nums["fp32_tflops"], fp16_flops_per_s=nums["fp16_tensor_tflops"],
-            bf16_supported=entry["bf16_supported"], source=ctx.name(f"{path}.source", entry["source"]))
+            bf16_supported=entry["bf16_supported"], source=ctx.name(f"{path}.source", entry["source"]),
+            arch=arch, tdp_w=tdp, tf32_flops_per_s=tf32)
     return custom
 
 
@@ -557,4 +579,12 @@ def _gpu_type_dict(spec: GPUSpec) -> dict[str, Any]:
             continue
         u = _unscale(x, _GPU_TYPE_NUMBERS[key], x / scale[key])
         out[key] = u if u is not None else x / scale[key]  # only a hand-built GPUSpec can miss by an ulp
-    return {**out, "bf16_supported": spec.bf16_supported, "source": spec.source}
+    out = {**out, "bf16_supported": spec.bf16_supported, "source": spec.source}
+    if spec.arch is not None:
+        out["arch"] = spec.arch
+    if spec.tdp_w is not None:
+        out["tdp_w"] = spec.tdp_w
+    if spec.tf32_flops_per_s is not None:
+        u = _unscale(spec.tf32_flops_per_s, lambda v: v * 1e12, spec.tf32_flops_per_s / 1e12)
+        out["tf32_tensor_tflops"] = u if u is not None else spec.tf32_flops_per_s / 1e12
+    return out

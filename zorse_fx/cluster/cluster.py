@@ -33,7 +33,8 @@ A cluster is written as YAML (or the same structure as a dict)::
         bandwidth_Gbps: 1
     gpu_types:                     # optional: GPU types the built-in table lacks
       MyGPU: {memory_GiB: 32, mem_bw_GBps: 900, fp32_tflops: 15,
-              fp16_tensor_tflops: 120, bf16_supported: false, source: "<URL>"}
+              fp16_tensor_tflops: 120, bf16_supported: false, source: "<URL>",
+              arch: volta, tdp_w: 250}  # optional: priced by that class's model (cost/gpu_model.py)
 
 Units: a link gives exactly one of ``bandwidth_GBps`` (1e9 bytes/s),
 ``bandwidth_Gbps`` (1e9 bits/s, i.e. /8) or ``bandwidth_bytes_per_s``, and

@@ -67,7 +67,7 @@ from zorse_fx.errors import ClusterConfigError
 if TYPE_CHECKING:  # torch is not imported at run time: parsing a cluster stays fast
     import torch
 
-__all__ = ["GPUSpec", "gpu_spec", "known_gpu_types", "normalize_gpu_name", "GPU_TYPES_HELP"]
+__all__ = ["GPUSpec", "gpu_spec", "known_gpu_types", "known_archs", "normalize_gpu_name", "GPU_TYPES_HELP"]
 
 _GiB = 2**30
 
@@ -75,7 +75,8 @@ _GiB = 2**30
 GPU_TYPES_HELP = (
     "to add a GPU type, declare it in the cluster YAML: "
     "gpu_types: {MyGPU: {memory_GiB: 32, mem_bw_GBps: 900, fp32_tflops: 15, "
-    "fp16_tensor_tflops: 120, bf16_supported: false, source: \"<datasheet URL>\"}}"
+    "fp16_tensor_tflops: 120, bf16_supported: false, source: \"<datasheet URL>\"}} "
+    "(optional: arch: volta, tdp_w: 250, tf32_tensor_tflops: 156 -- arch prices it by that class's model)"
 )
 
 # dtype spellings accepted by ``GPUSpec.peak_flops_per_s`` -> "fp32" / "fp16" / "bf16".
@@ -217,6 +218,12 @@ def _table() -> tuple[dict[str, GPUSpec], dict[str, str]]:
             assert lookup.get(key, spec.type) == spec.type, f"gpu_specs.csv: {alias!r} is ambiguous"
             lookup[key] = spec.type
     return specs, lookup
+
+
+def known_archs() -> tuple[str, ...]:
+    """The architecture classes of the table's rows (its ``arch`` column), sorted:
+    what a cluster file's declared ``gpu_types.<T>.arch`` may name."""
+    return tuple(sorted({s.arch for s in _table()[0].values() if s.arch}))
 
 
 def known_gpu_types() -> tuple[str, ...]:

@@ -3,7 +3,10 @@
 Prices, instead of the plain roofline's single "0.6 of datasheet peak", the GPU
 types of ``gpu_specs.csv`` whose ``arch`` is a fitted class (Pascal to Hopper;
 B200, MI250X and MI300X have no cited measurement and stay on the plain
-roofline, as do GPU types declared in a cluster file). Per block, for one
+roofline, as do GPU types declared in a cluster file without an ``arch``; one
+declared with the ``arch`` of a fitted class, ``tdp_w`` and, optionally,
+``tf32_tensor_tflops`` is priced by that class's model from its own datasheet
+figures, like a table row of that class without a measurement). Per block, for one
 forward + backward, from the fx nodes' FLOPs and bytes (``roofline.node_costs``):
 
 * **Matmul rate (sustained, per GPU class).** ``R = sustained_fp16_flops_per_s``
