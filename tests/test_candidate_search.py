@@ -116,3 +116,37 @@ def test_progress_lines_show_the_first_plan_then_each_candidate():
     assert len(cands) == sum(c.status != "PRUNED" for c in search)
     # "CP-SAT candidate k/N": N is every candidate of the search, solved or skipped
     assert {x.split()[2].split("/")[1] for x in cands} == {str(len(search))}
+
+
+def _records(res):
+    return [{k: v for k, v in c.items() if k != "wall_s"} for c in candidate_dicts(res)]
+
+
+@pytest.mark.parametrize("seed", (1, 7, 13))
+def test_jobs_buy_time_not_a_different_plan(seed):
+    """[Note: candidate waves]: the candidates of a wave run side by side, and the
+    plan, its status and every candidate's record are the same for 1, 2 or 4 jobs
+    (and the per-GPU and class-level models alike)."""
+    from zorse_fx.solve import solve_grouped
+
+    costs, devices, options = random_instance(seed)
+    for solver in (solve_cpsat, solve_grouped):
+        runs = []
+        for jobs in (1, 2, 4):
+            try:
+                res = solver(costs, devices, dataclasses.replace(options, solver_budget=0.5, jobs=jobs))
+            except InfeasiblePlanError as exc:
+                runs.append(str(exc))
+                continue
+            runs.append((res.decision, res.status, res.predicted_step_time_s, res.best_bound, _records(res)))
+        assert runs[0] == runs[1] == runs[2]
+
+
+def test_jobs_option_is_checked():
+    from zorse_fx.errors import PlanOptionsError
+    from zorse_fx.options import PlanOptions
+
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(PlanOptionsError, match=r"PlanOptions.jobs=.*use None \(the cores this process may use\) "
+                                                   r"or an int >= 1"):
+            PlanOptions(global_batch_size=8, jobs=bad)

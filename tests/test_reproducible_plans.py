@@ -59,7 +59,11 @@ def test_the_same_instance_solved_twice_gives_the_same_plan():
     assert first["status"] == "FEASIBLE" and first["wall_clock_stops"] == 0
     solved = [c for c in first["candidates"] if "num_stages" in c]
     assert any(c["status"] in ("FEASIBLE", "UNKNOWN") for c in solved), solved
-    assert sum(c["solver_budget_used"] for c in solved) >= 0.05, solved  # the whole budget was spent
+    # The whole budget was spent, but for less than one candidate's minimum share, which
+    # the second round does not start on ([Note: candidate waves] in solve/_search.py).
+    from zorse_fx.solve._search import MIN_CANDIDATE_BUDGET
+
+    assert sum(c["solver_budget_used"] for c in solved) >= 0.05 - MIN_CANDIDATE_BUDGET, solved
 
 
 def test_the_portfolio_with_completed_hints_is_reproducible():

@@ -104,7 +104,7 @@ def cmd_plan(args) -> int:
         model, cluster=args.cluster, example_inputs=(ids, ids), global_batch_size=args.global_batch_size,
         max_stages=args.max_stages, max_microbatches=args.max_microbatches, schedule=args.schedule,
         time_limit_s=args.time_limit, planner=args.planner,
-        solver_budget=args.solver_budget, bucket_mib=args.bucket_mib,
+        solver_budget=args.solver_budget, bucket_mib=args.bucket_mib, jobs=args.jobs,
         max_interleave=args.max_interleave, precision=args.precision, grad_reduce_dtype=args.grad_reduce_dtype,
         tf32=args.tf32,
         sharding=args.sharding, grad_sharding=args.grad_sharding, param_sharding=args.param_sharding,
@@ -288,6 +288,9 @@ def build_parser() -> argparse.ArgumentParser:
     pp.add_argument("--schedule", choices=SCHEDULES, default=opt["schedule"])
     pp.add_argument("--max-interleave", type=int, default=opt["max_interleave"],
                     help="most stages per GPU group (interleaved 1F1B) the planner tries; 1 = none")
+    pp.add_argument("--jobs", type=int, default=opt["jobs"],
+                    help="CP-SAT candidates solved side by side (default: the cores this process may use); "
+                         "wall-clock time only, the plan is the same for every value")
     pp.add_argument("--solver-budget", type=float, default=opt["solver_budget"],
                     help="CP-SAT work for the whole search, in CP-SAT deterministic seconds (work units, about "
                          "a second of one worker on an idle machine; the same plan on any machine load); more "

@@ -67,6 +67,9 @@ class Candidate:
     hint: str | None = None
     hint_completed: bool | None = None
     presolve_retry: bool = False
+    #: "solve": re-solved in the search's second round with the budget left over
+    #: ([Note: candidate waves] in solve/_search.py); budget and wall time are both rounds'.
+    second_round: bool = False
     crashes: int = 0
     #: "solve": CP-SAT deterministic seconds used.
     solver_budget_used: float | None = None
@@ -122,6 +125,8 @@ class Candidate:
             out["hint_completed"] = self.hint_completed
         if self.presolve_retry:
             out["presolve_retry"] = True
+        if self.second_round:
+            out["second_round"] = True
         if self.crashes:
             out["crashes"] = self.crashes
         if self.solver_budget_used is not None:

@@ -190,8 +190,45 @@ def run_isolated(fn):
     child dies without answering (e.g. OR-Tools' abort, SIGABRT). Runs ``fn``
     in this process where the OS cannot fork or ``ZORSE_SOLVE_IN_PROCESS=1``.
     See [Note: isolated solves]."""
-    if _in_process():
-        return fn()
+    return start_isolated(fn).result()
+
+
+class _Isolated:
+    """A started ``run_isolated`` call: ``result()`` waits for it (see ``start_isolated``)."""
+
+    def __init__(self, fn):
+        self.done, self.value, self.error = False, None, None
+        if _in_process():
+            try:
+                self.value = fn()
+            except BaseException as exc:  # noqa: BLE001 -- re-raised by result()
+                self.error = exc
+            self.done = True
+            return
+        self.pid, self.fd = _fork_child(fn)
+
+    def result(self):
+        """The child's result (or its exception, re-raised; ``SolverCrash`` if it died)."""
+        if not self.done:
+            self.done = True
+            try:
+                self.value = _collect_child(self.pid, self.fd)
+            except BaseException as exc:  # noqa: BLE001 -- kept for every later call
+                self.error = exc
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+def start_isolated(fn) -> _Isolated:
+    """Start ``fn()`` in a forked child and return at once; ``.result()`` waits for it
+    and returns (or raises) what ``run_isolated(fn)`` would. Several started children
+    run side by side on the machine's cores (the ``jobs`` of ``CandidateSearch.run``)."""
+    return _Isolated(fn)
+
+
+def _fork_child(fn) -> tuple[int, int]:
+    """Fork a child that sends ``fn()``'s pickled (ok, value) through a pipe; (pid, read end)."""
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # child: answer through the pipe, never return into the caller's stack
@@ -211,6 +248,11 @@ def run_isolated(fn):
         finally:
             os._exit(code)
     os.close(w)
+    return pid, r
+
+
+def _collect_child(pid: int, r: int):
+    """Read a forked child's answer and reap it (``_fork_child``); its value, or raise."""
     with os.fdopen(r, "rb") as f:
         data = f.read()
     _, status = os.waitpid(pid, 0)
@@ -229,6 +271,14 @@ def run_isolated(fn):
     if not ok:
         raise value
     return value
+
+
+@dataclass(frozen=True, slots=True)
+class _OwnSolution:
+    """A candidate's own first-round solution as the warm start of its second-round solve."""
+
+    decision: object
+    status: str = "FIRST_ROUND"
 
 
 @dataclass(frozen=True, slots=True)
@@ -333,6 +383,32 @@ MIN_CANDIDATE_BUDGET = 0.02
 #: ([Note: search budget]): the first, most promising candidates get more.
 SHARE_WINDOW = 4
 
+#: [Note: candidate waves]
+#: Candidates are solved in waves of ``WAVE``: the next ``WAVE`` candidates not
+#: pruned by the bar in hand (the best plan so far: the incumbent's or a solved
+#: candidate's) are each cut off at that bar and given an equal share of the
+#: budget left (``share``, over at most ``SHARE_WINDOW`` = ``WAVE``
+#: candidates), solved side by side in forked children, up to ``jobs`` at a
+#: time (``PlanOptions.jobs``, ``zorse plan --jobs``; default: the cores this
+#: process may use), and recorded in candidate order; the bar moves between
+#: waves only. Every solve is deterministic (fixed seed, one worker,
+#: deterministic budget) and sees only the wave's bar and budget, so the plan,
+#: its status and every record are the same for every ``jobs`` and every
+#: completion order; ``jobs`` buys wall-clock time only (on the 2-core machine
+#: up to 2x on the CP-SAT part). Compared with one candidate at a time, a
+#: candidate no longer sees the bar its wave-mates set, so a wave may solve one
+#: or two candidates the sequential search would have pruned or cut off sooner.
+WAVE = SHARE_WINDOW
+
+
+def default_jobs() -> int:
+    """The cores this process may run on (``os.sched_getaffinity``, else ``os.cpu_count``):
+    ``PlanOptions.jobs``' default."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
 
 #: One worker, a model with fewer variables than ``SMALL_MODEL_VARS``: CP-SAT's
 #: ``linearization_level`` ``SMALL_MODEL_LINEARIZATION`` instead of its default 1.
@@ -368,11 +444,18 @@ class CandidateSearch:
         ``total``, its status, the best step time so far and the bound)."""
         self.costs, self.devices, self.options, self.label = costs, devices, options, label
         self.progress, self.total = progress, total
+        #: Solves run side by side ([Note: candidate waves]); the records do not depend on it.
+        self.jobs = options.jobs if options.jobs is not None else default_jobs()
         self.t0 = time.perf_counter()
         self.cands: list[dict] = []
         self.bounds: list[int] = []
+        #: index of a solved candidate's record -> index of its bound in ``bounds``
+        self._bound_of: dict[int, int] = {}
+        #: index of a FEASIBLE (budget-limited) candidate's record -> its solution
+        self._solutions: dict[int, object] = {}
+        #: (record index, S, M, tables) of every candidate solved, for the second round
+        self._solved: list[tuple[int, int, int, object]] = []
         self.best = None  # (objective units, microbatches, decision, Evaluation)
-        self.all_optimal = True
         self.wall_clock_stops = 0
         self._tlb: dict[int, int] = {}
         #: CP-SAT deterministic seconds left of ``options.solver_budget`` ([Note: search budget]).
@@ -382,6 +465,11 @@ class CandidateSearch:
             ev = evaluate(costs, devices, options, incumbent.decision)
             if ev.feasible:
                 self.incumbent, self._inc_ev = incumbent, ev
+
+    @property
+    def all_optimal(self) -> bool:
+        """Every candidate tried so far is proven: OPTIMAL, NO_BETTER, INFEASIBLE or PRUNED."""
+        return all(c.status in ("OPTIMAL", "NO_BETTER", "INFEASIBLE", "PRUNED") for c in self.cands)
 
     @property
     def bar(self) -> int | None:
@@ -446,24 +534,33 @@ class CandidateSearch:
         if cutoff:  # [Note: presolve bug]: the cutoff makes the wrong INFEASIBLE common
             solver.parameters.presolve_inclusion_work_limit = 0
 
-    def _solve_robustly(self, model, *, presolve: bool, budget: float,
-                        cutoff: bool = False) -> tuple[_Answer | None, list[str]]:
+    def _start_try(self, model, *, presolve: bool, budget: float, cutoff: bool, complete: bool) -> _Isolated:
+        """Start one try of ``model`` in a forked child ([Note: isolated solves]),
+        completing its hint first when ``complete``."""
+        solver = self._solver(budget)
+        self._tune(solver, model, cutoff)
+        solver.parameters.cp_model_presolve = presolve
+        completer = self._solver(budget) if complete else None
+        return start_isolated(lambda: _solve(model, solver, completer))
+
+    def _solve_robustly(self, model, *, presolve: bool, budget: float, cutoff: bool = False,
+                        first: _Isolated | None = None) -> tuple[_Answer | None, list[str]]:
         """Solve ``model`` in a forked child ([Note: isolated solves]), a hinted
         model with its hint completed first in the same child; after a crash,
-        again without the hint, then without presolve. Returns (the answer or
-        None if every try crashed, the crash messages)."""
+        again without the hint, then without presolve. ``first``: the first try,
+        already started (``_start_try`` with ``presolve``, the hint completed when
+        the model has one). Returns (the answer or None if every try crashed, the
+        crash messages)."""
         crashes: list[str] = []
         had_hint = bool(model.m.Proto().solution_hint.vars)
         tries = [presolve] + ([presolve] if had_hint else []) + ([False] if presolve else [])
         for k, pre in enumerate(tries):
             if k == 1 and had_hint:
                 model.m.ClearHints()
-            solver = self._solver(budget)
-            self._tune(solver, model, cutoff)
-            solver.parameters.cp_model_presolve = pre
-            completer = self._solver(budget) if k == 0 and had_hint else None
+            started = first if k == 0 and first is not None else self._start_try(
+                model, presolve=pre, budget=budget, cutoff=cutoff, complete=k == 0 and had_hint)
             try:
-                return run_isolated(lambda: _solve(model, solver, completer)), crashes
+                return started.result(), crashes
             except SolverCrash as exc:
                 crashes.append(str(exc))
         return None, crashes
@@ -474,26 +571,105 @@ class CandidateSearch:
         ``SHARE_WINDOW``, at least ``MIN_CANDIDATE_BUDGET`` ([Note: search budget])."""
         return max(self.budget_left / min(max(left, 1), SHARE_WINDOW), MIN_CANDIDATE_BUDGET)
 
+    def run(self, cands, make_model, *, hints=(), num_groups=None) -> None:
+        """Solve the candidates ``cands`` ((S, M, tables), in ``ordered_candidates``'
+        order) in waves ([Note: candidate waves]): each wave takes the next ``WAVE``
+        candidates not pruned by the bar in hand, solves them against that bar with
+        equal shares of the budget left, up to ``jobs`` at a time, and records them in
+        order. ``make_model(S, tables)``: the candidate's CP-SAT model;
+        ``num_groups``: a callable giving the GPU-class count recorded per candidate
+        (class-level models), or None."""
+        from .model import matching_hint
+
+        k = 0
+        while k < len(cands):
+            first, wave = k, []
+            while k < len(cands) and len(wave) < WAVE:
+                n_s, m, tab = cands[k]
+                k += 1
+                if not self.pruned(tab, n_s):  # its lower bound is above a plan in hand
+                    wave.append((n_s, m, tab))
+            if not wave:
+                continue
+            share = self.share(len(cands) - first)
+            self.solve_wave([(make_model(n_s, tab), n_s, m, matching_hint(hints, n_s, m)) for n_s, m, tab in wave],
+                            budget=share, num_groups=num_groups() if num_groups is not None else None)
+        # The second round: what the waves left of the budget goes to the candidates it
+        # stopped (FEASIBLE or UNKNOWN) whose bound is below the bar, re-solved from their
+        # own solution where they have one ([Note: candidate waves]).
+        while self.budget_left >= MIN_CANDIDATE_BUDGET:
+            again = [(i, n_s, m, tab) for i, n_s, m, tab in self._solved
+                     if self.cands[i].status in ("FEASIBLE", "UNKNOWN") and not self.cands[i].second_round
+                     and not self.cands[i].wall_clock_stop
+                     and (self.bar is None or self.bounds[self._bound_of[i]] < self.bar)][:WAVE]
+            if not again:
+                break
+            share = self.budget_left / len(again)
+            items = []
+            for i, n_s, m, tab in again:
+                own = self._solutions.get(i)
+                hint = (_OwnSolution(own) if own is not None else matching_hint(hints, n_s, m))
+                items.append((make_model(n_s, tab), n_s, m, hint))
+            self.solve_wave(items, budget=share, num_groups=num_groups() if num_groups is not None else None,
+                            again=[i for i, *_ in again])
+
     def solve(self, model, num_stages: int, num_microbatches: int, *, hint: SolverResult | None = None,
               num_groups: int | None = None, left: int = 1) -> None:
-        """Solve one candidate model and record it as a ``Candidate``. ``hint``: a heuristic
-        plan with this S and M to warm-start it (``model.hint``), used only where it is
-        within the cutoff; ``num_groups``: GPU classes of a class-level model; ``left``: the
-        candidates not yet tried, this one included (its budget: ``share``). With a bar
-        (``bar``), the model gets ``objective <= bar`` first ([Note: incumbent cutoff])."""
-        t1 = time.perf_counter()
-        opts, m = dataclasses.replace(self.options, solver_budget=self.share(left)), num_microbatches
+        """Solve one candidate model and record it as a ``Candidate`` (a wave of one,
+        its budget ``share(left)``; ``left``: the candidates not yet tried, this one
+        included). See ``solve_wave``."""
+        self.solve_wave([(model, num_stages, num_microbatches, hint)], budget=self.share(left),
+                        num_groups=num_groups)
+
+    def solve_wave(self, items, *, budget: float, num_groups: int | None = None, again=None) -> None:
+        """Solve the candidates ``items`` ((model, S, M, hint)) against the bar in hand,
+        each with ``budget`` deterministic seconds, up to ``self.jobs`` side by side,
+        and record each as a ``Candidate``, in order. ``hint``: a heuristic plan with
+        that S and M to warm-start it (``model.hint``), used only where it is within
+        the cutoff; ``num_groups``: GPU classes of a class-level model. With a bar
+        (``bar``), each model gets ``objective <= bar`` first ([Note: incumbent cutoff]).
+        The records do not depend on ``jobs``: every solve is deterministic and sees
+        only the bar of the wave's start ([Note: candidate waves]). ``again``: per item,
+        the index of its first-round record (the second round), else None."""
         cutoff = self.bar
-        if hint is not None and cutoff is not None and \
-                evaluate(self.costs, self.devices, opts, hint.decision).objective_units > cutoff:
-            hint = None  # infeasible under the cutoff: no warm start
-        if hint is not None:
-            model.hint(hint.decision)
-        hint = hint.status if hint is not None else None
-        if cutoff is not None:
-            model.m.Add(model.objective <= cutoff)
-        ans, attempts = self._solve_robustly(model, presolve=True, budget=opts.solver_budget,
-                                             cutoff=cutoff is not None)
+        opts = dataclasses.replace(self.options, solver_budget=budget)
+        jobs = max(1, self.jobs)
+        prepared = []
+        for model, num_stages, m, hint in items:
+            if hint is not None and cutoff is not None and \
+                    evaluate(self.costs, self.devices, opts, hint.decision).objective_units > cutoff:
+                hint = None  # infeasible under the cutoff: no warm start
+            if hint is not None:
+                model.hint(hint.decision)
+            if cutoff is not None:
+                model.m.Add(model.objective <= cutoff)
+            prepared.append((model, num_stages, m, hint.status if hint is not None else None))
+        started: dict[int, tuple[_Isolated, float]] = {}
+
+        def start(i: int) -> None:
+            model = prepared[i][0]
+            started[i] = (self._start_try(model, presolve=True, budget=budget, cutoff=cutoff is not None,
+                                          complete=bool(model.m.Proto().solution_hint.vars)), time.perf_counter())
+
+        for i in range(min(jobs, len(prepared))):
+            start(i)
+        for i, (model, num_stages, m, hint) in enumerate(prepared):
+            first, t1 = started.pop(i)
+            ans, attempts = self._solve_robustly(model, presolve=True, budget=budget, cutoff=cutoff is not None,
+                                                 first=first)
+            if i + jobs < len(prepared):
+                start(i + jobs)
+            idx = again[i] if again is not None else None
+            if idx is None:
+                self._solved.append((len(self.cands), num_stages, m, model.tab))
+            self._record(model, num_stages, m, hint, ans, attempts, opts, cutoff, num_groups, t1, again=idx)
+
+    def _record(self, model, num_stages: int, m: int, hint: str | None, ans, attempts, opts, cutoff,
+                num_groups, t1: float, again: int | None = None) -> None:
+        """Record one solved candidate (see ``solve_wave``): its Candidate, bound, budget used
+        and, if it beats the best so far, the best plan; its progress line. ``again``: the
+        index of the candidate's first-round record, which a second-round solve updates."""
+        new_bound = None
         hint_completed = bool(ans is not None and ans.hint_completed) if hint else None
         code = ans.code if ans is not None else None
         retried = False
@@ -522,25 +698,39 @@ class CandidateSearch:
             if ev.objective_units != obj or not ev.feasible:
                 raise AssertionError(f"{self.label} objective {obj} != evaluate() {ev.objective_units} "
                                      f"(violations {ev.violations}) for S={num_stages}, M={m}: {dec}")
-            rec.update(step_time_s=obj * UNIT_S, best_bound_s=bound * UNIT_S)
-            self.bounds.append(bound)
-            self.all_optimal &= code == cp_model.OPTIMAL
+            rec.update(step_time_s=obj * UNIT_S)
+            new_bound = bound
             if self.best is None or obj < self.best[0]:
                 self.best = (obj, m, dec, ev)
+            if code == cp_model.FEASIBLE:
+                self._solutions[len(self.cands) if again is None else again] = dec
         elif code == cp_model.MODEL_INVALID:
             raise AssertionError(f"invalid CP-SAT model for S={num_stages}, M={m}: {model.m.Validate()}")
         elif code == cp_model.INFEASIBLE and cutoff is not None:  # proven: nothing at or below the bar
             rec["status"] = "NO_BETTER"
-            self.bounds.append(cutoff + 1)
-            rec["best_bound_s"] = (cutoff + 1) * UNIT_S
+            new_bound = cutoff + 1
         elif code != cp_model.INFEASIBLE:  # UNKNOWN (budget or safety stop without a solution) or CRASHED
-            self.all_optimal = False
             lb = ans.bound if ans is not None else 0.0
-            self.bounds.append(max(int(lb) if math.isfinite(lb) else 0, self._throughput_bound(model, m),
-                                   stage_count_lower_bound(model.tab, num_stages)))
-            rec["best_bound_s"] = self.bounds[-1] * UNIT_S
+            new_bound = max(int(lb) if math.isfinite(lb) else 0, self._throughput_bound(model, m),
+                            stage_count_lower_bound(model.tab, num_stages))
         rec["wall_s"] = time.perf_counter() - t1
-        self.cands.append(Candidate(**rec))
+        if again is None:
+            if new_bound is not None:
+                self._bound_of[len(self.cands)] = len(self.bounds)
+                self.bounds.append(new_bound)
+                rec["best_bound_s"] = new_bound * UNIT_S
+            self.cands.append(Candidate(**rec))
+        else:  # the second round ([Note: candidate waves]): both solves' findings, merged
+            old, b = self.cands[again], self._bound_of[again]
+            if new_bound is not None:
+                self.bounds[b] = max(self.bounds[b], new_bound)
+            steps = [x for x in (old.step_time_s, rec.get("step_time_s")) if x is not None]
+            self.cands[again] = dataclasses.replace(
+                old, status=rec["status"], step_time_s=min(steps, default=None), best_bound_s=self.bounds[b] * UNIT_S,
+                wall_s=old.wall_s + rec["wall_s"], crashes=old.crashes + attempts,
+                presolve_retry=old.presolve_retry or retried, wall_clock_stop=old.wall_clock_stop or rec["wall_clock_stop"],
+                solver_budget_used=round((old.solver_budget_used or 0.0) + (rec["solver_budget_used"] or 0.0), 6),
+                second_round=True)
         if self.progress is not None:
             bar = self.bar
             best = f"best {bar * UNIT_S:.4g} s" if bar is not None else "no plan yet"

@@ -21,7 +21,7 @@ from ..ir.devices import DeviceGraph
 from ..ir.result import SolverResult
 from ..options import PlanOptions
 from ._search import CandidateSearch, ordered_candidates
-from .model import CandidateModel, matching_hint, singleton_groups
+from .model import CandidateModel, singleton_groups
 
 __all__ = ["solve_cpsat"]
 
@@ -43,9 +43,5 @@ def solve_cpsat(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions, *
     search = CandidateSearch(costs, devices, options, label="CP-SAT", incumbent=incumbent, progress=progress,
                              total=len(cands))
     groups = singleton_groups(devices.num_gpus)
-    for k, (n_s, m, tab) in enumerate(cands):
-        if search.pruned(tab, n_s):  # its lower bound is above a plan in hand
-            continue
-        search.solve(CandidateModel(tab, devices, options, groups, n_s), n_s, m, hint=matching_hint(hints, n_s, m),
-                     left=len(cands) - k)
+    search.run(cands, lambda n_s, tab: CandidateModel(tab, devices, options, groups, n_s), hints=hints)
     return search.result()

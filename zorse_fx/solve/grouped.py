@@ -43,7 +43,7 @@ from ..ir.devices import DeviceGraph
 from ..ir.result import SolverResult
 from ..options import PlanOptions
 from ._search import CandidateSearch, ordered_candidates
-from .model import CandidateModel, _Group, _link_code, matching_hint
+from .model import CandidateModel, _Group, _link_code
 from .objective import IntTables
 
 __all__ = ["gpu_classes", "solve_grouped"]
@@ -163,13 +163,14 @@ def solve_grouped(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions,
     search = CandidateSearch(costs, devices, options, label="grouped", incumbent=incumbent, progress=progress,
                              total=len(cands))
     groups = None
-    for k, (n_s, m, tab) in enumerate(cands):
+
+    def model(n_s, tab):
+        nonlocal groups
         if groups is None:
             groups = _groups(devices, tab, False)
             if aggregate_nodes or (aggregate_nodes is None and len(groups) > AGGREGATE_ABOVE):
                 groups = _groups(devices, tab, True)
-        if search.pruned(tab, n_s):  # its lower bound is above a plan in hand
-            continue
-        search.solve(CandidateModel(tab, devices, options, groups, n_s), n_s, m, num_groups=len(groups),
-                     hint=matching_hint(hints, n_s, m), left=len(cands) - k)
+        return CandidateModel(tab, devices, options, groups, n_s)
+
+    search.run(cands, model, hints=hints, num_groups=lambda: len(groups))
     return search.result()
