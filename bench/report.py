@@ -60,6 +60,19 @@ RESULT_FILES = (
     "gpu_layer_accuracy.json",
 )
 
+#: The runs before issue 32 (the planner in seconds), kept to show its planner
+#: times before and after side by side (issue 32 item 6): ``render_scenarios`` and
+#: ``render_scaling`` read the matching zorse_fx row of these.
+BEFORE = {
+    "scenarios.json": "scenarios_before_issue32.json",
+    "scaling.json": "scaling_before_issue32.json",
+}
+#: Where the BEFORE files' rows come from (their own provenance in PROVENANCE's older entries,
+#: bench/LOG.md's sections named there).
+BEFORE_NOTE = ("before: the same benchmark's rows before issue 32 (bench/results/{file}: scenarios at 66b3dec-"
+               "faba7a3, 2026-11-26/27; scaling at 1752332, 2026-11-28 01:25), on the same machine, often beside "
+               "other runs")
+
 #: Files under bench/results that are logs of superseded runs, not rendered (bench/LOG.md reports them).
 SUPERSEDED = {
     "scenarios_max8.json": "issue 11's 8-stage FlashFlex and Zorse C run, under issue 11's pricing",
@@ -305,7 +318,12 @@ def _planner_s(r: dict | None) -> str:
     return _s(r["planner_wall_s"]) + (f" / {_s(cpu)}" if cpu is not None else "")
 
 
-def render_scenarios(rows: list[dict], name: str) -> list[str]:
+def _before_row(before: list[dict] | None, **key) -> dict | None:
+    """The row of ``before`` (a BEFORE file's rows) matching ``key``, or None."""
+    return next((r for r in before or () if all(r.get(k) == v for k, v in key.items())), None)
+
+
+def render_scenarios(rows: list[dict], name: str, before: list[dict] | None = None) -> list[str]:
     by = {}
     for r in rows:
         by.setdefault(r["scenario"], []).append(r)
@@ -324,15 +342,22 @@ def render_scenarios(rows: list[dict], name: str) -> list[str]:
             ratio = f"{z['tokens_per_s'] / best:.2f}x" if best else "-"
             sim, status = _sim_over_objective(z), z.get("status", "")
         bcell = f"{' = '.join(names)}: {_int(best)}" if names else "none feasible"
-        head.append([sc, notes.get(sc, ""), zcell, bcell, ratio, sim, _planner_s(z), status])
+        old = _before_row(before, scenario=sc, planner="zorse_fx")
+        before_tps = _int(old["tokens_per_s"]) if old and _has_plan(old) and old.get("feasible") else "-"
+        head.append([sc, notes.get(sc, ""), zcell, before_tps, bcell, ratio, sim, _planner_s(old), _planner_s(z),
+                     status])
     out = ["### Scenarios: zorse_fx against the best feasible baseline", "",
            "Tokens/s and the fraction of the scenario's upper bound (the sum of each GPU's standalone "
            "throughput) are the objective's for the plan; simulated / objective is the event-driven "
            "simulator's step over the objective's (> 1: the objective is optimistic). A baseline is feasible "
            "when its plan fits every GPU's memory. zorse_fx's portfolio includes the baselines' plans, so its "
            "ratio is >= 1.00 by construction.", ""]
-    out += table(["scenario", "setting", "zorse_fx tokens/s (of bound)", "best feasible baseline: tokens/s",
-                  "zorse_fx / best baseline", "simulated / objective", "planner s (wall / CPU)", "status"], head)
+    out += table(["scenario", "setting", "zorse_fx tokens/s (of bound)", "tokens/s before",
+                  "best feasible baseline: tokens/s",
+                  "zorse_fx / best baseline", "simulated / objective", "planner s before (wall / CPU)",
+                  "planner s (wall / CPU)", "status"], head)
+    if before is not None:
+        out += ["", BEFORE_NOTE.format(file=BEFORE[name]) + "."]
 
     full = []
     for sc in scenarios:
@@ -421,12 +446,14 @@ def render_bound_gap(rows: list[dict], name: str) -> list[str]:
 # ---------------------------------------------------------------- planner scaling
 
 
-def render_scaling(rows: list[dict], name: str) -> list[str]:
+def render_scaling(rows: list[dict], name: str, before: list[dict] | None = None) -> list[str]:
     body = []
     for r in sorted(rows, key=lambda r: (r["num_gpus"], r["num_layers"])):
         stages = f"{r['num_stages']}" + (f", v = {r['interleave']}" if (r.get("interleave") or 1) > 1 else "")
         sim = r.get("simulated_step_time_s")
-        body.append([r["num_gpus"], r["num_layers"], r["planner"], _planner_s(r), r["status"],
+        old = _before_row(before, num_gpus=r["num_gpus"], num_layers=r["num_layers"])
+        body.append([r["num_gpus"], r["num_layers"], r["planner"], _planner_s(old),
+                     _r3(old["step_time_s"]) if old else "-", _planner_s(r), r["status"],
                      _pct(r["optimality_gap"]) if r.get("optimality_gap") is not None else "-",
                      _r3(r["step_time_s"]), _r3(sim) if sim else "-",
                      _r3(sim / r["step_time_s"]) if sim else "-", stages, r["gpus_used"]])
@@ -435,10 +462,13 @@ def render_scaling(rows: list[dict], name: str) -> list[str]:
            "throughput bound, which ignores communication, bubbles and memory (not a measured loss). Step times "
            "are seconds; planner s is wall / CPU seconds (CPU: the planner's process and its forked CP-SAT "
            "solves; only the runs that recorded it).", ""]
-    out += table(["GPUs", "layers", "planner", "planner s (wall / CPU)", "status", "gap", "objective step",
-                  "simulated step",
+    out += table(["GPUs", "layers", "planner", "planner s before (wall / CPU)", "objective step before",
+                  "planner s (wall / CPU)", "status", "gap", "objective step", "simulated step",
                   "simulated / objective", "stages", "GPUs used"], body)
-    return out + _source(PROVENANCE.get(name, {}))
+    out += _source(PROVENANCE.get(name, {}))
+    if before is not None:
+        out += ["", BEFORE_NOTE.format(file=BEFORE[name]) + "."]
+    return out
 
 
 # ---------------------------------------------------------------- objective vs simulator
@@ -769,7 +799,11 @@ def render(results: Path = RESULTS) -> str:
               ("comm_loopback.json", render_comm))
     for name, fn in single:
         if name in docs:
-            parts.append(fn(docs[name], name))
+            old = BEFORE.get(name)
+            if old is not None and (results / old).is_file():
+                parts.append(fn(docs[name], name, before=json.loads((results / old).read_text())))
+            else:
+                parts.append(fn(docs[name], name))
     for lines in (render_gpus(docs), render_class_check(docs)):
         if lines:
             parts.append(lines)

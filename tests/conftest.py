@@ -21,6 +21,11 @@ ROOT = Path(__file__).resolve().parents[1]
 CLUSTERS = ROOT / "examples" / "clusters"
 GIB = 1 << 30
 
+# One CP-SAT solve at a time per planning call: the suite's workers already fill the cores
+# (the plans do not depend on it: [Note: candidate waves] in zorse_fx/solve/_search.py;
+# tests/test_candidate_search.py passes jobs explicitly).
+os.environ.setdefault("ZORSE_JOBS", "1")
+
 
 @pytest.fixture(scope="session", autouse=True)
 def _subprocess_tmpdir(tmp_path_factory):

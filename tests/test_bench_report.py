@@ -48,9 +48,21 @@ def test_renders_a_scenario_against_its_best_feasible_baseline(tmp_path):
     r = _report("--results", str(_toy_results(tmp_path)))
     assert r.returncode == 0, r.stderr
     # zorse_fx 120 tokens/s = 60% of the bound, 1.20x metis (cephalo's 150 does not fit), 1.9 s / 2.0 s simulated
-    assert "| toy |  | 120 (60%) | metis: 100 | 1.20x | 0.950 | 3.5 | FEASIBLE |" in r.stdout, r.stdout
+    assert "| toy |  | 120 (60%) | - | metis: 100 | 1.20x | 0.950 | - | 3.5 | FEASIBLE |" in r.stdout, r.stdout
     assert "| toy | cephalo | NO | 150 | 75% | 25.0% | - | 2 x 8 | 4 | 0.950 | BASELINE_INFEASIBLE | 3.5 |" in r.stdout
     assert "### Runtime against PyTorch" not in r.stdout  # files not in --results are skipped
+
+
+def test_renders_the_rows_before_issue_32_beside_the_current_ones(tmp_path):
+    """With ``scenarios_before_issue32.json`` beside scenarios.json, zorse_fx's tokens/s
+    and planner seconds before sit next to the current ones (issue 32 item 6)."""
+    results = _toy_results(tmp_path)
+    before = dict(_row("zorse_fx", 100.0, True, "STAGE_DP"), planner_wall_s=250.0, planner_cpu_s=249.5)
+    (results / "scenarios_before_issue32.json").write_text(json.dumps([before]))
+    r = _report("--results", str(results))
+    assert r.returncode == 0, r.stderr
+    assert "| toy |  | 120 (60%) | 100 | metis: 100 | 1.20x | 0.950 | 250.0 / 249.5 | 3.5 | FEASIBLE |" in r.stdout
+    assert "before: the same benchmark's rows before issue 32 (bench/results/scenarios_before_issue32.json" in r.stdout
 
 
 def test_check_fails_on_a_stale_block_and_write_refreshes_it(tmp_path):

@@ -150,3 +150,15 @@ def test_jobs_option_is_checked():
         with pytest.raises(PlanOptionsError, match=r"PlanOptions.jobs=.*use None \(the cores this process may use\) "
                                                    r"or an int >= 1"):
             PlanOptions(global_batch_size=8, jobs=bad)
+
+
+def test_zorse_jobs_sets_the_default(monkeypatch):
+    from zorse_fx.solve._search import default_jobs
+
+    monkeypatch.setenv("ZORSE_JOBS", "3")
+    assert default_jobs() == 3
+    monkeypatch.setenv("ZORSE_JOBS", "many")
+    with pytest.raises(ValueError, match=r"ZORSE_JOBS='many': use a whole number of processes >= 1, or unset it"):
+        default_jobs()
+    monkeypatch.delenv("ZORSE_JOBS")
+    assert default_jobs() >= 1

@@ -124,7 +124,7 @@ def test_sustained_fraction_of_peak_by_class():
         a10.tdp_w / gpu_model.ENERGY_J_PER_FLOP["ampere-ga10x"])
 
 
-def _llama(seq=64, max_positions=256):
+def _llama(seq=64, max_positions=256, causal_masks=True):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from zorse_fx.models.hf import CausalLMWithLoss
@@ -134,7 +134,7 @@ def _llama(seq=64, max_positions=256):
                                          num_attention_heads=4, num_key_value_heads=4,
                                          max_position_embeddings=max_positions))
     ids = torch.zeros((2, seq), dtype=torch.long, device="meta")
-    return analyse(capture(CausalLMWithLoss(m), (ids, ids), method="export"))
+    return analyse(capture(CausalLMWithLoss(m), (ids, ids), method="export", causal_masks=causal_masks))
 
 
 @pytest.fixture(scope="module")
@@ -455,12 +455,13 @@ def _attention_terms(bg, costs, b, spec, rate_f, rate_b):
 
 
 def test_attention_priced_at_the_class_rate_and_unlisted_classes_as_before(monkeypatch):
-    """The export-captured HF Llama passes an explicit attention mask: on
+    """The export-captured HF Llama with its explicit attention mask kept (the capture
+    pass off, ``causal_masks=False``): on
     Hopper its attention runs at the masked cuDNN rates, and the block's price moves
     by exactly the attention term; a class without a cited attention rate
     (Ampere, Turing, Ada) is priced as before (attention at the matmul rate).
     Sequence 2048, so that attention is compute-bound on every type priced."""
-    bg = _llama(seq=2048, max_positions=2048)
+    bg = _llama(seq=2048, max_positions=2048, causal_masks=False)
     pol = precision_policy("fp16-mixed")
     costs = node_costs(bg, saved_activations_or_estimate(bg, pol), pol)
     layer = [b for b in range(bg.num_blocks) if bg.describe_blocks(b, b + 1) == "L0"]

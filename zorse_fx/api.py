@@ -92,7 +92,9 @@ def _compile_instance(model: nn.Module, *, cluster: Cluster, example_inputs, glo
     captured = capture(model, tuple(example_inputs))
     if say:
         say(f"[zorse] captured {type(inner).__name__} with {captured.method} "
-            f"({sum(1 for _ in captured.graph_module.graph.nodes)} fx nodes)")
+            f"({sum(1 for _ in captured.graph_module.graph.nodes)} fx nodes"
+            + (f"; {captured.causal_masks} explicit causal attention masks made is_causal=True"
+               if captured.causal_masks else "") + ")")
     plan, bg = plan_captured(captured, cluster, PlanOptions(global_batch_size=global_batch_size, **options),
                              model_name=name, label_mode=label_mode,
                              progress=(lambda m: say("[zorse] " + m)) if say else None)

@@ -30,6 +30,7 @@ import torch
 import torch.fx as fx
 
 from ..errors import ModelCaptureError
+from .causal import causal_masks_to_is_causal
 
 __all__ = ["CapturedModel", "capture", "fetch_attr"]
 
@@ -66,6 +67,9 @@ class CapturedModel:
     method: str
     #: Example inputs used for capture (batch ``N``), kept for shape analysis.
     example_inputs: tuple[torch.Tensor, ...]
+    #: Attention nodes whose explicit causal mask became ``is_causal=True``
+    #: ([Note: causal masks] in ``capture/causal.py``).
+    causal_masks: int = 0
 
     def state(self) -> dict[str, torch.Tensor]:
         """Every parameter/buffer/constant the graph reads, by canonical name."""
@@ -198,6 +202,7 @@ def capture(
     example_inputs: tuple[torch.Tensor, ...],
     *,
     method: str = "auto",
+    causal_masks: bool = True,
 ) -> CapturedModel:
     """Capture ``model`` as an fx graph of one training forward (inputs -> loss).
 
@@ -210,6 +215,9 @@ def capture(
             input keeps its own placeholder (``torch.export`` would merge them).
         method: "fx", "export" or "auto" (fx first, export if fx tracing fails;
             Hugging Face ``PreTrainedModel`` submodules go straight to export).
+        causal_masks: turn an explicit causal attention mask into
+            ``is_causal=True`` where the graph shows them equal
+            (``capture.causal``, [Note: causal masks]); False keeps every mask.
 
     Raises:
         ModelCaptureError: the model cannot be captured, does not return a
@@ -245,6 +253,7 @@ def capture(
     else:
         raise ModelCaptureError(f"unknown capture method {method!r}; use 'fx', 'export' or 'auto'")
     _normalise(gm)
+    rewritten = causal_masks_to_is_causal(gm) if causal_masks else 0
     with torch.no_grad():
         loss = gm(*example_inputs)
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
@@ -260,6 +269,7 @@ def capture(
         tied=_tie_map(gm),
         method=method,
         example_inputs=tuple(example_inputs),
+        causal_masks=rewritten,
     )
 
 

@@ -402,8 +402,15 @@ WAVE = SHARE_WINDOW
 
 
 def default_jobs() -> int:
-    """The cores this process may run on (``os.sched_getaffinity``, else ``os.cpu_count``):
-    ``PlanOptions.jobs``' default."""
+    """``PlanOptions.jobs``' default: ``ZORSE_JOBS`` where set (the test suite sets 1: its
+    workers already fill the cores), else the cores this process may run on
+    (``os.sched_getaffinity``, else ``os.cpu_count``)."""
+    env = os.environ.get("ZORSE_JOBS", "")
+    if env.strip():
+        try:
+            return max(1, int(env))
+        except ValueError:
+            raise ValueError(f"ZORSE_JOBS={env!r}: use a whole number of processes >= 1, or unset it") from None
     try:
         return max(1, len(os.sched_getaffinity(0)))
     except (AttributeError, OSError):
