@@ -93,34 +93,12 @@ CPU_MACHINE = "the project's 2-core CPU machine (AMD EPYC)"
 # the section that reports the run: bench/LOG.md's dated sections, or bench/README.md's method notes.
 PROVENANCE = {
     "scenarios.json": {
-        # bench/LOG.md, "Scenario benchmark re-run after the tied all-gather fix (issue 13 items 3 and 6,
-        # 2026-11-26, eleventh session)"
-        ("amp",): dict(
-            command="bench/scenarios.py --only metis,amp,zorse_a,flashflex --solver-budget 5", code="66b3dec",
-            machine=f"{CPU_MACHINE}, beside the objective vs simulator and Zorse C runs",
-            date="2026-11-26 18:38-19:06"),
-        # bench/LOG.md, "Scenarios re-planned with 16-bit working weights (issue 31, 2026-11-27)"
-        ("zorse_a",): dict(
-            command="bench/scenarios.py --only zorse_a --solver-budget 5", code="faba7a3",
-            machine=f"{CPU_MACHINE}, beside two other scenario runs", date="2026-11-27 15:27-15:44"),
-        ("flashflex",): dict(
-            command="bench/scenarios.py --only flashflex --solver-budget 5", code="faba7a3",
-            machine=f"{CPU_MACHINE}, beside `make test` and another scenario run", date="2026-11-27 15:35-16:24"),
-        ("metis",): dict(
-            command="bench/scenarios.py --only metis --solver-budget 5", code="faba7a3",
-            machine=f"{CPU_MACHINE}, beside two other scenario runs", date="2026-11-27 15:44-15:48"),
-        ("sailor",): dict(
-            command="bench/scenarios.py --only sailor --solver-budget 5", code="faba7a3",
-            machine=f"{CPU_MACHINE}, beside two other scenario runs", date="2026-11-27 15:22-15:44"),
-        ("zorse_b",): dict(
-            command="bench/scenarios.py --only zorse_b --solver-budget 5", code="5e8bccb",
-            machine=f"{CPU_MACHINE}, beside another scenario run", date="2026-11-27 14:45-15:21"),
-        # bench/LOG.md, "Zorse C re-planned under the NCCL program (issue 13 items 3 and 6, 2026-11-26,
-        # eleventh session)"; rows copied from scenarios_zorse_c_shared_wan.json (bench/LOG.md, "FlashFlex
-        # planned with up to 8 stages")
-        ("zorse_c",): dict(
-            command="bench/scenarios.py --only zorse_c --max-stages 8 --solver-budget 5", code="6a4dc17",
-            machine=f"{CPU_MACHINE}, beside other runs", date="2026-11-26 18:29-18:49"),
+        # bench/LOG.md, "Planner in seconds: scenarios and scaling re-run (issue 32, 2026-11-28, eighth and
+        # ninth sessions)"; the rows before are in scenarios_before_issue32.json (their runs: that section)
+        tuple(SCENARIO_ORDER): dict(
+            command="bench/scenarios.py --only <scenario> (zorse_c: --max-stages 8), one scenario per run, "
+                    "--jobs default (2)", code="4988002",
+            machine=f"{CPU_MACHINE}, alone", date="2026-11-28 11:27-11:47"),
     },
     "bound_gap.json": {
         # bench/LOG.md, "What bounds each scenario, re-run under the NCCL program (issue 13 item 3,
@@ -154,8 +132,9 @@ PROVENANCE = {
     },
     # bench/LOG.md, "Planner scaling re-run under the NCCL program (issue 13 item 6, 2026-11-26, eleventh session)"
     "scaling.json": dict(
-        command="bench/planner_scaling.py", note="5 deterministic CP-SAT seconds per candidate, the default",
-        code="1752332", machine=f"{CPU_MACHINE}, alone", date="2026-11-28 01:25-01:39"),
+        command="bench/planner_scaling.py", note="5 deterministic CP-SAT seconds for the whole search, the "
+                                                 "default; --jobs default (2)",
+        code="4988002", machine=f"{CPU_MACHINE}, alone", date="2026-11-28 11:47-11:56"),
     # bench/README.md, method note "Sharded holders of a tied parameter"
     "objective_vs_sim.json": dict(
         command=("bench/objective_vs_sim.py --only amp,metis --solver-budget 1 --seeds 40 "
