@@ -163,7 +163,7 @@ def run_scenario(sc: Scenario, args) -> list[dict]:
                        param_sharding=args.param_sharding)
     ub = upper_bound_tokens_per_s(costs, cluster, sc.seq_len)
     peak = sum(g.spec.peak_flops_per_s(scenario_precision(cluster).compute_dtype) for g in cluster.gpus)
-    # zorse_fx's planner="auto": per-GPU CP-SAT up to 16 GPUs, class-level CP-SAT beyond.
+    # zorse_fx's planner="auto": per-GPU CP-SAT up to PER_GPU_MAX_GPUS (8) GPUs, class-level CP-SAT beyond.
     from functools import partial
 
     from zorse_fx.portfolio import auto_planner, solve_portfolio
