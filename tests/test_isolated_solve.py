@@ -1,5 +1,5 @@
 """CP-SAT solves run in forked children, so an OR-Tools abort costs one
-candidate, not the process ([Note: isolated solves] in zorse_fx/solve/_search.py)."""
+candidate, not the process ([Note: isolated solves] in zorse_fx/solve/isolated.py)."""
 
 from __future__ import annotations
 

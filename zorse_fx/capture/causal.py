@@ -23,9 +23,10 @@ is_causal=True`` where the graph shows the two equal:
 * the node has no dropout and is not already causal, and the query and key
   lengths are static and equal (no KV cache in a training graph).
 
-The mask's batch dependence enters only through ``expand``/``arange`` of the
-batch size, so agreement at two sizes is agreement at all (a row that
-depended on the batch index would differ between them). The mask's nodes
+This is a check at two batch sizes, not a symbolic proof for every size: a
+mask computed from the batch size other than by broadcasting it (``expand``,
+``arange`` over the batch, as Hugging Face's) could in principle agree at 1
+and 3 and differ elsewhere; no mask we know is built that way. The mask's nodes
 left unused are removed, so they no longer cross
 stage cuts (nothing else is removed). ``tests/test_causal_mask_pass.py`` checks the loss and gradients
 of the rewritten graph against the original's.

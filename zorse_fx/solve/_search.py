@@ -39,25 +39,6 @@ called a worse plan OPTIMAL. So every solve under a cutoff runs with
 ``presolve_inclusion_work_limit = 0``; the abort that setting can cause
 costs one retry of that candidate (next note), not the process.
 
-[Note: isolated solves]
-OR-Tools 9.15 can also abort the whole process: an uncaught
-``std::out_of_range: absl::btree_map::at`` in SolutionCrush during presolve
-with a complete hint (google/or-tools#5288, fixed on main, in no PyPI release
-yet). It can kill a scenario benchmark run (FlashFlex), and a planner must
-not take the user's training launch down with it. So where the
-OS can fork, every CP-SAT solve runs in a forked child (``run_isolated``):
-the child solves and reads the answer off its solver (status, bound, the
-objective and the decision; all plain tuples), pickles it into a pipe and
-exits with ``os._exit``. If the child dies instead, the parent gets
-``SolverCrash`` (naming the signal) and the candidate is solved again without
-its hint, then also without presolve; a candidate that crashes all three
-times is recorded as ``"status": "CRASHED"`` (like a time-limited UNKNOWN: no
-solution, the throughput bound, and the search is no longer OPTIMAL). A
-hinted candidate completes its hint (``complete_hint``) in the same child,
-so a candidate costs one fork: ~20 ms with torch loaded (copy-on-write page
-tables; measured on the 2-core CPU machine). Set ``ZORSE_SOLVE_IN_PROCESS=1``
-to solve in-process (e.g. under a debugger).
-
 [Note: reproducible plans]
 The same inputs give the same plan, status and predicted step time on any
 machine and under any load (a wall-clock limit with several workers would
@@ -126,8 +107,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import pickle
-import signal
 import time
 import warnings
 from dataclasses import dataclass
@@ -140,6 +119,7 @@ from ..ir.devices import DeviceGraph
 from ..ir.result import Candidate, SolverResult, with_safety_stop
 from ..options import PlanOptions
 from .bounds import explain_infeasible, stage_count_lower_bound, throughput_lower_bound
+from .isolated import SolverCrash, _Isolated, run_isolated, start_isolated  # noqa: F401 (re-exported)
 from .objective import UNIT_S, IntTables, build_tables, evaluate, max_stage_count, microbatch_candidates
 
 __all__ = ["CandidateSearch", "SolverCrash", "run_isolated", "ordered_candidates", "in_model"]
@@ -172,105 +152,6 @@ def in_model(decision) -> bool:
     portfolio.py), one stage per GPU group."""
     return (decision.interleave == 1 and not any(decision.grad_sharded) and not any(decision.offload)
             and not any(decision.act_offload))
-
-
-class SolverCrash(RuntimeError):
-    """A CP-SAT solve killed its (forked) process; see [Note: isolated solves]."""
-
-
-def _in_process() -> bool:
-    return not hasattr(os, "fork") or os.environ.get("ZORSE_SOLVE_IN_PROCESS", "") not in ("", "0")
-
-
-def run_isolated(fn):
-    """``fn()`` run in a forked child process; returns its (picklable) result.
-
-    An exception raised by ``fn`` is re-raised here (its repr, as a
-    RuntimeError, if it cannot be pickled). Raises ``SolverCrash`` when the
-    child dies without answering (e.g. OR-Tools' abort, SIGABRT). Runs ``fn``
-    in this process where the OS cannot fork or ``ZORSE_SOLVE_IN_PROCESS=1``.
-    See [Note: isolated solves]."""
-    return start_isolated(fn).result()
-
-
-class _Isolated:
-    """A started ``run_isolated`` call: ``result()`` waits for it (see ``start_isolated``)."""
-
-    def __init__(self, fn):
-        self.done, self.value, self.error = False, None, None
-        if _in_process():
-            try:
-                self.value = fn()
-            except BaseException as exc:  # noqa: BLE001 -- re-raised by result()
-                self.error = exc
-            self.done = True
-            return
-        self.pid, self.fd = _fork_child(fn)
-
-    def result(self):
-        """The child's result (or its exception, re-raised; ``SolverCrash`` if it died)."""
-        if not self.done:
-            self.done = True
-            try:
-                self.value = _collect_child(self.pid, self.fd)
-            except BaseException as exc:  # noqa: BLE001 -- kept for every later call
-                self.error = exc
-        if self.error is not None:
-            raise self.error
-        return self.value
-
-
-def start_isolated(fn) -> _Isolated:
-    """Start ``fn()`` in a forked child and return at once; ``.result()`` waits for it
-    and returns (or raises) what ``run_isolated(fn)`` would. Several started children
-    run side by side on the machine's cores (the ``jobs`` of ``CandidateSearch.run``)."""
-    return _Isolated(fn)
-
-
-def _fork_child(fn) -> tuple[int, int]:
-    """Fork a child that sends ``fn()``'s pickled (ok, value) through a pipe; (pid, read end)."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # child: answer through the pipe, never return into the caller's stack
-        code = 1
-        try:
-            os.close(r)
-            try:
-                payload = pickle.dumps((True, fn()))
-            except BaseException as exc:  # noqa: BLE001 -- everything goes back to the parent
-                try:
-                    payload = pickle.dumps((False, exc))
-                except Exception:  # noqa: BLE001
-                    payload = pickle.dumps((False, RuntimeError(repr(exc))))
-            with os.fdopen(w, "wb") as f:
-                f.write(payload)
-            code = 0
-        finally:
-            os._exit(code)
-    os.close(w)
-    return pid, r
-
-
-def _collect_child(pid: int, r: int):
-    """Read a forked child's answer and reap it (``_fork_child``); its value, or raise."""
-    with os.fdopen(r, "rb") as f:
-        data = f.read()
-    _, status = os.waitpid(pid, 0)
-    try:
-        ok, value = pickle.loads(data)
-    except Exception:  # noqa: BLE001 -- nothing, or a payload cut short: the child died
-        if os.WIFSIGNALED(status):
-            sig = os.WTERMSIG(status)
-            try:
-                how = f"signal {sig} ({signal.Signals(sig).name})"
-            except ValueError:
-                how = f"signal {sig}"
-        else:
-            how = f"exit status {os.WEXITSTATUS(status)}"
-        raise SolverCrash(f"the CP-SAT solve in child process {pid} died with {how} without an answer") from None
-    if not ok:
-        raise value
-    return value
 
 
 @dataclass(frozen=True, slots=True)
@@ -344,7 +225,7 @@ def complete_hint(m: cp_model.CpModel, solver: cp_model.CpSolver) -> tuple[bool,
     was) when the copy finds nothing, e.g. a hint the model cannot express;
     wall_clock_stop True when the safety stop ended the copy's solve first.
     Runs in this process: ``CandidateSearch`` calls it inside the forked child
-    of the candidate's solve ([Note: isolated solves])."""
+    of the candidate's solve ([Note: isolated solves] in isolated.py)."""
     proto = m.Proto()
     hinted = list(zip(proto.solution_hint.vars, proto.solution_hint.values))
     if not hinted:
@@ -542,7 +423,7 @@ class CandidateSearch:
             solver.parameters.presolve_inclusion_work_limit = 0
 
     def _start_try(self, model, *, presolve: bool, budget: float, cutoff: bool, complete: bool) -> _Isolated:
-        """Start one try of ``model`` in a forked child ([Note: isolated solves]),
+        """Start one try of ``model`` in a forked child ([Note: isolated solves] in isolated.py),
         completing its hint first when ``complete``."""
         solver = self._solver(budget)
         self._tune(solver, model, cutoff)
@@ -552,7 +433,7 @@ class CandidateSearch:
 
     def _solve_robustly(self, model, *, presolve: bool, budget: float, cutoff: bool = False,
                         first: _Isolated | None = None) -> tuple[_Answer | None, list[str]]:
-        """Solve ``model`` in a forked child ([Note: isolated solves]), a hinted
+        """Solve ``model`` in a forked child ([Note: isolated solves] in isolated.py), a hinted
         model with its hint completed first in the same child; after a crash,
         again without the hint, then without presolve. ``first``: the first try,
         already started (``_start_try`` with ``presolve``, the hint completed when

@@ -40,6 +40,7 @@ samples per micro-batch. Times in seconds unless a name says ``units`` (1 ns).
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import Counter
 
@@ -62,7 +63,7 @@ from ..solve.objective import (
     mode_violations,
     policy_decision,
 )
-from ..solve.state_terms import extra_copies_matrix, stage_state_kib
+from ..solve.state_terms import extra_copies_matrix, gathered_weight_matrix, grad_shard_kib, stage_state_kib
 
 __all__ = ["Selector", "gpu_speeds", "largest_remainder", "proportional_cuts", "reference_block_work",
            "bandwidth", "min_max_partition", "min_max_partition_arrays", "memory_variants", "stage_act_kib",
@@ -266,11 +267,30 @@ class StageMatrices:
             return n * (fl * (self.cut_in if not_first else 0) + self.act)
         return fl * n * self.act
 
+    @functools.cached_property
+    def zero23(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(ZeRO-2 replicated, ZeRO-2 shardable, ZeRO-3 replicated, ZeRO-3 shardable)
+        KiB matrices of a sharded stage over [i, j) (``objective.sharded_state_kib``:
+        [C-grad-shard], [C-param-shard]); computed on first use (O(B^2) Python)."""
+        tab, nb, pre, extra = self.tab, self.nb, self.pre, self.extra
+        up, down, tr = (np.zeros_like(self.state) for _ in range(3))
+        for i in range(nb):
+            for j in range(i + 1, nb + 1):
+                up[i, j], down[i, j], tr[i, j] = grad_shard_kib(tab, i, j)
+        rep = self.state - self.shard
+        # [C-param-shard]: the weights move into the shards; GATHERED_UNITS consecutive blocks' and the
+        # tied weights stay gathered.
+        grads = pre(tab.grad_kib_prefix) - sum((e * tab.tied_grad_kib[t] for t, e in extra), np.int64(0))
+        return (rep - np.minimum(down, rep) + tr, self.shard + up,
+                tr + gathered_weight_matrix(tab) + np.maximum(0, grads - up), self.state - grads + up)
+
     def layout(self, grad_sharded: bool, param_sharded: bool):
-        """(replicated, shardable) KiB matrices of a sharded stage
-        (``objective.sharded_state_kib``); here ZeRO-1 only."""
-        if grad_sharded or param_sharded:
-            raise NotImplementedError("ZeRO-2/3 layouts: stage_dp._Stages")
+        """(replicated, shardable) KiB matrices of a sharded stage under its layout
+        (``objective.sharded_state_kib``: ZeRO-1, [C-grad-shard], [C-param-shard])."""
+        if param_sharded:
+            return self.zero23[2:]
+        if grad_sharded:
+            return self.zero23[:2]
         return self.state - self.shard, self.shard
 
     def fits(self, mem, fl: int, not_first: bool, sharded: bool, recompute: bool, grad_sharded: bool = False,

@@ -94,7 +94,6 @@ from ..ir.devices import DeviceGraph
 from ..ir.result import SolverResult
 from ..options import PlanOptions
 from .objective import MIB_UNITS, fill_policy, inflight, max_stage_count, microbatch_candidates
-from .state_terms import gathered_weight_matrix, grad_shard_kib
 from .heuristics import StageMatrices
 
 __all__ = ["solve_stage_dp", "stage_dp_search", "ORDERS", "MAX_UNITS"]
@@ -177,21 +176,9 @@ class _Stages(StageMatrices):
         self.arsh = [pre(p) for p in tab.arsh_prefix]
         self.opt = [pre(p) - sum((e * tab.tied_opt[t][q] for t, e in extra), np.int64(0))
                     for q, p in enumerate(tab.opt_prefix)]
-        # [C-grad-shard]: a ZeRO-2 stage's replicated state and shardable state (objective.sharded_state_kib).
-        self.gs_rep = self.gs_shard = self.ps_rep = self.ps_shard = None
-        if any(v[2] for v in variants):
-            up, down, tr = (np.zeros_like(self.state) for _ in range(3))
-            for i in range(nb):
-                for j in range(i + 1, nb + 1):
-                    up[i, j], down[i, j], tr[i, j] = grad_shard_kib(tab, i, j)
-            rep = self.state - self.shard
-            self.gs_rep, self.gs_shard = rep - np.minimum(down, rep) + tr, self.shard + up
-            # [C-param-shard]: the weights move into the shards; GATHERED_UNITS consecutive blocks' and the
-            # tied weights stay gathered.
-            grads = pre(tab.grad_kib_prefix) - sum((e * tab.tied_grad_kib[t] for t, e in extra), np.int64(0))
-            self.ps_rep = tr + gathered_weight_matrix(tab) + np.maximum(0, grads - up)
-            self.ps_shard = self.state - grads + up
-            self.nblocks = np.maximum(jj - ii, 1)
+        # [C-grad-shard] / [C-param-shard] variants: their layouts are ``StageMatrices.zero23``.
+        self.zero23_used = any(v[2] for v in variants)
+        self.nblocks = np.maximum(jj - ii, 1)
         # [C-allreduce]'s bucket count nb of blocks [i, j) (objective.bucket_count, vectorised;
         # tied exclusions are not known per stage here, as for the all-reduce term above).
         first_cap, cap = tab.bucket_caps
@@ -234,7 +221,7 @@ class _Stages(StageMatrices):
             # [C-param-shard]: the sync without the all-gather; one gather pass of the weights
             zr3 = -((-(-(-m * self.ar[kin] // 2)) * (k - 1)) // k) + m * self.nbuckets * (k - 1) * lat
             gpass = -((-(self.arsh[kin] - self.ar[kin]) * (k - 1)) // k) + self.nblocks * (k - 1) * lat \
-                if self.ps_rep is not None else None
+                if self.zero23_used else None
         else:
             ar = arsh = zr = zr3 = np.zeros_like(self.state)
             gpass = None
@@ -242,10 +229,10 @@ class _Stages(StageMatrices):
         opt = np.max([self.opt[q] for q in mbw], axis=0)
         per_gpu_mib = -(-self.shard // (MIB_UNITS * k))
         opt_sh = max(tab.opt_per_mib[q] for q in mbw) * per_gpu_mib
-        opt_gs = (max(tab.opt_per_mib[q] for q in mbw) * -(-self.gs_shard // (MIB_UNITS * k))
-                  if self.gs_shard is not None else None)
-        opt_ps = (max(tab.opt_per_mib[q] for q in mbw) * -(-self.ps_shard // (MIB_UNITS * k))
-                  if self.ps_shard is not None else None)
+        opt_gs = (max(tab.opt_per_mib[q] for q in mbw) * -(-self.zero23[1] // (MIB_UNITS * k))
+                  if self.zero23_used else None)
+        opt_ps = (max(tab.opt_per_mib[q] for q in mbw) * -(-self.zero23[3] // (MIB_UNITS * k))
+                  if self.zero23_used else None)
         # Boundary to the next unit (the first GPU group of the next stage): cut at j.
         bnd = np.zeros(self.nb + 1, dtype=np.int64)
         if u1 < len(self.units):
@@ -312,15 +299,6 @@ class _Stages(StageMatrices):
             arg = np.where(better, v, arg)
         g["cost"][ck, level] = (best, arg)
         return best, arg
-
-    def layout(self, grad_sharded: bool, param_sharded: bool):
-        """(replicated, shardable) KiB matrices of a sharded stage under its layout
-        (``objective.sharded_state_kib``: ZeRO-1, [C-grad-shard], [C-param-shard])."""
-        if param_sharded:
-            return self.ps_rep, self.ps_shard
-        if grad_sharded:
-            return self.gs_rep, self.gs_shard
-        return self.state - self.shard, self.shard
 
     def _fits_offload(self, g, fl: int, not_first: bool, sharded: bool, recompute: bool, offload: bool = True,
                       act_offload: bool = False, grad_sharded: bool = False, param_sharded: bool = False):
