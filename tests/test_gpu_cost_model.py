@@ -242,6 +242,15 @@ def test_backward_forward_ratio_by_class_and_micro_batch(llama):
     for t in ("T4", "A100-40GB", "P100-16GB", "RTX-3090"):
         assert ratio(t, 1) > ratio(t, 64) >= 1.9
     assert len({round(ratio(t, 1), 3) for t in ("T4", "A100-40GB", "P100-16GB", "L4")}) == 4
+    # block_costs keeps that split (issue 32 item 5): the forward part of every block is
+    # the class model's own forward, which the schedule, GPipe and recomputation read.
+    got = block_costs(bg, {"T4": gpu_spec("T4")}, precision=pol)
+    chains = graph_chains(bg, costs)
+    for b in range(bg.num_blocks):
+        pf, pb, ff, fb = class_block_time(bg, costs, b, chains[b], weight_traffic_bytes(bg, b, pol), gpu_spec("T4"), pol)
+        assert got.fwd_s_per_sample["T4"][b] == pytest.approx(pf, rel=1e-12)
+        assert got.fwd_s_fixed["T4"][b] == pytest.approx(ff, rel=1e-12)
+        assert got.fwd_bwd_s_per_sample["T4"][b] == pytest.approx(pf + pb, rel=1e-12)
 
 
 def test_half_precision_graph_runs_16_bit_matmuls_without_autocast():

@@ -155,7 +155,17 @@ def test_measured_block_costs_from_replayed_model():
     assert set(sources["T4"]) == {"class model"}
     assert costs.fwd_bwd_s_per_sample["T4"] == base.fwd_bwd_s_per_sample["T4"]
     assert costs.fwd_bwd_s_fixed["T4"] == base.fwd_bwd_s_fixed["T4"]
+    assert costs.fwd_s_per_sample["T4"] == base.fwd_s_per_sample["T4"]
     assert all(t >= 0 for t in costs.fwd_bwd_s_per_sample["cpu-test"])
+    # The forward is fitted from the entries' own forward times (issue 32 item 5): the slope of
+    # each block's summed fwd_ms between the two micro-batches, within the fwd+bwd slope.
+    calls = {n: model_calls(captured, n) for n in (1, 4)}
+    for b in range(bg.num_blocks):
+        fwd = [sum(entries[calls[n][x].key].fwd_ms for x in bg.block_nodes(b) if x in calls[n]) * 1e-3
+               for n in (1, 4)]
+        want = min(costs.fwd_bwd_s_per_sample["cpu-test"][b], max(0.0, (fwd[1] - fwd[0]) / 3))
+        assert costs.fwd_s_per_sample["cpu-test"][b] == pytest.approx(want, rel=1e-9, abs=1e-15)
+        assert costs.fwd_s_fixed["cpu-test"][b] <= costs.fwd_bwd_s_fixed["cpu-test"][b]
     assert sum(costs.fwd_bwd_s_per_sample["cpu-test"]) + sum(costs.fwd_bwd_s_fixed["cpu-test"]) > 0
     assert costs.param_count == base.param_count
 

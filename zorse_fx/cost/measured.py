@@ -52,7 +52,7 @@ import torch
 
 from ..capture.analysis import BlockGraph
 from ..cluster import GPUSpec
-from ..ir.costs import BlockCosts
+from ..ir.costs import FORWARD_SHARE, BlockCosts
 from .profile import KernelProfile
 from .replay import NodeCall, model_calls
 from .opclass import size_metric
@@ -218,20 +218,24 @@ def measured_block_costs(
     known = {t: s for t, s in specs.items() if s is not None}
     per_sample: dict[str, tuple[float, ...]] = {}
     fixed: dict[str, tuple[float, ...]] = {}
+    fwd_per_sample: dict[str, tuple[float, ...]] = {}
+    fwd_fixed: dict[str, tuple[float, ...]] = {}
     sources: dict[str, Counter] = {}
     state, trainable = bg.captured.state(), bg.captured.trainable()
     for dev_type, spec in specs.items():
         prof = profiles.by_type.get(dev_type)
         if prof is None and spec is not None and dev_type in base.fwd_bwd_s_per_sample:
             per_sample[dev_type] = base.fwd_bwd_s_per_sample[dev_type]
-            fixed[dev_type] = base.fwd_bwd_s_fixed.get(dev_type, (0.0,) * bg.num_blocks)
+            fixed[dev_type] = base.fixed_s(dev_type)
+            fwd_per_sample[dev_type] = base.forward_s_per_sample(dev_type)
+            fwd_fixed[dev_type] = base.forward_s_fixed(dev_type)
             sources[dev_type] = Counter({"class model": sum(name in calls[n] for n in (n1, n2)
                                                             for b in range(bg.num_blocks)
                                                             for name in bg.block_nodes(b))})
             continue
         cache: dict[str, NodeTime] = {}
         count: Counter = Counter()
-        slopes, fixeds = [], []
+        slopes, fixeds, fwd_slopes, fwd_fixeds = [], [], [], []
         calibration = prof.calibration if prof is not None else 1.0
         accumulate = [sum(grad_accumulate_ms(prof, state[a].numel(), state[a].element_size())
                           for a in bg.block_attrs[b] if a in trainable) if prof is not None else 0.0
@@ -239,9 +243,9 @@ def measured_block_costs(
         overhead = [(prof.node_overhead_ms * sum(name in calls[n1] for name in bg.block_nodes(b))
                      if prof is not None else 0.0) for b in range(bg.num_blocks)]
         for b in range(bg.num_blocks):
-            totals = []
+            totals, forwards = [], []
             for n in (n1, n2):
-                total = 0.0
+                total = forward = 0.0
                 for name in bg.block_nodes(b):
                     call = calls[n].get(name)
                     if call is None:
@@ -251,11 +255,23 @@ def measured_block_costs(
                     nt = cache[call.key]
                     count[nt.source] += 1
                     total += (nt.fwd_ms + nt.bwd_ms) * 1e-3
+                    forward += nt.fwd_ms * 1e-3
                 totals.append(total)
+                forwards.append(forward)
             slope = max(0.0, (totals[1] - totals[0]) / (n2 - n1))
             slopes.append(slope)
             fixeds.append(max(0.0, totals[0] - n1 * slope) + (accumulate[b] * calibration + overhead[b]) * 1e-3)
+            # The forward's part, fitted alike: gradient accumulation is backward work; a node's
+            # dispatch overhead is paid per kernel, and the backward launches about two per forward
+            # one (FORWARD_SHARE of it). Kept within the totals (an interpolated backward may not grow).
+            f_slope = min(slope, max(0.0, (forwards[1] - forwards[0]) / (n2 - n1)))
+            fwd_slopes.append(f_slope)
+            fwd_fixeds.append(min(fixeds[-1], max(0.0, forwards[0] - n1 * f_slope)
+                                  + FORWARD_SHARE * overhead[b] * 1e-3))
         per_sample[dev_type] = tuple(slopes)
         fixed[dev_type] = tuple(fixeds)
+        fwd_per_sample[dev_type] = tuple(fwd_slopes)
+        fwd_fixed[dev_type] = tuple(fwd_fixeds)
         sources[dev_type] = count
-    return dataclasses.replace(base, fwd_bwd_s_per_sample=per_sample, fwd_bwd_s_fixed=fixed), sources
+    return dataclasses.replace(base, fwd_bwd_s_per_sample=per_sample, fwd_bwd_s_fixed=fixed,
+                               fwd_s_per_sample=fwd_per_sample, fwd_s_fixed=fwd_fixed), sources

@@ -402,6 +402,9 @@ def block_costs(
     dtype = precision.compute_dtype
     times: dict[str, list[float]] = {t: [] for t in specs}
     fixed: dict[str, list[float]] = {t: [] for t in specs}
+    # The forward's part, where the class model prices it apart (the plain roofline: FORWARD_SHARE).
+    fwd_times: dict[str, list[float]] = {t: [] for t in specs if gpu_model.has_class_model(specs[t])}
+    fwd_fixed: dict[str, list[float]] = {t: [] for t in fwd_times}
     params, params16 = [], []
     low = low_precision_params(bg) if precision.mixed else frozenset()
     chains_of = None
@@ -421,6 +424,8 @@ def block_costs(
                 f, bw_, ff, fb = class_block_time(bg, costs, b, chains, traffic, spec, precision)
                 times[gpu_type].append(f + bw_)
                 fixed[gpu_type].append(ff + fb)
+                fwd_times[gpu_type].append(f)
+                fwd_fixed[gpu_type].append(ff)
             else:
                 fwd = sum(node_time_s(costs[n], spec, dtype, tf32=precision.tf32) for n in names)
                 times[gpu_type].append(FWD_BWD_FACTOR * fwd)
@@ -430,6 +435,8 @@ def block_costs(
         tied_params=tied_params(bg),
         fwd_bwd_s_per_sample={k: tuple(v) for k, v in times.items()},
         fwd_bwd_s_fixed={k: tuple(v) for k, v in fixed.items()},
+        fwd_s_per_sample={k: tuple(v) for k, v in fwd_times.items()},
+        fwd_s_fixed={k: tuple(v) for k, v in fwd_fixed.items()},
         param_count=tuple(params),
         # The loss block's backward transient rides on its saved bytes ([Note: saved activations]).
         act_bytes_per_sample=(*activations.bytes_per_sample[:-1], activations.bytes_per_sample[-1]

@@ -9,7 +9,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["BlockCosts", "TiedParam"]
+__all__ = ["BlockCosts", "TiedParam", "FORWARD_SHARE"]
+
+#: The forward's share of a block's forward + backward time where the cost
+#: model gives no split of its own (``BlockCosts.fwd_s_per_sample`` missing a
+#: type): 1/3, the backward at twice the forward. Source: a matmul's backward
+#: computes two products (the input's and the weight's gradient) for the
+#: forward's one -- 2N FLOPs per token forward, 4N backward (Kaplan et al.
+#: 2020, "Scaling Laws for Neural Language Models", sec. 2.1; Narayanan et al.
+#: SC'21, sec. 5.1: 72 B s l h^2 FLOPs per step = 3 x the forward's 24).
+FORWARD_SHARE = 1.0 / 3.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -53,6 +62,17 @@ class BlockCosts:
     #: micro-batch that does not grow with its samples (kernel launches), in
     #: seconds. Missing types count as zero.
     fwd_bwd_s_fixed: dict[str, tuple[float, ...]] = field(default_factory=dict)
+    #: ``{gpu_type: (B,)}`` the forward's part of ``fwd_bwd_s_per_sample``
+    #: (seconds per sample, <= it), where the cost model prices the passes
+    #: apart (the GPU class model, measured profiles, the roofline); a type
+    #: missing here: ``FORWARD_SHARE`` of its forward+backward. The backward
+    #: is the rest. It sets the forward (F) and backward (B) tasks of the
+    #: pipeline schedule in the simulator and the planners' replay, GPipe's
+    #: period and the re-run forward of a recomputing stage.
+    fwd_s_per_sample: dict[str, tuple[float, ...]] = field(default_factory=dict)
+    #: ``{gpu_type: (B,)}`` the forward's part of ``fwd_bwd_s_fixed`` (<= it);
+    #: a type missing here: ``FORWARD_SHARE`` of it.
+    fwd_s_fixed: dict[str, tuple[float, ...]] = field(default_factory=dict)
     #: ``(B,)`` trainable parameters first used in block ``b``.
     param_count: tuple[int, ...]
     #: ``(B,)`` activation bytes one sample keeps alive for the backward pass
@@ -145,6 +165,14 @@ class BlockCosts:
                 raise ValueError(
                     f"fwd_bwd_s_fixed[{gpu_type!r}] must have {nb} non-negative entries, got {times}"
                 )
+        for name, part, whole in (("fwd_s_per_sample", self.fwd_s_per_sample, self.fwd_bwd_s_per_sample),
+                                  ("fwd_s_fixed", self.fwd_s_fixed, self.fwd_bwd_s_fixed)):
+            for gpu_type, times in part.items():
+                total = whole.get(gpu_type, (0.0,) * nb)
+                # 1e-12 s: the forward and the sum it is part of are rounded apart
+                if len(times) != nb or any(not 0 <= f <= t + 1e-12 for f, t in zip(times, total)):
+                    raise ValueError(f"{name}[{gpu_type!r}] must have {nb} entries, each between 0 and the "
+                                     f"forward+backward time of its block, got {times} against {total}")
         for tp in self.tied_params:
             if not isinstance(tp, TiedParam):
                 raise ValueError(f"tied_params must hold TiedParam records, got {tp!r}")
@@ -164,6 +192,35 @@ class BlockCosts:
     @property
     def num_blocks(self) -> int:
         return len(self.param_count)
+
+    def fixed_s(self, gpu_type: str) -> tuple[float, ...]:
+        """``fwd_bwd_s_fixed[gpu_type]``, zeros where the type has none (seconds, (B,))."""
+        return self.fwd_bwd_s_fixed.get(gpu_type, (0.0,) * self.num_blocks)
+
+    def forward_s_per_sample(self, gpu_type: str) -> tuple[float, ...]:
+        """(B,) seconds: the forward's part of ``fwd_bwd_s_per_sample[gpu_type]``
+        (``fwd_s_per_sample``, or ``FORWARD_SHARE`` of it where the type has none)."""
+        got = self.fwd_s_per_sample.get(gpu_type)
+        return got if got is not None else tuple(FORWARD_SHARE * x for x in self.fwd_bwd_s_per_sample[gpu_type])
+
+    def forward_s_fixed(self, gpu_type: str) -> tuple[float, ...]:
+        """(B,) seconds: the forward's part of ``fixed_s(gpu_type)``
+        (``fwd_s_fixed``, or ``FORWARD_SHARE`` of it where the type has none)."""
+        got = self.fwd_s_fixed.get(gpu_type)
+        return got if got is not None else tuple(FORWARD_SHARE * x for x in self.fixed_s(gpu_type))
+
+    def forward_share_max(self) -> float:
+        """The largest forward share of any block's time on any GPU type, at any
+        micro-batch size: max over types and blocks of forward / (forward +
+        backward), per sample and fixed parts each (a ratio of sums lies between
+        them); ``FORWARD_SHARE`` when every type takes the default split. The
+        planners' drain bounds use 1 - this as the least backward share."""
+        out = FORWARD_SHARE
+        for t in self.fwd_bwd_s_per_sample:
+            for part, whole in ((self.forward_s_per_sample(t), self.fwd_bwd_s_per_sample[t]),
+                                (self.forward_s_fixed(t), self.fixed_s(t))):
+                out = max([out] + [f / w for f, w in zip(part, whole) if w > 0])
+        return min(out, 1.0)
 
     def param16(self, b: int) -> int:
         """``param16_count[b]`` (0 when none are recorded)."""

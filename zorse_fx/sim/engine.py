@@ -15,10 +15,13 @@ interleaved stages] in solve/pipeline_terms.py), so a GPU runs v stages, each wi
 own durations, routes and held activations. For the GPU's stage s, with W =
 sum over the stage's blocks of ``fwd_bwd_s_per_sample[type(g)]`` and F = sum
 of ``fwd_bwd_s_fixed`` (missing type: 0), a micro-batch's forward + backward
-takes ``n_g * W + F`` seconds, of which the forward is 1/3 and the backward
-2/3 (the backward computes the input and the weight gradient, two matmuls per
-forward matmul; Narayanan et al., "Efficient Large-Scale Language Model
-Training on GPU Clusters Using Megatron-LM", SC'21).
+takes ``n_g * W + F`` seconds, of which the forward (the F task) is the
+cost model's own forward part (``BlockCosts.forward_s_per_sample`` /
+``forward_s_fixed`` over the stage's blocks: the GPU class model and
+measured profiles price the passes apart) and the backward (the B task)
+the rest; where the cost model gives no split, 1/3 and 2/3 (the backward
+computes the input and the weight gradient, two matmuls per forward
+matmul: ``ir.costs.FORWARD_SHARE``).
 
 Dependencies. F(s, m) on GPU j waits until the activations of every route
 (i -> j) of micro-batch m from stage s-1 have *arrived*; B(s, m) waits for
@@ -80,9 +83,8 @@ Memory policy (objective.py [C-shard], [C-recompute]; the decision's, as in
 with ``balance_shards`` when ``Decision.shard_mib`` is None, so both models
 score the same shards).
   * Recomputation (``Decision.recompute[s]``): every backward of the stage first
-    re-runs the forward, so a B task takes ``(2/3 + RECOMPUTE_FRACTION) *
-    (n_g * W + F)``; its SimEvent has ``recompute_s`` = the re-run part
-    (``RECOMPUTE_FRACTION * (n_g * W + F)``, 0 for other tasks).
+    re-runs the forward, so a B task takes the backward + the F task's time;
+    its SimEvent has ``recompute_s`` = the re-run part (0 for other tasks).
   * ZeRO-1 sharding (``Decision.sharded[s]``): GPU g of the stage holds ``z_g``
     whole MiB (``Decision.shard_mib[s]``) of the stage's shardable optimizer
     state Q_s = ``sum of BlockCosts.shardable_bytes`` over its blocks
@@ -211,7 +213,7 @@ from ..ir.devices import DeviceGraph
 from ..ir.p2p import RankProgram, programs_from, route_messages, routes
 from ..ir.schedule import make_schedule
 from ..options import PlanOptions
-from ..solve.objective import (MEMORY_UNIT_BYTES, MIB_UNITS, RECOMPUTE_FRACTION, offload_device_kib, prepare,
+from ..solve.objective import (MEMORY_UNIT_BYTES, MIB_UNITS, offload_device_kib, prepare,
                                sharded_state_kib)
 from ..solve.state_terms import stage_state_kib, unique_params
 from .network import FlowResources, link_resource, max_min_rates, ring
@@ -394,10 +396,11 @@ class _Pipeline:
             for g, n in zip(gpus, ns):
                 t = devices.gpu_types[g]
                 w = sum(costs.fwd_bwd_s_per_sample[t][i:j])
-                f = sum(costs.fwd_bwd_s_fixed.get(t, (0.0,) * costs.num_blocks)[i:j])
+                f = sum(costs.fixed_s(t)[i:j])
+                fwd = n * sum(costs.forward_s_per_sample(t)[i:j]) + sum(costs.forward_s_fixed(t)[i:j])
                 self.group_of[g] = s % n_p
-                self.rc_dur[g, s] = RECOMPUTE_FRACTION * (n * w + f) if pol.recompute[s] else 0.0
-                self.dur[g, s] = ((n * w + f) / 3.0, 2.0 * (n * w + f) / 3.0 + self.rc_dur[g, s])
+                self.rc_dur[g, s] = fwd if pol.recompute[s] else 0.0
+                self.dur[g, s] = (fwd, max(0.0, n * w + f - fwd) + self.rc_dur[g, s])
                 if pol.ps(s):  # ZeRO-3: the weights' gathers, prefetched one unit ahead ([C-param-shard])
                     units = j - i
                     moved = (sum(costs.gather_bytes(b) for b in range(i, j))  # a tied parameter once ([C-tied])

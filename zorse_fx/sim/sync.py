@@ -20,18 +20,24 @@ __all__ = ["gradient_sync"]
 class _Timing:
     """When each block's gradients are ready on a GPU: its stage's last backward
     takes the blocks in reverse order, each for its share of the stage's
-    fwd+bwd time, after the re-run forward on a recomputing stage."""
+    backward time (``BlockCosts``' forward+backward less its forward part),
+    after the re-run forward on a recomputing stage."""
 
     def __init__(self, costs, devices, stage_blocks, stage_gpus, samples, last_b_span, rc_dur):
         self.costs, self.devices, self.stage_blocks = costs, devices, stage_blocks
         self.stage_gpus, self.samples, self.span, self.rc_dur = stage_gpus, samples, last_b_span, rc_dur
+        # per GPU type: each block's backward per sample and per micro-batch (seconds)
+        self.bwd = {t: tuple([max(0.0, x - f) for x, f in zip(whole, part)]
+                             for whole, part in ((costs.fwd_bwd_s_per_sample[t], costs.forward_s_per_sample(t)),
+                                                 (costs.fixed_s(t), costs.forward_s_fixed(t))))
+                    for t in set(devices.gpu_types)}
 
     def block_done(self, g: int, s: int, b: int) -> float:
         (i, j), (start, end) = self.stage_blocks[s], self.span[g, s]
-        costs, t = self.costs, self.devices.gpu_types[g]
+        t = self.devices.gpu_types[g]
         n = self.samples[s][self.stage_gpus[s].index(g)]
-        fixed = costs.fwd_bwd_s_fixed.get(t, (0.0,) * costs.num_blocks)
-        w = [n * costs.fwd_bwd_s_per_sample[t][c] + fixed[c] for c in range(i, j)]
+        per, fixed = self.bwd[t]
+        w = [n * per[c] + fixed[c] for c in range(i, j)]
         bwd = end - start - self.rc_dur[g, s]
         total = sum(w)
         return end if total <= 0 else start + self.rc_dur[g, s] + bwd * sum(w[b - i:]) / total

@@ -44,8 +44,8 @@ stage s, p[c][s] = k[c][s] >= 1) and carry its tags. Units: time in integer ns
                 latency, 0 unsharded)                                   [C-objective]
   sync6_s     = max(6 allreduce_s - E_s - B6_s, 6 L_s - E_s, 6 (tied of s + ag_s))
                 + 6 optim_s: 6 x the stage's sync term of objective.py's
-                step, E_s = sum_{j<s} (4 cmax_j + 3 boundary_j) (model.py's
-                drain terms), B6_s = (4 - rc_s) cmax-_s (model.py's bwd6;
+                step, E_s = sum_{j<s} (k_E cmax_j + 3 boundary_j) (model.py's
+                drain terms), B6_s = k_B or k_Brc x cmax-_s (model.py's bwd6;
                 cmax-_s over the stage's blocks but its last) and
                 the floors in integers (ceil((6 a - E - B) / 6) = a -
                 floor((E + B) / 6)); a tied term is -6 s t_hi (<= -E_s <=
@@ -147,8 +147,8 @@ def sync_terms(m: cp_model.CpModel, tab: IntTables, groups, *, p, k, size, cuts:
     ``groups``: model.py's ``_Group`` list; ``p`` / ``k``: [group][stage]
     presence literals / unit counts; ``size[s]``: GPUs of stage s (linear);
     ``sh`` / ``zc``: per-stage sharding literals and [group][stage] shard MiB
-    (None when sharding is "never"); ``drain6[j]`` = 4 cmax_j + 3 boundary_j
-    (E_s = sum_{j<s}); ``bwd6[s]`` = B6_s = (4 - rc_s) cmax-_s; ``gpu_hi`` bounds
+    (None when sharding is "never"); ``drain6[j]`` = k_E cmax_j + 3 boundary_j
+    (E_s = sum_{j<s}); ``bwd6[s]`` = B6_s = k_B (k_Brc: recomputing) cmax-_s; ``gpu_hi`` bounds
     the GPUs of a stage, ``lat_hi`` a link's latency, ``drain_hi`` one drain6
     and one bwd6 term."""
     n_s = len(size)

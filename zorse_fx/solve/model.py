@@ -63,8 +63,9 @@ With u = z >= 1 (the block's fixed cost is paid):
                 tied_copies), left out of its state and shard coverage  [C-tied]
   memory      = objective.py's [C-memory] per group and stage           [C-memory]
   step        = sum_s t_s + (M - 1) T + Y (T: the period), Y = ceil(W / 6) by
-                AddDivisionEquality, W = max_s sync6_s, E_s = sum_{j<s} (4
-                cmax_j + 3 boundary_j), B6_s = (4 - rc_s) cmax-_s (a gated
+                AddDivisionEquality, W = max_s sync6_s, E_s = sum_{j<s} (k_E
+                cmax_j + 3 boundary_j), B6_s = k_B cmax-_s, k_Brc cmax-_s when rc_s
+                (``IntTables.drain_coefs``; a gated
                 product on rc_s; cmax-_s = max_c of c's compute over zh / uh,
                 its samples z / u on every block but the last of its stage:
                 end[q] = sum_s (ge[s][q+1] - ge[s][q]) a cut at q + 1, zh[q]
@@ -283,8 +284,9 @@ class CandidateModel:
 
     def _compute(self) -> None:
         """[C-compute] compute = n W + F (+ the recomputed forward) of a GPU of c: stage_comp[c][s]
-        (0 when c is absent from s) and stage_rcx[c][s], its recomputed forward (0 without
-        recomputation), for GPipe's forward / backward split; the bounds every time term uses."""
+        (0 when c is absent from s) and, under GPipe, stage_fwd[c][s], its forward task (the
+        forward tables, 0 when c is absent from s), for GPipe's forward / backward split; the
+        bounds every time term uses."""
         m, tab, b, n_s, rc = self.m, self.tab, self.b, self.S, self.rc
         cls, stages = range(len(self.groups)), range(n_s)
         self.lat_hi = max(max(r) for r in tab.pair_lat) if tab.num_gpus > 1 else 0
@@ -298,10 +300,11 @@ class CandidateModel:
         self.t_hi = work_hi + 2 * (xfer_hi + self.lat_hi)
         self.gpu_hi = min(tab.num_gpus, b * n_s)
         self.tmax = m.NewIntVar(0, self.t_hi, "tmax")
-        self.drain_hi = 6 * self.t_hi  # bounds 4 cmax_s + 3 boundary_s of [C-objective]
+        self.drain_hi = 6 * self.t_hi  # bounds k_E cmax_s + 3 boundary_s of [C-objective] (k_E <= 4)
         self.gpu_comps = []  # every compute IntVar: redundant lower bounds of the period
         self.stage_comp = [[None] * n_s for _ in cls]
-        self.stage_rcx = [[0] * n_s for _ in cls]
+        self.stage_fwd = [[0] * n_s for _ in cls]
+        gpipe = tab.schedule == "gpipe"
         self.rcg = [None] * len(self.groups)  # per single group: its stage recomputes
         p, z, u = self.p, self.z, self.u
         for c in cls:
@@ -311,30 +314,31 @@ class CandidateModel:
                     on = m.NewBoolVar(f"rcg_{c}")
                     m.Add(on == sum(self._both(p[c][s], rc[s], f"prc_{c}_{s}") for s in stages))
                 self.rcg[c] = on
-                cv, extra = self._gpu_compute(c, z[c], u[c], on, f"{c}")
+                cv, fwd = self._gpu_compute(c, z[c], u[c], on, f"{c}")
                 for s in stages:
                     self.stage_comp[c][s] = self._gated(p[c][s], cv, work_hi, f"cgs_{c}_{s}")
-                    if rc and tab.schedule == "gpipe":
-                        self.stage_rcx[c][s] = self._gated(p[c][s], extra, work_hi, f"rxs_{c}_{s}")
+                    if gpipe:
+                        self.stage_fwd[c][s] = self._gated(p[c][s], fwd, work_hi, f"fws_{c}_{s}")
             else:
                 for s in stages:
-                    self.stage_comp[c][s], self.stage_rcx[c][s] = self._gpu_compute(
+                    self.stage_comp[c][s], self.stage_fwd[c][s] = self._gpu_compute(
                         c, z[c][s], u[c][s], rc[s] if rc else None, f"{c}_{s}")
 
     def _gpu_compute(self, c, zz, uu, on, name):
-        """(IntVar: compute of a GPU of c with samples zz per block, its recomputed part:
-        an IntVar or 0); ``on``: recomputes."""
+        """(IntVar: compute of a GPU of c with samples zz per block, its forward task: a
+        linear expression of the forward tables, which a recomputing stage runs twice);
+        ``on``: recomputes."""
         m, tab, ty, work_hi = self.m, self.tab, self.ctype[c], self.work_hi
         wsum = cp_model.LinearExpr.WeightedSum
         cv = m.NewIntVar(0, work_hi, f"comp_{name}")
         extra = 0
+        fwd = wsum(zz, _blocks(tab.rc_work_prefix[ty])) + wsum(uu, _blocks(tab.rc_fixed_prefix[ty]))
         if self.rc:
-            extra = self._gated(on, wsum(zz, _blocks(tab.rc_work_prefix[ty]))
-                                + wsum(uu, _blocks(tab.rc_fixed_prefix[ty])), work_hi, f"rcw_{name}")
+            extra = self._gated(on, fwd, work_hi, f"rcw_{name}")
         m.Add(cv == wsum(zz, _blocks(tab.work_prefix[ty])) + wsum(uu, _blocks(tab.fixed_prefix[ty])) + extra)
         m.Add(self.tmax >= cv)  # redundant
         self.gpu_comps.append(cv)
-        return cv, extra
+        return cv, fwd
 
     def _compute_heads(self) -> None:
         """[C-objective] cmax-_s: compute over the stage's blocks but its last (the backward the
@@ -401,7 +405,8 @@ class CandidateModel:
     def _stage_times(self) -> None:
         """[C-stage] t_s = cmax_s + boundary_s; per stage its compute (comps), one direction of
         its boundary (halves: an exchange of [Note: pipeline period]) and [C-objective]'s
-        drain6_s = 4 cmax_s + 3 boundary_s = E_{s+1} - E_s and B6_s = (4 - rc_s) cmax-_s."""
+        drain6_s = k_E cmax_s + 3 boundary_s = E_{s+1} - E_s and B6_s = k_B cmax-_s (k_Brc cmax-_s
+        when the stage recomputes; ``IntTables.drain_coefs``)."""
         m, n_s, rc, work_hi = self.m, self.S, self.rc, self.work_hi
         cls = range(len(self.groups))
         self.t, self.drain6, self.bwd6, self.comps, self.halves = [], [], [], [], []
@@ -420,10 +425,12 @@ class CandidateModel:
             self.comps.append(cs)
             if s < n_s - 1:
                 self.halves.append(xm + lm)
-            self.drain6.append(4 * cs + 3 * bnd)
+            k_e, k_b, k_brc = self.tab.drain_coefs
+            self.drain6.append(k_e * cs + 3 * bnd)
             ch = m.NewIntVar(0, work_hi, f"comph_s{s}")
             m.AddMaxEquality(ch, [self.stage_head[c][s] for c in cls])
-            self.bwd6.append(4 * ch - self._gated(rc[s], ch, work_hi, f"bwdrc_{s}") if rc else 4 * ch)
+            self.bwd6.append(k_b * ch - (k_b - k_brc) * self._gated(rc[s], ch, work_hi, f"bwdrc_{s}") if rc
+                             else k_b * ch)
 
     def _shards(self) -> None:
         """[C-shard] zc[c][s]: MiB per GPU of c in sharded stage s (0 otherwise), covering the
@@ -506,9 +513,9 @@ class CandidateModel:
         period = 0
         if tab.num_microbatches > 1:  # (M - 1) T: no period term with one micro-batch
             split = None
-            if tab.schedule == "gpipe":  # per stage, its classes' 3 x forward and 3 x backward
-                split = ([[self.stage_comp[c][s] - self.stage_rcx[c][s] for c in cls] for s in stages],
-                         [[2 * self.stage_comp[c][s] + self.stage_rcx[c][s] for c in cls] for s in stages])
+            if tab.schedule == "gpipe":  # per stage, its classes' 3 x forward and 3 x backward (the rest)
+                split = ([[3 * self.stage_fwd[c][s] for c in cls] for s in stages],
+                         [[3 * (self.stage_comp[c][s] - self.stage_fwd[c][s]) for c in cls] for s in stages])
             period = self.links.period(self.comps, self.halves, split, self.gpu_comps, self.thr, self.t_hi)
         smax6 = m.NewIntVar(0, 6 * sync_hi, "syncmax6")
         m.AddMaxEquality(smax6, sync)

@@ -306,11 +306,14 @@ def untied_block_kib(tab) -> list[int]:
     return out
 
 
-def drain_offsets(compute, boundary, extra=None) -> tuple[int, ...]:
-    """D_s of [C-objective] (units): floor(E_s / 6), E_s = sum_{j<s} (4 compute_j
+def drain_offsets(compute, boundary, extra=None, k_e: int = 4) -> tuple[int, ...]:
+    """D_s of [C-objective] (units): floor(E_s / 6), E_s = sum_{j<s} (k_e compute_j
     + 3 boundary_j), a lower bound of the time from stage s's last backward to
     stage 0's (``compute`` = per-stage slowest GPU's compute, ``boundary`` as
     [C-boundary]); with ``extra`` (per stage, units): floor((E_s + extra_s) / 6).
+    ``k_e``: 6 x the least backward share of a stage's compute
+    (``IntTables.drain_coefs[0]``: 4 with the backward at twice the forward;
+    the text below speaks of that split).
 
     Why: the runtime and the simulator (``sim/sync.py``) start each gradient
     bucket of a stage as soon as its last backward has produced it. The last
@@ -347,7 +350,7 @@ def drain_offsets(compute, boundary, extra=None) -> tuple[int, ...]:
     out, acc = [], 0
     for s, (c, b) in enumerate(zip(compute, boundary)):
         out.append((acc + (extra[s] if extra else 0)) // 6)
-        acc += 4 * c + 3 * b
+        acc += k_e * c + 3 * b
     return tuple(out)
 
 

@@ -85,9 +85,13 @@ per 16-bit working weight, whose 16-bit weight and float32 gradient stay in
 R_s: [Note: 16-bit working weights] in ``precision.py``), R_s = the rest
 (weights + gradients), X_s = cut bytes per sample into stage s (0 for s = 0).
   compute_g   = n_g * W_{s,type(g)} + F_{s,type(g)}                   [C-compute]
-                + rc_s * (n_g * W_{s,type(g)} + F_{s,type(g)}) / 3
-                (F = fixed time per micro-batch: kernel launches; the
-                recomputed forward is 1/3 of fwd+bwd, RECOMPUTE_FRACTION)
+                + rc_s * (n_g * Wf_{s,type(g)} + Ff_{s,type(g)})
+                (F = fixed time per micro-batch: kernel launches; Wf, Ff
+                = the forward's part of W, F: ``BlockCosts.forward_s_per_sample``
+                / ``forward_s_fixed``, the cost model's own split, or 1/3
+                where it gives none; the recomputed forward re-runs it.
+                A micro-batch's F task is n_g Wf + Ff, its B task the rest
+                of compute_g)
   boundary_s  = 2 * (xfer_s + lat_s) for s < S-1, boundary_{S-1} = 0  [C-boundary]
                 xfer_s = max over GPU pairs (g in s, h in s+1) of
                 rows(g, h) * cut_bytes[c_{s+1}] / bw(g, h), rows = the samples
@@ -149,13 +153,14 @@ R_s: [Note: 16-bit working weights] in ``precision.py``), R_s = the rest
                 (network_terms.py [Note: pipeline period], the runtime's program on NCCL)
                 1F1B: T = max(max_s (cmax_s + h_{s-1} + h_s), load), h_s = boundary_s / 2
                 (a stage's cycle: F, a fused exchange with each neighbour, B); GPipe:
-                T = max(T_F + T_B, load), T_F = max(F_0, h_0, F_s + max(h_{s-1}, h_s)),
+                T = max(T_F + T_B, load), T_F = max(F_0, h_0, F_s + max(h_{s-1}, h_s))
+                (F_s, B_s = the stage's slowest F and B tasks, each maxed on its own),
                 T_B = max(B_{S-1}, h_{S-2}, B_s + max(h_{s-1}, h_s)) (a receive is posted
                 only before its compute); load = the busiest node pair's link over all
                 boundaries of a micro-batch, network_terms.link_load, its busiest direction
-  E_s         = sum_{j<s} (4 cmax_j + 3 boundary_j), cmax_j = max_{g in j} compute_g;
+  E_s         = sum_{j<s} (k_E cmax_j + 3 boundary_j), cmax_j = max_{g in j} compute_g;
                 D_s = floor(E_s / 6) (``network_terms.drain_offsets``, which says why);
-                B6_s = (4 - rc_s) cmax-_s, cmax-_s = max_{g in s} compute_g over the blocks of s
+                B6_s = k_B cmax-_s (k_Brc when rc_s), cmax-_s = max_{g in s} compute_g over the blocks of s
                 but its last (0 for one): 6 x a bound of the last backward after that block's
   L_s         = the last gradient bucket's ring, 0 if k = 1: max over the bw
                 classes q present in s of ceil(lastb_q LK_s (k - 1) / (k
@@ -210,7 +215,9 @@ presolve off or KiB units give the optimum), so the tables stay small.
     cut bytes X in KiB rounded up; a shard z_g in whole MiB (MIB_UNITS
     memory units) and its optimizer time z_g * to_units(2 * optim_bytes * MiB /
     (shardable * mem_bw)) per distinct memory bandwidth;
-  * recomputation time: per-block to_units(RECOMPUTE_FRACTION * time), prefix sums.
+  * forward (and recomputation) time: per-block to_units(forward time), prefix sums;
+  * (k_E, k_B, k_Brc) = ``IntTables.drain_coefs`` (4, 4, 3: the backward at twice
+    the forward; lower where a block's forward is a larger share, ``tables.drain_coefficients``).
 bw_min / lat_max become "max over present GPU pairs of the pair's rounded
 time", which equals the formula because rounding is monotone. Every quantity
 is then exact integer arithmetic, so the evaluator and the CP-SAT model agree
@@ -264,7 +271,6 @@ from .tables import (  # noqa: F401
     LAST_BUCKET_RESOLUTION,
     MEMORY_UNIT_BYTES,
     MIB_UNITS,
-    RECOMPUTE_FRACTION,
     UNIT_S,
     UNITS_PER_S,
     IntTables,
@@ -277,7 +283,7 @@ __all__ = [
     "UNITS_PER_S", "UNIT_S", "GIB", "to_units", "microbatch_candidates",
     "max_stage_count", "inflight", "IntTables", "build_tables", "Evaluation",
     "evaluate", "evaluate_units", "balance_shards", "MIB_UNITS", "evaluate_result",
-    "RECOMPUTE_FRACTION", "MemoryPolicy", "offload_device_kib", "prepare", "policy_decision", "act_units", "act_host_units", "act_xfer_units",
+    "MemoryPolicy", "offload_device_kib", "prepare", "policy_decision", "act_units", "act_host_units", "act_xfer_units",
     "effective_pair_bandwidth", "ring_units", "tied_terms", "bucket_count", "GRAD_BUCKET_BYTES_PER_PARAM",
     "BUCKET_UNIT_BYTES", "drain_offsets", "LAST_BUCKET_RESOLUTION", "sharded_state_kib",
 ]
@@ -370,10 +376,13 @@ def evaluate_units(tab: IntTables, stage_blocks, stage_gpus, samples, policy: Me
         sh, rc, gs, ps, ao = pol.sharded[s], pol.recompute[s], pol.gs(s), pol.ps(s), pol.ao(s)
         a = tab.act_prefix[j] - tab.act_prefix[i]
 
-        def rerun(g, n, e):  # the recomputed forward of GPU g over blocks [i, e) (0 without recomputation)
+        def forward(g, n, e=j):  # the forward of GPU g over blocks [i, e)
             t = tab.gpu_types[g]
             return n * (tab.rc_work_prefix[t][e] - tab.rc_work_prefix[t][i]) \
-                + tab.rc_fixed_prefix[t][e] - tab.rc_fixed_prefix[t][i] if rc else 0
+                + tab.rc_fixed_prefix[t][e] - tab.rc_fixed_prefix[t][i]
+
+        def rerun(g, n, e):  # the recomputed forward of GPU g over blocks [i, e) (0 without recomputation)
+            return forward(g, n, e) if rc else 0
 
         def work(g, n, e):  # [C-compute] of GPU g over blocks [i, e)
             t = tab.gpu_types[g]
@@ -384,10 +393,12 @@ def evaluate_units(tab: IntTables, stage_blocks, stage_gpus, samples, policy: Me
         per_gpu = [(work(g, n, j), rerun(g, n, j), act_xfer_units(tab, g, n, a) if ao else 0)
                    for g, n in zip(gpus, ns)]
         comp.append(max(w + x for w, _, x in per_gpu))
-        # GPipe's period: 3 x forward = the compute less its re-run, 3 x backward = 2 x that + 3 x the re-run;
-        # each gets half of the activations' transfers.
-        fwd3.append(max(w - r + 3 * x // 2 for w, r, x in per_gpu))
-        bwd3.append(max(2 * w + r + 3 * x - 3 * x // 2 for w, r, x in per_gpu))
+        # GPipe's period: 3 x the forward (BlockCosts' forward part, the re-run table), 3 x the backward
+        # = 3 x (the compute less the forward: the backward and the re-run); each gets half of the
+        # activations' transfers.
+        fwd = [forward(g, n) for g, n in zip(gpus, ns)]
+        fwd3.append(max(3 * f + 3 * x // 2 for f, (_, _, x) in zip(fwd, per_gpu)))
+        bwd3.append(max(3 * (w - f) + 3 * x - 3 * x // 2 for f, (w, _, x) in zip(fwd, per_gpu)))
         comp_head.append(max(work(g, n, j - 1) + (act_xfer_units(tab, g, n, tab.act_prefix[j - 1] - tab.act_prefix[i])
                                                   if ao else 0) for g, n in zip(gpus, ns)))  # cmax-_s
         if s < n_s - 1:
@@ -479,10 +490,12 @@ def evaluate_units(tab: IntTables, stage_blocks, stage_gpus, samples, policy: Me
                               buckets=(grad_kib, ring_lat), gather=gather)
         return dataclasses.replace(u, host=tuple(host))
     # [C-objective]: stage s's own sync starts during the backward of its blocks but its last (6 x
-    # an upper bound of it: (4 - rc_s) cmax-_s), its last bucket only after it, D_s before the drain
+    # an upper bound of it: k_B or k_Brc x cmax-_s), its last bucket only after it, D_s before the drain
     # ends; a tied ring (held: not None) at the drain's end.
-    drain = drain_offsets(comp, bnd)
-    drain_bwd = drain_offsets(comp, bnd, [(3 if r else 4) * c for r, c in zip(pol.recompute, comp_head)])
+    k_e, k_b, k_brc = tab.drain_coefs
+    drain = drain_offsets(comp, bnd, k_e=k_e)
+    drain_bwd = drain_offsets(comp, bnd, [(k_brc if r else k_b) * c for r, c in zip(pol.recompute, comp_head)],
+                              k_e=k_e)
     sync = [max(a - db, lb - d) for a, db, lb, d in zip(ar, drain_bwd, last, drain)]
     # [Note: pipeline period]: 1F1B's cycle per stage is F, an exchange with each neighbour, B.
     period = pipeline_period(comp, bnd, link_load(tab, stage_blocks, load_rows), tab.schedule, (fwd3, bwd3))

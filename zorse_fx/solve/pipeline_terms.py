@@ -45,10 +45,11 @@ note; what changes:
           stage of a group has the group's k and lat_max);
           ``allreduce_s`` reported per stage keeps its own count
           nb(G_s);
-          where the forward of stage s takes f_s = floor(c'_s / 3)
-          (c'_s: its slowest GPU's compute without recomputation), the
-          backward cmax_s - f_s (the rest of its compute and the re-run
-          forward) and a message across the cut after s h_s =
+          where the forward of stage s takes f_s = its slowest GPU's
+          forward (the forward tables ``rc_work_prefix`` / ``rc_fixed_prefix``:
+          ``BlockCosts``' own split of each block, 1/3 where it gives
+          none), the backward cmax_s - f_s (the rest of its compute and
+          the re-run forward) and a message across the cut after s h_s =
           boundary_s / 2 (one direction), and the program's rules decide
           when each starts: a message once both ends have posted its
           group, a compute once the groups holding its receives -- and
@@ -100,14 +101,14 @@ __all__ = ["forward_units", "program_ends", "group_sync_units", "interleaved_uni
 
 
 def forward_units(tab, stage_blocks, stage_gpus, samples, bnd) -> tuple[int, ...]:
-    """Per stage: floor(slowest GPU's compute without recomputation / 3) +
+    """Per stage: its slowest GPU's forward (the forward tables) +
     floor(boundary / 2), the forward task of [Note: interleaved stages]."""
     out = []
     for (i, j), gpus, ns, b in zip(stage_blocks, stage_gpus, samples, bnd):
-        c = max(n * (tab.work_prefix[tab.gpu_types[g]][j] - tab.work_prefix[tab.gpu_types[g]][i])
-                + tab.fixed_prefix[tab.gpu_types[g]][j] - tab.fixed_prefix[tab.gpu_types[g]][i]
+        f = max(n * (tab.rc_work_prefix[tab.gpu_types[g]][j] - tab.rc_work_prefix[tab.gpu_types[g]][i])
+                + tab.rc_fixed_prefix[tab.gpu_types[g]][j] - tab.rc_fixed_prefix[tab.gpu_types[g]][i]
                 for g, n in zip(gpus, ns))
-        out.append(c // 3 + b // 2)
+        out.append(f + b // 2)
     return tuple(out)
 
 

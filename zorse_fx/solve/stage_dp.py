@@ -58,8 +58,9 @@ and running it for every (M, order, S) doubled the DP's time on Zorse C for
 no gain. So the search runs in two passes: pass 1 the variants without
 ZeRO-2 for every (M, order, S), each split scored by the objective; pass 2
 the DP with ZeRO-2 too (the plain splits tie-win) for the (M, order, S)
-whose pass-1 split recomputes and is within ``RECOMPUTE_GAIN`` (4/3, the
-most that dropping recomputation can save) of pass 1's best, plus, for each
+whose pass-1 split recomputes and is within ``recompute_gain`` (4/3 with the
+backward at twice the forward: the most that dropping recomputation can
+save) of pass 1's best, plus, for each
 of those (M, order), the stage count just below the fewest that fit without
 ZeRO-2 (fewer stages, less bubble, that ZeRO-2 may make fit). Where no split
 fits at all in pass 1, pass 2 runs for every key (Zorse B before ZeRO-2 had
@@ -400,18 +401,25 @@ def _add_split(sel, st: _Stages, tab, split, variants, m: int) -> int:
 
 #: The most a split can speed up by dropping its recomputation: a recomputing stage runs each
 #: micro-batch's forward twice, F + B -> 2F + B, which with the backward at twice the forward
-#: (the cost model's ratio for matmul blocks) is 4/3. Pass 2 of the stage DP re-runs only the
-#: (M, order, S) keys whose recomputing pass-1 split is within this factor of pass 1's best.
+#: (``ir.costs.FORWARD_SHARE``) is 4/3; ``recompute_gain`` gives it for the costs' own split.
+#: Pass 2 of the stage DP re-runs only the (M, order, S) keys whose recomputing pass-1 split is
+#: within this factor of pass 1's best.
 RECOMPUTE_GAIN = 4 / 3
 
 
-def _zero2_pass(found: dict) -> dict[tuple[int, tuple], list[int]]:
+def recompute_gain(costs) -> float:
+    """1 + the largest forward share of a block (``BlockCosts.forward_share_max``):
+    (2F + B) / (F + B) at its largest, at least ``RECOMPUTE_GAIN``."""
+    return max(RECOMPUTE_GAIN, 1.0 + costs.forward_share_max())
+
+
+def _zero2_pass(found: dict, gain: float = RECOMPUTE_GAIN) -> dict[tuple[int, tuple], list[int]]:
     """The (M, units) -> stage counts the stage DP re-runs with ZeRO-2 ([Note: ZeRO-2 in the stage DP])."""
     scores = [score for per_s in found.values() for score, _ in per_s.values() if score is not None]
     if not scores:
         picks = [(m, units, n_s) for (m, units), per_s in found.items() for n_s in per_s]
     else:
-        bar = min(scores) * RECOMPUTE_GAIN
+        bar = min(scores) * gain
         picks = sorted((m, units, n_s) for (m, units), per_s in found.items()
                        for n_s, (score, rc) in per_s.items() if score is not None and rc and score <= bar)
         for m, units, _ in list(picks):  # and the stage count just below the fewest that fit without ZeRO-2
@@ -477,7 +485,7 @@ def stage_dp_search(costs: BlockCosts, devices: DeviceGraph,
     # Pass 2: the DP with ZeRO-2 too, only where it can win ([Note: ZeRO-2 in the stage DP]).
     fitted = any(score is not None for per_s in found.values() for score, _ in per_s.values())
     if zero2:
-        for (m, units), stage_counts in _zero2_pass(found).items():
+        for (m, units), stage_counts in _zero2_pass(found, recompute_gain(costs)).items():
             tab = sel.tables(m)
             st = _Stages(tab, list(units), speeds, variants, m)
             for n_s in stage_counts:

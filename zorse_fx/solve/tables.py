@@ -15,9 +15,9 @@ from ..ir.devices import DeviceGraph
 from ..options import SCHEDULES, PlanOptions
 from .network_terms import effective_pair_bandwidth, pair_row_codes
 
-__all__ = ["UNITS_PER_S", "UNIT_S", "MEMORY_UNIT_BYTES", "MIB_UNITS", "RECOMPUTE_FRACTION",
+__all__ = ["UNITS_PER_S", "UNIT_S", "MEMORY_UNIT_BYTES", "MIB_UNITS",
            "GRAD_BUCKET_BYTES_PER_PARAM", "BUCKET_UNIT_BYTES", "LAST_BUCKET_RESOLUTION", "GIB", "bucket_count",
-           "to_units", "IntTables", "build_tables"]
+           "to_units", "IntTables", "build_tables", "drain_coefficients"]
 
 #: Integer time units per second: 1 unit = 1 ns.
 UNITS_PER_S = 1_000_000_000
@@ -27,10 +27,6 @@ UNIT_S = 1.0 / UNITS_PER_S
 MEMORY_UNIT_BYTES = 1024
 #: Memory units per MiB: optimizer-state shards are decided in whole MiB.
 MIB_UNITS = 1024
-#: Share of a block's fwd+bwd time that is the forward (re-run when a stage
-#: recomputes): the backward computes the input and the weight gradient, two
-#: matmuls per forward matmul (Narayanan et al., SC'21); the simulator uses it too.
-RECOMPUTE_FRACTION = 1.0 / 3.0
 #: Bytes of one gradient element in a bucket: the runtime's buckets hold the
 #: float32 master gradients (``runtime/grad_sync.py``; ``sim/sync.py``'s _FP32).
 GRAD_BUCKET_BYTES_PER_PARAM = 4
@@ -131,7 +127,10 @@ class IntTables:
     shard_prefix: tuple[int, ...]
     #: (B+1,) cut bytes per sample before block c (KiB, rounded up).
     cut_kib: tuple[int, ...]
-    #: {gpu_type: prefix of recomputed-forward units per sample / per micro-batch}.
+    #: {gpu_type: prefix of forward units per sample / per micro-batch}
+    #: (``BlockCosts.forward_s_per_sample`` / ``forward_s_fixed``, rounded per
+    #: block): the F task of the schedule, and the re-run forward of a
+    #: recomputing stage ([C-recompute]).
     rc_work_prefix: dict[str, tuple[int, ...]]
     rc_fixed_prefix: dict[str, tuple[int, ...]]
     #: [bw class] prefix of a sharded stage's sync units (2 grad * params + ``gather_bytes``) / bw.
@@ -158,6 +157,11 @@ class IntTables:
     #: lastb_scale = the least power of two making it >= LAST_BUCKET_RESOLUTION (1 if none).
     lastb_coef: tuple[int, ...] = ()
     lastb_scale: tuple[int, ...] = ()
+    #: [C-objective]'s drain coefficients in sixths of a stage's compute
+    #: (``drain_coefficients``): (k_E, k_B, k_Brc) -- E_s = sum_{j<s} (k_E
+    #: cmax_j + 3 boundary_j), B6_s = k_B cmax-_s (k_Brc when recomputing);
+    #: (4, 4, 3) with the backward at twice the forward.
+    drain_coefs: tuple[int, int, int] = (4, 4, 3)
     sharding: str = "never"
     #: ``PlanOptions.grad_sharding`` ([C-grad-shard]).
     grad_sharding: str = "never"
@@ -183,6 +187,23 @@ class IntTables:
     @property
     def cut_kib_max(self) -> int:
         return max(self.cut_kib)
+
+
+def drain_coefficients(forward_share_max: float) -> tuple[int, int, int]:
+    """(k_E, k_B, k_Brc) of ``IntTables.drain_coefs`` for blocks whose forward is
+    at most ``forward_share_max`` (phi) of their forward + backward
+    (``BlockCosts.forward_share_max``). A stage's backward is then >= (1 - phi)
+    of its compute, and with recomputation (compute = fwd+bwd + the re-run
+    forward, the backward task both) >= 1/(1 + phi) >= 1 - phi of it: k_E =
+    floor(6 (1 - phi)); the backward of the blocks but the last, after the
+    re-run: (1 - phi) of their compute, (1 - phi)/(1 + phi) when recomputing.
+    Each floored to sixths and capped at the 1:2 split's (4, 4, 3), which the
+    drain offsets were measured with (``network_terms.drain_offsets``),
+    so a different split only ever lowers the overlap credited."""
+    phi = min(max(forward_share_max, 0.0), 1.0)
+    eps = 1e-9  # 6 (1 - 1/3) is 3.9999... in floats
+    return (min(4, int(6 * (1 - phi) + eps)), min(4, int(6 * (1 - phi) + eps)),
+            min(3, int(6 * (1 - phi) / (1 + phi) + eps)))
 
 
 def build_tables(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions,
@@ -260,11 +281,9 @@ def build_tables(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions,
         cap_bytes=tuple(int(options.memory_fraction * mb) // MEMORY_UNIT_BYTES for mb in devices.memory_bytes),
         shard_prefix=_prefix(_kib_up(costs.shardable_bytes(b)) for b in range(costs.num_blocks)),
         cut_kib=tuple(_kib_up(c) for c in costs.cut_bytes_per_sample),
-        rc_work_prefix={t: _prefix(to_units(RECOMPUTE_FRACTION * x) for x in costs.fwd_bwd_s_per_sample[t])
-                        for t in types},
-        rc_fixed_prefix={t: _prefix(to_units(RECOMPUTE_FRACTION * x)
-                                    for x in costs.fwd_bwd_s_fixed.get(t, (0.0,) * costs.num_blocks))
-                         for t in types},
+        rc_work_prefix={t: _prefix(to_units(x) for x in costs.forward_s_per_sample(t)) for t in types},
+        rc_fixed_prefix={t: _prefix(to_units(x) for x in costs.forward_s_fixed(t)) for t in types},
+        drain_coefs=drain_coefficients(costs.forward_share_max()),
         arsh_prefix=tuple(_prefix(to_units((2 * gr * costs.param_count[b] + costs.gather_bytes(b)) / v)
                                   for b in range(costs.num_blocks)) for v in bw_values),
         opt_per_mib=tuple(to_units(2 * ob * MIB_UNITS * MEMORY_UNIT_BYTES / (sh * v)) if sh else 0
