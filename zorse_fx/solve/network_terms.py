@@ -134,6 +134,8 @@ plans (AMP), 30% on others and up to 28% on GPipe plans (bench/README.md
 
 from __future__ import annotations
 
+import numpy as np
+
 from ..ir.devices import DeviceGraph
 
 __all__ = ["ROWS_SAME_NODE", "ROWS_NODE_SUMS", "ROWS_ALL", "pair_row_codes", "boundary_rows", "link_load",
@@ -142,28 +144,38 @@ __all__ = ["ROWS_SAME_NODE", "ROWS_NODE_SUMS", "ROWS_ALL", "pair_row_codes", "bo
            "tied_terms"]
 
 
+def _crossing(devices: DeviceGraph):
+    """(G, G) bool per shared link: a flow g -> h crosses it (either direction)."""
+    n_g = devices.num_gpus
+    out = []
+    for sl in devices.shared_links:
+        a, b = np.zeros(n_g, dtype=bool), np.zeros(n_g, dtype=bool)
+        a[list(sl.gpus_a)], b[list(sl.gpus_b)] = True, True
+        out.append((np.outer(a, b) | np.outer(b, a), sl.bandwidth_bytes_per_s))
+    return out
+
+
 def effective_pair_bandwidth(devices: DeviceGraph) -> list[list[float]]:
     """(G, G) bytes/s of each GPU pair as the objective prices it ([Note: shared
     links in the objective]): the smaller direction of the pair's own link,
     capped by the capacity of every shared link (``DeviceGraph.shared_links``)
-    the pair crosses in either direction; 0.0 on the diagonal.
+    the pair crosses in either direction; 0.0 on the diagonal. (Matrices over
+    the pairs, one per shared link: 128 GPUs and 2 links in milliseconds.)
 
     Raises:
         ValueError: a pair's link bandwidth is not > 0."""
     n_g = devices.num_gpus
-    bw = [[0.0] * n_g for _ in range(n_g)]
-    for g in range(n_g):
-        for h in range(n_g):
-            if g == h:
-                continue
-            v = min(devices.link_bw_bytes_per_s[g][h], devices.link_bw_bytes_per_s[h][g])
-            if not v > 0:
-                raise ValueError(f"link bandwidth between GPU {g} and {h} must be > 0, got {v}")
-            for sl in devices.shared_links:
-                if sl.direction(g, h) is not None:
-                    v = min(v, sl.bandwidth_bytes_per_s)
-            bw[g][h] = v
-    return bw
+    link = np.asarray(devices.link_bw_bytes_per_s, dtype=np.float64).reshape(n_g, n_g)
+    bw = np.minimum(link, link.T)
+    off = ~np.eye(n_g, dtype=bool)
+    bad = np.argwhere(off & ~(bw > 0))
+    if len(bad):
+        g, h = (int(x) for x in bad[0])
+        raise ValueError(f"link bandwidth between GPU {g} and {h} must be > 0, got {bw[g, h]}")
+    for cross, cap in _crossing(devices):
+        bw = np.where(cross, np.minimum(bw, cap), bw)
+    bw[~off] = 0.0
+    return bw.tolist()
 
 
 #: [Note: boundary rows] codes of ``IntTables.pair_rows``.
@@ -181,18 +193,12 @@ def pair_row_codes(devices: DeviceGraph) -> tuple[tuple[int, ...], tuple[tuple[i
     names = devices.node_names or tuple(f"gpu{g}" for g in range(n_g))
     index = {name: k for k, name in enumerate(dict.fromkeys(names))}
     node = tuple(index[name] for name in names)
-    codes = []
-    for g in range(n_g):
-        row = []
-        for h in range(n_g):
-            if g == h:
-                row.append(-1)
-            elif any(sl.direction(g, h) is not None for sl in devices.shared_links):
-                row.append(ROWS_ALL)
-            else:
-                row.append(ROWS_SAME_NODE if node[g] == node[h] else ROWS_NODE_SUMS)
-        codes.append(tuple(row))
-    return node, tuple(codes)
+    nd = np.asarray(node)
+    codes = np.where(nd[:, None] == nd[None, :], ROWS_SAME_NODE, ROWS_NODE_SUMS)
+    for cross, _ in _crossing(devices):
+        codes = np.where(cross, ROWS_ALL, codes)
+    np.fill_diagonal(codes, -1)
+    return node, tuple(tuple(int(c) for c in row) for row in codes)
 
 
 def boundary_rows(tab, src, src_n, dst, dst_n, *, both_ways: bool = False) -> list[tuple[tuple[int, int], int]]:
