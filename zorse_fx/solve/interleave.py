@@ -153,10 +153,10 @@ class _Cutter:
 
 
 def _score(tab, cuts, stage_gpus, samples, sharded, recompute, v,
-           grads=(), params=()) -> tuple[tuple[int, int], StageUnits, MemoryPolicy]:
+           grads=(), params=(), pair_cache: dict | None = None) -> tuple[tuple[int, int], StageUnits, MemoryPolicy]:
     blocks = tuple(zip(cuts[:-1], cuts[1:]))
     pol = fill_policy(tab, blocks, stage_gpus, samples, sharded, recompute, grads, params)
-    u = evaluate_units(tab, blocks, stage_gpus, samples, pol, v)
+    u = evaluate_units(tab, blocks, stage_gpus, samples, pol, v, pair_cache=pair_cache)
     breach = sum(u.uncovered) + sum(max(0, need - tab.cap_bytes[g])
                                     for gs, needs in zip(stage_gpus[: len(stage_gpus) // v], u.memory)
                                     for g, need in zip(gs, needs))
@@ -164,7 +164,16 @@ def _score(tab, cuts, stage_gpus, samples, sharded, recompute, v,
 
 
 def _local_search(tab, cuts, stage_gpus, samples, sharded, recompute, v, grads=(), params=()):
-    key, *_ = _score(tab, cuts, stage_gpus, samples, sharded, recompute, v, grads, params)
+    seen: dict[tuple[int, ...], tuple[int, int]] = {}  # cuts -> key: a move undone in the next pass is not re-scored
+    pairs: dict = {}  # the boundaries' GPU-pair terms: only the cuts move (objective.evaluate_units)
+
+    def score(c):
+        k = tuple(c)
+        if k not in seen:
+            seen[k] = _score(tab, c, stage_gpus, samples, sharded, recompute, v, grads, params, pairs)[0]
+        return seen[k]
+
+    key = score(cuts)
     for _ in range(MAX_PASSES):
         improved = False
         for k in range(1, len(cuts) - 1):
@@ -173,7 +182,7 @@ def _local_search(tab, cuts, stage_gpus, samples, sharded, recompute, v, grads=(
                 if not cuts[k - 1] < c < cuts[k + 1]:
                     continue
                 trial = cuts[:k] + [c] + cuts[k + 1:]
-                tkey, *_ = _score(tab, trial, stage_gpus, samples, sharded, recompute, v, grads, params)
+                tkey = score(trial)
                 if tkey < key:
                     key, cuts, improved = tkey, trial, True
         if not improved:

@@ -359,18 +359,22 @@ def policy_decision(stage_blocks, stage_gpus, samples, num_microbatches: int, po
 
 
 def evaluate_units(tab: IntTables, stage_blocks, stage_gpus, samples, policy: MemoryPolicy | None = None,
-                   interleave: int = 1, task_graph: bool = False) -> StageUnits:
+                   interleave: int = 1, task_graph: bool = False, pair_cache: dict | None = None) -> StageUnits:
     """The model's integer terms for an already-validated decision (memory in KiB units).
 
     ``interleave`` = v > 1, or ``task_graph``: the terms of [Note: interleaved
-    stages] (with v = 1: ``interleave.base_makespan_s``'s measure)."""
+    stages] (with v = 1: ``interleave.base_makespan_s``'s measure).
+    ``pair_cache``: a dict the caller keeps across calls with this same ``tab``
+    (a search moving only the cuts): each boundary's GPU-pair terms, which
+    depend on the two stages' GPUs and samples and not on the cuts, are
+    computed once per (GPUs, samples) pair there."""
     n_s, m = len(stage_blocks), tab.num_microbatches
     pol = policy or MemoryPolicy.plain(n_s)
     comp, comp_head, bnd, ar, opt, mem, unc, last, host = [], [], [], [], [], [], [], [], []
     fwd3, bwd3 = [], []
     grad_kib, ring_lat = [], []  # per stage: G_s (KiB) and (k - 1) * lat_max of [C-allreduce]
     gather = []  # per stage: ag_s, a sharded stage's all-gather after its optimizer step ([C-tied])
-    rows_per_boundary, load_rows = [], []  # [C-boundary] rows of each boundary's GPU pairs; both ways
+    load_rows = []  # [C-boundary] rows of each boundary's GPU pairs, both ways
     (excluded, tied), first_kib = tied_terms(tab, stage_blocks, stage_gpus, n_s // interleave), untied_block_kib(tab)
     for s, ((i, j), gpus, ns) in enumerate(zip(stage_blocks, stage_gpus, samples)):
         sh, rc, gs, ps, ao = pol.sharded[s], pol.recompute[s], pol.gs(s), pol.ps(s), pol.ao(s)
@@ -403,10 +407,22 @@ def evaluate_units(tab: IntTables, stage_blocks, stage_gpus, samples, policy: Me
                                                   if ao else 0) for g, n in zip(gpus, ns)))  # cmax-_s
         if s < n_s - 1:
             nxt = stage_gpus[s + 1]
-            rows_per_boundary.append(boundary_rows(tab, gpus, ns, nxt, samples[s + 1]))
-            load_rows.append(boundary_rows(tab, gpus, ns, nxt, samples[s + 1], both_ways=True))
-            xfer = max(rows * tab.xfer1[tab.pair_bw_class[g][h]][j] for (g, h), rows in rows_per_boundary[s])
-            lat = max(tab.pair_lat[g][h] for g in gpus for h in nxt)
+            key = (tuple(gpus), tuple(ns), tuple(nxt), tuple(samples[s + 1]))
+            got = pair_cache.get(key) if pair_cache is not None else None
+            if got is None:
+                # per bandwidth class the most rows a pair of that class carries (xfer1 >= 0, so the
+                # pair maximising rows x xfer1 is among them), both-ways rows, the largest latency
+                rows_by_class: dict[int, int] = {}
+                for (g, h), rows in boundary_rows(tab, gpus, ns, nxt, samples[s + 1]):
+                    q = tab.pair_bw_class[g][h]
+                    rows_by_class[q] = max(rows_by_class.get(q, 0), rows)
+                got = (tuple(rows_by_class.items()), boundary_rows(tab, gpus, ns, nxt, samples[s + 1], both_ways=True),
+                       max(tab.pair_lat[g][h] for g in gpus for h in nxt))
+                if pair_cache is not None:
+                    pair_cache[key] = got
+            rows_by_class, both, lat = got
+            load_rows.append(both)
+            xfer = max(rows * tab.xfer1[q][j] for q, rows in rows_by_class)
             bnd.append(2 * (xfer + lat))
         else:
             bnd.append(0)
