@@ -353,8 +353,9 @@ class Selector:
         ok_shape = len(blocks) <= self.options.max_stages
         ok_shape &= self.options.allow_idle_gpus or sum(map(len, gpus)) == self.devices.num_gpus
         best = plain = None
+        pairs: dict = {}  # the boundaries' pair terms, shared by the policies (objective.evaluate_units)
         for pol in policies:
-            u = evaluate_units(tab, blocks, gpus, ns, pol)
+            u = evaluate_units(tab, blocks, gpus, ns, pol, pair_cache=pairs)
             ok = ok_shape and u.fits(tab, gpus) and not mode_violations(self.options, gpus, pol)
             key = (0 if ok else 1, u.step)
             if best is None or key < best[0]:
