@@ -14,7 +14,7 @@ from zorse_fx.baselines.cephalo import free_memory_shards
 from zorse_fx.baselines.flashflex import spectral_stages, stage_capacities
 from zorse_fx.baselines.homogeneous import uniform_blocks
 from zorse_fx.baselines.metis import MAX_CANDIDATES, stage_groupings
-from zorse_fx.baselines.zorse_paper import min_k_cut_groups
+from zorse_fx.baselines.zorse_paper import min_k_cut_groups, min_k_cut_sequence
 from zorse_fx.errors import InfeasiblePlanError
 from zorse_fx.solve import BlockCosts, Decision, DeviceGraph, evaluate, solve_cpsat
 from zorse_fx.solve.heuristics import (
@@ -303,6 +303,10 @@ def test_zorse_paper_groups_follow_min_cut():
     # interleaved node membership: the cut still follows the nodes, not the indices.
     inter = _devices("ABAB", ["n0", "n1", "n0", "n1"], [16 * GIB] * 4, [1e12] * 4)
     assert min_k_cut_groups(inter, 2) == ((0, 2), (1, 3))
+    # one pass for every k: the same groups as a call per k (each group's cut computed once).
+    assert min_k_cut_sequence(devices, 8) == [min_k_cut_groups(devices, k) for k in range(1, 9)]
+    with pytest.raises(ValueError, match="into k=9 groups"):
+        min_k_cut_sequence(devices, 9)
     # hand instance, k = 2: fast node first, blocks 6 : 2 (aggregate speeds 2/8 ms : 2/24 ms per
     # sample), 2 samples per GPU; beats k = 1 (49.343 ms, the all-reduce crosses the slow link).
     costs, devices = _hand()

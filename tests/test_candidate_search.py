@@ -142,6 +142,45 @@ def test_jobs_buy_time_not_a_different_plan(seed):
         assert runs[0] == runs[1] == runs[2]
 
 
+@pytest.mark.parametrize("seed", (3, 7))
+def test_portfolio_jobs_buy_time_not_a_different_plan(seed):
+    """The portfolio's heuristics and the simulator's finalists run side by side in
+    forked children (``map_isolated``): the plan, its status, bound and every record
+    are those of one job, for 2 and 3 jobs."""
+    costs, devices, options = random_instance(seed)
+    runs = []
+    for jobs in (1, 2, 3):
+        try:
+            res = solve_portfolio(costs, devices, dataclasses.replace(options, solver_budget=0.5, jobs=jobs),
+                                  solve_cpsat)
+        except InfeasiblePlanError as exc:
+            runs.append(str(exc))
+            continue
+        runs.append((res.decision, res.status, res.predicted_step_time_s, res.best_bound, _records(res)))
+    assert runs[0] == runs[1] == runs[2]
+
+
+def test_map_isolated_answers_in_order_whatever_finishes_first():
+    """``map_isolated``: values and exceptions in the order of the calls, for every
+    ``jobs``; the first call finishing last does not reorder them."""
+    import time
+
+    from zorse_fx.solve.isolated import map_isolated
+
+    def slow():
+        time.sleep(0.3)
+        return "slow"
+
+    def bad():
+        raise ValueError("no plan")
+
+    for jobs in (1, 2, 4):
+        out = map_isolated([slow, lambda: 2, bad, lambda: (3, "x")], jobs)
+        assert [ok for ok, _ in out] == [True, True, False, True]
+        assert [v for ok, v in out if ok] == ["slow", 2, (3, "x")]
+        assert isinstance(out[2][1], ValueError) and str(out[2][1]) == "no plan"
+
+
 def test_jobs_option_is_checked():
     from zorse_fx.errors import PlanOptionsError
     from zorse_fx.options import PlanOptions

@@ -91,9 +91,10 @@ def solve_portfolio(costs: BlockCosts, devices: DeviceGraph, options: PlanOption
             (CP-SAT's message, which names the binding constraint).
     """
     from .baselines import BASELINES
-    from .solve._search import in_model
+    from .solve._search import default_jobs, in_model
     from .solve.bounds import throughput_bound_s
     from .solve.interleave import with_interleaving
+    from .solve.isolated import map_isolated
     from .solve.objective import evaluate_result
     from .solve.stage_dp import stage_dp_search
 
@@ -101,23 +102,34 @@ def solve_portfolio(costs: BlockCosts, devices: DeviceGraph, options: PlanOption
     # The heuristics first: their feasible plans warm-start the CP-SAT candidates
     # with the same (stages, micro-batches) ([Note: warm start] in model.py).
     tried, found, dp_hints = [], [], ()
-
-    def stage_dp(c, d, o):
-        nonlocal dp_hints
-        res, dp_hints = stage_dp_search(c, d, o)
-        return res
-
     names = BASELINES if devices.num_gpus <= LARGE_CLUSTER_GPUS else CHEAP_BASELINES
-    sources = {"stage_dp": stage_dp, **{name: BASELINES[name] for name in names}}
-    for name, fn in sources.items():
-        try:
-            res = fn(costs, devices, options)
-        except (InfeasiblePlanError, ValueError):
+    sources = {"stage_dp": stage_dp_search, **{name: BASELINES[name] for name in names}}
+
+    def heuristic(name, fn):
+        def call():  # (plan, the stage DP's hints, step s, fits) or None where the heuristic has no plan
+            try:
+                out = fn(costs, devices, options)
+            except (InfeasiblePlanError, ValueError):
+                return None
+            res, extra = out if name == "stage_dp" else (out, ())
+            ev = evaluate_result(costs, devices, options, res)
+            return res, extra, ev.step_time_s, ev.feasible
+        return call
+
+    # The heuristics are independent and deterministic: up to ``jobs`` run side by side in
+    # forked children, their answers taken in the order of ``sources`` (solve/isolated.py).
+    jobs = options.jobs if options.jobs is not None else default_jobs()
+    for name, (ok, answer) in zip(sources, map_isolated([heuristic(n, f) for n, f in sources.items()], jobs)):
+        if not ok:
+            raise answer
+        if answer is None:
             continue
-        ev = evaluate_result(costs, devices, options, res)
-        tried.append(Candidate(kind="portfolio", source=name, step_time_s=ev.step_time_s, feasible=ev.feasible))
-        if ev.feasible:
-            found.append((ev.step_time_s, name, res))
+        res, extra, step, feasible = answer
+        if name == "stage_dp":
+            dp_hints = extra
+        tried.append(Candidate(kind="portfolio", source=name, step_time_s=step, feasible=feasible))
+        if feasible:
+            found.append((step, name, res))
     # By step time, ties in the fixed order of ``sources`` (a stable sort): never by wall time.
     found.sort(key=lambda f: f[0])
     # Every (S, M) the stage DP reached gets its plan as a hint; the first hint of an
@@ -215,7 +227,8 @@ def rerank_by_simulator(costs: BlockCosts, devices: DeviceGraph, options: PlanOp
     """
     from .ir.p2p import ProgramError
     from .sim.engine import simulate
-    from .solve._search import in_model
+    from .solve._search import default_jobs, in_model
+    from .solve.isolated import map_isolated
     from .solve.bounds import throughput_bound_s
     from .solve.objective import UNITS_PER_S
 
@@ -231,11 +244,16 @@ def rerank_by_simulator(costs: BlockCosts, devices: DeviceGraph, options: PlanOp
         return best
     t0 = time.perf_counter()
     sims = []
-    for r in finalists:
-        try:
-            sims.append(simulate(costs, devices, options, r.decision).step_time_s)
-        except (ValueError, RuntimeError, ProgramError):  # not a plan the runtime would run: never chosen
-            sims.append(float("inf"))
+    jobs = options.jobs if options.jobs is not None else default_jobs()
+    runs = map_isolated([lambda d=r.decision: simulate(costs, devices, options, d).step_time_s for r in finalists],
+                        jobs)  # side by side in forked children (solve/isolated.py); the answers in order
+    for ok, answer in runs:
+        if ok:
+            sims.append(answer)
+        elif isinstance(answer, (ValueError, RuntimeError, ProgramError)):
+            sims.append(float("inf"))  # not a plan the runtime would run: never chosen
+        else:
+            raise answer
     k = min(range(len(finalists)), key=lambda i: (round(sims[i] * UNITS_PER_S), i))
     records = tuple(Candidate(kind="rerank", source=r.status, num_stages=r.num_stages,
                               num_microbatches=r.decision.num_microbatches, interleave=r.decision.interleave,

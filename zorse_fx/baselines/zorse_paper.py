@@ -57,7 +57,7 @@ from ..solve.heuristics import (
 )
 from ..solve.objective import max_stage_count, microbatch_candidates
 
-__all__ = ["zorse_paper", "min_k_cut_groups", "bandwidth_graph"]
+__all__ = ["zorse_paper", "min_k_cut_groups", "min_k_cut_sequence", "bandwidth_graph"]
 
 
 def bandwidth_graph(devices: DeviceGraph) -> nx.Graph:
@@ -73,22 +73,42 @@ def bandwidth_graph(devices: DeviceGraph) -> nx.Graph:
 def min_k_cut_groups(devices: DeviceGraph, k: int) -> tuple[tuple[int, ...], ...]:
     """Approximate min k-cut of the bandwidth graph by greedy Stoer-Wagner
     splitting; groups as sorted GPU tuples, the two halves of a split replacing
-    their parent in place (lower-index half first). Stage order: ``_chain``."""
-    if not 1 <= k <= devices.num_gpus:
-        raise ValueError(f"cannot cut {devices.num_gpus} GPUs into k={k} groups")
+    their parent in place (lower-index half first). Stage order: ``_chain``.
+
+    Raises:
+        ValueError: ``k`` is not in 1..num_gpus."""
+    return min_k_cut_sequence(devices, k)[k - 1]
+
+
+def min_k_cut_sequence(devices: DeviceGraph, k_max: int) -> list[tuple[tuple[int, ...], ...]]:
+    """``min_k_cut_groups(devices, k)`` for k = 1..``k_max`` (index k - 1) in one
+    pass: the greedy splitting of k groups is that of k - 1 plus one split, so
+    each group's Stoer-Wagner cut is computed once (the same cuts, in the same
+    order, as ``k_max`` separate calls).
+
+    Raises:
+        ValueError: ``k_max`` is not in 1..num_gpus."""
+    if not 1 <= k_max <= devices.num_gpus:
+        raise ValueError(f"cannot cut {devices.num_gpus} GPUs into k={k_max} groups")
     graph = bandwidth_graph(devices)
+    cut: dict[tuple[int, ...], tuple] = {}  # group -> (cut value, lower half, upper half)
     groups = [tuple(range(devices.num_gpus))]
-    while len(groups) < k:
+    out = [tuple(groups)]
+    while len(groups) < k_max:
         best = None
         for i, grp in enumerate(groups):
             if len(grp) < 2:
                 continue
-            value, (a, b) = nx.stoer_wagner(graph.subgraph(grp), weight="weight")
+            if grp not in cut:
+                value, (a, b) = nx.stoer_wagner(graph.subgraph(grp), weight="weight")
+                cut[grp] = (value, tuple(sorted(a)), tuple(sorted(b)))
+            value, a, b = cut[grp]
             if best is None or value < best[0]:
-                best = (value, i, tuple(sorted(a)), tuple(sorted(b)))
+                best = (value, i, a, b)
         _, i, a, b = best
         groups[i:i + 1] = sorted((a, b))
-    return tuple(groups)
+        out.append(tuple(groups))
+    return out
 
 
 def _chain(groups, speed, devices: DeviceGraph):
@@ -112,8 +132,9 @@ def zorse_paper(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions) -
     sel = Selector("zorse_paper", costs, devices, options)
     speed = gpu_speeds(costs, devices)
     work = reference_block_work(costs, devices)
-    for k in range(1, max_stage_count(costs, devices, options) + 1):
-        groups = _chain(min_k_cut_groups(devices, k), speed, devices)
+    k_max = max_stage_count(costs, devices, options)
+    for k, cut in enumerate(min_k_cut_sequence(devices, k_max), start=1):
+        groups = _chain(cut, speed, devices)
         blocks = proportional_cuts(work, [sum(speed[g] for g in grp) for grp in groups])
         for m in microbatch_candidates(options):
             b = options.global_batch_size // m

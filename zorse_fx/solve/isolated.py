@@ -24,9 +24,10 @@ from __future__ import annotations
 
 import os
 import pickle
+import select
 import signal
 
-__all__ = ["SolverCrash", "run_isolated", "start_isolated"]
+__all__ = ["SolverCrash", "map_isolated", "run_isolated", "start_isolated"]
 
 
 class SolverCrash(RuntimeError):
@@ -80,6 +81,47 @@ def start_isolated(fn) -> _Isolated:
     and returns (or raises) what ``run_isolated(fn)`` would. Several started children
     run side by side on the machine's cores (the ``jobs`` of ``CandidateSearch.run``)."""
     return _Isolated(fn)
+
+
+def map_isolated(fns, jobs: int) -> list[tuple[bool, object]]:
+    """Each of ``fns`` run as ``run_isolated`` would, up to ``jobs`` forked children
+    side by side, a new one started as soon as any finishes; returns, in the order of
+    ``fns`` (whatever the completion order), ``(True, value)`` or ``(False, exception)``
+    per call (``SolverCrash`` for a child that died). With ``jobs`` <= 1, or where
+    ``run_isolated`` runs in this process, the calls run here one after another, so
+    the values are those of ``jobs`` = 1. Used for independent deterministic work
+    (the portfolio's heuristics, the simulator's finalists): ``jobs`` buys wall-clock
+    time, never a different answer."""
+    out: list[tuple[bool, object] | None] = [None] * len(fns)
+    if jobs <= 1 or _in_process():
+        for i, fn in enumerate(fns):
+            try:
+                out[i] = (True, fn())
+            except Exception as exc:  # noqa: BLE001 -- handed back to the caller, as from a child
+                out[i] = (False, exc)
+        return out
+    pending, running = list(range(len(fns))), {}
+    try:
+        while pending or running:
+            while pending and len(running) < jobs:
+                i = pending.pop(0)
+                child = _Isolated(fns[i])
+                running[child.fd] = (i, child)
+            ready, _, _ = select.select(list(running), [], [])
+            for fd in sorted(ready):
+                i, child = running.pop(fd)
+                try:
+                    out[i] = (True, child.result())
+                except Exception as exc:  # noqa: BLE001 -- as above
+                    out[i] = (False, exc)
+    finally:  # interrupted: no child left behind
+        for _, child in running.values():
+            try:
+                os.kill(child.pid, signal.SIGKILL)
+                child.result()
+            except Exception:  # noqa: BLE001,S110 -- already gone
+                pass
+    return out
 
 
 def _fork_child(fn) -> tuple[int, int]:

@@ -160,6 +160,13 @@ def _units(devices: DeviceGraph, tab, speeds, order: str) -> list[tuple[int, ...
     return units
 
 
+def _pair_array(rows, *, fill: int) -> np.ndarray:
+    """A (G, G) table of GPU-pair terms as an int64 array, ``fill`` on the diagonal."""
+    a = np.array(rows, dtype=np.int64)
+    np.fill_diagonal(a, fill)
+    return a
+
+
 def _alike(devices: DeviceGraph, tab, g: int, h: int) -> bool:
     return devices.gpu_types[g] == devices.gpu_types[h] and tab.cap_bytes[g] == tab.cap_bytes[h]
 
@@ -189,6 +196,10 @@ class _Stages(StageMatrices):
                      if any(tab.host_cap) else None)
         self.terms: dict[tuple[int, int], dict | None] = {}
         self.b, self.speeds = b, speeds
+        # GPU-pair link classes and latencies as (G, G) arrays: a group's slowest class and
+        # largest latency over its pairs (the diagonal, no pair, never chosen).
+        self.pair_bw = _pair_array(tab.pair_bw_class, fill=np.iinfo(np.int64).max)
+        self.pair_lat = _pair_array(tab.pair_lat, fill=np.iinfo(np.int64).min)
 
     def group(self, u0: int, u1: int):
         """GPUs, samples and the time / memory terms of units [u0, u1); None if > b GPUs."""
@@ -208,10 +219,10 @@ class _Stages(StageMatrices):
         comp_rc = np.max([n * (self.work[t] + self.rc_work[t]) + self.fixed[t] + self.rc_fixed[t]
                           for t, n in kinds], axis=0)
         k = len(gpus)
+        idx = np.asarray(gpus)
         if k > 1:
-            pairs = [(g, h) for a, g in enumerate(gpus) for h in gpus[a + 1:]]
-            kin = min(tab.pair_bw_class[g][h] for g, h in pairs)
-            lat = max(tab.pair_lat[g][h] for g, h in pairs)
+            within = np.ix_(idx, idx)
+            kin, lat = int(self.pair_bw[within].min()), int(self.pair_lat[within].max())
             # ring: objective.ring_units; nb buckets of 2 (k - 1) latencies (+ 1 all-gather when sharded)
             ar = -((-self.ar[kin] * (k - 1)) // k) + 2 * self.nbuckets * (k - 1) * lat
             arsh = -((-self.arsh[kin] * (k - 1)) // k) + (2 * self.nbuckets + 1) * (k - 1) * lat
@@ -237,9 +248,8 @@ class _Stages(StageMatrices):
         # Boundary to the next unit (the first GPU group of the next stage): cut at j.
         bnd = np.zeros(self.nb + 1, dtype=np.int64)
         if u1 < len(self.units):
-            nxt = self.units[u1]
-            kq = min(tab.pair_bw_class[g][h] for g in gpus for h in nxt)
-            lq = max(tab.pair_lat[g][h] for g in gpus for h in nxt)
+            across = np.ix_(idx, np.asarray(self.units[u1]))
+            kq, lq = int(self.pair_bw[across].min()), int(self.pair_lat[across].max())
             bnd = 2 * (np.asarray(tab.xfer[kq], dtype=np.int64) + lq)
         mem = memory_groups(tab, gpus, ns)
         # [C-offload]: each GPU's host capacity and the step's time over its host state (per GPU, as
