@@ -176,6 +176,8 @@ def build_plan(
                                    seq_len=seq_len, model_inputs=tuple(bg.captured.input_names)))
     return Plan(
         cluster_name=cluster.name,
+        cluster_gpus=cluster.gpu_summary(),
+        cluster_sha256=cluster.fingerprint(),
         model_name=model_name,
         input_names=bg.captured.input_names,
         seq_len=seq_len,
