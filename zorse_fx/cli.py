@@ -137,7 +137,7 @@ def cmd_prepare_data(args) -> int:
     from .token_data import prepare_data
 
     prepare_data(args.source, args.out, tokenizer=args.tokenizer, text_field=args.text_field, fmt=args.format,
-                 split=args.split, max_tokens=args.max_tokens)
+                 split=args.split, max_tokens=args.max_tokens, errors=args.errors)
     return 0
 
 
@@ -395,6 +395,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "document; text: one document per line (datasets' text builder)")
     pd.add_argument("--split", default="train", help="split of a saved DatasetDict")
     pd.add_argument("--max-tokens", type=int, default=None, help="keep only the first this many tokens")
+    pd.add_argument("--errors", choices=("strict", "replace"), default="strict",
+                    help="bytes that are not UTF-8: strict refuses the file, naming it and the byte offset; "
+                         "replace reads each as U+FFFD")
     pd.set_defaults(fn=cmd_prepare_data)
     ps = sub.add_parser("show", help="print a plan's table and schedule")
     ps.add_argument("plan")
