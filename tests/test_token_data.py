@@ -117,6 +117,63 @@ def test_datasets_saved_to_disk_and_jsonl_through_the_cli(tmp_path, lee_docs, ca
     assert "nope.txt" in capsys.readouterr().err
 
 
+REPLACE_HINT = "convert the file to UTF-8 or leave it out, or pass --errors replace to read undecodable bytes as U+FFFD"
+
+
+def test_prepare_data_non_utf8_names_offset(tmp_path, capsys):
+    """Bytes that are not UTF-8 (a Latin-1 e, a binary 0xff) are refused with the
+    file and the byte offset, in a text file, a directory of them and a .jsonl
+    (checked before ``datasets`` reads it, whose own error has no file offset)."""
+    txt = tmp_path / "latin1.txt"
+    txt.write_bytes("hello\ncaf\u00e9 au lait".encode("latin-1"))
+    assert zorse_main(["prepare-data", str(txt), "-o", str(tmp_path / "t")]) == 1
+    assert capsys.readouterr().err == (f"zorse: {txt}: not UTF-8 text: byte 0xe9 at byte offset 9 (invalid "
+                                       f"continuation byte); {REPLACE_HINT}\n")
+    assert not (tmp_path / "t.bin").exists()
+    books = tmp_path / "books"
+    books.mkdir()
+    (books / "a.txt").write_text("fine text")
+    (books / "b.txt").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00")
+    with pytest.raises(DataError, match=rf"^{books / 'b.txt'}: not UTF-8 text: byte 0x89 at byte offset 0 \(invalid "
+                                        r"start byte\); convert"):
+        prepare_data(str(books), tmp_path / "b", progress=False)
+    jsonl = tmp_path / "rows.jsonl"
+    jsonl.write_bytes(b'{"text": "hello"}\n' * 3 + b'{"text": "caf\xe9"}\n')
+    with pytest.raises(DataError, match=rf"^{jsonl}: not UTF-8 text: byte 0xe9 at byte offset 67 \(invalid "
+                                        r"continuation byte\)"):
+        prepare_data(str(jsonl), tmp_path / "j", progress=False)
+
+
+def test_prepare_data_errors_replace(tmp_path):
+    """--errors replace reads each undecodable byte as U+FFFD (3 UTF-8 bytes in the byte tokenizer)."""
+    txt = tmp_path / "latin1.txt"
+    txt.write_bytes(b"caf\xe9")
+    assert zorse_main(["prepare-data", str(txt), "--errors", "replace", "-o", str(tmp_path / "t")]) == 0
+    assert _ids(TokenData.open(tmp_path / "t.bin")) == list("caf\ufffd".encode())
+    jsonl = tmp_path / "rows.jsonl"
+    jsonl.write_bytes(b'{"text": "ok"}\n{"text": "caf\xe9"}\n')
+    prepare_data(str(jsonl), tmp_path / "j", errors="replace", progress=False)
+    assert _ids(TokenData.open(tmp_path / "j.bin")) == list("okcaf\ufffd".encode())
+
+
+def test_prepare_data_empty_jsonl(tmp_path, capsys):
+    """An empty .jsonl (was StopIteration from datasets), an empty .txt, a file of
+    whitespace, and rows without the text field: each named in one line."""
+    for name, what in (("empty.jsonl", "0 bytes"), ("empty.txt", "0 bytes"), ("blank.jsonl", "3 bytes of whitespace")):
+        path = tmp_path / name
+        path.write_text("" if "empty" in name else " \n\n")
+        assert zorse_main(["prepare-data", str(path), "-o", str(tmp_path / "o")]) == 1
+        assert capsys.readouterr().err == (f"zorse: data source {path} is empty ({what}): no documents to tokenize; "
+                                           f"give a file with text\n")
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"body": "x"}\n')
+    assert zorse_main(["prepare-data", str(rows), "-o", str(tmp_path / "o")]) == 1
+    assert capsys.readouterr().err == (f"zorse: dataset {rows} (datasets 'json' builder) has no column "
+                                       f"text_field='text' (columns: ['body']); pass --text-field with the column "
+                                       f"that holds the text\n")
+    assert not (tmp_path / "o.bin").exists()
+
+
 def test_vocabulary_of_65536_or_more_is_stored_as_uint32(tmp_path, lee_docs):
     """A WordLevel tokenizer of 70000 words (the Lee corpus's words, then
     filler), EOS last: ids above 65535 survive the round trip."""

@@ -23,7 +23,7 @@ from .errors import PlanFileError
 from .file_schema import from_doc, to_builtins
 from .plan import PLAN_FORMAT_VERSION, Plan, StagePlan
 from .plan_schema import PLAN_FILE, PlanDoc, _check_compute_dtype, decode
-from .stage_sources import check_source_name, recorded_hashes, verify_sources
+from .stage_sources import check_agreement, check_source_name, recorded_hashes, verify_sources
 
 __all__ = ["plan_dict", "plan_from_dict", "load_plan", "read_plan_files"]
 
@@ -58,16 +58,21 @@ def load_plan(path: str | Path) -> Plan:
 
 def _build(d: dict, doc: PlanDoc, source: str, sources: tuple[str, ...]) -> Plan:
     """The plan of ``d`` checked into ``doc``, its sources verified against
-    the recorded sha256 (version >= 5), then ``Plan.__post_init__``'s rules."""
+    the recorded sha256 (version >= 5), then ``Plan.__post_init__``'s rules,
+    then plan.json's fields against what the sources declare
+    (``stage_sources.check_agreement``)."""
     recorded = recorded_hashes(d, source) if doc.version >= 5 else ()
     if sources and recorded:
         verify_sources(d, sources, recorded, source)
     try:
         # An older file is read into (and re-exported as) the current format.
-        return from_doc(doc, Plan, version=PLAN_FORMAT_VERSION, sources=sources,
+        plan = from_doc(doc, Plan, version=PLAN_FORMAT_VERSION, sources=sources,
                         sources_verified=bool(recorded) or not sources, recorded_sha256=recorded)
     except PlanFileError as exc:  # a __post_init__ check: name the file
         raise PlanFileError(f"{source}: {str(exc).removeprefix('plan: ')}") from None
+    if sources:  # [Note: plan.json agrees with its stage files] in stage_sources.py
+        check_agreement(plan, source)
+    return plan
 
 
 def read_plan_files(path: str | Path) -> tuple[Path, dict, PlanDoc, tuple[str, ...]]:

@@ -95,10 +95,25 @@ def _load_model(name: str):
         raise SystemExit(f"zorse: {exc}") from exc
 
 
+def _check_seq_len(model, name: str, seq_len: int) -> None:
+    """``--seq-len`` within the model's positions (``registry.max_positions``), else a
+    ``PlanOptionsError`` naming the model's limit (not an IndexError inside capture)."""
+    from .errors import PlanOptionsError
+    from .models.registry import max_positions
+
+    if seq_len < 1:
+        raise PlanOptionsError(f"--seq-len {seq_len}: give the tokens per sample, an integer >= 1")
+    limit = max_positions(model)
+    if limit is not None and seq_len > limit[0]:
+        raise PlanOptionsError(f"--seq-len {seq_len} is beyond the {limit[0]} positions of model {name!r} "
+                               f"({limit[1]} = {limit[0]}); use --seq-len {limit[0]} or less")
+
+
 def cmd_plan(args) -> int:
     import zorse_fx as zorse
 
     model, _ = _load_model(args.model)
+    _check_seq_len(model, args.model, args.seq_len)
     ids = torch.randint(0, 200, (2, args.seq_len))
     compiled = zorse.compile(
         model, cluster=args.cluster, example_inputs=(ids, ids), global_batch_size=args.global_batch_size,
@@ -108,7 +123,8 @@ def cmd_plan(args) -> int:
         max_interleave=args.max_interleave, precision=args.precision, grad_reduce_dtype=args.grad_reduce_dtype,
         tf32=args.tf32,
         sharding=args.sharding, grad_sharding=args.grad_sharding, param_sharding=args.param_sharding,
-        offload=args.offload, activation_offload=args.activation_offload, recompute=args.recompute, verbose=True, model_name=args.model,
+        offload=args.offload, activation_offload=args.activation_offload, recompute=args.recompute,
+        allow_idle_gpus=not args.use_all_gpus, verbose=True, model_name=args.model,
     )
     print(compiled.plan.table())
     path = compiled.plan.export(args.output)
@@ -121,7 +137,7 @@ def cmd_prepare_data(args) -> int:
     from .token_data import prepare_data
 
     prepare_data(args.source, args.out, tokenizer=args.tokenizer, text_field=args.text_field, fmt=args.format,
-                 split=args.split, max_tokens=args.max_tokens)
+                 split=args.split, max_tokens=args.max_tokens, errors=args.errors)
     return 0
 
 
@@ -178,6 +194,7 @@ def cmd_simulate(args) -> int:
 
     plan = Plan.load(args.plan)
     cluster = Cluster.from_yaml(args.cluster)
+    _check_plan_cluster(plan, cluster, args.plan, args.cluster)
     model, _ = _load_model(args.model)
     if is_hf_causal_lm(model):
         model = CausalLMWithLoss(model)
@@ -199,6 +216,31 @@ def cmd_simulate(args) -> int:
                   f"peak memory {result.peak_memory_bytes[g.gpu] / 2**30:.2f} GiB{zero}")
     print(f"[zorse] wrote {out / 'trace.json'} (open in ui.perfetto.dev) and {out / 'gantt.png'}")
     return 0
+
+
+def _check_plan_cluster(plan, cluster, plan_path: str, cluster_path: str) -> None:
+    """Refuse (``ClusterConfigError``, one line) a cluster other than the plan's: another
+    GPU (type, node) at a planned GPU's index, or, where the plan records them
+    (format 13), other GPUs per node or another fingerprint (memory, links)."""
+    from .errors import ClusterConfigError
+
+    fix = (f"pass the cluster file the plan was made with, or plan for this one with `zorse plan --cluster "
+           f"{cluster_path} ...`")
+    head = f"--cluster {cluster_path} is not the cluster plan {plan_path} was made for ({plan.cluster_name!r})"
+    for s in plan.stages:
+        for g in s.gpus:
+            got = cluster.gpus[g.gpu] if g.gpu < len(cluster.gpus) else None
+            if got is None or (got.type, got.node) != (g.gpu_type, g.node):
+                theirs = f"{got.type} on node {got.node!r}" if got else f"missing (it has {len(cluster.gpus)} GPUs)"
+                raise ClusterConfigError(f"{head}: the plan puts rank {g.rank} on GPU {g.gpu} ({g.gpu_type} on "
+                                         f"node {g.node!r}); GPU {g.gpu} of {cluster_path} is {theirs}; {fix}")
+    if plan.cluster_gpus and plan.cluster_gpus != cluster.gpu_summary():
+        raise ClusterConfigError(f"{head}: the plan's has {plan.cluster_gpus}, {cluster_path} has "
+                                 f"{cluster.gpu_summary()}; {fix}")
+    if plan.cluster_sha256 and plan.cluster_sha256 != cluster.fingerprint():
+        raise ClusterConfigError(f"{head}: the same GPUs ({plan.cluster_gpus}) but other links, host memory or "
+                                 f"bandwidths (cluster sha256 {cluster.fingerprint()[:12]}..., the plan's "
+                                 f"{plan.cluster_sha256[:12]}...); {fix}")
 
 
 def cmd_bench(args) -> int:
@@ -325,6 +367,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "(auto: where nothing fits without it; needs host_memory_GiB)")
     pp.add_argument("--recompute", choices=modes, default=opt["recompute"],
                     help="stage recomputation: re-run each stage's forward before its backward")
+    pp.add_argument("--use-all-gpus", action="store_true",
+                    help="only plans that give work to every GPU of the cluster (default: a GPU may stay idle "
+                         "where that is faster); refused with the reason when none exists")
     pp.add_argument("-o", "--output", required=True, help="plan directory to write")
     pp.set_defaults(fn=cmd_plan)
     pt = sub.add_parser("train", help="run an exported plan with torchrun (one process per GPU)",
@@ -350,6 +395,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "document; text: one document per line (datasets' text builder)")
     pd.add_argument("--split", default="train", help="split of a saved DatasetDict")
     pd.add_argument("--max-tokens", type=int, default=None, help="keep only the first this many tokens")
+    pd.add_argument("--errors", choices=("strict", "replace"), default="strict",
+                    help="bytes that are not UTF-8: strict refuses the file, naming it and the byte offset; "
+                         "replace reads each as U+FFFD")
     pd.set_defaults(fn=cmd_prepare_data)
     ps = sub.add_parser("show", help="print a plan's table and schedule")
     ps.add_argument("plan")
@@ -357,7 +405,7 @@ def build_parser() -> argparse.ArgumentParser:
     pm = sub.add_parser("simulate", help="event-driven simulation of a plan's step: trace + Gantt chart")
     pm.add_argument("plan")
     pm.add_argument("--model", required=True, help="the model the plan was made for (as in `zorse plan`)")
-    pm.add_argument("--cluster", required=True)
+    pm.add_argument("--cluster", required=True, help="the cluster file the plan was made with (another is refused)")
     pm.add_argument("--out", default="runs/simulate")
     pm.add_argument("--p2p", choices=("nccl", "buffered"), default="nccl",
                     help="boundary sends as the runtime's point-to-point program runs on NCCL (default: fused "

@@ -201,12 +201,19 @@ class FileFormat:
         """``(parsed dict, checked struct)`` of the file at ``path``.
 
         Raises ``error``: no such file (``missing`` says how to make one, else
-        ``remake``), not UTF-8 JSON, or anything ``decode`` refuses."""
+        ``remake``), not UTF-8 JSON, a key given twice in one object (JSON
+        would keep the last silently), or anything ``decode`` refuses."""
         path = Path(path)
         if not path.is_file():
             raise self.error(f"{path}: no such {self.what} file; {missing or self.remake}", path=str(path))
         try:
-            d = json.loads(path.read_text())
+            d = _loads_unique(path.read_text())
+        except _DuplicateKey as exc:
+            where = _render([*exc.path, exc.key])
+            raise self.error(f"{path}: field {where} is given twice ({short_repr(exc.first, 40)}, then "
+                             f"{short_repr(exc.second, 40)}); JSON keeps only the last, so the file is refused: "
+                             f"delete one of the two, or {self.remake}",
+                             path=str(path), field=where, value=exc.second) from None
         except json.JSONDecodeError as exc:
             raise self.error(f"{path}: invalid JSON at line {exc.lineno}: {exc.msg}; {self.remake}",
                              path=str(path)) from None
@@ -274,6 +281,51 @@ class FileFormat:
         meaning = f" ({meaning})" if meaning else ""
         return self.error(f"{source}: field {where} is {short_repr(value)}: {reason[:1].lower()}{reason[1:]}{meaning}; "
                           f"correct it or {self.remake}", path=source, field=where, value=value)
+
+
+# -- duplicate keys -----------------------------------------------------------------------
+
+
+class _DuplicateKey(Exception):
+    """A key given twice in one JSON object: the key, both values and the object's path."""
+
+    def __init__(self, key: str, first: Any, second: Any, path: list) -> None:
+        super().__init__(key)
+        self.key, self.first, self.second, self.path = key, first, second, path
+
+
+def _loads_unique(text: str) -> Any:
+    """``json.loads(text)``, refusing a key given twice in one object
+    (``_DuplicateKey`` with the object's field path), where ``json.loads``
+    keeps the last value without a word."""
+    dups: list[tuple[str, Any, Any, dict]] = []
+
+    def pairs_hook(pairs: list[tuple[str, Any]]) -> dict:
+        d: dict = {}
+        for k, v in pairs:
+            if k in d and not dups:
+                dups.append((k, d[k], v, d))
+            d[k] = v
+        return d
+
+    value = json.loads(text, object_pairs_hook=pairs_hook)
+    if dups:
+        key, first, second, obj = dups[0]
+        raise _DuplicateKey(key, first, second, _path_to(value, obj) or [])
+    return value
+
+
+def _path_to(root: Any, target: dict) -> list | None:
+    """The field path of ``target`` (by identity) inside ``root``, or None."""
+    if root is target:
+        return []
+    items = root.items() if isinstance(root, dict) else enumerate(root) if isinstance(root, list) else ()
+    for k, v in items:
+        if isinstance(v, (dict, list)):
+            sub = _path_to(v, target)
+            if sub is not None:
+                return [k, *sub]
+    return None
 
 
 # -- error messages -----------------------------------------------------------------------

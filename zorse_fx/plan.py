@@ -98,6 +98,10 @@ what autograd saves between a micro-batch's forward and backward there
 ([Note: activation offload] in ``runtime/act_offload.py``);
 ``GPUShare.predicted_host_memory_bytes`` is what each GPU's process holds there.
 
+The cluster (format version 13; older files record none): ``Plan.cluster_gpus``
+(its GPUs per node, readable) and ``Plan.cluster_sha256`` (``Cluster.fingerprint``:
+GPUs, memory and links), so a plan is not simulated on another cluster.
+
 TF32 (format version 12; an older file reads with it off, PyTorch's
 default): ``Plan.tf32`` says whether float32 matmuls run on TF32 tensor
 cores; the planner priced them so and every rank sets PyTorch's flags to it
@@ -125,7 +129,7 @@ from .stage_sources import source_sha256
 __all__ = ["PLAN_FORMAT_VERSION", "MemoryBreakdown", "GPUShare", "StagePlan", "SolverReport", "Plan", "RankRole"]
 
 #: Bumped on any incompatible change of plan.json.
-PLAN_FORMAT_VERSION = 12
+PLAN_FORMAT_VERSION = 13
 
 
 # Field types of plan.json: one declaration, read by the schema (``plan_schema``,
@@ -397,6 +401,14 @@ class Plan:
 
     version: Annotated[int, Meta(ge=1)] = PLAN_FORMAT_VERSION
     cluster_name: str
+    #: The planned-for cluster's GPUs per node (``Cluster.gpu_summary``; format
+    #: version 13, "" in older files: not recorded), for readers and messages.
+    cluster_gpus: str = field(default="", metadata=OPTIONAL)
+    #: sha256 of the planned-for cluster (``Cluster.fingerprint``: GPUs, memory,
+    #: links; not its name; format version 13, "" in older files): ``zorse
+    #: simulate`` refuses a cluster file of another.
+    cluster_sha256: Annotated[str, Meta(pattern="^([0-9a-f]{64})?$", description="the cluster's sha256, 64 hex "
+                                        "digits, or '' (not recorded)")] = field(default="", metadata=OPTIONAL)
     model_name: str
     #: Model inputs, all ``(N, seq_len)`` int64 token tensors for LMs.
     input_names: tuple[str, ...]

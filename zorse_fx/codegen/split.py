@@ -265,8 +265,12 @@ def _import_line(name: str, obj) -> str | None:
     raise ValueError(f"codegen cannot emit an import for global {name!r} = {obj!r}")
 
 
-def emit_source(program: StageProgram, *, header: str = "") -> str:
-    """Readable, importable Python source of ``program`` (class ``Stage{i}``)."""
+def emit_source(program: StageProgram, *, header: str = "", seq_len: int | None = None,
+                model_inputs: tuple[str, ...] | None = None) -> str:
+    """Readable, importable Python source of ``program`` (class ``Stage{i}``).
+    ``seq_len`` / ``model_inputs``: the plan's tokens per sample and model
+    inputs, declared as ``SEQ_LEN`` / ``MODEL_INPUTS`` for the load-time check
+    ([Note: plan.json agrees with its stage files] in ``zorse_fx/stage_sources.py``)."""
     code = program.graph.python_code(root_module="self")
     imports = {"import torch"}
     for name, obj in code.globals.items():
@@ -295,6 +299,11 @@ def emit_source(program: StageProgram, *, header: str = "") -> str:
     lines.append(f"    INPUTS = {list(p.input_names)!r}")
     lines.append(f"    RECV = {[t.to_dict() for t in p.recv]!r}")
     lines.append(f"    SEND = {[t.to_dict() for t in p.send]!r}")
+    if seq_len is not None:
+        lines.append("    #: what the shapes above were generated for (plan.json's seq_len and input_names must agree)")
+        lines.append(f"    SEQ_LEN = {int(seq_len)!r}")
+    if model_inputs is not None:
+        lines.append(f"    MODEL_INPUTS = {list(model_inputs)!r}")
     units = p.param_units()
     lines.append("    #: ZeRO-3 units ([Note: ZeRO-3 units] in zorse_fx/codegen/split.py): per block, the parameters it reads")
     lines.append("    #: first; forward calls zorse_gather(u) before unit u's first read and zorse_release(u) after its last.")

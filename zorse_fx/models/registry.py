@@ -4,7 +4,9 @@
 - ``gpt2-124m``: Hugging Face GPT-2 small architecture (12 layers, 768 wide),
   random weights (for timing; dropout off so split == unsplit exactly).
 - ``gpt``: the plain nanoGPT-style model of ``zorse_fx.models.gpt`` (4 layers, 128 wide).
-- ``module:function``: any factory returning a model or ``(model, tokenizer)``.
+- ``module:function``: any factory returning a model or ``(model, tokenizer)``;
+  ``module`` is imported with the current directory on ``sys.path`` (as
+  ``python -m`` would), so ``--model mymod:make`` finds ``./mymod.py``.
 
 Every entry returns ``(model, tokenizer)``; tokenizer "bytes" means UTF-8 bytes.
 """
@@ -12,10 +14,12 @@ Every entry returns ``(model, tokenizer)``; tokenizer "bytes" means UTF-8 bytes.
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 
 import torch
 
-__all__ = ["load_model", "MODEL_NAMES"]
+__all__ = ["load_model", "max_positions", "MODEL_NAMES"]
 
 MODEL_NAMES = ("smollm2-135m", "gpt2-124m", "gpt")
 
@@ -38,7 +42,45 @@ def load_model(name: str):
         torch.manual_seed(0)
         return GPT(GPTConfig(n_layer=4, n_embd=128, n_head=4, block_size=256)), "bytes"
     if ":" in name:
-        mod, fn = name.split(":", 1)
-        out = getattr(importlib.import_module(mod), fn)()
-        return out if isinstance(out, tuple) else (out, "bytes")
+        return _from_factory(name)
     raise ValueError(f"unknown model {name!r}; use one of {', '.join(MODEL_NAMES)} or module:function")
+
+
+def _from_factory(name: str):
+    """``module:function``: the module imported with the current directory first on
+    ``sys.path`` (as ``python -m`` and ``PYTHONPATH=.`` would), the function called."""
+    mod, fn = name.split(":", 1)
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.insert(0, cwd)
+    try:
+        module = importlib.import_module(mod)
+    except ModuleNotFoundError as exc:
+        if exc.name != mod.split(".")[0] and exc.name != mod:
+            raise  # the module itself failed to import something: its own error
+        raise ValueError(f"--model {name!r}: no module {mod!r} in the current directory ({cwd}) or on sys.path; "
+                         f"run zorse where {mod.replace('.', '/')}.py is, or add its directory to PYTHONPATH") \
+            from None
+    factory = getattr(module, fn, None)
+    if not callable(factory):
+        raise ValueError(f"--model {name!r}: module {mod!r} ({getattr(module, '__file__', '?')}) has no function "
+                         f"{fn!r}; name a function that returns the model or (model, tokenizer)")
+    out = factory()
+    return out if isinstance(out, tuple) else (out, "bytes")
+
+
+#: Fields of a model's configuration that bound its sequence length (Hugging Face
+#: ``model.config``; ``model.cfg`` of ``zorse_fx.models.gpt``), in the order looked up.
+POSITION_FIELDS = ("max_position_embeddings", "n_positions", "block_size", "n_ctx", "max_seq_len")
+
+
+def max_positions(model) -> tuple[int, str] | None:
+    """``(the most positions model can embed, where that number is from)``, e.g.
+    ``(256, "cfg.block_size")``, or None where no known field gives it."""
+    for owner in ("config", "cfg"):
+        cfg = getattr(model, owner, None)
+        for field in POSITION_FIELDS:
+            value = getattr(cfg, field, None) if cfg is not None else None
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value, f"{owner}.{field}"
+    return None

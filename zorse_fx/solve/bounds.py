@@ -174,7 +174,7 @@ def _explain(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions, cand
     if not options.allow_idle_gpus and n_g > k_max * (gbs // ms[0]):
         return (f"allow_idle_gpus=False: each of the {n_g} GPUs must take >= 1 sample of every "
                 f"micro-batch, but at most {k_txt} x {gbs // ms[0]} samples = "
-                f"{k_max * (gbs // ms[0])} GPUs can be busy; allow idle GPUs or raise "
+                f"{k_max * (gbs // ms[0])} GPUs can be busy; allow idle GPUs (without zorse plan --use-all-gpus) or raise "
                 f"global_batch_size / max_stages{note}")
     caps = [int(options.memory_fraction * mb) for mb in devices.memory_bytes]
     big = max(range(n_g), key=lambda g: caps[g])

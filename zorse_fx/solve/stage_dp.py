@@ -10,7 +10,9 @@ contiguous stages over an *ordered* list of GPU units -- with heterogeneous,
 memory-checked stages, and returns the best plan it finds in well under a
 second per (order, M) on 64 GPUs:
 
-  units    u_0 ... u_{U-1}: the GPUs of one type on one node, in one of
+  units    u_0 ... u_{U-1}: the GPUs of one type on one node (cut into runs
+           of at most b GPUs, the most a stage can hold: 8 A100s of one
+           node at b = 4 are two units of 4), in one of
            ``ORDERS`` (cluster-file order keeps regions and racks together;
            memory-richest first puts the big GPUs on the early stages, which
            hold the most in-flight micro-batches under 1F1B; fastest first;
@@ -19,7 +21,7 @@ second per (order, M) on 64 GPUs:
            H100s: 87% of the bound last vs 79% first, the same section of
            bench/LOG.md).
            Above ``MAX_UNITS`` units, neighbouring units of one type and
-           memory merge pairwise.
+           memory merge pairwise (up to b GPUs).
   stage    units [u0, u1) x blocks [i, j). Its b = global batch / M samples
            per micro-batch are split over its GPUs by whole-model speed
            (largest remainder, >= 1 each, so a stage has at most b GPUs).
@@ -90,6 +92,7 @@ from collections import Counter
 
 import numpy as np
 
+from ..errors import InfeasiblePlanError
 from ..ir.costs import BlockCosts
 from ..ir.devices import DeviceGraph
 from ..ir.result import SolverResult
@@ -137,7 +140,10 @@ def _units(devices: DeviceGraph, tab, speeds, order: str) -> list[tuple[int, ...
     by_key: dict[tuple[str, str], list[int]] = {}
     for g in range(devices.num_gpus):
         by_key.setdefault((nodes[g], devices.gpu_types[g]), []).append(g)
-    units = [tuple(v) for v in by_key.values()]  # file order of first appearance
+    # File order of first appearance; a unit of more GPUs than a stage may hold (b: each GPU takes
+    # >= 1 sample of every micro-batch) is cut into runs of b, else no stage could take it at all.
+    b = tab.microbatch_size
+    units = [tuple(v[k:k + b]) for v in by_key.values() for k in range(0, len(v), b)]
     if order == "memory":
         units.sort(key=lambda u: (-tab.cap_bytes[u[0]], -speeds[u[0]], u[0]))
     elif order == "speed":
@@ -148,7 +154,8 @@ def _units(devices: DeviceGraph, tab, speeds, order: str) -> list[tuple[int, ...
         merged, k = [], 0
         while k < len(units):
             a = units[k]
-            if k + 1 < len(units) and _alike(devices, tab, a[0], units[k + 1][0]):
+            if k + 1 < len(units) and _alike(devices, tab, a[0], units[k + 1][0]) \
+                    and len(a) + len(units[k + 1]) <= b:
                 merged.append(a + units[k + 1])
                 k += 2
             else:
@@ -443,6 +450,21 @@ def _zero2_pass(found: dict, gain: float = RECOMPUTE_GAIN) -> dict[tuple[int, tu
     return out
 
 
+def _why_none(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions, s_max: int) -> str:
+    """Why no split fits, with the numbers: the stage and GPU counts the DP had, the
+    samples per micro-batch b (a stage holds at most b GPUs) and the binding
+    constraint (``bounds.explain_infeasible``: memory, idle GPUs or the caps)."""
+    from .bounds import explain_infeasible
+
+    ms = microbatch_candidates(options)
+    bs = ", ".join(str(options.global_batch_size // m) for m in ms)
+    every = "" if options.allow_idle_gpus else "gives every GPU work and "
+    return (f"no split of the {devices.num_gpus} GPUs into <= {s_max} stages {every}fits memory with at most b GPUs "
+            f"per stage (b = {bs} samples per micro-batch at M = {', '.join(map(str, ms))} micro-batches); allow ZeRO-1 "
+            f"sharding / recomputation (now {options.sharding!r} / {options.recompute!r}), more stages (max_stages) "
+            f"or more micro-batches (max_microbatches). Binding: {explain_infeasible(costs, devices, options)}")
+
+
 def solve_stage_dp(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions) -> SolverResult:
     """The best plan of the memory-first stage DP (see [Note: stage DP]); the
     first half of ``stage_dp_search``.
@@ -514,11 +536,11 @@ def stage_dp_search(costs: BlockCosts, devices: DeviceGraph,
                 split = _dp(st, n_s, options.allow_idle_gpus, level=2)
                 if split is not None:
                     _add_split(sel, st, tab, split, variants, m)
-    res = sel.result(
-        f"no split of the GPU units (a node's GPUs of one type) into <= {s_max} stages fits memory with "
-        f"<= b GPUs per stage for any micro-batch count; allow ZeRO-1 sharding / recomputation "
-        f"(now {options.sharding!r} / {options.recompute!r}), more stages (max_stages) or more "
-        f"micro-batches (max_microbatches)")
+    try:
+        res = sel.result()
+    except InfeasiblePlanError:
+        raise InfeasiblePlanError(f"stage_dp: no candidate plan can be formed: "
+                                  f"{_why_none(costs, devices, options, s_max)}") from None
     ok = res.status == "BASELINE"
     cands = tuple(dataclasses.replace(c, status="STAGE_DP" if c.feasible else "STAGE_DP_INFEASIBLE")
                   for c in res.candidates)
