@@ -226,12 +226,12 @@ def test_hint_encodes_the_hinted_decision(grouped):
     solver = cp_model.CpSolver()
     solver.parameters.fix_variables_to_their_hinted_value = True
     solver.parameters.num_workers = 1
-    assert solver.Solve(model.m) in (cp_model.OPTIMAL, cp_model.FEASIBLE)
+    assert solver.solve(model.m) in (cp_model.OPTIMAL, cp_model.FEASIBLE)
     dec = model.decision(solver)
     assert (dec.stage_blocks, dec.stage_gpus, dec.samples_per_microbatch) == (
         base.decision.stage_blocks, base.decision.stage_gpus, base.decision.samples_per_microbatch)
     assert dec.sharded == base.decision.sharded and dec.recompute == base.decision.recompute
-    assert solver.Value(model.objective) == ev.objective_units
+    assert solver.value(model.objective) == ev.objective_units
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -251,10 +251,10 @@ def test_one_model_builder(seed):
     tab = build_tables(costs, devices, options, 1)
     assert _groups(devices, tab, False) == singleton_groups(devices.num_gpus)
     for n_s in (1, 2, 3):
-        per_gpu = str(CandidateModel(tab, devices, options, singleton_groups(devices.num_gpus), n_s).m.Proto())
-        grouped = str(CandidateModel(tab, devices, options, _groups(devices, tab, False), n_s).m.Proto())
+        per_gpu = str(CandidateModel(tab, devices, options, singleton_groups(devices.num_gpus), n_s).m.proto)
+        grouped = str(CandidateModel(tab, devices, options, _groups(devices, tab, False), n_s).m.proto)
         assert per_gpu == grouped
-        proto = CandidateModel(tab, devices, options, singleton_groups(devices.num_gpus), n_s).m.Proto()
+        proto = CandidateModel(tab, devices, options, singleton_groups(devices.num_gpus), n_s).m.proto
         z = [v for v in proto.variables if v.name.startswith("z_")]
         assert len(z) == devices.num_gpus * costs.num_blocks
 
@@ -272,7 +272,7 @@ def test_multi_unit_groups_get_the_per_stage_encoding():
     tab = build_tables(costs, devices, opts, 1)
     groups = _groups(devices, tab, False)
     assert [g.count for g in groups] == [4, 4]
-    proto = CandidateModel(tab, devices, opts, groups, 2).m.Proto()
+    proto = CandidateModel(tab, devices, opts, groups, 2).m.proto
     assert sum(v.name.startswith("z_") for v in proto.variables) == 2 * 2 * 3  # groups x stages x blocks
     assert not any(v.name.startswith("through_") for v in proto.variables)  # no per-block sum: the old class model
 
@@ -293,7 +293,7 @@ def test_mixed_groups():
     tab = build_tables(costs, devices, opts, 1)
     groups = _groups(devices, tab, False)
     assert [(g.unit, g.count) for g in groups] == [(1, 3), (1, 1)]
-    names = [v.name for v in CandidateModel(tab, devices, opts, groups, 2).m.Proto().variables]
+    names = [v.name for v in CandidateModel(tab, devices, opts, groups, 2).m.proto.variables]
     assert sum(x.startswith("z_") for x in names) == 2 * 3 + 3 and sum(x.startswith("through_") for x in names) == 3
     res, ref = solve_grouped(costs, devices, opts), solve_cpsat(costs, devices, opts)
     assert res.status == ref.status == "OPTIMAL"

@@ -45,8 +45,8 @@ class LinkTerms:
     def xcut(self, q: int, s: int):
         """IntVar: one sample's transfer units of bandwidth class q at the cut after stage s."""
         if (q, s) not in self._xcut:
-            x = self._xcut[q, s] = self.m.NewIntVar(0, max(self.tab.xfer1[q]), f"xcut_{q}_{s}")
-            self.m.Add(x == self.cuts.at_cut(self.tab.xfer1[q], s + 1))
+            x = self._xcut[q, s] = self.m.new_int_var(0, max(self.tab.xfer1[q]), f"xcut_{q}_{s}")
+            self.m.add(x == self.cuts.at_cut(self.tab.xfer1[q], s + 1))
         return self._xcut[q, s]
 
     def boundary(self, s: int):
@@ -65,16 +65,16 @@ class LinkTerms:
                 if code == ROWS_ALL:
                     rows = b * y
                 elif code == ROWS_SAME_NODE:
-                    rows = m.NewIntVar(0, b, f"mn_{c}_{d}_{s}")
-                    m.AddMinEquality(rows, [n[c][s], n[d][s + 1]])
+                    rows = m.new_int_var(0, b, f"mn_{c}_{d}_{s}")
+                    m.add_min_equality(rows, [n[c][s], n[d][s + 1]])
                 else:  # each direction of the node pair's link; back only between one-node groups
-                    mn = m.NewIntVar(0, b, f"mn_{c}_{d}_{s}")
-                    m.AddMinEquality(mn, [node_sum[c][s], node_sum[d][s + 1]])
+                    mn = m.new_int_var(0, b, f"mn_{c}_{d}_{s}")
+                    m.add_min_equality(mn, [node_sum[c][s], node_sum[d][s + 1]])
                     if one_node[c] and one_node[d] and c != d:
-                        back = m.NewIntVar(0, b, f"mb_{c}_{d}_{s}")
-                        m.AddMinEquality(back, [node_sum[d][s], node_sum[c][s + 1]])
-                        both_ = m.NewIntVar(0, b, f"mx_{c}_{d}_{s}")
-                        m.AddMaxEquality(both_, [mn, back])
+                        back = m.new_int_var(0, b, f"mb_{c}_{d}_{s}")
+                        m.add_min_equality(back, [node_sum[d][s], node_sum[c][s + 1]])
+                        both_ = m.new_int_var(0, b, f"mx_{c}_{d}_{s}")
+                        m.add_max_equality(both_, [mn, back])
                         mn = both_
                     rows = _gated(m, y, mn, b, f"rows_{c}_{d}_{s}")
                 pairs.append((link, y, rows))
@@ -111,18 +111,18 @@ class LinkTerms:
                 return None
             flags = {q: any_of(m, yl, f"{name}_p{q}") for q, yl in by_q.items()}
             terms = [_gated(m, flags[q], xcut(q, s), max(tab.xfer1[q]), f"{name}_g{q}") for q in by_q]
-            x = m.NewIntVar(0, max(max(tab.xfer1[q]) for q in by_q), f"{name}_x")
-            m.AddMaxEquality(x, terms)
+            x = m.new_int_var(0, max(max(tab.xfer1[q]) for q in by_q), f"{name}_x")
+            m.add_max_equality(x, terms)
             return x
 
         def product(rows, x, name):
-            z = m.NewIntVar(0, hi, name)
-            m.AddMultiplicationEquality(z, [rows, x])
+            z = m.new_int_var(0, hi, name)
+            m.add_multiplication_equality(z, [rows, x])
             return z
 
         def least(a_, b_, name):
-            v = m.NewIntVar(0, b, name)
-            m.AddMinEquality(v, [a_, b_])
+            v = m.new_int_var(0, b, name)
+            m.add_min_equality(v, [a_, b_])
             return v
 
         loads = []
@@ -168,7 +168,7 @@ class LinkTerms:
         m, tab, n_s = self.m, self.tab, len(comps)
         loads = self.loads()
         hi = max(2 * t_hi, 2 * n_s * self.b * max((max(r) for r in tab.xfer1), default=0))
-        period = m.NewIntVar(0, hi, "period")
+        period = m.new_int_var(0, hi, "period")
 
         def h(s):  # one direction of boundary s (0 outside the pipeline)
             return halves[s] if 0 <= s < n_s - 1 else 0
@@ -176,10 +176,10 @@ class LinkTerms:
         if tab.schedule == "1f1b":
             loops = []
             for s in range(n_s):
-                v = m.NewIntVar(0, t_hi, f"loop_{s}")
-                m.Add(v == comps[s] + h(s - 1) + h(s))
+                v = m.new_int_var(0, t_hi, f"loop_{s}")
+                m.add(v == comps[s] + h(s - 1) + h(s))
                 loops.append(v)
-            m.AddMaxEquality(period, loops + loads)
+            m.add_max_equality(period, loops + loads)
         else:
             fwd3, bwd3 = split
 
@@ -187,25 +187,25 @@ class LinkTerms:
                 """3 x max(one end's compute, its exchange, every other stage's compute + its larger exchange)."""
                 terms = []
                 for s in range(n_s):
-                    c3 = m.NewIntVar(0, 3 * t_hi, f"{name}c_{s}")
-                    m.AddMaxEquality(c3, parts[s])
+                    c3 = m.new_int_var(0, 3 * t_hi, f"{name}c_{s}")
+                    m.add_max_equality(c3, parts[s])
                     if s == first:  # no receive in this phase: its sends queue on its stream
                         terms += [c3, 3 * h(s if s == 0 else s - 1)]
                         continue
-                    big = m.NewIntVar(0, t_hi, f"{name}h_{s}")
-                    m.AddMaxEquality(big, [h(s - 1), h(s)])
+                    big = m.new_int_var(0, t_hi, f"{name}h_{s}")
+                    m.add_max_equality(big, [h(s - 1), h(s)])
                     terms.append(c3 + 3 * big)
-                out = m.NewIntVar(0, 3 * hi, f"{name}3")
-                m.AddMaxEquality(out, terms)
+                out = m.new_int_var(0, 3 * hi, f"{name}3")
+                m.add_max_equality(out, terms)
                 return out
 
             t3 = phase(fwd3, 0, "gf") + phase(bwd3, n_s - 1, "gb")
-            tg = m.NewIntVar(0, hi, "period_gpipe")
-            m.AddDivisionEquality(tg, t3 + 2, 3)  # ceil
-            m.AddMaxEquality(period, [tg] + loads)
+            tg = m.new_int_var(0, hi, "period_gpipe")
+            m.add_division_equality(tg, t3 + 2, 3)  # ceil
+            m.add_max_equality(period, [tg] + loads)
         for cv in gpu_comps:  # redundant: the period is >= every GPU's compute, so >= the throughput bound
-            m.Add(period >= cv)
-        m.Add(period >= thr)
+            m.add(period >= cv)
+        m.add(period >= thr)
         return period
 
 

@@ -31,25 +31,25 @@ class StageCuts:
     def __init__(self, m: cp_model.CpModel, num_blocks: int, num_stages: int):
         nb, n_s = num_blocks, num_stages
         self.nb = nb
-        self.cut = cut = [m.NewIntVar(min(s, nb), max(nb - n_s + s, 0), f"c_{s}") for s in range(n_s + 1)]
-        m.Add(cut[0] == 0)
-        m.Add(cut[n_s] == nb)
-        self.ge = ge = [[m.NewBoolVar(f"ge_{s}_{k}") for k in range(nb)] for s in range(n_s + 1)]
+        self.cut = cut = [m.new_int_var(min(s, nb), max(nb - n_s + s, 0), f"c_{s}") for s in range(n_s + 1)]
+        m.add(cut[0] == 0)
+        m.add(cut[n_s] == nb)
+        self.ge = ge = [[m.new_bool_var(f"ge_{s}_{k}") for k in range(nb)] for s in range(n_s + 1)]
         for s in range(n_s + 1):
             for k in range(nb):
-                m.Add(cut[s] <= k).OnlyEnforceIf(ge[s][k])
-                m.Add(cut[s] >= k + 1).OnlyEnforceIf(ge[s][k].Not())
+                m.add(cut[s] <= k).OnlyEnforceIf(ge[s][k])
+                m.add(cut[s] >= k + 1).OnlyEnforceIf(ge[s][k].Not())
                 if k + 1 < nb:
-                    m.AddImplication(ge[s][k], ge[s][k + 1])
-            m.Add(cut[s] == nb - sum(ge[s]))
+                    m.add_implication(ge[s][k], ge[s][k + 1])
+            m.add(cut[s] == nb - sum(ge[s]))
         for s in range(n_s):
-            m.Add(cut[s + 1] >= cut[s] + 1)
-        self.in_s = in_s = [[m.NewBoolVar(f"in_{s}_{k}") for k in range(nb)] for s in range(n_s)]
+            m.add(cut[s + 1] >= cut[s] + 1)
+        self.in_s = in_s = [[m.new_bool_var(f"in_{s}_{k}") for k in range(nb)] for s in range(n_s)]
         for s in range(n_s):
             for k in range(nb):
-                m.Add(in_s[s][k] == ge[s][k] - ge[s + 1][k])
+                m.add(in_s[s][k] == ge[s][k] - ge[s + 1][k])
         for k in range(nb):
-            m.AddExactlyOne(in_s[s][k] for s in range(n_s))
+            m.add_exactly_one(in_s[s][k] for s in range(n_s))
 
     def stage_sum(self, prefix, s):
         """Linear expression: sum of a prefix-summed table over the blocks of stage s."""
@@ -63,25 +63,25 @@ class StageCuts:
 
 def gated(m: cp_model.CpModel, flag, value, hi: int, name: str):
     """An IntVar equal to flag ? value : 0."""
-    z = m.NewIntVar(0, hi, name)
-    m.Add(z == value).OnlyEnforceIf(flag)
-    m.Add(z == 0).OnlyEnforceIf(flag.Not())
+    z = m.new_int_var(0, hi, name)
+    m.add(z == value).OnlyEnforceIf(flag)
+    m.add(z == 0).OnlyEnforceIf(flag.Not())
     return z
 
 
 def any_of(m: cp_model.CpModel, lits, name: str):
     """A boolean equal to OR(lits)."""
-    p = m.NewBoolVar(name)
-    m.AddMaxEquality(p, lits)
+    p = m.new_bool_var(name)
+    m.add_max_equality(p, lits)
     return p
 
 
 def both(m: cp_model.CpModel, a, c, name: str):
     """A boolean equal to a AND c."""
-    y = m.NewBoolVar(name)
-    m.AddImplication(y, a)
-    m.AddImplication(y, c)
-    m.AddBoolOr([a.Not(), c.Not(), y])
+    y = m.new_bool_var(name)
+    m.add_implication(y, a)
+    m.add_implication(y, c)
+    m.add_bool_or([a.Not(), c.Not(), y])
     return y
 
 
@@ -110,11 +110,11 @@ def pair_max_many(m: cp_model.CpModel, tab: IntTables, pairs, values, name: str)
             if k not in present:
                 present[k] = any_of(m, ys, f"{name}_p{k}")
             terms.append(gated(m, present[k], value_of_class(k), hi_of_class(k), f"{name}_z{k}{sfx}"))
-        xm = m.NewIntVar(0, max(hi_of_class(k) for k in by_bw), f"{name}_x{sfx}")
-        m.AddMaxEquality(xm, terms)
+        xm = m.new_int_var(0, max(hi_of_class(k) for k in by_bw), f"{name}_x{sfx}")
+        m.add_max_equality(xm, terms)
         xs.append(xm)
-    lm = m.NewIntVar(0, max(by_lat), f"{name}_l")
-    m.AddMaxEquality(lm, [lat * any_of(m, ys, f"{name}_q{lat}") for lat, ys in by_lat.items()])
+    lm = m.new_int_var(0, max(by_lat), f"{name}_l")
+    m.add_max_equality(lm, [lat * any_of(m, ys, f"{name}_q{lat}") for lat, ys in by_lat.items()])
     return xs, lm
 
 
@@ -133,21 +133,21 @@ def rows_max(m: cp_model.CpModel, tab: IntTables, pairs, xfer_of_class, hi_of_cl
         by_lat[tab.pair_lat[g][h]].append(y)
     terms = []
     for k, rs in by_bw.items():
-        r = m.NewIntVar(0, b, f"{name}_r{k}")
-        m.AddMaxEquality(r, rs)
-        x = m.NewIntVar(0, hi_of_class(k), f"{name}_c{k}")
-        m.Add(x == xfer_of_class(k))
+        r = m.new_int_var(0, b, f"{name}_r{k}")
+        m.add_max_equality(r, rs)
+        x = m.new_int_var(0, hi_of_class(k), f"{name}_c{k}")
+        m.add(x == xfer_of_class(k))
         hi = hi_of_class(k)
-        z = m.NewIntVar(0, b * hi, f"{name}_z{k}")
-        m.AddMultiplicationEquality(z, [r, x])
+        z = m.new_int_var(0, b * hi, f"{name}_z{k}")
+        m.add_multiplication_equality(z, [r, x])
         # Redundant (McCormick, r in [0, b], x in [0, hi]): linear cuts of the product that
         # keep the LP bound of an all-rows boundary (r = b gives z >= b x).
-        m.Add(z >= b * x + hi * r - b * hi)
-        m.Add(z <= b * x)
-        m.Add(z <= hi * r)
+        m.add(z >= b * x + hi * r - b * hi)
+        m.add(z <= b * x)
+        m.add(z <= hi * r)
         terms.append(z)
-    xm = m.NewIntVar(0, b * max(hi_of_class(k) for k in by_bw), f"{name}_x")
-    m.AddMaxEquality(xm, terms)
-    lm = m.NewIntVar(0, max(by_lat), f"{name}_l")
-    m.AddMaxEquality(lm, [lat * any_of(m, ys, f"{name}_q{lat}") for lat, ys in by_lat.items()])
+    xm = m.new_int_var(0, b * max(hi_of_class(k) for k in by_bw), f"{name}_x")
+    m.add_max_equality(xm, terms)
+    lm = m.new_int_var(0, max(by_lat), f"{name}_l")
+    m.add_max_equality(lm, [lat * any_of(m, ys, f"{name}_q{lat}") for lat, ys in by_lat.items()])
     return xm, lm

@@ -188,23 +188,23 @@ def wall_clock_stopped(solver: cp_model.CpSolver, code: int) -> bool:
     ([Note: reproducible plans])."""
     if code in (cp_model.OPTIMAL, cp_model.INFEASIBLE, cp_model.MODEL_INVALID):
         return False
-    return solver.ResponseProto().deterministic_time < solver.parameters.max_deterministic_time
+    return solver.response_proto.deterministic_time < solver.parameters.max_deterministic_time
 
 
 def _solve(model, solver: cp_model.CpSolver, completer: cp_model.CpSolver | None = None) -> _Answer:
     """Solve ``model`` (after completing its hint with ``completer``, if given) and
     read the answer off the solver. Runs in the forked child: one fork per try."""
     completed, stopped = complete_hint(model.m, completer) if completer is not None else (False, False)
-    dtime = completer.ResponseProto().deterministic_time if completer is not None else 0.0
-    code = solver.Solve(model.m)
+    dtime = completer.response_proto.deterministic_time if completer is not None else 0.0
+    code = solver.solve(model.m)
     stopped = stopped or wall_clock_stopped(solver, code)
-    dtime += solver.ResponseProto().deterministic_time
+    dtime += solver.response_proto.deterministic_time
     if code in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         # The objective at the returned solution (OR-Tools 9.15's ObjectiveValue() can
         # differ from it by a few ms on budget-limited FEASIBLE answers).
-        return _Answer(code, solver.StatusName(code), solver.BestObjectiveBound(), int(solver.Value(model.objective)),
+        return _Answer(code, solver.status_name(code), solver.best_objective_bound, int(solver.value(model.objective)),
                        model.decision(solver), completed, dtime, stopped)
-    return _Answer(code, solver.StatusName(code), solver.BestObjectiveBound(), hint_completed=completed,
+    return _Answer(code, solver.status_name(code), solver.best_objective_bound, hint_completed=completed,
                    budget_used=dtime, wall_clock_stop=stopped)
 
 
@@ -226,28 +226,28 @@ def complete_hint(m: cp_model.CpModel, solver: cp_model.CpSolver) -> tuple[bool,
     wall_clock_stop True when the safety stop ended the copy's solve first.
     Runs in this process: ``CandidateSearch`` calls it inside the forked child
     of the candidate's solve ([Note: isolated solves] in isolated.py)."""
-    proto = m.Proto()
+    proto = m.proto
     hinted = list(zip(proto.solution_hint.vars, proto.solution_hint.values))
     if not hinted:
         return False, False
-    fixed = m.Clone()
-    fixed.ClearHints()
-    fixed.ClearObjective()
+    fixed = m.clone()
+    fixed.clear_hints()
+    fixed.clear_objective()
     for v, val in hinted:
-        fixed.Add(fixed.GetIntVarFromProtoIndex(v) == val)
+        fixed.add(fixed.get_int_var_from_proto_index(v) == val)
     solver.parameters.max_deterministic_time = min(solver.parameters.max_deterministic_time, HINT_COMPLETION_DTIME)
-    code = solver.Solve(fixed)
+    code = solver.solve(fixed)
     stopped = wall_clock_stopped(solver, code)
     if code == cp_model.INFEASIBLE:  # [Note: presolve bug]
         solver.parameters.cp_model_presolve = False
-        code = solver.Solve(fixed)
+        code = solver.solve(fixed)
         stopped = wall_clock_stopped(solver, code)
     if code not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return False, stopped
-    vals = [solver.Value(fixed.GetIntVarFromProtoIndex(v)) for v in range(len(proto.variables))]
-    m.ClearHints()
+    vals = [solver.value(fixed.get_int_var_from_proto_index(v)) for v in range(len(proto.variables))]
+    m.clear_hints()
     for v, val in enumerate(vals):
-        m.AddHint(m.GetIntVarFromProtoIndex(v), val)
+        m.add_hint(m.get_int_var_from_proto_index(v), val)
     # A feasible point found before the safety stop is as good a hint as any other.
     return True, False
 
@@ -417,7 +417,7 @@ class CandidateSearch:
         """Per-model settings that depend only on the model (so stay deterministic):
         for one worker on a model with fewer than ``SMALL_MODEL_VARS`` variables,
         ``SMALL_MODEL_LINEARIZATION``, or with an incumbent cutoff ``CUTOFF_LINEARIZATION``."""
-        if self.options.num_workers == 1 and len(model.m.Proto().variables) < SMALL_MODEL_VARS:
+        if self.options.num_workers == 1 and len(model.m.proto.variables) < SMALL_MODEL_VARS:
             solver.parameters.linearization_level = CUTOFF_LINEARIZATION if cutoff else SMALL_MODEL_LINEARIZATION
         if cutoff:  # [Note: presolve bug]: the cutoff makes the wrong INFEASIBLE common
             solver.parameters.presolve_inclusion_work_limit = 0
@@ -440,11 +440,11 @@ class CandidateSearch:
         the model has one). Returns (the answer or None if every try crashed, the
         crash messages)."""
         crashes: list[str] = []
-        had_hint = bool(model.m.Proto().solution_hint.vars)
+        had_hint = bool(model.m.proto.solution_hint.vars)
         tries = [presolve] + ([presolve] if had_hint else []) + ([False] if presolve else [])
         for k, pre in enumerate(tries):
             if k == 1 and had_hint:
-                model.m.ClearHints()
+                model.m.clear_hints()
             started = first if k == 0 and first is not None else self._start_try(
                 model, presolve=pre, budget=budget, cutoff=cutoff, complete=k == 0 and had_hint)
             try:
@@ -530,14 +530,14 @@ class CandidateSearch:
             if hint is not None:
                 model.hint(hint.decision)
             if cutoff is not None:
-                model.m.Add(model.objective <= cutoff)
+                model.m.add(model.objective <= cutoff)
             prepared.append((model, num_stages, m, hint.status if hint is not None else None))
         started: dict[int, tuple[_Isolated, float]] = {}
 
         def start(i: int) -> None:
             model = prepared[i][0]
             started[i] = (self._start_try(model, presolve=True, budget=budget, cutoff=cutoff is not None,
-                                          complete=bool(model.m.Proto().solution_hint.vars)), time.perf_counter())
+                                          complete=bool(model.m.proto.solution_hint.vars)), time.perf_counter())
 
         for i in range(min(jobs, len(prepared))):
             start(i)
@@ -593,7 +593,7 @@ class CandidateSearch:
             if code == cp_model.FEASIBLE:
                 self._solutions[len(self.cands) if again is None else again] = dec
         elif code == cp_model.MODEL_INVALID:
-            raise AssertionError(f"invalid CP-SAT model for S={num_stages}, M={m}: {model.m.Validate()}")
+            raise AssertionError(f"invalid CP-SAT model for S={num_stages}, M={m}: {model.m.validate()}")
         elif code == cp_model.INFEASIBLE and cutoff is not None:  # proven: nothing at or below the bar
             rec["status"] = "NO_BETTER"
             new_bound = cutoff + 1

@@ -109,9 +109,9 @@ def ring_literals(m: cp_model.CpModel, kv, khi: int, name: str):
     """One literal per k = 1..khi, exactly one true: k = kv (``ring``'s); None when ``khi`` < 2."""
     if khi < 2:
         return None
-    e = [m.NewBoolVar(f"{name}_is{kk}") for kk in range(1, khi + 1)]
-    m.AddExactlyOne(e)
-    m.Add(sum(kk * lit for kk, lit in zip(range(1, khi + 1), e)) == kv)
+    e = [m.new_bool_var(f"{name}_is{kk}") for kk in range(1, khi + 1)]
+    m.add_exactly_one(e)
+    m.add(sum(kk * lit for kk, lit in zip(range(1, khi + 1), e)) == kv)
     return e
 
 
@@ -130,11 +130,11 @@ def ring(m: cp_model.CpModel, units, kv, hi: int, khi: int, name: str, *, scale:
     if khi < 2:
         return 0
     e = ring_literals(m, kv, khi, name) if lits is None else lits
-    d = m.NewIntVar(0, hi, f"{name}_ring")
-    m.Add(d == 0).OnlyEnforceIf(e[0])
+    d = m.new_int_var(0, hi, f"{name}_ring")
+    m.add(d == 0).OnlyEnforceIf(e[0])
     for kk, lit in zip(range(2, khi + 1), e[1:]):
-        m.Add(kk * scale * d >= (kk - 1) * units).OnlyEnforceIf(lit)
-        m.Add(kk * scale * d <= (kk - 1) * units + kk * scale - 1).OnlyEnforceIf(lit)
+        m.add(kk * scale * d >= (kk - 1) * units).OnlyEnforceIf(lit)
+        m.add(kk * scale * d <= (kk - 1) * units + kk * scale - 1).OnlyEnforceIf(lit)
     return d
 
 
@@ -200,20 +200,20 @@ def sync_terms(m: cp_model.CpModel, tab: IntTables, groups, *, p, k, size, cuts:
         if terms is None:  # no pair can be present: allreduce = last = 0, the term is -E_s
             ar = -e_s
         else:
-            ar6 = m.NewIntVar(-drain_hi * (s + 1), 6 * (ar_hi + arlat_hi), f"arown_{s}")
-            m.Add(ar6 == 6 * terms[0] - e_s - bwd6[s])
-            last6 = m.NewIntVar(-drain_hi * s, 6 * lring_hi, f"arlast_{s}")
-            m.Add(last6 == 6 * terms[1] - e_s)
+            ar6 = m.new_int_var(-drain_hi * (s + 1), 6 * (ar_hi + arlat_hi), f"arown_{s}")
+            m.add(ar6 == 6 * terms[0] - e_s - bwd6[s])
+            last6 = m.new_int_var(-drain_hi * s, 6 * lring_hi, f"arlast_{s}")
+            m.add(last6 == 6 * terms[1] - e_s)
             own = [ar6, last6]
         if own or tied_of[s]:  # [C-tied] the optimizer waits for the stage's own and its tied reductions
             if not own:
-                own = [m.NewIntVar(-drain_hi * s, 0, f"arown_{s}")]
-                m.Add(own[0] == ar)
+                own = [m.new_int_var(-drain_hi * s, 0, f"arown_{s}")]
+                m.add(own[0] == ar)
             # a sharded holder's all-gather follows its optimizer step, so the tied ring too: tied_s + ag_s
             # (on a stage not holding t, its floor + 6 ag_s <= 6 L_s - E_s, still below an own term)
             ag6 = 6 * terms[2] if terms is not None else 0
-            ar = m.NewIntVar(-drain_hi * s, 6 * sync_hi, f"arw_{s}")
-            m.AddMaxEquality(ar, [*own, *(tg + ag6 for tg in tied_of[s])])
+            ar = m.new_int_var(-drain_hi * s, 6 * sync_hi, f"arw_{s}")
+            m.add_max_equality(ar, [*own, *(tg + ag6 for tg in tied_of[s])])
         opt = _stage_optim(m, tab, groups, p, cuts, tied, s, sh, zc, opt_hi)
         sync.append(ar + 6 * opt)
     return sync, sync_hi
@@ -240,9 +240,9 @@ def _tied_allreduce(m: cp_model.CpModel, tab: IntTables, groups, p, k, cuts: Sta
         ex.append([sum(in_s[s][q] for q in tb) - same_s[s] for s in stages])
         if tab.num_gpus < 2 or n_s < 2:
             continue
-        diff = m.NewBoolVar(f"tdiff_{t_}")
-        m.Add(sum(same_s) == 0).OnlyEnforceIf(diff)
-        m.Add(sum(same_s) == 1).OnlyEnforceIf(diff.Not())
+        diff = m.new_bool_var(f"tdiff_{t_}")
+        m.add(sum(same_s) == 0).OnlyEnforceIf(diff)
+        m.add(sum(same_s) == 1).OnlyEnforceIf(diff.Not())
         hold = [any_of(m, [in_s[s][q] for q in tb], f"thold_{t_}_{s}") for s in stages]
         ksum, pu, ku = [], [], []
         for c in range(n_c):
@@ -251,12 +251,12 @@ def _tied_allreduce(m: cp_model.CpModel, tab: IntTables, groups, p, k, cuts: Sta
                 ksum.append(unit[c] * pc)
                 ku.append(None)
             else:
-                kt = m.NewIntVar(0, count[c], f"tkt_{t_}_{c}")
-                m.Add(kt == sum(gated(m, hold[s], k[c][s], count[c], f"tkh_{t_}_{c}_{s}") for s in stages))
+                kt = m.new_int_var(0, count[c], f"tkt_{t_}_{c}")
+                m.add(kt == sum(gated(m, hold[s], k[c][s], count[c], f"tkh_{t_}_{c}_{s}") for s in stages))
                 ksum.append(unit[c] * kt)
-                pc = m.NewBoolVar(f"tpc_{t_}_{c}")
-                m.Add(kt >= 1).OnlyEnforceIf(pc)
-                m.Add(kt == 0).OnlyEnforceIf(pc.Not())
+                pc = m.new_bool_var(f"tpc_{t_}_{c}")
+                m.add(kt >= 1).OnlyEnforceIf(pc)
+                m.add(kt == 0).OnlyEnforceIf(pc.Not())
                 ku.append(kt)
             pu.append(pc)
         upairs = _present_pairs(m, groups, pu, ku, f"t{t_}")
@@ -264,20 +264,20 @@ def _tied_allreduce(m: cp_model.CpModel, tab: IntTables, groups, p, k, cuts: Sta
         xm, lm = pair_max(m, tab, upairs, lambda q, t_=t_: tab.tied_ar[t_][q], lambda q, t_=t_: tab.tied_ar[t_][q],
                           f"tied{t_}")
         kmax = tab.num_gpus
-        ku = m.NewIntVar(1, kmax, f"tk_{t_}")
-        m.Add(ku == sum(ksum))
-        ku1 = m.NewIntVar(0, kmax - 1, f"tk1_{t_}")
-        m.Add(ku1 == ku - 1)
-        lat_t = m.NewIntVar(0, kmax * lat_hi, f"tlat_{t_}")
-        m.AddMultiplicationEquality(lat_t, [ku1, lm])
+        ku = m.new_int_var(1, kmax, f"tk_{t_}")
+        m.add(ku == sum(ksum))
+        ku1 = m.new_int_var(0, kmax - 1, f"tk1_{t_}")
+        m.add(ku1 == ku - 1)
+        lat_t = m.new_int_var(0, kmax * lat_hi, f"tlat_{t_}")
+        m.add_multiplication_equality(lat_t, [ku1, lm])
         t_hi = hi + 2 * kmax * lat_hi
-        tt = m.NewIntVar(0, t_hi, f"tied_{t_}")
-        m.Add(tt == ring(m, xm, ku, hi, kmax, f"tr{t_}") + 2 * lat_t)
+        tt = m.new_int_var(0, t_hi, f"tied_{t_}")
+        m.add(tt == ring(m, xm, ku, hi, kmax, f"tr{t_}") + 2 * lat_t)
         tied_hi = max(tied_hi, t_hi)
         for s in stages:  # 6 x the ring on a holder ([C-objective]), else a floor below any own term
-            held, tg = both(m, hold[s], diff, f"thd_{t_}_{s}"), m.NewIntVar(-drain_hi * s, 6 * t_hi, f"tg_{t_}_{s}")
-            m.Add(tg == 6 * tt).OnlyEnforceIf(held)
-            m.Add(tg == -drain_hi * s).OnlyEnforceIf(held.Not())
+            held, tg = both(m, hold[s], diff, f"thd_{t_}_{s}"), m.new_int_var(-drain_hi * s, 6 * t_hi, f"tg_{t_}_{s}")
+            m.add(tg == 6 * tt).OnlyEnforceIf(held)
+            m.add(tg == -drain_hi * s).OnlyEnforceIf(held.Not())
             tied_of[s].append(tg)
     return ex, tied_of, tied_hi
 
@@ -294,9 +294,9 @@ def _present_pairs(m: cp_model.CpModel, groups, present, units, name: str):
         if q.unit > 1:
             pairs.append((q.link_in, present[c]))
         if units[c] is not None:
-            two = m.NewBoolVar(f"{name}_two_{c}")
-            m.Add(units[c] >= 2).OnlyEnforceIf(two)
-            m.Add(units[c] <= 1).OnlyEnforceIf(two.Not())
+            two = m.new_bool_var(f"{name}_two_{c}")
+            m.add(units[c] >= 2).OnlyEnforceIf(two)
+            m.add(units[c] <= 1).OnlyEnforceIf(two.Not())
             pairs.append((q.link_out, two))
     for c in range(len(groups)):
         for d in range(c + 1, len(groups)):
@@ -317,15 +317,15 @@ def _stage_allreduce(m: cp_model.CpModel, tab: IntTables, groups, p, k, size_s, 
     if not (pairs and gpu_hi > 1):
         return None
     first_cap, cap = tab.bucket_caps
-    ksz = m.NewIntVar(1, k_hi, f"size_{s}")
-    m.Add(ksz == size_s)
+    ksz = m.new_int_var(1, k_hi, f"size_{s}")
+    m.add(ksz == size_s)
     lits = ring_literals(m, ksz, k_hi, f"arr{s}")
     # [C-objective] the last bucket's KiB G_s - cap e_s + (cap - first_cap) [e_s >= 1] (set
     # below) and its ring on each bandwidth class of the stage's pairs (class units).
     # LK_s = max(last_kib, the stage's first block's untied KiB: at its cut, linear).
-    last_kib = m.NewIntVar(0, cap, f"lastk_{s}")
-    lk = m.NewIntVar(0, lk_hi, f"lastkf_{s}")
-    m.AddMaxEquality(lk, [last_kib, first_kib(s)])
+    last_kib = m.new_int_var(0, cap, f"lastk_{s}")
+    lk = m.new_int_var(0, lk_hi, f"lastkf_{s}")
+    m.add_max_equality(lk, [last_kib, first_kib(s)])
     lring, lring_hi = {}, {}
     for q in sorted({tab.pair_bw_class[g][h] for (g, h), _ in pairs}):
         coef, sc = tab.lastb_coef[q], tab.lastb_scale[q]
@@ -339,36 +339,36 @@ def _stage_allreduce(m: cp_model.CpModel, tab: IntTables, groups, p, k, size_s, 
                     lambda q: tab.arsh_prefix[q][-1] - tab.ar_prefix[q][-1])]
     xs, lw = pair_max_many(m, tab, pairs, values, f"ar{s}")
     arb, last_ring = xs[0], xs[1]
-    sz1 = m.NewIntVar(0, gpu_hi, f"size1_{s}")
-    m.Add(sz1 == size_s - 1)
-    lat_term = m.NewIntVar(0, gpu_hi * lat_hi, f"arlat_{s}")
-    m.AddMultiplicationEquality(lat_term, [sz1, lw])
+    sz1 = m.new_int_var(0, gpu_hi, f"size1_{s}")
+    m.add(sz1 == size_s - 1)
+    lat_term = m.new_int_var(0, gpu_hi * lat_hi, f"arlat_{s}")
+    m.add_multiplication_equality(lat_term, [sz1, lw])
     grad_lat = 2 * lat_term  # the first bucket's ring
     if extra_hi > 0:  # e_s more buckets, each a ring of 2 (k - 1) latencies
         # e_s = (G_s - first_cap + cap - 1) // cap, the numerator >= cap - 1 - first_cap
         # >= 0 (division by a constant: with the two linear inequalities it pins
         # instead, CP-SAT stalled -- test_stage_dp seed 0, S=2, M=4: 0.9 deterministic
         # s without proving optimality, 0.03 s with the division).
-        num = m.NewIntVar(cap - 1 - first_cap, tab.grad_kib_prefix[-1] + cap - 1 - first_cap, f"nbn_{s}")
-        m.Add(num == own_grad(s) - first_cap + cap - 1)
-        e_s = m.NewIntVar(0, extra_hi, f"nbx_{s}")
-        m.AddDivisionEquality(e_s, num, cap)
-        e_lat = m.NewIntVar(0, extra_hi * gpu_hi * lat_hi, f"nblat_{s}")
-        m.AddMultiplicationEquality(e_lat, [e_s, lat_term])
+        num = m.new_int_var(cap - 1 - first_cap, tab.grad_kib_prefix[-1] + cap - 1 - first_cap, f"nbn_{s}")
+        m.add(num == own_grad(s) - first_cap + cap - 1)
+        e_s = m.new_int_var(0, extra_hi, f"nbx_{s}")
+        m.add_division_equality(e_s, num, cap)
+        e_lat = m.new_int_var(0, extra_hi * gpu_hi * lat_hi, f"nblat_{s}")
+        m.add_multiplication_equality(e_lat, [e_s, lat_term])
         grad_lat += 2 * e_lat
-        more = m.NewBoolVar(f"nbm_{s}")  # e_s >= 1
-        m.Add(e_s >= 1).OnlyEnforceIf(more)
-        m.Add(e_s == 0).OnlyEnforceIf(more.Not())
-        m.Add(last_kib == own_grad(s) - cap * e_s + (cap - first_cap) * more)
+        more = m.new_bool_var(f"nbm_{s}")  # e_s >= 1
+        m.add(e_s >= 1).OnlyEnforceIf(more)
+        m.add(e_s == 0).OnlyEnforceIf(more.Not())
+        m.add(last_kib == own_grad(s) - cap * e_s + (cap - first_cap) * more)
     else:  # one bucket holds every stage's gradients
-        m.Add(last_kib == own_grad(s))
+        m.add(last_kib == own_grad(s))
     if not sh:
         return (ring(m, arb, ksz, ar_hi, k_hi, f"arr{s}", lits=lits) + grad_lat, last_ring + 2 * lat_term, 0)
     # A sharded stage also all-gathers its weights, after the last bucket.
     hi = max(p_[-1] for p_ in tab.arsh_prefix)
-    sel = m.NewIntVar(0, hi, f"arsel_{s}")
-    m.Add(sel == arb).OnlyEnforceIf(sh[s].Not())
-    m.Add(sel == xs[2]).OnlyEnforceIf(sh[s])
+    sel = m.new_int_var(0, hi, f"arsel_{s}")
+    m.add(sel == arb).OnlyEnforceIf(sh[s].Not())
+    m.add(sel == xs[2]).OnlyEnforceIf(sh[s])
     ghi = max(a[-1] - b[-1] for a, b in zip(tab.arsh_prefix, tab.ar_prefix))
     gather = ring(m, gated(m, sh[s], xs[3], ghi, f"ag_{s}"), ksz, ghi, k_hi, f"agr{s}", lits=lits)
     gather_lat = gated(m, sh[s], lat_term, gpu_hi * lat_hi, f"arl_{s}")
@@ -395,6 +395,6 @@ def _stage_optim(m: cp_model.CpModel, tab: IntTables, groups, p, cuts: StageCuts
                 tab.opt_prefix[q][-1], f"oz_{q}_{s}"))
     if sh:
         opt_terms += [tab.opt_per_mib[tab.gpu_mbw_class[rep[c]]] * zc[c][s] for c in range(n_c)]
-    opt = m.NewIntVar(0, opt_hi, f"opt_{s}")
-    m.AddMaxEquality(opt, opt_terms)
+    opt = m.new_int_var(0, opt_hi, f"opt_{s}")
+    m.add_max_equality(opt, opt_terms)
     return opt

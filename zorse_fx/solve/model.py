@@ -207,25 +207,25 @@ class CandidateModel:
         p[c][s] = k >= 1; every GPU takes >= 1 of the b samples, so unit * k <= b."""
         m, b, cls, stages = self.m, self.b, range(len(self.groups)), range(self.S)
         single, count, unit = self.single, self.count, self.unit
-        k = [None if single[c] else [m.NewIntVar(0, min(count[c], b // unit[c]), f"k_{c}_{s}") for s in stages]
+        k = [None if single[c] else [m.new_int_var(0, min(count[c], b // unit[c]), f"k_{c}_{s}") for s in stages]
              for c in cls]
-        self.p = p = [[m.NewBoolVar(f"p_{c}_{s}") for s in stages] for c in cls]
+        self.p = p = [[m.new_bool_var(f"p_{c}_{s}") for s in stages] for c in cls]
         self.k = k = [p[c] if single[c] else k[c] for c in cls]  # one unit: k = p
         for c in cls:
             if single[c]:
-                (m.AddAtMostOne if allow_idle_gpus else m.AddExactlyOne)(p[c])
+                (m.add_at_most_one if allow_idle_gpus else m.add_exactly_one)(p[c])
                 continue
             if allow_idle_gpus:
-                m.Add(sum(k[c]) <= count[c])
+                m.add(sum(k[c]) <= count[c])
             else:
-                m.Add(sum(k[c]) == count[c])
+                m.add(sum(k[c]) == count[c])
             for s in stages:
-                m.Add(k[c][s] >= 1).OnlyEnforceIf(p[c][s])
-                m.Add(k[c][s] == 0).OnlyEnforceIf(p[c][s].Not())
+                m.add(k[c][s] >= 1).OnlyEnforceIf(p[c][s])
+                m.add(k[c][s] == 0).OnlyEnforceIf(p[c][s].Not())
         self.size = [sum(unit[c] * k[c][s] for c in cls) for s in stages]
         for s in stages:
-            m.AddBoolOr([p[c][s] for c in cls])
-            m.Add(self.size[s] <= b)
+            m.add_bool_or([p[c][s] for c in cls])
+            m.add(self.size[s] <= b)
 
     def _samples(self) -> None:
         """[C-samples] n[c][s] in [1, b] iff present; sum_c unit * k * n = b. z: samples a GPU
@@ -234,38 +234,38 @@ class CandidateModel:
         m, b, in_s, p, k = self.m, self.b, self.in_s, self.p, self.k
         cls, stages, blocks = range(len(self.groups)), range(self.S), range(self.nb)
         single, unit = self.single, self.unit
-        self.n = n = [[m.NewIntVar(0, b, f"n_{c}_{s}") for s in stages] for c in cls]
-        self.z = z = [[m.NewIntVar(0, b, f"z_{c}_{q}") for q in blocks] if single[c] else
-                      [[m.NewIntVar(0, b, f"z_{c}_{s}_{q}") for q in blocks] for s in stages] for c in cls]
-        self.u = u = [[m.NewBoolVar(f"u_{c}_{q}") for q in blocks] if single[c] else
-                      [[m.NewBoolVar(f"u_{c}_{s}_{q}") for q in blocks] for s in stages] for c in cls]
+        self.n = n = [[m.new_int_var(0, b, f"n_{c}_{s}") for s in stages] for c in cls]
+        self.z = z = [[m.new_int_var(0, b, f"z_{c}_{q}") for q in blocks] if single[c] else
+                      [[m.new_int_var(0, b, f"z_{c}_{s}_{q}") for q in blocks] for s in stages] for c in cls]
+        self.u = u = [[m.new_bool_var(f"u_{c}_{q}") for q in blocks] if single[c] else
+                      [[m.new_bool_var(f"u_{c}_{s}_{q}") for q in blocks] for s in stages] for c in cls]
         self.kn = kn = {}  # (group, stage) -> IntVar k * n of a multi-unit group
         for s in stages:
             tots = []
             for c in cls:
-                m.Add(n[c][s] >= 1).OnlyEnforceIf(p[c][s])
-                m.Add(n[c][s] == 0).OnlyEnforceIf(p[c][s].Not())
+                m.add(n[c][s] >= 1).OnlyEnforceIf(p[c][s])
+                m.add(n[c][s] == 0).OnlyEnforceIf(p[c][s].Not())
                 if single[c]:
                     tots.append(unit[c] * n[c][s])  # k = p: k * n = n
                     continue
-                tot = m.NewIntVar(0, b, f"kn_{c}_{s}")
-                m.AddMultiplicationEquality(tot, [k[c][s], n[c][s]])
+                tot = m.new_int_var(0, b, f"kn_{c}_{s}")
+                m.add_multiplication_equality(tot, [k[c][s], n[c][s]])
                 kn[c, s] = tot
                 tots.append(unit[c] * tot)
                 for q in blocks:  # z[c][s][q] = n[c][s] if block q is in stage s, else 0
-                    m.Add(z[c][s][q] == n[c][s]).OnlyEnforceIf(in_s[s][q])
-                    m.Add(z[c][s][q] == 0).OnlyEnforceIf(in_s[s][q].Not())
-                    m.Add(z[c][s][q] >= 1).OnlyEnforceIf(u[c][s][q])
-                    m.Add(z[c][s][q] == 0).OnlyEnforceIf(u[c][s][q].Not())
-            m.Add(sum(tots) == b)
+                    m.add(z[c][s][q] == n[c][s]).OnlyEnforceIf(in_s[s][q])
+                    m.add(z[c][s][q] == 0).OnlyEnforceIf(in_s[s][q].Not())
+                    m.add(z[c][s][q] >= 1).OnlyEnforceIf(u[c][s][q])
+                    m.add(z[c][s][q] == 0).OnlyEnforceIf(u[c][s][q].Not())
+            m.add(sum(tots) == b)
         for c in cls:
             if single[c]:  # in one stage at most: z[c][q] = n[c][s] for the stage s holding q
                 for s in stages:
                     for q in blocks:
-                        m.Add(z[c][q] == n[c][s]).OnlyEnforceIf(in_s[s][q])
+                        m.add(z[c][q] == n[c][s]).OnlyEnforceIf(in_s[s][q])
                 for q in blocks:
-                    m.Add(z[c][q] >= 1).OnlyEnforceIf(u[c][q])
-                    m.Add(z[c][q] == 0).OnlyEnforceIf(u[c][q].Not())
+                    m.add(z[c][q] >= 1).OnlyEnforceIf(u[c][q])
+                    m.add(z[c][q] == 0).OnlyEnforceIf(u[c][q].Not())
         if any(single):
             # Redundant: every block sees the b samples. A multi-unit group's samples
             # through block q: y[c][q] = k n of the stage holding q.
@@ -274,13 +274,13 @@ class CandidateModel:
                 if single[c]:
                     through.append([unit[c] * z[c][q] for q in blocks])
                     continue
-                y = [m.NewIntVar(0, b, f"through_{c}_{q}") for q in blocks]
+                y = [m.new_int_var(0, b, f"through_{c}_{q}") for q in blocks]
                 for s in stages:
                     for q in blocks:
-                        m.Add(y[q] == kn[c, s]).OnlyEnforceIf(in_s[s][q])
+                        m.add(y[q] == kn[c, s]).OnlyEnforceIf(in_s[s][q])
                 through.append([unit[c] * y[q] for q in blocks])
             for q in blocks:
-                m.Add(sum(row[q] for row in through) == b)
+                m.add(sum(row[q] for row in through) == b)
 
     def _compute(self) -> None:
         """[C-compute] compute = n W + F (+ the recomputed forward) of a GPU of c: stage_comp[c][s]
@@ -299,7 +299,7 @@ class CandidateModel:
         self.work_hi = work_hi
         self.t_hi = work_hi + 2 * (xfer_hi + self.lat_hi)
         self.gpu_hi = min(tab.num_gpus, b * n_s)
-        self.tmax = m.NewIntVar(0, self.t_hi, "tmax")
+        self.tmax = m.new_int_var(0, self.t_hi, "tmax")
         self.drain_hi = 6 * self.t_hi  # bounds k_E cmax_s + 3 boundary_s of [C-objective] (k_E <= 4)
         self.gpu_comps = []  # every compute IntVar: redundant lower bounds of the period
         self.stage_comp = [[None] * n_s for _ in cls]
@@ -311,8 +311,8 @@ class CandidateModel:
             if self.single[c]:
                 on = None
                 if rc:  # the recomputed forward, when c's stage recomputes
-                    on = m.NewBoolVar(f"rcg_{c}")
-                    m.Add(on == sum(self._both(p[c][s], rc[s], f"prc_{c}_{s}") for s in stages))
+                    on = m.new_bool_var(f"rcg_{c}")
+                    m.add(on == sum(self._both(p[c][s], rc[s], f"prc_{c}_{s}") for s in stages))
                 self.rcg[c] = on
                 cv, fwd = self._gpu_compute(c, z[c], u[c], on, f"{c}")
                 for s in stages:
@@ -330,13 +330,13 @@ class CandidateModel:
         ``on``: recomputes."""
         m, tab, ty, work_hi = self.m, self.tab, self.ctype[c], self.work_hi
         wsum = cp_model.LinearExpr.WeightedSum
-        cv = m.NewIntVar(0, work_hi, f"comp_{name}")
+        cv = m.new_int_var(0, work_hi, f"comp_{name}")
         extra = 0
         fwd = wsum(zz, _blocks(tab.rc_work_prefix[ty])) + wsum(uu, _blocks(tab.rc_fixed_prefix[ty]))
         if self.rc:
             extra = self._gated(on, fwd, work_hi, f"rcw_{name}")
-        m.Add(cv == wsum(zz, _blocks(tab.work_prefix[ty])) + wsum(uu, _blocks(tab.fixed_prefix[ty])) + extra)
-        m.Add(self.tmax >= cv)  # redundant
+        m.add(cv == wsum(zz, _blocks(tab.work_prefix[ty])) + wsum(uu, _blocks(tab.fixed_prefix[ty])) + extra)
+        m.add(self.tmax >= cv)  # redundant
         self.gpu_comps.append(cv)
         return cv, fwd
 
@@ -346,10 +346,10 @@ class CandidateModel:
         True for the last block, False for the others with one stage); zh / uh = z / u off them."""
         m, nb, n_s, ge = self.m, self.nb, self.S, self.cuts.ge
         cls, stages = range(len(self.groups)), range(n_s)
-        self.end = end = [True if q == nb - 1 else False if n_s == 1 else m.NewBoolVar(f"end_{q}") for q in range(nb)]
+        self.end = end = [True if q == nb - 1 else False if n_s == 1 else m.new_bool_var(f"end_{q}") for q in range(nb)]
         for q in range(nb - 1):
             if n_s > 1:
-                m.Add(end[q] == sum(ge[s][q + 1] - ge[s][q] for s in range(1, n_s)))
+                m.add(end[q] == sum(ge[s][q + 1] - ge[s][q] for s in range(1, n_s)))
         self.stage_head = [[None] * n_s for _ in cls]
         p, z, u, rc = self.p, self.z, self.u, self.rc
         for c in cls:
@@ -372,19 +372,19 @@ class CandidateModel:
             elif end[q] is False:
                 zh.append(zz[q]), uh.append(uu[q])
             else:
-                v = m.NewIntVar(0, self.b, f"zh_{name}_{q}")
-                m.Add(v == zz[q]).OnlyEnforceIf(end[q].Not())
-                m.Add(v == 0).OnlyEnforceIf(end[q])
+                v = m.new_int_var(0, self.b, f"zh_{name}_{q}")
+                m.add(v == zz[q]).OnlyEnforceIf(end[q].Not())
+                m.add(v == 0).OnlyEnforceIf(end[q])
                 zh.append(v), uh.append(self._both(uu[q], end[q].Not(), f"uh_{name}_{q}"))
 
         def tsum(prefix):
             w_, f_ = _blocks(prefix[0][ty]), _blocks(prefix[1][ty])
             return sum(w_[q] * zh[q] + f_[q] * uh[q] for q in blocks)
 
-        hv = m.NewIntVar(0, self.work_hi, f"comph_{name}")
+        hv = m.new_int_var(0, self.work_hi, f"comph_{name}")
         extra = self._gated(on, tsum((tab.rc_work_prefix, tab.rc_fixed_prefix)), self.work_hi,
                             f"rch_{name}") if self.rc else 0
-        m.Add(hv == tsum((tab.work_prefix, tab.fixed_prefix)) + extra)
+        m.add(hv == tsum((tab.work_prefix, tab.fixed_prefix)) + extra)
         return hv
 
     def _throughput_bound(self) -> None:
@@ -400,7 +400,7 @@ class CandidateModel:
             r_sum += r_g * len(self.groups[c].members)
         self.thr = int(self.b * sum(w_ref) / r_sum * (1 - 1e-9)) if r_sum > 0 else 0
         if r_sum > 0:
-            self.m.Add(self.tmax >= self.thr)
+            self.m.add(self.tmax >= self.thr)
 
     def _stage_times(self) -> None:
         """[C-stage] t_s = cmax_s + boundary_s; per stage its compute (comps), one direction of
@@ -411,24 +411,24 @@ class CandidateModel:
         cls = range(len(self.groups))
         self.t, self.drain6, self.bwd6, self.comps, self.halves = [], [], [], [], []
         for s in range(n_s):
-            cs = m.NewIntVar(0, work_hi, f"comp_s{s}")
-            m.AddMaxEquality(cs, [self.stage_comp[c][s] for c in cls])
+            cs = m.new_int_var(0, work_hi, f"comp_s{s}")
+            m.add_max_equality(cs, [self.stage_comp[c][s] for c in cls])
             # [C-boundary] rows per link (network_terms.py [Note: boundary rows]; _boundary_encoding.py).
             if s < n_s - 1:
                 xm, lm = self.links.boundary(s)
                 bnd = 2 * xm + 2 * lm
             else:
                 bnd = 0
-            ts = m.NewIntVar(0, self.t_hi, f"t_{s}")
-            m.Add(ts == cs + bnd)  # [C-stage]
+            ts = m.new_int_var(0, self.t_hi, f"t_{s}")
+            m.add(ts == cs + bnd)  # [C-stage]
             self.t.append(ts)
             self.comps.append(cs)
             if s < n_s - 1:
                 self.halves.append(xm + lm)
             k_e, k_b, k_brc = self.tab.drain_coefs
             self.drain6.append(k_e * cs + 3 * bnd)
-            ch = m.NewIntVar(0, work_hi, f"comph_s{s}")
-            m.AddMaxEquality(ch, [self.stage_head[c][s] for c in cls])
+            ch = m.new_int_var(0, work_hi, f"comph_s{s}")
+            m.add_max_equality(ch, [self.stage_head[c][s] for c in cls])
             self.bwd6.append(k_b * ch - (k_b - k_brc) * self._gated(rc[s], ch, work_hi, f"bwdrc_{s}") if rc
                              else k_b * ch)
 
@@ -440,18 +440,18 @@ class CandidateModel:
             return
         m, tab, sh, p, k = self.m, self.tab, self.sh, self.p, self.k
         cls, stages, rep = range(len(self.groups)), range(self.S), self.rep
-        zc = [[m.NewIntVar(0, tab.cap_bytes[rep[c]] // MIB_UNITS, f"zc_{c}_{s}") for s in stages] for c in cls]
+        zc = [[m.new_int_var(0, tab.cap_bytes[rep[c]] // MIB_UNITS, f"zc_{c}_{s}") for s in stages] for c in cls]
         for s in stages:
             held = []
             for c in cls:
-                m.Add(zc[c][s] == 0).OnlyEnforceIf(self._both(p[c][s], sh[s], f"psh_{c}_{s}").Not())
+                m.add(zc[c][s] == 0).OnlyEnforceIf(self._both(p[c][s], sh[s], f"psh_{c}_{s}").Not())
                 if self.single[c]:
                     held.append(self.unit[c] * zc[c][s])
                 else:
-                    kz = m.NewIntVar(0, self.count[c] * (tab.cap_bytes[rep[c]] // MIB_UNITS), f"kz_{c}_{s}")
-                    m.AddMultiplicationEquality(kz, [k[c][s], zc[c][s]])
+                    kz = m.new_int_var(0, self.count[c] * (tab.cap_bytes[rep[c]] // MIB_UNITS), f"kz_{c}_{s}")
+                    m.add_multiplication_equality(kz, [k[c][s], zc[c][s]])
                     held.append(self.unit[c] * kz)
-            m.Add(MIB_UNITS * sum(held) >= self._shard_kib(s)).OnlyEnforceIf(sh[s])
+            m.add(MIB_UNITS * sum(held) >= self._shard_kib(s)).OnlyEnforceIf(sh[s])
         self.zc = zc
 
     def _memory(self) -> None:
@@ -497,10 +497,10 @@ class CandidateModel:
                 if sig(c) == sig(d) and all(code[rep[c], rep[e]] == code[rep[d], rep[e]]
                                             for e in range(n_c) if e not in (c, d)):
                     if self.single[c]:
-                        m.Add(key(c) <= key(d))
+                        m.add(key(c) <= key(d))
                     else:
                         base = self.count[c] + 1
-                        m.Add(sum(base ** (n_s - 1 - s) * (k[c][s] - k[d][s]) for s in stages) >= 0)
+                        m.add(sum(base ** (n_s - 1 - s) * (k[c][s] - k[d][s]) for s in stages) >= 0)
                     break
 
     def _objective(self, sync, sync_hi: int) -> None:
@@ -509,7 +509,7 @@ class CandidateModel:
         GPipe max(T_F + T_B, load) (ceil of the thirds); load: network_terms.link_load, over the
         links that can carry two boundaries."""
         m, tab, cls, stages = self.m, self.tab, range(len(self.groups)), range(self.S)
-        m.AddMaxEquality(self.tmax, self.t)
+        m.add_max_equality(self.tmax, self.t)
         period = 0
         if tab.num_microbatches > 1:  # (M - 1) T: no period term with one micro-batch
             split = None
@@ -517,14 +517,14 @@ class CandidateModel:
                 split = ([[3 * self.stage_fwd[c][s] for c in cls] for s in stages],
                          [[3 * (self.stage_comp[c][s] - self.stage_fwd[c][s]) for c in cls] for s in stages])
             period = self.links.period(self.comps, self.halves, split, self.gpu_comps, self.thr, self.t_hi)
-        smax6 = m.NewIntVar(0, 6 * sync_hi, "syncmax6")
-        m.AddMaxEquality(smax6, sync)
-        num6 = m.NewIntVar(5, 6 * sync_hi + 5, "syncnum6")
-        m.Add(num6 == smax6 + 5)
-        smax = m.NewIntVar(0, sync_hi, "syncmax")
-        m.AddDivisionEquality(smax, num6, 6)
+        smax6 = m.new_int_var(0, 6 * sync_hi, "syncmax6")
+        m.add_max_equality(smax6, sync)
+        num6 = m.new_int_var(5, 6 * sync_hi + 5, "syncnum6")
+        m.add(num6 == smax6 + 5)
+        smax = m.new_int_var(0, sync_hi, "syncmax")
+        m.add_division_equality(smax, num6, 6)
         self.objective = sum(self.t) + (tab.num_microbatches - 1) * period + smax
-        m.Minimize(self.objective)
+        m.minimize(self.objective)
 
     def hint(self, decision: Decision) -> None:
         """Warm start from a per-GPU decision (same S and M; [Note: warm start]): cuts,
@@ -533,7 +533,7 @@ class CandidateModel:
         repaired by CP-SAT; with one group per GPU it is the decision itself)."""
         m = self.m
         for s, (i, _) in enumerate(decision.stage_blocks):
-            m.AddHint(self.cut[s], i)
+            m.add_hint(self.cut[s], i)
         shards = decision.shard_mib or ((),) * decision.num_stages
         where = {}
         for s, (gs, ns) in enumerate(zip(decision.stage_gpus, decision.samples_per_microbatch)):
@@ -544,29 +544,29 @@ class CandidateModel:
             for s in range(self.S):
                 mine = [where[g] for g in grp.members if where.get(g, (None,))[0] == s]
                 if self.k[c] is not self.p[c]:
-                    m.AddHint(self.k[c][s], len(mine) // grp.unit)
-                m.AddHint(self.p[c][s], bool(mine))
-                m.AddHint(self.n[c][s], mine[0][1] if mine else 0)
+                    m.add_hint(self.k[c][s], len(mine) // grp.unit)
+                m.add_hint(self.p[c][s], bool(mine))
+                m.add_hint(self.n[c][s], mine[0][1] if mine else 0)
                 if self.zc is not None:
-                    m.AddHint(self.zc[c][s], max((z for _, _, z in mine), default=0))
+                    m.add_hint(self.zc[c][s], max((z for _, _, z in mine), default=0))
         for s in range(self.S):
             if self.sh:
-                m.AddHint(self.sh[s], decision.sharded[s])
+                m.add_hint(self.sh[s], decision.sharded[s])
             if self.rc:
-                m.AddHint(self.rc[s], decision.recompute[s])
+                m.add_hint(self.rc[s], decision.recompute[s])
 
     def decision(self, solver: cp_model.CpSolver):
         """Expand the group decision to GPUs: the ``Decision`` of the solver's current solution."""
-        cuts = [solver.Value(c) for c in self.cut]
+        cuts = [solver.value(c) for c in self.cut]
         blocks = tuple((cuts[s], cuts[s + 1]) for s in range(self.S))
-        sharded = tuple(bool(self.sh and solver.BooleanValue(self.sh[s])) for s in range(self.S))
-        recompute = tuple(bool(self.rc and solver.BooleanValue(self.rc[s])) for s in range(self.S))
+        sharded = tuple(bool(self.sh and solver.boolean_value(self.sh[s])) for s in range(self.S))
+        recompute = tuple(bool(self.rc and solver.boolean_value(self.rc[s])) for s in range(self.S))
         per_stage = [[] for _ in range(self.S)]
         for c, grp in enumerate(self.groups):
             members, pos = grp.members, 0
             for s in range(self.S):
-                kk, nn = grp.unit * solver.Value(self.k[c][s]), solver.Value(self.n[c][s])
-                zz = solver.Value(self.zc[c][s]) if sharded[s] else 0
+                kk, nn = grp.unit * solver.value(self.k[c][s]), solver.value(self.n[c][s])
+                zz = solver.value(self.zc[c][s]) if sharded[s] else 0
                 per_stage[s].extend((g, nn, zz) for g in members[pos:pos + kk])
                 pos += kk
         gpus, samples, shards = [], [], []
@@ -585,16 +585,16 @@ def _policy_vars(m: cp_model.CpModel, tab: IntTables, size, n_s: int):
     ([C-recompute]); None for a mode "never", fixed for "always"."""
     sh = rc = None
     if tab.sharding != "never":
-        sh = [m.NewBoolVar(f"sh_{s}") for s in range(n_s)]
+        sh = [m.new_bool_var(f"sh_{s}") for s in range(n_s)]
         for s in range(n_s):
-            m.Add(size[s] >= 2).OnlyEnforceIf(sh[s])
+            m.add(size[s] >= 2).OnlyEnforceIf(sh[s])
             if tab.sharding == "always":
-                m.Add(size[s] <= 1).OnlyEnforceIf(sh[s].Not())
+                m.add(size[s] <= 1).OnlyEnforceIf(sh[s].Not())
     if tab.recompute != "never":
-        rc = [m.NewBoolVar(f"rc_{s}") for s in range(n_s)]
+        rc = [m.new_bool_var(f"rc_{s}") for s in range(n_s)]
         if tab.recompute == "always":
             for v in rc:
-                m.Add(v == 1)
+                m.add(v == 1)
     return sh, rc
 
 
@@ -611,20 +611,20 @@ def _memory_limit(m: cp_model.CpModel, tab: IntTables, present, *, cap, state, s
     if rc is not None:
         cin = 0
         if xin is not None:
-            cin = m.NewIntVar(0, tab.microbatch_size * tab.cut_kib_max, f"cin_{name}")
-            m.AddMultiplicationEquality(cin, [n, xin])
+            cin = m.new_int_var(0, tab.microbatch_size * tab.cut_kib_max, f"cin_{name}")
+            m.add_multiplication_equality(cin, [n, xin])
         acts = [(fl * act, [rc.Not()]), (fl * cin + act, [rc])]
     for st_expr, l1 in states:
         for act_expr, l2 in acts:
-            m.Add(st_expr + act_expr <= cap).OnlyEnforceIf([present, *l1, *l2])
+            m.add(st_expr + act_expr <= cap).OnlyEnforceIf([present, *l1, *l2])
 
 
 def _stage_input_kib(m: cp_model.CpModel, tab: IntTables, cuts: StageCuts, s: int):
     """IntVar = X_s, the cut KiB per sample entering stage s (None for s = 0: nothing)."""
     if s == 0:
         return None
-    v = m.NewIntVar(0, tab.cut_kib_max, f"xin_{s}")
-    m.Add(v == cuts.at_cut(tab.cut_kib, s))
+    v = m.new_int_var(0, tab.cut_kib_max, f"xin_{s}")
+    m.add(v == cuts.at_cut(tab.cut_kib, s))
     return v
 
 
