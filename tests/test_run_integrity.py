@@ -10,8 +10,9 @@ in one line and the newest intact checkpoint is used. A step whose loss or
 gradients are not finite stops every rank ([Note: non-finite steps] in
 ``runtime/worker.py``) with a non-zero exit and no checkpoint of it.
 
-Three rank launches (2 Gloo ranks each): the module's run (4 steps, an inf
-gradient at step 4), a resume of it that finds nothing to train, and a run
+Four rank launches (2 Gloo ranks each, under a second apiece after the
+first): the module's run (4 steps, an inf gradient at step 4), a resume of it
+that finds nothing to train, one past a bit-flipped checkpoint, and a run
 from NaN weights. Everything else works on copies of the first run's
 directory, in this process (rank 0's start decision is a plain function).
 """
@@ -245,6 +246,31 @@ def test_bitflipped_shard_falls_back_to_previous_checkpoint(stopped_run, tmp_pat
                         rf"sha256 [0-9a-f]{{12}}\.\.\., the manifest records [0-9a-f]{{12}}\.\.\. \(its bytes changed "
                         rf"since it was written\); set aside as step_3\.damaged", line), line
     assert [s for s, _ in list_checkpoints(root)] == [1, 2] and (root / "step_3.damaged").is_dir()
+
+
+def test_resume_past_a_bitflipped_checkpoint_continues_the_run(stopped_run, tmp_path, capsys):
+    """The ranks resume from step_2 when step_3 is flipped: the line names the
+    damaged file, the resume line says it is the newest intact checkpoint;
+    step 3 is trained again with the same loss, the same run id, and the new
+    checkpoints are kept (step_3.damaged left aside)."""
+    d, common, run, _ = stopped_run
+    out = _copy(run, tmp_path)
+    root = out / "checkpoints"
+    shard = _biggest_shard(root / "step_3")
+    data = bytearray(shard.read_bytes())
+    data[-100] ^= 0x01
+    shard.write_bytes(bytes(data))
+    before = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    spawn_ranks(d / "plan", 2, [*common[1:], "--steps", "4", "--out", str(out), "--resume", "--checkpoint-every", "1"])
+    lines = capsys.readouterr().out.splitlines()
+    assert any(ln.startswith(f"[zorse] checkpoint {root / 'step_3'} is damaged: file {shard.name} has sha256 ")
+               and ln.endswith("; set aside as step_3.damaged") for ln in lines)
+    assert f"[zorse] resumed from {root / 'step_2'} (step 2, written on 2 ranks), the newest intact checkpoint" in lines
+    rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert {r["run_id"] for r in rows} == {before[0]["run_id"]}
+    assert rows[2]["loss"] == before[2]["loss"]
+    assert [s for s, _ in list_checkpoints(root)] == [2, 3, 4] and (root / "step_3.damaged").is_dir()
 
 
 def test_truncated_shard_named_in_one_line(stopped_run, tmp_path):

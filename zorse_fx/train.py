@@ -31,9 +31,19 @@ global gradient norm, validation on held-out batches, checkpoints with
 torchrun restart (``zorse train --max-restarts``), and SIGTERM/SIGINT handled
 at the end of a step on every rank alike (checkpoint, then exit ``128 + signal``).
 
-Rank 0 writes ``<out>/metrics.jsonl`` (continued by ``--resume``; a new run
-keeps an earlier file as ``metrics.<n>.jsonl``): one JSON object per step with
-``step``, ``loss``, ``lr``, ``grad_norm`` (global, before clipping),
+One run per ``--out`` ([Note: one run per directory] in
+``runtime/run_dir.py``): before any rank writes, rank 0 decides how the run
+starts (``_decide_start``) and broadcasts it: a fresh run (refused where
+``<out>`` holds another run's checkpoints or metrics, unless ``--overwrite``
+removes them), the newest intact checkpoint to resume (damaged ones named
+and set aside: [Note: checkpoint integrity] in ``runtime/checkpoint.py``),
+or nothing to train (``--resume`` of a finished run: exit 0). A step whose
+loss or gradients are not finite stops every rank with ``EXIT_NONFINITE``
+and no checkpoint of it ([Note: non-finite steps] in ``runtime/worker.py``).
+
+Rank 0 writes ``<out>/metrics.jsonl`` (continued by ``--resume``): one JSON
+object per step with ``step``, ``run_id`` and ``plan_hash`` (the run's
+identity), ``loss``, ``lr``, ``grad_norm`` (global, before clipping),
 ``val_loss`` (on validation steps), ``tokens_seen``, ``step_time_s``, ``tokens_per_s``, ``precision``,
 ``loss_scale`` and ``skipped`` (fp16-mixed: the scale the step used, and
 whether every rank skipped it for an inf/NaN gradient) and ``ranks``: per rank

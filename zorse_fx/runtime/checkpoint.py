@@ -44,10 +44,14 @@ ends with a collective) rank 0 writes the manifest, syncs it and renames the
 directory to ``step_<k>`` (one ``os.replace``). A checkpoint is therefore
 complete or absent; ``latest_checkpoint`` only considers ``step_<k>``
 directories that hold a manifest. Rank 0 then deletes all but the newest
-``keep`` checkpoints. Several nodes need ``<out>`` on a shared file system.
+``keep`` checkpoints up to that step. Several nodes need ``<out>`` on a
+shared file system. Before a resume the files are checked against the
+manifest's sizes and sha256 ([Note: checkpoint integrity]).
 
 The manifest (``zorse_checkpoint.json``, ``"format": "zorse_fx.checkpoint"``,
-version 1) is declared once, as ``CheckpointManifest``: its annotations carry
+version 2: version 1 plus the run's identity ``run_id`` / ``plan_hash``,
+``runtime/run_dir.py``, and ``files``; version 1 is read with those empty)
+is declared once, as ``CheckpointManifest``: its annotations carry
 each field's type, range and meaning, ``file_schema.struct_of`` builds the
 schema ``ManifestDoc`` from them, ``save_checkpoint`` writes a manifest
 through it and ``read_manifest`` checks one against it (``MANIFEST_FILE``:
