@@ -75,6 +75,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -90,7 +91,8 @@ from .runtime.lr_schedule import LRSchedule
 from .runtime.watchdog import heartbeat_dir, start_heartbeat
 from .runtime.worker import OptimizerConfig, StageWorker
 from .token_data import TokenData, model_vocab_size, plan_rank_samples
-from .train_options import TrainingOptions, TrainOptionsFileError, UsageError, options_from_argv
+from .train_options import (CheckpointOptions, TrainingOptions, TrainOptionsFileError, UsageError,
+                            options_from_argv)
 
 __all__ = ["main", "parse_args", "runtime_precision", "PROG", "EXIT_NONFINITE"]
 
@@ -190,13 +192,13 @@ class _Start:
     writes manifests and metrics); ``lines``: what rank 0 prints (a line
     starting ``zorse:`` on stderr)."""
 
-    kind: str
+    kind: Literal["fresh", "resume", "finished", "refused", "failed"]
     step: int = 0
     run_id: str = ""
     lines: tuple[str, ...] = ()
 
 
-def _decide_start(out: Path, ckpt, steps: int, restarted: int) -> _Start:
+def _decide_start(out: Path, ckpt: CheckpointOptions, steps: int, restarted: int) -> _Start:
     """Rank 0, before any rank writes: a fresh run (refused where ``out``
     holds another run, which ``--overwrite`` removes first), or the newest
     intact checkpoint to resume (damaged ones named and set aside), or
