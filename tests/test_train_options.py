@@ -96,6 +96,7 @@ FLAGS = [  # (argv beyond "plan", dotted field, value)
     (["--checkpoint-every", "5"], "checkpoint.checkpoint_every", 5),
     (["--keep-checkpoints", "2"], "checkpoint.keep_checkpoints", 2),
     (["--resume"], "checkpoint.resume", True),
+    (["--overwrite"], "checkpoint.overwrite", True),
     (["--out", "runs/y"], "job.out", "runs/y"),
     (["--backend", "gloo"], "job.backend", "gloo"),
     (["--precision", "bf16-mixed"], "job.precision", "bf16-mixed"),
@@ -240,7 +241,8 @@ FULL = TrainingOptions(
 
 def test_options_file_round_trip(tmp_path):
     assert all(_get(FULL, f) != _get(TrainingOptions(data=DataOptions(plan="p", data="d")), f)
-               for f, _ in _leaves() if f not in ("data.tokens",))  # every field away from its default
+               for f, _ in _leaves() if f not in ("data.tokens", "checkpoint.overwrite"))  # every field away
+    # from its default (--overwrite is not allowed with --resume: its own round trip below)
     path = write_options_file(FULL, tmp_path / OPTIONS_FILE)
     doc = json.loads(path.read_text())
     assert (doc["format"], doc["version"]) == (FORMAT, VERSION)
@@ -248,6 +250,8 @@ def test_options_file_round_trip(tmp_path):
     assert read_options_file(path) == FULL
     assert parse_args(["--options-file", str(path)]) == FULL
     assert parse_args([f"--options-file={path}"]) == FULL
+    fresh = dataclasses.replace(FULL, checkpoint=CheckpointOptions(overwrite=True))
+    assert read_options_file(write_options_file(fresh, tmp_path / "fresh.json")) == fresh
 
 
 def _edited(tmp_path, edit) -> Path:

@@ -312,9 +312,13 @@ def test_manifest_errors_name_file_and_field(tmp_path):
                               f"when it was written); correct it or resume from another step_<k> directory of "
                               f"<out>/checkpoints")
     assert latest_checkpoint(tmp_path) is None or latest_checkpoint(tmp_path) == d
-    good = {"format": "zorse_fx.checkpoint", "version": 1, "step": 3, "optimizer_steps": 3, "world_size": 2,
-            "num_stages": 2, "model_name": "gpt", "cluster_name": "c", "global_batch_size": 8, "seq_len": 16,
-            "precision": "fp32", "samples_seen": 24}
+    v1 = {"format": "zorse_fx.checkpoint", "version": 1, "step": 3, "optimizer_steps": 3, "world_size": 2,
+          "num_stages": 2, "model_name": "gpt", "cluster_name": "c", "global_batch_size": 8, "seq_len": 16,
+          "precision": "fp32", "samples_seen": 24}
+    (d / MANIFEST).write_text(json.dumps(v1))  # version 1: no run identity, no file records
+    good = {**v1, "version": 2, "run_id": "", "plan_hash": "", "files": None}
+    assert read_manifest(d) == good
+    good = {**good, "run_id": "0123456789abcdef", "files": {"__0_0.distcp": {"bytes": 5, "sha256": "0" * 64}}}
     (d / MANIFEST).write_text(json.dumps(good))
     assert read_manifest(d) == good
     for field, value, bad in [("'world_size'", "2", {"world_size": "2"}),  # wrong type

@@ -152,12 +152,15 @@ def cmd_train(args) -> int:
     workers when one dies (with checkpoints, the restarted job resumes)."""
     from .plan import Plan
     from .runtime.launch import launch, torchrun_command
+    from .runtime.run_dir import check_fresh_start
     from .runtime.watchdog import heartbeat_dir
     from .token_data import prepare_data, token_file_paths
 
     cmd: TrainCommand = args.train
     plan = Plan.load(cmd.data.plan)
     out = Path(cmd.job.out)
+    if not cmd.checkpoint.resume:  # another run's checkpoints or metrics: refused before anything starts
+        check_fresh_start(out, overwrite=cmd.checkpoint.overwrite)  # (--overwrite: rank 0 removes them)
     out.mkdir(parents=True, exist_ok=True)
     data = None
     if cmd.data.data is None and cmd.data.tokens is None:  # --corpus / --tokenizer: prepare the token file first

@@ -21,6 +21,8 @@ __all__ = [
     "InfeasiblePlanError",
     "RuntimeExecutionError",
     "CheckpointError",
+    "CheckpointDamagedError",
+    "RunDirectoryError",
     "WeightsFileError",
     "DataError",
     "ProfileFileError",
@@ -82,6 +84,26 @@ class RuntimeExecutionError(ZorseError, RuntimeError):
 class CheckpointError(ZorseError, ValueError):
     """A training checkpoint is incomplete, malformed, or of another model /
     global batch than the plan it is loaded into."""
+
+
+class CheckpointDamagedError(CheckpointError):
+    """A checkpoint whose files are not those its manifest recorded when it
+    was written: a file missing, of another size (truncated) or with another
+    sha256 (bit rot, a partial overwrite), or an unreadable manifest. The
+    message names the checkpoint, the file and what is wrong; ``path`` is the
+    checkpoint directory, ``file`` the damaged file's name (None: the
+    manifest itself)."""
+
+    def __init__(self, message: str, *, path: str, file: str | None = None) -> None:
+        super().__init__(message)
+        self.path, self.file = path, file
+
+
+class RunDirectoryError(ZorseError, ValueError):
+    """A run directory (``--out``) that would mix two runs: a fresh run into a
+    directory holding another run's checkpoints or ``metrics.jsonl``, or a
+    ``--resume`` that finds nothing intact to resume. The message names the
+    directory and the flag to pass (``--overwrite`` or ``--resume``)."""
 
 
 class WeightsFileError(ZorseError, ValueError):

@@ -31,9 +31,19 @@ global gradient norm, validation on held-out batches, checkpoints with
 torchrun restart (``zorse train --max-restarts``), and SIGTERM/SIGINT handled
 at the end of a step on every rank alike (checkpoint, then exit ``128 + signal``).
 
-Rank 0 writes ``<out>/metrics.jsonl`` (continued by ``--resume``; a new run
-keeps an earlier file as ``metrics.<n>.jsonl``): one JSON object per step with
-``step``, ``loss``, ``lr``, ``grad_norm`` (global, before clipping),
+One run per ``--out`` ([Note: one run per directory] in
+``runtime/run_dir.py``): before any rank writes, rank 0 decides how the run
+starts (``_decide_start``) and broadcasts it: a fresh run (refused where
+``<out>`` holds another run's checkpoints or metrics, unless ``--overwrite``
+removes them), the newest intact checkpoint to resume (damaged ones named
+and set aside: [Note: checkpoint integrity] in ``runtime/checkpoint.py``),
+or nothing to train (``--resume`` of a finished run: exit 0). A step whose
+loss or gradients are not finite stops every rank with ``EXIT_NONFINITE``
+and no checkpoint of it ([Note: non-finite steps] in ``runtime/worker.py``).
+
+Rank 0 writes ``<out>/metrics.jsonl`` (continued by ``--resume``): one JSON
+object per step with ``step``, ``run_id`` and ``plan_hash`` (the run's
+identity), ``loss``, ``lr``, ``grad_norm`` (global, before clipping),
 ``val_loss`` (on validation steps), ``tokens_seen``, ``step_time_s``, ``tokens_per_s``, ``precision``,
 ``loss_scale`` and ``skipped`` (fp16-mixed: the scale the step used, and
 whether every rank skipped it for an inf/NaN gradient) and ``ranks``: per rank
@@ -56,32 +66,40 @@ bf16 hardware, and float16 matmuls on a CPU are slower still.
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import sys
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
+from typing import Literal
 
 import torch
 import torch.distributed as dist
 
-from .errors import RuntimeExecutionError
+from .errors import RunDirectoryError, RuntimeExecutionError
 from .plan import Plan
 from .precision import precision_policy
-from .runtime.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .runtime.checkpoint import load_checkpoint, newest_intact_checkpoint, read_manifest, save_checkpoint, set_aside
+from .runtime.run_dir import (CHECKPOINTS, METRICS, check_fresh_start, new_run_id, plan_hash, previous_run,
+                              remove_previous_run)
 from .runtime.launch import init_process_group, rank_device
 from .runtime.lr_schedule import LRSchedule
 from .runtime.watchdog import heartbeat_dir, start_heartbeat
 from .runtime.worker import OptimizerConfig, StageWorker
 from .token_data import TokenData, model_vocab_size, plan_rank_samples
-from .train_options import TrainingOptions, TrainOptionsFileError, UsageError, options_from_argv
+from .train_options import (CheckpointOptions, TrainingOptions, TrainOptionsFileError, UsageError,
+                            options_from_argv)
 
-__all__ = ["main", "parse_args", "runtime_precision", "PROG"]
+__all__ = ["main", "parse_args", "runtime_precision", "PROG", "EXIT_NONFINITE"]
 
 #: The program name ``--help`` and errors show.
 PROG = "python -m zorse_fx.train"
+#: The exit status of every rank after a step whose loss or gradients were not finite.
+EXIT_NONFINITE = 3
 _DESCRIPTION = ("Run an exported plan, one process per GPU (under torchrun). The options are flags, or all of them "
                 "in one file: --options-file FILE (the <out>/train_options.json `zorse train` writes).")
 
@@ -143,24 +161,108 @@ class _Stop:
         self.signal = signum
 
 
-def _metrics_file(out: Path, resumed_step: int | None):
+def _metrics_file(out: Path, resumed_step: int | None, run_id: str):
     """metrics.jsonl, continued after ``resumed_step`` (later lines, from steps
-    the interrupted run did after its last checkpoint, are dropped), or
-    started anew with an earlier file kept as metrics.<n>.jsonl."""
-    path = out / "metrics.jsonl"
+    the interrupted run did after its last checkpoint, and lines of another
+    run are dropped), or started anew (a fresh run: [Note: one run per
+    directory] in ``runtime/run_dir.py``)."""
+    path = out / METRICS
     if resumed_step is not None and path.exists():
-        kept = [ln for ln in path.read_text().splitlines()
-                if ln.strip() and json.loads(ln).get("step", 0) <= resumed_step]
+        kept = []
+        for ln in path.read_text().splitlines():
+            try:
+                rec = json.loads(ln)
+            except ValueError:  # a line cut short by the interruption
+                continue
+            if rec.get("step", 0) <= resumed_step and rec.get("run_id", run_id) == run_id:
+                kept.append(ln)
         path.write_text("".join(ln + "\n" for ln in kept))
         return open(path, "a")
-    if path.exists() and path.stat().st_size:
-        n = 1
-        while (out / f"metrics.{n}.jsonl").exists():
-            n += 1
-        path.rename(out / f"metrics.{n}.jsonl")
-        print(f"[zorse] an earlier {path} was kept as metrics.{n}.jsonl (use --resume to continue a run)",
-              flush=True)
     return open(path, "w")
+
+
+_KINDS = ("fresh", "resume", "finished", "refused", "failed")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Start:
+    """How the run starts, decided by rank 0 (``_decide_start``) and
+    broadcast: ``kind`` one of ``_KINDS``; ``step``: the checkpoint step it
+    resumes from (``resume``, ``finished``); ``run_id`` (rank 0's: only it
+    writes manifests and metrics); ``lines``: what rank 0 prints (a line
+    starting ``zorse:`` on stderr)."""
+
+    kind: Literal["fresh", "resume", "finished", "refused", "failed"]
+    step: int = 0
+    run_id: str = ""
+    lines: tuple[str, ...] = ()
+
+
+def _decide_start(out: Path, ckpt: CheckpointOptions, steps: int, restarted: int) -> _Start:
+    """Rank 0, before any rank writes: a fresh run (refused where ``out``
+    holds another run, which ``--overwrite`` removes first), or the newest
+    intact checkpoint to resume (damaged ones named and set aside), or
+    nothing to train (that checkpoint is at ``steps`` or later)."""
+    root = out / CHECKPOINTS
+    if not (ckpt.resume or restarted):
+        try:
+            found = check_fresh_start(out, overwrite=ckpt.overwrite)
+        except RunDirectoryError as exc:
+            return _Start(kind="refused", lines=(f"zorse: {exc}",))
+        if found:
+            remove_previous_run(out)
+        return _Start(kind="fresh", run_id=new_run_id(),
+                      lines=(f"[zorse] --overwrite: removed the earlier run's {found} from {out}",) if found else ())
+    latest, damaged = newest_intact_checkpoint(root)
+    if latest is None:
+        if damaged:
+            return _Start(kind="refused", lines=(*(f"zorse: {exc}" for exc in damaged),
+                                                 f"zorse: no intact checkpoint in {root} to resume; pass --overwrite "
+                                                 f"instead of --resume to start the run anew"))
+        found = previous_run(out)
+        if found and not restarted:  # (a restarted job before its first checkpoint: its own metrics, started anew)
+            return _Start(kind="refused", lines=(f"zorse: {out} holds another run's {found} but no checkpoint to "
+                                                 f"resume it from; pass --overwrite instead of --resume to replace "
+                                                 f"that run",))
+        return _Start(kind="fresh", run_id=new_run_id(),
+                      lines=(f"[zorse] no complete checkpoint in {root}: starting at step 1",))
+    lines = tuple(f"[zorse] {exc}; set aside as {set_aside(exc.path).name}" for exc in damaged)
+    manifest = read_manifest(latest)
+    step = manifest["step"]
+    if step >= steps:
+        where = "the final step" if step == steps else "past the final step"
+        return _Start(kind="finished", step=step, lines=(*lines, (
+            f"[zorse] nothing to train: the newest checkpoint {latest} is at step {step}, {where} (--steps {steps}); "
+            f"pass a larger --steps to train on")))
+    return _Start(kind="resume", step=step, run_id=manifest["run_id"] or new_run_id(), lines=lines)
+
+
+def _agree_on_start(start: _Start | None, rank: int, device: torch.device) -> tuple[str, int]:
+    """Rank 0's decision (``start``; None elsewhere) on every rank: (kind, step), one broadcast on the device."""
+    code = torch.zeros(2, dtype=torch.int64, device=device)
+    if rank == 0:
+        code[0], code[1] = _KINDS.index(start.kind), start.step
+    dist.broadcast(code, 0)
+    kind, step = code.tolist()
+    return _KINDS[kind], step
+
+
+def _nonfinite_message(step: int, loss: float, loss_ranks: list[int], grads: list[tuple[int, int]],
+                       weights: list[tuple[int, int]], last_stage: int, checkpoint: str) -> str:
+    """The one line naming a non-finite step: where the loss, the gradients and the weights were not finite."""
+
+    def where(pairs) -> str:
+        return ", ".join(f"rank {r} (stage {s})" for r, s in pairs)
+
+    parts = []
+    if loss_ranks:
+        parts.append(f"loss {loss} on {where((r, last_stage) for r in loss_ranks)}")
+    if grads:
+        parts.append(f"non-finite gradients on {where(grads)}")
+    if weights:
+        parts.append(f"non-finite weights on {where(weights)}")
+    return (f"zorse: step {step} is not finite: {'; '.join(parts)}; stopped without an optimizer step or a "
+            f"checkpoint of it ({checkpoint})")
 
 
 class _Progress:
@@ -220,6 +322,25 @@ def main(argv=None) -> int:
             f"the plan needs {plan.world_size} processes (one per GPU) but torchrun started {world}; "
             f"use --nproc-per-node {plan.world_size} on one node (or that many in total)"
         )
+    out = Path(job.out)
+    ckpt_root = out / CHECKPOINTS
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    start_at = None
+    if rank == 0:
+        try:
+            start_at = _decide_start(out, ckpt, loop.steps, restarted)
+        except BaseException:
+            _agree_on_start(_Start(kind="failed"), rank, device)  # the others stop too instead of waiting
+            raise
+        for line in start_at.lines:
+            print(line, file=sys.stderr if line.startswith("zorse:") else sys.stdout, flush=True)
+    kind, resumed_step = _agree_on_start(start_at, rank, device)
+    if kind in ("refused", "failed", "finished"):  # (after "failed" rank 0 has raised: no barrier)
+        if kind != "failed":
+            dist.barrier()
+        dist.destroy_process_group()
+        return 0 if kind == "finished" else 1
+    run_id = start_at.run_id if rank == 0 else ""
     weights_path = Path(d.weights) if d.weights else plan_dir / "weights.pt"
     if not weights_path.exists():
         raise RuntimeExecutionError(f"weights file {weights_path} not found; pass --weights or export with `zorse plan`")
@@ -242,27 +363,23 @@ def main(argv=None) -> int:
     if test.inject_inf and test.inject_inf[0] == rank:
         worker.inject_inf_steps.add(test.inject_inf[1])
     schedule = LRSchedule.from_options(opt, total_steps=loop.steps)
-    out = Path(job.out)
-    ckpt_root = out / "checkpoints"
-    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-    resumed_step = None
-    if ckpt.resume or restarted:
-        latest = latest_checkpoint(ckpt_root)
-        if latest is None:
-            _log(rank, f"[zorse] no complete checkpoint in {ckpt_root}: starting at step 1")
-        else:
-            manifest = load_checkpoint(worker, latest)
-            resumed_step = manifest["step"]
-            if manifest["world_size"] != world:  # RNG states are per rank: re-seed
-                torch.manual_seed(opt.seed + resumed_step)
-            _log(rank, f"[zorse] resumed from {latest} (step {resumed_step}, written on {manifest['world_size']} "
-                       f"ranks{'' if manifest['world_size'] == world else ', now ' + str(world)})"
-                       + (f" after torchrun restart {restarted}" if restarted else ""))
+    if kind == "resume":
+        latest = ckpt_root / f"step_{resumed_step}"  # verified by rank 0 (_decide_start)
+        manifest = load_checkpoint(worker, latest)
+        if manifest["world_size"] != world:  # RNG states are per rank: re-seed
+            torch.manual_seed(opt.seed + resumed_step)
+        _log(rank, f"[zorse] resumed from {latest} (step {resumed_step}, written on {manifest['world_size']} "
+                   f"ranks{'' if manifest['world_size'] == world else ', now ' + str(world)})"
+                   + (f" after torchrun restart {restarted}" if restarted else "")
+                   + (", the newest intact checkpoint" if start_at is not None and start_at.lines else ""))
+    else:
+        resumed_step = None
     start = (resumed_step or 0) + 1
     metrics = writer = progress = None
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
-        metrics = _metrics_file(out, resumed_step)
+        metrics = _metrics_file(out, resumed_step, run_id)
+        identity = {"run_id": run_id, "plan_hash": plan_hash(plan)}
         if loop.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -282,11 +399,13 @@ def main(argv=None) -> int:
     if rank == 0:
         progress = _Progress(loop.steps, start - 1)
     saved = resumed_step
+    stopping = nonfinite = 0
     for step in range(start, loop.steps + 1):
         batch = batch_of(step - 1)  # only this rank's rows are read; the others are -1
         lr = schedule(step)
         t0 = time.perf_counter()
         loss = worker.train_step(batch, lr=lr, max_grad_norm=opt.clip_grad_norm).reshape(1)
+        local_loss = loss.detach().to(torch.float64)  # this rank's contribution, before the sum
         dist.all_reduce(loss)  # on the device: sum of share-weighted contributions = global mean loss
         step_time = time.perf_counter() - t0
         if step == test.dump_grads:
@@ -294,13 +413,24 @@ def main(argv=None) -> int:
             d.mkdir(parents=True, exist_ok=True)
             torch.save(worker.gradients(), d / f"rank{rank}.pt")
             torch.save(worker.gradient_pieces(), d / f"rank{rank}_pieces.pt")  # ZeRO-2's owned ranges
-        mine = torch.tensor([worker.last_breakdown[k] for k in _BREAKDOWN] + [float(stop.signal)],
-                            dtype=torch.float64, device=device)
+        # Per rank: the breakdown, a signal received, the first stage (+1; 0: none) with non-finite gradients
+        # and weights ([Note: non-finite steps] in runtime/worker.py), and its loss contribution.
+        grad_stage, weight_stage = worker.last_nonfinite or (None, None)
+        host = [worker.last_breakdown[k] for k in _BREAKDOWN] + [
+            float(stop.signal), -1.0 if grad_stage is None else float(grad_stage),
+            -1.0 if weight_stage is None else float(weight_stage)]
+        mine = torch.cat([torch.tensor(host, dtype=torch.float64, device=device), local_loss])
         gathered = [torch.empty_like(mine) for _ in range(world)]
         dist.all_gather(gathered, mine)
-        stopping = int(torch.stack(gathered)[:, -1].max().item())  # one device-to-host copy
+        table = torch.stack(gathered).cpu()  # one device-to-host copy; the same on every rank
+        n = len(_BREAKDOWN)
+        stopping = int(table[:, n].max().item())
+        bad_loss = [r for r in range(world) if not math.isfinite(table[r, n + 3].item())]
+        bad_grads = [(r, int(table[r, n + 1].item())) for r in range(world) if table[r, n + 1] >= 0]
+        bad_weights = [(r, int(table[r, n + 2].item())) for r in range(world) if table[r, n + 2] >= 0]
+        nonfinite = bool(bad_loss or bad_grads)
         val_loss = None
-        if loop.val_every and (step % loop.val_every == 0 or step == loop.steps):
+        if loop.val_every and (step % loop.val_every == 0 or step == loop.steps) and not nonfinite:
             val = torch.zeros(1, dtype=torch.float32, device=device)
             for b in range(loop.val_batches):
                 val += worker.eval_step(batch_of(b, split="val"))
@@ -310,10 +440,10 @@ def main(argv=None) -> int:
             os.kill(os.getpid(), signal.SIGKILL)  # testing: a rank dies mid-run
         if rank == 0:
             parts = [{"rank": r, "stages": list(plan.stages_of(r)),
-                      **{k: (int(x) if k.startswith("buckets") else x) for k, x in zip(_BREAKDOWN, t.tolist())}}
-                     for r, t in enumerate(gathered)]
+                      **{k: (int(x) if k.startswith("buckets") else x) for k, x in zip(_BREAKDOWN, t[:n].tolist())}}
+                     for r, t in enumerate(table)]
             grad_norm = float(worker.last_grad_norm) if worker.last_grad_norm is not None else None
-            rec = {"step": step, "loss": float(loss.item()), "lr": lr, "grad_norm": grad_norm,
+            rec = {"step": step, **identity, "loss": float(loss.item()), "lr": lr, "grad_norm": grad_norm,
                    "step_time_s": step_time, "tokens_per_s": plan.tokens_per_step / step_time,
                    "tokens_seen": step * plan.tokens_per_step, "precision": policy.name,
                    "loss_scale": worker.last_loss_scale, "skipped": worker.last_skipped, "ranks": parts}
@@ -328,8 +458,16 @@ def main(argv=None) -> int:
             progress.step(step, rec, (f"  val loss {val_loss:.4f}" if val_loss is not None else "")
                           + (f"  loss scale {worker.last_loss_scale:g}" if worker.scaler else "")
                           + ("  (skipped: inf/NaN gradient)" if worker.last_skipped else ""))
+        if nonfinite:  # every rank saw the same table: all stop here, no checkpoint of this step
+            if progress:
+                last = (f"the last checkpoint is {ckpt_root / f'step_{saved}'}" if saved else
+                        "no checkpoint was written" if ckpt.checkpoint_every else "checkpoints are off")
+                print(_nonfinite_message(step, float(loss.item()), bad_loss, bad_grads, bad_weights,
+                                         plan.num_stages - 1, last), file=sys.stderr, flush=True)
+            break
         if ckpt.checkpoint_every and (step % ckpt.checkpoint_every == 0 or step == loop.steps or stopping):
-            path = save_checkpoint(worker, ckpt_root, step, keep=ckpt.keep_checkpoints)
+            path = save_checkpoint(worker, ckpt_root, step, keep=ckpt.keep_checkpoints, run_id=run_id,
+                                   plan_hash=identity["plan_hash"] if rank == 0 else "")
             saved = step
             if progress:
                 progress.write(f"[zorse] checkpoint {path}")
@@ -350,6 +488,8 @@ def main(argv=None) -> int:
         (d / f"rank{rank}.json").write_text(json.dumps(worker.optimizer_state_summary()) + "\n")
     dist.barrier()
     dist.destroy_process_group()
+    if nonfinite:
+        return EXIT_NONFINITE
     return 128 + stopping if stopping else 0
 
 

@@ -6,7 +6,7 @@ with. Its records, each a frozen dataclass checked in ``__post_init__``:
 - ``data`` (``DataOptions``): the plan, its weights, the token file and the held-out split;
 - ``optimizer`` (``OptimizerOptions``): AdamW, the learning-rate schedule, clipping, the seed;
 - ``loop`` (``LoopOptions``): the steps, validation and TensorBoard;
-- ``checkpoint`` (``CheckpointOptions``): checkpoint interval, how many to keep, ``--resume``;
+- ``checkpoint`` (``CheckpointOptions``): checkpoint interval, how many to keep, ``--resume``, ``--overwrite``;
 - ``job`` (``JobOptions``): run directory, backend, precision, timeouts;
 - ``testing`` (``TestingOptions``): the fault injection and dumps the tests use.
 
@@ -238,11 +238,17 @@ class CheckpointOptions:
     """keep the newest K checkpoints"""
     resume: Annotated[bool, _arg(
         "continue from the newest complete checkpoint in <out>/checkpoints (any plan of the same model, global "
-        "batch and sequence length); metrics.jsonl is continued")] = False
+        "batch and sequence length) that its manifest's checksums pass (a damaged one is named and the one "
+        "before it is used); metrics.jsonl is continued")] = False
+    overwrite: Annotated[bool, _arg(
+        "a fresh run into an --out holding another run's checkpoints or metrics.jsonl removes them first (without "
+        "it such a run is refused)")] = False
 
     def __post_init__(self) -> None:
         _at_least(self, 1, "keep_checkpoints")
         _at_least(self, 0, "checkpoint_every", never=True)
+        if self.resume and self.overwrite:
+            raise OptionValueError("overwrite", "argument --overwrite: not allowed with argument --resume")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -44,10 +44,14 @@ ends with a collective) rank 0 writes the manifest, syncs it and renames the
 directory to ``step_<k>`` (one ``os.replace``). A checkpoint is therefore
 complete or absent; ``latest_checkpoint`` only considers ``step_<k>``
 directories that hold a manifest. Rank 0 then deletes all but the newest
-``keep`` checkpoints. Several nodes need ``<out>`` on a shared file system.
+``keep`` checkpoints up to that step. Several nodes need ``<out>`` on a
+shared file system. Before a resume the files are checked against the
+manifest's sizes and sha256 ([Note: checkpoint integrity]).
 
 The manifest (``zorse_checkpoint.json``, ``"format": "zorse_fx.checkpoint"``,
-version 1) is declared once, as ``CheckpointManifest``: its annotations carry
+version 2: version 1 plus the run's identity ``run_id`` / ``plan_hash``,
+``runtime/run_dir.py``, and ``files``; version 1 is read with those empty)
+is declared once, as ``CheckpointManifest``: its annotations carry
 each field's type, range and meaning, ``file_schema.struct_of`` builds the
 schema ``ManifestDoc`` from them, ``save_checkpoint`` writes a manifest
 through it and ``read_manifest`` checks one against it (``MANIFEST_FILE``:
@@ -63,6 +67,7 @@ by ``_SafeReader`` with an unpickler that admits only DCP's metadata classes,
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
@@ -80,19 +85,28 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from msgspec import Meta
 
-from ..errors import CheckpointError, CheckpointManifestError
+from ..errors import CheckpointDamagedError, CheckpointError, CheckpointManifestError
 from ..file_schema import FileFormat, struct_of, to_builtins
 from ..precision import PRECISIONS
 from .worker import StageWorker
 
-__all__ = ["MANIFEST", "CheckpointManifest", "ManifestDoc", "MANIFEST_FILE", "latest_checkpoint",
-           "list_checkpoints", "save_checkpoint", "load_checkpoint", "read_manifest"]
+__all__ = ["MANIFEST", "CheckpointManifest", "CheckpointFile", "ManifestDoc", "MANIFEST_FILE", "latest_checkpoint",
+           "list_checkpoints", "save_checkpoint", "load_checkpoint", "read_manifest", "verify_checkpoint",
+           "newest_intact_checkpoint", "set_aside"]
 
 #: The manifest file of a complete checkpoint.
 MANIFEST = "zorse_checkpoint.json"
 FORMAT = "zorse_fx.checkpoint"
-VERSION = 1
+VERSION = 2
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CheckpointFile:
+    """One file of a checkpoint directory as the manifest records it."""
+
+    bytes: Annotated[int, Meta(ge=0, description="the file's size in bytes")]
+    sha256: Annotated[str, Meta(pattern="^[0-9a-f]{64}$", description="the file's sha256, 64 lowercase hex digits")]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -110,20 +124,37 @@ class CheckpointManifest:
     seq_len: Annotated[int, Meta(ge=1, description="tokens per sample; a resumed run must keep it")]
     precision: Literal[PRECISIONS]  # type: ignore[valid-type]
     samples_seen: Annotated[int, Meta(ge=0, description="step x global_batch_size")]
+    run_id: Annotated[str, Meta(description="the run that wrote it (runtime/run_dir.py; '' in version 1)")]
+    plan_hash: Annotated[str, Meta(description="sha256 prefix of the plan that wrote it ('' in version 1)")]
+    files: Annotated[dict[str, CheckpointFile] | None, Meta(
+        description="every other file of the directory: size and sha256 (None in version 1)")]
 
 
-ManifestDoc = struct_of(CheckpointManifest, "ManifestDoc", extra={
-    "": [("format", Literal["zorse_fx.checkpoint"], msgspec.NODEFAULT), ("version", Literal[1], msgspec.NODEFAULT)],
+FileDoc = struct_of(CheckpointFile, "CheckpointFileDoc")
+ManifestDoc = struct_of(CheckpointManifest, "ManifestDoc", docs={CheckpointFile: FileDoc}, extra={
+    "": [("format", Literal["zorse_fx.checkpoint"], msgspec.NODEFAULT), ("version", Literal[2], msgspec.NODEFAULT)],
 })
+
+
+def _upgrade(d: dict) -> dict:
+    """A version-1 manifest in the current shape: no run identity (``run_id``,
+    ``plan_hash`` ''), no file records (``files`` None: not verifiable)."""
+    if d.get("version") != 1:
+        return d
+    return {**d, "version": VERSION, "run_id": "", "plan_hash": "", "files": None}
+
+
 #: The manifest as a ``file_schema.FileFormat``.
-MANIFEST_FILE = FileFormat(name=FORMAT, what="checkpoint manifest", doc=ManifestDoc, versions=(VERSION,),
+MANIFEST_FILE = FileFormat(name=FORMAT, what="checkpoint manifest", doc=ManifestDoc, versions=(1, VERSION),
                            remake="resume from another step_<k> directory of <out>/checkpoints",
-                           error=CheckpointManifestError)
+                           error=CheckpointManifestError, upgrade=_upgrade)
 
 
 def _manifest_dict(manifest: CheckpointManifest) -> dict[str, Any]:
     """``manifest`` as the JSON-ready dict of ``zorse_checkpoint.json``."""
-    return to_builtins(manifest, ManifestDoc, lambda record: {"format": FORMAT, "version": VERSION})
+    files = None if manifest.files is None else {
+        name: {"bytes": f.bytes, "sha256": f.sha256} for name, f in manifest.files.items()}
+    return to_builtins(manifest, ManifestDoc, lambda record: {"format": FORMAT, "version": VERSION, "files": files})
 
 
 # -- finding checkpoints ---------------------------------------------------------
@@ -150,9 +181,9 @@ def latest_checkpoint(root: str | Path) -> Path | None:
 
 def read_manifest(path: str | Path) -> dict:
     """The manifest of checkpoint directory ``path`` (its parsed
-    ``zorse_checkpoint.json``), checked against ``ManifestDoc``: format,
-    version, every ``CheckpointManifest`` field's type and range, no unknown
-    field.
+    ``zorse_checkpoint.json``, a version-1 file brought to the current
+    shape), checked against ``ManifestDoc``: format, version, every
+    ``CheckpointManifest`` field's type and range, no unknown field.
 
     Raises:
         CheckpointManifestError (a CheckpointError): no manifest (not a
@@ -161,7 +192,105 @@ def read_manifest(path: str | Path) -> dict:
     d, _ = MANIFEST_FILE.read(Path(path) / MANIFEST, missing=f"{path} is not a complete zorse_fx checkpoint (no "
                                                              f"{MANIFEST}); use a step_<k> directory from "
                                                              f"<out>/checkpoints")
-    return d
+    return _upgrade(d)
+
+
+# -- integrity ---------------------------------------------------------------------
+# [Note: checkpoint integrity]
+# After DCP's save has returned on every rank (it ends with a collective, so
+# every rank's files are written), rank 0 records the size and sha256 of every
+# file of the directory in the manifest, which it writes last. Before a run
+# resumes, rank 0 checks them (``verify_checkpoint``): a missing file, one of
+# another size (truncated) or with another sha256 (bit rot, a partial
+# overwrite), or a manifest that does not read, makes the checkpoint damaged;
+# ``newest_intact_checkpoint`` then falls back to the previous one, and the
+# caller sets the damaged ones aside (``set_aside``: ``step_<k>.damaged``, no
+# longer a checkpoint) so that keeping the newest K never deletes the
+# checkpoints the resumed run writes. Hashing reads every byte once (sha256 at
+# about 1 GB/s per core): a few seconds for a model of a billion parameters.
+
+_CHUNK = 1 << 20
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(_CHUNK), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _file_records(d: Path) -> dict[str, CheckpointFile]:
+    """Size and sha256 of every file under ``d`` but the manifest, by path relative to ``d``."""
+    files = sorted(p for p in d.rglob("*") if p.is_file() and p.name != MANIFEST)
+    return {p.relative_to(d).as_posix(): CheckpointFile(bytes=p.stat().st_size, sha256=_sha256(p)) for p in files}
+
+
+def verify_checkpoint(path: str | Path) -> dict:
+    """Check checkpoint directory ``path`` against its manifest: every file
+    the manifest records is present, of the recorded size and sha256 (see
+    [Note: checkpoint integrity]); sizes first (cheap), then contents.
+    Returns the manifest. A version-1 manifest records no files: nothing
+    but the manifest is checked.
+
+    Raises:
+        CheckpointDamagedError: the first problem, in one line naming the
+            checkpoint, the file and what is wrong."""
+    path = Path(path)
+
+    def damaged(file: str | None, what: str) -> CheckpointDamagedError:
+        return CheckpointDamagedError(f"checkpoint {path} is damaged: {what}", path=str(path), file=file)
+
+    try:
+        manifest = read_manifest(path)
+    except CheckpointManifestError as exc:
+        raise damaged(MANIFEST, f"its manifest does not read ({exc})") from None
+    m = _STEP_DIR.match(path.name)
+    if m and int(m.group(1)) != manifest["step"]:
+        raise damaged(MANIFEST, f"{MANIFEST} says step {manifest['step']}, the directory step {m.group(1)}")
+    files = manifest["files"]
+    if files is None:
+        return manifest
+    for name, rec in files.items():
+        f = path / name
+        if not f.is_file():
+            raise damaged(name, f"file {name} is missing")
+        size = f.stat().st_size
+        if size != rec["bytes"]:
+            raise damaged(name, f"file {name} has {size} bytes, the manifest records {rec['bytes']} "
+                                f"({'truncated' if size < rec['bytes'] else 'grown'})")
+    for name, rec in files.items():
+        got = _sha256(path / name)
+        if got != rec["sha256"]:
+            raise damaged(name, f"file {name} has sha256 {got[:12]}..., the manifest records "
+                                f"{rec['sha256'][:12]}... (its bytes changed since it was written)")
+    return manifest
+
+
+def newest_intact_checkpoint(root: str | Path) -> tuple[Path | None, list[CheckpointDamagedError]]:
+    """(the newest checkpoint under ``root`` that ``verify_checkpoint``
+    passes, or None; the damaged ones newer than it, newest first)."""
+    damaged: list[CheckpointDamagedError] = []
+    for _, d in reversed(list_checkpoints(root)):
+        try:
+            verify_checkpoint(d)
+        except CheckpointDamagedError as exc:
+            damaged.append(exc)
+            continue
+        return d, damaged
+    return None, damaged
+
+
+def set_aside(path: str | Path) -> Path:
+    """Rename checkpoint directory ``path`` (``step_<k>``) to
+    ``step_<k>.damaged`` (``.damaged.<n>`` if taken): kept for inspection, no
+    longer listed as a checkpoint. Returns the new path."""
+    path = Path(path)
+    new, n = path.with_name(path.name + ".damaged"), 1
+    while new.exists():
+        new, n = path.with_name(f"{path.name}.damaged.{n}"), n + 1
+    os.replace(path, new)
+    return new
 
 
 # -- DCP metadata without arbitrary unpickling ------------------------------------
@@ -257,12 +386,15 @@ def _state_to_save(worker: StageWorker, step: int) -> dict[str, torch.Tensor]:
     return sd
 
 
-def save_checkpoint(worker: StageWorker, root: str | Path, step: int, *, keep: int = 3) -> Path:
+def save_checkpoint(worker: StageWorker, root: str | Path, step: int, *, keep: int = 3, run_id: str = "",
+                    plan_hash: str = "") -> Path:
     """Save the training state after ``step`` to ``root/step_<step>``,
     atomically (see [Note: checkpoint contents] and the module docstring);
-    keep the newest ``keep`` checkpoints. Collective: call on every rank.
-    Rank 0 writes the manifest (a ``CheckpointManifest``). Returns the
-    checkpoint directory."""
+    keep the newest ``keep`` checkpoints of steps up to ``step``. Collective:
+    call on every rank. Rank 0 writes the manifest (a ``CheckpointManifest``
+    with the run's identity ``run_id`` / ``plan_hash`` and every file's size
+    and sha256: [Note: checkpoint integrity]). Returns the checkpoint
+    directory."""
     root = Path(root)
     tmp, final = root / f"step_{step}.tmp", root / f"step_{step}"
     if worker.rank == 0:
@@ -272,13 +404,14 @@ def save_checkpoint(worker: StageWorker, root: str | Path, step: int, *, keep: i
         tmp.mkdir()
     dist.barrier()
     dcp.save(_state_to_save(worker, step), storage_writer=dcp.FileSystemWriter(tmp))
-    if worker.rank == 0:
+    if worker.rank == 0:  # DCP's save ended with a collective: every rank's files are written
         plan = worker.plan
         manifest = _manifest_dict(CheckpointManifest(
             step=step, optimizer_steps=worker.optimizer_steps, world_size=plan.world_size,
             num_stages=plan.num_stages, model_name=plan.model_name, cluster_name=plan.cluster_name,
             global_batch_size=plan.global_batch_size, seq_len=plan.seq_len, precision=worker.precision.name,
-            samples_seen=step * plan.global_batch_size))
+            samples_seen=step * plan.global_batch_size, run_id=run_id, plan_hash=plan_hash,
+            files=_file_records(tmp)))
         with open(tmp / MANIFEST, "w") as f:
             f.write(json.dumps(manifest, indent=2) + "\n")
             f.flush()
@@ -291,7 +424,8 @@ def save_checkpoint(worker: StageWorker, root: str | Path, step: int, *, keep: i
             os.fsync(fd)
         finally:
             os.close(fd)
-        for _, old in list_checkpoints(root)[:-keep] if keep > 0 else []:
+        # Only checkpoints up to this step count: one of a later step is not of this run's past.
+        for _, old in [c for c in list_checkpoints(root) if c[0] <= step][:-keep] if keep > 0 else []:
             shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
     return final

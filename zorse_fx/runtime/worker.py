@@ -32,10 +32,21 @@ A step (``StageWorker.train_step``):
 4. the global gradient norm (``grad_norm``: every canonical parameter counted
    once, over all stages and data-parallel groups, one all-reduce) and, with
    ``max_grad_norm``, clipping by it exactly as
-   ``torch.nn.utils.clip_grad_norm_`` clips a single-process model;
+   ``torch.nn.utils.clip_grad_norm_`` clips a single-process model; a norm
+   that is not finite takes no optimizer step ([Note: non-finite steps]);
 5. AdamW per hosted stage (on a ZeRO-1 stage only this rank's ranges) at the
    step's learning rate, then the ZeRO-1 all-gathers ([Note: ZeRO-1 with
    unequal shards] in ``optimizer.py``).
+
+[Note: non-finite steps]
+A gradient that is inf or NaN after the fp16 loss scaler (which skips a step
+whose scaled gradients overflowed, on every rank alike: normal) or without
+one makes the global gradient norm inf or NaN, and the norm is all-reduced,
+so every rank sees it and none takes the optimizer step; each rank notes
+which of its stages hold the non-finite gradients and weights
+(``last_nonfinite``). The loop (``zorse_fx/train.py``) gathers that and each
+rank's loss in the step's all-gather, so all ranks agree to stop, names the
+step, ranks and stages, writes no checkpoint of the step and exits non-zero.
 
 An evaluation step (``eval_step``) runs the schedule's forwards alone
 (``build_program(..., forward_only=True)``) under ``torch.no_grad``.
@@ -171,6 +182,9 @@ class StageWorker:
         #: fp16-mixed: whether the last step was skipped, and the scale it used.
         self.last_skipped = False
         self.last_loss_scale = 1.0
+        #: Whether the last step's global gradient norm was not finite (no optimizer step taken):
+        #: ``nonfinite_stages()`` then, else None. See [Note: non-finite steps].
+        self.last_nonfinite: tuple[int | None, int | None] | None = None
 
     @property
     def stage(self) -> StagePlan:
@@ -250,17 +264,23 @@ class StageWorker:
         self._sync()
         t_reduce = time.perf_counter()
         skip = False
-        if self.scaler is not None:
-            grads = self._grads()
-            if self.steps in self.inject_inf_steps and grads:
+        if self.steps in self.inject_inf_steps:  # testing: into a gradient this rank adds to the global norm
+            grads = [g for g in map(self.reducer.grad_of, self._norm_params) if g is not None] or self._grads()
+            if grads:
                 grads[0].view(-1)[0] = float("inf")
-            self.scaler.unscale_and_check(grads)
+        if self.scaler is not None:
+            self.scaler.unscale_and_check(self._grads())
             skip = self.scaler.agree()
             self.scaler.update(skip)
         self.last_skipped = skip
         self.last_grad_norm = None  # (not computed on a skipped step: the gradients hold inf/NaN)
+        self.last_nonfinite = None
         if not skip:
             norm = self.last_grad_norm = self._global_grad_norm()
+            if not bool(torch.isfinite(norm)):  # [Note: non-finite steps]; the same on every rank (all-reduced)
+                self.last_nonfinite = self.nonfinite_stages()
+                skip = True
+        if not skip:
             if max_grad_norm is not None:
                 grads = self._grads()
                 coef = torch.clamp(max_grad_norm / (norm + 1e-6), max=1.0)  # clip_grad_norm_'s rule
@@ -282,6 +302,29 @@ class StageWorker:
                                "buckets": self.reducer.num_buckets,
                                "buckets_during_backward": self.reducer.launched_during_backward}
         return loss
+
+    def nonfinite_stages(self) -> tuple[int | None, int | None]:
+        """(the first of the rank's stages holding a non-finite gradient, the
+        first holding a non-finite weight; None where there is none): the
+        gradients this rank holds (ZeRO-2: its shards) and the weights (ZeRO-3:
+        its owned ranges; 16-bit working weights: their float32 masters too).
+        Run only when a step is not finite: it reads every tensor once."""
+
+        def bad(tensors) -> bool:
+            return any(not bool(torch.isfinite(t).all()) for t in tensors if t is not None and t.numel())
+
+        grad_stage = weight_stage = None
+        for st, opt in zip(self.stages, self.optimizers):
+            grads = [self.reducer.grad_of(p) for p in st.params().values() if not self.reducer.is_sharded(p)]
+            grads += [self.reducer.piece_grad(p, a, b) for p, a, b in opt.owned_pieces() if self.reducer.is_sharded(p)]
+            weights = ([t for *_, t in st.param_shards.owned_values()] if st.param_shards is not None
+                       else list(st.params().values()))
+            weights += [t for *_, t in opt.master_pieces()]
+            if grad_stage is None and bad(grads):
+                grad_stage = st.index
+            if weight_stage is None and bad(weights):
+                weight_stage = st.index
+        return grad_stage, weight_stage
 
     def _grads(self) -> list[torch.Tensor]:
         """Every gradient of the rank's stages (a 16-bit working weight's: its float32 main gradient)."""

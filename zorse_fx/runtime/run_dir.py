@@ -1,0 +1,116 @@
+"""A training run's directory (``--out``) and the identity that keeps two
+runs apart.
+
+What a run leaves in ``<out>`` and the rules here guard: ``checkpoints/``
+(``runtime/checkpoint.py``) and ``metrics.jsonl`` (one record per step,
+``zorse_fx/train.py``). Every checkpoint manifest and every metrics record
+carries the run's identity: ``run_id``, drawn at random when a run starts
+afresh and kept by every ``--resume`` (and torchrun restart) of it, and
+``plan_hash``, the plan that trained that step (a resumed run may change
+plans).
+
+[Note: one run per directory]
+A fresh run (no ``--resume``) into a directory that holds another run's
+checkpoints or metrics is refused (``check_fresh_start``: the directory named,
+``--overwrite`` or ``--resume`` to pass): otherwise its checkpoints would sit
+beside the older run's, keeping the newest K would keep the older run's later
+steps and delete the new ones, ``--resume`` would continue the older run, and
+``metrics.jsonl`` would interleave both. ``--overwrite`` removes the older
+run's checkpoints and ``metrics.jsonl`` first (``remove_previous_run``).
+Other files of ``<out>`` (``train_options.json``, ``data/``, older
+``metrics.<n>.jsonl``) are not a run's state and are left alone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import secrets
+import shutil
+from pathlib import Path
+
+from ..errors import RunDirectoryError
+from ..plan import Plan
+
+__all__ = ["METRICS", "CHECKPOINTS", "new_run_id", "plan_hash", "previous_run", "check_fresh_start",
+           "remove_previous_run"]
+
+#: The per-step metrics file, and the checkpoint directory, under ``<out>``.
+METRICS, CHECKPOINTS = "metrics.jsonl", "checkpoints"
+_STEP = re.compile(r"^step_(\d+)(\.tmp|\.damaged(\.\d+)?)?$")
+
+
+def new_run_id() -> str:
+    """A fresh run's id: 16 random hex digits."""
+    return secrets.token_hex(8)
+
+
+def plan_hash(plan: Plan) -> str:
+    """The first 16 hex digits of the sha256 of ``plan``'s JSON form."""
+    return hashlib.sha256(plan.to_json().encode()).hexdigest()[:16]
+
+
+def _metrics_summary(path: Path) -> str | None:
+    """``metrics.jsonl (<n> records, run <id>)``, or None when there is no such file or it is empty."""
+    if not path.is_file() or not path.stat().st_size:
+        return None
+    records, runs = 0, []
+    for line in path.read_text(errors="replace").splitlines():
+        if not line.strip():
+            continue
+        records += 1
+        try:
+            run = json.loads(line).get("run_id")
+        except (ValueError, AttributeError):
+            continue
+        if run and run not in runs:
+            runs.append(run)
+    label = f", run {', '.join(runs)}" if runs else ""
+    return f"{path.name} ({records} record{'s' if records != 1 else ''}{label})"
+
+
+def previous_run(out: str | Path) -> str | None:
+    """What of an earlier run ``out`` holds, in words (``checkpoints step_6,
+    step_9 and metrics.jsonl (12 records, run 1f0c...)``), or None: no
+    checkpoint directory (complete, being written or set aside) and no
+    non-empty ``metrics.jsonl``."""
+    out = Path(out)
+    root = out / CHECKPOINTS
+    steps = sorted((int(m.group(1)), d.name) for d in (root.iterdir() if root.is_dir() else ())
+                   if (m := _STEP.match(d.name)) and d.is_dir())
+    parts = []
+    if steps:
+        names = [name for _, name in steps]
+        shown = ", ".join(names if len(names) <= 4 else [*names[:2], "...", *names[-2:]])
+        parts.append(f"checkpoint{'s' if len(names) > 1 else ''} {shown}")
+    metrics = _metrics_summary(out / METRICS)
+    if metrics:
+        parts.append(metrics)
+    return " and ".join(parts) or None
+
+
+def check_fresh_start(out: str | Path, *, overwrite: bool) -> str | None:
+    """Before a fresh run (no ``--resume``) writes into ``out``: what of an
+    earlier run it holds (``previous_run``), None if nothing.
+
+    Raises:
+        RunDirectoryError: ``out`` holds another run's state and not
+            ``overwrite`` (see [Note: one run per directory])."""
+    found = previous_run(out)
+    if found and not overwrite:
+        raise RunDirectoryError(f"{out} holds another run's {found}; pass --overwrite to replace that run or "
+                                f"--resume to continue it (or choose another --out)")
+    return found
+
+
+def remove_previous_run(out: str | Path) -> None:
+    """Remove an earlier run's checkpoints (every ``step_<k>`` directory of
+    ``out/checkpoints``, complete, being written or set aside) and
+    ``metrics.jsonl`` (``--overwrite``)."""
+    out = Path(out)
+    root = out / CHECKPOINTS
+    for d in list(root.iterdir()) if root.is_dir() else ():
+        if _STEP.match(d.name) and d.is_dir():
+            shutil.rmtree(d)
+    (out / METRICS).unlink(missing_ok=True)
