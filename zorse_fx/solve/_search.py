@@ -73,7 +73,12 @@ candidate proven quickly passes its unspent share on to the later ones
 (the share is over at most the next ``SHARE_WINDOW`` candidates, so the
 first, most promising ones get the most: with every candidate spending its
 share, the k-th gets (3/4)^k of a quarter of the budget);
-once the budget is spent each still gets ``MIN_CANDIDATE_BUDGET``. What a
+a candidate gets at least ``MIN_CANDIDATE_BUDGET``, and once the budget is
+spent the candidates left are not solved: recorded "BUDGET_SPENT" with the
+bound valid without a solve (``CandidateSearch._budget_spent``). They used to
+get ``MIN_CANDIDATE_BUDGET`` each, which on 128 GPUs cost about a CPU second
+per candidate (building the model, presolve) and found nothing: Zorse C's 52
+such solves, 49 UNKNOWN and 3 one-stage NO_BETTER (bench/LOG.md). What a
 solve spent is CP-SAT's own count (``deterministic_time``, hint completion
 included), so the shares, like the plan, depend only on the inputs. A
 candidate stopped by its share keeps the larger of CP-SAT's bound, the
@@ -393,6 +398,28 @@ class CandidateSearch:
                                     status="PRUNED", best_bound_s=lb * UNIT_S, wall_s=0.0))
         return True
 
+    def _budget_spent(self, rest) -> None:
+        """Record the candidates ``rest`` ((S, M, tables)) left when the budget is spent
+        ([Note: search budget]): "PRUNED" where the bar prunes them, else "BUDGET_SPENT"
+        with the bound valid without a solve (the larger of ``throughput_lower_bound`` and
+        ``stage_count_lower_bound``), which the result's bound includes; one progress line."""
+        spent = 0
+        for n_s, m, tab in rest:
+            if self.pruned(tab, n_s):
+                continue
+            if m not in self._tlb:
+                self._tlb[m] = throughput_lower_bound(tab)
+            lb = max(self._tlb[m], stage_count_lower_bound(tab, n_s))
+            self._bound_of[len(self.cands)] = len(self.bounds)
+            self.bounds.append(lb)
+            self.cands.append(Candidate(kind="solve", num_stages=n_s, num_microbatches=m, status="BUDGET_SPENT",
+                                        best_bound_s=lb * UNIT_S, wall_s=0.0))
+            spent += 1
+        if self.progress is not None and spent:
+            self.progress(f"{self.label}: the solver budget ({self.options.solver_budget:g} deterministic s, "
+                          f"--solver-budget) is spent; {spent} of {self.total or len(self.cands)} candidates "
+                          f"not searched (their lower bounds kept)")
+
     def _solver(self, budget: float) -> cp_model.CpSolver:
         """A CP-SAT solver with ``budget`` deterministic seconds ([Note: reproducible plans])."""
         opts = self.options
@@ -471,6 +498,9 @@ class CandidateSearch:
 
         k = 0
         while k < len(cands):
+            if self._solved and self.budget_left < MIN_CANDIDATE_BUDGET:  # [Note: search budget]
+                self._budget_spent(cands[k:])
+                break
             first, wave = k, []
             while k < len(cands) and len(wave) < WAVE:
                 n_s, m, tab = cands[k]
