@@ -29,6 +29,15 @@ def _two_group_instance(*, cross_bw=10e9, nb=16, gbs=8):
     return costs, devices, options
 
 
+def _two_group_base(costs, devices, options):
+    """The stage DP's plan with at least 2 samples per micro-batch (M <= gbs / 2): one
+    stage per node (at b = 1 the DP may also give each GPU a stage of its own)."""
+    import dataclasses
+
+    return solve_stage_dp(costs, devices, dataclasses.replace(options,
+                                                              max_microbatches=options.global_batch_size // 2))
+
+
 def test_rescale_shares_keeps_proportions_and_one_sample_each():
     assert rescale_shares((3, 1), 8) == (6, 2)
     assert rescale_shares((3, 1), 2) == (1, 1)
@@ -63,7 +72,7 @@ def test_uniform_interleaving_shrinks_the_bubble_by_v():
 
 def test_interleaving_chosen_where_the_bubble_dominates():
     costs, devices, options = _two_group_instance()
-    base = solve_stage_dp(costs, devices, options)
+    base = _two_group_base(costs, devices, options)
     assert base.num_stages == 2 and base.decision.interleave == 1
     res = with_interleaving(costs, devices, options, base)
     assert res.decision.interleave > 1 and res.status == "STAGE_DP+INTERLEAVED"
@@ -82,7 +91,8 @@ def test_no_interleaving_when_messages_cost_more_than_the_bubble():
     than the bubble it removes, so the plan keeps one stage per group."""
     costs, devices, options = _two_group_instance(cross_bw=0.3e9 / 8)
     devices = make_devices("AABB", ["n0", "n0", "n1", "n1"], [16 * GIB] * 4, [1e12] * 4, inter=(0.3e9 / 8, 0.05))
-    base = solve_stage_dp(costs, devices, options)
+    base = _two_group_base(costs, devices, options)
+    assert base.num_stages == 2
     res = with_interleaving(costs, devices, options, base)
     assert res.decision.interleave == 1 and res.predicted_step_time_s == base.predicted_step_time_s
     tried = [c["interleave_search"] for c in candidate_dicts(res) if "interleave_search" in c]

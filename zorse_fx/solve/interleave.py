@@ -41,12 +41,15 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from functools import partial
 
 from ..ir.costs import BlockCosts
 from ..ir.decision import Decision
 from ..ir.devices import DeviceGraph
 from ..ir.result import Candidate, SolverResult, with_safety_stop
 from ..options import PlanOptions
+from ._search import default_jobs
+from .isolated import map_isolated
 from .objective import (
     UNIT_S,
     MemoryPolicy,
@@ -68,6 +71,11 @@ MAX_PASSES = 8
 #: local search gained at most 15% over its start on the demo's 42 tries
 #: (1.189 -> 1.035 of the best), so 1.25 leaves a margin (issue 32, bench/LOG.md).
 LOCAL_SEARCH_SLACK = 1.25
+
+#: The local searches run in waves of this many (M, v, policy) tries against the bar of
+#: the wave's start, side by side in forked children (``solve/isolated.map_isolated``);
+#: fixed, not ``jobs``, so that the tries searched are the same for every ``jobs``.
+WAVE = 4
 
 
 def rescale_shares(shares: tuple[int, ...], size: int) -> tuple[int, ...] | None:
@@ -191,11 +199,16 @@ def _local_search(tab, cuts, stage_gpus, samples, sharded, recompute, v, grads=(
 
 
 def interleave_search(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions,
-                      base: SolverResult) -> tuple[SolverResult | None, tuple[Candidate, ...]]:
+                      base: SolverResult, target_s: float | None = None
+                      ) -> tuple[SolverResult | None, tuple[Candidate, ...]]:
     """The fastest feasible interleaved version of ``base``'s GPU groups (see
     [Note: interleave search]) and a ``Candidate`` per (v, M, policy) tried. The
     result is None when nothing was tried or nothing fits; it is returned even
-    when slower than ``base`` (``with_interleaving`` compares)."""
+    when slower than ``base`` (``with_interleaving`` compares). ``target_s``: the step
+    the result must beat (s; ``with_interleaving``'s), the local-search bar until a
+    try beats it. The local searches run in waves of ``WAVE``, side by side in up to
+    ``options.jobs`` forked children, each wave against the bar of its start, so
+    the result is the same for every ``jobs``."""
     d = base.decision
     p_count = d.num_stages
     if options.max_interleave < 2 or options.schedule != "1f1b" or d.interleave != 1 or p_count < 2:
@@ -233,15 +246,28 @@ def interleave_search(costs: BlockCosts, devices: DeviceGraph, options: PlanOpti
                 key, *_ = _score(tab, cuts, *args)
                 starts.append((key, len(starts), m, v, rc, tab, cuts, args))
     best, tried = None, []
-    for key0, _, m, v, rc, tab, cuts, args in sorted(starts, key=lambda x: x[:2]):
-        if best is not None and key0[0] == 0 and key0[1] > LOCAL_SEARCH_SLACK * best[0]:
-            key = key0  # too far behind to catch up: not searched
-        else:
-            key, cuts = _local_search(tab, cuts, *args)
-        tried.append(Candidate(kind="interleave", interleave=v, num_microbatches=m, recompute_all=all(rc),
-                               step_time_s=key[1] * UNIT_S, feasible=key[0] == 0))
-        if key[0] == 0 and (best is None or key[1] < best[0]):
-            best = (key[1], m, v, cuts, *args[:2], sharded * v, rc * v)
+    order = sorted(starts, key=lambda x: x[:2])
+    target = round(target_s / UNIT_S) if target_s is not None else None
+    jobs = options.jobs if options.jobs is not None else default_jobs()
+    for w in range(0, len(order), WAVE):
+        wave = order[w:w + WAVE]
+        # The bar of the wave's start: the best try so far, or the step the result must beat.
+        bar = min([x for x in (best[0] if best is not None else None, target) if x is not None], default=None)
+        search = [bar is None or key0[0] != 0 or key0[1] <= LOCAL_SEARCH_SLACK * bar for key0, *_ in wave]
+        found = iter(map_isolated([partial(_local_search, tab, cuts, *args)
+                                   for (_, _, _, _, _, tab, cuts, args), go in zip(wave, search) if go], jobs))
+        for (key0, _, m, v, rc, tab, cuts, args), go in zip(wave, search):
+            if go:
+                ok, answer = next(found)
+                if not ok:
+                    raise answer
+                key, cuts = answer
+            else:
+                key = key0  # too far behind to catch up: not searched
+            tried.append(Candidate(kind="interleave", interleave=v, num_microbatches=m, recompute_all=all(rc),
+                                   step_time_s=key[1] * UNIT_S, feasible=key[0] == 0))
+            if key[0] == 0 and (best is None or key[1] < best[0]):
+                best = (key[1], m, v, cuts, *args[:2], sharded * v, rc * v)
     if best is None:
         return None, tuple(tried)
     _, m, v, cuts, stage_gpus, samples, sh, rc = best
@@ -290,12 +316,15 @@ def with_interleaving(costs: BlockCosts, devices: DeviceGraph, options: PlanOpti
     from .bounds import throughput_bound_s
 
     t0 = time.perf_counter()
-    res, tried = interleave_search(costs, devices, options, base)
+    d = base.decision
+    if options.max_interleave < 2 or options.schedule != "1f1b" or d.interleave != 1 or d.num_stages < 2:
+        return base  # nothing to try (interleave_search's own test, before pricing the target)
+    target = min(base.predicted_step_time_s, base_makespan_s(costs, devices, options, base))
+    res, tried = interleave_search(costs, devices, options, base, target_s=target)
     if not tried:  # interleaving off, or nothing it could try: ``base`` itself
         return base
     records = tuple(tried)
-    if res is None or res.predicted_step_time_s >= min(base.predicted_step_time_s,
-                                                       base_makespan_s(costs, devices, options, base)):
+    if res is None or res.predicted_step_time_s >= target:
         return dataclasses.replace(base, candidates=tuple(base.candidates) + records,
                                    wall_s=base.wall_s + time.perf_counter() - t0)
     bound = min(base.best_bound, throughput_bound_s(costs, devices, options))
