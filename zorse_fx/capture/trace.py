@@ -13,7 +13,19 @@ Two routes (see ``../shared/DESIGN.md``):
 
 The captured model's ``forward(*inputs)`` must return the scalar training loss
 (the mean over the samples it was given). Every input is a tensor whose dim 0
-is the batch dimension. Wrap a Hugging Face causal LM with
+is the batch dimension.
+
+[Note: the loss contract]
+The runtime weights each GPU's loss by its share of the global batch
+([Note: share-weighted gradients] in ``runtime/stage.py``): that is the
+gradient of single-device training only if the loss is the mean over the
+samples. ``capture`` checks it on the example batch (``check_mean_loss``):
+in eval mode (no dropout) and without touching the global RNG, the batch's
+loss must equal the sample-weighted mean of its two halves' losses, to a
+tolerance of 1000 ulps of the weights' dtype. A sum (``reduction="sum"``) is
+N times that and is refused. A token mean over fixed-length sequences is a
+sample mean and passes; a loss over a varying number of tokens per sample
+(padding, masked tokens) is not one and is trained as if it were. Wrap a Hugging Face causal LM with
 :class:`zorse_fx.models.hf.CausalLMWithLoss` (``zorse.compile`` does this).
 
 Legend: ``N`` = samples (batch), ``T`` = sequence length.
@@ -32,7 +44,7 @@ import torch.fx as fx
 from ..errors import ModelCaptureError
 from .causal import causal_masks_to_is_causal
 
-__all__ = ["CapturedModel", "capture", "fetch_attr"]
+__all__ = ["CapturedModel", "capture", "check_mean_loss", "fetch_attr"]
 
 log = logging.getLogger(__name__)
 
@@ -221,7 +233,9 @@ def capture(
 
     Raises:
         ModelCaptureError: the model cannot be captured, does not return a
-            scalar, or an input has no batch dimension.
+            scalar, or an input has no batch dimension; a batch-norm layer is
+            in training mode; the loss is not the mean over the samples
+            ([Note: the loss contract]).
     """
     if not isinstance(example_inputs, tuple) or not example_inputs:
         raise ModelCaptureError("example_inputs must be a non-empty tuple of tensors")
@@ -236,6 +250,7 @@ def capture(
                 f"example_inputs[{i}] has batch size {t.shape[0]}; use at least 2 so the batch "
                 "dimension stays symbolic"
             )
+    _refuse_batch_statistics(model)
     names = _input_names(model, len(example_inputs))
     example_inputs = _unaliased(example_inputs)
     if method == "auto":
@@ -262,6 +277,7 @@ def capture(
             f"{type(model).__name__}.forward must return the scalar training loss, got {got}. "
             "Wrap the model so forward(*inputs) returns loss (e.g. zorse_fx.models.hf.CausalLMWithLoss)."
         )
+    check_mean_loss(model, example_inputs)
     placeholders = [n.target for n in gm.graph.find_nodes(op="placeholder")]
     return CapturedModel(
         graph_module=gm,
@@ -271,6 +287,55 @@ def capture(
         example_inputs=tuple(example_inputs),
         causal_masks=rewritten,
     )
+
+
+def _refuse_batch_statistics(model: torch.nn.Module) -> None:
+    """Refuse a batch-norm layer in training mode: it normalises each sample by
+    statistics of the batch it is given, so a micro-batch split over GPUs (and
+    over micro-batches) computes another function than the whole batch."""
+    for name, m in model.named_modules():
+        if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.training:
+            raise ModelCaptureError(
+                f"{type(m).__name__} {name or type(model).__name__!r} normalises with batch statistics in "
+                "training mode, which a batch split over GPUs and micro-batches changes; zorse_fx cannot train it "
+                "equal to single-device training: use a per-sample norm (LayerNorm, GroupNorm) or freeze its "
+                "statistics (call .eval() on it)")
+
+
+def check_mean_loss(model: torch.nn.Module, example_inputs: tuple[torch.Tensor, ...]) -> None:
+    """Check the loss contract on the example batch: ``forward`` returns the
+    mean loss over its samples ([Note: the loss contract]).
+
+    Raises:
+        ModelCaptureError: the batch's loss is not the mean of its two halves'
+            losses (a sum, or another reduction), naming the fix.
+    """
+    tensors = (*example_inputs, *model.parameters(), *model.buffers())
+    if any(t.device.type == "meta" for t in tensors):
+        return  # shapes only (a model built on the meta device): no values to compare
+    n = int(example_inputs[0].shape[0])
+    h = n // 2
+    training = {m: m.training for m in model.modules()}
+    model.eval()  # no dropout: the three forwards see the same function
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            full, first, second = (float(model(*(t[a:b] for t in example_inputs)).double())
+                                   for a, b in ((0, n), (0, h), (h, n)))
+    finally:
+        for m, flag in training.items():
+            m.training = flag
+    mean = (h * first + (n - h) * second) / n
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    rtol = min(0.05, 1e3 * torch.finfo(dtype).eps)  # float32: 1.2e-4; 16-bit weights: 0.05
+    if abs(full - mean) <= rtol * max(abs(full), abs(mean)) + 1e-6:
+        return
+    looks = (f"it looks like a sum over the samples (about {n} times the mean)"
+             if abs(full - n * mean) <= 0.05 * abs(n * mean) else "it is not their mean")
+    raise ModelCaptureError(
+        f"{type(model).__name__}.forward must return the mean loss over its samples: on the example batch "
+        f"of {n} it returns {full:.6g}, but its halves return {first:.6g} and {second:.6g}, whose mean is "
+        f"{mean:.6g}; {looks}. Each GPU's loss is weighted by its share of the batch, so a sum trains wrong: "
+        f"use reduction='mean' (or divide the loss by the batch size)")
 
 
 def _is_hf(model: torch.nn.Module) -> bool:
