@@ -329,8 +329,8 @@ def check_mean_loss(model: torch.nn.Module, example_inputs: tuple[torch.Tensor, 
     rtol = min(0.05, 1e3 * torch.finfo(dtype).eps)  # float32: 1.2e-4; 16-bit weights: 0.05
     if abs(full - mean) <= rtol * max(abs(full), abs(mean)) + 1e-6:
         return
-    looks = (f"it looks like a sum over the samples (about {n} times the mean)"
-             if abs(full - n * mean) <= 0.05 * abs(n * mean) else "it is not their mean")
+    looks = ("it is their sum: a sum over the samples" if abs(full - (first + second)) <= rtol * abs(full) + 1e-6
+             else "it is not their mean")
     raise ModelCaptureError(
         f"{type(model).__name__}.forward must return the mean loss over its samples: on the example batch "
         f"of {n} it returns {full:.6g}, but its halves return {first:.6g} and {second:.6g}, whose mean is "
