@@ -18,7 +18,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import zorse_fx as zorse
-from conftest import CLUSTERS, assert_grads_match, first_batch, fixed_plan, reference_step, run_distributed
+from conftest import (CLUSTERS, assert_grads_match, first_batch, fixed_plan, reference_step, run_distributed,
+                      with_memory_policy)
 from zorse_fx.capture import analyse, capture
 from zorse_fx.errors import ModelCaptureError
 
@@ -86,14 +87,18 @@ class _NarrowTail(nn.Module):
 
 
 def test_parameterless_stage_trains_equal_to_eager(lee_bytes, tmp_path):
+    """The last stage reads no parameter (two GPUs, unequal shares, ZeRO-1):
+    it computes the loss and steps nothing."""
     torch.manual_seed(0)
     ids = torch.randint(0, 256, (4, 16))
     captured = capture(_NarrowTail(), (ids, ids))
     bg = analyse(captured)
     assert bg.block_attrs[-1] == ()
-    plan = fixed_plan(captured, ((0,), (1,)), ((2,), (2,)), num_microbatches=2, global_batch_size=4,
+    plan = fixed_plan(captured, ((0,), (2, 3)), ((3,), (1, 2)), num_microbatches=2, global_batch_size=6,
                       cuts=(bg.num_blocks - 1,))
+    plan = with_memory_policy(plan, sharded=(1,))  # ZeRO-1 over nothing: both GPUs own no element
     assert [s.num_parameters for s in plan.stages][-1] == 0
+    assert plan.precision == "fp16-mixed"  # and trained in fp32 (a CPU run): test_plan_fp16_trained_fp32
     ref_loss, ref_grads = reference_step(captured, first_batch(lee_bytes, plan))
     rows, grads = run_distributed(plan, captured.state(), lee_bytes, tmp_path)
     assert rows[0]["loss"] == pytest.approx(ref_loss, rel=1e-5)

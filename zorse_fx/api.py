@@ -107,9 +107,11 @@ def compile(model: nn.Module | type | None = None, *, cluster, example_inputs, g
 
     Args:
         model: an ``nn.Module`` whose ``forward(*example_inputs)`` returns the
-            scalar loss, or a Hugging Face causal LM (wrapped automatically:
-            ``(input_ids, labels) -> loss``). Used without it, ``compile(...)``
-            returns a class decorator.
+            scalar mean loss over the samples, or a Hugging Face causal LM
+            (wrapped automatically: ``(input_ids, labels) -> loss``; other
+            Hugging Face models are refused, [Note: which Hugging Face models]
+            in ``models/hf.py``). Used without it, ``compile(...)`` returns a
+            class decorator.
         cluster: a :class:`Cluster` or the path of a cluster YAML file.
         example_inputs: tensors with the batch in dim 0, e.g. ``(ids, ids)``
             of shape ``(N, T)``, ``N >= 2``; ``T`` is the training length.

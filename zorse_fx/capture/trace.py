@@ -13,7 +13,8 @@ Two routes (see ``../shared/DESIGN.md``):
 
 The captured model's ``forward(*inputs)`` must return the scalar training loss
 (the mean over the samples it was given). Every input is a tensor whose dim 0
-is the batch dimension.
+is the batch dimension. Wrap a Hugging Face causal LM with
+:class:`zorse_fx.models.hf.CausalLMWithLoss` (``zorse.compile`` does this).
 
 [Note: the loss contract]
 The runtime weights each GPU's loss by its share of the global batch
@@ -22,11 +23,12 @@ gradient of single-device training only if the loss is the mean over the
 samples. ``capture`` checks it on the example batch (``check_mean_loss``):
 in eval mode (no dropout) and without touching the global RNG, the batch's
 loss must equal the sample-weighted mean of its two halves' losses, to a
-tolerance of 1000 ulps of the weights' dtype. A sum (``reduction="sum"``) is
-N times that and is refused. A token mean over fixed-length sequences is a
-sample mean and passes; a loss over a varying number of tokens per sample
-(padding, masked tokens) is not one and is trained as if it were. Wrap a Hugging Face causal LM with
-:class:`zorse_fx.models.hf.CausalLMWithLoss` (``zorse.compile`` does this).
+relative tolerance of 1000 machine epsilons of the weights' dtype (at most
+5%). A sum (``reduction="sum"``) is the sum of the halves' losses and is
+refused. A token mean over fixed-length sequences is a sample mean and
+passes; a loss over a varying number of tokens per sample (padding, masked
+tokens) is not one, and is trained as if it were where the example batch
+does not show it.
 
 Legend: ``N`` = samples (batch), ``T`` = sequence length.
 """
@@ -334,8 +336,8 @@ def check_mean_loss(model: torch.nn.Module, example_inputs: tuple[torch.Tensor, 
     raise ModelCaptureError(
         f"{type(model).__name__}.forward must return the mean loss over its samples: on the example batch "
         f"of {n} it returns {full:.6g}, but its halves return {first:.6g} and {second:.6g}, whose mean is "
-        f"{mean:.6g}; {looks}. Each GPU's loss is weighted by its share of the batch, so a sum trains wrong: "
-        f"use reduction='mean' (or divide the loss by the batch size)")
+        f"{mean:.6g}; {looks}. Each GPU's loss is weighted by its share of the batch, so another reduction "
+        f"trains wrong: use reduction='mean' (or divide the loss by the batch size)")
 
 
 def _is_hf(model: torch.nn.Module) -> bool:

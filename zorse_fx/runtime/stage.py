@@ -16,7 +16,9 @@ weighted by its share of the samples. Summing over micro-batches and over the
 GPUs of a data-parallel group (all-reduce SUM) then gives exactly the gradient
 of the mean loss over the whole global batch, as single-device training
 computes it, however unequal the shares are. (This is exact when every sample
-has the same number of loss tokens, as with fixed-length LM sequences.)
+has the same number of loss tokens, as with fixed-length LM sequences;
+capture refuses a loss that is not a mean over the samples: [Note: the loss
+contract] in ``capture/trace.py``.)
 Parameters held by several stages (tied embeddings) are reduced over the
 union of their holders, which also sums the two stages' contributions. With
 fp16-mixed the last stage back-propagates ``loss * n_g / N * scale`` (the
