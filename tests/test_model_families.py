@@ -163,6 +163,18 @@ def test_vit_refused():
     with pytest.raises(ModelCaptureError, match=r"^ViTForImageClassification reads 'pixel_values', not token ids"):
         _compile(ViTForImageClassification(cfg), torch.randn(2, 3, 16, 16))
 
+    class Wrapped(nn.Module):  # a user's wrapper: the loss of an image batch
+        def __init__(self):
+            super().__init__()
+            self.vit = ViTForImageClassification(cfg)
+
+        def forward(self, pixel_values, labels):
+            return self.vit(pixel_values=pixel_values, labels=labels).loss
+
+    with pytest.raises(ModelCaptureError, match=r"^Wrapped takes inputs \(2, 3, 16, 16\) float32, \(2,\) int64; "
+                                                r"zorse_fx trains on token batches"):
+        _compile(Wrapped(), torch.randn(2, 3, 16, 16), torch.tensor([0, 2]))
+
 
 def test_batchnorm_refused_at_plan_time():
     class Pooled(nn.Module):
