@@ -118,6 +118,18 @@ def _mixtral():
     return capture(CausalLMWithLoss(MixtralForCausalLM(cfg)), (ids, ids))
 
 
+def test_moe_router_aux_loss_refused():
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from zorse_fx.models.hf import CausalLMWithLoss
+
+    cfg = MixtralConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, output_router_logits=True)
+    with pytest.raises(ModelCaptureError, match=r"^MixtralForCausalLM adds its router's load-balancing loss "
+                                                r"\(output_router_logits=True\).*output_router_logits = False$"):
+        CausalLMWithLoss(MixtralForCausalLM(cfg))
+
+
 def test_mixtral_trains_equal_to_eager(lee_bytes, tmp_path):
     """Mixtral's experts run transformers' grouped-matmul custom op; the stage
     sources import the module that registers it, so every rank finds it."""

@@ -14,7 +14,9 @@ encoder-decoder models (T5, BART), models that do not read token ids (ViT:
 bidirectional attention learns to copy its input) and an encoder's causal-LM
 head built without ``is_decoder=True``. Mixture-of-experts decoders (Mixtral,
 Qwen2-MoE) are causal LMs: their experts run ``transformers``' grouped-matmul
-custom op, which the generated stage sources import (``codegen/split.py``).
+custom op, which the generated stage sources import (``codegen/split.py``);
+their router's load-balancing loss (``output_router_logits=True``) is a
+statistic of the whole batch, not a mean over samples, and is refused.
 """
 
 from __future__ import annotations
@@ -66,6 +68,9 @@ def check_causal_lm(model: nn.Module) -> None:
     elif cfg.model_type in auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES and not getattr(cfg, "is_decoder", False):
         why = ("has is_decoder=False: its attention is bidirectional, so a next-token loss would learn to copy "
                "the input; build its config with is_decoder=True")
+    elif getattr(cfg, "output_router_logits", False):
+        why = ("adds its router's load-balancing loss (output_router_logits=True), a statistic of the whole batch "
+               "that splitting it over GPUs changes; set config.output_router_logits = False")
     if why is not None:
         raise ModelCaptureError(f"{name} {why}")
 
