@@ -36,24 +36,27 @@ def _compile(model, *inputs):
 class _Reduced(nn.Module):
     """A bigram model with dropout; its token cross-entropy reduced by ``reduction``."""
 
-    def __init__(self, reduction: str):
+    def __init__(self, reduction: str, always_drop: bool = False):
         super().__init__()
         self.emb = nn.Embedding(256, 32)
         self.drop = nn.Dropout(0.5)
         self.head = nn.Linear(32, 256)
         self.reduction = reduction
+        self.always_drop = always_drop  # functional dropout, random in eval mode too
 
     def forward(self, idx, targets):
-        logits = self.head(self.drop(self.emb(idx)))  # (N, T, 256)
+        x = F.dropout(self.emb(idx), 0.1, training=True) if self.always_drop else self.drop(self.emb(idx))
+        logits = self.head(x)  # (N, T, 256)
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction=self.reduction)
 
 
-def test_loss_reduction_sum_refused():
+@pytest.mark.parametrize("always_drop", [False, True])
+def test_loss_reduction_sum_refused(always_drop):
     torch.manual_seed(0)
     ids = torch.randint(0, 256, (4, T))
     with pytest.raises(ModelCaptureError, match=r"must return the mean loss over its samples.*"
                                                 r"it is their sum.*reduction='mean'"):
-        capture(_Reduced("sum"), (ids, ids))
+        capture(_Reduced("sum", always_drop), (ids, ids))
 
 
 def test_loss_reduction_mean_accepted():
@@ -66,6 +69,7 @@ def test_loss_reduction_mean_accepted():
     captured = capture(model, (ids, ids))
     assert model.training and model.drop.training
     assert captured.input_names == ("idx", "targets")
+    capture(_Reduced("mean", always_drop=True), (ids, ids))  # random in eval mode too: held to 25%
 
 
 class _NarrowTail(nn.Module):
