@@ -3,11 +3,13 @@
 Trained equal to eager (Gloo, one process per planned GPU, fp32 tolerances of
 test_distributed.py): a plan whose last stage reads no parameter, planned in
 fp16-mixed and trained in fp32 (a CPU run), and Mixtral (its experts call
-transformers' grouped-matmul custom op). Refused before anything is captured or
-planned, with a one-line reason: a loss that is not the mean over the samples
-([Note: the loss contract] in zorse_fx/capture/trace.py), Hugging Face models
-that are not decoder-only causal LMs ([Note: which Hugging Face models] in
-zorse_fx/models/hf.py) and batch-norm layers in training mode.
+transformers' grouped-matmul custom op; the Qwen2-MoE check is single-process).
+Refused at capture, before the planner runs, with a one-line reason: a loss
+that is not the mean over the samples ([Note: the loss contract] in
+zorse_fx/capture/trace.py), Hugging Face models that are not decoder-only
+causal LMs or add the router's batch-wide loss ([Note: which Hugging Face
+models] in zorse_fx/models/hf.py), inputs other than token batches, and
+batch-norm layers in training mode.
 """
 
 from __future__ import annotations
