@@ -24,6 +24,7 @@ import torch.nn as nn
 
 from .capture import capture
 from .cluster import Cluster
+from .errors import ModelCaptureError
 from .models.hf import is_hf_causal_lm
 from .plan import Plan
 from .planner import PlanOptions, plan_captured
@@ -74,6 +75,26 @@ class CompiledModel(nn.Module):
         return carried
 
 
+def _check_language_model_inputs(model: nn.Module, example_inputs) -> None:
+    """A plan trains on language-model batches: ``zorse train`` feeds two
+    ``(N, T)`` integer tensors, token ids and labels (``data.global_batch``).
+    Refuse other inputs (images, per-sample labels) here, at plan time,
+    instead of at the first step.
+
+    Raises:
+        ModelCaptureError: the example inputs are not two ``(N, T)`` integer tensors.
+    """
+    ok = len(example_inputs) == 2 and all(
+        isinstance(t, torch.Tensor) and t.dim() == 2 and not t.is_floating_point() and not t.is_complex()
+        and t.shape == example_inputs[0].shape for t in example_inputs)
+    if not ok:
+        got = ", ".join(f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}" if isinstance(t, torch.Tensor)
+                        else type(t).__name__ for t in example_inputs)
+        raise ModelCaptureError(
+            f"{type(model).__name__} takes inputs {got}; zorse_fx trains on token batches: two (N, T) integer "
+            f"tensors (token ids, labels), as zorse train feeds them")
+
+
 def _compile_instance(model: nn.Module, *, cluster: Cluster, example_inputs, global_batch_size: int,
                       label_mode: str | None, model_name: str | None, verbose: bool, **options) -> CompiledModel:
     if isinstance(cluster, (str, Path)):
@@ -87,6 +108,7 @@ def _compile_instance(model: nn.Module, *, cluster: Cluster, example_inputs, glo
         if len(example_inputs) == 1:  # labels = input_ids (the HF model shifts them)
             example_inputs = (example_inputs[0], example_inputs[0])
     label_mode = label_mode or "shifted"
+    _check_language_model_inputs(inner, example_inputs)
     name = model_name or getattr(getattr(inner, "config", None), "_name_or_path", "") or type(inner).__name__
     say = print if verbose else None
     captured = capture(model, tuple(example_inputs))
@@ -107,9 +129,11 @@ def compile(model: nn.Module | type | None = None, *, cluster, example_inputs, g
 
     Args:
         model: an ``nn.Module`` whose ``forward(*example_inputs)`` returns the
-            scalar loss, or a Hugging Face causal LM (wrapped automatically:
-            ``(input_ids, labels) -> loss``). Used without it, ``compile(...)``
-            returns a class decorator.
+            scalar mean loss over the samples, or a Hugging Face causal LM
+            (wrapped automatically: ``(input_ids, labels) -> loss``; other
+            Hugging Face models are refused, [Note: which Hugging Face models]
+            in ``models/hf.py``). Used without it, ``compile(...)`` returns a
+            class decorator.
         cluster: a :class:`Cluster` or the path of a cluster YAML file.
         example_inputs: tensors with the batch in dim 0, e.g. ``(ids, ids)``
             of shape ``(N, T)``, ``N >= 2``; ``T`` is the training length.

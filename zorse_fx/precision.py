@@ -237,6 +237,17 @@ class PrecisionPolicy:
         send them; see [Note: 16-bit boundary tensors]), anything else as it is."""
         return self.compute_dtype_name if self.mixed and dtype_name == "float32" else dtype_name
 
+    def run_dtype_name(self, dtype_name: str, planned: str) -> str:
+        """The dtype a stage computes, under this policy, for a boundary tensor
+        a plan priced under precision ``planned`` recorded as ``dtype_name``
+        (the planner records autocast's output dtypes): where ``planned`` is
+        mixed, its compute dtype is an autocast output and becomes this policy's
+        compute dtype (float32 without autocast: a mixed plan trained in fp32);
+        anything else as recorded."""
+        if planned != self.name and planned != "fp32" and dtype_name == _COMPUTE[planned]:
+            return self.compute_dtype_name
+        return dtype_name
+
     # -- bytes per trainable parameter (what the runtime keeps) -------------
     #: float32 master weight, float32 gradient, AdamW moments (float32 x 2).
     weight_bytes_per_param: int = 4

@@ -16,6 +16,22 @@ The captured model's ``forward(*inputs)`` must return the scalar training loss
 is the batch dimension. Wrap a Hugging Face causal LM with
 :class:`zorse_fx.models.hf.CausalLMWithLoss` (``zorse.compile`` does this).
 
+[Note: the loss contract]
+The runtime weights each GPU's loss by its share of the global batch
+([Note: share-weighted gradients] in ``runtime/stage.py``): that is the
+gradient of single-device training only if the loss is the mean over the
+samples. ``capture`` checks it on the example batch (``check_mean_loss``):
+in eval mode (no dropout module) and without touching the global RNG, the
+batch's loss must equal the sample-weighted mean of its two halves' losses,
+to a relative tolerance of 1000 machine epsilons of the weights' dtype (at
+most 5%). A forward that is random even in eval mode (``F.dropout(...,
+training=True)``: two seeds give two losses) is held to 25% only, which a
+sum still fails. A sum (``reduction="sum"``) is the sum of the halves' losses
+and is refused. A token mean over fixed-length sequences is a sample mean and
+passes; a loss over a varying number of tokens per sample (padding, masked
+tokens) is not one, and is trained as if it were where the example batch
+does not show it.
+
 Legend: ``N`` = samples (batch), ``T`` = sequence length.
 """
 
@@ -32,7 +48,7 @@ import torch.fx as fx
 from ..errors import ModelCaptureError
 from .causal import causal_masks_to_is_causal
 
-__all__ = ["CapturedModel", "capture", "fetch_attr"]
+__all__ = ["CapturedModel", "capture", "check_mean_loss", "fetch_attr"]
 
 log = logging.getLogger(__name__)
 
@@ -221,7 +237,9 @@ def capture(
 
     Raises:
         ModelCaptureError: the model cannot be captured, does not return a
-            scalar, or an input has no batch dimension.
+            scalar, or an input has no batch dimension; a batch-norm layer is
+            in training mode; the loss is not the mean over the samples
+            ([Note: the loss contract]).
     """
     if not isinstance(example_inputs, tuple) or not example_inputs:
         raise ModelCaptureError("example_inputs must be a non-empty tuple of tensors")
@@ -236,6 +254,7 @@ def capture(
                 f"example_inputs[{i}] has batch size {t.shape[0]}; use at least 2 so the batch "
                 "dimension stays symbolic"
             )
+    _refuse_batch_statistics(model)
     names = _input_names(model, len(example_inputs))
     example_inputs = _unaliased(example_inputs)
     if method == "auto":
@@ -262,6 +281,7 @@ def capture(
             f"{type(model).__name__}.forward must return the scalar training loss, got {got}. "
             "Wrap the model so forward(*inputs) returns loss (e.g. zorse_fx.models.hf.CausalLMWithLoss)."
         )
+    check_mean_loss(model, example_inputs)
     placeholders = [n.target for n in gm.graph.find_nodes(op="placeholder")]
     return CapturedModel(
         graph_module=gm,
@@ -271,6 +291,70 @@ def capture(
         example_inputs=tuple(example_inputs),
         causal_masks=rewritten,
     )
+
+
+def _refuse_batch_statistics(model: torch.nn.Module) -> None:
+    """Refuse a batch-norm layer in training mode: it normalises each sample by
+    statistics of the batch it is given, so a micro-batch split over GPUs (and
+    over micro-batches) computes another function than the whole batch."""
+    for name, m in model.named_modules():
+        if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.training:
+            raise ModelCaptureError(
+                f"{type(m).__name__} {name or type(model).__name__!r} normalises with batch statistics in "
+                "training mode, which a batch split over GPUs and micro-batches changes; zorse_fx cannot train it "
+                "equal to single-device training: use a per-sample norm (LayerNorm, GroupNorm) or freeze its "
+                "statistics (call .eval() on it)")
+
+
+def check_mean_loss(model: torch.nn.Module, example_inputs: tuple[torch.Tensor, ...]) -> None:
+    """Check the loss contract on the example batch: ``forward`` returns the
+    mean loss over its samples ([Note: the loss contract]).
+
+    Raises:
+        ModelCaptureError: the batch's loss is not the mean of its two halves'
+            losses (a sum, or another reduction), naming the fix.
+    """
+    tensors = (*example_inputs, *model.parameters(), *model.buffers())
+    if any(t.device.type == "meta" for t in tensors):
+        return  # shapes only (a model built on the meta device): no values to compare
+    n = int(example_inputs[0].shape[0])
+    h = n // 2
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    rtol = min(0.05, 1e3 * torch.finfo(dtype).eps)  # float32: 1.2e-4; 16-bit weights: 0.05
+
+    def close(a: float, b: float, tol: float) -> bool:
+        return abs(a - b) <= tol * max(abs(a), abs(b)) + 1e-6
+
+    def loss(a: int, b: int, seed: int) -> float:
+        torch.manual_seed(seed)
+        return float(model(*(t[a:b] for t in example_inputs)).double())
+
+    training = {m: m.training for m in model.modules()}
+    model.eval()  # no dropout modules: the three forwards see the same function
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            full, first, second = loss(0, n, 0), loss(0, h, 0), loss(h, n, 0)
+            mean = (h * first + (n - h) * second) / n
+            if not close(full, mean, rtol) and not close(full, loss(0, n, 1), rtol):
+                rtol = _STOCHASTIC_RTOL  # random even in eval mode (functional dropout): gross errors only
+    finally:
+        for m, flag in training.items():
+            m.training = flag
+    if close(full, mean, rtol):
+        return
+    looks = ("it is their sum: a sum over the samples" if close(full, first + second, rtol)
+             else "it is not their mean")
+    raise ModelCaptureError(
+        f"{type(model).__name__}.forward must return the mean loss over its samples: on the example batch "
+        f"of {n} it returns {full:.6g}, but its halves return {first:.6g} and {second:.6g}, whose mean is "
+        f"{mean:.6g}; {looks}. Each GPU's loss is weighted by its share of the batch, so another reduction "
+        f"trains wrong: use reduction='mean' (or divide the loss by the batch size)")
+
+
+#: ``check_mean_loss``'s relative tolerance for a forward that is random in eval
+#: mode: a sum over the samples is at least twice the mean of its halves' sums
+#: (50% off), noise of a few percent passes.
+_STOCHASTIC_RTOL = 0.25
 
 
 def _is_hf(model: torch.nn.Module) -> bool:

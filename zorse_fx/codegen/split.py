@@ -265,6 +265,23 @@ def _import_line(name: str, obj) -> str | None:
     raise ValueError(f"codegen cannot emit an import for global {name!r} = {obj!r}")
 
 
+def _custom_op_imports(graph: fx.Graph) -> set[str]:
+    """An ``import`` of the Python module that registered each custom operator
+    ``graph`` calls (``torch.library.custom_op``: ``torch.ops.transformers.grouped_mm_fallback``,
+    the experts' grouped matmul of Hugging Face mixture-of-experts models), so
+    that the stage source finds ``torch.ops.<namespace>.<op>`` in a fresh process."""
+    from torch._library.custom_ops import OPDEFS
+
+    out = set()
+    for n in graph.nodes:
+        if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload):
+            opdef = OPDEFS.get(n.target._schema.name)
+            module = getattr(getattr(opdef, "_init_fn", None), "__module__", None)
+            if module and module != "__main__":
+                out.add(f"import {module}  # registers torch.ops.{n.target._schema.name.replace('::', '.')}")
+    return out
+
+
 def emit_source(program: StageProgram, *, header: str = "", seq_len: int | None = None,
                 model_inputs: tuple[str, ...] | None = None) -> str:
     """Readable, importable Python source of ``program`` (class ``Stage{i}``).
@@ -272,7 +289,7 @@ def emit_source(program: StageProgram, *, header: str = "", seq_len: int | None 
     inputs, declared as ``SEQ_LEN`` / ``MODEL_INPUTS`` for the load-time check
     ([Note: plan.json agrees with its stage files] in ``zorse_fx/stage_sources.py``)."""
     code = program.graph.python_code(root_module="self")
-    imports = {"import torch"}
+    imports = {"import torch", *_custom_op_imports(program.graph)}
     for name, obj in code.globals.items():
         line = _import_line(name, obj)
         if line:

@@ -11,7 +11,7 @@ from msgspec import Meta
 if TYPE_CHECKING:
     from ..precision import PrecisionPolicy
 
-__all__ = ["TensorSpec", "ITEMSIZE", "TensorDtype", "on_wire"]
+__all__ = ["TensorSpec", "ITEMSIZE", "TensorDtype", "on_wire", "as_run"]
 
 #: Bytes per element of the dtypes a captured graph's batch-major tensors may take
 #: (``torch.<name>.itemsize``, checked against torch in tests/test_ir.py); its keys are
@@ -66,3 +66,12 @@ def on_wire(specs, precision: "PrecisionPolicy") -> tuple[TensorSpec, ...]:
     ``zorse_fx/precision.py``), the rest unchanged. The one rule the planner
     prices and the runtime sends by."""
     return tuple(replace(s, dtype=precision.wire_dtype_name(s.dtype)) for s in specs)
+
+
+def as_run(specs, planned: str, precision: "PrecisionPolicy") -> tuple[TensorSpec, ...]:
+    """``specs`` as a plan priced under precision ``planned`` recorded them, in
+    the dtypes a stage computes when it trains under ``precision``
+    (``PrecisionPolicy.run_dtype_name``: a tensor recorded in the planned
+    autocast dtype follows the run's; a float16-mixed plan trained in fp32
+    receives float32). ``on_wire`` of these is what travels."""
+    return tuple(replace(s, dtype=precision.run_dtype_name(s.dtype, planned)) for s in specs)

@@ -4,6 +4,19 @@
 ``transformers`` causal LM. Labels follow Hugging Face's convention: the
 model shifts them internally (``labels = input_ids`` trains next-token
 prediction).
+
+[Note: which Hugging Face models]
+Only decoder-only causal LMs (the classes of ``transformers``'
+``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``) are wrapped; ``check_causal_lm``
+refuses the rest with a one-line reason before anything is captured:
+encoder-decoder models (T5, BART), models that do not read token ids (ViT:
+``pixel_values``), masked LMs (``BertForMaskedLM``: a next-token loss on its
+bidirectional attention learns to copy its input) and an encoder's causal-LM
+head built without ``is_decoder=True``. Mixture-of-experts decoders (Mixtral,
+Qwen2-MoE) are causal LMs: their experts run ``transformers``' grouped-matmul
+custom op, which the generated stage sources import (``codegen/split.py``);
+their router's load-balancing loss (``output_router_logits=True``) is a
+statistic of the whole batch, not a mean over samples, and is refused.
 """
 
 from __future__ import annotations
@@ -15,7 +28,9 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-__all__ = ["CausalLMWithLoss", "is_hf_causal_lm", "smollm2_gguf_path", "load_smollm2_135m"]
+from ..errors import ModelCaptureError
+
+__all__ = ["CausalLMWithLoss", "check_causal_lm", "is_hf_causal_lm", "smollm2_gguf_path", "load_smollm2_135m"]
 
 
 def is_hf_causal_lm(model: nn.Module) -> bool:
@@ -25,10 +40,50 @@ def is_hf_causal_lm(model: nn.Module) -> bool:
     return transformers is not None and isinstance(model, transformers.PreTrainedModel)
 
 
+def check_causal_lm(model: nn.Module) -> None:
+    """Refuse a Hugging Face model that is not a decoder-only causal LM
+    ([Note: which Hugging Face models]).
+
+    Raises:
+        ModelCaptureError: one line naming the model's class, what it is, and
+            what zorse_fx trains instead.
+    """
+    from transformers.models.auto import modeling_auto as auto
+
+    name, cfg = type(model).__name__, model.config
+    causal = set(auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+    masked = set(auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES.values())
+    why = None
+    if getattr(cfg, "is_encoder_decoder", False):
+        why = "is an encoder-decoder model; zorse_fx pipelines decoder-only causal LMs, not an encoder and a decoder"
+    elif getattr(model, "main_input_name", "input_ids") != "input_ids":
+        why = (f"reads {model.main_input_name!r}, not token ids (a vision or audio model); zorse_fx trains "
+               f"causal LMs on token ids")
+    elif name in masked:
+        why = ("is a masked LM; zorse_fx trains causal LMs with a next-token loss (labels = input_ids), which "
+               "would teach its bidirectional attention to copy the input; masked-LM training is not supported")
+    elif name not in causal:
+        why = ("is not a causal LM (a ...ForCausalLM class); zorse_fx wraps only those: for another objective "
+               "wrap the model in an nn.Module whose forward(*inputs) returns the mean loss over the samples")
+    elif cfg.model_type in auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES and not getattr(cfg, "is_decoder", False):
+        why = ("has is_decoder=False: its attention is bidirectional, so a next-token loss would learn to copy "
+               "the input; build its config with is_decoder=True")
+    elif getattr(cfg, "output_router_logits", False):
+        why = ("adds its router's load-balancing loss (output_router_logits=True), a statistic of the whole batch "
+               "that splitting it over GPUs changes; set config.output_router_logits = False")
+    if why is not None:
+        raise ModelCaptureError(f"{name} {why}")
+
+
 class CausalLMWithLoss(nn.Module):
-    """``(input_ids (N, T) int64, labels (N, T) int64) -> scalar mean loss``."""
+    """``(input_ids (N, T) int64, labels (N, T) int64) -> scalar mean loss``.
+
+    Raises:
+        ModelCaptureError: ``model`` is not a decoder-only causal LM (``check_causal_lm``).
+    """
 
     def __init__(self, model: nn.Module):
+        check_causal_lm(model)
         super().__init__()
         self.model = model
 

@@ -222,8 +222,9 @@ class StageOptimizer:
             #: parameter, or offloaded, its host copy.
             self._unique = list({id(p): p for p in params}.values())
             self._stepped = [self._host_copy(p) if self.offload else p for p in self._unique]
-            self.optimizer = torch.optim.AdamW(param_groups(list(zip(self._unique, self._stepped)),
-                                                            cfg.weight_decay), **kw)
+            # A stage that reads no parameter (a loss tail) steps nothing.
+            self.optimizer = (torch.optim.AdamW(param_groups(list(zip(self._unique, self._stepped)),
+                                                             cfg.weight_decay), **kw) if self._unique else None)
             return
         pos = stage.position
         #: ZeRO-3 ([Note: sharded parameters] in param_shard.py): each buffer holds only the owned range.
@@ -338,6 +339,8 @@ class StageOptimizer:
         return [(self.canonical[id(p)], lo, hi, view) for p, lo, hi, view in self._pieces if id(p) in low]
 
     def step(self) -> None:
+        if self.optimizer is None:  # no parameter here (or, ZeRO-1, no element owned)
+            return
         if not self.zero1:
             if not self.offload:
                 self.optimizer.step()
@@ -347,8 +350,6 @@ class StageOptimizer:
                 h.grad = None if g is None else g.detach().to(device=self.host, dtype=h.dtype)
             self.optimizer.step()
             self._write_back()
-            return
-        if self.optimizer is None:
             return
         for p, lo, hi, view in self._pieces:
             g = self.piece_grad(p, lo, hi)

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from ..ir.p2p import Message, RankProgram, _fused_groups, _Op, programs_from, route_messages
 from ..ir.schedule import Action, make_schedule
-from ..ir.tensor import on_wire
+from ..ir.tensor import as_run, on_wire
 from ..plan import Plan
 from ..precision import PrecisionPolicy
 
@@ -26,10 +26,12 @@ __all__ = ["TAG", "build_programs", "build_program", "P2PExecutor", "Mailbox", "
 TAG = 0
 
 
-def _stage_bytes(specs, precision: PrecisionPolicy | None) -> int:
-    """Bytes per sample of a boundary as sent under ``precision`` (``on_wire``;
-    None: as the stage computes them)."""
-    return sum(s.bytes_per_sample for s in (on_wire(specs, precision) if precision else specs))
+def _stage_bytes(specs, planned: str, precision: PrecisionPolicy | None) -> int:
+    """Bytes per sample of a boundary a plan priced under precision ``planned``
+    recorded as ``specs``, as sent under ``precision`` (``on_wire`` of ``as_run``;
+    None: as recorded)."""
+    return sum(s.bytes_per_sample for s in (on_wire(as_run(specs, planned, precision), precision)
+                                            if precision else specs))
 
 
 def action_messages(plan: Plan, rank: int, action: Action, precision: PrecisionPolicy | None = None
@@ -41,7 +43,7 @@ def action_messages(plan: Plan, rank: int, action: Action, precision: PrecisionP
     return route_messages(action, s, plan.stages[s].ranks.index(rank), rank,
                           tuple(tuple(g.rank for g in st.gpus) for st in plan.stages),
                           tuple(st.sample_ranges() for st in plan.stages),
-                          tuple(_stage_bytes(st.send, precision) for st in plan.stages[:-1]))
+                          tuple(_stage_bytes(st.send, plan.precision, precision) for st in plan.stages[:-1]))
 
 
 def _initial_groups(plan: Plan, rank: int, forward_only: bool = False, precision: PrecisionPolicy | None = None

@@ -16,7 +16,9 @@ weighted by its share of the samples. Summing over micro-batches and over the
 GPUs of a data-parallel group (all-reduce SUM) then gives exactly the gradient
 of the mean loss over the whole global batch, as single-device training
 computes it, however unequal the shares are. (This is exact when every sample
-has the same number of loss tokens, as with fixed-length LM sequences.)
+has the same number of loss tokens, as with fixed-length LM sequences;
+capture refuses a loss that is not a mean over the samples: [Note: the loss
+contract] in ``capture/trace.py``.)
 Parameters held by several stages (tied embeddings) are reduced over the
 union of their holders, which also sums the two stages' contributions. With
 fp16-mixed the last stage back-propagates ``loss * n_g / N * scale`` (the
@@ -55,7 +57,7 @@ import torch
 from ..codegen.split import load_stage_source
 from ..errors import RuntimeExecutionError, WeightsFileError, short_repr
 from ..ir.p2p import routes
-from ..ir.tensor import on_wire
+from ..ir.tensor import as_run, on_wire
 from ..plan import Plan, StagePlan
 from ..precision import PrecisionPolicy
 from ..stage_sources import source_sha256
@@ -130,10 +132,13 @@ class StageRuntime:
         self.precision = precision
         self.stage: StagePlan = plan.stages[index]
         self.index = index
-        # The boundary tensors as sent and received under the policy ([Note: 16-bit boundary
-        # tensors] in zorse_fx/precision.py); self.stage.send / .recv are what the stage computes.
-        self.send_wire = on_wire(self.stage.send, precision)
-        self.recv_wire = on_wire(self.stage.recv, precision)
+        # The boundary tensors as the stage computes them under the run's policy (the plan
+        # recorded them under its own: ``as_run``), and as sent and received ([Note: 16-bit
+        # boundary tensors] in zorse_fx/precision.py).
+        self.send_specs = as_run(self.stage.send, plan.precision, precision)
+        self.recv_specs = as_run(self.stage.recv, plan.precision, precision)
+        self.send_wire = on_wire(self.send_specs, precision)
+        self.recv_wire = on_wire(self.recv_specs, precision)
         #: This GPU's position in the stage's data-parallel group and its rows of every micro-batch.
         self.position = self.stage.ranks.index(rank)
         self.row_start, self.row_end = self.stage.sample_ranges()[self.position]
@@ -276,9 +281,10 @@ class StageRuntime:
         """The stage's outputs in their wire dtypes (``self.send_wire``: float32
         in the compute dtype under a mixed policy). Where autocast on this device
         gave another dtype than the planner measured (``StagePlan.send``: its CPU
-        fake run), warn once per tensor: the message sizes stay what was priced."""
+        fake run, ``as_run`` under this policy), warn once per tensor: the message
+        sizes stay what was priced."""
         out = []
-        for t, s, w in zip(tensors, self.stage.send, self.send_wire, strict=True):
+        for t, s, w in zip(tensors, self.send_specs, self.send_wire, strict=True):
             if t.dtype != torch_dtype(s) and s.name not in self._warned_dtypes:
                 self._warned_dtypes.add(s.name)
                 warnings.warn(f"stage {self.index}: {s.name} is {t.dtype} here but the plan measured "
@@ -302,7 +308,7 @@ class StageRuntime:
         lo, hi = m * mb + self.row_start, m * mb + self.row_end
         inputs = [batch[name][lo:hi].to(self.device, non_blocking=True) for name in self.stage.input_names]
         recv = [t.to(torch_dtype(spec)) for t, spec in
-                zip(self._unpack_rows(self.recv_wire, self.in_routes, received), self.stage.recv, strict=True)
+                zip(self._unpack_rows(self.recv_wire, self.in_routes, received), self.recv_specs, strict=True)
                 ] if self.prev is not None else []
         if not recompute:
             for t in recv:
