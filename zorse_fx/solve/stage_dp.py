@@ -299,19 +299,22 @@ class _Stages(StageMatrices):
             gs = gs and sh  # (a one-GPU stage: neither)
             ps = ps and gs
             fk = (fl, s > 0, v)  # what fits does not depend on the stage count: shared over n_s
-            fits = g["fits"].get(fk)
-            if fits is None:
-                fits = g["fits"][fk] = (self._fits_offload(g, fl, s > 0, sh, rc, of, ao, gs, ps) if of or ao
-                                        else self.fits(g["mem"], fl, s > 0, sh, rc, gs, ps)) & self.valid
-            t = (g["comp_rc"] if rc else g["comp"]) + g["bnd"] + (g["ao_x"] if ao else 0)
-            if ps:  # [C-param-shard]: the gathers' exposed time per micro-batch (objective.evaluate_units)
-                passes = 3 if rc else 2
-                comp = g["comp_rc"] if rc else g["comp"]
-                t = t + np.maximum(0, passes * g["gpass"] - comp) + passes * -(-g["gpass"] // self.nblocks)
-            sync = g["zr3"] if ps else g["zr"] if gs else g["arsh"] if sh else g["ar"]
-            c = mult * t + sync + (g["opt_of"][sh] if of else g["opt_ps"] if ps else g["opt_gs"] if gs
-                                   else g["opt_sh"] if sh else g["opt"])
-            c = np.where(fits, c, _INF)
+            terms = g["fits"].get(fk)
+            if terms is None:
+                fits = (self._fits_offload(g, fl, s > 0, sh, rc, of, ao, gs, ps) if of or ao
+                        else self.fits(g["mem"], fl, s > 0, sh, rc, gs, ps)) & self.valid
+                t = (g["comp_rc"] if rc else g["comp"]) + g["bnd"] + (g["ao_x"] if ao else 0)
+                if ps:  # [C-param-shard]: the gathers' exposed time per micro-batch (objective.evaluate_units)
+                    passes = 3 if rc else 2
+                    comp = g["comp_rc"] if rc else g["comp"]
+                    t = t + np.maximum(0, passes * g["gpass"] - comp) + passes * -(-g["gpass"] // self.nblocks)
+                sync = g["zr3"] if ps else g["zr"] if gs else g["arsh"] if sh else g["ar"]
+                fixed = sync + (g["opt_of"][sh] if of else g["opt_ps"] if ps else g["opt_gs"] if gs
+                                else g["opt_sh"] if sh else g["opt"])
+                # cost = mult t + fixed where the variant fits, _INF elsewhere (t 0 there)
+                terms = g["fits"][fk] = (np.where(fits, t, 0), np.where(fits, fixed, _INF))
+            t, fixed = terms
+            c = mult * t + fixed
             better = c < best
             best = np.where(better, c, best)
             arg = np.where(better, v, arg)
