@@ -222,13 +222,18 @@ def replan(request: PlanRequest, cluster, out_dir: str | Path, *, why: str = "")
     except (InfeasiblePlanError, ValueError) as exc:
         reason = " ".join(str(exc).split())
         raise ElasticError(f"--elastic: no plan of {request.model} (global batch {request.global_batch_size}, "
-                           f"seq len {request.seq_len}) fits the {len(cluster.gpus)} GPUs that remain "
+                           f"seq len {request.seq_len}) fits the {_gpus(len(cluster.gpus))} that "
+                           f"{'remain' if len(cluster.gpus) != 1 else 'remains'} "
                            f"({cluster.gpu_summary()}){why}: {reason}") from exc
     out = Path(out_dir)
     compiled.plan.export(out)
     compiled.save_weights(out)
     dataclasses.replace(request, cluster=cluster.to_dict(), cluster_file="").write(out)
     return compiled.plan
+
+
+def _gpus(n: int) -> str:
+    return f"{n} GPU{'s' if n != 1 else ''}"
 
 
 def _layout(plan) -> str:
@@ -292,7 +297,7 @@ def run_elastic(options, *, nproc: int, max_replans: int, launch_kw: dict) -> in
             replans += 1
             print(f"[zorse] elastic: {failed}", flush=True)
             smaller, dropped = reduced_cluster(cluster, {gpu.gpu})
-            print(f"[zorse] elastic: dropped {dropped}; re-planning for the {len(smaller.gpus)} GPUs that remain",
+            print(f"[zorse] elastic: dropped {dropped}; re-planning for the {_gpus(len(smaller.gpus))} left",
                   flush=True)
             new_dir = first.with_name(f"{first.name}.elastic{replans}")
             new = replan(request, smaller, new_dir, why=f" after {failed}")

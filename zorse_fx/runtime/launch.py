@@ -236,7 +236,8 @@ class _JobTree:
 
 
 class _StderrTail:
-    """Copies the job's stderr to this process's, line by line, on a thread, keeping its last ``chars`` characters."""
+    """Copies the job's stderr to this process's on a thread as it comes (a
+    progress bar's carriage returns too), keeping its last ``chars`` characters."""
 
     def __init__(self, chars: int):
         self.chars, self._parts, self._size, self._thread = chars, [], 0, None
@@ -246,13 +247,22 @@ class _StderrTail:
         self._thread.start()
 
     def _copy(self, stream) -> None:
-        for line in iter(stream.readline, ""):
-            sys.stderr.write(line)
-            sys.stderr.flush()
-            self._parts.append(line)
-            self._size += len(line)
-            while self._size > self.chars and len(self._parts) > 1:
-                self._size -= len(self._parts.pop(0))
+        import codecs
+
+        decode = codecs.getincrementaldecoder("utf-8")(errors="replace").decode
+        fd = stream.fileno()
+        while True:
+            chunk = os.read(fd, 65536)
+            text = decode(chunk, final=not chunk)
+            if text:
+                sys.stderr.write(text)
+                sys.stderr.flush()
+                self._parts.append(text)
+                self._size += len(text)
+                while self._size > self.chars and len(self._parts) > 1:
+                    self._size -= len(self._parts.pop(0))
+            if not chunk:
+                break
         stream.close()
 
     def join(self, timeout_s: float = 5.0) -> None:
