@@ -12,6 +12,7 @@ need no torchrun job.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -226,3 +227,45 @@ def test_lost_rank_is_the_one_torchrun_reports_dead_not_the_ones_it_stopped():
     assert lost_rank(failed_ranks(_torchrun_report((2, 1), (0, -15)))) == RankFailure(rank=2, exitcode=1)
     assert lost_rank(failed_ranks(_torchrun_report((1, 3), (0, 3)))) is None
     assert failed_ranks("Traceback ...\nRuntimeError: something else\n") == []
+
+
+def test_elastic_stalled_rank_replans_and_relaunches_on_the_new_plan(tmp_path, monkeypatch, capsys):
+    """A rank stopped for making no progress (--stall-timeout: a frozen host)
+    is lost too: its node goes, the 2-GPU plan is made again for the GPU
+    left, and the job is relaunched on 1 process with the new plan, started
+    anew (no checkpoint yet: --overwrite) and without the fault injection
+    (the job itself faked: the options each launch was given are read back)."""
+    from zorse_fx.runtime.launch import JobStalledError
+    from zorse_fx.train_options import read_options_file
+
+    plan_dir = _plan(tmp_path, "name: two\nnodes:\n  - name: n0\n    gpus: [{type: T4, count: 1}]\n"
+                               "  - name: n1\n    gpus: [{type: T4, count: 1}]\n"
+                               "links:\n  inter_node: {bandwidth_GBps: 3.125, latency_us: 20}\n", 4, "--use-all-gpus")
+    plan = Plan.load(plan_dir)
+    stalled = next(g for s in plan.stages for g in s.gpus if g.node == "n1")
+    torch.save(torch.randint(0, 256, (4000,)), tmp_path / "tokens.pt")
+    launched = []
+
+    def launch(nproc, train_argv, **kw):
+        launched.append((nproc, read_options_file(train_argv[1]), kw["max_restarts"]))
+        if len(launched) == 1:
+            raise JobStalledError(f"rank {stalled.rank} (pid 1) made no progress for 301 s", stalled.rank)
+
+    monkeypatch.setattr("zorse_fx.runtime.launch.launch", launch)
+    assert zorse_main(["train", str(plan_dir), "--tokens", str(tmp_path / "tokens.pt"), "--out", str(tmp_path / "r"),
+                       "--fail-rank", "1:3", "--max-restarts", "2", "--elastic"]) == 0
+    out = capsys.readouterr().out
+    assert (f"[zorse] elastic: rank {stalled.rank} (GPU {stalled.gpu}, T4 on node 'n1') failed for good (no "
+            f"progress for --stall-timeout)") in out
+    assert "dropped node 'n1' (its only GPU: GPU 1 T4); re-planning for the 1 GPU left" in out
+    assert "GPUs 2 GPUs; n0: T4 x1; n1: T4 x1 -> 1 GPUs; n0: T4 x1" in out
+    assert f"no intact checkpoint in {tmp_path / 'r' / 'checkpoints'}: starting anew on 1 rank " in out
+    (n0, first, r0), (n1, second, r1) = launched
+    assert (n0, n1, r0, r1) == (2, 1, 2, 2)
+    assert first.testing.fail_rank == (1, 3) and second.testing.fail_rank is None
+    assert second.data.plan == str(tmp_path / "plan.elastic1") and second.data.weights is None
+    assert (second.checkpoint.resume, second.checkpoint.overwrite) == (False, True)
+    assert all(getattr(first, f.name) == getattr(second, f.name) for f in dataclasses.fields(first)
+               if f.name not in ("data", "checkpoint", "testing"))  # the rest as given
+    assert Plan.load(tmp_path / "plan.elastic1").world_size == 1
+

@@ -14,6 +14,8 @@ torchrun names each failed worker (its rank and exit code) in the
 (SIGTERM, SIGINT) are listed too. The lost rank is the first of the others
 that died by a signal (SIGKILL, SIGSEGV, SIGBUS: a GPU or host gone), else the
 one torchrun names as the root cause (a Python error such as a CUDA fault).
+A rank the launcher stopped for making no progress (``--stall-timeout``: a
+frozen host or GPU) is lost too.
 Its GPU leaves the cluster; where that was its node's last GPU, the node
 leaves too (with its link overrides and shared-link sides). The other GPUs of
 its node stay: one process failing is evidence against one GPU, and on one
@@ -38,14 +40,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import shutil
 import signal
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import InfeasiblePlanError, RuntimeExecutionError, ZorseError
+from .errors import InfeasiblePlanError, RuntimeExecutionError
 
 __all__ = ["PLAN_REQUEST", "PlanRequest", "RankFailure", "ElasticError", "failed_ranks", "lost_rank",
-           "reduced_cluster", "replan", "run_elastic"]
+           "reduced_cluster", "replan", "what_changed", "check_elastic", "run_elastic"]
 
 #: The file beside plan.json that records how ``zorse plan`` made the plan ([Note: how a plan was made]).
 PLAN_REQUEST = "plan_request.json"
@@ -108,9 +111,13 @@ class RankFailure:
 
     rank: int
     #: The worker's exit status; negative: killed by signal ``-exitcode``.
-    exitcode: int
+    exitcode: int = 0
+    #: No exit: the rank stopped making progress (no heartbeat for ``--stall-timeout``) and the job was stopped.
+    stalled: bool = False
 
     def describe(self) -> str:
+        if self.stalled:
+            return "no progress for --stall-timeout"
         if self.exitcode < 0:
             try:
                 return f"killed by {signal.Signals(-self.exitcode).name}"
@@ -135,20 +142,23 @@ def failed_ranks(torchrun_stderr: str) -> list[RankFailure]:
     return [RankFailure(rank=int(r), exitcode=int(c)) for text in (root, others) for r, c in _ENTRY.findall(text)]
 
 
-#: Exit statuses that are zorse's own verdicts, not a lost GPU ([Note: which GPUs a failure removes]):
-#: options refused (2), a non-finite step (``train.EXIT_NONFINITE``), the job stopped by a signal.
-_VERDICTS = frozenset({2, 3, -signal.SIGTERM, -signal.SIGINT, 128 + signal.SIGTERM, 128 + signal.SIGINT})
+#: Workers torchrun stopped itself after another failed: no lost GPU.
+_STOPPED = frozenset({-signal.SIGTERM, -signal.SIGINT})
+#: Exit statuses that are zorse's own verdicts, no lost GPU ([Note: which GPUs a failure removes]):
+#: options refused (2), the job stopped by a signal (128 + SIGTERM, SIGINT); and ``train.EXIT_NONFINITE``.
+_VERDICTS = frozenset({2, 128 + signal.SIGTERM, 128 + signal.SIGINT})
 
 
 def lost_rank(failures: list[RankFailure]) -> RankFailure | None:
-    """The rank whose GPU a failure report removes ([Note: which GPUs a failure removes]), or None."""
-    from .train import EXIT_NONFINITE
+    """The rank whose GPU a failure report (``failed_ranks``: root cause
+    first) removes ([Note: which GPUs a failure removes]), or None."""
+    from .train import EXIT_NONFINITE  # (the rank-side module: imported only after a failure)
 
-    assert EXIT_NONFINITE in _VERDICTS
-    lost = [f for f in failures if f.exitcode not in _VERDICTS]
-    if not lost or failures[0].exitcode in _VERDICTS - {-signal.SIGTERM, -signal.SIGINT}:
+    verdicts = _VERDICTS | {EXIT_NONFINITE}
+    if not failures or failures[0].exitcode in verdicts:
         return None  # the root cause is a verdict: the run itself stopped
-    return next((f for f in lost if f.exitcode < 0), lost[0])
+    lost = [f for f in failures if f.exitcode not in verdicts | _STOPPED]
+    return next((f for f in lost if f.exitcode < 0), lost[0] if lost else None)
 
 
 def reduced_cluster(cluster, lost_gpus):
@@ -236,6 +246,10 @@ def _gpus(n: int) -> str:
     return f"{n} GPU{'s' if n != 1 else ''}"
 
 
+def _ranks(n: int) -> str:
+    return f"{n} rank{'s' if n != 1 else ''}"
+
+
 def _layout(plan) -> str:
     """``"2 stages on 4 GPUs (2+2), 1 x 12 micro-batches"``."""
     gpus = "+".join(str(len(s.gpus)) for s in plan.stages[:plan.num_groups])
@@ -251,6 +265,11 @@ def what_changed(old, new, old_cluster, new_cluster) -> list[str]:
             f"{new.predicted_step_time_s * 1e3:.1f} ms ({new.predicted_step_time_s / old.predicted_step_time_s:.2f}x)"]
 
 
+def check_elastic(plan_dir: str | Path) -> None:
+    """``--elastic``'s pre-flight check: the plan records how it was made (else ``ElasticError``)."""
+    PlanRequest.read(plan_dir)
+
+
 def run_elastic(options, *, nproc: int, max_replans: int, launch_kw: dict) -> int:
     """``zorse train --elastic``: train ``options`` (a ``TrainingOptions``) on
     ``nproc`` local processes; after a failure that loses a GPU ([Note: which
@@ -260,12 +279,12 @@ def run_elastic(options, *, nproc: int, max_replans: int, launch_kw: dict) -> in
 
     Raises:
         ElasticError: no plan request, no plan for the remaining GPUs, re-plans spent.
-        JobFailedError: a failure that is no lost GPU (raised unchanged).
+        JobFailedError, JobStalledError: a failure that is no lost GPU (raised unchanged).
     """
     from .cluster import Cluster
     from .plan import Plan
     from .runtime.checkpoint import newest_intact_checkpoint
-    from .runtime.launch import JobFailedError, launch, torchrun_command
+    from .runtime.launch import JobFailedError, JobStalledError, launch, torchrun_command
     from .runtime.run_dir import CHECKPOINTS
     from .train_options import OPTIONS_FILE, write_options_file
 
@@ -279,15 +298,17 @@ def run_elastic(options, *, nproc: int, max_replans: int, launch_kw: dict) -> in
         try:
             launch(nproc, ["--options-file", str(options_file)], stderr_tail_chars=STDERR_TAIL_CHARS, **launch_kw)
             return 0
-        except JobFailedError as exc:
-            failures = failed_ranks(exc.stderr or "")
-            lost = lost_rank(failures)
+        except (JobFailedError, JobStalledError) as exc:
+            if isinstance(exc, JobStalledError):  # a frozen host or GPU: as lost as a dead one
+                lost = RankFailure(rank=exc.rank, stalled=True) if exc.rank is not None else None
+            else:
+                lost = lost_rank(failed_ranks(exc.stderr or ""))
             if lost is None:
                 raise
             plan = Plan.load(plan_dir)
             cluster = Cluster.from_dict(request.cluster)
             gpu = next(g for s in plan.stages for g in s.gpus if g.rank == lost.rank)
-            restarts = launch_kw.get("max_restarts", 0)
+            restarts = launch_kw.get("max_restarts", 0) if not lost.stalled else 0
             failed = (f"rank {lost.rank} (GPU {gpu.gpu}, {gpu.gpu_type} on node {gpu.node!r}) failed for good "
                       f"({lost.describe()}{f', after {restarts} torchrun restart(s)' if restarts else ''})")
             if replans >= max_replans:
@@ -300,13 +321,15 @@ def run_elastic(options, *, nproc: int, max_replans: int, launch_kw: dict) -> in
             print(f"[zorse] elastic: dropped {dropped}; re-planning for the {_gpus(len(smaller.gpus))} left",
                   flush=True)
             new_dir = first.with_name(f"{first.name}.elastic{replans}")
+            if (new_dir / PLAN_REQUEST).exists():  # an earlier --elastic run's plan: made again for this cluster
+                shutil.rmtree(new_dir)
             new = replan(request, smaller, new_dir, why=f" after {failed}")
             for line in what_changed(plan, new, cluster, smaller):
                 print(line, flush=True)
             latest, _ = newest_intact_checkpoint(out / CHECKPOINTS)
             print(f"[zorse] elastic: wrote {new_dir}; "
-                  + (f"resuming from {latest} on {new.world_size} ranks" if latest is not None else
-                     f"no intact checkpoint in {out / CHECKPOINTS}: starting anew on {new.world_size} ranks")
+                  + (f"resuming from {latest} on {_ranks(new.world_size)}" if latest is not None else
+                     f"no intact checkpoint in {out / CHECKPOINTS}: starting anew on {_ranks(new.world_size)}")
                   + f" (re-plan {replans} of --max-replans {max_replans})", flush=True)
             d = options.data
             weights = None if d.weights is None or Path(d.weights).parent == plan_dir else d.weights
@@ -322,10 +345,3 @@ def run_elastic(options, *, nproc: int, max_replans: int, launch_kw: dict) -> in
                                                          shutdown_timeout_s=launch_kw.get("term_grace_s"))),
                   flush=True)
 
-
-def check_elastic(plan_dir: str | Path) -> None:
-    """``--elastic``'s pre-flight check: the plan records how it was made (else ``ElasticError``)."""
-    PlanRequest.read(plan_dir)
-
-
-assert issubclass(ElasticError, ZorseError)

@@ -105,7 +105,11 @@ class JobFailedError(RuntimeExecutionError):
 
 
 class JobStalledError(RuntimeExecutionError):
-    """A rank stopped beating (``--stall-timeout``); the job was stopped."""
+    """A rank stopped beating (``--stall-timeout``); the job was stopped. ``rank``: that rank."""
+
+    def __init__(self, message: str, rank: int | None = None):
+        super().__init__(message)
+        self.rank = rank
 
 
 @functools.cache
@@ -349,7 +353,7 @@ def supervise(cmd: list[str], env: dict[str, str] | None = None, *, timeout_s: f
                     raise JobStalledError(
                         f"rank {beat.rank} (pid {beat.pid}) made no progress for {beat.age_s:.0f} s (stalled or "
                         f"stopped); stopped the job (--stall-timeout is {stall_timeout_s:g} s: raise it if one "
-                        f"step can take longer)")
+                        f"step can take longer)", beat.rank)
             if timeout_s is not None and time.monotonic() - start > timeout_s:
                 raise JobFailedError(f"the job ran longer than {timeout_s:g} s and was stopped: {' '.join(cmd)}",
                                      -1, read(out_f), read(err_f))
