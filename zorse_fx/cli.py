@@ -118,11 +118,11 @@ def _check_seq_len(model, name: str, seq_len: int) -> None:
 def cmd_plan(args) -> int:
     import zorse_fx as zorse
 
-    model, _ = _load_model(args.model)
-    _check_seq_len(model, args.model, args.seq_len)
     from .cluster import Cluster
     from .elastic import PlanRequest
 
+    model, _ = _load_model(args.model)
+    _check_seq_len(model, args.model, args.seq_len)
     ids = torch.randint(0, 200, (2, args.seq_len))
     options = dict(  # recorded in plan_request.json (zorse train --elastic plans with them again)
         max_stages=args.max_stages, max_microbatches=args.max_microbatches, schedule=args.schedule,
