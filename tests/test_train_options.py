@@ -104,6 +104,7 @@ FLAGS = [  # (argv beyond "plan", dotted field, value)
     (["--pg-timeout-min", "2.5"], "job.pg_timeout_min", 2.5),
     (["--heartbeat-s", "0"], "job.heartbeat_s", 0.0),
     (["--kill-at-step", "1:3"], "testing.kill_at_step", (1, 3)),
+    (["--fail-rank", "2:3"], "testing.fail_rank", (2, 3)),
     (["--inject-inf", "0:2"], "testing.inject_inf", (0, 2)),
     (["--dump-grads", "2"], "testing.dump_grads", 2),
     (["--dump-params"], "testing.dump_params", True),
@@ -236,7 +237,7 @@ FULL = TrainingOptions(
     checkpoint=CheckpointOptions(checkpoint_every=3, keep_checkpoints=1, resume=True),
     job=JobOptions(out="runs/x", backend="gloo", precision="bf16-mixed", grad_reduce_dtype="bfloat16",
                    pg_timeout_min=2.5, heartbeat_s=0.5),
-    testing=TestingOptions(kill_at_step=(1, 3), inject_inf=(0, 2), dump_grads=2, dump_params=True))
+    testing=TestingOptions(kill_at_step=(1, 3), fail_rank=(2, 4), inject_inf=(0, 2), dump_grads=2, dump_params=True))
 
 
 def test_options_file_round_trip(tmp_path):

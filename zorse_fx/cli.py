@@ -62,9 +62,15 @@ class LaunchOptions:
     max_restarts: Annotated[int, tyro.conf.arg(metavar="R", help=(
         "torchrun restarts every worker when one dies, up to R times; with checkpoints the restarted ranks "
         "resume"))] = 0
+    elastic: bool = False
+    """when a rank fails for good (after --max-restarts), re-plan for the GPUs that remain (the plan's cluster
+    without the failed rank's GPU, and its node where that was the node's last), write the plan beside the old
+    (<plan>.elastic1/) and resume from the newest checkpoint on it (zorse_fx/elastic.py)"""
+    max_replans: Annotated[int, tyro.conf.arg(metavar="N", help=(
+        "--elastic: re-plan at most N times in one zorse train"))] = 1
 
     def __post_init__(self) -> None:
-        for name in ("nproc", "stall_timeout", "term_grace_s", "max_restarts"):
+        for name in ("nproc", "stall_timeout", "term_grace_s", "max_restarts", "max_replans"):
             if not getattr(self, name) >= 0:
                 raise OptionValueError(name, f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
 
@@ -112,23 +118,30 @@ def _check_seq_len(model, name: str, seq_len: int) -> None:
 def cmd_plan(args) -> int:
     import zorse_fx as zorse
 
+    from .cluster import Cluster
+    from .elastic import PlanRequest
+
     model, _ = _load_model(args.model)
     _check_seq_len(model, args.model, args.seq_len)
     ids = torch.randint(0, 200, (2, args.seq_len))
-    compiled = zorse.compile(
-        model, cluster=args.cluster, example_inputs=(ids, ids), global_batch_size=args.global_batch_size,
+    options = dict(  # recorded in plan_request.json (zorse train --elastic plans with them again)
         max_stages=args.max_stages, max_microbatches=args.max_microbatches, schedule=args.schedule,
         time_limit_s=args.time_limit, planner=args.planner,
-        solver_budget=args.solver_budget, bucket_mib=args.bucket_mib, jobs=args.jobs,
+        solver_budget=args.solver_budget, bucket_mib=args.bucket_mib,
         max_interleave=args.max_interleave, precision=args.precision, grad_reduce_dtype=args.grad_reduce_dtype,
         tf32=args.tf32,
         sharding=args.sharding, grad_sharding=args.grad_sharding, param_sharding=args.param_sharding,
         offload=args.offload, activation_offload=args.activation_offload, recompute=args.recompute,
-        allow_idle_gpus=not args.use_all_gpus, verbose=True, model_name=args.model,
-    )
+        allow_idle_gpus=not args.use_all_gpus)
+    cluster = Cluster.from_yaml(args.cluster)
+    compiled = zorse.compile(
+        model, cluster=cluster, example_inputs=(ids, ids), global_batch_size=args.global_batch_size,
+        jobs=args.jobs, verbose=True, model_name=args.model, **options)
     print(compiled.plan.table())
     path = compiled.plan.export(args.output)
     weights = compiled.save_weights(args.output)
+    PlanRequest(model=args.model, seq_len=args.seq_len, global_batch_size=args.global_batch_size, options=options,
+                cluster=cluster.to_dict(), cluster_file=str(Path(args.cluster).resolve())).write(args.output)
     print(f"[zorse] wrote {path}, {len(compiled.plan.stages)} stage sources and {weights}")
     return 0
 
@@ -149,7 +162,9 @@ def cmd_train(args) -> int:
     SIGTERM stops every rank (SIGTERM after ``--term-grace-s``, for a checkpoint),
     a rank whose heartbeat stops for ``--stall-timeout`` seconds ends the job
     with that rank named, and ``--max-restarts`` lets torchrun restart all the
-    workers when one dies (with checkpoints, the restarted job resumes)."""
+    workers when one dies (with checkpoints, the restarted job resumes);
+    ``--elastic`` re-plans for the GPUs that remain when one fails for good
+    (``elastic.py``)."""
     from .plan import Plan
     from .runtime.launch import launch, torchrun_command
     from .runtime.run_dir import check_fresh_start
@@ -158,6 +173,10 @@ def cmd_train(args) -> int:
 
     cmd: TrainCommand = args.train
     plan = Plan.load(cmd.data.plan)
+    if cmd.launch.elastic:  # refused before anything starts where the plan does not say how it was made
+        from .elastic import check_elastic
+
+        check_elastic(cmd.data.plan)
     out = Path(cmd.job.out)
     if not cmd.checkpoint.resume:  # another run's checkpoints or metrics: refused before anything starts
         check_fresh_start(out, overwrite=cmd.checkpoint.overwrite)  # (--overwrite: rank 0 removes them)
@@ -171,8 +190,14 @@ def cmd_train(args) -> int:
     nproc = cmd.launch.nproc or plan.world_size
     kw = dict(max_restarts=cmd.launch.max_restarts, shutdown_timeout_s=cmd.launch.term_grace_s)
     print("[zorse] " + " ".join(torchrun_command(nproc, train_argv, **kw)), flush=True)
-    launch(nproc, train_argv, heartbeat_dir=heartbeat_dir(out), stall_timeout_s=cmd.launch.stall_timeout,
-           term_grace_s=cmd.launch.term_grace_s, max_restarts=cmd.launch.max_restarts)
+    supervision = dict(heartbeat_dir=heartbeat_dir(out), stall_timeout_s=cmd.launch.stall_timeout,
+                       term_grace_s=cmd.launch.term_grace_s, max_restarts=cmd.launch.max_restarts)
+    if cmd.launch.elastic:
+        from .elastic import run_elastic
+
+        return run_elastic(cmd.training_options(data), nproc=nproc, max_replans=cmd.launch.max_replans,
+                           launch_kw=supervision)
+    launch(nproc, train_argv, **supervision)
     return 0
 
 

@@ -438,6 +438,8 @@ def main(argv=None) -> int:
             val_loss = float(val.item()) / loop.val_batches
         if test.kill_at_step and test.kill_at_step == (rank, step) and not restarted:
             os.kill(os.getpid(), signal.SIGKILL)  # testing: a rank dies mid-run
+        if test.fail_rank and test.fail_rank[0] == rank and step >= test.fail_rank[1]:
+            os.kill(os.getpid(), signal.SIGKILL)  # testing: a GPU lost for good (every attempt)
         if rank == 0:
             parts = [{"rank": r, "stages": list(plan.stages_of(r)),
                       **{k: (int(x) if k.startswith("buckets") else x) for k, x in zip(_BREAKDOWN, t[:n].tolist())}}

@@ -294,6 +294,10 @@ class TestingOptions:
     kill_at_step: Annotated[tuple[int, int] | None, _rank_step("--kill-at-step"), _arg(
         "testing: in the first attempt (not after a torchrun restart), rank RANK sends itself SIGKILL after STEP",
         default="off")] = None
+    fail_rank: Annotated[tuple[int, int] | None, _rank_step("--fail-rank"), _arg(
+        "testing: a GPU lost for good: in every attempt (torchrun restarts too), rank RANK sends itself SIGKILL "
+        "after each step from STEP on (before that step's checkpoint); zorse train --elastic re-plans without it",
+        default="off")] = None
     inject_inf: Annotated[tuple[int, int] | None, _rank_step("--inject-inf"), _arg(default="off")] = None
     """testing: after STEP's gradient reduction, rank RANK writes an inf into a gradient"""
     dump_grads: Annotated[int, _arg(
@@ -305,6 +309,7 @@ class TestingOptions:
 
     def __post_init__(self) -> None:
         _check_rank_step("kill_at_step", self.kill_at_step)
+        _check_rank_step("fail_rank", self.fail_rank)
         _check_rank_step("inject_inf", self.inject_inf)
         _at_least(self, 0, "dump_grads", never=True)
 

@@ -105,7 +105,11 @@ class JobFailedError(RuntimeExecutionError):
 
 
 class JobStalledError(RuntimeExecutionError):
-    """A rank stopped beating (``--stall-timeout``); the job was stopped."""
+    """A rank stopped beating (``--stall-timeout``); the job was stopped. ``rank``: that rank."""
+
+    def __init__(self, message: str, rank: int | None = None):
+        super().__init__(message)
+        self.rank = rank
 
 
 @functools.cache
@@ -150,7 +154,8 @@ def job_env() -> dict[str, str]:
 
 def launch(nprocs: int, train_argv: list[str], *, timeout_s: float | None = None,
            capture: bool = False, heartbeat_dir: str | Path | None = None, stall_timeout_s: float = 0,
-           term_grace_s: float = 60.0, max_restarts: int = 0) -> subprocess.CompletedProcess:
+           term_grace_s: float = 60.0, max_restarts: int = 0,
+           stderr_tail_chars: int = 0) -> subprocess.CompletedProcess:
     """Run ``python -m zorse_fx.train`` with ``train_argv`` (see
     ``torchrun_command``) on ``nprocs`` local processes under torchrun and ``supervise`` it.
 
@@ -158,7 +163,7 @@ def launch(nprocs: int, train_argv: list[str], *, timeout_s: float | None = None
     beaten for that long (0: never). ``term_grace_s``: on SIGTERM, how long the
     ranks get to exit (write a checkpoint) before they are killed.
     ``max_restarts``: passed to torchrun, which restarts every worker when one
-    dies (up to that many times).
+    dies (up to that many times). ``stderr_tail_chars``: see ``supervise``.
 
     Raises:
         JobFailedError: torchrun exited with a non-zero status.
@@ -167,7 +172,7 @@ def launch(nprocs: int, train_argv: list[str], *, timeout_s: float | None = None
     """
     cmd = torchrun_command(nprocs, train_argv, max_restarts=max_restarts, shutdown_timeout_s=term_grace_s)
     return supervise(cmd, job_env(), timeout_s=timeout_s, capture=capture, heartbeat_dir=heartbeat_dir,
-                     stall_timeout_s=stall_timeout_s, term_grace_s=term_grace_s)
+                     stall_timeout_s=stall_timeout_s, term_grace_s=term_grace_s, stderr_tail_chars=stderr_tail_chars)
 
 
 def running(processes) -> list:
@@ -234,14 +239,56 @@ class _JobTree:
             time.sleep(0.05)
 
 
+class _StderrTail:
+    """Copies the job's stderr to this process's on a thread as it comes (a
+    progress bar's carriage returns too), keeping its last ``chars`` characters."""
+
+    def __init__(self, chars: int):
+        self.chars, self._parts, self._size, self._thread = chars, [], 0, None
+
+    def start(self, stream) -> None:
+        self._thread = threading.Thread(target=self._copy, args=(stream,), daemon=True)
+        self._thread.start()
+
+    def _copy(self, stream) -> None:
+        import codecs
+
+        decode = codecs.getincrementaldecoder("utf-8")(errors="replace").decode
+        fd = stream.fileno()
+        while True:
+            chunk = os.read(fd, 65536)
+            text = decode(chunk, final=not chunk)
+            if text:
+                sys.stderr.write(text)
+                sys.stderr.flush()
+                self._parts.append(text)
+                self._size += len(text)
+                while self._size > self.chars and len(self._parts) > 1:
+                    self._size -= len(self._parts.pop(0))
+            if not chunk:
+                break
+        stream.close()
+
+    def join(self, timeout_s: float = 5.0) -> None:
+        """Wait for the copy to reach the end of the stream (every writer gone), at most ``timeout_s``."""
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    def text(self) -> str:
+        return "".join(self._parts)[-self.chars:]
+
+
 def supervise(cmd: list[str], env: dict[str, str] | None = None, *, timeout_s: float | None = None,
               capture: bool = False, heartbeat_dir: str | Path | None = None, stall_timeout_s: float = 0,
               term_grace_s: float = 60.0, int_grace_s: float = INT_GRACE_S,
-              poll_s: float = 0.5) -> subprocess.CompletedProcess:
+              poll_s: float = 0.5, stderr_tail_chars: int = 0) -> subprocess.CompletedProcess:
     """Run torchrun's ``cmd`` in its own session until it ends; see [Note: stopping a job].
 
     ``capture``: the output is returned (``stdout``/``stderr``, text) instead of
-    going to the terminal. Signal handlers (SIGINT, SIGTERM) are installed only
+    going to the terminal. ``stderr_tail_chars`` (without ``capture``): the
+    job's stderr still goes to the terminal, line by line, and its last this
+    many characters are kept as the ``stderr`` of a ``JobFailedError`` (where
+    torchrun names the rank that failed first: ``zorse train --elastic``). Signal handlers (SIGINT, SIGTERM) are installed only
     when called from the main thread, and restored on return."""
     hb = Path(heartbeat_dir) if heartbeat_dir else None
     if hb is not None:
@@ -251,10 +298,11 @@ def supervise(cmd: list[str], env: dict[str, str] | None = None, *, timeout_s: f
     out_f = tempfile.TemporaryFile("w+") if capture else None
     err_f = tempfile.TemporaryFile("w+") if capture else None
     tree = None
+    tee = _StderrTail(stderr_tail_chars) if stderr_tail_chars and not capture else None
 
     def read(f):
         if f is None:
-            return None
+            return tee.text() if tee is not None else None
         f.seek(0)
         return f.read()
 
@@ -262,7 +310,10 @@ def supervise(cmd: list[str], env: dict[str, str] | None = None, *, timeout_s: f
         if threading.current_thread() is threading.main_thread():
             for s in (signal.SIGINT, signal.SIGTERM):
                 old_handlers[s] = signal.signal(s, lambda signum, frame: received.append(signum))
-        proc = subprocess.Popen(cmd, env=env, stdout=out_f, stderr=err_f, text=True, start_new_session=True)
+        proc = subprocess.Popen(cmd, env=env, stdout=out_f, stderr=subprocess.PIPE if tee else err_f, text=True,
+                                start_new_session=True)
+        if tee is not None:
+            tee.start(proc.stderr)
         tree = _JobTree(proc)
         start = time.monotonic()
         while True:
@@ -302,7 +353,7 @@ def supervise(cmd: list[str], env: dict[str, str] | None = None, *, timeout_s: f
                     raise JobStalledError(
                         f"rank {beat.rank} (pid {beat.pid}) made no progress for {beat.age_s:.0f} s (stalled or "
                         f"stopped); stopped the job (--stall-timeout is {stall_timeout_s:g} s: raise it if one "
-                        f"step can take longer)")
+                        f"step can take longer)", beat.rank)
             if timeout_s is not None and time.monotonic() - start > timeout_s:
                 raise JobFailedError(f"the job ran longer than {timeout_s:g} s and was stopped: {' '.join(cmd)}",
                                      -1, read(out_f), read(err_f))
@@ -312,9 +363,13 @@ def supervise(cmd: list[str], env: dict[str, str] | None = None, *, timeout_s: f
             tree.kill_all()
         for s, h in old_handlers.items():
             signal.signal(s, h)
+        if tee is not None:
+            tee.join()
         for f in (out_f, err_f):
             if f is not None:
                 f.close()
+    if tee is not None:
+        stderr = tee.text()  # complete now (joined)
     if proc.returncode != 0:
         where = "see the ranks' errors above" if not capture else "the output is in this error's stdout/stderr"
         raise JobFailedError(f"torchrun exited with status {proc.returncode} ({where}): {' '.join(cmd)}",
