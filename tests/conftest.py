@@ -787,3 +787,24 @@ def assert_resume_across_layouts(captured, tokens, tmp_path: Path, base, other) 
         for name, value in got[r].items():
             torch.testing.assert_close(value, want[r][name], rtol=FP32.param_rtol, atol=FP32.param_atol_lr * LR_A)
     return run
+
+
+def edit_plan_json(directory, edit):
+    """plan.json in ``directory`` after ``edit(d)`` (d: the parsed JSON, edited in place); its path."""
+    import json
+
+    path = directory / "plan.json"
+    d = json.loads(path.read_text())
+    edit(d)
+    path.write_text(json.dumps(d))
+    return path
+
+
+def plan_load_error(path) -> str:
+    """The message of the PlanFileError that ``Plan.load(path)`` raises (fails if it loads)."""
+    from zorse_fx.errors import PlanFileError
+    from zorse_fx.plan import Plan
+
+    with pytest.raises(PlanFileError) as e:
+        Plan.load(path)
+    return str(e.value)

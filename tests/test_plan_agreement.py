@@ -12,9 +12,8 @@ import json
 import pytest
 
 from test_plan import _gpt_plan, exported  # noqa: F401 (exported: a fixture, of this file's plan)
+from conftest import edit_plan_json as _edited, plan_load_error as _load_error
 from zorse_fx.cli import main as zorse_main
-from zorse_fx.errors import PlanFileError
-from zorse_fx.plan import Plan
 from zorse_fx.stage_sources import stage_declarations
 
 REEXPORT = "re-export the plan with `zorse plan`"
@@ -25,20 +24,6 @@ AGREE = "plan.json must agree with its stage files"
 def plan():
     """Stage 0: GPUs 0, 1 taking 3 + 1 samples; stage 1: GPU 2 taking 4; 16 tokens per sample."""
     return _gpt_plan(2, (3,), ((0, 1), (2,)), ((3, 1), (4,)))
-
-
-def _edited(directory, edit):
-    path = directory / "plan.json"
-    d = json.loads(path.read_text())
-    edit(d)
-    path.write_text(json.dumps(d))
-    return path
-
-
-def _load_error(path) -> str:
-    with pytest.raises(PlanFileError) as e:
-        Plan.load(path)
-    return str(e.value)
 
 
 def test_stage_files_declare_what_plan_json_says(plan):

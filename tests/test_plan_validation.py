@@ -12,7 +12,7 @@ import re
 import pytest
 import torch
 
-from conftest import CLUSTERS
+from conftest import CLUSTERS, edit_plan_json as _edited, plan_load_error as _load_error
 from test_plan import _gpt_plan, exported  # noqa: F401 (exported: a fixture, of this file's plan)
 from zorse_fx.cli import main as zorse_main
 from zorse_fx.cluster import Cluster
@@ -27,23 +27,6 @@ REEXPORT = "re-export the plan with `zorse plan`"
 def plan():
     """Stage 0: GPUs 0, 1 (ranks 0, 1) taking 3 + 1 samples; stage 1: GPU 2 (rank 2) taking 4."""
     return _gpt_plan(2, (3,), ((0, 1), (2,)), ((3, 1), (4,)))
-
-
-
-
-def _edited(directory, edit):
-    """plan.json in ``directory`` after ``edit(d)``; returns its path."""
-    path = directory / "plan.json"
-    d = json.loads(path.read_text())
-    edit(d)
-    path.write_text(json.dumps(d))
-    return path
-
-
-def _load_error(path) -> str:
-    with pytest.raises(PlanFileError) as e:
-        Plan.load(path)
-    return str(e.value)
 
 
 # -- shares and other fields: type and range -------------------------------------------------
