@@ -149,16 +149,21 @@ def cmd_train(args) -> int:
     SIGTERM stops every rank (SIGTERM after ``--term-grace-s``, for a checkpoint),
     a rank whose heartbeat stops for ``--stall-timeout`` seconds ends the job
     with that rank named, and ``--max-restarts`` lets torchrun restart all the
-    workers when one dies (with checkpoints, the restarted job resumes)."""
-    from .plan import Plan
+    workers when one dies (with checkpoints, the restarted job resumes).
+    Before any of it, what the files show is checked ([Note: pre-flight
+    checks] in ``runtime/preflight.py``); an error a rank finds is one line
+    naming the rank ([Note: one line per error] in ``runtime/rank_errors.py``)."""
     from .runtime.launch import launch, torchrun_command
+    from .runtime.preflight import check_data, check_job
     from .runtime.run_dir import check_fresh_start
     from .runtime.watchdog import heartbeat_dir
     from .token_data import prepare_data, token_file_paths
 
     cmd: TrainCommand = args.train
-    plan = Plan.load(cmd.data.plan)
     out = Path(cmd.job.out)
+    # [Note: pre-flight checks] (runtime/preflight.py): what the files show is refused here, in one line each.
+    plan, weights = check_job(cmd.data.plan, weights=cmd.data.weights, nproc=cmd.launch.nproc,
+                              resume=cmd.checkpoint.resume, out=out)
     if not cmd.checkpoint.resume:  # another run's checkpoints or metrics: refused before anything starts
         check_fresh_start(out, overwrite=cmd.checkpoint.overwrite)  # (--overwrite: rank 0 removes them)
     out.mkdir(parents=True, exist_ok=True)
@@ -166,13 +171,16 @@ def cmd_train(args) -> int:
     if cmd.data.data is None and cmd.data.tokens is None:  # --corpus / --tokenizer: prepare the token file first
         data = str(token_file_paths(out / "data" / "tokens")[0])
         prepare_data(cmd.launch.corpus, out / "data" / "tokens", tokenizer=cmd.launch.tokenizer)
+    check_data(plan, weights, data or cmd.data.data or cmd.data.tokens, val_fraction=cmd.data.val_fraction,
+               val_every=cmd.loop.val_every, val_batches=cmd.loop.val_batches, allow_repeat=cmd.data.allow_repeat)
+    del weights
     options_file = write_options_file(cmd.training_options(data), out / OPTIONS_FILE)
     train_argv = ["--options-file", str(options_file)]
     nproc = cmd.launch.nproc or plan.world_size
     kw = dict(max_restarts=cmd.launch.max_restarts, shutdown_timeout_s=cmd.launch.term_grace_s)
     print("[zorse] " + " ".join(torchrun_command(nproc, train_argv, **kw)), flush=True)
     launch(nproc, train_argv, heartbeat_dir=heartbeat_dir(out), stall_timeout_s=cmd.launch.stall_timeout,
-           term_grace_s=cmd.launch.term_grace_s, max_restarts=cmd.launch.max_restarts)
+           term_grace_s=cmd.launch.term_grace_s, max_restarts=cmd.launch.max_restarts, out=out)
     return 0
 
 
