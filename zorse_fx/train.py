@@ -41,6 +41,14 @@ or nothing to train (``--resume`` of a finished run: exit 0). A step whose
 loss or gradients are not finite stops every rank with ``EXIT_NONFINITE``
 and no checkpoint of it ([Note: non-finite steps] in ``runtime/worker.py``).
 
+Errors: a rank that raises prints one line, ``zorse: rank <k> (stage <s>):
+<cause>``, keeps the traceback in ``<out>/logs/rank<k>.log`` and exits 1
+([Note: one line per error] in ``runtime/rank_errors.py``; under ``zorse
+train`` the launcher prints the line, once for the job). Before training,
+every rank checks that its GPU (name, memory) and node are the ones the plan
+assigned to its rank ([Note: checking the devices against the plan] in
+``runtime/device_check.py``; ``--skip-device-check``).
+
 Rank 0 writes ``<out>/metrics.jsonl`` (continued by ``--resume``): one JSON
 object per step with ``step``, ``run_id`` and ``plan_hash`` (the run's
 identity), ``loss``, ``lr``, ``grad_norm`` (global, before clipping),
