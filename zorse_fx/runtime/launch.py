@@ -63,9 +63,10 @@ _TORCH_LOG_LINE = re.compile(r"^[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S+\] ")
 class _TorchrunFilter:
     """Copies torchrun's stderr (the ranks' too: they inherit it) to the
     terminal and every line to a log file, except torchrun's own lines on the
-    terminal: torch's log lines and Python tracebacks (torchrun's
-    ``ChildFailedError`` and its report box; a rank's own error is one
-    ``zorse:`` line, [Note: one line per error] in ``runtime/rank_errors.py``)."""
+    terminal: torch's log lines, and Python tracebacks but their last line,
+    the exception (torchrun's ``ChildFailedError`` and its report box not at
+    all; a rank's own error is one ``zorse:`` line, [Note: one line per
+    error] in ``runtime/rank_errors.py``)."""
 
     def __init__(self, source, log: Path, sink=None):
         self.source, self.sink = source, sink or sys.stderr
@@ -85,11 +86,12 @@ class _TorchrunFilter:
                 hiding = True
                 continue
             if hiding:
-                if line[:1] in (" ", "\t", "\n", ""):
+                if line[:1] in (" ", "\t", "\n", "") or line.startswith("During handling of the above exception"):
                     continue
                 hiding = False
                 rest = "ChildFailedError" in line
-                continue
+                if rest:
+                    continue  # (another traceback's last line, the exception, is shown)
             self.sink.write(line)
             self.sink.flush()
 
