@@ -247,6 +247,24 @@ def test_rank_error_lines_and_torchrun_filter(tmp_path, monkeypatch, capsys):
     assert sink.getvalue() == ("[zorse] a rank's line\nzorse: rank 1 (stage 1): boom\n"
                                "ModuleNotFoundError: No module named 'nothing'\n")
     assert (tmp_path / "torchrun.log").read_text() == torchrun.getvalue()
+    assert f.reported == 1  # a rank's `zorse:` line reached the terminal
+
+
+def test_failed_job_whose_rank_printed_its_line_adds_none(exported, tmp_path, monkeypatch, capsys):
+    """A job that failed after a rank printed its `zorse:` line (a non-finite
+    step, a refused run directory) and left no error record: `zorse train`
+    adds no line of its own, it exits 1."""
+    import zorse_fx.runtime.launch as launch_mod
+    from zorse_fx.runtime.launch import JobFailedError
+
+    def failed(nproc, argv, **kw):
+        print("zorse: step 2 is not finite: ...", file=sys.stderr)
+        raise JobFailedError("torchrun exited with status 1", 1, reported=True)
+
+    _, common = exported
+    monkeypatch.setattr(launch_mod, "launch", failed)
+    assert _train(common, tmp_path) == 1
+    assert capsys.readouterr().err == "zorse: step 2 is not finite: ...\n"
 
 
 # -- each rank on its planned GPU and node ---------------------------------------------------------------

@@ -468,7 +468,8 @@ def main(argv=None) -> int:
     except ZorseError as exc:  # a bad input: the message says what to change
         if args.debug:
             raise
-        print(f"zorse: {_one_line(exc)}", file=sys.stderr)
+        if not getattr(exc, "reported", False):  # (a failed job whose rank printed its `zorse:` line already)
+            print(f"zorse: {_one_line(exc)}", file=sys.stderr)
         return 1
     except Exception as exc:  # anything else may be a bug in zorse_fx: say how to see where
         if args.debug:

@@ -70,6 +70,7 @@ class _TorchrunFilter:
 
     def __init__(self, source, log: Path, sink=None):
         self.source, self.sink = source, sink or sys.stderr
+        self.reported = 0  # the ranks' `zorse:` lines shown
         self.log = open(log, "a")
         self.thread = threading.Thread(target=self._pump, daemon=True)
         self.thread.start()
@@ -92,6 +93,7 @@ class _TorchrunFilter:
                 rest = "ChildFailedError" in line
                 if rest:
                     continue  # (another traceback's last line, the exception, is shown)
+            self.reported += line.startswith("zorse: ")
             self.sink.write(line)
             self.sink.flush()
 
@@ -142,11 +144,15 @@ class JobInterrupted(KeyboardInterrupt):
 
 
 class JobFailedError(RuntimeExecutionError):
-    """torchrun ended with a non-zero status (a rank failed; its error is in the output)."""
+    """torchrun ended with a non-zero status (a rank failed; its error is in the output).
+    ``reported``: a rank printed the cause as a ``zorse:`` line already (a
+    non-finite step, a refused run directory): ``zorse train`` adds none."""
 
-    def __init__(self, message: str, returncode: int, stdout: str | None = None, stderr: str | None = None):
+    def __init__(self, message: str, returncode: int, stdout: str | None = None, stderr: str | None = None, *,
+                 reported: bool = False):
         super().__init__(message)
         self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
+        self.reported = reported
 
 
 class JobStalledError(RuntimeExecutionError):
@@ -398,5 +404,5 @@ def supervise(cmd: list[str], env: dict[str, str] | None = None, *, timeout_s: f
                  f"see the ranks' errors above; torchrun's output is in {torchrun_log}" if torchrun_log else
                  "see the ranks' errors above")
         raise JobFailedError(f"torchrun exited with status {proc.returncode} ({where}): {' '.join(cmd)}",
-                             proc.returncode, stdout, stderr)
+                             proc.returncode, stdout, stderr, reported=pump is not None and pump.reported > 0)
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
