@@ -211,6 +211,9 @@ def test_rank_error_reaches_user_as_one_line_with_log_kept(exported, tmp_path):
     assert "raise RuntimeExecutionError" in log1.read_text()
     assert "ChildFailedError" in (out / "logs" / "torchrun.log").read_text()
     assert "[zorse] step   1/3" in proc.stdout
+    # each rank checked its device and node: on this CPU the GPU part and the nodes are skipped, said once
+    assert ("[zorse] device check skipped for GPU name and memory: ranks 0, 1 run on the CPU (no GPU to compare "
+            "with the plan's); nodes: every rank runs on the CPU of host ") in proc.stdout
 
 
 def test_rank_error_lines_and_torchrun_filter(tmp_path, monkeypatch, capsys):
