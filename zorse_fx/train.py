@@ -90,14 +90,14 @@ import torch.distributed as dist
 from .errors import RunDirectoryError, RuntimeExecutionError
 from .plan import Plan
 from .precision import precision_policy
-from .runtime.checkpoint import load_checkpoint, newest_intact_checkpoint, read_manifest, save_checkpoint, set_aside
-from .runtime.run_dir import (CHECKPOINTS, METRICS, check_fresh_start, new_run_id, plan_hash, previous_run,
-                              remove_previous_run)
 from .runtime import preflight
+from .runtime.checkpoint import load_checkpoint, newest_intact_checkpoint, read_manifest, save_checkpoint, set_aside
 from .runtime.device_check import check_devices, observe
 from .runtime.launch import init_process_group, rank_device
-from .runtime.rank_errors import record_rank_error
 from .runtime.lr_schedule import LRSchedule
+from .runtime.rank_errors import record_rank_error
+from .runtime.run_dir import (CHECKPOINTS, METRICS, check_fresh_start, new_run_id, plan_hash, previous_run,
+                              remove_previous_run)
 from .runtime.watchdog import heartbeat_dir, start_heartbeat
 from .runtime.worker import OptimizerConfig, StageWorker
 from .token_data import TokenData, model_vocab_size
@@ -284,7 +284,9 @@ class _Progress:
         if sys.stdout.isatty():
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total, initial=start, desc="[zorse] train", unit="step", dynamic_ncols=True)
+            # on stdout, the terminal: `zorse train` reads the ranks' stderr line by line (runtime/launch.py)
+            self.bar = tqdm(total=total, initial=start, desc="[zorse] train", unit="step", dynamic_ncols=True,
+                            file=sys.stdout)
         self.total, self.t0, self.start = total, time.perf_counter(), start
 
     def step(self, step: int, rec: dict, extra: str) -> None:
