@@ -13,6 +13,7 @@ against the plan ([Note: checking the devices against the plan] in
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
@@ -297,6 +298,13 @@ def test_device_check_refuses_wrong_gpu():
     # the same name with less memory than the plan assumed (a cluster file's type for a smaller card)
     with pytest.raises(DeviceMismatchError, match=r"rank 1 \(stage 1\) runs on a Tesla T4 \(8\.0 GiB\).* with 16\.0 GiB"):
         check_devices(plan, [good[0], _gpu(1, "h1", "Tesla T4", 8.0), good[2]])
+    # a type the cluster file declares (not in the built-in table): its memory is checked, not its name
+    custom = dataclasses.replace(plan, stages=tuple(dataclasses.replace(s, gpus=tuple(
+        dataclasses.replace(g, gpu_type="LabCard") for g in s.gpus)) for s in plan.stages))
+    assert check_devices(custom, [_gpu(0, "h0", *a100), _gpu(1, "h1", "Tesla T4", 14.7),
+                                  _gpu(2, "h1", "NVIDIA GeForce RTX 3080", 40.0)]).skipped == ()
+    with pytest.raises(DeviceMismatchError, match=r"rank 1 \(stage 1\) runs on a Tesla T4 \(8\.0 GiB\)"):
+        check_devices(custom, [good[0], _gpu(1, "h1", "Tesla T4", 8.0), good[2]])
     # a CPU run: the GPU part skipped, with the reason; one host's CPU stands in for both nodes
     cpu = [DeviceObservation(rank=r, host="box", device_type="cpu") for r in range(3)]
     assert check_devices(plan, cpu).skipped == (

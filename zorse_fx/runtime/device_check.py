@@ -92,6 +92,11 @@ def _short(host: str) -> str:
     return host.split(".", 1)[0].lower()
 
 
+def _rank(plan, r: int) -> str:
+    stages = tuple(plan.stages_of(r))
+    return f"rank {r} ({'stage' if len(stages) == 1 else 'stages'} {', '.join(map(str, stages))})"
+
+
 def _gib(n: int) -> str:
     return f"{n / 2**30:.1f} GiB"
 
@@ -103,7 +108,7 @@ def check_devices(plan, observed: list[DeviceObservation]) -> DeviceReport:
     Raises:
         DeviceMismatchError: the first rank not where the plan put it, its
             GPU or host and the planned one named, with the fix."""
-    shares = {g.rank: (s.index, g) for s in plan.stages for g in s.gpus}
+    shares = {g.rank: g for s in plan.stages for g in s.gpus}  # (interleaved: the same GPU again)
     skipped = []
     # -- the GPU of each rank ---------------------------------------------------------------------
     cpu = [o for o in observed if o.device_type != "cuda"]
@@ -114,34 +119,32 @@ def check_devices(plan, observed: list[DeviceObservation]) -> DeviceReport:
     for o in observed:
         if o.device_type != "cuda":
             continue
-        stage, g = shares[o.rank]
-        where = f"rank {o.rank} (stage {stage}) runs on a {o.gpu_name} ({_gib(o.memory_bytes)}) on host {o.host!r}"
+        g = shares[o.rank]
+        where = f"{_rank(plan, o.rank)} runs on a {o.gpu_name} ({_gib(o.memory_bytes)}) on host {o.host!r}"
         planned = f"the plan assigned it GPU {g.gpu} of the cluster file, a {g.gpu_type} on node {g.node!r}"
         fix = ("start each node with the --node-rank of its place in the cluster file and CUDA_VISIBLE_DEVICES "
                "in the file's GPU order, or plan for these GPUs (`zorse plan --cluster ...`); "
                "--skip-device-check runs anyway")
-        want = lookup_builtin(g.gpu_type)
-        got = lookup_builtin(o.gpu_name)
+        want = lookup_builtin(g.gpu_type)  # None: a type the cluster file declares (memory only)
         if want is not None:
+            got = lookup_builtin(o.gpu_name)
             if (got.type if got is not None else normalize_gpu_name(o.gpu_name)) != want.type:
                 raise DeviceMismatchError(f"{where}, but {planned}; {fix}", rank=o.rank)
-        elif got is not None and normalize_gpu_name(got.type) != normalize_gpu_name(g.gpu_type):
-            raise DeviceMismatchError(f"{where}, but {planned}; {fix}", rank=o.rank)
         if g.memory_capacity_bytes and o.memory_bytes < MEMORY_TOLERANCE * g.memory_capacity_bytes:
             raise DeviceMismatchError(f"{where}, but {planned} with {_gib(g.memory_capacity_bytes)}; {fix}",
                                       rank=o.rank)
     # -- the node of each rank --------------------------------------------------------------------
-    nodes = {g.node for _, g in shares.values()}
+    nodes = {g.node for g in shares.values()}
     by_name = {_short(n): n for n in nodes}
     hosts = {o.rank: o.host for o in observed}
     fix = ("start the nodes in the cluster file's order (torchrun --node-rank = the node's place in the file, "
            "--nproc-per-node = its planned GPUs); --skip-device-check runs anyway")
     if any(_short(h) in by_name for h in hosts.values()):  # the cluster file names its nodes by host name
         for r in sorted(hosts):
-            stage, g = shares[r]
+            g = shares[r]
             if _short(hosts[r]) != _short(g.node):
                 raise DeviceMismatchError(
-                    f"rank {r} (stage {stage}) runs on host {hosts[r]!r}, but the plan assigned it GPU {g.gpu} "
+                    f"{_rank(plan, r)} runs on host {hosts[r]!r}, but the plan assigned it GPU {g.gpu} "
                     f"({g.gpu_type}) on node {g.node!r}; {fix}", rank=r)
         return DeviceReport(skipped=tuple(skipped))
     if len(set(hosts.values())) == 1 and not any(o.device_type == "cuda" for o in observed):
@@ -151,17 +154,17 @@ def check_devices(plan, observed: list[DeviceObservation]) -> DeviceReport:
     host_of_node: dict[str, tuple[str, int]] = {}
     node_of_host: dict[str, tuple[str, int]] = {}
     for r in sorted(hosts):
-        stage, g = shares[r]
+        g = shares[r]
         h = hosts[r]
         seen = host_of_node.setdefault(g.node, (h, r))
         if seen[0] != h:
             raise DeviceMismatchError(
-                f"rank {r} (stage {stage}) runs on host {h!r}, but the plan puts it on node {g.node!r} with rank "
+                f"{_rank(plan, r)} runs on host {h!r}, but the plan puts it on node {g.node!r} with rank "
                 f"{seen[1]}, which runs on host {seen[0]!r}; {fix}", rank=r)
         other = node_of_host.setdefault(h, (g.node, r))
         if other[0] != g.node:
             raise DeviceMismatchError(
-                f"rank {r} (stage {stage}) runs on host {h!r} beside rank {other[1]}, but the plan puts it on node "
+                f"{_rank(plan, r)} runs on host {h!r} beside rank {other[1]}, but the plan puts it on node "
                 f"{g.node!r} and rank {other[1]} on node {other[0]!r}; {fix}", rank=r)
     return DeviceReport(skipped=tuple(skipped))
 
