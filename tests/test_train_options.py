@@ -103,9 +103,11 @@ FLAGS = [  # (argv beyond "plan", dotted field, value)
     (["--precision", "bf16-mixed", "--grad-reduce-dtype", "bfloat16"], "job.grad_reduce_dtype", "bfloat16"),
     (["--pg-timeout-min", "2.5"], "job.pg_timeout_min", 2.5),
     (["--heartbeat-s", "0"], "job.heartbeat_s", 0.0),
+    (["--skip-device-check"], "job.skip_device_check", True),
     (["--kill-at-step", "1:3"], "testing.kill_at_step", (1, 3)),
     (["--fail-rank", "2:3"], "testing.fail_rank", (2, 3)),
     (["--inject-inf", "0:2"], "testing.inject_inf", (0, 2)),
+    (["--raise-at-step", "1:2"], "testing.raise_at_step", (1, 2)),
     (["--dump-grads", "2"], "testing.dump_grads", 2),
     (["--dump-params"], "testing.dump_params", True),
 ]
@@ -236,8 +238,9 @@ FULL = TrainingOptions(
     loop=LoopOptions(steps=7, val_every=2, val_batches=2, tensorboard=True),
     checkpoint=CheckpointOptions(checkpoint_every=3, keep_checkpoints=1, resume=True),
     job=JobOptions(out="runs/x", backend="gloo", precision="bf16-mixed", grad_reduce_dtype="bfloat16",
-                   pg_timeout_min=2.5, heartbeat_s=0.5),
-    testing=TestingOptions(kill_at_step=(1, 3), fail_rank=(2, 4), inject_inf=(0, 2), dump_grads=2, dump_params=True))
+                   pg_timeout_min=2.5, heartbeat_s=0.5, skip_device_check=True),
+    testing=TestingOptions(kill_at_step=(1, 3), fail_rank=(2, 4), raise_at_step=(1, 2), inject_inf=(0, 2),
+                           dump_grads=2, dump_params=True))
 
 
 def test_options_file_round_trip(tmp_path):
@@ -311,13 +314,16 @@ def test_an_options_file_that_is_not_there_or_not_json(tmp_path):
 
 @pytest.fixture
 def launched(monkeypatch):
-    """`zorse train` with Plan.load, prepare_data and launch recorded instead of run."""
+    """`zorse train` with the pre-flight checks passed, prepare_data and launch recorded instead of run."""
     import zorse_fx.runtime.launch as launch_mod
+    import zorse_fx.runtime.preflight as preflight
     import zorse_fx.token_data as token_data
     from zorse_fx.plan import Plan
 
     calls = SimpleNamespace(launch=[], prepared=[])
     monkeypatch.setattr(Plan, "load", classmethod(lambda cls, path: SimpleNamespace(world_size=2)))
+    monkeypatch.setattr(preflight, "check_job", lambda path, **kw: (Plan.load(path), {}))
+    monkeypatch.setattr(preflight, "check_data", lambda plan, weights, data, **kw: None)
     monkeypatch.setattr(token_data, "prepare_data", lambda source, out, tokenizer: calls.prepared.append(
         (source, Path(out), tokenizer)))
     monkeypatch.setattr(launch_mod, "launch", lambda nproc, argv, **kw: calls.launch.append((nproc, argv, kw)))
@@ -333,7 +339,8 @@ def test_zorse_train_launches_the_ranks_with_the_options_file(launched, tmp_path
     (nproc, argv, kw), = launched.launch
     path = out / OPTIONS_FILE
     assert (nproc, argv) == (2, ["--options-file", str(path)])
-    assert kw == dict(heartbeat_dir=out / ".heartbeat", stall_timeout_s=5.0, term_grace_s=9.0, max_restarts=1)
+    assert kw == dict(heartbeat_dir=out / ".heartbeat", stall_timeout_s=5.0, term_grace_s=9.0, max_restarts=1,
+                      out=out)
     assert read_options_file(path) == parse_args(["runs/x/plan", "--data", "d.bin", "--lr", "3e-4", "--resume",
                                                   "--out", str(out)])
     printed = capsys.readouterr().out.splitlines()[-1].split()

@@ -164,20 +164,24 @@ def cmd_train(args) -> int:
     with that rank named, and ``--max-restarts`` lets torchrun restart all the
     workers when one dies (with checkpoints, the restarted job resumes);
     ``--elastic`` re-plans for the GPUs that remain when one fails for good
-    (``elastic.py``)."""
-    from .plan import Plan
+    (``elastic.py``). Before any of it, what the files show is checked ([Note: pre-flight
+    checks] in ``runtime/preflight.py``); an error a rank finds is one line
+    naming the rank ([Note: one line per error] in ``runtime/rank_errors.py``)."""
     from .runtime.launch import launch, torchrun_command
+    from .runtime.preflight import check_data, check_job
     from .runtime.run_dir import check_fresh_start
     from .runtime.watchdog import heartbeat_dir
     from .token_data import prepare_data, token_file_paths
 
     cmd: TrainCommand = args.train
-    plan = Plan.load(cmd.data.plan)
     if cmd.launch.elastic:  # refused before anything starts where the plan does not say how it was made
         from .elastic import check_elastic
 
         check_elastic(cmd.data.plan)
     out = Path(cmd.job.out)
+    # [Note: pre-flight checks] (runtime/preflight.py): what the files show is refused here, in one line each.
+    plan, weights = check_job(cmd.data.plan, weights=cmd.data.weights, nproc=cmd.launch.nproc,
+                              resume=cmd.checkpoint.resume, out=out)
     if not cmd.checkpoint.resume:  # another run's checkpoints or metrics: refused before anything starts
         check_fresh_start(out, overwrite=cmd.checkpoint.overwrite)  # (--overwrite: rank 0 removes them)
     out.mkdir(parents=True, exist_ok=True)
@@ -185,13 +189,16 @@ def cmd_train(args) -> int:
     if cmd.data.data is None and cmd.data.tokens is None:  # --corpus / --tokenizer: prepare the token file first
         data = str(token_file_paths(out / "data" / "tokens")[0])
         prepare_data(cmd.launch.corpus, out / "data" / "tokens", tokenizer=cmd.launch.tokenizer)
+    check_data(plan, weights, data or cmd.data.data or cmd.data.tokens, val_fraction=cmd.data.val_fraction,
+               val_every=cmd.loop.val_every, val_batches=cmd.loop.val_batches, allow_repeat=cmd.data.allow_repeat)
+    del weights
     options_file = write_options_file(cmd.training_options(data), out / OPTIONS_FILE)
     train_argv = ["--options-file", str(options_file)]
     nproc = cmd.launch.nproc or plan.world_size
     kw = dict(max_restarts=cmd.launch.max_restarts, shutdown_timeout_s=cmd.launch.term_grace_s)
     print("[zorse] " + " ".join(torchrun_command(nproc, train_argv, **kw)), flush=True)
     supervision = dict(heartbeat_dir=heartbeat_dir(out), stall_timeout_s=cmd.launch.stall_timeout,
-                       term_grace_s=cmd.launch.term_grace_s, max_restarts=cmd.launch.max_restarts)
+                       term_grace_s=cmd.launch.term_grace_s, max_restarts=cmd.launch.max_restarts, out=out)
     if cmd.launch.elastic:
         from .elastic import run_elastic
 
@@ -485,7 +492,8 @@ def main(argv=None) -> int:
     except ZorseError as exc:  # a bad input: the message says what to change
         if args.debug:
             raise
-        print(f"zorse: {_one_line(exc)}", file=sys.stderr)
+        if not getattr(exc, "reported", False):  # (a failed job whose rank printed its `zorse:` line already)
+            print(f"zorse: {_one_line(exc)}", file=sys.stderr)
         return 1
     except Exception as exc:  # anything else may be a bug in zorse_fx: say how to see where
         if args.debug:

@@ -584,10 +584,13 @@ class TokenData:
         else:
             raise DataError(f"split must be 'train' or 'val', got {split!r}")
         if count < global_batch_size and not allow_repeat:
+            held = (f" (the other {n_val} are held out for validation: --val-fraction {val_fraction:g})"
+                    if split == "train" and val_fraction else "")
             raise DataError(f"token file {self.source}: its {split} split has {count} sequences of seq_len + 1 = "
-                            f"{seq_len + 1} tokens, fewer than one global batch of {global_batch_size}, so "
+                            f"{seq_len + 1} tokens{held}, fewer than one global batch of {global_batch_size}, so "
                             f"samples would repeat within a step; use more text, a smaller global batch or "
-                            f"seq_len, or pass --allow-repeat (allow_repeat=True) to repeat them")
+                            f"seq_len{', a smaller --val-fraction' if held else ''}, or pass --allow-repeat "
+                            f"(allow_repeat=True) to repeat them")
         n = global_batch_size
         rows_wanted = np.arange(n) if samples is None else np.asarray(samples, dtype=np.int64).reshape(-1)
         if rows_wanted.size and (rows_wanted.min() < 0 or rows_wanted.max() >= n):

@@ -41,6 +41,14 @@ or nothing to train (``--resume`` of a finished run: exit 0). A step whose
 loss or gradients are not finite stops every rank with ``EXIT_NONFINITE``
 and no checkpoint of it ([Note: non-finite steps] in ``runtime/worker.py``).
 
+Errors: a rank that raises prints one line, ``zorse: rank <k> (stage <s>):
+<cause>``, keeps the traceback in ``<out>/logs/rank<k>.log`` and exits 1
+([Note: one line per error] in ``runtime/rank_errors.py``; under ``zorse
+train`` the launcher prints the line, once for the job). Before training,
+every rank checks that its GPU (name, memory) and node are the ones the plan
+assigned to its rank ([Note: checking the devices against the plan] in
+``runtime/device_check.py``; ``--skip-device-check``).
+
 Rank 0 writes ``<out>/metrics.jsonl`` (continued by ``--resume``): one JSON
 object per step with ``step``, ``run_id`` and ``plan_hash`` (the run's
 identity), ``loss``, ``lr``, ``grad_norm`` (global, before clipping),
@@ -73,7 +81,6 @@ import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from functools import partial
 from pathlib import Path
 from typing import Literal
 
@@ -83,14 +90,17 @@ import torch.distributed as dist
 from .errors import RunDirectoryError, RuntimeExecutionError
 from .plan import Plan
 from .precision import precision_policy
+from .runtime import preflight
 from .runtime.checkpoint import load_checkpoint, newest_intact_checkpoint, read_manifest, save_checkpoint, set_aside
-from .runtime.run_dir import (CHECKPOINTS, METRICS, check_fresh_start, new_run_id, plan_hash, previous_run,
-                              remove_previous_run)
+from .runtime.device_check import check_devices, observe
 from .runtime.launch import init_process_group, rank_device
 from .runtime.lr_schedule import LRSchedule
+from .runtime.rank_errors import record_rank_error
+from .runtime.run_dir import (CHECKPOINTS, METRICS, check_fresh_start, new_run_id, plan_hash, previous_run,
+                              remove_previous_run)
 from .runtime.watchdog import heartbeat_dir, start_heartbeat
 from .runtime.worker import OptimizerConfig, StageWorker
-from .token_data import TokenData, model_vocab_size, plan_rank_samples
+from .token_data import TokenData, model_vocab_size
 from .train_options import (CheckpointOptions, TrainingOptions, TrainOptionsFileError, UsageError,
                             options_from_argv)
 
@@ -274,7 +284,9 @@ class _Progress:
         if sys.stdout.isatty():
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total, initial=start, desc="[zorse] train", unit="step", dynamic_ncols=True)
+            # on stdout, the terminal: `zorse train` reads the ranks' stderr line by line (runtime/launch.py)
+            self.bar = tqdm(total=total, initial=start, desc="[zorse] train", unit="step", dynamic_ncols=True,
+                            file=sys.stdout)
         self.total, self.t0, self.start = total, time.perf_counter(), start
 
     def step(self, step: int, rec: dict, extra: str) -> None:
@@ -299,7 +311,43 @@ class _Progress:
 
 
 def main(argv=None) -> int:
+    """One rank of the job: ``_run`` under the handler of [Note: one line per
+    error] (``runtime/rank_errors.py``): an exception becomes one ``zorse:``
+    line naming the rank, its stage and the cause, the traceback kept in
+    ``<out>/logs/rank<k>.log``, and exit status 1."""
     options = parse_args(argv)
+    where = _Where(rank=int(os.environ.get("RANK", "0") or 0))
+    try:
+        return _run(options, where)
+    except Exception as exc:
+        record_rank_error(exc, out=options.job.out, rank=where.rank, stages=where.stages)
+        return 1
+
+
+@dataclass(slots=True, kw_only=True)
+class _Where:
+    """The rank and its stages, as far as known when an error is raised (for its one line)."""
+
+    rank: int
+    stages: tuple[int, ...] = ()
+
+
+def _check_devices(plan: Plan, rank: int, world: int, device: torch.device, skip: bool) -> None:
+    """Every rank on the GPU and node the plan assigned to it ([Note: checking
+    the devices against the plan] in ``runtime/device_check.py``): the
+    observations all-gathered, the same check on every rank."""
+    if skip:
+        _log(rank, "[zorse] --skip-device-check: the ranks' GPUs and nodes are not checked against the plan")
+        return
+    mine = observe(rank, device)
+    every: list = [None] * world
+    dist.all_gather_object(every, mine)
+    report = check_devices(plan, every)
+    if report.skipped:
+        _log(rank, f"[zorse] device check skipped for {'; '.join(report.skipped)}")
+
+
+def _run(options: TrainingOptions, where: _Where) -> int:
     d, opt, loop, ckpt, job, test = (options.data, options.optimizer, options.loop, options.checkpoint,
                                      options.job, options.testing)
     torch.set_num_threads(1)  # one thread per rank: ranks share the host's cores
@@ -311,6 +359,7 @@ def main(argv=None) -> int:
     init_process_group(backend, timeout=timedelta(minutes=job.pg_timeout_min),  # restart-safe (--max-restarts)
                        device_id=device if device.type == "cuda" else None)
     rank, world = dist.get_rank(), dist.get_world_size()
+    where.rank = rank
     if job.heartbeat_s:  # the launcher's stall monitor reads these (zorse train --stall-timeout)
         start_heartbeat(heartbeat_dir(job.out), rank, interval_s=job.heartbeat_s)
     torch.manual_seed(opt.seed)
@@ -322,6 +371,8 @@ def main(argv=None) -> int:
             f"the plan needs {plan.world_size} processes (one per GPU) but torchrun started {world}; "
             f"use --nproc-per-node {plan.world_size} on one node (or that many in total)"
         )
+    where.stages = tuple(plan.stages_of(rank))
+    _check_devices(plan, rank, world, device, job.skip_device_check)
     out = Path(job.out)
     ckpt_root = out / CHECKPOINTS
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
@@ -341,20 +392,15 @@ def main(argv=None) -> int:
         dist.destroy_process_group()
         return 0 if kind == "finished" else 1
     run_id = start_at.run_id if rank == 0 else ""
-    weights_path = Path(d.weights) if d.weights else plan_dir / "weights.pt"
-    if not weights_path.exists():
-        raise RuntimeExecutionError(f"weights file {weights_path} not found; pass --weights or export with `zorse plan`")
-    weights = torch.load(weights_path, mmap=True, weights_only=True)
+    weights_path = preflight.weights_path(plan_path, d.weights)
+    weights = preflight.load_weights(weights_path)  # memory-mapped
     data = TokenData.load(d.data or d.tokens)  # memory-mapped; see token_data.py
     vocab = model_vocab_size(plan, weights)
     if vocab is not None:
         data.check_vocab(vocab)
     # The held-out split: --val-fraction, else (with --val-every) the last --val-batches global batches.
-    held = dict(val_fraction=d.val_fraction) if d.val_fraction else dict(
-        val_tokens=loop.val_batches * plan.global_batch_size * (plan.seq_len + 1) if loop.val_every else 0)
-    batch_of = partial(data.global_batch, global_batch_size=plan.global_batch_size, seq_len=plan.seq_len,
-                       input_names=plan.input_names, label_mode=plan.label_mode,
-                       samples=plan_rank_samples(plan, rank), allow_repeat=d.allow_repeat, **held)
+    batch_of = preflight.batch_source(plan, data, rank=rank, val_fraction=d.val_fraction, val_every=loop.val_every,
+                                      val_batches=loop.val_batches, allow_repeat=d.allow_repeat)
     batch_of(0)  # a corpus too small for a global batch fails here, before any rank trains
     policy, why = runtime_precision(plan, device, job.precision, job.grad_reduce_dtype)
     worker = StageWorker(plan, plan_dir, weights, rank=rank, device=device, optimizer=OptimizerConfig.from_options(opt),
@@ -402,6 +448,8 @@ def main(argv=None) -> int:
     stopping = nonfinite = 0
     for step in range(start, loop.steps + 1):
         batch = batch_of(step - 1)  # only this rank's rows are read; the others are -1
+        if test.raise_at_step == (rank, step):
+            raise RuntimeExecutionError(f"testing: --raise-at-step {rank}:{step}")
         lr = schedule(step)
         t0 = time.perf_counter()
         loss = worker.train_step(batch, lr=lr, max_grad_norm=opt.clip_grad_norm).reshape(1)

@@ -269,6 +269,9 @@ class JobOptions:
     """minutes a collective may wait for a peer before the process group fails"""
     heartbeat_s: float = 1.0
     """seconds between the rank's heartbeats in <out>/.heartbeat (runtime/watchdog.py; 0: off)"""
+    skip_device_check: Annotated[bool, _arg(
+        "run even where a rank's GPU (type, memory) or node is not the one the plan assigned to its rank "
+        "(runtime/device_check.py); the plan's timings and memory then do not hold")] = False
 
     def __post_init__(self) -> None:
         if self.grad_reduce_dtype and not self.precision:
@@ -298,6 +301,9 @@ class TestingOptions:
         "testing: a GPU lost for good: in every attempt (torchrun restarts too), rank RANK sends itself SIGKILL "
         "after each step from STEP on (before that step's checkpoint); zorse train --elastic re-plans without it",
         default="off")] = None
+    raise_at_step: Annotated[tuple[int, int] | None, _rank_step("--raise-at-step"), _arg(
+        "testing: rank RANK raises an error in STEP (before its optimizer step): what a rank alone finds, as one "
+        "line", default="off")] = None
     inject_inf: Annotated[tuple[int, int] | None, _rank_step("--inject-inf"), _arg(default="off")] = None
     """testing: after STEP's gradient reduction, rank RANK writes an inf into a gradient"""
     dump_grads: Annotated[int, _arg(
@@ -311,6 +317,7 @@ class TestingOptions:
         _check_rank_step("kill_at_step", self.kill_at_step)
         _check_rank_step("fail_rank", self.fail_rank)
         _check_rank_step("inject_inf", self.inject_inf)
+        _check_rank_step("raise_at_step", self.raise_at_step)
         _at_least(self, 0, "dump_grads", never=True)
 
 

@@ -92,7 +92,7 @@ from .worker import StageWorker
 
 __all__ = ["MANIFEST", "CheckpointManifest", "CheckpointFile", "ManifestDoc", "MANIFEST_FILE", "latest_checkpoint",
            "list_checkpoints", "save_checkpoint", "load_checkpoint", "read_manifest", "verify_checkpoint",
-           "newest_intact_checkpoint", "set_aside"]
+           "newest_intact_checkpoint", "set_aside", "check_resumable"]
 
 #: The manifest file of a complete checkpoint.
 MANIFEST = "zorse_checkpoint.json"
@@ -452,6 +452,45 @@ def _range_key(key: str) -> tuple[str, str, int, int] | None:
     return parts[1], "/".join(parts[2:-1]), int(a), int(b)
 
 
+def _check_batch(path: Path, manifest: dict, plan) -> None:
+    for key, want in (("global_batch_size", plan.global_batch_size), ("seq_len", plan.seq_len)):
+        if manifest[key] != want:
+            raise CheckpointError(f"{path}: written with {key} {manifest[key]}, but this plan has {want}; "
+                                  f"the data position (step x global batch) would not carry over: resume "
+                                  f"with a plan of {key} {manifest[key]}")
+
+
+def check_resumable(path: str | Path, plan, shapes: dict[str, tuple[int, ...]]) -> dict:
+    """Before any rank starts (``zorse train --resume``): checkpoint ``path``
+    fits ``plan``, whose parameters have ``shapes`` (canonical name -> shape):
+    the same global batch and sequence length, and every parameter saved
+    with that shape (whole, or as ranges: those are checked when loaded).
+    What ``load_checkpoint`` checks on every rank, from the manifest and
+    DCP's metadata only (no tensor is read). Returns the manifest.
+
+    Raises:
+        CheckpointError: naming the checkpoint, the field or parameter, both values and the fix."""
+    path = Path(path)
+    manifest = read_manifest(path)
+    _check_batch(path, manifest, plan)
+    meta = _SafeReader(path).read_metadata().state_dict_metadata
+    ranged = {r[0] for key in meta if (r := _model_range_key(key)) is not None}
+    for canon, shape in shapes.items():
+        key = f"model/{canon}"
+        if key not in meta:
+            if canon in ranged:
+                continue
+            raise CheckpointError(f"{path}: holds no parameter {canon!r}, which this plan trains; the checkpoint is "
+                                  f"of another model (manifest model {manifest['model_name']!r}, plan model "
+                                  f"{plan.model_name!r}): resume with that model's plan, or start anew with "
+                                  f"--overwrite")
+        if tuple(meta[key].size) != tuple(shape):
+            raise CheckpointError(f"{path}: parameter {canon!r} has shape {tuple(meta[key].size)} in the checkpoint "
+                                  f"but this plan's is {tuple(shape)}; the checkpoint is of another model: resume "
+                                  f"with that model's plan, or start anew with --overwrite")
+    return manifest
+
+
 def load_checkpoint(worker: StageWorker, path: str | Path, *, check_batch: bool = True) -> dict:
     """Load checkpoint ``path`` into ``worker`` (parameters, AdamW state re-cut
     to this plan's ranges, loss scaler, step counters, RNG when the world size
@@ -467,11 +506,7 @@ def load_checkpoint(worker: StageWorker, path: str | Path, *, check_batch: bool 
     manifest = read_manifest(path)
     plan = worker.plan
     if check_batch:
-        for key, want in (("global_batch_size", plan.global_batch_size), ("seq_len", plan.seq_len)):
-            if manifest[key] != want:
-                raise CheckpointError(f"{path}: written with {key} {manifest[key]}, but this plan has {want}; "
-                                      f"the data position (step x global batch) would not carry over: resume "
-                                      f"with a plan of {key} {manifest[key]}")
+        _check_batch(path, manifest, plan)
     reader = _SafeReader(path)
     meta = reader.read_metadata().state_dict_metadata
     pieces: dict[tuple[str, str], list[tuple[int, int, str]]] = defaultdict(list)

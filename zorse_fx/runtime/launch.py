@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -53,6 +54,52 @@ __all__ = ["torchrun_command", "launch", "supervise", "rank_device", "init_proce
 INT_GRACE_S = 5.0
 #: Seconds a stalled job's other ranks get after SIGTERM before they are killed.
 STALL_GRACE_S = 3.0
+#: torchrun's own output (its log lines, its ``ChildFailedError`` report) under ``<out>/logs``.
+TORCHRUN_LOG = "torchrun.log"
+#: A line of torch's own logging ("E1202 03:20:00.123000 4242 torch/distributed/...] ...").
+_TORCH_LOG_LINE = re.compile(r"^[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S+\] ")
+
+
+class _TorchrunFilter:
+    """Copies torchrun's stderr (the ranks' too: they inherit it) to the
+    terminal and every line to a log file, except torchrun's own lines on the
+    terminal: torch's log lines, and Python tracebacks but their last line,
+    the exception (torchrun's ``ChildFailedError`` and its report box not at
+    all; a rank's own error is one ``zorse:`` line, [Note: one line per
+    error] in ``runtime/rank_errors.py``)."""
+
+    def __init__(self, source, log: Path, sink=None):
+        self.source, self.sink = source, sink or sys.stderr
+        self.reported = 0  # the ranks' `zorse:` lines shown
+        self.log = open(log, "a")
+        self.thread = threading.Thread(target=self._pump, daemon=True)
+        self.thread.start()
+
+    def _pump(self) -> None:
+        hiding = False  # inside a traceback
+        rest = False  # after torchrun's ChildFailedError: its report box
+        for line in iter(self.source.readline, ""):
+            self.log.write(line)
+            self.log.flush()
+            if rest or _TORCH_LOG_LINE.match(line):
+                continue
+            if line.startswith("Traceback (most recent call last):"):
+                hiding = True
+                continue
+            if hiding:
+                if line[:1] in (" ", "\t", "\n", "") or line.startswith("During handling of the above exception"):
+                    continue
+                hiding = False
+                rest = "ChildFailedError" in line
+                if rest:
+                    continue  # (another traceback's last line, the exception, is shown)
+            self.reported += line.startswith("zorse: ")
+            self.sink.write(line)
+            self.sink.flush()
+
+    def close(self) -> None:
+        self.thread.join(timeout=10)
+        self.log.close()
 
 
 def rank_device(backend: str) -> torch.device:
@@ -97,11 +144,15 @@ class JobInterrupted(KeyboardInterrupt):
 
 
 class JobFailedError(RuntimeExecutionError):
-    """torchrun ended with a non-zero status (a rank failed; its error is in the output)."""
+    """torchrun ended with a non-zero status (a rank failed; its error is in the output).
+    ``reported``: a rank printed the cause as a ``zorse:`` line already (a
+    non-finite step, a refused run directory): ``zorse train`` adds none."""
 
-    def __init__(self, message: str, returncode: int, stdout: str | None = None, stderr: str | None = None):
+    def __init__(self, message: str, returncode: int, stdout: str | None = None, stderr: str | None = None, *,
+                 reported: bool = False):
         super().__init__(message)
         self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
+        self.reported = reported
 
 
 class JobStalledError(RuntimeExecutionError):
@@ -155,7 +206,7 @@ def job_env() -> dict[str, str]:
 def launch(nprocs: int, train_argv: list[str], *, timeout_s: float | None = None,
            capture: bool = False, heartbeat_dir: str | Path | None = None, stall_timeout_s: float = 0,
            term_grace_s: float = 60.0, max_restarts: int = 0,
-           stderr_tail_chars: int = 0) -> subprocess.CompletedProcess:
+           stderr_tail_chars: int = 0, out: str | Path | None = None) -> subprocess.CompletedProcess:
     """Run ``python -m zorse_fx.train`` with ``train_argv`` (see
     ``torchrun_command``) on ``nprocs`` local processes under torchrun and ``supervise`` it.
 
@@ -164,15 +215,41 @@ def launch(nprocs: int, train_argv: list[str], *, timeout_s: float | None = None
     ranks get to exit (write a checkpoint) before they are killed.
     ``max_restarts``: passed to torchrun, which restarts every worker when one
     dies (up to that many times). ``stderr_tail_chars``: see ``supervise``.
+    ``out``: the run directory: the ranks'
+    errors reach the user as one line ([Note: one line per error] in
+    ``runtime/rank_errors.py``), torchrun's own output is kept in
+    ``<out>/logs/torchrun.log``.
 
     Raises:
-        JobFailedError: torchrun exited with a non-zero status.
+        JobFailedError: torchrun exited with a non-zero status; with ``out``,
+            the message is the first failed rank's one line.
         JobStalledError: a rank stopped beating.
         JobInterrupted: SIGINT or SIGTERM; the job was stopped.
     """
     cmd = torchrun_command(nprocs, train_argv, max_restarts=max_restarts, shutdown_timeout_s=term_grace_s)
-    return supervise(cmd, job_env(), timeout_s=timeout_s, capture=capture, heartbeat_dir=heartbeat_dir,
-                     stall_timeout_s=stall_timeout_s, term_grace_s=term_grace_s, stderr_tail_chars=stderr_tail_chars)
+    env = job_env()
+    log = None
+    if out is not None:
+        from .rank_errors import COLLECT_ENV, clear_rank_errors, logs_dir
+
+        log = logs_dir(out) / TORCHRUN_LOG
+        log.parent.mkdir(parents=True, exist_ok=True)
+        clear_rank_errors(out)
+        env[COLLECT_ENV] = "1"
+    started = time.time()
+    try:
+        return supervise(cmd, env, timeout_s=timeout_s, capture=capture, heartbeat_dir=heartbeat_dir,
+                         stall_timeout_s=stall_timeout_s, term_grace_s=term_grace_s, torchrun_log=log,
+                         stderr_tail_chars=stderr_tail_chars)
+    except JobFailedError as exc:
+        if out is None or exc.returncode < 0:
+            raise
+        from .rank_errors import read_rank_errors, summarize
+
+        line = summarize(read_rank_errors(out, since=started - 1.0), torchrun_log=log)
+        if line is None:
+            raise
+        raise JobFailedError(line, exc.returncode, exc.stdout, exc.stderr) from None
 
 
 def running(processes) -> list:
@@ -281,13 +358,17 @@ class _StderrTail:
 def supervise(cmd: list[str], env: dict[str, str] | None = None, *, timeout_s: float | None = None,
               capture: bool = False, heartbeat_dir: str | Path | None = None, stall_timeout_s: float = 0,
               term_grace_s: float = 60.0, int_grace_s: float = INT_GRACE_S,
-              poll_s: float = 0.5, stderr_tail_chars: int = 0) -> subprocess.CompletedProcess:
+              poll_s: float = 0.5, torchrun_log: str | Path | None = None,
+              stderr_tail_chars: int = 0) -> subprocess.CompletedProcess:
     """Run torchrun's ``cmd`` in its own session until it ends; see [Note: stopping a job].
 
     ``capture``: the output is returned (``stdout``/``stderr``, text) instead of
-    going to the terminal. ``stderr_tail_chars`` (without ``capture``): the
-    job's stderr still goes to the terminal, line by line, and its last this
-    many characters are kept as the ``stderr`` of a ``JobFailedError`` (where
+    going to the terminal. ``torchrun_log`` (without ``capture``): stderr goes
+    to the terminal without torchrun's own log lines and tracebacks, and all
+    of it to this file (``_TorchrunFilter``). ``stderr_tail_chars`` (without
+    ``capture``): the last this many characters of the job's stderr (from
+    ``torchrun_log`` where given, else copied to the terminal line by line as
+    it comes) are kept as the ``stderr`` of a ``JobFailedError`` (where
     torchrun names the rank that failed first: ``zorse train --elastic``). Signal handlers (SIGINT, SIGTERM) are installed only
     when called from the main thread, and restored on return."""
     hb = Path(heartbeat_dir) if heartbeat_dir else None
@@ -297,8 +378,9 @@ def supervise(cmd: list[str], env: dict[str, str] | None = None, *, timeout_s: f
     old_handlers = {}
     out_f = tempfile.TemporaryFile("w+") if capture else None
     err_f = tempfile.TemporaryFile("w+") if capture else None
-    tree = None
-    tee = _StderrTail(stderr_tail_chars) if stderr_tail_chars and not capture else None
+    tree = pump = None
+    tee = (_StderrTail(stderr_tail_chars) if stderr_tail_chars and not capture and torchrun_log is None
+           else None)
 
     def read(f):
         if f is None:
@@ -310,9 +392,12 @@ def supervise(cmd: list[str], env: dict[str, str] | None = None, *, timeout_s: f
         if threading.current_thread() is threading.main_thread():
             for s in (signal.SIGINT, signal.SIGTERM):
                 old_handlers[s] = signal.signal(s, lambda signum, frame: received.append(signum))
-        proc = subprocess.Popen(cmd, env=env, stdout=out_f, stderr=subprocess.PIPE if tee else err_f, text=True,
-                                start_new_session=True)
-        if tee is not None:
+        filtered = torchrun_log is not None and not capture
+        proc = subprocess.Popen(cmd, env=env, stdout=out_f, stderr=subprocess.PIPE if filtered or tee else err_f,
+                                text=True, start_new_session=True)
+        if filtered:
+            pump = _TorchrunFilter(proc.stderr, Path(torchrun_log))
+        elif tee is not None:
             tee.start(proc.stderr)
         tree = _JobTree(proc)
         start = time.monotonic()
@@ -361,6 +446,8 @@ def supervise(cmd: list[str], env: dict[str, str] | None = None, *, timeout_s: f
     finally:
         if tree is not None:
             tree.kill_all()
+        if pump is not None:
+            pump.close()
         for s, h in old_handlers.items():
             signal.signal(s, h)
         if tee is not None:
@@ -370,8 +457,15 @@ def supervise(cmd: list[str], env: dict[str, str] | None = None, *, timeout_s: f
                 f.close()
     if tee is not None:
         stderr = tee.text()  # complete now (joined)
+    elif pump is not None and stderr_tail_chars:  # all of stderr went to the log (the pump is closed)
+        with open(torchrun_log, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 4 * stderr_tail_chars))
+            stderr = f.read().decode("utf-8", errors="replace")[-stderr_tail_chars:]
     if proc.returncode != 0:
-        where = "see the ranks' errors above" if not capture else "the output is in this error's stdout/stderr"
+        where = ("the output is in this error's stdout/stderr" if capture else
+                 f"see the ranks' errors above; torchrun's output is in {torchrun_log}" if torchrun_log else
+                 "see the ranks' errors above")
         raise JobFailedError(f"torchrun exited with status {proc.returncode} ({where}): {' '.join(cmd)}",
-                             proc.returncode, stdout, stderr)
+                             proc.returncode, stdout, stderr, reported=pump is not None and pump.reported > 0)
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
