@@ -93,12 +93,13 @@ CPU_MACHINE = "the project's 2-core CPU machine (AMD EPYC)"
 # the section that reports the run: bench/LOG.md's dated sections, or bench/README.md's method notes.
 PROVENANCE = {
     "scenarios.json": {
-        # bench/LOG.md, "Planner in seconds: scenarios and scaling re-run (issue 32, 2026-11-28, eighth and
-        # ninth sessions)"; the rows before are in scenarios_before_issue32.json (their runs: that section)
+        # bench/LOG.md, "Heuristics side by side, the budget respected, the scenarios re-run (issue 32,
+        # 2026-12-02, eleventh session); the rows before are in scenarios_before_issue32.json (their runs:
+        # bench/LOG.md, "Planner in seconds: scenarios and scaling re-run (issue 32, 2026-11-28, ...)")
         tuple(SCENARIO_ORDER): dict(
             command="bench/scenarios.py --only <scenario> (zorse_c: --max-stages 8), one scenario per run, "
-                    "--jobs default (2)", code="4988002",
-            machine=f"{CPU_MACHINE}, alone", date="2026-11-28 11:27-11:47"),
+                    "--jobs default (2)", code="ba226f9",
+            machine=f"{CPU_MACHINE}, beside other agents' tests", date="2026-12-02 03:23-03:31"),
     },
     "bound_gap.json": {
         # bench/LOG.md, "What bounds each scenario, re-run under the NCCL program (issue 13 item 3,
