@@ -157,7 +157,7 @@ def test_elastic_no_plan_for_remaining_gpus_one_line(two_small, tmp_path, monkey
     assert code == 1
     (line,) = err.strip().splitlines()
     assert line.startswith("zorse: --elastic: no plan of gpt (global batch 4, seq len 32) fits the 1 GPU that "
-                           "remains (1 GPUs; n0: T4 ") and (" after rank 1 (GPU 1, T4 on node 'n1') failed for good "
+                           "remains (1 GPU; n0: T4 ") and (" after rank 1 (GPU 1, T4 on node 'n1') failed for good "
                                                             "(killed by SIGKILL): ") in line, line
     assert "fits memory" in line
     assert not plan_dir.with_name("plan.elastic1").joinpath("plan.json").exists()
@@ -258,7 +258,7 @@ def test_elastic_stalled_rank_replans_and_relaunches_on_the_new_plan(tmp_path, m
     assert (f"[zorse] elastic: rank {stalled.rank} (GPU {stalled.gpu}, T4 on node 'n1') failed for good (no "
             f"progress for --stall-timeout)") in out
     assert "dropped node 'n1' (its only GPU: GPU 1 T4); re-planning for the 1 GPU left" in out
-    assert "GPUs 2 GPUs; n0: T4 x1; n1: T4 x1 -> 1 GPUs; n0: T4 x1" in out
+    assert "GPUs 2 GPUs; n0: T4 x1; n1: T4 x1 -> 1 GPU; n0: T4 x1" in out
     assert f"no intact checkpoint in {tmp_path / 'r' / 'checkpoints'}: starting anew on 1 rank " in out
     (n0, first, r0), (n1, second, r1) = launched
     assert (n0, n1, r0, r1) == (2, 1, 2, 2)
@@ -269,3 +269,14 @@ def test_elastic_stalled_rank_replans_and_relaunches_on_the_new_plan(tmp_path, m
                if f.name not in ("data", "checkpoint", "testing"))  # the rest as given
     assert Plan.load(tmp_path / "plan.elastic1").world_size == 1
 
+
+
+def test_max_replans_without_elastic_refused():
+    """--max-replans means nothing without --elastic: refused, naming both flags."""
+    from zorse_fx.cli import LaunchOptions
+    from zorse_fx.train_options import OptionValueError
+
+    with pytest.raises(OptionValueError, match=r"^--max-replans 3 applies to --elastic only: add --elastic, "
+                                               r"or drop --max-replans$"):
+        LaunchOptions(max_replans=3)
+    assert LaunchOptions(elastic=True, max_replans=3).max_replans == 3

@@ -73,6 +73,9 @@ class LaunchOptions:
         for name in ("nproc", "stall_timeout", "term_grace_s", "max_restarts", "max_replans"):
             if not getattr(self, name) >= 0:
                 raise OptionValueError(name, f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        if self.max_replans != 1 and not self.elastic:
+            raise OptionValueError("max_replans", f"--max-replans {self.max_replans} applies to --elastic only: "
+                                                  "add --elastic, or drop --max-replans")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -296,7 +296,7 @@ class Cluster:
                     name = g.type if g.memory_bytes == g.spec.memory_bytes else f"{g.type} ({g.memory_bytes / 2**30:.1f} GiB)"
                     counts[name] = counts.get(name, 0) + 1
             parts.append(f"{node}: " + ", ".join(f"{t} x{n}" for t, n in counts.items()))
-        return f"{len(self.gpus)} GPUs; " + "; ".join(parts)
+        return f"{len(self.gpus)} GPU{'' if len(self.gpus) == 1 else 's'}; " + "; ".join(parts)
 
     def fingerprint(self) -> str:
         """sha256 (64 hex digits) of the cluster's content: its ``to_dict()`` without
