@@ -89,6 +89,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
+from functools import partial
 
 import numpy as np
 
@@ -97,6 +98,8 @@ from ..ir.costs import BlockCosts
 from ..ir.devices import DeviceGraph
 from ..ir.result import SolverResult
 from ..options import PlanOptions
+from ._search import default_jobs
+from .isolated import map_isolated
 from .objective import MIB_UNITS, fill_policy, inflight, max_stage_count, microbatch_candidates
 from .heuristics import StageMatrices
 
@@ -501,22 +504,34 @@ def stage_dp_search(costs: BlockCosts, devices: DeviceGraph,
     s_max = max_stage_count(costs, devices, options)
     # Pass 1: the DP over the variants without ZeRO-2, every (M, order, S). Kept per (M, order):
     # its units and, per S, the score of its split (None: no split) and whether it recomputes.
+    # The DPs of the (M, order)s are independent: up to ``jobs`` run side by side in forked
+    # children (solve/isolated.map_isolated); their splits are scored here in the fixed order.
     found: dict[tuple[int, tuple], dict[int, tuple[int | None, bool]]] = {}
+    tasks = []
     for m in microbatch_candidates(options):
         tab = sel.tables(m)
         for order in ORDERS:
             units = _units(devices, tab, speeds, order)
-            if (m, tuple(units)) in found:
-                continue
-            per_s = found[m, tuple(units)] = {}
-            st = _Stages(tab, units, speeds, variants, m)
-            for n_s in range(1, min(s_max, len(units)) + 1):
-                split = _dp(st, n_s, options.allow_idle_gpus, level=0)
-                if split is None:
-                    per_s[n_s] = (None, False)
-                else:
-                    per_s[n_s] = (_add_split(sel, st, tab, split, variants, m),
-                                  any(variants[v][1] for *_, v in split))
+            if (m, tuple(units)) not in found and (m, tuple(units)) not in tasks:
+                tasks.append((m, tuple(units)))
+
+    def splits(m: int, units: tuple) -> list:
+        st = _Stages(sel.tables(m), list(units), speeds, variants, m)
+        return [_dp(st, n_s, options.allow_idle_gpus, level=0) for n_s in range(1, min(s_max, len(units)) + 1)]
+
+    jobs = options.jobs if options.jobs is not None else default_jobs()
+    for (m, units), (ok, answer) in zip(tasks, map_isolated([partial(splits, m, u) for m, u in tasks], jobs)):
+        if not ok:
+            raise answer
+        tab = sel.tables(m)
+        per_s = found[m, units] = {}
+        st = _Stages(tab, list(units), speeds, variants, m)
+        for n_s, split in enumerate(answer, start=1):
+            if split is None:
+                per_s[n_s] = (None, False)
+            else:
+                per_s[n_s] = (_add_split(sel, st, tab, split, variants, m),
+                              any(variants[v][1] for *_, v in split))
     # Pass 2: the DP with ZeRO-2 too, only where it can win ([Note: ZeRO-2 in the stage DP]).
     fitted = any(score is not None for per_s in found.values() for score, _ in per_s.values())
     if zero2:
