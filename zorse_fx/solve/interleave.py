@@ -22,9 +22,10 @@ new micro-batch size by largest remainder):
 2. local search on the objective itself: each cut moves by one block while
    that lowers (memory breach in KiB, step time), lexicographically; the
    tries run in order of their step at the cuts of 1., and one whose start is
-   more than ``LOCAL_SEARCH_SLACK`` times the best step found is recorded at
-   its start, not searched (a deterministic skip: the order and the scores
-   depend on the inputs alone);
+   more than ``LOCAL_SEARCH_SLACK`` times the best step found (or the step the
+   result must beat), fitting memory or not, is recorded at its start, not
+   searched (a deterministic skip: the order and the scores depend on the
+   inputs alone);
 3. memory policy: the group's flags as in the plan, and with recomputation
    on every group when ``options.recompute`` allows it (interleaving keeps
    more micro-batch chunks in flight than 1F1B).
@@ -228,12 +229,9 @@ def interleave_search(costs: BlockCosts, devices: DeviceGraph, options: PlanOpti
     # Every (M, v, policy) is scored at its min-max cuts first; the local search then runs
     # in order of that score and skips a try whose score is LOCAL_SEARCH_SLACK x the best
     # step found ([Note: interleave search]).
-    starts = []
-    for m in microbatch_candidates(options):
-        shares = tuple(rescale_shares(tuple(ns), gbs // m) for ns in d.samples_per_microbatch)
-        if any(s is None for s in shares):
-            continue
+    def starts_of(m: int, shares):  # the M's tables and its (key, v, policy, cuts, args) tries
         tab = build_tables(costs, devices, options, m)
+        out = []
         for v in range(2, options.max_interleave + 1):
             if p_count * v > costs.num_blocks:
                 break
@@ -244,16 +242,32 @@ def interleave_search(costs: BlockCosts, devices: DeviceGraph, options: PlanOpti
                     continue
                 args = (stage_gpus, samples, sharded * v, rc * v, v, grads * v, params * v)
                 key, *_ = _score(tab, cuts, *args)
-                starts.append((key, len(starts), m, v, rc, tab, cuts, args))
+                out.append((key, v, rc, cuts, args))
+        return tab, out
+
+    jobs = options.jobs if options.jobs is not None else default_jobs()
+    per_m = []
+    for m in microbatch_candidates(options):
+        shares = tuple(rescale_shares(tuple(ns), gbs // m) for ns in d.samples_per_microbatch)
+        if not any(s is None for s in shares):
+            per_m.append((m, shares))
+    starts = []  # the M's side by side (forked children), in M order
+    for (m, _), (ok, answer) in zip(per_m, map_isolated([partial(starts_of, m, sh) for m, sh in per_m], jobs)):
+        if not ok:
+            raise answer
+        tab, tries = answer
+        starts += [(key, len(starts) + k, m, v, rc, tab, cuts, args)
+                   for k, (key, v, rc, cuts, args) in enumerate(tries)]
     best, tried = None, []
     order = sorted(starts, key=lambda x: x[:2])
     target = round(target_s / UNIT_S) if target_s is not None else None
-    jobs = options.jobs if options.jobs is not None else default_jobs()
     for w in range(0, len(order), WAVE):
         wave = order[w:w + WAVE]
         # The bar of the wave's start: the best try so far, or the step the result must beat.
         bar = min([x for x in (best[0] if best is not None else None, target) if x is not None], default=None)
-        search = [bar is None or key0[0] != 0 or key0[1] <= LOCAL_SEARCH_SLACK * bar for key0, *_ in wave]
+        # A try whose start is over the slack behind is not searched, whether or not it fits: moving
+        # cuts to fit memory does not make it faster.
+        search = [bar is None or key0[1] <= LOCAL_SEARCH_SLACK * bar for key0, *_ in wave]
         found = iter(map_isolated([partial(_local_search, tab, cuts, *args)
                                    for (_, _, _, _, _, tab, cuts, args), go in zip(wave, search) if go], jobs))
         for (key0, _, m, v, rc, tab, cuts, args), go in zip(wave, search):

@@ -401,6 +401,7 @@ def _interleaved_memory(tab, stage_blocks, stage_gpus, samples, pol, *, v, mem) 
     memory = [list(row) for row in mem]
     for p in range(groups):
         profile = live_profile(tab.schedule, n_s, m, v, p)
+        acts: dict[int, int] = {}  # samples -> the group's peak in-flight activations of a GPU taking them
         for k, (g, n) in enumerate(zip(stage_gpus[p], samples[p])):
             state, held, rerun = 0, [], []
             for s in range(p, n_s, groups):
@@ -414,7 +415,9 @@ def _interleaved_memory(tab, stage_blocks, stage_gpus, samples, pol, *, v, mem) 
                 else:
                     held.append(n * a)
                     rerun.append(0)
-            act = max(sum(c * h for c, h in zip(live, held)) + (rerun[b] if b >= 0 else 0) for live, b in profile)
+            if n not in acts:  # held and rerun depend on the GPU only through n
+                acts[n] = max(sum(c * h for c, h in zip(live, held)) + (rerun[b] if b >= 0 else 0)
+                              for live, b in profile)
             for s in range(p, n_s, groups):
-                memory[s][k] = state + act
+                memory[s][k] = state + acts[n]
     return tuple(tuple(r) for r in memory)
