@@ -98,8 +98,8 @@ PROVENANCE = {
         # bench/LOG.md, "Planner in seconds: scenarios and scaling re-run (issue 32, 2026-11-28, ...)")
         tuple(SCENARIO_ORDER): dict(
             command="bench/scenarios.py --only <scenario> (zorse_c: --max-stages 8), one scenario per run, "
-                    "--jobs default (2)", code="ba226f9",
-            machine=f"{CPU_MACHINE}, beside other agents' tests", date="2026-12-02 03:23-03:31"),
+                    "--jobs default (2)", code="83cdc2a",
+            machine=f"{CPU_MACHINE}, alone", date="2026-12-02 03:50-03:57"),
     },
     "bound_gap.json": {
         # bench/LOG.md, "What bounds each scenario, re-run under the NCCL program (issue 13 item 3,
@@ -131,11 +131,12 @@ PROVENANCE = {
             command="bench/bound_gap.py --time-limit 5", note="issue 4's code and pricing",
             machine=f"{CPU_MACHINE}, partly beside `make test`", date="2026-11-22 12:13-13:04"),
     },
-    # bench/LOG.md, "Planner scaling re-run under the NCCL program (issue 13 item 6, 2026-11-26, eleventh session)"
+    # bench/LOG.md, "Heuristics side by side, the budget respected, the scenarios re-run (issue 32,
+    # 2026-12-02, eleventh session)"
     "scaling.json": dict(
         command="bench/planner_scaling.py", note="5 deterministic CP-SAT seconds for the whole search, the "
                                                  "default; --jobs default (2)",
-        code="4988002", machine=f"{CPU_MACHINE}, alone", date="2026-11-28 11:47-11:56"),
+        code="83cdc2a", machine=f"{CPU_MACHINE}, alone", date="2026-12-02 03:57-04:00"),
     # bench/README.md, method note "Sharded holders of a tied parameter"
     "objective_vs_sim.json": dict(
         command=("bench/objective_vs_sim.py --only amp,metis --solver-budget 1 --seeds 40 "
