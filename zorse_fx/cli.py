@@ -369,8 +369,9 @@ def build_parser() -> argparse.ArgumentParser:
     pp.add_argument("--max-interleave", type=int, default=opt["max_interleave"],
                     help="most stages per GPU group (interleaved 1F1B) the planner tries; 1 = none")
     pp.add_argument("--jobs", type=int, default=opt["jobs"],
-                    help="CP-SAT candidates solved side by side (default: the cores this process may use); "
-                         "wall-clock time only, the plan is the same for every value")
+                    help="processes side by side: CP-SAT candidates, the heuristics, the stage DP's and the "
+                         "interleave search's independent parts, the simulator's finalists (default: the cores "
+                         "this process may use); wall-clock time only, the plan is the same for every value")
     pp.add_argument("--solver-budget", type=float, default=opt["solver_budget"],
                     help="CP-SAT work for the whole search, in CP-SAT deterministic seconds (work units, about "
                          "a second of one worker on an idle machine; the same plan on any machine load); more "

@@ -64,9 +64,11 @@ class PlanOptions:
     #: 64-GPU instance of tests/test_grouped.py (step 1.18 s vs 1.06 s at 3
     #: deterministic s per candidate; [Note: reproducible plans]).
     num_workers: int = 1
-    #: CP-SAT candidates solved side by side in forked processes (None: the cores
-    #: this process may use). Buys wall-clock time only: the plan is the same for
-    #: every value ([Note: candidate waves] in ``solve/_search.py``).
+    #: Forked processes side by side (None: the cores this process may use): CP-SAT
+    #: candidates ([Note: candidate waves] in ``solve/_search.py``), the portfolio's
+    #: heuristics, the stage DP's (M, unit order) DPs, the interleave search's tries
+    #: and the simulator's finalists (``solve/isolated.map_isolated``). Buys
+    #: wall-clock time only: the plan is the same for every value.
     jobs: int | None = None
     #: Random seed for CP-SAT (``random_seed``; reproducible plans).
     seed: int = 0
@@ -158,7 +160,7 @@ class PlanOptions:
                                    f"(the wall-clock safety stop per CP-SAT solve, e.g. 100; zorse plan --time-limit)")
         if self.jobs is not None and (isinstance(self.jobs, bool) or not isinstance(self.jobs, int) or self.jobs < 1):
             raise PlanOptionsError(f"PlanOptions.jobs={self.jobs!r}: use None (the cores this process may use) or an "
-                                   f"int >= 1 (CP-SAT solves side by side; zorse plan --jobs)")
+                                   f"int >= 1 (processes side by side; zorse plan --jobs)")
         if not isinstance(self.num_workers, int) or self.num_workers < 1:
             raise PlanOptionsError(f"PlanOptions.num_workers={self.num_workers!r}: use an int >= 1 "
                                    f"(CP-SAT worker threads; 1 = deterministic sequential search)")
