@@ -91,10 +91,10 @@ def solve_portfolio(costs: BlockCosts, devices: DeviceGraph, options: PlanOption
             (CP-SAT's message, which names the binding constraint).
     """
     from .baselines import BASELINES
-    from .solve._search import default_jobs, in_model
+    from .solve._search import in_model
     from .solve.bounds import throughput_bound_s
     from .solve.interleave import with_interleaving
-    from .solve.isolated import map_isolated
+    from .solve.isolated import map_isolated, options_jobs
     from .solve.objective import evaluate_result
     from .solve.stage_dp import stage_dp_search
 
@@ -118,7 +118,7 @@ def solve_portfolio(costs: BlockCosts, devices: DeviceGraph, options: PlanOption
 
     # The heuristics are independent and deterministic: up to ``jobs`` run side by side in
     # forked children, their answers taken in the order of ``sources`` (solve/isolated.py).
-    jobs = options.jobs if options.jobs is not None else default_jobs()
+    jobs = options_jobs(options)
     for name, (ok, answer) in zip(sources, map_isolated([heuristic(n, f) for n, f in sources.items()], jobs)):
         if not ok:
             raise answer
@@ -227,8 +227,8 @@ def rerank_by_simulator(costs: BlockCosts, devices: DeviceGraph, options: PlanOp
     """
     from .ir.p2p import ProgramError
     from .sim.engine import simulate
-    from .solve._search import default_jobs, in_model
-    from .solve.isolated import map_isolated
+    from .solve._search import in_model
+    from .solve.isolated import map_isolated, options_jobs
     from .solve.bounds import throughput_bound_s
     from .solve.objective import UNITS_PER_S
 
@@ -244,7 +244,7 @@ def rerank_by_simulator(costs: BlockCosts, devices: DeviceGraph, options: PlanOp
         return best
     t0 = time.perf_counter()
     sims = []
-    jobs = options.jobs if options.jobs is not None else default_jobs()
+    jobs = options_jobs(options)
     runs = map_isolated([lambda d=r.decision: simulate(costs, devices, options, d).step_time_s for r in finalists],
                         jobs)  # side by side in forked children (solve/isolated.py); the answers in order
     for ok, answer in runs:

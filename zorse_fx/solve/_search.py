@@ -111,7 +111,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import time
 import warnings
 from dataclasses import dataclass
@@ -124,7 +123,8 @@ from ..ir.devices import DeviceGraph
 from ..ir.result import Candidate, SolverResult, with_safety_stop
 from ..options import PlanOptions
 from .bounds import explain_infeasible, stage_count_lower_bound, throughput_lower_bound
-from .isolated import SolverCrash, _Isolated, run_isolated, start_isolated  # noqa: F401 (re-exported)
+from .isolated import (  # noqa: F401 (re-exported)
+    SolverCrash, _Isolated, default_jobs, options_jobs, run_isolated, start_isolated)
 from .objective import UNIT_S, IntTables, build_tables, evaluate, max_stage_count, microbatch_candidates
 
 __all__ = ["CandidateSearch", "SolverCrash", "run_isolated", "ordered_candidates", "in_model"]
@@ -287,22 +287,6 @@ SHARE_WINDOW = 4
 WAVE = SHARE_WINDOW
 
 
-def default_jobs() -> int:
-    """``PlanOptions.jobs``' default: ``ZORSE_JOBS`` where set (the test suite sets 1: its
-    workers already fill the cores), else the cores this process may run on
-    (``os.sched_getaffinity``, else ``os.cpu_count``)."""
-    env = os.environ.get("ZORSE_JOBS", "")
-    if env.strip():
-        try:
-            return max(1, int(env))
-        except ValueError:
-            raise ValueError(f"ZORSE_JOBS={env!r}: use a whole number of processes >= 1, or unset it") from None
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):
-        return max(1, os.cpu_count() or 1)
-
-
 #: One worker, a model with fewer variables than ``SMALL_MODEL_VARS``: CP-SAT's
 #: ``linearization_level`` ``SMALL_MODEL_LINEARIZATION`` instead of its default 1.
 #: At level 1 the sequential search can raise the objective bound one unit (1 ns)
@@ -338,7 +322,7 @@ class CandidateSearch:
         self.costs, self.devices, self.options, self.label = costs, devices, options, label
         self.progress, self.total = progress, total
         #: Solves run side by side ([Note: candidate waves]); the records do not depend on it.
-        self.jobs = options.jobs if options.jobs is not None else default_jobs()
+        self.jobs = options_jobs(options)
         self.t0 = time.perf_counter()
         self.cands: list[dict] = []
         self.bounds: list[int] = []

@@ -49,8 +49,7 @@ from ..ir.decision import Decision
 from ..ir.devices import DeviceGraph
 from ..ir.result import Candidate, SolverResult, with_safety_stop
 from ..options import PlanOptions
-from ._search import default_jobs
-from .isolated import map_isolated
+from .isolated import map_isolated, options_jobs
 from .objective import (
     UNIT_S,
     MemoryPolicy,
@@ -245,7 +244,7 @@ def interleave_search(costs: BlockCosts, devices: DeviceGraph, options: PlanOpti
                 out.append((key, v, rc, cuts, args))
         return tab, out
 
-    jobs = options.jobs if options.jobs is not None else default_jobs()
+    jobs = options_jobs(options)
     per_m = []
     for m in microbatch_candidates(options):
         shares = tuple(rescale_shares(tuple(ns), gbs // m) for ns in d.samples_per_microbatch)

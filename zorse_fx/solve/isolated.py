@@ -27,7 +27,29 @@ import pickle
 import select
 import signal
 
-__all__ = ["SolverCrash", "map_isolated", "run_isolated", "start_isolated"]
+__all__ = ["SolverCrash", "default_jobs", "map_isolated", "options_jobs", "run_isolated", "start_isolated"]
+
+
+def default_jobs() -> int:
+    """``PlanOptions.jobs``' default: ``ZORSE_JOBS`` where set (the test suite sets 1: its
+    workers already fill the cores), else the cores this process may run on
+    (``os.sched_getaffinity``, else ``os.cpu_count``)."""
+    env = os.environ.get("ZORSE_JOBS", "")
+    if env.strip():
+        try:
+            return max(1, int(env))
+        except ValueError:
+            raise ValueError(f"ZORSE_JOBS={env!r}: use a whole number of processes >= 1, or unset it") from None
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def options_jobs(options) -> int:
+    """The processes side by side for ``options`` (a ``PlanOptions``): its ``jobs``, else
+    ``default_jobs()``."""
+    return options.jobs if options.jobs is not None else default_jobs()
 
 
 class SolverCrash(RuntimeError):

@@ -98,8 +98,7 @@ from ..ir.costs import BlockCosts
 from ..ir.devices import DeviceGraph
 from ..ir.result import SolverResult
 from ..options import PlanOptions
-from ._search import default_jobs
-from .isolated import map_isolated
+from .isolated import map_isolated, options_jobs
 from .objective import MIB_UNITS, fill_policy, inflight, max_stage_count, microbatch_candidates
 from .heuristics import StageMatrices
 
@@ -519,7 +518,7 @@ def stage_dp_search(costs: BlockCosts, devices: DeviceGraph,
         st = _Stages(sel.tables(m), list(units), speeds, variants, m)
         return [_dp(st, n_s, options.allow_idle_gpus, level=0) for n_s in range(1, min(s_max, len(units)) + 1)]
 
-    jobs = options.jobs if options.jobs is not None else default_jobs()
+    jobs = options_jobs(options)
     for (m, units), (ok, answer) in zip(tasks, map_isolated([partial(splits, m, u) for m, u in tasks], jobs)):
         if not ok:
             raise answer
