@@ -287,11 +287,13 @@ def test_bad_token_files_are_named_with_the_fix(tmp_path, lee_bytes):
     big[50] = 300
     torch.save(big, tmp_path / "big.pt")
     with pytest.raises(DataError, match=r"big.pt has token id 300, but the model's vocabulary is 256 \(ids must be "
-                                        r"< 256\); prepare the data with the model's own tokenizer"):
+                                        r"< 256\): the first such id is at token offset 50, the largest is 300; "
+                                        r"prepare the data again with the model's tokenizer"):
         TokenData.load(tmp_path / "big.pt").check_vocab(256)
     big[50] = -3
     torch.save(big, tmp_path / "neg.pt")
-    with pytest.raises(DataError, match=r"neg.pt has negative token id -3; token ids must be in \[0, 256\)"):
+    with pytest.raises(DataError, match=r"neg.pt has negative token id -3 at token offset 50; token ids must be in "
+                                        r"\[0, 256\)"):
         TokenData.load(tmp_path / "neg.pt").check_vocab(256)
 
 
@@ -466,3 +468,154 @@ def test_zorse_train_with_data(tmp_path, lee_docs):
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2] and all(r["loss"] > 0 for r in rows)
     assert not (tmp_path / "run" / "data").exists()  # --data: nothing prepared on the fly
+
+
+# -- token ids checked where they are read ([Note: token ids checked where they are read]) ------------------------
+
+def _bytes_file(tmp_path, lee_docs, name="t"):
+    """The Lee corpus as a `bytes` token file (uint16, vocabulary 256, its header's max_token_id < 256)."""
+    (tmp_path / f"{name}.txt").write_text("\n".join(lee_docs[:60]))
+    prepare_data(str(tmp_path / f"{name}.txt"), tmp_path / name, progress=False)
+    return tmp_path / f"{name}.bin"
+
+
+def _poke(bin_path, offset, value):
+    """Write ``value`` over the id at ``offset`` of a uint16 token file (its header left as it was)."""
+    ids = np.fromfile(bin_path, dtype="<u2")
+    ids[offset] = value
+    ids.tofile(bin_path)
+
+
+BATCH = dict(global_batch_size=4, seq_len=SEQ, label_mode="shifted", **LM)
+NOT_PREPARED = ("its header says max_token_id {m}: the .bin file or its header was changed after `zorse "
+                "prepare-data` wrote them")
+REDO = "prepare the data again with the model's tokenizer (`zorse prepare-data --tokenizer ...`)"
+
+
+def test_token_id_beyond_vocab_in_first_batch_not_in_header_refused(tmp_path, lee_docs):
+    """The .bin edited after prepare-data (the header's max_token_id still
+    admits every id): the whole-file scan names the id, its token offset and
+    sequence chunk, the largest id, the header's claim and the fix; a rank's
+    first batch (no scan) names the step, the sample and the offset."""
+    path = _bytes_file(tmp_path, lee_docs)
+    m = TokenData.open(path).header["max_token_id"]
+    off = 2 * (SEQ + 1) + 5  # sample 2 of step 1
+    _poke(path, off, 300)
+    with pytest.raises(DataError) as e:
+        TokenData.open(path).check_vocab(256, seq_len=SEQ)
+    assert str(e.value) == (
+        f"token file {path} (tokenizer 'bytes', vocabulary 256) has token id 300, but the model's vocabulary is 256 "
+        f"(ids must be < 256): the first such id is at token offset {off} (sequence chunk 2 of {SEQ + 1} tokens), "
+        f"the largest is 300; {NOT_PREPARED.format(m=m)}; {REDO}, or train a model whose embedding has at least 301 "
+        f"rows")
+    data = TokenData.open(path)
+    data.check_vocab(256, scan=False)  # a rank: the header's claim passes
+    with pytest.raises(DataError) as e:
+        data.global_batch(0, **BATCH)
+    assert str(e.value) == (
+        f"token file {path} (tokenizer 'bytes', vocabulary 256): the batch of training step 1 has token id 300, "
+        f"outside the model's vocabulary, [0, 256), in sample 2 at token offset {off} "
+        f"({NOT_PREPARED.format(m=m)}); {REDO}")
+    data.global_batch(0, samples=[0, 1, 3], **BATCH)  # a rank that does not read sample 2: its rows are fine
+
+
+def test_token_id_beyond_vocab_in_later_step_batch_named(tmp_path, lee_docs):
+    """An id past the vocabulary in step 4's batch: steps 1-3 read, step 4's
+    batch refused naming step 4 and the sample; the scan finds it first."""
+    path = _bytes_file(tmp_path, lee_docs)
+    off = (3 * 4 + 1) * (SEQ + 1) + SEQ  # sample 1 of step 4, its last token (a label only)
+    _poke(path, off, 256)
+    data = TokenData.open(path)
+    data.check_vocab(256, scan=False)
+    for step in range(3):
+        data.global_batch(step, **BATCH)
+    with pytest.raises(DataError, match=rf"the batch of training step 4 has token id 256, outside the model's "
+                                        rf"vocabulary, \[0, 256\), in sample 1 at token offset {off} "):
+        data.global_batch(3, **BATCH)
+    with pytest.raises(DataError, match=rf"has token id 256, .*: the first such id is at token offset {off} "
+                                        rf"\(sequence chunk 13 of {SEQ + 1} tokens\)"):
+        TokenData.open(path).check_vocab(256, seq_len=SEQ)
+
+
+def test_token_id_beyond_vocab_with_header_edited_refused(tmp_path):
+    """A header that understates its .bin (max_token_id 255 over ids up to
+    999, vocabulary 256 claimed): the header passes, the scan does not."""
+    ids = (np.arange(4 * 8 * (SEQ + 1)) % 1000).astype("<u2")
+    ids.tofile(tmp_path / "e.bin")
+    (tmp_path / "e.json").write_text(json.dumps({
+        "format": "zorse_fx.tokens", "version": 1, "dtype": "uint16", "vocab_size": 256, "tokenizer": "bytes",
+        "eos_id": None, "num_documents": 1, "num_tokens": ids.size, "max_token_id": 255, "source": "edited"}))
+    with pytest.raises(DataError, match=r"has token id 256, but the model's vocabulary is 256 \(ids must be < 256\): "
+                                        r"the first such id is at token offset 256 \(sequence chunk 7 of 33 tokens\), "
+                                        r"the largest is 999; its header says max_token_id 255"):
+        TokenData.open(tmp_path / "e.bin").check_vocab(256, seq_len=SEQ)
+    with pytest.raises(DataError, match=r"the batch of training step 2 has token id 256, outside the tokenizer's "
+                                        r"vocabulary \(its header's vocab_size\), \[0, 256\), in sample 3 at token "
+                                        r"offset 256 "):
+        TokenData.open(tmp_path / "e.bin").global_batch(1, **BATCH)  # no check_vocab: the header's vocabulary
+
+
+def test_negative_token_id_in_later_step_batch_named(lee_bytes):
+    """A legacy tensor with a negative id in step 3's batch: the scan names
+    it and its offset; the batch that reads it names the step and sample."""
+    ids = lee_bytes[:4000].clone()
+    off = (2 * 4 + 3) * (SEQ + 1) + 7  # sample 3 of step 3
+    ids[off] = -3
+    with pytest.raises(DataError) as e:
+        TokenData.from_tensor(ids, source="neg.pt").check_vocab(256, seq_len=SEQ)
+    assert str(e.value) == (f"token file neg.pt has negative token id -3 at token offset {off} (sequence chunk 11 of "
+                            f"{SEQ + 1} tokens); token ids must be in [0, 256) (the model's vocabulary); {REDO}")
+    data = TokenData.from_tensor(ids, source="neg.pt")
+    data.global_batch(1, **BATCH)
+    with pytest.raises(DataError, match=rf"neg.pt: the batch of training step 3 has token id -3, negative, in sample 3 "
+                                        rf"at token offset {off}; "):
+        data.global_batch(2, **BATCH)
+
+
+def test_token_id_beyond_vocab_refused_before_ranks_start(tmp_path, lee_docs, capsys, monkeypatch):
+    """`zorse train --data` with an id past the vocabulary that the header
+    does not admit to: one `zorse:` line from the pre-flight scan, exit 1, no
+    rank started (launch is never reached)."""
+    import zorse_fx.runtime.launch as launch_mod
+
+    monkeypatch.setattr(launch_mod, "launch", lambda *a, **kw: pytest.fail("a rank was started"))
+    captured = gpt3x64()
+    plan = _two_stage_plan(captured)
+    plan.export(tmp_path / "plan")
+    torch.save(captured.state(), tmp_path / "plan" / "weights.pt")
+    path = _bytes_file(tmp_path, lee_docs)
+    off = 10 * (SEQ + 1)
+    _poke(path, off, 4000)
+    assert zorse_main(["train", str(tmp_path / "plan"), "--data", str(path), "--steps", "4",
+                       "--out", str(tmp_path / "run")]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith(f"zorse: token file {path} (tokenizer 'bytes', vocabulary 256) has token "
+                                               f"id 4000, but the model's vocabulary is 256"), err
+    assert f"at token offset {off} (sequence chunk 10 of {SEQ + 1} tokens)" in err[0] and err[0].endswith(" rows")
+
+
+def test_token_id_beyond_vocab_at_step_4_stops_ranks_with_one_line(tmp_path, lee_docs):
+    """The ranks alone (no pre-flight scan: `python -m zorse_fx.train` started
+    by hand): steps 1-3 train, step 4's batch holds id 300 (the header
+    admits none past its max_token_id); every rank stops with one line naming
+    the step, the sample and the offset, not an IndexError in the embedding."""
+    import re
+
+    captured = gpt3x64()
+    plan = _two_stage_plan(captured)
+    plan.export(tmp_path / "plan")
+    torch.save(captured.state(), tmp_path / "plan" / "weights.pt")
+    path = _bytes_file(tmp_path, lee_docs)
+    off = (3 * 4 + 2) * (SEQ + 1) + 3  # sample 2 of step 4
+    _poke(path, off, 300)
+    run = tmp_path / "run"
+    with pytest.raises(AssertionError) as got:
+        spawn_ranks(tmp_path / "plan", plan.world_size, ["--data", str(path), "--steps", "4", "--out", str(run)])
+    report = str(got.value)
+    assert "IndexError" not in report and "Traceback" not in report
+    for r in range(plan.world_size):
+        assert re.search(rf"^zorse: rank {r} \(stage {r}\): token file {re.escape(str(path))} \(tokenizer 'bytes', "
+                         rf"vocabulary 256\): the batch of training step 4 has token id 300, outside the model's "
+                         rf"vocabulary, \[0, 256\), in sample 2 at token offset {off} ", report, re.M), report
+    rows = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 2, 3]

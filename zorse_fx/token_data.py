@@ -85,6 +85,9 @@ FORMATS = ("auto", "document", "text", "json", "parquet", "csv", "disk")
 #: file and the byte offset), "replace" reads each as U+FFFD.
 ENCODING_ERRORS = ("strict", "replace")
 _BATCH_DOCS = 1000  # documents tokenized per tokenizer call
+_REPREPARE = "prepare the data again with the model's tokenizer (`zorse prepare-data --tokenizer ...`)"
+#: Token ids per chunk of ``TokenData.scan_ids`` (16 Mi: 32 MiB of uint16).
+SCAN_TOKENS = 1 << 24
 
 
 # -- the header ------------------------------------------------------------------
@@ -396,7 +399,21 @@ class TokenData:
 
     Attributes: ``tokens`` (1-D numpy array or memmap), ``source`` (the file),
     ``header`` (the JSON header, None for tensors), ``vocab_size`` (the
-    tokenizer's, None when unknown).
+    tokenizer's, None when unknown), ``id_limit`` (every id a batch reads
+    must be below it: the model's vocabulary after ``check_vocab``).
+
+    [Note: token ids checked where they are read]
+    A header's ``max_token_id`` is a claim about the .bin file, which can be
+    edited, replaced or written by another program after ``prepare-data``; an
+    id it does not admit would reach the embedding as an ``IndexError`` (or a
+    device-side assert on a GPU) steps into the run. So the ids are checked
+    where they are read: ``zorse train`` scans the whole file before any rank
+    starts (``check_vocab(scan=True)``: numpy min/max over the memory map,
+    ``SCAN_TOKENS`` at a time, the first offending id located only in the
+    chunk that holds it), and every batch a rank reads is checked as it is
+    read (``global_batch``: one vectorised min/max over its rows), because a
+    rank started by hand skips the pre-flight scan and a rank scanning a file
+    of billions of tokens would delay every start.
     """
 
     def __init__(self, tokens: np.ndarray, *, source: str, header: dict | None = None):
@@ -404,7 +421,13 @@ class TokenData:
         self.source = source
         self.header = header
         self.vocab_size = None if header is None else header["vocab_size"]
-        self._range = None if header is None else (0, header["max_token_id"])
+        #: Ids a batch may hold are ``[0, id_limit)``: the model's vocabulary once
+        #: ``check_vocab`` ran, else the header's tokenizer vocabulary (None: unknown).
+        self.id_limit: int | None = self.vocab_size
+        self._limit_what = "the tokenizer's vocabulary (its header's vocab_size)"
+        self._range: tuple[int, int] | None = None
+        self._first_bad: tuple[int, int] | None = None  # (offset, id) of the first id outside [0, _scanned_for)
+        self._scanned_for: int | None = None
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
@@ -497,35 +520,106 @@ class TokenData:
         return cls(tokens.numpy(), source=source)
 
     # -- checks ------------------------------------------------------------------
+    def _describe(self) -> str:
+        """``<file>`` or ``<file> (tokenizer 'x', vocabulary N)`` for messages."""
+        tok = f" (tokenizer {self.header['tokenizer']!r}, vocabulary {self.vocab_size})" if self.header else ""
+        return f"{self.source}{tok}"
+
+    def scan_ids(self, vocab_size: int) -> tuple[int, int, tuple[int, int] | None]:
+        """Every id of the file read once, ``SCAN_TOKENS`` at a time (a
+        memory map is paged in and dropped chunk by chunk; numpy's min/max
+        run at memory speed): (smallest id, largest id, (token offset, id) of
+        the first id outside ``[0, vocab_size)`` or None). Cached per
+        ``vocab_size``."""
+        if self._scanned_for != vocab_size or self._range is None:
+            lo, hi, first = None, None, None
+            for start in range(0, len(self), SCAN_TOKENS):
+                part = np.asarray(self.tokens[start:start + SCAN_TOKENS])
+                a, b = int(part.min()), int(part.max())
+                lo, hi = a if lo is None else min(lo, a), b if hi is None else max(hi, b)
+                if first is None and (a < 0 or b >= vocab_size):
+                    i = int(np.flatnonzero((part < 0) | (part >= vocab_size))[0])
+                    first = (start + i, int(part[i]))
+            self._range, self._first_bad, self._scanned_for = (lo, hi), first, vocab_size
+        return (*self._range, self._first_bad)
+
     def id_range(self) -> tuple[int, int]:
-        """(smallest, largest) token id: the header's for token files (ids are
-        unsigned), a scan of the tensor otherwise (once)."""
+        """(smallest, largest) token id in the file (a scan of every id, once)."""
         if self._range is None:
-            self._range = (int(self.tokens.min()), int(self.tokens.max()))
+            self.scan_ids(self.id_limit or 1 << 62)
         return self._range
 
-    def check_vocab(self, vocab_size: int) -> None:
-        """Every token id is in ``[0, vocab_size)`` (the model's vocabulary).
-        Warns (UserWarning) when the header's tokenizer vocabulary is larger
-        than the model's although every id fits.
+    def _offset_words(self, offset: int, seq_len: int | None) -> str:
+        """``token offset 1,234`` (and the ``seq_len + 1`` chunk it is in)."""
+        chunk = f" (sequence chunk {offset // (seq_len + 1):,} of {seq_len + 1} tokens)" if seq_len else ""
+        return f"token offset {offset:,}{chunk}"
+
+    def check_vocab(self, vocab_size: int, *, scan: bool = True, seq_len: int | None = None) -> None:
+        """Every token id is in ``[0, vocab_size)`` (the model's vocabulary);
+        batches read afterwards are held to it too (``global_batch``).
+        ``scan``: read every id of the file (``scan_ids``: ``zorse train``'s
+        pre-flight check), else only the header's ``max_token_id`` is
+        compared (a rank: the ids of each batch it reads are checked as it
+        reads them). ``seq_len``: also name the sequence chunk of an
+        offending id. Warns (UserWarning) when the header's tokenizer
+        vocabulary is larger than the model's although every id fits.
 
         Raises:
-            DataError: naming the file, the offending id and the vocabulary.
-        """
-        lo, hi = self.id_range()
-        if lo < 0:
-            raise DataError(f"token file {self.source} has negative token id {lo}; token ids must be in "
-                            f"[0, {vocab_size}) (the model's vocabulary): regenerate the file with the model's "
-                            f"tokenizer (`zorse prepare-data --tokenizer ...`)")
-        tok = f" (tokenizer {self.header['tokenizer']!r}, vocabulary {self.vocab_size})" if self.header else ""
-        if hi >= vocab_size:
-            raise DataError(f"token file {self.source}{tok} has token id {hi}, but the model's vocabulary is "
-                            f"{vocab_size} (ids must be < {vocab_size}); prepare the data with the model's own "
-                            f"tokenizer, or train a model whose embedding has at least {hi + 1} rows")
+            DataError: naming the file, the offending id, its token offset,
+                the vocabulary and the fix (a header whose ``max_token_id``
+                understates the file's ids is named too)."""
+        desc, fix = self._describe(), _REPREPARE
+        header_max = self.header["max_token_id"] if self.header else None
+        if header_max is not None and header_max >= vocab_size:
+            raise DataError(f"token file {desc} has token id {header_max}, but the model's vocabulary is "
+                            f"{vocab_size} (ids must be < {vocab_size}; the header's max_token_id); {fix}, or train "
+                            f"a model whose embedding has at least {header_max + 1} rows")
+        hi = header_max
+        if scan:
+            lo, hi, first = self.scan_ids(vocab_size)
+            if first is not None:
+                offset, bad = first
+                where = self._offset_words(offset, seq_len)
+                understated = (f"; its header says max_token_id {header_max}: the .bin file or its header was "
+                               f"changed after `zorse prepare-data` wrote them" if header_max is not None
+                               and (hi > header_max or lo < 0) else "")
+                if bad < 0:
+                    raise DataError(f"token file {desc} has negative token id {bad} at {where}; token ids must be "
+                                    f"in [0, {vocab_size}) (the model's vocabulary){understated}; {fix}")
+                raise DataError(f"token file {desc} has token id {bad}, but the model's vocabulary is {vocab_size} "
+                                f"(ids must be < {vocab_size}): the first such id is at {where}, the largest is "
+                                f"{hi}{understated}; {fix}, or train a model whose embedding has at least {hi + 1} "
+                                f"rows")
+        self.id_limit, self._limit_what = vocab_size, "the model's vocabulary"
         if self.vocab_size is not None and self.vocab_size > vocab_size:
-            warnings.warn(f"token file {self.source}{tok}: the tokenizer's vocabulary is larger than the model's "
+            warnings.warn(f"token file {desc}: the tokenizer's vocabulary is larger than the model's "
                           f"({vocab_size}); every id in the file fits (largest {hi}), but check that the data was "
                           f"prepared with the model's tokenizer", stacklevel=2)
+
+    def _check_batch_ids(self, ids: np.ndarray, index: np.ndarray, rows: np.ndarray, step: int, split: str) -> None:
+        """The ids a batch read (``ids``: (R, seq_len + 1), from token offsets
+        ``index``, rows ``rows`` of the global batch) are in ``[0,
+        id_limit)``: one vectorised min/max, the position searched only when
+        one is not.
+
+        Raises:
+            DataError: naming the file, the id, the step, the sample, the token offset and the fix."""
+        if not ids.size:
+            return
+        lo, hi = int(ids.min()), int(ids.max())
+        limit = self.id_limit
+        if lo >= 0 and (limit is None or hi < limit):
+            return
+        bad = ids < 0 if limit is None else (ids < 0) | (ids >= limit)
+        r, c = (int(x[0]) for x in np.nonzero(bad))
+        value = int(ids[r, c])
+        what = "training step" if split == "train" else "validation batch"
+        vocab = f"outside {self._limit_what}, [0, {limit})" if limit is not None else "negative"
+        header = (f" (its header says max_token_id {self.header['max_token_id']}: the .bin file or its header was "
+                  f"changed after `zorse prepare-data` wrote them)"
+                  if self.header and value > self.header["max_token_id"] else "")
+        raise DataError(f"token file {self._describe()}: the batch of {what} {step + 1} has token id {value}, "
+                        f"{vocab}, in sample {int(rows[r])} at token offset {int(index[r, c]):,}{header}; {_REPREPARE}")
 
     # -- batches -------------------------------------------------------------------
     def split_chunks(self, seq_len: int, *, val_fraction: float = 0.0, val_tokens: int = 0) -> tuple[int, int]:
@@ -563,12 +657,15 @@ class TokenData:
 
         ``samples``: the indices within the global batch to read (e.g.
         ``rank_samples``); the other rows are ``FILL_ID`` (-1), which fails
-        loudly in an embedding or a loss if used. None: every row.
+        loudly in an embedding or a loss if used. None: every row. The ids
+        read are checked against ``id_limit`` (one min/max over them).
 
         Raises:
             DataError: the split has fewer chunks than one global batch (unless
                 ``allow_repeat``: samples then repeat within the step), a
-                sample index outside the batch, an empty validation split.
+                sample index outside the batch, an empty validation split, an
+                id read that is negative or not below ``id_limit`` (the step,
+                the sample and the token offset named).
         """
         if len(input_names) != 2:
             raise DataError(f"language-model data needs 2 inputs (ids, labels), the plan has {input_names}")
@@ -598,8 +695,10 @@ class TokenData:
         chunk = seq_len + 1
         chunks = first + (step * n + rows_wanted) % count
         index = chunks[:, None] * chunk + np.arange(chunk)
+        read = np.asarray(self.tokens[index]).astype(np.int64)  # (R, seq_len + 1)
+        self._check_batch_ids(read, index, rows_wanted, step, split)
         rows = torch.full((n, chunk), FILL_ID, dtype=torch.int64)
-        rows[torch.from_numpy(rows_wanted)] = torch.from_numpy(np.asarray(self.tokens[index]).astype(np.int64))
+        rows[torch.from_numpy(rows_wanted)] = torch.from_numpy(read)
         if label_mode == "same":
             ids = rows[:, :seq_len].contiguous()
             return {input_names[0]: ids, input_names[1]: ids.clone()}

@@ -396,8 +396,8 @@ def _run(options: TrainingOptions, where: _Where) -> int:
     weights = preflight.load_weights(weights_path)  # memory-mapped
     data = TokenData.load(d.data or d.tokens)  # memory-mapped; see token_data.py
     vocab = model_vocab_size(plan, weights)
-    if vocab is not None:
-        data.check_vocab(vocab)
+    if vocab is not None:  # the header's claim; each batch's ids as it is read (token_data.py)
+        data.check_vocab(vocab, scan=False)
     # The held-out split: --val-fraction, else (with --val-every) the last --val-batches global batches.
     batch_of = preflight.batch_source(plan, data, rank=rank, val_fraction=d.val_fraction, val_every=loop.val_every,
                                       val_batches=loop.val_batches, allow_repeat=d.allow_repeat)

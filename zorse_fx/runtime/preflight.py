@@ -15,8 +15,9 @@ token file is prepared, ``check_data`` after):
 - with ``--resume``: the newest checkpoint of ``<out>`` is of this model (its
   parameters and shapes) and of the plan's global batch and sequence length
   (``runtime/checkpoint.check_resumable``);
-- the tokens: the token file exists and reads, every id is within the model's
-  vocabulary (``TokenData.check_vocab``), and the training split (after
+- the tokens: the token file exists and reads, every id of it is within the
+  model's vocabulary (``TokenData.check_vocab`` scans the whole file, not
+  only its header's ``max_token_id``), and the training split (after
   ``--val-fraction``) and, with ``--val-every``, the validation split hold a
   global batch (``batch_source``, the function the ranks draw batches with).
 
@@ -160,8 +161,8 @@ def check_data(plan: Plan, weights: dict[str, torch.Tensor], data: str, *, val_f
         DataError: naming the file, the value and the fix."""
     tokens = TokenData.load(data)
     vocab = model_vocab_size(plan, weights)
-    if vocab is not None:
-        tokens.check_vocab(vocab)
+    if vocab is not None:  # every id of the file ([Note: token ids checked where they are read])
+        tokens.check_vocab(vocab, seq_len=plan.seq_len)
     batch_of = batch_source(plan, tokens, rank=0, val_fraction=val_fraction, val_every=val_every,
                             val_batches=val_batches, allow_repeat=allow_repeat)
     batch_of(0)
