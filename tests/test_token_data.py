@@ -589,8 +589,8 @@ def test_token_id_beyond_vocab_refused_before_ranks_start(tmp_path, lee_docs, ca
     assert zorse_main(["train", str(tmp_path / "plan"), "--data", str(path), "--steps", "4",
                        "--out", str(tmp_path / "run")]) == 1
     err = capsys.readouterr().err.splitlines()
-    assert len(err) == 1 and err[0].startswith(f"zorse: token file {path} (tokenizer 'bytes', vocabulary 256) has token "
-                                               f"id 4000, but the model's vocabulary is 256"), err
+    assert len(err) == 1 and err[0].startswith(f"zorse: token file {path} (tokenizer 'bytes', vocabulary 256) has "
+                                               f"token id 4000, but the model's vocabulary is 256"), err
     assert f"at token offset {off} (sequence chunk 10 of {SEQ + 1} tokens)" in err[0] and err[0].endswith(" rows")
 
 
