@@ -174,7 +174,8 @@ def test_prepare_data_empty_jsonl(tmp_path, capsys):
     assert not (tmp_path / "o.bin").exists()
 
 
-JSON_FIX = "correct that line or remove it (a .jsonl file holds one JSON object per line, a .json file one JSON document)"
+JSON_FIX = ("correct that line or remove it (a .jsonl file holds one JSON object per line, a .json file one JSON "
+            "document)")
 
 
 def _zorse_lines(err: str) -> list[str]:
@@ -202,7 +203,8 @@ def test_prepare_data_broken_jsonl_line_named(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("name, content, message", [
-    ("doc.json", '[{"text": "a"},\n {"text": "b"\n]\n', f"line 3, column 1: not JSON (Expecting ',' delimiter); {JSON_FIX}"),
+    ("doc.json", '[{"text": "a"},\n {"text": "b"\n]\n',
+     f"line 3, column 1: not JSON (Expecting ',' delimiter); {JSON_FIX}"),
     ("rows.csv", 'text,id\nhello,1\n"a,b",2,3\n', "not a CSV file the datasets 'csv' builder can read (ParserError: "
      "Error tokenizing data. C error: Expected 2 fields in line 3, saw 3); correct that row (a field holding the "
      "delimiter or a line break must be quoted)"),
