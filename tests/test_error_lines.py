@@ -60,7 +60,7 @@ def _one_line(capsys) -> str:
 
 
 def _train(common, tmp_path, *extra) -> int:
-    return zorse_main(["train", *common, "--steps", "1", "--out", str(tmp_path / "run"), *extra])
+    return zorse_main(["train", *common, "--steps", "2", "--out", str(tmp_path / "run"), *extra])  # (>= --warmup-steps)
 
 
 # -- refused before any rank starts ---------------------------------------------------------------

@@ -73,7 +73,8 @@ def test_the_runtime_takes_its_defaults_from_the_options():
 
 # -- flags --------------------------------------------------------------------------------------
 
-FLAGS = [  # (argv beyond "plan", dotted field, value)
+# (argv beyond "plan", dotted field, value); a flag that acts only with another flag of its record comes with it
+FLAGS = [
     (["--data", "d.bin"], "data.data", "d.bin"),
     (["--tokens", "t.pt"], "data.tokens", "t.pt"),
     (["--weights", "w.pt"], "data.weights", "w.pt"),
@@ -82,7 +83,7 @@ FLAGS = [  # (argv beyond "plan", dotted field, value)
     (["--lr", "3e-4"], "optimizer.lr", 3e-4),
     (["--lr-schedule", "cosine"], "optimizer.lr_schedule", "cosine"),
     (["--warmup-steps", "5"], "optimizer.warmup_steps", 5),
-    (["--min-lr", "1e-5"], "optimizer.min_lr", 1e-5),
+    (["--lr-schedule", "linear", "--min-lr", "1e-5"], "optimizer.min_lr", 1e-5),
     (["--weight-decay", "0.1"], "optimizer.weight_decay", 0.1),
     (["--adam-beta1", "0.8"], "optimizer.adam_beta1", 0.8),
     (["--adam-beta2", "0.99"], "optimizer.adam_beta2", 0.99),
@@ -91,10 +92,10 @@ FLAGS = [  # (argv beyond "plan", dotted field, value)
     (["--seed", "7"], "optimizer.seed", 7),
     (["--steps", "3"], "loop.steps", 3),
     (["--val-every", "2"], "loop.val_every", 2),
-    (["--val-batches", "4"], "loop.val_batches", 4),
+    (["--val-every", "3", "--val-batches", "4"], "loop.val_batches", 4),
     (["--tensorboard"], "loop.tensorboard", True),
     (["--checkpoint-every", "5"], "checkpoint.checkpoint_every", 5),
-    (["--keep-checkpoints", "2"], "checkpoint.keep_checkpoints", 2),
+    (["--checkpoint-every", "1", "--keep-checkpoints", "2"], "checkpoint.keep_checkpoints", 2),
     (["--resume"], "checkpoint.resume", True),
     (["--overwrite"], "checkpoint.overwrite", True),
     (["--out", "runs/y"], "job.out", "runs/y"),
@@ -229,6 +230,132 @@ def test_the_module_exits_2_and_shows_its_help():
     assert help_.returncode == 0 and "--checkpoint-every" in help_.stdout and "--options-file" in help_.stdout
 
 
+# -- options that cannot take effect ([Note: options that cannot take effect]) -------------------------------------
+
+VOID = [  # (argv after "plan --tokens t.pt", message)
+    (["--warmup-steps", "100", "--steps", "4"], "--warmup-steps 100 is longer than the run (--steps 4): the rate would "
+     "never reach --lr 0.0001; pass --warmup-steps 4 or fewer, or --steps 100 or more"),
+    (["--warmup-steps", "5", "--steps", "4", "--lr-schedule", "cosine"], "--warmup-steps 5 is longer than the run "
+     "(--steps 4): the rate would never reach --lr 0.0001 and the cosine decay never start; pass --warmup-steps 4 or "
+     "fewer, or --steps 5 or more"),
+    (["--fail-rank", "1:5", "--steps", "4"], "--fail-rank 1:5: step 5 is not one of the run's steps 1..4 (--steps 4), "
+     "so it would never act; pass a STEP from 1 to 4"),
+    (["--kill-at-step", "0:9", "--steps", "4"], "--kill-at-step 0:9: step 9 is not one of the run's steps 1..4 "
+     "(--steps 4), so it would never act; pass a STEP from 1 to 4"),
+    (["--raise-at-step", "1:0"], "--raise-at-step 1:0: step 0 is not one of the run's steps 1..10 (--steps 10), so it "
+     "would never act; pass a STEP from 1 to 10"),
+    (["--inject-inf", "0:11"], "--inject-inf 0:11: step 11 is not one of the run's steps 1..10 (--steps 10), so it "
+     "would never act; pass a STEP from 1 to 10"),
+    (["--dump-grads", "5", "--steps", "4"], "--dump-grads 5: the run ends at step 4 (--steps 4), so no gradients "
+     "would be saved; pass a step from 1 to 4 (0: never)"),
+    (["--min-lr", "1e-05"], "--min-lr 1e-05 is the rate --lr-schedule cosine or linear decays to; the constant "
+     "schedule never uses it: pass --lr-schedule cosine (or linear), or drop --min-lr"),
+    (["--val-batches", "3"], "--val-batches 3 (global batches per validation) acts only with --val-every, which is "
+     "off, so it would not take effect: add --val-every N, or drop --val-batches"),
+    (["--keep-checkpoints", "1", "--resume"], "--keep-checkpoints 1 (checkpoints kept) acts only with "
+     "--checkpoint-every, which is off, so it would not take effect: add --checkpoint-every N, or drop "
+     "--keep-checkpoints"),
+]
+
+
+@pytest.mark.parametrize("argv, message", VOID, ids=[" ".join(a) for a, _ in VOID])
+def test_option_that_cannot_take_effect_refused(argv, message, capsys):
+    """`--warmup-steps 100 --steps 4`, a testing hook or --dump-grads past the
+    last step (or at step 0), and a flag whose own flag is off: refused
+    naming both, exit 2, in python -m zorse_fx.train and in zorse train."""
+    from zorse_fx.cli import main
+
+    for run, prog in ((parse_args, PROG), (lambda a: main(["train", *a]), "zorse train")):
+        with pytest.raises(SystemExit) as e:
+            run(["plan", "--tokens", "t.pt", *argv])
+        assert e.value.code == 2
+        assert capsys.readouterr().err.splitlines()[-1] == f"{prog}: error: {message}"
+
+
+def test_warmup_steps_100_with_steps_4_refused_and_intervals_past_the_run_accepted():
+    """The case of the issue, and the rule's other side: a warm-up as long as
+    the run reaches --lr at the last step; --checkpoint-every and --val-every
+    longer than the run act at the last step (a checkpoint, a validation)."""
+    from zorse_fx.train_options import OptionValueError
+
+    with pytest.raises(OptionValueError, match=r"^--warmup-steps 100 is longer than the run \(--steps 4\)") as e:
+        TrainingOptions(data=DataOptions(plan="p", data="d"), optimizer=OptimizerOptions(warmup_steps=100),
+                        loop=LoopOptions(steps=4))
+    assert e.value.field == "optimizer.warmup_steps"
+    ok = parse_args(["plan", "--data", "d", "--steps", "4", "--warmup-steps", "4", "--checkpoint-every", "100",
+                     "--val-every", "100", "--fail-rank", "1:4", "--dump-grads", "4"])
+    assert (ok.optimizer.warmup_steps, ok.checkpoint.checkpoint_every, ok.loop.val_every) == (4, 100, 100)
+
+
+def test_corpus_with_data_refused(capsys):
+    """zorse train --corpus / --tokenizer prepare a token file only without
+    --data / --tokens: with either they would be ignored."""
+    from zorse_fx.cli import main
+
+    for argv, message in [
+            (["--data", "d.bin", "--corpus", "news.txt"], "--corpus news.txt applies only where zorse train prepares "
+             "the token file itself; --data names one, so it would not take effect: drop --corpus, or drop --data"),
+            (["--tokens", "t.pt", "--tokenizer", "smollm2-135m"], "--tokenizer smollm2-135m applies only where zorse "
+             "train prepares the token file itself; --tokens names one, so it would not take effect: drop "
+             "--tokenizer, or drop --tokens")]:
+        with pytest.raises(SystemExit) as e:
+            main(["train", "plan", *argv])
+        assert e.value.code == 2 and capsys.readouterr().err.splitlines()[-1] == f"zorse train: error: {message}"
+
+
+@pytest.fixture(scope="module")
+def two_rank_plan(tmp_path_factory):
+    """A 2-stage GPT plan on 2 ranks exported with its weights, and the Lee corpus as byte tokens."""
+    import torch
+
+    from conftest import fixed_plan, gpt3x64
+    from zorse_fx.data import read_corpus, tokenize
+
+    d = tmp_path_factory.mktemp("two_ranks")
+    captured = gpt3x64()
+    plan = fixed_plan(captured, ((0,), (1,)), ((2,), (2,)), num_microbatches=2, global_batch_size=4)
+    plan.export(d / "plan")
+    torch.save(captured.state(), d / "plan" / "weights.pt")
+    torch.save(tokenize(read_corpus("lee"))[:20000], d / "tokens.pt")
+    return d
+
+
+@pytest.mark.parametrize("hook", ["fail_rank", "kill_at_step", "raise_at_step", "inject_inf"])
+def test_fail_rank_beyond_world_refused(two_rank_plan, tmp_path, capsys, monkeypatch, hook):
+    """`--fail-rank 9:3` (and every other RANK:STEP hook) on a plan of 2
+    ranks: zorse train refuses it before torchrun starts, one line naming the
+    flag, the rank and the job's ranks, exit 1."""
+    import zorse_fx.runtime.launch as launch_mod
+    from zorse_fx.cli import main
+
+    monkeypatch.setattr(launch_mod, "launch", lambda *a, **kw: pytest.fail("torchrun was started"))
+    flag = "--" + hook.replace("_", "-")
+    d = two_rank_plan
+    assert main(["train", str(d / "plan"), "--tokens", str(d / "tokens.pt"), "--steps", "4", flag, "9:3",
+                 "--out", str(tmp_path / "run")]) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        f"zorse: {flag} 9:3: rank 9 is not in the job (its 2 ranks are 0..1), so it would never act; pass a RANK "
+        f"from 0 to 1"]
+    assert not (tmp_path / "run" / OPTIONS_FILE).exists()
+
+
+def test_fail_rank_beyond_world_refused_by_the_ranks(two_rank_plan, tmp_path):
+    """Ranks started without zorse train (torchrun by hand): each refuses
+    `--fail-rank 9:3` in one line as soon as it knows the world size."""
+    from conftest import spawn_ranks
+
+    d = two_rank_plan
+    with pytest.raises(AssertionError) as got:
+        spawn_ranks(d / "plan", 2, ["--tokens", str(d / "tokens.pt"), "--steps", "4", "--fail-rank", "9:3",
+                                    "--out", str(tmp_path / "run")])
+    report = str(got.value)
+    for r in (0, 1):
+        assert f"--- rank {r} (exit code 1) ---" in report
+        assert re.search(rf"^zorse: rank {r}\b.*: --fail-rank 9:3: rank 9 is not in the job \(its 2 ranks are 0..1\), "
+                         rf"so it would never act; pass a RANK from 0 to 1", report, re.M), report
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
 # -- the options file -----------------------------------------------------------------------------
 
 FULL = TrainingOptions(
@@ -284,6 +411,14 @@ AGAIN = "write it again with `zorse train` (or `write_options_file`)"
     (lambda d: d["data"].update(data=None), "data.data", None,
      f"field data.data is None: one of the arguments --data --tokens is required; correct it or {AGAIN}"),
     (lambda d: d["data"].pop("plan"), "data.plan", None, f"missing field data.plan; {AGAIN}"),
+    (lambda d: d["optimizer"].pop("lr"), "optimizer.lr", None, f"missing field optimizer.lr; {AGAIN}"),
+    (lambda d: d["loop"].update(steps=1), "optimizer.warmup_steps", 2,
+     f"field optimizer.warmup_steps is 2: --warmup-steps 2 is longer than the run (--steps 1): the rate would never "
+     f"reach --lr 0.0003 and the cosine decay never start; pass --warmup-steps 1 or fewer, or --steps 2 or more; "
+     f"correct it or {AGAIN}"),
+    (lambda d: d["testing"].update(fail_rank=[9, 30]), "testing.fail_rank", [9, 30],
+     f"field testing.fail_rank is [9, 30]: --fail-rank 9:30: step 30 is not one of the run's steps 1..7 (--steps 7), "
+     f"so it would never act; pass a STEP from 1 to 7; correct it or {AGAIN}"),
     (lambda d: d.update(format="zorse_fx.plan"), "'format'", "zorse_fx.plan",
      "not a zorse_fx training options (field 'format' is 'zorse_fx.plan', expected 'zorse_fx.train_options')"),
     (lambda d: d.update(version=2), "'version'", 2,
@@ -299,6 +434,18 @@ def test_a_bad_options_file_names_file_field_and_value(tmp_path, edit, field, va
     with pytest.raises(SystemExit) as exit_:  # a rank: exit 2, the message on stderr
         parse_args(["--options-file", str(path)])
     assert exit_.value.code == 2 and capsys.readouterr().err.splitlines()[-1] == f"{PROG}: error: {path}: {message}"
+
+
+@pytest.mark.parametrize("section", ["data", "optimizer", "loop", "checkpoint", "job", "testing"])
+def test_options_file_with_section_deleted_refused(tmp_path, section):
+    """A train_options.json that lost a record (FULL trains 7 steps, the
+    defaults 10): refused naming the file and the record, not read as its
+    defaults."""
+    path = _edited(tmp_path, lambda d: d.pop(section))
+    with pytest.raises(TrainOptionsFileError) as e:
+        read_options_file(path)
+    assert str(e.value) == f"{path}: missing field {section!r}; {AGAIN}"
+    assert (e.value.path, e.value.field) == (str(path), repr(section))
 
 
 def test_an_options_file_that_is_not_there_or_not_json(tmp_path):

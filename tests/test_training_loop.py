@@ -286,8 +286,8 @@ def test_checkpoint_of_another_model_is_refused_naming_the_parameter(lee_bytes, 
     plan = _plan_a(captured)
     common = _export(plan, captured, lee_bytes, tmp_path / "a")
     run = tmp_path / "run"
-    spawn_ranks(tmp_path / "a" / "plan", plan.world_size, [*common[1:], "--steps", "1", "--out", str(run),
-                                                          "--checkpoint-every", "1"])
+    spawn_ranks(tmp_path / "a" / "plan", plan.world_size, [*common[1:], "--steps", "2", "--out", str(run),
+                                                          "--checkpoint-every", "2"])
     torch.manual_seed(0)
     other = capture(GPT(GPTConfig(n_layer=3, n_embd=32, n_head=4, block_size=SEQ)),
                     (torch.randint(0, 256, (4, SEQ)),) * 2)
@@ -295,7 +295,7 @@ def test_checkpoint_of_another_model_is_refused_naming_the_parameter(lee_bytes, 
     common2 = _export(plan2, other, lee_bytes, tmp_path / "b")
     with pytest.raises(AssertionError) as got:
         spawn_ranks(tmp_path / "b" / "plan", plan2.world_size,
-                    [*common2[1:], "--steps", "2", "--out", str(run), "--resume"])
+                    [*common2[1:], "--steps", "3", "--out", str(run), "--resume"])
     # each rank's one line ([Note: one line per error] in runtime/rank_errors.py); the traceback in <out>/logs
     assert re.search(r"^zorse: rank 0 \(stage 0\): \S+: parameter '[^']+' has shape \(256, 64\) in the checkpoint",
                      str(got.value), re.M), str(got.value)

@@ -87,6 +87,16 @@ class TrainCommand(TrainingRecords):
     launch: LaunchOptions = LaunchOptions()
     """zorse train: preparing the tokens, starting and supervising torchrun"""
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        given = "--data" if self.data.data is not None else "--tokens" if self.data.tokens is not None else None
+        for name in ("corpus", "tokenizer"):  # [Note: options that cannot take effect] in train_options.py
+            value = getattr(self.launch, name)
+            if given and value != LaunchOptions.__dataclass_fields__[name].default:
+                raise OptionValueError(name, f"--{name} {value} applies only where zorse train prepares the token "
+                                             f"file itself; {given} names one, so it would not take effect: drop "
+                                             f"--{name}, or drop {given}")
+
     def training_options(self, data: str | None = None) -> TrainingOptions:
         """The ranks' options; ``data``: the token file ``zorse train`` prepared (``--data``)."""
         records = {f.name: getattr(self, f.name) for f in dataclasses.fields(TrainingRecords)}
@@ -171,7 +181,7 @@ def cmd_train(args) -> int:
     checks] in ``runtime/preflight.py``); an error a rank finds is one line
     naming the rank ([Note: one line per error] in ``runtime/rank_errors.py``)."""
     from .runtime.launch import launch, torchrun_command
-    from .runtime.preflight import check_data, check_job
+    from .runtime.preflight import check_data, check_hook_ranks, check_job
     from .runtime.run_dir import check_fresh_start
     from .runtime.watchdog import heartbeat_dir
     from .token_data import prepare_data, token_file_paths
@@ -185,6 +195,7 @@ def cmd_train(args) -> int:
     # [Note: pre-flight checks] (runtime/preflight.py): what the files show is refused here, in one line each.
     plan, weights = check_job(cmd.data.plan, weights=cmd.data.weights, nproc=cmd.launch.nproc,
                               resume=cmd.checkpoint.resume, out=out)
+    check_hook_ranks(cmd.testing, cmd.launch.nproc or plan.world_size)  # (the ranks check it again)
     if not cmd.checkpoint.resume:  # another run's checkpoints or metrics: refused before anything starts
         check_fresh_start(out, overwrite=cmd.checkpoint.overwrite)  # (--overwrite: rank 0 removes them)
     out.mkdir(parents=True, exist_ok=True)

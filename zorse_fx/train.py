@@ -371,6 +371,7 @@ def _run(options: TrainingOptions, where: _Where) -> int:
             f"the plan needs {plan.world_size} processes (one per GPU) but torchrun started {world}; "
             f"use --nproc-per-node {plan.world_size} on one node (or that many in total)"
         )
+    preflight.check_hook_ranks(test, world)  # (zorse train checked it with --nproc; torchrun may start others)
     where.stages = tuple(plan.stages_of(rank))
     _check_devices(plan, rank, world, device, job.skip_device_check)
     out = Path(job.out)

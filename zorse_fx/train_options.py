@@ -14,7 +14,8 @@ Every default is written once, here: ``runtime/optimizer.py`` (``OptimizerConfig
 and ``runtime/lr_schedule.py`` (``LRSchedule``) take theirs from
 ``OptimizerOptions``. A value the loop cannot use raises ``OptionValueError``
 (a ``ValueError``) whose message names the command-line flag, e.g.
-``--steps must be >= 1, got 0``.
+``--steps must be >= 1, got 0``; so does an option the others make void
+(``--warmup-steps 100 --steps 4``: [Note: options that cannot take effect]).
 
 Command line (``parse_flags``): tyro builds the flags from the records, as
 torchtitan parses its job config. Flag names are flat, the field names with
@@ -31,8 +32,9 @@ Options file: ``zorse train`` writes the checked tree to
 starts every rank as ``python -m zorse_fx.train --options-file <file>``;
 ``read_options_file`` reads it through ``file_schema`` (the loader of every
 JSON file zorse_fx reads: its struct is built from these records, unknown
-fields refused, a field left out takes its default) and builds the records,
-whose checks run as on the command line. Its errors (``TrainOptionsFileError``,
+fields refused, and so is a record or field left out: the file is written
+whole, and one that lost a part would otherwise train with defaults nobody
+chose) and builds the records, whose checks run as on the command line. Its errors (``TrainOptionsFileError``,
 a ``FileFormatError``) name the file, the field, the value and the fix.
 
 The ``zorse train`` command line is these records plus the launcher's own
@@ -61,7 +63,8 @@ from .precision import GRAD_REDUCE_DTYPES, PRECISIONS, precision_policy
 
 __all__ = ["TrainingOptions", "TrainingRecords", "DataOptions", "OptimizerOptions", "LoopOptions",
            "CheckpointOptions", "JobOptions", "TestingOptions", "LR_SCHEDULES", "BACKENDS", "OptionValueError",
-           "TrainOptionsFileError", "UsageError", "check_lr_schedule", "parse_flags", "options_from_argv",
+           "TrainOptionsFileError", "UsageError", "check_lr_schedule", "RANK_STEP_HOOKS",
+           "parse_flags", "options_from_argv",
            "write_options_file", "read_options_file", "OPTIONS_FILE", "FORMAT", "VERSION", "TYRO_CONFIG"]
 
 #: Learning-rate schedules (``runtime/lr_schedule.py`` computes them).
@@ -121,6 +124,21 @@ def _at_least(record: object, minimum: int, *names: str, never: bool = False) ->
         if value < minimum:
             raise OptionValueError(name, f"--{name.replace('_', '-')} must be >= {minimum}"
                                          f"{' (0: never)' if never else ''}, got {value}")
+
+
+def _default(record: object, name: str) -> Any:
+    return type(record).__dataclass_fields__[name].default
+
+
+def _applies_with(record: object, name: str, needed: str, what: str) -> None:
+    """Refuse ``name`` set away from its default while ``needed`` is 0: it
+    would not take effect ([Note: options that cannot take effect]).
+    ``what``: what ``name`` sets, for the message."""
+    value = getattr(record, name)
+    if value != _default(record, name) and not getattr(record, needed):
+        flag, on = name.replace("_", "-"), needed.replace("_", "-")
+        raise OptionValueError(name, f"--{flag} {value} ({what}) acts only with --{on}, which is off, so it would not "
+                                     f"take effect: add --{on} N, or drop --{flag}")
 
 
 def check_lr_schedule(name: str, lr: float, min_lr: float, warmup_steps: int) -> None:
@@ -198,6 +216,10 @@ class OptimizerOptions:
 
     def __post_init__(self) -> None:
         check_lr_schedule(self.lr_schedule, self.lr, self.min_lr, self.warmup_steps)
+        if self.lr_schedule == "constant" and self.min_lr != _default(self, "min_lr"):
+            raise OptionValueError("min_lr", f"--min-lr {self.min_lr:g} is the rate --lr-schedule cosine or linear "
+                                             f"decays to; the constant schedule never uses it: pass --lr-schedule "
+                                             f"cosine (or linear), or drop --min-lr")
         if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
             raise OptionValueError("clip_grad_norm", f"--clip-grad-norm must be > 0, got {self.clip_grad_norm}")
         if self.weight_decay < 0:
@@ -225,6 +247,7 @@ class LoopOptions:
     def __post_init__(self) -> None:
         _at_least(self, 1, "steps", "val_batches")
         _at_least(self, 0, "val_every", never=True)
+        _applies_with(self, "val_batches", "val_every", "global batches per validation")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -247,6 +270,7 @@ class CheckpointOptions:
     def __post_init__(self) -> None:
         _at_least(self, 1, "keep_checkpoints")
         _at_least(self, 0, "checkpoint_every", never=True)
+        _applies_with(self, "keep_checkpoints", "checkpoint_every", "checkpoints kept")
         if self.resume and self.overwrite:
             raise OptionValueError("overwrite", "argument --overwrite: not allowed with argument --resume")
 
@@ -321,11 +345,59 @@ class TestingOptions:
         _at_least(self, 0, "dump_grads", never=True)
 
 
+#: The testing hooks that act at ``RANK:STEP`` (``TestingOptions``).
+RANK_STEP_HOOKS = ("kill_at_step", "fail_rank", "raise_at_step", "inject_inf")
+
+
+# [Note: options that cannot take effect]
+# An option that the other options make void is refused in one line naming
+# both flags, rather than accepted and ignored: a user who passes it expects
+# it to do something. The rule, the same everywhere:
+# - a value that never acts within the run is an error: a warm-up longer than
+#   --steps (the rate would never reach --lr), a testing hook at a step
+#   outside 1..--steps or at a rank outside the job (the world size is
+#   known only to `zorse train` and to the ranks, which both check:
+#   ``runtime/preflight.check_hook_ranks``), --dump-grads past the last step;
+# - a flag set away from its default while the flag it qualifies is off is an
+#   error (``_applies_with``): --min-lr with the constant schedule,
+#   --val-batches without --val-every, --keep-checkpoints without
+#   --checkpoint-every (and --grad-reduce-dtype without --precision);
+# - an interval longer than the run is fine: --checkpoint-every and
+#   --val-every act at the last step too, so they do take effect once.
+# Defaults cannot be told from values typed equal to them; those pass.
+
+
+def _check_across(records: TrainingRecords) -> None:
+    """The checks of [Note: options that cannot take effect] that tie two records together."""
+    steps, opt, test = records.loop.steps, records.optimizer, records.testing
+    if opt.warmup_steps > steps:
+        decay = f" and the {opt.lr_schedule} decay never start" if opt.lr_schedule != "constant" else ""
+        raise OptionValueError("optimizer.warmup_steps", f"--warmup-steps {opt.warmup_steps} is longer than the run "
+                                                         f"(--steps {steps}): the rate would never reach --lr "
+                                                         f"{opt.lr:g}{decay}; pass --warmup-steps {steps} or fewer, "
+                                                         f"or --steps {opt.warmup_steps} or more")
+    for name in RANK_STEP_HOOKS:
+        hook = getattr(test, name)
+        if hook is not None and not 1 <= hook[1] <= steps:
+            flag = "--" + name.replace("_", "-")
+            raise OptionValueError(f"testing.{name}", f"{flag} {hook[0]}:{hook[1]}: step {hook[1]} is not one of the "
+                                                      f"run's steps 1..{steps} (--steps {steps}), so it would never "
+                                                      f"act; pass a STEP from 1 to {steps}")
+    if test.dump_grads > steps:
+        raise OptionValueError("testing.dump_grads", f"--dump-grads {test.dump_grads}: the run ends at step {steps} "
+                                                     f"(--steps {steps}), so no gradients would be saved; pass a step "
+                                                     f"from 1 to {steps} (0: never)")
+
+
 @dataclass(frozen=True, kw_only=True)
 class TrainingRecords:
     """The records of the training options. ``TrainingOptions`` (what the
     ranks run) adds the check that there is a token file; ``zorse train``'s
-    command line (``cli.TrainCommand``) adds the launcher's options."""
+    command line (``cli.TrainCommand``) adds the launcher's options.
+
+    Raises:
+        OptionValueError: two records' values that cannot act together
+            ([Note: options that cannot take effect]), both flags named."""
 
     data: DataOptions
     """the plan and the tokens"""
@@ -340,6 +412,9 @@ class TrainingRecords:
     testing: TestingOptions = TestingOptions()
     """testing hooks"""
 
+    def __post_init__(self) -> None:
+        _check_across(self)
+
 
 @dataclass(frozen=True, kw_only=True)
 class TrainingOptions(TrainingRecords):
@@ -352,6 +427,7 @@ class TrainingOptions(TrainingRecords):
     def __post_init__(self) -> None:
         if self.data.data is None and self.data.tokens is None:
             raise OptionValueError("data.data", "one of the arguments --data --tokens is required")
+        super().__post_init__()
 
 
 # -- the command line ---------------------------------------------------------------------------
@@ -487,8 +563,9 @@ def write_options_file(options: TrainingOptions, path: str | Path) -> Path:
     return path
 
 
-#: The options file as a ``file_schema.FileFormat`` (its struct built from the records, every field with a
-#: default optional: a hand-written file may leave them out). Built on first use.
+#: The options file as a ``file_schema.FileFormat`` (its struct built from the records, every field required:
+#: ``write_options_file`` writes them all, and a record or field left out of a file is refused, naming it, rather
+#: than read as its default). Built on first use.
 _FILE: FileFormat | None = None
 
 
@@ -497,8 +574,8 @@ def _options_file() -> FileFormat:
     if _FILE is None:
         docs: dict[type, type] = {}
         for record in (DataOptions, OptimizerOptions, LoopOptions, CheckpointOptions, JobOptions, TestingOptions):
-            docs[record] = struct_of(record, record.__name__ + "Doc", defaults_optional=True)
-        doc = struct_of(TrainingOptions, "TrainingOptionsDoc", docs=docs, defaults_optional=True,
+            docs[record] = struct_of(record, record.__name__ + "Doc")
+        doc = struct_of(TrainingOptions, "TrainingOptionsDoc", docs=docs,
                         extra={"": [("format", Literal[FORMAT], msgspec.NODEFAULT), ("version", int, msgspec.NODEFAULT)]})
         _FILE = FileFormat(name=FORMAT, what="training options", doc=doc, versions=(VERSION,),
                            remake="write it again with `zorse train` (or `write_options_file`)",
@@ -512,7 +589,8 @@ def read_options_file(path: str | Path) -> TrainingOptions:
 
     Raises:
         TrainOptionsFileError: the file is missing or not JSON, its ``format``
-            or ``version`` is not this module's, a field is unknown, a value has
+            or ``version`` is not this module's, a record or field is missing
+            or unknown, a value has
             the wrong type, or a record's check refuses a value (the message
             names the file, the field, the value and the flag's rule)."""
     fmt = _options_file()

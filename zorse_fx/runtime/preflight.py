@@ -8,7 +8,8 @@ naming the file or flag, the value and the fix (``check_job`` before the
 token file is prepared, ``check_data`` after):
 
 - the plan: its stage sources hashed (a plan.json of format version < 5 is
-  refused until re-exported), the process count (``--nproc``) its world size;
+  refused until re-exported), the process count (``--nproc``) its world size,
+  every testing hook's rank within it (``check_hook_ranks``);
 - the weights: every tensor each stage's module needs (built on the meta
   device from the plan's stage sources: no memory), in its shape and dtype
   (``runtime/stage.check_weights``, the ranks' own check);
@@ -38,16 +39,17 @@ from ..codegen.split import load_stage_source
 from ..errors import PlanFileError, ZorseError
 from ..plan import Plan
 from ..token_data import TokenData, model_vocab_size, plan_rank_samples
+from ..train_options import RANK_STEP_HOOKS, TestingOptions
 from .checkpoint import check_resumable, list_checkpoints, read_manifest
 from .run_dir import CHECKPOINTS
 from .stage import check_weights
 
-__all__ = ["LaunchError", "OLD_PLAN_MESSAGE", "check_plan_version", "check_nproc", "weights_path", "load_weights",
-           "stage_tensors", "batch_source", "check_job", "check_data"]
+__all__ = ["LaunchError", "OLD_PLAN_MESSAGE", "check_plan_version", "check_nproc", "check_hook_ranks", "weights_path",
+           "load_weights", "stage_tensors", "batch_source", "check_job", "check_data"]
 
 
 class LaunchError(ZorseError, ValueError):
-    """A launch option that does not fit the plan (``--nproc``)."""
+    """A launch option that does not fit the plan (``--nproc``, a testing hook's rank)."""
 
 
 def check_plan_version(plan: Plan, plan_path: str | Path) -> None:
@@ -72,6 +74,23 @@ def check_nproc(plan: Plan, nproc: int) -> None:
         raise LaunchError(f"--nproc {nproc} does not match the plan: it needs {plan.world_size} processes, one per "
                           f"GPU it uses; leave --nproc out (or pass --nproc {plan.world_size}), or re-plan for "
                           f"{nproc} GPUs with `zorse plan`")
+
+
+def check_hook_ranks(testing: TestingOptions, world: int) -> None:
+    """Every testing hook at ``RANK:STEP`` (``train_options.RANK_STEP_HOOKS``)
+    names a rank of the job, ``0..world - 1`` ([Note: options that cannot take
+    effect] in ``train_options.py``). ``zorse train`` checks it with the
+    process count before torchrun starts, each rank again with the process
+    group's size.
+
+    Raises:
+        LaunchError: naming the flag, its rank and the job's ranks."""
+    for name in RANK_STEP_HOOKS:
+        hook = getattr(testing, name)
+        if hook is not None and hook[0] >= world:
+            raise LaunchError(f"--{name.replace('_', '-')} {hook[0]}:{hook[1]}: rank {hook[0]} is not in the job (its "
+                              f"{world} ranks are 0..{world - 1}), so it would never act; pass a RANK from 0 to "
+                              f"{world - 1}")
 
 
 def weights_path(plan_path: str | Path, weights: str | None) -> Path:
