@@ -5,15 +5,18 @@ One run directory per run ([Note: one run per directory] in
 (``--overwrite`` replaces it), every metrics record and checkpoint manifest
 carries the run's id, ``--resume`` of a finished run says so and exits 0.
 Checkpoints are verified before a resume ([Note: checkpoint integrity] in
-``runtime/checkpoint.py``): a truncated, missing or bit-flipped file is named
-in one line and the newest intact checkpoint is used. A step whose loss or
+``runtime/checkpoint.py``): a truncated, missing or bit-flipped file (DCP's
+``.metadata`` too, under either manifest version) is named in one line and
+the newest intact checkpoint is used. A checkpoint of another run is never
+resumed ([Note: checkpoints bound to their run] in ``runtime/run_dir.py``). A step whose loss or
 gradients are not finite stops every rank ([Note: non-finite steps] in
 ``runtime/worker.py``) with a non-zero exit and no checkpoint of it.
 
-Four rank launches (2 Gloo ranks each, under a second apiece after the
+Five rank launches (2 Gloo ranks each, under a second apiece after the
 first): the module's run (4 steps, an inf gradient at step 4), a resume of it
-that finds nothing to train, one past a bit-flipped checkpoint, and a run
-from NaN weights. Everything else works on copies of the first run's
+that finds nothing to train, one past a bit-flipped checkpoint, a run from
+NaN weights, and one `zorse train --resume` (torchrun) past a missing
+``.metadata``. Everything else works on copies of the first run's
 directory, in this process (rank 0's start decision is a plain function).
 """
 
@@ -317,3 +320,183 @@ def test_all_checkpoints_damaged_refuses_resume(stopped_run, tmp_path):
     assert start.lines[3] == (f"zorse: no intact checkpoint in {root} to resume; pass --overwrite instead of "
                               f"--resume to start the run anew")
     assert [s for s, _ in list_checkpoints(root)] == [1, 2, 3]
+
+
+# -- checkpoints bound to their run ([Note: checkpoints bound to their run] in runtime/run_dir.py) -----------------
+
+def _foreign_checkpoint(root, step, run_id="b" * 16, source="step_3"):
+    """A copy of ``source`` as ``step_<step>`` whose manifest says another run wrote it (its files still intact)."""
+    new = root / f"step_{step}"
+    shutil.copytree(root / source, new)
+    doc = json.loads((new / MANIFEST).read_text())
+    doc.update(step=step, run_id=run_id)
+    (new / MANIFEST).write_text(json.dumps(doc))
+    return new
+
+
+def test_other_runs_checkpoint_refused_not_resumed(stopped_run, tmp_path, capsys):
+    """Another run's step_5 placed in this run's checkpoints: --resume (the
+    ranks' start decision, and zorse train before any rank starts) refuses
+    it in one line naming it, its run id, this run's id and the fix; nothing
+    is resumed, set aside or deleted (metrics.jsonl untouched). Moved out,
+    the run resumes from its own newest checkpoint with its own id."""
+    d, common, run, _ = stopped_run
+    out = _copy(run, tmp_path)
+    root = out / "checkpoints"
+    this = read_manifest(root / "step_3")["run_id"]
+    foreign = _foreign_checkpoint(root, 5)
+    metrics = (out / "metrics.jsonl").read_text()
+    want = (f"zorse: checkpoint {foreign} was written by run {'b' * 16}, but {out} holds run {this} (its "
+            f"metrics.jsonl); resuming it would continue the other run and drop this run's metrics: move step_5 out "
+            f"of {root} to resume run {this} from its own newest checkpoint, or pass --overwrite instead of --resume "
+            f"to start anew")
+    start = _decide_start(out, CheckpointOptions(resume=True), 8, 0)
+    assert (start.kind, start.lines) == ("refused", (want,))
+    assert _decide_start(out, CheckpointOptions(), 8, 1).kind == "refused"  # a torchrun restart alike
+    assert zorse_main(["train", *common, "--steps", "8", "--out", str(out), "--resume"]) == 1
+    assert capsys.readouterr().err.splitlines() == [want]
+    assert (out / "metrics.jsonl").read_text() == metrics
+    assert [s for s, _ in list_checkpoints(root)] == [1, 2, 3, 5]
+    shutil.move(foreign, tmp_path / "step_5")
+    start = _decide_start(out, CheckpointOptions(resume=True), 8, 0)
+    assert (start.kind, start.step, start.run_id, start.lines) == ("resume", 3, this, ())
+    _metrics_file(out, start.step, start.run_id).close()  # steps 1-3 of this run kept (step 4 is trained again)
+    assert (out / "metrics.jsonl").read_text().splitlines() == metrics.splitlines()[:3]
+
+
+def test_other_runs_checkpoint_without_metrics_refused(stopped_run, tmp_path):
+    """No metrics.jsonl names the run and the checkpoints disagree (step_5 of
+    run b, steps 1-3 of this run): refused, naming both runs' checkpoints.
+    Checkpoints of one run alone (or of no run id, version 1) are resumed."""
+    _, _, run, _ = stopped_run
+    out = _copy(run, tmp_path)
+    root = out / "checkpoints"
+    this = read_manifest(root / "step_3")["run_id"]
+    (out / "metrics.jsonl").unlink()
+    _foreign_checkpoint(root, 5)
+    start = _decide_start(out, CheckpointOptions(resume=True), 8, 0)
+    assert start.kind == "refused" and start.lines == ((
+        f"zorse: checkpoint {root / 'step_5'} was written by run {'b' * 16}, but other checkpoints of {root} by "
+        f"another (run {this}: step_1, step_2, step_3) and no metrics.jsonl says which run {out} holds; move the "
+        f"other run's checkpoints out of {root} to resume run {'b' * 16}, or pass --overwrite instead of --resume to "
+        f"start anew"),)
+    shutil.rmtree(root / "step_5")
+    start = _decide_start(out, CheckpointOptions(resume=True), 8, 0)
+    assert (start.kind, start.step, start.run_id) == ("resume", 3, this)
+
+
+def _as_version_1(ckpt):
+    """Rewrite ``ckpt``'s manifest as version 1: no run id, plan hash or file records."""
+    doc = json.loads((ckpt / MANIFEST).read_text())
+    for key in ("run_id", "plan_hash", "files"):
+        doc.pop(key)
+    (ckpt / MANIFEST).write_text(json.dumps({**doc, "version": 1}))
+
+
+def test_version_1_checkpoint_keeps_this_runs_id_and_metrics(stopped_run, tmp_path):
+    """A version-1 checkpoint (no run id) resumed where metrics.jsonl names
+    the run: the run keeps its id, so continuing metrics.jsonl deletes none
+    of its records (a new id would have dropped them all)."""
+    _, _, run, _ = stopped_run
+    out = _copy(run, tmp_path)
+    _as_version_1(out / "checkpoints" / "step_3")
+    this = read_manifest(out / "checkpoints" / "step_2")["run_id"]
+    start = _decide_start(out, CheckpointOptions(resume=True), 8, 0)
+    assert (start.kind, start.step, start.run_id) == ("resume", 3, this)
+    rows = (out / "metrics.jsonl").read_text().splitlines()
+    _metrics_file(out, start.step, start.run_id).close()
+    assert (out / "metrics.jsonl").read_text().splitlines() == rows[:3]
+
+
+def test_checkpoint_of_another_plan_named_on_resume(stopped_run, tmp_path):
+    """A checkpoint of this run written under another plan (a re-plan) is
+    resumed, its plan hash and this plan's named in one line."""
+    _, _, run, _ = stopped_run
+    out = _copy(run, tmp_path)
+    ckpt = out / "checkpoints" / "step_3"
+    written = read_manifest(ckpt)["plan_hash"]
+    start = _decide_start(out, CheckpointOptions(resume=True), 8, 0, this_plan="0" * 16)
+    assert (start.kind, start.step, start.fell_back) == ("resume", 3, False)
+    assert start.lines == (f"[zorse] {ckpt} was written under another plan (plan hash {written}, this plan "
+                           f"{'0' * 16}): resuming under this one (the model, global batch and sequence length are "
+                           f"checked)",)
+    assert _decide_start(out, CheckpointOptions(resume=True), 8, 0, this_plan=written).lines == ()
+
+
+# -- a missing file of a checkpoint ------------------------------------------------------------------
+
+@pytest.mark.parametrize("version", [2, 1])
+def test_missing_metadata_falls_back_to_previous_checkpoint(stopped_run, tmp_path, version):
+    """step_3's DCP .metadata deleted (under a version-2 manifest, which
+    records it, and a version-1 one, which records no files): named in one
+    line with the checkpoint, set aside, step_2 resumed."""
+    _, _, run, _ = stopped_run
+    out = _copy(run, tmp_path)
+    root = out / "checkpoints"
+    if version == 1:
+        _as_version_1(root / "step_3")
+    (root / "step_3" / ".metadata").unlink()
+    what = "file .metadata is missing" if version == 2 else "file .metadata (DCP's index of every tensor) is missing"
+    with pytest.raises(CheckpointDamagedError) as got:
+        verify_checkpoint(root / "step_3")
+    assert str(got.value) == f"checkpoint {root / 'step_3'} is damaged: {what}" and got.value.file == ".metadata"
+    start = _decide_start(out, CheckpointOptions(resume=True), 6, 0)
+    assert (start.kind, start.step, start.fell_back) == ("resume", 2, True)
+    assert start.lines == (f"[zorse] checkpoint {root / 'step_3'} is damaged: {what}; set aside as step_3.damaged",)
+
+
+def test_missing_shard_of_version_1_checkpoint_named(stopped_run, tmp_path):
+    """A version-1 checkpoint records no files: DCP's .metadata names the
+    shards, so a missing or truncated one is named all the same."""
+    _, _, run, _ = stopped_run
+    ckpt = _copy(run, tmp_path) / "checkpoints" / "step_3"
+    _as_version_1(ckpt)
+    shard = _biggest_shard(ckpt)
+    data = shard.read_bytes()
+    shard.write_bytes(data[:100])
+    with pytest.raises(CheckpointDamagedError, match=rf"^checkpoint {re.escape(str(ckpt))} is damaged: file "
+                                                     rf"{shard.name} has 100 bytes, \.metadata points up to byte "
+                                                     rf"\d+ \(truncated\)$"):
+        verify_checkpoint(ckpt)
+    shard.unlink()
+    with pytest.raises(CheckpointDamagedError, match=rf"^checkpoint {re.escape(str(ckpt))} is damaged: file "
+                                                     rf"{shard.name}, which \.metadata points into, is missing$"):
+        verify_checkpoint(ckpt)
+
+
+def test_missing_metadata_of_every_checkpoint_refused_before_ranks_start(stopped_run, tmp_path, capsys):
+    """zorse train --resume where no checkpoint has its .metadata: one line
+    naming each, exit 1, before torchrun starts."""
+    _, common, run, _ = stopped_run
+    out = _copy(run, tmp_path)
+    root = out / "checkpoints"
+    for k in (1, 2, 3):
+        (root / f"step_{k}" / ".metadata").unlink()
+    assert zorse_main(["train", *common, "--steps", "6", "--out", str(out), "--resume"]) == 1
+    damaged = "; ".join(f"checkpoint {root / f'step_{k}'} is damaged: file .metadata is missing" for k in (3, 2, 1))
+    assert capsys.readouterr().err.splitlines() == [
+        f"zorse: no intact checkpoint in {root} to resume ({damaged}); pass --overwrite instead of --resume to start "
+        f"the run anew"]
+    assert [s for s, _ in list_checkpoints(root)] == [1, 2, 3]
+
+
+def test_zorse_train_resume_with_missing_metadata_falls_back(stopped_run, tmp_path, capfd):
+    """`zorse train --resume` (torchrun, 2 ranks) with step_3's .metadata
+    gone: not refused before the ranks start (was: `.metadata is missing`,
+    no fallback); rank 0 names it, sets it aside and resumes from step_2;
+    steps 3-4 trained again, the run's id kept."""
+    _, common, run, _ = stopped_run
+    out = _copy(run, tmp_path)
+    root = out / "checkpoints"
+    (root / "step_3" / ".metadata").unlink()
+    this = read_manifest(root / "step_2")["run_id"]
+    assert zorse_main(["train", *common, "--steps", "4", "--out", str(out), "--resume", "--checkpoint-every", "1",
+                       "--backend", "gloo"]) == 0
+    printed = capfd.readouterr().out  # (the ranks' output: torchrun's processes)
+    assert (f"[zorse] checkpoint {root / 'step_3'} is damaged: file .metadata is missing; set aside as step_3.damaged"
+            in printed)
+    assert (f"[zorse] resumed from {root / 'step_2'} (step 2, written on 2 ranks), the newest intact checkpoint"
+            in printed)
+    rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and {r["run_id"] for r in rows} == {this}
+    assert [s for s, _ in list_checkpoints(root)] == [2, 3, 4] and (root / "step_3.damaged").is_dir()

@@ -96,8 +96,8 @@ from .runtime.device_check import check_devices, observe
 from .runtime.launch import init_process_group, rank_device
 from .runtime.lr_schedule import LRSchedule
 from .runtime.rank_errors import record_rank_error
-from .runtime.run_dir import (CHECKPOINTS, METRICS, check_fresh_start, new_run_id, plan_hash, previous_run,
-                              remove_previous_run)
+from .runtime.run_dir import (CHECKPOINTS, METRICS, check_checkpoint_run, check_fresh_start, new_run_id, plan_hash,
+                              previous_run, remove_previous_run)
 from .runtime.watchdog import heartbeat_dir, start_heartbeat
 from .runtime.worker import OptimizerConfig, StageWorker
 from .token_data import TokenData, model_vocab_size
@@ -200,19 +200,24 @@ class _Start:
     broadcast: ``kind`` one of ``_KINDS``; ``step``: the checkpoint step it
     resumes from (``resume``, ``finished``); ``run_id`` (rank 0's: only it
     writes manifests and metrics); ``lines``: what rank 0 prints (a line
-    starting ``zorse:`` on stderr)."""
+    starting ``zorse:`` on stderr); ``fell_back``: newer checkpoints were
+    damaged (``resume``)."""
 
     kind: Literal["fresh", "resume", "finished", "refused", "failed"]
     step: int = 0
     run_id: str = ""
     lines: tuple[str, ...] = ()
+    fell_back: bool = False
 
 
-def _decide_start(out: Path, ckpt: CheckpointOptions, steps: int, restarted: int) -> _Start:
+def _decide_start(out: Path, ckpt: CheckpointOptions, steps: int, restarted: int, *, this_plan: str = "") -> _Start:
     """Rank 0, before any rank writes: a fresh run (refused where ``out``
     holds another run, which ``--overwrite`` removes first), or the newest
-    intact checkpoint to resume (damaged ones named and set aside), or
-    nothing to train (that checkpoint is at ``steps`` or later)."""
+    intact checkpoint to resume (damaged ones named and set aside; one of
+    another run refused: [Note: checkpoints bound to their run] in
+    ``runtime/run_dir.py``; one of a plan other than ``this_plan``, a plan
+    hash, named), or nothing to train (that checkpoint is at ``steps`` or
+    later)."""
     root = out / CHECKPOINTS
     if not (ckpt.resume or restarted):
         try:
@@ -236,15 +241,23 @@ def _decide_start(out: Path, ckpt: CheckpointOptions, steps: int, restarted: int
                                                  f"that run",))
         return _Start(kind="fresh", run_id=new_run_id(),
                       lines=(f"[zorse] no complete checkpoint in {root}: starting at step 1",))
-    lines = tuple(f"[zorse] {exc}; set aside as {set_aside(exc.path).name}" for exc in damaged)
     manifest = read_manifest(latest)
+    try:
+        this_run = check_checkpoint_run(out, latest, manifest["run_id"])
+    except RunDirectoryError as exc:  # (before anything is set aside: nothing changes)
+        return _Start(kind="refused", lines=(f"zorse: {exc}",))
+    lines = tuple(f"[zorse] {exc}; set aside as {set_aside(exc.path).name}" for exc in damaged)
+    if manifest["plan_hash"] and this_plan and manifest["plan_hash"] != this_plan:
+        lines += (f"[zorse] {latest} was written under another plan (plan hash {manifest['plan_hash']}, this plan "
+                  f"{this_plan}): resuming under this one (the model, global batch and sequence length are checked)",)
     step = manifest["step"]
     if step >= steps:
         where = "the final step" if step == steps else "past the final step"
         return _Start(kind="finished", step=step, lines=(*lines, (
             f"[zorse] nothing to train: the newest checkpoint {latest} is at step {step}, {where} (--steps {steps}); "
             f"pass a larger --steps to train on")))
-    return _Start(kind="resume", step=step, run_id=manifest["run_id"] or new_run_id(), lines=lines)
+    return _Start(kind="resume", step=step, run_id=manifest["run_id"] or this_run or new_run_id(), lines=lines,
+                  fell_back=bool(damaged))
 
 
 def _agree_on_start(start: _Start | None, rank: int, device: torch.device) -> tuple[str, int]:
@@ -380,7 +393,7 @@ def _run(options: TrainingOptions, where: _Where) -> int:
     start_at = None
     if rank == 0:
         try:
-            start_at = _decide_start(out, ckpt, loop.steps, restarted)
+            start_at = _decide_start(out, ckpt, loop.steps, restarted, this_plan=plan_hash(plan))
         except BaseException:
             _agree_on_start(_Start(kind="failed"), rank, device)  # the others stop too instead of waiting
             raise
@@ -418,7 +431,7 @@ def _run(options: TrainingOptions, where: _Where) -> int:
         _log(rank, f"[zorse] resumed from {latest} (step {resumed_step}, written on {manifest['world_size']} "
                    f"ranks{'' if manifest['world_size'] == world else ', now ' + str(world)})"
                    + (f" after torchrun restart {restarted}" if restarted else "")
-                   + (", the newest intact checkpoint" if start_at is not None and start_at.lines else ""))
+                   + (", the newest intact checkpoint" if start_at is not None and start_at.fell_back else ""))
     else:
         resumed_step = None
     start = (resumed_step or 0) + 1

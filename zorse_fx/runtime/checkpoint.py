@@ -202,7 +202,10 @@ def read_manifest(path: str | Path) -> dict:
 # file of the directory in the manifest, which it writes last. Before a run
 # resumes, rank 0 checks them (``verify_checkpoint``): a missing file, one of
 # another size (truncated) or with another sha256 (bit rot, a partial
-# overwrite), or a manifest that does not read, makes the checkpoint damaged;
+# overwrite), or a manifest that does not read, makes the checkpoint damaged,
+# and so does DCP's ``.metadata`` missing or not reading, or a file it points
+# into missing or short (checked for every manifest version: a version-1
+# manifest records no files, and DCP's index names them too);
 # ``newest_intact_checkpoint`` then falls back to the previous one, and the
 # caller sets the damaged ones aside (``set_aside``: ``step_<k>.damaged``, no
 # longer a checkpoint) so that keeping the newest K never deletes the
@@ -226,12 +229,14 @@ def _file_records(d: Path) -> dict[str, CheckpointFile]:
     return {p.relative_to(d).as_posix(): CheckpointFile(bytes=p.stat().st_size, sha256=_sha256(p)) for p in files}
 
 
-def verify_checkpoint(path: str | Path) -> dict:
+def verify_checkpoint(path: str | Path, *, contents: bool = True) -> dict:
     """Check checkpoint directory ``path`` against its manifest: every file
-    the manifest records is present, of the recorded size and sha256 (see
-    [Note: checkpoint integrity]); sizes first (cheap), then contents.
-    Returns the manifest. A version-1 manifest records no files: nothing
-    but the manifest is checked.
+    the manifest records is present, of the recorded size and (``contents``)
+    sha256 (see [Note: checkpoint integrity]); sizes first (cheap), then
+    contents. Then DCP's own files: ``.metadata`` is there and reads, and
+    every file it points into is there and long enough (``_check_dcp_files``:
+    what a version-1 manifest, which records no files, is checked by).
+    Returns the manifest.
 
     Raises:
         CheckpointDamagedError: the first problem, in one line naming the
@@ -248,9 +253,7 @@ def verify_checkpoint(path: str | Path) -> dict:
     m = _STEP_DIR.match(path.name)
     if m and int(m.group(1)) != manifest["step"]:
         raise damaged(MANIFEST, f"{MANIFEST} says step {manifest['step']}, the directory step {m.group(1)}")
-    files = manifest["files"]
-    if files is None:
-        return manifest
+    files = manifest["files"] or {}
     for name, rec in files.items():
         f = path / name
         if not f.is_file():
@@ -259,21 +262,49 @@ def verify_checkpoint(path: str | Path) -> dict:
         if size != rec["bytes"]:
             raise damaged(name, f"file {name} has {size} bytes, the manifest records {rec['bytes']} "
                                 f"({'truncated' if size < rec['bytes'] else 'grown'})")
-    for name, rec in files.items():
+    for name, rec in files.items() if contents else ():
         got = _sha256(path / name)
         if got != rec["sha256"]:
             raise damaged(name, f"file {name} has sha256 {got[:12]}..., the manifest records "
                                 f"{rec['sha256'][:12]}... (its bytes changed since it was written)")
+    _check_dcp_files(path, damaged)
     return manifest
 
 
-def newest_intact_checkpoint(root: str | Path) -> tuple[Path | None, list[CheckpointDamagedError]]:
+def _check_dcp_files(path: Path, damaged) -> None:
+    """DCP's ``.metadata`` is in checkpoint ``path`` and reads (``_SafeReader``),
+    and every file its storage records point into is there and holds the
+    bytes they point at; else ``damaged(file, what)`` is raised."""
+    if not (path / ".metadata").is_file():
+        raise damaged(".metadata", "file .metadata (DCP's index of every tensor) is missing")
+    try:
+        meta = _SafeReader(path).read_metadata()
+    except Exception as exc:  # a pickle cut short or of something else: what unpickling raises varies
+        raise damaged(".metadata", f"file .metadata does not read ({type(exc).__name__}: "
+                                   f"{' '.join(str(exc).split())[:200]})") from None
+    need: dict[str, int] = {}
+    for info in (meta.storage_data or {}).values():
+        rel = getattr(info, "relative_path", None)
+        if rel is not None:
+            need[rel] = max(need.get(rel, 0), info.offset + info.length)
+    for rel, end in sorted(need.items()):
+        f = path / rel
+        if not f.is_file():
+            raise damaged(rel, f"file {rel}, which .metadata points into, is missing")
+        if f.stat().st_size < end:
+            raise damaged(rel, f"file {rel} has {f.stat().st_size} bytes, .metadata points up to byte {end} "
+                               f"(truncated)")
+
+
+def newest_intact_checkpoint(root: str | Path, *,
+                             contents: bool = True) -> tuple[Path | None, list[CheckpointDamagedError]]:
     """(the newest checkpoint under ``root`` that ``verify_checkpoint``
-    passes, or None; the damaged ones newer than it, newest first)."""
+    passes (``contents``: hashes too, else sizes and files only), or None;
+    the damaged ones newer than it, newest first)."""
     damaged: list[CheckpointDamagedError] = []
     for _, d in reversed(list_checkpoints(root)):
         try:
-            verify_checkpoint(d)
+            verify_checkpoint(d, contents=contents)
         except CheckpointDamagedError as exc:
             damaged.append(exc)
             continue
@@ -327,7 +358,8 @@ class _SafeReader(dcp.FileSystemReader):
         try:
             metadata = _MetadataUnpickler(io.BytesIO(path.read_bytes())).load()
         except FileNotFoundError:
-            raise CheckpointError(f"{self.path}: DCP metadata file .metadata is missing") from None
+            raise CheckpointError(f"checkpoint {self.path}: file .metadata (DCP's index of every tensor) is missing; "
+                                  f"resume from another step_<k> of its directory") from None
         if getattr(metadata, "storage_meta", None) is None:
             from torch.distributed.checkpoint.metadata import StorageMeta
 

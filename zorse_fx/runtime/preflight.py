@@ -13,9 +13,12 @@ token file is prepared, ``check_data`` after):
 - the weights: every tensor each stage's module needs (built on the meta
   device from the plan's stage sources: no memory), in its shape and dtype
   (``runtime/stage.check_weights``, the ranks' own check);
-- with ``--resume``: the newest checkpoint of ``<out>`` is of this model (its
-  parameters and shapes) and of the plan's global batch and sequence length
-  (``runtime/checkpoint.check_resumable``);
+- with ``--resume``: the checkpoint rank 0 will resume (the newest of
+  ``<out>`` whose files are all there, of their recorded sizes, DCP's
+  ``.metadata`` among them) is of this run ([Note: checkpoints bound to
+  their run] in ``runtime/run_dir.py``), of this model (its parameters and
+  shapes) and of the plan's global batch and sequence length
+  (``runtime/checkpoint.check_resumable``); no intact one at all is refused;
 - the tokens: the token file exists and reads, every id of it is within the
   model's vocabulary (``TokenData.check_vocab`` scans the whole file, not
   only its header's ``max_token_id``), and the training split (after
@@ -36,12 +39,12 @@ from pathlib import Path
 import torch
 
 from ..codegen.split import load_stage_source
-from ..errors import PlanFileError, ZorseError
+from ..errors import PlanFileError, RunDirectoryError, ZorseError
 from ..plan import Plan
 from ..token_data import TokenData, model_vocab_size, plan_rank_samples
 from ..train_options import RANK_STEP_HOOKS, TestingOptions
-from .checkpoint import check_resumable, list_checkpoints, read_manifest
-from .run_dir import CHECKPOINTS
+from .checkpoint import check_resumable, newest_intact_checkpoint, read_manifest
+from .run_dir import CHECKPOINTS, check_checkpoint_run
 from .stage import check_weights
 
 __all__ = ["LaunchError", "OLD_PLAN_MESSAGE", "check_plan_version", "check_nproc", "check_hook_ranks", "weights_path",
@@ -156,17 +159,17 @@ def check_job(plan_path: str | Path, *, weights: str | None, nproc: int, resume:
     expected = stage_tensors(plan, plan_path if plan_path.is_dir() else plan_path.parent)
     for s, want in zip(plan.stages, expected):
         check_weights(want, tensors, stage=s.index, source=str(path))
-    if resume:
-        found = list_checkpoints(Path(out) / CHECKPOINTS)
-        for _, ckpt in reversed(found):  # the newest whose manifest reads (rank 0 sets damaged ones aside)
-            try:
-                read_manifest(ckpt)
-            except ZorseError:
-                continue
+    if resume:  # the checkpoint rank 0 will pick: the newest whose files are all there (it names the others)
+        root = Path(out) / CHECKPOINTS
+        ckpt, damaged = newest_intact_checkpoint(root, contents=False)  # (sizes; rank 0 hashes them)
+        if ckpt is None and damaged:
+            raise RunDirectoryError(f"no intact checkpoint in {root} to resume ({'; '.join(map(str, damaged))}); "
+                                    f"pass --overwrite instead of --resume to start the run anew")
+        if ckpt is not None:
+            check_checkpoint_run(out, ckpt, read_manifest(ckpt)["run_id"])
             shapes = {canon: tuple(want[canon].shape) for s, want in zip(plan.stages, expected)
                       for canon in s.params.values()}
             check_resumable(ckpt, plan, shapes)
-            break
     return plan, tensors
 
 

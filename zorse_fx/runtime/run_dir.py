@@ -19,6 +19,23 @@ steps and delete the new ones, ``--resume`` would continue the older run, and
 run's checkpoints and ``metrics.jsonl`` first (``remove_previous_run``).
 Other files of ``<out>`` (``train_options.json``, ``data/``, older
 ``metrics.<n>.jsonl``) are not a run's state and are left alone.
+
+[Note: checkpoints bound to their run]
+``--resume`` (and a torchrun restart) continues the run ``<out>`` holds:
+the run id of its ``metrics.jsonl`` records (``metrics_run_id``), or, where
+no record carries one, the run id its checkpoints share. A checkpoint of
+another run (another ``step_<k>`` copied into ``checkpoints/``) is not
+resumed: resuming it would take over its run id, and continuing
+``metrics.jsonl`` keeps only the resumed run's records, deleting this run's.
+Skipping it for this run's newest own checkpoint would instead train on
+while a stranger's checkpoint sits among this run's, where keeping the
+newest K could delete this run's. So it is refused in one line
+(``check_checkpoint_run``) naming the checkpoint, both run ids and the two
+ways on: move it out of ``checkpoints/``, or ``--overwrite`` to start anew.
+A version-1 checkpoint (no run id) belongs to whichever run holds it. A
+checkpoint of another plan of the same run is resumed (re-planning after a
+lost GPU does that); ``checkpoint.check_resumable`` checks the model, the
+global batch and the sequence length, and the start names both plans.
 """
 
 from __future__ import annotations
@@ -34,7 +51,7 @@ from ..errors import RunDirectoryError
 from ..plan import Plan
 
 __all__ = ["METRICS", "CHECKPOINTS", "new_run_id", "plan_hash", "previous_run", "check_fresh_start",
-           "remove_previous_run"]
+           "remove_previous_run", "metrics_run_id", "check_checkpoint_run"]
 
 #: The per-step metrics file, and the checkpoint directory, under ``<out>``.
 METRICS, CHECKPOINTS = "metrics.jsonl", "checkpoints"
@@ -68,6 +85,61 @@ def _metrics_summary(path: Path) -> str | None:
             runs.append(run)
     label = f", run {', '.join(runs)}" if runs else ""
     return f"{path.name} ({records} record{'s' if records != 1 else ''}{label})"
+
+
+def metrics_run_id(out: str | Path) -> str | None:
+    """The run id of ``<out>/metrics.jsonl``'s last record that carries one
+    (a line that does not parse is skipped), or None."""
+    path = Path(out) / METRICS
+    found = None
+    if path.is_file():
+        with open(path, errors="replace") as f:
+            for line in f:
+                try:
+                    run = json.loads(line).get("run_id")
+                except (ValueError, AttributeError):
+                    continue
+                found = run or found
+    return found
+
+
+def check_checkpoint_run(out: str | Path, checkpoint: str | Path, run_id: str) -> str | None:
+    """Before ``checkpoint`` (of ``<out>/checkpoints``, written by run
+    ``run_id``; '' for a version-1 checkpoint) is resumed: it is of the run
+    ``out`` holds ([Note: checkpoints bound to their run]). Returns that
+    run's id (None where nothing names one).
+
+    Raises:
+        RunDirectoryError: naming the checkpoint, its run id, this run's id
+            and the fix (move it out, or --overwrite)."""
+    from .checkpoint import list_checkpoints, read_manifest
+
+    out, checkpoint = Path(out), Path(checkpoint)
+    this, source = metrics_run_id(out), f"its {METRICS}"
+    if this is None:  # no record names the run: the run its checkpoints share, if they share one
+        ids = {}
+        for _, d in list_checkpoints(out / CHECKPOINTS):
+            try:
+                ids.setdefault(read_manifest(d)["run_id"], []).append(d.name)
+            except ValueError:  # a manifest that does not read: damaged, not a run's word
+                continue
+        ids.pop("", None)
+        others = {k: v for k, v in ids.items() if k != run_id}
+        if run_id and others:
+            names = "; ".join(f"run {k}: {', '.join(v)}" for k, v in others.items())
+            raise RunDirectoryError(
+                f"checkpoint {checkpoint} was written by run {run_id}, but other checkpoints of {checkpoint.parent} "
+                f"by another ({names}) and no {METRICS} says which run {out} holds; move the other run's "
+                f"checkpoints out of {checkpoint.parent} to resume run {run_id}, or pass --overwrite instead of "
+                f"--resume to start anew")
+        return run_id or None
+    if run_id and run_id != this:
+        raise RunDirectoryError(
+            f"checkpoint {checkpoint} was written by run {run_id}, but {out} holds run {this} ({source}); resuming "
+            f"it would continue the other run and drop this run's metrics: move {checkpoint.name} out of "
+            f"{checkpoint.parent} to resume run {this} from its own newest checkpoint, or pass --overwrite instead "
+            f"of --resume to start anew")
+    return this
 
 
 def previous_run(out: str | Path) -> str | None:
