@@ -363,7 +363,10 @@ RANK_STEP_HOOKS = ("kill_at_step", "fail_rank", "raise_at_step", "inject_inf")
 #   --val-batches without --val-every, --keep-checkpoints without
 #   --checkpoint-every (and --grad-reduce-dtype without --precision);
 # - an interval longer than the run is fine: --checkpoint-every and
-#   --val-every act at the last step too, so they do take effect once.
+#   --val-every act at the last step too, so they do take effect once; so is
+#   --val-fraction without --val-every (its chunks are still held out of
+#   training), and a permission with nothing to permit (--overwrite into an
+#   empty --out, --allow-repeat over a corpus that holds a global batch).
 # Defaults cannot be told from values typed equal to them; those pass.
 
 

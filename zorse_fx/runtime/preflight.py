@@ -47,7 +47,7 @@ from .checkpoint import check_resumable, newest_intact_checkpoint, read_manifest
 from .run_dir import CHECKPOINTS, check_checkpoint_run
 from .stage import check_weights
 
-__all__ = ["LaunchError", "OLD_PLAN_MESSAGE", "check_plan_version", "check_nproc", "check_hook_ranks", "weights_path",
+__all__ = ["LaunchError", "check_plan_version", "check_nproc", "check_hook_ranks", "weights_path",
            "load_weights", "stage_tensors", "batch_source", "check_job", "check_data"]
 
 
