@@ -376,10 +376,10 @@ def test_other_runs_checkpoint_without_metrics_refused(stopped_run, tmp_path):
     _foreign_checkpoint(root, 5)
     start = _decide_start(out, CheckpointOptions(resume=True), 8, 0)
     assert start.kind == "refused" and start.lines == ((
-        f"zorse: checkpoint {root / 'step_5'} was written by run {'b' * 16}, but other checkpoints of {root} by "
-        f"another (run {this}: step_1, step_2, step_3) and no metrics.jsonl says which run {out} holds; move the "
-        f"other run's checkpoints out of {root} to resume run {'b' * 16}, or pass --overwrite instead of --resume to "
-        f"start anew"),)
+        f"zorse: checkpoint {root / 'step_5'} was written by run {'b' * 16}, but {root} also holds another run's "
+        f"(run {this}: step_1, step_2, step_3) and no metrics.jsonl says which run {out} holds; move the other run's "
+        f"checkpoints out of {root} to resume run {'b' * 16}, or pass --overwrite instead of --resume to start "
+        f"anew"),)
     shutil.rmtree(root / "step_5")
     start = _decide_start(out, CheckpointOptions(resume=True), 8, 0)
     assert (start.kind, start.step, start.run_id) == ("resume", 3, this)

@@ -18,7 +18,9 @@ are parsed by tyro, flat as the field names (``--lr``, ``--checkpoint-every``);
 ``--data``: a token file of ``zorse prepare-data`` (``token_data.py``),
 memory-mapped; each rank reads only the rows of the global batch it computes
 on. ``--tokens``: a legacy ``torch.save`` 1-D integer tensor. Both are
-checked against the model's vocabulary (stage 0's embedding) at start-up.
+checked against the model's vocabulary (stage 0's embedding): the header at
+start-up, the ids of every batch as a rank reads them ([Note: token ids
+checked where they are read] in ``token_data.py``).
 
 ``zorse train`` writes the options file and runs this module under torchrun
 with ``--options-file``. Each rank reads only the options, plan.json, its

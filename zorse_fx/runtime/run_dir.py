@@ -128,10 +128,10 @@ def check_checkpoint_run(out: str | Path, checkpoint: str | Path, run_id: str) -
         if run_id and others:
             names = "; ".join(f"run {k}: {', '.join(v)}" for k, v in others.items())
             raise RunDirectoryError(
-                f"checkpoint {checkpoint} was written by run {run_id}, but other checkpoints of {checkpoint.parent} "
-                f"by another ({names}) and no {METRICS} says which run {out} holds; move the other run's "
-                f"checkpoints out of {checkpoint.parent} to resume run {run_id}, or pass --overwrite instead of "
-                f"--resume to start anew")
+                f"checkpoint {checkpoint} was written by run {run_id}, but {checkpoint.parent} also holds another "
+                f"run's ({names}) and no {METRICS} says which run {out} holds; move the other run's checkpoints "
+                f"out of {checkpoint.parent} to resume run {run_id}, or pass --overwrite instead of --resume to "
+                f"start anew")
         return run_id or None
     if run_id and run_id != this:
         raise RunDirectoryError(
