@@ -318,6 +318,23 @@ def test_nonfinite_step_exits_3(exported, tmp_path):
     assert err[-1].startswith("zorse: step ") and " is not finite: " in err[-1], err
 
 
+def test_readme_lists_every_exit_status():
+    """README's one list of `zorse train`'s exit statuses holds each status it
+    returns: 0, 1, 2 (a refused option: test_val_fraction_out_of_range_one_line),
+    3 (test_nonfinite_step_exits_3), 128 + SIGINT and SIGTERM
+    (test_job_control.py's test_signal_stops_torchrun_and_every_rank)."""
+    import re
+    import signal
+
+    from zorse_fx.runtime.rank_errors import EXIT_NONFINITE
+
+    text = (ROOT / "README.md").read_text()
+    start = text.index("Exit statuses of `zorse train`")
+    block = text[start:text.index("\n\n", text.index("\n- ", start))]
+    listed = {int(n) for item in re.findall(r"^- (.+)$", block, re.M) for n in re.findall(r"\*\*(\d+)\*\*", item)}
+    assert listed == {0, 1, 2, EXIT_NONFINITE, 128 + signal.SIGINT, 128 + signal.SIGTERM}, block
+
+
 #: torchrun's own lines and failure report (torch 2.13's format) for a job whose rank 1 was
 #: SIGKILLed: rank 0 recorded its broken connection and exited 1 in the same second, so
 #: torchrun's root cause (the earliest time stamp, ties in rank order) is rank 0; rank 2

@@ -64,8 +64,9 @@ class LaunchOptions:
         "resume"))] = 0
     elastic: bool = False
     """when a rank fails for good (after --max-restarts), re-plan for the GPUs that remain (the plan's cluster
-    without the failed rank's GPU, and its node where that was the node's last), write the plan beside the old
-    (<plan>.elastic1/) and resume from the newest checkpoint on it (zorse_fx/elastic.py)"""
+    without the failed rank's GPU, and its node where that was the node's last), write the plan under the run
+    directory (<out>/plan.elastic<k>/, numbered after those there) and resume from the newest checkpoint on it
+    (zorse_fx/elastic.py)"""
     max_replans: Annotated[int, tyro.conf.arg(metavar="N", help=(
         "--elastic: re-plan at most N times in one zorse train"))] = 1
 

@@ -265,20 +265,20 @@ def _failed_job(exc: JobFailedError, out: str | Path, log: Path, *, since: float
     from .rank_errors import (EXIT_NONFINITE, VERDICTS, failed_ranks, first_failure, read_rank_errors, stopped_pids,
                               summarize)
 
-    with open(log, "rb") as f:
-        f.seek(0, os.SEEK_END)
-        f.seek(max(0, f.tell() - _REPORT_TAIL_BYTES))
-        text = f.read().decode("utf-8", errors="replace")
+    text = exc.stderr or ""  # (capture: torchrun's stderr is the error's; else it went to the log)
+    if log.exists():
+        with open(log, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - _REPORT_TAIL_BYTES))
+            text = f.read().decode("utf-8", errors="replace")
     records = read_rank_errors(out, since=since)
     traced = frozenset(r["rank"] for r in records)
     first = first_failure(failed_ranks(text), stopped=stopped_pids(text), traced=traced, verdicts=VERDICTS)
     status = EXIT_NONFINITE if first is not None and first.exitcode == EXIT_NONFINITE else 1
-    died = None
-    if first is not None and first.rank not in traced and first.exitcode not in VERDICTS:
-        died = first
-    elif first is not None and first.rank in traced:  # its record first: the others stopped after it
-        records = sorted(records, key=lambda r: r["rank"] != first.rank)
-    line = summarize(records, torchrun_log=log, died=died,
+    # A rank with a record failed with a Python error: the oldest record (in its rank's own clock, finer
+    # than torchrun's whole seconds) is the cause, as without a report.
+    died = first if first is not None and first.rank not in traced and first.exitcode not in VERDICTS else None
+    line = summarize(records, torchrun_log=log if log.exists() else None, died=died,
                      stages=_planned_stages(out, died.rank) if died is not None else (),
                      restarts=max_restarts)
     if line is None:
