@@ -4,9 +4,10 @@ When the job fails for good (a rank keeps failing after torchrun's
 ``--max-restarts``), the launcher finds the rank torchrun names, drops its GPU
 from the cluster the plan was made for, re-plans the same model, global batch
 and sequence length for the GPUs that remain, exports the new plan under the
-run directory (``<out>/plan.elastic<k>/``, [Note: where re-plans go]), says what changed, and relaunches on the new
-plan's process count with ``--resume`` from the newest intact checkpoint
-(a DCP checkpoint loads under another plan: ``runtime/checkpoint.py``).
+run directory (``<out>/plan.elastic<k>/``, [Note: where re-plans go]), says
+what changed, and relaunches on the new plan's process count with
+``--resume`` from the newest intact checkpoint (a DCP checkpoint loads under
+another plan: ``runtime/checkpoint.py``).
 
 [Note: which GPUs a failure removes]
 torchrun names each failed worker (its rank, exit code and pid) in the

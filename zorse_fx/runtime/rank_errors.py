@@ -32,9 +32,11 @@ connection in the same second ties with the dead rank and may be named
 instead. ``first_failure`` therefore takes, among the workers torchrun did
 not stop, the first that died by a signal, else the first that exited with
 an error status and no record (no Python traceback), else torchrun's root
-cause; ``summarize`` names that rank, how it died and the ranks whose
-records came after it. ``zorse train --elastic`` drops that rank's GPU
-(``elastic.lost_rank``).
+cause. ``summarize`` names a rank that died so, how, and the ranks whose
+records came after it; where every failed rank has a record (Python errors
+only), the oldest record is the cause (its time is the rank's own clock,
+finer than torchrun's seconds). ``zorse train --elastic`` drops the first
+failure's GPU (``elastic.lost_rank``).
 """
 
 from __future__ import annotations
