@@ -271,6 +271,154 @@ def test_failed_job_whose_rank_printed_its_line_adds_none(exported, tmp_path, mo
     assert capsys.readouterr().err == "zorse: step 2 is not finite: ...\n"
 
 
+def _zorse_train(common, out: Path, *extra: str) -> subprocess.CompletedProcess:
+    """`zorse train` in a subprocess (torchrun and its 2 Gloo ranks under it), 3 steps."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "zorse_fx.cli", "train", *common, "--steps", "3", "--out", str(out),
+                           "--term-grace-s", "5", *extra], capture_output=True, text=True, env=env, cwd=ROOT,
+                          timeout=240)
+
+
+def test_sigkilled_rank_named_not_its_peer(exported, tmp_path):
+    """Issue 46 case: rank 1 SIGKILLed (the OOM killer, a lost GPU; here
+    --kill-at-step 1:2) leaves no traceback, and rank 0 fails next in its
+    receive with Gloo's "Connection closed/reset by peer", which it records.
+    The one line names rank 1, how it died and rank 0 as stopped after it,
+    not rank 0's broken connection ([Note: the rank that died first] in
+    runtime/rank_errors.py). (One torchrun job of 2 Gloo ranks.)"""
+    _, common = exported
+    out = tmp_path / "run"
+    proc = _zorse_train(common, out, "--kill-at-step", "1:2")
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stderr and "ChildFailedError" not in proc.stderr, proc.stderr
+    err = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    zorse = [ln for ln in err if ln.startswith("zorse:")]
+    assert len(zorse) == 1 and zorse == err[-1:], proc.stderr
+    line = zorse[0]
+    assert line.startswith("zorse: rank 1 (stage 1) was killed by SIGKILL (out of memory? see dmesg), without a "
+                           "Python traceback; "), line
+    assert line.endswith(f"; torchrun's report is in {out / 'logs' / 'torchrun.log'}"), line
+    # rank 0 is named only as stopped after it (where it recorded its error before torchrun's SIGTERM)
+    assert "Connection" not in line and "rank 0 (stage 0)" not in line, line
+    if (out / "logs" / "rank0.error.json").exists():
+        assert f"; rank 0 stopped after it (its error in {out / 'logs' / 'rank0.log'}); " in line, line
+    assert not (out / "logs" / "rank1.log").exists()  # no traceback of the dead rank: nothing blamed on a log
+
+
+def test_nonfinite_step_exits_3(exported, tmp_path):
+    """A non-finite step (--inject-inf: an inf in rank 1's gradients, fp32:
+    no loss scaler skips it) stops every rank with status 3, and `zorse train`
+    exits 3 too (README, "Exit statuses"), after rank 0's one line. (One
+    torchrun job of 2 Gloo ranks.)"""
+    _, common = exported
+    proc = _zorse_train(common, tmp_path / "run", "--inject-inf", "1:2")
+    assert proc.returncode == 3, proc.stderr
+    err = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert [ln for ln in err if ln.startswith("zorse:")] == err[-1:], proc.stderr
+    assert err[-1].startswith("zorse: step ") and " is not finite: " in err[-1], err
+
+
+def test_readme_lists_every_exit_status():
+    """README's one list of `zorse train`'s exit statuses holds each status it
+    returns: 0, 1, 2 (a refused option: test_val_fraction_out_of_range_one_line),
+    3 (test_nonfinite_step_exits_3), 128 + SIGINT and SIGTERM
+    (test_job_control.py's test_signal_stops_torchrun_and_every_rank)."""
+    import re
+    import signal
+
+    from zorse_fx.runtime.rank_errors import EXIT_NONFINITE
+
+    text = (ROOT / "README.md").read_text()
+    start = text.index("Exit statuses of `zorse train`")
+    block = text[start:text.index("\n\n", text.index("\n- ", start))]
+    listed = {int(n) for item in re.findall(r"^- (.+)$", block, re.M) for n in re.findall(r"\*\*(\d+)\*\*", item)}
+    assert listed == {0, 1, 2, EXIT_NONFINITE, 128 + signal.SIGINT, 128 + signal.SIGTERM}, block
+
+
+#: torchrun's own lines and failure report (torch 2.13's format) for a job whose rank 1 was
+#: SIGKILLed: rank 0 recorded its broken connection and exited 1 in the same second, so
+#: torchrun's root cause (the earliest time stamp, ties in rank order) is rank 0; rank 2
+#: ignored the SIGTERM torchrun stopped it with and was SIGKILLed at --shutdown-timeout.
+_TIED_REPORT = """\
+W1206 04:57:09.597000 13590 torch/distributed/elastic/multiprocessing/api.py:1028] Sending process 13598 closing \
+signal SIGTERM
+E1206 04:57:09.712000 13590 torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: 1) \
+local_rank: 0 (pid: 13596) of binary: /usr/bin/python
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+=======================================================
+zorse_fx.train FAILED
+-------------------------------------------------------
+Failures:
+[1]:
+  time      : 2026-12-06_04:57:09
+  host      : localhost
+  rank      : 1 (local_rank: 1)
+  exitcode  : -9 (pid: 13597)  (SIGKILL)
+  error_file: <N/A>
+  traceback : Signal 9 (SIGKILL) received by PID 13597
+[2]:
+  time      : 2026-12-06_04:57:40
+  host      : localhost
+  rank      : 2 (local_rank: 2)
+  exitcode  : -9 (pid: 13598)  (SIGKILL)
+  error_file: <N/A>
+  traceback : Signal 9 (SIGKILL) received by PID 13598
+-------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-12-06_04:57:09
+  host      : localhost
+  rank      : 0 (local_rank: 0)
+  exitcode  : 1 (pid: 13596)
+  error_file: <N/A>
+  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html
+=======================================================
+"""
+
+
+def test_rank_that_died_first_named_from_torchruns_report(tmp_path, monkeypatch):
+    """Unit level, the class of [Note: the rank that died first]: a rank
+    killed by a signal is named though torchrun's root cause is the peer
+    that recorded its broken connection in the same second, and though
+    another rank torchrun stopped itself (its pid in a "closing signal"
+    line) ended by SIGKILL too; a rank that exited with an error status and
+    no traceback is named where no rank was killed; a recorded error is the
+    cause where neither is; and after --max-restarts the line says so."""
+    from zorse_fx.runtime.rank_errors import VERDICTS, RankFailure, failed_ranks, first_failure, stopped_pids
+
+    failures = failed_ranks(_TIED_REPORT)
+    assert failures == [RankFailure(rank=0, exitcode=1, pid=13596), RankFailure(rank=1, exitcode=-9, pid=13597),
+                        RankFailure(rank=2, exitcode=-9, pid=13598)]
+    assert stopped_pids(_TIED_REPORT) == {13598}
+    monkeypatch.setenv("ZORSE_COLLECT_RANK_ERRORS", "1")
+    try:
+        raise RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer")
+    except RuntimeError as exc:
+        record_rank_error(exc, out=tmp_path, rank=0, stages=(0,))
+    records = read_rank_errors(tmp_path)
+    died = first_failure(failures, stopped=stopped_pids(_TIED_REPORT), traced={0}, verdicts=VERDICTS)
+    assert died == RankFailure(rank=1, exitcode=-9, pid=13597)
+    log0 = tmp_path / "logs" / "rank0.log"
+    assert summarize(records, torchrun_log="t.log", died=died, stages=(1,)) == (
+        f"rank 1 (stage 1) was killed by SIGKILL (out of memory? see dmesg), without a Python traceback; rank 0 "
+        f"stopped after it (its error in {log0}); torchrun's report is in t.log")
+    assert summarize(records, died=died, stages=(1,), restarts=2).startswith(
+        "rank 1 (stage 1) was killed by SIGKILL (out of memory? see dmesg), without a Python traceback, in the last "
+        "of 3 attempts (--max-restarts 2); rank 0 stopped after it")
+    # no rank killed: one that exited with an error and no traceback (os._exit, a native exit) ...
+    silent = [RankFailure(rank=0, exitcode=1, pid=1), RankFailure(rank=3, exitcode=7, pid=4),
+              RankFailure(rank=1, exitcode=-15, pid=2)]
+    died = first_failure(silent, traced={0}, verdicts=VERDICTS)
+    assert died == RankFailure(rank=3, exitcode=7, pid=4)
+    assert summarize([], died=died, stages=(2,)) == "rank 3 (stage 2) exited with status 7, without a Python traceback"
+    # ... else the recorded error (torchrun's root cause first); a verdict (3: a non-finite step) is no death
+    assert first_failure(silent[:1] + silent[2:], traced={0}, verdicts=VERDICTS) == silent[0]
+    assert first_failure([RankFailure(rank=1, exitcode=3), RankFailure(rank=0, exitcode=3)], verdicts=VERDICTS) \
+        == RankFailure(rank=1, exitcode=3)
+    assert first_failure([RankFailure(rank=0, exitcode=-15)]) is None  # torchrun stopped every one
+    assert RankFailure(rank=0, exitcode=-11).describe(hint=True) == "killed by SIGSEGV (a crash in native code)"
+
+
 # -- each rank on its planned GPU and node ---------------------------------------------------------------
 
 def _plan3():

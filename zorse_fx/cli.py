@@ -64,8 +64,9 @@ class LaunchOptions:
         "resume"))] = 0
     elastic: bool = False
     """when a rank fails for good (after --max-restarts), re-plan for the GPUs that remain (the plan's cluster
-    without the failed rank's GPU, and its node where that was the node's last), write the plan beside the old
-    (<plan>.elastic1/) and resume from the newest checkpoint on it (zorse_fx/elastic.py)"""
+    without the failed rank's GPU, and its node where that was the node's last), write the plan under the run
+    directory (<out>/plan.elastic<k>/, numbered after those there) and resume from the newest checkpoint on it
+    (zorse_fx/elastic.py)"""
     max_replans: Annotated[int, tyro.conf.arg(metavar="N", help=(
         "--elastic: re-plan at most N times in one zorse train"))] = 1
 
@@ -273,8 +274,13 @@ def _check_plan_cluster(plan, cluster, plan_path: str, cluster_path: str) -> Non
     (format 13), other GPUs per node or another fingerprint (memory, links)."""
     from .errors import ClusterConfigError
 
-    fix = (f"pass the cluster file the plan was made with, or plan for this one with `zorse plan --cluster "
-           f"{cluster_path} ...`")
+    from .elastic import recorded_cluster_file
+
+    recorded = recorded_cluster_file(plan_path)  # zorse plan's --cluster, or an --elastic re-plan's cluster.yaml
+    use = (f"--cluster {recorded} (recorded in its plan_request.json)"
+           if recorded and Path(recorded).resolve() != Path(cluster_path).resolve() else
+           "the cluster file the plan was made with")
+    fix = f"pass {use}, or plan for this one with `zorse plan --cluster {cluster_path} ...`"
     head = f"--cluster {cluster_path} is not the cluster plan {plan_path} was made for ({plan.cluster_name!r})"
     for s in plan.stages:
         for g in s.gpus:
@@ -483,7 +489,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     """The ``zorse`` command. Returns the exit status: 0; 1 after an error,
     printed on stderr as ``zorse: <message>`` (``zorse --debug ...``: the
-    exception propagates with its traceback instead); 130 on Ctrl-C (SIGINT)
+    exception propagates with its traceback instead); 3 when ``zorse train``'s
+    ranks stopped at a non-finite step; 130 on Ctrl-C (SIGINT)
     and 143 on SIGTERM while a job runs, after every process of the job was
     stopped. Usage mistakes exit 2 through argparse."""
     from .runtime.launch import JobInterrupted
@@ -509,7 +516,7 @@ def main(argv=None) -> int:
             raise
         if not getattr(exc, "reported", False):  # (a failed job whose rank printed its `zorse:` line already)
             print(f"zorse: {_one_line(exc)}", file=sys.stderr)
-        return 1
+        return getattr(exc, "exit_status", 1)  # (a failed job: 3 after a non-finite step, README "Exit statuses")
     except Exception as exc:  # anything else may be a bug in zorse_fx: say how to see where
         if args.debug:
             raise

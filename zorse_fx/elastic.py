@@ -3,17 +3,21 @@
 When the job fails for good (a rank keeps failing after torchrun's
 ``--max-restarts``), the launcher finds the rank torchrun names, drops its GPU
 from the cluster the plan was made for, re-plans the same model, global batch
-and sequence length for the GPUs that remain, exports the new plan beside the
-old one (``<plan>.elastic<k>/``), says what changed, and relaunches on the new
-plan's process count with ``--resume`` from the newest intact checkpoint
-(a DCP checkpoint loads under another plan: ``runtime/checkpoint.py``).
+and sequence length for the GPUs that remain, exports the new plan under the
+run directory (``<out>/plan.elastic<k>/``, [Note: where re-plans go]), says
+what changed, and relaunches on the new plan's process count with
+``--resume`` from the newest intact checkpoint (a DCP checkpoint loads under
+another plan: ``runtime/checkpoint.py``).
 
 [Note: which GPUs a failure removes]
-torchrun names each failed worker (its rank and exit code) in the
+torchrun names each failed worker (its rank, exit code and pid) in the
 ``ChildFailedError`` it prints on stderr; the workers it stopped itself
-(SIGTERM, SIGINT) are listed too. The lost rank is the first of the others
-that died by a signal (SIGKILL, SIGSEGV, SIGBUS: a GPU or host gone), else the
-one torchrun names as the root cause (a Python error such as a CUDA fault).
+(SIGTERM, SIGINT; their pids in its "closing signal" lines) are listed too.
+The lost rank is the one that failed first ([Note: the rank that died
+first] in ``runtime/rank_errors.py``, as ``zorse train`` names it without
+``--elastic``): the first of the others that died by a signal (SIGKILL,
+SIGSEGV, SIGBUS: a GPU or host gone), else the first that exited with an
+error, torchrun's root cause first (a Python error such as a CUDA fault).
 A rank the launcher stopped for making no progress (``--stall-timeout``: a
 frozen host or GPU) is lost too.
 Its GPU leaves the cluster; where that was its node's last GPU, the node
@@ -33,25 +37,44 @@ a re-plan does not depend on the cluster file staying unchanged). plan.json
 records what the plan is, not how it was asked for; a plan without this file
 (exported by the Python API, or by an older ``zorse plan``) is refused by
 ``--elastic`` before anything starts.
+
+[Note: where re-plans go]
+A re-plan belongs to the run whose job lost the GPU: the checkpoints written
+after it are of that run, and resuming the run takes the re-plan. So it goes
+under the run directory, ``<out>/plan.elastic<k>/`` (``replan_dir``), k one
+more than the largest already there: a second re-plan of the same
+``zorse train``, a resumed run that re-plans again, or a new run into the
+same ``--out`` after ``--overwrite`` each get a new directory and none
+overwrites an earlier one; nothing is written beside the plan, which other
+runs may share (or a read-only place). Its ``plan_request.json`` records
+where it came from (``replanned_from``: the plan it re-plans;
+``replan_reason``: the rank, GPU and how it failed; ``run``: the run
+directory) and the reduced cluster, which is also written beside it as a
+cluster file, ``cluster.yaml`` (``cluster_file``): ``zorse simulate
+<re-plan> --cluster <re-plan>/cluster.yaml`` and ``zorse plan --cluster``
+take it like any other.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import re
-import shutil
-import signal
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import InfeasiblePlanError, RuntimeExecutionError
+from .errors import InfeasiblePlanError, PlanOptionsError, RuntimeExecutionError
+from .runtime.rank_errors import VERDICTS, RankFailure, failed_ranks, first_failure, stopped_pids
 
-__all__ = ["PLAN_REQUEST", "PlanRequest", "RankFailure", "ElasticError", "failed_ranks", "lost_rank",
-           "reduced_cluster", "replan", "what_changed", "check_elastic", "run_elastic"]
+__all__ = ["PLAN_REQUEST", "REPLAN_CLUSTER", "REPLAN_PREFIX", "PlanRequest", "RankFailure", "ElasticError",
+           "failed_ranks", "lost_rank", "reduced_cluster", "replan_dir", "replan", "recorded_cluster_file",
+           "what_changed", "check_elastic", "run_elastic"]
 
 #: The file beside plan.json that records how ``zorse plan`` made the plan ([Note: how a plan was made]).
 PLAN_REQUEST = "plan_request.json"
+#: A re-plan's reduced cluster, as a cluster YAML file beside its plan.json ([Note: where re-plans go]).
+REPLAN_CLUSTER = "cluster.yaml"
+#: A re-plan's directory under the run directory: ``<out>/plan.elastic<k>`` ([Note: where re-plans go]).
+REPLAN_PREFIX = "plan.elastic"
 #: Characters of torchrun's stderr kept to find the failed rank in (its failure report is a few KiB per rank).
 STDERR_TAIL_CHARS = 256 * 1024
 
@@ -75,8 +98,15 @@ class PlanRequest:
     options: dict
     #: The cluster planned for, ``Cluster.to_dict()``.
     cluster: dict
-    #: The cluster file it was read from ("" for a reduced cluster), for messages.
+    #: The cluster file: ``zorse plan --cluster``'s (absolute), or a re-plan's ``cluster.yaml``
+    #: beside it (``REPLAN_CLUSTER``, [Note: where re-plans go]); what ``zorse simulate`` takes.
     cluster_file: str = ""
+    #: A re-plan ([Note: where re-plans go]): the plan directory it re-plans (absolute); "" for ``zorse plan``'s.
+    replanned_from: str = ""
+    #: A re-plan: why (the rank lost, its GPU and how it failed).
+    replan_reason: str = ""
+    #: A re-plan: the run directory (``--out``) whose job lost the GPU.
+    run: str = ""
 
     def __post_init__(self) -> None:
         if self.seq_len < 1 or self.global_batch_size < 1:
@@ -105,60 +135,16 @@ class PlanRequest:
                                f"plan again with `zorse plan`") from None
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class RankFailure:
-    """One failed worker as torchrun reports it."""
-
-    rank: int
-    #: The worker's exit status; negative: killed by signal ``-exitcode``.
-    exitcode: int = 0
-    #: No exit: the rank stopped making progress (no heartbeat for ``--stall-timeout``) and the job was stopped.
-    stalled: bool = False
-
-    def describe(self) -> str:
-        if self.stalled:
-            return "no progress for --stall-timeout"
-        if self.exitcode < 0:
-            try:
-                return f"killed by {signal.Signals(-self.exitcode).name}"
-            except ValueError:
-                return f"killed by signal {-self.exitcode}"
-        return f"exit status {self.exitcode}"
-
-
-_ENTRY = re.compile(r"^\s*rank\s*:\s*(\d+)\s*\(local_rank:\s*\d+\)\s*\n\s*exitcode\s*:\s*(-?\d+)", re.MULTILINE)
-_ROOT = "Root Cause (first observed failure):"
-
-
-def failed_ranks(torchrun_stderr: str) -> list[RankFailure]:
-    """The workers torchrun's last failure report names, its root cause first
-    (empty where the text has no report: torchrun itself failed, or the job was stopped)."""
-    end = torchrun_stderr.rfind(_ROOT)
-    if end < 0:
-        return []
-    start = torchrun_stderr.rfind("Failures:", 0, end)
-    others = torchrun_stderr[start:end] if start >= 0 else ""
-    root = torchrun_stderr[end:]
-    return [RankFailure(rank=int(r), exitcode=int(c)) for text in (root, others) for r, c in _ENTRY.findall(text)]
-
-
-#: Workers torchrun stopped itself after another failed: no lost GPU.
-_STOPPED = frozenset({-signal.SIGTERM, -signal.SIGINT})
-#: Exit statuses that are zorse's own verdicts, no lost GPU ([Note: which GPUs a failure removes]):
-#: options refused (2), the job stopped by a signal (128 + SIGTERM, SIGINT); and ``train.EXIT_NONFINITE``.
-_VERDICTS = frozenset({2, 128 + signal.SIGTERM, 128 + signal.SIGINT})
-
-
-def lost_rank(failures: list[RankFailure]) -> RankFailure | None:
+def lost_rank(failures: list[RankFailure], *, stopped: frozenset[int] = frozenset()) -> RankFailure | None:
     """The rank whose GPU a failure report (``failed_ranks``: root cause
-    first) removes ([Note: which GPUs a failure removes]), or None."""
-    from .train import EXIT_NONFINITE  # (the rank-side module: imported only after a failure)
-
-    verdicts = _VERDICTS | {EXIT_NONFINITE}
-    if not failures or failures[0].exitcode in verdicts:
+    first; ``stopped``: the pids torchrun stopped itself, ``stopped_pids``)
+    removes ([Note: which GPUs a failure removes]), or None: the rank that
+    failed first (``runtime.rank_errors.first_failure``) unless a verdict
+    ended the run."""
+    if not failures or failures[0].exitcode in VERDICTS:
         return None  # the root cause is a verdict: the run itself stopped
-    lost = [f for f in failures if f.exitcode not in verdicts | _STOPPED]
-    return next((f for f in lost if f.exitcode < 0), lost[0] if lost else None)
+    first = first_failure(failures, stopped=stopped, verdicts=VERDICTS)
+    return None if first is None or first.exitcode in VERDICTS else first
 
 
 def reduced_cluster(cluster, lost_gpus):
@@ -210,15 +196,29 @@ def reduced_cluster(cluster, lost_gpus):
     return smaller, what
 
 
-def replan(request: PlanRequest, cluster, out_dir: str | Path, *, why: str = ""):
+def replan_dir(out: str | Path) -> Path:
+    """``<out>/plan.elastic<k>``, k one more than the largest of an existing
+    ``<out>/plan.elastic<j>`` ([Note: where re-plans go]); 1 where there is none."""
+    taken = [int(p.name[len(REPLAN_PREFIX):]) for p in Path(out).glob(f"{REPLAN_PREFIX}*")
+             if p.name[len(REPLAN_PREFIX):].isdigit()]
+    return Path(out) / f"{REPLAN_PREFIX}{max(taken, default=0) + 1}"
+
+
+def replan(request: PlanRequest, cluster, out_dir: str | Path, *, lost: str = "", fix: str = "",
+           replanned_from: str | Path = "", run: str | Path = ""):
     """Plan ``request``'s model, sequence length, global batch and options
-    again for ``cluster``; export plan.json, the stage sources, weights.pt
-    and the request (with ``cluster``) to ``out_dir``. Returns the ``Plan``.
+    again for ``cluster``; export plan.json, the stage sources, weights.pt,
+    ``cluster`` as ``cluster.yaml`` and the request (with ``cluster``, that
+    file and where the re-plan came from: ``replanned_from``, ``lost`` (what
+    failed: the rank, its GPU, how), ``run``; [Note: where re-plans go]) to
+    ``out_dir``. Returns the ``Plan``.
 
     Raises:
-        ElasticError: no plan fits ``cluster`` (one line: the planner's reason).
+        ElasticError: no plan fits ``cluster``: one line with ``lost``, the
+            planner's reason (its binding constraint) and ``fix``.
     """
     import torch
+    import yaml
 
     from .api import compile
     from .models.registry import load_model
@@ -229,17 +229,38 @@ def replan(request: PlanRequest, cluster, out_dir: str | Path, *, why: str = "")
         compiled = compile(model, cluster=cluster, example_inputs=(ids, ids),
                            global_batch_size=request.global_batch_size, model_name=request.model,
                            **request.options)
-    except (InfeasiblePlanError, ValueError) as exc:
+    except (InfeasiblePlanError, PlanOptionsError) as exc:  # (anything else is no planner's answer: raised as is)
         reason = " ".join(str(exc).split())
         raise ElasticError(f"--elastic: no plan of {request.model} (global batch {request.global_batch_size}, "
                            f"seq len {request.seq_len}) fits the {_gpus(len(cluster.gpus))} that "
                            f"{'remain' if len(cluster.gpus) != 1 else 'remains'} "
-                           f"({cluster.gpu_summary()}){why}: {reason}") from exc
-    out = Path(out_dir)
+                           f"({cluster.gpu_summary()}){f' after {lost}' if lost else ''}: {reason.rstrip('.')}"
+                           + (f"; {fix}" if fix else "")) from exc
+    out = Path(out_dir).resolve()
     compiled.plan.export(out)
     compiled.save_weights(out)
-    dataclasses.replace(request, cluster=cluster.to_dict(), cluster_file="").write(out)
+    cluster_file = out / REPLAN_CLUSTER
+    cluster_file.write_text(f"# {cluster.source}: the GPUs left after {lost or 'a GPU was lost'}; written by "
+                            f"`zorse train --elastic` with the re-plan beside it\n"
+                            + yaml.safe_dump(cluster.to_dict(), sort_keys=False))
+    dataclasses.replace(request, cluster=cluster.to_dict(), cluster_file=str(cluster_file),
+                        replanned_from=str(Path(replanned_from).resolve()) if replanned_from else "",
+                        replan_reason=lost,
+                        run=str(Path(run).resolve()) if run else "").write(out)
     return compiled.plan
+
+
+def recorded_cluster_file(plan_dir: str | Path) -> str | None:
+    """The cluster file ``plan_dir``'s ``plan_request.json`` records (``zorse
+    plan --cluster``'s, or a re-plan's ``cluster.yaml``) where it still
+    exists; None where there is none (no request, an unreadable one)."""
+    d = Path(plan_dir)
+    path = (d if d.is_dir() else d.parent) / PLAN_REQUEST
+    try:
+        recorded = json.loads(path.read_text()).get("cluster_file")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return recorded if isinstance(recorded, str) and recorded and Path(recorded).is_file() else None
 
 
 def _gpus(n: int) -> str:
@@ -302,7 +323,8 @@ def run_elastic(options, *, nproc: int, max_replans: int, launch_kw: dict) -> in
             if isinstance(exc, JobStalledError):  # a frozen host or GPU: as lost as a dead one
                 lost = RankFailure(rank=exc.rank, stalled=True) if exc.rank is not None else None
             else:
-                lost = lost_rank(failed_ranks(exc.stderr or ""))
+                text = exc.stderr or ""
+                lost = lost_rank(failed_ranks(text), stopped=stopped_pids(text))
             if lost is None:
                 raise
             plan = Plan.load(plan_dir)
@@ -320,14 +342,16 @@ def run_elastic(options, *, nproc: int, max_replans: int, launch_kw: dict) -> in
             smaller, dropped = reduced_cluster(cluster, {gpu.gpu})
             print(f"[zorse] elastic: dropped {dropped}; re-planning for the {_gpus(len(smaller.gpus))} left",
                   flush=True)
-            new_dir = first.with_name(f"{first.name}.elastic{replans}")
-            if (new_dir / PLAN_REQUEST).exists():  # an earlier --elastic run's plan: made again for this cluster
-                shutil.rmtree(new_dir)
-            new = replan(request, smaller, new_dir, why=f" after {failed}")
+            latest, _ = newest_intact_checkpoint(out / CHECKPOINTS)
+            new_dir = replan_dir(out)  # [Note: where re-plans go]
+            go_on = (f"resume from {latest}: `zorse train <that plan> --resume --out {out} ...`" if latest is not None
+                     else f"start anew (no intact checkpoint in {out / CHECKPOINTS}): `zorse train <that plan> "
+                          f"--overwrite --out {out} ...`")
+            new = replan(request, smaller, new_dir, lost=failed, replanned_from=plan_dir, run=out,
+                         fix=f"make a plan for GPUs that fit (`zorse plan --cluster FILE ...`) and {go_on}")
             for line in what_changed(plan, new, cluster, smaller):
                 print(line, flush=True)
-            latest, _ = newest_intact_checkpoint(out / CHECKPOINTS)
-            print(f"[zorse] elastic: wrote {new_dir}; "
+            print(f"[zorse] elastic: wrote {new_dir} (its cluster: {new_dir / REPLAN_CLUSTER}); "
                   + (f"resuming from {latest} on {_ranks(new.world_size)}" if latest is not None else
                      f"no intact checkpoint in {out / CHECKPOINTS}: starting anew on {_ranks(new.world_size)}")
                   + f" (re-plan {replans} of --max-replans {max_replans})", flush=True)

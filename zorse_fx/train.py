@@ -97,7 +97,7 @@ from .runtime.checkpoint import load_checkpoint, newest_intact_checkpoint, read_
 from .runtime.device_check import check_devices, observe
 from .runtime.launch import init_process_group, rank_device
 from .runtime.lr_schedule import LRSchedule
-from .runtime.rank_errors import record_rank_error
+from .runtime.rank_errors import EXIT_NONFINITE, record_rank_error  # (EXIT_NONFINITE: the launcher reads it too)
 from .runtime.run_dir import (CHECKPOINTS, METRICS, check_checkpoint_run, check_fresh_start, new_run_id, plan_hash,
                               previous_run, remove_previous_run)
 from .runtime.watchdog import heartbeat_dir, start_heartbeat
@@ -110,8 +110,6 @@ __all__ = ["main", "parse_args", "runtime_precision", "PROG", "EXIT_NONFINITE"]
 
 #: The program name ``--help`` and errors show.
 PROG = "python -m zorse_fx.train"
-#: The exit status of every rank after a step whose loss or gradients were not finite.
-EXIT_NONFINITE = 3
 _DESCRIPTION = ("Run an exported plan, one process per GPU (under torchrun). The options are flags, or all of them "
                 "in one file: --options-file FILE (the <out>/train_options.json `zorse train` writes).")
 

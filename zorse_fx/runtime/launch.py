@@ -146,13 +146,16 @@ class JobInterrupted(KeyboardInterrupt):
 class JobFailedError(RuntimeExecutionError):
     """torchrun ended with a non-zero status (a rank failed; its error is in the output).
     ``reported``: a rank printed the cause as a ``zorse:`` line already (a
-    non-finite step, a refused run directory): ``zorse train`` adds none."""
+    non-finite step, a refused run directory): ``zorse train`` adds none.
+    ``exit_status``: what ``zorse train`` exits with (``returncode`` is torchrun's)."""
 
     def __init__(self, message: str, returncode: int, stdout: str | None = None, stderr: str | None = None, *,
-                 reported: bool = False):
+                 reported: bool = False, exit_status: int = 1):
         super().__init__(message)
         self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
         self.reported = reported
+        #: The status ``zorse train`` exits with: 1, or 3 where the ranks stopped at a non-finite step.
+        self.exit_status = exit_status
 
 
 class JobStalledError(RuntimeExecutionError):
@@ -222,7 +225,8 @@ def launch(nprocs: int, train_argv: list[str], *, timeout_s: float | None = None
 
     Raises:
         JobFailedError: torchrun exited with a non-zero status; with ``out``,
-            the message is the first failed rank's one line.
+            the message is one line naming the rank that failed first, and
+            how ([Note: the rank that died first] in ``runtime/rank_errors.py``).
         JobStalledError: a rank stopped beating.
         JobInterrupted: SIGINT or SIGTERM; the job was stopped.
     """
@@ -244,12 +248,56 @@ def launch(nprocs: int, train_argv: list[str], *, timeout_s: float | None = None
     except JobFailedError as exc:
         if out is None or exc.returncode < 0:
             raise
-        from .rank_errors import read_rank_errors, summarize
+        raise _failed_job(exc, out, log, since=started - 1.0, max_restarts=max_restarts) from None
 
-        line = summarize(read_rank_errors(out, since=started - 1.0), torchrun_log=log)
-        if line is None:
-            raise
-        raise JobFailedError(line, exc.returncode, exc.stdout, exc.stderr) from None
+
+#: Bytes of the end of ``<out>/logs/torchrun.log`` read for torchrun's failure report and its stop lines.
+_REPORT_TAIL_BYTES = 1 << 20
+
+
+def _failed_job(exc: JobFailedError, out: str | Path, log: Path, *, since: float,
+                max_restarts: int) -> JobFailedError:
+    """``exc`` (torchrun failed) as the error ``zorse train`` shows: one line
+    naming the rank that failed first ([Note: the rank that died first] in
+    ``runtime/rank_errors.py``), from torchrun's report in ``log`` and the
+    ranks' error records in ``out``; ``exit_status`` 3 where the ranks stopped
+    at a non-finite step (``train.EXIT_NONFINITE``)."""
+    from .rank_errors import (EXIT_NONFINITE, VERDICTS, failed_ranks, first_failure, read_rank_errors, stopped_pids,
+                              summarize)
+
+    text = exc.stderr or ""  # (capture: torchrun's stderr is the error's; else it went to the log)
+    if log.exists():
+        with open(log, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - _REPORT_TAIL_BYTES))
+            text = f.read().decode("utf-8", errors="replace")
+    records = read_rank_errors(out, since=since)
+    traced = frozenset(r["rank"] for r in records)
+    first = first_failure(failed_ranks(text), stopped=stopped_pids(text), traced=traced, verdicts=VERDICTS)
+    status = EXIT_NONFINITE if first is not None and first.exitcode == EXIT_NONFINITE else 1
+    # A rank with a record failed with a Python error: the oldest record (in its rank's own clock, finer
+    # than torchrun's whole seconds) is the cause, as without a report.
+    died = first if first is not None and first.rank not in traced and first.exitcode not in VERDICTS else None
+    line = summarize(records, torchrun_log=log if log.exists() else None, died=died,
+                     stages=_planned_stages(out, died.rank) if died is not None else (),
+                     restarts=max_restarts)
+    if line is None:
+        return JobFailedError(str(exc), exc.returncode, exc.stdout, exc.stderr, reported=exc.reported,
+                              exit_status=status)
+    return JobFailedError(line, exc.returncode, exc.stdout, exc.stderr, exit_status=status)
+
+
+def _planned_stages(out: str | Path, rank: int) -> tuple[int, ...]:
+    """The stages the plan of ``<out>/train_options.json`` gives ``rank`` (() where that cannot be read)."""
+    from ..errors import ZorseError
+    from ..plan import Plan
+    from ..train_options import OPTIONS_FILE, read_options_file
+
+    try:
+        plan = Plan.load(read_options_file(Path(out) / OPTIONS_FILE).data.plan)
+        return plan.stages_of(rank) if 0 <= rank < plan.world_size else ()
+    except (OSError, ZorseError):
+        return ()
 
 
 def running(processes) -> list:

@@ -16,26 +16,58 @@ file. Now
   raises one line (``summarize``): the first rank that failed and its cause,
   the log holding its traceback, and the ranks that stopped after it (a peer
   whose collective broke because that rank left).
+
+[Note: the rank that died first]
+A rank killed by a signal (SIGKILL from the OOM killer, a lost GPU, a
+segfault in native code) or one that exits without a Python traceback
+writes no record; its peers then fail in their next collective ("Connection
+closed by peer", "Connection reset by peer", an NCCL error) and do write
+records, so the records alone blame a peer. torchrun's failure report
+(``ChildFailedError``'s box, in ``<out>/logs/torchrun.log``) lists every
+failed worker with its rank, exit code and pid (``failed_ranks``), and
+torchrun logs each worker it stops itself ("Sending process <pid> closing
+signal SIGTERM": ``stopped_pids``). Its "root cause" is the failure with the
+earliest time stamp, in whole seconds: a peer that recorded its broken
+connection in the same second ties with the dead rank and may be named
+instead. ``first_failure`` therefore takes, among the workers torchrun did
+not stop, the first that died by a signal, else the first that exited with
+an error status and no record (no Python traceback), else torchrun's root
+cause. ``summarize`` names a rank that died so, how, and the ranks whose
+records came after it; where every failed rank has a record (Python errors
+only), the oldest record is the cause (its time is the rank's own clock,
+finer than torchrun's seconds). ``zorse train --elastic`` drops the first
+failure's GPU (``elastic.lost_rank``).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import signal
 import sys
 import time
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import ZorseError
 
 __all__ = ["LOGS", "COLLECT_ENV", "MAX_CAUSE_CHARS", "logs_dir", "rank_log", "cause_of", "record_rank_error",
-           "read_rank_errors", "clear_rank_errors", "summarize"]
+           "read_rank_errors", "clear_rank_errors", "summarize", "RankFailure", "failed_ranks", "stopped_pids",
+           "first_failure", "STOP_SIGNALS", "EXIT_NONFINITE", "VERDICTS"]
 
 #: The run directory's log folder.
 LOGS = "logs"
 #: Set (to "1") in the ranks' environment by a launcher that reports their errors itself.
 COLLECT_ENV = "ZORSE_COLLECT_RANK_ERRORS"
+#: The exit status of every rank after a step whose loss or gradients were not finite
+#: (``train.py``; ``zorse train`` exits with it too).
+EXIT_NONFINITE = 3
+#: Exit statuses a rank ends with on purpose, having said why: a refused option (2, as
+#: argparse), a non-finite step, the job stopped by SIGTERM or SIGINT (128 + signal,
+#: after a checkpoint). No rank died: ``first_failure`` does not take them for a death.
+VERDICTS = frozenset({2, EXIT_NONFINITE, 128 + signal.SIGTERM, 128 + signal.SIGINT})
 #: Longest cause shown on the one line (characters); the rest is in the rank's log.
 MAX_CAUSE_CHARS = 1500
 _SUFFIX = ".error.json"
@@ -115,11 +147,113 @@ def clear_rank_errors(out: str | Path) -> None:
         p.unlink(missing_ok=True)
 
 
-def summarize(records: list[dict], *, torchrun_log: str | Path | None = None) -> str | None:
+#: What a signal that ended a rank most likely means, said after its name.
+_SIGNAL_HINTS = {signal.SIGKILL: "out of memory? see dmesg", signal.SIGSEGV: "a crash in native code",
+                 signal.SIGBUS: "a lost device or a truncated memory-mapped file?",
+                 signal.SIGABRT: "aborted by native code: a CUDA or C++ error?"}
+#: Signals torchrun (and ``zorse train``) stop the workers with: a worker ended by one was stopped, not lost.
+STOP_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT})
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankFailure:
+    """One failed worker as torchrun's failure report names it ([Note: the rank that died first])."""
+
+    rank: int
+    #: The worker's exit status; negative: killed by signal ``-exitcode``.
+    exitcode: int = 0
+    #: Its process id (0: not reported).
+    pid: int = 0
+    #: No exit: the rank stopped making progress (no heartbeat for ``--stall-timeout``) and the job was stopped.
+    stalled: bool = False
+
+    @property
+    def signal(self) -> signal.Signals | None:
+        """The signal that ended the worker, or None (it exited, or the number is no signal here)."""
+        if self.exitcode >= 0:
+            return None
+        try:
+            return signal.Signals(-self.exitcode)
+        except ValueError:
+            return None
+
+    def describe(self, *, hint: bool = False) -> str:
+        """``"killed by SIGKILL"``, ``"exit status 1"``; ``hint``: with what the signal most likely
+        means (``"killed by SIGKILL (out of memory? see dmesg)"``)."""
+        if self.stalled:
+            return "no progress for --stall-timeout"
+        if self.exitcode >= 0:
+            return f"exit status {self.exitcode}"
+        sig = self.signal
+        text = f"killed by {sig.name}" if sig is not None else f"killed by signal {-self.exitcode}"
+        return f"{text} ({_SIGNAL_HINTS[sig]})" if hint and sig in _SIGNAL_HINTS else text
+
+
+_ENTRY = re.compile(r"^\s*rank\s*:\s*(\d+)\s*\(local_rank:\s*\d+\)\s*\n\s*exitcode\s*:\s*(-?\d+)"
+                    r"(?:\s*\(pid:\s*(\d+)\))?", re.MULTILINE)
+_ROOT = "Root Cause (first observed failure):"
+_CLOSING = re.compile(r"Sending process (\d+) closing signal")
+
+
+def failed_ranks(torchrun_output: str) -> list[RankFailure]:
+    """The workers torchrun's last failure report names, its root cause first,
+    then the others in the report's order (empty where the text has no
+    report: torchrun itself failed, or the job was stopped)."""
+    end = torchrun_output.rfind(_ROOT)
+    if end < 0:
+        return []
+    start = torchrun_output.rfind("Failures:", 0, end)
+    others = torchrun_output[start:end] if start >= 0 else ""
+    root = torchrun_output[end:]
+    return [RankFailure(rank=int(r), exitcode=int(c), pid=int(p or 0))
+            for text in (root, others) for r, c, p in _ENTRY.findall(text)]
+
+
+def stopped_pids(torchrun_output: str) -> frozenset[int]:
+    """The pids of the workers torchrun stopped itself ("Sending process <pid> closing signal ...")."""
+    return frozenset(int(p) for p in _CLOSING.findall(torchrun_output))
+
+
+def first_failure(failures: list[RankFailure], *, stopped: frozenset[int] = frozenset(),
+                  traced: frozenset[int] = frozenset(),
+                  verdicts: frozenset[int] = frozenset()) -> RankFailure | None:
+    """The rank that failed first ([Note: the rank that died first]) among
+    ``failures`` (``failed_ranks``: the root cause first): leaving out the
+    workers torchrun stopped (their pid in ``stopped``, or ended by SIGTERM or
+    SIGINT), the first one killed by a signal, else the first with an exit
+    status other than 0 and ``verdicts`` and no error record (its rank not in
+    ``traced``), else the first left (torchrun's root cause where it is one of
+    them). None where torchrun stopped every one."""
+    own = [f for f in failures if not (f.pid and f.pid in stopped) and f.signal not in STOP_SIGNALS]
+    killed = [f for f in own if f.exitcode < 0]
+    silent = [f for f in own if f.exitcode > 0 and f.rank not in traced and f.exitcode not in verdicts]
+    return (killed or silent or own or [None])[0]
+
+
+def summarize(records: list[dict], *, torchrun_log: str | Path | None = None, died: RankFailure | None = None,
+              stages: tuple[int, ...] = (), restarts: int = 0) -> str | None:
     """One line for a failed job from its ranks' error records (oldest first):
     the first one's rank, stage and cause, where its traceback is, and which
-    ranks failed after it (with the same cause, or another: stopped by it). None
-    without records."""
+    ranks failed after it (with the same cause, or another: stopped by it).
+    ``died``: a rank that died without a record ([Note: the rank that died
+    first]; on ``stages``), named first, how it died, and every recorded rank
+    as stopped after it; ``restarts``: torchrun's restarts it failed in, each
+    (``--max-restarts``). None without records or ``died``."""
+    log_note = [f"torchrun's output in {torchrun_log}"] if torchrun_log else []
+    if died is not None:
+        how = f"was {died.describe(hint=True)}" if died.exitcode < 0 else f"exited with status {died.exitcode}"
+        parts = [f"{_where(died.rank, stages)} {how}, without a Python traceback"
+                 + (f", in the last of {restarts + 1} attempts (--max-restarts {restarts})" if restarts else "")]
+        after = [r for r in records if r["rank"] != died.rank]
+        if after:
+            ranks = sorted({r["rank"] for r in after})
+            logs = sorted({r["log"] for r in after if r.get("log")})
+            parts.append(f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} stopped after it"
+                         + (f" ({'their errors' if len(ranks) > 1 else 'its error'} in {', '.join(logs)})"
+                            if logs else ""))
+        if torchrun_log:
+            parts.append(f"torchrun's report is in {torchrun_log}")
+        return "; ".join(parts)
     if not records:
         return None
     first = records[0]

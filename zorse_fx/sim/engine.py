@@ -215,7 +215,7 @@ from ..ir.schedule import make_schedule
 from ..options import PlanOptions
 from ..solve.objective import (MEMORY_UNIT_BYTES, MIB_UNITS, offload_device_kib, prepare,
                                sharded_state_kib)
-from ..solve.state_terms import stage_state_kib, unique_params
+from ..solve.state_terms import offload_replicated_kib, stage_state_kib, unique_params
 from .network import FlowResources, link_resource, max_min_rates, ring
 from .sync import gradient_sync
 
@@ -631,8 +631,8 @@ def simulate(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions, deci
                 z = pol.shard_mib[s][stage_gpus[s].index(g)]
                 # [C-offload]: the shard's optimizer part in host memory, its gradients / weights here
                 full += offload_device_kib(z, need, shard) if pol.of(s) else MIB_UNITS * z
-            elif pol.of(s):  # [C-offload]: the shardable state in host memory
-                full -= shard
+            elif pol.of(s):  # [C-offload]: the optimizer in host memory, float32 weights and gradients here
+                full = offload_replicated_kib(tab, i, j)
             state += full
         peak[g] = MEMORY_UNIT_BYTES * (state + pipe.peak_act[g])
     bubble = 1.0 - sum(busy_frac[g] for g in used) / len(used)

@@ -261,7 +261,7 @@ from .memory_policy import (  # noqa: F401
     offload_device_kib,
     sharded_state_kib,
 )
-from .state_terms import offload_host_kib, stage_optim_units, stage_state_kib
+from .state_terms import offload_host_kib, offload_replicated_kib, stage_optim_units, stage_state_kib
 
 # The units and integer tables live in tables.py (re-exported: callers import them from here).
 from .tables import (  # noqa: F401
@@ -472,7 +472,7 @@ def evaluate_units(tab: IntTables, stage_blocks, stage_gpus, samples, policy: Me
                 unc.append(max(0, need - MIB_UNITS * sum(z)))
                 dev = [offload_device_kib(zg, need, shard) for zg in z]
             else:
-                z, rep, dev = None, state - shard, [0] * len(gpus)
+                z, rep, dev = None, offload_replicated_kib(tab, i, j), [0] * len(gpus)
                 unc.append(0)
             hk = offload_host_kib(tab, i, j, z)
             hk = hk * len(gpus) if z is None else hk

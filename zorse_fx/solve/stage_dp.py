@@ -203,6 +203,9 @@ class _Stages(StageMatrices):
         # [C-offload]: the host state H of blocks [i, j) (state_terms.stage_host_kib).
         self.host = (pre(tab.host_prefix) - sum((e * tab.tied_host[t] for t, e in extra), np.int64(0))
                      if any(tab.host_cap) else None)
+        # [C-offload]: what a replicated offloaded stage keeps on the GPU (state_terms.offload_replicated_kib).
+        self.off_rep = (pre(tab.off_rep_prefix) - sum((e * tab.tied_off_rep[t] for t, e in extra), np.int64(0))
+                        if any(tab.host_cap) else None)
         self.terms: dict[tuple[int, int], dict | None] = {}
         self.b, self.speeds = b, speeds
         # GPU-pair link classes and latencies as (G, G) arrays: a group's slowest class and
@@ -339,7 +342,7 @@ class _Stages(StageMatrices):
         def act(n):  # on the GPU
             return n * self.act if act_offload else self.act_kib(n, fl, not_first, recompute)
 
-        rep, need = self.layout(grad_sharded, param_sharded)
+        rep, need = self.layout(grad_sharded, param_sharded) if sharded else (self.off_rep, None)
         for (n, cap), _ in g["mem"]:  # the optimizer's state in host memory (a shard's gradients / weights: below)
             ok &= rep + act(n) <= cap
         if not sharded:

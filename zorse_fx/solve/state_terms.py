@@ -27,7 +27,8 @@ import numpy as np
 
 __all__ = ["extra_copies", "stage_state_kib", "stage_optim_units", "extra_copies_matrix", "unique_params",
            "shardable_kib", "grad_shard_kib", "block_weight_kib", "gathered_weight_kib",
-           "gathered_weight_matrix", "GATHERED_UNITS", "max_window_sum", "stage_host_kib", "offload_host_kib"]
+           "gathered_weight_matrix", "GATHERED_UNITS", "max_window_sum", "stage_host_kib", "offload_host_kib",
+           "offload_replicated_kib"]
 
 
 def extra_copies(tied_blocks, i: int, j: int) -> list[tuple[int, int]]:
@@ -61,6 +62,20 @@ def stage_host_kib(tab, i: int, j: int) -> int:
     for t, c in extra_copies(tab.tied_blocks, i, j):
         host -= c * tab.tied_host[t]
     return host
+
+
+def offload_replicated_kib(tab, i: int, j: int) -> int:
+    """[C-offload]: KiB a replicated (unsharded) offloaded stage over blocks [i, j)
+    keeps on each GPU: its float32 weights (and, mixed, their autocast copies) and
+    gradients, each tied parameter once. Not R_s = state - Q_s: Q_s prices a 16-bit
+    working weight's float32 master as shardable, but only a sharded stage of two or
+    more GPUs has 16-bit working weights ([Note: 16-bit working weights]); a
+    replicated stage keeps every weight in float32 on the GPU and a host copy of it
+    ([Note: optimizer offload] in ``runtime/optimizer.py``)."""
+    rep = tab.off_rep_prefix[j] - tab.off_rep_prefix[i]
+    for t, c in extra_copies(tab.tied_blocks, i, j):
+        rep -= c * tab.tied_off_rep[t]
+    return rep
 
 
 def offload_host_kib(tab, i: int, j: int, shard_mib) -> tuple[int, ...]:

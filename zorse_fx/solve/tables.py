@@ -174,6 +174,12 @@ class IntTables:
     #: per parameter (KiB, rounded up per block); per tied parameter one copy's (rounded down).
     host_prefix: tuple[int, ...] = ()
     tied_host: tuple[int, ...] = ()
+    #: [C-offload]: prefix of what a replicated (unsharded) offloaded stage keeps on each GPU,
+    #: (state_bytes_per_param - shardable_bytes_per_param) per parameter, KiB rounded up per block;
+    #: per tied parameter one copy's (rounded down). Only a sharded stage of >= 2 GPUs has 16-bit
+    #: working weights (``plan_build``), so every weight of a replicated one stays float32 on the GPU.
+    off_rep_prefix: tuple[int, ...] = ()
+    tied_off_rep: tuple[int, ...] = ()
     #: (G,) host memory a GPU may offload to: floor(memory_fraction x its share of its node's
     #: ``host_memory_GiB``), KiB (0: none).
     host_cap: tuple[int, ...] = ()
@@ -311,8 +317,11 @@ def _host_tables(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions) 
                 else 0
                 for mem, link, hbw in zip(devices.host_memory_bytes or (0,) * n, devices.host_link_bytes_per_s
                                           or (0.0,) * n, devices.host_mem_bw_bytes_per_s or (0.0,) * n))
+    rep = costs.state_bytes_per_param - costs.shardable_bytes_per_param  # float32 weights and gradients
     return dict(host_prefix=_prefix(_kib_up(per_param * p) for p in costs.param_count),
                 tied_host=tuple(per_param * tp.numel // MEMORY_UNIT_BYTES for tp in costs.tied_params),
+                off_rep_prefix=_prefix(_kib_up(rep * p) for p in costs.param_count),
+                tied_off_rep=tuple(rep * tp.numel // MEMORY_UNIT_BYTES for tp in costs.tied_params),
                 host_cap=tuple(int(options.memory_fraction * mb) // MEMORY_UNIT_BYTES if o else 0
                                for mb, o in zip(devices.host_memory_bytes or (0,) * n, off)),
                 off_per_mib=off,
