@@ -300,8 +300,8 @@ def cmd_simulate(args) -> int:
     from .models.hf import CausalLMWithLoss, is_hf_causal_lm
     from .plan import Plan
     from .pricing import options_for_plan, price, simulate_plan
-    from .sim import gantt_png, to_perfetto
-    from .sim.trace import stage_memory
+    from .sim import gantt_png, stage_memory, to_perfetto
+
 
     plan = Plan.load(args.plan)
     cluster = Cluster.from_yaml(args.cluster)

@@ -574,7 +574,7 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse
                     f"({','.join(map(str, args.batch_sizes))})")
     if not args.model and args.no_standard:
         p.error("nothing to measure: give --model, or drop --no-standard")
-    for flag, path in (("-o/--output", args.output), ("--report", args.report), ("--plot", args.plot)):
+    for flag, path in (("-o", args.output), ("--report", args.report), ("--plot", args.plot)):
         _writable_file(p, flag, path)
     return args
 
