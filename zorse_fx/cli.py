@@ -302,7 +302,6 @@ def cmd_simulate(args) -> int:
     from .pricing import options_for_plan, price, simulate_plan
     from .sim import gantt_png, stage_memory, to_perfetto
 
-
     plan = Plan.load(args.plan)
     cluster = Cluster.from_yaml(args.cluster)
     _check_plan_cluster(plan, cluster, args.plan, args.cluster, any_cluster=args.any_cluster)
