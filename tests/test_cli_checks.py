@@ -268,3 +268,89 @@ def test_simulate_plan_without_cluster_fields_refused(replanned, tmp_path, capsy
     assert not (d / "simulate").exists()
     assert zorse_main(["simulate", str(d), "--model", "gpt", "--cluster", SMALL, "--any-cluster"]) == 0
     assert (d / "simulate" / "trace.json").is_file()
+
+
+# -- zorse train says what it trains on (issue 46) -------------------------------------------------
+
+def _named(exported, model_name: str):
+    """``exported`` (a 2-stage GPT plan with its weights) recorded as a plan of ``model_name``."""
+    from conftest import edit_plan_json
+
+    edit_plan_json(exported, lambda d: d.update(model_name=model_name))
+    return str(exported)
+
+
+def _refused_usage(argv, capsys) -> str:
+    with pytest.raises(SystemExit) as e:
+        zorse_main(argv)
+    assert e.value.code == 2
+    return capsys.readouterr().err.splitlines()[-1]
+
+
+def test_train_without_data_refused(exported, tmp_path, capsys):
+    """README's `zorse train runs/x/plan --steps 10 --out runs/x` trained on
+    gensim's Lee corpus in UTF-8 bytes without saying so, whatever the model's
+    tokenizer; with no --data, --tokens or --corpus it is refused, naming them,
+    before anything is read or written."""
+    out = tmp_path / "run"
+    assert _refused_usage(["train", str(exported), "--steps", "10", "--out", str(out)], capsys) == (
+        "zorse train: error: no training data: pass --data <name>.bin (a token file written by `zorse prepare-data`) "
+        "or --corpus SOURCE ('lee', a text file, a directory of *.txt, a datasets file) to tokenize one into "
+        "<out>/data/tokens.bin")
+    assert not out.exists()
+    assert _refused_usage(["train", str(exported), "--data", "d.bin", "--corpus", "lee", "--out", str(out)],
+                          capsys) == ("zorse train: error: --corpus lee and --data: give one (--corpus is tokenized "
+                                      "into <out>/data/tokens.bin and trained on instead)")
+    assert _refused_usage(["train", str(exported), "--data", "d.bin", "--tokenizer", "bytes", "--out", str(out)],
+                          capsys) == ("zorse train: error: --tokenizer bytes applies to --corpus; the token file of "
+                                      "--data/--tokens is tokenized already (`zorse prepare-data --tokenizer`)")
+    assert _refused_usage(["train", _named(exported, "mymod:build"), "--corpus", "lee", "--out", str(out)],
+                          capsys) == (
+        "zorse train: error: --corpus lee: which tokenizer? zorse_fx knows the tokenizers of smollm2-135m, gpt2-124m, "
+        "gpt, not of the plan's model 'mymod:build'; pass --tokenizer with the model's own (a Hugging Face tokenizer "
+        "directory or hub name)")
+    assert not out.exists()
+
+
+def test_train_corpus_uses_the_models_own_tokenizer(exported, tmp_path, capsys):
+    """`--corpus` without `--tokenizer` tokenizes with the plan's model's own
+    (bytes for `gpt`) and says so; `--dry-run` checks everything, writes the
+    ranks' options and prints the torchrun command, starting nothing."""
+    from zorse_fx.train_options import read_options_file
+
+    out = tmp_path / "run"
+    assert zorse_main(["train", _named(exported, "gpt"), "--corpus", "lee", "--steps", "3", "--out", str(out),
+                       "--dry-run"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0] == f"[zorse] training data: --corpus lee tokenized with bytes into {out / 'data' / 'tokens.bin'}"
+    assert printed[-2].startswith("[zorse] ") and printed[-2].endswith(f"-m zorse_fx.train --options-file "
+                                                                      f"{out / 'train_options.json'}")
+    assert printed[-1] == (f"[zorse] --dry-run: plan, weights and data checked, {out / 'train_options.json'} "
+                           f"written; nothing started")
+    assert json.loads((out / "data" / "tokens.json").read_text())["tokenizer"] == "bytes"
+    assert read_options_file(out / "train_options.json").data.data == str(out / "data" / "tokens.bin")
+    assert sorted(p.name for p in out.iterdir()) == ["data", "train_options.json"]  # no rank ran: no logs, metrics
+
+
+def test_train_bytes_for_a_model_with_its_own_tokenizer_refused(exported, tmp_path, capsys):
+    """SmolLM2's embeddings read its own token ids: byte tokens, asked for
+    (`--tokenizer bytes`) or in a token file (`--data`, its header says
+    bytes), are refused in one line naming the model's tokenizer."""
+    from zorse_fx.token_data import prepare_data
+
+    plan = _named(exported, "smollm2-135m")
+    out = tmp_path / "run"
+    assert zorse_main(["train", plan, "--corpus", "lee", "--tokenizer", "bytes", "--out", str(out)]) == 1
+    assert capsys.readouterr().err == (
+        "zorse: --corpus lee --tokenizer bytes: the tokens are UTF-8 bytes, but the plan's model smollm2-135m reads "
+        "smollm2-135m token ids; tokenize with its own: --tokenizer smollm2-135m (`zorse prepare-data SOURCE "
+        "--tokenizer smollm2-135m -o OUT`, or zorse train --corpus SOURCE without --tokenizer)\n")
+    assert not (out / "data").exists()
+    prepare_data("lee", tmp_path / "lee", tokenizer="bytes", progress=False)
+    data = str(tmp_path / "lee.bin")
+    assert zorse_main(["train", plan, "--data", data, "--out", str(out)]) == 1
+    assert capsys.readouterr().err == (
+        f"zorse: --data {data} (its header: tokenizer 'bytes'): the tokens are UTF-8 bytes, but the plan's model "
+        f"smollm2-135m reads smollm2-135m token ids; tokenize with its own: --tokenizer smollm2-135m (`zorse "
+        f"prepare-data SOURCE --tokenizer smollm2-135m -o OUT`, or zorse train --corpus SOURCE without --tokenizer)\n")
+    assert not (out / "train_options.json").exists()
