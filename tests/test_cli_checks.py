@@ -2,7 +2,12 @@
 (issue 33 item 7): the stage DP on one node of 8 A100s at global batch 4 and
 its refusal message, ``zorse plan --use-all-gpus``, ``--model module:fn``
 from the current directory, ``--seq-len`` against the model's positions and
-``zorse simulate`` on a cluster other than the plan's."""
+``zorse simulate`` on a cluster other than the plan's. Issue 46: no state
+left for the next command to trip on (``zorse plan -o`` over an older plan,
+``zorse simulate``'s output beside its plan, not in a shared directory), a
+plan without its cluster fields refused, ZeRO-3 labelled ZeRO-3, and ``zorse
+train`` saying what it trains on (no data: refused; ``--corpus``: the
+model's own tokenizer; byte tokens for SmolLM2: refused)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
 """A plan is data, checked before anything runs (issue 12): plan.json against
 its schema (``plan_schema``) and the cross-field rules, weights per tensor
 before they are copied into a stage, and messages that quote a value cut to a
-readable length (a YAML alias bomb in a cluster field). Every test asserts the
-message: the file, the field path, the value and the fix."""
+readable length (a YAML alias bomb in a cluster field), and JSON / YAML nested
+deeper than 100 levels in any file zorse_fx reads (issue 46). Every test
+asserts the message: the file, the field path, the value and the fix."""
 
 from __future__ import annotations
 

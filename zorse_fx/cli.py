@@ -6,7 +6,7 @@
     zorse train runs/x/plan --data runs/x/data/lee.bin --steps 10 --out runs/x
     zorse train runs/x/plan --corpus lee --tokenizer smollm2-135m --steps 10 --out runs/x  # prepares, then trains
     zorse show  runs/x/plan          # print a plan's table and schedule grid
-    zorse simulate runs/x/plan --model ... --cluster ...  # timeline: Perfetto JSON + Gantt PNG
+    zorse simulate runs/x/plan --model ... --cluster ...  # runs/x/plan/simulate/: Perfetto JSON + Gantt PNG
     zorse bench kernels --model smollm2-135m -o profiles/<type>.json   # kernel profile
     zorse bench comm --nproc 2 --out profiles/comm.json                # link alpha-beta fits, `links:`
 
@@ -168,9 +168,11 @@ def cmd_prepare_data(args) -> int:
 
 
 def cmd_train(args) -> int:
-    """Prepare the token file (``--corpus`` / ``--tokenizer``, unless ``--data``
-    or ``--tokens`` names one), write the ranks' options to
-    ``<out>/train_options.json`` and run the plan under torchrun
+    """Prepare the token file (``--corpus``, tokenized with ``--tokenizer`` or
+    the plan's model's own, unless ``--data`` or ``--tokens`` names one; with
+    none of them it is refused, ``_training_tokenizer``), write the ranks'
+    options to ``<out>/train_options.json`` (``--dry-run``: and stop there)
+    and run the plan under torchrun
     (``python -m zorse_fx.train --options-file ...``), supervised: a SIGINT or
     SIGTERM stops every rank (SIGTERM after ``--term-grace-s``, for a checkpoint),
     a rank whose heartbeat stops for ``--stall-timeout`` seconds ends the job
