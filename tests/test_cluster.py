@@ -426,8 +426,8 @@ name: numbers
 datacenters: [{name: us}, {name: eu}]
 nodes:
   - {name: a, datacenter: us, gpus: [{type: T4, count: 2, memory_GiB: 15}], host_memory_GiB: 512,
-     host_memory_bandwidth_GBps: 204.8, host_link: {bandwidth_GBps: 15.75}, intra_node: {bandwidth_GBps: 300, latency_us: 5},
-     nic: {bandwidth_Gbps: 25}}
+     host_memory_bandwidth_GBps: 204.8, host_link: {bandwidth_GBps: 15.75},
+     intra_node: {bandwidth_GBps: 300, latency_us: 5}, nic: {bandwidth_Gbps: 25}}
   - {name: b, datacenter: eu, gpus: [{type: MyGPU, count: 1}]}
 links:
   intra_node: {bandwidth_GBps: 16, latency_us: 10}

@@ -136,8 +136,8 @@ from .plan_table import GIB, plan_table  # noqa: F401 (GIB: importable from here
 from .precision import PRECISIONS, REDUCE_DTYPES, PrecisionPolicy, precision_policy
 from .stage_sources import source_sha256
 
-__all__ = ["PLAN_FORMAT_VERSION", "PLAN_DIR_ENTRIES", "MemoryBreakdown", "GPUShare", "StagePlan", "SolverReport", "Plan",
-           "RankRole", "check_plan_dir", "new_plan_dir"]
+__all__ = ["PLAN_FORMAT_VERSION", "PLAN_DIR_ENTRIES", "MemoryBreakdown", "GPUShare", "StagePlan", "SolverReport",
+           "Plan", "RankRole", "check_plan_dir", "new_plan_dir"]
 
 #: Bumped on any incompatible change of plan.json.
 PLAN_FORMAT_VERSION = 13

@@ -33,7 +33,8 @@ import torch.nn as nn
 
 from ..errors import ModelCaptureError
 
-__all__ = ["CausalLMWithLoss", "check_causal_lm", "check_wrapped_models", "is_hf_causal_lm", "smollm2_gguf_path", "load_smollm2_135m"]
+__all__ = ["CausalLMWithLoss", "check_causal_lm", "check_wrapped_models", "is_hf_causal_lm", "smollm2_gguf_path",
+           "load_smollm2_135m"]
 
 
 def is_hf_causal_lm(model: nn.Module) -> bool:
