@@ -189,6 +189,14 @@ def test_plan_into_existing_plan_dir_leaves_no_stale_stage_files(replanned):
     assert sorted(p.name for p in d.parent.iterdir()) == ["plan"]
 
 
+def test_zero3_plan_table_labels_zero3(replanned):
+    """The table of a ZeRO-3 plan with 16-bit working weights says ZeRO-3
+    everywhere (its 16-bit weights line named "the ZeRO-1 shards")."""
+    table = Plan.load(replanned[0]).table()
+    assert "), ZeRO-3," in table and "16-bit weights" in table and "Sharded parameters (ZeRO-3) on stage 0" in table
+    assert "their float32 masters in the optimizer-state shards)" in table and "ZeRO-1" not in table
+
+
 def test_plan_into_a_directory_that_is_not_a_plan_refused(tmp_path, capsys):
     """`-o` naming a directory with other files (the project, a run directory):
     one line naming them, before any planning; the directory untouched."""
