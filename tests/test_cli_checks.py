@@ -207,8 +207,8 @@ def test_plan_into_a_directory_that_is_not_a_plan_refused(tmp_path, capsys):
     assert zorse_main(["plan", "--model", "gpt", "--cluster", SMALL, "--global-batch-size", "8", "-o", str(d)]) == 1
     out = capsys.readouterr()
     assert out.err == (f"zorse: -o {d} is not a plan directory: it holds data/, notes.txt (a plan directory holds "
-                       f"only plan.json, stage_<i>.py, weights.pt, plan_request.json and simulate/), which writing a "
-                       f"plan there would replace; give a new or empty directory for the plan\n")
+                       f"only plan.json, stage_<i>.py, weights.pt, plan_request.json, cluster.yaml and simulate/), "
+                       f"which writing a plan there would replace; give a new or empty directory for the plan\n")
     assert "[zorse] captured" not in out.out
     assert sorted(p.name for p in d.iterdir()) == ["data", "notes.txt", "plan.json"]
     (tmp_path / "f").write_text("")
@@ -311,12 +311,6 @@ def test_train_without_data_refused(exported, tmp_path, capsys):
         "or --corpus SOURCE ('lee', a text file, a directory of *.txt, a datasets file) to tokenize one into "
         "<out>/data/tokens.bin")
     assert not out.exists()
-    assert _refused_usage(["train", str(exported), "--data", "d.bin", "--corpus", "lee", "--out", str(out)],
-                          capsys) == ("zorse train: error: --corpus lee and --data: give one (--corpus is tokenized "
-                                      "into <out>/data/tokens.bin and trained on instead)")
-    assert _refused_usage(["train", str(exported), "--data", "d.bin", "--tokenizer", "bytes", "--out", str(out)],
-                          capsys) == ("zorse train: error: --tokenizer bytes applies to --corpus; the token file of "
-                                      "--data/--tokens is tokenized already (`zorse prepare-data --tokenizer`)")
     assert _refused_usage(["train", _named(exported, "mymod:build"), "--corpus", "lee", "--out", str(out)],
                           capsys) == (
         "zorse train: error: --corpus lee: which tokenizer? zorse_fx knows the tokenizers of smollm2-135m, gpt2-124m, "

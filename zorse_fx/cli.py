@@ -238,9 +238,10 @@ def _training_tokenizer(cmd: TrainCommand, parser: argparse.ArgumentParser) -> s
     """The tokenizer ``zorse train`` tokenizes ``--corpus`` with (None: it reads
     ``--data`` / ``--tokens``): ``--tokenizer``, else the plan's model's own
     (``registry.model_tokenizer``). Refused (``parser.error``, exit 2): no
-    data at all (``zorse train`` does not pick a corpus for you), ``--corpus``
-    beside ``--data``/``--tokens``, ``--tokenizer`` without ``--corpus``, and
-    ``--corpus`` of a model whose tokenizer zorse_fx does not know."""
+    data at all (``zorse train`` does not pick a corpus for you), and
+    ``--corpus`` of a model whose tokenizer zorse_fx does not know.
+    (``--corpus`` / ``--tokenizer`` beside ``--data`` / ``--tokens``: refused
+    where the flags are parsed, [Note: options that cannot take effect].)"""
     from .models.registry import MODEL_NAMES, model_tokenizer
     from .plan import Plan
 
@@ -250,13 +251,7 @@ def _training_tokenizer(cmd: TrainCommand, parser: argparse.ArgumentParser) -> s
         parser.error("no training data: pass --data <name>.bin (a token file written by `zorse prepare-data`) or "
                      "--corpus SOURCE ('lee', a text file, a directory of *.txt, a datasets file) to tokenize one "
                      "into <out>/data/tokens.bin")
-    if given and corpus is not None:
-        parser.error(f"--corpus {corpus} and --{'data' if cmd.data.data is not None else 'tokens'}: give one "
-                     f"(--corpus is tokenized into <out>/data/tokens.bin and trained on instead)")
-    if corpus is None:
-        if tokenizer is not None:
-            parser.error(f"--tokenizer {tokenizer} applies to --corpus; the token file of --data/--tokens is "
-                         f"tokenized already (`zorse prepare-data --tokenizer`)")
+    if given:
         return None
     if tokenizer is None:
         model = Plan.load(cmd.data.plan).model_name

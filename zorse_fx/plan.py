@@ -713,8 +713,8 @@ class Plan:
 
 # [Note: writing a plan directory]
 # A plan directory holds one plan: plan.json, its stage_<i>.py (which plan.json
-# hashes), weights.pt and plan_request.json from `zorse plan`, and `zorse
-# simulate`'s output. A plan written over another must leave none of the old
+# hashes), weights.pt and plan_request.json from `zorse plan` (and an `--elastic`
+# re-plan's cluster.yaml), and `zorse simulate`'s output. A plan written over another must leave none of the old
 # one's files: a stage_3.py of a 4-stage plan beside a 3-stage plan.json, or
 # the old plan's weights, would be read by the next command as if they were the
 # new plan's. So `zorse plan -o` writes the whole new directory beside the old
@@ -726,9 +726,11 @@ class Plan:
 # an `-o` given by mistake (the project root, a run directory) must not be
 # emptied.
 
-#: The entries of a plan directory (``Plan.export``'s, ``zorse plan``'s and
-#: ``zorse simulate``'s files); ``__pycache__``: a stage file imported by hand.
-PLAN_DIR_ENTRIES = re.compile(r"plan\.json|stage_\d+\.py|weights\.pt|plan_request\.json|simulate|__pycache__")
+#: The entries of a plan directory (``Plan.export``'s, ``zorse plan``'s, an
+#: ``--elastic`` re-plan's cluster file and ``zorse simulate``'s output);
+#: ``__pycache__``: a stage file imported by hand.
+PLAN_DIR_ENTRIES = re.compile(
+    r"plan\.json|stage_\d+\.py|weights\.pt|plan_request\.json|cluster\.yaml|simulate|__pycache__")
 _EXPORTED = re.compile(r"stage_\d+\.py")  # the old plan's files Plan.export replaces (and plan.json)
 
 
@@ -752,8 +754,8 @@ def check_plan_dir(directory: str | Path, *, flag: str = "") -> None:
         shown = ", ".join(others[:5]) + (f" and {len(others) - 5} more" if len(others) > 5 else "")
         raise PlanDirectoryError(
             f"{where} is not a plan directory: it holds {shown} (a plan directory holds only plan.json, "
-            f"stage_<i>.py, weights.pt, plan_request.json and simulate/), which writing a plan there would "
-            f"replace; give a new or empty directory for the plan")
+            f"stage_<i>.py, weights.pt, plan_request.json, cluster.yaml and simulate/), which writing a plan there "
+            f"would replace; give a new or empty directory for the plan")
 
 
 def _unique() -> str:
