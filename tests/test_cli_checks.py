@@ -2,7 +2,12 @@
 (issue 33 item 7): the stage DP on one node of 8 A100s at global batch 4 and
 its refusal message, ``zorse plan --use-all-gpus``, ``--model module:fn``
 from the current directory, ``--seq-len`` against the model's positions and
-``zorse simulate`` on a cluster other than the plan's."""
+``zorse simulate`` on a cluster other than the plan's. Issue 46: no state
+left for the next command to trip on (``zorse plan -o`` over an older plan,
+``zorse simulate``'s output beside its plan, not in a shared directory), a
+plan without its cluster fields refused, ZeRO-3 labelled ZeRO-3, and ``zorse
+train`` saying what it trains on (no data: refused; ``--corpus``: the
+model's own tokenizer; byte tokens for SmolLM2: refused)."""
 
 from __future__ import annotations
 
@@ -148,3 +153,211 @@ def test_simulate_other_cluster_refused(exported, tmp_path, capsys):
                           f"bandwidths (cluster sha256 ") and err.count("\n") == 1
     assert not (tmp_path / "sim").exists()
     json.loads((exported / "plan.json").read_text())  # untouched
+
+
+# -- issue 46: no stray state, and plans simulated only on their cluster -----------------------------
+
+SMALL = str(CLUSTERS / "small_hetero.yaml")
+
+
+@pytest.fixture(scope="module")
+def replanned(plan, tmp_path_factory):
+    """`zorse plan -o d` (a 1-stage ZeRO-3 plan of `--model gpt`) into d that
+    held an older 2-stage plan: its plan.json, stage_0/1.py, weights, and a
+    `zorse simulate` output. Returns (d, the older plan's file names)."""
+    d = tmp_path_factory.mktemp("replan") / "plan"
+    plan.export(d)
+    (d / "weights.pt").write_bytes(b"the older plan's weights")
+    (d / "simulate").mkdir()
+    (d / "simulate" / "trace.json").write_text("{}")
+    before = sorted(p.name for p in d.iterdir())
+    assert zorse_main(["plan", "--model", "gpt", "--cluster", SMALL, "--global-batch-size", "8", "--seq-len", "32",
+                       "--planner", "stage_dp", "--sharding", "always", "--grad-sharding", "always",
+                       "--param-sharding", "always", "-o", str(d)]) == 0
+    return d, before
+
+
+def test_plan_into_existing_plan_dir_leaves_no_stale_stage_files(replanned):
+    """The new plan replaced the old one whole: no stage_1.py of the 2-stage
+    plan, no old weights or simulation, no temporary directory beside it."""
+    d, before = replanned
+    assert before == ["plan.json", "simulate", "stage_0.py", "stage_1.py", "weights.pt"]
+    plan = Plan.load(d)
+    assert plan.num_stages == 1 and plan.stages[0].param_sharded
+    assert sorted(p.name for p in d.iterdir()) == ["plan.json", "plan_request.json", "stage_0.py", "weights.pt"]
+    assert (d / "weights.pt").read_bytes()[:2] == b"PK"  # torch.save's zip, not the old bytes
+    assert sorted(p.name for p in d.parent.iterdir()) == ["plan"]
+
+
+def test_zero3_plan_table_labels_zero3(replanned):
+    """The table of a ZeRO-3 plan with 16-bit working weights says ZeRO-3
+    everywhere (its 16-bit weights line named "the ZeRO-1 shards")."""
+    table = Plan.load(replanned[0]).table()
+    assert "), ZeRO-3," in table and "16-bit weights" in table and "Sharded parameters (ZeRO-3) on stage 0" in table
+    assert "their float32 masters in the optimizer-state shards)" in table and "ZeRO-1" not in table
+
+
+def test_plan_into_a_directory_that_is_not_a_plan_refused(tmp_path, capsys):
+    """`-o` naming a directory with other files (the project, a run directory):
+    one line naming them, before any planning; the directory untouched."""
+    d = tmp_path / "x"
+    (d / "data").mkdir(parents=True)
+    (d / "notes.txt").write_text("mine")
+    (d / "plan.json").write_text("{}")
+    assert zorse_main(["plan", "--model", "gpt", "--cluster", SMALL, "--global-batch-size", "8", "-o", str(d)]) == 1
+    out = capsys.readouterr()
+    assert out.err == (f"zorse: -o {d} is not a plan directory: it holds data/, notes.txt (a plan directory holds "
+                       f"only plan.json, stage_<i>.py, weights.pt, plan_request.json, cluster.yaml and simulate/), "
+                       f"which writing a plan there would replace; give a new or empty directory for the plan\n")
+    assert "[zorse] captured" not in out.out
+    assert sorted(p.name for p in d.iterdir()) == ["data", "notes.txt", "plan.json"]
+    (tmp_path / "f").write_text("")
+    assert zorse_main(["plan", "--model", "gpt", "--cluster", SMALL, "--global-batch-size", "8",
+                       "-o", str(tmp_path / "f")]) == 1
+    assert capsys.readouterr().err == f"zorse: -o {tmp_path / 'f'} is a file, not a plan directory; give a new " \
+                                      f"directory for the plan\n"
+
+
+def test_interrupted_plan_write_keeps_the_old_plan(exported):
+    """A `zorse plan` that fails while writing (here: an error inside the
+    block) leaves the older plan as it was and no temporary directory."""
+    from zorse_fx.plan import new_plan_dir
+
+    files = {p.name: p.read_bytes() for p in exported.iterdir()}
+    with pytest.raises(OSError, match="disk full"):
+        with new_plan_dir(exported) as new:
+            (new / "plan.json").write_text("{}")
+            raise OSError("disk full")
+    assert {p.name: p.read_bytes() for p in exported.iterdir()} == files
+    assert sorted(p.name for p in exported.parent.iterdir()) == [exported.name]
+
+
+def test_simulate_writes_beside_the_plan_not_a_shared_runs_simulate(replanned, tmp_path, monkeypatch, capsys):
+    """Two plans simulated without --out: each timeline in its own
+    <plan>/simulate/ (was ./runs/simulate/, one plan's files overwriting
+    the other's); the ZeRO-3 stage is labelled ZeRO-3 (was "ZeRO-1 shard")."""
+    import shutil
+
+    d, other = tmp_path / "plan", tmp_path / "other"
+    shutil.copytree(replanned[0], d)
+    shutil.copytree(replanned[0], other)
+    monkeypatch.chdir(tmp_path)
+    for p in (d, other):
+        assert zorse_main(["simulate", str(p), "--model", "gpt", "--cluster", SMALL]) == 0
+        out = capsys.readouterr().out
+        assert f"[zorse] wrote {p / 'simulate' / 'trace.json'} (open in ui.perfetto.dev) and " \
+               f"{p / 'simulate' / 'gantt.png'}" in out
+        rows = [ln for ln in out.splitlines() if ln.startswith("  stage 0 rank")]
+        assert len(rows) == 2 and all(re.search(r", ZeRO-3 shard [0-9.]+ GiB$", r) for r in rows), out
+        assert "ZeRO-1" not in out
+        trace = json.loads((p / "simulate" / "trace.json").read_text())
+        assert {e["args"].get("memory") for e in trace["traceEvents"] if e["ph"] == "X" and e["cat"] in "FB"} \
+            == {"ZeRO-3"}
+    assert not (tmp_path / "runs").exists()
+    shutil.rmtree(other / "simulate")
+    assert zorse_main(["simulate", str(other), "--model", "gpt", "--cluster", SMALL, "--out", "sim"]) == 0
+    assert (tmp_path / "sim" / "trace.json").is_file() and not (other / "simulate").exists()
+
+
+@pytest.mark.parametrize("case", ["fields removed", "format 12"])
+def test_simulate_plan_without_cluster_fields_refused(replanned, tmp_path, capsys, case):
+    """A plan.json that does not record its cluster (older than format 13, or
+    the fields deleted) is refused in one line instead of simulated on any
+    cluster; --any-cluster simulates it anyway."""
+    import shutil
+
+    d = tmp_path / "p"
+    shutil.copytree(replanned[0], d)
+    text = json.loads((d / "plan.json").read_text())
+    del text["cluster_gpus"], text["cluster_sha256"]
+    if case == "format 12":
+        text["version"] = 12
+    (d / "plan.json").write_text(json.dumps(text))
+    assert zorse_main(["simulate", str(d), "--model", "gpt", "--cluster", SMALL]) == 1
+    assert capsys.readouterr().err == (
+        f"zorse: plan {d} does not record the cluster it was made for (cluster_gpus and cluster_sha256 missing: a "
+        f"plan.json older than format version 13, or edited); re-plan with `zorse plan --cluster {SMALL} ...`, or "
+        f"pass --any-cluster to simulate it on {SMALL} as it is\n")
+    assert not (d / "simulate").exists()
+    assert zorse_main(["simulate", str(d), "--model", "gpt", "--cluster", SMALL, "--any-cluster"]) == 0
+    assert (d / "simulate" / "trace.json").is_file()
+
+
+# -- zorse train says what it trains on (issue 46) -------------------------------------------------
+
+def _named(exported, model_name: str):
+    """``exported`` (a 2-stage GPT plan with its weights) recorded as a plan of ``model_name``."""
+    from conftest import edit_plan_json
+
+    edit_plan_json(exported, lambda d: d.update(model_name=model_name))
+    return str(exported)
+
+
+def _refused_usage(argv, capsys) -> str:
+    with pytest.raises(SystemExit) as e:
+        zorse_main(argv)
+    assert e.value.code == 2
+    return capsys.readouterr().err.splitlines()[-1]
+
+
+def test_train_without_data_refused(exported, tmp_path, capsys):
+    """README's `zorse train runs/x/plan --steps 10 --out runs/x` trained on
+    gensim's Lee corpus in UTF-8 bytes without saying so, whatever the model's
+    tokenizer; with no --data, --tokens or --corpus it is refused, naming them,
+    before anything is read or written."""
+    out = tmp_path / "run"
+    assert _refused_usage(["train", str(exported), "--steps", "10", "--out", str(out)], capsys) == (
+        "zorse train: error: no training data: pass --data <name>.bin (a token file written by `zorse prepare-data`) "
+        "or --corpus SOURCE ('lee', a text file, a directory of *.txt, a datasets file) to tokenize one into "
+        "<out>/data/tokens.bin")
+    assert not out.exists()
+    assert _refused_usage(["train", _named(exported, "mymod:build"), "--corpus", "lee", "--out", str(out)],
+                          capsys) == (
+        "zorse train: error: --corpus lee: which tokenizer? zorse_fx knows the tokenizers of smollm2-135m, gpt2-124m, "
+        "gpt, not of the plan's model 'mymod:build'; pass --tokenizer with the model's own (a Hugging Face tokenizer "
+        "directory or hub name)")
+    assert not out.exists()
+
+
+def test_train_corpus_uses_the_models_own_tokenizer(exported, tmp_path, capsys):
+    """`--corpus` without `--tokenizer` tokenizes with the plan's model's own
+    (bytes for `gpt`) and says so; `--dry-run` checks everything, writes the
+    ranks' options and prints the torchrun command, starting nothing."""
+    from zorse_fx.train_options import read_options_file
+
+    out = tmp_path / "run"
+    assert zorse_main(["train", _named(exported, "gpt"), "--corpus", "lee", "--steps", "3", "--out", str(out),
+                       "--dry-run"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0] == f"[zorse] training data: --corpus lee tokenized with bytes into {out / 'data' / 'tokens.bin'}"
+    assert printed[-2].startswith("[zorse] ") and printed[-2].endswith(f"-m zorse_fx.train --options-file "
+                                                                      f"{out / 'train_options.json'}")
+    assert printed[-1] == (f"[zorse] --dry-run: plan, weights and data checked, {out / 'train_options.json'} "
+                           f"written; nothing started")
+    assert json.loads((out / "data" / "tokens.json").read_text())["tokenizer"] == "bytes"
+    assert read_options_file(out / "train_options.json").data.data == str(out / "data" / "tokens.bin")
+    assert sorted(p.name for p in out.iterdir()) == ["data", "train_options.json"]  # no rank ran: no logs, metrics
+
+
+def test_train_bytes_for_a_model_with_its_own_tokenizer_refused(exported, tmp_path, capsys):
+    """SmolLM2's embeddings read its own token ids: byte tokens, asked for
+    (`--tokenizer bytes`) or in a token file (`--data`, its header says
+    bytes), are refused in one line naming the model's tokenizer."""
+    from zorse_fx.token_data import prepare_data
+
+    plan = _named(exported, "smollm2-135m")
+    out = tmp_path / "run"
+    assert zorse_main(["train", plan, "--corpus", "lee", "--tokenizer", "bytes", "--out", str(out)]) == 1
+    assert capsys.readouterr().err == (
+        "zorse: --corpus lee --tokenizer bytes: the tokens are UTF-8 bytes, but the plan's model smollm2-135m reads "
+        "smollm2-135m token ids; tokenize with its own: --tokenizer smollm2-135m (`zorse prepare-data SOURCE "
+        "--tokenizer smollm2-135m -o OUT`, or zorse train --corpus SOURCE without --tokenizer)\n")
+    assert not (out / "data").exists()
+    prepare_data("lee", tmp_path / "lee", tokenizer="bytes", progress=False)
+    data = str(tmp_path / "lee.bin")
+    assert zorse_main(["train", plan, "--data", data, "--out", str(out)]) == 1
+    assert capsys.readouterr().err == (
+        f"zorse: --data {data} (its header: tokenizer 'bytes'): the tokens are UTF-8 bytes, but the plan's model "
+        f"smollm2-135m reads smollm2-135m token ids; tokenize with its own: --tokenizer smollm2-135m (`zorse "
+        f"prepare-data SOURCE --tokenizer smollm2-135m -o OUT`, or zorse train --corpus SOURCE without --tokenizer)\n")
+    assert not (out / "train_options.json").exists()

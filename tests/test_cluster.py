@@ -418,3 +418,60 @@ def test_declared_gpu_type_with_an_arch_is_priced_by_its_class_model(tmp_path):
     data["gpu_types"]["MyVolta"] = {**base, "arch": "volt", "tf32_tensor_tflops": 62.5}
     expect_error(write(tmp_path, data), "gpu_types.MyVolta.arch: unknown architecture class", "did you mean 'volta'?",
                  "pascal")
+
+
+# -- numbers YAML 1.1 reads as strings (issue 46) ----------------------------
+EVERY_NUMBER = """\
+name: numbers
+datacenters: [{name: us}, {name: eu}]
+nodes:
+  - {name: a, datacenter: us, gpus: [{type: T4, count: 2, memory_GiB: 15}], host_memory_GiB: 512,
+     host_memory_bandwidth_GBps: 204.8, host_link: {bandwidth_GBps: 15.75},
+     intra_node: {bandwidth_GBps: 300, latency_us: 5}, nic: {bandwidth_Gbps: 25}}
+  - {name: b, datacenter: eu, gpus: [{type: MyGPU, count: 1}]}
+links:
+  intra_node: {bandwidth_GBps: 16, latency_us: 10}
+  inter_node: {bandwidth_Gbps: 100, latency_ms: 0.02}
+  cross_datacenter: {bandwidth_Gbps: 1000, latency_ms: 50}
+  overrides: [{between: [a, b], bandwidth_bytes_per_s: 500000000, latency_s: 0.011}]
+shared_links:
+  - {name: wan, between: [{datacenter: us}, {datacenter: eu}], bandwidth_Gbps: 1}
+gpu_types:
+  MyGPU: {memory_GiB: 32, mem_bw_GBps: 900, fp32_tflops: 15, fp16_tensor_tflops: 120, bf16_supported: false,
+          source: vendor sheet, arch: volta, tdp_w: 300, tf32_tensor_tflops: 60}
+"""
+
+
+def _exponent(match: re.Match) -> str:
+    """A number of EVERY_NUMBER written as YAML 1.1 reads a string: no dot or no exponent sign (2e2, 1.5e1)."""
+    value = float(match.group(2))
+    mantissa, exp = f"{value:e}".split("e")
+    mantissa = mantissa.rstrip("0").rstrip(".")
+    return f"{match.group(1)}{mantissa}e{int(exp)}"
+
+
+def test_yaml_exponent_numbers_accepted(tmp_path):
+    """`host_memory_GiB: 1e9`, `1.5e3`: YAML 1.1 (PyYAML) reads them as strings;
+    every numeric field of a cluster file reads them as the numbers they are
+    (YAML 1.2), so the file equals the one with the plain numbers."""
+    rewritten = re.sub(r"(\b(?!count)\w+: )([0-9][0-9.]*)\b", _exponent, EVERY_NUMBER)
+    assert "host_memory_GiB: 5.12e2" in rewritten and "latency_ms: 2e-2" in rewritten
+    assert "fp32_tflops: 1.5e1" in rewritten and "count: 2," in rewritten
+    assert not re.search(r"\b(?!count)\w+: [0-9.]+[,}\n]", rewritten), "a number left unrewritten"
+    plain = Cluster.from_yaml(write(tmp_path, EVERY_NUMBER, "plain.yaml"))
+    assert Cluster.from_yaml(write(tmp_path, rewritten, "exponents.yaml")) == plain
+    assert plain.node_host_memory_bytes[0] == 512 * GiB
+    path = write(tmp_path, EVERY_NUMBER.replace("host_memory_GiB: 512", "host_memory_GiB: 1e9"), "big.yaml")
+    assert Cluster.from_yaml(path).node_host_memory_bytes[0] == 10**9 * GiB
+
+
+def test_yaml_quoted_number_named_as_a_string(tmp_path):
+    """A quoted number stays a string (as in every YAML version): the message says
+    YAML read it as a string and how to write it."""
+    path = write(tmp_path, EVERY_NUMBER.replace("host_memory_GiB: 512", "host_memory_GiB: '1e9'"))
+    assert expect_error(path, "nodes[0].host_memory_GiB") == (
+        f"{path}: nodes[0].host_memory_GiB: must be a positive number; YAML read '1e9' as a string because it is "
+        f"quoted; write it without quotes: host_memory_GiB: 1e9")
+    path = write(tmp_path, EVERY_NUMBER.replace("latency_us: 10}", 'latency_us: "10"}'))
+    expect_error(path, "links.intra_node.latency_us: must be a number >= 0; YAML read '10' as a string because it "
+                       "is quoted; write it without quotes: latency_us: 10")

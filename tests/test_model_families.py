@@ -8,11 +8,13 @@ Refused at capture, before the planner runs, with a one-line reason: a loss
 that is not the mean over the samples ([Note: the loss contract] in
 zorse_fx/capture/trace.py), Hugging Face models that are not decoder-only
 causal LMs or add the router's batch-wide loss ([Note: which Hugging Face
-models] in zorse_fx/models/hf.py), inputs other than token batches, and
-batch-norm layers in training mode.
+models] in zorse_fx/models/hf.py), alone or inside a user's wrapper module,
+inputs other than token batches, and batch-norm layers in training mode.
 """
 
 from __future__ import annotations
+
+import sys
 
 import pytest
 import torch
@@ -23,6 +25,7 @@ import zorse_fx as zorse
 from conftest import (CLUSTERS, FP32, assert_grads_match, first_batch, fixed_plan, reference_step, run_distributed,
                       with_memory_policy)
 from zorse_fx.capture import analyse, capture
+from zorse_fx.cli import main as zorse_main
 from zorse_fx.errors import ModelCaptureError
 
 T = 16
@@ -192,6 +195,73 @@ def test_vit_refused():
     with pytest.raises(ModelCaptureError, match=r"^Wrapped takes inputs \(2, 3, 16, 16\) float32, \(2,\) int64; "
                                                 r"zorse_fx trains on token batches"):
         _compile(Wrapped(), torch.randn(2, 3, 16, 16), torch.tensor([0, 2]))
+
+
+T5_WRAPPER = """\
+import torch
+from transformers import T5Config, T5ForConditionalGeneration
+
+
+class Seq2Seq(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.t5 = T5ForConditionalGeneration(T5Config(vocab_size=256, d_model=32, d_kv=8, d_ff=64, num_layers=1,
+                                                      num_heads=4, decoder_start_token_id=0))
+
+    def forward(self, ids, labels):
+        return self.t5(input_ids=ids, labels=labels).loss
+
+
+def build():
+    return Seq2Seq()
+"""
+
+
+def test_t5_in_a_wrapper_refused(tmp_path, monkeypatch, capsys):
+    """`zorse plan --model mymod:build` of a wrapper holding a T5: the
+    README's one-line refusal naming the wrapper and where the T5 sits, before
+    capture (was a raw view error from tracing, or a plan of a model
+    zorse_fx does not train)."""
+    (tmp_path / "zorse_test_t5mod.py").write_text(T5_WRAPPER)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delitem(sys.modules, "zorse_test_t5mod", raising=False)
+    assert zorse_main(["plan", "--model", "zorse_test_t5mod:build", "--cluster", str(CLUSTER), "--global-batch-size",
+                       "4", "--seq-len", str(T), "-o", str(tmp_path / "p")]) == 1
+    out = capsys.readouterr()
+    assert out.err == ("zorse: Seq2Seq holds a T5ForConditionalGeneration (.t5), which is an encoder-decoder model; "
+                       "zorse_fx pipelines decoder-only causal LMs, not an encoder and a decoder\n")
+    assert "[zorse] captured" not in out.out and not (tmp_path / "p").exists()
+
+
+def test_non_causal_models_in_a_wrapper_refused():
+    """The other models zorse_fx does not train, inside a wrapper: a masked LM,
+    a bidirectional encoder (BertModel without is_decoder), a MoE router loss;
+    a base decoder under the wrapper's own head, and a decoder-configured
+    BERT, are the wrapper's business and pass."""
+    from transformers import (BertConfig, BertForMaskedLM, BertModel, LlamaConfig, LlamaModel, MixtralConfig,
+                              MixtralForCausalLM)
+
+    from zorse_fx.models.hf import check_wrapped_models
+
+    class Wrapper(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.body = nn.ModuleDict({"lm": inner})
+
+    bert = BertConfig(vocab_size=256, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64)
+    for inner, why in (
+            (BertForMaskedLM(bert), "which is a masked LM; zorse_fx trains causal LMs with a next-token loss"),
+            (BertModel(bert), "which has is_decoder=False: its attention is bidirectional"),
+            (MixtralForCausalLM(MixtralConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                              num_attention_heads=4, num_key_value_heads=2, num_local_experts=2,
+                                              output_router_logits=True)),
+             "which adds its router's load-balancing loss (output_router_logits=True)")):
+        with pytest.raises(ModelCaptureError) as e:
+            capture(Wrapper(inner), (torch.randint(0, 256, (2, T)),) * 2)
+        assert str(e.value).startswith(f"Wrapper holds a {type(inner).__name__} (.body.lm), {why}"), str(e.value)
+    check_wrapped_models(Wrapper(LlamaModel(LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64,
+                                                        num_hidden_layers=1, num_attention_heads=4))))
+    check_wrapped_models(Wrapper(BertModel(BertConfig(**{**bert.to_dict(), "is_decoder": True}))))
 
 
 def test_batchnorm_refused_at_plan_time():

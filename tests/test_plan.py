@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import re
 from fractions import Fraction
 
 import pytest
@@ -537,3 +538,29 @@ def test_solver_verdict_says_what_is_proven():
     assert inter.startswith("the best plan found (OPTIMAL+INTERLEAVED)") and "proven" not in inter
     assert "25% slower than the throughput bound" in inter and "no plan of these options is faster" in inter
     assert report("STAGE_DP", bound=0.0).verdict(3.0) == "the best plan found (STAGE_DP)"
+
+
+def test_export_into_existing_plan_dir_removes_stale_stage_files(plan, tmp_path):
+    """Plan.export over a plan of more stages: the old stage_<i>.py it does not
+    write are removed (they would sit beside a plan.json that does not name
+    them), the weights kept (a re-export in place of a loaded plan keeps
+    them); a directory holding other files is refused in one line."""
+    from zorse_fx.errors import PlanDirectoryError
+
+    d = tmp_path / "p"
+    plan.export(d)
+    (d / "weights.pt").write_bytes(b"weights")
+    one = _gpt_plan(2, (), ((0, 1),), ((3, 1),))
+    assert one.num_stages == 1
+    assert one.export(d) == d / "plan.json"
+    assert sorted(p.name for p in d.iterdir()) == ["plan.json", "stage_0.py", "weights.pt"]
+    assert Plan.load(d) == one and (d / "weights.pt").read_bytes() == b"weights"
+    Plan.load(d).export(d)  # in place
+    assert sorted(p.name for p in d.iterdir()) == ["plan.json", "stage_0.py", "weights.pt"]
+    (d / "notes.txt").write_text("mine")
+    with pytest.raises(PlanDirectoryError, match=re.escape(
+            f"{d} is not a plan directory: it holds notes.txt (a plan directory holds only plan.json, stage_<i>.py, "
+            f"weights.pt, plan_request.json, cluster.yaml and simulate/), which writing a plan there would replace; "
+            f"give a new or empty directory for the plan")):
+        plan.export(d)
+    assert Plan.load(d) == one and not (d / "stage_1.py").exists()

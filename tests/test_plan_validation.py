@@ -1,8 +1,9 @@
 """A plan is data, checked before anything runs (issue 12): plan.json against
 its schema (``plan_schema``) and the cross-field rules, weights per tensor
 before they are copied into a stage, and messages that quote a value cut to a
-readable length (a YAML alias bomb in a cluster field). Every test asserts the
-message: the file, the field path, the value and the fix."""
+readable length (a YAML alias bomb in a cluster field), and JSON / YAML nested
+deeper than 100 levels in any file zorse_fx reads (issue 46). Every test
+asserts the message: the file, the field path, the value and the fix."""
 
 from __future__ import annotations
 
@@ -321,3 +322,96 @@ def test_short_repr():
     assert short_repr(loop) == repr(loop) == "[1, [...]]"
     assert short_repr(10**5000) == "<int of 16610 bits>"
     assert short_repr(Cluster.from_yaml(CLUSTERS / "small_hetero.yaml"), 30).endswith("...")
+
+
+# -- deep nesting: one line naming the file and the limit, no RecursionError (issue 46) ----------
+
+DEEP = 10_000  # nested lists: past Python's recursion limit (json, PyYAML) and pyarrow's C stack
+
+
+def _deep_json(first_fields: str) -> str:
+    """A JSON object of a format's first fields and one value nested ``DEEP`` lists deep."""
+    return "{" + first_fields + ', "deep": ' + "[" * DEEP + "]" * DEEP + "}\n"
+
+
+def _readers(tmp_path):
+    """(the file to write, its format, how zorse_fx reads it) for every JSON file format it reads."""
+    from zorse_fx.cost.profile import KERNEL_PROFILE_FILE, KernelProfile
+    from zorse_fx.plan_schema import PLAN_FILE
+    from zorse_fx.profiling.comm import COMM_PROFILE_FILE, CommProfile
+    from zorse_fx.runtime.checkpoint import MANIFEST, MANIFEST_FILE, read_manifest
+    from zorse_fx.token_data import TOKEN_HEADER_FILE, TokenData
+    from zorse_fx.train_options import _options_file, read_options_file
+
+    (tmp_path / "plan").mkdir()
+    (tmp_path / "step_2").mkdir()
+    (tmp_path / "tokens.bin").write_bytes(b"\0\0")
+    return [(tmp_path / "plan" / "plan.json", PLAN_FILE, lambda p: Plan.load(p.parent)),
+            (tmp_path / "train_options.json", _options_file(), read_options_file),
+            (tmp_path / "step_2" / MANIFEST, MANIFEST_FILE, lambda p: read_manifest(p.parent)),
+            (tmp_path / "tokens.json", TOKEN_HEADER_FILE, lambda p: TokenData.open(p.with_suffix(".bin"))),
+            (tmp_path / "kernels.json", KERNEL_PROFILE_FILE, KernelProfile.load),
+            (tmp_path / "comm.json", COMM_PROFILE_FILE, CommProfile.load)]
+
+
+def test_deep_json_refused_in_every_file_format(tmp_path):
+    """10,000 nested lists in plan.json, train_options.json, a checkpoint
+    manifest, a token header, a kernel or a communication profile: the
+    format's error naming the file, the line and the limit (was a bare
+    RecursionError from json)."""
+    for path, fmt, read in _readers(tmp_path):
+        path.write_text(_deep_json(f'"format": "{fmt.name}",\n"version": {max(fmt.versions)}'))
+        with pytest.raises(fmt.error) as e:
+            read(path)
+        assert str(e.value) == (f"{path}: values nested more than 100 levels deep (arrays or objects inside each "
+                                f"other) at line 2; a {fmt.what} file is a few levels deep: {fmt.remake}"), fmt.name
+        assert isinstance(e.value, ValueError)
+
+
+def test_deep_json_limit_is_100_levels_outside_strings():
+    from zorse_fx.file_schema import MAX_NESTING_DEPTH, json_too_deep
+
+    assert MAX_NESTING_DEPTH == 100
+    assert json_too_deep(["{\"a\": " + "[" * 99 + "]" * 99 + "}"]) is None  # 100 levels, the object's included
+    assert json_too_deep(["{\"a\": ", "[" * 100 + "]" * 100 + "}"]) == 2
+    assert json_too_deep(["[1, [2]]"] * 1000) is None  # depth is of nesting, not of the count of brackets
+    assert json_too_deep(['{"text": "' + "[" * 500 + '\\" {{{"}']) is None  # brackets in a string, escaped quote
+    assert json_too_deep([b'{"text": "[[[["}\n', b"[" * 101 + b"\n"]) == 2  # JSON Lines as bytes
+
+
+def test_zorse_show_of_a_deep_plan_json_prints_one_line(exported, capsys):
+    path = exported / "plan.json"
+    lines = path.read_text().splitlines()
+    line = next(i for i, ln in enumerate(lines, 1) if '"seq_len": 16' in ln)
+    path.write_text(path.read_text().replace('"seq_len": 16', '"seq_len": ' + "[" * DEEP + "]" * DEEP, 1))
+    assert zorse_main(["show", str(exported)]) == 1
+    assert capsys.readouterr().err == (f"zorse: {path}: values nested more than 100 levels deep (arrays or objects "
+                                       f"inside each other) at line {line}; a plan file is a few levels deep: "
+                                       f"{REEXPORT}\n")
+
+
+def test_deep_yaml_cluster_file_refused(tmp_path, capsys):
+    """10,000 nested lists in a cluster file, and 60-deep lists chained 40 times
+    through aliases (2,400 levels once expanded): one line naming the file,
+    the place and the limit (was a RecursionError from PyYAML's composer)."""
+    path = tmp_path / "deep.yaml"
+    path.write_text("name: deep\nnodes: " + "[" * DEEP + "]" * DEEP + "\n")
+    with pytest.raises(ClusterConfigError) as e:
+        Cluster.from_yaml(path)
+    assert str(e.value) == (f"{path}: refused YAML nesting at line 2, column 107: values nested more than 100 levels "
+                            f"deep (lists or mappings inside each other); a cluster file is a few levels deep; fix the "
+                            f"YAML there")
+    chained = "".join(f"x{k}: &x{k} " + "[" * 60 + (f"*x{k - 1}" if k else "1") + "]" * 60 + "\n" for k in range(40))
+    path.write_text(chained)
+    with pytest.raises(ClusterConfigError, match=r"refused YAML nesting at line 2, column \d+: values nested more "
+                                                 r"than 100 levels deep \(lists or mappings inside each other\) once "
+                                                 r"its aliases \(\*name\) are expanded; a cluster file is"):
+        Cluster.from_yaml(path)
+    assert zorse_main(["plan", "--model", "gpt", "--cluster", str(path), "--global-batch-size", "4",
+                       "-o", str(tmp_path / "p")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"zorse: {path}: refused YAML nesting at line 2") and err.count("\n") == 1
+    # 99 lists under the top-level mapping (100 levels) still parse, and reach the cluster checks
+    path.write_text("name: ok\nnodes: " + "[" * 99 + "]" * 99 + "\n")
+    with pytest.raises(ClusterConfigError, match=r"nodes\[0\]: must be a mapping"):
+        Cluster.from_yaml(path)

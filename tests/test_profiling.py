@@ -192,6 +192,68 @@ def test_bench_kernels_harness_writes_profile(tmp_path, capsys):
     assert "kernel profile: cpu-test" in printed
 
 
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--model", "gpt", "--batch-sizes", "1"],
+     "--batch-sizes 1: the model sweep needs two or more micro-batch sizes (each node's time is fitted between the "
+     "smallest and the largest), e.g. --batch-sizes 1,4"),
+    (["--batch-sizes", "1"],
+     "--batch-sizes 1: the `fake` replay's calibration runs --calibrate 'gpt' whole at the largest micro-batch "
+     "size, which must be >= 2 (capture keeps the batch dimension symbolic); e.g. --batch-sizes 1,4, or "
+     "--calibrate '' to skip it"),
+    (["--model", "gpt", "--batch-sizes", "0,4"],
+     "--batch-sizes '0,4': give micro-batch sizes, integers >= 1 separated by commas, e.g. --batch-sizes 1,4"),
+    (["--model", "gpt", "--batch-sizes", "4,4"],
+     "--batch-sizes '4,4': micro-batch sizes given twice; give each once, e.g. --batch-sizes 1,4"),
+    (["--model", "gpt", "--seq-len", "64k"],
+     "--seq-len '64k': give sequence lengths, integers >= 1 separated by commas, e.g. --seq-len 64,256"),
+    (["--model", "gtp"], "--model 'gtp': unknown model; use one of smollm2-135m, gpt2-124m, gpt, "),
+    (["--model", "gpt", "--layers", "2"], "--layers applies to the published models ("),
+    (["--model", "llama2-7b", "--layers", "0"], "--layers 0: give the decoder layers to keep, an integer >= 1"),
+    (["--repeats", "0"], "--repeats 0: give an integer >= 1"),
+    (["--threads", "0"], "--threads 0: give an integer >= 1"),
+    (["--flush-bytes", "-1"], "--flush-bytes -1: give an integer >= 0"),
+    (["--cpu-scale", "0"], "--cpu-scale 0.0: give a scale > 0 of the standard shapes (default 0.25)"),
+    (["--precision", "fp8"], "--precision 'fp8': use one of fp32, bf16-mixed, fp16-mixed"),
+    (["--model", "gpt", "--report", "r.json"],
+     "--report applies to the `graph` replay (this one is `fake`: the default on a CPU); add --replay graph or "
+     "drop --report"),
+    (["--model", "gpt", "--replay", "graph", "--seq-len", "16,32", "--calibrate-at", "64,1"],
+     "--calibrate-at 64,1: not a measured point; give SEQ from --seq-len (16,32) and MICRO_BATCH from "
+     "--batch-sizes (1,8)"),
+    (["--model", "gpt", "--replay", "graph", "--calibrate-at", "64"],
+     "--calibrate-at '64': give SEQ,MICRO_BATCH, e.g. --calibrate-at 4096,1"),
+    (["--no-standard"], "nothing to measure: give --model, or drop --no-standard"),
+])
+def test_bench_kernels_batch_sizes_1_refused(tmp_path, capsys, argv, message):
+    """`zorse bench kernels --batch-sizes 1` failed after the whole sweep
+    (165 s) naming an internal argument (example_inputs[0]); every option is
+    now checked before anything is loaded: one line naming the flag, exit 2."""
+    from zorse_fx.cli import main
+
+    if torch.cuda.is_available():
+        pytest.skip("the messages name the CPU's default replay (`fake`)")
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "kernels", *argv, "-o", str(tmp_path / "p.json")])
+    assert e.value.code == 2
+    last = capsys.readouterr().err.splitlines()[-1]
+    assert last.startswith(f"zorse bench kernels: error: {message}"), last
+    assert not (tmp_path / "p.json").exists()
+    with pytest.raises(SystemExit):  # `python -m zorse_fx.profiling.kernels_main` checks the same
+        __import__("zorse_fx.profiling.kernels_main", fromlist=["main"]).main([*argv, "-o", str(tmp_path / "p.json")])
+    assert capsys.readouterr().err.splitlines()[-1] == last
+
+
+def test_bench_kernels_output_directory_refused(tmp_path, capsys):
+    from zorse_fx.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "kernels", "--model", "gpt", "--batch-sizes", "1,2", "-o", str(tmp_path)])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"zorse bench kernels: error: -o {tmp_path}: is a directory; give the file to write, e.g. "
+        f"-o {tmp_path / 'profile.json'}")
+
+
 def test_planner_uses_profile_for_profiled_types(tmp_path):
     """A cluster of a profiled device type is priced from the profile."""
     import zorse_fx as zorse

@@ -1,11 +1,30 @@
-"""Every `zorse ...` command in README.md's shell code blocks runs as written.
+"""README.md's examples run as written: every `zorse ...` command of its shell
+blocks, the `torchrun ... -m zorse_fx.train` line, and the Python blocks of
+its "Use" section.
 
-Each command is parsed by the real CLI parser (`cli.build_parser`), so a README
-line with a wrong option or an unknown subcommand fails here with the line
-quoted. The cheap ones are also run, in a scratch directory holding the plan
-they name: `zorse --version`, `--help`s, `zorse show`, `zorse prepare-data`
-and `zorse bench comm` (2 Gloo ranks, the README's own sweep, ~15 s); the
-training and planning commands (minutes each here) are parsed only."""
+Every command is parsed by the real CLI parser (`cli.build_parser`), so a
+README line with a wrong option or an unknown subcommand fails here with the
+line quoted. Then each runs in a scratch directory laid out as README's
+commands expect (`runs/x/plan` is the plan README's first `zorse plan`
+makes; inputs of the prepare-data examples made from the Lee corpus;
+`mymodel.py` from README's own block), except where a full run takes
+minutes on this CPU:
+
+- `zorse train`: run with `--dry-run` added: every check a run makes first
+  (plan, weights, the token file or the corpus tokenized, `--resume`'s
+  checkpoint, `--elastic`'s plan request), the options file written and the
+  torchrun command printed, but no step (10-200 SmolLM2 steps take minutes);
+- `torchrun ... -m zorse_fx.train ...` (every node of a multi-node run): its
+  flags parsed by `zorse_fx.train`'s own parser;
+- `zorse bench kernels`: its options checked (`kernels_main.check_args`)
+  with the `graph` replay a GPU defaults to: README's command is for a GPU,
+  and sweeping two Llama-2-7B layers takes minutes here;
+- the second SmolLM2 `zorse plan` (`--use-all-gpus`): parsed only: it
+  plans the same model on the same cluster as the first (another minute);
+  the flag's effect is run by `tests/test_cli_checks.py::test_use_all_gpus_flag`.
+
+The "Use" blocks run in order in one namespace, in a directory of their own
+beside `examples/` (they read examples/clusters/ and write runs/x/plan)."""
 
 from __future__ import annotations
 
@@ -24,6 +43,7 @@ import pytest
 
 from zorse_fx.cli import build_parser
 from zorse_fx.cli import main as zorse_main
+from zorse_fx.plan import Plan
 
 ROOT = Path(__file__).resolve().parents[1]
 SHELL_BLOCK = re.compile(r"^```(?:bash|sh|shell|console)\s*\n(.*?)^```", re.M | re.S)
@@ -82,13 +102,38 @@ def test_readme_command_parses(cmd):
         pytest.fail(f"README.md command does not parse: {cmd!r}\n  {lines[-1] if lines else f'exit {e.code}'}")
 
 
+README_PLAN = next(c for c in COMMANDS if _argv(c)[:1] == ["plan"] and "runs/x/plan" in _argv(c))
+# parsed only, and why: see the module docstring
+PARSED_ONLY = {c for c in COMMANDS if _argv(c)[:1] == ["plan"] and "--use-all-gpus" in _argv(c)}
+
+
+def _in(cwd: Path, argv: list[str]) -> tuple[int, str, str]:
+    """``zorse <argv>`` in this process, in ``cwd``: (status, stdout, stderr); --help / --version exit 0."""
+    out, err = io.StringIO(), io.StringIO()
+    here = os.getcwd()
+    os.chdir(cwd)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                status = zorse_main(argv)
+            except SystemExit as e:
+                status = e.code
+    finally:
+        os.chdir(here)
+    return status, out.getvalue(), err.getvalue()
+
+
 @pytest.fixture(scope="module")
 def scratch(tmp_path_factory):
-    """A directory with the plan README's commands name (runs/x/plan: a tiny GPT on small_hetero)."""
+    """A directory for README's commands, holding the plan its first `zorse plan`
+    makes (runs/x/plan: SmolLM2-135M on demo.yaml, as written), `examples/`
+    (a link to this checkout's) and README's mymodel.py."""
     d = tmp_path_factory.mktemp("readme")
-    assert zorse_main(["plan", "--model", "gpt", "--cluster", str(ROOT / "examples/clusters/small_hetero.yaml"),
-                       "--global-batch-size", "8", "--seq-len", "32", "--planner", "stage_dp",
-                       "-o", str(d / "runs/x/plan")]) == 0
+    (d / "examples").symlink_to(ROOT / "examples")
+    (d / "mymodel.py").write_text(USE_BLOCKS["mymodel.py"])
+    status, out, err = _in(d, _argv(README_PLAN))
+    assert status == 0, f"README.md command failed: {README_PLAN!r}\n{err[-3000:]}"
+    assert "[zorse] wrote runs/x/plan/plan.json" in out
     return d
 
 
@@ -139,42 +184,41 @@ def _data_inputs(d: Path) -> None:
     load_tokenizer("smollm2-135m").hf.save_pretrained(d / "my_tokenizer")
 
 
-def _cheap(cmd: str) -> bool:
+def _needs_scratch(cmd: str) -> bool:
+    """Commands that read README's plan or write beside it (runs/...): one worker runs them all."""
     argv = _argv(cmd)
-    return ("--help" in argv or "--version" in argv or argv[0] in ("show", "prepare-data")
-            or argv[:2] == ["bench", "comm"])
+    return (argv[0] in ("plan", "show", "simulate") or (argv[0] == "train" and "--help" not in argv)
+            or (argv[0] == "prepare-data" and argv[argv.index("-o") + 1].startswith("runs/")))
 
 
-@pytest.mark.parametrize("cmd", [c for c in COMMANDS if _cheap(c)], ids=_id)
-def test_readme_command_runs(cmd, scratch):
+@pytest.mark.parametrize("cmd", [c for c in COMMANDS if not _needs_scratch(c)], ids=_id)
+def test_readme_command_runs(cmd, tmp_path_factory):
     argv = _argv(cmd)
-    if argv[0] == "show" or "--help" in argv or "--version" in argv:
-        out, err = io.StringIO(), io.StringIO()
-        try:
-            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-                cwd = os.getcwd()
-                os.chdir(scratch)
-                try:
-                    status = zorse_main(argv)
-                finally:
-                    os.chdir(cwd)
-        except SystemExit as e:  # --help, --version
-            status = e.code
-        assert status == 0, f"README.md command failed: {cmd!r}\n{err.getvalue()[-2000:]}"
-        text = out.getvalue()
+    if "--help" in argv or "--version" in argv:
+        status, text, err = _in(ROOT, argv)
+        assert status == 0, f"README.md command failed: {cmd!r}\n{err[-2000:]}"
         if "--help" in argv:
             assert "usage: zorse" in text and "--" in text.split("options:", 1)[-1], text
         if "--version" in argv:
             assert text.startswith("zorse_fx ")
-        if argv[0] == "show":
-            assert "stage |" in text
         return
+    if argv[:2] == ["bench", "kernels"]:  # for a GPU (see the module docstring): options checked, not run
+        from zorse_fx.profiling import kernels_main
+
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        args.replay = args.replay or "graph"
+        args = kernels_main.check_args(parser, args)
+        assert args.batch_sizes == [1, 4] and args.seq_len == [512, 2048, 4096]
+        return
+    cwd = tmp_path_factory.getbasetemp() / "readme-data"
+    cwd.mkdir(exist_ok=True)
     if argv[0] == "prepare-data":
-        _data_inputs(scratch)
-    res = _run(cmd, scratch)
+        _data_inputs(cwd)
+    res = _run(cmd, cwd)
     assert res.returncode == 0, f"README.md command failed: {cmd!r}\n{res.stdout[-2000:]}{res.stderr[-3000:]}"
     if argv[0] == "prepare-data":
-        out = scratch / argv[argv.index("-o") + 1]
+        out = cwd / argv[argv.index("-o") + 1]
         header = json.loads(out.with_suffix(".json").read_text())
         assert header["num_tokens"] > 0 and out.with_suffix(".bin").stat().st_size > 0, header
         return
@@ -184,7 +228,149 @@ def test_readme_command_runs(cmd, scratch):
     assert re.fullmatch(r"  intra_node: \{bandwidth_GBps: [0-9.e+-]+, latency_us: [0-9.e+-]+\}", link), link
     for word in argv:
         if word.startswith("profiles/"):
-            assert (scratch / word).stat().st_size > 0, word
+            assert (cwd / word).stat().st_size > 0, word
+
+
+def _prepared(cmd: str, scratch: Path) -> Path:
+    """The token file README's `zorse prepare-data ... -o OUT` command ``cmd``
+    writes, made once in ``scratch`` (a `zorse train --data OUT.bin` of README
+    needs it, whichever of the two runs first); its .bin path."""
+    argv = _argv(cmd)
+    out = (scratch / argv[argv.index("-o") + 1]).with_suffix(".bin")
+    if not out.exists():
+        res = _run(cmd, scratch)
+        assert res.returncode == 0, f"README.md command failed: {cmd!r}\n{res.stdout[-2000:]}{res.stderr[-3000:]}"
+    return out
+
+
+def _maker(data: str) -> str:
+    """README's `zorse prepare-data` command that writes ``data`` (OUT.bin)."""
+    return next(c for c in COMMANDS if _argv(c)[0] == "prepare-data"
+                and Path(_argv(c)[_argv(c).index("-o") + 1]).with_suffix(".bin") == Path(data))
+
+
+@pytest.mark.xdist_group("readme_plan")
+@pytest.mark.parametrize("cmd", [c for c in COMMANDS if _needs_scratch(c)], ids=_id)
+def test_readme_command_runs_on_the_readme_plan(cmd, scratch):
+    """The commands that read README's plan, as written (`zorse train` with
+    --dry-run added; one plan command parsed only: see the module docstring)."""
+    argv = _argv(cmd)
+    if cmd in PARSED_ONLY:
+        build_parser().parse_args(argv)
+        return
+    if cmd == README_PLAN:  # the scratch fixture ran it
+        assert Plan.load(scratch / "runs/x/plan").model_name == "smollm2-135m"
+        return
+    if argv[0] == "prepare-data":
+        header = json.loads(_prepared(cmd, scratch).with_suffix(".json").read_text())
+        assert header["num_tokens"] > 0 and header["tokenizer"] == argv[argv.index("--tokenizer") + 1], header
+        return
+    if "--data" in argv:
+        _prepared(_maker(argv[argv.index("--data") + 1]), scratch)
+    if argv[0] == "train" and "--dry-run" not in argv:
+        argv.append("--dry-run")
+    status, out, err = _in(scratch, argv)
+    assert status == 0, f"README.md command failed: {cmd!r}\n{err[-3000:]}"
+    if argv[0] == "show":
+        assert "stage |" in out or "stage ┃" in out, out
+    elif argv[0] == "simulate":
+        assert (scratch / "runs/x/plan/simulate/trace.json").is_file() and "[zorse] simulated step" in out
+    elif argv[0] == "plan":
+        assert Plan.load(scratch / argv[argv.index("-o") + 1]).model_name == argv[argv.index("--model") + 1]
+    else:
+        assert out.splitlines()[-1].startswith("[zorse] --dry-run: plan, weights and data checked"), out
+        if "--corpus" in argv:  # the plan's model's own tokenizer, said
+            assert "tokenized with smollm2-135m into runs/x/data/tokens.bin" in out, out
+
+
+def test_readme_torchrun_line_parses():
+    """README's multi-node line: `torchrun ... -m zorse_fx.train <flags>` on each node."""
+    from zorse_fx.train import parse_args
+
+    lines = [ln.strip() for b in SHELL_BLOCK.findall((ROOT / "README.md").read_text()) for ln in b.splitlines()
+             if ln.strip().startswith("torchrun ")]
+    assert lines, "README.md has no torchrun line"
+    for line in lines:
+        words = shlex.split(line, comments=True)
+        flags = words[words.index("zorse_fx.train") + 1:]
+        options = parse_args(flags)
+        assert (options.data.plan, options.data.data) == ("runs/x/plan", "lee.bin"), line
+
+
+# -- the "Use" section's Python blocks -------------------------------------------------------------
+
+PYTHON_BLOCK = re.compile(r"^```python\s*\n(.*?)^```", re.M | re.S)
+
+
+def use_blocks(text: str) -> dict[str, str]:
+    """The Python blocks of README's "Use" section, by name: "mymodel.py" for
+    the one that is that file (its first line says so), "1", "2", ... for the
+    others, in order."""
+    section = text[text.index("\n## Use\n"):]
+    section = section[:section.index("\n## ", 1)]
+    blocks, n = {}, 0
+    for block in PYTHON_BLOCK.findall(section):
+        words = block.splitlines()[0].split()
+        if words[0] == "#" and words[1].endswith(".py:"):  # "# mymodel.py: ..."
+            blocks[words[1].rstrip(":")] = block
+        else:
+            n += 1
+            blocks[str(n)] = block
+    return blocks
+
+
+USE_BLOCKS = use_blocks((ROOT / "README.md").read_text())
+
+
+def test_readme_use_blocks_run(tmp_path, monkeypatch, capsys):
+    """Each block in order, in one namespace (a later block uses an earlier
+    one's names), from a directory with examples/: every name is defined, the
+    plan is exported and loads back, the simulated step and the decorated
+    class's plan exist."""
+    assert set(USE_BLOCKS) == {"1", "2", "3", "mymodel.py"}, sorted(USE_BLOCKS)
+    (tmp_path / "examples").symlink_to(ROOT / "examples")
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {"__name__": "readme"}
+    for name in ("1", "2", "3"):
+        exec(compile(USE_BLOCKS[name], f"README.md Use block {name}", "exec"), namespace)
+    assert Plan.load(tmp_path / "runs/x/plan") == namespace["plan"]
+    assert (tmp_path / "runs/x/plan/weights.pt").is_file()
+    assert namespace["sim"].step_time_s > 0
+    assert type(namespace["model"]).__name__ == "CompiledModel" and namespace["model"].plan.num_stages >= 1
+    assert "zorse_fx plan:" in capsys.readouterr().out
+    mymodel = {}
+    exec(compile(USE_BLOCKS["mymodel.py"], "mymodel.py", "exec"), mymodel)
+    assert type(mymodel["build"]()).__name__ == "GPT"
+
+
+# -- the --model names README lists are the registry's ----------------------------------------------
+
+def test_readme_model_names_are_the_registrys():
+    """README's `--model takes ...` sentence lists exactly the registry's
+    names (then `module:function`), and every command's --model help is made
+    from the registry (`registry.MODEL_HELP`): a name in one is in all."""
+    from zorse_fx.models.registry import MODEL_HELP, MODEL_NAMES
+
+    text = " ".join((ROOT / "README.md").read_text().split())
+    m = re.search(r"`--model` takes (.*?) or `module:function`", text)
+    assert m, "README.md has no `--model takes ...` sentence"
+    assert tuple(re.findall(r"`([^`]+)` \(", m.group(1))) == MODEL_NAMES, m.group(1)
+    assert MODEL_HELP.startswith(" | ".join(MODEL_NAMES) + " | module:function")
+    for argv in (["plan", "--help"], ["simulate", "--help"], ["bench", "kernels", "--help"]):
+        status, out, _ = _in(ROOT, argv)
+        helptext = " ".join(out.split())
+        assert status == 0 and all(name in helptext for name in MODEL_NAMES), (argv, helptext)
+    for cmd in COMMANDS:
+        argv = _argv(cmd)
+        if "--model" in argv:
+            name = argv[argv.index("--model") + 1]
+            assert name in MODEL_NAMES or ":" in name or name in _published(), cmd
+
+
+def _published() -> tuple[str, ...]:
+    from zorse_fx.models import published
+
+    return tuple(published.CONFIGS)
 
 
 def test_a_wrong_readme_command_fails_with_the_line_quoted():

@@ -12,6 +12,7 @@ from conftest import compute_only, make_devices, random_instance, solver_options
 
 from zorse_fx.errors import InfeasiblePlanError
 from zorse_fx.sim import gantt_png, simulate, to_perfetto
+from zorse_fx.sim.trace import stage_memory
 from zorse_fx.solve import BlockCosts, Decision, DeviceGraph, evaluate, solve_cpsat
 from zorse_fx.solve.objective import MEMORY_UNIT_BYTES
 
@@ -444,6 +445,39 @@ def test_trace_shows_allgather_and_recompute(tmp_path):
     assert len(xs) == len(sim.events) + len(rerun)
     png = gantt_png(sim, tmp_path / "step.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_simulate_labels_zero3_and_offload(tmp_path):
+    """Every slice and legend entry names the layout of its stage (issue 46:
+    `zorse simulate` labelled ZeRO-3 stages "ZeRO-1 shard"): stage 0 ZeRO-2
+    with its optimizer offloaded gathers "all-gather (ZeRO-2)" and steps
+    "optimizer (offloaded: host CPU)"; stage 1 ZeRO-3 gathers inside F and B
+    (no all-gather slice); each slice carries ``args.memory``."""
+    costs, devices, options, _ = _sharded_instance()
+    costs = dataclasses.replace(costs, fwd_bwd_s_per_sample={"A": (1e-3, 2e-3)}, param_count=(2 * MIB, 2 * MIB),
+                                act_bytes_per_sample=(KIB, KIB), cut_bytes_per_sample=(0, 4 * MIB, 0))
+    devices = dataclasses.replace(devices, host_memory_bytes=(64 * GIB,) * 3, host_mem_bw_bytes_per_s=(100e9,) * 3,
+                                  host_link_bytes_per_s=(15.75e9,) * 3)
+    dec = Decision(stage_blocks=((0, 1), (1, 2)), stage_gpus=((0, 1), (2,)), samples_per_microbatch=((1, 1), (2,)),
+                   num_microbatches=2, sharded=(True, False), grad_sharded=(True, False), offload=(True, False))
+    sim = simulate(costs, devices, options, dec)
+    assert (sim.stage_zero, sim.stage_offload, sim.stage_act_offload) == ((2, 0), (True, False), (False, False))
+    assert (stage_memory(sim, 0), stage_memory(sim, 1), stage_memory(sim, -1)) == (
+        "ZeRO-2, optimizer offloaded", "replicated", "")
+    xs = [e for e in json.loads(to_perfetto(sim, tmp_path / "a.json").read_text())["traceEvents"] if e["ph"] == "X"]
+    assert {e["name"] for e in xs if e["cat"] == "allgather"} == {"all-gather (ZeRO-2)"}
+    assert {(e["args"]["stage"], e["name"]) for e in xs if e["cat"] == "optim"} == {
+        (0, "optimizer (offloaded: host CPU)"), (1, "optimizer")}
+    assert {e["args"]["memory"] for e in xs if e["args"]["stage"] == 0} == {"ZeRO-2, optimizer offloaded"}
+    gantt_png(sim, tmp_path / "a.png")
+    # stage 1 on GPUs 1, 2 in ZeRO-3 (stage 0 alone on GPU 0)
+    dec3 = Decision(stage_blocks=((0, 1), (1, 2)), stage_gpus=((0,), (1, 2)), samples_per_microbatch=((2,), (1, 1)),
+                    num_microbatches=2, sharded=(False, True), grad_sharded=(False, True), param_sharded=(False, True))
+    sim3 = simulate(costs, devices, options, dec3)
+    assert sim3.stage_zero == (0, 3) and stage_memory(sim3, 1) == "ZeRO-3"
+    xs = [e for e in json.loads(to_perfetto(sim3, tmp_path / "b.json").read_text())["traceEvents"] if e["ph"] == "X"]
+    assert not [e for e in xs if e["cat"] == "allgather"]
+    assert {e["args"]["memory"] for e in xs if e["args"]["stage"] == 1} == {"ZeRO-3"}
 
 
 def test_plan_decision_reads_the_plans_memory_policy():

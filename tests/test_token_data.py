@@ -223,6 +223,24 @@ def test_prepare_data_broken_source_of_each_format_named(tmp_path, capsys, name,
     assert not list(tmp_path.glob("o.*"))
 
 
+def test_deep_jsonl_prepare_data_refused(tmp_path, capsys):
+    """A .jsonl row with 10,000 nested lists (its text field, or another one)
+    and a .json document of them: one line naming the file, the line and the
+    limit, before `datasets` reads it (pyarrow's JSON reader overflowed the C
+    stack: the process died with SIGSEGV)."""
+    deep = "[" * 10_000 + "]" * 10_000
+    for name, text, line in (("rows.jsonl", '{"text": "ok"}\n{"text": "x", "meta": ' + deep + "}\n", 2),
+                             ("text.jsonl", '{"text": ' + deep + "}\n", 1),
+                             ("doc.json", '{"rows": [\n' + deep + "\n]}\n", 2)):
+        path = tmp_path / name
+        path.write_text(text)
+        assert zorse_main(["prepare-data", str(path), "-o", str(tmp_path / "o")]) == 1
+        assert capsys.readouterr().err == (
+            f"zorse: data source {path}: values nested more than 100 levels deep (arrays or objects inside each "
+            f"other) at line {line}; give one JSON object per document with its text in --text-field\n")
+    assert not (tmp_path / "o.bin").exists()
+
+
 def test_vocabulary_of_65536_or_more_is_stored_as_uint32(tmp_path, lee_docs):
     """A WordLevel tokenizer of 70000 words (the Lee corpus's words, then
     filler), EOS last: ids above 65535 survive the round trip."""

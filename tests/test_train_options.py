@@ -468,7 +468,7 @@ def launched(monkeypatch):
     from zorse_fx.plan import Plan
 
     calls = SimpleNamespace(launch=[], prepared=[])
-    monkeypatch.setattr(Plan, "load", classmethod(lambda cls, path: SimpleNamespace(world_size=2)))
+    monkeypatch.setattr(Plan, "load", classmethod(lambda cls, path: SimpleNamespace(world_size=2, model_name="gpt")))
     monkeypatch.setattr(preflight, "check_job", lambda path, **kw: (Plan.load(path), {}))
     monkeypatch.setattr(preflight, "check_data", lambda plan, weights, data, **kw: None)
     monkeypatch.setattr(token_data, "prepare_data", lambda source, out, tokenizer: calls.prepared.append(

@@ -6,7 +6,7 @@
     zorse train runs/x/plan --data runs/x/data/lee.bin --steps 10 --out runs/x
     zorse train runs/x/plan --corpus lee --tokenizer smollm2-135m --steps 10 --out runs/x  # prepares, then trains
     zorse show  runs/x/plan          # print a plan's table and schedule grid
-    zorse simulate runs/x/plan --model ... --cluster ...  # timeline: Perfetto JSON + Gantt PNG
+    zorse simulate runs/x/plan --model ... --cluster ...  # runs/x/plan/simulate/: Perfetto JSON + Gantt PNG
     zorse bench kernels --model smollm2-135m -o profiles/<type>.json   # kernel profile
     zorse bench comm --nproc 2 --out profiles/comm.json                # link alpha-beta fits, `links:`
 
@@ -49,10 +49,15 @@ class LaunchOptions:
 
     nproc: int = 0
     """processes to start on this machine (0: the plan's GPU count)"""
-    corpus: str = "lee"
-    """without --data/--tokens: any prepare-data source ('lee', a text file, a directory, a datasets file)"""
-    tokenizer: str = "bytes"
-    """without --data/--tokens: bytes | smollm2-135m | a Hugging Face tokenizer directory or hub name"""
+    corpus: Annotated[str | None, tyro.conf.arg(metavar="SOURCE", help=(
+        "instead of --data/--tokens: a corpus to tokenize into <out>/data/tokens.bin first, any prepare-data source "
+        "('lee', a text file, a directory, a datasets file)"))] = None
+    tokenizer: Annotated[str | None, tyro.conf.arg(metavar="NAME", help=(
+        "--corpus's tokenizer: bytes | smollm2-135m | a Hugging Face tokenizer directory or hub name (default: the "
+        "plan's model's own: smollm2-135m for smollm2-135m, bytes for gpt and gpt2-124m)"))] = None
+    dry_run: bool = False
+    """check the plan, the weights and the data, write <out>/train_options.json and print the torchrun command,
+    but start nothing (on several nodes: run that command on each)"""
     stall_timeout: Annotated[float, tyro.conf.arg(metavar="S", help=(
         "stop the job when a rank made no progress (no heartbeat: stopped, frozen host, a hang holding the GIL) "
         "for S seconds, naming it (0: never)"))] = 300.0
@@ -134,7 +139,9 @@ def cmd_plan(args) -> int:
 
     from .cluster import Cluster
     from .elastic import PlanRequest
+    from .plan import check_plan_dir, new_plan_dir
 
+    check_plan_dir(args.output, flag="-o")  # before minutes of planning ([Note: writing a plan directory])
     model, _ = _load_model(args.model)
     _check_seq_len(model, args.model, args.seq_len)
     ids = torch.randint(0, 200, (2, args.seq_len))
@@ -152,11 +159,14 @@ def cmd_plan(args) -> int:
         model, cluster=cluster, example_inputs=(ids, ids), global_batch_size=args.global_batch_size,
         jobs=args.jobs, verbose=True, model_name=args.model, **options)
     print(compiled.plan.table())
-    path = compiled.plan.export(args.output)
-    weights = compiled.save_weights(args.output)
-    PlanRequest(model=args.model, seq_len=args.seq_len, global_batch_size=args.global_batch_size, options=options,
-                cluster=cluster.to_dict(), cluster_file=str(Path(args.cluster).resolve())).write(args.output)
-    print(f"[zorse] wrote {path}, {len(compiled.plan.stages)} stage sources and {weights}")
+    with new_plan_dir(args.output, flag="-o") as new:  # swapped in whole: no file of an older plan stays
+        compiled.plan.export(new)
+        compiled.save_weights(new)
+        PlanRequest(model=args.model, seq_len=args.seq_len, global_batch_size=args.global_batch_size,
+                    options=options, cluster=cluster.to_dict(),
+                    cluster_file=str(Path(args.cluster).resolve())).write(new)
+    out = Path(args.output)
+    print(f"[zorse] wrote {out / 'plan.json'}, {len(compiled.plan.stages)} stage sources and {out / 'weights.pt'}")
     return 0
 
 
@@ -169,9 +179,11 @@ def cmd_prepare_data(args) -> int:
 
 
 def cmd_train(args) -> int:
-    """Prepare the token file (``--corpus`` / ``--tokenizer``, unless ``--data``
-    or ``--tokens`` names one), write the ranks' options to
-    ``<out>/train_options.json`` and run the plan under torchrun
+    """Prepare the token file (``--corpus``, tokenized with ``--tokenizer`` or
+    the plan's model's own, unless ``--data`` or ``--tokens`` names one; with
+    none of them it is refused, ``_training_tokenizer``), write the ranks'
+    options to ``<out>/train_options.json`` (``--dry-run``: and stop there)
+    and run the plan under torchrun
     (``python -m zorse_fx.train --options-file ...``), supervised: a SIGINT or
     SIGTERM stops every rank (SIGTERM after ``--term-grace-s``, for a checkpoint),
     a rank whose heartbeat stops for ``--stall-timeout`` seconds ends the job
@@ -185,9 +197,10 @@ def cmd_train(args) -> int:
     from .runtime.preflight import check_data, check_hook_ranks, check_job
     from .runtime.run_dir import check_fresh_start
     from .runtime.watchdog import heartbeat_dir
-    from .token_data import prepare_data, token_file_paths
+    from .token_data import TokenData, prepare_data, token_file_paths
 
     cmd: TrainCommand = args.train
+    tokenizer = _training_tokenizer(cmd, args.parser)  # what it trains on: said, never a silent default
     if cmd.launch.elastic:  # refused before anything starts where the plan does not say how it was made
         from .elastic import check_elastic
 
@@ -201,17 +214,27 @@ def cmd_train(args) -> int:
         check_fresh_start(out, overwrite=cmd.checkpoint.overwrite)  # (--overwrite: rank 0 removes them)
     out.mkdir(parents=True, exist_ok=True)
     data = None
-    if cmd.data.data is None and cmd.data.tokens is None:  # --corpus / --tokenizer: prepare the token file first
+    if cmd.launch.corpus is not None:  # --corpus [--tokenizer]: prepare the token file first
+        _check_model_tokenizer(plan, tokenizer, f"--corpus {cmd.launch.corpus} --tokenizer {tokenizer}")
         data = str(token_file_paths(out / "data" / "tokens")[0])
-        prepare_data(cmd.launch.corpus, out / "data" / "tokens", tokenizer=cmd.launch.tokenizer)
+        print(f"[zorse] training data: --corpus {cmd.launch.corpus} tokenized with {tokenizer} into {data}",
+              flush=True)
+        prepare_data(cmd.launch.corpus, out / "data" / "tokens", tokenizer=tokenizer)
     check_data(plan, weights, data or cmd.data.data or cmd.data.tokens, val_fraction=cmd.data.val_fraction,
                val_every=cmd.loop.val_every, val_batches=cmd.loop.val_batches, allow_repeat=cmd.data.allow_repeat)
+    if data is None and cmd.data.data is not None and token_file_paths(cmd.data.data)[1].is_file():
+        tokenizer = (TokenData.load(cmd.data.data).header or {}).get("tokenizer")  # (a torch file has no header)
+        _check_model_tokenizer(plan, tokenizer, f"--data {cmd.data.data} (its header: tokenizer {tokenizer!r})")
     del weights
     options_file = write_options_file(cmd.training_options(data), out / OPTIONS_FILE)
     train_argv = ["--options-file", str(options_file)]
     nproc = cmd.launch.nproc or plan.world_size
     kw = dict(max_restarts=cmd.launch.max_restarts, shutdown_timeout_s=cmd.launch.term_grace_s)
     print("[zorse] " + " ".join(torchrun_command(nproc, train_argv, **kw)), flush=True)
+    if cmd.launch.dry_run:
+        print(f"[zorse] --dry-run: plan, weights and data checked, {options_file} written; nothing started",
+              flush=True)
+        return 0
     supervision = dict(heartbeat_dir=heartbeat_dir(out), stall_timeout_s=cmd.launch.stall_timeout,
                        term_grace_s=cmd.launch.term_grace_s, max_restarts=cmd.launch.max_restarts, out=out)
     if cmd.launch.elastic:
@@ -221,6 +244,50 @@ def cmd_train(args) -> int:
                            launch_kw=supervision)
     launch(nproc, train_argv, **supervision)
     return 0
+
+
+def _training_tokenizer(cmd: TrainCommand, parser: argparse.ArgumentParser) -> str | None:
+    """The tokenizer ``zorse train`` tokenizes ``--corpus`` with (None: it reads
+    ``--data`` / ``--tokens``): ``--tokenizer``, else the plan's model's own
+    (``registry.model_tokenizer``). Refused (``parser.error``, exit 2): no
+    data at all (``zorse train`` does not pick a corpus for you), and
+    ``--corpus`` of a model whose tokenizer zorse_fx does not know.
+    (``--corpus`` / ``--tokenizer`` beside ``--data`` / ``--tokens``: refused
+    where the flags are parsed, [Note: options that cannot take effect].)"""
+    from .models.registry import MODEL_NAMES, model_tokenizer
+    from .plan import Plan
+
+    given = cmd.data.data is not None or cmd.data.tokens is not None
+    corpus, tokenizer = cmd.launch.corpus, cmd.launch.tokenizer
+    if not given and corpus is None:
+        parser.error("no training data: pass --data <name>.bin (a token file written by `zorse prepare-data`) or "
+                     "--corpus SOURCE ('lee', a text file, a directory of *.txt, a datasets file) to tokenize one "
+                     "into <out>/data/tokens.bin")
+    if given:
+        return None
+    if tokenizer is None:
+        model = Plan.load(cmd.data.plan).model_name
+        tokenizer = model_tokenizer(model)
+        if tokenizer is None:
+            parser.error(f"--corpus {corpus}: which tokenizer? zorse_fx knows the tokenizers of "
+                         f"{', '.join(MODEL_NAMES)}, not of the plan's model {model!r}; pass --tokenizer with the "
+                         f"model's own (a Hugging Face tokenizer directory or hub name)")
+    return tokenizer
+
+
+def _check_model_tokenizer(plan, tokenizer: str | None, where: str) -> None:
+    """Refuse byte tokens for a model with a tokenizer of its own (SmolLM2's
+    pretrained embeddings read its token ids, not UTF-8 bytes); ``tokenizer``:
+    the one ``--corpus`` is tokenized with, or the one a token file's header
+    names (None: unknown, a ``--tokens`` tensor file); ``where``: what says so."""
+    from .errors import DataError
+    from .models.registry import model_tokenizer
+
+    own = model_tokenizer(plan.model_name)
+    if tokenizer == "bytes" and own not in (None, "bytes"):
+        raise DataError(f"{where}: the tokens are UTF-8 bytes, but the plan's model {plan.model_name} reads {own} "
+                        f"token ids; tokenize with its own: --tokenizer {own} (`zorse prepare-data SOURCE "
+                        f"--tokenizer {own} -o OUT`, or zorse train --corpus SOURCE without --tokenizer)")
 
 
 def cmd_show(args) -> int:
@@ -234,17 +301,19 @@ def cmd_show(args) -> int:
 
 
 def cmd_simulate(args) -> int:
-    """Simulate an exported plan's step: summary, Perfetto trace and Gantt PNG."""
+    """Simulate an exported plan's step: summary, Perfetto trace and Gantt PNG,
+    written to ``--out`` (default: ``<plan directory>/simulate/``, beside the
+    plan it shows), on the cluster the plan was made for (``_check_plan_cluster``)."""
     from .capture import capture
     from .cluster import Cluster
     from .models.hf import CausalLMWithLoss, is_hf_causal_lm
     from .plan import Plan
     from .pricing import options_for_plan, price, simulate_plan
-    from .sim import gantt_png, to_perfetto
+    from .sim import gantt_png, stage_memory, to_perfetto
 
     plan = Plan.load(args.plan)
     cluster = Cluster.from_yaml(args.cluster)
-    _check_plan_cluster(plan, cluster, args.plan, args.cluster)
+    _check_plan_cluster(plan, cluster, args.plan, args.cluster, any_cluster=args.any_cluster)
     model, _ = _load_model(args.model)
     if is_hf_causal_lm(model):
         model = CausalLMWithLoss(model)
@@ -252,7 +321,8 @@ def cmd_simulate(args) -> int:
     priced = price(capture(model, (ids, ids)), cluster, options_for_plan(plan))
     result = simulate_plan(plan, priced, p2p=args.p2p)  # with the plan's memory policy (ZeRO-1, recomputation)
     labels = [f"{g.type}@{g.node}" for g in cluster.gpus]
-    out = Path(args.out)
+    plan_dir = Path(args.plan) if Path(args.plan).is_dir() else Path(args.plan).parent
+    out = Path(args.out) if args.out is not None else plan_dir / "simulate"
     out.mkdir(parents=True, exist_ok=True)
     to_perfetto(result, out / "trace.json", gpu_labels=labels)
     gantt_png(result, out / "gantt.png", gpu_labels=labels)
@@ -260,20 +330,31 @@ def cmd_simulate(args) -> int:
           f"{plan.predicted_step_time_s * 1e3:.1f} ms), bubble {result.bubble_fraction:.0%}")
     for s, shards in zip(plan.stages, result.state_shard_bytes):
         policy = " (recompute)" if result.stage_recompute[s.index] else ""
+        zero, offload = result.stage_zero[s.index], stage_memory(result, s.index).partition(", ")[2]
         for g, shard in zip(s.gpus, shards):
-            zero = f", ZeRO-1 shard {shard / 2**30:.2f} GiB" if result.stage_sharded[s.index] else ""
+            state = f", ZeRO-{zero} shard {shard / 2**30:.2f} GiB" if zero else ""
             print(f"  stage {s.index}{policy} rank {g.rank} {g.gpu_type:>10}: busy {result.busy_fraction[g.gpu]:.0%}, "
-                  f"peak memory {result.peak_memory_bytes[g.gpu] / 2**30:.2f} GiB{zero}")
+                  f"peak memory {result.peak_memory_bytes[g.gpu] / 2**30:.2f} GiB{state}"
+                  + (f", {offload}" if offload else ""))
     print(f"[zorse] wrote {out / 'trace.json'} (open in ui.perfetto.dev) and {out / 'gantt.png'}")
     return 0
 
 
-def _check_plan_cluster(plan, cluster, plan_path: str, cluster_path: str) -> None:
+def _check_plan_cluster(plan, cluster, plan_path: str, cluster_path: str, *, any_cluster: bool = False) -> None:
     """Refuse (``ClusterConfigError``, one line) a cluster other than the plan's: another
-    GPU (type, node) at a planned GPU's index, or, where the plan records them
-    (format 13), other GPUs per node or another fingerprint (memory, links)."""
+    GPU (type, node) at a planned GPU's index, other GPUs per node or another
+    fingerprint (memory, links) than plan.json records (format 13), or a plan
+    that records none (an older format, or the fields removed) unless
+    ``any_cluster`` (``--any-cluster``: simulate it on ``cluster`` anyway,
+    which must still hold the planned GPU at every planned index)."""
     from .errors import ClusterConfigError
 
+    if not any_cluster and not (plan.cluster_gpus and plan.cluster_sha256):
+        missing = " and ".join(f for f in ("cluster_gpus", "cluster_sha256") if not getattr(plan, f))
+        raise ClusterConfigError(f"plan {plan_path} does not record the cluster it was made for ({missing} missing: "
+                                 f"a plan.json older than format version 13, or edited); re-plan with `zorse plan "
+                                 f"--cluster {cluster_path} ...`, or pass --any-cluster to simulate it on "
+                                 f"{cluster_path} as it is")
     from .elastic import recorded_cluster_file
 
     recorded = recorded_cluster_file(plan_path)  # zorse plan's --cluster, or an --elastic re-plan's cluster.yaml
@@ -289,10 +370,12 @@ def _check_plan_cluster(plan, cluster, plan_path: str, cluster_path: str) -> Non
                 theirs = f"{got.type} on node {got.node!r}" if got else f"missing (it has {len(cluster.gpus)} GPUs)"
                 raise ClusterConfigError(f"{head}: the plan puts rank {g.rank} on GPU {g.gpu} ({g.gpu_type} on "
                                          f"node {g.node!r}); GPU {g.gpu} of {cluster_path} is {theirs}; {fix}")
-    if plan.cluster_gpus and plan.cluster_gpus != cluster.gpu_summary():
+    if any_cluster:
+        return
+    if plan.cluster_gpus != cluster.gpu_summary():
         raise ClusterConfigError(f"{head}: the plan's has {plan.cluster_gpus}, {cluster_path} has "
                                  f"{cluster.gpu_summary()}; {fix}")
-    if plan.cluster_sha256 and plan.cluster_sha256 != cluster.fingerprint():
+    if plan.cluster_sha256 != cluster.fingerprint():
         raise ClusterConfigError(f"{head}: the same GPUs ({plan.cluster_gpus}) but other links, host memory or "
                                  f"bandwidths (cluster sha256 {cluster.fingerprint()[:12]}..., the plan's "
                                  f"{plan.cluster_sha256[:12]}...); {fix}")
@@ -366,13 +449,14 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     """The ``zorse`` argument parser (every subcommand; tests parse README commands with it)."""
     from . import __version__
+    from .models.registry import MODEL_HELP
 
     p = _Parser(prog="zorse", description="Heterogeneous-cluster training planner and runtime.")
     p.add_argument("--version", action="version", version=f"zorse_fx {__version__} (torch {torch.__version__})")
     p.add_argument("--debug", action="store_true", help="on an error, show the Python traceback")
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
     pp = sub.add_parser("plan", help="model + cluster -> exported plan (plan.json, stage_<i>.py, weights.pt)")
-    pp.add_argument("--model", required=True, help="smollm2-135m | gpt | module:factory")
+    pp.add_argument("--model", required=True, help=MODEL_HELP)
     pp.add_argument("--cluster", required=True, help="cluster YAML file")
     pp.add_argument("--global-batch-size", type=int, required=True)
     pp.add_argument("--seq-len", type=int, default=64)
@@ -426,7 +510,8 @@ def build_parser() -> argparse.ArgumentParser:
     pp.add_argument("--use-all-gpus", action="store_true",
                     help="only plans that give work to every GPU of the cluster (default: a GPU may stay idle "
                          "where that is faster); refused with the reason when none exists")
-    pp.add_argument("-o", "--output", required=True, help="plan directory to write")
+    pp.add_argument("-o", "--output", required=True,
+                    help="plan directory to write: a new or empty one, or an older plan's, which is replaced whole")
     pp.set_defaults(fn=cmd_plan)
     pt = sub.add_parser("train", help="run an exported plan with torchrun (one process per GPU)",
                         usage="zorse train [-h] [OPTIONS] PLAN",
@@ -434,7 +519,7 @@ def build_parser() -> argparse.ArgumentParser:
                                     "training options are those of `python -m zorse_fx.train`; zorse train writes "
                                     "them to <out>/train_options.json, which every rank reads.")
     pt.command = TrainCommand  # every flag from the records (zorse_fx/train_options.py), parsed by tyro
-    pt.set_defaults(fn=cmd_train)
+    pt.set_defaults(fn=cmd_train, parser=pt)
     pd = sub.add_parser("prepare-data", help="tokenize text / a datasets dataset into a memory-mapped token file",
                         description="Writes <out>.bin (uint16 ids when the vocabulary is < 65536, else uint32) "
                                     "and its header <out>.json; see zorse_fx/token_data.py.")
@@ -460,9 +545,15 @@ def build_parser() -> argparse.ArgumentParser:
     ps.set_defaults(fn=cmd_show)
     pm = sub.add_parser("simulate", help="event-driven simulation of a plan's step: trace + Gantt chart")
     pm.add_argument("plan")
-    pm.add_argument("--model", required=True, help="the model the plan was made for (as in `zorse plan`)")
+    pm.add_argument("--model", required=True, help=f"the model the plan was made for (as in `zorse plan`): "
+                                                    f"{MODEL_HELP}")
     pm.add_argument("--cluster", required=True, help="the cluster file the plan was made with (another is refused)")
-    pm.add_argument("--out", default="runs/simulate")
+    pm.add_argument("--out", default=None, help="directory for trace.json and gantt.png (default: "
+                                                "<plan directory>/simulate)")
+    pm.add_argument("--any-cluster", action="store_true",
+                    help="simulate a plan that does not record its cluster (older than format 13), or on a cluster "
+                         "other than the one it records, as long as --cluster has the planned GPU at every planned "
+                         "index (default: refused)")
     pm.add_argument("--p2p", choices=("nccl", "buffered"), default="nccl",
                     help="boundary sends as the runtime's point-to-point program runs on NCCL (default: fused "
                          "exchanges, in order per GPU) or as Gloo buffers them (the runtime on CPU)")
@@ -476,7 +567,7 @@ def build_parser() -> argparse.ArgumentParser:
     pk = bsub.add_parser("kernels", parents=[kernels_main.build_parser(add_help=False)],
                          help="kernel profile of this device (-o profiles/<type>.json)",
                          description=kernels_main.build_parser().description)
-    pk.set_defaults(fn=cmd_bench, what="kernels")
+    pk.set_defaults(fn=cmd_bench, what="kernels", check=lambda args: kernels_main.check_args(pk, args))
     pc = bsub.add_parser("comm", parents=[comm_main.build_parser(add_help=False)],
                          help="alpha-beta fits of the links between local ranks; prints `links:` for a cluster file",
                          description=comm_main.DESCRIPTION + " Starts torchrun with --nproc local ranks; for "

@@ -23,6 +23,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointDamagedError",
     "RunDirectoryError",
+    "PlanDirectoryError",
     "WeightsFileError",
     "DataError",
     "ProfileFileError",
@@ -104,6 +105,13 @@ class RunDirectoryError(ZorseError, ValueError):
     directory holding another run's checkpoints or ``metrics.jsonl``, or a
     ``--resume`` that finds nothing intact to resume. The message names the
     directory and the flag to pass (``--overwrite`` or ``--resume``)."""
+
+
+class PlanDirectoryError(ZorseError, ValueError):
+    """A directory a plan is to be written to (``zorse plan -o``,
+    ``Plan.export``) that is not a plan directory: a file, or a directory
+    holding files a plan does not write. The message names the directory and
+    those files, and says to choose another."""
 
 
 class WeightsFileError(ZorseError, ValueError):

@@ -48,12 +48,29 @@ import msgspec
 
 from .errors import FileFormatError, short_repr
 
-__all__ = ["FileFormat", "OPTIONAL", "NOT_IN_FILE", "struct_of", "from_doc", "to_builtins"]
+__all__ = ["FileFormat", "OPTIONAL", "NOT_IN_FILE", "MAX_NESTING_DEPTH", "struct_of", "from_doc", "to_builtins",
+           "json_too_deep"]
 
 #: Dataclass field metadata: the field may be left out of the file (it then takes its default).
 OPTIONAL = {"file": "optional"}
 #: Dataclass field metadata: an in-memory field the file does not hold.
 NOT_IN_FILE = {"file": "no"}
+
+#: Most levels of arrays / objects (JSON) or sequences / mappings (YAML) nested
+#: inside each other that zorse_fx reads ([Note: nesting depth]).
+MAX_NESTING_DEPTH = 100
+
+# [Note: nesting depth]
+# Python's json and PyYAML's composer parse nested values recursively: a file of
+# 10,000 nested lists raises RecursionError (json, PyYAML) or overflows the C
+# stack (pyarrow's JSON reader, behind `datasets`' json builder, crashes the
+# process), at a depth that depends on how deep the reader's own call stack is.
+# Every file zorse_fx reads is a few levels deep (plan.json: 5), so the depth
+# is bounded before parsing, at MAX_NESTING_DEPTH for every reader:
+# ``json_too_deep`` scans JSON text (brackets outside strings, line by line:
+# a JSON string holds no raw newline) and the cluster-file loader counts the
+# YAML composer's nesting, aliases expanded (``cluster/_config.py``). The
+# error names the file, the line and the limit.
 
 
 # -- dataclass <-> struct ---------------------------------------------------------------
@@ -207,7 +224,13 @@ class FileFormat:
         if not path.is_file():
             raise self.error(f"{path}: no such {self.what} file; {missing or self.remake}", path=str(path))
         try:
-            d = _loads_unique(path.read_text())
+            text = path.read_text()
+            deep = json_too_deep(text.splitlines())
+            if deep is not None:
+                raise self.error(f"{path}: values nested more than {MAX_NESTING_DEPTH} levels deep (arrays or "
+                                 f"objects inside each other) at line {deep}; a {self.what} file is a few levels "
+                                 f"deep: {self.remake}", path=str(path))
+            d = _loads_unique(text)
         except _DuplicateKey as exc:
             where = _render([*exc.path, exc.key])
             raise self.error(f"{path}: field {where} is given twice ({short_repr(exc.first, 40)}, then "
@@ -281,6 +304,37 @@ class FileFormat:
         meaning = f" ({meaning})" if meaning else ""
         return self.error(f"{source}: field {where} is {short_repr(value)}: {reason[:1].lower()}{reason[1:]}{meaning}; "
                           f"correct it or {self.remake}", path=source, field=where, value=value)
+
+
+# -- nesting depth ------------------------------------------------------------------------
+
+#: A JSON string (it holds no raw newline), and what is not a bracket, as str and bytes.
+_JSON_STRING = re.compile(r'"[^"\\\n]*(?:\\.[^"\\\n]*)*"')
+_JSON_STRING_BYTES = re.compile(rb'"[^"\\\n]*(?:\\.[^"\\\n]*)*"')
+_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
+_NOT_BRACKET_BYTES = re.compile(rb"[^\[\]{}]+")
+
+
+def json_too_deep(lines: typing.Iterable[str | bytes], limit: int = MAX_NESTING_DEPTH) -> int | None:
+    """The 1-based number of the first line where the JSON text ``lines``
+    (one JSON document, or JSON Lines) nests arrays and objects more than
+    ``limit`` levels deep, or None ([Note: nesting depth]). Brackets inside
+    strings do not count; one pass over the text, no parsing (malformed JSON
+    is the parser's to report)."""
+    depth = 0
+    for number, line in enumerate(lines, 1):
+        if isinstance(line, bytes):
+            brackets = _NOT_BRACKET_BYTES.sub(b"", _JSON_STRING_BYTES.sub(b"", line)).decode("ascii")
+        else:
+            brackets = _NOT_BRACKET.sub("", _JSON_STRING.sub("", line))
+        for c in brackets:
+            if c in "[{":
+                depth += 1
+                if depth > limit:
+                    return number
+            else:
+                depth = max(depth - 1, 0)
+    return None
 
 
 # -- duplicate keys -----------------------------------------------------------------------

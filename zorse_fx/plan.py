@@ -12,6 +12,11 @@ On disk (``Plan.export(dir)``)::
                          by the runtime only if its sha256 is the one
                          plan.json records
 
+beside what ``zorse plan`` adds (``weights.pt``, ``plan_request.json``) and
+``zorse simulate`` writes (``simulate/``): ``PLAN_DIR_ENTRIES``. A plan is
+written over an older one only in such a directory, and none of the old
+plan's files stays behind ([Note: writing a plan directory]).
+
 Written and read by ``_plan_io.py`` (``Plan.to_dict`` / ``Plan.load``); the
 readable table (``Plan.table``) is drawn by ``plan_table.py``.
 
@@ -110,14 +115,19 @@ cores; the planner priced them so and every rank sets PyTorch's flags to it
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import re
+import shutil
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Iterator, Literal
 
 from msgspec import Meta
 
-from .errors import PlanFileError, short_repr
+from .errors import PlanDirectoryError, PlanFileError, short_repr
 from .file_schema import NOT_IN_FILE, OPTIONAL
 from .ir.buckets import BUCKET_BYTES
 from .ir.schedule import SCHEDULES
@@ -126,7 +136,8 @@ from .plan_table import GIB, plan_table  # noqa: F401 (GIB: importable from here
 from .precision import PRECISIONS, REDUCE_DTYPES, PrecisionPolicy, precision_policy
 from .stage_sources import source_sha256
 
-__all__ = ["PLAN_FORMAT_VERSION", "MemoryBreakdown", "GPUShare", "StagePlan", "SolverReport", "Plan", "RankRole"]
+__all__ = ["PLAN_FORMAT_VERSION", "PLAN_DIR_ENTRIES", "MemoryBreakdown", "GPUShare", "StagePlan", "SolverReport",
+           "Plan", "RankRole", "check_plan_dir", "new_plan_dir"]
 
 #: Bumped on any incompatible change of plan.json.
 PLAN_FORMAT_VERSION = 13
@@ -655,16 +666,32 @@ class Plan:
         return json.dumps(self.to_dict(), indent=2)
 
     def export(self, directory: str | Path) -> Path:
-        """Write ``plan.json`` and ``stage_<i>.py`` into ``directory``; returns plan.json's path."""
+        """Write ``plan.json`` and ``stage_<i>.py`` into ``directory`` (made
+        if missing); returns plan.json's path. Over an older plan, its
+        ``stage_<i>.py`` that this plan does not have are removed and the rest
+        (``weights.pt``, ``plan_request.json``) kept: re-exporting a loaded
+        plan in place keeps its weights ([Note: writing a plan directory]).
+
+        Raises:
+            PlanDirectoryError: ``directory`` holds files a plan does not
+                write (``check_plan_dir``).
+            PlanFileError: the plan was loaded without its stage sources.
+        """
         directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
+        check_plan_dir(directory)
         if len(self.sources) != self.num_stages:
             raise PlanFileError("this plan has no stage sources to export (it was loaded without them)")
-        for s, src in zip(self.stages, self.sources):
-            (directory / s.source_file).write_text(src)
-        path = directory / "plan.json"
-        path.write_text(self.to_json() + "\n")
-        return path
+        directory.mkdir(parents=True, exist_ok=True)
+        files = {s.source_file: src for s, src in zip(self.stages, self.sources)}
+        files["plan.json"] = self.to_json() + "\n"  # last: a reader finds the old plan.json or the new one whole
+        stale = [p for p in directory.iterdir() if _EXPORTED.fullmatch(p.name) and p.name not in files]
+        for name, text in files.items():
+            tmp = directory / f".{name}.{_unique()}"
+            tmp.write_text(text)
+            os.replace(tmp, directory / name)
+        for p in stale:
+            p.unlink()
+        return directory / "plan.json"
 
     @classmethod
     def load(cls, path: str | Path) -> "Plan":
@@ -682,3 +709,85 @@ class Plan:
 
     def __str__(self) -> str:
         return self.table()
+
+
+# [Note: writing a plan directory]
+# A plan directory holds one plan: plan.json, its stage_<i>.py (which plan.json
+# hashes), weights.pt and plan_request.json from `zorse plan` (and an `--elastic`
+# re-plan's cluster.yaml), and `zorse simulate`'s output. A plan written over another must leave none of the old
+# one's files: a stage_3.py of a 4-stage plan beside a 3-stage plan.json, or
+# the old plan's weights, would be read by the next command as if they were the
+# new plan's. So `zorse plan -o` writes the whole new directory beside the old
+# one (``new_plan_dir``) and swaps it in when complete: the old plan goes as a
+# whole, and a failed or interrupted `zorse plan` leaves the old one intact.
+# ``Plan.export`` alone (an API user, a re-export in place) replaces plan.json
+# and the stage files and removes the old stage files only, keeping the
+# weights. Either refuses a directory holding anything else (``check_plan_dir``):
+# an `-o` given by mistake (the project root, a run directory) must not be
+# emptied.
+
+#: The entries of a plan directory (``Plan.export``'s, ``zorse plan``'s, an
+#: ``--elastic`` re-plan's cluster file and ``zorse simulate``'s output);
+#: ``__pycache__``: a stage file imported by hand.
+PLAN_DIR_ENTRIES = re.compile(
+    r"plan\.json|stage_\d+\.py|weights\.pt|plan_request\.json|cluster\.yaml|simulate|__pycache__")
+_EXPORTED = re.compile(r"stage_\d+\.py")  # the old plan's files Plan.export replaces (and plan.json)
+
+
+def check_plan_dir(directory: str | Path, *, flag: str = "") -> None:
+    """Refuse to write a plan into ``directory`` unless it is missing, empty
+    or a plan directory (every entry matches ``PLAN_DIR_ENTRIES``);
+    ``flag`` (``"-o"``) prefixes the message.
+
+    Raises:
+        PlanDirectoryError: one line naming the directory, what else it
+            holds (up to 5 names) and the fix."""
+    directory = Path(directory)
+    where = f"{flag} {directory}" if flag else str(directory)
+    if directory.exists() and not directory.is_dir():
+        raise PlanDirectoryError(f"{where} is a file, not a plan directory; give a new directory for the plan")
+    if not directory.is_dir():
+        return
+    others = sorted(p.name + ("/" if p.is_dir() else "") for p in directory.iterdir()
+                    if not PLAN_DIR_ENTRIES.fullmatch(p.name))
+    if others:
+        shown = ", ".join(others[:5]) + (f" and {len(others) - 5} more" if len(others) > 5 else "")
+        raise PlanDirectoryError(
+            f"{where} is not a plan directory: it holds {shown} (a plan directory holds only plan.json, "
+            f"stage_<i>.py, weights.pt, plan_request.json, cluster.yaml and simulate/), which writing a plan there "
+            f"would replace; give a new or empty directory for the plan")
+
+
+def _unique() -> str:
+    """A name part no other writer picks (the process and a random suffix)."""
+    return f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+@contextlib.contextmanager
+def new_plan_dir(directory: str | Path, *, flag: str = "") -> Iterator[Path]:
+    """A new, empty directory beside ``directory`` to write a whole plan
+    into; once the block ends without an error it replaces ``directory``
+    (the old plan, if any, removed as a whole), else it is removed and
+    ``directory`` is untouched ([Note: writing a plan directory]).
+
+    Raises:
+        PlanDirectoryError: ``directory`` is not a plan directory
+            (``check_plan_dir``), checked before and again at the swap."""
+    directory = Path(directory)
+    check_plan_dir(directory, flag=flag)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    unique = _unique()
+    tmp = directory.parent / f".{directory.name}.new-{unique}"
+    tmp.mkdir()
+    try:
+        yield tmp
+        check_plan_dir(directory, flag=flag)  # (nothing was added meanwhile)
+        old = None
+        if directory.exists():
+            old = directory.parent / f".{directory.name}.old-{unique}"
+            os.rename(directory, old)
+        os.rename(tmp, directory)
+        if old is not None:
+            shutil.rmtree(old)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

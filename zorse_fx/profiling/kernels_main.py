@@ -56,7 +56,7 @@ import torch
 
 from ..cost.profile import DeviceInfo, KernelProfile, KernelTiming
 
-__all__ = ["build_parser", "main", "run", "measure_model", "measure_standard", "device_info"]
+__all__ = ["build_parser", "check_args", "main", "run", "measure_model", "measure_standard", "device_info"]
 
 
 def _cpu_name() -> str:
@@ -225,11 +225,11 @@ def measure_model_graph(model_name: str, seq_lens: list[int], batch_sizes: list[
     return list(entries.values()), whole, graphs
 
 
-def _seq_batch(text: str) -> tuple[int, int]:
+def _seq_batch(p: argparse.ArgumentParser, text: str) -> tuple[int, int]:
     try:
         seq, batch = (int(v) for v in text.split(","))
     except ValueError:
-        raise SystemExit(f"zorse bench kernels: --calibrate-at {text!r}: give SEQ,MICRO_BATCH, e.g. 4096,1") from None
+        p.error(f"--calibrate-at {text!r}: give SEQ,MICRO_BATCH, e.g. --calibrate-at 4096,1")
     return seq, batch
 
 
@@ -465,7 +465,11 @@ def plot(profile: KernelProfile, path: Path, peaks: dict[str, float] | None = No
 def build_parser(add_help: bool = True) -> argparse.ArgumentParser:
     """The options of ``zorse bench kernels`` (``add_help=False``: for the CLI's ``parents=``)."""
     p = argparse.ArgumentParser(prog="zorse bench kernels", description=__doc__.splitlines()[0], add_help=add_help)
-    p.add_argument("--model", action="append", default=[], help="model to sweep (repeatable); see zorse_fx.models.registry")
+    from ..models import published
+    from ..models.registry import MODEL_HELP
+
+    p.add_argument("--model", action="append", default=[], help=(
+        f"model to sweep (repeatable): {MODEL_HELP}, or a published model ({', '.join(sorted(published.CONFIGS))})"))
     p.add_argument("--seq-len", default="64", help="sequence lengths, comma separated (`fake` replay: the first)")
     p.add_argument("--layers", type=int, help="decoder layers of a published model (zorse_fx.models.published; "
                    "default: all)")
@@ -496,21 +500,98 @@ def build_parser(add_help: bool = True) -> argparse.ArgumentParser:
     return p
 
 
+def _int_list(p: argparse.ArgumentParser, flag: str, text: str, what: str, example: str) -> list[int]:
+    """``text`` ("1,4") as distinct integers >= 1, in order; ``p.error`` naming ``flag`` otherwise."""
+    try:
+        values = [int(v) for v in str(text).split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        p.error(f"{flag} {text!r}: give {what}, integers >= 1 separated by commas, e.g. {flag} {example}")
+    if len(set(values)) != len(values):
+        p.error(f"{flag} {text!r}: {what} given twice; give each once, e.g. {flag} {example}")
+    return values
+
+
+def _writable_file(p: argparse.ArgumentParser, flag: str, path: str | None) -> None:
+    if path is not None and Path(path).is_dir():
+        p.error(f"{flag} {path}: is a directory; give the file to write, e.g. {flag} {Path(path) / 'profile.json'}")
+
+
+def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
+    """Every option's value and combination checked before anything is
+    loaded or measured (a refused one is ``p.error``: one line naming the
+    flag, exit status 2), ``--seq-len`` and ``--batch-sizes`` turned into
+    lists of integers. A model sweep needs two micro-batch sizes: the cost
+    model fits each node's fixed and per-sample time between the profile's
+    smallest and largest (``cost.measured.measured_block_costs``), and the
+    ``graph`` replay's calibration prices the whole graph that way."""
+    from ..models import published
+    from ..models.registry import MODEL_NAMES
+    from ..precision import PRECISIONS
+
+    args.seq_len = _int_list(p, "--seq-len", args.seq_len, "sequence lengths", "64,256")
+    args.batch_sizes = _int_list(p, "--batch-sizes", args.batch_sizes, "micro-batch sizes", "1,4")
+    known = (*MODEL_NAMES, *sorted(published.CONFIGS))
+    for name in [*args.model, *([args.calibrate] if args.calibrate else [])]:
+        if name not in known and ":" not in name:
+            flag = "--model" if name in args.model else "--calibrate"
+            p.error(f"{flag} {name!r}: unknown model; use one of {', '.join(known)} or module:function")
+    if args.model and len(args.batch_sizes) < 2:
+        p.error(f"--batch-sizes {','.join(map(str, args.batch_sizes))}: the model sweep needs two or more "
+                f"micro-batch sizes (each node's time is fitted between the smallest and the largest), e.g. "
+                f"--batch-sizes {args.batch_sizes[0]},{max(4, 2 * args.batch_sizes[0])}")
+    if args.layers is not None:
+        if args.layers < 1:
+            p.error(f"--layers {args.layers}: give the decoder layers to keep, an integer >= 1")
+        others = [m for m in args.model if m not in published.CONFIGS]
+        if others or not args.model:
+            p.error(f"--layers applies to the published models ({', '.join(sorted(published.CONFIGS))}), not to "
+                    f"{', '.join(map(repr, others)) or 'the standard sweep alone (no --model)'}; drop --layers")
+    for flag, value, low in (("--threads", args.threads, 1), ("--repeats", args.repeats, 1),
+                             ("--flush-bytes", args.flush_bytes, 0)):
+        if value < low:
+            p.error(f"{flag} {value}: give an integer >= {low}")
+    if not args.cpu_scale > 0:
+        p.error(f"--cpu-scale {args.cpu_scale}: give a scale > 0 of the standard shapes (default 0.25)")
+    if args.precision is not None and args.precision not in PRECISIONS:
+        p.error(f"--precision {args.precision!r}: use one of {', '.join(PRECISIONS)}")
+    replay = args.replay or ("graph" if torch.cuda.is_available() else "fake")
+    graph_only = [f for f, v in (("--calibrate-at", args.calibrate_at), ("--report", args.report)) if v]
+    if replay != "graph" and graph_only:
+        p.error(f"{' and '.join(graph_only)} appl{'y' if len(graph_only) > 1 else 'ies'} to the `graph` replay "
+                f"(this one is `{replay}`: the default on a CPU); add --replay graph or drop "
+                f"{' and '.join(graph_only)}")
+    if replay == "fake" and args.calibrate and max(args.batch_sizes) < 2:
+        p.error(f"--batch-sizes {','.join(map(str, args.batch_sizes))}: the `fake` replay's calibration runs "
+                f"--calibrate {args.calibrate!r} whole at the largest micro-batch size, which must be >= 2 (capture "
+                f"keeps the batch dimension symbolic); e.g. --batch-sizes 1,4, or --calibrate '' to skip it")
+    for text in args.calibrate_at or ():
+        seq, batch = _seq_batch(p, text)
+        if seq not in args.seq_len or batch not in args.batch_sizes:
+            p.error(f"--calibrate-at {text}: not a measured point; give SEQ from --seq-len "
+                    f"({','.join(map(str, args.seq_len))}) and MICRO_BATCH from --batch-sizes "
+                    f"({','.join(map(str, args.batch_sizes))})")
+    if not args.model and args.no_standard:
+        p.error("nothing to measure: give --model, or drop --no-standard")
+    for flag, path in (("-o", args.output), ("--report", args.report), ("--plot", args.plot)):
+        _writable_file(p, flag, path)
+    return args
+
+
 def main(argv=None) -> int:
-    return run(build_parser().parse_args(argv))
+    p = build_parser()
+    return run(check_args(p, p.parse_args(argv)))
 
 
 def run(args) -> int:
-    """Measure and write the profile ``build_parser``'s options ``args`` describe."""
+    """Measure and write the profile ``build_parser``'s options ``args``
+    describe, checked by ``check_args``."""
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cpu":
         torch.set_num_threads(args.threads)
     info = device_info(device, args.device_type, args.threads if device.type == "cpu" else 1)
-    batches = [int(b) for b in args.batch_sizes.split(",") if b]
-    try:
-        seqs = [int(v) for v in str(args.seq_len).split(",") if v]
-    except ValueError:
-        raise SystemExit(f"zorse bench kernels: --seq-len {args.seq_len!r}: give integers, comma separated")
+    batches, seqs = list(args.batch_sizes), list(args.seq_len)
     replay = args.replay or ("graph" if device.type == "cuda" else "fake")
     precision = args.precision or ("bf16-mixed" if device.type == "cuda" else "fp32")
     entries: list[KernelTiming] = []
@@ -527,11 +608,12 @@ def run(args) -> int:
                                      flush_bytes=args.flush_bytes if device.type == "cpu" else 0)
     if not args.no_standard:
         entries += measure_standard(device, repeats=args.repeats, cpu_scale=args.cpu_scale)
-    if not entries:
-        raise SystemExit("zorse bench kernels: nothing measured (give --model or allow the standard sweep)")
+    if not entries:  # (the standard sweep without the zorse_kernels package, no --model)
+        raise SystemExit("zorse bench kernels: nothing measured (give --model, or install kernels/ for the "
+                         "standard sweep)")
     if graph_runs:
         name, whole, graphs = graph_runs[0]
-        at = ([_seq_batch(v) for v in args.calibrate_at] if args.calibrate_at
+        at = ([tuple(int(v) for v in text.split(",")) for text in args.calibrate_at] if args.calibrate_at
               else sorted({(max(seqs), min(batches)), (min(seqs), min(batches))}, reverse=True))
         draft = KernelProfile(device=info, measured_at="", overhead_ms=0.0, entries=tuple(entries),
                               batch_sizes=tuple(batches))
@@ -563,7 +645,7 @@ def run(args) -> int:
         overhead_ms=min(e.fwd_ms for e in uniq.values()),
         entries=tuple(uniq.values()),
         notes=f"models: {', '.join(args.model) or '-'}{f' ({args.layers} layers)' if args.layers else ''}; "
-              f"seq_len {args.seq_len}; batch sizes {batches}; replay {replay}"
+              f"seq_len {','.join(map(str, seqs))}; batch sizes {batches}; replay {replay}"
               + (f" under {precision} autocast, device time; " if replay == "graph" else
                  f"; repeats {args.repeats}; flush {args.flush_bytes} B; ")
               + f"calibration: {cal_note}",

@@ -289,6 +289,12 @@ class SimResult:
     stage_sharded: tuple[bool, ...] = ()
     state_shard_bytes: tuple[tuple[int, ...], ...] = ()
     stage_recompute: tuple[bool, ...] = ()
+    #: Per stage: the ZeRO stage of its sharding (0: replicated; 1: optimizer state
+    #: sharded, 2: gradients too, 3: weights too), and whether its optimizer /
+    #: activations are offloaded to host memory.
+    stage_zero: tuple[int, ...] = ()
+    stage_offload: tuple[bool, ...] = ()
+    stage_act_offload: tuple[bool, ...] = ()
     #: Interleave degree v simulated: S = P v stages on P GPU groups, stage s
     #: on group s mod P (a GPU's events carry the stage they ran).
     interleave: int = 1
@@ -641,4 +647,7 @@ def simulate(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions, deci
                      events=tuple(events), bubble_fraction=bubble,
                      gpu_nodes=tuple(devices.node_names or (f"gpu{g}" for g in range(n_g))),
                      gpu_types=tuple(devices.gpu_types), stage_sharded=pol.sharded,
-                     state_shard_bytes=shard_bytes, stage_recompute=pol.recompute, interleave=pipe.v)
+                     state_shard_bytes=shard_bytes, stage_recompute=pol.recompute, interleave=pipe.v,
+                     stage_zero=tuple(3 if pol.ps(s) else 2 if pol.gs(s) else int(pol.sharded[s]) for s in range(n_s)),
+                     stage_offload=tuple(pol.of(s) for s in range(n_s)),
+                     stage_act_offload=tuple(pol.ao(s) for s in range(n_s)))

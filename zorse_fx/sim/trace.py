@@ -5,7 +5,10 @@ Trace format: the Chrome "Trace Event Format" (JSON object with a
 microseconds; ``"ph": "M"`` metadata events name processes and threads), which
 ui.perfetto.dev and chrome://tracing both load. One process per node, one
 thread per GPU for its compute (F, B, all-reduce, optimizer, all-gather of a
-ZeRO-1 sharded stage) and one thread per GPU for the messages it sends.
+ZeRO-1 or ZeRO-2 stage's updated weights, named with its ZeRO stage) and one
+thread per GPU for the messages it sends. Every slice of a stage carries how
+it keeps its state (``args.memory``: "ZeRO-3, optimizer offloaded", as
+``stage_memory`` says it); an offloaded optimizer's step is named so.
 Complete events on one thread must nest, and a GPU's sends can overlap (a
 forward feeds several receivers at once), so overlapping sends go to extra
 lanes ("GPU g sends #2", ...) of the same GPU.
@@ -29,15 +32,53 @@ from pathlib import Path
 
 from .engine import SimEvent, SimResult
 
-__all__ = ["to_perfetto", "gantt_png", "COLORS"]
+__all__ = ["to_perfetto", "gantt_png", "stage_memory", "COLORS"]
 
 #: Colours of the chart (and the trace's ``cname``-free legend) per event kind.
 COLORS = {"F": "#4C78A8", "B": "#F58518", "recompute": "#FFBF79", "allreduce": "#E45756", "optim": "#54A24B",
           "allgather": "#B279A2", "send": "#9D9D9D", "tiedreduce": "#FF9DA6"}
 _LEGEND = {"F": "forward", "B": "backward", "recompute": "backward: forward re-run", "allreduce": "all-reduce",
-           "optim": "optimizer", "allgather": "all-gather (ZeRO-1)", "send": "send",
+           "optim": "optimizer", "allgather": "all-gather", "send": "send",
            "tiedreduce": "all-reduce (tied parameter)"}
 _COMPUTE = ("F", "B", "allreduce", "tiedreduce", "optim", "allgather")
+
+
+def stage_memory(result: SimResult, stage: int) -> str:
+    """How stage ``stage`` keeps its training state, as the plan table says
+    it: "ZeRO-1" / "ZeRO-2" / "ZeRO-3" (optimizer state / + gradients / +
+    weights sharded) or "replicated", then ", optimizer offloaded" and
+    ", activations offloaded" where so; "" for a result without the memory
+    policy (``SimResult`` made by hand) or an event of no stage (-1)."""
+    if not 0 <= stage < len(result.stage_zero):
+        return ""
+    zero = result.stage_zero[stage]
+    text = f"ZeRO-{zero}" if zero else "replicated"
+    if stage < len(result.stage_offload) and result.stage_offload[stage]:
+        text += ", optimizer offloaded"
+    if stage < len(result.stage_act_offload) and result.stage_act_offload[stage]:
+        text += ", activations offloaded"
+    return text
+
+
+def _event_label(result: SimResult, e: SimEvent) -> str:
+    """The name of an all-reduce / optimizer / all-gather slice: the legend's,
+    with the stage's ZeRO stage on an all-gather (ZeRO-1 and ZeRO-2 gather the
+    updated weights after the step; ZeRO-3 gathers inside F and B) and where
+    an offloaded optimizer steps (on the host CPU)."""
+    zero = result.stage_zero[e.stage] if 0 <= e.stage < len(result.stage_zero) else 0
+    if e.kind == "allgather" and zero:
+        return f"all-gather (ZeRO-{zero})"
+    if e.kind == "optim" and 0 <= e.stage < len(result.stage_offload) and result.stage_offload[e.stage]:
+        return "optimizer (offloaded: host CPU)"
+    return _LEGEND[e.kind]
+
+
+def _legend(result: SimResult, kind: str) -> str:
+    """The chart legend's entry of ``kind``: the labels its slices carry."""
+    names = sorted({_event_label(result, e) for e in result.events if e.kind == kind})
+    if kind in ("allgather", "optim") and names:
+        return ", ".join(names)
+    return _LEGEND[kind]
 
 
 def _labels(result: SimResult, gpu_labels) -> dict[int, str]:
@@ -53,14 +94,14 @@ def _task(e: SimEvent, staged: bool, kind: str | None = None) -> str:
     return f"{kind or e.kind}{e.microbatch}" + (f" s{e.stage}" if staged else "")
 
 
-def _name(e: SimEvent, staged: bool = False) -> str:
+def _name(result: SimResult, e: SimEvent, staged: bool = False) -> str:
     if e.kind in ("F", "B"):
         return _task(e, staged) + (" (recompute)" if e.recompute_s > 0 else "")
     if e.kind == "send":
         if staged:
             return f"send mb{e.microbatch} s{e.stage}->s{e.peer_stage} to GPU {e.peer}"
         return f"send mb{e.microbatch} -> GPU {e.peer}"
-    return _LEGEND[e.kind]
+    return _event_label(result, e)
 
 
 def _staged(result: SimResult) -> bool:
@@ -112,7 +153,9 @@ def to_perfetto(result: SimResult, path, *, gpu_labels=None) -> Path:
             args.update(bytes=e.nbytes)
         elif e.recompute_s > 0:
             args.update(recompute=True, recompute_s=e.recompute_s)
-        return {"name": _name(e, staged), "cat": e.kind, "ph": "X", "ts": e.start_s * 1e6,
+        if stage_memory(result, e.stage):
+            args.update(memory=stage_memory(result, e.stage))
+        return {"name": _name(result, e, staged), "cat": e.kind, "ph": "X", "ts": e.start_s * 1e6,
                 "dur": max(e.end_s - e.start_s, 0.0) * 1e6, "pid": pid_of[nodes[e.gpu]], "tid": tid, "args": args}
 
     for g, label in labels.items():
@@ -180,7 +223,7 @@ def gantt_png(result: SimResult, path, *, gpu_labels=None, dpi: int = 120) -> Pa
     if any(e.recompute_s > 0 for e in result.events):
         shown.add("recompute")
     ax.legend(handles=[Patch(facecolor=c, edgecolor="white", hatch="///" if k == "recompute" else None,
-                             label=_LEGEND[k]) for k, c in COLORS.items() if k in shown],
+                             label=_legend(result, k)) for k, c in COLORS.items() if k in shown],
               loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=8, frameon=False)
     ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()
