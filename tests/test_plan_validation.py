@@ -415,3 +415,30 @@ def test_deep_yaml_cluster_file_refused(tmp_path, capsys):
     path.write_text("name: ok\nnodes: " + "[" * 99 + "]" * 99 + "\n")
     with pytest.raises(ClusterConfigError, match=r"nodes\[0\]: must be a mapping"):
         Cluster.from_yaml(path)
+
+
+def test_deep_json_in_run_files_skipped_or_refused(tmp_path):
+    """The JSON files a run writes for itself (metrics.jsonl, a rank's error
+    record, a heartbeat, an --elastic plan_request.json) nested 10,000 deep, as
+    a damaged or foreign file could be: the readers that skip what is not
+    theirs skip it, and the plan request is refused in one line; none raises
+    the bare RecursionError of json."""
+    from zorse_fx.elastic import PLAN_REQUEST, ElasticError, PlanRequest, recorded_cluster_file
+    from zorse_fx.runtime.rank_errors import logs_dir, read_rank_errors
+    from zorse_fx.runtime.run_dir import METRICS, metrics_run_id
+    from zorse_fx.runtime.watchdog import read_heartbeats
+
+    deep = "[" * DEEP + "]" * DEEP
+    (tmp_path / METRICS).write_text('{"step": 1, "run_id": "00ff"}\n' + deep + "\n")
+    assert metrics_run_id(tmp_path) == "00ff"
+    logs_dir(tmp_path).mkdir(parents=True)
+    (logs_dir(tmp_path) / "rank0.error.json").write_text(deep)
+    assert read_rank_errors(tmp_path) == []
+    (tmp_path / "beats").mkdir()
+    (tmp_path / "beats" / "rank0").write_text(deep)
+    assert read_heartbeats(tmp_path / "beats") == []
+    (tmp_path / PLAN_REQUEST).write_text(deep)
+    assert recorded_cluster_file(tmp_path) is None
+    with pytest.raises(ElasticError, match=rf"^--elastic: {re.escape(str(tmp_path / PLAN_REQUEST))} is not a plan "
+                                           r"request `zorse plan` wrote \(maximum recursion depth"):
+        PlanRequest.read(tmp_path)

@@ -130,7 +130,7 @@ class PlanRequest:
         try:
             data = json.loads(path.read_text())
             return cls(**data)
-        except (ValueError, TypeError) as exc:
+        except (ValueError, TypeError, RecursionError) as exc:  # RecursionError: nested too deep
             raise ElasticError(f"--elastic: {path} is not a plan request `zorse plan` wrote ({exc}); export the "
                                f"plan again with `zorse plan`") from None
 
@@ -258,7 +258,7 @@ def recorded_cluster_file(plan_dir: str | Path) -> str | None:
     path = (d if d.is_dir() else d.parent) / PLAN_REQUEST
     try:
         recorded = json.loads(path.read_text()).get("cluster_file")
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError, RecursionError):
         return None
     return recorded if isinstance(recorded, str) and recorded and Path(recorded).is_file() else None
 

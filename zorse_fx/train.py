@@ -182,7 +182,7 @@ def _metrics_file(out: Path, resumed_step: int | None, run_id: str):
         for ln in path.read_text().splitlines():
             try:
                 rec = json.loads(ln)
-            except ValueError:  # a line cut short by the interruption
+            except (ValueError, RecursionError):  # a line cut short by the interruption (or not ours)
                 continue
             if rec.get("step", 0) <= resumed_step and rec.get("run_id", run_id) == run_id:
                 kept.append(ln)

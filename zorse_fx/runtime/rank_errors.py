@@ -134,7 +134,7 @@ def read_rank_errors(out: str | Path, *, since: float = 0.0) -> list[dict]:
     for p in logs_dir(out).glob(f"rank*{_SUFFIX}"):
         try:
             rec = json.loads(p.read_text())
-        except (OSError, ValueError):
+        except (OSError, ValueError, RecursionError):  # not a record of ours
             continue
         if isinstance(rec, dict) and rec.get("time", 0) >= since:
             found.append(rec)

@@ -79,7 +79,7 @@ def _metrics_summary(path: Path) -> str | None:
         records += 1
         try:
             run = json.loads(line).get("run_id")
-        except (ValueError, AttributeError):
+        except (ValueError, AttributeError, RecursionError):
             continue
         if run and run not in runs:
             runs.append(run)
@@ -97,7 +97,7 @@ def metrics_run_id(out: str | Path) -> str | None:
             for line in f:
                 try:
                     run = json.loads(line).get("run_id")
-                except (ValueError, AttributeError):
+                except (ValueError, AttributeError, RecursionError):
                     continue
                 found = run or found
     return found

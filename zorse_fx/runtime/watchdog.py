@@ -85,7 +85,7 @@ def read_heartbeats(directory: str | Path, now: float | None = None) -> list[Bea
         try:
             rec = json.loads(f.read_text())
             beats.append(Beat(rank=int(rec["rank"]), pid=int(rec["pid"]), age_s=now - float(rec["time"])))
-        except (OSError, ValueError, KeyError, TypeError):  # replaced while reading, or not ours
+        except (OSError, ValueError, KeyError, TypeError, RecursionError):  # replaced while reading, or not ours
             continue
     return sorted(beats, key=lambda b: b.rank)
 
