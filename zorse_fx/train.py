@@ -454,7 +454,7 @@ def _run(options: TrainingOptions, where: _Where) -> int:
         t0 = time.perf_counter()
         loss = worker.train_step(batch, lr=lr, max_grad_norm=opt.clip_grad_norm).reshape(1)
         local_loss = loss.detach().to(torch.float64)  # this rank's contribution, before the sum
-        dist.all_reduce(loss)  # on the device: sum of share-weighted contributions = global mean loss
+        dist.all_reduce(loss)  # on the device: sum of the weighted contributions = the global batch's loss
         step_time = time.perf_counter() - t0
         if step == test.dump_grads:
             d = out / "grads"
