@@ -96,7 +96,7 @@ class LossTail:
     #: tensor), as a module over the captured graph's constants; None: the loss divides by no count.
     count: fx.GraphModule | None = None
     #: The divisor in words, for messages ("the targets of cross_entropy that are not its
-    #: ignore_index -100", "sum_2, a sum over the input labels"); "" when there is none.
+    #: ignore_index -100", "sum_2, a value of the input labels"); "" when there is none.
     divisor: str = ""
     #: Why the divisor is not a count of the inputs, a verb phrase ("reads the parameter 'w'", "is
     #: not a sum over the samples' tokens"), for the refusal of a loss that is no sample mean either;

@@ -381,7 +381,7 @@ def check_mean_loss(model: torch.nn.Module, example_inputs: tuple[torch.Tensor, 
         whole = float(value)
         counts = (whole, sum(per[:h]), sum(per[h:]))
         # integer counts add exactly; float ones (class weights) to their rounding over the batch's elements
-        ctol = 0.0 if not value.is_floating_point() else min(0.05, torch.finfo(value.dtype).eps * example_inputs[0].numel())
+        ctol = min(0.05, torch.finfo(value.dtype).eps * example_inputs[0].numel()) if value.is_floating_point() else 0.0
         if not close(whole, sum(per), ctol) or min(per) < 0:
             raise ModelCaptureError(
                 f"{name}.forward divides its loss by {tail.divisor}, which is not a count over the samples: it "

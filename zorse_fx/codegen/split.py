@@ -382,8 +382,8 @@ def emit_source(program: StageProgram, *, header: str = "", seq_len: int | None 
     if model_inputs is not None:
         lines.append(f"    MODEL_INPUTS = {list(model_inputs)!r}")
     if p.is_last:
-        lines.append("    #: how the loss averages: 'sample_mean', or 'token_mean' over the tokens loss_count counts")
-        lines.append("    #: ([Note: the loss contract] in zorse_fx/capture/trace.py; plan.json's loss_reduction must agree)")
+        lines.append("    #: how the loss averages: 'sample_mean', or 'token_mean' over the tokens loss_count counts ([Note:")
+        lines.append("    #: the loss contract] in zorse_fx/capture/trace.py); plan.json's loss_reduction must agree")
         lines.append(f"    LOSS_REDUCTION = {p.loss_reduction!r}")
     units = p.param_units()
     lines.append("    #: ZeRO-3 units ([Note: ZeRO-3 units] in zorse_fx/codegen/split.py): per block, the parameters it reads")
