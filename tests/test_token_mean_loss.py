@@ -466,9 +466,10 @@ def test_hf_ignored_labels_over_micro_batches_equal_single_process(tmp_path):
 
 # -- distributed: Gloo ranks, unequal shares, padded batches, 2 AdamW steps -----------------
 
-def _train(captured, plan, tokens, tmp_path):
+def _train(captured, plan, tokens, tmp_path, extra=()):
     """2 AdamW steps under ``zorse_fx.train`` equal single-process training (``train_and_compare``:
-    losses, step-1 gradients, final parameters), and the old weighting fails on step 1's batch."""
+    losses, step-1 gradients, final parameters), and the old weighting fails on step 1's batch.
+    Returns the metrics rows; ``captured`` holds the reference's weights after the 2 steps."""
     assert plan.loss_reduction == "token_mean"
     batch = _batch(tokens, plan)
     ref_loss, ref_grads = reference(captured, batch)
@@ -477,16 +478,25 @@ def _train(captured, plan, tokens, tmp_path):
     samples = [int(captured.loss_count(*[batch[n][i:i + 1] for n in captured.input_names]))
                for i in range(plan.global_batch_size)]
     assert 0 in slices and max(samples) > 3 * min(c for c in samples if c), (slices, samples)  # one slice empty
-    train_and_compare(plan, captured, tokens, tmp_path, steps=2, lr=LR, weight_decay=WD)
+    _, rows = train_and_compare(plan, captured, tokens, tmp_path, steps=2, lr=LR, weight_decay=WD, extra=extra)
+    return rows
 
 
 def test_padded_cross_entropy_ignore_index_distributed_equals_single_process(tmp_path):
     """cross_entropy(..., ignore_index=PAD) (fx): stage 0 on GPU 0, stage 1 on GPUs 2, 3 taking
-    1 and 2 samples of each of 2 micro-batches; GPU 2's slice of micro-batch 1 is all padding."""
+    1 and 2 samples of each of 2 micro-batches; GPU 2's slice of micro-batch 1 is all padding.
+    The validation loss (--val-every 2: the corpus's last global batch, padded too, GPU 2's slice
+    of micro-batch 0 all padding) is the token mean single-process evaluation gives."""
     _, captured = _gpt(PaddedGPT)
     plan = fixed_plan(captured, ((0,), (2, 3)), ((3,), (1, 2)), num_microbatches=2, global_batch_size=6,
                       cuts=(analyse(captured).num_blocks // 2,))
-    _train(captured, plan, padded_tokens(12, single=(3,)), tmp_path)
+    tokens = padded_tokens(18, single=(3, 12))  # 2 training batches, then the validation batch
+    rows = _train(captured, plan, tokens, tmp_path, extra=("--val-every", "2"))
+    val = _batch(tokens, plan, step=2)  # chunks 12..17: the held-out batch
+    with torch.no_grad():
+        want = float(captured.graph_module(*[val[n] for n in captured.input_names]))  # after the 2 steps
+    assert "val_loss" not in rows[0] and rows[1]["val_loss"] == pytest.approx(want, rel=FP32.loss_rel)
+    assert abs(share_weighted(captured, plan, val)[0] - want) > 100 * FP32.loss_rel * want
 
 
 def test_padded_mask_sum_distributed_equals_single_process(tmp_path):

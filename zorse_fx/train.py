@@ -483,7 +483,7 @@ def _run(options: TrainingOptions, where: _Where) -> int:
             for b in range(loop.val_batches):
                 val += worker.eval_step(batch_of(b, split="val"))
             dist.all_reduce(val)
-            val_loss = float(val.item()) / loop.val_batches
+            val_loss = float(val.item()) / loop.val_batches  # the mean of the batches' losses (token means, if so)
         if test.kill_at_step and test.kill_at_step == (rank, step) and not restarted:
             os.kill(os.getpid(), signal.SIGKILL)  # testing: a rank dies mid-run
         if test.fail_rank and test.fail_rank[0] == rank and step >= test.fail_rank[1]:
