@@ -309,6 +309,28 @@ def test_token_mean_over_learned_weights_refused():
         r"return a mean over the samples", str(got.value)), str(got.value)
 
 
+class _SelectedMean(MaskedGPT):
+    """The token mean written as the mean of the counted tokens' losses."""
+
+    def forward(self, idx, targets):
+        logits = self.lm_head(self.ln_f(self.wte(idx)))
+        ce = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), reduction="none")
+        return ce[targets.view(-1) != PAD].mean()
+
+
+def test_mean_over_selected_tokens_refused_naming_the_mask_sum():
+    """ce[mask].mean() is a token mean, but its shapes depend on the mask's values: refused from the
+    graph (at initialisation it can pass the example check as a sample mean), with the loss to write."""
+    with pytest.raises(ModelCaptureError) as got:
+        _gpt(_SelectedMean)
+    assert re.fullmatch(
+        r"_SelectedMean.forward returns the mean of getitem(_\d)?, the tokens a boolean mask \(ne(_\d)?\) selects: "
+        r"their number depends on the mask's values, which zorse_fx's shape analysis cannot plan with; return the "
+        r"same token mean as \(loss \* mask\).sum\(\) / mask.sum\(\) \(or cross_entropy\(\.\.\., "
+        r"ignore_index=PAD\)\), which it trains weighted by each GPU's count of tokens", str(got.value)), \
+        str(got.value)
+
+
 class _RootCount(MaskedGPT):
     def forward(self, idx, targets):
         logits = self.lm_head(self.ln_f(self.wte(idx)))

@@ -30,7 +30,10 @@ in the graph as a function of the model inputs (and constants) alone:
 - or it ends in a division ``num / den`` whose ``den`` reads no parameter and
   is a full ``sum`` (or ``count_nonzero``) of a tensor: ``C`` is that sum.
   A guard ``den.clamp(min=c)`` with ``c <= 1`` around it is allowed (it only
-  changes a batch without counted tokens, see below).
+  changes a batch without counted tokens, see below);
+- the mean of a boolean selection (``ce[mask].mean()``) is that token mean
+  too, but its shapes depend on the mask's values, which the planner's shape
+  analysis cannot follow: refused, naming ``(ce * mask).sum() / mask.sum()``.
 
 Casts and multiplications or divisions by a number after either are allowed.
 The count is a graph from every model input to a 0-dim tensor
@@ -82,6 +85,7 @@ _MUL_FUNCTIONS = {operator.mul, torch.mul, _aten.mul.Tensor, _aten.mul.Scalar}
 _MUL_METHODS = {"mul", "__mul__"}
 _CLAMP_FUNCTIONS = {torch.clamp, torch.clip, torch.clamp_min, _aten.clamp.default, _aten.clamp_min.default}
 _CLAMP_METHODS = {"clamp", "clip", "clamp_min"}
+_MEAN_FUNCTIONS = {torch.mean, _aten.mean.default}
 # Loss ops whose "mean" divides by the weight of the targets that are not ignore_index.
 _LOSS_FUNCTIONS = {torch.nn.functional.cross_entropy, torch.nn.functional.nll_loss, _aten.cross_entropy_loss.default,
                    _aten.nll_loss.default, _aten.nll_loss_nd.default, _aten.nll_loss2d.default}
@@ -102,10 +106,10 @@ class LossTail:
     #: not a sum over the samples' tokens"), for the refusal of a loss that is no sample mean either;
     #: "" when there is no reason.
     problem: str = ""
-    #: The divisor is a sum over the batch's tokens that reads a parameter (learned token weights):
-    #: a batch-dependent normaliser no weighting of GPUs splits, refused whatever the example batch
-    #: shows (at initialisation such a loss can be within the check's tolerance of a sample mean).
-    refused: bool = False
+    #: What the graph shows zorse_fx cannot train, whatever the example batch shows (at
+    #: initialisation such a loss can be within the check's tolerance of a sample mean): a clause
+    #: after "<Model>.forward " naming it and the fix; "" when nothing is.
+    refusal: str = ""
 
 
 def _is_number(a) -> bool:
@@ -217,7 +221,39 @@ def loss_tail(gm: fx.GraphModule, example_inputs: tuple[torch.Tensor, ...]) -> L
     if _method_or_function(node, _DIV_FUNCTIONS, _DIV_METHODS) and len(node.args) == 2 \
             and not node.kwargs.get("rounding_mode"):
         return _division_count(gm, node, example_inputs)
+    if _method_or_function(node, _MEAN_FUNCTIONS, {"mean"}) and len(node.args) == 1 and not node.kwargs:
+        return _selection_count(gm, node.args[0], example_inputs)
     return LossTail()
+
+
+def _selection_count(gm: fx.GraphModule, selected, example_inputs) -> LossTail:
+    """mean(y[mask]) / mean(y.masked_select(mask)) with a boolean ``mask``: a mean over the selected
+    tokens, whose shapes depend on the mask's values, which the planner's shape analysis (fake
+    tensors) cannot follow: refused, naming the equivalent loss it can train."""
+    if not isinstance(selected, fx.Node):
+        return LossTail()
+    if selected.op == "call_function" and selected.target is operator.getitem:
+        mask = selected.args[1]
+    elif _method_or_function(selected, {torch.masked_select}, {"masked_select"}):
+        mask = selected.args[1] if len(selected.args) > 1 else selected.kwargs.get("mask")
+    else:
+        return LossTail()
+    if not isinstance(mask, fx.Node) or _parameters_read(gm, mask):
+        return LossTail()
+    value = _evaluate(gm, mask, example_inputs)
+    if not isinstance(value, torch.Tensor) or value.dtype != torch.bool:
+        return LossTail()  # an index, not a mask: a fixed selection
+    return LossTail(refusal=(
+        f"returns the mean of {selected.name}, the tokens a boolean mask ({mask.name}) selects: their number "
+        f"depends on the mask's values, which zorse_fx's shape analysis cannot plan with; return the same token "
+        f"mean as (loss * mask).sum() / mask.sum() (or cross_entropy(..., ignore_index=PAD)), which it trains "
+        f"weighted by each GPU's count of tokens"))
+
+
+def _learned(divisor: str, problem: str) -> str:
+    return (f"divides its loss by {divisor}, which {problem}: a normaliser learned over the batch's tokens, which "
+            f"no weighting of the GPUs' losses splits over GPUs and micro-batches equal to single-device training; "
+            f"divide by a count computed from the inputs alone (mask.sum()), or return a mean over the samples")
 
 
 def _loss_op_count(gm: fx.GraphModule, node: fx.Node, example_inputs) -> LossTail:
@@ -237,7 +273,7 @@ def _loss_op_count(gm: fx.GraphModule, node: fx.Node, example_inputs) -> LossTai
         params = _parameters_read(gm, arg) if isinstance(arg, fx.Node) else []
         if params:
             return LossTail(divisor=divisor, problem=f"has {what} that read the parameter {params[0]!r}",
-                            refused=True)
+                            refusal=_learned(divisor, f"has {what} that read the parameter {params[0]!r}"))
     if _evaluate(gm, target, example_inputs).is_floating_point():
         return LossTail()  # class probabilities: the mean is over the rows, a sample mean
     g, env = _extract(gm, [target] + ([weight] if isinstance(weight, fx.Node) else []))
@@ -260,8 +296,9 @@ def _division_count(gm: fx.GraphModule, node: fx.Node, example_inputs) -> LossTa
     summed = _summed(den)
     params = _parameters_read(gm, den)
     if params:  # learned token weights (a sum over the batch's tokens) are refused; a learned scale is not
-        return LossTail(divisor=den.name, problem=f"reads the parameter {params[0]!r}",
-                        refused=summed is not None and bool(_inputs_read(summed)))
+        problem = f"reads the parameter {params[0]!r}"
+        learned = summed is not None and bool(_inputs_read(summed))
+        return LossTail(divisor=den.name, problem=problem, refusal=_learned(den.name, problem) if learned else "")
     value = _evaluate(gm, den, example_inputs)
     if not isinstance(value, torch.Tensor):
         return LossTail()  # a shape (the batch size): a sample mean

@@ -352,12 +352,8 @@ def check_mean_loss(model: torch.nn.Module, example_inputs: tuple[torch.Tensor, 
     """
     tail = tail or LossTail()
     name = type(model).__name__
-    if tail.refused:
-        raise ModelCaptureError(
-            f"{name}.forward divides its loss by {tail.divisor}, which {tail.problem}: a normaliser learned over "
-            f"the batch's tokens, which no weighting of the GPUs' losses splits over GPUs and micro-batches equal "
-            f"to single-device training; divide by a count computed from the inputs alone (mask.sum()), or "
-            f"return a mean over the samples")
+    if tail.refusal:
+        raise ModelCaptureError(f"{name}.forward {tail.refusal}")
     tensors = (*example_inputs, *model.parameters(), *model.buffers())
     if any(t.device.type == "meta" for t in tensors):  # shapes only (a model built on the meta device)
         return "token_mean" if tail.count is not None else "sample_mean"  # the graph's word: no values
