@@ -310,6 +310,8 @@ def test_plan_fp16_trained_fp32(tmp_path):
     assert sizes == {2 * row_bytes}  # two samples per message
     received = torch.randn(2, T, 16).view(-1).view(torch.uint8)
     batch = {"ids": ids, "labels": ids}
+    counts = st.count_tokens(batch).tolist()  # the loss's weights (a token mean; one GPU: the worker's sum)
+    st.set_loss_weights(counts, sum(counts))
     loss, _ = st.forward(0, batch, [received])
     assert loss.dtype == torch.float32 and torch.isfinite(loss)
 

@@ -116,7 +116,9 @@ def _compile_instance(model: nn.Module, *, cluster: Cluster, example_inputs, glo
         say(f"[zorse] captured {type(inner).__name__} with {captured.method} "
             f"({sum(1 for _ in captured.graph_module.graph.nodes)} fx nodes"
             + (f"; {captured.causal_masks} explicit causal attention masks made is_causal=True"
-               if captured.causal_masks else "") + ")")
+               if captured.causal_masks else "")
+            + ("; loss: a mean over the tokens it counts, weighted by each GPU's count"
+               if captured.loss_reduction == "token_mean" else "; loss: a mean over the samples") + ")")
     plan, bg = plan_captured(captured, cluster, PlanOptions(global_batch_size=global_batch_size, **options),
                              model_name=name, label_mode=label_mode,
                              progress=(lambda m: say("[zorse] " + m)) if say else None)
@@ -129,7 +131,10 @@ def compile(model: nn.Module | type | None = None, *, cluster, example_inputs, g
 
     Args:
         model: an ``nn.Module`` whose ``forward(*example_inputs)`` returns the
-            scalar mean loss over the samples, or a Hugging Face causal LM
+            scalar mean loss over the samples or over the tokens it counts
+            from its inputs (``cross_entropy(..., ignore_index=PAD)``,
+            ``(ce * mask).sum() / mask.sum()``: [Note: the loss contract] in
+            ``capture/trace.py``), or a Hugging Face causal LM
             (wrapped automatically: ``(input_ids, labels) -> loss``; other
             Hugging Face models are refused, [Note: which Hugging Face models]
             in ``models/hf.py``). Used without it, ``compile(...)`` returns a

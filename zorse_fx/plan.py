@@ -107,6 +107,15 @@ The cluster (format version 13; older files record none): ``Plan.cluster_gpus``
 (its GPUs per node, readable) and ``Plan.cluster_sha256`` (``Cluster.fingerprint``:
 GPUs, memory and links), so a plan is not simulated on another cluster.
 
+The loss (format version 14; an older file reads as ``sample_mean``, which is
+how its runtime trained): ``Plan.loss_reduction`` is ``sample_mean`` (each
+GPU's loss weighted by its share of the samples) or ``token_mean`` (by its
+count of the tokens the loss averages over, which the last stage's generated
+``loss_count`` computes from the inputs: [Note: token-mean losses] in
+``capture/loss_count.py``). The last stage file declares it too
+(``LOSS_REDUCTION``), and ``Plan.load`` refuses a plan.json that says
+otherwise (``stage_sources.check_agreement``).
+
 TF32 (format version 12; an older file reads with it off, PyTorch's
 default): ``Plan.tf32`` says whether float32 matmuls run on TF32 tensor
 cores; the planner priced them so and every rank sets PyTorch's flags to it
@@ -140,7 +149,7 @@ __all__ = ["PLAN_FORMAT_VERSION", "PLAN_DIR_ENTRIES", "MemoryBreakdown", "GPUSha
            "Plan", "RankRole", "check_plan_dir", "new_plan_dir"]
 
 #: Bumped on any incompatible change of plan.json.
-PLAN_FORMAT_VERSION = 13
+PLAN_FORMAT_VERSION = 14
 
 
 # Field types of plan.json: one declaration, read by the schema (``plan_schema``,
@@ -427,6 +436,11 @@ class Plan:
     #: How the data loader builds inputs: "same" (HF: labels = input_ids, the
     #: model shifts) or "shifted" (targets = input_ids shifted by one).
     label_mode: Literal["same", "shifted"]
+    #: How the loss averages (format version 14; older files read as "sample_mean"): over the
+    #: samples, or over the tokens the last stage's ``loss_count`` counts (see the module docstring).
+    loss_reduction: Annotated[Literal["sample_mean", "token_mean"], Meta(
+        description="how the loss averages: over the samples, or over the tokens the last stage's loss_count "
+                    "counts")] = field(default="sample_mean", metadata=OPTIONAL)
     global_batch_size: Annotated[Count, Meta(description="samples per optimizer step = microbatch_size x "
                                                          "num_microbatches")]
     microbatch_size: Annotated[Count, Meta(description="samples per micro-batch")]

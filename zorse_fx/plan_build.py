@@ -182,6 +182,7 @@ def build_plan(
         input_names=bg.captured.input_names,
         seq_len=seq_len,
         label_mode=label_mode,
+        loss_reduction=programs[-1].loss_reduction,  # ([Note: the loss contract] in capture/trace.py)
         global_batch_size=options.global_batch_size,
         microbatch_size=dec.microbatch_size,
         num_microbatches=dec.num_microbatches,

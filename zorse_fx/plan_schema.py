@@ -13,7 +13,7 @@ a field to plan.json is one edit in ``plan.py`` plus, where older files lack
 it, a line in ``upgrade`` (and a ``PLAN_FORMAT_VERSION`` bump).
 
 ``decode(d, source)`` upgrades a parsed plan.json of any readable format
-version (1-13) to the current shape (``upgrade``: fields added since take the
+version (1-14) to the current shape (``upgrade``: fields added since take the
 values those versions trained with) and converts it into ``PlanDoc``,
 refusing unknown keys; ``_plan_io`` then builds the ``Plan`` from it and
 ``Plan.__post_init__`` checks the rules that tie fields together (shares sum
@@ -66,7 +66,7 @@ PlanDoc = struct_of(Plan, "PlanDoc", docs={SolverReport: SolverDoc, StagePlan: S
 
 
 def upgrade(d: dict) -> dict:
-    """``d`` (a parsed plan.json of version 1-13) in the current shape: a
+    """``d`` (a parsed plan.json of version 1-14) in the current shape: a
     copy with the fields added since its version at the values it trained
     with (v2: ``sharded``/``recompute`` off, ``state_shard_bytes`` 0; v3:
     ``interleave`` 1; v4: ``precision`` fp32 with float32 gradients, and the
@@ -78,7 +78,8 @@ def upgrade(d: dict) -> dict:
     absent; v10: each stage's ``param_sharded``, optional, off when absent; v11: each stage's
     ``offload_optimizer`` / ``offload_activations`` and each GPU's ``predicted_host_memory_bytes``, optional,
     off / 0 when absent; v12: ``tf32``, optional, off when absent: PyTorch's default; v13: ``cluster_gpus`` and
-    ``cluster_sha256``, optional, "" (not recorded) when absent). Parts of the wrong type are left for the schema to name."""
+    ``cluster_sha256``, optional, "" (not recorded) when absent; v14: ``loss_reduction``, optional,
+    "sample_mean" when absent: how older runtimes trained). Parts of the wrong type are left for the schema to name."""
     d = dict(d)
     version = d.get("version")
     if not isinstance(version, int) or version >= 6:

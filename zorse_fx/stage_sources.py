@@ -16,10 +16,12 @@ stage code was not generated for only fails inside torch (a shape assertion,
 a ``KeyError``). So ``check_agreement`` reads the literals each generated
 ``Stage<i>`` class declares (``codegen.split.emit_source``: ``INPUTS``,
 ``RECV``, ``SEND``, ``PARAMETERS``, ``CONSTANTS`` and, in files written since,
-``SEQ_LEN`` and ``MODEL_INPUTS``) with ``ast.literal_eval`` -- nothing is
-executed -- and refuses a plan.json whose fields disagree, naming the field,
-both values and the fix. A declaration a stage file lacks (an older export)
-is not checked.
+``SEQ_LEN``, ``MODEL_INPUTS`` and the last stage's ``LOSS_REDUCTION``) with
+``ast.literal_eval`` -- nothing is executed -- and refuses a plan.json whose
+fields disagree, naming the field, both values and the fix. A declaration a
+stage file lacks (an older export) is not checked, but a ``token_mean``
+plan's last stage file must define ``loss_count`` (the count its runtime
+weights by).
 """
 
 from __future__ import annotations
@@ -89,12 +91,13 @@ def verify_sources(d: dict, sources: tuple[str, ...], recorded: tuple[str, ...],
 
 
 #: Class-level literals of a generated ``Stage<i>`` (``codegen.split.emit_source``) read by ``check_agreement``.
-DECLARED = ("PARAMETERS", "CONSTANTS", "INPUTS", "RECV", "SEND", "SEQ_LEN", "MODEL_INPUTS")
+DECLARED = ("PARAMETERS", "CONSTANTS", "INPUTS", "RECV", "SEND", "SEQ_LEN", "MODEL_INPUTS", "LOSS_REDUCTION")
 
 
 def stage_declarations(text: str, index: int) -> dict[str, Any]:
     """The ``DECLARED`` literals of class ``Stage{index}`` in a stage source,
-    by name (those it has; none if it does not parse). Read with
+    by name (those it has; none if it does not parse), and under ``"methods"``
+    the names of the methods it defines. Read with ``ast.parse`` and
     ``ast.literal_eval``: nothing is executed."""
     try:
         tree = ast.parse(text)
@@ -103,6 +106,7 @@ def stage_declarations(text: str, index: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for node in tree.body:
         if isinstance(node, ast.ClassDef) and node.name == f"Stage{index}":
+            out["methods"] = [stmt.name for stmt in node.body if isinstance(stmt, ast.FunctionDef)]
             for stmt in node.body:
                 if (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)
                         and stmt.targets[0].id in DECLARED):
@@ -156,6 +160,15 @@ def check_agreement(plan: "Plan", source: str) -> None:
                 for key in ("name", "shape_per_sample", "dtype"):
                     if key in b and a[key] != (list(b[key]) if key == "shape_per_sample" else b[key]):
                         refuse(f"stages[{s.index}].{field}[{k}].{key}", a[key], f"{name}[{k}]['{key}']", b[key])
+        if s.index == plan.num_stages - 1:
+            reduction = plan.loss_reduction
+            if "LOSS_REDUCTION" in decl and decl["LOSS_REDUCTION"] != reduction:
+                refuse("'loss_reduction'", reduction, "LOSS_REDUCTION", decl["LOSS_REDUCTION"],
+                       " (how its loss averages, which the runtime weights each GPU's loss by)")
+            if reduction == "token_mean" and "loss_count" not in decl.get("methods", ()):
+                raise PlanFileError(f"{source}: field 'loss_reduction' is 'token_mean', but {s.source_file} (the last "
+                                    f"stage) defines no loss_count to count the tokens with; set loss_reduction to "
+                                    f"'sample_mean' if its loss is a mean over the samples, or {reexport}")
         for field, name in (("params", "PARAMETERS"), ("consts", "CONSTANTS")):
             if name in decl and dict(getattr(s, field)) != dict(decl[name]):
                 mine, theirs = dict(getattr(s, field)), dict(decl[name])

@@ -468,7 +468,7 @@ def _run(options: TrainingOptions, where: _Where) -> int:
         t0 = time.perf_counter()
         loss = worker.train_step(batch, lr=lr, max_grad_norm=opt.clip_grad_norm).reshape(1)
         local_loss = loss.detach().to(torch.float64)  # this rank's contribution, before the sum
-        dist.all_reduce(loss)  # on the device: sum of share-weighted contributions = global mean loss
+        dist.all_reduce(loss)  # on the device: sum of the weighted contributions = the global batch's loss
         step_time = time.perf_counter() - t0
         if step == test.dump_grads:
             d = out / "grads"
@@ -497,7 +497,7 @@ def _run(options: TrainingOptions, where: _Where) -> int:
             for b in range(loop.val_batches):
                 val += worker.eval_step(batch_of(b, split="val"))
             dist.all_reduce(val)
-            val_loss = float(val.item()) / loop.val_batches
+            val_loss = float(val.item()) / loop.val_batches  # the mean of the batches' losses (token means, if so)
         if test.kill_at_step and test.kill_at_step == (rank, step) and not restarted:
             os.kill(os.getpid(), signal.SIGKILL)  # testing: a rank dies mid-run
         if test.fail_rank and test.fail_rank[0] == rank and step >= test.fail_rank[1]:

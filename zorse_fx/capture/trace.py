@@ -12,25 +12,41 @@ Two routes (see ``../shared/DESIGN.md``):
   ``symbolic_trace`` rejects.
 
 The captured model's ``forward(*inputs)`` must return the scalar training loss
-(the mean over the samples it was given). Every input is a tensor whose dim 0
-is the batch dimension. Wrap a Hugging Face causal LM with
-:class:`zorse_fx.models.hf.CausalLMWithLoss` (``zorse.compile`` does this).
+(the mean over the samples it was given, or over the tokens it counts). Every
+input is a tensor whose dim 0 is the batch dimension. Wrap a Hugging Face
+causal LM with :class:`zorse_fx.models.hf.CausalLMWithLoss` (``zorse.compile``
+does this).
 
 [Note: the loss contract]
-The runtime weights each GPU's loss by its share of the global batch
-([Note: share-weighted gradients] in ``runtime/stage.py``): that is the
-gradient of single-device training only if the loss is the mean over the
-samples. ``capture`` checks it on the example batch (``check_mean_loss``):
-in eval mode (no dropout module) and without touching the global RNG, the
-batch's loss must equal the sample-weighted mean of its two halves' losses,
-to a relative tolerance of 1000 machine epsilons of the weights' dtype (at
-most 5%). A forward that is random even in eval mode (``F.dropout(...,
-training=True)``: two seeds give two losses) is held to 25% only, which a
-sum still fails. A sum (``reduction="sum"``) is the sum of the halves' losses
-and is refused. A token mean over fixed-length sequences is a sample mean and
-passes; a loss over a varying number of tokens per sample (padding, masked
-tokens) is not one, and is trained as if it were where the example batch
-does not show it.
+Each GPU computes the loss of its rows of each micro-batch, and the runtime
+weights it so that the sum over GPUs and micro-batches is single-device
+training's loss on the whole global batch, and so are the gradients
+([Note: share-weighted gradients] in ``runtime/stage.py``). Two losses are
+trained so, and ``capture`` records which one (``CapturedModel.loss_reduction``):
+
+- ``"sample_mean"``: the mean over the samples, weighted by the GPU's share
+  of the samples;
+- ``"token_mean"``: a sum over tokens divided by a count of tokens that the
+  graph computes from the inputs alone (``cross_entropy(...,
+  ignore_index=PAD)``, Hugging Face's loss with labels -100,
+  ``(ce * mask).sum() / mask.sum()``), weighted by the GPU's count of
+  tokens: [Note: token-mean losses] in ``capture/loss_count.py``, which
+  finds the count (``loss_tail``). A fixed-length LM's token mean counts the
+  same tokens in every sample and trains bit for bit as a sample mean.
+
+``check_mean_loss`` checks the contract on the example batch: in eval mode
+(no dropout module) and without touching the global RNG, the batch's loss
+must equal the count-weighted mean of its two halves' losses where the loss
+has a count (which must be additive: the batch's count is the sum of its
+samples'), else their sample-weighted mean, to a relative tolerance of 1000
+machine epsilons of the weights' dtype (at most 5%). A forward that is
+random even in eval mode (``F.dropout(..., training=True)``: two seeds give
+two losses) is held to 25% only, which a sum still fails. A sum
+(``reduction="sum"``) is the sum of the halves' losses and is refused; so is
+what neither weighting explains (a divisor that reads a parameter, or that
+is not a sum over the samples, is named). The example batch may have no
+padding: a count found in the graph is used all the same (it then agrees
+with the sample mean).
 
 Legend: ``N`` = samples (batch), ``T`` = sequence length.
 """
@@ -48,6 +64,7 @@ import torch.fx as fx
 from ..errors import ModelCaptureError
 from ..models.hf import check_wrapped_models
 from .causal import causal_masks_to_is_causal
+from .loss_count import LossTail, loss_tail
 
 __all__ = ["CapturedModel", "capture", "check_mean_loss", "fetch_attr"]
 
@@ -87,6 +104,12 @@ class CapturedModel:
     #: Attention nodes whose explicit causal mask became ``is_causal=True``
     #: ([Note: causal masks] in ``capture/causal.py``).
     causal_masks: int = 0
+    #: "sample_mean" or "token_mean" ([Note: the loss contract]).
+    loss_reduction: str = "sample_mean"
+    #: A token mean's count: ``loss_count(*inputs)`` -> the tokens the loss averages over, a 0-dim
+    #: tensor additive over the samples ([Note: token-mean losses] in ``capture/loss_count.py``);
+    #: None for a sample mean.
+    loss_count: fx.GraphModule | None = None
 
     def state(self) -> dict[str, torch.Tensor]:
         """Every parameter/buffer/constant the graph reads, by canonical name."""
@@ -239,8 +262,8 @@ def capture(
     Raises:
         ModelCaptureError: the model cannot be captured, does not return a
             scalar, or an input has no batch dimension; a batch-norm layer is
-            in training mode; the loss is not the mean over the samples
-            ([Note: the loss contract]).
+            in training mode; the loss is neither the mean over the samples
+            nor over the tokens it counts ([Note: the loss contract]).
     """
     if not isinstance(example_inputs, tuple) or not example_inputs:
         raise ModelCaptureError("example_inputs must be a non-empty tuple of tensors")
@@ -283,7 +306,8 @@ def capture(
             f"{type(model).__name__}.forward must return the scalar training loss, got {got}. "
             "Wrap the model so forward(*inputs) returns loss (e.g. zorse_fx.models.hf.CausalLMWithLoss)."
         )
-    check_mean_loss(model, example_inputs)
+    tail = loss_tail(gm, example_inputs)
+    reduction = check_mean_loss(model, example_inputs, tail=tail)
     placeholders = [n.target for n in gm.graph.find_nodes(op="placeholder")]
     return CapturedModel(
         graph_module=gm,
@@ -292,6 +316,8 @@ def capture(
         method=method,
         example_inputs=tuple(example_inputs),
         causal_masks=rewritten,
+        loss_reduction=reduction,
+        loss_count=tail.count if reduction == "token_mean" else None,
     )
 
 
@@ -308,17 +334,31 @@ def _refuse_batch_statistics(model: torch.nn.Module) -> None:
                 "statistics (call .eval() on it)")
 
 
-def check_mean_loss(model: torch.nn.Module, example_inputs: tuple[torch.Tensor, ...]) -> None:
-    """Check the loss contract on the example batch: ``forward`` returns the
-    mean loss over its samples ([Note: the loss contract]).
+def check_mean_loss(model: torch.nn.Module, example_inputs: tuple[torch.Tensor, ...], *,
+                    tail: LossTail | None = None) -> str:
+    """Check the loss contract on the example batch ([Note: the loss
+    contract]): ``forward`` returns the mean loss over its samples, or over
+    the tokens ``tail.count`` counts (``capture.loss_count.loss_tail`` of the
+    captured graph; None: no count).
+
+    Returns:
+        "token_mean" where the count explains the loss (it is additive over
+        the samples and the batch's loss is the count-weighted mean of its
+        halves' losses; on an example batch without padding the sample mean
+        agrees), else "sample_mean".
 
     Raises:
-        ModelCaptureError: the batch's loss is not the mean of its two halves'
-            losses (a sum, or another reduction), naming the fix.
+        ModelCaptureError: one line: the loss is a sum over the samples, or
+            neither weighting explains it (the divisor and why it is not a
+            count named where the graph has one), and what to change.
     """
+    tail = tail or LossTail()
+    name = type(model).__name__
+    if tail.refusal:
+        raise ModelCaptureError(f"{name}.forward {tail.refusal}")
     tensors = (*example_inputs, *model.parameters(), *model.buffers())
-    if any(t.device.type == "meta" for t in tensors):
-        return  # shapes only (a model built on the meta device): no values to compare
+    if any(t.device.type == "meta" for t in tensors):  # shapes only (a model built on the meta device)
+        return "token_mean" if tail.count is not None else "sample_mean"  # the graph's word: no values
     n = int(example_inputs[0].shape[0])
     h = n // 2
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
@@ -331,26 +371,81 @@ def check_mean_loss(model: torch.nn.Module, example_inputs: tuple[torch.Tensor, 
         torch.manual_seed(seed)
         return float(model(*(t[a:b] for t in example_inputs)).double())
 
+    counts = None
+    if tail.count is not None:
+        with torch.no_grad():
+            per = [float(tail.count(*(t[i:i + 1] for t in example_inputs))) for i in range(n)]
+            value = tail.count(*example_inputs)
+        whole = float(value)
+        counts = (whole, sum(per[:h]), sum(per[h:]))
+        # integer counts add exactly; float ones (class weights) to their rounding over the batch's elements
+        ctol = min(0.05, torch.finfo(value.dtype).eps * example_inputs[0].numel()) if value.is_floating_point() else 0.0
+        if not close(whole, sum(per), ctol) or min(per) < 0:
+            raise ModelCaptureError(
+                f"{name}.forward divides its loss by {tail.divisor}, which is not a count over the samples: it "
+                f"is {whole:.6g} on the example batch of {n} but its samples' values {_few(per)} sum to "
+                f"{sum(per):.6g}; zorse_fx weights each GPU's loss by the tokens it counts, so the divisor must be "
+                f"a sum over the samples' tokens: divide by mask.sum() with a 0/1 mask of the inputs (or use "
+                f"cross_entropy(..., ignore_index=PAD))")
+        if whole == 0:
+            raise ModelCaptureError(
+                f"{name}.forward divides its loss by {tail.divisor}, which counts no token on the example batch "
+                f"of {n}: capture cannot check the loss on it; give example inputs with counted tokens (labels "
+                f"that are not all ignored)")
+
+    def explained(full: float, first: float, second: float, tol: float) -> str | None:
+        if counts is not None:
+            whole, c1, c2 = counts
+            token = (c1 * (first if c1 else 0.0) + c2 * (second if c2 else 0.0)) / whole
+            if close(full, token, tol):
+                return "token_mean"
+        if close(full, (h * first + (n - h) * second) / n, tol):
+            return "sample_mean"
+        return None
+
     training = {m: m.training for m in model.modules()}
     model.eval()  # no dropout modules: the three forwards see the same function
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
             full, first, second = loss(0, n, 0), loss(0, h, 0), loss(h, n, 0)
-            mean = (h * first + (n - h) * second) / n
-            if not close(full, mean, rtol) and not close(full, loss(0, n, 1), rtol):
+            if explained(full, first, second, rtol) is None and not close(full, loss(0, n, 1), rtol):
                 rtol = _STOCHASTIC_RTOL  # random even in eval mode (functional dropout): gross errors only
     finally:
         for m, flag in training.items():
             m.training = flag
-    if close(full, mean, rtol):
-        return
-    looks = ("it is their sum: a sum over the samples" if close(full, first + second, rtol)
-             else "it is not their mean")
+    found = explained(full, first, second, rtol)
+    if found is not None:
+        return found
+    mean = (h * first + (n - h) * second) / n
+    halves = (f"on the example batch of {n} it returns {full:.6g}, but its halves return {first:.6g} and "
+              f"{second:.6g}, whose mean is {mean:.6g}")
+    if counts is not None:
+        whole, c1, c2 = counts
+        token = (c1 * (first if c1 else 0.0) + c2 * (second if c2 else 0.0)) / whole
+        raise ModelCaptureError(
+            f"{name}.forward must return the mean loss over its samples or over the tokens it counts: it divides "
+            f"by {tail.divisor} ({whole:.6g} on the example batch of {n}, {c1:.6g} and {c2:.6g} on its halves), "
+            f"but returns {full:.6g} where its halves' {first:.6g} and {second:.6g} give {token:.6g} weighted by "
+            f"their counts and {mean:.6g} by their samples; the numerator must be a sum over the same tokens: "
+            f"return sum(loss * mask) / mask.sum(), or cross_entropy(..., ignore_index=PAD)")
+    if close(full, first + second, rtol):
+        looks = "it is their sum: a sum over the samples"
+    elif tail.problem:
+        looks = (f"it is not their mean, and it divides by {tail.divisor}, which {tail.problem}, so it is no "
+                 f"count of tokens either (a token mean divides by a count computed from the inputs alone)")
+    else:
+        looks = "it is not their mean"
     raise ModelCaptureError(
-        f"{type(model).__name__}.forward must return the mean loss over its samples: on the example batch "
-        f"of {n} it returns {full:.6g}, but its halves return {first:.6g} and {second:.6g}, whose mean is "
-        f"{mean:.6g}; {looks}. Each GPU's loss is weighted by its share of the batch, so another reduction "
-        f"trains wrong: use reduction='mean' (or divide the loss by the batch size)")
+        f"{name}.forward must return the mean loss over its samples (or over the tokens it counts from its "
+        f"inputs): {halves}; {looks}. Each GPU's loss is weighted by its share of the batch (or of the counted "
+        f"tokens), so another reduction trains wrong: use reduction='mean' (or divide the loss by the batch "
+        f"size, or a sum over tokens by mask.sum() with a mask computed from the inputs)")
+
+
+def _few(values: list[float]) -> str:
+    """``values`` for a message: the first 6 and a count of the rest."""
+    shown = ", ".join(f"{v:.6g}" for v in values[:6])
+    return f"[{shown}{f', ... ({len(values) - 6} more)' if len(values) > 6 else ''}]"
 
 
 #: ``check_mean_loss``'s relative tolerance for a forward that is random in eval

@@ -12,7 +12,10 @@ A stage program is an fx graph ``forward(*model_inputs_it_reads, *received)
 ``emit_source`` turns a program into a self-contained module file with one
 ``nn.Module`` class, readable by people and importable by the runtime, which
 needs nothing else (no tracing, no OR-Tools, no model class) besides the
-weights.
+weights. The last stage declares ``LOSS_REDUCTION``; for a token-mean loss it
+also has a method ``loss_count(*model inputs)``: the captured loss count, the
+tokens its loss divides by ([Note: token-mean losses] in
+``capture/loss_count.py``), which the runtime weights each GPU's loss by.
 
 [Note: ZeRO-3 units]
 Every emitted stage lists ``UNITS``: its trainable parameters grouped by the
@@ -80,10 +83,20 @@ class StageProgram:
     attr_meta: dict[str, tuple[tuple[int, ...], str]]
     #: Node name -> the captured block it belongs to (act nodes; the ZeRO-3 units of ``param_units``).
     block_of: dict[str, int] = dataclasses.field(default_factory=dict)
+    #: The last stage of a token-mean loss: ``loss_count(*input_names)`` -> the tokens its loss
+    #: averages over (``CapturedModel.loss_count`` on the stage's inputs, constants by flat name;
+    #: [Note: token-mean losses] in ``capture/loss_count.py``). None elsewhere.
+    loss_count: fx.Graph | None = None
 
     @property
     def is_last(self) -> bool:
         return self.index == self.num_stages - 1
+
+    @property
+    def loss_reduction(self) -> str | None:
+        """The last stage's "sample_mean" or "token_mean" ([Note: the loss contract] in
+        ``capture/trace.py``); None for another stage."""
+        return ("token_mean" if self.loss_count is not None else "sample_mean") if self.is_last else None
 
     def param_units(self) -> tuple[tuple[tuple[str, ...], str, str], ...]:
         """ZeRO-3 units ([Note: ZeRO-3 units]): per block of the stage that
@@ -228,6 +241,11 @@ def _build_stage(bg: BlockGraph, s: int, num_stages: int, blocks: tuple[int, int
     else:
         g.output(tuple(env[t.name] for t in send))
     g.lint()
+    count = bg.captured.loss_count
+    if is_last and count is not None:
+        count = _stage_count_graph(count.graph, s, input_names, gm, tied, consts, attr_meta)
+    else:
+        count = None
     return StageProgram(
         index=s,
         num_stages=num_stages,
@@ -240,7 +258,43 @@ def _build_stage(bg: BlockGraph, s: int, num_stages: int, blocks: tuple[int, int
         consts=consts,
         attr_meta=attr_meta,
         block_of=block_of,
+        loss_count=count,
     )
+
+
+def _stage_count_graph(count: fx.Graph, s: int, input_names: tuple[str, ...], gm: fx.GraphModule,
+                       tied: dict[str, str], consts: dict[str, str], attr_meta: dict) -> fx.Graph:
+    """The captured loss count (placeholders: every model input) as a graph of the last stage's
+    model inputs ``input_names``, its constants read by flat name (added to ``consts`` /
+    ``attr_meta`` where the forward does not read them), factory ops on the inputs' device."""
+    g = fx.Graph()
+    env: dict[str, fx.Node] = {name: g.placeholder(name) for name in input_names}
+    device: fx.Node | None = None
+    for n in count.nodes:
+        if n.op == "placeholder":
+            if n.name not in env and n.users:
+                raise AssertionError(f"stage {s}: the loss count reads input {n.name}, which the stage does not")
+        elif n.op == "output":
+            g.output(env[n.args[0].name])
+        elif n.op == "get_attr":
+            canon = tied.get(n.target, n.target)
+            flat = flat_name(canon)
+            if flat not in consts:
+                value = fetch_attr(gm, n.target)
+                consts[flat] = canon
+                attr_meta[flat] = (tuple(value.shape), str(value.dtype).removeprefix("torch."))
+            env[n.name] = g.get_attr(flat)
+        else:
+            env[n.name] = g.node_copy(n, lambda a: env[a.name])
+            if n.target is torch.ops.aten.view.default:  # (as in the forward: a view on other strides)
+                env[n.name].target = torch.ops.aten.reshape.default
+            if _takes_device(n):
+                if device is None:
+                    with g.inserting_after(next(reversed(g.find_nodes(op="placeholder")))):
+                        device = g.call_function(getattr, (env[input_names[0]], "device"))
+                env[n.name].kwargs = {**n.kwargs, "device": device}
+    g.lint()
+    return g
 
 
 # -- source emission ---------------------------------------------------------
@@ -289,11 +343,17 @@ def emit_source(program: StageProgram, *, header: str = "", seq_len: int | None 
     inputs, declared as ``SEQ_LEN`` / ``MODEL_INPUTS`` for the load-time check
     ([Note: plan.json agrees with its stage files] in ``zorse_fx/stage_sources.py``)."""
     code = program.graph.python_code(root_module="self")
+    count = program.loss_count.python_code(root_module="self") if program.loss_count is not None else None
     imports = {"import torch", *_custom_op_imports(program.graph)}
-    for name, obj in code.globals.items():
+    bound: dict[str, object] = {}
+    for name, obj in [*code.globals.items(), *(count.globals.items() if count else ())]:
+        if bound.setdefault(name, obj) is not obj:
+            raise AssertionError(f"codegen: global {name!r} names two objects in stage {program.index}'s source")
         line = _import_line(name, obj)
         if line:
             imports.add(line)
+    if program.loss_count is not None:
+        imports |= _custom_op_imports(program.loss_count)
     p = program
     lines = [
         f'"""Stage {p.index} of {p.num_stages}: blocks [{p.blocks[0]}, {p.blocks[1]}) of the captured model.',
@@ -321,6 +381,10 @@ def emit_source(program: StageProgram, *, header: str = "", seq_len: int | None 
         lines.append(f"    SEQ_LEN = {int(seq_len)!r}")
     if model_inputs is not None:
         lines.append(f"    MODEL_INPUTS = {list(model_inputs)!r}")
+    if p.is_last:
+        lines.append("    #: how the loss averages: 'sample_mean', or 'token_mean' over the tokens loss_count counts ([Note:")
+        lines.append("    #: the loss contract] in zorse_fx/capture/trace.py); plan.json's loss_reduction must agree")
+        lines.append(f"    LOSS_REDUCTION = {p.loss_reduction!r}")
     units = p.param_units()
     lines.append("    #: ZeRO-3 units ([Note: ZeRO-3 units] in zorse_fx/codegen/split.py): per block, the parameters it reads")
     lines.append("    #: first; forward calls zorse_gather(u) before unit u's first read and zorse_release(u) after its last.")
@@ -338,6 +402,15 @@ def emit_source(program: StageProgram, *, header: str = "", seq_len: int | None 
               '        """ZeRO-3: the runtime gathers unit `unit`\'s parameters here (a no-op otherwise)."""',
               "", "    def zorse_release(self, unit):",
               '        """ZeRO-3: the runtime frees unit `unit`\'s gathered parameters here (a no-op otherwise)."""']
+    if count is not None:
+        head, body_lines = count.src.strip("\n").split("\n", 1)
+        if not head.startswith("def forward(") or not head.endswith(":"):
+            raise AssertionError(f"codegen: unexpected loss count function head {head!r}")
+        lines += ["", "    " + head.replace("def forward(", "def loss_count(", 1),
+                  '        """The tokens the loss averages over in these samples (its divisor), a 0-dim tensor, a sum',
+                  "        over the samples: the runtime weights this GPU's loss by its share of the global batch's",
+                  '        count ([Note: token-mean losses] in zorse_fx/capture/loss_count.py)."""']
+        lines += ["    " + ln if ln.strip() else "" for ln in body_lines.rstrip().splitlines()]
     body = _with_unit_hooks(code.src.strip("\n"), units)
     lines += [""] + ["    " + ln if ln.strip() else "" for ln in body.splitlines()]
     return "\n".join(lines) + "\n"

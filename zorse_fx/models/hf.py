@@ -3,7 +3,11 @@
 ``CausalLMWithLoss(model)(input_ids, labels) -> loss`` wraps any
 ``transformers`` causal LM. Labels follow Hugging Face's convention: the
 model shifts them internally (``labels = input_ids`` trains next-token
-prediction).
+prediction), and a label -100 (padding, a masked prompt) is not counted: the
+loss is the mean over the counted tokens, which zorse_fx trains as a token
+mean, weighting each GPU's loss by its count of them (what Hugging Face's
+``num_items_in_batch`` does for its gradient accumulation; [Note: token-mean
+losses] in ``capture/loss_count.py``).
 
 [Note: which Hugging Face models]
 Only decoder-only causal LMs (the classes of ``transformers``'
@@ -116,7 +120,9 @@ def _why_not(model: nn.Module, *, wrapped: bool) -> str | None:
 
 
 class CausalLMWithLoss(nn.Module):
-    """``(input_ids (N, T) int64, labels (N, T) int64) -> scalar mean loss``.
+    """``(input_ids (N, T) int64, labels (N, T) int64) -> scalar loss``: the
+    mean next-token cross-entropy over the labels that are not -100 (after
+    the model's shift by one: ``N (T - 1)`` tokens when none is -100).
 
     Raises:
         ModelCaptureError: ``model`` is not a decoder-only causal LM (``check_causal_lm``).

@@ -9,19 +9,32 @@ returns. Gradients and the optimizer live in ``grad_sync.py`` and
 ``optimizer.py``; ``worker.py`` runs the schedule.
 
 [Note: share-weighted gradients]
-The last stage computes, for GPU ``g`` and micro-batch ``m``, the mean loss
-``l_{g,m}`` over its ``n_g`` samples. It back-propagates
-``l_{g,m} * n_g / N`` (``N`` = global batch), i.e. each GPU's gradient is
-weighted by its share of the samples. Summing over micro-batches and over the
-GPUs of a data-parallel group (all-reduce SUM) then gives exactly the gradient
-of the mean loss over the whole global batch, as single-device training
-computes it, however unequal the shares are. (This is exact when every sample
-has the same number of loss tokens, as with fixed-length LM sequences;
-capture refuses a loss that is not a mean over the samples: [Note: the loss
-contract] in ``capture/trace.py``.)
+The last stage computes, for GPU ``g`` and micro-batch ``m``, the loss
+``l_{g,m}`` of its ``n_g`` samples and back-propagates ``l_{g,m} w_{g,m}``:
+
+- a mean over the samples (``Plan.loss_reduction == "sample_mean"``):
+  ``w_{g,m} = n_g / N`` (``N`` = global batch), each GPU's gradient weighted
+  by its share of the samples;
+- a mean over counted tokens (``"token_mean"``): ``w_{g,m} = d_{g,m} / D``,
+  ``d_{g,m}`` the tokens the stage's generated ``loss_count`` counts in its
+  rows of the micro-batch and ``D`` their sum over the global batch, which
+  the worker all-reduces over the last stage's GPUs before the schedule
+  (``StageWorker._count_loss_tokens``, one float64 scalar on the device).
+  A slice that counts no token has weight 0 and no backward: its loss
+  ``0 / 0`` is not back-propagated, the stage sends zero gradients
+  ([Note: token-mean losses] in ``capture/loss_count.py``).
+
+Summing over micro-batches and over the GPUs of a data-parallel group
+(all-reduce SUM) then gives exactly the gradient of the loss over the whole
+global batch, as single-device training computes it, however unequal the
+shares and the tokens per sample are ([Note: the loss contract] in
+``capture/trace.py``). The forward returns ``l_{g,m} w_{g,m}`` as the GPU's
+contribution: the sum over ranks is the global batch's loss. The weights are
+Python floats from float64 counts, so a fixed-length LM's token mean (every
+sample counts the same tokens) weighs ``n_g / N`` exactly, bit for bit.
 Parameters held by several stages (tied embeddings) are reduced over the
 union of their holders, which also sums the two stages' contributions. With
-fp16-mixed the last stage back-propagates ``loss * n_g / N * scale`` (the
+fp16-mixed the last stage back-propagates ``loss * w_{g,m} * scale`` (the
 loss scale, see [Note: mixed precision] in ``zorse_fx/precision.py``).
 
 [Note: stage recomputation]
@@ -157,6 +170,18 @@ class StageRuntime:
         )
         #: Loss scale the last stage multiplies its backward by (fp16-mixed; set per step).
         self.loss_scale = 1.0
+        #: The last stage of a token-mean plan: it weights micro-batch m's loss by its count of tokens
+        #: (``set_loss_weights`` before each step); else by its share of the samples
+        #: ([Note: share-weighted gradients]).
+        self.token_mean = self.next is None and plan.loss_reduction == "token_mean"
+        if self.token_mean and not callable(getattr(self.module, "loss_count", None)):
+            raise RuntimeExecutionError(
+                f"stage {index}: the plan's loss is a token mean but {self.stage.source_file} defines no loss_count "
+                f"to count the tokens with; re-export the plan with `zorse plan`")
+        #: Per micro-batch, the weight of the last stage's loss ([Note: share-weighted gradients]);
+        #: a token mean's are set per step (None until then).
+        self.loss_weights: list[float] | None = (
+            None if self.token_mean else [self.rows / plan.global_batch_size] * plan.num_microbatches)
         # Per in-flight micro-batch: (received, outputs), or with recomputation
         # (inputs, received, rng state) (see [Note: stage recomputation]).
         self._stash: dict[int, tuple] = {}
@@ -295,18 +320,44 @@ class StageRuntime:
     # -- one micro-batch ---------------------------------------------------------
     def start_step(self) -> None:
         self._stash.clear()
+        if self.token_mean:
+            self.loss_weights = None  # counted anew for the step's batch
+
+    def _inputs(self, m: int, batch: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        """This GPU's rows of micro-batch ``m`` of every model input the stage reads, on its device."""
+        mb = self.plan.microbatch_size
+        lo, hi = m * mb + self.row_start, m * mb + self.row_end
+        return [batch[name][lo:hi].to(self.device, non_blocking=True) for name in self.stage.input_names]
+
+    @torch.no_grad()
+    def count_tokens(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The last stage of a token-mean plan: per micro-batch, the tokens its loss counts in this
+        GPU's rows (the stage's ``loss_count``), ``(M,)`` float64 on the device."""
+        return torch.stack([self.module.loss_count(*self._inputs(m, batch)).to(torch.float64).reshape(())
+                            for m in range(self.plan.num_microbatches)])
+
+    def set_loss_weights(self, counts: list[float], total: float) -> None:
+        """Weight micro-batch ``m``'s loss by ``counts[m] / total`` (this GPU's tokens of it over the
+        global batch's); 0 for a slice without a counted token ([Note: share-weighted gradients]).
+
+        Raises:
+            RuntimeExecutionError: a count that is negative or not finite (the model's count)."""
+        bad = next((m for m, c in enumerate(counts) if not (c >= 0 and c != float("inf"))), None)
+        if bad is not None or not (total >= 0 and total != float("inf")):
+            what = f"micro-batch {bad} counts {counts[bad]!r}" if bad is not None else f"the batch counts {total!r}"
+            raise RuntimeExecutionError(
+                f"stage {self.index}: its loss_count is no count of tokens: {what}; the loss's divisor must be a "
+                f"sum of non-negative per-token weights (a 0/1 mask, or the class weights of cross_entropy)")
+        self.loss_weights = [c / total if c else 0.0 for c in counts]
 
     def forward(self, m: int, batch: dict[str, torch.Tensor], received: list[torch.Tensor]
                 ) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
         """Forward of micro-batch ``m``. ``received``: one buffer per in-route.
-        Returns (the share-weighted loss, a 0-dim float32 tensor on the last
-        stage, else None; one packed buffer per out-route)."""
-        plan = self.plan
-        mb = plan.microbatch_size
+        Returns (the weighted loss ``l_{g,m} w_{g,m}``, a 0-dim float32 tensor
+        on the last stage, else None; one packed buffer per out-route)."""
         last = self.next is None
         recompute = self.stage.recompute
-        lo, hi = m * mb + self.row_start, m * mb + self.row_end
-        inputs = [batch[name][lo:hi].to(self.device, non_blocking=True) for name in self.stage.input_names]
+        inputs = self._inputs(m, batch)
         recv = [t.to(torch_dtype(spec)) for t, spec in
                 zip(self._unpack_rows(self.recv_wire, self.in_routes, received), self.recv_specs, strict=True)
                 ] if self.prev is not None else []
@@ -324,16 +375,22 @@ class StageRuntime:
                 out = self.module(*inputs, *recv)
             self._stash[m] = (recv, out if last else list(out))
         if last:
-            return out.detach().float() * (self.rows / plan.global_batch_size), []
+            assert self.loss_weights is not None, f"stage {self.index}: no loss weights for the step (count first)"
+            weight = self.loss_weights[m]
+            if not weight:  # a slice without a counted token: its loss is 0 / 0, its weight 0
+                return torch.zeros((), dtype=torch.float32, device=self.device), []
+            return out.detach().float() * weight, []
         outs = self._wire([o.detach() for o in out])
         return None, [pack(outs, r.start - self.row_start, r.end - self.row_start) for r in self.out_routes]
 
     def backward(self, m: int, received: list[torch.Tensor]) -> list[torch.Tensor]:
         """Backward of micro-batch ``m``. ``received``: one packed gradient
         buffer per out-route; returns one per in-route."""
-        plan = self.plan
         last = self.next is None
-        if self.stage.recompute:
+        if last and not self.loss_weights[m]:  # no counted token: nothing to back-propagate, zero gradients
+            recv = self._stash.pop(m)[1 if self.stage.recompute else 0]
+            out = None
+        elif self.stage.recompute:
             inputs, recv, rng = self._stash.pop(m)
             for t in recv:
                 if t.is_floating_point():
@@ -346,7 +403,8 @@ class StageRuntime:
             recv, out = self._stash.pop(m)
         with torch.autocast(self.device.type, enabled=False):
             if last:
-                (out.float() * (self.rows / plan.global_batch_size * self.loss_scale)).backward()
+                if out is not None:
+                    (out.float() * (self.loss_weights[m] * self.loss_scale)).backward()
             else:
                 grads = self._unpack_rows(self.send_wire, self.out_routes, received)
                 pairs = [(o, g.to(o.dtype)) for o, g in zip(out, grads) if o.requires_grad]

@@ -18,6 +18,10 @@ execute are records in ``zorse_fx.ir``:
 
 A step (``StageWorker.train_step``):
 
+0. a token-mean plan's last-stage ranks count the tokens of their rows of
+   every micro-batch and all-reduce the sum over the last stage's GPUs: the
+   weights of their losses ([Note: share-weighted gradients] in
+   ``stage.py``);
 1. inside the precision policy's autocast region (see [Note: mixed
    precision] in ``zorse_fx/precision.py``), run the rank's GPU group's
    schedule over the micro-batches, each action on the stage it names:
@@ -204,9 +208,31 @@ class StageWorker:
         keys = {k for k in holders.values() if len(k) > 1}
         # All-gather groups of the sharded stages (often equal to a reduction group: shared).
         keys |= {tuple(sorted(s.ranks)) for s in self.plan.stages if s.sharded and len(s.gpus) > 1}
+        # The last stage's GPUs sum a token-mean loss's counts ([Note: share-weighted gradients] in stage.py).
+        last = tuple(sorted(self.plan.stages[-1].ranks))
+        counted = self.plan.loss_reduction == "token_mean" and len(last) > 1
+        if counted:
+            keys.add(last)
         self._groups = {k: dist.new_group(list(k)) for k in sorted(keys)}
+        #: The group the rank sums the token counts over (a token-mean plan's last stage of >1 GPU), else None.
+        self._count_group = self._groups[last] if counted and self.rank in last else None
 
     # -- one step -----------------------------------------------------------
+    def _count_loss_tokens(self, batch: dict[str, torch.Tensor]) -> None:
+        """A token-mean plan's last stage, if the rank hosts it: count the tokens of its rows of every
+        micro-batch, all-reduce their sum over the stage's GPUs (one float64 scalar on the device) and
+        set the stage's loss weights ([Note: share-weighted gradients] in ``stage.py``). One copy of
+        the counts to the host per step, before the schedule."""
+        st = self._by_index.get(self.plan.num_stages - 1)
+        if st is None or not st.token_mean:
+            return
+        counts = st.count_tokens(batch)
+        total = counts.sum().reshape(1)
+        if self._count_group is not None:
+            dist.all_reduce(total, group=self._count_group)
+        *mine, whole = torch.cat([counts, total]).tolist()
+        st.set_loss_weights(mine, whole)
+
     def _sync(self) -> None:
         if self.device.type == "cuda":  # phase times below are wall times of the device's work
             torch.cuda.synchronize(self.device)
@@ -217,9 +243,10 @@ class StageWorker:
         at learning rate ``lr`` (default: the optimizer's), clipping the global
         gradient norm to ``max_grad_norm`` (None: no clipping).
 
-        Returns this rank's share-weighted loss contribution, a 0-dim float32
-        tensor on the device (the sum over ranks is the global mean loss;
-        0 on ranks without a last stage). Sets ``last_breakdown`` (seconds:
+        Returns this rank's weighted loss contribution, a 0-dim float32
+        tensor on the device (the sum over ranks is the global batch's loss,
+        its mean over the samples or over the counted tokens; 0 on ranks
+        without a last stage). Sets ``last_breakdown`` (seconds:
         ``pipeline_s`` = schedule incl. waits for messages, ``allreduce_s`` =
         waiting for the gradient reductions still in flight after it,
         ``optimizer_s`` = loss-scale check + AdamW, ``allgather_s`` = ZeRO-1
@@ -237,6 +264,7 @@ class StageWorker:
                 if id(p) not in self._bucketed:
                     p.grad = None
         self.reducer.start_step()
+        self._count_loss_tokens(batch)
         loss = torch.zeros((), dtype=torch.float32, device=self.device)
         P, sent, p2p = self.plan.num_groups, [], self._p2p
         with self.precision.autocast(self.device.type):
@@ -350,8 +378,9 @@ class StageWorker:
     @torch.no_grad()
     def eval_step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """The loss on ``batch`` without training: the schedule's forwards only,
-        no gradients. Returns this rank's share-weighted contribution (0-dim
-        float32 on the device; the sum over ranks is the mean loss)."""
+        no gradients. Returns this rank's weighted contribution (0-dim float32
+        on the device; the sum over ranks is the batch's loss: its mean over
+        the samples or over the counted tokens, as training's)."""
         if self._eval is None:
             program = build_program(self.plan, self.rank, forward_only=True, precision=self.precision)
             self._eval = (program, P2PExecutor(program, self.device))
@@ -360,6 +389,7 @@ class StageWorker:
         loss = torch.zeros((), dtype=torch.float32, device=self.device)
         for st in self.stages:
             st.start_step()
+        self._count_loss_tokens(batch)
         with self.precision.autocast(self.device.type):
             for k, action in enumerate(program.actions):
                 p2p.post(k, sent)
