@@ -485,3 +485,21 @@ def test_device_check_refuses_wrong_node_order():
     with pytest.raises(DeviceMismatchError, match=r"^rank 1 \(stage 1\) runs on host 'h0' beside rank 0, but the "
                                                   r"plan puts it on node 't4-node' and rank 0 on node 'a100-node'"):
         check_devices(plan, [_gpu(0, "h0", *a100), _gpu(1, "h0", *t4), _gpu(2, "h0", *t4)])
+
+
+def test_inject_inf_on_a_rank_counting_no_gradient_refused(lee_bytes, tmp_path):
+    """--inject-inf on a rank whose gradients the global norm does not count
+    (rank 1 of a data-parallel stage: each parameter's gradient is counted
+    once, on rank 0) would write its inf into rank 1's replica only, unseen by
+    the non-finite check, and only show a step later as "non-finite weights":
+    rank 1 refuses it in one line naming the ranks that count. (One torchrun
+    job of 2 Gloo ranks, stopped before the first step.)"""
+    plan = fixed_plan(gpt3x64(), ((0, 1),), ((1, 1),), num_microbatches=2, global_batch_size=4)
+    common = _export(plan, gpt3x64(), lee_bytes, tmp_path / "dp")
+    proc = _zorse_train(common, tmp_path / "run", "--inject-inf", "1:2")
+    assert proc.returncode == 1, proc.stderr
+    line = [ln for ln in proc.stderr.splitlines() if ln.startswith("zorse:")]
+    assert len(line) == 1 and line[0].startswith(
+        "zorse: rank 1 (stage 0): --inject-inf 1:2: rank 1 adds no gradient to the global norm (each parameter's "
+        "gradient is counted once, on the lowest rank holding it), so an inf written there would reach its own "
+        "optimizer only; use one of ranks 0"), proc.stderr

@@ -421,7 +421,7 @@ def _run(options: TrainingOptions, where: _Where) -> int:
                          precision=policy, weights_source=str(weights_path))
     del weights
     if test.inject_inf and test.inject_inf[0] == rank:
-        worker.inject_inf_steps.add(test.inject_inf[1])
+        worker.add_inject_inf(test.inject_inf[1])
     schedule = LRSchedule.from_options(opt, total_steps=loop.steps)
     if kind == "resume":
         latest = ckpt_root / f"step_{resumed_step}"  # verified by rank 0 (_decide_start)

@@ -98,6 +98,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ..errors import RuntimeExecutionError
 from ..plan import Plan, StagePlan
 from ..precision import PrecisionPolicy, precision_policy
 from .grad_sync import GradientReducer, holders_of
@@ -189,6 +190,25 @@ class StageWorker:
         #: Whether the last step's global gradient norm was not finite (no optimizer step taken):
         #: ``nonfinite_stages()`` then, else None. See [Note: non-finite steps].
         self.last_nonfinite: tuple[int | None, int | None] | None = None
+
+    def add_inject_inf(self, step: int) -> None:
+        """Testing (``--inject-inf RANK:STEP``): after step ``step``'s reduction, write an inf
+        into a gradient this rank adds to the global norm (``_norm_params``, or its ZeRO-2
+        shard). A gradient no rank counts would reach only this replica's optimizer, unseen by
+        the non-finite check ([Note: non-finite steps]), which is no test of it.
+
+        Raises:
+            RuntimeExecutionError: this rank counts no gradient in the norm (its parameters are
+                counted on the lowest rank holding them), naming the ranks that do.
+        """
+        if not self._norm_params and not any(self.reducer.is_sharded(p) for st in self.stages
+                                             for p in st.params().values()):
+            owners = sorted({ranks[0] for ranks in holders_of(self.plan).values()})
+            raise RuntimeExecutionError(
+                f"--inject-inf {self.rank}:{step}: rank {self.rank} adds no gradient to the global norm (each "
+                f"parameter's gradient is counted once, on the lowest rank holding it), so an inf written there "
+                f"would reach its own optimizer only; use one of ranks {', '.join(map(str, owners))}")
+        self.inject_inf_steps.add(step)
 
     @property
     def stage(self) -> StagePlan:
@@ -293,9 +313,9 @@ class StageWorker:
         t_reduce = time.perf_counter()
         skip = False
         if self.steps in self.inject_inf_steps:  # testing: into a gradient this rank adds to the global norm
-            grads = [g for g in map(self.reducer.grad_of, self._norm_params) if g is not None] or self._grads()
-            if grads:
-                grads[0].view(-1)[0] = float("inf")
+            grads = [g for g in map(self.reducer.grad_of, self._norm_params) if g is not None]
+            grads += self.reducer.shard_grads()  # (add_inject_inf: the rank counts at least one)
+            grads[0].view(-1)[0] = float("inf")
         if self.scaler is not None:
             self.scaler.unscale_and_check(self._grads())
             skip = self.scaler.agree()
