@@ -117,7 +117,7 @@ from dataclasses import dataclass
 
 from ortools.sat.python import cp_model
 
-from ..errors import InfeasiblePlanError
+from ..errors import InfeasiblePlanError, PlanOptionsError
 from ..ir.costs import BlockCosts
 from ..ir.devices import DeviceGraph
 from ..ir.result import Candidate, SolverResult, with_safety_stop
@@ -127,7 +127,7 @@ from .isolated import (  # noqa: F401 (re-exported)
     SolverCrash, _Isolated, default_jobs, options_jobs, run_isolated, start_isolated)
 from .objective import UNIT_S, IntTables, build_tables, evaluate, max_stage_count, microbatch_candidates
 
-__all__ = ["CandidateSearch", "SolverCrash", "run_isolated", "ordered_candidates", "in_model"]
+__all__ = ["CandidateSearch", "SolverCrash", "run_isolated", "ordered_candidates", "in_model", "outside_model"]
 
 
 def ordered_candidates(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions,
@@ -149,6 +149,17 @@ def ordered_candidates(costs: BlockCosts, devices: DeviceGraph, options: PlanOpt
                           stage_count_lower_bound(tab, s), s, m, tab))
     cands.sort(key=lambda c: c[:4])
     return [(s, m, tab) for _, _, s, m, tab in cands]
+
+
+def outside_model(options: PlanOptions) -> tuple[str, ...]:
+    """The "always" of ``options`` that no plan of the CP-SAT candidate models
+    honours (they have ZeRO-1 and recomputation only: [Note: ZeRO-2 outside
+    CP-SAT] in portfolio.py), as ``name='always'``; () when CP-SAT can plan them.
+    ([Note: memory flags] in zorse_fx/options.py: ``grad_sharding="always"`` asks for
+    ZeRO-2 on every stage of two or more GPUs, ``offload="always"`` for offload on
+    every stage.)"""
+    return tuple(f"{name}='always'" for name in ("grad_sharding", "param_sharding", "offload", "activation_offload")
+                 if getattr(options, name) == "always")
 
 
 def in_model(decision) -> bool:
@@ -319,6 +330,12 @@ class CandidateSearch:
         heuristic plan), which every candidate must beat ([Note: incumbent cutoff]);
         ``progress``: called with one line per candidate solved (candidates done of
         ``total``, its status, the best step time so far and the bound)."""
+        if outside_model(options):
+            raise PlanOptionsError(
+                f"{label} alone cannot plan {' and '.join(outside_model(options))}: its model has ZeRO-1 and "
+                f"recomputation only ([Note: ZeRO-2 outside CP-SAT] in zorse_fx/portfolio.py); plan with the "
+                f"portfolio (planner 'auto', 'cpsat' or 'grouped' of zorse plan / solve_portfolio: the stage DP and "
+                f"the baselines plan them) or the stage DP (planner 'stage_dp')")
         self.costs, self.devices, self.options, self.label = costs, devices, options, label
         self.progress, self.total = progress, total
         #: Solves run side by side ([Note: candidate waves]); the records do not depend on it.
