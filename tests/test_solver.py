@@ -206,7 +206,7 @@ def test_evaluate_memory_violation_and_shape_errors():
                                                     samples_per_microbatch=((3, 1),), num_microbatches=1))
     # GPU 1: 1.6e9 B state + 0.25 GiB activations = 1.7 GiB > 0.9 GiB usable
     assert not ev.feasible
-    assert ev.violations == ("stage 0 GPU 1 (slow) needs 1.7 GiB > 0.9 GiB usable (0.9 × 1.0 GiB)",)
+    assert ev.violations == ("stage 0 GPU 1 (slow) needs 1.7 GiB > 921.6 MiB usable (0.9 × 1.0 GiB)",)
     assert ev.memory_bytes == ((1_600_000_000 + 3 * (1 << 28), 1_600_000_000 + (1 << 28)),)
     kw = dict(stage_gpus=((0, 1),), num_microbatches=1)
     with pytest.raises(ValueError, match=r"sum to 3"):
