@@ -20,7 +20,7 @@ import re
 
 import pytest
 
-from conftest import make_devices
+from conftest import TEST_TIME_LIMIT_S, make_devices
 from zorse_fx.cli import main
 from zorse_fx.cluster import Cluster
 from zorse_fx.errors import InfeasiblePlanError, PlanOptionsError
@@ -44,7 +44,8 @@ def _instance():
 
 def _options(planner="auto", **flags) -> PlanOptions:
     return PlanOptions(global_batch_size=2, max_stages=1, num_microbatches=(1,), allow_idle_gpus=False,
-                       max_interleave=1, solver_budget=1.0, planner=planner, jobs=1, **flags)
+                       max_interleave=1, solver_budget=1.0, time_limit_s=TEST_TIME_LIMIT_S, planner=planner, jobs=1,
+                       **flags)
 
 
 def _conflict(flags: dict) -> set[frozenset]:
