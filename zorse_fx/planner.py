@@ -84,7 +84,7 @@ def solve_plan(costs, devices, options: PlanOptions, *, progress=None) -> Solver
     if planner == "brute_force":  # the exhaustive oracle of one stage per group, on its own
         return solve_brute_force(costs, devices, options)
     if planner == "stage_dp":  # on its own, without the portfolio
-        result = solve_stage_dp(costs, devices, options)
+        result = solve_stage_dp(costs, devices, options, progress=progress)
         if result.status == "STAGE_DP_INFEASIBLE":
             raise InfeasiblePlanError(f"planner 'stage_dp': its best plan does not fit: "
                                       f"{list(next(c.violations for c in result.candidates if c.chosen))}")

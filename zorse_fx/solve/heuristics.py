@@ -374,6 +374,11 @@ class Selector:
                 kept[s_m] = (found[0], dec, found[1])
         return best[0][1]
 
+    def best_step_s(self) -> float | None:
+        """The fastest feasible decision's step time so far (s), None if none fits."""
+        steps = [step for (bad, step), _, _ in self._best.values() if not bad]
+        return min(steps) * UNIT_S if steps else None
+
     def result(self, why_none: str = "") -> SolverResult:
         """The chosen decision as a SolverResult (status BASELINE / BASELINE_INFEASIBLE).
         Raises InfeasiblePlanError if no candidate was formed."""
