@@ -100,7 +100,7 @@ def solve_portfolio(costs: BlockCosts, devices: DeviceGraph, options: PlanOption
     from .solve.bounds import throughput_bound_s
     from .solve.interleave import with_interleaving
     from .solve.isolated import map_isolated, options_jobs
-    from .solve.objective import evaluate_result
+    from .solve.objective import build_tables, evaluate_result, microbatch_candidates
     from .solve.stage_dp import stage_dp_search
 
     t0 = time.perf_counter()
@@ -123,6 +123,8 @@ def solve_portfolio(costs: BlockCosts, devices: DeviceGraph, options: PlanOption
 
     # The heuristics are independent and deterministic: up to ``jobs`` run side by side in
     # forked children, their answers taken in the order of ``sources`` (solve/isolated.py).
+    # The cluster's (G, G) pair tables first, here: the children inherit them (solve/tables.py).
+    build_tables(costs, devices, options, microbatch_candidates(options)[0])
     jobs = options_jobs(options)
     dp_why = ""  # why the stage DP has no feasible plan (its message, or its best plan's violations)
     for name, (ok, answer) in zip(sources, map_isolated([heuristic(n, f) for n, f in sources.items()], jobs)):
