@@ -6,32 +6,32 @@ Light on purpose (no torch, no OR-Tools): the runtime, the cluster files and
 the command line can import it without loading the solvers.
 
 [Note: memory flags]
-Each memory technique has a flag ("never" / "auto" / "always") and one
-meaning, which every planner (the CP-SAT models, the stage DP, brute force,
-the baselines and their seeds, the interleave pass) and the evaluator
+Each memory technique has a flag ("never" / "auto" / "always") and one meaning,
+which every planner (the CP-SAT models, the stage DP, brute force, the
+baselines and their seeds, the interleave pass) and the evaluator
 (``solve.objective.mode_violations``) read the same way: "never" -- no stage
-uses it; "auto" -- the planner decides per stage; "always" -- every stage
-uses it, where the state layouts below allow it at all. The layouts are
-those the runtime has: a stage's state is replicated, ZeRO-1 (``sharding``:
-optimizer state sharded), ZeRO-2 (``grad_sharding``: a ZeRO-1 stage whose
-gradients are reduce-scattered into the shards, ``runtime/grad_sync.py``) or
-ZeRO-3 (``param_sharding``: a ZeRO-2 stage whose working weights are sharded
-too, gathered from the owners of the ZeRO-1 ranges, ``runtime/param_shard.py``),
-each level built on the one before; a shard needs two GPUs, so the ZeRO
-flags' "always" means every stage of two or more GPUs. So "always" on a
-level makes the levels below it "always" (``param_sharding="always"`` is ZeRO-3
-on every such stage, hence ZeRO-2 and ZeRO-1 there), "never" on a level makes
-the levels above it "never", and "never" below an "always" is refused. Optimizer offload (``offload``) goes with every layout
-and every stage; "always" needs host memory (the cluster file's
-``host_memory_GiB``: ``planner.check_host_memory``). Activation offload
-(``activation_offload``) goes without recomputation (a recomputing stage keeps
-only its inputs) and, in the plans (``Decision.act_offload``, [C-act-offload]
-in ``solve/objective.py``), without ZeRO-2/3, so its "always" makes
-``recompute``, ``grad_sharding`` and ``param_sharding`` "never", and is
-refused with an "always" of any of them. The CP-SAT models have ZeRO-1 and recomputation only
-([Note: ZeRO-2 outside CP-SAT] in ``portfolio.py``): an "always" outside them
-leaves the portfolio's answer to the stage DP and the baselines
-(``solve._search.outside_model``).
+uses it; "auto" -- the planner decides per stage; "always" -- every stage uses
+it, where the state layouts below allow it at all. The layouts are those the
+runtime has: a stage's state is replicated, ZeRO-1 (``sharding``: optimizer
+state sharded), ZeRO-2 (``grad_sharding``: a ZeRO-1 stage whose gradients are
+reduce-scattered into the shards, ``runtime/grad_sync.py``) or ZeRO-3
+(``param_sharding``: a ZeRO-2 stage whose working weights are sharded too,
+gathered from the owners of the ZeRO-1 ranges, ``runtime/param_shard.py``),
+each level built on the one before; a shard needs two GPUs, so the ZeRO flags'
+"always" means every stage of two or more GPUs. So "always" on a level makes
+the levels below it "always" (``param_sharding="always"`` is ZeRO-3 on every
+such stage, hence ZeRO-2 and ZeRO-1 there), "never" on a level makes the levels
+above it "never", and "never" below an "always" is refused. Optimizer offload
+(``offload``) goes with every layout and every stage; "always" needs host
+memory (the cluster file's ``host_memory_GiB``: ``planner.check_host_memory``).
+Activation offload (``activation_offload``) goes without recomputation (a
+recomputing stage keeps only its inputs) and, in the plans
+(``Decision.act_offload``, [C-act-offload] in ``solve/objective.py``), without
+ZeRO-2/3, so its "always" makes ``recompute``, ``grad_sharding`` and
+``param_sharding`` "never", and is refused with an "always" of any of them. The
+CP-SAT models have ZeRO-1 and recomputation only ([Note: ZeRO-2 outside CP-SAT]
+in ``portfolio.py``): an "always" outside them leaves the portfolio's answer to
+the stage DP and the baselines (``solve._search.outside_model``).
 """
 
 from __future__ import annotations

@@ -65,9 +65,10 @@ def solve_brute_force(costs: BlockCosts, devices: DeviceGraph, options: PlanOpti
     # (sharded, grad_sharded, param_sharded) of a stage of >= 2 GPUs (a one-GPU stage: the
     # first, nothing sharded), recomputation, and the offloads where some GPU has host memory.
     modes = {"never": (False,), "auto": (False, True), "always": (True,)}
-    layouts = ((False, False, False),) + tuple(
-        (True, gs, ps) for gs in modes[options.grad_sharding] for ps in (modes[options.param_sharding] if gs else (False,))
-    ) if options.sharding != "never" else ((False, False, False),)
+    layouts = ((False, False, False),)
+    if options.sharding != "never":
+        layouts += tuple((True, gs, ps) for gs in modes[options.grad_sharding]
+                         for ps in (modes[options.param_sharding] if gs else (False,)))
     host = any(devices.host_memory_bytes)
     rcs = modes[options.recompute]
     ofs = modes[options.offload] if host or options.offload == "always" else (False,)
