@@ -447,14 +447,22 @@ def with_low_precision(plan, captured):
 
 # -- random planning instances (tests/test_solver.py, test_grouped.py, test_sim.py) --
 
+#: The solver tests' wall-clock safety stop per CP-SAT solve (s): far above anything a
+#: loaded 2-core machine needs (the slowest solve seen, a presolve of test_solver.py's
+#: memory-policy instance 1, 80 s with four busy loops), so a test's outcome depends
+#: on the deterministic budget alone ([Note: safety stop] in zorse_fx/solve/_search.py).
+TEST_TIME_LIMIT_S = 3600.0
+
+
 def solver_options(**fields) -> PlanOptions:
     """``PlanOptions`` for the solver tests: ``sharding``, ``recompute`` and
     ``grad_sharding``, ``param_sharding`` and ``offload`` default to "never" (the models without the memory-policy
     variables, so the solves stay small and the expected results stay those of
     the plain model; ZeRO-2 is not in the CP-SAT model, so a CP-SAT optimum is
-    the oracle's without it); a test that wants them passes "auto" / "always"."""
+    the oracle's without it); a test that wants them passes "auto" / "always".
+    The wall-clock safety stop is ``TEST_TIME_LIMIT_S`` unless given."""
     return PlanOptions(**{"sharding": "never", "recompute": "never", "grad_sharding": "never", "param_sharding": "never",
-                          "offload": "never", **fields})
+                          "offload": "never", "time_limit_s": TEST_TIME_LIMIT_S, **fields})
 
 
 def make_devices(types, nodes, memory, mem_bw, *, intra=(100e9, 5e-6), inter=(10e9, 2e-5), odd_links=None):
@@ -487,8 +495,8 @@ def random_costs(rng, nb, types, *, fixed=False):
 def random_instance(seed, *, singleton_classes=False):
     """(costs, devices, options) of a small random planning problem: 2-4 GPUs of
     types A / B, 2-6 blocks; the same seed gives the same instance. CP-SAT gets
-    the default deterministic budget and PlanOptions' wall-clock safety stop
-    ([Note: reproducible plans] in zorse_fx/solve/_search.py).
+    the default deterministic budget and the tests' wall-clock safety stop
+    ``TEST_TIME_LIMIT_S`` ([Note: reproducible plans] in zorse_fx/solve/_search.py).
 
     Default: the family of tests/test_solver.py and test_sim.py: type B 1.5-4x slower than A, GPUs on nodes n0 / n1
     with 4-16 GiB, a fixed per-micro-batch cost on odd seeds.

@@ -66,7 +66,9 @@ def test_infeasible_plan_names_the_binding_constraint(tmp_path):
         "links:\n  intra_node: {bandwidth_GBps: 10, latency_us: 5}\n"
     )
     ids = torch.randint(0, 256, (2, T))
-    with pytest.raises(zorse.InfeasiblePlanError, match=r"GiB.*Tiny1G") as e:
+    # (sizes below a GiB in KiB / MiB, not "0.0 GiB": issue 46)
+    with pytest.raises(zorse.InfeasiblePlanError, match=r"needs 2\.0 MiB .* the largest GPU \(Tiny1G\) has "
+                                                        r"471\.9 KiB usable") as e:
         zorse.compile(GPT(GPTConfig(n_layer=2, n_embd=64, block_size=T)), cluster=cluster,
                       example_inputs=(ids, ids), global_batch_size=4, max_stages=2, solver_budget=2.0)
     assert "18 B/param" in str(e.value)  # fp16-mixed (Tiny1G has no bf16): 16 B + the float16 weight copy

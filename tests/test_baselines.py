@@ -601,7 +601,7 @@ def test_selector_keeps_the_best_memory_variant():
     res = sel.result()
     assert res.status == "BASELINE_INFEASIBLE" and res.decision.sharded == (True, True)
     (chosen,) = candidate_dicts(res)
-    assert chosen["violations"] == [f"stage {s} is sharded but sharding='never'" for s in (0, 1)]
+    assert chosen["violations"] == [f"stage {s} has ZeRO-1 sharding but sharding='never'" for s in (0, 1)]
 
 
 @pytest.mark.parametrize("seed", range(6))

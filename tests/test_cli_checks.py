@@ -72,7 +72,7 @@ def test_stage_dp_refusal_gives_the_binding_numbers():
         "most b GPUs per stage (b = 4, 2, 1 samples per micro-batch at M = 1, 2, 4 micro-batches); allow ZeRO-1 "
         "sharding / recomputation (now 'never' / 'never'), more stages (max_stages) or more micro-batches "
         "(max_microbatches). Binding: the model's training state needs 8.9 GiB (16 B/param × 6e+08 params); with "
-        "at most 2 stages the best split still needs 5.0 GiB on stage 0 (blocks 0-2: 4.5 GiB state + 0.6 GiB "
+        "at most 2 stages the best split still needs 5.0 GiB on stage 0 (blocks 0-2: 4.5 GiB state + 572.2 MiB "
         "activations of one sample) but the largest GPU (A100-40GB) has 3.6 GiB usable (0.9 × 4.0 GiB); "), msg
     assert re.search(r"with max_stages=6 a plan exists \(the stage DP finds 6 stages x 4 micro-batches of 1 "
                      r"samples, predicted [0-9.]+ s per step\): set max_stages=6 \(zorse plan --max-stages 6\)$", msg)

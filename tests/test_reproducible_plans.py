@@ -152,3 +152,46 @@ def test_a_budget_too_small_to_bound_the_candidates_says_feasible_with_a_gap():
     assert low.status == "FEASIBLE" and low.optimality_gap > 0
     unproven = [c for c in candidate_dicts(low) if c["status"] in ("FEASIBLE", "UNKNOWN")]
     assert unproven and min(c["best_bound_s"] for c in unproven) < low.predicted_step_time_s
+
+
+def _presolve_bound_model():
+    """The CP-SAT model whose presolve made the safety stop fire under load (issue 46):
+    tests/test_solver.py's memory-policy instance 1, 1 stage, M = 5 (b = 1, so the
+    samples per GPU are 0/1 and presolve builds subset-sum domains: 18 s of
+    ``Domain::AdditionWith`` that count no deterministic time on the 2-core machine)."""
+    import dataclasses
+
+    from zorse_fx.solve.model import CandidateModel, singleton_groups
+    from zorse_fx.solve.objective import build_tables
+
+    costs, devices, options = random_instance(1)
+    options = dataclasses.replace(options, sharding="always", recompute="always", grad_sharding="never")
+    return CandidateModel(build_tables(costs, devices, options, 5), devices, options,
+                          singleton_groups(devices.num_gpus), 1)
+
+
+def test_wall_clock_stop_is_detected_exactly_not_inferred():
+    """Issue 46: at load 9-12 the memory-policy test ended "FEASIBLE (wall-clock
+    safety stop)" long before any solve could reach the 100 s limit. OR-Tools' own
+    limit stops when its *next* check is predicted to pass it (the longest interval
+    between checks, here one presolve step, is added to the clock), and the old
+    ``wall_clock_stopped`` could only infer the wall clock from "no proof and less
+    deterministic time than the budget". Now the safety stop is this process's timer
+    (``timed_solve``): the solve it ends is counted, and not before the limit; a
+    solve its deterministic budget ends is not counted however the machine runs."""
+    from ortools.sat.python import cp_model
+
+    from zorse_fx.solve._search import timed_solve
+
+    model = _presolve_bound_model()
+    solver = cp_model.CpSolver()
+    solver.parameters.max_deterministic_time = 1e6
+    solver.parameters.num_workers = 1
+    code, stopped = timed_solve(solver, model.m, 0.2)  # (the presolve alone takes seconds)
+    assert stopped and code in (cp_model.UNKNOWN, cp_model.FEASIBLE)
+    assert solver.parameters.max_time_in_seconds == cp_model.CpSolver().parameters.max_time_in_seconds  # unset
+    # A budget stop (no proof, the budget spent) is never taken for the safety stop.
+    costs, devices, options = _budget_bound_instance()
+    res = solve_grouped(costs, devices, options)
+    assert res.wall_clock_stops == 0 and res.status == "FEASIBLE"
+    assert all(not c.get("wall_clock_stop") for c in candidate_dicts(res))

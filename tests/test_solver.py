@@ -206,7 +206,7 @@ def test_evaluate_memory_violation_and_shape_errors():
                                                     samples_per_microbatch=((3, 1),), num_microbatches=1))
     # GPU 1: 1.6e9 B state + 0.25 GiB activations = 1.7 GiB > 0.9 GiB usable
     assert not ev.feasible
-    assert ev.violations == ("stage 0 GPU 1 (slow) needs 1.7 GiB > 0.9 GiB usable (0.9 × 1.0 GiB)",)
+    assert ev.violations == ("stage 0 GPU 1 (slow) needs 1.7 GiB > 921.6 MiB usable (0.9 × 1.0 GiB)",)
     assert ev.memory_bytes == ((1_600_000_000 + 3 * (1 << 28), 1_600_000_000 + (1 << 28)),)
     kw = dict(stage_gpus=((0, 1),), num_microbatches=1)
     with pytest.raises(ValueError, match=r"sum to 3"):
@@ -288,6 +288,39 @@ def test_cpsat_matches_brute_force_with_memory_policy(seed):
         return
     ref, _, ev = got
     assert evaluate_result(costs, devices, options, ref).objective_units == ev.objective_units
+
+
+def test_throughput_bound_of_a_small_model_is_not_printed_as_zero():
+    """Issue 46: "2580% slower than the throughput bound 0.000 s" -- a model whose
+    per-micro-batch fixed times (kernel launches) dominate had a bound of 28 us
+    against a 0.75 ms plan (per-sample work only), printed with three decimals. The
+    bound now also holds one sample's pass through every block with its fixed
+    times (``microbatch_chain_bound``), stays below every plan brute force finds,
+    and prints with its digits."""
+    from zorse_fx.plan import SolverReport, fmt_seconds
+    from zorse_fx.solve.bounds import microbatch_chain_bound, throughput_bound_s, throughput_lower_bound
+    from zorse_fx.solve.objective import build_tables, microbatch_candidates
+
+    chain_binds = checked = 0
+    for seed in range(1, 24, 2):  # odd seeds: a fixed per-micro-batch cost (random_instance)
+        costs, devices, options = random_instance(seed)
+        options = dataclasses.replace(options, sharding="auto", recompute="auto")
+        try:
+            opt = solve_brute_force(costs, devices, options)
+        except InfeasiblePlanError:
+            continue
+        bound = throughput_bound_s(costs, devices, options)
+        tabs = [build_tables(costs, devices, options, m) for m in microbatch_candidates(options)]
+        chain = microbatch_chain_bound(tabs[0])
+        assert round(bound * UNITS_PER_S) == max(chain, min(map(throughput_lower_bound, tabs)))
+        assert round(bound * UNITS_PER_S) <= round(opt.objective * UNITS_PER_S), (seed, bound, opt.objective)
+        chain_binds += chain > min(map(throughput_lower_bound, tabs))
+        checked += 1
+    assert checked >= 8 and chain_binds >= 1
+    assert [fmt_seconds(t) for t in (2.0, 0.0788, 2.79e-5, 0.0)] == ["2.000 s", "78.8 ms", "27.9 µs", "0 s"]
+    report = SolverReport(planner="cpsat", status="OPTIMAL", objective_s=7.5e-4, best_bound_s=7.5e-4,
+                          optimality_gap=0.0, wall_s=1.0, throughput_bound_s=2.79e-5)
+    assert "2588% slower than the throughput bound 27.9 µs (" in report.verdict(7.5e-4)
 
 
 def _two_gpu_state_bound():

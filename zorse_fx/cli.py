@@ -140,11 +140,9 @@ def cmd_plan(args) -> int:
     from .cluster import Cluster
     from .elastic import PlanRequest
     from .plan import check_plan_dir, new_plan_dir
+    from .planner import check_host_memory
 
     check_plan_dir(args.output, flag="-o")  # before minutes of planning ([Note: writing a plan directory])
-    model, _ = _load_model(args.model)
-    _check_seq_len(model, args.model, args.seq_len)
-    ids = torch.randint(0, 200, (2, args.seq_len))
     options = dict(  # recorded in plan_request.json (zorse train --elastic plans with them again)
         max_stages=args.max_stages, max_microbatches=args.max_microbatches, schedule=args.schedule,
         time_limit_s=args.time_limit, planner=args.planner,
@@ -155,6 +153,11 @@ def cmd_plan(args) -> int:
         offload=args.offload, activation_offload=args.activation_offload, recompute=args.recompute,
         allow_idle_gpus=not args.use_all_gpus)
     cluster = Cluster.from_yaml(args.cluster)
+    # The options and the cluster's host memory checked before the model is captured (one line each).
+    check_host_memory(cluster, PlanOptions(global_batch_size=args.global_batch_size, jobs=args.jobs, **options))
+    model, _ = _load_model(args.model)
+    _check_seq_len(model, args.model, args.seq_len)
+    ids = torch.randint(0, 200, (2, args.seq_len))
     compiled = zorse.compile(
         model, cluster=cluster, example_inputs=(ids, ids), global_batch_size=args.global_batch_size,
         jobs=args.jobs, verbose=True, model_name=args.model, **options)

@@ -4,6 +4,34 @@ the baselines, the interleave pass, the evaluator and the simulator).
 
 Light on purpose (no torch, no OR-Tools): the runtime, the cluster files and
 the command line can import it without loading the solvers.
+
+[Note: memory flags]
+Each memory technique has a flag ("never" / "auto" / "always") and one meaning,
+which every planner (the CP-SAT models, the stage DP, brute force, the
+baselines and their seeds, the interleave pass) and the evaluator
+(``solve.objective.mode_violations``) read the same way: "never" -- no stage
+uses it; "auto" -- the planner decides per stage; "always" -- every stage uses
+it, where the state layouts below allow it at all. The layouts are those the
+runtime has: a stage's state is replicated, ZeRO-1 (``sharding``: optimizer
+state sharded), ZeRO-2 (``grad_sharding``: a ZeRO-1 stage whose gradients are
+reduce-scattered into the shards, ``runtime/grad_sync.py``) or ZeRO-3
+(``param_sharding``: a ZeRO-2 stage whose working weights are sharded too,
+gathered from the owners of the ZeRO-1 ranges, ``runtime/param_shard.py``),
+each level built on the one before; a shard needs two GPUs, so the ZeRO flags'
+"always" means every stage of two or more GPUs. So "always" on a level makes
+the levels below it "always" (``param_sharding="always"`` is ZeRO-3 on every
+such stage, hence ZeRO-2 and ZeRO-1 there), "never" on a level makes the levels
+above it "never", and "never" below an "always" is refused. Optimizer offload
+(``offload``) goes with every layout and every stage; "always" needs host
+memory (the cluster file's ``host_memory_GiB``: ``planner.check_host_memory``).
+Activation offload (``activation_offload``) goes without recomputation (a
+recomputing stage keeps only its inputs) and, in the plans
+(``Decision.act_offload``, [C-act-offload] in ``solve/objective.py``), without
+ZeRO-2/3, so its "always" makes ``recompute``, ``grad_sharding`` and
+``param_sharding`` "never", and is refused with an "always" of any of them. The
+CP-SAT models have ZeRO-1 and recomputation only ([Note: ZeRO-2 outside CP-SAT]
+in ``portfolio.py``): an "always" outside them leaves the portfolio's answer to
+the stage DP and the baselines (``solve._search.outside_model``).
 """
 
 from __future__ import annotations
@@ -106,33 +134,40 @@ class PlanOptions:
     #: shares the planner picks per GPU: "auto" (per stage, where it pays: it
     #: costs an all-gather of the weights after the optimizer step and saves
     #: memory and optimizer time), "never" or "always" (every stage with >= 2
-    #: GPUs).
+    #: GPUs; implied by ``grad_sharding`` / ``param_sharding`` "always":
+    #: [Note: memory flags]).
     sharding: str = "auto"
     #: ZeRO-2 on a sharded stage: every micro-batch's gradients reduce-scattered
     #: into the shards, so no GPU holds the stage's float32 gradients
     #: ([Note: sharded gradients] in ``runtime/grad_sync.py``): "auto" (per
     #: sharded stage, where it pays: it moves the stage's gradients M times per
     #: step instead of once and frees 4 (k - 1)/k B per parameter), "never" or
-    #: "always" (every sharded stage).
+    #: "always" (every stage with >= 2 GPUs, so ``sharding`` "always" too;
+    #: implied by ``param_sharding`` "always", "never" under
+    #: ``activation_offload`` "always": [Note: memory flags]).
     grad_sharding: str = "auto"
     #: ZeRO-3 on a ZeRO-2 stage: its working weights sharded too, each block's
     #: gathered before its forward and again for its backward ([Note: sharded
     #: parameters] in ``runtime/param_shard.py``): "auto" (per ZeRO-2 stage,
     #: where it pays: 2-3 all-gathers of the stage's weights per micro-batch,
     #: and the weights' 2-4 (k - 1)/k B per parameter freed), "never" or
-    #: "always" (every ZeRO-2 stage).
+    #: "always" (every stage with >= 2 GPUs, so ``grad_sharding`` and
+    #: ``sharding`` "always" too: [Note: memory flags]).
     param_sharding: str = "auto"
     #: Optimizer offload (ZeRO-Offload): a stage's AdamW moments and float32
     #: master weights in host memory, the step on the CPU ([C-offload] in
     #: ``solve/objective.py``; only on nodes whose cluster file gives
     #: ``host_memory_GiB``): "auto" (where nothing fits without it: it costs
     #: the gradients' and weights' trip over the host link and a CPU step every
-    #: step), "never" or "always" (every stage whose GPUs have host memory).
+    #: step), "never" or "always" (every stage, so only GPUs whose node has
+    #: host memory take work; ``zorse plan`` refuses it for a cluster file
+    #: without ``host_memory_GiB``).
     offload: str = "auto"
     #: Activation offload: what autograd saves during a micro-batch's forward
     #: goes to host memory and comes back for its backward ([C-act-offload];
     #: not with recomputation or ZeRO-2/3; host memory as for ``offload``):
-    #: "auto" (where nothing fits without it), "never" or "always".
+    #: "auto" (where nothing fits without it), "never" or "always" (every
+    #: stage, so ``recompute`` and ``grad_sharding`` "never": [Note: memory flags]).
     activation_offload: str = "auto"
     #: Stage-level activation recomputation: "auto" (per stage, where memory
     #: needs it), "never" or "always" (every stage).
@@ -171,6 +206,7 @@ class PlanOptions:
             v = getattr(self, name)
             if v not in MEMORY_MODES:
                 raise PlanOptionsError(f"PlanOptions.{name}={v!r}: use one of {MEMORY_MODES}")
+        self._imply_memory_modes()
         if self.precision not in ("auto", *PRECISIONS):
             raise PlanOptionsError(f"PlanOptions.precision={self.precision!r}: use 'auto' or one of "
                                    f"{', '.join(map(repr, PRECISIONS))}")
@@ -186,6 +222,42 @@ class PlanOptions:
                                    f"or False (PyTorch's default; zorse plan --tf32 / --no-tf32)")
         if self.precision != "auto":
             checked_policy(self.precision, self.grad_reduce_dtype, why="")
+
+    def _imply_memory_modes(self) -> None:
+        """[Note: memory flags]: refuse an "always" that another flag rules out, in one line
+        naming both flags and why; then set in place what an "always" implies, so the record
+        every planner reads has one meaning."""
+        def flag(name: str) -> str:
+            v = getattr(self, name)
+            return f"{name}={v!r} (zorse plan --{name.replace('_', '-')} {v})"
+
+        zero = {"grad_sharding": "ZeRO-2 reduce-scatters the gradients into a ZeRO-1 stage's optimizer shards "
+                                 "(runtime/grad_sync.py)",
+                "param_sharding": "ZeRO-3 shards the weights of a ZeRO-2 stage (runtime/param_shard.py)"}
+        lower = {"grad_sharding": ("sharding",), "param_sharding": ("grad_sharding", "sharding")}
+        for upper in ("param_sharding", "grad_sharding"):
+            for name in lower[upper] if getattr(self, upper) == "always" else ():
+                if getattr(self, name) == "never":
+                    raise PlanOptionsError(f"PlanOptions.{flag(upper)} with {flag(name)}: {zero[upper]}, so every "
+                                           f"such stage needs {name} too; set {name} to 'auto' or {upper} to "
+                                           f"'auto'")
+        if self.activation_offload == "always":
+            zero23 = "a plan offloads no ZeRO-2/3 stage's activations ([C-act-offload] in solve/objective.py)"
+            for name, why in (("recompute", "a recomputing stage keeps no activations between its forward and "
+                                            "backward to offload"),
+                              ("grad_sharding", zero23), ("param_sharding", zero23)):
+                if getattr(self, name) == "always":
+                    raise PlanOptionsError(f"PlanOptions.{flag('activation_offload')} with {flag(name)}: no stage "
+                                           f"can do both, {why}; set one of them to 'auto'")
+        for upper in ("param_sharding", "grad_sharding"):
+            for name in lower[upper] if getattr(self, upper) == "always" else ():
+                object.__setattr__(self, name, "always")
+        for name, uppers in (("sharding", ("grad_sharding", "param_sharding")), ("grad_sharding", ("param_sharding",))):
+            for upper in uppers if getattr(self, name) == "never" else ():
+                object.__setattr__(self, upper, "never")
+        if self.activation_offload == "always":
+            for name in ("recompute", "grad_sharding", "param_sharding"):
+                object.__setattr__(self, name, "never")
 
     @property
     def bucket_bytes(self) -> int:

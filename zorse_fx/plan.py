@@ -370,7 +370,9 @@ class SolverReport:
     simulated_bubble_fraction: Fraction = field(default=0.0, metadata=OPTIONAL)
     #: A lower bound (s) on the step time of EVERY plan these options allow
     #: (``solve.bounds.throughput_bound_s``: every GPU busy all step at its
-    #: speed, no communication, no bubble, perfect balance), whatever the state
+    #: speed, no communication, no bubble, perfect balance; or one sample's
+    #: forward and backward through every block with its fixed per-micro-batch
+    #: time, where that is longer), whatever the state
     #: layout, offload or interleaving (format 11; 0 = not recorded). The
     #: plan table reports the plan's distance to it; ``best_bound_s`` is the
     #: solver's own bound, over the solver's model only.
@@ -395,9 +397,18 @@ class SolverReport:
             words = f"the best plan found ({status})"
         if self.throughput_bound_s > 0 and predicted_step_s > 0:
             over = predicted_step_s / self.throughput_bound_s - 1
-            words += (f"; {over:.0%} slower than the throughput bound {self.throughput_bound_s:.3f} s (every GPU "
-                      f"busy all step, no communication or bubble: no plan of these options is faster)")
+            words += (f"; {over:.0%} slower than the throughput bound {fmt_seconds(self.throughput_bound_s)} "
+                      f"(every GPU busy all step, or one sample through every block if longer; no communication "
+                      f"or bubble: no plan of these options is faster)")
         return words
+
+
+def fmt_seconds(t: float) -> str:
+    """A time for a message, with its digits however small it is: "2.000 s" from
+    1 s, "78.80 ms", "27.94 µs" below (4 significant digits), "0 s" for 0."""
+    if t >= 1 or t <= 0:
+        return f"{t:.3f} s" if t else "0 s"
+    return f"{t * 1e3:.4g} ms" if t >= 1e-3 else f"{t * 1e6:.4g} µs"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -36,7 +36,12 @@ ZeRO-2-free warm starts (``Selector.feasible_per_candidate(plain=True)``),
 a CP-SAT optimum is proven over ZeRO-2-free plans only (a stage DP plan
 with ZeRO-2 that beats it is returned, with the throughput bound as its
 bound), and the winner's sharded stages are each tried with ZeRO-2 and
-without recomputation.
+without recomputation. The same holds for offload. An "always" of these flags
+(ZeRO-2/3 or offload on every stage, [Note: memory flags] in
+``zorse_fx/options.py``) rules out every plan of the CP-SAT models with a stage
+of two or more GPUs, so the portfolio does not run CP-SAT then
+(``solve._search.outside_model``): the heuristics, which honour it, make the
+plan, with the throughput bound as its bound.
 """
 
 from __future__ import annotations
@@ -91,11 +96,11 @@ def solve_portfolio(costs: BlockCosts, devices: DeviceGraph, options: PlanOption
             (CP-SAT's message, which names the binding constraint).
     """
     from .baselines import BASELINES
-    from .solve._search import in_model
+    from .solve._search import in_model, outside_model
     from .solve.bounds import throughput_bound_s
     from .solve.interleave import with_interleaving
     from .solve.isolated import map_isolated, options_jobs
-    from .solve.objective import evaluate_result
+    from .solve.objective import build_tables, evaluate_result, microbatch_candidates
     from .solve.stage_dp import stage_dp_search
 
     t0 = time.perf_counter()
@@ -106,11 +111,11 @@ def solve_portfolio(costs: BlockCosts, devices: DeviceGraph, options: PlanOption
     sources = {"stage_dp": stage_dp_search, **{name: BASELINES[name] for name in names}}
 
     def heuristic(name, fn):
-        def call():  # (plan, the stage DP's hints, step s, fits) or None where the heuristic has no plan
+        def call():  # (plan, the stage DP's hints, step s, fits), or why the heuristic has no plan (a str)
             try:
                 out = fn(costs, devices, options)
-            except (InfeasiblePlanError, ValueError):
-                return None
+            except (InfeasiblePlanError, ValueError) as exc:
+                return str(exc)
             res, extra = out if name == "stage_dp" else (out, ())
             ev = evaluate_result(costs, devices, options, res)
             return res, extra, ev.step_time_s, ev.feasible
@@ -118,15 +123,22 @@ def solve_portfolio(costs: BlockCosts, devices: DeviceGraph, options: PlanOption
 
     # The heuristics are independent and deterministic: up to ``jobs`` run side by side in
     # forked children, their answers taken in the order of ``sources`` (solve/isolated.py).
+    # The cluster's (G, G) pair tables first, here: the children inherit them (solve/tables.py).
+    build_tables(costs, devices, options, microbatch_candidates(options)[0])
     jobs = options_jobs(options)
+    dp_why = ""  # why the stage DP has no feasible plan (its message, or its best plan's violations)
     for name, (ok, answer) in zip(sources, map_isolated([heuristic(n, f) for n, f in sources.items()], jobs)):
         if not ok:
             raise answer
-        if answer is None:
+        if isinstance(answer, str):
+            dp_why = answer if name == "stage_dp" else dp_why
             continue
         res, extra, step, feasible = answer
         if name == "stage_dp":
             dp_hints = extra
+            if not feasible:
+                dp_why = "its best plan does not fit: " + "; ".join(
+                    next((c.violations for c in res.candidates if c.chosen), ()))
         tried.append(Candidate(kind="portfolio", source=name, step_time_s=step, feasible=feasible))
         if feasible:
             found.append((step, name, res))
@@ -141,20 +153,31 @@ def solve_portfolio(costs: BlockCosts, devices: DeviceGraph, options: PlanOption
                    + [(r.predicted_step_time_s, len(found) + k, r) for k, r in enumerate(dp_hints)])
     params = inspect.signature(solver).parameters
     kw = {"hints": tuple(r for _, _, r in hints)} if "hints" in params else {}
+    # [Note: memory flags] in options.py: an "always" outside CP-SAT's model leaves the plan to the
+    # heuristics, which honour it (CP-SAT's plans would all break it).
+    skip = outside_model(options)
     if progress is not None:
-        progress(f"heuristics: best plan {found[0][0]:.4g} s ({found[0][1]}), {time.perf_counter() - t0:.1f} s; "
-                 f"CP-SAT next, each candidate must beat it" if found else
-                 f"heuristics: no plan fits ({time.perf_counter() - t0:.1f} s); CP-SAT next")
+        took = f"{time.perf_counter() - t0:.1f} s"
+        then = (f"CP-SAT not run: {' and '.join(skip)} asks for what its model does not have (ZeRO-2/3, "
+                f"offload), so the heuristics' plan is the answer" if skip else
+                "CP-SAT next, each candidate must beat it" if found else "CP-SAT next")
+        progress(f"heuristics: best plan {found[0][0]:.4g} s ({found[0][1]}), {took}; {then}" if found else
+                 f"heuristics: no plan fits ({took}); {then}")
     if progress is not None and "progress" in params:
         kw["progress"] = progress
     if found and "incumbent" in params:  # [Note: incumbent cutoff] in solve/_search.py
         step, name, res = found[0]
         kw["incumbent"] = dataclasses.replace(res, status=_label(name), candidates=tuple(res.candidates))
-    try:
-        best = solver(costs, devices, options, **kw)
-        error = None
-    except InfeasiblePlanError as exc:
-        best, error = None, exc
+    if skip:
+        best, error = None, InfeasiblePlanError(
+            f"no plan honours {' and '.join(skip)}: the stage DP (the planner that has ZeRO-2/3 and offload) "
+            f"{dp_why or 'found no plan'}")
+    else:
+        try:
+            best = solver(costs, devices, options, **kw)
+            error = None
+        except InfeasiblePlanError as exc:
+            best, error = None, exc
     # The other answers in hand, for the simulator's re-ranking ([Note: simulator re-rank]).
     others = ([best] if best is not None else []) + [
         dataclasses.replace(r, status=_label(name)) for _, name, r in found] + [

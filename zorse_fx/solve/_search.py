@@ -53,14 +53,33 @@ strategy and distribute the work amongst num_workers. The search is
 deterministic (independently of num_workers!), and we schedule and wait for
 interleave_batch_size task to be completed before synchronizing" (with one
 worker the search is sequential, deterministic anyway). The wall-clock
-limit (``max_time_in_seconds = PlanOptions.time_limit_s``) is only a
-safety stop: a solve it ends before the deterministic budget is spent
-(CP-SAT's response reports less deterministic time than the budget, without a
-proof) is recorded as ``"wall_clock_stop": True`` in its candidate, counted in
-``SolverResult.wall_clock_stops``, marked in the status (``SAFETY_STOP``) and
-warned about, since that answer may differ on another run. The candidates
-are tried in a fixed order and the best is chosen by objective, ties to the
-first: nothing else depends on wall time (``wall_s`` is only reported).
+limit ``PlanOptions.time_limit_s`` is only a safety stop ([Note: safety
+stop]): a solve it ends without a proof is recorded as
+``"wall_clock_stop": True`` in its candidate, counted in
+``SolverResult.wall_clock_stops``, marked in the status (``(wall-clock safety
+stop)``) and warned about, since that answer may differ on another run. The
+candidates are tried in a fixed order and the best is chosen by objective,
+ties to the first: nothing else depends on wall time (``wall_s`` is only
+reported).
+
+[Note: safety stop]
+The safety stop is a timer of this process (``timed_solve``): after
+``time_limit_s`` wall seconds it calls ``CpSolver.stop_search()``, and a solve
+counts as stopped by it exactly when the timer fired and the solve ended
+without a proof. CP-SAT's own ``max_time_in_seconds`` is not set, because it
+stops early and cannot be told apart from other stops: OR-Tools' ``TimeLimit``
+(``util/time_limit.h``) "returns true ... when current_time + max(T, eps) >=
+limit_time, where T is the maximum measured time interval between two
+consecutive calls to LimitReached()", and presolve can go tens of seconds
+between two calls while counting no deterministic time (the (1 stage, 5
+micro-batches) candidate of tests/test_solver.py's memory-policy instance 1,
+b = 1: ``PresolveToFixPoint`` spends 18 s in ``Domain::AdditionWith`` on the
+subset-sum domains of sums of 0/1 sample counts, 0.0000003 deterministic s;
+36-80 s on the 2-core machine with four busy loops), so under load the limit
+fired at 80 s of 100, which the earlier test ("no proof and less deterministic
+time than the budget") could only attribute to the wall clock by elimination.
+The timer's stop is exact: the candidate's record says whether the timer ended
+it, and a solve the deterministic budget ends is never counted.
 
 [Note: search budget]
 ``PlanOptions.solver_budget`` is the whole search's CP-SAT budget in
@@ -111,13 +130,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import threading
 import time
 import warnings
 from dataclasses import dataclass
 
 from ortools.sat.python import cp_model
 
-from ..errors import InfeasiblePlanError
+from ..errors import InfeasiblePlanError, PlanOptionsError
 from ..ir.costs import BlockCosts
 from ..ir.devices import DeviceGraph
 from ..ir.result import Candidate, SolverResult, with_safety_stop
@@ -127,7 +147,7 @@ from .isolated import (  # noqa: F401 (re-exported)
     SolverCrash, _Isolated, default_jobs, options_jobs, run_isolated, start_isolated)
 from .objective import UNIT_S, IntTables, build_tables, evaluate, max_stage_count, microbatch_candidates
 
-__all__ = ["CandidateSearch", "SolverCrash", "run_isolated", "ordered_candidates", "in_model"]
+__all__ = ["CandidateSearch", "SolverCrash", "run_isolated", "ordered_candidates", "in_model", "outside_model"]
 
 
 def ordered_candidates(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions,
@@ -149,6 +169,17 @@ def ordered_candidates(costs: BlockCosts, devices: DeviceGraph, options: PlanOpt
                           stage_count_lower_bound(tab, s), s, m, tab))
     cands.sort(key=lambda c: c[:4])
     return [(s, m, tab) for _, _, s, m, tab in cands]
+
+
+def outside_model(options: PlanOptions) -> tuple[str, ...]:
+    """The "always" of ``options`` that no plan of the CP-SAT candidate models
+    honours (they have ZeRO-1 and recomputation only: [Note: ZeRO-2 outside
+    CP-SAT] in portfolio.py), as ``name='always'``; () when CP-SAT can plan them.
+    ([Note: memory flags] in zorse_fx/options.py: ``grad_sharding="always"`` asks for
+    ZeRO-2 on every stage of two or more GPUs, ``offload="always"`` for offload on
+    every stage.)"""
+    return tuple(f"{name}='always'" for name in ("grad_sharding", "param_sharding", "offload", "activation_offload")
+                 if getattr(options, name) == "always")
 
 
 def in_model(decision) -> bool:
@@ -186,23 +217,35 @@ class _Answer:
     wall_clock_stop: bool = False
 
 
-def wall_clock_stopped(solver: cp_model.CpSolver, code: int) -> bool:
-    """Whether ``solver``'s last solve (status ``code``) was ended by its wall-clock
-    limit rather than its deterministic budget: no proof (neither OPTIMAL nor
-    INFEASIBLE) and less deterministic time spent than ``max_deterministic_time``
-    ([Note: reproducible plans])."""
-    if code in (cp_model.OPTIMAL, cp_model.INFEASIBLE, cp_model.MODEL_INVALID):
-        return False
-    return solver.response_proto.deterministic_time < solver.parameters.max_deterministic_time
+def timed_solve(solver: cp_model.CpSolver, m: cp_model.CpModel, limit_s: float) -> tuple[int, bool]:
+    """``solver.solve(m)`` under the wall-clock safety stop ([Note: safety stop]): a
+    timer calls ``solver.stop_search()`` after ``limit_s`` seconds. Returns (status,
+    stopped): stopped is True exactly when the timer fired and the solve ended
+    without a proof (neither OPTIMAL, INFEASIBLE nor MODEL_INVALID)."""
+    fired = threading.Event()
+
+    def stop() -> None:
+        fired.set()
+        solver.stop_search()
+
+    timer = threading.Timer(limit_s, stop)
+    timer.daemon = True
+    timer.start()
+    try:
+        code = solver.solve(m)
+    finally:
+        timer.cancel()
+    return code, fired.is_set() and code not in (cp_model.OPTIMAL, cp_model.INFEASIBLE, cp_model.MODEL_INVALID)
 
 
-def _solve(model, solver: cp_model.CpSolver, completer: cp_model.CpSolver | None = None) -> _Answer:
+def _solve(model, solver: cp_model.CpSolver, limit_s: float, completer: cp_model.CpSolver | None = None) -> _Answer:
     """Solve ``model`` (after completing its hint with ``completer``, if given) and
-    read the answer off the solver. Runs in the forked child: one fork per try."""
-    completed, stopped = complete_hint(model.m, completer) if completer is not None else (False, False)
+    read the answer off the solver; each solve under the safety stop ``limit_s``
+    (``timed_solve``). Runs in the forked child: one fork per try."""
+    completed, stopped = complete_hint(model.m, completer, limit_s) if completer is not None else (False, False)
     dtime = completer.response_proto.deterministic_time if completer is not None else 0.0
-    code = solver.solve(model.m)
-    stopped = stopped or wall_clock_stopped(solver, code)
+    code, stop = timed_solve(solver, model.m, limit_s)
+    stopped = stopped or stop
     dtime += solver.response_proto.deterministic_time
     if code in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         # The objective at the returned solution (OR-Tools 9.15's ObjectiveValue() can
@@ -213,7 +256,7 @@ def _solve(model, solver: cp_model.CpSolver, completer: cp_model.CpSolver | None
                    budget_used=dtime, wall_clock_stop=stopped)
 
 
-def complete_hint(m: cp_model.CpModel, solver: cp_model.CpSolver) -> tuple[bool, bool]:
+def complete_hint(m: cp_model.CpModel, solver: cp_model.CpSolver, limit_s: float) -> tuple[bool, bool]:
     """Extend ``m``'s partial solution hint to every variable, in place.
 
     The models hint only the decisions (cuts, GPUs per stage, samples, shards,
@@ -224,8 +267,8 @@ def complete_hint(m: cp_model.CpModel, solver: cp_model.CpSolver) -> tuple[bool,
     copy, the copy is solved for a feasible point (propagation does nearly
     all of it), and its values become a complete hint, which CP-SAT checks
     and keeps as its first incumbent. The copy gets at most
-    ``HINT_COMPLETION_DTIME`` deterministic seconds (and ``solver``'s wall-clock
-    safety stop), so whether a hint is completed does not depend on load.
+    ``HINT_COMPLETION_DTIME`` deterministic seconds (and the wall-clock safety
+    stop ``limit_s``), so whether a hint is completed does not depend on load.
     Returns (completed, wall_clock_stop): completed False (hint left as it
     was) when the copy finds nothing, e.g. a hint the model cannot express;
     wall_clock_stop True when the safety stop ended the copy's solve first.
@@ -241,12 +284,10 @@ def complete_hint(m: cp_model.CpModel, solver: cp_model.CpSolver) -> tuple[bool,
     for v, val in hinted:
         fixed.add(fixed.get_int_var_from_proto_index(v) == val)
     solver.parameters.max_deterministic_time = min(solver.parameters.max_deterministic_time, HINT_COMPLETION_DTIME)
-    code = solver.solve(fixed)
-    stopped = wall_clock_stopped(solver, code)
+    code, stopped = timed_solve(solver, fixed, limit_s)
     if code == cp_model.INFEASIBLE:  # [Note: presolve bug]
         solver.parameters.cp_model_presolve = False
-        code = solver.solve(fixed)
-        stopped = wall_clock_stopped(solver, code)
+        code, stopped = timed_solve(solver, fixed, limit_s)
     if code not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return False, stopped
     vals = [solver.value(fixed.get_int_var_from_proto_index(v)) for v in range(len(proto.variables))]
@@ -319,6 +360,12 @@ class CandidateSearch:
         heuristic plan), which every candidate must beat ([Note: incumbent cutoff]);
         ``progress``: called with one line per candidate solved (candidates done of
         ``total``, its status, the best step time so far and the bound)."""
+        if outside_model(options):
+            raise PlanOptionsError(
+                f"{label} alone cannot plan {' and '.join(outside_model(options))}: its model has ZeRO-1 and "
+                f"recomputation only ([Note: ZeRO-2 outside CP-SAT] in zorse_fx/portfolio.py); plan with the "
+                f"portfolio (planner 'auto', 'cpsat' or 'grouped' of zorse plan / solve_portfolio: the stage DP and "
+                f"the baselines plan them) or the stage DP (planner 'stage_dp')")
         self.costs, self.devices, self.options, self.label = costs, devices, options, label
         self.progress, self.total = progress, total
         #: Solves run side by side ([Note: candidate waves]); the records do not depend on it.
@@ -410,7 +457,7 @@ class CandidateSearch:
         solver = cp_model.CpSolver()
         p = solver.parameters
         p.max_deterministic_time = budget
-        p.max_time_in_seconds = opts.time_limit_s  # safety stop only
+        # No max_time_in_seconds: the wall-clock safety stop is ``timed_solve``'s ([Note: safety stop]).
         p.num_workers = opts.num_workers
         # sat_parameters.proto: with interleave_search "the search is deterministic
         # (independently of num_workers!)"; without it, workers race on wall time.
@@ -440,7 +487,7 @@ class CandidateSearch:
         self._tune(solver, model, cutoff)
         solver.parameters.cp_model_presolve = presolve
         completer = self._solver(budget) if complete else None
-        return start_isolated(lambda: _solve(model, solver, completer))
+        return start_isolated(lambda: _solve(model, solver, self.options.time_limit_s, completer))
 
     def _solve_robustly(self, model, *, presolve: bool, budget: float, cutoff: bool = False,
                         first: _Isolated | None = None) -> tuple[_Answer | None, list[str]]:

@@ -12,11 +12,12 @@ import dataclasses
 from ..ir.costs import BlockCosts
 from ..ir.devices import DeviceGraph
 from ..options import PlanOptions
-from .objective import IntTables, _gib, max_stage_count, microbatch_candidates
+from .objective import IntTables, fmt_bytes, max_stage_count, microbatch_candidates
 from .state_terms import extra_copies, unique_params
 from .tables import _prefix
 
-__all__ = ["throughput_lower_bound", "throughput_bound_s", "explain_infeasible", "stage_count_lower_bound"]
+__all__ = ["throughput_lower_bound", "throughput_bound_s", "explain_infeasible", "stage_count_lower_bound",
+           "microbatch_chain_bound"]
 
 
 def _min_max_split(needs: list[int], k_max: int, less=None) -> tuple[int, list[tuple[int, int]]]:
@@ -101,13 +102,30 @@ def stage_count_lower_bound(tab: IntTables, num_stages: int) -> int:
     return max(fixed, per) + (m - 1) * max(-(-fixed // max(num_stages, 1)), per)
 
 
+def microbatch_chain_bound(tab: IntTables) -> int:
+    """A lower bound (units) on the step time of EVERY decision: sum over blocks q
+    of min over GPU types t of (F_q,t + W_q,t), one sample's forward and backward
+    through every block with the block's per-micro-batch fixed time (kernel
+    launches). Proof: [C-objective] step >= sum_s t_s >= sum_s cmax_s, and a GPU
+    g of stage s has compute_g = n_g W_s + F_s (+ recomputation, ZeRO-3's
+    gathers, activation offload) with n_g >= 1; under interleaving every
+    micro-batch still runs its forward, then its backward, through every chunk
+    in order (the replay of [Note: interleaved stages]). Where the fixed times
+    dominate (small models, small micro-batches) it is far above
+    ``throughput_lower_bound``, which has no fixed term."""
+    types = sorted(set(tab.gpu_types))
+    return sum(min(tab.fixed_prefix[t][q + 1] - tab.fixed_prefix[t][q] + tab.work_prefix[t][q + 1]
+                   - tab.work_prefix[t][q] for t in types) for q in range(tab.num_blocks))
+
+
 def throughput_bound_s(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions) -> float:
     """A lower bound (s) on every decision's step time when CP-SAT returned none:
-    the smallest ``throughput_lower_bound`` over the micro-batch counts."""
+    the smallest ``throughput_lower_bound`` over the micro-batch counts, or
+    ``microbatch_chain_bound`` where that is larger."""
     from .objective import UNIT_S, build_tables
 
-    return min(throughput_lower_bound(build_tables(costs, devices, options, m))
-               for m in microbatch_candidates(options)) * UNIT_S
+    tabs = [build_tables(costs, devices, options, m) for m in microbatch_candidates(options)]
+    return max(min(throughput_lower_bound(tab) for tab in tabs), microbatch_chain_bound(tabs[0])) * UNIT_S
 
 
 def explain_infeasible(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions,
@@ -178,11 +196,11 @@ def _explain(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions, cand
                 f"global_batch_size / max_stages{note}")
     caps = [int(options.memory_fraction * mb) for mb in devices.memory_bytes]
     big = max(range(n_g), key=lambda g: caps[g])
-    big_txt = (f"the largest GPU ({devices.gpu_types[big]}) has {_gib(caps[big])} GiB usable "
-               f"({options.memory_fraction:g} × {_gib(devices.memory_bytes[big])} GiB)")
+    big_txt = (f"the largest GPU ({devices.gpu_types[big]}) has {fmt_bytes(caps[big])} usable "
+               f"({options.memory_fraction:g} × {fmt_bytes(devices.memory_bytes[big])})")
     st = costs.state_bytes_per_param
     n_par = unique_params(costs)  # a tied parameter once ([C-tied])
-    head = (f"the model's training state needs {_gib(st * n_par)} GiB "
+    head = (f"the model's training state needs {fmt_bytes(st * n_par)} "
             f"({st} B/param × {n_par:.3g} params)")
     state = [st * p for p in costs.param_count]
     rep = st  # per tied (float32) parameter
@@ -190,7 +208,7 @@ def _explain(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions, cand
         rep = st - costs.shardable_bytes_per_param
         # Lower bound: the shardable part can be spread over other GPUs of the stage.
         state = [x - costs.shardable_bytes(b) for b, x in enumerate(state)]
-        head += (f", {_gib(sum(state) - _tied_replicated(costs))} GiB of it replicated per stage under "
+        head += (f", {fmt_bytes(sum(state) - _tied_replicated(costs))} of it replicated per stage under "
                  f"ZeRO-1 sharding")
     needs = [x + a for x, a in zip(state, costs.act_bytes_per_sample)]
     fix = "add GPUs with more memory, raise max_stages, or lower global_batch_size / use more micro-batches"
@@ -200,9 +218,9 @@ def _explain(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions, cand
         fix += f", or allow {' and '.join(more)} (ZeRO-1 optimizer-state sharding / stage recomputation)"
     blk = max(range(len(needs)), key=lambda i: needs[i])
     if needs[blk] > caps[big]:
-        return (f"{head}; block {blk} alone needs {_gib(needs[blk])} GiB "
-                f"({_gib(state[blk])} GiB state of {costs.param_count[blk]:.3g} params "
-                f"+ {_gib(costs.act_bytes_per_sample[blk])} GiB activations of one sample) but {big_txt}; "
+        return (f"{head}; block {blk} alone needs {fmt_bytes(needs[blk])} "
+                f"({fmt_bytes(state[blk])} state of {costs.param_count[blk]:.3g} params "
+                f"+ {fmt_bytes(costs.act_bytes_per_sample[blk])} activations of one sample) but {big_txt}; "
                 f"a block cannot be split across stages: add GPUs with more memory{note}")
     tied = [tp.blocks for tp in costs.tied_params]
 
@@ -212,9 +230,9 @@ def _explain(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions, cand
     worst, parts = _min_max_split(needs, k_max, tied_less)
     s = max(range(len(parts)), key=lambda q: sum(needs[parts[q][0]:parts[q][1]]) - tied_less(*parts[q]))
     i, j = parts[s]
-    detail = (f"{_gib(worst)} GiB on stage {s} (blocks {i}-{j - 1}: "
-              f"{_gib(sum(state[i:j]) - tied_less(i, j))} GiB state + "
-              f"{_gib(sum(costs.act_bytes_per_sample[i:j]))} GiB activations of one sample)")
+    detail = (f"{fmt_bytes(worst)} on stage {s} (blocks {i}-{j - 1}: "
+              f"{fmt_bytes(sum(state[i:j]) - tied_less(i, j))} state + "
+              f"{fmt_bytes(sum(costs.act_bytes_per_sample[i:j]))} activations of one sample)")
     if worst > caps[big]:
         return f"{head}; with at most {k_txt} the best split still needs {detail} but {big_txt}; {fix}{note}"
     tried = sorted((c.num_stages, c.num_microbatches) for c in candidates)
@@ -222,7 +240,7 @@ def _explain(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions, cand
             f"at most {k_txt} needs {detail} and {big_txt}, but every stage needs its own GPUs "
             f"and holds activations of b = {gbs // ms[-1]}..{gbs // ms[0]} samples x up to "
             f"{ms[-1] if options.schedule == 'gpipe' else min(k_max, ms[-1])} micro-batches in flight; "
-            f"usable GiB per GPU: {[float(_gib(c)) for c in caps]}; {fix}{note}")
+            f"usable per GPU: {', '.join(fmt_bytes(c) for c in caps)}; {fix}{note}")
 
 
 def _tied_replicated(costs: BlockCosts) -> int:

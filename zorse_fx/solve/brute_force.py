@@ -1,10 +1,11 @@
 """Exhaustive oracle for tiny instances (tests compare CP-SAT against it).
 
 Enumerates every S, M, assignment of GPUs to stages / idle, cut composition,
-sample split and per-stage memory policy (sharded / ZeRO-2 / recompute, as the options
-allow; a sharded stage's shards are ``balance_shards``' split, the least
-optimizer time that fits), the full product with no pruning, checks memory
-and scores each decision with objective.py's integer model (``evaluate_units``).
+sample split and per-stage memory policy (ZeRO-1/2/3, recomputation, optimizer
+and activation offload, as the options allow; a sharded stage's shards are
+``balance_shards``' split, the least optimizer time that fits), the full
+product with no pruning, checks memory and scores each decision with
+objective.py's integer model (``evaluate_units``).
 """
 
 from __future__ import annotations
@@ -60,6 +61,18 @@ def solve_brute_force(costs: BlockCosts, devices: DeviceGraph, options: PlanOpti
             f"brute force is limited to G <= {MAX_GPUS} GPUs, B <= {MAX_BLOCKS} blocks and micro-batch "
             f"size b <= {MAX_MICROBATCH_SIZE}; got G={n_g}, B={nb}, b up to {big_b}")
     k_max = max_stage_count(costs, devices, options)
+    # Every per-stage policy the options allow ([Note: memory flags] in zorse_fx/options.py):
+    # (sharded, grad_sharded, param_sharded) of a stage of >= 2 GPUs (a one-GPU stage: the
+    # first, nothing sharded), recomputation, and the offloads where some GPU has host memory.
+    modes = {"never": (False,), "auto": (False, True), "always": (True,)}
+    layouts = ((False, False, False),)
+    if options.sharding != "never":
+        layouts += tuple((True, gs, ps) for gs in modes[options.grad_sharding]
+                         for ps in (modes[options.param_sharding] if gs else (False,)))
+    host = any(devices.host_memory_bytes)
+    rcs = modes[options.recompute]
+    ofs = modes[options.offload] if host or options.offload == "always" else (False,)
+    aos = modes[options.activation_offload] if host or options.activation_offload == "always" else (False,)
     best, cands = None, []
     for n_s in range(1, k_max + 1):
         for m in ms:
@@ -77,16 +90,17 @@ def solve_brute_force(costs: BlockCosts, devices: DeviceGraph, options: PlanOpti
                     edges = (0, *inner, nb)
                     blocks = tuple((edges[s], edges[s + 1]) for s in range(n_s))
                     splits = [list(_compositions(b, len(gs))) for gs in stage_gpus]
-                    gsm = {"never": (False,), "auto": (False, True), "always": (True,)}[options.grad_sharding]
-                    flags = [((False, False), *((True, z) for z in gsm))  # (sharded, grad_sharded)
-                             if options.sharding != "never" and len(gs) >= 2 else ((False, False),)
-                             for gs in stage_gpus]
-                    rcs = {"never": (False,), "auto": (False, True), "always": (True,)}[options.recompute]
+                    flags = [layouts if len(gs) >= 2 else layouts[:1] for gs in stage_gpus]
                     for samples in itertools.product(*splits):
                         for flag in itertools.product(*flags):
-                            sharded, grads = tuple(f[0] for f in flag), tuple(f[1] for f in flag)
-                            for recompute in itertools.product(rcs, repeat=n_s):
-                                pol = fill_policy(tab, blocks, stage_gpus, samples, sharded, recompute, grads)
+                            sharded, grads, params = (tuple(f[k] for f in flag) for k in range(3))
+                            for recompute, offload, acts in itertools.product(
+                                    itertools.product(rcs, repeat=n_s), itertools.product(ofs, repeat=n_s),
+                                    itertools.product(aos, repeat=n_s)):
+                                if any(a and (rc or gs) for a, rc, gs in zip(acts, recompute, grads)):
+                                    continue  # [C-act-offload]: not with recomputation or ZeRO-2/3
+                                pol = fill_policy(tab, blocks, stage_gpus, samples, sharded, recompute, grads,
+                                                  params, offload, acts)
                                 if mode_violations(options, stage_gpus, pol):
                                     continue
                                 u = evaluate_units(tab, blocks, stage_gpus, samples, pol)

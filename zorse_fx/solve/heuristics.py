@@ -25,7 +25,9 @@ check memory. So every baseline gets what ``PlanOptions.sharding`` /
 ``recompute`` allow ([C-shard], [C-recompute] in ``objective``): for each
 decision ``Selector.add`` tries the uniform variants the options allow --
 plain, every multi-GPU stage sharded, every stage recomputing, both
-(``memory_variants``) -- and keeps the best by (infeasible?, step). Per-stage
+(``memory_variants``), each with the ZeRO-2/3 and offload layouts an "always"
+of their flags asks (``memory_policy.always_layout``; [Note: memory flags] in
+``zorse_fx/options.py``) -- and keeps the best by (infeasible?, step). Per-stage
 mixes are the CP-SAT planner's search, not a baseline's. A sharded stage's
 shards are ``objective.balance_shards``' split unless the method passes its
 own ``MemoryPolicy`` (Cephalo: shards by free memory). With both options
@@ -51,6 +53,7 @@ from ..ir.costs import BlockCosts
 from ..ir.devices import DeviceGraph
 from ..ir.result import Candidate, SolverResult
 from ..options import PlanOptions
+from ..solve.memory_policy import always_layout
 from ..solve.objective import (
     MIB_UNITS,
     UNIT_S,
@@ -347,7 +350,9 @@ class Selector:
         if policy is None:
             flags = dict.fromkeys((tuple(sh and len(gs) >= 2 for gs in gpus), (rc,) * len(blocks))
                                   for sh, rc in memory_variants(self.options))
-            policies = [fill_policy(tab, blocks, gpus, ns, sh, rc) for sh, rc in flags]
+            # each with what the options' "always" asks ([Note: memory flags] in zorse_fx/options.py)
+            policies = [fill_policy(tab, blocks, gpus, ns, sh, rc, *always_layout(self.options, gpus, sh, rc))
+                        for sh, rc in flags]
         else:
             policies = [policy]
         ok_shape = len(blocks) <= self.options.max_stages
@@ -368,6 +373,11 @@ class Selector:
             if found is not None and (s_m not in kept or found[0] < kept[s_m][0]):
                 kept[s_m] = (found[0], dec, found[1])
         return best[0][1]
+
+    def best_step_s(self) -> float | None:
+        """The fastest feasible decision's step time so far (s), None if none fits."""
+        steps = [step for (bad, step), _, _ in self._best.values() if not bad]
+        return min(steps) * UNIT_S if steps else None
 
     def result(self, why_none: str = "") -> SolverResult:
         """The chosen decision as a SolverResult (status BASELINE / BASELINE_INFEASIBLE).

@@ -16,7 +16,7 @@ from .state_terms import extra_copies, gathered_weight_kib, grad_shard_kib, stag
 from .tables import MIB_UNITS, IntTables
 
 __all__ = ["inflight", "MemoryPolicy", "act_units", "act_host_units", "act_xfer_units", "balance_shards",
-           "sharded_state_kib", "offload_device_kib", "fill_policy"]
+           "sharded_state_kib", "offload_device_kib", "fill_policy", "always_layout"]
 
 
 def inflight(schedule: str, num_stages: int, stage: int, num_microbatches: int) -> int:
@@ -69,6 +69,22 @@ class MemoryPolicy:
     def ao(self, s: int) -> bool:
         """Whether stage ``s`` offloads its activations ([C-act-offload])."""
         return bool(self.act_offload) and self.act_offload[s]
+
+
+def always_layout(options, stage_gpus, sharded, recompute) -> tuple[tuple[bool, ...], ...]:
+    """(grad_sharded, param_sharded, offload, act_offload) per stage: what the
+    "always" of ``options`` (a ``PlanOptions``) asks of stages with the given
+    ``sharded`` / ``recompute`` flags ([Note: memory flags] in
+    ``zorse_fx/options.py``): ZeRO-2, and ZeRO-3 on it, on every sharded stage
+    of >= 2 GPUs; optimizer offload on every stage; activation offload on
+    every stage without recomputation or ZeRO-2. The baselines' uniform
+    variants take them (``heuristics.Selector.add``), so a baseline's plan
+    honours the flags as the stage DP's do."""
+    gs = tuple(bool(sh) and len(g) >= 2 and options.grad_sharding == "always" for g, sh in zip(stage_gpus, sharded))
+    ps = tuple(x and options.param_sharding == "always" for x in gs)
+    of = (options.offload == "always",) * len(gs)
+    ao = tuple(options.activation_offload == "always" and not rc and not x for rc, x in zip(recompute, gs))
+    return gs, ps, of, ao
 
 
 def act_units(tab: IntTables, s: int, n_s: int, i: int, n: int, a: int, *, recompute: bool,

@@ -280,7 +280,7 @@ from .tables import (  # noqa: F401
 )
 
 __all__ = [
-    "UNITS_PER_S", "UNIT_S", "GIB", "to_units", "microbatch_candidates",
+    "UNITS_PER_S", "UNIT_S", "GIB", "fmt_bytes", "to_units", "microbatch_candidates",
     "max_stage_count", "inflight", "IntTables", "build_tables", "Evaluation",
     "evaluate", "evaluate_units", "balance_shards", "MIB_UNITS", "evaluate_result",
     "MemoryPolicy", "offload_device_kib", "prepare", "policy_decision", "act_units", "act_host_units", "act_xfer_units",
@@ -289,8 +289,13 @@ __all__ = [
 ]
 
 
-def _gib(nbytes: float) -> str:
-    return f"{nbytes / GIB:.1f}"
+def fmt_bytes(nbytes: float) -> str:
+    """A memory size for a message, in the largest binary unit it reaches with one
+    decimal ("21.3 GiB", "512.0 MiB", "3.5 KiB", "12 B"): no size prints as "0.0 GiB"."""
+    for unit, scale in (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(nbytes) >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{int(nbytes)} B"
 
 
 def microbatch_candidates(options: PlanOptions) -> tuple[int, ...]:
@@ -569,32 +574,25 @@ def prepare(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions,
 
 
 def mode_violations(options: PlanOptions, stage_gpus, pol: MemoryPolicy) -> list[str]:
-    """Breaches of ``options.sharding`` / ``options.recompute`` by a policy."""
+    """Breaches of the memory flags (``options.sharding``, ``grad_sharding``,
+    ``param_sharding``, ``offload``, ``activation_offload``, ``recompute``) by a
+    policy, read as [Note: memory flags] in ``zorse_fx/options.py`` says: "never",
+    no stage; "always", every stage (the ZeRO levels: every stage of >= 2 GPUs)."""
     bad = []
     for s, gpus in enumerate(stage_gpus):
-        if pol.sharded[s] and options.sharding == "never":
-            bad.append(f"stage {s} is sharded but sharding='never'")
-        if not pol.sharded[s] and len(gpus) >= 2 and options.sharding == "always":
-            bad.append(f"stage {s} ({len(gpus)} GPUs) is not sharded but sharding='always'")
-        if pol.gs(s) and options.grad_sharding == "never":
-            bad.append(f"stage {s} has sharded gradients but grad_sharding='never'")
-        if pol.sharded[s] and not pol.gs(s) and options.grad_sharding == "always":
-            bad.append(f"stage {s} is sharded without sharded gradients but grad_sharding='always'")
-        if pol.ps(s) and options.param_sharding == "never":
-            bad.append(f"stage {s} has sharded parameters but param_sharding='never'")
-        if pol.gs(s) and not pol.ps(s) and options.param_sharding == "always":
-            bad.append(f"stage {s} has sharded gradients without sharded parameters but param_sharding='always'")
-        if pol.of(s) and options.offload == "never":
-            bad.append(f"stage {s} offloads its optimizer but offload='never'")
-        if not pol.of(s) and not pol.gs(s) and options.offload == "always":
-            bad.append(f"stage {s} does not offload its optimizer but offload='always'")
-        if pol.ao(s) and options.activation_offload == "never":
-            bad.append(f"stage {s} offloads its activations but activation_offload='never'")
-        if (not pol.ao(s) and not pol.gs(s) and not pol.recompute[s]
-                and options.activation_offload == "always"):
-            bad.append(f"stage {s} does not offload its activations but activation_offload='always'")
-        if pol.recompute[s] != (options.recompute == "always") and options.recompute != "auto":
-            bad.append(f"stage {s} recompute={pol.recompute[s]} but recompute={options.recompute!r}")
+        flags = ((pol.sharded[s], "sharding", "ZeRO-1 sharding", True),
+                 (pol.gs(s), "grad_sharding", "sharded gradients (ZeRO-2)", True),
+                 (pol.ps(s), "param_sharding", "sharded parameters (ZeRO-3)", True),
+                 (pol.of(s), "offload", "optimizer offload", False),
+                 (pol.ao(s), "activation_offload", "activation offload", False),
+                 (pol.recompute[s], "recompute", "recomputation", False))
+        for on, name, what, zero in flags:
+            mode = getattr(options, name)
+            if on and mode == "never":
+                bad.append(f"stage {s} has {what} but {name}='never'")
+            if not on and mode == "always" and (len(gpus) >= 2 or not zero):
+                bad.append(f"stage {s} ({len(gpus)} GPU{'s' if len(gpus) > 1 else ''}) has no {what} but "
+                           f"{name}='always'")
     return bad
 
 
@@ -633,22 +631,22 @@ def evaluate(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions, deci
     bad += mode_violations(options, stage_gpus, pol)
     for s, gpus in enumerate(stage_gpus):
         if u.uncovered[s]:
-            bad.append(f"stage {s}: the shards hold {_gib(MIB_UNITS * MEMORY_UNIT_BYTES * sum(pol.shard_mib[s]))} "
-                       f"GiB of {_gib(sharded_state_kib(tab, *stage_blocks[s], pol.gs(s), pol.ps(s))[1] * MEMORY_UNIT_BYTES)} "
-                       f"GiB optimizer state")
+            need = sharded_state_kib(tab, *stage_blocks[s], pol.gs(s), pol.ps(s))[1] * MEMORY_UNIT_BYTES
+            bad.append(f"stage {s}: the shards hold {fmt_bytes(MIB_UNITS * MEMORY_UNIT_BYTES * sum(pol.shard_mib[s]))} "
+                       f"of {fmt_bytes(need)} optimizer state")
         for g, h in zip(gpus, u.host[s]):
             cap = tab.host_cap[g] if tab.host_cap else 0
             if h > cap and s < len(stage_blocks) // interleave:
                 node = devices.node_names[g] if devices.node_names else f"of GPU {g}"
-                bad.append(f"stage {s} GPU {g} ({devices.gpu_types[g]}) offloads {_gib(h * MEMORY_UNIT_BYTES)} GiB "
-                           f"to host memory > {_gib(cap * MEMORY_UNIT_BYTES)} GiB usable (its share of node "
+                bad.append(f"stage {s} GPU {g} ({devices.gpu_types[g]}) offloads {fmt_bytes(h * MEMORY_UNIT_BYTES)} "
+                           f"to host memory > {fmt_bytes(cap * MEMORY_UNIT_BYTES)} usable (its share of node "
                            f"{node}'s host_memory_GiB x {options.memory_fraction:g}"
                            + ("; the cluster file gives none: add host_memory_GiB to the node" if not cap else "") + ")")
         for g, need in zip(gpus, u.memory[s]):
             if need > tab.cap_bytes[g] and s < len(stage_blocks) // interleave:  # one report per GPU
-                bad.append(f"stage {s} GPU {g} ({devices.gpu_types[g]}) needs {_gib(need * MEMORY_UNIT_BYTES)} GiB > "
-                           f"{_gib(tab.cap_bytes[g] * MEMORY_UNIT_BYTES)} GiB usable ({options.memory_fraction:g} × "
-                           f"{_gib(devices.memory_bytes[g])} GiB)")
+                bad.append(f"stage {s} GPU {g} ({devices.gpu_types[g]}) needs {fmt_bytes(need * MEMORY_UNIT_BYTES)} > "
+                           f"{fmt_bytes(tab.cap_bytes[g] * MEMORY_UNIT_BYTES)} usable ({options.memory_fraction:g} × "
+                           f"{fmt_bytes(devices.memory_bytes[g])})")
 
     def sec(v):
         return tuple(x * UNIT_S for x in v)

@@ -169,11 +169,32 @@ def _units(devices: DeviceGraph, tab, speeds, order: str) -> list[tuple[int, ...
     return units
 
 
+#: The last few (G, G) pair tables as arrays (``_pair_array``), each entry holding its table
+#: (the tuple ``build_tables`` shares across micro-batch counts: ``tables._pair_tables``).
+_ARRAYS: list[tuple[tuple, int, np.ndarray]] = []
+
+
 def _pair_array(rows, *, fill: int) -> np.ndarray:
-    """A (G, G) table of GPU-pair terms as an int64 array, ``fill`` on the diagonal."""
+    """A (G, G) table of GPU-pair terms as an int64 array, ``fill`` on the diagonal;
+    converted once per table (4,096 GPUs: 16.8 million entries, ~0.5 s)."""
+    for known, f, a in _ARRAYS:
+        if known is rows and f == fill:
+            return a
     a = np.array(rows, dtype=np.int64)
     np.fill_diagonal(a, fill)
+    _ARRAYS.insert(0, (rows, fill, a))
+    del _ARRAYS[4:]
     return a
+
+
+def _unit_reduce(pair: np.ndarray, units, reduce) -> np.ndarray:
+    """(U, U) ``reduce`` (np.minimum / np.maximum) of a (G, G) pair array over each
+    block (GPUs of unit a) x (GPUs of unit b): a group of units [u0, u1) then takes
+    its pairs' min / max from the (u1 - u0)^2 unit blocks instead of its k^2 pairs."""
+    order = np.asarray([g for u in units for g in u])
+    starts = np.cumsum([0] + [len(u) for u in units[:-1]])
+    sub = pair[np.ix_(order, order)]
+    return reduce.reduceat(reduce.reduceat(sub, starts, axis=0), starts, axis=1)
 
 
 def _alike(devices: DeviceGraph, tab, g: int, h: int) -> bool:
@@ -208,10 +229,13 @@ class _Stages(StageMatrices):
                         if any(tab.host_cap) else None)
         self.terms: dict[tuple[int, int], dict | None] = {}
         self.b, self.speeds = b, speeds
-        # GPU-pair link classes and latencies as (G, G) arrays: a group's slowest class and
-        # largest latency over its pairs (the diagonal, no pair, never chosen).
-        self.pair_bw = _pair_array(tab.pair_bw_class, fill=np.iinfo(np.int64).max)
-        self.pair_lat = _pair_array(tab.pair_lat, fill=np.iinfo(np.int64).min)
+        # GPU-pair link classes and latencies as (G, G) arrays (the diagonal, no pair, never
+        # chosen), reduced to (U, U) over the units' blocks: a group's slowest class and
+        # largest latency over its pairs, and over its pairs with the next unit.
+        pair_bw = _pair_array(tab.pair_bw_class, fill=np.iinfo(np.int64).max)
+        pair_lat = _pair_array(tab.pair_lat, fill=np.iinfo(np.int64).min)
+        self.unit_bw = _unit_reduce(pair_bw, units, np.minimum)
+        self.unit_lat = _unit_reduce(pair_lat, units, np.maximum)
 
     def group(self, u0: int, u1: int):
         """GPUs, samples and the time / memory terms of units [u0, u1); None if > b GPUs."""
@@ -231,10 +255,8 @@ class _Stages(StageMatrices):
         comp_rc = np.max([n * (self.work[t] + self.rc_work[t]) + self.fixed[t] + self.rc_fixed[t]
                           for t, n in kinds], axis=0)
         k = len(gpus)
-        idx = np.asarray(gpus)
         if k > 1:
-            within = np.ix_(idx, idx)
-            kin, lat = int(self.pair_bw[within].min()), int(self.pair_lat[within].max())
+            kin, lat = int(self.unit_bw[u0:u1, u0:u1].min()), int(self.unit_lat[u0:u1, u0:u1].max())
             # ring: objective.ring_units; nb buckets of 2 (k - 1) latencies (+ 1 all-gather when sharded)
             ar = -((-self.ar[kin] * (k - 1)) // k) + 2 * self.nbuckets * (k - 1) * lat
             arsh = -((-self.arsh[kin] * (k - 1)) // k) + (2 * self.nbuckets + 1) * (k - 1) * lat
@@ -260,8 +282,7 @@ class _Stages(StageMatrices):
         # Boundary to the next unit (the first GPU group of the next stage): cut at j.
         bnd = np.zeros(self.nb + 1, dtype=np.int64)
         if u1 < len(self.units):
-            across = np.ix_(idx, np.asarray(self.units[u1]))
-            kq, lq = int(self.pair_bw[across].min()), int(self.pair_lat[across].max())
+            kq, lq = int(self.unit_bw[u0:u1, u1].min()), int(self.unit_lat[u0:u1, u1].max())
             bnd = 2 * (np.asarray(tab.xfer[kq], dtype=np.int64) + lq)
         mem = memory_groups(tab, gpus, ns)
         # [C-offload]: each GPU's host capacity and the step's time over its host state (per GPU, as
@@ -473,7 +494,7 @@ def _why_none(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions, s_m
             f"or more micro-batches (max_microbatches). Binding: {explain_infeasible(costs, devices, options)}")
 
 
-def solve_stage_dp(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions) -> SolverResult:
+def solve_stage_dp(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions, progress=None) -> SolverResult:
     """The best plan of the memory-first stage DP (see [Note: stage DP]); the
     first half of ``stage_dp_search``.
 
@@ -484,19 +505,31 @@ def solve_stage_dp(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions
     faster, which ``Selector`` also scores. No lower bound is known:
     ``best_bound`` 0.
 
+    ``progress``: called with a line before the DPs and after each pass.
+
     Raises:
         InfeasiblePlanError: no split fits memory with <= b GPUs per stage
             for any (S, M); the message names the options that would help.
     """
-    return stage_dp_search(costs, devices, options)[0]
+    return stage_dp_search(costs, devices, options, progress)[0]
 
 
-def stage_dp_search(costs: BlockCosts, devices: DeviceGraph,
-                    options: PlanOptions) -> tuple[SolverResult, tuple[SolverResult, ...]]:
+def stage_dp_search(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions,
+                    progress=None) -> tuple[SolverResult, tuple[SolverResult, ...]]:
     """(the best plan as ``solve_stage_dp``, the best feasible plan without
     sharded gradients of every (S, M) the DP reached, fastest first): the second are CP-SAT warm starts
     for every candidate (``zorse_fx/portfolio.py``). Raises as ``solve_stage_dp``."""
+    import time
+
     from .heuristics import Selector, gpu_speeds
+
+    t0 = time.perf_counter()
+
+    def say(what: str) -> None:
+        if progress is not None:
+            best = sel.best_step_s()
+            progress(f"stage DP {what}; best plan {f'{best:.4g} s' if best is not None else 'none yet'}, "
+                     f"{time.perf_counter() - t0:.1f} s")
 
     sel = Selector("stage_dp", costs, devices, options)
     speeds = gpu_speeds(costs, devices)
@@ -516,6 +549,9 @@ def stage_dp_search(costs: BlockCosts, devices: DeviceGraph,
             units = _units(devices, tab, speeds, order)
             if (m, tuple(units)) not in found and (m, tuple(units)) not in tasks:
                 tasks.append((m, tuple(units)))
+
+    say(f"pass 1: {len(tasks)} (micro-batches, unit order) DPs over {devices.num_gpus} GPUs in up to "
+        f"{max(len(u) for _, u in tasks)} units, up to {s_max} stages")
 
     def splits(m: int, units: tuple) -> list:
         st = _Stages(sel.tables(m), list(units), speeds, variants, m)
@@ -537,7 +573,9 @@ def stage_dp_search(costs: BlockCosts, devices: DeviceGraph,
     # Pass 2: the DP with ZeRO-2 too, only where it can win ([Note: ZeRO-2 in the stage DP]).
     fitted = any(score is not None for per_s in found.values() for score, _ in per_s.values())
     if zero2:
-        for (m, units), stage_counts in _zero2_pass(found, recompute_gain(costs)).items():
+        again = _zero2_pass(found, recompute_gain(costs))
+        say(f"pass 1 done; pass 2 (ZeRO-2/3) on {sum(map(len, again.values()))} (micro-batches, order, stages)")
+        for (m, units), stage_counts in again.items():
             tab = sel.tables(m)
             st = _Stages(tab, list(units), speeds, variants, m)
             for n_s in stage_counts:
@@ -547,6 +585,7 @@ def stage_dp_search(costs: BlockCosts, devices: DeviceGraph,
                     _add_split(sel, st, tab, split, variants, m)
     # Pass 3: offload, only where nothing fits without it ([Note: offload in the stage DP]).
     if offload and (not fitted or "always" in (options.offload, options.activation_offload)):
+        say("pass 3 (offload) next")
         for (m, units), per_s in found.items():
             tab = sel.tables(m)
             if not tab.host_cap or not any(tab.host_cap):

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from ..ir.buckets import bucket_caps
 from ..ir.costs import BlockCosts
 from ..ir.devices import DeviceGraph
@@ -234,16 +236,7 @@ def build_tables(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions,
     for g in range(n_g):
         if devices.mem_bw_bytes_per_s[g] <= 0:
             raise ValueError(f"GPU {g}: mem_bw_bytes_per_s must be > 0, got {devices.mem_bw_bytes_per_s[g]}")
-    bw = effective_pair_bandwidth(devices)
-    lat = [[0] * n_g for _ in range(n_g)]
-    for g in range(n_g):
-        for h in range(n_g):
-            if g != h:
-                lat[g][h] = to_units(max(devices.link_latency_s[g][h], devices.link_latency_s[h][g]))
-    bw_values = tuple(sorted({bw[g][h] for g in range(n_g) for h in range(n_g) if g != h}))
-    bw_index = {v: k for k, v in enumerate(bw_values)}
-    pair_bw_class = tuple(tuple(bw_index[bw[g][h]] if g != h else -1 for h in range(n_g))
-                          for g in range(n_g))
+    pair_bw_class, bw_values, pair_lat, gpu_node, pair_rows = _pair_tables(devices)
     mem_bw_values = tuple(sorted(set(devices.mem_bw_bytes_per_s)))
     st, gr = costs.state_bytes_per_param, costs.grad_bytes_per_param
     ob = costs.optim_bytes
@@ -262,7 +255,6 @@ def build_tables(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions,
         lastb_scale.append(sc)
     lastb_scale = tuple(lastb_scale)
     xfer1 = tuple(tuple(to_units(cb / v) for cb in costs.cut_bytes_per_sample) for v in bw_values)
-    gpu_node, pair_rows = pair_row_codes(devices)
     return IntTables(
         num_blocks=costs.num_blocks, num_gpus=n_g, num_microbatches=m, microbatch_size=b,
         schedule=options.schedule, gpu_types=tuple(devices.gpu_types),
@@ -273,7 +265,7 @@ def build_tables(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions,
         state_prefix=_prefix(_kib_up(st * p) for p in costs.param_count),
         act_prefix=_prefix(_kib_up(a) for a in costs.act_bytes_per_sample),
         pair_bw_class=pair_bw_class, bw_values=bw_values,
-        pair_lat=tuple(tuple(r) for r in lat),
+        pair_lat=pair_lat,
         xfer1=xfer1, xfer=tuple(tuple(b * x for x in row) for row in xfer1),
         gpu_node=gpu_node, pair_rows=pair_rows,
         ar_prefix=tuple(_prefix(to_units(2 * gr * p / v) for p in costs.param_count) for v in bw_values),
@@ -306,6 +298,40 @@ def build_tables(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions,
         param_sharding=options.param_sharding, offload=options.offload,
         **_host_tables(costs, devices, options),
     )
+
+
+#: The (G, G) tables of the last few DeviceGraphs (``_pair_tables``), each entry
+#: holding its DeviceGraph, so an entry is found by identity and never by a
+#: recycled ``id``.
+_PAIR_TABLES: list[tuple[DeviceGraph, tuple]] = []
+_PAIR_TABLES_KEPT = 4
+
+
+def _pair_tables(devices: DeviceGraph) -> tuple:
+    """(pair_bw_class, bw_values, pair_lat, gpu_node, pair_rows) of ``build_tables``:
+    the per-pair tables, which depend on the cluster alone. O(G^2) Python work (4,096
+    GPUs: 16.8 million pairs), so computed once per DeviceGraph, not once per
+    ``build_tables`` call (every micro-batch count, every ``evaluate``)."""
+    for known, tables in _PAIR_TABLES:
+        if known is devices:
+            return tables
+    n_g = devices.num_gpus
+    bw = np.asarray(effective_pair_bandwidth(devices), dtype=np.float64)
+    off = ~np.eye(n_g, dtype=bool)
+    bw_values = tuple(float(v) for v in np.unique(bw[off])) if n_g > 1 else ()
+    pair_bw_class = np.where(off, np.searchsorted(np.asarray(bw_values), bw), -1) if n_g > 1 else np.full((1, 1), -1)
+    link_lat = np.asarray(devices.link_latency_s, dtype=np.float64).reshape(n_g, n_g)
+    lat_s = np.maximum(link_lat, link_lat.T)
+    # to_units per distinct latency (exactly as a per-pair call), then looked up
+    lat_values = np.unique(lat_s)
+    lat_units = np.asarray([to_units(float(v)) for v in lat_values], dtype=np.int64)
+    pair_lat = np.where(off, lat_units[np.searchsorted(lat_values, lat_s)], 0)
+    gpu_node, pair_rows = pair_row_codes(devices)
+    tables = (tuple(map(tuple, pair_bw_class.tolist())), bw_values, tuple(map(tuple, pair_lat.tolist())),
+              gpu_node, pair_rows)
+    _PAIR_TABLES.insert(0, (devices, tables))
+    del _PAIR_TABLES[_PAIR_TABLES_KEPT:]
+    return tables
 
 
 def _host_tables(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions) -> dict:
