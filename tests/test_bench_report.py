@@ -18,7 +18,7 @@ SCRIPT = ROOT / "bench" / "report.py"
 
 def _report(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=60, check=False)
+                          timeout=600, check=False)  # (a hang bound, not a speed)
 
 
 def _row(planner: str, tokens: float, feasible: bool, status: str) -> dict:

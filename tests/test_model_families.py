@@ -234,12 +234,14 @@ def test_t5_in_a_wrapper_refused(tmp_path, monkeypatch, capsys):
 
 
 def test_non_causal_models_in_a_wrapper_refused():
-    """The other models zorse_fx does not train, inside a wrapper: a masked LM,
-    a bidirectional encoder (BertModel without is_decoder), a MoE router loss;
-    a base decoder under the wrapper's own head, and a decoder-configured
-    BERT, are the wrapper's business and pass."""
-    from transformers import (BertConfig, BertForMaskedLM, BertModel, LlamaConfig, LlamaModel, MixtralConfig,
-                              MixtralForCausalLM)
+    """What cannot be pipelined whatever a wrapper's loss, inside a wrapper: a
+    MoE router loss over the whole batch (an encoder-decoder model and a
+    vision model: test_t5_in_a_wrapper_refused, test_vit_refused). A base
+    decoder under the wrapper's own head, a bidirectional encoder under a
+    question-answering head and a masked LM are the wrapper's business and
+    pass (its loss is its own: span prediction, its own masking)."""
+    from transformers import (BertConfig, BertForMaskedLM, BertForQuestionAnswering, BertModel, LlamaConfig,
+                              LlamaModel, MixtralConfig, MixtralForCausalLM)
 
     from zorse_fx.models.hf import check_wrapped_models
 
@@ -248,20 +250,19 @@ def test_non_causal_models_in_a_wrapper_refused():
             super().__init__()
             self.body = nn.ModuleDict({"lm": inner})
 
+    moe = MixtralForCausalLM(MixtralConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=2,
+                                           output_router_logits=True))
+    with pytest.raises(ModelCaptureError) as e:
+        capture(Wrapper(moe), (torch.randint(0, 256, (2, T)),) * 2)
+    assert str(e.value).startswith("Wrapper holds a MixtralForCausalLM (.body.lm), which adds its router's "
+                                   "load-balancing loss (output_router_logits=True)"), str(e.value)
     bert = BertConfig(vocab_size=256, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64)
-    for inner, why in (
-            (BertForMaskedLM(bert), "which is a masked LM; zorse_fx trains causal LMs with a next-token loss"),
-            (BertModel(bert), "which has is_decoder=False: its attention is bidirectional"),
-            (MixtralForCausalLM(MixtralConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                              num_attention_heads=4, num_key_value_heads=2, num_local_experts=2,
-                                              output_router_logits=True)),
-             "which adds its router's load-balancing loss (output_router_logits=True)")):
-        with pytest.raises(ModelCaptureError) as e:
-            capture(Wrapper(inner), (torch.randint(0, 256, (2, T)),) * 2)
-        assert str(e.value).startswith(f"Wrapper holds a {type(inner).__name__} (.body.lm), {why}"), str(e.value)
-    check_wrapped_models(Wrapper(LlamaModel(LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64,
-                                                        num_hidden_layers=1, num_attention_heads=4))))
-    check_wrapped_models(Wrapper(BertModel(BertConfig(**{**bert.to_dict(), "is_decoder": True}))))
+    for inner in (LlamaModel(LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=4)),
+                  BertModel(bert), BertForQuestionAnswering(bert), BertForMaskedLM(bert),
+                  BertModel(BertConfig(**{**bert.to_dict(), "is_decoder": True}))):
+        check_wrapped_models(Wrapper(inner))
 
 
 def test_batchnorm_refused_at_plan_time():

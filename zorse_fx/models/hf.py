@@ -14,12 +14,15 @@ Only decoder-only causal LMs (the classes of ``transformers``'
 ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``) are wrapped; ``check_causal_lm``
 refuses the rest with a one-line reason before anything is captured, and
 ``check_wrapped_models`` (at the start of ``capture``) the same models held
-inside a user's wrapper module (a base decoder under the wrapper's own loss
-is fine there):
-encoder-decoder models (T5, BART), models that do not read token ids (ViT:
-``pixel_values``), masked LMs (``BertForMaskedLM``: a next-token loss on its
-bidirectional attention learns to copy its input) and an encoder's causal-LM
-head built without ``is_decoder=True``. Mixture-of-experts decoders (Mixtral,
+inside a user's wrapper module where they cannot be pipelined whatever the
+wrapper's loss (encoder-decoder models, models that do not read token ids, a
+router loss): encoder-decoder models (T5, BART), models that do not read
+token ids (ViT: ``pixel_values``), masked LMs (``BertForMaskedLM``: a
+next-token loss on its bidirectional attention learns to copy its input) and
+an encoder's causal-LM head built without ``is_decoder=True``. A wrapper's
+loss is its own: a bidirectional encoder or a masked LM inside one (a
+question-answering or classification head, the wrapper's own masking) is
+captured like any other module. Mixture-of-experts decoders (Mixtral,
 Qwen2-MoE) are causal LMs: their experts run ``transformers``' grouped-matmul
 custom op, which the generated stage sources import (``codegen/split.py``);
 their router's load-balancing loss (``output_router_logits=True``) is a
@@ -63,12 +66,12 @@ def check_causal_lm(model: nn.Module) -> None:
 
 def check_wrapped_models(model: nn.Module) -> None:
     """Refuse ``model`` where it holds a Hugging Face model zorse_fx cannot
-    train inside a user's wrapper (``forward(*inputs) -> loss``): an
-    encoder-decoder model (T5, BART), one that does not read token ids (ViT),
-    a masked LM or a bidirectional encoder without ``is_decoder=True``, or a
-    router loss over the whole batch ([Note: which Hugging Face models]). A
-    wrapper may hold any other model, a base decoder (``LlamaModel``) under
-    its own loss head included. Only the outermost Hugging Face model of each
+    train inside a user's wrapper (``forward(*inputs) -> loss``) whatever
+    the wrapper's loss: an encoder-decoder model (T5, BART), one that does
+    not read token ids (ViT), or a router loss over the whole batch ([Note:
+    which Hugging Face models]). A wrapper may hold any other model under its
+    own loss: a base decoder (``LlamaModel``), a bidirectional encoder (a
+    question-answering or classification head), a masked LM it masks itself. Only the outermost Hugging Face model of each
     branch is checked (a T5's own ``T5Stack`` is not). Nothing is imported
     where ``transformers`` is not.
 
@@ -104,13 +107,13 @@ def _why_not(model: nn.Module, *, wrapped: bool) -> str | None:
     if getattr(model, "main_input_name", "input_ids") != "input_ids":
         return (f"reads {model.main_input_name!r}, not token ids (a vision or audio model); zorse_fx trains "
                 f"causal LMs on token ids")
-    if name in masked:
+    if name in masked and not wrapped:
         return ("is a masked LM; zorse_fx trains causal LMs with a next-token loss (labels = input_ids), which "
                 "would teach its bidirectional attention to copy the input; masked-LM training is not supported")
     if not wrapped and name not in causal:
         return ("is not a causal LM (a ...ForCausalLM class); zorse_fx wraps only those: for another objective "
                 "wrap the model in an nn.Module whose forward(*inputs) returns the mean loss over the samples")
-    if encoder and (wrapped or name in causal):
+    if encoder and not wrapped and name in causal:
         return ("has is_decoder=False: its attention is bidirectional, so a next-token loss would learn to copy "
                 "the input; build its config with is_decoder=True")
     if getattr(cfg, "output_router_logits", False):

@@ -194,15 +194,18 @@ class StageWorker:
     def add_inject_inf(self, step: int) -> None:
         """Testing (``--inject-inf RANK:STEP``): after step ``step``'s reduction, write an inf
         into a gradient this rank adds to the global norm (``_norm_params``, or its ZeRO-2
-        shard). A gradient no rank counts would reach only this replica's optimizer, unseen by
-        the non-finite check ([Note: non-finite steps]), which is no test of it.
+        shard), else, under fp16's loss scaler (which checks every gradient of every rank),
+        into any of its gradients. Without a scaler a gradient the norm does not count would
+        reach only this replica's optimizer, unseen by the non-finite check ([Note: non-finite
+        steps]), which is no test of it.
 
         Raises:
-            RuntimeExecutionError: this rank counts no gradient in the norm (its parameters are
-                counted on the lowest rank holding them), naming the ranks that do.
+            RuntimeExecutionError: no loss scaler, and this rank counts no gradient in the norm
+                (its parameters are counted on the lowest rank holding them), naming the ranks
+                that do.
         """
-        if not self._norm_params and not any(self.reducer.is_sharded(p) for st in self.stages
-                                             for p in st.params().values()):
+        if self.scaler is None and not self._norm_params and not any(
+                self.reducer.is_sharded(p) for st in self.stages for p in st.params().values()):
             owners = sorted({ranks[0] for ranks in holders_of(self.plan).values()})
             raise RuntimeExecutionError(
                 f"--inject-inf {self.rank}:{step}: rank {self.rank} adds no gradient to the global norm (each "
@@ -314,7 +317,8 @@ class StageWorker:
         skip = False
         if self.steps in self.inject_inf_steps:  # testing: into a gradient this rank adds to the global norm
             grads = [g for g in map(self.reducer.grad_of, self._norm_params) if g is not None]
-            grads += self.reducer.shard_grads()  # (add_inject_inf: the rank counts at least one)
+            grads += self.reducer.shard_grads()
+            grads = grads or self._grads()  # (add_inject_inf: only where the loss scaler checks every gradient)
             grads[0].view(-1)[0] = float("inf")
         if self.scaler is not None:
             self.scaler.unscale_and_check(self._grads())
