@@ -146,10 +146,9 @@ def load_tokenizer(name: str) -> Tokenizer:
     from transformers import AutoTokenizer
 
     if name == "smollm2-135m":
-        from .models.hf import smollm2_gguf_path
+        from .models.hf import load_smollm2_tokenizer
 
-        path = smollm2_gguf_path()
-        hf = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        hf = load_smollm2_tokenizer()
     else:
         looks_like_path = os.sep in name or name.startswith(".") or Path(name).exists()
         if looks_like_path and not Path(name).is_dir():

@@ -31,8 +31,13 @@ statistic of the whole batch, not a mean over samples, and is refused.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
+import logging
+import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -40,8 +45,10 @@ import torch.nn as nn
 
 from ..errors import ModelCaptureError
 
+log = logging.getLogger(__name__)
+
 __all__ = ["CausalLMWithLoss", "check_causal_lm", "check_wrapped_models", "is_hf_causal_lm", "smollm2_gguf_path",
-           "load_smollm2_135m"]
+           "load_smollm2_135m", "load_smollm2_tokenizer", "smollm2_converted_dir", "cache_root", "CACHE_ENV"]
 
 
 def is_hf_causal_lm(model: nn.Module) -> bool:
@@ -158,14 +165,110 @@ def smollm2_gguf_path() -> Path:
     return path
 
 
+#: Where converted checkpoints are kept: ``$ZORSE_CACHE_DIR``, else ``$XDG_CACHE_HOME/zorse_fx``,
+#: else ``~/.cache/zorse_fx`` ([Note: the SmolLM2 conversion cache]).
+CACHE_ENV = "ZORSE_CACHE_DIR"
+
+# [Note: the SmolLM2 conversion cache]
+# transformers reads the GGUF file in three passes (config 6 s, tokenizer 5 s,
+# weights 15 s on the 2-core CPU machine, 2026-12-06: cProfile of `zorse
+# simulate`), de-quantising Q4_1 to float32 in numpy every time. The first
+# load saves what it produced with ``save_pretrained`` (config.json,
+# model.safetensors in float32 — the de-quantised values exactly — and the
+# tokenizer files) into ``<cache>/smollm2-135m-<sha256 of the GGUF file, 16
+# hex>-transformers-<version>/``; later loads read that directory (about 1 s).
+# The key changes with the file's bytes and with transformers (whose GGUF
+# conversion may change), so a stale copy is never read. The copy is written
+# into a temporary directory beside it and renamed into place (two processes
+# converting at once both succeed; one rename wins), so a reader never sees a
+# half-written copy. Where the cache cannot be written, the GGUF file is read
+# directly, as before. ~540 MB on disk.
+
+
+def cache_root() -> Path:
+    """The zorse_fx cache directory (``CACHE_ENV``, ``$XDG_CACHE_HOME/zorse_fx``, or ``~/.cache/zorse_fx``)."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "zorse_fx"
+
+
+def smollm2_converted_dir() -> Path:
+    """The directory that holds (or will hold) SmolLM2-135M converted from its
+    GGUF file ([Note: the SmolLM2 conversion cache])."""
+    import transformers
+
+    with open(smollm2_gguf_path(), "rb") as f:
+        digest = hashlib.file_digest(f, "sha256").hexdigest()[:16]
+    return cache_root() / f"smollm2-135m-{digest}-transformers-{transformers.__version__}"
+
+
+_CONVERTED_FILES = ("config.json", "model.safetensors", "tokenizer_config.json")
+
+
+def _converted_smollm2() -> Path | None:
+    """The converted copy's directory, made on first use; None where it cannot
+    be written (then the caller reads the GGUF file)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    final = smollm2_converted_dir()
+    if all((final / f).is_file() for f in _CONVERTED_FILES):
+        return final
+    path = smollm2_gguf_path()
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=final.name + ".tmp-", dir=final.parent))
+    except OSError as exc:
+        log.info("SmolLM2 conversion cache %s not writable (%s): reading the GGUF file", final.parent, exc)
+        return None
+    try:
+        AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(tmp)
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+        # (save_pretrained refuses a model loaded from GGUF: its weights are plain float32 tensors
+        # by now, so the config without the GGUF "quantization" and the tensors are written.)
+        from safetensors.torch import save_model
+
+        config = model.config.to_dict()
+        config.pop("quantization_config", None)
+        type(model.config).from_dict(config).save_pretrained(tmp)
+        save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})  # (tied weights once)
+        tmp.chmod(0o755)  # (mkdtemp's 0700: the copy is as readable as the GGUF file it came from)
+        if final.exists():  # an incomplete copy left by a killed process (a complete one returned above)
+            shutil.rmtree(final, ignore_errors=True)
+        os.rename(tmp, final)
+    except (OSError, ValueError) as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if all((final / f).is_file() for f in _CONVERTED_FILES):  # another process renamed its copy first
+            return final
+        log.info("SmolLM2 conversion cache %s not written (%s): reading the GGUF file", final, exc)
+        return None
+    return final
+
+
+def load_smollm2_tokenizer():
+    """SmolLM2-135M's tokenizer (49,152 tokens), from the conversion cache or the GGUF file."""
+    from transformers import AutoTokenizer
+
+    converted = _converted_smollm2()
+    if converted is not None:
+        return AutoTokenizer.from_pretrained(converted)
+    path = smollm2_gguf_path()
+    return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+
+
 def load_smollm2_135m():
     """Load SmolLM2-135M (Llama architecture, 30 layers, 134.5M params) offline.
 
     Weights are de-quantised from Q4_1 to float32 by transformers' GGUF
-    support. Returns ``(model, tokenizer)``.
+    support, once: later loads read the converted copy ([Note: the SmolLM2
+    conversion cache]). Returns ``(model, tokenizer)``.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    converted = _converted_smollm2()
+    if converted is not None:
+        return (AutoModelForCausalLM.from_pretrained(converted, dtype=torch.float32),
+                AutoTokenizer.from_pretrained(converted))
     path = smollm2_gguf_path()
     tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
