@@ -13,6 +13,7 @@ import torch
 import zorse_fx as zorse
 from conftest import CLUSTERS
 from zorse_fx.cli import main as zorse_main
+from zorse_fx.plan import fmt_seconds
 from zorse_fx.models.gpt import GPT, GPTConfig
 
 T = 16
@@ -115,7 +116,7 @@ def test_cli_plan_and_show(cli_plan, capsys):
     assert zorse_main(["show", str(out)]) == 0
     text = capsys.readouterr().out
     assert "predicted step time" in text and "stage |" in text
-    assert f"simulated step time {sv['simulated_step_time_s']:.3f} s" in text
+    assert f"simulated step time {fmt_seconds(sv['simulated_step_time_s'])}" in text
 
 
 def test_stage_dp_planner_alone_and_in_the_portfolio(tmp_path):

@@ -303,6 +303,30 @@ def test_corpus_with_data_refused(capsys):
         assert e.value.code == 2 and capsys.readouterr().err.splitlines()[-1] == f"zorse train: error: {message}"
 
 
+def test_stall_timeout_without_heartbeats_refused(capsys):
+    """zorse train's --stall-timeout watches the ranks' heartbeats: with
+    --heartbeat-s 0 (none written) it would never see a stall, and with beats
+    as far apart as the timeout every healthy rank would look stalled; both
+    refused naming the two flags. --stall-timeout 0 with --heartbeat-s 0, and
+    a timeout many beats long, are fine."""
+    from zorse_fx.cli import main
+
+    for argv, message in [
+            (["--heartbeat-s", "0"], "--heartbeat-s 0 turns the ranks' heartbeats off, which --stall-timeout 300 "
+             "watches, so it would not take effect: pass --stall-timeout 0 too, or a --heartbeat-s above 0"),
+            (["--heartbeat-s", "30", "--stall-timeout", "20"], "--stall-timeout 20 is not above --heartbeat-s 30: a "
+             "healthy rank would look stalled between two beats; give a --stall-timeout several heartbeats long")]:
+        with pytest.raises(SystemExit) as e:
+            main(["train", "plan", "--tokens", "t.pt", *argv])
+        assert e.value.code == 2 and capsys.readouterr().err.splitlines()[-1] == f"zorse train: error: {message}"
+    from zorse_fx.cli import TrainCommand
+    from zorse_fx.train_options import parse_flags
+
+    for argv in (["--heartbeat-s", "0", "--stall-timeout", "0"], ["--heartbeat-s", "2", "--stall-timeout", "60"]):
+        cmd = parse_flags(TrainCommand, ["plan", "--tokens", "t.pt", *argv], prog="zorse train")
+        assert (cmd.job.heartbeat_s, cmd.launch.stall_timeout) == tuple(float(a) for a in argv[1::2])
+
+
 @pytest.fixture(scope="module")
 def two_rank_plan(tmp_path_factory):
     """A 2-stage GPT plan on 2 ranks exported with its weights, and the Lee corpus as byte tokens."""

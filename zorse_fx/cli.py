@@ -102,6 +102,15 @@ class TrainCommand(TrainingRecords):
                 raise OptionValueError(name, f"--{name} {value} applies only where zorse train prepares the token "
                                              f"file itself; {given} names one, so it would not take effect: drop "
                                              f"--{name}, or drop {given}")
+        beat, stall = self.job.heartbeat_s, self.launch.stall_timeout
+        if stall and not beat:  # the stall monitor reads the ranks' heartbeats: none, no stall is ever seen
+            raise OptionValueError("stall_timeout", f"--heartbeat-s 0 turns the ranks' heartbeats off, which "
+                                                    f"--stall-timeout {stall:g} watches, so it would not take effect: "
+                                                    f"pass --stall-timeout 0 too, or a --heartbeat-s above 0")
+        if stall and beat >= stall:  # every healthy rank would look stalled between two beats
+            raise OptionValueError("stall_timeout", f"--stall-timeout {stall:g} is not above --heartbeat-s "
+                                                    f"{beat:g}: a healthy rank would look stalled between two beats; "
+                                                    f"give a --stall-timeout several heartbeats long")
 
     def training_options(self, data: str | None = None) -> TrainingOptions:
         """The ranks' options; ``data``: the token file ``zorse train`` prepared (``--data``)."""

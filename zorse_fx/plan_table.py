@@ -56,6 +56,8 @@ def plan_table(plan: Plan) -> str:
     interleaving a stage reads ``<i> g<p>`` (GPU group p) and "memory"
     is the GPU's total over all its stages.
     """
+    from .plan import fmt_seconds  # (plan.py imports this module)
+
     from rich.console import Console
     from rich.table import Table
 
@@ -108,10 +110,10 @@ def plan_table(plan: Plan) -> str:
         + (f" interleaved x{plan.interleave} ({plan.num_groups} GPU groups, stage s on group s mod "
            f"{plan.num_groups})" if plan.interleave > 1 else "")
         + f", {plan.num_stages} stages on {plan.world_size} GPUs\n"
-        f"predicted step time {plan.predicted_step_time_s:.3f} s "
+        f"predicted step time {fmt_seconds(plan.predicted_step_time_s)} "
         f"({plan.tokens_per_step / plan.predicted_step_time_s:,.0f} tokens/s); "
         f"planner {sv.planner} in {sv.wall_s:.2f} s: {sv.verdict(plan.predicted_step_time_s)}"
-        + (f"\nsimulated step time {sv.simulated_step_time_s:.3f} s "
+        + (f"\nsimulated step time {fmt_seconds(sv.simulated_step_time_s)} "
            f"({sv.simulated_step_time_s / plan.predicted_step_time_s:.2f}x predicted), "
            f"bubble {sv.simulated_bubble_fraction:.0%}, peak memory "
            f"{sv.simulated_max_memory_fraction:.0%} of usable"
