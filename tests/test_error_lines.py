@@ -438,9 +438,13 @@ def test_device_check_refuses_wrong_gpu():
     with pytest.raises(DeviceMismatchError) as exc:  # ranks 0 and 1 on each other's GPUs
         check_devices(plan, [_gpu(0, "h0", *t4), _gpu(1, "h1", *a100), _gpu(2, "h1", *t4)])
     assert exc.value.rank == 0
-    assert str(exc.value).startswith(
+    assert str(exc.value) == (
         "rank 0 (stage 0) runs on a Tesla T4 (14.7 GiB) on host 'h0', but the plan assigned it GPU 0 of the cluster "
-        "file, a A100-40GB on node 'a100-node'; start each node with the --node-rank")
+        "file, a A100-40GB on node 'a100-node'; start each node with its --node-rank and CUDA_VISIBLE_DEVICES listing "
+        "the node's planned GPUs in the cluster file's order: 0 on 'a100-node' (1 process: rank 0), 1 on 't4-node' "
+        "(2 processes: ranks 1-2), the plan's nodes in the cluster file's order (`zorse train --nnodes 2 --node-rank K "
+        "--master-addr HOST` on node K starts its processes; torchrun: --nproc-per-node), or plan for these GPUs "
+        "(`zorse plan --cluster ...`); --skip-device-check runs anyway")
     with pytest.raises(DeviceMismatchError, match=r"rank 2 \(stage 1\) runs on a NVIDIA H200 \(139\.8 GiB\)"):
         check_devices(plan, [*good[:2], _gpu(2, "h1", "NVIDIA H200", 139.8)])
     # the same name with less memory than the plan assumed (a cluster file's type for a smaller card)
@@ -473,9 +477,12 @@ def test_device_check_refuses_wrong_node_order():
                   DeviceObservation(rank=2, host="a100-node", device_type="cpu")]
     with pytest.raises(DeviceMismatchError) as exc:
         check_devices(plan, hosts_only)
-    assert str(exc.value).startswith(
+    assert str(exc.value) == (
         "rank 0 (stage 0) runs on host 't4-node.cluster', but the plan assigned it GPU 0 (A100-40GB) on node "
-        "'a100-node'; start the nodes in the cluster file's order")
+        "'a100-node'; start each node with its --node-rank: 0 on 'a100-node' (1 process: rank 0), 1 on 't4-node' "
+        "(2 processes: ranks 1-2), the plan's nodes in the cluster file's order (`zorse train --nnodes 2 --node-rank K "
+        "--master-addr HOST` on node K starts its processes; torchrun: --nproc-per-node); --skip-device-check runs "
+        "anyway")
     ok = [_gpu(0, "a100-node.cluster", *a100), _gpu(1, "t4-node", *t4), _gpu(2, "t4-node", *t4)]
     assert check_devices(plan, ok).skipped == ()
     # node names are labels: ranks of one planned node on two hosts, or of two planned nodes on one host

@@ -113,6 +113,10 @@ def test_ranks_that_are_not_a_permutation_are_named(exported):
 
     path = _edited(exported, swap)
     assert _load_error(path) == (
+        f"{path}: field stages[0].gpus[1].rank is 2, expected 1: ranks must be 0..2 node by node (rank_order 'node': "
+        f"in the order of the GPUs' 'gpu' index in the cluster file), got [0, 2, 1]; renumber them or {REEXPORT}")
+    path = _edited(exported, lambda d: (swap(d), d.update(rank_order="stage")))  # a plan numbered stage by stage
+    assert _load_error(path) == (
         f"{path}: field stages[0].gpus[1].rank is 2, expected 1: ranks must be 0..2 in stage order (stage 0's GPUs "
         f"first, a permutation of the world), got [0, 2, 1]; renumber them or {REEXPORT}")
     def duplicate(d):
@@ -120,6 +124,8 @@ def test_ranks_that_are_not_a_permutation_are_named(exported):
 
     path = _edited(exported, duplicate)
     assert "field stages[1].gpus[0].rank is 0, expected 2: ranks must be 0..2" in _load_error(path)
+    path = _edited(exported, lambda d: d.update(rank_order="gpu"))
+    assert _load_error(path) == f"{path}: field 'rank_order' is 'gpu'; allowed: 'node', 'stage'"
 
 
 def test_shares_that_do_not_sum_to_the_microbatch_are_named(exported):

@@ -16,9 +16,9 @@ stop every rank, a stalled rank is named and stops the job. Its options are
 ``python -m zorse_fx.train``'s (``train_options.py``: the same records, flags
 and checks, parsed by tyro) plus the launcher's (``LaunchOptions``); the
 ranks get theirs as ``<out>/train_options.json`` (``--options-file``). On a
-real multi-node cluster run the printed ``torchrun ... -m zorse_fx.train``
-command on every node instead (the options file on a shared path, or the
-flags).
+multi-node cluster run ``zorse train --nnodes N --node-rank K --master-addr
+HOST`` on each of the plan's nodes (``--out`` on a shared path), which starts
+that node's ranks ([Note: one zorse train per node] in ``runtime/launch.py``).
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ class LaunchOptions:
         "plan's model's own: smollm2-135m for smollm2-135m, bytes for gpt and gpt2-124m)"))] = None
     dry_run: bool = False
     """check the plan, the weights and the data, write <out>/train_options.json and print the torchrun command,
-    but start nothing (on several nodes: run that command on each)"""
+    but start nothing"""
     stall_timeout: Annotated[float, tyro.conf.arg(metavar="S", help=(
         "stop the job when a rank made no progress (no heartbeat: stopped, frozen host, a hang holding the GIL) "
         "for S seconds, naming it (0: never)"))] = 300.0
@@ -74,6 +74,17 @@ class LaunchOptions:
     (zorse_fx/elastic.py)"""
     max_replans: Annotated[int, tyro.conf.arg(metavar="N", help=(
         "--elastic: re-plan at most N times in one zorse train"))] = 1
+    nnodes: Annotated[int, tyro.conf.arg(metavar="N", help=(
+        "the nodes the job runs on: 1 starts every rank on this machine (torchrun --standalone); N > 1: run zorse "
+        "train on each of the plan's N nodes with its --node-rank, which starts that node's ranks (torchrun's static "
+        "rendezvous at --master-addr; zorse_fx/runtime/launch.py)"))] = 1
+    node_rank: Annotated[int | None, tyro.conf.arg(metavar="K", help=(
+        "with --nnodes N: this node's place among the plan's nodes in the cluster file's order, 0..N-1 (--dry-run "
+        "lists them; the device check names the right one)"))] = None
+    master_addr: Annotated[str | None, tyro.conf.arg(metavar="HOST", help=(
+        "with --nnodes N: host name or address of node 0 (--node-rank 0), whose torchrun serves the rendezvous"))] = None
+    master_port: Annotated[int, tyro.conf.arg(metavar="PORT", help=(
+        "with --nnodes N: the TCP port of the rendezvous on --master-addr"))] = 29500
 
     def __post_init__(self) -> None:
         for name in ("nproc", "stall_timeout", "term_grace_s", "max_restarts", "max_replans"):
@@ -82,6 +93,52 @@ class LaunchOptions:
         if self.max_replans != 1 and not self.elastic:
             raise OptionValueError("max_replans", f"--max-replans {self.max_replans} applies to --elastic only: "
                                                   "add --elastic, or drop --max-replans")
+        self._check_nodes()
+
+    def _check_nodes(self) -> None:
+        """The multi-node flags ([Note: one zorse train per node] in runtime/launch.py), each refused in one
+        line naming the flag: --node-rank / --master-addr / --master-port on one node would not take effect."""
+        n = self.nnodes
+        if n < 1:
+            raise OptionValueError("nnodes", f"--nnodes must be >= 1, got {n}")
+        if n == 1:
+            for name in ("node_rank", "master_addr", "master_port"):
+                value = getattr(self, name)
+                if value != LaunchOptions.__dataclass_fields__[name].default:
+                    flag = name.replace("_", "-")
+                    raise OptionValueError(name, f"--{flag} {value} applies to a multi-node job only (--nnodes 2 or "
+                                                 f"more), so it would not take effect: add --nnodes N, or drop --{flag}")
+            return
+        if self.node_rank is None or not 0 <= self.node_rank < n:
+            got = "" if self.node_rank is None else f", got {self.node_rank}"
+            raise OptionValueError("node_rank", f"--nnodes {n} needs --node-rank K, this node's place among the "
+                                                f"plan's nodes in the cluster file's order, 0..{n - 1}{got}")
+        if not self.master_addr:
+            raise OptionValueError("master_addr", f"--nnodes {n} needs --master-addr HOST: the host name or address "
+                                                  f"of node 0 (--node-rank 0), where the nodes meet")
+        if not 0 < self.master_port < 65536:
+            raise OptionValueError("master_port", f"--master-port must be a TCP port, 1..65535, got "
+                                                  f"{self.master_port}")
+        refused = {"max_restarts": "torchrun's static rendezvous restarts one node's workers without the others'",
+                   "elastic": "its re-plan restarts the job on this host only",
+                   "corpus": "every node would tokenize into the same <out>/data/tokens.bin; prepare the token file "
+                             "once with `zorse prepare-data` and pass --data on each node"}
+        for name, why in refused.items():
+            value = getattr(self, name)
+            if value != LaunchOptions.__dataclass_fields__[name].default:
+                flag = name.replace("_", "-")
+                shown = f"--{flag}" if isinstance(value, bool) else f"--{flag} {value}"
+                raise OptionValueError(name, f"{shown} does not work across nodes (--nnodes {n}): {why}; drop "
+                                             f"--{flag}, or run on one node")
+
+    def rendezvous(self):
+        """This node's ``runtime.launch.Rendezvous`` (None on one node)."""
+        from .runtime.launch import Rendezvous
+
+        if self.nnodes == 1:
+            return None
+        return Rendezvous(nnodes=self.nnodes, node_rank=self.node_rank, master_addr=self.master_addr,
+                          master_port=self.master_port)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -205,7 +262,7 @@ def cmd_train(args) -> int:
     (``elastic.py``). Before any of it, what the files show is checked ([Note: pre-flight
     checks] in ``runtime/preflight.py``); an error a rank finds is one line
     naming the rank ([Note: one line per error] in ``runtime/rank_errors.py``)."""
-    from .runtime.launch import launch, torchrun_command
+    from .runtime.launch import launch, node_launch, torchrun_command
     from .runtime.preflight import check_data, check_hook_ranks, check_job
     from .runtime.run_dir import check_fresh_start
     from .runtime.watchdog import heartbeat_dir
@@ -218,10 +275,12 @@ def cmd_train(args) -> int:
 
         check_elastic(cmd.data.plan)
     out = Path(cmd.job.out)
+    rendezvous = cmd.launch.rendezvous()  # None: one host ([Note: one zorse train per node] in runtime/launch.py)
     # [Note: pre-flight checks] (runtime/preflight.py): what the files show is refused here, in one line each.
-    plan, weights = check_job(cmd.data.plan, weights=cmd.data.weights, nproc=cmd.launch.nproc,
+    plan, weights = check_job(cmd.data.plan, weights=cmd.data.weights, nproc=0 if rendezvous else cmd.launch.nproc,
                               resume=cmd.checkpoint.resume, out=out)
-    check_hook_ranks(cmd.testing, cmd.launch.nproc or plan.world_size)  # (the ranks check it again)
+    node = None if rendezvous is None else node_launch(plan, rendezvous, cmd.launch.nproc, plan_path=cmd.data.plan)
+    check_hook_ranks(cmd.testing, plan.world_size if node else cmd.launch.nproc or plan.world_size)  # (ranks: again)
     if not cmd.checkpoint.resume:  # another run's checkpoints or metrics: refused before anything starts
         check_fresh_start(out, overwrite=cmd.checkpoint.overwrite)  # (--overwrite: rank 0 removes them)
     out.mkdir(parents=True, exist_ok=True)
@@ -240,15 +299,20 @@ def cmd_train(args) -> int:
     del weights
     options_file = write_options_file(cmd.training_options(data), out / OPTIONS_FILE)
     train_argv = ["--options-file", str(options_file)]
-    nproc = cmd.launch.nproc or plan.world_size
-    kw = dict(max_restarts=cmd.launch.max_restarts, shutdown_timeout_s=cmd.launch.term_grace_s)
+    nproc = len(node.ranks) if node else cmd.launch.nproc or plan.world_size
+    kw = dict(max_restarts=cmd.launch.max_restarts, shutdown_timeout_s=cmd.launch.term_grace_s, rendezvous=rendezvous)
+    if node is not None:
+        nodes = ", ".join(f"--node-rank {n.node_rank} {n.node!r} ({n.describe_ranks()})" for n in plan.node_ranks())
+        print(f"[zorse] node {node.node_rank} of {rendezvous.nnodes} ({node.node!r}): {node.describe_ranks()} of "
+              f"{plan.world_size}; the plan's nodes: {nodes}", flush=True)
     print("[zorse] " + " ".join(torchrun_command(nproc, train_argv, **kw)), flush=True)
     if cmd.launch.dry_run:
         print(f"[zorse] --dry-run: plan, weights and data checked, {options_file} written; nothing started",
               flush=True)
         return 0
     supervision = dict(heartbeat_dir=heartbeat_dir(out), stall_timeout_s=cmd.launch.stall_timeout,
-                       term_grace_s=cmd.launch.term_grace_s, max_restarts=cmd.launch.max_restarts, out=out)
+                       term_grace_s=cmd.launch.term_grace_s, max_restarts=cmd.launch.max_restarts, out=out,
+                       **({} if node is None else dict(rendezvous=rendezvous, ranks=node.ranks)))
     if cmd.launch.elastic:
         from .elastic import run_elastic
 

@@ -39,8 +39,15 @@ stage file is read, and ``Plan.__post_init__`` checks the rules tying fields
 together. Every error is a ``PlanFileError`` naming the file, the field path
 (``stages[1].gpus[0].samples_per_microbatch``), the value and the fix.
 
-Ranks are numbered stage by stage: stage 0's GPUs get ranks 0..k0-1, and so
-on, so ``world_size`` = number of GPUs the plan uses.
+Ranks (format version 15; ``Plan.rank_order``): a plan numbers the GPUs it
+uses node by node, in the cluster file's order of the nodes and then of each
+node's GPUs (``GPUShare.gpu`` ascending), so ``world_size`` = number of GPUs
+the plan uses and the ranks of a node are contiguous, as torchrun numbers
+them when each node is started with ``--node-rank`` (``Plan.node_ranks``,
+[Note: ranks node by node]). Files of version 1-14 numbered them stage by
+stage (stage 0's GPUs 0..k0-1, and so on); they read with ``rank_order``
+"stage" and keep their numbering: such a plan runs on one host, and on
+several nodes only where each node's ranks happen to be contiguous.
 
 Interleaving (format version 3; older files read with ``interleave = 1``):
 with ``Plan.interleave = v > 1`` the ``S`` stages run on ``P = S / v`` GPU
@@ -145,11 +152,14 @@ from .plan_table import GIB, plan_table  # noqa: F401 (GIB: importable from here
 from .precision import PRECISIONS, REDUCE_DTYPES, PrecisionPolicy, precision_policy
 from .stage_sources import source_sha256
 
-__all__ = ["PLAN_FORMAT_VERSION", "PLAN_DIR_ENTRIES", "MemoryBreakdown", "GPUShare", "StagePlan", "SolverReport",
-           "Plan", "RankRole", "check_plan_dir", "new_plan_dir"]
+__all__ = ["PLAN_FORMAT_VERSION", "PLAN_DIR_ENTRIES", "RANK_ORDERS", "MemoryBreakdown", "GPUShare", "StagePlan",
+           "SolverReport", "Plan", "RankRole", "NodeRanks", "check_plan_dir", "new_plan_dir"]
 
 #: Bumped on any incompatible change of plan.json.
-PLAN_FORMAT_VERSION = 14
+PLAN_FORMAT_VERSION = 15
+
+#: ``Plan.rank_order`` values: "node" (format 15: node by node) and "stage" (formats 1-14: stage by stage).
+RANK_ORDERS = ("node", "stage")
 
 
 # Field types of plan.json: one declaration, read by the schema (``plan_schema``,
@@ -213,7 +223,8 @@ class MemoryBreakdown:
 class GPUShare:
     """One GPU of a stage's data-parallel group."""
 
-    rank: Annotated[Index, Meta(description="the GPU's rank: 0..world_size-1, numbered stage by stage")]
+    rank: Annotated[Index, Meta(description="the GPU's rank: 0..world_size-1, numbered node by node (rank_order "
+                                            "'node') or stage by stage (rank_order 'stage')")]
     #: Index of the GPU in the cluster file (nodes in order, GPUs in order).
     gpu: Annotated[Index, Meta(description="the GPU's index in the cluster file")]
     node: str
@@ -425,6 +436,58 @@ class RankRole:
     stages: tuple[int, ...] = ()
 
 
+# [Note: ranks node by node]
+# torchrun started on N nodes (``--nnodes N --node-rank k --nproc-per-node n_k``,
+# static rendezvous) gives node k the global ranks sum(n_j, j < k) ..
+# sum(n_j, j <= k) - 1, local rank i being the node's i-th (the elastic agent's
+# ``_assign_worker_ranks``: a cumulative sum over the nodes in --node-rank
+# order, whatever n_k each brings). A rank runs what the plan gives its rank
+# number, so a plan runs on its own cluster only where each node's ranks are
+# contiguous, in the order the nodes are started. ``zorse plan`` therefore
+# numbers the GPUs it uses node by node (``rank_order`` "node"): the cluster
+# file's node order, then the GPU's order in its node, i.e. by ``GPUShare.gpu``;
+# a node whose GPUs are partly idle brings fewer local ranks. Node k of the
+# launch is then the k-th node the plan uses in the file's order, started with
+# its own ranks' count (``Plan.node_ranks``; ``zorse train --nnodes N
+# --node-rank k`` finds both there), and local rank i is the i-th of the node's
+# planned GPUs (``CUDA_VISIBLE_DEVICES`` in the file's order where the plan
+# leaves some idle). Nothing else assumes an order of the ranks: stages,
+# process groups, point-to-point programs, gradient owners and checkpoints
+# are derived from the plan's ranks (a ZeRO-2 reduce-scatter orders its parts
+# by rank, not by the stage's GPU order). Plans of format 14 and older
+# numbered stage by stage (``rank_order`` "stage") and keep that numbering:
+# their ranks of one node need not be contiguous, and a multi-node launch of
+# such a plan is refused with the advice to re-plan.
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NodeRanks:
+    """One node of a plan as torchrun starts it (``Plan.node_ranks``, [Note:
+    ranks node by node])."""
+
+    #: torchrun's ``--node-rank``: the node's place among the plan's nodes, in the order of their lowest ranks.
+    node_rank: int
+    #: The node's name in the cluster file.
+    node: str
+    #: The plan's ranks on the node, ascending (its local ranks 0.. in that order).
+    ranks: tuple[int, ...]
+    #: Per rank (same order), the GPU's index in the cluster file (``GPUShare.gpu``).
+    gpus: tuple[int, ...]
+
+    @property
+    def contiguous(self) -> bool:
+        """Whether the ranks are consecutive (torchrun can start them as one node's local ranks)."""
+        return self.ranks == tuple(range(self.ranks[0], self.ranks[0] + len(self.ranks)))
+
+    def describe_ranks(self) -> str:
+        """``"ranks 2-3"``, ``"rank 0"``, or ``"ranks 0, 3"`` where not contiguous."""
+        if len(self.ranks) == 1:
+            return f"rank {self.ranks[0]}"
+        if self.contiguous:
+            return f"ranks {self.ranks[0]}-{self.ranks[-1]}"
+        return "ranks " + ", ".join(map(str, self.ranks))
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Plan:
     """A plan; its fields in plan.json's order (plan.json adds ``format``
@@ -459,6 +522,12 @@ class Plan:
     schedule: ScheduleName
     #: Interleave degree v: stages per GPU group (see the module docstring).
     interleave: Annotated[Count, Meta(description="stages per GPU group, 1 without interleaving")] = 1
+    #: How ``GPUShare.rank`` numbers the plan's GPUs (format version 15; older files read as "stage"):
+    #: "node" node by node (the cluster file's node order, then each node's GPUs: ``gpu`` ascending),
+    #: "stage" stage by stage. [Note: ranks node by node]
+    rank_order: Annotated[Literal[RANK_ORDERS], Meta(  # type: ignore[valid-type]
+        description="how the ranks number the GPUs: 'node' (node by node, in the order of the GPUs' index in "
+                    "the cluster file) or 'stage' (stage by stage, plans of format 14 and older)")] = "node"
     #: Training precision, one of ``precision.PRECISIONS`` (format version 4;
     #: older files read as "fp32").
     precision: PrecisionName = "fp32"
@@ -512,15 +581,7 @@ class Plan:
             raise PlanFileError(f"plan: field 'schedule': interleave {v} needs schedule '1f1b' (interleaved 1F1B), "
                                 f"not {self.schedule!r}; set interleave to 1 or the schedule to '1f1b'")
         groups = len(self.stages) // v
-        ranks = [g.rank for s in self.stages[:groups] for g in s.gpus]
-        if ranks != list(range(len(ranks))):
-            where = [(s.index, j, g.rank) for s in self.stages[:groups] for j, g in enumerate(s.gpus)]
-            i = next(k for k, r in enumerate(ranks) if r != k)
-            si, j, r = where[i]
-            raise PlanFileError(
-                f"plan: field stages[{si}].gpus[{j}].rank is {r!r}, expected {i}: ranks must be 0..{len(ranks) - 1} "
-                f"in stage order (stage 0's GPUs first, a permutation of the world), got {short_repr(ranks)}; "
-                f"renumber them or re-export the plan with `zorse plan`")
+        self._check_ranks(groups)
         for s in self.stages[groups:]:
             home = self.stages[s.index % groups]
             key = [(g.rank, g.gpu, g.samples_per_microbatch) for g in s.gpus]
@@ -577,6 +638,31 @@ class Plan:
                         f"plan: field stages[{s.index}].gpus[{j}].predicted_memory sums to {parts} bytes, but "
                         f"predicted_memory_bytes is {g.predicted_memory_bytes}; the parts must add up to the "
                         f"prediction (or all be 0: not recorded): re-export the plan with `zorse plan`")
+
+    def _check_ranks(self, groups: int) -> None:
+        """The ranks of the first ``groups`` stages (every GPU of the world
+        once) number the GPUs as ``rank_order`` says: "stage", 0..n-1 in
+        stage order; "node", in the order of their ``gpu`` index (node by
+        node, [Note: ranks node by node]; a GPU listed twice: stage order)."""
+        if self.rank_order not in RANK_ORDERS:
+            raise PlanFileError(f"plan: field 'rank_order' is {short_repr(self.rank_order)}; allowed: "
+                                f"{', '.join(map(repr, RANK_ORDERS))}")
+        where = [(s.index, j, g) for s in self.stages[:groups] for j, g in enumerate(s.gpus)]
+        ranks = [g.rank for _, _, g in where]
+        expected = list(range(len(where)))
+        if self.rank_order == "node":
+            for r, k in enumerate(sorted(range(len(where)), key=lambda k: where[k][2].gpu)):
+                expected[k] = r
+        if ranks != expected:
+            i = next(k for k, (r, e) in enumerate(zip(ranks, expected)) if r != e)
+            si, j, g = where[i]
+            how = ("in stage order (stage 0's GPUs first, a permutation of the world)" if self.rank_order == "stage"
+                   else "node by node (rank_order 'node': in the order of the GPUs' 'gpu' index in the cluster "
+                        "file)")
+            raise PlanFileError(
+                f"plan: field stages[{si}].gpus[{j}].rank is {g.rank!r}, expected {expected[i]}: ranks must be "
+                f"0..{len(ranks) - 1} {how}, got {short_repr(ranks)}; renumber them or re-export the plan with "
+                f"`zorse plan`")
 
     def _check_stages(self) -> None:
         """Each stage's ``index`` is its position; the block ranges are
@@ -644,6 +730,33 @@ class Plan:
                 if g.rank == rank:
                     return RankRole(rank=rank, stage=s.index, position=pos, row_start=a, row_end=b,
                                     stages=tuple(range(s.index, self.num_stages, self.num_groups)))
+        raise ValueError(f"rank {rank} is not in this plan (world size {self.world_size})")
+
+    def node_ranks(self) -> tuple[NodeRanks, ...]:
+        """The plan's nodes with their ranks, in the order of each node's
+        lowest rank: node k is torchrun's ``--node-rank k`` with
+        ``len(ranks)`` local processes ([Note: ranks node by node]). Under
+        ``rank_order`` "node" that is the cluster file's order of the nodes
+        the plan uses (an idle node is not one of them) and every node's ranks
+        are contiguous; a plan of format 14 or older may have a node whose
+        ranks are not (``NodeRanks.contiguous``), which torchrun cannot start."""
+        by_node: dict[str, list[GPUShare]] = {}
+        for s in self.stages[: self.num_groups]:
+            for g in s.gpus:
+                by_node.setdefault(g.node, []).append(g)
+        order = sorted(by_node, key=lambda n: min(g.rank for g in by_node[n]))
+        out = []
+        for k, n in enumerate(order):
+            gs = sorted(by_node[n], key=lambda g: g.rank)
+            out.append(NodeRanks(node_rank=k, node=n, ranks=tuple(g.rank for g in gs), gpus=tuple(g.gpu for g in gs)))
+        return tuple(out)
+
+    def share(self, rank: int) -> GPUShare:
+        """The GPU of rank ``rank`` (its ``GPUShare`` in its first stage)."""
+        for s in self.stages[: self.num_groups]:
+            for g in s.gpus:
+                if g.rank == rank:
+                    return g
         raise ValueError(f"rank {rank} is not in this plan (world size {self.world_size})")
 
     def shared_params(self) -> dict[str, tuple[int, ...]]:

@@ -100,8 +100,11 @@ def build_plan(
     dec = result.decision
     programs = split_stages(bg, dec.stage_blocks)
     state = bg.captured.state()
-    stages, sources, rank = [], [], 0
+    stages, sources = [], []
     groups = dec.num_groups
+    # Ranks node by node ([Note: ranks node by node] in plan.py): the GPUs of the world (the first P stages') in
+    # the cluster file's order, which lists the nodes in order and each node's GPUs in order.
+    rank_of = {g: r for r, g in enumerate(sorted({g for gs in dec.stage_gpus[:groups] for g in gs}))}
     shard_bytes = dec.shard_bytes()
     n_params = [sum(state[c].numel() for c in prog.params.values()) for prog in programs]
     # 16-bit working weights: the matmul weights of a sharded stage of >= 2 GPUs under a mixed policy.
@@ -130,8 +133,6 @@ def build_plan(
     for s, prog in enumerate(programs):
         gpus = []
         sharded = dec.sharded[s]
-        if s >= groups:  # interleaved: the GPUs (and ranks) of its group, stage s mod P
-            rank = stages[s % groups].gpus[0].rank
         for i, (g, n) in enumerate(zip(dec.stage_gpus[s], dec.samples_per_microbatch[s])):
             mem = int(result.predicted_memory_bytes[s][i]) if result.predicted_memory_bytes else 0
             gpu = cluster.gpus[g]
@@ -141,13 +142,12 @@ def build_plan(
             # [C-offload], [C-act-offload]: the objective's host bytes (of the GPU's group when interleaved).
             host = int(result.predicted_host_memory_bytes[s][i]) if result.predicted_host_memory_bytes else 0
             gpus.append(GPUShare(
-                rank=rank, gpu=g, node=gpu.node, gpu_type=gpu.type, samples_per_microbatch=n,
+                rank=rank_of[g], gpu=g, node=gpu.node, gpu_type=gpu.type, samples_per_microbatch=n,
                 predicted_memory_bytes=mem, memory_capacity_bytes=int(gpu.memory_bytes),
                 state_shard_bytes=int(shard_bytes[s][i]),
                 predicted_memory=memory_breakdown(mem, hosted, precision, bucket_bytes=options.bucket_bytes),
                 predicted_host_memory_bytes=host,
             ))
-            rank += 1
         label = bg.describe_blocks(*prog.blocks)
         stages.append(StagePlan(
             index=s,
@@ -188,6 +188,7 @@ def build_plan(
         num_microbatches=dec.num_microbatches,
         schedule=result.schedule,
         interleave=dec.interleave,
+        rank_order="node",
         stages=tuple(stages),
         predicted_step_time_s=result.predicted_step_time_s,
         precision=precision.name,

@@ -13,11 +13,11 @@ a field to plan.json is one edit in ``plan.py`` plus, where older files lack
 it, a line in ``upgrade`` (and a ``PLAN_FORMAT_VERSION`` bump).
 
 ``decode(d, source)`` upgrades a parsed plan.json of any readable format
-version (1-14) to the current shape (``upgrade``: fields added since take the
+version (1-15) to the current shape (``upgrade``: fields added since take the
 values those versions trained with) and converts it into ``PlanDoc``,
 refusing unknown keys; ``_plan_io`` then builds the ``Plan`` from it and
 ``Plan.__post_init__`` checks the rules that tie fields together (shares sum
-to the micro-batch, ranks 0..n-1 in stage order, contiguous block ranges,
+to the micro-batch, ranks 0..n-1 in ``rank_order``, contiguous block ranges,
 interleaving). Every error is a ``PlanFileError`` (a ``FileFormatError``)
 naming the file, the field path, the value and what would fix it, e.g.::
 
@@ -66,7 +66,7 @@ PlanDoc = struct_of(Plan, "PlanDoc", docs={SolverReport: SolverDoc, StagePlan: S
 
 
 def upgrade(d: dict) -> dict:
-    """``d`` (a parsed plan.json of version 1-14) in the current shape: a
+    """``d`` (a parsed plan.json of version 1-15) in the current shape: a
     copy with the fields added since its version at the values it trained
     with (v2: ``sharded``/``recompute`` off, ``state_shard_bytes`` 0; v3:
     ``interleave`` 1; v4: ``precision`` fp32 with float32 gradients, and the
@@ -79,10 +79,14 @@ def upgrade(d: dict) -> dict:
     ``offload_optimizer`` / ``offload_activations`` and each GPU's ``predicted_host_memory_bytes``, optional,
     off / 0 when absent; v12: ``tf32``, optional, off when absent: PyTorch's default; v13: ``cluster_gpus`` and
     ``cluster_sha256``, optional, "" (not recorded) when absent; v14: ``loss_reduction``, optional,
-    "sample_mean" when absent: how older runtimes trained). Parts of the wrong type are left for the schema to name."""
+    "sample_mean" when absent: how older runtimes trained; v15: ``rank_order``, "stage": how older plans numbered
+    their ranks). Parts of the wrong type are left for the schema to name."""
     d = dict(d)
     version = d.get("version")
-    if not isinstance(version, int) or version >= 6:
+    if not isinstance(version, int) or version >= 15:
+        return d
+    d.setdefault("rank_order", "stage")  # (v15: the ranks' numbering, stage by stage before)
+    if version >= 6:
         return d
     d.setdefault("grad_bucket_bytes", BUCKET_BYTES)
     if version >= 5:

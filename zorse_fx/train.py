@@ -382,7 +382,8 @@ def _run(options: TrainingOptions, where: _Where) -> int:
     if world != plan.world_size:
         raise RuntimeExecutionError(
             f"the plan needs {plan.world_size} processes (one per GPU) but torchrun started {world}; "
-            f"use --nproc-per-node {plan.world_size} on one node (or that many in total)"
+            f"use --nproc-per-node {plan.world_size} on one node, or on several nodes each node's planned ranks "
+            f"(`zorse train --nnodes N --node-rank K` counts them)"
         )
     preflight.check_hook_ranks(test, world)  # (zorse train checked it with --nproc; torchrun may start others)
     where.stages = tuple(plan.stages_of(rank))

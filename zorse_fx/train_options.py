@@ -48,6 +48,7 @@ import contextlib
 import dataclasses
 import json
 import math
+import os
 import typing
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -562,7 +563,10 @@ def write_options_file(options: TrainingOptions, path: str | Path) -> Path:
     path = Path(path)
     doc = {"format": FORMAT, "version": VERSION, **msgspec.to_builtins(options)}
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(doc, indent=2) + "\n")
+    # Whole or not at all: on a shared --out every node's zorse train writes it while the other nodes' ranks read it.
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(doc, indent=2) + "\n")
+    os.replace(tmp, path)
     return path
 
 

@@ -2,16 +2,22 @@
 
 [Note: checking the devices against the plan]
 A plan gives rank ``r`` one GPU of the cluster file: its type, its memory and
-its node (``GPUShare``). torchrun numbers the ranks by the order the nodes
-join (``--node-rank``) and the local ranks of a node by ``LOCAL_RANK``; a
-node started as the wrong ``--node-rank`` (the nodes in another order than
-the cluster file's) or a machine with other GPUs runs every stage on GPUs
-it was not planned for: wrong memory, wrong timings, or an out-of-memory
-error deep in a step. So after the process group is up every rank observes
-itself (``observe``: host name, device type, GPU name and memory), the
-observations are all-gathered, and ``check_devices`` -- a pure function of
-the plan's assignment and the observations, the same on every rank -- names
-the first rank that is not where the plan put it:
+its node (``GPUShare``). torchrun numbers the ranks node by node in
+``--node-rank`` order, each node's from the sum of the lower nodes' process
+counts, and the local ranks of a node by ``LOCAL_RANK``, which is what a plan
+numbers ([Note: ranks node by node] in ``plan.py``) where node k is started
+with ``--node-rank k`` and its own count (``Plan.node_ranks``); a node started
+with another ``--node-rank`` or count, or a machine with other GPUs, runs
+every stage on GPUs it was not planned for: wrong memory, wrong timings, or an
+out-of-memory error deep in a step. So after the process group is up every
+rank observes itself (``observe``: host name, torchrun's node rank, device
+type, GPU name and memory), the observations are all-gathered, and
+``check_devices`` -- a pure function of the plan's assignment and the
+observations, the same on every rank -- names the first rank that is not where
+the plan put it, and says how to start the nodes (``_start_nodes``: each
+node's ``--node-rank`` and process count, from the plan; for a plan whose
+ranks of a node are not contiguous, numbered stage by stage by a zorse_fx
+before format 15, that it must be re-planned to run on several nodes):
 
 - GPU (a CUDA rank): the device name must resolve (``cluster.specs``:
   aliases, ``NVIDIA`` prefix) to the planned GPU type, and its memory must be
@@ -53,6 +59,8 @@ class DeviceObservation:
     rank: int
     #: ``socket.gethostname()`` of the rank's machine.
     host: str
+    #: torchrun's ``GROUP_RANK``: the ``--node-rank`` its node was started with (-1: not started by torchrun).
+    node_rank: int = -1
     #: ``"cuda"`` or ``"cpu"``.
     device_type: str
     #: ``torch.cuda.get_device_name`` ("NVIDIA A100-SXM4-40GB"); "" on a CPU.
@@ -79,13 +87,16 @@ class DeviceMismatchError(RuntimeExecutionError):
 
 def observe(rank: int, device) -> DeviceObservation:
     """This rank's observation on ``device`` (a ``torch.device``)."""
+    import os
+
     import torch
 
+    node_rank = int(os.environ.get("GROUP_RANK", "-1") or -1)
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
-        return DeviceObservation(rank=rank, host=socket.gethostname(), device_type="cuda", gpu_name=props.name,
-                                 memory_bytes=int(props.total_memory))
-    return DeviceObservation(rank=rank, host=socket.gethostname(), device_type=device.type)
+        return DeviceObservation(rank=rank, host=socket.gethostname(), node_rank=node_rank, device_type="cuda",
+                                 gpu_name=props.name, memory_bytes=int(props.total_memory))
+    return DeviceObservation(rank=rank, host=socket.gethostname(), node_rank=node_rank, device_type=device.type)
 
 
 def _short(host: str) -> str:
@@ -99,6 +110,45 @@ def _rank(plan, r: int) -> str:
 
 def _gib(n: int) -> str:
     return f"{n / 2**30:.1f} GiB"
+
+
+#: Nodes ``_start_nodes`` lists by name; more are summed up.
+_LISTED_NODES = 4
+
+
+def _start_nodes(plan, *, gpus: bool = False) -> str:
+    """How to start the plan's nodes, as the end of a mismatch message: each
+    node's ``--node-rank`` and process count (``Plan.node_ranks``; ``gpus``:
+    and which of its GPUs); for a plan with a node whose ranks are not
+    contiguous (numbered stage by stage), that no start works but one host or
+    a re-plan."""
+    nodes = plan.node_ranks()
+    split = next((n for n in nodes if not n.contiguous), None)
+    if split is not None:
+        return (f"this plan numbers its ranks stage by stage (rank_order {plan.rank_order!r}, made before format "
+                f"15): node {split.node!r} has {split.describe_ranks()}, which torchrun cannot start on one node; "
+                f"re-plan with `zorse plan` (ranks node by node) to run on several nodes, or run it on one host; "
+                f"--skip-device-check runs anyway")
+    shown = [f"{n.node_rank} on {n.node!r} ({len(n.ranks)} process{'es' if len(n.ranks) > 1 else ''}: "
+             f"{n.describe_ranks()})" for n in nodes[:_LISTED_NODES]]
+    if len(nodes) > _LISTED_NODES:
+        shown.append(f"... up to {len(nodes) - 1} on {nodes[-1].node!r} (`zorse train --dry-run --nnodes "
+                     f"{len(nodes)} --node-rank K` names node K)")
+    where = (" and CUDA_VISIBLE_DEVICES listing the node's planned GPUs in the cluster file's order" if gpus else "")
+    other = ", or plan for these GPUs (`zorse plan --cluster ...`)" if gpus else ""
+    return (f"start each node with its --node-rank{where}: {', '.join(shown)}, the plan's nodes in the cluster "
+            f"file's order (`zorse train --nnodes {len(nodes)} --node-rank K --master-addr HOST` on node K starts its "
+            f"processes; torchrun: --nproc-per-node){other}; --skip-device-check runs anyway")
+
+
+def _started_as(o: DeviceObservation, plan) -> str:
+    """``"; host 't4-node' was started with --node-rank 0, the plan's 'a100-node'"`` from torchrun's
+    GROUP_RANK ("" where not known)."""
+    nodes = plan.node_ranks()
+    if not 0 <= o.node_rank < len(nodes):
+        return "" if o.node_rank < 0 else f"; host {o.host!r} was started with --node-rank {o.node_rank}"
+    return (f"; host {o.host!r} was started with --node-rank {o.node_rank}, which is the plan's node "
+            f"{nodes[o.node_rank].node!r}")
 
 
 def check_devices(plan, observed: list[DeviceObservation]) -> DeviceReport:
@@ -122,9 +172,7 @@ def check_devices(plan, observed: list[DeviceObservation]) -> DeviceReport:
         g = shares[o.rank]
         where = f"{_rank(plan, o.rank)} runs on a {o.gpu_name} ({_gib(o.memory_bytes)}) on host {o.host!r}"
         planned = f"the plan assigned it GPU {g.gpu} of the cluster file, a {g.gpu_type} on node {g.node!r}"
-        fix = ("start each node with the --node-rank of its place in the cluster file and CUDA_VISIBLE_DEVICES "
-               "in the file's GPU order, or plan for these GPUs (`zorse plan --cluster ...`); "
-               "--skip-device-check runs anyway")
+        fix = _start_nodes(plan, gpus=True)
         want = lookup_builtin(g.gpu_type)  # None: a type the cluster file declares (memory only)
         if want is not None:
             got = lookup_builtin(o.gpu_name)
@@ -137,15 +185,15 @@ def check_devices(plan, observed: list[DeviceObservation]) -> DeviceReport:
     nodes = {g.node for g in shares.values()}
     by_name = {_short(n): n for n in nodes}
     hosts = {o.rank: o.host for o in observed}
-    fix = ("start the nodes in the cluster file's order (torchrun --node-rank = the node's place in the file, "
-           "--nproc-per-node = its planned GPUs); --skip-device-check runs anyway")
+    seen = {o.rank: o for o in observed}
+    fix = _start_nodes(plan)
     if any(_short(h) in by_name for h in hosts.values()):  # the cluster file names its nodes by host name
         for r in sorted(hosts):
             g = shares[r]
             if _short(hosts[r]) != _short(g.node):
                 raise DeviceMismatchError(
                     f"{_rank(plan, r)} runs on host {hosts[r]!r}, but the plan assigned it GPU {g.gpu} "
-                    f"({g.gpu_type}) on node {g.node!r}; {fix}", rank=r)
+                    f"({g.gpu_type}) on node {g.node!r}{_started_as(seen[r], plan)}; {fix}", rank=r)
         return DeviceReport(skipped=tuple(skipped))
     if len(set(hosts.values())) == 1 and not any(o.device_type == "cuda" for o in observed):
         skipped.append(f"nodes: every rank runs on the CPU of host {next(iter(hosts.values()))!r}, standing in for "

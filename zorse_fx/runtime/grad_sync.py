@@ -159,6 +159,9 @@ class _GradShard:
     #: Each GPU of the stage's range of the buffer (stage order), and this rank's position among them.
     ranges: tuple[tuple[int, int], ...]
     position: int
+    #: The positions in the group's rank order (``new_group`` sorts the ranks; the stage's GPUs need not be in
+    #: rank order: [Note: ranks node by node] in plan.py): the reduce-scatter's part j goes to group rank j.
+    rank_order: tuple[int, ...] = ()
     #: This rank's range and its float32 gradient shard.
     owned: tuple[int, int]
     main: torch.Tensor
@@ -275,7 +278,9 @@ class GradientReducer:
             key = tuple(sorted(st.stage.ranks))
             for buf in buffers:
                 a, b = buf.owned
+                ranks = st.stage.ranks
                 shard = _GradShard(stage=st.index, group=self.groups[key], ranges=buf.ranges, position=st.position,
+                                   rank_order=tuple(sorted(range(len(ranks)), key=lambda j: ranks[j])),
                                    owned=(a, b), main=torch.zeros(b - a, dtype=torch.float32, device=buf.flat.device))
                 canon_of = {id(p): c for c, p in st.params().items()}
                 # Runs of parameters reduced over this stage's GPUs only, held once here, in buffer order
@@ -349,7 +354,8 @@ class GradientReducer:
             parts = [comm[min(max(a, bk.start), bk.end) - bk.start: max(min(b, bk.end), bk.start) - bk.start]
                      for a, b in shard.ranges]
             mine = torch.empty_like(parts[shard.position])
-            work = dist.reduce_scatter(mine, parts, op=dist.ReduceOp.SUM, group=shard.group, async_op=True)
+            work = dist.reduce_scatter(mine, [parts[j] for j in shard.rank_order], op=dist.ReduceOp.SUM,
+                                       group=shard.group, async_op=True)
             self._in_flight.append((bk, mine, work))
             bk.comm = None
             bk.marked.clear()

@@ -26,6 +26,28 @@ and every rank training, orphaned. ``supervise`` therefore
 
 Whatever ends the job (success included), every process it recorded is gone
 when ``supervise`` returns or raises.
+
+[Note: one zorse train per node]
+On one host (``--nnodes 1``) torchrun runs ``--standalone`` and starts every
+rank. On N nodes ``zorse train --nnodes N --node-rank k --master-addr HOST``
+runs on each node and starts torchrun with its static rendezvous
+(``--nnodes N --node-rank k --master-addr --master-port``, not
+``--standalone``): node 0's agent serves the rendezvous store at HOST:PORT,
+the others connect to it, and each node starts the plan's ranks of its node
+(``node_launch``: ``Plan.node_ranks()[k]``, whose process count differs per
+node where the plan leaves GPUs idle), torchrun numbering them from the sum
+of the lower nodes' counts ([Note: ranks node by node] in ``plan.py``). The
+node is named by ``--node-rank``, its place among the plan's nodes in the
+cluster file's order; the ranks' device check compares every rank's host name
+with its planned node and names the ``--node-rank`` each node needs
+(``runtime/device_check.py``). Each node's launcher supervises its own ranks
+only: its stall monitor reads their heartbeats (a shared ``--out`` holds every
+node's, whose pids mean nothing here) and torchrun's log is
+``logs/torchrun.node<k>.log``. Not across nodes: torchrun restarts
+(``--max-restarts``; a static rendezvous restarts one node's workers without
+the others'), ``--elastic`` (it re-plans and restarts on this host) and
+``--corpus`` (every node would tokenize into the same file): refused where the
+options are parsed (``cli.LaunchOptions``).
 """
 
 from __future__ import annotations
@@ -40,6 +62,7 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -47,8 +70,8 @@ import torch
 
 from ..errors import RuntimeExecutionError
 
-__all__ = ["torchrun_command", "launch", "supervise", "rank_device", "init_process_group", "running", "JobInterrupted",
-           "JobFailedError", "JobStalledError"]
+__all__ = ["Rendezvous", "node_launch", "torchrun_command", "launch", "supervise", "rank_device", "init_process_group",
+           "running", "JobInterrupted", "JobFailedError", "JobStalledError"]
 
 #: Seconds a SIGINT (Ctrl-C) gives the ranks to exit before they are killed.
 INT_GRACE_S = 5.0
@@ -175,24 +198,87 @@ def _torchrun_has_option(option: str) -> bool:
     return not unknown
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Rendezvous:
+    """Where the nodes of a multi-node job meet: torchrun's static rendezvous
+    ([Note: one zorse train per node]); ``zorse train --nnodes --node-rank
+    --master-addr --master-port``."""
+
+    #: Nodes of the job (the plan's nodes, ``len(Plan.node_ranks())``), >= 2.
+    nnodes: int
+    #: This node's place among them, 0..nnodes-1 (``NodeRanks.node_rank``).
+    node_rank: int
+    #: Host name or address of node 0, where its torchrun agent serves the rendezvous store.
+    master_addr: str
+    #: TCP port of that store.
+    master_port: int
+
+    def __post_init__(self) -> None:
+        assert self.nnodes >= 2 and 0 <= self.node_rank < self.nnodes and 0 < self.master_port < 65536, self
+
+
+def node_launch(plan, rendezvous: Rendezvous, nproc: int = 0, *, plan_path: str | Path = "the plan"):
+    """The ranks this node starts (``plan.NodeRanks``): node
+    ``rendezvous.node_rank`` of ``plan.node_ranks()`` ([Note: ranks node by
+    node] in ``plan.py``); ``nproc`` (0: the node's count) must be its count.
+
+    Raises:
+        LaunchError: the plan's nodes are not ``rendezvous.nnodes``; a node's
+            ranks are not contiguous (a plan of format 14 or older, numbered
+            stage by stage: re-plan); ``nproc`` is not the node's count."""
+    from .preflight import LaunchError
+
+    nodes = plan.node_ranks()
+    split = [n for n in nodes if not n.contiguous]
+    if split:
+        n = split[0]
+        raise LaunchError(
+            f"{plan_path} numbers its ranks stage by stage (rank_order {plan.rank_order!r}, a plan of format 14 or "
+            f"older): node {n.node!r} has {n.describe_ranks()}, but torchrun numbers the ranks of a node "
+            f"consecutively, so it cannot run on {rendezvous.nnodes} nodes; re-plan with `zorse plan` (ranks "
+            f"numbered node by node), or run it on one host without --nnodes")
+    if len(nodes) != rendezvous.nnodes:
+        listed = ", ".join(f"{n.node!r}" for n in nodes)
+        raise LaunchError(
+            f"--nnodes {rendezvous.nnodes} does not match {plan_path}: its ranks run on {len(nodes)} "
+            f"node{'s' if len(nodes) != 1 else ''} ({listed}; a node the plan leaves idle takes no part); pass "
+            f"--nnodes {len(nodes)} on each of them" + (" or leave --nnodes out" if len(nodes) == 1 else ""))
+    node = nodes[rendezvous.node_rank]
+    if nproc and nproc != len(node.ranks):
+        raise LaunchError(
+            f"--nproc {nproc} does not match {plan_path}: node {node.node!r} (--node-rank {node.node_rank}) runs "
+            f"{len(node.ranks)} of the plan's ranks ({node.describe_ranks()}); leave --nproc out (or pass --nproc "
+            f"{len(node.ranks)})")
+    return node
+
+
 def torchrun_command(nprocs: int, train_argv: list[str], *, max_restarts: int = 0,
-                     shutdown_timeout_s: float | None = None) -> list[str]:
+                     shutdown_timeout_s: float | None = None, rendezvous: Rendezvous | None = None) -> list[str]:
     """The torchrun command line that runs ``python -m zorse_fx.train`` with
     ``train_argv`` on ``nprocs`` local processes: ``zorse train`` passes
     ``["--options-file", <out>/train_options.json]``; flags work too
     (``[plan_dir, "--data", ...]``). torchrun's own options come before
     ``-m zorse_fx.train``.
 
-    ``max_restarts``: torchrun restarts every worker (up to this many times)
-    when one fails; with checkpoints the restarted ranks resume. ``shutdown_timeout_s``:
-    how long torchrun lets its workers exit after forwarding a signal before it
-    SIGKILLs them (torchrun's default is 30 s; left out where this torch's
-    torchrun has no ``--shutdown-timeout``)."""
+    ``rendezvous``: None starts a single-host job (``--standalone``); else
+    this node of a multi-node job, under torchrun's static rendezvous
+    (``--nnodes --node-rank --master-addr --master-port``; [Note: one zorse
+    train per node]). ``max_restarts``: torchrun restarts every worker (up to
+    this many times) when one fails; with checkpoints the restarted ranks
+    resume. ``shutdown_timeout_s``: how long torchrun lets its workers exit
+    after forwarding a signal before it SIGKILLs them (torchrun's default is
+    30 s; left out where this torch's torchrun has no ``--shutdown-timeout``)."""
+    if rendezvous is None:
+        where = ["--standalone"]
+    else:
+        r = rendezvous
+        where = [f"--nnodes={r.nnodes}", f"--node-rank={r.node_rank}", f"--master-addr={r.master_addr}",
+                 f"--master-port={r.master_port}"]
     opts = [f"--max-restarts={max_restarts}"] if max_restarts else []
     if shutdown_timeout_s is not None and _torchrun_has_option("--shutdown-timeout"):
         opts.append(f"--shutdown-timeout={max(1, int(round(shutdown_timeout_s)))}")
     return [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nprocs}", *opts,
+        sys.executable, "-m", "torch.distributed.run", *where, f"--nproc-per-node={nprocs}", *opts,
         "-m", "zorse_fx.train", *train_argv,
     ]
 
@@ -203,15 +289,23 @@ def job_env() -> dict[str, str]:
     env.setdefault("OMP_NUM_THREADS", "1")  # each rank uses one thread
     env.setdefault("PYTHONUNBUFFERED", "1")
     env.pop("TORCHELASTIC_RUN_ID", None)
+    # =1 makes torchrun number node k's ranks k x (its own --nproc-per-node), wrong where the nodes' counts differ
+    # (a plan that leaves GPUs idle): the cumulative count is the plan's numbering ([Note: ranks node by node]).
+    env.pop("TORCH_ELASTIC_WORKER_IDENTICAL", None)
     return env
 
 
 def launch(nprocs: int, train_argv: list[str], *, timeout_s: float | None = None,
            capture: bool = False, heartbeat_dir: str | Path | None = None, stall_timeout_s: float = 0,
            term_grace_s: float = 60.0, max_restarts: int = 0,
-           stderr_tail_chars: int = 0, out: str | Path | None = None) -> subprocess.CompletedProcess:
+           stderr_tail_chars: int = 0, out: str | Path | None = None, rendezvous: Rendezvous | None = None,
+           ranks: tuple[int, ...] | None = None) -> subprocess.CompletedProcess:
     """Run ``python -m zorse_fx.train`` with ``train_argv`` (see
     ``torchrun_command``) on ``nprocs`` local processes under torchrun and ``supervise`` it.
+
+    ``rendezvous``: this node of a multi-node job ([Note: one zorse train per
+    node]), whose ranks are ``ranks`` (the stall monitor watches those
+    only; torchrun's log is ``logs/torchrun.node<k>.log``).
 
     ``heartbeat_dir``/``stall_timeout_s``: stop the job when a rank has not
     beaten for that long (0: never). ``term_grace_s``: on SIGTERM, how long the
@@ -230,21 +324,23 @@ def launch(nprocs: int, train_argv: list[str], *, timeout_s: float | None = None
         JobStalledError: a rank stopped beating.
         JobInterrupted: SIGINT or SIGTERM; the job was stopped.
     """
-    cmd = torchrun_command(nprocs, train_argv, max_restarts=max_restarts, shutdown_timeout_s=term_grace_s)
+    cmd = torchrun_command(nprocs, train_argv, max_restarts=max_restarts, shutdown_timeout_s=term_grace_s,
+                           rendezvous=rendezvous)
     env = job_env()
     log = None
     if out is not None:
         from .rank_errors import COLLECT_ENV, clear_rank_errors, logs_dir
 
-        log = logs_dir(out) / TORCHRUN_LOG
+        name = TORCHRUN_LOG if rendezvous is None else TORCHRUN_LOG.replace(".log", f".node{rendezvous.node_rank}.log")
+        log = logs_dir(out) / name
         log.parent.mkdir(parents=True, exist_ok=True)
-        clear_rank_errors(out)
+        clear_rank_errors(out, ranks=ranks)
         env[COLLECT_ENV] = "1"
     started = time.time()
     try:
         return supervise(cmd, env, timeout_s=timeout_s, capture=capture, heartbeat_dir=heartbeat_dir,
                          stall_timeout_s=stall_timeout_s, term_grace_s=term_grace_s, torchrun_log=log,
-                         stderr_tail_chars=stderr_tail_chars)
+                         stderr_tail_chars=stderr_tail_chars, ranks=ranks)
     except JobFailedError as exc:
         if out is None or exc.returncode < 0:
             raise
@@ -407,7 +503,7 @@ def supervise(cmd: list[str], env: dict[str, str] | None = None, *, timeout_s: f
               capture: bool = False, heartbeat_dir: str | Path | None = None, stall_timeout_s: float = 0,
               term_grace_s: float = 60.0, int_grace_s: float = INT_GRACE_S,
               poll_s: float = 0.5, torchrun_log: str | Path | None = None,
-              stderr_tail_chars: int = 0) -> subprocess.CompletedProcess:
+              stderr_tail_chars: int = 0, ranks: tuple[int, ...] | None = None) -> subprocess.CompletedProcess:
     """Run torchrun's ``cmd`` in its own session until it ends; see [Note: stopping a job].
 
     ``capture``: the output is returned (``stdout``/``stderr``, text) instead of
@@ -418,10 +514,16 @@ def supervise(cmd: list[str], env: dict[str, str] | None = None, *, timeout_s: f
     ``torchrun_log`` where given, else copied to the terminal line by line as
     it comes) are kept as the ``stderr`` of a ``JobFailedError`` (where
     torchrun names the rank that failed first: ``zorse train --elastic``). Signal handlers (SIGINT, SIGTERM) are installed only
-    when called from the main thread, and restored on return."""
+    when called from the main thread, and restored on return. ``ranks``: the
+    ranks this torchrun starts, whose heartbeats alone are cleared and watched
+    (one node of a multi-node job; None: every rank's)."""
     hb = Path(heartbeat_dir) if heartbeat_dir else None
-    if hb is not None:
-        shutil.rmtree(hb, ignore_errors=True)  # an old run's beats must not look stalled
+    if hb is not None:  # an old run's beats must not look stalled (another node's are that node's business)
+        if ranks is None:
+            shutil.rmtree(hb, ignore_errors=True)
+        else:
+            for r in ranks:
+                (hb / f"rank{r}").unlink(missing_ok=True)
     received: list[int] = []
     old_handlers = {}
     out_f = tempfile.TemporaryFile("w+") if capture else None
@@ -474,7 +576,7 @@ def supervise(cmd: list[str], env: dict[str, str] | None = None, *, timeout_s: f
             if hb is not None and stall_timeout_s > 0:
                 from .watchdog import stalled_rank
 
-                beat = stalled_rank(hb, stall_timeout_s)
+                beat = stalled_rank(hb, stall_timeout_s, ranks=ranks)
                 if beat is not None:
                     try:
                         proc.send_signal(signal.SIGTERM)

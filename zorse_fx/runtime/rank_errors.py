@@ -141,8 +141,13 @@ def read_rank_errors(out: str | Path, *, since: float = 0.0) -> list[dict]:
     return sorted(found, key=lambda r: (r.get("time", 0), r.get("rank", 0)))
 
 
-def clear_rank_errors(out: str | Path) -> None:
-    """Remove the error records of an earlier job (the logs stay)."""
+def clear_rank_errors(out: str | Path, *, ranks: tuple[int, ...] | None = None) -> None:
+    """Remove the error records of an earlier job (the logs stay); ``ranks``:
+    only theirs (one node of a multi-node job, whose ``out`` the others share)."""
+    if ranks is not None:
+        for r in ranks:
+            (logs_dir(out) / f"rank{r}{_SUFFIX}").unlink(missing_ok=True)
+        return
     for p in logs_dir(out).glob(f"rank*{_SUFFIX}"):
         p.unlink(missing_ok=True)
 

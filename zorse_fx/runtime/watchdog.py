@@ -99,7 +99,10 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def stalled_rank(directory: str | Path, timeout_s: float, now: float | None = None) -> Beat | None:
-    """The live rank that has not beaten for the longest time, if longer than ``timeout_s``; else None."""
-    late = [b for b in read_heartbeats(directory, now) if b.age_s > timeout_s and _alive(b.pid)]
+def stalled_rank(directory: str | Path, timeout_s: float, now: float | None = None, *,
+                 ranks: tuple[int, ...] | None = None) -> Beat | None:
+    """The live rank that has not beaten for the longest time, if longer than ``timeout_s``; else None.
+    ``ranks``: of these only (a node's own: another node's pids mean nothing on this host)."""
+    late = [b for b in read_heartbeats(directory, now) if b.age_s > timeout_s and (ranks is None or b.rank in ranks)
+            and _alive(b.pid)]
     return max(late, key=lambda b: b.age_s) if late else None
