@@ -121,6 +121,9 @@ class PipeliningSide:
         if plan.num_groups != plan.num_stages or any(len(s.gpus) != 1 for s in plan.stages):
             raise ValueError("the pipelining anchor runs one stage per rank (interleave 1, 1 GPU per stage)")
         self.index = plan.role(rank).stage
+        if self.index != rank:  # (plans number ranks node by node: [Note: ranks node by node] in zorse_fx/plan.py)
+            raise ValueError(f"the pipelining anchor runs stage i on rank i (PipelineStage's default); this plan runs "
+                             f"stage {self.index} on rank {rank}")
         self.first, self.last = self.index == 0, self.index == plan.num_stages - 1
         stage = plan.stages[self.index]
         # What pipelining can feed: the model inputs to the first stage, nothing else; the last

@@ -262,7 +262,7 @@ def cmd_train(args) -> int:
     (``elastic.py``). Before any of it, what the files show is checked ([Note: pre-flight
     checks] in ``runtime/preflight.py``); an error a rank finds is one line
     naming the rank ([Note: one line per error] in ``runtime/rank_errors.py``)."""
-    from .runtime.launch import launch, node_launch, torchrun_command
+    from .runtime.launch import check_master_addr, launch, node_launch, torchrun_command
     from .runtime.preflight import check_data, check_hook_ranks, check_job
     from .runtime.run_dir import check_fresh_start
     from .runtime.watchdog import heartbeat_dir
@@ -280,6 +280,9 @@ def cmd_train(args) -> int:
     plan, weights = check_job(cmd.data.plan, weights=cmd.data.weights, nproc=0 if rendezvous else cmd.launch.nproc,
                               resume=cmd.checkpoint.resume, out=out)
     node = None if rendezvous is None else node_launch(plan, rendezvous, cmd.launch.nproc, plan_path=cmd.data.plan)
+    warning = None if rendezvous is None else check_master_addr(rendezvous)
+    if warning:
+        print(f"[zorse] warning: {warning}", flush=True)
     check_hook_ranks(cmd.testing, plan.world_size if node else cmd.launch.nproc or plan.world_size)  # (ranks: again)
     if not cmd.checkpoint.resume:  # another run's checkpoints or metrics: refused before anything starts
         check_fresh_start(out, overwrite=cmd.checkpoint.overwrite)  # (--overwrite: rank 0 removes them)

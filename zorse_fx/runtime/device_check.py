@@ -142,11 +142,13 @@ def _start_nodes(plan, *, gpus: bool = False) -> str:
 
 
 def _started_as(o: DeviceObservation, plan) -> str:
-    """``"; host 't4-node' was started with --node-rank 0, the plan's 'a100-node'"`` from torchrun's
-    GROUP_RANK ("" where not known)."""
+    """``"; host 't4-node' was started with --node-rank 0, which is the plan's node 'a100-node'"`` from
+    torchrun's GROUP_RANK ("" where not known; the plan's node only where its nodes' ranks are contiguous)."""
     nodes = plan.node_ranks()
-    if not 0 <= o.node_rank < len(nodes):
-        return "" if o.node_rank < 0 else f"; host {o.host!r} was started with --node-rank {o.node_rank}"
+    if o.node_rank < 0:
+        return ""
+    if not 0 <= o.node_rank < len(nodes) or not all(n.contiguous for n in nodes):  # (no node k of the plan)
+        return f"; host {o.host!r} was started with --node-rank {o.node_rank}"
     return (f"; host {o.host!r} was started with --node-rank {o.node_rank}, which is the plan's node "
             f"{nodes[o.node_rank].node!r}")
 

@@ -70,7 +70,7 @@ import torch
 
 from ..errors import RuntimeExecutionError
 
-__all__ = ["Rendezvous", "node_launch", "torchrun_command", "launch", "supervise", "rank_device", "init_process_group",
+__all__ = ["Rendezvous", "node_launch", "check_master_addr", "torchrun_command", "launch", "supervise", "rank_device", "init_process_group",
            "running", "JobInterrupted", "JobFailedError", "JobStalledError"]
 
 #: Seconds a SIGINT (Ctrl-C) gives the ranks to exit before they are killed.
@@ -250,6 +250,37 @@ def node_launch(plan, rendezvous: Rendezvous, nproc: int = 0, *, plan_path: str 
             f"{len(node.ranks)} of the plan's ranks ({node.describe_ranks()}); leave --nproc out (or pass --nproc "
             f"{len(node.ranks)})")
     return node
+
+
+def check_master_addr(rendezvous: Rendezvous) -> str | None:
+    """What this host can tell about ``--master-addr`` before torchrun waits
+    for the other nodes (up to its rendezvous timeout, 10 minutes): it must
+    resolve here (else ``LaunchError``); on node 0, whose agent serves the
+    rendezvous, returns a warning where it names none of this host's
+    addresses (the nodes then meet only if that address forwards here, a
+    service address; else every node waits); None where nothing is amiss."""
+    import socket
+
+    from .preflight import LaunchError
+
+    r = rendezvous
+    try:
+        addrs = {a[4][0] for a in socket.getaddrinfo(r.master_addr, r.master_port, type=socket.SOCK_STREAM)}
+    except OSError as exc:
+        raise LaunchError(f"--master-addr {r.master_addr} does not resolve on this host ({exc}); give the host "
+                          f"name or address of node 0 (--node-rank 0) as this node reaches it") from None
+    if r.node_rank != 0:
+        return None
+    for a in addrs:
+        try:
+            with socket.socket(socket.AF_INET6 if ":" in a else socket.AF_INET) as sock:
+                sock.bind((a, 0))
+            return None  # an address of this host: node 0 serves the rendezvous there
+        except OSError:
+            continue
+    return (f"--master-addr {r.master_addr} ({', '.join(sorted(addrs))}) is not an address of this host "
+            f"({socket.gethostname()}), where --node-rank 0 serves the rendezvous: the nodes meet only if it forwards "
+            f"here; else start --node-rank 0 on {r.master_addr}, or pass this host as --master-addr on every node")
 
 
 def torchrun_command(nprocs: int, train_argv: list[str], *, max_restarts: int = 0,
