@@ -276,6 +276,34 @@ def test_master_addr_that_cannot_work_said_before_waiting():
         f"192.0.2.1, or pass this host as --master-addr on every node")
 
 
+def test_node_supervises_only_its_own_ranks(tmp_path):
+    """On a shared --out a node's launcher clears and watches its own ranks'
+    heartbeats and error records only: another node's beat (its pid means
+    nothing on this host, here a live one) is never taken for a stall, nor
+    its record removed; c10d's own log lines stay off the terminal."""
+    import io
+
+    from zorse_fx.runtime.launch import _TorchrunFilter
+    from zorse_fx.runtime.rank_errors import clear_rank_errors, logs_dir
+    from zorse_fx.runtime.watchdog import stalled_rank
+
+    beats = tmp_path / ".heartbeat"
+    beats.mkdir()
+    for r in (0, 2):  # rank 0 (node 0) beat 100 s ago, under a pid alive here
+        (beats / f"rank{r}").write_text(json.dumps({"rank": r, "pid": os.getpid(), "time": 0.0 if r == 0 else 95.0}))
+    assert stalled_rank(beats, 30, now=100.0).rank == 0
+    assert stalled_rank(beats, 30, now=100.0, ranks=(2, 3)) is None
+    logs_dir(tmp_path).mkdir(parents=True)
+    for r in range(4):
+        (logs_dir(tmp_path) / f"rank{r}.error.json").write_text("{}")
+    clear_rank_errors(tmp_path, ranks=(2, 3))
+    assert sorted(p.name for p in logs_dir(tmp_path).iterdir()) == ["rank0.error.json", "rank1.error.json"]
+    line = "[W1206 07:10:41.468072081 socket.cpp:207] [c10d] The hostname of the client socket cannot be retrieved.\n"
+    sink = io.StringIO()
+    _TorchrunFilter(io.StringIO(line + "[zorse] step 1\n"), tmp_path / "t.log", sink).close()
+    assert sink.getvalue() == "[zorse] step 1\n" and (tmp_path / "t.log").read_text().startswith(line)
+
+
 # -- torchrun's numbering and the runtime under it ----------------------------------------------------
 
 _PRINT_RANKS = "import os; print('ranks', os.environ['GROUP_RANK'], os.environ['RANK'], os.environ['LOCAL_RANK'])"
@@ -339,6 +367,7 @@ def test_stages_out_of_rank_order_with_zero3_equal_single_process(lee_bytes, tmp
 # and private: the ``zorse box`` of issue 47 item 1 will build nodes like these.
 
 _NS = re.compile(r"^zmn(\d+)-(\d)$")
+_VETH = re.compile(r"^(zmn(\d+)v\d)(@\S*)?$")  # (an interface of a pair that never moved into a namespace)
 _NODES = ("a100-node", "t4-node")
 
 
@@ -391,6 +420,10 @@ def namespaces():
     for ns in _ours():
         if not psutil.pid_exists(int(_NS.match(ns).group(1))):
             _remove(ns)
+    for line in _ip("-o", "link", "show", check=False).stdout.splitlines():
+        found = _VETH.match(line.split(":")[1].strip()) if line.count(":") > 1 else None
+        if found and not psutil.pid_exists(int(found.group(2))):
+            _ip("link", "del", found.group(1), check=False)
     yield
 
 
@@ -400,7 +433,7 @@ def _two_nodes():
     names (a100-node's, t4-node's); everything is removed on the way out,
     whatever ended the block."""
     names = [f"zmn{os.getpid()}-{k}" for k in range(2)]
-    veth = [f"zmn{os.getpid() % 10**7}v{k}" for k in range(2)]  # (interface names: 15 characters at most)
+    veth = [f"zmn{os.getpid()}v{k}" for k in range(2)]  # (interface names: 15 characters at most; pids < 2**22)
     hosts = "127.0.0.1 localhost\n" + "".join(f"10.47.0.{k + 1} {n}\n" for k, n in enumerate(_NODES))
     try:
         for ns in names:
@@ -418,6 +451,15 @@ def _two_nodes():
         for ns in names:
             _remove(ns)
         _ip("link", "del", veth[0], check=False)  # (only if it never moved into a namespace)
+
+
+def test_namespace_nodes_removed_on_error(namespaces):
+    """``_two_nodes`` leaves nothing behind when its block raises (the normal exit: the tests below)."""
+    with pytest.raises(RuntimeError, match="boom"):
+        with _two_nodes() as names:
+            assert _left(names) == names
+            raise RuntimeError("boom")
+    assert _left(names) == []
 
 
 def _zorse_on_nodes(names, starts, *, timeout_s: float = 180) -> list[tuple[int, str]]:

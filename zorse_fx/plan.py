@@ -751,14 +751,6 @@ class Plan:
             out.append(NodeRanks(node_rank=k, node=n, ranks=tuple(g.rank for g in gs), gpus=tuple(g.gpu for g in gs)))
         return tuple(out)
 
-    def share(self, rank: int) -> GPUShare:
-        """The GPU of rank ``rank`` (its ``GPUShare`` in its first stage)."""
-        for s in self.stages[: self.num_groups]:
-            for g in s.gpus:
-                if g.rank == rank:
-                    return g
-        raise ValueError(f"rank {rank} is not in this plan (world size {self.world_size})")
-
     def shared_params(self) -> dict[str, tuple[int, ...]]:
         """Canonical parameter name -> stages holding it, for params held by >1 stage (tied)."""
         holders: dict[str, list[int]] = {}

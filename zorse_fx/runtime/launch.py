@@ -79,8 +79,9 @@ INT_GRACE_S = 5.0
 STALL_GRACE_S = 3.0
 #: torchrun's own output (its log lines, its ``ChildFailedError`` report) under ``<out>/logs``.
 TORCHRUN_LOG = "torchrun.log"
-#: A line of torch's own logging ("E1202 03:20:00.123000 4242 torch/distributed/...] ...").
-_TORCH_LOG_LINE = re.compile(r"^[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S+\] ")
+#: A line of torch's own logging: Python's ("E1202 03:20:00.123000 4242 torch/distributed/...] ...") or c10d's
+#: ("[W1206 07:10:41.468072081 socket.cpp:207] [c10d] ...": a rendezvous across nodes warns of reverse lookups).
+_TORCH_LOG_LINE = re.compile(r"^(?:[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S+\] |\[[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ \S+\] )")
 
 
 class _TorchrunFilter:
