@@ -589,6 +589,10 @@ def build_parser() -> argparse.ArgumentParser:
     pp.add_argument("--use-all-gpus", action="store_true",
                     help="only plans that give work to every GPU of the cluster (default: a GPU may stay idle "
                          "where that is faster); refused with the reason when none exists")
+    no_cache = ("capture the model afresh and write nothing to the capture cache (default: a Hugging Face model's "
+                "exported graph is kept in ~/.cache/zorse_fx/capture, or $ZORSE_CACHE_DIR, keyed by its code, "
+                "configuration, shapes and versions; zorse_fx/capture/cache.py)")
+    pp.add_argument("--no-cache", action="store_true", help=no_cache)
     pp.add_argument("-o", "--output", required=True,
                     help="plan directory to write: a new or empty one, or an older plan's, which is replaced whole")
     pp.set_defaults(fn=cmd_plan)
@@ -636,6 +640,7 @@ def build_parser() -> argparse.ArgumentParser:
     pm.add_argument("--p2p", choices=("nccl", "buffered"), default="nccl",
                     help="boundary sends as the runtime's point-to-point program runs on NCCL (default: fused "
                          "exchanges, in order per GPU) or as Gloo buffers them (the runtime on CPU)")
+    pm.add_argument("--no-cache", action="store_true", help=no_cache)
     pm.set_defaults(fn=cmd_simulate)
     from .profiling import comm_main, kernels_main
 
@@ -669,6 +674,11 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if getattr(args, "check", None):  # a subcommand's own checks of its values (argparse errors, exit 2)
         args = args.check(args)
+    if getattr(args, "no_cache", False):  # this command captures afresh ([Note: the capture cache])
+        from .capture.cache import disabled
+
+        fn = args.fn
+        args.fn = lambda a: disabled()(fn)(a)
     try:
         return args.fn(args)
     except JobInterrupted as exc:  # the job (torchrun and every rank) is stopped already

@@ -205,6 +205,13 @@ def _capture_fx(model: torch.nn.Module) -> fx.GraphModule:
 
 
 def _capture_export(model: torch.nn.Module, example_inputs, names) -> fx.GraphModule:
+    from . import cache
+
+    key = cache.export_key(model, tuple(example_inputs), names) if cache.enabled() else None
+    ep = cache.load_exported(key, model) if key is not None else None  # [Note: the capture cache]
+    if ep is not None:
+        log.info("capture of %s read from %s", type(model).__name__, cache.cache_file(key))
+        return _module_of(ep)
     batch = torch.export.Dim("batch", min=1, max=1 << 20)
     dynamic = {name: {0: batch} for name in names}
     try:
@@ -217,9 +224,15 @@ def _capture_export(model: torch.nn.Module, example_inputs, names) -> fx.GraphMo
             "Make sure forward(*inputs) returns the scalar loss, every input has the batch in "
             "dim 0, and no Python control flow depends on the batch size."
         ) from exc
+    if key is not None:
+        cache.save_exported(key, ep)
+    return _module_of(ep)
+
+
+def _module_of(ep) -> fx.GraphModule:
+    """``ep`` as a plain graph module. ``ep.module()`` flattens inputs through
+    a pytree codegen; the stage modules get a plain graph, so drop it here."""
     gm = ep.module()
-    # ``ep.module()`` flattens inputs through a pytree codegen; the stage
-    # modules get a plain graph, so drop it here.
     gm.graph._codegen = fx.graph.CodeGen()
     gm.recompile()
     return gm

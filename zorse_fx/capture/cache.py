@@ -1,0 +1,192 @@
+"""The capture cache: a model's exported graph, kept between commands.
+
+[Note: the capture cache]
+Capturing a Hugging Face model is ``torch.export.export`` with a dynamic
+batch dimension, then ``run_decompositions({})`` (``trace._capture_export``):
+35 s for SmolLM2-135M's 30 layers on the 2-core CPU machine (cProfile of
+``zorse simulate``, 2026-12-06), paid again by every ``zorse plan``,
+``zorse simulate`` and ``zorse.compile`` of the same model. The graph depends
+on the model's code and configuration, the parameter and buffer shapes, the
+example inputs' shapes and dtypes, and the torch and transformers that
+traced it; not on the weights' values. So the decomposed ``ExportedProgram``
+is saved with ``torch.export.save`` with its state dict replaced by meta
+tensors (the graph only: 1-10 MB, not the weights), under a key hashing all
+of the above (``export_key``), and a later capture of a model with the same
+key loads it and puts the live model's own parameters and buffers in place
+by name (the same tensor objects export would have held, ties included).
+A loaded program whose names, shapes or dtypes do not match the live model's
+is not used (captured afresh and written again).
+
+The key covers: the source of every module class in the model and of this
+package's capture code (a changed ``forward`` or capture pass is a miss),
+each class's qualified name, Hugging Face configurations (``to_json_string``),
+every parameter's and buffer's name, shape, dtype and ``requires_grad``, the
+inputs' names, shapes and dtypes, and the versions of torch, transformers
+and zorse_fx. Files live in ``<cache>/capture/<key>.pt2`` (``cache_root()``:
+``$ZORSE_CACHE_DIR``, else ``~/.cache/zorse_fx``), written to a temporary
+name and renamed into place. ``$ZORSE_NO_CACHE=1`` (``--no-cache`` on the
+command line) captures afresh and writes nothing. A file that cannot be read
+is ignored with a log line and replaced. Only files zorse_fx wrote are read
+(its own cache directory), as with Python's ``__pycache__``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import inspect
+import json
+import logging
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from ..models.hf import cache_root
+
+__all__ = ["NO_CACHE_ENV", "disabled", "enabled", "export_key", "load_exported", "save_exported", "cache_file"]
+
+log = logging.getLogger(__name__)
+
+#: Set to 1 to capture afresh and write nothing (``zorse plan/simulate --no-cache``).
+NO_CACHE_ENV = "ZORSE_NO_CACHE"
+
+_OWN_SOURCES = ("trace.py", "cache.py", "causal.py")
+
+
+@contextlib.contextmanager
+def disabled():
+    """Within it, captures are made afresh and nothing is written (``--no-cache``);
+    ``$ZORSE_NO_CACHE`` is restored after."""
+    before = os.environ.get(NO_CACHE_ENV)
+    os.environ[NO_CACHE_ENV] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(NO_CACHE_ENV, None)
+        else:
+            os.environ[NO_CACHE_ENV] = before
+
+
+def enabled() -> bool:
+    """Whether captures are read from and written to the cache (not ``$ZORSE_NO_CACHE=1``)."""
+    return os.environ.get(NO_CACHE_ENV, "") not in ("1", "true", "yes")
+
+
+def _class_source(cls: type) -> str:
+    try:
+        return inspect.getsource(cls)
+    except (OSError, TypeError):  # a class without a source file (built at run time): its name only
+        return cls.__qualname__
+
+
+def export_key(model: torch.nn.Module, example_inputs: tuple[torch.Tensor, ...], names: tuple[str, ...]) -> str:
+    """The cache key of capturing ``model`` on ``example_inputs`` (named
+    ``names``) by export: 32 hex digits of a sha256 ([Note: the capture cache])."""
+    h = hashlib.sha256()
+
+    def add(*parts) -> None:
+        for p in parts:
+            h.update(str(p).encode())
+            h.update(b"\0")
+
+    transformers = sys.modules.get("transformers")
+    add(torch.__version__, getattr(transformers, "__version__", "-"), _zorse_version())
+    here = Path(__file__).parent
+    for name in _OWN_SOURCES:
+        add(hashlib.sha256((here / name).read_bytes()).hexdigest())
+    for cls in sorted({type(m) for m in model.modules()}, key=lambda c: f"{c.__module__}.{c.__qualname__}"):
+        add(f"{cls.__module__}.{cls.__qualname__}", hashlib.sha256(_class_source(cls).encode()).hexdigest())
+    for _, m in model.named_modules():
+        config = getattr(m, "config", None)
+        if config is not None and hasattr(config, "to_json_string"):
+            add(config.to_json_string(use_diff=False))
+    for kind, tensors in (("p", model.named_parameters(remove_duplicate=False)),
+                          ("b", model.named_buffers(remove_duplicate=False))):
+        for name, t in tensors:
+            add(kind, name, tuple(t.shape), t.dtype, t.requires_grad)
+    for name, t in zip(names, example_inputs, strict=True):
+        add("in", name, tuple(t.shape), t.dtype)
+    return h.hexdigest()[:32]
+
+
+def _zorse_version() -> str:
+    """zorse_fx's installed version (the package root imports every phase: not imported here)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("zorse_fx")
+    except PackageNotFoundError:  # run from a checkout without installing it
+        return "-"
+
+
+def cache_file(key: str) -> Path:
+    """Where the capture of ``key`` is kept."""
+    return cache_root() / "capture" / f"{key}.pt2"
+
+
+def _live_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    live = dict(model.named_parameters(remove_duplicate=False))
+    live.update(model.named_buffers(remove_duplicate=False))
+    return live
+
+
+def save_exported(key: str, ep) -> None:
+    """Write ``ep``'s graph (its state dict as meta tensors) under ``key``;
+    a cache that cannot be written is logged and skipped."""
+    path = cache_file(key)
+    state = ep.state_dict
+    original = dict(state)
+    try:
+        for k, t in original.items():  # the graph only: shapes and dtypes of the weights, not their values
+            meta = torch.empty_like(t, device="meta")
+            state[k] = torch.nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(
+                t, torch.nn.Parameter) else meta
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+        os.close(fd)
+        try:
+            torch.export.save(ep, tmp)
+            os.chmod(tmp, 0o644)  # (mkstemp's 0600: as readable as the rest of the cache)
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    except Exception as exc:  # noqa: BLE001 (a cache must never fail the capture: logged, skipped)
+        log.info("capture cache %s not written: %s: %s", path, type(exc).__name__, exc)
+    finally:
+        state.clear()
+        state.update(original)
+
+
+def load_exported(key: str, model: torch.nn.Module):
+    """The cached ``ExportedProgram`` of ``key`` with ``model``'s own
+    parameters and buffers in place, or None (no such file, one that cannot
+    be read, or one whose tensors are not the model's by name, shape and dtype)."""
+    path = cache_file(key)
+    if not path.is_file():
+        return None
+    try:
+        ep = torch.export.load(path)
+    except Exception as exc:  # noqa: BLE001 (an unreadable cache file is a miss: logged, replaced)
+        log.info("capture cache %s not read: %s: %s", path, type(exc).__name__, exc)
+        return None
+    live = _live_tensors(model)
+    state = ep.state_dict
+    for name, t in list(state.items()):
+        own = live.get(name)
+        if own is None or tuple(own.shape) != tuple(t.shape) or own.dtype != t.dtype:
+            log.info("capture cache %s: %s is not the model's (%s); capturing afresh", path, name,
+                     json.dumps([tuple(t.shape), str(t.dtype)]))
+            return None
+        state[name] = own
+    for name in list(ep.constants):  # non-persistent buffers (rotary inv_freq): the model's own values
+        own = live.get(name)
+        if own is not None and isinstance(ep.constants[name], torch.Tensor):
+            if tuple(own.shape) != tuple(ep.constants[name].shape):
+                return None
+            ep.constants[name] = own
+    return ep
