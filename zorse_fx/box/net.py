@@ -129,7 +129,7 @@ def build(layout: BoxLayout, *, netem: bool) -> None:
                           f"class add dev n{k} parent 1: classid 1:1 htb rate {_bits(n.nic_bytes_per_s)} "
                           f"ceil {_bits(n.nic_bytes_per_s)} quantum 1514"]
     if layout.shared:
-        _ip(r_ns, [f"link add {IFB} type ifb", f"link set {IFB} up"])
+        _ip(r_ns, [f"link add {IFB} type ifb", f"link set {IFB} txqueuelen 1000", f"link set {IFB} up"])
         router_tc += [f"qdisc add dev {IFB} root handle 1: htb default 2",
                       f"class add dev {IFB} parent 1: classid 1:2 htb rate {_UNSHAPED_BITS}bit quantum 1514"]
         address = {n.name: n.address for n in layout.nodes}
