@@ -52,7 +52,9 @@ _READY_TIMEOUT_S = 10.0
 #     mount --bind <id>.hosts /etc/hosts; exec cmd'`. Per command rather than one held UTS namespace
 #     per node: nothing more to keep or remove (it ends with the command and its children, torchrun's
 #     ranks included), and two commands on one node see the same name. The private mount namespace
-#     carries the box's /etc/hosts, so node names resolve to box addresses as on a real cluster.
+#     carries the box's /etc/hosts, so node names resolve to box addresses as on a real cluster, and a
+#     resolv.conf naming no reachable server, so other lookups (c10d's reverse lookups of its peers)
+#     fail at once instead of waiting 5 s for the machine's DNS server.
 #   * a rank is a cgroup leaf with a CPU quota for its GPU's speed and, with --memory, a memory limit
 #     ([Note: CPU quotas] in layout.py); `spawn(node, argv, rank=j)` starts a process in it, and
 #     torchrun's workers enter theirs by local rank through `python -m zorse_fx.box.rank_enter`.
@@ -84,7 +86,11 @@ _READY_TIMEOUT_S = 10.0
 # until `zorse box down <id>` or `zorse box gc`, which removes every box whose holder is gone and every
 # zbox- namespace or cgroup without a state file.
 
-_ENTER = 'hostname "$0" && mount --bind "$1" /etc/hosts && shift && exec "$@"'
+_ENTER = ('hostname "$0" && mount --bind "$1" /etc/hosts && { [ ! -e /etc/resolv.conf ] || mount --bind "$2" '
+          '/etc/resolv.conf; } && shift 2 && exec "$@"')
+#: The resolver configuration every command in a box sees: no DNS server can be reached from the box, so
+#: lookups that /etc/hosts does not answer fail at once (a closed local port) instead of timing out.
+_RESOLV_CONF = "# zorse box: names come from /etc/hosts\nnameserver 127.0.0.1\noptions timeout:1 attempts:1\n"
 
 
 @functools.cache
@@ -172,10 +178,12 @@ class Box:
             raise BoxConfigError(f"namespaces of an earlier box {layout.box_id!r} are left ({', '.join(taken)}); "
                                  f"remove them with `zorse box down {layout.box_id}` (or `zorse box gc`)")
         me = os.getpid()
-        state = BoxState(box_id=layout.box_id, created_at=datetime.datetime.now(datetime.timezone.utc).isoformat(
-            timespec="seconds"), holder_pid=me if hold else None, holder_start=process_start_ticks(me) if hold else None,
-            cgroups=cgroups, cgroup_dirs=cgroups.box_dirs(layout.box_id),
-            netns=(layout.router_netns, *(n.netns for n in layout.nodes)), delay_line_pid=None, layout=layout)
+        now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        state = BoxState(box_id=layout.box_id, created_at=now, holder_pid=me if hold else None,
+                         holder_start=process_start_ticks(me) if hold else None, cgroups=cgroups,
+                         cgroup_dirs=cgroups.box_dirs(layout.box_id),
+                         netns=(layout.router_netns, *(n.netns for n in layout.nodes)), delay_line_pid=None,
+                         layout=layout)
         write_state(state, new=True)
         box = cls(state)
         try:
@@ -193,6 +201,7 @@ class Box:
     def _build(self) -> None:
         layout, cg = self.layout, self.state.cgroups
         box_file(layout.box_id, "hosts").write_text(layout.hosts_text())
+        box_file(layout.box_id, "resolv.conf").write_text(_RESOLV_CONF)
         leaves: list[tuple[str | None, str, float | None, int | None]] = [(None, ROUTER_LEAF, None, None)]
         for n in layout.nodes:
             leaves.append((n.name, AGENT_LEAF, None, None))
@@ -250,7 +259,8 @@ class Box:
         if not argv:
             raise BoxConfigError("no command given to run on the node")
         return ["nsenter", f"--net={net.NETNS_DIR / n.netns}", "--", "unshare", "--uts", "--mount", "--propagation",
-                "private", "--", "sh", "-c", _ENTER, node, str(box_file(self.layout.box_id, "hosts")), *argv]
+                "private", "--", "sh", "-c", _ENTER, node, str(box_file(self.layout.box_id, "hosts")),
+                str(box_file(self.layout.box_id, "resolv.conf")), *argv]
 
     def environment(self, node: str, env: dict[str, str] | None = None) -> dict[str, str]:
         """The environment of a command on ``node``: ``env`` (default: this process's) with the box's id and

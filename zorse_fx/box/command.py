@@ -43,10 +43,10 @@ def add_parser(sub) -> None:
     up.add_argument("cluster", help="cluster YAML file")
     up.add_argument("--id", dest="box_id", default=None,
                     help="the box's name: letters, digits, '_' (default: the cluster's name)")
-    up.add_argument("--scale", type=_positive, default=None,
+    up.add_argument("--scale", type=_positive, default=None, metavar="S",
                     help="bandwidth_box = bandwidth x S, delay_box = latency / S (default: the factor that keeps "
                          "the cluster's communication-to-compute ratio)")
-    up.add_argument("--cores", type=_positive, default=None,
+    up.add_argument("--cores", type=_positive, default=None, metavar="C",
                     help="CPU cores the ranks' quotas may sum to (default: the CPUs this process may use)")
     up.add_argument("--precision", choices=("auto", "fp32", "bf16-mixed", "fp16-mixed"), default=opt.precision,
                     help="the real training's precision: the GPU types' relative speed is their 16-bit matmul "

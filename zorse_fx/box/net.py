@@ -15,7 +15,7 @@ from pathlib import Path
 from ..errors import BoxSetupError
 from .layout import BoxLayout, NodeLayout
 
-__all__ = ["NETNS_DIR", "build", "add_namespaces", "delete_namespace", "netns_pids", "list_namespaces",
+__all__ = ["NETNS_DIR", "region_subnets", "build", "add_namespaces", "delete_namespace", "netns_pids", "list_namespaces",
            "route_through_delay_line", "shaping", "TcClass", "NODE_IF", "TUN_IN", "TUN_OUT", "IFB", "run"]
 
 NETNS_DIR = Path("/run/netns")
@@ -27,15 +27,13 @@ TUN_IN, TUN_OUT, IFB = "dl-in", "dl-out", "ifb0"
 _DELAY_TABLE = 100
 #: Rate of traffic no link of the cluster shapes (to the router itself, ARP), bits/s.
 _UNSHAPED_BITS = 10_000_000_000
-#: All of a box's addresses (one /16 per region).
-BOX_NET = "10.0.0.0/8"
 
 
 # [Note: the box's network]
 # One namespace per node and one router namespace, zbox-<id>. The router holds one bridge per
 # region (datacenter), br<r> with 10.<r+1>.0.1/16; node k's veth pair runs from eth0 in its namespace
-# (10.<r+1>.x.y/32) to n<k> on its region's bridge. Nodes route the box's 10/8 through their region's
-# router address, so every packet between two nodes -- of one region too -- is forwarded by the
+# (10.<r+1>.x.y/32) to n<k> on its region's bridge. Nodes route the box's subnets (nothing else: no
+# DNS server or internet is reachable, and trying fails at once) through their region's router address, so every packet between two nodes -- of one region too -- is forwarded by the
 # router (redirects off): the one place where all flows meet, which the latency and the shared links
 # need. Shaping, all on egress, so nothing needs an ingress policer:
 #   * a node's NIC (nic_bytes_per_s) and its per-pair links: htb on its eth0, a root class at the NIC
@@ -82,6 +80,12 @@ def _bits(bytes_per_s: float) -> str:
     return f"{max(8, round(bytes_per_s * 8))}bit"
 
 
+def region_subnets(layout: BoxLayout) -> list[str]:
+    """The box's subnets, one /16 per region (10.<r+1>.0.0/16); nothing else is routed to the router, so a
+    packet for an address outside the box (the machine's DNS server) fails at once."""
+    return [f"10.{r + 1}.0.0/16" for r in range(len(_regions(layout)))]
+
+
 def router_address(layout: BoxLayout, node: NodeLayout) -> str:
     """The router's address on ``node``'s region bridge."""
     return ".".join(node.address.split(".")[:2] + ["0", "1"])
@@ -120,7 +124,8 @@ def build(layout: BoxLayout, *, netem: bool) -> None:
     for n in layout.nodes:
         gw = router_address(layout, n)
         _ip(n.netns, ["link set lo up", f"addr add {n.address}/32 dev {NODE_IF}", f"link set {NODE_IF} up",
-                      f"route add {gw}/32 dev {NODE_IF} scope link", f"route add {BOX_NET} via {gw} dev {NODE_IF}"])
+                      f"route add {gw}/32 dev {NODE_IF} scope link",
+                      *(f"route add {net} via {gw} dev {NODE_IF}" for net in region_subnets(layout))])
         _tc(n.netns, _node_egress(layout, n, netem=netem))
     router_tc = []
     for k, n in enumerate(layout.nodes):
@@ -173,7 +178,7 @@ def route_through_delay_line(layout: BoxLayout) -> None:
     """Once the delay line made dl-in and dl-out: every packet a bridge brings to the router goes to dl-in."""
     r_ns = layout.router_netns
     lines = [f"link set {TUN_IN} txqueuelen 10000", f"link set {TUN_IN} up", f"link set {TUN_OUT} up",
-             f"route add {BOX_NET} dev {TUN_IN} table {_DELAY_TABLE}"]
+             *(f"route add {net} dev {TUN_IN} table {_DELAY_TABLE}" for net in region_subnets(layout))]
     lines += [f"rule add iif br{r} lookup {_DELAY_TABLE} pref 100" for r in range(len(_regions(layout)))]
     _ip(r_ns, lines)
 
