@@ -310,7 +310,9 @@ def _fmt_bytes(n: int) -> str:
 # period is the shortest from 10 ms up to 1 s in which the smallest quota is still the kernel's
 # minimum of 1 ms: short periods throttle smoothly (a rank at 0.09 cores runs 1 ms of every 11 ms,
 # not 9 ms of every 100 ms), which matters for steps of a few hundred ms. A quota the kernel cannot
-# give even with a 1 s period is refused, naming the GPU type.
+# give even with a 1 s period is refused, naming the GPU type. A rank is held to its quota from its
+# first instruction: importing torch at 0.085 cores takes ~11x as long as on a free core (about 16 s
+# here before small_hetero's T4 ranks reach rendezvous), so time steps, not start-up.
 
 
 def gpu_rate_flops_per_s(spec, precision: str) -> float:
