@@ -9,6 +9,7 @@
     zorse simulate runs/x/plan --model ... --cluster ...  # runs/x/plan/simulate/: Perfetto JSON + Gantt PNG
     zorse bench kernels --model smollm2-135m -o profiles/<type>.json   # kernel profile
     zorse bench comm --nproc 2 --out profiles/comm.json                # link alpha-beta fits, `links:`
+    zorse box up examples/clusters/small_hetero.yaml   # the cluster emulated here (root): zorse box run/down
 
 ``zorse train`` starts one local process per planned GPU with torchrun and
 supervises it (``runtime/launch.py``, [Note: stopping a job]): SIGINT/SIGTERM
@@ -658,6 +659,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "several machines run `torchrun ... -m zorse_fx.profiling.comm_main` on each.")
     pc.add_argument("--nproc", type=_at_least_two, default=2, help="local ranks to start (default 2)")
     pc.set_defaults(fn=cmd_bench, what="comm", check=lambda args: comm_main.check_args(pc, args))
+    from .box import command as box_command
+
+    box_command.add_parser(sub)  # zorse box up/run/down/gc: an emulated cluster on this machine (zorse_fx/box/)
     return p
 
 

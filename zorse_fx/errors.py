@@ -30,6 +30,9 @@ __all__ = [
     "CheckpointManifestError",
     "TokenHeaderError",
     "TrainOptionsFileError",
+    "BoxConfigError",
+    "BoxSetupError",
+    "BoxStateFileError",
     "short_repr",
 ]
 
@@ -217,3 +220,22 @@ class TrainOptionsFileError(FileFormatError):
     or holds an unknown field, a value of the wrong type or a value the loop
     cannot use. Raised by ``train_options.read_options_file``; the message
     names the file, the field and the value."""
+
+
+class BoxConfigError(ZorseError, ValueError):
+    """A cluster ``zorse box`` cannot emulate on this machine as asked (a node
+    name that is no hostname, quotas below the kernel's smallest, a delay
+    beyond what TCP waits for), or a box option, id, node or rank that does
+    not exist. The message names the value and what to change."""
+
+
+class BoxSetupError(ZorseError, RuntimeError):
+    """This machine refused a step of building or removing a box (not root,
+    no CAP_NET_ADMIN, no writable cgroup, an ``ip``/``tc`` command that
+    failed); the message names the command and the kernel's answer."""
+
+
+class BoxStateFileError(FileFormatError):
+    """A box's state file (``/run/zorse_box/<id>.json``, written by ``zorse
+    box up``) is malformed or of an unsupported version. ``zorse box down
+    <id>`` still removes the box by its names."""

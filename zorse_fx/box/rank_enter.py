@@ -1,0 +1,47 @@
+"""``python -m zorse_fx.box.rank_enter CMD...``: a torchrun worker on a box node enters its local
+rank's cgroup (its CPU quota and memory limit), then becomes ``CMD``.
+
+torchrun starts every worker in the cgroup it runs in itself (the node's ``agent`` leaf when started
+by ``Box.spawn`` or ``zorse box run``); give it this module as the script and the real one after it::
+
+    zorse box run <id> --node t4-node -- torchrun --nnodes 2 ... -m zorse_fx.box.rank_enter -m zorse_fx.train ...
+
+The box (``ZORSE_BOX``), the node (``ZORSE_BOX_NODE``, both set by the box) and ``LOCAL_RANK`` (set by
+torchrun) say which cgroup. ``CMD`` starting with ``-m``, ``-c`` or a ``.py`` file runs under this
+Python; otherwise it is a program. An error is one line ``zorse: ...`` and exit status 1.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from ..errors import ZorseError
+from .box import ENV_BOX, ENV_NODE
+from .cgroups import rank_leaf
+from .state import read_state
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    box_id, node, local = os.environ.get(ENV_BOX), os.environ.get(ENV_NODE), os.environ.get("LOCAL_RANK")
+    if not argv:
+        print("zorse: rank_enter: give the command to run after it (e.g. -m zorse_fx.train ...)", file=sys.stderr)
+        return 1
+    if not (box_id and node and local is not None and local.isdigit()):
+        print(f"zorse: rank_enter: {ENV_BOX}={box_id!r}, {ENV_NODE}={node!r}, LOCAL_RANK={local!r}: start it with "
+              f"torchrun inside a box (`zorse box run <id> --node NAME -- torchrun ...`)", file=sys.stderr)
+        return 1
+    try:
+        state = read_state(box_id)
+        slot = state.layout.rank(node, int(local))
+        state.cgroups.join(0, box_id, node, rank_leaf(slot.local_rank))
+    except ZorseError as exc:
+        print(f"zorse: rank_enter: {exc}", file=sys.stderr)
+        return 1
+    cmd = [sys.executable, *argv] if argv[0] in ("-m", "-c") or argv[0].endswith(".py") else argv
+    os.execvp(cmd[0], cmd)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
