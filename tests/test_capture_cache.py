@@ -96,3 +96,21 @@ def test_no_cache_flag_captures_afresh_and_writes_nothing(tmp_path, monkeypatch)
     assert not (tmp_path / "cache" / "capture").exists() and NO_CACHE_ENV not in os.environ
     assert main([*argv, "-o", str(tmp_path / "p2")]) == 0
     assert len(list((tmp_path / "cache" / "capture").glob("*.pt2"))) == 1
+
+
+def test_a_users_own_module_is_captured_afresh(tmp_path, monkeypatch):
+    """A module of the user's own class can read what no key sees (here a mask
+    function held in an attribute: tests/test_causal_mask_pass.py's _Masked
+    with two functions): nothing is cached, each capture is its own model's."""
+    from test_causal_mask_pass import _Masked, _causal, _window
+
+    from zorse_fx.capture.cache import cacheable
+
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path))
+    ids = torch.randint(1, 64, (2, 8), generator=torch.Generator().manual_seed(3))
+    for fn, rewritten in ((_causal, 1), (_window, 0)):
+        model = _Masked(fn)
+        assert not cacheable(model)
+        assert capture(model, (ids, ids.clone()), method="export").causal_masks == rewritten
+    assert not (tmp_path / "capture").exists()
+    assert cacheable(_llama(0))

@@ -17,8 +17,14 @@ by name (the same tensor objects export would have held, ties included).
 A loaded program whose names, shapes or dtypes do not match the live model's
 is not used (captured afresh and written again).
 
+Only models made of torch, ``transformers`` and zorse_fx classes are cached
+(``cacheable``: a Hugging Face model, wrapped by ``CausalLMWithLoss`` or not):
+their graph follows from their code, configuration and versions. A user's
+own module can read anything in its ``forward`` — a function held in an
+attribute, a global — that no key sees, so it is captured afresh every time.
 The key covers: the source of every module class in the model and of this
 package's capture code (a changed ``forward`` or capture pass is a miss),
+every module's training flag (dropout is in the graph or not),
 each class's qualified name, Hugging Face configurations (``to_json_string``),
 every parameter's and buffer's name, shape, dtype and ``requires_grad``, the
 inputs' names, shapes and dtypes, and the versions of torch, transformers
@@ -46,7 +52,7 @@ import torch
 
 from ..models.hf import cache_root
 
-__all__ = ["NO_CACHE_ENV", "disabled", "enabled", "export_key", "load_exported", "save_exported", "cache_file"]
+__all__ = ["NO_CACHE_ENV", "cacheable", "disabled", "enabled", "export_key", "load_exported", "save_exported", "cache_file"]
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +89,18 @@ def _class_source(cls: type) -> str:
         return cls.__qualname__
 
 
+#: The packages whose modules' graphs follow from their code, configuration and version alone.
+_LIBRARIES = ("torch", "transformers", "zorse_fx")
+
+
+def cacheable(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s capture may be cached: every module of it is a class
+    of torch, ``transformers`` or zorse_fx ([Note: the capture cache]). A user's own
+    module can read anything in its ``forward`` (a function held in an
+    attribute, a global), which no key can see, so it is captured afresh."""
+    return all(type(m).__module__.split(".")[0] in _LIBRARIES for m in model.modules())
+
+
 def export_key(model: torch.nn.Module, example_inputs: tuple[torch.Tensor, ...], names: tuple[str, ...]) -> str:
     """The cache key of capturing ``model`` on ``example_inputs`` (named
     ``names``) by export: 32 hex digits of a sha256 ([Note: the capture cache])."""
@@ -100,10 +118,11 @@ def export_key(model: torch.nn.Module, example_inputs: tuple[torch.Tensor, ...],
         add(hashlib.sha256((here / name).read_bytes()).hexdigest())
     for cls in sorted({type(m) for m in model.modules()}, key=lambda c: f"{c.__module__}.{c.__qualname__}"):
         add(f"{cls.__module__}.{cls.__qualname__}", hashlib.sha256(_class_source(cls).encode()).hexdigest())
+    add("training", [m.training for m in model.modules()], torch.is_grad_enabled())  # (dropout in the graph or not)
     for _, m in model.named_modules():
         config = getattr(m, "config", None)
         if config is not None and hasattr(config, "to_json_string"):
-            add(config.to_json_string(use_diff=False))
+            add(config.to_json_string(use_diff=False), getattr(config, "_attn_implementation", None))
     for kind, tensors in (("p", model.named_parameters(remove_duplicate=False)),
                           ("b", model.named_buffers(remove_duplicate=False))):
         for name, t in tensors:

@@ -207,7 +207,8 @@ def _capture_fx(model: torch.nn.Module) -> fx.GraphModule:
 def _capture_export(model: torch.nn.Module, example_inputs, names) -> fx.GraphModule:
     from . import cache
 
-    key = cache.export_key(model, tuple(example_inputs), names) if cache.enabled() else None
+    key = (cache.export_key(model, tuple(example_inputs), names)
+           if cache.enabled() and cache.cacheable(model) else None)
     ep = cache.load_exported(key, model) if key is not None else None  # [Note: the capture cache]
     if ep is not None:
         log.info("capture of %s read from %s", type(model).__name__, cache.cache_file(key))
