@@ -32,7 +32,8 @@ demo: $(STAMP)
 # its own. --dist loadgroup hands tests out like the default `load` (so a long
 # file's tests spread over workers), except that the tests marked
 # `xdist_group` (tests/test_job_control.py: torchrun jobs stopped by signals
-# within a few seconds) run one after another on one worker. Every test
+# within a few seconds; tests/test_box.py: `zorse box gc` removes any box whose
+# holder died) run one after another on one worker. Every test
 # writes only under its tmp_path and finds ports through the kernel, so
 # workers do not collide. `make test TEST_WORKERS=0` runs it in one process.
 TEST_WORKERS     ?= auto

@@ -402,6 +402,9 @@ def test_signal_to_holder_removes_box(box_machine, tmp_path, sig, status):
     assert not any(_alive(p) for p in pids)
 
 
+# One worker runs both: `zorse box gc` removes every box whose holder is dead, so run beside [down]
+# it can remove [down]'s box first (CI, stop 51: "no box 't13445_kill_down'").
+@pytest.mark.xdist_group("box_gc")
 @pytest.mark.parametrize("how", ["down", "gc"])
 def test_sigkill_holder_then_cli_removes_box(box_machine, tmp_path, how):
     """SIGKILL leaves the box (nothing can catch it); `zorse box down <id>` or `zorse box gc` removes it."""
