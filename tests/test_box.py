@@ -432,16 +432,20 @@ def test_cli_box_torchrun_workers_enter_their_rank_cgroups(box_machine):
                             timeout=120)
         assert up.returncode == 0, up.stderr
         assert "a100-node" in up.stdout and "10.1.0.2" in up.stdout and f"box {box_id!r} is up" in up.stdout
-        code = ("import os, socket; r = os.environ['LOCAL_RANK']; "
-                "print('rank', r, socket.gethostname(), [l for l in open('/proc/self/cgroup') if ':cpu:' in l "
-                "or '::' in l][0].strip(), flush=True)")
+        code = ("import os, socket; from zorse_fx.box.rank_enter import enter_rank_leaf; r = os.environ['LOCAL_RANK']; "
+                "cg = lambda: [l for l in open('/proc/self/cgroup') if ':cpu,' in l or ':cpu:' in l or '::' in l][0]; "
+                "host = cg().strip(); entered = enter_rank_leaf('gpu'); "
+                "print('rank', r, socket.gethostname(), host, entered, cg().strip(), flush=True)")
         run = subprocess.run([*zorse, "run", box_id, "--node", "a100-node", "--", sys.executable, "-m",
                               "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
                               "zorse_fx.box.rank_enter", "-c", code], capture_output=True, text=True, timeout=180)
         assert run.returncode == 0, run.stderr
         lines = sorted(line.split() for line in run.stdout.splitlines() if line.startswith("rank "))
         assert [(w[1], w[2]) for w in lines] == [("0", "a100-node"), ("1", "a100-node")], run.stdout
-        assert [w[3].endswith(f"/zbox-{box_id}/a100-node/rank{w[1]}") for w in lines] == [True, True], lines
+        # each worker starts in its rank's host leaf, enter_rank_leaf (train.py's first step) moves it under its quota
+        assert [(w[3].endswith(f"/zbox-{box_id}/a100-node/rank{w[1]}/host"), w[4],
+                 w[5].endswith(f"/zbox-{box_id}/a100-node/rank{w[1]}/gpu")) for w in lines] == [(True, "True", True)] * 2, \
+            lines
         assert _leftovers(box_id)["netns"]
     finally:
         down = subprocess.run([*zorse, "down", box_id], capture_output=True, text=True, timeout=120)

@@ -9,20 +9,18 @@ Layers: plan numbering, launch checks and the device check's messages are
 pure functions (no process); one test runs two torchrun agents on this host
 (the rank numbering of nodes with unequal process counts), one the ranks of
 a plan whose stages are not in rank order (the suite's fork server); the
-last two run ``zorse train`` once per node inside two network namespaces with
-their own host names (a veth pair between them; skipped, with the reason,
-where this machine does not allow namespaces). Distributed runs equal
+last runs ``zorse train`` once per node of the cluster's box (zorse_fx/box:
+a network namespace per node with its host name, shaped links, a CPU quota
+per rank; skipped, with the reason, where this machine cannot build one). Distributed runs equal
 single-process training within ``conftest.FP32`` (float32 sums in another
 order, as in test_distributed.py).
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
@@ -353,125 +351,39 @@ def test_stages_out_of_rank_order_with_zero3_equal_single_process(lee_bytes, tmp
     train_and_compare(plan, captured, lee_bytes, tmp_path, steps=2, lr=LR, weight_decay=WD)
 
 
-# -- two nodes in two network namespaces ------------------------------------------------------------
+# -- two nodes of a box ------------------------------------------------------------------------------
 #
-# [Note: the namespace nodes]
-# Each node is a network namespace (``ip netns``) with its own UTS namespace
-# (``unshare --uts``: its own host name, a100-node or t4-node, the cluster
-# file's node names), joined to the other by a veth pair (10.47.0.1/24 and
-# 10.47.0.2/24). ``ip netns exec`` bind-mounts ``/etc/netns/<ns>/hosts`` over
-# /etc/hosts inside, which names both nodes: host names resolve as DNS would
-# on a cluster (Gloo binds to the address of its host name; --master-addr is
-# a host name). Names carry this process's pid (``zmn<pid>-<k>``), so
-# ``_no_leftover_namespaces`` removes those of a dead test process. Kept small
-# and private: the ``zorse box`` of issue 47 item 1 will build nodes like these.
+# [Note: the multi-node test's box]
+# The last test runs `zorse train` once per node of small_hetero.yaml's box (zorse_fx/box, [Note: the
+# box]): a network namespace per node with the node's host name and the box's /etc/hosts (Gloo binds to
+# the address of its host name; --master-addr is a host name), each node's NIC shaped with htb, the
+# inter-node latency through the delay line, the links scaled so that communication-to-compute ratios
+# are the cluster's. torchrun's workers enter their ranks' host leaves (rank_enter) and, at the first
+# training step, their gpu leaves: each rank trains under its GPU type's CPU quota ([Note: host and GPU
+# leaves] in zorse_fx/box/cgroups.py). Skipped, with the reason, where this machine cannot build a box.
 
-_NS = re.compile(r"^zmn(\d+)-(\d)$")
-_VETH = re.compile(r"^(zmn(\d+)v\d)(@\S*)?$")  # (an interface of a pair that never moved into a namespace)
 _NODES = ("a100-node", "t4-node")
 
 
-def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check)
-
-
-def _namespace_skip_reason() -> str | None:
-    """Why this machine cannot run the namespace tests (None: it can): no ``ip``
-    or ``unshare``, or creating a namespace is refused (not root, no CAP_NET_ADMIN)."""
-    for tool in ("ip", "unshare"):
-        if shutil.which(tool) is None:
-            return f"no `{tool}` on this machine"
-    probe = f"zmn{os.getpid()}-9"
-    made = _ip("netns", "add", probe, check=False)
-    if made.returncode != 0:
-        return f"cannot create a network namespace (`ip netns add`: {made.stderr.strip()}; needs root or CAP_NET_ADMIN)"
-    _ip("netns", "del", probe, check=False)
-    uts = subprocess.run(["unshare", "--uts", "true"], capture_output=True, text=True)
-    if uts.returncode != 0:
-        return f"cannot create a UTS namespace (`unshare --uts`: {uts.stderr.strip()})"
-    return None
-
-
-def _ours() -> list[str]:
-    """The namespaces of this test file's processes (``zmn<pid>-<k>``), this one's or another's."""
-    listed = _ip("netns", "list", check=False).stdout.split()
-    return [n for n in listed if _NS.match(n)]
-
-
-def _left(names) -> list[str]:
-    """What of ``names``' namespaces and their hosts files is still there."""
-    return [n for n in names if n in _ours() or (Path("/etc/netns") / n).exists()]
-
-
-def _remove(ns: str) -> None:
-    _ip("netns", "del", ns, check=False)  # (its end of the veth pair goes with it, and so the pair)
-    shutil.rmtree(Path("/etc/netns") / ns, ignore_errors=True)
-
-
 @pytest.fixture
-def namespaces():
-    """Skip (with the reason) where namespaces cannot be made; else remove the
-    namespaces of test processes that died inside ``_two_nodes``."""
-    import psutil
+def box_machine():
+    """Skip (with the reason) where this machine cannot build a box; else remove boxes of dead tests."""
+    from zorse_fx.box import check_machine, gc
 
-    reason = _namespace_skip_reason()
+    reason = check_machine()
     if reason:
-        pytest.skip(reason)
-    for ns in _ours():
-        if not psutil.pid_exists(int(_NS.match(ns).group(1))):
-            _remove(ns)
-    for line in _ip("-o", "link", "show", check=False).stdout.splitlines():
-        found = _VETH.match(line.split(":")[1].strip()) if line.count(":") > 1 else None
-        if found and not psutil.pid_exists(int(found.group(2))):
-            _ip("link", "del", found.group(1), check=False)
-    yield
+        pytest.skip(f"zorse box cannot run here: {reason}")
+    gc()
 
 
-@contextlib.contextmanager
-def _two_nodes():
-    """The two nodes of [Note: the namespace nodes]: yields their namespace
-    names (a100-node's, t4-node's); everything is removed on the way out,
-    whatever ended the block."""
-    names = [f"zmn{os.getpid()}-{k}" for k in range(2)]
-    veth = [f"zmn{os.getpid()}v{k}" for k in range(2)]  # (interface names: 15 characters at most; pids < 2**22)
-    hosts = "127.0.0.1 localhost\n" + "".join(f"10.47.0.{k + 1} {n}\n" for k, n in enumerate(_NODES))
-    try:
-        for ns in names:
-            _ip("netns", "add", ns)
-            (Path("/etc/netns") / ns).mkdir(parents=True, exist_ok=True)
-            (Path("/etc/netns") / ns / "hosts").write_text(hosts)
-        _ip("link", "add", veth[0], "type", "veth", "peer", "name", veth[1])
-        for k, (ns, dev) in enumerate(zip(names, veth)):
-            _ip("link", "set", dev, "netns", ns)
-            _ip("-n", ns, "addr", "add", f"10.47.0.{k + 1}/24", "dev", dev)
-            _ip("-n", ns, "link", "set", dev, "up")
-            _ip("-n", ns, "link", "set", "lo", "up")
-        yield names
-    finally:
-        for ns in names:
-            _remove(ns)
-        _ip("link", "del", veth[0], check=False)  # (only if it never moved into a namespace)
-
-
-def test_namespace_nodes_removed_on_error(namespaces):
-    """``_two_nodes`` leaves nothing behind when its block raises (the normal exit: the tests below)."""
-    with pytest.raises(RuntimeError, match="boom"):
-        with _two_nodes() as names:
-            assert _left(names) == names
-            raise RuntimeError("boom")
-    assert _left(names) == []
-
-
-def _zorse_on_nodes(names, starts, *, timeout_s: float = 180) -> list[tuple[int, str]]:
-    """Run ``zorse train`` with each ``starts[k]`` (argv after ``train``) in
-    node ``names[k]`` under its host name ``_NODES[k]``, all at once; returns
-    (exit status, output) per node. On timeout every node's ``zorse train``
-    gets SIGINT (it stops its job: [Note: stopping a job]) and the test fails."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen(["ip", "netns", "exec", ns, "unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"',
-                               host, sys.executable, "-m", "zorse_fx.cli", "train", *argv],
-                              env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for ns, host, argv in zip(names, _NODES, starts)]
+def _zorse_on_nodes(box, starts, *, timeout_s: float = 240) -> list[tuple[int, str]]:
+    """Run ``zorse train`` with each ``starts[k]`` (argv after ``train``) on node ``_NODES[k]`` of ``box``, all
+    at once; returns (exit status, output) per node. On timeout every node's ``zorse train`` gets SIGINT (it
+    stops its job: [Note: stopping a job]) and the test fails."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+    procs = [box.spawn(node, [sys.executable, "-m", "zorse_fx.cli", "train", *argv], env=env, cwd=ROOT,
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for node, argv in zip(_NODES, starts)]
     try:
         outs = [p.communicate(timeout=timeout_s)[0] for p in procs]
     finally:
@@ -504,11 +416,11 @@ def _reference(plan_dir: Path, captured, tokens, steps: int) -> list[float]:
     return reference_adamw(captured, tokens, Plan.load(plan_dir), steps, lr=LR, weight_decay=WD)[0]
 
 
-def test_small_hetero_plan_across_two_namespaces_refuses_a_wrong_node_rank_then_trains(namespaces, lee_bytes,
-                                                                                       tmp_path):
+def test_small_hetero_plan_on_its_box_refuses_a_wrong_node_rank_then_trains(box_machine, lee_bytes, tmp_path):
     """The issue's plan (`zorse plan --model gpt --cluster small_hetero.yaml
     --global-batch-size 8 --seq-len 32 --use-all-gpus`) on its own cluster:
-    a100-node and t4-node as two namespaces with those host names.
+    a100-node and t4-node as two nodes of its box ([Note: the multi-node test's box]): shaped NICs, the
+    scaled inter-node latency, each rank under its GPU type's CPU quota from its first step.
 
     Started with each other's --node-rank (a host list in the wrong order:
     t4-node first, so node 0 and --master-addr), both nodes exit 1 with the
@@ -517,7 +429,7 @@ def test_small_hetero_plan_across_two_namespaces_refuses_a_wrong_node_rank_then_
     (`zorse train --nnodes 2 --node-rank K --master-addr a100-node` in each at
     once), the device check sees every rank on its planned node (not
     skipped), and the 2 steps' losses equal single-process training (FP32);
-    nothing of the namespaces is left. (Unequal per-node counts:
+    nothing of the box is left (test_box.py). (Unequal per-node counts:
     test_torchrun_numbers_unequal_nodes_cumulatively; one host against several:
     the same ranks and plan, so the same arithmetic.)"""
     import re
@@ -532,11 +444,14 @@ def test_small_hetero_plan_across_two_namespaces_refuses_a_wrong_node_rank_then_
     assert _nodes(plan) == [(0, "a100-node", (0, 1), (0, 1)), (1, "t4-node", (2, 3), (2, 3))]
     tokens = tmp_path / "tokens.pt"
     torch.save(lee_bytes[:20000], tokens)
-    with _two_nodes() as names:
-        wrong = _zorse_on_nodes(names, [_node_args(plan_dir, tokens, tmp_path / "bad", k, node_rank=1 - k,
-                                                   master="t4-node") for k in range(2)])
-        done = _zorse_on_nodes(names, [_node_args(plan_dir, tokens, tmp_path / "run", k) for k in range(2)])
-    assert _left(names) == []
+    from zorse_fx.box import Box
+
+    with Box.up(CLUSTERS / "small_hetero.yaml", box_id=f"mn{os.getpid()}") as box:
+        wrong = _zorse_on_nodes(box, [_node_args(plan_dir, tokens, tmp_path / "bad", k, node_rank=1 - k,
+                                                 master="t4-node") for k in range(2)])
+        done = _zorse_on_nodes(box, [_node_args(plan_dir, tokens, tmp_path / "run", k) for k in range(2)])
+        quotas = [box.cpu_quota(node, j) for node in _NODES for j in range(2)]
+    assert all(q is not None for q, _ in quotas) and quotas[0][0] > quotas[2][0]  # (an A100 rank's over a T4's)
     advice = re.escape(
         "; host 't4-node' was started with --node-rank 0, which is the plan's node 'a100-node'; start each node "
         "with its --node-rank: 0 on 'a100-node' (2 processes: ranks 0-1), 1 on 't4-node' (2 processes: ranks 2-3), "
@@ -552,6 +467,7 @@ def test_small_hetero_plan_across_two_namespaces_refuses_a_wrong_node_rank_then_
     out0 = done[0][1]
     assert "[zorse] node 0 of 2 ('a100-node'): ranks 0-1 of 4" in out0
     assert "--nnodes=2 --node-rank=0 --master-addr=a100-node --master-port=29500 --nproc-per-node=2" in out0
+    assert f"[zorse] box mn{os.getpid()}: ranks train under their GPU types' CPU quotas" in out0
     skipped = next(line for line in out0.splitlines() if line.startswith("[zorse] device check skipped"))
     assert "GPU name and memory" in skipped and "nodes:" not in skipped  # the hosts were compared
     model, _ = load_model("gpt")

@@ -456,6 +456,12 @@ def _run(options: TrainingOptions, where: _Where) -> int:
     _log(rank, f"[zorse] AdamW lr {opt.lr:g} ({opt.lr_schedule}, warm-up {opt.warmup_steps}, min {opt.min_lr:g}), "
                f"weight decay {opt.weight_decay:g} on matrices, clip "
                f"{opt.clip_grad_norm if opt.clip_grad_norm else 'off'}, seed {opt.seed}")
+    in_box = bool(os.environ.get("ZORSE_BOX"))  # a box node: the steps at its GPU's speed ([Note: host and GPU
+    if in_box:  # leaves] in zorse_fx/box/cgroups.py), the start and the end at the host's
+        from .box.rank_enter import enter_rank_leaf
+
+        if enter_rank_leaf("gpu"):
+            _log(rank, f"[zorse] box {os.environ['ZORSE_BOX']}: ranks train under their GPU types' CPU quotas")
     dist.barrier()
     if rank == 0:
         progress = _Progress(loop.steps, start - 1)
@@ -541,6 +547,8 @@ def _run(options: TrainingOptions, where: _Where) -> int:
                 progress.write(f"[zorse] {signal.Signals(stopping).name} received: stopping after step {step}"
                                + (f" (checkpoint step_{saved})" if ckpt.checkpoint_every else ""))
             break
+    if in_box:
+        enter_rank_leaf("host")
     if progress:
         progress.close()
     if writer is not None:

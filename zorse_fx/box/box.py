@@ -30,7 +30,7 @@ from pathlib import Path
 from ..cluster import Cluster
 from ..errors import BoxConfigError, BoxSetupError, BoxStateFileError
 from . import net
-from .cgroups import AGENT_LEAF, ROUTER_LEAF, Cgroups, kill_and_remove, pids_under, rank_leaf
+from .cgroups import AGENT_LEAF, ROUTER_LEAF, Cgroups, kill_and_remove, pids_under, rank_dir, rank_leaf
 from .layout import NETNS_PREFIX, BoxLayout, BoxOptions, plan_box
 from .state import (STATE_DIR, BoxState, box_file, holder_alive, process_start_ticks, read_state, state_ids,
                     state_path, write_state)
@@ -205,7 +205,10 @@ class Box:
         leaves: list[tuple[str | None, str, float | None, int | None]] = [(None, ROUTER_LEAF, None, None)]
         for n in layout.nodes:
             leaves.append((n.name, AGENT_LEAF, None, None))
-            leaves += [(n.name, rank_leaf(r.local_rank), r.cpu_quota_cores, r.memory_limit_bytes) for r in n.ranks]
+            for r in n.ranks:  # [Note: host and GPU leaves] in cgroups.py
+                leaves += [(n.name, rank_dir(r.local_rank), None, r.memory_limit_bytes),
+                           (n.name, rank_leaf(r.local_rank, "host"), None, None),
+                           (n.name, rank_leaf(r.local_rank, "gpu"), r.cpu_quota_cores, None)]
         cg.create(layout.box_id, leaves, layout.cpu_period_us)
         net.add_namespaces(layout)
         net.build(layout, netem=layout.latency == "netem")
@@ -269,17 +272,19 @@ class Box:
         out.update({ENV_BOX: self.layout.box_id, ENV_NODE: node, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
         return out
 
-    def leaf(self, node: str, rank: int | None) -> str:
-        """The cgroup leaf of local rank ``rank`` of ``node`` (None: the node's ``agent`` leaf, no limit)."""
+    def leaf(self, node: str, rank: int | None, phase: str = "gpu") -> str:
+        """The cgroup leaf of local rank ``rank`` of ``node``: its ``gpu`` leaf (its CPU quota) or ``host`` leaf
+        ([Note: host and GPU leaves] in cgroups.py); None: the node's ``agent`` leaf, no limit."""
         if rank is None:
             self.layout.node(node)
             return AGENT_LEAF
-        return rank_leaf(self.layout.rank(node, rank).local_rank)
+        return rank_leaf(self.layout.rank(node, rank).local_rank, phase)
 
     def spawn(self, node: str, argv: Sequence[str], *, rank: int | None = None, env: dict[str, str] | None = None,
               **popen) -> subprocess.Popen:
-        """Start ``argv`` on ``node`` (``command``) in local rank ``rank``'s cgroup (None: the node's agent
-        cgroup, e.g. for torchrun, whose workers enter their ranks' cgroups through ``rank_enter``).
+        """Start ``argv`` on ``node`` (``command``) in local rank ``rank``'s ``gpu`` leaf, under its CPU quota
+        from the start (None: the node's agent cgroup, e.g. for torchrun, whose workers enter their ranks'
+        ``host`` leaves through ``rank_enter`` and their ``gpu`` leaves at the first training step).
         ``popen``: ``subprocess.Popen``'s other arguments. The box kills it when it goes down."""
         procs = [Path(d) / "cgroup.procs"
                  for d in self.state.cgroups.leaf_dirs(self.layout.box_id, node, self.leaf(node, rank))]
@@ -302,11 +307,11 @@ class Box:
 
     def memory_limit_bytes(self, node: str, rank: int) -> int | None:
         """A rank's memory limit as the kernel has it (None: none)."""
-        return self.state.cgroups.memory_limit(self.layout.box_id, node, self.leaf(node, rank))
+        return self.state.cgroups.memory_limit(self.layout.box_id, node, rank_dir(self.layout.rank(node, rank).local_rank))
 
     def memory_peak_bytes(self, node: str, rank: int) -> int | None:
         """The most memory rank ``rank`` of ``node`` held at once since the box was built, bytes."""
-        return self.state.cgroups.memory_peak(self.layout.box_id, node, self.leaf(node, rank))
+        return self.state.cgroups.memory_peak(self.layout.box_id, node, rank_dir(self.layout.rank(node, rank).local_rank))
 
     def node_shaping(self, node: str) -> list[net.TcClass]:
         """The htb classes on ``node``'s eth0 (its NIC and per-pair links)."""

@@ -3,11 +3,14 @@
 A box's cgroups form one tree per hierarchy (v1: the ``cpu`` and ``memory`` hierarchies; v2: the
 unified one)::
 
-    zbox-<id>/_router            the delay line (no limit)
-    zbox-<id>/<node>/agent       what runs on the node outside a rank (torchrun's agent, a shell)
-    zbox-<id>/<node>/rank<j>     local rank j: its CPU quota and memory limit
+    zbox-<id>/_router              the delay line (no limit)
+    zbox-<id>/<node>/agent         what runs on the node outside a rank (torchrun's agent, a shell)
+    zbox-<id>/<node>/rank<j>       local rank j: its memory limit (and peak), over both leaves below
+    zbox-<id>/<node>/rank<j>/host  the rank while it starts (imports, capture, loading): no CPU quota
+    zbox-<id>/<node>/rank<j>/gpu   the rank from its first training step on: its GPU's speed as a CPU quota
 
-Processes live in leaves only (v2's rule, kept on v1 too). Files read and written: v1
+Processes live in leaves only (v2's rule, kept on v1 too). Why a rank has two leaves: [Note: host
+and GPU leaves]. Files read and written: v1
 ``cpu.cfs_period_us``, ``cpu.cfs_quota_us``, ``memory.limit_in_bytes``, ``memory.max_usage_in_bytes``;
 v2 ``cpu.max``, ``memory.max``, ``memory.peak``, ``cgroup.kill``.
 """
@@ -23,14 +26,36 @@ from pathlib import Path
 
 from ..errors import BoxSetupError
 
-__all__ = ["Cgroups", "ROUTER_LEAF", "AGENT_LEAF", "rank_leaf", "kill_and_remove", "pids_under"]
+__all__ = ["Cgroups", "ROUTER_LEAF", "AGENT_LEAF", "rank_dir", "rank_leaf", "kill_and_remove", "pids_under"]
 
 ROUTER_LEAF = "_router"
 AGENT_LEAF = "agent"
 
+# [Note: host and GPU leaves]
+# A rank's CPU quota stands for its GPU's speed ([Note: CPU quotas] in layout.py), but on a real
+# cluster a rank's start -- importing torch, capturing and compiling the model, loading weights,
+# rendezvous -- runs on the node's host CPU, which is no slower on a T4 node than on an H100 node.
+# Under the quota from the start, a T4 rank (0.085 cores on small_hetero) would take 16 s to import
+# torch, and every launch, restart and elastic re-plan on the box would measure the quota, not the
+# plan. So a rank has two leaves under one directory: `host` (no quota), where `rank_enter` puts a
+# torchrun worker, and `gpu` (the quota), which the worker enters just before its first training
+# step and leaves for `host` after its last (train.py, `rank_enter.enter_rank_leaf`: the final
+# checkpoint, destroy_process_group and the exit are host work too; a T4 rank's exit took 12 s more
+# under its quota); the memory limit and peak are the directory's, over both (on
+# v1, memory charged in `host` stays there and still counts against the directory's limit:
+# memory.use_hierarchy, always 1 on kernels >= 5.x).
 
-def rank_leaf(local_rank: int) -> str:
+
+def rank_dir(local_rank: int) -> str:
+    """Local rank ``local_rank``'s directory: its memory limit and peak."""
     return f"rank{local_rank}"
+
+
+def rank_leaf(local_rank: int, phase: str = "gpu") -> str:
+    """Local rank ``local_rank``'s leaf: ``host`` (starting, no quota) or ``gpu`` (training, its quota)."""
+    if phase not in ("host", "gpu"):
+        raise ValueError(f"rank_leaf phase {phase!r}: 'host' or 'gpu'")
+    return f"rank{local_rank}/{phase}"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -90,7 +115,8 @@ class Cgroups:
     def create(self, box_id: str, leaves: list[tuple[str | None, str, float | None, int | None]],
                period_us: int) -> None:
         """Make the box's tree: ``leaves`` is ``(node or None, leaf, quota in cores or None, memory limit in
-        bytes or None)`` per leaf. ``BoxSetupError`` naming the file the kernel refused."""
+        bytes or None)`` per leaf or directory (``leaf`` may be a path, ``rank0/gpu``; its parents are made
+        first, a directory listed before its children). ``BoxSetupError`` naming the file the kernel refused."""
         if self.version == 2:
             _enable(Path(self.cpu_root), self._controllers())
         for d in self.box_dirs(box_id):
@@ -98,11 +124,12 @@ class Cgroups:
             if self.version == 2:
                 _enable(Path(d), self._controllers())
         for node, leaf, quota, memory in leaves:
-            if node is not None:
-                for d in self.box_dirs(box_id):
-                    _mkdir(Path(d) / node)
+            parents = ([node] if node is not None else []) + leaf.split("/")[:-1]
+            for d in self.box_dirs(box_id):
+                for k in range(1, len(parents) + 1):  # the node's directory, a rank's directory
+                    _mkdir(Path(d, *parents[:k]))
                     if self.version == 2:
-                        _enable(Path(d) / node, self._controllers())
+                        _enable(Path(d, *parents[:k]), self._controllers())
             for d in self.leaf_dirs(box_id, node, leaf):
                 _mkdir(Path(d))
             cpu = Path(self.leaf_dirs(box_id, node, leaf)[0])

@@ -1,5 +1,7 @@
 """``python -m zorse_fx.box.rank_enter CMD...``: a torchrun worker on a box node enters its local
-rank's cgroup (its CPU quota and memory limit), then becomes ``CMD``.
+rank's ``host`` leaf (under its memory limit, no CPU quota yet), then becomes ``CMD``; ``zorse_fx.train``
+moves it into the rank's ``gpu`` leaf (its CPU quota) at its first training step
+(``enter_rank_leaf``; [Note: host and GPU leaves] in cgroups.py).
 
 torchrun starts every worker in the cgroup it runs in itself (the node's ``agent`` leaf when started
 by ``Box.spawn`` or ``zorse box run``); give it this module as the script and the real one after it::
@@ -21,6 +23,27 @@ from .box import ENV_BOX, ENV_NODE
 from .cgroups import rank_leaf
 from .state import read_state
 
+__all__ = ["main", "enter_rank_leaf"]
+
+
+def _join(phase: str) -> None:
+    box_id, node, local = os.environ[ENV_BOX], os.environ[ENV_NODE], int(os.environ["LOCAL_RANK"])
+    state = read_state(box_id)
+    slot = state.layout.rank(node, local)
+    state.cgroups.join(0, box_id, node, rank_leaf(slot.local_rank, phase))
+
+
+def enter_rank_leaf(phase: str) -> bool:
+    """Move this process into its rank's ``gpu`` leaf (its GPU's speed as a CPU quota) or back into its
+    ``host`` leaf, where it runs as a torchrun worker on a box node (``ZORSE_BOX``, ``ZORSE_BOX_NODE`` and
+    ``LOCAL_RANK`` set); whether it did. ``zorse_fx.train`` enters ``gpu`` before its first training step and
+    ``host`` after its last ([Note: host and GPU leaves] in cgroups.py). ``ZorseError`` where the box's state
+    or cgroups say otherwise (a box removed under the job)."""
+    if not (os.environ.get(ENV_BOX) and os.environ.get(ENV_NODE) and os.environ.get("LOCAL_RANK", "").isdigit()):
+        return False
+    _join(phase)
+    return True
+
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
@@ -33,9 +56,7 @@ def main(argv: list[str] | None = None) -> int:
               f"torchrun inside a box (`zorse box run <id> --node NAME -- torchrun ...`)", file=sys.stderr)
         return 1
     try:
-        state = read_state(box_id)
-        slot = state.layout.rank(node, int(local))
-        state.cgroups.join(0, box_id, node, rank_leaf(slot.local_rank))
+        _join("host")
     except ZorseError as exc:
         print(f"zorse: rank_enter: {exc}", file=sys.stderr)
         return 1

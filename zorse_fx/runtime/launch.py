@@ -309,9 +309,12 @@ def torchrun_command(nprocs: int, train_argv: list[str], *, max_restarts: int = 
     opts = [f"--max-restarts={max_restarts}"] if max_restarts else []
     if shutdown_timeout_s is not None and _torchrun_has_option("--shutdown-timeout"):
         opts.append(f"--shutdown-timeout={max(1, int(round(shutdown_timeout_s)))}")
+    # On a node of a box (zorse_fx/box: ZORSE_BOX set by the box in every command it runs), each worker first
+    # enters its local rank's cgroup (runtime does not import box: the variable's name is the interface).
+    enter = ["-m", "zorse_fx.box.rank_enter"] if os.environ.get("ZORSE_BOX") else []
     return [
         sys.executable, "-m", "torch.distributed.run", *where, f"--nproc-per-node={nprocs}", *opts,
-        "-m", "zorse_fx.train", *train_argv,
+        *enter, "-m", "zorse_fx.train", *train_argv,
     ]
 
 
