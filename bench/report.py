@@ -58,6 +58,7 @@ RESULT_FILES = (
     "gpu_class_check_h100.json",
     "gpu_class_check.json",
     "gpu_layer_accuracy.json",
+    "box.json",
 )
 
 #: The runs before issue 32 (the planner in seconds), kept to show its planner
@@ -615,6 +616,36 @@ def render_comm(doc: dict, name: str) -> list[str]:
     return out + _source(p)
 
 
+# ---------------------------------------------------------------- the box
+
+
+def render_box(doc: dict, name: str) -> list[str]:
+    out = ["### Plans measured on the box", "",
+           "Every planner's plan trained on an emulated cluster (`zorse box`: a network namespace per node, shaped "
+           "links, a CPU quota per rank; bench/box.py): measured step (median over the counted steps of every "
+           "repetition, and their range) against the objective's and the simulator's prediction, both priced from "
+           "the box's own measurements (`zorse bench kernels` under each rank type's quota, `zorse bench comm` "
+           "across the shaped links). Times are the box's seconds.", ""]
+    for case in doc.get("cases", []):
+        out += [f"**{case['case']}**: {case['note']} (box scale {case['box']['scale']:.3g}; "
+                f"`{case['cluster']}`, global batch {case['global_batch_size']}, seq {case['seq_len']})", ""]
+        body = []
+        for p in sorted(case["plans"], key=lambda p: p["measured_median_s"]):
+            stages = " | ".join(",".join(f"{r[0]}:{r[1].split('-')[0]}x{r[3]}" for r in st) for st in p["ranks"])
+            body.append([p["plan"], _s(p["measured_median_s"], 3),
+                         f"{_s(p['measured_min_s'], 3)}-{_s(p['measured_max_s'], 3)}", _s(p["objective_s"], 3),
+                         _s(p["simulated_s"], 3), _r3(p["simulated_over_measured"]), stages])
+        out += table(["plan", "measured s", "range s", "objective s", "simulated s", "sim / measured",
+                      "stages (rank:GPU x samples per micro-batch)"], body)
+        out += ["", f"zorse_fx's plan against the simulator: {case['zorse_fx_sim_error']:+.0%}; measured fastest or "
+                    f"within the fastest's range: {'yes' if case['zorse_fx_fastest_or_within_spread'] else 'no'}; "
+                    f"measured ranking = simulated ranking: {'yes' if case['rankings_equal'] else 'no'}.", ""]
+    out += [f"Run: `{doc.get('command', '?')}`, {doc.get('steps', '?')} steps per run (the first two not counted), "
+            f"{doc.get('reps', '?')} runs per plan; {CPU_MACHINE}, Python {doc.get('machine', {}).get('python', '?')}; "
+            f"{str(doc.get('date', ''))[:16]}."]
+    return out
+
+
 # ---------------------------------------------------------------- GPUs
 
 
@@ -777,7 +808,7 @@ def render(results: Path = RESULTS) -> str:
               ("runtime.json", render_runtime), ("cost_accuracy.json", render_cost_accuracy),
               ("memory_cpu.json", render_memory_cpu), ("memory_cpu_layouts.json", render_memory_layouts),
               ("offload_cpu.json", render_offload_cpu),
-              ("comm_loopback.json", render_comm))
+              ("comm_loopback.json", render_comm), ("box.json", render_box))
     for name, fn in single:
         if name in docs:
             old = BEFORE.get(name)

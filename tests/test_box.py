@@ -446,6 +446,13 @@ def test_cli_box_torchrun_workers_enter_their_rank_cgroups(box_machine):
         assert [(w[3].endswith(f"/zbox-{box_id}/a100-node/rank{w[1]}/host"), w[4],
                  w[5].endswith(f"/zbox-{box_id}/a100-node/rank{w[1]}/gpu")) for w in lines] == [(True, "True", True)] * 2, \
             lines
+        # rank_enter --gpu: a benchmark under the rank's quota from its start (bench/box.py's `bench comm`)
+        gpu = subprocess.run([*zorse, "run", box_id, "--node", "a100-node", "--", "env", "LOCAL_RANK=1", sys.executable,
+                              "-m", "zorse_fx.box.rank_enter", "--gpu", "-c",
+                              "print([l for l in open('/proc/self/cgroup') if ':cpu:' in l or ':cpu,' in l "
+                              "or '::' in l][0].strip())"], capture_output=True, text=True, timeout=120)
+        assert gpu.returncode == 0 and gpu.stdout.strip().endswith(f"/zbox-{box_id}/a100-node/rank1/gpu"), \
+            gpu.stdout + gpu.stderr
         assert _leftovers(box_id)["netns"]
     finally:
         down = subprocess.run([*zorse, "down", box_id], capture_output=True, text=True, timeout=120)

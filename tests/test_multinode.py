@@ -446,7 +446,9 @@ def test_small_hetero_plan_on_its_box_refuses_a_wrong_node_rank_then_trains(box_
     torch.save(lee_bytes[:20000], tokens)
     from zorse_fx.box import Box
 
-    with Box.up(CLUSTERS / "small_hetero.yaml", box_id=f"mn{os.getpid()}") as box:
+    # scale 0.01 (25 GbE -> 31 MB/s, 20 us -> 2 ms through the delay line), not the ratio-keeping 3.8e-4 (1.2 MB/s,
+    # 53 ms): every link still shaped and delayed, and the test 42 -> 33 s alone (rendezvous is round trips)
+    with Box.up(CLUSTERS / "small_hetero.yaml", box_id=f"mn{os.getpid()}", scale=0.01) as box:
         wrong = _zorse_on_nodes(box, [_node_args(plan_dir, tokens, tmp_path / "bad", k, node_rank=1 - k,
                                                  master="t4-node") for k in range(2)])
         done = _zorse_on_nodes(box, [_node_args(plan_dir, tokens, tmp_path / "run", k) for k in range(2)])

@@ -223,6 +223,8 @@ def test_bench_kernels_harness_writes_profile(tmp_path, capsys):
     (["--model", "gpt", "--replay", "graph", "--calibrate-at", "64"],
      "--calibrate-at '64': give SEQ,MICRO_BATCH, e.g. --calibrate-at 4096,1"),
     (["--no-standard"], "nothing to measure: give --model, or drop --no-standard"),
+    (["--min-window-ms", "-5"], "--min-window-ms -5.0: give milliseconds >= 0 (0: one call per sample)"),
+    (["--min-window-ms", "nan"], "--min-window-ms nan: give milliseconds >= 0 (0: one call per sample)"),
 ])
 def test_bench_kernels_batch_sizes_1_refused(tmp_path, capsys, argv, message):
     """`zorse bench kernels --batch-sizes 1` failed after the whole sweep
@@ -284,3 +286,32 @@ def test_matmul_flops_use_the_contracted_dim():
     assert flops_bytes("matmul", [bias, a, b], [out])[0] == 2 * 256 * 3072 * 768  # addmm(bias, a, b)
     x, w = torch.empty(4, 64, 576), torch.empty(1536, 576)
     assert flops_bytes("matmul", [x, w], [torch.empty(4, 64, 1536)])[0] == 2 * 4 * 64 * 1536 * 576  # linear
+
+
+def test_timing_window_makes_each_sample_the_mean_of_calls_filling_it(monkeypatch):
+    """[Note: timing windows]: by default a sample is one call; inside ``timing_window(ms)`` it is the mean
+    over the back-to-back calls made until ``ms`` has passed. A fake clock that advances 2 ms per call (a
+    real one under a CPU quota is the point, but no test asserts timing) makes the counts exact: 10 ms ->
+    5 calls per sample, 3 samples, + the warm-up call."""
+    from zorse_fx.cost import replay
+
+    now = [0.0]
+    calls = []
+
+    def fn():
+        calls.append(now[0])
+        now[0] += 2e-3
+
+    monkeypatch.setattr(replay.time, "perf_counter", lambda: now[0])
+    cpu = torch.device("cpu")
+    assert replay._timeit(fn, cpu, 3) == pytest.approx(2.0) and len(calls) == 1 + 3
+    calls.clear()
+    with replay.timing_window(10):
+        assert replay._timeit(fn, cpu, 3) == pytest.approx(2.0)
+    assert len(calls) == 1 + 3 * 5
+    calls.clear()
+    replay._timeit(fn, cpu, 3)
+    assert len(calls) == 1 + 3  # the window ends with the block
+    with pytest.raises(ValueError, match="timing window -1 ms: give a number >= 0"):
+        with replay.timing_window(-1):
+            pass

@@ -8,8 +8,10 @@ by ``Box.spawn`` or ``zorse box run``); give it this module as the script and th
 
     zorse box run <id> --node t4-node -- torchrun --nnodes 2 ... -m zorse_fx.box.rank_enter -m zorse_fx.train ...
 
-The box (``ZORSE_BOX``), the node (``ZORSE_BOX_NODE``, both set by the box) and ``LOCAL_RANK`` (set by
-torchrun) say which cgroup. ``CMD`` starting with ``-m``, ``-c`` or a ``.py`` file runs under this
+``rank_enter --gpu CMD`` runs the whole command in the ``gpu`` leaf, under the quota from its start:
+for benchmarks of what a rank's GPU does (``zorse_fx.profiling.comm_main``: on the box, communication's
+CPU work is the rank's). The box (``ZORSE_BOX``), the node (``ZORSE_BOX_NODE``, both set by the box)
+and ``LOCAL_RANK`` (set by torchrun) say which cgroup. ``CMD`` starting with ``-m``, ``-c`` or a ``.py`` file runs under this
 Python; otherwise it is a program. An error is one line ``zorse: ...`` and exit status 1.
 """
 
@@ -55,8 +57,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"zorse: rank_enter: {ENV_BOX}={box_id!r}, {ENV_NODE}={node!r}, LOCAL_RANK={local!r}: start it with "
               f"torchrun inside a box (`zorse box run <id> --node NAME -- torchrun ...`)", file=sys.stderr)
         return 1
+    phase = "host"
+    if argv[0] == "--gpu":  # the whole command under the rank's quota: a benchmark (`zorse bench comm`, kernels)
+        phase, argv = "gpu", argv[1:]
+        if not argv:
+            print("zorse: rank_enter: give the command to run after --gpu", file=sys.stderr)
+            return 1
     try:
-        _join("host")
+        _join(phase)
     except ZorseError as exc:
         print(f"zorse: rank_enter: {exc}", file=sys.stderr)
         return 1

@@ -11,8 +11,11 @@ of a Llama share a handful) are timed once: forward, and backward with
 
 from __future__ import annotations
 
+import contextlib
+import math
 import statistics
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -22,7 +25,35 @@ from ..capture.analysis import _propagate
 from ..capture.trace import META_KEY, CapturedModel, fetch_attr
 from .opclass import flops_bytes, op_class, signature, tensors_in
 
-__all__ = ["NodeCall", "model_calls", "time_call"]
+__all__ = ["NodeCall", "model_calls", "time_call", "timing_window"]
+
+# [Note: timing windows]
+# A timed sample is one call by default: the median of `repeats` single calls, robust to a busy
+# host. It is biased where the processor is rationed in time slices: under a CFS CPU quota (the
+# box's ranks, zorse_fx/box; a container's CPU limit; a burstable cloud VM) a call shorter than the
+# quota left in its period runs at full speed, and only longer ones wait for the next period, so
+# the median of short calls is the unthrottled speed. Measured on the box (bench/LOG.md, "The box
+# measures"): a V100 rank at 0.273 cores came out faster per sample than an A100 rank at 0.727.
+# `timing_window(ms)` makes every sample the mean over the back-to-back calls made until `ms` of
+# wall time has passed (so a sample takes about `ms` however rationed the CPU, not `ms` / quota):
+# over a window of k quota periods the rank receives its quota within +-1 period,
+# so the mean is the rationed rate within ~1/k (zorse bench kernels --min-window-ms; bench/box.py
+# gives 200 ms = 20 periods of the box's 10 ms). The cache flush then runs once per window, not
+# per call: the calls after the first find their inputs cache-warm.
+_WINDOW_MS = [0.0]
+
+
+@contextlib.contextmanager
+def timing_window(ms: float) -> Iterator[None]:
+    """Inside the block every timed sample is the mean of back-to-back calls filling >= ``ms`` of wall
+    time (0: one call per sample) ([Note: timing windows])."""
+    if not (ms >= 0 and math.isfinite(ms)):
+        raise ValueError(f"timing window {ms!r} ms: give a number >= 0")
+    old, _WINDOW_MS[0] = _WINDOW_MS[0], float(ms)
+    try:
+        yield
+    finally:
+        _WINDOW_MS[0] = old
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,19 +157,28 @@ def _run(call: NodeCall, args, kwargs):
 
 
 def _timeit(fn, device: torch.device, repeats: int, flush: torch.Tensor | None = None) -> float:
-    """Median wall time of ``fn`` in ms (CUDA: synchronised)."""
+    """Median wall time of ``fn`` in ms (CUDA: synchronised) over ``repeats`` samples: one call each, or
+    inside ``timing_window`` the mean of the calls made until the window has passed ([Note: timing
+    windows]: each sample then takes about the window, however rationed the CPU)."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     fn()
     sync()
+    window_s = _WINDOW_MS[0] / 1e3
     samples = []
     for _ in range(repeats):
         if flush is not None:
             flush.add_(1.0)  # evict caches: a model's ops do not find their inputs cache-hot
         sync()
         t0 = time.perf_counter()
-        fn()
-        sync()
-        samples.append((time.perf_counter() - t0) * 1e3)
+        calls = 0
+        while True:  # one call, or calls until the window has passed (the wall time a rationed CPU takes)
+            fn()
+            sync()
+            calls += 1
+            elapsed = time.perf_counter() - t0
+            if elapsed >= window_s:
+                break
+        samples.append(elapsed * 1e3 / calls)
     return statistics.median(samples)
 
 

@@ -45,6 +45,7 @@ import argparse
 import dataclasses
 import datetime as dt
 import json
+import math
 import platform
 import socket
 import statistics
@@ -491,6 +492,10 @@ def build_parser(add_help: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--flush-bytes", type=int, default=4 << 20,
                    help="cache-flush buffer written before each timed run (0: off)")
     p.add_argument("--cpu-scale", type=float, default=0.25, help="scale of standard shapes on CPU")
+    p.add_argument("--min-window-ms", type=float, default=0.0, metavar="MS",
+                   help="`fake` replay and the CPU: each timed sample is the mean of back-to-back calls filling at "
+                        "least MS of wall time (default 0: one call). Give ~20 CPU-quota periods where the CPU is "
+                        "rationed (a container's CPU limit, zorse box ranks: 200): short calls run unthrottled")
     p.add_argument("--calibrate", default="gpt", help="`fake` replay: model whose whole fwd+bwd calibrates node "
                    "replays ('' = off)")
     p.add_argument("-o", "--output", required=True)
@@ -572,6 +577,8 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse
             p.error(f"--calibrate-at {text}: not a measured point; give SEQ from --seq-len "
                     f"({','.join(map(str, args.seq_len))}) and MICRO_BATCH from --batch-sizes "
                     f"({','.join(map(str, args.batch_sizes))})")
+    if not (args.min_window_ms >= 0 and math.isfinite(args.min_window_ms)):
+        p.error(f"--min-window-ms {args.min_window_ms}: give milliseconds >= 0 (0: one call per sample)")
     if not args.model and args.no_standard:
         p.error("nothing to measure: give --model, or drop --no-standard")
     for flag, path in (("-o", args.output), ("--report", args.report), ("--plot", args.plot)):
@@ -587,6 +594,13 @@ def main(argv=None) -> int:
 def run(args) -> int:
     """Measure and write the profile ``build_parser``'s options ``args``
     describe, checked by ``check_args``."""
+    from ..cost.replay import timing_window
+
+    with timing_window(args.min_window_ms):  # [Note: timing windows]
+        return _run(args)
+
+
+def _run(args) -> int:
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cpu":
         torch.set_num_threads(args.threads)
@@ -647,7 +661,9 @@ def run(args) -> int:
         notes=f"models: {', '.join(args.model) or '-'}{f' ({args.layers} layers)' if args.layers else ''}; "
               f"seq_len {','.join(map(str, seqs))}; batch sizes {batches}; replay {replay}"
               + (f" under {precision} autocast, device time; " if replay == "graph" else
-                 f"; repeats {args.repeats}; flush {args.flush_bytes} B; ")
+                 f"; repeats {args.repeats}"
+                 + (f" of >= {args.min_window_ms:g} ms windows" if args.min_window_ms else "")
+                 + f"; flush {args.flush_bytes} B; ")
               + f"calibration: {cal_note}",
         calibration=calibration,
         node_overhead_ms=node_overhead,

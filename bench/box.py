@@ -1,0 +1,422 @@
+"""Plans measured on the box: every planner's plan trained on an emulated cluster (issue 47 items 3-4).
+
+    .venv/bin/python bench/box.py [--cases a_shared_nic,b_wan_shared] [--steps 8] [--reps 2]
+        [--out bench/results/box.json] [--work /tmp/zorse_box_bench]
+
+Needs root (``zorse box``). Per case (``CASES``: a cluster file in ``bench/clusters/`` and the
+box's scale):
+
+1. The box of the cluster file (``zorse_fx.box.Box``): a network namespace per node, shaped
+   links, a CPU quota per rank for its GPU type's speed ([Note: the box]).
+2. Each emulated GPU type measured the way a user measures a real one (item 3): ``zorse bench
+   kernels --model gpt --calibrate gpt --min-window-ms 200`` run in a rank's ``gpu`` cgroup of that
+   type (under its quota; each sample the mean over >= 200 ms, [Note: timing windows] in
+   zorse_fx/cost/replay.py), one profile per type; ``zorse bench comm`` across the nodes (one torchrun per node,
+   Gloo) for the alpha-beta fits of the links a point-to-point pair can measure (intra_node,
+   inter_node, cross_datacenter). The cluster the planners see is the cluster file in the box's
+   units: every link's fit where measured, else its rate x the scale factor and latency / it (a
+   shared NIC or WAN is an htb class the box configures exactly; bench/box_selfcheck.py measured
+   0.96 of it as TCP goodput). Times in that cluster are the box's seconds.
+3. Plans for that cluster: zorse_fx's (``solve_plan``: the portfolio of ``zorse plan``) and every
+   baseline's (``zorse_fx/baselines``), identical decisions merged; each scored by the objective
+   (``solve.evaluate``) and the simulator (``zorse_fx.sim``, Gloo's buffered sends: the box runs
+   Gloo).
+4. Each plan trained on the box ``--reps`` times (plans interleaved, so drift hits every plan
+   alike): one ``zorse train --nnodes N --node-rank k`` per node of the plan, started in its node's
+   namespace; the measured step is the median of ``step_time_s`` (metrics.jsonl) over the steps
+   after the first two of every repetition, the spread its min and max.
+
+Writes ``--out`` (JSON: per case the box, the measured profiles and links, per plan the
+measured, objective and simulated step and the ranks) and prints a table per case. What it
+proves and cannot: bench/README.md, "The box".
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+PY = sys.executable
+MODEL = "gpt"  # zorse_fx/models/gpt.py's test size: 4 layers, width 64 (the registry's "gpt")
+#: Each timed kernel sample spans >= 20 of the box's 10 ms quota periods ([Note: timing windows]).
+WINDOW_MS = 200
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Case:
+    name: str
+    cluster: str  # bench/clusters/<file>
+    note: str
+    #: The box's scale factor (None: the one that keeps the cluster's communication-to-compute ratio; (b)'s
+    #: 50 ms WAN would take 49 s one way at that ratio, so (b) gives one: 0.25, 200 ms, 31 MB/s).
+    scale: float | None = None
+    global_batch_size: int = 16
+    seq_len: int = 64
+
+
+CASES = {c.name: c for c in (
+    Case(name="a_shared_nic", cluster="box_a_shared_nic.yaml",
+         note="(a) two nodes, 2 x A100 and 2 x V100, one 25 GbE NIC per node shared by its ranks"),
+    Case(name="b_wan_shared", cluster="box_b_wan_shared.yaml", scale=0.25,
+         note="(b) two regions of two nodes, one 1 Gb/s 50 ms path shared by every flow between them"),
+    Case(name="b_wan_pairs", cluster="box_b_wan_pairs.yaml", scale=0.25,
+         note="(b) two regions of two nodes, 1 Gb/s 50 ms per node pair across the regions, nothing shared"),
+)}
+
+
+def _run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, **kw)
+
+
+def _env() -> dict[str, str]:
+    return dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+
+
+def _wait_all(procs, what: str, timeout_s: float) -> list[str]:
+    outs = []
+    end = time.monotonic() + timeout_s
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=max(1.0, end - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise RuntimeError(f"{what}: no end after {timeout_s:g} s")
+        outs.append(out)
+    bad = [(p.returncode, o) for p, o in zip(procs, outs) if p.returncode]
+    if bad:
+        raise RuntimeError(f"{what}: exit {bad[0][0]}\n{bad[0][1][-4000:]}")
+    return outs
+
+
+# -- item 3: the emulated types and links, measured ------------------------------------------------
+
+def measure_profiles(box, work: Path, seq_len: int, batch_sizes: str) -> dict[str, str]:
+    """One kernel profile per GPU type: ``zorse bench kernels`` in the ``gpu`` cgroup (the quota) of the
+    first rank of that type; ``{type: profile path}``."""
+    out: dict[str, str] = {}
+    for n in box.layout.nodes:
+        for r in n.ranks:
+            if r.gpu_type in out:
+                continue
+            path = work / "profiles" / f"{r.gpu_type}.json"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            t0 = time.perf_counter()
+            p = box.spawn(n.name, [PY, "-m", "zorse_fx.cli", "bench", "kernels", "--model", MODEL, "--seq-len",
+                                   str(seq_len), "--batch-sizes", batch_sizes, "--no-standard", "--calibrate", MODEL,
+                                   "--device-type", r.gpu_type, "--threads", "1", "--repeats", "3",
+                                   "--min-window-ms", str(WINDOW_MS), "-o", str(path)],
+                          rank=r.local_rank, env=_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True)
+            _wait_all([p], f"bench kernels for {r.gpu_type} on {n.name}", 1800)
+            print(f"[box] profile of {r.gpu_type} under {r.cpu_quota_cores:.3f} cores: {path} "
+                  f"({time.perf_counter() - t0:.0f} s)", flush=True)
+            out[r.gpu_type] = str(path)
+    return out
+
+
+def _comm_launch(box, work: Path, name: str, nodes, per_node: int, sizes: str) -> dict:
+    """One ``zorse_fx.profiling.comm_main`` over ``nodes`` (``per_node`` ranks each, one torchrun per node,
+    ``--datacenter`` the node's region), every rank under its quota (``rank_enter --gpu``: on the box a
+    transfer's CPU work is the rank's, as in training); ``{link class: {bandwidth_GBps, latency_us, r2}}``."""
+    from zorse_fx.profiling.comm import CommProfile
+
+    out = work / f"comm_{name}.json"
+    procs = []
+    for k, n in enumerate(nodes):
+        where = (["--standalone"] if len(nodes) == 1 else
+                 [f"--nnodes={len(nodes)}", f"--node-rank={k}", f"--master-addr={nodes[0].name}", "--master-port=29400"])
+        argv = [PY, "-m", "torch.distributed.run", *where, f"--nproc-per-node={per_node}",
+                "-m", "zorse_fx.box.rank_enter", "--gpu", "-m", "zorse_fx.profiling.comm_main", "--out", str(out),
+                "--sizes", *sizes.split(), "--iters", "6", "--warmup", "2", "--datacenter", n.region,
+                "--backend", "gloo"]
+        procs.append(box.spawn(n.name, argv, env=_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True))
+    _wait_all(procs, f"bench comm ({name})", 1800)
+    return {f.link_class: {"bandwidth_GBps": f.bandwidth_bytes_per_s / 1e9, "latency_us": f.alpha_s * 1e6, "r2": f.r2}
+            for f in CommProfile.load(out).fits if f.op == "p2p"}
+
+
+def measure_links(box, work: Path, sizes: str) -> dict:
+    """``zorse bench comm``'s measurement on the box: per node with two or more ranks its intra-node
+    (loopback) fit under its ranks' quota; across the nodes, one rank each, the inter_node and
+    cross_datacenter fits. ``{"nodes": {node: intra_node fit}, link class: fit}``."""
+    nodes = [n for n in box.layout.nodes if n.ranks]
+    links: dict = {"nodes": {}}
+    for n in nodes:
+        if len(n.ranks) >= 2:
+            links["nodes"][n.name] = _comm_launch(box, work, n.name, [n], 2, sizes)["intra_node"]
+    if len(nodes) >= 2:
+        links.update(_comm_launch(box, work, "across", nodes, 1, sizes))
+    said = [f"{k} {v['bandwidth_GBps'] * 1e3:.3g} MB/s + {v['latency_us'] / 1e3:.3g} ms"
+            for k, v in [*links["nodes"].items(), *((k, v) for k, v in links.items() if k != "nodes")]]
+    print(f"[box] links measured: {', '.join(said)}", flush=True)
+    return links
+
+
+_BW = ("bandwidth_GBps",)
+_LAT = ("latency_us",)
+
+
+def box_units(cluster_dict: dict, scale: float, measured: dict) -> dict:
+    """The cluster file in the box's units: every bandwidth x ``scale``, every latency / ``scale``
+    (what the box builds, [Note: the box's scale factor]); then each link class that ``measured`` has
+    (``measure_links``) replaced by the measurement, and each node's intra_node link by its own
+    measured loopback (intra-node traffic is the loopback in a box, whatever the file says)."""
+    def scaled(x):
+        if isinstance(x, dict):
+            out = {}
+            for k, v in x.items():
+                if k in _BW and isinstance(v, (int, float)):
+                    out[k] = v * scale
+                elif k in _LAT and isinstance(v, (int, float)):
+                    out[k] = v / scale
+                else:
+                    out[k] = scaled(v)
+            return out
+        if isinstance(x, list):
+            return [scaled(v) for v in x]
+        return x
+
+    def entry(v: dict) -> dict:
+        return {"bandwidth_GBps": float(f"{v['bandwidth_GBps']:.4g}"), "latency_us": float(f"{v['latency_us']:.4g}")}
+
+    d = scaled(cluster_dict)
+    links = d.setdefault("links", {})
+    for kind in ("inter_node", "cross_datacenter"):
+        if kind in measured:
+            links[kind] = entry(measured[kind])
+    for node in d["nodes"]:
+        if node["name"] in measured.get("nodes", {}):
+            node["intra_node"] = entry(measured["nodes"][node["name"]])
+        else:
+            node.pop("intra_node", None)  # (one rank: no intra-node traffic)
+    d["name"] = f"{d['name']}_box"
+    return d
+
+
+# -- item 4: plans, predictions, measurements --------------------------------------------------------
+
+@dataclass
+class PlanRow:
+    name: str  # zorse_fx or a baseline's name (merged names joined by '=')
+    plan_dir: str
+    decision: str
+    ranks: list  # per stage: [(rank, gpu type, node, samples)]
+    objective_s: float
+    simulated_s: float
+    measured: list = dataclasses.field(default_factory=list)  # step times (s), every counted step
+
+
+def make_plans(case: Case, cluster_file: Path, profiles: dict[str, str], work: Path) -> list[PlanRow]:
+    """zorse_fx's plan and every baseline's for the box-units cluster, exported; identical decisions merged."""
+    import torch
+
+    from zorse_fx.baselines import BASELINES
+    from zorse_fx.capture import capture
+    from zorse_fx.cluster import Cluster
+    from zorse_fx.models.registry import load_model
+    from zorse_fx.options import PlanOptions
+    from zorse_fx.planner import plan_fixed, solve_plan
+    from zorse_fx.pricing import price
+    from zorse_fx.sim import simulate
+    from zorse_fx.solve.objective import evaluate_result
+
+    cluster = Cluster.from_yaml(cluster_file)
+    model, _ = load_model(MODEL)
+    ids = torch.zeros(2, case.seq_len, dtype=torch.long)
+    captured = capture(model, (ids, ids))
+    opts = PlanOptions(global_batch_size=case.global_batch_size, precision="fp32", profiles=tuple(profiles.values()),
+                       max_stages=4, solver_budget=5.0, allow_idle_gpus=True)
+    priced = price(captured, cluster, opts)
+    costs, devices = priced.costs, priced.devices
+    results = {"zorse_fx": solve_plan(costs, devices, opts)}
+    for name, fn in BASELINES.items():
+        try:
+            res = fn(costs, devices, opts)
+        except Exception as exc:  # a baseline with no plan for this cluster: said, not fatal
+            print(f"[box] {name}: no plan ({type(exc).__name__}: {exc})", flush=True)
+            continue
+        if res.status == "BASELINE_INFEASIBLE":
+            print(f"[box] {name}: infeasible here", flush=True)
+            continue
+        results[name] = res
+    merged: dict[str, tuple[list[str], object]] = {}
+    for name, res in results.items():
+        d = res.decision
+        key = repr((d.stage_blocks, d.stage_gpus, d.samples_per_microbatch, d.num_microbatches, d.interleave,
+                    d.sharded, d.recompute))
+        merged.setdefault(key, ([], res))[0].append(name)
+    rows = []
+    for key, (names, res) in merged.items():
+        d = res.decision
+        plan, _ = plan_fixed(captured, cluster, opts, d, model_name=MODEL)
+        plan_dir = work / "plans" / "=".join(names)
+        plan.export(plan_dir)
+        torch.save({k: v.contiguous() for k, v in captured.state().items()}, plan_dir / "weights.pt")
+        ev = evaluate_result(costs, devices, opts, res)
+        sim = simulate(costs, devices, opts, d, p2p="buffered").step_time_s
+        ranks = [[(g.rank, g.gpu_type, g.node, g.samples_per_microbatch) for g in s.gpus] for s in plan.stages]
+        rows.append(PlanRow(name="=".join(names), plan_dir=str(plan_dir), decision=key, ranks=ranks,
+                            objective_s=ev.step_time_s, simulated_s=sim))
+        print(f"[box] plan {'='.join(names)}: {plan.num_stages} stages, {d.num_microbatches} micro-batches, "
+              f"objective {ev.step_time_s:.3f} s, simulated {sim:.3f} s", flush=True)
+    return rows
+
+
+def train_on_box(box, row: PlanRow, tokens: Path, out: Path, steps: int) -> list[float]:
+    """One ``zorse train`` per node of the plan, at once, in the nodes' namespaces; the step times."""
+    from zorse_fx.plan import Plan
+
+    plan = Plan.load(row.plan_dir)
+    nodes = plan.node_ranks()
+    master = nodes[0].node
+    procs = []
+    for n in nodes:
+        argv = [PY, "-m", "zorse_fx.cli", "train", row.plan_dir, "--tokens", str(tokens), "--steps", str(steps),
+                "--out", str(out), "--precision", "fp32", "--seed", "0"]
+        if len(nodes) > 1:
+            argv += ["--nnodes", str(len(nodes)), "--node-rank", str(n.node_rank), "--master-addr", master]
+        procs.append(box.spawn(n.node, argv, env=_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True))
+    _wait_all(procs, f"zorse train of {row.name}", 900)
+    recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r["step_time_s"] for r in recs if r["step"] > 2]
+
+
+def run_case(case: Case, args, work: Path) -> dict:
+    import torch
+
+    from zorse_fx.box import Box
+    from zorse_fx.cluster import Cluster
+
+    cluster_path = ROOT / "bench" / "clusters" / case.cluster
+    cluster = Cluster.from_yaml(cluster_path)
+    work.mkdir(parents=True, exist_ok=True)
+    from zorse_fx.data import read_corpus, tokenize
+
+    tokens = work / "tokens.pt"
+    torch.save(tokenize(read_corpus("lee"))[:200_000], tokens)  # real English text as byte tokens
+    t0 = time.perf_counter()
+    with Box.up(cluster, box_id=f"bench_{case.name}"[:24], scale=case.scale) as box:
+        layout = box.layout
+        print(layout.table(), end="", flush=True)
+        saved = work / "measured.json"
+        if args.reuse_measurements and saved.exists():  # (debugging the later steps: the same box, measured before)
+            profiles, links = json.loads(saved.read_text()).values()
+            print(f"[box] profiles and links of {saved} reused", flush=True)
+        else:
+            profiles = measure_profiles(box, work, case.seq_len, "1,2,4,8,16")
+            links = measure_links(box, work, "4K 16K 64K 256K")
+            saved.write_text(json.dumps({"profiles": profiles, "links": links}))
+        box_cluster = box_units(cluster.to_dict(), layout.scale.factor, links)
+        box_file = work / "cluster_box.yaml"
+        import yaml
+
+        box_file.write_text(yaml.safe_dump(box_cluster, sort_keys=False))
+        rows = make_plans(case, box_file, profiles, work)
+        for rep in range(args.reps):
+            for row in (rows if rep % 2 == 0 else rows[::-1]):
+                out = work / "runs" / f"{row.name}.{rep}"
+                steps = train_on_box(box, row, tokens, out, args.steps)
+                row.measured += steps
+                print(f"[box] {row.name} rep {rep}: median {statistics.median(steps):.3f} s over {len(steps)} steps",
+                      flush=True)
+        box_info = {"scale": layout.scale.factor, "table": layout.table(),
+                    "quotas": {f"{n.name}/{r.local_rank}": [r.gpu_type, r.cpu_quota_cores] for n in layout.nodes
+                               for r in n.ranks}}
+    return {"case": case.name, "note": case.note, "cluster": str(cluster_path.relative_to(ROOT)),
+            "global_batch_size": case.global_batch_size, "seq_len": case.seq_len, "box": box_info,
+            "profiles": profiles, "links_measured": links, "cluster_box_units": box_cluster,
+            "plans": [_summary(r) for r in rows], "wall_s": time.perf_counter() - t0, **_verdict(rows)}
+
+
+def _summary(r: PlanRow) -> dict:
+    m = r.measured
+    med = statistics.median(m)
+    return {"plan": r.name, "ranks": r.ranks, "objective_s": r.objective_s, "simulated_s": r.simulated_s,
+            "measured_median_s": med, "measured_min_s": min(m), "measured_max_s": max(m), "measured_steps": len(m),
+            "simulated_over_measured": r.simulated_s / med, "objective_over_measured": r.objective_s / med}
+
+
+def _verdict(rows: list[PlanRow]) -> dict:
+    """The issue's three tests: zorse_fx's plan within 10% of the simulator; fastest measured (or within the
+    fastest's spread); the measured ranking equal to the simulator's."""
+    med = {r.name: statistics.median(r.measured) for r in rows}
+    ours = next(r for r in rows if "zorse_fx" in r.name.split("="))
+    fastest = min(rows, key=lambda r: med[r.name])
+    within = med[ours.name] <= max(fastest.measured)
+    by_measured = [r.name for r in sorted(rows, key=lambda r: med[r.name])]
+    by_sim = [r.name for r in sorted(rows, key=lambda r: r.simulated_s)]
+    return {"zorse_fx_sim_error": ours.simulated_s / med[ours.name] - 1, "zorse_fx_fastest_or_within_spread": within,
+            "ranking_measured": by_measured, "ranking_simulated": by_sim, "rankings_equal": by_measured == by_sim}
+
+
+def _print(res: dict) -> None:
+    print(f"\n{res['case']}: {res['note']} (box scale {res['box']['scale']:.3g})")
+    print(f"{'plan':<34} {'measured s':>11} {'spread':>15} {'objective':>10} {'simulated':>10} {'sim/meas':>9}")
+    for p in sorted(res["plans"], key=lambda p: p["measured_median_s"]):
+        print(f"{p['plan'][:34]:<34} {p['measured_median_s']:>11.3f} {p['measured_min_s']:>7.3f}-"
+              f"{p['measured_max_s']:<7.3f} {p['objective_s']:>10.3f} {p['simulated_s']:>10.3f} "
+              f"{p['simulated_over_measured']:>9.2f}")
+    print(f"zorse_fx vs simulator {res['zorse_fx_sim_error']:+.0%}; fastest or within spread: "
+          f"{res['zorse_fx_fastest_or_within_spread']}; rankings equal: {res['rankings_equal']}", flush=True)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--cases", default=",".join(CASES), help=f"comma separated, of {', '.join(CASES)}")
+    ap.add_argument("--steps", type=int, default=8, help="steps per run (the first two are not counted)")
+    ap.add_argument("--reps", type=int, default=2, help="runs per plan")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "box.json"))
+    ap.add_argument("--work", default="/tmp/zorse_box_bench")
+    ap.add_argument("--reuse-measurements", action="store_true",
+                    help="reuse the profiles and link fits an earlier run left in --work (not for results)")
+    args = ap.parse_args(argv)
+    names = [c for c in args.cases.split(",") if c]
+    unknown = [c for c in names if c not in CASES]
+    if unknown:
+        ap.error(f"--cases: unknown {unknown}; one of {', '.join(CASES)}")
+    if args.steps < 3 or args.reps < 1:
+        ap.error("--steps >= 3 (the first two are not counted) and --reps >= 1")
+    from zorse_fx.box import check_machine
+
+    why = check_machine()
+    if why:
+        print(f"bench/box.py: the box cannot run here: {why}", file=sys.stderr)
+        return 2
+    results = []
+    out = Path(args.out)
+    previous = json.loads(out.read_text())["cases"] if out.exists() else []
+    for name in names:
+        res = run_case(CASES[name], args, Path(args.work) / name)
+        _print(res)
+        results.append(res)
+        kept = [r for r in previous if r["case"] not in {x["case"] for x in results}]
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({
+            "command": "bench/box.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "machine": {"cpu": next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text()
+                                     .splitlines() if ln.startswith("model name")), platform.processor()),
+                        "cores": os.cpu_count(), "python": platform.python_version()},
+            "steps": args.steps, "reps": args.reps, "cases": kept + results}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
