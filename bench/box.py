@@ -404,6 +404,8 @@ def main(argv=None) -> int:
     previous = json.loads(out.read_text())["cases"] if out.exists() else []
     for name in names:
         res = run_case(CASES[name], args, Path(args.work) / name)
+        res["command"] = "bench/box.py " + " ".join(argv if argv is not None else sys.argv[1:])
+        res["date"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
         _print(res)
         results.append(res)
         kept = [r for r in previous if r["case"] not in {x["case"] for x in results}]

@@ -639,10 +639,10 @@ def render_box(doc: dict, name: str) -> list[str]:
                       "stages (rank:GPU x samples per micro-batch)"], body)
         out += ["", f"zorse_fx's plan against the simulator: {case['zorse_fx_sim_error']:+.0%}; measured fastest or "
                     f"within the fastest's range: {'yes' if case['zorse_fx_fastest_or_within_spread'] else 'no'}; "
-                    f"measured ranking = simulated ranking: {'yes' if case['rankings_equal'] else 'no'}.", ""]
-    out += [f"Run: `{doc.get('command', '?')}`, {doc.get('steps', '?')} steps per run (the first two not counted), "
-            f"{doc.get('reps', '?')} runs per plan; {CPU_MACHINE}, Python {doc.get('machine', {}).get('python', '?')}; "
-            f"{str(doc.get('date', ''))[:16]}."]
+                    f"measured ranking = simulated ranking: {'yes' if case['rankings_equal'] else 'no'}. "
+                    f"Run: `{case.get('command', doc.get('command', '?'))}` (the first two steps of each run not "
+                    f"counted), {str(case.get('date', doc.get('date', '')))[:16]}.", ""]
+    out += [f"Machine: {CPU_MACHINE}, Python {doc.get('machine', {}).get('python', '?')}, nothing else running."]
     return out
 
 
