@@ -78,10 +78,6 @@ CASES = {c.name: c for c in (
 )}
 
 
-def _run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, capture_output=True, text=True, **kw)
-
-
 def _env() -> dict[str, str]:
     return dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
 
@@ -394,6 +390,7 @@ def main(argv=None) -> int:
     if args.steps < 3 or args.reps < 1:
         ap.error("--steps >= 3 (the first two are not counted) and --reps >= 1")
     from zorse_fx.box import check_machine
+    from zorse_fx.box.layout import this_cpu_name
 
     why = check_machine()
     if why:
@@ -413,8 +410,7 @@ def main(argv=None) -> int:
         out.write_text(json.dumps({
             "command": "bench/box.py " + " ".join(argv if argv is not None else sys.argv[1:]),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "machine": {"cpu": next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text()
-                                     .splitlines() if ln.startswith("model name")), platform.processor()),
+            "machine": {"cpu": this_cpu_name() or platform.processor(),
                         "cores": os.cpu_count(), "python": platform.python_version()},
             "steps": args.steps, "reps": args.reps, "cases": kept + results}, indent=1) + "\n")
     return 0
