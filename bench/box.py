@@ -26,6 +26,12 @@ box's scale):
    namespace; the measured step is the median of ``step_time_s`` (metrics.jsonl) over the steps
    after the first two of every repetition, the spread its min and max.
 
+Case (c) (``run_memory_case``) is about memory, not time: the plans (priced by the roofline of the
+GPU types, no profile) trained on a box whose ranks' cgroups are limited to their GPUs' memory plus a
+base for what a CPU rank holds besides it; per rank the plan's predicted peak, the cgroup's peak and
+the runtime's own measurement, and whether the kernel killed it (a killed plan once more without limits
+for its peak).
+
 Writes ``--out`` (JSON: per case the box, the measured profiles and links, per plan the
 measured, objective and simulated step and the ranks) and prints a table per case. What it
 proves and cannot: bench/README.md, "The box".
@@ -66,6 +72,11 @@ class Case:
     scale: float | None = None
     global_batch_size: int = 16
     seq_len: int = 64
+    #: The model (``--model`` of zorse: a registry name or module:function).
+    model: str = MODEL
+    #: Memory cases (c): each rank's cgroup limited to its GPU's memory (memory_GiB) + ``memory_base_mib``,
+    #: what a CPU rank holds besides the tensors a GPU would (see ``run_memory_case``).
+    memory_base_mib: float | None = None
 
 
 CASES = {c.name: c for c in (
@@ -75,6 +86,12 @@ CASES = {c.name: c for c in (
          note="(b) two regions of two nodes, one 1 Gb/s 50 ms path shared by every flow between them"),
     Case(name="b_wan_pairs", cluster="box_b_wan_pairs.yaml", scale=0.25,
          note="(b) two regions of two nodes, 1 Gb/s 50 ms per node pair across the regions, nothing shared"),
+    # (c)'s scale 0.1: its times are not compared, and at the ratio-keeping scale (1 MB/s) a plan whose two
+    # end stages hold the tied embedding all-reduces its 128 MiB gradient across the NIC for 2 minutes a step.
+    Case(name="c_memory_tight", cluster="box_c_memory_tight.yaml", global_batch_size=8, scale=0.1,
+         model="bench.box_models:gpt_big_vocab", memory_base_mib=320,
+         note="(c) memory-tight: 2 x A100 (0.55 GiB) and 2 x T4 (0.5 GiB) for a 39.9 M-parameter model whose "
+              "fp32 state (608 MiB, the tied embedding's 512 MiB of it) fits no replicated layout"),
 )}
 
 
@@ -230,10 +247,11 @@ def make_plans(case: Case, cluster_file: Path, profiles: dict[str, str], work: P
     from zorse_fx.planner import plan_fixed, solve_plan
     from zorse_fx.pricing import price
     from zorse_fx.sim import simulate
+    from zorse_fx.solve import SolverResult, evaluate
     from zorse_fx.solve.objective import evaluate_result
 
     cluster = Cluster.from_yaml(cluster_file)
-    model, _ = load_model(MODEL)
+    model, _ = load_model(case.model)
     ids = torch.zeros(2, case.seq_len, dtype=torch.long)
     captured = capture(model, (ids, ids))
     opts = PlanOptions(global_batch_size=case.global_batch_size, precision="fp32", profiles=tuple(profiles.values()),
@@ -257,10 +275,18 @@ def make_plans(case: Case, cluster_file: Path, profiles: dict[str, str], work: P
         key = repr((d.stage_blocks, d.stage_gpus, d.samples_per_microbatch, d.num_microbatches, d.interleave,
                     d.sharded, d.recompute))
         merged.setdefault(key, ([], res))[0].append(name)
+    if case.memory_base_mib is not None:  # (c): zorse_fx's decision with every stage's state replicated
+        ours = results["zorse_fx"].decision
+        replicated = dataclasses.replace(ours, sharded=(), shard_mib=None, grad_sharded=(), param_sharded=(),
+                                         offload=(), act_offload=())
+        if any(ours.sharded) or any(ours.offload):
+            res = SolverResult.from_evaluation(evaluate(costs, devices, dataclasses.replace(
+                opts, sharding="auto", recompute="auto"), replicated), options=opts, status="FIXED", best_bound=0.0)
+            merged.setdefault("replicated", (["zorse_fx_replicated"], res))
     rows = []
     for key, (names, res) in merged.items():
         d = res.decision
-        plan, _ = plan_fixed(captured, cluster, opts, d, model_name=MODEL)
+        plan, _ = plan_fixed(captured, cluster, opts, d, model_name=case.model)
         plan_dir = work / "plans" / "=".join(names)
         plan.export(plan_dir)
         torch.save({k: v.contiguous() for k, v in captured.state().items()}, plan_dir / "weights.pt")
@@ -341,6 +367,127 @@ def run_case(case: Case, args, work: Path) -> dict:
             "plans": [_summary(r) for r in rows], "wall_s": time.perf_counter() - t0, **_verdict(rows)}
 
 
+# -- case (c): memory ------------------------------------------------------------------------------
+
+def _train_status(box, row: PlanRow, tokens: Path, out: Path, steps: int) -> tuple[list[int], str]:
+    """``train_on_box`` that returns each node's exit status and the output instead of raising."""
+    from zorse_fx.plan import Plan
+
+    plan = Plan.load(row.plan_dir)
+    nodes = plan.node_ranks()
+    procs = []
+    for n in nodes:
+        argv = [PY, "-m", "zorse_fx.cli", "train", row.plan_dir, "--tokens", str(tokens), "--steps", str(steps),
+                "--out", str(out), "--precision", "fp32", "--seed", "0"]
+        if len(nodes) > 1:
+            argv += ["--nnodes", str(len(nodes)), "--node-rank", str(n.node_rank), "--master-addr", nodes[0].node]
+        procs.append(box.spawn(n.node, argv, env=_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True))
+    outs = []
+    for p in procs:
+        try:
+            outs.append(p.communicate(timeout=900)[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise RuntimeError(f"zorse train of {row.name}: no end after 900 s")
+    return [p.returncode for p in procs], "\n".join(outs)
+
+
+def run_memory_case(case: Case, args, work: Path) -> dict:
+    """Case (c): every plan trained on a box whose ranks' cgroups are limited to their GPUs' memory
+    (``memory_GiB`` of the cluster file) + ``case.memory_base_mib``; per rank the plan's predicted peak, the
+    cgroup's measured peak, the runtime's own measurement ([Note: measured rank memory]) and whether the
+    kernel killed it. A fresh box per run: the cgroup's peak and OOM-kill count are then the run's (cgroup
+    v2's memory.peak cannot be reset for every reader). The plans are priced by the roofline of the GPU
+    types (no profile: this case is about memory; its times are not compared)."""
+    import torch
+
+    from zorse_fx.box import Box
+    from zorse_fx.data import read_corpus, tokenize
+    from zorse_fx.options import PlanOptions
+    from zorse_fx.plan import Plan
+
+    cluster_path = ROOT / "bench" / "clusters" / case.cluster
+    work.mkdir(parents=True, exist_ok=True)
+    tokens = work / "tokens.pt"
+    torch.save(tokenize(read_corpus("lee"))[:200_000], tokens)
+    t0 = time.perf_counter()
+    rows = make_plans(case, cluster_path, {}, work)
+    base = round(case.memory_base_mib * 2**20)
+    def one_run(row: PlanRow, plan, out: Path, limited: bool) -> dict:
+        with Box.up(cluster_path, box_id="bench_c", scale=case.scale, memory_scale=1.0 if limited else None,
+                    memory_base_bytes=base) as box:
+            status, text = _train_status(box, row, tokens, out, args.steps)
+            ranks = []
+            for n in plan.node_ranks():
+                for j, r in enumerate(n.ranks):
+                    share = [g for s in plan.stages for g in s.gpus if g.rank == r]
+                    ranks.append({"rank": r, "node": n.node, "local_rank": j,
+                                  # (on the box the host memory of an offload is the same cgroup's)
+                                  "predicted_bytes": sum(g.predicted_memory_bytes + g.predicted_host_memory_bytes
+                                                         for g in share),
+                                  "predicted_device_bytes": sum(g.predicted_memory_bytes for g in share),
+                                  # what the planner may fill: PlanOptions.memory_fraction of the GPU's memory
+                                  "usable_bytes": int(PlanOptions(global_batch_size=1).memory_fraction
+                                                      * share[0].memory_capacity_bytes),
+                                  "limit_bytes": box.memory_limit_bytes(n.node, j),
+                                  "cgroup_peak_bytes": box.memory_peak_bytes(n.node, j),
+                                  "oom_kills": box.oom_kills(n.node, j)})
+        metrics = out / "metrics.jsonl"
+        recs = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+        for rk in ranks:
+            rk["runtime_peak_bytes"] = recs[-1]["ranks"][rk["rank"]]["memory_peak_bytes"] if recs else None
+        killed = any(rk["oom_kills"] for rk in ranks)
+        worst = max(ranks, key=lambda rk: (rk["cgroup_peak_bytes"] or 0) - rk["predicted_bytes"])
+        print(f"[box] {row.name} ({'limited' if limited else 'no limit'}): exit {status}, {len(recs)} steps, "
+              f"{'KILLED at its memory limit' if killed else 'not killed'}; rank {worst['rank']}: predicted "
+              f"{worst['predicted_bytes'] / 2**20:.0f} MiB, cgroup peak {(worst['cgroup_peak_bytes'] or 0) / 2**20:.0f}"
+              + (f" of {worst['limit_bytes'] / 2**20:.0f} MiB" if worst["limit_bytes"] else " MiB"), flush=True)
+        return {"limited": limited, "exit_status": status, "steps_done": len(recs), "killed": killed, "ranks": ranks,
+                "output_tail": text[-1500:] if any(status) else ""}
+
+    # Each plan once under the limits (killed or not); a plan killed there once more without them, for the
+    # peak it would have reached (under the limit the cgroup's peak is the limit). Memory does not drift with
+    # the machine's load as time does: one repetition.
+    runs: dict[str, list] = {r.name: [] for r in rows}
+    for row in rows:
+        plan = Plan.load(row.plan_dir)
+        runs[row.name].append(one_run(row, plan, work / "runs" / f"{row.name}.limited", True))
+        if runs[row.name][-1]["killed"] or any(runs[row.name][-1]["exit_status"]):
+            runs[row.name].append(one_run(row, plan, work / "runs" / f"{row.name}.unlimited", False))
+    plans = []
+    for r in rows:
+        first, last = runs[r.name][0], runs[r.name][-1]  # limited; the unlimited re-run where one was made
+        predicted_fit = all(rk["predicted_device_bytes"] <= rk["usable_bytes"] for rk in first["ranks"])
+        plans.append({"plan": r.name, "ranks": r.ranks, "decision": r.decision, "predicted_to_fit": predicted_fit,
+                      "killed_in_any_run": first["killed"], "measured": [
+                          {**rk, "limit_bytes": lim["limit_bytes"]} for rk, lim in zip(last["ranks"], first["ranks"])],
+                      "objective_s": r.objective_s, "simulated_s": r.simulated_s, "runs": runs[r.name]})
+    fits = [p for p in plans if p["predicted_to_fit"]]
+    return {"case": case.name, "note": case.note, "cluster": str(cluster_path.relative_to(ROOT)),
+            "model": case.model, "global_batch_size": case.global_batch_size, "seq_len": case.seq_len,
+            "memory_base_mib": case.memory_base_mib, "plans": plans, "wall_s": time.perf_counter() - t0,
+            "predicted_to_fit_never_killed": all(not p["killed_in_any_run"] for p in fits),
+            "predicted_not_to_fit_killed": [p["plan"] for p in plans if not p["predicted_to_fit"]
+                                            and p["killed_in_any_run"]]}
+
+
+def _print_memory(res: dict) -> None:
+    print(f"\n{res['case']}: {res['note']} (limit per rank: GPU memory + {res['memory_base_mib']:g} MiB)")
+    print(f"{'plan':<34} {'fits?':>6} {'killed':>7} {'rank':>4} {'predicted MiB':>14} {'cgroup peak':>12} "
+          f"{'runtime':>8} {'limit':>7}")
+    for p in res["plans"]:
+        for k, rk in enumerate(p["measured"]):
+            head = (f"{p['plan'][:34]:<34} {'yes' if p['predicted_to_fit'] else 'no':>6} "
+                    f"{'yes' if p['killed_in_any_run'] else 'no':>7}") if k == 0 else " " * 49
+            mib = lambda b: "-" if b is None else f"{b / 2**20:.0f}"  # noqa: E731
+            print(f"{head} {rk['rank']:>4} {mib(rk['predicted_bytes']):>14} {mib(rk['cgroup_peak_bytes']):>12} "
+                  f"{mib(rk['runtime_peak_bytes']):>8} {mib(rk['limit_bytes']):>7}")
+    print(f"every plan predicted to fit ran without a kill: {res['predicted_to_fit_never_killed']}; predicted not "
+          f"to fit and killed: {res['predicted_not_to_fit_killed']}", flush=True)
+
+
 def _summary(r: PlanRow) -> dict:
     m = r.measured
     med = statistics.median(m)
@@ -400,10 +547,11 @@ def main(argv=None) -> int:
     out = Path(args.out)
     previous = json.loads(out.read_text())["cases"] if out.exists() else []
     for name in names:
-        res = run_case(CASES[name], args, Path(args.work) / name)
+        case = CASES[name]
+        res = (run_memory_case if case.memory_base_mib is not None else run_case)(case, args, Path(args.work) / name)
         res["command"] = "bench/box.py " + " ".join(argv if argv is not None else sys.argv[1:])
         res["date"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-        _print(res)
+        (_print_memory if case.memory_base_mib is not None else _print)(res)
         results.append(res)
         kept = [r for r in previous if r["case"] not in {x["case"] for x in results}]
         out.parent.mkdir(parents=True, exist_ok=True)

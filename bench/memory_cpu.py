@@ -158,8 +158,14 @@ LAYOUTS = (("replicated", "bf16-mixed", False), ("zero1_fp32", "fp32", True),
            ("offload_16bit_weights_and_activations", "bf16-mixed", True, False, False, True, True))
 
 
-def _rank(rank: int, world: int, port: int, plan_dir: str, precision: str, out: str) -> None:
-    """One rank of ``measure_layouts``: two steps, the second profiled; writes ``rank<r>.json``."""
+def _rank(rank: int, world: int, port: int, runs: list[tuple[str, str]]) -> None:
+    """One rank of ``measure_layouts``, every layout in turn: ``runs`` is ``(plan directory, precision)``
+    per layout; per layout two steps, the second profiled; writes ``rank<r>.json`` into the layout's
+    directory. One process group for all of them: one spawn, not one per layout (torch, transformers and
+    Gloo start once). Each layout's worker is gone (``gc``) before the next one's is built, so the next
+    profile sees none of its tensors."""
+    import gc
+
     import torch.distributed as dist
 
     from zorse_fx.plan import Plan
@@ -168,13 +174,16 @@ def _rank(rank: int, world: int, port: int, plan_dir: str, precision: str, out: 
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    plan = Plan.load(Path(plan_dir) / "plan.json")
-    worker = StageWorker(plan, plan_dir, torch.load(Path(plan_dir) / "weights.pt"), rank=rank,
-                         device=torch.device("cpu"), precision=precision_policy(precision))
-    peak, by = _profiled_step(worker, torch.load(Path(plan_dir) / "tokens.pt"))
-    summary = worker.optimizer_state_summary()
-    Path(out, f"rank{rank}.json").write_text(json.dumps({"peak": peak, "by": by, "summary": summary}))
-    dist.barrier()
+    for plan_dir, precision in runs:
+        plan = Plan.load(Path(plan_dir) / "plan.json")
+        worker = StageWorker(plan, plan_dir, torch.load(Path(plan_dir) / "weights.pt"), rank=rank,
+                             device=torch.device("cpu"), precision=precision_policy(precision))
+        peak, by = _profiled_step(worker, torch.load(Path(plan_dir) / "tokens.pt"))
+        summary = worker.optimizer_state_summary()
+        Path(plan_dir, f"rank{rank}.json").write_text(json.dumps({"peak": peak, "by": by, "summary": summary}))
+        del worker
+        gc.collect()
+        dist.barrier()
     dist.destroy_process_group()
 
 
@@ -206,7 +215,7 @@ def measure_layouts(layouts=LAYOUTS) -> list[dict]:
                       tie_word_embeddings=True, bos_token_id=0, eos_token_id=0, pad_token_id=0)
     ids = torch.randint(0, 256, (4, 32))
     captured = capture(CausalLMWithLoss(LlamaForCausalLM(cfg)), (ids, ids))
-    rows = []
+    rows, built = [], []
     with tempfile.TemporaryDirectory() as tmp:
         cluster_file = Path(tmp, "two.yaml")
         cluster_file.write_text(_TWO_GPUS.replace("    gpus: [", "    host_memory_GiB: 64\n    gpus: ["))
@@ -234,10 +243,12 @@ def measure_layouts(layouts=LAYOUTS) -> list[dict]:
             plan.export(d)
             torch.save(captured.state(), d / "weights.pt")
             torch.save(torch.randint(0, 256, (8, 32)), d / "tokens.pt")
-            with socket.socket() as sock:
-                sock.bind(("127.0.0.1", 0))
-                port = sock.getsockname()[1]
-            mp.spawn(_rank, args=(2, port, str(d), precision, str(d)), nprocs=2, join=True)
+            built.append((name, precision, grads, params, offload, acts, plan, d))
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        mp.spawn(_rank, args=(2, port, [(str(d), precision) for _, precision, *_, d in built]), nprocs=2, join=True)
+        for name, precision, grads, params, offload, acts, plan, d in built:
             for g in plan.stages[0].gpus:
                 got = json.loads(Path(d, f"rank{g.rank}.json").read_text())
                 m = g.predicted_memory

@@ -619,6 +619,37 @@ def render_comm(doc: dict, name: str) -> list[str]:
 # ---------------------------------------------------------------- the box
 
 
+def render_box_memory(case: dict, doc: dict) -> list[str]:
+    """Case (c) of bench/box.py: per plan and rank the predicted peak, the cgroup's peak (of the run
+    without limits where the limited one was killed) and the limit, the runtime's own measurement, and
+    whether the kernel killed a rank under the limits."""
+    def mib(b):
+        return "-" if b is None else f"{b / 2**20:.0f}"
+
+    out = [f"**{case['case']}**: {case['note']} (`{case['cluster']}`, model `{case['model']}`, global batch "
+           f"{case['global_batch_size']}, seq {case['seq_len']}; each rank's cgroup limited to its GPU's memory + "
+           f"{case['memory_base_mib']:g} MiB)", ""]
+    body = []
+    for p in case["plans"]:
+        for k, rk in enumerate(p["measured"]):
+            body.append([p["plan"] if k == 0 else "", ("yes" if p["predicted_to_fit"] else "no") if k == 0 else "",
+                         ("yes" if p["killed_in_any_run"] else "no") if k == 0 else "",
+                         f"{rk['rank']} ({rk['node']})", mib(rk["predicted_bytes"]), mib(rk["usable_bytes"]),
+                         mib(rk["cgroup_peak_bytes"]), mib(rk["limit_bytes"]), mib(rk["runtime_peak_bytes"]),
+                         mib(None if rk["cgroup_peak_bytes"] is None else rk["cgroup_peak_bytes"] - rk["predicted_bytes"])])
+    out += table(["plan", "predicted to fit", "killed under the limit", "rank (node)", "predicted MiB",
+                  "usable MiB", "cgroup peak MiB", "limit MiB", "runtime MiB", "peak - predicted MiB"], body)
+    out += ["", "cgroup peak: the rank's cgroup's most memory held at once (a killed plan's from a second run "
+                "without limits); runtime: its own measurement ([Note: measured rank memory]); limit: GPU "
+                "memory + the base."]
+    out += ["", f"Every plan predicted to fit ran without a kill: "
+                f"{'yes' if case['predicted_to_fit_never_killed'] else 'no'}; plans predicted not to fit that the "
+                f"kernel killed: {', '.join(case['predicted_not_to_fit_killed']) or 'none'}. Run: "
+                f"`{case.get('command', '?')}`, {str(case.get('date', ''))[:16]}"
+                + (f"; {case['conditions']}" if case.get("conditions") else "") + ".", ""]
+    return out
+
+
 def render_box(doc: dict, name: str) -> list[str]:
     out = ["### Plans measured on the box", "",
            "Every planner's plan trained on an emulated cluster (`zorse box`: a network namespace per node, shaped "
@@ -627,6 +658,9 @@ def render_box(doc: dict, name: str) -> list[str]:
            "the box's own measurements (`zorse bench kernels` under each rank type's quota, `zorse bench comm` "
            "across the shaped links). Times are the box's seconds.", ""]
     for case in doc.get("cases", []):
+        if case.get("memory_base_mib") is not None:
+            out += render_box_memory(case, doc)
+            continue
         out += [f"**{case['case']}**: {case['note']} (box scale {case['box']['scale']:.3g}; "
                 f"`{case['cluster']}`, global batch {case['global_batch_size']}, seq {case['seq_len']})", ""]
         body = []
@@ -642,7 +676,8 @@ def render_box(doc: dict, name: str) -> list[str]:
                     f"measured ranking = simulated ranking: {'yes' if case['rankings_equal'] else 'no'}. "
                     f"Run: `{case.get('command', doc.get('command', '?'))}` (the first two steps of each run not "
                     f"counted), {str(case.get('date', doc.get('date', '')))[:16]}.", ""]
-    out += [f"Machine: {CPU_MACHINE}, Python {doc.get('machine', {}).get('python', '?')}, nothing else running."]
+    out += [f"Machine: {CPU_MACHINE}, Python {doc.get('machine', {}).get('python', '?')}, nothing else running "
+            f"unless a case says so."]
     return out
 
 

@@ -750,6 +750,10 @@ def train_and_compare(plan, captured, tokens, tmp_path: Path, *, steps: int, lr:
         assert [part["stages"] for part in r["ranks"]] == [list(plan.stages_of(k)) for k in range(plan.world_size)]
         assert all("allgather_s" in part for part in r["ranks"])
         assert r["precision"] == (precision or "fp32")
+    # Each rank's memory peak ([Note: measured rank memory]): bytes, a peak, so never lower a step later.
+    for k in range(plan.world_size):
+        peaks = [r["ranks"][k]["memory_peak_bytes"] for r in rows]
+        assert all(isinstance(b, int) and b >= 0 for b in peaks) and peaks == sorted(peaks), (k, peaks)
     assert_grads_match(grads, ref_grads, tol)
     out = tmp_path / "run" / "params"
     params = {r: torch.load(out / f"rank{r}.pt") for r in range(plan.world_size)}

@@ -435,7 +435,9 @@ def test_cli_box_torchrun_workers_enter_their_rank_cgroups(box_machine):
         code = ("import os, socket; from zorse_fx.box.rank_enter import enter_rank_leaf; r = os.environ['LOCAL_RANK']; "
                 "cg = lambda: [l for l in open('/proc/self/cgroup') if ':cpu,' in l or ':cpu:' in l or '::' in l][0]; "
                 "host = cg().strip(); entered = enter_rank_leaf('gpu'); "
-                "print('rank', r, socket.gethostname(), host, entered, cg().strip(), flush=True)")
+                "os.write(1, f'rank {r} {socket.gethostname()} {host} {entered} {cg().strip()}\\n'.encode())")
+        # (one write of one line: the two workers share torchrun's stdout, and print() under
+        # PYTHONUNBUFFERED writes its pieces separately, which interleaved "rankrank 1 ..." once)
         run = subprocess.run([*zorse, "run", box_id, "--node", "a100-node", "--", sys.executable, "-m",
                               "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
                               "zorse_fx.box.rank_enter", "-c", code], capture_output=True, text=True, timeout=180)
@@ -465,3 +467,26 @@ def test_memory_limit_option_sets_each_ranks_limit():
                                                                    memory_base_bytes=1 << 28), cores_available=2.0)
     limits = {r.gpu_type: r.memory_limit_bytes for n in layout.nodes for r in n.ranks}
     assert limits == {"A100-40GB": 20 * 2**30 + 2**28, "T4": 8 * 2**30 + 2**28}
+
+
+def test_rank_past_its_memory_limit_is_killed_and_counted(box_machine):
+    """A rank's cgroup memory limit is enforced (a process in its ``gpu`` leaf that touches 600 MiB under a
+    240 MiB limit is SIGKILLed by the kernel), the kill is counted for that rank (``Box.oom_kills``: on v1 the
+    kill is counted in the leaf, summed here over the rank's directory) and not for its neighbour, and the
+    rank's peak is its limit (bench/box.py case (c) reads these)."""
+    box_id = _box_id("oom")
+    with Box.up(SMALL_HETERO, box_id=box_id, memory_scale=0.001, memory_base_bytes=200 << 20) as box:
+        node = box.layout.nodes[0].name
+        limit = box.memory_limit_bytes(node, 0)
+        if limit is None:
+            pytest.skip("no cgroup memory controller on this machine: memory limits are not enforced")
+        want = round(0.001 * 40 * 2**30) + (200 << 20)  # A100-40GB: 0.001 x its memory + the base
+        assert abs(limit - want) < 4096, (limit, want)  # (v1 rounds the limit to whole pages)
+        p = box.spawn(node, [sys.executable, "-c", "a = bytearray(600 << 20); print('survived')"], rank=0,
+                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        out, _ = p.communicate(timeout=60)
+        assert p.returncode == -signal.SIGKILL and "survived" not in out, (p.returncode, out)
+        assert box.oom_kills(node, 0) == 1 and box.oom_kills(node, 1) == 0
+        peak = box.memory_peak_bytes(node, 0)
+        assert peak is None or peak <= limit
+    assert not any(_leftovers(box_id).values()), _leftovers(box_id)

@@ -194,6 +194,24 @@ def test_device_check_names_each_nodes_node_rank():
     assert check_devices(plan, right).skipped == ()
 
 
+def test_node_host_checked_before_torchrun():
+    """``check_node_host`` (``zorse train --nnodes N --node-rank K``, before torchrun starts): a host named
+    after one of the plan's nodes must be started as that node; a host named after none of them (node names
+    that are not host names) is left to the ranks' check."""
+    from zorse_fx.runtime.device_check import check_node_host
+
+    plan = _issue_shape()
+    check_node_host(plan, 0, host="a100-node")
+    check_node_host(plan, 1, host="t4-node.cluster")  # (the short name is compared)
+    check_node_host(plan, 0, host="worker-17")
+    with pytest.raises(DeviceMismatchError) as e:
+        check_node_host(plan, 0, host="t4-node")
+    assert str(e.value).startswith(
+        "host 't4-node' is the plan's node 't4-node' (--node-rank 1), but it was started with --node-rank 0, which "
+        "is the plan's node 'a100-node'; start each node with its --node-rank: 0 on 'a100-node' (2 processes: "
+        "ranks 0-1), 1 on 't4-node' (2 processes: ranks 2-3)")
+
+
 # -- the flags ---------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize(("flags", "message"), [
@@ -423,9 +441,11 @@ def test_small_hetero_plan_on_its_box_refuses_a_wrong_node_rank_then_trains(box_
     scaled inter-node latency, each rank under its GPU type's CPU quota from its first step.
 
     Started with each other's --node-rank (a host list in the wrong order:
-    t4-node first, so node 0 and --master-addr), both nodes exit 1 with the
-    device check's line naming the rank, its host, the --node-rank it was
-    started with and each node's right one. Started as that line says
+    t4-node first, so node 0 and --master-addr), both nodes' `zorse train` exit 1
+    before starting torchrun, with one line naming the host, the plan's node it is,
+    the --node-rank it was started with and each node's right one
+    (``device_check.check_node_host``; the ranks' own check of real hosts is the
+    one that passes below, its refusals are tests/test_error_lines.py's). Started as that line says
     (`zorse train --nnodes 2 --node-rank K --master-addr a100-node` in each at
     once), the device check sees every rank on its planned node (not
     skipped), and the 2 steps' losses equal single-process training (FP32);
@@ -455,16 +475,18 @@ def test_small_hetero_plan_on_its_box_refuses_a_wrong_node_rank_then_trains(box_
         quotas = [box.cpu_quota(node, j) for node in _NODES for j in range(2)]
     assert all(q is not None for q, _ in quotas) and quotas[0][0] > quotas[2][0]  # (an A100 rank's over a T4's)
     advice = re.escape(
-        "; host 't4-node' was started with --node-rank 0, which is the plan's node 'a100-node'; start each node "
+        "start each node "
         "with its --node-rank: 0 on 'a100-node' (2 processes: ranks 0-1), 1 on 't4-node' (2 processes: ranks 2-3), "
         "the plan's nodes in the cluster file's order (`zorse train --nnodes 2 --node-rank K --master-addr HOST` "
         "on node K starts its processes; torchrun: --nproc-per-node); --skip-device-check runs anyway")
-    line = re.compile(r"zorse: rank 0 \(stages? [0-9, ]+\) runs on host 't4-node', but the plan assigned it GPU 0 "
-                      r"\(A100-40GB\) on node 'a100-node'" + advice)
-    for rc, out in wrong:
+    for (rc, out), (host, started, planned) in zip(wrong, [("a100-node", 1, "t4-node"), ("t4-node", 0, "a100-node")]):
+        # each node refuses on its own, before torchrun: no rank started, no rendezvous waited for
         assert rc == 1, out[-3000:]
         lines = [ln for ln in out.splitlines() if ln.startswith("zorse: ")]
-        assert len(lines) == 1 and line.match(lines[0]), out[-3000:]
+        line = (f"zorse: host '{host}' is the plan's node '{host}' (--node-rank {1 - started}), but it was started "
+                f"with --node-rank {started}, which is the plan's node '{planned}'; ")
+        assert len(lines) == 1 and re.fullmatch(re.escape(line) + advice, lines[0]), out[-3000:]
+        assert "torch.distributed.run" not in out, out[-3000:]
     assert [rc for rc, _ in done] == [0, 0], "\n".join(o[-3000:] for _, o in done)
     out0 = done[0][1]
     assert "[zorse] node 0 of 2 ('a100-node'): ranks 0-1 of 4" in out0

@@ -281,6 +281,10 @@ def cmd_train(args) -> int:
     plan, weights = check_job(cmd.data.plan, weights=cmd.data.weights, nproc=0 if rendezvous else cmd.launch.nproc,
                               resume=cmd.checkpoint.resume, out=out)
     node = None if rendezvous is None else node_launch(plan, rendezvous, cmd.launch.nproc, plan_path=cmd.data.plan)
+    if node is not None and not cmd.job.skip_device_check:  # this host as the wrong node: said before torchrun
+        from .runtime.device_check import check_node_host
+
+        check_node_host(plan, rendezvous.node_rank)
     warning = None if rendezvous is None else check_master_addr(rendezvous)
     if warning:
         print(f"[zorse] warning: {warning}", flush=True)

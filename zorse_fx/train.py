@@ -64,7 +64,11 @@ parameter all-gather of a ZeRO-1 stage (``allgather_s``, 0 elsewhere), and its
 gradient buckets (``buckets``) of which ``buckets_during_backward`` were
 launched while the backward was still running, each over all the stages the
 rank hosts (``stages``: several in an interleaved
-plan, see [Note: a rank with several stages] in ``runtime/worker.py``).
+plan, see [Note: a rank with several stages] in ``runtime/worker.py``), and the
+most memory its stages have held so far (``memory_peak_bytes``: on a GPU the
+allocator's peak of tensor bytes, on a CPU the growth of the process's peak
+resident set; [Note: measured rank memory] in ``runtime/memory_meter.py``),
+the quantity the plan's per-GPU memory prediction is of.
 ``--dump-grads`` / ``--dump-params`` save one file per rank, by canonical
 parameter name over the rank's stages.
 
@@ -97,6 +101,7 @@ from .runtime.checkpoint import load_checkpoint, newest_intact_checkpoint, read_
 from .runtime.device_check import check_devices, observe
 from .runtime.launch import init_process_group, rank_device
 from .runtime.lr_schedule import LRSchedule
+from .runtime.memory_meter import MemoryMeter
 from .runtime.rank_errors import EXIT_NONFINITE, record_rank_error  # (EXIT_NONFINITE: the launcher reads it too)
 from .runtime.run_dir import (CHECKPOINTS, METRICS, check_checkpoint_run, check_fresh_start, new_run_id, plan_hash,
                               previous_run, remove_previous_run)
@@ -288,6 +293,22 @@ def _nonfinite_message(step: int, loss: float, loss_ranks: list[int], grads: lis
             f"checkpoint of it ({checkpoint})")
 
 
+def _memory_line(plan: Plan, peaks: list[int], *, on_cpu: bool) -> str:
+    """One line: per rank its measured memory peak ([Note: measured rank memory]) beside the plan's
+    prediction for its GPU (over the stages it hosts; on a CPU run with the host bytes too, the same memory)."""
+    planned = [0] * plan.world_size
+    for s in plan.stages:
+        for g in s.gpus:
+            planned[g.rank] += g.predicted_memory_bytes + (g.predicted_host_memory_bytes if on_cpu else 0)
+
+    def mib(b: int) -> str:
+        return f"{b / 2**20:.4g}"
+
+    what = "resident-set growth" if on_cpu else "allocated"
+    return ("[zorse] memory peak per rank, MiB " + what + " (planned): "
+            + ", ".join(f"{r}: {mib(m)} ({mib(planned[r])})" for r, m in enumerate(peaks)))
+
+
 class _Progress:
     """Rank 0's progress: a tqdm bar (loss, tokens/s, ETA) on a terminal, one
     line per step otherwise (logs, tests)."""
@@ -418,6 +439,7 @@ def _run(options: TrainingOptions, where: _Where) -> int:
                                       val_batches=loop.val_batches, allow_repeat=d.allow_repeat)
     batch_of(0)  # a corpus too small for a global batch fails here, before any rank trains
     policy, why = runtime_precision(plan, device, job.precision, job.grad_reduce_dtype)
+    meter = MemoryMeter(device)  # from here: the stage's own bytes ([Note: measured rank memory])
     worker = StageWorker(plan, plan_dir, weights, rank=rank, device=device, optimizer=OptimizerConfig.from_options(opt),
                          precision=policy, weights_source=str(weights_path))
     del weights
@@ -487,14 +509,14 @@ def _run(options: TrainingOptions, where: _Where) -> int:
         grad_stage, weight_stage = worker.last_nonfinite or (None, None)
         host = [worker.last_breakdown[k] for k in _BREAKDOWN] + [
             float(stop.signal), -1.0 if grad_stage is None else float(grad_stage),
-            -1.0 if weight_stage is None else float(weight_stage)]
+            -1.0 if weight_stage is None else float(weight_stage), float(meter.peak_bytes())]
         mine = torch.cat([torch.tensor(host, dtype=torch.float64, device=device), local_loss])
         gathered = [torch.empty_like(mine) for _ in range(world)]
         dist.all_gather(gathered, mine)
         table = torch.stack(gathered).cpu()  # one device-to-host copy; the same on every rank
         n = len(_BREAKDOWN)
         stopping = int(table[:, n].max().item())
-        bad_loss = [r for r in range(world) if not math.isfinite(table[r, n + 3].item())]
+        bad_loss = [r for r in range(world) if not math.isfinite(table[r, n + 4].item())]
         bad_grads = [(r, int(table[r, n + 1].item())) for r in range(world) if table[r, n + 1] >= 0]
         bad_weights = [(r, int(table[r, n + 2].item())) for r in range(world) if table[r, n + 2] >= 0]
         nonfinite = bool(bad_loss or bad_grads)
@@ -511,7 +533,8 @@ def _run(options: TrainingOptions, where: _Where) -> int:
             os.kill(os.getpid(), signal.SIGKILL)  # testing: a GPU lost for good (every attempt)
         if rank == 0:
             parts = [{"rank": r, "stages": list(plan.stages_of(r)),
-                      **{k: (int(x) if k.startswith("buckets") else x) for k, x in zip(_BREAKDOWN, t[:n].tolist())}}
+                      **{k: (int(x) if k.startswith("buckets") else x) for k, x in zip(_BREAKDOWN, t[:n].tolist())},
+                      "memory_peak_bytes": int(t[n + 3].item())}
                      for r, t in enumerate(table)]
             grad_norm = float(worker.last_grad_norm) if worker.last_grad_norm is not None else None
             rec = {"step": step, **identity, "loss": float(loss.item()), "lr": lr, "grad_norm": grad_norm,
@@ -551,6 +574,8 @@ def _run(options: TrainingOptions, where: _Where) -> int:
         enter_rank_leaf("host")
     if progress:
         progress.close()
+        if start <= loop.steps:  # (a step ran: the table is this run's)
+            print(_memory_line(plan, [int(t[n + 3].item()) for t in table], on_cpu=device.type == "cpu"), flush=True)
     if writer is not None:
         writer.close()
     if test.dump_params:

@@ -313,6 +313,11 @@ class Box:
         """The most memory rank ``rank`` of ``node`` held at once since the box was built, bytes."""
         return self.state.cgroups.memory_peak(self.layout.box_id, node, rank_dir(self.layout.rank(node, rank).local_rank))
 
+    def oom_kills(self, node: str, rank: int) -> int | None:
+        """Processes of rank ``rank`` of ``node`` the kernel killed at its memory limit since the box was
+        built (None: not known on this kernel)."""
+        return self.state.cgroups.oom_kills(self.layout.box_id, node, rank_dir(self.layout.rank(node, rank).local_rank))
+
     def node_shaping(self, node: str) -> list[net.TcClass]:
         """The htb classes on ``node``'s eth0 (its NIC and per-pair links)."""
         return net.shaping(self.layout.node(node).netns, net.NODE_IF)

@@ -188,6 +188,27 @@ class Cgroups:
         path = mem / ("memory.peak" if self.version == 2 else "memory.max_usage_in_bytes")
         return int(_read(path)) if path.exists() else None
 
+    def oom_kills(self, box_id: str, node: str, leaf: str) -> int | None:
+        """How many processes of the leaf (a rank's directory and the leaves below it) the kernel killed for
+        a memory limit: ``oom_kill`` of v2 ``memory.events`` (hierarchical: the directory's counts its
+        descendants'), or the sum over the directory and its children of v1 ``memory.oom_control``'s
+        (kernels >= 4.13; v1 counts a kill in the memcg of the killed process only). None without a memory
+        controller or that counter."""
+        mem = self._memory_dir(box_id, node, leaf)
+        if mem is None:
+            return None
+        dirs = [mem] if self.version == 2 else [mem, *(d for d in mem.iterdir() if d.is_dir())]
+        total = None
+        for d in dirs:
+            path = d / ("memory.events" if self.version == 2 else "memory.oom_control")
+            if not path.exists():
+                continue
+            for line in _read(path).splitlines():
+                key, _, value = line.partition(" ")
+                if key == "oom_kill":
+                    total = (total or 0) + int(value)
+        return total
+
     def probe(self) -> None:
         """Make, limit and remove a cgroup; ``BoxSetupError`` naming what the kernel refused."""
         name = f"zbox-probe{os.getpid()}"

@@ -82,7 +82,6 @@ from typing import Annotated, Any, Literal
 import msgspec
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from msgspec import Meta
 
 from ..errors import CheckpointDamagedError, CheckpointError, CheckpointManifestError
@@ -350,22 +349,34 @@ class _MetadataUnpickler(pickle.Unpickler):
                               f"does not contain; refusing to load it")
 
 
-class _SafeReader(dcp.FileSystemReader):
-    """``FileSystemReader`` whose metadata is read by ``_MetadataUnpickler``."""
+def _SafeReader(path):  # noqa: N802 (a class, made on first use)
+    """``dcp.FileSystemReader`` of ``path`` whose metadata is read by ``_MetadataUnpickler``. The class is
+    made on first use: ``torch.distributed.checkpoint`` takes 0.75 s to import (python -X importtime,
+    2026-12-06), paid by every rank at start where only a checkpoint's save or load needs it."""
+    global _SAFE_READER
+    if _SAFE_READER is None:
+        import torch.distributed.checkpoint as dcp
 
-    def read_metadata(self, *args, **kwargs):
-        path = Path(self.path) / ".metadata"
-        try:
-            metadata = _MetadataUnpickler(io.BytesIO(path.read_bytes())).load()
-        except FileNotFoundError:
-            raise CheckpointError(f"checkpoint {self.path}: file .metadata (DCP's index of every tensor) is missing; "
-                                  f"resume from another step_<k> of its directory") from None
-        if getattr(metadata, "storage_meta", None) is None:
-            from torch.distributed.checkpoint.metadata import StorageMeta
+        class SafeReader(dcp.FileSystemReader):
+            def read_metadata(self, *args, **kwargs):
+                path = Path(self.path) / ".metadata"
+                try:
+                    metadata = _MetadataUnpickler(io.BytesIO(path.read_bytes())).load()
+                except FileNotFoundError:
+                    raise CheckpointError(f"checkpoint {self.path}: file .metadata (DCP's index of every tensor) is "
+                                          f"missing; resume from another step_<k> of its directory") from None
+                if getattr(metadata, "storage_meta", None) is None:
+                    from torch.distributed.checkpoint.metadata import StorageMeta
 
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
+                    metadata.storage_meta = StorageMeta()
+                metadata.storage_meta.load_id = self.load_id
+                return metadata
+
+        _SAFE_READER = SafeReader
+    return _SAFE_READER(path)
+
+
+_SAFE_READER = None
 
 
 # -- save ------------------------------------------------------------------------
@@ -435,6 +446,8 @@ def save_checkpoint(worker: StageWorker, root: str | Path, step: int, *, keep: i
             shutil.rmtree(tmp)
         tmp.mkdir()
     dist.barrier()
+    import torch.distributed.checkpoint as dcp  # (on first use: see _SafeReader)
+
     dcp.save(_state_to_save(worker, step), storage_writer=dcp.FileSystemWriter(tmp))
     if worker.rank == 0:  # DCP's save ended with a collective: every rank's files are written
         plan = worker.plan
@@ -597,6 +610,8 @@ def load_checkpoint(worker: StageWorker, path: str | Path, *, check_batch: bool 
     rng = [k for k in _rng_state(worker) if k in meta] if same_world else []
     for k in scalars + rng:
         request[k] = empty(k)
+    import torch.distributed.checkpoint as dcp
+
     dcp.load(request, storage_reader=reader)
 
     def assemble(moment: str, t: torch.Tensor, a: int, b: int, over) -> torch.Tensor:

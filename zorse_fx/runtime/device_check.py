@@ -153,6 +153,30 @@ def _started_as(o: DeviceObservation, plan) -> str:
             f"{nodes[o.node_rank].node!r}")
 
 
+def check_node_host(plan, node_rank: int, host: str | None = None) -> None:
+    """Before a node's processes start (``zorse train --nnodes N --node-rank K``): where the cluster file
+    names its nodes by host name and this host (``host``, default ``socket.gethostname()``) is one of the
+    plan's nodes, it must be node ``node_rank``. The ranks would find it out too, but only after every node
+    has joined the rendezvous; said here it costs no rendezvous and the node's error is its own. A host
+    named after none of the plan's nodes is left to the ranks' check ([Note: checking the devices against
+    the plan]).
+
+    Raises:
+        DeviceMismatchError: naming the host, the --node-rank it was started with, that node of the
+            plan and the --node-rank of each node (rank -1: no rank has started)."""
+    host = socket.gethostname() if host is None else host
+    nodes = plan.node_ranks()
+    if not all(n.contiguous for n in nodes) or not 0 <= node_rank < len(nodes):
+        return  # (node_launch refuses these with their own lines)
+    mine = next((n for n in nodes if _short(n.node) == _short(host)), None)
+    if mine is None or mine.node_rank == node_rank:
+        return
+    raise DeviceMismatchError(
+        f"host {host!r} is the plan's node {mine.node!r} (--node-rank {mine.node_rank}), but it was started with "
+        f"--node-rank {node_rank}, which is the plan's node {nodes[node_rank].node!r}; {_start_nodes(plan)}",
+        rank=-1)
+
+
 def check_devices(plan, observed: list[DeviceObservation]) -> DeviceReport:
     """Check every rank's ``observed`` device and host against ``plan``'s
     assignment (see [Note: checking the devices against the plan]).
