@@ -90,7 +90,7 @@ CASES = {c.name: c for c in (
     # end stages hold the tied embedding all-reduces its 128 MiB gradient across the NIC for 2 minutes a step.
     Case(name="c_memory_tight", cluster="box_c_memory_tight.yaml", global_batch_size=8, scale=0.1,
          model="bench.box_models:gpt_big_vocab", memory_base_mib=320,
-         note="(c) memory-tight: 2 x A100 (0.55 GiB) and 2 x T4 (0.5 GiB) for a 39.9 M-parameter model whose "
+         note="(c) memory-tight: 2 x A100 (0.65 GiB) and 2 x T4 (0.6 GiB) for a 39.9 M-parameter model whose "
               "fp32 state (608 MiB, the tied embedding's 512 MiB of it) fits no replicated layout"),
 )}
 

@@ -48,6 +48,13 @@ def _by_hand(costs: BlockCosts, i: int, j: int):
     return state, shard, optim
 
 
+def _transient(costs: BlockCosts, n: int) -> int:
+    """KiB of [Note: gradient transients] (solve/state_terms.py) of a GPU with ``n`` samples on the one
+    stage holding both blocks of the tied parameter: three of its float32 gradients, less the stage's
+    activations of one micro-batch (no other parameter's size is known to these costs)."""
+    return max(0, 3 * _kib_up(4 * NUMEL) - n * sum(_kib_up(a) for a in costs.act_bytes_per_sample))
+
+
 def _one_gpu(memory_bytes: int):
     return make_devices(["A"], ["n0"], [memory_bytes], [MEM_BW])
 
@@ -64,15 +71,18 @@ def test_one_stage_counts_a_tied_parameter_once_in_memory_and_optimizer():
     ev, ev_untied = (evaluate(c, devices, options, _one_stage()) for c in (costs, untied))
     state, _, optim = _by_hand(costs, 0, 3)
     act = 2 * sum(_kib_up(a) for a in costs.act_bytes_per_sample)  # 1 micro-batch in flight, 2 samples
-    assert ev.memory_bytes == ((KIB * (state + act),),)
+    tr = _transient(costs, 2)
+    assert tr > 0  # (three 160 MB gradients against 20 MB of activations)
+    assert ev.memory_bytes == ((KIB * (state + act + tr),),)
     assert round(ev.optim_s[0] * UNITS_PER_S) == optim
-    # Exactly one copy's state and optimizer time below the count per block (the untied model).
+    # Exactly one copy's state and optimizer time below the count per block (the untied model, which
+    # uses no weight twice: no transient).
     copy_kib, copy_ns = 16 * NUMEL // KIB, to_units(2 * 16 * NUMEL / MEM_BW)
-    assert ev_untied.memory_bytes[0][0] - ev.memory_bytes[0][0] == KIB * copy_kib
+    assert ev_untied.memory_bytes[0][0] - (ev.memory_bytes[0][0] - KIB * tr) == KIB * copy_kib
     assert round((ev_untied.optim_s[0] - ev.optim_s[0]) * UNITS_PER_S) == copy_ns
     # The simulator holds the same state and moves the parameters once in the optimizer step.
     sim = simulate(costs, devices, options, _one_stage())
-    assert sim.peak_memory_bytes == (KIB * (state + act),)
+    assert sim.peak_memory_bytes == (KIB * (state + act + tr),)
     (opt,) = [e for e in sim.events if e.kind == "optim"]
     assert opt.nbytes == 2 * 16 * (sum(costs.param_count) - NUMEL)
 
@@ -105,7 +115,8 @@ def test_sharded_stage_shards_the_tied_parameter_once():
     z = ev.decision.shard_mib[0]
     assert sum(z) == -(-shard // KIB)  # whole MiB covering the KiB of one copy less
     act = sum(_kib_up(a) for a in costs.act_bytes_per_sample)
-    assert ev.memory_bytes == (tuple(KIB * (state - shard + KIB * zg + act) for zg in z),)
+    tr = _transient(costs, 1)
+    assert ev.memory_bytes == (tuple(KIB * (state - shard + KIB * zg + act + tr) for zg in z),)
     sim = simulate(costs, devices, options, ev.decision)
     assert sim.peak_memory_bytes == ev.memory_bytes[0]
     assert sorted(e.nbytes for e in sim.events if e.kind == "optim") == sorted(2 * 16 * zg * KIB * KIB // 8
@@ -120,7 +131,7 @@ def test_counting_the_tied_parameter_once_makes_a_plan_fit():
     (the untied model), and nothing fits. Its objective is CP-SAT's to the ns."""
     costs = _costs()
     state, _, _ = _by_hand(costs, 0, 3)
-    need = state + 2 * sum(_kib_up(a) for a in costs.act_bytes_per_sample)
+    need = state + 2 * sum(_kib_up(a) for a in costs.act_bytes_per_sample) + _transient(costs, 2)
     options = solver_options(global_batch_size=2, max_stages=1, num_microbatches=(1,), memory_fraction=1.0)
     fits = _one_gpu(KIB * need)
     assert build_tables(costs, fits, options, 1).cap_bytes == (need,)
@@ -145,7 +156,7 @@ def test_sharded_plan_fits_only_with_the_tied_parameter_once():
     costs = _costs()
     state, shard, _ = _by_hand(costs, 0, 3)
     half = -(-(-(-shard // KIB)) // 2)  # MiB per GPU
-    need = state - shard + KIB * half + sum(_kib_up(a) for a in costs.act_bytes_per_sample)
+    need = state - shard + KIB * half + sum(_kib_up(a) for a in costs.act_bytes_per_sample) + _transient(costs, 1)
     devices = make_devices(["A", "A"], ["n0", "n0"], [KIB * need] * 2, [MEM_BW] * 2)
     options = solver_options(global_batch_size=2, max_stages=1, num_microbatches=(1,), memory_fraction=1.0,
                              sharding="always", allow_idle_gpus=False)

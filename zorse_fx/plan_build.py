@@ -43,7 +43,8 @@ def memory_breakdown(predicted: int, hosted: list[tuple],
     largest ``GATHERED_UNITS`` consecutive units); the shard then also holds
     the GPU's weights (in proportion, as the gradients), and those are weights too. Activations are the rest of the prediction
     (what autograd saves for the micro-batches in flight, the loss block's
-    backward transient, and the planner's rounding up of each block's state
+    backward transient, a weight gradient's transient ([Note: gradient transients]
+    in ``solve/state_terms.py``), and the planner's rounding up of each block's state
     to KiB). A sixth entry, when true, offloads the stage's optimizer
     ([C-offload]): no optimizer bytes on the GPU. Bytes in, bytes out; 0
     predicted: all 0."""

@@ -55,7 +55,7 @@ from ..ir.result import SolverResult
 from ..options import PlanOptions
 from ..solve.heuristics import Selector, largest_remainder, memory_variants, stage_act_kib
 from ..solve.objective import MIB_UNITS, MemoryPolicy, microbatch_candidates
-from ..solve.state_terms import stage_state_kib
+from ..solve.state_terms import grad_transient_kib, stage_state_kib
 
 __all__ = ["cephalo", "min_max_samples", "free_memory_shards"]
 
@@ -97,7 +97,8 @@ def cephalo(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions) -> So
             continue
         tab = sel.tables(m)
         state, q = stage_state_kib(tab, 0, nb)  # [C-tied]: a tied parameter once
-        held = state - q if shard else state  # the state every GPU holds in full
+        # the state every GPU holds in full, and the gradient transient at most ([Note: gradient transients])
+        held = (state - q if shard else state) + grad_transient_kib(tab, 0, nb)
         for rc in dict.fromkeys(rc for _, rc in memory_variants(options)):
             per = [tab.work_prefix[t][nb] + (tab.rc_work_prefix[t][nb] if rc else 0) for t in devices.gpu_types]
             fixed = [tab.fixed_prefix[t][nb] + (tab.rc_fixed_prefix[t][nb] if rc else 0)

@@ -405,13 +405,14 @@ def block_costs(
     # The forward's part, where the class model prices it apart (the plain roofline: FORWARD_SHARE).
     fwd_times: dict[str, list[float]] = {t: [] for t in specs if gpu_model.has_class_model(specs[t])}
     fwd_fixed: dict[str, list[float]] = {t: [] for t in fwd_times}
-    params, params16 = [], []
+    params, params16, largest = [], [], []
     low = low_precision_params(bg) if precision.mixed else frozenset()
     chains_of = None
     for b in range(bg.num_blocks):
         names = bg.block_nodes(b)
         params.append(sum(state[a].numel() for a in bg.block_attrs[b] if a in trainable))
         params16.append(sum(state[a].numel() for a in bg.block_attrs[b] if a in low))
+        largest.append(max((state[a].numel() for a in bg.block_attrs[b] if a in trainable), default=0))
         kernels = sum(1 for n in names if costs[n].bytes > 0)
         chains = traffic = None
         for gpu_type, spec in specs.items():
@@ -438,6 +439,7 @@ def block_costs(
         fwd_s_per_sample={k: tuple(v) for k, v in fwd_times.items()},
         fwd_s_fixed={k: tuple(v) for k, v in fwd_fixed.items()},
         param_count=tuple(params),
+        max_param_numel=tuple(largest),
         # The loss block's backward transient rides on its saved bytes ([Note: saved activations]).
         act_bytes_per_sample=(*activations.bytes_per_sample[:-1], activations.bytes_per_sample[-1]
                               + loss_backward_transient_bytes(bg, activations.output_dtypes)),

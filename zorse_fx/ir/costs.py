@@ -121,6 +121,10 @@ class BlockCosts:
     param16_count: tuple[int, ...] = ()
     shardable_bytes_per_param16: int = 12
     param_bytes_per_param16: int = 2
+    #: ``(B,)`` elements of the largest parameter block ``b`` reads (a tied one included); empty = not
+    #: known. Its gradient exists as a tensor of its own before autograd adds it into the gradient
+    #: bucket: [Note: gradient transients] in ``solve/state_terms.py``.
+    max_param_numel: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         nb = len(self.param_count)
@@ -138,6 +142,10 @@ class BlockCosts:
             if any(self.param16_count[b] > self.param_count[b] - sum(tp.numel for tp in self.tied_params
                                                                      if b in tp.blocks) for b in tied):
                 raise ValueError("param16_count counts a tied parameter; tied parameters stay float32")
+        if self.max_param_numel and (len(self.max_param_numel) != nb or any(
+                not 0 <= q <= p for q, p in zip(self.max_param_numel, self.param_count))):
+            raise ValueError(f"max_param_numel must have {nb} entries, each between 0 and the block's "
+                             f"param_count, got {self.max_param_numel}")
         if not 0 <= self.shardable_bytes_per_param <= self.state_bytes_per_param:
             raise ValueError(
                 f"shardable_bytes_per_param={self.shardable_bytes_per_param} must be between 0 and "

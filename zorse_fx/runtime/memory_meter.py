@@ -10,7 +10,7 @@ against it:
   CUDA context, NCCL's own buffers and the allocator's cached-but-free blocks (``memory_reserved``);
   ``make gpu-check`` measures those against the prediction on a real GPU.
 * on the CPU (Gloo; the box's ranks, whose cgroup memory limit stands for a GPU's memory): the growth of
-  the process's peak resident set (``getrusage``'s ``ru_maxrss``, Linux's VmHWM, set back to the current
+  the process's peak resident set (Linux's VmHWM, set back to the current
   resident set when the meter is made: /proc/self/clear_refs) over its resident set then, less the file
   pages paged in since (torch's libraries' code and data, which the first steps touch: ``RssFile``), so
   Python, torch and the process group are not counted. What it counts besides the stage's tensors: the
@@ -33,7 +33,17 @@ import torch
 
 
 def _peak_rss_bytes() -> int:
-    """The process's peak resident set, bytes (``ru_maxrss``: KiB on Linux, bytes on macOS)."""
+    """The process's peak resident set, bytes: Linux's VmHWM (/proc/self/status), which
+    ``_reset_peak_rss`` sets back; elsewhere ``ru_maxrss`` (KiB on Linux, bytes on macOS). Not
+    ``ru_maxrss`` on Linux: it is also the peak of the process's exited threads at their exit, which
+    clear_refs does not reset (measured: a test worker whose threads had exited read no growth)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(peak) if sys.platform == "darwin" else int(peak) * 1024
 

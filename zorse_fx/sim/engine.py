@@ -215,7 +215,7 @@ from ..ir.schedule import make_schedule
 from ..options import PlanOptions
 from ..solve.objective import (MEMORY_UNIT_BYTES, MIB_UNITS, offload_device_kib, prepare,
                                sharded_state_kib)
-from ..solve.state_terms import offload_replicated_kib, stage_state_kib, unique_params
+from ..solve.state_terms import offload_replicated_kib, stage_state_kib, transient_kib, unique_params
 from .network import FlowResources, link_resource, max_min_rates, ring
 from .sync import gradient_sync
 
@@ -639,7 +639,9 @@ def simulate(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions, deci
                 full += offload_device_kib(z, need, shard) if pol.of(s) else MIB_UNITS * z
             elif pol.of(s):  # [C-offload]: the optimizer in host memory, float32 weights and gradients here
                 full = offload_replicated_kib(tab, i, j)
-            state += full
+            n = decision.samples_per_microbatch[s][stage_gpus[s].index(g)]
+            state += full + transient_kib(tab, i, j, n, tab.act_prefix[j] - tab.act_prefix[i])  # [Note: gradient
+            # transients] in solve/state_terms.py, as the objective adds it
         peak[g] = MEMORY_UNIT_BYTES * (state + pipe.peak_act[g])
     bubble = 1.0 - sum(busy_frac[g] for g in used) / len(used)
     events.sort(key=lambda e: (e.start_s, e.gpu, KINDS.index(e.kind), e.end_s))

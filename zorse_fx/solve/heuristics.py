@@ -66,7 +66,8 @@ from ..solve.objective import (
     mode_violations,
     policy_decision,
 )
-from ..solve.state_terms import extra_copies_matrix, gathered_weight_matrix, grad_shard_kib, stage_state_kib
+from ..solve.state_terms import (extra_copies_matrix, gathered_weight_matrix, grad_shard_kib,
+                                 grad_transient_matrix, stage_state_kib, transient_kib)
 
 __all__ = ["Selector", "gpu_speeds", "largest_remainder", "proportional_cuts", "reference_block_work",
            "bandwidth", "min_max_partition", "min_max_partition_arrays", "memory_variants", "stage_act_kib",
@@ -110,10 +111,15 @@ def stage_fits(tab, s: int, n_s: int, i: int, j: int, groups, *, sharded: bool, 
     from .objective import sharded_state_kib
 
     state, shard = stage_state_kib(tab, i, j)  # [C-tied]: a tied parameter once per stage
+    a = tab.act_prefix[j] - tab.act_prefix[i]
+
+    def act(n):  # with [Note: gradient transients] (state_terms.py)
+        return stage_act_kib(tab, s, n_s, i, j, n, recompute=recompute) + transient_kib(tab, i, j, n, a)
+
     if not sharded or sum(c for _, c in groups) < 2:
-        return all(state + stage_act_kib(tab, s, n_s, i, j, n, recompute=recompute) <= cap for (n, cap), _ in groups)
+        return all(state + act(n) <= cap for (n, cap), _ in groups)
     rep, shard = sharded_state_kib(tab, i, j, grad_sharded, param_sharded)
-    free = [(cap - rep - stage_act_kib(tab, s, n_s, i, j, n, recompute=recompute), c) for (n, cap), c in groups]
+    free = [(cap - rep - act(n), c) for (n, cap), c in groups]
     return min(f for f, _ in free) >= 0 and MIB_UNITS * sum(c * (f // MIB_UNITS) for f, c in free) >= shard
 
 
@@ -251,6 +257,7 @@ class StageMatrices:
         self.state = pre(tab.state_prefix) - sum((e * tab.tied_state[t] for t, e in extra), np.int64(0))
         self.shard = pre(tab.shard_prefix) - sum((e * tab.tied_shard[t] for t, e in extra), np.int64(0))
         self.act = pre(tab.act_prefix)
+        self.gtr = grad_transient_matrix(tab)  # [Note: gradient transients]
         self.cut_in = np.asarray(tab.cut_kib, dtype=np.int64)[:, None]  # X of a stage starting at i
         self.work = {t: pre(p) for t, p in tab.work_prefix.items()}
         self.fixed = {t: pre(p) for t, p in tab.fixed_prefix.items()}
@@ -269,6 +276,10 @@ class StageMatrices:
         if recompute:
             return n * (fl * (self.cut_in if not_first else 0) + self.act)
         return fl * n * self.act
+
+    def transient(self, n: int) -> np.ndarray:
+        """``state_terms.transient_kib`` of a GPU with ``n`` samples, for every (i, j)."""
+        return np.maximum(0, self.gtr - n * self.act)
 
     @functools.cached_property
     def zero23(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -301,8 +312,8 @@ class StageMatrices:
         """[C-memory] / [C-shard] for every (i, j) at once (``stage_fits``), the
         stage's GPUs as ``memory_groups``; ``act_offload``: one micro-batch's
         activations on the GPU ([C-act-offload])."""
-        def act(n):
-            return n * self.act if act_offload else self.act_kib(n, fl, not_first, recompute)
+        def act(n):  # with [Note: gradient transients]
+            return (n * self.act if act_offload else self.act_kib(n, fl, not_first, recompute)) + self.transient(n)
 
         ok = np.ones_like(self.valid)
         if not sharded:  # (stage_fits also treats a one-GPU stage as unsharded; callers pass sharded=False)

@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..options import SCHEDULES
-from .state_terms import extra_copies, gathered_weight_kib, grad_shard_kib, stage_host_kib, stage_state_kib
+from .state_terms import (extra_copies, gathered_weight_kib, grad_shard_kib, stage_host_kib, stage_state_kib,
+                          transient_kib)
 from .tables import MIB_UNITS, IntTables
 
 __all__ = ["inflight", "MemoryPolicy", "act_units", "act_host_units", "act_xfer_units", "balance_shards",
@@ -193,13 +194,13 @@ def fill_policy(tab: IntTables, stage_blocks, stage_gpus, samples, sharded, reco
                 f = max(0, cap[g] - (act_host_units(tab, s, n_s, n, a) if act_offload[s] else 0)) * need // max(host, 1)
                 if need > q:  # ZeRO-2/3: the rest of the shard on the GPU
                     dev = tab.cap_bytes[g] - rep - act_units(tab, s, n_s, i, n, a, recompute=recompute[s],
-                                                             offload=act_offload[s])
+                                                             offload=act_offload[s]) - transient_kib(tab, i, j, n, a)
                     f = min(f, max(0, dev) * need // (need - q))
                 free.append(f // MIB_UNITS)
             z = balance_shards(need, free, [-(-tab.off_per_mib[g] * host // max(need, 1)) for g in gpus])
         else:
             free = [(tab.cap_bytes[g] - rep - act_units(tab, s, n_s, i, n, a, recompute=recompute[s],
-                                                        offload=act_offload[s])) // MIB_UNITS
+                                                        offload=act_offload[s]) - transient_kib(tab, i, j, n, a)) // MIB_UNITS
                     for g, n in zip(gpus, ns)]
             z = balance_shards(need, free, [tab.opt_per_mib[tab.gpu_mbw_class[g]] for g in gpus])
         if z is None:

@@ -460,9 +460,22 @@ class CandidateModel:
         wsum = cp_model.LinearExpr.WeightedSum
         cls = range(len(self.groups))
         act_single = {c: wsum(self.z[c], _blocks(tab.act_prefix)) for c in cls if self.single[c]}
+        g1s = [(k_, v) for k_, v in enumerate(tab.gt_kib) if v]
+        g3s = [(t_, v) for t_, v in enumerate(tab.tied_gt3_kib) if v]
+        g_hi = max([v for _, v in g1s] + [v for _, v in g3s], default=0)
         for s in range(n_s):
             state = self.cuts.stage_sum(tab.state_prefix, s) - sum(
                 tab.tied_state[t_] * dup[t_][s] for t_ in range(len(dup)))  # [C-tied]
+            # [Note: gradient transients] (state_terms.py): G_s >= the largest gradient of a block in s and
+            # three of a tied parameter whose first and last blocks s holds (same); the row with it below
+            # holds for max(0, G_s - n A_s), as the evaluator's transient_kib.
+            g = 0
+            if g_hi:
+                g = m.new_int_var(0, g_hi, f"gtr_{s}")
+                for k_, v in g1s:
+                    m.add(g >= v * self.cuts.in_s[s][k_])
+                for t_, v in g3s:
+                    m.add(g >= v * self.tied.same[t_][s])
             fl = inflight(tab.schedule, n_s, s, tab.num_microbatches)
             xin = _stage_input_kib(m, tab, self.cuts, s) if rc else None
             shard = self._shard_kib(s) if sh else 0
@@ -470,7 +483,8 @@ class CandidateModel:
                 act = act_single[c] if self.single[c] else wsum(self.z[c][s], _blocks(tab.act_prefix))
                 _memory_limit(m, tab, self.p[c][s], cap=tab.cap_bytes[self.rep[c]], state=state, shard=shard,
                               z_mib=zc[c][s] if sh else 0, act=act, fl=fl, n=self.n[c][s], xin=xin,
-                              sh=sh[s] if sh else None, rc=rc[s] if rc else None, name=f"{c}_{s}")
+                              sh=sh[s] if sh else None, rc=rc[s] if rc else None, name=f"{c}_{s}",
+                              transient=g)
 
     def _symmetry(self) -> None:
         """[C-symmetry] interchangeable groups c < d (same type, memory, memory bandwidth,
@@ -599,7 +613,7 @@ def _policy_vars(m: cp_model.CpModel, tab: IntTables, size, n_s: int):
 
 
 def _memory_limit(m: cp_model.CpModel, tab: IntTables, present, *, cap, state, shard, z_mib, act, fl, n, xin,
-                  sh, rc, name: str) -> None:
+                  sh, rc, name: str, transient=0) -> None:
     """[C-memory] of one GPU (or group member) on one stage, for each memory-policy
     combination: (sh ? state - shard + z MiB : state) + (rc ? fl * n * X_s + act :
     fl * act) <= cap (KiB), enforced when ``present``. ``sh`` / ``rc``: the
@@ -617,6 +631,8 @@ def _memory_limit(m: cp_model.CpModel, tab: IntTables, present, *, cap, state, s
     for st_expr, l1 in states:
         for act_expr, l2 in acts:
             m.add(st_expr + act_expr <= cap).OnlyEnforceIf([present, *l1, *l2])
+            if not isinstance(transient, int) or transient:  # [Note: gradient transients]: + max(0, G - n A_s)
+                m.add(st_expr + act_expr - act + transient <= cap).OnlyEnforceIf([present, *l1, *l2])
 
 
 def _stage_input_kib(m: cp_model.CpModel, tab: IntTables, cuts: StageCuts, s: int):

@@ -178,8 +178,11 @@ R_s: [Note: 16-bit working weights] in ``precision.py``), R_s = the rest
                 nor the own-backward offsets.                            [C-objective]
   memory_g    = R_s + (sh_s ? z_g MiB : Q_s)
                 + (rc_s ? n_g * (inflight_s * X_s + A_s) : inflight_s * n_g * A_s)
+                + max(0, G_s - n_g * A_s)
                 <= floor(memory_fraction * memory_bytes_g),
-                inflight_s = min(S - s, M) for "1f1b", M for "gpipe"   [C-memory]
+                inflight_s = min(S - s, M) for "1f1b", M for "gpipe",
+                G_s a weight gradient's transient ([Note: gradient transients],
+                state_terms.py)                                        [C-memory]
   coverage    sh_s => sum_{g in s} z_g MiB >= Q_s                     [C-shard]
 Objective: minimise step. The planners loop over (S, M), one model per pair,
 and keep the best (ties: fewer stages, then fewer micro-batches).
@@ -261,7 +264,8 @@ from .memory_policy import (  # noqa: F401
     offload_device_kib,
     sharded_state_kib,
 )
-from .state_terms import offload_host_kib, offload_replicated_kib, stage_optim_units, stage_state_kib
+from .state_terms import (offload_host_kib, offload_replicated_kib, stage_optim_units, stage_state_kib,
+                          transient_kib)
 
 # The units and integer tables live in tables.py (re-exported: callers import them from here).
 from .tables import (  # noqa: F401
@@ -484,18 +488,19 @@ def evaluate_units(tab: IntTables, stage_blocks, stage_gpus, samples, policy: Me
             host.append(hk)
             opt.append(max(-(-h * tab.off_per_mib[g] // MIB_UNITS) for g, h in zip(gpus, hk)))
             mem.append(tuple(rep + d + act_units(tab, s, n_s, i, n, a, recompute=rc, offload=ao)
-                             for n, d in zip(ns, dev)))
+                             + transient_kib(tab, i, j, n, a) for n, d in zip(ns, dev)))
         elif sh:
             z = pol.shard_mib[s]
             rep, shard = sharded_state_kib(tab, i, j, gs, ps)  # [C-grad-shard], [C-param-shard]
             opt.append(max(zg * tab.opt_per_mib[tab.gpu_mbw_class[g]] for g, zg in zip(gpus, z)))
             mem.append(tuple(rep + MIB_UNITS * zg + act_units(tab, s, n_s, i, n, a, recompute=rc, offload=ao)
-                             for n, zg in zip(ns, z)))
+                             + transient_kib(tab, i, j, n, a) for n, zg in zip(ns, z)))
             unc.append(max(0, shard - MIB_UNITS * sum(z)))
             host.append((0,) * len(gpus))
         else:
             opt.append(max(stage_optim_units(tab, q, i, j) for q in {tab.gpu_mbw_class[g] for g in gpus}))
-            mem.append(tuple(state + act_units(tab, s, n_s, i, n, a, recompute=rc, offload=ao) for n in ns))
+            mem.append(tuple(state + act_units(tab, s, n_s, i, n, a, recompute=rc, offload=ao)
+                             + transient_kib(tab, i, j, n, a) for n in ns))  # [Note: gradient transients]
             unc.append(0)
             host.append((0,) * len(gpus))
         if ao:  # [C-act-offload]: every micro-batch in flight in host memory

@@ -360,8 +360,8 @@ class _Stages(StageMatrices):
             return ok & self.fits(g["mem"], fl, not_first, sharded, recompute, grad_sharded, param_sharded,
                                    act_offload)
 
-        def act(n):  # on the GPU
-            return n * self.act if act_offload else self.act_kib(n, fl, not_first, recompute)
+        def act(n):  # on the GPU, with [Note: gradient transients]
+            return (n * self.act if act_offload else self.act_kib(n, fl, not_first, recompute)) + self.transient(n)
 
         rep, need = self.layout(grad_sharded, param_sharded) if sharded else (self.off_rep, None)
         for (n, cap), _ in g["mem"]:  # the optimizer's state in host memory (a shard's gradients / weights: below)

@@ -25,10 +25,64 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["extra_copies", "stage_state_kib", "stage_optim_units", "extra_copies_matrix", "unique_params",
+__all__ = ["grad_transient_kib", "grad_transient_matrix", "transient_kib", "extra_copies", "stage_state_kib", "stage_optim_units", "extra_copies_matrix", "unique_params",
            "shardable_kib", "grad_shard_kib", "block_weight_kib", "gathered_weight_kib",
            "gathered_weight_matrix", "GATHERED_UNITS", "max_window_sum", "stage_host_kib", "offload_host_kib",
            "offload_replicated_kib"]
+
+
+# [Note: gradient transients]
+# A weight's gradient exists as a tensor of its own before autograd adds it into the gradient
+# bucket: the backward of each use makes one (a matmul's weight gradient, the embedding's dense
+# gradient), AccumulateGrad adds it. A weight the stage uses twice -- a tied embedding with both of
+# its blocks on the stage -- makes the most of it: autograd keeps the first contribution (the output
+# layer's, made first) in its input buffer until the second (the embedding's) is made at the end of
+# the backward, and their sum is a third: 3 Gt. A weight used once makes one, G1. Either is made
+# once the backward has freed the gradients of its block's outputs, and the largest of them (the
+# embedding's, the output layer's) come after or instead of the loss block's transient; this model
+# lets them stand beside what is left of the micro-batch's activations, n A_s less:
+#     peak = state + act + max(0, G - n A_s),  G = max(G1, 3 Gt)
+# (``transient_kib``; G1 the float32 gradient of the stage's largest parameter, Gt of the largest
+# tied parameter whose first and last blocks the stage holds). Measured (bench/LOG.md, "Memory on
+# the box"): zorse_fx's one-stage plan of case (c), a 33.6 M-element tied embedding, peaked at 840 MiB
+# of live tensors (torch.profiler) against 493 MiB predicted without this term -- parameters,
+# gradients and moments 152 MiB each, three 128 MiB gradients of the embedding, activations 0 --;
+# with it 456 + 41 + (384 - 41) = 840 MiB. Pricing G1 on top of act (no "- n A_s") over-predicted
+# bench/memory_cpu.py's ZeRO-3 ranks by 9% (tests/test_runtime_memory.py's bound: 10%); with it they
+# are as before (G1 <= n A_s there). Every evaluator adds the term where it adds activations: the
+# objective, the shard balance, the stage DP and the baselines' fits, the simulator and CP-SAT's
+# [C-memory] (model.py: one more row).
+
+
+def grad_transient_kib(tab, i: int, j: int) -> int:
+    """G KiB of a stage over blocks [i, j) ([Note: gradient transients]): the largest of its
+    largest parameter's gradient and three gradients of a tied parameter whose first and last
+    blocks it holds (0: none known)."""
+    g1 = max(tab.gt_kib[i:j], default=0) if tab.gt_kib else 0
+    g3 = max((tab.tied_gt3_kib[t] for t, b in enumerate(tab.tied_blocks)
+              if tab.tied_gt3_kib and i <= b[0] and b[-1] < j), default=0)
+    return max(g1, g3)
+
+
+def transient_kib(tab, i: int, j: int, n: int, a: int) -> int:
+    """KiB a GPU with ``n`` samples on a stage over blocks [i, j) (activations ``a`` KiB per
+    sample) holds at its peak beyond state and activations: max(0, G - n a)."""
+    return max(0, grad_transient_kib(tab, i, j) - n * a)
+
+
+def grad_transient_matrix(tab) -> np.ndarray:
+    """``grad_transient_kib`` for every (i, j) at once: a (B+1, B+1) int64 matrix."""
+    nb = tab.num_blocks
+    g = np.zeros((nb + 1, nb + 1), dtype=np.int64)
+    if tab.gt_kib:
+        gt = np.asarray(tab.gt_kib, dtype=np.int64)
+        for i in range(nb):
+            g[i, i + 1:] = np.maximum.accumulate(gt[i:])
+    ii, jj = np.meshgrid(np.arange(nb + 1), np.arange(nb + 1), indexing="ij")
+    for t, b in enumerate(tab.tied_blocks):
+        if tab.tied_gt3_kib and tab.tied_gt3_kib[t]:
+            g = np.maximum(g, np.where((ii <= b[0]) & (jj > b[-1]), tab.tied_gt3_kib[t], 0))
+    return g
 
 
 def extra_copies(tied_blocks, i: int, j: int) -> list[tuple[int, int]]:

@@ -115,6 +115,10 @@ class IntTables:
     grad_kib_prefix: tuple[int, ...]
     #: Per tied parameter: its float32 gradient bytes in BUCKET_UNIT_BYTES units, rounded down.
     tied_grad_kib: tuple[int, ...]
+    #: [Note: gradient transients] (state_terms.py): per block its largest parameter's float32 gradient,
+    #: per tied parameter three of its float32 gradients, KiB (rounded up; empty: not known).
+    gt_kib: tuple[int, ...] = ()
+    tied_gt3_kib: tuple[int, ...] = ()
     #: (first bucket's cap, every other bucket's cap) in BUCKET_UNIT_BYTES units
     #: (``ir.buckets.bucket_caps(options.bucket_bytes)``, as the runtime's buckets).
     bucket_caps: tuple[int, int]
@@ -271,6 +275,8 @@ def build_tables(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions,
         ar_prefix=tuple(_prefix(to_units(2 * gr * p / v) for p in costs.param_count) for v in bw_values),
         grad_kib_prefix=_prefix(-(-fp32 * p // BUCKET_UNIT_BYTES) for p in costs.param_count),
         tied_grad_kib=tuple(fp32 * tp.numel // BUCKET_UNIT_BYTES for tp in costs.tied_params),
+        gt_kib=tuple(_kib_up(fp32 * q) for q in costs.max_param_numel),
+        tied_gt3_kib=tuple(3 * _kib_up(fp32 * tp.numel) for tp in costs.tied_params),
         bucket_caps=(first_cap // BUCKET_UNIT_BYTES, cap // BUCKET_UNIT_BYTES),
         gpu_mbw_class=tuple(mem_bw_values.index(v) for v in devices.mem_bw_bytes_per_s),
         mem_bw_values=mem_bw_values,
