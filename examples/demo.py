@@ -64,8 +64,8 @@ def main() -> int:
     from zorse_fx.models.hf import load_smollm2_135m
     from zorse_fx.runtime.launch import launch
     from zorse_fx.token_data import TokenData, prepare_data
-    from zorse_fx.train_options import (OPTIONS_FILE, DataOptions, JobOptions, LoopOptions, OptimizerOptions,
-                                        TrainingOptions, write_options_file)
+    from zorse_fx.train_options import (OPTIONS_FILE, CheckpointOptions, DataOptions, JobOptions, LoopOptions,
+                                        OptimizerOptions, TrainingOptions, write_options_file)
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -117,9 +117,17 @@ def main() -> int:
 
     print(f"[demo] training: {plan.world_size} Gloo processes stand in for the plan's GPUs", flush=True)
     # The training options as one typed tree, handed to the ranks as a file (what `zorse train` does).
+    # --overwrite: the demo's own directory; a second `make demo` replaces the first one's run (zorse train
+    # refuses to mix two runs in one --out: [Note: one run per directory] in runtime/run_dir.py).
+    from zorse_fx.runtime.run_dir import previous_run
+
+    earlier = previous_run(out)
+    if earlier:
+        print(f"[demo] replacing the earlier demo run in {out}: {earlier}", flush=True)
     options = TrainingOptions(data=DataOptions(plan=str(plan_dir), data=str(data_path.with_suffix(".bin"))),
                               optimizer=OptimizerOptions(lr=args.lr), loop=LoopOptions(steps=args.steps),
-                              job=JobOptions(out=str(out), precision=args.train_precision))
+                              job=JobOptions(out=str(out), precision=args.train_precision),
+                              checkpoint=CheckpointOptions(overwrite=True))
     launch(plan.world_size, ["--options-file", str(write_options_file(options, out / OPTIONS_FILE))])
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     rel = abs(rows[0]["loss"] - ref_loss) / abs(ref_loss)
