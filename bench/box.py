@@ -302,20 +302,9 @@ def make_plans(case: Case, cluster_file: Path, profiles: dict[str, str], work: P
 
 def train_on_box(box, row: PlanRow, tokens: Path, out: Path, steps: int) -> list[float]:
     """One ``zorse train`` per node of the plan, at once, in the nodes' namespaces; the step times."""
-    from zorse_fx.plan import Plan
-
-    plan = Plan.load(row.plan_dir)
-    nodes = plan.node_ranks()
-    master = nodes[0].node
-    procs = []
-    for n in nodes:
-        argv = [PY, "-m", "zorse_fx.cli", "train", row.plan_dir, "--tokens", str(tokens), "--steps", str(steps),
-                "--out", str(out), "--precision", "fp32", "--seed", "0"]
-        if len(nodes) > 1:
-            argv += ["--nnodes", str(len(nodes)), "--node-rank", str(n.node_rank), "--master-addr", master]
-        procs.append(box.spawn(n.node, argv, env=_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True))
-    _wait_all(procs, f"zorse train of {row.name}", 900)
+    status, text = _train_status(box, row, tokens, out, steps)
+    if any(status):
+        raise RuntimeError(f"zorse train of {row.name}: exit {status}\n{text[-4000:]}")
     recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return [r["step_time_s"] for r in recs if r["step"] > 2]
 
