@@ -201,8 +201,11 @@ class MemoryBreakdown:
       for the micro-batches in flight (``cost/activations.py``), the
       recomputing stage's inputs and one re-run, the loss block's backward
       transient (two logits-sized gradients,
-      ``cost.activations.loss_backward_transient_bytes``) and the planner's
-      rounding (< 1 KiB per block). Not modelled: a body block's backward
+      ``cost.activations.loss_backward_transient_bytes``), a weight's gradient
+      before autograd adds it into the bucket where it outgrows one
+      micro-batch's activations (three of a tied embedding's on a stage
+      holding both its uses: [Note: gradient transients] in
+      ``solve/state_terms.py``) and the planner's rounding (< 1 KiB per block). Not modelled: a body block's backward
       transient (an MLP's 4h-wide gradient), small beside its saved tensors.
       Measured on this CPU: within 2% of one rank's peak (bench/README.md,
       ``bench/memory_cpu.py``; ``tests/test_runtime_memory.py``)."""
