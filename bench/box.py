@@ -309,19 +309,25 @@ def train_on_box(box, row: PlanRow, tokens: Path, out: Path, steps: int) -> list
     return [r["step_time_s"] for r in recs if r["step"] > 2]
 
 
-def run_case(case: Case, args, work: Path) -> dict:
+def _tokens(work: Path) -> Path:
+    """Real English text (the Lee corpus) as byte tokens, the first 200,000, saved in ``work``."""
     import torch
 
+    from zorse_fx.data import read_corpus, tokenize
+
+    work.mkdir(parents=True, exist_ok=True)
+    path = work / "tokens.pt"
+    torch.save(tokenize(read_corpus("lee"))[:200_000], path)
+    return path
+
+
+def run_case(case: Case, args, work: Path) -> dict:
     from zorse_fx.box import Box
     from zorse_fx.cluster import Cluster
 
     cluster_path = ROOT / "bench" / "clusters" / case.cluster
     cluster = Cluster.from_yaml(cluster_path)
-    work.mkdir(parents=True, exist_ok=True)
-    from zorse_fx.data import read_corpus, tokenize
-
-    tokens = work / "tokens.pt"
-    torch.save(tokenize(read_corpus("lee"))[:200_000], tokens)  # real English text as byte tokens
+    tokens = _tokens(work)
     t0 = time.perf_counter()
     with Box.up(cluster, box_id=f"bench_{case.name}"[:24], scale=case.scale) as box:
         layout = box.layout
@@ -390,20 +396,16 @@ def run_memory_case(case: Case, args, work: Path) -> dict:
     kernel killed it. A fresh box per run: the cgroup's peak and OOM-kill count are then the run's (cgroup
     v2's memory.peak cannot be reset for every reader). The plans are priced by the roofline of the GPU
     types (no profile: this case is about memory; its times are not compared)."""
-    import torch
-
     from zorse_fx.box import Box
-    from zorse_fx.data import read_corpus, tokenize
     from zorse_fx.options import PlanOptions
     from zorse_fx.plan import Plan
 
     cluster_path = ROOT / "bench" / "clusters" / case.cluster
-    work.mkdir(parents=True, exist_ok=True)
-    tokens = work / "tokens.pt"
-    torch.save(tokenize(read_corpus("lee"))[:200_000], tokens)
+    tokens = _tokens(work)
     t0 = time.perf_counter()
     rows = make_plans(case, cluster_path, {}, work)
     base = round(case.memory_base_mib * 2**20)
+
     def one_run(row: PlanRow, plan, out: Path, limited: bool) -> dict:
         with Box.up(cluster_path, box_id="bench_c", scale=case.scale, memory_scale=1.0 if limited else None,
                     memory_base_bytes=base) as box:
@@ -466,11 +468,13 @@ def _print_memory(res: dict) -> None:
     print(f"\n{res['case']}: {res['note']} (limit per rank: GPU memory + {res['memory_base_mib']:g} MiB)")
     print(f"{'plan':<34} {'fits?':>6} {'killed':>7} {'rank':>4} {'predicted MiB':>14} {'cgroup peak':>12} "
           f"{'runtime':>8} {'limit':>7}")
+    def mib(b):
+        return "-" if b is None else f"{b / 2**20:.0f}"
+
     for p in res["plans"]:
         for k, rk in enumerate(p["measured"]):
             head = (f"{p['plan'][:34]:<34} {'yes' if p['predicted_to_fit'] else 'no':>6} "
                     f"{'yes' if p['killed_in_any_run'] else 'no':>7}") if k == 0 else " " * 49
-            mib = lambda b: "-" if b is None else f"{b / 2**20:.0f}"  # noqa: E731
             print(f"{head} {rk['rank']:>4} {mib(rk['predicted_bytes']):>14} {mib(rk['cgroup_peak_bytes']):>12} "
                   f"{mib(rk['runtime_peak_bytes']):>8} {mib(rk['limit_bytes']):>7}")
     print(f"every plan predicted to fit ran without a kill: {res['predicted_to_fit_never_killed']}; predicted not "

@@ -141,16 +141,26 @@ def test_stage_dp_planner_alone_and_in_the_portfolio(tmp_path):
                                                                                        True)
 
 
-def test_cli_train_runs_plan_on_real_text(tmp_path):
-    """`zorse train` tokenises the Lee corpus and runs the plan under torchrun."""
+def test_cli_train_runs_plan_on_real_text(tmp_path, capfd):
+    """`zorse train` tokenises the Lee corpus and runs the plan under torchrun; its last line sets each
+    rank's measured memory peak (metrics.jsonl's last ``memory_peak_bytes``) beside the plan's prediction."""
     out = tmp_path / "plan"
     assert zorse_main(["plan", "--model", "gpt", "--cluster", str(CLUSTERS / "small_hetero.yaml"),
                        "--global-batch-size", "4", "--seq-len", "32", "--solver-budget", "2", "-o", str(out)]) == 0
+    capfd.readouterr()
     assert zorse_main(["train", str(out), "--corpus", "lee", "--tokenizer", "bytes", "--steps", "2",
                        "--out", str(tmp_path / "run")]) == 0
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
     assert all(r["loss"] > 0 and r["step_time_s"] > 0 for r in rows)
+    (line,) = [ln for ln in capfd.readouterr().out.splitlines() if ln.startswith("[zorse] memory peak per rank")]
+    plan = zorse.Plan.load(out)
+    planned = dict.fromkeys(range(plan.world_size), 0)
+    for g in (g for s in plan.stages for g in s.gpus):  # (a rank hosting several stages: their sum)
+        planned[g.rank] += g.predicted_memory_bytes + g.predicted_host_memory_bytes
+    want = ", ".join(f"{p['rank']}: {p['memory_peak_bytes'] / 2**20:.4g} ({planned[p['rank']] / 2**20:.4g})"
+                     for p in rows[-1]["ranks"])
+    assert line == f"[zorse] memory peak per rank, MiB resident-set growth (planned): {want}", line
 
 
 @pytest.mark.xdist_group("cli_plan")  # one worker computes the module fixture once

@@ -67,6 +67,7 @@ by ``_SafeReader`` with an unpickler that admits only DCP's metadata classes,
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import json
@@ -349,34 +350,34 @@ class _MetadataUnpickler(pickle.Unpickler):
                               f"does not contain; refusing to load it")
 
 
-def _SafeReader(path):  # noqa: N802 (a class, made on first use)
-    """``dcp.FileSystemReader`` of ``path`` whose metadata is read by ``_MetadataUnpickler``. The class is
-    made on first use: ``torch.distributed.checkpoint`` takes 0.75 s to import (python -X importtime,
-    2026-12-06), paid by every rank at start where only a checkpoint's save or load needs it."""
-    global _SAFE_READER
-    if _SAFE_READER is None:
-        import torch.distributed.checkpoint as dcp
+@functools.cache
+def _safe_reader_class() -> type:
+    """``dcp.FileSystemReader`` whose metadata is read by ``_MetadataUnpickler``, made on first use:
+    ``torch.distributed.checkpoint`` takes 0.75 s to import (python -X importtime, 2026-12-06), paid by
+    every rank at start where only a checkpoint's save or load needs it."""
+    import torch.distributed.checkpoint as dcp
 
-        class SafeReader(dcp.FileSystemReader):
-            def read_metadata(self, *args, **kwargs):
-                path = Path(self.path) / ".metadata"
-                try:
-                    metadata = _MetadataUnpickler(io.BytesIO(path.read_bytes())).load()
-                except FileNotFoundError:
-                    raise CheckpointError(f"checkpoint {self.path}: file .metadata (DCP's index of every tensor) is "
-                                          f"missing; resume from another step_<k> of its directory") from None
-                if getattr(metadata, "storage_meta", None) is None:
-                    from torch.distributed.checkpoint.metadata import StorageMeta
+    class SafeReader(dcp.FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            path = Path(self.path) / ".metadata"
+            try:
+                metadata = _MetadataUnpickler(io.BytesIO(path.read_bytes())).load()
+            except FileNotFoundError:
+                raise CheckpointError(f"checkpoint {self.path}: file .metadata (DCP's index of every tensor) is "
+                                      f"missing; resume from another step_<k> of its directory") from None
+            if getattr(metadata, "storage_meta", None) is None:
+                from torch.distributed.checkpoint.metadata import StorageMeta
 
-                    metadata.storage_meta = StorageMeta()
-                metadata.storage_meta.load_id = self.load_id
-                return metadata
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
 
-        _SAFE_READER = SafeReader
-    return _SAFE_READER(path)
+    return SafeReader
 
 
-_SAFE_READER = None
+def _SafeReader(path):  # noqa: N802 (constructs the class above)
+    """The checkpoint ``path``'s reader (``_safe_reader_class``)."""
+    return _safe_reader_class()(path)
 
 
 # -- save ------------------------------------------------------------------------

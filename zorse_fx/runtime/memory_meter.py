@@ -32,34 +32,33 @@ import psutil
 import torch
 
 
-def _peak_rss_bytes() -> int:
-    """The process's peak resident set, bytes: Linux's VmHWM (/proc/self/status), which
-    ``_reset_peak_rss`` sets back; elsewhere ``ru_maxrss`` (KiB on Linux, bytes on macOS). Not
-    ``ru_maxrss`` on Linux: it is also the peak of the process's exited threads at their exit, which
-    clear_refs does not reset (measured: a test worker whose threads had exited read no growth)."""
+def _status_bytes(*fields: str) -> int | None:
+    """The sum of ``fields`` (``"VmHWM"``, ``"RssFile"``, ...) of /proc/self/status, bytes; None where there
+    is no such file (not Linux)."""
     try:
         with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
+            lines = f.readlines()
     except OSError:
-        pass
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(peak) if sys.platform == "darwin" else int(peak) * 1024
+        return None
+    return sum(int(line.split()[1]) * 1024 for line in lines if line.split(":", 1)[0] in fields)
+
+
+def _peak_rss_bytes() -> int:
+    """The process's peak resident set, bytes: Linux's VmHWM, which ``_reset_peak_rss`` sets back;
+    elsewhere ``ru_maxrss`` (bytes on macOS, KiB on the BSDs). Not ``ru_maxrss`` on Linux: it is also the peak of the
+    process's exited threads at their exit, which clear_refs does not reset (measured: a test worker
+    whose threads had exited read no growth)."""
+    peak = _status_bytes("VmHWM")
+    if peak is not None:
+        return peak
+    rss = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+    return rss if sys.platform == "darwin" else rss * 1024
 
 
 def _file_rss_bytes() -> int:
-    """Resident file-backed and shared pages of this process, bytes (Linux ``RssFile`` + ``RssShmem`` of
-    /proc/self/status; 0 elsewhere)."""
-    total = 0
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(("RssFile:", "RssShmem:")):
-                    total += int(line.split()[1]) * 1024
-    except OSError:
-        return 0
-    return total
+    """Resident file-backed and shared pages of this process, bytes (Linux ``RssFile`` + ``RssShmem``;
+    0 elsewhere)."""
+    return _status_bytes("RssFile", "RssShmem") or 0
 
 
 def _reset_peak_rss() -> None:

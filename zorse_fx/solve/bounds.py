@@ -236,10 +236,11 @@ def _explain(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions, cand
     if worst > caps[big]:
         return f"{head}; with at most {k_txt} the best split still needs {detail} but {big_txt}; {fix}{note}"
     tried = sorted((c.num_stages, c.num_microbatches) for c in candidates)
-    g1 = 4 * max(costs.max_param_numel, default=0)  # [Note: gradient transients] in state_terms.py
-    if g1:
-        detail += (f", and a weight's gradient while autograd adds it: up to {fmt_bytes(g1)} (the largest "
-                   f"parameter's float32 gradient; three of a tied one's on a stage holding both its uses)")
+    # [Note: gradient transients] in state_terms.py: the most any stage can hold of it
+    g = max([4 * q for q in costs.max_param_numel] + [3 * 4 * tp.numel for tp in costs.tied_params], default=0)
+    if g:
+        detail += (f", and a weight's gradient while autograd adds it: up to {fmt_bytes(g)} (the largest "
+                   f"parameter's float32 gradient, or three of a tied one's on a stage holding both its uses)")
     return (f"{head}; no (stages, micro-batches) candidate {tried} fits in memory: the best split into "
             f"at most {k_txt} needs {detail} and {big_txt}, but every stage needs its own GPUs "
             f"and holds activations of b = {gbs // ms[-1]}..{gbs // ms[0]} samples x up to "

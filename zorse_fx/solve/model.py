@@ -469,7 +469,7 @@ class CandidateModel:
             # [Note: gradient transients] (state_terms.py): G_s >= the largest gradient of a block in s and
             # three of a tied parameter whose first and last blocks s holds (same); the row with it below
             # holds for max(0, G_s - n A_s), as the evaluator's transient_kib.
-            g = 0
+            g = None
             if g_hi:
                 g = m.new_int_var(0, g_hi, f"gtr_{s}")
                 for k_, v in g1s:
@@ -613,7 +613,7 @@ def _policy_vars(m: cp_model.CpModel, tab: IntTables, size, n_s: int):
 
 
 def _memory_limit(m: cp_model.CpModel, tab: IntTables, present, *, cap, state, shard, z_mib, act, fl, n, xin,
-                  sh, rc, name: str, transient=0) -> None:
+                  sh, rc, name: str, transient=None) -> None:
     """[C-memory] of one GPU (or group member) on one stage, for each memory-policy
     combination: (sh ? state - shard + z MiB : state) + (rc ? fl * n * X_s + act :
     fl * act) <= cap (KiB), enforced when ``present``. ``sh`` / ``rc``: the
@@ -631,7 +631,7 @@ def _memory_limit(m: cp_model.CpModel, tab: IntTables, present, *, cap, state, s
     for st_expr, l1 in states:
         for act_expr, l2 in acts:
             m.add(st_expr + act_expr <= cap).OnlyEnforceIf([present, *l1, *l2])
-            if not isinstance(transient, int) or transient:  # [Note: gradient transients]: + max(0, G - n A_s)
+            if transient is not None:  # [Note: gradient transients]: + max(0, G - n A_s)
                 m.add(st_expr + act_expr - act + transient <= cap).OnlyEnforceIf([present, *l1, *l2])
 
 
