@@ -77,6 +77,10 @@ class Case:
     #: Memory cases (c): each rank's cgroup limited to its GPU's memory (memory_GiB) + ``memory_base_mib``,
     #: what a CPU rank holds besides the tensors a GPU would (see ``run_memory_case``).
     memory_base_mib: float | None = None
+    #: Node-loss cases (d): node 0 is killed once this many steps are in metrics.jsonl (None: not a (d) case).
+    kill_after_step: int | None = None
+    #: (d): ``zorse train --node-lost-after``.
+    lost_after_s: float = 15.0
 
 
 CASES = {c.name: c for c in (
@@ -92,6 +96,9 @@ CASES = {c.name: c for c in (
          model="bench.box_models:gpt_big_vocab", memory_base_mib=320,
          note="(c) memory-tight: 2 x A100 (0.65 GiB) and 2 x T4 (0.6 GiB) for a 39.9 M-parameter model whose "
               "fp32 state (608 MiB, the tied embedding's 512 MiB of it) fits no replicated layout"),
+    Case(name="d_node_lost", cluster="box_d_node_lost.yaml", kill_after_step=7,
+         note="(d) three nodes (A100, A100, T4), node 0 (the rendezvous) killed after step 7 under zorse train "
+              "--elastic: the two left re-plan and resume"),
 )}
 
 
@@ -464,6 +471,137 @@ def run_memory_case(case: Case, args, work: Path) -> dict:
                                             and p["killed_in_any_run"]]}
 
 
+# -- case (d): a node lost ---------------------------------------------------------------------------
+
+def _spawn_logged(box, node: str, argv: list[str], lines: list) -> subprocess.Popen:
+    """``argv`` on ``node``; every line of its output appended to ``lines`` as (time.monotonic(), node, line)."""
+    import threading
+
+    p = box.spawn(node, argv, env=_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    def pump():
+        for line in p.stdout:
+            lines.append((time.monotonic(), node, line.rstrip("\n")))
+    threading.Thread(target=pump, daemon=True).start()
+    return p
+
+
+def _elastic_run(box, plan_dir: Path, tokens: Path, out: Path, steps: int, *, kill_node: str | None,
+                 kill_after_step: int, lost_after_s: float) -> dict:
+    """``zorse train --elastic --checkpoint-every 2`` once per node of the plan; with ``kill_node``, that node is
+    killed whole (``Box.kill_node``) once ``kill_after_step`` steps are in metrics.jsonl. Returns the exit
+    statuses, the metrics and the timeline (seconds from the kill)."""
+    from zorse_fx.plan import Plan
+
+    nodes = Plan.load(plan_dir).node_ranks()
+    lines: list = []
+    t_spawn = time.monotonic()
+    procs = [_spawn_logged(box, n.node, [
+        PY, "-m", "zorse_fx.cli", "train", str(plan_dir), "--tokens", str(tokens), "--steps", str(steps), "--out",
+        str(out), "--precision", "fp32", "--seed", "0", "--checkpoint-every", "2", "--elastic", "--nnodes",
+        str(len(nodes)), "--node-rank", str(n.node_rank), "--master-addr", nodes[0].node, "--node-lost-after",
+        str(lost_after_s)], lines) for n in nodes]
+    metrics = out / "metrics.jsonl"
+    t_kill = None
+    try:
+        if kill_node is not None:
+            end = time.monotonic() + 900
+            while not (metrics.exists() and len(metrics.read_text().splitlines()) >= kill_after_step):
+                if time.monotonic() > end or any(p.poll() is not None for p in procs):
+                    raise RuntimeError("no step %d: %s" % (kill_after_step, "\n".join(ln for _, _, ln in lines[-40:])))
+                time.sleep(0.05)
+            t_kill = time.monotonic()
+            box.kill_node(kill_node)
+        for p in procs:
+            p.wait(timeout=900)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    time.sleep(0.5)  # (the pumps' last lines)
+    recs = [json.loads(line) for line in metrics.read_text().splitlines()]
+
+    def first(pred):
+        return next(((t - t_kill) for t, _, ln in lines if t >= (t_kill or 0) and pred(ln)), None)
+    timeline = {} if t_kill is None else {
+        "reported_s": first(lambda ln: "its ranks stopped" in ln),
+        "decided_s": first(lambda ln: " restarts as --node-rank " in ln),
+        "first_resumed_step_s": first(lambda ln: ln.startswith("[zorse] step ") and " restarts " not in ln),
+    }
+    startup = next((t - t_spawn for t, _, ln in lines if ln.startswith("[zorse] step ")), None)
+    return {"status": [p.returncode for p in procs], "metrics": recs, "timeline": timeline, "startup_s": startup,
+            "output": [f"{node}: {ln}" for _, node, ln in lines if "[zorse] elastic" in ln or "zorse:" in ln]}
+
+
+def run_node_lost_case(case: Case, args, work: Path) -> dict:
+    """Case (d): zorse_fx's plan for three nodes trained twice on the box, ``--elastic --checkpoint-every 2``:
+    once whole, once with node 0 (the rendezvous) killed after ``case.kill_after_step`` steps. Per rep: the
+    exit statuses, when (after the kill) the survivors reported, agreed on the re-plan and trained their first
+    resumed step, the steps lost, the loss of every step against the uninterrupted run, and the step time
+    before and after against each plan's prediction."""
+    from zorse_fx.box import Box
+    from zorse_fx.cli import main as zorse_main
+    from zorse_fx.plan import Plan
+
+    cluster_path = ROOT / "bench" / "clusters" / case.cluster
+    tokens = _tokens(work)
+    t0 = time.perf_counter()
+    plan_dir = work / "plan"
+    assert zorse_main(["plan", "--model", case.model, "--cluster", str(cluster_path), "--global-batch-size",
+                       str(case.global_batch_size), "--seq-len", str(case.seq_len), "--precision", "fp32",
+                       "--use-all-gpus", "-o", str(plan_dir)]) == 0
+    plan = Plan.load(plan_dir)
+    reps = []
+    with Box.up(cluster_path, box_id="bench_d", scale=case.scale) as box:
+        scale = box.layout.scale.factor
+        for rep in range(args.reps):
+            whole = _elastic_run(box, plan_dir, tokens, work / "runs" / f"whole.{rep}", args.steps, kill_node=None,
+                                 kill_after_step=0, lost_after_s=case.lost_after_s)
+            lost = _elastic_run(box, plan_dir, tokens, work / "runs" / f"lost.{rep}", args.steps,
+                                kill_node=plan.node_ranks()[0].node, kill_after_step=case.kill_after_step,
+                                lost_after_s=case.lost_after_s)
+            assert not any(whole["status"]) and lost["status"][1:] == [0] * (len(lost["status"]) - 1), (whole, lost)
+            replans = sorted((work / "runs" / f"lost.{rep}").glob("plan.elastic*"))
+            new = Plan.load(replans[0])
+            hashes = [r["plan_hash"] for r in lost["metrics"]]
+            resumed_at = next(r["step"] for r in lost["metrics"] if r["plan_hash"] != hashes[0])
+            ref = {r["step"]: r["loss"] for r in whole["metrics"]}
+            after = [r["step_time_s"] for r in lost["metrics"] if r["step"] > resumed_at]
+            before = [r["step_time_s"] for r in whole["metrics"] if r["step"] > 2]
+            reps.append({
+                "rep": rep, "status_whole": whole["status"], "status_lost": lost["status"],
+                "killed_after_step": case.kill_after_step, "resumed_at_step": resumed_at,
+                "steps_lost": case.kill_after_step - (resumed_at - 1), **lost["timeline"],
+                "startup_whole_s": whole["startup_s"],
+                "loss_max_rel_diff": max(abs(r["loss"] - ref[r["step"]]) / abs(ref[r["step"]])
+                                         for r in lost["metrics"]),
+                "losses_whole": [ref[s] for s in sorted(ref)], "losses_lost": [r["loss"] for r in lost["metrics"]],
+                "step_s_whole_median": statistics.median(before), "step_s_replan_median": statistics.median(after),
+                "replan": {"gpus": new.world_size, "stages": new.num_stages,
+                           "predicted_step_s": new.predicted_step_time_s},
+                "output": lost["output"]})
+            print(f"[box] d rep {rep}: survivors reported {reps[-1]['reported_s']:.1f} s after the kill, restarted "
+                  f"{reps[-1]['decided_s']:.1f} s, first resumed step {reps[-1]['first_resumed_step_s']:.1f} s; "
+                  f"resumed at step {resumed_at}; losses vs whole run max rel {reps[-1]['loss_max_rel_diff']:.1e}",
+                  flush=True)
+    return {"case": case.name, "note": case.note, "cluster": str(cluster_path.relative_to(ROOT)),
+            "global_batch_size": case.global_batch_size, "seq_len": case.seq_len, "box_scale": scale,
+            "node_lost_after_s": case.lost_after_s, "plan": {"gpus": plan.world_size, "stages": plan.num_stages,
+                                                             "predicted_step_s": plan.predicted_step_time_s},
+            "reps": reps, "wall_s": time.perf_counter() - t0}
+
+
+def _print_node_lost(res: dict) -> None:
+    print(f"\n{res['case']}: {res['note']} (box scale {res['box_scale']:.3g})")
+    for r in res["reps"]:
+        print(f"rep {r['rep']}: killed after step {r['killed_after_step']}, resumed at {r['resumed_at_step']}; "
+              f"reported {r['reported_s']:.1f} s, restarted {r['decided_s']:.1f} s, first step "
+              f"{r['first_resumed_step_s']:.1f} s after the kill; loss max rel diff {r['loss_max_rel_diff']:.1e}; "
+              f"step {r['step_s_whole_median']:.3f} s on {res['plan']['gpus']} GPUs (predicted "
+              f"{res['plan']['predicted_step_s']:.3f}) -> {r['step_s_replan_median']:.3f} s on {r['replan']['gpus']} "
+              f"(predicted {r['replan']['predicted_step_s']:.3f})", flush=True)
+
+
 def _print_memory(res: dict) -> None:
     print(f"\n{res['case']}: {res['note']} (limit per rank: GPU memory + {res['memory_base_mib']:g} MiB)")
     print(f"{'plan':<34} {'fits?':>6} {'killed':>7} {'rank':>4} {'predicted MiB':>14} {'cgroup peak':>12} "
@@ -529,6 +667,10 @@ def main(argv=None) -> int:
         ap.error(f"--cases: unknown {unknown}; one of {', '.join(CASES)}")
     if args.steps < 3 or args.reps < 1:
         ap.error("--steps >= 3 (the first two are not counted) and --reps >= 1")
+    short = [c for c in names if CASES[c].kill_after_step is not None and args.steps < CASES[c].kill_after_step + 4]
+    if short:
+        ap.error(f"--steps {args.steps}: case {short[0]} kills a node after step {CASES[short[0]].kill_after_step}; "
+                 f"give --steps {CASES[short[0]].kill_after_step + 4} or more (steps after the resume to time)")
     from zorse_fx.box import check_machine
     from zorse_fx.box.layout import this_cpu_name
 
@@ -541,10 +683,11 @@ def main(argv=None) -> int:
     previous = json.loads(out.read_text())["cases"] if out.exists() else []
     for name in names:
         case = CASES[name]
-        res = (run_memory_case if case.memory_base_mib is not None else run_case)(case, args, Path(args.work) / name)
+        kind = "d" if case.kill_after_step is not None else "c" if case.memory_base_mib is not None else "ab"
+        res = {"ab": run_case, "c": run_memory_case, "d": run_node_lost_case}[kind](case, args, Path(args.work) / name)
         res["command"] = "bench/box.py " + " ".join(argv if argv is not None else sys.argv[1:])
         res["date"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-        (_print_memory if case.memory_base_mib is not None else _print)(res)
+        {"ab": _print, "c": _print_memory, "d": _print_node_lost}[kind](res)
         results.append(res)
         kept = [r for r in previous if r["case"] not in {x["case"] for x in results}]
         out.parent.mkdir(parents=True, exist_ok=True)

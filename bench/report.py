@@ -650,6 +650,37 @@ def render_box_memory(case: dict, doc: dict) -> list[str]:
     return out
 
 
+def render_box_node_lost(case: dict, doc: dict) -> list[str]:
+    """Case (d) of bench/box.py: per repetition when (after the kill) the survivors reported, restarted under
+    the re-plan and trained their first resumed step, the steps lost, the losses against the uninterrupted
+    run, and the step time before and after against each plan's prediction in box time (prediction / scale)."""
+    s = case["box_scale"]
+    out = [f"**{case['case']}**: {case['note']} (box scale {s:.3g}; `{case['cluster']}`, global batch "
+           f"{case['global_batch_size']}, seq {case['seq_len']}, `--checkpoint-every 2 --node-lost-after "
+           f"{case['node_lost_after_s']:g}`)", ""]
+    body = [[str(r["rep"]), f"{r['killed_after_step']} -> {r['resumed_at_step']}", _s(r["reported_s"], 1),
+             _s(r["decided_s"], 1), _s(r["first_resumed_step_s"], 1), _s(r["startup_whole_s"], 1),
+             f"{r['loss_max_rel_diff']:.1e}",
+             f"{_s(r['step_s_whole_median'], 2)} ({_s(case['plan']['predicted_step_s'] / s, 2)})",
+             f"{_s(r['step_s_replan_median'], 2)} ({_s(r['replan']['predicted_step_s'] / s, 2)})"]
+            for r in case["reps"]]
+    out += table(["rep", "killed after step -> resumed at", "survivors reported s", "restarted s",
+                  "first resumed step s", "a fresh start's first step s", "losses vs whole run (max rel)",
+                  f"step s, {case['plan']['gpus']} GPUs (predicted)",
+                  f"step s after, {case['reps'][0]['replan']['gpus']} GPUs (predicted)"], body)
+    out += ["", "Seconds after the kill (box time): survivors reported = the first surviving node's launcher saw "
+                "its ranks stop; restarted = the first node started again under the re-plan (the lost node "
+                "waited for, the re-plan made); first resumed step = the re-plan's first step done. A fresh "
+                "start's first step: from starting the uninterrupted run's `zorse train` to its first step done "
+                "(what any restart costs: processes, rendezvous over the box's delays, the first step). "
+                "Predicted: the plan's step (real-GPU seconds) / the box's scale, which the quotas and links "
+                "follow; priced from the GPU types' roofline, not from the box's own measurements as (a) and (b) "
+                "are: this case times the recovery, not the time model.",
+            "", f"Run: `{case.get('command', '?')}`, {str(case.get('date', ''))[:16]}"
+                + (f"; {case['conditions']}" if case.get("conditions") else "") + ".", ""]
+    return out
+
+
 def render_box(doc: dict, name: str) -> list[str]:
     out = ["### Plans measured on the box", "",
            "Every planner's plan trained on an emulated cluster (`zorse box`: a network namespace per node, shaped "
@@ -660,6 +691,9 @@ def render_box(doc: dict, name: str) -> list[str]:
     for case in doc.get("cases", []):
         if case.get("memory_base_mib") is not None:
             out += render_box_memory(case, doc)
+            continue
+        if "reps" in case:
+            out += render_box_node_lost(case, doc)
             continue
         out += [f"**{case['case']}**: {case['note']} (box scale {case['box']['scale']:.3g}; "
                 f"`{case['cluster']}`, global batch {case['global_batch_size']}, seq {case['seq_len']})", ""]

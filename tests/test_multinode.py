@@ -229,9 +229,6 @@ def test_node_host_checked_before_torchrun():
                                             "(--node-rank 0), where the nodes meet"),
     (["--nnodes", "2", "--node-rank", "0", "--master-addr", "h", "--master-port", "70000"],
      "--master-port must be a TCP port, 1..65535, got 70000"),
-    (["--nnodes", "2", "--node-rank", "0", "--master-addr", "h", "--elastic"],
-     "--elastic does not work across nodes (--nnodes 2): its re-plan restarts the job on this host only; drop "
-     "--elastic, or run on one node"),
     (["--nnodes", "2", "--node-rank", "0", "--master-addr", "h", "--max-restarts", "1"],
      "--max-restarts 1 does not work across nodes (--nnodes 2): torchrun's static rendezvous restarts one node's "
      "workers without the others'; drop --max-restarts, or run on one node"),

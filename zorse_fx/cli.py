@@ -75,6 +75,9 @@ class LaunchOptions:
     (zorse_fx/elastic.py)"""
     max_replans: Annotated[int, tyro.conf.arg(metavar="N", help=(
         "--elastic: re-plan at most N times in one zorse train"))] = 1
+    node_lost_after: Annotated[float, tyro.conf.arg(metavar="S", help=(
+        "--elastic on several nodes: a node whose zorse train has neither reported its job's failure nor beaten "
+        "in the shared --out for S seconds is lost (zorse_fx/elastic_nodes.py)"))] = 15.0
     nnodes: Annotated[int, tyro.conf.arg(metavar="N", help=(
         "the nodes the job runs on: 1 starts every rank on this machine (torchrun --standalone); N > 1: run zorse "
         "train on each of the plan's N nodes with its --node-rank, which starts that node's ranks (torchrun's static "
@@ -91,6 +94,14 @@ class LaunchOptions:
         for name in ("nproc", "stall_timeout", "term_grace_s", "max_restarts", "max_replans"):
             if not getattr(self, name) >= 0:
                 raise OptionValueError(name, f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        if not self.node_lost_after > 0:
+            raise OptionValueError("node_lost_after", f"--node-lost-after must be > 0 seconds, got "
+                                                      f"{self.node_lost_after}")
+        if (self.node_lost_after != LaunchOptions.__dataclass_fields__["node_lost_after"].default
+                and not (self.elastic and self.nnodes > 1)):
+            raise OptionValueError("node_lost_after", f"--node-lost-after {self.node_lost_after} applies to --elastic "
+                                                      f"on several nodes only (--elastic --nnodes N): add them, or "
+                                                      f"drop --node-lost-after")
         if self.max_replans != 1 and not self.elastic:
             raise OptionValueError("max_replans", f"--max-replans {self.max_replans} applies to --elastic only: "
                                                   "add --elastic, or drop --max-replans")
@@ -121,7 +132,6 @@ class LaunchOptions:
             raise OptionValueError("master_port", f"--master-port must be a TCP port, 1..65535, got "
                                                   f"{self.master_port}")
         refused = {"max_restarts": "torchrun's static rendezvous restarts one node's workers without the others'",
-                   "elastic": "its re-plan restarts the job on this host only",
                    "corpus": "every node would tokenize into the same <out>/data/tokens.bin; prepare the token file "
                              "once with `zorse prepare-data` and pass --data on each node"}
         for name, why in refused.items():
@@ -321,6 +331,12 @@ def cmd_train(args) -> int:
     supervision = dict(heartbeat_dir=heartbeat_dir(out), stall_timeout_s=cmd.launch.stall_timeout,
                        term_grace_s=cmd.launch.term_grace_s, max_restarts=cmd.launch.max_restarts, out=out,
                        **({} if node is None else dict(rendezvous=rendezvous, ranks=node.ranks)))
+    if cmd.launch.elastic and node is not None:  # [Note: losing a node] in elastic_nodes.py
+        from .elastic_nodes import run_elastic_nodes
+
+        return run_elastic_nodes(cmd.training_options(data), rendezvous=rendezvous, node=node.node,
+                                 max_replans=cmd.launch.max_replans, lost_after_s=cmd.launch.node_lost_after,
+                                 launch_kw={k: v for k, v in supervision.items() if k not in ("rendezvous", "ranks")})
     if cmd.launch.elastic:
         from .elastic import run_elastic
 

@@ -7,7 +7,9 @@ and sequence length for the GPUs that remain, exports the new plan under the
 run directory (``<out>/plan.elastic<k>/``, [Note: where re-plans go]), says
 what changed, and relaunches on the new plan's process count with
 ``--resume`` from the newest intact checkpoint (a DCP checkpoint loads under
-another plan: ``runtime/checkpoint.py``).
+another plan: ``runtime/checkpoint.py``). Across nodes (``--nnodes N``) the
+nodes first agree on what was lost and on one re-plan ([Note: losing a node]
+in ``elastic_nodes.py``), which then uses this module's pieces.
 
 [Note: which GPUs a failure removes]
 torchrun names each failed worker (its rank, exit code and pid) in the

@@ -300,6 +300,29 @@ class Box:
         self.state.cgroups.join(0, self.layout.box_id, node, leaf)
         os.execvpe(cmd[0], cmd, self.environment(node))
 
+    def kill_node(self, node: str, *, timeout_s: float = 10.0) -> list[int]:
+        """``node`` lost as a host that went down: SIGKILL every process in its network namespace (its
+        ``zorse train``, torchrun, the ranks), again until none is left. Returns the pids killed.
+
+        Raises:
+            BoxSetupError: processes still there after ``timeout_s`` seconds."""
+        netns, killed = self.layout.node(node).netns, []
+        end = time.monotonic() + timeout_s
+        while pids := sorted(net.netns_pids(netns)):
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+                    killed.append(pid)
+            if time.monotonic() > end:
+                raise BoxSetupError(f"node {node!r} of box {self.layout.box_id}: processes {pids} still in "
+                                    f"{netns} {timeout_s:.0f} s after SIGKILL")
+            time.sleep(0.05)
+        for p in self._procs:  # reap the ones this process started (no zombies left in the namespace's list)
+            if p.poll() is None and p.pid in killed:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    p.wait(timeout=1)
+        return killed
+
     # -- reading back what the kernel has -----------------------------------------------------
     def cpu_quota(self, node: str, rank: int) -> tuple[int | None, int]:
         """``(quota_us, period_us)`` of a rank's cgroup as the kernel has it."""

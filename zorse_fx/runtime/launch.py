@@ -43,11 +43,13 @@ with its planned node and names the ``--node-rank`` each node needs
 (``runtime/device_check.py``). Each node's launcher supervises its own ranks
 only: its stall monitor reads their heartbeats (a shared ``--out`` holds every
 node's, whose pids mean nothing here) and torchrun's log is
-``logs/torchrun.node<k>.log``. Not across nodes: torchrun restarts
-(``--max-restarts``; a static rendezvous restarts one node's workers without
-the others'), ``--elastic`` (it re-plans and restarts on this host) and
-``--corpus`` (every node would tokenize into the same file): refused where the
-options are parsed (``cli.LaunchOptions``).
+``logs/torchrun.node<k>.log``. ``--elastic`` across nodes: the nodes agree
+through the shared run directory on what was lost and restart under one
+re-plan ([Note: losing a node] in ``elastic_nodes.py``). Not across nodes:
+torchrun restarts (``--max-restarts``; a static rendezvous restarts one
+node's workers without the others') and ``--corpus`` (every node would
+tokenize into the same file): refused where the options are parsed
+(``cli.LaunchOptions``).
 """
 
 from __future__ import annotations
