@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -123,6 +124,22 @@ def test_no_decision_one_line(tmp_path):
         f"--elastic: node 't4-node' waited 60 s for node 'a100-node' to re-plan (its decision "
         f"{ag.attempt_dir(0) / 'decision.json'}) and none came: that node may be lost too; resume with `zorse train "
         f"... --resume` under a plan for the nodes that work")
+
+
+def test_decision_not_written_by_zorse_refused_naming_file_and_field(tmp_path):
+    ag = Agreement(tmp_path, "j5", "t4-node")
+    ag.attempt_dir(0).mkdir(parents=True)
+    path = ag.attempt_dir(0) / "decision.json"
+    path.write_text(json.dumps({"action": "replan", "reason": "r", "decided_by": "a100-node", "master_port": "x"}))
+    with pytest.raises(ElasticError) as e:
+        ag.wait_decision(0, leader="a100-node")
+    assert str(e.value) == (
+        f"--elastic: {path} is not a Decision that `zorse train --elastic` writes (Expected `int`, got `str` - at "
+        f"`$.master_port`); something else wrote into {path.parent}: stop every node's zorse train and resume the "
+        f"run with `zorse train ... --resume`")
+    path.write_text(json.dumps({"action": "restart", "reason": "r", "decided_by": "a100-node"}))
+    with pytest.raises(ElasticError, match=re.escape("(Invalid enum value 'restart' - at `$.action`)")):
+        ag.wait_decision(0, leader="a100-node")
 
 
 @pytest.fixture(scope="module")

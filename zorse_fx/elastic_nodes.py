@@ -63,8 +63,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from .elastic import (REPLAN_CLUSTER, STDERR_TAIL_CHARS, ElasticError, PlanRequest, RankFailure, lost_rank, reduced_cluster, replan,
-                      replan_dir, what_changed)
+from typing import Literal
+
+import msgspec
+
+from .elastic import (REPLAN_CLUSTER, STDERR_TAIL_CHARS, ElasticError, PlanRequest, RankFailure, lost_rank,
+                      reduced_cluster, replan, replan_dir, what_changed)
 from .runtime.rank_errors import VERDICTS, failed_ranks, stopped_pids
 
 __all__ = ["ELASTIC_DIRNAME", "BEAT_INTERVAL_S", "NodeBeat", "NodeReport", "Decision", "Agreement", "decide",
@@ -95,6 +99,23 @@ def _read_json(path: Path) -> dict | None:
     except (OSError, ValueError):
         return None
     return doc if isinstance(doc, dict) else None
+
+
+def _load(path: Path, cls):
+    """The ``cls`` record in ``path`` (None: no file yet), every field checked against its type.
+
+    Raises:
+        ElasticError: a file that is not one ``zorse train --elastic`` wrote: its path and the field."""
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    try:
+        return msgspec.json.decode(raw, type=cls)
+    except msgspec.DecodeError as exc:  # (ValidationError included: it names the field, "at `$.master_port`")
+        raise ElasticError(f"--elastic: {path} is not a {cls.__name__} that `zorse train --elastic` writes "
+                           f"({exc}); something else wrote into {path.parent}: stop every node's zorse train and "
+                           f"resume the run with `zorse train ... --resume`") from None
 
 
 class NodeBeat:
@@ -135,15 +156,12 @@ class NodeReport:
     node: str
     #: Its host name (``socket.gethostname()``): where a rendezvous moved to it is reached.
     host: str
-    #: Its ranks' failures as its torchrun reported them, root cause first (``RankFailure`` fields).
-    failures: tuple[dict, ...] = ()
+    #: Its ranks' failures as its torchrun reported them, root cause first.
+    failures: tuple[RankFailure, ...] = ()
     #: The pids its torchrun stopped itself (``rank_errors.stopped_pids``).
     stopped: tuple[int, ...] = ()
     #: The job's one-line error on this node.
     error: str = ""
-
-    def rank_failures(self) -> list[RankFailure]:
-        return [RankFailure(**f) for f in self.failures]
 
     @classmethod
     def from_error(cls, node: str, exc) -> NodeReport:
@@ -156,7 +174,7 @@ class NodeReport:
         else:
             text = exc.stderr or ""
             failures, stopped = failed_ranks(text), stopped_pids(text)
-        return cls(node=node, host=socket.gethostname(), failures=tuple(dataclasses.asdict(f) for f in failures),
+        return cls(node=node, host=socket.gethostname(), failures=tuple(failures),
                    stopped=tuple(sorted(stopped)), error=" ".join(str(exc).split())[:2000])
 
 
@@ -165,7 +183,7 @@ class Decision:
     """What the deciding node published for one attempt ([Note: losing a node])."""
 
     #: "replan": restart under ``plan``; "stop": no GPU was lost, every node ends with ``reason``.
-    action: str
+    action: Literal["replan", "stop"]
     #: Why, in one phrase: the node(s) or rank lost and how, or the verdict.
     reason: str
     #: The node that decided.
@@ -227,14 +245,10 @@ class Agreement:
             now = self.clock()
             reports, lost = {}, []
             for n in nodes:
-                doc = _read_json(d / f"report-{n}.json")
-                if doc is not None:
-                    try:
-                        reports[n] = NodeReport(**{**doc, "failures": tuple(doc.get("failures", ())),
-                                                   "stopped": tuple(doc.get("stopped", ()))})
-                        continue
-                    except TypeError:
-                        pass  # not a report this version wrote: as good as none
+                report = _load(d / f"report-{n}.json", NodeReport)
+                if report is not None:
+                    reports[n] = report
+                    continue
                 count = self._beat_count(n)
                 if n not in seen or seen[n][0] != count:
                     seen[n] = (count, now)
@@ -265,9 +279,9 @@ class Agreement:
         path = self.attempt_dir(attempt) / "decision.json"
         start = self.clock()
         while True:
-            doc = _read_json(path)
-            if doc is not None:
-                return Decision(**{**doc, "nodes": tuple(doc.get("nodes", ()))})
+            decision = _load(path, Decision)
+            if decision is not None:
+                return decision
             if self.clock() - start >= self.decide_wait_s:
                 raise ElasticError(f"--elastic: node {self.node!r} waited {self.decide_wait_s:.0f} s for node "
                                    f"{leader!r} to re-plan (its decision {path}) and none came: that node may be lost "
@@ -297,7 +311,7 @@ def decide(plan, reports: dict[str, NodeReport], lost_nodes: list[str]) -> tuple
     merged: list[RankFailure] = []
     stopped: set[int] = set()
     for r in reports.values():
-        fails = r.rank_failures()
+        fails = list(r.failures)
         if fails and not fails[0].stalled and fails[0].exitcode in VERDICTS:
             return None, f"node {r.node!r}: {r.error}"  # the run stopped itself (a verdict): no GPU lost
         merged += fails
