@@ -90,6 +90,9 @@ CASES = {c.name: c for c in (
          note="(b) two regions of two nodes, one 1 Gb/s 50 ms path shared by every flow between them"),
     Case(name="b_wan_pairs", cluster="box_b_wan_pairs.yaml", scale=0.25,
          note="(b) two regions of two nodes, 1 Gb/s 50 ms per node pair across the regions, nothing shared"),
+    Case(name="b_wan_node_caps", cluster="box_b_wan_node_caps.yaml", scale=0.25,
+         note="(b) two regions of two nodes, 1 Gb/s 50 ms per node pair across the regions, each node's traffic "
+              "with the other region capped at 1 Gb/s (per instance, as a cloud caps it)"),
     # (c)'s scale 0.1: its times are not compared, and at the ratio-keeping scale (1 MB/s) a plan whose two
     # end stages hold the tied embedding all-reduces its 128 MiB gradient across the NIC for 2 minutes a step.
     Case(name="c_memory_tight", cluster="box_c_memory_tight.yaml", global_batch_size=8, scale=0.1,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import select
 import signal
 import subprocess
@@ -50,7 +51,11 @@ TWO_REGIONS = {
               "cross_datacenter": {"bandwidth_Gbps": 10, "latency_us": 100},
               "nic": {"bandwidth_Gbps": 25}},
     "shared_links": [{"name": "wan", "between": [{"datacenter": "east"}, {"datacenter": "west"}],
-                      "bandwidth_Gbps": 5}],
+                      "bandwidth_Gbps": 5},
+                     # far's cap on its traffic with the other region (a cloud's per-instance cap): shaped on
+                     # far's eth0 (far -> east) and on the router's port to far (east -> far), besides the WAN
+                     {"name": "far-cap", "between": [{"nodes": ["far"]}, {"datacenter": "east"}],
+                      "bandwidth_Gbps": 2}],
 }
 
 
@@ -205,11 +210,25 @@ def test_node_name_that_is_no_hostname_refused():
         plan_box(cluster, cores_available=2.0)
 
 
-def test_flows_across_two_shared_links_refused():
+def test_shared_links_shaped_where_their_one_node_side_is():
+    """The WAN on the router's IFB; far's cap, whose flows cross the WAN too, where its one-node side is: far ->
+    east on far's eth0, east -> far on the router's port to far (a flow crosses one link at each place)."""
+    layout = plan_box(Cluster.from_dict(TWO_REGIONS), BoxOptions(box_id="x", scale=0.01), cores_available=2.0)
+    assert [(d.name, d.src, d.dst, d.at) for d in layout.shared] == [
+        ("wan", ("fast", "slow"), ("far",), "ifb"), ("wan", ("far",), ("fast", "slow"), "ifb"),
+        ("far-cap", ("far",), ("fast", "slow"), "egress:far"), ("far-cap", ("fast", "slow"), ("far",), "ingress:far")]
+
+
+def test_flows_across_two_shared_links_at_one_place_refused():
     data = json.loads(json.dumps(TWO_REGIONS))
     data["shared_links"].append({"name": "uplink", "between": [{"nodes": ["fast"]}, {"nodes": ["far"]}],
                                  "bandwidth_Gbps": 1})
-    with pytest.raises(BoxConfigError, match=r"flows fast -> far cross the shared links 'wan' and 'uplink'"):
+    data["shared_links"].append({"name": "fast-cap", "between": [{"nodes": ["fast"]}, {"datacenter": "west"}],
+                                 "bandwidth_Gbps": 1})
+    with pytest.raises(BoxConfigError, match=re.escape(
+            "flows fast -> far cross the shared links 'wan', 'far-cap', 'uplink' and 'fast-cap'; the box shapes a "
+            "flow at one shared link per place (the router's IFB; the sending node's eth0 and the router's port to "
+            "the receiving node, for a link whose side there is one node): declare fewer")):
         plan_box(Cluster.from_dict(data), cores_available=2.0)
 
 
@@ -319,8 +338,16 @@ def test_two_regions_box_hostnames_links_quotas_and_nothing_left(box_machine):
         assert abs(to_slow.ceil_bits - nic * 8) <= to_slow.resolution_bits
         assert to_far.rate_bits == to_far.ceil_bits  # (its pair link is below half the NIC)
         assert to_far.sent_bytes >= n_bytes and to_slow.sent_bytes < n_bytes
-        far_in = {c.classid: c for c in box.router_shaping("n2")}["1:1"]  # far's NIC, incoming
+        to_far_port = {c.classid: c for c in box.router_shaping("n2")}
+        far_in = to_far_port["1:1"]  # far's NIC, incoming
         assert abs(far_in.rate_bits - 10e9 * s) <= far_in.resolution_bits and far_in.sent_bytes >= n_bytes
+        cap_in = to_far_port["1:103"]  # far-cap east -> far (shared direction 3), under the NIC: carried it
+        assert cap_in.parent == "1:1" and abs(cap_in.ceil_bits - 2e9 * s) <= cap_in.resolution_bits
+        assert cap_in.sent_bytes >= n_bytes
+        far_out = {c.classid: c for c in box.node_shaping("far")}
+        assert far_out["1:102"].parent == "1:1" and abs(far_out["1:102"].ceil_bits - 2e9 * s) <= \
+            far_out["1:102"].resolution_bits  # far-cap far -> east (direction 2) on far's eth0
+        assert [far_out[m].parent for m in ("1:10", "1:11")] == ["1:102", "1:102"]  # far's peers fast, slow under it
         wan = [c for c in box.router_shaping(box_net.IFB) if c.classid in ("1:10", "1:11")]
         assert [abs(c.rate_bits - 5e9 * s) <= c.resolution_bits for c in wan] == [True, True]
         assert max(c.sent_bytes for c in wan) >= n_bytes  # east -> west carried the transfer

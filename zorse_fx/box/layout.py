@@ -152,6 +152,11 @@ class SharedDirection:
     dst: tuple[str, ...]
     #: Rate, bytes/s (the real capacity x scale).
     bytes_per_s: float
+    #: Where the box shapes it ([Note: the box's network] in net.py; ``_place_shared``): ``"ifb"`` (the
+    #: router's IFB), ``"egress:<node>"`` (its one sending node's eth0: a per-node cap such as a cloud's
+    #: per-instance one, where the IFB holds another link of its flows), ``"ingress:<node>"`` (the router's
+    #: port to its one receiving node).
+    at: str = "ifb"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -247,7 +252,7 @@ class BoxLayout:
             delay = _fmt_s(p.delay_s) if p.delay_s or not p.wanted_delay_s else f"0 (wanted {_fmt_s(p.wanted_delay_s)})"
             links.add_row(escape(f"{p.src} -> {p.dst}"), p.kind, _fmt_rate(p.bytes_per_s), delay)
         for d in self.shared:
-            links.add_row(escape(f"{', '.join(d.src)} -> {', '.join(d.dst)}"), escape(f"shared {d.name}"),
+            links.add_row(escape(f"{', '.join(d.src)} -> {', '.join(d.dst)}"), escape(f"shared {d.name} ({d.at})"),
                           _fmt_rate(d.bytes_per_s) + " (all flows)", "-")
         buf = _console_text(Console, nodes, links)
         how = "given (--scale)" if s.explicit else "derived"
@@ -371,7 +376,7 @@ def plan_box(cluster: Cluster, options: BoxOptions | None = None, *, latency: st
     Raises:
         BoxConfigError: a node name that is not a hostname label; more cores asked than the machine has;
             a quota below the kernel's smallest; a delay above ``MAX_DELAY_S``; a node pair whose flows
-            cross two shared links in one direction (the box shapes each flow at one point).
+            cross two shared links shaped at one place (``SharedDirection.at``).
     """
     options = options or BoxOptions()
     box_id = options.box_id or default_box_id(cluster)
@@ -448,22 +453,40 @@ def plan_box(cluster: Cluster, options: BoxOptions | None = None, *, latency: st
             pairs.append(PairLink(src=a, dst=b, kind=link.kind, bytes_per_s=link.bandwidth_bytes_per_s * factor,
                                   delay_s=delay, wanted_delay_s=wanted))
 
-    shared = []
-    for spec in cluster.shared_links:
-        for src, dst in ((0, 1), (1, 0)):
-            shared.append(SharedDirection(name=spec.name, src=spec.sides[src].nodes, dst=spec.sides[dst].nodes,
-                                          bytes_per_s=spec.bandwidth_bytes_per_s * factor))
-    for p in pairs:
-        crossed = [d.name for d in shared if p.src in d.src and p.dst in d.dst]
-        if len(crossed) > 1:
-            raise BoxConfigError(f"{cluster.source}: flows {p.src} -> {p.dst} cross the shared links "
-                                 f"{' and '.join(map(repr, crossed))}; the box shapes a flow at one shared link: "
-                                 f"declare one of them only")
-
+    shared = _place_shared(cluster, pairs, factor)
     layout = BoxLayout(box_id=box_id, cluster_name=cluster.name, cluster_source=cluster.source, scale=scale,
                        cpu_period_us=period_us, nodes=tuple(nodes), pairs=tuple(pairs), shared=tuple(shared),
                        latency=latency, router_netns=f"{NETNS_PREFIX}{box_id}", limits=())
     return _with_limits(layout, cluster, floor)
+
+
+def _place_shared(cluster: Cluster, pairs: list[PairLink], factor: float) -> list[SharedDirection]:
+    """Each direction of each shared link with the place the box shapes it (``SharedDirection.at``): the
+    router's IFB, else (a flow of it already crosses a link there) its sending side's eth0 where that is one
+    node, else the router's port to its receiving side where that is one node; in declaration order.
+
+    Raises:
+        BoxConfigError: a direction with no place left, naming a flow and the links it crosses."""
+    flows = [(p.src, p.dst) for p in pairs]
+    placed: list[SharedDirection] = []
+    for spec in cluster.shared_links:
+        for src, dst in ((0, 1), (1, 0)):
+            a, b = spec.sides[src].nodes, spec.sides[dst].nodes
+            mine = [f for f in flows if f[0] in a and f[1] in b]
+            taken = {d.at for d in placed for f in mine if f[0] in d.src and f[1] in d.dst}
+            places = ["ifb"] + ([f"egress:{a[0]}"] if len(a) == 1 else []) + ([f"ingress:{b[0]}"] if len(b) == 1 else [])
+            free = [at for at in places if at not in taken]
+            if not free:
+                f = next(f for f in mine if sum(f[0] in d.src and f[1] in d.dst for d in placed) >= len(places))
+                crossed = [d.name for d in placed if f[0] in d.src and f[1] in d.dst] + [spec.name]
+                raise BoxConfigError(
+                    f"{cluster.source}: flows {f[0]} -> {f[1]} cross the shared links "
+                    f"{', '.join(map(repr, crossed[:-1]))} and {crossed[-1]!r}; the box shapes a flow at one shared "
+                    f"link per place (the router's IFB; the sending node's eth0 and the router's port to the "
+                    f"receiving node, for a link whose side there is one node): declare fewer")
+            placed.append(SharedDirection(name=spec.name, src=a, dst=b,
+                                          bytes_per_s=spec.bandwidth_bytes_per_s * factor, at=free[0]))
+    return placed
 
 
 def _with_limits(layout: BoxLayout, cluster: Cluster, floor: float) -> BoxLayout:

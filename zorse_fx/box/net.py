@@ -27,6 +27,9 @@ TUN_IN, TUN_OUT, IFB = "dl-in", "dl-out", "ifb0"
 _DELAY_TABLE = 100
 #: Rate of traffic no link of the cluster shapes (to the router itself, ARP), bits/s.
 _UNSHAPED_BITS = 10_000_000_000
+#: htb minor of shared link i's class on a node's eth0 or the router's port to a node: 0x100 + i (the
+#: per-peer classes are 0x10 + j).
+_CAP_MINOR = 0x100
 
 
 # [Note: the box's network]
@@ -42,7 +45,11 @@ _UNSHAPED_BITS = 10_000_000_000
 #     the sum of the pair rates. Incoming traffic shares the NIC rate again: htb on the router's n<k>.
 #   * a shared link (the WAN between regions): the router redirects every packet entering it from a
 #     node (ingress on each n<k>, mirred) through ifb0, whose htb has one class per shared link and
-#     direction (u32 on source and destination addresses), the rest unshaped.
+#     direction (u32 on source and destination addresses), the rest unshaped. A direction whose
+#     sending side is one node (a per-node cap, as a cloud caps an instance's traffic to another
+#     region) is a class on that node's eth0 between the root and the peer classes of its receiving
+#     side; one whose receiving side is one node, a class on the router's n<k> (u32 on the source).
+#     So a flow may cross one shared link at each of the three places (SharedDirection.at).
 #   * latency: with netem, a netem leaf under each per-peer class; without it, policy routing hands
 #     every packet from a bridge to the delay line's TUN device dl-in (table 100), and what it writes
 #     into dl-out is routed on to the destination ([Note: latency without netem] in box.py).
@@ -128,17 +135,31 @@ def build(layout: BoxLayout, *, netem: bool) -> None:
                       *(f"route add {net} via {gw} dev {NODE_IF}" for net in region_subnets(layout))])
         _tc(n.netns, _node_egress(layout, n, netem=netem))
     router_tc = []
+    address = {n.name: n.address for n in layout.nodes}
     for k, n in enumerate(layout.nodes):
+        caps = [(i, d) for i, d in enumerate(layout.shared) if d.at == f"ingress:{n.name}"]
         if n.nic_bytes_per_s is not None:  # what the node receives shares its NIC too
-            router_tc += [f"qdisc add dev n{k} root handle 1: htb default 1",
-                          f"class add dev n{k} parent 1: classid 1:1 htb rate {_bits(n.nic_bytes_per_s)} "
-                          f"ceil {_bits(n.nic_bytes_per_s)} quantum 1514"]
-    if layout.shared:
+            nic = _bits(n.nic_bytes_per_s)
+            router_tc += [f"qdisc add dev n{k} root handle 1: htb default {3 if caps else 1}",
+                          f"class add dev n{k} parent 1: classid 1:1 htb rate {nic} ceil {nic} quantum 1514"]
+            if caps:  # (1:1 then has children: the rest of the NIC's traffic gets a leaf of its own)
+                router_tc.append(f"class add dev n{k} parent 1:1 classid 1:3 htb rate {nic} ceil {nic} quantum 1514")
+        elif caps:
+            router_tc += [f"qdisc add dev n{k} root handle 1: htb default 2",
+                          f"class add dev n{k} parent 1: classid 1:2 htb rate {_UNSHAPED_BITS}bit quantum 1514"]
+        for i, d in caps:  # a shared link whose receiving side is this one node: a class on its port
+            minor, parent = f"{_CAP_MINOR + i:x}", "1:1" if n.nic_bytes_per_s is not None else "1:"
+            rate = min(d.bytes_per_s, n.nic_bytes_per_s or d.bytes_per_s)
+            router_tc.append(f"class add dev n{k} parent {parent} classid 1:{minor} htb rate {_bits(rate)} "
+                             f"ceil {_bits(rate)} quantum 1514")
+            router_tc += [f"filter add dev n{k} parent 1: protocol ip prio 1 u32 match ip src {address[a]}/32 "
+                          f"flowid 1:{minor}" for a in d.src]
+    ifb = [(i, d) for i, d in enumerate(layout.shared) if d.at == "ifb"]
+    if ifb:
         _ip(r_ns, [f"link add {IFB} type ifb", f"link set {IFB} txqueuelen 1000", f"link set {IFB} up"])
         router_tc += [f"qdisc add dev {IFB} root handle 1: htb default 2",
                       f"class add dev {IFB} parent 1: classid 1:2 htb rate {_UNSHAPED_BITS}bit quantum 1514"]
-        address = {n.name: n.address for n in layout.nodes}
-        for i, d in enumerate(layout.shared):
+        for i, d in ifb:
             minor = f"{16 + i:x}"
             router_tc.append(f"class add dev {IFB} parent 1: classid 1:{minor} htb rate {_bits(d.bytes_per_s)} "
                              f"ceil {_bits(d.bytes_per_s)} quantum 1514")
@@ -152,7 +173,9 @@ def build(layout: BoxLayout, *, netem: bool) -> None:
 
 
 def _node_egress(layout: BoxLayout, node: NodeLayout, *, netem: bool) -> list[str]:
-    """htb on a node's eth0: the NIC (or the sum of its pair links) as root, a class per peer node."""
+    """htb on a node's eth0: the NIC (or the sum of its pair links) as root, a class per peer node; a shared
+    link whose sending side is this one node (a per-node cap) is a class between the two, over the peer
+    classes of its receiving side."""
     out = [p for p in layout.pairs if p.src == node.name]
     address = {n.name: n.address for n in layout.nodes}
     root = node.nic_bytes_per_s if node.nic_bytes_per_s is not None else sum(p.bytes_per_s for p in out)
@@ -160,11 +183,20 @@ def _node_egress(layout: BoxLayout, node: NodeLayout, *, netem: bool) -> list[st
     lines = [f"qdisc add dev {dev} root handle 1: htb default 2",
              f"class add dev {dev} parent 1: classid 1:1 htb rate {_bits(root)} ceil {_bits(root)} quantum 1514",
              f"class add dev {dev} parent 1: classid 1:2 htb rate {_UNSHAPED_BITS}bit quantum 1514"]
+    cap_of: dict[str, tuple[str, float, int]] = {}  # peer -> (its cap class, the cap's rate, peers under it)
+    for i, d in enumerate(layout.shared):
+        if d.at == f"egress:{node.name}":
+            minor, rate = f"{_CAP_MINOR + i:x}", min(d.bytes_per_s, root)
+            lines.append(f"class add dev {dev} parent 1:1 classid 1:{minor} htb rate {_bits(rate)} "
+                         f"ceil {_bits(rate)} quantum 1514")
+            under = [p.dst for p in out if p.dst in d.dst]
+            cap_of.update({peer: (f"1:{minor}", rate, len(under)) for peer in under})
     for j, p in enumerate(out):
         minor = f"{16 + j:x}"
-        ceil = min(p.bytes_per_s, root)
-        rate = min(ceil, root / len(out)) if node.nic_bytes_per_s is not None else ceil
-        lines += [f"class add dev {dev} parent 1:1 classid 1:{minor} htb rate {_bits(rate)} ceil {_bits(ceil)} "
+        parent, top, share = cap_of.get(p.dst, ("1:1", root, len(out)))
+        ceil = min(p.bytes_per_s, top)
+        rate = min(ceil, top / share) if node.nic_bytes_per_s is not None or p.dst in cap_of else ceil
+        lines += [f"class add dev {dev} parent {parent} classid 1:{minor} htb rate {_bits(rate)} ceil {_bits(ceil)} "
                   f"quantum 1514",
                   f"filter add dev {dev} parent 1: protocol ip prio 1 u32 match ip dst {address[p.dst]}/32 "
                   f"flowid 1:{minor}"]
