@@ -11,8 +11,9 @@ nodes agree through the run directory, which every node shares already (each
 rank writes its part of every checkpoint there, and a resume under another
 plan reads all of them):
 
-- ``<out>/.elastic/``: each node's launcher beats ``beat-<node>`` (a counter
-  rewritten every ``BEAT_INTERVAL_S``) for as long as it runs; node 0 writes
+- ``<out>/.elastic/``: each node's launcher beats ``beat-<node>`` (its time
+  rewritten every ``BEAT_INTERVAL_S``: ``runtime.watchdog.start_beat``) for as
+  long as it runs; node 0 writes
   ``job`` (a fresh id) before it starts torchrun, so files of an earlier job
   in the same directory are never read as this job's.
 - When a node's job fails, its launcher writes ``<job>/attempt<a>/report-<node>.json``
@@ -70,8 +71,9 @@ import msgspec
 from .elastic import (REPLAN_CLUSTER, STDERR_TAIL_CHARS, ElasticError, PlanRequest, RankFailure, lost_rank,
                       reduced_cluster, replan, replan_dir, what_changed)
 from .runtime.rank_errors import VERDICTS, failed_ranks, stopped_pids
+from .runtime.watchdog import start_beat
 
-__all__ = ["ELASTIC_DIRNAME", "BEAT_INTERVAL_S", "NodeBeat", "NodeReport", "Decision", "Agreement", "decide",
+__all__ = ["ELASTIC_DIRNAME", "BEAT_INTERVAL_S", "NodeReport", "Decision", "Agreement", "decide",
            "run_elastic_nodes"]
 
 #: The run directory's folder the nodes agree through ([Note: losing a node]).
@@ -116,36 +118,6 @@ def _load(path: Path, cls):
         raise ElasticError(f"--elastic: {path} is not a {cls.__name__} that `zorse train --elastic` writes "
                            f"({exc}); something else wrote into {path.parent}: stop every node's zorse train and "
                            f"resume the run with `zorse train ... --resume`") from None
-
-
-class NodeBeat:
-    """A node launcher's beat: ``<out>/.elastic/beat-<node>`` rewritten every
-    ``interval_s`` seconds from a daemon thread (its count, host name, pid)
-    until ``stop()`` or the process ends."""
-
-    def __init__(self, out: str | Path, node: str, *, interval_s: float = BEAT_INTERVAL_S) -> None:
-        self.path = Path(out) / ELASTIC_DIRNAME / f"beat-{node}"
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._doc = {"node": node, "host": socket.gethostname(), "pid": os.getpid(), "count": 0}
-        self._stop = threading.Event()
-        self._beat()
-        self._thread = threading.Thread(target=self._run, args=(interval_s,), daemon=True, name=f"beat-{node}")
-        self._thread.start()
-
-    def _beat(self) -> None:
-        self._doc["count"] += 1
-        try:
-            _write_json(self.path, self._doc)
-        except OSError:  # a full or vanished disk must not end the node; the others will call it lost
-            pass
-
-    def _run(self, interval_s: float) -> None:
-        while not self._stop.wait(interval_s):
-            self._beat()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5.0)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -229,9 +201,10 @@ class Agreement:
     def attempt_dir(self, attempt: int) -> Path:
         return self.root / self.job / f"attempt{attempt}"
 
-    def _beat_count(self, node: str) -> int | None:
+    def _beat(self, node: str) -> object:
+        """What ``node``'s beat file holds now (its writer's time; only whether it changes is read)."""
         doc = _read_json(self.root / f"beat-{node}")
-        return doc.get("count") if doc else None
+        return doc.get("time") if doc else None
 
     def gather(self, attempt: int, nodes: tuple[str, ...], mine: NodeReport) -> tuple[dict[str, NodeReport], list[str]]:
         """Write ``mine`` and wait for the other nodes of ``nodes``: returns (the reports by node, the nodes
@@ -240,7 +213,7 @@ class Agreement:
         d.mkdir(parents=True, exist_ok=True)
         _write_json(d / f"report-{self.node}.json", dataclasses.asdict(mine))
         start = self.clock()
-        seen: dict[str, tuple[int | None, float]] = {}  # node -> (its beat count, when this node saw it change)
+        seen: dict[str, tuple[object, float]] = {}  # node -> (its beat, when this node saw it change)
         while True:
             now = self.clock()
             reports, lost = {}, []
@@ -249,9 +222,9 @@ class Agreement:
                 if report is not None:
                     reports[n] = report
                     continue
-                count = self._beat_count(n)
-                if n not in seen or seen[n][0] != count:
-                    seen[n] = (count, now)
+                beat = self._beat(n)
+                if n not in seen or seen[n][0] != beat:
+                    seen[n] = (beat, now)
                 if now - seen[n][1] >= self.lost_after_s:
                     lost.append(n)
             if len(reports) + len(lost) == len(nodes) or now - start >= self.wait_s:
@@ -352,7 +325,9 @@ def run_elastic_nodes(options, *, rendezvous, node: str, max_replans: int, launc
     plan_dir = first if first.is_dir() else first.parent
     request = PlanRequest.read(plan_dir)  # refused before anything starts
     out = Path(options.job.out)
-    beat = NodeBeat(out, node)
+    beating = threading.Event()  # set: this node's beat stops (the launcher is done)
+    start_beat(out / ELASTIC_DIRNAME / f"beat-{node}", {"node": node, "pid": os.getpid()}, BEAT_INTERVAL_S,
+               stop=beating)
     job = Agreement.start_job(out) if rendezvous.node_rank == 0 else None
     replans = attempt = 0
     try:
@@ -431,7 +406,7 @@ def run_elastic_nodes(options, *, rendezvous, node: str, max_replans: int, launc
                                                              shutdown_timeout_s=launch_kw.get("term_grace_s"))),
                       flush=True)
     finally:
-        beat.stop()
+        beating.set()
 
 
 def _decide_and_replan(plan, plan_dir: Path, request: PlanRequest, reports: dict[str, NodeReport],

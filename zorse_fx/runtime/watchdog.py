@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["HEARTBEAT_DIRNAME", "Beat", "heartbeat_dir", "start_heartbeat", "read_heartbeats", "stalled_rank"]
+__all__ = ["HEARTBEAT_DIRNAME", "Beat", "heartbeat_dir", "start_beat", "start_heartbeat", "read_heartbeats", "stalled_rank"]
 
 HEARTBEAT_DIRNAME = ".heartbeat"
 
@@ -35,34 +35,45 @@ def heartbeat_dir(out: str | Path) -> Path:
     return Path(out) / HEARTBEAT_DIRNAME
 
 
-def _write_beat(directory: Path, rank: int, pid: int) -> None:
-    tmp = directory / f".rank{rank}.{pid}.tmp"
-    tmp.write_text(json.dumps({"rank": rank, "pid": pid, "time": time.time()}))
-    os.replace(tmp, directory / f"rank{rank}")  # atomic: the monitor never reads half a file
+def _write_beat(path: Path, doc: dict) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({**doc, "time": time.time()}))
+    os.replace(tmp, path)  # atomic: the monitor never reads half a file
+
+
+def start_beat(path: str | Path, doc: dict, interval_s: float = 1.0, *,
+               stop: threading.Event | None = None) -> threading.Thread:
+    """Write ``doc`` with the time (JSON, ``"time"``: ``time.time()`` seconds) to ``path`` now and every
+    ``interval_s`` seconds from a daemon thread, until ``stop`` is set or the process ends; returns the
+    (started) thread. A rank's heartbeat (``start_heartbeat``) and a node launcher's beat
+    (``elastic_nodes``, [Note: losing a node]) are two uses.
+
+    Raises:
+        ValueError: ``interval_s`` <= 0."""
+    if interval_s <= 0:
+        raise ValueError(f"heartbeat interval must be > 0 seconds, got {interval_s}")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _write_beat(path, doc)  # the file exists as soon as this returns
+    stop = stop or threading.Event()
+
+    def beat() -> None:
+        while not stop.wait(interval_s):
+            try:
+                _write_beat(path, doc)
+            except OSError:  # a full or vanished disk must not kill the process; the monitor will notice
+                pass
+
+    t = threading.Thread(target=beat, name=f"zorse-beat-{path.name}", daemon=True)
+    t.start()
+    return t
 
 
 def start_heartbeat(directory: str | Path, rank: int, interval_s: float = 1.0) -> threading.Thread:
     """Write ``<directory>/rank<rank>`` now and every ``interval_s`` seconds from a daemon thread.
 
     Returns the (started) thread; it ends with the process."""
-    if interval_s <= 0:
-        raise ValueError(f"heartbeat interval must be > 0 seconds, got {interval_s}")
-    d = Path(directory)
-    d.mkdir(parents=True, exist_ok=True)
-    pid = os.getpid()
-    _write_beat(d, rank, pid)  # the file exists as soon as this returns
-
-    def beat() -> None:
-        while True:
-            time.sleep(interval_s)
-            try:
-                _write_beat(d, rank, pid)
-            except OSError:  # a full or vanished disk must not kill the rank; the monitor will notice
-                pass
-
-    t = threading.Thread(target=beat, name=f"zorse-heartbeat-rank{rank}", daemon=True)
-    t.start()
-    return t
+    return start_beat(Path(directory) / f"rank{rank}", {"rank": rank, "pid": os.getpid()}, interval_s)
 
 
 @dataclass(frozen=True)
