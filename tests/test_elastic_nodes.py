@@ -198,7 +198,7 @@ _BOX_NODES = ("a100-a", "a100-b", "t4-node")
 def test_box_node_zero_lost_survivors_replan_at_a_new_rendezvous(lee_bytes, tmp_path):
     """bench/clusters/box_d_node_lost.yaml (three nodes of one GPU each) as a box (zorse_fx/box), `zorse train
     --elastic --nnodes 3 --checkpoint-every 1` on each; at step 2 node 0 (a100-a, the rendezvous) is killed
-    whole (Box.kill_node: its zorse train, torchrun, rank). The other two report, wait --node-lost-after 2 s for
+    whole (Box.kill_node: its zorse train, torchrun, rank). The other two report, wait --node-lost-after 5 s for
     a100-a, a100-b decides (the first that reported), re-plans for its and t4-node's GPU, and both restart as
     nodes 0 and 1 of 2 with the rendezvous moved to a100-b; they resume from the newest checkpoint and
     finish. The 5 steps' losses equal single-process training (FP32: resuming under another plan is exact
@@ -223,7 +223,7 @@ def test_box_node_zero_lost_survivors_replan_at_a_new_rendezvous(lee_bytes, tmp_
         procs = [box.spawn(node, [sys.executable, "-m", "zorse_fx.cli", "train", str(plan_dir), "--tokens",
                                   str(tokens), "--steps", "5", "--out", str(out), "--precision", "fp32", "--lr", "1e-3",
                                   "--weight-decay", "0.1", "--checkpoint-every", "1", "--elastic", "--nnodes", "3",
-                                  "--node-rank", str(k), "--master-addr", "a100-a", "--node-lost-after", "2"],
+                                  "--node-rank", str(k), "--master-addr", "a100-a", "--node-lost-after", "5"],
                            env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
                  for k, node in enumerate(_BOX_NODES)]
         try:

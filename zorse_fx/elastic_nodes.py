@@ -336,6 +336,10 @@ def run_elastic_nodes(options, *, rendezvous, node: str, max_replans: int, launc
             here = node_launch(plan, rendezvous, 0, plan_path=plan_dir)
             options_file = write_options_file(options, out / OPTIONS_FILE)
             argv = ["--options-file", str(options_file)]
+            if replans:  # (the first launch's command is zorse train's own line)
+                print("[zorse] " + " ".join(torchrun_command(len(here.ranks), argv, rendezvous=rendezvous,
+                                                             shutdown_timeout_s=launch_kw.get("term_grace_s"))),
+                      flush=True)
             try:
                 launch(len(here.ranks), argv, rendezvous=rendezvous, ranks=here.ranks,
                        stderr_tail_chars=STDERR_TAIL_CHARS, **launch_kw)
@@ -398,13 +402,9 @@ def run_elastic_nodes(options, *, rendezvous, node: str, max_replans: int, launc
                 rendezvous = dataclasses.replace(rendezvous, nnodes=len(decision.nodes),
                                                  node_rank=decision.nodes.index(node),
                                                  master_addr=decision.master_addr, master_port=decision.master_port)
-                here = node_launch(new_plan, rendezvous, 0, plan_path=plan_dir)
                 print(f"[zorse] elastic: node {node!r} restarts as --node-rank {rendezvous.node_rank} of "
                       f"{rendezvous.nnodes} (rendezvous {rendezvous.master_addr}:{rendezvous.master_port}), "
                       f"{resuming}", flush=True)
-                print("[zorse] " + " ".join(torchrun_command(len(here.ranks), argv, rendezvous=rendezvous,
-                                                             shutdown_timeout_s=launch_kw.get("term_grace_s"))),
-                      flush=True)
     finally:
         beating.set()
 

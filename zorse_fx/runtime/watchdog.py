@@ -55,10 +55,12 @@ def start_beat(path: str | Path, doc: dict, interval_s: float = 1.0, *,
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     _write_beat(path, doc)  # the file exists as soon as this returns
-    stop = stop or threading.Event()
 
     def beat() -> None:
-        while not stop.wait(interval_s):
+        while True:
+            time.sleep(interval_s)  # (a sleep, not Event.wait: the ranks' heartbeat thread as it always was)
+            if stop is not None and stop.is_set():
+                return
             try:
                 _write_beat(path, doc)
             except OSError:  # a full or vanished disk must not kill the process; the monitor will notice
