@@ -183,10 +183,19 @@ def test_tied_embedding_is_reduced_over_the_union_of_its_holders():
     opt = {e.gpu: e for e in sim.events if e.kind == "optim"}
     tied_end = tr[0].end_s
     assert tied_end > max(e.end_s for e in ar)  # the slow ring binds on GPUs 0 and 1
+    # [C-control]: every optimizer waits for the gradient norm's all-reduce over the 3 GPUs used, which
+    # starts once the last sync (the tied ring) ends: 2 (k - 1) latencies of the slowest hop (20 us).
+    assert costs.step_control_rounds == 3
+    norm_end = tied_end + 2 * 2 * 20e-6
+    ctrl = sorted((e for e in sim.events if e.kind == "control"), key=lambda e: (e.start_s, e.gpu))
+    assert [e.gpu for e in ctrl] == [0, 1, 2, 0, 1, 2]
+    assert all(e.end_s == pytest.approx(norm_end, rel=1e-12) for e in ctrl[:3])
     for g, p in ((0, p0), (1, p0), (2, p1)):
-        assert opt[g].start_s == pytest.approx(tied_end, rel=1e-12)
+        assert opt[g].start_s == pytest.approx(norm_end, rel=1e-12)
         assert opt[g].end_s - opt[g].start_s == pytest.approx(2 * 16 * p / devices.mem_bw_bytes_per_s[g])
-    assert sim.step_time_s == pytest.approx(max(e.end_s for e in opt.values()), rel=1e-12)
+    # ... and the step ends with the per-step table's all-gather: (k - 1) latencies after the optimizers.
+    assert sim.step_time_s == pytest.approx(max(e.end_s for e in opt.values()) + 2 * 20e-6, rel=1e-12)
+    assert all(e.start_s == pytest.approx(max(o.end_s for o in opt.values()), rel=1e-12) for e in ctrl[3:])
     # Without the record the embedding is reduced with stage 0's buckets and not across stages:
     # the step ends earlier, at stage 0's own all-reduce + optimizer.
     plain = simulate(dataclasses.replace(costs, tied_params=()), devices, options, Decision(**kw))

@@ -211,6 +211,16 @@ class PrecisionPolicy:
         """Dynamic loss scaling (fp16-mixed)."""
         return self.name == "fp16-mixed"
 
+    @property
+    def step_control_rounds(self) -> int:
+        """Ring latencies per (GPUs used - 1) of the step's world collectives of a few bytes each, whose
+        time is their ring's latency whatever the link's bandwidth: 2 per all-reduce (the gradient norm's in
+        ``Worker.train_step``; under fp16-mixed also the loss scaler's inf/NaN agreement) + 1 for the
+        all-gather of the per-rank table after the step ([Note: one world collective after the step] in
+        ``zorse_fx/train.py``). ``BlockCosts.step_control_rounds``; measured on the box, bench/LOG.md
+        "One world collective after the step"."""
+        return 2 * (1 + self.loss_scaling) + 1
+
     def autocast(self, device_type: str):
         """The autocast region of one step's schedule on ``device_type`` ("cuda", "cpu")."""
         import torch

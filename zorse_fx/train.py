@@ -54,7 +54,9 @@ assigned to its rank ([Note: checking the devices against the plan] in
 Rank 0 writes ``<out>/metrics.jsonl`` (continued by ``--resume``): one JSON
 object per step with ``step``, ``run_id`` and ``plan_hash`` (the run's
 identity), ``loss``, ``lr``, ``grad_norm`` (global, before clipping),
-``val_loss`` (on validation steps), ``tokens_seen``, ``step_time_s``, ``tokens_per_s``, ``precision``,
+``val_loss`` (on validation steps), ``tokens_seen``, ``step_time_s`` (rank 0's wall time of the
+whole step, the all-gather below included: consecutive steps' times add up to the run's),
+``tokens_per_s``, ``precision``,
 ``loss_scale`` and ``skipped`` (fp16-mixed: the scale the step used, and
 whether every rank skipped it for an inf/NaN gradient) and ``ranks``: per rank
 the seconds spent in the pipeline schedule (``pipeline_s``), waiting for the
@@ -71,6 +73,20 @@ resident set; [Note: measured rank memory] in ``runtime/memory_meter.py``),
 the quantity the plan's per-GPU memory prediction is of.
 ``--dump-grads`` / ``--dump-params`` save one file per rank, by canonical
 parameter name over the rank's stages.
+
+[Note: one world collective after the step]
+After ``Worker.train_step`` every rank takes part in ONE collective over the
+world: an all-gather of a small float64 row per rank (its phase times, a
+signal received, the stages with non-finite gradients or weights, its memory
+peak and its loss contribution). Every rank then holds the same table, so all
+stop, skip or go on alike, and the global batch's loss is the exact sum
+(``math.fsum``, in rank order) of the gathered contributions: no separate
+all-reduce of the loss. Across a WAN each world collective costs its ring's
+round trips whatever its size (measured on the box, bench/LOG.md "One world
+collective after the step"), so the step has exactly two: the gradient norm's
+all-reduce inside ``train_step`` and this all-gather (three under fp16, whose
+loss scaler agrees on inf/NaN in one more). The planners price them
+(``control_units`` in ``solve/network_terms.py``).
 
 Precision (``--precision``): the plan's (``Plan.precision``) on GPUs; on a
 CPU run, fp32 unless asked -- bf16 autocast runs on CPUs, slowly without
@@ -495,10 +511,10 @@ def _run(options: TrainingOptions, where: _Where) -> int:
             raise RuntimeExecutionError(f"testing: --raise-at-step {rank}:{step}")
         lr = schedule(step)
         t0 = time.perf_counter()
-        loss = worker.train_step(batch, lr=lr, max_grad_norm=opt.clip_grad_norm).reshape(1)
-        local_loss = loss.detach().to(torch.float64)  # this rank's contribution, before the sum
-        dist.all_reduce(loss)  # on the device: sum of the weighted contributions = the global batch's loss
-        step_time = time.perf_counter() - t0
+        # This rank's weighted contribution; the global batch's loss is the sum over the ranks, taken from
+        # the one all-gather below ([Note: one world collective after the step]).
+        local_loss = worker.train_step(batch, lr=lr, max_grad_norm=opt.clip_grad_norm).detach().reshape(1).to(
+            torch.float64)
         if step == test.dump_grads:
             d = out / "grads"
             d.mkdir(parents=True, exist_ok=True)
@@ -514,9 +530,12 @@ def _run(options: TrainingOptions, where: _Where) -> int:
         gathered = [torch.empty_like(mine) for _ in range(world)]
         dist.all_gather(gathered, mine)
         table = torch.stack(gathered).cpu()  # one device-to-host copy; the same on every rank
+        step_time = time.perf_counter() - t0  # the whole step: through the all-gather every rank waits for
         n = len(_BREAKDOWN)
         stopping = int(table[:, n].max().item())
         bad_loss = [r for r in range(world) if not math.isfinite(table[r, n + 4].item())]
+        parts_loss = table[:, n + 4].tolist()  # the global batch's loss: their exact sum (fsum refuses inf - inf)
+        loss_value = sum(parts_loss) if bad_loss else math.fsum(parts_loss)
         bad_grads = [(r, int(table[r, n + 1].item())) for r in range(world) if table[r, n + 1] >= 0]
         bad_weights = [(r, int(table[r, n + 2].item())) for r in range(world) if table[r, n + 2] >= 0]
         nonfinite = bool(bad_loss or bad_grads)
@@ -537,7 +556,7 @@ def _run(options: TrainingOptions, where: _Where) -> int:
                       "memory_peak_bytes": int(t[n + 3].item())}
                      for r, t in enumerate(table)]
             grad_norm = float(worker.last_grad_norm) if worker.last_grad_norm is not None else None
-            rec = {"step": step, **identity, "loss": float(loss.item()), "lr": lr, "grad_norm": grad_norm,
+            rec = {"step": step, **identity, "loss": loss_value, "lr": lr, "grad_norm": grad_norm,
                    "step_time_s": step_time, "tokens_per_s": plan.tokens_per_step / step_time,
                    "tokens_seen": step * plan.tokens_per_step, "precision": policy.name,
                    "loss_scale": worker.last_loss_scale, "skipped": worker.last_skipped, "ranks": parts}
@@ -556,7 +575,7 @@ def _run(options: TrainingOptions, where: _Where) -> int:
             if progress:
                 last = (f"the last checkpoint is {ckpt_root / f'step_{saved}'}" if saved else
                         "no checkpoint was written" if ckpt.checkpoint_every else "checkpoints are off")
-                print(_nonfinite_message(step, float(loss.item()), bad_loss, bad_grads, bad_weights,
+                print(_nonfinite_message(step, loss_value, bad_loss, bad_grads, bad_weights,
                                          plan.num_stages - 1, last), file=sys.stderr, flush=True)
             break
         if ckpt.checkpoint_every and (step % ckpt.checkpoint_every == 0 or step == loop.steps or stopping):

@@ -453,4 +453,5 @@ def block_costs(
         param16_count=tuple(params16) if any(params16) else (),
         shardable_bytes_per_param16=precision.shardable_bytes_per_param16,
         param_bytes_per_param16=precision.allgather_bytes_per_param16,
+        step_control_rounds=precision.step_control_rounds,
     )

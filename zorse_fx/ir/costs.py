@@ -125,6 +125,12 @@ class BlockCosts:
     #: known. Its gradient exists as a tensor of its own before autograd adds it into the gradient
     #: bucket: [Note: gradient transients] in ``solve/state_terms.py``.
     max_param_numel: tuple[int, ...] = ()
+    #: Ring latencies per (GPUs used - 1) of the step's control collectives over the world: all-reduces
+    #: (2 each) and all-gathers (1 each) of a few bytes, priced as their ring's latency on the used GPUs'
+    #: slowest link ([C-control] in ``solve/objective.py``; ``PrecisionPolicy.step_control_rounds``:
+    #: 3, or 5 under fp16-mixed: what ``cost.roofline.block_costs`` sets); 0 = none (costs built by hand
+    #: for the pipeline alone).
+    step_control_rounds: int = 0
 
     def __post_init__(self) -> None:
         nb = len(self.param_count)
@@ -142,6 +148,8 @@ class BlockCosts:
             if any(self.param16_count[b] > self.param_count[b] - sum(tp.numel for tp in self.tied_params
                                                                      if b in tp.blocks) for b in tied):
                 raise ValueError("param16_count counts a tied parameter; tied parameters stay float32")
+        if not (isinstance(self.step_control_rounds, int) and self.step_control_rounds >= 0):
+            raise ValueError(f"step_control_rounds must be an integer >= 0, got {self.step_control_rounds!r}")
         if self.max_param_numel and (len(self.max_param_numel) != nb or any(
                 not 0 <= q <= p for q, p in zip(self.max_param_numel, self.param_count))):
             raise ValueError(f"max_param_numel must have {nb} entries, each between 0 and the block's "

@@ -229,7 +229,7 @@ __all__ = ["SimEvent", "SimResult", "simulate", "link_resource", "decision_progr
 P2P_BUFFERED = "buffered"
 P2P_NCCL = "nccl"
 
-KINDS = ("F", "B", "send", "allreduce", "tiedreduce", "optim", "allgather")
+KINDS = ("F", "B", "send", "allreduce", "tiedreduce", "control", "optim", "allgather")
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,7 +1,10 @@
 """Gradient sync of a simulated step: the per-group bucketed all-reduce, the
-all-reduce of tied parameters over the union of their holders, the optimizer
-steps and the ZeRO-1 all-gathers ("Gradient sync" and "Tied parameters" in
-the module note of ``sim/engine.py``; rings priced in ``sim/network.py``)."""
+all-reduce of tied parameters over the union of their holders, the step's
+world control collectives ("control": the gradient norm's all-reduce, which
+every optimizer waits for, and the per-step table's all-gather at the end),
+the optimizer steps and the ZeRO-1 all-gathers ("Gradient sync" and "Tied
+parameters" in the module note of ``sim/engine.py``; rings priced in
+``sim/network.py``)."""
 
 from __future__ import annotations
 
@@ -145,12 +148,15 @@ def gradient_sync(costs: BlockCosts, devices: DeviceGraph, *, stage_blocks, stag
         events += [SimEvent("tiedreduce", g, stages[-1], -1, ready, end, None, gr_b * tp.numel) for g in union]
         for g in union:
             tied_end[g] = max(tied_end.get(g, 0.0), end)
-    step = 0.0
+    # Per group its buckets; then [C-control]: the gradient norm's all-reduce over every GPU used (and
+    # fp16-mixed's inf/NaN agreement), which no optimizer passes; the optimizers; the per-step table's
+    # all-gather at the end ([Note: one world collective after the step] in zorse_fx/train.py).
+    t_red: dict[int, float] = {}
     for p in range(n_p):
         stages_p = list(range(p, n_s, n_p))
         gpus = stage_gpus[p]
         ring_p = ring(devices, gpus, resources)
-        t_red = {g: last_b[g] for g in gpus}
+        t_red.update({g: last_b[g] for g in gpus})
         if len(gpus) > 1:
             t_end = max(last_b[g] for g in gpus)
             scatters = {s: num_microbatches for s in stages_p if pol.gs(s)}  # ZeRO-2 stages
@@ -158,10 +164,25 @@ def gradient_sync(costs: BlockCosts, devices: DeviceGraph, *, stage_blocks, stag
                                                        ring_p, gr_b, bucket_bytes, scatters):
                 events += [SimEvent("allreduce", g, s, -1, start, end, None, gr_b * nparams) for g in gpus]
                 t_end = max(t_end, end)
-            t_red = dict.fromkeys(gpus, t_end)
+            t_red.update(dict.fromkeys(gpus, t_end))
+    used = sorted(t_red)  # the GPUs in rank order (node by node)
+    rounds = costs.step_control_rounds
+    lat = ring(devices, used, resources).latency_s if len(used) > 1 else 0.0
+    before, after = max(rounds - 1, 0), min(rounds, 1)  # the all-reduces' 2 each; the all-gather's 1
+    ready = {g: max(t_red[g], tied_end.get(g, 0.0)) for g in used}
+    home = {g: s for s in reversed(range(n_s)) for g in stage_gpus[s]}  # a GPU's first stage
+    barrier = None  # one GPU, or no control collective: each GPU's optimizer starts when its sync ends
+    if before and len(used) > 1:
+        barrier = max(ready.values()) + before * (len(used) - 1) * lat
+        events += [SimEvent("control", g, home[g], -1, ready[g], barrier, None, 0) for g in used]
+    step = 0.0
+    for p in range(n_p):
+        stages_p = list(range(p, n_s, n_p))
+        gpus = stage_gpus[p]
+        ring_p = ring(devices, gpus, resources)
         t_opt = 0.0
         for k, g in enumerate(gpus):
-            t0 = max(t_red[g], tied_end.get(g, 0.0))
+            t0 = ready[g] if barrier is None else barrier
             for s in stages_p:
                 i, j = stage_blocks[s]
                 params = unique_params(costs, i, j)  # a tied parameter once per stage ([C-tied])
@@ -188,4 +209,8 @@ def gradient_sync(costs: BlockCosts, devices: DeviceGraph, *, stage_blocks, stag
                 events += [SimEvent("allgather", g, s, -1, t_opt, t1, None, moved) for g in gpus]
                 t_opt = t1
         step = max(step, t_opt)
+    if after and len(used) > 1:
+        end = step + after * (len(used) - 1) * lat
+        events += [SimEvent("control", g, home[g], -1, step, end, None, 0) for g in used]
+        step = end
     return step, events, tuple(shard_bytes)

@@ -36,11 +36,12 @@ __all__ = ["to_perfetto", "gantt_png", "stage_memory", "COLORS"]
 
 #: Colours of the chart (and the trace's ``cname``-free legend) per event kind.
 COLORS = {"F": "#4C78A8", "B": "#F58518", "recompute": "#FFBF79", "allreduce": "#E45756", "optim": "#54A24B",
-          "allgather": "#B279A2", "send": "#9D9D9D", "tiedreduce": "#FF9DA6"}
+          "allgather": "#B279A2", "send": "#9D9D9D", "tiedreduce": "#FF9DA6", "control": "#72B7B2"}
 _LEGEND = {"F": "forward", "B": "backward", "recompute": "backward: forward re-run", "allreduce": "all-reduce",
            "optim": "optimizer", "allgather": "all-gather", "send": "send",
-           "tiedreduce": "all-reduce (tied parameter)"}
-_COMPUTE = ("F", "B", "allreduce", "tiedreduce", "optim", "allgather")
+           "tiedreduce": "all-reduce (tied parameter)",
+           "control": "step control (gradient norm all-reduce, per-step table all-gather)"}
+_COMPUTE = ("F", "B", "allreduce", "tiedreduce", "control", "optim", "allgather")
 
 
 def stage_memory(result: SimResult, stage: int) -> str:

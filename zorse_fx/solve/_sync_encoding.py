@@ -72,7 +72,7 @@ from ._encoding import StageCuts, any_of, both, gated, pair_max, pair_max_many
 if TYPE_CHECKING:
     from .objective import IntTables
 
-__all__ = ["TiedCopies", "tied_copies", "ring", "ring_literals", "sync_terms"]
+__all__ = ["TiedCopies", "tied_copies", "ring", "ring_literals", "sync_terms", "control_term"]
 
 
 @dataclass(frozen=True)
@@ -280,6 +280,42 @@ def _tied_allreduce(m: cp_model.CpModel, tab: IntTables, groups, p, k, cuts: Sta
             m.add(tg == -drain_hi * s).OnlyEnforceIf(held.Not())
             tied_of[s].append(tg)
     return ex, tied_of, tied_hi
+
+
+def control_term(m: cp_model.CpModel, tab: IntTables, groups, p, k, allow_idle_gpus: bool):
+    """[C-control] r (W - 1) lat_max over the used GPUs (objective.py; ``tables.control_units``): an
+    int when every GPU is used (the whole cluster's largest latency), else an IntVar over the used
+    groups' pairs (``_present_pairs``, as [C-tied]'s union)."""
+    r, n_g = tab.control_rounds, tab.num_gpus
+    if not r or n_g < 2:
+        return 0
+    if not allow_idle_gpus:
+        return r * (n_g - 1) * tab.world_lat
+    used, units, size = [], [], []
+    for c, q in enumerate(groups):
+        if q.count == 1:  # in one stage at most: used = sum_s p
+            u = m.new_bool_var(f"wu_{c}")
+            m.add(u == sum(p[c]))
+            units.append(None)
+            size.append(q.unit * u)
+        else:
+            kt = m.new_int_var(0, q.count, f"wk_{c}")
+            m.add(kt == sum(k[c]))
+            u = m.new_bool_var(f"wu_{c}")
+            m.add(kt >= 1).OnlyEnforceIf(u)
+            m.add(kt == 0).OnlyEnforceIf(u.Not())
+            units.append(kt)
+            size.append(q.unit * kt)
+        used.append(u)
+    pairs = _present_pairs(m, groups, used, units, "w")
+    if not pairs:
+        return 0
+    _, lm = pair_max_many(m, tab, pairs, [], "world")
+    w1 = m.new_int_var(0, n_g - 1, "world_w1")
+    m.add(w1 == sum(size) - 1)
+    prod = m.new_int_var(0, (n_g - 1) * tab.world_lat, "world_lat")
+    m.add_multiplication_equality(prod, [w1, lm])
+    return r * prod
 
 
 def _present_pairs(m: cp_model.CpModel, groups, present, units, name: str):

@@ -70,7 +70,10 @@ With u = z >= 1 (the block's fixed cost is paid):
                 its samples z / u on every block but the last of its stage:
                 end[q] = sum_s (ge[s][q+1] - ge[s][q]) a cut at q + 1, zh[q]
                 = end[q] ? 0 : z[q], uh[q] = u[q] and not end[q]):
-                objective.py's floors in integers (_sync_encoding.py) [C-objective]
+                objective.py's floors in integers (_sync_encoding.py); + control   [C-objective]
+  control     = r (W - 1) lat_max over the used GPUs: a constant when every GPU is
+                used, else the used groups' pairs as [C-tied]'s union
+                (_sync_encoding.control_term)                            [C-control]
 
 Units: time in integer ns (objective.UNITS_PER_S), memory in KiB, exactly the
 tables of ``build_tables``. Every derived quantity is defined by an equality
@@ -110,7 +113,7 @@ from ._encoding import StageCuts
 from ._encoding import blocks_of as _blocks
 from ._encoding import both as _both
 from ._encoding import gated as _gated
-from ._sync_encoding import sync_terms, tied_copies
+from ._sync_encoding import control_term, sync_terms, tied_copies
 from .objective import MIB_UNITS, IntTables, inflight
 
 __all__ = ["CandidateModel", "matching_hint", "singleton_groups"]
@@ -186,6 +189,7 @@ class CandidateModel:
                                    gpu_hi=self.gpu_hi, lat_hi=self.lat_hi, drain_hi=self.drain_hi)
         self._memory()  # [C-memory]
         self._symmetry()  # [C-symmetry]
+        self.control = control_term(self.m, tab, groups, self.p, self.k, options.allow_idle_gpus)  # [C-control]
         self._objective(sync, sync_hi)  # [C-objective]
 
     # -- the constraint families -------------------------------------------------------
@@ -537,7 +541,7 @@ class CandidateModel:
         m.add(num6 == smax6 + 5)
         smax = m.new_int_var(0, sync_hi, "syncmax")
         m.add_division_equality(smax, num6, 6)
-        self.objective = sum(self.t) + (tab.num_microbatches - 1) * period + smax
+        self.objective = sum(self.t) + (tab.num_microbatches - 1) * period + smax + self.control
         m.minimize(self.objective)
 
     def hint(self, decision: Decision) -> None:

@@ -170,12 +170,21 @@ R_s: [Note: 16-bit working weights] in ``precision.py``), R_s = the rest
                 last_kib_s = G_s - cap e_s + (cap - first_cap) [e_s >= 1], e_s = nb_s - 1
                 (``last_bucket_kib``); lastb_q = 1/scale_q ns per KiB (``IntTables.lastb_coef``)
   step        = pipe + max_s (max(allreduce_s - floor((E_s + B6_s) / 6),
-                L_s - D_s, tied_s + ag_s) + optim_s)  (stage 0's term is >= 0;
+                L_s - D_s, tied_s + ag_s) + optim_s) + control  (stage 0's term is >= 0;
                 a stage holding no tied_s leaves it out; a 1-GPU stage's term
                 is optim_s - D_s; ``Evaluation.allreduce_s`` reports
                 max(allreduce_s, tied_s)). The interleaved terms ([Note:
                 interleaved stages], pipeline_terms.py) have neither the drain
                 nor the own-backward offsets.                            [C-objective]
+  control     = r (W - 1) lat_max(used): the step's world collectives of a few bytes each, whose time is
+                their ring's latency: r = ``BlockCosts.step_control_rounds`` (3: the gradient norm's
+                all-reduce, 2 latencies per GPU, and the per-step table's all-gather, 1; fp16-mixed
+                5: its inf/NaN agreement too), W the GPUs used, lat_max the largest latency
+                between two of them (``tables.control_units``). Added to step (the runtime runs
+                them after the sync, the norm before the optimizer: step's max over the stages
+                leaves that barrier out, the simulator keeps it). A constant where every GPU is used;
+                with ``allow_idle_gpus`` a plan on fewer GPUs, or on one side of a WAN, pays fewer
+                (measured on the box: bench/LOG.md "One world collective after the step")   [C-control]
   memory_g    = R_s + (sh_s ? z_g MiB : Q_s)
                 + (rc_s ? n_g * (inflight_s * X_s + A_s) : inflight_s * n_g * A_s)
                 + max(0, G_s - n_g * A_s)
@@ -280,6 +289,7 @@ from .tables import (  # noqa: F401
     IntTables,
     bucket_count,
     build_tables,
+    control_units,
     to_units,
 )
 
@@ -348,6 +358,8 @@ class StageUnits:
     uncovered: tuple[int, ...] = ()
     #: Per stage, per GPU: host KiB its offloaded optimizer holds ([C-offload]; 0: none); () = none.
     host: tuple[tuple[int, ...], ...] = ()
+    #: [C-control]: the step's world control collectives (in ``step``).
+    control: int = 0
 
     def fits(self, tab: "IntTables", stage_gpus) -> bool:
         """[C-memory], [C-shard] and [C-host-memory] hold."""
@@ -506,6 +518,7 @@ def evaluate_units(tab: IntTables, stage_blocks, stage_gpus, samples, policy: Me
         if ao:  # [C-act-offload]: every micro-batch in flight in host memory
             host[s] = tuple(h + act_host_units(tab, s, n_s, n, a) for h, n in zip(host[s], ns))
     stage = tuple(c + x for c, x in zip(comp, bnd))
+    control = control_units(tab, {g for gpus in stage_gpus for g in gpus})  # [C-control]
     if interleave > 1 or task_graph:
         from .pipeline_terms import interleaved_units
 
@@ -514,7 +527,7 @@ def evaluate_units(tab: IntTables, stage_blocks, stage_gpus, samples, policy: Me
         u = interleaved_units(tab, stage_blocks, stage_gpus, samples, pol, v=interleave, comp=comp, bnd=bnd,
                               stage=stage, ar=ar, opt=opt, mem=mem, unc=unc, tied=tied,
                               buckets=(grad_kib, ring_lat), gather=gather)
-        return dataclasses.replace(u, host=tuple(host))
+        return dataclasses.replace(u, host=tuple(host), step=u.step + control, control=control)
     # [C-objective]: stage s's own sync starts during the backward of its blocks but its last (6 x
     # an upper bound of it: k_B or k_Brc x cmax-_s), its last bucket only after it, D_s before the drain
     # ends; a tied ring (held: not None) at the drain's end.
@@ -526,10 +539,11 @@ def evaluate_units(tab: IntTables, stage_blocks, stage_gpus, samples, policy: Me
     # [Note: pipeline period]: 1F1B's cycle per stage is F, an exchange with each neighbour, B.
     period = pipeline_period(comp, bnd, link_load(tab, stage_blocks, load_rows), tab.schedule, (fwd3, bwd3))
     step = sum(stage) + (m - 1) * period + max(
-        (w if t is None else max(w, t + ag)) + o for w, t, ag, o in zip(sync, tied, gather, opt))
+        (w if t is None else max(w, t + ag)) + o for w, t, ag, o in zip(sync, tied, gather, opt)) + control
     ar = [a if t is None else max(a, t) for a, t in zip(ar, tied)]  # [C-tied]: the optimizer waits for both
     return StageUnits(compute=tuple(comp), boundary=tuple(bnd), stage=stage, allreduce=tuple(ar),
-                      optim=tuple(opt), memory=tuple(mem), step=step, uncovered=tuple(unc), host=tuple(host))
+                      optim=tuple(opt), memory=tuple(mem), step=step, uncovered=tuple(unc), host=tuple(host),
+                      control=control)
 
 
 
@@ -545,6 +559,9 @@ class Evaluation:
     #: Per stage: the gradient sync its optimizer waits for, max([C-allreduce], [C-tied]).
     allreduce_s: tuple[float, ...]
     optim_s: tuple[float, ...]
+    #: [C-control]: the step's world control collectives (the gradient norm's all-reduce, the per-step
+    #: table's all-gather; fp16-mixed: the inf/NaN agreement), in ``step_time_s``.
+    control_s: float
     #: Per stage, per GPU (aligned with stage_gpus): predicted peak bytes.
     memory_bytes: tuple[tuple[int, ...], ...]
     #: Per stage, per GPU: host bytes its offloads hold ([C-offload], [C-act-offload]; 0: none).
@@ -658,7 +675,7 @@ def evaluate(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions, deci
 
     return Evaluation(step_time_s=u.step * UNIT_S, stage_time_s=sec(u.stage), compute_s=sec(u.compute),
                       boundary_s=sec(u.boundary), allreduce_s=sec(u.allreduce), optim_s=sec(u.optim),
-                      memory_bytes=tuple(tuple(v * MEMORY_UNIT_BYTES for v in row) for row in u.memory),
+                      control_s=u.control * UNIT_S, memory_bytes=tuple(tuple(v * MEMORY_UNIT_BYTES for v in row) for row in u.memory),
                       host_memory_bytes=tuple(tuple(v * MEMORY_UNIT_BYTES for v in row) for row in u.host),
                       feasible=not bad, violations=tuple(bad),
                       objective_units=u.step,

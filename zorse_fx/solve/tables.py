@@ -19,7 +19,7 @@ from .network_terms import effective_pair_bandwidth, pair_row_codes
 
 __all__ = ["UNITS_PER_S", "UNIT_S", "MEMORY_UNIT_BYTES", "MIB_UNITS",
            "GRAD_BUCKET_BYTES_PER_PARAM", "BUCKET_UNIT_BYTES", "LAST_BUCKET_RESOLUTION", "GIB", "bucket_count",
-           "to_units", "IntTables", "build_tables", "drain_coefficients"]
+           "to_units", "IntTables", "build_tables", "drain_coefficients", "control_units"]
 
 #: Integer time units per second: 1 unit = 1 ns.
 UNITS_PER_S = 1_000_000_000
@@ -195,6 +195,10 @@ class IntTables:
     #: (G,) [C-act-offload] units per MiB of saved activations moved to host memory and back
     #: (2 x MiB / host link; 0: no host link).
     act_per_mib: tuple[int, ...] = ()
+    #: [C-control] ring latencies per (W - 1) of the step's world control collectives
+    #: (``BlockCosts.step_control_rounds``) and the largest latency units over every GPU pair.
+    control_rounds: int = 0
+    world_lat: int = 0
 
     @property
     def cut_kib_max(self) -> int:
@@ -303,6 +307,8 @@ def build_tables(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions,
         sharding=options.sharding, recompute=options.recompute, grad_sharding=options.grad_sharding,
         param_sharding=options.param_sharding, offload=options.offload,
         **_host_tables(costs, devices, options),
+        control_rounds=costs.step_control_rounds,
+        world_lat=max((max(r) for r in pair_lat), default=0) if n_g > 1 else 0,
     )
 
 
@@ -338,6 +344,38 @@ def _pair_tables(devices: DeviceGraph) -> tuple:
     _PAIR_TABLES.insert(0, (devices, tables))
     del _PAIR_TABLES[_PAIR_TABLES_KEPT:]
     return tables
+
+
+def control_units(tab: IntTables, used) -> int:
+    """[C-control]: units of the step's world control collectives over the GPUs ``used`` (the plan's
+    GPUs, any order): ``tab.control_rounds x (W - 1) x`` the largest latency between two of them, W =
+    len(used); 0 for one GPU. The largest latency of every GPU pair when all are used; otherwise read
+    from the (G, G) latency table (numpy, kept per table as ``_pair_tables`` keeps its tables)."""
+    used = tuple(used)
+    w = len(used)
+    if w < 2 or not tab.control_rounds:
+        return 0
+    if w == tab.num_gpus:
+        lat = tab.world_lat
+    else:
+        table = _lat_array(tab.pair_lat)
+        u = np.asarray(used, dtype=np.int64)
+        lat = int(table[np.ix_(u, u)].max())
+    return tab.control_rounds * (w - 1) * lat
+
+
+_LAT_ARRAYS: list[tuple[tuple, np.ndarray]] = []
+
+
+def _lat_array(pair_lat: tuple) -> np.ndarray:
+    """``pair_lat`` as an int64 array, kept for the last few tables (found by identity)."""
+    for known, arr in _LAT_ARRAYS:
+        if known is pair_lat:
+            return arr
+    arr = np.asarray(pair_lat, dtype=np.int64)
+    _LAT_ARRAYS.insert(0, (pair_lat, arr))
+    del _LAT_ARRAYS[_PAIR_TABLES_KEPT:]
+    return arr
 
 
 def _host_tables(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions) -> dict:

@@ -1,0 +1,144 @@
+"""The step's world control collectives ([C-control] in solve/objective.py): the
+gradient norm's all-reduce and the per-step table's all-gather ([Note: one world
+collective after the step] in zorse_fx/train.py), priced as r (W - 1) latencies
+of the used GPUs' slowest link in the objective, the CP-SAT model (equal to
+``evaluate`` to the ns, idle GPUs or not) and the simulator (a barrier before
+every optimizer, the all-gather at the end)."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+from conftest import random_instance, reference_or_same_error, solver_options
+
+from zorse_fx.cluster import Cluster
+from zorse_fx.precision import PRECISIONS, PrecisionPolicy
+from zorse_fx.sim import simulate
+from zorse_fx.solve import BlockCosts, Decision, evaluate, solve_brute_force, solve_cpsat
+from zorse_fx.solve.objective import UNITS_PER_S
+
+
+def _two_regions(wan_latency_ms: float) -> Cluster:
+    """Two one-T4 nodes in region us, two in eu: 4 GB/s and 10 us inside a region, 1 GB/s and
+    ``wan_latency_ms`` across."""
+    return Cluster.from_dict({
+        "datacenters": [{"name": "us"}, {"name": "eu"}],
+        "nodes": [{"name": n, "datacenter": dc, "gpus": [{"type": "T4", "count": 1}]}
+                  for dc, names in (("us", ["u0", "u1"]), ("eu", ["e0", "e1"])) for n in names],
+        "links": {"inter_node": {"bandwidth_GBps": 4, "latency_us": 10},
+                  "cross_datacenter": {"bandwidth_GBps": 1, "latency_ms": wan_latency_ms}}})
+
+
+def _costs(t: float, rounds: int, params: int = 0) -> BlockCosts:
+    """Two blocks of ``t`` s per sample each on a T4, ``params`` parameters each, nothing crossing the cut."""
+    return BlockCosts(fwd_bwd_s_per_sample={"T4": (t, t)}, param_count=(params, params), act_bytes_per_sample=(0, 0),
+                      cut_bytes_per_sample=(0, 0, 0), step_control_rounds=rounds)
+
+
+def test_precisions_count_their_control_rounds():
+    """3 ring latencies per (W - 1): the norm's all-reduce (2) and the table's all-gather (1); fp16-mixed's
+    loss scaler agrees on inf/NaN in one more all-reduce (5)."""
+    rounds = {name: PrecisionPolicy(name=name).step_control_rounds for name in PRECISIONS}
+    assert rounds == {name: 5 if name == "fp16-mixed" else 3 for name in PRECISIONS}
+
+
+def test_objective_prices_the_used_gpus_slowest_link():
+    """One stage over W GPUs: the control term is r (W - 1) x the largest latency among them
+    (1 ms across the WAN, 10 us inside a region, nothing on one GPU), added to the step."""
+    devices = _two_regions(1.0).device_graph()
+    options = solver_options(global_batch_size=4, num_microbatches=(1,), allow_idle_gpus=True)
+    for gpus, lat in (((0, 1, 2, 3), 1e-3), ((0, 1), 10e-6), ((2, 3), 10e-6), ((0, 2), 1e-3), ((1,), 0.0)):
+        d = Decision(stage_blocks=((0, 2),), stage_gpus=(gpus,), samples_per_microbatch=((4 // len(gpus),) * len(gpus),),
+                     num_microbatches=1)
+        with_ = evaluate(_costs(1e-3, 3), devices, options, d)
+        without = evaluate(_costs(1e-3, 0), devices, options, d)
+        assert with_.control_s == pytest.approx(3 * (len(gpus) - 1) * lat, abs=1e-9)
+        assert with_.objective_units - without.objective_units == round(with_.control_s * UNITS_PER_S)
+        assert without.control_s == 0.0
+
+
+def test_a_plan_stays_on_one_side_of_a_slow_wan():
+    """4 samples of 100 ms: four GPUs take 100 ms of compute, two 200 ms. Across a 10 ms WAN the
+    gradient ring (one bucket, no parameters) costs 2 x 3 x 10 ms = 60 ms, less than the 100 ms saved, so
+    without the control term CP-SAT uses all four GPUs across the WAN; the control collectives add
+    3 x 3 x 10 ms = 90 ms there, so with them (idle GPUs allowed) CP-SAT and brute force keep the
+    plan in one region: 200 ms + its ring (2 x 10 us) + its control (3 x 10 us)."""
+    devices = _two_regions(10.0).device_graph()
+    options = solver_options(global_batch_size=4, max_stages=1, num_microbatches=(1,), allow_idle_gpus=True)
+    priced = solve_cpsat(_costs(50e-3, 3), devices, options)
+    blind = solve_cpsat(_costs(50e-3, 0), devices, options)
+    assert {g // 2 for g in priced.decision.stage_gpus[0]} in ({0}, {1})
+    assert len(priced.decision.stage_gpus[0]) == 2
+    assert sorted(blind.decision.stage_gpus[0]) == [0, 1, 2, 3]
+    ref = solve_brute_force(_costs(50e-3, 3), devices, options)
+    assert round(priced.objective * UNITS_PER_S) == round(ref.objective * UNITS_PER_S)
+    assert priced.objective == pytest.approx(0.200 + 2 * 10e-6 + 3 * 10e-6, abs=1e-9)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_cpsat_equals_evaluate_and_brute_force_with_control(seed):
+    """Random instances (idle GPUs allowed on most seeds, single-pair links of other latencies):
+    CP-SAT's optimum, [C-control] included, is brute force's, and its objective equals ``evaluate``
+    of its decision to the ns (``_search`` checks every answer as well)."""
+    costs, devices, options = random_instance(seed)
+    costs = dataclasses.replace(costs, step_control_rounds=random.Random(seed).choice([3, 5]))
+    ref = reference_or_same_error(solve_brute_force, solve_cpsat, costs, devices, options)
+    if ref is None:
+        return
+    res = solve_cpsat(costs, devices, options)
+    assert res.status == "OPTIMAL"
+    assert round(res.objective * UNITS_PER_S) == round(ref.objective * UNITS_PER_S)
+    ev = evaluate(costs, devices, options, res.decision)
+    assert ev.objective_units == round(res.objective * UNITS_PER_S)
+    used = {g for gs in res.decision.stage_gpus for g in gs}
+    assert (ev.control_s > 0) == (len(used) > 1)
+
+
+def test_simulator_runs_the_norm_before_every_optimizer_and_the_gather_last():
+    """One stage on all four GPUs (1000 parameters per block: one gradient bucket): every GPU's optimizer
+    starts after the norm's all-reduce, 2 (W - 1) WAN latencies after the gradient ring, and the step ends
+    (W - 1) latencies after the optimizers: the objective's 3 (W - 1) latencies, and the same step."""
+    devices = _two_regions(1.0).device_graph()
+    options = solver_options(global_batch_size=4, num_microbatches=(1,))
+    d = Decision(stage_blocks=((0, 2),), stage_gpus=((0, 1, 2, 3),), samples_per_microbatch=((1, 1, 1, 1),),
+                 num_microbatches=1)
+    costs = _costs(1e-3, 3, params=1000)
+    sim = simulate(costs, devices, options, d)
+    backward_end = max(e.end_s for e in sim.events if e.kind == "allreduce")
+    control = sorted((e for e in sim.events if e.kind == "control"), key=lambda e: (e.start_s, e.gpu))
+    assert len(control) == 8
+    assert all(e.end_s == pytest.approx(backward_end + 2 * 3 * 1e-3, rel=1e-12) for e in control[:4])
+    optim = [e for e in sim.events if e.kind == "optim"]
+    assert all(e.start_s == pytest.approx(control[0].end_s, rel=1e-12) for e in optim)
+    assert sim.step_time_s == pytest.approx(max(e.end_s for e in optim) + 3 * 1e-3, rel=1e-12)
+    # Both models add the same 3 (W - 1) x 1 ms to this step.
+    blind = simulate(dataclasses.replace(costs, step_control_rounds=0), devices, options, d)
+    assert not [e for e in blind.events if e.kind == "control"]
+    assert sim.step_time_s - blind.step_time_s == pytest.approx(9e-3, rel=1e-9)
+    assert evaluate(costs, devices, options, d).control_s == pytest.approx(9e-3, rel=1e-9)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_class_level_model_prices_control_like_evaluate(seed):
+    """solve_grouped (classes of 4 and of 2 GPUs on two nodes: multi-unit groups) with idle GPUs allowed:
+    its answer's objective, [C-control] included, equals ``evaluate`` (``_search`` raises otherwise) and is
+    never better than the per-GPU optimum."""
+    from conftest import make_devices, random_costs
+
+    from zorse_fx.solve import solve_grouped
+
+    rng = random.Random(700 + seed)
+    types = ["A"] * 4 + ["A", "A", "B", "B"]
+    devices = make_devices(types, ["n0"] * 4 + ["n1"] * 4, [16 * 2**30] * 8, [1e12 if t == "A" else 3e11 for t in types],
+                           inter=(10e9, rng.choice([2e-5, 5e-3])))
+    costs = dataclasses.replace(random_costs(rng, rng.randint(2, 4), "AB"), step_control_rounds=3)
+    options = solver_options(global_batch_size=rng.choice([4, 8]), max_stages=2, num_microbatches=(1, 2),
+                            allow_idle_gpus=True, seed=seed)
+    ref = solve_cpsat(costs, devices, options)
+    res = solve_grouped(costs, devices, options)
+    ev = evaluate(costs, devices, options, res.decision)
+    assert ev.objective_units == round(res.objective * UNITS_PER_S)
+    assert round(res.objective * UNITS_PER_S) >= round(ref.objective * UNITS_PER_S) - round(
+        ref.optimality_gap * ref.objective * UNITS_PER_S) - 1
