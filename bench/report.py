@@ -681,13 +681,32 @@ def render_box_node_lost(case: dict, doc: dict) -> list[str]:
     return out
 
 
+def _pairs_alike(plans: list[dict]) -> str:
+    """"k of n": of the plan pairs whose measured ranges do not overlap (told apart by the measurement),
+    how many the simulator orders the same way."""
+    told = alike = 0
+    for a, p in enumerate(plans):
+        for q in plans[a + 1:]:
+            lo, hi = (p, q) if p["measured_max_s"] < q["measured_min_s"] else (q, p)
+            if lo["measured_max_s"] >= hi["measured_min_s"]:
+                continue  # the ranges overlap: the measurement does not order them
+            told += 1
+            alike += lo["simulated_s"] < hi["simulated_s"]
+    return f"{alike} of {told}"
+
+
 def render_box(doc: dict, name: str) -> list[str]:
     out = ["### Plans measured on the box", "",
            "Every planner's plan trained on an emulated cluster (`zorse box`: a network namespace per node, shaped "
            "links, a CPU quota per rank; bench/box.py): measured step (median over the counted steps of every "
            "repetition, and their range) against the objective's and the simulator's prediction, both priced from "
            "the box's own measurements (`zorse bench kernels` under each rank type's quota, `zorse bench comm` "
-           "across the shaped links). Times are the box's seconds.", ""]
+           "across the shaped links). Times are the box's seconds. Measured step = rank 0's `step_time_s`: "
+           "since 2026-12-06T17:20 the whole step, the per-step all-gather included and no separate loss "
+           "all-reduce ([Note: one world collective after the step] in zorse_fx/train.py; the cases run before "
+           "it timed the step up to the loss all-reduce, the all-gather after it not counted). Pairs ordered "
+           "alike: of the plan pairs whose measured ranges do not overlap, those the simulator orders the same "
+           "way.", ""]
     for case in doc.get("cases", []):
         if case.get("memory_base_mib") is not None:
             out += render_box_memory(case, doc)
@@ -707,7 +726,8 @@ def render_box(doc: dict, name: str) -> list[str]:
                       "stages (rank:GPU x samples per micro-batch)"], body)
         out += ["", f"zorse_fx's plan against the simulator: {case['zorse_fx_sim_error']:+.0%}; measured fastest or "
                     f"within the fastest's range: {'yes' if case['zorse_fx_fastest_or_within_spread'] else 'no'}; "
-                    f"measured ranking = simulated ranking: {'yes' if case['rankings_equal'] else 'no'}. "
+                    f"measured ranking = simulated ranking: {'yes' if case['rankings_equal'] else 'no'}; "
+                    f"pairs ordered alike: {_pairs_alike(case['plans'])}. "
                     f"Run: `{case.get('command', doc.get('command', '?'))}` (the first two steps of each run not "
                     f"counted), {str(case.get('date', doc.get('date', '')))[:16]}.", ""]
     out += [f"Machine: {CPU_MACHINE}, Python {doc.get('machine', {}).get('python', '?')}, nothing else running "

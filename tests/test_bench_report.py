@@ -77,3 +77,21 @@ def test_check_fails_on_a_stale_block_and_write_refreshes_it(tmp_path):
     assert "STALE-BLOCK" not in text and "| toy |  | 120 (60%)" in text
     assert text.endswith("<!-- report.py: end -->\n\nafter\n")
     assert _report("--results", str(results), "--readme", str(readme), "--check").returncode == 0
+
+
+def test_box_pairs_ordered_alike_counts_only_pairs_the_measurement_tells_apart():
+    """``_pairs_alike``: a pair whose measured ranges overlap is not counted; of the others, those the
+    simulator orders as measured."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        from report import _pairs_alike
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+
+    def plan(lo: float, hi: float, sim: float) -> dict:
+        return {"measured_min_s": lo, "measured_max_s": hi, "simulated_s": sim}
+
+    # Measured a < b < c apart, d between them but overlapping b (not counted against b). Told apart:
+    # (a,b) alike, (a,c) alike, (a,d) not (d simulated first), (b,c) not (swapped), (c,d) alike.
+    plans = [plan(1.0, 1.1, 0.5), plan(2.0, 2.2, 0.9), plan(3.0, 3.1, 0.8), plan(2.1, 2.5, 0.1)]
+    assert _pairs_alike(plans) == "3 of 5"
