@@ -749,6 +749,10 @@ def train_and_compare(plan, captured, tokens, tmp_path: Path, *, steps: int, lr:
     for r in rows:
         assert [part["stages"] for part in r["ranks"]] == [list(plan.stages_of(k)) for k in range(plan.world_size)]
         assert all("allgather_s" in part for part in r["ranks"])
+        assert all(isinstance(part["start_unix_s"], float) and part["start_unix_s"] > 1.7e9 for part in r["ranks"])
+    for k in range(plan.world_size):  # each rank's steps start on the wall clock one after the other
+        starts = [r["ranks"][k]["start_unix_s"] for r in rows]
+        assert starts == sorted(starts) and len(set(starts)) == len(starts), (k, starts)
         assert r["precision"] == (precision or "fp32")
     # Each rank's memory peak ([Note: measured rank memory]): bytes, a peak, so never lower a step later.
     for k in range(plan.world_size):

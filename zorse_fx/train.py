@@ -59,7 +59,9 @@ whole step, the all-gather below included: consecutive steps' times add up to th
 ``tokens_per_s``, ``precision``,
 ``loss_scale`` and ``skipped`` (fp16-mixed: the scale the step used, and
 whether every rank skipped it for an inf/NaN gradient) and ``ranks``: per rank
-the seconds spent in the pipeline schedule (``pipeline_s``), waiting for the
+when its step started on the wall clock (``start_unix_s``, ``time.time()``: the
+ranks' phases line up; across hosts to their clocks' offset), the seconds spent
+in the pipeline schedule (``pipeline_s``), waiting for the
 gradient all-reduce still in flight after it (``allreduce_s``; the rest
 overlapped the backward), the optimizer step (``optimizer_s``) and the
 parameter all-gather of a ZeRO-1 stage (``allgather_s``, 0 elsewhere), and its
@@ -171,7 +173,8 @@ def runtime_precision(plan: Plan, device: torch.device, asked: str | None, reduc
     return precision_policy(planned, reduce, tf32=plan.tf32), "the plan's"
 
 
-_BREAKDOWN = ("pipeline_s", "allreduce_s", "optimizer_s", "allgather_s", "buckets", "buckets_during_backward")
+_BREAKDOWN = ("start_unix_s", "pipeline_s", "allreduce_s", "optimizer_s", "allgather_s", "buckets",
+              "buckets_during_backward")
 
 
 class _Stop:

@@ -270,6 +270,8 @@ class StageWorker:
         tensor on the device (the sum over ranks is the global batch's loss,
         its mean over the samples or over the counted tokens; 0 on ranks
         without a last stage). Sets ``last_breakdown`` (seconds:
+        ``start_unix_s`` = the step's start on the wall clock (``time.time()``: the
+        phases of different ranks line up; across hosts to their clocks' offset),
         ``pipeline_s`` = schedule incl. waits for messages, ``allreduce_s`` =
         waiting for the gradient reductions still in flight after it,
         ``optimizer_s`` = loss-scale check + AdamW, ``allgather_s`` = ZeRO-1
@@ -279,7 +281,7 @@ class StageWorker:
         self.steps += 1
         scale = self.scaler.scale if self.scaler else 1.0
         self.last_loss_scale = scale
-        t_start = time.perf_counter()
+        t_start, wall_start = time.perf_counter(), time.time()
         for st in self.stages:
             st.start_step()
             st.loss_scale = scale
@@ -349,7 +351,8 @@ class StageWorker:
                 w.wait()
         self._sync()
         t_end = time.perf_counter()
-        self.last_breakdown = {"pipeline_s": t_pipeline - t_start, "allreduce_s": t_reduce - t_pipeline,
+        self.last_breakdown = {"start_unix_s": wall_start,
+                               "pipeline_s": t_pipeline - t_start, "allreduce_s": t_reduce - t_pipeline,
                                "optimizer_s": t_step - t_reduce, "allgather_s": t_end - t_step,
                                "buckets": self.reducer.num_buckets,
                                "buckets_during_backward": self.reducer.launched_during_backward}
