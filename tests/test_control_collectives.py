@@ -50,7 +50,8 @@ def test_objective_prices_the_used_gpus_slowest_link():
     devices = _two_regions(1.0).device_graph()
     options = solver_options(global_batch_size=4, num_microbatches=(1,), allow_idle_gpus=True)
     for gpus, lat in (((0, 1, 2, 3), 1e-3), ((0, 1), 10e-6), ((2, 3), 10e-6), ((0, 2), 1e-3), ((1,), 0.0)):
-        d = Decision(stage_blocks=((0, 2),), stage_gpus=(gpus,), samples_per_microbatch=((4 // len(gpus),) * len(gpus),),
+        d = Decision(stage_blocks=((0, 2),), stage_gpus=(gpus,),
+                     samples_per_microbatch=((4 // len(gpus),) * len(gpus),),
                      num_microbatches=1)
         with_ = evaluate(_costs(1e-3, 3), devices, options, d)
         without = evaluate(_costs(1e-3, 0), devices, options, d)
@@ -131,7 +132,8 @@ def test_class_level_model_prices_control_like_evaluate(seed):
 
     rng = random.Random(700 + seed)
     types = ["A"] * 4 + ["A", "A", "B", "B"]
-    devices = make_devices(types, ["n0"] * 4 + ["n1"] * 4, [16 * 2**30] * 8, [1e12 if t == "A" else 3e11 for t in types],
+    devices = make_devices(types, ["n0"] * 4 + ["n1"] * 4, [16 * 2**30] * 8,
+                           [1e12 if t == "A" else 3e11 for t in types],
                            inter=(10e9, rng.choice([2e-5, 5e-3])))
     costs = dataclasses.replace(random_costs(rng, rng.randint(2, 4), "AB"), step_control_rounds=3)
     options = solver_options(global_batch_size=rng.choice([4, 8]), max_stages=2, num_microbatches=(1, 2),

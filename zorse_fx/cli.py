@@ -37,8 +37,8 @@ import tyro
 from .errors import ZorseError
 from .options import PLANNERS, SCHEDULES, PlanOptions
 from .precision import GRAD_REDUCE_DTYPES, PRECISIONS
-from .train_options import (OPTIONS_FILE, OptionValueError, TrainingOptions, TrainingRecords, UsageError, parse_flags,
-                            write_options_file)
+from .train_options import (NODE_LOST_AFTER_S, OPTIONS_FILE, OptionValueError, TrainingOptions, TrainingRecords,
+                            UsageError, parse_flags, write_options_file)
 
 __all__ = ["main", "build_parser", "LaunchOptions", "TrainCommand"]
 
@@ -77,7 +77,7 @@ class LaunchOptions:
         "--elastic: re-plan at most N times in one zorse train"))] = 1
     node_lost_after: Annotated[float, tyro.conf.arg(metavar="S", help=(
         "--elastic on several nodes: a node whose zorse train has neither reported its job's failure nor beaten "
-        "in the shared --out for S seconds is lost (zorse_fx/elastic_nodes.py)"))] = 15.0
+        "in the shared --out for S seconds is lost (zorse_fx/elastic_nodes.py)"))] = NODE_LOST_AFTER_S
     nnodes: Annotated[int, tyro.conf.arg(metavar="N", help=(
         "the nodes the job runs on: 1 starts every rank on this machine (torchrun --standalone); N > 1: run zorse "
         "train on each of the plan's N nodes with its --node-rank, which starts that node's ranks (torchrun's static "

@@ -72,6 +72,7 @@ from .elastic import (REPLAN_CLUSTER, STDERR_TAIL_CHARS, ElasticError, PlanReque
                       reduced_cluster, replan, replan_dir, what_changed)
 from .runtime.rank_errors import VERDICTS, failed_ranks, stopped_pids
 from .runtime.watchdog import start_beat
+from .train_options import NODE_LOST_AFTER_S
 
 __all__ = ["ELASTIC_DIRNAME", "BEAT_INTERVAL_S", "NodeReport", "Decision", "Agreement", "decide",
            "run_elastic_nodes"]
@@ -80,8 +81,9 @@ __all__ = ["ELASTIC_DIRNAME", "BEAT_INTERVAL_S", "NodeReport", "Decision", "Agre
 ELASTIC_DIRNAME = ".elastic"
 #: Seconds between a node launcher's beats.
 BEAT_INTERVAL_S = 1.0
-#: A node whose beat has not changed for this long (seconds, the observer's clock) and that has not reported is lost.
-LOST_AFTER_S = 15.0
+#: A node whose beat has not changed for this long (seconds, the observer's clock) and that has not reported is lost
+#: (``zorse train --node-lost-after``'s default).
+LOST_AFTER_S = NODE_LOST_AFTER_S
 #: The longest a node waits for the others' reports (seconds); the silent ones are then lost.
 WAIT_S = 300.0
 #: The longest a node waits for the deciding node's decision (seconds): a re-plan on the deciding host.

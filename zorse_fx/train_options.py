@@ -72,6 +72,9 @@ __all__ = ["TrainingOptions", "TrainingRecords", "DataOptions", "OptimizerOption
 LR_SCHEDULES = ("constant", "cosine", "linear")
 #: torch.distributed backends; auto: NCCL where CUDA is available, else Gloo.
 BACKENDS = ("auto", "gloo", "nccl")
+#: ``zorse train --node-lost-after``'s default (seconds): a node whose beat stood still this long (the
+#: observer's clock) and that has not reported is lost (``elastic_nodes.LOST_AFTER_S``).
+NODE_LOST_AFTER_S = 15.0
 #: The options file ``zorse train`` writes into the run directory.
 OPTIONS_FILE = "train_options.json"
 #: The options file's ``format`` and ``version`` fields.
