@@ -218,7 +218,7 @@ class PrecisionPolicy:
         ``Worker.train_step``; under fp16-mixed also the loss scaler's inf/NaN agreement) + 1 for the
         all-gather of the per-rank table after the step ([Note: one world collective after the step] in
         ``zorse_fx/train.py``). ``BlockCosts.step_control_rounds``; measured on the box, bench/LOG.md
-        "One world collective after the step"."""
+        "The step's world control collectives" (``bench/box_collectives.py``)."""
         return 2 * (1 + self.loss_scaling) + 1
 
     def autocast(self, device_type: str):

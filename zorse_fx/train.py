@@ -84,11 +84,11 @@ peak and its loss contribution). Every rank then holds the same table, so all
 stop, skip or go on alike, and the global batch's loss is the exact sum
 (``math.fsum``, in rank order) of the gathered contributions: no separate
 all-reduce of the loss. Across a WAN each world collective costs its ring's
-round trips whatever its size (measured on the box, bench/LOG.md "One world
-collective after the step"), so the step has exactly two: the gradient norm's
+round trips whatever its size (measured on the box, bench/LOG.md "The step's
+world control collectives"), so the step has exactly two: the gradient norm's
 all-reduce inside ``train_step`` and this all-gather (three under fp16, whose
 loss scaler agrees on inf/NaN in one more). The planners price them
-(``control_units`` in ``solve/network_terms.py``).
+(``control_units`` in ``solve/tables.py``).
 
 Precision (``--precision``): the plan's (``Plan.precision``) on GPUs; on a
 CPU run, fp32 unless asked -- bf16 autocast runs on CPUs, slowly without
@@ -536,9 +536,9 @@ def _run(options: TrainingOptions, where: _Where) -> int:
         step_time = time.perf_counter() - t0  # the whole step: through the all-gather every rank waits for
         n = len(_BREAKDOWN)
         stopping = int(table[:, n].max().item())
-        bad_loss = [r for r in range(world) if not math.isfinite(table[r, n + 4].item())]
-        parts_loss = table[:, n + 4].tolist()  # the global batch's loss: their exact sum (fsum refuses inf - inf)
-        loss_value = sum(parts_loss) if bad_loss else math.fsum(parts_loss)
+        parts_loss = table[:, n + 4].tolist()  # the ranks' contributions to the global batch's loss
+        bad_loss = [r for r, x in enumerate(parts_loss) if not math.isfinite(x)]
+        loss_value = sum(parts_loss) if bad_loss else math.fsum(parts_loss)  # exact (fsum refuses inf - inf)
         bad_grads = [(r, int(table[r, n + 1].item())) for r in range(world) if table[r, n + 1] >= 0]
         bad_weights = [(r, int(table[r, n + 2].item())) for r in range(world) if table[r, n + 2] >= 0]
         nonfinite = bool(bad_loss or bad_grads)

@@ -184,7 +184,7 @@ R_s: [Note: 16-bit working weights] in ``precision.py``), R_s = the rest
                 them after the sync, the norm before the optimizer: step's max over the stages
                 leaves that barrier out, the simulator keeps it). A constant where every GPU is used;
                 with ``allow_idle_gpus`` a plan on fewer GPUs, or on one side of a WAN, pays fewer
-                (measured on the box: bench/LOG.md "One world collective after the step")   [C-control]
+                (measured on the box: bench/LOG.md "The step's world control collectives")   [C-control]
   memory_g    = R_s + (sh_s ? z_g MiB : Q_s)
                 + (rc_s ? n_g * (inflight_s * X_s + A_s) : inflight_s * n_g * A_s)
                 + max(0, G_s - n_g * A_s)
@@ -675,7 +675,8 @@ def evaluate(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions, deci
 
     return Evaluation(step_time_s=u.step * UNIT_S, stage_time_s=sec(u.stage), compute_s=sec(u.compute),
                       boundary_s=sec(u.boundary), allreduce_s=sec(u.allreduce), optim_s=sec(u.optim),
-                      control_s=u.control * UNIT_S, memory_bytes=tuple(tuple(v * MEMORY_UNIT_BYTES for v in row) for row in u.memory),
+                      control_s=u.control * UNIT_S,
+                      memory_bytes=tuple(tuple(v * MEMORY_UNIT_BYTES for v in row) for row in u.memory),
                       host_memory_bytes=tuple(tuple(v * MEMORY_UNIT_BYTES for v in row) for row in u.host),
                       feasible=not bad, violations=tuple(bad),
                       objective_units=u.step,
