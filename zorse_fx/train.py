@@ -97,7 +97,9 @@ bf16 hardware, and float16 matmuls on a CPU are slower still.
 
 from __future__ import annotations
 
+import faulthandler
 import json
+import logging
 import math
 import os
 import signal
@@ -129,7 +131,7 @@ from .token_data import TokenData, model_vocab_size
 from .train_options import (CheckpointOptions, TrainingOptions, TrainOptionsFileError, UsageError,
                             options_from_argv)
 
-__all__ = ["main", "parse_args", "runtime_precision", "PROG", "EXIT_NONFINITE"]
+__all__ = ["main", "exit_rank", "parse_args", "runtime_precision", "PROG", "EXIT_NONFINITE"]
 
 #: The program name ``--help`` and errors show.
 PROG = "python -m zorse_fx.train"
@@ -367,7 +369,12 @@ def main(argv=None) -> int:
     """One rank of the job: ``_run`` under the handler of [Note: one line per
     error] (``runtime/rank_errors.py``): an exception becomes one ``zorse:``
     line naming the rank, its stage and the cause, the traceback kept in
-    ``<out>/logs/rank<k>.log``, and exit status 1."""
+    ``<out>/logs/rank<k>.log``, and exit status 1. A rank killed in native
+    code (SIGSEGV, SIGABRT, ...) prints every thread's Python stack on its
+    stderr first (``faulthandler``; the signal, and so the exit status, is
+    kept). Run as ``python -m zorse_fx.train`` the rank then ends by
+    ``exit_rank`` ([Note: a rank ends without interpreter finalization])."""
+    faulthandler.enable(all_threads=True)
     options = parse_args(argv)
     where = _Where(rank=int(os.environ.get("RANK", "0") or 0))
     try:
@@ -600,6 +607,8 @@ def _run(options: TrainingOptions, where: _Where) -> int:
             print(_memory_line(plan, [int(t[n + 3].item()) for t in table], on_cpu=device.type == "cpu"), flush=True)
     if writer is not None:
         writer.close()
+    if metrics is not None:
+        metrics.close()
     if test.dump_params:
         d = out / "params"
         d.mkdir(parents=True, exist_ok=True)
@@ -613,5 +622,41 @@ def _run(options: TrainingOptions, where: _Where) -> int:
     return 128 + stopping if stopping else 0
 
 
+def exit_rank(status: int):
+    """End this process with ``status`` the way ``multiprocessing`` ends its
+    children: stdio and ``logging`` flushed, then ``os._exit`` -- no
+    interpreter finalization, no ``atexit`` handlers, no C++ static
+    destructors. Never returns.
+
+    [Note: a rank ends without interpreter finalization]
+    ``dist.destroy_process_group()`` does not stop every Gloo group's threads:
+    a group a ``P2POp`` (``batch_isend_irecv``) or ``torch.distributed.checkpoint``
+    has held keeps its two ``pt_gloo_runloop`` threads and its
+    ``gloo_tcp_loop`` thread alive, referenced from C++ (measured here,
+    torch 2.13, from ``/proc/self/task/*/comm`` after ``destroy_process_group``
+    and ``gc.collect()``). They were alive while the interpreter finalized,
+    and twice in CI a torchrun rank that had trained, saved its last
+    checkpoint and passed the final barrier died by SIGABRT with
+    "terminate called without an active exception" (a C++ ``std::terminate``;
+    tests/test_token_data.py and tests/test_run_integrity.py, about one
+    torchrun rank exit in a thousand on a loaded 2-core machine). The ranks
+    the tests fork (``conftest.spawn_ranks``, multiprocessing) end by
+    ``os._exit`` and never showed it. The same class of abort is torch's own
+    (a Gloo thread touching Python objects while the interpreter is torn
+    down: pytorch/pytorch#179291, #190489), and its fix there was abandoned
+    as not simple. By the time ``main`` returns, every file the rank writes
+    is closed or flushed (metrics.jsonl after each step, TensorBoard,
+    checkpoints, error records) and every collective waited for, so nothing
+    is left for finalization to do but tear down those threads' objects: the
+    rank skips it."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed or broken pipe: nothing more can reach it
+            pass
+    logging.shutdown()
+    os._exit(status)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_rank(main())
