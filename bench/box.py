@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/box.py [--cases a_shared_nic,b_wan_shared] [--steps 8] [--reps 2]
         [--out bench/results/box.json] [--work /tmp/zorse_box_bench]
+    .venv/bin/python bench/box.py --reprice --cases b_wan_pairs --work /tmp/zorse_box_bench
 
 Needs root (``zorse box``). Per case (``CASES``: a cluster file in ``bench/clusters/`` and the
 box's scale):
@@ -19,8 +20,8 @@ box's scale):
    0.96 of it as TCP goodput). Times in that cluster are the box's seconds.
 3. Plans for that cluster: zorse_fx's (``solve_plan``: the portfolio of ``zorse plan``) and every
    baseline's (``zorse_fx/baselines``), identical decisions merged; each scored by the objective
-   (``solve.evaluate``) and the simulator (``zorse_fx.sim``, Gloo's buffered sends: the box runs
-   Gloo).
+   (``solve.evaluate``) and the simulator (``zorse_fx.sim`` with ``SIM_P2P``: the box runs Gloo, whose
+   point-to-point messages are rendezvous, measured by bench/box_p2p.py).
 4. Each plan trained on the box ``--reps`` times (plans interleaved, so drift hits every plan
    alike): one ``zorse train --nnodes N --node-rank k`` per node of the plan, started in its node's
    namespace; the measured step is the median of ``step_time_s`` (metrics.jsonl) over the steps
@@ -33,7 +34,11 @@ the runtime's own measurement, and whether the kernel killed it (a killed plan o
 for its peak).
 
 Writes ``--out`` (JSON: per case the box, the measured profiles and links, per plan the
-measured, objective and simulated step and the ranks) and prints a table per case. What it
+measured, objective and simulated step and the ranks) and prints a table per case.
+``--reprice``: no box, no training; the plans of a case measured before re-made from what that run
+left in ``--work`` (its profiles and link fits, measured.json and cluster_box.yaml), checked to be the
+plans measured, and their objective and simulated steps replaced in ``--out`` under the current model
+(the case records when and how: ``repriced``). What it
 proves and cannot: bench/README.md, "The box".
 """
 
@@ -57,6 +62,11 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 PY = sys.executable
+#: The simulator's point-to-point model for the box's plans: the box trains with Gloo, whose messages
+#: are rendezvous (a send leaves once the receiver's "ready" has crossed the link: 2 one-way delays
+#: from a receive posted at or after its send; bench/box_p2p.py, [Note: point-to-point models] in
+#: zorse_fx/sim/engine.py). "buffered" (an eager send) until 2026-12-06T20:30.
+SIM_P2P = "gloo"
 MODEL = "gpt"  # zorse_fx/models/gpt.py's test size: 4 layers, width 64 (the registry's "gpt")
 #: Each timed kernel sample spans >= 20 of the box's 10 ms quota periods ([Note: timing windows]).
 WINDOW_MS = 200
@@ -301,7 +311,7 @@ def make_plans(case: Case, cluster_file: Path, profiles: dict[str, str], work: P
         plan.export(plan_dir)
         torch.save({k: v.contiguous() for k, v in captured.state().items()}, plan_dir / "weights.pt")
         ev = evaluate_result(costs, devices, opts, res)
-        sim = simulate(costs, devices, opts, d, p2p="buffered").step_time_s
+        sim = simulate(costs, devices, opts, d, p2p=SIM_P2P).step_time_s
         ranks = [[(g.rank, g.gpu_type, g.node, g.samples_per_microbatch) for g in s.gpus] for s in plan.stages]
         rows.append(PlanRow(name="=".join(names), plan_dir=str(plan_dir), decision=key, ranks=ranks,
                             objective_s=ev.step_time_s, simulated_s=sim))
@@ -622,6 +632,40 @@ def _print_memory(res: dict) -> None:
           f"to fit and killed: {res['predicted_not_to_fit_killed']}", flush=True)
 
 
+def reprice_case(case: Case, saved: dict, work: Path) -> dict:
+    """``saved`` (a time case of ``--out``) with its plans' objective and simulated steps re-priced under
+    the current model from the profiles and link fits its run left in ``work``; the measurements kept.
+
+    Raises:
+        SystemExit: ``work`` lacks that run's files, or the plans made now are not the plans measured
+            (another planner or cost model: measure the case again)."""
+    import tempfile
+
+    box_file, measured = work / "cluster_box.yaml", work / "measured.json"
+    if not (box_file.exists() and measured.exists()):
+        raise SystemExit(f"bench/box.py --reprice: {work} has no cluster_box.yaml and measured.json of case "
+                         f"{case.name}'s run; give the --work that run used")
+    profiles = json.loads(measured.read_text())["profiles"]
+    missing = [p for p in profiles.values() if not Path(p).exists()]
+    if missing:
+        raise SystemExit(f"bench/box.py --reprice: the profiles of case {case.name}'s run are gone: {missing}")
+    with tempfile.TemporaryDirectory() as tmp:
+        rows = {r.name: r for r in make_plans(case, box_file, profiles, Path(tmp))}
+    plans = []
+    for p in saved["plans"]:
+        r = rows.get(p["plan"])
+        if r is None or [[list(g) for g in st] for st in r.ranks] != [[list(g) for g in st] for st in p["ranks"]]:
+            raise SystemExit(f"bench/box.py --reprice: case {case.name}: plan {p['plan']} is not made again as "
+                             f"it was measured ({p['ranks']}); measure the case again")
+        med = p["measured_median_s"]
+        plans.append({**p, "objective_s": r.objective_s, "simulated_s": r.simulated_s,
+                      "simulated_over_measured": r.simulated_s / med, "objective_over_measured": r.objective_s / med})
+    again = [PlanRow(name=p["plan"], plan_dir="", decision="", ranks=p["ranks"], objective_s=p["objective_s"],
+                     simulated_s=p["simulated_s"],
+                     measured=[p["measured_min_s"], p["measured_median_s"], p["measured_max_s"]]) for p in plans]
+    return {**saved, "plans": plans, **_verdict(again)}
+
+
 def _summary(r: PlanRow) -> dict:
     m = r.measured
     med = statistics.median(m)
@@ -663,6 +707,9 @@ def main(argv=None) -> int:
     ap.add_argument("--work", default="/tmp/zorse_box_bench")
     ap.add_argument("--reuse-measurements", action="store_true",
                     help="reuse the profiles and link fits an earlier run left in --work (not for results)")
+    ap.add_argument("--reprice", action="store_true",
+                    help="no box: re-price the plans of cases in --out measured before (their run's --work) "
+                         "under the current model, the measurements kept")
     args = ap.parse_args(argv)
     names = [c for c in args.cases.split(",") if c]
     unknown = [c for c in names if c not in CASES]
@@ -674,6 +721,8 @@ def main(argv=None) -> int:
     if short:
         ap.error(f"--steps {args.steps}: case {short[0]} kills a node after step {CASES[short[0]].kill_after_step}; "
                  f"give --steps {CASES[short[0]].kill_after_step + 4} or more (steps after the resume to time)")
+    if args.reprice:
+        return _reprice(names, args, argv)
     from zorse_fx.box import check_machine
     from zorse_fx.box.layout import this_cpu_name
 
@@ -700,6 +749,25 @@ def main(argv=None) -> int:
             "machine": {"cpu": this_cpu_name() or platform.processor(),
                         "cores": os.cpu_count(), "python": platform.python_version()},
             "steps": args.steps, "reps": args.reps, "cases": kept + results}, indent=1) + "\n")
+    return 0
+
+
+def _reprice(names: list[str], args, argv) -> int:
+    out = Path(args.out)
+    doc = json.loads(out.read_text())
+    by_name = {c["case"]: k for k, c in enumerate(doc["cases"])}
+    for name in names:
+        if name not in by_name or "plans" not in doc["cases"][by_name[name]] or "zorse_fx_sim_error" not in \
+                doc["cases"][by_name[name]]:
+            raise SystemExit(f"bench/box.py --reprice: {out} has no measured plans of case {name} "
+                             f"(only cases (a) and (b) are priced)")
+        res = reprice_case(CASES[name], doc["cases"][by_name[name]], Path(args.work) / name)
+        res["repriced"] = {"command": "bench/box.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+                           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                           "sim_p2p": SIM_P2P}
+        doc["cases"][by_name[name]] = res
+        _print(res)
+        out.write_text(json.dumps(doc, indent=1) + "\n")
     return 0
 
 

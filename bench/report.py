@@ -704,7 +704,11 @@ def render_box(doc: dict, name: str) -> list[str]:
            "across the shaped links). Times are the box's seconds. Measured step = rank 0's `step_time_s`: "
            "since 2026-12-06T17:20 the whole step, the per-step all-gather included and no separate loss "
            "all-reduce ([Note: one world collective after the step] in zorse_fx/train.py; the cases run before "
-           "it timed the step up to the loss all-reduce, the all-gather after it not counted). Pairs ordered "
+           "it timed the step up to the loss all-reduce, the all-gather after it not counted). Simulated: "
+           "since 2026-12-06T20:30 under Gloo's point-to-point protocol, the box's (`simulate(p2p=\"gloo\")`: "
+           "a message leaves once the receiver's ready has crossed the link, measured by bench/box_p2p.py; "
+           "before, an eager send); a case measured before says it was re-priced (`bench/box.py --reprice`: "
+           "the same plans, the measurements kept). Pairs ordered "
            "alike: of the plan pairs whose measured ranges do not overlap, those the simulator orders the same "
            "way.", ""]
     for case in doc.get("cases", []):
@@ -729,7 +733,9 @@ def render_box(doc: dict, name: str) -> list[str]:
                     f"measured ranking = simulated ranking: {'yes' if case['rankings_equal'] else 'no'}; "
                     f"pairs ordered alike: {_pairs_alike(case['plans'])}. "
                     f"Run: `{case.get('command', doc.get('command', '?'))}` (the first two steps of each run not "
-                    f"counted), {str(case.get('date', doc.get('date', '')))[:16]}.", ""]
+                    f"counted), {str(case.get('date', doc.get('date', '')))[:16]}"
+                    + (f"; re-priced by `{case['repriced']['command']}`, {case['repriced']['date'][:16]} "
+                       f"(simulator p2p {case['repriced']['sim_p2p']})" if case.get("repriced") else "") + ".", ""]
     out += [f"Machine: {CPU_MACHINE}, Python {doc.get('machine', {}).get('python', '?')}, nothing else running "
             f"unless a case says so."]
     return out

@@ -95,3 +95,28 @@ def test_box_pairs_ordered_alike_counts_only_pairs_the_measurement_tells_apart()
     # (a,b) alike, (a,c) alike, (a,d) not (d simulated first), (b,c) not (swapped), (c,d) alike.
     plans = [plan(1.0, 1.1, 0.5), plan(2.0, 2.2, 0.9), plan(3.0, 3.1, 0.8), plan(2.1, 2.5, 0.1)]
     assert _pairs_alike(plans) == "3 of 5"
+
+
+def test_box_reprice_refuses_a_case_without_its_runs_files(tmp_path):
+    """``bench/box.py --reprice`` (no box, no root): a case not measured in --out, and one whose run left
+    nothing in --work, are refused naming what to give; --out is left as it was."""
+    out = tmp_path / "box.json"
+    doc = {"cases": [{"case": "b_wan_pairs", "plans": [], "zorse_fx_sim_error": 0.0}]}
+    out.write_text(json.dumps(doc))
+    box = ROOT / "bench" / "box.py"
+
+    def run(case: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, str(box), "--reprice", "--cases", case, "--out", str(out),
+                               "--work", str(tmp_path / "work")], cwd=ROOT, capture_output=True, text=True,
+                              timeout=600, check=False)
+
+    r = run("b_wan_shared")
+    assert r.returncode == 1
+    assert r.stderr.strip().splitlines()[-1] == (f"bench/box.py --reprice: {out} has no measured plans of case "
+                                                 f"b_wan_shared (only cases (a) and (b) are priced)")
+    r = run("b_wan_pairs")
+    assert r.returncode == 1
+    assert r.stderr.strip().splitlines()[-1] == (
+        f"bench/box.py --reprice: {tmp_path / 'work' / 'b_wan_pairs'} has no cluster_box.yaml and measured.json "
+        f"of case b_wan_pairs's run; give the --work that run used")
+    assert json.loads(out.read_text()) == doc

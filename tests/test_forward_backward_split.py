@@ -72,7 +72,7 @@ def test_gpipe_by_hand_with_the_forward_split():
     (max F + max B) = 12 + 3 x 8. With the 1:2 split (F 2, B 4 on both) it is
     12 + 3 x 6 = 30: the split alone moves the step by 20%."""
     costs, devices, opts, dec = _gpipe_two_stages((3, 1))
-    for p2p in ("nccl", "buffered"):
+    for p2p in ("nccl", "gloo", "buffered"):
         sim = simulate(costs, devices, opts, dec, p2p=p2p)
         assert sim.step_time_s == pytest.approx(36 * MS, rel=1e-9)
         spans = {(e.gpu, e.kind): e.end_s - e.start_s for e in sim.events if e.kind in "FB"}

@@ -95,6 +95,37 @@ def test_free_links_give_the_same_step(schedule, num_stages):
     opts = solver_options(global_batch_size=m, schedule=schedule)
     assert simulate(costs, devices, opts, dec, p2p="nccl").step_time_s == pytest.approx((m + num_stages - 1) * t)
     assert simulate(costs, devices, opts, dec, p2p="buffered").step_time_s == pytest.approx((m + num_stages - 1) * t)
+    assert simulate(costs, devices, opts, dec, p2p="gloo").step_time_s == pytest.approx((m + num_stages - 1) * t)
+
+
+def test_gloo_rendezvous_by_hand():
+    """``p2p="gloo"``: a message leaves at max(send post, receive post + d)
+    and arrives d later (bench/box_p2p.py measured 2 d from the later post on
+    the box). Two 1-GPU stages, one micro-batch, F 1 ms, B 2 ms, free
+    bandwidth, d = 5 ms. Stage 1 posts its receive of a0 at 0, stage 0 sends
+    it at 1: it leaves at max(1, 0 + 5) = 5 and arrives 10; stage 1 runs F0
+    10-11, B0 11-13 and sends g0 at 13, whose receive stage 0 posted at 1
+    (ready at 6): it leaves at 13 and arrives 18; stage 0's B0 18-20. Step
+    20. Buffered and NCCL (a message moves d after both ends posted): a0
+    arrives 6, F0 6-7, B0 7-9, g0 arrives 14, B0 14-16: step 16."""
+    costs = BlockCosts(fwd_bwd_s_per_sample={"A": (3 * MS, 3 * MS)}, param_count=(0, 0),
+                       act_bytes_per_sample=(100, 100), cut_bytes_per_sample=(0, 0, 0))
+    devices = make_devices(["A", "A"], ["n0", "n1"], [GIB] * 2, [1e12] * 2, inter=(1e9, 5 * MS))
+    dec = Decision(stage_blocks=((0, 1), (1, 2)), stage_gpus=((0,), (1,)), samples_per_microbatch=((1,), (1,)),
+                   num_microbatches=1)
+    opts = solver_options(global_batch_size=1)
+    gloo = simulate(costs, devices, opts, dec, p2p="gloo")
+    assert gloo.step_time_s == pytest.approx(20 * MS, rel=1e-9)
+    spans = {(e.gpu, e.kind): (e.start_s / MS, e.end_s / MS) for e in gloo.events if e.kind in ("F", "B", "send")}
+    want = {(0, "F"): (0, 1), (1, "F"): (10, 11), (1, "B"): (11, 13), (0, "B"): (18, 20),
+            (0, "send"): (1, 10), (1, "send"): (13, 18)}
+    assert spans.keys() == want.keys()
+    for k, (a, b) in want.items():
+        assert spans[k] == (pytest.approx(a), pytest.approx(b)), k
+    for p2p in ("buffered", "nccl"):
+        assert simulate(costs, devices, opts, dec, p2p=p2p).step_time_s == pytest.approx(16 * MS, rel=1e-9), p2p
+    with pytest.raises(ValueError, match="p2p must be one of 'nccl', 'gloo', 'buffered', got 'eager'"):
+        simulate(costs, devices, opts, dec, p2p="eager")
 
 
 # (stage GPUs, samples per micro-batch, micro-batches, interleave): data-parallel stages with
@@ -191,5 +222,57 @@ def test_a_compute_waits_for_its_whole_group(shape):
 
 def test_unknown_p2p_model_is_refused():
     costs, devices, opts, dec = _two_stage()
-    with pytest.raises(ValueError, match=r"p2p must be 'buffered' or 'nccl', got 'gloo'"):
-        simulate(costs, devices, opts, dec, p2p="gloo")
+    with pytest.raises(ValueError, match=r"p2p must be one of 'nccl', 'gloo', 'buffered', got 'mpi'"):
+        simulate(costs, devices, opts, dec, p2p="mpi")
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_gloo_messages_leave_after_the_receivers_ready_crossed_the_link(shape):
+    """``p2p="gloo"`` on every message of every shape: a message's send event
+    starts when its group was posted (the end of the action before it) and it
+    arrives no earlier than max(send post, receive post + d) + d + bytes / bw,
+    the receive's post being the end of the action before its group (0 for
+    group 0); every action starts after the receives of the groups it waits
+    for arrived (its own receives only: a sender never waits)."""
+    gpus, samples, m, v = SHAPES[shape]
+    n_s = len(gpus)
+    costs = BlockCosts(fwd_bwd_s_per_sample={"A": (4e-3,) * n_s, "B": (7e-3,) * n_s}, param_count=(10**6,) * n_s,
+                       act_bytes_per_sample=(10**5,) * n_s, cut_bytes_per_sample=(0, *(3 * 10**5,) * (n_s - 1), 0))
+    devices = make_devices(["A", "B", "A", "B"], ["n0", "n0", "n1", "n1"], [GIB] * 4, [1e12] * 4,
+                           intra=(5e9, 2e-3), inter=(1e9, 6e-3))
+    dec = Decision(stage_blocks=tuple((s, s + 1) for s in range(n_s)), stage_gpus=gpus,
+                   samples_per_microbatch=samples, num_microbatches=m, interleave=v)
+    opts = solver_options(global_batch_size=m * sum(samples[0]))
+    sim = simulate(costs, devices, opts, dec, p2p="gloo")
+    progs = decision_programs(costs, dec, opts.schedule)
+    sends = {(e.gpu, e.peer, e.stage, e.peer_stage, e.microbatch): (e.start_s, e.end_s) for e in sim.events
+             if e.kind == "send"}
+    tasks = {g: sorted((e for e in sim.events if e.gpu == g and e.kind in "FB"), key=lambda e: e.start_s)
+             for g in progs}
+    posted = {(g, gi): (tasks[g][gi - 1].end_s if gi else 0.0) for g, prog in progs.items()
+              for gi in range(len(prog.groups))}
+    where = {(op.send, op.message): (g, gi) for g, prog in progs.items() for gi, grp in enumerate(prog.groups)
+             for op in grp}
+    checked = 0
+    for (send, msg), (g, gi) in where.items():
+        if not send:
+            continue
+        c = msg.boundary
+        stages = (c + 1, c) if msg.backward else (c, c + 1)
+        start, end = sends[msg.src, msg.dst, *stages, msg.microbatch]
+        d = devices.link_latency_s[msg.src][msg.dst]
+        t_s, t_r = posted[g, gi], posted[where[False, msg]]
+        assert start == pytest.approx(t_s)
+        assert end >= max(t_s, t_r + d) + d + msg.nbytes / devices.link_bw_bytes_per_s[msg.src][msg.dst] - 1e-12
+        checked += 1
+
+    def arrival(msg):
+        c = msg.boundary
+        return sends[msg.src, msg.dst, *((c + 1, c) if msg.backward else (c, c + 1)), msg.microbatch][1]
+
+    for g, prog in progs.items():
+        got = {gi: max((arrival(op.message) for op in grp if not op.send), default=0.0)
+               for gi, grp in enumerate(prog.groups)}
+        for k, task in enumerate(tasks[g]):
+            assert all(task.start_s >= got[gi] - 1e-12 for gi in prog.waits[k])
+    assert checked > 0

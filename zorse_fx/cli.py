@@ -658,9 +658,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="simulate a plan that does not record its cluster (older than format 13), or on a cluster "
                          "other than the one it records, as long as --cluster has the planned GPU at every planned "
                          "index (default: refused)")
-    pm.add_argument("--p2p", choices=("nccl", "buffered"), default="nccl",
+    pm.add_argument("--p2p", choices=("nccl", "gloo", "buffered"), default="nccl",
                     help="boundary sends as the runtime's point-to-point program runs on NCCL (default: fused "
-                         "exchanges, in order per GPU) or as Gloo buffers them (the runtime on CPU)")
+                         "exchanges, in order per GPU), as Gloo runs it (gloo: the runtime on CPU; every send and "
+                         "receive on its own, a message leaving once the receiver's ready crossed the link) or "
+                         "eager (buffered: a send leaves when posted)")
     pm.add_argument("--no-cache", action="store_true", help=no_cache)
     pm.set_defaults(fn=cmd_simulate)
     from .profiling import comm_main, kernels_main

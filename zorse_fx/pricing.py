@@ -211,7 +211,8 @@ def simulate_plan(plan, priced: PricedModel, *, p2p: str = "nccl") -> SimResult:
     event-simulated (``sim.simulate``) with the plan's stages, GPUs, sample
     shares, micro-batches, interleaving and memory policy (ZeRO-1 shards,
     recomputation). ``p2p``: ``"nccl"`` (the runtime's point-to-point
-    program under NCCL's rules) or ``"buffered"`` (Gloo-like sends).
+    program under NCCL's rules), ``"gloo"`` (the same program as Gloo runs
+    it: rendezvous messages) or ``"buffered"`` (eager sends).
 
     Raises:
         ValueError: ``priced`` was priced under another precision than the

@@ -68,9 +68,22 @@ When a boundary message may move is ``simulate``'s ``p2p``:
     neighbour's opposite messages (the fused exchange of
     ``torch.distributed.pipelining`` and Megatron-LM), and one GPU's messages
     never share its links with each other across groups.
+  * ``"gloo"``: the same program as Gloo runs it (the runtime on CPU):
+    group k is posted when action k-1 ends, every send and receive is its
+    own operation (no stream order, no group completing as a whole: a
+    compute waits for its receives only, a sender never waits), and a
+    message is a rendezvous: the sender's data leaves when both ends have
+    posted and the receiver's "ready to receive" has crossed the link, at
+    max(t_send, t_recv + d), and arrives d later plus its transfer (d: the
+    pair's latency). A receive posted after its send thus costs 2 d from
+    its post, not d from the send: measured on the box (bench/box_p2p.py:
+    16 KB across a 200 ms link, 0.403 s from the later post when the
+    receive is posted at or after the send; gloo/transport/tcp/pair.cc
+    sends an unbound buffer only on the peer's NOTIFY_RECV_READY).
   * ``"buffered"``: a message is posted when its task ends and the sender
-    goes on at once; the receiver's task waits for its arrival. This is
-    Gloo's behaviour (it buffers sends) and the runtime's on CPU.
+    goes on at once; the receiver's task waits for its arrival (an eager
+    protocol, whatever the receiver posted). What the simulator took for
+    Gloo before the box measured its rendezvous.
 Neither is uniformly slower: on a link-bound boundary, buffered sends
 queued together share the link and arrive together
 (tests/test_sim_nccl.py: 26 against NCCL's 24 time units), while NCCL's
@@ -220,7 +233,7 @@ from .network import FlowResources, link_resource, max_min_rates, ring
 from .sync import gradient_sync
 
 __all__ = ["SimEvent", "SimResult", "simulate", "link_resource", "decision_programs",
-           "P2P_BUFFERED", "P2P_NCCL"]
+           "P2P_BUFFERED", "P2P_NCCL", "P2P_GLOO"]
 
 #: ``simulate(p2p=...)``: boundary messages sent as the runtime's
 #: point-to-point program runs under NCCL (the default) or as Gloo buffers
@@ -228,6 +241,11 @@ __all__ = ["SimEvent", "SimResult", "simulate", "link_resource", "decision_progr
 #: point-to-point models]).
 P2P_BUFFERED = "buffered"
 P2P_NCCL = "nccl"
+#: ... or as Gloo runs the program: each send and receive its own operation, a
+#: send's data leaving once the receiver has posted the receive and said so
+#: (a rendezvous), measured on the box (bench/box_p2p.py).
+P2P_GLOO = "gloo"
+P2P_MODES = (P2P_NCCL, P2P_GLOO, P2P_BUFFERED)
 
 KINDS = ("F", "B", "send", "allreduce", "tiedreduce", "control", "optim", "allgather")
 
@@ -374,8 +392,22 @@ class _Pipeline:
         self.waiting: list[_Msg] = []  # in their latency phase
         self.active: list[_Msg] = []  # transferring
         self.t = 0.0
-        # P2P_NCCL ([Note: point-to-point models]): each rank's groups in order on its stream.
+        # P2P_NCCL ([Note: point-to-point models]): each rank's groups in order on its stream;
+        # P2P_GLOO: the same groups, each operation on its own, every message a rendezvous.
         self.nccl = p2p == P2P_NCCL
+        self.gloo = p2p == P2P_GLOO
+        self.program = self.nccl or self.gloo
+        if self.gloo:
+            progs = self.progs = decision_programs(costs, decision, options.schedule)
+            self.where = {(op.send, op.message): (g, gi) for g, pr in progs.items()
+                          for gi, grp in enumerate(pr.groups) for op in grp}
+            # Per group its receives not yet arrived: a compute waits for the groups holding its receives.
+            self.remaining = {(g, gi): sum(1 for op in grp if not op.send) for g, pr in progs.items()
+                              for gi, grp in enumerate(pr.groups)}
+            self.posted = dict.fromkeys(used, 0)
+            self.post_time = {}
+            for g in used:
+                self._post_group(g)  # G_0: the receives of the first action
         if self.nccl:
             self.progs = progs = decision_programs(costs, decision, options.schedule)
             self.where = {(op.send, op.message): (g, gi) for g, pr in progs.items()
@@ -447,15 +479,17 @@ class _Pipeline:
     def _footprint(self, g) -> int:
         return sum(c * h for c, h in zip(self.live[g], self.held[g]))
 
-    def _post(self, src, dst, s, m, fwd, nbytes, key=None, t0=None):
+    def _post(self, src, dst, s, m, fwd, nbytes, key=None, t0=None, recv_t=None):
+        """Start a message: its latency phase ends d after now, or (``recv_t``: P2P_GLOO's
+        rendezvous, the receive's post time) at max(now, recv_t + d) + d."""
         devices = self.devices
         lat = max(devices.link_latency_s[src][dst], 0.0)
+        ready = self.t + lat if recv_t is None else max(self.t, recv_t + lat) + lat
         bw = devices.link_bw_bytes_per_s[src][dst]
         if not bw > 0:
             raise ValueError(f"link bandwidth from GPU {src} to {dst} must be > 0, got {bw}")
         res = ((link_resource(devices, src, dst), bw), *self.resources.shared(src, dst))
-        self.waiting.append(_Msg(src, dst, s, m, fwd, nbytes, self.t if t0 is None else t0, self.t + lat, bw, res,
-                                 key))
+        self.waiting.append(_Msg(src, dst, s, m, fwd, nbytes, self.t if t0 is None else t0, ready, bw, res, key))
 
     def _arrive(self, msg: _Msg, when: float):
         self.events.append(SimEvent("send", msg.src, msg.stage, msg.m, msg.t0, when, msg.dst, msg.nbytes,
@@ -465,6 +499,8 @@ class _Pipeline:
                 self.remaining[self.where[side, msg.key]] -= 1
             self._advance(msg.src)
             self._advance(msg.dst)
+        elif self.gloo:
+            self.remaining[self.where[False, msg.key]] -= 1
         elif msg.fwd:
             self.got_fwd[msg.dst, msg.stage + 1, msg.m] += 1
         else:
@@ -496,12 +532,24 @@ class _Pipeline:
         gi = self.posted[g]
         self.posted[g] += 1
         self.post_time[g, gi] = self.t
+        if self.gloo:  # every message whose other end is posted too starts now, the later end posting
+            for op in self.progs[g].groups[gi]:
+                send, recv = ((g, gi), self.where[False, op.message]) if op.send else \
+                    (self.where[True, op.message], (g, gi))
+                if send in self.post_time and recv in self.post_time:
+                    msg = op.message
+                    fwd = not msg.backward
+                    self._post(msg.src, msg.dst, msg.boundary if fwd else msg.boundary + 1, msg.microbatch, fwd,
+                               msg.nbytes, key=msg, t0=self.post_time[send], recv_t=self.post_time[recv])
+            return
         self.stream[g].append(gi)
         self._advance(g)
 
     def _ready(self, g) -> bool:
         if self.nccl:
             return all((g, gi) in self.finished for gi in self.progs[g].waits[self.pc[g]])
+        if self.gloo:
+            return all(self.remaining[g, gi] == 0 for gi in self.progs[g].waits[self.pc[g]])
         a = self.acts[g][self.pc[g]]
         s = self.group_of[g] + a.chunk * self.n_p
         if a.kind == "F":
@@ -526,7 +574,8 @@ class _Pipeline:
             tol = 1e-12 * max(1.0, self.t)
             self._end_actions(tol)
             self._move_messages(finish, tol)
-        stuck = [g for g in self.used if self.pc[g] < len(self.acts[g]) or (self.nccl and self.stream[g])]
+        stuck = [g for g in self.used if self.pc[g] < len(self.acts[g]) or (self.nccl and self.stream[g])
+                 or (self.gloo and any(self.remaining[g, gi] for gi in range(len(self.progs[g].groups))))]
         if stuck:
             at = [str(self.acts[g][self.pc[g]]) if self.pc[g] < len(self.acts[g]) else "its last sends" for g in stuck]
             raise RuntimeError(f"schedule deadlocked: GPUs {stuck} wait at actions {at}")
@@ -553,15 +602,15 @@ class _Pipeline:
             if kind == "F":
                 self.live[g][s // n_p] += 1
                 self.peak_act[g] = max(self.peak_act[g], self._footprint(g))
-                for h, nb in () if self.nccl else self.out_fwd[g, s]:
+                for h, nb in () if self.program else self.out_fwd[g, s]:
                     self._post(g, h, s, m, True, nb)
             else:
                 self.live[g][s // n_p] -= 1
                 self.last_b[g] = t
                 self.last_b_span[g, s] = (start, t)
-                for h, nb in () if self.nccl else self.out_bwd[g, s]:
+                for h, nb in () if self.program else self.out_bwd[g, s]:
                     self._post(g, h, s, m, False, nb)
-            if self.nccl:
+            if self.program:
                 self._post_group(g)  # G_{k+1}: this action's sends + the next action's receives
 
     def _move_messages(self, finish: dict, tol: float) -> None:
@@ -598,9 +647,11 @@ def simulate(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions, deci
     ``"nccl"`` (the default: the runtime's point-to-point program under
     NCCL's rules, as it runs on GPUs: fused groups run in order on each
     rank's stream, a message moves only while both ends' groups are at the
-    head, and a compute waits for the whole group holding its receives) or
-    ``"buffered"`` (Gloo's semantics, the runtime on CPU: a send leaves when
-    its task ends and the sender goes on).
+    head, and a compute waits for the whole group holding its receives),
+    ``"gloo"`` (the same program as Gloo runs it, the runtime on CPU: every
+    operation on its own, each message a rendezvous that leaves at
+    max(send post, receive post + d)) or ``"buffered"`` (a send leaves when
+    its task ends whatever the receiver posted, and the sender goes on).
 
     The memory policy is the decision's, as in ``solve.evaluate``
     (``decision.shard_mib`` None = the shards ``balance_shards`` picks);
@@ -611,8 +662,8 @@ def simulate(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions, deci
     ``solve.evaluate``) or an unknown ``p2p``, RuntimeError if the schedule
     deadlocks (it cannot for 1F1B / GPipe) and ``ir.p2p.ProgramError``
     where the runtime would refuse the program (``"nccl"``)."""
-    if p2p not in (P2P_BUFFERED, P2P_NCCL):
-        raise ValueError(f"simulate: p2p must be {P2P_BUFFERED!r} or {P2P_NCCL!r}, got {p2p!r}")
+    if p2p not in P2P_MODES:
+        raise ValueError(f"simulate: p2p must be one of {', '.join(map(repr, P2P_MODES))}, got {p2p!r}")
     tab, pol = prepare(costs, devices, options, decision)
     pipe = _Pipeline(costs, devices, options, decision, tab, pol, p2p)
     pipe.run()
