@@ -17,8 +17,9 @@ default (1) and at 0. Found (2026-12-06): 2 d from the later post whenever the r
 after the send (16 KB: 0.403 s against d = 0.200), ~d + 0.13 s when posted 0.5 s before; slow start
 after idle changes little (the delay line). Hence ``simulate(p2p="gloo")``, what bench/box.py's
 simulated column uses. Proves: what one message costs on real TCP with Gloo over the box's delay line.
-Cannot prove: NCCL's protocol on a GPU cluster (its network transports also wait for the receiver's
-posted buffer, but that is read from NCCL's source, not measured here), nor a real WAN's loss and
+Cannot prove: NCCL's protocol on a GPU cluster (its InfiniBand transport also waits for the receiver:
+``ncclIbIrecv`` writes a clear-to-send into the sender's FIFO, ``ncclIbPostFifo``, before which
+``ncclIbIsend`` returns no request; read in NCCL's source, not measured here), nor a real WAN's loss and
 queueing.
 """
 from __future__ import annotations
