@@ -80,6 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--offsets", default="-0.5,0,0.5",
                     help="seconds from the sender's post to the receiver's (negative: the receive posted first)")
     ap.add_argument("--reps", type=int, default=4)
+    ap.add_argument("--pair", default="", help="sender,receiver node names (default: the file's first node and "
+                                                "the first node of the other region)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "box_p2p.json"))
     args = ap.parse_args(argv)
 
@@ -88,12 +90,18 @@ def main(argv: list[str] | None = None) -> int:
 
     cluster = Cluster.from_yaml(args.cluster)
     devices = cluster.device_graph()
-    first = devices.node_names[0]
-    second = next(devices.node_names[g] for g in range(devices.num_gpus)
-                  if devices.link_latency_s[0][g] > 10 * devices.link_latency_s[0][1])  # the far region's first
-    g1 = devices.node_names.index(second)
-    d = devices.link_latency_s[0][g1] / args.scale
-    bw = devices.link_bw_bytes_per_s[0][g1] * args.scale
+    if args.pair:
+        first, second = args.pair.split(",")
+        unknown = [n for n in (first, second) if n not in devices.node_names]
+        if unknown:
+            ap.error(f"--pair: no node {unknown[0]!r} in {args.cluster}; its nodes: {', '.join(dict.fromkeys(devices.node_names))}")
+    else:
+        first = devices.node_names[0]
+        second = next(devices.node_names[g] for g in range(devices.num_gpus)
+                      if devices.link_latency_s[0][g] > 10 * devices.link_latency_s[0][1])  # the far region's first
+    g0, g1 = devices.node_names.index(first), devices.node_names.index(second)
+    d = devices.link_latency_s[g0][g1] / args.scale
+    bw = devices.link_bw_bytes_per_s[g0][g1] * args.scale
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         worker = Path(tmp) / "worker.py"
