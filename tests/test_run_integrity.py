@@ -208,9 +208,11 @@ def test_resume_without_checkpoint_of_other_runs_metrics_refuses(stopped_run, tm
     out = _copy(run, tmp_path)
     shutil.rmtree(out / "checkpoints")
     start = _decide_start(out, CheckpointOptions(resume=True), 5, 0)
-    assert start.kind == "refused" and start.lines[0].startswith(f"zorse: {out} holds another run's metrics.jsonl")
-    assert start.lines[0].endswith("but no checkpoint to resume it from; pass --overwrite instead of --resume to "
-                                   "replace that run")
+    run_id = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])["run_id"]
+    assert start.lines == (f"zorse: {out} holds a run's metrics.jsonl (4 records, run {run_id}) but no checkpoint to "
+                           f"resume it from (that run stopped before writing one); pass --overwrite instead of --resume "
+                           f"to start it anew",)
+    assert start.kind == "refused"
     assert _decide_start(out, CheckpointOptions(), 5, 1).kind == "fresh"
 
 

@@ -194,6 +194,37 @@ def _assert_same_params(run_a, run_b, world):
 
 
 @pytest.mark.xdist_group("uninterrupted")  # one worker computes the module fixture once
+def test_a_run_without_checkpoint_every_keeps_its_trained_weights(uninterrupted, tmp_path):
+    """The uninterrupted run had no --checkpoint-every: its last step still
+    wrote checkpoints/step_4 (issue 48 item 1), intact, of this run, holding
+    the trained weights (read back with DCP's own converter, equal to the
+    parameters the ranks dumped at the end) and the optimizer state; a
+    --resume of the run has nothing to train."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from zorse_fx.runtime.checkpoint import verify_checkpoint
+    from zorse_fx.train import _decide_start
+    from zorse_fx.train_options import CheckpointOptions
+
+    d, _, w = uninterrupted
+    root = d / "full" / "checkpoints"
+    assert [s for s, _ in list_checkpoints(root)] == [4]
+    verify_checkpoint(root / "step_4")
+    manifest = read_manifest(root / "step_4")
+    assert manifest["run_id"] == _rows(d / "full")[0]["run_id"] and manifest["optimizer_steps"] == 4
+    dcp_to_torch_save(root / "step_4", tmp_path / "state.pt")
+    state = torch.load(tmp_path / "state.pt")
+    trained = {name: t for r in range(w) for name, t in _params(d / "full", w)[r].items()}
+    model = {k.removeprefix("model/"): v for k, v in state.items() if k.startswith("model/")}
+    assert model.keys() == trained.keys()
+    for name, t in trained.items():
+        assert torch.equal(model[name], t), name
+    assert any(k.startswith("optim/exp_avg/") for k in state)
+    start = _decide_start(d / "full", CheckpointOptions(resume=True), 4, 0)
+    assert start.kind == "finished" and start.step == 4
+
+
+@pytest.mark.xdist_group("uninterrupted")  # one worker computes the module fixture once
 def test_resumed_run_equals_the_uninterrupted_run_exactly(uninterrupted, tmp_path):
     """4 steps in one go vs 2 steps, stop, --resume to 4 (same plan, ZeRO-1
     shards and tied embedding): identical losses and parameters; the

@@ -262,9 +262,9 @@ def _decide_start(out: Path, ckpt: CheckpointOptions, steps: int, restarted: int
                                                  f"instead of --resume to start the run anew"))
         found = previous_run(out)
         if found and not restarted:  # (a restarted job before its first checkpoint: its own metrics, started anew)
-            return _Start(kind="refused", lines=(f"zorse: {out} holds another run's {found} but no checkpoint to "
-                                                 f"resume it from; pass --overwrite instead of --resume to replace "
-                                                 f"that run",))
+            return _Start(kind="refused", lines=(f"zorse: {out} holds a run's {found} but no checkpoint to resume it "
+                                                 f"from (that run stopped before writing one); pass --overwrite "
+                                                 f"instead of --resume to start it anew",))
         return _Start(kind="fresh", run_id=new_run_id(),
                       lines=(f"[zorse] no complete checkpoint in {root}: starting at step 1",))
     manifest = read_manifest(latest)
@@ -584,11 +584,13 @@ def _run(options: TrainingOptions, where: _Where) -> int:
         if nonfinite:  # every rank saw the same table: all stop here, no checkpoint of this step
             if progress:
                 last = (f"the last checkpoint is {ckpt_root / f'step_{saved}'}" if saved else
-                        "no checkpoint was written" if ckpt.checkpoint_every else "checkpoints are off")
+                        "no checkpoint was written" + ("" if ckpt.checkpoint_every else
+                                                       ": without --checkpoint-every only the last step writes one"))
                 print(_nonfinite_message(step, loss_value, bad_loss, bad_grads, bad_weights,
                                          plan.num_stages - 1, last), file=sys.stderr, flush=True)
             break
-        if ckpt.checkpoint_every and (step % ckpt.checkpoint_every == 0 or step == loop.steps or stopping):
+        # The last step (or the one a signal stops after) always writes one: the trained model is never lost.
+        if step == loop.steps or stopping or (ckpt.checkpoint_every and step % ckpt.checkpoint_every == 0):
             path = save_checkpoint(worker, ckpt_root, step, keep=ckpt.keep_checkpoints, run_id=run_id,
                                    plan_hash=identity["plan_hash"] if rank == 0 else "")
             saved = step
@@ -596,8 +598,8 @@ def _run(options: TrainingOptions, where: _Where) -> int:
                 progress.write(f"[zorse] checkpoint {path}")
         if stopping:
             if progress:
-                progress.write(f"[zorse] {signal.Signals(stopping).name} received: stopping after step {step}"
-                               + (f" (checkpoint step_{saved})" if ckpt.checkpoint_every else ""))
+                progress.write(f"[zorse] {signal.Signals(stopping).name} received: stopping after step {step} "
+                               f"(checkpoint step_{saved})")
             break
     if in_box:
         enter_rank_leaf("host")

@@ -259,8 +259,8 @@ class CheckpointOptions:
     """Checkpoints (``runtime/checkpoint.py``)."""
 
     checkpoint_every: Annotated[int, _arg(
-        "save a checkpoint to <out>/checkpoints/step_<k> every N steps and at the end (0: never); with it, SIGTERM "
-        "saves one before the ranks exit", metavar="N")] = 0
+        "save a checkpoint to <out>/checkpoints/step_<k> every N steps (0: only the last step's, which every run "
+        "writes, as does a SIGTERM or SIGINT before the ranks exit)", metavar="N")] = 0
     keep_checkpoints: Annotated[int, _arg(metavar="K")] = 3
     """keep the newest K checkpoints"""
     resume: Annotated[bool, _arg(
