@@ -502,3 +502,44 @@ def test_zorse_train_resume_with_missing_metadata_falls_back(stopped_run, tmp_pa
     rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and {r["run_id"] for r in rows} == {this}
     assert [s for s, _ in list_checkpoints(root)] == [2, 3, 4] and (root / "step_3.damaged").is_dir()
+
+
+def test_final_checkpoint_model_only_holds_the_parameters_and_a_resume_falls_back(stopped_run, tmp_path):
+    """--final-checkpoint model-only (issue 48 item 1): the last step's checkpoint holds the model's
+    parameters and the step alone (manifest ``contents`` "model"; DCP's own converter reads no optimizer key
+    from it) and is smaller; the checkpoints before it are full. A --resume with the same --steps has
+    nothing to train; with more steps it continues from the newest full checkpoint, said in one line; with
+    none before it, refused naming the fix. A version-2 manifest reads as "full"."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    d, common, _, _ = stopped_run
+    run = tmp_path / "model_only"
+    spawn_ranks(d / "plan", 2, [*common[1:], "--steps", "2", "--out", str(run), "--checkpoint-every", "1",
+                                "--final-checkpoint", "model-only"])
+    root = run / "checkpoints"
+    assert [(s, read_manifest(p)["contents"]) for s, p in list_checkpoints(root)] == [(1, "full"), (2, "model")]
+    verify_checkpoint(root / "step_2")
+    for step in (1, 2):
+        dcp_to_torch_save(root / f"step_{step}", tmp_path / f"step_{step}.pt")
+    full, model = (torch.load(tmp_path / f"step_{k}.pt") for k in (1, 2))
+    assert {k for k in full if k.startswith("model/")} == set(model) - {"train/step"}
+    assert any(k.startswith("optim/") for k in full) and int(model["train/step"]) == 2
+    size = {k: sum(f.stat().st_size for f in (root / f"step_{k}").iterdir()) for k in (1, 2)}
+    assert size[2] < size[1] / 2
+
+    assert _decide_start(run, CheckpointOptions(resume=True), 2, 0).kind == "finished"
+    start = _decide_start(run, CheckpointOptions(resume=True), 3, 0)
+    assert (start.kind, start.step) == ("resume", 1)
+    assert start.lines == (f"[zorse] {root / 'step_2'} holds the parameters only (--final-checkpoint model-only), "
+                           f"not the optimizer state training continues from: resuming from {root / 'step_1'} "
+                           f"(step 1), the newest with it",)
+    shutil.rmtree(root / "step_1")
+    start = _decide_start(run, CheckpointOptions(resume=True), 3, 0)
+    assert start.kind == "refused"
+    assert start.lines == (f"zorse: {root / 'step_2'} holds the parameters only (--final-checkpoint model-only), "
+                           f"not the optimizer state training continues from, and no checkpoint before it does; "
+                           f"pass --overwrite instead of --resume to start anew",)
+    manifest = json.loads((root / "step_2" / MANIFEST).read_text())
+    old = {k: v for k, v in manifest.items() if k != "contents"} | {"version": 2}
+    (root / "step_2" / MANIFEST).write_text(json.dumps(old))
+    assert read_manifest(root / "step_2")["contents"] == "full"

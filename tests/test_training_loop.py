@@ -351,7 +351,7 @@ def test_manifest_errors_name_file_and_field(tmp_path):
           "num_stages": 2, "model_name": "gpt", "cluster_name": "c", "global_batch_size": 8, "seq_len": 16,
           "precision": "fp32", "samples_seen": 24}
     (d / MANIFEST).write_text(json.dumps(v1))  # version 1: no run identity, no file records
-    good = {**v1, "version": 2, "run_id": "", "plan_hash": "", "files": None}
+    good = {**v1, "version": 3, "run_id": "", "plan_hash": "", "files": None, "contents": "full"}
     assert read_manifest(d) == good
     good = {**good, "run_id": "0123456789abcdef", "files": {"__0_0.distcp": {"bytes": 5, "sha256": "0" * 64}}}
     (d / MANIFEST).write_text(json.dumps(good))

@@ -113,11 +113,12 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-from .errors import RunDirectoryError, RuntimeExecutionError
+from .errors import CheckpointDamagedError, RunDirectoryError, RuntimeExecutionError
 from .plan import Plan
 from .precision import precision_policy
 from .runtime import preflight
-from .runtime.checkpoint import load_checkpoint, newest_intact_checkpoint, read_manifest, save_checkpoint, set_aside
+from .runtime.checkpoint import (list_checkpoints, load_checkpoint, newest_intact_checkpoint, read_manifest,
+                                 save_checkpoint, set_aside, verify_checkpoint)
 from .runtime.device_check import check_devices, observe
 from .runtime.launch import init_process_group, rank_device
 from .runtime.lr_schedule import LRSchedule
@@ -282,8 +283,27 @@ def _decide_start(out: Path, ckpt: CheckpointOptions, steps: int, restarted: int
         return _Start(kind="finished", step=step, lines=(*lines, (
             f"[zorse] nothing to train: the newest checkpoint {latest} is at step {step}, {where} (--steps {steps}); "
             f"pass a larger --steps to train on")))
+    if manifest["contents"] != "full":  # (a last step's --final-checkpoint model-only: no optimizer state)
+        full = next((d for _, d in reversed(list_checkpoints(root)) if d != latest
+                     and _intact(d) and read_manifest(d)["contents"] == "full"), None)
+        model_only = (f"{latest} holds the parameters only (--final-checkpoint model-only), not the optimizer state "
+                      f"training continues from")
+        if full is None:
+            return _Start(kind="refused", lines=(*lines, f"zorse: {model_only}, and no checkpoint before it does; "
+                                                         f"pass --overwrite instead of --resume to start anew"))
+        latest, manifest = full, read_manifest(full)
+        step = manifest["step"]
+        lines += (f"[zorse] {model_only}: resuming from {full} (step {step}), the newest with it",)
     return _Start(kind="resume", step=step, run_id=manifest["run_id"] or this_run or new_run_id(), lines=lines,
                   fell_back=bool(damaged))
+
+
+def _intact(path: Path) -> bool:
+    try:
+        verify_checkpoint(path)
+    except CheckpointDamagedError:
+        return False
+    return True
 
 
 def _agree_on_start(start: _Start | None, rank: int, device: torch.device) -> tuple[str, int]:
@@ -592,7 +612,9 @@ def _run(options: TrainingOptions, where: _Where) -> int:
         # The last step (or the one a signal stops after) always writes one: the trained model is never lost.
         if step == loop.steps or stopping or (ckpt.checkpoint_every and step % ckpt.checkpoint_every == 0):
             path = save_checkpoint(worker, ckpt_root, step, keep=ckpt.keep_checkpoints, run_id=run_id,
-                                   plan_hash=identity["plan_hash"] if rank == 0 else "")
+                                   plan_hash=identity["plan_hash"] if rank == 0 else "",
+                                   model_only=(ckpt.final_checkpoint == "model-only" and step == loop.steps
+                                               and not stopping))
             saved = step
             if progress:
                 progress.write(f"[zorse] checkpoint {path}")

@@ -263,6 +263,10 @@ class CheckpointOptions:
         "writes, as does a SIGTERM or SIGINT before the ranks exit)", metavar="N")] = 0
     keep_checkpoints: Annotated[int, _arg(metavar="K")] = 3
     """keep the newest K checkpoints"""
+    final_checkpoint: Literal["full", "model-only"] = "full"
+    """what the last step's checkpoint holds: the whole training state (full: --resume with a larger --steps
+    continues it) or the parameters alone (model-only: a third of the bytes under fp32 AdamW, for export and
+    evaluation; a later --resume continues from the newest full checkpoint)"""
     resume: Annotated[bool, _arg(
         "continue from the newest complete checkpoint in <out>/checkpoints (any plan of the same model, global "
         "batch and sequence length) that its manifest's checksums pass (a damaged one is named and the one "

@@ -35,6 +35,13 @@ depend on the plan:
   same (dropout then continues exactly; under another world size each rank
   is re-seeded from ``--seed`` and the step).
 
+A model-only checkpoint (the last step's under ``zorse train
+--final-checkpoint model-only``; manifest ``contents`` "model") holds the
+``model/`` keys and ``train/step`` alone: a third of a full checkpoint's
+bytes under AdamW in float32, for export and evaluation; training does not
+continue from it (``load_checkpoint`` refuses it; a ``--resume`` asking for
+more steps falls back to the newest full checkpoint).
+
 The data position is the step: the global batch of step k is a function of k
 (``zorse_fx.data``), so a resumed run must keep the global batch size and
 the sequence length (checked, with the value to set).
@@ -49,8 +56,9 @@ shared file system. Before a resume the files are checked against the
 manifest's sizes and sha256 ([Note: checkpoint integrity]).
 
 The manifest (``zorse_checkpoint.json``, ``"format": "zorse_fx.checkpoint"``,
-version 2: version 1 plus the run's identity ``run_id`` / ``plan_hash``,
-``runtime/run_dir.py``, and ``files``; version 1 is read with those empty)
+version 3: version 2 plus ``contents``; version 2: version 1 plus the run's
+identity ``run_id`` / ``plan_hash``, ``runtime/run_dir.py``, and ``files``;
+older versions are read with those empty and ``contents`` "full")
 is declared once, as ``CheckpointManifest``: its annotations carry
 each field's type, range and meaning, ``file_schema.struct_of`` builds the
 schema ``ManifestDoc`` from them, ``save_checkpoint`` writes a manifest
@@ -97,7 +105,7 @@ __all__ = ["MANIFEST", "CheckpointManifest", "CheckpointFile", "ManifestDoc", "M
 #: The manifest file of a complete checkpoint.
 MANIFEST = "zorse_checkpoint.json"
 FORMAT = "zorse_fx.checkpoint"
-VERSION = 2
+VERSION = 3
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
@@ -128,24 +136,32 @@ class CheckpointManifest:
     plan_hash: Annotated[str, Meta(description="sha256 prefix of the plan that wrote it ('' in version 1)")]
     files: Annotated[dict[str, CheckpointFile] | None, Meta(
         description="every other file of the directory: size and sha256 (None in version 1)")]
+    contents: Annotated[Literal["full", "model"], Meta(
+        description="full: the whole training state, which --resume continues; model: the parameters alone "
+                    "(a last step's checkpoint under --final-checkpoint model-only); 'full' before version 3")]
 
 
 FileDoc = struct_of(CheckpointFile, "CheckpointFileDoc")
 ManifestDoc = struct_of(CheckpointManifest, "ManifestDoc", docs={CheckpointFile: FileDoc}, extra={
-    "": [("format", Literal["zorse_fx.checkpoint"], msgspec.NODEFAULT), ("version", Literal[2], msgspec.NODEFAULT)],
+    "": [("format", Literal["zorse_fx.checkpoint"], msgspec.NODEFAULT), ("version", Literal[3], msgspec.NODEFAULT)],
 })
 
 
 def _upgrade(d: dict) -> dict:
-    """A version-1 manifest in the current shape: no run identity (``run_id``,
-    ``plan_hash`` ''), no file records (``files`` None: not verifiable)."""
-    if d.get("version") != 1:
-        return d
-    return {**d, "version": VERSION, "run_id": "", "plan_hash": "", "files": None}
+    """An older manifest in the current shape: version 1 has no run identity
+    (``run_id``, ``plan_hash`` ''), no file records (``files`` None: not
+    verifiable); versions 1 and 2 wrote only whole training states
+    (``contents`` "full")."""
+    version = d.get("version")
+    if version == 1:
+        d = {**d, "run_id": "", "plan_hash": "", "files": None}
+    if version in (1, 2):
+        d = {**d, "version": VERSION, "contents": "full"}
+    return d
 
 
 #: The manifest as a ``file_schema.FileFormat``.
-MANIFEST_FILE = FileFormat(name=FORMAT, what="checkpoint manifest", doc=ManifestDoc, versions=(1, VERSION),
+MANIFEST_FILE = FileFormat(name=FORMAT, what="checkpoint manifest", doc=ManifestDoc, versions=(1, 2, VERSION),
                            remake="resume from another step_<k> directory of <out>/checkpoints",
                            error=CheckpointManifestError, upgrade=_upgrade)
 
@@ -431,14 +447,17 @@ def _state_to_save(worker: StageWorker, step: int) -> dict[str, torch.Tensor]:
 
 
 def save_checkpoint(worker: StageWorker, root: str | Path, step: int, *, keep: int = 3, run_id: str = "",
-                    plan_hash: str = "") -> Path:
+                    plan_hash: str = "", model_only: bool = False) -> Path:
     """Save the training state after ``step`` to ``root/step_<step>``,
     atomically (see [Note: checkpoint contents] and the module docstring);
     keep the newest ``keep`` checkpoints of steps up to ``step``. Collective:
     call on every rank. Rank 0 writes the manifest (a ``CheckpointManifest``
     with the run's identity ``run_id`` / ``plan_hash`` and every file's size
-    and sha256: [Note: checkpoint integrity]). Returns the checkpoint
-    directory."""
+    and sha256: [Note: checkpoint integrity]). ``model_only``: the
+    parameters alone (``model/`` keys and the step; manifest ``contents``
+    "model"), for a run's last step under ``--final-checkpoint model-only``:
+    no AdamW moments, loss scaler or RNG, so it cannot be resumed. Returns
+    the checkpoint directory."""
     root = Path(root)
     tmp, final = root / f"step_{step}.tmp", root / f"step_{step}"
     if worker.rank == 0:
@@ -449,7 +468,10 @@ def save_checkpoint(worker: StageWorker, root: str | Path, step: int, *, keep: i
     dist.barrier()
     import torch.distributed.checkpoint as dcp  # (on first use: see _SafeReader)
 
-    dcp.save(_state_to_save(worker, step), storage_writer=dcp.FileSystemWriter(tmp))
+    state = _state_to_save(worker, step)
+    if model_only:
+        state = {k: v for k, v in state.items() if k.startswith("model/") or k == "train/step"}
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp))
     if worker.rank == 0:  # DCP's save ended with a collective: every rank's files are written
         plan = worker.plan
         manifest = _manifest_dict(CheckpointManifest(
@@ -457,7 +479,7 @@ def save_checkpoint(worker: StageWorker, root: str | Path, step: int, *, keep: i
             num_stages=plan.num_stages, model_name=plan.model_name, cluster_name=plan.cluster_name,
             global_batch_size=plan.global_batch_size, seq_len=plan.seq_len, precision=worker.precision.name,
             samples_seen=step * plan.global_batch_size, run_id=run_id, plan_hash=plan_hash,
-            files=_file_records(tmp)))
+            files=_file_records(tmp), contents="model" if model_only else "full"))
         with open(tmp / MANIFEST, "w") as f:
             f.write(json.dumps(manifest, indent=2) + "\n")
             f.flush()
@@ -543,13 +565,18 @@ def load_checkpoint(worker: StageWorker, path: str | Path, *, check_batch: bool 
     is the same). Collective: call on every rank. Returns the manifest.
 
     Raises:
-        CheckpointError: the checkpoint is not of this model (a parameter is
+        CheckpointError: the checkpoint holds the parameters only (manifest
+            ``contents`` "model"), is not of this model (a parameter is
             missing or has another shape: named with both shapes), its global
             batch or sequence length differs from the plan's (the data
             position would not carry over), or part of an owned optimizer
             range was never saved."""
     path = Path(path)
     manifest = read_manifest(path)
+    if manifest["contents"] != "full":
+        raise CheckpointError(f"{path} holds the model's parameters only (a last step's checkpoint written with "
+                              f"--final-checkpoint model-only): training cannot continue from it; resume from a "
+                              f"checkpoint with the optimizer state, or start anew from its weights")
     plan = worker.plan
     if check_batch:
         _check_batch(path, manifest, plan)
