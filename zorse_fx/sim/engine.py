@@ -397,22 +397,14 @@ class _Pipeline:
         self.nccl = p2p == P2P_NCCL
         self.gloo = p2p == P2P_GLOO
         self.program = self.nccl or self.gloo
-        if self.gloo:
-            progs = self.progs = decision_programs(costs, decision, options.schedule)
-            self.where = {(op.send, op.message): (g, gi) for g, pr in progs.items()
-                          for gi, grp in enumerate(pr.groups) for op in grp}
-            # Per group its receives not yet arrived: a compute waits for the groups holding its receives.
-            self.remaining = {(g, gi): sum(1 for op in grp if not op.send) for g, pr in progs.items()
-                              for gi, grp in enumerate(pr.groups)}
-            self.posted = dict.fromkeys(used, 0)
-            self.post_time = {}
-            for g in used:
-                self._post_group(g)  # G_0: the receives of the first action
-        if self.nccl:
+        if self.program:
             self.progs = progs = decision_programs(costs, decision, options.schedule)
             self.where = {(op.send, op.message): (g, gi) for g, pr in progs.items()
                           for gi, grp in enumerate(pr.groups) for op in grp}
-            self.remaining = {(g, gi): len(grp) for g, pr in progs.items() for gi, grp in enumerate(pr.groups)}
+            # Per group the messages not yet arrived: all of them under NCCL (a group completes as a whole),
+            # the receives alone under Gloo (a compute waits for the groups holding its receives).
+            self.remaining = {(g, gi): sum(1 for op in grp if self.nccl or not op.send) for g, pr in progs.items()
+                              for gi, grp in enumerate(pr.groups)}
             self.stream = {g: deque() for g in used}
             self.posted = dict.fromkeys(used, 0)
             self.post_time: dict[tuple[int, int], float] = {}
