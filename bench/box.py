@@ -660,6 +660,7 @@ def reprice_case(case: Case, saved: dict, work: Path) -> dict:
         med = p["measured_median_s"]
         plans.append({**p, "objective_s": r.objective_s, "simulated_s": r.simulated_s,
                       "simulated_over_measured": r.simulated_s / med, "objective_over_measured": r.objective_s / med})
+    # _verdict reads each plan's median and range only: (min, median, max) stands for the steps measured.
     again = [PlanRow(name=p["plan"], plan_dir="", decision="", ranks=p["ranks"], objective_s=p["objective_s"],
                      simulated_s=p["simulated_s"],
                      measured=[p["measured_min_s"], p["measured_median_s"], p["measured_max_s"]]) for p in plans]

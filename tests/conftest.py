@@ -613,6 +613,23 @@ def assert_cpsat_equals_brute_force(costs, devices, options, *, optimal: bool = 
     return ref, res, ev
 
 
+def assert_grouped_within_cpsat_gap(costs, devices, options):
+    """The class-level model (``solve_grouped``) on an instance with idle GPUs
+    allowed or classes of several GPUs: ``evaluate`` of its decision equals its
+    objective to the ns, and it is no better than CP-SAT's proven bound (CP-SAT's
+    objective less its optimality gap, 1 ns of rounding). Returns ``(ref, res)``."""
+    from zorse_fx.solve import evaluate, solve_cpsat, solve_grouped
+    from zorse_fx.solve.objective import UNITS_PER_S
+
+    ref = solve_cpsat(costs, devices, options)
+    res = solve_grouped(costs, devices, options)
+    ev = evaluate(costs, devices, options, res.decision)
+    assert ev.objective_units == round(res.objective * UNITS_PER_S)
+    assert round(res.objective * UNITS_PER_S) >= round(ref.objective * UNITS_PER_S) - round(
+        ref.optimality_gap * ref.objective * UNITS_PER_S) - 1
+    return ref, res
+
+
 def reference_adamw(captured, tokens, plan, steps, *, lr, weight_decay, precision=None, inject_inf_step=None,
                     lr_at=None, clip=None, norms=None):
     """Single-process AdamW on the whole global batch, as train.py configures it

@@ -138,6 +138,21 @@ SHAPES = {
 }
 
 
+def _shape_instance(shape, *, cut_bytes, intra_s, inter_s):
+    """(costs, devices, options, decision) of ``SHAPES[shape]``: one block per stage (A: 4 ms, B: 7 ms per
+    sample), ``cut_bytes`` per sample across every cut, GPUs A B A B on two nodes (5 GB/s and ``intra_s`` within,
+    1 GB/s and ``inter_s`` across)."""
+    gpus, samples, m, v = SHAPES[shape]
+    n_s = len(gpus)
+    costs = BlockCosts(fwd_bwd_s_per_sample={"A": (4e-3,) * n_s, "B": (7e-3,) * n_s}, param_count=(10**6,) * n_s,
+                       act_bytes_per_sample=(10**5,) * n_s, cut_bytes_per_sample=(0, *(cut_bytes,) * (n_s - 1), 0))
+    devices = make_devices(["A", "B", "A", "B"], ["n0", "n0", "n1", "n1"], [GIB] * 4, [1e12] * 4,
+                           intra=(5e9, intra_s), inter=(1e9, inter_s))
+    dec = Decision(stage_blocks=tuple((s, s + 1) for s in range(n_s)), stage_gpus=gpus,
+                   samples_per_microbatch=samples, num_microbatches=m, interleave=v)
+    return costs, devices, solver_options(global_batch_size=m * sum(samples[0])), dec
+
+
 @pytest.fixture(scope="module")
 def captured():
     return gpt4x64()
@@ -185,13 +200,7 @@ def test_a_compute_waits_for_its_whole_group(shape):
     is done (one stream per rank). Checked on every action of every GPU."""
     gpus, samples, m, v = SHAPES[shape]
     n_s = len(gpus)
-    costs = BlockCosts(fwd_bwd_s_per_sample={"A": (4e-3,) * n_s, "B": (7e-3,) * n_s}, param_count=(10**6,) * n_s,
-                       act_bytes_per_sample=(10**5,) * n_s, cut_bytes_per_sample=(0, *(3 * 10**6,) * (n_s - 1), 0))
-    devices = make_devices(["A", "B", "A", "B"], ["n0", "n0", "n1", "n1"], [GIB] * 4, [1e12] * 4,
-                           intra=(5e9, 1e-5), inter=(1e9, 5e-5))
-    dec = Decision(stage_blocks=tuple((s, s + 1) for s in range(n_s)), stage_gpus=gpus,
-                   samples_per_microbatch=samples, num_microbatches=m, interleave=v)
-    opts = solver_options(global_batch_size=m * sum(samples[0]))
+    costs, devices, opts, dec = _shape_instance(shape, cut_bytes=3 * 10**6, intra_s=1e-5, inter_s=5e-5)
     sim = simulate(costs, devices, opts, dec, p2p="nccl")
     progs = decision_programs(costs, dec, opts.schedule)
     arrival = {(e.gpu, e.peer, e.stage, e.peer_stage, e.microbatch): e.end_s for e in sim.events
@@ -234,15 +243,7 @@ def test_gloo_messages_leave_after_the_receivers_ready_crossed_the_link(shape):
     the receive's post being the end of the action before its group (0 for
     group 0); every action starts after the receives of the groups it waits
     for arrived (its own receives only: a sender never waits)."""
-    gpus, samples, m, v = SHAPES[shape]
-    n_s = len(gpus)
-    costs = BlockCosts(fwd_bwd_s_per_sample={"A": (4e-3,) * n_s, "B": (7e-3,) * n_s}, param_count=(10**6,) * n_s,
-                       act_bytes_per_sample=(10**5,) * n_s, cut_bytes_per_sample=(0, *(3 * 10**5,) * (n_s - 1), 0))
-    devices = make_devices(["A", "B", "A", "B"], ["n0", "n0", "n1", "n1"], [GIB] * 4, [1e12] * 4,
-                           intra=(5e9, 2e-3), inter=(1e9, 6e-3))
-    dec = Decision(stage_blocks=tuple((s, s + 1) for s in range(n_s)), stage_gpus=gpus,
-                   samples_per_microbatch=samples, num_microbatches=m, interleave=v)
-    opts = solver_options(global_batch_size=m * sum(samples[0]))
+    costs, devices, opts, dec = _shape_instance(shape, cut_bytes=3 * 10**5, intra_s=2e-3, inter_s=6e-3)
     sim = simulate(costs, devices, opts, dec, p2p="gloo")
     progs = decision_programs(costs, dec, opts.schedule)
     sends = {(e.gpu, e.peer, e.stage, e.peer_stage, e.microbatch): (e.start_s, e.end_s) for e in sim.events

@@ -113,12 +113,11 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-from .errors import CheckpointDamagedError, RunDirectoryError, RuntimeExecutionError
+from .errors import RunDirectoryError, RuntimeExecutionError
 from .plan import Plan
 from .precision import precision_policy
 from .runtime import preflight
-from .runtime.checkpoint import (list_checkpoints, load_checkpoint, newest_intact_checkpoint, read_manifest,
-                                 save_checkpoint, set_aside, verify_checkpoint)
+from .runtime.checkpoint import load_checkpoint, newest_intact_checkpoint, read_manifest, save_checkpoint, set_aside
 from .runtime.device_check import check_devices, observe
 from .runtime.launch import init_process_group, rank_device
 from .runtime.lr_schedule import LRSchedule
@@ -284,8 +283,8 @@ def _decide_start(out: Path, ckpt: CheckpointOptions, steps: int, restarted: int
             f"[zorse] nothing to train: the newest checkpoint {latest} is at step {step}, {where} (--steps {steps}); "
             f"pass a larger --steps to train on")))
     if manifest["contents"] != "full":  # (a last step's --final-checkpoint model-only: no optimizer state)
-        full = next((d for _, d in reversed(list_checkpoints(root)) if d != latest
-                     and _intact(d) and read_manifest(d)["contents"] == "full"), None)
+        full, older_damaged = newest_intact_checkpoint(root, resumable=True)
+        lines += tuple(f"[zorse] {exc}; set aside as {set_aside(exc.path).name}" for exc in older_damaged)
         model_only = (f"{latest} holds the parameters only (--final-checkpoint model-only), not the optimizer state "
                       f"training continues from")
         if full is None:
@@ -296,14 +295,6 @@ def _decide_start(out: Path, ckpt: CheckpointOptions, steps: int, restarted: int
         lines += (f"[zorse] {model_only}: resuming from {full} (step {step}), the newest with it",)
     return _Start(kind="resume", step=step, run_id=manifest["run_id"] or this_run or new_run_id(), lines=lines,
                   fell_back=bool(damaged))
-
-
-def _intact(path: Path) -> bool:
-    try:
-        verify_checkpoint(path)
-    except CheckpointDamagedError:
-        return False
-    return True
 
 
 def _agree_on_start(start: _Start | None, rank: int, device: torch.device) -> tuple[str, int]:

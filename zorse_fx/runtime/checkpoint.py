@@ -312,17 +312,21 @@ def _check_dcp_files(path: Path, damaged) -> None:
                                f"(truncated)")
 
 
-def newest_intact_checkpoint(root: str | Path, *,
-                             contents: bool = True) -> tuple[Path | None, list[CheckpointDamagedError]]:
+def newest_intact_checkpoint(root: str | Path, *, contents: bool = True,
+                             resumable: bool = False) -> tuple[Path | None, list[CheckpointDamagedError]]:
     """(the newest checkpoint under ``root`` that ``verify_checkpoint``
     passes (``contents``: hashes too, else sizes and files only), or None;
-    the damaged ones newer than it, newest first)."""
+    the damaged ones newer than it, newest first). ``resumable``: only a
+    checkpoint of the whole training state (manifest ``contents`` "full"):
+    an intact model-only one is passed over, not counted as damaged."""
     damaged: list[CheckpointDamagedError] = []
     for _, d in reversed(list_checkpoints(root)):
         try:
             verify_checkpoint(d, contents=contents)
         except CheckpointDamagedError as exc:
             damaged.append(exc)
+            continue
+        if resumable and read_manifest(d)["contents"] != "full":
             continue
         return d, damaged
     return None, damaged
