@@ -341,7 +341,7 @@ def _launcher():
     return _LAUNCHER
 
 
-def spawn_ranks(plan_dir: Path, world: int, train_args: list[str], *, timeout_s: float = 300) -> None:
+def spawn_ranks(plan_dir: Path, world: int, train_args: list[str], *, timeout_s: float = 300) -> list[str]:
     """Run ``zorse_fx.train.main`` once per rank, each in its own process, with
     the environment torchrun gives its workers (``RANK``, ``WORLD_SIZE``,
     ``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT`` for the ``env://``
@@ -349,7 +349,8 @@ def spawn_ranks(plan_dir: Path, world: int, train_args: list[str], *, timeout_s:
     The processes are forked from a fork server that imported the runtime
     once (``_launcher``) instead of started by torchrun's agent; ``zorse
     train`` (tests/test_api.py) covers torchrun itself.
-    Raises AssertionError with every rank's output if one fails or runs past
+    Returns every rank's output (stdout and stderr), by rank. Raises
+    AssertionError with every rank's output if one fails or runs past
     ``timeout_s``."""
     import tempfile
 
@@ -387,6 +388,7 @@ def spawn_ranks(plan_dir: Path, world: int, train_args: list[str], *, timeout_s:
         raise AssertionError("a rank failed:\n" + "\n".join(
             f"--- rank {r} (exit code {p.exitcode}) ---\n{o[-4000:]}" for r, (p, o) in enumerate(zip(procs, outputs))))
     print(outputs[0])
+    return outputs
 
 
 def run_distributed(compiled_or_plan, weights, tokens, tmp_path: Path, *, steps: int = 1, extra=()):

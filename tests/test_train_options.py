@@ -94,6 +94,7 @@ FLAGS = [
     (["--val-every", "2"], "loop.val_every", 2),
     (["--val-every", "3", "--val-batches", "4"], "loop.val_batches", 4),
     (["--tensorboard"], "loop.tensorboard", True),
+    (["--no-timings"], "loop.no_timings", True),
     (["--checkpoint-every", "5"], "checkpoint.checkpoint_every", 5),
     (["--checkpoint-every", "1", "--keep-checkpoints", "2"], "checkpoint.keep_checkpoints", 2),
     (["--resume"], "checkpoint.resume", True),
@@ -109,6 +110,7 @@ FLAGS = [
     (["--kill-at-step", "1:3"], "testing.kill_at_step", (1, 3)),
     (["--fail-rank", "2:3"], "testing.fail_rank", (2, 3)),
     (["--inject-inf", "0:2"], "testing.inject_inf", (0, 2)),
+    (["--slow-rank", "1:2.5"], "testing.slow_rank", (1, 2.5)),
     (["--raise-at-step", "1:2"], "testing.raise_at_step", (1, 2)),
     (["--dump-grads", "2"], "testing.dump_grads", 2),
     (["--dump-params"], "testing.dump_params", True),
@@ -186,6 +188,10 @@ ERRORS = [  # (argv, message): after "plan --tokens t.pt" unless the argv starts
                                "re-plan with `zorse plan --bucket-mib MIB` (or PlanOptions(bucket_mib=...))"),
     (["--kill-at-step", "x"], "--kill-at-step expects RANK:STEP with two integers >= 0, got 'x'"),
     (["--inject-inf", "1-2"], "--inject-inf expects RANK:STEP with two integers >= 0, got '1-2'"),
+    (["--slow-rank", "1:0.5"], "--slow-rank expects RANK:FACTOR, a rank >= 0 and a factor from 1 to 1000 (3: three "
+                               "times slower), got '1:0.5'"),
+    (["--slow-rank", "x:3"], "--slow-rank expects RANK:FACTOR, a rank >= 0 and a factor from 1 to 1000 (3: three "
+                             "times slower), got 'x:3'"),
     (["--inject-inf", "1:-2"], "--inject-inf expects RANK:STEP with two integers >= 0, got '1:-2'"),
     (["--lr", "x"], "argument --lr: could not convert string to float: 'x'"),
     (["--steps", "1.5"], "argument --steps: invalid literal for int() with base 10: '1.5'"),
@@ -387,12 +393,12 @@ FULL = TrainingOptions(
     data=DataOptions(plan="runs/x/plan", weights="w.pt", data="d.bin", allow_repeat=True, val_fraction=0.1),
     optimizer=OptimizerOptions(lr=3e-4, lr_schedule="cosine", warmup_steps=2, min_lr=1e-5, weight_decay=0.1,
                                adam_beta1=0.8, adam_beta2=0.99, adam_eps=1e-6, clip_grad_norm=1.0, seed=3),
-    loop=LoopOptions(steps=7, val_every=2, val_batches=2, tensorboard=True),
+    loop=LoopOptions(steps=7, val_every=2, val_batches=2, tensorboard=True, no_timings=True),
     checkpoint=CheckpointOptions(checkpoint_every=3, keep_checkpoints=1, resume=True, final_checkpoint="model-only"),
     job=JobOptions(out="runs/x", backend="gloo", precision="bf16-mixed", grad_reduce_dtype="bfloat16",
                    pg_timeout_min=2.5, heartbeat_s=0.5, skip_device_check=True),
     testing=TestingOptions(kill_at_step=(1, 3), fail_rank=(2, 4), raise_at_step=(1, 2), inject_inf=(0, 2),
-                           dump_grads=2, dump_params=True))
+                           slow_rank=(1, 2.5), dump_grads=2, dump_params=True))
 
 
 def test_options_file_round_trip(tmp_path):

@@ -28,6 +28,7 @@ from zorse_fx.errors import CheckpointError
 from zorse_fx.models.gpt import GPT, GPTConfig
 from zorse_fx.runtime.checkpoint import MANIFEST, latest_checkpoint, list_checkpoints, read_manifest
 from zorse_fx.runtime.lr_schedule import LRSchedule
+from zorse_fx.runtime.timings import read_timings
 
 LR, WD = 1e-3, 0.1
 SEQ = 32  # gpt3x64's tokens
@@ -241,6 +242,7 @@ def test_resumed_run_equals_the_uninterrupted_run_exactly(uninterrupted, tmp_pat
     spawn_ranks(d / "plan", w, [*common[1:], "--steps", "4", "--out", str(run), "--resume", "--dump-params"])
     full, resumed = _rows(d / "full"), _rows(run)
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    assert [t.step for t in read_timings(run / "timings.jsonl")] == [1, 2, 3, 4]  # continued as metrics.jsonl
     assert [r["loss"] for r in resumed] == [r["loss"] for r in full]
     assert [r["lr"] for r in resumed] == [r["lr"] for r in full]
     _assert_same_params(d / "full", run, w)
@@ -389,6 +391,7 @@ def test_a_killed_rank_restarts_the_job_from_the_last_checkpoint(uninterrupted, 
     rows = _rows(run)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert [r["loss"] for r in rows] == [r["loss"] for r in _rows(d / "full")]
+    assert [t.step for t in read_timings(run / "timings.jsonl")] == [1, 2, 3, 4]  # step 3's once
     _assert_same_params(d / "full", run, w)
 
 

@@ -16,6 +16,7 @@ __all__ = [
     "ClusterConfigError",
     "FileFormatError",
     "PlanFileError",
+    "TimingsFileError",
     "PlanOptionsError",
     "ModelCaptureError",
     "InfeasiblePlanError",
@@ -61,6 +62,11 @@ class FileFormatError(ZorseError, ValueError):
 
 class PlanFileError(FileFormatError):
     """A plan file (plan.json) is malformed or of an unsupported version."""
+
+
+class TimingsFileError(FileFormatError):
+    """A run's timings file (``<out>/timings.jsonl``) or a calibration file is
+    missing, malformed or of an unsupported version."""
 
 
 class PlanOptionsError(ZorseError, ValueError):

@@ -1,9 +1,10 @@
 """How zorse_fx reads the JSON files it writes: one loader, one error type.
 
-Five formats pass through here: ``plan.json`` (``plan_schema``), kernel
+Six formats pass through here: ``plan.json`` (``plan_schema``), kernel
 profiles (``cost/profile.py``), communication profiles
-(``profiling/comm.py``), checkpoint manifests (``runtime/checkpoint.py``) and
-token-file headers (``token_data.py``). Each is one ``FileFormat``: the value
+(``profiling/comm.py``), checkpoint manifests (``runtime/checkpoint.py``),
+token-file headers (``token_data.py``) and the lines of a run's
+``timings.jsonl`` (``runtime/timings.py``). Each is one ``FileFormat``: the value
 of its ``format`` field, the versions it reads, a ``msgspec.Struct`` holding
 every field's type, range (``msgspec.Meta``: ``ge``, ``min_length``, ...),
 allowed values (``Literal``) and meaning (``Meta(description=...)``), what

@@ -114,7 +114,7 @@ import torch
 import torch.distributed as dist
 
 from .errors import RunDirectoryError, RuntimeExecutionError
-from .plan import Plan
+from .plan import Plan, fmt_seconds
 from .precision import precision_policy
 from .runtime import preflight
 from .runtime.checkpoint import load_checkpoint, newest_intact_checkpoint, read_manifest, save_checkpoint, set_aside
@@ -125,6 +125,7 @@ from .runtime.memory_meter import MemoryMeter
 from .runtime.rank_errors import EXIT_NONFINITE, record_rank_error  # (EXIT_NONFINITE: the launcher reads it too)
 from .runtime.run_dir import (CHECKPOINTS, METRICS, check_checkpoint_run, check_fresh_start, new_run_id, plan_hash,
                               previous_run, remove_previous_run)
+from .runtime.timings import TIMINGS, slowest_rank, timings_line
 from .runtime.watchdog import heartbeat_dir, start_heartbeat
 from .runtime.worker import OptimizerConfig, StageWorker
 from .token_data import TokenData, model_vocab_size
@@ -197,12 +198,12 @@ class _Stop:
         self.signal = signum
 
 
-def _metrics_file(out: Path, resumed_step: int | None, run_id: str):
-    """metrics.jsonl, continued after ``resumed_step`` (later lines, from steps
+def _metrics_file(out: Path, resumed_step: int | None, run_id: str, name: str = METRICS):
+    """metrics.jsonl (or ``name``: timings.jsonl), continued after ``resumed_step`` (later lines, from steps
     the interrupted run did after its last checkpoint, and lines of another
     run are dropped), or started anew (a fresh run: [Note: one run per
     directory] in ``runtime/run_dir.py``)."""
-    path = out / METRICS
+    path = out / name
     if resumed_step is not None and path.exists():
         kept = []
         for ln in path.read_text().splitlines():
@@ -478,10 +479,12 @@ def _run(options: TrainingOptions, where: _Where) -> int:
     policy, why = runtime_precision(plan, device, job.precision, job.grad_reduce_dtype)
     meter = MemoryMeter(device)  # from here: the stage's own bytes ([Note: measured rank memory])
     worker = StageWorker(plan, plan_dir, weights, rank=rank, device=device, optimizer=OptimizerConfig.from_options(opt),
-                         precision=policy, weights_source=str(weights_path))
+                         precision=policy, weights_source=str(weights_path), timings=not loop.no_timings)
     del weights
     if test.inject_inf and test.inject_inf[0] == rank:
         worker.add_inject_inf(test.inject_inf[1])
+    if test.slow_rank and test.slow_rank[0] == rank:  # [Note: a slowed rank] in runtime/worker.py
+        worker.slow_factor = test.slow_rank[1]
     schedule = LRSchedule.from_options(opt, total_steps=loop.steps)
     if kind == "resume":
         latest = ckpt_root / f"step_{resumed_step}"  # verified by rank 0 (_decide_start)
@@ -495,10 +498,12 @@ def _run(options: TrainingOptions, where: _Where) -> int:
     else:
         resumed_step = None
     start = (resumed_step or 0) + 1
-    metrics = writer = progress = None
+    metrics = timings = writer = progress = None
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         metrics = _metrics_file(out, resumed_step, run_id)
+        if not loop.no_timings:  # [Note: step timings] in runtime/timings.py
+            timings = _metrics_file(out, resumed_step, run_id, TIMINGS)
         identity = {"run_id": run_id, "plan_hash": plan_hash(plan)}
         if loop.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -547,6 +552,7 @@ def _run(options: TrainingOptions, where: _Where) -> int:
         host = [worker.last_breakdown[k] for k in _BREAKDOWN] + [
             float(stop.signal), -1.0 if grad_stage is None else float(grad_stage),
             -1.0 if weight_stage is None else float(weight_stage), float(meter.peak_bytes())]
+        host += worker.last_timings  # [Note: step timings]: the same count on every rank
         mine = torch.cat([torch.tensor(host, dtype=torch.float64, device=device), local_loss])
         gathered = [torch.empty_like(mine) for _ in range(world)]
         dist.all_gather(gathered, mine)
@@ -554,7 +560,7 @@ def _run(options: TrainingOptions, where: _Where) -> int:
         step_time = time.perf_counter() - t0  # the whole step: through the all-gather every rank waits for
         n = len(_BREAKDOWN)
         stopping = int(table[:, n].max().item())
-        parts_loss = table[:, n + 4].tolist()  # the ranks' contributions to the global batch's loss
+        parts_loss = table[:, -1].tolist()  # the ranks' contributions to the global batch's loss
         bad_loss = [r for r, x in enumerate(parts_loss) if not math.isfinite(x)]
         loss_value = sum(parts_loss) if bad_loss else math.fsum(parts_loss)  # exact (fsum refuses inf - inf)
         bad_grads = [(r, int(table[r, n + 1].item())) for r in range(world) if table[r, n + 1] >= 0]
@@ -585,11 +591,21 @@ def _run(options: TrainingOptions, where: _Where) -> int:
                 rec["val_loss"] = val_loss
             metrics.write(json.dumps(rec) + "\n")
             metrics.flush()
+            slow = ""
+            if timings is not None:
+                spans = table[:, n + 4:-1].tolist()
+                timings.write(json.dumps(timings_line(plan, step, **identity, clock=worker.timer.clock,
+                                                      step_time_s=step_time, durations=spans)) + "\n")
+                timings.flush()
+                if world > 1:
+                    r, busy = slowest_rank(spans, plan)
+                    stages = ",".join(map(str, plan.stages_of(r)))
+                    slow = f"  slowest rank {r} (stage {stages}, {fmt_seconds(busy)} compute)"
             if writer is not None:
                 for k in ("loss", "lr", "grad_norm", "tokens_per_s", "val_loss"):
                     if rec.get(k) is not None:
                         writer.add_scalar(f"train/{k}" if k != "val_loss" else "val/loss", rec[k], step)
-            progress.step(step, rec, (f"  val loss {val_loss:.4f}" if val_loss is not None else "")
+            progress.step(step, rec, slow + (f"  val loss {val_loss:.4f}" if val_loss is not None else "")
                           + (f"  loss scale {worker.last_loss_scale:g}" if worker.scaler else "")
                           + ("  (skipped: inf/NaN gradient)" if worker.last_skipped else ""))
         if nonfinite:  # every rank saw the same table: all stop here, no checkpoint of this step
@@ -622,8 +638,9 @@ def _run(options: TrainingOptions, where: _Where) -> int:
             print(_memory_line(plan, [int(t[n + 3].item()) for t in table], on_cpu=device.type == "cpu"), flush=True)
     if writer is not None:
         writer.close()
-    if metrics is not None:
-        metrics.close()
+    for f in (metrics, timings):
+        if f is not None:
+            f.close()
     if test.dump_params:
         d = out / "params"
         d.mkdir(parents=True, exist_ok=True)

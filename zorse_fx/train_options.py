@@ -64,7 +64,7 @@ from .precision import GRAD_REDUCE_DTYPES, PRECISIONS, precision_policy
 
 __all__ = ["TrainingOptions", "TrainingRecords", "DataOptions", "OptimizerOptions", "LoopOptions",
            "CheckpointOptions", "JobOptions", "TestingOptions", "LR_SCHEDULES", "BACKENDS", "OptionValueError",
-           "TrainOptionsFileError", "UsageError", "check_lr_schedule", "RANK_STEP_HOOKS",
+           "TrainOptionsFileError", "UsageError", "check_lr_schedule", "RANK_STEP_HOOKS", "RANK_HOOKS",
            "parse_flags", "options_from_argv",
            "write_options_file", "read_options_file", "OPTIONS_FILE", "FORMAT", "VERSION", "TYRO_CONFIG"]
 
@@ -114,6 +114,28 @@ def _rank_step(flag: str) -> tyro.constructors.PrimitiveConstructorSpec:
     return tyro.constructors.PrimitiveConstructorSpec(
         nargs=1, metavar="RANK:STEP", instance_from_str=parse, is_instance=lambda v: v is None or isinstance(v, tuple),
         str_from_instance=lambda v: ["None" if v is None else f"{v[0]}:{v[1]}"])
+
+
+def _rank_factor(flag: str) -> tyro.constructors.PrimitiveConstructorSpec:
+    """The command-line form ``RANK:FACTOR`` of a ``(rank, factor)`` pair (``None``: off)."""
+
+    def parse(args: list[str]) -> tuple[int, float]:
+        (text,) = args
+        rank, _, factor = text.partition(":")
+        try:
+            pair = (int(rank), float(factor))
+        except ValueError:
+            pair = None
+        if pair is None or pair[0] < 0 or not 1.0 <= pair[1] <= 1000.0:
+            raise OptionValueError(flag[2:].replace("-", "_"),
+                                   f"{flag} expects RANK:FACTOR, a rank >= 0 and a factor from 1 to 1000 "
+                                   f"(3: three times slower), got {text!r}")
+        return pair
+
+    return tyro.constructors.PrimitiveConstructorSpec(
+        nargs=1, metavar="RANK:FACTOR", instance_from_str=parse,
+        is_instance=lambda v: v is None or isinstance(v, tuple),
+        str_from_instance=lambda v: ["None" if v is None else f"{v[0]}:{v[1]:g}"])
 
 
 def _check_rank_step(field: str, value: tuple[int, int] | None) -> None:
@@ -247,6 +269,8 @@ class LoopOptions:
     """global batches per validation"""
     tensorboard: bool = False
     """also write TensorBoard scalars to <out>/tensorboard"""
+    no_timings: bool = False
+    """do not record each rank's phase timings per step in <out>/timings.jsonl (their cost: bench/README.md)"""
 
     def __post_init__(self) -> None:
         _at_least(self, 1, "steps", "val_batches")
@@ -338,6 +362,9 @@ class TestingOptions:
         "line", default="off")] = None
     inject_inf: Annotated[tuple[int, int] | None, _rank_step("--inject-inf"), _arg(default="off")] = None
     """testing: after STEP's gradient reduction, rank RANK writes an inf into a gradient"""
+    slow_rank: Annotated[tuple[int, float] | None, _rank_factor("--slow-rank"), _arg(
+        "testing: a straggler: rank RANK's every forward and backward takes FACTOR times as long (it sleeps "
+        "FACTOR - 1 times the compute's own time after it: runtime/worker.py)", default="off")] = None
     dump_grads: Annotated[int, _arg(
         "testing: after this step, each rank saves its reduced gradients (all its stages, by canonical name) to "
         "<out>/grads/rank<r>.pt (0: never)", metavar="STEP")] = 0
@@ -350,11 +377,17 @@ class TestingOptions:
         _check_rank_step("fail_rank", self.fail_rank)
         _check_rank_step("inject_inf", self.inject_inf)
         _check_rank_step("raise_at_step", self.raise_at_step)
+        if self.slow_rank is not None and (len(self.slow_rank) != 2 or self.slow_rank[0] < 0
+                                           or not 1.0 <= self.slow_rank[1] <= 1000.0):
+            raise OptionValueError("slow_rank", f"--slow-rank expects RANK:FACTOR, a rank >= 0 and a factor from 1 "
+                                                f"to 1000, got {self.slow_rank!r}")
         _at_least(self, 0, "dump_grads", never=True)
 
 
 #: The testing hooks that act at ``RANK:STEP`` (``TestingOptions``).
 RANK_STEP_HOOKS = ("kill_at_step", "fail_rank", "raise_at_step", "inject_inf")
+#: The testing hooks that name a rank: those and ``--slow-rank RANK:FACTOR``.
+RANK_HOOKS = (*RANK_STEP_HOOKS, "slow_rank")
 
 
 # [Note: options that cannot take effect]

@@ -2,8 +2,9 @@
 runs apart.
 
 What a run leaves in ``<out>`` and the rules here guard: ``checkpoints/``
-(``runtime/checkpoint.py``) and ``metrics.jsonl`` (one record per step,
-``zorse_fx/train.py``). Every checkpoint manifest and every metrics record
+(``runtime/checkpoint.py``), ``metrics.jsonl`` (one record per step,
+``zorse_fx/train.py``) and ``timings.jsonl`` (each rank's phases per step,
+``runtime/timings.py``). Every checkpoint manifest and every metrics record
 carries the run's identity: ``run_id``, drawn at random when a run starts
 afresh and kept by every ``--resume`` (and torchrun restart) of it, and
 ``plan_hash``, the plan that trained that step (a resumed run may change
@@ -178,11 +179,12 @@ def check_fresh_start(out: str | Path, *, overwrite: bool) -> str | None:
 
 def remove_previous_run(out: str | Path) -> None:
     """Remove an earlier run's checkpoints (every ``step_<k>`` directory of
-    ``out/checkpoints``, complete, being written or set aside) and
-    ``metrics.jsonl`` (``--overwrite``)."""
+    ``out/checkpoints``, complete, being written or set aside),
+    ``metrics.jsonl`` and ``timings.jsonl`` (``--overwrite``)."""
     out = Path(out)
     root = out / CHECKPOINTS
     for d in list(root.iterdir()) if root.is_dir() else ():
         if _STEP.match(d.name) and d.is_dir():
             shutil.rmtree(d)
     (out / METRICS).unlink(missing_ok=True)
+    (out / "timings.jsonl").unlink(missing_ok=True)  # (runtime/timings.py's TIMINGS)

@@ -52,6 +52,17 @@ which of its stages hold the non-finite gradients and weights
 rank's loss in the step's all-gather, so all ranks agree to stop, names the
 step, ranks and stages, writes no checkpoint of the step and exits non-zero.
 
+[Note: a slowed rank]
+``--slow-rank RANK:FACTOR`` (testing) makes rank RANK a straggler: after each
+forward and backward it sleeps ``FACTOR - 1`` times that compute's own wall
+time (on a GPU after synchronising the device), so its compute as the
+timings measure it ([Note: step timings] in ``timings.py``) is ``FACTOR``
+times its own, while the gradient reductions it launched during a backward
+go on beside the sleep, as beside a slower compute. What a throttled card
+or a noisy neighbour does to one GPU, without a second machine; the box's
+per-rank CPU quota (``zorse_fx/box/cgroups.py``) slows a rank the same way
+where the box runs.
+
 An evaluation step (``eval_step``) runs the schedule's forwards alone
 (``build_program(..., forward_only=True)``) under ``torch.no_grad``.
 
@@ -105,6 +116,7 @@ from .grad_sync import GradientReducer, holders_of
 from .optimizer import LossScaler, OptimizerConfig, StageOptimizer
 from .p2p import P2PExecutor, build_program
 from .stage import StageRuntime
+from .timings import StepTimer, num_marks
 
 __all__ = ["StageWorker", "OptimizerConfig"]
 
@@ -122,6 +134,8 @@ class StageWorker:
         precision: the policy to train with (default fp32).
         weights_source: the file ``weights`` was read from, named by a
             ``WeightsFileError`` (a tensor missing or of the wrong shape or dtype).
+        timings: time every step's phases ([Note: step timings] in
+            ``timings.py``; ``last_timings``); False: ``last_timings`` is all 0.
     """
 
     def __init__(
@@ -135,6 +149,7 @@ class StageWorker:
         optimizer: OptimizerConfig = OptimizerConfig(),
         precision: PrecisionPolicy | None = None,
         weights_source: str | None = None,
+        timings: bool = True,
     ):
         self.plan = plan
         self.rank = rank
@@ -170,6 +185,9 @@ class StageWorker:
         #: Per hosted stage: the index of its last backward in the schedule.
         self._last_backward = {self.group + a.chunk * P: k for k, a in enumerate(self.schedule) if a.kind == "B"}
         self._p2p = P2PExecutor(self.program, device)
+        #: The boundaries of every step's phases; ``last_timings`` their durations.
+        self.timer = StepTimer(device, num_marks(plan), enabled=timings)
+        self.last_timings: list[float] = []
         self._bucketed = {id(p) for e in self.reducer.entries for _, p in e.copies}
         holders = holders_of(plan)
         #: Parameters whose squared gradient norm this rank adds to the global
@@ -184,6 +202,8 @@ class StageWorker:
         self.last_grad_norm = None
         #: Testing: steps (1-based) after whose reduction this rank writes an inf into a gradient.
         self.inject_inf_steps: set[int] = set()
+        #: Testing (``--slow-rank``): every forward and backward takes this many times its own time.
+        self.slow_factor = 1.0
         #: fp16-mixed: whether the last step was skipped, and the scale it used.
         self.last_skipped = False
         self.last_loss_scale = 1.0
@@ -277,7 +297,8 @@ class StageWorker:
         ``optimizer_s`` = loss-scale check + AdamW, ``allgather_s`` = ZeRO-1
         all-gathers; and ``buckets`` / ``buckets_during_backward``: gradient
         buckets of the rank, and how many were launched while a backward was
-        still running)."""
+        still running). Sets ``last_timings``: the seconds of every phase
+        ([Note: step timings] in ``timings.py``)."""
         self.steps += 1
         scale = self.scaler.scale if self.scaler else 1.0
         self.last_loss_scale = scale
@@ -289,14 +310,20 @@ class StageWorker:
                 if id(p) not in self._bucketed:
                     p.grad = None
         self.reducer.start_step()
+        timer = self.timer
+        timer.start()
         self._count_loss_tokens(batch)
+        timer.mark()
         loss = torch.zeros((), dtype=torch.float32, device=self.device)
         P, sent, p2p = self.plan.num_groups, [], self._p2p
         with self.precision.autocast(self.device.type):
             for k, action in enumerate(self.schedule):
                 p2p.post(k, sent)
+                timer.mark()
                 received = p2p.received(k)
+                timer.mark()
                 st = self._by_index[self.group + action.chunk * P]
+                t_compute = time.perf_counter()
                 if action.kind == "F":
                     contribution, sent = st.forward(action.microbatch, batch, received)
                     if contribution is not None:
@@ -309,11 +336,17 @@ class StageWorker:
                     self.reducer.end_backward(st.index)
                     if final:
                         self.reducer.end_final(st.index)
+                if self.slow_factor > 1.0:  # testing: a straggler ([Note: a slowed rank])
+                    self._sync()
+                    time.sleep((self.slow_factor - 1.0) * (time.perf_counter() - t_compute))
+                timer.mark()
             p2p.post(len(self.schedule), sent)
             p2p.finish()
+        timer.mark()
         self._sync()
         t_pipeline = time.perf_counter()
         self.reducer.wait()
+        timer.mark()
         self._sync()
         t_reduce = time.perf_counter()
         skip = False
@@ -326,6 +359,7 @@ class StageWorker:
             self.scaler.unscale_and_check(self._grads())
             skip = self.scaler.agree()
             self.scaler.update(skip)
+        timer.mark()
         self.last_skipped = skip
         self.last_grad_norm = None  # (not computed on a skipped step: the gradients hold inf/NaN)
         self.last_nonfinite = None
@@ -334,6 +368,7 @@ class StageWorker:
             if not bool(torch.isfinite(norm)):  # [Note: non-finite steps]; the same on every rank (all-reduced)
                 self.last_nonfinite = self.nonfinite_stages()
                 skip = True
+        timer.mark()
         if not skip:
             if max_grad_norm is not None:
                 grads = self._grads()
@@ -344,13 +379,16 @@ class StageWorker:
                     opt.set_lr(lr)
                 opt.step()
             self.optimizer_steps += 1
+        timer.mark()
         self._sync()
         t_step = time.perf_counter()
         if not skip:
             for w in [w for opt in self.optimizers for w in opt.allgather()]:
                 w.wait()
+        timer.mark()
         self._sync()
         t_end = time.perf_counter()
+        self.last_timings = timer.durations() if timer.enabled else []
         self.last_breakdown = {"start_unix_s": wall_start,
                                "pipeline_s": t_pipeline - t_start, "allreduce_s": t_reduce - t_pipeline,
                                "optimizer_s": t_step - t_reduce, "allgather_s": t_end - t_step,
