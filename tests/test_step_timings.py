@@ -99,7 +99,7 @@ def test_no_timings_writes_none(lee_bytes, tmp_path):
 
 
 def _line(**change) -> dict:
-    rank = {"rank": 0, "gpu": 0, "node": "n0", "gpu_type": "T4", "stages": [0], "count_s": 0.0,
+    rank = {"rank": 0, "gpu": 0, "node": "n0", "gpu_type": "T4", "stages": [0], "start_unix_s": 1.8e9, "count_s": 0.0,
             "actions": [{"kind": "F", "stage": 0, "microbatch": 0, "post_s": 0.0, "wait_s": 0.0, "compute_s": 0.1},
                         {"kind": "B", "stage": 0, "microbatch": 0, "post_s": 0.0, "wait_s": 0.0, "compute_s": 0.2}],
             **dict.fromkeys(PHASES, 0.0)}

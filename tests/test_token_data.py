@@ -338,6 +338,12 @@ def test_legacy_torch_token_files_of_integer_dtypes(tmp_path, lee_bytes, dtype):
 
 
 def test_bad_token_files_are_named_with_the_fix(tmp_path, lee_bytes):
+    (tmp_path / "news.txt").write_text("Plain text is not a token file.\n")
+    with pytest.raises(DataError, match=r"news.txt is neither a token file of `zorse prepare-data` \(.bin with its "
+                                        r".json header\) nor a torch.save file of token ids \(UnpicklingError\); for "
+                                        r"text, run `zorse prepare-data .*news.txt -o DATA` and pass --data DATA.json, "
+                                        r"or give `zorse train` --corpus .*news.txt"):
+        TokenData.load(tmp_path / "news.txt")
     torch.save(lee_bytes[:100].float(), tmp_path / "float.pt")
     with pytest.raises(DataError, match=r"float.pt: dtype is float32, token ids must be integers \(int64, int32, "
                                         r"int16, uint8\); convert it with .to\(torch.int64\)"):

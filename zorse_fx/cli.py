@@ -228,8 +228,13 @@ def cmd_plan(args) -> int:
         tf32=args.tf32,
         sharding=args.sharding, grad_sharding=args.grad_sharding, param_sharding=args.param_sharding,
         offload=args.offload, activation_offload=args.activation_offload, recompute=args.recompute,
-        allow_idle_gpus=not args.use_all_gpus)
+        allow_idle_gpus=not args.use_all_gpus,
+        **({"calibration": str(Path(args.calibration).resolve())} if args.calibration else {}))
     cluster = Cluster.from_yaml(args.cluster)
+    if args.calibration:  # a file that cannot be read: one line before minutes of capture
+        from .cost.calibration import read_calibration
+
+        read_calibration(args.calibration)
     # The options and the cluster's host memory checked before the model is captured (one line each).
     check_host_memory(cluster, PlanOptions(global_batch_size=args.global_batch_size, jobs=args.jobs, **options))
     model, _ = _load_model(args.model)
@@ -418,7 +423,8 @@ def cmd_simulate(args) -> int:
     if is_hf_causal_lm(model):
         model = CausalLMWithLoss(model)
     ids = torch.randint(0, 200, (2, plan.seq_len))
-    priced = price(capture(model, (ids, ids)), cluster, options_for_plan(plan))
+    priced = price(capture(model, (ids, ids)), cluster, options_for_plan(plan, calibration=args.calibration),
+                   progress=lambda line: print(f"[zorse] {line}") if line.startswith("calibration") else None)
     result = simulate_plan(plan, priced, p2p=args.p2p)  # with the plan's memory policy (ZeRO-1, recomputation)
     labels = [f"{g.type}@{g.node}" for g in cluster.gpus]
     plan_dir = Path(args.plan) if Path(args.plan).is_dir() else Path(args.plan).parent
@@ -438,6 +444,52 @@ def cmd_simulate(args) -> int:
                   + (f", {offload}" if offload else ""))
     print(f"[zorse] wrote {out / 'trace.json'} (open in ui.perfetto.dev) and {out / 'gantt.png'}")
     return 0
+
+
+def cmd_calibrate(args) -> int:
+    """``zorse calibrate RUN [RUN ...]``: the runs' timings against their plans' prices ([Note:
+    calibration] in ``cost/calibration.py``); writes the calibration file and prints what it found."""
+    from .capture import capture
+    from .cluster import Cluster
+    from .cost.calibration import write_calibration
+    from .models.hf import CausalLMWithLoss, is_hf_causal_lm
+    from .plan import Plan
+    from .pricing import options_for_plan, price
+    from .profiling.calibrate import calibrate_runs, calibration_table
+
+    if args.plan and len(args.plan) != len(args.run):
+        raise SystemExit(f"zorse: --plan given {len(args.plan)} time(s) for {len(args.run)} run(s): give one per run, "
+                         f"in the runs' order, or none (each run's train_options.json names its plan)")
+    cluster = Cluster.from_yaml(args.cluster)
+    model, _ = _load_model(args.model)
+    if is_hf_causal_lm(model):
+        model = CausalLMWithLoss(model)
+    captured = None
+    runs = []
+    for k, run in enumerate(map(Path, args.run)):
+        plan_path = args.plan[k] if args.plan else _run_plan(run)
+        plan = Plan.load(plan_path)
+        _check_plan_cluster(plan, cluster, str(plan_path), args.cluster, any_cluster=args.any_cluster)
+        if captured is None:
+            ids = torch.randint(0, 200, (2, plan.seq_len))
+            captured = capture(model, (ids, ids))
+        runs.append((run, plan, price(captured, cluster, options_for_plan(plan))))
+    cal = calibrate_runs(runs, warmup=args.warmup)
+    out = write_calibration(cal, args.output or Path(args.run[-1]) / "calibration.json")
+    print(calibration_table(cal))
+    print(f"[zorse] wrote {out}; plan with it: zorse plan ... --calibration {out}")
+    return 0
+
+
+def _run_plan(run: Path) -> str:
+    """The plan a run trained: ``data.plan`` of its ``train_options.json`` (``zorse train`` writes it)."""
+    from .train_options import OPTIONS_FILE, read_options_file
+
+    path = run / OPTIONS_FILE
+    if not path.is_file():
+        raise SystemExit(f"zorse: {run} has no {OPTIONS_FILE} (a run of `zorse train` has one): pass the plan the "
+                         f"run trained with --plan")
+    return read_options_file(path).data.plan
 
 
 def _check_plan_cluster(plan, cluster, plan_path: str, cluster_path: str, *, any_cluster: bool = False) -> None:
@@ -614,6 +666,9 @@ def build_parser() -> argparse.ArgumentParser:
                 "exported graph is kept in ~/.cache/zorse_fx/capture, or $ZORSE_CACHE_DIR, keyed by its code, "
                 "configuration, shapes and versions; zorse_fx/capture/cache.py)")
     pp.add_argument("--no-cache", action="store_true", help=no_cache)
+    pp.add_argument("--calibration", metavar="FILE", default=None,
+                    help="a calibration (`zorse calibrate RUN` of a run on this cluster): prices corrected by that "
+                         "run's measured steps")
     pp.add_argument("-o", "--output", required=True,
                     help="plan directory to write: a new or empty one, or an older plan's, which is replaced whole")
     pp.set_defaults(fn=cmd_plan)
@@ -663,8 +718,27 @@ def build_parser() -> argparse.ArgumentParser:
                          "exchanges, in order per GPU), as Gloo runs it (gloo: the runtime on CPU; every send and "
                          "receive on its own, a message leaving once the receiver's ready crossed the link) or "
                          "eager (buffered: a send leaves when posted)")
+    pm.add_argument("--calibration", metavar="FILE", default=None,
+                    help="a calibration (`zorse calibrate RUN`): simulate with the prices it corrected")
     pm.add_argument("--no-cache", action="store_true", help=no_cache)
     pm.set_defaults(fn=cmd_simulate)
+    pcal = sub.add_parser("calibrate", help="a run's measured steps (timings.jsonl) against its plan's prices -> "
+                                            "calibration.json for `zorse plan --calibration`")
+    pcal.add_argument("run", nargs="+", help="run directories (`zorse train --out`: timings.jsonl, metrics.jsonl) "
+                                             "of plans of this model on this cluster; runs of different "
+                                             "micro-batch sizes tell per-sample from fixed costs")
+    pcal.add_argument("--model", required=True, help=f"the model the plan was made for (as in `zorse plan`): "
+                                                     f"{MODEL_HELP}")
+    pcal.add_argument("--cluster", required=True, help="the cluster file the plan was made with")
+    pcal.add_argument("--plan", action="append", default=None,
+                      help="the plan a run trained, once per run in their order (default: the one each run's "
+                           "train_options.json names)")
+    pcal.add_argument("--warmup", type=int, default=1, help="first steps left out (default %(default)s)")
+    pcal.add_argument("-o", "--output", default=None, help="calibration file to write (default: "
+                                                            "calibration.json in the last run's directory)")
+    pcal.add_argument("--any-cluster", action="store_true", help="as for `zorse simulate`")
+    pcal.add_argument("--no-cache", action="store_true", help=no_cache)
+    pcal.set_defaults(fn=cmd_calibrate)
     from .profiling import comm_main, kernels_main
 
     pb = sub.add_parser("bench", help="measure this machine: `kernels` (kernel profile) or `comm` (links)",

@@ -130,6 +130,10 @@ class PlanOptions:
     #: Two micro-batch sizes the measured cost model is evaluated at (per-sample
     #: slope + fixed part); None = (1, max(2, global_batch_size // 4)).
     profile_batches: tuple[int, int] | None = None
+    #: A calibration file (``zorse calibrate <run dir>``: a run's measured steps against its
+    #: plan's prices, [Note: calibration] in ``cost/calibration.py``) applied to the prices;
+    #: None = none.
+    calibration: str | None = None
     #: ZeRO-1 sharding of each stage's optimizer state across its GPUs, in
     #: shares the planner picks per GPU: "auto" (per stage, where it pays: it
     #: costs an all-gather of the weights after the optimizer step and saves

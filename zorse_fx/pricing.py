@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from .capture import BlockGraph, CapturedModel, analyse
 from .cluster import Cluster
+from .cost.calibration import Calibration, apply_calibration, read_calibration
 from .cost.measured import ProfileSet, measured_block_costs
 from .cost.roofline import block_costs, saved_activations_or_estimate
 from .errors import PlanOptionsError
@@ -29,8 +30,8 @@ from .plan_build import plan_decision
 from .precision import PrecisionPolicy, check_supported, default_precision
 from .sim.engine import SimResult, simulate
 
-__all__ = ["PricedModel", "price", "simulate_plan", "plan_costs", "resolve_precision", "options_for_plan",
-           "device_graph", "CLASS_MODEL"]
+__all__ = ["PricedModel", "price", "simulate_plan", "evaluate_plan", "plan_costs", "resolve_precision",
+           "options_for_plan", "device_graph", "CLASS_MODEL"]
 
 #: ``PricedModel.cost_sources`` of a GPU type priced without a measured profile.
 CLASS_MODEL = "class model"
@@ -67,6 +68,8 @@ class PricedModel:
     #: The cluster and the options it was priced for.
     cluster: Cluster
     options: PlanOptions
+    #: The calibration applied (``price(..., calibration=...)``), or None.
+    calibration: Calibration | None = None
 
 
 def resolve_precision(options: PlanOptions, cluster: Cluster) -> tuple[PrecisionPolicy, str]:
@@ -108,7 +111,8 @@ def options_for_plan(plan, **overrides) -> PlanOptions:
 
 
 def price(captured: CapturedModel, cluster: Cluster, options: PlanOptions, *,
-          progress: Callable[[str], None] | None = None) -> PricedModel:
+          progress: Callable[[str], None] | None = None, calibration: Calibration | None = None,
+          calibration_source: str = "calibration") -> PricedModel:
     """``captured`` priced on ``cluster`` under ``options``' precision.
 
     The precision is ``resolve_precision``'s. Activations are measured under
@@ -121,13 +125,20 @@ def price(captured: CapturedModel, cluster: Cluster, options: PlanOptions, *,
     the cluster's types, by the per-class model alone (``cost/roofline.py``).
     ``progress`` receives one line per decision taken (precision, cost model).
     Times in the returned ``costs`` are seconds, memory bytes (see ``BlockCosts``).
+    ``calibration`` (a run's measured corrections, ``cost/calibration.py``
+    [Note: calibration]; ``calibration_source``: its file, for messages; None:
+    the file ``options.calibration`` names, if any) is applied last, to the
+    block times, the optimizer rates and the links.
 
     Raises:
+        TimingsFileError: ``calibration`` is of another precision or cluster.
         PlanOptionsError: the precision does not fit the cluster (see
             ``resolve_precision``).
         ModelCaptureError: the graph has no legal cut (``capture.analyse``).
     """
     say = progress or (lambda msg: None)
+    if calibration is None and options.calibration is not None:
+        calibration, calibration_source = read_calibration(options.calibration), options.calibration
     policy, why = resolve_precision(options, cluster)
     say(f"precision {policy.describe()} ({why})")
     bg = analyse(captured, max_blocks=options.max_blocks)
@@ -169,9 +180,15 @@ def price(captured: CapturedModel, cluster: Cluster, options: PlanOptions, *,
             sources[t] = {k: v / total for k, v in sorted(count.items())}
             say(f"cost model for {t}: " + ", ".join(f"{k} {100 * v / total:.0f}%" for k, v in sorted(count.items()))
                 + f" of node times (micro-batches {batches[0]} and {batches[1]})")
-    return PricedModel(blocks=bg, costs=costs, devices=_device_graph(cluster, policy, profiles),
+    devices = _device_graph(cluster, policy, profiles)
+    if calibration is not None:
+        costs, devices, lines = apply_calibration(costs, devices, calibration, precision=policy.name,
+                                                  source=calibration_source)
+        for line in lines:
+            say(f"calibration {calibration_source}: {line}")
+    return PricedModel(blocks=bg, costs=costs, devices=devices,
                        precision=policy, precision_reason=why, cost_sources=sources,
-                       profile_batches=batches, cluster=cluster, options=options)
+                       profile_batches=batches, cluster=cluster, options=options, calibration=calibration)
 
 
 def device_graph(cluster: Cluster, options: PlanOptions) -> DeviceGraph:
@@ -219,13 +236,34 @@ def simulate_plan(plan, priced: PricedModel, *, p2p: str = "nccl") -> SimResult:
             plan trains in (price it with ``options_for_plan(plan)``), or the
             plan does not fit the priced model (its blocks or GPUs).
     """
+    _check_precision(plan, priced)
+    options = options_for_plan(plan, profiles=priced.options.profiles)
+    costs = plan_costs(plan, priced.costs)
+    return simulate(costs, priced.devices, options, plan_decision(plan, costs), p2p=p2p)
+
+
+def evaluate_plan(plan, priced: PricedModel):
+    """The objective's ``solve.Evaluation`` of an exported ``plan.Plan`` on
+    ``priced`` (as ``simulate_plan``, the objective's closed form instead of
+    the event simulation; constraints the plan breaks are in its
+    ``violations``, the step is scored all the same).
+
+    Raises:
+        ValueError: as ``simulate_plan``.
+    """
+    from .solve import evaluate
+
+    _check_precision(plan, priced)
+    options = options_for_plan(plan, profiles=priced.options.profiles, allow_idle_gpus=True)
+    costs = plan_costs(plan, priced.costs)
+    return evaluate(costs, priced.devices, options, plan_decision(plan, costs))
+
+
+def _check_precision(plan, priced: PricedModel) -> None:
     if priced.precision.name != plan.precision or priced.precision.grad_reduce_dtype != plan.grad_reduce_dtype:
         raise ValueError(f"the model was priced under {priced.precision.name} (gradients reduced in "
                          f"{priced.precision.grad_reduce_dtype}) but the plan trains in {plan.precision} "
                          f"({plan.grad_reduce_dtype}): price it with options_for_plan(plan)")
-    options = options_for_plan(plan, profiles=priced.options.profiles)
-    costs = plan_costs(plan, priced.costs)
-    return simulate(costs, priced.devices, options, plan_decision(plan, costs), p2p=p2p)
 
 
 def plan_costs(plan, costs: BlockCosts) -> BlockCosts:

@@ -55,6 +55,7 @@ import json
 import logging
 import math
 import os
+import pickle
 import re
 import warnings
 from dataclasses import dataclass
@@ -591,9 +592,15 @@ class TokenData:
             raise DataError(f"token file {path} not found (--tokens expects a torch.save file of a 1-D integer "
                             f"tensor; `zorse prepare-data` writes the .bin/.json format that --data reads)")
         try:
-            t = torch.load(path, mmap=True, weights_only=True)
-        except RuntimeError:  # an old (non-zip) torch.save file cannot be memory-mapped
-            t = torch.load(path, weights_only=True)
+            try:
+                t = torch.load(path, mmap=True, weights_only=True)
+            except RuntimeError:  # an old (non-zip) torch.save file cannot be memory-mapped
+                t = torch.load(path, weights_only=True)
+        except (pickle.UnpicklingError, EOFError, RuntimeError) as exc:  # text, JSON lines, anything else
+            raise DataError(f"{path} is neither a token file of `zorse prepare-data` (.bin with its .json header) "
+                            f"nor a torch.save file of token ids ({type(exc).__name__}); for text, run `zorse "
+                            f"prepare-data {path} -o DATA` and pass --data DATA.json, or give `zorse train` "
+                            f"--corpus {path} (tokenized into <out>/data first)") from None
         return cls.from_tensor(t, source=str(path))
 
     @classmethod

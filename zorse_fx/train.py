@@ -595,7 +595,8 @@ def _run(options: TrainingOptions, where: _Where) -> int:
             if timings is not None:
                 spans = table[:, n + 4:-1].tolist()
                 timings.write(json.dumps(timings_line(plan, step, **identity, clock=worker.timer.clock,
-                                                      step_time_s=step_time, durations=spans)) + "\n")
+                                                      step_time_s=step_time, durations=spans,
+                                                      starts=table[:, 0].tolist())) + "\n")
                 timings.flush()
                 if world > 1:
                     r, busy = slowest_rank(spans, plan)

@@ -131,6 +131,11 @@ class BlockCosts:
     #: 3, or 5 under fp16-mixed: what ``cost.roofline.block_costs`` sets); 0 = none (costs built by hand
     #: for the pipeline alone).
     step_control_rounds: int = 0
+    #: Seconds per step the training loop spends outside every task priced above (its per-step
+    #: all-gather of the ranks' records beyond one latency, host work between the phases), measured
+    #: on the cluster by a calibration (``cost/calibration.py``, ``zorse calibrate``); added to the
+    #: step as [C-control] is. 0 = not measured.
+    step_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
         nb = len(self.param_count)
@@ -148,6 +153,8 @@ class BlockCosts:
             if any(self.param16_count[b] > self.param_count[b] - sum(tp.numel for tp in self.tied_params
                                                                      if b in tp.blocks) for b in tied):
                 raise ValueError("param16_count counts a tied parameter; tied parameters stay float32")
+        if not (self.step_overhead_s >= 0 and self.step_overhead_s < float("inf")):
+            raise ValueError(f"step_overhead_s must be a finite number of seconds >= 0, got {self.step_overhead_s!r}")
         if not (isinstance(self.step_control_rounds, int) and self.step_control_rounds >= 0):
             raise ValueError(f"step_control_rounds must be an integer >= 0, got {self.step_control_rounds!r}")
         if self.max_param_numel and (len(self.max_param_numel) != nb or any(

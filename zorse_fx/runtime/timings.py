@@ -23,10 +23,13 @@ by line by ``read_timings``). Per rank, in seconds:
 ``allgather_s``     ZeRO-1 all-gathers after the step
 ==================  =============================================================
 
-Their sum is the rank's part of the step (``StageWorker.train_step``); the
-line's ``step_time_s`` is rank 0's whole step, through the step's all-gather
-of these numbers (``zorse_fx/train.py``), so ``step_time_s`` minus a rank's
-sum is what the loop costs around it (the all-gather, the loss, logging).
+Their sum is the rank's part of the step (``StageWorker.train_step``), from
+``start_unix_s`` (the rank's wall clock); the line's ``step_time_s`` is rank
+0's whole step, through the step's all-gather of these numbers
+(``zorse_fx/train.py``), so rank 0's start plus ``step_time_s``, less the
+latest rank's end (its start plus its sum), is what the loop costs after the
+step (the all-gather, the loss): on one host exactly, across hosts to their
+clocks' offset.
 
 How a phase is timed: on a CUDA device by CUDA events recorded on the
 rank's current stream at each boundary (``torch.cuda.Event``, read after the
@@ -85,6 +88,8 @@ class RankTimings(msgspec.Struct, forbid_unknown_fields=True):
     node: str
     gpu_type: str
     stages: list[Index]
+    start_unix_s: Annotated[float, Meta(ge=0.0, description="the step's start on the rank's wall clock "
+                                                            "(time.time(), seconds since 1970)")]
     count_s: Seconds
     actions: list[ActionTiming]
     finish_s: Seconds
@@ -182,9 +187,10 @@ class StepTimer:
 
 
 def timings_line(plan, step: int, *, run_id: str, plan_hash: str, clock: str, step_time_s: float,
-                 durations: list[list[float]]) -> dict:
+                 durations: list[list[float]], starts: list[float]) -> dict:
     """The JSON-ready line of step ``step``: ``durations[r]`` is rank r's
-    ``StepTimer.durations()`` (``num_marks(plan) - 1`` seconds)."""
+    ``StepTimer.durations()`` (``num_marks(plan) - 1`` seconds), ``starts[r]``
+    the wall-clock time its step started."""
     schedules = make_schedule(plan.schedule, plan.num_stages, plan.num_microbatches, plan.interleave)
     gpu_of = {g.rank: g for st in plan.stages for g in st.gpus}
     P, ranks = plan.num_groups, []
@@ -196,7 +202,8 @@ def timings_line(plan, step: int, *, run_id: str, plan_hash: str, clock: str, st
                     "post_s": d[1 + 3 * k], "wait_s": d[2 + 3 * k], "compute_s": d[3 + 3 * k]}
                    for k, a in enumerate(acts)]
         ranks.append({"rank": r, "gpu": g.gpu, "node": g.node, "gpu_type": g.gpu_type,
-                      "stages": list(plan.stages_of(r)), "count_s": d[0], "actions": actions,
+                      "stages": list(plan.stages_of(r)), "start_unix_s": starts[r], "count_s": d[0],
+                      "actions": actions,
                       **dict(zip(PHASES, d[1 + 3 * len(acts):]))})
     return {"format": FORMAT, "version": VERSION, "step": step, "run_id": run_id, "plan_hash": plan_hash,
             "clock": clock, "step_time_s": step_time_s, "ranks": ranks}

@@ -213,4 +213,8 @@ def gradient_sync(costs: BlockCosts, devices: DeviceGraph, *, stage_blocks, stag
         end = step + after * (len(used) - 1) * lat
         events += [SimEvent("control", g, home[g], -1, step, end, None, 0) for g in used]
         step = end
+    if costs.step_overhead_s:  # a calibration's measured loop overhead (BlockCosts.step_overhead_s)
+        end = step + costs.step_overhead_s
+        events += [SimEvent("control", g, home[g], -1, step, end, None, 0) for g in used]
+        step = end
     return step, events, tuple(shard_bytes)

@@ -288,9 +288,9 @@ def control_term(m: cp_model.CpModel, tab: IntTables, groups, p, k, allow_idle_g
     groups' pairs (``_present_pairs``, as [C-tied]'s union)."""
     r, n_g = tab.control_rounds, tab.num_gpus
     if not r or n_g < 2:
-        return 0
+        return tab.step_overhead
     if not allow_idle_gpus:
-        return r * (n_g - 1) * tab.world_lat
+        return r * (n_g - 1) * tab.world_lat + tab.step_overhead
     used, units, size = [], [], []
     for c, q in enumerate(groups):
         if q.count == 1:  # in one stage at most: used = sum_s p
@@ -309,13 +309,13 @@ def control_term(m: cp_model.CpModel, tab: IntTables, groups, p, k, allow_idle_g
         used.append(u)
     pairs = _present_pairs(m, groups, used, units, "w")
     if not pairs:
-        return 0
+        return tab.step_overhead
     _, lm = pair_max_many(m, tab, pairs, [], "world")
     w1 = m.new_int_var(0, n_g - 1, "world_w1")
     m.add(w1 == sum(size) - 1)
     prod = m.new_int_var(0, (n_g - 1) * tab.world_lat, "world_lat")
     m.add_multiplication_equality(prod, [w1, lm])
-    return r * prod
+    return r * prod + tab.step_overhead
 
 
 def _present_pairs(m: cp_model.CpModel, groups, present, units, name: str):

@@ -184,7 +184,9 @@ R_s: [Note: 16-bit working weights] in ``precision.py``), R_s = the rest
                 them after the sync, the norm before the optimizer: step's max over the stages
                 leaves that barrier out, the simulator keeps it). A constant where every GPU is used;
                 with ``allow_idle_gpus`` a plan on fewer GPUs, or on one side of a WAN, pays fewer
-                (measured on the box: bench/LOG.md "The step's world control collectives")   [C-control]
+                (measured on the box: bench/LOG.md "The step's world control collectives"); plus,
+                where a calibration measured it, the loop's own overhead per step
+                (``BlockCosts.step_overhead_s``, ``cost/calibration.py``; 0 otherwise)   [C-control]
   memory_g    = R_s + (sh_s ? z_g MiB : Q_s)
                 + (rc_s ? n_g * (inflight_s * X_s + A_s) : inflight_s * n_g * A_s)
                 + max(0, G_s - n_g * A_s)

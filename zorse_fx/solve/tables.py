@@ -199,6 +199,8 @@ class IntTables:
     #: (``BlockCosts.step_control_rounds``) and the largest latency units over every GPU pair.
     control_rounds: int = 0
     world_lat: int = 0
+    #: ``BlockCosts.step_overhead_s`` in units: added to [C-control] (a calibration's measured loop overhead).
+    step_overhead: int = 0
 
     @property
     def cut_kib_max(self) -> int:
@@ -309,6 +311,7 @@ def build_tables(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions,
         **_host_tables(costs, devices, options),
         control_rounds=costs.step_control_rounds,
         world_lat=max((max(r) for r in pair_lat), default=0) if n_g > 1 else 0,
+        step_overhead=to_units(costs.step_overhead_s),
     )
 
 
@@ -354,14 +357,14 @@ def control_units(tab: IntTables, used) -> int:
     used = tuple(used)
     w = len(used)
     if w < 2 or not tab.control_rounds:
-        return 0
+        return tab.step_overhead
     if w == tab.num_gpus:
         lat = tab.world_lat
     else:
         table = _lat_array(tab.pair_lat)
         u = np.asarray(used, dtype=np.int64)
         lat = int(table[np.ix_(u, u)].max())
-    return tab.control_rounds * (w - 1) * lat
+    return tab.control_rounds * (w - 1) * lat + tab.step_overhead
 
 
 _LAT_ARRAYS: list[tuple[tuple, np.ndarray]] = []
