@@ -59,6 +59,9 @@ RESULT_FILES = (
     "gpu_class_check.json",
     "gpu_layer_accuracy.json",
     "box.json",
+    "timings_overhead.json",
+    "calibration.json",
+    "rebalance.json",
 )
 
 #: The runs before issue 32 (the planner in seconds), kept to show its planner
@@ -595,6 +598,57 @@ def render_offload_cpu(doc: dict, name: str) -> list[str]:
     return out + _source(PROVENANCE.get(name, {}))
 
 
+# ---------------------------------------------------------------- timings, calibration, rebalancing
+
+
+def _run_of(doc: dict) -> dict:
+    return dict(command=doc.get("command", "").strip(), machine=CPU_MACHINE, date=doc.get("date", ""))
+
+
+def render_timings_overhead(doc: dict, name: str) -> list[str]:
+    out = ["### Timings overhead", "",
+           f"One plan ({doc['plan']}) trained {doc['steps']} steps with `timings.jsonl` and {doc['steps']} without "
+           f"(`--no-timings`), the order alternating, {doc['rounds']} rounds; and the {doc['marks_per_step']} "
+           "marks of one step timed alone, 10,000 times.", ""]
+    out += table(["step with timings", "step without", "with / without (median, range)", "marks per step",
+                  "marks' share of the step"],
+                 [[f"{doc['step_with_timings_s'] * 1e3:.2f} ms", f"{doc['step_without_s'] * 1e3:.2f} ms",
+                   f"{doc['ratio_median']:.3f} ({doc['ratio_min']:.3f}-{doc['ratio_max']:.3f})",
+                   f"{doc['marks_cost_per_step_s'] * 1e6:.1f} µs", _pct(doc["marks_share_of_step"], 3)]])
+    return out + _source(_run_of(doc))
+
+
+def render_calibration(doc: dict, name: str) -> list[str]:
+    out = ["### Calibration: predicted against measured steps", "",
+           f"{doc['model']}; each plan trained {doc['steps']} steps. Error = predicted / measured - 1: the "
+           "objective as priced (the GPUs' cost model: not this CPU), calibrated on the plan's own run (the fitted "
+           "time per byte makes this ~0), and calibrated on every other plan's run (held out).", ""]
+    body = [[r["plan"], r["stages"], r["gpus"], r["microbatches"], f"{r['measured_step_s'] * 1e3:.1f}",
+             _err(r["objective_error"]), _err(r["self_objective_error"]), _err(r["held_out_objective_error"]),
+             _err(r["held_out_simulator_error"])] for r in doc["rows"]]
+    out += table(["plan", "stages", "GPUs", "micro-batches", "measured ms", "uncalibrated", "self",
+                  "held out", "held out (simulator)"], body)
+    out += ["", f"Held-out |error| of the calibrated objective: median {_pct(doc['held_out_objective_abs_error_median'], 1)}, "
+                f"max {_pct(doc['held_out_objective_abs_error_max'], 1)}."]
+    return out + _source(_run_of(doc))
+
+
+def render_rebalance(doc: dict, name: str) -> list[str]:
+    out = ["### Rebalancing a straggler", "",
+           f"GPU 1 {doc['slow']:g}x slower (`--slow-gpu`), {doc['steps']} steps of `{doc['plan']}`.", ""]
+    out += table(["", "plan", "median step"],
+                 [["before (slowed)", doc["plan"], f"{doc['step_before_s'] * 1e3:.1f} ms"],
+                  [f"after `--rebalance` (from step {doc['resumed_at_step']})", doc["rebalanced_plan"],
+                   f"{doc['step_after_s'] * 1e3:.1f} ms"],
+                  ["a plan from scratch for the slowed cluster", doc["scratch_plan"],
+                   f"{doc['step_scratch_s'] * 1e3:.1f} ms"],
+                  ["nothing slowed", doc["plan"], f"{doc['step_unslowed_s'] * 1e3:.1f} ms"]])
+    out += ["", f"After / from scratch: {doc['after_over_scratch']:.2f} (bar: within 15%). From the last step "
+                f"calibrated on ({doc['calibrated_on_steps'][-1]}) to the first resumed step: "
+                f"{doc['replan_to_resume_s']:.1f} s (bar: 30 s)."]
+    return out + _source(_run_of(doc))
+
+
 # ---------------------------------------------------------------- links
 
 
@@ -903,7 +957,9 @@ def render(results: Path = RESULTS) -> str:
               ("runtime.json", render_runtime), ("cost_accuracy.json", render_cost_accuracy),
               ("memory_cpu.json", render_memory_cpu), ("memory_cpu_layouts.json", render_memory_layouts),
               ("offload_cpu.json", render_offload_cpu),
-              ("comm_loopback.json", render_comm), ("box.json", render_box))
+              ("comm_loopback.json", render_comm), ("box.json", render_box),
+              ("timings_overhead.json", render_timings_overhead), ("calibration.json", render_calibration),
+              ("rebalance.json", render_rebalance))
     for name, fn in single:
         if name in docs:
             old = BEFORE.get(name)

@@ -2,7 +2,7 @@
 ``zorse_fx/cost/calibration.py``, the fit in ``zorse_fx/profiling/calibrate.py``).
 
 A real run (Gloo, one thread per rank, real text) of a 2-stage plan of the
-tests' GPT, rank 3 made a straggler on purpose (``--slow-rank 3:4``), is
+tests' GPT, rank 3 (GPU 3) made a straggler on purpose (``--slow-gpu 3:4``), is
 calibrated; what is asserted:
 
 - the calibrated objective re-predicts the run's own measured step within 5%
@@ -63,7 +63,7 @@ def slowed(lee_bytes, tmp_path_factory):
     torch.save(gpt3x64().state(), d / "plan" / "weights.pt")
     torch.save(lee_bytes, d / "tokens.pt")
     spawn_ranks(d / "plan", plan.world_size, ["--tokens", str(d / "tokens.pt"), "--steps", str(STEPS),
-                                              "--out", str(d / "run"), "--slow-rank", f"3:{SLOW:g}"])
+                                              "--out", str(d / "run"), "--slow-gpu", f"3:{SLOW:g}"])
     priced = price(gpt3x64(), Cluster.from_yaml(CLUSTERS / "small_hetero.yaml"), options_for_plan(plan))
     return plan, d / "run", priced, calibrate_run(d / "run", plan, priced)
 

@@ -419,11 +419,18 @@ def test_elastic_stalled_rank_replans_and_relaunches_on_the_new_plan(tmp_path, m
 
 
 def test_max_replans_without_elastic_refused():
-    """--max-replans means nothing without --elastic: refused, naming both flags."""
+    """--max-replans means nothing without --elastic or --rebalance: refused, naming the flags; so are
+    --rebalance's thresholds without it, and --rebalance with --elastic."""
     from zorse_fx.cli import LaunchOptions
     from zorse_fx.train_options import OptionValueError
 
-    with pytest.raises(OptionValueError, match=r"^--max-replans 3 applies to --elastic only: add --elastic, "
-                                               r"or drop --max-replans$"):
+    with pytest.raises(OptionValueError, match=r"^--max-replans 3 applies to --elastic and --rebalance only: add "
+                                               r"one, or drop --max-replans$"):
         LaunchOptions(max_replans=3)
     assert LaunchOptions(elastic=True, max_replans=3).max_replans == 3
+    assert LaunchOptions(rebalance=True, max_replans=3).max_replans == 3
+    with pytest.raises(OptionValueError, match=r"^--straggler-factor 2.0 applies to --rebalance only: add "
+                                               r"--rebalance, or drop it$"):
+        LaunchOptions(straggler_factor=2.0)
+    with pytest.raises(OptionValueError, match=r"^--rebalance runs on one node without --elastic"):
+        LaunchOptions(rebalance=True, elastic=True)

@@ -1,6 +1,6 @@
 """Per-step timings of every rank (issue 49 item 1; [Note: step timings] in
 ``zorse_fx/runtime/timings.py``): what ``zorse train`` writes to
-``<out>/timings.jsonl``, a straggler made on purpose (``--slow-rank``, [Note:
+``<out>/timings.jsonl``, a straggler made on purpose (``--slow-gpu``, [Note:
 a slowed rank] in ``runtime/worker.py``) found by them and named on the
 progress line, and the file's reader refusing what it cannot read, naming
 the file, line, field and value.
@@ -31,7 +31,7 @@ STEPS = 3
 def slowed_run(lee_bytes, tmp_path_factory):
     """Plan A of test_training_loop (stage 0 on rank 0; stage 1 on ranks 1, 2
     taking 1 and 2 samples of each micro-batch, ZeRO-1) trained STEPS steps
-    with rank 2 slowed 8x; returns (plan, out dir, rank 0's output)."""
+    with rank 2 (GPU 3) slowed 8x; returns (plan, out dir, rank 0's output)."""
     import torch
 
     d = tmp_path_factory.mktemp("timings")
@@ -43,7 +43,7 @@ def slowed_run(lee_bytes, tmp_path_factory):
     torch.save(cap.state(), d / "plan" / "weights.pt")
     torch.save(lee_bytes, d / "tokens.pt")
     out = spawn_ranks(d / "plan", plan.world_size, ["--tokens", str(d / "tokens.pt"), "--steps", str(STEPS),
-                                                    "--out", str(d / "out"), "--slow-rank", "2:8"])
+                                                    "--out", str(d / "out"), "--slow-gpu", "3:8"])
     return plan, d, out
 
 

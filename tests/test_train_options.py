@@ -110,7 +110,7 @@ FLAGS = [
     (["--kill-at-step", "1:3"], "testing.kill_at_step", (1, 3)),
     (["--fail-rank", "2:3"], "testing.fail_rank", (2, 3)),
     (["--inject-inf", "0:2"], "testing.inject_inf", (0, 2)),
-    (["--slow-rank", "1:2.5"], "testing.slow_rank", (1, 2.5)),
+    (["--slow-gpu", "1:2.5"], "testing.slow_gpu", (1, 2.5)),
     (["--raise-at-step", "1:2"], "testing.raise_at_step", (1, 2)),
     (["--dump-grads", "2"], "testing.dump_grads", 2),
     (["--dump-params"], "testing.dump_params", True),
@@ -188,10 +188,10 @@ ERRORS = [  # (argv, message): after "plan --tokens t.pt" unless the argv starts
                                "re-plan with `zorse plan --bucket-mib MIB` (or PlanOptions(bucket_mib=...))"),
     (["--kill-at-step", "x"], "--kill-at-step expects RANK:STEP with two integers >= 0, got 'x'"),
     (["--inject-inf", "1-2"], "--inject-inf expects RANK:STEP with two integers >= 0, got '1-2'"),
-    (["--slow-rank", "1:0.5"], "--slow-rank expects RANK:FACTOR, a rank >= 0 and a factor from 1 to 1000 (3: three "
-                               "times slower), got '1:0.5'"),
-    (["--slow-rank", "x:3"], "--slow-rank expects RANK:FACTOR, a rank >= 0 and a factor from 1 to 1000 (3: three "
-                             "times slower), got 'x:3'"),
+    (["--slow-gpu", "1:0.5"], "--slow-gpu expects GPU:FACTOR, a GPU index of the cluster file (>= 0) and a factor "
+                              "from 1 to 1000 (3: three times slower), got '1:0.5'"),
+    (["--slow-gpu", "x:3"], "--slow-gpu expects GPU:FACTOR, a GPU index of the cluster file (>= 0) and a factor "
+                            "from 1 to 1000 (3: three times slower), got 'x:3'"),
     (["--inject-inf", "1:-2"], "--inject-inf expects RANK:STEP with two integers >= 0, got '1:-2'"),
     (["--lr", "x"], "argument --lr: could not convert string to float: 'x'"),
     (["--steps", "1.5"], "argument --steps: invalid literal for int() with base 10: '1.5'"),
@@ -398,7 +398,7 @@ FULL = TrainingOptions(
     job=JobOptions(out="runs/x", backend="gloo", precision="bf16-mixed", grad_reduce_dtype="bfloat16",
                    pg_timeout_min=2.5, heartbeat_s=0.5, skip_device_check=True),
     testing=TestingOptions(kill_at_step=(1, 3), fail_rank=(2, 4), raise_at_step=(1, 2), inject_inf=(0, 2),
-                           slow_rank=(1, 2.5), dump_grads=2, dump_params=True))
+                           slow_gpu=(1, 2.5), dump_grads=2, dump_params=True))
 
 
 def test_options_file_round_trip(tmp_path):

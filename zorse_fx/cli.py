@@ -74,7 +74,20 @@ class LaunchOptions:
     directory (<out>/plan.elastic<k>/, numbered after those there) and resume from the newest checkpoint on it
     (zorse_fx/elastic.py)"""
     max_replans: Annotated[int, tyro.conf.arg(metavar="N", help=(
-        "--elastic: re-plan at most N times in one zorse train"))] = 1
+        "--elastic / --rebalance: re-plan at most N times in one zorse train"))] = 1
+    rebalance: bool = False
+    """watch the ranks' timings (<out>/timings.jsonl) and, when a GPU computes more than --straggler-factor x its
+    type's fit or a calibrated plan's step runs more than --slow-step-factor x its prediction, calibrate on the
+    last --rebalance-window steps, re-plan with it (<out>/plan.rebalance<k>/), stop the ranks after a step with a
+    checkpoint and resume on the re-plan (zorse_fx/rebalance.py)"""
+    rebalance_window: Annotated[int, tyro.conf.arg(metavar="N", help=(
+        "--rebalance: the steps each check calibrates on (after the run's first)"))] = 3
+    straggler_factor: Annotated[float, tyro.conf.arg(metavar="X", help=(
+        "--rebalance: a GPU whose forward or backward takes more than X times its GPU type's fit is a "
+        "straggler"))] = 1.5
+    slow_step_factor: Annotated[float, tyro.conf.arg(metavar="X", help=(
+        "--rebalance: re-plan when a plan made with a calibration measures more than X times its predicted "
+        "step"))] = 1.25
     node_lost_after: Annotated[float, tyro.conf.arg(metavar="S", help=(
         "--elastic on several nodes: a node whose zorse train has neither reported its job's failure nor beaten "
         "in the shared --out for S seconds is lost (zorse_fx/elastic_nodes.py)"))] = NODE_LOST_AFTER_S
@@ -102,9 +115,22 @@ class LaunchOptions:
             raise OptionValueError("node_lost_after", f"--node-lost-after {self.node_lost_after} applies to --elastic "
                                                       f"on several nodes only (--elastic --nnodes N): add them, or "
                                                       f"drop --node-lost-after")
-        if self.max_replans != 1 and not self.elastic:
-            raise OptionValueError("max_replans", f"--max-replans {self.max_replans} applies to --elastic only: "
-                                                  "add --elastic, or drop --max-replans")
+        if self.max_replans != 1 and not (self.elastic or self.rebalance):
+            raise OptionValueError("max_replans", f"--max-replans {self.max_replans} applies to --elastic and "
+                                                  f"--rebalance only: add one, or drop --max-replans")
+        if self.rebalance and (self.elastic or self.nnodes > 1):
+            raise OptionValueError("rebalance", "--rebalance runs on one node without --elastic (zorse_fx/"
+                                                "rebalance.py); drop " + ("--elastic" if self.elastic else "--nnodes"))
+        fields = LaunchOptions.__dataclass_fields__
+        for name in ("rebalance_window", "straggler_factor", "slow_step_factor"):
+            value = getattr(self, name)
+            if value != fields[name].default and not self.rebalance:
+                raise OptionValueError(name, f"--{name.replace('_', '-')} {value} applies to --rebalance only: add "
+                                             f"--rebalance, or drop it")
+        if self.rebalance_window < 1 or not self.straggler_factor > 1 or not self.slow_step_factor > 1:
+            raise OptionValueError("rebalance", f"--rebalance-window must be >= 1 and --straggler-factor, "
+                                                f"--slow-step-factor > 1; got {self.rebalance_window}, "
+                                                f"{self.straggler_factor}, {self.slow_step_factor}")
         self._check_nodes()
 
     def _check_nodes(self) -> None:
@@ -286,8 +312,8 @@ def cmd_train(args) -> int:
 
     cmd: TrainCommand = args.train
     tokenizer = _training_tokenizer(cmd, args.parser)  # what it trains on: said, never a silent default
-    if cmd.launch.elastic:  # refused before anything starts where the plan does not say how it was made
-        from .elastic import check_elastic
+    if cmd.launch.elastic or cmd.launch.rebalance:  # refused before anything starts where the plan does not say
+        from .elastic import check_elastic  # how it was made
 
         check_elastic(cmd.data.plan)
     out = Path(cmd.job.out)
@@ -342,6 +368,14 @@ def cmd_train(args) -> int:
         return run_elastic_nodes(cmd.training_options(data), rendezvous=rendezvous, node=node.node,
                                  max_replans=cmd.launch.max_replans, lost_after_s=cmd.launch.node_lost_after,
                                  launch_kw={k: v for k, v in supervision.items() if k not in ("rendezvous", "ranks")})
+    if cmd.launch.rebalance:
+        from .rebalance import RebalanceSettings, run_rebalance
+
+        return run_rebalance(cmd.training_options(data), nproc=nproc, max_replans=cmd.launch.max_replans,
+                             launch_kw=supervision,
+                             settings=RebalanceSettings(window=cmd.launch.rebalance_window,
+                                                        straggler_factor=cmd.launch.straggler_factor,
+                                                        slow_step_factor=cmd.launch.slow_step_factor))
     if cmd.launch.elastic:
         from .elastic import run_elastic
 

@@ -207,13 +207,15 @@ def replan_dir(out: str | Path) -> Path:
 
 
 def replan(request: PlanRequest, cluster, out_dir: str | Path, *, lost: str = "", fix: str = "",
-           replanned_from: str | Path = "", run: str | Path = ""):
+           replanned_from: str | Path = "", run: str | Path = "", captured=None, label_mode: str | None = None):
     """Plan ``request``'s model, sequence length, global batch and options
     again for ``cluster``; export plan.json, the stage sources, weights.pt,
     ``cluster`` as ``cluster.yaml`` and the request (with ``cluster``, that
     file and where the re-plan came from: ``replanned_from``, ``lost`` (what
     failed: the rank, its GPU, how), ``run``; [Note: where re-plans go]) to
-    ``out_dir``. Returns the ``Plan``.
+    ``out_dir``. Returns the ``Plan``. ``captured`` (with its ``label_mode``):
+    the request's model already captured (``zorse train --rebalance`` keeps
+    one), planned without capturing it again.
 
     Raises:
         ElasticError: no plan fits ``cluster``: one line with ``lost``, the
@@ -225,12 +227,21 @@ def replan(request: PlanRequest, cluster, out_dir: str | Path, *, lost: str = ""
     from .api import compile
     from .models.registry import load_model
 
-    model, _ = load_model(request.model)
-    ids = torch.randint(0, 200, (2, request.seq_len))  # example inputs: only their shapes matter
     try:
-        compiled = compile(model, cluster=cluster, example_inputs=(ids, ids),
-                           global_batch_size=request.global_batch_size, model_name=request.model,
-                           **request.options)
+        if captured is not None:
+            from .options import PlanOptions
+            from .planner import plan_captured
+
+            plan, _ = plan_captured(captured, cluster, PlanOptions(global_batch_size=request.global_batch_size,
+                                                                   **request.options),
+                                    model_name=request.model, label_mode=label_mode or "shifted")
+        else:
+            model, _ = load_model(request.model)
+            ids = torch.randint(0, 200, (2, request.seq_len))  # example inputs: only their shapes matter
+            compiled = compile(model, cluster=cluster, example_inputs=(ids, ids),
+                               global_batch_size=request.global_batch_size, model_name=request.model,
+                               **request.options)
+            plan, captured = compiled.plan, compiled.captured
     except (InfeasiblePlanError, PlanOptionsError) as exc:  # (anything else is no planner's answer: raised as is)
         reason = " ".join(str(exc).split())
         raise ElasticError(f"--elastic: no plan of {request.model} (global batch {request.global_batch_size}, "
@@ -239,8 +250,8 @@ def replan(request: PlanRequest, cluster, out_dir: str | Path, *, lost: str = ""
                            f"({cluster.gpu_summary()}){f' after {lost}' if lost else ''}: {reason.rstrip('.')}"
                            + (f"; {fix}" if fix else "")) from exc
     out = Path(out_dir).resolve()
-    compiled.plan.export(out)
-    compiled.save_weights(out)
+    plan.export(out)
+    torch.save({k: v.contiguous() for k, v in captured.state().items()}, out / "weights.pt")
     cluster_file = out / REPLAN_CLUSTER
     cluster_file.write_text(f"# {cluster.source}: the GPUs left after {lost or 'a GPU was lost'}; written by "
                             f"`zorse train --elastic` with the re-plan beside it\n"
@@ -249,7 +260,7 @@ def replan(request: PlanRequest, cluster, out_dir: str | Path, *, lost: str = ""
                         replanned_from=str(Path(replanned_from).resolve()) if replanned_from else "",
                         replan_reason=lost,
                         run=str(Path(run).resolve()) if run else "").write(out)
-    return compiled.plan
+    return plan
 
 
 def recorded_cluster_file(plan_dir: str | Path) -> str | None:

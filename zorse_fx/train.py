@@ -123,8 +123,8 @@ from .runtime.launch import init_process_group, rank_device
 from .runtime.lr_schedule import LRSchedule
 from .runtime.memory_meter import MemoryMeter
 from .runtime.rank_errors import EXIT_NONFINITE, record_rank_error  # (EXIT_NONFINITE: the launcher reads it too)
-from .runtime.run_dir import (CHECKPOINTS, METRICS, check_checkpoint_run, check_fresh_start, new_run_id, plan_hash,
-                              previous_run, remove_previous_run)
+from .runtime.run_dir import (CHECKPOINTS, METRICS, REBALANCE_REQUEST, REBALANCE_STOP, check_checkpoint_run,
+                              check_fresh_start, new_run_id, plan_hash, previous_run, remove_previous_run)
 from .runtime.timings import TIMINGS, slowest_rank, timings_line
 from .runtime.watchdog import heartbeat_dir, start_heartbeat
 from .runtime.worker import OptimizerConfig, StageWorker
@@ -483,8 +483,9 @@ def _run(options: TrainingOptions, where: _Where) -> int:
     del weights
     if test.inject_inf and test.inject_inf[0] == rank:
         worker.add_inject_inf(test.inject_inf[1])
-    if test.slow_rank and test.slow_rank[0] == rank:  # [Note: a slowed rank] in runtime/worker.py
-        worker.slow_factor = test.slow_rank[1]
+    if test.slow_gpu and any(g.rank == rank and g.gpu == test.slow_gpu[0] for st in plan.stages for g in st.gpus):
+        worker.slow_factor = test.slow_gpu[1]  # [Note: a slowed rank] in runtime/worker.py
+        print(f"[zorse] testing: rank {rank} (GPU {test.slow_gpu[0]}) computes {test.slow_gpu[1]:g}x slower", flush=True)
     schedule = LRSchedule.from_options(opt, total_steps=loop.steps)
     if kind == "resume":
         latest = ckpt_root / f"step_{resumed_step}"  # verified by rank 0 (_decide_start)
@@ -550,7 +551,8 @@ def _run(options: TrainingOptions, where: _Where) -> int:
         # and weights ([Note: non-finite steps] in runtime/worker.py), and its loss contribution.
         grad_stage, weight_stage = worker.last_nonfinite or (None, None)
         host = [worker.last_breakdown[k] for k in _BREAKDOWN] + [
-            float(stop.signal), -1.0 if grad_stage is None else float(grad_stage),
+            float(stop.signal or (REBALANCE_STOP if rank == 0 and (out / REBALANCE_REQUEST).exists() else 0)),
+            -1.0 if grad_stage is None else float(grad_stage),
             -1.0 if weight_stage is None else float(weight_stage), float(meter.peak_bytes())]
         host += worker.last_timings  # [Note: step timings]: the same count on every rank
         mine = torch.cat([torch.tensor(host, dtype=torch.float64, device=device), local_loss])
@@ -626,6 +628,11 @@ def _run(options: TrainingOptions, where: _Where) -> int:
             saved = step
             if progress:
                 progress.write(f"[zorse] checkpoint {path}")
+        if stopping == REBALANCE_STOP:  # [Note: stopping to rebalance] in zorse_fx/rebalance.py
+            if progress:
+                progress.write(f"[zorse] rebalance requested: stopping after step {step} (checkpoint step_{saved}) "
+                               f"to resume under the re-plan")
+            break
         if stopping:
             if progress:
                 progress.write(f"[zorse] {signal.Signals(stopping).name} received: stopping after step {step} "
@@ -652,7 +659,7 @@ def _run(options: TrainingOptions, where: _Where) -> int:
     dist.destroy_process_group()
     if nonfinite:
         return EXIT_NONFINITE
-    return 128 + stopping if stopping else 0
+    return 128 + stopping if stopping and stopping != REBALANCE_STOP else 0
 
 
 def exit_rank(status: int):

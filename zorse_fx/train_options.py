@@ -116,24 +116,24 @@ def _rank_step(flag: str) -> tyro.constructors.PrimitiveConstructorSpec:
         str_from_instance=lambda v: ["None" if v is None else f"{v[0]}:{v[1]}"])
 
 
-def _rank_factor(flag: str) -> tyro.constructors.PrimitiveConstructorSpec:
-    """The command-line form ``RANK:FACTOR`` of a ``(rank, factor)`` pair (``None``: off)."""
+def _gpu_factor(flag: str) -> tyro.constructors.PrimitiveConstructorSpec:
+    """The command-line form ``GPU:FACTOR`` of a ``(gpu, factor)`` pair (``None``: off)."""
 
     def parse(args: list[str]) -> tuple[int, float]:
         (text,) = args
-        rank, _, factor = text.partition(":")
+        gpu, _, factor = text.partition(":")
         try:
-            pair = (int(rank), float(factor))
+            pair = (int(gpu), float(factor))
         except ValueError:
             pair = None
         if pair is None or pair[0] < 0 or not 1.0 <= pair[1] <= 1000.0:
             raise OptionValueError(flag[2:].replace("-", "_"),
-                                   f"{flag} expects RANK:FACTOR, a rank >= 0 and a factor from 1 to 1000 "
-                                   f"(3: three times slower), got {text!r}")
+                                   f"{flag} expects GPU:FACTOR, a GPU index of the cluster file (>= 0) and a "
+                                   f"factor from 1 to 1000 (3: three times slower), got {text!r}")
         return pair
 
     return tyro.constructors.PrimitiveConstructorSpec(
-        nargs=1, metavar="RANK:FACTOR", instance_from_str=parse,
+        nargs=1, metavar="GPU:FACTOR", instance_from_str=parse,
         is_instance=lambda v: v is None or isinstance(v, tuple),
         str_from_instance=lambda v: ["None" if v is None else f"{v[0]}:{v[1]:g}"])
 
@@ -362,9 +362,10 @@ class TestingOptions:
         "line", default="off")] = None
     inject_inf: Annotated[tuple[int, int] | None, _rank_step("--inject-inf"), _arg(default="off")] = None
     """testing: after STEP's gradient reduction, rank RANK writes an inf into a gradient"""
-    slow_rank: Annotated[tuple[int, float] | None, _rank_factor("--slow-rank"), _arg(
-        "testing: a straggler: rank RANK's every forward and backward takes FACTOR times as long (it sleeps "
-        "FACTOR - 1 times the compute's own time after it: runtime/worker.py)", default="off")] = None
+    slow_gpu: Annotated[tuple[int, float] | None, _gpu_factor("--slow-gpu"), _arg(
+        "testing: a straggler: the rank the plan puts on GPU GPU (its index in the cluster file) takes FACTOR times "
+        "as long for every forward and backward (it sleeps FACTOR - 1 times the compute's own time after it: "
+        "runtime/worker.py); the GPU stays slow under a re-plan, as a throttled card would", default="off")] = None
     dump_grads: Annotated[int, _arg(
         "testing: after this step, each rank saves its reduced gradients (all its stages, by canonical name) to "
         "<out>/grads/rank<r>.pt (0: never)", metavar="STEP")] = 0
@@ -377,17 +378,17 @@ class TestingOptions:
         _check_rank_step("fail_rank", self.fail_rank)
         _check_rank_step("inject_inf", self.inject_inf)
         _check_rank_step("raise_at_step", self.raise_at_step)
-        if self.slow_rank is not None and (len(self.slow_rank) != 2 or self.slow_rank[0] < 0
-                                           or not 1.0 <= self.slow_rank[1] <= 1000.0):
-            raise OptionValueError("slow_rank", f"--slow-rank expects RANK:FACTOR, a rank >= 0 and a factor from 1 "
-                                                f"to 1000, got {self.slow_rank!r}")
+        if self.slow_gpu is not None and (len(self.slow_gpu) != 2 or self.slow_gpu[0] < 0
+                                          or not 1.0 <= self.slow_gpu[1] <= 1000.0):
+            raise OptionValueError("slow_gpu", f"--slow-gpu expects GPU:FACTOR, a GPU index >= 0 and a factor from 1 "
+                                               f"to 1000, got {self.slow_gpu!r}")
         _at_least(self, 0, "dump_grads", never=True)
 
 
 #: The testing hooks that act at ``RANK:STEP`` (``TestingOptions``).
 RANK_STEP_HOOKS = ("kill_at_step", "fail_rank", "raise_at_step", "inject_inf")
-#: The testing hooks that name a rank: those and ``--slow-rank RANK:FACTOR``.
-RANK_HOOKS = (*RANK_STEP_HOOKS, "slow_rank")
+#: The testing hooks that name a rank (``--slow-gpu`` names a GPU of the cluster: any index may be idle).
+RANK_HOOKS = RANK_STEP_HOOKS
 
 
 # [Note: options that cannot take effect]

@@ -41,8 +41,12 @@ noisy neighbour) is priced as a type of its own, ``"<type> (GPU <g>)"``, in
 ``BlockCosts`` and ``DeviceGraph.gpu_types`` (the plan still records the
 cluster's type names). With one GPU per type and sample count, a straggler
 cannot be told from its type's per-sample cost: ``--rebalance`` compares a
-run against the calibration it was planned with. A GPU type the run did not
-use stays as priced.
+run against the calibration it was planned with. A GPU type the runs did not
+use is scaled by the measured types' geometric mean factors, and a GPU they
+did not use by the measured GPUs' mean optimizer factor: the cluster as a
+whole faster or slower than priced is the best guess there is (left as
+priced, a type a CPU run never measured would look 10-100x faster than the
+measured ones, and every re-plan would move to it).
 
 What a calibration transfers: the same cluster, model, precision and sequence
 length, other cuts, shares and micro-batch sizes (the factors are ratios of
@@ -221,6 +225,20 @@ def apply_calibration(costs: BlockCosts, devices: DeviceGraph, cal: Calibration,
         lines.append(f"{t.gpu_type}: forward x{t.forward_per_sample:.3g} per sample, x{t.forward_fixed:.3g} fixed; "
                      f"backward x{t.backward_per_sample:.3g} per sample, x{t.backward_fixed:.3g} fixed ({t.fit})")
     of_type = {t.gpu_type: t for t in cal.types}
+    # A type the runs did not use: the measured types' geometric mean (the cluster as a whole faster or slower
+    # than priced; on one CPU every "GPU" is the same processor).
+    unmeasured = sorted(set(types) - set(of_type) - {""})
+    if unmeasured:
+        def gmean(xs):
+            return math.exp(sum(map(math.log, xs)) / len(xs))
+
+        mean = TypeCalibration(gpu_type="", **{f: gmean([getattr(t, f) for t in cal.types]) for f in (
+            "forward_per_sample", "forward_fixed", "backward_per_sample", "backward_fixed")})
+        for t in unmeasured:
+            for name, table in _scaled(costs, t, t, mean).items():
+                tables[name].update(table)
+        lines.append(f"{', '.join(unmeasured)}: not measured, scaled by the measured types' geometric mean "
+                     f"(forward x{mean.forward_per_sample:.3g} per sample, backward x{mean.backward_per_sample:.3g})")
     latest = {g.gpu: g for g in sorted(cal.gpus, key=lambda g: g.run)}  # a GPU in several runs: the last run's
     for g in latest.values():
         if max(g.forward, 1 / g.forward, g.backward, 1 / g.backward) <= SAME_SPEED or g.gpu_type not in of_type:
@@ -234,6 +252,9 @@ def apply_calibration(costs: BlockCosts, devices: DeviceGraph, cal: Calibration,
     mem_bw = list(devices.mem_bw_bytes_per_s)
     for g in latest.values():
         mem_bw[g.gpu] /= g.optimizer
+    opt_mean = math.exp(sum(math.log(g.optimizer) for g in latest.values()) / len(latest))
+    for g in set(range(len(types))) - set(latest):  # a GPU the runs did not use: the measured GPUs' mean
+        mem_bw[g] /= opt_mean
     lat, bw = cal.latency_scale, cal.bandwidth_scale
     devices = dataclasses.replace(
         devices, gpu_types=tuple(gpu_types), mem_bw_bytes_per_s=tuple(mem_bw),

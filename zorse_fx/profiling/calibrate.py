@@ -56,7 +56,8 @@ def calibrate_run(run_dir: str | Path, plan, priced: PricedModel, *, warmup: int
 class _Run:
     """One run's measured medians and its plan's uncalibrated prices."""
 
-    def __init__(self, run_dir, plan, priced: PricedModel, warmup: int):
+    def __init__(self, run_dir, plan, priced: PricedModel, warmup: int, window: int | None = None,
+                 steps=None):
         self.dir, self.plan, self.priced = Path(run_dir), plan, priced
         path = self.dir / TIMINGS
         lines = read_timings(path)
@@ -67,7 +68,10 @@ class _Run:
             raise TimingsFileError(f"{path}: no step of plan {self.hash} (the steps are of plan"
                                    f"{'s' if len(hashes) > 1 else ''} {', '.join(hashes) or 'none'}): pass the plan "
                                    f"the run trained (its <out>/train_options.json names it)", path=str(path))
-        used = self.used = of_plan[warmup:]
+        used = of_plan[warmup:][-window:] if window else of_plan[warmup:]
+        if steps is not None:
+            used = [t for t in of_plan if t.step in set(steps)]
+        self.used = used
         if not used:
             raise TimingsFileError(f"{path}: {len(of_plan)} step(s) of the plan, all within the first {warmup} "
                                    f"left out as warm-up: train at least {warmup + 1} steps, or pass --warmup 0",
@@ -86,7 +90,7 @@ class _Run:
         self.sim = simulate_plan(plan, priced, p2p=self.mode)
         self.objective = evaluate_plan(plan, priced).step_time_s
         self.gpu_of = {g.rank: g for st in plan.stages for g in st.gpus}
-        self.parts = {r: _priced_parts(plan, priced.costs, r) for r in range(plan.world_size)}
+        self.parts = {r: _priced_parts(plan, priced.costs, priced.devices, r) for r in range(plan.world_size)}
         self.meas = {r: (med(t.ranks[r].compute_s("F") for t in used), med(t.ranks[r].compute_s("B") for t in used))
                      for r in range(plan.world_size)}
         self.opt = {r: (med(t.ranks[r].adamw_s for t in used),
@@ -107,12 +111,17 @@ class _Run:
         self.measured = med(t.step_time_s for t in used)
 
 
-def calibrate_runs(runs, *, warmup: int = 1, progress=None) -> Calibration:
+def calibrate_runs(runs, *, warmup: int = 1, window: int | None = None, steps=None,
+                   progress=None) -> Calibration:
     """The calibration of ``runs`` = [(run directory, its plan, the model
     priced for that plan: ``pricing.price(..., options_for_plan(plan))``,
     uncalibrated)], all of one model on one cluster in one precision
     ([Note: calibration]). Runs of different micro-batch sizes tell a GPU
     type's per-sample cost from its fixed cost; one run alone often cannot.
+    ``window``: each run's last ``window`` steps only (None: every step after
+    the first ``warmup``): what ``--rebalance`` holds against the plan.
+    ``steps``: exactly these steps of every run (``warmup`` and ``window``
+    then do not apply).
 
     Raises:
         TimingsFileError: a run without timings, none of its plan (another
@@ -123,7 +132,7 @@ def calibrate_runs(runs, *, warmup: int = 1, progress=None) -> Calibration:
             and what to do.
     """
     say = progress or (lambda msg: None)
-    rs = [_Run(d, plan, priced, warmup) for d, plan, priced in runs]
+    rs = [_Run(d, plan, priced, warmup, window, steps) for d, plan, priced in runs]
     first = rs[0]
     for r in rs[1:]:
         for what, a, b in (("cluster", first.priced.cluster.name, r.priced.cluster.name),
@@ -204,13 +213,14 @@ def calibrate_runs(runs, *, warmup: int = 1, progress=None) -> Calibration:
     return cal
 
 
-def _priced_parts(plan, costs, rank: int):
+def _priced_parts(plan, costs, devices, rank: int):
     """Rank ``rank``'s priced seconds per step, uncalibrated: ((forward per-sample part, forward fixed
     part), (backward per-sample, backward fixed), recomputed forward (per-sample, fixed)): every
     micro-batch of every stage it hosts, its samples of each (a recomputing stage's backward re-runs its
     forward: counted apart)."""
     g = next(g for st in plan.stages for g in st.gpus if g.rank == rank)
-    t, n, m = g.gpu_type, g.samples_per_microbatch, plan.num_microbatches
+    # (the priced model's key: a GPU a calibration priced on its own has its own, cost/calibration.py)
+    t, n, m = devices.gpu_types[g.gpu], g.samples_per_microbatch, plan.num_microbatches
     fb_ps, fb_fx = costs.fwd_bwd_s_per_sample[t], costs.fwd_bwd_s_fixed.get(t) or (0.0,) * len(costs.param_count)
     f_ps = costs.fwd_s_per_sample.get(t) or tuple(FORWARD_SHARE * x for x in fb_ps)
     f_fx = costs.fwd_s_fixed.get(t) or tuple(FORWARD_SHARE * x for x in fb_fx)

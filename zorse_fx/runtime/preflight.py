@@ -80,7 +80,7 @@ def check_nproc(plan: Plan, nproc: int) -> None:
 
 
 def check_hook_ranks(testing: TestingOptions, world: int) -> None:
-    """Every testing hook at ``RANK:STEP`` or ``RANK:FACTOR`` (``train_options.RANK_HOOKS``)
+    """Every testing hook at ``RANK:STEP`` (``train_options.RANK_HOOKS``)
     names a rank of the job, ``0..world - 1`` ([Note: options that cannot take
     effect] in ``train_options.py``). ``zorse train`` checks it with the
     process count before torchrun starts, each rank again with the process
@@ -91,7 +91,7 @@ def check_hook_ranks(testing: TestingOptions, world: int) -> None:
     for name in RANK_HOOKS:
         hook = getattr(testing, name)
         if hook is not None and hook[0] >= world:
-            raise LaunchError(f"--{name.replace('_', '-')} {hook[0]}:{hook[1]:g}: rank {hook[0]} is not in the job (its "
+            raise LaunchError(f"--{name.replace('_', '-')} {hook[0]}:{hook[1]}: rank {hook[0]} is not in the job (its "
                               f"{world} ranks are 0..{world - 1}), so it would never act; pass a RANK from 0 to "
                               f"{world - 1}")
 

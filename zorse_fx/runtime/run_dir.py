@@ -51,11 +51,15 @@ from pathlib import Path
 from ..errors import RunDirectoryError
 from ..plan import Plan
 
-__all__ = ["METRICS", "CHECKPOINTS", "new_run_id", "plan_hash", "previous_run", "check_fresh_start",
+__all__ = ["METRICS", "CHECKPOINTS", "REBALANCE_REQUEST", "REBALANCE_STOP", "new_run_id", "plan_hash", "previous_run", "check_fresh_start",
            "remove_previous_run", "metrics_run_id", "check_checkpoint_run"]
 
 #: The per-step metrics file, and the checkpoint directory, under ``<out>``.
 METRICS, CHECKPOINTS = "metrics.jsonl", "checkpoints"
+#: The file under ``<out>`` by which ``zorse train --rebalance`` asks the ranks to stop after the step they
+#: are in, with a checkpoint, and exit 0 ([Note: stopping to rebalance] in ``zorse_fx/rebalance.py``); and the
+#: value rank 0 then puts where a received signal goes in the step's all-gather (no signal has this number).
+REBALANCE_REQUEST, REBALANCE_STOP = "rebalance.request", 255
 _STEP = re.compile(r"^step_(\d+)(\.tmp|\.damaged(\.\d+)?)?$")
 
 

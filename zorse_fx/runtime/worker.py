@@ -53,8 +53,9 @@ rank's loss in the step's all-gather, so all ranks agree to stop, names the
 step, ranks and stages, writes no checkpoint of the step and exits non-zero.
 
 [Note: a slowed rank]
-``--slow-rank RANK:FACTOR`` (testing) makes rank RANK a straggler: after each
-forward and backward it sleeps ``FACTOR - 1`` times that compute's own wall
+``--slow-gpu GPU:FACTOR`` (testing) makes the rank the plan puts on cluster GPU
+GPU a straggler (none where the plan leaves that GPU idle; after a re-plan,
+whichever rank is then on it): after each forward and backward it sleeps ``FACTOR - 1`` times that compute's own wall
 time (on a GPU after synchronising the device), so its compute as the
 timings measure it ([Note: step timings] in ``timings.py``) is ``FACTOR``
 times its own, while the gradient reductions it launched during a backward
@@ -202,7 +203,7 @@ class StageWorker:
         self.last_grad_norm = None
         #: Testing: steps (1-based) after whose reduction this rank writes an inf into a gradient.
         self.inject_inf_steps: set[int] = set()
-        #: Testing (``--slow-rank``): every forward and backward takes this many times its own time.
+        #: Testing (``--slow-gpu``): every forward and backward takes this many times its own time.
         self.slow_factor = 1.0
         #: fp16-mixed: whether the last step was skipped, and the scale it used.
         self.last_skipped = False
