@@ -62,6 +62,7 @@ RESULT_FILES = (
     "timings_overhead.json",
     "calibration.json",
     "rebalance.json",
+    "box_calibration.json",
 )
 
 #: The runs before issue 32 (the planner in seconds), kept to show its planner
@@ -649,6 +650,25 @@ def render_rebalance(doc: dict, name: str) -> list[str]:
     return out + _source(_run_of(doc))
 
 
+def render_box_calibration(doc: dict, name: str) -> list[str]:
+    out = ["### Calibration on the box's measured plans", "",
+           "Per box case, each plan's measured step (bench/box.py, every repetition's steps after the first two) "
+           "against the objective / simulator uncalibrated, calibrated on the plan's own runs (self), and "
+           "calibrated on every other plan's runs of the case (held out). Error = predicted / measured - 1.", ""]
+    for case in doc["cases"]:
+        body = []
+        for r in case["rows"]:
+            m = r["measured_s"]
+            body.append([r["plan"], f"{m:.3f}", _err(r["objective_s"] / m - 1), _err(r["simulated_s"] / m - 1),
+                         _err(r["self_s"][0] / m - 1), _err(r["self_s"][1] / m - 1),
+                         _err(r["held_out_s"][0] / m - 1), _err(r["held_out_s"][1] / m - 1)])
+        out += [f"{case['case']} ({case['date']}; `{case['command'].strip()}`):", ""]
+        out += table(["plan", "measured s", "objective", "simulator", "self: objective", "self: simulator",
+                      "held out: objective", "held out: simulator"], body) + [""]
+    return out + _source(dict(command="bench/box_calibration.py", machine=CPU_MACHINE,
+                              date=max(c["date"] for c in doc["cases"])))
+
+
 # ---------------------------------------------------------------- links
 
 
@@ -959,7 +979,7 @@ def render(results: Path = RESULTS) -> str:
               ("offload_cpu.json", render_offload_cpu),
               ("comm_loopback.json", render_comm), ("box.json", render_box),
               ("timings_overhead.json", render_timings_overhead), ("calibration.json", render_calibration),
-              ("rebalance.json", render_rebalance))
+              ("rebalance.json", render_rebalance), ("box_calibration.json", render_box_calibration))
     for name, fn in single:
         if name in docs:
             old = BEFORE.get(name)

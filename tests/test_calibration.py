@@ -119,6 +119,22 @@ def test_the_straggler_is_priced_on_its_own_and_the_calibrated_objective_moves_s
     assert 0.9 < before < 1.1 and after < 0.85 * before, (before, after)
 
 
+def test_a_type_no_run_used_is_scaled_by_the_measured_types(slowed):
+    """A calibration of the A100s alone: the T4s get the A100s' factors (the geometric mean of one type's:
+    those), and their optimizer the A100s' mean; left as priced they would look 10-100x faster than the
+    measured CPU ranks (cost/calibration.py)."""
+    plan, run, priced, cal = slowed
+    a100 = next(t for t in cal.types if t.gpu_type == "A100-40GB")
+    only = msgspec.structs.replace(cal, types=[a100], gpus=[g for g in cal.gpus if g.gpu_type == "A100-40GB"])
+    costs, devices, lines = apply_calibration(priced.costs, priced.devices, only, precision="fp32")
+    assert any(ln.startswith("T4: not measured, scaled by the measured types' geometric mean") for ln in lines)
+    fwd = priced.costs.fwd_s_per_sample["T4"]
+    assert costs.fwd_s_per_sample["T4"] == pytest.approx([a100.forward_per_sample * f for f in fwd], rel=1e-12)
+    mean_opt = statistics.geometric_mean(g.optimizer for g in only.gpus)
+    for g in (2, 3):
+        assert devices.mem_bw_bytes_per_s[g] == pytest.approx(priced.devices.mem_bw_bytes_per_s[g] / mean_opt)
+
+
 def test_the_file_round_trips_and_bad_files_name_the_field(slowed, tmp_path):
     plan, run, priced, cal = slowed
     path = write_calibration(cal, tmp_path / "calibration.json")

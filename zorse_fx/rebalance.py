@@ -145,9 +145,9 @@ def check_once(out: Path, plan_dir: Path, request: PlanRequest, settings: Rebala
     held = calibrate_runs([(out, plan, pricer.price(plan, ref))], steps=steps)
     run = held.runs[0]
     slow = [g for g in held.gpus if max(g.forward, g.backward) > settings.straggler_factor]
-    reasons = [f"GPU {g.gpu} ({g.gpu_type}, rank {next(s.rank for st in plan.stages for s in st.gpus if s.gpu == g.gpu)}"
-               f") computes {max(g.forward, g.backward):.2f}x what its type's fit predicts (straggler: > "
-               f"{settings.straggler_factor:g}x)" for g in slow]
+    rank_of = {s.gpu: s.rank for st in plan.stages for s in st.gpus}
+    reasons = [f"GPU {g.gpu} ({g.gpu_type}, rank {rank_of[g.gpu]}) computes {max(g.forward, g.backward):.2f}x what "
+               f"its type's fit predicts (straggler: > {settings.straggler_factor:g}x)" for g in slow]
     if ref and run.measured_step_s > settings.slow_step_factor * run.objective_step_s:
         reasons.append(f"the measured step {fmt_seconds(run.measured_step_s)} is "
                        f"{run.measured_step_s / run.objective_step_s:.2f}x the {fmt_seconds(run.objective_step_s)} its "

@@ -20,13 +20,18 @@ per GPU ``optimizer``    its measured AdamW / the optimizer step priced
                          multiplied by it: fitted (bisection) so that the
                          calibrated objective's step equals the measured one,
                          everything else held; the one fitted number
-``step_overhead_s``      the loop's own time per step, measured: rank 0's end
+``step_overhead_*``      the loop's own time per step, measured: rank 0's end
                          of step (through the per-step all-gather) past the
                          latest rank's last phase, less the one latency round
                          [C-control] already prices for that all-gather; plus a
                          token-mean plan's count of its loss tokens (the
                          fastest rank's ``count_s``), which nothing else
-                         prices (``BlockCosts.step_overhead_s``)
+                         prices. As whole latency rounds of the run's world
+                         (``_rounds``: added to ``BlockCosts.step_control_
+                         rounds``, so a plan on other links pays its own:
+                         on the box, 3 rounds of a 66 ms link for plans across
+                         it, 2 ms on one node) and the rest, a constant
+                         (``_s``: ``BlockCosts.step_overhead_s``)
 =======================  ======================================================
 
 The block times are corrected per GPU type, by four factors: the forward's
@@ -150,6 +155,8 @@ class Calibration(msgspec.Struct, forbid_unknown_fields=True):
     bandwidth_scale: Factor
     bandwidth_fit: Annotated[str, Meta(description="how bandwidth_scale was found")]
     step_overhead_s: Seconds
+    step_overhead_rounds: Annotated[int, Meta(ge=0, le=10_000, description="latency rounds of the world per step "
+                                                                           "the loop takes beyond [C-control]'s")] = 0
 
 
 CALIBRATION_FILE = FileFormat(name=FORMAT, what="calibration", doc=Calibration, versions=(VERSION,),
@@ -263,8 +270,10 @@ def apply_calibration(costs: BlockCosts, devices: DeviceGraph, cal: Calibration,
         shared_links=tuple(SharedLink(name=s.name, gpus_a=s.gpus_a, gpus_b=s.gpus_b,
                                       bandwidth_bytes_per_s=s.bandwidth_bytes_per_s / bw)
                            for s in devices.shared_links))
-    costs = dataclasses.replace(costs, **tables, step_overhead_s=cal.step_overhead_s)
+    costs = dataclasses.replace(costs, **tables, step_overhead_s=cal.step_overhead_s,
+                                step_control_rounds=costs.step_control_rounds + cal.step_overhead_rounds)
     lines.append(f"links: latency x{lat:.3g}, time per byte x{bw:.3g}; loop overhead "
-                 f"{cal.step_overhead_s * 1e3:.2f} ms per step")
+                 f"{cal.step_overhead_rounds} latency round(s) of the world + {cal.step_overhead_s * 1e3:.2f} ms "
+                 f"per step")
     assert all(math.isfinite(x) for row in devices.link_latency_s for x in row)
     return costs, devices, lines

@@ -155,7 +155,7 @@ def calibrate_runs(runs, *, warmup: int = 1, window: int | None = None, steps=No
     med = statistics.median
     scales = [r.control / r.before for r in rs if r.before > 0 and r.control > 0]
     latency_scale = _clip(med(scales)) if scales else 1.0
-    overhead = max(0.0, med(r.loop - r.after * latency_scale for r in rs))
+    rounds, overhead = _loop_overhead(rs, latency_scale)
 
     def record(bw: float, how: str, results=None) -> Calibration:
         results = results or [(0.0, 0.0)] * len(rs)
@@ -168,7 +168,7 @@ def calibrate_runs(runs, *, warmup: int = 1, window: int | None = None, steps=No
                                  simulated_step_s=r.sim.step_time_s, calibrated_simulated_step_s=sim)
                   for r, (obj, sim) in zip(rs, results)],
             types=types, gpus=gpus, latency_scale=latency_scale, bandwidth_scale=bw, bandwidth_fit=how,
-            step_overhead_s=overhead)
+            step_overhead_s=overhead, step_overhead_rounds=rounds)
 
     def calibrated(r: _Run, cal: Calibration) -> PricedModel:
         costs, devices, _ = apply_calibration(r.priced.costs, r.priced.devices, cal,
@@ -211,6 +211,25 @@ def calibrate_runs(runs, *, warmup: int = 1, window: int | None = None, steps=No
             f"{r.objective:.4g} s -> calibrated {run.calibrated_objective_step_s:.4g} s; simulator "
             f"{r.sim.step_time_s:.4g} s -> {run.calibrated_simulated_step_s:.4g} s")
     return cal
+
+
+def _loop_overhead(rs: list[_Run], latency_scale: float) -> tuple[int, float]:
+    """(latency rounds, seconds): the loop's measured time after each run's step, beyond the one
+    round [C-control] prices, as whole rounds of its world's calibrated control latency ((W - 1) x
+    the largest latency between its GPUs x ``latency_scale``) and a constant ([Note: calibration]).
+    The rounds are the median over the runs of round(loop / round), the constant the median of what
+    is left (>= 0): a loop that takes several of its world's latencies is latency-bound, and a plan
+    on other links pays its own (on one node a few ms, across a 66 ms WAN hundreds)."""
+    med = statistics.median
+    per_run = []
+    for r in rs:
+        one = r.after * latency_scale
+        extra = max(0.0, r.loop - one)
+        k = int(round(extra / one)) if one > 0 else 0
+        per_run.append((k, one))
+    rounds = int(med(k for k, _ in per_run))
+    left = med(max(0.0, r.loop - one * (1 + rounds)) for r, (_, one) in zip(rs, per_run))
+    return rounds, left
 
 
 def _priced_parts(plan, costs, devices, rank: int):
@@ -342,5 +361,5 @@ def calibration_table(cal: Calibration) -> str:
     for t in (gpus, types, steps):
         console.print(t)
     return (buf.getvalue() + f"links: latency x{cal.latency_scale:.3g} (the gradient norm's all-reduce), time per "
-            f"byte x{cal.bandwidth_scale:.3g} ({cal.bandwidth_fit}); loop overhead {ms(cal.step_overhead_s)} ms per "
-            f"step")
+            f"byte x{cal.bandwidth_scale:.3g} ({cal.bandwidth_fit}); loop overhead {cal.step_overhead_rounds} latency "
+            f"round(s) of the world + {ms(cal.step_overhead_s)} ms per step")

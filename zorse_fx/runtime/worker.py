@@ -55,8 +55,9 @@ step, ranks and stages, writes no checkpoint of the step and exits non-zero.
 [Note: a slowed rank]
 ``--slow-gpu GPU:FACTOR`` (testing) makes the rank the plan puts on cluster GPU
 GPU a straggler (none where the plan leaves that GPU idle; after a re-plan,
-whichever rank is then on it): after each forward and backward it sleeps ``FACTOR - 1`` times that compute's own wall
-time (on a GPU after synchronising the device), so its compute as the
+whichever rank is then on it): after each forward and backward it sleeps
+``FACTOR - 1`` times that compute's own wall time (on a GPU after
+synchronising the device), so its compute as the
 timings measure it ([Note: step timings] in ``timings.py``) is ``FACTOR``
 times its own, while the gradient reductions it launched during a backward
 go on beside the sleep, as beside a slower compute. What a throttled card
@@ -136,7 +137,7 @@ class StageWorker:
         weights_source: the file ``weights`` was read from, named by a
             ``WeightsFileError`` (a tensor missing or of the wrong shape or dtype).
         timings: time every step's phases ([Note: step timings] in
-            ``timings.py``; ``last_timings``); False: ``last_timings`` is all 0.
+            ``timings.py``; ``last_timings``); False: ``last_timings`` is empty.
     """
 
     def __init__(
