@@ -84,6 +84,20 @@ def test_a_slowed_rank_is_the_slowest_and_named_on_the_progress_line(slowed_run)
     assert sum("slowest rank 2 (stage 1," in ln for ln in named) >= STEPS - 1, named
 
 
+def test_zorse_timings_prints_each_ranks_phases(slowed_run, capsys):
+    from zorse_fx.cli import main as zorse_main
+
+    plan, d, _ = slowed_run
+    assert zorse_main(["timings", str(d / "out")]) == 0
+    out = capsys.readouterr().out
+    assert f"Per rank, median of steps 2..{STEPS}, ms" in out and "grad norm" in out and "step (rank 0" in out
+    rows = [ln for ln in out.splitlines() if ln.startswith("│")]
+    assert [ln.split("│")[3].strip() for ln in rows] == ["0 A100-40GB @ a100-node", "2 T4 @ t4-node", "3 T4 @ t4-node"]
+    with pytest.raises(SystemExit, match=f"has no step from {STEPS + 1} on \\(its steps: 1..{STEPS}\\); pass a "
+                                         f"smaller --skip"):
+        zorse_main(["timings", str(d / "out"), "--skip", str(STEPS)])
+
+
 def test_no_timings_writes_none(lee_bytes, tmp_path):
     import torch
 

@@ -515,6 +515,24 @@ def cmd_calibrate(args) -> int:
     return 0
 
 
+def cmd_timings(args) -> int:
+    """``zorse timings RUN``: where each rank's step goes (``runtime.timings.phase_table``)."""
+    from .runtime.timings import TIMINGS, phase_table, read_timings
+
+    lines = read_timings(Path(args.run) / TIMINGS)
+    first = args.skip + 1
+    used = [t for t in lines if t.step >= first]
+    if not used:
+        raise SystemExit(f"zorse: {Path(args.run) / TIMINGS} has no step from {first} on (its steps: "
+                         f"{lines[0].step if lines else '-'}..{lines[-1].step if lines else '-'}); pass a smaller --skip")
+    hashes = {t.plan_hash for t in used}
+    if len(hashes) > 1:  # a resumed run under another plan: the last plan's steps
+        used = [t for t in used if t.plan_hash == used[-1].plan_hash]
+        print(f"[zorse] the run trained {len(hashes)} plans: the last one's steps ({used[0].step}..{used[-1].step})")
+    print(phase_table(used), end="")
+    return 0
+
+
 def _run_plan(run: Path) -> str:
     """The plan a run trained: ``data.plan`` of its ``train_options.json`` (``zorse train`` writes it)."""
     from .train_options import OPTIONS_FILE, read_options_file
@@ -773,6 +791,11 @@ def build_parser() -> argparse.ArgumentParser:
     pcal.add_argument("--any-cluster", action="store_true", help="as for `zorse simulate`")
     pcal.add_argument("--no-cache", action="store_true", help=no_cache)
     pcal.set_defaults(fn=cmd_calibrate)
+    ptim = sub.add_parser("timings", help="where each rank's step goes: the median of every phase per rank "
+                                          "(<run>/timings.jsonl)")
+    ptim.add_argument("run", help="the run directory (`zorse train --out`)")
+    ptim.add_argument("--skip", type=int, default=1, help="first steps left out (default %(default)s: the warm-up)")
+    ptim.set_defaults(fn=cmd_timings)
     from .profiling import comm_main, kernels_main
 
     pb = sub.add_parser("bench", help="measure this machine: `kernels` (kernel profile) or `comm` (links)",

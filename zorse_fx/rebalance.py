@@ -2,8 +2,9 @@
 
 While the ranks train, the launcher reads ``<out>/timings.jsonl`` as it grows
 ([Note: step timings] in ``runtime/timings.py``) and, once ``warm-up +
-window`` steps of the current plan are in, holds the last ``window`` steps
-against the plan's prices (``profiling/calibrate.py``): the prices the plan
+window`` steps of the current plan are in, and again after every ``window``
+new steps, holds the last ``window`` steps against the plan's prices (the
+per-GPU factors only: no link fit, a fraction of a second) (``profiling/calibrate.py``): the prices the plan
 was made with (its ``plan_request.json``'s calibration, if any, else the
 cost model's). It re-plans when
 
@@ -142,7 +143,7 @@ def check_once(out: Path, plan_dir: Path, request: PlanRequest, settings: Rebala
         return Decision(None)
     ref = request.options.get("calibration")
     steps = [t.step for t in lines[settings.warmup:]][-settings.window:]  # the same steps for both calibrations
-    held = calibrate_runs([(out, plan, pricer.price(plan, ref))], steps=steps)
+    held = calibrate_runs([(out, plan, pricer.price(plan, ref))], steps=steps, fit_links=False)
     run = held.runs[0]
     slow = [g for g in held.gpus if max(g.forward, g.backward) > settings.straggler_factor]
     rank_of = {s.gpu: s.rank for st in plan.stages for s in st.gpus}
@@ -175,8 +176,17 @@ def check_once(out: Path, plan_dir: Path, request: PlanRequest, settings: Rebala
     return Decision("; ".join(reasons), new_dir, new, tuple(said))
 
 
+def _count_lines(path: Path) -> int:
+    """Complete lines of ``path`` (0 where it does not exist yet)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read().count(b"\n")
+    except FileNotFoundError:
+        return 0
+
+
 class _Watcher(threading.Thread):
-    """Checks the run after each new timings line until it decides (``decision``) or is stopped."""
+    """Checks the run after each window of new timings lines until it decides (``decision``) or is stopped."""
 
     def __init__(self, out: Path, plan_dir: Path, request: PlanRequest, settings: RebalanceSettings, pricer: _Pricer):
         super().__init__(name="zorse-rebalance", daemon=True)
@@ -194,7 +204,7 @@ class _Watcher(threading.Thread):
         from .runtime.timings import TIMINGS
 
         try:
-            pricer, seen = self.pricer, -1
+            pricer, checked = self.pricer, 0
             from .plan import Plan
 
             plan = Plan.load(self.plan_dir)  # priced while torchrun starts the ranks: the first check is not late
@@ -202,10 +212,10 @@ class _Watcher(threading.Thread):
             pricer.price(plan)
             while not self._halt.wait(self.settings.poll_s):
                 path = self.out / TIMINGS
-                size = path.stat().st_size if path.exists() else 0
-                if size == seen:
+                steps = _count_lines(path)
+                if steps < checked + self.settings.window:  # one check per window of new steps
                     continue
-                seen = size
+                checked = steps
                 found = check_once(self.out, self.plan_dir, self.request, self.settings, pricer)
                 if found.reason is None:
                     continue

@@ -111,7 +111,7 @@ class _Run:
         self.measured = med(t.step_time_s for t in used)
 
 
-def calibrate_runs(runs, *, warmup: int = 1, window: int | None = None, steps=None,
+def calibrate_runs(runs, *, warmup: int = 1, window: int | None = None, steps=None, fit_links: bool = True,
                    progress=None) -> Calibration:
     """The calibration of ``runs`` = [(run directory, its plan, the model
     priced for that plan: ``pricing.price(..., options_for_plan(plan))``,
@@ -121,7 +121,9 @@ def calibrate_runs(runs, *, warmup: int = 1, window: int | None = None, steps=No
     ``window``: each run's last ``window`` steps only (None: every step after
     the first ``warmup``): what ``--rebalance`` holds against the plan.
     ``steps``: exactly these steps of every run (``warmup`` and ``window``
-    then do not apply).
+    then do not apply). ``fit_links`` False: no bandwidth fit (scale 1) and
+    no calibrated re-prediction (the runs' ``calibrated_*`` steps are 0): the
+    per-GPU factors alone, in a fraction of the time (``--rebalance``'s check).
 
     Raises:
         TimingsFileError: a run without timings, none of its plan (another
@@ -180,6 +182,8 @@ def calibrate_runs(runs, *, warmup: int = 1, window: int | None = None, steps=No
         cal = record(bw, "")
         return med(evaluate_plan(r.plan, calibrated(r, cal)).step_time_s / r.measured for r in rs)
 
+    if not fit_links:
+        return record(1.0, "not fitted (fit_links=False)")
     lo, hi = BANDWIDTH_RANGE
     at_lo, at_hi = ratio(lo), ratio(hi)
     if math.isclose(at_lo, at_hi, rel_tol=1e-9, abs_tol=1e-12):

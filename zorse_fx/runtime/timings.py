@@ -46,6 +46,7 @@ numbers' share of the step's one all-gather; measured in bench/README.md
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from pathlib import Path
@@ -60,7 +61,7 @@ from ..file_schema import FileFormat, json_too_deep
 from ..ir.schedule import make_schedule
 
 __all__ = ["TIMINGS", "PHASES", "StepTimer", "TimingsLine", "RankTimings", "ActionTiming", "TimingsFileError",
-           "num_marks", "timings_line", "read_timings", "slowest_rank"]
+           "num_marks", "timings_line", "read_timings", "slowest_rank", "phase_table"]
 
 #: The timings file under ``<out>``.
 TIMINGS = "timings.jsonl"
@@ -186,12 +187,18 @@ class StepTimer:
         return [round(max(0.0, x), 7) for x in spans]  # 0.1 us: below either clock's resolution
 
 
+@functools.lru_cache(maxsize=8)
+def _schedules(name: str, num_stages: int, num_microbatches: int, interleave: int):
+    """``make_schedule``'s answer, kept: rank 0 writes a line every step."""
+    return make_schedule(name, num_stages, num_microbatches, interleave)
+
+
 def timings_line(plan, step: int, *, run_id: str, plan_hash: str, clock: str, step_time_s: float,
                  durations: list[list[float]], starts: list[float]) -> dict:
     """The JSON-ready line of step ``step``: ``durations[r]`` is rank r's
     ``StepTimer.durations()`` (``num_marks(plan) - 1`` seconds), ``starts[r]``
     the wall-clock time its step started."""
-    schedules = make_schedule(plan.schedule, plan.num_stages, plan.num_microbatches, plan.interleave)
+    schedules = _schedules(plan.schedule, plan.num_stages, plan.num_microbatches, plan.interleave)
     gpu_of = {g.rank: g for st in plan.stages for g in st.gpus}
     P, ranks = plan.num_groups, []
     for r, d in enumerate(durations):
@@ -246,3 +253,36 @@ def slowest_rank(durations: list[list[float]], plan) -> tuple[int, float]:
     compute = [sum(d[3 + 3 * k] for k in range(n)) for d in durations]
     r = max(range(len(compute)), key=compute.__getitem__)
     return r, compute[r]
+
+
+def phase_table(lines: list[TimingsLine], *, title: str = "") -> str:
+    """Each rank's phases, the median over ``lines`` (ms), as a plain-text table (``zorse timings``):
+    stages, GPU, forward and backward compute, waiting for receives, posting sends, the phases after
+    the schedule, the rank's total; below it the median whole step (rank 0's, through the step's
+    all-gather)."""
+    import io
+    import statistics
+
+    from rich.console import Console
+    from rich.table import Table
+
+    med = statistics.median
+
+    def ms(f) -> str:
+        return f"{med(f(t) for t in lines) * 1e3:.1f}"
+
+    table = Table(title=title or f"Per rank, median of steps {lines[0].step}..{lines[-1].step}, ms")
+    cols = ("rank", "stages", "GPU", "forward", "backward", "wait", "post", "count", "finish", "all-reduce",
+            "unscale", "grad norm", "AdamW", "all-gather", "total")
+    for c in cols:
+        table.add_column(c, justify="left" if c == "GPU" else "right")
+    for r in range(len(lines[0].ranks)):
+        x = lines[0].ranks[r]
+        table.add_row(str(r), ",".join(map(str, x.stages)), f"{x.gpu} {x.gpu_type} @ {x.node}",
+                      ms(lambda t: t.ranks[r].compute_s("F")), ms(lambda t: t.ranks[r].compute_s("B")),
+                      ms(lambda t: sum(a.wait_s for a in t.ranks[r].actions)),
+                      ms(lambda t: sum(a.post_s for a in t.ranks[r].actions)), ms(lambda t: t.ranks[r].count_s),
+                      *[ms(lambda t, p=p: getattr(t.ranks[r], p)) for p in PHASES], ms(lambda t: t.ranks[r].total_s))
+    buf = io.StringIO()
+    Console(file=buf, width=200).print(table)
+    return buf.getvalue() + f"step (rank 0, through the step's all-gather): {ms(lambda t: t.step_time_s)} ms\n"
