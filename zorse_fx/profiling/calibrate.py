@@ -3,13 +3,16 @@
 Reads ``<run>/timings.jsonl`` ([Note: step timings] in
 ``runtime/timings.py``) and ``metrics.jsonl``, prices the run's plan as
 ``zorse simulate`` does, and fits the corrections of [Note: calibration]
-(``cost/calibration.py``): per GPU, factors on its forward, backward and
-optimizer times (measured over priced, directly); one latency scale (the
-gradient norm's world all-reduce, directly); the loop's overhead per step
-(directly); one bandwidth scale (fitted: the only number chosen so that the
-calibrated objective meets the measured step). Every measured quantity is
-the median over the steps used (the first ``warmup`` steps left out: the
-allocator, Gloo's connections and the kernels' first calls).
+(``cost/calibration.py``): per GPU type, factors on its forward and backward
+times, per-sample and fixed parts (least squares over the type's GPUs and
+runs); per GPU, its own factor over its type's fit and its optimizer factor
+(measured over priced, directly); one latency scale (the gradient norm's
+world all-reduce, directly); the loop's overhead per step as latency rounds
+of the world and a constant (measured); one bandwidth scale (fitted: the
+only number chosen so that the calibrated objective meets the measured
+step). Every measured quantity is the median over the steps used (the first
+``warmup`` steps left out: the allocator, Gloo's connections and the
+kernels' first calls).
 """
 
 from __future__ import annotations
@@ -22,8 +25,8 @@ import statistics
 from pathlib import Path
 
 from ..cost.calibration import Calibration, GPUCalibration, RunCalibration, TypeCalibration, apply_calibration
-from ..ir.costs import FORWARD_SHARE
 from ..errors import TimingsFileError
+from ..ir.costs import FORWARD_SHARE
 from ..pricing import PricedModel, evaluate_plan, simulate_plan
 from ..runtime.run_dir import METRICS, plan_hash
 from ..runtime.timings import TIMINGS, read_timings
