@@ -28,6 +28,7 @@ and GPU speeds (bench/box.py, once they record timings).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import statistics
@@ -66,6 +67,7 @@ def _captured():
 def main() -> int:
     from conftest import CLUSTERS, fixed_plan, spawn_ranks
     from zorse_fx.cluster import Cluster
+    from zorse_fx.cost.calibration import apply_calibration
     from zorse_fx.data import read_corpus, tokenize
     from zorse_fx.pricing import evaluate_plan, options_for_plan, price, simulate_plan
     from zorse_fx.profiling.calibrate import calibrate_runs
@@ -98,10 +100,6 @@ def main() -> int:
             own = calibrate_runs([runs[name]]).runs[0]
             others = [runs[n] for n in names if n != name]
             cal = calibrate_runs(others)
-            import dataclasses
-
-            from zorse_fx.cost.calibration import apply_calibration
-
             costs, devices, _ = apply_calibration(priced.costs, priced.devices, cal, precision=plan.precision)
             held = dataclasses.replace(priced, costs=costs, devices=devices, calibration=cal)
             measured = own.measured_step_s
@@ -126,10 +124,11 @@ def main() -> int:
     out = {"date": date.today().isoformat(), "machine": platform.machine(),
            "command": "bench/calibration.py " + " ".join(sys.argv[1:]), "steps": args.steps,
            "model": f"gpt (4 x 128), seq {SEQ}, global batch {BATCH}, fp32, small_hetero, Gloo CPU ranks",
-           "held_out_objective_abs_error_median": statistics.median(errs), "held_out_objective_abs_error_max": max(errs),
-           "rows": rows}
+           "held_out_objective_abs_error_median": statistics.median(errs),
+           "held_out_objective_abs_error_max": max(errs), "rows": rows}
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
-    print(f"[bench] held-out |error| of the calibrated objective: median {out['held_out_objective_abs_error_median']:.1%}, "
+    print(f"[bench] held-out |error| of the calibrated objective: median "
+          f"{out['held_out_objective_abs_error_median']:.1%}, "
           f"max {out['held_out_objective_abs_error_max']:.1%}; wrote {args.out}")
     return 0
 

@@ -92,7 +92,8 @@ def test_zorse_timings_prints_each_ranks_phases(slowed_run, capsys):
     out = capsys.readouterr().out
     assert f"Per rank, median of steps 2..{STEPS}, ms" in out and "grad norm" in out and "step (rank 0" in out
     rows = [ln for ln in out.splitlines() if ln.startswith("│")]
-    assert [ln.split("│")[3].strip() for ln in rows] == ["0 A100-40GB @ a100-node", "2 T4 @ t4-node", "3 T4 @ t4-node"]
+    gpus = [ln.split("│")[3].strip() for ln in rows]
+    assert gpus == ["0 A100-40GB @ a100-node", "2 T4 @ t4-node", "3 T4 @ t4-node"]
     with pytest.raises(SystemExit, match=f"has no step from {STEPS + 1} on \\(its steps: 1..{STEPS}\\); pass a "
                                          f"smaller --skip"):
         zorse_main(["timings", str(d / "out"), "--skip", str(STEPS)])
@@ -129,7 +130,8 @@ def _line(**change) -> dict:
 
 
 @pytest.mark.parametrize("change, where", [
-    (dict(ranks__0__actions__1__compute_s=-0.5), "field ranks[0].actions[1].compute_s is -0.5: expected `float` >= 0.0"),
+    (dict(ranks__0__actions__1__compute_s=-0.5),
+     "field ranks[0].actions[1].compute_s is -0.5: expected `float` >= 0.0"),
     (dict(ranks__0__actions__0__kind="X"), "field ranks[0].actions[0].kind is 'X'; allowed: 'F', 'B'"),
     (dict(clock="sundial"), "field 'clock' is 'sundial'; allowed: 'perf_counter', 'cuda_events'"),
     (dict(version=7), "timings format version 7 is not supported by this zorse_fx (reads version 1)"),

@@ -119,8 +119,9 @@ class LaunchOptions:
             raise OptionValueError("max_replans", f"--max-replans {self.max_replans} applies to --elastic and "
                                                   f"--rebalance only: add one, or drop --max-replans")
         if self.rebalance and (self.elastic or self.nnodes > 1):
-            raise OptionValueError("rebalance", "--rebalance runs on one node without --elastic (zorse_fx/"
-                                                "rebalance.py); drop " + ("--elastic" if self.elastic else "--nnodes"))
+            drop = "--elastic" if self.elastic else "--nnodes"
+            raise OptionValueError("rebalance", f"--rebalance runs on one node without --elastic (zorse_fx/"
+                                                f"rebalance.py); drop {drop}")
         fields = LaunchOptions.__dataclass_fields__
         for name in ("rebalance_window", "straggler_factor", "slow_step_factor"):
             value = getattr(self, name)
@@ -492,8 +493,8 @@ def cmd_calibrate(args) -> int:
     from .profiling.calibrate import calibrate_runs, calibration_table
 
     if args.plan and len(args.plan) != len(args.run):
-        raise SystemExit(f"zorse: --plan given {len(args.plan)} time(s) for {len(args.run)} run(s): give one per run, "
-                         f"in the runs' order, or none (each run's train_options.json names its plan)")
+        raise SystemExit(f"zorse: --plan given {len(args.plan)} time(s) for {len(args.run)} run(s): give one per "
+                         f"run, in the runs' order, or none (each run's train_options.json names its plan)")
     cluster = Cluster.from_yaml(args.cluster)
     model, _ = _load_model(args.model)
     if is_hf_causal_lm(model):
@@ -523,8 +524,9 @@ def cmd_timings(args) -> int:
     first = args.skip + 1
     used = [t for t in lines if t.step >= first]
     if not used:
-        raise SystemExit(f"zorse: {Path(args.run) / TIMINGS} has no step from {first} on (its steps: "
-                         f"{lines[0].step if lines else '-'}..{lines[-1].step if lines else '-'}); pass a smaller --skip")
+        span = f"{lines[0].step}..{lines[-1].step}" if lines else "none"
+        raise SystemExit(f"zorse: {Path(args.run) / TIMINGS} has no step from {first} on (its steps: {span}); "
+                         f"pass a smaller --skip")
     hashes = {t.plan_hash for t in used}
     if len(hashes) > 1:  # a resumed run under another plan: the last plan's steps
         used = [t for t in used if t.plan_hash == used[-1].plan_hash]

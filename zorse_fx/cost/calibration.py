@@ -71,7 +71,7 @@ what the runtime's tests and ``bench/`` hold it to.
 from __future__ import annotations
 
 import dataclasses
-import math
+import statistics
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -83,8 +83,8 @@ from ..file_schema import FileFormat
 from ..ir.costs import FORWARD_SHARE, BlockCosts
 from ..ir.devices import DeviceGraph, SharedLink
 
-__all__ = ["Calibration", "RunCalibration", "TypeCalibration", "GPUCalibration", "CALIBRATION_FILE", "SAME_SPEED", "apply_calibration",
-           "read_calibration", "write_calibration", "calibrated_type"]
+__all__ = ["Calibration", "RunCalibration", "TypeCalibration", "GPUCalibration", "CALIBRATION_FILE", "SAME_SPEED",
+           "apply_calibration", "read_calibration", "write_calibration", "calibrated_type"]
 
 FORMAT, VERSION = "zorse_fx.calibration", 1
 #: GPUs of one type whose factors are within this ratio of the type's median are priced alike.
@@ -217,8 +217,9 @@ def apply_calibration(costs: BlockCosts, devices: DeviceGraph, cal: Calibration,
     for k, g in enumerate(cal.gpus):
         if g.gpu >= len(types) or types[g.gpu] != g.gpu_type or (
                 devices.node_names and devices.node_names[g.gpu] != g.node):
-            there = (f"the cluster has {types[g.gpu]} on node {devices.node_names[g.gpu] if devices.node_names else '?'}"
-                     if g.gpu < len(types) else f"the cluster has {len(types)} GPUs")
+            node = devices.node_names[g.gpu] if devices.node_names and g.gpu < len(types) else "?"
+            there = (f"the cluster has {types[g.gpu]} on node {node}" if g.gpu < len(types)
+                     else f"the cluster has {len(types)} GPUs")
             raise TimingsFileError(f"{source}: field gpus[{k}] is GPU {g.gpu} ({g.gpu_type} on node {g.node}) but "
                                    f"{there}: a calibration holds for the cluster its run trained on",
                                    path=source, field=f"gpus[{k}]", value=g.gpu)
@@ -236,10 +237,7 @@ def apply_calibration(costs: BlockCosts, devices: DeviceGraph, cal: Calibration,
     # than priced; on one CPU every "GPU" is the same processor).
     unmeasured = sorted(set(types) - set(of_type) - {""})
     if unmeasured:
-        def gmean(xs):
-            return math.exp(sum(map(math.log, xs)) / len(xs))
-
-        mean = TypeCalibration(gpu_type="", **{f: gmean([getattr(t, f) for t in cal.types]) for f in (
+        mean = TypeCalibration(gpu_type="", **{f: statistics.geometric_mean(getattr(t, f) for t in cal.types) for f in (
             "forward_per_sample", "forward_fixed", "backward_per_sample", "backward_fixed")})
         for t in unmeasured:
             for name, table in _scaled(costs, t, t, mean).items():
@@ -259,7 +257,7 @@ def apply_calibration(costs: BlockCosts, devices: DeviceGraph, cal: Calibration,
     mem_bw = list(devices.mem_bw_bytes_per_s)
     for g in latest.values():
         mem_bw[g.gpu] /= g.optimizer
-    opt_mean = math.exp(sum(math.log(g.optimizer) for g in latest.values()) / len(latest))
+    opt_mean = statistics.geometric_mean(g.optimizer for g in latest.values())
     for g in set(range(len(types))) - set(latest):  # a GPU the runs did not use: the measured GPUs' mean
         mem_bw[g] /= opt_mean
     lat, bw = cal.latency_scale, cal.bandwidth_scale
@@ -275,5 +273,4 @@ def apply_calibration(costs: BlockCosts, devices: DeviceGraph, cal: Calibration,
     lines.append(f"links: latency x{lat:.3g}, time per byte x{bw:.3g}; loop overhead "
                  f"{cal.step_overhead_rounds} latency round(s) of the world + {cal.step_overhead_s * 1e3:.2f} ms "
                  f"per step")
-    assert all(math.isfinite(x) for row in devices.link_latency_s for x in row)
     return costs, devices, lines

@@ -358,11 +358,10 @@ def calibration_table(cal: Calibration) -> str:
     for col in ("run", "steps", "micro-batches", "measured", "objective", "calibrated", "simulator", "calibrated "):
         steps.add_column(col, justify="left" if col == "run" else "right")
     for r in cal.runs:
+        obj, sim = r.calibrated_objective_step_s, r.calibrated_simulated_step_s
         steps.add_row(r.run_dir, f"{r.steps[0]}..{r.steps[-1]}", str(r.num_microbatches), ms(r.measured_step_s),
-                      ms(r.objective_step_s),
-                      f"{ms(r.calibrated_objective_step_s)} ({r.calibrated_objective_step_s / r.measured_step_s - 1:+.1%})",
-                      ms(r.simulated_step_s),
-                      f"{ms(r.calibrated_simulated_step_s)} ({r.calibrated_simulated_step_s / r.measured_step_s - 1:+.1%})")
+                      ms(r.objective_step_s), f"{ms(obj)} ({obj / r.measured_step_s - 1:+.1%})",
+                      ms(r.simulated_step_s), f"{ms(sim)} ({sim / r.measured_step_s - 1:+.1%})")
     buf = io.StringIO()
     console = Console(file=buf, width=140)
     for t in (gpus, types, steps):
