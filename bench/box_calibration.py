@@ -66,9 +66,8 @@ def main() -> int:
                          f"2026-12-06 or later records them")
     rows = []
     for name, (plan, runs, priced) in plans.items():
-        measured = statistics.median(json.loads(ln)["step_time_s"] for r in runs
-                                     for ln in (r / "metrics.jsonl").read_text().splitlines()
-                                     if json.loads(ln)["step"] > 2)
+        recs = [json.loads(ln) for r in runs for ln in (r / "metrics.jsonl").read_text().splitlines()]
+        measured = statistics.median(rec["step_time_s"] for rec in recs if rec["step"] > 2)
 
         def predict(cal):
             costs, devices, _ = apply_calibration(priced.costs, priced.devices, cal, precision=plan.precision)

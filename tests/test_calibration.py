@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import statistics
 
 import msgspec
@@ -152,6 +153,18 @@ def test_the_file_round_trips_and_bad_files_name_the_field(slowed, tmp_path):
     with pytest.raises(TimingsFileError, match=r"field gpus\[0\] is GPU 0 \(H100-80GB on node a100-node\) but the "
                                                r"cluster has A100-40GB on node a100-node"):
         price(gpt3x64(), Cluster.from_yaml(CLUSTERS / "small_hetero.yaml"), options_for_plan(plan), calibration=other)
+
+
+def test_a_gpu_naming_no_run_or_no_type_is_refused(slowed, tmp_path):
+    cal = slowed[3]
+    for field, value, expected in (("run", 3, "an index of 'runs' (0..0)"),
+                                   ("gpu_type", "H100-80GB", "a type of 'types' (A100-40GB, T4)")):
+        doc = json.loads(write_calibration(cal, tmp_path / "c.json").read_text())
+        doc["gpus"][2][field] = value
+        (tmp_path / "c.json").write_text(json.dumps(doc))
+        with pytest.raises(TimingsFileError, match=rf"c.json: field gpus\[2\].{field} is {value!r}: expected "
+                                                   rf"{re.escape(expected)}; correct it or make it again"):
+            read_calibration(tmp_path / "c.json")
 
 
 def test_runs_of_another_plan_or_too_few_steps_are_refused(slowed):

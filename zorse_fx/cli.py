@@ -444,9 +444,8 @@ def cmd_simulate(args) -> int:
     """Simulate an exported plan's step: summary, Perfetto trace and Gantt PNG,
     written to ``--out`` (default: ``<plan directory>/simulate/``, beside the
     plan it shows), on the cluster the plan was made for (``_check_plan_cluster``)."""
-    from .capture import capture
+    from .capture import capture_lm
     from .cluster import Cluster
-    from .models.hf import CausalLMWithLoss, is_hf_causal_lm
     from .plan import Plan
     from .pricing import options_for_plan, price, simulate_plan
     from .sim import gantt_png, stage_memory, to_perfetto
@@ -455,10 +454,8 @@ def cmd_simulate(args) -> int:
     cluster = Cluster.from_yaml(args.cluster)
     _check_plan_cluster(plan, cluster, args.plan, args.cluster, any_cluster=args.any_cluster)
     model, _ = _load_model(args.model)
-    if is_hf_causal_lm(model):
-        model = CausalLMWithLoss(model)
-    ids = torch.randint(0, 200, (2, plan.seq_len))
-    priced = price(capture(model, (ids, ids)), cluster, options_for_plan(plan, calibration=args.calibration),
+    captured, _ = capture_lm(model, plan.seq_len)
+    priced = price(captured, cluster, options_for_plan(plan, calibration=args.calibration),
                    progress=lambda line: print(f"[zorse] {line}") if line.startswith("calibration") else None)
     result = simulate_plan(plan, priced, p2p=args.p2p)  # with the plan's memory policy (ZeRO-1, recomputation)
     labels = [f"{g.type}@{g.node}" for g in cluster.gpus]
@@ -484,10 +481,9 @@ def cmd_simulate(args) -> int:
 def cmd_calibrate(args) -> int:
     """``zorse calibrate RUN [RUN ...]``: the runs' timings against their plans' prices ([Note:
     calibration] in ``cost/calibration.py``); writes the calibration file and prints what it found."""
-    from .capture import capture
+    from .capture import capture_lm
     from .cluster import Cluster
     from .cost.calibration import write_calibration
-    from .models.hf import CausalLMWithLoss, is_hf_causal_lm
     from .plan import Plan
     from .pricing import options_for_plan, price
     from .profiling.calibrate import calibrate_runs, calibration_table
@@ -497,8 +493,6 @@ def cmd_calibrate(args) -> int:
                          f"run, in the runs' order, or none (each run's train_options.json names its plan)")
     cluster = Cluster.from_yaml(args.cluster)
     model, _ = _load_model(args.model)
-    if is_hf_causal_lm(model):
-        model = CausalLMWithLoss(model)
     captured = None
     runs = []
     for k, run in enumerate(map(Path, args.run)):
@@ -506,8 +500,7 @@ def cmd_calibrate(args) -> int:
         plan = Plan.load(plan_path)
         _check_plan_cluster(plan, cluster, str(plan_path), args.cluster, any_cluster=args.any_cluster)
         if captured is None:
-            ids = torch.randint(0, 200, (2, plan.seq_len))
-            captured = capture(model, (ids, ids))
+            captured, _ = capture_lm(model, plan.seq_len)
         runs.append((run, plan, price(captured, cluster, options_for_plan(plan))))
     cal = calibrate_runs(runs, warmup=args.warmup)
     out = write_calibration(cal, args.output or Path(args.run[-1]) / "calibration.json")

@@ -83,19 +83,11 @@ class _Pricer:
     """The request's model captured once; plans priced on the request's cluster."""
 
     def __init__(self, request: PlanRequest):
-        import torch
-
-        from .capture import capture
+        from .capture import capture_lm
         from .cluster import Cluster
-        from .models.hf import CausalLMWithLoss, is_hf_causal_lm
         from .models.registry import load_model
 
-        model, _ = load_model(request.model)
-        self.label_mode = "shifted"
-        if is_hf_causal_lm(model):
-            model, self.label_mode = CausalLMWithLoss(model), "same"
-        ids = torch.randint(0, 200, (2, request.seq_len))
-        self.captured = capture(model, (ids, ids))
+        self.captured, self.label_mode = capture_lm(load_model(request.model)[0], request.seq_len)
         self.cluster = Cluster.from_dict(request.cluster)
         self._priced: dict = {}
 

@@ -483,9 +483,16 @@ def _run(options: TrainingOptions, where: _Where) -> int:
     del weights
     if test.inject_inf and test.inject_inf[0] == rank:
         worker.add_inject_inf(test.inject_inf[1])
-    if test.slow_gpu and any(g.rank == rank and g.gpu == test.slow_gpu[0] for st in plan.stages for g in st.gpus):
-        worker.slow_factor = test.slow_gpu[1]  # [Note: a slowed rank] in runtime/worker.py
-        print(f"[zorse] testing: rank {rank} (GPU {test.slow_gpu[0]}) computes {test.slow_gpu[1]:g}x slower", flush=True)
+    if test.slow_gpu:  # [Note: a slowed rank] in runtime/worker.py
+        gpus = {g.gpu: g.rank for st in plan.stages for g in st.gpus}
+        if gpus.get(test.slow_gpu[0]) == rank:
+            worker.slow_factor = test.slow_gpu[1]
+            print(f"[zorse] testing: rank {rank} (GPU {test.slow_gpu[0]}) computes {test.slow_gpu[1]:g}x slower",
+                  flush=True)
+        elif test.slow_gpu[0] not in gpus:  # (an idle GPU: a re-plan may leave the slowed one out)
+            _log(rank, f"[zorse] testing: --slow-gpu {test.slow_gpu[0]}:{test.slow_gpu[1]:g}: no rank of this plan "
+                       f"is on GPU {test.slow_gpu[0]} (its GPUs: {', '.join(map(str, sorted(gpus)))}): nothing "
+                       f"is slowed")
     schedule = LRSchedule.from_options(opt, total_steps=loop.steps)
     if kind == "resume":
         latest = ckpt_root / f"step_{resumed_step}"  # verified by rank 0 (_decide_start)
@@ -595,13 +602,12 @@ def _run(options: TrainingOptions, where: _Where) -> int:
             metrics.flush()
             slow = ""
             if timings is not None:
-                spans = table[:, n + 4:-1].tolist()
-                timings.write(json.dumps(timings_line(plan, step, **identity, clock=worker.timer.clock,
-                                                      step_time_s=step_time, durations=spans,
-                                                      starts=table[:, 0].tolist())) + "\n")
+                line = timings_line(plan, step, **identity, clock=worker.timer.clock, step_time_s=step_time,
+                                    durations=table[:, n + 4:-1].tolist(), starts=table[:, 0].tolist())
+                timings.write(json.dumps(line) + "\n")
                 timings.flush()
                 if world > 1:
-                    r, busy = slowest_rank(spans, plan)
+                    r, busy = slowest_rank(line)
                     stages = ",".join(map(str, plan.stages_of(r)))
                     slow = f"  slowest rank {r} (stage {stages}, {fmt_seconds(busy)} compute)"
             if writer is not None:

@@ -2,6 +2,6 @@
 
 from ..ir.tensor import TensorSpec
 from .analysis import BlockGraph, analyse, low_precision_params
-from .trace import CapturedModel, capture
+from .trace import CapturedModel, capture, capture_lm
 
-__all__ = ["CapturedModel", "capture", "BlockGraph", "TensorSpec", "analyse", "low_precision_params"]
+__all__ = ["CapturedModel", "capture", "capture_lm", "BlockGraph", "TensorSpec", "analyse", "low_precision_params"]

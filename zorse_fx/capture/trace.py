@@ -66,7 +66,7 @@ from ..models.hf import check_wrapped_models
 from .causal import causal_masks_to_is_causal
 from .loss_count import LossTail, loss_tail
 
-__all__ = ["CapturedModel", "capture", "check_mean_loss", "fetch_attr"]
+__all__ = ["CapturedModel", "capture", "capture_lm", "check_mean_loss", "fetch_attr"]
 
 log = logging.getLogger(__name__)
 
@@ -476,3 +476,21 @@ def _is_hf(model: torch.nn.Module) -> bool:
     if transformers is None:
         return False
     return any(isinstance(m, transformers.PreTrainedModel) for m in model.modules())
+
+
+def capture_lm(model: torch.nn.Module, seq_len: int) -> tuple[CapturedModel, str]:
+    """A language model captured for pricing a plan of sequence length ``seq_len`` (tokens): a Hugging
+    Face causal LM wrapped in ``CausalLMWithLoss`` (``(input_ids, labels) -> loss``, label mode
+    ``"same"``: the model shifts its labels), any other model as given (``"shifted"``); the example
+    inputs are (2, ``seq_len``) token ids below 200 (only their shapes and dtype matter to the graph).
+    Returns (the captured model, its label mode).
+
+    Raises:
+        ModelCaptureError: as ``capture``."""
+    from ..models.hf import CausalLMWithLoss, is_hf_causal_lm
+
+    label_mode = "shifted"
+    if is_hf_causal_lm(model):
+        model, label_mode = CausalLMWithLoss(model), "same"
+    ids = torch.randint(0, 200, (2, seq_len))
+    return capture(model, (ids, ids)), label_mode

@@ -164,11 +164,25 @@ CALIBRATION_FILE = FileFormat(name=FORMAT, what="calibration", doc=Calibration, 
 
 
 def read_calibration(path: str | Path) -> Calibration:
-    """The calibration file at ``path``, checked (``TimingsFileError`` naming the file, field and value)."""
-    return CALIBRATION_FILE.read(path)[1]
+    """The calibration file at ``path``, checked: every field's type and range, and that each
+    ``gpus[k].run`` is an index of ``runs`` and each ``gpus[k].gpu_type`` has its ``types`` entry.
+
+    Raises:
+        TimingsFileError: naming the file, the field and the value."""
+    cal = CALIBRATION_FILE.read(path)[1]
+    types = {t.gpu_type for t in cal.types}
+    for k, g in enumerate(cal.gpus):
+        if g.run >= len(cal.runs):
+            raise CALIBRATION_FILE.field_error(str(path), ["gpus", k, "run"], g.run,
+                                               f"an index of 'runs' (0..{len(cal.runs) - 1})")
+        if g.gpu_type not in types:
+            raise CALIBRATION_FILE.field_error(str(path), ["gpus", k, "gpu_type"], g.gpu_type,
+                                               f"a type of 'types' ({', '.join(sorted(types))})")
+    return cal
 
 
 def write_calibration(cal: Calibration, path: str | Path) -> Path:
+    """Write ``cal`` to ``path`` (JSON, indented; parent directories made). Returns ``path``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(msgspec.json.format(msgspec.json.encode(cal), indent=1) + b"\n")

@@ -97,16 +97,11 @@ def measure_model(model_name: str, seq_len: int, batch_sizes: list[int], device:
     """Entries for every distinct node of ``model_name`` at each micro-batch size."""
     from tqdm import tqdm
 
-    from ..capture import analyse, capture
-    from ..models.hf import CausalLMWithLoss, is_hf_causal_lm
+    from ..capture import analyse, capture_lm
     from ..models.registry import load_model
     from ..cost.replay import model_calls, time_call
 
-    model, _ = load_model(model_name)
-    if is_hf_causal_lm(model):
-        model = CausalLMWithLoss(model)
-    ids = torch.randint(0, 200, (2, seq_len))
-    captured = capture(model, (ids, ids))
+    captured, _ = capture_lm(load_model(model_name)[0], seq_len)
     analyse(captured)
     unique = {}
     for n in batch_sizes:

@@ -50,6 +50,7 @@ from pathlib import Path
 
 from ..errors import RunDirectoryError
 from ..plan import Plan
+from .timings import TIMINGS
 
 __all__ = ["METRICS", "CHECKPOINTS", "REBALANCE_REQUEST", "REBALANCE_STOP", "new_run_id", "plan_hash", "previous_run", "check_fresh_start",
            "remove_previous_run", "metrics_run_id", "check_checkpoint_run"]
@@ -191,4 +192,4 @@ def remove_previous_run(out: str | Path) -> None:
         if _STEP.match(d.name) and d.is_dir():
             shutil.rmtree(d)
     (out / METRICS).unlink(missing_ok=True)
-    (out / "timings.jsonl").unlink(missing_ok=True)  # (runtime/timings.py's TIMINGS)
+    (out / TIMINGS).unlink(missing_ok=True)

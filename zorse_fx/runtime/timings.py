@@ -244,13 +244,11 @@ def read_timings(path: str | Path) -> list[TimingsLine]:
     return out
 
 
-def slowest_rank(durations: list[list[float]], plan) -> tuple[int, float]:
+def slowest_rank(line: dict) -> tuple[int, float]:
     """(the rank with the most forward + backward compute in the step, its
-    compute seconds) from every rank's ``StepTimer.durations()``: in a
-    pipeline every rank's step is as long as the slowest's, which the others
-    spend waiting."""
-    n = 2 * plan.num_microbatches * plan.interleave
-    compute = [sum(d[3 + 3 * k] for k in range(n)) for d in durations]
+    compute seconds) from a step's ``timings_line``: in a pipeline every
+    rank's step is as long as the slowest's, which the others spend waiting."""
+    compute = [sum(a["compute_s"] for a in r["actions"]) for r in line["ranks"]]
     r = max(range(len(compute)), key=compute.__getitem__)
     return r, compute[r]
 
