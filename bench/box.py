@@ -1,17 +1,19 @@
 """Plans measured on the box: every planner's plan trained on an emulated cluster (issue 47 items 3-4).
 
     .venv/bin/python bench/box.py [--cases a_shared_nic,b_wan_shared] [--steps 8] [--reps 2]
-        [--out bench/results/box.json] [--work /tmp/zorse_box_bench]
+        [--speed pace|quota] [--out bench/results/box.json] [--work /tmp/zorse_box_bench]
     .venv/bin/python bench/box.py --reprice --cases b_wan_pairs --work /tmp/zorse_box_bench
 
 Needs root (``zorse box``). Per case (``CASES``: a cluster file in ``bench/clusters/`` and the
 box's scale):
 
 1. The box of the cluster file (``zorse_fx.box.Box``): a network namespace per node, shaped
-   links, a CPU quota per rank for its GPU type's speed ([Note: the box]).
+   links, each rank's compute paced to its GPU type's speed (``--speed pace``, the default since
+   2026-12-07: [Note: paced compute] in zorse_fx/pacing.py) or under a CPU quota (``--speed quota``)
+   ([Note: the box]).
 2. Each emulated GPU type measured the way a user measures a real one (item 3): ``zorse bench
-   kernels --model gpt --calibrate gpt --min-window-ms 200`` run in a rank's ``gpu`` cgroup of that
-   type (under its quota; each sample the mean over >= 200 ms, [Note: timing windows] in
+   kernels --model gpt --calibrate gpt --min-window-ms 200`` run as a rank of that type (paced, or in
+   its ``gpu`` cgroup under its quota; each sample the mean over >= 200 ms, [Note: timing windows] in
    zorse_fx/cost/replay.py), one profile per type; ``zorse bench comm`` across the nodes (one torchrun per node,
    Gloo) for the alpha-beta fits of the links a point-to-point pair can measure (intra_node,
    inter_node, cross_datacenter). The cluster the planners see is the cluster file in the box's
@@ -349,7 +351,7 @@ def run_case(case: Case, args, work: Path) -> dict:
     cluster = Cluster.from_yaml(cluster_path)
     tokens = _tokens(work)
     t0 = time.perf_counter()
-    with Box.up(cluster, box_id=f"bench_{case.name}"[:24], scale=case.scale) as box:
+    with Box.up(cluster, box_id=f"bench_{case.name}"[:24], scale=case.scale, speed=args.speed) as box:
         layout = box.layout
         print(layout.table(), end="", flush=True)
         saved = work / "measured.json"
@@ -427,8 +429,8 @@ def run_memory_case(case: Case, args, work: Path) -> dict:
     base = round(case.memory_base_mib * 2**20)
 
     def one_run(row: PlanRow, plan, out: Path, limited: bool) -> dict:
-        with Box.up(cluster_path, box_id="bench_c", scale=case.scale, memory_scale=1.0 if limited else None,
-                    memory_base_bytes=base) as box:
+        with Box.up(cluster_path, box_id="bench_c", scale=case.scale, speed=args.speed,
+                    memory_scale=1.0 if limited else None, memory_base_bytes=base) as box:
             status, text = _train_status(box, row, tokens, out, args.steps)
             ranks = []
             for n in plan.node_ranks():
@@ -565,7 +567,7 @@ def run_node_lost_case(case: Case, args, work: Path) -> dict:
                        "--use-all-gpus", "-o", str(plan_dir)]) == 0
     plan = Plan.load(plan_dir)
     reps = []
-    with Box.up(cluster_path, box_id="bench_d", scale=case.scale) as box:
+    with Box.up(cluster_path, box_id="bench_d", scale=case.scale, speed=args.speed) as box:
         scale = box.layout.scale.factor
         for rep in range(args.reps):
             whole = _elastic_run(box, plan_dir, tokens, work / "runs" / f"whole.{rep}", args.steps, kill_node=None,
@@ -706,6 +708,8 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=2, help="runs per plan")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "box.json"))
     ap.add_argument("--work", default="/tmp/zorse_box_bench")
+    ap.add_argument("--speed", choices=("pace", "quota"), default="pace",
+                    help="how ranks get their GPU's speed (zorse box up --speed; [Note: paced compute])")
     ap.add_argument("--reuse-measurements", action="store_true",
                     help="reuse the profiles and link fits an earlier run left in --work (not for results)")
     ap.add_argument("--reprice", action="store_true",
@@ -739,6 +743,7 @@ def main(argv=None) -> int:
         kind = "d" if case.kill_after_step is not None else "c" if case.memory_base_mib is not None else "ab"
         res = {"ab": run_case, "c": run_memory_case, "d": run_node_lost_case}[kind](case, args, Path(args.work) / name)
         res["command"] = "bench/box.py " + " ".join(argv if argv is not None else sys.argv[1:])
+        res["speed"] = args.speed
         res["date"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
         {"ab": _print, "c": _print_memory, "d": _print_node_lost}[kind](res)
         results.append(res)

@@ -123,20 +123,27 @@ def gpt4x64():
     return capture(model, (ids, ids))
 
 
+def tiny_llama_config():
+    """The configuration of ``tiny_llama_tied``'s model."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                       tie_word_embeddings=True, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+
+
 def tiny_llama_tied():
     """A 2-layer HF Llama with tied input/output embeddings (vocabulary 256,
-    32 tokens, seed 0), captured with torch.export once per session
+    32 tokens, seed 0; ``tiny_llama_config``), captured with torch.export once per session
     (``cached_capture``); its plans use ``label_mode="same"``."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     from zorse_fx.capture import capture
     from zorse_fx.models.hf import CausalLMWithLoss
 
     def build():
         torch.manual_seed(0)
-        cfg = LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                          tie_word_embeddings=True, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+        cfg = tiny_llama_config()
         ids = torch.randint(0, 256, (4, 32))
         return capture(CausalLMWithLoss(LlamaForCausalLM(cfg)), (ids, ids))
 

@@ -188,7 +188,27 @@ def test_quota_below_kernel_minimum_refused():
                   "inter_node": {"bandwidth_GBps": 3, "latency_us": 20}}})
     with pytest.raises(BoxConfigError, match=r"a P100-16GB rank would get .* below the kernel's smallest CPU quota "
                                              r"\(1 ms per 1 s\); give more --cores"):
+        plan_box(cluster, BoxOptions(box_id="x", cores=1.0, speed="quota"), cores_available=2.0)
+
+
+def test_pace_beyond_its_limit_refused_and_pace_is_one_over_cores():
+    """A paced box ([Note: paced compute]): a rank's ZORSE_PACE is 1 / its cores; 1,024 P100s beside one H100 on
+    one core would need a pace above 1000, refused with the fix."""
+    cluster = Cluster.from_dict({"name": "many", "nodes": [
+        {"name": "h", "gpus": [{"type": "H100-80GB", "count": 1}]},
+        {"name": "t", "gpus": [{"type": "P100-16GB", "count": 1024}]}],
+        "links": {"intra_node": {"bandwidth_GBps": 16, "latency_us": 10},
+                  "inter_node": {"bandwidth_GBps": 3, "latency_us": 20}}})
+    with pytest.raises(BoxConfigError, match=r"a P100-16GB rank would compute .*x slower than a CPU thread .* beyond "
+                                             r"ZORSE_PACE's 1000; give more --cores"):
         plan_box(cluster, BoxOptions(box_id="x", cores=1.0), cores_available=2.0)
+    layout = plan_box(Cluster.from_yaml(SMALL_HETERO), BoxOptions(box_id="x"), cores_available=2.0)
+    assert layout.speed == "pace" and "ranks paced" in layout.table()
+    for n in layout.nodes:
+        for r in n.ranks:
+            assert layout.pace_factor(n.name, r.local_rank) == 1.0 / r.cpu_quota_cores
+    quota = plan_box(Cluster.from_yaml(SMALL_HETERO), BoxOptions(box_id="x", speed="quota"), cores_available=2.0)
+    assert quota.pace_factor("t4-node", 0) is None and "CPU quotas, period" in quota.table()
 
 
 def test_more_cores_than_the_machine_refused():
@@ -307,7 +327,8 @@ def test_two_regions_box_hostnames_links_quotas_and_nothing_left(box_machine):
     box_id = _box_id("regions")
     links_before = _root_links()
     assert not any(_leftovers(box_id).values())
-    with Box.up(Cluster.from_dict(TWO_REGIONS), box_id=box_id, scale=0.01, memory_scale=1 / 64) as box:
+    with Box.up(Cluster.from_dict(TWO_REGIONS), box_id=box_id, scale=0.01, memory_scale=1 / 64,
+                speed="quota") as box:
         layout = box.layout
         during = _leftovers(box_id)
         assert sorted(during["netns"]) == sorted([f"zbox-{box_id}"] + [f"zbox-{box_id}-{n}" for n in
@@ -461,8 +482,8 @@ def test_cli_box_torchrun_workers_enter_their_rank_cgroups(box_machine):
         assert "a100-node" in up.stdout and "10.1.0.2" in up.stdout and f"box {box_id!r} is up" in up.stdout
         code = ("import os, socket; from zorse_fx.box.rank_enter import enter_rank_leaf; r = os.environ['LOCAL_RANK']; "
                 "cg = lambda: [l for l in open('/proc/self/cgroup') if ':cpu,' in l or ':cpu:' in l or '::' in l][0]; "
-                "host = cg().strip(); entered = enter_rank_leaf('gpu'); "
-                "os.write(1, f'rank {r} {socket.gethostname()} {host} {entered} {cg().strip()}\\n'.encode())")
+                "host = cg().strip(); entered = enter_rank_leaf('gpu'); pace = os.environ.get('ZORSE_PACE'); "
+                "os.write(1, f'rank {r} {socket.gethostname()} {host} {entered} {cg().strip()} {pace}\\n'.encode())")
         # (one write of one line: the two workers share torchrun's stdout, and print() under
         # PYTHONUNBUFFERED writes its pieces separately, which interleaved "rankrank 1 ..." once)
         run = subprocess.run([*zorse, "run", box_id, "--node", "a100-node", "--", sys.executable, "-m",
@@ -475,6 +496,10 @@ def test_cli_box_torchrun_workers_enter_their_rank_cgroups(box_machine):
         assert [(w[3].endswith(f"/zbox-{box_id}/a100-node/rank{w[1]}/host"), w[4],
                  w[5].endswith(f"/zbox-{box_id}/a100-node/rank{w[1]}/gpu")) for w in lines] == [(True, "True", True)] * 2, \
             lines
+        # a paced box (the default): each worker has its rank's ZORSE_PACE, its gpu leaf no CPU quota
+        box = Box.find(box_id)
+        assert [float(w[6]) for w in lines] == [box.layout.pace_factor("a100-node", j) for j in (0, 1)], lines
+        assert box.cpu_quota("a100-node", 1)[0] is None
         # rank_enter --gpu: a benchmark under the rank's quota from its start (bench/box.py's `bench comm`)
         gpu = subprocess.run([*zorse, "run", box_id, "--node", "a100-node", "--", "env", "LOCAL_RANK=1", sys.executable,
                               "-m", "zorse_fx.box.rank_enter", "--gpu", "-c",
@@ -482,6 +507,11 @@ def test_cli_box_torchrun_workers_enter_their_rank_cgroups(box_machine):
                               "or '::' in l][0].strip())"], capture_output=True, text=True, timeout=120)
         assert gpu.returncode == 0 and gpu.stdout.strip().endswith(f"/zbox-{box_id}/a100-node/rank1/gpu"), \
             gpu.stdout + gpu.stderr
+        # `zorse box run --rank 1`: the rank's pace; without --rank none (the node's agent, e.g. torchrun)
+        paces = [subprocess.run([*zorse, "run", box_id, "--node", "a100-node", *rank, "--", sys.executable, "-c",
+                                 "import os; print(os.environ.get('ZORSE_PACE'))"], capture_output=True, text=True,
+                                timeout=120).stdout.strip() for rank in (["--rank", "1"], [])]
+        assert paces == [repr(box.layout.pace_factor("a100-node", 1)), "None"], paces
         assert _leftovers(box_id)["netns"]
     finally:
         down = subprocess.run([*zorse, "down", box_id], capture_output=True, text=True, timeout=120)

@@ -435,7 +435,8 @@ def test_small_hetero_plan_on_its_box_refuses_a_wrong_node_rank_then_trains(box_
     """The issue's plan (`zorse plan --model gpt --cluster small_hetero.yaml
     --global-batch-size 8 --seq-len 32 --use-all-gpus`) on its own cluster:
     a100-node and t4-node as two nodes of its box ([Note: the multi-node test's box]): shaped NICs, the
-    scaled inter-node latency, each rank under its GPU type's CPU quota from its first step.
+    scaled inter-node latency, each rank's compute paced to its GPU type's speed (ZORSE_PACE, [Note: paced
+    compute] in zorse_fx/pacing.py).
 
     Started with each other's --node-rank (a host list in the wrong order:
     t4-node first, so node 0 and --master-addr), both nodes' `zorse train` exit 1
@@ -469,8 +470,8 @@ def test_small_hetero_plan_on_its_box_refuses_a_wrong_node_rank_then_trains(box_
         wrong = _zorse_on_nodes(box, [_node_args(plan_dir, tokens, tmp_path / "bad", k, node_rank=1 - k,
                                                  master="t4-node") for k in range(2)])
         done = _zorse_on_nodes(box, [_node_args(plan_dir, tokens, tmp_path / "run", k) for k in range(2)])
-        quotas = [box.cpu_quota(node, j) for node in _NODES for j in range(2)]
-    assert all(q is not None for q, _ in quotas) and quotas[0][0] > quotas[2][0]  # (an A100 rank's over a T4's)
+        paces = [box.layout.pace_factor(node, j) for node in _NODES for j in range(2)]
+    assert paces[0] < paces[2]  # (an A100 rank computes faster than a T4's)
     advice = re.escape(
         "start each node "
         "with its --node-rank: 0 on 'a100-node' (2 processes: ranks 0-1), 1 on 't4-node' (2 processes: ranks 2-3), "
@@ -488,7 +489,8 @@ def test_small_hetero_plan_on_its_box_refuses_a_wrong_node_rank_then_trains(box_
     out0 = done[0][1]
     assert "[zorse] node 0 of 2 ('a100-node'): ranks 0-1 of 4" in out0
     assert "--nnodes=2 --node-rank=0 --master-addr=a100-node --master-port=29500 --nproc-per-node=2" in out0
-    assert f"[zorse] box mn{os.getpid()}: ranks train under their GPU types' CPU quotas" in out0
+    assert f"[zorse] box mn{os.getpid()}: ranks compute at their GPU types' speed (paced: ZORSE_PACE = " \
+           f"{paces[0]:.3g} on rank 0)" in out0
     skipped = next(line for line in out0.splitlines() if line.startswith("[zorse] device check skipped"))
     assert "GPU name and memory" in skipped and "nodes:" not in skipped  # the hosts were compared
     model, _ = load_model("gpt")

@@ -560,7 +560,7 @@ def test_export_into_existing_plan_dir_removes_stale_stage_files(plan, tmp_path)
     (d / "notes.txt").write_text("mine")
     with pytest.raises(PlanDirectoryError, match=re.escape(
             f"{d} is not a plan directory: it holds notes.txt (a plan directory holds only plan.json, stage_<i>.py, "
-            f"weights.pt, plan_request.json, cluster.yaml and simulate/), which writing a plan there would replace; "
-            f"give a new or empty directory for the plan")):
+            f"weights.pt, hf_config.json, plan_request.json, cluster.yaml and simulate/), which writing a plan there "
+            f"would replace; give a new or empty directory for the plan")):
         plan.export(d)
     assert Plan.load(d) == one and not (d / "stage_1.py").exists()

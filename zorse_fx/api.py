@@ -25,7 +25,7 @@ import torch.nn as nn
 from .capture import capture
 from .cluster import Cluster
 from .errors import ModelCaptureError
-from .models.hf import is_hf_causal_lm
+from .models.hf import is_hf_causal_lm, write_hf_config
 from .plan import Plan
 from .planner import PlanOptions, plan_captured
 
@@ -55,6 +55,7 @@ class CompiledModel(nn.Module):
         path = Path(directory) / "weights.pt"
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.save({k: v.contiguous() for k, v in self.weights().items()}, path)
+        write_hf_config(self.model, path.parent)  # a Hugging Face model's configuration, for `zorse export`
         return path
 
     def stage_modules(self) -> list[nn.Module]:

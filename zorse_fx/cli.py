@@ -509,6 +509,23 @@ def cmd_calibrate(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    """``zorse export RUN --hf DIR``: a run's checkpoint as a Hugging Face directory ([Note: exporting a
+    checkpoint] in export.py)."""
+    from .export import export_run
+
+    res = export_run(args.run, args.hf, step=args.step, dtype=args.dtype, max_shard_size=args.max_shard_size,
+                     plan=args.plan)
+    what = ("a Hugging Face directory (load with transformers' AutoModelForCausalLM.from_pretrained)"
+            if res.kind == "hf" else "a safetensors state dict under the model's canonical parameter names (the "
+            "model is not a Hugging Face one)")
+    tok = f"; tokenizer {res.tokenizer}" if res.tokenizer else ("; no tokenizer (the run trained on bytes or does "
+                                                               "not name one)" if res.kind == "hf" else "")
+    print(f"[zorse] wrote {res.out}: {what}, step {res.step}, {res.parameters / 1e6:.2f} M parameters in {res.dtype}"
+          f"{tok}; files: {', '.join(res.files)}")
+    return 0
+
+
 def cmd_timings(args) -> int:
     """``zorse timings RUN``: where each rank's step goes (``runtime.timings.phase_table``)."""
     from .runtime.timings import TIMINGS, phase_table, read_timings
@@ -786,6 +803,23 @@ def build_parser() -> argparse.ArgumentParser:
     pcal.add_argument("--any-cluster", action="store_true", help="as for `zorse simulate`")
     pcal.add_argument("--no-cache", action="store_true", help=no_cache)
     pcal.set_defaults(fn=cmd_calibrate)
+    pexp = sub.add_parser("export", help="a run's trained model as a Hugging Face directory (config, "
+                                         "model.safetensors, tokenizer) or a safetensors state dict",
+                          description="Export a checkpoint of a `zorse train` run, under any plan and layout, as a "
+                                      "Hugging Face directory (`AutoModelForCausalLM.from_pretrained(DIR)` loads "
+                                      "it); a model that is not a Hugging Face one as a safetensors state dict "
+                                      "under its canonical parameter names.")
+    pexp.add_argument("run", help="the run directory (`zorse train --out`)")
+    pexp.add_argument("--hf", required=True, metavar="DIR", help="directory to write (new or empty)")
+    pexp.add_argument("--step", type=int, default=None, help="the checkpoint of this step (default: the newest "
+                                                             "intact one)")
+    pexp.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                      help="the weights' dtype in the export (default %(default)s; training keeps float32 masters)")
+    pexp.add_argument("--plan", default=None, metavar="DIR",
+                      help="the plan directory the run trained (default: the one <run>/train_options.json names)")
+    pexp.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
+                      help="split model.safetensors into shards of at most SIZE (default %(default)s)")
+    pexp.set_defaults(fn=cmd_export)
     ptim = sub.add_parser("timings", help="where each rank's step goes: the median of every phase per rank "
                                           "(<run>/timings.jsonl)")
     ptim.add_argument("run", help="the run directory (`zorse train --out`)")

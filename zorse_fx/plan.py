@@ -863,7 +863,7 @@ class Plan:
 #: ``--elastic`` re-plan's cluster file and ``zorse simulate``'s output);
 #: ``__pycache__``: a stage file imported by hand.
 PLAN_DIR_ENTRIES = re.compile(
-    r"plan\.json|stage_\d+\.py|weights\.pt|plan_request\.json|cluster\.yaml|simulate|__pycache__")
+    r"plan\.json|stage_\d+\.py|weights\.pt|hf_config\.json|plan_request\.json|cluster\.yaml|simulate|__pycache__")
 _EXPORTED = re.compile(r"stage_\d+\.py")  # the old plan's files Plan.export replaces (and plan.json)
 
 
@@ -887,7 +887,8 @@ def check_plan_dir(directory: str | Path, *, flag: str = "") -> None:
         shown = ", ".join(others[:5]) + (f" and {len(others) - 5} more" if len(others) > 5 else "")
         raise PlanDirectoryError(
             f"{where} is not a plan directory: it holds {shown} (a plan directory holds only plan.json, "
-            f"stage_<i>.py, weights.pt, plan_request.json, cluster.yaml and simulate/), which writing a plan there "
+            f"stage_<i>.py, weights.pt, hf_config.json, plan_request.json, cluster.yaml and simulate/), which "
+            f"writing a plan there "
             f"would replace; give a new or empty directory for the plan")
 
 

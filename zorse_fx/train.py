@@ -114,6 +114,7 @@ import torch
 import torch.distributed as dist
 
 from .errors import RunDirectoryError, RuntimeExecutionError
+from .pacing import ENV_PACE, Pacer, pace_factor
 from .plan import Plan, fmt_seconds
 from .precision import precision_policy
 from .runtime import preflight
@@ -483,6 +484,12 @@ def _run(options: TrainingOptions, where: _Where) -> int:
     del weights
     if test.inject_inf and test.inject_inf[0] == rank:
         worker.add_inject_inf(test.inject_inf[1])
+    pace = pace_factor()  # the box: this CPU thread as its GPU type ([Note: paced compute] in zorse_fx/pacing.py)
+    if pace > 1.0:
+        if device.type != "cpu":
+            raise RuntimeExecutionError(f"{ENV_PACE}={pace:g} on a {device.type} rank: pacing makes a CPU thread "
+                                        f"stand in for a slower GPU; unset {ENV_PACE} on a GPU")
+        worker.pacer = Pacer(pace)
     if test.slow_gpu:  # [Note: a slowed rank] in runtime/worker.py
         gpus = {g.gpu: g.rank for st in plan.stages for g in st.gpus}
         if gpus.get(test.slow_gpu[0]) == rank:
@@ -533,7 +540,8 @@ def _run(options: TrainingOptions, where: _Where) -> int:
         from .box.rank_enter import enter_rank_leaf
 
         if enter_rank_leaf("gpu"):
-            _log(rank, f"[zorse] box {os.environ['ZORSE_BOX']}: ranks train under their GPU types' CPU quotas")
+            _log(rank, f"[zorse] box {os.environ['ZORSE_BOX']}: ranks compute at their GPU types' speed "
+                       f"({'paced: ' + ENV_PACE + ' = ' + format(pace, '.3g') + ' on rank 0' if pace > 1.0 else 'CPU quotas'})")
     dist.barrier()
     if rank == 0:
         progress = _Progress(loop.steps, start - 1)

@@ -29,6 +29,7 @@ from pathlib import Path
 
 from ..cluster import Cluster
 from ..errors import BoxConfigError, BoxSetupError, BoxStateFileError
+from ..pacing import ENV_PACE
 from . import net
 from .cgroups import AGENT_LEAF, ROUTER_LEAF, Cgroups, kill_and_remove, pids_under, rank_dir, rank_leaf
 from .layout import NETNS_PREFIX, BoxLayout, BoxOptions, plan_box
@@ -55,9 +56,10 @@ _READY_TIMEOUT_S = 10.0
 #     carries the box's /etc/hosts, so node names resolve to box addresses as on a real cluster, and a
 #     resolv.conf naming no reachable server, so other lookups (c10d's reverse lookups of its peers)
 #     fail at once instead of waiting 5 s for the machine's DNS server.
-#   * a rank is a cgroup leaf with a CPU quota for its GPU's speed and, with --memory, a memory limit
-#     ([Note: CPU quotas] in layout.py); `spawn(node, argv, rank=j)` starts a process in it, and
-#     torchrun's workers enter theirs by local rank through `python -m zorse_fx.box.rank_enter`.
+#   * a rank is a cgroup leaf (with --memory, under a memory limit) and its GPU's speed: its compute
+#     paced by ZORSE_PACE ([Note: paced compute] in zorse_fx/pacing.py; `--speed quota`: a CPU quota on
+#     the leaf, [Note: CPU quotas] in layout.py); `spawn(node, argv, rank=j)` starts a process in it with
+#     its pace, and torchrun's workers enter theirs by local rank through `python -m zorse_fx.box.rank_enter`.
 #   * links are scaled by one factor s ([Note: the box's scale factor] in layout.py).
 # Removal ([Note: removing a box]) kills every process in the box's cgroups and namespaces, then
 # deletes the namespaces (their interfaces and qdiscs go with them), the cgroups and the files.
@@ -208,7 +210,8 @@ class Box:
             for r in n.ranks:  # [Note: host and GPU leaves] in cgroups.py
                 leaves += [(n.name, rank_dir(r.local_rank), None, r.memory_limit_bytes),
                            (n.name, rank_leaf(r.local_rank, "host"), None, None),
-                           (n.name, rank_leaf(r.local_rank, "gpu"), r.cpu_quota_cores, None)]
+                           (n.name, rank_leaf(r.local_rank, "gpu"),
+                            r.cpu_quota_cores if layout.speed == "quota" else None, None)]
         cg.create(layout.box_id, leaves, layout.cpu_period_us)
         net.add_namespaces(layout)
         net.build(layout, netem=layout.latency == "netem")
@@ -265,11 +268,17 @@ class Box:
                 "private", "--", "sh", "-c", _ENTER, node, str(box_file(self.layout.box_id, "hosts")),
                 str(box_file(self.layout.box_id, "resolv.conf")), *argv]
 
-    def environment(self, node: str, env: dict[str, str] | None = None) -> dict[str, str]:
+    def environment(self, node: str, env: dict[str, str] | None = None, *, rank: int | None = None) -> dict[str, str]:
         """The environment of a command on ``node``: ``env`` (default: this process's) with the box's id and
-        the node (``ZORSE_BOX``, ``ZORSE_BOX_NODE``) and one thread per process (OMP/MKL_NUM_THREADS=1)."""
+        the node (``ZORSE_BOX``, ``ZORSE_BOX_NODE``), one thread per process (OMP/MKL_NUM_THREADS=1) and, for
+        local rank ``rank`` of a paced box, its ``ZORSE_PACE`` ([Note: paced compute] in zorse_fx/pacing.py);
+        without a rank ``ZORSE_PACE`` is removed (torchrun's workers get theirs from ``rank_enter``)."""
         out = dict(os.environ if env is None else env)
         out.update({ENV_BOX: self.layout.box_id, ENV_NODE: node, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
+        out.pop(ENV_PACE, None)
+        pace = None if rank is None else self.layout.pace_factor(node, rank)
+        if pace is not None:
+            out[ENV_PACE] = repr(pace)
         return out
 
     def leaf(self, node: str, rank: int | None, phase: str = "gpu") -> str:
@@ -288,7 +297,8 @@ class Box:
         ``popen``: ``subprocess.Popen``'s other arguments. The box kills it when it goes down."""
         procs = [Path(d) / "cgroup.procs"
                  for d in self.state.cgroups.leaf_dirs(self.layout.box_id, node, self.leaf(node, rank))]
-        p = subprocess.Popen(self.command(node, argv), env=self.environment(node, env), preexec_fn=_joiner(procs),
+        p = subprocess.Popen(self.command(node, argv), env=self.environment(node, env, rank=rank),
+                             preexec_fn=_joiner(procs),
                              **popen)
         self._procs.append(p)
         return p
@@ -298,7 +308,7 @@ class Box:
         leaf = self.leaf(node, rank)
         cmd = self.command(node, argv)
         self.state.cgroups.join(0, self.layout.box_id, node, leaf)
-        os.execvpe(cmd[0], cmd, self.environment(node))
+        os.execvpe(cmd[0], cmd, self.environment(node, rank=rank))
 
     def kill_node(self, node: str, *, timeout_s: float = 10.0) -> list[int]:
         """``node`` lost as a host that went down: SIGKILL every process in its network namespace (its

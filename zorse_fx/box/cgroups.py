@@ -8,6 +8,7 @@ unified one)::
     zbox-<id>/<node>/rank<j>       local rank j: its memory limit (and peak), over both leaves below
     zbox-<id>/<node>/rank<j>/host  the rank while it starts (imports, capture, loading): no CPU quota
     zbox-<id>/<node>/rank<j>/gpu   the rank from its first training step on: its GPU's speed as a CPU quota
+                                   (``--speed quota``; a paced box's has none, [Note: paced compute])
 
 Processes live in leaves only (v2's rule, kept on v1 too). Why a rank has two leaves: [Note: host
 and GPU leaves]. Files read and written: v1

@@ -13,7 +13,7 @@ import sys
 
 from ..errors import BoxConfigError, BoxStateFileError
 from .box import Box, _sigterm_as_exit, gc, remove_box
-from .layout import LATENCY_MECHANISMS, BoxOptions
+from .layout import LATENCY_MECHANISMS, SPEED_MECHANISMS, BoxOptions
 from .state import read_state
 
 __all__ = ["add_parser"]
@@ -35,7 +35,7 @@ def add_parser(sub) -> None:
                                     "CPU quotas (root)",
                         description="Emulate a cluster file on this Linux machine: a network namespace per node "
                                     "(hostname = node name), a bridge per region, NIC, link and WAN rates with htb, "
-                                    "latency with netem or a delay line, a CPU-quota cgroup per rank; links scaled "
+                                    "latency with netem or a delay line, a cgroup per rank, its GPU's speed paced (or a CPU quota); links scaled "
                                     "so communication-to-compute ratios are the cluster's. Needs root.")
     bsub = pb.add_subparsers(dest="box_cmd", required=True, metavar="{up,run,down,gc}")
     opt = BoxOptions()
@@ -60,6 +60,10 @@ def add_parser(sub) -> None:
                     help="what a rank holds besides GPU memory, added to each limit (default %(default)g)")
     up.add_argument("--latency", choices=LATENCY_MECHANISMS, default=opt.latency,
                     help="how latency is made: netem, the delay line, none (auto: netem where the kernel has it)")
+    up.add_argument("--speed", choices=SPEED_MECHANISMS, default=opt.speed,
+                    help="how a rank gets its GPU type's speed: pace (default: each compute takes 1/q x its CPU "
+                         "time, communication and host code at the CPU's speed) or quota (a CFS CPU quota of q "
+                         "cores on the whole rank; short bursts escape it)")
     up.set_defaults(fn=_up)
     run = bsub.add_parser("run", help="run a command on a node of a box (its namespace, hostname, a cgroup)")
     run.add_argument("box_id", metavar="ID")
@@ -78,7 +82,8 @@ def add_parser(sub) -> None:
 def _up(args) -> int:
     options = BoxOptions(box_id=args.box_id, scale=args.scale, cores=args.cores, precision=args.precision,
                          cpu_profile=args.cpu_profile, memory_scale=args.memory_scale,
-                         memory_base_bytes=round(args.memory_base_mib * 2**20), latency=args.latency)
+                         memory_base_bytes=round(args.memory_base_mib * 2**20), latency=args.latency,
+                         speed=args.speed)
     with _sigterm_as_exit():  # Ctrl-C or SIGTERM while building: what was built is removed
         box = Box.create(args.cluster, options, hold=False)
     layout = box.layout

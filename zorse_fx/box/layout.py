@@ -23,9 +23,10 @@ from typing import Literal
 
 from ..cluster import Cluster
 from ..errors import BoxConfigError
+from ..pacing import MAX_PACE
 
 __all__ = ["BoxOptions", "BoxLayout", "NodeLayout", "RankSlot", "PairLink", "SharedDirection", "ScaleDerivation",
-           "plan_box", "gpu_rate_flops_per_s", "cpu_rate_flops_per_s", "LATENCY_MECHANISMS", "NETNS_PREFIX",
+           "plan_box", "gpu_rate_flops_per_s", "cpu_rate_flops_per_s", "LATENCY_MECHANISMS", "SPEED_MECHANISMS", "NETNS_PREFIX",
            "DELAY_LINE_FLOOR_S", "MAX_DELAY_S"]
 
 #: Every namespace and cgroup of a box is named ``zbox-<id>...``: leftovers are found by it.
@@ -38,6 +39,8 @@ _NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,62}")
 #: How a link's latency is made: ``netem`` (the kernel's, where it exists), ``delay-line`` (a userspace
 #: forwarder in the router namespace, ``box/delay_line.py``), ``none`` (not emulated, said in the table).
 LATENCY_MECHANISMS = ("auto", "netem", "delay-line", "none")
+#: How a rank gets its GPU type's speed (``BoxOptions.speed``).
+SPEED_MECHANISMS = ("pace", "quota")
 
 #: One-way delays below this are left out by the delay line: its own added delay, as measured by
 #: bench/box_selfcheck.py (bench/LOG.md, "The box"), is of this order, so it cannot make them.
@@ -79,6 +82,10 @@ class BoxOptions:
     """what a rank holds besides its GPU's memory (Python, torch, communication buffers), added to each limit"""
     latency: Literal["auto", "netem", "delay-line", "none"] = "auto"
     """how link latency is made: auto = netem where the kernel has it, else the delay line"""
+    speed: Literal["pace", "quota"] = "pace"
+    """how a rank gets its GPU type's speed: pace = each compute takes 1/q x its CPU time (ZORSE_PACE, [Note:
+    paced compute] in zorse_fx/pacing.py); quota = a CFS CPU quota of q cores on the whole rank ([Note: CPU
+    quotas])"""
 
     def __post_init__(self) -> None:
         if self.box_id is not None and not BOX_ID.fullmatch(self.box_id):
@@ -92,11 +99,14 @@ class BoxOptions:
             raise BoxConfigError(f"memory_base_bytes {self.memory_base_bytes}: give a number of bytes >= 0")
         if self.latency not in LATENCY_MECHANISMS:
             raise BoxConfigError(f"--latency {self.latency!r}: one of {', '.join(LATENCY_MECHANISMS)}")
+        if self.speed not in SPEED_MECHANISMS:
+            raise BoxConfigError(f"--speed {self.speed!r}: one of {', '.join(SPEED_MECHANISMS)}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RankSlot:
-    """One emulated GPU: a process with one thread under a CPU quota (and a memory limit)."""
+    """One emulated GPU: a process with one thread at a share of a core (paced, or under a CPU quota) and
+    optionally a memory limit."""
 
     node: str
     local_rank: int
@@ -105,7 +115,8 @@ class RankSlot:
     gpu_type: str
     #: The GPU type's sustained matmul rate over the fastest type's (cost model, [Note: CPU quotas]).
     relative_speed: float
-    #: CPU time per wall-clock time the rank may use, in cores (<= 1: one thread).
+    #: Its speed as a share of one CPU thread's, in cores (<= 1): the CPU quota (``speed`` quota) or the
+    #: inverse of its pace factor (``speed`` pace).
     cpu_quota_cores: float
     #: Memory limit of the rank's cgroup, bytes; None: none.
     memory_limit_bytes: int | None
@@ -194,6 +205,8 @@ class BoxLayout:
     scale: ScaleDerivation
     #: The CFS period of every rank's quota, microseconds ([Note: CPU quotas]).
     cpu_period_us: int
+    #: How ranks get their speed: ``pace`` (``ZORSE_PACE`` = 1 / cores, no quota) or ``quota``.
+    speed: str = "pace"
     nodes: tuple[NodeLayout, ...]
     #: Every ordered pair of distinct nodes.
     pairs: tuple[PairLink, ...]
@@ -220,6 +233,16 @@ class BoxLayout:
             raise BoxConfigError(f"node {node!r} of box {self.box_id!r} has local ranks 0..{len(n.ranks) - 1} "
                                  f"(one per GPU), not {local_rank}")
         return n.ranks[local_rank]
+
+    def pace_factor(self, node: str, local_rank: int) -> float | None:
+        """The ``ZORSE_PACE`` of a rank (1 / its cores) where the box paces its ranks, else None."""
+        return 1.0 / self.rank(node, local_rank).cpu_quota_cores if self.speed == "pace" else None
+
+    def speed_text(self) -> str:
+        """How ranks get their GPU's speed, one phrase."""
+        if self.speed == "pace":
+            return "ranks paced (ZORSE_PACE = 1 / cores; no CPU quota)"
+        return f"CPU quotas, period {self.cpu_period_us / 1000:g} ms"
 
     def hosts_text(self) -> str:
         """An /etc/hosts naming every node by its box address (each spawned command sees it)."""
@@ -259,7 +282,7 @@ class BoxLayout:
         buf += (f"scale s = {s.factor:.4g} ({how}; ratio-preserving: {s.max_quota_cores:.3f} cores x "
                 f"{s.cpu_flops_per_s / 1e9:.4g} GFLOP/s (CPU, {s.cpu_source}) / {s.fastest_flops_per_s / 1e12:.4g} "
                 f"TFLOP/s ({s.fastest_type}, {s.gpu_rate_dtype} matmul) = {s.ratio_preserving_factor:.4g}); "
-                f"CPU quotas over {s.cores:g} cores, period {self.cpu_period_us / 1000:g} ms\n")
+                f"{self.speed_text()} over {s.cores:g} cores\n")
         for line in self.limits:
             buf += f"not emulated: {line}\n"
         return buf
@@ -293,7 +316,8 @@ def _fmt_bytes(n: int) -> str:
 # [Note: the box's scale factor]
 # A GPU of type t computes at R_t FLOP/s (its sustained matmul rate in the cost model,
 # zorse_fx/cost/gpu_model.py, from gpu_specs.csv's cited figures) and a link carries B bytes/s after
-# a latency L. In the box the rank of that GPU is one CPU thread under a quota of q_t cores, computing
+# a latency L. In the box the rank of that GPU is one CPU thread at q_t cores (paced: each compute
+# takes 1/q_t x its CPU time, [Note: paced compute] in zorse_fx/pacing.py; or a quota of q_t cores), computing
 # at q_t x R_cpu (R_cpu: one thread's float32 matmul rate, the median matmul of a CPU kernel profile).
 # Quotas follow the GPUs' relative speed, q_t = q_max x R_t / R_max ([Note: CPU quotas]), so every
 # rank computes slower than its GPU by the same factor q_max x R_cpu / R_max. Communication keeps the
@@ -309,6 +333,9 @@ def _fmt_bytes(n: int) -> str:
 
 
 # [Note: CPU quotas]
+# (With `--speed pace`, the default, q_t is no quota but the rank's pace, ZORSE_PACE = 1 / q_t, and no
+# period is used: a quota throttles the rank's communication threads and lets short bursts through,
+# [Note: paced compute] in zorse_fx/pacing.py. The shares are computed the same way.)
 # Each rank is one process with one thread, so a quota above one core buys nothing: the fastest GPU
 # type gets q_max = min(1, C / sum_i R_i / R_max) cores and every other rank R_i / R_max of that, so
 # the quotas sum to at most the C cores given (default: every CPU this process may use). The CFS
@@ -399,7 +426,12 @@ def plan_box(cluster: Cluster, options: BoxOptions | None = None, *, latency: st
     q_max = min(1.0, cores / sum(rel[g.type] for g in cluster.gpus))
     quota = {t: q_max * r for t, r in rel.items()}
     slowest = min(quota, key=quota.get)
-    if quota[slowest] * MAX_PERIOD_US < MIN_QUOTA_US:
+    if options.speed == "pace" and 1.0 / quota[slowest] > MAX_PACE:
+        raise BoxConfigError(
+            f"{cluster.source}: a {slowest} rank would compute {1.0 / quota[slowest]:.3g}x slower than a CPU thread "
+            f"({rel[slowest]:.3g} of the fastest type {fastest}, {q_max:.3g} cores, over {cores:g} cores for "
+            f"{len(cluster.gpus)} ranks), beyond ZORSE_PACE's {MAX_PACE:g}; give more --cores or fewer GPUs")
+    if options.speed == "quota" and quota[slowest] * MAX_PERIOD_US < MIN_QUOTA_US:
         raise BoxConfigError(
             f"{cluster.source}: a {slowest} rank would get {quota[slowest]:.2g} cores ({rel[slowest]:.3g} of the "
             f"fastest type {fastest}, {q_max:.3g} cores, over {cores:g} cores for {len(cluster.gpus)} ranks), below "
@@ -456,7 +488,7 @@ def plan_box(cluster: Cluster, options: BoxOptions | None = None, *, latency: st
     shared = _place_shared(cluster, pairs, factor)
     layout = BoxLayout(box_id=box_id, cluster_name=cluster.name, cluster_source=cluster.source, scale=scale,
                        cpu_period_us=period_us, nodes=tuple(nodes), pairs=tuple(pairs), shared=tuple(shared),
-                       latency=latency, router_netns=f"{NETNS_PREFIX}{box_id}", limits=())
+                       latency=latency, router_netns=f"{NETNS_PREFIX}{box_id}", limits=(), speed=options.speed)
     return _with_limits(layout, cluster, floor)
 
 
@@ -509,8 +541,14 @@ def _with_limits(layout: BoxLayout, cluster: Cluster, floor: float) -> BoxLayout
     elif low:
         limits.append(f"latencies below the delay line's {floor * 1e3:g} ms floor ({len(low)} node pairs, up to "
                       f"{max(p.wanted_delay_s for p in low) * 1e3:.3g} ms one way): 0")
-    limits.append("GPU speed other than the matmul rate: each rank's CPU quota follows its GPU's sustained matmul "
-                  "rate; memory bandwidth, kernel launches and the CPU time communication takes scale with the CPU")
+    if layout.speed == "pace":
+        limits.append("GPU speed other than the matmul rate: each rank's compute is paced by its GPU's sustained "
+                      "matmul rate; memory bandwidth and kernel launches scale with the CPU; communication and the "
+                      "host's Python run at the CPU's speed, as a real host's do")
+    else:
+        limits.append("GPU speed other than the matmul rate: each rank's CPU quota follows its GPU's sustained "
+                      "matmul rate; memory bandwidth, kernel launches and the CPU time communication takes scale "
+                      "with the CPU; compute bursts shorter than a quota's share of a period run at full speed")
     here = this_cpu_name()
     if here and not s.cpu_source.endswith(": " + here):
         limits.append(f"the CPU's speed is that of the profile ({s.cpu_source}), this machine's CPU is {here}: "

@@ -1,7 +1,8 @@
 """``python -m zorse_fx.box.rank_enter CMD...``: a torchrun worker on a box node enters its local
-rank's ``host`` leaf (under its memory limit, no CPU quota yet), then becomes ``CMD``; ``zorse_fx.train``
-moves it into the rank's ``gpu`` leaf (its CPU quota) at its first training step
-(``enter_rank_leaf``; [Note: host and GPU leaves] in cgroups.py).
+rank's ``host`` leaf (under its memory limit, no CPU quota yet), sets its ``ZORSE_PACE`` where the box
+paces its ranks ([Note: paced compute] in zorse_fx/pacing.py), then becomes ``CMD``; ``zorse_fx.train``
+moves it into the rank's ``gpu`` leaf (its CPU quota on a box with ``--speed quota``) at its first
+training step (``enter_rank_leaf``; [Note: host and GPU leaves] in cgroups.py).
 
 torchrun starts every worker in the cgroup it runs in itself (the node's ``agent`` leaf when started
 by ``Box.spawn`` or ``zorse box run``); give it this module as the script and the real one after it::
@@ -21,6 +22,7 @@ import os
 import sys
 
 from ..errors import ZorseError
+from ..pacing import ENV_PACE
 from .box import ENV_BOX, ENV_NODE
 from .cgroups import rank_leaf
 from .state import read_state
@@ -65,9 +67,13 @@ def main(argv: list[str] | None = None) -> int:
             return 1
     try:
         _join(phase)
+        pace = read_state(box_id).layout.pace_factor(node, int(local))
     except ZorseError as exc:
         print(f"zorse: rank_enter: {exc}", file=sys.stderr)
         return 1
+    os.environ.pop(ENV_PACE, None)
+    if pace is not None:  # a paced box: the rank's computes at its GPU type's speed ([Note: paced compute])
+        os.environ[ENV_PACE] = repr(pace)
     cmd = [sys.executable, *argv] if argv[0] in ("-m", "-c") or argv[0].endswith(".py") else argv
     os.execvp(cmd[0], cmd)
 

@@ -23,6 +23,7 @@ import torch.fx as fx
 
 from ..capture.analysis import _propagate
 from ..capture.trace import META_KEY, CapturedModel, fetch_attr
+from ..pacing import Pacer, pace_factor
 from .opclass import flops_bytes, op_class, signature, tensors_in
 
 __all__ = ["NodeCall", "model_calls", "time_call", "timing_window"]
@@ -159,8 +160,11 @@ def _run(call: NodeCall, args, kwargs):
 def _timeit(fn, device: torch.device, repeats: int, flush: torch.Tensor | None = None) -> float:
     """Median wall time of ``fn`` in ms (CUDA: synchronised) over ``repeats`` samples: one call each, or
     inside ``timing_window`` the mean of the calls made until the window has passed ([Note: timing
-    windows]: each sample then takes about the window, however rationed the CPU)."""
+    windows]: each sample then takes about the window, however rationed the CPU). On a CPU under
+    ``ZORSE_PACE=F`` (the box) a sample is what the calls take on the emulated GPU, max(wall, F x the
+    thread's CPU time) ([Note: paced compute] in zorse_fx/pacing.py)."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    pacer = Pacer(pace_factor()) if device.type == "cpu" else Pacer(1.0)  # the box's emulated GPU speed
     fn()
     sync()
     window_s = _WINDOW_MS[0] / 1e3
@@ -170,6 +174,7 @@ def _timeit(fn, device: torch.device, repeats: int, flush: torch.Tensor | None =
             flush.add_(1.0)  # evict caches: a model's ops do not find their inputs cache-hot
         sync()
         t0 = time.perf_counter()
+        paced = pacer.start()
         calls = 0
         while True:  # one call, or calls until the window has passed (the wall time a rationed CPU takes)
             fn()
@@ -178,6 +183,8 @@ def _timeit(fn, device: torch.device, repeats: int, flush: torch.Tensor | None =
             elapsed = time.perf_counter() - t0
             if elapsed >= window_s:
                 break
+        if pacer.active:  # what the calls take on the emulated GPU ([Note: paced compute] in zorse_fx/pacing.py)
+            elapsed = pacer.emulated_s(paced)
         samples.append(elapsed * 1e3 / calls)
     return statistics.median(samples)
 

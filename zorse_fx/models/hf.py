@@ -51,6 +51,22 @@ __all__ = ["CausalLMWithLoss", "check_causal_lm", "check_wrapped_models", "is_hf
            "load_smollm2_135m", "load_smollm2_tokenizer", "smollm2_converted_dir", "cache_root", "CACHE_ENV"]
 
 
+#: The Hugging Face configuration a plan directory of a Hugging Face model holds (``write_hf_config``), from
+#: which ``zorse export`` makes the model again ([Note: exporting a checkpoint] in zorse_fx/export.py).
+HF_CONFIG = "hf_config.json"
+
+
+def write_hf_config(model: nn.Module, directory) -> Path | None:
+    """Write ``hf_config.json`` into a plan ``directory`` when ``model`` is a Hugging Face causal LM (or the
+    ``CausalLMWithLoss`` around one); returns its path, or None for another model."""
+    inner = model.model if isinstance(model, CausalLMWithLoss) else model
+    if not is_hf_causal_lm(inner):
+        return None
+    path = Path(directory) / HF_CONFIG
+    path.write_text(inner.config.to_json_string(use_diff=False))
+    return path
+
+
 def is_hf_causal_lm(model: nn.Module) -> bool:
     """Whether ``model`` is a Hugging Face ``PreTrainedModel`` (without
     importing ``transformers`` when nothing has: then it cannot be one)."""

@@ -56,6 +56,7 @@ from pathlib import Path
 import torch
 
 from ..cost.profile import DeviceInfo, KernelProfile, KernelTiming
+from ..pacing import ENV_PACE, Pacer, pace_factor
 
 __all__ = ["build_parser", "check_args", "main", "run", "measure_model", "measure_standard", "device_info"]
 
@@ -87,7 +88,9 @@ def device_info(device: torch.device, device_type: str | None, threads: int) -> 
         return DeviceInfo(device_type=device_type, name=name, backend="cuda", torch_version=torch.__version__,
                           triton_version=triton_version, cuda_version=torch.version.cuda or "",
                           host=socket.gethostname(), threads=threads)
-    return DeviceInfo(device_type=device_type or f"cpu-{platform.machine()}-{threads}thread", name=_cpu_name(),
+    pace = pace_factor()  # the box's emulated GPU: its factor in the name ([Note: paced compute])
+    name = _cpu_name() + (f" paced x{pace:.4g} ({ENV_PACE})" if pace > 1.0 else "")
+    return DeviceInfo(device_type=device_type or f"cpu-{platform.machine()}-{threads}thread", name=name,
                       backend="cpu", torch_version=torch.__version__, triton_version=triton_version,
                       host=socket.gethostname(), threads=threads)
 
@@ -142,7 +145,8 @@ def whole_fwd_bwd_ms(gm, inputs, device: torch.device, autocast_dtype: torch.dty
                      min_ms: float = 30.0) -> float:
     """Wall time (ms) of one forward (under ``autocast_dtype``'s autocast) and
     backward of ``gm``, gradients accumulating into ``.grad`` as over a step's
-    micro-batches; median of 3 runs of >= ``min_ms`` each after one warm-up."""
+    micro-batches; median of 3 runs of >= ``min_ms`` each after one warm-up (paced under ``ZORSE_PACE``,
+    as ``cost.replay``'s samples)."""
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
 
     def step():
@@ -156,14 +160,16 @@ def whole_fwd_bwd_ms(gm, inputs, device: torch.device, autocast_dtype: torch.dty
     step()
     sync()
     n = max(1, int(min_ms / max((time.perf_counter() - t0) * 1e3, 1e-3)))
+    pacer = Pacer(pace_factor()) if device.type == "cpu" else Pacer(1.0)  # the box ([Note: paced compute])
     out = []
     for _ in range(3):
         sync()
         t0 = time.perf_counter()
+        paced = pacer.start()
         for _ in range(n):
             step()
         sync()
-        out.append((time.perf_counter() - t0) * 1e3 / n)
+        out.append((pacer.emulated_s(paced) if pacer.active else time.perf_counter() - t0) * 1e3 / n)
     for p in gm.parameters():
         p.grad = None
     return statistics.median(out)

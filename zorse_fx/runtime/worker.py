@@ -61,9 +61,10 @@ synchronising the device), so its compute as the
 timings measure it ([Note: step timings] in ``timings.py``) is ``FACTOR``
 times its own, while the gradient reductions it launched during a backward
 go on beside the sleep, as beside a slower compute. What a throttled card
-or a noisy neighbour does to one GPU, without a second machine; the box's
-per-rank CPU quota (``zorse_fx/box/cgroups.py``) slows a rank the same way
-where the box runs.
+or a noisy neighbour does to one GPU, without a second machine. The box
+paces every rank to its GPU type's speed with a factor on the compute's CPU
+time instead ([Note: paced compute] in ``zorse_fx/pacing.py``: ``self.pacer``),
+which the loaded machine around it does not change.
 
 An evaluation step (``eval_step``) runs the schedule's forwards alone
 (``build_program(..., forward_only=True)``) under ``torch.no_grad``.
@@ -112,6 +113,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import RuntimeExecutionError
+from ..pacing import Pacer
 from ..plan import Plan, StagePlan
 from ..precision import PrecisionPolicy, precision_policy
 from .grad_sync import GradientReducer, holders_of
@@ -206,6 +208,9 @@ class StageWorker:
         self.inject_inf_steps: set[int] = set()
         #: Testing (``--slow-gpu``): every forward and backward takes this many times its own time.
         self.slow_factor = 1.0
+        #: On the box: every forward, backward and optimizer step takes the pacer's factor x its CPU time
+        #: (``ZORSE_PACE``, [Note: paced compute] in zorse_fx/pacing.py); factor 1 elsewhere.
+        self.pacer = Pacer(1.0)
         #: fp16-mixed: whether the last step was skipped, and the scale it used.
         self.last_skipped = False
         self.last_loss_scale = 1.0
@@ -326,6 +331,7 @@ class StageWorker:
                 timer.mark()
                 st = self._by_index[self.group + action.chunk * P]
                 t_compute = time.perf_counter()
+                paced = self.pacer.start() if self.pacer.active else None
                 if action.kind == "F":
                     contribution, sent = st.forward(action.microbatch, batch, received)
                     if contribution is not None:
@@ -338,6 +344,8 @@ class StageWorker:
                     self.reducer.end_backward(st.index)
                     if final:
                         self.reducer.end_final(st.index)
+                if paced is not None:  # the box: this CPU thread as a slower GPU ([Note: paced compute])
+                    self.pacer.finish(paced)
                 if self.slow_factor > 1.0:  # testing: a straggler ([Note: a slowed rank])
                     self._sync()
                     time.sleep((self.slow_factor - 1.0) * (time.perf_counter() - t_compute))
@@ -376,10 +384,11 @@ class StageWorker:
                 grads = self._grads()
                 coef = torch.clamp(max_grad_norm / (norm + 1e-6), max=1.0)  # clip_grad_norm_'s rule
                 torch._foreach_mul_(grads, coef)
-            for opt in self.optimizers:
-                if lr is not None:
-                    opt.set_lr(lr)
-                opt.step()
+            with self.pacer.paced():
+                for opt in self.optimizers:
+                    if lr is not None:
+                        opt.set_lr(lr)
+                    opt.step()
             self.optimizer_steps += 1
         timer.mark()
         self._sync()
@@ -462,7 +471,8 @@ class StageWorker:
                 p2p.post(k, sent)
                 received = p2p.received(k)
                 st = self._by_index[self.group + action.chunk * P]
-                contribution, sent = st.forward(action.microbatch, batch, received)
+                with self.pacer.paced():
+                    contribution, sent = st.forward(action.microbatch, batch, received)
                 if contribution is not None:
                     loss += contribution
             p2p.post(len(program.actions), sent)

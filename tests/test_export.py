@@ -1,0 +1,112 @@
+"""`zorse export` ([Note: exporting a checkpoint] in zorse_fx/export.py): a run's checkpoint, under a
+sharded pipeline plan, as a Hugging Face directory that transformers loads (ties kept) and that gives
+the run's own loss; a non-Hugging Face model as a safetensors state dict; bad input refused."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+from conftest import FP32, fixed_plan, gpt3x64, spawn_ranks, tiny_llama_config, tiny_llama_tied, \
+    with_memory_policy, with_param_sharding
+from zorse_fx.cli import main as zorse_main
+from zorse_fx.data import global_batch
+from zorse_fx.errors import RunDirectoryError
+from zorse_fx.export import export_run, model_state
+from zorse_fx.models.hf import write_hf_config
+
+
+def _train(plan, weights, tokens, tmp_path, *, steps: int, hf_config=None):
+    plan_dir = tmp_path / "plan"
+    plan.export(plan_dir)
+    torch.save(weights, plan_dir / "weights.pt")
+    if hf_config is not None:
+        from transformers import LlamaForCausalLM
+
+        write_hf_config(LlamaForCausalLM(hf_config), plan_dir)
+    torch.save(tokens, tmp_path / "tokens.pt")
+    spawn_ranks(plan_dir, plan.world_size, ["--tokens", str(tmp_path / "tokens.pt"), "--steps", str(steps),
+                                            "--checkpoint-every", "1", "--out", str(tmp_path / "run")])
+    return [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+
+
+def _batch(plan, tokens, step):
+    return global_batch(tokens, step - 1, global_batch_size=plan.global_batch_size, seq_len=plan.seq_len,
+                        input_names=plan.input_names, label_mode=plan.label_mode)
+
+
+def test_hf_llama_from_a_zero3_pipeline_loads_with_ties_and_gives_the_runs_loss(lee_bytes, tmp_path):
+    """A tied-embedding Llama trained 2 steps on 2 stages (stage 0 ZeRO-3 over 2 GPUs: its parameters saved
+    as ranges). Step 1's export, loaded by AutoModelForCausalLM.from_pretrained, computes the loss the run
+    logged at step 2 on step 2's batch (the weights after step 1; FP32 tolerance); its lm_head is its
+    embedding. Step 2's export in bfloat16 holds the float32 export's weights rounded once."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    captured = tiny_llama_tied()
+    plan = fixed_plan(captured, ((0, 1), (2,)), ((2, 1), (3,)), num_microbatches=2, global_batch_size=6, cuts=(2,),
+                      label_mode="same")
+    plan = with_param_sharding(with_memory_policy(plan, sharded={0}), stages={0})
+    assert plan.stages[0].param_sharded
+    tokens = lee_bytes[:20000]
+    rows = _train(plan, captured.state(), tokens, tmp_path, steps=2, hf_config=tiny_llama_config())
+    keys = json.loads((tmp_path / "run" / "checkpoints" / "step_1" / "zorse_checkpoint.json").read_text())
+    assert keys["step"] == 1
+    out = tmp_path / "hf1"
+    assert zorse_main(["export", str(tmp_path / "run"), "--step", "1", "--hf", str(out), "--plan",
+                       str(tmp_path / "plan")]) == 0
+    assert {"config.json", "model.safetensors", "zorse_export.json"} <= {p.name for p in out.iterdir()}
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    batch = _batch(plan, tokens, 2)
+    with torch.no_grad():
+        loss = model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+    assert float(loss) == pytest.approx(rows[1]["loss"], rel=FP32.loss_rel)
+    # the newest checkpoint (step 2), in float32 and bfloat16
+    f32 = export_run(tmp_path / "run", tmp_path / "hf2", plan=tmp_path / "plan", progress=lambda _: None)
+    b16 = export_run(tmp_path / "run", tmp_path / "hf2_bf16", dtype="bfloat16", plan=tmp_path / "plan",
+                     progress=lambda _: None)
+    assert (f32.step, b16.step, f32.kind) == (2, 2, "hf")
+    a, b = load_file(tmp_path / "hf2" / "model.safetensors"), load_file(tmp_path / "hf2_bf16" / "model.safetensors")
+    assert a.keys() == b.keys() and all(b[k].dtype == torch.bfloat16 for k in b)
+    assert all(torch.equal(a[k].to(torch.bfloat16), b[k]) for k in a)
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "hf2_bf16").dtype == torch.bfloat16
+
+
+def test_non_hf_model_exports_its_state_dict_and_bad_input_is_refused(lee_bytes, tmp_path, capsys):
+    """A GPT (not a Hugging Face model) on 2 ranks: the export is model.safetensors under its canonical names,
+    equal to the checkpoint's parameters, and the GPT loaded from it gives the run's step-2 loss. Refused,
+    writing nothing: a step with no checkpoint (naming the steps), a directory that holds files, a run
+    without checkpoints."""
+    from safetensors.torch import load_file
+
+    captured = gpt3x64()
+    plan = fixed_plan(captured, ((0,), (2,)), ((4,), (4,)), num_microbatches=1, global_batch_size=4, cuts=(2,))
+    tokens = lee_bytes[:20000]
+    rows = _train(plan, captured.state(), tokens, tmp_path, steps=2)
+    res = export_run(tmp_path / "run", tmp_path / "st", step=1, plan=tmp_path / "plan", progress=lambda _: None)
+    assert res.kind == "safetensors" and "model.safetensors" in res.files
+    sd = load_file(tmp_path / "st" / "model.safetensors")
+    ckpt = model_state(tmp_path / "run" / "checkpoints" / "step_1", torch.load(tmp_path / "plan" / "weights.pt"))
+    assert sd.keys() == ckpt.keys() and all(torch.equal(sd[k], ckpt[k]) for k in sd)
+    batch = _batch(plan, tokens, 2)
+    with torch.no_grad():  # the captured GPT with the exported tensors (ties kept: functional_call's default)
+        loss = torch.func.functional_call(captured.graph_module, sd, tuple(batch[n] for n in plan.input_names))
+    assert float(loss) == pytest.approx(rows[1]["loss"], rel=FP32.loss_rel)
+
+    with pytest.raises(RunDirectoryError, match=re.escape("--step 7: no checkpoint of that step; its checkpoints are "
+                                                          "of steps 1, 2")):
+        export_run(tmp_path / "run", tmp_path / "x", step=7, plan=tmp_path / "plan", progress=lambda _: None)
+    assert not (tmp_path / "x").exists()
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "mine.txt").write_text("keep")
+    assert zorse_main(["export", str(tmp_path / "run"), "--hf", str(tmp_path / "full"), "--plan",
+                       str(tmp_path / "plan")]) == 1
+    assert "exists and is not an empty directory; give a new directory" in capsys.readouterr().err
+    assert [p.name for p in (tmp_path / "full").iterdir()] == ["mine.txt"]
+    (tmp_path / "empty_run").mkdir()
+    with pytest.raises(RunDirectoryError, match=r"no checkpoint under .*checkpoints \(`zorse train --out"):
+        export_run(tmp_path / "empty_run", tmp_path / "y", plan=tmp_path / "plan", progress=lambda _: None)
