@@ -19,6 +19,12 @@
 5. Check step 1's loss against the single-process Hugging Face model on the
    same batch, under the same precision policy (fp32: 1e-4 relative;
    bf16-mixed: 2e-3, see ``--train-precision``).
+6. Export the trained model (``zorse export``: the last step's checkpoint as
+   a Hugging Face directory, ``runs/demo/hf``), reload it with transformers'
+   ``AutoModelForCausalLM.from_pretrained``, print its perplexity on held-out
+   Lee text (the ``--eval-sequences`` sequences after the training ones)
+   before and after the fine-tuning (``zorse eval``'s ``evaluate_tokens``),
+   and a short greedy generation from it.
 
 Precision: the plan is made for the cluster's GPUs, whose precision it
 states (P100, T4 and V100 have no bfloat16: fp16-mixed, with loss scaling).
@@ -54,6 +60,9 @@ def main() -> int:
     ap.add_argument("--train-precision", choices=("fp32", "bf16-mixed"), default="fp32",
                     help="precision of the CPU training run (the plan keeps its GPUs' precision); bf16-mixed is "
                          "emulated on a CPU without bf16 instructions, about 25x slower here")
+    ap.add_argument("--eval-sequences", type=int, default=16,
+                    help="held-out sequences (after the training ones) for the perplexity before and after")
+    ap.add_argument("--prompt", default="The government said")
     ap.add_argument("--out", default=str(ROOT / "runs" / "demo"))
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -73,6 +82,10 @@ def main() -> int:
     model, _ = load_smollm2_135m()
     data_path = out / "data" / "lee"
     prepare_data("lee", data_path, tokenizer="smollm2-135m", max_tokens=args.train_sequences * (args.seq_len + 1))
+    held_path = out / "data" / "lee_all"  # the corpus whole: its sequences after the training ones are held out
+    prepare_data("lee", held_path, tokenizer="smollm2-135m",
+                 max_tokens=(args.train_sequences + args.eval_sequences) * (args.seq_len + 1))
+    held = TokenData.open(held_path.with_suffix(".bin")).tokens[args.train_sequences * (args.seq_len + 1):]
     data = TokenData.open(data_path.with_suffix(".bin"))
     steps_per_epoch = max(1, args.train_sequences // args.global_batch_size)
     print(f"[demo] {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters; training on the first "
@@ -113,6 +126,11 @@ def main() -> int:
     policy = precision_policy(args.train_precision)
     with torch.no_grad(), policy.autocast("cpu"):  # single-process reference, same batch, same precision policy
         ref_loss = float(model(input_ids=first["input_ids"], labels=first["labels"], use_cache=False).loss)
+    from zorse_fx.evaluate import evaluate_tokens
+
+    before = evaluate_tokens(model, "same", held, seq_len=args.seq_len)
+    print(f"[demo] held-out perplexity before fine-tuning: {before.perplexity:.2f} (loss {before.loss:.4f} over "
+          f"{before.tokens:,} tokens of Lee text after the training sequences)", flush=True)
     del model, compiled
 
     print(f"[demo] training: {plan.world_size} Gloo processes stand in for the plan's GPUs", flush=True)
@@ -138,11 +156,41 @@ def main() -> int:
           f"{ref_loss:.6f} (relative difference {rel:.1e}, tolerance {tol:g})")
     print(f"[demo] loss {rows[0]['loss']:.3f} -> {rows[-1]['loss']:.3f} over {len(rows)} steps")
     _plot(rows, out / "loss.png")
+    after = _export_and_reload(out, plan_dir, held, args)
+    print(f"[demo] held-out perplexity: {before.perplexity:.2f} before, {after.perplexity:.2f} after {len(rows)} "
+          f"steps (loss {before.loss:.4f} -> {after.loss:.4f})", flush=True)
     print(f"[demo] wrote {out}/metrics.jsonl and {out}/loss.png; total {time.perf_counter() - t_start:.0f} s")
     ok = rel <= tol and rows[-1]["loss"] < rows[0]["loss"]
     if not ok:
         print("[demo] FAILED: loss mismatch or loss did not fall", file=sys.stderr)
     return 0 if ok else 1
+
+
+def _export_and_reload(out: Path, plan_dir: Path, held, args):
+    """`zorse export` of the run's last checkpoint, reloaded with transformers: its held-out loss, and a
+    greedy generation from ``args.prompt``."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from zorse_fx.evaluate import evaluate_tokens
+    from zorse_fx.export import export_run
+
+    hf = out / "hf"
+    if hf.exists():
+        shutil.rmtree(hf)  # the demo's own export of an earlier `make demo`
+    res = export_run(out, hf, plan=plan_dir)
+    print(f"[demo] zorse export: {hf} ({', '.join(res.files)}; step {res.step}, tokenizer {res.tokenizer})",
+          flush=True)
+    model = AutoModelForCausalLM.from_pretrained(hf).eval()
+    tok = AutoTokenizer.from_pretrained(hf)
+    after = evaluate_tokens(model, "same", held, seq_len=args.seq_len)
+    ids = tok(args.prompt, return_tensors="pt")
+    with torch.no_grad():
+        gen = model.generate(**ids, max_new_tokens=24, do_sample=False, pad_token_id=tok.eos_token_id)
+    print(f"[demo] greedy generation of the fine-tuned model (reloaded with transformers): "
+          f"{tok.decode(gen[0], skip_special_tokens=True)!r}", flush=True)
+    return after
 
 
 def _simulated_timeline(compiled, cluster, out: Path) -> None:

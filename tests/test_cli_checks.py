@@ -207,8 +207,9 @@ def test_plan_into_a_directory_that_is_not_a_plan_refused(tmp_path, capsys):
     assert zorse_main(["plan", "--model", "gpt", "--cluster", SMALL, "--global-batch-size", "8", "-o", str(d)]) == 1
     out = capsys.readouterr()
     assert out.err == (f"zorse: -o {d} is not a plan directory: it holds data/, notes.txt (a plan directory holds "
-                       f"only plan.json, stage_<i>.py, weights.pt, plan_request.json, cluster.yaml and simulate/), "
-                       f"which writing a plan there would replace; give a new or empty directory for the plan\n")
+                       f"only plan.json, stage_<i>.py, weights.pt, hf_config.json, plan_request.json, cluster.yaml "
+                       f"and simulate/), which writing a plan there would replace; give a new or empty directory for "
+                       f"the plan\n")
     assert "[zorse] captured" not in out.out
     assert sorted(p.name for p in d.iterdir()) == ["data", "notes.txt", "plan.json"]
     (tmp_path / "f").write_text("")

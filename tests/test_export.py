@@ -5,18 +5,21 @@ the run's own loss; a non-Hugging Face model as a safetensors state dict; bad in
 from __future__ import annotations
 
 import json
+import math
 import re
 
 import pytest
 import torch
 
-from conftest import FP32, fixed_plan, gpt3x64, spawn_ranks, tiny_llama_config, tiny_llama_tied, \
+from conftest import CLUSTERS, FP32, fixed_plan, gpt3x64, spawn_ranks, tiny_llama_config, tiny_llama_tied, \
     with_memory_policy, with_param_sharding
 from zorse_fx.cli import main as zorse_main
 from zorse_fx.data import global_batch
 from zorse_fx.errors import RunDirectoryError
+from zorse_fx.evaluate import evaluate_tokens, load_trained
 from zorse_fx.export import export_run, model_state
 from zorse_fx.models.hf import write_hf_config
+from zorse_fx.plan import Plan
 
 
 def _train(plan, weights, tokens, tmp_path, *, steps: int, hf_config=None):
@@ -38,7 +41,7 @@ def _batch(plan, tokens, step):
                         input_names=plan.input_names, label_mode=plan.label_mode)
 
 
-def test_hf_llama_from_a_zero3_pipeline_loads_with_ties_and_gives_the_runs_loss(lee_bytes, tmp_path):
+def test_hf_llama_from_a_zero3_pipeline_loads_with_ties_and_gives_the_runs_loss(lee_bytes, tmp_path, capsys):
     """A tied-embedding Llama trained 2 steps on 2 stages (stage 0 ZeRO-3 over 2 GPUs: its parameters saved
     as ranges). Step 1's export, loaded by AutoModelForCausalLM.from_pretrained, computes the loss the run
     logged at step 2 on step 2's batch (the weights after step 1; FP32 tolerance); its lm_head is its
@@ -74,6 +77,63 @@ def test_hf_llama_from_a_zero3_pipeline_loads_with_ties_and_gives_the_runs_loss(
     assert a.keys() == b.keys() and all(b[k].dtype == torch.bfloat16 for k in b)
     assert all(torch.equal(a[k].to(torch.bfloat16), b[k]) for k in a)
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "hf2_bf16").dtype == torch.bfloat16
+    # fine-tuning the export: `zorse plan --model <its directory>` (issue 48 item 3) plans it with its weights
+    plan_out = tmp_path / "finetune"
+    assert zorse_main(["plan", "--model", str(tmp_path / "hf2"), "--cluster", str(CLUSTERS / "small_hetero.yaml"),
+                       "--planner", "stage_dp", "--global-batch-size", "4", "--seq-len", "32", "-o",
+                       str(plan_out)]) == 0
+    assert Plan.load(plan_out).model_name == str((tmp_path / "hf2").resolve())
+    assert (plan_out / "hf_config.json").is_file()
+    planned = torch.load(plan_out / "weights.pt")
+    assert all(torch.equal(planned["model." + k], v) for k, v in a.items())
+    # zorse eval (issue 48 item 4): the run's step-1 checkpoint and its export give one loss, whatever the batch
+    m_run, mode, _ = load_trained(tmp_path / "run", step=1, plan=tmp_path / "plan")
+    m_exp, mode_exp, _ = load_trained(out)
+    assert mode == mode_exp == "same"
+    held = tokens[-2000:]
+    r1 = evaluate_tokens(m_run, mode, held, seq_len=32, batch_size=4)
+    r2 = evaluate_tokens(m_exp, mode_exp, held, seq_len=32, batch_size=1)
+    assert (r1.sequences, r1.tokens) == (2000 // 32, 2000 // 32 * 31)
+    assert r1.loss == pytest.approx(r2.loss, rel=1e-6) and r1.perplexity == pytest.approx(math.exp(r1.loss))
+    capsys.readouterr()
+    assert zorse_main(["eval", str(tmp_path / "run"), "--plan", str(tmp_path / "plan"), "--step", "1", "--data",
+                       str(tmp_path / "tokens.pt"), "--max-sequences", "4"]) == 0
+    assert re.search(r"\[zorse\] eval .*step_1 .* loss \d+\.\d{4}, perplexity \d+\.\d\d over 124 predicted tokens "
+                     r"\(4 sequences of 32, float32\)", capsys.readouterr().out)
+
+
+def test_eval_of_an_untrained_model_by_name(lee_bytes, tmp_path, capsys):
+    """`zorse eval gpt`: the registry's GPT as initialised (weights of std 0.02: near-uniform logits), whose loss
+    on bytes is within 0.1 of ln 256 = 5.545."""
+    torch.save(lee_bytes[:4000], tmp_path / "tokens.pt")
+    assert zorse_main(["eval", "gpt", "--data", str(tmp_path / "tokens.pt"), "--seq-len", "64",
+                       "--max-sequences", "16"]) == 0
+    loss = float(re.search(r"loss (\d+\.\d+)", capsys.readouterr().out).group(1))
+    assert abs(loss - math.log(256)) < 0.1
+    assert zorse_main(["eval", "gpt", "--data", str(tmp_path / "tokens.pt")]) == 1
+    assert "give --seq-len (tokens per sequence)" in capsys.readouterr().err
+
+
+def test_model_directory_that_is_no_hf_model_is_refused(tmp_path, capsys):
+    """`--model DIR`: a missing directory, one without config.json, one whose weights are missing: one line
+    each, naming the directory and what it needs."""
+    from zorse_fx.models.registry import load_model
+
+    with pytest.raises(ValueError, match=r"--model \./nowhere: no such directory; give a Hugging Face model "
+                                         r"directory \(config.json and weights"):
+        load_model("./nowhere")
+    with pytest.raises(ValueError, match=r"no config.json in the directory; it is not a Hugging Face model "
+                                         r"directory"):
+        load_model(str(tmp_path))
+    tiny_llama_config().save_pretrained(tmp_path / "cfg_only")
+    with pytest.raises(ValueError, match=r"transformers cannot load it as a causal LM offline \(.*\); give a "
+                                         r"directory of a decoder-only causal LM with its weights"):
+        load_model(str(tmp_path / "cfg_only"))
+    with pytest.raises(SystemExit, match=r"zorse: --model .*: no config.json in the directory"):
+        zorse_main(["plan", "--model", str(tmp_path), "--cluster", str(CLUSTERS / "small_hetero.yaml"),
+                    "--global-batch-size", "4", "--seq-len", "32", "-o", str(tmp_path / "p")])
+    assert zorse_main(["eval", str(tmp_path / "cfg_only"), "--data", "x.bin", "--seq-len", "8"]) == 1
+    assert "transformers cannot load it as a causal LM offline" in capsys.readouterr().err
 
 
 def test_non_hf_model_exports_its_state_dict_and_bad_input_is_refused(lee_bytes, tmp_path, capsys):

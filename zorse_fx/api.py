@@ -17,6 +17,7 @@ Also a decorator on an ``nn.Module`` class::
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 
 import torch
@@ -26,6 +27,7 @@ from .capture import capture
 from .cluster import Cluster
 from .errors import ModelCaptureError
 from .models.hf import is_hf_causal_lm, write_hf_config
+from .models.registry import is_model_dir
 from .plan import Plan
 from .planner import PlanOptions, plan_captured
 
@@ -131,7 +133,8 @@ def compile(model: nn.Module | type | None = None, *, cluster, example_inputs, g
     """Capture, plan and generate stage modules for ``model`` on ``cluster``.
 
     Args:
-        model: an ``nn.Module`` whose ``forward(*example_inputs)`` returns the
+        model: a local Hugging Face model directory (a path: ``config.json`` and
+            weights, loaded in float32 by ``AutoModelForCausalLM``), or an ``nn.Module`` whose ``forward(*example_inputs)`` returns the
             scalar mean loss over the samples or over the tokens it counts
             from its inputs (``cross_entropy(..., ignore_index=PAD)``,
             ``(ce * mask).sum() / mask.sum()``: [Note: the loss contract] in
@@ -159,6 +162,14 @@ def compile(model: nn.Module | type | None = None, *, cluster, example_inputs, g
     Raises:
         ModelCaptureError, ClusterConfigError, PlanOptionsError, InfeasiblePlanError.
     """
+    if isinstance(model, (str, os.PathLike)):  # a local Hugging Face model directory
+        from .models.registry import load_model
+
+        model_name = model_name or str(Path(model).resolve())  # (os.path.join(x, ""): "x/", read as a path)
+        try:
+            model, _ = load_model(str(model) if is_model_dir(str(model)) else os.path.join(str(model), ""))
+        except ValueError as exc:
+            raise ModelCaptureError(str(exc)) from None
     kw = dict(cluster=cluster, example_inputs=example_inputs, global_batch_size=global_batch_size,
               label_mode=label_mode, model_name=model_name, verbose=verbose, **options)
     if model is None:

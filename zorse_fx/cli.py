@@ -243,6 +243,7 @@ def cmd_plan(args) -> int:
 
     from .cluster import Cluster
     from .elastic import PlanRequest
+    from .models.registry import is_model_dir
     from .plan import check_plan_dir, new_plan_dir
     from .planner import check_host_memory
 
@@ -264,6 +265,8 @@ def cmd_plan(args) -> int:
         read_calibration(args.calibration)
     # The options and the cluster's host memory checked before the model is captured (one line each).
     check_host_memory(cluster, PlanOptions(global_batch_size=args.global_batch_size, jobs=args.jobs, **options))
+    if is_model_dir(args.model):  # recorded absolute: `zorse train --elastic` and `zorse export` load it again
+        args.model = str(Path(args.model).resolve())
     model, _ = _load_model(args.model)
     _check_seq_len(model, args.model, args.seq_len)
     ids = torch.randint(0, 200, (2, args.seq_len))
@@ -523,6 +526,35 @@ def cmd_export(args) -> int:
                                                                "not name one)" if res.kind == "hf" else "")
     print(f"[zorse] wrote {res.out}: {what}, step {res.step}, {res.parameters / 1e6:.2f} M parameters in {res.dtype}"
           f"{tok}; files: {', '.join(res.files)}")
+    return 0
+
+
+def cmd_eval(args) -> int:
+    """``zorse eval TARGET --data TOKENS``: loss and perplexity on held-out tokens (``evaluate``)."""
+    from .errors import DataError
+    from .evaluate import evaluate_tokens, load_trained
+    from .plan import Plan
+    from .token_data import TokenData
+
+    model, mode, what = load_trained(args.target, step=args.step, plan=args.plan)
+    seq_len = args.seq_len
+    if seq_len is None:
+        from .train_options import OPTIONS_FILE, read_options_file
+
+        run = Path(args.target)
+        if not (run / "checkpoints").is_dir():
+            raise DataError(f"eval {args.target}: give --seq-len (tokens per sequence); only a run directory "
+                            f"has one of its own (its plan's)")
+        plan_path = Path(args.plan or read_options_file(run / OPTIONS_FILE).data.plan)
+        seq_len = Plan.load(plan_path if plan_path.is_dir() else plan_path.parent).seq_len
+    data = TokenData.load(args.data)
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    if vocab is not None:
+        data.check_vocab(int(vocab))
+    res = evaluate_tokens(model, mode, data.tokens, seq_len=seq_len, batch_size=args.batch_size,
+                          max_sequences=args.max_sequences, dtype=args.dtype)
+    print(f"[zorse] eval {what} on {args.data}: loss {res.loss:.4f}, perplexity {res.perplexity:.2f} over "
+          f"{res.tokens:,} predicted tokens ({res.sequences} sequences of {res.seq_len}, {args.dtype})")
     return 0
 
 
@@ -820,6 +852,21 @@ def build_parser() -> argparse.ArgumentParser:
     pexp.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
                       help="split model.safetensors into shards of at most SIZE (default %(default)s)")
     pexp.set_defaults(fn=cmd_export)
+    pev = sub.add_parser("eval", help="a trained model's loss and perplexity on held-out tokens",
+                         description="Loss and perplexity on a token file (`zorse prepare-data`), in this process: "
+                                     "of a run's checkpoint (a run directory), an exported or any local Hugging Face "
+                                     "model directory, or a --model name (the untrained model).")
+    pev.add_argument("target", help="a run directory (`zorse train --out`), a Hugging Face model directory, or a "
+                                    f"model name: {MODEL_HELP}")
+    pev.add_argument("--data", required=True, help="token file (<name>.bin or its .json header) of held-out text")
+    pev.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: a run's plan's)")
+    pev.add_argument("--batch-size", type=int, default=8, help="sequences per forward (default %(default)s)")
+    pev.add_argument("--max-sequences", type=int, default=None, help="the first N sequences only (default: all)")
+    pev.add_argument("--step", type=int, default=None, help="a run's checkpoint of this step (default: newest)")
+    pev.add_argument("--plan", default=None, help="the run's plan directory (default: its train_options.json's)")
+    pev.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                     help="compute dtype (default %(default)s)")
+    pev.set_defaults(fn=cmd_eval)
     ptim = sub.add_parser("timings", help="where each rank's step goes: the median of every phase per rank "
                                           "(<run>/timings.jsonl)")
     ptim.add_argument("run", help="the run directory (`zorse train --out`)")

@@ -7,6 +7,10 @@
 - ``module:function``: any factory returning a model or ``(model, tokenizer)``;
   ``module`` is imported with the current directory on ``sys.path`` (as
   ``python -m`` would), so ``--model mymod:make`` finds ``./mymod.py``.
+- a local Hugging Face model directory (``save_pretrained``'s: ``config.json`` and
+  the weights; ``zorse export --hf``'s): any causal LM ``AutoModelForCausalLM``
+  loads offline, in float32, without running code from the directory
+  (``trust_remote_code`` off); its tokenizer where the directory holds one.
 
 Every entry returns ``(model, tokenizer)``; tokenizer "bytes" means UTF-8 bytes.
 """
@@ -19,7 +23,7 @@ import sys
 
 import torch
 
-__all__ = ["load_model", "max_positions", "model_tokenizer", "MODELS", "MODEL_NAMES", "MODEL_HELP"]
+__all__ = ["load_model", "max_positions", "model_tokenizer", "is_model_dir", "MODELS", "MODEL_NAMES", "MODEL_HELP"]
 
 #: The models by name: what each is, and the tokenizer it reads (``zorse prepare-data
 #: --tokenizer``; a model with pretrained weights reads its own, never ``bytes``). The
@@ -32,13 +36,25 @@ MODELS: dict[str, tuple[str, str]] = {
 MODEL_NAMES = tuple(MODELS)
 #: ``--model``'s help: every name, then ``module:function``.
 MODEL_HELP = " | ".join(MODEL_NAMES) + (" | module:function (a function returning the model or (model, "
-                                        "tokenizer), imported from the current directory)")
+                                        "tokenizer), imported from the current directory) | a local Hugging Face "
+                                        "model directory (config.json and weights, e.g. from `zorse export --hf`)")
+
+
+def is_model_dir(name: str) -> bool:
+    """Whether ``--model name`` names a directory (a path: it has a separator, starts with ``.`` or exists)
+    rather than a registry name or ``module:function``."""
+    return name not in MODELS and (os.sep in name or name.startswith(".") or os.path.isdir(name))
 
 
 def model_tokenizer(name: str) -> str | None:
     """The ``--tokenizer`` model ``name`` reads (a ``zorse prepare-data``
     tokenizer name), or None where zorse_fx does not know it (``module:function``)."""
-    return MODELS[name][1] if name in MODELS else None
+    if name in MODELS:
+        return MODELS[name][1]
+    if is_model_dir(name) and any(os.path.isfile(os.path.join(name, f))
+                                  for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return name  # (a tokenizer directory load_tokenizer reads)
+    return None
 
 
 def load_model(name: str):
@@ -58,9 +74,39 @@ def load_model(name: str):
 
         torch.manual_seed(0)
         return GPT(GPTConfig(n_layer=4, n_embd=128, n_head=4, block_size=256)), "bytes"
+    if is_model_dir(name):
+        return _from_hf_dir(name)
     if ":" in name:
         return _from_factory(name)
-    raise ValueError(f"unknown model {name!r}; use one of {', '.join(MODEL_NAMES)} or module:function")
+    raise ValueError(f"unknown model {name!r}; use one of {', '.join(MODEL_NAMES)}, module:function or a local "
+                     f"Hugging Face model directory")
+
+
+def _from_hf_dir(name: str):
+    """A local Hugging Face causal LM directory: ``(model in float32, its tokenizer or "bytes")``; one
+    ``ValueError`` naming the directory and the fix for anything else."""
+    from pathlib import Path
+
+    path = Path(name)
+    if not path.is_dir():
+        raise ValueError(f"--model {name}: no such directory; give a Hugging Face model directory (config.json "
+                         f"and weights, as save_pretrained or `zorse export --hf` write it), one of "
+                         f"{', '.join(MODEL_NAMES)} or module:function")
+    if not (path / "config.json").is_file():
+        raise ValueError(f"--model {name}: no config.json in the directory; it is not a Hugging Face model "
+                         f"directory (save_pretrained writes config.json beside the weights)")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True,
+                                                     trust_remote_code=False)
+    except (ValueError, OSError, KeyError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValueError(f"--model {name}: transformers cannot load it as a causal LM offline ({first}); give a "
+                         f"directory of a decoder-only causal LM with its weights (model.safetensors or "
+                         f"pytorch_model.bin) whose architecture transformers knows without remote code") from None
+    tok = model_tokenizer(name)
+    return model, (AutoTokenizer.from_pretrained(path, local_files_only=True) if tok else "bytes")
 
 
 def _from_factory(name: str):
