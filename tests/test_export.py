@@ -170,3 +170,48 @@ def test_non_hf_model_exports_its_state_dict_and_bad_input_is_refused(lee_bytes,
     (tmp_path / "empty_run").mkdir()
     with pytest.raises(RunDirectoryError, match=r"no checkpoint under .*checkpoints \(`zorse train --out"):
         export_run(tmp_path / "empty_run", tmp_path / "y", plan=tmp_path / "plan", progress=lambda _: None)
+
+
+@pytest.mark.parametrize("layout", ["interleaved_zero1_bf16_working_weights", "zero2_offload"])
+def test_export_of_each_layout_holds_the_ranks_parameters(layout, lee_bytes, tmp_path):
+    """The export of a run's last checkpoint holds exactly the parameters its ranks end with (``--dump-params``):
+    interleaved stages with ZeRO-1 and 16-bit working weights (bf16-mixed: the float32 masters, saved by
+    range, joined), and a ZeRO-2 stage with its optimizer offloaded (fp32). (ZeRO-3: the Llama test above.)"""
+    from safetensors.torch import load_file
+
+    from conftest import gpt4x64, run_distributed, with_grad_sharding, with_low_precision
+    from test_offload import with_offload
+    from test_zero2 import _two_stage_plan
+
+    if layout == "zero2_offload":
+        captured = gpt3x64()
+        plan, extra = with_offload(with_grad_sharding(_two_stage_plan(captured), {1}), {1}), ()
+        assert plan.stages[1].grad_sharded and plan.stages[1].offload_optimizer
+    else:
+        captured = gpt4x64()
+        plan = fixed_plan(captured, ((0, 1), (2,), (0, 1), (2,)), ((2, 1), (3,), (2, 1), (3,)), num_microbatches=3,
+                          global_batch_size=9, interleave=2)
+        plan = with_low_precision(with_memory_policy(plan, sharded={0, 2}), captured)
+        assert plan.stages[0].low_precision_params
+        extra = ("--precision", "bf16-mixed")
+    run_distributed(plan, captured.state(), lee_bytes, tmp_path, steps=2, extra=("--dump-params", *extra))
+    res = export_run(tmp_path / "run", tmp_path / "out", plan=tmp_path / "plan", progress=lambda _: None)
+    assert res.step == 2
+    exported = load_file(tmp_path / "out" / "model.safetensors")
+    params = {r: torch.load(tmp_path / "run" / "params" / f"rank{r}.pt") for r in range(plan.world_size)}
+    masters = {r: torch.load(tmp_path / "run" / "params" / f"rank{r}_masters.pt") for r in range(plan.world_size)}
+    trained = set()
+    for canon, value in exported.items():
+        ranges = sorted((a, b, t) for m in masters.values() for a, b, t in m.get(canon, ()))
+        if ranges:  # a 16-bit working weight: its float32 masters are the parameter
+            joined = torch.cat([t.reshape(-1).float() for _, _, t in ranges]).view(value.shape)
+            assert torch.equal(value, joined), canon
+            trained.add(canon)
+        else:
+            held = [p[canon].float() for p in params.values() if canon in p]
+            if held:  # one copy exactly; a tied copy another stage updated (here on the host) within float32
+                assert any(torch.equal(value, h) for h in held), canon  # rounding of its largest elements
+                for h in held:
+                    torch.testing.assert_close(value, h, rtol=0.0, atol=2**-22 * float(h.abs().max()), msg=canon)
+                trained.add(canon)
+    assert trained == {c for p in params.values() for c in p}  # every parameter a rank trains is exported

@@ -223,7 +223,6 @@ def export_run(run_dir: str | Path, out_dir: str | Path, *, step: int | None = N
         if config.exists():
             model = _hf_model(config, state, plan_dir)
             model.to(torch_dtype)
-            model.config.torch_dtype = torch_dtype
             model.save_pretrained(tmp, safe_serialization=True, max_shard_size=max_shard_size)
             tokenizer = _save_tokenizer(options, tmp) if options is not None else None
             kind, n = "hf", sum(p.numel() for p in model.parameters())
