@@ -63,6 +63,7 @@ RESULT_FILES = (
     "calibration.json",
     "rebalance.json",
     "box_calibration.json",
+    "plan_cli.json",
 )
 
 #: The runs before issue 32 (the planner in seconds), kept to show its planner
@@ -619,6 +620,21 @@ def render_timings_overhead(doc: dict, name: str) -> list[str]:
     return out + _source(_run_of(doc))
 
 
+def render_plan_cli(doc: dict, name: str) -> list[str]:
+    runs = doc["runs"]
+    out = ["### `zorse plan` from the command line: where its time goes", "",
+           f"`{doc['zorse_command']}` in a fresh Python process, CPU seconds (the process and its waited-for "
+           "children: forked CP-SAT solves) and wall seconds per phase; the first run with an empty capture cache "
+           "(`ZORSE_CACHE_DIR`), the next ones with the cache it filled.", ""]
+    names = [n for n, *_ in runs[0]["phases"]]
+    body = []
+    for i, n in enumerate(names):
+        body.append([n] + [f"{r['phases'][i][1]:.2f} / {r['phases'][i][2]:.2f}" for r in runs])
+    body.append(["process total"] + [f"{r['total_cpu_s']:.1f} / {r['total_wall_s']:.1f}" for r in runs])
+    out += table(["phase"] + [f"run {k + 1} ({r['cache']} cache): CPU / wall s" for k, r in enumerate(runs)], body)
+    return out + _source(_run_of(doc))
+
+
 def render_calibration(doc: dict, name: str) -> list[str]:
     out = ["### Calibration: predicted against measured steps", "",
            f"{doc['model']}; each plan trained {doc['steps']} steps. Error = predicted / measured - 1: the "
@@ -983,7 +999,8 @@ def render(results: Path = RESULTS) -> str:
               ("offload_cpu.json", render_offload_cpu),
               ("comm_loopback.json", render_comm), ("box.json", render_box),
               ("timings_overhead.json", render_timings_overhead), ("calibration.json", render_calibration),
-              ("rebalance.json", render_rebalance), ("box_calibration.json", render_box_calibration))
+              ("rebalance.json", render_rebalance), ("box_calibration.json", render_box_calibration),
+              ("plan_cli.json", render_plan_cli))
     for name, fn in single:
         if name in docs:
             old = BEFORE.get(name)

@@ -82,7 +82,11 @@ float32 rounding of the same operations. On the CPU it runs torch's fused
 AdamW kernel, which ``bench/offload_cpu.py`` measured at about 0.4x the time
 of streaming the same bytes, where the default foreach path takes 2.5x;
 its arithmetic order differs from the reference's, within the float32
-tolerances of the tests.
+tolerances of the tests. A rank on a CPU (Gloo runs, the box) steps its
+stage with the same fused kernel: the default there is a Python loop over
+the parameters, ~100 us per tensor (the box's 4-layer GPT, 52 tensors:
+7.7 ms of a step where the profile's AdamW, timed on 32 tensors of 1 M
+elements, priced 1.2 ms; bench/LOG.md 2026-12-07).
 Any state layout: under ZeRO-2 the gradient of a stepped range is its
 float32 gradient shard, under ZeRO-3 the write-back goes into the GPU's
 owned range of the weights, which the next forward gathers.
@@ -186,8 +190,8 @@ class StageOptimizer:
         self.param_shards: ParamShards | None = None
         self.shard_group = shard_group if self.zero1 else None
         kw = dict(lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
-        if self.offload:  # the CPU's fused AdamW: ~5x the default foreach path here (bench/offload_cpu.py)
-            kw["fused"] = True
+        if self.offload or stage.device.type == "cpu":  # the CPU's fused AdamW: ~5x the default foreach path
+            kw["fused"] = True  # here (bench/offload_cpu.py), and no Python loop over small tensors (see above)
         params = [getattr(stage.module, flat) for flat in plan_stage.params]
         #: 16-bit working weights (``StagePlan.low_precision_params``, under a mixed policy on a ZeRO-1
         #: stage): these parameters become the compute dtype, their float32 masters live in the shard.
