@@ -87,12 +87,11 @@ def test_hf_llama_from_a_zero3_pipeline_loads_with_ties_and_gives_the_runs_loss(
     planned = torch.load(plan_out / "weights.pt")
     assert all(torch.equal(planned["model." + k], v) for k, v in a.items())
     # zorse eval (issue 48 item 4): the run's step-1 checkpoint and its export give one loss, whatever the batch
-    m_run, mode, _ = load_trained(tmp_path / "run", step=1, plan=tmp_path / "plan")
-    m_exp, mode_exp, _ = load_trained(out)
-    assert mode == mode_exp == "same"
+    run, exp = load_trained(tmp_path / "run", step=1, plan=tmp_path / "plan"), load_trained(out)
+    assert (run.label_mode, exp.label_mode, run.seq_len, exp.seq_len) == ("same", "same", 32, None)
     held = tokens[-2000:]
-    r1 = evaluate_tokens(m_run, mode, held, seq_len=32, batch_size=4)
-    r2 = evaluate_tokens(m_exp, mode_exp, held, seq_len=32, batch_size=1)
+    r1 = evaluate_tokens(run.model, run.label_mode, held, seq_len=32, batch_size=4)
+    r2 = evaluate_tokens(exp.model, exp.label_mode, held, seq_len=32, batch_size=1)
     assert (r1.sequences, r1.tokens) == (2000 // 32, 2000 // 32 * 31)
     assert r1.loss == pytest.approx(r2.loss, rel=1e-6) and r1.perplexity == pytest.approx(math.exp(r1.loss))
     capsys.readouterr()

@@ -533,27 +533,20 @@ def cmd_eval(args) -> int:
     """``zorse eval TARGET --data TOKENS``: loss and perplexity on held-out tokens (``evaluate``)."""
     from .errors import DataError
     from .evaluate import evaluate_tokens, load_trained
-    from .plan import Plan
     from .token_data import TokenData
 
-    model, mode, what = load_trained(args.target, step=args.step, plan=args.plan)
-    seq_len = args.seq_len
+    trained = load_trained(args.target, step=args.step, plan=args.plan)
+    seq_len = args.seq_len or trained.seq_len
     if seq_len is None:
-        from .train_options import OPTIONS_FILE, read_options_file
-
-        run = Path(args.target)
-        if not (run / "checkpoints").is_dir():
-            raise DataError(f"eval {args.target}: give --seq-len (tokens per sequence); only a run directory "
-                            f"has one of its own (its plan's)")
-        plan_path = Path(args.plan or read_options_file(run / OPTIONS_FILE).data.plan)
-        seq_len = Plan.load(plan_path if plan_path.is_dir() else plan_path.parent).seq_len
+        raise DataError(f"eval {args.target}: give --seq-len (tokens per sequence); only a run directory has one "
+                        f"of its own (its plan's)")
     data = TokenData.load(args.data)
-    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    vocab = getattr(getattr(trained.model, "config", None), "vocab_size", None)
     if vocab is not None:
         data.check_vocab(int(vocab))
-    res = evaluate_tokens(model, mode, data.tokens, seq_len=seq_len, batch_size=args.batch_size,
-                          max_sequences=args.max_sequences, dtype=args.dtype)
-    print(f"[zorse] eval {what} on {args.data}: loss {res.loss:.4f}, perplexity {res.perplexity:.2f} over "
+    res = evaluate_tokens(trained.model, trained.label_mode, data.tokens, seq_len=seq_len,
+                          batch_size=args.batch_size, max_sequences=args.max_sequences, dtype=args.dtype)
+    print(f"[zorse] eval {trained.what} on {args.data}: loss {res.loss:.4f}, perplexity {res.perplexity:.2f} over "
           f"{res.tokens:,} predicted tokens ({res.sequences} sequences of {res.seq_len}, {args.dtype})")
     return 0
 

@@ -26,7 +26,7 @@ from .export import DTYPES, _hf_model, _pick_checkpoint, model_state
 from .models.hf import HF_CONFIG, CausalLMWithLoss, is_hf_causal_lm
 from .plan import Plan
 
-__all__ = ["EvalResult", "load_trained", "evaluate_tokens"]
+__all__ = ["EvalResult", "Trained", "load_trained", "evaluate_tokens"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,11 +41,23 @@ class EvalResult:
     seq_len: int
 
 
-def load_trained(target: str | Path, *, step: int | None = None, plan: str | Path | None = None):
-    """``(model, label_mode, what)``: the model of ``target`` in float32, eval mode: a run directory's checkpoint
-    (``step`` or the newest intact; ``plan`` or the one ``train_options.json`` names), a Hugging Face model
-    directory, or a ``--model`` name; ``label_mode`` "same" (Hugging Face: the model shifts) or "shifted";
-    ``what`` says which, for the output.
+@dataclass(frozen=True, slots=True)
+class Trained:
+    """A model to evaluate (``load_trained``)."""
+
+    model: torch.nn.Module
+    #: "same" (a Hugging Face model shifts its labels) or "shifted".
+    label_mode: str
+    #: Which model, for the output.
+    what: str
+    #: The run's plan's sequence length (None: not a run).
+    seq_len: int | None = None
+
+
+def load_trained(target: str | Path, *, step: int | None = None, plan: str | Path | None = None) -> Trained:
+    """The model of ``target`` in float32, eval mode: a run directory's checkpoint (``step`` or the newest
+    intact; ``plan`` or the one ``train_options.json`` names), a Hugging Face model directory, or a ``--model``
+    name.
 
     Raises:
         RunDirectoryError, CheckpointError: as ``zorse export``; ModelCaptureError: a model name or directory
@@ -70,18 +82,16 @@ def load_trained(target: str | Path, *, step: int | None = None, plan: str | Pat
             model, _ = load_model(p.model_name)
             _load_canonical(model, state, ckpt)
             mode = p.label_mode
-        what = f"{ckpt} (model {p.model_name})"
-    else:
-        if step is not None:
-            raise RunDirectoryError(f"--step {step}: {target} is not a run directory (no checkpoints/); --step "
-                                    f"picks a run's checkpoint")
-        try:
-            model, _ = load_model(str(target))
-        except ValueError as exc:  # (a name or directory that does not load: one line, as `zorse plan` says it)
-            raise ModelCaptureError(str(exc)) from None
-        mode = "same" if is_hf_causal_lm(model) else "shifted"
-        what = f"{target} (untrained)" if not path.is_dir() else str(target)
-    return model.float().eval(), mode, what
+        return Trained(model.float().eval(), mode, f"{ckpt} (model {p.model_name})", p.seq_len)
+    if step is not None:
+        raise RunDirectoryError(f"--step {step}: {target} is not a run directory (no checkpoints/); --step "
+                                f"picks a run's checkpoint")
+    try:
+        model, _ = load_model(str(target))
+    except ValueError as exc:  # (a name or directory that does not load: one line, as `zorse plan` says it)
+        raise ModelCaptureError(str(exc)) from None
+    return Trained(model.float().eval(), "same" if is_hf_causal_lm(model) else "shifted",
+                   f"{target} (untrained)" if not path.is_dir() else str(target))
 
 
 def _load_canonical(model: torch.nn.Module, state: dict[str, torch.Tensor], source: Path) -> None:

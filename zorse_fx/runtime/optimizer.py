@@ -83,7 +83,7 @@ AdamW kernel, which ``bench/offload_cpu.py`` measured at about 0.4x the time
 of streaming the same bytes, where the default foreach path takes 2.5x;
 its arithmetic order differs from the reference's, within the float32
 tolerances of the tests. A rank on a CPU (Gloo runs, the box) steps its
-stage with the same fused kernel: the default there is a Python loop over
+stage's float32 tensors with the same fused kernel: the default there is a Python loop over
 the parameters, ~100 us per tensor (the box's 4-layer GPT, 52 tensors:
 7.7 ms of a step where the profile's AdamW, timed on 32 tensors of 1 M
 elements, priced 1.2 ms; bench/LOG.md 2026-12-07).
@@ -190,8 +190,8 @@ class StageOptimizer:
         self.param_shards: ParamShards | None = None
         self.shard_group = shard_group if self.zero1 else None
         kw = dict(lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
-        if self.offload or stage.device.type == "cpu":  # the CPU's fused AdamW: ~5x the default foreach path
-            kw["fused"] = True  # here (bench/offload_cpu.py), and no Python loop over small tensors (see above)
+        if self.offload:  # the CPU's fused AdamW: ~5x the default foreach path here (bench/offload_cpu.py)
+            kw["fused"] = True
         params = [getattr(stage.module, flat) for flat in plan_stage.params]
         #: 16-bit working weights (``StagePlan.low_precision_params``, under a mixed policy on a ZeRO-1
         #: stage): these parameters become the compute dtype, their float32 masters live in the shard.
@@ -226,6 +226,7 @@ class StageOptimizer:
             #: parameter, or offloaded, its host copy.
             self._unique = list({id(p): p for p in params}.values())
             self._stepped = [self._host_copy(p) if self.offload else p for p in self._unique]
+            kw["fused"] = kw.get("fused") or self._fused_on_cpu(self._stepped)
             # A stage that reads no parameter (a loss tail) steps nothing.
             self.optimizer = (torch.optim.AdamW(param_groups(list(zip(self._unique, self._stepped)),
                                                              cfg.weight_decay), **kw) if self._unique else None)
@@ -288,9 +289,16 @@ class StageOptimizer:
         if self.offload:  # every stepped range that is not a master (in host memory already) gets a host copy
             self._pieces = [(p, lo, hi, v if id(v) in masters else self._host_copy(v))
                             for p, lo, hi, v in self._pieces]
+        kw["fused"] = kw.get("fused") or self._fused_on_cpu([v for *_, v in self._pieces])
         # A GPU may own no element (state_shard_bytes 0): it steps nothing and only receives.
         self.optimizer = (torch.optim.AdamW(param_groups([(p, v) for p, *_, v in self._pieces], cfg.weight_decay),
                                             **kw) if self._pieces else None)
+
+    def _fused_on_cpu(self, stepped: list[torch.Tensor]) -> bool:
+        """Step with the fused kernel on a CPU rank whose stepped tensors are all float32 (see the note above;
+        16-bit parameters keep the default path, whose per-operation rounding the tests' references follow)."""
+        return (self.stage.device.type == "cpu" and bool(stepped)
+                and all(t.dtype == torch.float32 and t.device.type == "cpu" for t in stepped))
 
     def _host_copy(self, t: torch.Tensor) -> torch.Tensor:
         """Offload: a host copy of ``t`` (pinned next to a GPU) that AdamW steps, written back into ``t``."""
