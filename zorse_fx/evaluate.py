@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from .errors import DataError, ModelCaptureError, RunDirectoryError
-from .export import DTYPES, _hf_model, _pick_checkpoint, model_state
+from .export import DTYPES, hf_model_from_config, model_state, pick_checkpoint
 from .models.hf import HF_CONFIG, CausalLMWithLoss, is_hf_causal_lm
 from .plan import Plan
 
@@ -68,7 +68,7 @@ def load_trained(target: str | Path, *, step: int | None = None, plan: str | Pat
     if (path / "checkpoints").is_dir():
         from .train_options import OPTIONS_FILE, read_options_file
 
-        ckpt = _pick_checkpoint(path, step)
+        ckpt = pick_checkpoint(path, step)
         if plan is None:
             if not (path / OPTIONS_FILE).exists():
                 raise RunDirectoryError(f"{path}: no {OPTIONS_FILE} naming the run's plan; pass --plan")
@@ -77,7 +77,7 @@ def load_trained(target: str | Path, *, step: int | None = None, plan: str | Pat
         p = Plan.load(plan_dir)
         state = model_state(ckpt, torch.load(plan_dir / "weights.pt", map_location="cpu", weights_only=True))
         if (plan_dir / HF_CONFIG).exists():
-            model, mode = _hf_model(plan_dir / HF_CONFIG, state, plan_dir), "same"
+            model, mode = hf_model_from_config(plan_dir / HF_CONFIG, state, plan_dir), "same"
         else:
             model, _ = load_model(p.model_name)
             _load_canonical(model, state, ckpt)

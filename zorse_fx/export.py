@@ -8,7 +8,7 @@ A checkpoint stores every trainable parameter under its canonical name, whole or
 masters of 16-bit working weights) as flat ranges of it ([Note: checkpoint contents] in
 ``runtime/checkpoint.py``), whatever the plan's layout: so one reader serves every plan. ``model_state``
 reads the ``model/`` keys alone with DCP's own loader (no process group: DCP loads in one process when
-none is initialised; through ``_SafeReader``, which unpickles only DCP's metadata classes), joins the
+none is initialised; through ``checkpoint_reader``, which unpickles only DCP's metadata classes), joins the
 ranges, and checks them against the plan's ``weights.pt`` (``torch.load(weights_only=True)``): same
 names, same shapes; the tensors a plan reads but does not train (buffers such as rotary frequencies)
 come from ``weights.pt``. A Hugging Face model's plan directory holds its configuration
@@ -32,10 +32,10 @@ import torch
 from .errors import CheckpointError, RunDirectoryError
 from .models.hf import HF_CONFIG
 from .plan import Plan
-from .runtime.checkpoint import _SafeReader, list_checkpoints, newest_intact_checkpoint, read_manifest, \
+from .runtime.checkpoint import checkpoint_reader, list_checkpoints, newest_intact_checkpoint, read_manifest, \
     verify_checkpoint
 
-__all__ = ["DTYPES", "ExportResult", "model_state", "export_run"]
+__all__ = ["DTYPES", "ExportResult", "model_state", "export_run", "pick_checkpoint", "hf_model_from_config"]
 #: ``--dtype`` choices.
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 #: The wrapper's prefix on a Hugging Face model's canonical names (``models.hf.CausalLMWithLoss.model``).
@@ -58,7 +58,12 @@ class ExportResult:
     tokenizer: str | None
 
 
-def _pick_checkpoint(run: Path, step: int | None) -> Path:
+def pick_checkpoint(run: Path, step: int | None) -> Path:
+    """Run ``run``'s checkpoint of ``step`` (verified), or its newest intact one.
+
+    Raises:
+        RunDirectoryError: no checkpoint, or none of that step (listing the steps); CheckpointError: all
+            damaged."""
     root = run / "checkpoints"
     found = list_checkpoints(root)
     if not found:
@@ -89,7 +94,7 @@ def model_state(checkpoint: str | Path, weights: dict[str, torch.Tensor]) -> dic
     import torch.distributed.checkpoint as dcp
 
     path = Path(checkpoint)
-    reader = _SafeReader(path)
+    reader = checkpoint_reader(path)
     meta = reader.read_metadata().state_dict_metadata
     request: dict[str, torch.Tensor] = {}
     ranges: dict[str, list[tuple[int, int, str]]] = {}
@@ -132,8 +137,12 @@ def model_state(checkpoint: str | Path, weights: dict[str, torch.Tensor]) -> dic
     return {k: v.to(torch.float32) if v.is_floating_point() else v for k, v in state.items()}
 
 
-def _hf_model(config_path: Path, state: dict[str, torch.Tensor], source: Path):
-    """The Hugging Face model of ``config_path`` holding ``state`` (canonical names), ties kept."""
+def hf_model_from_config(config_path: Path, state: dict[str, torch.Tensor], source: Path):
+    """The Hugging Face model of ``config_path`` (a plan's ``hf_config.json``) holding ``state`` (canonical
+    names: ``model.`` + its own), in float32, its ties kept ([Note: exporting a checkpoint]).
+
+    Raises:
+        CheckpointError: names that are not the model's, or a tensor given no value (named)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     doc = json.loads(config_path.read_text())
@@ -191,7 +200,7 @@ def export_run(run_dir: str | Path, out_dir: str | Path, *, step: int | None = N
                                 f"in it is replaced)")
     if not run.is_dir():
         raise RunDirectoryError(f"{run}: no such run directory (give the --out of a `zorse train` run)")
-    ckpt = _pick_checkpoint(run, step)
+    ckpt = pick_checkpoint(run, step)
     manifest = read_manifest(ckpt)
     options = read_options_file(run / OPTIONS_FILE) if (run / OPTIONS_FILE).exists() else None
     if plan is None and options is None:
@@ -221,7 +230,7 @@ def export_run(run_dir: str | Path, out_dir: str | Path, *, step: int | None = N
     try:
         config = plan_dir / HF_CONFIG
         if config.exists():
-            model = _hf_model(config, state, plan_dir)
+            model = hf_model_from_config(config, state, plan_dir)
             model.to(torch_dtype)
             model.save_pretrained(tmp, safe_serialization=True, max_shard_size=max_shard_size)
             tokenizer = _save_tokenizer(options, tmp) if options is not None else None

@@ -100,7 +100,7 @@ from .worker import StageWorker
 
 __all__ = ["MANIFEST", "CheckpointManifest", "CheckpointFile", "ManifestDoc", "MANIFEST_FILE", "latest_checkpoint",
            "list_checkpoints", "save_checkpoint", "load_checkpoint", "read_manifest", "verify_checkpoint",
-           "newest_intact_checkpoint", "set_aside", "check_resumable"]
+           "newest_intact_checkpoint", "set_aside", "check_resumable", "checkpoint_reader"]
 
 #: The manifest file of a complete checkpoint.
 MANIFEST = "zorse_checkpoint.json"
@@ -398,6 +398,13 @@ def _safe_reader_class() -> type:
 def _SafeReader(path):  # noqa: N802 (constructs the class above)
     """The checkpoint ``path``'s reader (``_safe_reader_class``)."""
     return _safe_reader_class()(path)
+
+
+def checkpoint_reader(path: str | Path):
+    """A DCP storage reader over checkpoint ``path`` whose ``.metadata`` is unpickled admitting only DCP's
+    metadata classes, ``torch.Size`` and dtypes (``_SafeReader``): for ``dcp.load`` outside the runtime
+    (``zorse export``, ``zorse eval``)."""
+    return _SafeReader(path)
 
 
 # -- save ------------------------------------------------------------------------
