@@ -179,13 +179,18 @@ def test_explicit_scale_reported_as_breaking_the_ratio():
     assert any("--scale 0.01 makes links" in line for line in layout.limits)
 
 
-def test_quota_below_kernel_minimum_refused():
-    """1,024 P100s beside one H100 on one core: a P100 rank's share is below 1 ms per 1 s."""
-    cluster = Cluster.from_dict({"name": "many", "nodes": [
+def _many_p100s() -> Cluster:
+    """1,024 P100s beside one H100."""
+    return Cluster.from_dict({"name": "many", "nodes": [
         {"name": "h", "gpus": [{"type": "H100-80GB", "count": 1}]},
         {"name": "t", "gpus": [{"type": "P100-16GB", "count": 1024}]}],
         "links": {"intra_node": {"bandwidth_GBps": 16, "latency_us": 10},
                   "inter_node": {"bandwidth_GBps": 3, "latency_us": 20}}})
+
+
+def test_quota_below_kernel_minimum_refused():
+    """1,024 P100s beside one H100 on one core: a P100 rank's share is below 1 ms per 1 s."""
+    cluster = _many_p100s()
     with pytest.raises(BoxConfigError, match=r"a P100-16GB rank would get .* below the kernel's smallest CPU quota "
                                              r"\(1 ms per 1 s\); give more --cores"):
         plan_box(cluster, BoxOptions(box_id="x", cores=1.0, speed="quota"), cores_available=2.0)
@@ -194,11 +199,7 @@ def test_quota_below_kernel_minimum_refused():
 def test_pace_beyond_its_limit_refused_and_pace_is_one_over_cores():
     """A paced box ([Note: paced compute]): a rank's ZORSE_PACE is 1 / its cores; 1,024 P100s beside one H100 on
     one core would need a pace above 1000, refused with the fix."""
-    cluster = Cluster.from_dict({"name": "many", "nodes": [
-        {"name": "h", "gpus": [{"type": "H100-80GB", "count": 1}]},
-        {"name": "t", "gpus": [{"type": "P100-16GB", "count": 1024}]}],
-        "links": {"intra_node": {"bandwidth_GBps": 16, "latency_us": 10},
-                  "inter_node": {"bandwidth_GBps": 3, "latency_us": 20}}})
+    cluster = _many_p100s()
     with pytest.raises(BoxConfigError, match=r"a P100-16GB rank would compute .*x slower than a CPU thread .* beyond "
                                              r"ZORSE_PACE's 1000; give more --cores"):
         plan_box(cluster, BoxOptions(box_id="x", cores=1.0), cores_available=2.0)

@@ -93,7 +93,9 @@ def test_hf_llama_from_a_zero3_pipeline_loads_with_ties_and_gives_the_runs_loss(
     r1 = evaluate_tokens(run.model, run.label_mode, held, seq_len=32, batch_size=4)
     r2 = evaluate_tokens(exp.model, exp.label_mode, held, seq_len=32, batch_size=1)
     assert (r1.sequences, r1.tokens) == (2000 // 32, 2000 // 32 * 31)
-    assert r1.loss == pytest.approx(r2.loss, rel=1e-6) and r1.perplexity == pytest.approx(math.exp(r1.loss))
+    # (batches of 4 and of 1: a BLAS may sum each logit's 32-64 products in another order per shape, float32
+    # rounding ~1e-6 of a logit at most, averaged over 1,922 tokens)
+    assert r1.loss == pytest.approx(r2.loss, rel=1e-5) and r1.perplexity == pytest.approx(math.exp(r1.loss))
     capsys.readouterr()
     assert zorse_main(["eval", str(tmp_path / "run"), "--plan", str(tmp_path / "plan"), "--step", "1", "--data",
                        str(tmp_path / "tokens.pt"), "--max-sequences", "4"]) == 0

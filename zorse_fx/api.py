@@ -27,7 +27,6 @@ from .capture import capture
 from .cluster import Cluster
 from .errors import ModelCaptureError
 from .models.hf import is_hf_causal_lm, write_hf_config
-from .models.registry import is_model_dir
 from .plan import Plan
 from .planner import PlanOptions, plan_captured
 
@@ -163,11 +162,11 @@ def compile(model: nn.Module | type | None = None, *, cluster, example_inputs, g
         ModelCaptureError, ClusterConfigError, PlanOptionsError, InfeasiblePlanError.
     """
     if isinstance(model, (str, os.PathLike)):  # a local Hugging Face model directory
-        from .models.registry import load_model
+        from .models.registry import load_model_dir
 
-        model_name = model_name or str(Path(model).resolve())  # (os.path.join(x, ""): "x/", read as a path)
+        model_name = model_name or str(Path(model).resolve())
         try:
-            model, _ = load_model(str(model) if is_model_dir(str(model)) else os.path.join(str(model), ""))
+            model, _ = load_model_dir(str(model))
         except ValueError as exc:
             raise ModelCaptureError(str(exc)) from None
     kw = dict(cluster=cluster, example_inputs=example_inputs, global_batch_size=global_batch_size,

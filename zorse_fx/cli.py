@@ -536,7 +536,7 @@ def cmd_eval(args) -> int:
     from .token_data import TokenData
 
     trained = load_trained(args.target, step=args.step, plan=args.plan)
-    seq_len = args.seq_len or trained.seq_len
+    seq_len = args.seq_len if args.seq_len is not None else trained.seq_len
     if seq_len is None:
         raise DataError(f"eval {args.target}: give --seq-len (tokens per sequence); only a run directory has one "
                         f"of its own (its plan's)")

@@ -116,9 +116,12 @@ def evaluate_tokens(model: torch.nn.Module, label_mode: str, tokens, *, seq_len:
     docstring says, ``batch_size`` sequences at a time, the first ``max_sequences`` (None: all).
 
     Raises:
-        DataError: fewer tokens than one sequence; a ``seq_len`` below 2."""
+        DataError: fewer tokens than one sequence; a ``seq_len`` below 2; a ``batch_size`` or ``max_sequences``
+            below 1."""
     if seq_len < 2:
         raise DataError(f"--seq-len {seq_len}: give at least 2 tokens per sequence")
+    if batch_size < 1 or (max_sequences is not None and max_sequences < 1):
+        raise DataError(f"--batch-size {batch_size} / --max-sequences {max_sequences}: give numbers >= 1")
     span = seq_len if label_mode == "same" else seq_len + 1
     ids = torch.as_tensor(np.asarray(tokens)).to(torch.int64).reshape(-1)
     n = ids.numel() // span
@@ -134,10 +137,8 @@ def evaluate_tokens(model: torch.nn.Module, label_mode: str, tokens, *, seq_len:
     with torch.no_grad():
         for a in range(0, n, batch_size):
             b = seqs[a:a + batch_size].to(device)
-            if label_mode == "same":
-                loss, k = wrapped(b, b), b.shape[0] * (span - 1)
-            else:
-                loss, k = wrapped(b[:, :-1].contiguous(), b[:, 1:].contiguous()), b.shape[0] * (span - 1)
+            loss = wrapped(b, b) if label_mode == "same" else wrapped(b[:, :-1].contiguous(), b[:, 1:].contiguous())
+            k = b.shape[0] * (span - 1)  # the tokens this batch's mean is over
             total += float(loss) * k
             count += k
     mean = total / count

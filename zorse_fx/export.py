@@ -213,13 +213,13 @@ def export_run(run_dir: str | Path, out_dir: str | Path, *, step: int | None = N
     if not weights_path.exists():
         raise RunDirectoryError(f"{weights_path}: no such file; the export needs the run's plan directory (its "
                                 f"weights.pt names and shapes every tensor): pass it with --plan")
-    plan = Plan.load(plan_dir)
-    if plan.model_name != manifest["model_name"]:
+    trained = Plan.load(plan_dir)
+    if trained.model_name != manifest["model_name"]:
         raise CheckpointError(f"{ckpt}: a checkpoint of model {manifest['model_name']!r}, but the run's plan "
-                              f"{plan_dir} is of {plan.model_name!r}")
+                              f"{plan_dir} is of {trained.model_name!r}")
     weights = torch.load(weights_path, map_location="cpu", weights_only=True)
-    progress(f"[zorse] export: {ckpt} (step {manifest['step']}, model {plan.model_name}, plan of "
-             f"{plan.num_stages} stages on {plan.world_size} ranks)")
+    progress(f"[zorse] export: {ckpt} (step {manifest['step']}, model {trained.model_name}, plan of "
+             f"{trained.num_stages} stages on {trained.world_size} ranks)")
     state = model_state(ckpt, weights)
     torch_dtype = DTYPES[dtype]
     tokenizer = None
@@ -240,12 +240,12 @@ def export_run(run_dir: str | Path, out_dir: str | Path, *, step: int | None = N
 
             sd = {k: (v.to(torch_dtype) if v.is_floating_point() else v).contiguous() for k, v in state.items()}
             save_torch_state_dict(sd, tmp, max_shard_size=max_shard_size,
-                                  metadata={"format": "pt", "zorse_model": plan.model_name})
+                                  metadata={"format": "pt", "zorse_model": trained.model_name})
             kind, n = "safetensors", sum(v.numel() for v in sd.values())
         (tmp / "zorse_export.json").write_text(json.dumps({
             "format": "zorse_fx.export", "version": 1, "run": str(run.resolve()), "checkpoint": ckpt.name,
             "step": manifest["step"], "run_id": manifest.get("run_id", ""), "plan_hash": manifest.get("plan_hash", ""),
-            "model_name": plan.model_name, "dtype": dtype, "kind": kind}, indent=1) + "\n")
+            "model_name": trained.model_name, "dtype": dtype, "kind": kind}, indent=1) + "\n")
         if out.exists():
             out.rmdir()
         tmp.rename(out)

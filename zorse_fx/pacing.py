@@ -59,7 +59,7 @@ def pace_factor(environ: dict[str, str] | os._Environ | None = None) -> float:
         value = math.nan
     if not (1.0 <= value <= MAX_PACE):
         raise BoxConfigError(f"{ENV_PACE}={text!r}: give the compute slowdown as a number from 1 to {MAX_PACE:g} "
-                         f"(set by the box for its ranks; unset it to run at this CPU's speed)")
+                             f"(set by the box for its ranks; unset it to run at this CPU's speed)")
     return value
 
 

@@ -540,8 +540,8 @@ def _run(options: TrainingOptions, where: _Where) -> int:
         from .box.rank_enter import enter_rank_leaf
 
         if enter_rank_leaf("gpu"):
-            _log(rank, f"[zorse] box {os.environ['ZORSE_BOX']}: ranks compute at their GPU types' speed "
-                       f"({'paced: ' + ENV_PACE + ' = ' + format(pace, '.3g') + ' on rank 0' if pace > 1.0 else 'CPU quotas'})")
+            how = f"paced: {ENV_PACE} = {pace:.3g} on rank 0" if pace > 1.0 else "CPU quotas"
+            _log(rank, f"[zorse] box {os.environ['ZORSE_BOX']}: ranks compute at their GPU types' speed ({how})")
     dist.barrier()
     if rank == 0:
         progress = _Progress(loop.steps, start - 1)

@@ -30,11 +30,13 @@ from .state import read_state
 __all__ = ["main", "enter_rank_leaf"]
 
 
-def _join(phase: str) -> None:
+def _join(phase: str):
+    """Join this rank's ``phase`` leaf; returns the box's layout."""
     box_id, node, local = os.environ[ENV_BOX], os.environ[ENV_NODE], int(os.environ["LOCAL_RANK"])
     state = read_state(box_id)
     slot = state.layout.rank(node, local)
     state.cgroups.join(0, box_id, node, rank_leaf(slot.local_rank, phase))
+    return state.layout
 
 
 def enter_rank_leaf(phase: str) -> bool:
@@ -66,8 +68,7 @@ def main(argv: list[str] | None = None) -> int:
             print("zorse: rank_enter: give the command to run after --gpu", file=sys.stderr)
             return 1
     try:
-        _join(phase)
-        pace = read_state(box_id).layout.pace_factor(node, int(local))
+        pace = _join(phase).pace_factor(node, int(local))
     except ZorseError as exc:
         print(f"zorse: rank_enter: {exc}", file=sys.stderr)
         return 1

@@ -23,7 +23,7 @@ import sys
 
 import torch
 
-__all__ = ["load_model", "max_positions", "model_tokenizer", "is_model_dir", "MODELS", "MODEL_NAMES", "MODEL_HELP"]
+__all__ = ["load_model", "max_positions", "model_tokenizer", "is_model_dir", "load_model_dir", "MODELS", "MODEL_NAMES", "MODEL_HELP"]
 
 #: The models by name: what each is, and the tokenizer it reads (``zorse prepare-data
 #: --tokenizer``; a model with pretrained weights reads its own, never ``bytes``). The
@@ -75,14 +75,14 @@ def load_model(name: str):
         torch.manual_seed(0)
         return GPT(GPTConfig(n_layer=4, n_embd=128, n_head=4, block_size=256)), "bytes"
     if is_model_dir(name):
-        return _from_hf_dir(name)
+        return load_model_dir(name)
     if ":" in name:
         return _from_factory(name)
     raise ValueError(f"unknown model {name!r}; use one of {', '.join(MODEL_NAMES)}, module:function or a local "
                      f"Hugging Face model directory")
 
 
-def _from_hf_dir(name: str):
+def load_model_dir(name: str):
     """A local Hugging Face causal LM directory: ``(model in float32, its tokenizer or "bytes")``; one
     ``ValueError`` naming the directory and the fix for anything else."""
     from pathlib import Path
