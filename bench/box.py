@@ -351,7 +351,8 @@ def run_case(case: Case, args, work: Path) -> dict:
     cluster = Cluster.from_yaml(cluster_path)
     tokens = _tokens(work)
     t0 = time.perf_counter()
-    with Box.up(cluster, box_id=f"bench_{case.name}"[:24], scale=case.scale, speed=args.speed) as box:
+    with Box.up(cluster, box_id=f"bench_{case.name}"[:24], scale=case.scale, speed=args.speed,
+                drift_probe=args.drift_probe) as box:
         layout = box.layout
         print(layout.table(), end="", flush=True)
         saved = work / "measured.json"
@@ -376,6 +377,7 @@ def run_case(case: Case, args, work: Path) -> dict:
                 print(f"[box] {row.name} rep {rep}: median {statistics.median(steps):.3f} s over {len(steps)} steps",
                       flush=True)
         box_info = {"scale": layout.scale.factor, "table": layout.table(),
+                    "pace_reference_s": box.state.pace_reference_s,
                     "quotas": {f"{n.name}/{r.local_rank}": [r.gpu_type, r.cpu_quota_cores] for n in layout.nodes
                                for r in n.ranks}}
     return {"case": case.name, "note": case.note, "cluster": str(cluster_path.relative_to(ROOT)),
@@ -429,7 +431,7 @@ def run_memory_case(case: Case, args, work: Path) -> dict:
     base = round(case.memory_base_mib * 2**20)
 
     def one_run(row: PlanRow, plan, out: Path, limited: bool) -> dict:
-        with Box.up(cluster_path, box_id="bench_c", scale=case.scale, speed=args.speed,
+        with Box.up(cluster_path, box_id="bench_c", scale=case.scale, speed=args.speed, drift_probe=args.drift_probe,
                     memory_scale=1.0 if limited else None, memory_base_bytes=base) as box:
             status, text = _train_status(box, row, tokens, out, args.steps)
             ranks = []
@@ -567,7 +569,8 @@ def run_node_lost_case(case: Case, args, work: Path) -> dict:
                        "--use-all-gpus", "-o", str(plan_dir)]) == 0
     plan = Plan.load(plan_dir)
     reps = []
-    with Box.up(cluster_path, box_id="bench_d", scale=case.scale, speed=args.speed) as box:
+    with Box.up(cluster_path, box_id="bench_d", scale=case.scale, speed=args.speed,
+                drift_probe=args.drift_probe) as box:
         scale = box.layout.scale.factor
         for rep in range(args.reps):
             whole = _elastic_run(box, plan_dir, tokens, work / "runs" / f"whole.{rep}", args.steps, kill_node=None,
@@ -710,6 +713,8 @@ def main(argv=None) -> int:
     ap.add_argument("--work", default="/tmp/zorse_box_bench")
     ap.add_argument("--speed", choices=("pace", "quota"), default="pace",
                     help="how ranks get their GPU's speed (zorse box up --speed; [Note: paced compute])")
+    ap.add_argument("--no-drift-probe", dest="drift_probe", action="store_false",
+                    help="pace on raw CPU time (zorse box up --no-drift-probe; [Note: drift-compensated pacing])")
     ap.add_argument("--reuse-measurements", action="store_true",
                     help="reuse the profiles and link fits an earlier run left in --work (not for results)")
     ap.add_argument("--reprice", action="store_true",
@@ -744,6 +749,7 @@ def main(argv=None) -> int:
         res = {"ab": run_case, "c": run_memory_case, "d": run_node_lost_case}[kind](case, args, Path(args.work) / name)
         res["command"] = "bench/box.py " + " ".join(argv if argv is not None else sys.argv[1:])
         res["speed"] = args.speed
+        res["drift_probe"] = args.speed == "pace" and args.drift_probe
         res["date"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
         {"ab": _print, "c": _print_memory, "d": _print_node_lost}[kind](res)
         results.append(res)

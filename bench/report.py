@@ -64,6 +64,7 @@ RESULT_FILES = (
     "rebalance.json",
     "box_calibration.json",
     "plan_cli.json",
+    "drift_probe.json",
 )
 
 #: The runs before issue 32 (the planner in seconds), kept to show its planner
@@ -635,6 +636,22 @@ def render_plan_cli(doc: dict, name: str) -> list[str]:
     return out + _source(_run_of(doc))
 
 
+def render_drift_probe(doc: dict, name: str) -> list[str]:
+    out = ["### This machine's speed drift, and the probe that takes it out", "",
+           f"One thread for {doc['seconds']:g} s: the registry's GPT forward + backward (micro-batch 8, sequence 64) "
+           "between two reference probes (float32 matmuls), thread CPU time; medians per "
+           f"{doc['window_s']:g} s window. Step / probe is what drift-compensated pacing stretches ([Note: "
+           "drift-compensated pacing] in zorse_fx/pacing.py).", ""]
+    body = [[f"{r['start_s']:g}", r["steps"], f"{r['step_cpu_ms']:.1f}", f"{r['probe_ms']:.3f}",
+             f"{r['step_over_probe']:.1f}"] for r in doc["windows"]]
+    body.append(["range (max / min)", "", f"{doc['range_step_cpu']:.3f}", f"{doc['range_probe']:.3f}",
+                 f"{doc['range_step_over_probe']:.3f}"])
+    out += table(["window from (s)", "steps", "step CPU ms", "probe ms", "step / probe"], body)
+    out += ["", f"Per step, coefficient of variation: step CPU {doc['cv_step_cpu']:.3f}, step / probe "
+                f"{doc['cv_step_over_probe']:.3f}."]
+    return out + _source(_run_of(doc))
+
+
 def render_calibration(doc: dict, name: str) -> list[str]:
     out = ["### Calibration: predicted against measured steps", "",
            f"{doc['model']}; each plan trained {doc['steps']} steps. Error = predicted / measured - 1: the "
@@ -1000,7 +1017,7 @@ def render(results: Path = RESULTS) -> str:
               ("comm_loopback.json", render_comm), ("box.json", render_box),
               ("timings_overhead.json", render_timings_overhead), ("calibration.json", render_calibration),
               ("rebalance.json", render_rebalance), ("box_calibration.json", render_box_calibration),
-              ("plan_cli.json", render_plan_cli))
+              ("plan_cli.json", render_plan_cli), ("drift_probe.json", render_drift_probe))
     for name, fn in single:
         if name in docs:
             old = BEFORE.get(name)

@@ -484,7 +484,8 @@ def test_cli_box_torchrun_workers_enter_their_rank_cgroups(box_machine):
         code = ("import os, socket; from zorse_fx.box.rank_enter import enter_rank_leaf; r = os.environ['LOCAL_RANK']; "
                 "cg = lambda: [l for l in open('/proc/self/cgroup') if ':cpu,' in l or ':cpu:' in l or '::' in l][0]; "
                 "host = cg().strip(); entered = enter_rank_leaf('gpu'); pace = os.environ.get('ZORSE_PACE'); "
-                "os.write(1, f'rank {r} {socket.gethostname()} {host} {entered} {cg().strip()} {pace}\\n'.encode())")
+                "ref = os.environ.get('ZORSE_PACE_REFERENCE'); "
+                "os.write(1, f'rank {r} {socket.gethostname()} {host} {entered} {cg().strip()} {pace} {ref}\\n'.encode())")
         # (one write of one line: the two workers share torchrun's stdout, and print() under
         # PYTHONUNBUFFERED writes its pieces separately, which interleaved "rankrank 1 ..." once)
         run = subprocess.run([*zorse, "run", box_id, "--node", "a100-node", "--", sys.executable, "-m",
@@ -500,6 +501,10 @@ def test_cli_box_torchrun_workers_enter_their_rank_cgroups(box_machine):
         # a paced box (the default): each worker has its rank's ZORSE_PACE, its gpu leaf no CPU quota
         box = Box.find(box_id)
         assert [float(w[6]) for w in lines] == [box.layout.pace_factor("a100-node", j) for j in (0, 1)], lines
+        # ... and the box's reference probe ([Note: drift-compensated pacing]), measured when it came up
+        assert box.state.pace_reference_s is not None and 0 < box.state.pace_reference_s < 1
+        assert [float(w[7]) for w in lines] == [box.state.pace_reference_s] * 2, lines
+        assert f"reference probe of {box.state.pace_reference_s * 1e3:.3g} ms CPU" in up.stdout
         assert box.cpu_quota("a100-node", 1)[0] is None
         # rank_enter --gpu: a benchmark under the rank's quota from its start (bench/box.py's `bench comm`)
         gpu = subprocess.run([*zorse, "run", box_id, "--node", "a100-node", "--", "env", "LOCAL_RANK=1", sys.executable,
@@ -510,9 +515,9 @@ def test_cli_box_torchrun_workers_enter_their_rank_cgroups(box_machine):
             gpu.stdout + gpu.stderr
         # `zorse box run --rank 1`: the rank's pace; without --rank none (the node's agent, e.g. torchrun)
         paces = [subprocess.run([*zorse, "run", box_id, "--node", "a100-node", *rank, "--", sys.executable, "-c",
-                                 "import os; print(os.environ.get('ZORSE_PACE'))"], capture_output=True, text=True,
-                                timeout=120).stdout.strip() for rank in (["--rank", "1"], [])]
-        assert paces == [repr(box.layout.pace_factor("a100-node", 1)), "None"], paces
+                                 "import os; print(os.environ.get('ZORSE_PACE'), os.environ.get('ZORSE_PACE_REFERENCE'))"],
+                                capture_output=True, text=True, timeout=120).stdout.strip() for rank in (["--rank", "1"], [])]
+        assert paces == [f"{box.layout.pace_factor('a100-node', 1)!r} {box.state.pace_reference_s!r}", "None None"], paces
         assert _leftovers(box_id)["netns"]
     finally:
         down = subprocess.run([*zorse, "down", box_id], capture_output=True, text=True, timeout=120)

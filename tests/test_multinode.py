@@ -471,6 +471,7 @@ def test_small_hetero_plan_on_its_box_refuses_a_wrong_node_rank_then_trains(box_
                                                  master="t4-node") for k in range(2)])
         done = _zorse_on_nodes(box, [_node_args(plan_dir, tokens, tmp_path / "run", k) for k in range(2)])
         paces = [box.layout.pace_factor(node, j) for node in _NODES for j in range(2)]
+        reference = box.state.pace_reference_s
     assert paces[0] < paces[2]  # (an A100 rank computes faster than a T4's)
     advice = re.escape(
         "start each node "
@@ -490,7 +491,7 @@ def test_small_hetero_plan_on_its_box_refuses_a_wrong_node_rank_then_trains(box_
     assert "[zorse] node 0 of 2 ('a100-node'): ranks 0-1 of 4" in out0
     assert "--nnodes=2 --node-rank=0 --master-addr=a100-node --master-port=29500 --nproc-per-node=2" in out0
     assert f"[zorse] box mn{os.getpid()}: ranks compute at their GPU types' speed (paced: ZORSE_PACE = " \
-           f"{paces[0]:.3g} on rank 0)" in out0
+           f"{paces[0]:.3g} on rank 0, in units of a {reference * 1e3:.3g} ms reference probe)" in out0
     skipped = next(line for line in out0.splitlines() if line.startswith("[zorse] device check skipped"))
     assert "GPU name and memory" in skipped and "nodes:" not in skipped  # the hosts were compared
     model, _ = load_model("gpt")

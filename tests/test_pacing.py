@@ -11,7 +11,8 @@ import torch
 
 from zorse_fx.cost import replay
 from zorse_fx.errors import BoxConfigError
-from zorse_fx.pacing import ENV_PACE, Pacer, pace_factor
+from zorse_fx.pacing import (ENV_PACE, ENV_PACE_REFERENCE, PROBE_EVERY_S, Pacer, nominal_reference_s, pace_factor,
+                              pace_reference_s, reference_probe_s)
 
 
 class Clocks:
@@ -108,3 +109,77 @@ def test_kernel_profiler_samples_are_the_paced_time(monkeypatch):
         assert replay._timeit(call, torch.device("cpu"), repeats=3) == pytest.approx(20.0)
     monkeypatch.delenv(ENV_PACE)
     assert replay._timeit(call, torch.device("cpu"), repeats=3) == pytest.approx(5.0)
+
+
+class Probe:
+    """The reference probe's CPU seconds, set by the test (the host's speed now)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds, self.calls = seconds, 0
+
+    def __call__(self) -> float:
+        self.calls += 1
+        return self.seconds
+
+
+def test_a_slower_host_is_paced_in_units_of_the_reference():
+    """[Note: drift-compensated pacing]: reference 1 ms on the nominal host. The host now runs the probe in
+    2 ms (twice slower), so the region's 20 ms of CPU are 10 ms of nominal work: x3 = 30 ms, 10 more to sleep.
+    The host then runs at the nominal speed: 10 ms of CPU x3 = 30 ms."""
+    c, probe = Clocks(), Probe(0.002)
+    p = Pacer(3.0, reference_s=0.001, cpu_clock=lambda: c.cpu, wall_clock=lambda: c.wall, sleep=c.sleep, probe=probe)
+    with p.paced():
+        c.work(0.020)
+    assert c.slept == [pytest.approx(0.010)] and p.last_probe_s == 0.002
+    c.wall += PROBE_EVERY_S  # the probe is due again
+    probe.seconds = 0.001
+    with p.paced():
+        c.work(0.010)
+    assert c.slept[1:] == [pytest.approx(0.020)] and probe.calls == 2
+
+
+def test_the_probe_is_re_measured_at_most_every_probe_every_s():
+    c, probe = Clocks(), Probe(0.001)
+    p = Pacer(2.0, reference_s=0.001, cpu_clock=lambda: c.cpu, wall_clock=lambda: c.wall, sleep=c.sleep, probe=probe)
+    for _ in range(5):  # 5 regions of 2 ms + 2 slept: 20 ms, well inside PROBE_EVERY_S
+        with p.paced():
+            c.work(0.001)
+    assert probe.calls == 1
+    start = p.start()
+    c.work(0.001, wall_s=PROBE_EVERY_S)
+    assert p.emulated_s(start) == pytest.approx(PROBE_EVERY_S) and probe.calls == 2
+
+
+def test_a_reference_paces_even_at_factor_one():
+    """The box's fastest type (factor 1) on a host faster than the nominal one (probe 0.5 ms for a 0.7 ms
+    reference): 10 ms of CPU are 14 ms on the nominal host."""
+    c = Clocks()
+    p = Pacer(1.0, reference_s=0.0007, cpu_clock=lambda: c.cpu, wall_clock=lambda: c.wall, sleep=c.sleep,
+              probe=Probe(0.0005))
+    assert p.active
+    with p.paced():
+        c.work(0.010)
+    assert c.slept == [pytest.approx(0.004)]
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "nan", "11", "-1e-3"])
+def test_bad_pace_reference_named_with_its_variable_and_fix(value):
+    with pytest.raises(BoxConfigError, match=rf"{ENV_PACE_REFERENCE}={value!r}: give the reference probe's CPU "
+                                             r"seconds on the nominal host, from 1e-06 to 10 \(set by the box"):
+        pace_reference_s({ENV_PACE_REFERENCE: value})
+    assert pace_reference_s({}) is None
+    with pytest.raises(BoxConfigError, match="pace reference"):
+        Pacer(2.0, reference_s=20.0)
+
+
+def test_pacer_from_the_environment():
+    p = Pacer.from_environment({ENV_PACE: "2", ENV_PACE_REFERENCE: "0.0012"})
+    assert (p.factor, p.reference_s, p.active) == (2.0, 0.0012, True)
+    assert not Pacer.from_environment({}).active
+
+
+def test_the_reference_probe_runs_real_matmuls():
+    """The probe is thread CPU time of real float32 matmuls (positive, bounded); the nominal reference is the
+    median probe times the headroom asked."""
+    assert 0 < reference_probe_s(samples=1) < 10
+    assert 0 < nominal_reference_s(duration_s=0.0, headroom=1.0) < 10

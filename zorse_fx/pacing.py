@@ -24,6 +24,22 @@ loaded machine (other ranks, CI) stretches a paced compute only where it leaves 
 bandwidth (every type is this CPU, slowed), and compute running beside its own host code (the
 runtime's Python between two computes is not overlapped with the next compute as a CUDA stream's
 queue would be).
+
+[Note: drift-compensated pacing]
+A thread's CPU time is not a fixed amount of work: on this project's shared 2-core VM the same forward +
+backward took 44-57 ms of thread CPU time (medians of 20 s windows, 40-129 ms single steps) within four
+minutes, and two profiles of one emulated type an hour apart priced the same plan 16% apart (bench/LOG.md,
+2026-12-07). A GPU does not drift so, and a plan priced from a profile measured minutes before its run met
+a slower (or faster) machine. ``ZORSE_PACE_REFERENCE=R`` (set by the box with ``ZORSE_PACE``) fixes the
+unit: a small fixed workload (``reference_probe_s``: float32 matmuls, thread CPU time) took ``R`` seconds
+on the box's nominal host, and each paced region takes ``F x cpu x R / probe``, where ``probe`` is the
+workload's CPU time now (measured right after the region, at most every ``PROBE_EVERY_S`` of wall time).
+Over the same four minutes the model's step divided by the probe varied 75.7-81.0 (window medians)
+where the step alone varied 44.3-57.3 ms (bench/drift_probe.py). The probe runs inside the time the
+region sleeps anyway where ``F x R / probe`` is well above 1; the box makes ``R`` its measured probe times
+``PACE_HEADROOM`` so that even its fastest type (``F`` near 1) is paced when the host runs up to that much
+slower than when the box came up. What it cannot remove: drift that slows the model's kernels and the
+probe's matmuls unequally (memory-bound work on a sibling hyperthread's load).
 """
 
 from __future__ import annotations
@@ -36,12 +52,80 @@ from collections.abc import Callable, Iterator
 
 from .errors import BoxConfigError
 
-__all__ = ["ENV_PACE", "MAX_PACE", "Pacer", "pace_factor"]
+__all__ = ["ENV_PACE", "ENV_PACE_REFERENCE", "MAX_PACE", "PACE_HEADROOM", "PROBE_EVERY_S", "Pacer",
+           "nominal_reference_s", "pace_factor", "pace_reference_s", "reference_probe_s"]
 
 #: The environment variable holding a process's pace factor (absent or ``1``: not paced).
 ENV_PACE = "ZORSE_PACE"
+#: The environment variable holding the reference probe's CPU seconds on the nominal host ([Note:
+#: drift-compensated pacing]); absent: regions are paced on raw CPU time.
+ENV_PACE_REFERENCE = "ZORSE_PACE_REFERENCE"
 #: The largest factor accepted (a GPU 1000x slower than one CPU thread is no GPU).
 MAX_PACE = 1000.0
+#: The box's nominal host is this much slower than its probe measured when the box came up, so that a rank
+#: of pace ~1 is still paced when the host slows by up to that (drift of 20-35% measured, bench/LOG.md).
+PACE_HEADROOM = 1.4
+#: A paced region re-measures the reference probe when the last probe is older than this (seconds, wall).
+PROBE_EVERY_S = 0.25
+#: The reference probe: ``_PROBE_CALLS`` matmuls of two ``_PROBE_N`` x ``_PROBE_N`` float32 matrices per sample.
+_PROBE_N = 192
+_PROBE_CALLS = 4
+_PROBE_SAMPLES = 3
+#: Bounds of a reference (seconds): a probe of 4 x 192^3 x 2 flops outside them is no CPU's.
+_REFERENCE_RANGE = (1e-6, 10.0)
+_probe_inputs: list = []
+
+
+def reference_probe_s(samples: int = _PROBE_SAMPLES) -> float:
+    """The reference workload's CPU seconds on this thread now: median over ``samples`` of ``_PROBE_CALLS``
+    float32 matmuls of ``_PROBE_N``^2 (``time.thread_time``; about 0.15 ms each on the project's AMD EPYC
+    thread). One thread: torch's intra-op pool is not used for a matrix this small."""
+    import torch
+
+    if not _probe_inputs:
+        g = torch.Generator().manual_seed(0)
+        _probe_inputs.extend(torch.randn(_PROBE_N, _PROBE_N, generator=g) for _ in range(3))
+    a, b, out = _probe_inputs
+    times = []
+    for _ in range(samples):
+        t = time.thread_time()
+        for _ in range(_PROBE_CALLS):
+            torch.mm(a, b, out=out)
+        times.append(time.thread_time() - t)
+    times.sort()
+    return max(times[len(times) // 2], 1e-7)
+
+
+def nominal_reference_s(duration_s: float = 0.5, headroom: float = PACE_HEADROOM) -> float:
+    """The box's ``ZORSE_PACE_REFERENCE``: the median probe over ``duration_s`` of wall time, times
+    ``headroom`` ([Note: drift-compensated pacing])."""
+    probes = [reference_probe_s()]
+    end = time.perf_counter() + duration_s
+    while time.perf_counter() < end:
+        probes.append(reference_probe_s())
+    probes.sort()
+    return headroom * probes[len(probes) // 2]
+
+
+def pace_reference_s(environ: dict[str, str] | os._Environ | None = None) -> float | None:
+    """This process's ``ZORSE_PACE_REFERENCE`` in seconds, or None where it is unset.
+
+    Raises:
+        BoxConfigError: a value that is not a number of seconds in ``_REFERENCE_RANGE``.
+    """
+    text = (os.environ if environ is None else environ).get(ENV_PACE_REFERENCE, "").strip()
+    if not text:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    lo, hi = _REFERENCE_RANGE
+    if not (lo <= value <= hi):
+        raise BoxConfigError(f"{ENV_PACE_REFERENCE}={text!r}: give the reference probe's CPU seconds on the "
+                             f"nominal host, from {lo:g} to {hi:g} (set by the box with {ENV_PACE}; unset it to "
+                             f"pace on raw CPU time)")
+    return value
 
 
 def pace_factor(environ: dict[str, str] | os._Environ | None = None) -> float:
@@ -64,51 +148,83 @@ def pace_factor(environ: dict[str, str] | os._Environ | None = None) -> float:
 
 
 class Pacer:
-    """Stretches timed regions to ``factor`` x the CPU time this thread spent in them ([Note: paced compute]).
+    """Stretches timed regions to ``factor`` x the CPU time this thread spent in them ([Note: paced compute]),
+    in units of the reference probe where ``reference_s`` is given ([Note: drift-compensated pacing]):
+    ``factor x cpu x reference_s / probe``.
 
-    ``factor``: 1 (nothing is slept) to ``MAX_PACE``. The clocks and ``sleep`` are arguments so that a test
-    can drive them; defaults ``time.thread_time``, ``time.perf_counter``, ``time.sleep`` (seconds).
+    ``factor``: 1 (nothing is slept without a reference) to ``MAX_PACE``; ``reference_s``: the probe's CPU
+    seconds on the nominal host, or None. The clocks, ``sleep`` and ``probe`` are arguments so that a test can
+    drive them; defaults ``time.thread_time``, ``time.perf_counter``, ``time.sleep``, ``reference_probe_s``
+    (seconds).
     """
 
-    def __init__(self, factor: float = 1.0, *, cpu_clock: Callable[[], float] | None = None,
-                 wall_clock: Callable[[], float] | None = None, sleep: Callable[[float], None] | None = None) -> None:
+    def __init__(self, factor: float = 1.0, *, reference_s: float | None = None,
+                 cpu_clock: Callable[[], float] | None = None, wall_clock: Callable[[], float] | None = None,
+                 sleep: Callable[[float], None] | None = None, probe: Callable[[], float] | None = None) -> None:
         if not (1.0 <= factor <= MAX_PACE):
             raise BoxConfigError(f"pace factor {factor!r}: give a number from 1 to {MAX_PACE:g}")
+        if reference_s is not None and not (_REFERENCE_RANGE[0] <= reference_s <= _REFERENCE_RANGE[1]):
+            raise BoxConfigError(f"pace reference {reference_s!r} s: give the probe's CPU seconds, from "
+                                 f"{_REFERENCE_RANGE[0]:g} to {_REFERENCE_RANGE[1]:g}")
         self.factor = float(factor)
+        self.reference_s = reference_s
         self._cpu = cpu_clock or (lambda: time.thread_time())
         self._wall = wall_clock or (lambda: time.perf_counter())
         self._sleep = sleep or (lambda s: time.sleep(s))
+        self._probe = probe or reference_probe_s
+        self._probe_at: float | None = None
+        #: The last probe's CPU seconds (None: none yet).
+        self.last_probe_s: float | None = None
         #: Seconds slept so far (what the pacing added).
         self.slept_s = 0.0
 
+    @classmethod
+    def from_environment(cls, environ: dict[str, str] | os._Environ | None = None) -> Pacer:
+        """The pacer ``ZORSE_PACE`` and ``ZORSE_PACE_REFERENCE`` ask for (``BoxConfigError`` naming a bad one)."""
+        return cls(pace_factor(environ), reference_s=pace_reference_s(environ))
+
     @property
     def active(self) -> bool:
-        """Whether anything is stretched (factor above 1)."""
-        return self.factor > 1.0
+        """Whether anything is stretched (factor above 1, or a reference to pace to)."""
+        return self.factor > 1.0 or self.reference_s is not None
+
+    def scale(self) -> float:
+        """``reference_s / probe`` (1 without a reference): this host's speed now against the nominal host's,
+        the probe re-measured where the last is older than ``PROBE_EVERY_S``."""
+        if self.reference_s is None:
+            return 1.0
+        now = self._wall()
+        if self._probe_at is None or now - self._probe_at >= PROBE_EVERY_S:
+            self.last_probe_s = self._probe()
+            self._probe_at = self._wall()
+        return self.reference_s / self.last_probe_s
 
     def start(self) -> tuple[float, float]:
         """``(cpu, wall)`` now, for ``finish`` or ``emulated_s``."""
         return self._cpu(), self._wall()
 
     def emulated_s(self, start: tuple[float, float]) -> float:
-        """Seconds the region begun at ``start`` takes on the emulated GPU: ``max(wall, factor x cpu)``."""
+        """Seconds the region begun at ``start`` takes on the emulated GPU: ``max(wall, factor x cpu x scale)``
+        (the probe, where one is due, runs after the region's clocks are read)."""
         cpu, wall = self._cpu() - start[0], self._wall() - start[1]
-        return max(wall, self.factor * cpu)
+        return max(wall, self.factor * cpu * self.scale())
 
     def finish(self, start: tuple[float, float]) -> None:
-        """Sleep until the region begun at ``start`` has taken ``factor`` x its CPU time (nothing at factor 1)."""
-        if self.factor <= 1.0:
+        """Sleep until the region begun at ``start`` has taken ``factor x cpu x scale`` (nothing when inactive);
+        a probe that is due runs first, inside that time."""
+        if not self.active:
             return
-        cpu, wall = self._cpu() - start[0], self._wall() - start[1]
-        extra = self.factor * cpu - wall
+        cpu = self._cpu() - start[0]
+        target = self.factor * cpu * self.scale()
+        extra = target - (self._wall() - start[1])
         if extra > 0:
             self._sleep(extra)
             self.slept_s += extra
 
     @contextlib.contextmanager
     def paced(self) -> Iterator[None]:
-        """The block takes ``factor`` x its CPU time (``start`` ... ``finish``)."""
-        if self.factor <= 1.0:
+        """The block takes ``factor x cpu x scale`` (``start`` ... ``finish``)."""
+        if not self.active:
             yield
             return
         start = self.start()

@@ -114,7 +114,7 @@ import torch
 import torch.distributed as dist
 
 from .errors import RunDirectoryError, RuntimeExecutionError
-from .pacing import ENV_PACE, Pacer, pace_factor
+from .pacing import ENV_PACE, ENV_PACE_REFERENCE, Pacer
 from .plan import Plan, fmt_seconds
 from .precision import precision_policy
 from .runtime import preflight
@@ -484,12 +484,14 @@ def _run(options: TrainingOptions, where: _Where) -> int:
     del weights
     if test.inject_inf and test.inject_inf[0] == rank:
         worker.add_inject_inf(test.inject_inf[1])
-    pace = pace_factor()  # the box: this CPU thread as its GPU type ([Note: paced compute] in zorse_fx/pacing.py)
-    if pace > 1.0:
+    pacer = Pacer.from_environment()  # the box: this CPU thread as its GPU type ([Note: paced compute] in pacing.py)
+    pace = pacer.factor
+    if pacer.active:
         if device.type != "cpu":
             raise RuntimeExecutionError(f"{ENV_PACE}={pace:g} on a {device.type} rank: pacing makes a CPU thread "
-                                        f"stand in for a slower GPU; unset {ENV_PACE} on a GPU")
-        worker.pacer = Pacer(pace)
+                                        f"stand in for a slower GPU; unset {ENV_PACE} (and {ENV_PACE_REFERENCE}) "
+                                        f"on a GPU")
+        worker.pacer = pacer
     if test.slow_gpu:  # [Note: a slowed rank] in runtime/worker.py
         gpus = {g.gpu: g.rank for st in plan.stages for g in st.gpus}
         if gpus.get(test.slow_gpu[0]) == rank:
@@ -540,7 +542,9 @@ def _run(options: TrainingOptions, where: _Where) -> int:
         from .box.rank_enter import enter_rank_leaf
 
         if enter_rank_leaf("gpu"):
-            how = f"paced: {ENV_PACE} = {pace:.3g} on rank 0" if pace > 1.0 else "CPU quotas"
+            how = (f"paced: {ENV_PACE} = {pace:.3g} on rank 0"
+                   + (f", in units of a {pacer.reference_s * 1e3:.3g} ms reference probe" if pacer.reference_s else "")
+                   if pacer.active else "CPU quotas")
             _log(rank, f"[zorse] box {os.environ['ZORSE_BOX']}: ranks compute at their GPU types' speed ({how})")
     dist.barrier()
     if rank == 0:

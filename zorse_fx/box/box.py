@@ -29,7 +29,7 @@ from pathlib import Path
 
 from ..cluster import Cluster
 from ..errors import BoxConfigError, BoxSetupError, BoxStateFileError
-from ..pacing import ENV_PACE
+from ..pacing import ENV_PACE, ENV_PACE_REFERENCE, nominal_reference_s
 from . import net
 from .cgroups import AGENT_LEAF, ROUTER_LEAF, Cgroups, kill_and_remove, pids_under, rank_dir, rank_leaf
 from .layout import NETNS_PREFIX, BoxLayout, BoxOptions, plan_box
@@ -185,7 +185,9 @@ class Box:
                          holder_start=process_start_ticks(me) if hold else None, cgroups=cgroups,
                          cgroup_dirs=cgroups.box_dirs(layout.box_id),
                          netns=(layout.router_netns, *(n.netns for n in layout.nodes)), delay_line_pid=None,
-                         layout=layout)
+                         layout=layout,
+                         pace_reference_s=nominal_reference_s() if layout.speed == "pace" and options.drift_probe
+                         else None)
         write_state(state, new=True)
         box = cls(state)
         try:
@@ -271,14 +273,14 @@ class Box:
     def environment(self, node: str, env: dict[str, str] | None = None, *, rank: int | None = None) -> dict[str, str]:
         """The environment of a command on ``node``: ``env`` (default: this process's) with the box's id and
         the node (``ZORSE_BOX``, ``ZORSE_BOX_NODE``), one thread per process (OMP/MKL_NUM_THREADS=1) and, for
-        local rank ``rank`` of a paced box, its ``ZORSE_PACE`` ([Note: paced compute] in zorse_fx/pacing.py);
-        without a rank ``ZORSE_PACE`` is removed (torchrun's workers get theirs from ``rank_enter``)."""
+        local rank ``rank`` of a paced box, its ``ZORSE_PACE`` and the box's ``ZORSE_PACE_REFERENCE`` ([Note:
+        paced compute], [Note: drift-compensated pacing] in zorse_fx/pacing.py); without a rank both are removed (torchrun's workers get theirs from ``rank_enter``)."""
         out = dict(os.environ if env is None else env)
         out.update({ENV_BOX: self.layout.box_id, ENV_NODE: node, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
         out.pop(ENV_PACE, None)
-        pace = None if rank is None else self.layout.pace_factor(node, rank)
-        if pace is not None:
-            out[ENV_PACE] = repr(pace)
+        out.pop(ENV_PACE_REFERENCE, None)
+        if rank is not None:
+            out.update(self.state.pace_environment(node, rank))
         return out
 
     def leaf(self, node: str, rank: int | None, phase: str = "gpu") -> str:

@@ -12,6 +12,7 @@ import argparse
 import sys
 
 from ..errors import BoxConfigError, BoxStateFileError
+from ..pacing import PACE_HEADROOM
 from .box import Box, _sigterm_as_exit, gc, remove_box
 from .layout import LATENCY_MECHANISMS, SPEED_MECHANISMS, BoxOptions
 from .state import read_state
@@ -64,6 +65,9 @@ def add_parser(sub) -> None:
                     help="how a rank gets its GPU type's speed: pace (default: each compute takes 1/q x its CPU "
                          "time, communication and host code at the CPU's speed) or quota (a CFS CPU quota of q "
                          "cores on the whole rank; short bursts escape it)")
+    up.add_argument("--no-drift-probe", dest="drift_probe", action="store_false",
+                    help="with --speed pace: pace on raw CPU time instead of in units of a reference probe fixed "
+                         "at box up (which keeps the emulated GPUs' speed when this host's speed drifts)")
     up.set_defaults(fn=_up)
     run = bsub.add_parser("run", help="run a command on a node of a box (its namespace, hostname, a cgroup)")
     run.add_argument("box_id", metavar="ID")
@@ -83,11 +87,14 @@ def _up(args) -> int:
     options = BoxOptions(box_id=args.box_id, scale=args.scale, cores=args.cores, precision=args.precision,
                          cpu_profile=args.cpu_profile, memory_scale=args.memory_scale,
                          memory_base_bytes=round(args.memory_base_mib * 2**20), latency=args.latency,
-                         speed=args.speed)
+                         speed=args.speed, drift_probe=args.drift_probe)
     with _sigterm_as_exit():  # Ctrl-C or SIGTERM while building: what was built is removed
         box = Box.create(args.cluster, options, hold=False)
     layout = box.layout
     print(layout.table(), end="")
+    if box.state.pace_reference_s is not None:
+        print(f"Paced in units of a reference probe of {box.state.pace_reference_s * 1e3:.3g} ms CPU "
+              f"(ZORSE_PACE_REFERENCE: this host's probe now x {PACE_HEADROOM:g})")
     print(f"[zorse] box {layout.box_id!r} is up (state: /run/zorse_box/{layout.box_id}.json); run on a node with "
           f"`zorse box run {layout.box_id} --node {layout.nodes[0].name} [--rank 0] -- CMD`, remove it with "
           f"`zorse box down {layout.box_id}`", flush=True)

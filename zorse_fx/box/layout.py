@@ -86,6 +86,10 @@ class BoxOptions:
     """how a rank gets its GPU type's speed: pace = each compute takes 1/q x its CPU time (ZORSE_PACE, [Note:
     paced compute] in zorse_fx/pacing.py); quota = a CFS CPU quota of q cores on the whole rank ([Note: CPU
     quotas])"""
+    drift_probe: bool = True
+    """with pace: measure each paced compute in units of a reference probe, fixed when the box comes up, so
+    that the host's speed drift does not move the emulated GPUs' ([Note: drift-compensated pacing] in
+    zorse_fx/pacing.py); off: raw CPU time"""
 
     def __post_init__(self) -> None:
         if self.box_id is not None and not BOX_ID.fullmatch(self.box_id):

@@ -22,7 +22,7 @@ import os
 import sys
 
 from ..errors import ZorseError
-from ..pacing import ENV_PACE
+from ..pacing import ENV_PACE, ENV_PACE_REFERENCE
 from .box import ENV_BOX, ENV_NODE
 from .cgroups import rank_leaf
 from .state import read_state
@@ -31,12 +31,12 @@ __all__ = ["main", "enter_rank_leaf"]
 
 
 def _join(phase: str):
-    """Join this rank's ``phase`` leaf; returns the box's layout."""
+    """Join this rank's ``phase`` leaf; returns the box's state."""
     box_id, node, local = os.environ[ENV_BOX], os.environ[ENV_NODE], int(os.environ["LOCAL_RANK"])
     state = read_state(box_id)
     slot = state.layout.rank(node, local)
     state.cgroups.join(0, box_id, node, rank_leaf(slot.local_rank, phase))
-    return state.layout
+    return state
 
 
 def enter_rank_leaf(phase: str) -> bool:
@@ -68,13 +68,13 @@ def main(argv: list[str] | None = None) -> int:
             print("zorse: rank_enter: give the command to run after --gpu", file=sys.stderr)
             return 1
     try:
-        pace = _join(phase).pace_factor(node, int(local))
+        pace = _join(phase).pace_environment(node, int(local))
     except ZorseError as exc:
         print(f"zorse: rank_enter: {exc}", file=sys.stderr)
         return 1
     os.environ.pop(ENV_PACE, None)
-    if pace is not None:  # a paced box: the rank's computes at its GPU type's speed ([Note: paced compute])
-        os.environ[ENV_PACE] = repr(pace)
+    os.environ.pop(ENV_PACE_REFERENCE, None)
+    os.environ.update(pace)  # a paced box: the rank's computes at its GPU type's speed ([Note: paced compute])
     cmd = [sys.executable, *argv] if argv[0] in ("-m", "-c") or argv[0].endswith(".py") else argv
     os.execvp(cmd[0], cmd)
 

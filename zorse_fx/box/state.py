@@ -17,6 +17,7 @@ from typing import Literal
 import msgspec
 
 from ..errors import BoxConfigError, BoxStateFileError
+from ..pacing import ENV_PACE, ENV_PACE_REFERENCE
 from ..file_schema import FileFormat, from_doc, struct_of, to_builtins
 from .cgroups import Cgroups
 from .layout import BOX_ID, BoxLayout, NodeLayout, PairLink, RankSlot, ScaleDerivation, SharedDirection
@@ -50,6 +51,19 @@ class BoxState:
     #: The delay line's process (in the router namespace), or None.
     delay_line_pid: int | None
     layout: BoxLayout
+    #: A paced box's ``ZORSE_PACE_REFERENCE``: the reference probe's CPU seconds on its nominal host, measured
+    #: when it came up ([Note: drift-compensated pacing] in zorse_fx/pacing.py); None: quotas, or raw CPU time.
+    pace_reference_s: float | None = None
+
+    def pace_environment(self, node: str, local_rank: int) -> dict[str, str]:
+        """``ZORSE_PACE`` and ``ZORSE_PACE_REFERENCE`` of a rank of a paced box (empty: a quota box)."""
+        pace = self.layout.pace_factor(node, local_rank)
+        if pace is None:
+            return {}
+        out = {ENV_PACE: repr(pace)}
+        if self.pace_reference_s is not None:
+            out[ENV_PACE_REFERENCE] = repr(self.pace_reference_s)
+        return out
 
 
 _DOCS: dict[type, type] = {}

@@ -23,7 +23,7 @@ import torch.fx as fx
 
 from ..capture.analysis import _propagate
 from ..capture.trace import META_KEY, CapturedModel, fetch_attr
-from ..pacing import Pacer, pace_factor
+from ..pacing import Pacer
 from .opclass import flops_bytes, op_class, signature, tensors_in
 
 __all__ = ["NodeCall", "model_calls", "time_call", "timing_window"]
@@ -164,7 +164,7 @@ def _timeit(fn, device: torch.device, repeats: int, flush: torch.Tensor | None =
     ``ZORSE_PACE=F`` (the box) a sample is what the calls take on the emulated GPU, max(wall, F x the
     thread's CPU time) ([Note: paced compute] in zorse_fx/pacing.py)."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    pacer = Pacer(pace_factor()) if device.type == "cpu" else Pacer(1.0)  # the box's emulated GPU speed
+    pacer = Pacer.from_environment() if device.type == "cpu" else Pacer(1.0)  # the box's emulated GPU speed
     fn()
     sync()
     window_s = _WINDOW_MS[0] / 1e3

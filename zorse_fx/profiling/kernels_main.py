@@ -56,7 +56,7 @@ from pathlib import Path
 import torch
 
 from ..cost.profile import DeviceInfo, KernelProfile, KernelTiming
-from ..pacing import ENV_PACE, Pacer, pace_factor
+from ..pacing import ENV_PACE, ENV_PACE_REFERENCE, Pacer
 
 __all__ = ["build_parser", "check_args", "main", "run", "measure_model", "measure_standard", "device_info"]
 
@@ -88,8 +88,9 @@ def device_info(device: torch.device, device_type: str | None, threads: int) -> 
         return DeviceInfo(device_type=device_type, name=name, backend="cuda", torch_version=torch.__version__,
                           triton_version=triton_version, cuda_version=torch.version.cuda or "",
                           host=socket.gethostname(), threads=threads)
-    pace = pace_factor()  # the box's emulated GPU: its factor in the name ([Note: paced compute])
-    name = _cpu_name() + (f" paced x{pace:.4g} ({ENV_PACE})" if pace > 1.0 else "")
+    pacer = Pacer.from_environment()  # the box's emulated GPU: its factor in the name ([Note: paced compute])
+    name = _cpu_name() + (f" paced x{pacer.factor:.4g} ({ENV_PACE})" if pacer.active else "") + (
+        f" per {pacer.reference_s * 1e3:.4g} ms reference ({ENV_PACE_REFERENCE})" if pacer.reference_s else "")
     return DeviceInfo(device_type=device_type or f"cpu-{platform.machine()}-{threads}thread", name=name,
                       backend="cpu", torch_version=torch.__version__, triton_version=triton_version,
                       host=socket.gethostname(), threads=threads)
@@ -160,7 +161,7 @@ def whole_fwd_bwd_ms(gm, inputs, device: torch.device, autocast_dtype: torch.dty
     step()
     sync()
     n = max(1, int(min_ms / max((time.perf_counter() - t0) * 1e3, 1e-3)))
-    pacer = Pacer(pace_factor()) if device.type == "cpu" else Pacer(1.0)  # the box ([Note: paced compute])
+    pacer = Pacer.from_environment() if device.type == "cpu" else Pacer(1.0)  # the box ([Note: paced compute])
     out = []
     for _ in range(3):
         sync()
