@@ -802,6 +802,16 @@ def _pairs_alike(plans: list[dict]) -> str:
     return f"{alike} of {told}"
 
 
+def _box_speed(case: dict) -> str:
+    if case.get("speed") != "pace":
+        return "CPU quotas"
+    if case.get("drift_probe"):
+        ref = case.get("box", {}).get("pace_reference_s")
+        return ("paced in units of a reference probe" + (f" of {ref * 1e3:.3g} ms" if ref else "")
+                + " ([Note: drift-compensated pacing])")
+    return "paced on raw CPU time"
+
+
 def render_box(doc: dict, name: str) -> list[str]:
     out = ["### Plans measured on the box", "",
            "Every planner's plan trained on an emulated cluster (`zorse box`: a network namespace per node, shaped "
@@ -809,7 +819,9 @@ def render_box(doc: dict, name: str) -> list[str]:
            "of every repetition, and their range) against the objective's and the simulator's prediction, both "
            "priced from the box's own measurements (`zorse bench kernels` as each rank type, `zorse bench comm` "
            "across the shaped links). Times are the box's seconds. Speed: since 2026-12-07 each rank's compute is "
-           "paced (ZORSE_PACE: 1/q x its CPU time, [Note: paced compute] in zorse_fx/pacing.py); the cases "
+           "paced (ZORSE_PACE: 1/q x its CPU time, [Note: paced compute] in zorse_fx/pacing.py), since "
+           "2026-12-07T04:00 in units of a reference probe that takes out the host's speed drift ([Note: "
+           "drift-compensated pacing]; each case says which); the cases "
            "measured before ran under CFS CPU quotas, which throttle a rank's communication threads too and let "
            "short compute bursts through (each case says which). Measured step = rank 0's `step_time_s`: "
            "since 2026-12-06T17:20 the whole step, the per-step all-gather included and no separate loss "
@@ -842,7 +854,7 @@ def render_box(doc: dict, name: str) -> list[str]:
                     f"within the fastest's range: {'yes' if case['zorse_fx_fastest_or_within_spread'] else 'no'}; "
                     f"measured ranking = simulated ranking: {'yes' if case['rankings_equal'] else 'no'}; "
                     f"pairs ordered alike: {_pairs_alike(case['plans'])}. Speed: "
-                    f"{'paced' if case.get('speed') == 'pace' else 'CPU quotas'}. "
+                    f"{_box_speed(case)}. "
                     f"Run: `{case.get('command', doc.get('command', '?'))}` (the first two steps of each run not "
                     f"counted), {str(case.get('date', doc.get('date', '')))[:16]}"
                     + (f"; re-priced by `{case['repriced']['command']}`, {case['repriced']['date'][:16]} "

@@ -34,6 +34,7 @@ from zorse_fx.cli import main as zorse_main
 from zorse_fx.cluster import Cluster
 from zorse_fx.errors import BoxConfigError, BoxSetupError, BoxStateFileError
 from zorse_fx.file_schema import to_builtins
+from zorse_fx.pacing import PACE_HEADROOM
 
 SMALL_HETERO = CLUSTERS / "small_hetero.yaml"
 #: Two regions joined by a shared WAN, NICs on every node, a node with two GPUs.
@@ -152,8 +153,13 @@ def test_small_hetero_scale_factor_and_quotas_follow_the_cost_model():
     assert ranks["T4"].cpu_quota_cores / ranks["A100-40GB"].cpu_quota_cores == pytest.approx(t4 / a100, rel=1e-12)
     assert sum(r.cpu_quota_cores for n in layout.nodes for r in n.ranks) == pytest.approx(2.0, rel=1e-12)
     cpu, _ = cpu_rate_flops_per_s(DEFAULT_CPU_PROFILE)
-    s = layout.scale.factor
-    assert s == pytest.approx(q_max * cpu / a100, rel=1e-12) and not layout.scale.explicit
+    s = layout.scale.factor  # (paced with the drift probe: on a nominal host PACE_HEADROOM slower)
+    assert s == pytest.approx(q_max * cpu / PACE_HEADROOM / a100, rel=1e-12) and not layout.scale.explicit
+    assert layout.scale.drift_headroom == PACE_HEADROOM
+    for options in (BoxOptions(box_id="x", cores=2.0, drift_probe=False), BoxOptions(box_id="x", cores=2.0,
+                                                                                      speed="quota")):
+        assert plan_box(cluster, options, cores_available=2.0).scale.factor == pytest.approx(q_max * cpu / a100,
+                                                                                              rel=1e-12)
     link = cluster.link(0, 2)
     for p in layout.pairs:
         assert p.bytes_per_s == pytest.approx(link.bandwidth_bytes_per_s * s, rel=1e-12)

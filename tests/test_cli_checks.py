@@ -83,8 +83,8 @@ def test_use_all_gpus_flag(tmp_path, capsys):
     plan can do that (2 samples, 1 stage), the refusal says why, in one line."""
     args = ["plan", "--model", "gpt", "--cluster", str(CLUSTERS / "demo.yaml"), "--seq-len", "16",
             "--planner", "stage_dp", "--use-all-gpus"]
-    assert build_parser().parse_args([*args, "--global-batch-size", "8", "-o", "x"]).use_all_gpus
-    assert not build_parser().parse_args([*args[:-1], "--global-batch-size", "8", "-o", "x"]).use_all_gpus
+    assert not build_parser().parse_args([*args, "--global-batch-size", "8", "-o", "x"]).parsed.planner.allow_idle_gpus
+    assert build_parser().parse_args([*args[:-1], "--global-batch-size", "8", "-o", "x"]).parsed.planner.allow_idle_gpus
     assert zorse_main([*args, "--global-batch-size", "8", "--max-interleave", "1", "-o", str(tmp_path / "p")]) == 0
     plan = Plan.load(tmp_path / "p")
     assert plan.world_size == 4 and sorted(g.gpu for s in plan.stages for g in s.gpus) == [0, 1, 2, 3]
@@ -362,3 +362,92 @@ def test_train_bytes_for_a_model_with_its_own_tokenizer_refused(exported, tmp_pa
         f"smollm2-135m reads smollm2-135m token ids; tokenize with its own: --tokenizer smollm2-135m (`zorse "
         f"prepare-data SOURCE --tokenizer smollm2-135m -o OUT`, or zorse train --corpus SOURCE without --tokenizer)\n")
     assert not (out / "train_options.json").exists()
+
+
+def _plan_args(*extra: str):
+    return build_parser().parse_args(["plan", "--model", "gpt", "--cluster", "c.yaml", "--global-batch-size", "8",
+                                      "-o", "out", *extra]).parsed
+
+
+def test_zorse_plan_reaches_every_plan_options_field():
+    """Issue 48 item 5: `zorse plan`'s flags are PlanOptions' fields (tyro), each named after its field, each
+    once: every field is reachable and lands in the record zorse.compile takes."""
+    from zorse_fx.cli import PlanCommand
+    from zorse_fx.options import PlanOptions
+
+    given = {"max_stages": ("2", 2), "schedule": ("gpipe", "gpipe"), "num_microbatches": (["2", "4"], (2, 4)),
+             "max_microbatches": ("8", 8), "memory_fraction": ("0.8", 0.8), "solver_budget": ("2.5", 2.5),
+             "time_limit_s": ("50", 50.0), "num_workers": ("2", 2), "jobs": ("3", 3), "seed": ("7", 7),
+             "planner": ("stage_dp", "stage_dp"), "precision": ("bf16-mixed", "bf16-mixed"),
+             "grad_reduce_dtype": ("bfloat16", "bfloat16"), "tf32": ([], True), "max_blocks": ("16", 16),
+             "allow_idle_gpus": ([], False), "profiles": (["a.json", "b"], ("a.json", "b")),
+             "profile_batches": (["1", "4"], (1, 4)), "calibration": ("cal.json", "cal.json"),
+             "sharding": ("always", "always"), "grad_sharding": ("never", "never"),
+             "param_sharding": ("never", "never"), "offload": ("never", "never"),
+             "activation_offload": ("never", "never"), "recompute": ("always", "always"),
+             "max_interleave": ("2", 2), "bucket_mib": ("4", 4.0)}
+    fields = {f.name for f in dataclasses.fields(PlanOptions)} - {"global_batch_size"}
+    assert set(given) == fields  # a new field gets a line here
+    argv = []
+    for name, (text, _) in given.items():
+        flag = "--no-allow-idle-gpus" if name == "allow_idle_gpus" else f"--{name.replace('_', '-')}"
+        argv += [flag, *([text] if isinstance(text, str) else text)]
+    parsed = _plan_args(*argv)
+    assert isinstance(parsed, PlanCommand)
+    assert {name: getattr(parsed.planner, name) for name in given} == {n: v for n, (_, v) in given.items()}
+    assert (parsed.plan.model, parsed.plan.cluster, parsed.plan.output, parsed.plan.seq_len) == (
+        "gpt", "c.yaml", "out", 64)
+
+
+def test_zorse_plan_help_comes_from_the_fields_documentation(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(["plan", "--help"])
+    assert exit_.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    for line in ("--solver-budget FLOAT", "CP-SAT work for the whole search",  # the field's docstring
+                 "--sharding {never,auto,always}", "--schedule {1f1b,gpipe}",  # its Literal type's choices
+                 "-o DIR, --output DIR", "--no-cache", "--no-allow-idle-gpus", "--num-microbatches"):
+        assert line in out, line
+    assert out.count("--solver-budget FLOAT") == 1  # no flag defined twice
+
+
+def test_zorse_plan_former_flags_still_read():
+    """--use-all-gpus and --time-limit, from before the flags were the fields' names."""
+    parsed = _plan_args("--use-all-gpus", "--time-limit", "30")
+    assert (parsed.planner.allow_idle_gpus, parsed.planner.time_limit_s) == (False, 30.0)
+    assert _plan_args("--time-limit=12").planner.time_limit_s == 12.0
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--sharding", "bad"], "argument --sharding: invalid choice: 'bad' (choose from 'never', 'auto', 'always')"),
+    (["--solver-budget", "0"], "PlanOptions.solver_budget=0.0: use a number > 0"),
+    (["--bucket-mib", "x"], "argument --bucket-mib: could not convert string to float: 'x'"),
+    (["--precision", "fp32", "--grad-reduce-dtype", "bfloat16"], "precision 'fp32' reduces gradients in float32"),
+    (["--nope"], "unrecognized arguments: --nope"),
+])
+def test_zorse_plan_bad_flags_are_usage_errors(extra, message, capsys):
+    """The one error style of the typed command lines: argparse's `zorse plan: error: ...`, exit status 2."""
+    with pytest.raises(SystemExit) as exit_:
+        _plan_args(*extra)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "zorse plan: error: " + message in err, err
+
+
+def test_zorse_plan_required_flags_named(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["plan", "--cluster", "c.yaml"])
+    assert "the following arguments are required: --model, -o/--output, --global-batch-size" in capsys.readouterr().err
+
+
+def test_plan_options_value_sets_match_the_literal_types():
+    """The Literal types tyro offers as choices are the value sets the rest of zorse_fx reads."""
+    import typing
+
+    from zorse_fx.ir.schedule import SCHEDULES
+    from zorse_fx.options import GradReduceDtype, PrecisionChoice, Schedule
+    from zorse_fx.precision import GRAD_REDUCE_DTYPES, PRECISIONS
+
+    assert typing.get_args(Schedule) == SCHEDULES
+    assert typing.get_args(PrecisionChoice) == ("auto", *PRECISIONS)
+    assert typing.get_args(GradReduceDtype) == GRAD_REDUCE_DTYPES

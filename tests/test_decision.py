@@ -187,20 +187,15 @@ def test_plan_options_is_the_one_options_record():
         PlanOptions(global_batch_size=4, planner="cp-sat")
     with pytest.raises(PlanOptionsError, match=r"PlanOptions.schedule='1F1B': use one of '1f1b', 'gpipe'"):
         PlanOptions(global_batch_size=4, schedule="1F1B")
-    # The command line takes its defaults from PlanOptions, not a copy of them.
+    # The command line is PlanOptions itself (tyro): its defaults, not a copy of them.
     from zorse_fx.cli import build_parser
 
     args = build_parser().parse_args(["plan", "--model", "gpt", "--cluster", "c.yaml", "--global-batch-size", "8",
                                       "-o", "out"])
-    dflt = PlanOptions(global_batch_size=8)
-    assert (args.max_stages, args.schedule, args.max_interleave, args.solver_budget, args.time_limit, args.planner,
-            args.precision) == (dflt.max_stages, dflt.schedule, dflt.max_interleave, dflt.solver_budget,
-                                dflt.time_limit_s, dflt.planner, dflt.precision)
-    assert (args.sharding, args.grad_sharding, args.param_sharding, args.recompute) == (
-        dflt.sharding, dflt.grad_sharding, dflt.param_sharding, dflt.recompute)
+    assert args.parsed.planner == PlanOptions(global_batch_size=8)
     args = build_parser().parse_args(["plan", "--model", "gpt", "--cluster", "c.yaml", "--global-batch-size", "8",
                                       "--param-sharding", "never", "--recompute", "always", "-o", "out"])
-    assert (args.param_sharding, args.recompute) == ("never", "always")
+    assert (args.parsed.planner.param_sharding, args.parsed.planner.recompute) == ("never", "always")
     # Light: importing the options loads neither OR-Tools nor the planner.
     out = subprocess.run([sys.executable, "-c", "import sys, zorse_fx.options; "
                           "print('ortools' in sys.modules, 'zorse_fx.planner' in sys.modules)"],

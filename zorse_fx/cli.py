@@ -35,12 +35,45 @@ import torch
 import tyro
 
 from .errors import ZorseError
-from .options import PLANNERS, SCHEDULES, PlanOptions
-from .precision import GRAD_REDUCE_DTYPES, PRECISIONS
+from .models.registry import MODEL_HELP
+from .options import PlanOptions
 from .train_options import (NODE_LOST_AFTER_S, OPTIONS_FILE, OptionValueError, TrainingOptions, TrainingRecords,
                             UsageError, parse_flags, write_options_file)
 
-__all__ = ["main", "build_parser", "LaunchOptions", "TrainCommand"]
+__all__ = ["main", "build_parser", "LaunchOptions", "TrainCommand", "PlanInputs", "PlanCommand", "PLAN_FLAG_ALIASES"]
+
+#: ``--no-cache``'s help, for every command that captures a model.
+NO_CACHE_HELP = ("capture the model afresh and write nothing to the capture cache (default: a Hugging Face model's "
+                 "exported graph is kept in ~/.cache/zorse_fx/capture, or $ZORSE_CACHE_DIR, keyed by its code, "
+                 "configuration, shapes and versions; zorse_fx/capture/cache.py)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanInputs:
+    """``zorse plan``'s own inputs, beside the planner's options (``PlanOptions``): the model, the cluster, the
+    sample length and where the plan goes."""
+
+    model: Annotated[str, tyro.conf.arg(metavar="NAME", help=MODEL_HELP)]
+    cluster: Annotated[str, tyro.conf.arg(metavar="FILE", help="cluster YAML file")]
+    seq_len: Annotated[int, tyro.conf.arg(metavar="N", help="tokens per sample (at most the model's positions)")] = 64
+    output: Annotated[str, tyro.conf.arg(aliases=("-o",), metavar="DIR", help=(
+        "plan directory to write: a new or empty one, or an older plan's, which is replaced whole"))]
+    no_cache: Annotated[bool, tyro.conf.arg(help=NO_CACHE_HELP)] = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanCommand:
+    """``zorse plan``'s command line: its inputs and every field of ``PlanOptions``, each flag named after its
+    field, its help the field's documentation."""
+
+    plan: PlanInputs
+    """what to plan and where the plan goes"""
+    planner: Annotated[PlanOptions, tyro.conf.arg(help="zorse_fx.options.PlanOptions, what zorse.compile takes")]
+
+
+#: Flags ``zorse plan`` had before its options came from ``PlanOptions``, read as the field's flag (the README's
+#: and earlier sessions' commands keep working).
+PLAN_FLAG_ALIASES = {"--time-limit": "--time-limit-s", "--use-all-gpus": "--no-allow-idle-gpus"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -247,40 +280,39 @@ def cmd_plan(args) -> int:
     from .plan import check_plan_dir, new_plan_dir
     from .planner import check_host_memory
 
-    check_plan_dir(args.output, flag="-o")  # before minutes of planning ([Note: writing a plan directory])
-    options = dict(  # recorded in plan_request.json (zorse train --elastic plans with them again)
-        max_stages=args.max_stages, max_microbatches=args.max_microbatches, schedule=args.schedule,
-        time_limit_s=args.time_limit, planner=args.planner,
-        solver_budget=args.solver_budget, bucket_mib=args.bucket_mib,
-        max_interleave=args.max_interleave, precision=args.precision, grad_reduce_dtype=args.grad_reduce_dtype,
-        tf32=args.tf32,
-        sharding=args.sharding, grad_sharding=args.grad_sharding, param_sharding=args.param_sharding,
-        offload=args.offload, activation_offload=args.activation_offload, recompute=args.recompute,
-        allow_idle_gpus=not args.use_all_gpus,
-        **({"calibration": str(Path(args.calibration).resolve())} if args.calibration else {}))
-    cluster = Cluster.from_yaml(args.cluster)
-    if args.calibration:  # a file that cannot be read: one line before minutes of capture
+    cmd: PlanCommand = args.parsed
+    inputs = cmd.plan
+    check_plan_dir(inputs.output, flag="-o")  # before minutes of planning ([Note: writing a plan directory])
+    plan_options = cmd.planner
+    if plan_options.calibration:  # recorded absolute (a re-plan runs elsewhere)
+        plan_options = dataclasses.replace(plan_options, calibration=str(Path(plan_options.calibration).resolve()))
+    # recorded in plan_request.json (zorse train --elastic plans with them again): every field but the batch
+    # size (recorded on its own) and the processes (wall-clock only), tuples as JSON lists
+    options = {f.name: getattr(plan_options, f.name) for f in dataclasses.fields(PlanOptions)
+               if f.name not in ("global_batch_size", "jobs")}
+    cluster = Cluster.from_yaml(inputs.cluster)
+    if plan_options.calibration:  # a file that cannot be read: one line before minutes of capture
         from .cost.calibration import read_calibration
 
-        read_calibration(args.calibration)
+        read_calibration(plan_options.calibration)
     # The options and the cluster's host memory checked before the model is captured (one line each).
-    check_host_memory(cluster, PlanOptions(global_batch_size=args.global_batch_size, jobs=args.jobs, **options))
-    if is_model_dir(args.model):  # recorded absolute: `zorse train --elastic` and `zorse export` load it again
-        args.model = str(Path(args.model).resolve())
-    model, _ = _load_model(args.model)
-    _check_seq_len(model, args.model, args.seq_len)
-    ids = torch.randint(0, 200, (2, args.seq_len))
-    compiled = zorse.compile(
-        model, cluster=cluster, example_inputs=(ids, ids), global_batch_size=args.global_batch_size,
-        jobs=args.jobs, verbose=True, model_name=args.model, **options)
+    check_host_memory(cluster, plan_options)
+    model_name = inputs.model
+    if is_model_dir(model_name):  # recorded absolute: `zorse train --elastic` and `zorse export` load it again
+        model_name = str(Path(model_name).resolve())
+    model, _ = _load_model(model_name)
+    _check_seq_len(model, model_name, inputs.seq_len)
+    ids = torch.randint(0, 200, (2, inputs.seq_len))
+    compiled = zorse.compile(model, cluster=cluster, example_inputs=(ids, ids), verbose=True, model_name=model_name,
+                             **{f.name: getattr(plan_options, f.name) for f in dataclasses.fields(PlanOptions)})
     print(compiled.plan.table())
-    with new_plan_dir(args.output, flag="-o") as new:  # swapped in whole: no file of an older plan stays
+    with new_plan_dir(inputs.output, flag="-o") as new:  # swapped in whole: no file of an older plan stays
         compiled.plan.export(new)
         compiled.save_weights(new)
-        PlanRequest(model=args.model, seq_len=args.seq_len, global_batch_size=args.global_batch_size,
-                    options=options, cluster=cluster.to_dict(),
-                    cluster_file=str(Path(args.cluster).resolve())).write(new)
-    out = Path(args.output)
+        PlanRequest(model=model_name, seq_len=inputs.seq_len, global_batch_size=plan_options.global_batch_size,
+                    options={k: list(v) if isinstance(v, tuple) else v for k, v in options.items()},
+                    cluster=cluster.to_dict(), cluster_file=str(Path(inputs.cluster).resolve())).write(new)
+    out = Path(inputs.output)
     print(f"[zorse] wrote {out / 'plan.json'}, {len(compiled.plan.stages)} stage sources and {out / 'weights.pt'}")
     return 0
 
@@ -674,92 +706,46 @@ class _Parser(argparse.ArgumentParser):
     flag, and a refused flag or value is ``parser.error`` (exit 2)."""
 
     command: type | None = None
+    #: The namespace attribute the record goes to (``args.train``, ``args.parsed``).
+    command_dest: str = "train"
+    #: Former flags read as their record field's flag (``PLAN_FLAG_ALIASES``).
+    aliases: dict[str, str] = {}
 
     def parse_known_args(self, args=None, namespace=None):
         if self.command is None:
             return super().parse_known_args(args, namespace)
         namespace, _ = super().parse_known_args([], namespace)  # the set_defaults (fn)
+        argv = list(sys.argv[1:] if args is None else args)
+        for i, a in enumerate(argv):
+            flag, eq, value = a.partition("=")
+            if flag in self.aliases:
+                argv[i] = self.aliases[flag] + eq + value
         try:
-            namespace.train = parse_flags(self.command, sys.argv[1:] if args is None else args, prog=self.prog,
-                                          description=self.description)
+            parsed = parse_flags(self.command, argv, prog=self.prog, description=self.description)
         except UsageError as exc:
             self.error(str(exc))
+        setattr(namespace, self.command_dest, parsed)
+        inputs = getattr(parsed, "plan", None)
+        if inputs is not None and getattr(inputs, "no_cache", False):
+            namespace.no_cache = True  # main() captures afresh ([Note: the capture cache])
         return namespace, []
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``zorse`` argument parser (every subcommand; tests parse README commands with it)."""
     from . import __version__
-    from .models.registry import MODEL_HELP
 
     p = _Parser(prog="zorse", description="Heterogeneous-cluster training planner and runtime.")
     p.add_argument("--version", action="version", version=f"zorse_fx {__version__} (torch {torch.__version__})")
     p.add_argument("--debug", action="store_true", help="on an error, show the Python traceback")
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
-    pp = sub.add_parser("plan", help="model + cluster -> exported plan (plan.json, stage_<i>.py, weights.pt)")
-    pp.add_argument("--model", required=True, help=MODEL_HELP)
-    pp.add_argument("--cluster", required=True, help="cluster YAML file")
-    pp.add_argument("--global-batch-size", type=int, required=True)
-    pp.add_argument("--seq-len", type=int, default=64)
-    opt = {f.name: f.default for f in dataclasses.fields(PlanOptions)}  # the one place the defaults live
-    pp.add_argument("--max-stages", type=int, default=opt["max_stages"],
-                    help="most pipeline stages the planner tries (default %(default)s)")
-    pp.add_argument("--max-microbatches", type=int, default=opt["max_microbatches"],
-                    help="most micro-batches per step the planner tries: divisors of the global batch size up "
-                         "to this (default %(default)s)")
-    pp.add_argument("--schedule", choices=SCHEDULES, default=opt["schedule"])
-    pp.add_argument("--max-interleave", type=int, default=opt["max_interleave"],
-                    help="most stages per GPU group (interleaved 1F1B) the planner tries; 1 = none")
-    pp.add_argument("--jobs", type=int, default=opt["jobs"],
-                    help="processes side by side: CP-SAT candidates, the heuristics, the stage DP's and the "
-                         "interleave search's independent parts, the simulator's finalists (default: the cores "
-                         "this process may use); wall-clock time only, the plan is the same for every value")
-    pp.add_argument("--solver-budget", type=float, default=opt["solver_budget"],
-                    help="CP-SAT work for the whole search, in CP-SAT deterministic seconds (work units, about "
-                         "a second of one worker on an idle machine; the same plan on any machine load); more "
-                         "buys a better plan or a proof, the heuristics' plan is kept either way")
-    pp.add_argument("--time-limit", type=float, default=opt["time_limit_s"],
-                    help="wall-clock safety stop per CP-SAT solve, seconds; if it fires first the status says "
-                         "'(wall-clock safety stop)' and the plan may vary")
-    pp.add_argument("--bucket-mib", type=float, default=opt["bucket_mib"], metavar="MIB",
-                    help="gradient all-reduce bucket size in MiB (DDP's bucket_cap_mb; default %(default)g): priced "
-                         "by the planner and recorded in the plan, which the runtime trains with")
-    pp.add_argument("--planner", default=opt["planner"], choices=PLANNERS,
-                    help="auto: CP-SAT checked against the stage DP and the baselines; stage_dp: the DP alone (fast)")
-    pp.add_argument("--precision", default=opt["precision"], choices=("auto", *PRECISIONS),
-                    help="training precision; auto: bf16-mixed where every GPU supports bfloat16, else fp16-mixed")
-    pp.add_argument("--grad-reduce-dtype", default=opt["grad_reduce_dtype"], choices=GRAD_REDUCE_DTYPES,
-                    help="dtype of the gradient all-reduce (default float32; bfloat16 needs bf16-mixed)")
-    pp.add_argument("--tf32", action=argparse.BooleanOptionalAction, default=opt["tf32"],
-                    help="float32 matmuls on TF32 tensor cores (Ampere and later), priced and set on every rank "
-                         "(default off, as in PyTorch; only fp32 plans have float32 matmuls)")
-    modes = ("never", "auto", "always")
-    pp.add_argument("--sharding", choices=modes, default=opt["sharding"],
-                    help="ZeRO-1: shard each stage's optimizer state over its GPUs (auto: per stage, where it pays)")
-    pp.add_argument("--grad-sharding", choices=modes, default=opt["grad_sharding"],
-                    help="ZeRO-2 on sharded stages: every micro-batch's gradients reduce-scattered into the shards")
-    pp.add_argument("--param-sharding", choices=modes, default=opt["param_sharding"],
-                    help="ZeRO-3 on ZeRO-2 stages: the weights sharded too, gathered block by block")
-    pp.add_argument("--offload", choices=modes, default=opt["offload"],
-                    help="optimizer offload: AdamW state in host memory, stepped on the CPU (auto: where nothing "
-                         "fits without it; needs host_memory_GiB on the cluster file's nodes)")
-    pp.add_argument("--activation-offload", choices=modes, default=opt["activation_offload"],
-                    help="keep what autograd saves in host memory between a micro-batch's forward and backward "
-                         "(auto: where nothing fits without it; needs host_memory_GiB)")
-    pp.add_argument("--recompute", choices=modes, default=opt["recompute"],
-                    help="stage recomputation: re-run each stage's forward before its backward")
-    pp.add_argument("--use-all-gpus", action="store_true",
-                    help="only plans that give work to every GPU of the cluster (default: a GPU may stay idle "
-                         "where that is faster); refused with the reason when none exists")
-    no_cache = ("capture the model afresh and write nothing to the capture cache (default: a Hugging Face model's "
-                "exported graph is kept in ~/.cache/zorse_fx/capture, or $ZORSE_CACHE_DIR, keyed by its code, "
-                "configuration, shapes and versions; zorse_fx/capture/cache.py)")
-    pp.add_argument("--no-cache", action="store_true", help=no_cache)
-    pp.add_argument("--calibration", metavar="FILE", default=None,
-                    help="a calibration (`zorse calibrate RUN` of a run on this cluster): prices corrected by that "
-                         "run's measured steps")
-    pp.add_argument("-o", "--output", required=True,
-                    help="plan directory to write: a new or empty one, or an older plan's, which is replaced whole")
+    pp = sub.add_parser("plan", help="model + cluster -> exported plan (plan.json, stage_<i>.py, weights.pt)",
+                        usage="zorse plan [-h] --model NAME --cluster FILE --global-batch-size INT -o DIR [OPTIONS]",
+                        description="Plan a model's training on a cluster and export the plan: plan.json, one "
+                                    "stage_<i>.py per stage, weights.pt. The options are the fields of "
+                                    "zorse_fx.options.PlanOptions (what zorse.compile takes), each flag named after "
+                                    "its field.")
+    pp.command, pp.command_dest, pp.aliases = PlanCommand, "parsed", PLAN_FLAG_ALIASES  # tyro, as zorse train
     pp.set_defaults(fn=cmd_plan)
     pt = sub.add_parser("train", help="run an exported plan with torchrun (one process per GPU)",
                         usage="zorse train [-h] [OPTIONS] PLAN",
@@ -809,7 +795,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "eager (buffered: a send leaves when posted)")
     pm.add_argument("--calibration", metavar="FILE", default=None,
                     help="a calibration (`zorse calibrate RUN`): simulate with the prices it corrected")
-    pm.add_argument("--no-cache", action="store_true", help=no_cache)
+    pm.add_argument("--no-cache", action="store_true", help=NO_CACHE_HELP)
     pm.set_defaults(fn=cmd_simulate)
     pcal = sub.add_parser("calibrate", help="a run's measured steps (timings.jsonl) against its plan's prices -> "
                                             "calibration.json for `zorse plan --calibration`")
@@ -826,7 +812,7 @@ def build_parser() -> argparse.ArgumentParser:
     pcal.add_argument("-o", "--output", default=None, help="calibration file to write (default: "
                                                             "calibration.json in the last run's directory)")
     pcal.add_argument("--any-cluster", action="store_true", help="as for `zorse simulate`")
-    pcal.add_argument("--no-cache", action="store_true", help=no_cache)
+    pcal.add_argument("--no-cache", action="store_true", help=NO_CACHE_HELP)
     pcal.set_defaults(fn=cmd_calibrate)
     pexp = sub.add_parser("export", help="a run's trained model as a Hugging Face directory (config, "
                                          "model.safetensors, tokenizer) or a safetensors state dict",

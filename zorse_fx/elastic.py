@@ -131,6 +131,8 @@ class PlanRequest:
                                f"repeats); export the plan again with `zorse plan`, which writes it")
         try:
             data = json.loads(path.read_text())
+            if isinstance(data, dict) and isinstance(data.get("options"), dict):  # JSON lists: PlanOptions' tuples
+                data["options"] = {k: tuple(v) if isinstance(v, list) else v for k, v in data["options"].items()}
             return cls(**data)
         except (ValueError, TypeError, RecursionError) as exc:  # RecursionError: nested too deep
             raise ElasticError(f"--elastic: {path} is not a plan request `zorse plan` wrote ({exc}); export the "

@@ -37,17 +37,29 @@ the stage DP and the baselines (``solve._search.outside_model``).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 from .errors import PlanOptionsError
 from .ir.schedule import SCHEDULES  # the values of PlanOptions.schedule
 from .precision import GRAD_REDUCE_DTYPES, PRECISIONS, PrecisionPolicy, precision_policy
 
-__all__ = ["PlanOptions", "MEMORY_MODES", "PLANNERS", "SCHEDULES"]
+__all__ = ["PlanOptions", "MEMORY_MODES", "PLANNERS", "SCHEDULES", "MemoryMode", "PlannerName", "Schedule",
+           "PrecisionChoice", "GradReduceDtype"]
 
-#: Values of ``PlanOptions.sharding`` / ``PlanOptions.recompute``.
-MEMORY_MODES = ("never", "auto", "always")
+# The fields' value sets as ``Literal`` types: what `zorse plan` (tyro) offers as choices; checked against the
+# tuples the rest of zorse_fx reads (tests/test_cli.py) and at run time by ``PlanOptions.__post_init__``.
+#: Values of ``PlanOptions.sharding`` / ``PlanOptions.recompute`` and the other memory flags.
+MemoryMode = Literal["never", "auto", "always"]
 #: Values of ``PlanOptions.planner``.
-PLANNERS = ("auto", "cpsat", "grouped", "stage_dp", "brute_force")
+PlannerName = Literal["auto", "cpsat", "grouped", "stage_dp", "brute_force"]
+#: Values of ``PlanOptions.schedule`` (``ir.schedule.SCHEDULES``).
+Schedule = Literal["1f1b", "gpipe"]
+#: Values of ``PlanOptions.precision``: "auto" or one of ``precision.PRECISIONS``.
+PrecisionChoice = Literal["auto", "fp32", "bf16-mixed", "fp16-mixed"]
+#: Values of ``PlanOptions.grad_reduce_dtype`` (``precision.GRAD_REDUCE_DTYPES``).
+GradReduceDtype = Literal["float32", "bfloat16"]
+MEMORY_MODES: tuple[str, ...] = get_args(MemoryMode)
+PLANNERS: tuple[str, ...] = get_args(PlannerName)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -57,20 +69,25 @@ class PlanOptions:
     Raises ``PlanOptionsError`` (a ``ValueError``) naming the field, the value
     and the fix."""
 
-    #: Samples per optimizer step, over all micro-batches and GPUs.
     global_batch_size: int
+    """samples per optimizer step, over all micro-batches and GPUs"""
     #: Largest number of pipeline stages considered (of GPU groups, when
     #: interleaving puts several stages on each; see ``max_interleave``).
     max_stages: int = 4
+    """most pipeline stages the planner tries (GPU groups, when interleaving puts several stages on each)"""
     #: "1f1b" or "gpipe": decides activations in flight per stage.
-    schedule: str = "1f1b"
+    schedule: Schedule = "1f1b"
+    """pipeline schedule: 1f1b (one forward, one backward: fewer activations in flight) or gpipe"""
     #: Micro-batch counts to consider; None = every divisor of the global
     #: batch size up to ``max_microbatches``.
     num_microbatches: tuple[int, ...] | None = None
+    """micro-batch counts to try (default: every divisor of the global batch size up to --max-microbatches)"""
     max_microbatches: int = 16
+    """most micro-batches per step the planner tries: divisors of the global batch size up to this"""
     #: Fraction of each GPU's memory a plan may fill (rest: allocator, CUDA
     #: context, fragmentation).
     memory_fraction: float = 0.9
+    """share of each GPU's memory a plan may fill (the rest: allocator, CUDA context, fragmentation)"""
     #: CP-SAT's work budget for the whole (stages, micro-batches) search, in
     #: CP-SAT deterministic seconds (``max_deterministic_time``: work units
     #: counted by the solver, about a second of one worker on an idle machine
@@ -79,12 +96,17 @@ class PlanOptions:
     #: ``solve/_search.py``). More buys a better plan or a proof, never
     #: feasibility: the heuristics' plan is kept when CP-SAT finds nothing better.
     solver_budget: float = 5.0
+    """CP-SAT work for the whole search, in CP-SAT deterministic seconds (work units, about a second of one
+    worker on an idle machine; the same plan on any machine load); more buys a better plan or a proof, the
+    heuristics' plan is kept either way"""
     #: Wall-clock safety stop per CP-SAT solve, seconds. Only a safety stop:
     #: when it fires before ``solver_budget`` is spent, the answer depends on
     #: the machine's load, the status says "(wall-clock safety stop)", a
     #: warning says the plan may vary, and raising it (or lowering
     #: ``solver_budget``) fixes that.
     time_limit_s: float = 100.0
+    """wall-clock safety stop per CP-SAT solve, seconds; if it fires first the status says '(wall-clock safety
+    stop)' and the plan may vary"""
     #: CP-SAT worker threads. 1 (default): CP-SAT's sequential search,
     #: deterministic. More: the workers interleave (``interleave_search``, which
     #: keeps the search deterministic; "core" left out), which OR-Tools 9.15
@@ -92,55 +114,78 @@ class PlanOptions:
     #: 64-GPU instance of tests/test_grouped.py (step 1.18 s vs 1.06 s at 3
     #: deterministic s per candidate; [Note: reproducible plans]).
     num_workers: int = 1
+    """CP-SAT worker threads (1: its sequential search, deterministic; more: interleaved workers, experimental
+    in OR-Tools)"""
     #: Forked processes side by side (None: the cores this process may use): CP-SAT
     #: candidates ([Note: candidate waves] in ``solve/_search.py``), the portfolio's
     #: heuristics, the stage DP's (M, unit order) DPs, the interleave search's tries
     #: and the simulator's finalists (``solve/isolated.map_isolated``). Buys
     #: wall-clock time only: the plan is the same for every value.
     jobs: int | None = None
+    """processes side by side: CP-SAT candidates, the heuristics, the stage DP's and the interleave search's
+    independent parts, the simulator's finalists (default: the cores this process may use); wall-clock time
+    only, the plan is the same for every value"""
     #: Random seed for CP-SAT (``random_seed``; reproducible plans).
     seed: int = 0
+    """CP-SAT's random seed (the same seed and inputs give the same plan)"""
     #: "auto" (per-GPU CP-SAT up to 8 GPUs, class-level CP-SAT beyond:
     #: ``portfolio.auto_planner``),
     #: "cpsat", "grouped" (each checked against the heuristics, which also
     #: warm-start it), "stage_dp" (only the memory-first stage DP: seconds at
     #: 1024 GPUs, no CP-SAT, no optimality gap) or "brute_force" (tiny instances only).
-    planner: str = "auto"
+    planner: PlannerName = "auto"
+    """auto: CP-SAT (per GPU up to 8 GPUs, per GPU class beyond) checked against the stage DP and the
+    baselines; cpsat or grouped: that CP-SAT model, checked likewise; stage_dp: the DP alone (seconds at 1,024
+    GPUs); brute_force: tiny clusters only"""
     #: Training precision ([Note: mixed precision] in ``zorse_fx/precision.py``):
     #: "auto" (bf16-mixed where every GPU of the cluster supports bfloat16,
     #: else fp16-mixed), "fp32", "bf16-mixed" or "fp16-mixed". It decides the
     #: bytes of training state per parameter, the activations (measured under
     #: its autocast), the dtype of tensors crossing a cut and the matmul peak.
     #: The solvers do not read it: they see its prices in ``BlockCosts``.
-    precision: str = "auto"
+    precision: PrecisionChoice = "auto"
+    """training precision; auto: bf16-mixed where every GPU supports bfloat16, else fp16-mixed"""
     #: dtype of the gradient all-reduce: None = the precision's default
     #: (float32), or "bfloat16" (bf16-mixed only; +2 B/param of buckets).
-    grad_reduce_dtype: str | None = None
+    grad_reduce_dtype: GradReduceDtype | None = None
+    """dtype of the gradient all-reduce (default float32; bfloat16 needs bf16-mixed)"""
     #: float32 matmuls on TF32 tensor cores (Ampere and later): priced from the
     #: datasheet TF32 peak and set on every rank (``Plan.tf32``). Off by
     #: default, as in PyTorch. Only fp32 plans have float32 matmuls to speed up.
     tf32: bool = False
+    """float32 matmuls on TF32 tensor cores (Ampere and later), priced and set on every rank (default off, as
+    in PyTorch; only fp32 plans have float32 matmuls)"""
     #: Upper bound on blocks the graph is cut into.
     max_blocks: int = 32
+    """most blocks the model's graph is cut into before stages are formed from them"""
     #: Allow GPUs to stay unused when that is faster.
     allow_idle_gpus: bool = True
+    """a GPU may stay idle where that is faster; --no-allow-idle-gpus (or --use-all-gpus): only plans that
+    give work to every GPU, refused with the reason when none exists"""
     #: Kernel profiles (files or directories) to price nodes with; None = the
     #: profiles shipped in ``zorse_fx/profiles``; () = roofline only.
     profiles: tuple[str, ...] | None = None
+    """kernel profiles (files or directories, `zorse bench kernels`) to price the model with (default: those
+    shipped in zorse_fx/profiles)"""
     #: Two micro-batch sizes the measured cost model is evaluated at (per-sample
     #: slope + fixed part); None = (1, max(2, global_batch_size // 4)).
     profile_batches: tuple[int, int] | None = None
+    """the two micro-batch sizes the measured cost model is evaluated at (per-sample slope and fixed part;
+    default: 1 and a quarter of the global batch size, at least 2)"""
     #: A calibration file (``zorse calibrate <run dir>``: a run's measured steps against its
     #: plan's prices, [Note: calibration] in ``cost/calibration.py``) applied to the prices;
     #: None = none.
     calibration: str | None = None
+    """a calibration (`zorse calibrate RUN` of a run on this cluster): prices corrected by that run's measured
+    steps"""
     #: ZeRO-1 sharding of each stage's optimizer state across its GPUs, in
     #: shares the planner picks per GPU: "auto" (per stage, where it pays: it
     #: costs an all-gather of the weights after the optimizer step and saves
     #: memory and optimizer time), "never" or "always" (every stage with >= 2
     #: GPUs; implied by ``grad_sharding`` / ``param_sharding`` "always":
     #: [Note: memory flags]).
-    sharding: str = "auto"
+    sharding: MemoryMode = "auto"
+    """ZeRO-1: shard each stage's optimizer state over its GPUs (auto: per stage, where it pays)"""
     #: ZeRO-2 on a sharded stage: every micro-batch's gradients reduce-scattered
     #: into the shards, so no GPU holds the stage's float32 gradients
     #: ([Note: sharded gradients] in ``runtime/grad_sync.py``): "auto" (per
@@ -149,7 +194,8 @@ class PlanOptions:
     #: "always" (every stage with >= 2 GPUs, so ``sharding`` "always" too;
     #: implied by ``param_sharding`` "always", "never" under
     #: ``activation_offload`` "always": [Note: memory flags]).
-    grad_sharding: str = "auto"
+    grad_sharding: MemoryMode = "auto"
+    """ZeRO-2 on sharded stages: every micro-batch's gradients reduce-scattered into the shards"""
     #: ZeRO-3 on a ZeRO-2 stage: its working weights sharded too, each block's
     #: gathered before its forward and again for its backward ([Note: sharded
     #: parameters] in ``runtime/param_shard.py``): "auto" (per ZeRO-2 stage,
@@ -157,7 +203,8 @@ class PlanOptions:
     #: and the weights' 2-4 (k - 1)/k B per parameter freed), "never" or
     #: "always" (every stage with >= 2 GPUs, so ``grad_sharding`` and
     #: ``sharding`` "always" too: [Note: memory flags]).
-    param_sharding: str = "auto"
+    param_sharding: MemoryMode = "auto"
+    """ZeRO-3 on ZeRO-2 stages: the weights sharded too, gathered block by block"""
     #: Optimizer offload (ZeRO-Offload): a stage's AdamW moments and float32
     #: master weights in host memory, the step on the CPU ([C-offload] in
     #: ``solve/objective.py``; only on nodes whose cluster file gives
@@ -166,25 +213,33 @@ class PlanOptions:
     #: step), "never" or "always" (every stage, so only GPUs whose node has
     #: host memory take work; ``zorse plan`` refuses it for a cluster file
     #: without ``host_memory_GiB``).
-    offload: str = "auto"
+    offload: MemoryMode = "auto"
+    """optimizer offload: AdamW state in host memory, stepped on the CPU (auto: where nothing fits without it;
+    needs host_memory_GiB on the cluster file's nodes)"""
     #: Activation offload: what autograd saves during a micro-batch's forward
     #: goes to host memory and comes back for its backward ([C-act-offload];
     #: not with recomputation or ZeRO-2/3; host memory as for ``offload``):
     #: "auto" (where nothing fits without it), "never" or "always" (every
     #: stage, so ``recompute`` and ``grad_sharding`` "never": [Note: memory flags]).
-    activation_offload: str = "auto"
+    activation_offload: MemoryMode = "auto"
+    """keep what autograd saves in host memory between a micro-batch's forward and backward (auto: where
+    nothing fits without it; needs host_memory_GiB)"""
     #: Stage-level activation recomputation: "auto" (per stage, where memory
     #: needs it), "never" or "always" (every stage).
-    recompute: str = "auto"
+    recompute: MemoryMode = "auto"
+    """stage recomputation: re-run each stage's forward before its backward"""
     #: Largest interleave degree (stages per GPU group, interleaved 1F1B) the
     #: planner tries on its answer (``solve.interleave``); 1 = one stage per
     #: group. Needs "1f1b".
     max_interleave: int = 4
+    """most stages per GPU group (interleaved 1F1B) the planner tries; 1 = none"""
     #: Gradient all-reduce bucket size, MiB (DDP's ``bucket_cap_mb``, 25 by
     #: default; the first bucket 1 MiB or this, the smaller). The planner prices
     #: the buckets' all-reduce latencies with it and the plan records it
     #: (``Plan.grad_bucket_bytes``), which the runtime trains with.
     bucket_mib: float = 25.0
+    """gradient all-reduce bucket size in MiB (DDP's bucket_cap_mb): priced by the planner and recorded in the
+    plan, which the runtime trains with"""
 
     def __post_init__(self) -> None:
         if self.planner not in PLANNERS:
@@ -196,7 +251,7 @@ class PlanOptions:
                                    f"deterministic seconds per candidate, e.g. 5; zorse plan --solver-budget)")
         if not self.time_limit_s > 0:
             raise PlanOptionsError(f"PlanOptions.time_limit_s={self.time_limit_s!r}: use a number of seconds > 0 "
-                                   f"(the wall-clock safety stop per CP-SAT solve, e.g. 100; zorse plan --time-limit)")
+                                   f"(the wall-clock safety stop per CP-SAT solve, e.g. 100; zorse plan --time-limit-s)")
         if self.jobs is not None and (isinstance(self.jobs, bool) or not isinstance(self.jobs, int) or self.jobs < 1):
             raise PlanOptionsError(f"PlanOptions.jobs={self.jobs!r}: use None (the cores this process may use) or an "
                                    f"int >= 1 (processes side by side; zorse plan --jobs)")

@@ -558,13 +558,13 @@ def _argparse_errors():
 
 def parse_flags(cls: type[T], argv: Sequence[str], *, prog: str, description: str | None = None) -> T:
     """``cls`` (a tree of frozen dataclasses: ``TrainingOptions``,
-    ``cli.TrainCommand``) from command-line flags, with tyro (``TYRO_CONFIG``).
+    ``cli.TrainCommand``, ``cli.PlanCommand``) from command-line flags, with tyro (``TYRO_CONFIG``).
     ``--help`` prints the flags and exits with status 0.
 
     Raises:
         UsageError: a flag or value tyro cannot parse, or one a record's check
             refuses; the message is argparse's kind, the flag named."""
-    for flag in PLANNED_FLAGS:
+    for flag in PLANNED_FLAGS if issubclass(cls, TrainingRecords) else ():  # (zorse plan's own flags there)
         if any(a == flag or a.startswith(flag + "=") for a in argv):
             raise UsageError(PLANNED_FLAGS[flag])
     try:

@@ -23,7 +23,7 @@ from typing import Literal
 
 from ..cluster import Cluster
 from ..errors import BoxConfigError
-from ..pacing import MAX_PACE
+from ..pacing import MAX_PACE, PACE_HEADROOM
 
 __all__ = ["BoxOptions", "BoxLayout", "NodeLayout", "RankSlot", "PairLink", "SharedDirection", "ScaleDerivation",
            "plan_box", "gpu_rate_flops_per_s", "cpu_rate_flops_per_s", "LATENCY_MECHANISMS", "SPEED_MECHANISMS", "NETNS_PREFIX",
@@ -197,6 +197,9 @@ class ScaleDerivation:
     max_quota_cores: float
     #: The cores the quotas may sum to.
     cores: float
+    #: A drift-probed paced box's nominal host is this much slower than the CPU profile's thread (``PACE_HEADROOM``,
+    #: [Note: drift-compensated pacing] in zorse_fx/pacing.py), so the factor divides the CPU's rate by it; else 1.
+    drift_headroom: float = 1.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -284,7 +287,9 @@ class BoxLayout:
         buf = _console_text(Console, nodes, links)
         how = "given (--scale)" if s.explicit else "derived"
         buf += (f"scale s = {s.factor:.4g} ({how}; ratio-preserving: {s.max_quota_cores:.3f} cores x "
-                f"{s.cpu_flops_per_s / 1e9:.4g} GFLOP/s (CPU, {s.cpu_source}) / {s.fastest_flops_per_s / 1e12:.4g} "
+                f"{s.cpu_flops_per_s / 1e9:.4g} GFLOP/s (CPU, {s.cpu_source})"
+                + (f" / {s.drift_headroom:g} (the drift probe's nominal host)" if s.drift_headroom != 1.0 else "")
+                + f" / {s.fastest_flops_per_s / 1e12:.4g} "
                 f"TFLOP/s ({s.fastest_type}, {s.gpu_rate_dtype} matmul) = {s.ratio_preserving_factor:.4g}); "
                 f"{self.speed_text()} over {s.cores:g} cores\n")
         for line in self.limits:
@@ -333,7 +338,10 @@ def _fmt_bytes(n: int) -> str:
 # A100 -> s = 3.8e-4: its 25 GbE becomes 1.2 MB/s and 20 us becomes 53 ms). It holds for compute the
 # matmul rate stands for; a CPU's memory bandwidth, kernel overheads and the CPU time of communication
 # (on a GPU cluster a NIC's and the copy engines') are not in the ratio, which the box's limits say.
-# `--scale` overrides s (the table then prints both).
+# `--scale` overrides s (the table then prints both). A paced box with the drift probe ([Note:
+# drift-compensated pacing] in zorse_fx/pacing.py) computes on a nominal host PACE_HEADROOM (1.4) times
+# slower than the thread its probe measured when it came up, so R_cpu is divided by that:
+# s = q_max x R_cpu / 1.4 / R_max.
 
 
 # [Note: CPU quotas]
@@ -445,12 +453,13 @@ def plan_box(cluster: Cluster, options: BoxOptions | None = None, *, latency: st
 
     cpu_path = options.cpu_profile or DEFAULT_CPU_PROFILE
     cpu_flops, cpu_source = cpu_rate_flops_per_s(cpu_path)
-    ratio_factor = q_max * cpu_flops / rate[fastest]
+    headroom = PACE_HEADROOM if options.speed == "pace" and options.drift_probe else 1.0
+    ratio_factor = q_max * cpu_flops / headroom / rate[fastest]
     factor = options.scale if options.scale is not None else ratio_factor
     scale = ScaleDerivation(factor=factor, ratio_preserving_factor=ratio_factor, explicit=options.scale is not None,
                             gpu_rate_dtype="fp32" if precision == "fp32" else "16-bit", cpu_flops_per_s=cpu_flops,
                             cpu_source=cpu_source, fastest_type=fastest, fastest_flops_per_s=rate[fastest],
-                            max_quota_cores=q_max, cores=cores)
+                            max_quota_cores=q_max, cores=cores, drift_headroom=headroom)
 
     regions = [dc for dc in cluster.datacenters if any(g.datacenter == dc for g in cluster.gpus)]
     nodes = []
