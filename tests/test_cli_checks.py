@@ -420,9 +420,10 @@ def test_zorse_plan_former_flags_still_read():
 
 @pytest.mark.parametrize("extra, message", [
     (["--sharding", "bad"], "argument --sharding: invalid choice: 'bad' (choose from 'never', 'auto', 'always')"),
-    (["--solver-budget", "0"], "PlanOptions.solver_budget=0.0: use a number > 0"),
+    (["--solver-budget", "0"], "PlanOptions.solver_budget=0.0: use a number > 0"),  # the record's own check
     (["--bucket-mib", "x"], "argument --bucket-mib: could not convert string to float: 'x'"),
-    (["--precision", "fp32", "--grad-reduce-dtype", "bfloat16"], "precision 'fp32' reduces gradients in float32"),
+    (["--precision", "fp32", "--grad-reduce-dtype", "bfloat16"],
+     "PlanOptions.grad_reduce_dtype='bfloat16': precision 'fp32' reduces gradients in float32"),
     (["--nope"], "unrecognized arguments: --nope"),
 ])
 def test_zorse_plan_bad_flags_are_usage_errors(extra, message, capsys):

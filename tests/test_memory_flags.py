@@ -238,13 +238,15 @@ def test_offload_always_without_host_memory_names_the_missing_field(tmp_path, ca
 
 
 def test_refused_flag_combination_exits_before_the_model_is_captured(tmp_path, capsys):
-    """``zorse plan --param-sharding always --grad-sharding never``: one line naming
-    both flags, exit 1, nothing written."""
+    """``zorse plan --param-sharding always --grad-sharding never``: refused as a usage error of the typed
+    command line (PlanOptions' own check), one line naming both flags, exit 2, nothing written."""
     argv = ["plan", "--model", "gpt", "--cluster", str(_cluster(tmp_path, host=True)), "--global-batch-size", "4",
             "--seq-len", "16", "-o", str(tmp_path / "out"), "--param-sharding", "always", "--grad-sharding", "never"]
-    assert main(argv) == 1
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith(
-        "zorse: PlanOptions.param_sharding='always' (zorse plan --param-sharding always) with grad_sharding='never' "
-        "(zorse plan --grad-sharding never): ZeRO-3 shards the weights of a ZeRO-2 stage"), err
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1].startswith(
+        "zorse plan: error: PlanOptions.param_sharding='always' (zorse plan --param-sharding always) with "
+        "grad_sharding='never' (zorse plan --grad-sharding never): ZeRO-3 shards the weights of a ZeRO-2 stage"), err
     assert not (tmp_path / "out").exists()

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from ..cluster import Cluster
 from ..errors import BoxConfigError, BoxSetupError, BoxStateFileError
-from ..pacing import ENV_PACE, ENV_PACE_REFERENCE, nominal_reference_s
+from ..pacing import ENV_PACE, ENV_PACE_REFERENCE
 from . import net
 from .cgroups import AGENT_LEAF, ROUTER_LEAF, Cgroups, kill_and_remove, pids_under, rank_dir, rank_leaf
 from .layout import NETNS_PREFIX, BoxLayout, BoxOptions, plan_box
@@ -134,6 +134,25 @@ def _latency(option: str) -> str:
     return option
 
 
+
+def _pace_reference() -> float:
+    """The box's ``ZORSE_PACE_REFERENCE`` ([Note: drift-compensated pacing] in zorse_fx/pacing.py), measured in a
+    child process of one thread, as its ranks run: not in this one, where torch's thread pool would then take
+    the signals (a SIGINT delivered to a pool thread does not wake the holder's ``time.sleep``)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    code = "from zorse_fx.pacing import nominal_reference_s; print(repr(nominal_reference_s()))"
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                             timeout=_READY_TIMEOUT_S * 4)
+        value = float(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 and out.stdout.strip() else None
+    except (subprocess.TimeoutExpired, ValueError):
+        value, out = None, None
+    if value is None:
+        why = (out.stderr.strip()[-500:] or f"exit status {out.returncode}") if out is not None else "timed out"
+        raise BoxSetupError(f"the reference probe of the drift-compensated pacing did not run: {why}; "
+                            f"`zorse box up --no-drift-probe` paces on raw CPU time instead")
+    return value
+
 class Box:
     """A box on this machine: its ``state`` (``layout`` inside) and the processes it started here."""
 
@@ -186,7 +205,7 @@ class Box:
                          cgroup_dirs=cgroups.box_dirs(layout.box_id),
                          netns=(layout.router_netns, *(n.netns for n in layout.nodes)), delay_line_pid=None,
                          layout=layout,
-                         pace_reference_s=nominal_reference_s() if layout.speed == "pace" and options.drift_probe
+                         pace_reference_s=_pace_reference() if layout.speed == "pace" and options.drift_probe
                          else None)
         write_state(state, new=True)
         box = cls(state)
