@@ -8,7 +8,7 @@ STAMP   := $(VENV)/.installed
 TORCH_PIN := torch==2.13.0
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 
-.PHONY: venv demo test test-other-cpu bench clean gpu-check gpu-check-prepare
+.PHONY: venv demo test test-other-cpu docs bench clean gpu-check gpu-check-prepare
 
 venv: $(STAMP)
 
@@ -22,6 +22,12 @@ $(STAMP): pyproject.toml Makefile
 
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py
+
+# The user guide as a site in site/ (mkdocs.yml): the reference pages regenerated from the code first
+# (docs/gen_reference.py), then built in strict mode (a broken link or a page left out of the nav fails).
+docs: $(STAMP)
+	$(BIN)/python docs/gen_reference.py
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 # The suite runs under pytest-xdist, one worker per physical core (`-n auto`),
 # at most TEST_WORKERS_MAX: most tests are one process with one thread (CP-SAT

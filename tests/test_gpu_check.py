@@ -38,3 +38,13 @@ def test_gpu_check_dry_run(tmp_path):
     off = report["offload"]  # (f): optimizer and activations offloaded, the same losses
     assert off["ok"] and off["steps"] == 4 and off["relative_difference"][0] <= 2e-3, off
     assert off["predicted_host_bytes"] > 0 and off["predicted_step_s"] > report["step_time"]["predicted_s"]
+    hf = report["hf"]  # (g): Hugging Face eager and torch.compile'd (aot_eager on a CPU), the same batches
+    assert hf["ok"] and hf["compiled"]["backend"] == "aot_eager" and len(hf["eager"]["losses"]) == hf["steps"]
+    # the same model, weights and first batch in the same precision: the first step's loss is the run's
+    assert abs(hf["eager"]["losses"][0] - train["hf_step1_loss"]) <= 2e-3 * abs(train["hf_step1_loss"])
+    assert hf["eager"]["tokens_per_s"] > 0 and hf["compiled"]["tokens_per_s"] > 0
+    cal = report["calibration"]  # (h): the run's timings against the shipped profile's and the class model's prices
+    assert cal["ok"] and (tmp_path / "out" / "calibration_H200_dry.json").is_file()
+    for label in ("shipped_profile", "class_model"):
+        assert cal[label]["forward_measured_s"] > 0 and cal[label]["backward_priced_s"] > 0
+    assert cal["class_model"]["sources"] != cal["shipped_profile"]["sources"]

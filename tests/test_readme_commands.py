@@ -1,6 +1,6 @@
-"""README.md's examples run as written: every `zorse ...` command of its shell
-blocks, the `torchrun ... -m zorse_fx.train` line, and the Python blocks of
-its "Use" section.
+"""The docs' examples run as written (README.md and every page of docs/ but the generated reference):
+every `zorse ...` command of their shell blocks, the `torchrun ... -m zorse_fx.train` line, and the
+Python blocks of docs/guide/using.md. ("README" below: any of those pages.)
 
 Every command is parsed by the real CLI parser (`cli.build_parser`), so a
 README line with a wrong option or an unknown subcommand fails here with the
@@ -68,7 +68,10 @@ def readme_commands(text: str) -> list[str]:
     return cmds
 
 
-COMMANDS = readme_commands((ROOT / "README.md").read_text())
+#: The pages whose examples run: README.md and docs/ but the reference pages docs/gen_reference.py generates.
+DOC_PAGES = [ROOT / "README.md", *sorted(p for p in (ROOT / "docs").rglob("*.md") if p.parent.name != "reference")]
+DOCS_TEXT = "\n".join(p.read_text() for p in DOC_PAGES)
+COMMANDS = list(dict.fromkeys(readme_commands(DOCS_TEXT)))  # (a command shown on two pages runs once)
 
 
 def _argv(cmd: str) -> list[str]:
@@ -99,7 +102,7 @@ def test_readme_command_parses(cmd):
         if e.code == 0 and ("--help" in argv or "-h" in argv or "--version" in argv):
             return  # --help / --version print and exit 0
         lines = err.getvalue().strip().splitlines()
-        pytest.fail(f"README.md command does not parse: {cmd!r}\n  {lines[-1] if lines else f'exit {e.code}'}")
+        pytest.fail(f"docs command does not parse: {cmd!r}\n  {lines[-1] if lines else f'exit {e.code}'}")
 
 
 README_PLAN = next(c for c in COMMANDS if _argv(c)[:1] == ["plan"] and "runs/x/plan" in _argv(c))
@@ -132,7 +135,7 @@ def scratch(tmp_path_factory):
     (d / "examples").symlink_to(ROOT / "examples")
     (d / "mymodel.py").write_text(USE_BLOCKS["mymodel.py"])
     status, out, err = _in(d, _argv(README_PLAN))
-    assert status == 0, f"README.md command failed: {README_PLAN!r}\n{err[-3000:]}"
+    assert status == 0, f"docs command failed: {README_PLAN!r}\n{err[-3000:]}"
     assert "[zorse] wrote runs/x/plan/plan.json" in out
     return d
 
@@ -155,7 +158,7 @@ def _run(cmd: str, cwd: Path, timeout_s: float = 300) -> subprocess.CompletedPro
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             out, err = proc.communicate(timeout=30)
-        pytest.fail(f"README.md command did not finish in {timeout_s} s: {cmd!r}\n{out[-2000:]}{err[-2000:]}")
+        pytest.fail(f"docs command did not finish in {timeout_s} s: {cmd!r}\n{out[-2000:]}{err[-2000:]}")
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -196,7 +199,7 @@ def test_readme_command_runs(cmd, tmp_path_factory):
     argv = _argv(cmd)
     if "--help" in argv or "--version" in argv:
         status, text, err = _in(ROOT, argv)
-        assert status == 0, f"README.md command failed: {cmd!r}\n{err[-2000:]}"
+        assert status == 0, f"docs command failed: {cmd!r}\n{err[-2000:]}"
         if "--help" in argv:
             assert "usage: zorse" in text and "--" in text.split("options:", 1)[-1], text
         if "--version" in argv:
@@ -216,7 +219,7 @@ def test_readme_command_runs(cmd, tmp_path_factory):
     if argv[0] == "prepare-data":
         _data_inputs(cwd)
     res = _run(cmd, cwd)
-    assert res.returncode == 0, f"README.md command failed: {cmd!r}\n{res.stdout[-2000:]}{res.stderr[-3000:]}"
+    assert res.returncode == 0, f"docs command failed: {cmd!r}\n{res.stdout[-2000:]}{res.stderr[-3000:]}"
     if argv[0] == "prepare-data":
         out = cwd / argv[argv.index("-o") + 1]
         header = json.loads(out.with_suffix(".json").read_text())
@@ -239,7 +242,7 @@ def _prepared(cmd: str, scratch: Path) -> Path:
     out = (scratch / argv[argv.index("-o") + 1]).with_suffix(".bin")
     if not out.exists():
         res = _run(cmd, scratch)
-        assert res.returncode == 0, f"README.md command failed: {cmd!r}\n{res.stdout[-2000:]}{res.stderr[-3000:]}"
+        assert res.returncode == 0, f"docs command failed: {cmd!r}\n{res.stdout[-2000:]}{res.stderr[-3000:]}"
     return out
 
 
@@ -270,7 +273,7 @@ def test_readme_command_runs_on_the_readme_plan(cmd, scratch):
     if argv[0] == "train" and "--dry-run" not in argv:
         argv.append("--dry-run")
     status, out, err = _in(scratch, argv)
-    assert status == 0, f"README.md command failed: {cmd!r}\n{err[-3000:]}"
+    assert status == 0, f"docs command failed: {cmd!r}\n{err[-3000:]}"
     if argv[0] == "show":
         assert "stage |" in out or "stage ┃" in out, out
     elif argv[0] == "simulate":
@@ -287,9 +290,9 @@ def test_readme_torchrun_line_parses():
     """README's multi-node line: `torchrun ... -m zorse_fx.train <flags>` on each node."""
     from zorse_fx.train import parse_args
 
-    lines = [ln.strip() for b in SHELL_BLOCK.findall((ROOT / "README.md").read_text()) for ln in b.splitlines()
+    lines = [ln.strip() for b in SHELL_BLOCK.findall(DOCS_TEXT) for ln in b.splitlines()
              if ln.strip().startswith("torchrun ")]
-    assert lines, "README.md has no torchrun line"
+    assert lines, "the docs have no torchrun line"
     for line in lines:
         words = shlex.split(line, comments=True)
         flags = words[words.index("zorse_fx.train") + 1:]
@@ -303,13 +306,11 @@ PYTHON_BLOCK = re.compile(r"^```python\s*\n(.*?)^```", re.M | re.S)
 
 
 def use_blocks(text: str) -> dict[str, str]:
-    """The Python blocks of README's "Use" section, by name: "mymodel.py" for
+    """The Python blocks of docs/guide/using.md, by name: "mymodel.py" for
     the one that is that file (its first line says so), "1", "2", ... for the
     others, in order."""
-    section = text[text.index("\n## Use\n"):]
-    section = section[:section.index("\n## ", 1)]
     blocks, n = {}, 0
-    for block in PYTHON_BLOCK.findall(section):
+    for block in PYTHON_BLOCK.findall(text):
         words = block.splitlines()[0].split()
         if words[0] == "#" and words[1].endswith(".py:"):  # "# mymodel.py: ..."
             blocks[words[1].rstrip(":")] = block
@@ -319,7 +320,12 @@ def use_blocks(text: str) -> dict[str, str]:
     return blocks
 
 
-USE_BLOCKS = use_blocks((ROOT / "README.md").read_text())
+USE_BLOCKS = use_blocks((ROOT / "docs" / "guide" / "using.md").read_text())
+
+
+def test_only_using_md_has_python_blocks_that_are_not_run():
+    """Every Python block of the docs runs here: those of docs/guide/using.md (below); no other page has one."""
+    assert [p.name for p in DOC_PAGES if PYTHON_BLOCK.search(p.read_text())] == ["using.md"]
 
 
 def test_readme_use_blocks_run(tmp_path, monkeypatch, capsys):
@@ -332,7 +338,7 @@ def test_readme_use_blocks_run(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     namespace: dict = {"__name__": "readme"}
     for name in ("1", "2", "3"):
-        exec(compile(USE_BLOCKS[name], f"README.md Use block {name}", "exec"), namespace)
+        exec(compile(USE_BLOCKS[name], f"docs/guide/using.md block {name}", "exec"), namespace)
     assert Plan.load(tmp_path / "runs/x/plan") == namespace["plan"]
     assert (tmp_path / "runs/x/plan/weights.pt").is_file()
     assert namespace["sim"].step_time_s > 0
@@ -351,9 +357,9 @@ def test_readme_model_names_are_the_registrys():
     from the registry (`registry.MODEL_HELP`): a name in one is in all."""
     from zorse_fx.models.registry import MODEL_HELP, MODEL_NAMES
 
-    text = " ".join((ROOT / "README.md").read_text().split())
+    text = " ".join(DOCS_TEXT.split())
     m = re.search(r"`--model` takes (.*?) or `module:function`", text)
-    assert m, "README.md has no `--model takes ...` sentence"
+    assert m, "the docs have no `--model takes ...` sentence"
     assert tuple(re.findall(r"`([^`]+)` \(", m.group(1))) == MODEL_NAMES, m.group(1)
     assert MODEL_HELP.startswith(" | ".join(MODEL_NAMES) + " | module:function")
     for argv in (["plan", "--help"], ["simulate", "--help"], ["bench", "kernels", "--help"]):
