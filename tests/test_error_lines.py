@@ -318,8 +318,8 @@ def test_nonfinite_step_exits_3(exported, tmp_path):
     assert err[-1].startswith("zorse: step ") and " is not finite: " in err[-1], err
 
 
-def test_readme_lists_every_exit_status():
-    """README's one list of `zorse train`'s exit statuses holds each status it
+def test_docs_list_every_exit_status():
+    """The docs' one list of `zorse train`'s exit statuses (docs/guide/troubleshooting.md) holds each status it
     returns: 0, 1, 2 (a refused option: test_val_fraction_out_of_range_one_line),
     3 (test_nonfinite_step_exits_3), 128 + SIGINT and SIGTERM
     (test_job_control.py's test_signal_stops_torchrun_and_every_rank)."""
@@ -328,7 +328,7 @@ def test_readme_lists_every_exit_status():
 
     from zorse_fx.runtime.rank_errors import EXIT_NONFINITE
 
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / "docs" / "guide" / "troubleshooting.md").read_text()
     start = text.index("Exit statuses of `zorse train`")
     block = text[start:text.index("\n\n", text.index("\n- ", start))]
     listed = {int(n) for item in re.findall(r"^- (.+)$", block, re.M) for n in re.findall(r"\*\*(\d+)\*\*", item)}
