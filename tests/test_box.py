@@ -491,7 +491,8 @@ def test_cli_box_torchrun_workers_enter_their_rank_cgroups(box_machine):
                 "cg = lambda: [l for l in open('/proc/self/cgroup') if ':cpu,' in l or ':cpu:' in l or '::' in l][0]; "
                 "host = cg().strip(); entered = enter_rank_leaf('gpu'); pace = os.environ.get('ZORSE_PACE'); "
                 "ref = os.environ.get('ZORSE_PACE_REFERENCE'); "
-                "os.write(1, f'rank {r} {socket.gethostname()} {host} {entered} {cg().strip()} {pace} {ref}\\n'.encode())")
+                "os.write(1, f'rank {r} {socket.gethostname()} {host} {entered} {cg().strip()} {pace} {ref}\\n'"
+                ".encode())")
         # (one write of one line: the two workers share torchrun's stdout, and print() under
         # PYTHONUNBUFFERED writes its pieces separately, which interleaved "rankrank 1 ..." once)
         run = subprocess.run([*zorse, "run", box_id, "--node", "a100-node", "--", sys.executable, "-m",
@@ -520,10 +521,12 @@ def test_cli_box_torchrun_workers_enter_their_rank_cgroups(box_machine):
         assert gpu.returncode == 0 and gpu.stdout.strip().endswith(f"/zbox-{box_id}/a100-node/rank1/gpu"), \
             gpu.stdout + gpu.stderr
         # `zorse box run --rank 1`: the rank's pace; without --rank none (the node's agent, e.g. torchrun)
+        show = "import os; print(os.environ.get('ZORSE_PACE'), os.environ.get('ZORSE_PACE_REFERENCE'))"
         paces = [subprocess.run([*zorse, "run", box_id, "--node", "a100-node", *rank, "--", sys.executable, "-c",
-                                 "import os; print(os.environ.get('ZORSE_PACE'), os.environ.get('ZORSE_PACE_REFERENCE'))"],
-                                capture_output=True, text=True, timeout=120).stdout.strip() for rank in (["--rank", "1"], [])]
-        assert paces == [f"{box.layout.pace_factor('a100-node', 1)!r} {box.state.pace_reference_s!r}", "None None"], paces
+                                 show], capture_output=True, text=True, timeout=120).stdout.strip()
+                 for rank in (["--rank", "1"], [])]
+        pace = box.layout.pace_factor("a100-node", 1)
+        assert paces == [f"{pace!r} {box.state.pace_reference_s!r}", "None None"], paces
         assert _leftovers(box_id)["netns"]
     finally:
         down = subprocess.run([*zorse, "down", box_id], capture_output=True, text=True, timeout=120)

@@ -286,10 +286,11 @@ def cmd_plan(args) -> int:
     plan_options = cmd.planner
     if plan_options.calibration:  # recorded absolute (a re-plan runs elsewhere)
         plan_options = dataclasses.replace(plan_options, calibration=str(Path(plan_options.calibration).resolve()))
+    fields = {f.name: getattr(plan_options, f.name) for f in dataclasses.fields(PlanOptions)}
     # recorded in plan_request.json (zorse train --elastic plans with them again): every field but the batch
     # size (recorded on its own) and the processes (wall-clock only), tuples as JSON lists
-    options = {f.name: getattr(plan_options, f.name) for f in dataclasses.fields(PlanOptions)
-               if f.name not in ("global_batch_size", "jobs")}
+    options = {k: list(v) if isinstance(v, tuple) else v for k, v in fields.items()
+               if k not in ("global_batch_size", "jobs")}
     cluster = Cluster.from_yaml(inputs.cluster)
     if plan_options.calibration:  # a file that cannot be read: one line before minutes of capture
         from .cost.calibration import read_calibration
@@ -304,13 +305,13 @@ def cmd_plan(args) -> int:
     _check_seq_len(model, model_name, inputs.seq_len)
     ids = torch.randint(0, 200, (2, inputs.seq_len))
     compiled = zorse.compile(model, cluster=cluster, example_inputs=(ids, ids), verbose=True, model_name=model_name,
-                             **{f.name: getattr(plan_options, f.name) for f in dataclasses.fields(PlanOptions)})
+                             **fields)
     print(compiled.plan.table())
     with new_plan_dir(inputs.output, flag="-o") as new:  # swapped in whole: no file of an older plan stays
         compiled.plan.export(new)
         compiled.save_weights(new)
         PlanRequest(model=model_name, seq_len=inputs.seq_len, global_batch_size=plan_options.global_batch_size,
-                    options={k: list(v) if isinstance(v, tuple) else v for k, v in options.items()},
+                    options=options,
                     cluster=cluster.to_dict(), cluster_file=str(Path(inputs.cluster).resolve())).write(new)
     out = Path(inputs.output)
     print(f"[zorse] wrote {out / 'plan.json'}, {len(compiled.plan.stages)} stage sources and {out / 'weights.pt'}")

@@ -47,7 +47,7 @@ __all__ = ["PlanOptions", "MEMORY_MODES", "PLANNERS", "SCHEDULES", "MemoryMode",
            "PrecisionChoice", "GradReduceDtype"]
 
 # The fields' value sets as ``Literal`` types: what `zorse plan` (tyro) offers as choices; checked against the
-# tuples the rest of zorse_fx reads (tests/test_cli.py) and at run time by ``PlanOptions.__post_init__``.
+# tuples the rest of zorse_fx reads (tests/test_cli_checks.py) and at run time by ``PlanOptions.__post_init__``.
 #: Values of ``PlanOptions.sharding`` / ``PlanOptions.recompute`` and the other memory flags.
 MemoryMode = Literal["never", "auto", "always"]
 #: Values of ``PlanOptions.planner``.
@@ -251,7 +251,8 @@ class PlanOptions:
                                    f"deterministic seconds per candidate, e.g. 5; zorse plan --solver-budget)")
         if not self.time_limit_s > 0:
             raise PlanOptionsError(f"PlanOptions.time_limit_s={self.time_limit_s!r}: use a number of seconds > 0 "
-                                   f"(the wall-clock safety stop per CP-SAT solve, e.g. 100; zorse plan --time-limit-s)")
+                                   f"(the wall-clock safety stop per CP-SAT solve, e.g. 100; zorse plan "
+                                   f"--time-limit-s)")
         if self.jobs is not None and (isinstance(self.jobs, bool) or not isinstance(self.jobs, int) or self.jobs < 1):
             raise PlanOptionsError(f"PlanOptions.jobs={self.jobs!r}: use None (the cores this process may use) or an "
                                    f"int >= 1 (processes side by side; zorse plan --jobs)")

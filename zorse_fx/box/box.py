@@ -134,7 +134,6 @@ def _latency(option: str) -> str:
     return option
 
 
-
 def _pace_reference() -> float:
     """The box's ``ZORSE_PACE_REFERENCE`` ([Note: drift-compensated pacing] in zorse_fx/pacing.py), measured in a
     child process of one thread, as its ranks run: not in this one, where torch's thread pool would then take
@@ -152,6 +151,7 @@ def _pace_reference() -> float:
         raise BoxSetupError(f"the reference probe of the drift-compensated pacing did not run: {why}; "
                             f"`zorse box up --no-drift-probe` paces on raw CPU time instead")
     return value
+
 
 class Box:
     """A box on this machine: its ``state`` (``layout`` inside) and the processes it started here."""
@@ -293,7 +293,8 @@ class Box:
         """The environment of a command on ``node``: ``env`` (default: this process's) with the box's id and
         the node (``ZORSE_BOX``, ``ZORSE_BOX_NODE``), one thread per process (OMP/MKL_NUM_THREADS=1) and, for
         local rank ``rank`` of a paced box, its ``ZORSE_PACE`` and the box's ``ZORSE_PACE_REFERENCE`` ([Note:
-        paced compute], [Note: drift-compensated pacing] in zorse_fx/pacing.py); without a rank both are removed (torchrun's workers get theirs from ``rank_enter``)."""
+        paced compute], [Note: drift-compensated pacing] in zorse_fx/pacing.py); without a rank both are removed
+        (torchrun's workers get theirs from ``rank_enter``)."""
         out = dict(os.environ if env is None else env)
         out.update({ENV_BOX: self.layout.box_id, ENV_NODE: node, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
         out.pop(ENV_PACE, None)

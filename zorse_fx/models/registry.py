@@ -23,7 +23,8 @@ import sys
 
 import torch
 
-__all__ = ["load_model", "max_positions", "model_tokenizer", "is_model_dir", "load_model_dir", "MODELS", "MODEL_NAMES", "MODEL_HELP"]
+__all__ = ["load_model", "max_positions", "model_tokenizer", "is_model_dir", "load_model_dir", "MODELS", "MODEL_NAMES",
+           "MODEL_HELP"]
 
 #: The models by name: what each is, and the tokenizer it reads (``zorse prepare-data
 #: --tokenizer``; a model with pretrained weights reads its own, never ``bytes``). The
