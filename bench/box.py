@@ -352,7 +352,7 @@ def run_case(case: Case, args, work: Path) -> dict:
     tokens = _tokens(work)
     t0 = time.perf_counter()
     with Box.up(cluster, box_id=f"bench_{case.name}"[:24], scale=case.scale, speed=args.speed,
-                drift_probe=args.drift_probe) as box:
+                drift_probe=args.drift_probe, tcp_tuning=args.tcp_tuning) as box:
         layout = box.layout
         print(layout.table(), end="", flush=True)
         saved = work / "measured.json"
@@ -361,7 +361,7 @@ def run_case(case: Case, args, work: Path) -> dict:
             print(f"[box] profiles and links of {saved} reused", flush=True)
         else:
             profiles = measure_profiles(box, work, case.seq_len, "1,2,4,8,16")
-            links = measure_links(box, work, "4K 16K 64K 256K")
+            links = measure_links(box, work, args.link_sizes)
             saved.write_text(json.dumps({"profiles": profiles, "links": links}))
         box_cluster = box_units(cluster.to_dict(), layout.scale.factor, links)
         box_file = work / "cluster_box.yaml"
@@ -432,7 +432,7 @@ def run_memory_case(case: Case, args, work: Path) -> dict:
 
     def one_run(row: PlanRow, plan, out: Path, limited: bool) -> dict:
         with Box.up(cluster_path, box_id="bench_c", scale=case.scale, speed=args.speed, drift_probe=args.drift_probe,
-                    memory_scale=1.0 if limited else None, memory_base_bytes=base) as box:
+                    tcp_tuning=args.tcp_tuning, memory_scale=1.0 if limited else None, memory_base_bytes=base) as box:
             status, text = _train_status(box, row, tokens, out, args.steps)
             ranks = []
             for n in plan.node_ranks():
@@ -570,7 +570,7 @@ def run_node_lost_case(case: Case, args, work: Path) -> dict:
     plan = Plan.load(plan_dir)
     reps = []
     with Box.up(cluster_path, box_id="bench_d", scale=case.scale, speed=args.speed,
-                drift_probe=args.drift_probe) as box:
+                drift_probe=args.drift_probe, tcp_tuning=args.tcp_tuning) as box:
         scale = box.layout.scale.factor
         for rep in range(args.reps):
             whole = _elastic_run(box, plan_dir, tokens, work / "runs" / f"whole.{rep}", args.steps, kill_node=None,
@@ -715,6 +715,12 @@ def main(argv=None) -> int:
                     help="how ranks get their GPU's speed (zorse box up --speed; [Note: paced compute])")
     ap.add_argument("--no-drift-probe", dest="drift_probe", action="store_false",
                     help="pace on raw CPU time (zorse box up --no-drift-probe; [Note: drift-compensated pacing])")
+    ap.add_argument("--no-tcp-tuning", dest="tcp_tuning", action="store_false",
+                    help="the kernel's TCP defaults in the nodes (zorse box up --no-tcp-tuning; [Note: the box's "
+                         "TCP tuning])")
+    ap.add_argument("--link-sizes", default="4K 16K 64K 256K 1M 4M",
+                    help="zorse bench comm's message sizes for the link fits (covering the plans' boundary "
+                         "messages and collective chunks)")
     ap.add_argument("--reuse-measurements", action="store_true",
                     help="reuse the profiles and link fits an earlier run left in --work (not for results)")
     ap.add_argument("--reprice", action="store_true",
@@ -750,6 +756,7 @@ def main(argv=None) -> int:
         res["command"] = "bench/box.py " + " ".join(argv if argv is not None else sys.argv[1:])
         res["speed"] = args.speed
         res["drift_probe"] = args.speed == "pace" and args.drift_probe
+        res["tcp_tuning"] = args.tcp_tuning
         res["date"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
         {"ab": _print, "c": _print_memory, "d": _print_node_lost}[kind](res)
         results.append(res)

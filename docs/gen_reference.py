@@ -138,6 +138,14 @@ def field_docs(cls: type) -> dict[str, str]:
             j -= 1
         if comment:
             docs[node.target.id] = " ".join(comment)
+    try:  # else the field's ``Meta(description=...)`` (the schema's own words)
+        hints = typing.get_type_hints(cls, include_extras=True)
+    except Exception:  # noqa: BLE001 (a record whose annotations do not resolve here: its source docs only)
+        hints = {}
+    for name, kind in hints.items():
+        described = [getattr(m, "description", None) for m in getattr(kind, "__metadata__", ())]
+        if name not in docs and any(described):
+            docs[name] = next(d for d in described if d)
     return docs
 
 

@@ -179,6 +179,26 @@ def test_small_hetero_scale_factor_and_quotas_follow_the_cost_model():
         assert word in text
 
 
+def test_tcp_tuned_for_the_largest_bandwidth_delay_product():
+    """[Note: the box's TCP tuning]: socket buffers up to 2 x the largest bandwidth x round trip of the box's
+    pairs (a power of two, at least 8 MiB), no slow start after idle; --no-tcp-tuning: the kernel's defaults,
+    and the table says which."""
+    cluster = Cluster.from_dict(TWO_REGIONS)
+    layout = plan_box(cluster, BoxOptions(box_id="x", cores=2.0, scale=0.01), cores_available=2.0)
+    delay = {(p.src, p.dst): p.delay_s for p in layout.pairs}
+    bdp = max(p.bytes_per_s * (p.delay_s + delay[p.dst, p.src]) for p in layout.pairs)
+    got = dict(layout.tcp_sysctls)
+    buf = int(got["net.ipv4.tcp_wmem"].split()[2])
+    assert got["net.ipv4.tcp_rmem"].split()[2] == str(buf) and buf & (buf - 1) == 0
+    assert max(2 * bdp, 8 << 20) <= buf < max(4 * bdp, 16 << 20)
+    assert got["net.ipv4.tcp_slow_start_after_idle"] == "0"
+    assert "tcp_slow_start_after_idle = 0" in layout.table()
+    wide = plan_box(cluster, BoxOptions(box_id="x", cores=2.0, scale=1.0), cores_available=2.0)
+    assert int(dict(wide.tcp_sysctls)["net.ipv4.tcp_wmem"].split()[2]) >= buf  # faster links, larger windows
+    plain = plan_box(cluster, BoxOptions(box_id="x", cores=2.0, scale=0.01, tcp_tuning=False), cores_available=2.0)
+    assert plain.tcp_sysctls == () and "the kernel's defaults (--no-tcp-tuning)" in plain.table()
+
+
 def test_explicit_scale_reported_as_breaking_the_ratio():
     layout = plan_box(Cluster.from_yaml(SMALL_HETERO), BoxOptions(box_id="x", scale=0.01), cores_available=2.0)
     assert layout.scale.explicit and layout.scale.factor == 0.01
@@ -399,6 +419,9 @@ def test_two_regions_box_hostnames_links_quotas_and_nothing_left(box_machine):
             print(json.dumps([time.monotonic() - t0, time.process_time() - c0]))""", rank=0))
         assert used[1] <= q * used[0] + 2 * q * layout.cpu_period_us * 1e-6 + 0.01  # (+ a scheduler tick)
         assert box.memory_peak_bytes("slow", 0) > 0
+        for key, value in layout.tcp_sysctls:  # [Note: the box's TCP tuning], in every node's namespace only
+            path = "/proc/sys/" + key.replace(".", "/")
+            assert _run_on(box, "far", f"print(open({path!r}).read())").split() == value.split()
         delay_line = box.state.delay_line_pid
         assert _alive(delay_line)
     assert not any(_leftovers(box_id).values()), _leftovers(box_id)

@@ -143,6 +143,41 @@ def test_ring_allreduce_k_minus_1_over_k_and_shared_wan_hops():
                    for e in ar)
 
 
+def test_gloo_ring_steps_pay_the_rendezvous():
+    """Under Gloo (``simulate(p2p="gloo")``) a ring step's send waits for its receiver's "ready to receive",
+    so each of an all-reduce's 2 (k-1) steps pays the hop latency twice (measured on the box: bench/LOG.md
+    "The box's WAN: TCP windows and Gloo's rendezvous"); the bandwidth term is the same. NCCL's ring keeps one
+    latency per step."""
+    wan = [{"name": "wan", "between": [{"datacenter": "us"}, {"datacenter": "eu"}], "bandwidth_GBps": 1}]
+    devices = Cluster.from_dict(_one_gpu_nodes({"us": ["us0", "us1"], "eu": ["eu0", "eu1"]},
+                                               shared_links=wan)).device_graph()
+    eager, rdv = ring(devices, (0, 1, 2, 3)), ring(devices, (0, 1, 2, 3), rendezvous=True)
+    assert (rdv.bandwidth_bytes_per_s, rdv.latency_s) == (eager.bandwidth_bytes_per_s, 2 * eager.latency_s)
+    nbytes = 4_000_000
+    assert rdv.allreduce_s(nbytes) - eager.allreduce_s(nbytes) == pytest.approx(2 * 3 * eager.latency_s, rel=1e-12)
+    params, t = 200_000, 4e-3
+    costs = BlockCosts(fwd_bwd_s_per_sample={"T4": (t,)}, param_count=(params,), act_bytes_per_sample=(0,),
+                       cut_bytes_per_sample=(0, 0))
+    decision = Decision(stage_blocks=((0, 1),), stage_gpus=((0, 1, 2, 3),), samples_per_microbatch=((1, 1, 1, 1),),
+                        num_microbatches=1)
+    took = {}
+    for p2p in ("nccl", "gloo"):
+        sim = simulate(costs, devices, solver_options(global_batch_size=4), decision, p2p=p2p)
+        took[p2p] = {round(e.end_s - e.start_s, 12) for e in sim.events if e.kind == "allreduce"}
+    bw_part = 2 * 3 / 4 * 4 * params / 1e9
+    assert took == {"nccl": {round(bw_part + 2 * 3 * 1e-3, 12)}, "gloo": {round(bw_part + 2 * 3 * 2e-3, 12)}}
+    # Two buckets (the first holds 1 MiB of gradients): NCCL reduces them one after the other on its stream,
+    # Gloo's process group both at once on its two worker threads.
+    params = 600_000
+    costs = dataclasses.replace(costs, param_count=(params,))
+    first = (1 << 20) // 4
+    for p2p, lat, overlap in (("nccl", 1e-3, False), ("gloo", 2e-3, True)):
+        sim = simulate(costs, devices, solver_options(global_batch_size=4), decision, p2p=p2p)
+        (span,) = {round(e.end_s - e.start_s, 12) for e in sim.events if e.kind == "allreduce"}
+        each = [2 * 3 / 4 * 4 * n / 1e9 + 2 * 3 * lat for n in (first, params - first)]
+        assert span == pytest.approx(max(each) if overlap else sum(each), rel=1e-9)
+
+
 def _gpt_costs():
     """Block costs of a 2-layer GPT (tied input / output embedding) on small_hetero's GPU types."""
     from zorse_fx.capture.analysis import analyse

@@ -210,10 +210,15 @@ class MemoryBreakdown:
       Measured on this CPU: within 2% of one rank's peak (bench/README.md,
       ``bench/memory_cpu.py``; ``tests/test_runtime_memory.py``)."""
 
+    #: Master weights and 16-bit copies, bytes (the class docstring's list).
     weights_bytes: Bytes = 0
+    #: float32 gradients or the ZeRO-2 gradient shard, bytes.
     gradients_bytes: Bytes = 0
+    #: AdamW's moments or this GPU's ZeRO-1 shard, bytes.
     optimizer_bytes: Bytes = 0
+    #: Saved activations of the micro-batches in flight and transients, bytes.
     activations_bytes: Bytes = 0
+    #: 16-bit gradient buckets in flight and ZeRO-2 reduction buffers, bytes.
     communication_bytes: Bytes = 0
 
     @property
@@ -230,7 +235,9 @@ class GPUShare:
                                             "'node') or stage by stage (rank_order 'stage')")]
     #: Index of the GPU in the cluster file (nodes in order, GPUs in order).
     gpu: Annotated[Index, Meta(description="the GPU's index in the cluster file")]
+    #: The node the GPU is on (the cluster file's node name; its hostname on the cluster).
     node: str
+    #: The GPU's type (the cluster file's ``type``, priced by its profile).
     gpu_type: str
     #: Samples this GPU takes from every micro-batch (>= 1).
     samples_per_microbatch: Annotated[Count, Meta(
@@ -261,8 +268,11 @@ class StagePlan:
     #: Human label of the first and last block (module paths).
     label: str
     gpus: Annotated[tuple[GPUShare, ...], Meta(min_length=1, description="the stage's GPUs, at least one")]
+    #: The model inputs this stage reads from the data loader (the first stage's tokens, the last's labels).
     input_names: tuple[str, ...]
+    #: Boundary tensors this stage receives from the previous one per micro-batch, in order.
     recv: tuple[TensorSpec, ...]
+    #: Boundary tensors this stage sends to the next one per micro-batch, in order.
     send: tuple[TensorSpec, ...]
     #: flat attribute name -> canonical parameter name (trainable).
     params: Annotated[dict[str, str], Meta(description="flat attribute name -> canonical parameter name, both "
@@ -276,6 +286,7 @@ class StagePlan:
                                                  "like 'stage_0.py'")]
     #: Predicted compute time of one micro-batch (slowest GPU), seconds.
     predicted_time_s: Seconds = 0.0
+    #: Predicted time of the stage's gradient all-reduce per step, seconds (0 on one GPU).
     predicted_allreduce_s: Seconds = 0.0
     #: ZeRO-1: AdamW state sharded over the stage's GPUs (see ``shard_ranges``).
     sharded: Annotated[bool, Meta(description="true or false")] = False
@@ -357,12 +368,18 @@ class StagePlan:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SolverReport:
+    #: The planner that made the plan (``zorse plan --planner``, or a baseline's name).
     planner: str
+    #: How the search ended (CP-SAT's OPTIMAL or FEASIBLE, or the planner's own word), for readers.
     status: str
     # Objective, bound and gap may be inf / nan (no bound found): floats, unranged.
+    #: The plan's objective: its predicted step time, seconds (inf: no plan found).
     objective_s: float
+    #: The best lower bound the solver proved on its objective, seconds (nan: none).
     best_bound_s: float
+    #: (objective - bound) / objective (nan where there is no bound).
     optimality_gap: float
+    #: Wall-clock seconds the planning took (for readers: the plan does not depend on it).
     wall_s: Seconds
     #: The wall-clock safety stop of each CP-SAT solve, seconds
     #: (``PlanOptions.time_limit_s``; 0 = not recorded).
@@ -380,7 +397,9 @@ class SolverReport:
     #: (s), largest peak / usable memory over the GPUs, bubble fraction; 0 =
     #: not simulated (plans made by ``plan_fixed`` or before format 3's check).
     simulated_step_time_s: Seconds = field(default=0.0, metadata=OPTIONAL)
+    #: The simulator's largest peak / usable memory over the GPUs (0: not simulated).
     simulated_max_memory_fraction: Fraction = field(default=0.0, metadata=OPTIONAL)
+    #: The simulator's bubble: the fraction of the step the GPUs wait (0: not simulated).
     simulated_bubble_fraction: Fraction = field(default=0.0, metadata=OPTIONAL)
     #: A lower bound (s) on the step time of EVERY plan these options allow
     #: (``solve.bounds.throughput_bound_s``: every GPU busy all step at its
@@ -497,6 +516,7 @@ class Plan:
     first and ``compute_dtype`` after ``grad_reduce_dtype``)."""
 
     version: Annotated[int, Meta(ge=1)] = PLAN_FORMAT_VERSION
+    #: The cluster file's ``name`` the plan was made for.
     cluster_name: str
     #: The planned-for cluster's GPUs per node (``Cluster.gpu_summary``; format
     #: version 13, "" in older files: not recorded), for readers and messages.
@@ -506,6 +526,7 @@ class Plan:
     #: simulate`` refuses a cluster file of another.
     cluster_sha256: Annotated[str, Meta(pattern="^([0-9a-f]{64})?$", description="the cluster's sha256, 64 hex "
                                         "digits, or '' (not recorded)")] = field(default="", metadata=OPTIONAL)
+    #: The model the plan was captured from: a registry name or a local Hugging Face directory (absolute).
     model_name: str
     #: Model inputs, all ``(N, seq_len)`` int64 token tensors for LMs.
     input_names: tuple[str, ...]
@@ -522,6 +543,7 @@ class Plan:
                                                          "num_microbatches")]
     microbatch_size: Annotated[Count, Meta(description="samples per micro-batch")]
     num_microbatches: Annotated[Count, Meta(description="micro-batches per step")]
+    #: The pipeline schedule: "1f1b" (one forward, one backward) or "gpipe" (all forwards first).
     schedule: ScheduleName
     #: Interleave degree v: stages per GPU group (see the module docstring).
     interleave: Annotated[Count, Meta(description="stages per GPU group, 1 without interleaving")] = 1
@@ -546,7 +568,9 @@ class Plan:
     #: priced by the planner, used by the runtime's buckets (``runtime/grad_sync.py``).
     grad_bucket_bytes: Annotated[int, Meta(ge=1024, description="the gradient all-reduce bucket size in bytes, "
                                                                  "at least 1 KiB (zorse plan --bucket-mib)")] = BUCKET_BYTES
+    #: The planner's predicted time of one optimizer step, seconds (its objective).
     predicted_step_time_s: Seconds
+    #: How the plan was found: planner, status, objective, bound, budget and the simulator's check.
     solver: SolverReport
     stages: Annotated[tuple[StagePlan, ...], Meta(min_length=1, description="the pipeline stages, at least one")]
     #: Stage sources (not in plan.json; written as stage_<i>.py beside it).

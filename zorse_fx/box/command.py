@@ -68,6 +68,10 @@ def add_parser(sub) -> None:
     up.add_argument("--no-drift-probe", dest="drift_probe", action="store_false",
                     help="with --speed pace: pace on raw CPU time instead of in units of a reference probe fixed "
                          "at box up (which keeps the emulated GPUs' speed when this host's speed drifts)")
+    up.add_argument("--no-tcp-tuning", dest="tcp_tuning", action="store_false",
+                    help="keep the kernel's TCP defaults in the nodes' namespaces instead of tuning them for long "
+                         "fat networks (buffers up to 2x the largest bandwidth-delay product, no slow start after "
+                         "idle), to measure untuned hosts")
     up.set_defaults(fn=_up)
     run = bsub.add_parser("run", help="run a command on a node of a box (its namespace, hostname, a cgroup)")
     run.add_argument("box_id", metavar="ID")
@@ -87,7 +91,7 @@ def _up(args) -> int:
     options = BoxOptions(box_id=args.box_id, scale=args.scale, cores=args.cores, precision=args.precision,
                          cpu_profile=args.cpu_profile, memory_scale=args.memory_scale,
                          memory_base_bytes=round(args.memory_base_mib * 2**20), latency=args.latency,
-                         speed=args.speed, drift_probe=args.drift_probe)
+                         speed=args.speed, drift_probe=args.drift_probe, tcp_tuning=args.tcp_tuning)
     with _sigterm_as_exit():  # Ctrl-C or SIGTERM while building: what was built is removed
         box = Box.create(args.cluster, options, hold=False)
     layout = box.layout

@@ -113,7 +113,7 @@ def add_namespaces(layout: BoxLayout) -> None:
     })
     for n in layout.nodes:
         _sysctl(n.netns, {**off6, "net.ipv4.conf.all.accept_redirects": 0,
-                          "net.ipv4.conf.default.accept_redirects": 0})
+                          "net.ipv4.conf.default.accept_redirects": 0, **dict(layout.tcp_sysctls)})
 
 
 def build(layout: BoxLayout, *, netem: bool) -> None:

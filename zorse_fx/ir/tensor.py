@@ -30,10 +30,12 @@ class TensorSpec:
     The annotations are also plan.json's schema of a stage's ``recv``/``send``
     entries (``file_schema.struct_of``)."""
 
+    #: The tensor's name in the captured graph.
     name: str
     shape_per_sample: Annotated[tuple[Annotated[int, Meta(ge=0)], ...],
                                 Meta(description="the tensor's shape without the batch dimension")]
-    dtype: TensorDtype  # e.g. "float32", as in ``torch.float32``
+    #: Its dtype's name as torch spells it (``torch.float32`` -> "float32").
+    dtype: TensorDtype
 
     @property
     def itemsize(self) -> int:

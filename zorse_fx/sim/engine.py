@@ -373,6 +373,7 @@ class _Pipeline:
         self.n_p = self.n_s // self.v  # GPU groups; stage s runs on group s % n_p as its chunk s // n_p
         self.sched = make_schedule(options.schedule, self.n_s, decision.num_microbatches, self.v)
         self.resources = FlowResources(devices)
+        self.gloo = p2p == P2P_GLOO  # (its collectives are rendezvous rings: ``ring``'s ``rendezvous``)
         self._stage_work(tab)
         self._routes()
         self.used = sorted(self.group_of)
@@ -435,7 +436,8 @@ class _Pipeline:
                     units = j - i
                     moved = (sum(costs.gather_bytes(b) for b in range(i, j))  # a tied parameter once ([C-tied])
                              - costs.param_bytes_per_param * (sum(costs.param_count[i:j]) - unique_params(costs, i, j)))
-                    per_pass = units * ring(devices, gpus, self.resources).allgather_s(moved / units)
+                    per_pass = units * ring(devices, gpus, self.resources, rendezvous=self.gloo).allgather_s(
+                        moved / units)
                     fwd, bwd = self.dur[g, s]
                     k_b = 2 if pol.recompute[s] else 1  # a recomputing B gathers for its re-run forward too
                     self.dur[g, s] = (fwd + max(0.0, per_pass - fwd) + per_pass / units,
@@ -665,7 +667,8 @@ def simulate(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions, deci
     step, sync_events, shard_bytes = gradient_sync(
         costs, devices, stage_blocks=stage_blocks, stage_gpus=stage_gpus, samples=decision.samples_per_microbatch,
         n_p=n_p, pol=pol, last_b=pipe.last_b, last_b_span=pipe.last_b_span, rc_dur=pipe.rc_dur,
-        resources=pipe.resources, bucket_bytes=options.bucket_bytes, num_microbatches=decision.num_microbatches)
+        resources=pipe.resources, bucket_bytes=options.bucket_bytes, num_microbatches=decision.num_microbatches,
+        rendezvous=pipe.gloo)
     events = pipe.events + sync_events
     used, n_g = pipe.used, devices.num_gpus
     busy_frac = tuple(pipe.busy.get(g, 0.0) / step if step > 0 else 0.0 for g in range(n_g))

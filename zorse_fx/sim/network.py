@@ -115,9 +115,10 @@ def max_min_rates(flows: Sequence[Sequence[Hashable]], capacity: Mapping[Hashabl
 @dataclass(frozen=True, slots=True)
 class Ring:
     """A ring over ``gpus`` (in this order): its slowest hop's bandwidth
-    (bytes/s, with shared links split among the hops crossing them) and largest
-    hop latency (s); see [Note: network resources]. One GPU: no hops, every
-    collective takes 0 s."""
+    (bytes/s, with shared links split among the hops crossing them) and the
+    latency of one ring step (s): the largest hop latency, twice that under a
+    rendezvous protocol (``ring(..., rendezvous=True)``); see [Note: network
+    resources]. One GPU: no hops, every collective takes 0 s."""
 
     gpus: tuple[int, ...]
     bandwidth_bytes_per_s: float
@@ -138,8 +139,15 @@ class Ring:
         return 0.0 if k < 2 else (k - 1) / k * nbytes / self.bandwidth_bytes_per_s + (k - 1) * self.latency_s
 
 
-def ring(devices: DeviceGraph, gpus: Sequence[int], resources: FlowResources | None = None) -> Ring:
-    """The ring g_0 -> g_1 -> ... -> g_{k-1} -> g_0 over ``gpus`` (see [Note: network resources])."""
+def ring(devices: DeviceGraph, gpus: Sequence[int], resources: FlowResources | None = None, *,
+         rendezvous: bool = False) -> Ring:
+    """The ring g_0 -> g_1 -> ... -> g_{k-1} -> g_0 over ``gpus`` (see [Note: network resources]).
+    ``rendezvous``: each step's send waits for its receiver's "ready to receive" (Gloo,
+    ``simulate(p2p="gloo")``), so a step pays its hop's latency twice: once for the notice, once for the data.
+    Gloo's ring all-reduce posts a step's send and receive together (gloo/allreduce.cc), and its TCP pair sends
+    an unbound buffer only on the peer's NOTIFY_RECV_READY (gloo/transport/tcp/pair.cc); measured on the box:
+    a 4-rank all-reduce of 4 KiB over a 200 ms one-way WAN took 2.41 s = 6 steps x 2 x 200 ms (bench/LOG.md
+    "The box's WAN: TCP windows and Gloo's rendezvous")."""
     gpus = tuple(gpus)
     k = len(gpus)
     if len(set(gpus)) != k:
@@ -160,4 +168,4 @@ def ring(devices: DeviceGraph, gpus: Sequence[int], resources: FlowResources | N
         for key, cap in resources.shared(g, h):
             hop = min(hop, cap / crossing[key])
         bw, lat = min(bw, hop), max(lat, max(devices.link_latency_s[g][h], 0.0))
-    return Ring(gpus, bw, lat)
+    return Ring(gpus, bw, 2 * lat if rendezvous else lat)

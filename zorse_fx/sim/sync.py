@@ -47,7 +47,8 @@ class _Timing:
 
 
 def _reduction(costs: BlockCosts, timing: _Timing, stage_blocks, stages, gpus, excluded: dict[int, int],
-               ring_: Ring, grad_bytes: int, bucket_bytes: int, scatters: dict[int, int] | None = None):
+               ring_: Ring, grad_bytes: int, bucket_bytes: int, scatters: dict[int, int] | None = None,
+               in_flight: int = 1):
     """The gradient buckets of one GPU group, all-reduced in order as the
     runtime does ([Note: overlapped gradient reduction] in
     ``runtime/grad_sync.py``): the group's parameters in reverse plan order
@@ -62,7 +63,10 @@ def _reduction(costs: BlockCosts, timing: _Timing, stage_blocks, stages, gpus, e
     ``scatters[s]`` = M for a ZeRO-2 stage: its parameters' part of a bucket
     takes M reduce-scatters (half a ring all-reduce each) instead, all after
     the last backward, as the objective counts them ([C-grad-shard]: an upper
-    bound; the runtime starts each after its own micro-batch's backward)."""
+    bound; the runtime starts each after its own micro-batch's backward).
+    ``in_flight``: buckets that may reduce at once (1: NCCL's one stream; 2: Gloo, whose process group
+    runs its collectives on two worker threads, ``ProcessGroupGloo``'s default ``threads`` =
+    2 x devices): bucket k waits for bucket k - ``in_flight`` instead of k - 1."""
     scatters = scatters or {}
     buckets: list[list] = []  # [ready, params, {stage: params}]
     caps = bucket_caps(bucket_bytes)
@@ -85,13 +89,14 @@ def _reduction(costs: BlockCosts, timing: _Timing, stage_blocks, stages, gpus, e
                     cur = [0.0, 0, {}]
     if cur[1]:
         buckets.append(cur)
-    t = 0.0
+    ends = [0.0] * in_flight  # the last in_flight buckets' ends, oldest first
     span: dict[int, list] = {}
     for ready, params, by_stage in buckets:
-        start = max(ready, t)
+        start = max(ready, ends[0])
         plain = sum(n for s, n in by_stage.items() if s not in scatters)
         t = start + (ring_.allreduce_s(grad_bytes * plain) if plain else 0.0) + sum(
             scatters[s] * ring_.allreduce_s(grad_bytes * n) / 2 for s, n in by_stage.items() if s in scatters)
+        ends = [*ends[1:], max(t, ends[-1])]
         for s, n in by_stage.items():
             sp = span.setdefault(s, [start, t, 0])
             sp[1], sp[2] = t, sp[2] + n
@@ -122,9 +127,15 @@ def _tied_plan(costs: BlockCosts, stage_blocks, stage_gpus, n_p: int):
 
 def gradient_sync(costs: BlockCosts, devices: DeviceGraph, *, stage_blocks, stage_gpus, samples, n_p: int, pol,
                   last_b: dict, last_b_span: dict, rc_dur: dict, resources: FlowResources, bucket_bytes: int,
-                  num_microbatches: int = 1):
+                  num_microbatches: int = 1, rendezvous: bool = False):
     """Events and end of the step's gradient sync (see the engine's module note).
-    ``bucket_bytes``: the gradient bucket size (``PlanOptions.bucket_bytes``).
+    ``bucket_bytes``: the gradient bucket size (``PlanOptions.bucket_bytes``); ``rendezvous``: Gloo's
+    protocol: every ring step of the gradient and tied all-reduces and ZeRO-1's all-gathers pays its latency
+    twice (``ring``'s ``rendezvous``), two buckets reduce at once (``_reduction``'s ``in_flight``), and so
+    does the per-step all-gather of the ranks' records; the one-element control all-reduces (token count,
+    gradient norm) keep one latency per step. Measured on the box's 200 ms WAN, 4 ranks (bench/LOG.md "The
+    box's WAN: TCP windows and Gloo's rendezvous"): the per-step all-gather 1.2 s = 3 steps x 2 x 200 ms in
+    every plan; the two all-reduces 0.4-1.5 s together, priced 1.2 s.
     Returns ``(step_end_s, events, shard_bytes)`` with ``shard_bytes`` per stage
     per GPU (0 where not sharded)."""
     from .engine import SimEvent  # the record lives with the engine
@@ -144,7 +155,7 @@ def gradient_sync(costs: BlockCosts, devices: DeviceGraph, *, stage_blocks, stag
     for tp, stages, union in unions:
         ready = max(timing.block_done(g, s, b) for s in stages for g in stage_gpus[s]
                     for b in tp.blocks if stage_blocks[s][0] <= b < stage_blocks[s][1])
-        end = ready + ring(devices, union, resources).allreduce_s(gr_b * tp.numel)
+        end = ready + ring(devices, union, resources, rendezvous=rendezvous).allreduce_s(gr_b * tp.numel)
         events += [SimEvent("tiedreduce", g, stages[-1], -1, ready, end, None, gr_b * tp.numel) for g in union]
         for g in union:
             tied_end[g] = max(tied_end.get(g, 0.0), end)
@@ -155,19 +166,21 @@ def gradient_sync(costs: BlockCosts, devices: DeviceGraph, *, stage_blocks, stag
     for p in range(n_p):
         stages_p = list(range(p, n_s, n_p))
         gpus = stage_gpus[p]
-        ring_p = ring(devices, gpus, resources)
+        ring_p = ring(devices, gpus, resources, rendezvous=rendezvous)
         t_red.update({g: last_b[g] for g in gpus})
         if len(gpus) > 1:
             t_end = max(last_b[g] for g in gpus)
             scatters = {s: num_microbatches for s in stages_p if pol.gs(s)}  # ZeRO-2 stages
             for s, start, end, nparams in _reduction(costs, timing, stage_blocks, stages_p, gpus, excluded,
-                                                       ring_p, gr_b, bucket_bytes, scatters):
+                                                       ring_p, gr_b, bucket_bytes, scatters,
+                                                       in_flight=2 if rendezvous else 1):
                 events += [SimEvent("allreduce", g, s, -1, start, end, None, gr_b * nparams) for g in gpus]
                 t_end = max(t_end, end)
             t_red.update(dict.fromkeys(gpus, t_end))
     used = sorted(t_red)  # the GPUs in rank order (node by node)
     rounds = costs.step_control_rounds
     lat = ring(devices, used, resources).latency_s if len(used) > 1 else 0.0
+    lat_gather = ring(devices, used, resources, rendezvous=rendezvous).latency_s if len(used) > 1 else 0.0
     before, after = max(rounds - 1, 0), min(rounds, 1)  # the all-reduces' 2 each; the all-gather's 1
     ready = {g: max(t_red[g], tied_end.get(g, 0.0)) for g in used}
     home = {g: s for s in reversed(range(n_s)) for g in stage_gpus[s]}  # a GPU's first stage
@@ -179,7 +192,7 @@ def gradient_sync(costs: BlockCosts, devices: DeviceGraph, *, stage_blocks, stag
     for p in range(n_p):
         stages_p = list(range(p, n_s, n_p))
         gpus = stage_gpus[p]
-        ring_p = ring(devices, gpus, resources)
+        ring_p = ring(devices, gpus, resources, rendezvous=rendezvous)
         t_opt = 0.0
         for k, g in enumerate(gpus):
             t0 = ready[g] if barrier is None else barrier
@@ -210,7 +223,7 @@ def gradient_sync(costs: BlockCosts, devices: DeviceGraph, *, stage_blocks, stag
                 t_opt = t1
         step = max(step, t_opt)
     if after and len(used) > 1:
-        end = step + after * (len(used) - 1) * lat
+        end = step + after * (len(used) - 1) * lat_gather
         events += [SimEvent("control", g, home[g], -1, step, end, None, 0) for g in used]
         step = end
     if costs.step_overhead_s:  # a calibration's measured loop overhead (BlockCosts.step_overhead_s)
