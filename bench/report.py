@@ -812,6 +812,12 @@ def _box_speed(case: dict) -> str:
     return "paced on raw CPU time"
 
 
+def _box_tcp(case: dict) -> str:
+    if case.get("tcp_tuning"):
+        return "tuned ([Note: the box's TCP tuning]), links fitted over 4 KiB-4 MiB"
+    return "the kernel's defaults (measured before 2026-12-07T06:00), links fitted over 4-256 KiB"
+
+
 def render_box(doc: dict, name: str) -> list[str]:
     out = ["### Plans measured on the box", "",
            "Every planner's plan trained on an emulated cluster (`zorse box`: a network namespace per node, shaped "
@@ -829,8 +835,13 @@ def render_box(doc: dict, name: str) -> list[str]:
            "it timed the step up to the loss all-reduce, the all-gather after it not counted). Simulated: "
            "since 2026-12-06T20:30 under Gloo's point-to-point protocol, the box's (`simulate(p2p=\"gloo\")`: "
            "a message leaves once the receiver's ready has crossed the link, measured by bench/box_p2p.py; "
-           "before, an eager send); a case measured before says it was re-priced (`bench/box.py --reprice`: "
-           "the same plans, the measurements kept). Pairs ordered "
+           "before, an eager send), since 2026-12-07T06:40 with Gloo's collectives as rendezvous rings too (two "
+           "latencies per ring step, two gradient buckets at once, ZeRO-1's all-gather as one binomial-tree "
+           "broadcast per shard: bench/LOG.md \"The box's WAN: TCP windows and "
+           "Gloo's rendezvous\"); a case measured before says it was re-priced (`bench/box.py --reprice`: "
+           "the same plans, the measurements kept). TCP: since 2026-12-07T06:00 every node's TCP is tuned for "
+           "long fat networks and the links are fitted over 4 KiB-4 MiB messages (each case says which). Pairs "
+           "ordered "
            "alike: of the plan pairs whose measured ranges do not overlap, those the simulator orders the same "
            "way.", ""]
     for case in doc.get("cases", []):
@@ -854,7 +865,7 @@ def render_box(doc: dict, name: str) -> list[str]:
                     f"within the fastest's range: {'yes' if case['zorse_fx_fastest_or_within_spread'] else 'no'}; "
                     f"measured ranking = simulated ranking: {'yes' if case['rankings_equal'] else 'no'}; "
                     f"pairs ordered alike: {_pairs_alike(case['plans'])}. Speed: "
-                    f"{_box_speed(case)}. "
+                    f"{_box_speed(case)}. TCP: {_box_tcp(case)}. "
                     f"Run: `{case.get('command', doc.get('command', '?'))}` (the first two steps of each run not "
                     f"counted), {str(case.get('date', doc.get('date', '')))[:16]}"
                     + (f"; re-priced by `{case['repriced']['command']}`, {case['repriced']['date'][:16]} "

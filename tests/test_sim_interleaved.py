@@ -417,3 +417,30 @@ def test_plan_decision_round_trips_an_interleaved_plan(tmp_path, capsys):
     trace = json.loads((tmp_path / "sim" / "trace.json").read_text())
     assert {"F0 s0", "F0 s2", "B1 s2 (recompute)"} <= {e["name"] for e in trace["traceEvents"] if e.get("ph") == "X"}
     assert "simulated step" in capsys.readouterr().out
+
+
+def test_interleaved_memory_with_activation_offload_equals_objective_and_is_never_negative():
+    """Issue 50's bug: an interleaved stage that offloads its activations ([C-act-offload]) was priced with
+    negative memory, the objective subtracting a stage's in-flight activations from a per-stage memory built
+    with offload's one micro-batch. On random interleaved decisions with activation offload on random stages
+    (besides recomputation and ZeRO-1), every GPU's simulated peak equals ``evaluate``'s memory of each of its
+    stages, and both are > 0: an offloading chunk holds no micro-batch between its forward and its backward,
+    one micro-batch's during its backward."""
+    import dataclasses
+
+    offloading = 0
+    for seed in INTERLEAVED_SEEDS:
+        costs, devices, options, kw = _interleaved_instance(seed)
+        rng = random.Random(10_000 + seed)
+        kw["act_offload"] = tuple(not rc and rng.random() < 0.5 for rc in kw["recompute"])
+        options = dataclasses.replace(options, activation_offload="auto")
+        n_g = devices.num_gpus  # host memory and a PCIe 4.0 x16 link per GPU, for the offloaded activations
+        devices = dataclasses.replace(devices, host_memory_bytes=(512 * GIB,) * n_g,
+                                      host_mem_bw_bytes_per_s=(100e9,) * n_g, host_link_bytes_per_s=(25e9,) * n_g)
+        decision = Decision(**kw)
+        ev, sim = evaluate(costs, devices, options, decision), simulate(costs, devices, options, decision)
+        for gpus, mem in zip(kw["stage_gpus"], ev.memory_bytes):
+            assert min(mem) > 0, (seed, mem)
+            assert tuple(sim.peak_memory_bytes[g] for g in gpus) == mem, seed
+        offloading += any(kw["act_offload"])
+    assert offloading >= 30

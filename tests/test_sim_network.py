@@ -11,7 +11,7 @@ import pytest
 
 from zorse_fx.cluster import Cluster
 from zorse_fx.sim import simulate
-from zorse_fx.sim.network import max_min_rates, ring
+from zorse_fx.sim.network import broadcast_tree, gloo_unequal_allgather_s, max_min_rates, ring
 from zorse_fx.solve import BlockCosts, Decision
 
 from conftest import CLUSTERS, small_gpt, solver_options
@@ -166,16 +166,41 @@ def test_gloo_ring_steps_pay_the_rendezvous():
         took[p2p] = {round(e.end_s - e.start_s, 12) for e in sim.events if e.kind == "allreduce"}
     bw_part = 2 * 3 / 4 * 4 * params / 1e9
     assert took == {"nccl": {round(bw_part + 2 * 3 * 1e-3, 12)}, "gloo": {round(bw_part + 2 * 3 * 2e-3, 12)}}
-    # Two buckets (the first holds 1 MiB of gradients): NCCL reduces them one after the other on its stream,
-    # Gloo's process group both at once on its two worker threads.
+    # Two buckets (the first holds 1 MiB of gradients): NCCL reduces them one after the other on its stream;
+    # Gloo's process group both at once on its two worker threads, their latencies overlapped, their transfers
+    # one after the other on the links they share.
     params = 600_000
     costs = dataclasses.replace(costs, param_count=(params,))
     first = (1 << 20) // 4
-    for p2p, lat, overlap in (("nccl", 1e-3, False), ("gloo", 2e-3, True)):
+    transfers = sum(2 * 3 / 4 * 4 * n / 1e9 for n in (first, params - first))
+    for p2p, latencies in (("nccl", 2 * (2 * 3 * 1e-3)), ("gloo", 2 * 3 * 2e-3)):
         sim = simulate(costs, devices, solver_options(global_batch_size=4), decision, p2p=p2p)
         (span,) = {round(e.end_s - e.start_s, 12) for e in sim.events if e.kind == "allreduce"}
-        each = [2 * 3 / 4 * 4 * n / 1e9 + 2 * 3 * lat for n in (first, params - first)]
-        assert span == pytest.approx(max(each) if overlap else sum(each), rel=1e-9)
+        assert span == pytest.approx(latencies + transfers, rel=1e-9)
+
+
+def test_gloo_unequal_allgather_is_binomial_tree_broadcasts():
+    """On Gloo the runtime's ZeRO-1 all-gather of unequal parts is one broadcast per part, each a binomial tree
+    (gloo/broadcast.cc): priced at its busiest link, here the WAN from us, which the two large parts of us cross
+    twice each (13/8 of the bytes where a ring all-gather moves 3/4), plus two rounds' rendezvous per pair of
+    broadcasts."""
+    assert broadcast_tree(4, 0) == [(0, 0, 1), (1, 0, 2), (1, 1, 3)]
+    assert broadcast_tree(4, 3) == [(0, 3, 0), (1, 3, 1), (1, 0, 2)]
+    assert broadcast_tree(3, 1) == [(0, 1, 2), (1, 1, 0)]
+    assert broadcast_tree(1, 0) == []
+    wan = [{"name": "wan", "between": [{"datacenter": "us"}, {"datacenter": "eu"}], "bandwidth_GBps": 1}]
+    devices = Cluster.from_dict(_one_gpu_nodes({"us": ["us0", "us1"], "eu": ["eu0", "eu1"]},
+                                               shared_links=wan)).device_graph()
+    n = 8_000_000
+    parts = [3 * n / 8, 3 * n / 8, n / 8, n / 8]
+    assert gloo_unequal_allgather_s(devices, (0, 1, 2, 3), parts) == pytest.approx(13 / 8 * n / 1e9 + 2 * 2 * 2e-3,
+                                                                                    rel=1e-12)
+    # the parts follow their GPUs, whatever the order the stage lists them in
+    assert gloo_unequal_allgather_s(devices, (2, 3, 0, 1), parts[2:] + parts[:2]) == pytest.approx(
+        gloo_unequal_allgather_s(devices, (0, 1, 2, 3), parts), rel=1e-12)
+    assert gloo_unequal_allgather_s(devices, (1,), [n]) == 0.0
+    with pytest.raises(ValueError, match="one part per GPU"):
+        gloo_unequal_allgather_s(devices, (0, 1), [n])
 
 
 def _gpt_costs():

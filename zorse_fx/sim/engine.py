@@ -167,6 +167,14 @@ agree to the objective's ns rounding (<= 0.5 ns per block, and per MiB of
 shard for a sharded optimizer step). Elsewhere the interleaved objective
 (fixed times, no link contention) and the simulator differ
 (tests/test_sim_interleaved.py, test_interleaved_agreement...).
+Under ``p2p="gloo"`` (the runtime on CPU, and the box) the collectives are Gloo's: every ring step of
+the gradient and tied all-reduces, ZeRO-3's gathers and the per-step all-gather of the ranks'
+records pays its latency twice (a rendezvous: ``ring(..., rendezvous=True)``), and two buckets
+reduce at once, their latencies overlapped and their transfers in turn (``sync._reduction``'s
+``in_flight``); measured on the box (bench/LOG.md "The box's WAN: TCP windows and Gloo's
+rendezvous"); ZeRO-1's all-gather of unequal shards is one binomial-tree broadcast per shard
+(``runtime/param_shard.py``; ``network.gloo_unequal_allgather_s``), not a ring. ZeRO-3's gathers are
+such broadcasts on Gloo too, but priced as (rendezvous) ring all-gathers: not yet measured on the box.
 
 Tied parameters (``BlockCosts.tied_params``: a tied input / output embedding
 read by the first and the last block). As the runtime does ([Note:

@@ -43,7 +43,8 @@ from typing import Hashable, Mapping, Sequence
 
 from ..ir.devices import DeviceGraph
 
-__all__ = ["FlowResources", "Ring", "link_resource", "max_min_rates", "ring"]
+__all__ = ["FlowResources", "Ring", "broadcast_tree", "gloo_unequal_allgather_s", "link_resource", "max_min_rates",
+           "ring"]
 
 
 def link_resource(devices: DeviceGraph, g: int, h: int) -> tuple:
@@ -169,3 +170,49 @@ def ring(devices: DeviceGraph, gpus: Sequence[int], resources: FlowResources | N
             hop = min(hop, cap / crossing[key])
         bw, lat = min(bw, hop), max(lat, max(devices.link_latency_s[g][h], 0.0))
     return Ring(gpus, bw, 2 * lat if rendezvous else lat)
+
+
+def broadcast_tree(k: int, root: int) -> list[tuple[int, int, int]]:
+    """Gloo's broadcast over k ranks from ``root`` (gloo/broadcast.cc): a binomial tree of
+    ceil(log2 k) rounds; in round i every rank at distance v < 2**i from the root (v + root mod k)
+    sends the whole buffer to the rank at v + 2**i, where that exists. ``(round, src, dst)`` ranks."""
+    rounds = max(0, (k - 1).bit_length())
+    return [(i, (v + root) % k, (v + (1 << i) + root) % k)
+            for i in range(rounds) for v in range(min(1 << i, k)) if v + (1 << i) < k]
+
+
+def gloo_unequal_allgather_s(devices: DeviceGraph, gpus: Sequence[int], part_bytes: Sequence[float],
+                             resources: FlowResources | None = None) -> float:
+    """Seconds of the runtime's ZeRO-1 all-gather of unequal parts on Gloo (``part_bytes[j]`` held by
+    ``gpus[j]``): one broadcast per non-empty part from the GPU holding it (``runtime/param_shard.all_gather_unequal``), each a binomial tree
+    (``broadcast_tree``) over ``gpus`` in rank order, two at a time (``ProcessGroupGloo``'s two worker
+    threads). Priced as its busiest link: every tree edge adds its part's bytes to its pair's link and to
+    every shared link it crosses (one resource per direction, [Note: network resources]), the time is the
+    largest bytes / capacity, plus per pair of broadcasts each round's rendezvous, 2 x the largest hop
+    latency. Bytes are those the broadcasts move, not a ring's (k - 1) / k: a part crosses a link once per
+    tree edge over it, so on two nodes a larger part of one node crosses the NIC twice per broadcast."""
+    if len(part_bytes) != len(gpus):
+        raise ValueError(f"one part per GPU: {len(gpus)} GPUs, {len(part_bytes)} parts")
+    owners, gpus = tuple(gpus), tuple(sorted(gpus))  # a group's ranks number its GPUs in index order
+    k = len(gpus)
+    if k < 2:
+        return 0.0
+    resources = resources or FlowResources(devices)
+    load: dict[tuple, float] = defaultdict(float)
+    cap: dict[tuple, float] = {}
+    lat, rounds, sends = 0.0, max(0, (k - 1).bit_length()), 0
+    for owner, nbytes in zip(owners, part_bytes):
+        if nbytes <= 0:
+            continue
+        sends += 1
+        for _, a, b in broadcast_tree(k, gpus.index(owner)):
+            g, h = gpus[a], gpus[b]
+            key = link_resource(devices, g, h)
+            cap[key] = min(cap.get(key, float("inf")), devices.link_bw_bytes_per_s[g][h])
+            load[key] += nbytes
+            for skey, c in resources.shared(g, h):
+                cap[skey] = c
+                load[skey] += nbytes
+            lat = max(lat, devices.link_latency_s[g][h])
+    transfer = max((load[r] / cap[r] for r in load), default=0.0)
+    return transfer + -(-sends // 2) * rounds * 2 * lat

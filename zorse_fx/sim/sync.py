@@ -15,7 +15,7 @@ from ..solve.objective import GRAD_BUCKET_BYTES_PER_PARAM as _FP32
 from ..solve.objective import MEMORY_UNIT_BYTES, MIB_UNITS
 from ..solve.state_terms import unique_params
 from ..solve.tables import OFFLOAD_BYTES_PER_PARAM, OFFLOAD_LINK_BYTES
-from .network import FlowResources, Ring, ring
+from .network import FlowResources, Ring, gloo_unequal_allgather_s, ring
 
 __all__ = ["gradient_sync"]
 
@@ -66,7 +66,10 @@ def _reduction(costs: BlockCosts, timing: _Timing, stage_blocks, stages, gpus, e
     bound; the runtime starts each after its own micro-batch's backward).
     ``in_flight``: buckets that may reduce at once (1: NCCL's one stream; 2: Gloo, whose process group
     runs its collectives on two worker threads, ``ProcessGroupGloo``'s default ``threads`` =
-    2 x devices): bucket k waits for bucket k - ``in_flight`` instead of k - 1."""
+    2 x devices): bucket k starts after bucket k - ``in_flight`` instead of k - 1; buckets in flight
+    together overlap their rings' latencies but share their links, so a bucket's bandwidth part
+    (``Ring.allreduce_s`` less its latency part) starts after its latency part and after the previous
+    bucket's bandwidth part (with ``in_flight`` = 1, one ring after the other, as before)."""
     scatters = scatters or {}
     buckets: list[list] = []  # [ready, params, {stage: params}]
     caps = bucket_caps(bucket_bytes)
@@ -94,9 +97,12 @@ def _reduction(costs: BlockCosts, timing: _Timing, stage_blocks, stages, gpus, e
     for ready, params, by_stage in buckets:
         start = max(ready, ends[0])
         plain = sum(n for s, n in by_stage.items() if s not in scatters)
-        t = start + (ring_.allreduce_s(grad_bytes * plain) if plain else 0.0) + sum(
+        whole = (ring_.allreduce_s(grad_bytes * plain) if plain else 0.0) + sum(
             scatters[s] * ring_.allreduce_s(grad_bytes * n) / 2 for s, n in by_stage.items() if s in scatters)
-        ends = [*ends[1:], max(t, ends[-1])]
+        latency = (ring_.allreduce_s(0.0) if plain else 0.0) + sum(
+            scatters[s] * ring_.allreduce_s(0.0) / 2 for s in by_stage if s in scatters)
+        t = max(start + latency, ends[-1]) + whole - latency
+        ends = [*ends[1:], t]
         for s, n in by_stage.items():
             sp = span.setdefault(s, [start, t, 0])
             sp[1], sp[2] = t, sp[2] + n
@@ -130,9 +136,10 @@ def gradient_sync(costs: BlockCosts, devices: DeviceGraph, *, stage_blocks, stag
                   num_microbatches: int = 1, rendezvous: bool = False):
     """Events and end of the step's gradient sync (see the engine's module note).
     ``bucket_bytes``: the gradient bucket size (``PlanOptions.bucket_bytes``); ``rendezvous``: Gloo's
-    protocol: every ring step of the gradient and tied all-reduces and ZeRO-1's all-gathers pays its latency
-    twice (``ring``'s ``rendezvous``), two buckets reduce at once (``_reduction``'s ``in_flight``), and so
-    does the per-step all-gather of the ranks' records; the one-element control all-reduces (token count,
+    protocol: every ring step of the gradient and tied all-reduces pays its latency twice (``ring``'s
+    ``rendezvous``), two buckets reduce at once (``_reduction``'s ``in_flight``), so does each step of the
+    per-step all-gather of the ranks' records, and ZeRO-1's all-gather is one binomial-tree broadcast per
+    shard (``gloo_unequal_allgather_s``); the one-element control all-reduces (token count,
     gradient norm) keep one latency per step. Measured on the box's 200 ms WAN, 4 ranks (bench/LOG.md "The
     box's WAN: TCP windows and Gloo's rendezvous"): the per-step all-gather 1.2 s = 3 steps x 2 x 200 ms in
     every plan; the two all-reduces 0.4-1.5 s together, priced 1.2 s.
@@ -218,7 +225,12 @@ def gradient_sync(costs: BlockCosts, devices: DeviceGraph, *, stage_blocks, stag
                 i, j = stage_blocks[s]
                 moved = (sum(costs.gather_bytes(b) for b in range(i, j))  # a tied parameter once ([C-tied])
                          - pa_b * (sum(costs.param_count[i:j]) - unique_params(costs, i, j)))
-                t1 = t_opt + ring_p.allgather_s(moved)
+                if rendezvous:  # Gloo: one binomial-tree broadcast per shard, parts as the shards
+                    z = shard_bytes[s]
+                    t1 = t_opt + gloo_unequal_allgather_s(devices, gpus, [moved * x / max(sum(z), 1) for x in z]
+                                                          if sum(z) else [moved / len(gpus)] * len(gpus), resources)
+                else:
+                    t1 = t_opt + ring_p.allgather_s(moved)
                 events += [SimEvent("allgather", g, s, -1, t_opt, t1, None, moved) for g in gpus]
                 t_opt = t1
         step = max(step, t_opt)

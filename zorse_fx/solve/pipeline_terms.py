@@ -407,9 +407,12 @@ def _interleaved_memory(tab, stage_blocks, stage_gpus, samples, pol, *, v, mem) 
             for s in range(p, n_s, groups):
                 i, j = stage_blocks[s]
                 a = tab.act_prefix[j] - tab.act_prefix[i]
-                own = act_units(tab, s, n_s, i, n, a, recompute=pol.recompute[s])
+                own = act_units(tab, s, n_s, i, n, a, recompute=pol.recompute[s], offload=pol.ao(s))
                 state += mem[s][k] - own
-                if pol.recompute[s]:
+                if pol.ao(s):  # [C-act-offload]: none held between F and B, one micro-batch's during its B
+                    held.append(0)
+                    rerun.append(n * a)
+                elif pol.recompute[s]:
                     held.append(n * (tab.cut_kib[i] if s > 0 else 0))
                     rerun.append(n * a)
                 else:
