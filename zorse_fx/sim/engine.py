@@ -404,7 +404,6 @@ class _Pipeline:
         # P2P_NCCL ([Note: point-to-point models]): each rank's groups in order on its stream;
         # P2P_GLOO: the same groups, each operation on its own, every message a rendezvous.
         self.nccl = p2p == P2P_NCCL
-        self.gloo = p2p == P2P_GLOO
         self.program = self.nccl or self.gloo
         if self.program:
             self.progs = progs = decision_programs(costs, decision, options.schedule)

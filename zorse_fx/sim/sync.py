@@ -187,7 +187,7 @@ def gradient_sync(costs: BlockCosts, devices: DeviceGraph, *, stage_blocks, stag
     used = sorted(t_red)  # the GPUs in rank order (node by node)
     rounds = costs.step_control_rounds
     lat = ring(devices, used, resources).latency_s if len(used) > 1 else 0.0
-    lat_gather = ring(devices, used, resources, rendezvous=rendezvous).latency_s if len(used) > 1 else 0.0
+    lat_gather = 2 * lat if rendezvous else lat  # the record all-gather: a rendezvous ring under Gloo (``ring``)
     before, after = max(rounds - 1, 0), min(rounds, 1)  # the all-reduces' 2 each; the all-gather's 1
     ready = {g: max(t_red[g], tied_end.get(g, 0.0)) for g in used}
     home = {g: s for s in reversed(range(n_s)) for g in stage_gpus[s]}  # a GPU's first stage
