@@ -5,6 +5,7 @@ two micro-batch sizes, and the `zorse bench kernels` harness on a real model."""
 from __future__ import annotations
 
 import json
+import math
 import re
 
 import pytest
@@ -190,6 +191,28 @@ def test_bench_kernels_harness_writes_profile(tmp_path, capsys):
     assert f"{prof.calibration:.3f}" == m.group(1)
     assert (tmp_path / "p.png").stat().st_size > 1000
     assert "kernel profile: cpu-test" in printed
+    # [Note: the measured optimizer step]: the runtime's optimizer phase on the model's own parameters.
+    m = re.search(r"optimizer step: ([0-9.]+) ns/param \(gradient norm \+ AdamW on gpt's parameters after its "
+                  r"backward\)", printed)
+    assert m, printed
+    assert f"{prof.optimizer_ns_per_param:.2f}" == m.group(1)
+    assert "optimizer: gradient norm + AdamW on gpt's parameters after its backward" in prof.notes
+
+
+def test_optimizer_step_is_timed_after_each_backward_on_the_models_parameters():
+    """With a model, every timed step follows one forward and backward, and AdamW steps the model's own
+    parameters (the first step, which creates AdamW's state, untimed)."""
+    from zorse_fx.profiling.kernels_main import measure_optimizer
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=1, n_embd=32, block_size=8))
+    before = [p.detach().clone() for p in model.parameters()]
+    calls = []
+    model.register_forward_hook(lambda *_: calls.append(1))
+    ids = torch.randint(0, 64, (2, 8))
+    ns = measure_optimizer(torch.device("cpu"), model=model, batch=(ids, ids), samples=3)
+    assert len(calls) == 4 and math.isfinite(ns) and ns > 0
+    assert all(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
 
 
 @pytest.mark.parametrize(("argv", "message"), [

@@ -212,7 +212,10 @@ def _device_graph(cluster: Cluster, policy: PrecisionPolicy, profiles: ProfileSe
     """The cluster's device graph; where a GPU type's profile measured the
     optimizer step, its optimizer time comes from that measurement (expressed
     as the memory bandwidth at which the solver's [C-optim] term,
-    ``2 * optimizer_bytes_per_param`` per parameter, takes the measured time)."""
+    ``2 * optimizer_bytes_per_param`` per parameter, takes the measured time;
+    on a CPU the measurement is the runtime's whole optimizer phase, gradient
+    norm and AdamW after a backward: [Note: the measured optimizer step] in
+    profiling/kernels_main.py)."""
     dg = cluster.device_graph()
     step_bytes = policy.optimizer_step_bytes_per_param
     bw = list(dg.mem_bw_bytes_per_s)

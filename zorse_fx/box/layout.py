@@ -19,11 +19,12 @@ import re
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Sequence
+from typing import Literal
 
 from ..cluster import Cluster
 from ..errors import BoxConfigError
 from ..pacing import MAX_PACE, PACE_HEADROOM
+from .tcp import tcp_sysctls
 
 __all__ = ["BoxOptions", "BoxLayout", "NodeLayout", "RankSlot", "PairLink", "SharedDirection", "ScaleDerivation",
            "plan_box", "gpu_rate_flops_per_s", "cpu_rate_flops_per_s", "LATENCY_MECHANISMS", "SPEED_MECHANISMS", "NETNS_PREFIX",
@@ -91,9 +92,9 @@ class BoxOptions:
     that the host's speed drift does not move the emulated GPUs' ([Note: drift-compensated pacing] in
     zorse_fx/pacing.py); off: raw CPU time"""
     tcp_tuning: bool = True
-    """tune every node's TCP for long fat networks as WAN hosts are tuned ([Note: the box's TCP tuning]): socket
-    buffers that autotune up to twice the box's largest bandwidth-delay product, no slow start after idle; off:
-    the kernel's defaults, under which one TCP flow cannot fill a long, fast link"""
+    """tune every node's TCP for long fat networks as WAN hosts are tuned ([Note: the box's TCP tuning] in
+    box/tcp.py): socket buffers that autotune up to twice the box's largest bandwidth-delay product, no slow
+    start after idle; off: the kernel's defaults, under which one TCP flow cannot fill a long, fast link"""
 
     def __post_init__(self) -> None:
         if self.box_id is not None and not BOX_ID.fullmatch(self.box_id):
@@ -512,40 +513,6 @@ def plan_box(cluster: Cluster, options: BoxOptions | None = None, *, latency: st
                        latency=latency, router_netns=f"{NETNS_PREFIX}{box_id}", limits=(), speed=options.speed,
                        tcp_sysctls=tcp_sysctls(pairs) if options.tcp_tuning else ())
     return _with_limits(layout, cluster, floor)
-
-
-# [Note: the box's TCP tuning]
-# One TCP flow carries at most its window per round trip. With the kernel's defaults (tcp_wmem's
-# largest send buffer 4 MiB) a flow over the box's (b) WAN (31 MB/s, 400 ms round trip: a
-# bandwidth-delay product of 12.5 MB) carried 4 MiB messages at 10 MB/s (`zorse bench comm`,
-# 191 ms + 10.1 MB/s fitted over 4 KiB-4 MiB); with buffers up to 32 MiB, 200 ms + 19.4 MB/s
-# (bench/LOG.md "The box's WAN: TCP windows and Gloo's rendezvous", 2026-12-07). And after an
-# idle gap longer than its retransmission timeout a connection starts again from a small window
-# (tcp_slow_start_after_idle = 1, RFC 2861's congestion window validation): back-to-back
-# messages never idle (the fits above were the same with it 0 or 1), a pipeline's boundary
-# messages do. Hosts that train across regions are tuned for long fat networks the way
-# data-transfer hosts are: ESnet's Linux host tuning (fasterdata.es.net/host-tuning/linux/)
-# raises tcp_rmem/tcp_wmem's maximum to cover the path's bandwidth-delay product, and disabling
-# slow start after idle is the standard advice for long-lived connections (I. Grigorik, High
-# Performance Browser Networking, O'Reilly 2013, ch. 2). The box does both in every node's
-# namespace (per-namespace sysctls; the host's own settings are untouched): buffers that
-# autotune up to twice the largest bandwidth-delay product of its pairs (round trip = the two
-# directions' delays), a power of two, at least 8 MiB (above the kernels' usual 4 MiB send /
-# 6 MiB receive maximum), at most 256 MiB. `zorse box up --no-tcp-tuning` keeps the kernel's
-# defaults, to measure an untuned host.
-
-TCP_BUFFER_MAX = 256 << 20
-
-
-def tcp_sysctls(pairs: Sequence[PairLink]) -> tuple[tuple[str, str], ...]:
-    """The node namespaces' TCP sysctls for ``pairs`` ([Note: the box's TCP tuning]): ``tcp_rmem`` and
-    ``tcp_wmem`` whose maximum is 2 x the largest bandwidth-delay product (bytes/s x round trip, rounded up to
-    a power of two, between 8 MiB and ``TCP_BUFFER_MAX``), and ``tcp_slow_start_after_idle`` = 0."""
-    delay = {(p.src, p.dst): p.delay_s for p in pairs}
-    bdp = max((p.bytes_per_s * (p.delay_s + delay.get((p.dst, p.src), p.delay_s)) for p in pairs), default=0.0)
-    buf = max(8 << 20, min(TCP_BUFFER_MAX, 1 << max(0, math.ceil(math.log2(max(2 * bdp, 1.0))))))
-    return (("net.ipv4.tcp_rmem", f"4096 131072 {buf}"), ("net.ipv4.tcp_wmem", f"4096 16384 {buf}"),
-            ("net.ipv4.tcp_slow_start_after_idle", "0"))
 
 
 def _place_shared(cluster: Cluster, pairs: list[PairLink], factor: float) -> list[SharedDirection]:

@@ -37,6 +37,19 @@ Two sweeps, both written to one profile (``cost/profile.py``):
   by ``--cpu-scale``.
 
 On a CPU the harness uses ``--threads`` threads (default 1, as each rank does).
+
+[Note: the measured optimizer step]
+The profile's ``optimizer_ns_per_param`` prices every parameter's share of a step's optimizer phase
+([C-optim]: the objective and the simulator turn it into the memory bandwidth at which that phase takes the
+measured time). Timed as AdamW over 32 M parameters in tensors of 1 M elements, it priced the box's 4-layer
+GPT (0.86 M parameters in 52 tensors) at 0.76 ms where its ranks' optimizer phase took 2.0 ms (paced; 1.0 ms
+unpaced; box case (a), bench/LOG.md 2026-12-07): the runtime's step follows a backward that has evicted the
+weights, gradients and moments from the caches, its tensors are small (a per-tensor cost the 1 M tensors
+amortise), and the runtime computes the gradients' global norm before AdamW, which was priced nowhere. So on
+a CPU with ``--model`` the harness times that phase as the runtime runs it: the model's own parameters, each
+sample right after a forward and backward of the largest swept micro-batch, the norm
+(``torch._foreach_norm``) and the fused AdamW step, each paced. On a GPU, and without ``--model``, the
+streaming measurement stays (a GPU's step is bandwidth-bound and its foreach kernels batch the tensors).
 """
 
 from __future__ import annotations
@@ -349,16 +362,51 @@ def calibrate(model_name: str, seq_len: int, batch: int, device: torch.device, *
     return whole / total, f"{model_name} batch {batch} seq {seq_len}: whole {whole:.2f} ms / nodes {total:.2f} ms"
 
 
-def measure_optimizer(device: torch.device, *, num_params: int = 32 << 20, repeats: int = 3) -> float:
-    """AdamW (torch.optim.AdamW, fp32; fused on a CPU, as the runtime steps there) step time per parameter, ns."""
+def measure_optimizer(device: torch.device, *, num_params: int = 32 << 20, repeats: int = 3,
+                      model: torch.nn.Module | None = None, batch: tuple[torch.Tensor, torch.Tensor] | None = None,
+                      samples: int = 15) -> float:
+    """The optimizer phase's per-parameter time, ns: AdamW (``torch.optim.AdamW``, fp32; fused on a CPU, as the
+    runtime steps there), and with ``model`` the gradient norm before it ([Note: the measured optimizer step]).
+
+    Without ``model``: AdamW over ``num_params`` parameters in tensors of 1 M elements, median of ``repeats``
+    timing windows (a streaming, bandwidth-bound step). With ``model`` (a module ``(input_ids, labels) ->
+    loss`` on ``device``) and ``batch`` (its ``(input_ids, labels)``): the model's own parameters, each of
+    ``samples`` steps timed right after a forward and backward of ``batch`` (untimed), as the runtime's step
+    follows its backward: the gradients' global norm (``torch._foreach_norm``, as ``StageWorker`` computes it)
+    and then the AdamW step, each paced under ``ZORSE_PACE`` ([Note: paced compute]); the median."""
     from ..cost.replay import _timeit
 
-    chunks = [torch.nn.Parameter(torch.randn(1 << 20, device=device)) for _ in range(num_params >> 20)]
-    for p in chunks:
-        p.grad = torch.randn_like(p)
-    opt = torch.optim.AdamW(chunks, lr=1e-4, fused=True if device.type == "cpu" else None)  # (the runtime's)
-    ms = _timeit(opt.step, device, repeats)
-    return ms * 1e6 / num_params
+    if model is None:
+        chunks = [torch.nn.Parameter(torch.randn(1 << 20, device=device)) for _ in range(num_params >> 20)]
+        for p in chunks:
+            p.grad = torch.randn_like(p)
+        opt = torch.optim.AdamW(chunks, lr=1e-4, fused=True if device.type == "cpu" else None)  # (the runtime's)
+        ms = _timeit(opt.step, device, repeats)
+        return ms * 1e6 / num_params
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-4, fused=True if device.type == "cpu" else None)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    pacer = Pacer.from_environment() if device.type == "cpu" else Pacer(1.0)
+
+    def timed(fn) -> float:
+        sync()
+        t0, paced = time.perf_counter(), pacer.start()
+        fn()
+        sync()
+        return pacer.emulated_s(paced) if pacer.active else time.perf_counter() - t0
+
+    def norm() -> None:
+        grads = [p.grad for p in params if p.grad is not None]
+        torch.stack([n.float() for n in torch._foreach_norm(grads, 2.0)]).pow(2).sum()
+
+    times = []
+    for k in range(samples + 1):
+        opt.zero_grad(set_to_none=False)  # (the runtime's gradients live on from step to step)
+        model(*batch).backward()
+        t = timed(norm) + timed(opt.step)
+        if k:  # (the first step creates AdamW's state)
+            times.append(t)
+    return statistics.median(times) * 1e9 / sum(p.numel() for p in params)
 
 
 def _dtype_of(call) -> str:
@@ -650,8 +698,16 @@ def _run(args) -> int:
         calibration, cal_note = calibrate(args.calibrate, seqs[0], max(batches), device, repeats=args.repeats,
                                           flush_bytes=args.flush_bytes if device.type == "cpu" else 0)
         print(f"[zorse] calibration {calibration:.3f} ({cal_note})")
-    opt_ns = measure_optimizer(device)
-    print(f"[zorse] AdamW step: {opt_ns:.2f} ns/param")
+    if args.model and device.type == "cpu":  # [Note: the measured optimizer step]
+        model = load_on(args.model[0], device, layers=args.layers)
+        ids = torch.randint(0, 200, (max(batches), seqs[0]), device=device)
+        opt_ns = measure_optimizer(device, model=model, batch=(ids, ids))
+        del model
+        opt_how = f"gradient norm + AdamW on {args.model[0]}'s parameters after its backward"
+    else:
+        opt_ns = measure_optimizer(device)
+        opt_how = "AdamW over 32 M parameters in 1 M tensors"
+    print(f"[zorse] optimizer step: {opt_ns:.2f} ns/param ({opt_how})")
     uniq = {}
     for e in entries:
         uniq.setdefault((e.key, e.impl), e)
@@ -666,7 +722,7 @@ def _run(args) -> int:
                  f"; repeats {args.repeats}"
                  + (f" of >= {args.min_window_ms:g} ms windows" if args.min_window_ms else "")
                  + f"; flush {args.flush_bytes} B; ")
-              + f"calibration: {cal_note}",
+              + f"calibration: {cal_note}; optimizer: {opt_how}",
         calibration=calibration,
         node_overhead_ms=node_overhead,
         batch_sizes=tuple(batches) if args.model else (),

@@ -445,8 +445,9 @@ class StageWorker:
         grads = [g for g in map(self.reducer.grad_of, self._norm_params) if g is not None]
         grads += self.reducer.shard_grads()  # ZeRO-2: each element once, on its owner
         if grads:
-            norms = torch._foreach_norm(grads, 2.0)
-            sq = torch.stack([n.float() for n in norms]).pow(2).sum()
+            with self.pacer.paced():  # (compute on a GPU: the box paces it, as the profile measured it)
+                norms = torch._foreach_norm(grads, 2.0)
+                sq = torch.stack([n.float() for n in norms]).pow(2).sum()
         if dist.is_initialized():  # (a one-rank plan may run without a process group, in-process)
             dist.all_reduce(sq)
         return sq.sqrt()
