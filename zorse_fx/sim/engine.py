@@ -175,6 +175,36 @@ reduce at once, their latencies overlapped and their transfers in turn (``sync._
 rendezvous"); ZeRO-1's all-gather of unequal shards is one binomial-tree broadcast per shard
 (``runtime/param_shard.py``; ``network.gloo_unequal_allgather_s``), not a ring. ZeRO-3's gathers are
 such broadcasts on Gloo too, but priced as (rendezvous) ring all-gathers: not yet measured on the box.
+The world's small collectives (the control all-reduces, the per-step record all-gather) are replayed
+operation by operation under Gloo, each rank leaving when its own part ends ([Note: Gloo's collectives
+as programs] in sim/gloo.py), so the ranks end a step at different times.
+
+[Note: Gloo's ready behind data]
+Gloo's "ready to receive" travels in band, on the one TCP connection a rank pair shares, so it queues
+behind data already crossing the other way: a stage that ends a backward posts its gradient's send and
+its next forward's receive together, and that receive's ready reaches the sender only with the
+gradient's last byte. Measured on box case (a) (bench/LOG.md, "Gloo's small collectives, rank by rank"):
+the third and fourth activations of a 4-micro-batch pipeline arrived 0.21 and 0.41 s after a sender-side
+rendezvous would have them, one and two gradient transfers later; a direct check on the same box
+(131 KiB and 512 KiB messages both ways at once against one way) found each direction's data at full
+rate, so only the ready is held up. Under ``p2p="gloo"`` a message whose receive was posted while data
+of the reverse direction was on the wire leaves no earlier than one latency after that data arrived.
+The data itself keeps each direction's link (``link_resource``); NCCL's and the buffered models do not
+have it.
+
+[Note: the steady state under Gloo]
+A training step starts on each rank where that rank's part of the previous step's record all-gather
+ended. Under Gloo those ends differ by up to a WAN latency (box case b_wan_shared: rank 2 0.2 s after
+rank 0, rank 3 0.2 s before it, every step of every plan), and a stage on a late rank starts its
+micro-batches late, or a late receiver delays a rendezvous (bench/LOG.md, "Gloo's small collectives,
+rank by rank"). So under ``p2p="gloo"``, where the step ends with the world's record all-gather
+(``BlockCosts.step_control_rounds`` > 0; costs built by hand for the pipeline alone have none and
+keep one step from a common start), ``simulate`` replays the step from the starts the previous
+replay ended at (``_Pipeline``'s ``start``: a GPU posts its first receives and runs its first action no
+earlier; offsets from the earliest rank), until they repeat (within 1e-9 of the step) or
+``STEADY_STATE_STEPS`` replays; ``step_time_s`` is the last replay's longest start-to-end, the
+period of the steady state, and its events are that replay's (times from the earliest rank's start).
+The objective and ``p2p="nccl"`` keep one step from a common start (their collectives end together).
 
 Tied parameters (``BlockCosts.tied_params``: a tied input / output embedding
 read by the first and the last block). As the runtime does ([Note:
@@ -324,6 +354,9 @@ class SimResult:
     #: Interleave degree v simulated: S = P v stages on P GPU groups, stage s
     #: on group s mod P (a GPU's events carry the stage they ran).
     interleave: int = 1
+    #: Per GPU, seconds: when its step starts, from the earliest rank's start (all 0 but in Gloo's steady
+    #: state, [Note: the steady state under Gloo]); its step ends ``step_time_s`` later.
+    start_s: tuple[float, ...] = ()
 
 
 class _Msg:
@@ -375,8 +408,11 @@ class _Pipeline:
     ``busy``, ``peak_act``, ``last_b`` and ``last_b_span`` hold the outcome."""
 
     def __init__(self, costs: BlockCosts, devices: DeviceGraph, options: PlanOptions, decision: Decision,
-                 tab, pol, p2p: str):
+                 tab, pol, p2p: str, start: dict[int, float] | None = None):
         self.costs, self.devices, self.decision, self.pol = costs, devices, decision, pol
+        #: Per GPU when its step starts (seconds; absent: 0): its first receives are posted and its first
+        #: action may run no earlier ([Note: the steady state under Gloo]).
+        self.start = dict(start or {})
         self.n_s, self.v = decision.num_stages, decision.interleave
         self.n_p = self.n_s // self.v  # GPU groups; stage s runs on group s % n_p as its chunk s // n_p
         self.sched = make_schedule(options.schedule, self.n_s, decision.num_microbatches, self.v)
@@ -400,6 +436,9 @@ class _Pipeline:
         self.events: list[SimEvent] = []
         self.waiting: list[_Msg] = []  # in their latency phase
         self.active: list[_Msg] = []  # transferring
+        # P2P_GLOO: messages whose receiver's ready waits behind data on the reverse connection
+        # ([Note: Gloo's ready behind data]): (message, its reverse messages still to arrive, earliest ready)
+        self.blocked: list[tuple[_Msg, list[_Msg], float]] = []
         self.t = 0.0
         # P2P_NCCL ([Note: point-to-point models]): each rank's groups in order on its stream;
         # P2P_GLOO: the same groups, each operation on its own, every message a rendezvous.
@@ -480,19 +519,45 @@ class _Pipeline:
     def _footprint(self, g) -> int:
         return sum(c * h for c, h in zip(self.live[g], self.held[g]))
 
-    def _post(self, src, dst, s, m, fwd, nbytes, key=None, t0=None, recv_t=None):
+    def _post(self, src, dst, s, m, fwd, nbytes, key=None, t0=None, recv_t=None, send_t=None):
         """Start a message: its latency phase ends d after now, or (``recv_t``: P2P_GLOO's
-        rendezvous, the receive's post time) at max(now, recv_t + d) + d."""
+        rendezvous, the receive's post time; ``send_t``: the send's, default now) at
+        max(send_t, recv_t + d) + d."""
         devices = self.devices
         lat = max(devices.link_latency_s[src][dst], 0.0)
-        ready = self.t + lat if recv_t is None else max(self.t, recv_t + lat) + lat
+        sent = self.t if send_t is None else max(self.t, send_t)
+        ready = self.t + lat if recv_t is None else max(sent, recv_t + lat) + lat
         bw = devices.link_bw_bytes_per_s[src][dst]
         if not bw > 0:
             raise ValueError(f"link bandwidth from GPU {src} to {dst} must be > 0, got {bw}")
         res = ((link_resource(devices, src, dst), bw), *self.resources.shared(src, dst))
-        self.waiting.append(_Msg(src, dst, s, m, fwd, nbytes, self.t if t0 is None else t0, ready, bw, res, key))
+        msg = _Msg(src, dst, s, m, fwd, nbytes, self.t if t0 is None else t0, ready, bw, res, key)
+        if self.gloo and recv_t is not None:  # [Note: Gloo's ready behind data]
+            back = max(devices.link_latency_s[dst][src], 0.0)
+            ahead = [x for x in self.waiting + self.active if (x.src, x.dst) == (dst, src) and x.ready - back <= recv_t]
+            if ahead:
+                self.blocked.append((msg, ahead, sent))
+                return
+        self.waiting.append(msg)
+
+    def _unblock(self, arrived: _Msg) -> None:
+        """P2P_GLOO: ``arrived`` came in at ``self.t``; a message whose receiver's ready was queued behind it
+        (and behind nothing else) now leaves: its ready reached the sender with this data's last byte."""
+        keep = []
+        for msg, ahead, sent in self.blocked:
+            if arrived in ahead:
+                ahead.remove(arrived)
+                if not ahead:
+                    msg.ready = max(msg.ready, max(sent, self.t) + max(self.devices.link_latency_s[msg.src][msg.dst],
+                                                                      0.0))
+                    self.waiting.append(msg)
+                    continue
+            keep.append((msg, ahead, sent))
+        self.blocked = keep
 
     def _arrive(self, msg: _Msg, when: float):
+        if self.blocked:
+            self._unblock(msg)
         self.events.append(SimEvent("send", msg.src, msg.stage, msg.m, msg.t0, when, msg.dst, msg.nbytes,
                                     peer_stage=msg.stage + (1 if msg.fwd else -1)))
         if self.nccl:
@@ -532,7 +597,7 @@ class _Pipeline:
     def _post_group(self, g):
         gi = self.posted[g]
         self.posted[g] += 1
-        self.post_time[g, gi] = self.t
+        self.post_time[g, gi] = max(self.t, self.start.get(g, 0.0))
         if self.gloo:  # every message whose other end is posted too starts now, the later end posting
             for op in self.progs[g].groups[gi]:
                 send, recv = ((g, gi), self.where[False, op.message]) if op.send else \
@@ -541,12 +606,15 @@ class _Pipeline:
                     msg = op.message
                     fwd = not msg.backward
                     self._post(msg.src, msg.dst, msg.boundary if fwd else msg.boundary + 1, msg.microbatch, fwd,
-                               msg.nbytes, key=msg, t0=self.post_time[send], recv_t=self.post_time[recv])
+                               msg.nbytes, key=msg, t0=self.post_time[send], recv_t=self.post_time[recv],
+                               send_t=self.post_time[send])
             return
         self.stream[g].append(gi)
         self._advance(g)
 
     def _ready(self, g) -> bool:
+        if self.t < self.start.get(g, 0.0):
+            return False
         if self.nccl:
             return all((g, gi) in self.finished for gi in self.progs[g].waits[self.pc[g]])
         if self.gloo:
@@ -566,6 +634,8 @@ class _Pipeline:
             self._start_ready_actions()
             finish = {id(x): self.t + x.left / x.rate for x in self.active}
             cands = [r[1] for r in self.running.values()] + [x.ready for x in self.waiting] + list(finish.values())
+            cands += [t for g, t in self.start.items() if t > self.t and g not in self.running
+                      and self.pc[g] < len(self.acts[g])]  # a GPU whose step has not started yet
             if not cands:
                 break
             t_next = max(min(cands), self.t)
@@ -640,6 +710,10 @@ class _Pipeline:
                 x.rate = r
 
 
+#: Steps replayed at most to find the steady state under Gloo ([Note: the steady state under Gloo]).
+STEADY_STATE_STEPS = 8
+
+
 def simulate(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions, decision: Decision, *,
              p2p: str = P2P_NCCL) -> SimResult:
     """Simulate one training step of ``decision`` (see the module note).
@@ -666,16 +740,26 @@ def simulate(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions, deci
     if p2p not in P2P_MODES:
         raise ValueError(f"simulate: p2p must be one of {', '.join(map(repr, P2P_MODES))}, got {p2p!r}")
     tab, pol = prepare(costs, devices, options, decision)
-    pipe = _Pipeline(costs, devices, options, decision, tab, pol, p2p)
-    pipe.run()
-    stage_blocks, stage_gpus, n_s, n_p = decision.stage_blocks, decision.stage_gpus, pipe.n_s, pipe.n_p
-    # Gradient sync (see the module note): per group its buckets, tied parameters over their
-    # holders, then each GPU's optimizer steps, then the all-gathers of the sharded stages.
-    step, sync_events, shard_bytes = gradient_sync(
-        costs, devices, stage_blocks=stage_blocks, stage_gpus=stage_gpus, samples=decision.samples_per_microbatch,
-        n_p=n_p, pol=pol, last_b=pipe.last_b, last_b_span=pipe.last_b_span, rc_dur=pipe.rc_dur,
-        resources=pipe.resources, bucket_bytes=options.bucket_bytes, num_microbatches=decision.num_microbatches,
-        rendezvous=pipe.gloo)
+    stage_blocks, stage_gpus = decision.stage_blocks, decision.stage_gpus
+    start: dict[int, float] = {}
+    for _ in range(STEADY_STATE_STEPS):  # [Note: the steady state under Gloo]
+        pipe = _Pipeline(costs, devices, options, decision, tab, pol, p2p, start)
+        pipe.run()
+        n_s, n_p = pipe.n_s, pipe.n_p
+        # Gradient sync (see the module note): per group its buckets, tied parameters over their
+        # holders, then each GPU's optimizer steps, then the all-gathers of the sharded stages.
+        end, sync_events, shard_bytes, ends = gradient_sync(
+            costs, devices, stage_blocks=stage_blocks, stage_gpus=stage_gpus,
+            samples=decision.samples_per_microbatch, n_p=n_p, pol=pol, last_b=pipe.last_b,
+            last_b_span=pipe.last_b_span, rc_dur=pipe.rc_dur, resources=pipe.resources,
+            bucket_bytes=options.bucket_bytes, num_microbatches=decision.num_microbatches, rendezvous=pipe.gloo)
+        step = max((ends[g] - start.get(g, 0.0) for g in ends), default=end)
+        first = min(ends.values(), default=0.0)
+        nxt = {g: t - first for g, t in ends.items() if t - first > 0}  # the next step's starts
+        if not (pipe.gloo and costs.step_control_rounds) or all(
+                abs(nxt.get(g, 0.0) - start.get(g, 0.0)) <= 1e-9 * max(1.0, step) for g in ends):
+            break
+        start = nxt
     events = pipe.events + sync_events
     used, n_g = pipe.used, devices.num_gpus
     busy_frac = tuple(pipe.busy.get(g, 0.0) / step if step > 0 else 0.0 for g in range(n_g))
@@ -705,4 +789,5 @@ def simulate(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions, deci
                      state_shard_bytes=shard_bytes, stage_recompute=pol.recompute, interleave=pipe.v,
                      stage_zero=tuple(3 if pol.ps(s) else 2 if pol.gs(s) else int(pol.sharded[s]) for s in range(n_s)),
                      stage_offload=tuple(pol.of(s) for s in range(n_s)),
-                     stage_act_offload=tuple(pol.ao(s) for s in range(n_s)))
+                     stage_act_offload=tuple(pol.ao(s) for s in range(n_s)),
+                     start_s=tuple(start.get(g, 0.0) for g in range(n_g)))

@@ -15,9 +15,17 @@ from ..solve.objective import GRAD_BUCKET_BYTES_PER_PARAM as _FP32
 from ..solve.objective import MEMORY_UNIT_BYTES, MIB_UNITS
 from ..solve.state_terms import unique_params
 from ..solve.tables import OFFLOAD_BYTES_PER_PARAM, OFFLOAD_LINK_BYTES
+from .gloo import allgather_program, allreduce_program, replay
 from .network import FlowResources, Ring, gloo_unequal_allgather_s, ring
 
-__all__ = ["gradient_sync"]
+__all__ = ["CONTROL_BYTES", "RECORD_ROW_BYTES", "gradient_sync"]
+
+#: Bytes of a control all-reduce: one float32 (the gradient norm's sum of squares; fp16's inf/NaN flag).
+CONTROL_BYTES = 4
+#: Bytes per rank of the per-step all-gather of the ranks' records ([Note: one world collective after the
+#: step] in zorse_fx/train.py): a few dozen float64 (phase times, flags, memory peak, per-action timings,
+#: the loss contribution); latency-bound, so its exact length matters little.
+RECORD_ROW_BYTES = 512
 
 
 class _Timing:
@@ -138,13 +146,15 @@ def gradient_sync(costs: BlockCosts, devices: DeviceGraph, *, stage_blocks, stag
     ``bucket_bytes``: the gradient bucket size (``PlanOptions.bucket_bytes``); ``rendezvous``: Gloo's
     protocol: every ring step of the gradient and tied all-reduces pays its latency twice (``ring``'s
     ``rendezvous``), two buckets reduce at once (``_reduction``'s ``in_flight``), so does each step of the
-    per-step all-gather of the ranks' records, and ZeRO-1's all-gather is one binomial-tree broadcast per
-    shard (``gloo_unequal_allgather_s``); the one-element control all-reduces (token count,
-    gradient norm) keep one latency per step. Measured on the box's 200 ms WAN, 4 ranks (bench/LOG.md "The
-    box's WAN: TCP windows and Gloo's rendezvous"): the per-step all-gather 1.2 s = 3 steps x 2 x 200 ms in
-    every plan; the two all-reduces 0.4-1.5 s together, priced 1.2 s.
-    Returns ``(step_end_s, events, shard_bytes)`` with ``shard_bytes`` per stage
-    per GPU (0 where not sharded)."""
+    ZeRO-1's all-gather is one binomial-tree broadcast per shard (``gloo_unequal_allgather_s``), and the
+    world's small collectives (the one-element control all-reduces, the per-step all-gather of the ranks'
+    records) are replayed operation by operation from each rank's entry ([Note: Gloo's collectives as
+    programs] in sim/gloo.py): each GPU's optimizer starts, and its step ends, when its own part does.
+    Otherwise (NCCL's pricing, the objective's) the control all-reduces end together after the last GPU's
+    sync plus their rings' latencies, and so does the record all-gather.
+    Returns ``(step_end_s, events, shard_bytes, ends)`` with ``shard_bytes`` per stage per GPU (0 where not
+    sharded) and ``ends`` each used GPU's end of the step (its record all-gather's; all equal but under
+    Gloo), ``step_end_s`` their latest."""
     from .engine import SimEvent  # the record lives with the engine
 
     n_s = len(stage_blocks)
@@ -187,22 +197,29 @@ def gradient_sync(costs: BlockCosts, devices: DeviceGraph, *, stage_blocks, stag
     used = sorted(t_red)  # the GPUs in rank order (node by node)
     rounds = costs.step_control_rounds
     lat = ring(devices, used, resources).latency_s if len(used) > 1 else 0.0
-    lat_gather = 2 * lat if rendezvous else lat  # the record all-gather: a rendezvous ring under Gloo (``ring``)
     before, after = max(rounds - 1, 0), min(rounds, 1)  # the all-reduces' 2 each; the all-gather's 1
     ready = {g: max(t_red[g], tied_end.get(g, 0.0)) for g in used}
     home = {g: s for s in reversed(range(n_s)) for g in stage_gpus[s]}  # a GPU's first stage
-    barrier = None  # one GPU, or no control collective: each GPU's optimizer starts when its sync ends
+    programs = _GlooWorld(devices, used) if rendezvous and len(used) > 1 else None
+    start = dict(ready)  # when each GPU's optimizer may start
     if before and len(used) > 1:
-        barrier = max(ready.values()) + before * (len(used) - 1) * lat
-        events += [SimEvent("control", g, home[g], -1, ready[g], barrier, None, 0) for g in used]
-    step = 0.0
+        if programs is not None:  # [Note: Gloo's collectives as programs]: each rank leaves when its part ends
+            for _ in range(before // 2):  # the one-element all-reduces (fp16's inf/NaN agreement, the norm)
+                exits = programs.allreduce(start, CONTROL_BYTES)
+                events += [SimEvent("control", g, home[g], -1, start[g], exits[g], None, 0) for g in used]
+                start = exits
+        else:
+            barrier = max(ready.values()) + before * (len(used) - 1) * lat
+            events += [SimEvent("control", g, home[g], -1, ready[g], barrier, None, 0) for g in used]
+            start = dict.fromkeys(used, barrier)
+    done: dict[int, float] = {}  # per GPU: its optimizer steps and its group's all-gathers ended
     for p in range(n_p):
         stages_p = list(range(p, n_s, n_p))
         gpus = stage_gpus[p]
         ring_p = ring(devices, gpus, resources, rendezvous=rendezvous)
         t_opt = 0.0
         for k, g in enumerate(gpus):
-            t0 = ready[g] if barrier is None else barrier
+            t0 = start[g]
             for s in stages_p:
                 i, j = stage_blocks[s]
                 params = unique_params(costs, i, j)  # a tied parameter once per stage ([C-tied])
@@ -220,6 +237,7 @@ def gradient_sync(costs: BlockCosts, devices: DeviceGraph, *, stage_blocks, stag
                 events.append(SimEvent("optim", g, s, -1, t0, t1, None, int(round(moved))))
                 t0 = t1
             t_opt = max(t_opt, t0)
+            done[g] = t0
         for s in stages_p:  # all-gather the updated weights once the group's steps ended (not ZeRO-3's)
             if pol.sharded[s] and not pol.ps(s):
                 i, j = stage_blocks[s]
@@ -233,13 +251,40 @@ def gradient_sync(costs: BlockCosts, devices: DeviceGraph, *, stage_blocks, stag
                     t1 = t_opt + ring_p.allgather_s(moved)
                 events += [SimEvent("allgather", g, s, -1, t_opt, t1, None, moved) for g in gpus]
                 t_opt = t1
-        step = max(step, t_opt)
-    if after and len(used) > 1:
-        end = step + after * (len(used) - 1) * lat_gather
-        events += [SimEvent("control", g, home[g], -1, step, end, None, 0) for g in used]
-        step = end
+                done.update(dict.fromkeys(gpus, t1))
+    if programs is None:  # every GPU waits for the last (the record all-gather below is one ring)
+        done = dict.fromkeys(used, max(done.values(), default=0.0))
+    if after and len(used) > 1:  # the per-step all-gather of the ranks' records
+        if programs is not None:
+            ends = programs.allgather(done, RECORD_ROW_BYTES)
+        else:
+            ends = {g: done[g] + after * (len(used) - 1) * lat for g in used}
+        events += [SimEvent("control", g, home[g], -1, done[g], ends[g], None, 0) for g in used]
+        done = ends
     if costs.step_overhead_s:  # a calibration's measured loop overhead (BlockCosts.step_overhead_s)
-        end = step + costs.step_overhead_s
-        events += [SimEvent("control", g, home[g], -1, step, end, None, 0) for g in used]
-        step = end
-    return step, events, tuple(shard_bytes)
+        ends = {g: done[g] + costs.step_overhead_s for g in used}
+        events += [SimEvent("control", g, home[g], -1, done[g], ends[g], None, 0) for g in used]
+        done = ends
+    return max(done.values(), default=0.0), events, tuple(shard_bytes), done
+
+
+class _GlooWorld:
+    """The world's small collectives replayed as Gloo runs them ([Note: Gloo's collectives as programs] in
+    sim/gloo.py): ``used`` (GPU indices) in rank order are the ring's positions."""
+
+    def __init__(self, devices: DeviceGraph, used: list[int]):
+        self.used = used
+        self.latency = lambda a, b: max(devices.link_latency_s[used[a]][used[b]], 0.0)
+        self.seconds_per_byte = lambda a, b: 1.0 / devices.link_bw_bytes_per_s[used[a]][used[b]]
+
+    def _run(self, programs, entry: dict[int, float]) -> dict[int, float]:
+        exits = replay(programs, [entry[g] for g in self.used], self.latency, self.seconds_per_byte)
+        return dict(zip(self.used, exits))
+
+    def allreduce(self, entry: dict[int, float], nbytes: int) -> dict[int, float]:
+        n = len(self.used)
+        return self._run([allreduce_program(n, k, nbytes) for k in range(n)], entry)
+
+    def allgather(self, entry: dict[int, float], nbytes: int) -> dict[int, float]:
+        n = len(self.used)
+        return self._run([allgather_program(n, k, nbytes) for k in range(n)], entry)

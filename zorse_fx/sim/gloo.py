@@ -1,0 +1,150 @@
+"""Gloo's small world collectives, operation by operation ([Note: Gloo's collectives as programs]).
+
+[Note: Gloo's collectives as programs]
+A ring priced as a whole (``network.Ring``) ends at one time for every rank. Gloo's does not: each
+rank runs its own sequence of sends, receives and waits on unbound buffers, and a send's data leaves
+only once the receiver has posted its receive and said so (``NOTIFY_RECV_READY``,
+gloo/transport/tcp/pair.cc). Across a WAN the ranks therefore leave a collective up to a latency apart,
+and the next step starts where each left. Measured on box case b_wan_shared (four single-rank nodes,
+two per region, 200 ms one way between the regions; bench/LOG.md, "Gloo's small collectives, rank by
+rank", 2026-12-07): every step, in every plan, rank 2 started 0.200 s after rank 0 and rank 3 0.200 s
+before it; the gradient norm's one-element all-reduce ended 0.43 s after its last rank entered in one
+plan and 0.65 s in another, by which rank entered last. The programs below are gloo's own loops
+(gloo/allreduce.cc ``ring``, gloo/allgather.cc ``allgather``, pytorch/gloo at the mirrored head),
+replayed with the rendezvous rule: the k-th send from rank a to rank b meets the k-th receive that b
+posted from a; its data leaves at max(send posted, receive posted + latency(b, a)) and arrives a
+latency(a, b) plus its bytes over the link's bandwidth later; a send completes when its data leaves
+(the messages are a few bytes: the socket takes them at once), a receive when its data arrives, and a
+wait returns the rank's oldest outstanding send (or receive). Replayed from the per-rank entry times
+measured in that case, they give the per-rank exits measured within 5 ms (tests/test_sim_gloo.py).
+Only the collectives of a few bytes are replayed so (their links are not shared with anything priced
+at the same time); the gradient buckets stay rings with two latencies per step (``network.ring``).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict, deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+__all__ = ["Op", "allgather_program", "allreduce_program", "replay"]
+
+
+@dataclass(frozen=True, slots=True)
+class Op:
+    """One operation of a rank's program: ``"send"`` / ``"recv"`` (``nbytes`` to / from ring position
+    ``peer``; posted at once), ``"wait_send"`` / ``"wait_recv"`` (block until the oldest outstanding one
+    completes)."""
+
+    kind: str
+    peer: int = -1
+    nbytes: int = 0
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return value if value % multiple == 0 else value + multiple - value % multiple
+
+
+def allreduce_program(n: int, rank: int, total_bytes: int, element_bytes: int = 4) -> list[Op]:
+    """Ring position ``rank``'s operations in gloo's ring all-reduce of ``total_bytes`` over ``n`` ranks
+    (gloo/allreduce.cc ``ring``, one input buffer, no maximum segment size: ``2 n`` segments, as
+    ``ProcessGroupGloo`` sets none): a reduce-scatter then an all-gather, each sending to ``rank - 1`` and
+    receiving from ``rank + 1`` with two operations in flight; a segment beyond ``total_bytes`` is neither
+    sent nor received (so a one-element all-reduce is one chain ``n-1 -> ... -> 0`` of hops, then
+    ``0 -> n-1 -> ... -> 1``)."""
+    if n < 2:
+        return []
+    num_seg = 2 * n
+    per = num_seg // n
+    seg = _round_up(-(-total_bytes // num_seg), element_bytes)
+    recv_rank, send_rank = (rank + 1) % n, (rank - 1) % n
+
+    def lengths(i: int, send_first: int, recv_first: int) -> tuple[int, int]:
+        send_off = ((send_first * per + i) * seg) % (num_seg * seg)
+        recv_off = ((recv_first * per + i) * seg) % (num_seg * seg)
+        return min(seg, total_bytes - send_off), min(seg, total_bytes - recv_off)
+
+    ops: list[Op] = []
+    for send_first, recv_first in ((rank + 1, rank + 2), (rank, rank + 1)):  # reduce-scatter, all-gather
+        for i in range(num_seg - per + 2):
+            if i >= 2:
+                send_len, recv_len = lengths(i - 2, send_first, recv_first)
+                if recv_len > 0:
+                    ops.append(Op("wait_recv"))
+                if send_len > 0:
+                    ops.append(Op("wait_send"))
+            if i < num_seg - per:
+                send_len, recv_len = lengths(i, send_first, recv_first)
+                if recv_len > 0:
+                    ops.append(Op("recv", recv_rank, recv_len))
+                if send_len > 0:
+                    ops.append(Op("send", send_rank, send_len))
+    return ops
+
+
+def allgather_program(n: int, rank: int, in_bytes: int) -> list[Op]:
+    """Ring position ``rank``'s operations in gloo's all-gather of ``in_bytes`` per rank over ``n`` ranks
+    (gloo/allgather.cc): each rank's part in two chunks, ``2 (n - 1)`` sends to ``rank + 1`` and receives
+    from ``rank - 1``, two in flight."""
+    if n < 2 or in_bytes <= 0:
+        return []
+    chunk = (in_bytes // 2, in_bytes - in_bytes // 2)
+    send_rank, recv_rank = (rank + 1) % n, (rank - 1) % n
+    ops: list[Op] = []
+    for i in range(2 * (n - 1)):
+        if i >= 2:
+            ops += [Op("wait_send"), Op("wait_recv")]
+        ops += [Op("send", send_rank, chunk[i & 1]), Op("recv", recv_rank, chunk[i & 1])]
+    return ops + [Op("wait_send"), Op("wait_recv")] * 2
+
+
+def replay(programs: Sequence[Sequence[Op]], entry: Sequence[float], latency: Callable[[int, int], float],
+           seconds_per_byte: Callable[[int, int], float]) -> list[float]:
+    """Each rank's exit time (seconds) from ``programs`` (per ring position) entered at ``entry`` (seconds),
+    under the rendezvous rule of the module note; ``latency(a, b)`` and ``seconds_per_byte(a, b)``: the link
+    from position a to b.
+
+    Raises:
+        RuntimeError: the programs deadlock (a wait whose operation never meets its peer's)."""
+    n = len(programs)
+    clock = [float(t) for t in entry]
+    pc = [0] * n
+    posted: dict[tuple[int, int, str], list[tuple[float, int]]] = defaultdict(list)  # (src, dst, side)
+    done: dict[tuple[int, int, str, int], float] = {}  # (src, dst, side, k) -> completion time
+    outstanding = {(r, side): deque() for r in range(n) for side in ("send", "recv")}
+
+    def match(src: int, dst: int, k: int) -> None:
+        sends, recvs = posted[src, dst, "send"], posted[src, dst, "recv"]
+        if k < len(sends) and k < len(recvs):
+            (t_send, nbytes), (t_recv, _) = sends[k], recvs[k]
+            leave = max(t_send, t_recv + latency(dst, src))
+            done[src, dst, "send", k] = leave
+            done[src, dst, "recv", k] = leave + latency(src, dst) + nbytes * seconds_per_byte(src, dst)
+
+    moved = True
+    while moved:
+        moved = False
+        for r in range(n):
+            while pc[r] < len(programs[r]):
+                op = programs[r][pc[r]]
+                if op.kind in ("send", "recv"):
+                    src, dst = (r, op.peer) if op.kind == "send" else (op.peer, r)
+                    queue = posted[src, dst, op.kind]
+                    queue.append((clock[r], op.nbytes))
+                    outstanding[r, op.kind].append((src, dst, len(queue) - 1))
+                    match(src, dst, len(queue) - 1)
+                else:
+                    side = op.kind.removeprefix("wait_")
+                    src, dst, k = outstanding[r, side][0]
+                    t = done.get((src, dst, side, k))
+                    if t is None:
+                        break
+                    outstanding[r, side].popleft()
+                    clock[r] = max(clock[r], t)
+                pc[r] += 1
+                moved = True
+    stuck = [r for r in range(n) if pc[r] < len(programs[r])]
+    if stuck:
+        raise RuntimeError(f"Gloo programs deadlocked: ring positions {stuck} wait at operations "
+                           f"{[pc[r] for r in stuck]}")
+    return clock
