@@ -168,12 +168,12 @@ shard for a sharded optimizer step). Elsewhere the interleaved objective
 (fixed times, no link contention) and the simulator differ
 (tests/test_sim_interleaved.py, test_interleaved_agreement...).
 Under ``p2p="gloo"`` (the runtime on CPU, and the box) the collectives are Gloo's: every ring step of
-the gradient and tied all-reduces, ZeRO-3's gathers and the per-step all-gather of the ranks'
-records pays its latency twice (a rendezvous: ``ring(..., rendezvous=True)``), and two buckets
-reduce at once, their latencies overlapped and their transfers in turn (``sync._reduction``'s
-``in_flight``); measured on the box (bench/LOG.md "The box's WAN: TCP windows and Gloo's
-rendezvous"); ZeRO-1's all-gather of unequal shards is one binomial-tree broadcast per shard
-(``runtime/param_shard.py``; ``network.gloo_unequal_allgather_s``), not a ring. ZeRO-3's gathers are
+the gradient and tied all-reduces and ZeRO-3's gathers pays its latency twice (a rendezvous:
+``ring(..., rendezvous=True)``), and two buckets reduce at once, their latencies overlapped and their
+transfers in turn (``sync._reduction``'s ``in_flight``); measured on the box (bench/LOG.md "The
+box's WAN: TCP windows and Gloo's rendezvous"); ZeRO-1's all-gather of unequal shards is one
+binomial-tree broadcast per shard (``runtime/param_shard.py``; ``network.gloo_unequal_allgather_s``),
+not a ring. ZeRO-3's gathers are
 such broadcasts on Gloo too, but priced as (rendezvous) ring all-gathers: not yet measured on the box.
 The world's small collectives (the control all-reduces, the per-step record all-gather) are replayed
 operation by operation under Gloo, each rank leaving when its own part ends ([Note: Gloo's collectives

@@ -145,7 +145,7 @@ def gradient_sync(costs: BlockCosts, devices: DeviceGraph, *, stage_blocks, stag
     """Events and end of the step's gradient sync (see the engine's module note).
     ``bucket_bytes``: the gradient bucket size (``PlanOptions.bucket_bytes``); ``rendezvous``: Gloo's
     protocol: every ring step of the gradient and tied all-reduces pays its latency twice (``ring``'s
-    ``rendezvous``), two buckets reduce at once (``_reduction``'s ``in_flight``), so does each step of the
+    ``rendezvous``), two buckets reduce at once (``_reduction``'s ``in_flight``),
     ZeRO-1's all-gather is one binomial-tree broadcast per shard (``gloo_unequal_allgather_s``), and the
     world's small collectives (the one-element control all-reduces, the per-step all-gather of the ranks'
     records) are replayed operation by operation from each rank's entry ([Note: Gloo's collectives as
