@@ -110,3 +110,25 @@ def test_receivers_ready_waits_behind_data_on_the_reverse_connection():
     g0, a1 = sends[1, 0], sends[0, 1]
     assert a1.end_s == pytest.approx(g0.end_s + 5 * D + 10 * D, rel=1e-9)
     assert g0.end_s - g0.start_s == pytest.approx(5 * D + 10 * D, rel=1e-9)  # (its ready had crossed before)
+
+
+def test_a_message_moves_at_most_at_its_paced_window_per_round_trip():
+    """[Note: TCP pacing of a message]: two 1-GPU stages 10 ms apart each way on a 1 GB/s link, one
+    micro-batch, F 1 ms: the activation (1 MB) leaves at max(1, 0 + 10) = 10 ms, its latency ends at 20 ms,
+    and it moves at 2.13 MB / 20 ms = 106.5 MB/s, not the link's 1 GB/s: it arrives 1 MB / 106.5 MB/s =
+    9.39 ms later. A link slower than that pace (1 MB/s) keeps its own rate: 1 s."""
+    from zorse_fx.sim.engine import PACED_WINDOW_MESSAGES
+
+    costs = BlockCosts(fwd_bwd_s_per_sample={"A": (3 * D, 3 * D)}, param_count=(0, 0),
+                       act_bytes_per_sample=(100, 100), cut_bytes_per_sample=(0, 1_000_000, 0))
+    dec = Decision(stage_blocks=((0, 1), (1, 2)), stage_gpus=((0,), (1,)), samples_per_microbatch=((1,), (1,)),
+                   num_microbatches=1)
+    opts = solver_options(global_batch_size=1)
+    for link, took in ((1e9, 1e6 / (PACED_WINDOW_MESSAGES * 1e6 / (20 * D))), (1e6, 1.0)):
+        devices = make_devices(["A", "A"], ["n0", "n1"], [1 << 30] * 2, [1e12] * 2, inter=(link, 10 * D))
+        sim = simulate(costs, devices, opts, dec, p2p="gloo")
+        (fwd,) = [e for e in sim.events if e.kind == "send" and e.gpu == 0]
+        assert fwd.end_s == pytest.approx(20 * D + took, rel=1e-9)
+        nccl = simulate(costs, devices, opts, dec, p2p="nccl")
+        (fwd,) = [e for e in nccl.events if e.kind == "send" and e.gpu == 0]
+        assert fwd.end_s - fwd.start_s == pytest.approx(10 * D + 1e6 / link, rel=1e-9)  # NCCL: not paced

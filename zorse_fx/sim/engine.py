@@ -192,6 +192,22 @@ of the reverse direction was on the wire leaves no earlier than one latency afte
 The data itself keeps each direction's link (``link_resource``); NCCL's and the buffered models do not
 have it.
 
+[Note: TCP pacing of a message]
+Linux paces every TCP flow (the qdisc's fq, or the stack's own pacing where there is none, as on the
+box) at about its congestion window per smoothed round trip, and a window grows only while the flow
+needs more: a connection that carries one M-byte message at a time settles at a window of about twice
+M. Read inside the box's b_wan_shared node namespaces (`ss -ti`, 2026-12-07, bench/LOG.md "Gloo's
+small collectives, rank by rank"): 512 KiB messages across its 200 ms WAN on a 1.116 MB window (771
+segments), pacing_rate 21.8 Mbit/s = 2.7 MB/s against the link's 31 MB/s; each took 0.392 s from send
+to receipt with its receiver long ready, where one latency plus the bytes at the link's rate is 0.217
+s. So under ``p2p="gloo"`` a message of M bytes moves at most at ``max(PACED_WINDOW_MESSAGES x M,
+INITIAL_WINDOW_BYTES) / RTT`` (RTT: the pair's two one-way latencies): on a long link, a message much
+smaller than its bandwidth-delay product takes about half a round trip beyond its latency; on a link
+where the bytes take longer than a round trip (box case (a)) nothing changes. ``zorse bench comm`` fits
+the links from back-to-back messages whose windows grew (19.4 MB/s on that WAN), which is why the fit
+alone priced the crossings fast. Only the pipeline's point-to-point messages are paced so; the rings'
+steps are not (yet).
+
 [Note: the steady state under Gloo]
 A training step starts on each rank where that rank's part of the previous step's record all-gather
 ended. Under Gloo those ends differ by up to a WAN latency (box case b_wan_shared: rank 2 0.2 s after
@@ -530,6 +546,10 @@ class _Pipeline:
         bw = devices.link_bw_bytes_per_s[src][dst]
         if not bw > 0:
             raise ValueError(f"link bandwidth from GPU {src} to {dst} must be > 0, got {bw}")
+        if self.gloo and nbytes > 0:  # [Note: TCP pacing of a message]
+            rtt = lat + max(devices.link_latency_s[dst][src], 0.0)
+            if rtt > 0:
+                bw = min(bw, max(PACED_WINDOW_MESSAGES * nbytes, INITIAL_WINDOW_BYTES) / rtt)
         res = ((link_resource(devices, src, dst), bw), *self.resources.shared(src, dst))
         msg = _Msg(src, dst, s, m, fwd, nbytes, self.t if t0 is None else t0, ready, bw, res, key)
         if self.gloo and recv_t is not None:  # [Note: Gloo's ready behind data]
@@ -710,6 +730,11 @@ class _Pipeline:
                 x.rate = r
 
 
+#: [Note: TCP pacing of a message]: a connection's congestion window in its steady state, in messages
+#: of the size it carries (measured: 771 segments of 1,448 B = 1.116 MB for 512 KiB messages, 2.13).
+PACED_WINDOW_MESSAGES = 2.13
+#: Linux's initial congestion window, 10 segments of 1,448 B (RFC 6928): no window is smaller.
+INITIAL_WINDOW_BYTES = 10 * 1448
 #: Steps replayed at most to find the steady state under Gloo ([Note: the steady state under Gloo]).
 STEADY_STATE_STEPS = 8
 
