@@ -535,13 +535,13 @@ class _Pipeline:
     def _footprint(self, g) -> int:
         return sum(c * h for c, h in zip(self.live[g], self.held[g]))
 
-    def _post(self, src, dst, s, m, fwd, nbytes, key=None, t0=None, recv_t=None, send_t=None):
+    def _post(self, src, dst, s, m, fwd, nbytes, key=None, t0=None, recv_t=None):
         """Start a message: its latency phase ends d after now, or (``recv_t``: P2P_GLOO's
-        rendezvous, the receive's post time; ``send_t``: the send's, default now) at
-        max(send_t, recv_t + d) + d."""
+        rendezvous, the receive's post time; ``t0``: the send's, default now) at
+        max(t0, recv_t + d) + d."""
         devices = self.devices
         lat = max(devices.link_latency_s[src][dst], 0.0)
-        sent = self.t if send_t is None else max(self.t, send_t)
+        sent = self.t if t0 is None else max(self.t, t0)
         ready = self.t + lat if recv_t is None else max(sent, recv_t + lat) + lat
         bw = devices.link_bw_bytes_per_s[src][dst]
         if not bw > 0:
@@ -554,7 +554,8 @@ class _Pipeline:
         msg = _Msg(src, dst, s, m, fwd, nbytes, self.t if t0 is None else t0, ready, bw, res, key)
         if self.gloo and recv_t is not None:  # [Note: Gloo's ready behind data]
             back = max(devices.link_latency_s[dst][src], 0.0)
-            ahead = [x for x in self.waiting + self.active if (x.src, x.dst) == (dst, src) and x.ready - back <= recv_t]
+            ahead = [x for x in self.waiting + self.active
+                     if (x.src, x.dst) == (dst, src) and x.ready - back <= recv_t]  # its data left before
             if ahead:
                 self.blocked.append((msg, ahead, sent))
                 return
@@ -568,8 +569,8 @@ class _Pipeline:
             if arrived in ahead:
                 ahead.remove(arrived)
                 if not ahead:
-                    msg.ready = max(msg.ready, max(sent, self.t) + max(self.devices.link_latency_s[msg.src][msg.dst],
-                                                                      0.0))
+                    lat = max(self.devices.link_latency_s[msg.src][msg.dst], 0.0)
+                    msg.ready = max(msg.ready, max(sent, self.t) + lat)
                     self.waiting.append(msg)
                     continue
             keep.append((msg, ahead, sent))
@@ -626,8 +627,7 @@ class _Pipeline:
                     msg = op.message
                     fwd = not msg.backward
                     self._post(msg.src, msg.dst, msg.boundary if fwd else msg.boundary + 1, msg.microbatch, fwd,
-                               msg.nbytes, key=msg, t0=self.post_time[send], recv_t=self.post_time[recv],
-                               send_t=self.post_time[send])
+                               msg.nbytes, key=msg, t0=self.post_time[send], recv_t=self.post_time[recv])
             return
         self.stream[g].append(gi)
         self._advance(g)

@@ -183,9 +183,10 @@ def broadcast_tree(k: int, root: int) -> list[tuple[int, int, int]]:
 
 def gloo_unequal_allgather_s(devices: DeviceGraph, gpus: Sequence[int], part_bytes: Sequence[float],
                              resources: FlowResources | None = None) -> float:
-    """Seconds of the runtime's ZeRO-1 all-gather of unequal parts on Gloo (``part_bytes[j]`` held by
-    ``gpus[j]``): one broadcast per non-empty part from the GPU holding it (``runtime/param_shard.all_gather_unequal``), each a binomial tree
-    (``broadcast_tree``) over ``gpus`` in rank order, two at a time (``ProcessGroupGloo``'s two worker
+    """Seconds of the runtime's ZeRO-1 all-gather of unequal parts on Gloo (``part_bytes[j]`` bytes held by
+    ``gpus[j]``): one broadcast per non-empty part from the GPU holding it
+    (``runtime/param_shard.all_gather_unequal``), each a binomial tree (``broadcast_tree``) over ``gpus`` in
+    rank order, two at a time (``ProcessGroupGloo``'s two worker
     threads). Priced as its busiest link: every tree edge adds its part's bytes to its pair's link and to
     every shared link it crosses (one resource per direction, [Note: network resources]), the time is the
     largest bytes / capacity, plus per pair of broadcasts each round's rendezvous, 2 x the largest hop
