@@ -773,6 +773,9 @@ def main(argv=None) -> int:
 
 def _reprice(names: list[str], args, argv) -> int:
     out = Path(args.out)
+    if not out.is_file():
+        raise SystemExit(f"bench/box.py --reprice: --out {out} does not exist; give the results file whose cases "
+                         f"are re-priced in place (a copy of bench/results/box.json)")
     doc = json.loads(out.read_text())
     by_name = {c["case"]: k for k, c in enumerate(doc["cases"])}
     for name in names:

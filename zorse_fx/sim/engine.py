@@ -168,45 +168,17 @@ shard for a sharded optimizer step). Elsewhere the interleaved objective
 (fixed times, no link contention) and the simulator differ
 (tests/test_sim_interleaved.py, test_interleaved_agreement...).
 Under ``p2p="gloo"`` (the runtime on CPU, and the box) the collectives are Gloo's: every ring step of
-the gradient and tied all-reduces and ZeRO-3's gathers pays its latency twice (a rendezvous:
+the gradient all-reduces and ZeRO-3's gathers pays its latency twice (a rendezvous:
 ``ring(..., rendezvous=True)``), and two buckets reduce at once, their latencies overlapped and their
 transfers in turn (``sync._reduction``'s ``in_flight``); measured on the box (bench/LOG.md "The
 box's WAN: TCP windows and Gloo's rendezvous"); ZeRO-1's all-gather of unequal shards is one
 binomial-tree broadcast per shard (``runtime/param_shard.py``; ``network.gloo_unequal_allgather_s``),
 not a ring. ZeRO-3's gathers are
 such broadcasts on Gloo too, but priced as (rendezvous) ring all-gathers: not yet measured on the box.
-The world's small collectives (the control all-reduces, the per-step record all-gather) are replayed
-operation by operation under Gloo, each rank leaving when its own part ends ([Note: Gloo's collectives
-as programs] in sim/gloo.py), so the ranks end a step at different times.
-
-[Note: Gloo's ready behind data]
-Gloo's "ready to receive" travels in band, on the one TCP connection a rank pair shares, so it queues
-behind data already crossing the other way: a stage that ends a backward posts its gradient's send and
-its next forward's receive together, and that receive's ready reaches the sender only with the
-gradient's last byte. Measured on box case (a) (bench/LOG.md, "Gloo's small collectives, rank by rank"):
-the third and fourth activations of a 4-micro-batch pipeline arrived 0.21 and 0.41 s after a sender-side
-rendezvous would have them, one and two gradient transfers later; a direct check on the same box
-(131 KiB and 512 KiB messages both ways at once against one way) found each direction's data at full
-rate, so only the ready is held up. Under ``p2p="gloo"`` a message whose receive was posted while data
-of the reverse direction was on the wire leaves no earlier than one latency after that data arrived.
-The data itself keeps each direction's link (``link_resource``); NCCL's and the buffered models do not
-have it.
-
-[Note: TCP pacing of a message]
-Linux paces every TCP flow (the qdisc's fq, or the stack's own pacing where there is none, as on the
-box) at about its congestion window per smoothed round trip, and a window grows only while the flow
-needs more: a connection that carries one M-byte message at a time settles at a window of about twice
-M. Read inside the box's b_wan_shared node namespaces (`ss -ti`, 2026-12-07, bench/LOG.md "Gloo's
-small collectives, rank by rank"): 512 KiB messages across its 200 ms WAN on a 1.116 MB window (771
-segments), pacing_rate 21.8 Mbit/s = 2.7 MB/s against the link's 31 MB/s; each took 0.392 s from send
-to receipt with its receiver long ready, where one latency plus the bytes at the link's rate is 0.217
-s. So under ``p2p="gloo"`` a message of M bytes moves at most at ``max(PACED_WINDOW_MESSAGES x M,
-INITIAL_WINDOW_BYTES) / RTT`` (RTT: the pair's two one-way latencies): on a long link, a message much
-smaller than its bandwidth-delay product takes about half a round trip beyond its latency; on a link
-where the bytes take longer than a round trip (box case (a)) nothing changes. ``zorse bench comm`` fits
-the links from back-to-back messages whose windows grew (19.4 MB/s on that WAN), which is why the fit
-alone priced the crossings fast. Only the pipeline's point-to-point messages are paced so; the rings'
-steps are not (yet).
+The world's small collectives (the control all-reduces, the per-step record all-gather) and a tied
+parameter's all-reduce are replayed operation by operation under Gloo, each rank leaving when its own
+part ends ([Note: Gloo's collectives as programs] in sim/gloo.py), so the ranks end a step at different
+times; Gloo's transport (its in-band ready, TCP's pacing) is in that module's notes.
 
 [Note: the steady state under Gloo]
 A training step starts on each rank where that rank's part of the previous step's record all-gather
@@ -230,7 +202,8 @@ once over the union of the holding stages' GPUs ("tiedreduce" events, per
 GPU of the union): a ring over the union in stage order,
 ``Ring.allreduce_s(grad_bytes * numel)``, starting when every holder's copy
 is final (the last backward of each holding stage has passed the block that
-reads it), not contending with the groups' own buckets; each holder's
+reads it), not contending with the groups' own buckets (under ``p2p="gloo"``
+gloo's ring in rank order replayed from each holder's own entry, paced: sim/gloo.py); each holder's
 optimizer steps wait for it. When one group holds every copy, its buckets
 reduce the parameter once. A stage holding several of its blocks updates
 it once: its optimizer step and all-gather move the stage's parameters with
@@ -283,6 +256,7 @@ from ..options import PlanOptions
 from ..solve.objective import (MEMORY_UNIT_BYTES, MIB_UNITS, offload_device_kib, prepare,
                                sharded_state_kib)
 from ..solve.state_terms import offload_replicated_kib, stage_state_kib, transient_kib, unique_params
+from .gloo import paced_transfer_s
 from .network import FlowResources, link_resource, max_min_rates, ring
 from .sync import gradient_sync
 
@@ -546,13 +520,11 @@ class _Pipeline:
         bw = devices.link_bw_bytes_per_s[src][dst]
         if not bw > 0:
             raise ValueError(f"link bandwidth from GPU {src} to {dst} must be > 0, got {bw}")
-        if self.gloo and nbytes > 0:  # [Note: TCP pacing of a message]
-            rtt = lat + max(devices.link_latency_s[dst][src], 0.0)
-            if rtt > 0:
-                bw = min(bw, max(PACED_WINDOW_MESSAGES * nbytes, INITIAL_WINDOW_BYTES) / rtt)
+        if self.gloo and nbytes > 0:  # [Note: TCP pacing of a message] in sim/gloo.py
+            bw = nbytes / paced_transfer_s(nbytes, bw, lat + max(devices.link_latency_s[dst][src], 0.0))
         res = ((link_resource(devices, src, dst), bw), *self.resources.shared(src, dst))
         msg = _Msg(src, dst, s, m, fwd, nbytes, self.t if t0 is None else t0, ready, bw, res, key)
-        if self.gloo and recv_t is not None:  # [Note: Gloo's ready behind data]
+        if self.gloo and recv_t is not None:  # [Note: Gloo's ready behind data] in sim/gloo.py
             back = max(devices.link_latency_s[dst][src], 0.0)
             ahead = [x for x in self.waiting + self.active
                      if (x.src, x.dst) == (dst, src) and x.ready - back <= recv_t]  # its data left before
@@ -730,11 +702,6 @@ class _Pipeline:
                 x.rate = r
 
 
-#: [Note: TCP pacing of a message]: a connection's congestion window in its steady state, in messages
-#: of the size it carries (measured: 771 segments of 1,448 B = 1.116 MB for 512 KiB messages, 2.13).
-PACED_WINDOW_MESSAGES = 2.13
-#: Linux's initial congestion window, 10 segments of 1,448 B (RFC 6928): no window is smaller.
-INITIAL_WINDOW_BYTES = 10 * 1448
 #: Steps replayed at most to find the steady state under Gloo ([Note: the steady state under Gloo]).
 STEADY_STATE_STEPS = 8
 

@@ -1,4 +1,6 @@
-"""Gloo's small world collectives, operation by operation ([Note: Gloo's collectives as programs]).
+"""Gloo's transport as the simulator prices it under ``p2p="gloo"``: its collectives operation by operation
+([Note: Gloo's collectives as programs]), the receiver's ready behind data ([Note: Gloo's ready behind
+data]) and TCP's pacing of a message ([Note: TCP pacing of a message]).
 
 [Note: Gloo's collectives as programs]
 A ring priced as a whole (``network.Ring``) ends at one time for every rank. Gloo's does not: each
@@ -13,12 +15,51 @@ plan and 0.65 s in another, by which rank entered last. The programs below are g
 (gloo/allreduce.cc ``ring``, gloo/allgather.cc ``allgather``, pytorch/gloo at the mirrored head),
 replayed with the rendezvous rule: the k-th send from rank a to rank b meets the k-th receive that b
 posted from a; its data leaves at max(send posted, receive posted + latency(b, a)) and arrives a
-latency(a, b) plus its bytes over the link's bandwidth later; a send completes when its data leaves
+latency(a, b) plus its transfer later (its bytes over the link's bandwidth, paced: [Note: TCP pacing of
+a message]); a send completes when its data leaves
 (the messages are a few bytes: the socket takes them at once), a receive when its data arrives, and a
 wait returns the rank's oldest outstanding send (or receive). Replayed from the per-rank entry times
 measured in that case, they give the per-rank exits measured within 5 ms (tests/test_sim_gloo.py).
-Only the collectives of a few bytes are replayed so (their links are not shared with anything priced
-at the same time); the gradient buckets stay rings with two latencies per step (``network.ring``).
+The world's small collectives are replayed so (their links are not shared with anything priced at the
+same time), and the all-reduce of a tied parameter over its holders (``sync.gradient_sync``: its ring at
+the bandwidth of its slowest hop, shared links split, each message paced); the gradient buckets stay
+rings with two latencies per step (``network.ring``).
+
+[Note: Gloo's ready behind data]
+Gloo's "ready to receive" travels in band, on the one TCP connection a rank pair shares, so it queues
+behind data already crossing the other way: a stage that ends a backward posts its gradient's send and
+its next forward's receive together, and that receive's ready reaches the sender only with the
+gradient's last byte. Measured on box case (a) (bench/LOG.md, "Gloo's small collectives, rank by rank"):
+the third and fourth activations of a 4-micro-batch pipeline arrived 0.21 and 0.41 s after a sender-side
+rendezvous would have them, one and two gradient transfers later; a direct check on the same box
+(131 KiB and 512 KiB messages both ways at once against one way) found each direction's data at full
+rate, so only the ready is held up. Under ``p2p="gloo"`` a message whose receive was posted while data
+of the reverse direction was on the wire leaves no earlier than one latency after that data arrived
+(``engine._Pipeline._post``). The data itself keeps each direction's link (``link_resource``); NCCL's
+and the buffered models do not have it.
+
+[Note: TCP pacing of a message]
+Linux paces every TCP flow (the qdisc's fq, or the stack's own pacing where there is none, as on the
+box) at about its congestion window per smoothed round trip, and a window grows only while the flow
+needs more (in slow start only while it is under twice the packets last in flight:
+``tcp_is_cwnd_limited``, include/net/tcp.h): a connection that carries one M-byte message at a time
+settles at a window of about twice M. Read inside the box's b_wan_shared node namespaces (`ss -ti`,
+2026-12-07, bench/LOG.md "Gloo's small collectives, rank by rank"): 512 KiB messages across its 200 ms
+WAN on a 1.116 MB window (771 segments), pacing_rate 21.8 Mbit/s = 2.7 MB/s against the link's 31 MB/s;
+each took 0.392 s from send to receipt with its receiver long ready, where one latency plus the bytes at
+the link's rate is 0.217 s. Pacing spaces a message's segments, so its first leaves at once: under
+``p2p="gloo"`` a message of M bytes takes at least ``(M - MSS_BYTES) x RTT / max(PACED_WINDOW_MESSAGES x
+M, INITIAL_WINDOW_BYTES)`` (``paced_transfer_s``; RTT: the pair's two one-way latencies) beyond its
+latency: on a long link, a message much smaller than its bandwidth-delay product takes about half a round
+trip more; on a link where the bytes take longer than a round trip (box case (a)) nothing changes; a
+message of one segment (the control collectives' 4 bytes, a record row) is not held. ``zorse bench comm``
+fits the links from back-to-back messages whose windows grew (19.4 MB/s on that WAN), which is why the
+fit alone priced the crossings fast. Paced so: the pipeline's point-to-point messages and every message
+of a replayed program (a tied parameter's 2-rank all-reduce across box (b)'s WAN, 131 KiB in 32 KiB
+messages: measured 1.09-1.12 s from its last holder's entry, 0.81 s unpaced, 1.18 paced; bench/LOG.md
+"A tied parameter's all-reduce, paced"). The gradient buckets' rings are not: pacing their steps by the
+same rule priced box (b)'s data-parallel plan 17% slow (their connections carry two buckets' steps back
+to back, and their windows grow past one message).
 """
 
 from __future__ import annotations
@@ -27,7 +68,31 @@ from collections import defaultdict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-__all__ = ["Op", "allgather_program", "allreduce_program", "replay"]
+__all__ = ["INITIAL_WINDOW_BYTES", "MSS_BYTES", "Op", "PACED_WINDOW_MESSAGES", "allgather_program",
+           "allreduce_program", "paced_transfer_s", "replay"]
+
+#: [Note: TCP pacing of a message]: a connection's congestion window in its steady state, in messages
+#: of the size it carries (measured: 771 segments of 1,448 B = 1.116 MB for 512 KiB messages, 2.13).
+PACED_WINDOW_MESSAGES = 2.13
+#: A TCP segment's payload on the box's (and Ethernet's) 1,500-byte MTU with timestamps: 1,448 B.
+MSS_BYTES = 1448
+#: Linux's initial congestion window, 10 segments (RFC 6928): no window is smaller.
+INITIAL_WINDOW_BYTES = 10 * MSS_BYTES
+
+
+def paced_transfer_s(nbytes: float, bytes_per_s: float, rtt_s: float) -> float:
+    """Seconds for a message of ``nbytes`` to cross a link of ``bytes_per_s`` once its first byte left, under
+    TCP's pacing ([Note: TCP pacing of a message]): the longer of the bytes at the link's rate and all but
+    its first segment at ``max(PACED_WINDOW_MESSAGES x nbytes, INITIAL_WINDOW_BYTES) / rtt_s``.
+
+    Raises:
+        ValueError: ``bytes_per_s`` is not > 0."""
+    if not bytes_per_s > 0:
+        raise ValueError(f"link bandwidth must be > 0 bytes/s, got {bytes_per_s}")
+    t = nbytes / bytes_per_s
+    if rtt_s > 0 and nbytes > MSS_BYTES:
+        t = max(t, (nbytes - MSS_BYTES) * rtt_s / max(PACED_WINDOW_MESSAGES * nbytes, INITIAL_WINDOW_BYTES))
+    return t
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,10 +164,10 @@ def allgather_program(n: int, rank: int, in_bytes: int) -> list[Op]:
 
 
 def replay(programs: Sequence[Sequence[Op]], entry: Sequence[float], latency: Callable[[int, int], float],
-           seconds_per_byte: Callable[[int, int], float]) -> list[float]:
+           transfer_s: Callable[[int, int, int], float]) -> list[float]:
     """Each rank's exit time (seconds) from ``programs`` (per ring position) entered at ``entry`` (seconds),
-    under the rendezvous rule of the module note; ``latency(a, b)`` and ``seconds_per_byte(a, b)``: the link
-    from position a to b.
+    under the rendezvous rule of the module note; ``latency(a, b)``: the link from position a to b (s), and
+    ``transfer_s(a, b, nbytes)``: seconds a message of ``nbytes`` takes on it after its latency.
 
     Raises:
         RuntimeError: the programs deadlock (a wait whose operation never meets its peer's)."""
@@ -119,7 +184,7 @@ def replay(programs: Sequence[Sequence[Op]], entry: Sequence[float], latency: Ca
             (t_send, nbytes), (t_recv, _) = sends[k], recvs[k]
             leave = max(t_send, t_recv + latency(dst, src))
             done[src, dst, "send", k] = leave
-            done[src, dst, "recv", k] = leave + latency(src, dst) + nbytes * seconds_per_byte(src, dst)
+            done[src, dst, "recv", k] = leave + latency(src, dst) + transfer_s(src, dst, nbytes)
 
     moved = True
     while moved:

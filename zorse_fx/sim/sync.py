@@ -8,6 +8,8 @@ parameters" in the module note of ``sim/engine.py``; rings priced in
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from ..ir.buckets import bucket_caps
 from ..ir.costs import BlockCosts
 from ..ir.devices import DeviceGraph
@@ -15,7 +17,7 @@ from ..solve.objective import GRAD_BUCKET_BYTES_PER_PARAM as _FP32
 from ..solve.objective import MEMORY_UNIT_BYTES, MIB_UNITS
 from ..solve.state_terms import unique_params
 from ..solve.tables import OFFLOAD_BYTES_PER_PARAM, OFFLOAD_LINK_BYTES
-from .gloo import allgather_program, allreduce_program, replay
+from .gloo import allgather_program, allreduce_program, paced_transfer_s, replay
 from .network import FlowResources, Ring, gloo_unequal_allgather_s, ring
 
 __all__ = ["CONTROL_BYTES", "RECORD_ROW_BYTES", "gradient_sync"]
@@ -144,8 +146,10 @@ def gradient_sync(costs: BlockCosts, devices: DeviceGraph, *, stage_blocks, stag
                   num_microbatches: int = 1, rendezvous: bool = False):
     """Events and end of the step's gradient sync (see the engine's module note).
     ``bucket_bytes``: the gradient bucket size (``PlanOptions.bucket_bytes``); ``rendezvous``: Gloo's
-    protocol: every ring step of the gradient and tied all-reduces pays its latency twice (``ring``'s
-    ``rendezvous``), two buckets reduce at once (``_reduction``'s ``in_flight``),
+    protocol: every ring step of the gradient all-reduces pays its latency twice (``ring``'s
+    ``rendezvous``), two buckets reduce at once (``_reduction``'s ``in_flight``), a tied parameter's
+    all-reduce is gloo's ring replayed from each holder's entry, its messages paced ([Note: TCP pacing of a
+    message] in sim/gloo.py),
     ZeRO-1's all-gather is one binomial-tree broadcast per shard (``gloo_unequal_allgather_s``), and the
     world's small collectives (the one-element control all-reduces, the per-step all-gather of the ranks'
     records) are replayed operation by operation from each rank's entry ([Note: Gloo's collectives as
@@ -170,12 +174,21 @@ def gradient_sync(costs: BlockCosts, devices: DeviceGraph, *, stage_blocks, stag
     # Tied parameters over the union of their holders: once the last holder's copy is final.
     tied_end: dict[int, float] = {}
     for tp, stages, union in unions:
-        ready = max(timing.block_done(g, s, b) for s in stages for g in stage_gpus[s]
-                    for b in tp.blocks if stage_blocks[s][0] <= b < stage_blocks[s][1])
-        end = ready + ring(devices, union, resources, rendezvous=rendezvous).allreduce_s(gr_b * tp.numel)
-        events += [SimEvent("tiedreduce", g, stages[-1], -1, ready, end, None, gr_b * tp.numel) for g in union]
+        nbytes = gr_b * tp.numel
+        own = {g: max(timing.block_done(g, s, b) for s in stages if g in stage_gpus[s]
+                      for b in tp.blocks if stage_blocks[s][0] <= b < stage_blocks[s][1]) for g in union}
+        if rendezvous:  # Gloo's ring in the group's (sorted) rank order, each holder entering when its copy is
+            # final ([Note: Gloo's collectives as programs], each message paced) at the ring's slowest hop
+            order = sorted(union)
+            bw = ring(devices, order, resources).bandwidth_bytes_per_s
+            start, end = own, _GlooWorld(devices, order, bw).allreduce(own, int(nbytes), max(int(gr_b), 1))
+        else:
+            ready = max(own.values())
+            start = dict.fromkeys(union, ready)
+            end = dict.fromkeys(union, ready + ring(devices, union, resources).allreduce_s(nbytes))
+        events += [SimEvent("tiedreduce", g, stages[-1], -1, start[g], end[g], None, nbytes) for g in union]
         for g in union:
-            tied_end[g] = max(tied_end.get(g, 0.0), end)
+            tied_end[g] = max(tied_end.get(g, 0.0), end[g])
     # Per group its buckets; then [C-control]: the gradient norm's all-reduce over every GPU used (and
     # fp16-mixed's inf/NaN agreement), which no optimizer passes; the optimizers; the per-step table's
     # all-gather at the end ([Note: one world collective after the step] in zorse_fx/train.py).
@@ -272,18 +285,27 @@ class _GlooWorld:
     """The world's small collectives replayed as Gloo runs them ([Note: Gloo's collectives as programs] in
     sim/gloo.py): ``used`` (GPU indices) in rank order are the ring's positions."""
 
-    def __init__(self, devices: DeviceGraph, used: list[int]):
-        self.used = used
-        self.latency = lambda a, b: max(devices.link_latency_s[used[a]][used[b]], 0.0)
-        self.seconds_per_byte = lambda a, b: 1.0 / devices.link_bw_bytes_per_s[used[a]][used[b]]
+    def __init__(self, devices: DeviceGraph, used: Sequence[int], bytes_per_s: float | None = None):
+        """``bytes_per_s``: every hop's bandwidth (a ring's slowest hop, shared links split); default each
+        pair's own link."""
+        self.used = list(used)
+        lat = devices.link_latency_s
+        self.latency = lambda a, b: max(lat[used[a]][used[b]], 0.0)
+
+        def transfer_s(a: int, b: int, nbytes: int) -> float:  # [Note: TCP pacing of a message]
+            g, h = used[a], used[b]
+            bw = devices.link_bw_bytes_per_s[g][h] if bytes_per_s is None else bytes_per_s
+            return paced_transfer_s(nbytes, bw, max(lat[g][h], 0.0) + max(lat[h][g], 0.0))
+
+        self.transfer_s = transfer_s
 
     def _run(self, programs, entry: dict[int, float]) -> dict[int, float]:
-        exits = replay(programs, [entry[g] for g in self.used], self.latency, self.seconds_per_byte)
+        exits = replay(programs, [entry[g] for g in self.used], self.latency, self.transfer_s)
         return dict(zip(self.used, exits))
 
-    def allreduce(self, entry: dict[int, float], nbytes: int) -> dict[int, float]:
+    def allreduce(self, entry: dict[int, float], nbytes: int, element_bytes: int = 4) -> dict[int, float]:
         n = len(self.used)
-        return self._run([allreduce_program(n, k, nbytes) for k in range(n)], entry)
+        return self._run([allreduce_program(n, k, nbytes, element_bytes) for k in range(n)], entry)
 
     def allgather(self, entry: dict[int, float], nbytes: int) -> dict[int, float]:
         n = len(self.used)
