@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import ast
 import json
+import math
 import statistics
 import sys
 from pathlib import Path
@@ -802,6 +803,18 @@ def _pairs_alike(plans: list[dict]) -> str:
     return f"{alike} of {told}"
 
 
+def _rep_pairs(case: dict) -> str:
+    """The pairs the repetitions order (bench/box.py, [Note: plans told apart by their repetitions]) and how
+    many of them the simulator orders alike, with the chance level of that test."""
+    if "rep_pairs_ordered" not in case:
+        return "repetitions' medians not recorded"
+    r = case["rep_min"]
+    chance = 2 / math.comb(2 * r, r) if r else 1.0
+    against = "".join(f"; against: {a} < {b} measured" for a, b in case["rep_pairs_against"])
+    return (f"pairs every repetition orders ({r} per plan, chance {chance:.2g}): {case['rep_pairs_alike']} of "
+            f"{case['rep_pairs_ordered']} ordered alike{against}")
+
+
 def _box_speed(case: dict) -> str:
     if case.get("speed") != "pace":
         return "CPU quotas"
@@ -851,7 +864,11 @@ def render_box(doc: dict, name: str) -> list[str]:
            "long fat networks and the links are fitted over 4 KiB-4 MiB messages (each case says which). Pairs "
            "ordered "
            "alike: of the plan pairs whose measured ranges do not overlap, those the simulator orders the same "
-           "way.", ""]
+           "way. Pairs every repetition orders: of the plan pairs where every repetition (run) of one has a "
+           "smaller median step than every repetition of the other, those the simulator orders the same way; "
+           "plans of equal speed do that by chance with the probability given (2 / C(2r, r) for r repetitions "
+           "each: the exact Mann-Whitney test at U = 0), and the pairs left are measured ties ([Note: plans told "
+           "apart by their repetitions] in bench/box.py).", ""]
     for case in doc.get("cases", []):
         if case.get("memory_base_mib") is not None:
             out += render_box_memory(case, doc)
@@ -872,7 +889,7 @@ def render_box(doc: dict, name: str) -> list[str]:
         out += ["", f"zorse_fx's plan against the simulator: {case['zorse_fx_sim_error']:+.0%}; measured fastest or "
                     f"within the fastest's range: {'yes' if case['zorse_fx_fastest_or_within_spread'] else 'no'}; "
                     f"measured ranking = simulated ranking: {'yes' if case['rankings_equal'] else 'no'}; "
-                    f"pairs ordered alike: {_pairs_alike(case['plans'])}. Speed: "
+                    f"pairs ordered alike: {_pairs_alike(case['plans'])}; {_rep_pairs(case)}. Speed: "
                     f"{_box_speed(case)}. TCP: {_box_tcp(case)}. "
                     f"Run: `{case.get('command', doc.get('command', '?'))}` (the first two steps of each run not "
                     f"counted), {str(case.get('date', doc.get('date', '')))[:16]}"

@@ -97,6 +97,36 @@ def test_box_pairs_ordered_alike_counts_only_pairs_the_measurement_tells_apart()
     assert _pairs_alike(plans) == "3 of 5"
 
 
+def test_box_rep_pairs_counts_only_pairs_every_repetition_orders(tmp_path):
+    """bench/box.py ``rep_pairs`` ([Note: plans told apart by their repetitions]): a pair whose repetitions'
+    medians interleave is a measured tie (not counted); of the pairs ordered, those the simulator orders
+    alike, the others named; ``_rep_medians_from_runs`` reads each repetition's counted steps (after the
+    first two) from the runs left; the report renders the count with its chance level."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        from box import _rep_medians_from_runs, rep_pairs
+        from report import _rep_pairs
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+
+    # a < b apart in every repetition; c interleaves b (a tie); d slowest, simulated faster than c and b.
+    plans = {"a": ([1.0, 1.1, 1.05, 1.02], 0.5), "b": ([2.0, 2.1, 2.05, 2.2], 0.9),
+             "c": ([2.15, 1.99, 2.3, 2.12], 0.8), "d": ([3.0, 3.1, 3.2, 3.05], 0.7)}
+    got = rep_pairs(plans)
+    assert got == {"rep_pairs_ordered": 5, "rep_pairs_alike": 3, "rep_pairs_against": [["b", "d"], ["c", "d"]],
+                   "rep_min": 4}
+    assert _rep_pairs(got) == ("pairs every repetition orders (4 per plan, chance 0.029): 3 of 5 ordered alike; "
+                               "against: b < d measured; against: c < d measured")
+    assert _rep_pairs({}) == "repetitions' medians not recorded"
+    runs = tmp_path / "runs"
+    for rep, steps in enumerate(([9.0, 9.0, 1.0, 3.0, 2.0], [9.0, 9.0, 4.0])):
+        (runs / f"p.{rep}").mkdir(parents=True)
+        (runs / f"p.{rep}" / "metrics.jsonl").write_text(
+            "".join(json.dumps({"step": k + 1, "step_time_s": t}) + "\n" for k, t in enumerate(steps)))
+    assert _rep_medians_from_runs(runs, "p") == [2.0, 4.0]
+    assert _rep_medians_from_runs(runs, "q") == []
+
+
 def test_box_reprice_refuses_a_case_without_its_runs_files(tmp_path):
     """``bench/box.py --reprice`` (no box, no root): a case not measured in --out, and one whose run left
     nothing in --work, are refused naming what to give; --out is left as it was."""
@@ -120,3 +150,10 @@ def test_box_reprice_refuses_a_case_without_its_runs_files(tmp_path):
         f"bench/box.py --reprice: {tmp_path / 'work' / 'b_wan_pairs'} has no cluster_box.yaml and measured.json "
         f"of case b_wan_pairs's run; give the --work that run used")
     assert json.loads(out.read_text()) == doc
+    missing = tmp_path / "none.json"
+    r = subprocess.run([sys.executable, str(box), "--reprice", "--cases", "b_wan_pairs", "--out", str(missing)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
+    assert r.returncode == 1 and not missing.exists()
+    assert r.stderr.strip().splitlines()[-1] == (
+        f"bench/box.py --reprice: --out {missing} does not exist; give the results file whose cases are re-priced "
+        f"in place (a copy of bench/results/box.json)")
