@@ -115,17 +115,19 @@ def test_receivers_ready_waits_behind_data_on_the_reverse_connection():
 def test_a_message_moves_at_most_at_its_paced_window_per_round_trip():
     """[Note: TCP pacing of a message]: two 1-GPU stages 10 ms apart each way on a 1 GB/s link, one
     micro-batch, F 1 ms: the activation (1 MB) leaves at max(1, 0 + 10) = 10 ms, its latency ends at 20 ms,
-    and all but its first segment move at 2.13 MB / 20 ms = 106.5 MB/s, not the link's 1 GB/s: it arrives
-    (1 MB - 1,448 B) / 106.5 MB/s = 9.38 ms later. A link slower than that pace (1 MB/s) keeps its own
-    rate: 1 s."""
-    from zorse_fx.sim.gloo import MSS_BYTES, PACED_WINDOW_MESSAGES
+    and all but its first segment move at (1.8 MB + 14,480 B) / 20 ms = 90.7 MB/s, not the link's 1 GB/s:
+    it arrives (1 MB - 1,448 B) / 90.7 MB/s = 11.01 ms later. A link slower than that pace (1 MB/s) keeps
+    its own rate: 1 s."""
+    from zorse_fx.sim.gloo import INITIAL_WINDOW_BYTES, MSS_BYTES, PACED_WINDOW_MESSAGES
 
     costs = BlockCosts(fwd_bwd_s_per_sample={"A": (3 * D, 3 * D)}, param_count=(0, 0),
                        act_bytes_per_sample=(100, 100), cut_bytes_per_sample=(0, 1_000_000, 0))
     dec = Decision(stage_blocks=((0, 1), (1, 2)), stage_gpus=((0,), (1,)), samples_per_microbatch=((1,), (1,)),
                    num_microbatches=1)
     opts = solver_options(global_batch_size=1)
-    for link, took in ((1e9, (1e6 - MSS_BYTES) / (PACED_WINDOW_MESSAGES * 1e6 / (20 * D))), (1e6, 1.0)):
+    paced = (1e6 - MSS_BYTES) * 20 * D / (PACED_WINDOW_MESSAGES * 1e6 + INITIAL_WINDOW_BYTES)
+    assert paced == pytest.approx(11.01e-3, rel=1e-3)
+    for link, took in ((1e9, paced), (1e6, 1.0)):
         devices = make_devices(["A", "A"], ["n0", "n1"], [1 << 30] * 2, [1e12] * 2, inter=(link, 10 * D))
         sim = simulate(costs, devices, opts, dec, p2p="gloo")
         (fwd,) = [e for e in sim.events if e.kind == "send" and e.gpu == 0]
@@ -137,13 +139,13 @@ def test_a_message_moves_at_most_at_its_paced_window_per_round_trip():
 
 def test_paced_transfer_by_hand():
     """[Note: TCP pacing of a message]: one segment is never held; a 32 KiB message over a 0.4 s round trip
-    moves its other 31,320 B at max(2.13 x 32 KiB, 14,480 B) / 0.4 s; a window below the initial one is
-    the initial one; a slow link keeps its rate; no round trip, no pacing."""
+    moves its other 31,320 B at (1.8 x 32 KiB + 14,480 B) / 0.4 s; a 4,000 B one its other 2,552 B at
+    (1.8 x 4,000 + 14,480 B) / 0.4 s; a slow link keeps its rate; no round trip, no pacing."""
     from zorse_fx.sim.gloo import paced_transfer_s
 
     assert paced_transfer_s(1448, 1e9, 0.4) == pytest.approx(1448 / 1e9, rel=1e-12)
-    assert paced_transfer_s(32768, 31e6, 0.4) == pytest.approx((32768 - 1448) * 0.4 / (2.13 * 32768), rel=1e-12)
-    assert paced_transfer_s(4000, 1e9, 0.4) == pytest.approx((4000 - 1448) * 0.4 / 14480, rel=1e-12)
+    assert paced_transfer_s(32768, 31e6, 0.4) == pytest.approx(31320 * 0.4 / (1.8 * 32768 + 14480), rel=1e-12)
+    assert paced_transfer_s(4000, 1e9, 0.4) == pytest.approx(2552 * 0.4 / (1.8 * 4000 + 14480), rel=1e-12)
     assert paced_transfer_s(1e6, 1e6, 0.4) == pytest.approx(1.0, rel=1e-12)
     assert paced_transfer_s(1e6, 1e9, 0.0) == pytest.approx(1e-3, rel=1e-12)
     with pytest.raises(ValueError, match="link bandwidth must be > 0 bytes/s, got 0"):
@@ -153,8 +155,8 @@ def test_paced_transfer_by_hand():
 def test_tied_allreduce_replayed_from_each_holders_entry():
     """A tied embedding on stage 0 (GPU 0, node n0) and stage 1 (GPU 1, node n1), d = 200 ms each way at
     31 MB/s (box case (b)'s WAN): under Gloo its gradient (131,072 B) is gloo's 2-rank ring of four 32 KiB
-    messages, each paced (p = 31,320 B x 0.4 s / (2.13 x 32 KiB) = 0.1795 s), replayed from each GPU's own
-    entry. GPU 1 enters first (E1); GPU 0 at E0 >= E1 + d (its backward waits for GPU 1's gradient). By
+    messages, each paced (p = 31,320 B x 0.4 s / (1.8 x 32 KiB + 14,480 B) = 0.1705 s), replayed from each
+    GPU's own entry. GPU 1 enters first (E1); GPU 0 at E0 >= E1 + d (its backward waits for GPU 1's gradient). By
     hand: reduce-scatter, GPU 0's sends leave at E0 (GPU 1's readies long there) and arrive E0 + d + p;
     GPU 1's leave when GPU 0's readies crossed, E0 + d, and arrive E0 + 2d + p; so GPU 1 enters the
     all-gather at E0 + d + p, GPU 0 at E0 + 2d + p. All-gather: GPU 0's sends leave at E0 + 2d + p and
@@ -177,7 +179,7 @@ def test_tied_allreduce_replayed_from_each_holders_entry():
     e0, e1 = tied[0].start_s, tied[1].start_s
     assert e0 >= e1 + d
     p = paced_transfer_s(32768, 31e6, 2 * d)
-    assert p == pytest.approx(31320 * 0.4 / (2.13 * 32768), rel=1e-12)
+    assert p == pytest.approx(31320 * 0.4 / (1.8 * 32768 + 14480), rel=1e-12)
     assert tied[0].end_s == pytest.approx(e0 + 4 * d + 2 * p, rel=1e-12)
     assert tied[1].end_s == pytest.approx(e0 + 3 * d + 2 * p, rel=1e-12)
     nccl = simulate(costs, devices, opts, dec, p2p="nccl")

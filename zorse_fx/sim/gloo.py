@@ -39,27 +39,35 @@ of the reverse direction was on the wire leaves no earlier than one latency afte
 and the buffered models do not have it.
 
 [Note: TCP pacing of a message]
-Linux paces every TCP flow (the qdisc's fq, or the stack's own pacing where there is none, as on the
-box) at about its congestion window per smoothed round trip, and a window grows only while the flow
-needs more (in slow start only while it is under twice the packets last in flight:
-``tcp_is_cwnd_limited``, include/net/tcp.h): a connection that carries one M-byte message at a time
-settles at a window of about twice M. Read inside the box's b_wan_shared node namespaces (`ss -ti`,
-2026-12-07, bench/LOG.md "Gloo's small collectives, rank by rank"): 512 KiB messages across its 200 ms
-WAN on a 1.116 MB window (771 segments), pacing_rate 21.8 Mbit/s = 2.7 MB/s against the link's 31 MB/s;
-each took 0.392 s from send to receipt with its receiver long ready, where one latency plus the bytes at
-the link's rate is 0.217 s. Pacing spaces a message's segments, so its first leaves at once: under
-``p2p="gloo"`` a message of M bytes takes at least ``(M - MSS_BYTES) x RTT / max(PACED_WINDOW_MESSAGES x
-M, INITIAL_WINDOW_BYTES)`` (``paced_transfer_s``; RTT: the pair's two one-way latencies) beyond its
-latency: on a long link, a message much smaller than its bandwidth-delay product takes about half a round
-trip more; on a link where the bytes take longer than a round trip (box case (a)) nothing changes; a
+Linux paces every TCP flow (the qdisc's fq, or the stack's own pacing where there is none, as on the box) at
+about its congestion window per smoothed round trip, and a window grows only while the flow needs more (in
+slow start only while it is under twice the packets last in flight: ``tcp_is_cwnd_limited``,
+include/net/tcp.h): a connection that carries one M-byte message at a time settles at a window of about
+twice M above the initial one. Measured by bench/box_pacing.py on the box of
+bench/clusters/box_b_wan_pairs.yaml (2026-12-07, bench/results/box_pacing.json, bench/LOG.md "TCP pacing
+across sizes and round trips"): messages of 16 KiB-4 MiB, one a second, each size on a fresh connection
+carrying nothing else, the receive posted 0.5 s before the send or 0.3 s after it, at round trips of 0.4 and
+0.2 s: `ss -ti` read windows of 1.84-2.32 x M for M >= 256 KiB (1.6-3.4 x M below), and a message took its
+latency plus 0.13-0.25 s (0.4 s round trip) or 0.06-0.11 s (0.2 s), where the link's rate alone gives
+0.001-0.13 s, whichever end posted first. Pacing spaces a message's segments, so its first leaves at once:
+under ``p2p="gloo"`` a message of M bytes takes at least ``(M - MSS_BYTES) x RTT / (PACED_WINDOW_MESSAGES x
+M + INITIAL_WINDOW_BYTES)`` beyond its latency (``paced_transfer_s``; RTT: the pair's two one-way latencies;
+PACED_WINDOW_MESSAGES = 1.8 fitted by least squares to those twenty medians (1.81; 1.80 on an earlier run of
+the same sweep): 16 of them within 0.01 s, the others -0.036 to +0.046 s, all at the 0.4 s round trip with
+the receive posted first; the law read earlier from one 512 KiB message, max(2.13 M, 10 segments), missed by
+up to 0.063 s): on a long link, a message much smaller than its bandwidth-delay product takes about half a
+round trip more; on a link where the bytes take longer than a round trip (box case (a)) nothing changes; a
 message of one segment (the control collectives' 4 bytes, a record row) is not held. ``zorse bench comm``
-fits the links from back-to-back messages whose windows grew (19.4 MB/s on that WAN), which is why the
-fit alone priced the crossings fast. Paced so: the pipeline's point-to-point messages and every message
-of a replayed program (a tied parameter's 2-rank all-reduce across box (b)'s WAN, 131 KiB in 32 KiB
-messages: measured 1.09-1.12 s from its last holder's entry, 0.81 s unpaced, 1.18 paced; bench/LOG.md
-"A tied parameter's all-reduce, paced"). The gradient buckets' rings are not: pacing their steps by the
-same rule priced box (b)'s data-parallel plan 17% slow (their connections carry two buckets' steps back
-to back, and their windows grow past one message).
+fits the links from back-to-back messages whose windows grew (19.4 MB/s on that WAN), which is why the fit
+alone priced the crossings fast. Paced so: the pipeline's point-to-point messages and every message of a
+replayed program (a tied parameter's 2-rank all-reduce across box (b)'s WAN, 131 KiB in 32 KiB messages:
+measured 1.09-1.12 s from its last holder's entry, 0.81 s unpaced; bench/LOG.md "A tied parameter's
+all-reduce, paced"). The gradient buckets' rings are not: pacing their steps by the same rule priced box
+(b)'s data-parallel plan 17% slow (their connections carry two buckets' steps back to back, and their
+windows grow past one message). Not modelled: how a window that grew for larger messages carries over to
+smaller ones on the same connection (a window only grows while slow start after idle is off: the box's
+tuning), nor the spread of one crossing between connections (a 512 KiB message took 0.39-0.47 s across
+runs).
 """
 
 from __future__ import annotations
@@ -71,19 +79,19 @@ from dataclasses import dataclass
 __all__ = ["INITIAL_WINDOW_BYTES", "MSS_BYTES", "Op", "PACED_WINDOW_MESSAGES", "allgather_program",
            "allreduce_program", "paced_transfer_s", "replay"]
 
-#: [Note: TCP pacing of a message]: a connection's congestion window in its steady state, in messages
-#: of the size it carries (measured: 771 segments of 1,448 B = 1.116 MB for 512 KiB messages, 2.13).
-PACED_WINDOW_MESSAGES = 2.13
+#: [Note: TCP pacing of a message]: a connection's congestion window in its steady state above the initial
+#: window, in messages of the size it carries (fitted to bench/box_pacing.py's medians, 2026-12-07).
+PACED_WINDOW_MESSAGES = 1.8
 #: A TCP segment's payload on the box's (and Ethernet's) 1,500-byte MTU with timestamps: 1,448 B.
 MSS_BYTES = 1448
-#: Linux's initial congestion window, 10 segments (RFC 6928): no window is smaller.
+#: Linux's initial congestion window, 10 segments (RFC 6928): where a connection's window starts.
 INITIAL_WINDOW_BYTES = 10 * MSS_BYTES
 
 
 def paced_transfer_s(nbytes: float, bytes_per_s: float, rtt_s: float) -> float:
     """Seconds for a message of ``nbytes`` to cross a link of ``bytes_per_s`` once its first byte left, under
     TCP's pacing ([Note: TCP pacing of a message]): the longer of the bytes at the link's rate and all but
-    its first segment at ``max(PACED_WINDOW_MESSAGES x nbytes, INITIAL_WINDOW_BYTES) / rtt_s``.
+    its first segment at ``(PACED_WINDOW_MESSAGES x nbytes + INITIAL_WINDOW_BYTES) / rtt_s``.
 
     Raises:
         ValueError: ``bytes_per_s`` is not > 0."""
@@ -91,7 +99,7 @@ def paced_transfer_s(nbytes: float, bytes_per_s: float, rtt_s: float) -> float:
         raise ValueError(f"link bandwidth must be > 0 bytes/s, got {bytes_per_s}")
     t = nbytes / bytes_per_s
     if rtt_s > 0 and nbytes > MSS_BYTES:
-        t = max(t, (nbytes - MSS_BYTES) * rtt_s / max(PACED_WINDOW_MESSAGES * nbytes, INITIAL_WINDOW_BYTES))
+        t = max(t, (nbytes - MSS_BYTES) * rtt_s / (PACED_WINDOW_MESSAGES * nbytes + INITIAL_WINDOW_BYTES))
     return t
 
 
