@@ -282,8 +282,10 @@ def gradient_sync(costs: BlockCosts, devices: DeviceGraph, *, stage_blocks, stag
 
 
 class _GlooWorld:
-    """The world's small collectives replayed as Gloo runs them ([Note: Gloo's collectives as programs] in
-    sim/gloo.py): ``used`` (GPU indices) in rank order are the ring's positions."""
+    """Gloo's collectives over ``used`` replayed as Gloo runs them ([Note: Gloo's collectives as programs] in
+    sim/gloo.py): the world's small ones, and a tied parameter's all-reduce over its holders; ``used`` (GPU
+    indices) in rank order are the ring's positions, every message paced ([Note: TCP pacing of a
+    message])."""
 
     def __init__(self, devices: DeviceGraph, used: Sequence[int], bytes_per_s: float | None = None):
         """``bytes_per_s``: every hop's bandwidth (a ring's slowest hop, shared links split); default each
