@@ -106,8 +106,9 @@ def run(sc, args) -> list[dict]:
                    step_time_s=ev.step_time_s, num_stages=res.num_stages,
                    num_microbatches=res.decision.num_microbatches,
                    interleave=res.decision.interleave, gpus_used=len(res.decision.gpus_used),
-                   gpus=len(cluster), sharded_stages=sum(ev.decision.sharded),
-                   recompute_stages=sum(ev.decision.recompute), planner_wall_s=wall, status=res.status,
+                   gpus=len(cluster), sharded_stages=sum(m.zero >= 1 for m in ev.decision.memory),
+                   recompute_stages=sum(m.recompute for m in ev.decision.memory), planner_wall_s=wall,
+                   status=res.status,
                    optimality_gap=res.optimality_gap,
                    stage_gpu_types=[sorted({devices.gpu_types[g] for g in gs}) for gs in res.decision.stage_gpus],
                    stage_blocks=[list(b) for b in res.decision.stage_blocks])

@@ -296,13 +296,12 @@ def make_plans(case: Case, cluster_file: Path, profiles: dict[str, str], work: P
     for name, res in results.items():
         d = res.decision
         key = repr((d.stage_blocks, d.stage_gpus, d.samples_per_microbatch, d.num_microbatches, d.interleave,
-                    d.sharded, d.recompute))
+                    tuple((m.zero >= 1, m.recompute) for m in d.memory)))
         merged.setdefault(key, ([], res))[0].append(name)
     if case.memory_base_mib is not None:  # (c): zorse_fx's decision with every stage's state replicated
         ours = results["zorse_fx"].decision
-        replicated = dataclasses.replace(ours, sharded=(), shard_mib=None, grad_sharded=(), param_sharded=(),
-                                         offload=(), act_offload=())
-        if any(ours.sharded) or any(ours.offload):
+        replicated = ours.without_policy()
+        if any(m.zero or m.optimizer == "host" for m in ours.memory):
             res = SolverResult.from_evaluation(evaluate(costs, devices, dataclasses.replace(
                 opts, sharding="auto", recompute="auto"), replicated), options=opts, status="FIXED", best_bound=0.0)
             merged.setdefault("replicated", (["zorse_fx_replicated"], res))

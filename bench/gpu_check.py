@@ -153,7 +153,7 @@ def prepare(out: Path, *, shape: str, types: list[str], wheels: bool) -> None:
     from zorse_fx.cluster import Cluster
     from zorse_fx.planner import PlanOptions, plan_fixed
     from zorse_fx.pricing import price
-    from zorse_fx.solve import Decision
+    from zorse_fx.solve import Decision, StageMemory
     from zorse_fx.token_data import prepare_data
 
     name, seq, mb, m, steps = SHAPES[shape]
@@ -177,7 +177,8 @@ def prepare(out: Path, *, shape: str, types: list[str], wheels: bool) -> None:
             {**n, "host_memory_GiB": OFFLOAD_HOST_GIB} for n in cluster.to_dict()["nodes"]]})
         plan, _ = plan_fixed(captured, hosted, options,
                              Decision(stage_blocks=((0, blocks),), stage_gpus=((0,),), samples_per_microbatch=((mb,),),
-                                      num_microbatches=m, offload=(True,), act_offload=(True,)),
+                                      num_microbatches=m,
+                                      memory=(StageMemory(optimizer="host", activations="host"),)),
                              model_name=name, label_mode="same")
         plan.export(out / f"{gpu_type}_offload")
         print(f"[gpu-check] {gpu_type} offloaded: predicted step {plan.predicted_step_time_s * 1e3:.1f} ms, peak "

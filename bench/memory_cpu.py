@@ -207,6 +207,7 @@ def measure_layouts(layouts=LAYOUTS) -> list[dict]:
     from zorse_fx.options import PlanOptions
     from zorse_fx.planner import plan_fixed
     from zorse_fx.pricing import price
+    from zorse_fx.ir.memory import StageMemory
     from zorse_fx.solve.objective import build_tables, sharded_state_kib
 
     torch.manual_seed(0)
@@ -231,12 +232,12 @@ def measure_layouts(layouts=LAYOUTS) -> list[dict]:
             if sharded:  # whole-MiB shards 3:1 covering the stage's shardable state as the planner counts it
                 priced = price(captured, cluster, options)
                 tab = build_tables(priced.costs, priced.devices, options, 2)
-                q_kib = sharded_state_kib(tab, 0, priced.costs.num_blocks, grads, params)[1]
+                zero = 3 if params else 2 if grads else 1
+                q_kib = sharded_state_kib(tab, 0, priced.costs.num_blocks, zero)[1]
                 q_mib = -(-q_kib // 1024)
                 first = -(-3 * q_mib // 4)
-                decision = dataclasses.replace(decision, sharded=(True,), shard_mib=((first, q_mib - first),),
-                                               grad_sharded=(grads,), param_sharded=(params,), offload=(offload,),
-                                               act_offload=(acts,))
+                decision = dataclasses.replace(decision, shard_mib=((first, q_mib - first),), memory=(StageMemory(
+                    zero=zero, optimizer="host" if offload else "device", activations="host" if acts else "device"),))
             plan, _ = plan_fixed(captured, cluster, options, decision, label_mode="same")
             assert bool(plan.stages[0].low_precision_params) == (sharded and precision != "fp32"), name
             d = Path(tmp, name)

@@ -203,7 +203,8 @@ def run_scenario(sc: Scenario, args) -> list[dict]:
             # Per GPU of the cluster (index = GPU): predicted peak bytes (0 = idle) and capacity.
             "peak_memory_bytes": _per_gpu_memory(devices.num_gpus, res.decision.stage_gpus, ev.memory_bytes),
             "memory_capacity_bytes": list(devices.memory_bytes),
-            "sharded_stages": sum(ev.decision.sharded), "recompute_stages": sum(ev.decision.recompute),
+            "sharded_stages": sum(m.zero >= 1 for m in ev.decision.memory),
+            "recompute_stages": sum(m.recompute for m in ev.decision.memory),
             # zorse_fx: the interleave pass's best feasible try (None: nothing fit or was tried).
             "best_interleaved_step_time_s": min((c.step_time_s for c in res.candidates
                                                  if c.kind == "interleave" and c.feasible), default=None),

@@ -16,7 +16,7 @@ from zorse_fx.baselines.homogeneous import uniform_blocks
 from zorse_fx.baselines.metis import MAX_CANDIDATES, stage_groupings
 from zorse_fx.baselines.zorse_paper import min_k_cut_groups, min_k_cut_sequence
 from zorse_fx.errors import InfeasiblePlanError
-from zorse_fx.solve import BlockCosts, Decision, DeviceGraph, evaluate, solve_cpsat
+from zorse_fx.solve import BlockCosts, Decision, DeviceGraph, StageMemory, evaluate, solve_cpsat
 from zorse_fx.solve.heuristics import (
     Selector,
     gpu_speeds,
@@ -161,19 +161,19 @@ def test_well_formed(name, case):
     chosen = [c for c in candidate_dicts(res) if c["chosen"]]
     assert len(chosen) == 1 and chosen[0]["violations"] == list(ev.violations)
     # the memory policy: one entry per stage / GPU, recorded in the chosen candidate too.
-    assert len(res.decision.sharded) == len(res.decision.recompute) == res.num_stages
+    mem = res.decision.memory
+    assert len(mem) == res.num_stages
     assert [len(row) for row in res.decision.shard_bytes()] == [len(gs) for gs in res.decision.stage_gpus]
-    assert (res.decision.sharded, res.decision.shard_bytes(), res.decision.recompute) == (
-        ev.decision.sharded, ev.decision.shard_bytes(), ev.decision.recompute)
-    assert chosen[0]["stage_sharded"] == list(res.decision.sharded)
+    assert (mem, res.decision.shard_bytes()) == (ev.decision.memory, ev.decision.shard_bytes())
+    assert chosen[0]["stage_sharded"] == [m.zero >= 1 for m in mem]
     assert chosen[0]["state_shard_bytes"] == [list(row) for row in res.decision.shard_bytes()]
-    assert chosen[0]["stage_recompute"] == list(res.decision.recompute)
+    assert chosen[0]["stage_recompute"] == [m.recompute for m in mem]
     if options.sharding == "never":
-        assert not any(res.decision.sharded) and not any(map(any, res.decision.shard_bytes()))
+        assert not any(m.zero for m in mem) and not any(map(any, res.decision.shard_bytes()))
     if options.sharding == "always":
-        assert all(sh == (len(gs) >= 2) for sh, gs in zip(res.decision.sharded, res.decision.stage_gpus))
+        assert all((m.zero >= 1) == (len(gs) >= 2) for m, gs in zip(mem, res.decision.stage_gpus))
     if options.recompute != "auto":
-        assert all(rc == (options.recompute == "always") for rc in res.decision.recompute)
+        assert all(m.recompute == (options.recompute == "always") for m in mem)
     assert (chosen[0]["num_stages"], chosen[0]["num_microbatches"]) == (res.num_stages, res.decision.num_microbatches)
     # the chosen candidate is the best feasible one (or the fastest if none is feasible).
     pool = [c for c in candidate_dicts(res) if c["feasible"]] or list(candidate_dicts(res))
@@ -491,7 +491,7 @@ def test_sharding_makes_memory_tight_instance_feasible():
     for name, fn in BASELINES.items():
         res = fn(costs, devices, never)
         assert res.status == "BASELINE_INFEASIBLE", name
-        assert not any(res.decision.sharded) and not any(res.decision.recompute)
+        assert all(m == StageMemory() for m in res.decision.memory)
         assert not _eval(costs, devices, never, res).feasible
     auto = _tight_options("auto")
     feasible = set()
@@ -502,11 +502,11 @@ def test_sharding_makes_memory_tight_instance_feasible():
         assert ev.feasible == (res.status == "BASELINE") and ev.memory_bytes == res.predicted_memory_bytes
         if ev.feasible:
             feasible.add(name)
-            assert any(res.decision.sharded), name  # nothing fits without sharding
-            for sh, gs, row, mem in zip(res.decision.sharded, res.decision.stage_gpus, res.decision.shard_bytes(),
-                                        ev.memory_bytes):
+            assert any(m.zero for m in res.decision.memory), name  # nothing fits without sharding
+            for m, gs, row, mem in zip(res.decision.memory, res.decision.stage_gpus, res.decision.shard_bytes(),
+                                       ev.memory_bytes):
                 assert all(z % (MIB_UNITS * 1024) == 0 for z in row)  # whole MiB
-                assert sh or not any(row)
+                assert m.zero or not any(row)
                 assert all(m <= int(0.9 * devices.memory_bytes[g]) for g, m in zip(gs, mem))
     assert {"homogeneous_all", "cephalo"} <= feasible, feasible
     # sharding alone suffices here; recomputation alone does not (the state is the problem).
@@ -523,7 +523,7 @@ def test_cephalo_shards_state_by_free_memory():
     costs, devices = _tight()
     options = _tight_options("auto")
     res = cephalo(costs, devices, options)
-    assert res.status == "BASELINE" and res.decision.sharded == (True,)
+    assert res.status == "BASELINE" and res.decision.memory[0].zero == 1
     assert res.decision.stage_gpus == (tuple(range(8)),)
     tab = build_tables(costs, devices, options, res.decision.num_microbatches)
     nb, (ns,), (gs,) = costs.num_blocks, res.decision.samples_per_microbatch, res.decision.stage_gpus
@@ -541,13 +541,13 @@ def test_cephalo_shards_state_by_free_memory():
     assert all(abs(zg - sum(z) * f / sum(free_mib)) < 1 for zg, f in zip(z, free_mib))
     assert min(z) < max(z) and free_mib[0] > free_mib[-1]  # the 24 GiB A GPUs hold more than the B
     d = res.decision
-    balanced = fill_policy(tab, d.stage_blocks, d.stage_gpus, d.samples_per_microbatch, (True,), d.recompute)
+    balanced = fill_policy(tab, d.stage_blocks, d.stage_gpus, d.samples_per_microbatch, memory=d.memory)
     assert balanced.shard_mib[0] != tuple(z)  # not balance_shards' split
     assert free_memory_shards(5 * MIB_UNITS, [3 * MIB_UNITS, MIB_UNITS, 6 * MIB_UNITS]) == (2, 0, 3)
     assert free_memory_shards(0, [MIB_UNITS, MIB_UNITS]) == (0, 0)
     # with sharding "never" Cephalo replicates (the old model), whatever recompute allows.
     plain = cephalo(costs, devices, solver_options(global_batch_size=16, max_stages=2, recompute="auto"))
-    assert plain.decision.sharded == (False,) and plain.status == "BASELINE_INFEASIBLE"
+    assert plain.decision.memory[0].zero == 0 and plain.status == "BASELINE_INFEASIBLE"
 
 
 def test_recompute_makes_activation_tight_instance_feasible():
@@ -560,7 +560,7 @@ def test_recompute_makes_activation_tight_instance_feasible():
         res = BASELINES[name](costs, devices, options)
         ev = _eval(costs, devices, options, res)
         assert res.status == "BASELINE" and ev.feasible and ev.objective_units == _units(res.objective), name
-        assert all(res.decision.recompute) and not any(res.decision.sharded)
+        assert all(m == StageMemory(recompute=True) for m in res.decision.memory)
         # the recomputed forward costs a third of fwd+bwd on top.
         plain = evaluate(costs, devices, options, res.decision.without_policy())
         assert not plain.feasible and plain.step_time_s < res.predicted_step_time_s
@@ -580,26 +580,28 @@ def test_selector_keeps_the_best_memory_variant():
     for sh, rc in memory_variants(options):
         ev = evaluate(costs, devices, options, Decision(stage_blocks=blocks, stage_gpus=gpus,
                                                         samples_per_microbatch=samples, num_microbatches=m,
-                                                        sharded=(sh, sh), recompute=(rc, rc)))
+                                                        memory=(StageMemory(zero=int(sh), recompute=rc),) * 2))
         scored.append((not ev.feasible, ev.objective_units, sh, rc))
     best = min(scored)
     assert not best[0] and best[2]  # feasible only sharded
     sel = Selector("t", costs, devices, options)
     assert sel.add(blocks, gpus, samples, m) == best[1]
     res = sel.result()
-    assert res.decision.sharded == (best[2],) * 2 and res.decision.recompute == (best[3],) * 2
+    assert res.decision.memory == (StageMemory(zero=int(best[2]), recompute=best[3]),) * 2
     assert res.status == "BASELINE" and _units(res.objective) == best[1]
     # an explicit plain policy is kept as given (and reported infeasible).
     sel = Selector("t", costs, devices, options)
     tab = sel.tables(m)
-    sel.add(blocks, gpus, samples, m, policy=fill_policy(tab, blocks, gpus, samples, (False, False), (False, False)))
+    plain = (StageMemory(),) * 2
+    sel.add(blocks, gpus, samples, m, policy=fill_policy(tab, blocks, gpus, samples, memory=plain))
     res = sel.result()
-    assert res.status == "BASELINE_INFEASIBLE" and res.decision.sharded == (False, False)
+    assert res.status == "BASELINE_INFEASIBLE" and res.decision.memory == plain
     # a policy the options forbid is infeasible, however fast (as evaluate says).
     sel = Selector("t", costs, devices, _tight_options("never"))
-    sel.add(blocks, gpus, samples, m, policy=fill_policy(tab, blocks, gpus, samples, (True, True), (False, False)))
+    zero1 = (StageMemory(zero=1),) * 2
+    sel.add(blocks, gpus, samples, m, policy=fill_policy(tab, blocks, gpus, samples, memory=zero1))
     res = sel.result()
-    assert res.status == "BASELINE_INFEASIBLE" and res.decision.sharded == (True, True)
+    assert res.status == "BASELINE_INFEASIBLE" and res.decision.memory == zero1
     (chosen,) = candidate_dicts(res)
     assert chosen["violations"] == [f"stage {s} has ZeRO-1 sharding but sharding='never'" for s in (0, 1)]
 
@@ -623,9 +625,10 @@ def test_stage_fits_matches_the_model(seed):
         gpus = (tuple(perm),) if n_s == 1 else (tuple(perm[:2]), tuple(perm[2:]))
         samples = tuple(largest_remainder(8 // m, [rng.random() + 0.1 for _ in gs]) for gs in gpus)
         sh, rc = rng.random() < 0.5, rng.random() < 0.5
-        pol = fill_policy(tab, blocks, gpus, samples, (sh,) * n_s, (rc,) * n_s)
+        variant = StageMemory(zero=int(sh), recompute=rc)
+        pol = fill_policy(tab, blocks, gpus, samples, memory=(variant,) * n_s)
         u = evaluate_units(tab, blocks, gpus, samples, pol)
-        fits = all(stage_fits(tab, s, n_s, i, j, memory_groups(tab, gs, ns), sharded=sh, recompute=rc)
+        fits = all(stage_fits(tab, s, n_s, i, j, memory_groups(tab, gs, ns), memory=variant)
                    for s, ((i, j), gs, ns) in enumerate(zip(blocks, gpus, samples)))
         assert fits == u.fits(tab, gpus), (blocks, gpus, samples, sh, rc)
         outcomes.add((fits, sh))
@@ -654,11 +657,12 @@ def test_metis_layers_fit_the_memory_variant(seed):
         groups = [memory_groups(tab, gs, ns) for gs, ns in zip(stages, samples)]
         for sh, rc in memory_variants(options):
             def ok(blocks):
-                return all(stage_fits(tab, s, 2, i, j, groups[s], sharded=sh, recompute=rc) for s, (i, j) in enumerate(blocks))
+                variant = StageMemory(zero=int(sh), recompute=rc)
+                return all(stage_fits(tab, s, 2, i, j, groups[s], memory=variant) for s, (i, j) in enumerate(blocks))
             some = any(ok(((0, c), (c, nb))) for c in range(1, nb))
             got = _layers(StageMatrices(tab), stages, samples, sh, rc)
             assert ok(got) == some, (sh, rc, got)
-            met += some and not any(all(stage_fits(tab, s, 2, i, j, groups[s], sharded=False, recompute=False)
+            met += some and not any(all(stage_fits(tab, s, 2, i, j, groups[s], memory=StageMemory())
                                         for s, (i, j) in enumerate(((0, c), (c, nb)))) for c in range(1, nb))
     assert met > 0  # some variants fit only thanks to sharding / recomputation
 
@@ -712,7 +716,7 @@ def test_portfolio_takes_a_sharded_baseline():
     res = solve_portfolio(costs, devices, options, nothing)
     ev = _eval(costs, devices, options, res)
     assert (res.status.startswith("BASELINE:") or res.status == "STAGE_DP") and ev.feasible
-    assert any(res.decision.sharded)
+    assert any(m.zero for m in res.decision.memory)
     assert ev.step_time_s == res.predicted_step_time_s
     feasible = [r for r in (fn(costs, devices, options) for fn in BASELINES.values()) if r.status == "BASELINE"]
     feasible.append(solve_stage_dp(costs, devices, options))  # the portfolio's own heuristic

@@ -11,7 +11,7 @@ from conftest import make_devices, solver_options
 
 from zorse_fx.ir.buckets import BUCKET_BYTES, FIRST_BUCKET_BYTES
 from zorse_fx.sim import simulate
-from zorse_fx.solve import BlockCosts, Decision, evaluate, solve_cpsat
+from zorse_fx.solve import BlockCosts, Decision, StageMemory, evaluate, solve_cpsat
 from zorse_fx.solve.objective import UNIT_S, evaluate_units, prepare, ring_units, to_units
 from zorse_fx.solve.pipeline_terms import forward_units, program_ends
 
@@ -47,7 +47,7 @@ def test_single_stage_pays_the_latency_per_bucket(sharded):
     devices = _devices(k)
     options = solver_options(global_batch_size=4, sharding="auto")
     d = Decision(stage_blocks=((0, 1),), stage_gpus=(tuple(range(k)),), samples_per_microbatch=((1,) * k,),
-                 num_microbatches=1, sharded=(sharded,))
+                 num_microbatches=1, memory=(StageMemory(zero=int(sharded)),))
     ev = evaluate(costs, devices, options, d)
     assert ev.feasible, ev.violations
     # [C-allreduce] by hand: per-block units 2 grad params / bw (+ param bytes when sharded),

@@ -17,12 +17,13 @@ from conftest import CLUSTERS, make_devices, random_costs, random_instance, smal
 import zorse_fx
 import zorse_fx.ir.result as records
 from zorse_fx import PlanOptions, PlanOptionsError
-from zorse_fx.solve import Decision, SolverResult, evaluate, solve_brute_force, solve_cpsat
+from zorse_fx.solve import Decision, SolverResult, StageMemory, evaluate, solve_brute_force, solve_cpsat
 from zorse_fx.solve.objective import evaluate_result
 
 ROOT = Path(__file__).resolve().parents[1]
 TWO = dict(stage_blocks=((0, 2), (2, 4)), stage_gpus=((0, 1), (2,)), samples_per_microbatch=((3, 1), (4,)),
            num_microbatches=2)
+PLAIN, ZERO1, RECOMPUTE = StageMemory(), StageMemory(zero=1), StageMemory(recompute=True)
 
 
 @pytest.mark.parametrize("change, message", [
@@ -43,20 +44,54 @@ TWO = dict(stage_blocks=((0, 2), (2, 4)), stage_gpus=((0, 1), (2,)), samples_per
     (dict(stage_gpus=((0, -1), (2,))), r"stage 0: GPU index -1 must be an int >= 0"),
     (dict(samples_per_microbatch=((4, 0), (4,))), r"stage 0 GPU 1: samples per micro-batch must be an int >= 1, got 0"),
     (dict(samples_per_microbatch=((3, 1), (3,))), r"stage 1: samples \(3,\) sum to 3, stage 0's \(3, 1\) to 4"),
-    (dict(sharded=(True,)), r"Decision.sharded has 1 entries, the decision has 2 stages"),
-    (dict(recompute=(True, False, True)), r"Decision.recompute has 3 entries, the decision has 2 stages"),
-    (dict(sharded=(False, True)), r"stage 1 is sharded but has 1 GPU: ZeRO-1 needs >= 2 GPUs.*Decision.sharded\[1\]"),
-    (dict(sharded=(True, False), shard_mib=((1, 1),)), r"Decision.shard_mib has 1 rows, the decision has 2 stages"),
-    (dict(sharded=(True, False), shard_mib=((1, 1), (3,))),
+    (dict(memory=(ZERO1,)), r"Decision.memory has 1 entries, the decision has 2 stages"),
+    (dict(memory=(RECOMPUTE,) * 3), r"Decision.memory has 3 entries, the decision has 2 stages"),
+    (dict(memory=(PLAIN, True)), r"Decision.memory\[1\] is a bool: use a zorse_fx.ir.StageMemory"),
+    (dict(memory=(PLAIN, ZERO1)),
+     r"stage 1 is sharded \(ZeRO-1\) but has 1 GPU: ZeRO needs >= 2 GPUs.*Decision.memory\[1\].zero"),
+    (dict(memory=(ZERO1, PLAIN), shard_mib=((1, 1),)), r"Decision.shard_mib has 1 rows, the decision has 2 stages"),
+    (dict(memory=(ZERO1, PLAIN), shard_mib=((1, 1), (3,))),
      r"stage 1 is not sharded but Decision.shard_mib gives it shards \(3,\)"),
-    (dict(sharded=(True, False), shard_mib=((5,), ())),
+    (dict(memory=(ZERO1, PLAIN), shard_mib=((5,), ())),
      r"stage 0: Decision.shard_mib \(5,\) must give one int >= 0 per GPU \(2 GPUs\)"),
-    (dict(sharded=(True, False), shard_mib=((5, -1), ())), r"stage 0: Decision.shard_mib \(5, -1\)"),
+    (dict(memory=(ZERO1, PLAIN), shard_mib=((5, -1), ())), r"stage 0: Decision.shard_mib \(5, -1\)"),
     (dict(precision="bf16"), r"Decision.precision='bf16': use '' \(as priced\) or one of 'fp32'"),
 ])
 def test_each_malformed_decision_is_refused_by_name(change, message):
     with pytest.raises(ValueError, match=message):
         Decision(**{**TWO, **change})
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(zero=4), r"StageMemory.zero=4: use an int in 0..3"),
+    (dict(zero=True), r"StageMemory.zero=True: use an int in 0..3"),
+    (dict(zero=1.0), r"StageMemory.zero=1.0: use an int in 0..3"),
+    (dict(recompute="yes"), r"StageMemory.recompute='yes': use True or False"),
+    (dict(optimizer="cpu"), r"StageMemory.optimizer='cpu': use 'device' or 'host'"),
+    (dict(activations=True), r"StageMemory.activations=True: use 'device' or 'host'"),
+    (dict(activations="host", recompute=True), r"StageMemory\(activations='host', recompute=True\): activation "
+                                               r"offload goes without recomputation and ZeRO-2/3"),
+    (dict(activations="host", zero=2), r"StageMemory\(activations='host', zero=2\)"),
+])
+def test_each_malformed_stage_memory_is_refused_by_name(fields, message):
+    with pytest.raises(ValueError, match=message):
+        StageMemory(**fields)
+
+
+def test_stage_memory_round_trips_through_the_plan_fields():
+    """Every valid policy -> ``StagePlan.memory_fields`` -> ``plan.stage_memory`` is itself;
+    an object without the fields (a plan from before them) reads as plain."""
+    from types import SimpleNamespace as NS
+
+    from zorse_fx.plan import StagePlan, stage_memory
+
+    every = [StageMemory(zero=z, recompute=rc, optimizer=o, activations=a) for z in range(4) for rc in (False, True)
+             for o in ("device", "host") for a in ("device", "host") if a == "device" or not (rc or z >= 2)]
+    assert len(every) == 20 and len(set(every)) == 20  # 16 with activations on the GPU, 4 on the host
+    for mem in every:
+        assert stage_memory(NS(**StagePlan.memory_fields(mem))) == mem
+    assert stage_memory(NS()) == StageMemory()
+    assert StageMemory(zero=2, recompute=1).recompute is True
 
 
 def test_interleaving_rules():
@@ -92,13 +127,12 @@ def test_frozen_normalised_and_defaults():
                  num_microbatches=2)
     assert d == Decision(**TWO) and hash(d) == hash(Decision(**TWO))
     assert d.stage_blocks == ((0, 2), (2, 4)) and isinstance(d.stage_gpus[0], tuple)
-    assert (d.interleave, d.sharded, d.recompute, d.shard_mib, d.precision) == (
-        1, (False, False), (False, False), ((), ()), "")
+    assert (d.interleave, d.memory, d.shard_mib, d.precision) == (1, (PLAIN, PLAIN), ((), ()), "")
     assert d.shard_bytes() == ((0, 0), (0,))
     with pytest.raises(dataclasses.FrozenInstanceError):
         d.num_microbatches = 4
     # A sharded stage without shards: the evaluator balances them.
-    open_shards = Decision(**TWO, sharded=(True, False))
+    open_shards = Decision(**TWO, memory=(ZERO1, PLAIN))
     assert open_shards.shard_mib is None
     with pytest.raises(ValueError, match="evaluate the decision first"):
         open_shards.shard_bytes()
@@ -109,12 +143,12 @@ def test_evaluate_fills_the_shards_and_a_result_keeps_them():
     costs = random_costs(__import__("random").Random(0), 4, ["A", "B"])
     devices = make_devices(["A", "A", "B"], ["n0", "n0", "n1"], [16 << 30] * 3, [1e12, 1e12, 5e11])
     options = PlanOptions(global_batch_size=8)
-    ev = evaluate(costs, devices, options, Decision(**TWO, sharded=(True, False)))
+    ev = evaluate(costs, devices, options, Decision(**TWO, memory=(ZERO1, PLAIN)))
     assert ev.decision.shard_mib is not None and len(ev.decision.shard_mib[0]) == 2
     res = SolverResult.from_evaluation(ev, options=options, status="TEST", best_bound=0.0)
     assert res.decision == ev.decision and evaluate_result(costs, devices, options, res) == ev
     with pytest.raises(ValueError, match="with its shards chosen"):
-        dataclasses.replace(res, decision=Decision(**TWO, sharded=(True, False)))
+        dataclasses.replace(res, decision=Decision(**TWO, memory=(ZERO1, PLAIN)))
     with pytest.raises(TypeError, match="expected a zorse_fx.solve.Decision, got dict"):
         evaluate(costs, devices, options, dict(TWO))
 
@@ -136,7 +170,7 @@ def test_plans_round_trip_through_plan_decision():
     nb = analyse(captured).num_blocks
     fixed, _ = plan_fixed(captured, cluster, options, Decision(
         stage_blocks=((0, 2), (2, nb)), stage_gpus=((0, 1), (2,)), samples_per_microbatch=((3, 1), (4,)),
-        num_microbatches=2, sharded=(True, False), recompute=(False, True)))
+        num_microbatches=2, memory=(ZERO1, RECOMPUTE)))
     priced = price(captured, cluster, options)
     costs, policy, devices = priced.costs, priced.precision, priced.devices
     for plan, relaxed in ((solved, options), (fixed, dataclasses.replace(options, num_microbatches=None))):
@@ -150,7 +184,7 @@ def test_plans_round_trip_through_plan_decision():
             m for row in ev.memory_bytes for m in row]
     assert solved.interleave > 1
     dec = plan_decision(fixed, costs)
-    assert dec.sharded == (True, False) and dec.recompute == (False, True) and sum(dec.shard_mib[0]) >= 1
+    assert dec.memory == (ZERO1, RECOMPUTE) and sum(dec.shard_mib[0]) >= 1
     assert dec.shard_bytes()[0] == tuple(g.state_shard_bytes for g in fixed.stages[0].gpus)
     with pytest.raises(ValueError, match=r"Decision.precision='fp32' but the options price 'fp16-mixed' on cluster "
                                          r"'small_hetero': pass PlanOptions\(precision='fp32'\)"):

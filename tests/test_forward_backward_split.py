@@ -12,7 +12,7 @@ import pytest
 
 from zorse_fx.ir.costs import FORWARD_SHARE
 from zorse_fx.sim import simulate
-from zorse_fx.solve import BlockCosts, Decision, evaluate
+from zorse_fx.solve import BlockCosts, Decision, StageMemory, evaluate
 from zorse_fx.solve.objective import evaluate_result
 from zorse_fx.solve.tables import build_tables, drain_coefficients
 
@@ -91,7 +91,7 @@ def test_recomputation_re_runs_the_cost_models_forward():
                        param_count=(0,), act_bytes_per_sample=(100,), cut_bytes_per_sample=(0, 0))
     devices = make_devices(["A"], ["n0"], [GIB], [1e12])
     dec = Decision(stage_blocks=((0, 1),), stage_gpus=((0,),), samples_per_microbatch=((2,),), num_microbatches=1,
-                   recompute=(True,))
+                   memory=(StageMemory(recompute=True),))
     opts = solver_options(global_batch_size=2, recompute="always")
     sim = simulate(costs, devices, opts, dec)
     (f,) = [e for e in sim.events if e.kind == "F"]

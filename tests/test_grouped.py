@@ -194,7 +194,7 @@ def test_grouped_shards_across_a_class():
     with pytest.raises(InfeasiblePlanError, match="sharding='auto'"):
         solve_grouped(costs, devices, opts)
     res = solve_grouped(costs, devices, dataclasses.replace(opts, sharding="auto"))
-    assert all(res.decision.sharded)
+    assert all(m.zero == 1 for m in res.decision.memory)
     for s, ((i, j), row) in enumerate(zip(res.decision.stage_blocks, res.decision.shard_bytes())):
         assert sum(row) >= 8 * sum(costs.param_count[i:j])
     assert evaluate_result(costs, devices, dataclasses.replace(opts, sharding="auto"), res).feasible
@@ -218,7 +218,7 @@ def test_hint_encodes_the_hinted_decision(grouped):
                          recompute="auto")
     base = BASELINES["homogeneous_all"](costs, devices, opts)
     ev = evaluate_result(costs, devices, opts, base)
-    assert ev.feasible and any(base.decision.sharded)
+    assert ev.feasible and any(m.zero for m in base.decision.memory)
     tab = build_tables(costs, devices, opts, base.decision.num_microbatches)
     groups = _groups(devices, tab, False) if grouped else singleton_groups(devices.num_gpus)
     model = CandidateModel(tab, devices, opts, groups, base.num_stages)
@@ -230,7 +230,7 @@ def test_hint_encodes_the_hinted_decision(grouped):
     dec = model.decision(solver)
     assert (dec.stage_blocks, dec.stage_gpus, dec.samples_per_microbatch) == (
         base.decision.stage_blocks, base.decision.stage_gpus, base.decision.samples_per_microbatch)
-    assert dec.sharded == base.decision.sharded and dec.recompute == base.decision.recompute
+    assert dec.memory == base.decision.memory
     assert solver.value(model.objective) == ev.objective_units
 
 

@@ -117,9 +117,10 @@ def test_every_memory_flag_combination_is_refused_in_one_line_or_means_what_it_s
 
 def _honours(decision, want: dict) -> list[str]:
     """Where the decision's own fields break ``want`` (``_effective``)."""
-    fields = {"sharding": decision.sharded, "grad_sharding": decision.grad_sharded,
-              "param_sharding": decision.param_sharded, "offload": decision.offload,
-              "activation_offload": decision.act_offload, "recompute": decision.recompute}
+    mem = decision.memory
+    fields = {"sharding": [m.zero >= 1 for m in mem], "grad_sharding": [m.zero >= 2 for m in mem],
+              "param_sharding": [m.zero == 3 for m in mem], "offload": [m.optimizer == "host" for m in mem],
+              "activation_offload": [m.activations == "host" for m in mem], "recompute": [m.recompute for m in mem]}
     return [f"{name}: wanted {want[name]}, got {fields[name]}" for name in FLAGS
             if want[name] is not None and any(bool(x) != want[name] for x in (fields[name] or (False,)))]
 
@@ -163,7 +164,7 @@ def test_grad_sharding_always_alone_gives_zero2_not_an_assertion():
     costs, devices = _instance()
     lines = []
     res = solve_plan(costs, devices, _options("auto", grad_sharding="always"), progress=lines.append)
-    assert res.decision.sharded == res.decision.grad_sharded == (True,)
+    assert res.decision.memory[0].zero == 2
     assert res.status.startswith("STAGE_DP") and "OPTIMAL" not in res.status
     assert any("CP-SAT not run: grad_sharding='always' asks for what its model does not have" in x for x in lines)
     with pytest.raises(PlanOptionsError, match=r"^CP-SAT alone cannot plan grad_sharding='always': its model has "
@@ -180,7 +181,7 @@ def test_stage_dp_never_returns_a_plan_without_the_zero_asked_for():
     opts = dataclasses.replace(_options("stage_dp", param_sharding="always"), max_stages=2, allow_idle_gpus=True)
     d = solve_plan(costs, devices, opts).decision
     multi = [s for s, g in enumerate(d.stage_gpus) if len(g) >= 2]
-    assert all(d.sharded[s] and d.grad_sharded[s] and d.param_sharded[s] for s in multi)
+    assert all(d.memory[s].zero == 3 for s in multi)
     assert evaluate(costs, devices, opts, d).feasible
 
 

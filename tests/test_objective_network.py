@@ -17,7 +17,7 @@ from conftest import assert_cpsat_equals_brute_force, assert_grouped_within_cpsa
 from zorse_fx.cluster import Cluster
 from zorse_fx.ir.costs import TiedParam
 from zorse_fx.sim import simulate
-from zorse_fx.solve import BlockCosts, Decision, evaluate, solve_brute_force, solve_cpsat
+from zorse_fx.solve import BlockCosts, Decision, StageMemory, evaluate, solve_brute_force, solve_cpsat
 from zorse_fx.solve.objective import UNIT_S, UNITS_PER_S, effective_pair_bandwidth, to_units
 
 GIB = 1 << 30
@@ -164,10 +164,10 @@ def test_sharded_holder_all_gathers_after_the_tied_ring():
 
     costs, devices = _gpt()
     kw = dict(stage_blocks=((0, 3), (3, costs.num_blocks)), stage_gpus=((0, 1), (2,)),
-              samples_per_microbatch=((3, 1), (4,)), num_microbatches=2, recompute=(False, False))
+              samples_per_microbatch=((3, 1), (4,)), num_microbatches=2)
     options = solver_options(global_batch_size=8, sharding="auto")
-    plain = evaluate(costs, devices, options, Decision(**kw, sharded=(False, False)))
-    ev = evaluate(costs, devices, options, Decision(**kw, sharded=(True, False)))
+    plain = evaluate(costs, devices, options, Decision(**kw, memory=(StageMemory(), StageMemory())))
+    ev = evaluate(costs, devices, options, Decision(**kw, memory=(StageMemory(zero=1), StageMemory())))
     tab = build_tables(costs, devices, options, 2)
     q = tab.pair_bw_class[0][1]
     ag = -(-(tab.arsh_prefix[q][3] - tab.ar_prefix[q][3]) // 2) + tab.pair_lat[0][1]
@@ -193,8 +193,8 @@ def test_cpsat_prices_the_all_gather_after_the_tied_ring():
     ev = evaluate(costs, devices, options, res.decision)
     assert res.status == "OPTIMAL" and ev.objective_units == round(res.objective * UNITS_PER_S)
     d = ev.decision
-    assert d.num_stages == 2 and all(d.sharded)
-    plain = evaluate(costs, devices, options, dataclasses.replace(d, sharded=(False, False), shard_mib=((), ())))
+    assert d.num_stages == 2 and all(m.zero == 1 for m in d.memory)
+    plain = evaluate(costs, devices, options, dataclasses.replace(d, memory=(), shard_mib=((), ())))
     assert ev.allreduce_s == plain.allreduce_s and ev.allreduce_s[0] == ev.allreduce_s[1]  # the tied ring binds
     assert ev.step_time_s - plain.step_time_s > max(ev.optim_s) - max(plain.optim_s) + 5e-6
 

@@ -25,6 +25,7 @@ from conftest import gpt3x64, make_devices, train_and_compare, with_low_precisio
 from zorse_fx.cluster import Cluster
 from zorse_fx.errors import ClusterConfigError, InfeasiblePlanError, PlanFileError
 from zorse_fx.ir.costs import BlockCosts
+from zorse_fx.ir.memory import StageMemory
 from zorse_fx.options import PlanOptions
 from zorse_fx.plan import Plan
 from zorse_fx.sim import simulate
@@ -161,7 +162,7 @@ def test_stage_dp_offloads_only_where_nothing_fits():
     dev = _one_gpu(64)
     res = solve_stage_dp(costs, dev, opts)
     d = res.decision
-    assert d.offload == (True,) and not any(d.sharded)
+    assert d.memory == (StageMemory(optimizer="host"),)
     ev = evaluate(costs, dev, opts, d)
     assert ev.feasible and ev.memory_bytes[0][0] < 12 * GiB
     assert ev.optim_s[0] == pytest.approx(1e9 * (8 / 15.75e9 + 32 / 100e9), rel=1e-3)
@@ -174,7 +175,7 @@ def test_stage_dp_does_not_offload_what_fits():
     """A model that fits on the GPU plans the same with and without host memory."""
     costs, opts = _big_model(params_per_block=100_000_000), PlanOptions(global_batch_size=4, planner="stage_dp")
     with_host, without = solve_stage_dp(costs, _one_gpu(64), opts), solve_stage_dp(costs, _one_gpu(0), opts)
-    assert not any(with_host.decision.offload)
+    assert not any(m.optimizer == "host" for m in with_host.decision.memory)
     assert with_host.decision == without.decision
 
 
@@ -261,7 +262,7 @@ def test_activation_offload_in_the_planner():
     with pytest.raises(InfeasiblePlanError):
         solve_stage_dp(costs, dev, dataclasses.replace(opts, activation_offload="never"))
     d = solve_stage_dp(costs, dev, opts).decision
-    assert d.act_offload == (True,) and not any(d.recompute)
+    assert d.memory == (StageMemory(activations="host"),)
     ev = evaluate(costs, dev, opts, d)
     assert ev.feasible
     # (the tables round each block's activations up to a KiB and the per-MiB time to a ns: ~4e-6)
@@ -297,7 +298,7 @@ def test_stage_dp_offloads_a_zero3_stage_where_only_that_fits():
     with pytest.raises(InfeasiblePlanError):
         solve_stage_dp(costs, devices(6), dataclasses.replace(opts, offload="never"))
     d = solve_stage_dp(costs, devices(6), opts).decision
-    assert d.param_sharded == (True,) and d.offload == (True,)
+    assert d.memory == (StageMemory(zero=3, optimizer="host"),)
     ev = evaluate(costs, devices(6), opts, d)
     assert ev.feasible and max(ev.memory_bytes[0]) < 0.8 * 6 * GiB
     assert sum(ev.host_memory_bytes[0]) == pytest.approx(12 * p, rel=1e-3)
@@ -306,7 +307,7 @@ def test_stage_dp_offloads_a_zero3_stage_where_only_that_fits():
     assert sim.step_time_s == pytest.approx(ev.step_time_s, rel=1e-3)
     assert sim.peak_memory_bytes[:2] == ev.memory_bytes[0]
     roomy = solve_stage_dp(costs, devices(10), opts).decision
-    assert roomy.param_sharded == (True,) and roomy.offload == (False,)
+    assert roomy.memory == (StageMemory(zero=3),)
 
 
 def test_interleaved_three_microbatches_with_offload(lee_bytes, tmp_path):

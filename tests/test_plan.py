@@ -13,6 +13,7 @@ import torch
 from conftest import fixed_plan, small_gpt, with_memory_policy
 
 from zorse_fx.errors import PlanFileError, PlanOptionsError
+from zorse_fx.ir.memory import StageMemory
 from zorse_fx.ir.schedule import Action, format_grid, inflight, interleave_rounds, make_schedule, validate
 from zorse_fx.models.gpt import GPT, GPTConfig
 from zorse_fx.plan import PLAN_FORMAT_VERSION, Plan
@@ -465,7 +466,8 @@ def test_sixteen_bit_working_weights_are_planned_priced_and_checked(tmp_path):
     options = PlanOptions(global_batch_size=8)  # T4s: fp16-mixed
     bg = analyse(captured)
     decision = dataclasses.replace(fixed_decision(captured, ((0,), (2, 3)), ((4,), (1, 3)), num_microbatches=2,
-                                                  cuts=(3,)), sharded=(False, True), shard_mib=None)
+                                                  cuts=(3,)), memory=(StageMemory(), StageMemory(zero=1)),
+                                   shard_mib=None)
     plan, _ = plan_fixed(captured, cluster, options, decision)
     assert plan.precision == "fp16-mixed"
     s0, s1 = plan.stages

@@ -11,7 +11,7 @@ import pytest
 
 from conftest import small_gpt
 from zorse_fx.cluster import Cluster
-from zorse_fx.ir import Decision
+from zorse_fx.ir import Decision, StageMemory
 from zorse_fx.options import PlanOptions
 from zorse_fx.plan import Plan
 from zorse_fx.plan_build import plan_decision
@@ -61,7 +61,7 @@ def test_simulate_plan_is_the_plans_decision_simulated(gpt, tmp_path):
     nb = price(gpt, cluster, options).blocks.num_blocks
     plan, _ = plan_fixed(gpt, cluster, options, Decision(
         stage_blocks=((0, 2), (2, nb)), stage_gpus=((0, 1), (2,)), samples_per_microbatch=((3, 1), (4,)),
-        num_microbatches=2, sharded=(True, False), recompute=(False, True)))
+        num_microbatches=2, memory=(StageMemory(zero=1), StageMemory(recompute=True))))
     plan = Plan.load(plan.export(tmp_path / "plan"))
     priced = price(gpt, cluster, options_for_plan(plan, profiles=()))
     got = simulate_plan(plan, priced)

@@ -13,12 +13,13 @@ from conftest import compute_only, make_devices, random_instance, solver_options
 from zorse_fx.errors import InfeasiblePlanError
 from zorse_fx.sim import gantt_png, simulate, to_perfetto
 from zorse_fx.sim.trace import stage_memory
-from zorse_fx.solve import BlockCosts, Decision, DeviceGraph, evaluate, solve_cpsat
+from zorse_fx.solve import BlockCosts, Decision, DeviceGraph, StageMemory, evaluate, solve_cpsat
 from zorse_fx.solve.objective import MEMORY_UNIT_BYTES
 
 GIB = 1 << 30
 KIB = MEMORY_UNIT_BYTES
 MIB = 1 << 20
+PLAIN, ZERO1, RECOMPUTE = StageMemory(), StageMemory(zero=1), StageMemory(recompute=True)
 
 
 def _decision(res):
@@ -30,7 +31,7 @@ def _decision(res):
 def _policy_kw(res):
     """The memory policy of a SolverResult's decision as ``Decision`` fields."""
     d = res.decision
-    return dict(sharded=d.sharded, shard_mib=d.shard_mib, recompute=d.recompute)
+    return dict(memory=d.memory, shard_mib=d.shard_mib)
 
 
 def _assert_same_memory(res, ev, sim):
@@ -282,12 +283,14 @@ def test_agreement_with_objective_under_memory_policy():
         except InfeasiblePlanError:
             continue
         kw, pol = _decision(res), _policy_kw(res)
-        n_sh, n_rc = n_sh + any(res.decision.sharded), n_rc + any(res.decision.recompute)
+        n_sh = n_sh + any(m.zero for m in res.decision.memory)
+        n_rc = n_rc + any(m.recompute for m in res.decision.memory)
         dec = Decision(**kw, **pol)
         ev, sim = evaluate(costs, devices, options, dec), simulate(costs, devices, options, dec)
         assert ev.feasible, ev.violations
-        assert sim.stage_sharded == ev.decision.sharded == res.decision.sharded
-        assert sim.stage_recompute == ev.decision.recompute == res.decision.recompute
+        assert ev.decision.memory == res.decision.memory
+        assert sim.stage_sharded == tuple(m.zero >= 1 for m in res.decision.memory)
+        assert sim.stage_recompute == tuple(m.recompute for m in res.decision.memory)
         assert sim.state_shard_bytes == ev.decision.shard_bytes()
         _assert_same_memory(res, ev, sim)
         # Compute-only: no parameters, so no shardable state: shards default to 0 MiB.
@@ -321,7 +324,7 @@ def test_sharded_stage_allreduce_optim_allgather():
     costs, devices, options, kw = _sharded_instance()
     p, bw, lat = 4 * MIB, 50e9, 1e-5
     shards = (16, 4, 12)  # MiB; covers the 32 MiB of moments
-    sim = simulate(costs, devices, options, Decision(**kw, sharded=(True,), shard_mib=(shards,)))
+    sim = simulate(costs, devices, options, Decision(**kw, memory=(ZERO1,), shard_mib=(shards,)))
     ends_b = 2 * 3e-3  # GPU 0: 2 samples x 3 ms, the slowest compute
     ar = [e for e in sim.events if e.kind == "allreduce"]
     assert {(e.gpu, e.nbytes) for e in ar} == {(0, 4 * p), (1, 4 * p), (2, 4 * p)}  # ring all-reduce unchanged
@@ -346,7 +349,7 @@ def test_sharded_stage_allreduce_optim_allgather():
         assert e.start_s == pytest.approx(last_opt)
         assert e.end_s - e.start_s == pytest.approx((2 / 3) * 4 * p / bw + 2 * lat)
     assert sim.step_time_s == pytest.approx(ag[0].end_s, rel=1e-12)
-    ev = evaluate(costs, devices, options, Decision(**kw, sharded=(True,), shard_mib=(shards,)))
+    ev = evaluate(costs, devices, options, Decision(**kw, memory=(ZERO1,), shard_mib=(shards,)))
     # The objective rounds the optimizer time per MiB to the ns (<= 0.5 ns x 12 MiB here) and
     # charges 2 (k-1) latencies per bucket (nb = 2) + (k-1) for the all-gather; its bandwidth
     # terms are the ring's, (k-1)/k = 2/3 of 2 x 4p / bw (all-reduce) + 4p / bw (all-gather).
@@ -360,8 +363,8 @@ def test_sharded_stage_allreduce_optim_allgather():
     assert sim.peak_memory_bytes == ev.memory_bytes[0]
     assert sim.state_shard_bytes == ((16 * MIB, 4 * MIB, 12 * MIB),) == ev.decision.shard_bytes()
     # Default shards are the evaluator's (balance_shards): 1 : 2 : 2 of the time ~ 16 : 8 : 8 MiB.
-    dflt = simulate(costs, devices, options, Decision(**kw, sharded=(True,)))
-    ev_d = evaluate(costs, devices, options, Decision(**kw, sharded=(True,)))
+    dflt = simulate(costs, devices, options, Decision(**kw, memory=(ZERO1,)))
+    ev_d = evaluate(costs, devices, options, Decision(**kw, memory=(ZERO1,)))
     assert dflt.state_shard_bytes == ev_d.decision.shard_bytes() == ((16 * MIB, 8 * MIB, 8 * MIB),)
     assert dflt.step_time_s - ev_d.step_time_s == pytest.approx(sim.step_time_s - ev.step_time_s, abs=2e-8)
     # Not sharded: no all-gather, the full state per GPU.
@@ -369,7 +372,7 @@ def test_sharded_stage_allreduce_optim_allgather():
     assert not [e for e in plain.events if e.kind == "allgather"]
     assert plain.peak_memory_bytes == tuple(16 * p + n * 10 * KIB for n in (2, 1, 1))
     with pytest.raises(ValueError, match="one int >= 0 per GPU"):
-        simulate(costs, devices, options, Decision(**kw, sharded=(True,), shard_mib=((16, 16),)))
+        simulate(costs, devices, options, Decision(**kw, memory=(ZERO1,), shard_mib=((16, 16),)))
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
@@ -387,7 +390,7 @@ def test_recompute_backward_and_memory(schedule):
                                                                             for b in range(3)) for a in range(3)))
     options = solver_options(global_batch_size=m * n, schedule=schedule, recompute="auto")
     kw = dict(stage_blocks=((0, 1), (1, 2), (2, 3)), stage_gpus=((0,), (1,), (2,)),
-              samples_per_microbatch=((n,),) * 3, num_microbatches=m, recompute=(True, True, False))
+              samples_per_microbatch=((n,),) * 3, num_microbatches=m, memory=(RECOMPUTE, RECOMPUTE, PLAIN))
     sim = simulate(costs, devices, options, Decision(**kw))
     ev = evaluate(costs, devices, options, Decision(**kw))
     for e in sim.events:
@@ -415,7 +418,7 @@ def test_recompute_backward_and_memory(schedule):
               state + n * live[2] * act)
     assert sim.peak_memory_bytes == expect
     assert tuple(r[0] for r in ev.memory_bytes) == expect
-    plain = simulate(costs, devices, options, Decision(**dict(kw, recompute=())))
+    plain = simulate(costs, devices, options, Decision(**dict(kw, memory=())))
     assert plain.peak_memory_bytes == tuple(state + n * k * act for k in live)
     assert sum(e.end_s - e.start_s for e in sim.events if e.kind == "B") == pytest.approx(
         sum(e.end_s - e.start_s for e in plain.events if e.kind == "B") + 2 * m * t / 3)
@@ -427,7 +430,7 @@ def test_trace_shows_allgather_and_recompute(tmp_path):
                                 act_bytes_per_sample=(KIB, KIB), cut_bytes_per_sample=(0, 4 * MIB, 0))
     dec = dict(stage_blocks=((0, 1), (1, 2)), stage_gpus=((0, 1), (2,)), samples_per_microbatch=((1, 1), (2,)),
                num_microbatches=2)
-    sim = simulate(costs, devices, options, Decision(**dec, sharded=(True, False), recompute=(False, True)))
+    sim = simulate(costs, devices, options, Decision(**dec, memory=(ZERO1, RECOMPUTE)))
     doc = json.loads(to_perfetto(sim, tmp_path / "step.json").read_text())
     xs = [e for e in doc["traceEvents"] if e["ph"] == "X"]
     ag = [e for e in xs if e["cat"] == "allgather"]
@@ -459,7 +462,7 @@ def test_simulate_labels_zero3_and_offload(tmp_path):
     devices = dataclasses.replace(devices, host_memory_bytes=(64 * GIB,) * 3, host_mem_bw_bytes_per_s=(100e9,) * 3,
                                   host_link_bytes_per_s=(15.75e9,) * 3)
     dec = Decision(stage_blocks=((0, 1), (1, 2)), stage_gpus=((0, 1), (2,)), samples_per_microbatch=((1, 1), (2,)),
-                   num_microbatches=2, sharded=(True, False), grad_sharded=(True, False), offload=(True, False))
+                   num_microbatches=2, memory=(StageMemory(zero=2, optimizer="host"), PLAIN))
     sim = simulate(costs, devices, options, dec)
     assert (sim.stage_zero, sim.stage_offload, sim.stage_act_offload) == ((2, 0), (True, False), (False, False))
     assert (stage_memory(sim, 0), stage_memory(sim, 1), stage_memory(sim, -1)) == (
@@ -472,7 +475,7 @@ def test_simulate_labels_zero3_and_offload(tmp_path):
     gantt_png(sim, tmp_path / "a.png")
     # stage 1 on GPUs 1, 2 in ZeRO-3 (stage 0 alone on GPU 0)
     dec3 = Decision(stage_blocks=((0, 1), (1, 2)), stage_gpus=((0,), (1, 2)), samples_per_microbatch=((2,), (1, 1)),
-                    num_microbatches=2, sharded=(False, True), grad_sharded=(False, True), param_sharded=(False, True))
+                    num_microbatches=2, memory=(PLAIN, StageMemory(zero=3)))
     sim3 = simulate(costs, devices, options, dec3)
     assert sim3.stage_zero == (0, 3) and stage_memory(sim3, 1) == "ZeRO-3"
     xs = [e for e in json.loads(to_perfetto(sim3, tmp_path / "b.json").read_text())["traceEvents"] if e["ph"] == "X"]
@@ -492,7 +495,7 @@ def test_plan_decision_reads_the_plans_memory_policy():
             zip((0, 1, 2), (2, 1, 1), (16, 4, 12))]
     plan = NS(num_microbatches=1, stages=(NS(index=0, blocks=(0, 1), gpus=tuple(gpus), sharded=True, recompute=True),))
     dec = plan_decision(plan, costs)
-    assert dec == Decision(**kw, sharded=(True,), shard_mib=((16, 4, 12),), recompute=(True,))
+    assert dec == Decision(**kw, memory=(StageMemory(zero=1, recompute=True),), shard_mib=((16, 4, 12),))
     sim = simulate(costs, devices, options, dec)
     assert sim.state_shard_bytes == ((16 * MIB, 4 * MIB, 12 * MIB),) and sim.stage_recompute == (True,)
     assert [e.kind for e in sim.events].count("allgather") == 3
@@ -506,7 +509,7 @@ def test_plan_decision_reads_the_plans_memory_policy():
     old = NS(num_microbatches=1, stages=(NS(index=0, blocks=(0, 1), gpus=tuple(
         NS(gpu=g.gpu, samples_per_microbatch=g.samples_per_microbatch) for g in gpus)),))
     assert plan_decision(old) == Decision(**kw)
-    assert plan_decision(old).shard_mib == ((),) and plan_decision(old).recompute == (False,)
+    assert plan_decision(old).shard_mib == ((),) and plan_decision(old).memory == (PLAIN,)
 
 
 @pytest.mark.parametrize("bw", [1e15, 1e9])

@@ -13,12 +13,13 @@ import pytest
 from conftest import CLUSTERS, compute_only, make_devices, random_costs, random_instance, solver_options
 
 from zorse_fx.sim import gantt_png, simulate, to_perfetto
-from zorse_fx.solve import BlockCosts, Decision, evaluate
+from zorse_fx.solve import BlockCosts, Decision, StageMemory, evaluate
 from zorse_fx.solve.objective import MEMORY_UNIT_BYTES
 
 GIB = 1 << 30
 KIB = MEMORY_UNIT_BYTES
 MIB = 1 << 20
+PLAIN, RECOMPUTE = StageMemory(), StageMemory(recompute=True)
 
 
 # -- interleaved 1F1B: S = P v stages on P GPU groups ------------------------
@@ -59,8 +60,9 @@ def _interleaved_instance(seed, *, policy=True):
     kw = dict(stage_blocks=tuple(zip((0, *ends[:-1]), ends)), stage_gpus=tuple(groups) * v,
               samples_per_microbatch=tuple(shares) * v, num_microbatches=m, interleave=v)
     if policy:
-        kw["recompute"] = tuple(rng.random() < 0.3 for _ in range(n_s))
-        kw["sharded"] = tuple(len(groups[s % n_p]) > 1 and rng.random() < 0.4 for s in range(n_s))
+        recompute = tuple(rng.random() < 0.3 for _ in range(n_s))
+        sharded = tuple(len(groups[s % n_p]) > 1 and rng.random() < 0.4 for s in range(n_s))
+        kw["memory"] = tuple(StageMemory(zero=int(sh), recompute=rc) for sh, rc in zip(sharded, recompute))
     options = solver_options(global_batch_size=m * b, max_stages=n_p, max_interleave=v, sharding="auto",
                             recompute="auto")
     return costs, devices, options, kw
@@ -89,10 +91,11 @@ def test_interleaved_memory_equals_objective_and_schedule_is_followed():
         assert sim.interleave == ev.decision.interleave == v
         for gpus, mem in zip(kw["stage_gpus"], ev.memory_bytes):
             assert tuple(sim.peak_memory_bytes[g] for g in gpus) == mem, seed
-        assert sim.state_shard_bytes == ev.decision.shard_bytes() and sim.stage_sharded == ev.decision.sharded
-        assert sim.stage_recompute == ev.decision.recompute
-        seen["recompute"] += any(kw["recompute"])
-        seen["sharded"] += any(kw["sharded"])
+        assert ev.decision.memory == kw["memory"] and sim.state_shard_bytes == ev.decision.shard_bytes()
+        assert sim.stage_sharded == tuple(m.zero >= 1 for m in kw["memory"])
+        assert sim.stage_recompute == tuple(m.recompute for m in kw["memory"])
+        seen["recompute"] += any(m.recompute for m in kw["memory"])
+        seen["sharded"] += any(m.zero for m in kw["memory"])
         seen["multi_gpu"] += any(len(g) > 1 for g in kw["stage_gpus"])
         ran = {}
         for e in sim.events:
@@ -130,7 +133,7 @@ def _longest_path(costs, devices, options, kw):
         t = max(n * sum(costs.fwd_bwd_s_per_sample[typ][i:j])
                 + sum(costs.fwd_bwd_s_fixed.get(typ, (0.0,) * costs.num_blocks)[i:j])
                 for g, n in zip(gpus, ns) for typ in [devices.gpu_types[g]])
-        rc = t / 3 if (kw.get("recompute") or (False,) * n_s)[s] else 0.0
+        rc = t / 3 if kw.get("memory") and kw["memory"][s].recompute else 0.0
         dur.append((t / 3, 2 * t / 3 + rc))
     sched = make_schedule(options.schedule, n_s, m, v)
     end, pc, free = {}, [0] * n_p, [0.0] * n_p
@@ -185,7 +188,8 @@ def test_interleaved_agreement_with_objective(capsys):
         costs, devices, options, kw = _interleaved_instance(seed)
         ev, sim = evaluate(costs, devices, options, Decision(**kw)), simulate(costs, devices, options, Decision(**kw))
         c0, d0 = compute_only(costs, devices)
-        kw0 = dict(kw, sharded=())  # no parameters, no shardable state
+        # no parameters, no shardable state
+        kw0 = dict(kw, memory=tuple(StageMemory(recompute=m.recompute) for m in kw["memory"]))
         ev0, sim0 = evaluate(c0, d0, options, Decision(**kw0)), simulate(c0, d0, options, Decision(**kw0))
         buf0 = simulate(c0, d0, options, Decision(**kw0), p2p="buffered")
         path = _longest_path(c0, d0, options, kw0)
@@ -326,7 +330,7 @@ def test_interleaved_wraparound_messages_and_memory():
     wrap-around, 2->3) in both directions, each once per micro-batch with its
     cut's bytes; recomputing stage 2 keeps its inputs per micro-batch."""
     costs, devices, options, kw = _two_group_instance()
-    kw = dict(kw, recompute=(False, False, True, False))
+    kw = dict(kw, memory=(PLAIN, PLAIN, RECOMPUTE, PLAIN))
     sim = simulate(costs, devices, options, Decision(**kw))
     sends = sorted((e.gpu, e.peer, e.stage, e.peer_stage, e.microbatch, e.nbytes)
                    for e in sim.events if e.kind == "send")
@@ -351,7 +355,7 @@ def test_interleaved_wraparound_messages_and_memory():
 
 def test_interleaved_trace_labels_stages(tmp_path):
     costs, devices, options, kw = _two_group_instance()
-    sim = simulate(costs, devices, options, Decision(**kw, recompute=(False, False, True, False)))
+    sim = simulate(costs, devices, options, Decision(**kw, memory=(PLAIN, PLAIN, RECOMPUTE, PLAIN)))
     doc = json.loads(to_perfetto(sim, tmp_path / "step.json").read_text())
     assert doc["otherData"]["interleave"] == 2
     xs = [e for e in doc["traceEvents"] if e["ph"] == "X"]
@@ -399,8 +403,8 @@ def test_plan_decision_round_trips_an_interleaved_plan(tmp_path, capsys):
     dec = dict(stage_blocks=((0, 2), (2, 3), (3, 4), (4, nb)), stage_gpus=((0, 1), (2,), (0, 1), (2,)),
                samples_per_microbatch=((3, 1), (4,), (3, 1), (4,)), num_microbatches=2)
     plan, _ = plan_fixed(captured, cluster, options,
-                         Decision(**dec, interleave=2, recompute=(False, False, True, False)), model_name="gpt")
-    want = Decision(**dec, interleave=2, recompute=(False, False, True, False), precision=plan.precision)
+                         Decision(**dec, interleave=2, memory=(PLAIN, PLAIN, RECOMPUTE, PLAIN)), model_name="gpt")
+    want = Decision(**dec, interleave=2, memory=(PLAIN, PLAIN, RECOMPUTE, PLAIN), precision=plan.precision)
     assert plan_decision(plan) == want
     loaded = Plan.load(plan.export(tmp_path / "plan"))
     assert plan_decision(loaded) == want
@@ -432,7 +436,8 @@ def test_interleaved_memory_with_activation_offload_equals_objective_and_is_neve
     for seed in INTERLEAVED_SEEDS:
         costs, devices, options, kw = _interleaved_instance(seed)
         rng = random.Random(10_000 + seed)
-        kw["act_offload"] = tuple(not rc and rng.random() < 0.5 for rc in kw["recompute"])
+        acts = tuple(not m.recompute and rng.random() < 0.5 for m in kw["memory"])
+        kw["memory"] = tuple(dataclasses.replace(m, activations="host") if a else m for m, a in zip(kw["memory"], acts))
         options = dataclasses.replace(options, activation_offload="auto")
         n_g = devices.num_gpus  # host memory and a PCIe 4.0 x16 link per GPU, for the offloaded activations
         devices = dataclasses.replace(devices, host_memory_bytes=(512 * GIB,) * n_g,
@@ -442,5 +447,5 @@ def test_interleaved_memory_with_activation_offload_equals_objective_and_is_neve
         for gpus, mem in zip(kw["stage_gpus"], ev.memory_bytes):
             assert min(mem) > 0, (seed, mem)
             assert tuple(sim.peak_memory_bytes[g] for g in gpus) == mem, seed
-        offloading += any(kw["act_offload"])
+        offloading += any(acts)
     assert offloading >= 30

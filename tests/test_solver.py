@@ -9,7 +9,7 @@ import random
 import pytest
 
 from zorse_fx.errors import InfeasiblePlanError
-from zorse_fx.solve import BlockCosts, Decision, DeviceGraph, evaluate, solve_brute_force, solve_cpsat
+from zorse_fx.solve import BlockCosts, Decision, DeviceGraph, StageMemory, evaluate, solve_brute_force, solve_cpsat
 from zorse_fx.solve.objective import UNITS_PER_S, evaluate_result
 
 from conftest import assert_candidates_agree, assert_cpsat_equals_brute_force, candidate_dicts, make_devices, random_instance, reference_or_same_error, solver_options
@@ -338,7 +338,7 @@ def test_sharding_makes_a_plan_feasible_with_unequal_shards():
     with pytest.raises(InfeasiblePlanError, match="sharding"):
         solve_cpsat(costs, devices, base)
     res = solve_cpsat(costs, devices, dataclasses.replace(base, sharding="auto"))
-    assert res.decision.sharded == (True,)
+    assert res.decision.memory == (StageMemory(zero=1),)
     big, small = res.decision.shard_bytes()[0]
     # 8 B/param of moments = 7.45 GiB sharded; the 10 GiB GPU (9 GiB usable) keeps 7.45 GiB
     # of weights + grads replicated and 0.5 GiB of activations, so it can hold < 1.1 GiB of
@@ -370,16 +370,16 @@ def test_evaluate_rejects_malformed_memory_policy():
     opts = solver_options(global_batch_size=4, sharding="auto")
     dec = dict(stage_blocks=((0, 2), (2, 4)), stage_gpus=((0,), (1,)), samples_per_microbatch=((4,), (4,)),
                num_microbatches=1)
-    with pytest.raises(ValueError, match="stage 0 is sharded but has 1 GPU"):
-        evaluate(costs, devices, opts, Decision(**dec, sharded=(True, False)))
-    with pytest.raises(ValueError, match="recompute has 1 entries"):
-        evaluate(costs, devices, opts, Decision(**dec, recompute=(True,)))
+    with pytest.raises(ValueError, match=r"stage 0 is sharded \(ZeRO-1\) but has 1 GPU"):
+        evaluate(costs, devices, opts, Decision(**dec, memory=(StageMemory(zero=1), StageMemory())))
+    with pytest.raises(ValueError, match="memory has 1 entries"):
+        evaluate(costs, devices, opts, Decision(**dec, memory=(StageMemory(recompute=True),)))
     one = dict(stage_blocks=((0, 4),), stage_gpus=((0, 1),), samples_per_microbatch=((2, 2),), num_microbatches=1)
     with pytest.raises(ValueError, match="one int >= 0 per GPU"):
-        evaluate(costs, devices, opts, Decision(**one, sharded=(True,), shard_mib=((5,),)))
-    ev = evaluate(costs, devices, opts, Decision(**one, sharded=(True,), shard_mib=((1, 1),)))
+        evaluate(costs, devices, opts, Decision(**one, memory=(StageMemory(zero=1),), shard_mib=((5,),)))
+    ev = evaluate(costs, devices, opts, Decision(**one, memory=(StageMemory(zero=1),), shard_mib=((1, 1),)))
     assert not ev.feasible and any("optimizer state" in v for v in ev.violations)
-    never = evaluate(costs, devices, solver_options(global_batch_size=4), Decision(**one, sharded=(True,)))
+    never = evaluate(costs, devices, solver_options(global_batch_size=4), Decision(**one, memory=(StageMemory(zero=1),)))
     assert any("sharding='never'" in v for v in never.violations)
     with pytest.raises(ValueError, match="PlanOptions.recompute='sometimes'"):
         solver_options(global_batch_size=4, recompute="sometimes")
@@ -394,7 +394,7 @@ def test_recompute_adds_a_third_and_keeps_only_stage_inputs():
     dec = dict(stage_blocks=((0, 1), (1, 2)), stage_gpus=((0,), (1,)), samples_per_microbatch=((2,), (2,)),
                num_microbatches=4)
     plain = evaluate(costs, devices, opts, Decision(**dec))
-    rc = evaluate(costs, devices, opts, Decision(**dec, recompute=(False, True)))
+    rc = evaluate(costs, devices, opts, Decision(**dec, memory=(StageMemory(), StageMemory(recompute=True))))
     assert rc.compute_s[0] == plain.compute_s[0]
     assert rc.compute_s[1] == pytest.approx(plain.compute_s[1] * 4 / 3, rel=1e-6)
     # stage 1 of 2 under 1F1B holds 1 micro-batch in flight: inputs of 1 + activations of 1.

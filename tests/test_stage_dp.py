@@ -15,7 +15,7 @@ from conftest import make_devices as _devices
 from conftest import solver_options
 
 from zorse_fx.errors import InfeasiblePlanError
-from zorse_fx.solve import BlockCosts, solve_cpsat
+from zorse_fx.solve import BlockCosts, StageMemory, solve_cpsat
 from zorse_fx.solve.heuristics import gpu_speeds, memory_groups, stage_fits
 from zorse_fx.solve.objective import build_tables, evaluate_result, inflight
 from zorse_fx.solve.stage_dp import MAX_UNITS, _dp, _Stages, _units, grad_variants, solve_stage_dp, stage_dp_search
@@ -54,7 +54,7 @@ def test_vectorised_memory_check_equals_stage_fits(seed):
     per (i, j), for every unit group, stage position and memory variant (ZeRO-2 and ZeRO-3 included)."""
     costs, devices, options = _instance(seed)
     options = dataclasses.replace(options, grad_sharding="auto", param_sharding="auto")
-    assert any(v[3] for v in grad_variants(options))
+    assert any(v.zero == 3 for v in grad_variants(options))
     tab = build_tables(costs, devices, options, 2)
     units = _units(devices, tab, gpu_speeds(costs, devices), "file")
     st = _Stages(tab, units, gpu_speeds(costs, devices), grad_variants(options), 2)
@@ -68,14 +68,15 @@ def test_vectorised_memory_check_equals_stage_fits(seed):
             for n_s in (1, 2, 3):
                 for s in range(n_s):
                     fl = inflight(tab.schedule, n_s, s, 2)
-                    for sh, rc, gs, ps, *_ in grad_variants(options):
-                        got = st.fits(g["mem"], fl, s > 0, sh and g["k"] >= 2, rc, gs and g["k"] >= 2,
-                                       ps and g["k"] >= 2)
+                    for variant in grad_variants(options):  # (the offloads: test_vectorised_offload_check_...)
+                        variant = dataclasses.replace(variant, optimizer="device", activations="device")
+                        one_gpu = g["k"] < 2  # (stage_fits: a one-GPU stage is unsharded)
+                        got = st.fits(g["mem"], fl, s > 0, dataclasses.replace(variant, zero=0) if one_gpu
+                                      else variant)
                         for i in range(tab.num_blocks):
                             for j in range(i + 1, tab.num_blocks + 1):
-                                want = stage_fits(tab, s, n_s, i, j, groups, sharded=sh, recompute=rc,
-                                                  grad_sharded=gs, param_sharded=ps)
-                                assert bool(got[i, j]) == want, (u0, u1, s, n_s, sh, rc, gs, ps, i, j)
+                                want = stage_fits(tab, s, n_s, i, j, groups, memory=variant)
+                                assert bool(got[i, j]) == want, (u0, u1, s, n_s, variant, i, j)
                                 checked += 1
     assert checked > 500
 
@@ -109,7 +110,8 @@ def test_vectorised_offload_check_equals_the_objective(seed):
             for n_s, sh, rc in itertools.product((1, 2), (False, True), (False, True)):
                 sh = sh and g["k"] >= 2
                 for s in range(n_s):
-                    got = st._fits_offload(g, inflight(tab.schedule, n_s, s, 2), s > 0, sh, rc)
+                    got = st._fits_offload(g, inflight(tab.schedule, n_s, s, 2), s > 0,
+                                           StageMemory(zero=int(sh), recompute=rc, optimizer="host"))
                     for i in range(tab.num_blocks):
                         for j in range(i + 1, tab.num_blocks + 1):
                             state, shard = stage_state_kib(tab, i, j)
@@ -177,7 +179,7 @@ def test_plans_are_feasible_and_never_beat_the_optimum(seed):
         res, hints = None, ()
     if res is not None and res.status == "STAGE_DP":
         assert evaluate_result(costs, devices, with_zero2, res).feasible
-    assert not any(gs for h in hints for gs in h.decision.grad_sharded)
+    assert not any(m.zero >= 2 for h in hints for m in h.decision.memory)
     options = dataclasses.replace(options, grad_sharding="never")
     try:
         res, hints = stage_dp_search(costs, devices, options)
@@ -323,7 +325,7 @@ def test_options_never_disable_the_memory_techniques():
         solve_stage_dp(costs, devices, plain)
     # With 6 stages a plan fits without sharding, and then no stage is sharded.
     res = solve_stage_dp(costs, devices, dataclasses.replace(options, sharding="never"))
-    assert res.status == "STAGE_DP" and not any(res.decision.sharded)
+    assert res.status == "STAGE_DP" and not any(m.zero for m in res.decision.memory)
     assert evaluate_result(costs, devices, dataclasses.replace(options, sharding="never"), res).feasible
 
 

@@ -19,7 +19,7 @@ from conftest import assert_cpsat_equals_brute_force, make_devices, random_insta
 
 from zorse_fx.ir.buckets import BUCKET_BYTES, FIRST_BUCKET_BYTES
 from zorse_fx.sim import simulate
-from zorse_fx.solve import BlockCosts, Decision, evaluate
+from zorse_fx.solve import BlockCosts, Decision, StageMemory, evaluate
 from zorse_fx.solve.objective import UNIT_S
 
 GIB = 1 << 30
@@ -69,7 +69,9 @@ def head_ns(costs, devices, d):
     sample rounded to the ns, + its fixed time; with recomputation + 1/3 of
     both, rounded per block); 0 for a one-block stage."""
     out = []
-    for (i, j), gpus, ns, rc in zip(d.stage_blocks, d.stage_gpus, d.samples_per_microbatch, d.recompute):
+    for (i, j), gpus, ns, mem in zip(d.stage_blocks, d.stage_gpus, d.samples_per_microbatch, d.memory):
+        rc = mem.recompute
+
         def block(q, n, ty):
             w, f = costs.fwd_bwd_s_per_sample[ty][q], costs.fwd_bwd_s_fixed.get(ty, (0.0,) * costs.num_blocks)[q]
             x = n * round(w * 1e9) + round(f * 1e9)
@@ -85,7 +87,7 @@ def _old_and_new(ev, m, last, head, schedule="1f1b"):
     cmax-_s per stage (``head_ns``)."""
     t, c, b = _ns(ev.stage_time_s), _ns(ev.compute_s), _ns(ev.boundary_s)
     ar, opt = _ns(ev.allreduce_s), _ns(ev.optim_s)
-    rc = ev.decision.recompute
+    rc = [m.recompute for m in ev.decision.memory]
     # [Note: pipeline period], no recomputation: 1F1B each stage's cycle, its compute and one
     # direction of each neighbouring boundary; GPipe its forward (c / 3) and backward (2 c / 3)
     # phases, each compute with its larger neighbouring direction (the phase's first stage alone).
@@ -209,7 +211,7 @@ def _one_stage(params, fwd_bwd_s, recompute=False, sharded=False, blocks=1):
     options = solver_options(global_batch_size=2, max_stages=1, num_microbatches=(1,), sharding="auto",
                              recompute="auto")
     d = Decision(stage_blocks=((0, blocks),), stage_gpus=((0, 1),), samples_per_microbatch=((1, 1),),
-                 num_microbatches=1, sharded=(sharded,), recompute=(recompute,))
+                 num_microbatches=1, memory=(StageMemory(zero=int(sharded), recompute=recompute),))
     ev = evaluate(costs, devices, options, d)
     assert ev.feasible, ev.violations
     return costs, devices, options, d, ev

@@ -14,7 +14,7 @@ from conftest import assert_cpsat_equals_brute_force, make_devices, random_insta
 from zorse_fx.errors import InfeasiblePlanError
 from zorse_fx.ir.costs import TiedParam
 from zorse_fx.sim import simulate
-from zorse_fx.solve import BlockCosts, Decision, evaluate, solve_brute_force, solve_cpsat
+from zorse_fx.solve import BlockCosts, Decision, StageMemory, evaluate, solve_brute_force, solve_cpsat
 from zorse_fx.solve.objective import UNITS_PER_S, build_tables, evaluate_result, to_units
 from zorse_fx.solve.stage_dp import solve_stage_dp
 
@@ -108,7 +108,7 @@ def test_sharded_stage_shards_the_tied_parameter_once():
     costs = _costs()
     devices = make_devices(["A", "A"], ["n0", "n0"], [64 << 30] * 2, [MEM_BW] * 2)
     options = solver_options(global_batch_size=2, max_stages=1, sharding="always")
-    d = _one_stage(gpus=(0, 1), samples=((1, 1),), sharded=(True,))
+    d = _one_stage(gpus=(0, 1), samples=((1, 1),), memory=(StageMemory(zero=1),))
     ev = evaluate(costs, devices, options, d)
     assert ev.feasible, ev.violations
     state, shard, _ = _by_hand(costs, 0, 3)

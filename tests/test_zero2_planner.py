@@ -14,7 +14,7 @@ from conftest import make_devices, small_gpt, solver_options
 from zorse_fx.errors import InfeasiblePlanError
 from zorse_fx.ir.buckets import MAX_SHARD_BUCKETS_IN_FLIGHT
 from zorse_fx.options import PlanOptions
-from zorse_fx.solve import BlockCosts, Decision
+from zorse_fx.solve import BlockCosts, Decision, StageMemory
 from zorse_fx.solve.brute_force import solve_brute_force
 from zorse_fx.solve.objective import MEMORY_UNIT_BYTES, build_tables, evaluate, evaluate_result
 from zorse_fx.solve.stage_dp import solve_stage_dp
@@ -47,10 +47,9 @@ def test_zero2_memory_and_time_terms():
     from zorse_fx.sim import simulate
 
     costs, devices, options = _one_stage_two_gpus(grad_sharding="auto")
-    one = dict(stage_blocks=((0, 4),), stage_gpus=((0, 1),), samples_per_microbatch=((1, 1),), num_microbatches=2,
-               sharded=(True,))
-    z1 = evaluate(costs, devices, options, Decision(**one))
-    z2 = evaluate(costs, devices, options, Decision(**one, grad_sharded=(True,)))
+    one = dict(stage_blocks=((0, 4),), stage_gpus=((0, 1),), samples_per_microbatch=((1, 1),), num_microbatches=2)
+    z1 = evaluate(costs, devices, options, Decision(**one, memory=(StageMemory(zero=1),)))
+    z2 = evaluate(costs, devices, options, Decision(**one, memory=(StageMemory(zero=2),)))
     assert not z1.feasible and any("needs" in v for v in z1.violations)
     assert z2.feasible, z2.violations
     tab = build_tables(costs, devices, options, 2)
@@ -81,7 +80,7 @@ def test_zero2_makes_the_plan_feasible_and_the_oracle_agrees():
     options = dataclasses.replace(never, grad_sharding="auto")
     oracle = solve_brute_force(costs, devices, options)
     dp = solve_stage_dp(costs, devices, options)
-    assert oracle.decision.grad_sharded == (True,) and dp.decision.grad_sharded == (True,)
+    assert oracle.decision.memory[0].zero == dp.decision.memory[0].zero == 2
     assert dp.predicted_step_time_s == pytest.approx(oracle.predicted_step_time_s, rel=1e-12)
     assert evaluate_result(costs, devices, options, dp).feasible
 
@@ -103,14 +102,14 @@ def test_portfolio_turns_recomputation_into_zero2_where_it_is_faster():
     devices = make_devices(["A", "A"], ["n0", "n0"], [10 * GIB, 10 * GIB], [1e12, 1e12])
     options = solver_options(global_batch_size=4, max_stages=1, num_microbatches=(2,), allow_idle_gpus=False,
                              sharding="auto", recompute="auto", grad_sharding="auto", schedule="gpipe")
-    one = dict(stage_blocks=((0, 4),), stage_gpus=((0, 1),), samples_per_microbatch=((1, 1),), num_microbatches=2,
-               sharded=(True,))
-    assert not evaluate(costs, devices, options, Decision(**one)).feasible  # ZeRO-1 without recomputation
-    rc = evaluate(costs, devices, options, Decision(**one, recompute=(True,)))
+    one = dict(stage_blocks=((0, 4),), stage_gpus=((0, 1),), samples_per_microbatch=((1, 1),), num_microbatches=2)
+    zero1 = Decision(**one, memory=(StageMemory(zero=1),))
+    assert not evaluate(costs, devices, options, zero1).feasible  # ZeRO-1 without recomputation
+    rc = evaluate(costs, devices, options, Decision(**one, memory=(StageMemory(zero=1, recompute=True),)))
     assert rc.feasible, rc.violations
     base = SolverResult.from_evaluation(rc, options=options, status="OPTIMAL", best_bound=0.9 * rc.step_time_s)
     out = _try_grad_sharding(costs, devices, options, base)
-    assert out.decision.grad_sharded == (True,) and out.decision.recompute == (False,)
+    assert out.decision.memory == (StageMemory(zero=2),)
     assert out.status == "OPTIMAL+ZERO2"
     ev = evaluate_result(costs, devices, options, out)
     assert ev.feasible and ev.step_time_s == out.predicted_step_time_s < rc.step_time_s

@@ -13,7 +13,7 @@ import pytest
 from conftest import make_devices, small_gpt, solver_options
 from zorse_fx.errors import InfeasiblePlanError
 from zorse_fx.options import PlanOptions
-from zorse_fx.solve import BlockCosts, Decision
+from zorse_fx.solve import BlockCosts, Decision, StageMemory
 from zorse_fx.solve.objective import MEMORY_UNIT_BYTES, build_tables, evaluate, evaluate_result
 from zorse_fx.solve.stage_dp import solve_stage_dp
 from zorse_fx.solve.state_terms import GATHERED_UNITS, block_weight_kib, grad_shard_kib
@@ -37,8 +37,8 @@ def _one_stage_two_gpus(memory_gib=8, **fields):
     return costs, devices, options
 
 
-ONE = dict(stage_blocks=((0, NB),), stage_gpus=((0, 1),), samples_per_microbatch=((1, 1),), num_microbatches=2,
-           sharded=(True,), grad_sharded=(True,))
+ONE = dict(stage_blocks=((0, NB),), stage_gpus=((0, 1),), samples_per_microbatch=((1, 1),), num_microbatches=2)
+ZERO2, ZERO3 = StageMemory(zero=2), StageMemory(zero=3)
 
 
 def test_zero3_memory_and_time_terms():
@@ -50,8 +50,8 @@ def test_zero3_memory_and_time_terms():
     from zorse_fx.sim import simulate
 
     costs, devices, options = _one_stage_two_gpus(param_sharding="auto")
-    z2 = evaluate(costs, devices, options, Decision(**ONE))
-    z3 = evaluate(costs, devices, options, Decision(**ONE, param_sharded=(True,)))
+    z2 = evaluate(costs, devices, options, Decision(**ONE, memory=(ZERO2,)))
+    z3 = evaluate(costs, devices, options, Decision(**ONE, memory=(ZERO3,)))
     assert not z2.feasible and z3.feasible, (z2.violations, z3.violations)
     tab = build_tables(costs, devices, options, 2)
     kib = MEMORY_UNIT_BYTES
@@ -84,15 +84,15 @@ def test_stage_dp_and_portfolio_choose_zero3_where_nothing_else_fits():
         solve_stage_dp(costs, devices, never)
     options = dataclasses.replace(never, param_sharding="auto")
     dp = solve_stage_dp(costs, devices, options)
-    assert dp.decision.param_sharded == (True,)
+    assert dp.decision.memory[0].zero == 3
     ev = evaluate_result(costs, devices, options, dp)
     assert ev.feasible
-    z2 = evaluate(costs, devices, options, Decision(**ONE))
+    z2 = evaluate(costs, devices, options, Decision(**ONE, memory=(ZERO2,)))
     base = SolverResult.from_evaluation(z2, options=options, status="FEASIBLE", best_bound=0.5 * z2.step_time_s)
     out = _try_grad_sharding(costs, devices, options, base)
-    assert out.decision.param_sharded == (True,) and out.status == "FEASIBLE+ZERO3"
+    assert out.decision.memory[0].zero == 3 and out.status == "FEASIBLE+ZERO3"
     assert evaluate_result(costs, devices, options, out).feasible
-    assert _try_grad_sharding(costs, devices, never, base).decision.param_sharded == (False,)
+    assert _try_grad_sharding(costs, devices, never, base).decision.memory[0].zero == 2
 
 
 def test_zero3_not_chosen_where_memory_does_not_bind():
@@ -100,15 +100,14 @@ def test_zero3_not_chosen_where_memory_does_not_bind():
     so the stage DP does not choose it."""
     costs, devices, options = _one_stage_two_gpus(memory_gib=40, param_sharding="auto")
     dp = solve_stage_dp(costs, devices, options)
-    assert not any(dp.decision.param_sharded)
+    assert not any(m.zero == 3 for m in dp.decision.memory)
 
 
 #: Per layout: the decision's memory-policy fields, what the table says, the plan field that records it.
 LAYOUTS = {
-    "zero2": (dict(sharded=(True, False), grad_sharded=(True, False)), "ZeRO-2", "grad_sharded"),
-    "zero3": (dict(sharded=(True, False), grad_sharded=(True, False), param_sharded=(True, False)), "ZeRO-3",
-              "param_sharded"),
-    "offload": (dict(sharded=(True, False), offload=(True, False)), "offloaded", "offload_optimizer"),
+    "zero2": (dict(memory=(ZERO2, StageMemory())), "ZeRO-2", "grad_sharded"),
+    "zero3": (dict(memory=(ZERO3, StageMemory())), "ZeRO-3", "param_sharded"),
+    "offload": (dict(memory=(StageMemory(zero=1, optimizer="host"), StageMemory())), "offloaded", "offload_optimizer"),
 }
 
 
@@ -182,12 +181,13 @@ def test_interleave_search_keeps_the_state_layout(zero3):
     options = solver_options(global_batch_size=8, max_stages=2, num_microbatches=(4,), allow_idle_gpus=False,
                              sharding="auto", grad_sharding="auto", param_sharding="auto", max_interleave=2)
     two = dict(stage_blocks=((0, NB // 2), (NB // 2, NB)), stage_gpus=((0, 1), (2, 3)),
-               samples_per_microbatch=((1, 1), (1, 1)), num_microbatches=4, sharded=(True, True))
-    assert not evaluate(costs, devices, options, Decision(**two)).feasible  # ZeRO-1
-    ev = evaluate(costs, devices, options, Decision(**two, grad_sharded=(True, True), param_sharded=(zero3, zero3)))
+               samples_per_microbatch=((1, 1), (1, 1)), num_microbatches=4)
+    assert not evaluate(costs, devices, options, Decision(**two, memory=(StageMemory(zero=1),) * 2)).feasible
+    layout = StageMemory(zero=3 if zero3 else 2)
+    ev = evaluate(costs, devices, options, Decision(**two, memory=(layout, layout)))
     assert ev.feasible, ev.violations
     base = SolverResult.from_evaluation(ev, options=options, status="FEASIBLE", best_bound=0.1)
     res, tried = interleave_search(costs, devices, options, base)
     assert res is not None and res.decision.interleave == 2, tried
-    assert res.decision.grad_sharded == (True,) * 4 and res.decision.param_sharded == (zero3,) * 4
+    assert res.decision.memory == (layout,) * 4
     assert evaluate_result(costs, devices, options, res).feasible

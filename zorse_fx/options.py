@@ -26,7 +26,7 @@ above it "never", and "never" below an "always" is refused. Optimizer offload
 memory (the cluster file's ``host_memory_GiB``: ``planner.check_host_memory``).
 Activation offload (``activation_offload``) goes without recomputation (a
 recomputing stage keeps only its inputs) and, in the plans
-(``Decision.act_offload``, [C-act-offload] in ``solve/objective.py``), without
+(``StageMemory.activations``, [C-act-offload] in ``solve/objective.py``), without
 ZeRO-2/3, so its "always" makes ``recompute``, ``grad_sharding`` and
 ``param_sharding`` "never", and is refused with an "always" of any of them. The
 CP-SAT models have ZeRO-1 and recomputation only ([Note: ZeRO-2 outside CP-SAT]

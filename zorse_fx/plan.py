@@ -146,6 +146,7 @@ from msgspec import Meta
 from .errors import PlanDirectoryError, PlanFileError, short_repr
 from .file_schema import NOT_IN_FILE, OPTIONAL
 from .ir.buckets import BUCKET_BYTES
+from .ir.memory import StageMemory
 from .ir.schedule import SCHEDULES
 from .ir.tensor import TensorSpec
 from .plan_table import GIB, plan_table  # noqa: F401 (GIB: importable from here as before)
@@ -153,7 +154,7 @@ from .precision import PRECISIONS, REDUCE_DTYPES, PrecisionPolicy, precision_pol
 from .stage_sources import source_sha256
 
 __all__ = ["PLAN_FORMAT_VERSION", "PLAN_DIR_ENTRIES", "RANK_ORDERS", "MemoryBreakdown", "GPUShare", "StagePlan",
-           "SolverReport", "Plan", "RankRole", "NodeRanks", "check_plan_dir", "new_plan_dir"]
+           "SolverReport", "Plan", "RankRole", "NodeRanks", "check_plan_dir", "new_plan_dir", "stage_memory"]
 
 #: Bumped on any incompatible change of plan.json.
 PLAN_FORMAT_VERSION = 15
@@ -259,6 +260,21 @@ class GPUShare:
     predicted_host_memory_bytes: Annotated[Bytes, Meta(description="bytes")] = field(default=0, metadata=OPTIONAL)
 
 
+def stage_memory(stage) -> StageMemory:
+    """The memory policy (``ir/memory.py``) of a plan stage: a ``StagePlan``, or
+    any object with its fields, a field it lacks read as off (as in plan files
+    from before the field). ``sharded`` / ``grad_sharded`` / ``param_sharded``
+    give the ZeRO level (the highest set), ``offload_optimizer`` /
+    ``offload_activations`` "host". ValueError (``StageMemory``'s) for fields
+    no policy has (activation offload with recomputation or ZeRO-2/3)."""
+    def on(name: str) -> bool:
+        return bool(getattr(stage, name, False))
+
+    return StageMemory(zero=3 if on("param_sharded") else 2 if on("grad_sharded") else int(on("sharded")),
+                       recompute=on("recompute"), optimizer="host" if on("offload_optimizer") else "device",
+                       activations="host" if on("offload_activations") else "device")
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StagePlan:
     index: Annotated[Index, Meta(description="the stage's position in 'stages', from 0")]
@@ -319,6 +335,20 @@ class StagePlan:
     #: backward. Not with ``recompute`` nor ``grad_sharded``.
     offload_activations: Annotated[bool, Meta(description="true or false")] = field(default=False,
                                                                                    metadata=OPTIONAL)
+
+    @property
+    def memory(self) -> StageMemory:
+        """The stage's memory policy as the planner's record (``ir/memory.py``): ``stage_memory``."""
+        return stage_memory(self)
+
+    @staticmethod
+    def memory_fields(memory: StageMemory) -> dict[str, bool]:
+        """The plan file's per-stage fields of ``memory`` (``sharded``, ``recompute``,
+        ``grad_sharded``, ``param_sharded``, ``offload_optimizer``, ``offload_activations``),
+        as ``StagePlan(...)`` takes them; ``stage_memory`` reads them back."""
+        return {"sharded": memory.zero >= 1, "recompute": memory.recompute, "grad_sharded": memory.zero >= 2,
+                "param_sharded": memory.zero == 3, "offload_optimizer": memory.optimizer == "host",
+                "offload_activations": memory.activations == "host"}
 
     @property
     def microbatch_size(self) -> int:

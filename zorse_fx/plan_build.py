@@ -15,7 +15,7 @@ from .ir.costs import BlockCosts
 from .ir.decision import Decision
 from .ir.result import SolverResult
 from .options import PlanOptions
-from .plan import GPUShare, MemoryBreakdown, Plan, SolverReport, StagePlan
+from .plan import GPUShare, MemoryBreakdown, Plan, SolverReport, StagePlan, stage_memory
 from .precision import PrecisionPolicy
 from .solve.objective import MEMORY_UNIT_BYTES, MIB_UNITS
 from .solve.state_terms import GATHERED_UNITS, max_window_sum, shardable_kib, unique_params
@@ -111,12 +111,12 @@ def build_plan(
     # 16-bit working weights: the matmul weights of a sharded stage of >= 2 GPUs under a mixed policy.
     eligible = low_precision_params(bg) if precision.mixed else frozenset()
     low = [tuple(flat for flat, canon in prog.params.items() if canon in eligible)
-           if dec.sharded[s] and len(dec.stage_gpus[s]) > 1 else () for s, prog in enumerate(programs)]
+           if dec.memory[s].zero and len(dec.stage_gpus[s]) > 1 else () for s, prog in enumerate(programs)]
     n_low = [sum(state[prog.params[flat]].numel() for flat in low[s]) for s, prog in enumerate(programs)]
     # ZeRO-2: the parameters whose gradients the shards take (not held by another stage as well).
     held = Counter(canon for prog in programs for canon in set(prog.params.values()))
     n_gs = [sum(state[canon].numel() for canon in set(prog.params.values()) if held[canon] == 1)
-            if dec.grad_sharded[s] else 0 for s, prog in enumerate(programs)]
+            if dec.memory[s].zero >= 2 else 0 for s, prog in enumerate(programs)]
     # ZeRO-3: the working-weight bytes of each stage's largest unit ([Note: ZeRO-3 units] in codegen/split.py).
     wide = precision.weight_bytes_per_param + precision.cast_bytes_per_param
     def gathered(s, prog) -> int:
@@ -129,17 +129,17 @@ def build_plan(
         spans = [u for u in range(len(units) - 1) if order[units[u][2]] > order[units[u + 1][1]]]
         return max_window_sum(sizes, GATHERED_UNITS) + sum(sizes[u] for u in spans)
 
-    unit_bytes = [gathered(s, prog) if dec.param_sharded[s] else None for s, prog in enumerate(programs)]
+    unit_bytes = [gathered(s, prog) if dec.memory[s].zero == 3 else None for s, prog in enumerate(programs)]
     seq_len = int(bg.captured.example_inputs[0].shape[1]) if bg.captured.example_inputs[0].dim() > 1 else 1
     for s, prog in enumerate(programs):
         gpus = []
-        sharded = dec.sharded[s]
         for i, (g, n) in enumerate(zip(dec.stage_gpus[s], dec.samples_per_microbatch[s])):
             mem = int(result.predicted_memory_bytes[s][i]) if result.predicted_memory_bytes else 0
             gpu = cluster.gpus[g]
             # The prediction is of the GPU: every stage of its group (interleaving) at position i.
-            hosted = [(n_params[t], int(shard_bytes[t][i]) if dec.sharded[t] else None, n_low[t], n_gs[t],
-                       unit_bytes[t], dec.offload[t]) for t in range(s % groups, len(programs), groups)]
+            hosted = [(n_params[t], int(shard_bytes[t][i]) if dec.memory[t].zero else None, n_low[t], n_gs[t],
+                       unit_bytes[t], dec.memory[t].optimizer == "host")
+                      for t in range(s % groups, len(programs), groups)]
             # [C-offload], [C-act-offload]: the objective's host bytes (of the GPU's group when interleaved).
             host = int(result.predicted_host_memory_bytes[s][i]) if result.predicted_host_memory_bytes else 0
             gpus.append(GPUShare(
@@ -164,13 +164,8 @@ def build_plan(
             source_file=f"stage_{s}.py",
             predicted_time_s=result.predicted_stage_time_s[s] if result.predicted_stage_time_s else 0.0,
             predicted_allreduce_s=result.predicted_allreduce_s[s] if result.predicted_allreduce_s else 0.0,
-            sharded=sharded,
-            recompute=dec.recompute[s],
             low_precision_params=low[s],
-            grad_sharded=dec.grad_sharded[s],
-            param_sharded=dec.param_sharded[s],
-            offload_optimizer=dec.offload[s],
-            offload_activations=dec.act_offload[s],
+            **StagePlan.memory_fields(dec.memory[s]),
         ))
         gpu_list = ", ".join(f"{gs.gpu_type}@{gs.node} x{gs.samples_per_microbatch}" for gs in gpus)
         sources.append(emit_source(prog, header=f"Plan: {model_name} on {cluster.name}; GPUs: {gpu_list}",
@@ -220,28 +215,29 @@ def build_plan(
 def plan_decision(plan, costs: BlockCosts | None = None) -> Decision:
     """The ``Decision`` of a ``plan.Plan`` (what ``simulate`` and ``solve.evaluate`` take).
 
-    Reads ``StagePlan.sharded`` / ``StagePlan.recompute`` and
-    ``GPUShare.state_shard_bytes`` where the Plan has them (older plans: no
-    policy); a GPU's shard in MiB is ``state_shard_bytes // 2**20``. A sharded
-    stage whose shards are all 0 (the runtime then splits its state equally)
-    gets equal whole-MiB shards covering its shardable state, computed from
-    ``costs`` (ValueError without them). ``interleave`` = ``Plan.interleave``
+    Each stage's memory policy is ``plan.stage_memory`` of its fields (older
+    plans: none), each GPU's shard in MiB ``GPUShare.state_shard_bytes // 2**20``.
+    A sharded stage whose shards are all 0 (the runtime then splits its state
+    equally) gets equal whole-MiB shards covering its shardable state, computed
+    from ``costs`` (ValueError without them). ``interleave`` = ``Plan.interleave``
     (1 for plans without the attribute, which are not interleaved);
-    ``precision`` = ``Plan.precision`` where the plan has one."""
+    ``precision`` = ``Plan.precision`` where the plan has one. (Here and not a
+    ``Plan`` method: the equal shards need the solver's state terms, a layer
+    above ``plan.py``.)"""
     mib = MIB_UNITS * MEMORY_UNIT_BYTES
-    sharded = tuple(bool(getattr(st, "sharded", False)) for st in plan.stages)
+    memory = tuple(stage_memory(st) for st in plan.stages)
     shards = []
-    for st, sh in zip(plan.stages, sharded):
-        row = tuple(int(getattr(g, "state_shard_bytes", 0)) // mib for g in st.gpus) if sh else ()
-        if sh and not any(row):
+    for st, mem in zip(plan.stages, memory):
+        row = tuple(int(getattr(g, "state_shard_bytes", 0)) // mib for g in st.gpus) if mem.zero else ()
+        if mem.zero and not any(row):
             if costs is None:
                 raise ValueError(f"plan stage {st.index} is sharded without state_shard_bytes: pass the "
                                  f"BlockCosts to split its optimizer state equally")
             i, j = st.blocks
             q_kib = shardable_kib(costs, i, j, MEMORY_UNIT_BYTES)
-            if getattr(st, "grad_sharded", False):  # ZeRO-2: the shards hold the float32 gradients too
+            if mem.zero >= 2:  # ZeRO-2: the shards hold the float32 gradients too
                 q_kib += -(-4 * unique_params(costs, i, j) // MEMORY_UNIT_BYTES)
-            if getattr(st, "param_sharded", False):  # ZeRO-3: and the working weights (4 B, an upper bound)
+            if mem.zero == 3:  # ZeRO-3: and the working weights (4 B, an upper bound)
                 q_kib += -(-4 * unique_params(costs, i, j) // MEMORY_UNIT_BYTES)
             need = -(-q_kib // MIB_UNITS)
             row = (-(-need // len(st.gpus)),) * len(st.gpus)
@@ -250,11 +246,6 @@ def plan_decision(plan, costs: BlockCosts | None = None) -> Decision:
                     stage_gpus=tuple(tuple(g.gpu for g in st.gpus) for st in plan.stages),
                     samples_per_microbatch=tuple(tuple(g.samples_per_microbatch for g in st.gpus)
                                                  for st in plan.stages),
-                    num_microbatches=plan.num_microbatches, sharded=sharded, shard_mib=tuple(shards),
-                    recompute=tuple(bool(getattr(st, "recompute", False)) for st in plan.stages),
-                    grad_sharded=tuple(bool(getattr(st, "grad_sharded", False)) for st in plan.stages),
-                    param_sharded=tuple(bool(getattr(st, "param_sharded", False)) for st in plan.stages),
-                    offload=tuple(bool(getattr(st, "offload_optimizer", False)) for st in plan.stages),
-                    act_offload=tuple(bool(getattr(st, "offload_activations", False)) for st in plan.stages),
+                    num_microbatches=plan.num_microbatches, memory=memory, shard_mib=tuple(shards),
                     interleave=int(getattr(plan, "interleave", 1)),  # plans before format v3: not interleaved
                     precision=str(getattr(plan, "precision", "") or ""))

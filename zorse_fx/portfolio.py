@@ -148,8 +148,7 @@ def solve_portfolio(costs: BlockCosts, devices: DeviceGraph, options: PlanOption
     # (S, M) is used, so the list is sorted by step time.
     # ([Note: ZeRO-2 outside CP-SAT]: a plan with sharded gradients is no warm start for CP-SAT.)
     hints = sorted([(r.predicted_step_time_s, k, r) for k, (_, _, r) in enumerate(found)
-                    if not any(r.decision.grad_sharded) and not any(r.decision.offload)
-                    and not any(r.decision.act_offload)]
+                    if all(m.zero < 2 and m.optimizer == m.activations == "device" for m in r.decision.memory)]
                    + [(r.predicted_step_time_s, len(found) + k, r) for k, r in enumerate(dp_hints)])
     params = inspect.signature(solver).parameters
     kw = {"hints": tuple(r for _, _, r in hints)} if "hints" in params else {}
@@ -318,32 +317,32 @@ def _try_grad_sharding(costs: BlockCosts, devices: DeviceGraph, options: PlanOpt
     from .solve.objective import evaluate, fill_policy, policy_decision, prepare
 
     d = best.decision
-    if options.grad_sharding == "never" or not any(d.sharded) or d.interleave != 1:
+    if options.grad_sharding == "never" or not any(m.zero for m in d.memory) or d.interleave != 1:
         return best
-    levels = [(True, False)] + ([(True, True)] if options.param_sharding != "never" else [])
+    levels = [2] + ([3] if options.param_sharding != "never" else [])
     tab, _ = prepare(costs, devices, options, d)
-    gs, ps, rc = list(d.grad_sharded), list(d.param_sharded), list(d.recompute)
+    memory = list(d.memory)
     cur = evaluate(costs, devices, options, d)
     improved = False
     for s in range(d.num_stages):
-        if not d.sharded[s] or d.act_offload[s]:  # (activation offload goes without ZeRO-2: [C-act-offload])
+        if not memory[s].zero or memory[s].activations == "host":  # (activation offload goes without ZeRO-2)
             continue
-        for g_s, p_s in levels:
-            if (gs[s], ps[s]) >= (g_s, p_s):
+        for zero in levels:
+            if memory[s].zero >= zero:
                 continue
-            for rc_s in dict.fromkeys((False, rc[s])):
-                tgs, tps, trc = gs.copy(), ps.copy(), rc.copy()
-                tgs[s], tps[s], trc[s] = g_s, p_s, rc_s
-                pol = fill_policy(tab, d.stage_blocks, d.stage_gpus, d.samples_per_microbatch, d.sharded, trc, tgs,
-                                  tps, d.offload, d.act_offload)
+            for rc_s in dict.fromkeys((False, memory[s].recompute)):
+                trial = memory.copy()
+                trial[s] = dataclasses.replace(memory[s], zero=zero, recompute=rc_s)
+                pol = fill_policy(tab, d.stage_blocks, d.stage_gpus, d.samples_per_microbatch, memory=trial)
                 ev = evaluate(costs, devices, options, policy_decision(
                     d.stage_blocks, d.stage_gpus, d.samples_per_microbatch, d.num_microbatches, pol))
                 if ev.feasible and ev.objective_units < cur.objective_units:
-                    cur, gs, ps, rc, improved = ev, tgs, tps, trc, True
+                    cur, memory, improved = ev, trial, True
     if not improved:
         return best
     # CP-SAT's bound is over plans without ZeRO-2: the throughput bound holds for these too.
     bound = min(best.best_bound, throughput_bound_s(costs, devices, options))
-    status = with_safety_stop(f"{with_safety_stop(best.status, 0)}+ZERO{3 if any(ps) else 2}", best.wall_clock_stops)
+    level = max(m.zero for m in memory)
+    status = with_safety_stop(f"{with_safety_stop(best.status, 0)}+ZERO{level}", best.wall_clock_stops)
     return dataclasses.replace(SolverResult.from_evaluation(cur, options=options, status=status, best_bound=bound),
                                wall_clock_stops=best.wall_clock_stops, candidates=best.candidates)

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 from ..ir.costs import BlockCosts
 from ..ir.devices import DeviceGraph
+from ..ir.memory import StageMemory
 from ..ir.result import SolverResult
 from ..options import PlanOptions
 from ..solve.heuristics import Selector, largest_remainder, memory_variants, stage_act_kib
@@ -108,9 +109,9 @@ def cephalo(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions) -> So
             n = min_max_samples(b, per, fixed, cap) or min_max_samples(b, per, fixed)
             if shard:
                 free = [c - held - stage_act_kib(tab, 0, 1, 0, nb, k, recompute=rc) for c, k in zip(tab.cap_bytes, n)]
-                pol = MemoryPolicy((True,), (free_memory_shards(q, free),), (rc,))
+                pol = MemoryPolicy((StageMemory(zero=1, recompute=rc),), (free_memory_shards(q, free),))
             else:
-                pol = MemoryPolicy((False,), ((),), (rc,))
+                pol = MemoryPolicy((StageMemory(recompute=rc),), ((),))
             sel.add(((0, nb),), (gpus,), (n,), m, policy=pol)
     return sel.result(f"every micro-batch size global_batch_size / M "
                       f"(M in {microbatch_candidates(options)}) is below the {n_g} GPUs, "

@@ -54,6 +54,7 @@ import numpy as np
 
 from ..ir.costs import BlockCosts
 from ..ir.devices import DeviceGraph
+from ..ir.memory import StageMemory
 from ..ir.result import SolverResult
 from ..options import PlanOptions
 from ..solve.heuristics import (
@@ -145,7 +146,7 @@ def _layers(mats: StageMatrices, stages, samples, sharded: bool, recompute: bool
                 for t, n in worst.items()]
         cost[s] = np.where(mats.valid, np.max(busy, axis=0), np.inf)
         fits[s] = mats.fits(memory_groups(tab, gs, ns), inflight(tab.schedule, n_s, s, tab.num_microbatches), s > 0,
-                            sharded and len(gs) >= 2, recompute)
+                            StageMemory(zero=int(sharded and len(gs) >= 2), recompute=recompute))
     return min_max_partition_arrays(np.where(fits, cost, np.inf)) or min_max_partition_arrays(cost)
 
 

@@ -5,7 +5,7 @@ the plan builder.
 A decision is plain data (GPU indices into a ``DeviceGraph``, block indices
 into a ``BlockCosts``); ``Decision.__post_init__`` checks everything that
 needs neither (shapes, contiguous stages, a GPU in one stage, samples,
-interleaving, the memory policy's shape) and ``Decision.check`` the rest
+interleaving, the memory policy: ``ir/memory.py``) and ``Decision.check`` the rest
 against the instance (block and GPU counts, the global batch, the schedule).
 Both raise ``ValueError`` with a message naming the field, the stage and
 the value. The model they are scored by: ``solve/objective.py``.
@@ -17,6 +17,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from ..precision import PRECISIONS
+from .memory import StageMemory
 
 __all__ = ["Decision"]
 
@@ -48,30 +49,15 @@ class Decision:
     num_microbatches: int
     #: Interleave degree v (stages per GPU group, interleaved 1F1B); 1 = none.
     interleave: int = 1
-    #: (S,) ZeRO-1 sharded optimizer state per stage ([C-shard]); () = none.
-    sharded: tuple[bool, ...] = ()
-    #: (S,) per sharded stage, each GPU's shard of the stage's shardable
-    #: optimizer state in whole MiB (aligned with ``stage_gpus``); () for an
+    #: (S,) each stage's memory policy (ZeRO level, recomputation, optimizer and
+    #: activation placement; ``ir/memory.py``); () = every stage plain.
+    memory: tuple[StageMemory, ...] = ()
+    #: (S,) per sharded stage (ZeRO >= 1), each GPU's shard of the stage's
+    #: shardable state in whole MiB (aligned with ``stage_gpus``); () for an
     #: unsharded stage. None = not chosen yet: the evaluator and the
     #: simulator fill it with ``objective.balance_shards`` (the planners'
     #: choice for the memory left); ``SolverResult.decision`` always has it.
     shard_mib: tuple[tuple[int, ...], ...] | None = None
-    #: (S,) stage-level activation recomputation ([C-recompute]); () = none.
-    recompute: tuple[bool, ...] = ()
-    #: (S,) ZeRO-2 per sharded stage: its float32 gradients sharded too,
-    #: reduce-scattered every micro-batch ([C-grad-shard]); () = none.
-    grad_sharded: tuple[bool, ...] = ()
-    #: (S,) ZeRO-3 per ZeRO-2 stage: its working weights sharded too, each
-    #: block's gathered for its forward and again for its backward
-    #: ([C-param-shard]); () = none.
-    param_sharded: tuple[bool, ...] = ()
-    #: (S,) optimizer offload per stage: its AdamW state and float32 masters in
-    #: host memory, stepped on the CPU ([C-offload]); () = none.
-    offload: tuple[bool, ...] = ()
-    #: (S,) activation offload per stage: the tensors autograd saves go to host
-    #: memory between a micro-batch's forward and its backward ([C-act-offload]);
-    #: () = none. Not with recomputation nor ZeRO-2/3.
-    act_offload: tuple[bool, ...] = ()
     #: The precision the decision was priced under ("fp32", "bf16-mixed",
     #: "fp16-mixed"; ``zorse_fx/precision.py``); "" = as priced, i.e. whatever
     #: ``BlockCosts`` the decision is scored with (the solvers see only costs).
@@ -83,36 +69,27 @@ class Decision:
         put(self, "stage_gpus", _tuple2(self.stage_gpus))
         put(self, "samples_per_microbatch", _tuple2(self.samples_per_microbatch))
         n_s = len(self.stage_blocks)
-        for name in ("sharded", "recompute", "grad_sharded", "param_sharded", "offload", "act_offload"):
-            v = tuple(getattr(self, name))
-            if len(v) not in (0, n_s):
-                raise ValueError(f"Decision.{name} has {len(v)} entries, the decision has {n_s} stages")
-            put(self, name, tuple(bool(x) for x in v) if v else (False,) * n_s)
+        memory = tuple(self.memory) or (StageMemory(),) * n_s
+        if len(memory) != n_s:
+            raise ValueError(f"Decision.memory has {len(memory)} entries, the decision has {n_s} stages")
+        put(self, "memory", memory)
         self._check_stages()
-        for s, (flag, gpus) in enumerate(zip(self.sharded, self.stage_gpus)):
-            if flag and len(gpus) < 2:
-                raise ValueError(f"stage {s} is sharded but has {len(gpus)} GPU: ZeRO-1 needs >= 2 GPUs "
-                                 f"in the stage's data-parallel group (Decision.sharded[{s}])")
-        for s, (flag, sh) in enumerate(zip(self.grad_sharded, self.sharded)):
-            if flag and not sh:
-                raise ValueError(f"stage {s} has sharded gradients (ZeRO-2) but is not sharded: "
-                                 f"Decision.grad_sharded[{s}] needs Decision.sharded[{s}]")
-        for s, (flag, gs) in enumerate(zip(self.param_sharded, self.grad_sharded)):
-            if flag and not gs:
-                raise ValueError(f"stage {s} has sharded parameters (ZeRO-3) but not sharded gradients: "
-                                 f"Decision.param_sharded[{s}] needs Decision.grad_sharded[{s}]")
-        for s, (flag, rc, gs) in enumerate(zip(self.act_offload, self.recompute, self.grad_sharded)):
-            if flag and (rc or gs):
-                raise ValueError(f"stage {s} offloads its activations and {'recomputes' if rc else 'shards its gradients'}"
-                                 f": activation offload goes without recomputation and ZeRO-2/3 "
-                                 f"(Decision.act_offload[{s}])")
-        if self.shard_mib is None and not any(self.sharded):
+        self._check_memory()
+        if self.shard_mib is None and not any(mem.zero for mem in memory):
             put(self, "shard_mib", ((),) * n_s)
         if self.shard_mib is not None:
             put(self, "shard_mib", self._checked_shards(_tuple2(self.shard_mib)))
         if not isinstance(self.precision, str) or self.precision not in ("", *PRECISIONS):
             raise ValueError(f"Decision.precision={self.precision!r}: use '' (as priced) or one of "
                              f"{', '.join(map(repr, PRECISIONS))}")
+
+    def _check_memory(self) -> None:
+        for s, (mem, gpus) in enumerate(zip(self.memory, self.stage_gpus)):
+            if not isinstance(mem, StageMemory):
+                raise ValueError(f"Decision.memory[{s}] is a {type(mem).__name__}: use a zorse_fx.ir.StageMemory")
+            if mem.zero and len(gpus) < 2:
+                raise ValueError(f"stage {s} is sharded (ZeRO-{mem.zero}) but has {len(gpus)} GPU: ZeRO needs >= 2 "
+                                 f"GPUs in the stage's data-parallel group (Decision.memory[{s}].zero)")
 
     def _check_stages(self) -> None:
         blocks, gpus_of, samples = self.stage_blocks, self.stage_gpus, self.samples_per_microbatch
@@ -167,8 +144,8 @@ class Decision:
         if len(rows) != n_s:
             raise ValueError(f"Decision.shard_mib has {len(rows)} rows, the decision has {n_s} stages")
         out = []
-        for s, (flag, gpus, row) in enumerate(zip(self.sharded, self.stage_gpus, rows)):
-            if not flag:
+        for s, (mem, gpus, row) in enumerate(zip(self.memory, self.stage_gpus, rows)):
+            if not mem.zero:
                 if any(row):
                     raise ValueError(f"stage {s} is not sharded but Decision.shard_mib gives it shards {row}")
                 out.append(())
@@ -223,10 +200,9 @@ class Decision:
         return tuple(sorted({g for gs in self.stage_gpus for g in gs}))
 
     def without_policy(self) -> "Decision":
-        """This decision with nothing sharded or recomputed (same stages, GPUs,
-        samples, micro-batches and interleaving)."""
-        return dataclasses.replace(self, sharded=(), shard_mib=None, recompute=(), grad_sharded=(),
-                                   param_sharded=(), offload=(), act_offload=())
+        """This decision with every stage plain (same stages, GPUs, samples,
+        micro-batches and interleaving)."""
+        return dataclasses.replace(self, memory=(), shard_mib=None)
 
     def with_shards(self, shard_mib) -> "Decision":
         """This decision with each sharded stage's shards set to ``shard_mib`` (MiB)."""
@@ -239,5 +215,5 @@ class Decision:
         if self.shard_mib is None:
             raise ValueError("Decision.shard_mib is None (the evaluator picks the shards): evaluate the "
                              "decision first (SolverResult.decision has them)")
-        return tuple(tuple(z << 20 for z in row) if sh else (0,) * len(gs)
-                     for sh, row, gs in zip(self.sharded, self.shard_mib, self.stage_gpus))
+        return tuple(tuple(z << 20 for z in row) if mem.zero else (0,) * len(gs)
+                     for mem, row, gs in zip(self.memory, self.shard_mib, self.stage_gpus))

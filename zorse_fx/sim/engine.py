@@ -95,26 +95,26 @@ Memory policy (objective.py [C-shard], [C-recompute]; the decision's, as in
 ``solve.evaluate``: ``objective.prepare`` fills the shards of a sharded stage
 with ``balance_shards`` when ``Decision.shard_mib`` is None, so both models
 score the same shards).
-  * Recomputation (``Decision.recompute[s]``): every backward of the stage first
+  * Recomputation (``Decision.memory[s].recompute``): every backward of the stage first
     re-runs the forward, so a B task takes the backward + the F task's time;
     its SimEvent has ``recompute_s`` = the re-run part (0 for other tasks).
-  * ZeRO-1 sharding (``Decision.sharded[s]``): GPU g of the stage holds ``z_g``
+  * ZeRO-1 sharding (``Decision.memory[s].zero`` >= 1): GPU g of the stage holds ``z_g``
     whole MiB (``Decision.shard_mib[s]``) of the stage's shardable optimizer
     state Q_s = ``sum of BlockCosts.shardable_bytes`` over its blocks
     (``shardable_bytes_per_param`` per float32 parameter, 12 B per 16-bit
     working weight: [Note: 16-bit working weights] in ``precision.py``);
-    see "Gradient sync". ZeRO-2 (``Decision.grad_sharded[s]``): the shards
+    see "Gradient sync". ZeRO-2 (``zero`` >= 2): the shards
     hold the float32 gradients too and the replicated state drops by them,
     plus the reduction buffers (``objective.sharded_state_kib``); each
     bucket's part of such a stage takes M reduce-scatters (half a ring
     all-reduce each) after the last backward, as the objective counts them
     ([C-grad-shard]: an upper bound, the runtime starts each after its own
-    micro-batch's backward). ZeRO-3 (``Decision.param_sharded[s]``): the
+    micro-batch's backward). ZeRO-3 (``zero`` == 3): the
     shards hold the weights too ([C-param-shard]); each F task gathers the
     stage's weights once and each B task once (twice when recomputing), a
     ring all-gather per block, prefetched one block ahead: a task takes
     max(its compute, its gathers) + one block's gather; no all-gather after
-    the step. Activation offload (``Decision.act_offload[s]``,
+    the step. Activation offload (``Decision.memory[s].activations`` "host",
     [C-act-offload]): F and B each take half of 2 n A_s / host link longer;
     the GPU holds no micro-batch's activations between its F and B, one
     micro-batch's n A_s during a B.
@@ -466,24 +466,25 @@ class _Pipeline:
                 f = sum(costs.fixed_s(t)[i:j])
                 fwd = n * sum(costs.forward_s_per_sample(t)[i:j]) + sum(costs.forward_s_fixed(t)[i:j])
                 self.group_of[g] = s % n_p
-                self.rc_dur[g, s] = fwd if pol.recompute[s] else 0.0
+                self.rc_dur[g, s] = fwd if pol.memory[s].recompute else 0.0
                 self.dur[g, s] = (fwd, max(0.0, n * w + f - fwd) + self.rc_dur[g, s])
-                if pol.ps(s):  # ZeRO-3: the weights' gathers, prefetched one unit ahead ([C-param-shard])
+                if pol.memory[s].zero == 3:  # ZeRO-3: the weights' gathers, prefetched one unit ahead ([C-param-shard])
                     units = j - i
                     moved = (sum(costs.gather_bytes(b) for b in range(i, j))  # a tied parameter once ([C-tied])
                              - costs.param_bytes_per_param * (sum(costs.param_count[i:j]) - unique_params(costs, i, j)))
                     per_pass = units * ring(devices, gpus, self.resources, rendezvous=self.gloo).allgather_s(
                         moved / units)
                     fwd, bwd = self.dur[g, s]
-                    k_b = 2 if pol.recompute[s] else 1  # a recomputing B gathers for its re-run forward too
+                    k_b = 2 if pol.memory[s].recompute else 1  # a recomputing B gathers for its re-run forward too
                     self.dur[g, s] = (fwd + max(0.0, per_pass - fwd) + per_pass / units,
                                       bwd + max(0.0, k_b * per_pass - bwd) + k_b * per_pass / units)
-                if pol.ao(s):  # [C-act-offload]: saved tensors down in F, back in B (half each); one on the GPU
+                if pol.memory[s].activations == "host":  # [C-act-offload]: saved tensors down in F, back in B
+                    # (half each); one on the GPU
                     x = 2 * n * a_kib * MEMORY_UNIT_BYTES / devices.host_link_bytes_per_s[g]
                     fwd, bwd = self.dur[g, s]
                     self.dur[g, s] = (fwd + x / 2, bwd + x / 2)
                     self.held[g][s // n_p], self.rerun[g][s // n_p] = 0, n * a_kib
-                elif pol.recompute[s]:
+                elif pol.memory[s].recompute:
                     self.held[g][s // n_p], self.rerun[g][s // n_p] = n * (tab.cut_kib[i] if s > 0 else 0), n * a_kib
                 else:
                     self.held[g][s // n_p] = n * a_kib
@@ -761,12 +762,13 @@ def simulate(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions, deci
         for s in range(pipe.group_of[g], n_s, n_p):
             i, j = stage_blocks[s]
             full, shard = stage_state_kib(tab, i, j)  # a tied parameter once per stage
-            if pol.sharded[s]:  # the replicated rest (ZeRO-2: less the gradients) and the GPU's shard
-                full, need = sharded_state_kib(tab, i, j, pol.gs(s), pol.ps(s))
+            mem = pol.memory[s]
+            if mem.zero:  # the replicated rest (ZeRO-2: less the gradients) and the GPU's shard
+                full, need = sharded_state_kib(tab, i, j, mem.zero)
                 z = pol.shard_mib[s][stage_gpus[s].index(g)]
                 # [C-offload]: the shard's optimizer part in host memory, its gradients / weights here
-                full += offload_device_kib(z, need, shard) if pol.of(s) else MIB_UNITS * z
-            elif pol.of(s):  # [C-offload]: the optimizer in host memory, float32 weights and gradients here
+                full += offload_device_kib(z, need, shard) if mem.optimizer == "host" else MIB_UNITS * z
+            elif mem.optimizer == "host":  # [C-offload]: the optimizer in host memory, float32 weights, gradients here
                 full = offload_replicated_kib(tab, i, j)
             n = decision.samples_per_microbatch[s][stage_gpus[s].index(g)]
             state += full + transient_kib(tab, i, j, n, tab.act_prefix[j] - tab.act_prefix[i])  # [Note: gradient
@@ -777,9 +779,9 @@ def simulate(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions, deci
     return SimResult(step_time_s=step, busy_fraction=busy_frac, peak_memory_bytes=tuple(peak),
                      events=tuple(events), bubble_fraction=bubble,
                      gpu_nodes=tuple(devices.node_names or (f"gpu{g}" for g in range(n_g))),
-                     gpu_types=tuple(devices.gpu_types), stage_sharded=pol.sharded,
-                     state_shard_bytes=shard_bytes, stage_recompute=pol.recompute, interleave=pipe.v,
-                     stage_zero=tuple(3 if pol.ps(s) else 2 if pol.gs(s) else int(pol.sharded[s]) for s in range(n_s)),
-                     stage_offload=tuple(pol.of(s) for s in range(n_s)),
-                     stage_act_offload=tuple(pol.ao(s) for s in range(n_s)),
+                     gpu_types=tuple(devices.gpu_types), stage_sharded=tuple(m.zero >= 1 for m in pol.memory),
+                     state_shard_bytes=shard_bytes, stage_recompute=tuple(m.recompute for m in pol.memory),
+                     interleave=pipe.v, stage_zero=tuple(m.zero for m in pol.memory),
+                     stage_offload=tuple(m.optimizer == "host" for m in pol.memory),
+                     stage_act_offload=tuple(m.activations == "host" for m in pol.memory),
                      start_s=tuple(start.get(g, 0.0) for g in range(n_g)))

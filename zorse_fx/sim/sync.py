@@ -169,7 +169,7 @@ def gradient_sync(costs: BlockCosts, devices: DeviceGraph, *, stage_blocks, stag
     events: list = []
     shard_bytes = []
     for s, gpus in enumerate(stage_gpus):
-        shard_bytes.append(tuple(z * mib for z in pol.shard_mib[s]) if pol.sharded[s] else (0,) * len(gpus))
+        shard_bytes.append(tuple(z * mib for z in pol.shard_mib[s]) if pol.memory[s].zero else (0,) * len(gpus))
     excluded, unions = _tied_plan(costs, stage_blocks, stage_gpus, n_p)
     # Tied parameters over the union of their holders: once the last holder's copy is final.
     tied_end: dict[int, float] = {}
@@ -200,7 +200,7 @@ def gradient_sync(costs: BlockCosts, devices: DeviceGraph, *, stage_blocks, stag
         t_red.update({g: last_b[g] for g in gpus})
         if len(gpus) > 1:
             t_end = max(last_b[g] for g in gpus)
-            scatters = {s: num_microbatches for s in stages_p if pol.gs(s)}  # ZeRO-2 stages
+            scatters = {s: num_microbatches for s in stages_p if pol.memory[s].zero >= 2}  # ZeRO-2/3 stages
             for s, start, end, nparams in _reduction(costs, timing, stage_blocks, stages_p, gpus, excluded,
                                                        ring_p, gr_b, bucket_bytes, scatters,
                                                        in_flight=2 if rendezvous else 1):
@@ -238,11 +238,12 @@ def gradient_sync(costs: BlockCosts, devices: DeviceGraph, *, stage_blocks, stag
                 params = unique_params(costs, i, j)  # a tied parameter once per stage ([C-tied])
                 # A shard of z MiB holds z MiB / shardable_bytes_per_param parameters ([C-optim]; at the
                 # float32 rate, an upper bound for 16-bit working weights: tables.IntTables.opt_per_mib).
-                moved = ((2 * st_b * shard_bytes[s][k] / sh_b if sh_b else 0.0) if pol.sharded[s]
+                moved = ((2 * st_b * shard_bytes[s][k] / sh_b if sh_b else 0.0) if pol.memory[s].zero
                          else 2 * st_b * params)
                 t1 = t0 + moved / devices.mem_bw_bytes_per_s[g]
-                if pol.of(s):  # [C-offload]: its parameters' gradients down, CPU AdamW, weights back, in turn
-                    if pol.sharded[s]:  # its shard's share of the parameters (objective.offload_host_kib)
+                if pol.memory[s].optimizer == "host":  # [C-offload]: its parameters' gradients down, CPU AdamW,
+                    # weights back, in turn
+                    if pol.memory[s].zero:  # its shard's share of the parameters (objective.offload_host_kib)
                         params = params * shard_bytes[s][k] / max(sum(shard_bytes[s]), 1)
                     moved = OFFLOAD_BYTES_PER_PARAM * params
                     t1 = t0 + params * (OFFLOAD_LINK_BYTES / devices.host_link_bytes_per_s[g]
@@ -252,7 +253,7 @@ def gradient_sync(costs: BlockCosts, devices: DeviceGraph, *, stage_blocks, stag
             t_opt = max(t_opt, t0)
             done[g] = t0
         for s in stages_p:  # all-gather the updated weights once the group's steps ended (not ZeRO-3's)
-            if pol.sharded[s] and not pol.ps(s):
+            if 1 <= pol.memory[s].zero < 3:
                 i, j = stage_blocks[s]
                 moved = (sum(costs.gather_bytes(b) for b in range(i, j))  # a tied parameter once ([C-tied])
                          - pa_b * (sum(costs.param_count[i:j]) - unique_params(costs, i, j)))

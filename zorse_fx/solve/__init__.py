@@ -17,12 +17,13 @@ needs the records (the cluster, the runtime) never imports OR-Tools.
 from ..ir.costs import BlockCosts, TiedParam
 from ..ir.decision import Decision
 from ..ir.devices import DeviceGraph, SharedLink
+from ..ir.memory import StageMemory
 from ..ir.result import SolverResult
 from ..options import PlanOptions
 from .objective import Evaluation, evaluate
 
 __all__ = [
-    "BlockCosts", "DeviceGraph", "Decision", "PlanOptions", "SharedLink", "SolverResult", "TiedParam",
+    "BlockCosts", "DeviceGraph", "Decision", "PlanOptions", "SharedLink", "SolverResult", "StageMemory", "TiedParam",
     "Evaluation", "evaluate", "solve_brute_force", "solve_cpsat", "solve_grouped",
 ]
 

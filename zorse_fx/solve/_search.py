@@ -186,8 +186,8 @@ def in_model(decision) -> bool:
     """Whether the CP-SAT candidate models can express ``decision``'s memory
     policy: no ZeRO-2/3 and no offload ([Note: ZeRO-2 outside CP-SAT] in
     portfolio.py), one stage per GPU group."""
-    return (decision.interleave == 1 and not any(decision.grad_sharded) and not any(decision.offload)
-            and not any(decision.act_offload))
+    return decision.interleave == 1 and all(m.zero < 2 and m.optimizer == m.activations == "device"
+                                            for m in decision.memory)
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,6 +16,7 @@ import time
 from ..errors import InfeasiblePlanError
 from ..ir.costs import BlockCosts
 from ..ir.devices import DeviceGraph
+from ..ir.memory import StageMemory
 from ..ir.result import Candidate, SolverResult
 from ..options import PlanOptions
 from .bounds import explain_infeasible
@@ -36,6 +37,8 @@ __all__ = ["solve_brute_force", "MAX_GPUS", "MAX_BLOCKS", "MAX_MICROBATCH_SIZE"]
 MAX_GPUS = 4
 MAX_BLOCKS = 6
 MAX_MICROBATCH_SIZE = 6
+#: A placement flag (offloaded?) as ``StageMemory.optimizer`` / ``activations``.
+_PLACE = {False: "device", True: "host"}
 
 
 def _compositions(total: int, parts: int):
@@ -62,12 +65,12 @@ def solve_brute_force(costs: BlockCosts, devices: DeviceGraph, options: PlanOpti
             f"size b <= {MAX_MICROBATCH_SIZE}; got G={n_g}, B={nb}, b up to {big_b}")
     k_max = max_stage_count(costs, devices, options)
     # Every per-stage policy the options allow ([Note: memory flags] in zorse_fx/options.py):
-    # (sharded, grad_sharded, param_sharded) of a stage of >= 2 GPUs (a one-GPU stage: the
-    # first, nothing sharded), recomputation, and the offloads where some GPU has host memory.
+    # the ZeRO level of a stage of >= 2 GPUs (a one-GPU stage: the first, nothing sharded),
+    # recomputation, and the offloads where some GPU has host memory.
     modes = {"never": (False,), "auto": (False, True), "always": (True,)}
-    layouts = ((False, False, False),)
+    layouts = (0,)
     if options.sharding != "never":
-        layouts += tuple((True, gs, ps) for gs in modes[options.grad_sharding]
+        layouts += tuple(3 if ps else 2 if gs else 1 for gs in modes[options.grad_sharding]
                          for ps in (modes[options.param_sharding] if gs else (False,)))
     host = any(devices.host_memory_bytes)
     rcs = modes[options.recompute]
@@ -92,15 +95,16 @@ def solve_brute_force(costs: BlockCosts, devices: DeviceGraph, options: PlanOpti
                     splits = [list(_compositions(b, len(gs))) for gs in stage_gpus]
                     flags = [layouts if len(gs) >= 2 else layouts[:1] for gs in stage_gpus]
                     for samples in itertools.product(*splits):
-                        for flag in itertools.product(*flags):
-                            sharded, grads, params = (tuple(f[k] for f in flag) for k in range(3))
+                        for zeros in itertools.product(*flags):
                             for recompute, offload, acts in itertools.product(
                                     itertools.product(rcs, repeat=n_s), itertools.product(ofs, repeat=n_s),
                                     itertools.product(aos, repeat=n_s)):
-                                if any(a and (rc or gs) for a, rc, gs in zip(acts, recompute, grads)):
+                                if any(a and (rc or z >= 2) for a, rc, z in zip(acts, recompute, zeros)):
                                     continue  # [C-act-offload]: not with recomputation or ZeRO-2/3
-                                pol = fill_policy(tab, blocks, stage_gpus, samples, sharded, recompute, grads,
-                                                  params, offload, acts)
+                                memory = tuple(StageMemory(zero=z, recompute=rc, optimizer=_PLACE[of],
+                                                           activations=_PLACE[a])
+                                               for z, rc, of, a in zip(zeros, recompute, offload, acts))
+                                pol = fill_policy(tab, blocks, stage_gpus, samples, memory=memory)
                                 if mode_violations(options, stage_gpus, pol):
                                     continue
                                 u = evaluate_units(tab, blocks, stage_gpus, samples, pol)

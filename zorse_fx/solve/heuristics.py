@@ -26,7 +26,7 @@ check memory. So every baseline gets what ``PlanOptions.sharding`` /
 decision ``Selector.add`` tries the uniform variants the options allow --
 plain, every multi-GPU stage sharded, every stage recomputing, both
 (``memory_variants``), each with the ZeRO-2/3 and offload layouts an "always"
-of their flags asks (``memory_policy.always_layout``; [Note: memory flags] in
+of their flags asks (``memory_policy.uniform_memory``; [Note: memory flags] in
 ``zorse_fx/options.py``) -- and keeps the best by (infeasible?, step). Per-stage
 mixes are the CP-SAT planner's search, not a baseline's. A sharded stage's
 shards are ``objective.balance_shards``' split unless the method passes its
@@ -53,7 +53,8 @@ from ..ir.costs import BlockCosts
 from ..ir.devices import DeviceGraph
 from ..ir.result import Candidate, SolverResult
 from ..options import PlanOptions
-from ..solve.memory_policy import always_layout
+from ..ir.memory import StageMemory
+from ..solve.memory_policy import uniform_memory
 from ..solve.objective import (
     MIB_UNITS,
     UNIT_S,
@@ -99,26 +100,26 @@ def memory_groups(tab, gpus, samples) -> tuple[tuple[tuple[int, int], int], ...]
     return tuple(sorted(Counter((n, tab.cap_bytes[g]) for g, n in zip(gpus, samples)).items()))
 
 
-def stage_fits(tab, s: int, n_s: int, i: int, j: int, groups, *, sharded: bool, recompute: bool,
-               grad_sharded: bool = False, param_sharded: bool = False) -> bool:
+def stage_fits(tab, s: int, n_s: int, i: int, j: int, groups, *, memory: StageMemory) -> bool:
     """Whether stage ``s`` of ``n_s`` (blocks [i, j), GPUs as ``memory_groups``)
-    fits memory under the variant. Unsharded (or one GPU), every GPU holds
-    the whole state plus its activations; sharded, every GPU holds the
-    replicated part plus its activations and the memory left over, in whole
-    MiB, holds the shardable part -- exactly when ``objective.fill_policy``
-    finds shards satisfying [C-memory] and [C-shard] (``grad_sharded``: with
-    ZeRO-2's replicated and shardable parts, [C-grad-shard])."""
+    fits memory under the policy ``memory`` (its ZeRO level and recomputation;
+    no offload). Unsharded (or one GPU), every GPU holds the whole state plus
+    its activations; sharded, every GPU holds the replicated part plus its
+    activations and the memory left over, in whole MiB, holds the shardable
+    part -- exactly when ``objective.fill_policy`` finds shards satisfying
+    [C-memory] and [C-shard] (ZeRO-2/3: with their replicated and shardable
+    parts, [C-grad-shard], [C-param-shard])."""
     from .objective import sharded_state_kib
 
     state, shard = stage_state_kib(tab, i, j)  # [C-tied]: a tied parameter once per stage
     a = tab.act_prefix[j] - tab.act_prefix[i]
 
     def act(n):  # with [Note: gradient transients] (state_terms.py)
-        return stage_act_kib(tab, s, n_s, i, j, n, recompute=recompute) + transient_kib(tab, i, j, n, a)
+        return stage_act_kib(tab, s, n_s, i, j, n, recompute=memory.recompute) + transient_kib(tab, i, j, n, a)
 
-    if not sharded or sum(c for _, c in groups) < 2:
+    if not memory.zero or sum(c for _, c in groups) < 2:
         return all(state + act(n) <= cap for (n, cap), _ in groups)
-    rep, shard = sharded_state_kib(tab, i, j, grad_sharded, param_sharded)
+    rep, shard = sharded_state_kib(tab, i, j, memory.zero)
     free = [(cap - rep - act(n), c) for (n, cap), c in groups]
     return min(f for f, _ in free) >= 0 and MIB_UNITS * sum(c * (f // MIB_UNITS) for f, c in free) >= shard
 
@@ -298,29 +299,32 @@ class StageMatrices:
         return (rep - np.minimum(down, rep) + tr, self.shard + up,
                 tr + gathered_weight_matrix(tab) + np.maximum(0, grads - up), self.state - grads + up)
 
-    def layout(self, grad_sharded: bool, param_sharded: bool):
-        """(replicated, shardable) KiB matrices of a sharded stage under its layout
-        (``objective.sharded_state_kib``: ZeRO-1, [C-grad-shard], [C-param-shard])."""
-        if param_sharded:
+    def layout(self, zero: int):
+        """(replicated, shardable) KiB matrices of a sharded stage under its ZeRO
+        level ``zero`` (``objective.sharded_state_kib``: ZeRO-1, [C-grad-shard],
+        [C-param-shard])."""
+        if zero == 3:
             return self.zero23[2:]
-        if grad_sharded:
+        if zero == 2:
             return self.zero23[:2]
         return self.state - self.shard, self.shard
 
-    def fits(self, mem, fl: int, not_first: bool, sharded: bool, recompute: bool, grad_sharded: bool = False,
-             param_sharded: bool = False, act_offload: bool = False) -> np.ndarray:
+    def fits(self, mem, fl: int, not_first: bool, policy: StageMemory) -> np.ndarray:
         """[C-memory] / [C-shard] for every (i, j) at once (``stage_fits``), the
-        stage's GPUs as ``memory_groups``; ``act_offload``: one micro-batch's
-        activations on the GPU ([C-act-offload])."""
+        stage's GPUs as ``memory_groups``, under ``policy``'s ZeRO level,
+        recomputation and activation placement ("host": one micro-batch's
+        activations on the GPU, [C-act-offload]); its optimizer placement is
+        not read (``stage_dp``'s offload check)."""
         def act(n):  # with [Note: gradient transients]
-            return (n * self.act if act_offload else self.act_kib(n, fl, not_first, recompute)) + self.transient(n)
+            return (n * self.act if policy.activations == "host"
+                    else self.act_kib(n, fl, not_first, policy.recompute)) + self.transient(n)
 
         ok = np.ones_like(self.valid)
-        if not sharded:  # (stage_fits also treats a one-GPU stage as unsharded; callers pass sharded=False)
+        if not policy.zero:  # (stage_fits also treats a one-GPU stage as unsharded; callers pass zero=0)
             for (n, cap), _ in mem:
                 ok &= self.state + act(n) <= cap
             return ok
-        rep, need = self.layout(grad_sharded, param_sharded)
+        rep, need = self.layout(policy.zero)
         held = np.zeros_like(self.state)
         for (n, cap), c in mem:
             free = cap - rep - act(n)
@@ -362,7 +366,7 @@ class Selector:
             flags = dict.fromkeys((tuple(sh and len(gs) >= 2 for gs in gpus), (rc,) * len(blocks))
                                   for sh, rc in memory_variants(self.options))
             # each with what the options' "always" asks ([Note: memory flags] in zorse_fx/options.py)
-            policies = [fill_policy(tab, blocks, gpus, ns, sh, rc, *always_layout(self.options, gpus, sh, rc))
+            policies = [fill_policy(tab, blocks, gpus, ns, memory=uniform_memory(self.options, gpus, sh, rc))
                         for sh, rc in flags]
         else:
             policies = [policy]
@@ -376,7 +380,7 @@ class Selector:
             key = (0 if ok else 1, u.step)
             if best is None or key < best[0]:
                 best = (key, pol)
-            if (not any(pol.grad_sharded) and not any(pol.offload) and not any(pol.act_offload)
+            if (all(m.zero < 2 and m.optimizer == m.activations == "device" for m in pol.memory)
                     and (plain is None or key < plain[0])):
                 plain = (key, pol)
         s_m = (len(blocks), m)
@@ -406,9 +410,9 @@ class Selector:
                                    status="BASELINE" if ev.feasible else "BASELINE_INFEASIBLE",
                                    step_time_s=step * UNIT_S, feasible=ev.feasible,
                                    violations=tuple(ev.violations), chosen=k == s_m,
-                                   stage_sharded=tuple(ev.decision.sharded),
+                                   stage_sharded=tuple(m.zero >= 1 for m in ev.decision.memory),
                                    state_shard_bytes=tuple(tuple(row) for row in ev.decision.shard_bytes()),
-                                   stage_recompute=tuple(ev.decision.recompute)))
+                                   stage_recompute=tuple(m.recompute for m in ev.decision.memory)))
             if k == s_m:
                 chosen = ev
         return self._record(chosen, tuple(cands))

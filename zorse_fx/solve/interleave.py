@@ -47,6 +47,7 @@ from functools import partial
 from ..ir.costs import BlockCosts
 from ..ir.decision import Decision
 from ..ir.devices import DeviceGraph
+from ..ir.memory import StageMemory
 from ..ir.result import Candidate, SolverResult, with_safety_stop
 from ..options import PlanOptions
 from .isolated import map_isolated, options_jobs
@@ -160,10 +161,10 @@ class _Cutter:
         return best
 
 
-def _score(tab, cuts, stage_gpus, samples, sharded, recompute, v,
-           grads=(), params=(), pair_cache: dict | None = None) -> tuple[tuple[int, int], StageUnits, MemoryPolicy]:
+def _score(tab, cuts, stage_gpus, samples, memory, v,
+           pair_cache: dict | None = None) -> tuple[tuple[int, int], StageUnits, MemoryPolicy]:
     blocks = tuple(zip(cuts[:-1], cuts[1:]))
-    pol = fill_policy(tab, blocks, stage_gpus, samples, sharded, recompute, grads, params)
+    pol = fill_policy(tab, blocks, stage_gpus, samples, memory=memory)
     u = evaluate_units(tab, blocks, stage_gpus, samples, pol, v, pair_cache=pair_cache)
     breach = sum(u.uncovered) + sum(max(0, need - tab.cap_bytes[g])
                                     for gs, needs in zip(stage_gpus[: len(stage_gpus) // v], u.memory)
@@ -171,14 +172,14 @@ def _score(tab, cuts, stage_gpus, samples, sharded, recompute, v,
     return (breach, u.step), u, pol
 
 
-def _local_search(tab, cuts, stage_gpus, samples, sharded, recompute, v, grads=(), params=()):
+def _local_search(tab, cuts, stage_gpus, samples, memory, v):
     seen: dict[tuple[int, ...], tuple[int, int]] = {}  # cuts -> key: a move undone in the next pass is not re-scored
     pairs: dict = {}  # the boundaries' GPU-pair terms: only the cuts move (objective.evaluate_units)
 
     def score(c):
         k = tuple(c)
         if k not in seen:
-            seen[k] = _score(tab, c, stage_gpus, samples, sharded, recompute, v, grads, params, pairs)[0]
+            seen[k] = _score(tab, c, stage_gpus, samples, memory, v, pairs)[0]
         return seen[k]
 
     key = score(cuts)
@@ -213,14 +214,13 @@ def interleave_search(costs: BlockCosts, devices: DeviceGraph, options: PlanOpti
     p_count = d.num_stages
     if options.max_interleave < 2 or options.schedule != "1f1b" or d.interleave != 1 or p_count < 2:
         return None, ()
-    if any(d.offload) or any(d.act_offload):  # an offloaded plan is a last resort for memory; interleaving only adds to it
-        return None, ()
+    if any(mem.optimizer == "host" or mem.activations == "host" for mem in d.memory):
+        return None, ()  # an offloaded plan is a last resort for memory; interleaving only adds to it
     gbs = options.global_batch_size
     groups = d.stage_gpus
-    sharded = d.sharded
-    # Each group keeps the base's state layout (ZeRO-1/2/3) on all of its stages.
-    grads, params = d.grad_sharded, d.param_sharded
-    policies = [d.recompute]
+    # Each group keeps the base's state layout (its ZeRO level) on all of its stages.
+    zeros = tuple(mem.zero for mem in d.memory)
+    policies = [tuple(mem.recompute for mem in d.memory)]
     if options.recompute in ("auto", "always") and not all(policies[0]):
         policies.append((True,) * p_count)
     if options.recompute == "never":
@@ -239,7 +239,8 @@ def interleave_search(costs: BlockCosts, devices: DeviceGraph, options: PlanOpti
                 cuts = _Cutter(tab, groups, shares, v, rc).min_max()
                 if cuts is None:
                     continue
-                args = (stage_gpus, samples, sharded * v, rc * v, v, grads * v, params * v)
+                memory = tuple(StageMemory(zero=z, recompute=r) for z, r in zip(zeros, rc))
+                args = (stage_gpus, samples, memory * v, v)
                 key, *_ = _score(tab, cuts, *args)
                 out.append((key, v, rc, cuts, args))
         return tab, out
@@ -280,15 +281,14 @@ def interleave_search(costs: BlockCosts, devices: DeviceGraph, options: PlanOpti
             tried.append(Candidate(kind="interleave", interleave=v, num_microbatches=m, recompute_all=all(rc),
                                    step_time_s=key[1] * UNIT_S, feasible=key[0] == 0))
             if key[0] == 0 and (best is None or key[1] < best[0]):
-                best = (key[1], m, v, cuts, *args[:2], sharded * v, rc * v)
+                best = (key[1], m, v, cuts, *args[:3])
     if best is None:
         return None, tuple(tried)
-    _, m, v, cuts, stage_gpus, samples, sh, rc = best
+    _, m, v, cuts, stage_gpus, samples, memory = best
     blocks = tuple(zip(cuts[:-1], cuts[1:]))
     ev = evaluate(costs, devices, options, Decision(
         stage_blocks=blocks, stage_gpus=stage_gpus, samples_per_microbatch=samples, num_microbatches=m,
-        sharded=sh, recompute=rc, interleave=v, precision=d.precision, grad_sharded=grads * v,
-        param_sharded=params * v))
+        memory=memory, interleave=v, precision=d.precision))
     if not ev.feasible:  # cannot happen: the search scored the same model
         raise AssertionError(f"interleave search returned an infeasible plan: {ev.violations}")
     res = SolverResult.from_evaluation(ev, options=options, status=with_safety_stop(

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..ir.memory import StageMemory
 from ..options import SCHEDULES
 from .state_terms import (extra_copies, gathered_weight_kib, grad_shard_kib, stage_host_kib, stage_state_kib,
                           transient_kib)
 from .tables import MIB_UNITS, IntTables
 
 __all__ = ["inflight", "MemoryPolicy", "act_units", "act_host_units", "act_xfer_units", "balance_shards",
-           "sharded_state_kib", "offload_device_kib", "fill_policy", "always_layout"]
+           "sharded_state_kib", "offload_device_kib", "fill_policy", "uniform_memory"]
 
 
 def inflight(schedule: str, num_stages: int, stage: int, num_microbatches: int) -> int:
@@ -31,61 +32,43 @@ def inflight(schedule: str, num_stages: int, stage: int, num_microbatches: int) 
 
 @dataclass(frozen=True, slots=True)
 class MemoryPolicy:
-    """Per stage: ZeRO-1 sharded?, the shard of each GPU in MiB (aligned with
-    the stage's GPUs; () when not sharded), recomputation? ([C-shard], [C-recompute]).
+    """Per stage: its memory policy and the shard of each of its GPUs in MiB
+    (aligned with the stage's GPUs; () when not sharded, [C-shard]).
 
-    The evaluator's own view of a ``Decision``'s memory policy, shards always
-    chosen, used in the planners' inner loops (``evaluate_units``) where a
-    validated ``Decision`` per candidate would cost more than scoring it;
-    ``policy_decision`` turns a candidate and its policy into a ``Decision``."""
+    The evaluator's own view of a ``Decision``'s ``memory`` and ``shard_mib``,
+    shards always chosen, used in the planners' inner loops (``evaluate_units``)
+    where a validated ``Decision`` per candidate would cost more than scoring
+    it; ``policy_decision`` turns a candidate and its policy into a ``Decision``."""
 
-    sharded: tuple[bool, ...]
+    #: (S,) each stage's memory policy (``ir/memory.py``).
+    memory: tuple[StageMemory, ...]
+    #: (S,) per sharded stage, each GPU's shard in MiB; () for an unsharded stage.
     shard_mib: tuple[tuple[int, ...], ...]
-    recompute: tuple[bool, ...]
-    #: Per stage: ZeRO-2 (gradients sharded too, [C-grad-shard]); () = none.
-    grad_sharded: tuple[bool, ...] = ()
-    #: Per stage: ZeRO-3 (weights sharded too, [C-param-shard]); () = none.
-    param_sharded: tuple[bool, ...] = ()
-    #: Per stage: optimizer offload ([C-offload]); () = none.
-    offload: tuple[bool, ...] = ()
-    #: Per stage: activation offload ([C-act-offload]); () = none.
-    act_offload: tuple[bool, ...] = ()
 
     @classmethod
     def plain(cls, num_stages: int) -> "MemoryPolicy":
-        return cls((False,) * num_stages, ((),) * num_stages, (False,) * num_stages)
-
-    def gs(self, s: int) -> bool:
-        """Whether stage ``s`` has sharded gradients (ZeRO-2)."""
-        return bool(self.grad_sharded) and self.grad_sharded[s]
-
-    def ps(self, s: int) -> bool:
-        """Whether stage ``s`` has sharded parameters (ZeRO-3)."""
-        return bool(self.param_sharded) and self.param_sharded[s]
-
-    def of(self, s: int) -> bool:
-        """Whether stage ``s`` offloads its optimizer ([C-offload])."""
-        return bool(self.offload) and self.offload[s]
-
-    def ao(self, s: int) -> bool:
-        """Whether stage ``s`` offloads its activations ([C-act-offload])."""
-        return bool(self.act_offload) and self.act_offload[s]
+        """Every stage plain (``StageMemory()``), nothing sharded."""
+        return cls((StageMemory(),) * num_stages, ((),) * num_stages)
 
 
-def always_layout(options, stage_gpus, sharded, recompute) -> tuple[tuple[bool, ...], ...]:
-    """(grad_sharded, param_sharded, offload, act_offload) per stage: what the
-    "always" of ``options`` (a ``PlanOptions``) asks of stages with the given
-    ``sharded`` / ``recompute`` flags ([Note: memory flags] in
+def uniform_memory(options, stage_gpus, sharded, recompute) -> tuple[StageMemory, ...]:
+    """(S,) the memory policy of each stage with the given per-stage
+    ``sharded`` (ZeRO-1) / ``recompute`` flags and what the "always" of
+    ``options`` (a ``PlanOptions``) asks on top ([Note: memory flags] in
     ``zorse_fx/options.py``): ZeRO-2, and ZeRO-3 on it, on every sharded stage
     of >= 2 GPUs; optimizer offload on every stage; activation offload on
     every stage without recomputation or ZeRO-2. The baselines' uniform
     variants take them (``heuristics.Selector.add``), so a baseline's plan
     honours the flags as the stage DP's do."""
-    gs = tuple(bool(sh) and len(g) >= 2 and options.grad_sharding == "always" for g, sh in zip(stage_gpus, sharded))
-    ps = tuple(x and options.param_sharding == "always" for x in gs)
-    of = (options.offload == "always",) * len(gs)
-    ao = tuple(options.activation_offload == "always" and not rc and not x for rc, x in zip(recompute, gs))
-    return gs, ps, of, ao
+    out = []
+    for gpus, sh, rc in zip(stage_gpus, sharded, recompute):
+        zero = int(bool(sh))
+        if zero and len(gpus) >= 2 and options.grad_sharding == "always":
+            zero = 3 if options.param_sharding == "always" else 2
+        host_acts = options.activation_offload == "always" and not rc and zero < 2
+        out.append(StageMemory(zero=zero, recompute=bool(rc), optimizer="host" if options.offload == "always"
+                               else "device", activations="host" if host_acts else "device"))
+    return tuple(out)
 
 
 def act_units(tab: IntTables, s: int, n_s: int, i: int, n: int, a: int, *, recompute: bool,
@@ -140,19 +123,19 @@ def balance_shards(need_kib: int, free_mib, rate) -> tuple[int, ...] | None:
     return tuple(z)
 
 
-def sharded_state_kib(tab: IntTables, i: int, j: int, grad_sharded: bool,
-                      param_sharded: bool = False) -> tuple[int, int]:
-    """(replicated, shardable) KiB of a sharded stage over blocks [i, j): R_s and
-    Q_s ([C-shard]), under ZeRO-2 R_s - G-_s + the reduction buffers and Q_s +
-    G+_s ([C-grad-shard], ``state_terms.grad_shard_kib``), under ZeRO-3 the
-    buffers, the weights of GATHERED_UNITS consecutive blocks and the tied
-    weights, and the rest ([C-param-shard])."""
+def sharded_state_kib(tab: IntTables, i: int, j: int, zero: int) -> tuple[int, int]:
+    """(replicated, shardable) KiB of a sharded stage (``zero`` = its ZeRO level,
+    1..3) over blocks [i, j): under ZeRO-1 R_s and Q_s ([C-shard]), under ZeRO-2
+    R_s - G-_s + the reduction buffers and Q_s + G+_s ([C-grad-shard],
+    ``state_terms.grad_shard_kib``), under ZeRO-3 the buffers, the weights of
+    GATHERED_UNITS consecutive blocks and the tied weights, and the rest
+    ([C-param-shard])."""
     state, shard = stage_state_kib(tab, i, j)
-    if not grad_sharded:
+    if zero < 2:
         return state - shard, shard
     up, down, transient = grad_shard_kib(tab, i, j)
     down = min(down, state - shard)  # (the replicated state holds the float32 gradients: 4 of its B/param)
-    if param_sharded:  # the gradients the shards do not take (tied, all-reduced) stay whole
+    if zero == 3:  # the gradients the shards do not take (tied, all-reduced) stay whole
         grads = tab.grad_kib_prefix[j] - tab.grad_kib_prefix[i] - sum(
             c * tab.tied_grad_kib[t] for t, c in extra_copies(tab.tied_blocks, i, j))
         return transient + gathered_weight_kib(tab, i, j) + max(0, grads - up), state - grads + up
@@ -167,46 +150,47 @@ def offload_device_kib(z_mib: int, need: int, q: int) -> int:
     return -(-z_mib * MIB_UNITS * max(0, need - q) // max(need, 1))
 
 
-def fill_policy(tab: IntTables, stage_blocks, stage_gpus, samples, sharded, recompute,
-                grad_sharded=(), param_sharded=(), offload=(), act_offload=()) -> MemoryPolicy:
-    """A MemoryPolicy for the given per-stage flags with each sharded stage's
-    shards chosen by ``balance_shards`` on the memory left after the replicated
-    state and the activations, or, offloaded ([C-offload]), on the host memory
-    (when even that cannot hold the state, shards proportional to the free
-    memory: ``evaluate`` then reports the breach)."""
+def fill_policy(tab: IntTables, stage_blocks, stage_gpus, samples, *, memory) -> MemoryPolicy:
+    """A MemoryPolicy for the per-stage policies ``memory`` ((S,) ``StageMemory``)
+    with each sharded stage's shards chosen by ``balance_shards`` on the memory
+    left after the replicated state and the activations, or, offloaded
+    ([C-offload]), on the host memory (when even that cannot hold the state,
+    shards proportional to the free memory: ``evaluate`` then reports the breach)."""
     n_s = len(stage_blocks)
-    grad_sharded = tuple(bool(x) for x in grad_sharded) or (False,) * n_s
-    param_sharded = tuple(bool(x) for x in param_sharded) or (False,) * n_s
-    offload = tuple(bool(x) for x in offload) or (False,) * n_s
-    act_offload = tuple(bool(x) for x in act_offload) or (False,) * n_s
-    shards = []
-    for s, ((i, j), gpus, ns) in enumerate(zip(stage_blocks, stage_gpus, samples)):
-        if not sharded[s]:
-            shards.append(())
-            continue
-        rep, need = sharded_state_kib(tab, i, j, grad_sharded[s], param_sharded[s])
-        a = tab.act_prefix[j] - tab.act_prefix[i]
-        if offload[s]:  # the shards' optimizer part in host memory, H_s / N_s KiB of it per KiB of shard
-            host, cap = stage_host_kib(tab, i, j), tab.host_cap or (0,) * tab.num_gpus
-            q = stage_state_kib(tab, i, j)[1]
-            free = []
-            for g, n in zip(gpus, ns):
-                f = max(0, cap[g] - (act_host_units(tab, s, n_s, n, a) if act_offload[s] else 0)) * need // max(host, 1)
-                if need > q:  # ZeRO-2/3: the rest of the shard on the GPU
-                    dev = tab.cap_bytes[g] - rep - act_units(tab, s, n_s, i, n, a, recompute=recompute[s],
-                                                             offload=act_offload[s]) - transient_kib(tab, i, j, n, a)
-                    f = min(f, max(0, dev) * need // (need - q))
-                free.append(f // MIB_UNITS)
-            z = balance_shards(need, free, [-(-tab.off_per_mib[g] * host // max(need, 1)) for g in gpus])
-        else:
-            free = [(tab.cap_bytes[g] - rep - act_units(tab, s, n_s, i, n, a, recompute=recompute[s],
-                                                        offload=act_offload[s]) - transient_kib(tab, i, j, n, a)) // MIB_UNITS
-                    for g, n in zip(gpus, ns)]
-            z = balance_shards(need, free, [tab.opt_per_mib[tab.gpu_mbw_class[g]] for g in gpus])
-        if z is None:
-            need_mib, fr = -(-need // MIB_UNITS), [max(f, 0) for f in free]
-            tot = sum(fr) or len(fr)
-            z = [-(-need_mib * (f if sum(fr) else 1) // tot) for f in fr]
-        shards.append(tuple(z))
-    return MemoryPolicy(tuple(bool(x) for x in sharded), tuple(shards), tuple(bool(x) for x in recompute),
-                        grad_sharded, param_sharded, offload, act_offload)
+    memory = tuple(memory)
+    shards = [stage_shards(tab, s, n_s, blocks, gpus, ns, mem) if mem.zero else ()
+              for s, (blocks, gpus, ns, mem) in enumerate(zip(stage_blocks, stage_gpus, samples, memory))]
+    return MemoryPolicy(memory, tuple(shards))
+
+
+def stage_shards(tab: IntTables, s: int, n_s: int, blocks: tuple[int, int], gpus, samples,
+                 mem: StageMemory) -> tuple[int, ...]:
+    """``fill_policy``'s shards (MiB, one per GPU of ``gpus``) of sharded stage
+    ``s`` of ``n_s`` over ``blocks`` = [i, j) with ``samples`` per GPU."""
+    i, j = blocks
+    rep, need = sharded_state_kib(tab, i, j, mem.zero)
+    a = tab.act_prefix[j] - tab.act_prefix[i]
+    host_acts = mem.activations == "host"
+
+    def device_free(g, n):  # KiB of GPU g left after the replicated state, the activations and the transients
+        return tab.cap_bytes[g] - rep - act_units(tab, s, n_s, i, n, a, recompute=mem.recompute,
+                                                  offload=host_acts) - transient_kib(tab, i, j, n, a)
+
+    if mem.optimizer == "host":  # the shards' optimizer part in host memory, H_s / N_s KiB of it per KiB of shard
+        host, cap = stage_host_kib(tab, i, j), tab.host_cap or (0,) * tab.num_gpus
+        q = stage_state_kib(tab, i, j)[1]
+        free = []
+        for g, n in zip(gpus, samples):
+            f = max(0, cap[g] - (act_host_units(tab, s, n_s, n, a) if host_acts else 0)) * need // max(host, 1)
+            if need > q:  # ZeRO-2/3: the rest of the shard on the GPU
+                f = min(f, max(0, device_free(g, n)) * need // (need - q))
+            free.append(f // MIB_UNITS)
+        z = balance_shards(need, free, [-(-tab.off_per_mib[g] * host // max(need, 1)) for g in gpus])
+    else:
+        free = [device_free(g, n) // MIB_UNITS for g, n in zip(gpus, samples)]
+        z = balance_shards(need, free, [tab.opt_per_mib[tab.gpu_mbw_class[g]] for g in gpus])
+    if z is None:
+        need_mib, fr = -(-need // MIB_UNITS), [max(f, 0) for f in free]
+        tot = sum(fr) or len(fr)
+        z = [-(-need_mib * (f if sum(fr) else 1) // tot) for f in fr]
+    return tuple(z)

@@ -107,6 +107,7 @@ from ortools.sat.python import cp_model
 
 from ..ir.decision import Decision
 from ..ir.devices import DeviceGraph
+from ..ir.memory import StageMemory
 from ..options import PlanOptions
 from ._boundary_encoding import LinkTerms
 from ._encoding import StageCuts
@@ -555,7 +556,7 @@ class CandidateModel:
         shards = decision.shard_mib or ((),) * decision.num_stages
         where = {}
         for s, (gs, ns) in enumerate(zip(decision.stage_gpus, decision.samples_per_microbatch)):
-            sharded = decision.sharded[s] and bool(shards[s])
+            sharded = decision.memory[s].zero >= 1 and bool(shards[s])
             for pos, (g, n) in enumerate(zip(gs, ns)):
                 where[g] = (s, n, shards[s][pos] if sharded else 0)
         for c, grp in enumerate(self.groups):
@@ -569,9 +570,9 @@ class CandidateModel:
                     m.add_hint(self.zc[c][s], max((z for _, _, z in mine), default=0))
         for s in range(self.S):
             if self.sh:
-                m.add_hint(self.sh[s], decision.sharded[s])
+                m.add_hint(self.sh[s], decision.memory[s].zero >= 1)
             if self.rc:
-                m.add_hint(self.rc[s], decision.recompute[s])
+                m.add_hint(self.rc[s], decision.memory[s].recompute)
 
     def decision(self, solver: cp_model.CpSolver):
         """Expand the group decision to GPUs: the ``Decision`` of the solver's current solution."""
@@ -594,8 +595,8 @@ class CandidateModel:
             samples.append(tuple(nn for _, nn, _ in row))
             shards.append(tuple(zz for _, _, zz in row) if sharded[s] else ())
         return Decision(stage_blocks=blocks, stage_gpus=tuple(gpus), samples_per_microbatch=tuple(samples),
-                        num_microbatches=self.tab.num_microbatches, sharded=sharded, shard_mib=tuple(shards),
-                        recompute=recompute)
+                        num_microbatches=self.tab.num_microbatches, shard_mib=tuple(shards),
+                        memory=tuple(StageMemory(zero=int(sh), recompute=rc) for sh, rc in zip(sharded, recompute)))
 
 
 def _policy_vars(m: cp_model.CpModel, tab: IntTables, size, n_s: int):

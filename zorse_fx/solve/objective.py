@@ -12,7 +12,9 @@ integer samples n_g >= 1 per GPU of stage s, sum_{g in s} n_g = b   [C-samples]
 
 Memory policy per stage (decisions too; ``PlanOptions.sharding`` /
 ``recompute`` = "never" fixes them to False, "always" to True, "auto" leaves
-them to the planner):
+them to the planner; in code ``Decision.memory[s]``, a ``StageMemory``
+(``ir/memory.py``): sh_s = zero >= 1, gs_s = zero >= 2, ps_s = zero == 3,
+rc_s = recompute, of_s = optimizer "host", ao_s = activations "host"):
   sh_s  ZeRO-1: the stage's shardable optimizer state is split across its GPUs,
         GPU g holding z_g MiB (integers, any split covering it; only for
         stages with >= 2 GPUs)                                        [C-shard]
@@ -376,9 +378,29 @@ def policy_decision(stage_blocks, stage_gpus, samples, num_microbatches: int, po
     """The ``Decision`` of an integer-level candidate (what ``evaluate_units``
     scored) with the memory policy ``policy``, shards included."""
     return Decision(stage_blocks=stage_blocks, stage_gpus=stage_gpus, samples_per_microbatch=samples,
-                    num_microbatches=num_microbatches, interleave=interleave, sharded=policy.sharded,
-                    shard_mib=policy.shard_mib, recompute=policy.recompute, grad_sharded=policy.grad_sharded,
-                    param_sharded=policy.param_sharded, offload=policy.offload, act_offload=policy.act_offload)
+                    num_microbatches=num_microbatches, interleave=interleave, memory=policy.memory,
+                    shard_mib=policy.shard_mib)
+
+
+@dataclass(slots=True)
+class _Terms:
+    """``evaluate_units``' per-stage terms, appended stage by stage (units, KiB)."""
+
+    comp: list = dataclasses.field(default_factory=list)  # compute_s: the slowest GPU's [C-compute]
+    comp_head: list = dataclasses.field(default_factory=list)  # cmax-_s: the same without the last block
+    fwd3: list = dataclasses.field(default_factory=list)  # GPipe's period terms: 3 x the forward
+    bwd3: list = dataclasses.field(default_factory=list)  # and 3 x the backward
+    bnd: list = dataclasses.field(default_factory=list)  # [C-boundary]
+    load_rows: list = dataclasses.field(default_factory=list)  # [C-boundary] rows of each boundary's pairs
+    ar: list = dataclasses.field(default_factory=list)  # [C-allreduce]
+    grad_kib: list = dataclasses.field(default_factory=list)  # G_s (KiB)
+    ring_lat: list = dataclasses.field(default_factory=list)  # (k - 1) * lat_max of [C-allreduce]
+    gather: list = dataclasses.field(default_factory=list)  # ag_s, a sharded stage's all-gather ([C-tied])
+    last: list = dataclasses.field(default_factory=list)  # L_s of [C-objective]
+    opt: list = dataclasses.field(default_factory=list)
+    mem: list = dataclasses.field(default_factory=list)
+    unc: list = dataclasses.field(default_factory=list)
+    host: list = dataclasses.field(default_factory=list)
 
 
 def evaluate_units(tab: IntTables, stage_blocks, stage_gpus, samples, policy: MemoryPolicy | None = None,
@@ -391,161 +413,192 @@ def evaluate_units(tab: IntTables, stage_blocks, stage_gpus, samples, policy: Me
     (a search moving only the cuts): each boundary's GPU-pair terms, which
     depend on the two stages' GPUs and samples and not on the cuts, are
     computed once per (GPUs, samples) pair there."""
-    n_s, m = len(stage_blocks), tab.num_microbatches
+    n_s = len(stage_blocks)
     pol = policy or MemoryPolicy.plain(n_s)
-    comp, comp_head, bnd, ar, opt, mem, unc, last, host = [], [], [], [], [], [], [], [], []
-    fwd3, bwd3 = [], []
-    grad_kib, ring_lat = [], []  # per stage: G_s (KiB) and (k - 1) * lat_max of [C-allreduce]
-    gather = []  # per stage: ag_s, a sharded stage's all-gather after its optimizer step ([C-tied])
-    load_rows = []  # [C-boundary] rows of each boundary's GPU pairs, both ways
+    t = _Terms()
     (excluded, tied), first_kib = tied_terms(tab, stage_blocks, stage_gpus, n_s // interleave), untied_block_kib(tab)
     for s, ((i, j), gpus, ns) in enumerate(zip(stage_blocks, stage_gpus, samples)):
-        sh, rc, gs, ps, ao = pol.sharded[s], pol.recompute[s], pol.gs(s), pol.ps(s), pol.ao(s)
-        a = tab.act_prefix[j] - tab.act_prefix[i]
-
-        def forward(g, n, e=j):  # the forward of GPU g over blocks [i, e)
-            t = tab.gpu_types[g]
-            return n * (tab.rc_work_prefix[t][e] - tab.rc_work_prefix[t][i]) \
-                + tab.rc_fixed_prefix[t][e] - tab.rc_fixed_prefix[t][i]
-
-        def rerun(g, n, e):  # the recomputed forward of GPU g over blocks [i, e) (0 without recomputation)
-            return forward(g, n, e) if rc else 0
-
-        def work(g, n, e):  # [C-compute] of GPU g over blocks [i, e)
-            t = tab.gpu_types[g]
-            return n * (tab.work_prefix[t][e] - tab.work_prefix[t][i]) + tab.fixed_prefix[t][e] \
-                - tab.fixed_prefix[t][i] + rerun(g, n, e)
-
-        # (compute, its re-run, [C-act-offload]'s transfers down and back)
-        per_gpu = [(work(g, n, j), rerun(g, n, j), act_xfer_units(tab, g, n, a) if ao else 0)
-                   for g, n in zip(gpus, ns)]
-        comp.append(max(w + x for w, _, x in per_gpu))
-        # GPipe's period: 3 x the forward (BlockCosts' forward part, the re-run table), 3 x the backward
-        # = 3 x (the compute less the forward: the backward and the re-run); each gets half of the
-        # activations' transfers.
-        fwd = [forward(g, n) for g, n in zip(gpus, ns)]
-        fwd3.append(max(3 * f + 3 * x // 2 for f, (_, _, x) in zip(fwd, per_gpu)))
-        bwd3.append(max(3 * (w - f) + 3 * x - 3 * x // 2 for f, (w, _, x) in zip(fwd, per_gpu)))
-        comp_head.append(max(work(g, n, j - 1) + (act_xfer_units(tab, g, n, tab.act_prefix[j - 1] - tab.act_prefix[i])
-                                                  if ao else 0) for g, n in zip(gpus, ns)))  # cmax-_s
+        mem = pol.memory[s]
+        _compute_terms(tab, t, i, j, gpus, ns, mem)
         if s < n_s - 1:
-            nxt = stage_gpus[s + 1]
-            key = (tuple(gpus), tuple(ns), tuple(nxt), tuple(samples[s + 1]))
-            got = pair_cache.get(key) if pair_cache is not None else None
-            if got is None:
-                # per bandwidth class the most rows a pair of that class carries (xfer1 >= 0, so the
-                # pair maximising rows x xfer1 is among them), both-ways rows, the largest latency
-                rows_by_class: dict[int, int] = {}
-                for (g, h), rows in boundary_rows(tab, gpus, ns, nxt, samples[s + 1]):
-                    q = tab.pair_bw_class[g][h]
-                    rows_by_class[q] = max(rows_by_class.get(q, 0), rows)
-                got = (tuple(rows_by_class.items()), boundary_rows(tab, gpus, ns, nxt, samples[s + 1], both_ways=True),
-                       max(tab.pair_lat[g][h] for g in gpus for h in nxt))
-                if pair_cache is not None:
-                    pair_cache[key] = got
-            rows_by_class, both, lat = got
-            load_rows.append(both)
-            xfer = max(rows * tab.xfer1[q][j] for q, rows in rows_by_class)
-            bnd.append(2 * (xfer + lat))
+            _boundary_terms(tab, t, j, (gpus, ns), (stage_gpus[s + 1], samples[s + 1]), pair_cache)
         else:
-            bnd.append(0)
-        pairs = [(g, h) for a, g in enumerate(gpus) for h in gpus[a + 1:]]
-        grad_kib.append(tab.grad_kib_prefix[j] - tab.grad_kib_prefix[i]
-                        - sum(c * tab.tied_grad_kib[t] for t, c in excluded[s].items()))
-        if pairs:
-            def own(pre, q):  # the stage's sum of a per-block table less its excluded tied copies
-                return pre[q][j] - pre[q][i] - sum(c * tab.tied_ar[t][q] for t, c in excluded[s].items())
-
-            classes = {tab.pair_bw_class[g][h] for g, h in pairs}
-            arb = max(own(tab.arsh_prefix if sh else tab.ar_prefix, q) for q in classes)
-            ring_lat.append((len(gpus) - 1) * max(tab.pair_lat[g][h] for g, h in pairs))
-            if gs:  # [C-grad-shard]: M reduce-scatters (half an all-reduce's ring each), then the all-gather
-                ag = 0 if ps else 1  # [C-param-shard]: no all-gather after the step
-                ar.append(max(ring_units(-(-m * own(tab.ar_prefix, q) // 2) + ag * (own(tab.arsh_prefix, q)
-                                         - own(tab.ar_prefix, q)), len(gpus)) for q in classes)
-                          + (m * bucket_count(grad_kib[s], tab.bucket_caps) + ag) * ring_lat[s])
-            else:
-                ar.append(ring_units(arb, len(gpus))
-                          + (2 * bucket_count(grad_kib[s], tab.bucket_caps) + sh) * ring_lat[s])
-            # [C-objective] L_s: the ring of LK_s KiB (and a sharded stage's all-gather), after the backward.
-            lk, k = max(last_bucket_kib(grad_kib[s], tab.bucket_caps), first_kib[i]), len(gpus)
-            x = max(ring_units(tab.lastb_coef[q] * lk, k, tab.lastb_scale[q]) for q in classes)
-            # A sharded stage all-gathers its weights after its optimizer step: ag_s, also in L_s.
-            g_ring = ring_units(max(own(tab.arsh_prefix, q) - own(tab.ar_prefix, q) for q in classes), k)
-            gather.append(g_ring + ring_lat[s] if sh and not ps else 0)
-            last.append(x + 2 * ring_lat[s] + gather[s])
-            if ps:  # [C-param-shard]: g gathers of the weights per micro-batch, prefetched one unit ahead
-                g, units = 2 + rc, j - i
-                pass_units = g_ring + units * ring_lat[s]
-                exposed = max(0, g * pass_units - comp[s]) + g * -(-pass_units // units)
-                comp[s] += exposed
-                comp_head[s] += exposed
-                fwd3[s] += 3 * exposed // g
-                bwd3[s] += 3 * exposed - 3 * exposed // g
-        else:
-            ring_lat.append(0)
-            ar.append(0)
-            last.append(0)
-            gather.append(0)
-        state, shard = stage_state_kib(tab, i, j)  # [C-tied]: a tied parameter once per stage
-        if pol.of(s):  # [C-offload]: Q_s (the shards) in host memory, the step over the host link and CPU
-            if sh:
-                z = pol.shard_mib[s]
-                rep, need = sharded_state_kib(tab, i, j, gs, ps)
-                unc.append(max(0, need - MIB_UNITS * sum(z)))
-                dev = [offload_device_kib(zg, need, shard) for zg in z]
-            else:
-                z, rep, dev = None, offload_replicated_kib(tab, i, j), [0] * len(gpus)
-                unc.append(0)
-            hk = offload_host_kib(tab, i, j, z)
-            hk = hk * len(gpus) if z is None else hk
-            host.append(hk)
-            opt.append(max(-(-h * tab.off_per_mib[g] // MIB_UNITS) for g, h in zip(gpus, hk)))
-            mem.append(tuple(rep + d + act_units(tab, s, n_s, i, n, a, recompute=rc, offload=ao)
-                             + transient_kib(tab, i, j, n, a) for n, d in zip(ns, dev)))
-        elif sh:
-            z = pol.shard_mib[s]
-            rep, shard = sharded_state_kib(tab, i, j, gs, ps)  # [C-grad-shard], [C-param-shard]
-            opt.append(max(zg * tab.opt_per_mib[tab.gpu_mbw_class[g]] for g, zg in zip(gpus, z)))
-            mem.append(tuple(rep + MIB_UNITS * zg + act_units(tab, s, n_s, i, n, a, recompute=rc, offload=ao)
-                             + transient_kib(tab, i, j, n, a) for n, zg in zip(ns, z)))
-            unc.append(max(0, shard - MIB_UNITS * sum(z)))
-            host.append((0,) * len(gpus))
-        else:
-            opt.append(max(stage_optim_units(tab, q, i, j) for q in {tab.gpu_mbw_class[g] for g in gpus}))
-            mem.append(tuple(state + act_units(tab, s, n_s, i, n, a, recompute=rc, offload=ao)
-                             + transient_kib(tab, i, j, n, a) for n in ns))  # [Note: gradient transients]
-            unc.append(0)
-            host.append((0,) * len(gpus))
-        if ao:  # [C-act-offload]: every micro-batch in flight in host memory
-            host[s] = tuple(h + act_host_units(tab, s, n_s, n, a) for h, n in zip(host[s], ns))
-    stage = tuple(c + x for c, x in zip(comp, bnd))
+            t.bnd.append(0)
+        _sync_terms(tab, t, s, i, j, gpus, mem, excluded[s], first_kib)
+        _state_terms(tab, t, s, n_s, i, j, gpus, ns, mem, pol.shard_mib[s])
+    stage = tuple(c + x for c, x in zip(t.comp, t.bnd))
     control = control_units(tab, {g for gpus in stage_gpus for g in gpus})  # [C-control]
     if interleave > 1 or task_graph:
         from .pipeline_terms import interleaved_units
 
         p = n_s // interleave  # a GPU group's host memory holds every one of its stages' offloaded state
-        host = [tuple(map(sum, zip(*host[s % p::p]))) for s in range(n_s)] if p else host
-        u = interleaved_units(tab, stage_blocks, stage_gpus, samples, pol, v=interleave, comp=comp, bnd=bnd,
-                              stage=stage, ar=ar, opt=opt, mem=mem, unc=unc, tied=tied,
-                              buckets=(grad_kib, ring_lat), gather=gather)
+        host = [tuple(map(sum, zip(*t.host[s % p::p]))) for s in range(n_s)] if p else t.host
+        u = interleaved_units(tab, stage_blocks, stage_gpus, samples, pol, v=interleave, comp=t.comp, bnd=t.bnd,
+                              stage=stage, ar=t.ar, opt=t.opt, mem=t.mem, unc=t.unc, tied=tied,
+                              buckets=(t.grad_kib, t.ring_lat), gather=t.gather)
         return dataclasses.replace(u, host=tuple(host), step=u.step + control, control=control)
-    # [C-objective]: stage s's own sync starts during the backward of its blocks but its last (6 x
-    # an upper bound of it: k_B or k_Brc x cmax-_s), its last bucket only after it, D_s before the drain
-    # ends; a tied ring (held: not None) at the drain's end.
+    step = _pipeline_step(tab, t, stage_blocks, pol, stage, tied) + control
+    ar = [a if x is None else max(a, x) for a, x in zip(t.ar, tied)]  # [C-tied]: the optimizer waits for both
+    return StageUnits(compute=tuple(t.comp), boundary=tuple(t.bnd), stage=stage, allreduce=tuple(ar),
+                      optim=tuple(t.opt), memory=tuple(t.mem), step=step, uncovered=tuple(t.unc),
+                      host=tuple(t.host), control=control)
+
+
+def _compute_terms(tab: IntTables, t: _Terms, i: int, j: int, gpus, ns, mem) -> None:
+    """Stage [i, j)'s compute_s, cmax-_s and GPipe's 3 x forward / backward, with
+    its recomputation and [C-act-offload]'s transfers."""
+    a = tab.act_prefix[j] - tab.act_prefix[i]
+    rc, ao = mem.recompute, mem.activations == "host"
+
+    def forward(g, n, e=j):  # the forward of GPU g over blocks [i, e)
+        q = tab.gpu_types[g]
+        return n * (tab.rc_work_prefix[q][e] - tab.rc_work_prefix[q][i]) \
+            + tab.rc_fixed_prefix[q][e] - tab.rc_fixed_prefix[q][i]
+
+    def rerun(g, n, e):  # the recomputed forward of GPU g over blocks [i, e) (0 without recomputation)
+        return forward(g, n, e) if rc else 0
+
+    def work(g, n, e):  # [C-compute] of GPU g over blocks [i, e)
+        q = tab.gpu_types[g]
+        return n * (tab.work_prefix[q][e] - tab.work_prefix[q][i]) + tab.fixed_prefix[q][e] \
+            - tab.fixed_prefix[q][i] + rerun(g, n, e)
+
+    # (compute, its re-run, [C-act-offload]'s transfers down and back)
+    per_gpu = [(work(g, n, j), rerun(g, n, j), act_xfer_units(tab, g, n, a) if ao else 0)
+               for g, n in zip(gpus, ns)]
+    t.comp.append(max(w + x for w, _, x in per_gpu))
+    # GPipe's period: 3 x the forward (BlockCosts' forward part, the re-run table), 3 x the backward
+    # = 3 x (the compute less the forward: the backward and the re-run); each gets half of the
+    # activations' transfers.
+    fwd = [forward(g, n) for g, n in zip(gpus, ns)]
+    t.fwd3.append(max(3 * f + 3 * x // 2 for f, (_, _, x) in zip(fwd, per_gpu)))
+    t.bwd3.append(max(3 * (w - f) + 3 * x - 3 * x // 2 for f, (w, _, x) in zip(fwd, per_gpu)))
+    t.comp_head.append(max(work(g, n, j - 1) + (act_xfer_units(tab, g, n, tab.act_prefix[j - 1] - tab.act_prefix[i])
+                                                if ao else 0) for g, n in zip(gpus, ns)))  # cmax-_s
+
+
+def _boundary_terms(tab: IntTables, t: _Terms, j: int, here, nxt, pair_cache: dict | None) -> None:
+    """[C-boundary] between the stage ending at block ``j`` and the next
+    (``here`` / ``nxt``: (GPUs, samples) of each); its pair rows in ``t.load_rows``."""
+    gpus, ns = here
+    key = (tuple(gpus), tuple(ns), tuple(nxt[0]), tuple(nxt[1]))
+    got = pair_cache.get(key) if pair_cache is not None else None
+    if got is None:
+        # per bandwidth class the most rows a pair of that class carries (xfer1 >= 0, so the
+        # pair maximising rows x xfer1 is among them), both-ways rows, the largest latency
+        rows_by_class: dict[int, int] = {}
+        for (g, h), rows in boundary_rows(tab, gpus, ns, *nxt):
+            q = tab.pair_bw_class[g][h]
+            rows_by_class[q] = max(rows_by_class.get(q, 0), rows)
+        got = (tuple(rows_by_class.items()), boundary_rows(tab, gpus, ns, *nxt, both_ways=True),
+               max(tab.pair_lat[g][h] for g in gpus for h in nxt[0]))
+        if pair_cache is not None:
+            pair_cache[key] = got
+    rows_by_class, both, lat = got
+    t.load_rows.append(both)
+    xfer = max(rows * tab.xfer1[q][j] for q, rows in rows_by_class)
+    t.bnd.append(2 * (xfer + lat))
+
+
+def _sync_terms(tab: IntTables, t: _Terms, s: int, i: int, j: int, gpus, mem, excluded: dict, first_kib) -> None:
+    """Stage s's gradient sync ([C-allreduce], [C-grad-shard]), L_s and ag_s
+    ([C-objective], [C-tied]), and ZeRO-3's exposed gathers ([C-param-shard])."""
+    m, sh, rc = tab.num_microbatches, mem.zero >= 1, mem.recompute
+    pairs = [(g, h) for a, g in enumerate(gpus) for h in gpus[a + 1:]]
+    t.grad_kib.append(tab.grad_kib_prefix[j] - tab.grad_kib_prefix[i]
+                      - sum(c * tab.tied_grad_kib[tp] for tp, c in excluded.items()))
+    if not pairs:
+        t.ring_lat.append(0)
+        t.ar.append(0)
+        t.last.append(0)
+        t.gather.append(0)
+        return
+
+    def own(pre, q):  # the stage's sum of a per-block table less its excluded tied copies
+        return pre[q][j] - pre[q][i] - sum(c * tab.tied_ar[tp][q] for tp, c in excluded.items())
+
+    classes = {tab.pair_bw_class[g][h] for g, h in pairs}
+    arb = max(own(tab.arsh_prefix if sh else tab.ar_prefix, q) for q in classes)
+    t.ring_lat.append((len(gpus) - 1) * max(tab.pair_lat[g][h] for g, h in pairs))
+    if mem.zero >= 2:  # [C-grad-shard]: M reduce-scatters (half an all-reduce's ring each), then the all-gather
+        ag = 0 if mem.zero == 3 else 1  # [C-param-shard]: no all-gather after the step
+        t.ar.append(max(ring_units(-(-m * own(tab.ar_prefix, q) // 2) + ag * (own(tab.arsh_prefix, q)
+                                   - own(tab.ar_prefix, q)), len(gpus)) for q in classes)
+                    + (m * bucket_count(t.grad_kib[s], tab.bucket_caps) + ag) * t.ring_lat[s])
+    else:
+        t.ar.append(ring_units(arb, len(gpus))
+                    + (2 * bucket_count(t.grad_kib[s], tab.bucket_caps) + sh) * t.ring_lat[s])
+    # [C-objective] L_s: the ring of LK_s KiB (and a sharded stage's all-gather), after the backward.
+    lk, k = max(last_bucket_kib(t.grad_kib[s], tab.bucket_caps), first_kib[i]), len(gpus)
+    x = max(ring_units(tab.lastb_coef[q] * lk, k, tab.lastb_scale[q]) for q in classes)
+    # A sharded stage all-gathers its weights after its optimizer step: ag_s, also in L_s.
+    g_ring = ring_units(max(own(tab.arsh_prefix, q) - own(tab.ar_prefix, q) for q in classes), k)
+    t.gather.append(g_ring + t.ring_lat[s] if sh and mem.zero < 3 else 0)
+    t.last.append(x + 2 * t.ring_lat[s] + t.gather[s])
+    if mem.zero == 3:  # [C-param-shard]: g gathers of the weights per micro-batch, prefetched one unit ahead
+        g, units = 2 + rc, j - i
+        pass_units = g_ring + units * t.ring_lat[s]
+        exposed = max(0, g * pass_units - t.comp[s]) + g * -(-pass_units // units)
+        t.comp[s] += exposed
+        t.comp_head[s] += exposed
+        t.fwd3[s] += 3 * exposed // g
+        t.bwd3[s] += 3 * exposed - 3 * exposed // g
+
+
+def _state_terms(tab: IntTables, t: _Terms, s: int, n_s: int, i: int, j: int, gpus, ns, mem, z) -> None:
+    """Stage s's optimizer time, memory per GPU ([C-memory], [C-shard] with the
+    shards ``z`` in MiB, [C-offload], [C-act-offload]), uncovered state and host KiB."""
+    rc, ao = mem.recompute, mem.activations == "host"
+    a = tab.act_prefix[j] - tab.act_prefix[i]
+    state, shard = stage_state_kib(tab, i, j)  # [C-tied]: a tied parameter once per stage
+
+    def held(n):  # the activations and transients of a GPU with n samples ([Note: gradient transients])
+        return act_units(tab, s, n_s, i, n, a, recompute=rc, offload=ao) + transient_kib(tab, i, j, n, a)
+
+    if mem.optimizer == "host":  # [C-offload]: Q_s (the shards) in host memory, the step over the host link and CPU
+        if mem.zero:
+            rep, need = sharded_state_kib(tab, i, j, mem.zero)
+            t.unc.append(max(0, need - MIB_UNITS * sum(z)))
+            dev = [offload_device_kib(zg, need, shard) for zg in z]
+        else:
+            z, rep, dev = None, offload_replicated_kib(tab, i, j), [0] * len(gpus)
+            t.unc.append(0)
+        hk = offload_host_kib(tab, i, j, z)
+        hk = hk * len(gpus) if z is None else hk
+        t.host.append(hk)
+        t.opt.append(max(-(-h * tab.off_per_mib[g] // MIB_UNITS) for g, h in zip(gpus, hk)))
+        t.mem.append(tuple(rep + d + held(n) for n, d in zip(ns, dev)))
+    elif mem.zero:
+        rep, shard = sharded_state_kib(tab, i, j, mem.zero)  # [C-grad-shard], [C-param-shard]
+        t.opt.append(max(zg * tab.opt_per_mib[tab.gpu_mbw_class[g]] for g, zg in zip(gpus, z)))
+        t.mem.append(tuple(rep + MIB_UNITS * zg + held(n) for n, zg in zip(ns, z)))
+        t.unc.append(max(0, shard - MIB_UNITS * sum(z)))
+        t.host.append((0,) * len(gpus))
+    else:
+        t.opt.append(max(stage_optim_units(tab, q, i, j) for q in {tab.gpu_mbw_class[g] for g in gpus}))
+        t.mem.append(tuple(state + held(n) for n in ns))
+        t.unc.append(0)
+        t.host.append((0,) * len(gpus))
+    if ao:  # [C-act-offload]: every micro-batch in flight in host memory
+        t.host[s] = tuple(h + act_host_units(tab, s, n_s, n, a) for h, n in zip(t.host[s], ns))
+
+
+def _pipeline_step(tab: IntTables, t: _Terms, stage_blocks, pol: MemoryPolicy, stage, tied) -> int:
+    """[C-objective]'s step without [C-control]: the stages, (M - 1) periods and the slowest sync + optimizer.
+
+    Stage s's own sync starts during the backward of its blocks but its last (6 x an upper bound of it:
+    k_B or k_Brc x cmax-_s), its last bucket only after it, D_s before the drain ends; a tied ring (held:
+    not None) at the drain's end."""
     k_e, k_b, k_brc = tab.drain_coefs
-    drain = drain_offsets(comp, bnd, k_e=k_e)
-    drain_bwd = drain_offsets(comp, bnd, [(k_brc if r else k_b) * c for r, c in zip(pol.recompute, comp_head)],
-                              k_e=k_e)
-    sync = [max(a - db, lb - d) for a, db, lb, d in zip(ar, drain_bwd, last, drain)]
+    drain = drain_offsets(t.comp, t.bnd, k_e=k_e)
+    drain_bwd = drain_offsets(t.comp, t.bnd, [(k_brc if mem.recompute else k_b) * c
+                                              for mem, c in zip(pol.memory, t.comp_head)], k_e=k_e)
+    sync = [max(a - db, lb - d) for a, db, lb, d in zip(t.ar, drain_bwd, t.last, drain)]
     # [Note: pipeline period]: 1F1B's cycle per stage is F, an exchange with each neighbour, B.
-    period = pipeline_period(comp, bnd, link_load(tab, stage_blocks, load_rows), tab.schedule, (fwd3, bwd3))
-    step = sum(stage) + (m - 1) * period + max(
-        (w if t is None else max(w, t + ag)) + o for w, t, ag, o in zip(sync, tied, gather, opt)) + control
-    ar = [a if t is None else max(a, t) for a, t in zip(ar, tied)]  # [C-tied]: the optimizer waits for both
-    return StageUnits(compute=tuple(comp), boundary=tuple(bnd), stage=stage, allreduce=tuple(ar),
-                      optim=tuple(opt), memory=tuple(mem), step=step, uncovered=tuple(unc), host=tuple(host),
-                      control=control)
+    period = pipeline_period(t.comp, t.bnd, link_load(tab, stage_blocks, t.load_rows), tab.schedule,
+                             (t.fwd3, t.bwd3))
+    return sum(stage) + (tab.num_microbatches - 1) * period + max(
+        (w if x is None else max(w, x + ag)) + o for w, x, ag, o in zip(sync, tied, t.gather, t.opt))
 
 
 
@@ -591,10 +644,8 @@ def prepare(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions,
     tab = build_tables(costs, devices, options, decision.num_microbatches)
     d = decision
     if d.shard_mib is None:
-        return tab, fill_policy(tab, d.stage_blocks, d.stage_gpus, d.samples_per_microbatch, d.sharded, d.recompute,
-                                d.grad_sharded, d.param_sharded, d.offload, d.act_offload)
-    return tab, MemoryPolicy(d.sharded, d.shard_mib, d.recompute, d.grad_sharded, d.param_sharded, d.offload,
-                             d.act_offload)
+        return tab, fill_policy(tab, d.stage_blocks, d.stage_gpus, d.samples_per_microbatch, memory=d.memory)
+    return tab, MemoryPolicy(d.memory, d.shard_mib)
 
 
 def mode_violations(options: PlanOptions, stage_gpus, pol: MemoryPolicy) -> list[str]:
@@ -604,12 +655,13 @@ def mode_violations(options: PlanOptions, stage_gpus, pol: MemoryPolicy) -> list
     no stage; "always", every stage (the ZeRO levels: every stage of >= 2 GPUs)."""
     bad = []
     for s, gpus in enumerate(stage_gpus):
-        flags = ((pol.sharded[s], "sharding", "ZeRO-1 sharding", True),
-                 (pol.gs(s), "grad_sharding", "sharded gradients (ZeRO-2)", True),
-                 (pol.ps(s), "param_sharding", "sharded parameters (ZeRO-3)", True),
-                 (pol.of(s), "offload", "optimizer offload", False),
-                 (pol.ao(s), "activation_offload", "activation offload", False),
-                 (pol.recompute[s], "recompute", "recomputation", False))
+        mem = pol.memory[s]
+        flags = ((mem.zero >= 1, "sharding", "ZeRO-1 sharding", True),
+                 (mem.zero >= 2, "grad_sharding", "sharded gradients (ZeRO-2)", True),
+                 (mem.zero == 3, "param_sharding", "sharded parameters (ZeRO-3)", True),
+                 (mem.optimizer == "host", "offload", "optimizer offload", False),
+                 (mem.activations == "host", "activation_offload", "activation offload", False),
+                 (mem.recompute, "recompute", "recomputation", False))
         for on, name, what, zero in flags:
             mode = getattr(options, name)
             if on and mode == "never":
@@ -655,7 +707,7 @@ def evaluate(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions, deci
     bad += mode_violations(options, stage_gpus, pol)
     for s, gpus in enumerate(stage_gpus):
         if u.uncovered[s]:
-            need = sharded_state_kib(tab, *stage_blocks[s], pol.gs(s), pol.ps(s))[1] * MEMORY_UNIT_BYTES
+            need = sharded_state_kib(tab, *stage_blocks[s], pol.memory[s].zero)[1] * MEMORY_UNIT_BYTES
             bad.append(f"stage {s}: the shards hold {fmt_bytes(MIB_UNITS * MEMORY_UNIT_BYTES * sum(pol.shard_mib[s]))} "
                        f"of {fmt_bytes(need)} optimizer state")
         for g, h in zip(gpus, u.host[s]):

@@ -383,7 +383,7 @@ def _interleaved_step(tab, stage_blocks, stage_gpus, samples, pol, *, v, comp, b
     ends = []
     for p in range(groups):
         own = max(free[p], group_sync_units(list(range(p, n_s, groups)), last_b, ar, grad_kib, ring_lat,
-                                            pol.sharded, tab.bucket_caps))
+                                            [mem.zero >= 1 for mem in pol.memory], tab.bucket_caps))
         held = [t for t in tied[p::groups] if t is not None]
         # the group's sharded stages all-gather after their optimizer steps, so after a tied ring too
         ag = sum(gather[p::groups])
@@ -407,12 +407,13 @@ def _interleaved_memory(tab, stage_blocks, stage_gpus, samples, pol, *, v, mem) 
             for s in range(p, n_s, groups):
                 i, j = stage_blocks[s]
                 a = tab.act_prefix[j] - tab.act_prefix[i]
-                own = act_units(tab, s, n_s, i, n, a, recompute=pol.recompute[s], offload=pol.ao(s))
+                sm = pol.memory[s]
+                own = act_units(tab, s, n_s, i, n, a, recompute=sm.recompute, offload=sm.activations == "host")
                 state += mem[s][k] - own
-                if pol.ao(s):  # [C-act-offload]: none held between F and B, one micro-batch's during its B
+                if sm.activations == "host":  # [C-act-offload]: none held between F and B, one micro-batch's in B
                     held.append(0)
                     rerun.append(n * a)
-                elif pol.recompute[s]:
+                elif sm.recompute:
                     held.append(n * (tab.cut_kib[i] if s > 0 else 0))
                     rerun.append(n * a)
                 else:

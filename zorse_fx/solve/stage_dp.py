@@ -96,6 +96,7 @@ import numpy as np
 from ..errors import InfeasiblePlanError
 from ..ir.costs import BlockCosts
 from ..ir.devices import DeviceGraph
+from ..ir.memory import StageMemory
 from ..ir.result import SolverResult
 from ..options import PlanOptions
 from .isolated import map_isolated, options_jobs
@@ -111,29 +112,33 @@ MAX_UNITS = 32
 _INF = np.iinfo(np.int64).max // 4
 
 
-def grad_variants(options: PlanOptions) -> tuple[tuple[bool, bool, bool, bool, bool, bool], ...]:
-    """The (sharded, recompute, grad_sharded, param_sharded, offload,
-    act_offload) variants the stage DP tries: ``heuristics.memory_variants``,
-    each sharded one with ZeRO-2 off and / or on as ``options.grad_sharding``
-    allows ([C-grad-shard]), each ZeRO-2 one with ZeRO-3 off and / or on as
-    ``options.param_sharding`` allows ([C-param-shard]), each with optimizer
-    offload off and / or on as ``options.offload`` allows ([C-offload]), and
-    each without recomputation or ZeRO-2 with activation
-    offload off and / or on as ``options.activation_offload`` allows
-    ([C-act-offload])."""
+def grad_variants(options: PlanOptions) -> tuple[StageMemory, ...]:
+    """The per-stage memory policies the stage DP tries: ``heuristics.memory_variants``
+    (ZeRO-1 or not, recomputation or not), each sharded one with ZeRO-2 off and / or on
+    as ``options.grad_sharding`` allows ([C-grad-shard]), each ZeRO-2 one with ZeRO-3
+    off and / or on as ``options.param_sharding`` allows ([C-param-shard]), each with
+    optimizer offload off and / or on as ``options.offload`` allows ([C-offload]), and
+    each without recomputation or ZeRO-2 with activation offload off and / or on as
+    ``options.activation_offload`` allows ([C-act-offload]). A stage of one GPU takes
+    a variant's ZeRO level as 0."""
     from .heuristics import memory_variants
 
     modes = {"never": (False,), "auto": (False, True), "always": (True,)}
-    return tuple((sh, rc, gs, ps, of, ao) for sh, rc in memory_variants(options)
+    place = {False: "device", True: "host"}
+    return tuple(StageMemory(zero=3 if ps else 2 if gs else int(sh), recompute=rc, optimizer=place[of],
+                             activations=place[ao])
+                 for sh, rc in memory_variants(options)
                  for gs in (modes[options.grad_sharding] if sh else (False,))
                  for ps in (modes[options.param_sharding] if gs else (False,))
                  for of in modes[options.offload]
                  for ao in ((False,) if gs or rc else modes[options.activation_offload]))
 
 
-def _level(variant) -> int:
+def _level(variant: StageMemory) -> int:
     """The stage DP pass a variant joins: 0 (neither ZeRO-2 nor offload), 1 (ZeRO-2), 2 (an offload)."""
-    return 2 if variant[4] or variant[5] else 1 if variant[2] else 0  # (ZeRO-2 with offload: 2)
+    if variant.optimizer == "host" or variant.activations == "host":
+        return 2  # (ZeRO-2 with offload: 2)
+    return 1 if variant.zero >= 2 else 0
 
 
 def _units(devices: DeviceGraph, tab, speeds, order: str) -> list[tuple[int, ...]]:
@@ -215,7 +220,7 @@ class _Stages(StageMatrices):
         self.opt = [pre(p) - sum((e * tab.tied_opt[t][q] for t, e in extra), np.int64(0))
                     for q, p in enumerate(tab.opt_prefix)]
         # [C-grad-shard] / [C-param-shard] variants: their layouts are ``StageMatrices.zero23``.
-        self.zero23_used = any(v[2] for v in variants)
+        self.zero23_used = any(v.zero >= 2 for v in variants)
         self.nblocks = np.maximum(jj - ii, 1)
         # [C-allreduce]'s bucket count nb of blocks [i, j) (objective.bucket_count, vectorised;
         # tied exclusions are not known per stage here, as for the all-reduce term above).
@@ -318,17 +323,18 @@ class _Stages(StageMatrices):
             arg = np.full(self.state.shape, -1, dtype=np.int64)
         else:  # this level's variants on top of the lower ones' (ties: the lower one)
             best, arg = self.cost(u0, u1, s, n_s, level - 1)
-        for v, (sh, rc, gs, ps, of, ao) in enumerate(self.variants):
-            if _level(self.variants[v]) != level or ((of or ao) and g["opt_of"] is None):
+        for v, variant in enumerate(self.variants):
+            of, ao = variant.optimizer == "host", variant.activations == "host"
+            if _level(variant) != level or ((of or ao) and g["opt_of"] is None):
                 continue
-            sh = sh and g["k"] >= 2
-            gs = gs and sh  # (a one-GPU stage: neither)
-            ps = ps and gs
             fk = (fl, s > 0, v)  # what fits does not depend on the stage count: shared over n_s
             terms = g["fits"].get(fk)
             if terms is None:
-                fits = (self._fits_offload(g, fl, s > 0, sh, rc, of, ao, gs, ps) if of or ao
-                        else self.fits(g["mem"], fl, s > 0, sh, rc, gs, ps)) & self.valid
+                if g["k"] < 2 and variant.zero:  # a one-GPU stage: nothing sharded
+                    variant = dataclasses.replace(variant, zero=0)
+                sh, rc, gs, ps = variant.zero >= 1, variant.recompute, variant.zero >= 2, variant.zero == 3
+                fits = (self._fits_offload(g, fl, s > 0, variant) if of or ao
+                        else self.fits(g["mem"], fl, s > 0, variant)) & self.valid
                 t = (g["comp_rc"] if rc else g["comp"]) + g["bnd"] + (g["ao_x"] if ao else 0)
                 if ps:  # [C-param-shard]: the gathers' exposed time per micro-batch (objective.evaluate_units)
                     passes = 3 if rc else 2
@@ -347,33 +353,32 @@ class _Stages(StageMatrices):
         g["cost"][ck, level] = (best, arg)
         return best, arg
 
-    def _fits_offload(self, g, fl: int, not_first: bool, sharded: bool, recompute: bool, offload: bool = True,
-                      act_offload: bool = False, grad_sharded: bool = False, param_sharded: bool = False):
+    def _fits_offload(self, g, fl: int, not_first: bool, variant: StageMemory):
         """[C-memory], [C-shard] and [C-host-memory] of a variant with an offload ([C-offload],
         [C-act-offload]), all (i, j) (as ``objective.fill_policy`` and ``evaluate_units``)."""
+        act_offload, recompute = variant.activations == "host", variant.recompute
         # Host memory per GPU: the in-flight activations, then the offloaded optimizer state.
         hfree = [hc - (fl * n * self.act if act_offload else 0) for n, hc in zip(g["samples"], g["hcap"])]
         ok = np.ones_like(self.valid)
         for f in hfree:
             ok &= f >= 0
-        if not offload:  # activations only: the state on the GPU as without offload
-            return ok & self.fits(g["mem"], fl, not_first, sharded, recompute, grad_sharded, param_sharded,
-                                   act_offload)
+        if variant.optimizer != "host":  # activations only: the state on the GPU as without offload
+            return ok & self.fits(g["mem"], fl, not_first, variant)
 
         def act(n):  # on the GPU, with [Note: gradient transients]
             return (n * self.act if act_offload else self.act_kib(n, fl, not_first, recompute)) + self.transient(n)
 
-        rep, need = self.layout(grad_sharded, param_sharded) if sharded else (self.off_rep, None)
+        rep, need = self.layout(variant.zero) if variant.zero else (self.off_rep, None)
         for (n, cap), _ in g["mem"]:  # the optimizer's state in host memory (a shard's gradients / weights: below)
             ok &= rep + act(n) <= cap
-        if not sharded:
+        if not variant.zero:
             for f in hfree:
                 ok &= self.host <= f
             return ok
         host = np.maximum(self.host, 1)
         need1 = np.maximum(need, 1)
         per_gpu = [np.maximum(f, 0) * need1 // host for f in hfree]  # KiB of shard each host share holds
-        if grad_sharded or param_sharded:  # and each GPU holds the shard's gradients / weights
+        if variant.zero >= 2:  # and each GPU holds the shard's gradients / weights
             rest = np.maximum(need - self.shard, 1)
             dev_free = [np.maximum(self.tab.cap_bytes[x] - rep - act(n), 0) for x, n in zip(g["gpus"], g["samples"])]
             per_gpu = [np.where(need > self.shard, np.minimum(p, d * need1 // rest), p)
@@ -426,21 +431,16 @@ def _dp(st: _Stages, n_s: int, idle: bool = False, level: int = 1):
 def _add_split(sel, st: _Stages, tab, split, variants, m: int) -> int:
     """Score one DP split with the objective (``Selector``): with the DP's per-stage
     variants and with each uniform policy. Returns the better step time (units)."""
-    blocks, gpus, samples, sharded, recompute, grads, params, offload, acts = [], [], [], [], [], [], [], [], []
+    blocks, gpus, samples, memory = [], [], [], []
     for u0, u1, i, j, v in split:
         g = st.group(u0, u1)
         order_g = sorted(range(len(g["gpus"])), key=lambda a: g["gpus"][a])
         blocks.append((i, j))
         gpus.append(tuple(g["gpus"][a] for a in order_g))
         samples.append(tuple(g["samples"][a] for a in order_g))
-        sh, rc, gs, ps, of, ao = variants[v]
-        sharded.append(sh and len(g["gpus"]) >= 2)
-        recompute.append(rc)
-        grads.append(gs and sharded[-1])
-        params.append(ps and grads[-1])
-        offload.append(of)
-        acts.append(ao)
-    pol = fill_policy(tab, blocks, gpus, samples, sharded, recompute, grads, params, offload, acts)
+        one_gpu = len(g["gpus"]) < 2 and variants[v].zero  # a one-GPU stage: nothing sharded
+        memory.append(dataclasses.replace(variants[v], zero=0) if one_gpu else variants[v])
+    pol = fill_policy(tab, blocks, gpus, samples, memory=memory)
     own = sel.add(blocks, gpus, samples, m, pol)
     return min(own, sel.add(blocks, gpus, samples, m))  # and each uniform policy
 
@@ -534,8 +534,8 @@ def stage_dp_search(costs: BlockCosts, devices: DeviceGraph, options: PlanOption
     sel = Selector("stage_dp", costs, devices, options)
     speeds = gpu_speeds(costs, devices)
     variants = grad_variants(options)
-    zero2 = any(v[2] for v in variants)
-    offload = any(v[4] or v[5] for v in variants)
+    zero2 = any(v.zero >= 2 for v in variants)
+    offload = any(_level(v) == 2 for v in variants)
     s_max = max_stage_count(costs, devices, options)
     # Pass 1: the DP over the variants without ZeRO-2, every (M, order, S). Kept per (M, order):
     # its units and, per S, the score of its split (None: no split) and whether it recomputes.
@@ -569,7 +569,7 @@ def stage_dp_search(costs: BlockCosts, devices: DeviceGraph, options: PlanOption
                 per_s[n_s] = (None, False)
             else:
                 per_s[n_s] = (_add_split(sel, st, tab, split, variants, m),
-                              any(variants[v][1] for *_, v in split))
+                              any(variants[v].recompute for *_, v in split))
     # Pass 2: the DP with ZeRO-2 too, only where it can win ([Note: ZeRO-2 in the stage DP]).
     fitted = any(score is not None for per_s in found.values() for score, _ in per_s.values())
     if zero2:
