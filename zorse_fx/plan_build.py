@@ -108,28 +108,7 @@ def build_plan(
     rank_of = {g: r for r, g in enumerate(sorted({g for gs in dec.stage_gpus[:groups] for g in gs}))}
     shard_bytes = dec.shard_bytes()
     n_params = [sum(state[c].numel() for c in prog.params.values()) for prog in programs]
-    # 16-bit working weights: the matmul weights of a sharded stage of >= 2 GPUs under a mixed policy.
-    eligible = low_precision_params(bg) if precision.mixed else frozenset()
-    low = [tuple(flat for flat, canon in prog.params.items() if canon in eligible)
-           if dec.memory[s].zero and len(dec.stage_gpus[s]) > 1 else () for s, prog in enumerate(programs)]
-    n_low = [sum(state[prog.params[flat]].numel() for flat in low[s]) for s, prog in enumerate(programs)]
-    # ZeRO-2: the parameters whose gradients the shards take (not held by another stage as well).
-    held = Counter(canon for prog in programs for canon in set(prog.params.values()))
-    n_gs = [sum(state[canon].numel() for canon in set(prog.params.values()) if held[canon] == 1)
-            if dec.memory[s].zero >= 2 else 0 for s, prog in enumerate(programs)]
-    # ZeRO-3: the working-weight bytes of each stage's largest unit ([Note: ZeRO-3 units] in codegen/split.py).
-    wide = precision.weight_bytes_per_param + precision.cast_bytes_per_param
-    def gathered(s, prog) -> int:
-        """The largest GATHERED_UNITS consecutive units, plus every unit read again after the next
-        one's first read (a tied weight: gathered throughout) ([C-param-shard])."""
-        units = prog.param_units()
-        order = {n.name: k for k, n in enumerate(prog.graph.nodes)}
-        sizes = [sum(state[prog.params[f]].numel() * (precision.allgather_bytes_per_param16 if f in low[s] else wide)
-                     for f in flats) for flats, _, _ in units]
-        spans = [u for u in range(len(units) - 1) if order[units[u][2]] > order[units[u + 1][1]]]
-        return max_window_sum(sizes, GATHERED_UNITS) + sum(sizes[u] for u in spans)
-
-    unit_bytes = [gathered(s, prog) if dec.memory[s].zero == 3 else None for s, prog in enumerate(programs)]
+    low, n_low, n_gs, unit_bytes = _stage_state(bg, dec, programs, state, precision)
     seq_len = int(bg.captured.example_inputs[0].shape[1]) if bg.captured.example_inputs[0].dim() > 1 else 1
     for s, prog in enumerate(programs):
         gpus = []
@@ -191,25 +170,62 @@ def build_plan(
         grad_reduce_dtype=precision.grad_reduce_dtype,
         tf32=precision.tf32,
         grad_bucket_bytes=options.bucket_bytes,
-        solver=SolverReport(
-            planner=planner,
-            status=result.status,
-            objective_s=result.objective,
-            best_bound_s=result.best_bound,
-            optimality_gap=result.optimality_gap,
-            wall_s=result.wall_s,
-            time_limit_s=options.time_limit_s,
-            solver_budget=options.solver_budget,
-            wall_clock_stops=result.wall_clock_stops,
-            candidates=tuple(c.to_dict() for c in result.candidates),
-            throughput_bound_s=throughput_bound_s,
-            **({} if check is None else dict(
-                simulated_step_time_s=check.simulated_step_time_s,
-                simulated_max_memory_fraction=check.max_memory_fraction,
-                simulated_bubble_fraction=check.bubble_fraction)),
-        ),
+        solver=_solver_report(result, options, planner, check, throughput_bound_s),
         sources=tuple(sources),
     )
+
+
+def _solver_report(result: SolverResult, options: PlanOptions, planner: str, check,
+                   throughput_bound_s: float) -> SolverReport:
+    """``Plan.solver`` of ``build_plan`` (arguments as there)."""
+    return SolverReport(
+        planner=planner,
+        status=result.status,
+        objective_s=result.objective,
+        best_bound_s=result.best_bound,
+        optimality_gap=result.optimality_gap,
+        wall_s=result.wall_s,
+        time_limit_s=options.time_limit_s,
+        solver_budget=options.solver_budget,
+        wall_clock_stops=result.wall_clock_stops,
+        candidates=tuple(c.to_dict() for c in result.candidates),
+        throughput_bound_s=throughput_bound_s,
+        **({} if check is None else dict(
+            simulated_step_time_s=check.simulated_step_time_s,
+            simulated_max_memory_fraction=check.max_memory_fraction,
+            simulated_bubble_fraction=check.bubble_fraction)),
+    )
+
+
+def _stage_state(bg: BlockGraph, dec: Decision, programs, state, precision: PrecisionPolicy):
+    """Per stage of ``dec`` (its ``programs``): the flat names of its 16-bit working weights (the matmul
+    weights of a sharded stage of >= 2 GPUs under a mixed policy), their element count, the parameters
+    whose gradients ZeRO-2 shards take (those no other stage holds too; 0 below ZeRO-2) and ZeRO-3's
+    gathered working-weight bytes (the largest unit window; None below ZeRO-3). ``state``: the captured
+    model's tensors by canonical name."""
+    eligible = low_precision_params(bg) if precision.mixed else frozenset()
+    low = [tuple(flat for flat, canon in prog.params.items() if canon in eligible)
+           if dec.memory[s].zero and len(dec.stage_gpus[s]) > 1 else () for s, prog in enumerate(programs)]
+    n_low = [sum(state[prog.params[flat]].numel() for flat in low[s]) for s, prog in enumerate(programs)]
+    # ZeRO-2: the parameters whose gradients the shards take (not held by another stage as well).
+    held = Counter(canon for prog in programs for canon in set(prog.params.values()))
+    n_gs = [sum(state[canon].numel() for canon in set(prog.params.values()) if held[canon] == 1)
+            if dec.memory[s].zero >= 2 else 0 for s, prog in enumerate(programs)]
+    # ZeRO-3: the working-weight bytes of each stage's largest unit ([Note: ZeRO-3 units] in codegen/split.py).
+    wide = precision.weight_bytes_per_param + precision.cast_bytes_per_param
+
+    def gathered(s, prog) -> int:
+        """The largest GATHERED_UNITS consecutive units, plus every unit read again after the next
+        one's first read (a tied weight: gathered throughout) ([C-param-shard])."""
+        units = prog.param_units()
+        order = {n.name: k for k, n in enumerate(prog.graph.nodes)}
+        sizes = [sum(state[prog.params[f]].numel() * (precision.allgather_bytes_per_param16 if f in low[s] else wide)
+                     for f in flats) for flats, _, _ in units]
+        spans = [u for u in range(len(units) - 1) if order[units[u][2]] > order[units[u + 1][1]]]
+        return max_window_sum(sizes, GATHERED_UNITS) + sum(sizes[u] for u in spans)
+
+    unit_bytes = [gathered(s, prog) if dec.memory[s].zero == 3 else None for s, prog in enumerate(programs)]
+    return low, n_low, n_gs, unit_bytes
 
 
 def plan_decision(plan, costs: BlockCosts | None = None) -> Decision:

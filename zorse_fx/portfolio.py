@@ -95,61 +95,15 @@ def solve_portfolio(costs: BlockCosts, devices: DeviceGraph, options: PlanOption
         InfeasiblePlanError: neither CP-SAT nor any baseline has a feasible plan
             (CP-SAT's message, which names the binding constraint).
     """
-    from .baselines import BASELINES
     from .solve._search import in_model, outside_model
     from .solve.bounds import throughput_bound_s
     from .solve.interleave import with_interleaving
-    from .solve.isolated import map_isolated, options_jobs
-    from .solve.objective import build_tables, evaluate_result, microbatch_candidates
-    from .solve.stage_dp import stage_dp_search
 
     t0 = time.perf_counter()
     # The heuristics first: their feasible plans warm-start the CP-SAT candidates
     # with the same (stages, micro-batches) ([Note: warm start] in model.py).
-    tried, found, dp_hints = [], [], ()
-    names = BASELINES if devices.num_gpus <= LARGE_CLUSTER_GPUS else CHEAP_BASELINES
-    sources = {"stage_dp": stage_dp_search, **{name: BASELINES[name] for name in names}}
-
-    def heuristic(name, fn):
-        def call():  # (plan, the stage DP's hints, step s, fits), or why the heuristic has no plan (a str)
-            try:
-                out = fn(costs, devices, options)
-            except (InfeasiblePlanError, ValueError) as exc:
-                return str(exc)
-            res, extra = out if name == "stage_dp" else (out, ())
-            ev = evaluate_result(costs, devices, options, res)
-            return res, extra, ev.step_time_s, ev.feasible
-        return call
-
-    # The heuristics are independent and deterministic: up to ``jobs`` run side by side in
-    # forked children, their answers taken in the order of ``sources`` (solve/isolated.py).
-    # The cluster's (G, G) pair tables first, here: the children inherit them (solve/tables.py).
-    build_tables(costs, devices, options, microbatch_candidates(options)[0])
-    jobs = options_jobs(options)
-    dp_why = ""  # why the stage DP has no feasible plan (its message, or its best plan's violations)
-    for name, (ok, answer) in zip(sources, map_isolated([heuristic(n, f) for n, f in sources.items()], jobs)):
-        if not ok:
-            raise answer
-        if isinstance(answer, str):
-            dp_why = answer if name == "stage_dp" else dp_why
-            continue
-        res, extra, step, feasible = answer
-        if name == "stage_dp":
-            dp_hints = extra
-            if not feasible:
-                dp_why = "its best plan does not fit: " + "; ".join(
-                    next((c.violations for c in res.candidates if c.chosen), ()))
-        tried.append(Candidate(kind="portfolio", source=name, step_time_s=step, feasible=feasible))
-        if feasible:
-            found.append((step, name, res))
-    # By step time, ties in the fixed order of ``sources`` (a stable sort): never by wall time.
-    found.sort(key=lambda f: f[0])
-    # Every (S, M) the stage DP reached gets its plan as a hint; the first hint of an
-    # (S, M) is used, so the list is sorted by step time.
-    # ([Note: ZeRO-2 outside CP-SAT]: a plan with sharded gradients is no warm start for CP-SAT.)
-    hints = sorted([(r.predicted_step_time_s, k, r) for k, (_, _, r) in enumerate(found)
-                    if all(m.zero < 2 and m.optimizer == m.activations == "device" for m in r.decision.memory)]
-                   + [(r.predicted_step_time_s, len(found) + k, r) for k, r in enumerate(dp_hints)])
+    tried, found, dp_hints, dp_why = _run_heuristics(costs, devices, options)
+    hints = _warm_starts(found, dp_hints)
     params = inspect.signature(solver).parameters
     kw = {"hints": tuple(r for _, _, r in hints)} if "hints" in params else {}
     # [Note: memory flags] in options.py: an "always" outside CP-SAT's model leaves the plan to the
@@ -297,6 +251,68 @@ def rerank_by_simulator(costs: BlockCosts, devices: DeviceGraph, options: PlanOp
                                best_bound=bound, optimality_gap=(step - bound) / step if step > 0 else 0.0,
                                wall_clock_stops=best.wall_clock_stops,
                                candidates=tuple(best.candidates) + records)
+
+
+def _run_heuristics(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions):
+    """``solve_portfolio``'s heuristics (the stage DP, then the baselines): ``(tried, found, dp_hints,
+    dp_why)``, the portfolio's Candidate per heuristic with a plan, the feasible ``(step s, name, plan)``
+    by step time (ties in the heuristics' fixed order), the stage DP's per-(S, M) plans and why the
+    stage DP has no feasible plan ("" when it has)."""
+    from .baselines import BASELINES
+    from .solve.isolated import map_isolated, options_jobs
+    from .solve.objective import build_tables, evaluate_result, microbatch_candidates
+    from .solve.stage_dp import stage_dp_search
+
+    tried, found, dp_hints = [], [], ()
+    names = BASELINES if devices.num_gpus <= LARGE_CLUSTER_GPUS else CHEAP_BASELINES
+    sources = {"stage_dp": stage_dp_search, **{name: BASELINES[name] for name in names}}
+
+    def heuristic(name, fn):
+        def call():  # (plan, the stage DP's hints, step s, fits), or why the heuristic has no plan (a str)
+            try:
+                out = fn(costs, devices, options)
+            except (InfeasiblePlanError, ValueError) as exc:
+                return str(exc)
+            res, extra = out if name == "stage_dp" else (out, ())
+            ev = evaluate_result(costs, devices, options, res)
+            return res, extra, ev.step_time_s, ev.feasible
+        return call
+
+    # The heuristics are independent and deterministic: up to ``jobs`` run side by side in
+    # forked children, their answers taken in the order of ``sources`` (solve/isolated.py).
+    # The cluster's (G, G) pair tables first, here: the children inherit them (solve/tables.py).
+    build_tables(costs, devices, options, microbatch_candidates(options)[0])
+    jobs = options_jobs(options)
+    dp_why = ""  # why the stage DP has no feasible plan (its message, or its best plan's violations)
+    for name, (ok, answer) in zip(sources, map_isolated([heuristic(n, f) for n, f in sources.items()], jobs)):
+        if not ok:
+            raise answer
+        if isinstance(answer, str):
+            dp_why = answer if name == "stage_dp" else dp_why
+            continue
+        res, extra, step, feasible = answer
+        if name == "stage_dp":
+            dp_hints = extra
+            if not feasible:
+                dp_why = "its best plan does not fit: " + "; ".join(
+                    next((c.violations for c in res.candidates if c.chosen), ()))
+        tried.append(Candidate(kind="portfolio", source=name, step_time_s=step, feasible=feasible))
+        if feasible:
+            found.append((step, name, res))
+    # By step time, ties in the fixed order of ``sources`` (a stable sort): never by wall time.
+    found.sort(key=lambda f: f[0])
+    return tried, found, dp_hints, dp_why
+
+
+def _warm_starts(found, dp_hints) -> list:
+    """The CP-SAT warm starts of ``solve_portfolio``: ``(step s, order, plan)`` of the heuristics' feasible
+    plans CP-SAT's model can express and of the stage DP's per-(S, M) plans, by step time."""
+    # Every (S, M) the stage DP reached gets its plan as a hint; the first hint of an
+    # (S, M) is used, so the list is sorted by step time.
+    # ([Note: ZeRO-2 outside CP-SAT]: a plan with sharded gradients is no warm start for CP-SAT.)
+    return sorted([(r.predicted_step_time_s, k, r) for k, (_, _, r) in enumerate(found)
+                   if all(m.zero < 2 and m.optimizer == m.activations == "device" for m in r.decision.memory)]
+                  + [(r.predicted_step_time_s, len(found) + k, r) for k, r in enumerate(dp_hints)])
 
 
 def _label(name: str) -> str:

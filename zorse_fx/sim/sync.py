@@ -162,33 +162,13 @@ def gradient_sync(costs: BlockCosts, devices: DeviceGraph, *, stage_blocks, stag
     from .engine import SimEvent  # the record lives with the engine
 
     n_s = len(stage_blocks)
-    st_b, gr_b = costs.optim_bytes, costs.grad_bytes_per_param  # [C-optim] moves 2 x optim_bytes per parameter
-    sh_b, pa_b = costs.shardable_bytes_per_param, costs.param_bytes_per_param  # pa_b: a tied (float32) copy
     mib = MIB_UNITS * MEMORY_UNIT_BYTES
     timing = _Timing(costs, devices, stage_blocks, stage_gpus, samples, last_b_span, rc_dur)
-    events: list = []
-    shard_bytes = []
-    for s, gpus in enumerate(stage_gpus):
-        shard_bytes.append(tuple(z * mib for z in pol.shard_mib[s]) if pol.memory[s].zero else (0,) * len(gpus))
+    shard_bytes = tuple(tuple(z * mib for z in pol.shard_mib[s]) if pol.memory[s].zero else (0,) * len(gpus)
+                        for s, gpus in enumerate(stage_gpus))
     excluded, unions = _tied_plan(costs, stage_blocks, stage_gpus, n_p)
-    # Tied parameters over the union of their holders: once the last holder's copy is final.
-    tied_end: dict[int, float] = {}
-    for tp, stages, union in unions:
-        nbytes = gr_b * tp.numel
-        own = {g: max(timing.block_done(g, s, b) for s in stages if g in stage_gpus[s]
-                      for b in tp.blocks if stage_blocks[s][0] <= b < stage_blocks[s][1]) for g in union}
-        if rendezvous:  # Gloo's ring in the group's (sorted) rank order, each holder entering when its copy is
-            # final ([Note: Gloo's collectives as programs], each message paced) at the ring's slowest hop
-            order = sorted(union)
-            bw = ring(devices, order, resources).bandwidth_bytes_per_s
-            start, end = own, _GlooWorld(devices, order, bw).allreduce(own, int(nbytes), max(int(gr_b), 1))
-        else:
-            ready = max(own.values())
-            start = dict.fromkeys(union, ready)
-            end = dict.fromkeys(union, ready + ring(devices, union, resources).allreduce_s(nbytes))
-        events += [SimEvent("tiedreduce", g, stages[-1], -1, start[g], end[g], None, nbytes) for g in union]
-        for g in union:
-            tied_end[g] = max(tied_end.get(g, 0.0), end[g])
+    events, tied_end = _tied_reductions(costs, devices, stage_blocks, stage_gpus, unions, timing, resources,
+                                        rendezvous)
     # Per group its buckets; then [C-control]: the gradient norm's all-reduce over every GPU used (and
     # fp16-mixed's inf/NaN agreement), which no optimizer passes; the optimizers; the per-step table's
     # all-gather at the end ([Note: one world collective after the step] in zorse_fx/train.py).
@@ -201,6 +181,7 @@ def gradient_sync(costs: BlockCosts, devices: DeviceGraph, *, stage_blocks, stag
         if len(gpus) > 1:
             t_end = max(last_b[g] for g in gpus)
             scatters = {s: num_microbatches for s in stages_p if pol.memory[s].zero >= 2}  # ZeRO-2/3 stages
+            gr_b = costs.grad_bytes_per_param
             for s, start, end, nparams in _reduction(costs, timing, stage_blocks, stages_p, gpus, excluded,
                                                        ring_p, gr_b, bucket_bytes, scatters,
                                                        in_flight=2 if rendezvous else 1):
@@ -225,6 +206,65 @@ def gradient_sync(costs: BlockCosts, devices: DeviceGraph, *, stage_blocks, stag
             barrier = max(ready.values()) + before * (len(used) - 1) * lat
             events += [SimEvent("control", g, home[g], -1, ready[g], barrier, None, 0) for g in used]
             start = dict.fromkeys(used, barrier)
+    steps, done = _optimizer_steps(costs, devices, stage_blocks, stage_gpus, n_p, pol, shard_bytes, start,
+                                   resources, rendezvous)
+    events += steps
+    if programs is None:  # every GPU waits for the last (the record all-gather below is one ring)
+        done = dict.fromkeys(used, max(done.values(), default=0.0))
+    if after and len(used) > 1:  # the per-step all-gather of the ranks' records
+        if programs is not None:
+            ends = programs.allgather(done, RECORD_ROW_BYTES)
+        else:
+            ends = {g: done[g] + after * (len(used) - 1) * lat for g in used}
+        events += [SimEvent("control", g, home[g], -1, done[g], ends[g], None, 0) for g in used]
+        done = ends
+    if costs.step_overhead_s:  # a calibration's measured loop overhead (BlockCosts.step_overhead_s)
+        ends = {g: done[g] + costs.step_overhead_s for g in used}
+        events += [SimEvent("control", g, home[g], -1, done[g], ends[g], None, 0) for g in used]
+        done = ends
+    return max(done.values(), default=0.0), events, shard_bytes, done
+
+
+def _tied_reductions(costs: BlockCosts, devices: DeviceGraph, stage_blocks, stage_gpus, unions, timing,
+                     resources: FlowResources, rendezvous: bool) -> tuple[list, dict[int, float]]:
+    """``gradient_sync``'s tied parameters over the union of their holders (``unions`` of ``_tied_plan``),
+    each once the last holder's copy is final: their "tiedreduce" events and each holder's end (s)."""
+    from .engine import SimEvent
+
+    gr_b = costs.grad_bytes_per_param
+    events: list = []
+    tied_end: dict[int, float] = {}
+    for tp, stages, union in unions:
+        nbytes = gr_b * tp.numel
+        own = {g: max(timing.block_done(g, s, b) for s in stages if g in stage_gpus[s]
+                      for b in tp.blocks if stage_blocks[s][0] <= b < stage_blocks[s][1]) for g in union}
+        if rendezvous:  # Gloo's ring in the group's (sorted) rank order, each holder entering when its copy is
+            # final ([Note: Gloo's collectives as programs], each message paced) at the ring's slowest hop
+            order = sorted(union)
+            bw = ring(devices, order, resources).bandwidth_bytes_per_s
+            start, end = own, _GlooWorld(devices, order, bw).allreduce(own, int(nbytes), max(int(gr_b), 1))
+        else:
+            ready = max(own.values())
+            start = dict.fromkeys(union, ready)
+            end = dict.fromkeys(union, ready + ring(devices, union, resources).allreduce_s(nbytes))
+        events += [SimEvent("tiedreduce", g, stages[-1], -1, start[g], end[g], None, nbytes) for g in union]
+        for g in union:
+            tied_end[g] = max(tied_end.get(g, 0.0), end[g])
+    return events, tied_end
+
+
+def _optimizer_steps(costs: BlockCosts, devices: DeviceGraph, stage_blocks, stage_gpus, n_p: int, pol,
+                     shard_bytes, start: dict, resources: FlowResources,
+                     rendezvous: bool) -> tuple[list, dict[int, float]]:
+    """``gradient_sync``'s optimizer steps of each GPU from ``start[g]`` (s), one stage after the other
+    ([C-optim], [C-offload]), then each group's all-gathers of its ZeRO-1/2 stages' updated weights: the
+    "optim" and "allgather" events and each GPU's end (s)."""
+    from .engine import SimEvent
+
+    n_s = len(stage_blocks)
+    st_b = costs.optim_bytes  # [C-optim] moves 2 x optim_bytes per parameter
+    sh_b, pa_b = costs.shardable_bytes_per_param, costs.param_bytes_per_param  # pa_b: a tied (float32) copy
+    events: list = []
     done: dict[int, float] = {}  # per GPU: its optimizer steps and its group's all-gathers ended
     for p in range(n_p):
         stages_p = list(range(p, n_s, n_p))
@@ -266,20 +306,7 @@ def gradient_sync(costs: BlockCosts, devices: DeviceGraph, *, stage_blocks, stag
                 events += [SimEvent("allgather", g, s, -1, t_opt, t1, None, moved) for g in gpus]
                 t_opt = t1
                 done.update(dict.fromkeys(gpus, t1))
-    if programs is None:  # every GPU waits for the last (the record all-gather below is one ring)
-        done = dict.fromkeys(used, max(done.values(), default=0.0))
-    if after and len(used) > 1:  # the per-step all-gather of the ranks' records
-        if programs is not None:
-            ends = programs.allgather(done, RECORD_ROW_BYTES)
-        else:
-            ends = {g: done[g] + after * (len(used) - 1) * lat for g in used}
-        events += [SimEvent("control", g, home[g], -1, done[g], ends[g], None, 0) for g in used]
-        done = ends
-    if costs.step_overhead_s:  # a calibration's measured loop overhead (BlockCosts.step_overhead_s)
-        ends = {g: done[g] + costs.step_overhead_s for g in used}
-        events += [SimEvent("control", g, home[g], -1, done[g], ends[g], None, 0) for g in used]
-        done = ends
-    return max(done.values(), default=0.0), events, tuple(shard_bytes), done
+    return events, done
 
 
 class _GlooWorld:
