@@ -288,9 +288,7 @@ def test_agreement_with_objective_under_memory_policy():
         dec = Decision(**kw, **pol)
         ev, sim = evaluate(costs, devices, options, dec), simulate(costs, devices, options, dec)
         assert ev.feasible, ev.violations
-        assert ev.decision.memory == res.decision.memory
-        assert sim.stage_sharded == tuple(m.zero >= 1 for m in res.decision.memory)
-        assert sim.stage_recompute == tuple(m.recompute for m in res.decision.memory)
+        assert sim.memory == ev.decision.memory == res.decision.memory
         assert sim.state_shard_bytes == ev.decision.shard_bytes()
         _assert_same_memory(res, ev, sim)
         # Compute-only: no parameters, so no shardable state: shards default to 0 MiB.
@@ -410,7 +408,7 @@ def test_recompute_backward_and_memory(schedule):
         # B2 waits for stage 1's B2 (ends 16t/3): 16t/3 + 2t
         assert sim.step_time_s == pytest.approx(22 * t / 3 + optim, rel=1e-9)
         assert sim.step_time_s < ev.step_time_s  # (c): the light last stage hides part of the drain
-    assert sim.stage_recompute == (True, True, False)
+    assert sim.memory == (RECOMPUTE, RECOMPUTE, PLAIN)
     state = -(-16 * 64 // KIB) * KIB  # 1 KiB
     live = [min(3 - s, m) if schedule == "1f1b" else m for s in range(3)]
     expect = (state + n * (live[0] * 0 + act),  # stage 0: no inputs to keep (X_0 = 0)
@@ -464,7 +462,7 @@ def test_simulate_labels_zero3_and_offload(tmp_path):
     dec = Decision(stage_blocks=((0, 1), (1, 2)), stage_gpus=((0, 1), (2,)), samples_per_microbatch=((1, 1), (2,)),
                    num_microbatches=2, memory=(StageMemory(zero=2, optimizer="host"), PLAIN))
     sim = simulate(costs, devices, options, dec)
-    assert (sim.stage_zero, sim.stage_offload, sim.stage_act_offload) == ((2, 0), (True, False), (False, False))
+    assert sim.memory == (StageMemory(zero=2, optimizer="host"), PLAIN)
     assert (stage_memory(sim, 0), stage_memory(sim, 1), stage_memory(sim, -1)) == (
         "ZeRO-2, optimizer offloaded", "replicated", "")
     xs = [e for e in json.loads(to_perfetto(sim, tmp_path / "a.json").read_text())["traceEvents"] if e["ph"] == "X"]
@@ -477,7 +475,7 @@ def test_simulate_labels_zero3_and_offload(tmp_path):
     dec3 = Decision(stage_blocks=((0, 1), (1, 2)), stage_gpus=((0,), (1, 2)), samples_per_microbatch=((2,), (1, 1)),
                     num_microbatches=2, memory=(PLAIN, StageMemory(zero=3)))
     sim3 = simulate(costs, devices, options, dec3)
-    assert sim3.stage_zero == (0, 3) and stage_memory(sim3, 1) == "ZeRO-3"
+    assert sim3.memory == (PLAIN, StageMemory(zero=3)) and stage_memory(sim3, 1) == "ZeRO-3"
     xs = [e for e in json.loads(to_perfetto(sim3, tmp_path / "b.json").read_text())["traceEvents"] if e["ph"] == "X"]
     assert not [e for e in xs if e["cat"] == "allgather"]
     assert {e["args"]["memory"] for e in xs if e["args"]["stage"] == 1} == {"ZeRO-3"}
@@ -497,7 +495,7 @@ def test_plan_decision_reads_the_plans_memory_policy():
     dec = plan_decision(plan, costs)
     assert dec == Decision(**kw, memory=(StageMemory(zero=1, recompute=True),), shard_mib=((16, 4, 12),))
     sim = simulate(costs, devices, options, dec)
-    assert sim.state_shard_bytes == ((16 * MIB, 4 * MIB, 12 * MIB),) and sim.stage_recompute == (True,)
+    assert sim.state_shard_bytes == ((16 * MIB, 4 * MIB, 12 * MIB),) and sim.memory == (StageMemory(zero=1, recompute=True),)
     assert [e.kind for e in sim.events].count("allgather") == 3
     # All shards 0: the runtime splits equally, so does the simulator (32 MiB / 3 -> 11 MiB each).
     zero = NS(num_microbatches=1, stages=(NS(index=0, blocks=(0, 1), sharded=True, recompute=False,

@@ -250,6 +250,7 @@ from dataclasses import dataclass
 from ..ir.costs import BlockCosts
 from ..ir.decision import Decision
 from ..ir.devices import DeviceGraph
+from ..ir.memory import StageMemory
 from ..ir.p2p import RankProgram, programs_from, route_messages, routes
 from ..ir.schedule import make_schedule
 from ..options import PlanOptions
@@ -329,18 +330,11 @@ class SimResult:
     #: Node name and GPU type per GPU (for traces and charts).
     gpu_nodes: tuple[str, ...] = ()
     gpu_types: tuple[str, ...] = ()
-    #: The memory policy simulated (as ``Evaluation``): per stage sharded /
-    #: recompute, and each GPU's shard in bytes (aligned with stage_gpus; 0
-    #: when not sharded).
-    stage_sharded: tuple[bool, ...] = ()
+    #: The memory policy simulated (as ``Evaluation.decision``): (S,) each stage's
+    #: ``StageMemory`` (``ir/memory.py``), and each GPU's shard in bytes (aligned
+    #: with stage_gpus; 0 when not sharded).
+    memory: tuple[StageMemory, ...] = ()
     state_shard_bytes: tuple[tuple[int, ...], ...] = ()
-    stage_recompute: tuple[bool, ...] = ()
-    #: Per stage: the ZeRO stage of its sharding (0: replicated; 1: optimizer state
-    #: sharded, 2: gradients too, 3: weights too), and whether its optimizer /
-    #: activations are offloaded to host memory.
-    stage_zero: tuple[int, ...] = ()
-    stage_offload: tuple[bool, ...] = ()
-    stage_act_offload: tuple[bool, ...] = ()
     #: Interleave degree v simulated: S = P v stages on P GPU groups, stage s
     #: on group s mod P (a GPU's events carry the stage they ran).
     interleave: int = 1
@@ -779,9 +773,6 @@ def simulate(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions, deci
     return SimResult(step_time_s=step, busy_fraction=busy_frac, peak_memory_bytes=tuple(peak),
                      events=tuple(events), bubble_fraction=bubble,
                      gpu_nodes=tuple(devices.node_names or (f"gpu{g}" for g in range(n_g))),
-                     gpu_types=tuple(devices.gpu_types), stage_sharded=tuple(m.zero >= 1 for m in pol.memory),
-                     state_shard_bytes=shard_bytes, stage_recompute=tuple(m.recompute for m in pol.memory),
-                     interleave=pipe.v, stage_zero=tuple(m.zero for m in pol.memory),
-                     stage_offload=tuple(m.optimizer == "host" for m in pol.memory),
-                     stage_act_offload=tuple(m.activations == "host" for m in pol.memory),
+                     gpu_types=tuple(devices.gpu_types), memory=pol.memory, state_shard_bytes=shard_bytes,
+                     interleave=pipe.v,
                      start_s=tuple(start.get(g, 0.0) for g in range(n_g)))

@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..ir.memory import StageMemory
 from .engine import SimEvent, SimResult
 
 __all__ = ["to_perfetto", "gantt_png", "stage_memory", "COLORS"]
@@ -50,13 +51,13 @@ def stage_memory(result: SimResult, stage: int) -> str:
     weights sharded) or "replicated", then ", optimizer offloaded" and
     ", activations offloaded" where so; "" for a result without the memory
     policy (``SimResult`` made by hand) or an event of no stage (-1)."""
-    if not 0 <= stage < len(result.stage_zero):
+    if not 0 <= stage < len(result.memory):
         return ""
-    zero = result.stage_zero[stage]
-    text = f"ZeRO-{zero}" if zero else "replicated"
-    if stage < len(result.stage_offload) and result.stage_offload[stage]:
+    mem = result.memory[stage]
+    text = f"ZeRO-{mem.zero}" if mem.zero else "replicated"
+    if mem.optimizer == "host":
         text += ", optimizer offloaded"
-    if stage < len(result.stage_act_offload) and result.stage_act_offload[stage]:
+    if mem.activations == "host":
         text += ", activations offloaded"
     return text
 
@@ -66,10 +67,10 @@ def _event_label(result: SimResult, e: SimEvent) -> str:
     with the stage's ZeRO stage on an all-gather (ZeRO-1 and ZeRO-2 gather the
     updated weights after the step; ZeRO-3 gathers inside F and B) and where
     an offloaded optimizer steps (on the host CPU)."""
-    zero = result.stage_zero[e.stage] if 0 <= e.stage < len(result.stage_zero) else 0
-    if e.kind == "allgather" and zero:
-        return f"all-gather (ZeRO-{zero})"
-    if e.kind == "optim" and 0 <= e.stage < len(result.stage_offload) and result.stage_offload[e.stage]:
+    mem = result.memory[e.stage] if 0 <= e.stage < len(result.memory) else StageMemory()
+    if e.kind == "allgather" and mem.zero:
+        return f"all-gather (ZeRO-{mem.zero})"
+    if e.kind == "optim" and mem.optimizer == "host":
         return "optimizer (offloaded: host CPU)"
     return _LEGEND[e.kind]
 
