@@ -153,7 +153,6 @@ def predicted_breakdown(plan, costs, args) -> tuple[float, dict[str, float]]:
     "allreduce" / "optim" / "allgather" events (``sim/engine.py``; the
     all-gather of a ZeRO-1 stage is objective.py [C-allreduce]'s
     ``sh_s * param_bytes * P_s / bw_min + (k - 1) * lat_max``)."""
-    from zorse_fx.plan_build import plan_decision
     from zorse_fx.planner import PlanOptions
     from zorse_fx.pricing import device_graph
     from zorse_fx.sim import simulate
@@ -162,7 +161,7 @@ def predicted_breakdown(plan, costs, args) -> tuple[float, dict[str, float]]:
                        max_stages=plan.num_stages, profiles=(args.profile,), precision=plan.precision,
                        grad_reduce_dtype=plan.grad_reduce_dtype)
     sim = simulate(costs, device_graph(zorse_cluster(args.cluster), opts), opts,
-                   plan_decision(plan, costs))
+                   plan.decision(costs))
     per_gpu: dict[int, dict[str, float]] = defaultdict(lambda: dict.fromkeys(COMPONENTS, 0.0))
     key = {"allreduce": "allreduce_s", "optim": "optimizer_s", "allgather": "allgather_s"}
     for e in sim.events:

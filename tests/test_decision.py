@@ -1,7 +1,7 @@
 """``Decision``, the one record of a planner answer, and ``PlanOptions``, the one options record (issue 13).
 
 Every validation error of ``Decision`` names the field or stage and the value;
-a Plan read back with ``plan_decision`` scores to the plan's own prediction.
+a Plan read back with ``Plan.decision`` scores to the plan's own prediction.
 """
 
 from __future__ import annotations
@@ -153,13 +153,12 @@ def test_evaluate_fills_the_shards_and_a_result_keeps_them():
         evaluate(costs, devices, options, dict(TWO))
 
 
-def test_plans_round_trip_through_plan_decision():
-    """plan -> plan_decision -> evaluate gives the plan's own predicted step:
+def test_plans_round_trip_through_their_decision():
+    """plan -> Plan.decision -> evaluate gives the plan's own predicted step:
     a solved plan (interleaved here) and a hand-made one with a ZeRO-1 stage
     (shards in whole MiB) and a recomputing one; the precision comes along."""
     from zorse_fx.capture import analyse
     from zorse_fx.cluster import Cluster
-    from zorse_fx.plan_build import plan_decision
     from zorse_fx.planner import plan_captured, plan_fixed
     from zorse_fx.pricing import price
 
@@ -174,7 +173,7 @@ def test_plans_round_trip_through_plan_decision():
     priced = price(captured, cluster, options)
     costs, policy, devices = priced.costs, priced.precision, priced.devices
     for plan, relaxed in ((solved, options), (fixed, dataclasses.replace(options, num_microbatches=None))):
-        dec = plan_decision(plan, costs)
+        dec = plan.decision(costs)
         assert dec.precision == plan.precision == policy.name
         assert dec.interleave == plan.interleave and dec.num_microbatches == plan.num_microbatches
         ev = evaluate(costs, devices, relaxed, dec)
@@ -183,7 +182,7 @@ def test_plans_round_trip_through_plan_decision():
         assert [g.predicted_memory_bytes for st in plan.stages for g in st.gpus] == [
             m for row in ev.memory_bytes for m in row]
     assert solved.interleave > 1
-    dec = plan_decision(fixed, costs)
+    dec = fixed.decision(costs)
     assert dec.memory == (ZERO1, RECOMPUTE) and sum(dec.shard_mib[0]) >= 1
     assert dec.shard_bytes()[0] == tuple(g.state_shard_bytes for g in fixed.stages[0].gpus)
     with pytest.raises(ValueError, match=r"Decision.precision='fp32' but the options price 'fp16-mixed' on cluster "

@@ -14,7 +14,6 @@ from zorse_fx.cluster import Cluster
 from zorse_fx.ir import Decision, StageMemory
 from zorse_fx.options import PlanOptions
 from zorse_fx.plan import Plan
-from zorse_fx.plan_build import plan_decision
 from zorse_fx.planner import plan_fixed
 from zorse_fx.pricing import CLASS_MODEL, options_for_plan, price, simulate_plan
 from zorse_fx.sim import simulate
@@ -66,7 +65,7 @@ def test_simulate_plan_is_the_plans_decision_simulated(gpt, tmp_path):
     priced = price(gpt, cluster, options_for_plan(plan, profiles=()))
     got = simulate_plan(plan, priced)
     by_hand = simulate(priced.costs, priced.devices, options_for_plan(plan, profiles=()),
-                       plan_decision(plan, priced.costs))
+                       plan.decision(priced.costs))
     assert got.step_time_s == by_hand.step_time_s and got.peak_memory_bytes == by_hand.peak_memory_bytes
     assert [g.predicted_memory_bytes for st in plan.stages for g in st.gpus] == [
         got.peak_memory_bytes[g.gpu] for st in plan.stages for g in st.gpus]

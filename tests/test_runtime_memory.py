@@ -227,11 +227,11 @@ def test_zero1_mixed_dtypes_equal_replicated_and_single_process(mixed_dtype_plan
 def test_one_stage_holds_a_tied_embedding_once(dropout_plan, lee_bytes, tmp_path):
     """GPT-2's tied token embedding (blocks 0 and B-1) on one stage is one
     parameter of the stage module: its weight, gradient and AdamW moments exist
-    once, as the planner's P_s, Q_s count it ([C-tied]: ``state_terms.unique_params``),
+    once, as the planner's P_s, Q_s count it ([C-tied]: ``ir.costs.unique_params``),
     not once per block that reads it."""
     from zorse_fx.cost.roofline import block_costs
     from zorse_fx.precision import precision_policy
-    from zorse_fx.solve.state_terms import unique_params
+    from zorse_fx.ir.costs import unique_params
 
     plan, weights = dropout_plan
     torch.manual_seed(0)

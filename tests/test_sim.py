@@ -483,16 +483,17 @@ def test_simulate_labels_zero3_and_offload(tmp_path):
 
 def test_plan_decision_reads_the_plans_memory_policy():
     """``zorse simulate`` / the demo pass a Plan's policy; plans from before the policy
-    (no ``sharded`` / ``recompute`` / ``state_shard_bytes`` attributes) get none."""
+    (no ``sharded`` / ``recompute`` / ``state_shard_bytes`` attributes) get none
+    (``Plan.decision`` of objects with a plan's fields)."""
     from types import SimpleNamespace as NS
 
-    from zorse_fx.plan_build import plan_decision
+    from zorse_fx.plan import Plan
 
     costs, devices, options, kw = _sharded_instance()
     gpus = [NS(gpu=g, samples_per_microbatch=n, state_shard_bytes=z * MIB) for g, n, z in
             zip((0, 1, 2), (2, 1, 1), (16, 4, 12))]
     plan = NS(num_microbatches=1, stages=(NS(index=0, blocks=(0, 1), gpus=tuple(gpus), sharded=True, recompute=True),))
-    dec = plan_decision(plan, costs)
+    dec = Plan.decision(plan, costs)
     assert dec == Decision(**kw, memory=(StageMemory(zero=1, recompute=True),), shard_mib=((16, 4, 12),))
     sim = simulate(costs, devices, options, dec)
     assert sim.state_shard_bytes == ((16 * MIB, 4 * MIB, 12 * MIB),) and sim.memory == (StageMemory(zero=1, recompute=True),)
@@ -501,13 +502,13 @@ def test_plan_decision_reads_the_plans_memory_policy():
     zero = NS(num_microbatches=1, stages=(NS(index=0, blocks=(0, 1), sharded=True, recompute=False,
                                              gpus=tuple(NS(gpu=g.gpu, samples_per_microbatch=g.samples_per_microbatch,
                                                            state_shard_bytes=0) for g in gpus)),))
-    assert plan_decision(zero, costs).shard_mib == ((11, 11, 11),)
+    assert Plan.decision(zero, costs).shard_mib == ((11, 11, 11),)
     with pytest.raises(ValueError, match="pass the BlockCosts"):
-        plan_decision(zero)
+        Plan.decision(zero)
     old = NS(num_microbatches=1, stages=(NS(index=0, blocks=(0, 1), gpus=tuple(
         NS(gpu=g.gpu, samples_per_microbatch=g.samples_per_microbatch) for g in gpus)),))
-    assert plan_decision(old) == Decision(**kw)
-    assert plan_decision(old).shard_mib == ((),) and plan_decision(old).memory == (PLAIN,)
+    assert Plan.decision(old) == Decision(**kw)
+    assert Plan.decision(old).shard_mib == ((),) and Plan.decision(old).memory == (PLAIN,)
 
 
 @pytest.mark.parametrize("bw", [1e15, 1e9])

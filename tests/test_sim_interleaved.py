@@ -379,7 +379,7 @@ def test_interleaved_trace_labels_stages(tmp_path):
 
 
 def test_plan_decision_round_trips_an_interleaved_plan(tmp_path, capsys):
-    """(e) ``plan_decision`` of an interleaved Plan (``plan_fixed(..., interleave=2)``)
+    """(e) ``Plan.decision`` of an interleaved Plan (``plan_fixed(..., interleave=2)``)
     gives back the decision and the degree, before and after export; simulating
     it meets the plan's predicted memory; ``zorse simulate`` runs on the export."""
     import torch
@@ -389,7 +389,6 @@ def test_plan_decision_round_trips_an_interleaved_plan(tmp_path, capsys):
     from zorse_fx.cluster import Cluster
     from zorse_fx.models.registry import load_model
     from zorse_fx.plan import Plan
-    from zorse_fx.plan_build import plan_decision
     from zorse_fx.planner import PlanOptions, plan_fixed
     from zorse_fx.pricing import price
 
@@ -404,12 +403,12 @@ def test_plan_decision_round_trips_an_interleaved_plan(tmp_path, capsys):
     plan, _ = plan_fixed(captured, cluster, options,
                          Decision(**dec, interleave=2, memory=(PLAIN, PLAIN, RECOMPUTE, PLAIN)), model_name="gpt")
     want = Decision(**dec, interleave=2, memory=(PLAIN, PLAIN, RECOMPUTE, PLAIN), precision=plan.precision)
-    assert plan_decision(plan) == want
+    assert plan.decision() == want
     loaded = Plan.load(plan.export(tmp_path / "plan"))
-    assert plan_decision(loaded) == want
+    assert loaded.decision() == want
     priced = price(captured, cluster, options)
     sopts = solver_options(global_batch_size=8, max_interleave=2)
-    sim = simulate(priced.costs, priced.devices, sopts, plan_decision(loaded))
+    sim = simulate(priced.costs, priced.devices, sopts, loaded.decision())
     assert sim.interleave == 2
     for st in loaded.stages:
         for g in st.gpus:

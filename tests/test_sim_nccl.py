@@ -17,7 +17,6 @@ from conftest import CLUSTERS, fixed_decision, gpt4x64, make_devices, solver_opt
 
 from zorse_fx.cluster import Cluster
 from zorse_fx.cost.roofline import block_costs
-from zorse_fx.plan_build import plan_decision
 from zorse_fx.planner import PlanOptions, plan_fixed
 from zorse_fx.precision import precision_policy
 from zorse_fx.runtime.p2p import build_programs
@@ -172,7 +171,7 @@ def test_the_simulator_replays_the_runtimes_program(captured, shape):
     costs = block_costs(bg, {g.type: g.spec for g in cluster.gpus}, precision=precision_policy("fp32"))
     rank_of = {g.gpu: g.rank for st in plan.stages for g in st.gpus}
     runtime = build_programs(plan)
-    sim = decision_programs(costs, plan_decision(plan, costs), plan.schedule)
+    sim = decision_programs(costs, plan.decision(costs), plan.schedule)
     assert sorted(rank_of[g] for g in sim) == sorted(runtime)
 
     def shape_of(op):

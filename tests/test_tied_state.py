@@ -185,12 +185,13 @@ def test_cpsat_matches_brute_force_with_tied_params_and_memory_policy(seed):
 
 
 def test_shardable_kib_from_costs_equals_the_tables():
-    """``state_terms.shardable_kib`` (what ``sim.engine.plan_decision`` uses to
+    """``ir.costs.shardable_kib`` (what ``Plan.decision`` uses to
     split an old plan's sharded state equally) rounds as ``build_tables`` does:
     equal to the tables' Q_s of every block range, and to the hand count where
     the stage holds both tied blocks."""
     from zorse_fx.solve.objective import MEMORY_UNIT_BYTES
-    from zorse_fx.solve.state_terms import shardable_kib, stage_state_kib
+    from zorse_fx.ir.costs import shardable_kib
+    from zorse_fx.solve.state_terms import stage_state_kib
     costs = _costs()
     tab = build_tables(costs, _one_gpu(80 * 2**30), solver_options(global_batch_size=2), 1)
     for i in range(3):

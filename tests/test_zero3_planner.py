@@ -117,12 +117,11 @@ def test_plan_file_table_and_round_trip(layout, tmp_path):
     stage records it, the table says so, the memory breakdown adds up (ZeRO-2:
     the GPU's gradient shard among the gradients; ZeRO-3: the weight shard
     among the weights; offload: no optimizer bytes on the GPU, 12 B per owned
-    parameter in host memory), and plan -> plan_decision -> evaluate gives
+    parameter in host memory), and plan -> Plan.decision -> evaluate gives
     the plan's own step and memory."""
     from zorse_fx.capture import analyse
     from zorse_fx.cluster import Cluster
     from zorse_fx.plan import Plan
-    from zorse_fx.plan_build import plan_decision
     from zorse_fx.planner import plan_fixed
     from zorse_fx.pricing import price
 
@@ -143,7 +142,7 @@ def test_plan_file_table_and_round_trip(layout, tmp_path):
     loaded = Plan.load(tmp_path / "p")
     assert getattr(loaded.stages[0], flag)
     priced = price(captured, cluster, options)
-    dec = plan_decision(loaded, priced.costs)
+    dec = loaded.decision(priced.costs)
     for name, value in fields.items():
         assert getattr(dec, name) == value
     ev = evaluate(priced.costs, priced.devices, dataclasses.replace(options, num_microbatches=None), dec)

@@ -146,6 +146,8 @@ from msgspec import Meta
 from .errors import PlanDirectoryError, PlanFileError, short_repr
 from .file_schema import NOT_IN_FILE, OPTIONAL
 from .ir.buckets import BUCKET_BYTES
+from .ir.costs import BlockCosts, shardable_kib, unique_params
+from .ir.decision import Decision
 from .ir.memory import StageMemory
 from .ir.schedule import SCHEDULES
 from .ir.tensor import TensorSpec
@@ -155,6 +157,10 @@ from .stage_sources import source_sha256
 
 __all__ = ["PLAN_FORMAT_VERSION", "PLAN_DIR_ENTRIES", "RANK_ORDERS", "MemoryBreakdown", "GPUShare", "StagePlan",
            "SolverReport", "Plan", "RankRole", "NodeRanks", "check_plan_dir", "new_plan_dir", "stage_memory"]
+
+#: Bytes per KiB, the planner's memory unit (``solve.tables.MEMORY_UNIT_BYTES``), and per MiB, its shards'
+#: unit (``Plan.decision``'s equal shards, rounded as the planner rounds them).
+KIB, MIB = 1 << 10, 1 << 20
 
 #: Bumped on any incompatible change of plan.json.
 PLAN_FORMAT_VERSION = 15
@@ -887,6 +893,46 @@ class Plan:
         from ._plan_io import load_plan
 
         return load_plan(path)
+
+    def decision(self, costs: BlockCosts | None = None) -> Decision:
+        """The planner's ``Decision`` this plan records (what ``solve.evaluate`` and
+        ``sim.simulate`` take): the one conversion from a plan to a decision
+        (``plan_build.build_plan`` the other way).
+
+        Each stage's memory policy is ``stage_memory`` of its fields, each GPU's
+        shard in MiB ``GPUShare.state_shard_bytes // 2**20``. A sharded stage
+        whose shards are all 0 (the runtime then splits its state equally)
+        gets equal whole-MiB shards covering its shardable state as the
+        planner counts it (KiB per block rounded up, ZeRO-2 adding the float32
+        gradients, ZeRO-3 the working weights at 4 B, an upper bound),
+        computed from ``costs`` (ValueError without them). ``interleave`` and
+        ``precision`` are the plan's. Works on any object with the fields a
+        ``Plan`` has (``Plan.decision(obj)``), absent ones read as in plan files
+        from before them: no memory policy, not interleaved, no precision."""
+        memory = tuple(stage_memory(st) for st in self.stages)
+        shards = []
+        for st, mem in zip(self.stages, memory):
+            row = tuple(int(getattr(g, "state_shard_bytes", 0)) // MIB for g in st.gpus) if mem.zero else ()
+            if mem.zero and not any(row):
+                if costs is None:
+                    raise ValueError(f"plan stage {st.index} is sharded without state_shard_bytes: pass the "
+                                     f"BlockCosts to split its optimizer state equally")
+                i, j = st.blocks
+                kib = shardable_kib(costs, i, j, KIB)
+                if mem.zero >= 2:  # ZeRO-2: the shards hold the float32 gradients too
+                    kib += -(-4 * unique_params(costs, i, j) // KIB)
+                if mem.zero == 3:  # ZeRO-3: and the working weights (4 B, an upper bound)
+                    kib += -(-4 * unique_params(costs, i, j) // KIB)
+                need = -(-kib // (MIB // KIB))
+                row = (-(-need // len(st.gpus)),) * len(st.gpus)
+            shards.append(row)
+        return Decision(stage_blocks=tuple(tuple(st.blocks) for st in self.stages),
+                        stage_gpus=tuple(tuple(g.gpu for g in st.gpus) for st in self.stages),
+                        samples_per_microbatch=tuple(tuple(g.samples_per_microbatch for g in st.gpus)
+                                                     for st in self.stages),
+                        num_microbatches=self.num_microbatches, memory=memory, shard_mib=tuple(shards),
+                        interleave=int(getattr(self, "interleave", 1)),  # plans before format v3: not interleaved
+                        precision=str(getattr(self, "precision", "") or ""))
 
     # -- readable form -------------------------------------------------------
     def table(self) -> str:

@@ -1,7 +1,7 @@
-"""A plan and the planner's decision it records, converted both ways here and
-nowhere else: ``build_plan`` turns a ``SolverResult`` into a ``Plan`` with
-generated stage sources, ``plan_decision`` reads the ``Decision`` back from a
-``Plan`` (what ``solve.evaluate`` and ``sim.simulate`` take)."""
+"""``build_plan`` turns a ``SolverResult`` into a ``Plan`` with generated stage
+sources (each stage's ``StageMemory`` written as the plan file's fields by
+``StagePlan.memory_fields``); ``Plan.decision`` reads the ``Decision`` back
+(what ``solve.evaluate`` and ``sim.simulate`` take)."""
 
 from __future__ import annotations
 
@@ -11,16 +11,14 @@ from .capture import BlockGraph, low_precision_params
 from .cluster import Cluster
 from .codegen import emit_source, split_stages
 from .ir.buckets import BUCKET_BYTES, MAX_SHARD_BUCKETS_IN_FLIGHT
-from .ir.costs import BlockCosts
 from .ir.decision import Decision
 from .ir.result import SolverResult
 from .options import PlanOptions
-from .plan import GPUShare, MemoryBreakdown, Plan, SolverReport, StagePlan, stage_memory
+from .plan import GPUShare, MemoryBreakdown, Plan, SolverReport, StagePlan
 from .precision import PrecisionPolicy
-from .solve.objective import MEMORY_UNIT_BYTES, MIB_UNITS
-from .solve.state_terms import GATHERED_UNITS, max_window_sum, shardable_kib, unique_params
+from .solve.state_terms import GATHERED_UNITS, max_window_sum
 
-__all__ = ["build_plan", "plan_decision", "memory_breakdown"]
+__all__ = ["build_plan", "memory_breakdown"]
 
 
 def memory_breakdown(predicted: int, hosted: list[tuple],
@@ -226,42 +224,3 @@ def _stage_state(bg: BlockGraph, dec: Decision, programs, state, precision: Prec
 
     unit_bytes = [gathered(s, prog) if dec.memory[s].zero == 3 else None for s, prog in enumerate(programs)]
     return low, n_low, n_gs, unit_bytes
-
-
-def plan_decision(plan, costs: BlockCosts | None = None) -> Decision:
-    """The ``Decision`` of a ``plan.Plan`` (what ``simulate`` and ``solve.evaluate`` take).
-
-    Each stage's memory policy is ``plan.stage_memory`` of its fields (older
-    plans: none), each GPU's shard in MiB ``GPUShare.state_shard_bytes // 2**20``.
-    A sharded stage whose shards are all 0 (the runtime then splits its state
-    equally) gets equal whole-MiB shards covering its shardable state, computed
-    from ``costs`` (ValueError without them). ``interleave`` = ``Plan.interleave``
-    (1 for plans without the attribute, which are not interleaved);
-    ``precision`` = ``Plan.precision`` where the plan has one. (Here and not a
-    ``Plan`` method: the equal shards need the solver's state terms, a layer
-    above ``plan.py``.)"""
-    mib = MIB_UNITS * MEMORY_UNIT_BYTES
-    memory = tuple(stage_memory(st) for st in plan.stages)
-    shards = []
-    for st, mem in zip(plan.stages, memory):
-        row = tuple(int(getattr(g, "state_shard_bytes", 0)) // mib for g in st.gpus) if mem.zero else ()
-        if mem.zero and not any(row):
-            if costs is None:
-                raise ValueError(f"plan stage {st.index} is sharded without state_shard_bytes: pass the "
-                                 f"BlockCosts to split its optimizer state equally")
-            i, j = st.blocks
-            q_kib = shardable_kib(costs, i, j, MEMORY_UNIT_BYTES)
-            if mem.zero >= 2:  # ZeRO-2: the shards hold the float32 gradients too
-                q_kib += -(-4 * unique_params(costs, i, j) // MEMORY_UNIT_BYTES)
-            if mem.zero == 3:  # ZeRO-3: and the working weights (4 B, an upper bound)
-                q_kib += -(-4 * unique_params(costs, i, j) // MEMORY_UNIT_BYTES)
-            need = -(-q_kib // MIB_UNITS)
-            row = (-(-need // len(st.gpus)),) * len(st.gpus)
-        shards.append(row)
-    return Decision(stage_blocks=tuple(tuple(st.blocks) for st in plan.stages),
-                    stage_gpus=tuple(tuple(g.gpu for g in st.gpus) for st in plan.stages),
-                    samples_per_microbatch=tuple(tuple(g.samples_per_microbatch for g in st.gpus)
-                                                 for st in plan.stages),
-                    num_microbatches=plan.num_microbatches, memory=memory, shard_mib=tuple(shards),
-                    interleave=int(getattr(plan, "interleave", 1)),  # plans before format v3: not interleaved
-                    precision=str(getattr(plan, "precision", "") or ""))

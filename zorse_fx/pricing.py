@@ -26,7 +26,6 @@ from .ir.costs import BlockCosts
 from .ir.devices import DeviceGraph
 from .options import PlanOptions
 from .options import checked_policy as _policy
-from .plan_build import plan_decision
 from .precision import PrecisionPolicy, check_supported, default_precision
 from .sim.engine import SimResult, simulate
 
@@ -242,7 +241,7 @@ def simulate_plan(plan, priced: PricedModel, *, p2p: str = "nccl") -> SimResult:
     _check_precision(plan, priced)
     options = options_for_plan(plan, profiles=priced.options.profiles)
     costs = plan_costs(plan, priced.costs)
-    return simulate(costs, priced.devices, options, plan_decision(plan, costs), p2p=p2p)
+    return simulate(costs, priced.devices, options, plan.decision(costs), p2p=p2p)
 
 
 def evaluate_plan(plan, priced: PricedModel):
@@ -259,7 +258,7 @@ def evaluate_plan(plan, priced: PricedModel):
     _check_precision(plan, priced)
     options = options_for_plan(plan, profiles=priced.options.profiles, allow_idle_gpus=True)
     costs = plan_costs(plan, priced.costs)
-    return evaluate(costs, priced.devices, options, plan_decision(plan, costs))
+    return evaluate(costs, priced.devices, options, plan.decision(costs))
 
 
 def _check_precision(plan, priced: PricedModel) -> None:

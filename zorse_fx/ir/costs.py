@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["BlockCosts", "TiedParam", "FORWARD_SHARE"]
+__all__ = ["BlockCosts", "TiedParam", "FORWARD_SHARE", "extra_copies", "unique_params", "shardable_kib"]
 
 #: The forward's share of a block's forward + backward time where the cost
 #: model gives no split of its own (``BlockCosts.fwd_s_per_sample`` missing a
@@ -262,3 +262,37 @@ class BlockCosts:
         ``param_bytes_per_param16`` per 16-bit working weight."""
         q = self.param16(b)
         return self.param_bytes_per_param * (self.param_count[b] - q) + self.param_bytes_per_param16 * q
+
+
+def extra_copies(tied_blocks, i: int, j: int) -> list[tuple[int, int]]:
+    """``[(t, c - 1)]`` for every tied parameter t (``tied_blocks[t]``: the
+    blocks that read it) of which blocks [i, j) hold c >= 2 blocks: the
+    copies a stage over those blocks holds once, not c times."""
+    out = []
+    for t, blocks in enumerate(tied_blocks):
+        c = sum(1 for b in blocks if i <= b < j)
+        if c > 1:
+            out.append((t, c - 1))
+    return out
+
+
+def unique_params(costs, i: int = 0, j: int | None = None) -> int:
+    """Parameters of blocks [i, j) (default: all) of ``costs`` (a ``BlockCosts``),
+    each tied parameter counted once."""
+    j = costs.num_blocks if j is None else j
+    blocks = [tp.blocks for tp in costs.tied_params]
+    return sum(costs.param_count[i:j]) - sum(c * costs.tied_params[t].numel for t, c in extra_copies(blocks, i, j))
+
+
+def shardable_kib(costs, i: int, j: int, unit_bytes: int) -> int:
+    """Shardable state Q_s of blocks [i, j) of ``costs`` (a ``BlockCosts``) in
+    units of ``unit_bytes`` (``solve.tables.MEMORY_UNIT_BYTES``), rounded as
+    ``build_tables`` rounds it: per block UP, less each extra tied copy
+    (``extra_copies``) rounded DOWN; equal to
+    ``solve.state_terms.stage_state_kib(tab, i, j)[1]`` of the tables built
+    from ``costs``. For a caller holding a ``BlockCosts``
+    and no tables (``Plan.decision``'s equal shards)."""
+    sh = costs.shardable_bytes_per_param  # a tied parameter is float32 ([Note: 16-bit working weights])
+    q = sum(-(-costs.shardable_bytes(b) // unit_bytes) for b in range(i, j))
+    blocks = [tp.blocks for tp in costs.tied_params]
+    return q - sum(c * (int(sh * costs.tied_params[t].numel) // unit_bytes) for t, c in extra_copies(blocks, i, j))

@@ -247,7 +247,7 @@ import math
 from collections import defaultdict, deque
 from dataclasses import dataclass
 
-from ..ir.costs import BlockCosts
+from ..ir.costs import BlockCosts, unique_params
 from ..ir.decision import Decision
 from ..ir.devices import DeviceGraph
 from ..ir.memory import StageMemory
@@ -256,7 +256,7 @@ from ..ir.schedule import make_schedule
 from ..options import PlanOptions
 from ..solve.objective import (MEMORY_UNIT_BYTES, MIB_UNITS, offload_device_kib, prepare,
                                sharded_state_kib)
-from ..solve.state_terms import offload_replicated_kib, stage_state_kib, transient_kib, unique_params
+from ..solve.state_terms import offload_replicated_kib, stage_state_kib, transient_kib
 from .gloo import paced_transfer_s
 from .network import FlowResources, link_resource, max_min_rates, ring
 from .sync import gradient_sync

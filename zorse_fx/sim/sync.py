@@ -11,11 +11,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ..ir.buckets import bucket_caps
-from ..ir.costs import BlockCosts
+from ..ir.costs import BlockCosts, unique_params
 from ..ir.devices import DeviceGraph
 from ..solve.objective import GRAD_BUCKET_BYTES_PER_PARAM as _FP32
 from ..solve.objective import MEMORY_UNIT_BYTES, MIB_UNITS
-from ..solve.state_terms import unique_params
 from ..solve.tables import OFFLOAD_BYTES_PER_PARAM, OFFLOAD_LINK_BYTES
 from .gloo import allgather_program, allreduce_program, paced_transfer_s, replay
 from .network import FlowResources, Ring, gloo_unequal_allgather_s, ring

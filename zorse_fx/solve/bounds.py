@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..ir.costs import BlockCosts
+from ..ir.costs import BlockCosts, extra_copies, unique_params
 from ..ir.devices import DeviceGraph
 from ..options import PlanOptions
 from .objective import IntTables, fmt_bytes, max_stage_count, microbatch_candidates
-from .state_terms import extra_copies, unique_params
 from .tables import _prefix
 
 __all__ = ["throughput_lower_bound", "throughput_bound_s", "explain_infeasible", "stage_count_lower_bound",

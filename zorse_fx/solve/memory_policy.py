@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..ir.costs import extra_copies
 from ..ir.memory import StageMemory
 from ..options import SCHEDULES
-from .state_terms import (extra_copies, gathered_weight_kib, grad_shard_kib, stage_host_kib, stage_state_kib,
-                          transient_kib)
+from .state_terms import gathered_weight_kib, grad_shard_kib, stage_host_kib, stage_state_kib, transient_kib
 from .tables import MIB_UNITS, IntTables
 
 __all__ = ["inflight", "MemoryPolicy", "act_units", "act_host_units", "act_xfer_units", "balance_shards",

@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["grad_transient_kib", "grad_transient_matrix", "transient_kib", "extra_copies", "stage_state_kib", "stage_optim_units", "extra_copies_matrix", "unique_params",
-           "shardable_kib", "grad_shard_kib", "block_weight_kib", "gathered_weight_kib",
+from ..ir.costs import extra_copies
+
+__all__ = ["grad_transient_kib", "grad_transient_matrix", "transient_kib", "stage_state_kib", "stage_optim_units",
+           "extra_copies_matrix", "grad_shard_kib", "block_weight_kib", "gathered_weight_kib",
            "gathered_weight_matrix", "GATHERED_UNITS", "max_window_sum", "stage_host_kib", "offload_host_kib",
            "offload_replicated_kib"]
 
@@ -83,18 +85,6 @@ def grad_transient_matrix(tab) -> np.ndarray:
         if tab.tied_gt3_kib and tab.tied_gt3_kib[t]:
             g = np.maximum(g, np.where((ii <= b[0]) & (jj > b[-1]), tab.tied_gt3_kib[t], 0))
     return g
-
-
-def extra_copies(tied_blocks, i: int, j: int) -> list[tuple[int, int]]:
-    """``[(t, c - 1)]`` for every tied parameter t (``tied_blocks[t]``: the
-    blocks that read it) of which blocks [i, j) hold c >= 2 blocks: the
-    copies a stage over those blocks holds once, not c times."""
-    out = []
-    for t, blocks in enumerate(tied_blocks):
-        c = sum(1 for b in blocks if i <= b < j)
-        if c > 1:
-            out.append((t, c - 1))
-    return out
 
 
 def stage_state_kib(tab, i: int, j: int) -> tuple[int, int]:
@@ -166,27 +156,6 @@ def extra_copies_matrix(tied_blocks, num_blocks: int) -> list[tuple[int, np.ndar
             held += ((idx[:, None] <= b) & (idx[None, :] > b)).astype(np.int64)
         out.append((t, np.maximum(held - 1, 0)))
     return out
-
-
-def unique_params(costs, i: int = 0, j: int | None = None) -> int:
-    """Parameters of blocks [i, j) (default: all) of ``costs`` (a ``BlockCosts``),
-    each tied parameter counted once."""
-    j = costs.num_blocks if j is None else j
-    blocks = [tp.blocks for tp in costs.tied_params]
-    return sum(costs.param_count[i:j]) - sum(c * costs.tied_params[t].numel for t, c in extra_copies(blocks, i, j))
-
-
-def shardable_kib(costs, i: int, j: int, unit_bytes: int) -> int:
-    """Shardable state Q_s of blocks [i, j) of ``costs`` (a ``BlockCosts``) in
-    units of ``unit_bytes`` (``objective.MEMORY_UNIT_BYTES``), rounded as
-    ``build_tables`` rounds it: per block UP, less each extra tied copy
-    (``extra_copies``) rounded DOWN; equal to ``stage_state_kib(tab, i, j)[1]``
-    of the tables built from ``costs``. For a caller holding a ``BlockCosts``
-    and no tables (``plan_build.plan_decision``'s equal shards)."""
-    sh = costs.shardable_bytes_per_param  # a tied parameter is float32 ([Note: 16-bit working weights])
-    q = sum(-(-costs.shardable_bytes(b) // unit_bytes) for b in range(i, j))
-    blocks = [tp.blocks for tp in costs.tied_params]
-    return q - sum(c * (int(sh * costs.tied_params[t].numel) // unit_bytes) for t, c in extra_copies(blocks, i, j))
 
 
 def grad_shard_kib(tab, i: int, j: int) -> tuple[int, int, int]:
