@@ -203,11 +203,11 @@ def measure_layouts(layouts=LAYOUTS) -> list[dict]:
     from conftest import fixed_decision
     from zorse_fx.capture import capture
     from zorse_fx.cluster import Cluster
+    from zorse_fx.ir.memory import StageMemory
     from zorse_fx.models.hf import CausalLMWithLoss
     from zorse_fx.options import PlanOptions
     from zorse_fx.planner import plan_fixed
     from zorse_fx.pricing import price
-    from zorse_fx.ir.memory import StageMemory
     from zorse_fx.solve.objective import build_tables, sharded_state_kib
 
     torch.manual_seed(0)

@@ -230,8 +230,8 @@ def test_one_stage_holds_a_tied_embedding_once(dropout_plan, lee_bytes, tmp_path
     once, as the planner's P_s, Q_s count it ([C-tied]: ``ir.costs.unique_params``),
     not once per block that reads it."""
     from zorse_fx.cost.roofline import block_costs
-    from zorse_fx.precision import precision_policy
     from zorse_fx.ir.costs import unique_params
+    from zorse_fx.precision import precision_policy
 
     plan, weights = dropout_plan
     torch.manual_seed(0)

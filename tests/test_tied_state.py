@@ -189,8 +189,8 @@ def test_shardable_kib_from_costs_equals_the_tables():
     split an old plan's sharded state equally) rounds as ``build_tables`` does:
     equal to the tables' Q_s of every block range, and to the hand count where
     the stage holds both tied blocks."""
-    from zorse_fx.solve.objective import MEMORY_UNIT_BYTES
     from zorse_fx.ir.costs import shardable_kib
+    from zorse_fx.solve.objective import MEMORY_UNIT_BYTES
     from zorse_fx.solve.state_terms import stage_state_kib
     costs = _costs()
     tab = build_tables(costs, _one_gpu(80 * 2**30), solver_options(global_batch_size=2), 1)

@@ -51,9 +51,9 @@ import numpy as np
 from ..errors import InfeasiblePlanError
 from ..ir.costs import BlockCosts
 from ..ir.devices import DeviceGraph
+from ..ir.memory import StageMemory
 from ..ir.result import Candidate, SolverResult
 from ..options import PlanOptions
-from ..ir.memory import StageMemory
 from ..solve.memory_policy import uniform_memory
 from ..solve.objective import (
     MIB_UNITS,

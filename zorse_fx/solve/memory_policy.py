@@ -158,13 +158,13 @@ def fill_policy(tab: IntTables, stage_blocks, stage_gpus, samples, *, memory) ->
     shards proportional to the free memory: ``evaluate`` then reports the breach)."""
     n_s = len(stage_blocks)
     memory = tuple(memory)
-    shards = [stage_shards(tab, s, n_s, blocks, gpus, ns, mem) if mem.zero else ()
+    shards = [_stage_shards(tab, s, n_s, blocks, gpus, ns, mem) if mem.zero else ()
               for s, (blocks, gpus, ns, mem) in enumerate(zip(stage_blocks, stage_gpus, samples, memory))]
     return MemoryPolicy(memory, tuple(shards))
 
 
-def stage_shards(tab: IntTables, s: int, n_s: int, blocks: tuple[int, int], gpus, samples,
-                 mem: StageMemory) -> tuple[int, ...]:
+def _stage_shards(tab: IntTables, s: int, n_s: int, blocks: tuple[int, int], gpus, samples,
+                  mem: StageMemory) -> tuple[int, ...]:
     """``fill_policy``'s shards (MiB, one per GPU of ``gpus``) of sharded stage
     ``s`` of ``n_s`` over ``blocks`` = [i, j) with ``samples`` per GPU."""
     i, j = blocks
