@@ -270,7 +270,7 @@ def make_plans(case: Case, cluster_file: Path, profiles: dict[str, str], work: P
     from zorse_fx.planner import plan_fixed, solve_plan
     from zorse_fx.pricing import price
     from zorse_fx.sim import simulate
-    from zorse_fx.solve import SolverResult, evaluate
+    from zorse_fx.solve import SolverResult, StageMemory, evaluate
     from zorse_fx.solve.objective import evaluate_result
 
     cluster = Cluster.from_yaml(cluster_file)
@@ -296,11 +296,12 @@ def make_plans(case: Case, cluster_file: Path, profiles: dict[str, str], work: P
     for name, res in results.items():
         d = res.decision
         key = repr((d.stage_blocks, d.stage_gpus, d.samples_per_microbatch, d.num_microbatches, d.interleave,
-                    tuple((m.zero >= 1, m.recompute) for m in d.memory)))
+                    tuple(m.zero >= 1 for m in d.memory), tuple(m.recompute for m in d.memory)))
         merged.setdefault(key, ([], res))[0].append(name)
     if case.memory_base_mib is not None:  # (c): zorse_fx's decision with every stage's state replicated
         ours = results["zorse_fx"].decision
-        replicated = ours.without_policy()
+        replicated = dataclasses.replace(ours, memory=tuple(StageMemory(recompute=m.recompute) for m in ours.memory),
+                                         shard_mib=None)
         if any(m.zero or m.optimizer == "host" for m in ours.memory):
             res = SolverResult.from_evaluation(evaluate(costs, devices, dataclasses.replace(
                 opts, sharding="auto", recompute="auto"), replicated), options=opts, status="FIXED", best_bound=0.0)
