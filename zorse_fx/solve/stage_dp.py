@@ -356,9 +356,9 @@ class _Stages(StageMatrices):
     def _fits_offload(self, g, fl: int, not_first: bool, variant: StageMemory):
         """[C-memory], [C-shard] and [C-host-memory] of a variant with an offload ([C-offload],
         [C-act-offload]), all (i, j) (as ``objective.fill_policy`` and ``evaluate_units``)."""
-        act_offload, recompute = variant.activations == "host", variant.recompute
+        host_acts, recompute = variant.activations == "host", variant.recompute
         # Host memory per GPU: the in-flight activations, then the offloaded optimizer state.
-        hfree = [hc - (fl * n * self.act if act_offload else 0) for n, hc in zip(g["samples"], g["hcap"])]
+        hfree = [hc - (fl * n * self.act if host_acts else 0) for n, hc in zip(g["samples"], g["hcap"])]
         ok = np.ones_like(self.valid)
         for f in hfree:
             ok &= f >= 0
@@ -366,7 +366,7 @@ class _Stages(StageMatrices):
             return ok & self.fits(g["mem"], fl, not_first, variant)
 
         def act(n):  # on the GPU, with [Note: gradient transients]
-            return (n * self.act if act_offload else self.act_kib(n, fl, not_first, recompute)) + self.transient(n)
+            return (n * self.act if host_acts else self.act_kib(n, fl, not_first, recompute)) + self.transient(n)
 
         rep, need = self.layout(variant.zero) if variant.zero else (self.off_rep, None)
         for (n, cap), _ in g["mem"]:  # the optimizer's state in host memory (a shard's gradients / weights: below)
