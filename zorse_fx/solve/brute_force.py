@@ -76,6 +76,9 @@ def solve_brute_force(costs: BlockCosts, devices: DeviceGraph, options: PlanOpti
     rcs = modes[options.recompute]
     ofs = modes[options.offload] if host or options.offload == "always" else (False,)
     aos = modes[options.activation_offload] if host or options.activation_offload == "always" else (False,)
+    # each allowed (ZeRO level, recompute, optimizer offload, activation offload) as its record, made once
+    records = {(z, rc, of, ao): StageMemory(zero=z, recompute=rc, optimizer=_PLACE[of], activations=_PLACE[ao])
+               for z in layouts for rc in rcs for of in ofs for ao in aos if not (ao and (rc or z >= 2))}
     best, cands = None, []
     for n_s in range(1, k_max + 1):
         for m in ms:
@@ -101,9 +104,7 @@ def solve_brute_force(costs: BlockCosts, devices: DeviceGraph, options: PlanOpti
                                     itertools.product(aos, repeat=n_s)):
                                 if any(a and (rc or z >= 2) for a, rc, z in zip(acts, recompute, zeros)):
                                     continue  # [C-act-offload]: not with recomputation or ZeRO-2/3
-                                memory = tuple(StageMemory(zero=z, recompute=rc, optimizer=_PLACE[of],
-                                                           activations=_PLACE[a])
-                                               for z, rc, of, a in zip(zeros, recompute, offload, acts))
+                                memory = tuple(map(records.__getitem__, zip(zeros, recompute, offload, acts)))
                                 pol = fill_policy(tab, blocks, stage_gpus, samples, memory=memory)
                                 if mode_violations(options, stage_gpus, pol):
                                     continue
