@@ -2,7 +2,7 @@
 
     sudo .venv/bin/python bench/box_pacing.py [--cluster bench/clusters/box_b_wan_pairs.yaml]
         [--scales 0.25,0.5] [--sizes 16384,65536,262144,1048576,4194304] [--offsets -0.5,0.3]
-        [--settle 5] [--reps 5] [--both-ways] [--out bench/results/box_pacing.json]
+        [--settle 6] [--reps 6] [--both-ways] [--control] [--out bench/results/box_pacing.json]
 
 Per scale, brings up the box of the cluster file (``zorse_fx.box.Box``, TCP tuned as bench/box.py's cases:
 [Note: the box's TCP tuning]), starts two Gloo ranks, one on the file's first node and one on the first node
@@ -10,18 +10,19 @@ of the other region, and for each offset and size sends ``--settle`` + ``--reps`
 the second as the runtime sends an activation (``batch_isend_irecv``), the receive posted ``offset`` s after
 the send (-0.5: its ready long there when the send is posted; 0.3: the send waits for it), one message a
 second: the connection carries one message at a time, as a pipeline's boundary connection does (with
-``--both-ways`` the same size goes back 0.1 s after each receipt, as a gradient does); each case on a fresh
-connection (a new process group; ``tcp_no_metrics_save`` = 1 in both nodes: no window inherited). Timed: from
-when the data may leave (the later of the send's post and the ready's arrival, receive post + d) to the data
-received (the host's one clock), the median of the last ``--reps`` (the first ``--settle`` let the congestion
-window settle). After each case the sender reads its connections to the receiver with ``ss -tin``; the case's
-own is the one not there before (cwnd, pacing rate, smoothed RTT). Beside each median: the link's ``d + bytes
-/ bw`` and the simulator's ``d + paced_transfer_s(bytes, bw, 2 d)`` ([Note: TCP pacing of a message] in
-zorse_fx/sim/gloo.py, whose constant is fitted to this benchmark's medians). Proves: how long one message
-takes on the box's delay line by size, round trip and which end posted first, and so the simulator's pacing
-law. Cannot prove: a real WAN's (loss, cross traffic, another congestion control or qdisc), nor NCCL's
-sockets, nor a connection that also carries other traffic (in training the pipeline's pairs carry the world's
-collectives too).
+``--both-ways`` the same size goes back 0.1 s after each receipt, as a gradient does; with ``--control`` a
+one-element all-reduce and a 512 B all-gather follow each message on the same connection, as a training step's
+world collectives do); each case on a fresh connection (a new process group; ``tcp_no_metrics_save`` = 1 in
+both nodes: no window inherited). Timed: from when the data may leave (the later of the send's post and the
+ready's arrival, receive post + d) to the data received (the host's one clock), the median of the last
+``--reps`` (the first ``--settle`` let the congestion window settle). After each case the sender reads its
+connections to the receiver with ``ss -tin``; the case's own is the one not there before (cwnd, pacing rate,
+smoothed RTT). Beside each median: the link's ``d + bytes / bw`` and the simulator's ``d +
+paced_transfer_s(bytes, bw, 2 d)`` ([Note: TCP pacing of a message] in zorse_fx/sim/gloo.py, whose constant is
+fitted to this benchmark's medians). Proves: how long one message takes on the box's delay line by size, round
+trip and which end posted first, and so the simulator's pacing law. Cannot prove: a real WAN's (loss, cross
+traffic, another congestion control or qdisc), nor NCCL's sockets, nor a connection that also carries other
+traffic (in training the pipeline's pairs carry the world's collectives too).
 """
 from __future__ import annotations
 
@@ -44,15 +45,16 @@ import json, socket, subprocess, sys, time
 import torch
 import torch.distributed as dist
 
-rank, addr, peer, sizes, settle, reps, offsets, both = (
+rank, addr, peer, sizes, settle, reps, offsets, both, control = (
     int(sys.argv[1]), sys.argv[2], sys.argv[3], [int(s) for s in sys.argv[4].split(",")], int(sys.argv[5]),
-    int(sys.argv[6]), [float(s) for s in sys.argv[7].split(",")], sys.argv[8] == "1")
+    int(sys.argv[6]), [float(s) for s in sys.argv[7].split(",")], sys.argv[8] == "1", sys.argv[9] == "1")
 dist.init_process_group("gloo", init_method=f"tcp://{addr}:29537", rank=rank, world_size=2)
 when = torch.zeros(1, dtype=torch.float64)
 out = {}
 for offset in offsets:  # the receive posted `offset` s after the send (negative: before)
     for size in sizes:
         buf = torch.zeros(size // 4)
+        rows = [torch.zeros(128) for _ in range(2)]
         group = dist.new_group([0, 1])  # a fresh connection per case: its window grown by this case alone
         stamps = []
         for k in range(settle + reps):
@@ -71,6 +73,10 @@ for offset in offsets:  # the receive posted `offset` s after the send (negative
                 op = dist.P2POp(dist.isend if rank == 1 else dist.irecv, buf, 1 - rank, group)
                 for w in dist.batch_isend_irecv([op]):
                     w.wait()
+            if control:  # the training step's world collectives on the same connection: a one-element
+                # all-reduce (the gradient norm) and a 512-byte-per-rank all-gather (the ranks' records)
+                dist.all_reduce(torch.ones(1), group=group)
+                dist.all_gather(rows, torch.ones(128), group=group)
         dist.barrier()
         ss = ""
         if rank == 0:  # the sender's connections to the receiver, as the kernel sees them now
@@ -116,6 +122,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--both-ways", action="store_true",
                     help="after each message the same size back, 0.1 s after its receipt (a pipeline's "
                          "activation and gradient on one connection)")
+    ap.add_argument("--control", action="store_true",
+                    help="after each message a one-element all-reduce and a 512 B-per-rank all-gather on the "
+                         "same connection (a training step's world collectives)")
     ap.add_argument("--offsets", default="-0.5,0.3",
                     help="seconds from the send's post to the receive's (negative: the receive posted first)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "box_pacing.json"))
@@ -148,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
                     subprocess.run(box.command(node, ["sysctl", "-qw", "net.ipv4.tcp_no_metrics_save=1"]), check=True)
                 env = dict(os.environ, OMP_NUM_THREADS="1")
                 worker_args = [first, second, args.sizes, str(args.settle), str(args.reps), args.offsets,
-                        "1" if args.both_ways else "0"]
+                        "1" if args.both_ways else "0", "1" if args.control else "0"]
                 procs = [box.spawn(node, [sys.executable, str(worker), str(r), *worker_args],
                                    env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
                          for r, node in enumerate((first, second))]
@@ -179,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": "bench/box_pacing.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "cluster": args.cluster, "from": first, "to": second, "settle": args.settle, "reps": args.reps,
-        "offsets": args.offsets, "both_ways": args.both_ways,
+        "offsets": args.offsets, "both_ways": args.both_ways, "control": args.control,
         "cases": cases}, indent=1) + "\n")
     return 0
 
