@@ -67,24 +67,25 @@ def plan_table(plan: Plan) -> str:
     for col in cols:
         t.add_column(col, justify="left" if col in ("blocks: layers", "GPU @ node", "optimizer state") else "right")
     for s in plan.stages:
-        shards = s.shard_ranges(s.num_parameters) if s.sharded else ()
+        mem = s.memory  # the stage's memory policy (ir/memory.py)
+        shards = s.shard_ranges(s.num_parameters) if mem.zero else ()
         for i, g in enumerate(s.gpus):
             first = i == 0
-            if s.sharded:
+            if mem.zero:
                 a, b = shards[i]
                 pct = f"{(b - a) / s.num_parameters:.0%}" if s.num_parameters else "-"
                 state = (f"sharded {g.state_shard_bytes / GIB:.2f} GiB ({pct})" if g.state_shard_bytes
-                         else f"sharded ({pct})") + (", ZeRO-3" if s.param_sharded else ", ZeRO-2" if s.grad_sharded else "") + (
+                         else f"sharded ({pct})") + (f", ZeRO-{mem.zero}" if mem.zero >= 2 else "") + (
                     ", 16-bit weights" if s.low_precision_params else "")
             else:
                 state = "replicated"
-            if s.offload_optimizer or s.offload_activations:
-                what = "offloaded" if not s.offload_activations else (
-                    "offloaded, activations too" if s.offload_optimizer else "activations offloaded")
+            if mem.optimizer == "host" or mem.activations == "host":
+                what = "offloaded" if mem.activations == "device" else (
+                    "offloaded, activations too" if mem.optimizer == "host" else "activations offloaded")
                 state += f", {what} ({g.predicted_host_memory_bytes / GIB:.2f} GiB host)"
             name = str(s.index) + (f" g{s.index % plan.num_groups}" if plan.interleave > 1 else "")
             t.add_row(
-                (f"{name} (recompute)" if s.recompute else name) if first else "",
+                (f"{name} (recompute)" if mem.recompute else name) if first else "",
                 f"[{s.blocks[0]}, {s.blocks[1]}): {s.label}" if first else "",
                 f"{s.num_parameters / 1e6:.1f}M" if first else "",
                 str(g.rank),
@@ -128,18 +129,18 @@ def plan_table(plan: Plan) -> str:
                     f"optimizer-state shards"
                     # the bytes of a ZeRO-1 stage; ZeRO-2/3 shard the gradients / weights too (their own lines)
                     + (": 6 + 12/k B per parameter on k GPUs instead of 10 + 8/k on ZeRO-1 stages"
-                       if any(not s.grad_sharded for s in low) else "") + ")")
+                       if any(s.memory.zero < 2 for s in low) else "") + ")")
     for chosen, what, how in (
-            ([s for s in plan.stages if s.param_sharded], "Sharded parameters (ZeRO-3)",
+            ([s for s in plan.stages if s.memory.zero == 3], "Sharded parameters (ZeRO-3)",
              "each GPU keeps its shard of the working weights, every block's gathered before its forward and again "
              "for its backward"),
-            ([s for s in plan.stages if s.offload_optimizer], "Optimizer offloaded",
+            ([s for s in plan.stages if s.memory.optimizer == "host"], "Optimizer offloaded",
              "AdamW moments and float32 masters in host memory, stepped on the CPU (each step: gradients to the "
              "host, weights back over the host link)"),
-            ([s for s in plan.stages if s.offload_activations], "Activations offloaded",
+            ([s for s in plan.stages if s.memory.activations == "host"], "Activations offloaded",
              "what autograd saves waits in host memory between a micro-batch's forward and backward (one "
              "micro-batch's on the GPU)"),
-            ([s for s in plan.stages if s.grad_sharded and not s.param_sharded], "Sharded gradients (ZeRO-2)",
+            ([s for s in plan.stages if s.memory.zero == 2], "Sharded gradients (ZeRO-2)",
              "every micro-batch's gradients reduced to the shard owners, 4/k B per parameter on k GPUs instead of "
              "4 on each")):
         if chosen:

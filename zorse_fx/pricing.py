@@ -277,7 +277,7 @@ def plan_costs(plan, costs: BlockCosts) -> BlockCosts:
         return costs
     keep = list(costs.param16_count)
     for st in plan.stages:
-        if st.sharded and len(st.gpus) > 1 and not st.low_precision_params:
+        if st.memory.zero and len(st.gpus) > 1 and not st.low_precision_params:
             for b in range(*st.blocks):
                 keep[b] = 0
     return costs if keep == list(costs.param16_count) else dataclasses.replace(costs, param16_count=tuple(keep))

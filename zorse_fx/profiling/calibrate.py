@@ -258,7 +258,7 @@ def _priced_parts(plan, costs, devices, rank: int):
         fp, fq = fp + a, fq + b
         bp += m * n * sum(fb_ps[i] - f_ps[i] for i in blocks)
         bq += m * sum(fb_fx[i] - f_fx[i] for i in blocks)
-        if st.recompute:
+        if st.memory.recompute:
             rp, rq = rp + a, rq + b
     return (fp, fq), (bp, bq), (rp, rq)
 

@@ -179,13 +179,14 @@ class StageOptimizer:
                  precision: PrecisionPolicy | None = None):
         self.stage = stage
         plan_stage = stage.stage
+        memory = stage.memory  # the stage's memory policy (ir/memory.py)
         #: [Note: optimizer offload]: the stepped tensors and AdamW state in host memory.
-        self.offload = bool(getattr(plan_stage, "offload_optimizer", False))
+        self.offload = memory.optimizer == "host"
         self.host = torch.device("cpu")
         #: Offload: (host tensor AdamW steps, the GPU tensor it is written back to) per copied tensor.
         self._host_copies: list[tuple[torch.Tensor, torch.Tensor]] = []
         #: ZeRO-1 on this rank.
-        self.zero1 = plan_stage.sharded and len(plan_stage.gpus) > 1
+        self.zero1 = memory.zero >= 1 and len(plan_stage.gpus) > 1
         #: ZeRO-3: the stage's unit gathers ([Note: sharded parameters] in param_shard.py).
         self.param_shards: ParamShards | None = None
         self.shard_group = shard_group if self.zero1 else None
@@ -233,12 +234,12 @@ class StageOptimizer:
             return
         pos = stage.position
         #: ZeRO-3 ([Note: sharded parameters] in param_shard.py): each buffer holds only the owned range.
-        self.zero3 = bool(plan_stage.param_sharded)
+        self.zero3 = memory.zero == 3
         # ZeRO-2: the buffer in forward order (first use), so the backward completes its gradient buckets
         # from the end to the start, one at a time ([Note: sharded gradients] in grad_sync.py); ZeRO-3:
         # in unit order first, so that a unit is one range of each buffer.
         first = ({id(getattr(stage.module, flat)): k for flat, k in stage.first_use().items()}
-                 if plan_stage.grad_sharded else None)
+                 if memory.zero >= 2 else None)
         if first is not None and self.zero3:
             unit_of = {id(getattr(stage.module, flat)): u
                        for u, flats in enumerate(getattr(type(stage.module), "UNITS", ())) for flat in flats

@@ -71,7 +71,7 @@ from ..codegen.split import load_stage_source
 from ..errors import RuntimeExecutionError, WeightsFileError, short_repr
 from ..ir.p2p import routes
 from ..ir.tensor import as_run, on_wire
-from ..plan import Plan, StagePlan
+from ..plan import Plan, StagePlan, stage_memory
 from ..precision import PrecisionPolicy
 from ..stage_sources import source_sha256
 from .comm import pack, torch_dtype, unpack
@@ -144,6 +144,8 @@ class StageRuntime:
         self.device = device
         self.precision = precision
         self.stage: StagePlan = plan.stages[index]
+        #: Its memory policy (ZeRO level, recomputation, offload: ``ir/memory.py``), read once.
+        self.memory = stage_memory(self.stage)
         self.index = index
         # The boundary tensors as the stage computes them under the run's policy (the plan
         # recorded them under its own: ``as_run``), and as sent and received ([Note: 16-bit
@@ -197,7 +199,7 @@ class StageRuntime:
         """The context of a forward autograd records: under ZeRO-3 the saved working weights are
         re-gathered when the backward reads them; with activation offload the other saved tensors
         wait in host memory."""
-        if getattr(self.stage, "offload_activations", False):
+        if self.memory.activations == "host":
             if self.act_offload is None:
                 from .act_offload import ActivationOffload
 
@@ -356,7 +358,7 @@ class StageRuntime:
         Returns (the weighted loss ``l_{g,m} w_{g,m}``, a 0-dim float32 tensor
         on the last stage, else None; one packed buffer per out-route)."""
         last = self.next is None
-        recompute = self.stage.recompute
+        recompute = self.memory.recompute
         inputs = self._inputs(m, batch)
         recv = [t.to(torch_dtype(spec)) for t, spec in
                 zip(self._unpack_rows(self.recv_wire, self.in_routes, received), self.recv_specs, strict=True)
@@ -388,9 +390,9 @@ class StageRuntime:
         buffer per out-route; returns one per in-route."""
         last = self.next is None
         if last and not self.loss_weights[m]:  # no counted token: nothing to back-propagate, zero gradients
-            recv = self._stash.pop(m)[1 if self.stage.recompute else 0]
+            recv = self._stash.pop(m)[1 if self.memory.recompute else 0]
             out = None
-        elif self.stage.recompute:
+        elif self.memory.recompute:
             inputs, recv, rng = self._stash.pop(m)
             for t in recv:
                 if t.is_floating_point():

@@ -180,7 +180,7 @@ class StageWorker:
                                        bucket_bytes=plan.grad_bucket_bytes,  # what the planner priced
                                        main_grad=[p for opt in self.optimizers for p in opt.low_params],
                                        shard_buffers=[(st, opt.buffers) for st, opt in zip(self.stages, self.optimizers)
-                                                      if opt.zero1 and st.stage.grad_sharded])
+                                                      if opt.zero1 and st.stage.memory.zero >= 2])
         for opt in self.optimizers:
             opt.grad_of = self.reducer.grad_of
             opt.piece_grad = self.reducer.piece_grad
@@ -257,7 +257,7 @@ class StageWorker:
         holders = holders_of(self.plan)
         keys = {k for k in holders.values() if len(k) > 1}
         # All-gather groups of the sharded stages (often equal to a reduction group: shared).
-        keys |= {tuple(sorted(s.ranks)) for s in self.plan.stages if s.sharded and len(s.gpus) > 1}
+        keys |= {tuple(sorted(s.ranks)) for s in self.plan.stages if s.memory.zero and len(s.gpus) > 1}
         # The last stage's GPUs sum a token-mean loss's counts ([Note: share-weighted gradients] in stage.py).
         last = tuple(sorted(self.plan.stages[-1].ranks))
         counted = self.plan.loss_reduction == "token_mean" and len(last) > 1
