@@ -113,25 +113,30 @@ def test_receivers_ready_waits_behind_data_on_the_reverse_connection():
 
 
 def test_a_message_moves_at_most_at_its_paced_window_per_round_trip():
-    """[Note: TCP pacing of a message]: two 1-GPU stages 10 ms apart each way on a 1 GB/s link, one
-    micro-batch, F 1 ms: the activation (1 MB) leaves at max(1, 0 + 10) = 10 ms, its latency ends at 20 ms,
-    and all but its first segment move at (1.8 MB + 14,480 B) / 20 ms = 90.7 MB/s, not the link's 1 GB/s:
-    it arrives (1 MB - 1,448 B) / 90.7 MB/s = 11.01 ms later. A link slower than that pace (1 MB/s) keeps
-    its own rate: 1 s."""
-    from zorse_fx.sim.gloo import INITIAL_WINDOW_BYTES, MSS_BYTES, PACED_WINDOW_MESSAGES
+    """[Note: TCP pacing of a message], [Note: a send's notice in flight]: two 1-GPU stages 10 ms apart each
+    way on a 1 GB/s link, one micro-batch, F and B 1.5 ms each per stage. The activation (1 MB, posted at 1.5
+    ms) leaves when stage 1's ready (posted at 0) arrives, 10 ms: within a round trip of its post, so its
+    window is 2.54 messages: all but its first segment at (2.54 MB + 14,480 B) / 20 ms = 127.7 MB/s, not the
+    link's 1 GB/s, arriving 20 ms + (1 MB - 1,448 B) / 127.7 MB/s = 27.82 ms. The gradient back (stage 0's
+    receive posted at 1.5 ms, long ready) leaves when posted and moves with 1.8 messages: (1 MB - 1,448 B)
+    / 90.7 MB/s = 11.01 ms after its latency. A link slower than either pace (1 MB/s) keeps its own rate:
+    1 s. NCCL's model paces nothing."""
+    from zorse_fx.sim.gloo import INITIAL_WINDOW_BYTES, MSS_BYTES, NOTIFIED_WINDOW_MESSAGES, PACED_WINDOW_MESSAGES
 
     costs = BlockCosts(fwd_bwd_s_per_sample={"A": (3 * D, 3 * D)}, param_count=(0, 0),
                        act_bytes_per_sample=(100, 100), cut_bytes_per_sample=(0, 1_000_000, 0))
     dec = Decision(stage_blocks=((0, 1), (1, 2)), stage_gpus=((0,), (1,)), samples_per_microbatch=((1,), (1,)),
                    num_microbatches=1)
     opts = solver_options(global_batch_size=1)
+    notified = (1e6 - MSS_BYTES) * 20 * D / (NOTIFIED_WINDOW_MESSAGES * 1e6 + INITIAL_WINDOW_BYTES)
     paced = (1e6 - MSS_BYTES) * 20 * D / (PACED_WINDOW_MESSAGES * 1e6 + INITIAL_WINDOW_BYTES)
-    assert paced == pytest.approx(11.01e-3, rel=1e-3)
-    for link, took in ((1e9, paced), (1e6, 1.0)):
+    assert (notified, paced) == pytest.approx((7.82e-3, 11.01e-3), rel=1e-3)
+    for link, fwd_took, bwd_took in ((1e9, notified, paced), (1e6, 1.0, 1.0)):
         devices = make_devices(["A", "A"], ["n0", "n1"], [1 << 30] * 2, [1e12] * 2, inter=(link, 10 * D))
         sim = simulate(costs, devices, opts, dec, p2p="gloo")
-        (fwd,) = [e for e in sim.events if e.kind == "send" and e.gpu == 0]
-        assert fwd.end_s == pytest.approx(20 * D + took, rel=1e-9)
+        sends = {e.gpu: e for e in sim.events if e.kind == "send"}
+        assert sends[0].end_s == pytest.approx(20 * D + fwd_took, rel=1e-9)
+        assert sends[1].end_s - sends[1].start_s == pytest.approx(10 * D + bwd_took, rel=1e-9)
         nccl = simulate(costs, devices, opts, dec, p2p="nccl")
         (fwd,) = [e for e in nccl.events if e.kind == "send" and e.gpu == 0]
         assert fwd.end_s - fwd.start_s == pytest.approx(10 * D + 1e6 / link, rel=1e-9)  # NCCL: not paced

@@ -516,7 +516,11 @@ class _Pipeline:
         if not bw > 0:
             raise ValueError(f"link bandwidth from GPU {src} to {dst} must be > 0, got {bw}")
         if self.gloo and nbytes > 0:  # [Note: TCP pacing of a message] in sim/gloo.py
-            bw = nbytes / paced_transfer_s(nbytes, bw, lat + max(devices.link_latency_s[dst][src], 0.0))
+            back = max(devices.link_latency_s[dst][src], 0.0)
+            # A send that waited for its ready and leaves within a round trip of its post: gloo's
+            # NOTIFY_SEND_READY still unacknowledged, its connection's window grown further.
+            notified = recv_t is not None and sent < recv_t + back < sent + lat + back
+            bw = nbytes / paced_transfer_s(nbytes, bw, lat + back, notified=notified)
         res = ((link_resource(devices, src, dst), bw), *self.resources.shared(src, dst))
         msg = _Msg(src, dst, s, m, fwd, nbytes, self.t if t0 is None else t0, ready, bw, res, key)
         if self.gloo and recv_t is not None:  # [Note: Gloo's ready behind data] in sim/gloo.py

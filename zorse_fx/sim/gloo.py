@@ -68,6 +68,20 @@ windows grow past one message). Not modelled: how a window that grew for larger 
 smaller ones on the same connection (a window only grows while slow start after idle is off: the box's
 tuning), nor the spread of one crossing between connections (a 512 KiB message took 0.39-0.47 s across
 runs).
+
+[Note: a send's notice in flight]
+gloo writes a NOTIFY_SEND_READY to the receiver when a send is posted (``Pair::send``, pair.cc). A send
+posted before its receiver's ready arrives waits; if the ready arrives within a round trip of the post,
+the data leaves while that notice is still unacknowledged, and such a connection's window settles larger.
+Measured by bench/box_pacing.py (box of box_b_wan_pairs.yaml at scale 0.25: d = 0.2 s, 31 MB/s; 512 KiB,
+30 messages per case on a fresh connection, /tmp/s60/pacing7.json, 2026-12-07, bench/LOG.md "TCP pacing
+across sizes and round trips"): the receive posted 0.1 s after the send (the ready arrives 0.3 s after it,
+the notice's acknowledgement 0.4 s after), window 2.54 x M and every message d + 0.161 s; the receive posted
+0.5 s before the send, window 1.78 x M and d + 0.259 s. In training on box (b) the same split: a send that
+waited so took d + 0.170 s by the run's 8th step, one whose receiver was long ready d + 0.214. So under
+``p2p="gloo"`` a pipeline message whose send waited for its ready and left within a round trip of its post
+moves with ``NOTIFIED_WINDOW_MESSAGES`` = 2.54 (that one reading) in place of ``PACED_WINDOW_MESSAGES``. The
+replayed collectives' messages keep ``PACED_WINDOW_MESSAGES`` (not measured so).
 """
 
 from __future__ import annotations
@@ -76,22 +90,27 @@ from collections import defaultdict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-__all__ = ["INITIAL_WINDOW_BYTES", "MSS_BYTES", "Op", "PACED_WINDOW_MESSAGES", "allgather_program",
-           "allreduce_program", "paced_transfer_s", "replay"]
+__all__ = ["INITIAL_WINDOW_BYTES", "MSS_BYTES", "NOTIFIED_WINDOW_MESSAGES", "Op", "PACED_WINDOW_MESSAGES",
+           "allgather_program", "allreduce_program", "paced_transfer_s", "replay"]
 
 #: [Note: TCP pacing of a message]: a connection's congestion window in its steady state above the initial
 #: window, in messages of the size it carries (fitted to bench/box_pacing.py's medians, 2026-12-07).
 PACED_WINDOW_MESSAGES = 1.8
+#: [Note: a send's notice in flight]: the window, in messages above the initial one, of a connection whose
+#: sends leave while their notice is unacknowledged (bench/box_pacing.py, 512 KiB at a 0.4 s round trip).
+NOTIFIED_WINDOW_MESSAGES = 2.54
 #: A TCP segment's payload on the box's (and Ethernet's) 1,500-byte MTU with timestamps: 1,448 B.
 MSS_BYTES = 1448
 #: Linux's initial congestion window, 10 segments (RFC 6928): where a connection's window starts.
 INITIAL_WINDOW_BYTES = 10 * MSS_BYTES
 
 
-def paced_transfer_s(nbytes: float, bytes_per_s: float, rtt_s: float) -> float:
+def paced_transfer_s(nbytes: float, bytes_per_s: float, rtt_s: float, *, notified: bool = False) -> float:
     """Seconds for a message of ``nbytes`` to cross a link of ``bytes_per_s`` once its first byte left, under
     TCP's pacing ([Note: TCP pacing of a message]): the longer of the bytes at the link's rate and all but
-    its first segment at ``(PACED_WINDOW_MESSAGES x nbytes + INITIAL_WINDOW_BYTES) / rtt_s``.
+    its first segment at ``(k x nbytes + INITIAL_WINDOW_BYTES) / rtt_s``, k = ``PACED_WINDOW_MESSAGES``, or
+    ``NOTIFIED_WINDOW_MESSAGES`` where ``notified`` (a send whose data left while gloo's notice of it was
+    still unacknowledged: [Note: a send's notice in flight]).
 
     Raises:
         ValueError: ``bytes_per_s`` is not > 0."""
@@ -99,7 +118,8 @@ def paced_transfer_s(nbytes: float, bytes_per_s: float, rtt_s: float) -> float:
         raise ValueError(f"link bandwidth must be > 0 bytes/s, got {bytes_per_s}")
     t = nbytes / bytes_per_s
     if rtt_s > 0 and nbytes > MSS_BYTES:
-        t = max(t, (nbytes - MSS_BYTES) * rtt_s / (PACED_WINDOW_MESSAGES * nbytes + INITIAL_WINDOW_BYTES))
+        k = NOTIFIED_WINDOW_MESSAGES if notified else PACED_WINDOW_MESSAGES
+        t = max(t, (nbytes - MSS_BYTES) * rtt_s / (k * nbytes + INITIAL_WINDOW_BYTES))
     return t
 
 
