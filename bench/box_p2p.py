@@ -72,6 +72,20 @@ def _set_slow_start(box, nodes: list[str], value: int) -> None:
                        check=True)
 
 
+
+def far_pair(devices) -> tuple[str, str]:
+    """The first node of ``devices`` (a ``DeviceGraph``) and the first node of another region: the first GPU whose
+    latency from GPU 0 is over 10x GPU 0's to GPU 1 (a WAN beside a NIC).
+
+    Raises:
+        ValueError: no such GPU (one region, or GPU 0 alone), saying what the cluster needs."""
+    near = devices.link_latency_s[0][1] if devices.num_gpus > 1 else None
+    far = [g for g in range(devices.num_gpus) if near is not None and devices.link_latency_s[0][g] > 10 * near]
+    if not far:
+        raise ValueError("no node of another region (a GPU whose latency from GPU 0 is over 10x GPU 0's to GPU 1): "
+                         "give a cluster of two regions joined by a WAN, e.g. bench/clusters/box_b_wan_pairs.yaml")
+    return devices.node_names[0], devices.node_names[far[0]]
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cluster", default=str(ROOT / "bench" / "clusters" / "box_b_wan_pairs.yaml"))
@@ -96,9 +110,10 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             ap.error(f"--pair: no node {unknown[0]!r} in {args.cluster}; its nodes: {', '.join(dict.fromkeys(devices.node_names))}")
     else:
-        first = devices.node_names[0]
-        second = next(devices.node_names[g] for g in range(devices.num_gpus)
-                      if devices.link_latency_s[0][g] > 10 * devices.link_latency_s[0][1])  # the far region's first
+        try:
+            first, second = far_pair(devices)
+        except ValueError as exc:
+            ap.error(f"{args.cluster}: {exc}")
     g0, g1 = devices.node_names.index(first), devices.node_names.index(second)
     d = devices.link_latency_s[g0][g1] / args.scale
     bw = devices.link_bw_bytes_per_s[g0][g1] * args.scale

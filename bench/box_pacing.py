@@ -129,7 +129,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="seconds from the send's post to the receive's (negative: the receive posted first)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "box_pacing.json"))
     args = ap.parse_args(argv)
+    if args.reps < 1 or args.settle < 0:
+        ap.error(f"--reps {args.reps} --settle {args.settle}: give at least one timed message (--reps >= 1) and "
+                 f"--settle >= 0")
 
+    from box_p2p import far_pair
     from zorse_fx.box import Box, check_machine
     from zorse_fx.cluster import Cluster
     from zorse_fx.sim.gloo import paced_transfer_s
@@ -140,9 +144,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     cluster = Cluster.from_yaml(args.cluster)
     devices = cluster.device_graph()
-    first = devices.node_names[0]
-    second = next(devices.node_names[g] for g in range(devices.num_gpus)
-                  if devices.link_latency_s[0][g] > 10 * devices.link_latency_s[0][1])  # the far region's first
+    try:
+        first, second = far_pair(devices)
+    except ValueError as exc:
+        ap.error(f"{args.cluster}: {exc}")
     g0, g1 = devices.node_names.index(first), devices.node_names.index(second)
     cases = []
     with tempfile.TemporaryDirectory() as tmp:
