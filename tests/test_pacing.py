@@ -11,8 +11,8 @@ import torch
 
 from zorse_fx.cost import replay
 from zorse_fx.errors import BoxConfigError
-from zorse_fx.pacing import (ENV_PACE, ENV_PACE_REFERENCE, PROBE_EVERY_S, Pacer, nominal_reference_s, pace_factor,
-                              pace_reference_s, reference_probe_s)
+from zorse_fx.pacing import (ENV_PACE, ENV_PACE_REFERENCE, PROBE_EVERY_S, PROBE_OVERDUE_S, Pacer, nominal_reference_s,
+                              pace_factor, pace_reference_s, probe_parts_s, reference_probe_s)
 
 
 class Clocks:
@@ -178,8 +178,49 @@ def test_pacer_from_the_environment():
     assert not Pacer.from_environment({}).active
 
 
-def test_the_reference_probe_runs_real_matmuls():
-    """The probe is thread CPU time of real float32 matmuls (positive, bounded); the nominal reference is the
-    median probe times the headroom asked."""
+def test_the_reference_probe_runs_real_matmuls_and_a_memory_pass():
+    """The probe is thread CPU time of real float32 matmuls and a memory-bound pass (each part positive, one
+    row per sample); the whole probe is their sum (positive, bounded); the nominal reference is the median
+    probe times the headroom asked."""
+    parts = probe_parts_s(samples=2)
+    assert len(parts) == 2 and all(mm > 0 and mem > 0 for mm, mem in parts)
     assert 0 < reference_probe_s(samples=1) < 10
     assert 0 < nominal_reference_s(duration_s=0.0, headroom=1.0) < 10
+
+
+class SlowProbe(Probe):
+    """A probe that takes ``wall_s`` of the driven wall clock (and as much CPU) to run."""
+
+    def __init__(self, seconds: float, clocks: Clocks, wall_s: float) -> None:
+        super().__init__(seconds)
+        self.clocks, self.wall_s = clocks, wall_s
+
+    def __call__(self) -> float:
+        self.clocks.work(self.wall_s)
+        return super().__call__()
+
+
+def test_a_due_probe_waits_for_a_region_with_time_left_for_it():
+    """[Note: drift-compensated pacing]: a probe of 4 ms is due; a region of 1 ms CPU at x2 has 1 ms to sleep,
+    so the probe waits (the region takes its 2 ms, not 5); the next region (10 ms CPU, 10 ms to sleep) runs it
+    inside its sleep and still takes its 20 ms. Once the last probe is PROBE_OVERDUE_S old, a short region runs
+    it whatever that costs it."""
+    c = Clocks()
+    probe = SlowProbe(0.001, c, 0.004)
+    p = Pacer(2.0, reference_s=0.001, cpu_clock=lambda: c.cpu, wall_clock=lambda: c.wall, sleep=c.sleep, probe=probe)
+    with p.paced():  # the first probe runs wherever it falls: there is no scale without it
+        c.work(0.010)
+    assert probe.calls == 1
+    c.wall += PROBE_EVERY_S
+    t0 = c.wall
+    with p.paced():
+        c.work(0.001)
+    assert probe.calls == 1 and c.wall - t0 == pytest.approx(0.002)
+    t0 = c.wall
+    with p.paced():
+        c.work(0.010)
+    assert probe.calls == 2 and c.wall - t0 == pytest.approx(0.020)
+    c.wall += PROBE_OVERDUE_S
+    with p.paced():
+        c.work(0.001)
+    assert probe.calls == 3

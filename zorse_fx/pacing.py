@@ -31,15 +31,22 @@ backward took 44-57 ms of thread CPU time (medians of 20 s windows, 40-129 ms si
 minutes, and two profiles of one emulated type an hour apart priced the same plan 16% apart (bench/LOG.md,
 2026-12-07). A GPU does not drift so, and a plan priced from a profile measured minutes before its run met
 a slower (or faster) machine. ``ZORSE_PACE_REFERENCE=R`` (set by the box with ``ZORSE_PACE``) fixes the
-unit: a small fixed workload (``reference_probe_s``: float32 matmuls, thread CPU time) took ``R`` seconds
-on the box's nominal host, and each paced region takes ``F x cpu x R / probe``, where ``probe`` is the
-workload's CPU time now (measured right after the region, at most every ``PROBE_EVERY_S`` of wall time).
-Over the same four minutes the model's step divided by the probe varied 75.7-81.0 (window medians)
-where the step alone varied 44.3-57.3 ms (bench/drift_probe.py). The probe runs inside the time the
-region sleeps anyway where ``F x R / probe`` is well above 1; the box makes ``R`` its measured probe times
+unit: a small fixed workload (``reference_probe_s``, thread CPU time) took ``R`` seconds on the box's
+nominal host, and each paced region takes ``F x cpu x R / probe``, where ``probe`` is the workload's CPU
+time now (measured right after a region, at most every ``PROBE_EVERY_S`` of wall time). Over the same four
+minutes the model's step divided by a probe of float32 matmuls varied 75.7-81.0 (window medians) where the
+step alone varied 44.3-57.3 ms (bench/drift_probe.py). Matmuls are compute-bound and L2-resident; a model's
+step is not all of that, and the drift a neighbour's load brings (a shared L3 and memory bus) slows its
+memory-bound kernels more: so the probe is the matmuls plus one pass over 16 MB and a softmax
+(``probe_parts_s``; about 0.5 + 0.8 ms). Measured side by side on one thread beside another process's
+load (2026-12-07, bench/LOG.md "Drift: a probe with a memory-bound part"): the GPT forward in units of the
+matmuls alone ranged 6.1% over 10 s windows, in units of both parts 2.8%. The probe runs inside the time the
+region sleeps anyway where that time is longer than the last probe took (else a later region runs it: a
+probe that outlasts a short region's sleep would stretch that region beyond its pace; one older than
+``PROBE_OVERDUE_S`` runs whatever it costs); the box makes ``R`` its measured probe times
 ``PACE_HEADROOM`` so that even its fastest type (``F`` near 1) is paced when the host runs up to that much
 slower than when the box came up. What it cannot remove: drift that slows the model's kernels and the
-probe's matmuls unequally (memory-bound work on a sibling hyperthread's load).
+probe unequally.
 """
 
 from __future__ import annotations
@@ -52,8 +59,8 @@ from collections.abc import Callable, Iterator
 
 from .errors import BoxConfigError
 
-__all__ = ["ENV_PACE", "ENV_PACE_REFERENCE", "MAX_PACE", "PACE_HEADROOM", "PROBE_EVERY_S", "Pacer",
-           "nominal_reference_s", "pace_factor", "pace_reference_s", "reference_probe_s"]
+__all__ = ["ENV_PACE", "ENV_PACE_REFERENCE", "MAX_PACE", "PACE_HEADROOM", "PROBE_EVERY_S", "PROBE_OVERDUE_S",
+           "Pacer", "nominal_reference_s", "pace_factor", "pace_reference_s", "probe_parts_s", "reference_probe_s"]
 
 #: The environment variable holding a process's pace factor (absent or ``1``: not paced).
 ENV_PACE = "ZORSE_PACE"
@@ -65,34 +72,53 @@ MAX_PACE = 1000.0
 #: The box's nominal host is this much slower than its probe measured when the box came up, so that a rank
 #: of pace ~1 is still paced when the host slows by up to that (drift of 20-35% measured, bench/LOG.md).
 PACE_HEADROOM = 1.4
-#: A paced region re-measures the reference probe when the last probe is older than this (seconds, wall).
+#: A paced region re-measures the reference probe when the last probe is older than this (seconds, wall), where
+#: it has the time left to sleep for it; whatever time it has left once the last probe is older than
+#: ``PROBE_OVERDUE_S`` (a rank of only short regions still follows the host's drift).
 PROBE_EVERY_S = 0.25
-#: The reference probe: ``_PROBE_CALLS`` matmuls of two ``_PROBE_N`` x ``_PROBE_N`` float32 matrices per sample.
+PROBE_OVERDUE_S = 1.0
+#: The reference probe's compute-bound part: ``_PROBE_CALLS`` matmuls of two ``_PROBE_N`` x ``_PROBE_N`` float32
+#: matrices per sample (L2-resident).
 _PROBE_N = 192
 _PROBE_CALLS = 4
+#: Its memory-bound part ([Note: drift-compensated pacing]): one multiply of ``_PROBE_STREAM`` float32 elements
+#: into another buffer (16 MB read and written, beyond a core's L2) and one softmax over ``_PROBE_SOFTMAX`` rows.
+_PROBE_STREAM = 2_000_000
+_PROBE_SOFTMAX = (256, 4096)
 _PROBE_SAMPLES = 3
-#: Bounds of a reference (seconds): a probe of 4 x 192^3 x 2 flops outside them is no CPU's.
+#: Bounds of a reference (seconds): a probe outside them is no CPU's.
 _REFERENCE_RANGE = (1e-6, 10.0)
 _probe_inputs: list = []
 
 
-def reference_probe_s(samples: int = _PROBE_SAMPLES) -> float:
-    """The reference workload's CPU seconds on this thread now: median over ``samples`` of ``_PROBE_CALLS``
-    float32 matmuls of ``_PROBE_N``^2 (``time.thread_time``; about 0.15 ms each on the project's AMD EPYC
-    thread). One thread: torch's intra-op pool is not used for a matrix this small."""
+def probe_parts_s(samples: int = _PROBE_SAMPLES) -> list[tuple[float, float]]:
+    """Per sample, the CPU seconds (``time.thread_time``) of the reference probe's two parts on this thread now:
+    ``(matmuls, memory pass)`` (about 0.5 and 0.8 ms on the project's AMD EPYC thread). One thread: torch's
+    intra-op pool is not used for tensors this small (the box's ranks run with one)."""
     import torch
 
     if not _probe_inputs:
         g = torch.Generator().manual_seed(0)
         _probe_inputs.extend(torch.randn(_PROBE_N, _PROBE_N, generator=g) for _ in range(3))
-    a, b, out = _probe_inputs
-    times = []
+        _probe_inputs.extend([torch.randn(_PROBE_STREAM, generator=g), torch.empty(_PROBE_STREAM),
+                              torch.randn(*_PROBE_SOFTMAX, generator=g)])
+    a, b, out, stream, stream_out, logits = _probe_inputs
+    parts = []
     for _ in range(samples):
         t = time.thread_time()
         for _ in range(_PROBE_CALLS):
             torch.mm(a, b, out=out)
-        times.append(time.thread_time() - t)
-    times.sort()
+        t_mm = time.thread_time()
+        torch.mul(stream, 1.0001, out=stream_out)
+        torch.softmax(logits, -1)
+        parts.append((t_mm - t, time.thread_time() - t_mm))
+    return parts
+
+
+def reference_probe_s(samples: int = _PROBE_SAMPLES) -> float:
+    """The reference workload's CPU seconds on this thread now: the median over ``samples`` of both parts of
+    ``probe_parts_s`` together (about 1.3 ms on the project's AMD EPYC thread)."""
+    times = sorted(mm + mem for mm, mem in probe_parts_s(samples))
     return max(times[len(times) // 2], 1e-7)
 
 
@@ -177,6 +203,8 @@ class Pacer:
         self.last_probe_s: float | None = None
         #: Seconds slept so far (what the pacing added).
         self.slept_s = 0.0
+        #: Wall seconds the last probe took (a region with less time left to sleep defers a due probe).
+        self._probe_wall_s = 0.0
 
     @classmethod
     def from_environment(cls, environ: dict[str, str] | os._Environ | None = None) -> Pacer:
@@ -193,11 +221,18 @@ class Pacer:
         the probe re-measured where the last is older than ``PROBE_EVERY_S``."""
         if self.reference_s is None:
             return 1.0
-        now = self._wall()
-        if self._probe_at is None or now - self._probe_at >= PROBE_EVERY_S:
-            self.last_probe_s = self._probe()
-            self._probe_at = self._wall()
+        if self._probe_due():
+            self._measure_probe()
         return self.reference_s / self.last_probe_s
+
+    def _probe_due(self) -> bool:
+        return self._probe_at is None or self._wall() - self._probe_at >= PROBE_EVERY_S
+
+    def _measure_probe(self) -> None:
+        t = self._wall()
+        self.last_probe_s = self._probe()
+        self._probe_at = self._wall()
+        self._probe_wall_s = self._probe_at - t
 
     def start(self) -> tuple[float, float]:
         """``(cpu, wall)`` now, for ``finish`` or ``emulated_s``."""
@@ -211,11 +246,18 @@ class Pacer:
 
     def finish(self, start: tuple[float, float]) -> None:
         """Sleep until the region begun at ``start`` has taken ``factor x cpu x scale`` (nothing when inactive);
-        a probe that is due runs first, inside that time."""
+        a probe that is due runs first, inside that time, where the region has time left for it (the last
+        probe's wall time; else it waits for a later region, [Note: drift-compensated pacing]: a probe that
+        outlasts the time a short region sleeps would stretch that region beyond its pace)."""
         if not self.active:
             return
         cpu = self._cpu() - start[0]
-        target = self.factor * cpu * self.scale()
+        if self.reference_s is not None and self._probe_due():
+            left = (self.factor * cpu * self.reference_s / self.last_probe_s - (self._wall() - start[1])
+                    if self.last_probe_s is not None else math.inf)
+            if left >= self._probe_wall_s or self._wall() - self._probe_at >= PROBE_OVERDUE_S:
+                self._measure_probe()
+        target = self.factor * cpu * (self.reference_s / self.last_probe_s if self.reference_s is not None else 1.0)
         extra = target - (self._wall() - start[1])
         if extra > 0:
             self._sleep(extra)

@@ -332,9 +332,19 @@ def _fit_scale_offset(points: list[tuple[float, float, float]]) -> tuple[float, 
     return sum(x * y for x, _, y in points) / sxx, 0.0
 
 
+#: Samples of the whole model's fwd+bwd on each side of the node sweep (``calibrate``), at least.
+WHOLE_REPEATS = 7
+
+
 def calibrate(model_name: str, seq_len: int, batch: int, device: torch.device, *, repeats: int,
               flush_bytes: int) -> tuple[float, str]:
-    """Measured whole-model fwd+bwd / sum of its replayed node times (see KernelProfile.calibration)."""
+    """Measured whole-model fwd+bwd / sum of its replayed node times (see KernelProfile.calibration).
+
+    The whole is timed both before and after the node sweep (each the median of ``max(repeats,
+    WHOLE_REPEATS)`` samples) and the two averaged: the sweep takes a minute or more, and a machine whose
+    speed drifts within it (the box's shared CPU, bench/drift_probe.py) is then measured at the same mean
+    moment for the whole as for its nodes; one short measurement at the end priced the same emulated type
+    up to 11% apart from box to box (bench/LOG.md, 2026-12-07, "The calibration measured around the sweep")."""
     from ..capture import analyse, capture
     from ..models.hf import CausalLMWithLoss, is_hf_causal_lm
     from ..models.registry import load_model
@@ -346,6 +356,13 @@ def calibrate(model_name: str, seq_len: int, batch: int, device: torch.device, *
     ids = torch.randint(0, 200, (batch, seq_len), device=device)
     captured = capture(model.to(device), (ids[:2].cpu(), ids[:2].cpu()))
     analyse(captured)
+    gm = captured.graph_module.to(device)
+
+    def step():
+        gm(ids, ids).backward()
+
+    whole_repeats = max(repeats, WHOLE_REPEATS)
+    before = _timeit(step, device, whole_repeats)
     cache: dict[str, tuple[float, float | None]] = {}
     total = 0.0
     for call in model_calls(captured, batch).values():
@@ -353,13 +370,10 @@ def calibrate(model_name: str, seq_len: int, batch: int, device: torch.device, *
             cache[call.key] = time_call(call, device, repeats=repeats, flush_bytes=flush_bytes)
         fwd, bwd = cache[call.key]
         total += fwd + (bwd or 0.0)
-    gm = captured.graph_module.to(device)
-
-    def step():
-        gm(ids, ids).backward()
-
-    whole = _timeit(step, device, repeats)
-    return whole / total, f"{model_name} batch {batch} seq {seq_len}: whole {whole:.2f} ms / nodes {total:.2f} ms"
+    after = _timeit(step, device, whole_repeats)
+    whole = (before + after) / 2
+    return whole / total, (f"{model_name} batch {batch} seq {seq_len}: whole {whole:.2f} ms (before the nodes "
+                           f"{before:.2f}, after {after:.2f}) / nodes {total:.2f} ms")
 
 
 def measure_optimizer(device: torch.device, *, num_params: int = 32 << 20, repeats: int = 3,
