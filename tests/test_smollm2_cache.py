@@ -41,3 +41,31 @@ def test_converted_smollm2_equals_its_gguf_file():
     vocab = [bytes(field.parts[i]).decode("utf-8") for i in field.data]
     assert len(vocab) == 49152 and tok.convert_ids_to_tokens(list(range(len(vocab)))) == vocab
     assert load_smollm2_tokenizer()("Hello world")["input_ids"] == tok("Hello world")["input_ids"]
+
+
+def test_gguf_read_once_shares_readers_within_the_block(monkeypatch):
+    """[Note: the GGUF file read once]: within the block one reader per path and one name map per
+    (architecture, layers) are made; outside it gguf's own functions are back."""
+    import gguf
+
+    from zorse_fx.models.hf import _gguf_read_once
+
+    made: list[tuple] = []
+
+    def reader(path, mode="r"):
+        made.append(("reader", str(path), mode))
+        return object()
+
+    def name_map(arch, n_blocks):
+        made.append(("map", arch, n_blocks))
+        return object()
+
+    monkeypatch.setattr(gguf, "GGUFReader", reader)
+    monkeypatch.setattr(gguf, "get_tensor_name_map", name_map)
+    with _gguf_read_once():
+        a, b, c = gguf.GGUFReader("x.gguf"), gguf.GGUFReader("x.gguf"), gguf.GGUFReader("y.gguf")
+        m1, m2, m3 = (gguf.get_tensor_name_map("llama", 30), gguf.get_tensor_name_map("llama", 30),
+                      gguf.get_tensor_name_map("llama", 2))
+    assert a is b and a is not c and m1 is m2 and m1 is not m3
+    assert made == [("reader", "x.gguf", "r"), ("reader", "y.gguf", "r"), ("map", "llama", 30), ("map", "llama", 2)]
+    assert gguf.GGUFReader is reader and gguf.get_tensor_name_map is name_map

@@ -31,6 +31,8 @@ statistic of the whole batch, not a mean over samples, and is refused.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import importlib.util
 import logging
@@ -201,6 +203,42 @@ CACHE_ENV = "ZORSE_CACHE_DIR"
 # directly, as before. ~540 MB on disk.
 
 
+@contextlib.contextmanager
+def _gguf_read_once():
+    """[Note: the GGUF file read once]
+    Converting SmolLM2's GGUF file, transformers parses it three times
+    (``load_gguf_checkpoint`` for the configuration, the tokenizer and the
+    weights: each a new ``gguf.GGUFReader``, whose 49,152-token vocabulary
+    and merges take ~3.5 CPU s to parse), and maps tensor names by building
+    gguf's ``TensorNameMap`` once per module of the model (397 times, ~12 ms
+    each): 15 of the conversion's 23 CPU s (cProfile, 2026-12-07). Within
+    this block ``gguf.GGUFReader`` of one path and ``gguf.get_tensor_name_map``
+    of one (architecture, layer count) are made once and handed out again:
+    transformers imports both from ``gguf`` at call time, and only reads
+    them (the reader's fields and memory-mapped tensors, the map's
+    ``get_name``). The converted copy is the same bytes as without it
+    (every file's sha256 compared, 2026-12-07: bench/LOG.md)."""
+    try:
+        import gguf
+    except ImportError:  # transformers then says what to install
+        yield
+        return
+    reader_cls, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    readers: dict = {}
+
+    def reader(path, mode="r"):
+        key = (os.fspath(path), mode)
+        if key not in readers:
+            readers[key] = reader_cls(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = reader, functools.lru_cache(maxsize=None)(name_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader_cls, name_map
+
+
 def cache_root() -> Path:
     """The zorse_fx cache directory (``CACHE_ENV``, ``$XDG_CACHE_HOME/zorse_fx``, or ``~/.cache/zorse_fx``)."""
     if os.environ.get(CACHE_ENV):
@@ -238,8 +276,9 @@ def _converted_smollm2() -> Path | None:
         log.info("SmolLM2 conversion cache %s not writable (%s): reading the GGUF file", final.parent, exc)
         return None
     try:
-        AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(tmp)
-        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+        with _gguf_read_once():  # [Note: the GGUF file read once]
+            AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(tmp)
+            model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
         # (save_pretrained refuses a model loaded from GGUF: its weights are plain float32 tensors
         # by now, so the config without the GGUF "quantization" and the tensors are written.)
         from safetensors.torch import save_model
@@ -286,6 +325,7 @@ def load_smollm2_135m():
         return (AutoModelForCausalLM.from_pretrained(converted, dtype=torch.float32),
                 AutoTokenizer.from_pretrained(converted))
     path = smollm2_gguf_path()
-    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    with _gguf_read_once():  # [Note: the GGUF file read once]
+        tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     return model, tok
