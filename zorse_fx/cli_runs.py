@@ -9,11 +9,13 @@ from pathlib import Path
 __all__ = ["cmd_show", "cmd_simulate", "cmd_calibrate", "cmd_export", "cmd_eval", "cmd_timings"]
 
 
-def _load_model(name: str):
+def _load_model(name: str, *, tokenizer: bool = False):
+    """``load_model(name)`` for a command; the tokenizer read only where asked for (``zorse plan``,
+    ``simulate`` and ``calibrate`` need the model alone)."""
     from .models.registry import load_model
 
     try:
-        return load_model(name)
+        return load_model(name, tokenizer=tokenizer)
     except ValueError as exc:
         raise SystemExit(f"zorse: {exc}") from exc
 

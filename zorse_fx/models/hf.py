@@ -311,21 +311,22 @@ def load_smollm2_tokenizer():
     return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
 
 
-def load_smollm2_135m():
+def load_smollm2_135m(*, tokenizer: bool = True):
     """Load SmolLM2-135M (Llama architecture, 30 layers, 134.5M params) offline.
 
     Weights are de-quantised from Q4_1 to float32 by transformers' GGUF
     support, once: later loads read the converted copy ([Note: the SmolLM2
-    conversion cache]). Returns ``(model, tokenizer)``.
+    conversion cache]). Returns ``(model, tokenizer)``; the tokenizer None
+    with ``tokenizer=False`` (not read: 0.3 CPU s).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     converted = _converted_smollm2()
     if converted is not None:
         return (AutoModelForCausalLM.from_pretrained(converted, dtype=torch.float32),
-                AutoTokenizer.from_pretrained(converted))
+                AutoTokenizer.from_pretrained(converted) if tokenizer else None)
     path = smollm2_gguf_path()
     with _gguf_read_once():  # [Note: the GGUF file read once]
-        tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name) if tokenizer else None
         model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     return model, tok

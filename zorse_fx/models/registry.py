@@ -58,12 +58,14 @@ def model_tokenizer(name: str) -> str | None:
     return None
 
 
-def load_model(name: str):
-    """``(model, tokenizer)`` for ``name``; raises ValueError naming the choices."""
+def load_model(name: str, *, tokenizer: bool = True):
+    """``(model, tokenizer)`` for ``name``; raises ValueError naming the choices. ``tokenizer=False``: a
+    pretrained model's tokenizer is not read (None in its place; a command that plans or prices needs
+    only the model)."""
     if name == "smollm2-135m":
         from .hf import load_smollm2_135m
 
-        return load_smollm2_135m()
+        return load_smollm2_135m(tokenizer=tokenizer)
     if name == "gpt2-124m":
         from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -76,16 +78,17 @@ def load_model(name: str):
         torch.manual_seed(0)
         return GPT(GPTConfig(n_layer=4, n_embd=128, n_head=4, block_size=256)), "bytes"
     if is_model_dir(name):
-        return load_model_dir(name)
+        return load_model_dir(name, tokenizer=tokenizer)
     if ":" in name:
         return _from_factory(name)
     raise ValueError(f"unknown model {name!r}; use one of {', '.join(MODEL_NAMES)}, module:function or a local "
                      f"Hugging Face model directory")
 
 
-def load_model_dir(name: str):
-    """A local Hugging Face causal LM directory: ``(model in float32, its tokenizer or "bytes")``; one
-    ``ValueError`` naming the directory and the fix for anything else."""
+def load_model_dir(name: str, *, tokenizer: bool = True):
+    """A local Hugging Face causal LM directory: ``(model in float32, its tokenizer or "bytes")`` (None for
+    the tokenizer with ``tokenizer=False`` where the directory holds one); one ``ValueError`` naming the
+    directory and the fix for anything else."""
     from pathlib import Path
 
     path = Path(name)
@@ -106,8 +109,9 @@ def load_model_dir(name: str):
         raise ValueError(f"--model {name}: transformers cannot load it as a causal LM offline ({first}); give a "
                          f"directory of a decoder-only causal LM with its weights (model.safetensors or "
                          f"pytorch_model.bin) whose architecture transformers knows without remote code") from None
-    tok = model_tokenizer(name)
-    return model, (AutoTokenizer.from_pretrained(path, local_files_only=True) if tok else "bytes")
+    if not model_tokenizer(name):
+        return model, "bytes"
+    return model, (AutoTokenizer.from_pretrained(path, local_files_only=True) if tokenizer else None)
 
 
 def _from_factory(name: str):
