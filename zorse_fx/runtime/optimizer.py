@@ -232,19 +232,42 @@ class StageOptimizer:
             self.optimizer = (torch.optim.AdamW(param_groups(list(zip(self._unique, self._stepped)),
                                                              cfg.weight_decay), **kw) if self._unique else None)
             return
-        pos = stage.position
         #: ZeRO-3 ([Note: sharded parameters] in param_shard.py): each buffer holds only the owned range.
         self.zero3 = memory.zero == 3
-        # ZeRO-2: the buffer in forward order (first use), so the backward completes its gradient buckets
-        # from the end to the start, one at a time ([Note: sharded gradients] in grad_sync.py); ZeRO-3:
-        # in unit order first, so that a unit is one range of each buffer.
-        first = ({id(getattr(stage.module, flat)): k for flat, k in stage.first_use().items()}
-                 if memory.zero >= 2 else None)
-        if first is not None and self.zero3:
+        masters = self._build_buffers(params, working, low, self._buffer_order(memory))
+        if self.zero3:
+            self.param_shards = stage.param_shards = ParamShards(stage, self.buffers, shard_group)
+        if self.offload:  # every stepped range that is not a master (in host memory already) gets a host copy
+            self._pieces = [(p, lo, hi, v if id(v) in masters else self._host_copy(v))
+                            for p, lo, hi, v in self._pieces]
+        kw["fused"] = kw.get("fused") or self._fused_on_cpu([v for *_, v in self._pieces])
+        # A GPU may own no element (state_shard_bytes 0): it steps nothing and only receives.
+        self.optimizer = (torch.optim.AdamW(param_groups([(p, v) for p, *_, v in self._pieces], cfg.weight_decay),
+                                            **kw) if self._pieces else None)
+
+    def _buffer_order(self, memory) -> dict[int, object] | None:
+        """The order of a ZeRO-1 stage's parameters in its flat buffers, by parameter id (None: stage order).
+        ZeRO-2: forward order (first use), so the backward completes its gradient buckets from the end to the
+        start, one at a time ([Note: sharded gradients] in grad_sync.py); ZeRO-3: in unit order first, so that
+        a unit is one range of each buffer."""
+        stage, plan_stage = self.stage, self.stage.stage
+        if memory.zero < 2:
+            return None
+        first = {id(getattr(stage.module, flat)): k for flat, k in stage.first_use().items()}
+        if self.zero3:
             unit_of = {id(getattr(stage.module, flat)): u
                        for u, flats in enumerate(getattr(type(stage.module), "UNITS", ())) for flat in flats
                        if flat in plan_stage.params}
             first = {k: (unit_of.get(k, len(unit_of) + 1), line) for k, line in first.items()}
+        return first
+
+    def _build_buffers(self, params, working, low: set[int], first: dict[int, object] | None) -> set[int]:
+        """ZeRO-1: per dtype of ``working`` (a parameter's working dtype), one flat buffer whose views the
+        parameters become (ZeRO-3: the owned range only), this rank's pieces of it (``self._pieces``) and, for
+        16-bit working weights (ids in ``low``), their float32 masters; ``first``: the buffer order
+        (``_buffer_order``). Returns the ids of the pieces that are masters."""
+        stage, plan_stage = self.stage, self.stage.stage
+        pos = stage.position
         masters: set[int] = set()  # ids of the stepped views that are float32 masters
         with torch.no_grad():
             for dtype in self.dtypes:
@@ -285,15 +308,7 @@ class StageOptimizer:
                     offset += k
                 self.buffers.append(_FlatBuffer(dtype=dtype, flat=flat, ranges=ranges, owned=(a, b), master=master,
                                                 members=tuple(placed)))
-        if self.zero3:
-            self.param_shards = stage.param_shards = ParamShards(stage, self.buffers, shard_group)
-        if self.offload:  # every stepped range that is not a master (in host memory already) gets a host copy
-            self._pieces = [(p, lo, hi, v if id(v) in masters else self._host_copy(v))
-                            for p, lo, hi, v in self._pieces]
-        kw["fused"] = kw.get("fused") or self._fused_on_cpu([v for *_, v in self._pieces])
-        # A GPU may own no element (state_shard_bytes 0): it steps nothing and only receives.
-        self.optimizer = (torch.optim.AdamW(param_groups([(p, v) for p, *_, v in self._pieces], cfg.weight_decay),
-                                            **kw) if self._pieces else None)
+        return masters
 
     def _fused_on_cpu(self, stepped: list[torch.Tensor]) -> bool:
         """Step with the fused kernel on a CPU rank whose stepped tensors are all float32 (see the note above;
