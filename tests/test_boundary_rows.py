@@ -36,19 +36,27 @@ def _ranges(ns):
 @pytest.mark.parametrize("seed", range(200))
 def test_rows_bound_the_bytes_the_runtimes_routes_put_on_each_link(seed):
     """Random stage pairs on random nodes: for every link the routes use (a node pair's,
-    or a GPU pair's inside a node: ``sim/network.link_resource``), the samples routed over
-    it are at most the rows [C-boundary] charges on each GPU pair using it; a pair crossing
-    a shared link is charged the whole micro-batch."""
+    or a GPU pair's inside a node: ``sim/network.link_resource``), and for every shared link
+    and direction, the samples routed over it are at most the rows [C-boundary] charges on each
+    GPU pair using it; a pair crossing a shared link of several nodes a side (a region's path)
+    is charged the whole micro-batch, one crossing only shared links of one node a side (a NIC,
+    a node's cap) its two nodes' larger sample count."""
     rng = random.Random(seed)
     n_g = rng.randint(2, 10)
     nodes = [f"n{rng.randint(0, 3)}" for _ in range(n_g)]
     devices = make_devices(["A"] * n_g, nodes, [16 * GIB] * n_g, [1e12] * n_g)
-    if seed % 3 == 0:  # a shared link between node n0 and the rest (a NIC)
+    if seed % 3 == 0:  # a shared link between node n0 and the rest (a NIC, or n0's cap to the rest)
         side = tuple(g for g in range(n_g) if nodes[g] == "n0")
         rest = tuple(g for g in range(n_g) if nodes[g] != "n0")
         if side and rest:
             devices = dataclasses.replace(devices, shared_links=(
                 SharedLink(name="nic0", gpus_a=side, gpus_b=rest, bandwidth_bytes_per_s=5e9),))
+    elif seed % 3 == 1:  # a path between two regions of two nodes each (n0, n1 | n2, n3)
+        side = tuple(g for g in range(n_g) if nodes[g] in ("n0", "n1"))
+        rest = tuple(g for g in range(n_g) if nodes[g] in ("n2", "n3"))
+        if side and rest:
+            devices = dataclasses.replace(devices, shared_links=(
+                SharedLink(name="wan", gpus_a=side, gpus_b=rest, bandwidth_bytes_per_s=5e9),))
     gpus = list(range(n_g))
     rng.shuffle(gpus)
     cut = rng.randint(1, n_g - 1)
@@ -73,6 +81,14 @@ def test_rows_bound_the_bytes_the_runtimes_routes_put_on_each_link(seed):
     for link, routed in on_link.items():
         for g, h in pairs_of[link]:
             assert routed <= rows[g, h], (link, g, h, routed, rows[g, h])
+    for sl in devices.shared_links:
+        for direction in (0, 1):
+            crossing = [r for r in routes(_ranges(src_n), _ranges(dst_n))
+                        if sl.direction(src[r.src_pos], dst[r.dst_pos]) == direction]
+            routed = sum(r.rows for r in crossing)
+            for r in crossing:
+                g, h = src[r.src_pos], dst[r.dst_pos]
+                assert routed <= rows[g, h], (sl.name, direction, g, h, routed, rows[g, h])
     for (g, h), r in rows.items():
         if tab.pair_rows[g][h] == ROWS_ALL:
             assert r == b

@@ -74,6 +74,31 @@ def test_boundary_across_a_wan_is_priced_at_the_wan_capacity():
     assert sim.step_time_s == pytest.approx(ev.step_time_s - max(ev.allreduce_s), abs=2e-9)
 
 
+def test_per_node_caps_across_a_wan_charge_each_node_its_own_rows():
+    """Issue 50 ("links as they were measured"): the same two regions with each node's traffic to the other
+    region capped at 2 Gb/s of its own (a cloud's per-instance cap; the one-path form above: every flow on one
+    2 Gb/s path). Each route then crosses its own two caps, one sample each: the objective's boundary is one
+    sample's bytes at 0.25 GB/s (half the one-path form's), and the simulator, where each route has its caps
+    alone, agrees to the ns."""
+    t, cut, cap = 2e-3, 10_000_000, 0.25e9
+    costs = _two_block_costs(t, cut)
+    options = solver_options(global_batch_size=2, num_microbatches=(1,))
+    kw = dict(stage_blocks=((0, 1), (1, 2)), stage_gpus=((0, 1), (2, 3)), samples_per_microbatch=((1, 1),) * 2,
+              num_microbatches=1)
+    data = _two_regions(None)
+    data["shared_links"] = [{"name": f"cap-{n}", "between": [{"nodes": [n]}, {"datacenter": other}],
+                             "bandwidth_Gbps": 2}
+                            for n, other in (("u0", "eu"), ("u1", "eu"), ("e0", "us"), ("e1", "us"))]
+    caps = Cluster.from_dict(data).device_graph()
+    assert effective_pair_bandwidth(caps)[0][2] == cap
+    ev = evaluate(costs, caps, options, Decision(**kw))
+    assert ev.boundary_s[0] * UNITS_PER_S == 2 * (to_units(cut / cap) + to_units(1e-3))
+    one_path = evaluate(costs, Cluster.from_dict(_two_regions(2)).device_graph(), options, Decision(**kw))
+    assert one_path.boundary_s[0] > ev.boundary_s[0]
+    sim = simulate(costs, caps, options, Decision(**kw))
+    assert sim.step_time_s == pytest.approx(ev.step_time_s - max(ev.allreduce_s), abs=2e-9)
+
+
 def test_cpsat_equals_evaluate_with_a_wan_and_prefers_one_region():
     """Four GPUs in two regions, a WAN path slower than the pairs' links: CP-SAT's
     optimum equals ``evaluate`` of its decision (``_search`` checks it on every

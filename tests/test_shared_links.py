@@ -77,14 +77,19 @@ def test_old_files_have_no_shared_links_and_one_node_no_nic():
     assert one.device_graph().shared_links == ()  # no other node: no flow crosses the NIC
 
 
-def test_zorse_c_has_one_wan_path_and_25gbe_nics():
+def test_zorse_c_caps_each_nodes_wan_traffic_and_has_25gbe_nics():
+    """Issue 50: the measured 1 Gb/s is one instance pair's, so each node's traffic to the other region shares
+    a 1 Gb/s cap of its own (a cloud's per-instance cap), not one path for every flow between the regions."""
     cluster = Cluster.from_yaml(EXAMPLES / "zorse_c_two_regions.yaml")
     dg = cluster.device_graph()
-    wan = dg.shared_links[0]
+    caps = dg.shared_links[:len(cluster.nodes)]
     r1 = tuple(g.index for g in cluster.gpus if g.datacenter == "region-1")
     r2 = tuple(g.index for g in cluster.gpus if g.datacenter == "region-2")
-    assert wan == SharedLink(name="wan-region-1-2", gpus_a=r1, gpus_b=r2, bandwidth_bytes_per_s=125e6)
-    nics = dg.shared_links[1:]
+    for cap, node in zip(caps, cluster.nodes):
+        mine = tuple(g.index for g in cluster.gpus if g.node == node)
+        assert cap == SharedLink(name=f"wan:{node}", gpus_a=mine, gpus_b=r2 if mine[0] in r1 else r1,
+                                 bandwidth_bytes_per_s=125e6)
+    nics = dg.shared_links[len(cluster.nodes):]
     assert [n.name for n in nics] == [f"nic:{node}" for node in cluster.nodes]
     assert {n.bandwidth_bytes_per_s for n in nics} == {25e9 / 8}
     assert dg.link_bw_bytes_per_s[0][127] == 125e6  # each pair's own figure is kept

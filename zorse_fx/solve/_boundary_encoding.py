@@ -5,7 +5,8 @@ and ``link_load`` as equalities, so the model's objective stays ``evaluate``'s
 to the ns.
 
 Per boundary s and present group pair (c in s, d in s+1), its link's rows:
-b across a shared link, min(n[c][s], n[d][s+1]) on one node, and across
+b across a shared link of several nodes a side, max(S_c, S'_d) across shared links of one
+node a side (a NIC, a node's cap), min(n[c][s], n[d][s+1]) on one node, and across
 nodes min(S_c, S'_d), or (both groups on one node each) max(min(S_c, S'_d),
 min(S_d, S'_c)), of the node sample sums (``node_sums``; full-duplex links);
 per bandwidth class one product (max rows) x (one sample's transfer at the
@@ -21,7 +22,7 @@ from ortools.sat.python import cp_model
 
 from ._encoding import any_of, both, rows_max
 from ._encoding import gated as _gated
-from .network_terms import ROWS_ALL, ROWS_NODE_SUMS, ROWS_SAME_NODE
+from .network_terms import ROWS_ALL, ROWS_NODE_SUMS, ROWS_NODE_TOTAL, ROWS_SAME_NODE
 from .objective import IntTables
 
 __all__ = ["LinkTerms", "node_sums"]
@@ -67,6 +68,10 @@ class LinkTerms:
                 elif code == ROWS_SAME_NODE:
                     rows = m.new_int_var(0, b, f"mn_{c}_{d}_{s}")
                     m.add_min_equality(rows, [n[c][s], n[d][s + 1]])
+                elif code == ROWS_NODE_TOTAL:  # each node's own shared link: all of its rows
+                    mx = m.new_int_var(0, b, f"mt_{c}_{d}_{s}")
+                    m.add_max_equality(mx, [node_sum[c][s], node_sum[d][s + 1]])
+                    rows = _gated(m, y, mx, b, f"rows_{c}_{d}_{s}")
                 else:  # each direction of the node pair's link; back only between one-node groups
                     mn = m.new_int_var(0, b, f"mn_{c}_{d}_{s}")
                     m.add_min_equality(mn, [node_sum[c][s], node_sum[d][s + 1]])

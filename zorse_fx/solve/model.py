@@ -147,7 +147,7 @@ def _link_code(tab: IntTables) -> np.ndarray:
     """(G, G) integer code of each link: (rounded bandwidth class, latency, [Note: boundary rows] code)."""
     lat = np.asarray(tab.pair_lat, dtype=np.int64)
     code = np.asarray(tab.pair_bw_class, dtype=np.int64) * (int(lat.max()) + 1) + lat
-    return code * 4 + np.asarray(tab.pair_rows, dtype=np.int64) + 1
+    return code * 5 + np.asarray(tab.pair_rows, dtype=np.int64) + 1  # (rows codes -1..3)
 
 
 class CandidateModel:

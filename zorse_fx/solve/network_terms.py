@@ -16,13 +16,17 @@ figure, so the CP-SAT model, the DP and the class refinement of
 ``grouped.gpu_classes`` (links with equal codes are interchangeable) see it
 without a term of their own. Why that is what sharing means here:
   * [C-boundary] charges ALL of the micro-batch's cut bytes on a pair whose
-    flows cross a shared link ([Note: boundary rows]), as if they queued on
-    one link. When a stage pair straddles a shared link, the bytes crossing
+    flows cross a shared link with several nodes on either side ([Note: boundary rows]), as if
+    they queued on one link. When a stage pair straddles a shared link, the bytes crossing
     it are at most all of them, and a shared link moves them at most at its
     capacity, so bytes / min(pair link, capacity) bounds the time the
     boundary keeps that link busy -- exactly when every route of the
     boundary crosses it (two stages in two regions: the simulator's max-min
     rates give the routes capacity / routes each, total bytes / capacity).
+    A shared link with one node on a side (a NIC, a cloud's per-instance cap to another region)
+    carries only that node's rows: the pair is charged the larger of its two nodes' rows
+    (since 2026-12-07; before, all b, so a boundary between two regions of per-node caps was
+    priced as if one path carried it: issue 50).
   * [C-allreduce] is a ring over the stage's GPUs in stage order
     (``sim/network.py``). A ring whose GPUs of each side are consecutive
     crosses a shared link once per direction, so its crossing hop gets the
@@ -51,8 +55,13 @@ message are at most (``boundary_rows``, codes ``pair_rows``):
     GPUs on N' (the routes N -> N' carry the overlap of the two unions of
     ranges, those N' -> N, when both stages have GPUs on both nodes, go the
     other way at the same time on the other direction);
-  * a pair whose flows cross a shared link (a WAN path, a NIC): all b, as
-    several node pairs may share the link ([Note: shared links in the objective]).
+  * a pair whose flows cross a shared link with several nodes on either side (a region's one
+    WAN path): all b, as several node pairs may share the link ([Note: shared links in the
+    objective]);
+  * a pair whose flows cross only shared links with one node on a side (that node's NIC, its cap to
+    another region):
+    max(S_N, S'_N'), S_N the sending stage's samples on g's node and S'_N' the receiving stage's on
+    h's node: whatever the routes, a node's own link carries that node's rows and no more.
 The boundary's transfer is the max over the two stages' GPU pairs of
 rows(g, h) x ``xfer1[class(g, h)][cut]`` (one sample's bytes / bw(g, h),
 rounded once per sample), its latency the max over the pairs.
@@ -138,20 +147,27 @@ import numpy as np
 
 from ..ir.devices import DeviceGraph
 
-__all__ = ["ROWS_SAME_NODE", "ROWS_NODE_SUMS", "ROWS_ALL", "pair_row_codes", "boundary_rows", "link_load",
+__all__ = ["ROWS_SAME_NODE", "ROWS_NODE_SUMS", "ROWS_ALL", "ROWS_NODE_TOTAL", "pair_row_codes", "boundary_rows",
+           "link_load",
            "pipeline_period",
            "effective_pair_bandwidth", "ring_units", "last_bucket_kib", "untied_block_kib", "drain_offsets",
            "tied_terms"]
 
 
-def _crossing(devices: DeviceGraph):
-    """(G, G) bool per shared link: a flow g -> h crosses it (either direction)."""
+def _crossing(devices: DeviceGraph, *, per_node: bool = False):
+    """(G, G) bool per shared link: a flow g -> h crosses it (either direction); with ``per_node``, also
+    whether one of its sides is one node (a NIC, a node's cap to another region; GPUs without node names
+    are each a node of their own), as ``(cross, capacity, one_node_side)``."""
     n_g = devices.num_gpus
+    names = devices.node_names or tuple(f"gpu{g}" for g in range(n_g))
     out = []
     for sl in devices.shared_links:
         a, b = np.zeros(n_g, dtype=bool), np.zeros(n_g, dtype=bool)
         a[list(sl.gpus_a)], b[list(sl.gpus_b)] = True, True
-        out.append((np.outer(a, b) | np.outer(b, a), sl.bandwidth_bytes_per_s))
+        row = (np.outer(a, b) | np.outer(b, a), sl.bandwidth_bytes_per_s)
+        if per_node:
+            row += (len({names[g] for g in sl.gpus_a}) == 1 or len({names[g] for g in sl.gpus_b}) == 1,)
+        out.append(row)
     return out
 
 
@@ -179,7 +195,7 @@ def effective_pair_bandwidth(devices: DeviceGraph) -> list[list[float]]:
 
 
 #: [Note: boundary rows] codes of ``IntTables.pair_rows``.
-ROWS_SAME_NODE, ROWS_NODE_SUMS, ROWS_ALL = 0, 1, 2
+ROWS_SAME_NODE, ROWS_NODE_SUMS, ROWS_ALL, ROWS_NODE_TOTAL = 0, 1, 2, 3
 
 
 def pair_row_codes(devices: DeviceGraph) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:
@@ -187,16 +203,23 @@ def pair_row_codes(devices: DeviceGraph) -> tuple[tuple[int, ...], tuple[tuple[i
 
     Nodes are ``devices.node_names`` (each GPU its own node without them, as
     ``sim/network.link_resource``); the code of (g, h), g != h, is ROWS_ALL when
-    a flow between them crosses a shared link (either direction), else
-    ROWS_SAME_NODE on one node and ROWS_NODE_SUMS on two; -1 on the diagonal."""
+    a flow between them crosses a shared link with several nodes on either side (a region's
+    one path), else ROWS_NODE_TOTAL when it crosses shared links of one node on a side (a NIC, a
+    node's cap to another region), else ROWS_SAME_NODE on one node and ROWS_NODE_SUMS on two; -1 on
+    the diagonal."""
     n_g = devices.num_gpus
     names = devices.node_names or tuple(f"gpu{g}" for g in range(n_g))
     index = {name: k for k, name in enumerate(dict.fromkeys(names))}
     node = tuple(index[name] for name in names)
     nd = np.asarray(node)
     codes = np.where(nd[:, None] == nd[None, :], ROWS_SAME_NODE, ROWS_NODE_SUMS)
-    for cross, _ in _crossing(devices):
-        codes = np.where(cross, ROWS_ALL, codes)
+    crossings = _crossing(devices, per_node=True)
+    for cross, _, one_node in crossings:
+        if one_node:
+            codes = np.where(cross, ROWS_NODE_TOTAL, codes)
+    for cross, _, one_node in crossings:
+        if not one_node:
+            codes = np.where(cross, ROWS_ALL, codes)
     np.fill_diagonal(codes, -1)
     return node, tuple(tuple(int(c) for c in row) for row in codes)
 
@@ -210,7 +233,11 @@ def boundary_rows(tab, src, src_n, dst, dst_n, *, both_ways: bool = False) -> li
     ``ROWS_SAME_NODE``: min(n_g, n_h); ``ROWS_NODE_SUMS``: the larger overlap
     of the two stages' sample sums on the two nodes, or with ``both_ways``
     the sum of both overlaps: what one direction carries per micro-batch,
-    forward rows one way and gradients of the other way's rows)."""
+    forward rows one way and gradients of the other way's rows;
+    ``ROWS_NODE_TOTAL``: the larger of the sending stage's samples on g's node
+    and the receiving stage's on h's node, what each node's own shared link
+    carries that way at most, or with ``both_ways`` each node's rows out plus
+    the gradients of the rows it received)."""
     s_src, s_dst = {}, {}
     for sums, gpus, ns in ((s_src, src, src_n), (s_dst, dst, dst_n)):
         for g, n in zip(gpus, ns):
@@ -224,6 +251,9 @@ def boundary_rows(tab, src, src_n, dst, dst_n, *, both_ways: bool = False) -> li
                 rows = tab.microbatch_size
             elif code == ROWS_SAME_NODE:
                 rows = min(ng, nh)
+            elif code == ROWS_NODE_TOTAL:
+                rows = (max(s_src[x] + s_dst.get(x, 0), s_dst[y] + s_src.get(y, 0)) if both_ways
+                        else max(s_src[x], s_dst[y]))
             else:
                 there, back = min(s_src[x], s_dst[y]), min(s_src.get(y, 0), s_dst.get(x, 0))
                 rows = there + back if both_ways else max(there, back)
