@@ -168,7 +168,8 @@ def plan_page() -> str:
 
     records = {"PlanDoc": plan_module.Plan, "StageDoc": plan_module.StagePlan, "GPUShareDoc": plan_module.GPUShare,
                "MemoryBreakdownDoc": plan_module.MemoryBreakdown, "SolverDoc": plan_module.SolverReport,
-               "TensorSpecDoc": tensor_module.TensorSpec}
+               "TensorSpecDoc": tensor_module.TensorSpec, "IdleGPUsDoc": plan_module.IdleGPUs,
+               "IdleGPUDoc": plan_module.IdleGPU}
     extra = {"format": "always \"zorse_fx.plan\"", "version": f"the format version (this zorse_fx writes "
              f"{PLAN_FORMAT_VERSION}; older ones are read and upgraded)",
              "compute_dtype": "the precision's compute dtype, written for readers (checked against `precision`)"}

@@ -176,6 +176,8 @@ def to_builtins(record: Any, doc: type[msgspec.Struct], derived: Callable[[Any],
 
 
 def _plain(value: Any, kind: Any, derived) -> Any:
+    if value is None:  # an optional field left unset (``X | None``)
+        return None
     kind = _strip(kind)
     if isinstance(kind, type) and issubclass(kind, msgspec.Struct):
         return to_builtins(value, kind, derived)

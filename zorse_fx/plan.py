@@ -123,6 +123,12 @@ count of the tokens the loss averages over, which the last stage's generated
 (``LOSS_REDUCTION``), and ``Plan.load`` refuses a plan.json that says
 otherwise (``stage_sources.check_agreement``).
 
+Idle GPUs (format version 16; older files record none): ``Plan.idle_gpus``
+names the cluster's GPUs the plan gives no work (``IdleGPUs``), the predicted
+step of the best plan the planner scored that uses every GPU and what makes
+that plan slower, in one line ([Note: idle GPUs said aloud] in
+``zorse_fx/idle.py``); absent when the plan uses every GPU.
+
 TF32 (format version 12; an older file reads with it off, PyTorch's
 default): ``Plan.tf32`` says whether float32 matmuls run on TF32 tensor
 cores; the planner priced them so and every rank sets PyTorch's flags to it
@@ -156,14 +162,15 @@ from .precision import PRECISIONS, REDUCE_DTYPES, PrecisionPolicy, precision_pol
 from .stage_sources import source_sha256
 
 __all__ = ["PLAN_FORMAT_VERSION", "PLAN_DIR_ENTRIES", "RANK_ORDERS", "MemoryBreakdown", "GPUShare", "StagePlan",
-           "SolverReport", "Plan", "RankRole", "NodeRanks", "check_plan_dir", "new_plan_dir", "stage_memory"]
+           "SolverReport", "IdleGPU", "IdleGPUs", "Plan", "RankRole", "NodeRanks", "check_plan_dir", "new_plan_dir",
+           "stage_memory"]
 
 #: Bytes per KiB, the planner's memory unit (``solve.tables.MEMORY_UNIT_BYTES``), and per MiB, its shards'
 #: unit (``Plan.decision``'s equal shards, rounded as the planner rounds them).
 KIB, MIB = 1 << 10, 1 << 20
 
 #: Bumped on any incompatible change of plan.json.
-PLAN_FORMAT_VERSION = 15
+PLAN_FORMAT_VERSION = 16
 
 #: ``Plan.rank_order`` values: "node" (format 15: node by node) and "stage" (formats 1-14: stage by stage).
 RANK_ORDERS = ("node", "stage")
@@ -472,6 +479,39 @@ class SolverReport:
         return words
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class IdleGPU:
+    """A GPU of the cluster that the plan gives no work (``IdleGPUs.gpus``)."""
+
+    #: Index of the GPU in the cluster file (nodes in order, GPUs in order), as ``GPUShare.gpu``.
+    gpu: Annotated[Index, Meta(description="the GPU's index in the cluster file")]
+    #: The node the GPU is on (the cluster file's node name).
+    node: str
+    #: The GPU's type (the cluster file's ``type``).
+    gpu_type: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class IdleGPUs:
+    """The GPUs a plan leaves idle and what giving them work would cost
+    (format version 16; ``Plan.idle_gpus``, None where the plan uses every
+    GPU). Made by ``idle.idle_gpus`` from the plans the planner scored
+    ([Note: idle GPUs said aloud] in ``zorse_fx/idle.py``)."""
+
+    #: The idle GPUs, in the cluster file's order.
+    gpus: Annotated[tuple[IdleGPU, ...], Meta(min_length=1, description="the GPUs no stage uses, at least one")]
+    #: The predicted step time (the objective's, as ``Plan.predicted_step_time_s``), seconds, of the best plan
+    #: the planner scored that gives every GPU work; None (null): none of those fits.
+    all_gpus_step_time_s: Annotated[float, Meta(ge=0, description="seconds, or null where no plan using every "
+                                                                 "GPU fits")] | None
+    #: The planner part that made that plan (its status: "BASELINE:metis", "STAGE_DP", "OPTIMAL", ...; "STAGE_DP
+    #: (every GPU)": the stage DP run with every GPU in use, where no scored plan used them all); "" where none fits.
+    all_gpus_source: str
+    #: What makes that plan slower than this one (which stage, GPU, link), or why no plan using every GPU
+    #: fits: one line, for readers.
+    reason: str
+
+
 def fmt_seconds(t: float) -> str:
     """A time for a message, with its digits however small it is: "2.000 s" from
     1 s, "78.80 ms", "27.94 µs" below (4 significant digits), "0 s" for 0."""
@@ -608,6 +648,9 @@ class Plan:
     predicted_step_time_s: Seconds
     #: How the plan was found: planner, status, objective, bound, budget and the simulator's check.
     solver: SolverReport
+    #: The GPUs the plan leaves idle and the best plan scored that uses them (format version 16; absent or
+    #: null: the plan uses every GPU, or a file of version <= 15 that did not say).
+    idle_gpus: IdleGPUs | None = field(default=None, metadata=OPTIONAL)
     stages: Annotated[tuple[StagePlan, ...], Meta(min_length=1, description="the pipeline stages, at least one")]
     #: Stage sources (not in plan.json; written as stage_<i>.py beside it).
     sources: tuple[str, ...] = field(default=(), compare=False, repr=False, metadata=NOT_IN_FILE)
@@ -645,6 +688,7 @@ class Plan:
                                 f"not {self.schedule!r}; set interleave to 1 or the schedule to '1f1b'")
         groups = len(self.stages) // v
         self._check_ranks(groups)
+        self._check_idle()
         for s in self.stages[groups:]:
             home = self.stages[s.index % groups]
             key = [(g.rank, g.gpu, g.samples_per_microbatch) for g in s.gpus]
@@ -701,6 +745,21 @@ class Plan:
                         f"plan: field stages[{s.index}].gpus[{j}].predicted_memory sums to {parts} bytes, but "
                         f"predicted_memory_bytes is {g.predicted_memory_bytes}; the parts must add up to the "
                         f"prediction (or all be 0: not recorded): re-export the plan with `zorse plan`")
+
+    def _check_idle(self) -> None:
+        """``idle_gpus`` names each GPU once, and only GPUs no stage uses."""
+        if self.idle_gpus is None:
+            return
+        used = {g.gpu: s.index for s in reversed(self.stages) for g in s.gpus}
+        seen: set[int] = set()
+        for j, g in enumerate(self.idle_gpus.gpus):
+            if g.gpu in used or g.gpu in seen:
+                why = (f"stage {used[g.gpu]} runs on GPU {g.gpu}" if g.gpu in used else
+                       f"GPU {g.gpu} is listed before")
+                raise PlanFileError(
+                    f"plan: field idle_gpus.gpus[{j}].gpu is {short_repr(g.gpu)}, but {why}: list each GPU no "
+                    f"stage uses once, or re-export the plan with `zorse plan`")
+            seen.add(g.gpu)
 
     def _check_ranks(self, groups: int) -> None:
         """The ranks of the first ``groups`` stages (every GPU of the world

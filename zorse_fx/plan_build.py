@@ -14,7 +14,7 @@ from .ir.buckets import BUCKET_BYTES, MAX_SHARD_BUCKETS_IN_FLIGHT
 from .ir.decision import Decision
 from .ir.result import SolverResult
 from .options import PlanOptions
-from .plan import GPUShare, MemoryBreakdown, Plan, SolverReport, StagePlan
+from .plan import GPUShare, IdleGPUs, MemoryBreakdown, Plan, SolverReport, StagePlan
 from .precision import PrecisionPolicy
 from .solve.state_terms import GATHERED_UNITS, max_window_sum
 
@@ -89,13 +89,15 @@ def build_plan(
     planner: str,
     check=None,
     throughput_bound_s: float = 0.0,
+    idle_gpus: IdleGPUs | None = None,
 ) -> Plan:
     """Turn a planner decision into a ``Plan`` with generated stage sources;
     ``precision`` is the policy ``bg`` was priced under (``bg``'s tensor specs
     in its autocast dtypes, as ``pricing.price`` returns it); ``check``
     (a ``sim.check.SimulationCheck``) fills ``plan.solver.simulated_*``;
     ``throughput_bound_s`` (``solve.bounds.throughput_bound_s``) fills
-    ``plan.solver.throughput_bound_s`` (0: not recorded)."""
+    ``plan.solver.throughput_bound_s`` (0: not recorded); ``idle_gpus``
+    (``idle.idle_gpus``) is recorded as ``plan.idle_gpus``."""
     dec = result.decision
     programs = split_stages(bg, dec.stage_blocks)
     state = bg.captured.state()
@@ -169,6 +171,7 @@ def build_plan(
         tf32=precision.tf32,
         grad_bucket_bytes=options.bucket_bytes,
         solver=_solver_report(result, options, planner, check, throughput_bound_s),
+        idle_gpus=idle_gpus,
         sources=tuple(sources),
     )
 

@@ -13,7 +13,7 @@ a field to plan.json is one edit in ``plan.py`` plus, where older files lack
 it, a line in ``upgrade`` (and a ``PLAN_FORMAT_VERSION`` bump).
 
 ``decode(d, source)`` upgrades a parsed plan.json of any readable format
-version (1-15) to the current shape (``upgrade``: fields added since take the
+version (1-16) to the current shape (``upgrade``: fields added since take the
 values those versions trained with) and converts it into ``PlanDoc``,
 refusing unknown keys; ``_plan_io`` then builds the ``Plan`` from it and
 ``Plan.__post_init__`` checks the rules that tie fields together (shares sum
@@ -38,11 +38,11 @@ from .errors import PlanFileError
 from .file_schema import FileFormat, struct_of
 from .ir.buckets import BUCKET_BYTES
 from .ir.tensor import TensorSpec
-from .plan import PLAN_FORMAT_VERSION, GPUShare, MemoryBreakdown, Plan, SolverReport, StagePlan
+from .plan import PLAN_FORMAT_VERSION, GPUShare, IdleGPU, IdleGPUs, MemoryBreakdown, Plan, SolverReport, StagePlan
 from .precision import precision_policy
 
 __all__ = ["READABLE_VERSIONS", "PLAN_FILE", "PlanDoc", "StageDoc", "GPUShareDoc", "MemoryBreakdownDoc",
-           "TensorSpecDoc", "SolverDoc",
+           "TensorSpecDoc", "SolverDoc", "IdleGPUDoc", "IdleGPUsDoc",
            "upgrade", "decode"]
 
 #: Format versions ``decode`` reads (``upgrade`` fills in the fields added since).
@@ -53,12 +53,14 @@ MemoryBreakdownDoc = struct_of(MemoryBreakdown, "MemoryBreakdownDoc")
 GPUShareDoc = struct_of(GPUShare, "GPUShareDoc", docs={MemoryBreakdown: MemoryBreakdownDoc})
 TensorSpecDoc = struct_of(TensorSpec, "TensorSpecDoc")
 SolverDoc = struct_of(SolverReport, "SolverDoc")
+IdleGPUDoc = struct_of(IdleGPU, "IdleGPUDoc")
+IdleGPUsDoc = struct_of(IdleGPUs, "IdleGPUsDoc", docs={IdleGPU: IdleGPUDoc})
 StageDoc = struct_of(StagePlan, "StageDoc", docs={GPUShare: GPUShareDoc, TensorSpec: TensorSpecDoc}, extra={
     # Checked by ``stage_sources.recorded_hashes`` (None: a version 1-4 file).
     "source_file": [("source_sha256", Annotated[str | None, Meta(description="the stage file's sha256, 64 hex "
                                                                              "digits")], _NEEDED)],
 })
-PlanDoc = struct_of(Plan, "PlanDoc", docs={SolverReport: SolverDoc, StagePlan: StageDoc}, extra={
+PlanDoc = struct_of(Plan, "PlanDoc", docs={SolverReport: SolverDoc, StagePlan: StageDoc, IdleGPUs: IdleGPUsDoc}, extra={
     "": [("format", Literal["zorse_fx.plan"], _NEEDED)],
     # Written for readers (the precision decides it); checked by ``_check_compute_dtype``.
     "grad_reduce_dtype": [("compute_dtype", Literal["float32", "bfloat16", "float16"] | None, None)],
@@ -66,7 +68,7 @@ PlanDoc = struct_of(Plan, "PlanDoc", docs={SolverReport: SolverDoc, StagePlan: S
 
 
 def upgrade(d: dict) -> dict:
-    """``d`` (a parsed plan.json of version 1-15) in the current shape: a
+    """``d`` (a parsed plan.json of version 1-16) in the current shape: a
     copy with the fields added since its version at the values it trained
     with (v2: ``sharded``/``recompute`` off, ``state_shard_bytes`` 0; v3:
     ``interleave`` 1; v4: ``precision`` fp32 with float32 gradients, and the
@@ -80,7 +82,8 @@ def upgrade(d: dict) -> dict:
     off / 0 when absent; v12: ``tf32``, optional, off when absent: PyTorch's default; v13: ``cluster_gpus`` and
     ``cluster_sha256``, optional, "" (not recorded) when absent; v14: ``loss_reduction``, optional,
     "sample_mean" when absent: how older runtimes trained; v15: ``rank_order``, "stage": how older plans numbered
-    their ranks). Parts of the wrong type are left for the schema to name."""
+    their ranks; v16: ``idle_gpus``, optional, null when absent: not said). Parts of the wrong type are left for
+    the schema to name."""
     d = dict(d)
     version = d.get("version")
     if not isinstance(version, int) or version >= 15:

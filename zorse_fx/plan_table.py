@@ -4,7 +4,7 @@ text table ``zorse show`` and ``zorse plan`` print.
 One row per GPU of each stage (at most 150 columns, drawn with ``rich``),
 then a summary: global batch and schedule, predicted step time and
 throughput, the planner's status, the simulator's check when the plan holds
-one, and the precision policy. Split from ``plan.py`` (the Plan IR), which
+one, the GPUs it leaves idle (``idle_line``) and the precision policy. Split from ``plan.py`` (the Plan IR), which
 keeps ``Plan.table`` as the entry point; this module reads only the plan's
 fields and queries.
 """
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from .plan import Plan
 
-__all__ = ["GIB", "plan_table"]
+__all__ = ["GIB", "plan_table", "idle_line"]
 
 GIB = 1024**3
 
@@ -44,6 +44,31 @@ def _memory_table(plan: Plan):
             m.weights_bytes, m.gradients_bytes, m.optimizer_bytes, m.activations_bytes, m.communication_bytes)),
             f"{g.predicted_memory_bytes / GIB:.2f} / {g.memory_capacity_bytes / GIB:.1f}")
     return t
+
+
+def idle_line(plan: Plan) -> str:
+    """The plan table's line on the GPUs ``plan`` leaves idle (``plan.idle_gpus``, not None): how many of each
+    type on which nodes, the predicted step of the best plan scored that uses them, how much slower that is
+    and why ([Note: idle GPUs said aloud] in ``zorse_fx/idle.py``)."""
+    from .plan import fmt_seconds  # (plan.py imports this module)
+
+    idle = plan.idle_gpus
+    nodes_of: dict[str, list[str]] = {}
+    for g in idle.gpus:
+        nodes_of.setdefault(g.gpu_type, []).append(g.node)
+    parts = []
+    for gpu_type, nodes in nodes_of.items():
+        names = list(dict.fromkeys(nodes))
+        where = (f"node {names[0]}" if len(names) == 1 else f"nodes {', '.join(names)}" if len(names) <= 4
+                 else f"nodes {', '.join(names[:3])}, ... ({len(names)} nodes)")
+        parts.append(f"{len(nodes)} x {gpu_type} ({where})")
+    head = "idle: " + ", ".join(parts)
+    if idle.all_gpus_step_time_s is None:
+        return f"{head} -- {idle.reason}"
+    step = plan.predicted_step_time_s
+    more = f"{idle.all_gpus_step_time_s / step - 1:+.0%}, " if step > 0 else ""
+    return (f"{head} -- the best plan scored that uses them: {fmt_seconds(idle.all_gpus_step_time_s)}/step "
+            f"({more}{idle.all_gpus_source}): {idle.reason} (zorse plan --use-all-gpus searches for the best)")
 
 
 def plan_table(plan: Plan) -> str:
@@ -119,6 +144,8 @@ def plan_table(plan: Plan) -> str:
            f"bubble {sv.simulated_bubble_fraction:.0%}, peak memory "
            f"{sv.simulated_max_memory_fraction:.0%} of usable"
            if sv.simulated_step_time_s and plan.predicted_step_time_s else "")
+        + ("\n" + textwrap.fill(idle_line(plan), width=150, subsequent_indent="  ",
+                                           break_on_hyphens=False) if plan.idle_gpus else "")
         + "\n" + precision
     )
     low = [s for s in plan.stages if s.low_precision_params]

@@ -16,6 +16,7 @@ import time
 from .capture import BlockGraph, CapturedModel
 from .cluster import Cluster
 from .errors import InfeasiblePlanError, PlanOptionsError
+from .idle import idle_gpus
 from .ir.decision import Decision
 from .ir.result import SolverResult
 from .options import PlanOptions
@@ -106,7 +107,9 @@ def plan_captured(
     and the block graph it was made from.
 
     The answer is simulated before it becomes a plan (``sim.check_result``):
-    the simulated step, bubble and peak memory go into ``plan.solver``.
+    the simulated step, bubble and peak memory go into ``plan.solver``. Where
+    it leaves GPUs idle, ``plan.idle_gpus`` names them with the best plan
+    scored that uses them (``idle.idle_gpus``).
 
     Raises:
         PlanOptionsError: an offload "always" the cluster has no host memory for
@@ -147,8 +150,9 @@ def plan_captured(
     for w in check.warnings:
         log.warning(w)
         say(f"warning: {w}")
+    idle = idle_gpus(costs, devices, options, result, cluster)  # [Note: idle GPUs said aloud] in idle.py
     plan = build_plan(bg, cluster, result, options, model_name=model_name, label_mode=label_mode,
-                      precision=policy, planner=planner, check=check, throughput_bound_s=bound)
+                      precision=policy, planner=planner, check=check, throughput_bound_s=bound, idle_gpus=idle)
     say(f"codegen: {plan.num_stages} stage modules ({time.perf_counter() - t0:.1f} s total)")
     return plan, bg
 

@@ -139,7 +139,8 @@ def solve_portfolio(costs: BlockCosts, devices: DeviceGraph, options: PlanOption
         # Nothing with one stage per group beats a proven optimum (ZeRO-2 aside:
         # [Note: ZeRO-2 outside CP-SAT]); interleaving or ZeRO-2 may.
         best = with_interleaving(costs, devices, options, _try_grad_sharding(costs, devices, options, best))
-        return rerank_by_simulator(costs, devices, options, best, others, progress=progress)
+        return _with_all_gpus(devices, rerank_by_simulator(costs, devices, options, best, others, progress=progress),
+                              others)
     if found and (best is None or found[0][0] < best.predicted_step_time_s):
         # A solver without an incumbent (or none at all) lost to a heuristic.
         step, name, res = found[0]
@@ -159,7 +160,7 @@ def solve_portfolio(costs: BlockCosts, devices: DeviceGraph, options: PlanOption
     best = dataclasses.replace(best, best_bound=bound, optimality_gap=(step - bound) / step if step > 0 else 0.0)
     best = with_interleaving(costs, devices, options, _try_grad_sharding(costs, devices, options, best))
     best = rerank_by_simulator(costs, devices, options, best, [pre] + others, progress=progress)
-    return dataclasses.replace(best, wall_s=time.perf_counter() - t0,
+    return dataclasses.replace(_with_all_gpus(devices, best, [pre] + others), wall_s=time.perf_counter() - t0,
                                candidates=tuple(best.candidates) + tuple(tried))
 
 
@@ -313,6 +314,19 @@ def _warm_starts(found, dp_hints) -> list:
     return sorted([(r.predicted_step_time_s, k, r) for k, (_, _, r) in enumerate(found)
                    if all(m.zero < 2 and m.optimizer == m.activations == "device" for m in r.decision.memory)]
                   + [(r.predicted_step_time_s, len(found) + k, r) for k, r in enumerate(dp_hints)])
+
+
+def _with_all_gpus(devices: DeviceGraph, best: SolverResult, others) -> SolverResult:
+    """``best`` with ``all_gpus`` set where its decision leaves GPUs idle: the fastest of ``others`` (feasible
+    answers in hand, as ``rerank_by_simulator`` takes them) that gives every GPU work, ties in the order given
+    ([Note: idle GPUs said aloud] in idle.py: no second search)."""
+    def used(r: SolverResult) -> int:
+        return len({g for gs in r.decision.stage_gpus for g in gs})
+
+    if used(best) == devices.num_gpus:
+        return best
+    full = [r for r in others if used(r) == devices.num_gpus]
+    return dataclasses.replace(best, all_gpus=min(full, key=lambda r: r.predicted_step_time_s, default=None))
 
 
 def _label(name: str) -> str:

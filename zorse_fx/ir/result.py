@@ -174,6 +174,10 @@ class SolverResult:
     wall_clock_stops: int = 0
     #: Everything the planner tried and its result, in the order it was tried.
     candidates: tuple[Candidate, ...] = field(default_factory=tuple)
+    #: Where ``decision`` leaves GPUs idle: the fastest plan (by ``predicted_step_time_s``) among the feasible
+    #: ones the planner scored that gives every GPU work; None: ``decision`` uses every GPU, or the planner
+    #: scored no such plan (the portfolio sets it: [Note: idle GPUs said aloud] in ``zorse_fx/idle.py``).
+    all_gpus: "SolverResult | None" = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.decision, Decision) or self.decision.shard_mib is None:
