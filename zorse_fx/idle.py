@@ -12,11 +12,14 @@ baselines' -- ``homogeneous_all`` uses every GPU by construction -- and the
 stage DP's per (stages, micro-batches); ``SolverResult.all_gpus``, set by
 ``portfolio._with_all_gpus``). Only where none of them uses every GPU and
 fits (or the planner was not the portfolio: ``planner="stage_dp"``,
-``"brute_force"``) does ``idle_gpus`` run the stage DP once more with every
-GPU in use (``allow_idle_gpus=False``: seconds at 1,024 GPUs, no CP-SAT),
-so the answer is a plan the portfolio could have returned under
-``--use-all-gpus``, or that search's reason why none fits. Both are
-deterministic (no wall-clock input), so the same inputs give the same line.
+``"brute_force"``) does ``idle_gpus`` plan with every GPU in use
+(``allow_idle_gpus=False``): the baselines whose cost is linear in the GPU
+count (``FALLBACK_BASELINES``), and only where neither fits the stage DP
+(a second search: 100 s on the synthetic 1,024-GPU instance of
+``bench/planner_scaling.py`` on the 2-core machine, seconds below 128 GPUs),
+whose answer is a plan the portfolio could return under ``--use-all-gpus``,
+or whose binding constraint says why none fits. All are deterministic (no
+wall-clock input), so the same inputs give the same line.
 The step is the objective's, as the plan's own ``predicted_step_time_s``;
 ``zorse plan --use-all-gpus`` searches for the best such plan, which can be
 faster than the one reported.
@@ -47,10 +50,13 @@ from .ir.result import SolverResult
 from .options import PlanOptions
 from .plan import IdleGPU, IdleGPUs, fmt_seconds
 
-__all__ = ["idle_gpus", "ALL_GPUS_FALLBACK"]
+__all__ = ["idle_gpus", "slower_because", "ALL_GPUS_FALLBACK", "FALLBACK_BASELINES"]
 
 #: ``IdleGPUs.all_gpus_source`` of the stage DP's plan run with every GPU in use (no scored plan used them all).
 ALL_GPUS_FALLBACK = "STAGE_DP (every GPU)"
+#: The baselines run with every GPU in use where no scored plan used them all: linear in the GPU count
+#: (``portfolio.CHEAP_BASELINES`` less ``homogeneous_best``, which leaves the slower types out).
+FALLBACK_BASELINES = ("homogeneous_all", "cephalo")
 
 
 def idle_gpus(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions, result: SolverResult,
@@ -80,10 +86,24 @@ def idle_gpus(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions, res
 
 def _every_gpu_plan(costs: BlockCosts, devices: DeviceGraph,
                     options: PlanOptions) -> tuple[SolverResult | None, str]:
-    """(the stage DP's plan with every GPU in use, "") or (None, why no such plan fits)."""
+    """(the fastest feasible plan of ``FALLBACK_BASELINES`` run with every GPU in use, else the stage DP's, "")
+    or (None, why no plan using every GPU fits: the stage DP's binding constraint)."""
+    from .baselines import BASELINES
+    from .solve.objective import evaluate_result
     from .solve.stage_dp import solve_stage_dp
 
     every = dataclasses.replace(options, allow_idle_gpus=False)
+    found = []
+    for name in FALLBACK_BASELINES:
+        try:
+            res = BASELINES[name](costs, devices, every)
+        except (InfeasiblePlanError, ValueError):
+            continue
+        ev = evaluate_result(costs, devices, every, res)
+        if ev.feasible:
+            found.append(dataclasses.replace(res, status=f"BASELINE:{name}"))
+    if found:
+        return min(found, key=lambda r: r.predicted_step_time_s), ""  # (ties: the first of FALLBACK_BASELINES)
     try:
         res = solve_stage_dp(costs, devices, every)
     except InfeasiblePlanError as exc:
