@@ -63,9 +63,10 @@ def idle_gpus(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions, res
               cluster: Cluster) -> IdleGPUs | None:
     """The GPUs of ``cluster`` (priced as ``costs`` on ``devices``) that
     ``result``'s decision leaves idle, the predicted step (s) of the best plan
-    scored that uses every GPU (``result.all_gpus``, else the stage DP with
-    every GPU in use) and what makes it slower; None where the decision uses
-    every GPU. Deterministic ([Note: idle GPUs said aloud])."""
+    scored that uses every GPU (``result.all_gpus``, else one planned with
+    every GPU in use: ``FALLBACK_BASELINES``, then the stage DP) and what makes
+    it slower; None where the decision uses every GPU. Deterministic ([Note:
+    idle GPUs said aloud])."""
     from .solve.objective import evaluate
 
     used = {g for gs in result.decision.stage_gpus for g in gs}
@@ -80,8 +81,12 @@ def idle_gpus(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions, res
         return IdleGPUs(gpus=idle, all_gpus_step_time_s=None, all_gpus_source="", reason=why_none)
     ev_alt = evaluate(costs, devices, options, alt.decision)
     ev_chosen = evaluate(costs, devices, options, result.decision)
-    return IdleGPUs(gpus=idle, all_gpus_step_time_s=ev_alt.step_time_s, all_gpus_source=alt.status,
-                    reason=slower_because(ev_alt, ev_chosen, costs, devices))
+    if ev_alt.objective_units < ev_chosen.objective_units:  # the simulator's pick ([Note: simulator re-rank])
+        why = (f"the objective prices it faster, but the simulator ranks this plan ahead ({result.status}: of the "
+               f"objective's best few plans, the one it simulates fastest)")
+    else:
+        why = slower_because(ev_alt, ev_chosen, costs, devices)
+    return IdleGPUs(gpus=idle, all_gpus_step_time_s=ev_alt.step_time_s, all_gpus_source=alt.status, reason=why)
 
 
 def _every_gpu_plan(costs: BlockCosts, devices: DeviceGraph,
