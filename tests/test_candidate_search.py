@@ -201,3 +201,19 @@ def test_zorse_jobs_sets_the_default(monkeypatch):
         default_jobs()
     monkeypatch.delenv("ZORSE_JOBS")
     assert default_jobs() >= 1
+
+
+def test_work_jobs_small_clusters_in_process(monkeypatch):
+    """[Note: small searches in process]: the search's Python work runs in this process up to
+    ``IN_PROCESS_MAX_GPUS`` GPUs unless ``PlanOptions.jobs`` or ``$ZORSE_JOBS`` ask otherwise; CP-SAT's
+    own ``options_jobs`` is unchanged."""
+    from zorse_fx.options import PlanOptions
+    from zorse_fx.solve.isolated import IN_PROCESS_MAX_GPUS, default_jobs, options_jobs, work_jobs
+
+    monkeypatch.delenv("ZORSE_JOBS", raising=False)
+    options = PlanOptions(global_batch_size=8)
+    assert work_jobs(options, 4) == work_jobs(options, IN_PROCESS_MAX_GPUS) == 1
+    assert work_jobs(options, IN_PROCESS_MAX_GPUS + 1) == default_jobs() == options_jobs(options)
+    assert work_jobs(dataclasses.replace(options, jobs=3), 4) == 3
+    monkeypatch.setenv("ZORSE_JOBS", "2")
+    assert work_jobs(options, 4) == 2

@@ -120,11 +120,13 @@ class PlanOptions:
     #: candidates ([Note: candidate waves] in ``solve/_search.py``), the portfolio's
     #: heuristics, the stage DP's (M, unit order) DPs, the interleave search's tries
     #: and the simulator's finalists (``solve/isolated.map_isolated``). Buys
-    #: wall-clock time only: the plan is the same for every value.
+    #: wall-clock time only: the plan is the same for every value. None: CP-SAT
+    #: on the cores; the Python parts in this process up to 64 GPUs, on the
+    #: cores beyond (``solve/isolated.work_jobs``: [Note: small searches in process]).
     jobs: int | None = None
     """processes side by side: CP-SAT candidates, the heuristics, the stage DP's and the interleave search's
-    independent parts, the simulator's finalists (default: the cores this process may use); wall-clock time
-    only, the plan is the same for every value"""
+    independent parts, the simulator's finalists (default: the cores this process may use; the Python parts in
+    one process up to 64 GPUs); wall-clock time only, the plan is the same for every value"""
     #: Random seed for CP-SAT (``random_seed``; reproducible plans).
     seed: int = 0
     """CP-SAT's random seed (the same seed and inputs give the same plan)"""

@@ -205,7 +205,7 @@ def rerank_by_simulator(costs: BlockCosts, devices: DeviceGraph, options: PlanOp
     from .ir.p2p import ProgramError
     from .sim.engine import simulate
     from .solve._search import in_model
-    from .solve.isolated import map_isolated, options_jobs
+    from .solve.isolated import map_isolated, work_jobs
     from .solve.bounds import throughput_bound_s
     from .solve.objective import UNITS_PER_S
 
@@ -221,7 +221,7 @@ def rerank_by_simulator(costs: BlockCosts, devices: DeviceGraph, options: PlanOp
         return best
     t0 = time.perf_counter()
     sims = []
-    jobs = options_jobs(options)
+    jobs = work_jobs(options, devices.num_gpus)
     runs = map_isolated([lambda d=r.decision: simulate(costs, devices, options, d).step_time_s for r in finalists],
                         jobs)  # side by side in forked children (solve/isolated.py); the answers in order
     for ok, answer in runs:
@@ -260,7 +260,7 @@ def _run_heuristics(costs: BlockCosts, devices: DeviceGraph, options: PlanOption
     by step time (ties in the heuristics' fixed order), the stage DP's per-(S, M) plans and why the
     stage DP has no feasible plan ("" when it has)."""
     from .baselines import BASELINES
-    from .solve.isolated import map_isolated, options_jobs
+    from .solve.isolated import map_isolated, work_jobs
     from .solve.objective import build_tables, evaluate_result, microbatch_candidates
     from .solve.stage_dp import stage_dp_search
 
@@ -283,7 +283,7 @@ def _run_heuristics(costs: BlockCosts, devices: DeviceGraph, options: PlanOption
     # forked children, their answers taken in the order of ``sources`` (solve/isolated.py).
     # The cluster's (G, G) pair tables first, here: the children inherit them (solve/tables.py).
     build_tables(costs, devices, options, microbatch_candidates(options)[0])
-    jobs = options_jobs(options)
+    jobs = work_jobs(options, devices.num_gpus)
     dp_why = ""  # why the stage DP has no feasible plan (its message, or its best plan's violations)
     for name, (ok, answer) in zip(sources, map_isolated([heuristic(n, f) for n, f in sources.items()], jobs)):
         if not ok:

@@ -50,7 +50,7 @@ from ..ir.devices import DeviceGraph
 from ..ir.memory import StageMemory
 from ..ir.result import Candidate, SolverResult, with_safety_stop
 from ..options import PlanOptions
-from .isolated import map_isolated, options_jobs
+from .isolated import map_isolated, work_jobs
 from .objective import (
     UNIT_S,
     MemoryPolicy,
@@ -245,7 +245,7 @@ def interleave_search(costs: BlockCosts, devices: DeviceGraph, options: PlanOpti
                 out.append((key, v, rc, cuts, args))
         return tab, out
 
-    jobs = options_jobs(options)
+    jobs = work_jobs(options, devices.num_gpus)
     per_m = []
     for m in microbatch_candidates(options):
         shares = tuple(rescale_shares(tuple(ns), gbs // m) for ns in d.samples_per_microbatch)

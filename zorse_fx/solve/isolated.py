@@ -27,7 +27,12 @@ import pickle
 import select
 import signal
 
-__all__ = ["SolverCrash", "default_jobs", "map_isolated", "options_jobs", "run_isolated", "start_isolated"]
+__all__ = ["SolverCrash", "IN_PROCESS_MAX_GPUS", "default_jobs", "map_isolated", "options_jobs", "run_isolated",
+           "start_isolated", "work_jobs"]
+
+#: Clusters of at most this many GPUs run the search's independent Python work in this process by default
+#: (``work_jobs``; [Note: small searches in process]).
+IN_PROCESS_MAX_GPUS = 64
 
 
 def default_jobs() -> int:
@@ -50,6 +55,27 @@ def options_jobs(options) -> int:
     """The processes side by side for ``options`` (a ``PlanOptions``): its ``jobs``, else
     ``default_jobs()``."""
     return options.jobs if options.jobs is not None else default_jobs()
+
+
+def work_jobs(options, num_gpus: int) -> int:
+    """The processes side by side for the search's independent Python work on ``num_gpus`` GPUs (the
+    portfolio's heuristics, the stage DP's DPs, the interleave search's tries, the simulator's finalists:
+    ``map_isolated``): ``options.jobs`` or ``$ZORSE_JOBS`` where given, else 1 (this process) up to
+    ``IN_PROCESS_MAX_GPUS`` GPUs and the cores beyond ([Note: small searches in process]). CP-SAT solves
+    are forked whatever this says ([Note: isolated solves]).
+
+    [Note: small searches in process]
+    Forking costs the parent and child of a ~1.2 GB planner (the model's weights, the captured graph) a
+    page-table copy and copy-on-write faults: 27 ms for a bare fork after capture, ~90,000 minor faults
+    over the README's plan's heuristic forks (bench/plan_cli.py, 2026-12-07). The heuristics of a cluster
+    up to 64 GPUs take 0.3-0.7 CPU s in one process and 0.8-1.3 forked two at a time, with no shorter a
+    wall clock on the 2-core machine (demo.yaml 0.30 against 0.95 CPU s; metis.yaml, 8 GPUs, 0.65 against
+    1.1; amp.yaml, 16, 0.68 against 1.1; zorse_a.yaml, 20, 0.31 against 0.81; flashflex.yaml, 32, 0.66
+    against 1.2; zorse_b.yaml, 64, 0.58 against 1.2: SmolLM2-135M, batch 32). ``map_isolated`` gives the
+    same answers for every ``jobs``, so the rule changes seconds only, never a plan."""
+    if options.jobs is not None or os.environ.get("ZORSE_JOBS", "").strip():
+        return options_jobs(options)
+    return 1 if num_gpus <= IN_PROCESS_MAX_GPUS else default_jobs()
 
 
 class SolverCrash(RuntimeError):

@@ -99,7 +99,7 @@ from ..ir.devices import DeviceGraph
 from ..ir.memory import StageMemory
 from ..ir.result import SolverResult
 from ..options import PlanOptions
-from .isolated import map_isolated, options_jobs
+from .isolated import map_isolated, work_jobs
 from .objective import MIB_UNITS, fill_policy, inflight, max_stage_count, microbatch_candidates
 from .heuristics import StageMatrices
 
@@ -557,7 +557,7 @@ def stage_dp_search(costs: BlockCosts, devices: DeviceGraph, options: PlanOption
         st = _Stages(sel.tables(m), list(units), speeds, variants, m)
         return [_dp(st, n_s, options.allow_idle_gpus, level=0) for n_s in range(1, min(s_max, len(units)) + 1)]
 
-    jobs = options_jobs(options)
+    jobs = work_jobs(options, devices.num_gpus)
     for (m, units), (ok, answer) in zip(tasks, map_isolated([partial(splits, m, u) for m, u in tasks], jobs)):
         if not ok:
             raise answer
