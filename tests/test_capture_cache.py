@@ -114,3 +114,45 @@ def test_a_users_own_module_is_captured_afresh(tmp_path, monkeypatch):
         assert capture(model, (ids, ids.clone()), method="export").causal_masks == rewritten
     assert not (tmp_path / "capture").exists()
     assert cacheable(_llama(0))
+
+
+def test_the_loss_check_is_read_from_the_cache(tmp_path, monkeypatch):
+    """[Note: the loss check cached]: the first capture checks the loss contract and records its answer
+    beside the graph; a capture with the same key takes it without the model's forwards; another
+    configuration (another key), $ZORSE_NO_CACHE, a damaged record or a non-finite loss run the check."""
+    import pytest
+
+    import zorse_fx.capture.trace as trace
+    from zorse_fx.errors import ModelCaptureError
+
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path))
+    monkeypatch.delenv(capture_cache.NO_CACHE_ENV, raising=False)
+    ids = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(4))
+    checks = []
+    real_check = trace.check_mean_loss
+
+    def counted(*args, **kwargs):
+        checks.append(1)
+        return real_check(*args, **kwargs)
+
+    monkeypatch.setattr(trace, "check_mean_loss", counted)
+    first = capture(_llama(0), (ids, ids))
+    key = capture_cache.export_key(_llama(1), (ids, ids.clone()), ("input_ids", "labels"))
+    assert len(checks) == 1 and capture_cache.load_loss_check(key) == first.loss_reduction == "token_mean"
+    assert capture(_llama(1), (ids, ids)).loss_reduction == "token_mean" and len(checks) == 1  # read, not run
+    capture(_llama(0, layers=3), (ids, ids))  # another key: checked
+    assert len(checks) == 2
+    monkeypatch.setenv(capture_cache.NO_CACHE_ENV, "1")
+    capture(_llama(1), (ids, ids))
+    assert len(checks) == 3
+    monkeypatch.delenv(capture_cache.NO_CACHE_ENV)
+    (tmp_path / "capture" / f"{key}.json").write_text('{"loss_reduction": "sum"}')  # not an answer: checked
+    assert capture_cache.load_loss_check(key) is None
+    capture(_llama(1), (ids, ids))
+    assert len(checks) == 4 and capture_cache.load_loss_check(key) == "token_mean"
+    broken = _llama(2)
+    with torch.no_grad():
+        broken.model.lm_head.weight.fill_(float("nan"))  # (tied: the embedding too)
+    with pytest.raises(ModelCaptureError, match="must return the mean loss"):
+        capture(broken, (ids, ids))  # a non-finite loss is checked, and refused as before
+    assert len(checks) == 5

@@ -34,6 +34,20 @@ name and renamed into place. ``$ZORSE_NO_CACHE=1`` (``--no-cache`` on the
 command line) captures afresh and writes nothing. A file that cannot be read
 is ignored with a log line and replaced. Only files zorse_fx wrote are read
 (its own cache directory), as with Python's ``__pycache__``.
+
+[Note: the loss check cached]
+``capture`` checks the loss contract with three eager forwards of the model
+(``trace.check_mean_loss``): 2-5 CPU s of a warm ``zorse plan`` of SmolLM2-135M
+(bench/plan_cli.py, 2026-12-07), more than reading the cached graph. Its answer
+("sample_mean" or "token_mean") follows from the model's code and the graph's
+loss count, which the key covers (``loss_count.py`` among the sources hashed),
+not from the weights' values (any finite weights give the same reduction; the
+example inputs are random per command already). So a check that ran on real
+values (not the meta device) is kept beside the graph as ``<key>.json``, plain
+JSON (``{"loss_reduction": ...}``), and a capture whose graph has that key and
+whose captured forward's loss on the example batch is finite takes the answer
+from it; a non-finite loss, a missing or unreadable file, or any other value
+runs the check. ``$ZORSE_NO_CACHE`` reads and writes neither file.
 """
 
 from __future__ import annotations
@@ -52,14 +66,15 @@ import torch
 
 from ..models.hf import cache_root
 
-__all__ = ["NO_CACHE_ENV", "cacheable", "disabled", "enabled", "export_key", "load_exported", "save_exported", "cache_file"]
+__all__ = ["NO_CACHE_ENV", "cacheable", "disabled", "enabled", "export_key", "load_exported", "save_exported", "cache_file",
+           "load_loss_check", "save_loss_check"]
 
 log = logging.getLogger(__name__)
 
 #: Set to 1 to capture afresh and write nothing (``zorse plan/simulate --no-cache``).
 NO_CACHE_ENV = "ZORSE_NO_CACHE"
 
-_OWN_SOURCES = ("trace.py", "cache.py", "causal.py")
+_OWN_SOURCES = ("trace.py", "cache.py", "causal.py", "loss_count.py")
 
 
 @contextlib.contextmanager
@@ -243,3 +258,43 @@ def load_exported(key: str, model: torch.nn.Module):
                 return None
             ep.constants[name] = own
     return ep
+
+
+#: The answers ``trace.check_mean_loss`` can give ([Note: the loss check cached]).
+_REDUCTIONS = ("sample_mean", "token_mean")
+
+
+def _check_file(key: str) -> Path:
+    return cache_root() / "capture" / f"{key}.json"
+
+
+def load_loss_check(key: str) -> str | None:
+    """The loss reduction a check of a model with capture key ``key`` found ("sample_mean" or
+    "token_mean"), or None (no record, or one that cannot be read: the check runs) ([Note: the loss
+    check cached])."""
+    path = _check_file(key)
+    try:
+        value = json.loads(path.read_text()).get("loss_reduction")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if value in _REDUCTIONS else None
+
+
+def save_loss_check(key: str, reduction: str) -> None:
+    """Record ``reduction``, the answer of a loss check on real values, under ``key``; a record that
+    cannot be written is logged and skipped."""
+    assert reduction in _REDUCTIONS, reduction
+    path = _check_file(key)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump({"loss_reduction": reduction}, f)
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    except OSError as exc:
+        log.info("loss check record %s not written: %s", path, exc)

@@ -204,7 +204,8 @@ def _capture_fx(model: torch.nn.Module) -> fx.GraphModule:
     return fx.GraphModule(model, graph, type(model).__name__)
 
 
-def _capture_export(model: torch.nn.Module, example_inputs, names) -> fx.GraphModule:
+def _capture_export(model: torch.nn.Module, example_inputs, names) -> tuple[fx.GraphModule, str | None]:
+    """``model``'s graph by ``torch.export``, and its capture cache key (None: not cached)."""
     from . import cache
 
     key = (cache.export_key(model, tuple(example_inputs), names)
@@ -212,7 +213,7 @@ def _capture_export(model: torch.nn.Module, example_inputs, names) -> fx.GraphMo
     ep = cache.load_exported(key, model) if key is not None else None  # [Note: the capture cache]
     if ep is not None:
         log.info("capture of %s read from %s", type(model).__name__, cache.cache_file(key))
-        return _module_of(ep)
+        return _module_of(ep), key
     batch = torch.export.Dim("batch", min=1, max=1 << 20)
     dynamic = {name: {0: batch} for name in names}
     try:
@@ -227,7 +228,7 @@ def _capture_export(model: torch.nn.Module, example_inputs, names) -> fx.GraphMo
         ) from exc
     if key is not None:
         cache.save_exported(key, ep)
-    return _module_of(ep)
+    return _module_of(ep), key
 
 
 def _module_of(ep) -> fx.GraphModule:
@@ -296,6 +297,7 @@ def capture(
     check_wrapped_models(model)  # a T5 or a masked LM inside a wrapper: one line, not a tracing error
     names = _input_names(model, len(example_inputs))
     example_inputs = _unaliased(example_inputs)
+    key = None  # the capture cache key of an exported graph ([Note: the loss check cached] in cache.py)
     if method == "auto":
         method = "export" if _is_hf(model) else "fx"
         if method == "fx":
@@ -307,7 +309,7 @@ def capture(
     if method == "fx":
         gm = _capture_fx(model) if "gm" not in locals() else gm
     elif method == "export":
-        gm = _capture_export(model, example_inputs, names)
+        gm, key = _capture_export(model, example_inputs, names)
     else:
         raise ModelCaptureError(f"unknown capture method {method!r}; use 'fx', 'export' or 'auto'")
     _normalise(gm)
@@ -321,7 +323,7 @@ def capture(
             "Wrap the model so forward(*inputs) returns loss (e.g. zorse_fx.models.hf.CausalLMWithLoss)."
         )
     tail = loss_tail(gm, example_inputs)
-    reduction = check_mean_loss(model, example_inputs, tail=tail)
+    reduction = _checked_reduction(model, example_inputs, tail, key, loss)
     placeholders = [n.target for n in gm.graph.find_nodes(op="placeholder")]
     return CapturedModel(
         graph_module=gm,
@@ -333,6 +335,24 @@ def capture(
         loss_reduction=reduction,
         loss_count=tail.count if reduction == "token_mean" else None,
     )
+
+
+def _checked_reduction(model: torch.nn.Module, example_inputs: tuple[torch.Tensor, ...], tail: LossTail,
+                       key: str | None, loss: torch.Tensor) -> str:
+    """``check_mean_loss``'s answer, taken from the capture cache where a check of a model with the same key
+    recorded it and ``loss`` (the captured graph's on the example batch) is finite, else checked (and
+    recorded where ``key`` is given and the check ran on values) ([Note: the loss check cached] in cache.py)."""
+    from . import cache
+
+    if key is not None and bool(torch.isfinite(loss)):
+        recorded = cache.load_loss_check(key)
+        if recorded is not None:
+            return recorded
+    reduction = check_mean_loss(model, example_inputs, tail=tail)
+    tensors = (*example_inputs, *model.parameters(), *model.buffers())
+    if key is not None and not any(t.device.type == "meta" for t in tensors):  # checked on values
+        cache.save_loss_check(key, reduction)
+    return reduction
 
 
 def _refuse_batch_statistics(model: torch.nn.Module) -> None:
