@@ -119,7 +119,7 @@ def test_a_users_own_module_is_captured_afresh(tmp_path, monkeypatch):
 def test_the_loss_check_is_read_from_the_cache(tmp_path, monkeypatch):
     """[Note: the loss check cached]: the first capture checks the loss contract and records its answer
     beside the graph; a capture with the same key takes it without the model's forwards; another
-    configuration (another key), $ZORSE_NO_CACHE, a damaged record or a non-finite loss run the check."""
+    configuration (another key), $ZORSE_NO_CACHE, a damaged record or a non-finite weight run the check."""
     import pytest
 
     import zorse_fx.capture.trace as trace
@@ -154,5 +154,5 @@ def test_the_loss_check_is_read_from_the_cache(tmp_path, monkeypatch):
     with torch.no_grad():
         broken.model.lm_head.weight.fill_(float("nan"))  # (tied: the embedding too)
     with pytest.raises(ModelCaptureError, match="must return the mean loss"):
-        capture(broken, (ids, ids))  # a non-finite loss is checked, and refused as before
+        capture(broken, (ids, ids))  # a non-finite weight: run and checked, and refused as before
     assert len(checks) == 5

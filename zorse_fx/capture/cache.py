@@ -36,18 +36,22 @@ is ignored with a log line and replaced. Only files zorse_fx wrote are read
 (its own cache directory), as with Python's ``__pycache__``.
 
 [Note: the loss check cached]
-``capture`` checks the loss contract with three eager forwards of the model
-(``trace.check_mean_loss``): 2-5 CPU s of a warm ``zorse plan`` of SmolLM2-135M
-(bench/plan_cli.py, 2026-12-07), more than reading the cached graph. Its answer
-("sample_mean" or "token_mean") follows from the model's code and the graph's
-loss count, which the key covers (``loss_count.py`` among the sources hashed),
-not from the weights' values (any finite weights give the same reduction; the
-example inputs are random per command already). So a check that ran on real
-values (not the meta device) is kept beside the graph as ``<key>.json``, plain
-JSON (``{"loss_reduction": ...}``), and a capture whose graph has that key and
-whose captured forward's loss on the example batch is finite takes the answer
-from it; a non-finite loss, a missing or unreadable file, or any other value
-runs the check. ``$ZORSE_NO_CACHE`` reads and writes neither file.
+``capture`` runs the captured graph on the example batch (its output must be
+a scalar) and checks the loss contract with three eager forwards of the model
+(``trace.check_mean_loss``): 2-3 and 2-5 CPU s of a warm ``zorse plan`` of
+SmolLM2-135M (bench/plan_cli.py, 2026-12-07), more than reading the cached
+graph. The check's answer ("sample_mean" or "token_mean") follows from the
+model's code and the graph's loss count, which the key covers (``loss_count.py``
+among the sources hashed), not from the weights' values (any finite weights
+give the same reduction; the example inputs are random per command already).
+So a check that ran on real values (not the meta device) is kept beside the
+graph as ``<key>.json``, plain JSON (``{"loss_reduction": ...}``), and a
+capture whose graph has that key takes the answer from it, with neither
+forward, where the graph's output is a scalar by its recorded metadata and
+every parameter and buffer is finite (``trace._recorded_reduction``: NaN
+weights are run and refused as before). A missing or unreadable file, any
+other value, a non-finite weight or a meta-device model runs both.
+``$ZORSE_NO_CACHE`` reads and writes neither file.
 """
 
 from __future__ import annotations
@@ -229,6 +233,37 @@ def _memoized_type_hints():
         typing.get_type_hints = original
 
 
+@contextlib.contextmanager
+def _memoized_sympify():
+    """[Note: symbolic shapes parsed once while loading]
+    ``torch.export.load`` parses every symbolic size of every node's tensor metadata with
+    ``sympy.sympify(text, locals=...)`` (``_parse_sym_expr`` in ``torch._export.serde.serialize``): 1,687
+    parses of 2 distinct texts for SmolLM2-135M's graph ("s0" and "64*s0" or alike), 0.3-0.4 of the 2.4-2.8
+    CPU s the first load of a process took (2026-12-07, the 2-core machine). Within this block a text parsed
+    before is answered with the expression parsed then, where every symbol in it is the very object the
+    caller's ``locals`` give that name (the loader's own symbol table: so the answer is what parsing would
+    give); anything else (other arguments, no ``locals``, a symbol not in them) passes through. sympy
+    expressions are immutable, so sharing one is safe."""
+    import sympy
+
+    original, memo = sympy.sympify, {}
+
+    def memoized(a, *args, locals=None, **kwargs):
+        if isinstance(a, str) and not args and not kwargs and locals is not None:
+            hit = memo.get(a)
+            if hit is not None and all(locals.get(s.name) is s for s in hit.free_symbols):
+                return hit
+            memo[a] = out = original(a, locals=locals)
+            return out
+        return original(a, *args, locals=locals, **kwargs)
+
+    sympy.sympify = memoized
+    try:
+        yield
+    finally:
+        sympy.sympify = original
+
+
 def load_exported(key: str, model: torch.nn.Module):
     """The cached ``ExportedProgram`` of ``key`` with ``model``'s own
     parameters and buffers in place, or None (no such file, one that cannot
@@ -237,7 +272,7 @@ def load_exported(key: str, model: torch.nn.Module):
     if not path.is_file():
         return None
     try:
-        with _memoized_type_hints():
+        with _memoized_type_hints(), _memoized_sympify():
             ep = torch.export.load(path)
     except Exception as exc:  # noqa: BLE001 (an unreadable cache file is a miss: logged, replaced)
         log.info("capture cache %s not read: %s: %s", path, type(exc).__name__, exc)

@@ -314,16 +314,24 @@ def capture(
         raise ModelCaptureError(f"unknown capture method {method!r}; use 'fx', 'export' or 'auto'")
     _normalise(gm)
     rewritten = causal_masks_to_is_causal(gm) if causal_masks else 0
-    with torch.no_grad():
-        loss = gm(*example_inputs)
-    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-        got = type(loss).__name__ if not isinstance(loss, torch.Tensor) else f"shape {tuple(loss.shape)}"
-        raise ModelCaptureError(
-            f"{type(model).__name__}.forward must return the scalar training loss, got {got}. "
-            "Wrap the model so forward(*inputs) returns loss (e.g. zorse_fx.models.hf.CausalLMWithLoss)."
-        )
-    tail = loss_tail(gm, example_inputs)
-    reduction = _checked_reduction(model, example_inputs, tail, key, loss)
+    reduction = _recorded_reduction(model, gm, key)  # [Note: the loss check cached] in cache.py
+    if reduction is not None:
+        tail = loss_tail(gm, example_inputs)
+    else:
+        with torch.no_grad():
+            loss = gm(*example_inputs)
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            got = type(loss).__name__ if not isinstance(loss, torch.Tensor) else f"shape {tuple(loss.shape)}"
+            raise ModelCaptureError(
+                f"{type(model).__name__}.forward must return the scalar training loss, got {got}. "
+                "Wrap the model so forward(*inputs) returns loss (e.g. zorse_fx.models.hf.CausalLMWithLoss)."
+            )
+        tail = loss_tail(gm, example_inputs)
+        reduction = check_mean_loss(model, example_inputs, tail=tail)
+        if key is not None and not _on_meta(model, example_inputs):  # checked on values: recorded
+            from . import cache
+
+            cache.save_loss_check(key, reduction)
     placeholders = [n.target for n in gm.graph.find_nodes(op="placeholder")]
     return CapturedModel(
         graph_module=gm,
@@ -337,22 +345,35 @@ def capture(
     )
 
 
-def _checked_reduction(model: torch.nn.Module, example_inputs: tuple[torch.Tensor, ...], tail: LossTail,
-                       key: str | None, loss: torch.Tensor) -> str:
-    """``check_mean_loss``'s answer, taken from the capture cache where a check of a model with the same key
-    recorded it and ``loss`` (the captured graph's on the example batch) is finite, else checked (and
-    recorded where ``key`` is given and the check ran on values) ([Note: the loss check cached] in cache.py)."""
+def _on_meta(model: torch.nn.Module, example_inputs: tuple[torch.Tensor, ...]) -> bool:
+    """Whether any input, parameter or buffer is on the meta device (shapes only, no values)."""
+    return any(t.device.type == "meta" for t in (*example_inputs, *model.parameters(), *model.buffers()))
+
+
+def _recorded_reduction(model: torch.nn.Module, gm: fx.GraphModule, key: str | None) -> str | None:
+    """The loss reduction a check of a model with capture key ``key`` recorded, where ``gm``'s output is a
+    scalar by its recorded metadata and every parameter and buffer of ``model`` holds finite values; else
+    None (the captured graph is run and the loss checked) ([Note: the loss check cached] in cache.py)."""
+    if key is None:
+        return None
     from . import cache
 
-    if key is not None and bool(torch.isfinite(loss)):
-        recorded = cache.load_loss_check(key)
-        if recorded is not None:
-            return recorded
-    reduction = check_mean_loss(model, example_inputs, tail=tail)
-    tensors = (*example_inputs, *model.parameters(), *model.buffers())
-    if key is not None and not any(t.device.type == "meta" for t in tensors):  # checked on values
-        cache.save_loss_check(key, reduction)
-    return reduction
+    recorded = cache.load_loss_check(key)
+    if recorded is None:
+        return None
+    out = next(iter(gm.graph.find_nodes(op="output"))).args[0]
+    value = out.meta.get("val") if isinstance(out, fx.Node) else None
+    if not isinstance(value, torch.Tensor) or value.dim() != 0:
+        return None
+    tensors = (*model.parameters(), *model.buffers())
+    if any(t.device.type == "meta" for t in tensors):
+        return None
+    with torch.no_grad():  # a tensor holding a NaN or an infinity has a non-finite sum (so has one that overflows)
+        sums = [t.sum(dtype=torch.float64 if t.dtype == torch.float64 else torch.float32).double()
+                for t in tensors if t.is_floating_point()]
+        if sums and not bool(torch.isfinite(torch.stack(sums)).all()):
+            return None
+    return recorded
 
 
 def _refuse_batch_statistics(model: torch.nn.Module) -> None:
