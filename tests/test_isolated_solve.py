@@ -39,6 +39,25 @@ def test_run_isolated_reports_a_child_killed_by_abort():
         run_isolated(_abort)
 
 
+def test_a_batch_answers_each_call_and_names_the_one_its_child_died_in():
+    """[Note: tries batched per child]: one child runs the calls in order; the answers before a crash
+    are kept, the call it died in is a SolverCrash, the calls after it were never started (None)."""
+    from zorse_fx.solve.isolated import start_isolated_batch
+
+    parent = os.getpid()
+
+    def fail():
+        raise ValueError("bad model")
+
+    out = start_isolated_batch([lambda: os.getpid() != parent, fail, lambda: 3, _abort, lambda: 5]).results()
+    assert out[0].result() is True and out[2].result() == 3 and out[4] is None
+    with pytest.raises(ValueError, match="bad model"):
+        out[1].result()
+    with pytest.raises(SolverCrash, match=r"SIGABRT"):
+        out[3].result()
+    assert [d.result() for d in start_isolated_batch([lambda: 1, lambda: (2, "x")]).results()] == [1, (2, "x")]
+
+
 def test_in_process_switch(monkeypatch):
     monkeypatch.setenv("ZORSE_SOLVE_IN_PROCESS", "1")
     assert run_isolated(os.getpid) == os.getpid()

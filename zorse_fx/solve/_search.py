@@ -144,7 +144,7 @@ from ..ir.result import Candidate, SolverResult, with_safety_stop
 from ..options import PlanOptions
 from .bounds import explain_infeasible, stage_count_lower_bound, throughput_lower_bound
 from .isolated import (  # noqa: F401 (re-exported)
-    SolverCrash, _Isolated, default_jobs, options_jobs, run_isolated, start_isolated)
+    SolverCrash, _Isolated, default_jobs, options_jobs, run_isolated, start_isolated, start_isolated_batch)
 from .objective import UNIT_S, IntTables, build_tables, evaluate, max_stage_count, microbatch_candidates
 
 __all__ = ["CandidateSearch", "SolverCrash", "run_isolated", "ordered_candidates", "in_model", "outside_model"]
@@ -327,6 +327,17 @@ SHARE_WINDOW = 4
 #: or two candidates the sequential search would have pruned or cut off sooner.
 WAVE = SHARE_WINDOW
 
+#: [Note: tries batched per child]
+#: A wave's first tries run ``jobs`` forked children, each solving its share of the
+#: wave's candidates one after another (item i in child i mod jobs) and sending each
+#: answer as it is found (``isolated.start_isolated_batch``), instead of one fork per
+#: try: a fork of the planner after capture costs ~27 ms and copy-on-write faults
+#: (~4,000 per try in the README's plan; bench/plan_cli.py, 2026-12-07). A child that
+#: dies (OR-Tools' abort, [Note: isolated solves]) has answered the tries before the
+#: one it died in; that one is the crashed try and goes on to its retries as before,
+#: and those after it start on their own. Every solve is deterministic and sees only
+#: its own model, so the answers and records are those of one child per try.
+
 
 #: One worker, a model with fewer variables than ``SMALL_MODEL_VARS``: CP-SAT's
 #: ``linearization_level`` ``SMALL_MODEL_LINEARIZATION`` instead of its default 1.
@@ -480,14 +491,19 @@ class CandidateSearch:
         if cutoff:  # [Note: presolve bug]: the cutoff makes the wrong INFEASIBLE common
             solver.parameters.presolve_inclusion_work_limit = 0
 
-    def _start_try(self, model, *, presolve: bool, budget: float, cutoff: bool, complete: bool) -> _Isolated:
-        """Start one try of ``model`` in a forked child ([Note: isolated solves] in isolated.py),
-        completing its hint first when ``complete``."""
+    def _try(self, model, *, presolve: bool, budget: float, cutoff: bool, complete: bool):
+        """One try of ``model``, to be called in a forked child: its solve, after completing its hint
+        when ``complete``."""
         solver = self._solver(budget)
         self._tune(solver, model, cutoff)
         solver.parameters.cp_model_presolve = presolve
         completer = self._solver(budget) if complete else None
-        return start_isolated(lambda: _solve(model, solver, self.options.time_limit_s, completer))
+        return lambda: _solve(model, solver, self.options.time_limit_s, completer)
+
+    def _start_try(self, model, *, presolve: bool, budget: float, cutoff: bool, complete: bool) -> _Isolated:
+        """Start one try of ``model`` in a forked child ([Note: isolated solves] in isolated.py),
+        completing its hint first when ``complete``."""
+        return start_isolated(self._try(model, presolve=presolve, budget=budget, cutoff=cutoff, complete=complete))
 
     def _solve_robustly(self, model, *, presolve: bool, budget: float, cutoff: bool = False,
                         first: _Isolated | None = None) -> tuple[_Answer | None, list[str]]:
@@ -593,21 +609,17 @@ class CandidateSearch:
             if cutoff is not None:
                 model.m.add(model.objective <= cutoff)
             prepared.append((model, num_stages, m, hint.status if hint is not None else None))
-        started: dict[int, tuple[_Isolated, float]] = {}
-
-        def start(i: int) -> None:
-            model = prepared[i][0]
-            started[i] = (self._start_try(model, presolve=True, budget=budget, cutoff=cutoff is not None,
-                                          complete=bool(model.m.proto.solution_hint.vars)), time.perf_counter())
-
-        for i in range(min(jobs, len(prepared))):
-            start(i)
+        # [Note: tries batched per child]: the first tries of items g, g + jobs, g + 2 jobs, ... one after
+        # another in child g; a try the child never reached (it died in an earlier one) starts on its own.
+        t1 = time.perf_counter()
+        batches = [start_isolated_batch([
+            self._try(prepared[i][0], presolve=True, budget=budget, cutoff=cutoff is not None,
+                      complete=bool(prepared[i][0].m.proto.solution_hint.vars))
+            for i in range(g, len(prepared), jobs)]) for g in range(min(jobs, len(prepared)))]
         for i, (model, num_stages, m, hint) in enumerate(prepared):
-            first, t1 = started.pop(i)
+            first = batches[i % jobs].results()[i // jobs]
             ans, attempts = self._solve_robustly(model, presolve=True, budget=budget, cutoff=cutoff is not None,
                                                  first=first)
-            if i + jobs < len(prepared):
-                start(i + jobs)
             idx = again[i] if again is not None else None
             if idx is None:
                 self._solved.append((len(self.cands), num_stages, m, model.tab))

@@ -28,7 +28,7 @@ import select
 import signal
 
 __all__ = ["SolverCrash", "IN_PROCESS_MAX_GPUS", "default_jobs", "map_isolated", "options_jobs", "run_isolated",
-           "start_isolated", "work_jobs"]
+           "start_isolated", "start_isolated_batch", "work_jobs"]
 
 #: Clusters of at most this many GPUs run the search's independent Python work in this process by default
 #: (``work_jobs``; [Note: small searches in process]).
@@ -131,6 +131,85 @@ def start_isolated(fn) -> _Isolated:
     return _Isolated(fn)
 
 
+class _Done:
+    """A try already answered (``start_isolated_batch``): ``result()`` returns or raises as ``_Isolated``'s."""
+
+    def __init__(self, ok: bool, value):
+        self.ok, self.value = ok, value
+
+    def result(self):
+        if not self.ok:
+            raise self.value
+        return self.value
+
+
+class _Batch:
+    """A started ``start_isolated_batch`` call: ``results()`` waits for its child."""
+
+    def __init__(self, fns):
+        self.n, self.out = len(fns), None
+        if _in_process():
+            self.out = []
+            for fn in fns:
+                try:
+                    self.out.append(_Done(True, fn()))
+                except BaseException as exc:  # noqa: BLE001 -- re-raised by its result()
+                    self.out.append(_Done(False, exc))
+            return
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # child: one framed answer per call, in order, never return into the caller's stack
+            code = 1
+            try:
+                os.close(r)
+                with os.fdopen(w, "wb") as f:
+                    for fn in fns:
+                        try:
+                            payload = pickle.dumps((True, fn()))
+                        except BaseException as exc:  # noqa: BLE001 -- everything goes back to the parent
+                            try:
+                                payload = pickle.dumps((False, exc))
+                            except Exception:  # noqa: BLE001
+                                payload = pickle.dumps((False, RuntimeError(repr(exc))))
+                        f.write(len(payload).to_bytes(8, "little") + payload)
+                        f.flush()
+                code = 0
+            finally:
+                os._exit(code)
+        os.close(w)
+        self.pid, self.fd = pid, r
+
+    def results(self) -> list:
+        """Per call, in order: a finished try (its ``result()`` returns the value or raises the call's
+        exception; ``SolverCrash`` for the call the child died in) or None for a call never started
+        (after a crash)."""
+        if self.out is None:
+            with os.fdopen(self.fd, "rb") as f:
+                data = f.read()
+            _, status = os.waitpid(self.pid, 0)
+            out, at = [], 0
+            while at + 8 <= len(data) and len(out) < self.n:
+                size = int.from_bytes(data[at:at + 8], "little")
+                if at + 8 + size > len(data):
+                    break
+                ok, value = pickle.loads(data[at + 8:at + 8 + size])
+                out.append(_Done(ok, value))
+                at += 8 + size
+            if len(out) < self.n:  # the child died in call len(out)
+                out.append(_Done(False, SolverCrash(
+                    f"the CP-SAT solve in child process {self.pid} died with {_how(status)} without an answer")))
+            self.out = out + [None] * (self.n - len(out))
+        return self.out
+
+
+def start_isolated_batch(fns) -> _Batch:
+    """Start ``fns`` one after another in ONE forked child and return at once; ``.results()`` gives per
+    call what ``start_isolated(fn).result()`` would have returned or raised, or None for the calls
+    after one that killed the child (to be started again). One fork for several tries: [Note: tries
+    batched per child] in ``_search.py``. In this process where ``run_isolated`` would be."""
+    return _Batch(list(fns))
+
+
 def map_isolated(fns, jobs: int) -> list[tuple[bool, object]]:
     """Each of ``fns`` run as ``run_isolated`` would, up to ``jobs`` forked children
     side by side, a new one started as soon as any finishes; returns, in the order of
@@ -204,15 +283,19 @@ def _collect_child(pid: int, r: int):
     try:
         ok, value = pickle.loads(data)
     except Exception:  # noqa: BLE001 -- nothing, or a payload cut short: the child died
-        if os.WIFSIGNALED(status):
-            sig = os.WTERMSIG(status)
-            try:
-                how = f"signal {sig} ({signal.Signals(sig).name})"
-            except ValueError:
-                how = f"signal {sig}"
-        else:
-            how = f"exit status {os.WEXITSTATUS(status)}"
-        raise SolverCrash(f"the CP-SAT solve in child process {pid} died with {how} without an answer") from None
+        raise SolverCrash(f"the CP-SAT solve in child process {pid} died with {_how(status)} without an "
+                          f"answer") from None
     if not ok:
         raise value
     return value
+
+
+def _how(status: int) -> str:
+    """How a child with wait ``status`` ended: "signal 6 (SIGABRT)" or "exit status 1"."""
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        try:
+            return f"signal {sig} ({signal.Signals(sig).name})"
+        except ValueError:
+            return f"signal {sig}"
+    return f"exit status {os.WEXITSTATUS(status)}"
