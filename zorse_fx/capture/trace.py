@@ -233,10 +233,11 @@ def _capture_export(model: torch.nn.Module, example_inputs, names) -> tuple[fx.G
 
 def _module_of(ep) -> fx.GraphModule:
     """``ep`` as a plain graph module. ``ep.module()`` flattens inputs through
-    a pytree codegen; the stage modules get a plain graph, so drop it here."""
+    a pytree codegen; the stage modules get a plain graph, so drop it here
+    (recompiled by ``_normalise``, which ``capture`` calls next: one recompile of
+    ~2,000 nodes less)."""
     gm = ep.module()
     gm.graph._codegen = fx.graph.CodeGen()
-    gm.recompile()
     return gm
 
 
