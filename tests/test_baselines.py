@@ -572,12 +572,14 @@ def test_selector_keeps_the_best_memory_variant():
     costs, devices = _tight()
     options = _tight_options("auto")
     blocks, gpus, samples, m = ((0, 2), (2, 3)), ((0, 1, 2, 3), (4, 5, 6, 7)), ((2, 2, 2, 2),) * 2, 2
-    assert memory_variants(options) == ((False, False), (True, False), (False, True), (True, True))
-    assert memory_variants(solver_options(global_batch_size=1)) == ((False, False),)
+    plain_, zero1 = StageMemory(), StageMemory(zero=1)
+    recompute, both_ = StageMemory(recompute=True), StageMemory(zero=1, recompute=True)
+    assert memory_variants(options) == (plain_, zero1, recompute, both_)
+    assert memory_variants(solver_options(global_batch_size=1)) == (plain_,)
     assert memory_variants(solver_options(global_batch_size=1, sharding="always", recompute="auto")) == (
-        (True, False), (True, True))
+        zero1, both_)
     scored = []
-    for sh, rc in memory_variants(options):
+    for sh, rc in ((v.zero >= 1, v.recompute) for v in memory_variants(options)):
         ev = evaluate(costs, devices, options, Decision(stage_blocks=blocks, stage_gpus=gpus,
                                                         samples_per_microbatch=samples, num_microbatches=m,
                                                         memory=(StageMemory(zero=int(sh), recompute=rc),) * 2))
@@ -655,7 +657,7 @@ def test_metis_layers_fit_the_memory_variant(seed):
         stages = (tuple(sorted(perm[:2])), tuple(sorted(perm[2:])))
         samples = tuple(largest_remainder(4, [rng.random() + 0.1 for _ in gs]) for gs in stages)
         groups = [memory_groups(tab, gs, ns) for gs, ns in zip(stages, samples)]
-        for sh, rc in memory_variants(options):
+        for sh, rc in ((v.zero >= 1, v.recompute) for v in memory_variants(options)):
             def ok(blocks):
                 variant = StageMemory(zero=int(sh), recompute=rc)
                 return all(stage_fits(tab, s, 2, i, j, groups[s], memory=variant) for s, (i, j) in enumerate(blocks))

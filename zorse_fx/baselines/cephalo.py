@@ -100,7 +100,7 @@ def cephalo(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions) -> So
         state, q = stage_state_kib(tab, 0, nb)  # [C-tied]: a tied parameter once
         # the state every GPU holds in full, and the gradient transient at most ([Note: gradient transients])
         held = (state - q if shard else state) + grad_transient_kib(tab, 0, nb)
-        for rc in dict.fromkeys(rc for _, rc in memory_variants(options)):
+        for rc in dict.fromkeys(v.recompute for v in memory_variants(options)):
             per = [tab.work_prefix[t][nb] + (tab.rc_work_prefix[t][nb] if rc else 0) for t in devices.gpu_types]
             fixed = [tab.fixed_prefix[t][nb] + (tab.rc_fixed_prefix[t][nb] if rc else 0)
                      for t in devices.gpu_types]

@@ -127,7 +127,7 @@ def flashflex(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions) -> 
     speed = gpu_speeds(costs, devices)
     block_mem = [costs.state_bytes_per_param * p + a
                  for p, a in zip(costs.param_count, costs.act_bytes_per_sample)]
-    shard_modes = sorted({sh for sh, _ in memory_variants(options)})
+    shard_modes = sorted({v.zero >= 1 for v in memory_variants(options)})
     for k in range(1, max_stage_count(costs, devices, options) + 1):
         stages = spectral_stages(devices, speed, k)
         splits = dict.fromkeys(proportional_cuts(block_mem, stage_capacities(costs, devices, options, stages, sh))

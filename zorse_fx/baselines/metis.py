@@ -166,7 +166,7 @@ def metis(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions) -> Solv
             # One layer split per memory variant the options allow (sharding only
             # matters with a multi-GPU stage); the Selector scores each split
             # under every variant.
-            variants = {(sh and max(map(len, stages)) >= 2, rc) for sh, rc in memory_variants(options)}
+            variants = {(v.zero >= 1 and max(map(len, stages)) >= 2, v.recompute) for v in memory_variants(options)}
             splits = dict.fromkeys(_layers(mats, stages, samples, sh, rc)
                                    for sh, rc in sorted(variants))
             for blocks in splits:

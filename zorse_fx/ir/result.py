@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from .decision import Decision
+from .memory import StageMemory
 
 if TYPE_CHECKING:
     from ..options import PlanOptions
@@ -79,9 +80,10 @@ class Candidate:
     feasible: bool | None = None
     violations: tuple[str, ...] = ()
     chosen: bool = False
-    stage_sharded: tuple[bool, ...] = ()
+    #: "heuristic": each stage's memory policy (``ir/memory.py``); plan.json writes its ZeRO-1-or-more and
+    #: recomputation as ``stage_sharded`` / ``stage_recompute``.
+    stage_memory: tuple[StageMemory, ...] = ()
     state_shard_bytes: tuple[tuple[int, ...], ...] = ()
-    stage_recompute: tuple[bool, ...] = ()
     #: "interleave"
     interleave: int | None = None
     recompute_all: bool | None = None
@@ -111,9 +113,9 @@ class Candidate:
         if self.kind == "heuristic":
             return {**out, "method": self.method, "status": self.status, "step_time_s": self.step_time_s,
                     "feasible": self.feasible, "violations": list(self.violations), "chosen": self.chosen,
-                    "stage_sharded": list(self.stage_sharded),
+                    "stage_sharded": [m.zero >= 1 for m in self.stage_memory],
                     "state_shard_bytes": [list(row) for row in self.state_shard_bytes],
-                    "stage_recompute": list(self.stage_recompute)}
+                    "stage_recompute": [m.recompute for m in self.stage_memory]}
         if self.kind == "brute_force":
             return {**out, "status": self.status, "step_time_s": self.step_time_s, "wall_s": self.wall_s}
         out.update(status=self.status, step_time_s=self.step_time_s, best_bound_s=self.best_bound_s,

@@ -77,12 +77,13 @@ __all__ = ["Selector", "gpu_speeds", "largest_remainder", "proportional_cuts", "
 _MODE_FLAGS = {"never": (False,), "auto": (False, True), "always": (True,)}
 
 
-def memory_variants(options: PlanOptions) -> tuple[tuple[bool, bool], ...]:
-    """The uniform (sharded, recompute) variants ``options`` allow, in the
-    order plain, sharded, recompute, both (see [Note: memory techniques of the
-    baselines]); "sharded" applies to the stages with >= 2 GPUs only."""
+def memory_variants(options: PlanOptions) -> tuple[StageMemory, ...]:
+    """The uniform per-stage policies ``options`` allow before their "always" flags, as ``StageMemory``
+    records: ZeRO-1 (``zero`` 1) or not, recomputation or not, in the order plain, sharded, recompute, both
+    (see [Note: memory techniques of the baselines]); sharding applies to the stages with >= 2 GPUs only
+    (``uniform_memory`` adds what an "always" asks)."""
     sh, rc = _MODE_FLAGS[options.sharding], _MODE_FLAGS[options.recompute]
-    return tuple((a, b) for b in rc for a in sh)
+    return tuple(StageMemory(zero=int(a), recompute=b) for b in rc for a in sh)
 
 
 def stage_act_kib(tab, s: int, n_s: int, i: int, j: int, n: int, *, recompute: bool) -> int:
@@ -363,11 +364,11 @@ class Selector:
         dec = (tuple(map(tuple, stage_blocks)), tuple(map(tuple, stage_gpus)), tuple(map(tuple, samples)), m)
         blocks, gpus, ns = dec[:3]
         if policy is None:
-            flags = dict.fromkeys((tuple(sh and len(gs) >= 2 for gs in gpus), (rc,) * len(blocks))
-                                  for sh, rc in memory_variants(self.options))
+            per_stage = dict.fromkeys(tuple(StageMemory(zero=v.zero if len(gs) >= 2 else 0, recompute=v.recompute)
+                                            for gs in gpus) for v in memory_variants(self.options))
             # each with what the options' "always" asks ([Note: memory flags] in zorse_fx/options.py)
-            policies = [fill_policy(tab, blocks, gpus, ns, memory=uniform_memory(self.options, gpus, sh, rc))
-                        for sh, rc in flags]
+            policies = [fill_policy(tab, blocks, gpus, ns, memory=uniform_memory(self.options, gpus, variant))
+                        for variant in per_stage]
         else:
             policies = [policy]
         ok_shape = len(blocks) <= self.options.max_stages
@@ -410,9 +411,8 @@ class Selector:
                                    status="BASELINE" if ev.feasible else "BASELINE_INFEASIBLE",
                                    step_time_s=step * UNIT_S, feasible=ev.feasible,
                                    violations=tuple(ev.violations), chosen=k == s_m,
-                                   stage_sharded=tuple(m.zero >= 1 for m in ev.decision.memory),
-                                   state_shard_bytes=tuple(tuple(row) for row in ev.decision.shard_bytes()),
-                                   stage_recompute=tuple(m.recompute for m in ev.decision.memory)))
+                                   stage_memory=ev.decision.memory,
+                                   state_shard_bytes=tuple(tuple(row) for row in ev.decision.shard_bytes())))
             if k == s_m:
                 chosen = ev
         return self._record(chosen, tuple(cands))

@@ -51,9 +51,9 @@ class MemoryPolicy:
         return cls((StageMemory(),) * num_stages, ((),) * num_stages)
 
 
-def uniform_memory(options, stage_gpus, sharded, recompute) -> tuple[StageMemory, ...]:
-    """(S,) the memory policy of each stage with the given per-stage
-    ``sharded`` (ZeRO-1) / ``recompute`` flags and what the "always" of
+def uniform_memory(options, stage_gpus, variant: tuple[StageMemory, ...]) -> tuple[StageMemory, ...]:
+    """(S,) the memory policy of each stage: the given per-stage ``variant`` (its ZeRO-1 or not and its
+    recomputation; ``heuristics.memory_variants``) and what the "always" of
     ``options`` (a ``PlanOptions``) asks on top ([Note: memory flags] in
     ``zorse_fx/options.py``): ZeRO-2, and ZeRO-3 on it, on every sharded stage
     of >= 2 GPUs; optimizer offload on every stage; activation offload on
@@ -61,8 +61,8 @@ def uniform_memory(options, stage_gpus, sharded, recompute) -> tuple[StageMemory
     variants take them (``heuristics.Selector.add``), so a baseline's plan
     honours the flags as the stage DP's do."""
     out = []
-    for gpus, sh, rc in zip(stage_gpus, sharded, recompute):
-        zero = int(bool(sh))
+    for gpus, v in zip(stage_gpus, variant, strict=True):
+        zero, rc = int(v.zero >= 1), v.recompute
         if zero and len(gpus) >= 2 and options.grad_sharding == "always":
             zero = 3 if options.param_sharding == "always" else 2
         host_acts = options.activation_offload == "always" and not rc and zero < 2

@@ -125,13 +125,13 @@ def grad_variants(options: PlanOptions) -> tuple[StageMemory, ...]:
 
     modes = {"never": (False,), "auto": (False, True), "always": (True,)}
     place = {False: "device", True: "host"}
-    return tuple(StageMemory(zero=3 if ps else 2 if gs else int(sh), recompute=rc, optimizer=place[of],
+    return tuple(StageMemory(zero=3 if ps else 2 if gs else v.zero, recompute=v.recompute, optimizer=place[of],
                              activations=place[ao])
-                 for sh, rc in memory_variants(options)
-                 for gs in (modes[options.grad_sharding] if sh else (False,))
+                 for v in memory_variants(options)
+                 for gs in (modes[options.grad_sharding] if v.zero else (False,))
                  for ps in (modes[options.param_sharding] if gs else (False,))
                  for of in modes[options.offload]
-                 for ao in ((False,) if gs or rc else modes[options.activation_offload]))
+                 for ao in ((False,) if gs or v.recompute else modes[options.activation_offload]))
 
 
 def _level(variant: StageMemory) -> int:
