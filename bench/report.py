@@ -640,16 +640,23 @@ def render_plan_cli(doc: dict, name: str) -> list[str]:
 def render_drift_probe(doc: dict, name: str) -> list[str]:
     out = ["### This machine's speed drift, and the probe that takes it out", "",
            f"One thread for {doc['seconds']:g} s: the registry's GPT forward + backward (micro-batch 8, sequence 64) "
-           "between two reference probes (float32 matmuls), thread CPU time; medians per "
+           "between two reference probes (float32 matmuls, and in runs since 2026-12-07 14:40 a memory-bound "
+           "pass after them), thread CPU time; medians per "
            f"{doc['window_s']:g} s window. Step / probe is what drift-compensated pacing stretches ([Note: "
-           "drift-compensated pacing] in zorse_fx/pacing.py).", ""]
+           "drift-compensated pacing] in zorse_fx/pacing.py); step / matmuls, the same in units of the probe's "
+           "matmuls alone (the probe before 14:40).", ""]
+    both = "step_over_probe_matmul" in doc["windows"][0] if doc["windows"] else False
     body = [[f"{r['start_s']:g}", r["steps"], f"{r['step_cpu_ms']:.1f}", f"{r['probe_ms']:.3f}",
-             f"{r['step_over_probe']:.1f}"] for r in doc["windows"]]
+             f"{r['step_over_probe']:.1f}"] + ([f"{r['step_over_probe_matmul']:.1f}"] if both else [])
+            for r in doc["windows"]]
     body.append(["range (max / min)", "", f"{doc['range_step_cpu']:.3f}", f"{doc['range_probe']:.3f}",
-                 f"{doc['range_step_over_probe']:.3f}"])
-    out += table(["window from (s)", "steps", "step CPU ms", "probe ms", "step / probe"], body)
+                 f"{doc['range_step_over_probe']:.3f}"]
+                + ([f"{doc['range_step_over_probe_matmul']:.3f}"] if both else []))
+    out += table(["window from (s)", "steps", "step CPU ms", "probe ms", "step / probe"]
+                 + (["step / matmuls"] if both else []), body)
     out += ["", f"Per step, coefficient of variation: step CPU {doc['cv_step_cpu']:.3f}, step / probe "
-                f"{doc['cv_step_over_probe']:.3f}."]
+                f"{doc['cv_step_over_probe']:.3f}"
+                + (f", step / matmuls {doc['cv_step_over_probe_matmul']:.3f}." if both else ".")]
     return out + _source(_run_of(doc))
 
 
