@@ -62,6 +62,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
+from _host_load import BUSY_CORES, OthersRunnable  # noqa: E402  (bench/, the directory of this script)
 
 PY = sys.executable
 #: The simulator's point-to-point model for the box's plans: the box trains with Gloo, whose messages
@@ -256,6 +257,7 @@ class PlanRow:
     simulated_s: float
     measured: list = dataclasses.field(default_factory=list)  # step times (s), every counted step
     rep_medians: list = dataclasses.field(default_factory=list)  # per repetition (run), its steps' median (s)
+    rep_others: list = dataclasses.field(default_factory=list)  # per repetition, OthersRunnable.mean
 
 
 def make_plans(case: Case, cluster_file: Path, profiles: dict[str, str], work: Path) -> list[PlanRow]:
@@ -373,11 +375,15 @@ def run_case(case: Case, args, work: Path) -> dict:
         for rep in range(args.reps):
             for row in (rows if rep % 2 == 0 else rows[::-1]):
                 out = work / "runs" / f"{row.name}.{rep}"
-                steps = train_on_box(box, row, tokens, out, args.steps)
+                with OthersRunnable() as others:  # other work beside the run (bench/_host_load.py)
+                    steps = train_on_box(box, row, tokens, out, args.steps)
                 row.measured += steps
                 row.rep_medians.append(statistics.median(steps))
-                print(f"[box] {row.name} rep {rep}: median {statistics.median(steps):.3f} s over {len(steps)} steps",
-                      flush=True)
+                row.rep_others.append(round(others.mean, 3))
+                busy = (f"; BESIDE OTHER WORK: {others.mean:.2f} runnable processes outside the box on average "
+                        f"(a compute-bound plan measures slow)" if others.mean > BUSY_CORES else "")
+                print(f"[box] {row.name} rep {rep}: median {statistics.median(steps):.3f} s over {len(steps)} steps"
+                      f"{busy}", flush=True)
         box_info = {"scale": layout.scale.factor, "table": layout.table(),
                     "pace_reference_s": box.state.pace_reference_s,
                     "quotas": {f"{n.name}/{r.local_rank}": [r.gpu_type, r.cpu_quota_cores] for n in layout.nodes
@@ -696,7 +702,7 @@ def _summary(r: PlanRow) -> dict:
     med = statistics.median(m)
     return {"plan": r.name, "ranks": r.ranks, "objective_s": r.objective_s, "simulated_s": r.simulated_s,
             "measured_median_s": med, "measured_min_s": min(m), "measured_max_s": max(m), "measured_steps": len(m),
-            "measured_rep_medians_s": r.rep_medians,
+            "measured_rep_medians_s": r.rep_medians, "measured_rep_others_runnable": r.rep_others,
             "simulated_over_measured": r.simulated_s / med, "objective_over_measured": r.objective_s / med}
 
 
