@@ -38,9 +38,11 @@ minutes the model's step divided by a probe of float32 matmuls varied 75.7-81.0 
 step alone varied 44.3-57.3 ms (bench/drift_probe.py). Matmuls are compute-bound and L2-resident; a model's
 step is not all of that, and the drift a neighbour's load brings (a shared L3 and memory bus) slows its
 memory-bound kernels more: so the probe is the matmuls plus one pass over 16 MB and an exp over 4 MB into
-preallocated buffers (``probe_parts_s``; about 0.5 + 0.8 ms; its first call, untimed, touches them). Measured side by side on one thread beside another process's
-load (2026-12-07, bench/LOG.md "Drift: a probe with a memory-bound part"): the GPT forward in units of the
-matmuls alone ranged 6.1% over 10 s windows, in units of both parts 2.8%. The probe runs inside the time the
+preallocated buffers (``probe_parts_s``; about 0.5 + 0.8 ms; its first call, untimed, touches them).
+Measured side by side on one thread beside another process's load (2026-12-07, bench/LOG.md "The one-GPU
+plan's forward on the box", "The drift the pacing takes out"; bench/drift_probe.py measures both): the GPT
+forward in units of the matmuls alone ranged 6.1% over 10 s windows, in units of both parts 2.8%. The probe
+runs inside the time the
 region sleeps anyway where that time is longer than the last probe took (else a later region runs it: a
 probe that outlasts a short region's sleep would stretch that region beyond its pace; one older than
 ``PROBE_OVERDUE_S`` runs whatever it costs); the box makes ``R`` its measured probe times
@@ -82,10 +84,10 @@ PROBE_OVERDUE_S = 1.0
 _PROBE_N = 192
 _PROBE_CALLS = 4
 #: Its memory-bound part ([Note: drift-compensated pacing]): one multiply of ``_PROBE_STREAM`` float32 elements
-#: into another buffer (16 MB read and written, beyond a core's L2) and one exp of ``_PROBE_SOFTMAX`` elements into
+#: into another buffer (16 MB read and written, beyond a core's L2) and one exp of ``_PROBE_EXP`` elements into
 #: another (outputs preallocated: no page is faulted in a timed sample).
 _PROBE_STREAM = 2_000_000
-_PROBE_SOFTMAX = (256, 4096)
+_PROBE_EXP = (256, 4096)
 _PROBE_SAMPLES = 3
 #: Bounds of a reference (seconds): a probe outside them is no CPU's.
 _REFERENCE_RANGE = (1e-6, 10.0)
@@ -100,15 +102,15 @@ def probe_parts_s(samples: int = _PROBE_SAMPLES) -> list[tuple[float, float]]:
 
     if not _probe_inputs:
         g = torch.Generator().manual_seed(0)
-        _probe_inputs.extend(torch.randn(_PROBE_N, _PROBE_N, generator=g) for _ in range(3))
-        _probe_inputs.extend([torch.randn(_PROBE_STREAM, generator=g), torch.empty(_PROBE_STREAM),
-                              torch.randn(*_PROBE_SOFTMAX, generator=g), torch.empty(*_PROBE_SOFTMAX)])
-    a, b, out, stream, stream_out, logits, logits_out = _probe_inputs[:7]
-    if len(_probe_inputs) == 7:  # the first call: one untimed pass (the outputs' first touch, the kernels' set-up)
-        torch.mm(a, b, out=out)
+        made = [torch.randn(_PROBE_N, _PROBE_N, generator=g) for _ in range(3)]
+        made += [torch.randn(_PROBE_STREAM, generator=g), torch.empty(_PROBE_STREAM),
+                 torch.randn(*_PROBE_EXP, generator=g), torch.empty(*_PROBE_EXP)]
+        a, b, out, stream, stream_out, logits, logits_out = made
+        torch.mm(a, b, out=out)  # one untimed pass: the outputs' first touch, the kernels' set-up
         torch.mul(stream, 1.0001, out=stream_out)
         torch.exp(logits, out=logits_out)
-        _probe_inputs.append(True)
+        _probe_inputs.extend(made)
+    a, b, out, stream, stream_out, logits, logits_out = _probe_inputs
     parts = []
     for _ in range(samples):
         t = time.thread_time()

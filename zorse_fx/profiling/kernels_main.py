@@ -343,8 +343,9 @@ def calibrate(model_name: str, seq_len: int, batch: int, device: torch.device, *
     The whole is timed both before and after the node sweep (each the median of ``max(repeats,
     WHOLE_REPEATS)`` samples) and the two averaged: the sweep takes a minute or more, and a machine whose
     speed drifts within it (the box's shared CPU, bench/drift_probe.py) is then measured at the same mean
-    moment for the whole as for its nodes; one short measurement at the end priced the same emulated type
-    up to 11% apart from box to box (bench/LOG.md, 2026-12-07, "The calibration measured around the sweep")."""
+    moment for the whole as for its nodes; with one short measurement at the end, the calibration of one
+    emulated type came out 1.03-1.15 (T4) from box to box on one day (bench/LOG.md, 2026-12-07, "The one-GPU
+    plan's forward on the box", "The calibration around the sweep")."""
     from ..capture import analyse, capture
     from ..models.hf import CausalLMWithLoss, is_hf_causal_lm
     from ..models.registry import load_model

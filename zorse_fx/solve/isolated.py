@@ -164,13 +164,7 @@ class _Batch:
                 os.close(r)
                 with os.fdopen(w, "wb") as f:
                     for fn in fns:
-                        try:
-                            payload = pickle.dumps((True, fn()))
-                        except BaseException as exc:  # noqa: BLE001 -- everything goes back to the parent
-                            try:
-                                payload = pickle.dumps((False, exc))
-                            except Exception:  # noqa: BLE001
-                                payload = pickle.dumps((False, RuntimeError(repr(exc))))
+                        payload = _answer(fn)
                         f.write(len(payload).to_bytes(8, "little") + payload)
                         f.flush()
                 code = 0
@@ -251,6 +245,18 @@ def map_isolated(fns, jobs: int) -> list[tuple[bool, object]]:
     return out
 
 
+def _answer(fn) -> bytes:
+    """In a child: ``fn()`` as the pickled ``(True, value)``, or ``(False, exception)`` for whatever it raised
+    (its repr as a RuntimeError where the exception does not pickle)."""
+    try:
+        return pickle.dumps((True, fn()))
+    except BaseException as exc:  # noqa: BLE001 -- everything goes back to the parent
+        try:
+            return pickle.dumps((False, exc))
+        except Exception:  # noqa: BLE001
+            return pickle.dumps((False, RuntimeError(repr(exc))))
+
+
 def _fork_child(fn) -> tuple[int, int]:
     """Fork a child that sends ``fn()``'s pickled (ok, value) through a pipe; (pid, read end)."""
     r, w = os.pipe()
@@ -259,13 +265,7 @@ def _fork_child(fn) -> tuple[int, int]:
         code = 1
         try:
             os.close(r)
-            try:
-                payload = pickle.dumps((True, fn()))
-            except BaseException as exc:  # noqa: BLE001 -- everything goes back to the parent
-                try:
-                    payload = pickle.dumps((False, exc))
-                except Exception:  # noqa: BLE001
-                    payload = pickle.dumps((False, RuntimeError(repr(exc))))
+            payload = _answer(fn)
             with os.fdopen(w, "wb") as f:
                 f.write(payload)
             code = 0

@@ -154,20 +154,18 @@ __all__ = ["ROWS_SAME_NODE", "ROWS_NODE_SUMS", "ROWS_ALL", "ROWS_NODE_TOTAL", "p
            "tied_terms"]
 
 
-def _crossing(devices: DeviceGraph, *, per_node: bool = False):
-    """(G, G) bool per shared link: a flow g -> h crosses it (either direction); with ``per_node``, also
-    whether one of its sides is one node (a NIC, a node's cap to another region; GPUs without node names
-    are each a node of their own), as ``(cross, capacity, one_node_side)``."""
+def _crossing(devices: DeviceGraph):
+    """Per shared link ``(cross, capacity, one_node_side)``: (G, G) bool, a flow g -> h crosses it (either
+    direction); its capacity (bytes/s per direction); whether one of its sides is one node (a NIC, a node's
+    cap to another region; GPUs without node names are each a node of their own)."""
     n_g = devices.num_gpus
     names = devices.node_names or tuple(f"gpu{g}" for g in range(n_g))
     out = []
     for sl in devices.shared_links:
         a, b = np.zeros(n_g, dtype=bool), np.zeros(n_g, dtype=bool)
         a[list(sl.gpus_a)], b[list(sl.gpus_b)] = True, True
-        row = (np.outer(a, b) | np.outer(b, a), sl.bandwidth_bytes_per_s)
-        if per_node:
-            row += (len({names[g] for g in sl.gpus_a}) == 1 or len({names[g] for g in sl.gpus_b}) == 1,)
-        out.append(row)
+        out.append((np.outer(a, b) | np.outer(b, a), sl.bandwidth_bytes_per_s,
+                    len({names[g] for g in sl.gpus_a}) == 1 or len({names[g] for g in sl.gpus_b}) == 1))
     return out
 
 
@@ -188,7 +186,7 @@ def effective_pair_bandwidth(devices: DeviceGraph) -> list[list[float]]:
     if len(bad):
         g, h = (int(x) for x in bad[0])
         raise ValueError(f"link bandwidth between GPU {g} and {h} must be > 0, got {bw[g, h]}")
-    for cross, cap in _crossing(devices):
+    for cross, cap, _ in _crossing(devices):
         bw = np.where(cross, np.minimum(bw, cap), bw)
     bw[~off] = 0.0
     return bw.tolist()
@@ -213,7 +211,7 @@ def pair_row_codes(devices: DeviceGraph) -> tuple[tuple[int, ...], tuple[tuple[i
     node = tuple(index[name] for name in names)
     nd = np.asarray(node)
     codes = np.where(nd[:, None] == nd[None, :], ROWS_SAME_NODE, ROWS_NODE_SUMS)
-    crossings = _crossing(devices, per_node=True)
+    crossings = _crossing(devices)
     for cross, _, one_node in crossings:
         if one_node:
             codes = np.where(cross, ROWS_NODE_TOTAL, codes)
