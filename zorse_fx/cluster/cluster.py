@@ -351,6 +351,7 @@ class Cluster:
             link_bw_bytes_per_s=tuple(tuple(l.bandwidth_bytes_per_s for l in row) for row in links),
             link_latency_s=tuple(tuple(l.latency_s for l in row) for row in links),
             node_names=tuple(g.node for g in self.gpus),
+            datacenter_names=tuple(g.datacenter for g in self.gpus),
             shared_links=self.device_shared_links(),
             **self._host_terms(),
         )

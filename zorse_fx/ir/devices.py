@@ -80,6 +80,9 @@ class DeviceGraph:
     link_latency_s: tuple[tuple[float, ...], ...]
     #: ``(G,)`` node name of each GPU (for tables and symmetry breaking).
     node_names: tuple[str, ...] = ()
+    #: ``(G,)`` datacenter name of each GPU ([C-control]'s ring crosses between datacenters once per
+    #: datacenter, ``solve.tables.control_pass``); () = one datacenter.
+    datacenter_names: tuple[str, ...] = ()
     #: Links the flows of several GPU pairs share (WAN uplinks, NICs), on top
     #: of each pair's own link; empty = every pair has its link to itself.
     shared_links: tuple[SharedLink, ...] = ()
@@ -107,8 +110,9 @@ class DeviceGraph:
             for row in getattr(self, name):
                 if len(row) != g:
                     raise ValueError(f"DeviceGraph.{name} must be {g}x{g}")
-        if self.node_names and len(self.node_names) != g:
-            raise ValueError(f"DeviceGraph.node_names has {len(self.node_names)} entries, expected {g}")
+        for name in ("node_names", "datacenter_names"):
+            if getattr(self, name) and len(getattr(self, name)) != g:
+                raise ValueError(f"DeviceGraph.{name} has {len(getattr(self, name))} entries, expected {g}")
         for link in self.shared_links:
             if not isinstance(link, SharedLink):
                 raise ValueError(f"DeviceGraph.shared_links must hold SharedLink records, got {link!r}")
@@ -122,3 +126,10 @@ class DeviceGraph:
     @property
     def num_gpus(self) -> int:
         return len(self.gpu_types)
+
+    @property
+    def datacenter_index(self) -> tuple[int, ...]:
+        """``(G,)`` each GPU's datacenter as an index (first appearance order; all 0 without names)."""
+        order: dict[str, int] = {}
+        return tuple(order.setdefault(d, len(order)) for d in self.datacenter_names) or (0,) * self.num_gpus
+

@@ -24,9 +24,12 @@ import math
 import statistics
 from pathlib import Path
 
+import numpy as np
+
 from ..cost.calibration import Calibration, GPUCalibration, RunCalibration, TypeCalibration, apply_calibration
 from ..errors import TimingsFileError
 from ..ir.costs import FORWARD_SHARE
+from ..solve.tables import control_pass
 from ..pricing import PricedModel, evaluate_plan, simulate_plan
 from ..runtime.run_dir import METRICS, plan_hash
 from ..runtime.timings import TIMINGS, read_timings
@@ -38,9 +41,12 @@ BANDWIDTH_RANGE = (1e-4, 1e5)
 _BISECTIONS = 60
 
 
-def _lat_max(devices, gpus) -> float:
-    gpus = sorted(gpus)
-    return max((devices.link_latency_s[g][h] for g in gpus for h in gpus if g != h), default=0.0)
+def _control_pass_s(devices, gpus) -> float:
+    """[C-control]'s one pass of the ring over ``gpus``, seconds (``solve.tables.control_pass``; 0 for one)."""
+    if len(set(gpus)) < 2:
+        return 0.0
+    return float(control_pass(np.asarray(devices.link_latency_s, dtype=float),
+                              np.asarray(devices.datacenter_index, dtype=np.int64), gpus))
 
 
 def _factor(measured: float, priced: float) -> float:
@@ -101,10 +107,10 @@ class _Run:
                             if e.gpu == self.gpu_of[r].gpu and e.kind == "optim"))
                     for r in range(plan.world_size)}
         world = sorted(g.gpu for g in self.gpu_of.values())
-        self.lat = _lat_max(priced.devices, world)
+        one_pass = _control_pass_s(priced.devices, world)  # [C-control]'s pass of the world's ring
         rounds = priced.costs.step_control_rounds
-        self.before = max(rounds - 1, 0) * (len(world) - 1) * self.lat  # the norm's (and fp16's inf/NaN) rounds
-        self.after = min(rounds, 1) * (len(world) - 1) * self.lat  # the per-step all-gather's one round
+        self.before = max(rounds - 1, 0) * one_pass  # the norm's (and fp16's inf/NaN) rounds
+        self.after = min(rounds, 1) * one_pass  # the per-step all-gather's one round
         self.control = med(min(r.grad_norm_s + r.unscale_s for r in t.ranks) for t in used)
         # The loop after the step: rank 0's end (through the all-gather) past the latest rank's last phase;
         # and a token-mean plan's count of its loss tokens before the schedule (one all-reduce over the last
@@ -222,8 +228,8 @@ def calibrate_runs(runs, *, warmup: int = 1, window: int | None = None, steps=No
 
 def _loop_overhead(rs: list[_Run], latency_scale: float) -> tuple[int, float]:
     """(latency rounds, seconds): the loop's measured time after each run's step, beyond the one
-    round [C-control] prices, as whole rounds of its world's calibrated control latency ((W - 1) x
-    the largest latency between its GPUs x ``latency_scale``) and a constant ([Note: calibration]).
+    round [C-control] prices, as whole rounds of its world's calibrated control latency (one pass of
+    its ring, ``solve.tables.control_pass``, x ``latency_scale``) and a constant ([Note: calibration]).
     The rounds are the median over the runs of round(loop / round), the constant the median of what
     is left (>= 0): a loop that takes several of its world's latencies is latency-bound, and a plan
     on other links pays its own (on one node a few ms, across a 66 ms WAN hundreds)."""

@@ -283,14 +283,17 @@ def _tied_allreduce(m: cp_model.CpModel, tab: IntTables, groups, p, k, cuts: Sta
 
 
 def control_term(m: cp_model.CpModel, tab: IntTables, groups, p, k, allow_idle_gpus: bool):
-    """[C-control] r (W - 1) lat_max over the used GPUs (objective.py; ``tables.control_units``): an
-    int when every GPU is used (the whole cluster's largest latency), else an IntVar over the used
-    groups' pairs (``_present_pairs``, as [C-tied]'s union)."""
+    """[C-control] r x one pass of the used GPUs' ring (objective.py; ``tables.control_units``;
+    ``solve.tables.control_pass``): an int when every GPU is used (``tab.world_pass``), else IntVars over
+    the used groups' pairs (``_present_pairs``, as [C-tied]'s union): W - 1 steps at the largest latency,
+    in one datacenter; spanning D >= 2 datacenters, x = min(D, W - 1) of them at the largest latency and
+    the rest at the largest latency inside one datacenter. A group's GPUs share one datacenter (a GPU
+    class shares a node; ``grouped._groups`` merges nodes of one datacenter only)."""
     r, n_g = tab.control_rounds, tab.num_gpus
     if not r or n_g < 2:
         return tab.step_overhead
     if not allow_idle_gpus:
-        return r * (n_g - 1) * tab.world_lat + tab.step_overhead
+        return r * tab.world_pass + tab.step_overhead
     used, units, size = [], [], []
     for c, q in enumerate(groups):
         if q.count == 1:  # in one stage at most: used = sum_s p
@@ -313,9 +316,44 @@ def control_term(m: cp_model.CpModel, tab: IntTables, groups, p, k, allow_idle_g
     _, lm = pair_max_many(m, tab, pairs, [], "world")
     w1 = m.new_int_var(0, n_g - 1, "world_w1")
     m.add(w1 == sum(size) - 1)
-    prod = m.new_int_var(0, (n_g - 1) * tab.world_lat, "world_lat")
-    m.add_multiplication_equality(prod, [w1, lm])
-    return r * prod + tab.step_overhead
+    dc_of = [tab.gpu_dc[q.members[0]] if tab.gpu_dc else 0 for q in groups]
+    if len(set(dc_of)) < 2:  # one datacenter: (W - 1) lat_max
+        prod = m.new_int_var(0, (n_g - 1) * tab.world_lat, "world_lat")
+        m.add_multiplication_equality(prod, [w1, lm])
+        return r * prod + tab.step_overhead
+    return r * _two_level_pass(m, tab, pairs, used, dc_of, w1, lm) + tab.step_overhead
+
+
+def _two_level_pass(m: cp_model.CpModel, tab: IntTables, pairs, used, dc_of, w1, lm):
+    """[C-control]'s pass over groups in several datacenters: (W - 1 - x) lat_dc + x lat_max, x = min(D,
+    W - 1) where the used groups span D >= 2 datacenters, else 0 (``solve.tables.control_pass``)."""
+    n_g, dcs = tab.num_gpus, sorted(set(dc_of))
+    same = [(pair, y) for pair, y in pairs if tab.gpu_dc[pair[0]] == tab.gpu_dc[pair[1]]]
+    ld = pair_max_many(m, tab, same, [], "world_dc")[1] if same else None
+    in_dc = []
+    for d in dcs:
+        y = m.new_bool_var(f"wdc_{d}")
+        m.add_max_equality(y, [u for u, e in zip(used, dc_of) if e == d])
+        in_dc.append(y)
+    n_dc = m.new_int_var(0, len(dcs), "world_dcs")
+    m.add(n_dc == sum(in_dc))
+    spans = m.new_bool_var("world_spans")
+    m.add(n_dc >= 2).OnlyEnforceIf(spans)
+    m.add(n_dc <= 1).OnlyEnforceIf(spans.Not())
+    xm = m.new_int_var(0, len(dcs), "world_xm")
+    m.add_min_equality(xm, [n_dc, w1])
+    x = m.new_int_var(0, len(dcs), "world_x")
+    m.add(x == xm).OnlyEnforceIf(spans)
+    m.add(x == 0).OnlyEnforceIf(spans.Not())
+    rest = m.new_int_var(0, n_g - 1, "world_rest")
+    m.add(rest == w1 - x)
+    local = 0
+    if same:  # else no two used GPUs share a datacenter: nothing at lat_dc
+        local = m.new_int_var(0, (n_g - 1) * tab.world_lat, "world_local")
+        m.add_multiplication_equality(local, [rest, ld])
+    cross = m.new_int_var(0, len(dcs) * tab.world_lat, "world_cross")
+    m.add_multiplication_equality(cross, [x, lm])
+    return local + cross
 
 
 def _present_pairs(m: cp_model.CpModel, groups, present, units, name: str):

@@ -104,8 +104,8 @@ def _groups(devices: DeviceGraph, tab: IntTables, aggregate: bool) -> list[_Grou
     """Plain classes, or (``aggregate``) classes of identical nodes merged.
 
     Two classes merge when they have the same type, usable memory, memory
-    bandwidth, size and inside link, the same link to each other and the
-    same links to every other class (class-level refinement, ``_refine``)."""
+    bandwidth, size, inside link and datacenter, the same link to each other
+    and the same links to every other class (class-level refinement, ``_refine``)."""
     classes = gpu_classes(devices, tab)
     if not aggregate:
         return [_Group(tuple(c), 1, len(c), None, (c[0], c[1]) if len(c) > 1 else None) for c in classes]
@@ -122,8 +122,10 @@ def _groups(devices: DeviceGraph, tab: IntTables, aggregate: bool) -> list[_Grou
         # A class sharing its node with another stays a plain class: a merged group's node
         # holds its GPUs only ([Note: boundary rows]: _boundary_encoding.node_sums).
         alone = len({tab.gpu_node[h] for h in c}) == 1 and per_node[tab.gpu_node[g]] == 1
+        # Nodes of one datacenter only: [C-control] counts the datacenters a group's GPUs are in.
         keys[(devices.gpu_types[g], tab.cap_bytes[g], tab.gpu_mbw_class[g], len(c),
-              int(code[c[0], c[1]]) if len(c) > 1 else -1, True if alone else i)].append(i)
+              int(code[c[0], c[1]]) if len(c) > 1 else -1, True if alone else i,
+              tab.gpu_dc[g] if tab.gpu_dc else 0)].append(i)
     out = []
     for part in _refine(cc, list(keys.values())):
         cs = [classes[i] for i in part]

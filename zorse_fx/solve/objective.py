@@ -178,11 +178,15 @@ R_s: [Note: 16-bit working weights] in ``precision.py``), R_s = the rest
                 max(allreduce_s, tied_s)). The interleaved terms ([Note:
                 interleaved stages], pipeline_terms.py) have neither the drain
                 nor the own-backward offsets.                            [C-objective]
-  control     = r (W - 1) lat_max(used): the step's world collectives of a few bytes each, whose time is
+  control     = r pass(used): the step's world collectives of a few bytes each, whose time is
                 their ring's latency: r = ``BlockCosts.step_control_rounds`` (3: the gradient norm's
-                all-reduce, 2 latencies per GPU, and the per-step table's all-gather, 1; fp16-mixed
-                5: its inf/NaN agreement too), W the GPUs used, lat_max the largest latency
-                between two of them (``tables.control_units``). Added to step (the runtime runs
+                all-reduce, 2 passes, and the per-step table's all-gather, 1; fp16-mixed
+                5: its inf/NaN agreement too); pass = (W - 1) lat_max in one datacenter, W the GPUs
+                used, lat_max the largest latency between two of them; spanning D >= 2 datacenters,
+                (W - 1 - x) lat_dc + x lat_max, x = min(D, W - 1) the ring's crossings, lat_dc the
+                largest latency inside one datacenter (``tables.control_pass``,
+                ``tables.control_units``; issue 50: 127 x 50 ms per pass on Zorse C became
+                2 x 50 ms + 125 x 20 us). Added to step (the runtime runs
                 them after the sync, the norm before the optimizer: step's max over the stages
                 leaves that barrier out, the simulator keeps it). A constant where every GPU is used;
                 with ``allow_idle_gpus`` a plan on fewer GPUs, or on one side of a WAN, pays fewer

@@ -19,7 +19,7 @@ from .network_terms import effective_pair_bandwidth, pair_row_codes
 
 __all__ = ["UNITS_PER_S", "UNIT_S", "MEMORY_UNIT_BYTES", "MIB_UNITS",
            "GRAD_BUCKET_BYTES_PER_PARAM", "BUCKET_UNIT_BYTES", "LAST_BUCKET_RESOLUTION", "GIB", "bucket_count",
-           "to_units", "IntTables", "build_tables", "drain_coefficients", "control_units"]
+           "to_units", "IntTables", "build_tables", "drain_coefficients", "control_units", "control_pass"]
 
 #: Integer time units per second: 1 unit = 1 ns.
 UNITS_PER_S = 1_000_000_000
@@ -195,10 +195,13 @@ class IntTables:
     #: (G,) [C-act-offload] units per MiB of saved activations moved to host memory and back
     #: (2 x MiB / host link; 0: no host link).
     act_per_mib: tuple[int, ...] = ()
-    #: [C-control] ring latencies per (W - 1) of the step's world control collectives
-    #: (``BlockCosts.step_control_rounds``) and the largest latency units over every GPU pair.
+    #: [C-control] passes of the world's ring per step (``BlockCosts.step_control_rounds``), the largest
+    #: latency units over every GPU pair, and one pass over every GPU (``control_pass``).
     control_rounds: int = 0
     world_lat: int = 0
+    world_pass: int = 0
+    #: (G,) each GPU's datacenter index (``DeviceGraph.datacenter_index``; [C-control]).
+    gpu_dc: tuple[int, ...] = ()
     #: ``BlockCosts.step_overhead_s`` in units: added to [C-control] (a calibration's measured loop overhead).
     step_overhead: int = 0
 
@@ -311,6 +314,8 @@ def build_tables(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions,
         **_host_tables(costs, devices, options),
         control_rounds=costs.step_control_rounds,
         world_lat=max((max(r) for r in pair_lat), default=0) if n_g > 1 else 0,
+        world_pass=int(control_pass(_lat_array(pair_lat), np.asarray(devices.datacenter_index), range(n_g))),
+        gpu_dc=devices.datacenter_index,
         step_overhead=to_units(costs.step_overhead_s),
     )
 
@@ -349,22 +354,79 @@ def _pair_tables(devices: DeviceGraph) -> tuple:
     return tables
 
 
+def control_pass(latency, datacenter, used):
+    """[C-control]: one pass of a few bytes around the world's ring over the GPUs ``used`` (any order).
+
+    A collective of a few bytes costs its ring's latencies, not bandwidth. The ring runs in rank order,
+    node by node and datacenter by datacenter (the order of the cluster file, which the launcher
+    numbers ranks in), so of its W - 1 steps per pass x = min(D, W - 1) cross between datacenters when
+    the GPUs span D >= 2 of them (0 in one): each of those at the largest latency between two of the
+    GPUs, the others at the largest latency between two GPUs of one datacenter::
+
+        pass = (W - 1 - x) lat_dc + x lat_max
+
+    (A cluster file that interleaves the nodes of its datacenters makes the ring cross more often than
+    that: every example file lists a datacenter's nodes together.) In one datacenter that is (W - 1) lat_max, the lockstep ring the box measured for Gloo (bench/LOG.md
+    "The step's world control collectives"); across a WAN it charges the WAN's latency per crossing, not
+    per GPU (128 GPUs in two regions 50 ms apart: 2 x 50 ms + 125 x the region's latency per pass, where
+    (W - 1) lat_max was 6.35 s; issue 50).
+
+    Args:
+        latency: ``(G, G)`` numpy array of link latencies (seconds, or integer units: the result is in
+            the same unit and type).
+        datacenter: ``(G,)`` numpy integer array, each GPU's datacenter index
+            (``DeviceGraph.datacenter_index``).
+        used: the GPU indices (a set, tuple, ...; duplicates ignored).
+
+    Returns:
+        The pass's latency; 0 for fewer than two GPUs.
+    """
+    u = np.asarray(sorted(set(used)), dtype=np.int64)
+    w = len(u)
+    if w < 2:
+        return latency.dtype.type(0)
+    sub = latency[np.ix_(u, u)]
+    off = ~np.eye(w, dtype=bool)  # (the diagonal is unused)
+    dcs = datacenter[u]
+    lat_max = sub[off].max()
+    n_dc = len(np.unique(dcs))
+    if n_dc < 2:
+        return (w - 1) * lat_max
+    same = (dcs[:, None] == dcs[None, :]) & off
+    lat_dc = sub[same].max() if same.any() else latency.dtype.type(0)
+    x = min(n_dc, w - 1)
+    return (w - 1 - x) * lat_dc + x * lat_max
+
+
 def control_units(tab: IntTables, used) -> int:
     """[C-control]: units of the step's world control collectives over the GPUs ``used`` (the plan's
-    GPUs, any order): ``tab.control_rounds x (W - 1) x`` the largest latency between two of them, W =
-    len(used); 0 for one GPU. The largest latency of every GPU pair when all are used; otherwise read
-    from the (G, G) latency table (numpy, kept per table as ``_pair_tables`` keeps its tables)."""
+    GPUs, any order): ``tab.control_rounds x`` one pass of their ring (``control_pass``: (W - 1)
+    x their largest latency in one datacenter, a crossing's latency per datacenter crossed otherwise),
+    plus ``tab.step_overhead``; 0 passes for one GPU. Read from the (G, G) latency table (numpy, kept
+    per table as ``_pair_tables`` keeps its tables)."""
     used = tuple(used)
     w = len(used)
     if w < 2 or not tab.control_rounds:
         return tab.step_overhead
     if w == tab.num_gpus:
-        lat = tab.world_lat
+        one = tab.world_pass
     else:
-        table = _lat_array(tab.pair_lat)
-        u = np.asarray(used, dtype=np.int64)
-        lat = int(table[np.ix_(u, u)].max())
-    return tab.control_rounds * (w - 1) * lat + tab.step_overhead
+        one = int(control_pass(_lat_array(tab.pair_lat), _dc_array(tab.gpu_dc), used))
+    return tab.control_rounds * one + tab.step_overhead
+
+
+def _dc_array(gpu_dc: tuple) -> np.ndarray:
+    """``gpu_dc`` as an int64 array, kept for the last few tables (found by identity)."""
+    for known, arr in _DC_ARRAYS:
+        if known is gpu_dc:
+            return arr
+    arr = np.asarray(gpu_dc, dtype=np.int64)
+    _DC_ARRAYS.insert(0, (gpu_dc, arr))
+    del _DC_ARRAYS[_PAIR_TABLES_KEPT:]
+    return arr
+
+
+_DC_ARRAYS: list[tuple[tuple, np.ndarray]] = []
 
 
 _LAT_ARRAYS: list[tuple[tuple, np.ndarray]] = []
