@@ -476,7 +476,10 @@ def test_portfolio_never_worse_than_a_baseline_and_keeps_proven_optima():
     assert (got.decision, got.status, got.predicted_step_time_s) == (proven.decision, "OPTIMAL",
                                                                      proven.predicted_step_time_s)
     assert got.candidates[:len(proven.candidates)] == proven.candidates
-    assert {c.kind for c in got.candidates[len(proven.candidates):]} <= {"rerank"}
+    added = got.candidates[len(proven.candidates):]
+    assert {c.kind for c in added} <= {"polish", "rerank"}
+    # The final polish ([Note: the final polish]) ran from it and found nothing faster.
+    assert [(c.source, c.step_time_s) for c in added if c.kind == "polish"] == [("OPTIMAL", None)]
 
 
 # --- memory techniques: ZeRO-1 sharding and stage recomputation ([C-shard], [C-recompute]) ---

@@ -274,7 +274,9 @@ def test_portfolio_returns_the_stage_dp_plan_when_nothing_else_fits():
 
 
 def test_portfolio_labels_a_winning_stage_dp_plan():
-    """With every baseline disabled the stage DP's plan is returned as "STAGE_DP"."""
+    """With every baseline disabled the stage DP's plan is returned as "STAGE_DP", or, where the final
+    polish ([Note: the final polish] in solve/polish.py) made it faster, as "STAGE_DP+POLISHED" with the
+    polish's record starting from the stage DP's step."""
     from zorse_fx import portfolio
 
     costs, devices, options = _tight_cluster()
@@ -288,8 +290,14 @@ def test_portfolio_labels_a_winning_stage_dp_plan():
         res = portfolio.solve_portfolio(costs, devices, options, nothing)
     finally:
         portfolio.LARGE_CLUSTER_GPUS, portfolio.CHEAP_BASELINES = old
-    assert res.status == "STAGE_DP"
-    assert res.predicted_step_time_s == solve_stage_dp(costs, devices, options).predicted_step_time_s
+    dp = solve_stage_dp(costs, devices, options).predicted_step_time_s
+    (record,) = [c for c in res.candidates if c.kind == "polish"]
+    assert (record.source, record.best_bound_s) == ("STAGE_DP", dp)
+    if record.step_time_s is None:
+        assert (res.status, res.predicted_step_time_s) == ("STAGE_DP", dp)
+    else:
+        assert (res.status, res.predicted_step_time_s) == ("STAGE_DP+POLISHED", record.step_time_s)
+        assert record.step_time_s < dp
 
 
 def test_units_merge_alike_neighbours_on_large_clusters():

@@ -469,6 +469,9 @@ class SolverReport:
         elif "+SIM_RERANKED" in status:  # [Note: simulator re-rank] in portfolio.py
             words = (f"the best plan found ({status}: of the objective's best few plans, the one the simulator "
                      f"finds fastest)")
+        elif "+POLISHED" in status:  # [Note: the final polish] in solve/polish.py
+            words = (f"the best plan found ({status}: the planner's answer made faster by the final local search, "
+                     f"a cut, a sample, a stage's memory policy or the micro-batch count one step over)")
         else:
             words = f"the best plan found ({status})"
         if self.throughput_bound_s > 0 and predicted_step_s > 0:

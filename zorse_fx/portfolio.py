@@ -57,7 +57,7 @@ from .ir.result import Candidate, SolverResult, with_safety_stop
 from .options import PlanOptions
 
 __all__ = ["solve_portfolio", "LARGE_CLUSTER_GPUS", "CHEAP_BASELINES", "PER_GPU_MAX_GPUS", "auto_planner",
-           "rerank_by_simulator", "RERANK_WINDOW", "RERANK_TOP", "SIM_RERANKED"]
+           "rerank_by_simulator", "RERANK_WINDOW", "RERANK_TOP", "SIM_RERANKED", "POLISHED", "polished"]
 
 #: ``planner="auto"``: the per-GPU CP-SAT model up to this many GPUs, the
 #: class-level one (``solve/grouped.py``, GPUs of one class in one group)
@@ -139,6 +139,7 @@ def solve_portfolio(costs: BlockCosts, devices: DeviceGraph, options: PlanOption
         # Nothing with one stage per group beats a proven optimum (ZeRO-2 aside:
         # [Note: ZeRO-2 outside CP-SAT]); interleaving or ZeRO-2 may.
         best = with_interleaving(costs, devices, options, _try_grad_sharding(costs, devices, options, best))
+        best, others = polished(costs, devices, options, best, others, progress=progress)
         return _with_all_gpus(devices, rerank_by_simulator(costs, devices, options, best, others, progress=progress),
                               others)
     if found and (best is None or found[0][0] < best.predicted_step_time_s):
@@ -159,9 +160,41 @@ def solve_portfolio(costs: BlockCosts, devices: DeviceGraph, options: PlanOption
     step = best.predicted_step_time_s
     best = dataclasses.replace(best, best_bound=bound, optimality_gap=(step - bound) / step if step > 0 else 0.0)
     best = with_interleaving(costs, devices, options, _try_grad_sharding(costs, devices, options, best))
-    best = rerank_by_simulator(costs, devices, options, best, [pre] + others, progress=progress)
-    return dataclasses.replace(_with_all_gpus(devices, best, [pre] + others), wall_s=time.perf_counter() - t0,
+    best, others = polished(costs, devices, options, best, [pre] + others, progress=progress)
+    best = rerank_by_simulator(costs, devices, options, best, others, progress=progress)
+    return dataclasses.replace(_with_all_gpus(devices, best, others), wall_s=time.perf_counter() - t0,
                                candidates=tuple(best.candidates) + tuple(tried))
+
+
+#: The status suffix of a plan the final polish improved ([Note: the final polish] in solve/polish.py).
+POLISHED = "+POLISHED"
+
+
+def polished(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions, best: SolverResult, others,
+             *, progress=None) -> tuple[SolverResult, list]:
+    """``(best, others)`` after the final polish ([Note: the final polish] in solve/polish.py): where it
+    finds a plan the objective prices faster, that plan (status ``<best's>+POLISHED``, best's bound where
+    it covers it, the throughput bound otherwise) with ``best`` put first among ``others``, so the
+    simulator's re-rank keeps the polished plan only where it simulates faster too; else unchanged.
+    Either way ``best`` records a Candidate of kind "polish"."""
+    from .solve._search import in_model
+    from .solve.bounds import throughput_bound_s
+    from .solve.polish import polish
+
+    ev, spent = polish(costs, devices, options, best.decision)
+    record = Candidate(kind="polish", source=best.status, best_bound_s=best.predicted_step_time_s,
+                       step_time_s=None if ev is None else ev.step_time_s, evaluations=spent)
+    if ev is None:
+        return dataclasses.replace(best, candidates=tuple(best.candidates) + (record,)), list(others)
+    bound = best.best_bound if in_model(ev.decision) else min(best.best_bound,
+                                                               throughput_bound_s(costs, devices, options))
+    better = SolverResult.from_evaluation(ev, options=options, status=with_safety_stop(best.status + POLISHED, best.wall_clock_stops), best_bound=bound,
+                                          candidates=tuple(best.candidates) + (record,))
+    better = dataclasses.replace(better, wall_clock_stops=best.wall_clock_stops, all_gpus=best.all_gpus)
+    if progress is not None:
+        progress(f"polish: {best.predicted_step_time_s:.4g} s -> {ev.step_time_s:.4g} s in {spent} evaluations "
+                 f"(a cut, a sample, a stage's memory policy or the micro-batch count one step over)")
+    return better, [best] + list(others)
 
 
 #: [Note: simulator re-rank]: plans the objective prices at most this fraction

@@ -50,7 +50,11 @@ class Candidate:
     * ``"rerank"``: one plan the simulator re-ranked (``source``: its status,
       its stages, micro-batches and interleave degree), its objective and
       simulated step time, ``chosen`` on the one returned
-      ([Note: simulator re-rank] in portfolio.py).
+      ([Note: simulator re-rank] in portfolio.py);
+    * ``"polish"``: the final local search ([Note: the final polish] in
+      solve/polish.py): ``source`` the status of the plan it started from,
+      ``best_bound_s`` that plan's step, ``step_time_s`` the better plan it
+      found (None: none), ``evaluations`` the objective evaluations spent.
     """
 
     kind: str
@@ -91,6 +95,8 @@ class Candidate:
     source: str | None = None
     #: "rerank": seconds (inf: the simulator refused the plan).
     simulated_step_time_s: float | None = None
+    #: "polish": objective evaluations spent.
+    evaluations: int | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in CANDIDATE_KINDS:
@@ -107,6 +113,9 @@ class Candidate:
                                "num_microbatches": self.num_microbatches, "interleave": self.interleave,
                                "step_time_s": self.step_time_s, "simulated_step_time_s": self.simulated_step_time_s,
                                "chosen": self.chosen}}
+        if self.kind == "polish":
+            return {"polish": {"source": self.source, "from_step_time_s": self.best_bound_s,
+                               "step_time_s": self.step_time_s, "evaluations": self.evaluations}}
         if self.kind == "portfolio":
             return {"portfolio": {"source": self.source, "step_time_s": self.step_time_s, "feasible": self.feasible}}
         out = {"num_stages": self.num_stages, "num_microbatches": self.num_microbatches}
@@ -139,7 +148,7 @@ class Candidate:
 
 
 #: ``Candidate.kind`` values.
-CANDIDATE_KINDS = ("solve", "brute_force", "heuristic", "interleave", "portfolio", "rerank")
+CANDIDATE_KINDS = ("solve", "brute_force", "heuristic", "interleave", "portfolio", "rerank", "polish")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
