@@ -72,14 +72,18 @@ RESULT_FILES = (
 #: times before and after side by side (issue 32 item 6): ``render_scenarios`` and
 #: ``render_scaling`` read the matching zorse_fx row of these.
 BEFORE = {
-    "scenarios.json": "scenarios_before_issue32.json",
+    "scenarios.json": "scenarios_before_issue50.json",
     "scaling.json": "scaling_before_issue32.json",
 }
 #: Where the BEFORE files' rows come from (their own provenance in PROVENANCE's older entries,
 #: bench/LOG.md's sections named there).
-BEFORE_NOTE = ("before: the same benchmark's rows before issue 32 (bench/results/{file}: scenarios at 66b3dec-"
-               "faba7a3, 2026-11-26/27; scaling at 1752332, 2026-11-28 01:25), on the same machine, often beside "
-               "other runs")
+BEFORE_NOTES = {
+    "scenarios.json": ("before: the same benchmark's rows before issue 50's changes to the planner (bench/results/"
+                       "{file}: every scenario at 83cdc2a, 2026-12-02 03:50-03:57, the project's 2-core CPU machine, "
+                       "alone; bench/LOG.md \"Heuristics side by side, the budget respected, the scenarios re-run\")"),
+    "scaling.json": ("before: the same benchmark's rows before issue 32 (bench/results/{file}: scaling at 1752332, "
+                     "2026-11-28 01:25), on the same machine, often beside other runs"),
+}
 
 #: Files under bench/results that are logs of superseded runs, not rendered (bench/LOG.md reports them).
 SUPERSEDED = {
@@ -87,6 +91,8 @@ SUPERSEDED = {
     "scenarios_sailor_issue13.json": "Sailor alone on 2026-11-24, before the network terms",
     "scenarios_zorse_c_shared_wan.json": "Zorse C's 8-stage run; its rows are copied into scenarios.json",
     "bound_gap_issue13_log.txt": "the bound-gap run of 2026-11-25, stopped before it wrote its json",
+    "scenarios_before_issue32.json": "the scenario rows before issue 32 (66b3dec-faba7a3, 2026-11-26/27), the "
+                                     "before file until issue 50",
 }
 
 SCENARIO_ORDER = ("metis", "amp", "zorse_a", "flashflex", "zorse_b", "zorse_c", "sailor")
@@ -101,13 +107,15 @@ CPU_MACHINE = "the project's 2-core CPU machine (AMD EPYC)"
 # the section that reports the run: bench/LOG.md's dated sections, or bench/README.md's method notes.
 PROVENANCE = {
     "scenarios.json": {
-        # bench/LOG.md, "Heuristics side by side, the budget respected, the scenarios re-run (issue 32,
-        # 2026-12-02, eleventh session); the rows before are in scenarios_before_issue32.json (their runs:
-        # bench/LOG.md, "Planner in seconds: scenarios and scaling re-run (issue 32, 2026-11-28, ...)")
+        # bench/LOG.md, "Control collectives across datacenters, the final polish, every scenario re-run
+        # (issue 50, 2026-12-07, twenty-fifth session)"; the rows before are in scenarios_before_issue50.json
+        # (their run: bench/LOG.md, "Heuristics side by side, the budget respected, the scenarios re-run
+        # (issue 32, 2026-12-02, eleventh session)", code 83cdc2a)
         tuple(SCENARIO_ORDER): dict(
-            command="bench/scenarios.py --only <scenario> (zorse_c: --max-stages 8), one scenario per run, "
-                    "--jobs default (2)", code="83cdc2a",
-            machine=f"{CPU_MACHINE}, alone", date="2026-12-02 03:50-03:57"),
+            command="bench/scenarios.py (every scenario in one run; zorse_c's own --max-stages 8), --jobs default (2)",
+            code="1dddf75 with the scenario rows' new fields (committed with the file)",
+            machine=f"{CPU_MACHINE}, beside a helper's benchmarks and tests (load average 2-4)",
+            date="2026-12-07 17:45-17:56"),
     },
     "bound_gap.json": {
         # bench/LOG.md, "What bounds each scenario, re-run under the NCCL program (issue 13 item 3,
@@ -312,6 +320,64 @@ def _before_row(before: list[dict] | None, **key) -> dict | None:
     return next((r for r in before or () if all(r.get(k) == v for k, v in key.items())), None)
 
 
+def _g(x: float) -> str:
+    return f"{x:.4g}"
+
+
+def _policies(r: dict) -> str:
+    """A row's per-stage memory policies, runs of equal ones merged ("ZeRO-1 x 3, ZeRO-1+rc x 2"); the
+    counts of sharded / recomputing stages where the row predates per-stage records."""
+    pol = r.get("stage_policies")
+    if not pol:
+        return f"{r.get('sharded_stages', '-')} sharded / {r.get('recompute_stages', '-')} recompute stages"
+    runs: list[list] = []
+    for p in pol:
+        if runs and runs[-1][0] == p:
+            runs[-1][1] += 1
+        else:
+            runs.append([p, 1])
+    return ", ".join(p if n == 1 else f"{p} x {n}" for p, n in runs)
+
+
+def _idle_cell(r: dict) -> str:
+    n = r.get("idle_gpus")
+    if n is None:
+        return "-" if r.get("gpus_used") is None else "not recorded"
+    if n == 0:
+        return "none"
+    types = ", ".join(f"{c} {t}" for t, c in (r.get("idle_gpu_types") or {}).items())
+    alt = r.get("all_gpus_step_time_s")
+    step = (f"every GPU: {_g(alt)} s step ({r.get('all_gpus_source')}) against {_g(r['step_time_s'])} s: "
+            if alt is not None else "")
+    return f"{n} ({types}); {step}{r.get('idle_reason') or ''}"
+
+
+def _scenario_choices(scenarios, by: dict, before: list[dict] | None) -> list[str]:
+    """Issue 50: per scenario what zorse_fx's planner chose (shape, policies per stage, idle GPUs and why,
+    the final polish) and, where a before file has the row, what it chose then."""
+    rows = []
+    for sc in scenarios:
+        z = next((r for r in by[sc] if r["planner"] == "zorse_fx"), None)
+        if z is None or not _has_plan(z):
+            continue
+        old = _before_row(before, scenario=sc, planner="zorse_fx")
+        was = (f"{_shape(old)}, {old.get('gpus_used', '-')} GPUs; {_policies(old)}"
+               if old and _has_plan(old) else "-")
+        pol = z.get("polish_step_time_s")
+        polish = ("-" if "polish_from_step_time_s" not in z else "no faster neighbour" if pol is None
+                  else f"{_g(z['polish_from_step_time_s'])} -> {_g(pol)} s")
+        rows.append([sc, f"{_shape(z)}, {z.get('gpus_used', '-')} GPUs", _policies(z), polish, _idle_cell(z), was])
+    if not rows:
+        return []
+    return ["", "### Scenarios: what zorse_fx chose", "",
+            "Stages x micro-batches (v: interleaved stages per GPU group) and GPUs used; each stage's memory policy "
+            "in order (ZeRO level, rc: recomputation, opt@host / act@host: offload); the final polish's step "
+            "before -> after (the objective's, [Note: the final polish] in zorse_fx/solve/polish.py); the GPUs "
+            "the plan leaves idle, the best scored plan on every GPU and what makes it slower (plan.json's "
+            "`idle_gpus`); and the same scenario's plan in the before file.", ""] + table(
+        ["scenario", "zorse_fx's plan", "memory policy per stage", "polish", "idle GPUs: why", "before"], rows)
+
+
 def render_scenarios(rows: list[dict], name: str, before: list[dict] | None = None) -> list[str]:
     by = {}
     for r in rows:
@@ -346,7 +412,9 @@ def render_scenarios(rows: list[dict], name: str, before: list[dict] | None = No
                   "zorse_fx / best baseline", "simulated / objective", "planner s before (wall / CPU)",
                   "planner s (wall / CPU)", "status"], head)
     if before is not None:
-        out += ["", BEFORE_NOTE.format(file=BEFORE[name]) + "."]
+        out += ["", BEFORE_NOTES[name].format(file=BEFORE[name]) + "."]
+
+    out += _scenario_choices(scenarios, by, before)
 
     full = []
     for sc in scenarios:
@@ -456,7 +524,7 @@ def render_scaling(rows: list[dict], name: str, before: list[dict] | None = None
                   "simulated / objective", "stages", "GPUs used"], body)
     out += _source(PROVENANCE.get(name, {}))
     if before is not None:
-        out += ["", BEFORE_NOTE.format(file=BEFORE[name]) + "."]
+        out += ["", BEFORE_NOTES[name].format(file=BEFORE[name]) + "."]
     return out
 
 

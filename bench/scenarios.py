@@ -208,10 +208,40 @@ def run_scenario(sc: Scenario, args) -> list[dict]:
             # zorse_fx: the interleave pass's best feasible try (None: nothing fit or was tried).
             "best_interleaved_step_time_s": min((c.step_time_s for c in res.candidates
                                                  if c.kind == "interleave" and c.feasible), default=None),
+            # Each stage's memory policy (issue 50), e.g. "ZeRO-1+rc" (rc: recomputation; "opt@host",
+            # "act@host": optimizer / activation offload), "plain" for none.
+            "stage_policies": [policy_label(m) for m in ev.decision.memory],
+            **(_idle_fields(costs, devices, opts, res, cluster) if name == "zorse_fx" else {}),
         })
         print(f"[{sc.name}] {name}: {tokens:,.0f} tokens/s ({tokens / ub:.0%} of bound), feasible {ev.feasible}, "
               f"{res.num_stages} stages, {wall:.1f} s", flush=True)
     return rows
+
+
+def policy_label(mem) -> str:
+    """A stage's ``StageMemory`` in a few characters: "plain", "ZeRO-1", "ZeRO-2+rc", "ZeRO-1+opt@host"."""
+    parts = [f"ZeRO-{mem.zero}"] if mem.zero else []
+    parts += ["rc"] if mem.recompute else []
+    parts += ["opt@host"] if mem.optimizer == "host" else []
+    parts += ["act@host"] if mem.activations == "host" else []
+    return "+".join(parts) or "plain"
+
+
+def _idle_fields(costs, devices, opts, res, cluster) -> dict:
+    """zorse_fx's row: the GPUs its plan leaves idle, the best scored plan on every GPU and why it is slower
+    (``zorse_fx.idle.idle_gpus``, as plan.json's ``idle_gpus``); the polish's record."""
+    from zorse_fx.idle import idle_gpus
+
+    idle = idle_gpus(costs, devices, opts, res, cluster)
+    polish = next((c for c in res.candidates if c.kind == "polish"), None)
+    return {"idle_gpus": 0 if idle is None else len(idle.gpus),
+            "idle_gpu_types": {} if idle is None else dict(sorted(
+                {t: sum(g.gpu_type == t for g in idle.gpus) for t in {g.gpu_type for g in idle.gpus}}.items())),
+            "all_gpus_step_time_s": None if idle is None else idle.all_gpus_step_time_s,
+            "all_gpus_source": None if idle is None else idle.all_gpus_source,
+            "idle_reason": None if idle is None else idle.reason,
+            "polish_from_step_time_s": None if polish is None else polish.best_bound_s,
+            "polish_step_time_s": None if polish is None else polish.step_time_s}
 
 
 def _per_gpu_memory(num_gpus: int, stage_gpus, memory_bytes) -> list[int]:

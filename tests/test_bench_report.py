@@ -53,16 +53,31 @@ def test_renders_a_scenario_against_its_best_feasible_baseline(tmp_path):
     assert "### Runtime against PyTorch" not in r.stdout  # files not in --results are skipped
 
 
-def test_renders_the_rows_before_issue_32_beside_the_current_ones(tmp_path):
-    """With ``scenarios_before_issue32.json`` beside scenarios.json, zorse_fx's tokens/s
-    and planner seconds before sit next to the current ones (issue 32 item 6)."""
+def test_renders_the_rows_before_issue_50_beside_the_current_ones(tmp_path):
+    """With ``scenarios_before_issue50.json`` beside scenarios.json, zorse_fx's tokens/s
+    and planner seconds before sit next to the current ones (issue 32 item 6), and what
+    zorse_fx chose, per-stage policies, idle GPUs and the polish, beside what it chose then
+    (issue 50)."""
     results = _toy_results(tmp_path)
-    before = dict(_row("zorse_fx", 100.0, True, "STAGE_DP"), planner_wall_s=250.0, planner_cpu_s=249.5)
-    (results / "scenarios_before_issue32.json").write_text(json.dumps([before]))
+    before = dict(_row("zorse_fx", 100.0, True, "STAGE_DP"), planner_wall_s=250.0, planner_cpu_s=249.5,
+                  sharded_stages=1, recompute_stages=0)
+    (results / "scenarios_before_issue50.json").write_text(json.dumps([before]))
+    rows = json.loads((results / "scenarios.json").read_text())
+    for r in rows:
+        if r["planner"] == "zorse_fx":
+            r.update(stage_policies=["ZeRO-1", "ZeRO-1+rc"], idle_gpus=2, idle_gpu_types={"T4": 2},
+                     all_gpus_step_time_s=2.5, all_gpus_source="BASELINE:metis", idle_reason="a slow link",
+                     polish_from_step_time_s=2.1, polish_step_time_s=None)
+    (results / "scenarios.json").write_text(json.dumps(rows))
     r = _report("--results", str(results))
     assert r.returncode == 0, r.stderr
     assert "| toy |  | 120 (60%) | 100 | metis: 100 | 1.20x | 0.950 | 250.0 / 249.5 | 3.5 | FEASIBLE |" in r.stdout
-    assert "before: the same benchmark's rows before issue 32 (bench/results/scenarios_before_issue32.json" in r.stdout
+    assert "before: the same benchmark's rows before issue 50's changes to the planner (bench/results/" \
+           "scenarios_before_issue50.json" in r.stdout
+    assert "### Scenarios: what zorse_fx chose" in r.stdout
+    line = next(x for x in r.stdout.splitlines() if x.startswith("| toy | 2 x 8, ") and "ZeRO-1, ZeRO-1+rc" in x)
+    assert "no faster neighbour" in line and "2 (2 T4); every GPU: 2.5 s step (BASELINE:metis)" in line
+    assert line.endswith("1 sharded / 0 recompute stages |"), line
 
 
 def test_check_fails_on_a_stale_block_and_write_refreshes_it(tmp_path):
