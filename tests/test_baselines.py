@@ -478,8 +478,9 @@ def test_portfolio_never_worse_than_a_baseline_and_keeps_proven_optima():
     assert got.candidates[:len(proven.candidates)] == proven.candidates
     added = got.candidates[len(proven.candidates):]
     assert {c.kind for c in added} <= {"polish", "rerank"}
-    # The final polish ([Note: the final polish]) ran from it and found nothing faster.
-    assert [(c.source, c.step_time_s) for c in added if c.kind == "polish"] == [("OPTIMAL", None)]
+    # The final polish ([Note: the final polish]) ran from it first and found nothing faster.
+    polish = [c for c in added if c.kind == "polish"]
+    assert (polish[0].source, polish[0].step_time_s) == ("OPTIMAL", None) and len(polish) <= 3
 
 
 # --- memory techniques: ZeRO-1 sharding and stage recomputation ([C-shard], [C-recompute]) ---

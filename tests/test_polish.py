@@ -114,3 +114,22 @@ def test_rescaled_split_keeps_proportions():
             continue
         assert sum(got) == b and min(got) >= 1
         assert all(abs(g - n * b / sum(split)) < 1 + 1e-9 for g, n in zip(got, split))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_portfolio_polishes_the_best_few_and_never_returns_worse(seed):
+    """The portfolio polishes its answer and the next best distinct plans in hand (POLISH_STARTS), one
+    "polish" record each, the answer's first; the plan it returns is never priced slower than any plan a
+    polish started from unless the simulator's re-rank chose it ([Note: simulator re-rank])."""
+    from zorse_fx.portfolio import POLISH_STARTS, solve_portfolio
+    from zorse_fx.solve import solve_cpsat
+
+    costs, devices, options = random_instance(seed)
+    options = dataclasses.replace(options, sharding="auto", recompute="auto")
+    res = solve_portfolio(costs, devices, options, solve_cpsat)
+    records = [c for c in res.candidates if c.kind == "polish"]
+    assert 1 <= len(records) <= POLISH_STARTS
+    if "+SIM_RERANKED" not in res.status:
+        assert res.predicted_step_time_s <= min(c.best_bound_s for c in records) + 1e-9
+    for c in records:
+        assert c.step_time_s is None or c.step_time_s < c.best_bound_s

@@ -291,13 +291,12 @@ def test_portfolio_labels_a_winning_stage_dp_plan():
     finally:
         portfolio.LARGE_CLUSTER_GPUS, portfolio.CHEAP_BASELINES = old
     dp = solve_stage_dp(costs, devices, options).predicted_step_time_s
-    (record,) = [c for c in res.candidates if c.kind == "polish"]
+    record = [c for c in res.candidates if c.kind == "polish"][0]  # the first start: the answer
     assert (record.source, record.best_bound_s) == ("STAGE_DP", dp)
-    if record.step_time_s is None:
+    if not res.status.endswith("+POLISHED"):
         assert (res.status, res.predicted_step_time_s) == ("STAGE_DP", dp)
-    else:
-        assert (res.status, res.predicted_step_time_s) == ("STAGE_DP+POLISHED", record.step_time_s)
-        assert record.step_time_s < dp
+    else:  # a polished plan, from this start or another, faster than the stage DP's
+        assert res.status.startswith("STAGE_DP") and res.predicted_step_time_s < dp
 
 
 def test_units_merge_alike_neighbours_on_large_clusters():

@@ -57,7 +57,7 @@ from .ir.result import Candidate, SolverResult, with_safety_stop
 from .options import PlanOptions
 
 __all__ = ["solve_portfolio", "LARGE_CLUSTER_GPUS", "CHEAP_BASELINES", "PER_GPU_MAX_GPUS", "auto_planner",
-           "rerank_by_simulator", "RERANK_WINDOW", "RERANK_TOP", "SIM_RERANKED", "POLISHED", "polished"]
+           "rerank_by_simulator", "RERANK_WINDOW", "RERANK_TOP", "SIM_RERANKED", "POLISHED", "POLISH_STARTS", "polished"]
 
 #: ``planner="auto"``: the per-GPU CP-SAT model up to this many GPUs, the
 #: class-level one (``solve/grouped.py``, GPUs of one class in one group)
@@ -170,31 +170,59 @@ def solve_portfolio(costs: BlockCosts, devices: DeviceGraph, options: PlanOption
 POLISHED = "+POLISHED"
 
 
+#: The final polish starts from the answer and from up to this many other distinct plans in hand, the
+#: objective's next best ([Note: the final polish] in solve/polish.py).
+POLISH_STARTS = 3
+
+
 def polished(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions, best: SolverResult, others,
              *, progress=None) -> tuple[SolverResult, list]:
-    """``(best, others)`` after the final polish ([Note: the final polish] in solve/polish.py): where it
-    finds a plan the objective prices faster, that plan (status ``<best's>+POLISHED``, best's bound where
-    it covers it, the throughput bound otherwise) with ``best`` put first among ``others``, so the
-    simulator's re-rank keeps the polished plan only where it simulates faster too; else unchanged.
-    Either way ``best`` records a Candidate of kind "polish"."""
+    """``(best, others)`` after the final polish ([Note: the final polish] in solve/polish.py), run from
+    ``best`` and from the next best distinct feasible plans of ``others`` (``POLISH_STARTS`` in all; a
+    plan the objective prices a little slower can be one step from a faster one): where a start's polish
+    finds a plan the objective prices faster than ``best``, the fastest such (status ``<its start's
+    status>+POLISHED``, best's bound where it covers it, the throughput bound otherwise) with ``best`` and
+    the other polished plans put first among ``others``, so the simulator's re-rank keeps a polished plan
+    only where it simulates faster too; else unchanged. ``best`` records a Candidate of kind "polish" per
+    start."""
     from .solve._search import in_model
     from .solve.bounds import throughput_bound_s
     from .solve.polish import polish
 
-    ev, spent = polish(costs, devices, options, best.decision)
-    record = Candidate(kind="polish", source=best.status, best_bound_s=best.predicted_step_time_s,
-                       step_time_s=None if ev is None else ev.step_time_s, evaluations=spent)
-    if ev is None:
-        return dataclasses.replace(best, candidates=tuple(best.candidates) + (record,)), list(others)
-    bound = best.best_bound if in_model(ev.decision) else min(best.best_bound,
-                                                               throughput_bound_s(costs, devices, options))
-    better = SolverResult.from_evaluation(ev, options=options, status=with_safety_stop(best.status + POLISHED, best.wall_clock_stops), best_bound=bound,
-                                          candidates=tuple(best.candidates) + (record,))
-    better = dataclasses.replace(better, wall_clock_stops=best.wall_clock_stops, all_gpus=best.all_gpus)
+    starts, seen = [best], {best.decision}
+    for r in sorted(others, key=lambda r: r.predicted_step_time_s):  # stable: ties in the order given
+        if len(starts) >= POLISH_STARTS:
+            break
+        if r.decision not in seen:
+            seen.add(r.decision)
+            starts.append(r)
+    from .solve.objective import evaluate
+
+    to_beat = evaluate(costs, devices, options, best.decision).objective_units
+    records, found = [], []
+    for start in starts:
+        ev, spent = polish(costs, devices, options, start.decision)
+        records.append(Candidate(kind="polish", source=start.status, best_bound_s=start.predicted_step_time_s,
+                                 step_time_s=None if ev is None else ev.step_time_s, evaluations=spent))
+        if ev is not None and ev.objective_units < to_beat:
+            found.append((ev.objective_units, len(found), ev, start))
+    candidates = tuple(best.candidates) + tuple(records)
+    if not found:
+        return dataclasses.replace(best, candidates=candidates), list(others)
+    bound = min(best.best_bound, throughput_bound_s(costs, devices, options))
+    polished_plans = []
+    for _, _, ev, start in sorted(found, key=lambda f: f[:2]):
+        status = with_safety_stop(start.status + POLISHED, best.wall_clock_stops)
+        b = best.best_bound if in_model(ev.decision) else bound
+        polished_plans.append(dataclasses.replace(
+            SolverResult.from_evaluation(ev, options=options, status=status, best_bound=b, candidates=candidates),
+            wall_clock_stops=best.wall_clock_stops, all_gpus=best.all_gpus))
+    better = polished_plans[0]
     if progress is not None:
-        progress(f"polish: {best.predicted_step_time_s:.4g} s -> {ev.step_time_s:.4g} s in {spent} evaluations "
-                 f"(a cut, a sample, a stage's memory policy or the micro-batch count one step over)")
-    return better, [best] + list(others)
+        progress(f"polish: {best.predicted_step_time_s:.4g} s -> {better.predicted_step_time_s:.4g} s from "
+                 f"{better.status.split('+POLISHED')[0]}'s plan (a cut, a sample, a stage's memory policy or the "
+                 f"micro-batch count one step over; {sum(r.evaluations for r in records)} evaluations)")
+    return better, [best] + polished_plans[1:] + list(others)
 
 
 #: [Note: simulator re-rank]: plans the objective prices at most this fraction
