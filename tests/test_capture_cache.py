@@ -156,3 +156,28 @@ def test_the_loss_check_is_read_from_the_cache(tmp_path, monkeypatch):
     with pytest.raises(ModelCaptureError, match="must return the mean loss"):
         capture(broken, (ids, ids))  # a non-finite weight: run and checked, and refused as before
     assert len(checks) == 5
+
+
+def test_recompiles_deferred_while_unlifting_give_the_same_module(tmp_path, monkeypatch):
+    """[Note: recompiles deferred while unlifting] in capture/trace.py: the graph module read from the
+    cache with ``ep.module()``'s recompiles deferred has the code, attributes and submodules of the one
+    ``ep.module()`` makes with them, and computes the same loss."""
+    import torch.fx as fx
+
+    from zorse_fx.capture import trace
+
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path))
+    monkeypatch.delenv(capture_cache.NO_CACHE_ENV, raising=False)
+    ids = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(6))
+    model = _llama(0)
+    capture(model, (ids, ids))
+    key = capture_cache.export_key(model, (ids, ids.clone()), ("input_ids", "labels"))
+    deferred = trace._module_of(capture_cache.load_exported(key, model))
+    plain = capture_cache.load_exported(key, model).module()
+    plain.graph._codegen = fx.graph.CodeGen()
+    assert fx.GraphModule.recompile.__name__ == "recompile"  # (put back)
+    for gm in (deferred, plain):
+        trace._normalise(gm)
+    assert deferred.code == plain.code and set(vars(deferred)) == set(vars(plain))
+    assert [n for n, _ in deferred.named_modules()] == [n for n, _ in plain.named_modules()]
+    assert torch.equal(deferred(ids, ids), plain(ids, ids))

@@ -43,6 +43,7 @@ Legend: ``K`` = act nodes, ``B`` = blocks.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -54,6 +55,8 @@ from ..ir.tensor import TensorSpec
 from .trace import META_KEY, CapturedModel, fetch_attr
 
 __all__ = ["TensorSpec", "BlockGraph", "analyse", "low_precision_params", "AUTOCAST_LOWER_OPS"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -183,6 +186,75 @@ def _spec(name: str, v1, v2) -> TensorSpec | None:
     return TensorSpec(name=name, shape_per_sample=tuple(int(d) for d in v1.shape[1:]), dtype=str(v1.dtype).removeprefix("torch."))
 
 
+def _batch_values(captured: CapturedModel) -> tuple[dict[str, object], dict[str, TensorSpec | None]]:
+    """Every node's value at batch 1, and its per-sample spec (``_spec``), from two fake runs (batch 1 and
+    2: a dim that changes between them is the batch dim, which must be dim 0); or from the record of
+    those runs a capture with a cache key keeps ([Note: the analysis cached] in ``capture/cache.py``)."""
+    from . import cache
+
+    gm = captured.graph_module
+    names = [n.name for n in gm.graph.nodes]
+    key = cache.record_key(captured, "analysis")
+    rec = cache.load_record("analysis", key)
+    if rec is not None:
+        try:
+            if rec["nodes"] != names:
+                raise ValueError("its nodes are not the graph's")
+            v1 = {name: _decode_value(v) for name, v in zip(names, rec["val_batch1"], strict=True)}
+            specs = {name: None if s is None else TensorSpec(name=name, shape_per_sample=tuple(s[0]), dtype=s[1])
+                     for name, s in zip(names, rec["specs"], strict=True)}
+            return v1, specs
+        except (KeyError, TypeError, ValueError, AttributeError, RuntimeError) as exc:
+            log.info("analysis record %s not used: %s: %s", key, type(exc).__name__, exc)
+    v1 = _propagate(gm, captured.example_inputs, 1)
+    v2 = _propagate(gm, captured.example_inputs, 2)
+    specs = {name: _spec(name, v1.get(name), v2.get(name)) for name in names}
+    if key is not None:
+        cache.save_record("analysis", key, {
+            "nodes": names, "val_batch1": [_encode_value(v1.get(name)) for name in names],
+            "specs": [None if (s := specs[name]) is None else [list(s.shape_per_sample), s.dtype] for name in names]})
+    return {name: v1.get(name) for name in names}, specs
+
+
+def _encode_value(v):
+    """A node's fake value as plain JSON: a tensor as its shape, stride and dtype; tuples and lists as
+    such; numbers, strings and None as they are; anything else by its type's name (the cost model
+    reads tensors only)."""
+    if isinstance(v, torch.Tensor):
+        return {"t": [[int(d) for d in v.shape], [int(d) for d in v.stride()], str(v.dtype).removeprefix("torch.")]}
+    if isinstance(v, tuple):
+        return {"u": [_encode_value(x) for x in v]}
+    if isinstance(v, list):
+        return [_encode_value(x) for x in v]
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    return {"o": type(v).__name__}
+
+
+def _decode_value(v):
+    """``_encode_value``'s answer back: tensors as meta tensors of that shape, stride and dtype."""
+    if isinstance(v, dict):
+        if "t" in v:
+            shape, stride, dtype = v["t"]
+            dt = getattr(torch, dtype)
+            if not isinstance(dt, torch.dtype):
+                raise ValueError(f"not a dtype: {dtype!r}")
+            return torch.empty_strided(shape, stride, dtype=dt, device="meta")
+        if "u" in v:
+            return tuple(_decode_value(x) for x in v["u"])
+        return _Opaque(v["o"])
+    if isinstance(v, list):
+        return [_decode_value(x) for x in v]
+    return v
+
+
+@dataclass(frozen=True, slots=True)
+class _Opaque:
+    """A recorded value that is neither a tensor, a number, a string nor a sequence (its type's name)."""
+
+    type_name: str
+
+
 def analyse(captured: CapturedModel, *, max_blocks: int = 64, _minimal_cuts_only: bool = False) -> BlockGraph:
     """Cut ``captured`` into blocks at its candidate cut points ([Note: legal cut points]).
 
@@ -200,10 +272,7 @@ def analyse(captured: CapturedModel, *, max_blocks: int = 64, _minimal_cuts_only
     """
     gm = captured.graph_module
     kind = _classify(gm)
-    # Note: per-sample shapes come from two fake runs (batch 1 and 2); a dim
-    # that changes between them is the batch dim, which must be dim 0.
-    v1 = _propagate(gm, captured.example_inputs, 1)
-    v2 = _propagate(gm, captured.example_inputs, 2)
+    v1, node_specs = _batch_values(captured)
     for node in gm.graph.nodes:
         node.meta[META_KEY]["val_batch1"] = v1.get(node.name)
 
@@ -211,7 +280,7 @@ def analyse(captured: CapturedModel, *, max_blocks: int = 64, _minimal_cuts_only
     if not act_order:
         raise ModelCaptureError("the captured graph reads no trainable parameter; nothing to train")
     pos = {name: i for i, name in enumerate(act_order)}
-    specs = {name: s for name in act_order if (s := _spec(name, v1[name], v2[name])) is not None}
+    specs = {name: s for name in act_order if (s := node_specs.get(name)) is not None}
 
     # Last act position that reads each act value (K means: the output reads it).
     nodes = {n.name: n for n in gm.graph.nodes}

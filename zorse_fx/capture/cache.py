@@ -52,6 +52,33 @@ every parameter and buffer is finite (``trace._recorded_reduction``: NaN
 weights are run and refused as before). A missing or unreadable file, any
 other value, a non-finite weight or a meta-device model runs both.
 ``$ZORSE_NO_CACHE`` reads and writes neither file.
+
+[Note: the analysis cached]
+Pricing a cached capture ran the graph three more times on fake tensors, each a
+FakeTensor dispatch of ~2,000 nodes: the block analysis at batch 1 and 2
+(``analysis.analyse``: every node's batch-1 value, and which values carry the
+batch in dim 0) and the saved-activations measurement (``cost/activations.py``):
+1.9 and 0.9 of the 2.9 CPU s of pricing in a warm ``zorse plan`` of
+SmolLM2-135M (2026-12-07, the 2-core machine, busy). Their answers follow from
+the graph, the parameters' and inputs' shapes, dtypes and devices, the code
+that runs them and torch; not from any value. So where the capture has a key
+(``CapturedModel.cache_key``: a cacheable model, the cache enabled), each is
+kept beside the graph as plain JSON (``<cache>/capture/<kind>-<key>.json``,
+``save_record``/``load_record``), keyed by ``record_key``: the capture key,
+a fingerprint of the graph as it is now (every node's name, op, target, args
+and kwargs: a graph changed after capture is a miss), every parameter's,
+buffer's and input's device type, and the source of the modules that compute
+the answer (``analysis.py``, ``activations.py``, ``opclass.py``,
+``precision.py``, ``ir/tensor.py``, this file); the measurement also by the
+precision (its name and compute dtype). What is kept: per node, the batch-1
+value's structure (tensors as shape, stride and dtype, rebuilt as meta
+tensors: what the cost model reads of them is their shape, dtype and size)
+and its per-sample spec; per node, the bytes of the storages autograd saves
+first at that node, and each node's output dtype (block sums follow for any
+cut into blocks: [Note: saved activations]). A record also lists the graph's
+node names, checked on reading. A record that is missing, cannot be read or
+does not fit is a miss (logged where it exists): the fake runs run and write
+it again. ``$ZORSE_NO_CACHE`` reads and writes none.
 """
 
 from __future__ import annotations
@@ -71,7 +98,7 @@ import torch
 from ..models.hf import cache_root
 
 __all__ = ["NO_CACHE_ENV", "cacheable", "disabled", "enabled", "export_key", "load_exported", "save_exported", "cache_file",
-           "load_loss_check", "save_loss_check"]
+           "load_loss_check", "save_loss_check", "record_key", "load_record", "save_record"]
 
 log = logging.getLogger(__name__)
 
@@ -333,3 +360,85 @@ def save_loss_check(key: str, reduction: str) -> None:
                 os.unlink(tmp)
     except OSError as exc:
         log.info("loss check record %s not written: %s", path, exc)
+
+
+#: The sources an analysis record's answer follows from, beside the capture's ([Note: the analysis cached]).
+_RECORD_SOURCES = ("capture/analysis.py", "capture/cache.py", "cost/activations.py", "cost/opclass.py",
+                   "precision.py", "ir/tensor.py")
+
+
+def _target_text(target) -> str:
+    if isinstance(target, str):
+        return target
+    name = getattr(target, "__qualname__", None)
+    return f"{getattr(target, '__module__', '')}.{name}" if name and not isinstance(
+        target, torch._ops.OpOverload) else str(target)
+
+
+def record_key(captured, *parts) -> str | None:
+    """The key of a record of ``captured``'s fake runs (``parts``: what else the answer depends on), or
+    None where none is kept (no capture key, or the cache disabled) ([Note: the analysis cached])."""
+    key = getattr(captured, "cache_key", None)
+    if key is None or not enabled():
+        return None
+    h = hashlib.sha256()
+
+    def add(*xs) -> None:
+        for x in xs:
+            h.update(str(x).encode())
+            h.update(b"\0")
+
+    add(key, *parts)
+    root = Path(__file__).parents[1]
+    for name in _RECORD_SOURCES:
+        add(hashlib.sha256((root / name).read_bytes()).hexdigest())
+    gm = captured.graph_module
+    for n in gm.graph.nodes:
+        add(n.name, n.op, _target_text(n.target), n.args, n.kwargs)
+    add("devices", sorted({t.device.type for t in (*gm.parameters(), *gm.buffers(), *captured.example_inputs)}))
+    return h.hexdigest()[:32]
+
+
+def _record_file(kind: str, key: str) -> Path:
+    return cache_root() / "capture" / f"{kind}-{key}.json"
+
+
+def load_record(kind: str, key: str | None):
+    """The record of ``kind`` kept under ``key`` (plain JSON), or None: no key, the cache disabled, no
+    record, or one that cannot be read (logged) ([Note: the analysis cached])."""
+    if key is None or not enabled():
+        return None
+    path = _record_file(kind, key)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        log.info("%s record %s not read: %s", kind, path, exc)
+        return None
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        log.info("%s record %s not read: %s", kind, path, exc)
+        return None
+
+
+def save_record(kind: str, key: str | None, data) -> None:
+    """Keep ``data`` (plain JSON) as the record of ``kind`` under ``key``; nothing without a key or with
+    the cache disabled; a record that cannot be written is logged and skipped."""
+    if key is None or not enabled():
+        return
+    path = _record_file(kind, key)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(data, f, separators=(",", ":"))
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    except (OSError, TypeError, ValueError) as exc:
+        log.info("%s record %s not written: %s", kind, path, exc)

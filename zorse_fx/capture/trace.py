@@ -110,6 +110,9 @@ class CapturedModel:
     #: tensor additive over the samples ([Note: token-mean losses] in ``capture/loss_count.py``);
     #: None for a sample mean.
     loss_count: fx.GraphModule | None = None
+    #: The capture cache key of the graph (``cache.export_key``), under which the answers of its fake
+    #: runs are kept too ([Note: the analysis cached] in ``capture/cache.py``); None: not cached.
+    cache_key: str | None = None
 
     def state(self) -> dict[str, torch.Tensor]:
         """Every parameter/buffer/constant the graph reads, by canonical name."""
@@ -235,8 +238,45 @@ def _module_of(ep) -> fx.GraphModule:
     """``ep`` as a plain graph module. ``ep.module()`` flattens inputs through
     a pytree codegen; the stage modules get a plain graph, so drop it here
     (recompiled by ``_normalise``, which ``capture`` calls next: one recompile of
-    ~2,000 nodes less)."""
-    gm = ep.module()
+    ~2,000 nodes less).
+
+    [Note: recompiles deferred while unlifting]
+    ``ep.module()`` generates and compiles the Python code of the ~2,000-node graph five times (torch 2.13:
+    three times for a copy of the program's module, whose graph it then moves, twice for the unlifted
+    module), and ``_normalise`` recompiles the answer once more: 0.75 of 1.1 CPU s of a warm capture's
+    ``ep.module()`` (SmolLM2-135M, 2026-12-07, the 2-core machine). Within it, ``GraphModule.recompile``
+    is lazy, as torch's own ``_LazyGraphModule``: it sets what it sets without code (``_in_spec`` and
+    ``_out_spec`` of a pytree codegen) and makes the module's ``forward`` (its class is its own) compile
+    on first access (``inspect.signature(module.forward)``, which the unlifting reads for its input guards,
+    or a call); after it, every submodule of the answer still pending is recompiled, and the answer itself
+    by ``_normalise``. tests/test_capture_cache.py compares the module with the one made without."""
+    real, pending = fx.GraphModule.recompile, {}
+
+    class _CompileOnAccess:
+        def __get__(self, obj, cls):
+            if obj is None:
+                return self
+            pending.pop(id(obj), None)
+            real(obj)  # sets cls.forward, replacing this
+            return obj.forward
+
+    def deferred(self):
+        if isinstance(self._graph._codegen, fx.graph._PyTreeCodeGen):
+            self._in_spec = self._graph._codegen.pytree_info.in_spec
+            self._out_spec = self._graph._codegen.pytree_info.out_spec
+        if type(self) is fx.GraphModule:  # (a class of its own per module, as GraphModule.__new__ makes it)
+            return real(self)
+        type(self).forward = _CompileOnAccess()
+        pending[id(self)] = self
+
+    fx.GraphModule.recompile = deferred
+    try:
+        gm = ep.module()
+    finally:
+        fx.GraphModule.recompile = real
+    for sub in gm.modules():
+        if sub is not gm and id(sub) in pending:
+            sub.recompile()
     gm.graph._codegen = fx.graph.CodeGen()
     return gm
 
@@ -343,6 +383,7 @@ def capture(
         causal_masks=rewritten,
         loss_reduction=reduction,
         loss_count=tail.count if reduction == "token_mean" else None,
+        cache_key=key,
     )
 
 

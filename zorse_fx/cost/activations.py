@@ -8,6 +8,7 @@ Units: bytes per sample (batch 1)."""
 
 from __future__ import annotations
 
+import logging
 import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -29,6 +30,8 @@ if TYPE_CHECKING:
 
 __all__ = ["SavedActivations", "measure_saved_activations", "saved_activations_or_estimate",
            "saved_activation_bytes", "loss_backward_transient_bytes"]
+
+log = logging.getLogger(__name__)
 
 
 def _out_bytes(node: fx.Node) -> int:
@@ -246,8 +249,28 @@ def measure_saved_activations(bg: BlockGraph, precision: PrecisionPolicy) -> Sav
             a backward setup that reads tensor data), or RuntimeError when the
             loss does not require grad (nothing was recorded).
     """
+    from ..capture import cache
+
     gm = bg.captured.graph_module
     block_of = {name: b for b in range(bg.num_blocks) for name in bg.block_nodes(b)}
+    # [Note: the analysis cached] in capture/cache.py: per node, the bytes of the storages first saved there
+    key = cache.record_key(bg.captured, "activations", precision.name, precision.compute_dtype_name)
+    rec = cache.load_record("activations", key)
+    if rec is not None:
+        try:
+            first, run_dtypes = rec["first_saved_bytes"], rec["output_dtypes"]
+            if not (isinstance(first, dict) and isinstance(run_dtypes, dict)
+                    and all(isinstance(v, int) for v in first.values())
+                    and all(isinstance(v, str) for v in run_dtypes.values())):
+                raise ValueError("not a record of saved bytes and dtypes")
+            acts = [0] * bg.num_blocks
+            for name, nbytes in first.items():
+                if name in block_of:
+                    acts[block_of[name]] += nbytes
+            return SavedActivations(bytes_per_sample=tuple(acts), output_dtypes={
+                name: run_dtypes[name] for name in bg.act_order if name in run_dtypes})
+        except (KeyError, TypeError, ValueError) as exc:
+            log.info("activations record %s not used: %s: %s", key, type(exc).__name__, exc)
     nodes = {n.name: n for n in gm.graph.nodes}
     attention = {name for name in bg.act_order if op_class(nodes[name]) == "attention"}
     mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -287,19 +310,22 @@ def measure_saved_activations(bg: BlockGraph, precision: PrecisionPolicy) -> Sav
         if not (isinstance(loss, torch.Tensor) and loss.requires_grad):
             raise RuntimeError("the loss does not require grad in the measurement run")
         acts = [0] * bg.num_blocks
+        first: dict[str, int] = {}  # per node: the bytes of the storages it is the first to save
         seen = state | casts.storages
         # rec.saved (and the autograd graph of ``loss``) keep every recorded
         # tensor alive, so no storage address is reused while counting.
         for name, t in rec.saved:
             storage = t.untyped_storage()
-            key = storage._cdata
-            if key in seen:
+            cdata = storage._cdata
+            if cdata in seen:
                 continue
-            seen.add(key)
+            seen.add(cdata)
+            first[name] = first.get(name, 0) + int(storage.nbytes())
             if name in block_of:  # free nodes read no grad-requiring value, so save nothing
                 acts[block_of[name]] += int(storage.nbytes())
     del loss
     dtypes = {name: rec.dtypes[name] for name in bg.act_order if name in rec.dtypes}
+    cache.save_record("activations", key, {"first_saved_bytes": first, "output_dtypes": dict(rec.dtypes)})
     return SavedActivations(bytes_per_sample=tuple(acts), output_dtypes=dtypes)
 
 
