@@ -129,6 +129,7 @@ def causal_masks_to_is_causal(gm: fx.GraphModule) -> int:
     mask to ``is_causal=True`` without a mask (see [Note: causal masks]), in place;
     returns how many were rewritten. The graph is recompiled when any was."""
     done, dead = 0, []
+    checked: dict[tuple[fx.Node, int], bool] = {}  # per mask and length: a mask most layers share, checked once
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target not in _SDPA:
             continue
@@ -141,12 +142,15 @@ def causal_masks_to_is_causal(gm: fx.GraphModule) -> int:
         nodes = _ancestors(mask)
         if nodes is None:
             continue
-        try:
-            with torch.no_grad():
-                ok = all(_is_causal_mask(_evaluate(gm, nodes, b), q_len) for b in CHECK_BATCHES)
-        except Exception as exc:  # noqa: BLE001 -- an op that cannot run here: keep the mask
-            log.info("causal mask check of %s failed (%s): mask kept", node.name, exc)
-            ok = False
+        ok = checked.get((mask, q_len))
+        if ok is None:
+            try:
+                with torch.no_grad():
+                    ok = all(_is_causal_mask(_evaluate(gm, nodes, b), q_len) for b in CHECK_BATCHES)
+            except Exception as exc:  # noqa: BLE001 -- an op that cannot run here: keep the mask
+                log.info("causal mask check of %s failed (%s): mask kept", node.name, exc)
+                ok = False
+            checked[mask, q_len] = ok
         if not ok:
             continue
         q, k, v = node.args[:3]

@@ -410,11 +410,18 @@ def _recorded_reduction(model: torch.nn.Module, gm: fx.GraphModule, key: str | N
     tensors = (*model.parameters(), *model.buffers())
     if any(t.device.type == "meta" for t in tensors):
         return None
-    with torch.no_grad():  # a tensor holding a NaN or an infinity has a non-finite sum (so has one that overflows)
-        sums = [t.sum(dtype=torch.float64 if t.dtype == torch.float64 else torch.float32).double()
-                for t in tensors if t.is_floating_point()]
-        if sums and not bool(torch.isfinite(torch.stack(sums)).all()):
-            return None
+    # One thread: ~300 sums of a few MB each, which torch's thread pool took 0.4-1.7 CPU s to run on two
+    # threads on the 2-core machine while another process used it, and 0.03 on one (2026-12-07).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.no_grad():  # a tensor holding a NaN or an infinity has a non-finite sum (so has one that overflows)
+            sums = [t.sum(dtype=torch.float64 if t.dtype == torch.float64 else torch.float32).double()
+                    for t in tensors if t.is_floating_point()]
+            if sums and not bool(torch.isfinite(torch.stack(sums)).all()):
+                return None
+    finally:
+        torch.set_num_threads(threads)
     return recorded
 
 
