@@ -7,8 +7,9 @@ Runs ``zorse plan --model smollm2-135m --cluster examples/clusters/demo.yaml --g
 directory, ``ZORSE_CACHE_DIR``; the others with the one it filled: [Note: the capture cache]), timing
 each phase by wrapping the function that does it: imports (``zorse_fx.cli`` and what it loads), the
 model (``models.registry.load_model``: weights from disk), capture (``api.capture``: torch.export, or the
-cache), pricing (``planner.price``), the search (``planner.solve_plan``), the simulator's check
-(``sim.check.check_result``), codegen (``planner.build_plan``), writing (``Plan.export``,
+cache; ``trace.capture_recorded`` where the plan is made without the model, [Note: a warm plan without the
+model] in zorse_fx/api.py: then no model phase; writing that record is ``api.record_model``), pricing (``planner.price``), the search (``planner.solve_plan``),
+the simulator's check (``sim.check.check_result``), codegen (``planner.build_plan``), writing (``Plan.export``,
 ``save_weights``). CPU seconds: this process's (``time.process_time``) plus its waited-for children's
 (``RUSAGE_CHILDREN``: forked CP-SAT solves); wall seconds beside them.
 
@@ -54,9 +55,11 @@ def wrap(owner, name, label):
     setattr(owner, name, timed)
 
 import zorse_fx.api as api, zorse_fx.models.registry as reg, zorse_fx.planner as planner
-import zorse_fx.sim.check as check, zorse_fx.plan as plan_mod
+import zorse_fx.sim.check as check, zorse_fx.plan as plan_mod, zorse_fx.capture.trace as trace
 wrap(reg, "load_model", "model (weights)")
 wrap(api, "capture", "capture")
+wrap(trace, "capture_recorded", "capture")
+wrap(api, "record_model", "model record")
 wrap(planner, "price", "pricing")
 wrap(planner, "solve_plan", "search (CP-SAT)")
 wrap(check, "check_result", "simulator check")

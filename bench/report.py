@@ -695,10 +695,17 @@ def render_plan_cli(doc: dict, name: str) -> list[str]:
            f"`{doc['zorse_command']}` in a fresh Python process, CPU seconds (the process and its waited-for "
            "children: forked CP-SAT solves) and wall seconds per phase; the first run with an empty capture cache "
            "(`ZORSE_CACHE_DIR`), the next ones with the cache it filled.", ""]
-    names = [n for n, *_ in runs[0]["phases"]]
+    # The phases of every run in the order they first ran ("zorse plan (all)" last); a phase a run did not
+    # run (a warm plan made without the model loads none) is "-", one it ran twice is summed.
+    names = list(dict.fromkeys(n for r in runs for n, *_ in r["phases"]))
+    names.sort(key=lambda n: n == "zorse plan (all)")
     body = []
-    for i, n in enumerate(names):
-        body.append([n] + [f"{r['phases'][i][1]:.2f} / {r['phases'][i][2]:.2f}" for r in runs])
+    for n in names:
+        cells = []
+        for r in runs:
+            mine = [(c, w) for m, c, w in r["phases"] if m == n]
+            cells.append(f"{sum(c for c, _ in mine):.2f} / {sum(w for _, w in mine):.2f}" if mine else "-")
+        body.append([n] + cells)
     body.append(["process total"] + [f"{r['total_cpu_s']:.1f} / {r['total_wall_s']:.1f}" for r in runs])
     out += table(["phase"] + [f"run {k + 1} ({r['cache']} cache): CPU / wall s" for k, r in enumerate(runs)], body)
     return out + _source(_run_of(doc))

@@ -26,11 +26,11 @@ import torch.nn as nn
 from .capture import capture
 from .cluster import Cluster
 from .errors import ModelCaptureError
-from .models.hf import is_hf_causal_lm, write_hf_config
+from .models.hf import HF_CONFIG, is_hf_causal_lm, write_hf_config
 from .plan import Plan
 from .planner import PlanOptions, plan_captured
 
-__all__ = ["compile", "CompiledModel"]
+__all__ = ["compile", "CompiledModel", "compile_recorded", "record_model"]
 
 
 class CompiledModel(nn.Module):
@@ -38,12 +38,15 @@ class CompiledModel(nn.Module):
     ``pipeline_forward`` runs the generated stage modules chained in one
     process (the split-vs-unsplit check)."""
 
-    def __init__(self, model: nn.Module, captured, plan: Plan, block_graph):
+    def __init__(self, model: nn.Module | None, captured, plan: Plan, block_graph, *, hf_config: str | None = None):
         super().__init__()
+        #: None for a plan made from the cache without the model ([Note: a warm plan without the model]);
+        #: then ``hf_config`` is its Hugging Face configuration as ``write_hf_config`` writes it.
         self.model = model
         self.captured = captured
         self.plan = plan
         self.block_graph = block_graph
+        self.hf_config = hf_config
 
     def forward(self, *args, **kwargs):
         return self.model(*args, **kwargs)
@@ -56,7 +59,10 @@ class CompiledModel(nn.Module):
         path = Path(directory) / "weights.pt"
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.save({k: v.contiguous() for k, v in self.weights().items()}, path)
-        write_hf_config(self.model, path.parent)  # a Hugging Face model's configuration, for `zorse export`
+        if self.model is not None:
+            write_hf_config(self.model, path.parent)  # a Hugging Face model's configuration, for `zorse export`
+        elif self.hf_config is not None:
+            (path.parent / HF_CONFIG).write_text(self.hf_config)
         return path
 
     def stage_modules(self) -> list[nn.Module]:
@@ -112,10 +118,17 @@ def _compile_instance(model: nn.Module, *, cluster: Cluster, example_inputs, glo
     label_mode = label_mode or "shifted"
     _check_language_model_inputs(inner, example_inputs)
     name = model_name or getattr(getattr(inner, "config", None), "_name_or_path", "") or type(inner).__name__
-    say = print if verbose else None
     captured = capture(model, tuple(example_inputs))
+    return _planned(model, type(inner).__name__, captured, cluster=cluster, global_batch_size=global_batch_size,
+                    label_mode=label_mode, name=name, verbose=verbose, **options)
+
+
+def _planned(model: nn.Module | None, class_name: str, captured, *, cluster: Cluster, global_batch_size: int,
+             label_mode: str, name: str, verbose: bool, hf_config: str | None = None, **options) -> CompiledModel:
+    """``captured`` (of a model of class ``class_name``) planned on ``cluster``."""
+    say = print if verbose else None
     if say:
-        say(f"[zorse] captured {type(inner).__name__} with {captured.method} "
+        say(f"[zorse] captured {class_name} with {captured.method} "
             f"({sum(1 for _ in captured.graph_module.graph.nodes)} fx nodes"
             + (f"; {captured.causal_masks} explicit causal attention masks made is_causal=True"
                if captured.causal_masks else "")
@@ -124,7 +137,140 @@ def _compile_instance(model: nn.Module, *, cluster: Cluster, example_inputs, glo
     plan, bg = plan_captured(captured, cluster, PlanOptions(global_batch_size=global_batch_size, **options),
                              model_name=name, label_mode=label_mode,
                              progress=(lambda m: say("[zorse] " + m)) if say else None)
-    return CompiledModel(model, captured, plan, bg)
+    return CompiledModel(model, captured, plan, bg, hf_config=hf_config)
+
+
+# [Note: a warm plan without the model]
+# A warm `zorse plan` of SmolLM2-135M spent 3.2-4.4 CPU s loading the model (2026-12-07, bench/plan_cli.py,
+# the 2-core machine), nearly all of it importing transformers (its Llama module pulls in
+# torch.distributed.tensor), for a model of which the plan reads nothing the capture cache does not hold
+# already: the graph, the loss check's answer and the analysis' records are kept by key, and the weights
+# are the safetensors files' tensors as transformers loaded them. So for a model loaded from a directory
+# of config.json and safetensors weights (SmolLM2's converted copy, a local model directory:
+# ``registry.weights_dir``), a plan made with the cache on records beside the graph (``record_model``,
+# ``<cache>/capture/model-<key>.json``, plain JSON) which tensor of the files each parameter and buffer of
+# the wrapped model is (by name; a tied one the same file tensor; each checked equal in dtype, shape and
+# values, else nothing is recorded; a buffer the files lack, as rotary ``inv_freq``, must be one the cached
+# program keeps as a constant), the capture key, the model's class name, its Hugging Face configuration as
+# ``write_hf_config`` writes it, and the source file of every module class (path, size, modification time).
+# The key (``cache.model_key``) covers the model name, every file of the directory (path, size,
+# modification time, inode; config.json's bytes), the sequence length, torch's, transformers' (as
+# installed) and zorse_fx's versions and every zorse_fx source file. A later plan with that key
+# (``compile_recorded``) reads the safetensors files, makes each tensor a parameter or buffer as recorded
+# (ties the same object) and captures from the cache (``trace.capture_recorded``) without importing
+# transformers; anything missing, changed or unreadable (the record, a class's source file, the graph, the
+# loss check's record, a tensor that does not fit) loads the model as before (logged). ``--no-cache`` /
+# ``$ZORSE_NO_CACHE`` read and write no record. The plan, its stage sources, weights.pt and hf_config.json
+# are the bytes the model's own load gives (tests/test_model_record.py).
+
+
+def _class_files(model: nn.Module) -> list[list] | None:
+    """Per module class of ``model`` outside torch and zorse_fx: its source file's path, size and
+    modification time; None where one has no file."""
+    import inspect
+
+    out = {}
+    for m in model.modules():
+        cls = type(m)
+        if cls.__module__.split(".")[0] in ("torch", "zorse_fx"):
+            continue
+        try:
+            path = Path(inspect.getsourcefile(cls) or "")
+            st = path.stat()
+        except (OSError, TypeError):
+            return None
+        out[str(path)] = [str(path), st.st_size, st.st_mtime_ns]
+    return sorted(out.values())
+
+
+def record_model(compiled: CompiledModel, model_name: str, seq_len: int) -> None:
+    """Record what a later ``compile_recorded(model_name, seq_len=seq_len, ...)`` needs to plan without the
+    model, where ``compiled`` was captured from the cache and its model loaded from a directory of
+    safetensors weights ([Note: a warm plan without the model]); a model whose tensors are not the files'
+    is not recorded."""
+    from .capture import cache
+    from .models.hf import CausalLMWithLoss
+    from .models.registry import load_weights, weights_dir
+
+    key = compiled.captured.cache_key
+    model = compiled.model
+    if key is None or model is None or not cache.enabled() or not isinstance(model, CausalLMWithLoss):
+        return
+    directory = weights_dir(model_name)
+    if directory is None:
+        return
+    files, sources = load_weights(directory), _class_files(model)
+    if sources is None:
+        return
+    live = dict(model.named_parameters(remove_duplicate=False))
+    params = set(live)
+    live.update(model.named_buffers(remove_duplicate=False))
+    by_id: dict[int, str] = {}
+    for name, t in live.items():  # a tensor of the files by its own name (the wrapper's "model." dropped)
+        file = files.get(name.removeprefix("model."))
+        if file is not None and file.dtype == t.dtype and file.shape == t.shape and torch.equal(file, t.detach()):
+            by_id.setdefault(id(t), name.removeprefix("model."))
+    tensors = {}
+    for name, t in live.items():
+        source = by_id.get(id(t))  # a tied parameter: its tie's file tensor
+        if source is None and name in params:
+            return
+        tensors[name] = [source, name in params, bool(t.requires_grad)]
+    inner = model.model
+    cache.save_record("model", cache.model_key(model_name, directory, seq_len), {
+        "export_key": key, "class_name": type(inner).__name__, "tensors": tensors, "class_files": sources,
+        "hf_config": inner.config.to_json_string(use_diff=False)})
+
+
+def compile_recorded(model_name: str, *, seq_len: int, cluster: Cluster, global_batch_size: int,
+                     verbose: bool = False, **options) -> CompiledModel | None:
+    """What ``compile`` gives for the Hugging Face model ``model_name`` (a registry name or directory) on
+    ``(2, seq_len)`` token batches, made from its record in the capture cache without loading the model
+    or importing transformers; None where there is no usable record ([Note: a warm plan without the
+    model])."""
+    import logging
+
+    from .capture import cache
+    from .capture.trace import capture_recorded
+    from .models.registry import load_weights, weights_dir
+
+    if not cache.enabled():
+        return None
+    directory = weights_dir(model_name)
+    if directory is None:
+        return None
+    key = cache.model_key(model_name, directory, seq_len)
+    rec = cache.load_record("model", key)
+    if rec is None:
+        return None
+    log = logging.getLogger(__name__)
+    try:
+        for path, size, mtime in rec["class_files"]:
+            st = Path(path).stat()
+            if (st.st_size, st.st_mtime_ns) != (size, mtime):
+                log.info("model record %s: %s changed; loading the model", key, path)
+                return None
+        files = load_weights(directory)
+        made: dict[str, torch.Tensor] = {}
+        tensors: dict[str, torch.Tensor] = {}
+        for name, (source, is_param, requires_grad) in rec["tensors"].items():
+            if source is None:
+                continue  # a buffer the cached program keeps as a constant
+            if source not in made:
+                t = files[source]
+                made[source] = nn.Parameter(t, requires_grad=requires_grad) if is_param else t
+            tensors[name] = made[source]
+        export_key, class_name, hf_config = rec["export_key"], rec["class_name"], rec["hf_config"]
+    except (KeyError, TypeError, ValueError, OSError) as exc:
+        log.info("model record %s not used: %s: %s", key, type(exc).__name__, exc)
+        return None
+    ids = torch.randint(0, 200, (2, seq_len))
+    captured = capture_recorded(export_key, tensors, (ids, ids))
+    if captured is None:
+        log.info("model record %s: the cached capture %s is not usable; loading the model", key, export_key)
+        return None
+    return _planned(None, class_name, captured, cluster=cluster, global_batch_size=global_batch_size,
+                    label_mode="same", name=model_name, verbose=verbose, hf_config=hf_config, **options)
 
 
 def compile(model: nn.Module | type | None = None, *, cluster, example_inputs, global_batch_size: int,

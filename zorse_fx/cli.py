@@ -288,6 +288,7 @@ def _long_lived_frozen():
 def cmd_plan(args) -> int:
     import zorse_fx as zorse
 
+    from .api import compile_recorded, record_model
     from .cluster import Cluster
     from .elastic import PlanRequest
     from .models.registry import is_model_dir
@@ -316,12 +317,16 @@ def cmd_plan(args) -> int:
     if is_model_dir(model_name):  # recorded absolute: `zorse train --elastic` and `zorse export` load it again
         model_name = str(Path(model_name).resolve())
     with _long_lived_frozen():
-        model, _ = _load_model(model_name)
-        gc.freeze()  # (the model lives as long as the command)
-        _check_seq_len(model, model_name, inputs.seq_len)
-        ids = torch.randint(0, 200, (2, inputs.seq_len))
-        compiled = zorse.compile(model, cluster=cluster, example_inputs=(ids, ids), verbose=True,
-                                 model_name=model_name, **fields)
+        # [Note: a warm plan without the model] in api.py: from the capture cache's record, where it has one
+        compiled = compile_recorded(model_name, seq_len=inputs.seq_len, cluster=cluster, verbose=True, **fields)
+        if compiled is None:
+            model, _ = _load_model(model_name)
+            gc.freeze()  # (the model lives as long as the command)
+            _check_seq_len(model, model_name, inputs.seq_len)
+            ids = torch.randint(0, 200, (2, inputs.seq_len))
+            compiled = zorse.compile(model, cluster=cluster, example_inputs=(ids, ids), verbose=True,
+                                     model_name=model_name, **fields)
+            record_model(compiled, model_name, inputs.seq_len)
     print(compiled.plan.table())
     with new_plan_dir(inputs.output, flag="-o") as new:  # swapped in whole: no file of an older plan stays
         compiled.plan.export(new)

@@ -98,7 +98,7 @@ import torch
 from ..models.hf import cache_root
 
 __all__ = ["NO_CACHE_ENV", "cacheable", "disabled", "enabled", "export_key", "load_exported", "save_exported", "cache_file",
-           "load_loss_check", "save_loss_check", "record_key", "load_record", "save_record"]
+           "load_loss_check", "save_loss_check", "record_key", "load_record", "save_record", "model_key", "source_digest"]
 
 log = logging.getLogger(__name__)
 
@@ -291,10 +291,12 @@ def _memoized_sympify():
         sympy.sympify = original
 
 
-def load_exported(key: str, model: torch.nn.Module):
+def load_exported(key: str, model: torch.nn.Module | dict[str, torch.Tensor]):
     """The cached ``ExportedProgram`` of ``key`` with ``model``'s own
     parameters and buffers in place, or None (no such file, one that cannot
-    be read, or one whose tensors are not the model's by name, shape and dtype)."""
+    be read, or one whose tensors are not the model's by name, shape and dtype).
+    ``model`` may be the tensors themselves by name (``named_parameters`` and
+    ``named_buffers`` with duplicates: [Note: a warm plan without the model] in api.py)."""
     path = cache_file(key)
     if not path.is_file():
         return None
@@ -304,7 +306,7 @@ def load_exported(key: str, model: torch.nn.Module):
     except Exception as exc:  # noqa: BLE001 (an unreadable cache file is a miss: logged, replaced)
         log.info("capture cache %s not read: %s: %s", path, type(exc).__name__, exc)
         return None
-    live = _live_tensors(model)
+    live = dict(model) if isinstance(model, dict) else _live_tensors(model)
     state = ep.state_dict
     for name, t in list(state.items()):
         own = live.get(name)
@@ -442,3 +444,40 @@ def save_record(kind: str, key: str | None, data) -> None:
                 os.unlink(tmp)
     except (OSError, TypeError, ValueError) as exc:
         log.info("%s record %s not written: %s", kind, path, exc)
+
+
+def source_digest() -> str:
+    """A sha256 of every source file of zorse_fx (a warm plan without the model follows from all of them:
+    [Note: a warm plan without the model] in api.py)."""
+    h = hashlib.sha256()
+    root = Path(__file__).parents[1]
+    for path in sorted(root.rglob("*.py")):
+        h.update(str(path.relative_to(root)).encode())
+        h.update(hashlib.sha256(path.read_bytes()).digest())
+    return h.hexdigest()
+
+
+def _file_identity(path: Path) -> list:
+    st = path.stat()
+    return [str(path), st.st_size, st.st_mtime_ns, st.st_ino]
+
+
+def model_key(name: str, directory: Path, seq_len: int) -> str:
+    """The key of the record that plans model ``name`` (its configuration and weights in ``directory``)
+    at ``seq_len`` tokens without loading it ([Note: a warm plan without the model] in api.py): the name,
+    every file of the directory by path, size, modification time and inode (and ``config.json``'s bytes),
+    the sequence length, torch's, transformers' (as installed: not imported) and zorse_fx's versions and
+    every zorse_fx source file."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        transformers = version("transformers")
+    except PackageNotFoundError:
+        transformers = "-"
+    h = hashlib.sha256()
+    for part in ("model-record-1", name, torch.__version__, transformers, _zorse_version(), source_digest(),
+                 seq_len, json.dumps([_file_identity(f) for f in sorted(directory.iterdir()) if f.is_file()]),
+                 hashlib.sha256((directory / "config.json").read_bytes()).hexdigest()):
+        h.update(str(part).encode())
+        h.update(b"\0")
+    return h.hexdigest()[:32]

@@ -66,7 +66,7 @@ from ..models.hf import check_wrapped_models
 from .causal import causal_masks_to_is_causal
 from .loss_count import LossTail, loss_tail
 
-__all__ = ["CapturedModel", "capture", "capture_lm", "check_mean_loss", "fetch_attr"]
+__all__ = ["CapturedModel", "capture", "capture_lm", "capture_recorded", "check_mean_loss", "fetch_attr"]
 
 log = logging.getLogger(__name__)
 
@@ -355,7 +355,7 @@ def capture(
         raise ModelCaptureError(f"unknown capture method {method!r}; use 'fx', 'export' or 'auto'")
     _normalise(gm)
     rewritten = causal_masks_to_is_causal(gm) if causal_masks else 0
-    reduction = _recorded_reduction(model, gm, key)  # [Note: the loss check cached] in cache.py
+    reduction = _recorded_reduction((*model.parameters(), *model.buffers()), gm, key)  # [Note: the loss check cached]
     if reduction is not None:
         tail = loss_tail(gm, example_inputs)
     else:
@@ -392,10 +392,11 @@ def _on_meta(model: torch.nn.Module, example_inputs: tuple[torch.Tensor, ...]) -
     return any(t.device.type == "meta" for t in (*example_inputs, *model.parameters(), *model.buffers()))
 
 
-def _recorded_reduction(model: torch.nn.Module, gm: fx.GraphModule, key: str | None) -> str | None:
+def _recorded_reduction(tensors, gm: fx.GraphModule, key: str | None) -> str | None:
     """The loss reduction a check of a model with capture key ``key`` recorded, where ``gm``'s output is a
-    scalar by its recorded metadata and every parameter and buffer of ``model`` holds finite values; else
-    None (the captured graph is run and the loss checked) ([Note: the loss check cached] in cache.py)."""
+    scalar by its recorded metadata and every one of ``tensors`` (the model's parameters and buffers) holds
+    finite values; else None (the captured graph is run and the loss checked) ([Note: the loss check cached]
+    in cache.py)."""
     if key is None:
         return None
     from . import cache
@@ -407,7 +408,7 @@ def _recorded_reduction(model: torch.nn.Module, gm: fx.GraphModule, key: str | N
     value = out.meta.get("val") if isinstance(out, fx.Node) else None
     if not isinstance(value, torch.Tensor) or value.dim() != 0:
         return None
-    tensors = (*model.parameters(), *model.buffers())
+    tensors = tuple(tensors)
     if any(t.device.type == "meta" for t in tensors):
         return None
     # One thread: ~300 sums of a few MB each, which torch's thread pool took 0.4-1.7 CPU s to run on two
@@ -423,6 +424,33 @@ def _recorded_reduction(model: torch.nn.Module, gm: fx.GraphModule, key: str | N
     finally:
         torch.set_num_threads(threads)
     return recorded
+
+
+def capture_recorded(key: str, tensors: dict[str, torch.Tensor], example_inputs: tuple[torch.Tensor, ...], *,
+                     causal_masks: bool = True) -> CapturedModel | None:
+    """What ``capture(model, example_inputs)`` gives for a model whose capture cache key is ``key``, from
+    the cached graph and the model's parameters and buffers by name (``tensors``: as ``named_parameters``
+    and ``named_buffers`` with duplicates name them, tied ones the same object), without the model; None
+    where the graph is not in the cache, does not fit ``tensors``, or its loss check is not recorded (then
+    the model is captured) ([Note: a warm plan without the model] in api.py)."""
+    from . import cache
+
+    example_inputs = _unaliased(example_inputs)
+    ep = cache.load_exported(key, tensors)
+    if ep is None:
+        return None
+    constants = [c for c in ep.constants.values() if isinstance(c, torch.Tensor)]
+    gm = _module_of(ep)
+    _normalise(gm)
+    rewritten = causal_masks_to_is_causal(gm) if causal_masks else 0
+    reduction = _recorded_reduction((*{id(t): t for t in tensors.values()}.values(), *constants), gm, key)
+    if reduction is None:
+        return None
+    tail = loss_tail(gm, example_inputs)
+    placeholders = [n.target for n in gm.graph.find_nodes(op="placeholder")]
+    return CapturedModel(graph_module=gm, input_names=tuple(placeholders), tied=_tie_map(gm), method="export",
+                         example_inputs=tuple(example_inputs), causal_masks=rewritten, loss_reduction=reduction,
+                         loss_count=tail.count if reduction == "token_mean" else None, cache_key=key)
 
 
 def _refuse_batch_statistics(model: torch.nn.Module) -> None:

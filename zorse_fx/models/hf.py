@@ -247,14 +247,17 @@ def cache_root() -> Path:
     return Path(base) / "zorse_fx"
 
 
-def smollm2_converted_dir() -> Path:
+def smollm2_converted_dir(transformers_version: str | None = None) -> Path:
     """The directory that holds (or will hold) SmolLM2-135M converted from its
-    GGUF file ([Note: the SmolLM2 conversion cache])."""
-    import transformers
+    GGUF file ([Note: the SmolLM2 conversion cache]); ``transformers_version``:
+    transformers' version as installed, given so that it is not imported."""
+    if transformers_version is None:
+        import transformers
 
+        transformers_version = transformers.__version__
     with open(smollm2_gguf_path(), "rb") as f:
         digest = hashlib.file_digest(f, "sha256").hexdigest()[:16]
-    return cache_root() / f"smollm2-135m-{digest}-transformers-{transformers.__version__}"
+    return cache_root() / f"smollm2-135m-{digest}-transformers-{transformers_version}"
 
 
 _CONVERTED_FILES = ("config.json", "model.safetensors", "tokenizer_config.json")

@@ -20,6 +20,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+from pathlib import Path
 
 import torch
 
@@ -83,6 +84,43 @@ def load_model(name: str, *, tokenizer: bool = True):
         return _from_factory(name)
     raise ValueError(f"unknown model {name!r}; use one of {', '.join(MODEL_NAMES)}, module:function or a local "
                      f"Hugging Face model directory")
+
+
+def weights_dir(name: str) -> Path | None:
+    """The directory model ``name`` is loaded from, where it is one with ``config.json`` and safetensors
+    weights (SmolLM2-135M's converted copy, a local model directory), found without importing
+    transformers; None for a model built in code, SmolLM2 not converted yet, or weights in another format
+    ([Note: a warm plan without the model] in api.py)."""
+    if name == "smollm2-135m":
+        from importlib.metadata import PackageNotFoundError, version
+
+        from .hf import _CONVERTED_FILES, smollm2_converted_dir, smollm2_gguf_path
+
+        try:
+            if not smollm2_gguf_path().is_file():
+                return None
+            directory = smollm2_converted_dir(version("transformers"))
+        except (PackageNotFoundError, OSError, ValueError):
+            return None
+        if not all((directory / f).is_file() for f in _CONVERTED_FILES):
+            return None
+    elif is_model_dir(name):
+        directory = Path(name).resolve()
+        if not (directory / "config.json").is_file():
+            return None
+    else:
+        return None
+    return directory if any(directory.glob("*.safetensors")) else None
+
+
+def load_weights(directory: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the safetensors files of ``directory``, by name."""
+    from safetensors.torch import load_file
+
+    out: dict[str, torch.Tensor] = {}
+    for path in sorted(directory.glob("*.safetensors")):
+        out.update(load_file(str(path)))
+    return out
 
 
 def load_model_dir(name: str, *, tokenizer: bool = True):
