@@ -79,8 +79,13 @@ def test_a_recorded_plan_is_the_loaded_models_plan(model_dir, tmp_path, monkeypa
     record = json.loads(_records(tmp_path)[0].read_text())
     tied = record["tensors"]["model.model.embed_tokens.weight"][0]
     assert tied is not None and record["tensors"]["model.lm_head.weight"][0] == tied  # one file tensor
+    kept = sorted((tmp_path / "cache" / "capture").glob("weights-*.pt"))
+    assert len(kept) == 1 and kept[0].read_bytes() == (tmp_path / "miss" / "weights.pt").read_bytes()
+    restored = []
+    real = capture_cache.restore_weights
+    monkeypatch.setattr(capture_cache, "restore_weights", lambda *a: restored.append(real(*a)) or restored[-1])
     assert _plan(model_dir, tmp_path / "hit") == 0
-    assert loaded == [str(model_dir)]  # no model loaded
+    assert loaded == [str(model_dir)] and restored == [True]  # no model loaded; weights.pt the kept copy
     assert _files(tmp_path / "hit") == _files(tmp_path / "miss")
     assert {"weights.pt", "hf_config.json", "plan.json", "plan_request.json", "stage_0.py"} <= set(
         _files(tmp_path / "hit"))
@@ -125,3 +130,17 @@ def test_no_cache_reads_and_writes_no_record(model_dir, tmp_path, monkeypatch):
     assert _plan(model_dir, tmp_path / "p2") == 0
     assert _plan(model_dir, tmp_path / "p3", "--no-cache") == 0  # a record there, not read
     assert len(loaded) == 3 and len(_records(tmp_path)) == 1
+
+
+def test_a_changed_copy_of_the_weights_is_written_afresh(model_dir, tmp_path, monkeypatch, caplog):
+    """weights.pt's copy in the cache, changed (its size or modification time not the recorded ones), is
+    not copied: weights.pt is written from the tensors (logged) and kept again."""
+    assert _plan(model_dir, tmp_path / "p1") == 0
+    kept = next((tmp_path / "cache" / "capture").glob("weights-*.pt"))
+    kept.chmod(0o644)
+    kept.write_bytes(kept.read_bytes()[:100])
+    with caplog.at_level(logging.INFO, logger="zorse_fx"):
+        assert _plan(model_dir, tmp_path / "p2") == 0
+    assert any("not as written" in r.getMessage() for r in caplog.records)
+    assert _files(tmp_path / "p2") == _files(tmp_path / "p1")
+    assert kept.read_bytes() == (tmp_path / "p1" / "weights.pt").read_bytes()

@@ -47,6 +47,9 @@ class CompiledModel(nn.Module):
         self.plan = plan
         self.block_graph = block_graph
         self.hf_config = hf_config
+        #: The model record whose copy of weights.pt ``save_weights`` may copy (and keeps one under): its key
+        #: ([Note: a warm plan without the model]); None: written from the tensors.
+        self.weights_key: str | None = None
 
     def forward(self, *args, **kwargs):
         return self.model(*args, **kwargs)
@@ -58,7 +61,12 @@ class CompiledModel(nn.Module):
     def save_weights(self, directory: str | Path) -> Path:
         path = Path(directory) / "weights.pt"
         path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save({k: v.contiguous() for k, v in self.weights().items()}, path)
+        from .capture import cache
+
+        if self.weights_key is None or not cache.restore_weights(self.weights_key, path):
+            torch.save({k: v.contiguous() for k, v in self.weights().items()}, path)
+            if self.weights_key is not None:
+                cache.keep_weights(self.weights_key, path)
         if self.model is not None:
             write_hf_config(self.model, path.parent)  # a Hugging Face model's configuration, for `zorse export`
         elif self.hf_config is not None:
@@ -162,6 +170,13 @@ def _planned(model: nn.Module | None, class_name: str, captured, *, cluster: Clu
 # loss check's record, a tensor that does not fit) loads the model as before (logged). ``--no-cache`` /
 # ``$ZORSE_NO_CACHE`` read and write no record. The plan, its stage sources, weights.pt and hf_config.json
 # are the bytes the model's own load gives (tests/test_model_record.py).
+# weights.pt follows from the same key (the files' tensors, the graph's names for them, torch's format and
+# zorse_fx's code), and writing it took 1.0-1.3 CPU s of a warm plan (torch.save: its CRC-32s and 540 MB of
+# writes): ``save_weights`` keeps a copy beside the record (``cache.keep_weights``: ``weights-<key>.pt``,
+# read-only, its size and modification time in ``weights-<key>.json``) and a plan under that key copies it
+# (``cache.restore_weights``, in-kernel ``shutil.copyfile``) where the copy's size and modification time are
+# still the recorded ones, else writes it from the tensors as before (logged) and keeps it again. The cost:
+# a second copy of the weights in the cache per model, sequence length and zorse_fx version.
 
 
 def _class_files(model: nn.Module) -> list[list] | None:
@@ -206,10 +221,16 @@ def record_model(compiled: CompiledModel, model_name: str, seq_len: int) -> None
     params = set(live)
     live.update(model.named_buffers(remove_duplicate=False))
     by_id: dict[int, str] = {}
-    for name, t in live.items():  # a tensor of the files by its own name (the wrapper's "model." dropped)
-        file = files.get(name.removeprefix("model."))
-        if file is not None and file.dtype == t.dtype and file.shape == t.shape and torch.equal(file, t.detach()):
-            by_id.setdefault(id(t), name.removeprefix("model."))
+    threads = torch.get_num_threads()  # ~300 comparisons of a few MB: one thread (as trace._recorded_reduction)
+    torch.set_num_threads(1)
+    try:
+        for name, t in live.items():  # a tensor of the files by its own name (the wrapper's "model." dropped)
+            file = files.get(name.removeprefix("model."))
+            if (file is not None and file.dtype == t.dtype and file.shape == t.shape
+                    and torch.equal(file, t.detach())):
+                by_id.setdefault(id(t), name.removeprefix("model."))
+    finally:
+        torch.set_num_threads(threads)
     tensors = {}
     for name, t in live.items():
         source = by_id.get(id(t))  # a tied parameter: its tie's file tensor
@@ -217,9 +238,11 @@ def record_model(compiled: CompiledModel, model_name: str, seq_len: int) -> None
             return
         tensors[name] = [source, name in params, bool(t.requires_grad)]
     inner = model.model
-    cache.save_record("model", cache.model_key(model_name, directory, seq_len), {
+    record = cache.model_key(model_name, directory, seq_len)
+    cache.save_record("model", record, {
         "export_key": key, "class_name": type(inner).__name__, "tensors": tensors, "class_files": sources,
         "hf_config": inner.config.to_json_string(use_diff=False)})
+    compiled.weights_key = record  # (weights.pt, written next, is kept under it)
 
 
 def compile_recorded(model_name: str, *, seq_len: int, cluster: Cluster, global_batch_size: int,
@@ -269,8 +292,10 @@ def compile_recorded(model_name: str, *, seq_len: int, cluster: Cluster, global_
     if captured is None:
         log.info("model record %s: the cached capture %s is not usable; loading the model", key, export_key)
         return None
-    return _planned(None, class_name, captured, cluster=cluster, global_batch_size=global_batch_size,
-                    label_mode="same", name=model_name, verbose=verbose, hf_config=hf_config, **options)
+    compiled = _planned(None, class_name, captured, cluster=cluster, global_batch_size=global_batch_size,
+                        label_mode="same", name=model_name, verbose=verbose, hf_config=hf_config, **options)
+    compiled.weights_key = key
+    return compiled
 
 
 def compile(model: nn.Module | type | None = None, *, cluster, example_inputs, global_batch_size: int,

@@ -327,13 +327,13 @@ def cmd_plan(args) -> int:
             compiled = zorse.compile(model, cluster=cluster, example_inputs=(ids, ids), verbose=True,
                                      model_name=model_name, **fields)
             record_model(compiled, model_name, inputs.seq_len)
-    print(compiled.plan.table())
-    with new_plan_dir(inputs.output, flag="-o") as new:  # swapped in whole: no file of an older plan stays
-        compiled.plan.export(new)
-        compiled.save_weights(new)
-        PlanRequest(model=model_name, seq_len=inputs.seq_len, global_batch_size=plan_options.global_batch_size,
-                    options=options,
-                    cluster=cluster.to_dict(), cluster_file=str(Path(inputs.cluster).resolve())).write(new)
+        print(compiled.plan.table())
+        with new_plan_dir(inputs.output, flag="-o") as new:  # swapped in whole: no file of an older plan stays
+            compiled.plan.export(new)
+            compiled.save_weights(new)
+            PlanRequest(model=model_name, seq_len=inputs.seq_len, global_batch_size=plan_options.global_batch_size,
+                        options=options,
+                        cluster=cluster.to_dict(), cluster_file=str(Path(inputs.cluster).resolve())).write(new)
     out = Path(inputs.output)
     print(f"[zorse] wrote {out / 'plan.json'}, {len(compiled.plan.stages)} stage sources and {out / 'weights.pt'}")
     return 0

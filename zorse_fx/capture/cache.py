@@ -89,6 +89,7 @@ import inspect
 import json
 import logging
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -98,7 +99,8 @@ import torch
 from ..models.hf import cache_root
 
 __all__ = ["NO_CACHE_ENV", "cacheable", "disabled", "enabled", "export_key", "load_exported", "save_exported", "cache_file",
-           "load_loss_check", "save_loss_check", "record_key", "load_record", "save_record", "model_key", "source_digest"]
+           "load_loss_check", "save_loss_check", "record_key", "load_record", "save_record", "model_key",
+           "source_digest", "collector_paused", "restore_weights", "keep_weights"]
 
 log = logging.getLogger(__name__)
 
@@ -228,6 +230,26 @@ def save_exported(key: str, ep) -> None:
 
 
 @contextlib.contextmanager
+def collector_paused():
+    """[Note: the collector paused while loading]
+    ``torch.export.load`` of SmolLM2-135M's program makes some 10^6 objects that live on (schema records,
+    nodes, fake tensors, sympy expressions), and each full collection of Python's cyclic collector that
+    their number sets off while it runs visits them all again: five of them, 0.54 CPU s of a warm plan
+    (2026-12-07, the 2-core machine, gc callbacks), freeing a few dozen objects. Within this block the
+    collector is off; it is on again after (if it was), and what became garbage meanwhile is collected then
+    as before. ``ep.module()`` runs in one too (``trace._module_of``)."""
+    import gc
+
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+@contextlib.contextmanager
 def _memoized_type_hints():
     """[Note: type hints memoized while loading]
     ``torch.export.load`` rebuilds each of the program's schema records (~128,000 for SmolLM2's graph) with
@@ -301,7 +323,7 @@ def load_exported(key: str, model: torch.nn.Module | dict[str, torch.Tensor]):
     if not path.is_file():
         return None
     try:
-        with _memoized_type_hints(), _memoized_sympify():
+        with _memoized_type_hints(), _memoized_sympify(), collector_paused():
             ep = torch.export.load(path)
     except Exception as exc:  # noqa: BLE001 (an unreadable cache file is a miss: logged, replaced)
         log.info("capture cache %s not read: %s: %s", path, type(exc).__name__, exc)
@@ -481,3 +503,58 @@ def model_key(name: str, directory: Path, seq_len: int) -> str:
         h.update(str(part).encode())
         h.update(b"\0")
     return h.hexdigest()[:32]
+
+
+def _weights_files(key: str) -> tuple[Path, Path]:
+    root = cache_root() / "capture"
+    return root / f"weights-{key}.pt", root / f"weights-{key}.json"
+
+
+def restore_weights(key: str, path: Path) -> bool:
+    """Copy the ``weights.pt`` kept under model record ``key`` to ``path``; False (nothing copied) where
+    there is none, or its size or modification time is not the one recorded when it was written (logged)
+    ([Note: a warm plan without the model] in api.py)."""
+    if not enabled():
+        return False
+    kept, stamp = _weights_files(key)
+    try:
+        recorded = json.loads(stamp.read_text())
+        st = kept.stat()
+    except FileNotFoundError:
+        return False
+    except (OSError, ValueError) as exc:
+        log.info("weights %s not used: %s", kept, exc)
+        return False
+    if not isinstance(recorded, dict) or [st.st_size, st.st_mtime_ns] != [recorded.get("size"),
+                                                                       recorded.get("mtime_ns")]:
+        log.info("weights %s not used: not as written (%s)", kept, recorded)
+        return False
+    try:
+        shutil.copyfile(kept, path)
+    except OSError as exc:
+        log.info("weights %s not copied: %s", kept, exc)
+        return False
+    return True
+
+
+def keep_weights(key: str, path: Path) -> None:
+    """Keep a copy of ``weights.pt`` (``path``) under model record ``key``, with its size and modification
+    time; a copy that cannot be written is logged and skipped."""
+    if not enabled():
+        return
+    kept, stamp = _weights_files(key)
+    try:
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=kept.name + ".", suffix=".tmp", dir=kept.parent)
+        os.close(fd)
+        try:
+            shutil.copyfile(path, tmp)
+            os.chmod(tmp, 0o444)
+            os.replace(tmp, kept)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        st = kept.stat()
+        save_record("weights", key, {"size": st.st_size, "mtime_ns": st.st_mtime_ns})
+    except OSError as exc:
+        log.info("weights %s not kept: %s", kept, exc)

@@ -269,9 +269,12 @@ def _module_of(ep) -> fx.GraphModule:
         type(self).forward = _CompileOnAccess()
         pending[id(self)] = self
 
+    from .cache import collector_paused
+
     fx.GraphModule.recompile = deferred
     try:
-        gm = ep.module()
+        with collector_paused():  # [Note: the collector paused while loading] in cache.py
+            gm = ep.module()
     finally:
         fx.GraphModule.recompile = real
     for sub in gm.modules():
