@@ -172,11 +172,14 @@ def _planned(model: nn.Module | None, class_name: str, captured, *, cluster: Clu
 # are the bytes the model's own load gives (tests/test_model_record.py).
 # weights.pt follows from the same key (the files' tensors, the graph's names for them, torch's format and
 # zorse_fx's code), and writing it took 1.0-1.3 CPU s of a warm plan (torch.save: its CRC-32s and 540 MB of
-# writes): ``save_weights`` keeps a copy beside the record (``cache.keep_weights``: ``weights-<key>.pt``,
-# read-only, its size and modification time in ``weights-<key>.json``) and a plan under that key copies it
-# (``cache.restore_weights``, in-kernel ``shutil.copyfile``) where the copy's size and modification time are
-# still the recorded ones, else writes it from the tensors as before (logged) and keeps it again. The cost:
-# a second copy of the weights in the cache per model, sequence length and zorse_fx version.
+# writes): ``save_weights`` keeps it beside the record (``cache.keep_weights``: ``weights-<key>.pt``, a hard
+# link, its size and modification time in ``weights-<key>.json``) and a plan under that key hard-links it as its
+# weights.pt (``cache.restore_weights``; a copy across file systems) where its size and modification time are
+# still the recorded ones, else writes it from the tensors as before (logged) and keeps it again. A copy
+# (1.0 CPU s back to back with the plan that wrote it: the kernel's dirty-page writeback) would save little;
+# a link writes nothing, and a weights.pt rewritten in place later changes the kept copy's time too, so it
+# is not used again. The cost: one more copy of the weights in the cache per model, sequence length and
+# zorse_fx version.
 
 
 def _class_files(model: nn.Module) -> list[list] | None:

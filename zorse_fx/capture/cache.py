@@ -511,7 +511,7 @@ def _weights_files(key: str) -> tuple[Path, Path]:
 
 
 def restore_weights(key: str, path: Path) -> bool:
-    """Copy the ``weights.pt`` kept under model record ``key`` to ``path``; False (nothing copied) where
+    """Link (else copy) the ``weights.pt`` kept under model record ``key`` to ``path``; False (nothing) where
     there is none, or its size or modification time is not the one recorded when it was written (logged)
     ([Note: a warm plan without the model] in api.py)."""
     if not enabled():
@@ -530,7 +530,10 @@ def restore_weights(key: str, path: Path) -> bool:
         log.info("weights %s not used: not as written (%s)", kept, recorded)
         return False
     try:
-        shutil.copyfile(kept, path)
+        try:  # a hard link: no 540 MB written (a file changed through either name changes its time: a miss)
+            os.link(kept, path)
+        except OSError:  # another file system, or a file there already
+            shutil.copyfile(kept, path)
     except OSError as exc:
         log.info("weights %s not copied: %s", kept, exc)
         return False
@@ -538,8 +541,8 @@ def restore_weights(key: str, path: Path) -> bool:
 
 
 def keep_weights(key: str, path: Path) -> None:
-    """Keep a copy of ``weights.pt`` (``path``) under model record ``key``, with its size and modification
-    time; a copy that cannot be written is logged and skipped."""
+    """Keep ``weights.pt`` (``path``) under model record ``key`` (a hard link, else a copy), with its size and
+    modification time; one that cannot be kept is logged and skipped."""
     if not enabled():
         return
     kept, stamp = _weights_files(key)
@@ -548,8 +551,12 @@ def keep_weights(key: str, path: Path) -> None:
         fd, tmp = tempfile.mkstemp(prefix=kept.name + ".", suffix=".tmp", dir=kept.parent)
         os.close(fd)
         try:
-            shutil.copyfile(path, tmp)
-            os.chmod(tmp, 0o444)
+            try:  # a hard link to the plan's file: nothing written
+                os.unlink(tmp)
+                os.link(path, tmp)
+            except OSError:  # another file system
+                shutil.copyfile(path, tmp)
+                os.chmod(tmp, 0o644)  # (mkstemp's 0600: as readable as weights.pt)
             os.replace(tmp, kept)
         finally:
             if os.path.exists(tmp):
