@@ -178,8 +178,8 @@ def _planned(model: nn.Module | None, class_name: str, captured, *, cluster: Clu
 # still the recorded ones, else writes it from the tensors as before (logged) and keeps it again. A copy
 # (1.0 CPU s back to back with the plan that wrote it: the kernel's dirty-page writeback) would save little;
 # a link writes nothing, and a weights.pt rewritten in place later changes the kept copy's time too, so it
-# is not used again. The cost: one more copy of the weights in the cache per model, sequence length and
-# zorse_fx version.
+# is not used again. The cost: the cache holds the weights once more per model, sequence length and
+# zorse_fx version (the same disk blocks as the plans' weights.pt while one of them is there).
 
 
 def _class_files(model: nn.Module) -> list[list] | None:
