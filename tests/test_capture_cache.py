@@ -181,3 +181,20 @@ def test_recompiles_deferred_while_unlifting_give_the_same_module(tmp_path, monk
     assert deferred.code == plain.code and set(vars(deferred)) == set(vars(plain))
     assert [n for n, _ in deferred.named_modules()] == [n for n, _ in plain.named_modules()]
     assert torch.equal(deferred(ids, ids), plain(ids, ids))
+
+
+def test_planned_schema_decoding_gives_torchs_records(tmp_path, monkeypatch):
+    """[Note: schema records decoded by a plan per type] in capture/cache.py: a real program's JSON decoded
+    within the block equals torch's own decoding of it, record for record."""
+    from torch._export.serde import schema, serialize
+
+    ids = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(7))
+    model = _llama(0)
+    ep = torch.export.export(model, (ids, ids.clone()), strict=False).run_decompositions({})
+    data = serialize.serialize(ep).exported_program
+    plain = serialize._bytes_to_dataclass(schema.ExportedProgram, data)
+    with capture_cache._planned_schema_decoding():
+        assert serialize._dict_to_dataclass.__name__ == "decode"
+        planned = serialize._bytes_to_dataclass(schema.ExportedProgram, data)
+    assert serialize._dict_to_dataclass.__name__ == "_dict_to_dataclass"  # (put back)
+    assert planned == plain and serialize._to_json_bytes(planned) == serialize._to_json_bytes(plain) == data

@@ -275,14 +275,16 @@ def graph_chains(bg: BlockGraph, costs: dict[str, NodeCost]) -> dict[int, list[C
     return chains
 
 
-def weight_traffic_bytes(bg: BlockGraph, b: int, precision: PrecisionPolicy) -> float:
+def weight_traffic_bytes(bg: BlockGraph, b: int, precision: PrecisionPolicy, *, state=None, trainable=None) -> float:
     """Bytes block ``b``'s backward moves once per micro-batch for its
     trainable parameters: each weight read once in the dtype the matmuls use
     (the compute dtype under a mixed policy, else its own) and its gradient
     read and written once in the parameter's dtype (accumulation into
     ``.grad``; float32 parameters under every zorse_fx policy: 10 B/param
-    mixed, 12 B fp32). See ``gpu_model``."""
-    state, trainable = bg.captured.state(), bg.captured.trainable()
+    mixed, 12 B fp32). See ``gpu_model``. ``state``, ``trainable``: ``bg.captured``'s, where the caller
+    has them (each walks the graph's parameters)."""
+    state = bg.captured.state() if state is None else state
+    trainable = bg.captured.trainable() if trainable is None else trainable
     total = 0.0
     for a in bg.block_attrs[b]:
         if a not in trainable:
@@ -421,7 +423,7 @@ def block_costs(
                     chains_of = graph_chains(bg, costs)
                 chains = chains_of[b]
                 if traffic is None:
-                    traffic = weight_traffic_bytes(bg, b, precision)
+                    traffic = weight_traffic_bytes(bg, b, precision, state=state, trainable=trainable)
                 f, bw_, ff, fb = class_block_time(bg, costs, b, chains, traffic, spec, precision)
                 times[gpu_type].append(f + bw_)
                 fixed[gpu_type].append(ff + fb)
