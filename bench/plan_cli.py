@@ -8,10 +8,11 @@ directory, ``ZORSE_CACHE_DIR``; the others with the one it filled: [Note: the ca
 each phase by wrapping the function that does it: imports (``zorse_fx.cli`` and what it loads), the
 model (``models.registry.load_model``: weights from disk), capture (``api.capture``: torch.export, or the
 cache; ``trace.capture_recorded`` where the plan is made without the model, [Note: a warm plan without the
-model] in zorse_fx/api.py: then no model phase; writing that record is ``api.record_model``), pricing (``planner.price``), the search (``planner.solve_plan``),
-the simulator's check (``sim.check.check_result``), codegen (``planner.build_plan``), writing (``Plan.export``,
-``save_weights``). CPU seconds: this process's (``time.process_time``) plus its waited-for children's
-(``RUSAGE_CHILDREN``: forked CP-SAT solves); wall seconds beside them.
+model] in zorse_fx/api.py: then no model phase; writing that record is ``api.record_model``), pricing
+(``planner.price``), the search (``planner.solve_plan``), the simulator's check (``sim.check.check_result``),
+codegen (``planner.build_plan``), writing (``Plan.export``, ``save_weights``). CPU seconds: this process's
+(``time.process_time``) plus its waited-for children's (``RUSAGE_CHILDREN``: forked CP-SAT solves); wall
+seconds beside them.
 
 Proves: where the CPU time of one interactive `zorse plan` goes on this machine, and what the capture
 cache saves. Cannot: another machine's absolute seconds (a ratio between phases carries over better).
