@@ -269,7 +269,7 @@ def _tied_allreduce(m: cp_model.CpModel, tab: IntTables, groups, p, k, cuts: Sta
         ku1 = m.new_int_var(0, kmax - 1, f"tk1_{t_}")
         m.add(ku1 == ku - 1)
         lat_t = m.new_int_var(0, kmax * lat_hi, f"tlat_{t_}")
-        m.add_multiplication_equality(lat_t, [ku1, lm])
+        m.add(lat_t == _steps_times_lat_max(m, tab, upairs, ku1, kmax - 1, f"tl{t_}"))  # (k - 1) x lm, linear
         t_hi = hi + 2 * kmax * lat_hi
         tt = m.new_int_var(0, t_hi, f"tied_{t_}")
         m.add(tt == ring(m, xm, ku, hi, kmax, f"tr{t_}") + 2 * lat_t)
@@ -431,7 +431,7 @@ def _stage_allreduce(m: cp_model.CpModel, tab: IntTables, groups, p, k, size_s, 
     sz1 = m.new_int_var(0, gpu_hi, f"size1_{s}")
     m.add(sz1 == size_s - 1)
     lat_term = m.new_int_var(0, gpu_hi * lat_hi, f"arlat_{s}")
-    m.add_multiplication_equality(lat_term, [sz1, lw])
+    m.add(lat_term == _steps_times_lat_max(m, tab, pairs, sz1, gpu_hi, f"arl{s}"))  # (k - 1) x lw, linear
     grad_lat = 2 * lat_term  # the first bucket's ring
     if extra_hi > 0:  # e_s more buckets, each a ring of 2 (k - 1) latencies
         # e_s = (G_s - first_cap + cap - 1) // cap, the numerator >= cap - 1 - first_cap
