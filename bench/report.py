@@ -113,8 +113,7 @@ PROVENANCE = {
         # (issue 32, 2026-12-02, eleventh session)", code 83cdc2a)
         tuple(SCENARIO_ORDER): dict(
             command="bench/scenarios.py (every scenario in one run; zorse_c's own --max-stages 8), --jobs default (2)",
-            code="673f359", machine=f"{CPU_MACHINE}, beside a helper's benchmarks and tests (load average 2-4)",
-            date="2026-12-07 18:26-18:35"),
+            code="cb7ceac", machine=f"{CPU_MACHINE}, alone", date="2026-12-07 18:59-19:06"),
     },
     "bound_gap.json": {
         # bench/LOG.md, "What bounds each scenario, re-run under the NCCL program (issue 13 item 3,
