@@ -230,13 +230,14 @@ def policy_label(mem) -> str:
 def _idle_fields(costs, devices, opts, res, cluster) -> dict:
     """zorse_fx's row: the GPUs its plan leaves idle, the best scored plan on every GPU and why it is slower
     (``zorse_fx.idle.idle_gpus``, as plan.json's ``idle_gpus``); the polish's record."""
+    from collections import Counter
+
     from zorse_fx.idle import idle_gpus
 
     idle = idle_gpus(costs, devices, opts, res, cluster)
     polish = next((c for c in res.candidates if c.kind == "polish"), None)
     return {"idle_gpus": 0 if idle is None else len(idle.gpus),
-            "idle_gpu_types": {} if idle is None else dict(sorted(
-                {t: sum(g.gpu_type == t for g in idle.gpus) for t in {g.gpu_type for g in idle.gpus}}.items())),
+            "idle_gpu_types": {} if idle is None else dict(sorted(Counter(g.gpu_type for g in idle.gpus).items())),
             "all_gpus_step_time_s": None if idle is None else idle.all_gpus_step_time_s,
             "all_gpus_source": None if idle is None else idle.all_gpus_source,
             "idle_reason": None if idle is None else idle.reason,

@@ -24,12 +24,10 @@ import math
 import statistics
 from pathlib import Path
 
-import numpy as np
-
 from ..cost.calibration import Calibration, GPUCalibration, RunCalibration, TypeCalibration, apply_calibration
 from ..errors import TimingsFileError
 from ..ir.costs import FORWARD_SHARE
-from ..solve.tables import control_pass
+from ..solve.tables import control_pass_s
 from ..pricing import PricedModel, evaluate_plan, simulate_plan
 from ..runtime.run_dir import METRICS, plan_hash
 from ..runtime.timings import TIMINGS, read_timings
@@ -39,14 +37,6 @@ __all__ = ["calibrate_run", "calibrate_runs", "calibration_table", "BANDWIDTH_RA
 #: The bandwidth scales searched (time per byte x this); outside it the scale is clamped, and said.
 BANDWIDTH_RANGE = (1e-4, 1e5)
 _BISECTIONS = 60
-
-
-def _control_pass_s(devices, gpus) -> float:
-    """[C-control]'s one pass of the ring over ``gpus``, seconds (``solve.tables.control_pass``; 0 for one)."""
-    if len(set(gpus)) < 2:
-        return 0.0
-    return float(control_pass(np.asarray(devices.link_latency_s, dtype=float),
-                              np.asarray(devices.datacenter_index, dtype=np.int64), gpus))
 
 
 def _factor(measured: float, priced: float) -> float:
@@ -107,7 +97,7 @@ class _Run:
                             if e.gpu == self.gpu_of[r].gpu and e.kind == "optim"))
                     for r in range(plan.world_size)}
         world = sorted(g.gpu for g in self.gpu_of.values())
-        one_pass = _control_pass_s(priced.devices, world)  # [C-control]'s pass of the world's ring
+        one_pass = control_pass_s(priced.devices, world)  # [C-control]'s pass of the world's ring
         rounds = priced.costs.step_control_rounds
         self.before = max(rounds - 1, 0) * one_pass  # the norm's (and fp16's inf/NaN) rounds
         self.after = min(rounds, 1) * one_pass  # the per-step all-gather's one round

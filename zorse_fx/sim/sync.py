@@ -15,7 +15,7 @@ from ..ir.costs import BlockCosts, unique_params
 from ..ir.devices import DeviceGraph
 from ..solve.objective import GRAD_BUCKET_BYTES_PER_PARAM as _FP32
 from ..solve.objective import MEMORY_UNIT_BYTES, MIB_UNITS
-from ..solve.tables import OFFLOAD_BYTES_PER_PARAM, OFFLOAD_LINK_BYTES, control_pass
+from ..solve.tables import OFFLOAD_BYTES_PER_PARAM, OFFLOAD_LINK_BYTES, control_pass_s
 from .gloo import allgather_program, allreduce_program, paced_transfer_s, replay
 from .network import FlowResources, Ring, gloo_unequal_allgather_s, ring
 
@@ -189,7 +189,7 @@ def gradient_sync(costs: BlockCosts, devices: DeviceGraph, *, stage_blocks, stag
             t_red.update(dict.fromkeys(gpus, t_end))
     used = sorted(t_red)  # the GPUs in rank order (node by node)
     rounds = costs.step_control_rounds
-    one_pass = _control_pass_s(devices, used)  # [C-control]: one pass of the world's ring (NCCL)
+    one_pass = control_pass_s(devices, used)  # [C-control]: one pass of the world's ring (NCCL)
     before, after = max(rounds - 1, 0), min(rounds, 1)  # the all-reduces' 2 each; the all-gather's 1
     ready = {g: max(t_red[g], tied_end.get(g, 0.0)) for g in used}
     home = {g: s for s in reversed(range(n_s)) for g in stage_gpus[s]}  # a GPU's first stage
@@ -222,16 +222,6 @@ def gradient_sync(costs: BlockCosts, devices: DeviceGraph, *, stage_blocks, stag
         events += [SimEvent("control", g, home[g], -1, done[g], ends[g], None, 0) for g in used]
         done = ends
     return max(done.values(), default=0.0), events, shard_bytes, done
-
-
-def _control_pass_s(devices: DeviceGraph, used) -> float:
-    """[C-control]'s one pass of the ring over ``used`` in seconds (``solve.tables.control_pass``), 0 for one GPU."""
-    if len(used) < 2:
-        return 0.0
-    import numpy as np
-
-    return float(control_pass(np.asarray(devices.link_latency_s, dtype=float),
-                              np.asarray(devices.datacenter_index, dtype=np.int64), used))
 
 
 def _tied_reductions(costs: BlockCosts, devices: DeviceGraph, stage_blocks, stage_gpus, unions, timing,

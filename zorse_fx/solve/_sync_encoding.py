@@ -331,15 +331,15 @@ def _steps_times_lat_max(m: cp_model.CpModel, tab: IntTables, pairs, w1, w1_hi: 
     for (g, h), y in pairs:
         by_lat.setdefault(tab.pair_lat[g][h], []).append(y)
     levels = sorted(by_lat)
-    terms, prev, above = [], 0, []
+    terms, above = [], []
     for k in range(len(levels) - 1, -1, -1):  # from the largest latency down: b_k = some pair at >= L_k
-        above = above + by_lat[levels[k]]
-        levels_k = levels[k]
-        b = any_of(m, above, f"{name}_ge{levels_k}")
-        y = m.new_int_var(0, w1_hi, f"{name}_y{levels_k}")
+        lat = levels[k]
+        above = above + by_lat[lat]
+        b = any_of(m, above, f"{name}_ge{lat}")
+        y = m.new_int_var(0, w1_hi, f"{name}_y{lat}")
         m.add(y == w1).OnlyEnforceIf(b)
         m.add(y == 0).OnlyEnforceIf(b.Not())
-        terms.append((levels_k - (levels[k - 1] if k else 0)) * y)
+        terms.append((lat - (levels[k - 1] if k else 0)) * y)
     return sum(terms)
 
 

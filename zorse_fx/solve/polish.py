@@ -33,7 +33,8 @@ polished to 5% faster than it, where CP-SAT's had no faster neighbour), and
 the fastest polished plan goes to the simulator's re-rank beside the
 unpolished ones ([Note: simulator re-rank] in portfolio.py), so it is kept
 only where the simulator agrees it is faster.
-Measured: bench/LOG.md "The final polish".
+Measured: bench/LOG.md "Control collectives across datacenters, the final polish, every
+scenario re-run".
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ from ..options import PlanOptions
 
 __all__ = ["POLISH_EVALUATIONS", "polish", "neighbours"]
 
-#: The polish's budget: evaluations of the objective (deterministic; 128 GPUs: ~2-4 ms each).
+#: The polish's budget per start: evaluations of the objective (deterministic; Zorse C's 128 GPUs: ~9 ms each,
+#: 138 in 1.3 CPU s, bench/LOG.md "Control collectives across datacenters, the final polish, ...").
 POLISH_EVALUATIONS = 300
 
 _RECOMPUTE = {"never": (False,), "auto": (False, True), "always": (True,)}

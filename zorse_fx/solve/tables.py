@@ -19,7 +19,8 @@ from .network_terms import effective_pair_bandwidth, pair_row_codes
 
 __all__ = ["UNITS_PER_S", "UNIT_S", "MEMORY_UNIT_BYTES", "MIB_UNITS",
            "GRAD_BUCKET_BYTES_PER_PARAM", "BUCKET_UNIT_BYTES", "LAST_BUCKET_RESOLUTION", "GIB", "bucket_count",
-           "to_units", "IntTables", "build_tables", "drain_coefficients", "control_units", "control_pass"]
+           "to_units", "IntTables", "build_tables", "drain_coefficients", "control_units", "control_pass",
+           "control_pass_s"]
 
 #: Integer time units per second: 1 unit = 1 ns.
 UNITS_PER_S = 1_000_000_000
@@ -314,7 +315,7 @@ def build_tables(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions,
         **_host_tables(costs, devices, options),
         control_rounds=costs.step_control_rounds,
         world_lat=max((max(r) for r in pair_lat), default=0) if n_g > 1 else 0,
-        world_pass=int(control_pass(_lat_array(pair_lat), np.asarray(devices.datacenter_index), range(n_g))),
+        world_pass=int(control_pass(_kept_array(pair_lat), np.asarray(devices.datacenter_index), range(n_g))),
         gpu_dc=devices.datacenter_index,
         step_overhead=to_units(costs.step_overhead_s),
     )
@@ -398,6 +399,15 @@ def control_pass(latency, datacenter, used):
     return (w - 1 - x) * lat_dc + x * lat_max
 
 
+def control_pass_s(devices: DeviceGraph, used) -> float:
+    """``control_pass`` of the GPUs ``used`` on ``devices``' latencies, in seconds (0.0 for fewer than two):
+    the simulator's NCCL barrier and calibration's rounds ([C-control])."""
+    if len(set(used)) < 2:
+        return 0.0
+    return float(control_pass(np.asarray(devices.link_latency_s, dtype=float),
+                              np.asarray(devices.datacenter_index, dtype=np.int64), used))
+
+
 def control_units(tab: IntTables, used) -> int:
     """[C-control]: units of the step's world control collectives over the GPUs ``used`` (the plan's
     GPUs, any order): ``tab.control_rounds x`` one pass of their ring (``control_pass``: (W - 1)
@@ -411,35 +421,22 @@ def control_units(tab: IntTables, used) -> int:
     if w == tab.num_gpus:
         one = tab.world_pass
     else:
-        one = int(control_pass(_lat_array(tab.pair_lat), _dc_array(tab.gpu_dc), used))
+        one = int(control_pass(_kept_array(tab.pair_lat), _kept_array(tab.gpu_dc), used))
     return tab.control_rounds * one + tab.step_overhead
 
 
-def _dc_array(gpu_dc: tuple) -> np.ndarray:
-    """``gpu_dc`` as an int64 array, kept for the last few tables (found by identity)."""
-    for known, arr in _DC_ARRAYS:
-        if known is gpu_dc:
+#: int64 arrays of the last few tables' ``pair_lat`` / ``gpu_dc`` tuples, found by identity.
+_KEPT_ARRAYS: list[tuple[tuple, np.ndarray]] = []
+
+
+def _kept_array(values: tuple) -> np.ndarray:
+    """``values`` (a table's ``pair_lat`` or ``gpu_dc``) as an int64 array, kept for the last few tables."""
+    for known, arr in _KEPT_ARRAYS:
+        if known is values:
             return arr
-    arr = np.asarray(gpu_dc, dtype=np.int64)
-    _DC_ARRAYS.insert(0, (gpu_dc, arr))
-    del _DC_ARRAYS[_PAIR_TABLES_KEPT:]
-    return arr
-
-
-_DC_ARRAYS: list[tuple[tuple, np.ndarray]] = []
-
-
-_LAT_ARRAYS: list[tuple[tuple, np.ndarray]] = []
-
-
-def _lat_array(pair_lat: tuple) -> np.ndarray:
-    """``pair_lat`` as an int64 array, kept for the last few tables (found by identity)."""
-    for known, arr in _LAT_ARRAYS:
-        if known is pair_lat:
-            return arr
-    arr = np.asarray(pair_lat, dtype=np.int64)
-    _LAT_ARRAYS.insert(0, (pair_lat, arr))
-    del _LAT_ARRAYS[_PAIR_TABLES_KEPT:]
+    arr = np.asarray(values, dtype=np.int64)
+    _KEPT_ARRAYS.insert(0, (values, arr))
+    del _KEPT_ARRAYS[2 * _PAIR_TABLES_KEPT:]
     return arr
 
 
