@@ -113,7 +113,9 @@ def price_step(bg, spec: GPUSpec, micro_batch: int, activations=None, precision:
     from zorse_fx.precision import precision_policy
 
     pol = precision_policy(precision)
-    bc = block_costs(bg, {spec.type: spec}, precision=pol, activations=activations)
+    # The published steps ran other runtimes (apex O2): the class model as fitted, without zorse_fx's
+    # runtime's gradient casts and accumulation ([Note: the runtime's gradient work] in cost/roofline.py).
+    bc = block_costs(bg, {spec.type: spec}, precision=pol, activations=activations, runtime_grad_work=False)
     per, fixed = bc.fwd_bwd_s_per_sample[spec.type], bc.fwd_bwd_s_fixed[spec.type]
     fwd_bwd = sum(p * micro_batch + f for p, f in zip(per, fixed))
     tied_extra = sum(t.numel * (len(t.blocks) - 1) for t in bc.tied_params)

@@ -174,5 +174,6 @@ def test_shipped_gpu_profile_prices_two_llama2_7b_layers_as_measured(device_type
     bg = analyse(capture(CausalLMWithLoss(published.build("llama2-7b", num_layers=2)), (ids, ids.clone()),
                          method="export"))
     for n in (1, 4):
-        pred = predict_fwd_bwd_ms(prof, bg, n, "bf16-mixed")
+        # The measurement casts the weights in every forward (one autocast region each): so does this prediction.
+        pred = predict_fwd_bwd_ms(prof, bg, n, "bf16-mixed", weight_casts=True)
         assert pred == pytest.approx(measured[(2048, n)], rel=0.05), (n, pred, measured[(2048, n)])

@@ -270,6 +270,13 @@ class PrecisionPolicy:
         return 2 if self.mixed else 0
 
     @property
+    def step_cast_bytes_per_param(self) -> int:
+        """Bytes autocast's weight cast moves once per step per weight: 4 read + 2 written under a mixed
+        policy (its cache keeps it for the step's micro-batches: [Note: the runtime's gradient work] in
+        cost/roofline.py), 0 in fp32."""
+        return self.weight_bytes_per_param + _ITEMSIZE[self.compute_dtype_name] if self.mixed else 0
+
+    @property
     def reduce_copy_bytes_per_param(self) -> int:
         """16-bit copies of the gradient buckets in flight (0 when reducing in float32)."""
         return 0 if self.grad_reduce_dtype == "float32" else _ITEMSIZE[self.grad_reduce_dtype]

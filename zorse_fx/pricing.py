@@ -173,7 +173,7 @@ def price(captured: CapturedModel, cluster: Cluster, options: PlanOptions, *,
             (min(measured[0]), max(measured[0])) if measured and len(set(measured[0])) > 1
             else (1, max(2, options.global_batch_size // 4)))
         costs, counts = measured_block_costs(bg, specs, timing, batches=batches, base=costs,
-                                             compute_dtype=policy.compute_dtype)
+                                             compute_dtype=policy.compute_dtype, cast_params=acts.cast_params)
         for t, count in counts.items():
             total = sum(count.values()) or 1
             sources[t] = {k: v / total for k, v in sorted(count.items())}

@@ -59,6 +59,11 @@ class SavedActivations:
     #: False: the measurement could not run and ``bytes_per_sample`` is the
     #: output-bytes estimate (``output_dtypes`` then empty: capture dtypes).
     measured: bool = True
+    #: Trainable parameters (canonical names, as ``BlockGraph.block_attrs``) autocast cast to the compute dtype in the run: the
+    #: weights whose 16-bit gradient the runtime casts back to float32 every micro-batch ([Note: the
+    #: runtime's gradient work] in ``roofline.py``); empty under fp32; None: not measured (every
+    #: trainable parameter is taken as cast under a mixed policy).
+    cast_params: frozenset[str] | None = None
 
 
 def saved_activations_or_estimate(bg: BlockGraph, precision: PrecisionPolicy) -> SavedActivations:
@@ -103,7 +108,10 @@ def saved_activations_or_estimate(bg: BlockGraph, precision: PrecisionPolicy) ->
 #   recorded by a ``TorchDispatchMode`` inside the fake run) are skipped: the
 #   runtime's one autocast region per step caches ONE 16-bit copy of each
 #   weight for all micro-batches, charged per parameter
-#   (``PrecisionPolicy.cast_bytes_per_param``), not per sample. Casts of a
+#   (``PrecisionPolicy.cast_bytes_per_param``), not per sample; which weights
+#   were cast is kept (``SavedActivations.cast_params``): the runtime casts their
+#   16-bit gradients back every micro-batch ([Note: the runtime's gradient work]
+#   in roofline.py). Casts of a
 #   *view* of a parameter (``mm(x, w.t())``) are not cached by autocast, are
 #   made per use and stay counted (per sample: an overcount; the captured
 #   graphs pass ``linear`` the parameter itself).
@@ -151,17 +159,20 @@ def saved_activations_or_estimate(bg: BlockGraph, precision: PrecisionPolicy) ->
 
 class _WeightCasts(TorchDispatchMode):
     """Records the storages of ``aten._to_copy`` outputs whose input is one of
-    ``params`` (by identity): autocast's cached weight casts."""
+    ``params`` (by identity): autocast's cached weight casts; and which of
+    ``params`` were cast (``cast``: their ids)."""
 
     def __init__(self, params: list[torch.Tensor]):
         super().__init__()
         self.param_ids = {id(p) for p in params}
         self.storages: set[int] = set()
+        self.cast: set[int] = set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if func is torch.ops.aten._to_copy.default and id(args[0]) in self.param_ids:
             self.storages.add(out.untyped_storage()._cdata)
+            self.cast.add(id(args[0]))
         return out
 
 
@@ -258,17 +269,18 @@ def measure_saved_activations(bg: BlockGraph, precision: PrecisionPolicy) -> Sav
     rec = cache.load_record("activations", key)
     if rec is not None:
         try:
-            first, run_dtypes = rec["first_saved_bytes"], rec["output_dtypes"]
-            if not (isinstance(first, dict) and isinstance(run_dtypes, dict)
+            first, run_dtypes, cast = rec["first_saved_bytes"], rec["output_dtypes"], rec["cast_params"]
+            if not (isinstance(first, dict) and isinstance(run_dtypes, dict) and isinstance(cast, list)
                     and all(isinstance(v, int) for v in first.values())
-                    and all(isinstance(v, str) for v in run_dtypes.values())):
-                raise ValueError("not a record of saved bytes and dtypes")
+                    and all(isinstance(v, str) for v in run_dtypes.values())
+                    and all(isinstance(v, str) for v in cast)):
+                raise ValueError("not a record of saved bytes, dtypes and cast parameters")
             acts = [0] * bg.num_blocks
             for name, nbytes in first.items():
                 if name in block_of:
                     acts[block_of[name]] += nbytes
             return SavedActivations(bytes_per_sample=tuple(acts), output_dtypes={
-                name: run_dtypes[name] for name in bg.act_order if name in run_dtypes})
+                name: run_dtypes[name] for name in bg.act_order if name in run_dtypes}, cast_params=frozenset(cast))
         except (KeyError, TypeError, ValueError) as exc:
             log.info("activations record %s not used: %s: %s", key, type(exc).__name__, exc)
     nodes = {n.name: n for n in gm.graph.nodes}
@@ -285,6 +297,7 @@ def measure_saved_activations(bg: BlockGraph, precision: PrecisionPolicy) -> Sav
     attrs: dict[str, torch.Tensor] = {}
     by_id: dict[int, torch.Tensor] = {}  # one fake tensor per real one: tied weights stay tied
     trainable: list[torch.Tensor] = []
+    names_of: dict[int, list[str]] = {}  # fake parameter -> its get_attr targets
     for node in gm.graph.find_nodes(op="get_attr"):
         value = fetch_attr(gm, node.target)
         if not isinstance(value, torch.Tensor):
@@ -296,6 +309,7 @@ def measure_saved_activations(bg: BlockGraph, precision: PrecisionPolicy) -> Sav
                 trainable.append(fake)
             by_id[id(value)] = fake
         attrs[node.target] = by_id[id(value)]
+        names_of.setdefault(id(by_id[id(value)]), []).append(node.target)
     inputs = tuple(as_fake(t[:1].clone()) for t in bg.captured.example_inputs)
     rec = _SavedTensorRecorder(gm, attrs, attention, precision.compute_dtype if precision.mixed else None,
                                meta_as_cpu)
@@ -325,8 +339,11 @@ def measure_saved_activations(bg: BlockGraph, precision: PrecisionPolicy) -> Sav
                 acts[block_of[name]] += int(storage.nbytes())
     del loss
     dtypes = {name: rec.dtypes[name] for name in bg.act_order if name in rec.dtypes}
-    cache.save_record("activations", key, {"first_saved_bytes": first, "output_dtypes": dict(rec.dtypes)})
-    return SavedActivations(bytes_per_sample=tuple(acts), output_dtypes=dtypes)
+    tied = bg.captured.tied
+    cast = sorted({tied.get(name, name) for i in casts.cast for name in names_of[i]})  # canonical names
+    cache.save_record("activations", key, {"first_saved_bytes": first, "output_dtypes": dict(rec.dtypes),
+                                           "cast_params": cast})
+    return SavedActivations(bytes_per_sample=tuple(acts), output_dtypes=dtypes, cast_params=frozenset(cast))
 
 
 def saved_activation_bytes(bg: BlockGraph, precision: PrecisionPolicy | None = None) -> list[int]:

@@ -59,7 +59,11 @@ forward + backward, from the fx nodes' FLOPs and bytes (``roofline.node_costs``)
   ``mem_bw * STREAM_EFFICIENCY``,
   paid once per micro-batch whatever its size (``fwd_bwd_s_fixed``), plus
   ``KERNEL_OVERHEAD_S`` per kernel (1 forward + 2 backward per matmul or
-  chain's kernel count, 1 + 1 per attention).
+  chain's kernel count, 1 + 1 per attention). A plan priced for zorse_fx's
+  runtime adds what its backward moves beyond this (the accumulating add's
+  second read, the 16-bit gradients' casts to float32: [Note: the runtime's
+  gradient work] in ``roofline.py``); the fit below prices other runtimes'
+  published steps with this term alone.
 
 * **Attention rate (per GPU class and SDPA kernel).** A 16-bit fused
   attention node (``scaled_dot_product_attention``) runs at

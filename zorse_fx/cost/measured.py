@@ -28,7 +28,9 @@ whatever their dtype.
 
 A profiled type's block also pays, once per micro-batch, the accumulation of
 its parameters' gradients into ``.grad`` (``grad_accumulate_ms``; node
-replays return gradients and accumulate none) and ``node_overhead_ms`` per
+replays return gradients and accumulate none), under a mixed policy the casts
+of its weights' 16-bit gradients to float32 (``grad_cast_ms``; [Note: the
+runtime's gradient work] in roofline.py) and ``node_overhead_ms`` per
 computing node (what a whole graph's time has beyond its nodes' device times;
 fitted with the calibration, ``kernels_main.calibrate_graph``).
 
@@ -58,7 +60,8 @@ from .replay import NodeCall, model_calls
 from .opclass import size_metric
 from .roofline import FWD_BWD_FACTOR, KERNEL_OVERHEAD_S, MATMUL_EFFICIENCY, MEMORY_EFFICIENCY
 
-__all__ = ["ProfileSet", "NodeTime", "node_time", "measured_block_costs", "grad_accumulate_ms", "computing_nodes",
+__all__ = ["ProfileSet", "NodeTime", "node_time", "measured_block_costs", "grad_accumulate_ms", "grad_cast_ms",
+           "computing_nodes",
            "SHIPPED_PROFILES"]
 
 #: Profiles shipped with zorse_fx (measured by the project; see bench/README.md).
@@ -181,6 +184,14 @@ def grad_accumulate_ms(prof: KernelProfile, numel: int, itemsize: int = 4) -> fl
     return _interpolate(pts, 3.0 * itemsize * numel) if pts else 0.0
 
 
+def grad_cast_ms(prof: KernelProfile, numel: int, itemsize16: int = 2, itemsize: int = 4) -> float:
+    """ms to cast one micro-batch's 16-bit gradient of ``numel`` elements to float32 (the backward of
+    autocast's weight cast: ``(itemsize16 + itemsize) * numel`` bytes, [Note: the runtime's gradient
+    work] in roofline.py) on ``prof``'s device, interpolated as ``grad_accumulate_ms``; 0 if it has none."""
+    pts = sorted({(max(e.bytes, 1.0), e.fwd_ms) for e in prof.of_class("elementwise", "torch") if e.fwd_ms > 0})
+    return _interpolate(pts, float((itemsize16 + itemsize) * numel)) if pts else 0.0
+
+
 def computing_nodes(bg: BlockGraph, batch: int = 1) -> int:
     """How many nodes of ``bg``'s blocks the cost model times (``model_calls``):
     what ``KernelProfile.node_overhead_ms`` is charged per."""
@@ -196,6 +207,7 @@ def measured_block_costs(
     batches: tuple[int, int],
     base: BlockCosts,
     compute_dtype: torch.dtype = torch.float32,
+    cast_params: frozenset[str] | None = None,
 ) -> tuple[BlockCosts, dict[str, Counter]]:
     """Per-block per-sample and fixed times from profiles, at micro-batches ``batches``.
 
@@ -205,7 +217,10 @@ def measured_block_costs(
     table GPU beside a profiled one is priced as in a plan with no profile
     (the class model of ``gpu_model``, source ``"class model"``), not by a
     roofline scaled from the other GPU's profile. ``compute_dtype``: the
-    plan's (``PrecisionPolicy.compute_dtype``). Returns the costs and, per
+    plan's (``PrecisionPolicy.compute_dtype``); ``cast_params``: the weights autocast casts
+    (``SavedActivations.cast_params``; None: every trainable one where ``compute_dtype`` is 16-bit),
+    whose gradient casts a profiled type's blocks pay per micro-batch besides the accumulation
+    ([Note: the runtime's gradient work] in roofline.py). Returns the costs and, per
     device type, how many node times came from each source.
 
     Raises:
@@ -222,6 +237,10 @@ def measured_block_costs(
     fwd_fixed: dict[str, tuple[float, ...]] = {}
     sources: dict[str, Counter] = {}
     state, trainable = bg.captured.state(), bg.captured.trainable()
+    c16 = torch.empty((), dtype=compute_dtype).element_size()
+    cast = (frozenset() if c16 == 4 else frozenset(trainable) if cast_params is None
+            else cast_params)  # gradient casts ([Note: the runtime's gradient work])
+    readers = Counter(a for b in range(bg.num_blocks) for a in bg.block_attrs[b])
     for dev_type, spec in specs.items():
         prof = profiles.by_type.get(dev_type)
         if prof is None and spec is not None and dev_type in base.fwd_bwd_s_per_sample:
@@ -238,6 +257,8 @@ def measured_block_costs(
         slopes, fixeds, fwd_slopes, fwd_fixeds = [], [], [], []
         calibration = prof.calibration if prof is not None else 1.0
         accumulate = [sum(grad_accumulate_ms(prof, state[a].numel(), state[a].element_size())
+                          + (grad_cast_ms(prof, state[a].numel(), c16, state[a].element_size()) / readers[a]
+                             if a in cast else 0.0)
                           for a in bg.block_attrs[b] if a in trainable) if prof is not None else 0.0
                       for b in range(bg.num_blocks)]
         overhead = [(prof.node_overhead_ms * sum(name in calls[n1] for name in bg.block_nodes(b))

@@ -60,7 +60,8 @@ from .activations import (
 )
 from .opclass import flops_bytes, op_class, tensors_in
 
-__all__ = ["NodeCost", "node_costs", "block_costs", "tied_params", "weight_traffic_bytes", "SavedActivations", "measure_saved_activations",
+__all__ = ["NodeCost", "node_costs", "block_costs", "tied_params", "weight_traffic_bytes", "grad_work_bytes",
+           "SavedActivations", "measure_saved_activations",
            "saved_activations_or_estimate", "saved_activation_bytes", "MATMUL_EFFICIENCY", "MEMORY_EFFICIENCY",
            "FWD_BWD_FACTOR", "KERNEL_OVERHEAD_S", "Chain", "kernel_depths", "graph_chains", "class_block_time", "node_time_s"]
 
@@ -295,6 +296,70 @@ def weight_traffic_bytes(bg: BlockGraph, b: int, precision: PrecisionPolicy, *, 
     return total
 
 
+# [Note: the runtime's gradient work]
+# What the runtime's backward does per micro-batch beyond the layers' own kernels, counted on the
+# runtime itself (tests/test_grad_work.py: ``aten`` ops of a real ``StageWorker`` step at 2 and 4
+# micro-batches, fp32 and bf16-mixed, equal to these bytes exactly):
+#
+# * accumulation: every trainable parameter's gradient of the micro-batch is added into its
+#   float32 ``.grad`` (``AccumulateGrad``: an add reading both, writing one, 3 x 4 B per element;
+#   DDP-style bucket views, [Note: overlapped gradient reduction] in runtime/grad_sync.py, are
+#   zeroed per step and added into from the first micro-batch on; a parameter without a bucket
+#   takes its first micro-batch's gradient as it is: one add less per step, not priced); a
+#   parameter read by c blocks (a tied embedding) gets c contributions, summed by autograd with the
+#   same add: 3 x 4 B per block that reads it;
+# * gradient casts, under a mixed policy: the backward of autocast's cast of a weight (the
+#   ``_to_copy`` the fake run records, ``SavedActivations.cast_params``) turns the matmul's 16-bit
+#   weight gradient into float32 before it is accumulated: 2 B read + 4 B written per element;
+#   a parameter autocast does not cast (norm weights, an embedding's table) has none;
+# * once per step, not per micro-batch: autocast's cast of each such weight to 16 bits (4 B read,
+#   2 B written): the runtime runs the step's whole schedule in ONE autocast region ([Note: mixed
+#   precision] in precision.py), whose cache keeps the cast for every micro-batch; counted with the
+#   optimizer phase ([C-optim], ``PrecisionPolicy.step_cast_bytes_per_param``).
+#
+# Priced at the memory bandwidth: the class model already charges 2 x 4 B of it per parameter
+# (``weight_traffic_bytes``, fitted with it: [Note: unfused fraction] in gpu_model.py), so it adds the
+# add's third 4 B and the casts at its stream bandwidth; the plain roofline adds the whole at
+# ``MEMORY_EFFICIENCY``; a measured profile (``measured.grad_accumulate_ms``) times the add and adds
+# the casts. Per micro-batch and per block (``fwd_bwd_s_fixed``, the backward's part). Not counted:
+# a 16-bit working weight's gradient (a sharded stage under a mixed policy, [Note: 16-bit working
+# weights]) is added in 16 bits into its float32 main gradient (2 + 4 + 4 B, priced as 3 x 4 + 6);
+# a ZeRO-2 stage copies each micro-batch's gradient into its reduction buffer (priced the same as
+# an add).
+#: Tensors an accumulating add touches per element: two read, one written.
+ADD_OPERANDS = 3
+
+
+def grad_work_bytes(bg: BlockGraph, precision: PrecisionPolicy, cast: frozenset[str] | None = None, *,
+                    state=None, trainable=None) -> tuple[list[float], list[float]]:
+    """Per block, bytes the runtime's backward moves per micro-batch for its parameters' gradients
+    ([Note: the runtime's gradient work]): ``(accumulation, casts)``, each ``(B,)``. Accumulation:
+    ``3 * itemsize`` per element of each trainable parameter the block reads (each reading block of a
+    tied one); casts, under a mixed policy: ``itemsize(compute) + itemsize`` per element of each
+    parameter in ``cast`` (None: every trainable one), split evenly over the blocks that read it (one
+    cast per micro-batch). ``state``, ``trainable``: ``bg.captured``'s, where the caller has them."""
+    state = bg.captured.state() if state is None else state
+    trainable = bg.captured.trainable() if trainable is None else trainable
+    readers: dict[str, int] = {}
+    for b in range(bg.num_blocks):
+        for a in bg.block_attrs[b]:
+            readers[a] = readers.get(a, 0) + 1
+    c16 = torch.empty((), dtype=precision.compute_dtype).element_size()
+    accumulate, casts = [], []
+    for b in range(bg.num_blocks):
+        acc = cst = 0.0
+        for a in bg.block_attrs[b]:
+            if a not in trainable:
+                continue
+            t = state[a]
+            acc += ADD_OPERANDS * t.element_size() * t.numel()
+            if precision.mixed and (cast is None or a in cast):
+                cst += (c16 + t.element_size()) * t.numel() / readers[a]
+        accumulate.append(acc)
+        casts.append(cst)
+    return accumulate, casts
+
+
 def class_block_time(bg: BlockGraph, costs: dict[str, NodeCost], b: int, chains: list[Chain],
                       traffic_bytes: float, spec: GPUSpec, precision: PrecisionPolicy,
                       unfused_fraction: float | None = None) -> tuple[float, float, float, float]:
@@ -357,6 +422,7 @@ def block_costs(
     *,
     precision: PrecisionPolicy,
     activations: "SavedActivations | None" = None,
+    runtime_grad_work: bool = True,
 ) -> BlockCosts:
     """Per-block, per-sample costs of ``bg`` on each GPU type in ``specs``,
     trained under ``precision``.
@@ -395,6 +461,9 @@ def block_costs(
         precision: the plan's precision policy.
         activations: the measurement of ``saved_activations_or_estimate(bg,
             precision)`` when the caller already has it (one fake run less).
+        runtime_grad_work: price the runtime's gradient casts and accumulation per micro-batch
+            beyond what each type's model charges ([Note: the runtime's gradient work]); False: the
+            models alone (the class model as fitted to other runtimes' published steps).
     """
     if activations is None:
         activations = saved_activations_or_estimate(bg, precision)
@@ -409,6 +478,13 @@ def block_costs(
     fwd_fixed: dict[str, list[float]] = {t: [] for t in fwd_times}
     params, params16, largest = [], [], []
     low = low_precision_params(bg) if precision.mixed else frozenset()
+    # [Note: the runtime's gradient work]: what the class model's weight traffic leaves out of it
+    # [Note: the runtime's gradient work]: bytes per micro-batch beyond the class model's weight traffic
+    # (which reads and writes each gradient once: 2 x itemsize) and beyond the plain roofline's nothing
+    accumulate, casts = grad_work_bytes(bg, precision, activations.cast_params, state=state, trainable=trainable)
+    grad_roofline = [a + c if runtime_grad_work else 0.0 for a, c in zip(accumulate, casts)]
+    grad_class = [r - sum(2 * state[a].element_size() * state[a].numel() for a in bg.block_attrs[b] if a in trainable)
+                  if runtime_grad_work else 0.0 for b, r in enumerate(grad_roofline)]
     chains_of = None
     for b in range(bg.num_blocks):
         names = bg.block_nodes(b)
@@ -425,14 +501,16 @@ def block_costs(
                 if traffic is None:
                     traffic = weight_traffic_bytes(bg, b, precision, state=state, trainable=trainable)
                 f, bw_, ff, fb = class_block_time(bg, costs, b, chains, traffic, spec, precision)
+                grad_s = grad_class[b] / (spec.mem_bw_bytes_per_s * gpu_model.STREAM_EFFICIENCY)
                 times[gpu_type].append(f + bw_)
-                fixed[gpu_type].append(ff + fb)
+                fixed[gpu_type].append(ff + fb + grad_s)
                 fwd_times[gpu_type].append(f)
                 fwd_fixed[gpu_type].append(ff)
             else:
                 fwd = sum(node_time_s(costs[n], spec, dtype, tf32=precision.tf32) for n in names)
                 times[gpu_type].append(FWD_BWD_FACTOR * fwd)
-                fixed[gpu_type].append(FWD_BWD_FACTOR * KERNEL_OVERHEAD_S * kernels)
+                fixed[gpu_type].append(FWD_BWD_FACTOR * KERNEL_OVERHEAD_S * kernels
+                                       + grad_roofline[b] / (spec.mem_bw_bytes_per_s * MEMORY_EFFICIENCY))
     cast = bg.with_dtypes(activations.output_dtypes)
     return BlockCosts(
         tied_params=tied_params(bg),
@@ -448,7 +526,10 @@ def block_costs(
         # As sent: float32 in the compute dtype under a mixed policy ([Note: 16-bit boundary tensors]).
         cut_bytes_per_sample=tuple(sum(t.bytes_per_sample for t in on_wire(ts, precision)) for ts in cast.cut_tensors),
         state_bytes_per_param=precision.state_bytes_per_param,
-        optimizer_bytes_per_param=precision.optimizer_step_bytes_per_param,
+        # [C-optim] moves 2 x this per parameter: AdamW's state, and autocast's weight cast once per
+        # step ([Note: the runtime's gradient work])
+        optimizer_bytes_per_param=(precision.optimizer_step_bytes_per_param
+                                   + (precision.step_cast_bytes_per_param // 2 if runtime_grad_work else 0)),
         grad_bytes_per_param=precision.allreduce_bytes_per_param,
         param_bytes_per_param=precision.allgather_bytes_per_param,
         shardable_bytes_per_param=precision.shardable_bytes_per_param,

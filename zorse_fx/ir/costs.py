@@ -91,8 +91,10 @@ class BlockCosts:
     state_bytes_per_param: int = 16
     #: Bytes per parameter the optimizer step reads and writes once ([C-optim]:
     #: ``2 x`` this over the memory bandwidth): the float32 weight, gradient and
-    #: AdamW moments, 16 B in every precision (AdamW does not touch the 16-bit
-    #: weight copies); None = ``state_bytes_per_param``.
+    #: AdamW moments, 16 B in every precision, + 3 B under a mixed policy for
+    #: autocast's cast of the weight to 16 bits once per step (4 B read + 2 B
+    #: written = 2 x 3: [Note: the runtime's gradient work] in cost/roofline.py);
+    #: None = ``state_bytes_per_param``.
     optimizer_bytes_per_param: int | None = None
     #: Bytes of each gradient element in the DP all-reduce: 4 (float32
     #: reduction, every precision's default), 2 (bfloat16 reduction).

@@ -249,14 +249,18 @@ def _seq_batch(p: argparse.ArgumentParser, text: str) -> tuple[int, int]:
     return seq, batch
 
 
-def predict_fwd_bwd_ms(profile: KernelProfile, bg, batch: int, precision: str) -> float:
+def predict_fwd_bwd_ms(profile: KernelProfile, bg, batch: int, precision: str, *,
+                       weight_casts: bool = False) -> float:
     """The measured-profile path's forward + backward (ms) of the whole of
     ``bg`` at micro-batch ``batch``: ``cost.measured.measured_block_costs``
     with ``profile`` alone (its device type, its ``batch_sizes``' extremes),
-    as the planner prices a stage holding every block."""
+    as the planner prices a stage holding every block. ``weight_casts``: add autocast's casts of the
+    weights to the compute dtype, which the whole-graph measurement (``whole_fwd_bwd_ms``: one
+    autocast region per forward) pays every forward, and the runtime once per step ([Note: the
+    runtime's gradient work] in cost/roofline.py): what that measurement is compared with."""
     from ..cluster import gpu_spec
-    from ..cost.measured import ProfileSet, measured_block_costs
-    from ..cost.roofline import block_costs
+    from ..cost.measured import ProfileSet, grad_cast_ms, measured_block_costs
+    from ..cost.roofline import block_costs, saved_activations_or_estimate
     from ..errors import ClusterConfigError
     from ..precision import precision_policy
 
@@ -266,18 +270,23 @@ def predict_fwd_bwd_ms(profile: KernelProfile, bg, batch: int, precision: str) -
     except ClusterConfigError:  # a profiled type needs no datasheet row (a CPU)
         spec = None
     pol = precision_policy(precision)
-    base = block_costs(bg, {}, precision=pol)  # sizes only: the times come from the profile
+    acts = saved_activations_or_estimate(bg, pol)
+    base = block_costs(bg, {}, precision=pol, activations=acts)  # sizes only: the times come from the profile
     costs, _ = measured_block_costs(bg, {t: spec}, ProfileSet([profile]),
                                     batches=(min(profile.batch_sizes), max(profile.batch_sizes)),
-                                    base=base, compute_dtype=pol.compute_dtype)
-    return sum(f + batch * s for f, s in zip(costs.fwd_bwd_s_fixed[t], costs.fwd_bwd_s_per_sample[t])) * 1e3
+                                    base=base, compute_dtype=pol.compute_dtype, cast_params=acts.cast_params)
+    out = sum(f + batch * s for f, s in zip(costs.fwd_bwd_s_fixed[t], costs.fwd_bwd_s_per_sample[t])) * 1e3
+    if weight_casts and pol.mixed:  # 4 B read + 2 B written per element: the size of a gradient cast's bytes
+        state = bg.captured.state()
+        out += profile.calibration * sum(grad_cast_ms(profile, state[a].numel()) for a in acts.cast_params or ())
+    return out
 
 
 def calibrate_graph(profile: KernelProfile, whole: list[dict], graphs: dict, at: list[tuple[int, int]],
                     precision: str) -> tuple[float, float, str, list[dict]]:
     """Fit the profile's ``calibration`` (a) and ``node_overhead_ms`` (b) so
     that measured = a * predicted + b * nodes at the points ``at`` = [(seq,
-    micro-batch), ...] of ``whole`` (predicted: ``predict_fwd_bwd_ms`` with a
+    micro-batch), ...] of ``whole`` (predicted: ``predict_fwd_bwd_ms(weight_casts=True)`` with a
     = 1, b = 0; nodes: ``cost.measured.computing_nodes``). One point: b = 0,
     a = measured / predicted. Two or more: least squares; a negative b is set
     to 0 and a refitted. Returns ``(a, b, note, rows)``; rows = every point of
@@ -295,7 +304,7 @@ def calibrate_graph(profile: KernelProfile, whole: list[dict], graphs: dict, at:
     for w in whole:
         bg = graphs[w["seq"]]
         rows.append(dict(seq=w["seq"], micro_batch=w["micro_batch"], measured_ms=w["fwd_bwd_ms"],
-                         raw_ms=predict_fwd_bwd_ms(bare, bg, w["micro_batch"], precision),
+                         raw_ms=predict_fwd_bwd_ms(bare, bg, w["micro_batch"], precision, weight_casts=True),
                          nodes=computing_nodes(bg, w["micro_batch"])))
     measured_at = [(r["seq"], r["micro_batch"]) for r in rows]
     missing = [p for p in at if tuple(p) not in measured_at]

@@ -148,7 +148,9 @@ R_s: [Note: 16-bit working weights] in ``precision.py``), R_s = the rest
                 ring was 5.7% optimistic on Metis' zorse_paper plan,
                 bench/README.md "Sharded holders of a tied parameter").  [C-tied]
   optim_s     = max_{g in s} of 2 * optim_bytes * P_s / mem_bw_g  (AdamW reads
-                and writes its state once), or for a sharded stage
+                and writes its state once; under a mixed policy with autocast's
+                weight cast of the step: cost/roofline.py [Note: the runtime's
+                gradient work]), or for a sharded stage
                 2 * optim_bytes * (z_g MiB / shardable_bytes) / mem_bw_g
                 (each GPU updates the parameters of its shard)        [C-optim]
   pipe        = sum_s t_s + (M - 1) * T   (1F1B / GPipe fill + steady state), the period
