@@ -142,7 +142,7 @@ from ..ir.costs import BlockCosts
 from ..ir.devices import DeviceGraph
 from ..ir.result import Candidate, SolverResult, with_safety_stop
 from ..options import PlanOptions
-from .bounds import explain_infeasible, stage_count_lower_bound, throughput_lower_bound
+from .bounds import explain_infeasible, stage_count_lower_bound, structure_lower_bound, throughput_lower_bound
 from .isolated import (  # noqa: F401 (re-exported)
     SolverCrash, _Isolated, default_jobs, options_jobs, run_isolated, start_isolated, start_isolated_batch)
 from .objective import UNIT_S, IntTables, build_tables, evaluate, max_stage_count, microbatch_candidates
@@ -393,6 +393,8 @@ class CandidateSearch:
         self.best = None  # (objective units, microbatches, decision, Evaluation)
         self.wall_clock_stops = 0
         self._tlb: dict[int, int] = {}
+        #: (S, M) -> ``_stage_bound``
+        self._sb: dict[tuple[int, int], int] = {}
         #: CP-SAT deterministic seconds left of ``options.solver_budget`` ([Note: search budget]).
         self.budget_left = float(options.solver_budget)
         self.incumbent, self._inc_ev = None, None
@@ -422,9 +424,19 @@ class CandidateSearch:
             self._tlb[m] = throughput_lower_bound(model.tab)
         return self._tlb[m]
 
+    def _stage_bound(self, tab, num_stages: int) -> int:
+        """A lower bound (units) valid for every decision of the candidate (S = ``num_stages``,
+        M = ``tab.num_microbatches``) without a solve: the larger of ``bounds.stage_count_lower_bound``
+        and, on a cluster of at most ``bounds.STRUCTURE_MAX_GPUS`` GPUs, ``bounds.structure_lower_bound``
+        ([Note: bounds of small clusters] in bounds.py)."""
+        key = (num_stages, tab.num_microbatches)
+        if key not in self._sb:
+            self._sb[key] = max(stage_count_lower_bound(tab, num_stages), structure_lower_bound(tab, num_stages))
+        return self._sb[key]
+
     def pruned(self, tab, num_stages: int) -> bool:
         """Skip the candidate (S = ``num_stages``, M = ``tab.num_microbatches``) when its
-        lower bound (``bounds.stage_count_lower_bound``) is above the best objective a
+        lower bound (``_stage_bound``) is above the best objective a
         candidate solved so far reached: it cannot hold a better plan, nor an equal one
         (ties go to the earlier candidate anyway). Recorded as status "PRUNED" with that
         bound, which the result's bound and OPTIMAL test then include. Deterministic:
@@ -432,7 +444,7 @@ class CandidateSearch:
         plus the incumbent set the bar ([Note: incumbent cutoff])."""
         if self.bar is None:
             return False
-        lb = stage_count_lower_bound(tab, num_stages)
+        lb = self._stage_bound(tab, num_stages)
         if lb <= self.bar:
             return False
         self.bounds.append(lb)
@@ -451,7 +463,7 @@ class CandidateSearch:
                 continue
             if m not in self._tlb:
                 self._tlb[m] = throughput_lower_bound(tab)
-            lb = max(self._tlb[m], stage_count_lower_bound(tab, n_s))
+            lb = max(self._tlb[m], self._stage_bound(tab, n_s))
             self._bound_of[len(self.cands)] = len(self.bounds)
             self.bounds.append(lb)
             self.cands.append(Candidate(kind="solve", num_stages=n_s, num_microbatches=m, status="BUDGET_SPENT",
@@ -673,7 +685,7 @@ class CandidateSearch:
         elif code != cp_model.INFEASIBLE:  # UNKNOWN (budget or safety stop without a solution) or CRASHED
             lb = ans.bound if ans is not None else 0.0
             new_bound = max(int(lb) if math.isfinite(lb) else 0, self._throughput_bound(model, m),
-                            stage_count_lower_bound(model.tab, num_stages))
+                            self._stage_bound(model.tab, num_stages))
         rec["wall_s"] = time.perf_counter() - t1
         if again is None:
             if new_bound is not None:

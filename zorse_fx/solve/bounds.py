@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 from ..ir.costs import BlockCosts, extra_copies, unique_params
 from ..ir.devices import DeviceGraph
 from ..options import PlanOptions
@@ -16,7 +18,7 @@ from .objective import IntTables, fmt_bytes, max_stage_count, microbatch_candida
 from .tables import _prefix
 
 __all__ = ["throughput_lower_bound", "throughput_bound_s", "explain_infeasible", "stage_count_lower_bound",
-           "microbatch_chain_bound"]
+           "microbatch_chain_bound", "structure_lower_bound", "STRUCTURE_MAX_GPUS"]
 
 
 def _min_max_split(needs: list[int], k_max: int, less=None) -> tuple[int, list[tuple[int, int]]]:
@@ -252,3 +254,109 @@ def _tied_replicated(costs: BlockCosts) -> int:
     per-block sums count (one copy per extra block reading it)."""
     per = costs.state_bytes_per_param - costs.shardable_bytes_per_param  # a tied parameter is float32
     return sum(per * tp.numel * (len(tp.blocks) - 1) for tp in costs.tied_params)
+
+
+#: ``structure_lower_bound`` enumerates every GPU-group sequence, so only up to this many GPUs (a
+#: 4-GPU cluster has at most 50 sequences of 2 groups, 60 of 3, 24 of 4).
+STRUCTURE_MAX_GPUS = 4
+
+
+def _group_sequences(num_gpus: int, num_stages: int):
+    """Every sequence of ``num_stages`` disjoint non-empty GPU groups (tuples of GPU indices; GPUs in no
+    group are idle)."""
+    import itertools
+
+    for assign in itertools.product(range(-1, num_stages), repeat=num_gpus):
+        groups = tuple(tuple(g for g in range(num_gpus) if assign[g] == s) for s in range(num_stages))
+        if all(groups):
+            yield groups
+
+
+def _compute_floor(tab: IntTables, gpus) -> np.ndarray:
+    """(B + 1, B + 1) int64 array: at [i, j] (i < j) a lower bound (units) of cmax_s, the slowest GPU's
+    [C-compute], of a stage of blocks [i, j) on ``gpus`` with b = ``tab.microbatch_size`` samples per
+    micro-batch: the larger of max_g (W_g + F_g) (every GPU takes >= 1 sample) and F_min + b / sum_g (1 /
+    W_g) (a GPU with n_g samples takes n_g W_g + F_g <= cmax_s, so b = sum_g n_g <= (cmax_s - F_min) sum_g
+    1 / W_g); exact for one GPU. Recomputation and ZeRO-3's gathers only add to compute_g."""
+    pre = {t: (np.asarray(tab.work_prefix[t], dtype=np.int64), np.asarray(tab.fixed_prefix[t], dtype=np.int64))
+           for t in {tab.gpu_types[g] for g in gpus}}
+    ws = [pre[tab.gpu_types[g]][0][None, :] - pre[tab.gpu_types[g]][0][:, None] for g in gpus]
+    fs = [pre[tab.gpu_types[g]][1][None, :] - pre[tab.gpu_types[g]][1][:, None] for g in gpus]
+    b = tab.microbatch_size
+    one = np.max([w + f for w, f in zip(ws, fs)], axis=0)
+    if len(gpus) == 1:
+        return np.maximum(one, b * ws[0] + fs[0])
+    f_min = np.min(fs, axis=0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        speed = np.sum([np.where(w > 0, 1.0 / np.maximum(w, 1), np.inf) for w in ws], axis=0)
+        share = np.where(np.isfinite(speed), np.floor(b / speed) - 1, 0)  # floats: 1 unit of slack
+    return np.maximum(one, f_min + np.maximum(share, 0).astype(np.int64))
+
+
+def structure_lower_bound(tab: IntTables, num_stages: int) -> int:
+    """A lower bound (units) on the step time of every decision of the CP-SAT candidate models with S =
+    ``num_stages`` stages, one per GPU group, and M = ``tab.num_microbatches`` (any recomputation and
+    ZeRO-1; none of ZeRO-2/3, offload or interleaving): the least over every GPU-group sequence and every
+    cut of sum_s c_s + (M - 1) max_s c_s + max(0, max_s tied_s) + control, c_s = ``_compute_floor``,
+    tied_s and control the [C-tied] and [C-control] terms of that sequence and cut
+    (``network_terms.tied_terms``, ``tables.control_units``: they depend on nothing else). 0 above
+    ``STRUCTURE_MAX_GPUS`` GPUs.
+
+    [Note: bounds of small clusters]
+    Proof ([C-objective], ``objective._pipeline_step``): step = sum_s t_s + (M - 1) T + max_s (max(sync_s,
+    tied_s + ag_s) + optim_s) + control, with t_s = cmax_s + boundary_s >= cmax_s >= c_s, the period T >=
+    max_s cmax_s (``stage_count_lower_bound``'s proof), ag_s, optim_s >= 0 and stage 0's term >= 0 (its
+    drain offsets are 0, so sync_0 >= L_0 >= 0); memory, the boundaries and the stages' own all-reduces
+    are left out (each only adds or restricts). Why: ``stage_count_lower_bound`` spreads the work over
+    every GPU of the cluster at once, with no communication, which on a small cluster of mixed GPUs is far
+    below any plan. The README's demo (4 GPUs, 17 blocks, the heuristics' plan 68.4 ms on the V100
+    alone): its bounds were 24-59 ms for the 22 candidates CP-SAT then proved NO_BETTER, 0.1-0.4 CPU s
+    each (presolve and search; 0.01-0.09 deterministic s); this one is 74-228 ms on 26 of its 28
+    candidates, each within 9% of the candidate's optimum where CP-SAT found one (the tied embedding's
+    ring between the first and the last stage is 7.1 ms inside a node, 121 ms across its 10 GbE), so
+    the search skips them. Enumerated: at most 60 sequences x C(B - 1, S - 1) cuts, numpy over the cuts
+    (0.3 CPU s for the demo's 28 candidates, computed once each); tests/test_bounds_small.py compares it
+    with the brute-force optimum of random small instances."""
+    from itertools import combinations
+
+    from .network_terms import tied_terms
+    from .tables import control_units
+
+    n_g, nb, m = tab.num_gpus, tab.num_blocks, tab.num_microbatches
+    if n_g > STRUCTURE_MAX_GPUS or num_stages > min(n_g, nb):
+        return 0
+    cuts = np.array([(0, *c, nb) for c in combinations(range(1, nb), num_stages - 1)], dtype=np.int64)
+    floors: dict[tuple[int, ...], np.ndarray] = {}
+    best = None
+    for groups in _group_sequences(n_g, num_stages):
+        if any(len(g) > tab.microbatch_size for g in groups):
+            continue  # [C-samples]: every GPU of a stage takes >= 1 sample
+        for g in groups:
+            if g not in floors:
+                floors[g] = _compute_floor(tab, g)
+        c = np.stack([floors[g][cuts[:, s], cuts[:, s + 1]] for s, g in enumerate(groups)], axis=1)
+        step = c.sum(axis=1) + (m - 1) * c.max(axis=1)
+        control = control_units(tab, [x for g in groups for x in g])
+        tied = _tied_per_cut(tab, cuts, groups, tied_terms)
+        low = int((step + tied).min()) + control
+        best = low if best is None else min(best, low)
+    return best if best is not None else 0
+
+
+def _tied_per_cut(tab: IntTables, cuts: np.ndarray, groups, tied_terms) -> np.ndarray:
+    """Per cut (a row of ``cuts``: stage edges), max(0, max_s tied_s) of [C-tied] for the GPU groups
+    ``groups``, from ``network_terms.tied_terms`` once per distinct placement of the tied blocks."""
+    if not tab.tied_blocks:
+        return np.zeros(len(cuts), dtype=np.int64)
+    blocks = sorted({b for bs in tab.tied_blocks for b in bs})
+    # the stage holding block q: the number of inner edges <= q
+    where = np.stack([(cuts[:, 1:-1] <= q).sum(axis=1) for q in blocks], axis=1)
+    out = np.zeros(len(cuts), dtype=np.int64)
+    memo: dict[tuple[int, ...], int] = {}
+    for r, key in enumerate(map(tuple, where.tolist())):
+        if key not in memo:
+            edges = cuts[r].tolist()
+            _, tied = tied_terms(tab, [(edges[s], edges[s + 1]) for s in range(len(groups))], groups)
+            memo[key] = max([0] + [x for x in tied if x is not None])
+        out[r] = memo[key]
+    return out
