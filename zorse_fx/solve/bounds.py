@@ -312,7 +312,7 @@ def structure_lower_bound(tab: IntTables, num_stages: int) -> int:
     below any plan. The README's demo (4 GPUs, 17 blocks, the heuristics' plan 68.4 ms on the V100
     alone): its bounds were 24-59 ms for the 22 candidates CP-SAT then proved NO_BETTER, 0.1-0.4 CPU s
     each (presolve and search; 0.01-0.09 deterministic s); this one is 74-228 ms on 26 of its 28
-    candidates, each within 9% of the candidate's optimum where CP-SAT found one (the tied embedding's
+    candidates, 5-24% below the candidate's optimum where CP-SAT found one (the tied embedding's
     ring between the first and the last stage is 7.1 ms inside a node, 121 ms across its 10 GbE), so
     the search skips them. Enumerated: at most 60 sequences x C(B - 1, S - 1) cuts, numpy over the cuts
     (0.3 CPU s for the demo's 28 candidates, computed once each); tests/test_bounds_small.py compares it
