@@ -478,7 +478,6 @@ def block_costs(
     fwd_fixed: dict[str, list[float]] = {t: [] for t in fwd_times}
     params, params16, largest = [], [], []
     low = low_precision_params(bg) if precision.mixed else frozenset()
-    # [Note: the runtime's gradient work]: what the class model's weight traffic leaves out of it
     # [Note: the runtime's gradient work]: bytes per micro-batch beyond the class model's weight traffic
     # (which reads and writes each gradient once: 2 x itemsize) and beyond the plain roofline's nothing
     accumulate, casts = grad_work_bytes(bg, precision, activations.cast_params, state=state, trainable=trainable)
