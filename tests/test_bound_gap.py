@@ -49,35 +49,3 @@ def test_an_infeasible_variant_counts_as_zero():
     rows = [{"variant": "real", "feasible": False, "fraction_of_upper_bound": 0.0},
             {"variant": "ideal_memory", "feasible": True, "fraction_of_upper_bound": 0.9}]
     assert bound_gap.verdict(rows) == "memory-bound"
-
-
-@pytest.mark.parametrize("seed", range(1, 24, 2))
-def test_stage_count_bound_holds_for_every_candidate(seed):
-    """``bounds.stage_count_lower_bound`` never exceeds the exhaustive optimum of
-    its (S, M) (odd seeds: a fixed per-micro-batch cost, what makes the bound
-    grow as S shrinks), with every memory policy allowed; and where it prunes,
-    CP-SAT's answer is the brute-force optimum all the same."""
-    import dataclasses
-
-    from conftest import random_instance
-    from zorse_fx.errors import InfeasiblePlanError
-    from zorse_fx.solve import solve_brute_force, solve_cpsat
-    from zorse_fx.solve.bounds import stage_count_lower_bound
-    from zorse_fx.solve.objective import UNITS_PER_S, build_tables
-
-    costs, devices, options = random_instance(seed)
-    options = dataclasses.replace(options, sharding="auto", recompute="auto")
-    try:
-        brute = solve_brute_force(costs, devices, options)
-    except InfeasiblePlanError:
-        return
-    checked = 0
-    for c in brute.candidates:
-        if c.step_time_s is None:
-            continue
-        tab = build_tables(costs, devices, options, c.num_microbatches)
-        assert stage_count_lower_bound(tab, c.num_stages) <= round(c.step_time_s * UNITS_PER_S), c
-        checked += 1
-    assert checked
-    res = solve_cpsat(costs, devices, options)
-    assert res.predicted_step_time_s == pytest.approx(brute.predicted_step_time_s, rel=1e-9)

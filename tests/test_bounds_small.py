@@ -1,5 +1,6 @@
-"""``bounds.structure_lower_bound`` ([Note: bounds of small clusters]): never above the exhaustive optimum
-of its (S, M), and the candidates it lets the CP-SAT search skip change nothing of the answer."""
+"""The search's lower bounds per candidate, ``bounds.stage_count_lower_bound`` and
+``bounds.structure_lower_bound`` ([Note: bounds of small clusters]): never above the exhaustive optimum
+of their (S, M), and the candidates they let the CP-SAT search skip change nothing of the answer."""
 
 from __future__ import annotations
 
@@ -28,13 +29,9 @@ def _instance(seed):
     return costs, devices, options
 
 
-@pytest.mark.parametrize("seed", range(24))
-def test_structure_bound_holds_for_every_candidate(seed):
-    """The bound of every (S, M) is at most the brute-force optimum of that (S, M) (ZeRO-1 and recomputation
-    allowed, none of ZeRO-2/3 or offload: the CP-SAT candidates' plans), and CP-SAT's answer with the bound
-    skipping candidates is the brute-force optimum."""
-    costs, devices, options = _instance(seed)
-    assert devices.num_gpus <= STRUCTURE_MAX_GPUS
+def _holds_for_every_candidate(bound, costs, devices, options) -> None:
+    """``bound(tab, S)`` is at most the brute-force optimum of every (S, M) that has a plan, and CP-SAT's
+    answer (the bound skipping candidates) is the brute-force optimum; nothing to check without a plan."""
     try:
         brute = solve_brute_force(costs, devices, options)
     except InfeasiblePlanError:
@@ -44,11 +41,32 @@ def test_structure_bound_holds_for_every_candidate(seed):
         if c.step_time_s is None:
             continue
         tab = build_tables(costs, devices, options, c.num_microbatches)
-        assert structure_lower_bound(tab, c.num_stages) <= round(c.step_time_s * UNITS_PER_S), c
+        assert bound(tab, c.num_stages) <= round(c.step_time_s * UNITS_PER_S), c
         checked += 1
     assert checked
     res = solve_cpsat(costs, devices, options)
     assert res.predicted_step_time_s == pytest.approx(brute.predicted_step_time_s, rel=1e-9)
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_structure_bound_holds_for_every_candidate(seed):
+    """The bound of every (S, M) is at most the brute-force optimum of that (S, M) (ZeRO-1 and recomputation
+    allowed, none of ZeRO-2/3 or offload: the CP-SAT candidates' plans), and CP-SAT's answer with the bound
+    skipping candidates is the brute-force optimum."""
+    costs, devices, options = _instance(seed)
+    assert devices.num_gpus <= STRUCTURE_MAX_GPUS
+    _holds_for_every_candidate(structure_lower_bound, costs, devices, options)
+
+
+@pytest.mark.parametrize("seed", range(1, 24, 2))
+def test_stage_count_bound_holds_for_every_candidate(seed):
+    """``bounds.stage_count_lower_bound`` never exceeds the exhaustive optimum of
+    its (S, M) (odd seeds: a fixed per-micro-batch cost, what makes the bound
+    grow as S shrinks), with every memory policy allowed; and where it prunes,
+    CP-SAT's answer is the brute-force optimum all the same."""
+    costs, devices, options = random_instance(seed)
+    options = dataclasses.replace(options, sharding="auto", recompute="auto")
+    _holds_for_every_candidate(stage_count_lower_bound, costs, devices, options)
 
 
 def test_structure_bound_is_above_the_stage_count_bound_somewhere():

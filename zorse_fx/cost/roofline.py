@@ -39,6 +39,7 @@ plan's precision policy (``zorse_fx.precision``, [Note: mixed precision]).
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -340,10 +341,7 @@ def grad_work_bytes(bg: BlockGraph, precision: PrecisionPolicy, cast: frozenset[
     cast per micro-batch). ``state``, ``trainable``: ``bg.captured``'s, where the caller has them."""
     state = bg.captured.state() if state is None else state
     trainable = bg.captured.trainable() if trainable is None else trainable
-    readers: dict[str, int] = {}
-    for b in range(bg.num_blocks):
-        for a in bg.block_attrs[b]:
-            readers[a] = readers.get(a, 0) + 1
+    readers = Counter(a for attrs in bg.block_attrs for a in attrs)
     c16 = torch.empty((), dtype=precision.compute_dtype).element_size()
     accumulate, casts = [], []
     for b in range(bg.num_blocks):
