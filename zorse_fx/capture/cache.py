@@ -101,14 +101,14 @@ from ..models.hf import cache_root
 
 __all__ = ["NO_CACHE_ENV", "cacheable", "disabled", "enabled", "export_key", "load_exported", "save_exported", "cache_file",
            "load_loss_check", "save_loss_check", "record_key", "load_record", "save_record", "model_key",
-           "source_digest", "collector_paused", "restore_weights", "keep_weights"]
+           "source_digest", "collector_paused", "restore_weights", "keep_weights", "load_graph", "save_graph"]
 
 log = logging.getLogger(__name__)
 
 #: Set to 1 to capture afresh and write nothing (``zorse plan/simulate --no-cache``).
 NO_CACHE_ENV = "ZORSE_NO_CACHE"
 
-_OWN_SOURCES = ("trace.py", "cache.py", "causal.py", "loss_count.py")
+_OWN_SOURCES = ("trace.py", "cache.py", "causal.py", "loss_count.py", "graph_record.py")
 
 
 @contextlib.contextmanager
@@ -431,6 +431,33 @@ def load_exported(key: str, model: torch.nn.Module | dict[str, torch.Tensor]):
                 return None
             ep.constants[name] = own
     return ep
+
+
+def save_graph(key: str, gm, live: dict[str, torch.Tensor]) -> None:
+    """Keep ``gm`` (the unlifted module of ``key``'s program, its tensors ``live``'s by name) as its graph
+    record, where it can be said as one ([Note: the graph record] in graph_record.py)."""
+    from .graph_record import encode
+
+    data = encode(gm, live)
+    if data is not None:
+        save_record("graph", key, data)
+
+
+def load_graph(key: str, live: dict[str, torch.Tensor]):
+    """The graph module of ``key``'s graph record with ``live``'s tensors in place, and the constants it
+    kept by value; None where there is no usable record (then the ``.pt2`` is read) ([Note: the graph
+    record] in graph_record.py)."""
+    from .graph_record import GraphRecordError, decode
+
+    data = load_record("graph", key)
+    if data is None:
+        return None
+    try:
+        with collector_paused():
+            return decode(data, live)
+    except Exception as exc:  # noqa: BLE001 (GraphRecordError; or torch internals it uses changed: a miss, logged)
+        log.info("graph record %s not used: %s: %s", _record_file("graph", key), type(exc).__name__, exc)
+        return None
 
 
 #: The answers ``trace.check_mean_loss`` can give ([Note: the loss check cached]).

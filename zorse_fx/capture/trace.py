@@ -213,10 +213,17 @@ def _capture_export(model: torch.nn.Module, example_inputs, names) -> tuple[fx.G
 
     key = (cache.export_key(model, tuple(example_inputs), names)
            if cache.enabled() and cache.cacheable(model) else None)
+    live = cache._live_tensors(model)
+    got = cache.load_graph(key, live) if key is not None else None  # [Note: the graph record]
+    if got is not None:
+        log.info("capture of %s read from its graph record", type(model).__name__)
+        return got[0], key
     ep = cache.load_exported(key, model) if key is not None else None  # [Note: the capture cache]
     if ep is not None:
         log.info("capture of %s read from %s", type(model).__name__, cache.cache_file(key))
-        return _module_of(ep), key
+        gm = _module_of(ep)
+        cache.save_graph(key, gm, live)
+        return gm, key
     batch = torch.export.Dim("batch", min=1, max=1 << 20)
     dynamic = {name: {0: batch} for name in names}
     try:
@@ -229,9 +236,19 @@ def _capture_export(model: torch.nn.Module, example_inputs, names) -> tuple[fx.G
             "Make sure forward(*inputs) returns the scalar loss, every input has the batch in "
             "dim 0, and no Python control flow depends on the batch size."
         ) from exc
+    gm = _module_of(ep)
     if key is not None:
         cache.save_exported(key, ep)
-    return _module_of(ep), key
+        cache.save_graph(key, gm, live)
+    return gm, key
+
+
+#: ``ep.module()`` without its input-guard submodule (torch >= 2.9 generates one by default: code made from
+#: guard strings, called first in the graph; the stage modules never held it, and a graph record cannot say
+#: it: [Note: the graph record]); an older torch makes none.
+_NO_GUARDS = ({"check_guards": False}
+              if "check_guards" in inspect.signature(torch.export.ExportedProgram.module).parameters
+              else {})
 
 
 def _module_of(ep) -> fx.GraphModule:
@@ -274,9 +291,12 @@ def _module_of(ep) -> fx.GraphModule:
     fx.GraphModule.recompile = deferred
     try:
         with collector_paused():  # [Note: the collector paused while loading] in cache.py
-            gm = ep.module()
+            gm = ep.module(**_NO_GUARDS)
     finally:
         fx.GraphModule.recompile = real
+    for node in gm.graph.find_nodes(op="call_module", target="_guards_fn"):  # (a torch without check_guards)
+        gm.graph.erase_node(node)
+        del gm._guards_fn
     for sub in gm.modules():
         if sub is not gm and id(sub) in pending:
             sub.recompile()
@@ -439,11 +459,16 @@ def capture_recorded(key: str, tensors: dict[str, torch.Tensor], example_inputs:
     from . import cache
 
     example_inputs = _unaliased(example_inputs)
-    ep = cache.load_exported(key, tensors)
-    if ep is None:
-        return None
-    constants = [c for c in ep.constants.values() if isinstance(c, torch.Tensor)]
-    gm = _module_of(ep)
+    got = cache.load_graph(key, tensors)  # [Note: the graph record]
+    if got is not None:
+        gm, constants = got
+    else:
+        ep = cache.load_exported(key, tensors)
+        if ep is None:
+            return None
+        constants = [c for c in ep.constants.values() if isinstance(c, torch.Tensor)]
+        gm = _module_of(ep)
+        cache.save_graph(key, gm, tensors)
     _normalise(gm)
     rewritten = causal_masks_to_is_causal(gm) if causal_masks else 0
     reduction = _recorded_reduction((*{id(t): t for t in tensors.values()}.values(), *constants), gm, key)
