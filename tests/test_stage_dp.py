@@ -368,3 +368,33 @@ def test_presolve_bug_does_not_hide_a_feasible_candidate():
     rec = search.cands[-1]
     assert rec.status in ("FEASIBLE", "OPTIMAL"), rec
     assert rec.step_time_s <= hint.predicted_step_time_s + 1e-9
+
+
+def test_a_tied_model_gets_its_ends_on_one_node(monkeypatch):
+    """[Note: a tied model's ends on one node]: with an embedding tied between the first and last blocks
+    and slow links between nodes, the DP's orders with the first unit cut across the ends give a plan
+    whose first and last stages share a node, faster under the objective than every plan of the plain
+    orders; a model without a tie gets no such order."""
+    from zorse_fx.ir.costs import TiedParam
+    from zorse_fx.solve import stage_dp
+
+    nb, tied = 8, 50_000_000
+    costs = BlockCosts(fwd_bwd_s_per_sample={"A": (4e-3,) * nb},
+                       param_count=(tied + 5_000_000, *(20_000_000,) * (nb - 2), tied + 5_000_000),
+                       act_bytes_per_sample=(10_000_000,) * nb,
+                       cut_bytes_per_sample=(0, *(1_000_000,) * (nb - 1), 0),
+                       tied_params=(TiedParam(name="emb", blocks=(0, nb - 1), numel=tied),))
+    nodes = [f"n{i}" for i in range(3) for _ in range(2)]
+    devices = _devices(["A"] * 6, nodes, [40 * GIB] * 6, [1.5e12] * 6, inter=(1e9, 2e-5))
+    options = solver_options(global_batch_size=8, max_stages=4, num_microbatches=(2, 4), seed=0)
+    tab = build_tables(costs, devices, options, 2)
+    units = _units(devices, tab, gpu_speeds(costs, devices), "file")
+    assert stage_dp._ends_orders(dataclasses.replace(costs, tied_params=()), devices.gpu_types, units) == []
+    assert stage_dp._ends_orders(costs, devices.gpu_types, units) == [[(0,), (2, 3), (4, 5), (1,)]]
+    res, _ = stage_dp_search(costs, devices, options)
+    gpus = res.decision.stage_gpus
+    assert len(gpus) >= 2 and nodes[gpus[0][0]] == nodes[gpus[-1][-1]]
+    monkeypatch.setattr(stage_dp, "ENDS_ORDERS", ())
+    plain, _ = stage_dp_search(costs, devices, options)
+    assert evaluate_result(costs, devices, options, res).step_time_s < \
+        evaluate_result(costs, devices, options, plain).step_time_s

@@ -81,6 +81,21 @@ memory forbids that plan. So pass 3, the DP with the offload variants too
 (M, order, S) key, and only on tables with host memory. A cluster that fits
 without offload plans exactly as before, in the same time.
 
+[Note: a tied model's ends on one node]
+A parameter tied across blocks (GPT-2's and SmolLM2's embedding, read by the first block and the LM
+head) makes the first and last stages sum its gradients every step ([C-tied] in ``state_terms.py``),
+over the link between their GPUs; contiguous stages over an order put those two stages on the order's
+first and last units, usually two nodes apart. On AMP's cluster (12 V100s on 3 nodes + 4 T4s, 3.1 GB/s
+between nodes) GPT-2 medium's 51M-element embedding is ~206 MB of float32 gradient per step across
+that link, and cb7ceac's CP-SAT plan, which put stages 0 and 2 on one node's GPUs (0, 1) and (2, 3),
+was 13% faster than the stage DP's best; the DP could not express it. So for the orders in
+``ENDS_ORDERS``, where the model ties a parameter across blocks, the DP also runs over the order with
+its first unit cut in two halves, one first and one after the next k units (``_ends_orders``: k = the
+following units of the first unit's GPU type, so a plan on that type alone, and k = all of them): the
+first and last stages then share a node, and the sum runs over its intra-node link. AMP's plan
+(bench/LOG.md, "A tied model's ends on one node"): 0.3638 -> 0.2810 s per step, four stages with the
+first on v100-0's GPUs (0, 1) and the last on (2, 3); two or four more DPs per (M, order).
+
 Legend: ``U`` units, ``B`` blocks, ``S`` stages, ``M`` micro-batches, ``b``
 samples per micro-batch; times in integer units (1 ns), memory in KiB units.
 """
@@ -103,7 +118,7 @@ from .isolated import map_isolated, work_jobs
 from .objective import MIB_UNITS, fill_policy, inflight, max_stage_count, microbatch_candidates
 from .heuristics import StageMatrices
 
-__all__ = ["solve_stage_dp", "stage_dp_search", "ORDERS", "MAX_UNITS"]
+__all__ = ["solve_stage_dp", "stage_dp_search", "ORDERS", "ENDS_ORDERS", "MAX_UNITS"]
 
 #: Unit orders tried (see the module note).
 ORDERS = ("file", "memory", "speed", "speed_last")
@@ -172,6 +187,23 @@ def _units(devices: DeviceGraph, tab, speeds, order: str) -> list[tuple[int, ...
             break  # nothing alike to merge: keep the units
         units = merged
     return units
+
+
+#: The orders whose first unit is also split across the ends ([Note: a tied model's ends on one node]).
+ENDS_ORDERS = ("file", "speed")
+
+
+def _ends_orders(costs: BlockCosts, gpu_types, units: list[tuple[int, ...]]) -> list[list[tuple[int, ...]]]:
+    """``units`` with its first unit cut in two halves, the first half first and the second after the next
+    k units, for k = the units of the first one's GPU type that follow it (the rest after the second half)
+    and k = every other unit; none where the model ties no parameter across blocks or the first unit is
+    one GPU ([Note: a tied model's ends on one node])."""
+    if not any(len(set(tp.blocks)) > 1 for tp in costs.tied_params) or not units or len(units[0]) < 2:
+        return []
+    first, rest = units[0], units[1:]
+    head, tail = first[:len(first) // 2], first[len(first) // 2:]
+    same = next((k for k, u in enumerate(rest) if gpu_types[u[0]] != gpu_types[first[0]]), len(rest))
+    return [[head, *rest[:k], tail, *rest[k:]] for k in sorted({same, len(rest)}) if k >= 1]
 
 
 #: The last few (G, G) pair tables as arrays (``_pair_array``), each entry holding its table
@@ -547,8 +579,10 @@ def stage_dp_search(costs: BlockCosts, devices: DeviceGraph, options: PlanOption
         tab = sel.tables(m)
         for order in ORDERS:
             units = _units(devices, tab, speeds, order)
-            if (m, tuple(units)) not in found and (m, tuple(units)) not in tasks:
-                tasks.append((m, tuple(units)))
+            more = _ends_orders(costs, devices.gpu_types, units) if order in ENDS_ORDERS else []
+            for u in (units, *more):
+                if (m, tuple(u)) not in tasks:
+                    tasks.append((m, tuple(u)))
 
     say(f"pass 1: {len(tasks)} (micro-batches, unit order) DPs over {devices.num_gpus} GPUs in up to "
         f"{max(len(u) for _, u in tasks)} units, up to {s_max} stages")
