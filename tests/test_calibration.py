@@ -73,8 +73,10 @@ def test_the_calibration_re_predicts_the_runs_own_step_within_5_percent(slowed):
     plan, run, priced, cal = slowed
     (r,) = cal.runs
     assert r.steps == list(range(2, STEPS + 1))  # the first step left out as warm-up
-    assert cal.bandwidth_fit.startswith("bisection"), cal.bandwidth_fit
-    assert abs(r.calibrated_objective_step_s / r.measured_step_s - 1) <= 0.05
+    # The links' factor is bisected, or (compute measured beside another test's process: the run's step
+    # within 5% of its compute, latency and overhead alone) clamped at its floor: either way re-predicted.
+    assert cal.bandwidth_fit.startswith(("bisection", "clamped at 0.0001: even with links")), cal.bandwidth_fit
+    assert abs(r.calibrated_objective_step_s / r.measured_step_s - 1) <= 0.05, cal.bandwidth_fit
     # And the same through price(..., calibration=...), as `zorse plan --calibration` prices.
     again = price(gpt3x64(), Cluster.from_yaml(CLUSTERS / "small_hetero.yaml"), options_for_plan(plan),
                   calibration=cal)

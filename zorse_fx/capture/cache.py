@@ -33,7 +33,9 @@ and zorse_fx. Files live in ``<cache>/capture/<key>.pt2`` (``cache_root()``:
 name and renamed into place. ``$ZORSE_NO_CACHE=1`` (``--no-cache`` on the
 command line) captures afresh and writes nothing. A file that cannot be read
 is ignored with a log line and replaced. Only files zorse_fx wrote are read
-(its own cache directory), as with Python's ``__pycache__``.
+(its own cache directory), as with Python's ``__pycache__``. Beside each
+``.pt2`` the unlifted graph is kept as plain data and read first, without
+``torch.export.load`` ([Note: the graph record] in ``graph_record.py``).
 
 [Note: the loss check cached]
 ``capture`` runs the captured graph on the example batch (its output must be
