@@ -95,6 +95,8 @@ SUPERSEDED = {
                                      "before file until issue 50",
     "scenarios_cb7ceac.json": "every scenario at cb7ceac (2026-12-07 18:59-19:06), before issue 50 item 7 priced "
                               "the runtime's gradient work",
+    "scenarios_a72d135.json": "every scenario at a72d135 (2026-12-07 20:55-21:10), before the stage DP put a tied "
+                              "model's ends on one node",
 }
 
 SCENARIO_ORDER = ("metis", "amp", "zorse_a", "flashflex", "zorse_b", "zorse_c", "sailor")
@@ -109,14 +111,14 @@ CPU_MACHINE = "the project's 2-core CPU machine (AMD EPYC)"
 # the section that reports the run: bench/LOG.md's dated sections, or bench/README.md's method notes.
 PROVENANCE = {
     "scenarios.json": {
-        # bench/LOG.md, "The runtime's gradient work priced, every scenario re-run (issue 50 item 7, 2026-12-07,
-        # twenty-sixth session)"; the rows before are in scenarios_before_issue50.json (their run: bench/LOG.md,
+        # bench/LOG.md, "A tied model's ends on one node: amp's miss mended in the stage DP (issue 50, 2026-12-07,
+        # twenty-seventh session)"; the rows before are in scenarios_before_issue50.json (their run: bench/LOG.md,
         # "Heuristics side by side, the budget respected, the scenarios re-run (issue 32, 2026-12-02, eleventh
-        # session)", code 83cdc2a); the run before this one: scenarios_cb7ceac.json
+        # session)", code 83cdc2a); the runs before this one: scenarios_a72d135.json, scenarios_cb7ceac.json
         tuple(SCENARIO_ORDER): dict(
-            command="bench/scenarios.py (every scenario in one run; zorse_c's own --max-stages 8), --jobs default (2)",
-            code="a72d135", machine=f"{CPU_MACHINE}, alone, ~2.5x slower than at 18:59 (the unchanged baselines' "
-            "planner seconds)", date="2026-12-07 20:55-21:10"),
+            command="bench/scenarios.py --out DIR (every scenario in one run; zorse_c's own --max-stages 8), --jobs "
+            "default (2)", code="06c8c7c", machine=f"{CPU_MACHINE}, alone, a slow hour (the unchanged baselines' "
+            "planner seconds ~2.5x those of 2026-12-07 18:59)", date="2026-12-08 00:08-00:25"),
     },
     "bound_gap.json": {
         # bench/LOG.md, "What bounds each scenario, re-run under the NCCL program (issue 13 item 3,
