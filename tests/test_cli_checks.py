@@ -384,7 +384,7 @@ def test_zorse_plan_reaches_every_plan_options_field():
              "profile_batches": (["1", "4"], (1, 4)), "calibration": ("cal.json", "cal.json"),
              "sharding": ("always", "always"), "grad_sharding": ("never", "never"),
              "param_sharding": ("never", "never"), "offload": ("never", "never"),
-             "activation_offload": ("never", "never"), "recompute": ("always", "always"),
+             "activation_offload": ("never", "never"), "recompute": ("always", "always"), "stash": ("never", "never"),
              "max_interleave": ("2", 2), "bucket_mib": ("4", 4.0)}
     fields = {f.name for f in dataclasses.fields(PlanOptions)} - {"global_batch_size"}
     assert set(given) == fields  # a new field gets a line here

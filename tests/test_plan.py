@@ -38,7 +38,7 @@ def test_json_round_trip(plan, tmp_path):
     assert loaded == plan
     assert loaded.sources == plan.sources
     d = json.loads(path.read_text())
-    assert d["version"] == PLAN_FORMAT_VERSION == 16
+    assert d["version"] == PLAN_FORMAT_VERSION == 17
     assert loaded.sources_verified
     assert [s["source_sha256"] for s in d["stages"]] == [hashlib.sha256(src.encode()).hexdigest()
                                                          for src in plan.sources]

@@ -58,7 +58,8 @@ def cmd_simulate(args) -> int:
     print(f"[zorse] simulated step {result.step_time_s * 1e3:.1f} ms with {args.p2p} sends (plan predicted "
           f"{plan.predicted_step_time_s * 1e3:.1f} ms), bubble {result.bubble_fraction:.0%}")
     for s, shards in zip(plan.stages, result.state_shard_bytes):
-        policy = " (recompute)" if result.memory[s.index].recompute else ""
+        policy = (" (recompute, stash)" if result.memory[s.index].stash == "host" else " (recompute)"
+                  if result.memory[s.index].recompute else "")
         zero, offload = result.memory[s.index].zero, stage_memory(result, s.index).partition(", ")[2]
         for g, shard in zip(s.gpus, shards):
             state = f", ZeRO-{zero} shard {shard / 2**30:.2f} GiB" if zero else ""

@@ -134,7 +134,8 @@ def slower_because(alt, chosen, costs: BlockCosts, devices: DeviceGraph) -> str:
     s, c_s = _argmax(alt.compute_s)
     sc, cc_s = _argmax(chosen.compute_s)
     g = _slowest_gpu(costs, devices, alt, s)
-    rc = " (recomputing its activations)" if alt.decision.memory[s].recompute else ""
+    rc = (" (recomputing its activations, its blocks' inputs in host memory)" if alt.decision.memory[s].stash == "host"
+          else " (recomputing its activations)" if alt.decision.memory[s].recompute else "")
     terms.append((m_a * c_s - m_c * cc_s, 0,
                   f"its slowest stage, stage {s} ({len(alt.decision.stage_gpus[s])} GPU"
                   f"{'s' if len(alt.decision.stage_gpus[s]) > 1 else ''}), computes {fmt_seconds(c_s)} per "

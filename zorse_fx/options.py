@@ -28,7 +28,11 @@ Activation offload (``activation_offload``) goes without recomputation (a
 recomputing stage keeps only its inputs) and, in the plans
 (``StageMemory.activations``, [C-act-offload] in ``solve/objective.py``), without
 ZeRO-2/3, so its "always" makes ``recompute``, ``grad_sharding`` and
-``param_sharding`` "never", and is refused with an "always" of any of them. The
+``param_sharding`` "never", and is refused with an "always" of any of them.
+Host-stashed recomputation (``stash``) is a way to recompute, without ZeRO-2/3
+or activation offload: its "always" makes ``recompute`` "always" and those
+"never" (refused with ``recompute`` "never" or an "always" of any of them), and
+``recompute`` "never" makes it "never". The
 CP-SAT models have ZeRO-1 and recomputation only ([Note: ZeRO-2 outside CP-SAT]
 in ``portfolio.py``): an "always" outside them leaves the portfolio's answer to
 the stage DP and the baselines (``solve._search.outside_model``).
@@ -230,6 +234,17 @@ class PlanOptions:
     #: needs it), "never" or "always" (every stage).
     recompute: MemoryMode = "auto"
     """stage recomputation: re-run each stage's forward before its backward"""
+    #: Host-stashed recomputation (Zorse's; [C-stash] in ``solve/objective.py``): a
+    #: recomputing stage keeps each block's inputs in host memory between a
+    #: micro-batch's forward and backward and re-runs its blocks one at a time, so
+    #: the GPU holds one block's activations instead of the stage's (not with
+    #: ZeRO-2/3 or activation offload; host memory as for ``offload``): "auto" (per
+    #: recomputing stage, where it pays), "never" or "always" (every stage, so
+    #: ``recompute`` "always", ``activation_offload``, ``grad_sharding`` and
+    #: ``param_sharding`` "never": [Note: memory flags]).
+    stash: MemoryMode = "auto"
+    """recomputation with each block's inputs kept in host memory, the blocks re-run one at a time (auto: per
+    recomputing stage, where it pays; needs host_memory_GiB)"""
     #: Largest interleave degree (stages per GPU group, interleaved 1F1B) the
     #: planner tries on its answer (``solve.interleave``); 1 = one stage per
     #: group. Needs "1f1b".
@@ -264,7 +279,8 @@ class PlanOptions:
         if not isinstance(self.max_interleave, int) or self.max_interleave < 1:
             raise PlanOptionsError(f"PlanOptions.max_interleave={self.max_interleave!r}: use an int >= 1 "
                                    f"(1 = no interleaving)")
-        for name in ("sharding", "recompute", "grad_sharding", "param_sharding", "offload", "activation_offload"):
+        for name in ("sharding", "recompute", "grad_sharding", "param_sharding", "offload", "activation_offload",
+                     "stash"):
             v = getattr(self, name)
             if v not in MEMORY_MODES:
                 raise PlanOptionsError(f"PlanOptions.{name}={v!r}: use one of {MEMORY_MODES}")
@@ -311,6 +327,15 @@ class PlanOptions:
                 if getattr(self, name) == "always":
                     raise PlanOptionsError(f"PlanOptions.{flag('activation_offload')} with {flag(name)}: no stage "
                                            f"can do both, {why}; set one of them to 'auto'")
+        if self.stash == "always":
+            zero23 = "a plan stashes no ZeRO-2/3 stage's block inputs ([C-stash] in solve/objective.py)"
+            for name, mode, why in (("recompute", "never", "host-stashed recomputation is recomputation"),
+                                    ("activation_offload", "always", "a recomputing stage keeps no activations "
+                                                                     "between its forward and backward to offload"),
+                                    ("grad_sharding", "always", zero23), ("param_sharding", "always", zero23)):
+                if getattr(self, name) == mode:
+                    raise PlanOptionsError(f"PlanOptions.{flag('stash')} with {flag(name)}: no stage can do both, "
+                                           f"{why}; set one of them to 'auto'")
         for upper in ("param_sharding", "grad_sharding"):
             for name in lower[upper] if getattr(self, upper) == "always" else ():
                 object.__setattr__(self, name, "always")
@@ -320,6 +345,12 @@ class PlanOptions:
         if self.activation_offload == "always":
             for name in ("recompute", "grad_sharding", "param_sharding"):
                 object.__setattr__(self, name, "never")
+        if self.stash == "always":
+            object.__setattr__(self, "recompute", "always")
+            for name in ("activation_offload", "grad_sharding", "param_sharding"):
+                object.__setattr__(self, name, "never")
+        if self.recompute == "never":
+            object.__setattr__(self, "stash", "never")
 
     @property
     def bucket_bytes(self) -> int:

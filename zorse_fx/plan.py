@@ -123,6 +123,12 @@ count of the tokens the loss averages over, which the last stage's generated
 (``LOSS_REDUCTION``), and ``Plan.load`` refuses a plan.json that says
 otherwise (``stage_sources.check_agreement``).
 
+Host-stashed recomputation (format version 17; an older file reads with it
+off): ``StagePlan.stash_on_host`` makes a recomputing stage keep each block's
+inputs in host memory and re-run its blocks one at a time in the backward,
+instead of keeping its inputs on the GPU and re-running the whole stage
+([Note: host-stashed recomputation] in ``runtime/block_stash.py``).
+
 Idle GPUs (format version 16; older files record none): ``Plan.idle_gpus``
 names the cluster's GPUs the plan gives no work (``IdleGPUs``), the predicted
 step of the best plan the planner scored that uses every GPU and what makes
@@ -170,7 +176,7 @@ __all__ = ["PLAN_FORMAT_VERSION", "PLAN_DIR_ENTRIES", "RANK_ORDERS", "MemoryBrea
 KIB, MIB = 1 << 10, 1 << 20
 
 #: Bumped on any incompatible change of plan.json.
-PLAN_FORMAT_VERSION = 16
+PLAN_FORMAT_VERSION = 17
 
 #: ``Plan.rank_order`` values: "node" (format 15: node by node) and "stage" (formats 1-14: stage by stage).
 RANK_ORDERS = ("node", "stage")
@@ -285,7 +291,8 @@ def stage_memory(stage) -> StageMemory:
 
     return StageMemory(zero=3 if on("param_sharded") else 2 if on("grad_sharded") else int(on("sharded")),
                        recompute=on("recompute"), optimizer="host" if on("offload_optimizer") else "device",
-                       activations="host" if on("offload_activations") else "device")
+                       activations="host" if on("offload_activations") else "device",
+                       stash="host" if on("stash_on_host") else "device")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -348,6 +355,10 @@ class StagePlan:
     #: backward. Not with ``recompute`` nor ``grad_sharded``.
     offload_activations: Annotated[bool, Meta(description="true or false")] = field(default=False,
                                                                                    metadata=OPTIONAL)
+    #: Host-stashed recomputation (format version 17; off in older files): a recomputing stage keeps each
+    #: block's inputs in host memory and re-runs its blocks one at a time in the backward. Needs
+    #: ``recompute``; not with ``grad_sharded`` nor ``offload_activations``.
+    stash_on_host: Annotated[bool, Meta(description="true or false")] = field(default=False, metadata=OPTIONAL)
 
     @property
     def memory(self) -> StageMemory:
@@ -357,11 +368,11 @@ class StagePlan:
     @staticmethod
     def memory_fields(memory: StageMemory) -> dict[str, bool]:
         """The plan file's per-stage fields of ``memory`` (``sharded``, ``recompute``,
-        ``grad_sharded``, ``param_sharded``, ``offload_optimizer``, ``offload_activations``),
+        ``grad_sharded``, ``param_sharded``, ``offload_optimizer``, ``offload_activations``, ``stash_on_host``),
         as ``StagePlan(...)`` takes them; ``stage_memory`` reads them back."""
         return {"sharded": memory.zero >= 1, "recompute": memory.recompute, "grad_sharded": memory.zero >= 2,
                 "param_sharded": memory.zero == 3, "offload_optimizer": memory.optimizer == "host",
-                "offload_activations": memory.activations == "host"}
+                "offload_activations": memory.activations == "host", "stash_on_host": memory.stash == "host"}
 
     @property
     def microbatch_size(self) -> int:
@@ -730,8 +741,16 @@ class Plan:
                     f"{'recomputes' if s.recompute is True else 'shards its gradients'}; activation offload goes "
                     f"without recomputation and ZeRO-2/3: set one of them to false, or re-export the plan with "
                     f"`zorse plan`")
+            if s.stash_on_host is True and not (s.recompute is True and s.grad_sharded is not True
+                                                and s.offload_activations is not True):
+                why = ("does not recompute" if s.recompute is not True else "shards its gradients"
+                       if s.grad_sharded is True else "offloads its activations")
+                raise PlanFileError(
+                    f"plan: field stages[{s.index}].stash_on_host is true on a stage that {why}; host-stashed block "
+                    f"inputs need recompute true and go without ZeRO-2/3 and activation offload: set stash_on_host "
+                    f"to false, or re-export the plan with `zorse plan`")
             for name in ("sharded", "recompute", "grad_sharded", "param_sharded", "offload_optimizer",
-                         "offload_activations"):
+                         "offload_activations", "stash_on_host"):
                 if not isinstance(getattr(s, name), bool):
                     raise PlanFileError(f"plan: field stages[{s.index}].{name} is {short_repr(getattr(s, name))}; "
                                         f"it must be true or false")

@@ -13,7 +13,7 @@ a field to plan.json is one edit in ``plan.py`` plus, where older files lack
 it, a line in ``upgrade`` (and a ``PLAN_FORMAT_VERSION`` bump).
 
 ``decode(d, source)`` upgrades a parsed plan.json of any readable format
-version (1-16) to the current shape (``upgrade``: fields added since take the
+version (1-17) to the current shape (``upgrade``: fields added since take the
 values those versions trained with) and converts it into ``PlanDoc``,
 refusing unknown keys; ``_plan_io`` then builds the ``Plan`` from it and
 ``Plan.__post_init__`` checks the rules that tie fields together (shares sum
@@ -68,7 +68,7 @@ PlanDoc = struct_of(Plan, "PlanDoc", docs={SolverReport: SolverDoc, StagePlan: S
 
 
 def upgrade(d: dict) -> dict:
-    """``d`` (a parsed plan.json of version 1-16) in the current shape: a
+    """``d`` (a parsed plan.json of version 1-17) in the current shape: a
     copy with the fields added since its version at the values it trained
     with (v2: ``sharded``/``recompute`` off, ``state_shard_bytes`` 0; v3:
     ``interleave`` 1; v4: ``precision`` fp32 with float32 gradients, and the
@@ -82,7 +82,8 @@ def upgrade(d: dict) -> dict:
     off / 0 when absent; v12: ``tf32``, optional, off when absent: PyTorch's default; v13: ``cluster_gpus`` and
     ``cluster_sha256``, optional, "" (not recorded) when absent; v14: ``loss_reduction``, optional,
     "sample_mean" when absent: how older runtimes trained; v15: ``rank_order``, "stage": how older plans numbered
-    their ranks; v16: ``idle_gpus``, optional, null when absent: not said). Parts of the wrong type are left for
+    their ranks; v16: ``idle_gpus``, optional, null when absent: not said; v17: each stage's ``stash_on_host``,
+    optional, off when absent). Parts of the wrong type are left for
     the schema to name."""
     d = dict(d)
     version = d.get("version")

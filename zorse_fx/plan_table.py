@@ -77,7 +77,8 @@ def plan_table(plan: Plan) -> str:
     "optimizer state" is ``replicated`` or, for a ZeRO-1 stage, this GPU's
     ``state_shard_bytes`` and its share of the stage's elements (", 16-bit
     weights" where the stage keeps 16-bit working weights); a stage
-    that recomputes its activations reads ``<i> (recompute)``; with
+    that recomputes its activations reads ``<i> (recompute)``, ``<i> (recompute, stash)``
+    with its blocks' inputs in host memory; with
     interleaving a stage reads ``<i> g<p>`` (GPU group p) and "memory"
     is the GPU's total over all its stages.
     """
@@ -104,13 +105,15 @@ def plan_table(plan: Plan) -> str:
                     ", 16-bit weights" if s.low_precision_params else "")
             else:
                 state = "replicated"
-            if mem.optimizer == "host" or mem.activations == "host":
-                what = "offloaded" if mem.activations == "device" else (
-                    "offloaded, activations too" if mem.optimizer == "host" else "activations offloaded")
+            if mem.optimizer == "host" or mem.activations == "host" or mem.stash == "host":
+                acts = "activations" if mem.activations == "host" else "block inputs"
+                what = "offloaded" if mem.activations == mem.stash == "device" else (
+                    f"offloaded, {acts} too" if mem.optimizer == "host" else f"{acts} offloaded")
                 state += f", {what} ({g.predicted_host_memory_bytes / GIB:.2f} GiB host)"
             name = str(s.index) + (f" g{s.index % plan.num_groups}" if plan.interleave > 1 else "")
             t.add_row(
-                (f"{name} (recompute)" if mem.recompute else name) if first else "",
+                (f"{name} (recompute{', stash' if mem.stash == 'host' else ''})" if mem.recompute else name)
+                if first else "",
                 f"[{s.blocks[0]}, {s.blocks[1]}): {s.label}" if first else "",
                 f"{s.num_parameters / 1e6:.1f}M" if first else "",
                 str(g.rank),
@@ -167,6 +170,9 @@ def plan_table(plan: Plan) -> str:
             ([s for s in plan.stages if s.memory.activations == "host"], "Activations offloaded",
              "what autograd saves waits in host memory between a micro-batch's forward and backward (one "
              "micro-batch's on the GPU)"),
+            ([s for s in plan.stages if s.memory.stash == "host"], "Recomputation with host-stashed inputs",
+             "each block's inputs wait in host memory between a micro-batch's forward and backward, the blocks "
+             "re-run one at a time (one block's activations on the GPU)"),
             ([s for s in plan.stages if s.memory.zero == 2], "Sharded gradients (ZeRO-2)",
              "every micro-batch's gradients reduced to the shard owners, 4/k B per parameter on k GPUs instead of "
              "4 on each")):

@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 
 
 #: What an offload flag keeps in host memory (``check_host_memory``'s message).
-_HELD = {"offload": "optimizer state", "activation_offload": "saved activations"}
+_HELD = {"offload": "optimizer state", "activation_offload": "saved activations", "stash": "blocks' inputs"}
 
 
 def check_host_memory(cluster: Cluster, options: PlanOptions) -> None:
@@ -45,7 +45,7 @@ def check_host_memory(cluster: Cluster, options: PlanOptions) -> None:
         PlanOptionsError: one line naming the cluster file, the flag, the missing
             field and what to change.
     """
-    asks = [name for name in ("offload", "activation_offload") if getattr(options, name) == "always"]
+    asks = [name for name in ("offload", "activation_offload", "stash") if getattr(options, name) == "always"]
     if not asks:
         return
     where = cluster.source if cluster.source != "<dict>" else f"cluster {cluster.name!r}"

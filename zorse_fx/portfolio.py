@@ -373,7 +373,8 @@ def _warm_starts(found, dp_hints) -> list:
     # (S, M) is used, so the list is sorted by step time.
     # ([Note: ZeRO-2 outside CP-SAT]: a plan with sharded gradients is no warm start for CP-SAT.)
     return sorted([(r.predicted_step_time_s, k, r) for k, (_, _, r) in enumerate(found)
-                   if all(m.zero < 2 and m.optimizer == m.activations == "device" for m in r.decision.memory)]
+                   if all(m.zero < 2 and m.optimizer == m.activations == m.stash == "device"
+                          for m in r.decision.memory)]
                   + [(r.predicted_step_time_s, len(found) + k, r) for k, r in enumerate(dp_hints)])
 
 
@@ -423,7 +424,7 @@ def _try_grad_sharding(costs: BlockCosts, devices: DeviceGraph, options: PlanOpt
                 continue
             for rc_s in dict.fromkeys((False, memory[s].recompute)):
                 trial = memory.copy()
-                trial[s] = dataclasses.replace(memory[s], zero=zero, recompute=rc_s)
+                trial[s] = dataclasses.replace(memory[s], zero=zero, recompute=rc_s, stash="device")
                 pol = fill_policy(tab, d.stage_blocks, d.stage_gpus, d.samples_per_microbatch, memory=trial)
                 ev = evaluate(costs, devices, options, policy_decision(
                     d.stage_blocks, d.stage_gpus, d.samples_per_microbatch, d.num_microbatches, pol))

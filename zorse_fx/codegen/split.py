@@ -29,6 +29,21 @@ them with its gathers ([Note: sharded parameters] in
 ``runtime/param_shard.py``). A block is the unit FSDP wraps (a transformer
 layer's attention or MLP here), so at most three units' weights are whole at
 once: the one computing, the next one arriving, the last one leaving.
+
+[Note: block methods]
+``forward`` is a chain of calls, one method ``block_<b>`` per block ``b`` of
+the stage (``BLOCKS`` lists them in order), each taking the values it reads
+that an earlier block, a model input or a received tensor made and returning,
+as a tuple, those it makes that a later block or the stage's output reads. A
+node outside every block (a free node: [Note: rematerialise free values per
+stage] in ``capture/analysis.py``) runs in the block of the next block node
+after it (the last block's if none follows), so blocks run in the captured
+order; each block binds the attributes it reads itself (``x = self.<flat>``
+before the first reader), which ``StageRuntime.first_use`` and the ZeRO-3
+hooks read. The runtime calls the methods as they are, or, on a stage that
+recomputes with its blocks' inputs stashed in host memory, through a wrapper that keeps
+only each block's inputs ([Note: host-stashed recomputation] in
+``runtime/block_stash.py``).
 """
 
 from __future__ import annotations
@@ -342,11 +357,13 @@ def emit_source(program: StageProgram, *, header: str = "", seq_len: int | None 
     ``seq_len`` / ``model_inputs``: the plan's tokens per sample and model
     inputs, declared as ``SEQ_LEN`` / ``MODEL_INPUTS`` for the load-time check
     ([Note: plan.json agrees with its stage files] in ``zorse_fx/stage_sources.py``)."""
-    code = program.graph.python_code(root_module="self")
+    forward, block_graphs = _block_graphs(program)
+    blocks = [(b, bg_.python_code(root_module="self")) for b, bg_ in block_graphs]
     count = program.loss_count.python_code(root_module="self") if program.loss_count is not None else None
     imports = {"import torch", *_custom_op_imports(program.graph)}
     bound: dict[str, object] = {}
-    for name, obj in [*code.globals.items(), *(count.globals.items() if count else ())]:
+    for name, obj in [*(kv for _, code in blocks for kv in code.globals.items()),
+                      *(count.globals.items() if count else ())]:
         if bound.setdefault(name, obj) is not obj:
             raise AssertionError(f"codegen: global {name!r} names two objects in stage {program.index}'s source")
         line = _import_line(name, obj)
@@ -387,7 +404,9 @@ def emit_source(program: StageProgram, *, header: str = "", seq_len: int | None 
         lines.append(f"    LOSS_REDUCTION = {p.loss_reduction!r}")
     units = p.param_units()
     lines.append("    #: ZeRO-3 units ([Note: ZeRO-3 units] in zorse_fx/codegen/split.py): per block, the parameters it reads")
-    lines.append("    #: first; forward calls zorse_gather(u) before unit u's first read and zorse_release(u) after its last.")
+    lines.append("    #: first; a block calls zorse_gather(u) before unit u's first read, zorse_release(u) after its last.")
+    lines.append("    #: the blocks of the captured model this stage runs, in order: forward calls block_<b> for each")
+    lines.append(f"    BLOCKS = {[b for b, _ in blocks]!r}")
     lines.append("    UNITS = [")
     lines += [f"        {list(flats)!r}," for flats, _, _ in units]
     lines.append("    ]")
@@ -411,15 +430,99 @@ def emit_source(program: StageProgram, *, header: str = "", seq_len: int | None 
                   "        over the samples: the runtime weights this GPU's loss by its share of the global batch's",
                   '        count ([Note: token-mean losses] in zorse_fx/capture/loss_count.py)."""']
         lines += ["    " + ln if ln.strip() else "" for ln in body_lines.rstrip().splitlines()]
-    body = _with_unit_hooks(code.src.strip("\n"), units)
-    lines += [""] + ["    " + ln if ln.strip() else "" for ln in body.splitlines()]
-    return "\n".join(lines) + "\n"
+    lines += [""] + ["    " + ln if ln.strip() else "" for ln in forward.splitlines()]
+    for b, block_code in blocks:
+        head, body_lines = block_code.src.strip("\n").split("\n", 1)
+        if not head.startswith("def forward(") or not head.endswith(":"):
+            raise AssertionError(f"codegen: unexpected block function head {head!r}")
+        body = _with_unit_hooks(body_lines.rstrip(), units)
+        lines += ["", "    " + head.replace("def forward(", f"def block_{b}(", 1),
+                  f'        """Block {b} of the captured model ([Note: block methods] in '
+                  f'zorse_fx/codegen/split.py)."""']
+        lines += ["    " + ln if ln.strip() else "" for ln in body.splitlines()]
+    source = "\n".join(lines) + "\n"
+    _check_unit_hooks(source, units, p.index)
+    return source
+
+
+def _block_graphs(program: StageProgram) -> tuple[str, list[tuple[int, fx.Graph]]]:
+    """The stage's forward as calls of one graph per block ([Note: block methods]):
+    (the forward's source, indented one level less than in the class, and
+    ``[(b, graph of block b)]`` in order; each block graph's placeholders are the
+    values it reads from outside it, its output the tuple of the values it makes
+    that are read outside it)."""
+    g = program.graph
+    nodes = [n for n in g.nodes if n.op not in ("placeholder", "get_attr", "output")]
+    last = max(program.block_of.values(), default=program.blocks[0])
+    seg: dict[fx.Node, int] = {}
+    nxt = last
+    for n in reversed(nodes):
+        nxt = program.block_of.get(n.name, nxt)
+        seg[n] = nxt
+    prev = program.blocks[0]
+    for n in nodes:  # never back to an earlier block: graph order is kept
+        prev = seg[n] = max(seg[n], prev)
+    order = list(dict.fromkeys(seg[n] for n in nodes))
+    out_node = next(iter(g.find_nodes(op="output")))
+    outputs: dict[int, list[fx.Node]] = {b: [] for b in order}
+    for n in nodes:
+        if any(u is out_node or (u in seg and seg[u] != seg[n]) for u in n.users):
+            outputs[seg[n]].append(n)
+    graphs = []
+    calls = []
+    # The values each call reads for the last time are dropped after it, as fx's own code does ("x = None"):
+    # otherwise the forward would keep every block's output alive until it returns.
+    last_read: dict[str, int] = {}
+    for k, b in enumerate(order):
+        for n in nodes:
+            if seg[n] == b:
+                for a in n.all_input_nodes:
+                    if a.op != "get_attr" and (a.op == "placeholder" or seg[a] != b):
+                        last_read[a.name] = k
+    ret = out_node.args[0]
+    returned = {a.name for a in (ret if isinstance(ret, (tuple, list)) else (ret,)) if isinstance(a, fx.Node)}
+    for k, b in enumerate(order):
+        bg_ = fx.Graph()
+        env: dict[fx.Node, fx.Node] = {}
+        inputs: list[fx.Node] = []
+
+        members = [n for n in nodes if seg[n] == b]
+        inside = set(members)
+        for n in members:  # the placeholders first, in first-read order
+            for a in n.all_input_nodes:
+                if a not in inside and a.op != "get_attr" and a not in env:
+                    inputs.append(a)
+                    env[a] = bg_.placeholder(a.name)
+                    env[a].meta = a.meta
+        for n in members:
+            for a in n.all_input_nodes:
+                if a.op == "get_attr" and a not in env:  # bound just before its first reader in the block
+                    env[a] = bg_.get_attr(a.target)
+                    env[a].meta = a.meta
+            env[n] = bg_.node_copy(n, lambda a: env[a])
+        bg_.output(tuple(env[n] for n in outputs[b]))
+        bg_.lint()
+        graphs.append((b, bg_))
+        outs = [n.name for n in outputs[b]]
+        call = (f"    {', '.join(outs)}{',' if len(outs) == 1 else ''} = "
+                f"self.block_{b}({', '.join(a.name for a in inputs)})" if outs
+                else f"    self.block_{b}({', '.join(a.name for a in inputs)})")
+        dropped = [a.name for a in inputs if last_read.get(a.name) == k and a.name not in returned]
+        calls.append(call + (f";  {' = '.join(dropped)} = None" if dropped else ""))
+    ret_src = (f"({', '.join(a.name for a in ret)}{',' if len(ret) == 1 else ''})" if isinstance(ret, (tuple, list))
+               else ret.name)
+    params = [n.name for n in g.find_nodes(op="placeholder")]
+    forward = "\n".join([f"def forward(self, {', '.join(params)}):" if params else "def forward(self):",
+                         *calls, f"    return {ret_src}"])
+    return forward, graphs
 
 
 def _with_unit_hooks(body: str, units) -> str:
-    """``body`` (fx's forward source) with ``self.zorse_gather(u)`` before the
-    line of unit ``u``'s first reader and ``self.zorse_release(u)`` after the
-    line of its last (see ``StageProgram.param_units``)."""
+    """``body`` (one block method's source, [Note: block methods]) with
+    ``self.zorse_gather(u)`` before the line of unit ``u``'s first reader and
+    ``self.zorse_release(u)`` after the line of its last, where those lines are
+    in this block (a tied weight's unit may be gathered in one block and
+    released in a later one; see ``StageProgram.param_units``)."""
     lines = body.splitlines()
     line_of = {}
     for k, ln in enumerate(lines):
@@ -429,16 +532,24 @@ def _with_unit_hooks(body: str, units) -> str:
     before: dict[int, list[str]] = {}
     after: dict[int, list[str]] = {}
     for u, (_, first, last) in enumerate(units):
-        if first not in line_of or last not in line_of:
-            raise AssertionError(f"codegen: no line assigns {first!r} / {last!r} (ZeRO-3 unit {u})")
-        before.setdefault(line_of[first], []).append(f"    self.zorse_gather({u})")
-        after.setdefault(line_of[last], []).append(f"    self.zorse_release({u})")
+        if first in line_of:
+            before.setdefault(line_of[first], []).append(f"    self.zorse_gather({u})")
+        if last in line_of:
+            after.setdefault(line_of[last], []).append(f"    self.zorse_release({u})")
     out = []
     for k, ln in enumerate(lines):
         out += before.get(k, [])
         out.append(ln)
         out += after.get(k, [])
     return "\n".join(out)
+
+
+def _check_unit_hooks(source: str, units, index: int) -> None:
+    """Every ZeRO-3 unit of stage ``index`` gathered once and released once in ``source``."""
+    for u in range(len(units)):
+        for hook in ("gather", "release"):
+            if source.count(f"self.zorse_{hook}({u})\n") != 1:
+                raise AssertionError(f"codegen: stage {index}'s ZeRO-3 unit {u} has no single zorse_{hook} line")
 
 
 def load_stage_class(path: str | Path, index: int) -> type[torch.nn.Module]:

@@ -21,6 +21,13 @@ Its terms are the field's standard ones:
 - ``activations``: where the tensors autograd saves between a micro-batch's
   forward and its backward live: "device" or "host" (activation offload,
   [C-act-offload]). "host" goes without recomputation and without ZeRO-2/3.
+- ``stash``: where a recomputing stage keeps what it needs between a
+  micro-batch's forward and its backward: "device" = the stage's inputs, on
+  the GPU, the whole stage re-run at once ([C-recompute]); "host" = each
+  block's inputs, in host memory, each block re-run on its own in the
+  backward (Zorse's recomputation, [C-stash]; [Note: host-stashed
+  recomputation] in ``runtime/block_stash.py``). "host" needs
+  ``recompute``, and goes without ZeRO-2/3 and activation offload.
 
 The working weights' dtype is plan-wide, not per stage: ``Decision.precision``
 and ``Plan.precision`` (``zorse_fx/precision.py``); nothing chooses it per
@@ -52,7 +59,8 @@ class StageMemory:
 
     Raises ValueError naming the field and the value: ``zero`` not an int in
     0..3, ``recompute`` not a bool, a placement not "device" / "host",
-    ``activations="host"`` with recomputation or with ``zero`` >= 2."""
+    ``activations="host"`` with recomputation or with ``zero`` >= 2, ``stash="host"`` without
+    recomputation or with ``zero`` >= 2 or ``activations="host"``."""
 
     #: 0 replicated, 1 ZeRO-1 (optimizer state sharded), 2 ZeRO-2 (+ gradients), 3 ZeRO-3 (+ working weights).
     zero: int = 0
@@ -62,6 +70,8 @@ class StageMemory:
     optimizer: Placement = "device"
     #: "device", or "host" = activation offload.
     activations: Placement = "device"
+    #: A recomputing stage's stash: "device" (its inputs), or "host" (each block's inputs, in host memory).
+    stash: Placement = "device"
 
     def __post_init__(self) -> None:
         zero = self.zero
@@ -79,10 +89,15 @@ class StageMemory:
         if self.recompute not in (True, False):
             raise ValueError(f"StageMemory.recompute={self.recompute!r}: use True or False")
         object.__setattr__(self, "recompute", bool(self.recompute))
-        for name in ("optimizer", "activations"):
+        for name in ("optimizer", "activations", "stash"):
             if getattr(self, name) not in PLACEMENTS:
                 raise ValueError(f"StageMemory.{name}={getattr(self, name)!r}: use 'device' or 'host'")
         if self.activations == "host" and (self.recompute or zero >= 2):
             other = "recompute=True" if self.recompute else f"zero={zero}"
             raise ValueError(f"StageMemory(activations='host', {other}): activation offload goes without "
                              f"recomputation and ZeRO-2/3")
+        if self.stash == "host" and not (self.recompute and zero <= 1 and self.activations == "device"):
+            other = ("recompute=False" if not self.recompute else f"zero={zero}" if zero > 1
+                     else "activations='host'")
+            raise ValueError(f"StageMemory(stash='host', {other}): host-stashed block inputs need recompute=True, "
+                             f"and go without ZeRO-2/3 and activation offload")

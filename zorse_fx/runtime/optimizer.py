@@ -434,6 +434,8 @@ class StageOptimizer:
                 # [Note: activation offload]: bytes of saved tensors moved to host memory so far
                 "activation_offload": self.stage.act_offload.summary() if self.stage.act_offload is not None
                 else None,
+                # [Note: host-stashed recomputation]: block inputs moved to host memory, blocks re-run
+                "block_stash": self.stage.block_stash.summary() if self.stage.block_stash is not None else None,
                 "stage_elements": self.stage_elements, "owned_range": owned_range, "owned_elements": owned,
                 "optimizer_state_bytes": sum(by_dtype.values()),
                 "master_bytes": sum(d["master_bytes"] for d in buffers), "buffers": buffers,

@@ -194,6 +194,13 @@ class StageRuntime:
         #: ``StagePlan.offload_activations``: the hooks that keep saved tensors in host memory
         #: ([Note: activation offload] in act_offload.py); built at the first recorded forward.
         self.act_offload = None
+        #: ``StagePlan.stash_on_host``: the wrapper of the block methods that keeps only their inputs, in host
+        #: memory ([Note: host-stashed recomputation] in block_stash.py); None otherwise.
+        self.block_stash = None
+        if self.memory.stash == "host":
+            from .block_stash import BlockStash
+
+            self.block_stash = BlockStash(self.module, self.device)
 
     def _recorded(self):
         """The context of a forward autograd records: under ZeRO-3 the saved working weights are
@@ -358,7 +365,7 @@ class StageRuntime:
         Returns (the weighted loss ``l_{g,m} w_{g,m}``, a 0-dim float32 tensor
         on the last stage, else None; one packed buffer per out-route)."""
         last = self.next is None
-        recompute = self.memory.recompute
+        recompute = self.memory.recompute and self.block_stash is None  # (host-stashed: block by block)
         inputs = self._inputs(m, batch)
         recv = [t.to(torch_dtype(spec)) for t, spec in
                 zip(self._unpack_rows(self.recv_wire, self.in_routes, received), self.recv_specs, strict=True)
@@ -373,6 +380,8 @@ class StageRuntime:
                 out = self.module(*inputs, *recv)
             self._stash[m] = (inputs, recv, rng)
         else:
+            if self.block_stash is not None:
+                self.block_stash.start_forward()
             with self._recorded():
                 out = self.module(*inputs, *recv)
             self._stash[m] = (recv, out if last else list(out))
@@ -389,10 +398,11 @@ class StageRuntime:
         """Backward of micro-batch ``m``. ``received``: one packed gradient
         buffer per out-route; returns one per in-route."""
         last = self.next is None
+        whole = self.memory.recompute and self.block_stash is None  # whole-stage recomputation
         if last and not self.loss_weights[m]:  # no counted token: nothing to back-propagate, zero gradients
-            recv = self._stash.pop(m)[1 if self.memory.recompute else 0]
+            recv = self._stash.pop(m)[1 if whole else 0]
             out = None
-        elif self.memory.recompute:
+        elif whole:
             inputs, recv, rng = self._stash.pop(m)
             for t in recv:
                 if t.is_floating_point():

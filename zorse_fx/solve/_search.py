@@ -178,15 +178,15 @@ def outside_model(options: PlanOptions) -> tuple[str, ...]:
     ([Note: memory flags] in zorse_fx/options.py: ``grad_sharding="always"`` asks for
     ZeRO-2 on every stage of two or more GPUs, ``offload="always"`` for offload on
     every stage.)"""
-    return tuple(f"{name}='always'" for name in ("grad_sharding", "param_sharding", "offload", "activation_offload")
-                 if getattr(options, name) == "always")
+    return tuple(f"{name}='always'" for name in ("grad_sharding", "param_sharding", "offload", "activation_offload",
+                                                 "stash") if getattr(options, name) == "always")
 
 
 def in_model(decision) -> bool:
     """Whether the CP-SAT candidate models can express ``decision``'s memory
-    policy: no ZeRO-2/3 and no offload ([Note: ZeRO-2 outside CP-SAT] in
-    portfolio.py), one stage per GPU group."""
-    return decision.interleave == 1 and all(m.zero < 2 and m.optimizer == m.activations == "device"
+    policy: no ZeRO-2/3, no offload and no host-stashed recomputation ([Note:
+    ZeRO-2 outside CP-SAT] in portfolio.py), one stage per GPU group."""
+    return decision.interleave == 1 and all(m.zero < 2 and m.optimizer == m.activations == m.stash == "device"
                                             for m in decision.memory)
 
 

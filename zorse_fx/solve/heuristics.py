@@ -54,7 +54,7 @@ from ..ir.devices import DeviceGraph
 from ..ir.memory import StageMemory
 from ..ir.result import Candidate, SolverResult
 from ..options import PlanOptions
-from ..solve.memory_policy import uniform_memory
+from ..solve.memory_policy import stash_units, uniform_memory
 from ..solve.objective import (
     MIB_UNITS,
     UNIT_S,
@@ -116,6 +116,9 @@ def stage_fits(tab, s: int, n_s: int, i: int, j: int, groups, *, memory: StageMe
     a = tab.act_prefix[j] - tab.act_prefix[i]
 
     def act(n):  # with [Note: gradient transients] (state_terms.py)
+        if memory.stash == "host":  # [C-stash]: its device part (host memory is the offload checks')
+            dev = stash_units(tab, s, n_s, i, j, n)[0]
+            return dev + transient_kib(tab, i, j, 1, dev)
         return stage_act_kib(tab, s, n_s, i, j, n, recompute=memory.recompute) + transient_kib(tab, i, j, n, a)
 
     if not memory.zero or sum(c for _, c in groups) < 2:
@@ -272,6 +275,25 @@ class StageMatrices:
         a = np.asarray(p, dtype=np.int64)
         return a[None, :] - a[:, None]
 
+    @functools.cached_property
+    def stash(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """[C-stash]'s (kept, peak, inputs) KiB per sample of a stage over [i, j), as
+        ``memory_policy.stash_units``: cut_i + cut_j; max_k A_k + 2 max_k cut_k; sum_k cut_k (k in [i, j))."""
+        tab, nb = self.tab, self.nb
+        cut = np.asarray(tab.cut_kib, dtype=np.int64)
+        act = np.diff(np.asarray(tab.act_prefix, dtype=np.int64))
+        peak = np.zeros((nb + 1, nb + 1), dtype=np.int64)
+        for i in range(nb):
+            peak[i, i + 1:] = np.maximum.accumulate(act[i:]) + 2 * np.maximum.accumulate(cut[i:nb])
+        return cut[:, None] + cut[None, :], peak, self.pre(np.concatenate([[0], np.cumsum(cut[:nb])]))
+
+    def stash_kib(self, n: int, fl: int) -> np.ndarray:
+        """[C-stash]: device KiB of a GPU with ``n`` samples, ``fl`` micro-batches in flight, with the
+        transients beyond it (as ``objective``'s), for every (i, j)."""
+        kept, peak, _ = self.stash
+        dev = n * (fl * kept + peak)
+        return dev + np.maximum(0, self.gtr - dev)
+
     def act_kib(self, n: int, fl: int, not_first: bool, recompute: bool) -> np.ndarray:
         """Activation KiB of a GPU with ``n`` samples (``stage_act_kib``), ``fl``
         micro-batches in flight, for every (i, j)."""
@@ -317,6 +339,8 @@ class StageMatrices:
         activations on the GPU, [C-act-offload]); its optimizer placement is
         not read (``stage_dp``'s offload check)."""
         def act(n):  # with [Note: gradient transients]
+            if policy.stash == "host":  # [C-stash]
+                return self.stash_kib(n, fl)
             return (n * self.act if policy.activations == "host"
                     else self.act_kib(n, fl, not_first, policy.recompute)) + self.transient(n)
 
@@ -381,7 +405,7 @@ class Selector:
             key = (0 if ok else 1, u.step)
             if best is None or key < best[0]:
                 best = (key, pol)
-            if (all(m.zero < 2 and m.optimizer == m.activations == "device" for m in pol.memory)
+            if (all(m.zero < 2 and m.optimizer == m.activations == m.stash == "device" for m in pol.memory)
                     and (plain is None or key < plain[0])):
                 plain = (key, pol)
         s_m = (len(blocks), m)

@@ -26,9 +26,12 @@ new micro-batch size by largest remainder):
    result must beat), fitting memory or not, is recorded at its start, not
    searched (a deterministic skip: the order and the scores depend on the
    inputs alone);
-3. memory policy: the group's flags as in the plan, and with recomputation
+3. memory policy: the group's flags as in the plan, with recomputation
    on every group when ``options.recompute`` allows it (interleaving keeps
-   more micro-batch chunks in flight than 1F1B).
+   more micro-batch chunks in flight than 1F1B), and with host-stashed
+   recomputation on every group ([C-stash]: the chunks' block inputs wait in
+   host memory, so a chunk in flight costs the GPU only its boundary
+   tensors) where ``options.stash`` allows it and the GPUs have host memory.
 
 The best interleaved decision replaces the plan when the objective scores it
 faster and it fits; its bound is the smaller of the plan's bound and the
@@ -218,13 +221,7 @@ def interleave_search(costs: BlockCosts, devices: DeviceGraph, options: PlanOpti
         return None, ()  # an offloaded plan is a last resort for memory; interleaving only adds to it
     gbs = options.global_batch_size
     groups = d.stage_gpus
-    # Each group keeps the base's state layout (its ZeRO level) on all of its stages.
-    zeros = tuple(mem.zero for mem in d.memory)
-    policies = [tuple(mem.recompute for mem in d.memory)]
-    if options.recompute in ("auto", "always") and not all(policies[0]):
-        policies.append((True,) * p_count)
-    if options.recompute == "never":
-        policies = [(False,) * p_count]
+    policies = _policies(devices, options, d)
     # Every (M, v, policy) is scored at its min-max cuts first; the local search then runs
     # in order of that score and skips a try whose score is LOCAL_SEARCH_SLACK x the best
     # step found ([Note: interleave search]).
@@ -235,11 +232,11 @@ def interleave_search(costs: BlockCosts, devices: DeviceGraph, options: PlanOpti
             if p_count * v > costs.num_blocks:
                 break
             stage_gpus, samples = groups * v, shares * v
-            for rc in policies:
+            for memory in policies:
+                rc = tuple(mem.recompute for mem in memory)
                 cuts = _Cutter(tab, groups, shares, v, rc).min_max()
                 if cuts is None:
                     continue
-                memory = tuple(StageMemory(zero=z, recompute=r) for z, r in zip(zeros, rc))
                 args = (stage_gpus, samples, memory * v, v)
                 key, *_ = _score(tab, cuts, *args)
                 out.append((key, v, rc, cuts, args))
@@ -295,6 +292,25 @@ def interleave_search(costs: BlockCosts, devices: DeviceGraph, options: PlanOpti
                                            f"{with_safety_stop(base.status, 0)}+INTERLEAVED", base.wall_clock_stops),
                                        best_bound=base.best_bound)
     return res, tuple(tried)
+
+
+def _policies(devices: DeviceGraph, options: PlanOptions, d: Decision) -> list[tuple[StageMemory, ...]]:
+    """The per-group memory policies the search tries (step 3 of [Note: interleave search]), each group's
+    on all of its stages: the base's own; recomputation on every group (the base's ZeRO levels) where
+    ``options.recompute`` allows it and the base does not already; and host-stashed recomputation on every
+    group ([C-stash]: ZeRO-2/3 groups as ZeRO-1) where ``options.stash`` allows it and every GPU of the
+    groups has host memory. Each honours the flags' "always" ([Note: memory flags])."""
+    base = tuple(d.memory)
+    policies = [base]
+    if options.recompute != "never" and not all(mem.recompute for mem in base):
+        policies.append(tuple(StageMemory(zero=mem.zero, recompute=True) for mem in base))
+    host = devices.host_memory_bytes or ()
+    if options.stash != "never" and options.recompute != "never" and not all(mem.stash == "host" for mem in base) \
+            and host and all(host[g] > 0 for gs in d.stage_gpus for g in gs):
+        policies.append(tuple(StageMemory(zero=min(mem.zero, 1), recompute=True, stash="host") for mem in base))
+    return [p for p in policies
+            if (options.recompute != "always" or all(m.recompute for m in p))
+            and (options.stash != "always" or all(m.stash == "host" for m in p))]
 
 
 def base_makespan_s(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions, base: SolverResult) -> float:

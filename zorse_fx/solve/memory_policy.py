@@ -17,7 +17,7 @@ from ..options import SCHEDULES
 from .state_terms import gathered_weight_kib, grad_shard_kib, stage_host_kib, stage_state_kib, transient_kib
 from .tables import MIB_UNITS, IntTables
 
-__all__ = ["inflight", "MemoryPolicy", "act_units", "act_host_units", "act_xfer_units", "balance_shards",
+__all__ = ["inflight", "MemoryPolicy", "act_units", "act_host_units", "act_xfer_units", "stash_units", "balance_shards",
            "sharded_state_kib", "offload_device_kib", "fill_policy", "uniform_memory"]
 
 
@@ -57,7 +57,8 @@ def uniform_memory(options, stage_gpus, variant: tuple[StageMemory, ...]) -> tup
     ``options`` (a ``PlanOptions``) asks on top ([Note: memory flags] in
     ``zorse_fx/options.py``): ZeRO-2, and ZeRO-3 on it, on every sharded stage
     of >= 2 GPUs; optimizer offload on every stage; activation offload on
-    every stage without recomputation or ZeRO-2. The baselines' uniform
+    every stage without recomputation or ZeRO-2; host-stashed recomputation on
+    every recomputing stage without ZeRO-2. The baselines' uniform
     variants take them (``heuristics.Selector.add``), so a baseline's plan
     honours the flags as the stage DP's do."""
     out = []
@@ -66,8 +67,10 @@ def uniform_memory(options, stage_gpus, variant: tuple[StageMemory, ...]) -> tup
         if zero and len(gpus) >= 2 and options.grad_sharding == "always":
             zero = 3 if options.param_sharding == "always" else 2
         host_acts = options.activation_offload == "always" and not rc and zero < 2
+        stash = options.stash == "always" and rc and zero < 2
         out.append(StageMemory(zero=zero, recompute=bool(rc), optimizer="host" if options.offload == "always"
-                               else "device", activations="host" if host_acts else "device"))
+                               else "device", activations="host" if host_acts else "device",
+                               stash="host" if stash else "device"))
     return tuple(out)
 
 
@@ -79,6 +82,21 @@ def act_units(tab: IntTables, s: int, n_s: int, i: int, n: int, a: int, *, recom
         return n * a
     fl = inflight(tab.schedule, n_s, s, tab.num_microbatches)
     return n * (fl * (tab.cut_kib[i] if s > 0 else 0) + a) if recompute else fl * n * a
+
+
+def stash_units(tab: IntTables, s: int, n_s: int, i: int, j: int, n: int) -> tuple[int, int, int]:
+    """[C-stash]: (device KiB, host KiB, the blocks' input KiB per sample) of a GPU with n samples on stage s
+    over blocks [i, j) that recomputes with host-stashed block inputs. Device: per micro-batch in flight the
+    stage's received tensors and its outputs (cut_i + cut_j: the cuts at 0 and B are empty), and in the
+    backward one micro-batch's largest block's activations and two of its largest block inputs (the block
+    re-run and the one before it, fetched ahead); host: every block's inputs of every micro-batch in flight
+    (the cuts into its blocks, sum cut_k over k in [i, j): a value read two blocks on counted at both cuts,
+    an upper bound)."""
+    fl = inflight(tab.schedule, n_s, s, tab.num_microbatches)
+    cut, act = tab.cut_kib, tab.act_prefix
+    inputs = sum(cut[i:j])
+    peak = max(act[k + 1] - act[k] for k in range(i, j)) + 2 * max(cut[i:j])
+    return n * (fl * (cut[i] + cut[j]) + peak), fl * n * inputs, inputs
 
 
 def act_host_units(tab: IntTables, s: int, n_s: int, n: int, a: int) -> int:
@@ -173,15 +191,23 @@ def _stage_shards(tab: IntTables, s: int, n_s: int, blocks: tuple[int, int], gpu
     host_acts = mem.activations == "host"
 
     def device_free(g, n):  # KiB of GPU g left after the replicated state, the activations and the transients
+        if mem.stash == "host":  # [C-stash]
+            dev = stash_units(tab, s, n_s, i, j, n)[0]
+            return tab.cap_bytes[g] - rep - dev - transient_kib(tab, i, j, 1, dev)
         return tab.cap_bytes[g] - rep - act_units(tab, s, n_s, i, n, a, recompute=mem.recompute,
                                                   offload=host_acts) - transient_kib(tab, i, j, n, a)
+
+    def host_held(n):  # host KiB of the activations a GPU with n samples offloads or stashes
+        if mem.stash == "host":
+            return stash_units(tab, s, n_s, i, j, n)[1]
+        return act_host_units(tab, s, n_s, n, a) if host_acts else 0
 
     if mem.optimizer == "host":  # the shards' optimizer part in host memory, H_s / N_s KiB of it per KiB of shard
         host, cap = stage_host_kib(tab, i, j), tab.host_cap or (0,) * tab.num_gpus
         q = stage_state_kib(tab, i, j)[1]
         free = []
         for g, n in zip(gpus, samples):
-            f = max(0, cap[g] - (act_host_units(tab, s, n_s, n, a) if host_acts else 0)) * need // max(host, 1)
+            f = max(0, cap[g] - host_held(n)) * need // max(host, 1)
             if need > q:  # ZeRO-2/3: the rest of the shard on the GPU
                 f = min(f, max(0, device_free(g, n)) * need // (need - q))
             free.append(f // MIB_UNITS)

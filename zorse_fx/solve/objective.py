@@ -20,6 +20,22 @@ rc_s = recompute, of_s = optimizer "host", ao_s = activations "host"):
         stages with >= 2 GPUs)                                        [C-shard]
   rc_s  stage-level recomputation: keep only the stage's inputs per in-flight
         micro-batch, re-run the forward before each backward          [C-recompute]
+  st_s  host-stashed recomputation (only where rc_s, not with gs_s nor ao_s;
+        ``PlanOptions.stash``; ``StageMemory.stash`` "host", Zorse's): each
+        block's inputs go to host memory in the forward, and back block by block
+        in the backward, each block re-run on its own ([Note: host-stashed
+        recomputation] in runtime/block_stash.py). Memory
+        (``memory_policy.stash_units``): memory_g holds, per micro-batch in
+        flight, n_g (X_s + X_{s+1}) (the received tensors and the outputs the
+        runtime keeps; X_0 = X_S = 0), and n_g (max_b A_b + 2 max_b X_b) once
+        (one block's activations, its inputs and the previous block's,
+        fetched ahead), in place of [C-recompute]'s; host_g += inflight_s n_g
+        I_s, I_s = the blocks' input bytes per sample (X_b, b in the stage, the
+        first stage's first not counted: token ids) ([C-host-memory]). Time:
+        compute_g += 2 n_g I_s / host link_g (down and back), as
+        [C-act-offload]'s: not overlapped with compute (an upper bound: on a
+        GPU the runtime copies on a side stream). Not in the CP-SAT
+        model                                                        [C-stash]
   gs_s  ZeRO-2 (only where sh_s; ``PlanOptions.grad_sharding``): the stage's
         float32 gradients sharded too, every micro-batch's reduce-scattered
         into the shards ([Note: sharded gradients] in runtime/grad_sync.py).
@@ -277,6 +293,7 @@ from .memory_policy import (  # noqa: F401
     act_host_units,
     act_units,
     act_xfer_units,
+    stash_units,
     balance_shards,
     fill_policy,
     inflight,
@@ -308,6 +325,7 @@ __all__ = [
     "max_stage_count", "inflight", "IntTables", "build_tables", "Evaluation",
     "evaluate", "evaluate_units", "balance_shards", "MIB_UNITS", "evaluate_result",
     "MemoryPolicy", "offload_device_kib", "prepare", "policy_decision", "act_units", "act_host_units", "act_xfer_units",
+    "stash_units",
     "effective_pair_bandwidth", "ring_units", "tied_terms", "bucket_count", "GRAD_BUCKET_BYTES_PER_PARAM",
     "BUCKET_UNIT_BYTES", "drain_offsets", "LAST_BUCKET_RESOLUTION", "sharded_state_kib",
 ]
@@ -455,6 +473,8 @@ def _compute_terms(tab: IntTables, t: _Terms, i: int, j: int, gpus, ns, mem) -> 
     its recomputation and [C-act-offload]'s transfers."""
     a = tab.act_prefix[j] - tab.act_prefix[i]
     rc, ao = mem.recompute, mem.activations == "host"
+    # [C-stash]: the blocks' inputs down to host memory and back, as [C-act-offload]'s transfers
+    moved = stash_units(tab, 0, 1, i, j, 0)[2] if mem.stash == "host" else a if ao else 0
 
     def forward(g, n, e=j):  # the forward of GPU g over blocks [i, e)
         q = tab.gpu_types[g]
@@ -470,7 +490,7 @@ def _compute_terms(tab: IntTables, t: _Terms, i: int, j: int, gpus, ns, mem) -> 
             - tab.fixed_prefix[q][i] + rerun(g, n, e)
 
     # (compute, its re-run, [C-act-offload]'s transfers down and back)
-    per_gpu = [(work(g, n, j), rerun(g, n, j), act_xfer_units(tab, g, n, a) if ao else 0)
+    per_gpu = [(work(g, n, j), rerun(g, n, j), act_xfer_units(tab, g, n, moved) if moved else 0)
                for g, n in zip(gpus, ns)]
     t.comp.append(max(w + x for w, _, x in per_gpu))
     # GPipe's period: 3 x the forward (BlockCosts' forward part, the re-run table), 3 x the backward
@@ -479,8 +499,9 @@ def _compute_terms(tab: IntTables, t: _Terms, i: int, j: int, gpus, ns, mem) -> 
     fwd = [forward(g, n) for g, n in zip(gpus, ns)]
     t.fwd3.append(max(3 * f + 3 * x // 2 for f, (_, _, x) in zip(fwd, per_gpu)))
     t.bwd3.append(max(3 * (w - f) + 3 * x - 3 * x // 2 for f, (w, _, x) in zip(fwd, per_gpu)))
-    t.comp_head.append(max(work(g, n, j - 1) + (act_xfer_units(tab, g, n, tab.act_prefix[j - 1] - tab.act_prefix[i])
-                                                if ao else 0) for g, n in zip(gpus, ns)))  # cmax-_s
+    head = tab.act_prefix[j - 1] - tab.act_prefix[i] if ao else moved  # ([C-stash]: all of it, an upper bound)
+    t.comp_head.append(max(work(g, n, j - 1) + (act_xfer_units(tab, g, n, head) if head else 0)
+                           for g, n in zip(gpus, ns)))  # cmax-_s
 
 
 def _boundary_terms(tab: IntTables, t: _Terms, j: int, here, nxt, pair_cache: dict | None) -> None:
@@ -559,6 +580,9 @@ def _state_terms(tab: IntTables, t: _Terms, s: int, n_s: int, i: int, j: int, gp
     state, shard = stage_state_kib(tab, i, j)  # [C-tied]: a tied parameter once per stage
 
     def held(n):  # the activations and transients of a GPU with n samples ([Note: gradient transients])
+        if mem.stash == "host":  # [C-stash]: the transients beyond what the stash and one block's activations hold
+            dev = stash_units(tab, s, n_s, i, j, n)[0]
+            return dev + transient_kib(tab, i, j, 1, dev)
         return act_units(tab, s, n_s, i, n, a, recompute=rc, offload=ao) + transient_kib(tab, i, j, n, a)
 
     if mem.optimizer == "host":  # [C-offload]: Q_s (the shards) in host memory, the step over the host link and CPU
@@ -587,6 +611,8 @@ def _state_terms(tab: IntTables, t: _Terms, s: int, n_s: int, i: int, j: int, gp
         t.host.append((0,) * len(gpus))
     if ao:  # [C-act-offload]: every micro-batch in flight in host memory
         t.host[s] = tuple(h + act_host_units(tab, s, n_s, n, a) for h, n in zip(t.host[s], ns))
+    if mem.stash == "host":  # [C-stash]: every block input of every micro-batch in flight in host memory
+        t.host[s] = tuple(h + stash_units(tab, s, n_s, i, j, n)[1] for h, n in zip(t.host[s], ns))
 
 
 def _pipeline_step(tab: IntTables, t: _Terms, stage_blocks, pol: MemoryPolicy, stage, tied) -> int:
@@ -656,7 +682,7 @@ def prepare(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions,
 
 def mode_violations(options: PlanOptions, stage_gpus, pol: MemoryPolicy) -> list[str]:
     """Breaches of the memory flags (``options.sharding``, ``grad_sharding``,
-    ``param_sharding``, ``offload``, ``activation_offload``, ``recompute``) by a
+    ``param_sharding``, ``offload``, ``activation_offload``, ``stash``, ``recompute``) by a
     policy, read as [Note: memory flags] in ``zorse_fx/options.py`` says: "never",
     no stage; "always", every stage (the ZeRO levels: every stage of >= 2 GPUs)."""
     bad = []
@@ -667,6 +693,7 @@ def mode_violations(options: PlanOptions, stage_gpus, pol: MemoryPolicy) -> list
                  (mem.zero == 3, "param_sharding", "sharded parameters (ZeRO-3)", True),
                  (mem.optimizer == "host", "offload", "optimizer offload", False),
                  (mem.activations == "host", "activation_offload", "activation offload", False),
+                 (mem.stash == "host", "stash", "host-stashed recomputation", False),
                  (mem.recompute, "recompute", "recomputation", False))
         for on, name, what, zero in flags:
             mode = getattr(options, name)

@@ -95,7 +95,7 @@ import functools
 
 import numpy as np
 
-from .objective import StageUnits, act_units, bucket_count
+from .objective import StageUnits, act_units, bucket_count, inflight, stash_units
 
 __all__ = ["forward_units", "program_ends", "group_sync_units", "interleaved_units"]
 
@@ -408,6 +408,14 @@ def _interleaved_memory(tab, stage_blocks, stage_gpus, samples, pol, *, v, mem) 
                 i, j = stage_blocks[s]
                 a = tab.act_prefix[j] - tab.act_prefix[i]
                 sm = pol.memory[s]
+                if sm.stash == "host":  # [C-stash]: the received and sent tensors held, one block re-run in B
+                    own, _, _ = stash_units(tab, s, n_s, i, j, n)
+                    kept = n * (tab.cut_kib[i] + tab.cut_kib[j])
+                    peak = own - inflight(tab.schedule, n_s, s, tab.num_microbatches) * kept
+                    state += mem[s][k] - own
+                    held.append(kept)
+                    rerun.append(peak)
+                    continue
                 own = act_units(tab, s, n_s, i, n, a, recompute=sm.recompute, offload=sm.activations == "host")
                 state += mem[s][k] - own
                 if sm.activations == "host":  # [C-act-offload]: none held between F and B, one micro-batch's in B

@@ -110,14 +110,23 @@ def neighbours(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions, d:
             split = tuple(n - (a == src) + (a == dst) for a, n in enumerate(ns))
             yield _with_split(d, p, split)
     zeros, recomputes = _zero_levels(options), _RECOMPUTE[options.recompute]
+    host = devices.host_memory_bytes or ()
     for s in range(n_s):  # 3. memory
         mem = d.memory[s]
+        # [C-stash] where the options allow it and every GPU of the stage has host memory
+        stashes = ("device",) + (("host",) if options.stash != "never" and host
+                                 and all(host[g] > 0 for g in d.stage_gpus[s]) else ())
         for zero in zeros:
             if zero and len(d.stage_gpus[s]) < 2:
                 continue
             for rc in recomputes:
-                if (zero, rc) != (mem.zero, mem.recompute):
-                    memory = d.memory[:s] + (dataclasses.replace(mem, zero=zero, recompute=rc),) + d.memory[s + 1:]
+                for st in stashes:
+                    if (zero, rc, st) == (mem.zero, mem.recompute, mem.stash) or (
+                            st == "host" and (not rc or zero >= 2 or mem.activations == "host")) or (
+                            mem.activations == "host" and (rc or zero >= 2)):
+                        continue  # (the same policy, or one StageMemory refuses)
+                    memory = d.memory[:s] + (dataclasses.replace(mem, zero=zero, recompute=rc, stash=st),) \
+                        + d.memory[s + 1:]
                     yield dataclasses.replace(d, memory=memory, shard_mib=None)
     gbs, m = options.global_batch_size, d.num_microbatches  # 4. micro-batches
     from .objective import microbatch_candidates

@@ -141,19 +141,21 @@ def grad_variants(options: PlanOptions) -> tuple[StageMemory, ...]:
     modes = {"never": (False,), "auto": (False, True), "always": (True,)}
     place = {False: "device", True: "host"}
     return tuple(StageMemory(zero=3 if ps else 2 if gs else v.zero, recompute=v.recompute, optimizer=place[of],
-                             activations=place[ao])
+                             activations=place[ao], stash=place[st])
                  for v in memory_variants(options)
                  for gs in (modes[options.grad_sharding] if v.zero else (False,))
                  for ps in (modes[options.param_sharding] if gs else (False,))
                  for of in modes[options.offload]
-                 for ao in ((False,) if gs or v.recompute else modes[options.activation_offload]))
+                 for ao in ((False,) if gs or v.recompute else modes[options.activation_offload])
+                 for st in (modes[options.stash] if v.recompute and not gs else (False,)))
 
 
 def _level(variant: StageMemory) -> int:
-    """The stage DP pass a variant joins: 0 (neither ZeRO-2 nor offload), 1 (ZeRO-2), 2 (an offload)."""
+    """The stage DP pass a variant joins: 0 (neither ZeRO-2 nor offload), 1 (ZeRO-2, or host-stashed
+    recomputation: a way to recompute that holds less, [C-stash]), 2 (an offload)."""
     if variant.optimizer == "host" or variant.activations == "host":
         return 2  # (ZeRO-2 with offload: 2)
-    return 1 if variant.zero >= 2 else 0
+    return 1 if variant.zero >= 2 or variant.stash == "host" else 0
 
 
 def _units(devices: DeviceGraph, tab, speeds, order: str) -> list[tuple[int, ...]]:
@@ -253,6 +255,7 @@ class _Stages(StageMatrices):
                     for q, p in enumerate(tab.opt_prefix)]
         # [C-grad-shard] / [C-param-shard] variants: their layouts are ``StageMatrices.zero23``.
         self.zero23_used = any(v.zero >= 2 for v in variants)
+        self.stash_used = any(v.stash == "host" for v in variants)
         self.nblocks = np.maximum(jj - ii, 1)
         # [C-allreduce]'s bucket count nb of blocks [i, j) (objective.bucket_count, vectorised;
         # tied exclusions are not known per stage here, as for the all-reduce term above).
@@ -325,15 +328,19 @@ class _Stages(StageMatrices):
         # [C-offload]: each GPU's host capacity and the step's time over its host state (per GPU, as
         # the objective: a replicated stage's whole H, a sharded one's ~H / k).
         hcap = tuple(tab.host_cap[g] for g in gpus) if tab.host_cap else ()
-        opt_of = ao_x = None
+        opt_of = ao_x = st_x = None
         if self.host is not None and hcap and min(hcap) > 0:
             off = max(tab.off_per_mib[g] for g in gpus)
             opt_of = (-(-off * self.host // MIB_UNITS), -(-off * -(-self.host // k) // MIB_UNITS))
             # [C-act-offload]: the slowest GPU's activations down and back per micro-batch
             ao_x = np.max([-(-n * self.act * tab.act_per_mib[g] // MIB_UNITS) for g, n in zip(gpus, ns)], axis=0)
+            if self.stash_used:  # [C-stash]: the blocks' inputs down and back
+                inputs = self.stash[2]
+                st_x = np.max([-(-n * inputs * tab.act_per_mib[g] // MIB_UNITS) for g, n in zip(gpus, ns)], axis=0)
         out = {"gpus": gpus, "samples": ns, "comp": comp, "comp_rc": comp_rc, "ar": ar, "arsh": arsh, "zr": zr,
                "zr3": zr3, "gpass": gpass, "opt": opt, "opt_sh": opt_sh, "opt_gs": opt_gs, "opt_ps": opt_ps,
                "bnd": bnd[None, :], "mem": mem, "k": k, "cost": {}, "hcap": hcap, "opt_of": opt_of, "ao_x": ao_x,
+               "st_x": st_x,
                "fits": {}}
         self.terms[key] = out
         return out
@@ -356,8 +363,8 @@ class _Stages(StageMatrices):
         else:  # this level's variants on top of the lower ones' (ties: the lower one)
             best, arg = self.cost(u0, u1, s, n_s, level - 1)
         for v, variant in enumerate(self.variants):
-            of, ao = variant.optimizer == "host", variant.activations == "host"
-            if _level(variant) != level or ((of or ao) and g["opt_of"] is None):
+            of, ao, st = variant.optimizer == "host", variant.activations == "host", variant.stash == "host"
+            if _level(variant) != level or ((of or ao or st) and g["opt_of"] is None):
                 continue
             fk = (fl, s > 0, v)  # what fits does not depend on the stage count: shared over n_s
             terms = g["fits"].get(fk)
@@ -365,9 +372,9 @@ class _Stages(StageMatrices):
                 if g["k"] < 2 and variant.zero:  # a one-GPU stage: nothing sharded
                     variant = dataclasses.replace(variant, zero=0)
                 sh, rc, gs, ps = variant.zero >= 1, variant.recompute, variant.zero >= 2, variant.zero == 3
-                fits = (self._fits_offload(g, fl, s > 0, variant) if of or ao
+                fits = (self._fits_offload(g, fl, s > 0, variant) if of or ao or st
                         else self.fits(g["mem"], fl, s > 0, variant)) & self.valid
-                t = (g["comp_rc"] if rc else g["comp"]) + g["bnd"] + (g["ao_x"] if ao else 0)
+                t = (g["comp_rc"] if rc else g["comp"]) + g["bnd"] + (g["ao_x"] if ao else g["st_x"] if st else 0)
                 if ps:  # [C-param-shard]: the gathers' exposed time per micro-batch (objective.evaluate_units)
                     passes = 3 if rc else 2
                     comp = g["comp_rc"] if rc else g["comp"]
@@ -388,9 +395,10 @@ class _Stages(StageMatrices):
     def _fits_offload(self, g, fl: int, not_first: bool, variant: StageMemory):
         """[C-memory], [C-shard] and [C-host-memory] of a variant with an offload ([C-offload],
         [C-act-offload]), all (i, j) (as ``objective.fill_policy`` and ``evaluate_units``)."""
-        host_acts, recompute = variant.activations == "host", variant.recompute
-        # Host memory per GPU: the in-flight activations, then the offloaded optimizer state.
-        hfree = [hc - (fl * n * self.act if host_acts else 0) for n, hc in zip(g["samples"], g["hcap"])]
+        host_acts, recompute, stash = variant.activations == "host", variant.recompute, variant.stash == "host"
+        # Host memory per GPU: the in-flight activations (or stashed block inputs), then the offloaded optimizer state.
+        hfree = [hc - (fl * n * self.act if host_acts else fl * n * self.stash[2] if stash else 0)
+                 for n, hc in zip(g["samples"], g["hcap"])]
         ok = np.ones_like(self.valid)
         for f in hfree:
             ok &= f >= 0
@@ -398,6 +406,8 @@ class _Stages(StageMatrices):
             return ok & self.fits(g["mem"], fl, not_first, variant)
 
         def act(n):  # on the GPU, with [Note: gradient transients]
+            if stash:
+                return self.stash_kib(n, fl)
             return (n * self.act if host_acts else self.act_kib(n, fl, not_first, recompute)) + self.transient(n)
 
         rep, need = self.layout(variant.zero) if variant.zero else (self.off_rep, None)
@@ -566,7 +576,7 @@ def stage_dp_search(costs: BlockCosts, devices: DeviceGraph, options: PlanOption
     sel = Selector("stage_dp", costs, devices, options)
     speeds = gpu_speeds(costs, devices)
     variants = grad_variants(options)
-    zero2 = any(v.zero >= 2 for v in variants)
+    zero2 = any(v.zero >= 2 or v.stash == "host" for v in variants)  # (pass 2: ZeRO-2/3 and [C-stash])
     offload = any(_level(v) == 2 for v in variants)
     s_max = max_stage_count(costs, devices, options)
     # Pass 1: the DP over the variants without ZeRO-2, every (M, order, S). Kept per (M, order):
