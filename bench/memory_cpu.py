@@ -21,8 +21,12 @@ allocates on a CPU, per layout, and which category the difference is in
 (allocator caching, fused kernels, NCCL buffers; ``make gpu-check`` does
 that).
 
+Then, per recomputation policy (``measure_recompute``: none, whole-stage,
+host-stashed block inputs), one stage on one GPU where activations dominate.
+
 Run: ``.venv/bin/python bench/memory_cpu.py`` (about two minutes); writes
-``bench/results/memory_cpu.json`` and ``memory_cpu_layouts.json``.
+``bench/results/memory_cpu.json``, ``memory_cpu_layouts.json`` and
+``memory_cpu_recompute.json``.
 """
 
 from __future__ import annotations
@@ -292,6 +296,26 @@ RECOMPUTE_POLICIES = (("no_recompute", False, False), ("recompute_stage", True, 
                       ("recompute_host_stash", True, True))
 
 
+def _recompute_child(rank: int, plan_dirs: list[str]) -> None:
+    """``measure_recompute``'s process: per plan directory two steps of its one-GPU plan, the second
+    profiled; writes ``rank0.json`` (peak, bytes by category, the optimizer-state summary) there."""
+    import gc
+
+    from zorse_fx.plan import Plan
+    from zorse_fx.runtime.worker import StageWorker
+
+    torch.set_num_threads(1)
+    for plan_dir in plan_dirs:
+        plan = Plan.load(Path(plan_dir) / "plan.json")
+        worker = StageWorker(plan, plan_dir, torch.load(Path(plan_dir) / "weights.pt"), rank=0,
+                             device=torch.device("cpu"))
+        peak, by = _profiled_step(worker, torch.load(Path(plan_dir) / "tokens.pt"))
+        summary = worker.optimizer_state_summary()
+        Path(plan_dir, "rank0.json").write_text(json.dumps({"peak": peak, "by": by, "summary": summary}))
+        del worker
+        gc.collect()
+
+
 def measure_recompute(policies=RECOMPUTE_POLICIES, *, seq: int = 256) -> list[dict]:
     """Per recomputation policy, one rank's measured peak against its prediction where activations
     dominate: a 4-layer HF Llama (64 wide, 128 MLP, vocabulary 256, 0.2M parameters: 3 MB of fp32 training
@@ -310,7 +334,8 @@ def measure_recompute(policies=RECOMPUTE_POLICIES, *, seq: int = 256) -> list[di
     from zorse_fx.models.hf import CausalLMWithLoss
     from zorse_fx.options import PlanOptions
     from zorse_fx.planner import plan_fixed
-    from zorse_fx.runtime.worker import StageWorker
+
+    import torch.multiprocessing as mp
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
@@ -318,7 +343,7 @@ def measure_recompute(policies=RECOMPUTE_POLICIES, *, seq: int = 256) -> list[di
                       tie_word_embeddings=True, bos_token_id=0, eos_token_id=0, pad_token_id=0)
     ids = torch.randint(0, 256, (4, seq))
     captured = capture(CausalLMWithLoss(LlamaForCausalLM(cfg)), (ids, ids))
-    rows = []
+    rows, built = [], []
     with tempfile.TemporaryDirectory() as tmp:
         cluster_file = Path(tmp, "one.yaml")
         cluster_file.write_text(_ONE_GPU_HOST)
@@ -329,13 +354,18 @@ def measure_recompute(policies=RECOMPUTE_POLICIES, *, seq: int = 256) -> list[di
                 fixed_decision(captured, ((0,),), ((4,),), num_microbatches=2),
                 memory=(StageMemory(recompute=recompute, stash="host" if stash else "device"),))
             plan, _ = plan_fixed(captured, cluster, options, decision, label_mode="same")
-            g = plan.stages[0].gpus[0]
             d = Path(tmp, name)
             plan.export(d)
-            worker = StageWorker(plan, d, captured.state(), rank=0, device=torch.device("cpu"))
-            peak, by = _profiled_step(worker, torch.randint(0, 256, (8, seq)))
-            summary = worker.optimizer_state_summary()
-            del worker
+            torch.save(captured.state(), d / "weights.pt")
+            torch.save(torch.randint(0, 256, (8, seq)), d / "tokens.pt")
+            built.append((name, plan, d))
+        # In a fresh process, as measure_layouts: the timeline counts every tensor alive when the profiler
+        # starts, and a caller's (a test worker's fixtures) would be the policies' own.
+        mp.spawn(_recompute_child, args=([str(d) for *_, d in built],), nprocs=1, join=True)
+        for name, plan, d in built:
+            g = plan.stages[0].gpus[0]
+            got = json.loads(Path(d, "rank0.json").read_text())
+            peak, by, summary = got["peak"], got["by"], got["summary"]
             m = g.predicted_memory
             rows.append({"policy": name, "seq": seq, "parameters": plan.stages[0].num_parameters,
                          "predicted_bytes": g.predicted_memory_bytes,
@@ -358,11 +388,16 @@ def main() -> int:
     layouts = measure_layouts()
     out_layouts = ROOT / "bench" / "results" / "memory_cpu_layouts.json"
     out_layouts.write_text(json.dumps(layouts, indent=1) + "\n")
-    from report import render_memory_cpu, render_memory_layouts  # bench/report.py: the tables bench/README.md shows
+    recompute = measure_recompute()
+    out_recompute = ROOT / "bench" / "results" / "memory_cpu_recompute.json"
+    out_recompute.write_text(json.dumps(recompute, indent=1) + "\n")
+    from report import (render_memory_cpu, render_memory_layouts,  # bench/report.py: the tables bench/README.md shows
+                        render_memory_recompute)
 
     print("\n".join(render_memory_cpu(rows, out.name)))
     print("\n".join(render_memory_layouts(layouts, out_layouts.name)))
-    print(f"wrote {out} and {out_layouts}")
+    print("\n".join(render_memory_recompute(recompute, out_recompute.name)))
+    print(f"wrote {out}, {out_layouts} and {out_recompute}")
     return 0
 
 

@@ -52,6 +52,7 @@ RESULT_FILES = (
     "cost_accuracy.json",
     "memory_cpu.json",
     "memory_cpu_layouts.json",
+    "memory_cpu_recompute.json",
     "offload_cpu.json",
     "comm_loopback.json",
     "gpu_h100.json",
@@ -172,6 +173,11 @@ PROVENANCE = {
         command="bench/memory_cpu.py", note="one stage over 2 Gloo ranks, samples 2:2, shards 3:1, 2 micro-batches "
                                             "of 4 x 32 tokens",
         machine=f"{CPU_MACHINE}, 1 thread per rank, torch 2.13.0+cpu", date="2026-11-28"),
+    # bench/LOG.md, "Recomputation with host-stashed block inputs (issue 50 item 2)"
+    "memory_cpu_recompute.json": dict(
+        command="bench/memory_cpu.py", note="fp32, one stage on one GPU, a 4-layer Llama 64 wide at 256 tokens, "
+                                            "2 micro-batches of 4",
+        machine=f"{CPU_MACHINE}, 1 thread, torch 2.13.0+cpu", date="2026-12-08"),
     # bench/LOG.md, "Optimizer and activation offload (issue 31 item 3)"
     "offload_cpu.json": dict(command="bench/offload_cpu.py", note="2^23 float32 parameters, best of 5",
                              machine=f"{CPU_MACHINE}, alone", date="2026-11-28"),
@@ -657,6 +663,25 @@ def render_memory_layouts(rows: list[dict], name: str) -> list[str]:
            "masters.", ""]
     out += table(["layout", "precision", "rank", "shard MiB", "predicted MiB", "measured peak MiB",
                   "measured / predicted",
+                  "at the peak, by category"], body)
+    return out + _source(PROVENANCE.get(name, {}))
+
+
+def render_memory_recompute(rows: list[dict], name: str) -> list[str]:
+    mib = 2**20
+    body = [[r["policy"], _s(r["predicted_bytes"] / mib) + (f" + {r['predicted_host_bytes'] / mib:.1f} host"
+                                                            if r.get("predicted_host_bytes") else ""),
+             _s(r["predicted"]["activations"] / mib), _s(r["measured_peak_bytes"] / mib), _r3(r["ratio"]),
+             ", ".join(f"{k} {v / mib:.1f}" for k, v in r["measured_at_peak_by_category"].items() if v >= mib / 10)]
+            for r in rows]
+    out = ["### Memory per recomputation policy on this CPU", "",
+           "One stage on one GPU where activations dominate (a 4-layer Llama, 64 wide, 256 tokens: 3 MB of "
+           "training state): no recomputation, whole-stage recomputation (1F1B on one stage holds one micro-batch, "
+           "so the same peak) and host-stashed recomputation ([C-stash]: the blocks' inputs in host memory, one "
+           "block's saved tensors in the backward); the predicted peak against the peak of live CPU tensor bytes "
+           "in the torch.profiler memory timeline of a fresh process (MiB; host memory is the same memory here, "
+           "so the stash's prediction is device + host; its host copies read \"parameter\").", ""]
+    out += table(["policy", "predicted MiB", "of it activations", "measured peak MiB", "measured / predicted",
                   "at the peak, by category"], body)
     return out + _source(PROVENANCE.get(name, {}))
 
@@ -1149,7 +1174,7 @@ def render(results: Path = RESULTS) -> str:
               ("scaling.json", render_scaling), ("objective_vs_sim.json", render_objective_vs_sim),
               ("runtime.json", render_runtime), ("cost_accuracy.json", render_cost_accuracy),
               ("memory_cpu.json", render_memory_cpu), ("memory_cpu_layouts.json", render_memory_layouts),
-              ("offload_cpu.json", render_offload_cpu),
+              ("memory_cpu_recompute.json", render_memory_recompute), ("offload_cpu.json", render_offload_cpu),
               ("comm_loopback.json", render_comm), ("box.json", render_box),
               ("timings_overhead.json", render_timings_overhead), ("calibration.json", render_calibration),
               ("rebalance.json", render_rebalance), ("box_calibration.json", render_box_calibration),

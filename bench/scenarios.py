@@ -219,11 +219,13 @@ def run_scenario(sc: Scenario, args) -> list[dict]:
 
 
 def policy_label(mem) -> str:
-    """A stage's ``StageMemory`` in a few characters: "plain", "ZeRO-1", "ZeRO-2+rc", "ZeRO-1+opt@host"."""
+    """A stage's ``StageMemory`` in a few characters: "plain", "ZeRO-1", "ZeRO-2+rc", "ZeRO-1+opt@host",
+    "rc+stash@host" (host-stashed recomputation)."""
     parts = [f"ZeRO-{mem.zero}"] if mem.zero else []
     parts += ["rc"] if mem.recompute else []
     parts += ["opt@host"] if mem.optimizer == "host" else []
     parts += ["act@host"] if mem.activations == "host" else []
+    parts += ["stash@host"] if mem.stash == "host" else []
     return "+".join(parts) or "plain"
 
 

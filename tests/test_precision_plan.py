@@ -268,7 +268,7 @@ def test_plan_round_trip_with_precision(bf16_plan, tmp_path):
     assert bf16_plan.precision_policy() == precision_policy("bf16-mixed", "bfloat16")
     path = bf16_plan.export(tmp_path / "p")
     d = json.loads(path.read_text())
-    assert d["version"] == PLAN_FORMAT_VERSION == 16
+    assert d["version"] == PLAN_FORMAT_VERSION == 17
     assert (d["precision"], d["grad_reduce_dtype"], d["compute_dtype"]) == ("bf16-mixed", "bfloat16", "bfloat16")
     loaded = Plan.load(path)
     assert loaded == bf16_plan and loaded.precision_policy().state_bytes_per_param == 20

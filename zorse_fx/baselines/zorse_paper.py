@@ -30,13 +30,16 @@ What is implemented:
 
   * memory: as the options allow, each decision is also scored with every
     multi-GPU group ZeRO-1 sharded and/or every stage recomputing, the best
-    kept (``solve/heuristics.py`` [Note: memory techniques of the baselines]).
+    kept (``solve/heuristics.py`` [Note: memory techniques of the baselines]);
+    and with Zorse's own activation policy, every layer recomputed from its
+    input kept in host memory: host-stashed recomputation on every stage
+    ([C-stash] in ``solve/objective.py``), multi-GPU groups ZeRO-1, where
+    ``PlanOptions.stash`` allows it and every GPU's node gives host memory.
 
 Simplifications: one stage per group (no interleaved / round-robin stages);
-the shared memory model shards only the optimizer state (ZeRO-1, where
-Zorse uses ZeRO/FSDP) and has no activation offload, so memory may bind
-earlier than in the paper; the split is per sample of each micro-batch
-rather than whole micro-batches per GPU.
+the baseline shards only the optimizer state (ZeRO-1, where Zorse uses
+ZeRO/FSDP), so memory may bind earlier than in the paper; the split is per
+sample of each micro-batch rather than whole micro-batches per GPU.
 """
 
 from __future__ import annotations
@@ -55,6 +58,8 @@ from ..solve.heuristics import (
     proportional_cuts,
     reference_block_work,
 )
+from ..ir.memory import StageMemory
+from ..solve.memory_policy import fill_policy
 from ..solve.objective import max_stage_count, microbatch_candidates
 
 __all__ = ["zorse_paper", "min_k_cut_groups", "min_k_cut_sequence", "bandwidth_graph"]
@@ -133,6 +138,8 @@ def zorse_paper(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions) -
     speed = gpu_speeds(costs, devices)
     work = reference_block_work(costs, devices)
     k_max = max_stage_count(costs, devices, options)
+    host = devices.host_memory_bytes or ()
+    stash = options.stash != "never" and options.recompute != "never" and any(host)
     for k, cut in enumerate(min_k_cut_sequence(devices, k_max), start=1):
         groups = _chain(cut, speed, devices)
         blocks = proportional_cuts(work, [sum(speed[g] for g in grp) for grp in groups])
@@ -142,6 +149,11 @@ def zorse_paper(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions) -
                 continue
             samples = [largest_remainder(b, [speed[g] for g in grp]) for grp in groups]
             sel.add(blocks, groups, samples, m)
+            if stash and all(host[g] > 0 for grp in groups for g in grp):  # Zorse's recomputation
+                memory = tuple(StageMemory(zero=int(len(grp) >= 2 and options.sharding != "never"), recompute=True,
+                                           stash="host") for grp in groups)
+                sel.add(blocks, groups, samples, m, policy=fill_policy(sel.tables(m), blocks, groups, samples,
+                                                                       memory=memory))
     return sel.result(f"the micro-batch (global_batch_size={options.global_batch_size} / M, "
                       f"M in {microbatch_candidates(options)}) is smaller than every GPU grouping "
                       f"needs ({devices.num_gpus} GPUs, <= {max_stage_count(costs, devices, options)} groups)")

@@ -478,12 +478,13 @@ class _Pipeline:
                     fwd, bwd = self.dur[g, s]
                     self.dur[g, s] = (fwd + x / 2, bwd + x / 2)
                     self.held[g][s // n_p], self.rerun[g][s // n_p] = 0, n * a_kib
-                elif pol.memory[s].stash == "host":  # [C-stash]: block inputs down in F, back in B (half each);
-                    # held: the received and sent tensors; B: one block re-run, its inputs and the next's
+                elif pol.memory[s].stash == "host":  # [C-stash]: block inputs down in F, back in B (half each),
+                    # on a side stream behind the task's compute; held: the received and sent tensors; B: one
+                    # block re-run, its inputs and the next's
                     dev, _, moved = stash_units(tab, s, self.n_s, i, j, n)
                     x = 2 * n * moved * MEMORY_UNIT_BYTES / devices.host_link_bytes_per_s[g]
                     fwd, bwd = self.dur[g, s]
-                    self.dur[g, s] = (fwd + x / 2, bwd + x / 2)
+                    self.dur[g, s] = (max(fwd, x / 2), max(bwd, x / 2))
                     kept = n * (tab.cut_kib[i] + tab.cut_kib[j])
                     self.held[g][s // n_p] = kept
                     self.rerun[g][s // n_p] = dev - inflight(tab.schedule, self.n_s, s, tab.num_microbatches) * kept

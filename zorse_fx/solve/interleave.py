@@ -33,6 +33,18 @@ new micro-batch size by largest remainder):
    host memory, so a chunk in flight costs the GPU only its boundary
    tensors) where ``options.stash`` allows it and the GPUs have host memory.
 
+[Note: per-chunk policies]
+Where the base's own policy breaches memory at a (v, M)'s cuts, the search also
+tries a policy per chunk (stage) instead of one per group: each group has a
+ladder (``_ladders``: its base policy, ZeRO-1, whole-stage recomputation,
+host-stashed recomputation, as the options allow), and while a group breaches,
+the one chunk of a breaching group whose next rung lowers the objective's
+(breach, step) most climbs one rung (``_fit_chunks``; at most chunks x rungs
+scorings). So a group may recompute only the chunks whose activations do not
+fit, or stash only where whole-stage recomputation is not enough, instead of
+recomputing all of them. The local search then moves that try's cuts as any
+other's (its policies kept).
+
 The best interleaved decision replaces the plan when the objective scores it
 faster and it fits; its bound is the smaller of the plan's bound and the
 throughput bound (``bounds.throughput_lower_bound``, valid for interleaved
@@ -222,6 +234,7 @@ def interleave_search(costs: BlockCosts, devices: DeviceGraph, options: PlanOpti
     gbs = options.global_batch_size
     groups = d.stage_gpus
     policies = _policies(devices, options, d)
+    ladders = _ladders(devices, options, d)
     # Every (M, v, policy) is scored at its min-max cuts first; the local search then runs
     # in order of that score and skips a try whose score is LOCAL_SEARCH_SLACK x the best
     # step found ([Note: interleave search]).
@@ -240,6 +253,12 @@ def interleave_search(costs: BlockCosts, devices: DeviceGraph, options: PlanOpti
                 args = (stage_gpus, samples, memory * v, v)
                 key, *_ = _score(tab, cuts, *args)
                 out.append((key, v, rc, cuts, args))
+                if key[0] and memory == policies[0]:  # the base's policy breaches: per chunk, as it needs
+                    chunked = _fit_chunks(tab, cuts, stage_gpus, samples, memory * v, v, ladders)
+                    if chunked is not None:
+                        key, chunk_memory = chunked
+                        out.append((key, v, tuple(m.recompute for m in chunk_memory), cuts,
+                                    (stage_gpus, samples, chunk_memory, v)))
         return tab, out
 
     jobs = work_jobs(options, devices.num_gpus)
@@ -311,6 +330,58 @@ def _policies(devices: DeviceGraph, options: PlanOptions, d: Decision) -> list[t
     return [p for p in policies
             if (options.recompute != "always" or all(m.recompute for m in p))
             and (options.stash != "always" or all(m.stash == "host" for m in p))]
+
+
+def _ladders(devices: DeviceGraph, options: PlanOptions, d: Decision) -> tuple[tuple[StageMemory, ...], ...]:
+    """Per GPU group, the policies one of its chunks may take, in the order the per-chunk fit climbs them
+    ([Note: per-chunk policies]): the base's, ZeRO-1 (a group of >= 2 GPUs, where ``options.sharding``
+    allows it), whole-stage recomputation, host-stashed recomputation (where ``options.stash`` allows it and
+    the group's GPUs have host memory); each allowed by the flags' "never" and "always"."""
+    host = devices.host_memory_bytes or ()
+    out = []
+    for gpus, base in zip(d.stage_gpus, d.memory):
+        zero = max(base.zero, 1) if len(gpus) >= 2 and options.sharding != "never" else base.zero
+        steps = [base, dataclasses.replace(base, zero=zero)]
+        if options.recompute != "never":
+            steps.append(StageMemory(zero=zero, recompute=True))
+            if options.stash != "never" and host and all(host[g] > 0 for g in gpus):
+                steps.append(StageMemory(zero=min(zero, 1), recompute=True, stash="host"))
+        out.append(tuple(m for m in dict.fromkeys(steps)
+                         if (options.recompute != "always" or m.recompute)
+                         and (options.stash != "always" or m.stash == "host")
+                         and (options.sharding != "always" or m.zero or len(gpus) < 2)))
+    return tuple(out)
+
+
+def _fit_chunks(tab, cuts, stage_gpus, samples, memory, v, ladders):
+    """[Note: per-chunk policies]: ``memory`` (one policy per chunk) with, while some GPU group breaches
+    memory, the chunk of a breaching group that saves the most on its next ladder step moved up one step;
+    (key, policies) of the first that fits, None if the ladders run out first."""
+    n_s = len(stage_gpus)
+    p_count = n_s // v
+    memory = list(memory)
+    for _ in range(n_s * max(map(len, ladders), default=1)):
+        key, u, _ = _score(tab, cuts, stage_gpus, samples, tuple(memory), v)
+        if not key[0]:
+            return key, tuple(memory)
+        breaching = [p for p in range(p_count) if u.uncovered[p] or any(
+            need > tab.cap_bytes[g] for g, need in zip(stage_gpus[p], u.memory[p]))]
+        best = None
+        for s in range(n_s):
+            if s % p_count not in breaching:
+                continue
+            ladder = ladders[s % p_count]
+            k = ladder.index(memory[s]) if memory[s] in ladder else len(ladder)
+            if k + 1 >= len(ladder):
+                continue
+            trial = memory[:s] + [ladder[k + 1]] + memory[s + 1:]
+            tkey = _score(tab, cuts, stage_gpus, samples, tuple(trial), v)[0]
+            if best is None or tkey < best[0]:
+                best = (tkey, trial)
+        if best is None:
+            return None
+        memory = best[1]
+    return None
 
 
 def base_makespan_s(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions, base: SolverResult) -> float:

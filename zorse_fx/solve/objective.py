@@ -32,10 +32,11 @@ rc_s = recompute, of_s = optimizer "host", ao_s = activations "host"):
         fetched ahead), in place of [C-recompute]'s; host_g += inflight_s n_g
         I_s, I_s = the blocks' input bytes per sample (X_b, b in the stage, the
         first stage's first not counted: token ids) ([C-host-memory]). Time:
-        compute_g += 2 n_g I_s / host link_g (down and back), as
-        [C-act-offload]'s: not overlapped with compute (an upper bound: on a
-        GPU the runtime copies on a side stream). Not in the CP-SAT
-        model                                                        [C-stash]
+        x_g = 2 n_g I_s / host link_g (down and back), half of it beside the
+        F task's compute and half beside the B task's (the runtime copies on a
+        side stream), so F gains max(0, x_g / 2 - n_g Wf - Ff) and B
+        max(0, x_g / 2 - its compute); not yet measured on a GPU. Not in the
+        CP-SAT model                                                  [C-stash]
   gs_s  ZeRO-2 (only where sh_s; ``PlanOptions.grad_sharding``): the stage's
         float32 gradients sharded too, every micro-batch's reduce-scattered
         into the shards ([Note: sharded gradients] in runtime/grad_sync.py).
@@ -470,11 +471,10 @@ def evaluate_units(tab: IntTables, stage_blocks, stage_gpus, samples, policy: Me
 
 def _compute_terms(tab: IntTables, t: _Terms, i: int, j: int, gpus, ns, mem) -> None:
     """Stage [i, j)'s compute_s, cmax-_s and GPipe's 3 x forward / backward, with
-    its recomputation and [C-act-offload]'s transfers."""
+    its recomputation and [C-act-offload]'s / [C-stash]'s transfers."""
     a = tab.act_prefix[j] - tab.act_prefix[i]
-    rc, ao = mem.recompute, mem.activations == "host"
-    # [C-stash]: the blocks' inputs down to host memory and back, as [C-act-offload]'s transfers
-    moved = stash_units(tab, 0, 1, i, j, 0)[2] if mem.stash == "host" else a if ao else 0
+    rc, ao, st = mem.recompute, mem.activations == "host", mem.stash == "host"
+    moved = stash_units(tab, 0, 1, i, j, 0)[2] if st else a if ao else 0
 
     def forward(g, n, e=j):  # the forward of GPU g over blocks [i, e)
         q = tab.gpu_types[g]
@@ -489,19 +489,25 @@ def _compute_terms(tab: IntTables, t: _Terms, i: int, j: int, gpus, ns, mem) -> 
         return n * (tab.work_prefix[q][e] - tab.work_prefix[q][i]) + tab.fixed_prefix[q][e] \
             - tab.fixed_prefix[q][i] + rerun(g, n, e)
 
-    # (compute, its re-run, [C-act-offload]'s transfers down and back)
-    per_gpu = [(work(g, n, j), rerun(g, n, j), act_xfer_units(tab, g, n, moved) if moved else 0)
-               for g, n in zip(gpus, ns)]
-    t.comp.append(max(w + x for w, _, x in per_gpu))
-    # GPipe's period: 3 x the forward (BlockCosts' forward part, the re-run table), 3 x the backward
-    # = 3 x (the compute less the forward: the backward and the re-run); each gets half of the
-    # activations' transfers.
+    def exposed(g, n, w, f):  # (forward, backward) time the host transfers add to GPU g's F and B tasks
+        x = act_xfer_units(tab, g, n, moved) if moved else 0
+        if st:  # [C-stash]: on a side stream, behind the F task's compute and the B task's
+            return max(0, x // 2 - f), max(0, x - x // 2 - (w - f))
+        return x // 2, x - x // 2  # [C-act-offload]: on the compute stream
+
     fwd = [forward(g, n) for g, n in zip(gpus, ns)]
-    t.fwd3.append(max(3 * f + 3 * x // 2 for f, (_, _, x) in zip(fwd, per_gpu)))
-    t.bwd3.append(max(3 * (w - f) + 3 * x - 3 * x // 2 for f, (w, _, x) in zip(fwd, per_gpu)))
-    head = tab.act_prefix[j - 1] - tab.act_prefix[i] if ao else moved  # ([C-stash]: all of it, an upper bound)
-    t.comp_head.append(max(work(g, n, j - 1) + (act_xfer_units(tab, g, n, head) if head else 0)
-                           for g, n in zip(gpus, ns)))  # cmax-_s
+    # (compute, its re-run, the transfers' forward and backward parts)
+    per_gpu = [(w, rerun(g, n, j), *exposed(g, n, w, f)) for g, n, f in zip(gpus, ns, fwd) for w in [work(g, n, j)]]
+    t.comp.append(max(w + xf + xb for w, _, xf, xb in per_gpu))
+    # GPipe's period: 3 x the forward (BlockCosts' forward part, the re-run table), 3 x the backward
+    # = 3 x (the compute less the forward: the backward and the re-run); each with its part of the transfers.
+    t.fwd3.append(max(3 * f + 3 * xf for f, (_, _, xf, _) in zip(fwd, per_gpu)))
+    t.bwd3.append(max(3 * (w - f) + 3 * xb for f, (w, _, _, xb) in zip(fwd, per_gpu)))
+    if ao:
+        t.comp_head.append(max(work(g, n, j - 1) + act_xfer_units(tab, g, n, tab.act_prefix[j - 1] - tab.act_prefix[i])
+                               for g, n in zip(gpus, ns)))  # cmax-_s
+    else:  # ([C-stash]: the whole stage's exposed transfers, an upper bound)
+        t.comp_head.append(max(work(g, n, j - 1) + xf + xb for (g, n), (_, _, xf, xb) in zip(zip(gpus, ns), per_gpu)))
 
 
 def _boundary_terms(tab: IntTables, t: _Terms, j: int, here, nxt, pair_cache: dict | None) -> None:

@@ -334,9 +334,15 @@ class _Stages(StageMatrices):
             opt_of = (-(-off * self.host // MIB_UNITS), -(-off * -(-self.host // k) // MIB_UNITS))
             # [C-act-offload]: the slowest GPU's activations down and back per micro-batch
             ao_x = np.max([-(-n * self.act * tab.act_per_mib[g] // MIB_UNITS) for g, n in zip(gpus, ns)], axis=0)
-            if self.stash_used:  # [C-stash]: the blocks' inputs down and back
-                inputs = self.stash[2]
-                st_x = np.max([-(-n * inputs * tab.act_per_mib[g] // MIB_UNITS) for g, n in zip(gpus, ns)], axis=0)
+            if self.stash_used:  # [C-stash]: the re-run compute and the blocks' inputs down and back, exposed
+                # where they outlast the F / B task's compute (objective._compute_terms)
+                inputs, rows = self.stash[2], []
+                for t, n, per in sorted({(tab.gpu_types[g], n, tab.act_per_mib[g]) for g, n in zip(gpus, ns)}):
+                    x = -(-n * inputs * per // MIB_UNITS)
+                    f = n * self.rc_work[t] + self.rc_fixed[t]
+                    w = n * (self.work[t] + self.rc_work[t]) + self.fixed[t] + self.rc_fixed[t]
+                    rows.append(w + np.maximum(0, x // 2 - f) + np.maximum(0, x - x // 2 - (w - f)))
+                st_x = np.max(rows, axis=0)
         out = {"gpus": gpus, "samples": ns, "comp": comp, "comp_rc": comp_rc, "ar": ar, "arsh": arsh, "zr": zr,
                "zr3": zr3, "gpass": gpass, "opt": opt, "opt_sh": opt_sh, "opt_gs": opt_gs, "opt_ps": opt_ps,
                "bnd": bnd[None, :], "mem": mem, "k": k, "cost": {}, "hcap": hcap, "opt_of": opt_of, "ao_x": ao_x,
@@ -374,7 +380,8 @@ class _Stages(StageMatrices):
                 sh, rc, gs, ps = variant.zero >= 1, variant.recompute, variant.zero >= 2, variant.zero == 3
                 fits = (self._fits_offload(g, fl, s > 0, variant) if of or ao or st
                         else self.fits(g["mem"], fl, s > 0, variant)) & self.valid
-                t = (g["comp_rc"] if rc else g["comp"]) + g["bnd"] + (g["ao_x"] if ao else g["st_x"] if st else 0)
+                # (st_x: [C-stash]'s compute with its re-run and exposed transfers)
+                t = (g["st_x"] if st else g["comp_rc"] if rc else g["comp"]) + g["bnd"] + (g["ao_x"] if ao else 0)
                 if ps:  # [C-param-shard]: the gathers' exposed time per micro-batch (objective.evaluate_units)
                     passes = 3 if rc else 2
                     comp = g["comp_rc"] if rc else g["comp"]
