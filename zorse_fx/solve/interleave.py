@@ -38,11 +38,11 @@ Where the base's own policy breaches memory at a (v, M)'s cuts, the search also
 tries a policy per chunk (stage) instead of one per group: each group has a
 ladder (``_ladders``: its base policy, ZeRO-1, whole-stage recomputation,
 host-stashed recomputation, as the options allow), and while a group breaches,
-the one chunk of a breaching group whose next rung lowers the objective's
-(breach, step) most climbs one rung (``_fit_chunks``; at most chunks x rungs
-scorings). So a group may recompute only the chunks whose activations do not
-fit, or stash only where whole-stage recomputation is not enough, instead of
-recomputing all of them. The local search then moves that try's cuts as any
+its chunk of the most activation bytes climbs one rung (``_fit_chunks``; one
+scoring per round, at most v x rungs rounds: trying every chunk's next rung
+each round cost the search 2x on Zorse B). So a group may recompute only the
+chunks whose activations do not fit, or stash only where whole-stage
+recomputation is not enough, instead of recomputing all of them. The local search then moves that try's cuts as any
 other's (its policies kept).
 
 The best interleaved decision replaces the plan when the objective scores it
@@ -355,32 +355,31 @@ def _ladders(devices: DeviceGraph, options: PlanOptions, d: Decision) -> tuple[t
 
 def _fit_chunks(tab, cuts, stage_gpus, samples, memory, v, ladders):
     """[Note: per-chunk policies]: ``memory`` (one policy per chunk) with, while some GPU group breaches
-    memory, the chunk of a breaching group that saves the most on its next ladder step moved up one step;
-    (key, policies) of the first that fits, None if the ladders run out first."""
+    memory, one chunk of each breaching group moved one rung up its group's ladder: the chunk of the most
+    activation bytes per sample among those with a rung left (the lowest index on ties); one scoring per
+    round. (key, policies) of the first that fits, None if a breaching group runs out of rungs first."""
     n_s = len(stage_gpus)
     p_count = n_s // v
     memory = list(memory)
-    for _ in range(n_s * max(map(len, ladders), default=1)):
+    acts = [tab.act_prefix[j] - tab.act_prefix[i] for i, j in zip(cuts[:-1], cuts[1:])]
+    for _ in range(v * max(map(len, ladders), default=1)):
         key, u, _ = _score(tab, cuts, stage_gpus, samples, tuple(memory), v)
         if not key[0]:
             return key, tuple(memory)
-        breaching = [p for p in range(p_count) if u.uncovered[p] or any(
-            need > tab.cap_bytes[g] for g, need in zip(stage_gpus[p], u.memory[p]))]
-        best = None
-        for s in range(n_s):
-            if s % p_count not in breaching:
+        moved = False
+        for p in range(p_count):
+            if not (u.uncovered[p] or any(need > tab.cap_bytes[g] for g, need in zip(stage_gpus[p], u.memory[p]))):
                 continue
-            ladder = ladders[s % p_count]
-            k = ladder.index(memory[s]) if memory[s] in ladder else len(ladder)
-            if k + 1 >= len(ladder):
-                continue
-            trial = memory[:s] + [ladder[k + 1]] + memory[s + 1:]
-            tkey = _score(tab, cuts, stage_gpus, samples, tuple(trial), v)[0]
-            if best is None or tkey < best[0]:
-                best = (tkey, trial)
-        if best is None:
+            ladder = ladders[p]
+            left = [s for s in range(p, n_s, p_count)
+                    if memory[s] in ladder and ladder.index(memory[s]) + 1 < len(ladder)]
+            if not left:
+                return None
+            s = max(left, key=lambda c: (acts[c], -c))
+            memory[s] = ladder[ladder.index(memory[s]) + 1]
+            moved = True
+        if not moved:
             return None
-        memory = best[1]
     return None
 
 
