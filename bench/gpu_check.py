@@ -38,6 +38,12 @@ lacks (``.gpu_check/wheels``: msgspec, tyro and its needs).
     against its predicted step (the PCIe copies and the CPU step priced
     from the cluster file's defaults: ``cluster/host.py``). One GPU cannot
     shard a stage, so ZeRO-3 + offload needs two.
+(i) ``stash``: the same one-stage plan recomputing with its blocks' inputs
+    in host memory ([C-stash]; [Note: host-stashed recomputation] in
+    ``runtime/block_stash.py``), checked as (f): the losses against the first
+    run's, ``max_memory_allocated`` against the predicted device peak, the
+    median step against the predicted step (the copies on a side stream,
+    priced behind the compute: this is their first measurement on a GPU).
 (g) ``hf``: the same model, batches and precision trained by Hugging Face
     eager and by ``torch.compile``d Hugging Face (gradient accumulation over
     the plan's micro-batches, torch's AdamW), ``HF_STEPS`` steps each: the
@@ -182,6 +188,15 @@ def prepare(out: Path, *, shape: str, types: list[str], wheels: bool) -> None:
                              model_name=name, label_mode="same")
         plan.export(out / f"{gpu_type}_offload")
         print(f"[gpu-check] {gpu_type} offloaded: predicted step {plan.predicted_step_time_s * 1e3:.1f} ms, peak "
+              f"{plan.stages[0].gpus[0].predicted_memory_bytes / 2**30:.2f} GiB + "
+              f"{plan.stages[0].gpus[0].predicted_host_memory_bytes / 2**30:.2f} GiB host", flush=True)
+        # (i): the same stage recomputing from its blocks' inputs kept in host memory ([C-stash]).
+        plan, _ = plan_fixed(captured, hosted, options,
+                             Decision(stage_blocks=((0, blocks),), stage_gpus=((0,),), samples_per_microbatch=((mb,),),
+                                      num_microbatches=m, memory=(StageMemory(recompute=True, stash="host"),)),
+                             model_name=name, label_mode="same")
+        plan.export(out / f"{gpu_type}_stash")
+        print(f"[gpu-check] {gpu_type} stashed: predicted step {plan.predicted_step_time_s * 1e3:.1f} ms, peak "
               f"{plan.stages[0].gpus[0].predicted_memory_bytes / 2**30:.2f} GiB + "
               f"{plan.stages[0].gpus[0].predicted_host_memory_bytes / 2**30:.2f} GiB host", flush=True)
     tokens = (2 * steps + 2) * mb * m * (seq + 1)
@@ -338,9 +353,11 @@ def run(prepared: Path, out: Path, *, shape: str, device_type: str | None, kerne
     print(f"[gpu-check] (e) resume at step {steps // 2}: {len(resumed)} steps again, largest relative loss "
           f"difference {worst:.1e}", flush=True)
     report["offload"] = _offload(prepared / f"{gpu_type}_offload", work, plan_dir, prepared, losses, cuda, device)
+    report["stash"] = _offload(prepared / f"{gpu_type}_stash", work, plan_dir, prepared, losses, cuda, device,
+                               part="(i) stash")
     report["hf"] = _hf_baselines(meta["model"], data, plan, device, dry, report["step_time"]["tokens_per_s"])
     report["calibration"] = _calibration(meta, gpu_type, plan, work / "a", out, dry)
-    report["ok"] = all(report[k]["ok"] for k in ("kernels", "train", "resume", "offload", "hf", "calibration"))
+    report["ok"] = all(report[k]["ok"] for k in ("kernels", "train", "resume", "offload", "stash", "hf", "calibration"))
     path = out / f"gpu_check_{gpu_type}{'_dry' if dry else ''}.json"
     path.write_text(json.dumps(report, indent=1) + "\n")
     print(f"[gpu-check] {'passed' if report['ok'] else 'FAILED'}: wrote {path}", flush=True)
@@ -348,15 +365,16 @@ def run(prepared: Path, out: Path, *, shape: str, device_type: str | None, kerne
 
 
 def _offload(prepared_plan: Path, work: Path, plan_dir: Path, prepared: Path, losses: list[float], cuda: bool,
-             device) -> dict:
-    """(f): the offloaded plan trained ``OFFLOAD_STEPS`` steps from the same weights and batches."""
+             device, part: str = "(f) offload") -> dict:
+    """(f): the offloaded plan (or (i), ``part``: the stashing plan) trained ``OFFLOAD_STEPS`` steps from the
+    same weights and batches."""
     from zorse_fx.plan import Plan
     from zorse_fx.train_options import DataOptions, JobOptions, LoopOptions, TrainingOptions
 
     if not prepared_plan.exists():  # prepared before (f) existed
-        print("[gpu-check] (f) offload: not prepared (run make gpu-check-prepare again)", flush=True)
+        print(f"[gpu-check] {part}: not prepared (run make gpu-check-prepare again)", flush=True)
         return {"ok": True, "note": "not prepared"}
-    off_dir = work / "plan_offload"
+    off_dir = work / f"plan_{prepared_plan.name.rsplit('_', 1)[-1]}"
     shutil.copytree(prepared_plan, off_dir)
     shutil.copy(plan_dir / "weights.pt", off_dir / "weights.pt")
     plan = Plan.load(off_dir)
@@ -366,7 +384,7 @@ def _offload(prepared_plan: Path, work: Path, plan_dir: Path, prepared: Path, lo
         torch.cuda.reset_peak_memory_stats(device)
     rows = _train(TrainingOptions(
         data=DataOptions(plan=str(off_dir), data=str(prepared / "tokens.bin")), loop=LoopOptions(steps=steps),
-        job=JobOptions(out=str(work / "offload"), backend="nccl" if cuda else "gloo", precision=plan.precision,
+        job=JobOptions(out=str(work / off_dir.name), backend="nccl" if cuda else "gloo", precision=plan.precision,
                        heartbeat_s=0.0)))
     peak = torch.cuda.max_memory_allocated(device) if cuda else None
     got = [r["loss"] for r in rows]
@@ -381,7 +399,7 @@ def _offload(prepared_plan: Path, work: Path, plan_dir: Path, prepared: Path, lo
            "measured_median_step_s": measured, "predicted_step_s": plan.predicted_step_time_s,
            "step_ratio": measured / plan.predicted_step_time_s if plan.predicted_step_time_s else None,
            "ok": len(got) == steps and rel[0] <= 2e-3 and max(rel) <= 1e-2}
-    print(f"[gpu-check] (f) offload: losses within {max(rel):.1e} of the first run's; "
+    print(f"[gpu-check] {part}: losses within {max(rel):.1e} of the first run's; "
           + (f"peak {peak / 2**30:.2f} GiB measured vs {g.predicted_memory_bytes / 2**30:.2f} GiB predicted "
              f"(ratio {out['memory_ratio']:.2f}); " if peak else "")
           + f"step {measured * 1e3:.1f} ms vs {plan.predicted_step_time_s * 1e3:.1f} ms predicted "

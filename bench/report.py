@@ -98,6 +98,8 @@ SUPERSEDED = {
                               "the runtime's gradient work",
     "scenarios_a72d135.json": "every scenario at a72d135 (2026-12-07 20:55-21:10), before the stage DP put a tied "
                               "model's ends on one node",
+    "scenarios_06c8c7c.json": "every scenario at 06c8c7c (2026-12-08 00:08-00:25, a slow hour), before host-stashed "
+                              "recomputation and the Zorse files' host memory: the same plans",
 }
 
 SCENARIO_ORDER = ("metis", "amp", "zorse_a", "flashflex", "zorse_b", "zorse_c", "sailor")
@@ -112,14 +114,15 @@ CPU_MACHINE = "the project's 2-core CPU machine (AMD EPYC)"
 # the section that reports the run: bench/LOG.md's dated sections, or bench/README.md's method notes.
 PROVENANCE = {
     "scenarios.json": {
-        # bench/LOG.md, "A tied model's ends on one node: amp's miss mended in the stage DP (issue 50, 2026-12-07,
-        # twenty-seventh session)"; the rows before are in scenarios_before_issue50.json (their run: bench/LOG.md,
-        # "Heuristics side by side, the budget respected, the scenarios re-run (issue 32, 2026-12-02, eleventh
-        # session)", code 83cdc2a); the runs before this one: scenarios_a72d135.json, scenarios_cb7ceac.json
+        # bench/LOG.md, "Recomputation with host-stashed block inputs, per-chunk policies when interleaving
+        # (issue 50 items 2-3, 2026-12-08, twenty-eighth session)"; the rows before are in
+        # scenarios_before_issue50.json (their run: bench/LOG.md, "Heuristics side by side, the budget respected,
+        # the scenarios re-run (issue 32, 2026-12-02, eleventh session)", code 83cdc2a); the runs before this one:
+        # scenarios_06c8c7c.json, scenarios_a72d135.json, scenarios_cb7ceac.json
         tuple(SCENARIO_ORDER): dict(
             command="bench/scenarios.py --out DIR (every scenario in one run; zorse_c's own --max-stages 8), --jobs "
-            "default (2)", code="06c8c7c", machine=f"{CPU_MACHINE}, alone, a slow hour (the unchanged baselines' "
-            "planner seconds ~2.5x those of 2026-12-07 18:59)", date="2026-12-08 00:08-00:25"),
+            "default (2)", code="32103ad", machine=f"{CPU_MACHINE}, alone, a fast hour (the unchanged baselines' "
+            "planner seconds 1/3.1-1/3.4 of 06c8c7c's run)", date="2026-12-08 02:29-02:35"),
     },
     "bound_gap.json": {
         # bench/LOG.md, "What bounds each scenario, re-run under the NCCL program (issue 13 item 3,
@@ -380,8 +383,8 @@ def _scenario_choices(scenarios, by: dict, before: list[dict] | None) -> list[st
         return []
     return ["", "### Scenarios: what zorse_fx chose", "",
             "Stages x micro-batches (v: interleaved stages per GPU group) and GPUs used; each stage's memory policy "
-            "in order (ZeRO level, rc: recomputation, opt@host / act@host: offload); the final polish's step "
-            "before -> after (the objective's, [Note: the final polish] in zorse_fx/solve/polish.py); the GPUs "
+            "in order (ZeRO level, rc: recomputation, opt@host / act@host: offload, stash@host: host-stashed "
+            "recomputation); the final polish's step before -> after (the objective's, [Note: the final polish] in zorse_fx/solve/polish.py); the GPUs "
             "the plan leaves idle, the best scored plan on every GPU and what makes it slower (plan.json's "
             "`idle_gpus`); and the same scenario's plan in the before file.", ""] + table(
         ["scenario", "zorse_fx's plan", "memory policy per stage", "polish", "idle GPUs: why", "before"], rows)

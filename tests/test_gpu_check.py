@@ -38,6 +38,9 @@ def test_gpu_check_dry_run(tmp_path):
     off = report["offload"]  # (f): optimizer and activations offloaded, the same losses
     assert off["ok"] and off["steps"] == 4 and off["relative_difference"][0] <= 2e-3, off
     assert off["predicted_host_bytes"] > 0 and off["predicted_step_s"] > report["step_time"]["predicted_s"]
+    st = report["stash"]  # (i): recomputation from the blocks' inputs in host memory, the same losses
+    assert st["ok"] and st["steps"] == 4 and st["relative_difference"][0] <= 2e-3, st
+    assert st["predicted_host_bytes"] > 0 and st["predicted_peak_bytes"] < report["memory"]["predicted_peak_bytes"]
     hf = report["hf"]  # (g): Hugging Face eager and torch.compile'd (aot_eager on a CPU), the same batches
     assert hf["ok"] and hf["compiled"]["backend"] == "aot_eager" and len(hf["eager"]["losses"]) == hf["steps"]
     # the same model, weights and first batch in the same precision: the first step's loss is the run's
