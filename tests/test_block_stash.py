@@ -60,6 +60,8 @@ def test_first_and_loss_stage_stash_equal_single_process(lee_bytes, tmp_path):
     plan = with_stash(plan, {0, 1}, sharded={1}, shard_bytes={1: (3 * 2**20, 2**20)})
     assert [s.memory for s in plan.stages] == [StageMemory(recompute=True, stash="host"),
                                                StageMemory(zero=1, recompute=True, stash="host")]
+    table = plan.table()  # the plan table says so: the stage column and the summary line
+    assert "0 (recompute, stash)" in table and "Recomputation with host-stashed inputs on stages 0, 1" in table
     summaries, _ = train_and_compare(plan, captured, lee_bytes, tmp_path, steps=3, lr=LR, weight_decay=WEIGHT_DECAY)
     _check_stash(plan, summaries, 3)
 

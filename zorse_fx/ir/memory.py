@@ -35,7 +35,7 @@ stage, so this record has no field for it.
 
 The plan file keeps its own per-stage field names (``StagePlan.sharded``,
 ``grad_sharded``, ``param_sharded``, ``offload_optimizer``,
-``offload_activations``, ``recompute``); ``StagePlan.memory`` reads them into
+``offload_activations``, ``recompute``, ``stash_on_host``); ``StagePlan.memory`` reads them into
 this record and ``plan_build.build_plan`` writes them from it.
 """
 
