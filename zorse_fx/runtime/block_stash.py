@@ -42,6 +42,7 @@ yet.
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import torch
 
@@ -54,10 +55,11 @@ class _Saved:
     and the block call before it in the same forward (``prev``), whose inputs
     the backward fetches ahead."""
 
-    __slots__ = ("host", "grads", "rng", "autocast", "prev", "fetched", "ready")
+    __slots__ = ("host", "grads", "rng", "autocast", "prev", "fetched", "ready", "nbytes", "__weakref__")
 
     def __init__(self, host, grads, rng, autocast, prev):
         self.host, self.grads, self.rng, self.autocast, self.prev = host, grads, rng, autocast, prev
+        self.nbytes = sum(h.numel() * h.element_size() for h in host if isinstance(h, torch.Tensor))
         self.fetched = None  # the inputs back on the device, once fetched
         self.ready = None  # a CUDA event the fetch recorded on the side stream
 
@@ -71,10 +73,12 @@ class BlockStash:
         self.device = device
         self.cuda = device.type == "cuda"
         self.side = torch.cuda.Stream(device) if self.cuda else None
-        #: Bytes of block inputs copied to host memory so far, and the most held there at once.
+        #: Bytes of block inputs copied to host memory so far, and the most held there at once (the block
+        #: calls whose backward has not run: a micro-batch whose loss weighs 0 runs none, its stash is freed
+        #: with its graph).
         self.stashed_bytes = 0
-        self.held_bytes = 0
         self.peak_held_bytes = 0
+        self._held: weakref.WeakSet = weakref.WeakSet()
         #: Block calls recomputed so far.
         self.recomputed = 0
         self._last: _Saved | None = None  # the previous block call of the forward in progress
@@ -110,11 +114,13 @@ class BlockStash:
             t.record_stream(self.side)
         else:
             host.copy_(t)
-        n = host.numel() * host.element_size()
-        self.stashed_bytes += n
-        self.held_bytes += n
-        self.peak_held_bytes = max(self.peak_held_bytes, self.held_bytes)
+        self.stashed_bytes += host.numel() * host.element_size()
         return host
+
+    def hold(self, saved: _Saved) -> None:
+        """``saved`` waits for its backward: counted in what the host holds."""
+        self._held.add(saved)
+        self.peak_held_bytes = max(self.peak_held_bytes, sum(x.nbytes for x in self._held))
 
     def fetch(self, saved: _Saved) -> None:
         """Start bringing ``saved``'s inputs back to the device (on the side stream on a GPU)."""
@@ -139,8 +145,7 @@ class BlockStash:
                 if isinstance(t, torch.Tensor):
                     t.record_stream(current)
         out, saved.fetched = saved.fetched, None
-        self.held_bytes -= sum(h.numel() * h.element_size() for h in saved.host if isinstance(h, torch.Tensor))
-        saved.host = ()
+        saved.host, saved.nbytes = (), 0
         return out
 
     @contextlib.contextmanager
@@ -180,6 +185,7 @@ class _StashedBlock(torch.autograd.Function):
         ctx.stash, ctx.fn = stash, fn
         ctx.saved = saved = _Saved(host, grads, rng, autocast, stash._last)
         stash._last = saved
+        stash.hold(saved)
         ctx.mark_non_differentiable(*[o for o in out if isinstance(o, torch.Tensor) and not o.is_floating_point()])
         return tuple(out)
 
