@@ -104,7 +104,7 @@ class _Encoder:
         return {"s": terms}
 
     def value(self, v):
-        if v is None or isinstance(v, (bool, int, float, str)) and not isinstance(v, torch.SymInt):
+        if v is None or isinstance(v, (bool, int, float, str)):  # (a SymInt is none of them)
             return v
         if isinstance(v, torch.SymInt):
             return {"sym": self.dim(v)}
@@ -188,10 +188,14 @@ def _kept(name: str, t: torch.Tensor, live: dict[str, torch.Tensor]):
 
 def _attributes(gm: fx.GraphModule, live: dict[str, torch.Tensor]) -> list:
     """The module tree: per module (``named_modules`` order) its qualified name and its parameters,
-    buffers (with the persistent flag) and tensor constants read by ``get_attr``, in registration order."""
+    buffers (with the persistent flag) and tensor constants read by ``get_attr``, in registration order.
+    Raises ``_Unsupported`` for a submodule that is not a plain ``torch.nn.Module`` (a record rebuilds
+    only those)."""
     reads = {n.target for n in gm.graph.find_nodes(op="get_attr")}
     tree = []
     for qual, mod in gm.named_modules(remove_duplicate=False):
+        if not (type(mod) is torch.nn.Module or mod is gm):
+            raise _Unsupported(f"a submodule {qual} of type {type(mod).__name__}")
         prefix = qual + "." if qual else ""
         entries = []
         for name, p in mod._parameters.items():
@@ -206,7 +210,7 @@ def _attributes(gm: fx.GraphModule, live: dict[str, torch.Tensor]) -> list:
             full = prefix + name
             if isinstance(v, torch.Tensor) and full in reads:
                 entries.append([name, "c", None, _kept(full, v, live)])
-        tree.append([qual, type(mod) is torch.nn.Module or mod is gm, entries])
+        tree.append([qual, entries])
     return tree
 
 
@@ -224,10 +228,8 @@ def encode(gm: fx.GraphModule, live: dict[str, torch.Tensor]) -> dict | None:
 
         logging.getLogger(__name__).info("no graph record: the graph holds %s", exc)
         return None
-    if not all(plain for _, plain, _ in tree):
-        return None
     return {"format": FORMAT, "class_name": type(gm).__name__, "training": gm.training, "symbol": enc.symbol,
-            "modules": [[qual, entries] for qual, _, entries in tree], "nodes": nodes}
+            "modules": tree, "nodes": nodes}
 
 
 # --------------------------------------------------------------------------- decoding

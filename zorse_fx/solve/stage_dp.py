@@ -94,7 +94,8 @@ its first unit cut in two halves, one first and one after the next k units (``_e
 following units of the first unit's GPU type, so a plan on that type alone, and k = all of them): the
 first and last stages then share a node, and the sum runs over its intra-node link. AMP's plan
 (bench/LOG.md, "A tied model's ends on one node"): 0.3638 -> 0.2810 s per step, four stages with the
-first on v100-0's GPUs (0, 1) and the last on (2, 3); two or four more DPs per (M, order).
+first on v100-0's GPUs (0, 1) and the last on (2, 3). The cost: each of the two ends orders adds one or
+two orders (one where the two k coincide), each a whole DP per M: up to four more orders on a tied model.
 
 Legend: ``U`` units, ``B`` blocks, ``S`` stages, ``M`` micro-batches, ``b``
 samples per micro-batch; times in integer units (1 ns), memory in KiB units.
