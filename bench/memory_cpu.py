@@ -296,19 +296,20 @@ RECOMPUTE_POLICIES = (("no_recompute", False, False), ("recompute_stage", True, 
                       ("recompute_host_stash", True, True))
 
 
-def _recompute_child(rank: int, plan_dirs: list[str]) -> None:
+def _recompute_child(rank: int, plan_dirs: list[str], precision: str = "fp32") -> None:
     """``measure_recompute``'s process: per plan directory two steps of its one-GPU plan, the second
     profiled; writes ``rank0.json`` (peak, bytes by category, the optimizer-state summary) there."""
     import gc
 
     from zorse_fx.plan import Plan
+    from zorse_fx.precision import precision_policy
     from zorse_fx.runtime.worker import StageWorker
 
     torch.set_num_threads(1)
     for plan_dir in plan_dirs:
         plan = Plan.load(Path(plan_dir) / "plan.json")
         worker = StageWorker(plan, plan_dir, torch.load(Path(plan_dir) / "weights.pt"), rank=0,
-                             device=torch.device("cpu"))
+                             device=torch.device("cpu"), precision=precision_policy(precision))
         peak, by = _profiled_step(worker, torch.load(Path(plan_dir) / "tokens.pt"))
         summary = worker.optimizer_state_summary()
         Path(plan_dir, "rank0.json").write_text(json.dumps({"peak": peak, "by": by, "summary": summary}))
@@ -316,7 +317,7 @@ def _recompute_child(rank: int, plan_dirs: list[str]) -> None:
         gc.collect()
 
 
-def measure_recompute(policies=RECOMPUTE_POLICIES, *, seq: int = 256) -> list[dict]:
+def measure_recompute(policies=RECOMPUTE_POLICIES, *, seq: int = 256, precision: str = "fp32") -> list[dict]:
     """Per recomputation policy, one rank's measured peak against its prediction where activations
     dominate: a 4-layer HF Llama (64 wide, 128 MLP, vocabulary 256, 0.2M parameters: 3 MB of fp32 training
     state) at ``seq`` tokens, one stage on one GPU, 2 micro-batches of 4, fp32, trained in-process; no
@@ -348,7 +349,7 @@ def measure_recompute(policies=RECOMPUTE_POLICIES, *, seq: int = 256) -> list[di
         cluster_file = Path(tmp, "one.yaml")
         cluster_file.write_text(_ONE_GPU_HOST)
         cluster = Cluster.from_yaml(cluster_file)
-        options = PlanOptions(global_batch_size=8, precision="fp32")
+        options = PlanOptions(global_batch_size=8, precision=precision)
         for name, recompute, stash in policies:
             decision = dataclasses.replace(
                 fixed_decision(captured, ((0,),), ((4,),), num_microbatches=2),
@@ -361,13 +362,14 @@ def measure_recompute(policies=RECOMPUTE_POLICIES, *, seq: int = 256) -> list[di
             built.append((name, plan, d))
         # In a fresh process, as measure_layouts: the timeline counts every tensor alive when the profiler
         # starts, and a caller's (a test worker's fixtures) would be the policies' own.
-        mp.spawn(_recompute_child, args=([str(d) for *_, d in built],), nprocs=1, join=True)
+        mp.spawn(_recompute_child, args=([str(d) for *_, d in built], precision), nprocs=1, join=True)
         for name, plan, d in built:
             g = plan.stages[0].gpus[0]
             got = json.loads(Path(d, "rank0.json").read_text())
             peak, by, summary = got["peak"], got["by"], got["summary"]
             m = g.predicted_memory
-            rows.append({"policy": name, "seq": seq, "parameters": plan.stages[0].num_parameters,
+            rows.append({"policy": name, "precision": precision, "seq": seq,
+                         "parameters": plan.stages[0].num_parameters,
                          "predicted_bytes": g.predicted_memory_bytes,
                          "predicted_host_bytes": g.predicted_host_memory_bytes,
                          "predicted": {"weights": m.weights_bytes, "gradients": m.gradients_bytes,

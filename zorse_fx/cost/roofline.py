@@ -522,6 +522,9 @@ def block_costs(
                               + loss_backward_transient_bytes(bg, activations.output_dtypes)),
         # As sent: float32 in the compute dtype under a mixed policy ([Note: 16-bit boundary tensors]).
         cut_bytes_per_sample=tuple(sum(t.bytes_per_sample for t in on_wire(ts, precision)) for ts in cast.cut_tensors),
+        # As held on the GPU (the received tensors cast back, the sent ones before the cast; recomputation's
+        # kept inputs): the dtypes the stage computes them in.
+        cut_run_bytes_per_sample=tuple(sum(t.bytes_per_sample for t in ts) for ts in cast.cut_tensors),
         state_bytes_per_param=precision.state_bytes_per_param,
         # [C-optim] moves 2 x this per parameter: AdamW's state, and autocast's weight cast once per
         # step ([Note: the runtime's gradient work])

@@ -82,6 +82,10 @@ class BlockCosts:
     #: in the dtypes the plan's autocast gives the crossing tensors (entries 0
     #: and B are 0: nothing crosses the ends of the model).
     cut_bytes_per_sample: tuple[int, ...]
+    #: ``(B+1,)`` the same tensors in the dtypes the stage computes and keeps them (float32 residuals
+    #: under a mixed policy, which travel in 16 bits): what a stage holds on its GPU of the tensors it
+    #: receives or sends, and what recomputation keeps ([C-recompute], [C-stash]); () = as sent.
+    cut_run_bytes_per_sample: tuple[int, ...] = ()
     #: Bytes of training state the runtime keeps per trainable parameter
     #: under the plan's precision (``PrecisionPolicy.state_bytes_per_param``,
     #: [Note: mixed precision] in ``zorse_fx/precision.py``): float32 weight 4
@@ -177,6 +181,9 @@ class BlockCosts:
                 f"cut_bytes_per_sample needs {nb + 1} entries (one per cut position), "
                 f"got {len(self.cut_bytes_per_sample)}"
             )
+        if self.cut_run_bytes_per_sample and len(self.cut_run_bytes_per_sample) != nb + 1:
+            raise ValueError(f"cut_run_bytes_per_sample needs {nb + 1} entries (one per cut position) or none, "
+                             f"got {len(self.cut_run_bytes_per_sample)}")
         for gpu_type, times in self.fwd_bwd_s_per_sample.items():
             if len(times) != nb:
                 raise ValueError(

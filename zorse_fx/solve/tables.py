@@ -132,7 +132,9 @@ class IntTables:
     #: prefix of the shardable state Q (``BlockCosts.shardable_bytes``, KiB,
     #: rounded up per block); the replicated rest of a stage is state_prefix - shard_prefix.
     shard_prefix: tuple[int, ...]
-    #: (B+1,) cut bytes per sample before block c (KiB, rounded up).
+    #: (B+1,) cut bytes per sample before block c as the stage holds them (KiB, rounded up;
+    #: ``BlockCosts.cut_run_bytes_per_sample``: float32 under a mixed policy, where the wire's
+    #: ``cut_bytes_per_sample`` are 16-bit): the memory terms' X_s; transfers use the wire's.
     cut_kib: tuple[int, ...]
     #: {gpu_type: prefix of forward units per sample / per micro-batch}
     #: (``BlockCosts.forward_s_per_sample`` / ``forward_s_fixed``, rounded per
@@ -294,7 +296,7 @@ def build_tables(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions,
                          for v in mem_bw_values),
         cap_bytes=tuple(int(options.memory_fraction * mb) // MEMORY_UNIT_BYTES for mb in devices.memory_bytes),
         shard_prefix=_prefix(_kib_up(costs.shardable_bytes(b)) for b in range(costs.num_blocks)),
-        cut_kib=tuple(_kib_up(c) for c in costs.cut_bytes_per_sample),
+        cut_kib=tuple(_kib_up(c) for c in costs.cut_run_bytes_per_sample or costs.cut_bytes_per_sample),
         rc_work_prefix={t: _prefix(to_units(x) for x in costs.forward_s_per_sample(t)) for t in types},
         rc_fixed_prefix={t: _prefix(to_units(x) for x in costs.forward_s_fixed(t)) for t in types},
         drain_coefs=drain_coefficients(costs.forward_share_max()),
