@@ -100,6 +100,8 @@ SUPERSEDED = {
                               "model's ends on one node",
     "scenarios_06c8c7c.json": "every scenario at 06c8c7c (2026-12-08 00:08-00:25, a slow hour), before host-stashed "
                               "recomputation and the Zorse files' host memory: the same plans",
+    "scenarios_32103ad.json": "every scenario at 32103ad (2026-12-08 02:29-02:35), before recomputation's kept "
+                              "inputs were priced in the dtypes the stage holds them (FlashFlex's plan differs)",
 }
 
 SCENARIO_ORDER = ("metis", "amp", "zorse_a", "flashflex", "zorse_b", "zorse_c", "sailor")
@@ -118,11 +120,11 @@ PROVENANCE = {
         # (issue 50 items 2-3, 2026-12-08, twenty-eighth session)"; the rows before are in
         # scenarios_before_issue50.json (their run: bench/LOG.md, "Heuristics side by side, the budget respected,
         # the scenarios re-run (issue 32, 2026-12-02, eleventh session)", code 83cdc2a); the runs before this one:
-        # scenarios_06c8c7c.json, scenarios_a72d135.json, scenarios_cb7ceac.json
+        # scenarios_32103ad.json, scenarios_06c8c7c.json, scenarios_a72d135.json, scenarios_cb7ceac.json
         tuple(SCENARIO_ORDER): dict(
             command="bench/scenarios.py --out DIR (every scenario in one run; zorse_c's own --max-stages 8), --jobs "
-            "default (2)", code="32103ad", machine=f"{CPU_MACHINE}, alone, a fast hour (the unchanged baselines' "
-            "planner seconds 1/3.1-1/3.4 of 06c8c7c's run)", date="2026-12-08 02:29-02:35"),
+            "default (2)", code="41c758f", machine=f"{CPU_MACHINE}, alone, a fast hour (the unchanged baselines' "
+            "planner seconds 1/3.1-1/3.4 of 06c8c7c's run)", date="2026-12-08 03:20-03:27"),
     },
     "bound_gap.json": {
         # bench/LOG.md, "What bounds each scenario, re-run under the NCCL program (issue 13 item 3,
