@@ -646,14 +646,23 @@ def render_memory_cpu(rows: list[dict], name: str) -> list[str]:
     return out + _source(PROVENANCE.get(name, {}))
 
 
+def _predicted_mib(r: dict) -> str:
+    """A memory row's predicted peak in MiB, "+ <host> host" where it holds host memory."""
+    mib = 2**20
+    return _s(r["predicted_bytes"] / mib) + (f" + {r['predicted_host_bytes'] / mib:.1f} host"
+                                             if r.get("predicted_host_bytes") else "")
+
+
+def _at_peak(r: dict) -> str:
+    """A memory row's measured bytes at the peak by category, MiB, those of at least 0.1 MiB."""
+    mib = 2**20
+    return ", ".join(f"{k} {v / mib:.1f}" for k, v in r["measured_at_peak_by_category"].items() if v >= mib / 10)
+
+
 def render_memory_layouts(rows: list[dict], name: str) -> list[str]:
     mib = 2**20
-    body = [[r["layout"], r.get("precision", "?"), r["rank"], _s(r["state_shard_bytes"] / mib),
-             _s(r["predicted_bytes"] / mib) + (f" + {r['predicted_host_bytes'] / mib:.1f} host"
-                                                if r.get("predicted_host_bytes") else ""),
-             _s(r["measured_peak_bytes"] / mib), _r3(r["ratio"]),
-             ", ".join(f"{k} {v / mib:.1f}" for k, v in r["measured_at_peak_by_category"].items() if v >= mib / 10)]
-            for r in rows]
+    body = [[r["layout"], r.get("precision", "?"), r["rank"], _s(r["state_shard_bytes"] / mib), _predicted_mib(r),
+             _s(r["measured_peak_bytes"] / mib), _r3(r["ratio"]), _at_peak(r)] for r in rows]
     n = rows[0]["parameters"] if rows else 0
     n16 = max((r["low_precision_parameters"] for r in rows), default=0)
     out = ["### Memory per rank and state layout on this CPU", "",
@@ -674,11 +683,8 @@ def render_memory_layouts(rows: list[dict], name: str) -> list[str]:
 
 def render_memory_recompute(rows: list[dict], name: str) -> list[str]:
     mib = 2**20
-    body = [[r["policy"], _s(r["predicted_bytes"] / mib) + (f" + {r['predicted_host_bytes'] / mib:.1f} host"
-                                                            if r.get("predicted_host_bytes") else ""),
-             _s(r["predicted"]["activations"] / mib), _s(r["measured_peak_bytes"] / mib), _r3(r["ratio"]),
-             ", ".join(f"{k} {v / mib:.1f}" for k, v in r["measured_at_peak_by_category"].items() if v >= mib / 10)]
-            for r in rows]
+    body = [[r["policy"], _predicted_mib(r), _s(r["predicted"]["activations"] / mib),
+             _s(r["measured_peak_bytes"] / mib), _r3(r["ratio"]), _at_peak(r)] for r in rows]
     out = ["### Memory per recomputation policy on this CPU", "",
            "One stage on one GPU where activations dominate (a 4-layer Llama, 64 wide, 256 tokens: 3 MB of "
            "training state): no recomputation, whole-stage recomputation (1F1B on one stage holds one micro-batch, "

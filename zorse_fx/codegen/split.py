@@ -41,8 +41,8 @@ after it (the last block's if none follows), so blocks run in the captured
 order; each block binds the attributes it reads itself (``x = self.<flat>``
 before the first reader), which ``StageRuntime.first_use`` and the ZeRO-3
 hooks read. The runtime calls the methods as they are, or, on a stage that
-recomputes with its blocks' inputs stashed in host memory, through a wrapper that keeps
-only each block's inputs ([Note: host-stashed recomputation] in
+recomputes with its blocks' inputs stashed in host memory, through a wrapper
+that keeps only each block's inputs ([Note: host-stashed recomputation] in
 ``runtime/block_stash.py``).
 """
 
@@ -462,7 +462,10 @@ def _block_graphs(program: StageProgram) -> tuple[str, list[tuple[int, fx.Graph]
     prev = program.blocks[0]
     for n in nodes:  # never back to an earlier block: graph order is kept
         prev = seg[n] = max(seg[n], prev)
-    order = list(dict.fromkeys(seg[n] for n in nodes))
+    members: dict[int, list[fx.Node]] = {}  # per block, its nodes in graph order
+    for n in nodes:
+        members.setdefault(seg[n], []).append(n)
+    order = list(members)
     out_node = next(iter(g.find_nodes(op="output")))
     outputs: dict[int, list[fx.Node]] = {b: [] for b in order}
     for n in nodes:
@@ -474,11 +477,10 @@ def _block_graphs(program: StageProgram) -> tuple[str, list[tuple[int, fx.Graph]
     # otherwise the forward would keep every block's output alive until it returns.
     last_read: dict[str, int] = {}
     for k, b in enumerate(order):
-        for n in nodes:
-            if seg[n] == b:
-                for a in n.all_input_nodes:
-                    if a.op != "get_attr" and (a.op == "placeholder" or seg[a] != b):
-                        last_read[a.name] = k
+        for n in members[b]:
+            for a in n.all_input_nodes:
+                if a.op != "get_attr" and (a.op == "placeholder" or seg[a] != b):
+                    last_read[a.name] = k
     ret = out_node.args[0]
     returned = {a.name for a in (ret if isinstance(ret, (tuple, list)) else (ret,)) if isinstance(a, fx.Node)}
     for k, b in enumerate(order):
@@ -486,15 +488,14 @@ def _block_graphs(program: StageProgram) -> tuple[str, list[tuple[int, fx.Graph]
         env: dict[fx.Node, fx.Node] = {}
         inputs: list[fx.Node] = []
 
-        members = [n for n in nodes if seg[n] == b]
-        inside = set(members)
-        for n in members:  # the placeholders first, in first-read order
+        inside = set(members[b])
+        for n in members[b]:  # the placeholders first, in first-read order
             for a in n.all_input_nodes:
                 if a not in inside and a.op != "get_attr" and a not in env:
                     inputs.append(a)
                     env[a] = bg_.placeholder(a.name)
                     env[a].meta = a.meta
-        for n in members:
+        for n in members[b]:
             for a in n.all_input_nodes:
                 if a.op == "get_attr" and a not in env:  # bound just before its first reader in the block
                     env[a] = bg_.get_attr(a.target)

@@ -42,26 +42,45 @@ yet.
 from __future__ import annotations
 
 import contextlib
-import weakref
 
 import torch
 
 __all__ = ["BlockStash"]
 
 
+class _Held:
+    """Bytes of block inputs in host memory now (``now``) and at most so far (``peak``)."""
+
+    __slots__ = ("now", "peak")
+
+    def __init__(self):
+        self.now = self.peak = 0
+
+
 class _Saved:
     """One block call's inputs in host memory (``host``: one entry per input, a
     host tensor or the non-tensor value itself), its RNG and autocast state,
     and the block call before it in the same forward (``prev``), whose inputs
-    the backward fetches ahead."""
+    the backward fetches ahead. Counted in ``held`` until its backward takes
+    them, or until it is freed without one (a micro-batch whose loss weighs 0)."""
 
-    __slots__ = ("host", "grads", "rng", "autocast", "prev", "fetched", "ready", "nbytes", "__weakref__")
+    __slots__ = ("host", "grads", "rng", "autocast", "prev", "fetched", "ready", "nbytes", "held")
 
-    def __init__(self, host, grads, rng, autocast, prev):
+    def __init__(self, host, grads, rng, autocast, prev, held: _Held):
         self.host, self.grads, self.rng, self.autocast, self.prev = host, grads, rng, autocast, prev
         self.nbytes = sum(h.numel() * h.element_size() for h in host if isinstance(h, torch.Tensor))
         self.fetched = None  # the inputs back on the device, once fetched
         self.ready = None  # a CUDA event the fetch recorded on the side stream
+        self.held = held
+        held.now += self.nbytes
+        held.peak = max(held.peak, held.now)
+
+    def release(self) -> None:
+        self.held.now -= self.nbytes
+        self.host, self.nbytes = (), 0
+
+    def __del__(self):
+        self.held.now -= self.nbytes
 
 
 class BlockStash:
@@ -73,12 +92,10 @@ class BlockStash:
         self.device = device
         self.cuda = device.type == "cuda"
         self.side = torch.cuda.Stream(device) if self.cuda else None
-        #: Bytes of block inputs copied to host memory so far, and the most held there at once (the block
-        #: calls whose backward has not run: a micro-batch whose loss weighs 0 runs none, its stash is freed
-        #: with its graph).
+        #: Bytes of block inputs copied to host memory so far, and those held there (the block calls whose
+        #: backward has not run: a micro-batch whose loss weighs 0 runs none, its stash is freed with its graph).
         self.stashed_bytes = 0
-        self.peak_held_bytes = 0
-        self._held: weakref.WeakSet = weakref.WeakSet()
+        self.held = _Held()
         #: Block calls recomputed so far.
         self.recomputed = 0
         self._last: _Saved | None = None  # the previous block call of the forward in progress
@@ -117,11 +134,6 @@ class BlockStash:
         self.stashed_bytes += host.numel() * host.element_size()
         return host
 
-    def hold(self, saved: _Saved) -> None:
-        """``saved`` waits for its backward: counted in what the host holds."""
-        self._held.add(saved)
-        self.peak_held_bytes = max(self.peak_held_bytes, sum(x.nbytes for x in self._held))
-
     def fetch(self, saved: _Saved) -> None:
         """Start bringing ``saved``'s inputs back to the device (on the side stream on a GPU)."""
         if saved.fetched is not None:
@@ -145,7 +157,7 @@ class BlockStash:
                 if isinstance(t, torch.Tensor):
                     t.record_stream(current)
         out, saved.fetched = saved.fetched, None
-        saved.host, saved.nbytes = (), 0
+        saved.release()
         return out
 
     @contextlib.contextmanager
@@ -166,7 +178,7 @@ class BlockStash:
     def summary(self) -> dict:
         """``stashed_bytes``: block inputs copied to host memory so far; ``peak_held_bytes``: the most held
         there at once; ``recomputed_blocks``: block calls re-run so far."""
-        return {"stashed_bytes": self.stashed_bytes, "peak_held_bytes": self.peak_held_bytes,
+        return {"stashed_bytes": self.stashed_bytes, "peak_held_bytes": self.held.peak,
                 "recomputed_blocks": self.recomputed}
 
 
@@ -183,9 +195,8 @@ class _StashedBlock(torch.autograd.Function):
         out = fn(*args)
         host = [stash.down(a) if isinstance(a, torch.Tensor) else a for a in args]
         ctx.stash, ctx.fn = stash, fn
-        ctx.saved = saved = _Saved(host, grads, rng, autocast, stash._last)
+        ctx.saved = saved = _Saved(host, grads, rng, autocast, stash._last, stash.held)
         stash._last = saved
-        stash.hold(saved)
         ctx.mark_non_differentiable(*[o for o in out if isinstance(o, torch.Tensor) and not o.is_floating_point()])
         return tuple(out)
 

@@ -254,8 +254,8 @@ from ..ir.memory import StageMemory
 from ..ir.p2p import RankProgram, programs_from, route_messages, routes
 from ..ir.schedule import make_schedule
 from ..options import PlanOptions
-from ..solve.objective import (MEMORY_UNIT_BYTES, MIB_UNITS, inflight, offload_device_kib, prepare,
-                               sharded_state_kib, stash_units)
+from ..solve.objective import (MEMORY_UNIT_BYTES, MIB_UNITS, offload_device_kib, prepare, sharded_state_kib,
+                               stash_inputs_kib, stash_units)
 from ..solve.state_terms import offload_replicated_kib, stage_state_kib, transient_kib
 from .gloo import paced_transfer_s
 from .network import FlowResources, link_resource, max_min_rates, ring
@@ -481,13 +481,11 @@ class _Pipeline:
                 elif pol.memory[s].stash == "host":  # [C-stash]: block inputs down in F, back in B (half each),
                     # on a side stream behind the task's compute; held: the received and sent tensors; B: one
                     # block re-run, its inputs and the next's
-                    dev, _, moved = stash_units(tab, s, self.n_s, i, j, n)
-                    x = 2 * n * moved * MEMORY_UNIT_BYTES / devices.host_link_bytes_per_s[g]
+                    st = stash_units(tab, s, self.n_s, i, j, n)
+                    x = 2 * n * stash_inputs_kib(tab, i, j) * MEMORY_UNIT_BYTES / devices.host_link_bytes_per_s[g]
                     fwd, bwd = self.dur[g, s]
                     self.dur[g, s] = (max(fwd, x / 2), max(bwd, x / 2))
-                    kept = n * (tab.cut_kib[i] + tab.cut_kib[j])
-                    self.held[g][s // n_p] = kept
-                    self.rerun[g][s // n_p] = dev - inflight(tab.schedule, self.n_s, s, tab.num_microbatches) * kept
+                    self.held[g][s // n_p], self.rerun[g][s // n_p] = st.held, st.peak
                 elif pol.memory[s].recompute:
                     self.held[g][s // n_p], self.rerun[g][s // n_p] = n * (tab.cut_kib[i] if s > 0 else 0), n * a_kib
                 else:
@@ -780,7 +778,7 @@ def simulate(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions, deci
                 full = offload_replicated_kib(tab, i, j)
             n = decision.samples_per_microbatch[s][stage_gpus[s].index(g)]
             if mem.stash == "host":  # [C-stash]: the transients beyond what the stash holds, as the objective
-                state += full + transient_kib(tab, i, j, 1, stash_units(tab, s, n_s, i, j, n)[0])
+                state += full + transient_kib(tab, i, j, 1, stash_units(tab, s, n_s, i, j, n).device)
                 continue
             state += full + transient_kib(tab, i, j, n, tab.act_prefix[j] - tab.act_prefix[i])  # [Note: gradient
             # transients] in solve/state_terms.py, as the objective adds it

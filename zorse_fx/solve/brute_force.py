@@ -77,13 +77,17 @@ def solve_brute_force(costs: BlockCosts, devices: DeviceGraph, options: PlanOpti
     ofs = modes[options.offload] if host or options.offload == "always" else (False,)
     aos = modes[options.activation_offload] if host or options.activation_offload == "always" else (False,)
     sts = modes[options.stash] if host or options.stash == "always" else (False,)
-    # each allowed (ZeRO level, recompute, optimizer offload, activation offload or [C-stash]) as its record,
-    # made once; the last is (activation offload, stash)
-    places = [(ao, st) for ao in aos for st in sts if not (ao and st)]
-    records = {(z, rc, of, p): StageMemory(zero=z, recompute=rc, optimizer=_PLACE[of], activations=_PLACE[p[0]],
-                                           stash=_PLACE[p[1]])
-               for z in layouts for rc in rcs for of in ofs for p in places
-               if not (p[0] and (rc or z >= 2)) and not (p[1] and (not rc or z >= 2))}
+    # each allowed (ZeRO level, recompute, optimizer offload, (activation offload, [C-stash])) as its record,
+    # made once: the combinations StageMemory accepts (ir/memory.py)
+    places = [(ao, st) for ao in aos for st in sts]
+    records = {}
+    for key in itertools.product(layouts, rcs, ofs, places):
+        z, rc, of, (ao, st) = key
+        try:
+            records[key] = StageMemory(zero=z, recompute=rc, optimizer=_PLACE[of], activations=_PLACE[ao],
+                                       stash=_PLACE[st])
+        except ValueError:
+            pass
     best, cands = None, []
     for n_s in range(1, k_max + 1):
         for m in ms:
@@ -107,10 +111,10 @@ def solve_brute_force(costs: BlockCosts, devices: DeviceGraph, options: PlanOpti
                             for recompute, offload, acts in itertools.product(
                                     itertools.product(rcs, repeat=n_s), itertools.product(ofs, repeat=n_s),
                                     itertools.product(places, repeat=n_s)):
-                                if any((p[0] and (rc or z >= 2)) or (p[1] and (not rc or z >= 2))
-                                       for p, rc, z in zip(acts, recompute, zeros)):
-                                    continue  # [C-act-offload] / [C-stash]: not with ZeRO-2/3; (not) recomputing
-                                memory = tuple(map(records.__getitem__, zip(zeros, recompute, offload, acts)))
+                                keys = tuple(zip(zeros, recompute, offload, acts))
+                                if any(k not in records for k in keys):
+                                    continue  # a combination StageMemory refuses
+                                memory = tuple(map(records.__getitem__, keys))
                                 pol = fill_policy(tab, blocks, stage_gpus, samples, memory=memory)
                                 if mode_violations(options, stage_gpus, pol):
                                     continue

@@ -54,7 +54,7 @@ from ..ir.devices import DeviceGraph
 from ..ir.memory import StageMemory
 from ..ir.result import Candidate, SolverResult
 from ..options import PlanOptions
-from ..solve.memory_policy import stash_units, uniform_memory
+from ..solve.memory_policy import stash_device_kib, uniform_memory
 from ..solve.objective import (
     MIB_UNITS,
     UNIT_S,
@@ -117,8 +117,7 @@ def stage_fits(tab, s: int, n_s: int, i: int, j: int, groups, *, memory: StageMe
 
     def act(n):  # with [Note: gradient transients] (state_terms.py)
         if memory.stash == "host":  # [C-stash]: its device part (host memory is the offload checks')
-            dev = stash_units(tab, s, n_s, i, j, n)[0]
-            return dev + transient_kib(tab, i, j, 1, dev)
+            return stash_device_kib(tab, s, n_s, i, j, n)
         return stage_act_kib(tab, s, n_s, i, j, n, recompute=memory.recompute) + transient_kib(tab, i, j, n, a)
 
     if not memory.zero or sum(c for _, c in groups) < 2:

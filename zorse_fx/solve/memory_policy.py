@@ -10,6 +10,7 @@ re-exports these names; KiB units (``tables.MEMORY_UNIT_BYTES``), times in ns.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from ..ir.costs import extra_copies
 from ..ir.memory import StageMemory
@@ -17,7 +18,8 @@ from ..options import SCHEDULES
 from .state_terms import gathered_weight_kib, grad_shard_kib, stage_host_kib, stage_state_kib, transient_kib
 from .tables import MIB_UNITS, IntTables
 
-__all__ = ["inflight", "MemoryPolicy", "act_units", "act_host_units", "act_xfer_units", "stash_units", "balance_shards",
+__all__ = ["inflight", "MemoryPolicy", "act_units", "act_host_units", "act_xfer_units", "StashUnits", "stash_units",
+           "stash_inputs_kib", "stash_device_kib", "balance_shards",
            "sharded_state_kib", "offload_device_kib", "fill_policy", "uniform_memory"]
 
 
@@ -84,19 +86,48 @@ def act_units(tab: IntTables, s: int, n_s: int, i: int, n: int, a: int, *, recom
     return n * (fl * (tab.cut_kib[i] if s > 0 else 0) + a) if recompute else fl * n * a
 
 
-def stash_units(tab: IntTables, s: int, n_s: int, i: int, j: int, n: int) -> tuple[int, int, int]:
-    """[C-stash]: (device KiB, host KiB, the blocks' input KiB per sample) of a GPU with n samples on stage s
-    over blocks [i, j) that recomputes with host-stashed block inputs. Device: per micro-batch in flight the
-    stage's received tensors and its outputs (cut_i + cut_j: the cuts at 0 and B are empty), and in the
-    backward one micro-batch's largest block's activations and two of its largest block inputs (the block
-    re-run and the one before it, fetched ahead); host: every block's inputs of every micro-batch in flight
-    (the cuts into its blocks, sum cut_k over k in [i, j): a value read two blocks on counted at both cuts,
-    an upper bound)."""
+class StashUnits(NamedTuple):
+    """[C-stash]'s memory of one GPU on a stage that recomputes with host-stashed block inputs, KiB
+    (``stash_units``)."""
+
+    #: Per micro-batch in flight on the device: the stage's received tensors and its outputs.
+    held: int
+    #: Once, in the backward: one micro-batch's largest block's activations and two of its largest block
+    #: inputs (the block re-run and the one before it, fetched ahead).
+    peak: int
+    #: Micro-batches in flight (``inflight``).
+    inflight: int
+    #: In host memory: every block's inputs of every micro-batch in flight.
+    host: int
+
+    @property
+    def device(self) -> int:
+        """Device KiB: ``inflight`` x ``held`` + ``peak``."""
+        return self.inflight * self.held + self.peak
+
+
+def stash_inputs_kib(tab: IntTables, i: int, j: int) -> int:
+    """[C-stash]: KiB per sample of the inputs of blocks [i, j), the cuts into them (sum of cut_k over k in
+    [i, j): a value read two blocks on is counted at both cuts, an upper bound; cut_0 is empty)."""
+    return sum(tab.cut_kib[i:j])
+
+
+def stash_units(tab: IntTables, s: int, n_s: int, i: int, j: int, n: int) -> StashUnits:
+    """[C-stash]'s memory of a GPU with n samples on stage s of n_s over blocks [i, j) (the cuts at 0 and
+    B are empty, so the first stage holds no received tensor and the last sends none)."""
     fl = inflight(tab.schedule, n_s, s, tab.num_microbatches)
     cut, act = tab.cut_kib, tab.act_prefix
-    inputs = sum(cut[i:j])
     peak = max(act[k + 1] - act[k] for k in range(i, j)) + 2 * max(cut[i:j])
-    return n * (fl * (cut[i] + cut[j]) + peak), fl * n * inputs, inputs
+    return StashUnits(held=n * (cut[i] + cut[j]), peak=n * peak, inflight=fl,
+                      host=fl * n * stash_inputs_kib(tab, i, j))
+
+
+def stash_device_kib(tab: IntTables, s: int, n_s: int, i: int, j: int, n: int) -> int:
+    """[C-stash]: device KiB of a GPU with n samples on stage s over blocks [i, j) with its gradient
+    transients beyond it (``state_terms.transient_kib``, [Note: gradient transients]), as every evaluator
+    adds them."""
+    dev = stash_units(tab, s, n_s, i, j, n).device
+    return dev + transient_kib(tab, i, j, 1, dev)
 
 
 def act_host_units(tab: IntTables, s: int, n_s: int, n: int, a: int) -> int:
@@ -192,14 +223,13 @@ def _stage_shards(tab: IntTables, s: int, n_s: int, blocks: tuple[int, int], gpu
 
     def device_free(g, n):  # KiB of GPU g left after the replicated state, the activations and the transients
         if mem.stash == "host":  # [C-stash]
-            dev = stash_units(tab, s, n_s, i, j, n)[0]
-            return tab.cap_bytes[g] - rep - dev - transient_kib(tab, i, j, 1, dev)
+            return tab.cap_bytes[g] - rep - stash_device_kib(tab, s, n_s, i, j, n)
         return tab.cap_bytes[g] - rep - act_units(tab, s, n_s, i, n, a, recompute=mem.recompute,
                                                   offload=host_acts) - transient_kib(tab, i, j, n, a)
 
     def host_held(n):  # host KiB of the activations a GPU with n samples offloads or stashes
         if mem.stash == "host":
-            return stash_units(tab, s, n_s, i, j, n)[1]
+            return stash_units(tab, s, n_s, i, j, n).host
         return act_host_units(tab, s, n_s, n, a) if host_acts else 0
 
     if mem.optimizer == "host":  # the shards' optimizer part in host memory, H_s / N_s KiB of it per KiB of shard

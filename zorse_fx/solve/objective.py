@@ -294,6 +294,8 @@ from .memory_policy import (  # noqa: F401
     act_host_units,
     act_units,
     act_xfer_units,
+    stash_device_kib,
+    stash_inputs_kib,
     stash_units,
     balance_shards,
     fill_policy,
@@ -326,7 +328,7 @@ __all__ = [
     "max_stage_count", "inflight", "IntTables", "build_tables", "Evaluation",
     "evaluate", "evaluate_units", "balance_shards", "MIB_UNITS", "evaluate_result",
     "MemoryPolicy", "offload_device_kib", "prepare", "policy_decision", "act_units", "act_host_units", "act_xfer_units",
-    "stash_units",
+    "stash_units", "stash_inputs_kib", "stash_device_kib",
     "effective_pair_bandwidth", "ring_units", "tied_terms", "bucket_count", "GRAD_BUCKET_BYTES_PER_PARAM",
     "BUCKET_UNIT_BYTES", "drain_offsets", "LAST_BUCKET_RESOLUTION", "sharded_state_kib",
 ]
@@ -474,7 +476,7 @@ def _compute_terms(tab: IntTables, t: _Terms, i: int, j: int, gpus, ns, mem) -> 
     its recomputation and [C-act-offload]'s / [C-stash]'s transfers."""
     a = tab.act_prefix[j] - tab.act_prefix[i]
     rc, ao, st = mem.recompute, mem.activations == "host", mem.stash == "host"
-    moved = stash_units(tab, 0, 1, i, j, 0)[2] if st else a if ao else 0
+    moved = stash_inputs_kib(tab, i, j) if st else a if ao else 0
 
     def forward(g, n, e=j):  # the forward of GPU g over blocks [i, e)
         q = tab.gpu_types[g]
@@ -496,18 +498,18 @@ def _compute_terms(tab: IntTables, t: _Terms, i: int, j: int, gpus, ns, mem) -> 
         return x // 2, x - x // 2  # [C-act-offload]: on the compute stream
 
     fwd = [forward(g, n) for g, n in zip(gpus, ns)]
-    # (compute, its re-run, the transfers' forward and backward parts)
-    per_gpu = [(w, rerun(g, n, j), *exposed(g, n, w, f)) for g, n, f in zip(gpus, ns, fwd) for w in [work(g, n, j)]]
-    t.comp.append(max(w + xf + xb for w, _, xf, xb in per_gpu))
+    # (compute with its re-run, the transfers' forward and backward parts)
+    per_gpu = [(w, *exposed(g, n, w, f)) for g, n, f in zip(gpus, ns, fwd) for w in [work(g, n, j)]]
+    t.comp.append(max(w + xf + xb for w, xf, xb in per_gpu))
     # GPipe's period: 3 x the forward (BlockCosts' forward part, the re-run table), 3 x the backward
     # = 3 x (the compute less the forward: the backward and the re-run); each with its part of the transfers.
-    t.fwd3.append(max(3 * f + 3 * xf for f, (_, _, xf, _) in zip(fwd, per_gpu)))
-    t.bwd3.append(max(3 * (w - f) + 3 * xb for f, (w, _, _, xb) in zip(fwd, per_gpu)))
+    t.fwd3.append(max(3 * f + 3 * xf for f, (_, xf, _) in zip(fwd, per_gpu)))
+    t.bwd3.append(max(3 * (w - f) + 3 * xb for f, (w, _, xb) in zip(fwd, per_gpu)))
     if ao:
         t.comp_head.append(max(work(g, n, j - 1) + act_xfer_units(tab, g, n, tab.act_prefix[j - 1] - tab.act_prefix[i])
                                for g, n in zip(gpus, ns)))  # cmax-_s
     else:  # ([C-stash]: the whole stage's exposed transfers, an upper bound)
-        t.comp_head.append(max(work(g, n, j - 1) + xf + xb for (g, n), (_, _, xf, xb) in zip(zip(gpus, ns), per_gpu)))
+        t.comp_head.append(max(work(g, n, j - 1) + xf + xb for (g, n), (_, xf, xb) in zip(zip(gpus, ns), per_gpu)))
 
 
 def _boundary_terms(tab: IntTables, t: _Terms, j: int, here, nxt, pair_cache: dict | None) -> None:
@@ -587,8 +589,7 @@ def _state_terms(tab: IntTables, t: _Terms, s: int, n_s: int, i: int, j: int, gp
 
     def held(n):  # the activations and transients of a GPU with n samples ([Note: gradient transients])
         if mem.stash == "host":  # [C-stash]: the transients beyond what the stash and one block's activations hold
-            dev = stash_units(tab, s, n_s, i, j, n)[0]
-            return dev + transient_kib(tab, i, j, 1, dev)
+            return stash_device_kib(tab, s, n_s, i, j, n)
         return act_units(tab, s, n_s, i, n, a, recompute=rc, offload=ao) + transient_kib(tab, i, j, n, a)
 
     if mem.optimizer == "host":  # [C-offload]: Q_s (the shards) in host memory, the step over the host link and CPU
@@ -618,7 +619,7 @@ def _state_terms(tab: IntTables, t: _Terms, s: int, n_s: int, i: int, j: int, gp
     if ao:  # [C-act-offload]: every micro-batch in flight in host memory
         t.host[s] = tuple(h + act_host_units(tab, s, n_s, n, a) for h, n in zip(t.host[s], ns))
     if mem.stash == "host":  # [C-stash]: every block input of every micro-batch in flight in host memory
-        t.host[s] = tuple(h + stash_units(tab, s, n_s, i, j, n)[1] for h, n in zip(t.host[s], ns))
+        t.host[s] = tuple(h + stash_units(tab, s, n_s, i, j, n).host for h, n in zip(t.host[s], ns))
 
 
 def _pipeline_step(tab: IntTables, t: _Terms, stage_blocks, pol: MemoryPolicy, stage, tied) -> int:

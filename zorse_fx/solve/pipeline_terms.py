@@ -95,7 +95,7 @@ import functools
 
 import numpy as np
 
-from .objective import StageUnits, act_units, bucket_count, inflight, stash_units
+from .objective import StageUnits, act_units, bucket_count, stash_units
 
 __all__ = ["forward_units", "program_ends", "group_sync_units", "interleaved_units"]
 
@@ -409,12 +409,10 @@ def _interleaved_memory(tab, stage_blocks, stage_gpus, samples, pol, *, v, mem) 
                 a = tab.act_prefix[j] - tab.act_prefix[i]
                 sm = pol.memory[s]
                 if sm.stash == "host":  # [C-stash]: the received and sent tensors held, one block re-run in B
-                    own, _, _ = stash_units(tab, s, n_s, i, j, n)
-                    kept = n * (tab.cut_kib[i] + tab.cut_kib[j])
-                    peak = own - inflight(tab.schedule, n_s, s, tab.num_microbatches) * kept
-                    state += mem[s][k] - own
-                    held.append(kept)
-                    rerun.append(peak)
+                    st = stash_units(tab, s, n_s, i, j, n)
+                    state += mem[s][k] - st.device
+                    held.append(st.held)
+                    rerun.append(st.peak)
                     continue
                 own = act_units(tab, s, n_s, i, n, a, recompute=sm.recompute, offload=sm.activations == "host")
                 state += mem[s][k] - own

@@ -121,13 +121,13 @@ def neighbours(costs: BlockCosts, devices: DeviceGraph, options: PlanOptions, d:
                 continue
             for rc in recomputes:
                 for st in stashes:
-                    if (zero, rc, st) == (mem.zero, mem.recompute, mem.stash) or (
-                            st == "host" and (not rc or zero >= 2 or mem.activations == "host")) or (
-                            mem.activations == "host" and (rc or zero >= 2)):
-                        continue  # (the same policy, or one StageMemory refuses)
-                    memory = d.memory[:s] + (dataclasses.replace(mem, zero=zero, recompute=rc, stash=st),) \
-                        + d.memory[s + 1:]
-                    yield dataclasses.replace(d, memory=memory, shard_mib=None)
+                    if (zero, rc, st) == (mem.zero, mem.recompute, mem.stash):
+                        continue
+                    try:
+                        policy = dataclasses.replace(mem, zero=zero, recompute=rc, stash=st)
+                    except ValueError:  # a policy StageMemory refuses (ir/memory.py): no neighbour
+                        continue
+                    yield dataclasses.replace(d, memory=d.memory[:s] + (policy,) + d.memory[s + 1:], shard_mib=None)
     gbs, m = options.global_batch_size, d.num_microbatches  # 4. micro-batches
     from .objective import microbatch_candidates
 
